@@ -1,0 +1,33 @@
+# r3srv developer entry points. `make test` works on a fresh machine: it creates
+# .venv, builds the Rust extension, installs the test dependencies and runs every test.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install test test-rust test-python bench bench-gate serve
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade "pip>=24"
+
+# Always re-run: pip skips what is satisfied, maturin rebuilds the extension.
+install: $(BIN)/python
+	$(BIN)/pip install -e ".[test]"
+
+test: install test-rust test-python
+
+test-rust:
+	cargo test --release
+
+test-python:
+	$(BIN)/python -m pytest -q
+
+# Same-run ratios against the reference implementations (never absolute times).
+bench: install
+	$(BIN)/python -m pytest benches -q --benchmark-columns=median,iqr,rounds --benchmark-sort=name
+
+bench-gate: install
+	$(BIN)/python -m pytest -q benches/test_gate.py -p no:randomly
+
+serve: install
+	$(BIN)/r3srv serve
