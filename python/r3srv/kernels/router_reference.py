@@ -4,6 +4,67 @@ from __future__ import annotations
 
 import torch
 
+SCORINGS = ("softmax", "sigmoid")
+
+
+def _id_limit(dtype: torch.dtype) -> int | None:
+    """Largest expert count whose ids fit `dtype`; None if it is not an integer dtype."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return None
+    return int(torch.iinfo(dtype).max) + 1
+
+
+def check_route_args(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    correction_bias: torch.Tensor | None,
+    capture: torch.Tensor | None,
+) -> None:
+    """Reject bad routing arguments with a ValueError that names the argument (both backends)."""
+    if router_logits.dim() != 2 or not router_logits.dtype.is_floating_point:
+        raise ValueError(
+            f"router_logits must be a 2-D floating tensor [tokens, experts], got "
+            f"{router_logits.dtype} of shape {tuple(router_logits.shape)}"
+        )
+    num_tokens, num_experts = router_logits.shape
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"unknown router scoring {scoring!r}; expected 'softmax' or 'sigmoid'")
+    if correction_bias is not None and tuple(correction_bias.shape) != (num_experts,):
+        raise ValueError(
+            f"correction_bias must have shape ({num_experts},), got {tuple(correction_bias.shape)}"
+        )
+    if capture is not None:
+        if tuple(capture.shape) != (num_tokens, top_k):
+            raise ValueError(f"capture must have shape ({num_tokens}, {top_k}), got {tuple(capture.shape)}")
+        limit = _id_limit(capture.dtype)
+        if limit is None or limit < num_experts:
+            raise ValueError(f"capture dtype {capture.dtype} cannot hold expert ids of {num_experts} experts")
+        if capture.device != router_logits.device:
+            raise ValueError(f"capture is on {capture.device} but router_logits on {router_logits.device}")
+
+
+def choice_keys(
+    logits: torch.Tensor, scoring: str, correction_bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The values the experts are ranked by, built so that the fused kernel computes them bit for bit.
+
+    Softmax and sigmoid are monotone, so without a bias the float32 logits themselves rank
+    the experts (an equal-score tie is an equal-logit tie, whatever the exp rounding).
+    With a bias, score + bias is ranked in float64, where the last-bit differences between
+    torch's and the kernel's exp cannot reorder two different inputs. NaN ranks as +inf
+    (first, as torch's descending sort puts it), so a NaN row is still routed deterministically.
+    """
+    if correction_bias is None:
+        keys = logits
+    else:
+        wide = logits.double()
+        scores = torch.softmax(wide, dim=-1) if scoring == "softmax" else torch.sigmoid(wide)
+        keys = scores + correction_bias.double()
+    return keys.masked_fill(keys.isnan(), float("inf"))
+
 
 def route_reference(
     router_logits: torch.Tensor,
@@ -25,18 +86,15 @@ def route_reference(
     renormalize: weights /= their sum. scaling multiplies the final weights.
     capture: an optional [T, k] integer view (e.g. one layer of a capture buffer);
     the ids are written into it, narrowed to its dtype.
+    Bad arguments raise ValueError. See `choice_keys` for how scores are ranked exactly.
     """
+    check_route_args(router_logits, top_k, scoring, correction_bias, capture)
     logits = router_logits.float()
-    if scoring == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-    elif scoring == "sigmoid":
-        scores = torch.sigmoid(logits)
-    else:
-        raise ValueError(f"unknown router scoring {scoring!r}; expected 'softmax' or 'sigmoid'")
-    choice = scores if correction_bias is None else scores + correction_bias.float()
-    # A stable descending sort keeps the lower id first among equal scores
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    # A stable descending sort keeps the lower id first among equal keys
     # (torch.topk does not promise an order for ties).
-    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    keys = choice_keys(logits, scoring, correction_bias)
+    ids = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = scores.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
