@@ -1,0 +1,116 @@
+"""Engine and parallel configuration, with the start-up checks that must fail before serving.
+
+Every check raises `ConfigError` (a ValueError) with a message that says what to change.
+Checks that need the model (MoE layers, context length, KV pool size) run in
+`EngineConfig.finalize`, right after the model is loaded and before any request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from r3srv.errors import ConfigError
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism r3srv can serve with: one device, no sharded KV layout."""
+
+    pipeline_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: routed experts are "
+                "captured per layer into one slot-indexed buffer, which a pipeline split across devices "
+                "would scatter; use pipeline_parallel_size=1"
+            )
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            value = getattr(self, name)
+            if value > 1:
+                raise ConfigError(
+                    f"{name}={value} is not supported: routed-expert rows are indexed by KV slot and "
+                    f"cannot follow a context-parallel (sharded) KV layout; use {name}=1"
+                )
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # checkpoint directory; None: the built-in random-weight model
+    device: str = "cpu"
+    dtype: str = "auto"
+    enable_return_routed_experts: bool = True
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
+    # Fraction of the memory free after loading the model (device memory on CUDA,
+    # MemAvailable on the CPU) given to the KV cache when num_kv_blocks is None.
+    kv_cache_memory_fraction: float | None = None
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            self.model = str(self.model)  # accept os.PathLike
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError(f"device={self.device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device={self.device!r} was asked for but CUDA is not available here; use 'cpu'")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("block_size", self.block_size)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory_fraction is not None and not (0.0 < self.kv_cache_memory_fraction <= 1.0):
+            raise ConfigError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 1]")
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"seed={self.seed!r} must be an integer")
+
+    def finalize(self, model_config) -> None:
+        """Checks that need the loaded model's config; fills max_model_len."""
+        if self.enable_return_routed_experts and not model_config.moe_layers:
+            raise ConfigError(
+                f"enable_return_routed_experts=True, but model {model_config.name!r} has no MoE layers, "
+                "so there are no routed experts to return; start without --enable-return-routed-experts"
+            )
+        limit = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}"
+            )
+
+    def check_kv_pool(self, num_kv_blocks: int) -> None:
+        """A lone sequence of max_model_len tokens must fit the pool, or it could never finish."""
+        assert self.max_model_len is not None
+        needed = -(-self.max_model_len // self.block_size)
+        if num_kv_blocks < needed:
+            raise ConfigError(
+                f"the KV cache has {num_kv_blocks} blocks of {self.block_size} tokens, fewer than the {needed} "
+                f"one sequence of max_model_len={self.max_model_len} needs; lower max_model_len or give the "
+                "cache more blocks (num_kv_blocks / kv_cache_memory_fraction)"
+            )
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")

@@ -1,0 +1,205 @@
+"""The async front used by the HTTP server.
+
+One background thread owns the engine and runs its step loop (the event loop never
+runs model code). Coroutines hand it requests and aborts through a thread-safe command
+queue; it hands back each request's cumulative output through the request's own
+asyncio.Queue (via `call_soon_threadsafe`). All requests in flight batch together in
+the same steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from r3srv.engine.llm_engine import EngineStats, LLMEngine, PreparedRequest
+from r3srv.errors import InvalidRequestError, R3srvError
+from r3srv.outputs import RequestOutput
+from r3srv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(R3srvError):
+    """The engine thread stopped (shut down, or an unexpected error outside a step)."""
+
+
+class _Sink:
+    """Where the engine thread delivers one request's outputs."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            pass
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        # Config errors (ConfigError) raise here, on the caller's thread, before the loop starts.
+        self._engine = LLMEngine.from_kwargs(model, **kwargs)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
+        self._thread.start()
+
+    # -- facts the server needs -----------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self._engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def enable_return_routed_experts(self) -> bool:
+        return self._engine.enable_return_routed_experts
+
+    @property
+    def routed_experts_info(self) -> dict | None:
+        return self._engine.routed_experts_info
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()  # plain counters: a slightly stale read is fine
+
+    # -- requests -------------------------------------------------------------------------
+    async def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; the last has finished=True.
+
+        Invalid requests raise InvalidRequestError before anything is yielded. Leaving
+        the iteration early (aclose, cancellation) aborts the request and frees its blocks.
+        """
+        if self._dead is not None or self._stopping:
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+        prepared: PreparedRequest = self._engine.prepare_request(request_id, prompt, sampling_params)
+        sink = _Sink(asyncio.get_running_loop())
+        with self._lock:
+            if prepared.request_id in self._sinks:
+                raise InvalidRequestError(f"request_id {prepared.request_id!r} is already in flight", param="request_id")
+            self._sinks[prepared.request_id] = sink
+        self._commands.put(("add", prepared))
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                # Outputs are cumulative: when the consumer lags, only the newest matters.
+                while not isinstance(item, BaseException) and not item.finished and not sink.queue.empty():
+                    item = sink.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", prepared.request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in flight; its generator ends with finish_reason "abort". False if unknown."""
+        with self._lock:
+            known = request_id in self._sinks
+        if known:
+            self._commands.put(("abort", request_id))
+        return known
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; requests still in flight fail with EngineDeadError. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._commands.put(("stop", None))
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self._engine
+        try:
+            while True:
+                # Block while idle; otherwise take whatever arrived since the last step.
+                cmd = self._commands.get() if not engine.has_unfinished() else self._next_command()
+                while cmd is not None:
+                    if cmd[0] == "stop":
+                        self._fail_all(EngineDeadError("the engine was shut down"))
+                        return
+                    self._handle(cmd)
+                    cmd = self._next_command()
+                if engine.has_unfinished():
+                    step = engine.step()
+                    for out in step.outputs:
+                        self._deliver(out)
+                    for rid, exc in step.failed:
+                        logger.error("request %s failed in an engine step: %r", rid, exc)
+                        self._deliver_error(rid, exc)
+        except BaseException as exc:  # a bug outside a step: fail loudly, never hang clients
+            logger.exception("the engine thread died")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"the engine thread died: {exc!r}"))
+
+    def _next_command(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _handle(self, cmd) -> None:
+        kind, arg = cmd
+        engine = self._engine
+        if kind == "add":
+            try:
+                engine.add_prepared(arg)
+            except Exception as exc:
+                self._deliver_error(arg.request_id, exc)
+        elif kind == "abort":
+            out = engine.abort_request(arg)
+            if out is not None:
+                self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+        if sink is not None:
+            sink.put(out)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.put(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        engine = self._engine
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink.put(exc)

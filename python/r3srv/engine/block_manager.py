@@ -1,0 +1,152 @@
+"""Paged KV-cache blocks: allocation, reference counts and prefix caching over full blocks.
+
+A block's slots are `block_id * block_size + offset`. Both the model's KV cache and
+the routed-experts row buffer are indexed by slot, so a block that the prefix cache
+hands to a new sequence brings its KV *and* its rows; a block's slots are rewritten
+only after it is reallocated as a fresh block.
+
+Prefix caching: a full block is identified by a chain hash of (previous block's hash,
+its token ids), registered once its tokens have been computed. Freed blocks keep their
+hash and contents and sit in LRU order in the free pool until a fresh allocation
+evicts them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from r3srv.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    # Python's hash of a tuple of ints is deterministic (no PYTHONHASHSEED salt);
+    # collisions are guarded by comparing token ids on every hit.
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (oldest first); an ordered set with O(1) removal.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens found
+
+    # -- accounting ---------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs so that its table covers `num_tokens` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    # -- prefix cache -------------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding a prefix of `token_ids`, leaving at least one token to compute
+        (the step that samples the next token needs the last token's logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        prev: int | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            prev = chain_hash(prev, chunk)
+            block_id = self._hash_to_block.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+        return hits
+
+    def admission_cost(self, seq: Sequence, cached: list[int], num_tokens: int) -> int:
+        """Free blocks taken by admitting `seq` with `cached` hits and a first chunk up to `num_tokens`."""
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        fresh = max(0, -(-num_tokens // self.block_size) - len(cached))
+        return revived + fresh
+
+    def admit(self, seq: Sequence, cached: list[int]) -> None:
+        """Give `seq` (with an empty table) the cached prefix blocks; its computed tokens start after them."""
+        assert not seq.block_table, "admit() needs a sequence without blocks"
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.block_hashes = [self.blocks[b].hash for b in cached]
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed_tokens
+
+    # -- allocation ---------------------------------------------------------------------
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= len(self._free)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Append fresh blocks so that `seq`'s table covers `num_tokens` tokens."""
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > len(self._free):
+            raise RuntimeError(f"out of KV blocks: need {needed}, {len(self._free)} free")
+        for _ in range(needed):
+            seq.block_table.append(self._take_fresh())
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            # Evict: its KV and rows are about to be overwritten.
+            if self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks (tail first, so a shared prefix outlives its tails in the LRU)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` whose tokens are now all computed, for later prefix hits."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_computed_tokens // bs):
+            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(hashes[-1] if hashes else None, chunk)
+            hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            block.hash = h
+            block.token_ids = chunk
+            self._hash_to_block[h] = block.block_id

@@ -1,0 +1,148 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+
+from r3srv.engine.llm_engine import EngineStats, LLMEngine
+from r3srv.errors import InvalidRequestError
+from r3srv.outputs import RequestOutput
+from r3srv.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """Batch generation on one device.
+
+    `LLM()` loads the built-in model, whose weights are random (deterministic from a
+    fixed seed): its text is gibberish, but its routing has a real MoE's shape.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        device: str = "cpu",
+        dtype: str = "auto",
+        enable_return_routed_experts: bool = True,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
+        max_num_batched_tokens: int = 2048,
+        seed: int = 0,
+        pipeline_parallel_size: int = 1,
+        decode_context_parallel_size: int = 1,
+        prefill_context_parallel_size: int = 1,
+    ) -> None:
+        self.engine = LLMEngine.from_kwargs(
+            model,
+            device=device,
+            dtype=dtype,
+            enable_return_routed_experts=enable_return_routed_experts,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_fraction=kv_cache_memory_fraction,
+            max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed,
+            pipeline_parallel_size=pipeline_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            prefill_context_parallel_size=prefill_context_parallel_size,
+        )
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def routed_experts_info(self) -> dict | None:
+        return self.engine.routed_experts_info
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string or a list of token ids); outputs come back in prompt order.
+
+        Every request is validated before any is scheduled: one bad prompt or offset raises
+        InvalidRequestError and nothing runs.
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one, or one per prompt",
+                    param="sampling_params",
+                )
+        engine = self.engine
+        prepared = [engine.prepare_request(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params_list)]
+        for prep in prepared:
+            engine.add_prepared(prep)
+        order = {prep.request_id: i for i, prep in enumerate(prepared)}
+        results: list[RequestOutput | None] = [None] * len(prepared)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prepared), desc="Generating", dynamic_ncols=True)
+        try:
+            while any(r is None for r in results):
+                step = engine.step()
+                if step.failed:
+                    raise step.failed[0][1]
+                for out in step.outputs:
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for prep in prepared:
+                engine.abort_request(prep.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results  # type: ignore[return-value]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt of token ids
+    if not isinstance(prompts, SequenceABC):
+        raise InvalidRequestError("prompts must be a string, a list of token ids, or a list of those", param="prompt")
+    return list(prompts)

@@ -1,0 +1,420 @@
+"""The synchronous engine core: requests in, one step at a time, cumulative outputs out.
+
+Not thread-safe: the offline `LLM` calls it from its own thread and `AsyncLLM` from its
+one background thread. `prepare_request` is the exception: it only reads the tokenizer
+and configs, so the async front validates on the caller's thread before queuing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from r3srv.config import EngineConfig, ParallelConfig
+from r3srv.engine.block_manager import BlockManager
+from r3srv.engine.detokenizer import IncrementalDetokenizer
+from r3srv.engine.model_runner import ModelRunner
+from r3srv.engine.routed_experts import RoutedExpertsBuffer
+from r3srv.engine.sampler import sample
+from r3srv.engine.scheduler import Scheduler
+from r3srv.engine.sequence import Sequence
+from r3srv.errors import ConfigError, InvalidRequestError
+from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Default share of free memory for the KV cache when num_kv_blocks is not given.
+_DEFAULT_KV_FRACTION = {"cpu": 0.25, "cuda": 0.85}
+_CPU_KV_CAP_BYTES = 8 << 30
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which served from it
+    num_preemptions: int
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready to be added (built off the engine thread)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    return_routed_experts: bool
+
+
+@dataclass
+class Request:
+    prepared: PreparedRequest
+    seqs: list[Sequence]
+    deferred: list[Sequence] = field(default_factory=list)  # n > 1 samples waiting for sample 0's prompt
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.prepared.request_id
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)  # requests that changed this step
+    failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request_id, error)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from r3srv.models.loader import load_model
+
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
+        self.model_config = self.model.config
+        config.finalize(self.model_config)
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        self.enable_return_routed_experts = config.enable_return_routed_experts
+
+        num_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        config.check_kv_pool(num_blocks)
+        config.num_kv_blocks = num_blocks
+        self.model.init_kv_cache(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        mc = self.model_config
+        self.rows = (
+            RoutedExpertsBuffer(num_blocks * config.block_size, mc.num_layers, mc.top_k, mc.num_experts)
+            if config.enable_return_routed_experts
+            else None
+        )
+        self.runner = ModelRunner(self.model, config.block_size, self.device, self.rows)
+        eos = list(mc.eos_token_ids or [])
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in eos:
+            eos.append(tok_eos)
+        self.eos_token_ids = eos
+        self._seed_rng = random.Random(config.seed)
+        self.requests: dict[str, Request] = {}
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        model: str | None = None,
+        *,
+        pipeline_parallel_size: int = 1,
+        decode_context_parallel_size: int = 1,
+        prefill_context_parallel_size: int = 1,
+        **kwargs,
+    ) -> "LLMEngine":
+        parallel = ParallelConfig(
+            pipeline_parallel_size=pipeline_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            prefill_context_parallel_size=prefill_context_parallel_size,
+        )
+        try:
+            config = EngineConfig(model=model, parallel=parallel, **kwargs)
+        except TypeError as e:  # an unknown keyword
+            raise ConfigError(str(e)) from None
+        return cls(config)
+
+    # -- sizing -------------------------------------------------------------------------
+    def _auto_num_blocks(self) -> int:
+        cfg = self.config
+        per_block = self.model.kv_cache_bytes_per_block(cfg.block_size)
+        mc = self.model_config
+        if cfg.enable_return_routed_experts:
+            per_block += cfg.block_size * mc.num_layers * mc.top_k * (1 if mc.num_experts <= 256 else 4)
+        kind = self.device.type
+        fraction = cfg.kv_cache_memory_fraction or _DEFAULT_KV_FRACTION[kind]
+        if kind == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * fraction)
+        else:
+            budget = min(int(_mem_available() * fraction), _CPU_KV_CAP_BYTES)
+        # More than every sequence at full length is never used.
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return max(1, min(budget // max(per_block, 1), useful))
+
+    # -- requests -----------------------------------------------------------------------
+    def prepare_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None
+    ) -> PreparedRequest:
+        """Validate and tokenize; every problem is an InvalidRequestError raised here, before scheduling."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this model has no tokenizer (no tokenizer.json): send the prompt as token ids", param="prompt"
+                )
+            text: str | None = prompt
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            text = None
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt") from None
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (it has no tokens)", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        n_prompt = len(ids)
+        start = params.routed_experts_prompt_start
+        if not 0 <= start <= n_prompt:
+            raise InvalidRequestError(
+                f"routed_experts_prompt_start={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
+                param="routed_experts_prompt_start",
+            )
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n_prompt} tokens, leaving no room to generate within max_model_len="
+                f"{self.max_model_len}",
+                param="prompt",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens exceeds max_model_len="
+                f"{self.max_model_len}; ask for at most {self.max_model_len - n_prompt} tokens",
+                param="max_tokens",
+            )
+        want = params.return_routed_experts
+        if want and not self.enable_return_routed_experts:
+            raise InvalidRequestError(
+                "return_routed_experts=true, but this engine was started without routed-experts capture; "
+                "start it with --enable-return-routed-experts (enable_return_routed_experts=True)",
+                param="return_routed_experts",
+            )
+        if want is None:
+            want = self.enable_return_routed_experts
+        return PreparedRequest(str(request_id), text, ids, params, max_tokens, bool(want))
+
+    def add_prepared(self, prep: PreparedRequest) -> None:
+        if prep.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {prep.request_id!r} is already in flight", param="request_id")
+        p = prep.params
+        seqs = [Sequence(prep.request_id, i, prep.prompt_token_ids, p, prep.max_tokens, self._generator(p, i)) for i in range(p.n)]
+        for seq in seqs:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, prep.prompt_token_ids, p.skip_special_tokens)
+        req = Request(prep, seqs)
+        self.requests[prep.request_id] = req
+        self.scheduler.add(seqs[0])
+        # With prefix caching, samples 1..n-1 wait until sample 0 has computed the prompt,
+        # then share its full blocks instead of recomputing them.
+        if self.config.enable_prefix_caching:
+            req.deferred = seqs[1:]
+        else:
+            for seq in seqs[1:]:
+                self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        self.add_prepared(self.prepare_request(request_id, prompt, params))
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.temperature == 0.0:
+            return None
+        seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output (finish_reason "abort")."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    @property
+    def routed_experts_info(self) -> dict | None:
+        if self.rows is None:
+            return None
+        mc = self.model_config
+        return {
+            "num_layers": mc.num_layers,
+            "top_k": mc.top_k,
+            "num_experts": mc.num_experts,
+            "dtype": self.rows.dtype.name,
+            "moe_layers": list(mc.moe_layers),
+        }
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self) -> StepResult:
+        result = StepResult()
+        sched = self.scheduler.schedule()
+        seqs = sched.seqs
+        if not seqs:
+            return result
+        for s in seqs:
+            if s.num_tokens - s.num_computed_tokens == s.num_scheduled_tokens and s.num_scheduled_tokens == 1:
+                result.num_decode_tokens += 1
+            else:
+                result.num_prefill_tokens += s.num_scheduled_tokens
+        try:
+            logits = self.runner.run(seqs)
+        except Exception as exc:  # fail this step's requests, keep the engine alive
+            for rid in dict.fromkeys(s.request_id for s in seqs):
+                self._fail(rid, exc, result)
+            return result
+
+        touched: dict[str, Request] = {}
+        to_sample: list[int] = []
+        for i, seq in enumerate(seqs):
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.commit_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                to_sample.append(i)
+        if to_sample:
+            sampled_seqs = [seqs[i] for i in to_sample]
+            try:
+                samples = sample(logits[to_sample], sampled_seqs, self.eos_token_ids)
+            except Exception as exc:
+                for rid in dict.fromkeys(s.request_id for s in sampled_seqs):
+                    self._fail(rid, exc, result)
+                return result
+            now = time.monotonic()
+            for seq, res in zip(sampled_seqs, samples):
+                req = self.requests[seq.request_id]
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                self._append(seq, res)
+                touched[seq.request_id] = req
+                if req.deferred and seq.index == 0:
+                    for sib in req.deferred:
+                        self.scheduler.add(sib)
+                    req.deferred = []
+        for rid, req in touched.items():
+            result.outputs.append(self._output(req))
+            if req.finished:
+                del self.requests[rid]
+        return result
+
+    def _fail(self, request_id: str, exc: BaseException, result: StepResult) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "error"
+        result.failed.append((request_id, exc))
+
+    def _append(self, seq: Sequence, res) -> None:
+        p = seq.params
+        tok = res.token_id
+        seq.token_ids.append(tok)
+        if seq.logprobs is not None:
+            seq.logprobs.append(res.top_logprobs)
+            seq.cumulative_logprob += res.logprob
+        delta = seq.detok.add(tok)
+        n_out = seq.num_output_tokens
+        if p.stop_token_ids and tok in p.stop_token_ids:
+            self._finish(seq, "stop", tok)
+        elif not p.ignore_eos and tok in self.eos_token_ids:
+            self._finish(seq, "stop", None)
+        elif p.stop and n_out >= p.min_tokens and (hit := seq.detok.find_stop(p.stop, len(delta), p.include_stop_str_in_output)):
+            stop, kept_len, kept_tokens = hit
+            seq.detok.truncate(kept_len, kept_tokens)
+            del seq.token_ids[seq.num_prompt_tokens + kept_tokens :]
+            if seq.logprobs is not None:
+                del seq.logprobs[kept_tokens:]
+            self._finish(seq, "stop", stop)
+        elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+        seq.text = seq.detok.text
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        req = self.requests[seq.request_id]
+        if req.prepared.return_routed_experts and self.rows is not None:
+            # Rows of tokens 0 .. num_tokens-2: every token but the last sampled one ran.
+            seq.routed_experts = self.rows.gather(
+                seq.block_table,
+                self.block_manager.block_size,
+                seq.num_tokens - 1,
+                req.prepared.params.routed_experts_prompt_start,
+            )
+        self.scheduler.finish(seq)
+
+    def _output(self, req: Request) -> RequestOutput:
+        prep = req.prepared
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=s.output_token_ids,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                routed_experts=s.routed_experts,
+            )
+            for s in req.seqs
+        ]
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_latency_s"] = req.first_token_time - req.arrival_time
+        return RequestOutput(
+            request_id=prep.request_id,
+            prompt=prep.prompt,
+            prompt_token_ids=prep.prompt_token_ids,
+            outputs=outs,
+            finished=req.finished,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+            metrics=metrics,
+        )
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

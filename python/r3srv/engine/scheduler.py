@@ -1,0 +1,113 @@
+"""Continuous batching: which sequences compute how many tokens this step.
+
+Each step mixes decode tokens of running sequences with (possibly chunked) prefills of
+waiting ones, under a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`). Running sequences go first, oldest first; when the pool cannot give
+one its next block, the newest running sequence is preempted by recompute: its blocks
+are freed and it goes back to the front of the waiting queue, to be recomputed later
+(prefix-cache hits make that cheap, and rows come back identical either way).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from r3srv.engine.block_manager import BlockManager
+from r3srv.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)  # each with num_scheduled_tokens > 0
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. Running sequences: one decode token each, or the next chunk of a prefill.
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not bm.can_grow(seq, target):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                bm.grow(seq, target)
+                seq.num_scheduled_tokens = n
+                budget -= n
+                out.seqs.append(seq)
+                kept.append(seq)
+        self.running = kept + queue  # `queue` holds those left out by the budget
+
+        # 2. Waiting sequences, unless this step had to preempt (the pool is tight).
+        while self.waiting and out.num_preempted == 0 and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.match_prefix(seq.token_ids)
+            start = len(cached) * bm.block_size
+            n = min(seq.num_tokens - start, budget)
+            if bm.admission_cost(seq, cached, start + n) > bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            bm.admit(seq, cached)
+            if not seq.admitted:
+                seq.admitted = True
+                seq.num_cached_tokens = start
+            bm.grow(seq, start + n)
+            seq.num_scheduled_tokens = n
+            seq.status = SequenceStatus.RUNNING
+            budget -= n
+            out.seqs.append(seq)
+            self.running.append(seq)
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_scheduled_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        if seq in self.running:
+            self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks (its cached blocks stay reusable)."""
+        self.block_manager.free(seq)
+        seq.num_scheduled_tokens = 0
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass

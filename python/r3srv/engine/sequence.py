@@ -1,0 +1,85 @@
+"""One sampled sequence (a request with n > 1 has n of them) and its KV bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from r3srv.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids (prompt + output), the KV blocks holding them, and per-sample decoding state.
+
+    Invariant: tokens [0, num_computed_tokens) have their KV (and routed-expert rows)
+    in the slots given by `block_table`; the last sampled token is never computed
+    until the next step runs it.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # choice index within its request
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chain hashes of the leading full, computed blocks
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.admitted = False
+        self.num_scheduled_tokens = 0  # tokens the current step computes
+        # Output-side state.
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.text = ""
+        self.routed_experts = None  # np.ndarray, set when finished
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
+        return -(-num_tokens // block_size)
+
+    def slot(self, position: int, block_size: int) -> int:
+        return self.block_table[position // block_size] * block_size + position % block_size
