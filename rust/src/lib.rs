@@ -1,9 +1,10 @@
-//! r3srv core: placeholder module until the encoder lands.
-#[cfg(feature = "python")]
-use pyo3::prelude::*;
+//! r3srv core: byte-identical, zero-copy `base64(np.save(array))` for routed experts, and its
+//! inverse. Everything but `python` builds and tests without Python (`cargo test`).
+pub mod b64;
+pub mod decode;
+pub mod encode;
+pub mod layout;
+pub mod npy_header;
 
 #[cfg(feature = "python")]
-#[pymodule]
-fn _core(_m: &Bound<'_, PyModule>) -> PyResult<()> {
-    Ok(())
-}
+mod python;

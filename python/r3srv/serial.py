@@ -1,0 +1,35 @@
+"""Routed experts on the wire: base64 text of a ``.npy`` file (DESIGN.md sections 2 and 4).
+
+``numpy2base64`` is the pure-Python reference and stays as the oracle. The encoder and
+decoder that the server and clients use are the Rust ones in ``r3srv._core``:
+
+- ``encode_routed_experts(array, prompt_start=0) -> str`` equals
+  ``numpy2base64(array[prompt_start:])`` byte for byte, reading rows from the array's own
+  memory and writing header and base64 straight into the new str.
+- ``decode_routed_experts(text: str | bytes) -> np.ndarray`` is the inverse; malformed or
+  hostile text raises ValueError.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pybase64
+
+from r3srv._core import decode_routed_experts, encode_routed_experts
+
+__all__ = ["numpy2base64", "encode_routed_experts", "decode_routed_experts"]
+
+
+def numpy2base64(array: np.ndarray) -> str:
+    """Reference encoder: ``np.save(allow_pickle=False)`` into memory, standard base64, ASCII."""
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return pybase64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _encode_reference(array: np.ndarray, prompt_start: int) -> str:
+    # Called by the Rust encoder for what it does not encode itself: structured and other
+    # non-plain dtypes, and ndarray subclasses. prompt_start is already validated.
+    return numpy2base64(array[prompt_start:])

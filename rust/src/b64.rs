@@ -1,0 +1,245 @@
+//! Base64 seams: encoding a byte stream that arrives in pieces (header, then rows) straight
+//! into one output buffer, and decoding a padded base64 text at an arbitrary byte offset.
+//! The SIMD work is base64-simd's; this module only stitches 3-byte groups across pieces.
+
+use base64_simd::{Out, STANDARD};
+
+/// Length of the padded base64 text for `n` input bytes.
+pub const fn encoded_len(n: usize) -> usize {
+    n.div_ceil(3) * 4
+}
+
+/// Encodes `src` (any length) into the front of `dst`, with padding; returns chars written.
+#[inline]
+pub fn encode_into(src: &[u8], dst: &mut [u8]) -> usize {
+    STANDARD.encode(src, Out::from_slice(dst)).len()
+}
+
+/// Writes base64 of the concatenation of every `write`n piece into `out`, which must be
+/// exactly `encoded_len(total)` long. Pieces need not be multiples of 3: up to two bytes are
+/// carried over to the next piece.
+pub struct Base64Stream<'a> {
+    out: &'a mut [u8],
+    pos: usize,
+    carry: [u8; 3],
+    ncarry: usize,
+}
+
+impl<'a> Base64Stream<'a> {
+    pub fn new(out: &'a mut [u8]) -> Self {
+        Base64Stream { out, pos: 0, carry: [0; 3], ncarry: 0 }
+    }
+
+    pub fn write(&mut self, mut data: &[u8]) {
+        if self.ncarry > 0 {
+            let take = (3 - self.ncarry).min(data.len());
+            self.carry[self.ncarry..self.ncarry + take].copy_from_slice(&data[..take]);
+            self.ncarry += take;
+            data = &data[take..];
+            if self.ncarry < 3 {
+                return;
+            }
+            self.pos += encode_into(&self.carry, &mut self.out[self.pos..]);
+            self.ncarry = 0;
+        }
+        let whole = data.len() / 3 * 3;
+        if whole > 0 {
+            self.pos += encode_into(&data[..whole], &mut self.out[self.pos..]);
+        }
+        let rest = &data[whole..];
+        self.carry[..rest.len()].copy_from_slice(rest);
+        self.ncarry = rest.len();
+    }
+
+    /// Bytes needed to complete the carried 3-byte group (0 when none is open).
+    pub fn open_group_needs(&self) -> usize {
+        (3 - self.ncarry) % 3
+    }
+
+    /// Hands back the unwritten tail of the output, for a caller that encodes a large
+    /// 3-aligned piece itself (e.g. on two threads). Only valid with no open group.
+    pub fn split_tail(&mut self, chars: usize) -> &mut [u8] {
+        debug_assert_eq!(self.ncarry, 0);
+        let start = self.pos;
+        self.pos += chars;
+        &mut self.out[start..start + chars]
+    }
+
+    /// Flushes the open group with padding; returns the number of chars written in all.
+    pub fn finish(mut self) -> usize {
+        if self.ncarry > 0 {
+            let n = self.ncarry;
+            let carry = self.carry;
+            self.pos += encode_into(&carry[..n], &mut self.out[self.pos..]);
+        }
+        self.pos
+    }
+}
+
+/// Decodes the bytes `[start, start + dst.len())` of the payload that the padded base64 `text`
+/// encodes, into `dst`. `text` must be a whole padded base64 text (length a multiple of 4),
+/// and the range must lie within its decoded length.
+pub fn decode_range(text: &[u8], start: usize, dst: &mut [u8]) -> Result<(), String> {
+    let bad = || "invalid base64 in routed experts text".to_string();
+    let short = || "routed experts text is truncated".to_string();
+    let total_quads = text.len() / 4;
+    let mut quad = start / 3;
+    let mut skip = start % 3;
+    let mut done = 0;
+    // Quads before the last one carry no padding, so they decode straight into dst.
+    if skip == 0 {
+        let direct = (dst.len() / 3).min(total_quads.saturating_sub(1).saturating_sub(quad));
+        if direct > 0 {
+            let chars = &text[quad * 4..(quad + direct) * 4];
+            let n = STANDARD.decode(chars, Out::from_slice(&mut dst[..direct * 3])).map_err(|_| bad())?.len();
+            if n != direct * 3 {
+                return Err(bad());
+            }
+            done = n;
+            quad += direct;
+        }
+    }
+    // The rest (a leading partial group, the padded last quad, a short tail): quad by quad.
+    while done < dst.len() {
+        let q = text.get(quad * 4..quad * 4 + 4).ok_or_else(short)?;
+        let mut tmp = [0u8; 3];
+        let got = STANDARD.decode(q, Out::from_slice(&mut tmp)).map_err(|_| bad())?.len();
+        if got <= skip {
+            return Err(short());
+        }
+        if got != 3 && quad + 1 != total_quads {
+            return Err(bad()); // padding before the end
+        }
+        let take = (got - skip).min(dst.len() - done);
+        dst[done..done + take].copy_from_slice(&tmp[skip..skip + take]);
+        done += take;
+        quad += 1;
+        if skip != 0 {
+            skip = 0;
+            // Now 3-aligned: decode the unpadded middle directly.
+            let direct = ((dst.len() - done) / 3).min(total_quads.saturating_sub(1).saturating_sub(quad));
+            if direct > 0 {
+                let chars = &text[quad * 4..(quad + direct) * 4];
+                let out = &mut dst[done..done + direct * 3];
+                let n = STANDARD.decode(chars, Out::from_slice(out)).map_err(|_| bad())?.len();
+                if n != direct * 3 {
+                    return Err(bad());
+                }
+                done += n;
+                quad += direct;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Exact decoded length of a padded base64 text, or an error if its length or padding is wrong.
+pub fn decoded_len(text: &[u8]) -> Result<usize, String> {
+    if text.len() % 4 != 0 {
+        return Err(format!(
+            "routed experts text has length {}, not a multiple of 4 (truncated or unpadded base64)",
+            text.len()
+        ));
+    }
+    let pad = text.iter().rev().take(2).take_while(|&&c| c == b'=').count();
+    Ok(text.len() / 4 * 3 - pad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(data: &[u8]) -> Vec<u8> {
+        // A plain scalar encoder, independent of base64-simd.
+        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = Vec::new();
+        for g in data.chunks(3) {
+            let b = [g[0], *g.get(1).unwrap_or(&0), *g.get(2).unwrap_or(&0)];
+            let n = (b[0] as u32) << 16 | (b[1] as u32) << 8 | b[2] as u32;
+            for k in 0..4 {
+                if k <= g.len() {
+                    out.push(A[(n >> (18 - 6 * k) & 63) as usize]);
+                } else {
+                    out.push(b'=');
+                }
+            }
+        }
+        out
+    }
+
+    fn bytes(n: usize, seed: u32) -> Vec<u8> {
+        let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn stream_equals_one_shot_for_every_split() {
+        for n in [0usize, 1, 2, 3, 4, 5, 127, 128, 129, 130, 1000] {
+            let data = bytes(n, n as u32);
+            let want = reference(&data);
+            for a in 0..=n.min(7) {
+                for b in a..=n.min(a + 5) {
+                    let mut out = vec![0u8; encoded_len(n)];
+                    let mut s = Base64Stream::new(&mut out);
+                    s.write(&data[..a]);
+                    s.write(&data[a..b]);
+                    s.write(&data[b..]);
+                    assert_eq!(s.finish(), want.len());
+                    assert_eq!(out, want, "n={n} a={a} b={b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn stream_of_single_bytes() {
+        let data = bytes(301, 7);
+        let mut out = vec![0u8; encoded_len(data.len())];
+        let mut s = Base64Stream::new(&mut out);
+        for b in &data {
+            s.write(std::slice::from_ref(b));
+        }
+        s.finish();
+        assert_eq!(out, reference(&data));
+    }
+
+    #[test]
+    fn decode_any_range() {
+        for n in [1usize, 2, 3, 4, 5, 6, 7, 64, 128, 200, 385] {
+            let data = bytes(n, 3 + n as u32);
+            let text = reference(&data);
+            assert_eq!(decoded_len(&text).unwrap(), n);
+            for start in 0..n {
+                for len in [0, 1, 2, 3, 4, n - start] {
+                    if start + len > n {
+                        continue;
+                    }
+                    let mut dst = vec![0u8; len];
+                    decode_range(&text, start, &mut dst).unwrap();
+                    assert_eq!(dst, &data[start..start + len], "n={n} start={start} len={len}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_rejects_garbage_and_short_text() {
+        let text = reference(&bytes(30, 1));
+        let mut bad = text.clone();
+        bad[9] = b'!';
+        let mut dst = vec![0u8; 30];
+        assert!(decode_range(&bad, 0, &mut dst).is_err());
+        assert!(decoded_len(&text[..text.len() - 1]).is_err());
+        let mut dst = vec![0u8; 31];
+        assert!(decode_range(&text, 0, &mut dst).is_err());
+        let mut dst = vec![0u8; 2];
+        assert!(decode_range(&text, 29, &mut dst).is_err());
+    }
+}

@@ -1,0 +1,247 @@
+//! The PyO3 binding: `r3srv._core.encode_routed_experts` and `decode_routed_experts`.
+//! Reads the ndarray's fields directly (no slicing through Python), writes the base64 text
+//! straight into a new compact ASCII str, and decodes straight into a new array's memory.
+
+use std::os::raw::c_int;
+use std::ptr;
+
+use numpy::npyffi::{self, npy_intp, NPY_ARRAY_F_CONTIGUOUS, PY_ARRAY_API};
+use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyString};
+
+use crate::b64::decode_range;
+use crate::decode::{check_size, plan_decode};
+use crate::encode::Plan;
+use crate::layout::ArrayView;
+use crate::npy_header::MAX_NDIM;
+
+/// Payloads at least this large are encoded with the GIL released.
+const DETACH_MIN_BYTES: usize = 64 * 1024;
+
+/// `r3srv.serial._encode_reference`, for dtypes the fast path does not cover.
+static REFERENCE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+fn worker_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(2))
+}
+
+/// `dtype.str` for the dtypes that np.save writes as a plain descr string; `None` means
+/// "let the reference handle it" (structured, subarray, user and string dtypes).
+fn descr_of(dtype: &Bound<'_, PyArrayDescr>, buf: &mut [u8; 24]) -> PyResult<Option<usize>> {
+    let kind = dtype.kind();
+    let itemsize = dtype.itemsize();
+    match kind {
+        b'b' | b'i' | b'u' | b'f' | b'c' => {
+            buf[0] = if itemsize == 1 {
+                b'|'
+            } else {
+                match dtype.byteorder() {
+                    b'>' => b'>',
+                    b'<' => b'<',
+                    _ if cfg!(target_endian = "little") => b'<',
+                    _ => b'>',
+                }
+            };
+            buf[1] = kind;
+            let digits = itemsize.to_string();
+            buf[2..2 + digits.len()].copy_from_slice(digits.as_bytes());
+            Ok(Some(2 + digits.len()))
+        }
+        b'M' | b'm' | b'S' | b'U' | b'V' if !dtype.has_fields() && !dtype.has_subarray() => {
+            let s = dtype.getattr(pyo3::intern!(dtype.py(), "str"))?;
+            let s = s.cast::<PyString>()?.to_str()?;
+            if s.len() > buf.len() || !s.is_ascii() {
+                return Ok(None);
+            }
+            buf[..s.len()].copy_from_slice(s.as_bytes());
+            Ok(Some(s.len()))
+        }
+        _ => Ok(None),
+    }
+}
+
+fn prompt_start_value(prompt_start: Option<&Bound<'_, PyAny>>, len: usize) -> PyResult<usize> {
+    let Some(obj) = prompt_start else { return Ok(0) };
+    let out_of_range = |shown: String| {
+        PyValueError::new_err(format!(
+            "prompt_start={shown} is out of range for routed experts of length {len}: \
+             it must satisfy 0 <= prompt_start <= {len}"
+        ))
+    };
+    match obj.extract::<i64>() {
+        Ok(v) if v >= 0 && (v as u64) <= len as u64 => Ok(v as usize),
+        Ok(v) => Err(out_of_range(v.to_string())),
+        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(out_of_range(obj.str()?.to_string())),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "prompt_start must be an int, got {}",
+            obj.get_type().name()?
+        ))),
+    }
+}
+
+/// Encodes `array[prompt_start:]` as base64 of its `.npy` bytes, equal byte for byte to
+/// `r3srv.serial.numpy2base64(array[prompt_start:])`.
+#[pyfunction]
+#[pyo3(signature = (array, prompt_start=None))]
+fn encode_routed_experts<'py>(
+    py: Python<'py>,
+    array: &Bound<'py, PyAny>,
+    prompt_start: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let arr = array.cast::<PyUntypedArray>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "encode_routed_experts expects a numpy.ndarray, got {}",
+            array.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
+    let ndim = arr.ndim();
+    if ndim == 0 {
+        return Err(PyValueError::new_err(
+            "encode_routed_experts needs an array with at least one dimension, got a 0-d array",
+        ));
+    }
+    let shape = arr.shape();
+    let start = prompt_start_value(prompt_start, shape[0])?;
+    let dtype = arr.dtype();
+    if dtype.has_object() {
+        // np.save's own message.
+        return Err(PyValueError::new_err("Object arrays cannot be saved when allow_pickle=False"));
+    }
+    let mut descr_buf = [0u8; 24];
+    let exact = unsafe { npyffi::PyArray_CheckExact(py, array.as_ptr()) } != 0;
+    let descr_len = if exact { descr_of(&dtype, &mut descr_buf)? } else { None };
+    let Some(descr_len) = descr_len else {
+        let reference = REFERENCE.get_or_try_init(py, || -> PyResult<_> {
+            Ok(py.import("r3srv.serial")?.getattr("_encode_reference")?.unbind())
+        })?;
+        return reference.bind(py).call1((array, start));
+    };
+    let descr = std::str::from_utf8(&descr_buf[..descr_len]).expect("ASCII descr");
+
+    // The view array[start:]: same strides, first axis shortened, data pointer advanced.
+    let strides = arr.strides();
+    let mut sliced = [0usize; MAX_NDIM];
+    sliced[..ndim].copy_from_slice(shape);
+    sliced[0] = shape[0] - start;
+    let base = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
+    let view = ArrayView {
+        ptr: base.wrapping_offset(start as isize * strides[0]),
+        shape: &sliced[..ndim],
+        strides,
+        itemsize: dtype.itemsize(),
+    };
+    let plan = Plan::new(descr, view);
+    let len = plan.encoded_len();
+    unsafe {
+        let s = ffi::PyUnicode_New(len as ffi::Py_ssize_t, 127);
+        if s.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        let text = Bound::from_owned_ptr(py, s);
+        let out = std::slice::from_raw_parts_mut(ffi::PyUnicode_DATA(s) as *mut u8, len);
+        if plan.payload_len() >= DETACH_MIN_BYTES {
+            // The str is not shared yet and `array` keeps the rows alive.
+            let threads = worker_threads();
+            py.detach(|| plan.write(out, threads));
+        } else {
+            plan.write(out, 1);
+        }
+        Ok(text)
+    }
+}
+
+/// Accepts exactly the descr strings np.save writes for plain dtypes: a byte order, one of
+/// the kinds numpy can save without pickle, an item size, and a datetime unit for M/m.
+fn checked_descr(descr: &str) -> PyResult<&str> {
+    let b = descr.as_bytes();
+    let bad = || PyValueError::new_err(format!("unsupported dtype {descr:?} in routed experts text"));
+    if b.len() < 3 || b.len() > 20 || !matches!(b[0], b'<' | b'>' | b'|' | b'=') {
+        return Err(bad());
+    }
+    if !b"biufcmMSUV".contains(&b[1]) {
+        return Err(bad());
+    }
+    let digits = b[2..].iter().take_while(|c| c.is_ascii_digit()).count();
+    if digits == 0 || digits > 6 {
+        return Err(bad());
+    }
+    let rest = &b[2 + digits..];
+    let unit_ok = rest.is_empty()
+        || (matches!(b[1], b'm' | b'M')
+            && rest.len() >= 3
+            && rest[0] == b'['
+            && rest[rest.len() - 1] == b']'
+            && rest[1..rest.len() - 1].iter().all(u8::is_ascii_alphanumeric));
+    if !unit_ok {
+        return Err(bad());
+    }
+    Ok(descr)
+}
+
+/// Decodes base64 `.npy` text (str or bytes) into a new array that owns the decoded rows.
+#[pyfunction]
+fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let bytes: &[u8] = if let Ok(s) = text.cast::<PyString>() {
+        unsafe {
+            if ffi::PyUnicode_IS_COMPACT_ASCII(s.as_ptr()) == 0 {
+                return Err(PyValueError::new_err("routed experts text is not ASCII base64"));
+            }
+            let n = ffi::PyUnicode_GET_LENGTH(s.as_ptr()) as usize;
+            std::slice::from_raw_parts(ffi::PyUnicode_DATA(s.as_ptr()) as *const u8, n)
+        }
+    } else if let Ok(b) = text.cast::<PyBytes>() {
+        b.as_bytes()
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "decode_routed_experts expects str or bytes, got {}",
+            text.get_type().name()?
+        )));
+    };
+    let plan = plan_decode(bytes).map_err(PyValueError::new_err)?;
+    let descr = checked_descr(&plan.header.descr)?;
+    let dtype = PyArrayDescr::new(py, descr)
+        .map_err(|e| PyValueError::new_err(format!("unsupported dtype {descr:?} in routed experts text: {e}")))?;
+    if dtype.has_object() || dtype.has_fields() || dtype.itemsize() == 0 {
+        return Err(PyValueError::new_err(format!("unsupported dtype {descr:?} in routed experts text")));
+    }
+    check_size(&plan.header.shape, dtype.itemsize(), plan.data_len).map_err(PyValueError::new_err)?;
+    let mut dims: Vec<npy_intp> = plan.header.shape.iter().map(|&d| d as npy_intp).collect();
+    let flags: c_int = if plan.header.fortran_order { NPY_ARRAY_F_CONTIGUOUS } else { 0 };
+    unsafe {
+        let raw = PY_ARRAY_API.PyArray_NewFromDescr(
+            py,
+            npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+            dtype.into_dtype_ptr(),
+            dims.len() as c_int,
+            dims.as_mut_ptr(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            flags,
+            ptr::null_mut(),
+        );
+        let array = Bound::from_owned_ptr_or_err(py, raw)?;
+        let data = (*(raw as *mut npyffi::PyArrayObject)).fields.data as *mut u8;
+        let dst = if plan.data_len == 0 { &mut [][..] } else { std::slice::from_raw_parts_mut(data, plan.data_len) };
+        let start = plan.data_start;
+        let result = if plan.data_len >= DETACH_MIN_BYTES {
+            // `text` (kept alive by the caller) is immutable; the array is not shared yet.
+            py.detach(|| decode_range(bytes, start, dst))
+        } else {
+            decode_range(bytes, start, dst)
+        };
+        result.map_err(PyValueError::new_err)?;
+        Ok(array)
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(encode_routed_experts, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_routed_experts, m)?)?;
+    Ok(())
+}
