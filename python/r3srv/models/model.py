@@ -1,0 +1,195 @@
+"""The MoE decoder shared by the four families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
+
+One class with a few config switches rather than a class per family: the families differ
+only in q/k norm width, qkv bias/clipping, router renormalisation, the shared expert and
+the checkpoint names (see `weight_targets`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from r3srv.models.attention import AttentionMetadata, paged_attention
+from r3srv.models.batch import ForwardBatch
+from r3srv.models.config import ModelConfig
+from r3srv.models.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_mlp
+from r3srv.models.moe import SparseMoeBlock
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.qk_norm = cfg.qk_norm
+        self.clip_qkv = cfg.clip_qkv
+        # q, k and v stacked: one matmul per layer
+        self.qkv = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size, **kw)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, **kw) if cfg.qkv_bias else None
+        self.o = _param(cfg.hidden_size, self.q_size, **kw)
+        self.o_bias = _param(cfg.hidden_size, **kw) if cfg.o_bias else None
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = _param(self.head_dim, **kw), _param(self.head_dim, **kw)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":  # OLMoE: over all heads, before clipping
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        if self.clip_qkv is not None:
+            q, k, v = (y.clamp(-self.clip_qkv, self.clip_qkv) for y in (q, k, v))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":  # Qwen3: per head
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.k_cache is None:
+            raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
+        o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta)
+        return F.linear(o.reshape(t, self.q_size), self.o, self.o_bias)
+
+
+class DenseMlp(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.w13 = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.w2 = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None) -> torch.Tensor:
+        return silu_mlp(x, self.w13, self.w2)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.index = index
+        self.eps = cfg.rms_norm_eps
+        self.is_moe = index in cfg.moe_layers
+        self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.attn = Attention(cfg, dtype, device)
+        self.mlp = SparseMoeBlock(cfg, dtype, device) if self.is_moe else DenseMlp(cfg, dtype, device)
+
+    def forward(self, x, cos, sin, meta, capture):
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, meta)
+        return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps), capture)
+
+
+class MoeForCausalLM(nn.Module):
+    """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = cfg
+        self.dtype = dtype
+        self.device = device
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(device)
+        self.block_size = 0
+        self.num_blocks = 0
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return self.config.kv_cache_bytes_per_block(block_size, self.dtype)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate paged K/V for every layer (replacing any earlier cache)."""
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
+        cfg = self.config
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        for layer in self.layers:
+            layer.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ---- forward --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [B, vocab] at batch.logits_indices; writes this step's K/V and routing rows."""
+        if self.block_size == 0:
+            raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
+        meta = AttentionMetadata.build(batch, self.block_size, self.device)
+        positions = batch.positions.to(self.device)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype, self.config.rope_scaling_factor)
+        x = F.embedding(batch.input_ids.to(self.device), self.embed)
+        capture = batch.routing_capture
+        for layer in self.layers:
+            layer_capture = capture[:, layer.index] if capture is not None and layer.is_moe else None
+            x = layer(x, cos, sin, meta, layer_capture)
+        x = rms_norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    # ---- checkpoint names -----------------------------------------------------------------
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Hugging Face tensor name -> the view of our (stacked) parameter it fills.
+
+        Both the per-expert names of released checkpoints and the fused 3-D names that
+        transformers 5 keeps in memory (`experts.gate_up_proj`, `experts.down_proj`) map here.
+        """
+        cfg = self.config
+        family = cfg.model_type
+        targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
+        if not cfg.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head
+        for layer in self.layers:
+            p = f"model.layers.{layer.index}."
+            attn = layer.attn
+            targets[p + "input_layernorm.weight"] = layer.input_norm
+            targets[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
+            qkv_rows = {"q": slice(0, attn.q_size), "k": slice(attn.q_size, attn.q_size + attn.kv_size),
+                        "v": slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)}
+            for name, rows in qkv_rows.items():
+                targets[p + f"self_attn.{name}_proj.weight"] = attn.qkv[rows]
+                if attn.qkv_bias is not None:
+                    targets[p + f"self_attn.{name}_proj.bias"] = attn.qkv_bias[rows]
+            targets[p + "self_attn.o_proj.weight"] = attn.o
+            if attn.o_bias is not None:
+                targets[p + "self_attn.o_proj.bias"] = attn.o_bias
+            if attn.q_norm is not None:
+                targets[p + "self_attn.q_norm.weight"] = attn.q_norm
+                targets[p + "self_attn.k_norm.weight"] = attn.k_norm
+            mlp = layer.mlp
+            if isinstance(mlp, DenseMlp):
+                half = mlp.w13.shape[0] // 2
+                targets[p + "mlp.gate_proj.weight"] = mlp.w13[:half]
+                targets[p + "mlp.up_proj.weight"] = mlp.w13[half:]
+                targets[p + "mlp.down_proj.weight"] = mlp.w2
+                continue
+            moe_prefix = p + ("block_sparse_moe." if family == "mixtral" else "mlp.")
+            gate_name, up_name, down_name = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            targets[moe_prefix + "gate.weight"] = mlp.gate
+            half = mlp.w13.shape[1] // 2
+            for e in range(cfg.num_experts):
+                ep = f"{moe_prefix}experts.{e}."
+                targets[ep + f"{gate_name}.weight"] = mlp.w13[e, :half]
+                targets[ep + f"{up_name}.weight"] = mlp.w13[e, half:]
+                targets[ep + f"{down_name}.weight"] = mlp.w2[e]
+            targets[moe_prefix + "experts.gate_up_proj"] = mlp.w13
+            targets[moe_prefix + "experts.down_proj"] = mlp.w2
+            if mlp.shared_w13 is not None:
+                s_half = mlp.shared_w13.shape[0] // 2
+                targets[p + "mlp.shared_expert.gate_proj.weight"] = mlp.shared_w13[:s_half]
+                targets[p + "mlp.shared_expert.up_proj.weight"] = mlp.shared_w13[s_half:]
+                targets[p + "mlp.shared_expert.down_proj.weight"] = mlp.shared_w2
+                targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
+        return targets
