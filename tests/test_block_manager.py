@@ -1,0 +1,107 @@
+"""Block manager: allocation and reference counts, prefix caching over full blocks, eviction."""
+
+import pytest
+
+from r3srv.engine.block_manager import BlockManager
+from r3srv.engine.sequence import Sequence
+from r3srv.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_seq(tokens: list[int]) -> Sequence:
+    return Sequence("r", 0, tokens, SamplingParams(), max_tokens=8, generator=None)
+
+
+def compute(bm: BlockManager, seq: Sequence, upto: int | None = None) -> None:
+    """Pretend a step computed the sequence's tokens up to `upto` (all but the last by default)."""
+    upto = seq.num_tokens if upto is None else upto
+    bm.grow(seq, upto)
+    seq.num_computed_tokens = upto
+    bm.commit_full_blocks(seq)
+
+
+def test_allocate_and_free_return_every_block():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seqs = [make_seq(list(range(10 * i, 10 * i + 9))) for i in range(2)]
+    for s in seqs:
+        bm.admit(s, bm.match_prefix(s.token_ids))
+        compute(bm, s)
+        assert len(s.block_table) == 3  # 9 tokens in blocks of 4
+    assert bm.num_used_blocks == 6 and bm.num_free_blocks == 2
+    assert not bm.can_grow(seqs[0], 9 + 3 * BS)
+    for s in seqs:
+        bm.free(s)
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 8
+
+
+def test_prefix_hit_shares_full_blocks_and_leaves_a_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(list(range(8)))  # exactly two full blocks
+    bm.admit(a, [])
+    compute(bm, a)
+    b = make_seq(list(range(8)))
+    hits = bm.match_prefix(b.token_ids)
+    # Two full blocks are cached, but the last token must be recomputed for its logits.
+    assert hits == a.block_table[:1]
+    c = make_seq(list(range(9)))
+    assert bm.match_prefix(c.token_ids) == a.block_table[:2]
+    bm.admit(c, bm.match_prefix(c.token_ids))
+    assert c.num_computed_tokens == 8
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 8 + 9  # a looked up too
+
+
+def test_freed_blocks_stay_cached_until_reallocated():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    a = make_seq(list(range(9)))
+    bm.admit(a, [])
+    compute(bm, a)
+    table = list(a.block_table)
+    bm.free(a)
+    assert bm.num_free_blocks == 3
+    b = make_seq(list(range(9)))
+    assert bm.match_prefix(b.token_ids) == table[:2]  # still cached after free
+    # A different sequence takes all three blocks: the cached ones are evicted.
+    other = make_seq([100 + t for t in range(9)])
+    bm.admit(other, [])
+    compute(bm, other)
+    assert bm.match_prefix(b.token_ids) == []
+
+
+def test_prefix_differing_in_an_earlier_block_misses():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(list(range(9)))
+    bm.admit(a, [])
+    compute(bm, a)
+    # Same second block, different first block: the chain hash differs.
+    b = make_seq([99, 1, 2, 3, 4, 5, 6, 7, 8])
+    assert bm.match_prefix(b.token_ids) == []
+
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    a = make_seq(list(range(9)))
+    bm.admit(a, [])
+    compute(bm, a)
+    assert bm.match_prefix(list(range(9))) == []
+
+
+def test_admission_cost_counts_revived_cached_blocks():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq(list(range(9)))
+    bm.admit(a, [])
+    compute(bm, a)
+    bm.free(a)
+    b = make_seq(list(range(13)))
+    hits = bm.match_prefix(b.token_ids)
+    assert len(hits) == 2
+    # two cached-but-free blocks come back from the free pool, plus two fresh ones for tokens 8..12
+    assert bm.admission_cost(b, hits, 13) == 4
+
+
+def test_grow_beyond_the_pool_raises():
+    bm = BlockManager(num_blocks=2, block_size=BS)
+    s = make_seq(list(range(5)))
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        bm.grow(s, 12)

@@ -1,0 +1,95 @@
+"""Sampler: greedy ties, top-k/top-p, seeded generators, min_tokens, logprobs."""
+
+import math
+
+import torch
+
+from r3srv.engine.sampler import sample
+from r3srv.engine.sequence import Sequence
+from r3srv.sampling_params import SamplingParams
+
+EOS = [9]
+
+
+def seq(params: SamplingParams, seed: int | None = None, n_out: int = 0) -> Sequence:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    s = Sequence("r", 0, [1, 2, 3], params, max_tokens=100, generator=gen)
+    s.token_ids += [4] * n_out
+    return s
+
+
+def test_greedy_ties_go_to_the_lowest_id():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 5.0], [3.0, 3.0, 3.0, 3.0]])
+    p = SamplingParams(temperature=0.0)
+    assert [r.token_id for r in sample(logits, [seq(p), seq(p)], EOS)] == [1, 0]
+
+
+def test_top_k_one_and_tiny_top_p_reduce_to_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    want = logits.argmax(-1).tolist()
+    for p in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
+        got = [r.token_id for r in sample(logits, [seq(p, seed=i) for i in range(6)], EOS)]
+        assert got == want
+
+
+def test_top_k_restricts_the_support():
+    logits = torch.arange(20, dtype=torch.float32)[None, :].repeat(1, 1)
+    p = SamplingParams(temperature=10.0, top_k=3)
+    s = seq(p, seed=1)
+    got = {sample(logits, [s], EOS)[0].token_id for _ in range(200)}
+    assert got == {17, 18, 19}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    p = SamplingParams(temperature=1.0, top_p=0.7)  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: keep ids 0 and 1
+    s = seq(p, seed=2)
+    got = {sample(probs.log(), [s], EOS)[0].token_id for _ in range(300)}
+    assert got == {0, 1}
+
+
+def test_a_seed_reproduces_the_same_samples():
+    logits = torch.randn(1, 1000)
+    p = SamplingParams(temperature=1.0, seed=7)
+    runs = []
+    for _ in range(2):
+        s = seq(p, seed=7)
+        runs.append([sample(logits, [s], EOS)[0].token_id for _ in range(20)])
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
+    other = seq(p, seed=8)
+    assert [sample(logits, [other], EOS)[0].token_id for _ in range(20)] != runs[0]
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = torch.full((1, 12), -10.0)
+    logits[0, 9] = 10.0  # EOS is the best
+    logits[0, 5] = 9.0  # a stop token id is next
+    logits[0, 2] = 1.0
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5])
+    assert sample(logits, [seq(p, n_out=1)], EOS)[0].token_id == 2
+    assert sample(logits, [seq(p, n_out=2)], EOS)[0].token_id == 9
+    ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert sample(logits, [seq(ignore, n_out=0)], EOS)[0].token_id == 9  # ignore_eos: EOS is an ordinary token
+
+
+def test_logprobs_are_log_softmax_of_the_unmodified_logits():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 30)
+    p = SamplingParams(temperature=0.7, top_k=5, logprobs=3, seed=1)
+    res = sample(logits, [seq(p, seed=1), seq(SamplingParams(temperature=0.0, logprobs=0))], EOS)
+    ref = torch.log_softmax(logits, dim=-1)
+    r0 = res[0]
+    assert math.isclose(r0.logprob, float(ref[0, r0.token_id]), rel_tol=1e-6)
+    top3 = torch.topk(ref[0], 3).indices.tolist()
+    assert set(top3) <= set(r0.top_logprobs) and r0.token_id in r0.top_logprobs
+    for tok in top3:
+        assert math.isclose(r0.top_logprobs[tok], float(ref[0, tok]), rel_tol=1e-6)
+    r1 = res[1]  # logprobs=0: just the sampled token
+    assert list(r1.top_logprobs) == [int(logits[1].argmax())]
+    assert math.isclose(r1.logprob, float(ref[1].max()), rel_tol=1e-6)
+
+
+def test_no_logprobs_unless_asked():
+    res = sample(torch.randn(1, 10), [seq(SamplingParams(temperature=0.0))], EOS)
+    assert res[0].logprob is None and res[0].top_logprobs is None
