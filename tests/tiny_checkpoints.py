@@ -1,0 +1,113 @@
+"""Tiny random Hugging Face checkpoints, one per supported family, for tests.
+
+Written with transformers' own config and model classes (`save_pretrained`, safetensors),
+so the loader reads exactly what a real checkpoint of the family looks like; the
+byte-level tokenizer of the built-in model is written next to them, so text prompts work.
+
+    from tiny_checkpoints import write_tiny_checkpoint
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "mixtral", num_experts=16)
+
+Weights are re-drawn with a wide spread (transformers' std-0.02 init makes router scores
+near-ties, so tiny float differences would flip the top-k): every family's routing and
+greedy tokens are then well separated and comparable across implementations.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
+EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+
+
+def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: int = 2, **overrides: Any):
+    """A tiny transformers config object of `family`; `overrides` go straight into it."""
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=512,
+        eos_token_id=EOS_TOKEN_ID,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3_moe":
+        cls, extra = transformers.Qwen3MoeConfig, dict(
+            num_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, head_dim=16, norm_topk_prob=True
+        )
+    elif family == "qwen2_moe":
+        cls, extra = transformers.Qwen2MoeConfig, dict(
+            num_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24
+        )
+    elif family == "mixtral":
+        cls, extra = transformers.MixtralConfig, dict(num_local_experts=num_experts, intermediate_size=16)
+    elif family == "olmoe":
+        cls, extra = transformers.OlmoeConfig, dict(num_experts=num_experts, intermediate_size=16, clip_qkv=3.0)
+    else:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    return cls(**{**common, **extra, **overrides})
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every weight: unit-scale activations, norms near one, spread-out router logits."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if "norm" in name:
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        elif name.endswith("bias"):
+            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+        else:
+            fan_in = p.shape[-1]
+            # router gates (mlp.gate / block_sparse_moe.gate) and the shared-expert gate: wide logits
+            std = 3.0 / math.sqrt(fan_in) if name.endswith("gate.weight") else 1.0 / math.sqrt(fan_in)
+            p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def build_hf_model(family: str, *, seed: int = 0, **config_kwargs: Any):
+    """A transformers model of `family` (float32, eval mode) with randomized weights."""
+    import transformers
+
+    config = hf_config(family, **config_kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    return model.eval()
+
+
+def write_tiny_checkpoint(
+    path: str | Path,
+    family: str = "qwen3_moe",
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    tokenizer: bool = True,
+    **config_kwargs: Any,
+) -> Path:
+    """Write a tiny random checkpoint of `family` to `path` and return the path.
+
+    config_kwargs: num_experts, top_k, num_layers, or any transformers config field
+    (e.g. mlp_only_layers=[1] for a Qwen3-MoE with a dense layer). max_shard_size (e.g.
+    "20KB") writes several shards plus model.safetensors.index.json.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = build_hf_model(family, seed=seed, **config_kwargs)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    if tokenizer:
+        write_byte_level_tokenizer(path)
+    return path
