@@ -1,0 +1,114 @@
+"""Paged attention: chunked prefill, decode steps, prefix reuse and mixed batches equal a one-shot prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from r3srv.models.batch import ForwardBatch
+from r3srv.models.loader import load_model
+from tiny_checkpoints import write_tiny_checkpoint
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("paged"), "qwen3_moe", seed=3, num_layers=3, mlp_only_layers=[1])
+    model, _ = load_model(path)
+    return model
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _batch(model, seqs, all_logits: bool = False) -> ForwardBatch:
+    """seqs: (new token ids, tokens already cached, block table) per sequence."""
+    ids, positions, slots, q_lens, ctx_lens, logit_rows = [], [], [], [], [], []
+    width = max(len(table) for _, _, table in seqs)
+    tables = torch.full((len(seqs), width), -1, dtype=torch.int32)
+    row = 0
+    for i, (new, start, table) in enumerate(seqs):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        pos = list(range(start, start + len(new)))
+        ids += new
+        positions += pos
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in pos]
+        q_lens.append(len(new))
+        ctx_lens.append(start + len(new))
+        logit_rows += list(range(row, row + len(new))) if all_logits else [row + len(new) - 1]
+        row += len(new)
+    cfg = model.config
+    return ForwardBatch(
+        input_ids=torch.tensor(ids),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        query_lens=q_lens,
+        context_lens=ctx_lens,
+        block_tables=tables,
+        logits_indices=torch.tensor(logit_rows),
+        routing_capture=torch.zeros(len(ids), cfg.num_layers, cfg.top_k, dtype=torch.uint8),
+    )
+
+
+def _one_shot(model, tokens: list[int]):
+    """Reference: the whole sequence in one prefill, logits at every position."""
+    model.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    table = list(range((len(tokens) + BLOCK_SIZE - 1) // BLOCK_SIZE))
+    batch = _batch(model, [(tokens, 0, table)], all_logits=True)
+    return model.forward(batch), batch.routing_capture
+
+
+def test_chunked_prefill_and_decode_equal_one_shot(model):
+    tokens = _tokens(14, seed=1)
+    ref_logits, ref_capture = _one_shot(model, tokens)
+    model.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    table = [7, 2, 5, 11]  # scattered, out-of-order blocks
+    logits, captures, start = [], [], 0
+    for size in (5, 3, 1, 1, 4):
+        batch = _batch(model, [(tokens[start : start + size], start, table)], all_logits=True)
+        logits.append(model.forward(batch))
+        captures.append(batch.routing_capture)
+        start += size
+    torch.testing.assert_close(torch.cat(logits), ref_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.cat(captures), ref_capture)
+    assert ref_capture[:, 0].any() and not ref_capture[:, 1].any()  # layer 1 is dense
+
+
+def test_mixed_batch_of_prefills_chunks_and_decodes(model):
+    seqs = {name: _tokens(n, seed) for name, n, seed in (("a", 6, 2), ("b", 10, 3), ("c", 9, 4), ("d", 3, 5))}
+    refs = {name: _one_shot(model, toks) for name, toks in seqs.items()}
+
+    model.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    tables = {"a": [20, 21], "b": [3, 9, 4], "c": [30, 1, 17], "d": [12]}
+    # earlier steps: b has 9 tokens cached, c has 5, d has 2 (a is new)
+    model.forward(_batch(model, [(seqs["b"][:9], 0, tables["b"]), (seqs["c"][:5], 0, tables["c"])]))
+    model.forward(_batch(model, [(seqs["d"][:2], 0, tables["d"])]))
+    step = [
+        (seqs["b"][9:], 9, tables["b"]),  # decode, context 10
+        (seqs["a"], 0, tables["a"]),  # full prefill
+        (seqs["c"][5:], 5, tables["c"]),  # second prefill chunk after cached tokens
+        (seqs["d"][2:], 2, tables["d"]),  # decode, context 3
+    ]
+    batch = _batch(model, step)
+    logits = model.forward(batch)
+    rows = torch.tensor(batch.query_lens).cumsum(0) - 1
+    for i, name in enumerate(("b", "a", "c", "d")):
+        ref_logits, ref_capture = refs[name]
+        torch.testing.assert_close(logits[i], ref_logits[-1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(batch.routing_capture[rows[i]], ref_capture[-1])
+
+
+def test_kv_cache_bytes_and_forward_without_cache(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "mixtral", num_layers=2)
+    model, _ = load_model(path)
+    cfg = model.config
+    # K and V, every layer, float32 on the CPU
+    assert model.kv_cache_bytes_per_block(16) == 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    batch = _batch(model, [([1, 2, 3], 0, [0])])
+    with pytest.raises(RuntimeError, match="init_kv_cache"):
+        model.forward(batch)
+    with pytest.raises(ValueError, match="positive"):
+        model.init_kv_cache(0, 16)
