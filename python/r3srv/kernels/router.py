@@ -2,10 +2,89 @@
 
 Dispatches to the fused Triton kernel on CUDA (when it is available) and to the
 plain-torch reference everywhere else; both share `route_reference`'s signature.
+
+Backends (`set_router_backend`):
+  "auto"   (default) Triton for CUDA tensors when triton imports and top_k <= 8, torch
+           otherwise. R3SRV_FORCE_TORCH_ROUTER=1 in the environment makes "auto" use torch.
+  "torch"  always the torch reference.
+  "triton" always the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);
+           raises if it cannot run. For tests and benchmarks.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import torch
+
 from r3srv.kernels.router_reference import route_reference
 
-select_experts = route_reference
+BACKENDS = ("auto", "torch", "triton")
+FORCE_TORCH_ENV = "R3SRV_FORCE_TORCH_ROUTER"
+_FUSED_MAX_TOP_K = 8  # router_triton.MAX_TOP_K, without importing triton on CPU-only paths
+
+_backend = "auto"
+_triton_importable: bool | None = None
+
+
+def set_router_backend(name: str) -> None:
+    """Choose how `select_experts` routes: "auto", "torch" or "triton" (process-wide)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown router backend {name!r}; expected one of {BACKENDS}")
+    if name == "triton" and not triton_available():
+        raise ValueError("router backend 'triton' needs the triton package, which is not importable")
+    _backend = name
+
+
+def get_router_backend() -> str:
+    return _backend
+
+
+def triton_available() -> bool:
+    global _triton_importable
+    if _triton_importable is None:
+        _triton_importable = importlib.util.find_spec("triton") is not None
+    return _triton_importable
+
+
+def _torch_forced() -> bool:
+    return os.environ.get(FORCE_TORCH_ENV, "") not in ("", "0")
+
+
+def uses_triton(router_logits: torch.Tensor, top_k: int) -> bool:
+    """Whether `select_experts` would run the fused kernel for these inputs."""
+    if _backend == "triton":
+        return True
+    if _backend == "torch" or _torch_forced():
+        return False
+    return router_logits.is_cuda and top_k <= _FUSED_MAX_TOP_K and triton_available()
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    correction_bias: torch.Tensor | None = None,
+    scaling: float = 1.0,
+    capture: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route each token to its top-k experts; see `route_reference` for the contract."""
+    if uses_triton(router_logits, top_k):
+        from r3srv.kernels.router_triton import route_triton  # imports triton only when used
+
+        route = route_triton
+    else:
+        route = route_reference
+    return route(
+        router_logits,
+        top_k,
+        scoring=scoring,
+        renormalize=renormalize,
+        correction_bias=correction_bias,
+        scaling=scaling,
+        capture=capture,
+    )

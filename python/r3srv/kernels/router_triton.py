@@ -1,0 +1,204 @@
+"""Fused Triton router: one launch scores, picks the top-k, renormalizes, scales and
+writes the ids into the routed-experts capture row of the layer.
+
+The same kernel source runs on CUDA and, with TRITON_INTERPRET=1, on CPU tensors in
+Triton's interpreter (how the tests check it). The variable must be set before triton is
+first imported: triton.jit reads it when it decorates, and triton.language's own jitted
+helpers (tl.max, tl.sum, ...) are decorated at triton's import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from r3srv.kernels.router_reference import check_route_args
+
+MAX_TOP_K = 8  # the top-k loop is unrolled; every router we serve picks <= 8
+TILE_ELEMENTS = 2048  # logits per program: enough work per program, few registers per thread
+
+
+# Token count varies every step: don't specialize (and recompile) on it.
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    capture_ptr,
+    num_tokens,
+    num_experts,
+    stride_lt,
+    stride_le,
+    stride_ct,
+    stride_ck,
+    scaling,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_CAPTURE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    valid = row_ok[:, None] & (cols < num_experts)[None, :]
+    row_base = logits_ptr + rows.to(tl.int64) * stride_lt
+    # Padding columns and rows load -inf: they never win a max and add 0 to softmax sums.
+    x = tl.load(row_base[:, None] + cols[None, :] * stride_le, mask=valid, other=float("-inf")).to(tl.float32)
+
+    if not SIGMOID:
+        row_max = tl.where(row_ok, tl.max(x, axis=1), 0.0)
+        denom = tl.where(row_ok, tl.sum(tl.exp(x - row_max[:, None]), axis=1), 1.0)
+
+    # Rank keys, bit-identical to router_reference.choice_keys: the logits themselves
+    # (softmax and sigmoid are monotone), or score + bias in float64.
+    if HAS_BIAS:
+        wide = x.to(tl.float64)
+        if SIGMOID:
+            scores = 1.0 / (1.0 + tl.exp(-wide))
+        else:
+            e = tl.exp(wide - row_max.to(tl.float64)[:, None])
+            scores = e / tl.where(row_ok, tl.sum(e, axis=1), 1.0)[:, None]
+        bias = tl.load(bias_ptr + cols, mask=cols < num_experts, other=0.0).to(tl.float64)
+        keys = scores + bias[None, :]
+    else:
+        keys = x
+    keys = tl.where(keys != keys, float("inf"), keys)  # NaN ranks as +inf, as in the reference
+
+    slots = tl.arange(0, BLOCK_K)
+    out_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    out_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+    avail = valid
+    for j in tl.static_range(TOP_K):
+        # Argmax with the lowest id among equal keys; `avail` (not a -inf mask) keeps
+        # genuine -inf keys selectable in id order, as the stable sort does.
+        best = tl.max(tl.where(avail, keys, float("-inf")), axis=1)
+        hit = avail & (keys == best[:, None])
+        idx = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
+        avail = avail & (cols[None, :] != idx[:, None])
+        # The chosen logit, re-read from L1 rather than gathered from the tile.
+        x_j = tl.load(row_base + idx * stride_le, mask=row_ok & (idx < num_experts), other=0.0).to(tl.float32)
+        if SIGMOID:
+            w = 1.0 / (1.0 + tl.exp(-x_j))
+        else:
+            w = tl.exp(x_j - row_max)
+            if not RENORMALIZE:
+                w = w / denom
+        w_sum += w
+        out_ids = tl.where(slots[None, :] == j, idx[:, None], out_ids)
+        out_w = tl.where(slots[None, :] == j, w[:, None], out_w)
+
+    if RENORMALIZE:
+        out_w = out_w / tl.where(row_ok, w_sum, 1.0)[:, None]
+    out_w = out_w * scaling
+
+    out_mask = row_ok[:, None] & (slots < TOP_K)[None, :]
+    flat = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    tl.store(weights_ptr + flat, out_w, mask=out_mask)
+    tl.store(ids_ptr + flat, out_ids, mask=out_mask)
+    if HAS_CAPTURE:
+        cap = capture_ptr + rows.to(tl.int64)[:, None] * stride_ct + slots[None, :] * stride_ck
+        tl.store(cap, out_ids.to(capture_ptr.dtype.element_ty), mask=out_mask)
+
+
+def interpreter_enabled() -> bool:
+    """True when this process imported triton with TRITON_INTERPRET=1 (CPU tensors only)."""
+    return isinstance(_route_kernel, InterpretedFunction)
+
+
+def launch_config(num_experts: int, block_t: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_E, num_warps) for a router with `num_experts` experts.
+
+    BLOCK_T depends on E only, so a model compiles one variant per layer shape whatever
+    the batch size. `block_t` overrides it (the GPU benchmark sweeps it).
+    """
+    block_e = triton.next_power_of_2(num_experts)
+    if block_t is None:
+        block_t = max(1, TILE_ELEMENTS // block_e)
+    tile = block_t * block_e
+    num_warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 4096 else 8
+    return block_t, block_e, num_warps
+
+
+def route_triton(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    correction_bias: torch.Tensor | None = None,
+    scaling: float = 1.0,
+    capture: torch.Tensor | None = None,
+    block_t: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_reference`, fused into one kernel launch (same arguments, same results).
+
+    Needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1.
+    """
+    check_route_args(router_logits, top_k, scoring, correction_bias, capture)
+    if top_k > MAX_TOP_K:
+        raise ValueError(f"the fused router supports top_k <= {MAX_TOP_K}, got {top_k}; use route_reference")
+    if router_logits.is_cuda == interpreter_enabled():
+        raise ValueError(
+            f"the fused router runs on CUDA tensors, or on CPU tensors in a process started with "
+            f"TRITON_INTERPRET=1; got router_logits on {router_logits.device} with the interpreter "
+            f"{'on' if interpreter_enabled() else 'off'}"
+        )
+    if correction_bias is not None and correction_bias.device != router_logits.device:
+        raise ValueError(f"correction_bias is on {correction_bias.device} but router_logits on {router_logits.device}")
+
+    num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    bias = correction_bias.contiguous() if correction_bias is not None else None
+    block_t, block_e, num_warps = launch_config(num_experts, block_t)
+    grid = (triton.cdiv(num_tokens, block_t),)
+    # Triton launches on the current device; follow the tensors when they live elsewhere.
+    on_other_gpu = router_logits.is_cuda and router_logits.device.index != torch.cuda.current_device()
+    with torch.cuda.device(router_logits.device) if on_other_gpu else contextlib.nullcontext():
+        _launch(grid, num_warps, router_logits, bias, weights, ids, capture, top_k, block_t, block_e,
+                scoring, renormalize, scaling)
+    return weights, ids
+
+
+def _launch(grid, num_warps, router_logits, bias, weights, ids, capture, top_k, block_t, block_e,
+            scoring, renormalize, scaling) -> None:
+    num_tokens, num_experts = router_logits.shape
+    _route_kernel[grid](
+        router_logits,
+        bias if bias is not None else router_logits,  # unused when HAS_BIAS is False
+        weights,
+        ids,
+        capture if capture is not None else ids,  # unused when HAS_CAPTURE is False
+        num_tokens,
+        num_experts,
+        router_logits.stride(0),
+        router_logits.stride(1),
+        capture.stride(0) if capture is not None else 0,
+        capture.stride(1) if capture is not None else 0,
+        float(scaling),
+        TOP_K=top_k,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=bias is not None,
+        RENORMALIZE=bool(renormalize),
+        HAS_CAPTURE=capture is not None,
+        num_warps=num_warps,
+    )
+
+
+__all__ = ["MAX_TOP_K", "interpreter_enabled", "launch_config", "route_triton"]

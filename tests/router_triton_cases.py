@@ -1,0 +1,167 @@
+"""Cases for the fused Triton router kernel, run on CPU tensors in Triton's interpreter
+against the torch reference on fresh random logits.
+
+Triton reads TRITON_INTERPRET when it is first imported, so this file only runs in a
+process started with TRITON_INTERPRET=1: tests/test_router_triton.py starts one (the file
+name keeps a plain pytest run from collecting it). Replay a failure with
+`TRITON_INTERPRET=1 R3SRV_ROUTER_TEST_SEED=<seed> python -m pytest tests/router_triton_cases.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs a process started with TRITON_INTERPRET=1 (see tests/test_router_triton.py)",
+                allow_module_level=True)
+
+from r3srv.kernels import router, router_triton  # noqa: E402
+from r3srv.kernels.router_reference import route_reference  # noqa: E402
+from r3srv.kernels.router_triton import route_triton  # noqa: E402
+
+# Fresh logits every run; the seed is in every failure message.
+SEED = int(os.environ.get("R3SRV_ROUTER_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+CAPTURE_DTYPES = (torch.uint8, torch.uint16, torch.int32)
+POISON = 0x5A  # a valid-looking id: an unwritten cell would not stand out as garbage
+
+
+def generator(*salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(hash((SEED, *salt)) & 0xFFFFFFFF)
+
+
+def check_against_reference(logits, top_k, *, capture_dtype=torch.int32, layers=3, **kwargs):
+    """Run both, capturing into layer 1 of a poisoned [T, layers, k] buffer; compare everything."""
+    where = f"seed={SEED} E={logits.shape[1]} k={top_k} {kwargs}"
+    buffer = torch.full((logits.shape[0], layers, top_k), POISON, dtype=capture_dtype)
+    weights, ids = route_triton(logits, top_k, capture=buffer[:, 1], **kwargs)
+    want_w, want_ids = route_reference(logits, top_k, **kwargs)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32, where
+    assert torch.equal(ids, want_ids), f"{where}\n{ids}\n{want_ids}"
+    torch.testing.assert_close(weights, want_w, atol=1e-6 * max(1.0, abs(kwargs.get("scaling", 1.0))), rtol=0,
+                               equal_nan=True, msg=lambda m: f"{where}\n{m}")
+    assert torch.equal(buffer[:, 1].to(torch.int32), want_ids), where  # every row written
+    assert (buffer[:, 0] == POISON).all() and (buffer[:, 2] == POISON).all(), where  # neighbours intact
+    return ids
+
+
+def test_runs_in_the_interpreter():
+    assert router_triton.interpreter_enabled()
+
+
+MODES = [
+    dict(scoring="softmax"),
+    dict(scoring="sigmoid"),
+    dict(scoring="sigmoid", with_bias=True),
+]
+
+
+@pytest.mark.parametrize("num_experts", [8, 60, 64, 160, 384, 512])
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8])
+@pytest.mark.parametrize("mode", MODES, ids=["softmax", "sigmoid", "sigmoid+bias"])
+def test_random_logits_match_reference(num_experts, top_k, mode):
+    gen = generator(num_experts, top_k, len(mode))
+    bias = torch.randn(num_experts, generator=gen) * 0.3 if mode.get("with_bias") else None
+    # 37 tokens: not a multiple of any BLOCK_T, so the last program is partly masked.
+    logits = torch.randn(37, num_experts, generator=gen) * 2
+    for i, renormalize in enumerate((True, False)):
+        capture_dtype = CAPTURE_DTYPES[(i + top_k) % 3]
+        if capture_dtype == torch.uint8 and num_experts > 256:
+            capture_dtype = torch.uint16
+        check_against_reference(
+            logits, top_k, scoring=mode["scoring"], correction_bias=bias, renormalize=renormalize,
+            scaling=1.0 if renormalize else 2.5, capture_dtype=capture_dtype,
+        )
+
+
+@pytest.mark.parametrize("mode", MODES + [dict(scoring="softmax", with_bias=True)],
+                         ids=["softmax", "sigmoid", "sigmoid+bias", "softmax+bias"])
+@pytest.mark.parametrize("num_experts", [8, 60, 160])
+def test_forced_ties_go_to_the_lower_id(mode, num_experts):
+    gen = generator(num_experts, 99)
+    logits = torch.randint(-2, 3, (29, num_experts), generator=gen).float()  # integer logits: many ties
+    logits[0] = 1.0  # a row of all-equal logits: ids 0..k-1
+    bias = None
+    if mode.get("with_bias"):
+        bias = torch.randint(0, 2, (num_experts,), generator=gen).float() * 0.25  # equal biases keep ties
+    ids = check_against_reference(logits, 8, scoring=mode["scoring"], correction_bias=bias)
+    if bias is None:
+        assert ids[0].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_and_high_precision_logits(dtype):
+    gen = generator(7)
+    logits = (torch.randn(21, 64, generator=gen) * 2).to(dtype)  # bf16 rounding makes real ties
+    check_against_reference(logits, 8, scoring="softmax", capture_dtype=torch.uint8)
+    check_against_reference(logits, 8, scoring="sigmoid", correction_bias=torch.randn(64, generator=gen),
+                            capture_dtype=torch.uint8)
+
+
+def test_strided_logits_and_capture():
+    gen = generator(11)
+    wide = torch.randn(50, 2 * 96, generator=gen)
+    logits = wide[::2, 1::2]  # row and column strides != natural
+    assert not logits.is_contiguous()
+    check_against_reference(logits, 6, capture_dtype=torch.uint8, layers=5)
+
+
+# The all-masked row computes -inf - (-inf) = NaN on purpose (torch's softmax gives NaN too).
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_masked_and_nan_logits():
+    logits = torch.randn(6, 16, generator=generator(5))
+    logits[1, ::2] = float("-inf")  # half the experts masked out
+    logits[2] = float("-inf")  # everything masked: ids in order, weights NaN like torch
+    logits[3, 5] = float("nan")
+    logits[4, [2, 9]] = float("nan")
+    check_against_reference(logits, 8, scoring="softmax")
+    check_against_reference(logits, 8, scoring="sigmoid", renormalize=False)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 2])
+def test_tiny_batches(num_tokens):
+    logits = torch.randn(num_tokens, 128, generator=generator(num_tokens))
+    check_against_reference(logits, 8, capture_dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("block_t", [1, 4, 32])
+def test_block_size_override_gives_same_result(block_t):
+    logits = torch.randn(19, 64, generator=generator(block_t))
+    weights, ids = route_triton(logits, 8, block_t=block_t)
+    want_w, want_ids = route_reference(logits, 8)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=0)
+
+
+def test_rejects_bad_arguments():
+    logits = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="top_k <= 8"):
+        route_triton(logits, 9)
+    with pytest.raises(ValueError, match="scoring"):
+        route_triton(logits, 2, scoring="tanh")
+    with pytest.raises(ValueError, match="cannot hold"):
+        route_triton(torch.randn(4, 300), 2, capture=torch.zeros(4, 2, dtype=torch.uint8))
+
+
+def test_select_experts_runs_the_kernel_when_asked(monkeypatch):
+    calls = []
+    real = router_triton.route_triton
+    monkeypatch.setattr(router_triton, "route_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(router, "_backend", "triton")
+    logits = torch.randn(9, 60, generator=generator(1))
+    capture = torch.full((9, 2, 4), 200, dtype=torch.uint8)
+    weights, ids = router.select_experts(logits, 4, capture=capture[:, 1])
+    want_w, want_ids = route_reference(logits, 4)
+    assert calls == [1]
+    assert torch.equal(ids, want_ids) and torch.equal(capture[:, 1].int(), want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=0)
+
+
+def test_auto_backend_keeps_cpu_tensors_on_torch(monkeypatch):
+    monkeypatch.setattr(router, "_backend", "auto")
+    monkeypatch.setattr(router_triton, "route_triton", lambda *a, **k: pytest.fail("kernel used for CPU tensors"))
+    logits = torch.randn(3, 8)
+    assert not router.uses_triton(logits, 2)
+    router.select_experts(logits, 2)

@@ -1,0 +1,69 @@
+"""select_experts' backend choice (in process, no GPU and no interpreter needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from r3srv.kernels import router
+from r3srv.kernels.router_reference import route_reference
+
+CUDA_LIKE = SimpleNamespace(is_cuda=True)  # uses_triton only looks at .is_cuda
+
+
+@pytest.fixture(autouse=True)
+def restore_backend(monkeypatch):
+    monkeypatch.delenv(router.FORCE_TORCH_ENV, raising=False)
+    yield
+    router.set_router_backend("auto")
+
+
+def test_auto_uses_the_kernel_for_cuda_tensors_only():
+    assert router.get_router_backend() == "auto"
+    assert router.uses_triton(CUDA_LIKE, 8) == router.triton_available()
+    assert not router.uses_triton(torch.zeros(2, 8), 2)
+
+
+def test_auto_falls_back_to_torch_above_the_kernels_top_k():
+    assert not router.uses_triton(CUDA_LIKE, 9)
+
+
+@pytest.mark.parametrize("value,forced", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_env_var_forces_torch_in_auto_mode(monkeypatch, value, forced):
+    monkeypatch.setenv(router.FORCE_TORCH_ENV, value)
+    assert router.uses_triton(CUDA_LIKE, 8) == (router.triton_available() and not forced)
+
+
+def test_explicit_backends():
+    router.set_router_backend("torch")
+    assert not router.uses_triton(CUDA_LIKE, 8)
+    router.set_router_backend("triton")
+    assert router.uses_triton(torch.zeros(2, 8), 2)
+    with pytest.raises(ValueError, match="unknown router backend"):
+        router.set_router_backend("cuda")
+    assert router.get_router_backend() == "triton"  # a rejected name changes nothing
+
+
+def test_cpu_routing_is_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(11, 64, generator=gen)
+    capture = torch.full((11, 2, 8), 7, dtype=torch.uint8)
+    weights, ids = router.select_experts(logits, 8, scoring="sigmoid", renormalize=False, capture=capture[:, 0])
+    want_w, want_ids = route_reference(logits, 8, scoring="sigmoid", renormalize=False)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    assert torch.equal(capture[:, 0].int(), want_ids)
+
+
+def test_forced_kernel_refuses_cpu_tensors_without_the_interpreter():
+    # This process did not start with TRITON_INTERPRET=1 (the driver in
+    # test_router_triton.py is what runs the kernel on the CPU).
+    pytest.importorskip("triton")
+    from r3srv.kernels import router_triton
+
+    if router_triton.interpreter_enabled():
+        pytest.skip("this process runs triton in its interpreter: CPU tensors are accepted")
+    router.set_router_backend("triton")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        router.select_experts(torch.zeros(2, 8), 2)
