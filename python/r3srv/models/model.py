@@ -184,8 +184,10 @@ class MoeForCausalLM(nn.Module):
                 targets[ep + f"{gate_name}.weight"] = mlp.w13[e, :half]
                 targets[ep + f"{up_name}.weight"] = mlp.w13[e, half:]
                 targets[ep + f"{down_name}.weight"] = mlp.w2[e]
-            targets[moe_prefix + "experts.gate_up_proj"] = mlp.w13
-            targets[moe_prefix + "experts.down_proj"] = mlp.w2
+            # transformers 5 in-memory (fused) names, which use "mlp." for every family
+            targets[p + "mlp.gate.weight"] = mlp.gate
+            targets[p + "mlp.experts.gate_up_proj"] = mlp.w13
+            targets[p + "mlp.experts.down_proj"] = mlp.w2
             if mlp.shared_w13 is not None:
                 s_half = mlp.shared_w13.shape[0] // 2
                 targets[p + "mlp.shared_expert.gate_proj.weight"] = mlp.shared_w13[:s_half]

@@ -1,0 +1,158 @@
+"""Loader and config parsing: key spellings, shards, fused expert names, dtypes and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from r3srv.errors import ConfigError
+from r3srv.models.batch import ForwardBatch
+from r3srv.models.config import ModelConfig
+from r3srv.models.loader import SUPPORTED_ARCHITECTURES, load_model
+from tiny_checkpoints import FAMILIES, build_hf_model, write_tiny_checkpoint
+
+PROMPT = [72, 101, 108, 108, 111, 33, 10, 200]
+
+
+def _prefill_logits(model) -> torch.Tensor:
+    model.init_kv_cache(8, 16)
+    t = len(PROMPT)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(PROMPT),
+        positions=torch.arange(t),
+        slot_mapping=torch.arange(t),
+        query_lens=[t],
+        context_lens=[t],
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        logits_indices=torch.tensor([t - 1]),
+    )
+    return model.forward(batch)
+
+
+def _edit_config(path, edit) -> None:
+    file = path / "config.json"
+    raw = json.loads(file.read_text())
+    edit(raw)
+    file.write_text(json.dumps(raw))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loader")
+    return {family: write_tiny_checkpoint(root / family, family, seed=5) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_path):
+    new_style = checkpoints[family]
+    old_style = tmp_path / "old"
+    shutil.copytree(new_style, old_style)
+
+    def to_old_keys(raw):
+        raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+        if "num_local_experts" in raw:  # swap whichever spelling transformers wrote
+            raw["num_experts"] = raw.pop("num_local_experts")
+        else:
+            raw["num_local_experts"] = raw.pop("num_experts")
+        raw["torch_dtype"] = raw.pop("dtype")
+
+    _edit_config(old_style, to_old_keys)
+    new_cfg, old_cfg = ModelConfig.from_dir(new_style), ModelConfig.from_dir(old_style)
+    assert new_cfg.rope_theta == old_cfg.rope_theta and new_cfg.rope_theta > 0
+    assert new_cfg.num_experts == old_cfg.num_experts == 8
+    assert new_cfg.torch_dtype == old_cfg.torch_dtype == torch.float32
+    assert new_cfg.model_type == family and new_cfg.moe_layers == [0, 1]
+    assert new_cfg.eos_token_ids == [258]
+    torch.testing.assert_close(_prefill_logits(load_model(old_style)[0]), _prefill_logits(load_model(new_style)[0]))
+
+
+def test_rope_theta_changes_the_model(checkpoints, tmp_path):
+    # guards the previous test: the key it moves is really read
+    other = tmp_path / "theta"
+    shutil.copytree(checkpoints["qwen3_moe"], other)
+    _edit_config(other, lambda raw: raw.__setitem__("rope_parameters", {"rope_theta": 3.0, "rope_type": "default"}))
+    base = _prefill_logits(load_model(checkpoints["qwen3_moe"])[0])
+    assert not torch.allclose(_prefill_logits(load_model(other)[0]), base, atol=1e-3)
+
+
+def test_sharded_and_single_file_checkpoints_load_identically(tmp_path):
+    single = write_tiny_checkpoint(tmp_path / "single", "qwen2_moe", seed=2)
+    sharded = write_tiny_checkpoint(tmp_path / "sharded", "qwen2_moe", seed=2, max_shard_size="30KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    torch.testing.assert_close(_prefill_logits(load_model(sharded)[0]), _prefill_logits(load_model(single)[0]))
+
+
+def test_fused_expert_tensor_names_load_like_per_expert_names(checkpoints, tmp_path):
+    # transformers 5 keeps experts fused in memory ([E, 2I, H] gate_up_proj); accept that layout too
+    hf = build_hf_model("mixtral", seed=5)
+    fused = tmp_path / "fused"
+    shutil.copytree(checkpoints["mixtral"], fused)
+    (fused / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(fused / "model.safetensors"))
+    keys = load_file(str(fused / "model.safetensors")).keys()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in keys
+    torch.testing.assert_close(_prefill_logits(load_model(fused)[0]), _prefill_logits(load_model(checkpoints["mixtral"])[0]))
+
+
+def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path):
+    path = tmp_path / "llama"
+    shutil.copytree(checkpoints["qwen3_moe"], path)
+    _edit_config(path, lambda raw: raw.update(architectures=["LlamaForCausalLM"], model_type="llama"))
+    with pytest.raises(ConfigError) as err:
+        load_model(path)
+    message = str(err.value)
+    assert "LlamaForCausalLM" in message
+    assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
+    assert set(SUPPORTED_ARCHITECTURES) == {
+        "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"
+    }
+
+
+def test_missing_and_misshapen_weights_are_config_errors(checkpoints, tmp_path):
+    path = tmp_path / "broken"
+    shutil.copytree(checkpoints["olmoe"], path)
+    tensors = load_file(str(path / "model.safetensors"))
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(missing, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="lacks weights"):
+        load_model(path)
+    misshapen = dict(tensors)
+    misshapen["model.layers.0.self_attn.q_norm.weight"] = torch.ones(5)
+    save_file(misshapen, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"q_norm.weight has shape \(5,\)"):
+        load_model(path)
+
+
+def test_bad_paths_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_dtype_choice_and_missing_tokenizer(tmp_path, capfd):
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_moe", tokenizer=False)
+    capfd.readouterr()
+    model, tokenizer = load_model(path)
+    assert "Loading safetensors shards" in capfd.readouterr().err  # the progress bar
+    assert tokenizer is None and model.dtype == torch.float32  # "auto" is float32 on the CPU
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    assert model.embed.dtype == torch.bfloat16
+    assert _prefill_logits(model).dtype == torch.float32
+    with pytest.raises(ConfigError, match="unsupported dtype"):
+        load_model(path, dtype="int8")
+
+
+def test_generation_config_eos_ids_are_merged(checkpoints, tmp_path):
+    path = tmp_path / "eos"
+    shutil.copytree(checkpoints["qwen2_moe"], path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [258, 256]}))
+    model, tokenizer = load_model(path)
+    assert model.config.eos_token_ids == [258, 256]
+    assert tokenizer.eos_token_id == 258
