@@ -10,9 +10,109 @@ pub const fn encoded_len(n: usize) -> usize {
 }
 
 /// Encodes `src` (any length) into the front of `dst`, with padding; returns chars written.
+///
+/// On CPUs with AVX-512 VBMI the bulk goes through `avx512::encode_blocks` (measured about
+/// 3x faster than base64-simd 0.8's AVX2 path on this machine, see docs/encoding.md); the
+/// tail, and every byte on other CPUs, goes through base64-simd.
 #[inline]
 pub fn encode_into(src: &[u8], dst: &mut [u8]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if src.len() >= avx512::MIN_LEN && avx512::available() {
+            let done = unsafe { avx512::encode_blocks(src, dst) };
+            let tail = STANDARD.encode(&src[done..], Out::from_slice(&mut dst[done / 3 * 4..])).len();
+            return done / 3 * 4 + tail;
+        }
+    }
     STANDARD.encode(src, Out::from_slice(dst)).len()
+}
+
+/// base64-simd alone, for measurements and tests against the AVX-512 path.
+pub fn encode_into_portable(src: &[u8], dst: &mut [u8]) -> usize {
+    STANDARD.encode(src, Out::from_slice(dst)).len()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! Base64 encoding with AVX-512 VBMI, after Muła and Lemire, "Base64 encoding and decoding
+    //! at almost the speed of a memory copy" (2019): per 48 input bytes, one byte permute puts
+    //! each 3-byte group into a 32-bit lane, one multishift pulls out the four 6-bit fields, and
+    //! one byte permute maps them to the alphabet.
+    use std::arch::x86_64::*;
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    /// Below this the setup is not worth it.
+    pub const MIN_LEN: usize = 96;
+
+    pub fn available() -> bool {
+        static STATE: AtomicU8 = AtomicU8::new(0); // 0 unknown, 1 no, 2 yes
+        match STATE.load(Ordering::Relaxed) {
+            0 => {
+                let yes = std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512bw")
+                    && std::is_x86_feature_detected!("avx512vbmi")
+                    && std::env::var_os("R3SRV_NO_AVX512").is_none();
+                STATE.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
+                yes
+            }
+            s => s == 2,
+        }
+    }
+
+    /// Encodes the longest prefix of `src` that is a multiple of 48 bytes; returns its length.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F, BW and VBMI; `dst` must hold `src.len() / 3 * 4` bytes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    pub unsafe fn encode_blocks(src: &[u8], dst: &mut [u8]) -> usize {
+        let blocks = src.len() / 48;
+        assert!(dst.len() >= blocks * 64);
+        let shuffle = _mm512_setr_epi32(
+            0x01020001, 0x04050304, 0x07080607, 0x0a0b090a, 0x0d0e0c0d, 0x10110f10, 0x13141213, 0x16171516,
+            0x191a1819, 0x1c1d1b1c, 0x1f201e1f, 0x22232122, 0x25262425, 0x28292728, 0x2b2c2a2b, 0x2e2f2d2e,
+        );
+        let shifts = _mm512_set1_epi64(0x3036242a1016040a);
+        let alphabet = _mm512_loadu_si512(
+            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".as_ptr() as *const _,
+        );
+        let mut s = src.as_ptr();
+        let mut d = dst.as_mut_ptr();
+        let mut i = 0;
+        macro_rules! block {
+            ($k:expr) => {{
+                let v = _mm512_loadu_si512(s.add(48 * $k) as *const _);
+                let v = _mm512_permutexvar_epi8(shuffle, v);
+                let v = _mm512_multishift_epi64_epi8(shifts, v);
+                _mm512_storeu_si512(d.add(64 * $k) as *mut _, _mm512_permutexvar_epi8(v, alphabet));
+            }};
+        }
+        // 64-byte loads read 16 bytes past the block: only while they stay inside src.
+        while i + 4 < blocks {
+            block!(0);
+            block!(1);
+            block!(2);
+            block!(3);
+            s = s.add(192);
+            d = d.add(256);
+            i += 4;
+        }
+        while i + 1 < blocks {
+            let v = _mm512_loadu_si512(s as *const _);
+            let v = _mm512_permutexvar_epi8(shuffle, v);
+            let v = _mm512_multishift_epi64_epi8(shifts, v);
+            _mm512_storeu_si512(d as *mut _, _mm512_permutexvar_epi8(v, alphabet));
+            s = s.add(48);
+            d = d.add(64);
+            i += 1;
+        }
+        if i < blocks {
+            let v = _mm512_maskz_loadu_epi8(0x0000_ffff_ffff_ffff, s as *const i8);
+            let v = _mm512_permutexvar_epi8(shuffle, v);
+            let v = _mm512_multishift_epi64_epi8(shifts, v);
+            _mm512_storeu_si512(d as *mut _, _mm512_permutexvar_epi8(v, alphabet));
+        }
+        blocks * 48
+    }
 }
 
 /// Writes base64 of the concatenation of every `write`n piece into `out`, which must be
@@ -195,6 +295,20 @@ mod tests {
                     assert_eq!(out, want, "n={n} a={a} b={b}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn simd_paths_equal_scalar_reference() {
+        for n in [0usize, 1, 47, 48, 95, 96, 97, 143, 144, 145, 1000, 4096, 65536 + 7] {
+            let data = bytes(n, 11 + n as u32);
+            let want = reference(&data);
+            let mut a = vec![0u8; encoded_len(n)];
+            let mut b = vec![0u8; encoded_len(n)];
+            assert_eq!(encode_into(&data, &mut a), want.len());
+            assert_eq!(encode_into_portable(&data, &mut b), want.len());
+            assert_eq!(a, want, "n={n}");
+            assert_eq!(b, want, "n={n}");
         }
     }
 
