@@ -161,7 +161,7 @@ def write_builtin_checkpoint(path: Path) -> None:
     config = builtin_config()
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}) + "\n", encoding="utf-8")
-    save_file(builtin_weights(config), str(path / "model.safetensors"), metadata={"format": "pt", "note": "random weights"})
+    save_file(builtin_weights(config), str(path / "model.safetensors"), metadata={"format": "pt"})  # one key: safetensors orders metadata by hash
     write_byte_level_tokenizer(path)
 
 
