@@ -61,6 +61,7 @@ def test_cache_dir_is_built_once_and_reused(cache_dir):
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp dirs left behind
 
 
+@pytest.mark.slow
 def test_concurrent_first_use_is_safe(tmp_path):
     code = "from r3srv.models.builtin import builtin_model_dir; print(builtin_model_dir())"
     env = {**os.environ, "R3SRV_CACHE_DIR": str(tmp_path)}
