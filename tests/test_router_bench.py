@@ -1,0 +1,39 @@
+"""benches/gpu_router.py must run when a GPU session finally gets one: check the script
+itself on the CPU (no-CUDA exit, and a --smoke run of every part at toy sizes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benches" / "gpu_router.py"
+
+
+def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "R3SRV_FORCE_TORCH_ROUTER")}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env=full_env | env, capture_output=True,
+                          text=True, timeout=600, cwd=SCRIPT.parent.parent)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would really run")
+def test_without_cuda_it_says_so_and_exits_cleanly():
+    done = run()
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device" in done.stdout and "Traceback" not in done.stderr
+    assert run("--require-gpu").returncode == 1
+
+
+@pytest.mark.slow
+def test_smoke_run_exercises_every_part_on_the_cpu():
+    done = run("--smoke", TRITON_INTERPRET="1")
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "correctness: PASS" in out and "0 failures" in out
+    assert "| router T=64 E=128 k=8 |" in out
+    assert "decode step B=2, capture on vs off" in out, out[-3000:] + done.stderr[-3000:]  # the engine part ran
+    assert "Traceback" not in done.stderr
