@@ -5,8 +5,9 @@ use crate::b64::{encode_into, encoded_len, Base64Stream};
 use crate::layout::{gather_c_order, save_order, ArrayView, SaveOrder};
 use crate::npy_header::write_header;
 
-/// Contiguous payloads at least this large are encoded on two threads: the second thread
-/// also takes half of the page faults of the fresh output buffer.
+/// Contiguous payloads at least this large may be split across threads (when the caller
+/// asks for more than one): each thread also takes its share of the page faults of the
+/// fresh output buffer.
 pub const PARALLEL_MIN_BYTES: usize = 4 << 20;
 
 /// A prepared encoding: the header bytes and how to read the rows.

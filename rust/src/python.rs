@@ -25,13 +25,14 @@ const DETACH_MIN_BYTES: usize = 64 * 1024;
 /// `r3srv.serial._encode_reference`, for dtypes the fast path does not cover.
 static REFERENCE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-/// Threads for large contiguous payloads: `R3SRV_ENCODE_THREADS` (default 2, capped by the
-/// CPUs available).
+/// Threads for large contiguous payloads: `R3SRV_ENCODE_THREADS` (default 1, capped by the
+/// CPUs available). Two threads lost on the shared 2-core machine we measured on (see
+/// docs/encoding.md); on an idle many-core host they split the work and the page faults.
 fn worker_threads() -> usize {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *THREADS.get_or_init(|| {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let wanted = std::env::var("R3SRV_ENCODE_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2usize);
+        let wanted = std::env::var("R3SRV_ENCODE_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1usize);
         wanted.clamp(1, cpus.max(1))
     })
 }
