@@ -1,0 +1,166 @@
+"""`r3srv serve [MODEL]`: the OpenAI-compatible server, with the flags users know from `vllm serve`.
+
+The engine is built before the port is bound, so a bad configuration exits with
+status 2 and the engine's message and never opens a socket. SIGINT and SIGTERM
+stop uvicorn gracefully; the app's lifespan then shuts the engine down (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger("r3srv.serve")
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="r3srv", description="OpenAI-compatible MoE server that returns routed experts")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI + vLLM scale-out APIs)")
+    serve.add_argument(
+        "model", nargs="?", default=None, help="checkpoint directory; omitted: the built-in model (RANDOM weights)"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    serve.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="return routed_experts with every completion by default (per request: return_routed_experts)",
+    )
+    serve.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's name)")
+    serve.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step (default: %(default)s)")
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="tokens per step")
+    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
+    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of shared prompt prefixes (default: on)",
+    )
+    serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: %(default)s)")
+    serve.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV pool size (default: from memory)")
+    serve.add_argument(
+        "--kv-cache-memory-fraction", type=float, default=None, help="share of free memory for the KV cache"
+    )
+    serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--max-request-body-bytes", type=_positive_int, default=None, help="larger bodies get 413 (default: 32 MiB)"
+    )
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = dict(
+        device=args.device,
+        dtype=args.dtype,
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        seed=args.seed,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
+    )
+    if args.num_kv_blocks is not None:
+        kwargs["num_kv_blocks"] = args.num_kv_blocks
+    if args.kv_cache_memory_fraction is not None:
+        kwargs["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
+    return kwargs
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after its graceful shutdown, so the
+            # process would die by SIGTERM (or KeyboardInterrupt): a stop we asked for is exit 0.
+            self._captured_signals.clear()
+
+    return Server
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Imported here so `r3srv --help` stays fast.
+    import uvicorn
+
+    from r3srv.engine.async_llm import AsyncLLM
+    from r3srv.errors import ConfigError
+    from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
+
+    if args.model is None:
+        logger.warning("no MODEL given: serving the built-in model, whose weights are RANDOM (text is meaningless)")
+    try:
+        engine = AsyncLLM(args.model, **engine_kwargs(args))
+    except ConfigError as exc:
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        print(f"r3srv serve: cannot load the model: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+    name = args.served_model_name or engine.model_config.name
+    app = build_asgi_app(
+        engine,
+        served_model_name=name,
+        max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+    )
+    logger.info(
+        "serving %s on http://%s:%d (routed experts %s by default, max_model_len=%d)",
+        name,
+        args.host,
+        args.port,
+        "returned" if engine.enable_return_routed_experts else "not returned",
+        engine.max_model_len,
+    )
+    server_class = _server_class()
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        access_log=args.log_level == "debug",
+    )
+    server = server_class(config)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    # uvicorn exits quietly (started False) when it cannot bind the port.
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2  # unreachable: argparse requires a command
+
+
+if __name__ == "__main__":
+    sys.exit(main())

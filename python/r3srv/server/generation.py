@@ -1,0 +1,218 @@
+"""Driving engine requests from the HTTP layer: start, iterate, stop on disconnect, clean up.
+
+`Generation` wraps one `engine.generate` stream. `start` pulls the first output so
+request errors (bad offset, prompt too long) surface as a 400 before any response
+byte is sent. `close` is idempotent and always called: it closes the engine's
+generator and aborts the request, so a client that goes away frees its KV blocks
+and routed-experts rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import numpy as np
+
+from r3srv.errors import InvalidRequestError
+from r3srv.outputs import RequestOutput
+from r3srv.sampling_params import SamplingParams
+from r3srv.server.errors import ModelNotFoundError
+from r3srv.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+# Arrays at least this big are encoded on a worker thread (the Rust encoder
+# releases the GIL), so a 100k-token response never stalls other clients.
+_OFFLOAD_ENCODE_BYTES = 1 << 20
+
+
+@dataclass
+class ServerState:
+    """What every route needs, kept in `app.state.server`."""
+
+    engine: Any
+    model_name: str
+    metrics: ServerMetrics
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise ModelNotFoundError(model)
+
+    def check_params(self, params: SamplingParams) -> None:
+        if params.return_routed_experts and not self.engine.enable_return_routed_experts:
+            raise InvalidRequestError(
+                "return_routed_experts=true needs a server started with --enable-return-routed-experts",
+                param="return_routed_experts",
+            )
+
+    async def encode_experts(self, array: np.ndarray | None) -> str | None:
+        if array is None:
+            return None
+        from r3srv.serial import encode_routed_experts
+
+        if array.nbytes >= _OFFLOAD_ENCODE_BYTES:
+            encoded = await asyncio.to_thread(encode_routed_experts, array, 0)
+        else:
+            encoded = encode_routed_experts(array, 0)
+        self.metrics.routed_experts_bytes.inc(len(encoded))
+        return encoded
+
+
+class Generation:
+    """One engine request, from its first output to its last."""
+
+    def __init__(
+        self, state: ServerState, route: str, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> None:
+        self.state = state
+        self.route = route
+        self.request_id = request_id
+        self._stream = state.engine.generate(prompt, params, request_id)
+        self._started = time.perf_counter()
+        self._first_token_seen = False
+        self.last: RequestOutput | None = None
+        self.finished = False
+        self.closed = False
+
+    async def start(self) -> RequestOutput:
+        """Submit the request and wait for its first output; request errors raise here."""
+        try:
+            first = await self._stream.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError(f"engine ended request {self.request_id} without an output") from None
+        self._observe(first)
+        return first
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Every output from the first (already pulled by `start`) to the finished one."""
+        assert self.last is not None, "start() first"
+        yield self.last
+        if self.finished:
+            return
+        async for output in self._stream:
+            self._observe(output)
+            yield output
+            if self.finished:
+                return
+
+    async def final(self) -> RequestOutput:
+        output = self.last
+        async for output in self.outputs():
+            pass
+        assert output is not None
+        return output
+
+    def _observe(self, output: RequestOutput) -> None:
+        self.last = output
+        now = time.perf_counter()
+        metrics = self.state.metrics
+        if not self._first_token_seen and any(c.token_ids for c in output.outputs):
+            self._first_token_seen = True
+            metrics.ttft.labels(self.route).observe(now - self._started)
+        if output.finished and not self.finished:
+            self.finished = True
+            metrics.e2e_latency.labels(self.route).observe(now - self._started)
+            metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+            metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+
+    async def close(self) -> None:
+        """Idempotent; shielded so it also runs when the caller's scope is being cancelled."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._stream.aclose()
+            finally:
+                if not self.finished:
+                    await self.state.engine.abort(self.request_id)
+
+
+async def start_all(
+    state: ServerState, route: str, prompts: list[str | list[int]], params: SamplingParams, request_id: str
+) -> list[Generation]:
+    """Submit every prompt of a request together (so they batch), then wait for each first output."""
+    suffix = len(prompts) > 1
+    gens = [
+        Generation(state, route, p, params, f"{request_id}-{i}" if suffix else request_id)
+        for i, p in enumerate(prompts)
+    ]
+    try:
+        await asyncio.gather(*(g.start() for g in gens))
+    except BaseException:
+        await close_all(gens)
+        raise
+    return gens
+
+
+async def close_all(gens: list[Generation]) -> None:
+    for g in gens:
+        await g.close()
+
+
+async def merged_outputs(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every generation, in arrival order."""
+    if len(gens) == 1:
+        async for output in gens[0].outputs():
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for output in gen.outputs():
+                await queue.put((i, output))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnect(receive: Any, work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it and return None.
+
+    The request body has been read already, so the next ASGI message can only be
+    `http.disconnect` (uvicorn also sends it once the response is complete).
+    """
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    return None

@@ -1,0 +1,495 @@
+"""Every request and response body of the HTTP API, as msgspec Structs.
+
+Field names follow OpenAI's completions/chat API and vLLM 0.33 (its
+`entrypoints/openai/*/protocol.py` and `scale_out/token_in_token_out/protocol.py`)
+for every field r3srv supports, so clients written for vLLM work unchanged.
+Unknown request fields are ignored, as OpenAI-compatible servers do.
+
+Each OpenAI request has exactly one `to_sampling_params`: the one road from the
+wire to the engine's `SamplingParams`. `/inference/v1/generate` decodes its
+`sampling_params` object straight into `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from r3srv.errors import InvalidRequestError
+from r3srv.sampling_params import SamplingParams
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PromptStart = Annotated[
+    int, Meta(ge=0, description="Skip the rows of this many leading prompt tokens in routed_experts.")
+]
+ReturnRoutedExperts = Annotated[
+    bool | None,
+    Meta(
+        description="None: the server default (--enable-return-routed-experts); false: opt out; "
+        "true: ask for them (400 if the server was started without the flag)."
+    ),
+]
+ReturnTokenIds = Annotated[
+    bool | None, Meta(description="Add prompt_token_ids and token_ids to the response, as vLLM does.")
+]
+
+
+# ---------------------------------------------------------------- shared parts
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(Struct, kw_only=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ErrorInfo(Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(Struct, kw_only=True):
+    error: ErrorInfo
+
+
+def _sampling_params(**kwargs: Any) -> SamplingParams:
+    """Build SamplingParams; its own checks become a 400 naming the field."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        raise InvalidRequestError(message, param=message.split("=", 1)[0]) from exc
+
+
+def _reject_unsupported(**values: Any) -> None:
+    """OpenAI fields r3srv does not implement: refuse them rather than ignore them silently."""
+    for name, value in values.items():
+        if value not in (None, 0, 0.0, False):
+            raise InvalidRequestError(f"{name}={value!r} is not supported by r3srv", param=name)
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+# msgspec allows one array-like type per union, so the OpenAI prompt forms
+# (str, list[str], list[int], list[list[int]]) decode as str | list[...] and are
+# sorted out by `prompts()`.
+PromptType = str | list[str | int | list[int]]
+
+
+class CompletionRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: PromptType
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool | None = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    user: str | None = None
+    # vLLM extras
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False
+    request_id: str | None = None
+    return_token_ids: ReturnTokenIds = None
+    routed_experts_prompt_start: PromptStart = 0
+    # r3srv extra
+    return_routed_experts: ReturnRoutedExperts = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one text or one token-id list each."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        if all(isinstance(p, list) for p in prompt):
+            if not all(prompt):
+                raise InvalidRequestError("prompt token lists must not be empty", param="prompt")
+            return list(prompt)  # type: ignore[arg-type]
+        raise InvalidRequestError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            param="prompt",
+        )
+
+    def to_sampling_params(self) -> SamplingParams:
+        _reject_unsupported(
+            echo=self.echo, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty
+        )
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
+        return _sampling_params(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            routed_experts_prompt_start=self.routed_experts_prompt_start,
+            return_routed_experts=self.return_routed_experts,
+        )
+
+
+class CompletionLogProbs(Struct, kw_only=True):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionResponseChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
+    routed_experts: str | None = None
+
+
+class CompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
+    # Only on the final chunk of a choice (the one with finish_reason).
+    routed_experts: str | None | UnsetType = UNSET
+
+
+class CompletionStreamResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidRequestError("only text content parts are supported", param="messages")
+            content = "".join(part.text for part in content)  # type: ignore[misc]
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(Struct, kw_only=True):
+    model: str | None = None
+    messages: Annotated[list[ChatMessageParam], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    user: str | None = None
+    add_generation_prompt: bool = True
+    # vLLM extras
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False
+    request_id: str | None = None
+    return_token_ids: ReturnTokenIds = None
+    routed_experts_prompt_start: PromptStart = 0
+    # r3srv extra
+    return_routed_experts: ReturnRoutedExperts = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.to_template_dict() for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        _reject_unsupported(frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return _sampling_params(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            routed_experts_prompt_start=self.routed_experts_prompt_start,
+            return_routed_experts=self.return_routed_experts,
+        )
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | None = None
+
+
+class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionLogProb(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatCompletionLogProb] = msgspec.field(default_factory=list)
+
+
+class ChatCompletionLogProbs(Struct, kw_only=True):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(Struct, kw_only=True):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+    routed_experts: str | None = None
+
+
+class ChatCompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+    routed_experts: str | None | UnsetType = UNSET
+
+
+class ChatCompletionStreamResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+# ---------------------------------------------------------------- /inference/v1/generate (vLLM scale-out)
+
+
+class GenerateRequest(Struct, kw_only=True):
+    token_ids: Annotated[list[NonNegInt], Meta(min_length=1)]
+    sampling_params: SamplingParams
+    request_id: str | None = None
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: ReturnTokenIds = None
+    # "tokens": token ids only; "text": also the detokenized text.
+    output_mode: Literal["tokens", "text"] = "tokens"
+
+
+class GenerateLogProb(Struct, kw_only=True):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class GenerateLogProbsContent(Struct, kw_only=True):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    top_logprobs: list[GenerateLogProb] = msgspec.field(default_factory=list)
+
+
+class GenerateLogProbs(Struct, kw_only=True):
+    content: list[GenerateLogProbsContent] | None = None
+
+
+class GenerateChoice(Struct, kw_only=True):
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int]
+    logprobs: GenerateLogProbs | None = None
+    routed_experts: str | None = None
+    text: str | UnsetType = UNSET  # output_mode="text" only
+
+
+class GenerateResponse(Struct, kw_only=True):
+    request_id: str
+    model: str | None = None
+    created: int | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    choices: list[GenerateChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class GenerateStreamChoice(Struct, kw_only=True):
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int]  # the delta since the previous chunk of this choice
+    logprobs: GenerateLogProbs | None = None
+    routed_experts: str | None | UnsetType = UNSET
+    text: str | UnsetType = UNSET
+
+
+class GenerateStreamResponse(Struct, kw_only=True):
+    request_id: str
+    output_mode: Literal["tokens", "text"] = "tokens"
+    choices: list[GenerateStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class AbortRequestsRequest(Struct, kw_only=True):
+    request_ids: list[str]
+
+
+# ---------------------------------------------------------------- tokenizer, models, version
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """Either `prompt` (raw text) or `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_generation_prompt: bool = True
+
+    def text(self, apply_chat_template: Any) -> str:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+        if self.prompt is not None:
+            return self.prompt
+        messages = [m.to_template_dict() for m in self.messages or ()]
+        return apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt)
+
+
+class TokenizeResponse(Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[NonNegInt]
+
+
+class DetokenizeResponse(Struct, kw_only=True):
+    prompt: str
+
+
+class RoutedExpertsInfo(Struct, kw_only=True):
+    num_layers: int
+    top_k: int
+    num_experts: int
+    dtype: str
+    moe_layers: list[int]
+
+
+class ModelCard(Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    owned_by: str = "r3srv"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    # Present when the server returns routed experts (--enable-return-routed-experts).
+    routed_experts: RoutedExpertsInfo | UnsetType = UNSET
+
+
+class ModelList(Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VersionResponse(Struct, kw_only=True):
+    version: str

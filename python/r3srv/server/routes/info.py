@@ -1,0 +1,75 @@
+"""Model list, health, version, tokenizer endpoints and Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import MediaType, Request, Response, get, post
+
+import r3srv
+from r3srv.errors import InvalidRequestError
+from r3srv.server import protocol as p
+from r3srv.server.metrics import CONTENT_TYPE
+from r3srv.server.routes.common import server_state
+
+
+@get("/v1/models", summary="List the served model (with its routed-experts layout)")
+async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
+    state = server_state(request)
+    engine = state.engine
+    info = engine.routed_experts_info
+    card = p.ModelCard(
+        id=state.model_name,
+        root=state.model_name,
+        max_model_len=engine.max_model_len,
+        routed_experts=p.RoutedExpertsInfo(
+            num_layers=int(info["num_layers"]),
+            top_k=int(info["top_k"]),
+            num_experts=int(info["num_experts"]),
+            dtype=str(info["dtype"]),
+            moe_layers=[int(i) for i in info["moe_layers"]],
+        )
+        if info
+        else p.UNSET,
+    )
+    return p.ModelList(data=[card])
+
+
+@get("/health", summary="200 when the server is up", include_in_schema=True)
+async def health() -> Response[bytes]:
+    return Response(b"", status_code=200, media_type=MediaType.TEXT)
+
+
+@get("/version", summary="r3srv version")
+async def version() -> p.VersionResponse:
+    return p.VersionResponse(version=r3srv.__version__)
+
+
+@post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages")
+async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> p.TokenizeResponse:
+    state = server_state(request)
+    state.check_model(data.model)
+    tokenizer = state.engine.tokenizer
+    try:
+        tokens = list(tokenizer.encode(data.text(tokenizer.apply_chat_template)))
+    except InvalidRequestError:
+        raise
+    except Exception as exc:
+        raise InvalidRequestError(f"cannot tokenize: {exc}", param="messages") from exc
+    return p.TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
+
+
+@post("/detokenize", status_code=200, summary="Turn token ids back into text")
+async def detokenize(data: p.DetokenizeRequest, request: Request[Any, Any, Any]) -> p.DetokenizeResponse:
+    state = server_state(request)
+    state.check_model(data.model)
+    try:
+        text = state.engine.tokenizer.decode(data.tokens)
+    except Exception as exc:  # ids outside the vocabulary
+        raise InvalidRequestError(f"cannot detokenize: {exc}", param="tokens") from exc
+    return p.DetokenizeResponse(prompt=text)
+
+
+@get("/metrics", summary="Prometheus metrics", include_in_schema=False)
+async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,56 @@
+"""POST /v1/completions and POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from litestar import Request, post
+
+from r3srv.errors import InvalidRequestError
+from r3srv.server import protocol as p
+from r3srv.server.generation import start_all
+from r3srv.server.responses import chat_response, completion_response
+from r3srv.server.routes.common import run_to_end, server_state
+from r3srv.server.streaming import EngineStream, chat_stream, completion_stream
+
+
+@post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)")
+async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]) -> p.CompletionResponse:
+    state = server_state(request)
+    state.check_model(data.model)
+    params = data.to_sampling_params()
+    state.check_params(params)
+    prompts = data.prompts()
+    request_id = data.request_id or f"cmpl-{uuid.uuid4().hex}"
+    route = "/v1/completions"
+    if data.stream:
+        gens = await start_all(state, route, prompts, params, request_id)
+        return EngineStream(completion_stream(state, data, request_id, gens), gens)  # type: ignore[return-value]
+    return await run_to_end(  # type: ignore[return-value]
+        request, route, prompts, params, request_id, lambda finals: completion_response(state, data, request_id, finals)
+    )
+
+
+@post("/v1/chat/completions", status_code=200, summary="Create a chat completion (OpenAI)")
+async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, Any, Any]) -> p.ChatCompletionResponse:
+    state = server_state(request)
+    state.check_model(data.model)
+    params = data.to_sampling_params()
+    state.check_params(params)
+    try:
+        prompt = state.engine.tokenizer.apply_chat_template(
+            data.template_messages(), add_generation_prompt=data.add_generation_prompt
+        )
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # a template that rejects these messages (jinja raise_exception, bad roles)
+        raise InvalidRequestError(f"cannot apply the chat template to these messages: {exc}", param="messages") from exc
+    request_id = data.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    route = "/v1/chat/completions"
+    if data.stream:
+        gens = await start_all(state, route, [prompt], params, request_id)
+        return EngineStream(chat_stream(state, data, request_id, gens), gens)  # type: ignore[return-value]
+    return await run_to_end(  # type: ignore[return-value]
+        request, route, [prompt], params, request_id, lambda finals: chat_response(state, data, request_id, finals[0])
+    )

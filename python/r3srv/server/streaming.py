@@ -1,0 +1,238 @@
+"""Server-sent events: turn cumulative engine outputs into per-choice delta chunks.
+
+Each chunk carries one choice's new text/tokens. The chunk with `finish_reason`
+also carries that choice's whole `routed_experts` (no other chunk does). Usage
+comes last when `stream_options.include_usage` is set, then `data: [DONE]`.
+The response object closes every engine request when the stream ends for any
+reason, including a client that disconnects mid-stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+import anyio
+import msgspec
+from litestar.response import Stream
+from litestar.response.streaming import ASGIStreamingResponse
+from litestar.types import Receive, Send
+from msgspec import UNSET
+
+from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.server import protocol as p
+from r3srv.server.generation import Generation, ServerState, close_all, merged_outputs
+from r3srv.server.responses import LogprobFormatter, generate_logprobs, usage_of
+
+_encode = msgspec.json.Encoder().encode
+DONE = b"data: [DONE]\n\n"
+SSE_MEDIA_TYPE = "text/event-stream"
+
+
+def sse(chunk: msgspec.Struct) -> bytes:
+    return b"data: " + _encode(chunk) + b"\n\n"
+
+
+class _EngineASGIStream(ASGIStreamingResponse):
+    __slots__ = ("gens",)
+
+    def __init__(self, *, gens: list[Generation], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gens = gens
+
+    async def send_body(self, send: Send, receive: Receive) -> None:
+        try:
+            await super().send_body(send, receive)
+        finally:
+            # Runs on normal end, on client disconnect (Litestar cancels the sender)
+            # and on errors: close our generator, then abort what is still running.
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await close_all(self.gens)
+
+
+class EngineStream(Stream):
+    """A text/event-stream response that always closes its engine requests, even on disconnect."""
+
+    __slots__ = ("_gens",)
+
+    def __init__(self, content: AsyncIterator[bytes], gens: list[Generation]) -> None:
+        super().__init__(content, media_type=SSE_MEDIA_TYPE, status_code=200, headers={"Cache-Control": "no-cache"})
+        self._gens = gens
+
+    def to_asgi_response(  # type: ignore[override]
+        self, app: Any, request: Any, *, headers: dict[str, str] | None = None, cookies: Any = None, **kwargs: Any
+    ) -> ASGIStreamingResponse:
+        # Litestar's Stream would take the handler's media type (JSON) over ours.
+        return _EngineASGIStream(
+            gens=self._gens,
+            iterator=self.iterator,
+            background=self.background or kwargs.get("background"),
+            content_length=0,
+            cookies=self.cookies if cookies is None else [*self.cookies, *cookies],
+            encoded_headers=kwargs.get("encoded_headers"),
+            encoding=self.encoding,
+            headers={**headers, **self.headers} if headers is not None else self.headers,
+            is_head_response=kwargs.get("is_head_response", False),
+            media_type=SSE_MEDIA_TYPE,
+            status_code=200,
+        )
+
+
+@dataclass
+class _Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    text_offset: int
+    first: bool
+    final: bool
+
+
+class _Tracker:
+    """What has been sent so far for each (prompt, choice)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[tuple[int, int], tuple[int, int]] = {}
+        self._done: set[tuple[int, int]] = set()
+
+    def delta(self, prompt_index: int, c: CompletionOutput) -> _Delta | None:
+        key = (prompt_index, c.index)
+        if key in self._done:
+            return None
+        first = key not in self._sent
+        n_text, n_tok = self._sent.get(key, (0, 0))
+        text = c.text[n_text:] if len(c.text) > n_text else ""
+        token_ids = list(c.token_ids[n_tok:])
+        final = c.finished
+        if not text and not token_ids and not final and not first:
+            return None
+        self._sent[key] = (max(n_text, len(c.text)), len(c.token_ids))
+        if final:
+            self._done.add(key)
+        logprobs = c.logprobs[n_tok : len(c.token_ids)] if c.logprobs is not None else None
+        return _Delta(text, token_ids, logprobs, n_text, first, final)
+
+
+async def completion_stream(
+    state: ServerState, req: p.CompletionRequest, request_id: str, gens: list[Generation]
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    fmt = LogprobFormatter(state.engine.tokenizer)
+    with_ids = bool(req.return_token_ids)
+    tracker = _Tracker()
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in merged_outputs(gens):
+        for c in out.outputs:
+            d = tracker.delta(i, c)
+            if d is None:
+                continue
+            choice = p.CompletionResponseStreamChoice(
+                index=i * req.n + c.index,
+                text=d.text,
+                logprobs=fmt.completion(d.token_ids, d.logprobs or [], d.text_offset) if req.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_token_ids=list(out.prompt_token_ids) if with_ids and d.first else UNSET,
+                token_ids=d.token_ids if with_ids else UNSET,
+                routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+            )
+            yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[choice]))
+        if out.finished:
+            finals[i] = out
+    if req.stream_options and req.stream_options.include_usage:
+        usage = usage_of(list(finals.values()))
+        yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
+    yield DONE
+
+
+async def chat_stream(
+    state: ServerState, req: p.ChatCompletionRequest, request_id: str, gens: list[Generation]
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    fmt = LogprobFormatter(state.engine.tokenizer)
+    with_ids = bool(req.return_token_ids)
+    tracker = _Tracker()
+    final: RequestOutput | None = None
+    sent_prompt_ids = False
+
+    def chunk(choice: p.ChatCompletionResponseStreamChoice, prompt_ids: list[int] | None) -> bytes:
+        return sse(
+            p.ChatCompletionStreamResponse(
+                id=request_id,
+                created=created,
+                model=state.model_name,
+                choices=[choice],
+                prompt_token_ids=prompt_ids if prompt_ids is not None else UNSET,
+            )
+        )
+
+    async for _, out in merged_outputs(gens):
+        for c in out.outputs:
+            d = tracker.delta(0, c)
+            if d is None:
+                continue
+            prompt_ids = None
+            if with_ids and not sent_prompt_ids:
+                prompt_ids, sent_prompt_ids = list(out.prompt_token_ids), True
+            if d.first:  # OpenAI opens each choice with the role
+                role = p.ChatCompletionResponseStreamChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))
+                yield chunk(role, prompt_ids)
+                prompt_ids = None
+                if not d.text and not d.token_ids and not d.final:
+                    continue
+            choice = p.ChatCompletionResponseStreamChoice(
+                index=c.index,
+                delta=p.DeltaMessage(content=d.text) if d.text or not d.final else p.DeltaMessage(),
+                logprobs=fmt.chat(d.token_ids, d.logprobs or [], req.top_logprobs or 0) if req.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=d.token_ids if with_ids else UNSET,
+                routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+            )
+            yield chunk(choice, prompt_ids)
+        if out.finished:
+            final = out
+    if req.stream_options and req.stream_options.include_usage and final is not None:
+        usage = usage_of([final])
+        yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
+    yield DONE
+
+
+async def generate_stream(
+    state: ServerState, req: p.GenerateRequest, request_id: str, gens: list[Generation]
+) -> AsyncIterator[bytes]:
+    text_mode = req.output_mode == "text"
+    tracker = _Tracker()
+    final: RequestOutput | None = None
+    sent_prompt_ids = False
+    async for _, out in merged_outputs(gens):
+        for c in out.outputs:
+            d = tracker.delta(0, c)
+            if d is None:
+                continue
+            prompt_ids = None
+            if req.return_token_ids and not sent_prompt_ids:
+                prompt_ids, sent_prompt_ids = list(out.prompt_token_ids), True
+            choice = p.GenerateStreamChoice(
+                index=c.index,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=d.token_ids,
+                logprobs=generate_logprobs(d.token_ids, d.logprobs) if d.logprobs is not None else None,
+                routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                text=d.text if text_mode else UNSET,
+            )
+            yield sse(
+                p.GenerateStreamResponse(
+                    request_id=request_id, output_mode=req.output_mode, choices=[choice], prompt_token_ids=prompt_ids
+                )
+            )
+        if out.finished:
+            final = out
+    if req.stream_options and req.stream_options.include_usage and final is not None:
+        yield sse(p.GenerateStreamResponse(request_id=request_id, output_mode=req.output_mode, choices=[], usage=usage_of([final])))
+    yield DONE

@@ -1,0 +1,89 @@
+"""Run `r3srv serve` as a real subprocess on a free 127.0.0.1 port (vLLM's RemoteOpenAIServer pattern).
+
+Used by the server tests and benchmarks: start it, poll /health, hand out the base
+URL, and on exit stop it with SIGTERM and record its exit code (a clean stop is 0).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+# Small KV pool: fast to allocate, plenty for tests (256 blocks x 16 tokens).
+TEST_SERVER_ARGS = ("--num-kv-blocks", "256", "--max-num-seqs", "16", "--log-level", "warning")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "r3srv.cli", "serve", *args]
+
+
+class RemoteServer:
+    def __init__(self, *args: str, startup_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="r3srv-serve-", suffix=".log", delete=False)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            serve_command("--host", "127.0.0.1", "--port", str(self.port), *args),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        self.returncode: int | None = None
+        try:
+            self._wait_healthy(startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def log(self) -> str:
+        path = Path(self._log.name)
+        return path.read_text(errors="replace") if path.exists() else getattr(self, "final_log", "")
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"r3srv serve exited with {self.proc.returncode}:\n{self.log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"r3srv serve did not become healthy in {timeout}s:\n{self.log}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.returncode = self.proc.returncode
+        self._log.close()
+        self.final_log = self.log
+        return self.returncode
+
+    def __enter__(self) -> "RemoteServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        os.unlink(self._log.name)
