@@ -126,6 +126,12 @@ def test_tiny_batches(num_tokens):
     check_against_reference(logits, 8, capture_dtype=torch.uint8)
 
 
+def test_largest_supported_expert_count():
+    gen = generator(1024)
+    check_against_reference(torch.randn(5, 1024, generator=gen), 8, scoring="sigmoid",
+                            correction_bias=torch.randn(1024, generator=gen))
+
+
 @pytest.mark.parametrize("block_t", [1, 4, 32])
 def test_block_size_override_gives_same_result(block_t):
     logits = torch.randn(19, 64, generator=generator(block_t))
@@ -139,6 +145,8 @@ def test_rejects_bad_arguments():
     logits = torch.randn(4, 16)
     with pytest.raises(ValueError, match="top_k <= 8"):
         route_triton(logits, 9)
+    with pytest.raises(ValueError, match="<= 1024 experts"):
+        route_triton(torch.randn(2, 1025), 2)
     with pytest.raises(ValueError, match="scoring"):
         route_triton(logits, 2, scoring="tanh")
     with pytest.raises(ValueError, match="cannot hold"):

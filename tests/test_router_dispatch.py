@@ -10,7 +10,7 @@ import torch
 from r3srv.kernels import router
 from r3srv.kernels.router_reference import route_reference
 
-CUDA_LIKE = SimpleNamespace(is_cuda=True)  # uses_triton only looks at .is_cuda
+CUDA_LIKE = SimpleNamespace(is_cuda=True, shape=(4, 128))  # uses_triton reads only these
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +26,14 @@ def test_auto_uses_the_kernel_for_cuda_tensors_only():
     assert not router.uses_triton(torch.zeros(2, 8), 2)
 
 
-def test_auto_falls_back_to_torch_above_the_kernels_top_k():
+def test_auto_falls_back_to_torch_beyond_the_kernels_limits():
     assert not router.uses_triton(CUDA_LIKE, 9)
+    assert not router.uses_triton(SimpleNamespace(is_cuda=True, shape=(4, 1025)), 8)
+
+
+def test_dispatcher_limits_match_the_kernel():
+    router_triton = pytest.importorskip("r3srv.kernels.router_triton")
+    assert (router._FUSED_MAX_TOP_K, router._FUSED_MAX_EXPERTS) == (router_triton.MAX_TOP_K, router_triton.MAX_EXPERTS)
 
 
 @pytest.mark.parametrize("value,forced", [("1", True), ("true", True), ("0", False), ("", False)])

@@ -4,8 +4,8 @@ Dispatches to the fused Triton kernel on CUDA (when it is available) and to the
 plain-torch reference everywhere else; both share `route_reference`'s signature.
 
 Backends (`set_router_backend`):
-  "auto"   (default) Triton for CUDA tensors when triton imports and top_k <= 8, torch
-           otherwise. R3SRV_FORCE_TORCH_ROUTER=1 in the environment makes "auto" use torch.
+  "auto"   (default) Triton for CUDA tensors when triton imports, top_k <= 8 and
+           experts <= 1024; torch otherwise. R3SRV_FORCE_TORCH_ROUTER=1 in the environment makes "auto" use torch.
   "torch"  always the torch reference.
   "triton" always the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);
            raises if it cannot run. For tests and benchmarks.
@@ -22,7 +22,9 @@ from r3srv.kernels.router_reference import route_reference
 
 BACKENDS = ("auto", "torch", "triton")
 FORCE_TORCH_ENV = "R3SRV_FORCE_TORCH_ROUTER"
-_FUSED_MAX_TOP_K = 8  # router_triton.MAX_TOP_K, without importing triton on CPU-only paths
+# router_triton's limits, without importing triton on CPU-only paths
+_FUSED_MAX_TOP_K = 8
+_FUSED_MAX_EXPERTS = 1024
 
 _backend = "auto"
 _triton_importable: bool | None = None
@@ -59,7 +61,12 @@ def uses_triton(router_logits: torch.Tensor, top_k: int) -> bool:
         return True
     if _backend == "torch" or _torch_forced():
         return False
-    return router_logits.is_cuda and top_k <= _FUSED_MAX_TOP_K and triton_available()
+    return (
+        router_logits.is_cuda
+        and top_k <= _FUSED_MAX_TOP_K
+        and router_logits.shape[-1] <= _FUSED_MAX_EXPERTS
+        and triton_available()
+    )
 
 
 def select_experts(

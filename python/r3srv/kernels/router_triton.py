@@ -19,6 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from r3srv.kernels.router_reference import check_route_args
 
 MAX_TOP_K = 8  # the top-k loop is unrolled; every router we serve picks <= 8
+MAX_EXPERTS = 1024  # a program holds whole rows in registers
 TILE_ELEMENTS = 2048  # logits per program: enough work per program, few registers per thread
 
 
@@ -123,7 +124,7 @@ def launch_config(num_experts: int, block_t: int | None = None) -> tuple[int, in
     """
     block_e = triton.next_power_of_2(num_experts)
     if block_t is None:
-        block_t = max(1, TILE_ELEMENTS // block_e)
+        block_t = max(2, TILE_ELEMENTS // block_e)
     tile = block_t * block_e
     num_warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 4096 else 8
     return block_t, block_e, num_warps
@@ -145,8 +146,11 @@ def route_triton(
     Needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1.
     """
     check_route_args(router_logits, top_k, scoring, correction_bias, capture)
-    if top_k > MAX_TOP_K:
-        raise ValueError(f"the fused router supports top_k <= {MAX_TOP_K}, got {top_k}; use route_reference")
+    if top_k > MAX_TOP_K or router_logits.shape[1] > MAX_EXPERTS:
+        raise ValueError(
+            f"the fused router supports top_k <= {MAX_TOP_K} and <= {MAX_EXPERTS} experts, got top_k={top_k} "
+            f"with {router_logits.shape[1]} experts; use route_reference"
+        )
     if router_logits.is_cuda == interpreter_enabled():
         raise ValueError(
             f"the fused router runs on CUDA tensors, or on CPU tensors in a process started with "
@@ -192,7 +196,7 @@ def _launch(grid, num_warps, router_logits, bias, weights, ids, capture, top_k, 
         TOP_K=top_k,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)),  # no size-1 blocks: k=1 gets one masked slot
         SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None,
         RENORMALIZE=bool(renormalize),
@@ -201,4 +205,4 @@ def _launch(grid, num_warps, router_logits, bias, weights, ids, capture, top_k, 
     )
 
 
-__all__ = ["MAX_TOP_K", "interpreter_enabled", "launch_config", "route_triton"]
+__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "interpreter_enabled", "launch_config", "route_triton"]
