@@ -1,0 +1,94 @@
+"""`r3srv serve`: flags, configuration errors before binding, clean stop on SIGINT."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port, serve_command
+
+from r3srv.cli import build_parser, engine_kwargs, main
+
+
+def test_console_script_is_installed():
+    script = shutil.which("r3srv", path=str(Path(sys.executable).parent))
+    assert script is not None, "pyproject's [project.scripts] r3srv entry is not installed"
+    out = subprocess.run([script, "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in (
+        "--host",
+        "--port",
+        "--enable-return-routed-experts",
+        "--served-model-name",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--dtype",
+        "--device",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--pipeline-parallel-size",
+        "--decode-context-parallel-size",
+        "--prefill-context-parallel-size",
+        "--seed",
+    ):
+        assert flag in out.stdout
+
+
+def test_flags_map_onto_engine_arguments():
+    args = build_parser().parse_args(
+        ["serve", "/ckpt", "--enable-return-routed-experts", "--no-enable-prefix-caching", "--max-model-len", "2112",
+         "--max-num-seqs", "4", "--dtype", "float32", "--seed", "9", "-pp", "1"]
+    )
+    assert args.model == "/ckpt" and args.host == "127.0.0.1" and args.port == 8000
+    kw = engine_kwargs(args)
+    assert kw["enable_return_routed_experts"] is True and kw["enable_prefix_caching"] is False
+    assert (kw["max_model_len"], kw["max_num_seqs"], kw["dtype"], kw["seed"]) == (2112, 4, "float32", 9)
+    default = engine_kwargs(build_parser().parse_args(["serve"]))
+    assert default["enable_return_routed_experts"] is False and default["enable_prefix_caching"] is True
+
+
+def test_bad_config_exits_before_binding():
+    port = free_port()
+    out = subprocess.run(
+        serve_command("--port", str(port), "--pipeline-parallel-size", "2"), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stderr
+    assert "configuration error" in out.stderr and "pipeline_parallel_size=2" in out.stderr
+    assert "Uvicorn running" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--decode-context-parallel-size", "2"], ["decode_context_parallel_size=2"]),
+        (["--prefill-context-parallel-size", "4"], ["prefill_context_parallel_size=4"]),
+        (["--dtype", "float8"], ["dtype"]),
+        (["--device", "tpu"], ["device"]),
+        (["/no/such/checkpoint"], ["/no/such/checkpoint"]),
+    ],
+)
+def test_bad_configs_are_reported(flags, words, capsys):
+    """In-process (no torch start-up per case): main() returns 2 with the engine's message, never serving."""
+    rc = main(["serve", "--port", str(free_port()), "--log-level", "error", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "configuration error" in err or "cannot load" in err
+    assert all(w in err for w in words), err
+
+
+def test_sigint_stops_cleanly():
+    srv = RemoteServer(*TEST_SERVER_ARGS)
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        rc = srv.stop(signal.SIGINT, timeout=15)
+        assert rc == 0, srv.log
+        assert "Traceback" not in srv.log
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(srv.url + "/health", timeout=2)
+    finally:
+        srv.stop()

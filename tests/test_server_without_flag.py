@@ -1,0 +1,58 @@
+"""A server started WITHOUT --enable-return-routed-experts: no rows by default, and asking is a clear 400."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_fixture import TEST_SERVER_ARGS, RemoteServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer("--served-model-name", "plain", *TEST_SERVER_ARGS) as srv:
+        yield srv
+    assert srv.returncode == 0, f"SIGTERM should stop the server cleanly:\n{srv.log}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_has_no_routed_experts_layout(server):
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert card["id"] == "plain"  # --served-model-name
+    assert "routed_experts" not in card
+
+
+def test_default_response_has_no_routed_experts(client):
+    r = client.completions.create(model="plain", prompt="hello", max_tokens=2, extra_body={"return_token_ids": True})
+    assert r.choices[0].routed_experts is None
+    assert len(r.choices[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("api", ["completions", "chat", "generate"])
+def test_asking_for_routed_experts_says_how_to_start_the_server(server, client, api):
+    if api == "generate":
+        r = httpx.post(
+            server.url + "/inference/v1/generate",
+            json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 1, "return_routed_experts": True}},
+        )
+        assert r.status_code == 400
+        message = r.json()["error"]["message"]
+    else:
+        with pytest.raises(openai.BadRequestError) as exc:
+            if api == "completions":
+                client.completions.create(model="plain", prompt="hi", max_tokens=1, extra_body={"return_routed_experts": True})
+            else:
+                client.chat.completions.create(
+                    model="plain", messages=[{"role": "user", "content": "hi"}], extra_body={"return_routed_experts": True}
+                )
+        message = exc.value.message
+    assert "--enable-return-routed-experts" in message
+
+
+def test_other_model_names_are_not_found(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="r3srv-builtin-random-moe", prompt="hi", max_tokens=1)
