@@ -156,3 +156,13 @@ def test_generation_config_eos_ids_are_merged(checkpoints, tmp_path):
     model, tokenizer = load_model(path)
     assert model.config.eos_token_ids == [258, 256]
     assert tokenizer.eos_token_id == 258
+
+
+def test_sliding_window_caps_the_length(checkpoints, tmp_path):
+    path = tmp_path / "swa"
+    shutil.copytree(checkpoints["mixtral"], path)
+    _edit_config(path, lambda raw: raw.update(sliding_window=64, max_position_embeddings=512))
+    assert ModelConfig.from_dir(path).max_position_embeddings == 64
+    _edit_config(path, lambda raw: raw.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+                                              num_experts=8, moe_intermediate_size=16, use_sliding_window=False))
+    assert ModelConfig.from_dir(path).max_position_embeddings == 512  # a window that is switched off

@@ -8,6 +8,7 @@ keeps `transformers` out of the runtime and accepts both old and new key spellin
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 
 from r3srv.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # architecture name (config.json "architectures"[0]) -> family
 ARCHITECTURE_FAMILIES: dict[str, str] = {
@@ -172,6 +175,13 @@ class ModelConfig:
             cfg["qk_norm"] = "full"
             cfg["clip_qkv"] = raw.get("clip_qkv")
             cfg["renormalize"] = bool(raw.get("norm_topk_prob", False))
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        if window and window < cfg["max_position_embeddings"]:
+            # Within the window, sliding-window attention is full attention: capping the
+            # length keeps every sequence exact without a windowed kernel.
+            logger.warning("%s: sliding_window=%d; capping max_position_embeddings %d to it",
+                           architecture, window, cfg["max_position_embeddings"])
+            cfg["max_position_embeddings"] = int(window)
         if cfg["hidden_act"] != "silu":
             raise ConfigError(f"{architecture}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
         if heads % kv_heads:
