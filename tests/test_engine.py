@@ -1,0 +1,252 @@
+"""The offline engine on the built-in model: row counts, validation, prefix cache, preemption,
+n > 1, stop trimming, abort, and rows equal to an independent recomputation of the router."""
+
+import numpy as np
+import pytest
+import torch
+
+import r3srv.models.moe as moe_module
+from r3srv import LLM, SamplingParams
+from r3srv.errors import InvalidRequestError
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Tiny matmuls gain nothing from a second intra-op thread, and on a shared 2-core
+    # machine a busy core makes OpenMP's spin-waits 10-50x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=256, max_num_seqs=16)
+
+
+def prompt_ids(n: int, base: int = 0) -> list[int]:
+    """Distinct printable-byte prompts (the built-in tokenizer maps bytes to ids 0..255)."""
+    return [32 + (base * 7 + i * 13) % 90 for i in range(n)]
+
+
+def rows_shape(llm: LLM, out, start: int = 0) -> tuple[int, int, int]:
+    info = llm.routed_experts_info
+    return (len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1 - start, info["num_layers"], info["top_k"])
+
+
+def test_rows_have_one_row_per_token_but_the_last_for_several_starts(llm):
+    prompts = [prompt_ids(3, 1), "hello world", prompt_ids(21, 2)]
+    full = llm.generate(prompts, SamplingParams(max_tokens=9, **GREEDY))
+    for out in full:
+        arr = out.outputs[0].routed_experts
+        assert arr.shape == rows_shape(llm, out) and arr.dtype == np.uint8
+        assert len(out.outputs[0].token_ids) == 9 and out.outputs[0].finish_reason == "length"
+        assert arr.max() < 64
+        # every token picks 8 distinct experts at every (MoE) layer
+        assert all(len(set(r)) == 8 for r in arr.reshape(-1, 8).tolist())
+    # Every start for every prompt, in one batch.
+    cases = [(out, prompt, start) for out, prompt in zip(full, prompts)
+             for start in sorted({0, 1, len(out.prompt_token_ids) // 2, len(out.prompt_token_ids)})]
+    again = llm.generate(
+        [prompt for _, prompt, _ in cases],
+        [SamplingParams(max_tokens=9, routed_experts_prompt_start=start, **GREEDY) for _, _, start in cases],
+    )
+    for (out, _, start), res in zip(cases, again):
+        arr = res.outputs[0].routed_experts
+        assert arr.shape == rows_shape(llm, res, start)
+        assert res.outputs[0].token_ids == out.outputs[0].token_ids
+        np.testing.assert_array_equal(arr, out.outputs[0].routed_experts[start:])
+    assert again[-1].outputs[0].routed_experts.shape[0] == 8  # start = len(prompt): the output's rows only
+
+
+@pytest.mark.parametrize("start", [-1, 4, 100])
+def test_bad_start_is_rejected_before_anything_is_scheduled(llm, start):
+    before = llm.stats()
+    good = SamplingParams(max_tokens=4)
+    if start < 0:  # SamplingParams itself refuses a negative offset
+        with pytest.raises(ValueError, match="routed_experts_prompt_start"):
+            SamplingParams(routed_experts_prompt_start=start)
+        return
+    bad = SamplingParams(max_tokens=4, routed_experts_prompt_start=start)
+    with pytest.raises(InvalidRequestError) as exc:
+        llm.generate([prompt_ids(5), prompt_ids(3)], [good, bad])
+    assert exc.value.param == "routed_experts_prompt_start"
+    assert f"routed_experts_prompt_start={start}" in str(exc.value) and "3 tokens" in str(exc.value)
+    after = llm.stats()
+    # The good request was not scheduled either: no lookups, nothing queued.
+    assert after.prefix_cache_queries == before.prefix_cache_queries
+    assert after.num_waiting == after.num_running == 0 and not llm.engine.requests
+
+
+def test_length_checks_name_the_field(llm):
+    with pytest.raises(InvalidRequestError) as exc:
+        llm.generate([prompt_ids(250)], SamplingParams(max_tokens=10))
+    assert exc.value.param == "max_tokens" and "max_model_len=256" in str(exc.value)
+    with pytest.raises(InvalidRequestError) as exc:
+        llm.generate([prompt_ids(256)], SamplingParams(max_tokens=1))
+    assert exc.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as exc:
+        llm.generate([[]], SamplingParams(max_tokens=1))
+    assert exc.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as exc:
+        llm.generate([[1, 2, 10**6]], SamplingParams(max_tokens=1))
+    assert exc.value.param == "prompt" and "vocabulary" in str(exc.value)
+    # max_tokens=None: up to the context length
+    out = llm.generate([prompt_ids(250)], SamplingParams(max_tokens=None, **GREEDY))[0]
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+
+
+def test_per_request_opt_out_returns_no_rows(llm):
+    out = llm.generate([prompt_ids(4)], SamplingParams(max_tokens=3, return_routed_experts=False))[0]
+    assert out.outputs[0].routed_experts is None and len(out.outputs[0].token_ids) == 3
+
+
+def test_prefix_cache_hit_returns_identical_rows(llm):
+    prompt = prompt_ids(45, base=11)  # two full blocks of 16 can be reused
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    cold = llm.generate([prompt], params)[0]
+    hits_before = llm.stats().prefix_cache_hits
+    warm = llm.generate([prompt], params)[0]
+    assert cold.num_cached_tokens == 0
+    assert warm.num_cached_tokens == 32
+    assert llm.stats().prefix_cache_hits - hits_before == 32
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_array_equal(warm.outputs[0].routed_experts, cold.outputs[0].routed_experts)
+    # A longer prompt sharing the prefix also hits, and its shared rows are the same.
+    longer = llm.generate([prompt + prompt_ids(20, base=3)], params)[0]
+    assert longer.num_cached_tokens >= 32
+    np.testing.assert_array_equal(longer.outputs[0].routed_experts[:44], cold.outputs[0].routed_experts[:44])
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_forced_preemption_gives_identical_rows(llm, prefix_caching):
+    prompts = [prompt_ids(10 + i, base=20 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    roomy = llm.generate(prompts, params)
+    # 4 sequences of up to 43 tokens need 4 * 11 blocks of 4; give them 14.
+    tight = LLM(
+        block_size=4, num_kv_blocks=14, max_model_len=48, enable_prefix_caching=prefix_caching, max_num_seqs=4
+    )
+    outs = tight.generate(prompts, params)
+    stats = tight.stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv_blocks_used == 0
+    for a, b in zip(roomy, outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+
+
+def test_n_samples_each_get_their_own_full_array(llm):
+    prompt = prompt_ids(37, base=5)
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=4, **GREEDY))[0]
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    tokens = [tuple(c.token_ids) for c in out.outputs]
+    assert len(set(tokens)) > 1  # different samples
+    for c in out.outputs:
+        assert c.routed_experts.shape == (len(prompt) + len(c.token_ids) - 1, 4, 8)
+        # the prompt's rows are the same for every sample (and as in a greedy run)
+        np.testing.assert_array_equal(c.routed_experts[: len(prompt) - 1], greedy.outputs[0].routed_experts[: len(prompt) - 1])
+    # Seeded: the same request again gives the same samples.
+    again = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True))[0]
+    assert [tuple(c.token_ids) for c in again.outputs] == tokens
+    for a, b in zip(out.outputs, again.outputs):
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_trims_tokens_text_and_rows(llm, include):
+    prompt = prompt_ids(6, base=9)
+    full = llm.generate([prompt], SamplingParams(max_tokens=30, **GREEDY))[0].outputs[0]
+    text = full.text
+    assert len(text) == 30  # one byte per token for this ASCII walk
+    stop = text[10:13]
+    cut = text.find(stop)
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, stop=[stop], include_stop_str_in_output=include, **GREEDY))[0]
+    c = out.outputs[0]
+    kept = cut + len(stop) if include else cut
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[:kept]
+    assert c.token_ids == full.token_ids[:kept]
+    np.testing.assert_array_equal(c.routed_experts, full.routed_experts[: len(prompt) + kept - 1])
+
+
+def test_stop_token_id_ends_the_sequence_and_keeps_the_token(llm):
+    prompt = prompt_ids(6, base=4)
+    full = llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))[0].outputs[0]
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    c = llm.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[stop_id], **GREEDY))[0].outputs[0]
+    assert c.token_ids == full.token_ids[: first + 1]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_id
+    assert c.routed_experts.shape[0] == len(prompt) + first
+
+
+def test_logprobs_and_cumulative_logprob(llm):
+    c = llm.generate([prompt_ids(5)], SamplingParams(max_tokens=6, logprobs=2, **GREEDY))[0].outputs[0]
+    assert len(c.logprobs) == 6
+    for tok, lp in zip(c.token_ids, c.logprobs):
+        assert tok in lp and len(lp) <= 3
+        assert lp[tok] == max(lp.values())  # greedy picks the most likely token
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+
+
+def test_abort_returns_every_block(llm):
+    engine = llm.engine
+    total = llm.stats().kv_blocks_total
+    for i in range(3):
+        engine.add_request(f"abort-{i}", prompt_ids(40, base=i), SamplingParams(max_tokens=50, n=2, **GREEDY))
+    for _ in range(4):
+        engine.step()
+    assert llm.stats().kv_blocks_used > 0
+    for i in range(3):
+        final = engine.abort_request(f"abort-{i}")
+        assert final.finished and all(c.finish_reason == "abort" for c in final.outputs)
+    stats = llm.stats()
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_total == total
+    assert stats.num_running == stats.num_waiting == 0 and not engine.has_unfinished()
+    assert engine.abort_request("abort-0") is None
+
+
+def test_rows_equal_an_independent_recomputation_of_the_router(llm, monkeypatch):
+    """Record every router's logits during the forward passes, recompute top-k ourselves
+    (descending, ties to the lower id), and compare with the rows the engine returned."""
+    recorded: list[torch.Tensor] = []
+    real = moe_module.select_experts
+
+    def spy(router_logits, top_k, **kwargs):
+        recorded.append(router_logits.detach().float().clone())
+        return real(router_logits, top_k, **kwargs)
+
+    monkeypatch.setattr(moe_module, "select_experts", spy)
+    prompt = prompt_ids(19, base=77)  # unique: no prefix-cache hit, one sequence per step
+    out = llm.generate([prompt], SamplingParams(max_tokens=7, **GREEDY))[0]
+    arr = out.outputs[0].routed_experts
+    num_layers, top_k = 4, 8
+    assert len(recorded) % num_layers == 0
+    per_layer = [torch.cat(recorded[layer::num_layers]) for layer in range(num_layers)]
+    expected = np.stack(
+        [torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k].numpy() for logits in per_layer],
+        axis=1,
+    )
+    assert expected.shape == arr.shape  # one routed token per row: 19 prompt + 6 decoded
+    np.testing.assert_array_equal(arr, expected.astype(np.uint8))
+
+
+def test_engine_without_capture_rejects_return_routed_experts():
+    llm = LLM(enable_return_routed_experts=False, max_model_len=64)
+    assert llm.routed_experts_info is None
+    out = llm.generate([prompt_ids(4)], SamplingParams(max_tokens=2))[0]
+    assert out.outputs[0].routed_experts is None
+    with pytest.raises(InvalidRequestError, match="--enable-return-routed-experts") as exc:
+        llm.generate([prompt_ids(4)], SamplingParams(max_tokens=2, return_routed_experts=True))
+    assert exc.value.param == "return_routed_experts"
+
+
+def test_chat_renders_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    assert len(out.outputs[0].token_ids) == 3
