@@ -1,0 +1,52 @@
+"""The same decoder on CUDA: float32 logits and routing equal the CPU's; the built-in model runs in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from r3srv.models.batch import ForwardBatch
+from r3srv.models.loader import load_model
+from tiny_checkpoints import write_tiny_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _prefill(model, ids: list[int], device: str):
+    cfg = model.config
+    model.init_kv_cache(8, 16)
+    t = len(ids)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids, device=device),
+        positions=torch.arange(t, device=device),
+        slot_mapping=torch.arange(t, device=device),
+        query_lens=[t],
+        context_lens=[t],
+        block_tables=torch.arange(8, dtype=torch.int32, device=device)[None],
+        logits_indices=torch.arange(t, device=device),
+        routing_capture=torch.zeros(t, cfg.num_layers, cfg.top_k, dtype=torch.int32, device=device),
+    )
+    return model.forward(batch).cpu(), batch.routing_capture.cpu()
+
+
+def test_cuda_float32_matches_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "qwen2_moe", seed=4)
+    ids = list(range(40, 60))
+    cpu_logits, cpu_rows = _prefill(load_model(path)[0], ids, "cpu")
+    gpu_model, _ = load_model(path, device="cuda", dtype=torch.float32)
+    gpu_logits, gpu_rows = _prefill(gpu_model, ids, "cuda")
+    torch.testing.assert_close(gpu_logits, cpu_logits, atol=1e-3, rtol=1e-3)
+    assert torch.equal(gpu_rows, cpu_rows)
+
+
+def test_builtin_model_runs_in_bfloat16_on_cuda(tmp_path, monkeypatch):
+    monkeypatch.setenv("R3SRV_CACHE_DIR", str(tmp_path))
+    model, tokenizer = load_model(None, device="cuda")
+    assert model.dtype == torch.bfloat16  # "auto": the checkpoint's dtype on CUDA
+    logits, rows = _prefill(model, tokenizer.encode("Hello, GPU"), "cuda")
+    assert torch.isfinite(logits).all()
+    assert all(len(set(r)) == model.config.top_k for r in rows.reshape(-1, model.config.top_k).tolist())
