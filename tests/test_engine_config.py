@@ -1,0 +1,91 @@
+"""Start-up checks (ConfigError before serving) and the routed-experts dtype/dense-layer rules,
+on tiny random checkpoints."""
+
+import numpy as np
+import pytest
+import torch
+from tiny_checkpoints import write_tiny_checkpoint
+
+from r3srv import LLM, SamplingParams
+from r3srv.engine.routed_experts import routed_experts_dtype
+from r3srv.errors import ConfigError
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_engine.py
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
+        (dict(decode_context_parallel_size=2), "decode_context_parallel_size=2"),
+        (dict(prefill_context_parallel_size=4), "prefill_context_parallel_size=4"),
+        (dict(block_size=0), "block_size=0"),
+        (dict(max_num_seqs=0), "max_num_seqs=0"),
+        (dict(dtype="int8"), "dtype='int8'"),
+        (dict(device="tpu"), "device='tpu'"),
+        (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction"),
+    ],
+)
+def test_bad_engine_configs_fail_at_construction(kwargs, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+        LLM(**kwargs)
+
+
+def test_routed_experts_on_a_dense_model_is_a_config_error(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "dense", "qwen3_moe", num_layers=2, mlp_only_layers=[0, 1])
+    with pytest.raises(ConfigError, match="no MoE layers"):
+        LLM(str(path))
+    llm = LLM(str(path), enable_return_routed_experts=False, max_model_len=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0]
+    assert len(out.outputs[0].token_ids) == 2 and out.outputs[0].routed_experts is None
+
+
+def test_kv_pool_and_length_checks(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "small", "mixtral")  # max_position_embeddings=512
+    with pytest.raises(ConfigError, match="max_position_embeddings=512"):
+        LLM(str(path), max_model_len=1024)
+    with pytest.raises(ConfigError, match="fewer than the 8"):
+        LLM(str(path), max_model_len=128, block_size=16, num_kv_blocks=7)
+
+
+def test_dtype_rule():
+    assert routed_experts_dtype(8) == np.uint8
+    assert routed_experts_dtype(256) == np.uint8
+    assert routed_experts_dtype(257) == np.uint16
+    assert routed_experts_dtype(65536) == np.uint16
+    assert routed_experts_dtype(65537) == np.int32
+
+
+def test_300_experts_give_uint16_rows_with_ids_above_255(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "wide", "qwen3_moe", num_experts=300, top_k=4, num_layers=2)
+    llm = LLM(str(path), max_model_len=128)
+    assert llm.routed_experts_info == {
+        "num_layers": 2, "top_k": 4, "num_experts": 300, "dtype": "uint16", "moe_layers": [0, 1]
+    }
+    prompt = list(range(40, 80))
+    out = llm.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
+    arr = out.outputs[0].routed_experts
+    assert arr.dtype == np.uint16 and arr.shape == (len(prompt) + 10 - 1, 2, 4)
+    assert arr.max() > 255 and arr.max() < 300  # ids that uint8 would have wrapped
+    warm = llm.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
+    assert warm.num_cached_tokens > 0
+    np.testing.assert_array_equal(warm.outputs[0].routed_experts, arr)
+
+
+def test_dense_layers_have_zero_rows(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "mixed", "qwen3_moe", num_layers=3, mlp_only_layers=[1])
+    llm = LLM(str(path), max_model_len=64)
+    assert llm.routed_experts_info["moe_layers"] == [0, 2]
+    arr = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=5, **GREEDY))[0].outputs[0].routed_experts
+    assert arr.shape == (8, 3, 2)
+    assert not arr[:, 1].any()
+    # the MoE layers picked two distinct experts per token
+    assert all(len(set(r)) == 2 for r in arr[:, [0, 2]].reshape(-1, 2).tolist())
