@@ -1,0 +1,208 @@
+"""AsyncLLM: continuous batching across coroutines, cumulative outputs, early exit and abort
+free every block, step failures fail only their requests, shutdown."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from r3srv import LLM, SamplingParams
+from r3srv.engine.async_llm import AsyncLLM, EngineDeadError
+from r3srv.errors import InvalidRequestError
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_engine.py
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncLLM(max_model_len=256, max_num_seqs=16)
+    yield eng
+    eng.shutdown()
+
+
+def prompt_ids(n: int, base: int = 0) -> list[int]:
+    return [32 + (base * 7 + i * 13) % 90 for i in range(n)]
+
+
+async def collect(engine, prompt, params, rid):
+    outs = []
+    async for out in engine.generate(prompt, params, rid):
+        outs.append(out)
+    return outs
+
+
+async def wait_idle(engine, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s.num_running == s.num_waiting == 0 and s.kv_blocks_used == 0:
+            return s
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+def test_facts_for_the_server(engine):
+    assert engine.max_model_len == 256 and engine.enable_return_routed_experts
+    assert engine.routed_experts_info == {
+        "num_layers": 4, "top_k": 8, "num_experts": 64, "dtype": "uint8", "moe_layers": [0, 1, 2, 3]
+    }
+    assert engine.model_config.num_experts == 64
+    assert engine.tokenizer.decode(engine.tokenizer.encode("abc")) == "abc"
+
+
+def test_concurrent_requests_batch_together_and_match_offline(engine):
+    batch_sizes: list[int] = []
+    runner = engine._engine.runner
+    real_run = runner.run
+
+    def spy(seqs):
+        batch_sizes.append(len(seqs))
+        return real_run(seqs)
+
+    runner.run = spy
+    prompts = [prompt_ids(5 + i, base=i) for i in range(6)]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, params, f"c{i}") for i, p in enumerate(prompts)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        runner.run = real_run
+    assert max(batch_sizes) > 1  # requests from different coroutines shared steps
+    offline = LLM(max_model_len=256).generate(prompts, params)
+    for outs, ref in zip(results, offline):
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        assert lengths == sorted(lengths) and lengths[-1] == 12  # cumulative
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert all(o.outputs[0].routed_experts is None for o in outs[:-1])  # only the final one
+        final = outs[-1].outputs[0]
+        assert final.token_ids == ref.outputs[0].token_ids and final.text == ref.outputs[0].text
+        np.testing.assert_array_equal(final.routed_experts, ref.outputs[0].routed_experts)
+
+
+def test_invalid_request_raises_before_anything_is_yielded(engine):
+    async def main():
+        gen = engine.generate(prompt_ids(5), SamplingParams(routed_experts_prompt_start=6), "bad")
+        with pytest.raises(InvalidRequestError) as exc:
+            await gen.__anext__()
+        return exc.value
+
+    err = asyncio.run(main())
+    assert err.param == "routed_experts_prompt_start" and "5 tokens" in str(err)
+    assert engine.stats().num_waiting == 0
+
+
+def test_leaving_early_aborts_and_frees_blocks(engine):
+    async def main():
+        seen = 0
+        gen = engine.generate(prompt_ids(40), SamplingParams(max_tokens=200, n=2, **GREEDY), "early")
+        async for _ in gen:
+            seen += 1
+            if seen == 3:
+                break
+        await gen.aclose()
+        return await wait_idle(engine)
+
+    stats = asyncio.run(main())
+    assert stats.kv_blocks_used == 0
+
+
+def test_cancelled_consumer_aborts(engine):
+    async def main():
+        task = asyncio.create_task(collect(engine, prompt_ids(30, 3), SamplingParams(max_tokens=200, **GREEDY), "cx"))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await wait_idle(engine)
+
+    assert asyncio.run(main()).kv_blocks_used == 0
+
+
+def test_abort_from_another_coroutine_ends_the_stream(engine):
+    async def main():
+        outs = []
+
+        async def consume():
+            async for out in engine.generate(prompt_ids(20, 4), SamplingParams(max_tokens=200, **GREEDY), "ab"):
+                outs.append(out)
+
+        task = asyncio.create_task(consume())
+        while not outs:
+            await asyncio.sleep(0.01)
+        assert await engine.abort("ab") is True
+        await asyncio.wait_for(task, 20)
+        assert await engine.abort("ab") is False
+        assert await engine.abort("never-seen") is False
+        return outs, await wait_idle(engine)
+
+    outs, stats = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 200 and stats.kv_blocks_used == 0
+
+
+def test_duplicate_request_id_in_flight_is_rejected(engine):
+    async def main():
+        gen = engine.generate(prompt_ids(8), SamplingParams(max_tokens=100, **GREEDY), "dup")
+        await gen.__anext__()
+        with pytest.raises(InvalidRequestError) as exc:
+            await engine.generate(prompt_ids(8), SamplingParams(max_tokens=2), "dup").__anext__()
+        await gen.aclose()
+        await wait_idle(engine)
+        return exc.value
+
+    assert asyncio.run(main()).param == "request_id"
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
+    model = engine._engine.model
+    real_forward = model.forward
+
+    def broken(batch):
+        if int(batch.input_ids[0]) == 250:  # only steps that carry the poisoned prompt
+            raise RuntimeError("boom in forward")
+        return real_forward(batch)
+
+    model.forward = broken
+
+    async def main():
+        with pytest.raises(RuntimeError, match="boom"):
+            await collect(engine, [250, 1, 2], SamplingParams(max_tokens=5), "poison")
+        await wait_idle(engine)
+        return await collect(engine, prompt_ids(6), SamplingParams(max_tokens=4, **GREEDY), "after")
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        model.forward = real_forward
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+
+
+def test_shutdown_is_idempotent_and_final():
+    eng = AsyncLLM(max_model_len=64, enable_return_routed_experts=False)
+    assert eng.routed_experts_info is None
+
+    async def main():
+        with pytest.raises(InvalidRequestError, match="--enable-return-routed-experts"):
+            await eng.generate([1, 2], SamplingParams(return_routed_experts=True), "x").__anext__()
+        outs = await collect(eng, [1, 2, 3], SamplingParams(max_tokens=2), "ok")
+        assert outs[-1].outputs[0].routed_experts is None
+        eng.shutdown()
+        eng.shutdown()
+        with pytest.raises(EngineDeadError):
+            await eng.generate([1, 2, 3], SamplingParams(max_tokens=2), "late").__anext__()
+
+    asyncio.run(main())
+    assert not eng._thread.is_alive()
