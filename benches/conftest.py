@@ -1,0 +1,31 @@
+"""Benchmark helpers: put benches/ on the path and print same-run ratios of medians."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_terminal_summary(terminalreporter):
+    session = getattr(terminalreporter.config, "_benchmarksession", None)
+    benchmarks = getattr(session, "benchmarks", None) or []
+    medians: dict[str, dict[str, float]] = {}
+    for bench in benchmarks:
+        candidate = bench.name.split("-")[-1].rstrip("]")
+        stats = getattr(bench, "stats", None)
+        if stats is not None and bench.group:
+            medians.setdefault(bench.group, {})[candidate] = stats.median
+    if not medians:
+        return
+    from serial_cases import machine_description
+
+    write = terminalreporter.write_line
+    write("")
+    write("same-run ratios of medians (reference / rust, rust / pybase64 bare):")
+    for group, m in medians.items():
+        if {"reference", "rust", "pybase64 bare"} <= m.keys():
+            write(f"  {group:16s} {m['reference'] / m['rust']:6.1f}x   {m['rust'] / m['pybase64 bare']:5.2f}")
+    for key, value in machine_description().items():
+        write(f"  {key}: {value}")
