@@ -163,12 +163,13 @@ def time_router() -> list[dict]:
 
 def sweep_block_t() -> list[tuple[str, float]]:
     """BLOCK_T choices at the headline shape, to tune router_triton.TILE_ELEMENTS."""
-    from r3srv.kernels.router_triton import launch_config, route_triton
+    from r3srv.kernels.router_triton import kernel_constants, route_triton
 
     tokens, num_experts, top_k = HEADLINE
     logits = torch.randn(tokens, num_experts, device=DEVICE, dtype=torch.bfloat16)
     view = torch.zeros((tokens, 4, top_k), dtype=torch.uint8, device=DEVICE)[:, 1]
-    default = launch_config(num_experts)[0]
+    default = kernel_constants(num_experts, top_k, scoring="softmax", has_bias=False, renormalize=True,
+                               has_capture=True)[0]["BLOCK_T"]
     out = []
     choices = sorted({2, 4, 8, 16, 32, 64, default})
     if DEVICE == "cpu":

@@ -116,8 +116,17 @@ def interpreter_enabled() -> bool:
     return isinstance(_route_kernel, InterpretedFunction)
 
 
-def launch_config(num_experts: int, block_t: int | None = None) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_E, num_warps) for a router with `num_experts` experts.
+def kernel_constants(
+    num_experts: int,
+    top_k: int,
+    *,
+    scoring: str,
+    has_bias: bool,
+    renormalize: bool,
+    has_capture: bool,
+    block_t: int | None = None,
+) -> tuple[dict, int]:
+    """The kernel's constexpr arguments and num_warps for one router shape.
 
     BLOCK_T depends on E only, so a model compiles one variant per layer shape whatever
     the batch size. `block_t` overrides it (the GPU benchmark sweeps it).
@@ -127,7 +136,17 @@ def launch_config(num_experts: int, block_t: int | None = None) -> tuple[int, in
         block_t = max(2, TILE_ELEMENTS // block_e)
     tile = block_t * block_e
     num_warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 4096 else 8
-    return block_t, block_e, num_warps
+    constants = dict(
+        TOP_K=top_k,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)),  # no size-1 blocks: k=1 gets one masked slot
+        SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=bool(has_bias),
+        RENORMALIZE=bool(renormalize),
+        HAS_CAPTURE=bool(has_capture),
+    )
+    return constants, num_warps
 
 
 def route_triton(
@@ -146,10 +165,11 @@ def route_triton(
     Needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1.
     """
     check_route_args(router_logits, top_k, scoring, correction_bias, capture)
-    if top_k > MAX_TOP_K or router_logits.shape[1] > MAX_EXPERTS:
+    num_tokens, num_experts = router_logits.shape
+    if top_k > MAX_TOP_K or num_experts > MAX_EXPERTS:
         raise ValueError(
             f"the fused router supports top_k <= {MAX_TOP_K} and <= {MAX_EXPERTS} experts, got top_k={top_k} "
-            f"with {router_logits.shape[1]} experts; use route_reference"
+            f"with {num_experts} experts; use route_reference"
         )
     if router_logits.is_cuda == interpreter_enabled():
         raise ValueError(
@@ -160,49 +180,40 @@ def route_triton(
     if correction_bias is not None and correction_bias.device != router_logits.device:
         raise ValueError(f"correction_bias is on {correction_bias.device} but router_logits on {router_logits.device}")
 
-    num_tokens, num_experts = router_logits.shape
     device = router_logits.device
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
     if num_tokens == 0:
         return weights, ids
     bias = correction_bias.contiguous() if correction_bias is not None else None
-    block_t, block_e, num_warps = launch_config(num_experts, block_t)
-    grid = (triton.cdiv(num_tokens, block_t),)
+    constants, num_warps = kernel_constants(
+        num_experts, top_k, scoring=scoring, has_bias=bias is not None, renormalize=renormalize,
+        has_capture=capture is not None, block_t=block_t,
+    )
+    grid = (triton.cdiv(num_tokens, constants["BLOCK_T"]),)
     # Triton launches on the current device; follow the tensors when they live elsewhere.
     on_other_gpu = router_logits.is_cuda and router_logits.device.index != torch.cuda.current_device()
-    with torch.cuda.device(router_logits.device) if on_other_gpu else contextlib.nullcontext():
-        _launch(grid, num_warps, router_logits, bias, weights, ids, capture, top_k, block_t, block_e,
-                scoring, renormalize, scaling)
+    with torch.cuda.device(device) if on_other_gpu else contextlib.nullcontext():
+        _route_kernel[grid](
+            router_logits,
+            bias if bias is not None else router_logits,  # unused when HAS_BIAS is False
+            weights,
+            ids,
+            capture if capture is not None else ids,  # unused when HAS_CAPTURE is False
+            num_tokens,
+            num_experts,
+            router_logits.stride(0),
+            router_logits.stride(1),
+            capture.stride(0) if capture is not None else 0,
+            capture.stride(1) if capture is not None else 0,
+            float(scaling),
+            **constants,
+            num_warps=num_warps,
+            # Pinned (Triton 3.9 warns its default will change): no FMA contraction, so the
+            # weights round the way the plain arithmetic reads.
+            enable_fp_fusion=False,
+        )
     return weights, ids
 
 
-def _launch(grid, num_warps, router_logits, bias, weights, ids, capture, top_k, block_t, block_e,
-            scoring, renormalize, scaling) -> None:
-    num_tokens, num_experts = router_logits.shape
-    _route_kernel[grid](
-        router_logits,
-        bias if bias is not None else router_logits,  # unused when HAS_BIAS is False
-        weights,
-        ids,
-        capture if capture is not None else ids,  # unused when HAS_CAPTURE is False
-        num_tokens,
-        num_experts,
-        router_logits.stride(0),
-        router_logits.stride(1),
-        capture.stride(0) if capture is not None else 0,
-        capture.stride(1) if capture is not None else 0,
-        float(scaling),
-        TOP_K=top_k,
-        BLOCK_T=block_t,
-        BLOCK_E=block_e,
-        BLOCK_K=max(2, triton.next_power_of_2(top_k)),  # no size-1 blocks: k=1 gets one masked slot
-        SIGMOID=scoring == "sigmoid",
-        HAS_BIAS=bias is not None,
-        RENORMALIZE=bool(renormalize),
-        HAS_CAPTURE=capture is not None,
-        num_warps=num_warps,
-    )
-
-
-__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "interpreter_enabled", "launch_config", "route_triton"]
+__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "interpreter_enabled", "kernel_constants", "route_triton"]

@@ -1,0 +1,65 @@
+"""The interpreter cannot show that the kernel compiles for a GPU: compile it ahead of time
+for Hopper (sm_90, the H100/H200 the benchmark targets) with the ptxas bundled in triton,
+which needs no GPU, and check that no variant spills registers to local memory."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from r3srv.kernels import router_triton  # noqa: E402
+
+if router_triton.interpreter_enabled():
+    pytest.skip("this process imported triton with TRITON_INTERPRET=1: nothing to compile", allow_module_level=True)
+
+POINTER_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "u8": "*u8", "u16": "*u16", "i32": "*i32"}
+
+# (experts, top_k, scoring, bias, renormalize, logits dtype, capture dtype): the engine's
+# shapes (bf16 logits, uint8 capture) and the extremes (k=1, 512/1024 experts, float64 keys).
+VARIANTS = [
+    (128, 8, "softmax", False, True, "bf16", "u8"),
+    (60, 1, "sigmoid", False, False, "fp16", "u16"),
+    (256, 8, "sigmoid", True, True, "bf16", "u8"),
+    (512, 8, "sigmoid", True, True, "fp32", "i32"),
+    (1024, 8, "softmax", True, False, "fp32", "i32"),
+]
+
+
+def compile_for_hopper(experts, top_k, scoring, bias, renormalize, logits_dtype, capture_dtype):
+    constants, num_warps = router_triton.kernel_constants(
+        experts, top_k, scoring=scoring, has_bias=bias, renormalize=renormalize, has_capture=True
+    )
+    logits = POINTER_TYPES[logits_dtype]
+    signature = {
+        "logits_ptr": logits, "bias_ptr": "*fp32" if bias else logits, "weights_ptr": "*fp32", "ids_ptr": "*i32",
+        "capture_ptr": POINTER_TYPES[capture_dtype], "num_tokens": "i32", "num_experts": "i32",
+        "stride_lt": "i32", "stride_le": "i32", "stride_ct": "i32", "stride_ck": "i32", "scaling": "fp32",
+    } | {name: "constexpr" for name in constants}
+    assert list(signature) == router_triton._route_kernel.arg_names  # the test tracks the kernel's signature
+    source = ASTSource(fn=router_triton._route_kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_compiles_for_sm90_without_spills(variant):
+    kernel = compile_for_hopper(*variant)
+    assert kernel.asm["cubin"], "no cubin produced"
+    cuobjdump = triton.knobs.nvidia.cuobjdump.path
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    local = re.search(r"LOCAL:(\d+)", usage)
+    assert local is not None, usage
+    assert int(local.group(1)) == 0, f"register spills to local memory: {usage}"
