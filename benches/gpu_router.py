@@ -161,22 +161,24 @@ def time_router() -> list[dict]:
     return rows
 
 
-def sweep_block_t() -> list[tuple[str, float]]:
-    """BLOCK_T choices at the headline shape, to tune router_triton.TILE_ELEMENTS."""
+def sweep_launch_config() -> list[tuple[str, float]]:
+    """(BLOCK_T, num_warps) choices at the headline shape, to tune router_triton's defaults."""
     from r3srv.kernels.router_triton import kernel_constants, route_triton
 
     tokens, num_experts, top_k = HEADLINE
     logits = torch.randn(tokens, num_experts, device=DEVICE, dtype=torch.bfloat16)
     view = torch.zeros((tokens, 4, top_k), dtype=torch.uint8, device=DEVICE)[:, 1]
-    default = kernel_constants(num_experts, top_k, scoring="softmax", has_bias=False, renormalize=True,
-                               has_capture=True)[0]["BLOCK_T"]
-    out = []
-    choices = sorted({2, 4, 8, 16, 32, 64, default})
+    constants, default_warps = kernel_constants(num_experts, top_k, scoring="softmax", has_bias=False,
+                                                renormalize=True, has_capture=True)
+    default = (constants["BLOCK_T"], default_warps)
+    choices = sorted({(bt, w) for bt in (4, 8, 16, 32) for w in (1, 2, 4, 8)} | {default})
     if DEVICE == "cpu":
         tokens, logits, view, choices = 64, logits[:64], view[:64], [default]
-    for block_t in choices:
-        us = median_us(lambda: route_triton(logits, top_k, capture=view, block_t=block_t))
-        label = f"BLOCK_T={block_t}{' (default)' if block_t == default else ''} at T={tokens} E={num_experts} k={top_k}"
+    out = []
+    for block_t, warps in choices:
+        us = median_us(lambda: route_triton(logits, top_k, capture=view, block_t=block_t, num_warps=warps))
+        label = (f"BLOCK_T={block_t} num_warps={warps}{' (default)' if (block_t, warps) == default else ''} "
+                 f"at T={tokens} E={num_experts} k={top_k}")
         out.append((label, us))
     return out
 
@@ -286,7 +288,7 @@ def main() -> int:
     print(f"[{time.perf_counter() - start:.0f}s] timing the router...")
     router_rows = time_router()
     try:
-        sweep = sweep_block_t()
+        sweep = sweep_launch_config()
     except Exception:  # tuning data only: never lose the table over it
         traceback.print_exc()
         sweep = []

@@ -125,17 +125,19 @@ def kernel_constants(
     renormalize: bool,
     has_capture: bool,
     block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[dict, int]:
     """The kernel's constexpr arguments and num_warps for one router shape.
 
     BLOCK_T depends on E only, so a model compiles one variant per layer shape whatever
-    the batch size. `block_t` overrides it (the GPU benchmark sweeps it).
+    the batch size. `block_t` and `num_warps` override the defaults (the GPU benchmark sweeps them).
     """
     block_e = triton.next_power_of_2(num_experts)
     if block_t is None:
         block_t = max(2, TILE_ELEMENTS // block_e)
     tile = block_t * block_e
-    num_warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 4096 else 8
+    if num_warps is None:
+        num_warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 4096 else 8
     constants = dict(
         TOP_K=top_k,
         BLOCK_T=block_t,
@@ -159,6 +161,7 @@ def route_triton(
     scaling: float = 1.0,
     capture: torch.Tensor | None = None,
     block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_reference`, fused into one kernel launch (same arguments, same results).
 
@@ -188,7 +191,7 @@ def route_triton(
     bias = correction_bias.contiguous() if correction_bias is not None else None
     constants, num_warps = kernel_constants(
         num_experts, top_k, scoring=scoring, has_bias=bias is not None, renormalize=renormalize,
-        has_capture=capture is not None, block_t=block_t,
+        has_capture=capture is not None, block_t=block_t, num_warps=num_warps,
     )
     grid = (triton.cdiv(num_tokens, constants["BLOCK_T"]),)
     # Triton launches on the current device; follow the tensors when they live elsewhere.
