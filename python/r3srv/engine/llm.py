@@ -56,6 +56,7 @@ class LLM:
             decode_context_parallel_size=decode_context_parallel_size,
             prefill_context_parallel_size=prefill_context_parallel_size,
         )
+        self.engine.stream_outputs = False  # generate() only collects finished requests
         self._ids = itertools.count()
 
     @property

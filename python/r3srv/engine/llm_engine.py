@@ -74,7 +74,8 @@ class Request:
 
 @dataclass
 class StepResult:
-    outputs: list[RequestOutput] = field(default_factory=list)  # requests that changed this step
+    # requests that changed this step (only the finished ones when the engine's stream_outputs is False)
+    outputs: list[RequestOutput] = field(default_factory=list)
     failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request_id, error)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -113,6 +114,8 @@ class LLMEngine:
         self.eos_token_ids = eos
         self._seed_rng = random.Random(config.seed)
         self.requests: dict[str, Request] = {}
+        # False: step() reports only finished requests (the offline LLM needs no partial outputs).
+        self.stream_outputs = True
 
     @classmethod
     def from_kwargs(
@@ -317,18 +320,27 @@ class LLMEngine:
                 return result
             now = time.monotonic()
             for seq, res in zip(sampled_seqs, samples):
-                req = self.requests[seq.request_id]
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                self._append(seq, res)
+                req = self.requests.get(seq.request_id)
+                if req is None:  # failed earlier in this loop
+                    continue
+                try:
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    self._append(seq, res)
+                    if req.deferred and seq.index == 0:
+                        for sib in req.deferred:
+                            self.scheduler.add(sib)
+                        req.deferred = []
+                except Exception as exc:  # e.g. a detokenizer error: fail this request only
+                    touched.pop(seq.request_id, None)
+                    self._fail(seq.request_id, exc, result)
+                    continue
                 touched[seq.request_id] = req
-                if req.deferred and seq.index == 0:
-                    for sib in req.deferred:
-                        self.scheduler.add(sib)
-                    req.deferred = []
         for rid, req in touched.items():
-            result.outputs.append(self._output(req))
-            if req.finished:
+            finished = req.finished
+            if finished or self.stream_outputs:
+                result.outputs.append(self._output(req))
+            if finished:
                 del self.requests[rid]
         return result
 
@@ -358,8 +370,11 @@ class LLMEngine:
         elif p.stop and n_out >= p.min_tokens and (hit := seq.detok.find_stop(p.stop, len(delta), p.include_stop_str_in_output)):
             stop, kept_len, kept_tokens = hit
             seq.detok.truncate(kept_len, kept_tokens)
+            seq_dropped = seq.token_ids[seq.num_prompt_tokens + kept_tokens :]
             del seq.token_ids[seq.num_prompt_tokens + kept_tokens :]
             if seq.logprobs is not None:
+                for lp, tok_id in zip(seq.logprobs[kept_tokens:], seq_dropped):
+                    seq.cumulative_logprob -= lp[tok_id]
                 del seq.logprobs[kept_tokens:]
             self._finish(seq, "stop", stop)
         elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
