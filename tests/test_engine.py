@@ -250,3 +250,39 @@ def test_chat_renders_the_template(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, **GREEDY))[0]
     assert out.prompt.endswith("<|im_start|>assistant\n")
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_chunked_prefill_gives_the_same_tokens_and_rows(llm):
+    prompts = [prompt_ids(50, base=31), prompt_ids(23, base=32)]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    ref = llm.generate(prompts, params)
+    chunked = LLM(max_model_len=256, max_num_batched_tokens=7, enable_prefix_caching=False)
+    outs = chunked.generate(prompts, params)
+    for a, b in zip(ref, outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+
+
+def test_stop_trimming_keeps_logprobs_consistent(llm):
+    prompt = prompt_ids(6, base=9)
+    full = llm.generate([prompt], SamplingParams(max_tokens=30, **GREEDY))[0].outputs[0]
+    stop = full.text[12:14]
+    c = llm.generate([prompt], SamplingParams(max_tokens=30, stop=stop, logprobs=1, **GREEDY))[0].outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) < 30
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_rows_match_across_prefix_hits_and_seeds():
+    gpu = LLM(device="cuda", max_model_len=256)
+    prompt = prompt_ids(40, base=3)
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, n=2, ignore_eos=True)
+    a = gpu.generate([prompt], params)[0]
+    b = gpu.generate([prompt], params)[0]
+    assert b.num_cached_tokens > 0
+    for x, y in zip(a.outputs, b.outputs):
+        assert x.token_ids == y.token_ids
+        assert x.routed_experts.shape == (len(prompt) + 16 - 1, 4, 8)
+        np.testing.assert_array_equal(x.routed_experts, y.routed_experts)
+    assert gpu.stats().kv_blocks_used == 0
