@@ -88,5 +88,8 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
         return error_response(404, str(exc), exc.param)
     if isinstance(exc, (InvalidRequestError, msgspec.ValidationError)):
         return error_response(400, str(exc), getattr(exc, "param", None))
+    if isinstance(exc, R3srvError):  # e.g. the engine is shut down or its thread died
+        logger.error("engine error on %s %s: %s", request.method, request.url.path, exc)
+        return error_response(503, f"{type(exc).__name__}: {exc}")
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}")

@@ -43,6 +43,15 @@ class ServerState:
         if model and model != self.model_name:
             raise ModelNotFoundError(model)
 
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer; a 400 for text APIs when the checkpoint has none."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer (no tokenizer.json): use /inference/v1/generate with token ids"
+            )
+        return tokenizer
+
     def check_params(self, params: SamplingParams) -> None:
         if params.return_routed_experts and not self.engine.enable_return_routed_experts:
             raise InvalidRequestError(

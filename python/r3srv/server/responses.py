@@ -32,10 +32,12 @@ class LogprobFormatter:
     """Builds each API's logprob objects for a slice of a choice's tokens."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._decode = tokenizer.decode
+        self._tokenizer = tokenizer
 
     def token_str(self, token_id: int) -> str:
-        return self._decode([token_id], skip_special_tokens=False)
+        if self._tokenizer is None:  # token-id prompts on a model without a tokenizer
+            return f"token_id:{token_id}"
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(
         self, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int

@@ -9,10 +9,12 @@ reason, including a client that disconnects mid-stream.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+
 import anyio
 import msgspec
 from litestar.response import Stream
@@ -20,11 +22,14 @@ from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 from msgspec import UNSET
 
+from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
+from r3srv.server.errors import error_body
 from r3srv.server.generation import Generation, ServerState, close_all, merged_outputs
 from r3srv.server.responses import LogprobFormatter, generate_logprobs, usage_of
 
+logger = logging.getLogger("r3srv.server")
 _encode = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
 SSE_MEDIA_TYPE = "text/event-stream"
@@ -32,6 +37,25 @@ SSE_MEDIA_TYPE = "text/event-stream"
 
 def sse(chunk: msgspec.Struct) -> bytes:
     return b"data: " + _encode(chunk) + b"\n\n"
+
+
+async def _guarded(content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Headers are already sent mid-stream, so an error becomes a last OpenAI-shaped error event."""
+    try:
+        async for chunk in content:
+            yield chunk
+    except Exception as exc:  # CancelledError (a disconnect) is a BaseException and passes through
+        if isinstance(exc, InvalidRequestError):
+            status = 400
+        elif isinstance(exc, R3srvError):
+            status = 503
+        else:
+            status = 500
+            logger.exception("error while streaming")
+        yield sse(error_body(status, f"{type(exc).__name__}: {exc}", getattr(exc, "param", None)))
+        yield DONE
+    finally:
+        await content.aclose()  # type: ignore[attr-defined]
 
 
 class _EngineASGIStream(ASGIStreamingResponse):
@@ -60,7 +84,7 @@ class EngineStream(Stream):
     __slots__ = ("_gens",)
 
     def __init__(self, content: AsyncIterator[bytes], gens: list[Generation]) -> None:
-        super().__init__(content, media_type=SSE_MEDIA_TYPE, status_code=200, headers={"Cache-Control": "no-cache"})
+        super().__init__(_guarded(content), media_type=SSE_MEDIA_TYPE, status_code=200, headers={"Cache-Control": "no-cache"})
         self._gens = gens
 
     def to_asgi_response(  # type: ignore[override]

@@ -49,7 +49,7 @@ async def version() -> p.VersionResponse:
 async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> p.TokenizeResponse:
     state = server_state(request)
     state.check_model(data.model)
-    tokenizer = state.engine.tokenizer
+    tokenizer = state.tokenizer()
     try:
         tokens = list(tokenizer.encode(data.text(tokenizer.apply_chat_template)))
     except InvalidRequestError:
@@ -63,8 +63,9 @@ async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> 
 async def detokenize(data: p.DetokenizeRequest, request: Request[Any, Any, Any]) -> p.DetokenizeResponse:
     state = server_state(request)
     state.check_model(data.model)
+    tokenizer = state.tokenizer()
     try:
-        text = state.engine.tokenizer.decode(data.tokens)
+        text = tokenizer.decode(data.tokens)
     except Exception as exc:  # ids outside the vocabulary
         raise InvalidRequestError(f"cannot detokenize: {exc}", param="tokens") from exc
     return p.DetokenizeResponse(prompt=text)

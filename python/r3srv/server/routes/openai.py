@@ -38,8 +38,9 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     state.check_model(data.model)
     params = data.to_sampling_params()
     state.check_params(params)
+    tokenizer = state.tokenizer()
     try:
-        prompt = state.engine.tokenizer.apply_chat_template(
+        prompt = tokenizer.apply_chat_template(
             data.template_messages(), add_generation_prompt=data.add_generation_prompt
         )
     except InvalidRequestError:
