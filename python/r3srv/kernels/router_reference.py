@@ -63,7 +63,8 @@ def choice_keys(
         wide = logits.double()
         scores = torch.softmax(wide, dim=-1) if scoring == "softmax" else torch.sigmoid(wide)
         keys = scores + correction_bias.double()
-    return keys.masked_fill(keys.isnan(), float("inf"))
+    inf = float("inf")
+    return torch.nan_to_num(keys, nan=inf, posinf=inf, neginf=-inf)
 
 
 def route_reference(
