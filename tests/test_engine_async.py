@@ -206,3 +206,19 @@ def test_shutdown_is_idempotent_and_final():
 
     asyncio.run(main())
     assert not eng._thread.is_alive()
+
+
+def test_streamed_outputs_are_prefixes_of_the_final_one_with_stop_strings(engine):
+    prompt = prompt_ids(6, base=9)
+    full = LLM(max_model_len=256).generate([prompt], SamplingParams(max_tokens=30, **GREEDY))[0].outputs[0]
+    stop = full.text[10:13]  # three tokens: the first two stream before the stop completes
+    params = SamplingParams(max_tokens=30, stop=[stop], logprobs=0, **GREEDY)
+    outs = asyncio.run(collect(engine, prompt, params, "stream-stop"))
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.text == full.text[: full.text.find(stop)]
+    assert len(outs) > 2
+    for o in outs[:-1]:
+        c = o.outputs[0]
+        assert final.text.startswith(c.text)
+        assert final.token_ids[: len(c.token_ids)] == c.token_ids
+        assert len(c.logprobs) == len(c.token_ids)

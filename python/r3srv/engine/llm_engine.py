@@ -7,6 +7,7 @@ and configs, so the async front validates on the caller's thread before queuing.
 
 from __future__ import annotations
 
+import bisect
 import os
 import random
 import time
@@ -239,7 +240,8 @@ class LLMEngine:
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.temperature == 0.0:
             return None
-        seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
+        # n > 1: sample i of a seeded request uses seed + i (as vLLM's parallel sampling does).
+        seed = (params.seed + index) % (1 << 63) if params.seed is not None else self._seed_rng.getrandbits(63)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         return gen
@@ -397,19 +399,7 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         prep = req.prepared
-        outs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.text,
-                token_ids=s.output_token_ids,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                routed_experts=s.routed_experts,
-            )
-            for s in req.seqs
-        ]
+        outs = [_completion(s) for s in req.seqs]
         metrics = {"arrival_time": req.arrival_time}
         if req.first_token_time is not None:
             metrics["first_token_latency_s"] = req.first_token_time - req.arrival_time
@@ -422,6 +412,31 @@ class LLMEngine:
             num_cached_tokens=req.seqs[0].num_cached_tokens,
             metrics=metrics,
         )
+
+
+def _completion(s: Sequence) -> CompletionOutput:
+    """A sequence's output so far. While it runs, text (and the tokens producing it) that a
+    stop string could still cut is held back, so every partial output is a prefix of the final one."""
+    n = s.num_output_tokens
+    text = s.text
+    cumulative = s.cumulative_logprob if s.logprobs is not None else None
+    p = s.params
+    if s.finish_reason is None and p.stop and not p.include_stop_str_in_output:
+        visible = max(0, len(text) - (max(len(x) for x in p.stop) - 1))
+        n = bisect.bisect_right(s.detok.text_len_after, visible)
+        text = text[: s.detok.text_len_after[n - 1]] if n else ""
+        if s.logprobs is not None and n < s.num_output_tokens:
+            cumulative = sum(lp[t] for lp, t in zip(s.logprobs[:n], s.output_token_ids[:n]))
+    return CompletionOutput(
+        index=s.index,
+        text=text,
+        token_ids=s.token_ids[s.num_prompt_tokens : s.num_prompt_tokens + n],
+        finish_reason=s.finish_reason,
+        stop_reason=s.stop_reason,
+        cumulative_logprob=cumulative,
+        logprobs=list(s.logprobs[:n]) if s.logprobs is not None else None,
+        routed_experts=s.routed_experts,
+    )
 
 
 def _mem_available() -> int:
