@@ -131,29 +131,36 @@ def test_large_inputs_match(rows):
 
 
 def test_gil_is_released_on_large_inputs():
-    # With a long switch interval a thread that holds the GIL is almost never preempted, so
-    # the spinning thread advances during an encode call only if the encoder released it.
+    # A second thread counts only while the main thread is inside the encode call, and
+    # hands the GIL straight back (sleep(0)). With a switch interval far longer than the
+    # test, a call that holds the GIL leaves it no chance to run; one that releases it does.
     import sys
     import threading
+    import time
 
     array = np.ones((70_000, 48, 8), np.uint8)
-    ticks = [0]
+    inside = [False]
+    seen = [0]
     stop = threading.Event()
 
     def spin():
         while not stop.is_set():
-            ticks[0] += 1
+            if inside[0]:
+                seen[0] += 1
+            time.sleep(0)
 
     old = sys.getswitchinterval()
-    sys.setswitchinterval(0.05)
+    sys.setswitchinterval(5.0)
     t = threading.Thread(target=spin)
     t.start()
     advanced = 0
     try:
         for _ in range(5):
-            before = ticks[0]
+            before = seen[0]
+            inside[0] = True
             text = encode_routed_experts(array)
-            advanced += ticks[0] > before
+            inside[0] = False
+            advanced += seen[0] > before
     finally:
         stop.set()
         t.join()
