@@ -12,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CASES = Path(__file__).with_name("router_triton_cases.py")
 SEED = int.from_bytes(os.urandom(4), "little")  # passed down: fresh logits, replayable
 
 
 def test_kernel_matches_reference_in_the_triton_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (it ships with torch on Linux)")
     env = dict(os.environ, TRITON_INTERPRET="1", R3SRV_ROUTER_TEST_SEED=str(SEED))
     env.pop("R3SRV_FORCE_TORCH_ROUTER", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)]
