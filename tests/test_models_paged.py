@@ -112,3 +112,22 @@ def test_kv_cache_bytes_and_forward_without_cache(tmp_path):
         model.forward(batch)
     with pytest.raises(ValueError, match="positive"):
         model.init_kv_cache(0, 16)
+
+
+def test_cpu_forward_thread_count(model, monkeypatch):
+    from r3srv.errors import ConfigError
+    from r3srv.models.model import _cpu_threads
+
+    monkeypatch.delenv("R3SRV_CPU_THREADS", raising=False)
+    assert _cpu_threads() == 1  # default: one intra-op thread per CPU forward
+    monkeypatch.setattr(model, "cpu_threads", 1)
+    seen = []
+    original = model._forward
+    monkeypatch.setattr(model, "_forward", lambda batch: seen.append(torch.get_num_threads()) or original(batch))
+    before = torch.get_num_threads()
+    model.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    model.forward(_batch(model, [(_tokens(5, seed=9), 0, [0, 1])]))
+    assert seen == [1] and torch.get_num_threads() == before  # restored after the step
+    monkeypatch.setenv("R3SRV_CPU_THREADS", "zero")
+    with pytest.raises(ConfigError, match="R3SRV_CPU_THREADS"):
+        _cpu_threads()

@@ -7,10 +7,13 @@ the checkpoint names (see `weight_targets`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from r3srv.errors import ConfigError
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
@@ -18,8 +21,16 @@ from r3srv.models.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_fre
 from r3srv.models.moe import SparseMoeBlock
 
 
-# CPU steps with fewer tokens than this run single-threaded (see MoeForCausalLM.forward)
-SMALL_STEP_TOKENS = 64
+def _cpu_threads() -> int:
+    """Intra-op threads for CPU forwards (see MoeForCausalLM.forward)."""
+    value = os.environ.get("R3SRV_CPU_THREADS", "1")
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ConfigError(f"R3SRV_CPU_THREADS={value!r} must be a positive integer")
+    return threads
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -110,6 +121,7 @@ class MoeForCausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(device)
         self.block_size = 0
         self.num_blocks = 0
+        self.cpu_threads = _cpu_threads() if device.type == "cpu" else 0
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -131,17 +143,17 @@ class MoeForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [B, vocab] at batch.logits_indices; writes this step's K/V and routing rows.
 
-        On the CPU a small step (decode) runs on one intra-op thread: its matmuls are too
-        small to split, and on a busy machine every parallel op waits for a descheduled
-        sibling thread (measured: 5 tok/s with 2 threads vs 130 tok/s with 1 on the
-        built-in model). Larger steps (prefill) keep the process's thread setting.
+        On the CPU the step runs on `cpu_threads` intra-op threads ($R3SRV_CPU_THREADS,
+        default 1). On a busy 2-core machine every parallel op waits for a descheduled
+        sibling thread: measured on the built-in model with load ~5, one thread decoded at
+        ~100 tok/s against 5 tok/s with two, and prefilled 2,000 tok/s against 250-350.
         """
         if self.block_size == 0:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         threads = torch.get_num_threads()
-        if self.device.type != "cpu" or threads == 1 or batch.input_ids.shape[0] >= SMALL_STEP_TOKENS:
+        if self.device.type != "cpu" or threads == self.cpu_threads:
             return self._forward(batch)
-        torch.set_num_threads(1)
+        torch.set_num_threads(self.cpu_threads)
         try:
             return self._forward(batch)
         finally:
