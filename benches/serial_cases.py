@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import random
 import time
 from pathlib import Path
 from typing import Callable
@@ -51,7 +52,7 @@ def _time_batch(fn: Callable[[], object], number: int) -> float:
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, budget_s: float = 0.02) -> dict[str, float]:
-    """Median seconds per call of each fn, measured in alternating rounds."""
+    """Median seconds per call of each fn, measured in interleaved rounds."""
     for fn in fns.values():  # warm up (and fault in the allocator's arenas)
         fn()
     slowest = max(_time_batch(fn, 1) for fn in fns.values())
@@ -60,10 +61,12 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, budge
     gc_was = gc.isenabled()
     gc.disable()
     try:
-        for r in range(rounds):
+        # A fresh random order every round: each candidate follows each other one equally
+        # often, so none always inherits the heap (and page faults) another one left behind.
+        shuffler = random.Random(0)
+        for _ in range(rounds):
             order = list(fns.items())
-            if r % 2:
-                order.reverse()
+            shuffler.shuffle(order)
             for name, fn in order:
                 samples[name].append(_time_batch(fn, number))
     finally:
