@@ -82,6 +82,16 @@ def test_custom_template_errors_and_sandbox(tok_dir, tmp_path):
         evil.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_transformers_template_helpers(tok_dir, tmp_path):
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{% continue %}{% endif %}{{ m['content'] }};"
+        "{% if loop.index == 3 %}{% break %}{% endif %}{% endfor %}{{ strftime_now('%Y') | length }}"
+    )
+    tok = _with_config(tok_dir, tmp_path, chat_template=template)
+    messages = [{"role": r, "content": r} for r in ("user", "tool", "assistant", "user")]
+    assert tok.apply_chat_template(messages) == "user;assistant;4"
+
+
 def test_missing_tokenizer_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)

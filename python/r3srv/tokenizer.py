@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -114,8 +115,10 @@ class Tokenizer:
         InvalidRequestError naming `messages`.
         """
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # the same environment options and helpers transformers gives templates
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
             self._template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         try:
