@@ -66,7 +66,10 @@ def load_model(
         from r3srv.models.builtin import BUILTIN_MODEL_NAME, builtin_model_dir
 
         path = builtin_model_dir()
-        logger.warning("loading the built-in model %s: its weights are RANDOM (for plumbing, not for quality)", BUILTIN_MODEL_NAME)
+        logger.warning(
+            "loading the built-in model %s: random weights (for plumbing and benchmarks, its text is meaningless)",
+            BUILTIN_MODEL_NAME,
+        )
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"model path {str(path)!r} is not a directory")
