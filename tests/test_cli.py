@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -81,13 +84,34 @@ def test_bad_configs_are_reported(flags, words, capsys):
     assert all(w in err for w in words), err
 
 
-def test_sigint_stops_cleanly():
+def test_sigint_stops_cleanly_and_ends_open_streams():
+    """Ctrl-C with a stream open: the stream ends with finish_reason "abort" and [DONE], exit 0, quickly.
+    (SIGTERM: every server fixture's teardown asserts exit status 0.)"""
     srv = RemoteServer(*TEST_SERVER_ARGS)
+    result: dict = {}
+
+    def stream() -> None:
+        body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        result["done"] = lines[-1] == "data: [DONE]"
+        result["finish"] = json.loads(lines[-2][6:])["choices"][0]["finish_reason"]
+
     try:
-        assert httpx.get(srv.url + "/health").status_code == 200
-        rc = srv.stop(signal.SIGINT, timeout=15)
+        thread = threading.Thread(target=stream)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while "r3srv_num_requests_running 1.0" not in httpx.get(srv.url + "/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        rc = srv.stop(signal.SIGINT, timeout=30)
+        elapsed = time.monotonic() - t0
+        thread.join(timeout=30)
         assert rc == 0, srv.log
-        assert "Traceback" not in srv.log
+        assert elapsed < 5, f"stopping took {elapsed:.1f}s"
+        assert result == {"done": True, "finish": "abort"}
+        assert "Traceback" not in srv.log, srv.log
         with pytest.raises(httpx.ConnectError):
             httpx.get(srv.url + "/health", timeout=2)
     finally:

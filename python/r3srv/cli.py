@@ -89,7 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def _server_class():
+def _server_class(on_shutdown: Any) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -98,6 +98,12 @@ def _server_class():
             # uvicorn re-raises captured signals after its graceful shutdown, so the
             # process would die by SIGTERM (or KeyboardInterrupt): a stop we asked for is exit 0.
             self._captured_signals.clear()
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            # End the requests in flight first (finish_reason "abort"), so open streams
+            # finish at once instead of being cut after the graceful-shutdown timeout.
+            await on_shutdown()
+            await super().shutdown(sockets=sockets)
 
     return Server
 
@@ -136,7 +142,7 @@ def serve(args: argparse.Namespace) -> int:
         "returned" if engine.enable_return_routed_experts else "not returned",
         engine.max_model_len,
     )
-    server_class = _server_class()
+    server_class = _server_class(app.state.abort_all)
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -15,7 +15,7 @@ from litestar import Litestar, Request
 from litestar.exceptions import ClientException
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import Message, Receive, Scope, Send
 
 import r3srv
 from r3srv.server.errors import handle_exception
@@ -64,7 +64,8 @@ class CountRequests:
 
     def __init__(self, app: Litestar) -> None:
         self.app = app
-        self._metrics: ServerMetrics = app.state.server.metrics
+        self.state: ServerState = app.state.server
+        self._metrics = self.state.metrics
         self._routes = {path for handler in ROUTE_HANDLERS for path in handler.paths}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,5 +88,5 @@ class CountRequests:
             self._metrics.requests.labels(route, str(status)).inc()
 
 
-def build_asgi_app(engine: Any, **kwargs: Any) -> ASGIApp:
-    return CountRequests(create_app(engine, **kwargs))  # type: ignore[return-value]
+def build_asgi_app(engine: Any, **kwargs: Any) -> CountRequests:
+    return CountRequests(create_app(engine, **kwargs))

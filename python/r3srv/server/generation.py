@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -21,6 +21,7 @@ import numpy as np
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams
+from r3srv.serial import encode_routed_experts
 from r3srv.server.errors import ModelNotFoundError
 from r3srv.server.metrics import ServerMetrics
 
@@ -38,6 +39,12 @@ class ServerState:
     engine: Any
     model_name: str
     metrics: ServerMetrics
+    live: set[Generation] = field(default_factory=set)  # requests in flight, for abort_all
+
+    async def abort_all(self) -> None:
+        """On shutdown: end every request in flight (finish_reason "abort"), so streams close promptly."""
+        for gen in list(self.live):
+            await self.engine.abort(gen.request_id)
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
@@ -62,8 +69,6 @@ class ServerState:
     async def encode_experts(self, array: np.ndarray | None) -> str | None:
         if array is None:
             return None
-        from r3srv.serial import encode_routed_experts
-
         if array.nbytes >= _OFFLOAD_ENCODE_BYTES:
             encoded = await asyncio.to_thread(encode_routed_experts, array, 0)
         else:
@@ -87,6 +92,7 @@ class Generation:
         self.last: RequestOutput | None = None
         self.finished = False
         self.closed = False
+        state.live.add(self)
 
     async def start(self) -> RequestOutput:
         """Submit the request and wait for its first output; request errors raise here."""
@@ -134,6 +140,7 @@ class Generation:
         if self.closed:
             return
         self.closed = True
+        self.state.live.discard(self)
         with anyio.CancelScope(shield=True):
             try:
                 await self._stream.aclose()
