@@ -25,6 +25,8 @@ VARIANTS = {
     "qwen2_moe_no_renorm_16e": ("qwen2_moe", {"num_experts": 16, "top_k": 4, "norm_topk_prob": False}),
     "mixtral": ("mixtral", {}),
     "olmoe": ("olmoe", {"num_experts": 16, "top_k": 4}),
+    "olmoe_no_clip": ("olmoe", {"clip_qkv": None}),
+    "qwen3_moe_tied_embeddings": ("qwen3_moe", {"tie_word_embeddings": True}),
 }
 
 
