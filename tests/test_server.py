@@ -556,3 +556,23 @@ def test_metrics_count_requests_tokens_and_bytes(server, client, model):
     assert metric(server, "r3srv_e2e_request_latency_seconds_count", '{route="/v1/completions"}') >= 1
     assert metric(server, "r3srv_time_to_first_token_seconds_count", '{route="/v1/completions"}') >= 1
     assert metric(server, "r3srv_kv_blocks_total") == 256
+
+
+def test_stop_string_trims_text_tokens_and_rows_alike(client, model, model_info):
+    base = dict(model=model, prompt="stop here:", temperature=0)
+    free = client.completions.create(**base, max_tokens=12).choices[0].text
+    # a 2-character stop string that first occurs at some i >= 3 of the greedy text
+    cut = next(i for i in range(3, len(free) - 2) if free[i : i + 2].strip() and free[i : i + 2] not in free[: i + 1])
+    stop = free[cut : cut + 2]
+    extra = {"return_token_ids": True}
+    ref = client.completions.create(**base, max_tokens=12, stop=[stop], extra_body=extra).choices[0]
+    assert ref.finish_reason == "stop" and ref.stop_reason == stop and ref.text == free[:cut]
+    check_experts(ref.routed_experts, ref.prompt_token_ids, ref.token_ids, 0, model_info)
+    text, tokens, final = "", [], None
+    for chunk in client.completions.create(**base, max_tokens=12, stop=[stop], stream=True, extra_body=extra):
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.token_ids or []
+            final = c if c.finish_reason else final
+    assert (text, tokens, final.finish_reason) == (ref.text, ref.token_ids, "stop")
+    np.testing.assert_array_equal(decode(final.routed_experts), decode(ref.routed_experts))
