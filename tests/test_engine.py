@@ -286,3 +286,17 @@ def test_cuda_engine_rows_match_across_prefix_hits_and_seeds():
         assert x.routed_experts.shape == (len(prompt) + 16 - 1, 4, 8)
         np.testing.assert_array_equal(x.routed_experts, y.routed_experts)
     assert gpu.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_n_samples_with_and_without_prefix_caching(max_tokens, prefix_caching):
+    llm = LLM(max_model_len=128, enable_prefix_caching=prefix_caching)
+    prompt = prompt_ids(21, base=8)
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=max_tokens, temperature=1.0, seed=9, ignore_eos=True))[0]
+    assert len(out.outputs) == 3
+    for c in out.outputs:
+        assert len(c.token_ids) == max_tokens
+        assert c.routed_experts.shape == (len(prompt) + max_tokens - 1, 4, 8)
+        np.testing.assert_array_equal(c.routed_experts[:20], out.outputs[0].routed_experts[:20])
+    assert llm.stats().kv_blocks_used == 0
