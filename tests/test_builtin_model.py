@@ -85,8 +85,9 @@ def test_shape_and_random_weights_are_announced(loaded, caplog):
     assert cfg.vocab_size == tokenizer.vocab_size == 259
     assert cfg.eos_token_ids == [tokenizer.eos_token_id] == [tokenizer.encode("<|im_end|>")[0]]
     with caplog.at_level(logging.WARNING, logger="r3srv.models.loader"):
-        load_model(None)
+        by_name, _ = load_model(BUILTIN_MODEL_NAME)  # its served name works as a path too
     assert "random weights" in caplog.text
+    assert by_name.config.name == BUILTIN_MODEL_NAME
 
 
 def _decode_step(model, token: int, context: int) -> ForwardBatch:

@@ -56,15 +56,16 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
 ) -> tuple[MoeForCausalLM, Tokenizer | None]:
-    """Load a checkpoint directory; `path=None` loads the built-in model (random weights).
+    """Load a checkpoint directory; `path=None` (or the name BUILTIN_MODEL_NAME) loads the built-in
+    model (random weights).
 
     Returns (model, tokenizer). The tokenizer is None when the directory has no
     tokenizer.json (token-id prompts only). Raises ConfigError for an unsupported
     architecture, a missing or malformed file, or missing weights.
     """
-    if path is None:
-        from r3srv.models.builtin import BUILTIN_MODEL_NAME, builtin_model_dir
+    from r3srv.models.builtin import BUILTIN_MODEL_NAME, builtin_model_dir
 
+    if path is None or (str(path) == BUILTIN_MODEL_NAME and not Path(path).is_dir()):
         path = builtin_model_dir()
         logger.warning(
             "loading the built-in model %s: random weights (for plumbing and benchmarks, its text is meaningless)",
@@ -72,7 +73,10 @@ def load_model(
         )
     path = Path(path)
     if not path.is_dir():
-        raise ConfigError(f"model path {str(path)!r} is not a directory")
+        raise ConfigError(
+            f"model path {str(path)!r} is not a directory (r3srv never downloads: pass a local checkpoint "
+            f"directory, or no model / {BUILTIN_MODEL_NAME!r} for the built-in model)"
+        )
     cfg = ModelConfig.from_dir(path)
     device = torch.device(device)
     model_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
