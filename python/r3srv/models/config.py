@@ -189,8 +189,7 @@ class ModelConfig:
         return cls(**cfg)
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 def _architecture(raw: dict[str, Any]) -> str:
