@@ -300,3 +300,18 @@ def test_n_samples_with_and_without_prefix_caching(max_tokens, prefix_caching):
         assert c.routed_experts.shape == (len(prompt) + max_tokens - 1, 4, 8)
         np.testing.assert_array_equal(c.routed_experts[:20], out.outputs[0].routed_experts[:20])
     assert llm.stats().kv_blocks_used == 0
+
+
+def test_single_prompt_forms_and_min_tokens_check(llm):
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    by_list = llm.generate(prompt_ids(5), params)  # one prompt given as a bare list of ids
+    by_numpy = llm.generate(np.array(prompt_ids(5)), params)
+    by_np_ints = llm.generate(list(np.array(prompt_ids(5))), params)
+    assert len(by_list) == len(by_numpy) == len(by_np_ints) == 1
+    assert by_list[0].outputs[0].token_ids == by_numpy[0].outputs[0].token_ids == by_np_ints[0].outputs[0].token_ids
+    text = llm.generate("abc", params)
+    assert len(text) == 1 and text[0].prompt_token_ids == [97, 98, 99]
+    assert llm.generate([], params) == []
+    with pytest.raises(InvalidRequestError) as exc:
+        llm.generate("abc", SamplingParams(max_tokens=2, min_tokens=3))
+    assert exc.value.param == "min_tokens"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence as SequenceABC
 
 from r3srv.engine.llm_engine import EngineStats, LLMEngine
@@ -140,9 +141,11 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, str)):  # a numpy array of ids
+        prompts = prompts.tolist()
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         return [list(prompts)]  # one prompt of token ids
     if not isinstance(prompts, SequenceABC):
         raise InvalidRequestError("prompts must be a string, a list of token ids, or a list of those", param="prompt")

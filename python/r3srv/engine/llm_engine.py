@@ -205,6 +205,10 @@ class LLMEngine:
                 f"{self.max_model_len}; ask for at most {self.max_model_len - n_prompt} tokens",
                 param="max_tokens",
             )
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens={params.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens"
+            )
         want = params.return_routed_experts
         if want and not self.enable_return_routed_experts:
             raise InvalidRequestError(
