@@ -1,6 +1,7 @@
 //! Base64 seams: encoding a byte stream that arrives in pieces (header, then rows) straight
 //! into one output buffer, and decoding a padded base64 text at an arbitrary byte offset.
-//! The SIMD work is base64-simd's; this module only stitches 3-byte groups across pieces.
+//! The SIMD kernels are in `b64_x86` (encoding) and base64-simd (decoding, tails, other CPUs);
+//! this module stitches 3-byte groups across pieces.
 
 use base64_simd::{Out, STANDARD};
 
@@ -11,135 +12,56 @@ pub const fn encoded_len(n: usize) -> usize {
 
 /// Encodes `src` (any length) into the front of `dst`, with padding; returns chars written.
 ///
-/// On CPUs with AVX-512 VBMI the bulk goes through `avx512::encode_blocks` (measured about
-/// 3x faster than base64-simd 0.8's AVX2 path on this machine, see docs/encoding.md); the
-/// tail, and every byte on other CPUs, goes through base64-simd.
+/// On CPUs with AVX-512 VBMI the bulk goes through `b64_x86` (measured 2-3x faster than
+/// base64-simd 0.8 here, see docs/encoding.md); the tail, and every byte on other CPUs, goes
+/// through base64-simd.
 #[inline]
 pub fn encode_into(src: &[u8], dst: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
-        if src.len() >= avx512::MIN_LEN && avx512::available() {
-            let mut done = 0;
-            if src.len() >= avx512::STREAM_MIN_LEN {
+        encode_with(crate::b64_x86::best_isa(), src, dst)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        encode_into_portable(src, dst)
+    }
+}
+
+/// `encode_into` with a chosen kernel (which the CPU must support); for tests and measurement.
+#[cfg(target_arch = "x86_64")]
+pub fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) -> usize {
+    use crate::b64_x86::{avx512_blocks, Isa};
+    let mut done = 0;
+    match isa {
+        Isa::Avx512Vbmi if src.len() >= 96 => {
+            if src.len() >= STREAM_MIN_LEN {
                 // Output far larger than the caches: non-temporal stores skip reading every
                 // destination line first. They need 64-byte alignment: encode a few 3-byte
                 // groups (4 chars each; dst is 4-aligned in practice) until dst is aligned.
                 let misalign = dst.as_ptr().align_offset(64);
                 if misalign % 4 == 0 {
                     let groups = misalign / 4;
-                    let head = STANDARD.encode(&src[..groups * 3], Out::from_slice(&mut dst[..groups * 4])).len();
-                    debug_assert_eq!(head, groups * 4);
-                    done = groups * 3
-                        + unsafe { avx512::encode_blocks::<true>(&src[groups * 3..], &mut dst[groups * 4..]) };
+                    encode_into_portable(&src[..groups * 3], &mut dst[..groups * 4]);
+                    done = groups * 3 + unsafe { avx512_blocks::<true>(&src[groups * 3..], &mut dst[groups * 4..]) };
                 }
             }
             if done == 0 {
-                done = unsafe { avx512::encode_blocks::<false>(src, dst) };
+                done = unsafe { avx512_blocks::<false>(src, dst) };
             }
-            let tail = STANDARD.encode(&src[done..], Out::from_slice(&mut dst[done / 3 * 4..])).len();
-            return done / 3 * 4 + tail;
         }
+        _ => {}
     }
-    STANDARD.encode(src, Out::from_slice(dst)).len()
+    done / 3 * 4 + encode_into_portable(&src[done..], &mut dst[done / 3 * 4..])
 }
 
-/// base64-simd alone, for measurements and tests against the AVX-512 path.
+/// From this input size on, the AVX-512 kernel uses non-temporal stores. Same-run ratios
+/// against pybase64 here: at 3 MB, 0.67-0.86 with them vs 0.99-1.0 without; at 196 KB
+/// (cache-resident) they were 3.3x slower, so small outputs keep plain stores.
+pub const STREAM_MIN_LEN: usize = 1 << 20;
+
+/// base64-simd alone (its own AVX2/SSSE3/NEON dispatch), for the tail and other CPUs.
 pub fn encode_into_portable(src: &[u8], dst: &mut [u8]) -> usize {
     STANDARD.encode(src, Out::from_slice(dst)).len()
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
-    //! Base64 encoding with AVX-512 VBMI, after Muła and Lemire, "Base64 encoding and decoding
-    //! at almost the speed of a memory copy" (2019): per 48 input bytes, one byte permute puts
-    //! each 3-byte group into a 32-bit lane, one multishift pulls out the four 6-bit fields, and
-    //! one byte permute maps them to the alphabet.
-    use std::arch::x86_64::*;
-    use std::sync::atomic::{AtomicU8, Ordering};
-
-    /// Below this the setup is not worth it.
-    pub const MIN_LEN: usize = 96;
-    /// From this input size on, non-temporal stores. Same-run ratios against pybase64 here:
-    /// at 3 MB, 0.67-0.86 with them vs 0.99-1.0 without; at 196 KB (cache-resident) they
-    /// were 3.3x slower, so small outputs keep plain stores.
-    pub const STREAM_MIN_LEN: usize = 1 << 20;
-
-    pub fn available() -> bool {
-        static STATE: AtomicU8 = AtomicU8::new(0); // 0 unknown, 1 no, 2 yes
-        match STATE.load(Ordering::Relaxed) {
-            0 => {
-                let yes = std::is_x86_feature_detected!("avx512f")
-                    && std::is_x86_feature_detected!("avx512bw")
-                    && std::is_x86_feature_detected!("avx512vbmi")
-                    && std::env::var_os("R3SRV_NO_AVX512").is_none();
-                STATE.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
-                yes
-            }
-            s => s == 2,
-        }
-    }
-
-    /// Encodes the longest prefix of `src` that is a multiple of 48 bytes; returns its length.
-    /// With `STREAM`, stores are non-temporal.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512 F, BW and VBMI; `dst` must hold `src.len() / 3 * 4` bytes
-    /// and, with `STREAM`, be 64-byte aligned.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    pub unsafe fn encode_blocks<const STREAM: bool>(src: &[u8], dst: &mut [u8]) -> usize {
-        let blocks = src.len() / 48;
-        assert!(dst.len() >= blocks * 64);
-        let shuffle = _mm512_setr_epi32(
-            0x01020001, 0x04050304, 0x07080607, 0x0a0b090a, 0x0d0e0c0d, 0x10110f10, 0x13141213, 0x16171516,
-            0x191a1819, 0x1c1d1b1c, 0x1f201e1f, 0x22232122, 0x25262425, 0x28292728, 0x2b2c2a2b, 0x2e2f2d2e,
-        );
-        let shifts = _mm512_set1_epi64(0x3036242a1016040a);
-        let alphabet = _mm512_loadu_si512(
-            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".as_ptr() as *const _,
-        );
-        let mut s = src.as_ptr();
-        let mut d = dst.as_mut_ptr();
-        let mut i = 0;
-        macro_rules! block {
-            ($k:expr) => {{
-                let v = _mm512_loadu_si512(s.add(48 * $k) as *const _);
-                let v = _mm512_permutexvar_epi8(shuffle, v);
-                let v = _mm512_multishift_epi64_epi8(shifts, v);
-                let out = _mm512_permutexvar_epi8(v, alphabet);
-                if STREAM {
-                    _mm512_stream_si512(d.add(64 * $k) as *mut _, out);
-                } else {
-                    _mm512_storeu_si512(d.add(64 * $k) as *mut _, out);
-                }
-            }};
-        }
-        // 64-byte loads read 16 bytes past the block: only while they stay inside src.
-        while i + 4 < blocks {
-            block!(0);
-            block!(1);
-            block!(2);
-            block!(3);
-            s = s.add(192);
-            d = d.add(256);
-            i += 4;
-        }
-        while i + 1 < blocks {
-            block!(0);
-            s = s.add(48);
-            d = d.add(64);
-            i += 1;
-        }
-        if STREAM {
-            _mm_sfence(); // order the streaming stores before anyone reads the text
-        }
-        if i < blocks {
-            let v = _mm512_maskz_loadu_epi8(0x0000_ffff_ffff_ffff, s as *const i8);
-            let v = _mm512_permutexvar_epi8(shuffle, v);
-            let v = _mm512_multishift_epi64_epi8(shifts, v);
-            _mm512_storeu_si512(d as *mut _, _mm512_permutexvar_epi8(v, alphabet));
-        }
-        blocks * 48
-    }
 }
 
 /// Writes base64 of the concatenation of every `write`n piece into `out`, which must be
@@ -327,18 +249,27 @@ mod tests {
 
     #[test]
     fn simd_paths_equal_scalar_reference() {
+        #[cfg(target_arch = "x86_64")]
+        let isas = crate::b64_x86::supported_isas();
         for n in [0usize, 1, 47, 48, 95, 96, 97, 143, 144, 145, 1000, 4096, 65536 + 7, (1 << 20) + 5] {
             let data = bytes(n, 11 + n as u32);
             let want = reference(&data);
             let mut b = vec![0u8; encoded_len(n)];
             assert_eq!(encode_into_portable(&data, &mut b), want.len());
             assert!(b == want, "n={n}");
-            // Every destination alignment (the streaming path aligns itself).
+            // Every kernel this CPU has, at several destination alignments (the streaming
+            // path aligns itself).
             let mut a = vec![0u8; encoded_len(n) + 64];
             for shift in [0, 4, 8, 60] {
                 let dst = &mut a[shift..shift + encoded_len(n)];
                 assert_eq!(encode_into(&data, dst), want.len());
                 assert!(*dst == want[..], "n={n} shift={shift}");
+                #[cfg(target_arch = "x86_64")]
+                for &isa in &isas {
+                    dst.fill(0);
+                    assert_eq!(encode_with(isa, &data, dst), want.len());
+                    assert!(*dst == want[..], "n={n} shift={shift} isa={isa:?}");
+                }
             }
         }
     }

@@ -1,6 +1,8 @@
 //! r3srv core: byte-identical, zero-copy `base64(np.save(array))` for routed experts, and its
 //! inverse. Everything but `python` builds and tests without Python (`cargo test`).
 pub mod b64;
+#[cfg(target_arch = "x86_64")]
+pub mod b64_x86;
 pub mod decode;
 pub mod encode;
 pub mod layout;
