@@ -192,7 +192,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
 
 def test_shutdown_is_idempotent_and_final():
     eng = AsyncLLM(max_model_len=64, enable_return_routed_experts=False)
-    assert eng.routed_experts_info is None
+    assert eng.routed_experts_info is None and eng.is_running
 
     async def main():
         with pytest.raises(InvalidRequestError, match="--enable-return-routed-experts"):
@@ -205,7 +205,7 @@ def test_shutdown_is_idempotent_and_final():
             await eng.generate([1, 2, 3], SamplingParams(max_tokens=2), "late").__anext__()
 
     asyncio.run(main())
-    assert not eng._thread.is_alive()
+    assert not eng._thread.is_alive() and not eng.is_running
 
 
 def test_streamed_outputs_are_prefixes_of_the_final_one_with_stop_strings(engine):
@@ -222,3 +222,22 @@ def test_streamed_outputs_are_prefixes_of_the_final_one_with_stop_strings(engine
         assert final.text.startswith(c.text)
         assert final.token_ids[: len(c.token_ids)] == c.token_ids
         assert len(c.logprobs) == len(c.token_ids)
+
+
+def test_an_engine_thread_crash_fails_requests_loudly():
+    eng = AsyncLLM(max_model_len=64)
+
+    def broken_schedule():
+        raise AssertionError("scheduler bug")
+
+    eng._engine.scheduler.schedule = broken_schedule
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="scheduler bug"):
+            await collect(eng, [1, 2, 3], SamplingParams(max_tokens=2), "crash")
+        with pytest.raises(EngineDeadError):
+            await eng.generate([1, 2, 3], SamplingParams(max_tokens=2), "after-crash").__anext__()
+
+    asyncio.run(main())
+    assert not eng.is_running
+    eng.shutdown()

@@ -76,6 +76,11 @@ class AsyncLLM:
     def routed_experts_info(self) -> dict | None:
         return self._engine.routed_experts_info
 
+    @property
+    def is_running(self) -> bool:
+        """False once shut down or after the engine thread died (a /health probe can report it)."""
+        return self._dead is None and not self._stopping and self._thread.is_alive()
+
     def stats(self) -> EngineStats:
         return self._engine.stats()  # plain counters: a slightly stale read is fine
 
