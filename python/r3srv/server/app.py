@@ -7,13 +7,14 @@ lifespan shuts it down when the server stops.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from litestar import Litestar, Request
-from litestar.exceptions import ClientException
 from litestar.datastructures import State
+from litestar.exceptions import ClientException
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Receive, Scope, Send
 
@@ -44,7 +45,7 @@ def create_app(
         try:
             yield
         finally:
-            engine.shutdown()
+            await asyncio.to_thread(engine.shutdown)  # joins the engine thread: keep the loop free
 
     return Litestar(
         route_handlers=ROUTE_HANDLERS,
