@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import re
@@ -576,3 +577,26 @@ def test_stop_string_trims_text_tokens_and_rows_alike(client, model, model_info)
             final = c if c.finish_reason else final
     assert (text, tokens, final.finish_reason) == (ref.text, ref.token_ids, "stop")
     np.testing.assert_array_equal(decode(final.routed_experts), decode(ref.routed_experts))
+
+
+def test_clients_batch_together_and_all_disconnects_free_blocks(server):
+    """Three clients stream at once: the engine runs them in the same steps; hanging up frees everything."""
+    assert wait_blocks_free(server) == 0
+    body = {"max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, contextlib.ExitStack() as stack:
+        responses = [
+            stack.enter_context(http.stream("POST", server.url + "/v1/completions", json={**body, "prompt": f"client {i}"}))
+            for i in range(3)
+        ]
+        iters = [r.iter_lines() for r in responses]
+        for lines in iters:
+            assert next(line for line in lines if line.startswith("data: "))
+        deadline = time.monotonic() + 30
+        while metric(server, "r3srv_num_requests_running") < 3:
+            assert time.monotonic() < deadline, "the three requests never ran together"
+            time.sleep(0.02)
+        for r in responses:
+            r.close()
+        del iters
+    assert wait_blocks_free(server) == 0
+    assert metric(server, "r3srv_num_requests_running") == 0
