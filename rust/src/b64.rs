@@ -30,23 +30,32 @@ pub fn encode_into(src: &[u8], dst: &mut [u8]) -> usize {
 /// `encode_into` with a chosen kernel (which the CPU must support); for tests and measurement.
 #[cfg(target_arch = "x86_64")]
 pub fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) -> usize {
-    use crate::b64_x86::{avx512_blocks, Isa};
+    use crate::b64_x86::{avx2_blocks, avx512_blocks, Isa};
     let mut done = 0;
+    // Align dst to `align` with a few 3-byte groups (4 chars each; dst is 4-aligned in
+    // practice), for streaming stores; returns the input bytes so encoded, or None.
+    let align_head = |dst: &mut [u8], align: usize| -> Option<usize> {
+        let misalign = dst.as_ptr().align_offset(align);
+        (misalign % 4 == 0).then(|| {
+            let groups = misalign / 4;
+            encode_into_portable(&src[..groups * 3], &mut dst[..groups * 4]);
+            groups * 3
+        })
+    };
     match isa {
         Isa::Avx512Vbmi if src.len() >= 96 => {
-            if src.len() >= STREAM_MIN_LEN {
-                // Output far larger than the caches: non-temporal stores skip reading every
-                // destination line first. They need 64-byte alignment: encode a few 3-byte
-                // groups (4 chars each; dst is 4-aligned in practice) until dst is aligned.
-                let misalign = dst.as_ptr().align_offset(64);
-                if misalign % 4 == 0 {
-                    let groups = misalign / 4;
-                    encode_into_portable(&src[..groups * 3], &mut dst[..groups * 4]);
-                    done = groups * 3 + unsafe { avx512_blocks::<true>(&src[groups * 3..], &mut dst[groups * 4..]) };
-                }
-            }
-            if done == 0 {
-                done = unsafe { avx512_blocks::<false>(src, dst) };
+            // Outputs far larger than the caches: non-temporal stores skip reading every
+            // destination line first.
+            let head = if src.len() >= STREAM_MIN_LEN { align_head(dst, 64) } else { None };
+            done = match head {
+                Some(head) => head + unsafe { avx512_blocks::<true>(&src[head..], &mut dst[head / 3 * 4..]) },
+                None => unsafe { avx512_blocks::<false>(src, dst) },
+            };
+        }
+        Isa::Avx2 if src.len() >= STREAM_MIN_LEN => {
+            // Below the streaming size our AVX2 kernel is no faster than base64-simd's.
+            if let Some(head) = align_head(dst, 32) {
+                done = head + unsafe { avx2_blocks::<true>(&src[head..], &mut dst[head / 3 * 4..]) };
             }
         }
         _ => {}
@@ -251,7 +260,7 @@ mod tests {
     fn simd_paths_equal_scalar_reference() {
         #[cfg(target_arch = "x86_64")]
         let isas = crate::b64_x86::supported_isas();
-        for n in [0usize, 1, 47, 48, 95, 96, 97, 143, 144, 145, 1000, 4096, 65536 + 7, (1 << 20) + 5] {
+        for n in [0usize, 1, 27, 28, 31, 32, 33, 47, 48, 95, 96, 97, 143, 144, 145, 1000, 4096, 65536 + 7, (1 << 20) + 5] {
             let data = bytes(n, 11 + n as u32);
             let want = reference(&data);
             let mut b = vec![0u8; encoded_len(n)];
@@ -269,6 +278,13 @@ mod tests {
                     dst.fill(0);
                     assert_eq!(encode_with(isa, &data, dst), want.len());
                     assert!(*dst == want[..], "n={n} shift={shift} isa={isa:?}");
+                    if isa == crate::b64_x86::Isa::Avx2 {
+                        // The plain-store AVX2 kernel (used only by measurements) as well.
+                        dst.fill(0);
+                        let done = unsafe { crate::b64_x86::avx2_blocks::<false>(&data, dst) };
+                        encode_into_portable(&data[done..], &mut dst[done / 3 * 4..]);
+                        assert!(*dst == want[..], "n={n} shift={shift} avx2 plain");
+                    }
                 }
             }
         }

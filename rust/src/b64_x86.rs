@@ -15,6 +15,8 @@ use std::sync::OnceLock;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Avx512Vbmi,
+    /// Our AVX2 kernel, for outputs large enough to stream; base64-simd below that.
+    Avx2,
     /// base64-simd's own dispatch (AVX2, SSSE3) only.
     Portable,
 }
@@ -29,17 +31,21 @@ pub fn supported_isas() -> Vec<Isa> {
     if has_avx512_vbmi() {
         v.push(Isa::Avx512Vbmi);
     }
+    if is_x86_feature_detected!("avx2") {
+        v.push(Isa::Avx2);
+    }
     v.push(Isa::Portable);
     v
 }
 
-/// The fastest kernel, unless `R3SRV_BASE64_ISA=portable` asks for base64-simd alone (to
-/// measure, or to rule the kernel out).
+/// The fastest kernel, unless `R3SRV_BASE64_ISA` (`avx2`, `portable`) asks for a slower
+/// one (to measure, or to rule a kernel out).
 pub fn best_isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
         let supported = supported_isas();
         let wanted = match std::env::var("R3SRV_BASE64_ISA").as_deref() {
+            Ok("avx2") => Some(Isa::Avx2),
             Ok("portable") => Some(Isa::Portable),
             _ => None,
         };
@@ -110,4 +116,56 @@ pub unsafe fn avx512_blocks<const STREAM: bool>(src: &[u8], dst: &mut [u8]) -> u
         _mm512_storeu_si512(d as *mut _, _mm512_permutexvar_epi8(v, alphabet));
     }
     blocks * 48
+}
+
+/// Encodes 24-byte blocks while a 28-byte read stays inside `src`; returns the bytes encoded.
+/// With `STREAM`, stores are non-temporal.
+///
+/// # Safety
+/// The CPU must support AVX2; `dst` must hold `src.len() / 3 * 4` bytes and, with `STREAM`,
+/// be 32-byte aligned.
+#[target_feature(enable = "avx2")]
+pub unsafe fn avx2_blocks<const STREAM: bool>(src: &[u8], dst: &mut [u8]) -> usize {
+    let blocks = if src.len() >= 28 { (src.len() - 4) / 24 } else { 0 };
+    assert!(dst.len() >= blocks * 32);
+    // Per 128-bit lane: input bytes [a b c] become the 32-bit word [b a c b].
+    let shuffle = _mm256_setr_epi8(
+        1, 0, 2, 1, 4, 3, 5, 4, 7, 6, 8, 7, 10, 9, 11, 10, 1, 0, 2, 1, 4, 3, 5, 4, 7, 6, 8, 7, 10, 9, 11, 10,
+    );
+    let mask_ac = _mm256_set1_epi32(0x0fc0fc00);
+    let mul_ac = _mm256_set1_epi32(0x04000040);
+    let mask_bd = _mm256_set1_epi32(0x003f03f0);
+    let mul_bd = _mm256_set1_epi32(0x01000010);
+    // Offset from a 6-bit value to its character, by range: A-Z +65, a-z +71, 0-9 -4, '+' -19, '/' -16.
+    let offsets = _mm256_setr_epi8(
+        65, 71, -4, -4, -4, -4, -4, -4, -4, -4, -4, -4, -19, -16, 0, 0, 65, 71, -4, -4, -4, -4, -4, -4, -4, -4, -4,
+        -4, -19, -16, 0, 0,
+    );
+    let c51 = _mm256_set1_epi8(51);
+    let c25 = _mm256_set1_epi8(25);
+    let mut s = src.as_ptr();
+    let mut d = dst.as_mut_ptr();
+    for _ in 0..blocks {
+        let lo = _mm_loadu_si128(s as *const __m128i);
+        let hi = _mm_loadu_si128(s.add(12) as *const __m128i);
+        let v = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
+        let v = _mm256_shuffle_epi8(v, shuffle);
+        let ac = _mm256_mulhi_epu16(_mm256_and_si256(v, mask_ac), mul_ac);
+        let bd = _mm256_mullo_epi16(_mm256_and_si256(v, mask_bd), mul_bd);
+        let idx = _mm256_or_si256(ac, bd);
+        // Range: 0 for A-Z, 1 for a-z, 2..11 for digits, 12 '+', 13 '/'.
+        let range = _mm256_sub_epi8(_mm256_subs_epu8(idx, c51), _mm256_cmpgt_epi8(idx, c25));
+        let out = _mm256_add_epi8(idx, _mm256_shuffle_epi8(offsets, range));
+        if STREAM {
+            _mm256_stream_si256(d as *mut __m256i, out);
+        } else {
+            _mm256_storeu_si256(d as *mut __m256i, out);
+        }
+        s = s.add(24);
+        d = d.add(32);
+    }
+    if STREAM {
+        _mm_sfence();
+    }
+    blocks * 24
 }
