@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -600,3 +601,27 @@ def test_clients_batch_together_and_all_disconnects_free_blocks(server):
         del iters
     assert wait_blocks_free(server) == 0
     assert metric(server, "r3srv_num_requests_running") == 0
+
+
+def test_event_loop_stays_responsive_during_generation(server):
+    """The engine steps on its own thread: /health answers promptly while a long request runs."""
+    result: dict = {}
+
+    def long_request() -> None:
+        t0 = time.perf_counter()
+        body = {"prompt": "z" * 1500, "max_tokens": 150, "ignore_eos": True}
+        result["status"] = httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code
+        result["seconds"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        latencies.append(time.perf_counter() - t0)
+        time.sleep(0.01)
+    thread.join()
+    assert result["status"] == 200 and len(latencies) >= 3
+    # a loop blocked by the engine would stall /health for (nearly) the whole request
+    assert max(latencies) < min(1.0, result["seconds"] / 2), (max(latencies), result["seconds"])
