@@ -119,7 +119,7 @@ fn prompt_start_value(prompt_start: Option<&Bound<'_, PyAny>>, len: usize) -> Py
 /// Encodes `array[prompt_start:]` as base64 of its `.npy` bytes, equal byte for byte to
 /// `r3srv.serial.numpy2base64(array[prompt_start:])`.
 #[pyfunction]
-#[pyo3(signature = (array, prompt_start=None))]
+#[pyo3(signature = (array, prompt_start=None), text_signature = "(array, prompt_start=0)")]
 fn encode_routed_experts<'py>(
     py: Python<'py>,
     array: &Bound<'py, PyAny>,
