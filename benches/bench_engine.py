@@ -4,7 +4,12 @@
 
 (a) prefill: 4 prompts x 256 tokens, one generated token each;
 (b) batched decode: 8 sequences, 64 decode steps (decode steps timed on their own);
-(c) single-sequence decode: 1 sequence, 128 decode steps (the >= 50 tokens/s check).
+(c) single-sequence decode: 1 sequence, 128 decode steps (the >= 50 tokens/s check);
+(d) the capture path's own work per step (zero-fill, per-layer id writes, scatter to slots);
+(e) the model forward on identical batches with and without a capture tensor.
+(a)-(c) are end to end; on a busy shared machine their on/off ratio moves by several
+percent from run to run (two identical engines differ as much), so (d) and (e), which
+isolate the capture's cost, are the precise answer and (a)-(c) the sanity check.
 
 Both engines (capture on, capture off) live in the same process with prefix caching off,
 and run interleaved round by round, alternating which goes first, so machine noise hits
@@ -181,3 +186,48 @@ def test_capture_path_cost_per_step(benchmark, engines):
         benchmark.extra_info[f"capture_share_{name}"] = cost / step
         print(f"  {name:13s} {cost * 1e6:8.1f} us of a {step * 1e3:8.2f} ms step = {100 * cost / step:.2f}%")
         assert cost / step < TARGET_OVERHEAD
+
+
+def test_forward_with_vs_without_capture(benchmark, engines):
+    """The same model forward on the same batch, with and without a capture tensor,
+    interleaved: the capture's whole cost inside the model (router writes included)."""
+    from r3srv.models.batch import ForwardBatch
+
+    llm = engines["on"]
+    model = llm.engine.model
+    info = llm.routed_experts_info
+    bs = llm.engine.config.block_size
+
+    def batch(num_seqs: int, q: int, capture: bool) -> ForwardBatch:
+        ctx = 32
+        tables = torch.tensor([[3 * i, 3 * i + 1, 3 * i + 2] for i in range(num_seqs)], dtype=torch.int32)
+        positions = torch.arange(ctx - q, ctx).repeat(num_seqs)
+        slots = torch.cat([tables[i].long()[(torch.arange(ctx - q, ctx)) // bs] * bs + torch.arange(ctx - q, ctx) % bs for i in range(num_seqs)])
+        t = num_seqs * q
+        return ForwardBatch(
+            input_ids=torch.randint(32, 120, (t,)),
+            positions=positions,
+            slot_mapping=slots,
+            query_lens=[q] * num_seqs,
+            context_lens=[ctx] * num_seqs,
+            block_tables=tables,
+            logits_indices=torch.arange(q - 1, t, q),
+            routing_capture=torch.zeros(t, info["num_layers"], info["top_k"], dtype=torch.uint8) if capture else None,
+        )
+
+    results = {}
+    for name, num_seqs, q, reps in (("decode x1", 1, 1, 300), ("decode x8", 8, 1, 200), ("prefill 8x32", 8, 32, 30)):
+        times = {True: [], False: []}
+        for r in range(reps):
+            for cap in (True, False) if r % 2 else (False, True):
+                b = batch(num_seqs, q, cap)
+                t0 = time.thread_time()
+                model.forward(b)
+                times[cap].append(time.thread_time() - t0)
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        results[name] = (on, off)
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    print("\n(e) model forward with vs without capture (thread CPU time, medians):")
+    for name, (on, off) in results.items():
+        benchmark.extra_info[f"forward_overhead_{name}"] = on / off - 1
+        print(f"  {name:13s} {off * 1e3:7.2f} ms -> {on * 1e3:7.2f} ms  {100 * (on / off - 1):+.2f}%")
