@@ -57,6 +57,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.text = ""
+        self.detok = None  # IncrementalDetokenizer, set by the engine
         self.routed_experts = None  # np.ndarray, set when finished
 
     def __len__(self) -> int:
@@ -77,9 +78,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
-        return -(-num_tokens // block_size)
-
-    def slot(self, position: int, block_size: int) -> int:
-        return self.block_table[position // block_size] * block_size + position % block_size
