@@ -148,12 +148,8 @@ pub fn decode_range(text: &[u8], start: usize, dst: &mut [u8]) -> Result<(), Str
     if skip == 0 {
         let direct = (dst.len() / 3).min(total_quads.saturating_sub(1).saturating_sub(quad));
         if direct > 0 {
-            let chars = &text[quad * 4..(quad + direct) * 4];
-            let n = STANDARD.decode(chars, Out::from_slice(&mut dst[..direct * 3])).map_err(|_| bad())?.len();
-            if n != direct * 3 {
-                return Err(bad());
-            }
-            done = n;
+            decode_whole_quads(&text[quad * 4..(quad + direct) * 4], &mut dst[..direct * 3]).map_err(|_| bad())?;
+            done = direct * 3;
             quad += direct;
         }
     }
@@ -178,17 +174,34 @@ pub fn decode_range(text: &[u8], start: usize, dst: &mut [u8]) -> Result<(), Str
             let direct = ((dst.len() - done) / 3).min(total_quads.saturating_sub(1).saturating_sub(quad));
             if direct > 0 {
                 let chars = &text[quad * 4..(quad + direct) * 4];
-                let out = &mut dst[done..done + direct * 3];
-                let n = STANDARD.decode(chars, Out::from_slice(out)).map_err(|_| bad())?.len();
-                if n != direct * 3 {
-                    return Err(bad());
-                }
-                done += n;
+                decode_whole_quads(chars, &mut dst[done..done + direct * 3]).map_err(|_| bad())?;
+                done += direct * 3;
                 quad += direct;
             }
         }
     }
     Ok(())
+}
+
+/// Decodes base64 that must hold whole, unpadded quads (`chars.len()` a multiple of 4) into
+/// `out` (`chars.len() / 4 * 3` bytes).
+pub fn decode_whole_quads(chars: &[u8], out: &mut [u8]) -> Result<(), ()> {
+    debug_assert!(chars.len() % 4 == 0 && out.len() == chars.len() / 4 * 3);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if chars.len() >= 64 && crate::b64_x86::best_isa() == crate::b64_x86::Isa::Avx512Vbmi {
+        done = unsafe { crate::b64_x86::avx512_decode_blocks(chars, out)? };
+    }
+    let rest = &chars[done..];
+    if rest.is_empty() {
+        return Ok(());
+    }
+    let n = STANDARD.decode(rest, Out::from_slice(&mut out[done / 4 * 3..])).map_err(|_| ())?.len();
+    if n == rest.len() / 4 * 3 {
+        Ok(())
+    } else {
+        Err(()) // padding inside the text
+    }
 }
 
 /// Exact decoded length of a padded base64 text, or an error if its length or padding is wrong.
@@ -318,6 +331,34 @@ mod tests {
                     assert_eq!(dst, &data[start..start + len], "n={n} start={start} len={len}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn whole_quads_decode_and_reject_every_bad_character() {
+        for n in [0usize, 3, 45, 48, 96, 99, 480, 3000] {
+            let data = bytes(n, 5 + n as u32);
+            let text = reference(&data);
+            let mut out = vec![0u8; n];
+            decode_whole_quads(&text, &mut out).unwrap();
+            assert_eq!(out, data, "n={n}");
+            // One bad character anywhere (in a SIMD block or in the tail) is an error.
+            for pos in (0..text.len()).step_by(7) {
+                for bad in [b'=', b'!', b'\n', 0x80u8, 0xff, b'-', b'_'] {
+                    let mut t = text.clone();
+                    t[pos] = bad;
+                    assert!(decode_whole_quads(&t, &mut out).is_err(), "n={n} pos={pos} bad={bad}");
+                }
+            }
+        }
+        // Every one of the 256 byte values in a 64-char block.
+        let text = reference(&bytes(48, 9));
+        let valid: Vec<u8> = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".to_vec();
+        let mut out = vec![0u8; 48];
+        for c in 0..=255u8 {
+            let mut t = text.clone();
+            t[17] = c;
+            assert_eq!(decode_whole_quads(&t, &mut out).is_ok(), valid.contains(&c), "byte {c}");
         }
     }
 

@@ -7,7 +7,9 @@
 //! AVX2 kernel of our own (Muła's shuffle/multiply scheme) measured the same as base64-simd,
 //! so without AVX-512 VBMI base64-simd does the whole job.
 //!
-//! The kernel encodes whole blocks only; `b64::encode_with` finishes the tail.
+//! The kernels handle whole blocks only; `b64` finishes the tails with base64-simd. Decoding
+//! uses the same paper's AVX-512 VBMI scheme (a 128-entry two-register byte lookup that also
+//! flags invalid characters, two multiply-adds to pack 6-bit fields, one byte permute).
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -168,4 +170,59 @@ pub unsafe fn avx2_blocks<const STREAM: bool>(src: &[u8], dst: &mut [u8]) -> usi
         _mm_sfence();
     }
     blocks * 24
+}
+
+/// ASCII -> 6-bit value for the standard alphabet; 0x80 marks every other character.
+const fn decode_lut() -> [u8; 128] {
+    let alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut lut = [0x80u8; 128];
+    let mut i = 0;
+    while i < 64 {
+        lut[alphabet[i] as usize] = i as u8;
+        i += 1;
+    }
+    lut
+}
+static DECODE_LUT: [u8; 128] = decode_lut();
+
+/// Decodes whole 64-char blocks of unpadded base64 (48 bytes each); returns the chars
+/// consumed, or `Err` at the first block holding a character outside the alphabet ('='
+/// included).
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VBMI; `dst` must hold `src.len() / 4 * 3` bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+pub unsafe fn avx512_decode_blocks(src: &[u8], dst: &mut [u8]) -> Result<usize, ()> {
+    let blocks = src.len() / 64;
+    assert!(dst.len() >= blocks * 48);
+    let lut_lo = _mm512_loadu_si512(DECODE_LUT.as_ptr() as *const _);
+    let lut_hi = _mm512_loadu_si512(DECODE_LUT.as_ptr().add(64) as *const _);
+    // [a b c d] 6-bit values -> 16-bit (a << 6 | b), (c << 6 | d) -> 32-bit 24-bit group.
+    let merge_pairs = _mm512_set1_epi32(0x01400140);
+    let merge_quads = _mm512_set1_epi32(0x00011000);
+    // The 24-bit group of dword i is bytes 2, 1, 0 of it, big end first.
+    let mut pack = [0u8; 64];
+    for i in 0..16 {
+        pack[3 * i] = (4 * i + 2) as u8;
+        pack[3 * i + 1] = (4 * i + 1) as u8;
+        pack[3 * i + 2] = (4 * i) as u8;
+    }
+    let pack = _mm512_loadu_si512(pack.as_ptr() as *const _);
+    let mut s = src.as_ptr();
+    let mut d = dst.as_mut_ptr();
+    for _ in 0..blocks {
+        let chars = _mm512_loadu_si512(s as *const _);
+        // Index bit 6 picks the register, bit 7 (non-ASCII) is caught by the check below.
+        let values = _mm512_permutex2var_epi8(lut_lo, chars, lut_hi);
+        if _mm512_movepi8_mask(_mm512_or_si512(values, chars)) != 0 {
+            return Err(());
+        }
+        let pairs = _mm512_maddubs_epi16(values, merge_pairs);
+        let groups = _mm512_madd_epi16(pairs, merge_quads);
+        let bytes = _mm512_permutexvar_epi8(pack, groups);
+        _mm512_mask_storeu_epi8(d as *mut i8, 0x0000_ffff_ffff_ffff, bytes);
+        s = s.add(64);
+        d = d.add(48);
+    }
+    Ok(blocks * 64)
 }
