@@ -315,3 +315,16 @@ def test_single_prompt_forms_and_min_tokens_check(llm):
     with pytest.raises(InvalidRequestError) as exc:
         llm.generate("abc", SamplingParams(max_tokens=2, min_tokens=3))
     assert exc.value.param == "min_tokens"
+
+
+def test_partial_prefix_hit_after_eviction_gives_identical_rows():
+    small = LLM(block_size=4, num_kv_blocks=20, max_model_len=64)
+    a = prompt_ids(30, base=41)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    cold = small.generate([a], params)[0]
+    # Another request takes 15 blocks: the 10 never used, then 5 of a's freed blocks (tail first).
+    small.generate([prompt_ids(40, base=42)], SamplingParams(max_tokens=20, **GREEDY))
+    warm = small.generate([a], params)[0]
+    assert 0 < warm.num_cached_tokens < 28  # only a's leading blocks survived
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_array_equal(warm.outputs[0].routed_experts, cold.outputs[0].routed_experts)
