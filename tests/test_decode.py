@@ -108,6 +108,7 @@ def test_hand_written_header_is_accepted():
         (numpy2base64(np.zeros(8, "u1"))[:-4], "mismatch|truncated"),
         (numpy2base64(np.zeros(8, "u1")).rstrip("="), "multiple of 4"),
         ("é" * 8, "ASCII"),
+        ("\ud800" * 8, "ASCII"),
     ],
 )
 def test_hostile_input_is_value_error(text, match):

@@ -227,13 +227,27 @@ fn checked_descr(descr: &str) -> PyResult<&str> {
 /// Decodes base64 `.npy` text (str or bytes) into a new array that owns the decoded rows.
 #[pyfunction]
 fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let not_ascii = || PyValueError::new_err("routed experts text is not ASCII base64");
     let bytes: &[u8] = if let Ok(s) = text.cast::<PyString>() {
         unsafe {
-            if ffi::PyUnicode_IS_COMPACT_ASCII(s.as_ptr()) == 0 {
-                return Err(PyValueError::new_err("routed experts text is not ASCII base64"));
+            if ffi::PyUnicode_IS_COMPACT_ASCII(s.as_ptr()) != 0 {
+                // The common case: read the str's own ASCII buffer.
+                let n = ffi::PyUnicode_GET_LENGTH(s.as_ptr()) as usize;
+                std::slice::from_raw_parts(ffi::PyUnicode_DATA(s.as_ptr()) as *const u8, n)
+            } else {
+                // Any other str (non-ASCII, or a legacy representation): its UTF-8 view.
+                let mut n: ffi::Py_ssize_t = 0;
+                let p = ffi::PyUnicode_AsUTF8AndSize(s.as_ptr(), &mut n);
+                if p.is_null() {
+                    drop(PyErr::fetch(py)); // lone surrogates: not base64 either
+                    return Err(not_ascii());
+                }
+                let b = std::slice::from_raw_parts(p as *const u8, n as usize);
+                if !b.is_ascii() {
+                    return Err(not_ascii());
+                }
+                b
             }
-            let n = ffi::PyUnicode_GET_LENGTH(s.as_ptr()) as usize;
-            std::slice::from_raw_parts(ffi::PyUnicode_DATA(s.as_ptr()) as *const u8, n)
         }
     } else if let Ok(b) = text.cast::<PyBytes>() {
         b.as_bytes()
