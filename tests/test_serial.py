@@ -110,6 +110,19 @@ def test_structured_and_subclasses_route_to_the_reference(array):
         _assert_same(array, prompt_start)
 
 
+@pytest.mark.parametrize(
+    "shape, strides",
+    [((1, 3), (999, 2)), ((3, 1), (2, 777)), ((3, 4), (2, 2)), ((2, 1, 3), (4, 0, 2)), ((4, 3), (0, 2)), ((2, 3), (2, 4))],
+    ids=["size1-row-odd-stride", "size1-col-odd-stride", "overlapping", "zero-stride-middle", "zero-stride-rows", "F-order"],
+)
+def test_unusual_strides(shape, strides):
+    # numpy ignores the strides of length-1 axes for contiguity; overlapping and zero strides
+    # are neither C nor F and go through the C-order gather.
+    array = np.lib.stride_tricks.as_strided(np.arange(200, dtype=np.uint16), shape, strides)
+    for prompt_start in range(len(array) + 1):
+        _assert_same(array, prompt_start)
+
+
 def test_prefix_slice_is_read_in_place():
     # A prompt_start slice of a C array is a pointer offset: changing the source changes
     # the output, and the output equals the reference on the mutated array.
