@@ -36,7 +36,7 @@ pub fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) -> usiz
     // practice), for streaming stores; returns the input bytes so encoded, or None.
     let align_head = |dst: &mut [u8], align: usize| -> Option<usize> {
         let misalign = dst.as_ptr().align_offset(align);
-        (misalign % 4 == 0).then(|| {
+        misalign.is_multiple_of(4).then(|| {
             let groups = misalign / 4;
             encode_into_portable(&src[..groups * 3], &mut dst[..groups * 4]);
             groups * 3
@@ -183,10 +183,14 @@ pub fn decode_range(text: &[u8], start: usize, dst: &mut [u8]) -> Result<(), Str
     Ok(())
 }
 
+/// A character outside the base64 alphabet, or padding where none may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InvalidBase64;
+
 /// Decodes base64 that must hold whole, unpadded quads (`chars.len()` a multiple of 4) into
 /// `out` (`chars.len() / 4 * 3` bytes).
-pub fn decode_whole_quads(chars: &[u8], out: &mut [u8]) -> Result<(), ()> {
-    debug_assert!(chars.len() % 4 == 0 && out.len() == chars.len() / 4 * 3);
+pub fn decode_whole_quads(chars: &[u8], out: &mut [u8]) -> Result<(), InvalidBase64> {
+    debug_assert!(chars.len().is_multiple_of(4) && out.len() == chars.len() / 4 * 3);
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if chars.len() >= 64 && crate::b64_x86::best_isa() == crate::b64_x86::Isa::Avx512Vbmi {
@@ -196,17 +200,17 @@ pub fn decode_whole_quads(chars: &[u8], out: &mut [u8]) -> Result<(), ()> {
     if rest.is_empty() {
         return Ok(());
     }
-    let n = STANDARD.decode(rest, Out::from_slice(&mut out[done / 4 * 3..])).map_err(|_| ())?.len();
+    let n = STANDARD.decode(rest, Out::from_slice(&mut out[done / 4 * 3..])).map_err(|_| InvalidBase64)?.len();
     if n == rest.len() / 4 * 3 {
         Ok(())
     } else {
-        Err(()) // padding inside the text
+        Err(InvalidBase64) // padding inside the text
     }
 }
 
 /// Exact decoded length of a padded base64 text, or an error if its length or padding is wrong.
 pub fn decoded_len(text: &[u8]) -> Result<usize, String> {
-    if text.len() % 4 != 0 {
+    if !text.len().is_multiple_of(4) {
         return Err(format!(
             "routed experts text has length {}, not a multiple of 4 (truncated or unpadded base64)",
             text.len()

@@ -192,7 +192,7 @@ static DECODE_LUT: [u8; 128] = decode_lut();
 /// # Safety
 /// The CPU must support AVX-512 F, BW and VBMI; `dst` must hold `src.len() / 4 * 3` bytes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-pub unsafe fn avx512_decode_blocks(src: &[u8], dst: &mut [u8]) -> Result<usize, ()> {
+pub unsafe fn avx512_decode_blocks(src: &[u8], dst: &mut [u8]) -> Result<usize, crate::b64::InvalidBase64> {
     let blocks = src.len() / 64;
     assert!(dst.len() >= blocks * 48);
     let lut_lo = _mm512_loadu_si512(DECODE_LUT.as_ptr() as *const _);
@@ -215,7 +215,7 @@ pub unsafe fn avx512_decode_blocks(src: &[u8], dst: &mut [u8]) -> Result<usize, 
         // Index bit 6 picks the register, bit 7 (non-ASCII) is caught by the check below.
         let values = _mm512_permutex2var_epi8(lut_lo, chars, lut_hi);
         if _mm512_movepi8_mask(_mm512_or_si512(values, chars)) != 0 {
-            return Err(());
+            return Err(crate::b64::InvalidBase64);
         }
         let pairs = _mm512_maddubs_epi16(values, merge_pairs);
         let groups = _mm512_madd_epi16(pairs, merge_quads);

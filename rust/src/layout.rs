@@ -27,7 +27,7 @@ impl ArrayView<'_> {
 /// numpy's contiguity flags (`_UpdateContiguousFlags`, numpy >= 1.23 relaxed strides): size-1
 /// axes never matter, and any zero-length axis makes the array both C- and F-contiguous.
 pub fn contiguity(shape: &[usize], strides: &[isize], itemsize: usize) -> (bool, bool) {
-    if shape.iter().any(|&d| d == 0) {
+    if shape.contains(&0) {
         return (true, true);
     }
     let mut c = true;
