@@ -431,6 +431,7 @@ INVALID_PER_ROUTE: dict[str, list[dict]] = {
         {"token_ids": [1], "sampling_params": []},
         {"token_ids": [1], "sampling_params": None},
         {"token_ids": [1], "sampling_params": {"n": 0}},
+        {"token_ids": [1], "sampling_params": {"n": 100_000}},
         {"token_ids": [1], "sampling_params": {"temperature": -1}},
         {"token_ids": [1], "sampling_params": {"top_p": 0}},
         {"token_ids": [1], "sampling_params": {"max_tokens": -3}},

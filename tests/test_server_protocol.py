@@ -91,6 +91,8 @@ def test_invalid_values_name_their_field(cls, body, param):
         (p.GenerateRequest, {"token_ids": [], "sampling_params": {}}),
         (p.GenerateRequest, {"token_ids": [-1], "sampling_params": {}}),
         (p.GenerateRequest, {"token_ids": [1], "sampling_params": {"routed_experts_prompt_start": -2}}),
+        # the OpenAI routes' cap on n holds here too (n=100000 tied the engine up for minutes)
+        (p.GenerateRequest, {"token_ids": [1], "sampling_params": {"n": 129}}),
         (p.DetokenizeRequest, {"tokens": [-1]}),
     ],
 )

@@ -22,6 +22,9 @@ from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
 
 NonNegInt = Annotated[int, Meta(ge=0)]
+# Choices per prompt; every route holds to it (a huge n ties the engine up for minutes).
+MAX_N = 128
+ChoiceCount = Annotated[int, Meta(ge=1, le=MAX_N)]
 PromptStart = Annotated[
     int, Meta(ge=0, description="Skip the rows of this many leading prompt tokens in routed_experts.")
 ]
@@ -90,7 +93,7 @@ class CompletionRequest(Struct, kw_only=True):
     model: str | None = None
     prompt: PromptType
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    n: ChoiceCount = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -235,7 +238,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     messages: Annotated[list[ChatMessageParam], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    n: ChoiceCount = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -370,6 +373,12 @@ class GenerateRequest(Struct, kw_only=True):
     return_token_ids: ReturnTokenIds = None
     # "tokens": token ids only; "text": also the detokenized text.
     output_mode: Literal["tokens", "text"] = "tokens"
+
+    def __post_init__(self) -> None:
+        # SamplingParams has no upper bound on n; the OpenAI routes' cap applies here too.
+        # (A ValueError here is a msgspec.ValidationError at decode, so a 400.)
+        if self.sampling_params.n > MAX_N:
+            raise ValueError(f"sampling_params.n={self.sampling_params.n} must be <= {MAX_N}")
 
 
 class GenerateLogProb(Struct, kw_only=True):
