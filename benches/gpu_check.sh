@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every GPU check of r3srv in ONE device call (a lent task has 15 minutes of device time in all):
+# the CUDA tests (fused router vs torch reference, CUDA model vs CPU, engine rows on CUDA),
+# then the router table of benches/gpu_router.py (correctness grid, do_bench timings,
+# engine decode step with capture on/off).
+#
+# The device image has python3 3.12 with torch and triton but reaches no registry, and lacks
+# msgspec (SamplingParams). Nothing there needs the Rust extension. So, on the dev machine first:
+#   bash benches/gpu_check.sh --fetch-wheels
+# then call the device tool's run with
+#   command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=540
+# and copy the table it prints (also in $OUT/router_table.md) into the README.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+    exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl msgspec==0.22.0
+fi
+
+out=${OUT:-/tmp/r3srv-gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/python"
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 | tee "$out/machine.txt"
+
+status=0
+timeout 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu" \
+    tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+timeout 270 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md" 2>&1 | tee "$out/router_bench.log" || status=1
+exit $status
