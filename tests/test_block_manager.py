@@ -105,3 +105,59 @@ def test_grow_beyond_the_pool_raises():
     s = make_seq(list(range(5)))
     with pytest.raises(RuntimeError, match="out of KV blocks"):
         bm.grow(s, 12)
+
+
+def _colliding_chunk(chunk: tuple[int, ...]) -> tuple[int, ...]:
+    """Another chunk whose Python tuple hash equals `chunk`'s (CPython's xxHash-style tuplehash,
+    whose steps are invertible mod 2**64): anyone can craft such token ids."""
+    p1, p2, p5, mask = 11400714785074694791, 14029467366897019727, 2870177450012600261, (1 << 64) - 1
+
+    def acc_after(items) -> int:
+        acc = p5
+        for x in items:
+            acc = (acc + hash(x) * p2) & mask
+            acc = ((acc << 31) | (acc >> 33)) & mask
+            acc = (acc * p1) & mask
+        return acc
+
+    head, last = chunk[:-1], chunk[-1]
+    for bump in range(1, 1000):
+        other_head = (*head[:-1], head[-1] + bump)
+        diff = (acc_after(head) - acc_after(other_head)) & mask
+        other_last = (last + diff * pow(p2, -1, 1 << 64)) & mask
+        if other_last < (1 << 61) - 1:  # an int that hashes to itself
+            other = (*other_head, other_last)
+            assert other != chunk and hash(other) == hash(chunk)
+            return other
+    raise AssertionError("no colliding chunk found")
+
+
+def test_a_hash_collision_in_an_earlier_block_never_shares_a_later_one():
+    """The chain hash only finds candidates: a block is reused only when the whole prefix
+    before it is the same blocks, so crafted colliding ids cannot read another prompt's KV and rows."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    victim_first = (1, 2, 3, 4)
+    attacker_first = _colliding_chunk(victim_first)
+    second = [5, 6, 7, 8]
+    attacker = make_seq([*attacker_first, *second, 9])
+    bm.admit(attacker, bm.match_prefix(attacker.token_ids))
+    compute(bm, attacker)
+    victim = make_seq([*victim_first, 10])
+    bm.admit(victim, bm.match_prefix(victim.token_ids))
+    compute(bm, victim)
+    # The victim's next prompt extends its first block with the attacker's second chunk.
+    hits = bm.match_prefix([*victim_first, *second, 11])
+    assert hits == victim.block_table[:1]  # not the attacker's second block, computed after other tokens
+
+
+def test_a_prefix_computed_twice_in_lockstep_stays_one_reusable_chain():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a, b = make_seq(list(range(9))), make_seq(list(range(9)))
+    for s in (a, b):  # both admitted before either has computed anything: both miss
+        bm.admit(s, bm.match_prefix(s.token_ids))
+    compute(bm, a, 4)
+    compute(bm, b, 8)  # b's second block follows a's registered first block
+    compute(bm, a, 8)
+    assert a.block_table[:2] != b.block_table[:2]
+    hits = bm.match_prefix(list(range(9)))
+    assert len(hits) == 2 and hits[0] == a.block_table[0] and hits[1] == b.block_table[1]

@@ -5,8 +5,12 @@ the routed-experts row buffer are indexed by slot, so a block that the prefix ca
 hands to a new sequence brings its KV *and* its rows; a block's slots are rewritten
 only after it is reallocated as a fresh block.
 
-Prefix caching: a full block is identified by a chain hash of (previous block's hash,
-its token ids), registered once its tokens have been computed. Freed blocks keep their
+Prefix caching: a full block is found by a chain hash of (previous block's hash, its
+token ids), registered once its tokens have been computed. The hash only finds a
+candidate: a hit also needs the block's own token ids and its parent (the registered
+block, by id and allocation generation, holding the exact prefix before it) to match,
+so two prompts share a block only when every token before it is the same, whatever
+the hash does (Python's tuple hash is not collision-resistant). Freed blocks keep their
 hash and contents and sit in LRU order in the free pool until a fresh allocation
 evicts them.
 """
@@ -19,18 +23,24 @@ from r3srv.engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "generation", "parent")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.generation = 0  # bumped at every fresh allocation: (block_id, generation) names one content
+        self.parent: tuple[int, int] | None = None  # (block_id, generation) of the block before it
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        return (self.block_id, self.generation)
 
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    # Python's hash of a tuple of ints is deterministic (no PYTHONHASHSEED salt);
-    # collisions are guarded by comparing token ids on every hit.
+    # Stable within the process (ints and tuples are not salted); crafted collisions are
+    # harmless because a hit is verified by token ids and parent identity.
     return hash((prev_hash, token_ids))
 
 
@@ -70,13 +80,18 @@ class BlockManager:
         bs = self.block_size
         hits: list[int] = []
         prev: int | None = None
+        parent: tuple[int, int] | None = None
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             prev = chain_hash(prev, chunk)
             block_id = self._hash_to_block.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != chunk or block.parent != parent:
                 break
             hits.append(block_id)
+            parent = block.identity
         return hits
 
     def admission_cost(self, seq: Sequence, cached: list[int], num_tokens: int) -> int:
@@ -96,6 +111,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.block_hashes = [self.blocks[b].hash for b in cached]
+        seq.block_prefix_ids = [self.blocks[b].identity for b in cached]
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += seq.num_computed_tokens
@@ -121,6 +137,8 @@ class BlockManager:
                 del self._hash_to_block[block.hash]
             block.hash = None
             block.token_ids = ()
+            block.parent = None
+        block.generation += 1  # blocks that named this one as parent no longer match
         block.ref_count = 1
         return block_id
 
@@ -134,6 +152,7 @@ class BlockManager:
                 self._free[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
+        seq.block_prefix_ids = []
         seq.num_computed_tokens = 0
 
     def commit_full_blocks(self, seq: Sequence) -> None:
@@ -141,12 +160,20 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        hashes = seq.block_hashes
+        hashes, prefix_ids = seq.block_hashes, seq.block_prefix_ids
         for i in range(len(hashes), seq.num_computed_tokens // bs):
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(hashes[-1] if hashes else None, chunk)
-            hashes.append(h)
+            parent = prefix_ids[-1] if prefix_ids else None
             block = self.blocks[seq.block_table[i]]
-            block.hash = h
-            block.token_ids = chunk
-            self._hash_to_block[h] = block.block_id
+            block.hash, block.token_ids, block.parent = h, chunk, parent
+            registered = self._hash_to_block.get(h)
+            twin = self.blocks[registered] if registered is not None else None
+            if twin is not None and twin.token_ids == chunk and twin.parent == parent:
+                # The same prefix computed twice (e.g. two prompts admitted in one step): keep
+                # the registered copy as the one later blocks chain to, so hits keep following it.
+                prefix_ids.append(twin.identity)
+            else:
+                self._hash_to_block[h] = block.block_id
+                prefix_ids.append(block.identity)
+            hashes.append(h)

@@ -47,6 +47,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chain hashes of the leading full, computed blocks
+        # (block_id, generation) of the registered block holding each of those prefixes
+        # (this sequence's own block, or an equal one registered first)
+        self.block_prefix_ids: list[tuple[int, int]] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.admitted = False
