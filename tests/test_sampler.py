@@ -93,3 +93,14 @@ def test_logprobs_are_log_softmax_of_the_unmodified_logits():
 def test_no_logprobs_unless_asked():
     res = sample(torch.randn(1, 10), [seq(SamplingParams(temperature=0.0))], EOS)
     assert res[0].logprob is None and res[0].top_logprobs is None
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    # logits / 1e-39 overflow float32 to inf, and softmax of inf is NaN: such a request
+    # would fail in the sampler. Below 1e-5 sampling is greedy (as vLLM does).
+    logits = torch.tensor([[1.0, 30.0, 2.0, 29.0], [5.0, 0.0, 5.0, -1.0]])
+    for t in (1e-39, 1e-20, 1e-6):
+        p = SamplingParams(temperature=t)
+        assert p.greedy
+        assert [r.token_id for r in sample(logits, [seq(p, seed=0), seq(p, seed=1)], EOS)] == [1, 0]
+    assert not SamplingParams(temperature=1e-5).greedy

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
@@ -51,7 +54,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or too small to divide by (logits / 1e-39 overflow to inf, then NaN)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _check(ok: bool, field: str, value: object, rule: str) -> None:

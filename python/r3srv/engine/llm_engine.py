@@ -242,7 +242,7 @@ class LLMEngine:
         self.add_prepared(self.prepare_request(request_id, prompt, params))
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        if params.temperature == 0.0:
+        if params.greedy:
             return None
         # n > 1: sample i of a seeded request uses seed + i (as vLLM's parallel sampling does).
         seed = (params.seed + index) % (1 << 63) if params.seed is not None else self._seed_rng.getrandbits(63)

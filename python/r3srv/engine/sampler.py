@@ -52,7 +52,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int])
     logits = logits.float()
     results: list[SampleResult | None] = [None] * len(seqs)
     plain_greedy = [
-        i for i, s in enumerate(seqs) if s.params.temperature == 0.0 and not _banned_ids(s, eos_token_ids)
+        i for i, s in enumerate(seqs) if s.params.greedy and not _banned_ids(s, eos_token_ids)
     ]
     if plain_greedy:
         # torch.argmax returns the first maximal index: ties go to the lowest id.
@@ -68,7 +68,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int])
         if banned:
             row = row.clone()
             row[[b for b in banned if 0 <= b < row.numel()]] = float("-inf")
-        if p.temperature == 0.0:
+        if p.greedy:
             tok = int(torch.argmax(row))
         else:
             row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
