@@ -48,6 +48,10 @@ def _assert_same(array: np.ndarray, prompt_start: int) -> None:
     got = encode_routed_experts(array, prompt_start)
     assert type(got) is str
     assert got == want, (array.dtype, array.shape, array.strides, prompt_start)
+    # The server's form: the same text as a JSON string literal, for msgspec.Raw.
+    quoted = encode_routed_experts(array, prompt_start, json_quoted=True)
+    assert type(quoted) is str
+    assert quoted == '"' + want + '"', (array.dtype, array.shape, array.strides, prompt_start)
 
 
 @SETTINGS

@@ -3,9 +3,10 @@
 ``numpy2base64`` is the pure-Python reference and stays as the oracle. The encoder and
 decoder that the server and clients use are the Rust ones in ``r3srv._core``:
 
-- ``encode_routed_experts(array, prompt_start=0) -> str`` equals
+- ``encode_routed_experts(array, prompt_start=0, *, json_quoted=False) -> str`` equals
   ``numpy2base64(array[prompt_start:])`` byte for byte, reading rows from the array's own
-  memory and writing header and base64 straight into the new str.
+  memory and writing header and base64 straight into the new str. ``json_quoted=True``
+  adds a double quote at each end: the JSON string, ready for ``msgspec.Raw``.
 - ``decode_routed_experts(text: str | bytes) -> np.ndarray`` is the inverse; malformed or
   hostile text raises ValueError.
 """
@@ -29,7 +30,8 @@ def numpy2base64(array: np.ndarray) -> str:
     return pybase64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _encode_reference(array: np.ndarray, prompt_start: int) -> str:
+def _encode_reference(array: np.ndarray, prompt_start: int, json_quoted: bool = False) -> str:
     # Called by the Rust encoder for what it does not encode itself: structured and other
     # non-plain dtypes, and ndarray subclasses. prompt_start is already validated.
-    return numpy2base64(array[prompt_start:])
+    text = numpy2base64(array[prompt_start:])
+    return f'"{text}"' if json_quoted else text

@@ -123,13 +123,19 @@ fn prompt_start_value(prompt_start: Option<&Bound<'_, PyAny>>, len: usize) -> Py
 }
 
 /// Encodes `array[prompt_start:]` as base64 of its `.npy` bytes, equal byte for byte to
-/// `r3srv.serial.numpy2base64(array[prompt_start:])`.
+/// `r3srv.serial.numpy2base64(array[prompt_start:])`. With `json_quoted=True` the str is that
+/// text between double quotes: a JSON string as is (base64 never needs escaping), which the
+/// server embeds with `msgspec.Raw` instead of having msgspec scan 17 MB for escapes.
 #[pyfunction]
-#[pyo3(signature = (array, prompt_start=None), text_signature = "(array, prompt_start=0)")]
+#[pyo3(
+    signature = (array, prompt_start=None, *, json_quoted=false),
+    text_signature = "(array, prompt_start=0, *, json_quoted=False)"
+)]
 fn encode_routed_experts<'py>(
     py: Python<'py>,
     array: &Bound<'py, PyAny>,
     prompt_start: Option<&Bound<'py, PyAny>>,
+    json_quoted: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let arr = array.cast::<PyUntypedArray>().map_err(|_| {
         PyTypeError::new_err(format!(
@@ -157,7 +163,7 @@ fn encode_routed_experts<'py>(
         let reference = REFERENCE.get_or_try_init(py, || -> PyResult<_> {
             Ok(py.import("r3srv.serial")?.getattr("_encode_reference")?.unbind())
         })?;
-        return reference.bind(py).call1((array, start));
+        return reference.bind(py).call1((array, start, json_quoted));
     };
     let descr = std::str::from_utf8(&descr_buf[..descr_len]).expect("ASCII descr");
 
@@ -175,13 +181,21 @@ fn encode_routed_experts<'py>(
     };
     let plan = Plan::new(descr, view);
     let len = plan.encoded_len();
+    let quotes = if json_quoted { 2 } else { 0 };
     unsafe {
-        let s = ffi::PyUnicode_New(len as ffi::Py_ssize_t, 127);
+        let s = ffi::PyUnicode_New((len + quotes) as ffi::Py_ssize_t, 127);
         if s.is_null() {
             return Err(PyErr::fetch(py));
         }
         let text = Bound::from_owned_ptr(py, s);
-        let out = std::slice::from_raw_parts_mut(ffi::PyUnicode_DATA(s) as *mut u8, len);
+        let whole = std::slice::from_raw_parts_mut(ffi::PyUnicode_DATA(s) as *mut u8, len + quotes);
+        let out = if json_quoted {
+            whole[0] = b'"';
+            whole[len + 1] = b'"';
+            &mut whole[1..len + 1]
+        } else {
+            whole
+        };
         if plan.payload_len() >= DETACH_MIN_BYTES {
             // The str is not shared yet and `array` keeps the rows alive.
             let threads = worker_threads();
