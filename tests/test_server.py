@@ -104,6 +104,10 @@ def test_openapi_schema_lists_routes(server):
     for path in ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/tokenize"):
         assert path in schema["paths"]
     assert "routed_experts_prompt_start" in json.dumps(schema["components"])
+    # The server embeds the text pre-quoted (msgspec.Raw); the documented type stays string.
+    for name in ("CompletionResponseChoice", "ChatCompletionResponseChoice", "GenerateChoice"):
+        field = schema["components"]["schemas"][name]["properties"]["routed_experts"]
+        assert {"type": "string"} in field["oneOf"], (name, field)
 
 
 def test_tokenize_detokenize_roundtrip(server):
