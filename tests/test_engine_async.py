@@ -121,14 +121,24 @@ def test_leaving_early_aborts_and_frees_blocks(engine):
 
 def test_cancelled_consumer_aborts(engine):
     async def main():
-        task = asyncio.create_task(collect(engine, prompt_ids(30, 3), SamplingParams(max_tokens=200, **GREEDY), "cx"))
-        await asyncio.sleep(0.2)
+        outs = []
+
+        async def consume():
+            async for out in engine.generate(prompt_ids(30, 3), SamplingParams(max_tokens=200, **GREEDY), "cx"):
+                outs.append(out)
+
+        task = asyncio.create_task(consume())
+        # Cancel once it is generating (not after a fixed sleep, which a fast machine could
+        # outlast by finishing all 200 tokens).
+        while not outs:
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         return await wait_idle(engine)
 
     assert asyncio.run(main()).kv_blocks_used == 0
+    assert "cx" not in engine._engine.requests
 
 
 def test_abort_from_another_coroutine_ends_the_stream(engine):
@@ -155,7 +165,7 @@ def test_abort_from_another_coroutine_ends_the_stream(engine):
 
 def test_duplicate_request_id_in_flight_is_rejected(engine):
     async def main():
-        gen = engine.generate(prompt_ids(8), SamplingParams(max_tokens=100, **GREEDY), "dup")
+        gen = engine.generate(prompt_ids(8), SamplingParams(max_tokens=240, **GREEDY), "dup")  # still running at the second call
         await gen.__anext__()
         with pytest.raises(InvalidRequestError) as exc:
             await engine.generate(prompt_ids(8), SamplingParams(max_tokens=2), "dup").__anext__()
