@@ -61,8 +61,9 @@ class AttentionMetadata:
 
         decode_slots = decode_mask = rows = None
         if decode_seqs:
-            ctx = torch.tensor([batch.context_lens[i] for i in decode_seqs], device=device)
-            pos = torch.arange(int(ctx.max()), device=device)
+            ctx_lens = [batch.context_lens[i] for i in decode_seqs]
+            ctx = torch.tensor(ctx_lens, device=device)
+            pos = torch.arange(max(ctx_lens), device=device)  # the max from the host list: no device sync
             real = pos[None, :] < ctx[:, None]
             block_idx = (pos // block_size).clamp(max=tables.shape[1] - 1)
             seq_tables = tables[torch.tensor(decode_seqs, device=device)]
