@@ -8,20 +8,11 @@ import pytest
 import torch
 
 from r3srv import LLM, SamplingParams
-from tiny_checkpoints import FAMILIES, build_hf_model, write_tiny_checkpoint
+from tiny_checkpoints import FAMILIES, build_hf_model, hf_gate_modules, write_tiny_checkpoint
 
 pytest.importorskip("transformers")
 
 MAX_TOKENS = 8
-
-
-def _gate_modules(hf) -> dict[int, torch.nn.Module]:
-    gates = {}
-    for i, layer in enumerate(hf.model.layers):
-        moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
-        if hasattr(moe, "gate") and hasattr(moe, "experts"):
-            gates[i] = moe.gate
-    return gates
 
 
 def _hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
@@ -42,7 +33,7 @@ def _hf_routing(hf, tokens: list[int], num_layers: int, top_k: int) -> np.ndarra
     rows = np.zeros((len(tokens), num_layers, top_k), dtype=np.int64)
     hooks = [
         gate.register_forward_hook(lambda m, i, out, layer=layer: rows.__setitem__((slice(None), layer), out[2].numpy()))
-        for layer, gate in _gate_modules(hf).items()
+        for layer, gate in hf_gate_modules(hf).items()
     ]
     try:
         with torch.no_grad():

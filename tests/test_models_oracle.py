@@ -11,7 +11,7 @@ import torch
 
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.loader import load_model
-from tiny_checkpoints import build_hf_model, write_tiny_checkpoint
+from tiny_checkpoints import build_hf_model, hf_gate_modules, write_tiny_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -35,16 +35,7 @@ class Case:
         self.hf = build_hf_model(family, seed=1, **kwargs)
         write_tiny_checkpoint(path, family, seed=1, max_shard_size="40KB" if sharded else None, **kwargs)
         self.model, self.tokenizer = load_model(path)
-        self.gates = _gate_modules(self.hf)
-
-
-def _gate_modules(hf) -> dict[int, torch.nn.Module]:
-    gates = {}
-    for i, layer in enumerate(hf.model.layers):
-        moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
-        if hasattr(moe, "gate") and hasattr(moe, "experts"):
-            gates[i] = moe.gate
-    return gates
+        self.gates = hf_gate_modules(self.hf)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

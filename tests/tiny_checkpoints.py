@@ -111,3 +111,13 @@ def write_tiny_checkpoint(
     if tokenizer:
         write_byte_level_tokenizer(path)
     return path
+
+
+def hf_gate_modules(hf) -> dict[int, torch.nn.Module]:
+    """Layer index -> router gate of a transformers MoE model built by `build_hf_model`."""
+    gates = {}
+    for i, layer in enumerate(hf.model.layers):
+        moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
+        if hasattr(moe, "gate") and hasattr(moe, "experts"):
+            gates[i] = moe.gate
+    return gates
