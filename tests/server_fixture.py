@@ -31,8 +31,29 @@ def serve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "r3srv.cli", "serve", *args]
 
 
+class _PortTaken(RuntimeError):
+    """Another process bound the port between `free_port()` and the server's own bind."""
+
+
 class RemoteServer:
-    def __init__(self, *args: str, startup_timeout: float = 180.0) -> None:
+    def __init__(self, *args: str, startup_timeout: float = 180.0, bind_attempts: int = 3) -> None:
+        # free_port() only finds a port that is free now; on a busy CI machine another
+        # process can take it before the server binds, so a lost race is retried on a new one.
+        for attempt in range(bind_attempts):
+            self._start(args)
+            try:
+                self._wait_healthy(startup_timeout)
+                return
+            except _PortTaken:
+                self.stop()
+                os.unlink(self._log.name)
+                if attempt + 1 == bind_attempts:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+
+    def _start(self, args: tuple[str, ...]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="r3srv-serve-", suffix=".log", delete=False)
@@ -44,11 +65,6 @@ class RemoteServer:
             env=env,
         )
         self.returncode: int | None = None
-        try:
-            self._wait_healthy(startup_timeout)
-        except BaseException:
-            self.stop()
-            raise
 
     @property
     def log(self) -> str:
@@ -59,7 +75,10 @@ class RemoteServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"r3srv serve exited with {self.proc.returncode}:\n{self.log}")
+                log = self.log
+                if "address already in use" in log.lower():
+                    raise _PortTaken(f"port {self.port} was taken before r3srv serve could bind it:\n{log}")
+                raise RuntimeError(f"r3srv serve exited with {self.proc.returncode}:\n{log}")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -116,3 +117,19 @@ def test_sigint_stops_cleanly_and_ends_open_streams():
             httpx.get(srv.url + "/health", timeout=2)
     finally:
         srv.stop()
+
+
+def test_server_fixture_retries_when_its_port_is_taken(monkeypatch):
+    """free_port() can race with another process on a busy machine: the fixture must retry, not fail."""
+    import server_fixture
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = taken.getsockname()[1]
+        ports = iter([taken_port])
+        real_free_port = server_fixture.free_port
+        monkeypatch.setattr(server_fixture, "free_port", lambda: next(ports, None) or real_free_port())
+        with RemoteServer(*TEST_SERVER_ARGS, startup_timeout=120) as srv:
+            assert srv.port != taken_port
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
