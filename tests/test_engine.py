@@ -5,31 +5,14 @@ import numpy as np
 import pytest
 import torch
 
+from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 import r3srv.models.moe as moe_module
 from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny matmuls gain nothing from a second intra-op thread, and on a shared 2-core
-    # machine a busy core makes OpenMP's spin-waits 10-50x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(max_model_len=256, max_num_seqs=16)
-
-
-def prompt_ids(n: int, base: int = 0) -> list[int]:
-    """Distinct printable-byte prompts (the built-in tokenizer maps bytes to ids 0..255)."""
-    return [32 + (base * 7 + i * 13) % 90 for i in range(n)]
 
 
 def rows_shape(llm: LLM, out, start: int = 0) -> tuple[int, int, int]:

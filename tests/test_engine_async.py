@@ -6,32 +6,17 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
+from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM, EngineDeadError
 from r3srv.errors import InvalidRequestError
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_engine.py
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def engine():
     eng = AsyncLLM(max_model_len=256, max_num_seqs=16)
     yield eng
     eng.shutdown()
-
-
-def prompt_ids(n: int, base: int = 0) -> list[int]:
-    return [32 + (base * 7 + i * 13) % 90 for i in range(n)]
 
 
 async def collect(engine, prompt, params, rid):

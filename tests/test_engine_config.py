@@ -3,23 +3,12 @@ on tiny random checkpoints."""
 
 import numpy as np
 import pytest
-import torch
 from tiny_checkpoints import write_tiny_checkpoint
 
+from engine_testing import GREEDY, one_torch_thread  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
 from r3srv.engine.routed_experts import routed_experts_dtype
 from r3srv.errors import ConfigError
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_engine.py
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.mark.parametrize(
     "kwargs, words",
