@@ -19,7 +19,8 @@ pub const fn encoded_len(n: usize) -> usize {
 pub fn encode_into(src: &[u8], dst: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
-        encode_with(crate::b64_x86::best_isa(), src, dst)
+        // SAFETY: best_isa() only returns kernels this CPU supports (runtime detection).
+        unsafe { encode_with(crate::b64_x86::best_isa(), src, dst) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -27,9 +28,14 @@ pub fn encode_into(src: &[u8], dst: &mut [u8]) -> usize {
     }
 }
 
-/// `encode_into` with a chosen kernel (which the CPU must support); for tests and measurement.
+/// `encode_into` with a chosen kernel; for tests and measurement.
+///
+/// # Safety
+/// The CPU must support `isa` (it must come from `b64_x86::supported_isas()` or
+/// `best_isa()`): the kernels are compiled for AVX-512/AVX2 and are undefined behaviour
+/// (SIGILL at best) elsewhere, so a safe signature would be unsound.
 #[cfg(target_arch = "x86_64")]
-pub fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) -> usize {
+pub unsafe fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) -> usize {
     use crate::b64_x86::{avx2_blocks, avx512_blocks, Isa};
     let mut done = 0;
     // Align dst to `align` with a few 3-byte groups (4 chars each; dst is 4-aligned in
@@ -293,7 +299,7 @@ mod tests {
                 #[cfg(target_arch = "x86_64")]
                 for &isa in &isas {
                     dst.fill(0);
-                    assert_eq!(encode_with(isa, &data, dst), want.len());
+                    assert_eq!(unsafe { encode_with(isa, &data, dst) }, want.len());
                     assert!(*dst == want[..], "n={n} shift={shift} isa={isa:?}");
                     if isa == crate::b64_x86::Isa::Avx2 {
                         // The plain-store AVX2 kernel (used only by measurements) as well.
