@@ -48,19 +48,25 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> list[SampleResult]:
-    """One token for each row of `logits` ([B, vocab], float32) and its sequence."""
+    """One token for each row of `logits` ([B, vocab], float32) and its sequence.
+
+    Picks and logprobs are read back with a few `.tolist()` calls per step, not one or
+    more per sequence: on CUDA each read-back is a device sync.
+    """
     logits = logits.float()
-    results: list[SampleResult | None] = [None] * len(seqs)
+    token_ids = [0] * len(seqs)
     plain_greedy = [
         i for i, s in enumerate(seqs) if s.params.greedy and not _banned_ids(s, eos_token_ids)
     ]
     if plain_greedy:
         # torch.argmax returns the first maximal index: ties go to the lowest id.
-        picked = torch.argmax(logits[plain_greedy], dim=-1).tolist()
-        for i, tok in zip(plain_greedy, picked):
-            results[i] = SampleResult(tok)
+        for i, tok in zip(plain_greedy, torch.argmax(logits[plain_greedy], dim=-1).tolist()):
+            token_ids[i] = tok
+    plain = set(plain_greedy)
+    others: list[int] = []
+    picks: list[torch.Tensor] = []  # one 1-element tensor per row in `others`
     for i, seq in enumerate(seqs):
-        if results[i] is not None:
+        if i in plain:
             continue
         p = seq.params
         row = logits[i]
@@ -69,26 +75,31 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int])
             row = row.clone()
             row[[b for b in banned if 0 <= b < row.numel()]] = float("-inf")
         if p.greedy:
-            tok = int(torch.argmax(row))
+            picks.append(torch.argmax(row, dim=0, keepdim=True))
         else:
             row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(row, dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=seq.generator))
-        results[i] = SampleResult(tok)
+            picks.append(torch.multinomial(probs, 1, generator=seq.generator))
+        others.append(i)
+    if picks:
+        for i, tok in zip(others, torch.cat(picks).tolist()):
+            token_ids[i] = tok
+    results = [SampleResult(tok) for tok in token_ids]
     # Logprobs from the unmodified logits.
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if want:
         logps = torch.log_softmax(logits[want], dim=-1)
+        picked = torch.tensor([token_ids[i] for i in want], dtype=torch.int64, device=logps.device)
+        sampled = logps.gather(1, picked[:, None])[:, 0].tolist()
+        n_top = max(seqs[i].params.logprobs for i in want)
+        if n_top:
+            top = torch.topk(logps, min(n_top, logps.shape[-1]), dim=-1)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
         for row_idx, i in enumerate(want):
             res = results[i]
-            row = logps[row_idx]
-            n_top = seqs[i].params.logprobs
-            top: dict[int, float] = {}
-            if n_top:
-                top_vals, top_ids = torch.topk(row, min(n_top, row.numel()))
-                for tok, val in zip(top_ids.tolist(), top_vals.tolist()):
-                    top[tok] = val
-            res.logprob = float(row[res.token_id])
-            top[res.token_id] = res.logprob
-            res.top_logprobs = top
-    return results  # type: ignore[return-value]
+            k = seqs[i].params.logprobs
+            top_lp = dict(zip(top_ids[row_idx][:k], top_vals[row_idx][:k])) if k else {}
+            res.logprob = sampled[row_idx]
+            top_lp[res.token_id] = res.logprob  # the sampled token, listed last unless among the top
+            res.top_logprobs = top_lp
+    return results
