@@ -81,18 +81,14 @@ def _reject_unsupported(**values: Any) -> None:
             raise InvalidRequestError(f"{name}={value!r} is not supported by r3srv", param=name)
 
 
-# ---------------------------------------------------------------- /v1/completions
-
-# msgspec allows one array-like type per union, so the OpenAI prompt forms
-# (str, list[str], list[int], list[list[int]]) decode as str | list[...] and are
-# sorted out by `prompts()`.
-PromptType = str | list[str | int | list[int]]
+# ---------------------------------------------------------------- fields both OpenAI requests share
 
 
-class CompletionRequest(Struct, kw_only=True):
+class _OpenAIRequest(Struct, kw_only=True):
+    """The sampling and r3srv fields of /v1/completions and /v1/chat/completions, and their
+    common road to SamplingParams (each request adds its own max_tokens and logprobs rules)."""
+
     model: str | None = None
-    prompt: PromptType
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     n: ChoiceCount = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -101,8 +97,6 @@ class CompletionRequest(Struct, kw_only=True):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    echo: bool | None = False
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     user: str | None = None
@@ -117,6 +111,43 @@ class CompletionRequest(Struct, kw_only=True):
     routed_experts_prompt_start: PromptStart = 0
     # r3srv extra
     return_routed_experts: ReturnRoutedExperts = None
+
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        _reject_unsupported(frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
+        return _sampling_params(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            routed_experts_prompt_start=self.routed_experts_prompt_start,
+            return_routed_experts=self.return_routed_experts,
+        )
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+# msgspec allows one array-like type per union, so the OpenAI prompt forms
+# (str, list[str], list[int], list[list[int]]) decode as str | list[...] and are
+# sorted out by `prompts()`.
+PromptType = str | list[str | int | list[int]]
+
+
+class CompletionRequest(_OpenAIRequest, kw_only=True):
+    prompt: PromptType
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool | None = False
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one text or one token-id list each."""
@@ -139,28 +170,8 @@ class CompletionRequest(Struct, kw_only=True):
         )
 
     def to_sampling_params(self) -> SamplingParams:
-        _reject_unsupported(
-            echo=self.echo, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty
-        )
-        if self.stream_options is not None and not self.stream:
-            raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
-        return _sampling_params(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            seed=self.seed,
-            max_tokens=self.max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            routed_experts_prompt_start=self.routed_experts_prompt_start,
-            return_routed_experts=self.return_routed_experts,
-        )
+        _reject_unsupported(echo=self.echo)
+        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
 
 
 class CompletionLogProbs(Struct, kw_only=True):
@@ -233,64 +244,22 @@ class ChatMessageParam(Struct, kw_only=True):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(Struct, kw_only=True):
-    model: str | None = None
+class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     messages: Annotated[list[ChatMessageParam], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-    n: ChoiceCount = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    user: str | None = None
     add_generation_prompt: bool = True
-    # vLLM extras
-    min_tokens: NonNegInt = 0
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool = False
-    request_id: str | None = None
-    return_token_ids: ReturnTokenIds = None
-    routed_experts_prompt_start: PromptStart = 0
-    # r3srv extra
-    return_routed_experts: ReturnRoutedExperts = None
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.to_template_dict() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
-        _reject_unsupported(frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
-        if self.stream_options is not None and not self.stream:
-            raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return _sampling_params(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            routed_experts_prompt_start=self.routed_experts_prompt_start,
-            return_routed_experts=self.return_routed_experts,
-        )
+        return self._sampling_params(max_tokens=max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 class ChatMessage(Struct, kw_only=True):
