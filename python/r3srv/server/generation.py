@@ -60,13 +60,6 @@ class ServerState:
             )
         return tokenizer
 
-    def check_params(self, params: SamplingParams) -> None:
-        if params.return_routed_experts and not self.engine.enable_return_routed_experts:
-            raise InvalidRequestError(
-                "return_routed_experts=true needs a server started with --enable-return-routed-experts",
-                param="return_routed_experts",
-            )
-
     async def encode_experts(self, array: np.ndarray | None) -> str | None:
         """The base64 text for a response field, as a `msgspec.Raw` JSON string literal.
 

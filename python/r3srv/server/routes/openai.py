@@ -20,7 +20,6 @@ async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]
     state = server_state(request)
     state.check_model(data.model)
     params = data.to_sampling_params()
-    state.check_params(params)
     prompts = data.prompts()
     request_id = data.request_id or f"cmpl-{uuid.uuid4().hex}"
     route = "/v1/completions"
@@ -37,7 +36,6 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     state = server_state(request)
     state.check_model(data.model)
     params = data.to_sampling_params()
-    state.check_params(params)
     tokenizer = state.tokenizer()
     try:
         prompt = tokenizer.apply_chat_template(
