@@ -74,7 +74,7 @@ def metric(server, name: str, labels: str = "") -> float:
     return float(match.group(1))
 
 
-def wait_blocks_free(server, timeout: float = 10.0) -> float:
+def wait_blocks_free(server, timeout: float = 30.0) -> float:
     deadline = time.monotonic() + timeout
     used = metric(server, "r3srv_kv_blocks_used")
     while used > 0 and time.monotonic() < deadline:
