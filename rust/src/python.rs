@@ -197,7 +197,10 @@ fn encode_routed_experts<'py>(
             whole
         };
         if plan.payload_len() >= DETACH_MIN_BYTES {
-            // The str is not shared yet and `array` keeps the rows alive.
+            // The str is not shared yet and `array` (borrowed from the caller's arguments)
+            // keeps the rows alive. Another Python thread that writes to the rows meanwhile
+            // gets torn text, one that frees them (`resize(refcheck=False)`) undefined
+            // behaviour, as with any GIL-free reader; the server's arrays are private copies.
             let threads = worker_threads();
             py.detach(|| {
                 advise_huge_pages(out.as_mut_ptr(), out.len());
