@@ -1,6 +1,8 @@
 """The offline engine on the built-in model: row counts, validation, prefix cache, preemption,
 n > 1, stop trimming, abort, and rows equal to an independent recomputation of the router."""
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -311,3 +313,43 @@ def test_partial_prefix_hit_after_eviction_gives_identical_rows():
     assert 0 < warm.num_cached_tokens < 28  # only a's leading blocks survived
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     np.testing.assert_array_equal(warm.outputs[0].routed_experts, cold.outputs[0].routed_experts)
+
+
+def test_a_mixed_workload_under_a_tight_pool_matches_a_roomy_engine():
+    """Chunked prefill, prefix hits, preemption, n=2, stop strings, prompt starts and aborts,
+    all at once: every output's tokens and rows equal an engine that needs none of them."""
+    rng = random.Random(9)  # 5 requests with n=2, 8 with a stop string; 8 preemptions, 400 cached tokens
+    shared = prompt_ids(60)
+    prompts, params = [], []
+    for _ in range(14):
+        prompt = shared[: rng.choice([0, 8, 17, 33, 40])] + [32 + rng.randrange(90) for _ in range(rng.randint(1, 20))]
+        kw = dict(max_tokens=rng.randint(1, 20), ignore_eos=True, routed_experts_prompt_start=rng.randint(0, len(prompt)))
+        kw.update(dict(n=2, temperature=1.0, seed=rng.randrange(1000)) if rng.random() < 1 / 3 else dict(temperature=0.0))
+        if rng.random() < 0.3:
+            kw["stop"] = [chr(32 + rng.randrange(90))]
+        prompts.append(prompt)
+        params.append(SamplingParams(**kw))
+    roomy = LLM(max_model_len=128, enable_prefix_caching=False, max_num_seqs=64).generate(prompts, params)
+    tight = LLM(max_model_len=128, block_size=4, num_kv_blocks=32, max_num_batched_tokens=11, max_num_seqs=8)
+    engine = tight.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    for j in range(3):  # requests sharing the prefix, aborted mid-flight
+        engine.add_request(f"x{j}", shared[:30] + [40 + j] * 5, SamplingParams(max_tokens=40, **GREEDY))
+    finished, steps = {}, 0
+    while engine.has_unfinished():
+        step = engine.step()
+        assert not step.failed
+        finished.update((o.request_id, o) for o in step.outputs if o.finished)
+        steps += 1
+        if steps == 15:
+            for j in range(3):
+                assert engine.abort_request(f"x{j}").outputs[0].finish_reason == "abort"
+    stats = tight.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.kv_blocks_used == 0
+    for i, want in enumerate(roomy):
+        got = finished[f"r{i}"]
+        assert len(got.outputs) == len(want.outputs)
+        for a, b in zip(want.outputs, got.outputs):
+            assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+            np.testing.assert_array_equal(b.routed_experts, a.routed_experts)
