@@ -187,9 +187,9 @@ def sweep_launch_config() -> list[tuple[str, float]]:
 
 
 def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 64, rounds: int = 3) -> dict:
+    """Median seconds per decode step, capture on vs off, from generate(N+1) - generate(1) tokens."""
     if DEVICE == "cpu":
         batch, prompt_len, decode_steps, rounds = 2, 8, 2, 1
-    """Median seconds per decode step, capture on vs off, from generate(N+1) - generate(1) tokens."""
     from r3srv import LLM, SamplingParams
     from r3srv.kernels import router
 
