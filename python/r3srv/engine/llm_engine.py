@@ -255,10 +255,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
+        self._stop_unfinished(req, "abort")
         return self._output(req)
 
     def has_unfinished(self) -> bool:
@@ -354,11 +351,15 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self._stop_unfinished(req, "error")
+        result.failed.append((request_id, exc))
+
+    def _stop_unfinished(self, req: Request, reason: str) -> None:
+        """Finish every sequence of `req` still running, waiting or deferred, freeing its blocks (and so its rows)."""
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
-                seq.finish_reason = "error"
-        result.failed.append((request_id, exc))
+                seq.finish_reason = reason
 
     def _append(self, seq: Sequence, res) -> None:
         p = seq.params
