@@ -93,6 +93,9 @@ def test_invalid_values_name_their_field(cls, body, param):
         (p.GenerateRequest, {"token_ids": [1], "sampling_params": {"routed_experts_prompt_start": -2}}),
         # the OpenAI routes' cap on n holds here too (n=100000 tied the engine up for minutes)
         (p.GenerateRequest, {"token_ids": [1], "sampling_params": {"n": 129}}),
+        # not implemented, so refused rather than silently ignored
+        (p.CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}),
+        (p.GenerateRequest, {"token_ids": [1], "sampling_params": {}, "stream": True, "stream_options": {"continuous_usage_stats": True}}),
         (p.DetokenizeRequest, {"tokens": [-1]}),
     ],
 )

@@ -47,6 +47,14 @@ class StreamOptions(Struct, kw_only=True):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
+    def __post_init__(self) -> None:
+        # Not implemented: refused (a 400 at decode) rather than silently ignored.
+        if self.continuous_usage_stats:
+            raise ValueError(
+                "stream_options.continuous_usage_stats=true is not supported by r3srv; "
+                "include_usage=true sends the usage in a last chunk"
+            )
+
 
 class UsageInfo(Struct, kw_only=True):
     prompt_tokens: int = 0
