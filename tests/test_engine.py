@@ -1,16 +1,21 @@
 """The offline engine on the built-in model: row counts, validation, prefix cache, preemption,
 n > 1, stop trimming, abort, and rows equal to an independent recomputation of the router."""
 
+import json
 import random
 
 import numpy as np
 import pytest
 import torch
+from tiny_checkpoints import write_tiny_checkpoint
+from tokenizers import processors
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 import r3srv.models.moe as moe_module
 from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
+from r3srv.models.builtin import byte_level_tokenizer
+
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
@@ -235,6 +240,28 @@ def test_chat_renders_the_template(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, **GREEDY))[0]
     assert out.prompt.endswith("<|im_start|>assistant\n")
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_a_chat_prompt_gets_the_templates_bos_only(tmp_path):
+    """Templates that write the BOS (Mixtral's `{{ bos_token }}[INST]...`) with a tokenizer
+    that also adds one: the rendered chat is encoded without special tokens, as HF's
+    apply_chat_template(tokenize=True) and vLLM do; a doubled BOS would shift every row."""
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "mixtral")
+    bos = 256  # <|endoftext|>
+    tok = byte_level_tokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    (path / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.update(bos_token="<|endoftext|>",
+                  chat_template="{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    llm = LLM(str(path), max_model_len=64)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    chat = llm.chat([{"role": "user", "content": "hi"}], params)[0]
+    assert chat.prompt_token_ids == [bos, *b"[INST] hi [/INST]"]
+    assert chat.outputs[0].routed_experts.shape[0] == len(chat.prompt_token_ids) + 1
+    # A plain text prompt still gets the tokenizer's own BOS (as HF's encode does).
+    assert llm.generate("hi", params)[0].prompt_token_ids == [bos, *b"hi"]
 
 
 def test_chunked_prefill_gives_the_same_tokens_and_rows(llm):

@@ -86,16 +86,26 @@ class AsyncLLM:
 
     # -- requests -------------------------------------------------------------------------
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        add_special_tokens: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; the last has finished=True.
+
+        Pass add_special_tokens=False for a prompt rendered from a chat template (it holds
+        its specials already; the tokenizer would add a second BOS).
 
         Invalid requests raise InvalidRequestError before anything is yielded. Leaving
         the iteration early (aclose, cancellation) aborts the request and frees its blocks.
         """
         if self._dead is not None or self._stopping:
             raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
-        prepared: PreparedRequest = self._engine.prepare_request(request_id, prompt, sampling_params)
+        prepared: PreparedRequest = self._engine.prepare_request(
+            request_id, prompt, sampling_params, add_special_tokens=add_special_tokens
+        )
         sink = _Sink(asyncio.get_running_loop())
         with self._lock:
             if prepared.request_id in self._sinks:

@@ -81,8 +81,11 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        add_special_tokens: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs come back in prompt order.
+
+        add_special_tokens: let the tokenizer add its specials (e.g. a BOS) to string prompts.
 
         Every request is validated before any is scheduled: one bad prompt or offset raises
         InvalidRequestError and nothing runs.
@@ -98,7 +101,10 @@ class LLM:
                     param="sampling_params",
                 )
         engine = self.engine
-        prepared = [engine.prepare_request(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params_list)]
+        prepared = [
+            engine.prepare_request(str(next(self._ids)), p, sp, add_special_tokens=add_special_tokens)
+            for p, sp in zip(prompts, params_list)
+        ]
         for prep in prepared:
             engine.add_prepared(prep)
         order = {prep.request_id: i for i, prep in enumerate(prepared)}
@@ -137,7 +143,8 @@ class LLM:
         """Render each conversation with the tokenizer's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        # The template writes the specials itself (a second BOS would shift every token).
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

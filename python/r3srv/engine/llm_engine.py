@@ -159,9 +159,18 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
     def prepare_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        *,
+        add_special_tokens: bool = True,
     ) -> PreparedRequest:
-        """Validate and tokenize; every problem is an InvalidRequestError raised here, before scheduling."""
+        """Validate and tokenize; every problem is an InvalidRequestError raised here, before scheduling.
+
+        add_special_tokens=False for a rendered chat template: it already holds the BOS
+        and other specials, and the tokenizer's post-processor would add a second BOS.
+        """
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -172,7 +181,7 @@ class LLMEngine:
                     "this model has no tokenizer (no tokenizer.json): send the prompt as token ids", param="prompt"
                 )
             text: str | None = prompt
-            ids = list(self.tokenizer.encode(prompt))
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         else:
             text = None
             try:
