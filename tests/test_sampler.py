@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from r3srv.engine.sampler import sample
@@ -104,3 +105,13 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
         assert p.greedy
         assert [r.token_id for r in sample(logits, [seq(p, seed=0), seq(p, seed=1)], EOS)] == [1, 0]
     assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_non_finite_temperature_or_top_p_is_rejected_up_front():
+    # temperature=inf turned a min_tokens-banned logit into -inf / inf = NaN, and the
+    # request then failed inside the sampler instead of at validation.
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=bad)

@@ -8,6 +8,8 @@ a bad value is a ValueError (a msgspec.ValidationError when decoding).
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
@@ -37,7 +39,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(self.n >= 1, "n", self.n, "must be >= 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(0.0 <= self.temperature < math.inf, "temperature", self.temperature, "must be finite and >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "must be -1, 0 (disabled) or positive")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
