@@ -1,20 +1,17 @@
 """The offline engine on the built-in model: row counts, validation, prefix cache, preemption,
 n > 1, stop trimming, abort, and rows equal to an independent recomputation of the router."""
 
-import json
 import random
 
 import numpy as np
 import pytest
 import torch
-from tiny_checkpoints import write_tiny_checkpoint
-from tokenizers import processors
+from tiny_checkpoints import BOS_TEMPLATE_ID, make_bos_adding_chat_checkpoint
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 import r3srv.models.moe as moe_module
 from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
-from r3srv.models.builtin import byte_level_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -246,15 +243,8 @@ def test_a_chat_prompt_gets_the_templates_bos_only(tmp_path):
     """Templates that write the BOS (Mixtral's `{{ bos_token }}[INST]...`) with a tokenizer
     that also adds one: the rendered chat is encoded without special tokens, as HF's
     apply_chat_template(tokenize=True) and vLLM do; a doubled BOS would shift every row."""
-    path = write_tiny_checkpoint(tmp_path / "ckpt", "mixtral")
-    bos = 256  # <|endoftext|>
-    tok = byte_level_tokenizer()
-    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
-    (path / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
-    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    config.update(bos_token="<|endoftext|>",
-                  chat_template="{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
-    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    path = make_bos_adding_chat_checkpoint(tmp_path / "ckpt")
+    bos = BOS_TEMPLATE_ID
     llm = LLM(str(path), max_model_len=64)
     params = SamplingParams(max_tokens=2, **GREEDY)
     chat = llm.chat([{"role": "user", "content": "hi"}], params)[0]

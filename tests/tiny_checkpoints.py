@@ -121,3 +121,31 @@ def hf_gate_modules(hf) -> dict[int, torch.nn.Module]:
         if hasattr(moe, "gate") and hasattr(moe, "experts"):
             gates[i] = moe.gate
     return gates
+
+
+BOS_TEMPLATE_ID = 256  # <|endoftext|> of the byte-level tokenizer
+
+
+def make_bos_adding_chat_checkpoint(path: Path) -> Path:
+    """A tiny Mixtral whose tokenizer adds a BOS to every encode AND whose chat template
+    writes `{{ bos_token }}` itself (as Mixtral's does): the case where encoding a rendered
+    chat with the tokenizer's specials would double the BOS."""
+    import json
+
+    from tokenizers import processors
+
+    from r3srv.models.builtin import byte_level_tokenizer
+
+    path = write_tiny_checkpoint(path, "mixtral")
+    tok = byte_level_tokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", BOS_TEMPLATE_ID)]
+    )
+    (path / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.update(
+        bos_token="<|endoftext|>",
+        chat_template="{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}",
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return path

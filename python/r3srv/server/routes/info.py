@@ -51,7 +51,9 @@ async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> 
     state.check_model(data.model)
     tokenizer = state.tokenizer()
     try:
-        tokens = list(tokenizer.encode(data.text(tokenizer.apply_chat_template)))
+        # A rendered chat template already holds its specials; a raw prompt gets the tokenizer's.
+        text = data.text(tokenizer.apply_chat_template)
+        tokens = list(tokenizer.encode(text, add_special_tokens=data.messages is None))
     except InvalidRequestError:
         raise
     except Exception as exc:

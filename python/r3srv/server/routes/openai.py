@@ -38,9 +38,12 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     params = data.to_sampling_params()
     tokenizer = state.tokenizer()
     try:
-        prompt = tokenizer.apply_chat_template(
+        rendered = tokenizer.apply_chat_template(
             data.template_messages(), add_generation_prompt=data.add_generation_prompt
         )
+        # The template writes its own specials (e.g. Mixtral's `{{ bos_token }}`): encoding them
+        # again would double the BOS and shift every token and row, so add none (as HF and vLLM).
+        prompt = tokenizer.encode(rendered, add_special_tokens=False)
     except InvalidRequestError:
         raise
     except Exception as exc:  # a template that rejects these messages (jinja raise_exception, bad roles)
