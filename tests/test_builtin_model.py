@@ -1,4 +1,6 @@
-"""The built-in model: deterministic, cached, race-safe, Qwen3-MoE-shaped, fast, with spread routing."""
+"""The built-in model: deterministic, cached, race-safe, Qwen3-MoE-shaped, with spread routing.
+(Its decode speed, >= 50 tokens/s for one sequence, is measured by benches/bench_engine.py:
+tests never gate on an absolute time.)"""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -140,22 +141,3 @@ def test_greedy_text_and_routing_are_not_degenerate(loaded):
         assert rows[:, layer].unique().numel() >= 48  # most of the 64 experts get used
     # within a row, the top-k ids are distinct experts
     assert all(len(set(r)) == model.config.top_k for r in rows.reshape(-1, model.config.top_k).tolist())
-
-
-def test_decode_forward_is_fast_on_one_core(loaded):
-    model, _ = loaded
-    model.init_kv_cache(16, BLOCK_SIZE)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # CPU time of this thread is the whole cost, robust to a busy machine
-    try:
-        times = []
-        for i in range(40):
-            batch = _decode_step(model, 65 + i % 26, context=100 + i)
-            start = time.thread_time()
-            model.forward(batch)
-            times.append(time.thread_time() - start)
-    finally:
-        torch.set_num_threads(threads)
-    median = sorted(times)[len(times) // 2]
-    # >= 50 tokens/s for one sequence leaves 20 ms per step; the forward must take well under half
-    assert median < 0.010, f"decode forward median {median * 1e3:.2f} ms of CPU"
