@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade "pip>=24"
+	$(BIN)/pip install "pip==26.3"  # editable installs of maturin projects need a recent pip
 
 # Always re-run: pip skips what is satisfied, maturin rebuilds the extension.
 install: $(BIN)/python
