@@ -249,6 +249,23 @@ def test_streamed_outputs_are_prefixes_of_the_final_one_with_stop_strings(engine
         assert len(c.logprobs) == len(c.token_ids)
 
 
+def test_stream_false_yields_only_the_finished_output(engine):
+    """A consumer that waits for the end (non-streaming HTTP) gets one output: the finished one,
+    the same as the last of a streamed run."""
+    prompt = prompt_ids(12, base=4)
+    params = SamplingParams(max_tokens=20, n=2, logprobs=1, **GREEDY)
+
+    async def run(stream: bool):
+        return [o async for o in engine.generate(prompt, params, f"stream-{stream}", stream=stream)]
+
+    streamed, quiet = asyncio.run(run(True)), asyncio.run(run(False))
+    assert len(streamed) > 2 and len(quiet) == 1 and quiet[0].finished
+    for a, b in zip(streamed[-1].outputs, quiet[0].outputs):
+        assert (a.token_ids, a.text, a.logprobs, a.finish_reason) == (b.token_ids, b.text, b.logprobs, b.finish_reason)
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+    asyncio.run(wait_idle(engine))
+
+
 def test_an_engine_thread_crash_fails_requests_loudly():
     eng = AsyncLLM(max_model_len=64)
 

@@ -92,8 +92,11 @@ class AsyncLLM:
         request_id: str,
         *,
         add_special_tokens: bool = True,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; the last has finished=True.
+
+        stream=False yields only the finished output (for consumers that wait for the end).
 
         Pass add_special_tokens=False for a prompt rendered from a chat template (it holds
         its specials already; the tokenizer would add a second BOS).
@@ -106,6 +109,7 @@ class AsyncLLM:
         prepared: PreparedRequest = self._engine.prepare_request(
             request_id, prompt, sampling_params, add_special_tokens=add_special_tokens
         )
+        prepared.stream = stream
         sink = _Sink(asyncio.get_running_loop())
         with self._lock:
             if prepared.request_id in self._sinks:

@@ -57,7 +57,6 @@ class LLM:
             decode_context_parallel_size=decode_context_parallel_size,
             prefill_context_parallel_size=prefill_context_parallel_size,
         )
-        self.engine.stream_outputs = False  # generate() only collects finished requests
         self._ids = itertools.count()
 
     @property
@@ -106,6 +105,7 @@ class LLM:
             for p, sp in zip(prompts, params_list)
         ]
         for prep in prepared:
+            prep.stream = False  # generate() only collects finished requests
             engine.add_prepared(prep)
         order = {prep.request_id: i for i, prep in enumerate(prepared)}
         results: list[RequestOutput | None] = [None] * len(prepared)

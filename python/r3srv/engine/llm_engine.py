@@ -54,6 +54,10 @@ class PreparedRequest:
     params: SamplingParams
     max_tokens: int
     return_routed_experts: bool
+    # False: emit only the finished output. A consumer that waits for the end (non-streaming
+    # HTTP, offline generate) then costs no per-step output building, whose token and logprob
+    # copies grow with the output length.
+    stream: bool = True
 
 
 @dataclass
@@ -75,7 +79,7 @@ class Request:
 
 @dataclass
 class StepResult:
-    # requests that changed this step (only the finished ones when the engine's stream_outputs is False)
+    # requests that changed this step (only the finished ones for requests with stream=False)
     outputs: list[RequestOutput] = field(default_factory=list)
     failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request_id, error)
     num_prefill_tokens: int = 0
@@ -115,8 +119,6 @@ class LLMEngine:
         self.eos_token_ids = eos
         self._seed_rng = random.Random(config.seed)
         self.requests: dict[str, Request] = {}
-        # False: step() reports only finished requests (the offline LLM needs no partial outputs).
-        self.stream_outputs = True
 
     @classmethod
     def from_kwargs(
@@ -350,7 +352,7 @@ class LLMEngine:
                 touched[seq.request_id] = req
         for rid, req in touched.items():
             finished = req.finished
-            if finished or self.stream_outputs:
+            if finished or req.prepared.stream:
                 result.outputs.append(self._output(req))
             if finished:
                 del self.requests[rid]

@@ -82,14 +82,21 @@ class Generation:
     """One engine request, from its first output to its last."""
 
     def __init__(
-        self, state: ServerState, route: str, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        state: ServerState,
+        route: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool = True,
     ) -> None:
         self.state = state
         self.route = route
         self.request_id = request_id
-        self._stream = state.engine.generate(prompt, params, request_id)
+        # stream=False: the engine sends only the finished output (no per-step copies, no loop wake-ups)
+        self._stream = state.engine.generate(prompt, params, request_id, stream=stream)
         self._started = time.perf_counter()
-        self._first_token_seen = False
         self.last: RequestOutput | None = None
         self.finished = False
         self.closed = False
@@ -127,11 +134,12 @@ class Generation:
         self.last = output
         now = time.perf_counter()
         metrics = self.state.metrics
-        if not self._first_token_seen and any(c.token_ids for c in output.outputs):
-            self._first_token_seen = True
-            metrics.ttft.labels(self.route).observe(now - self._started)
         if output.finished and not self.finished:
             self.finished = True
+            # The engine times the first token, so streamed and non-streamed requests are measured alike.
+            ttft = output.metrics.get("first_token_latency_s")
+            if ttft is not None:
+                metrics.ttft.labels(self.route).observe(ttft)
             metrics.e2e_latency.labels(self.route).observe(now - self._started)
             metrics.prompt_tokens.inc(len(output.prompt_token_ids))
             metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
@@ -151,12 +159,19 @@ class Generation:
 
 
 async def start_all(
-    state: ServerState, route: str, prompts: list[str | list[int]], params: SamplingParams, request_id: str
+    state: ServerState,
+    route: str,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    request_id: str,
+    *,
+    stream: bool = True,
 ) -> list[Generation]:
-    """Submit every prompt of a request together (so they batch), then wait for each first output."""
+    """Submit every prompt of a request together (so they batch), then wait for each first output
+    (with stream=False, the finished one)."""
     suffix = len(prompts) > 1
     gens = [
-        Generation(state, route, p, params, f"{request_id}-{i}" if suffix else request_id)
+        Generation(state, route, p, params, f"{request_id}-{i}" if suffix else request_id, stream=stream)
         for i, p in enumerate(prompts)
     ]
     try:

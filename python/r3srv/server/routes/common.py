@@ -37,7 +37,7 @@ async def run_to_end(
     gens: list[Generation] = []
 
     async def work() -> T:
-        gens.extend(await start_all(state, route, prompts, params, request_id))
+        gens.extend(await start_all(state, route, prompts, params, request_id, stream=False))
         finals = await asyncio.gather(*(g.final() for g in gens))
         return await build(list(finals))
 
