@@ -148,6 +148,22 @@ def test_prompt_start_slices_the_same_rows(client, model):
     np.testing.assert_array_equal(full[5:], tail)
 
 
+def test_multi_turn_start_continues_the_rows_already_held(server, client, model, model_info):
+    """README's multi-turn recipe: turn 2 asks from the count of rows turn 1 returned, and the two
+    arrays together cover every token of turn 2 but the last; turn 1's blocks come from the cache."""
+    kwargs = dict(model=model, max_tokens=6, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    turn1 = client.completions.create(prompt="Multi-turn agents hold rows. " * 2, **kwargs).choices[0]
+    rows1 = check_experts(turn1.routed_experts, turn1.prompt_token_ids, turn1.token_ids, 0, model_info)
+    prompt2 = turn1.prompt_token_ids + turn1.token_ids + list(b" Next turn:")
+    hits = metric(server, "r3srv_prefix_cache_hits_total")
+    body = dict(kwargs["extra_body"], routed_experts_prompt_start=len(rows1))
+    turn2 = client.completions.create(model=model, prompt=prompt2, max_tokens=6, temperature=0, extra_body=body).choices[0]
+    rows2 = check_experts(turn2.routed_experts, turn2.prompt_token_ids, turn2.token_ids, len(rows1), model_info)
+    assert turn2.prompt_token_ids == prompt2
+    assert len(rows1) + len(rows2) == len(prompt2) + len(turn2.token_ids) - 1
+    assert metric(server, "r3srv_prefix_cache_hits_total") - hits >= 32  # turn 1's full blocks were reused
+
+
 def test_completion_n_choices_each_full_array(client, model, model_info):
     r = client.completions.create(
         model=model, prompt="Once upon", max_tokens=4, n=3, temperature=1.0, seed=7, extra_body={"return_token_ids": True}
