@@ -49,10 +49,10 @@ class Scheduler:
         bm = self.block_manager
 
         # 1. Running sequences: one decode token each, or the next chunk of a prefill.
-        queue = list(self.running)
+        queue = deque(self.running)
         kept: list[Sequence] = []
         while queue and budget > 0:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
             while not bm.can_grow(seq, target):
@@ -67,7 +67,7 @@ class Scheduler:
                 budget -= n
                 out.seqs.append(seq)
                 kept.append(seq)
-        self.running = kept + queue  # `queue` holds those left out by the budget
+        self.running = kept + list(queue)  # `queue` holds those left out by the budget
 
         # 2. Waiting sequences, unless this step had to preempt (the pool is tight).
         while self.waiting and out.num_preempted == 0 and budget > 0 and len(self.running) < self.max_num_seqs:
