@@ -23,9 +23,15 @@ def pytest_terminal_summary(terminalreporter):
 
     write = terminalreporter.write_line
     write("")
-    write("same-run ratios of medians (reference / rust, rust / pybase64 bare):")
-    for group, m in medians.items():
-        if {"reference", "rust", "pybase64 bare"} <= m.keys():
+    serial = {g: m for g, m in medians.items() if {"reference", "rust", "pybase64 bare"} <= m.keys()}
+    if serial:
+        write("same-run ratios of medians (reference / rust, rust / pybase64 bare):")
+        for group, m in serial.items():
             write(f"  {group:16s} {m['reference'] / m['rust']:6.1f}x   {m['rust'] / m['pybase64 bare']:5.2f}")
+    other = {g: m for g, m in medians.items() if {"reference", "r3srv"} <= m.keys()}
+    if other:
+        write("same-run ratios of medians (reference / r3srv):")
+        for group, m in other.items():
+            write(f"  {group:24s} {m['reference'] / m['r3srv']:6.1f}x")
     for key, value in machine_description().items():
         write(f"  {key}: {value}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from r3srv.engine.block_table import BlockTable
 from r3srv.engine.sequence import Sequence
 
 
@@ -150,7 +151,7 @@ class BlockManager:
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 self._free[block_id] = None
-        seq.block_table = []
+        seq.block_table = BlockTable()
         seq.block_hashes = []
         seq.block_prefix_ids = []
         seq.num_computed_tokens = 0

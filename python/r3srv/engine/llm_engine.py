@@ -406,7 +406,7 @@ class LLMEngine:
         if req.prepared.return_routed_experts and self.rows is not None:
             # Rows of tokens 0 .. num_tokens-2: every token but the last sampled one ran.
             seq.routed_experts = self.rows.gather(
-                seq.block_table,
+                seq.block_table.array,
                 self.block_manager.block_size,
                 seq.num_tokens - 1,
                 req.prepared.params.routed_experts_prompt_start,

@@ -24,40 +24,41 @@ class ModelRunner:
         self.rows = rows
 
     def prepare(self, seqs: list[Sequence]) -> tuple[ForwardBatch, np.ndarray]:
+        """The step's ForwardBatch, and its KV slots on the host (where the rows go).
+
+        Python touches each sequence once (its new token ids, one memcpy of its block
+        table); positions and slots are computed per token in numpy.
+        """
         bs = self.block_size
+        num_seqs = len(seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=num_seqs)
+        query_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=num_seqs)
+        ends = starts + query_lens
+        tables = np.full((num_seqs, max(len(s.block_table) for s in seqs)), -1, dtype=np.int32)
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        for seq in seqs:
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            if n == 1:
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                for pos in range(start, end):
-                    slots.append(table[pos // bs] * bs + pos % bs)
-            query_lens.append(n)
-            context_lens.append(end)
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.full((len(seqs), width), -1, dtype=np.int32)
         for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
-        slot_np = np.asarray(slots, dtype=np.int64)
+            table = seq.block_table.array
+            tables[i, : len(table)] = table
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + seq.num_scheduled_tokens])
+        num_tokens = len(input_ids)
+        if num_tokens == num_seqs:  # decode-only step: one token per sequence
+            owner, positions = np.arange(num_seqs), starts
+        else:
+            owner = np.repeat(np.arange(num_seqs), query_lens)
+            first_row = np.cumsum(query_lens) - query_lens
+            positions = np.arange(num_tokens) - first_row[owner] + starts[owner]
+        slot_np = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
             slot_mapping=torch.from_numpy(slot_np).to(dev),
-            query_lens=query_lens,
-            context_lens=context_lens,
+            query_lens=query_lens.tolist(),
+            context_lens=ends.tolist(),
             block_tables=torch.from_numpy(tables).to(dev),
-            logits_indices=torch.tensor(np.cumsum(query_lens) - 1, dtype=torch.int64, device=dev),
-            routing_capture=None if self.rows is None else self.rows.new_capture(len(input_ids), dev),
+            logits_indices=torch.from_numpy(np.cumsum(query_lens) - 1).to(dev),
+            routing_capture=None if self.rows is None else self.rows.new_capture(num_tokens, dev),
         )
         return batch, slot_np
 

@@ -49,7 +49,7 @@ class RoutedExpertsBuffer:
             rows = rows.astype(self.dtype)
         self.rows[slot_mapping] = rows
 
-    def gather(self, block_table: list[int], block_size: int, num_rows: int, start: int = 0) -> np.ndarray:
+    def gather(self, block_table: np.ndarray | list[int], block_size: int, num_rows: int, start: int = 0) -> np.ndarray:
         """Rows of tokens [start, num_rows) of a sequence, as a fresh C-contiguous array."""
         if num_rows <= start:
             return np.zeros((0, self.num_layers, self.top_k), dtype=self.dtype)

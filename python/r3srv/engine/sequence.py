@@ -7,6 +7,7 @@ import itertools
 
 import torch
 
+from r3srv.engine.block_table import BlockTable
 from r3srv.sampling_params import SamplingParams
 
 
@@ -45,7 +46,7 @@ class Sequence:
         self.max_tokens = max_tokens
         self.generator = generator
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        self.block_table = BlockTable()
         self.block_hashes: list[int] = []  # chain hashes of the leading full, computed blocks
         # (block_id, generation) of the registered block holding each of those prefixes
         # (this sequence's own block, or an equal one registered first)
