@@ -2,6 +2,7 @@
 free every block, step failures fail only their requests, shutdown."""
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -283,3 +284,31 @@ def test_an_engine_thread_crash_fails_requests_loudly():
     asyncio.run(main())
     assert not eng.is_running
     eng.shutdown()
+
+
+def test_large_prompts_are_prepared_off_the_event_loop(engine, monkeypatch):
+    """Tokenizing and checking a huge prompt must not stall every other client on the loop."""
+    from r3srv.offload import OFFLOAD_MIN_SIZE
+
+    threads: list[int] = []
+    prepare = engine._engine.prepare_request
+
+    def recording_prepare(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(engine._engine, "prepare_request", recording_prepare)
+
+    async def main():
+        loop_thread = threading.get_ident()
+        small = [out async for out in engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **GREEDY), "small")]
+        for huge in ([65] * OFFLOAD_MIN_SIZE, "a" * OFFLOAD_MIN_SIZE):
+            with pytest.raises(InvalidRequestError, match="max_model_len"):  # too long for this engine
+                await engine.generate(huge, SamplingParams(max_tokens=2), f"huge-{type(huge).__name__}").__anext__()
+        return loop_thread, small
+
+    loop_thread, small = asyncio.run(main())
+    assert small[-1].finished and len(small[-1].outputs[0].token_ids) == 2
+    assert threads[0] == loop_thread  # small: inline, no thread hand-off
+    assert len(threads) == 3 and loop_thread not in threads[1:]
+    asyncio.run(wait_idle(engine))

@@ -56,3 +56,39 @@ def test_asking_for_routed_experts_says_how_to_start_the_server(server, client, 
 def test_other_model_names_are_not_found(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="r3srv-builtin-random-moe", prompt="hi", max_tokens=1)
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_the_loop_keeps_serving_while_a_huge_prompt_is_tokenized(server, api):
+    """A 2.4M-character prompt takes the server seconds to tokenize (then 400: too long for
+    max_model_len); /health must keep answering meanwhile. Before tokenization moved off the
+    event loop, /health waited as long as the big request (ratio ~0.95); now ~0.05."""
+    import threading
+    import time
+
+    text = "hello world " * 200_000
+    path, body = (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 4})
+        if api == "chat"
+        else ("/v1/completions", {"prompt": text, "max_tokens": 4})
+    )
+    result: dict = {}
+
+    def big_request() -> None:
+        start = time.perf_counter()
+        result["response"] = httpx.post(server.url + path, json=body, timeout=120)
+        result["seconds"] = time.perf_counter() - start
+
+    worker = threading.Thread(target=big_request)
+    worker.start()
+    worst = 0.0
+    with httpx.Client(timeout=120) as probe:
+        while worker.is_alive():
+            start = time.perf_counter()
+            assert probe.get(server.url + "/health").status_code == 200
+            worst = max(worst, time.perf_counter() - start)
+            time.sleep(0.005)
+    worker.join()
+    response = result["response"]
+    assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
+    assert worst < 0.5 * result["seconds"], (worst, result["seconds"])

@@ -95,3 +95,42 @@ def test_transformers_template_helpers(tok_dir, tmp_path):
 def test_missing_tokenizer_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def bpe_tok():
+    """A small byte-level BPE trained here, whose post-processor adds a BOS (as Llama/Mixtral's do)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = [f"routing replay {i}: the router picks experts per token, layer {i % 7}" for i in range(200)]
+    hf.train_from_iterator(corpus, trainer)
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", hf.token_to_id("<s>"))])
+    return Tokenizer(hf, bos_token="<s>", eos_token="</s>")
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=200), add_special_tokens=st.booleans())
+def test_long_text_encode_path_gives_the_plain_encode_ids(bpe_tok, text, add_special_tokens):
+    """Texts past GIL_FREE_ENCODE_CHARS go through encode_batch (GIL released): same ids as encode."""
+    import r3srv.tokenizer as tokenizer_module
+
+    want = bpe_tok._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tokenizer_module, "GIL_FREE_ENCODE_CHARS", 0)  # every text takes the long path
+        assert bpe_tok.encode(text, add_special_tokens=add_special_tokens) == want
+
+
+def test_a_long_text_at_the_real_threshold(bpe_tok):
+    from r3srv.tokenizer import GIL_FREE_ENCODE_CHARS
+
+    text = ("the router picks experts per token, ünïcödé 🙂 " * (GIL_FREE_ENCODE_CHARS // 20))[: 3 * GIL_FREE_ENCODE_CHARS]
+    ids = bpe_tok.encode(text)
+    assert ids == bpe_tok._tok.encode(text).ids and ids[0] == bpe_tok.bos_token_id
+    assert bpe_tok.decode(ids) == text

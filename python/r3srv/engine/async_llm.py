@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from r3srv.engine.llm_engine import EngineStats, LLMEngine, PreparedRequest
 from r3srv.errors import InvalidRequestError, R3srvError
+from r3srv.offload import run_sized
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams
 
@@ -106,8 +107,10 @@ class AsyncLLM:
         """
         if self._dead is not None or self._stopping:
             raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
-        prepared: PreparedRequest = self._engine.prepare_request(
-            request_id, prompt, sampling_params, add_special_tokens=add_special_tokens
+        size = len(prompt) if isinstance(prompt, (str, list, tuple)) else 0  # anything else fails validation
+        prepared: PreparedRequest = await run_sized(
+            size, self._engine.prepare_request, request_id, prompt, sampling_params,
+            add_special_tokens=add_special_tokens,
         )
         prepared.stream = stream
         sink = _Sink(asyncio.get_running_loop())

@@ -243,6 +243,12 @@ class ChatMessageParam(Struct, kw_only=True):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    def content_chars(self) -> int:
+        """The content's length in characters (how much work rendering and encoding it is)."""
+        if isinstance(self.content, list):
+            return sum(len(part.text or "") for part in self.content)
+        return len(self.content or "")
+
     def to_template_dict(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):

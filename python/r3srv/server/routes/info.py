@@ -8,6 +8,7 @@ from litestar import MediaType, Request, Response, get, post
 
 import r3srv
 from r3srv.errors import InvalidRequestError
+from r3srv.offload import run_sized
 from r3srv.server import protocol as p
 from r3srv.server.metrics import CONTENT_TYPE
 from r3srv.server.routes.common import server_state
@@ -50,10 +51,15 @@ async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> 
     state = server_state(request)
     state.check_model(data.model)
     tokenizer = state.tokenizer()
-    try:
+
+    def render_and_encode() -> list[int]:
         # A rendered chat template already holds its specials; a raw prompt gets the tokenizer's.
         text = data.text(tokenizer.apply_chat_template)
-        tokens = list(tokenizer.encode(text, add_special_tokens=data.messages is None))
+        return list(tokenizer.encode(text, add_special_tokens=data.messages is None))
+
+    size = len(data.prompt or "") + sum(m.content_chars() for m in data.messages or ())
+    try:
+        tokens = await run_sized(size, render_and_encode)
     except InvalidRequestError:
         raise
     except Exception as exc:

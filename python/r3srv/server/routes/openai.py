@@ -8,6 +8,7 @@ from typing import Any
 from litestar import Request, post
 
 from r3srv.errors import InvalidRequestError
+from r3srv.offload import run_sized
 from r3srv.server import protocol as p
 from r3srv.server.generation import start_all
 from r3srv.server.responses import chat_response, completion_response
@@ -37,13 +38,15 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     state.check_model(data.model)
     params = data.to_sampling_params()
     tokenizer = state.tokenizer()
-    try:
-        rendered = tokenizer.apply_chat_template(
-            data.template_messages(), add_generation_prompt=data.add_generation_prompt
-        )
+
+    def render_and_encode() -> list[int]:
+        rendered = tokenizer.apply_chat_template(data.template_messages(), add_generation_prompt=data.add_generation_prompt)
         # The template writes its own specials (e.g. Mixtral's `{{ bos_token }}`): encoding them
         # again would double the BOS and shift every token and row, so add none (as HF and vLLM).
-        prompt = tokenizer.encode(rendered, add_special_tokens=False)
+        return tokenizer.encode(rendered, add_special_tokens=False)
+
+    try:
+        prompt = await run_sized(sum(m.content_chars() for m in data.messages), render_and_encode)
     except InvalidRequestError:
         raise
     except Exception as exc:  # a template that rejects these messages (jinja raise_exception, bad roles)
