@@ -14,6 +14,7 @@ import r3srv.models.moe as moe_module
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM, EngineDeadError
 from r3srv.errors import InvalidRequestError
+from r3srv.outputs import OutputKind
 
 @pytest.fixture(scope="module")
 def engine():
@@ -250,16 +251,16 @@ def test_streamed_outputs_are_prefixes_of_the_final_one_with_stop_strings(engine
         assert len(c.logprobs) == len(c.token_ids)
 
 
-def test_stream_false_yields_only_the_finished_output(engine):
+def test_final_only_yields_only_the_finished_output(engine):
     """A consumer that waits for the end (non-streaming HTTP) gets one output: the finished one,
     the same as the last of a streamed run."""
     prompt = prompt_ids(12, base=4)
     params = SamplingParams(max_tokens=20, n=2, logprobs=1, **GREEDY)
 
-    async def run(stream: bool):
-        return [o async for o in engine.generate(prompt, params, f"stream-{stream}", stream=stream)]
+    async def run(kind: OutputKind):
+        return [o async for o in engine.generate(prompt, params, f"stream-{kind.value}", output_kind=kind)]
 
-    streamed, quiet = asyncio.run(run(True)), asyncio.run(run(False))
+    streamed, quiet = asyncio.run(run(OutputKind.CUMULATIVE)), asyncio.run(run(OutputKind.FINAL_ONLY))
     assert len(streamed) > 2 and len(quiet) == 1 and quiet[0].finished
     for a, b in zip(streamed[-1].outputs, quiet[0].outputs):
         assert (a.token_ids, a.text, a.logprobs, a.finish_reason) == (b.token_ids, b.text, b.logprobs, b.finish_reason)

@@ -19,18 +19,21 @@ from r3srv.server.metrics import ServerMetrics
 from r3srv.server.streaming import DONE, _guarded, _Tracker, sse
 
 
-def test_tracker_emits_each_new_piece_once():
+def test_tracker_passes_each_delta_once_and_counts_what_was_sent():
     tracker = _Tracker()
     first = tracker.delta(0, CompletionOutput(index=0, text="", token_ids=[]))
     assert first is not None and first.first and not first.text  # opens the choice
     assert tracker.delta(0, CompletionOutput(index=0, text="", token_ids=[])) is None  # nothing new
     d = tracker.delta(0, CompletionOutput(index=0, text="ab", token_ids=[1, 2], logprobs=[{1: -0.1}, {2: -0.2}]))
-    assert (d.text, d.token_ids, d.logprobs, d.first, d.final) == ("ab", [1, 2], [{1: -0.1}, {2: -0.2}], False, False)
-    d = tracker.delta(0, CompletionOutput(index=0, text="abc", token_ids=[1, 2, 3], finish_reason="length"))
+    assert (d.text, d.token_ids, d.logprobs, d.text_offset, d.first, d.final) == (
+        "ab", [1, 2], [{1: -0.1}, {2: -0.2}], 0, False, False
+    )
+    d = tracker.delta(0, CompletionOutput(index=0, text="c", token_ids=[3], finish_reason="length"))
     assert (d.text, d.token_ids, d.text_offset, d.final) == ("c", [3], 2, True)
-    assert tracker.delta(0, CompletionOutput(index=0, text="abc", token_ids=[1, 2, 3], finish_reason="length")) is None
+    assert tracker.delta(0, CompletionOutput(index=0, text="", token_ids=[], finish_reason="length")) is None
     # choices of other prompts are tracked separately
     assert tracker.delta(1, CompletionOutput(index=0, text="z", token_ids=[9])).token_ids == [9]
+    assert tracker.num_tokens == 4
 
 
 def test_error_mid_stream_becomes_an_error_event_then_done():

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
 
 
+class OutputKind(enum.Enum):
+    """What a request's outputs hold (as vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = "cumulative"  # one output per step, each with everything generated so far
+    # One output per step, each with only what is new since the previous output: per step it
+    # costs the new tokens, not the whole output (streaming servers use this).
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"  # one output, when the request finishes (cumulative)
+
+
 @dataclass
 class CompletionOutput:
+    """One sample. In a DELTA output `text`, `token_ids` and `logprobs` are only what is new;
+    `cumulative_logprob`, `finish_reason` and `routed_experts` are whole-sample in every kind."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -35,3 +50,17 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Two consecutive DELTA outputs of one request as one (for a consumer that fell behind)."""
+    merged = [
+        dataclasses.replace(
+            n,
+            text=o.text + n.text,
+            token_ids=o.token_ids + n.token_ids,
+            logprobs=None if n.logprobs is None else (o.logprobs or []) + n.logprobs,
+        )
+        for o, n in zip(older.outputs, newer.outputs, strict=True)
+    ]
+    return dataclasses.replace(newer, outputs=merged)

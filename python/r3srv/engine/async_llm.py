@@ -2,7 +2,7 @@
 
 One background thread owns the engine and runs its step loop (the event loop never
 runs model code). Coroutines hand it requests and aborts through a thread-safe command
-queue; it hands back each request's cumulative output through the request's own
+queue; it hands back each request's outputs through the request's own
 asyncio.Queue (via `call_soon_threadsafe`). All requests in flight batch together in
 the same steps.
 """
@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from r3srv.engine.llm_engine import EngineStats, LLMEngine, PreparedRequest
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.offload import run_sized
-from r3srv.outputs import RequestOutput
+from r3srv.outputs import OutputKind, RequestOutput, merge_deltas
 from r3srv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -93,11 +93,13 @@ class AsyncLLM:
         request_id: str,
         *,
         add_special_tokens: bool = True,
-        stream: bool = True,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; the last has finished=True.
+        """Outputs of one request; the last has finished=True.
 
-        stream=False yields only the finished output (for consumers that wait for the end).
+        CUMULATIVE: each output holds everything so far; when the consumer falls behind it
+        gets the newest only. DELTA: each holds what is new; outputs that pile up while the
+        consumer is busy are merged. FINAL_ONLY: one output, the finished one.
 
         Pass add_special_tokens=False for a prompt rendered from a chat template (it holds
         its specials already; the tokenizer would add a second BOS).
@@ -112,7 +114,7 @@ class AsyncLLM:
             size, self._engine.prepare_request, request_id, prompt, sampling_params,
             add_special_tokens=add_special_tokens,
         )
-        prepared.stream = stream
+        prepared.output_kind = output_kind
         sink = _Sink(asyncio.get_running_loop())
         with self._lock:
             if prepared.request_id in self._sinks:
@@ -123,9 +125,11 @@ class AsyncLLM:
         try:
             while True:
                 item = await sink.queue.get()
-                # Outputs are cumulative: when the consumer lags, only the newest matters.
+                # When the consumer lags, hand it one output for all that piled up.
                 while not isinstance(item, BaseException) and not item.finished and not sink.queue.empty():
-                    item = sink.queue.get_nowait()
+                    newer = sink.queue.get_nowait()
+                    delta = output_kind is OutputKind.DELTA and not isinstance(newer, BaseException)
+                    item = merge_deltas(item, newer) if delta else newer
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -8,7 +8,7 @@ from collections.abc import Sequence as SequenceABC
 
 from r3srv.engine.llm_engine import EngineStats, LLMEngine
 from r3srv.errors import InvalidRequestError
-from r3srv.outputs import RequestOutput
+from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -105,7 +105,7 @@ class LLM:
             for p, sp in zip(prompts, params_list)
         ]
         for prep in prepared:
-            prep.stream = False  # generate() only collects finished requests
+            prep.output_kind = OutputKind.FINAL_ONLY  # generate() only collects finished requests
             engine.add_prepared(prep)
         order = {prep.request_id: i for i, prep in enumerate(prepared)}
         results: list[RequestOutput | None] = [None] * len(prepared)

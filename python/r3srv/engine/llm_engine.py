@@ -24,7 +24,7 @@ from r3srv.engine.sampler import sample
 from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
 from r3srv.errors import ConfigError, InvalidRequestError
-from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,10 +54,10 @@ class PreparedRequest:
     params: SamplingParams
     max_tokens: int
     return_routed_experts: bool
-    # False: emit only the finished output. A consumer that waits for the end (non-streaming
-    # HTTP, offline generate) then costs no per-step output building, whose token and logprob
-    # copies grow with the output length.
-    stream: bool = True
+    # FINAL_ONLY for a consumer that waits for the end (non-streaming HTTP, offline generate):
+    # no per-step outputs. DELTA for a streaming one: per-step outputs cost the new tokens only,
+    # where CUMULATIVE ones copy every token and logprob so far, every step.
+    output_kind: OutputKind = OutputKind.CUMULATIVE
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Request:
 
 @dataclass
 class StepResult:
-    # requests that changed this step (only the finished ones for requests with stream=False)
+    # requests that changed this step (only the finished ones for FINAL_ONLY requests)
     outputs: list[RequestOutput] = field(default_factory=list)
     failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request_id, error)
     num_prefill_tokens: int = 0
@@ -352,7 +352,7 @@ class LLMEngine:
                 touched[seq.request_id] = req
         for rid, req in touched.items():
             finished = req.finished
-            if finished or req.prepared.stream:
+            if finished or req.prepared.output_kind is not OutputKind.FINAL_ONLY:
                 result.outputs.append(self._output(req))
             if finished:
                 del self.requests[rid]
@@ -415,7 +415,8 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         prep = req.prepared
-        outs = [_completion(s) for s in req.seqs]
+        delta = prep.output_kind is OutputKind.DELTA
+        outs = [_completion(s, delta) for s in req.seqs]
         metrics = {"arrival_time": req.arrival_time}
         if req.first_token_time is not None:
             metrics["first_token_latency_s"] = req.first_token_time - req.arrival_time
@@ -430,29 +431,44 @@ class LLMEngine:
         )
 
 
-def _completion(s: Sequence) -> CompletionOutput:
-    """A sequence's output so far. While it runs, text (and the tokens producing it) that a
-    stop string could still cut is held back, so every partial output is a prefix of the final one."""
-    n = s.num_output_tokens
-    text = s.text
+def _completion(s: Sequence, delta: bool) -> CompletionOutput:
+    """A sequence's output so far, or (delta) what is new since its previous output.
+
+    While it runs, text (and the tokens producing it) that a stop string could still cut
+    is held back, so every partial output is a prefix of the final one."""
+    n, text_len = _visible(s)
     cumulative = s.cumulative_logprob if s.logprobs is not None else None
-    p = s.params
-    if s.finish_reason is None and p.stop and not p.include_stop_str_in_output:
-        visible = max(0, len(text) - (max(len(x) for x in p.stop) - 1))
-        n = bisect.bisect_right(s.detok.text_len_after, visible)
-        text = text[: s.detok.text_len_after[n - 1]] if n else ""
-        if s.logprobs is not None and n < s.num_output_tokens:
-            cumulative = sum(lp[t] for lp, t in zip(s.logprobs[:n], s.output_token_ids[:n]))
+    if s.logprobs is not None and n < s.num_output_tokens:
+        cumulative = sum(lp[t] for lp, t in zip(s.logprobs[:n], s.output_token_ids[:n]))
+    first_token, first_char = (s.num_emitted_tokens, s.num_emitted_chars) if delta else (0, 0)
+    if delta:
+        s.num_emitted_tokens, s.num_emitted_chars = n, text_len
+    p0 = s.num_prompt_tokens
     return CompletionOutput(
         index=s.index,
-        text=text,
-        token_ids=s.token_ids[s.num_prompt_tokens : s.num_prompt_tokens + n],
+        text=s.text[first_char:text_len],
+        token_ids=s.token_ids[p0 + first_token : p0 + n],
         finish_reason=s.finish_reason,
         stop_reason=s.stop_reason,
         cumulative_logprob=cumulative,
-        logprobs=list(s.logprobs[:n]) if s.logprobs is not None else None,
+        logprobs=s.logprobs[first_token:n] if s.logprobs is not None else None,
         routed_experts=s.routed_experts,
     )
+
+
+def _visible(s: Sequence) -> tuple[int, int]:
+    """(output tokens, text characters) that no stop string can still cut from `s`."""
+    p = s.params
+    if s.finish_reason is not None or not p.stop or p.include_stop_str_in_output:
+        return s.num_output_tokens, len(s.text)
+    # A stop string not seen yet ends in text still to come, so it starts at or after `safe`:
+    # the final text keeps at least `safe` characters, and at least the tokens up to the
+    # first one whose text reaches `safe` (tokens that add no text, such as the leading bytes
+    # of a multi-byte character, stay held back until text follows them).
+    safe = max(0, len(s.text) - (max(len(x) for x in p.stop) - 1))
+    ends = s.detok.text_len_after
+    n = min(bisect.bisect_left(ends, safe) + 1, bisect.bisect_right(ends, safe)) if safe else 0
+    return n, ends[n - 1] if n else 0
 
 
 def _mem_available() -> int:

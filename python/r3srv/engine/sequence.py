@@ -61,6 +61,9 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.text = ""
+        # What DELTA outputs have handed out so far (output tokens, text characters).
+        self.num_emitted_tokens = 0
+        self.num_emitted_chars = 0
         self.detok = None  # IncrementalDetokenizer, set by the engine
         self.routed_experts = None  # np.ndarray, set when finished
 

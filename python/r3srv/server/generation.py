@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from r3srv.errors import InvalidRequestError
-from r3srv.outputs import RequestOutput
+from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
 from r3srv.serial import encode_routed_experts
 from r3srv.server.errors import ModelNotFoundError
@@ -94,8 +94,12 @@ class Generation:
         self.state = state
         self.route = route
         self.request_id = request_id
-        # stream=False: the engine sends only the finished output (no per-step copies, no loop wake-ups)
-        self._stream = state.engine.generate(prompt, params, request_id, stream=stream)
+        # Streams get DELTA outputs (per step, only the new tokens); the others FINAL_ONLY (no
+        # per-step outputs, no loop wake-ups).
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        self._stream = state.engine.generate(prompt, params, request_id, output_kind=kind)
+        self._delta = stream
+        self._generated_tokens = 0
         self._started = time.perf_counter()
         self.last: RequestOutput | None = None
         self.finished = False
@@ -134,6 +138,8 @@ class Generation:
         self.last = output
         now = time.perf_counter()
         metrics = self.state.metrics
+        if self._delta or output.finished:
+            self._generated_tokens += sum(len(c.token_ids) for c in output.outputs)
         if output.finished and not self.finished:
             self.finished = True
             # The engine times the first token, so streamed and non-streamed requests are measured alike.
@@ -142,7 +148,7 @@ class Generation:
                 metrics.ttft.labels(self.route).observe(ttft)
             metrics.e2e_latency.labels(self.route).observe(now - self._started)
             metrics.prompt_tokens.inc(len(output.prompt_token_ids))
-            metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+            metrics.generation_tokens.inc(self._generated_tokens)
 
     async def close(self) -> None:
         """Idempotent; shielded so it also runs when the caller's scope is being cancelled."""
@@ -168,7 +174,7 @@ async def start_all(
     stream: bool = True,
 ) -> list[Generation]:
     """Submit every prompt of a request together (so they batch), then wait for each first output
-    (with stream=False, the finished one)."""
+    (with stream=True a DELTA output, with stream=False the finished one)."""
     suffix = len(prompts) > 1
     gens = [
         Generation(state, route, p, params, f"{request_id}-{i}" if suffix else request_id, stream=stream)

@@ -12,9 +12,10 @@ from r3srv.server import protocol as p
 from r3srv.server.generation import ServerState
 
 
-def usage_of(outputs: list[RequestOutput]) -> p.UsageInfo:
+def usage_of(outputs: list[RequestOutput], completion_tokens: int | None = None) -> p.UsageInfo:
+    """Usage of finished outputs; a stream of DELTA outputs passes the tokens it counted."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if completion_tokens is None else completion_tokens
     return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

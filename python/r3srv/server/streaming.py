@@ -1,4 +1,4 @@
-"""Server-sent events: turn cumulative engine outputs into per-choice delta chunks.
+"""Server-sent events: turn the engine's DELTA outputs into per-choice chunks.
 
 Each chunk carries one choice's new text/tokens. The chunk with `finish_reason`
 also carries that choice's whole `routed_experts` (no other chunk does). Usage
@@ -112,16 +112,16 @@ class _Delta:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
-    text_offset: int
+    text_offset: int  # characters of this choice sent before this delta
     first: bool
     final: bool
 
 
 class _Tracker:
-    """What has been sent so far for each (prompt, choice)."""
+    """Per (prompt, choice) of DELTA outputs: started or not, finished or not, characters and tokens sent."""
 
     def __init__(self) -> None:
-        self._sent: dict[tuple[int, int], tuple[int, int]] = {}
+        self._sent: dict[tuple[int, int], tuple[int, int]] = {}  # (characters, tokens)
         self._done: set[tuple[int, int]] = set()
 
     def delta(self, prompt_index: int, c: CompletionOutput) -> _Delta | None:
@@ -130,16 +130,17 @@ class _Tracker:
             return None
         first = key not in self._sent
         n_text, n_tok = self._sent.get(key, (0, 0))
-        text = c.text[n_text:] if len(c.text) > n_text else ""
-        token_ids = list(c.token_ids[n_tok:])
         final = c.finished
-        if not text and not token_ids and not final and not first:
+        if not c.text and not c.token_ids and not final and not first:
             return None
-        self._sent[key] = (max(n_text, len(c.text)), len(c.token_ids))
+        self._sent[key] = (n_text + len(c.text), n_tok + len(c.token_ids))
         if final:
             self._done.add(key)
-        logprobs = c.logprobs[n_tok : len(c.token_ids)] if c.logprobs is not None else None
-        return _Delta(text, token_ids, logprobs, n_text, first, final)
+        return _Delta(c.text, c.token_ids, c.logprobs, n_text, first, final)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n_tok for _, n_tok in self._sent.values())
 
 
 async def completion_stream(
@@ -169,7 +170,7 @@ async def completion_stream(
         if out.finished:
             finals[i] = out
     if req.stream_options and req.stream_options.include_usage:
-        usage = usage_of(list(finals.values()))
+        usage = usage_of(list(finals.values()), tracker.num_tokens)
         yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
     yield DONE
 
@@ -222,7 +223,7 @@ async def chat_stream(
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
-        usage = usage_of([final])
+        usage = usage_of([final], tracker.num_tokens)
         yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
     yield DONE
 
@@ -259,5 +260,5 @@ async def generate_stream(
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
-        yield sse(p.GenerateStreamResponse(request_id=request_id, output_mode=req.output_mode, choices=[], usage=usage_of([final])))
+        yield sse(p.GenerateStreamResponse(request_id=request_id, output_mode=req.output_mode, choices=[], usage=usage_of([final], tracker.num_tokens)))
     yield DONE
