@@ -92,3 +92,10 @@ def test_the_loop_keeps_serving_while_a_huge_prompt_is_tokenized(server, api):
     response = result["response"]
     assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
     assert worst < 0.5 * result["seconds"], (worst, result["seconds"])
+
+
+@pytest.mark.parametrize("path", ["/update_weights_from_disk", "/reset_prefix_cache"])
+def test_weight_update_endpoints_are_off_without_their_flag(server, path):
+    r = httpx.post(server.url + path, json={"model_path": "/tmp"})
+    assert r.status_code == 404
+    assert "--enable-weight-updates" in r.json()["error"]["message"]

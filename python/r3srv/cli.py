@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-request-body-bytes", type=_positive_int, default=None, help="larger bodies get 413 (default: 32 MiB)"
     )
+    serve.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="allow POST /update_weights_from_disk and /reset_prefix_cache (RL trainers; off by default: "
+        "the first loads any checkpoint directory the server can read)",
+    )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -133,6 +139,7 @@ def serve(args: argparse.Namespace) -> int:
         engine,
         served_model_name=name,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        enable_weight_updates=args.enable_weight_updates,
     )
     logger.info(
         "serving %s on http://%s:%d (routed experts %s by default, max_model_len=%d)",

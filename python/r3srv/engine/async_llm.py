@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from r3srv.engine.llm_engine import EngineStats, LLMEngine, PreparedRequest
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.offload import run_sized
-from r3srv.outputs import OutputKind, RequestOutput, merge_deltas
+from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput, merge_deltas
 from r3srv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,38 @@ class _Sink:
             pass
 
 
+class _Reply:
+    """A future the engine thread resolves for a coroutine (weight updates, cache resets)."""
+
+    __slots__ = ("loop", "future")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+
+    def ok(self, value: object) -> None:
+        self._resolve(lambda: self.future.set_result(value))
+
+    def fail(self, exc: BaseException) -> None:
+        self._resolve(lambda: self.future.set_exception(exc))
+
+    def _resolve(self, set_it) -> None:
+        def apply() -> None:
+            if not self.future.done():  # the waiter may have been cancelled
+                set_it()
+
+        try:
+            self.loop.call_soon_threadsafe(apply)
+        except RuntimeError:  # the waiter's loop is closed
+            pass
+
+
+def _aborted_before_start(prep: PreparedRequest) -> RequestOutput:
+    """The final output of a request aborted while it waited for a weight update (it never ran)."""
+    outs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(prep.params.n)]
+    return RequestOutput(prep.request_id, prep.prompt, prep.prompt_token_ids, outs, finished=True)
+
+
 class AsyncLLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         # Config errors (ConfigError) raise here, on the caller's thread, before the loop starts.
@@ -52,6 +84,10 @@ class AsyncLLM:
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
+        # A weight update waiting for the requests in flight to finish: (path, reply). Requests
+        # added meanwhile are held, and start after it, on the new weights.
+        self._update: tuple[str, _Reply] | None = None
+        self._held: list[PreparedRequest] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
         self._thread.start()
@@ -107,8 +143,7 @@ class AsyncLLM:
         Invalid requests raise InvalidRequestError before anything is yielded. Leaving
         the iteration early (aclose, cancellation) aborts the request and frees its blocks.
         """
-        if self._dead is not None or self._stopping:
-            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+        self._check_alive()
         size = len(prompt) if isinstance(prompt, (str, list, tuple)) else 0  # anything else fails validation
         prepared: PreparedRequest = await run_sized(
             size, self._engine.prepare_request, request_id, prompt, sampling_params,
@@ -142,6 +177,31 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(("abort", prepared.request_id))
 
+    async def update_weights(self, path: str, *, abort_running: bool = False) -> None:
+        """Load new weights of the same architecture from a checkpoint directory (an RL policy update).
+
+        Requests in flight finish on the old weights first (abort_running=True aborts them
+        instead), so no sequence mixes two policies in its KV or its routed experts; requests
+        that arrive meanwhile wait and run on the new weights. The prefix cache is emptied.
+        Raises ConfigError (weights unchanged) for a checkpoint that is not this model's
+        architecture, InvalidRequestError if another update is under way.
+        """
+        self._check_alive()
+        reply = _Reply(asyncio.get_running_loop())
+        self._commands.put(("update", (str(path), abort_running, reply)))
+        await reply.future
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were forgotten."""
+        self._check_alive()
+        reply = _Reply(asyncio.get_running_loop())
+        self._commands.put(("reset_prefix_cache", reply))
+        return await reply.future
+
+    def _check_alive(self) -> None:
+        if self._dead is not None or self._stopping:
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight; its generator ends with finish_reason "abort". False if unknown."""
         with self._lock:
@@ -170,6 +230,8 @@ class AsyncLLM:
         engine = self._engine
         try:
             while True:
+                if self._update is not None and not engine.has_unfinished():
+                    self._apply_update()
                 # Block while idle; otherwise take whatever arrived since the last step.
                 cmd = self._commands.get() if not engine.has_unfinished() else self._next_command()
                 while cmd is not None:
@@ -200,14 +262,49 @@ class AsyncLLM:
         kind, arg = cmd
         engine = self._engine
         if kind == "add":
+            if self._update is not None:
+                self._held.append(arg)
+                return
             try:
                 engine.add_prepared(arg)
             except Exception as exc:
                 self._deliver_error(arg.request_id, exc)
         elif kind == "abort":
             out = engine.abort_request(arg)
+            held = next((p for p in self._held if p.request_id == arg), None)
+            if held is not None:
+                self._held.remove(held)
+                out = _aborted_before_start(held)
             if out is not None:
                 self._deliver(out)
+        elif kind == "update":
+            path, abort_running, reply = arg
+            if self._update is not None:
+                reply.fail(InvalidRequestError("a weight update is already under way", param="model_path"))
+                return
+            self._update = (path, reply)
+            if abort_running:
+                for rid in list(engine.requests):
+                    self._handle(("abort", rid))
+        elif kind == "reset_prefix_cache":
+            arg.ok(engine.reset_prefix_cache())
+
+    def _apply_update(self) -> None:
+        """Runs once no request is in flight: load, then start the requests held meanwhile."""
+        path, reply = self._update  # type: ignore[misc]
+        try:
+            self._engine.update_weights(path)
+        except Exception as exc:
+            logger.error("weight update from %s failed: %s", path, exc)
+            reply.fail(exc)
+        else:
+            logger.info("loaded new weights from %s", path)
+            reply.ok(None)
+        finally:
+            self._update = None
+            held, self._held = self._held, []
+            for prep in held:
+                self._handle(("add", prep))
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -225,6 +322,9 @@ class AsyncLLM:
         engine = self._engine
         for rid in list(engine.requests):
             engine.abort_request(rid)
+        if self._update is not None:
+            self._update[1].fail(exc)
+            self._update, self._held = None, []
         with self._lock:
             sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():

@@ -117,6 +117,19 @@ class BlockManager:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += seq.num_computed_tokens
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (after a weight update their KV and rows are stale).
+
+        Blocks in use stay with their sequences; a running sequence keeps chaining its own
+        later blocks, but no new prompt can reach them, since a hit walks from the first
+        block and none is registered any more. Returns how many blocks were forgotten.
+        """
+        forgotten = len(self._hash_to_block)
+        self._hash_to_block.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids, block.parent = None, (), None
+        return forgotten
+
     # -- allocation ---------------------------------------------------------------------
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= len(self._free)

@@ -71,6 +71,15 @@ class LLM:
     def routed_experts_info(self) -> dict | None:
         return self.engine.routed_experts_info
 
+    def update_weights(self, path: str) -> None:
+        """Load new weights of the same architecture from a checkpoint directory and empty the
+        prefix cache (an RL policy update); a ConfigError leaves the weights unchanged."""
+        self.engine.update_weights(path)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were forgotten."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 

@@ -269,6 +269,28 @@ class LLMEngine:
         self._stop_unfinished(req, "abort")
         return self._output(req)
 
+    def update_weights(self, path: str) -> None:
+        """Load new weights of the same architecture (an RL policy update) and forget the prefix cache.
+
+        Only between requests: KV and routed-experts rows computed with the old weights must not
+        mix with new ones in one sequence, so requests in flight are an error (finish or abort
+        them first; AsyncLLM.update_weights waits for them). A ConfigError leaves the weights as
+        they were.
+        """
+        from r3srv.models.loader import load_weights_from_dir
+
+        if self.requests:
+            raise InvalidRequestError(
+                f"cannot update weights with {len(self.requests)} requests in flight: let them finish or abort them",
+                param="model_path",
+            )
+        load_weights_from_dir(self.model, path)
+        self.block_manager.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were forgotten."""
+        return self.block_manager.reset_prefix_cache()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from r3srv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtyp
 from r3srv.models.model import MoeForCausalLM
 from r3srv.tokenizer import Tokenizer
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "load_model", "resolve_dtype", "safetensors_files"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "load_model", "load_weights_from_dir", "resolve_dtype", "safetensors_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,39 @@ def load_model(
     return model, tokenizer
 
 
-@torch.no_grad()
+# ModelConfig fields two checkpoints may differ in and still swap weights (an RL policy update).
+_UPDATE_MAY_CHANGE = frozenset({"name", "torch_dtype", "raw", "eos_token_ids", "bos_token_id"})
+
+
+def load_weights_from_dir(model: MoeForCausalLM, path: str | os.PathLike) -> None:
+    """Overwrite `model`'s weights with those of a checkpoint of the same architecture.
+
+    The checkpoint's config.json must describe the served model (same shapes, same routing:
+    experts, top_k, MoE layers, scoring); it and every shard header are checked before any
+    weight is copied, so a ConfigError leaves the model as it was. Weights are cast to the
+    served dtype.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{str(path)!r} is not a checkpoint directory with a config.json")
+    new, served = ModelConfig.from_dir(path), model.config
+    changed = [
+        f"{f.name}={getattr(new, f.name)!r} (served: {getattr(served, f.name)!r})"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in _UPDATE_MAY_CHANGE and getattr(new, f.name) != getattr(served, f.name)
+    ]
+    if changed:
+        raise ConfigError(f"{path} is not the served model's architecture: {'; '.join(changed[:6])}")
+    _load_weights(model, safetensors_files(path))
+
+
 def _load_weights(model: MoeForCausalLM, files: list[Path]) -> None:
+    _copy_weights(model, _plan_weights(model, files))
+
+
+def _plan_weights(model: MoeForCausalLM, files: list[Path]) -> list[tuple[Path, list[str]]]:
+    """Which tensors of which shard fill the model, checked from the shard headers alone:
+    every shape matches and every parameter is filled, before a single weight is copied."""
     targets = model.weight_targets()
     # elements filled per parameter, to report anything the checkpoint left empty
     filled: dict[str, int] = {}
@@ -107,26 +139,38 @@ def _load_weights(model: MoeForCausalLM, files: list[Path]) -> None:
     # a target is a view of one parameter: they share its storage
     owners = {name: by_storage[t.untyped_storage().data_ptr()] for name, t in targets.items()}
     unexpected: list[str] = []
-    for file in tqdm(files, desc="Loading safetensors shards", unit="shard"):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                target = targets.get(name)
-                if target is None:
-                    if not name.endswith(_IGNORED_SUFFIXES) and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
-                        unexpected.append(name)
-                    continue
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ConfigError(
-                        f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, "
-                        f"the config implies {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-                owner = owners[name]
-                filled[owner] = filled.get(owner, 0) + tensor.numel()
+    plan: list[tuple[Path, list[str]]] = []
+    for file in files:
+        used: list[str] = []
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        except Exception as exc:  # safetensors raises its own error types for a corrupt header
+            raise ConfigError(f"cannot read {file}: {exc}") from exc
+        for name, shape in shapes.items():
+            target = targets.get(name)
+            if target is None:
+                if not name.endswith(_IGNORED_SUFFIXES) and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                    unexpected.append(name)
+                continue
+            if shape != tuple(target.shape):
+                raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies {tuple(target.shape)}")
+            owner = owners[name]
+            filled[owner] = filled.get(owner, 0) + target.numel()
+            used.append(name)
+        plan.append((file, used))
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:5])
     missing = [name for name, p in named.items() if filled.get(name, 0) != p.numel()]
     if missing:
         raise ConfigError(f"the checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:8]}")
+    return plan
 
+
+@torch.no_grad()
+def _copy_weights(model: MoeForCausalLM, plan: list[tuple[Path, list[str]]]) -> None:
+    targets = model.weight_targets()
+    for file, names in tqdm(plan, desc="Loading safetensors shards", unit="shard"):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in names:
+                targets[name].copy_(f.get_tensor(name))

@@ -36,9 +36,18 @@ class _Request(Request):
 
 
 def create_app(
-    engine: Any, *, served_model_name: str, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    engine: Any,
+    *,
+    served_model_name: str,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    enable_weight_updates: bool = False,
 ) -> Litestar:
-    state = ServerState(engine=engine, model_name=served_model_name, metrics=ServerMetrics(engine.stats))
+    state = ServerState(
+        engine=engine,
+        model_name=served_model_name,
+        metrics=ServerMetrics(engine.stats),
+        enable_weight_updates=enable_weight_updates,
+    )
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

@@ -44,6 +44,13 @@ class ModelNotFoundError(R3srvError):
         self.param = "model"
 
 
+class EndpointDisabledError(R3srvError):
+    """An endpoint that this server was started without (HTTP 404)."""
+
+    def __init__(self, path: str, flag: str) -> None:
+        super().__init__(f"{path} is disabled: start the server with {flag} to allow it")
+
+
 def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
     error_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
@@ -84,8 +91,8 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
         if status == 405:
             message = f"Method {request.method} not allowed on {request.url.path}"
         return error_response(status, message)
-    if isinstance(exc, ModelNotFoundError):
-        return error_response(404, str(exc), exc.param)
+    if isinstance(exc, (ModelNotFoundError, EndpointDisabledError)):
+        return error_response(404, str(exc), getattr(exc, "param", None))
     if isinstance(exc, (InvalidRequestError, msgspec.ValidationError)):
         return error_response(400, str(exc), getattr(exc, "param", None))
     if isinstance(exc, R3srvError):  # e.g. the engine is shut down or its thread died

@@ -41,6 +41,7 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     live: set[Generation] = field(default_factory=set)  # requests in flight, for abort_all
+    enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
 
     async def abort_all(self) -> None:
         """On shutdown: end every request in flight (finish_reason "abort"), so streams close promptly."""

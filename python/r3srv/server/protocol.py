@@ -423,6 +423,24 @@ class AbortRequestsRequest(Struct, kw_only=True):
     request_ids: list[str]
 
 
+# ---------------------------------------------------------------- RL weight updates (SGLang's names)
+
+
+class UpdateWeightsFromDiskRequest(Struct, kw_only=True):
+    model_path: str  # a checkpoint directory of the served architecture, on the server's file system
+    abort_all_requests: bool = False  # False: requests in flight finish on the old weights first
+
+
+class UpdateWeightsResponse(Struct, kw_only=True):
+    success: bool
+    message: str
+
+
+class ResetPrefixCacheResponse(Struct, kw_only=True):
+    success: bool
+    num_blocks_forgotten: int
+
+
 # ---------------------------------------------------------------- tokenizer, models, version
 
 

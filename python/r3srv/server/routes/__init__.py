@@ -3,6 +3,7 @@
 from r3srv.server.routes.inference import abort_requests, generate
 from r3srv.server.routes.info import detokenize, health, list_models, metrics, tokenize, version
 from r3srv.server.routes.openai import chat_completions, completions
+from r3srv.server.routes.weights import reset_prefix_cache, update_weights_from_disk
 
 ROUTE_HANDLERS = [
     completions,
@@ -15,4 +16,6 @@ ROUTE_HANDLERS = [
     tokenize,
     detokenize,
     metrics,
+    update_weights_from_disk,
+    reset_prefix_cache,
 ]

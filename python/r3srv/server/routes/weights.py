@@ -1,0 +1,47 @@
+"""RL trainer endpoints: POST /update_weights_from_disk and POST /reset_prefix_cache.
+
+Off unless the server starts with --enable-weight-updates: the first reads any directory the
+server can, and both change what every later request gets. Names follow SGLang's
+/update_weights_from_disk and vLLM's /reset_prefix_cache, which RL frameworks already call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from litestar import Request, post
+
+from r3srv.errors import ConfigError, InvalidRequestError
+from r3srv.server import protocol as p
+from r3srv.server.errors import EndpointDisabledError
+from r3srv.server.generation import ServerState
+from r3srv.server.routes.common import server_state
+
+
+def _weights_state(request: Request[Any, Any, Any]) -> ServerState:
+    state = server_state(request)
+    if not state.enable_weight_updates:
+        raise EndpointDisabledError(request.url.path, "--enable-weight-updates")
+    return state
+
+
+@post("/update_weights_from_disk", status_code=200, summary="Load new weights of the served architecture")
+async def update_weights_from_disk(
+    data: p.UpdateWeightsFromDiskRequest, request: Request[Any, Any, Any]
+) -> p.UpdateWeightsResponse:
+    state = _weights_state(request)
+    start = time.perf_counter()
+    try:
+        await state.engine.update_weights(data.model_path, abort_running=data.abort_all_requests)
+    except ConfigError as exc:  # the checkpoint, not the server: the client's to fix
+        raise InvalidRequestError(f"cannot load {data.model_path!r}: {exc}", param="model_path") from exc
+    return p.UpdateWeightsResponse(
+        success=True, message=f"loaded {data.model_path} in {time.perf_counter() - start:.2f} s; prefix cache emptied"
+    )
+
+
+@post("/reset_prefix_cache", status_code=200, summary="Forget every cached prompt prefix")
+async def reset_prefix_cache(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
+    state = _weights_state(request)
+    return p.ResetPrefixCacheResponse(success=True, num_blocks_forgotten=await state.engine.reset_prefix_cache())

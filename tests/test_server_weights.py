@@ -1,0 +1,93 @@
+"""POST /update_weights_from_disk and /reset_prefix_cache on a real server (--enable-weight-updates)."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from server_fixture import TEST_SERVER_ARGS, RemoteServer
+from tiny_checkpoints import write_tiny_checkpoint
+
+from engine_testing import GREEDY, prompt_ids
+from r3srv import LLM, SamplingParams
+from r3srv.serial import decode_routed_experts
+
+ENGINE = dict(num_kv_blocks=256, max_num_seqs=16, enable_return_routed_experts=True)
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served-policies")
+    return (
+        write_tiny_checkpoint(root / "v0", "qwen3_moe", seed=0),
+        write_tiny_checkpoint(root / "v1", "qwen3_moe", seed=1),
+        write_tiny_checkpoint(root / "wide", "qwen3_moe", seed=1, num_experts=16),
+    )
+
+
+@pytest.fixture(scope="module")
+def server(policies):
+    with RemoteServer(str(policies[0]), "--enable-weight-updates", "--enable-return-routed-experts", *TEST_SERVER_ARGS) as srv:
+        yield srv
+    assert srv.returncode == 0, srv.log
+
+
+def served(server, prompt: list[int]):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    r = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=8, temperature=0.0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    choice = r.choices[0]
+    return choice.token_ids, decode_routed_experts(choice.routed_experts)
+
+
+def offline(path, prompt: list[int]):
+    out = LLM(str(path), **ENGINE).generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].outputs[0]
+    return out.token_ids, out.routed_experts
+
+
+def post(server, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(server.url + path, json=body or {}, timeout=120)
+
+
+def test_update_weights_from_disk_then_serve_the_new_policy(server, policies):
+    v0, v1, _ = policies
+    first, second = prompt_ids(20, base=1), prompt_ids(20, base=2)
+    ids, rows = served(server, first)
+    want_ids, want_rows = offline(v0, first)
+    assert ids == want_ids and np.array_equal(rows, want_rows)
+
+    r = post(server, "/update_weights_from_disk", {"model_path": str(v1)})
+    assert r.status_code == 200, r.text
+    assert r.json()["success"] is True and str(v1) in r.json()["message"]
+
+    ids, rows = served(server, second)
+    want_ids, want_rows = offline(v1, second)
+    assert ids == want_ids and np.array_equal(rows, want_rows)
+
+
+@pytest.mark.parametrize("which", ["wide", "missing"])
+def test_a_bad_checkpoint_is_a_400_naming_model_path(server, policies, tmp_path, which):
+    path = policies[2] if which == "wide" else tmp_path / "nowhere"
+    r = post(server, "/update_weights_from_disk", {"model_path": str(path)})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "model_path" and str(path) in error["message"]
+    if which == "wide":
+        assert "num_experts=16 (served: 8)" in error["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_reset_prefix_cache(server):
+    prompt = prompt_ids(40, base=3)
+    served(server, prompt)
+    r = post(server, "/reset_prefix_cache")
+    assert r.status_code == 200 and r.json()["success"] is True and r.json()["num_blocks_forgotten"] >= 2
+    assert post(server, "/reset_prefix_cache").json()["num_blocks_forgotten"] == 0
+
+
+def test_malformed_body_is_a_400(server):
+    r = post(server, "/update_weights_from_disk", {"path": "x"})
+    assert r.status_code == 400 and "model_path" in r.json()["error"]["message"]

@@ -1,0 +1,166 @@
+"""RL policy updates: new weights from a checkpoint directory, prefix cache emptied, requests in
+flight finish on the weights they started with (or are aborted), bad checkpoints change nothing."""
+
+import asyncio
+import shutil
+import time
+
+import numpy as np
+import pytest
+from tiny_checkpoints import write_tiny_checkpoint
+
+from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from r3srv import LLM, SamplingParams
+from r3srv.engine.async_llm import AsyncLLM
+from r3srv.errors import ConfigError, InvalidRequestError
+
+ENGINE = dict(max_model_len=128, num_kv_blocks=64, enable_return_routed_experts=True)
+PARAMS = SamplingParams(max_tokens=12, return_routed_experts=True, **GREEDY)
+PROMPT = prompt_ids(40, base=2)  # two full blocks of 16: cacheable
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory):
+    """Two checkpoints of one architecture with different weights, and one of another shape."""
+    root = tmp_path_factory.mktemp("policies")
+    v0 = write_tiny_checkpoint(root / "v0", "qwen3_moe", seed=0)
+    v1 = write_tiny_checkpoint(root / "v1", "qwen3_moe", seed=1)
+    other = write_tiny_checkpoint(root / "other", "qwen3_moe", seed=1, top_k=3)
+    return v0, v1, other
+
+
+@pytest.fixture(scope="module")
+def fresh_v1(policies):
+    """What a server started on v1 answers."""
+    return LLM(str(policies[1]), **ENGINE).generate([PROMPT], PARAMS)[0].outputs[0]
+
+
+def slowed(engine: AsyncLLM) -> AsyncLLM:
+    """5 ms more per step: a request stays running while an update and other requests arrive,
+    however fast the machine."""
+    step = engine._engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    engine._engine.step = slow_step
+    return engine
+
+
+def same(a, b) -> bool:
+    return a.token_ids == b.token_ids and np.array_equal(a.routed_experts, b.routed_experts)
+
+
+def test_update_serves_the_new_policy_and_empties_the_prefix_cache(policies, fresh_v1):
+    v0, v1, _ = policies
+    llm = LLM(str(v0), **ENGINE)
+    before = llm.generate([PROMPT], PARAMS)[0]
+    assert not same(before.outputs[0], fresh_v1)  # the two policies differ
+    assert llm.generate([PROMPT], PARAMS)[0].num_cached_tokens == 32  # the prompt's blocks are cached
+    llm.update_weights(str(v1))
+    after = llm.generate([PROMPT], PARAMS)[0]
+    assert after.num_cached_tokens == 0  # stale KV and rows are not reused
+    assert same(after.outputs[0], fresh_v1)
+    assert llm.generate([PROMPT], PARAMS)[0].num_cached_tokens == 32  # caching resumes on the new weights
+
+
+@pytest.mark.parametrize("break_it", ["other architecture", "missing shard", "not a checkpoint", "truncated header"])
+def test_a_bad_checkpoint_raises_and_changes_nothing(policies, tmp_path, break_it):
+    v0, v1, other = policies
+    llm = LLM(str(v0), **ENGINE)
+    before = llm.generate([PROMPT], PARAMS)[0].outputs[0]
+    bad = tmp_path / "bad"
+    if break_it == "other architecture":
+        bad = other
+    elif break_it == "missing shard":
+        shutil.copytree(v1, bad)
+        for shard in bad.glob("*.safetensors"):
+            shard.unlink()
+    elif break_it == "truncated header":
+        shutil.copytree(v1, bad)
+        shard = next(bad.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        bad.mkdir()
+    with pytest.raises(ConfigError) as err:
+        llm.update_weights(str(bad))
+    if break_it == "other architecture":
+        assert "top_k=3 (served: 2)" in str(err.value)
+    again = llm.generate([PROMPT], PARAMS)[0]
+    assert same(again.outputs[0], before) and again.num_cached_tokens == 32  # weights and cache untouched
+
+
+def test_the_sync_engine_refuses_to_update_under_running_requests(policies):
+    llm = LLM(str(policies[0]), **ENGINE)
+    llm.engine.add_request("r", PROMPT, PARAMS)
+    with pytest.raises(InvalidRequestError, match="1 requests in flight"):
+        llm.update_weights(str(policies[1]))
+
+
+def test_reset_prefix_cache(policies):
+    llm = LLM(str(policies[0]), **ENGINE)
+    llm.generate([PROMPT], PARAMS)
+    assert llm.reset_prefix_cache() == 3  # the prompt's two blocks and one of the output
+    assert llm.generate([PROMPT], PARAMS)[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("abort_running", [False, True])
+def test_async_update_drains_or_aborts_running_requests_and_holds_new_ones(policies, fresh_v1, abort_running):
+    v0, v1, _ = policies
+    on_v0 = LLM(str(v0), **ENGINE).generate([PROMPT], SamplingParams(max_tokens=60, return_routed_experts=True, **GREEDY))[0]
+    engine = slowed(AsyncLLM(str(v0), **ENGINE))
+
+    async def main():
+        async def run(rid, params):
+            return [o async for o in engine.generate(PROMPT, params, rid)][-1]
+
+        running = asyncio.create_task(run("old", SamplingParams(max_tokens=60, return_routed_experts=True, **GREEDY)))
+        while engine.stats().num_running == 0:
+            await asyncio.sleep(0.001)
+        update = asyncio.create_task(engine.update_weights(str(v1), abort_running=abort_running))
+        await asyncio.sleep(0.02)
+        held = asyncio.create_task(run("new", PARAMS))  # arrives while the update waits
+        await asyncio.sleep(0.02)
+        if not abort_running:  # still waiting for "old" to finish
+            assert not update.done()
+            with pytest.raises(InvalidRequestError, match="already under way"):
+                await engine.update_weights(str(v1))
+        results = await asyncio.gather(running, update, held)
+        return results[0], results[2]
+
+    try:
+        old, new = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    if abort_running:
+        assert old.outputs[0].finish_reason == "abort"
+    else:  # finished on the weights it started with: no mixed policy in its rows
+        assert old.outputs[0].finish_reason == "length" and same(old.outputs[0], on_v0.outputs[0])
+    assert same(new.outputs[0], fresh_v1) and new.num_cached_tokens == 0
+
+
+def test_a_request_aborted_while_it_waits_for_an_update_ends_cleanly(policies):
+    v0, v1, _ = policies
+    engine = slowed(AsyncLLM(str(v0), **ENGINE))
+
+    async def main():
+        async def run(rid, params):
+            return [o async for o in engine.generate(PROMPT, params, rid)][-1]
+
+        running = asyncio.create_task(run("old", SamplingParams(max_tokens=60, **GREEDY)))
+        while engine.stats().num_running == 0:
+            await asyncio.sleep(0.001)
+        update = asyncio.create_task(engine.update_weights(str(v1)))
+        await asyncio.sleep(0.02)
+        held = asyncio.create_task(run("held", PARAMS))
+        await asyncio.sleep(0.02)
+        assert await engine.abort("held")
+        return await held, await running, await update
+
+    try:
+        held, running, _ = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert held.finished and held.outputs[0].finish_reason == "abort" and held.outputs[0].token_ids == []
+    assert running.outputs[0].finish_reason == "length"
