@@ -33,14 +33,25 @@ def server(policies):
     assert srv.returncode == 0, srv.log
 
 
-def served(server, prompt: list[int]):
+def served(server, prompt: list[int], stream: bool = False):
+    """(token ids, routed experts, weight_version) of a greedy completion."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    r = client.completions.create(
+    kwargs = dict(
         model=client.models.list().data[0].id, prompt=prompt, max_tokens=8, temperature=0.0,
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
-    choice = r.choices[0]
-    return choice.token_ids, decode_routed_experts(choice.routed_experts)
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+        assert all("weight_version" not in c.model_extra for c in chunks[:-1])  # only the final chunk names it
+        final = chunks[-1]
+        ids = [t for c in chunks for t in c.token_ids]
+        return ids, decode_routed_experts(final.routed_experts), final.weight_version
+    choice = client.completions.create(**kwargs).choices[0]
+    return choice.token_ids, decode_routed_experts(choice.routed_experts), choice.weight_version
+
+
+def model_card(server) -> dict:
+    return httpx.get(server.url + "/v1/models").json()["data"][0]
 
 
 def offline(path, prompt: list[int]):
@@ -54,18 +65,21 @@ def post(server, path: str, body: dict | None = None) -> httpx.Response:
 
 def test_update_weights_from_disk_then_serve_the_new_policy(server, policies):
     v0, v1, _ = policies
-    first, second = prompt_ids(20, base=1), prompt_ids(20, base=2)
-    ids, rows = served(server, first)
+    first, second, third = prompt_ids(20, base=1), prompt_ids(20, base=2), prompt_ids(20, base=5)
+    assert model_card(server)["weight_version"] == "0"  # --weight-version's default
+    ids, rows, version = served(server, first)
     want_ids, want_rows = offline(v0, first)
-    assert ids == want_ids and np.array_equal(rows, want_rows)
+    assert ids == want_ids and np.array_equal(rows, want_rows) and version == "0"
 
-    r = post(server, "/update_weights_from_disk", {"model_path": str(v1)})
+    r = post(server, "/update_weights_from_disk", {"model_path": str(v1), "weight_version": "step-1"})
     assert r.status_code == 200, r.text
-    assert r.json()["success"] is True and str(v1) in r.json()["message"]
+    assert r.json()["success"] is True and str(v1) in r.json()["message"] and r.json()["weight_version"] == "step-1"
+    assert model_card(server)["weight_version"] == "step-1"
 
-    ids, rows = served(server, second)
-    want_ids, want_rows = offline(v1, second)
-    assert ids == want_ids and np.array_equal(rows, want_rows)
+    for prompt, stream in ((second, False), (third, True)):
+        ids, rows, version = served(server, prompt, stream)
+        want_ids, want_rows = offline(v1, prompt)
+        assert ids == want_ids and np.array_equal(rows, want_rows) and version == "step-1"
 
 
 @pytest.mark.parametrize("which", ["wide", "missing"])

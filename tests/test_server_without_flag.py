@@ -23,12 +23,13 @@ def client(server):
 def test_models_has_no_routed_experts_layout(server):
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["id"] == "plain"  # --served-model-name
-    assert "routed_experts" not in card
+    assert "routed_experts" not in card and "weight_version" not in card
 
 
 def test_default_response_has_no_routed_experts(client):
     r = client.completions.create(model="plain", prompt="hello", max_tokens=2, extra_body={"return_token_ids": True})
     assert r.choices[0].routed_experts is None
+    assert "weight_version" not in r.choices[0].model_extra  # weights never change on this server
     assert len(r.choices[0].token_ids) == 2
 
 

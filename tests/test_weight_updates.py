@@ -60,6 +60,7 @@ def test_update_serves_the_new_policy_and_empties_the_prefix_cache(policies, fre
     assert llm.generate([PROMPT], PARAMS)[0].num_cached_tokens == 32  # the prompt's blocks are cached
     llm.update_weights(str(v1))
     after = llm.generate([PROMPT], PARAMS)[0]
+    assert (before.weight_version, after.weight_version) == ("0", str(v1))  # default: the path
     assert after.num_cached_tokens == 0  # stale KV and rows are not reused
     assert same(after.outputs[0], fresh_v1)
     assert llm.generate([PROMPT], PARAMS)[0].num_cached_tokens == 32  # caching resumes on the new weights
@@ -118,7 +119,7 @@ def test_async_update_drains_or_aborts_running_requests_and_holds_new_ones(polic
         running = asyncio.create_task(run("old", SamplingParams(max_tokens=60, return_routed_experts=True, **GREEDY)))
         while engine.stats().num_running == 0:
             await asyncio.sleep(0.001)
-        update = asyncio.create_task(engine.update_weights(str(v1), abort_running=abort_running))
+        update = asyncio.create_task(engine.update_weights(str(v1), abort_running=abort_running, weight_version="v1"))
         await asyncio.sleep(0.02)
         held = asyncio.create_task(run("new", PARAMS))  # arrives while the update waits
         await asyncio.sleep(0.02)
@@ -138,6 +139,7 @@ def test_async_update_drains_or_aborts_running_requests_and_holds_new_ones(polic
     else:  # finished on the weights it started with: no mixed policy in its rows
         assert old.outputs[0].finish_reason == "length" and same(old.outputs[0], on_v0.outputs[0])
     assert same(new.outputs[0], fresh_v1) and new.num_cached_tokens == 0
+    assert (old.weight_version, new.weight_version) == ("0", "v1")  # each names the weights it ran on
 
 
 def test_a_request_aborted_while_it_waits_for_an_update_ends_cleanly(policies):

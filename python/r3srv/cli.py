@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow POST /update_weights_from_disk and /reset_prefix_cache (RL trainers; off by default: "
         "the first loads any checkpoint directory the server can read)",
     )
+    serve.add_argument(
+        "--weight-version", default="0", help="name of the served weights in responses (default: %(default)s)"
+    )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -84,6 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         seed=args.seed,
+        weight_version=args.weight_version,
         pipeline_parallel_size=args.pipeline_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,
         prefill_context_parallel_size=args.prefill_context_parallel_size,

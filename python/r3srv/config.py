@@ -58,6 +58,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None
     max_num_batched_tokens: int = 2048
     seed: int = 0
+    weight_version: str = "0"  # names the weights in outputs until an update names new ones
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:

@@ -84,9 +84,9 @@ class AsyncLLM:
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
-        # A weight update waiting for the requests in flight to finish: (path, reply). Requests
+        # A weight update waiting for the requests in flight to finish: (path, version, reply). Requests
         # added meanwhile are held, and start after it, on the new weights.
-        self._update: tuple[str, _Reply] | None = None
+        self._update: tuple[str, str | None, _Reply] | None = None
         self._held: list[PreparedRequest] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
@@ -112,6 +112,11 @@ class AsyncLLM:
     @property
     def routed_experts_info(self) -> dict | None:
         return self._engine.routed_experts_info
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights requests admitted from now on run on."""
+        return self._engine.weight_version
 
     @property
     def is_running(self) -> bool:
@@ -177,18 +182,19 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(("abort", prepared.request_id))
 
-    async def update_weights(self, path: str, *, abort_running: bool = False) -> None:
+    async def update_weights(self, path: str, *, abort_running: bool = False, weight_version: str | None = None) -> None:
         """Load new weights of the same architecture from a checkpoint directory (an RL policy update).
 
         Requests in flight finish on the old weights first (abort_running=True aborts them
         instead), so no sequence mixes two policies in its KV or its routed experts; requests
         that arrive meanwhile wait and run on the new weights. The prefix cache is emptied.
         Raises ConfigError (weights unchanged) for a checkpoint that is not this model's
-        architecture, InvalidRequestError if another update is under way.
+        architecture, InvalidRequestError if another update is under way. Outputs of requests
+        that start later carry `weight_version` (default: `path`).
         """
         self._check_alive()
         reply = _Reply(asyncio.get_running_loop())
-        self._commands.put(("update", (str(path), abort_running, reply)))
+        self._commands.put(("update", (str(path), weight_version, abort_running, reply)))
         await reply.future
 
     async def reset_prefix_cache(self) -> int:
@@ -278,11 +284,11 @@ class AsyncLLM:
             if out is not None:
                 self._deliver(out)
         elif kind == "update":
-            path, abort_running, reply = arg
+            path, version, abort_running, reply = arg
             if self._update is not None:
                 reply.fail(InvalidRequestError("a weight update is already under way", param="model_path"))
                 return
-            self._update = (path, reply)
+            self._update = (path, version, reply)
             if abort_running:
                 for rid in list(engine.requests):
                     self._handle(("abort", rid))
@@ -291,9 +297,9 @@ class AsyncLLM:
 
     def _apply_update(self) -> None:
         """Runs once no request is in flight: load, then start the requests held meanwhile."""
-        path, reply = self._update  # type: ignore[misc]
+        path, version, reply = self._update  # type: ignore[misc]
         try:
-            self._engine.update_weights(path)
+            self._engine.update_weights(path, version)
         except Exception as exc:
             logger.error("weight update from %s failed: %s", path, exc)
             reply.fail(exc)
@@ -323,7 +329,7 @@ class AsyncLLM:
         for rid in list(engine.requests):
             engine.abort_request(rid)
         if self._update is not None:
-            self._update[1].fail(exc)
+            self._update[2].fail(exc)
             self._update, self._held = None, []
         with self._lock:
             sinks, self._sinks = self._sinks, {}

@@ -71,10 +71,11 @@ class LLM:
     def routed_experts_info(self) -> dict | None:
         return self.engine.routed_experts_info
 
-    def update_weights(self, path: str) -> None:
+    def update_weights(self, path: str, weight_version: str | None = None) -> None:
         """Load new weights of the same architecture from a checkpoint directory and empty the
-        prefix cache (an RL policy update); a ConfigError leaves the weights unchanged."""
-        self.engine.update_weights(path)
+        prefix cache (an RL policy update); a ConfigError leaves the weights unchanged. Later
+        outputs carry `weight_version` (default: `path`)."""
+        self.engine.update_weights(path, weight_version)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""

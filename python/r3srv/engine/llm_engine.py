@@ -65,6 +65,7 @@ class Request:
     prepared: PreparedRequest
     seqs: list[Sequence]
     deferred: list[Sequence] = field(default_factory=list)  # n > 1 samples waiting for sample 0's prompt
+    weight_version: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -118,6 +119,7 @@ class LLMEngine:
             eos.append(tok_eos)
         self.eos_token_ids = eos
         self._seed_rng = random.Random(config.seed)
+        self.weight_version = config.weight_version
         self.requests: dict[str, Request] = {}
 
     @classmethod
@@ -238,7 +240,7 @@ class LLMEngine:
         seqs = [Sequence(prep.request_id, i, prep.prompt_token_ids, p, prep.max_tokens, self._generator(p, i)) for i in range(p.n)]
         for seq in seqs:
             seq.detok = IncrementalDetokenizer(self.tokenizer, prep.prompt_token_ids, p.skip_special_tokens)
-        req = Request(prep, seqs)
+        req = Request(prep, seqs, weight_version=self.weight_version)
         self.requests[prep.request_id] = req
         self.scheduler.add(seqs[0])
         # With prefix caching, samples 1..n-1 wait until sample 0 has computed the prompt,
@@ -269,13 +271,13 @@ class LLMEngine:
         self._stop_unfinished(req, "abort")
         return self._output(req)
 
-    def update_weights(self, path: str) -> None:
+    def update_weights(self, path: str, weight_version: str | None = None) -> None:
         """Load new weights of the same architecture (an RL policy update) and forget the prefix cache.
 
         Only between requests: KV and routed-experts rows computed with the old weights must not
         mix with new ones in one sequence, so requests in flight are an error (finish or abort
         them first; AsyncLLM.update_weights waits for them). A ConfigError leaves the weights as
-        they were.
+        they were. `weight_version` names the new weights in every later output (default: `path`).
         """
         from r3srv.models.loader import load_weights_from_dir
 
@@ -286,6 +288,7 @@ class LLMEngine:
             )
         load_weights_from_dir(self.model, path)
         self.block_manager.reset_prefix_cache()
+        self.weight_version = str(path) if weight_version is None else weight_version
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
@@ -449,6 +452,7 @@ class LLMEngine:
             outputs=outs,
             finished=req.finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
+            weight_version=req.weight_version,
             metrics=metrics,
         )
 

@@ -18,6 +18,7 @@ from typing import Any, TypeVar, cast
 import anyio
 import msgspec
 import numpy as np
+from msgspec import UNSET, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
@@ -51,6 +52,12 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
             raise ModelNotFoundError(model)
+
+    def weight_version(self, output: RequestOutput) -> str | UnsetType:
+        """What a choice says of the weights that produced it: only where weights can change."""
+        if not self.enable_weight_updates or output.weight_version is None:
+            return UNSET
+        return output.weight_version
 
     def tokenizer(self) -> Any:
         """The engine's tokenizer; a 400 for text APIs when the checkpoint has none."""

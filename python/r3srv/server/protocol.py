@@ -198,6 +198,8 @@ class CompletionResponseChoice(Struct, kw_only=True):
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
     routed_experts: str | None = None
+    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_version: str | UnsetType = UNSET
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -219,6 +221,7 @@ class CompletionResponseStreamChoice(Struct, kw_only=True):
     token_ids: list[int] | UnsetType = UNSET
     # Only on the final chunk of a choice (the one with finish_reason).
     routed_experts: str | None | UnsetType = UNSET
+    weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
 class CompletionStreamResponse(Struct, kw_only=True):
@@ -311,6 +314,8 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
     routed_experts: str | None = None
+    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_version: str | UnsetType = UNSET
 
 
 class ChatCompletionResponse(Struct, kw_only=True):
@@ -331,6 +336,7 @@ class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
     routed_experts: str | None | UnsetType = UNSET
+    weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
 class ChatCompletionStreamResponse(Struct, kw_only=True):
@@ -388,6 +394,8 @@ class GenerateChoice(Struct, kw_only=True):
     token_ids: list[int]
     logprobs: GenerateLogProbs | None = None
     routed_experts: str | None = None
+    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_version: str | UnsetType = UNSET
     text: str | UnsetType = UNSET  # output_mode="text" only
 
 
@@ -408,6 +416,7 @@ class GenerateStreamChoice(Struct, kw_only=True):
     token_ids: list[int]  # the delta since the previous chunk of this choice
     logprobs: GenerateLogProbs | None = None
     routed_experts: str | None | UnsetType = UNSET
+    weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     text: str | UnsetType = UNSET
 
 
@@ -429,11 +438,13 @@ class AbortRequestsRequest(Struct, kw_only=True):
 class UpdateWeightsFromDiskRequest(Struct, kw_only=True):
     model_path: str  # a checkpoint directory of the served architecture, on the server's file system
     abort_all_requests: bool = False  # False: requests in flight finish on the old weights first
+    weight_version: str | None = None  # names the new weights in later choices; default: model_path
 
 
 class UpdateWeightsResponse(Struct, kw_only=True):
     success: bool
     message: str
+    weight_version: str
 
 
 class ResetPrefixCacheResponse(Struct, kw_only=True):
@@ -494,6 +505,8 @@ class ModelCard(Struct, kw_only=True):
     max_model_len: int | None = None
     # Present when the server returns routed experts (--enable-return-routed-experts).
     routed_experts: RoutedExpertsInfo | UnsetType = UNSET
+    # Present with --enable-weight-updates: the weights new requests run on.
+    weight_version: str | UnsetType = UNSET
 
 
 class ModelList(Struct, kw_only=True):

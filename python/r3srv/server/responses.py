@@ -106,6 +106,7 @@ async def completion_response(
                     prompt_token_ids=list(out.prompt_token_ids) if with_ids else UNSET,
                     token_ids=list(c.token_ids) if with_ids else UNSET,
                     routed_experts=await state.encode_experts(c.routed_experts),
+                    weight_version=state.weight_version(out),
                 )
             )
     return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage_of(finals))
@@ -125,6 +126,7 @@ async def chat_response(
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if with_ids else UNSET,
             routed_experts=await state.encode_experts(c.routed_experts),
+            weight_version=state.weight_version(final),
         )
         for c in final.outputs
     ]
@@ -149,6 +151,7 @@ async def generate_response(
             token_ids=list(c.token_ids),
             logprobs=generate_logprobs(c.token_ids, c.logprobs) if c.logprobs is not None else None,
             routed_experts=await state.encode_experts(c.routed_experts),
+            weight_version=state.weight_version(final),
             text=c.text if text_mode else UNSET,
         )
         for c in final.outputs

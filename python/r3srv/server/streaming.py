@@ -165,6 +165,7 @@ async def completion_stream(
                 prompt_token_ids=list(out.prompt_token_ids) if with_ids and d.first else UNSET,
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                weight_version=state.weight_version(out) if d.final else UNSET,
             )
             yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[choice]))
         if out.finished:
@@ -218,6 +219,7 @@ async def chat_stream(
                 stop_reason=c.stop_reason,
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                weight_version=state.weight_version(out) if d.final else UNSET,
             )
             yield chunk(choice, prompt_ids)
         if out.finished:
@@ -250,6 +252,7 @@ async def generate_stream(
                 token_ids=d.token_ids,
                 logprobs=generate_logprobs(d.token_ids, d.logprobs) if d.logprobs is not None else None,
                 routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                weight_version=state.weight_version(out) if d.final else UNSET,
                 text=d.text if text_mode else UNSET,
             )
             yield sse(

@@ -33,11 +33,15 @@ async def update_weights_from_disk(
     state = _weights_state(request)
     start = time.perf_counter()
     try:
-        await state.engine.update_weights(data.model_path, abort_running=data.abort_all_requests)
+        await state.engine.update_weights(
+            data.model_path, abort_running=data.abort_all_requests, weight_version=data.weight_version
+        )
     except ConfigError as exc:  # the checkpoint, not the server: the client's to fix
         raise InvalidRequestError(f"cannot load {data.model_path!r}: {exc}", param="model_path") from exc
     return p.UpdateWeightsResponse(
-        success=True, message=f"loaded {data.model_path} in {time.perf_counter() - start:.2f} s; prefix cache emptied"
+        success=True,
+        message=f"loaded {data.model_path} in {time.perf_counter() - start:.2f} s; prefix cache emptied",
+        weight_version=state.engine.weight_version,
     )
 
 
