@@ -387,3 +387,44 @@ def test_a_mixed_workload_under_a_tight_pool_matches_a_roomy_engine():
         for a, b in zip(want.outputs, got.outputs):
             assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
             np.testing.assert_array_equal(b.routed_experts, a.routed_experts)
+
+
+def perturbed_builtin_copy(path) -> str:
+    """The built-in checkpoint with its router gates and expert weights scaled (other routing,
+    other tokens), written without transformers so that the GPU machine can run it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from r3srv.models.builtin import builtin_model_dir
+
+    src = builtin_model_dir()
+    shutil.copytree(src, path)
+    shard = next(path.glob("*.safetensors"))
+    tensors = load_file(shard)
+    g = torch.Generator().manual_seed(5)
+    for name, t in tensors.items():
+        if "gate" in name or "experts" in name:
+            tensors[name] = (t.float() * (1 + 0.5 * torch.rand(t.shape, generator=g))).to(t.dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])],
+)
+def test_weight_update_on_the_builtin_model(device, tmp_path):
+    new_weights = perturbed_builtin_copy(tmp_path / "step1")
+    kwargs = dict(device=device, dtype="float32", max_model_len=256)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    prompt = prompt_ids(40, base=6)
+    llm = LLM(**kwargs)
+    before = llm.generate([prompt], params)[0].outputs[0]
+    llm.update_weights(new_weights, weight_version="step1")
+    after = llm.generate([prompt], params)[0]
+    want = LLM(new_weights, **kwargs).generate([prompt], params)[0].outputs[0]
+    assert after.weight_version == "step1" and after.num_cached_tokens == 0
+    assert after.outputs[0].token_ids == want.token_ids
+    np.testing.assert_array_equal(after.outputs[0].routed_experts, want.routed_experts)
+    assert not np.array_equal(before.routed_experts, want.routed_experts)  # the update changed the routing
