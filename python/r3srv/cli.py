@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
-    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--seed", type=int, default=0, help="seeds the noise of requests without a seed of their own (default: %(default)s)"
+    )
     serve.add_argument(
         "--max-request-body-bytes", type=_positive_int, default=None, help="larger bodies get 413 (default: 32 MiB)"
     )

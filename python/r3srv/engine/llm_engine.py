@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -118,7 +117,9 @@ class LLMEngine:
         if tok_eos is not None and tok_eos not in eos:
             eos.append(tok_eos)
         self.eos_token_ids = eos
-        self._seed_rng = random.Random(config.seed)
+        # Noise for requests without a seed: one generator, so their rows sample in one batched draw.
+        self._sampling_generator = torch.Generator(device=self.device)
+        self._sampling_generator.manual_seed(config.seed)
         self.weight_version = config.weight_version
         self.requests: dict[str, Request] = {}
 
@@ -255,12 +256,12 @@ class LLMEngine:
         self.add_prepared(self.prepare_request(request_id, prompt, params))
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        if params.greedy:
+        """A seeded request's own generator (its samples then depend on its seed alone)."""
+        if params.greedy or params.seed is None:
             return None
         # n > 1: sample i of a seeded request uses seed + i (as vLLM's parallel sampling does).
-        seed = (params.seed + index) % (1 << 63) if params.seed is not None else self._seed_rng.getrandbits(63)
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
+        gen.manual_seed((params.seed + index) % (1 << 63))
         return gen
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -352,7 +353,7 @@ class LLMEngine:
         if to_sample:
             sampled_seqs = [seqs[i] for i in to_sample]
             try:
-                samples = sample(logits[to_sample], sampled_seqs, self.eos_token_ids)
+                samples = sample(logits[to_sample], sampled_seqs, self.eos_token_ids, self._sampling_generator)
             except Exception as exc:
                 for rid in dict.fromkeys(s.request_id for s in sampled_seqs):
                     self._fail(rid, exc, result)

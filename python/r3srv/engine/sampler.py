@@ -47,8 +47,14 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> list[SampleResult]:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], generator: torch.Generator | None = None
+) -> list[SampleResult]:
     """One token for each row of `logits` ([B, vocab], float32) and its sequence.
+
+    Masks, temperatures and softmax are batched over the rows; requests without a seed draw
+    together from `generator` (the engine's; None: torch's default), in one multinomial. Only
+    a seeded request's draw (from its own generator) and top-k / top-p run per row.
 
     Picks and logprobs are read back with a few `.tolist()` calls per step, not one or
     more per sequence: on CUDA each read-back is a device sync.
@@ -63,26 +69,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int])
         for i, tok in zip(plain_greedy, torch.argmax(logits[plain_greedy], dim=-1).tolist()):
             token_ids[i] = tok
     plain = set(plain_greedy)
-    others: list[int] = []
-    picks: list[torch.Tensor] = []  # one 1-element tensor per row in `others`
-    for i, seq in enumerate(seqs):
-        if i in plain:
-            continue
-        p = seq.params
-        row = logits[i]
-        banned = _banned_ids(seq, eos_token_ids)
-        if banned:
-            row = row.clone()
-            row[[b for b in banned if 0 <= b < row.numel()]] = float("-inf")
-        if p.greedy:
-            picks.append(torch.argmax(row, dim=0, keepdim=True))
-        else:
-            row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(row, dim=-1)
-            picks.append(torch.multinomial(probs, 1, generator=seq.generator))
-        others.append(i)
-    if picks:
-        for i, tok in zip(others, torch.cat(picks).tolist()):
+    others = [i for i in range(len(seqs)) if i not in plain]
+    if len(others) == len(seqs):  # no plain greedy row: no gathered copy
+        token_ids = _pick(logits, seqs, eos_token_ids, generator)
+    elif others:
+        for i, tok in zip(others, _pick(logits[others], [seqs[i] for i in others], eos_token_ids, generator)):
             token_ids[i] = tok
     results = [SampleResult(tok) for tok in token_ids]
     # Logprobs from the unmodified logits.
@@ -103,3 +94,44 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int])
             top_lp[res.token_id] = res.logprob  # the sampled token, listed last unless among the top
             res.top_logprobs = top_lp
     return results
+
+
+def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], generator) -> list[int]:
+    """Tokens for rows that are not plain greedy: greedy under a min_tokens mask, or sampled.
+
+    Every full-size pass over [rows, vocab] counts at large vocabularies, so rows are only
+    gathered (copied) when the batch mixes kinds."""
+    rows, vocab = logits.shape
+    device = logits.device
+    banned = [(r, b) for r, s in enumerate(seqs) for b in _banned_ids(s, eos_token_ids) if 0 <= b < vocab]
+    if banned:
+        where = torch.tensor(banned, dtype=torch.int64, device=device)
+        logits = logits.index_put((where[:, 0], where[:, 1]), torch.tensor(float("-inf"), device=device))
+    greedy = [r for r, s in enumerate(seqs) if s.params.greedy]
+    sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
+    picks = [0] * rows
+    if greedy:
+        for r, tok in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
+            picks[r] = tok
+    if not sampled:
+        return picks
+    x = logits if len(sampled) == rows else logits[sampled]
+    x = x / torch.tensor([seqs[r].params.temperature for r in sampled], device=device)[:, None]
+    for j, r in enumerate(sampled):
+        p = seqs[r].params
+        if (0 < p.top_k < vocab) or p.top_p < 1.0:
+            x[j] = _filter_top_k_top_p(x[j], p.top_k, p.top_p)
+    probs = torch.softmax(x, dim=-1)
+    own = [j for j, r in enumerate(sampled) if seqs[r].generator is not None]
+    if not own:  # requests without a seed: one batched draw
+        draws = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    else:
+        draws = torch.empty(len(sampled), dtype=torch.int64, device=device)
+        shared = [j for j, r in enumerate(sampled) if seqs[r].generator is None]
+        if shared:
+            draws[shared] = torch.multinomial(probs[shared], 1, generator=generator)[:, 0]
+        # a seeded request draws from its own generator, so its samples depend on its seed alone
+        draws[own] = torch.cat([torch.multinomial(probs[j], 1, generator=seqs[sampled[j]].generator) for j in own])
+    for r, tok in zip(sampled, draws.tolist()):
+        picks[r] = tok
+    return picks
