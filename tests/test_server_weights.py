@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import numpy as np
 import openai
@@ -105,3 +107,25 @@ def test_reset_prefix_cache(server):
 def test_malformed_body_is_a_400(server):
     r = post(server, "/update_weights_from_disk", {"path": "x"})
     assert r.status_code == 400 and "model_path" in r.json()["error"]["message"]
+
+
+def test_the_rl_rollout_example_runs_against_the_server(server, policies):
+    """examples/rl_rollout.py: multi-turn episodes whose rows add up to one per token, a policy
+    update between batches, and each batch's choices naming their weights."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "rl_rollout.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--base-url", server.url, "--next-checkpoint", str(policies[0])],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    episodes = [line for line in lines if line.startswith("batch ")]
+    assert len(episodes) == 4 and "policy update: {'success': True" in done.stdout
+    for line in episodes:  # "batch B episode E: N tokens, routed experts (N - 1, 2, 2) uint8, weights [...]"
+        tokens, rows = re.search(r": (\d+) tokens, routed experts \((\d+), 2, 2\) uint8", line).groups()
+        assert int(rows) == int(tokens) - 1
+    assert all(line.endswith("weights ['batch-1']") for line in episodes[2:])
