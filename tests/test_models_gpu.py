@@ -50,3 +50,21 @@ def test_builtin_model_runs_in_bfloat16_on_cuda(tmp_path, monkeypatch):
     logits, rows = _prefill(model, tokenizer.encode("Hello, GPU"), "cuda")
     assert torch.isfinite(logits).all()
     assert all(len(set(r)) == model.config.top_k for r in rows.reshape(-1, model.config.top_k).tolist())
+
+
+def test_grouped_expert_gemms_on_cuda_match_the_loop(monkeypatch):
+    from r3srv.models import moe
+
+    if moe._GROUPED_MM is None:
+        pytest.skip("this torch has no grouped_mm: the loop is the only CUDA path")
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(96, 256, generator=gen).to("cuda", torch.bfloat16)
+    w13 = (torch.randn(16, 256, 256, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(16, 256, 128, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(96, 16, generator=gen), -1), 4)
+    weights, ids = weights.cuda(), ids.to("cuda", torch.int32)
+    assert moe.uses_grouped_mm(x, w2)
+    grouped = moe.grouped_experts(x, w13, w2, weights, ids)
+    monkeypatch.setenv(moe.GROUPED_MM_ENV, "0")
+    looped = moe.grouped_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(grouped.float(), looped.float(), rtol=2e-2, atol=2e-2)

@@ -1,11 +1,14 @@
 """Sparse MoE block: router -> select_experts (captures ids) -> grouped expert matmuls.
 
 Experts are stacked at load time: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I].
-The expert pass sorts the (token, slot) pairs by expert id and runs one pair of matmuls per
-expert that received tokens: no per-token Python loop.
+The expert pass sorts the (token, slot) pairs by expert id, then runs every expert's MLP in
+two grouped GEMMs (torch's grouped_mm) or, where that is slower or unsupported, one pair of
+matmuls per expert that received tokens: no per-token Python loop either way.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -24,17 +27,61 @@ def grouped_experts(
     flat_ids = ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
     token_of_row = order // top_k
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0])
     rows = x.index_select(0, token_of_row)
+    if uses_grouped_mm(rows, w2):
+        out = _expert_mlps_grouped(rows, w13, w2, counts)
+    else:
+        out = _expert_mlps_looped(rows, w13, w2, counts)
+    out.mul_(weights.reshape(-1)[order].to(out.dtype)[:, None])
+    return torch.zeros_like(x).index_add_(0, token_of_row, out)
+
+
+def uses_grouped_mm(rows: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the expert pass runs as two grouped GEMMs instead of a loop over experts.
+
+    On CUDA: for bfloat16 (the grouped GEMM kernels' dtype), where it also saves the loop's
+    device sync. On the CPU (torch's reference grouped_mm: the same per-group matmuls, bitwise
+    equal results) it pays off between about 1 and 16 rows per expert: an 8-sequence decode
+    of the built-in model runs 1.2x faster end to end. With fewer rows (a one-sequence
+    decode) most groups are empty and the loop skips them; with many (a long prefill) the
+    loop's per-expert matmuls are as fast or faster (0.95x for 1,024 prompt tokens).
+    Either way every row of every operand must start on a 16-byte boundary, as grouped_mm
+    requires.
+    """
+    if _GROUPED_MM is None or not _grouped_mm_enabled():
+        return False
+    num_experts, hidden, inter = w2.shape
+    if (hidden * rows.element_size()) % 16 or (inter * rows.element_size()) % 16:
+        return False
+    if rows.is_cuda:
+        return rows.dtype == torch.bfloat16
+    return num_experts <= rows.shape[0] <= 16 * num_experts
+
+
+def _expert_mlps_grouped(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # stays on the device: no sync
+    gate, up = _GROUPED_MM(rows, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    return _GROUPED_MM(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+
+
+def _expert_mlps_looped(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(rows)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts.tolist()):  # one device sync on CUDA
         if count:
             end = start + count
             out[start:end] = silu_mlp(rows[start:end], w13[expert], w2[expert])
             start = end
-    out.mul_(weights.reshape(-1)[order].to(out.dtype)[:, None])
-    return torch.zeros_like(x).index_add_(0, token_of_row, out)
+    return out
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None)  # absent from older torch releases
+GROUPED_MM_ENV = "R3SRV_GROUPED_MM"  # "0": always the per-expert loop
+
+
+def _grouped_mm_enabled() -> bool:
+    return os.environ.get(GROUPED_MM_ENV, "1") != "0"
 
 
 class SparseMoeBlock(nn.Module):
