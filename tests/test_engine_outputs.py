@@ -78,5 +78,6 @@ def test_partial_outputs_hold_back_tokens_that_add_no_text_before_a_stop(monkeyp
     final = partial.pop()
     assert (final.text, final.token_ids, final.finish_reason, final.stop_reason) == ("a", [ord("a")], "stop", "éz")
     assert [p.token_ids for p in partial] == [[], [], [ord("a")]]  # never 0xC3
-    for p in partial:
+    for p in partial + [final]:  # each output's cumulative logprob covers exactly its tokens
         assert final.text.startswith(p.text) and len(p.logprobs) == len(p.token_ids)
+        assert p.cumulative_logprob == -0.5 * len(p.token_ids)

@@ -404,7 +404,7 @@ class LLMEngine:
         seq.token_ids.append(tok)
         if seq.logprobs is not None:
             seq.logprobs.append(res.top_logprobs)
-            seq.cumulative_logprob += res.logprob
+            seq.cumulative_logprobs.append(seq.cumulative_logprob + res.logprob)
         delta = seq.detok.add(tok)
         n_out = seq.num_output_tokens
         if p.stop_token_ids and tok in p.stop_token_ids:
@@ -414,12 +414,10 @@ class LLMEngine:
         elif p.stop and n_out >= p.min_tokens and (hit := seq.detok.find_stop(p.stop, len(delta), p.include_stop_str_in_output)):
             stop, kept_len, kept_tokens = hit
             seq.detok.truncate(kept_len, kept_tokens)
-            seq_dropped = seq.token_ids[seq.num_prompt_tokens + kept_tokens :]
             del seq.token_ids[seq.num_prompt_tokens + kept_tokens :]
             if seq.logprobs is not None:
-                for lp, tok_id in zip(seq.logprobs[kept_tokens:], seq_dropped):
-                    seq.cumulative_logprob -= lp[tok_id]
                 del seq.logprobs[kept_tokens:]
+                del seq.cumulative_logprobs[kept_tokens:]
             self._finish(seq, "stop", stop)
         elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
@@ -464,9 +462,9 @@ def _completion(s: Sequence, delta: bool) -> CompletionOutput:
     While it runs, text (and the tokens producing it) that a stop string could still cut
     is held back, so every partial output is a prefix of the final one."""
     n, text_len = _visible(s)
-    cumulative = s.cumulative_logprob if s.logprobs is not None else None
-    if s.logprobs is not None and n < s.num_output_tokens:
-        cumulative = sum(lp[t] for lp, t in zip(s.logprobs[:n], s.output_token_ids[:n]))
+    cumulative = None
+    if s.logprobs is not None:
+        cumulative = s.cumulative_logprobs[n - 1] if n else 0.0
     first_token, first_char = (s.num_emitted_tokens, s.num_emitted_chars) if delta else (0, 0)
     if delta:
         s.num_emitted_tokens, s.num_emitted_chars = n, text_len

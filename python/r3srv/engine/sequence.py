@@ -59,7 +59,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
+        # Running sums of the output tokens' logprobs: [i] covers tokens 0..i, so a stop-string
+        # cut or a held-back partial output reads its sum in O(1).
+        self.cumulative_logprobs: list[float] = []
         self.text = ""
         # What DELTA outputs have handed out so far (output tokens, text characters).
         self.num_emitted_tokens = 0
@@ -81,6 +83,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return self.cumulative_logprobs[-1] if self.cumulative_logprobs else 0.0
 
     @property
     def is_finished(self) -> bool:
