@@ -166,3 +166,24 @@ def test_a_request_aborted_while_it_waits_for_an_update_ends_cleanly(policies):
         engine.shutdown()
     assert held.finished and held.outputs[0].finish_reason == "abort" and held.outputs[0].token_ids == []
     assert running.outputs[0].finish_reason == "length"
+
+
+def test_a_failure_while_copying_is_named_in_every_later_output(policies, monkeypatch):
+    """An I/O error after the checks passed leaves a mix of old and new weights: outputs say so."""
+    import r3srv.models.loader as loader
+
+    v0, v1, _ = policies
+    llm = LLM(str(v0), **ENGINE)
+
+    def copy_then_fail(model, plan):
+        (file, names), *_ = plan
+        with loader.safe_open(str(file), framework="pt", device="cpu") as f:
+            target = model.weight_targets()[names[0]]
+            target.copy_(f.get_tensor(names[0]))
+        raise OSError("disk vanished")
+
+    monkeypatch.setattr(loader, "_copy_weights", copy_then_fail)
+    with pytest.raises(OSError, match="disk vanished"):
+        llm.update_weights(str(v1), weight_version="v1")
+    out = llm.generate([PROMPT], PARAMS)[0]
+    assert out.weight_version == f"incomplete:{v1}" and out.num_cached_tokens == 0

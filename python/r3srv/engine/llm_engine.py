@@ -287,7 +287,16 @@ class LLMEngine:
                 f"cannot update weights with {len(self.requests)} requests in flight: let them finish or abort them",
                 param="model_path",
             )
-        load_weights_from_dir(self.model, path)
+        try:
+            load_weights_from_dir(self.model, path)
+        except ConfigError:
+            raise  # found before any weight was copied: nothing changed
+        except Exception:
+            # Failed while copying (an I/O error mid-shard): some weights are new, some old.
+            # Say so in every later output rather than serve a silent mix under the old name.
+            self.block_manager.reset_prefix_cache()
+            self.weight_version = f"incomplete:{path}"
+            raise
         self.block_manager.reset_prefix_cache()
         self.weight_version = str(path) if weight_version is None else weight_version
 
