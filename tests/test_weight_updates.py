@@ -125,6 +125,7 @@ def test_async_update_drains_or_aborts_running_requests_and_holds_new_ones(polic
         await asyncio.sleep(0.02)
         if not abort_running:  # still waiting for "old" to finish
             assert not update.done()
+            assert engine.stats().num_waiting == 1  # the held request counts as waiting
             with pytest.raises(InvalidRequestError, match="already under way"):
                 await engine.update_weights(str(v1))
         results = await asyncio.gather(running, update, held)

@@ -10,6 +10,7 @@ the same steps.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -124,7 +125,9 @@ class AsyncLLM:
         return self._dead is None and not self._stopping and self._thread.is_alive()
 
     def stats(self) -> EngineStats:
-        return self._engine.stats()  # plain counters: a slightly stale read is fine
+        stats = self._engine.stats()  # plain counters: a slightly stale read is fine
+        held = len(self._held)  # requests waiting for a weight update wait like the others
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + held) if held else stats
 
     # -- requests -------------------------------------------------------------------------
     async def generate(
