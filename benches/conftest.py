@@ -13,7 +13,7 @@ def pytest_terminal_summary(terminalreporter):
     benchmarks = getattr(session, "benchmarks", None) or []
     medians: dict[str, dict[str, float]] = {}
     for bench in benchmarks:
-        candidate = bench.name.split("-")[-1].rstrip("]")
+        candidate = bench.name.rsplit("[", 1)[-1].rstrip("]").split("-")[-1]  # the last id part
         stats = getattr(bench, "stats", None)
         if stats is not None and bench.group:
             medians.setdefault(bench.group, {})[candidate] = stats.median

@@ -131,3 +131,31 @@ def test_cpu_forward_thread_count(model, monkeypatch):
     monkeypatch.setenv("R3SRV_CPU_THREADS", "zero")
     with pytest.raises(ConfigError, match="R3SRV_CPU_THREADS"):
         _cpu_threads()
+
+
+@pytest.mark.parametrize("budget", [1, 24, 1 << 16], ids=["one-per-group", "small-groups", "one-group"])
+def test_decodes_in_gather_budgeted_groups_equal_one_shot(model, monkeypatch, budget):
+    """Decode sequences of mixed lengths, split into groups by the gather budget however it
+    falls, each give the one-shot prefill's logits and routing for their last token."""
+    import r3srv.models.attention as attention
+
+    monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", budget)
+    lengths = [3, 11, 5, 8, 2, 13]
+    seqs = [_tokens(n, seed=20 + i) for i, n in enumerate(lengths)]
+    refs = [_one_shot(model, toks) for toks in seqs]
+    model.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    tables, next_block = [], 0
+    for toks in seqs:  # cache all but the last token of each
+        need = -(-len(toks) // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + need)))
+        next_block += need
+        model.forward(_batch(model, [(toks[:-1], 0, tables[-1])]))
+    batch = _batch(model, [(toks[-1:], len(toks) - 1, table) for toks, table in zip(seqs, tables)])
+    groups = attention._decode_groups(batch.context_lens)
+    assert sorted(j for g in groups for j in g) == list(range(len(seqs)))
+    assert all(len(g) == 1 or len(g) * max(lengths[j] for j in g) <= budget for g in groups)
+    assert len(groups) == {1: 6, 24: 3, 1 << 16: 1}[budget]  # 24: [2, 3, 5], [8, 11], [13]
+    logits = model.forward(batch)
+    for i, (ref_logits, ref_capture) in enumerate(refs):
+        torch.testing.assert_close(logits[i], ref_logits[-1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(batch.routing_capture[i], ref_capture[-1])

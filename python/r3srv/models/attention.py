@@ -4,8 +4,9 @@ Cache layout per layer: [num_blocks * block_size, num_kv_heads, head_dim] (slot-
 token's K/V lives at its slot and a sequence's context is `slots = table[pos // bs] * bs + pos % bs`.
 
 A step mixes prefills (possibly chunked, possibly after a prefix-cache hit) and decodes.
-Decodes (one query token each) share one padded SDPA call; each prefill chunk gets its own
-call with the causal mask shifted by the tokens already in the cache.
+Decodes (one query token each) share padded SDPA calls, grouped by context length within a
+gather budget; each prefill chunk gets its own call with the causal mask shifted by the
+tokens already in the cache.
 """
 
 from __future__ import annotations
@@ -27,13 +28,27 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode sequences (one query token each) attended in one padded SDPA call."""
+
+    rows: torch.Tensor  # [Bg] rows (into T) of the decode tokens
+    slots: torch.Tensor  # [Bg, max_context] context slots, padded with slot 0
+    mask: torch.Tensor | None  # [Bg, 1, 1, max_context] True where the key is real (None: all real)
+
+
+# Keys (and as many values) one decode group may gather: the gathered K/V of a group is
+# [Bg, max_context, heads, head_dim], so a budget bounds each layer's transient memory
+# (64 sequences of 32k tokens would gather 4 GB a layer for a 4-KV-head, 128-dim bf16
+# model) and groups sequences of similar length, so short ones are not padded to the longest.
+DECODE_GROUP_TOKENS = 1 << 16
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step indices, built once and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T]
-    decode_rows: torch.Tensor | None  # [Bd] rows (into T) of the decode tokens
-    decode_slots: torch.Tensor | None  # [Bd, max_context] context slots, padded with slot 0
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_context] True where the key is real (None: all real)
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
     @classmethod
@@ -59,20 +74,41 @@ class AttentionMetadata:
                 prefills.append(PrefillSpan(start, start + q, slots, pos[None, :] <= qpos[:, None]))
             start += q
 
-        decode_slots = decode_mask = rows = None
-        if decode_seqs:
-            ctx_lens = [batch.context_lens[i] for i in decode_seqs]
-            ctx = torch.tensor(ctx_lens, device=device)
-            pos = torch.arange(max(ctx_lens), device=device)  # the max from the host list: no device sync
-            real = pos[None, :] < ctx[:, None]
-            block_idx = (pos // block_size).clamp(max=tables.shape[1] - 1)
-            seq_tables = tables[torch.tensor(decode_seqs, device=device)]
-            blocks = seq_tables[:, block_idx]
-            decode_slots = torch.where(real, blocks * block_size + pos % block_size, 0)
-            # one decode sequence: every gathered key is real, and an unmasked SDPA is faster
-            decode_mask = real[:, None, None, :] if len(decode_seqs) > 1 else None
-            rows = torch.tensor(decode_rows, device=device)
-        return cls(batch.slot_mapping.to(device), rows, decode_slots, decode_mask, prefills)
+        decodes = [
+            _decode_group(tables, [decode_seqs[j] for j in group], [decode_rows[j] for j in group], batch.context_lens, block_size, device)
+            for group in _decode_groups([batch.context_lens[i] for i in decode_seqs])
+        ]
+        return cls(batch.slot_mapping.to(device), decodes, prefills)
+
+
+def _decode_groups(context_lens: list[int]) -> list[list[int]]:
+    """Indices into `context_lens`, by ascending length, cut so that each group's padded
+    gather (members x longest member) stays within DECODE_GROUP_TOKENS (or is one sequence)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for j in sorted(range(len(context_lens)), key=context_lens.__getitem__):
+        if current and (len(current) + 1) * context_lens[j] > DECODE_GROUP_TOKENS:
+            groups.append(current)
+            current = []
+        current.append(j)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _decode_group(
+    tables: torch.Tensor, seqs: list[int], rows: list[int], context_lens: list[int], block_size: int, device
+) -> DecodeGroup:
+    ctx_lens = [context_lens[i] for i in seqs]
+    ctx = torch.tensor(ctx_lens, device=device)
+    pos = torch.arange(max(ctx_lens), device=device)  # the max from the host list: no device sync
+    real = pos[None, :] < ctx[:, None]
+    block_idx = (pos // block_size).clamp(max=tables.shape[1] - 1)
+    blocks = tables[torch.tensor(seqs, device=device)][:, block_idx]
+    slots = torch.where(real, blocks * block_size + pos % block_size, 0)
+    # all of one length (one sequence, say): every gathered key is real, and an unmasked SDPA is faster
+    mask = None if min(ctx_lens) == max(ctx_lens) else real[:, None, None, :]
+    return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
 
 def paged_attention(
@@ -106,10 +142,10 @@ def paged_attention(
             qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=gqa
         )
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
-    if meta.decode_rows is not None:
-        qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # [Bd, H, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, KVH, ctx, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
-        out.index_copy_(0, meta.decode_rows, o.squeeze(2))
+    for group in meta.decodes:
+        qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
+        kd = k_cache[group.slots].transpose(1, 2)  # [Bg, KVH, ctx, D]
+        vd = v_cache[group.slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, enable_gqa=gqa)
+        out.index_copy_(0, group.rows, o.squeeze(2))
     return out

@@ -1,0 +1,69 @@
+"""Decode attention over a batch of mixed context lengths: length-sorted groups within a gather
+budget against one group padded to the longest context (the previous layout).
+
+    .venv/bin/python -m pytest benches/bench_decode_attention.py
+
+32 decoding sequences, one with 4,096 tokens of context and 31 with 256 (a long agent
+trajectory among short ones), the built-in model's attention shape (4 query heads, 2 KV
+heads, head_dim 64). The padded layout gathers 32 x 4,096 keys and values; the grouped one
+31 x 256 + 4,096. benches/conftest.py prints reference / r3srv.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import r3srv.models.attention as attention
+from r3srv.models.batch import ForwardBatch
+
+BLOCK, HEADS, KV_HEADS, DIM = 16, 4, 2, 64
+CONTEXTS = [4096] + [256] * 31
+
+
+def decode_batch() -> ForwardBatch:
+    tables, next_block = [], 0
+    for ctx in CONTEXTS:
+        need = -(-ctx // BLOCK)
+        tables.append(list(range(next_block, next_block + need)))
+        next_block += need
+    width = max(len(t) for t in tables)
+    table = torch.full((len(CONTEXTS), width), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    positions = torch.tensor([ctx - 1 for ctx in CONTEXTS])
+    slots = torch.tensor([tables[i][p // BLOCK] * BLOCK + p % BLOCK for i, p in enumerate(positions.tolist())])
+    n = len(CONTEXTS)
+    return ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64), positions=positions, slot_mapping=slots,
+        query_lens=[1] * n, context_lens=list(CONTEXTS), block_tables=table,
+        logits_indices=torch.arange(n),
+    )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+def test_decode_attention_mixed_lengths(benchmark, monkeypatch, candidate):
+    gen = torch.Generator().manual_seed(0)
+    batch = decode_batch()
+    num_slots = (batch.block_tables.max().item() + 1) * BLOCK
+    k_cache = torch.randn(num_slots, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(num_slots, KV_HEADS, DIM, generator=gen)
+    q = torch.randn(len(CONTEXTS), HEADS, DIM, generator=gen)
+    k, v = torch.randn(len(CONTEXTS), KV_HEADS, DIM, generator=gen), torch.randn(len(CONTEXTS), KV_HEADS, DIM, generator=gen)
+    if candidate == "reference":
+        monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", 1 << 40)  # one group, padded to the longest
+    meta = attention.AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
+    assert len(meta.decodes) == (1 if candidate == "reference" else 2)
+    benchmark.group = "decode attention 1 x 4096 + 31 x 256"
+    out = benchmark(attention.paged_attention, q, k, v, k_cache, v_cache, meta)
+    monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", 1 << 40)
+    want = attention.paged_attention(q, k, v, k_cache, v_cache, attention.AttentionMetadata.build(batch, BLOCK, torch.device("cpu")))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
