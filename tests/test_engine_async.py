@@ -313,3 +313,30 @@ def test_large_prompts_are_prepared_off_the_event_loop(engine, monkeypatch):
     assert threads[0] == loop_thread  # small: inline, no thread hand-off
     assert len(threads) == 3 and loop_thread not in threads[1:]
     asyncio.run(wait_idle(engine))
+
+
+def test_requests_and_commands_racing_a_shutdown_fail_instead_of_hanging(monkeypatch):
+    """A big prompt is prepared on a worker thread; if the engine shuts down meanwhile, the
+    request must fail with EngineDeadError, not wait forever for an engine thread that is gone."""
+    from r3srv.offload import OFFLOAD_MIN_SIZE
+
+    eng = AsyncLLM(max_model_len=64)
+    prepare = eng._engine.prepare_request
+
+    def slow_prepare(request_id, prompt, params, **kwargs):
+        time.sleep(0.3)  # the shutdown lands while this runs
+        return prepare(request_id, prompt[:8], params, **kwargs)
+
+    monkeypatch.setattr(eng._engine, "prepare_request", slow_prepare)
+
+    async def main():
+        gen = eng.generate([65] * OFFLOAD_MIN_SIZE, SamplingParams(max_tokens=2, **GREEDY), "late")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(eng.shutdown)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(first, timeout=10)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(eng.reset_prefix_cache(), timeout=10)
+
+    asyncio.run(main())

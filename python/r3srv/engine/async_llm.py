@@ -90,6 +90,10 @@ class AsyncLLM:
         self._update: tuple[str, str | None, _Reply] | None = None
         self._held: list[PreparedRequest] = []
         self._stopping = False
+        # Set (under _lock) once the engine thread stops taking commands: from then on nothing
+        # may be queued, and every waiter registered before was failed by _fail_all.
+        self._closed = False
+        self._replies: set[_Reply] = set()  # weight updates and cache resets not answered yet
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
         self._thread.start()
 
@@ -159,11 +163,12 @@ class AsyncLLM:
         )
         prepared.output_kind = output_kind
         sink = _Sink(asyncio.get_running_loop())
-        with self._lock:
+        with self._lock:  # registered and queued atomically with respect to _fail_all
+            self._check_open()
             if prepared.request_id in self._sinks:
                 raise InvalidRequestError(f"request_id {prepared.request_id!r} is already in flight", param="request_id")
             self._sinks[prepared.request_id] = sink
-        self._commands.put(("add", prepared))
+            self._commands.put(("add", prepared))
         finished = False
         try:
             while True:
@@ -195,20 +200,29 @@ class AsyncLLM:
         architecture, InvalidRequestError if another update is under way. Outputs of requests
         that start later carry `weight_version` (default: `path`).
         """
-        self._check_alive()
-        reply = _Reply(asyncio.get_running_loop())
-        self._commands.put(("update", (str(path), weight_version, abort_running, reply)))
-        await reply.future
+        await self._ask("update", str(path), weight_version, abort_running)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
+        return await self._ask("reset_prefix_cache")
+
+    async def _ask(self, kind: str, *args):
+        """Queue a command whose answer comes back through a _Reply, and wait for it."""
         self._check_alive()
         reply = _Reply(asyncio.get_running_loop())
-        self._commands.put(("reset_prefix_cache", reply))
+        with self._lock:
+            self._check_open()
+            self._replies.add(reply)
+            self._commands.put((kind, (*args, reply)))
         return await reply.future
 
     def _check_alive(self) -> None:
         if self._dead is not None or self._stopping:
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+
+    def _check_open(self) -> None:
+        """Under _lock: the engine thread still takes commands."""
+        if self._closed:
             raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
 
     async def abort(self, request_id: str) -> bool:
@@ -289,14 +303,14 @@ class AsyncLLM:
         elif kind == "update":
             path, version, abort_running, reply = arg
             if self._update is not None:
-                reply.fail(InvalidRequestError("a weight update is already under way", param="model_path"))
+                self._answer(reply, exc=InvalidRequestError("a weight update is already under way", param="model_path"))
                 return
             self._update = (path, version, reply)
             if abort_running:
                 for rid in list(engine.requests):
                     self._handle(("abort", rid))
         elif kind == "reset_prefix_cache":
-            arg.ok(engine.reset_prefix_cache())
+            self._answer(arg[0], engine.reset_prefix_cache())
 
     def _apply_update(self) -> None:
         """Runs once no request is in flight: load, then start the requests held meanwhile."""
@@ -305,15 +319,23 @@ class AsyncLLM:
             self._engine.update_weights(path, version)
         except Exception as exc:
             logger.error("weight update from %s failed: %s", path, exc)
-            reply.fail(exc)
+            self._answer(reply, exc=exc)
         else:
             logger.info("loaded new weights from %s", path)
-            reply.ok(None)
+            self._answer(reply)
         finally:
             self._update = None
             held, self._held = self._held, []
             for prep in held:
                 self._handle(("add", prep))
+
+    def _answer(self, reply: _Reply, value: object = None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self._replies.discard(reply)
+        if exc is None:
+            reply.ok(value)
+        else:
+            reply.fail(exc)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -331,10 +353,12 @@ class AsyncLLM:
         engine = self._engine
         for rid in list(engine.requests):
             engine.abort_request(rid)
-        if self._update is not None:
-            self._update[2].fail(exc)
-            self._update, self._held = None, []
+        self._update, self._held = None, []
         with self._lock:
+            self._closed = True
             sinks, self._sinks = self._sinks, {}
+            replies, self._replies = self._replies, set()
         for sink in sinks.values():
             sink.put(exc)
+        for reply in replies:
+            reply.fail(exc)
