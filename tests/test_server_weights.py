@@ -104,6 +104,19 @@ def test_reset_prefix_cache(server):
     assert post(server, "/reset_prefix_cache").json()["num_blocks_forgotten"] == 0
 
 
+def test_metrics_count_weight_updates_by_outcome(server, policies, tmp_path):
+    def count(outcome: str) -> float:
+        text = httpx.get(server.url + "/metrics").text
+        line = next((x for x in text.splitlines() if x.startswith(f'r3srv_weight_updates_total{{outcome="{outcome}"}}')), None)
+        return float(line.split()[-1]) if line else 0.0
+
+    before = {o: count(o) for o in ("loaded", "rejected")}
+    assert post(server, "/update_weights_from_disk", {"model_path": str(policies[1])}).status_code == 200
+    assert post(server, "/update_weights_from_disk", {"model_path": str(tmp_path)}).status_code == 400
+    assert count("loaded") == before["loaded"] + 1 and count("rejected") == before["rejected"] + 1
+    assert "r3srv_weight_update_seconds_count" in httpx.get(server.url + "/metrics").text
+
+
 def test_malformed_body_is_a_400(server):
     r = post(server, "/update_weights_from_disk", {"path": "x"})
     assert r.status_code == 400 and "model_path" in r.json()["error"]["message"]

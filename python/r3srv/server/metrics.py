@@ -66,6 +66,18 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.weight_updates = Counter(
+            "r3srv_weight_updates",
+            "POST /update_weights_from_disk by outcome: loaded, rejected (bad checkpoint), failed",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.weight_update_seconds = Histogram(
+            "r3srv_weight_update_seconds",
+            "Time from an update's request to its new weights serving (waiting for requests in flight, then loading)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:

@@ -31,16 +31,26 @@ async def update_weights_from_disk(
     data: p.UpdateWeightsFromDiskRequest, request: Request[Any, Any, Any]
 ) -> p.UpdateWeightsResponse:
     state = _weights_state(request)
+    counted = state.metrics.weight_updates
     start = time.perf_counter()
     try:
         await state.engine.update_weights(
             data.model_path, abort_running=data.abort_all_requests, weight_version=data.weight_version
         )
-    except ConfigError as exc:  # the checkpoint, not the server: the client's to fix
+    except (ConfigError, InvalidRequestError) as exc:  # the checkpoint or the timing: the client's to fix
+        counted.labels("rejected").inc()
+        if isinstance(exc, InvalidRequestError):
+            raise
         raise InvalidRequestError(f"cannot load {data.model_path!r}: {exc}", param="model_path") from exc
+    except Exception:
+        counted.labels("failed").inc()
+        raise
+    seconds = time.perf_counter() - start
+    counted.labels("loaded").inc()
+    state.metrics.weight_update_seconds.observe(seconds)
     return p.UpdateWeightsResponse(
         success=True,
-        message=f"loaded {data.model_path} in {time.perf_counter() - start:.2f} s; prefix cache emptied",
+        message=f"loaded {data.model_path} in {seconds:.2f} s; prefix cache emptied",
         weight_version=state.engine.weight_version,
     )
 
