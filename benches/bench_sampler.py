@@ -1,5 +1,5 @@
-"""Sampling one token for B unseeded sequences (temperature 1, as RL rollouts sample):
-the batched sampler against the per-row sampler it replaced.
+"""Sampling one token for B unseeded sequences (temperature 1, as RL rollouts sample, with and
+without top-p 0.9): the batched sampler against the per-row sampler it replaced.
 
     .venv/bin/python -m pytest benches/bench_sampler.py
 
@@ -26,8 +26,13 @@ SHAPES = [(64, 259), (256, 259), (64, 32768)]  # (sequences, vocabulary); 259: t
 def per_row_reference(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     picks = []
     for i, s in enumerate(seqs):
-        probs = torch.softmax(logits[i] / s.params.temperature, dim=-1)
-        picks.append(torch.multinomial(probs, 1, generator=s.generator))
+        row = logits[i] / s.params.temperature
+        if s.params.top_p < 1.0:  # the previous per-row nucleus filter
+            sorted_logits, order = torch.sort(row, descending=True, stable=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            row = row.clone()
+            row[order[(torch.cumsum(probs, dim=-1) - probs) >= s.params.top_p]] = float("-inf")
+        picks.append(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=s.generator))
     return torch.cat(picks).tolist()
 
 
@@ -40,11 +45,12 @@ def one_thread():
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
 @pytest.mark.parametrize("rows, vocab", SHAPES, ids=[f"{b}x{v}" for b, v in SHAPES])
-def test_sample_unseeded_rows(benchmark, rows, vocab, candidate):
+def test_sample_unseeded_rows(benchmark, rows, vocab, top_p, candidate):
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows + vocab))
-    params = SamplingParams(temperature=1.0)
-    benchmark.group = f"sample {rows}x{vocab}"
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    benchmark.group = f"sample {rows}x{vocab} p={top_p}"
     if candidate == "reference":  # before: every sampled sequence had its own generator
         seqs = [Sequence(str(i), 0, [1], params, 8, torch.Generator().manual_seed(i)) for i in range(rows)]
         picks = benchmark(per_row_reference, logits, seqs)

@@ -4,8 +4,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from r3srv.engine.sampler import sample
+from r3srv.engine.sampler import filter_top_k_top_p, sample
 from r3srv.engine.sequence import Sequence
 from r3srv.sampling_params import SamplingParams
 
@@ -145,3 +147,33 @@ def test_a_seeded_sequence_samples_the_same_whatever_its_batch():
     mates = [seq(SamplingParams(temperature=1.0)) for _ in range(5)]
     in_batch = [sample(batch, mates[:3] + [crowded] + mates[3:], EOS)[3].token_id for _ in range(10)]
     assert in_batch == solo and len(set(solo)) > 1
+
+
+def one_row_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The definition, one row at a time (the sampler's previous per-row code)."""
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(-1, 14), st.sampled_from([1.0, 0.999, 0.9, 0.5, 0.1, 1e-4]), st.integers(0, 2**31 - 1)),
+        min_size=1, max_size=6,
+    ),
+    vocab=st.integers(2, 12),
+)
+def test_batched_top_k_top_p_equals_the_per_row_definition(rows, vocab):
+    # integer-valued logits: many ties at the k-th value and in the sort
+    logits = torch.stack([torch.randint(-3, 4, (vocab,), generator=torch.Generator().manual_seed(s)).float() for _, _, s in rows])
+    got = filter_top_k_top_p(logits, [k for k, _, _ in rows], [p for _, p, _ in rows])
+    want = torch.stack([one_row_filter(logits[i], k, p) for i, (k, p, _) in enumerate(rows)])
+    assert torch.equal(got, want)

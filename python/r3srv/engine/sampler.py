@@ -32,18 +32,27 @@ def _banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
     return banned
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) what top-k and top-p exclude; `logits` is 1-D, already temperature-scaled."""
-    if top_k > 0 and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what each row's top-k and top-p exclude; `logits` [rows, vocab], already
+    temperature-scaled. top_k <= 0 or >= vocab and top_p >= 1 leave a row alone.
+
+    Batched over the rows (one sort, not one per row): top-k keeps every logit >= the k-th
+    largest (ties at the k-th all stay); top-p then drops a token when the probability mass
+    before it, in descending order (stable: ties by id), already reaches top_p."""
+    rows, vocab = logits.shape
+    device = logits.device
+    k = [kk if 0 < kk < vocab else vocab for kk in top_k]
+    if min(k) < vocab:
+        top = torch.topk(logits, max(k), dim=-1).values
+        kth = top.gather(1, torch.tensor(k, device=device)[:, None] - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+    if min(top_p) < 1.0:
+        # p >= 1: never drop (the float sum may reach 1.0 before the last token)
+        p = torch.tensor([pp if pp < 1.0 else float("inf") for pp in top_p], device=device)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= p[:, None]
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
 
@@ -52,9 +61,9 @@ def sample(
 ) -> list[SampleResult]:
     """One token for each row of `logits` ([B, vocab], float32) and its sequence.
 
-    Masks, temperatures and softmax are batched over the rows; requests without a seed draw
-    together from `generator` (the engine's; None: torch's default), in one multinomial. Only
-    a seeded request's draw (from its own generator) and top-k / top-p run per row.
+    Masks, temperatures, top-k / top-p and softmax are batched over the rows; requests without
+    a seed draw together from `generator` (the engine's; None: torch's default), in one
+    multinomial. Only a seeded request's draw (from its own generator) runs per row.
 
     Picks and logprobs are read back with a few `.tolist()` calls per step, not one or
     more per sequence: on CUDA each read-back is a device sync.
@@ -117,10 +126,10 @@ def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], 
         return picks
     x = logits if len(sampled) == rows else logits[sampled]
     x = x / torch.tensor([seqs[r].params.temperature for r in sampled], device=device)[:, None]
-    for j, r in enumerate(sampled):
-        p = seqs[r].params
-        if (0 < p.top_k < vocab) or p.top_p < 1.0:
-            x[j] = _filter_top_k_top_p(x[j], p.top_k, p.top_p)
+    filtered = [j for j, r in enumerate(sampled) if 0 < seqs[r].params.top_k < vocab or seqs[r].params.top_p < 1.0]
+    if filtered:
+        params = [seqs[sampled[j]].params for j in filtered]
+        x[filtered] = filter_top_k_top_p(x[filtered], [p.top_k for p in params], [p.top_p for p in params])
     probs = torch.softmax(x, dim=-1)
     own = [j for j, r in enumerate(sampled) if seqs[r].generator is not None]
     if not own:  # requests without a seed: one batched draw
