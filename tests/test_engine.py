@@ -428,3 +428,24 @@ def test_weight_update_on_the_builtin_model(device, tmp_path):
     assert after.outputs[0].token_ids == want.token_ids
     np.testing.assert_array_equal(after.outputs[0].routed_experts, want.routed_experts)
     assert not np.array_equal(before.routed_experts, want.routed_experts)  # the update changed the routing
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_unseeded_and_top_p_sampling_in_one_batch():
+    """Unseeded rows draw together from the engine's CUDA generator, top-p rows filter in one
+    batched sort, a seeded row from its own generator: all in one step."""
+    gpu = LLM(device="cuda", max_model_len=256)
+    prompt = prompt_ids(20, base=4)
+    params = [
+        SamplingParams(max_tokens=12, temperature=1.0, n=3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.7, top_p=0.8, top_k=20, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True),
+    ]
+    outs = gpu.generate([prompt] * 3, params)
+    for out in outs:
+        for c in out.outputs:
+            assert len(c.token_ids) == 12 and all(0 <= t < gpu.model_config.vocab_size for t in c.token_ids)
+    again = gpu.generate([prompt], params[2])[0].outputs[0]
+    assert again.token_ids == outs[2].outputs[0].token_ids  # the seeded row depends on its seed alone
+    assert gpu.stats().kv_blocks_used == 0
