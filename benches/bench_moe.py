@@ -19,12 +19,7 @@ EXPERTS, TOP_K, HIDDEN, INTER = 64, 8, 256, 128
 TOKENS = [8, 128]  # 1 and 16 rows per expert
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])

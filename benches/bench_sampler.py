@@ -36,12 +36,7 @@ def per_row_reference(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return torch.cat(picks).tolist()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])

@@ -5,7 +5,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Time a kernel on one torch thread: a shared 2-core machine makes a second one noise."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def pytest_terminal_summary(terminalreporter):
