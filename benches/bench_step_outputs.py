@@ -25,6 +25,7 @@ def streaming_sequence(num_output: int) -> Sequence:
     for i in range(num_output):
         seq.token_ids.append(i % 250)
         seq.logprobs.append({i % 250: -0.5, 3: -1.5})
+        seq.cumulative_logprobs.append(seq.cumulative_logprob - 0.5)
     seq.text = "x" * num_output
     return seq
 
