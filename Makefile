@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-rust test-python bench bench-gate serve
+.PHONY: install test test-rust test-python bench bench-gate bench-smoke serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ bench: install
 
 bench-gate: install
 	$(BIN)/python -m pytest -q benches/test_gate.py -p no:randomly
+
+# Every benchmark run once, untimed, with its own checks: benches that no longer run fail CI.
+bench-smoke: install
+	$(BIN)/python -m pytest -q benches --benchmark-disable -p no:randomly
 
 serve: install
 	$(BIN)/r3srv serve
