@@ -157,11 +157,14 @@ def test_multi_turn_start_continues_the_rows_already_held(server, client, model,
     prompt2 = turn1.prompt_token_ids + turn1.token_ids + list(b" Next turn:")
     hits = metric(server, "r3srv_prefix_cache_hits_total")
     body = dict(kwargs["extra_body"], routed_experts_prompt_start=len(rows1))
-    turn2 = client.completions.create(model=model, prompt=prompt2, max_tokens=6, temperature=0, extra_body=body).choices[0]
+    response2 = client.completions.create(model=model, prompt=prompt2, max_tokens=6, temperature=0, extra_body=body)
+    turn2 = response2.choices[0]
     rows2 = check_experts(turn2.routed_experts, turn2.prompt_token_ids, turn2.token_ids, len(rows1), model_info)
     assert turn2.prompt_token_ids == prompt2
     assert len(rows1) + len(rows2) == len(prompt2) + len(turn2.token_ids) - 1
-    assert metric(server, "r3srv_prefix_cache_hits_total") - hits >= 32  # turn 1's full blocks were reused
+    reused = metric(server, "r3srv_prefix_cache_hits_total") - hits
+    assert reused >= 32  # turn 1's full blocks were reused
+    assert response2.usage.prompt_tokens_details.cached_tokens == reused  # and the usage says so (OpenAI's field)
 
 
 def test_completion_n_choices_each_full_array(client, model, model_info):

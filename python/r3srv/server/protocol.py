@@ -56,10 +56,15 @@ class StreamOptions(Struct, kw_only=True):
             )
 
 
+class PromptTokensDetails(Struct, kw_only=True):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's field)
+
+
 class UsageInfo(Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(Struct, kw_only=True):

@@ -16,7 +16,10 @@ def usage_of(outputs: list[RequestOutput], completion_tokens: int | None = None)
     """Usage of finished outputs; a stream of DELTA outputs passes the tokens it counted."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if completion_tokens is None else completion_tokens
-    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
+    return p.UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion, prompt_tokens_details=cached
+    )
 
 
 def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
