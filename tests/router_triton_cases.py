@@ -151,6 +151,8 @@ def test_rejects_bad_arguments():
         route_triton(logits, 2, scoring="tanh")
     with pytest.raises(ValueError, match="cannot hold"):
         route_triton(torch.randn(4, 300), 2, capture=torch.zeros(4, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="group-limited"):
+        route_triton(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2)
 
 
 def test_select_experts_runs_the_kernel_when_asked(monkeypatch):

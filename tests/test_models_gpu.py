@@ -32,9 +32,11 @@ def _prefill(model, ids: list[int], device: str):
     return model.forward(batch).cpu(), batch.routing_capture.cpu()
 
 
-def test_cuda_float32_matches_cpu(tmp_path, monkeypatch):
+# glm4_moe: the fused kernel's sigmoid + correction-bias + scaling path inside the model
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+def test_cuda_float32_matches_cpu(family, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    path = write_tiny_checkpoint(tmp_path / "ckpt", "qwen2_moe", seed=4)
+    path = write_tiny_checkpoint(tmp_path / "ckpt", family, seed=4)
     ids = list(range(40, 60))
     cpu_logits, cpu_rows = _prefill(load_model(path)[0], ids, "cpu")
     gpu_model, _ = load_model(path, device="cuda", dtype=torch.float32)

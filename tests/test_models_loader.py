@@ -53,9 +53,14 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
     shutil.copytree(new_style, old_style)
 
     def to_old_keys(raw):
-        raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+        rope = raw.pop("rope_parameters")
+        raw["rope_theta"] = rope["rope_theta"]
+        if "partial_rotary_factor" in rope:  # GLM-4.5's released config.json keeps it top level
+            raw["partial_rotary_factor"] = rope["partial_rotary_factor"]
         if "num_local_experts" in raw:  # swap whichever spelling transformers wrote
             raw["num_experts"] = raw.pop("num_local_experts")
+        elif "n_routed_experts" in raw:  # GLM-4.5 / DeepSeek spelling
+            raw["num_local_experts"] = raw.pop("n_routed_experts")
         else:
             raw["num_local_experts"] = raw.pop("num_experts")
         raw["torch_dtype"] = raw.pop("dtype")
@@ -68,6 +73,23 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
     assert new_cfg.model_type == family and new_cfg.moe_layers == [0, 1]
     assert new_cfg.eos_token_ids == [258]
     torch.testing.assert_close(_prefill_logits(load_model(old_style)[0]), _prefill_logits(load_model(new_style)[0]))
+
+
+def test_top_level_partial_rotary_factor_is_read(checkpoints, tmp_path):
+    # GLM-4.5's released configs: partial_rotary_factor next to rope_theta, no rope_parameters
+    base = ModelConfig.from_dir(checkpoints["glm4_moe"])
+    assert base.partial_rotary_factor == 0.5 and base.rotary_dim == base.head_dim // 2
+    full = tmp_path / "full_rotary"
+    shutil.copytree(checkpoints["glm4_moe"], full)
+
+    def to_full_rotary(raw):
+        raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+        raw["partial_rotary_factor"] = 1.0
+
+    _edit_config(full, to_full_rotary)
+    assert ModelConfig.from_dir(full).rotary_dim == base.head_dim
+    logits = _prefill_logits(load_model(checkpoints["glm4_moe"])[0])
+    assert not torch.allclose(_prefill_logits(load_model(full)[0]), logits, atol=1e-3)
 
 
 def test_rope_theta_changes_the_model(checkpoints, tmp_path):
@@ -109,7 +131,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
     assert "LlamaForCausalLM" in message
     assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
     assert set(SUPPORTED_ARCHITECTURES) == {
-        "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"
+        "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
     }
 
 

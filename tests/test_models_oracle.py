@@ -11,7 +11,7 @@ import torch
 
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.loader import load_model
-from tiny_checkpoints import build_hf_model, hf_gate_modules, write_tiny_checkpoint
+from tiny_checkpoints import build_hf_model, hf_gate_modules, hf_router_ids, write_tiny_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -27,6 +27,17 @@ VARIANTS = {
     "olmoe": ("olmoe", {"num_experts": 16, "top_k": 4}),
     "olmoe_no_clip": ("olmoe", {"clip_qkv": None}),
     "qwen3_moe_tied_embeddings": ("qwen3_moe", {"tie_word_embeddings": True}),
+    "glm4_moe": ("glm4_moe", {}),
+    "glm4_moe_dense_first_qk_norm": (
+        "glm4_moe", {"num_layers": 3, "first_k_dense_replace": 1, "use_qk_norm": True, "attention_bias": False}
+    ),
+    "glm4_moe_groups_no_renorm": (
+        "glm4_moe", {"num_experts": 16, "top_k": 4, "n_group": 4, "topk_group": 2, "norm_topk_prob": False}
+    ),
+    "glm4_moe_full_rotary_2_shared": (
+        "glm4_moe", {"rope_parameters": {"rope_theta": 500.0, "rope_type": "default", "partial_rotary_factor": 1.0},
+                     "n_shared_experts": 2}
+    ),
 }
 
 
@@ -50,7 +61,7 @@ def _hf_run(case: Case, ids: list[int], past=None):
     """transformers forward: (logits [T, V], router ids per MoE layer [T, k], past)."""
     picked: dict[int, torch.Tensor] = {}
     hooks = [
-        gate.register_forward_hook(lambda m, inp, out, i=i: picked.__setitem__(i, out[2].clone()))
+        gate.register_forward_hook(lambda m, inp, out, i=i: picked.__setitem__(i, hf_router_ids(m, out).clone()))
         for i, gate in case.gates.items()
     ]
     try:

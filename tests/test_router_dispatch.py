@@ -29,6 +29,17 @@ def test_auto_uses_the_kernel_for_cuda_tensors_only():
 def test_auto_falls_back_to_torch_beyond_the_kernels_limits():
     assert not router.uses_triton(CUDA_LIKE, 9)
     assert not router.uses_triton(SimpleNamespace(is_cuda=True, shape=(4, 1025)), 8)
+    assert not router.uses_triton(CUDA_LIKE, 8, num_groups=8)  # group-limited routing is not fused
+
+
+def test_cpu_group_limited_routing_is_the_reference():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 32, generator=gen)
+    bias = torch.randn(32, generator=gen)
+    kwargs = dict(scoring="sigmoid", correction_bias=bias, num_groups=4, topk_groups=2, scaling=2.5)
+    weights, ids = router.select_experts(logits, 6, **kwargs)
+    want_w, want_ids = route_reference(logits, 6, **kwargs)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
 
 
 def test_dispatcher_limits_match_the_kernel():

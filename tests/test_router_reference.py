@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from r3srv.kernels.router_reference import choice_keys, route_reference
 
@@ -112,3 +114,67 @@ def test_bad_arguments_raise_value_error(kwargs, message):
 def test_capture_too_narrow_for_expert_count():
     with pytest.raises(ValueError, match="cannot hold expert ids of 300 experts"):
         route_reference(torch.zeros(2, 300), 2, capture=torch.zeros(2, 2, dtype=torch.uint8))
+
+
+def group_oracle(logits, top_k, scoring, bias, num_groups, topk_groups):
+    """DeepSeek-V3's group-limited choice, by Python sorts: a group scores the sum of its two
+    best score + bias values; the best topk_groups groups (ties: lower group) are eligible."""
+    x = logits.double().numpy()
+    if scoring == "softmax":
+        e = np.exp(x - x.max(axis=1, keepdims=True))
+        scores = e / e.sum(axis=1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-x))
+    choice = scores + (0.0 if bias is None else bias.double().numpy())
+    size = x.shape[1] // num_groups
+    all_ids = []
+    for row_choice, row_logits in zip(choice, x):
+        group_score = [sum(sorted(row_choice[g * size:(g + 1) * size])[-2:]) for g in range(num_groups)]
+        groups = sorted(range(num_groups), key=lambda g: (-group_score[g], g))[:topk_groups]
+        eligible = [e for g in groups for e in range(g * size, (g + 1) * size)]
+        rank = row_logits if bias is None else row_choice  # as choice_keys ranks
+        all_ids.append(sorted(eligible, key=lambda e: (-rank[e], e))[:top_k])
+    ids = np.array(all_ids)
+    return np.take_along_axis(scores, ids, axis=1), ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from([(8, 2, 1, 2), (16, 4, 2, 4), (32, 8, 4, 6), (64, 8, 4, 8), (160, 8, 3, 8), (256, 8, 4, 8)]),
+    scoring=st.sampled_from(["softmax", "sigmoid"]),
+    with_bias=st.booleans(),
+    tie_heavy=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_group_limited_routing_matches_the_oracle(layout, scoring, with_bias, tie_heavy, seed):
+    num_experts, num_groups, topk_groups, top_k = layout
+    gen = torch.Generator().manual_seed(seed)
+    if tie_heavy:  # few distinct values: equal experts and equal groups
+        logits = torch.randint(-2, 3, (13, num_experts), generator=gen).float()
+    else:
+        logits = torch.randn(13, num_experts, generator=gen) * 3
+    bias = torch.randn(num_experts, generator=gen) * 0.2 if with_bias else None
+    weights, ids = route_reference(
+        logits, top_k, scoring=scoring, correction_bias=bias, renormalize=False,
+        num_groups=num_groups, topk_groups=topk_groups,
+    )
+    want_w, want_ids = group_oracle(logits, top_k, scoring, bias, num_groups, topk_groups)
+    np.testing.assert_array_equal(ids.numpy(), want_ids)
+    np.testing.assert_allclose(weights.numpy(), want_w, atol=2e-6, rtol=0)
+
+
+def test_groups_exclude_a_better_expert_of_a_weaker_group():
+    # group 0 = experts 0-3 has the single best expert; group 1's two best sum higher
+    logits = torch.tensor([[4.0, -5.0, -5.0, -5.0, 3.0, 3.0, -5.0, -5.0]])
+    _, ungrouped = route_reference(logits, 2, scoring="sigmoid")
+    _, grouped = route_reference(logits, 2, scoring="sigmoid", num_groups=2, topk_groups=1)
+    assert ungrouped.tolist() == [[0, 4]] and grouped.tolist() == [[4, 5]]
+
+
+@pytest.mark.parametrize(
+    "num_experts,top_k,num_groups,topk_groups,match",
+    [(8, 2, 3, 1, "must divide"), (8, 2, 2, 3, "topk_groups"), (8, 5, 4, 2, "exceeds"), (8, 2, 0, 1, "must divide")],
+)
+def test_bad_groups_are_value_errors(num_experts, top_k, num_groups, topk_groups, match):
+    with pytest.raises(ValueError, match=match):
+        route_reference(torch.zeros(2, num_experts), top_k, num_groups=num_groups, topk_groups=topk_groups)

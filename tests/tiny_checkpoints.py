@@ -22,7 +22,7 @@ import torch
 
 from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
 
@@ -56,6 +56,13 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
         cls, extra = transformers.MixtralConfig, dict(num_local_experts=num_experts, intermediate_size=16)
     elif family == "olmoe":
         cls, extra = transformers.OlmoeConfig, dict(num_experts=num_experts, intermediate_size=16, clip_qkv=3.0)
+    elif family == "glm4_moe":
+        # GLM-4.6's switches: biased qkv, routed_scaling_factor 2.5, one shared expert, and
+        # (transformers' default) partial rotary 0.5; all layers MoE unless overridden
+        cls, extra = transformers.Glm4MoeConfig, dict(
+            n_routed_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, head_dim=16,
+            first_k_dense_replace=0, attention_bias=True, routed_scaling_factor=2.5, n_shared_experts=1,
+        )
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return cls(**{**common, **extra, **overrides})
@@ -75,6 +82,9 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             # router gates (mlp.gate / block_sparse_moe.gate) and the shared-expert gate: wide logits
             std = 3.0 / math.sqrt(fan_in) if name.endswith("gate.weight") else 1.0 / math.sqrt(fan_in)
             p.copy_(std * torch.randn(p.shape, generator=g))
+    for name, b in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):  # sigmoid routers: a bias that changes picks
+            b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
 def build_hf_model(family: str, *, seed: int = 0, **config_kwargs: Any):
@@ -121,6 +131,23 @@ def hf_gate_modules(hf) -> dict[int, torch.nn.Module]:
         if hasattr(moe, "gate") and hasattr(moe, "experts"):
             gates[i] = moe.gate
     return gates
+
+
+def hf_router_ids(gate: torch.nn.Module, output: tuple) -> torch.Tensor:
+    """The [T, k] expert ids a transformers router module returned, in router order.
+
+    Most routers return them sorted by score; sigmoid routers with a correction bias
+    (GLM-4.5) return an unsorted top-k, which is put in r3srv's order here: descending
+    sigmoid(logit) + bias, ties to the lower id.
+    """
+    ids = output[2]
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is None:
+        return ids
+    keys = (output[0].float().sigmoid() + bias).gather(1, ids)
+    by_id = torch.sort(ids, dim=1).indices  # ties keep ascending ids through the stable sort
+    ids, keys = ids.gather(1, by_id), keys.gather(1, by_id)
+    return ids.gather(1, torch.sort(keys, dim=1, descending=True, stable=True).indices)
 
 
 BOS_TEMPLATE_ID = 256  # <|endoftext|> of the byte-level tokenizer

@@ -4,8 +4,8 @@ Dispatches to the fused Triton kernel on CUDA (when it is available) and to the
 plain-torch reference everywhere else; both share `route_reference`'s signature.
 
 Backends (`set_router_backend`):
-  "auto"   (default) Triton for CUDA tensors when triton imports, top_k <= 8 and
-           experts <= 1024; torch otherwise. R3SRV_FORCE_TORCH_ROUTER=1 in the environment makes "auto" use torch.
+  "auto"   (default) Triton for CUDA tensors when triton imports, top_k <= 8,
+           experts <= 1024 and no expert groups; torch otherwise. R3SRV_FORCE_TORCH_ROUTER=1 in the environment makes "auto" use torch.
   "torch"  always the torch reference.
   "triton" always the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);
            raises if it cannot run. For tests and benchmarks.
@@ -55,7 +55,7 @@ def _torch_forced() -> bool:
     return os.environ.get(FORCE_TORCH_ENV, "") not in ("", "0")
 
 
-def uses_triton(router_logits: torch.Tensor, top_k: int) -> bool:
+def uses_triton(router_logits: torch.Tensor, top_k: int, num_groups: int = 1) -> bool:
     """Whether `select_experts` would run the fused kernel for these inputs."""
     if _backend == "triton":
         return True
@@ -63,6 +63,7 @@ def uses_triton(router_logits: torch.Tensor, top_k: int) -> bool:
         return False
     return (
         router_logits.is_cuda
+        and num_groups == 1  # group-limited routing is not fused (yet)
         and top_k <= _FUSED_MAX_TOP_K
         and router_logits.shape[-1] <= _FUSED_MAX_EXPERTS
         and triton_available()
@@ -78,9 +79,11 @@ def select_experts(
     correction_bias: torch.Tensor | None = None,
     scaling: float = 1.0,
     capture: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to its top-k experts; see `route_reference` for the contract."""
-    if uses_triton(router_logits, top_k):
+    if uses_triton(router_logits, top_k, num_groups):
         from r3srv.kernels.router_triton import route_triton  # imports triton only when used
 
         route = route_triton
@@ -94,4 +97,6 @@ def select_experts(
         correction_bias=correction_bias,
         scaling=scaling,
         capture=capture,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
     )

@@ -20,6 +20,8 @@ def check_route_args(
     scoring: str,
     correction_bias: torch.Tensor | None,
     capture: torch.Tensor | None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
 ) -> None:
     """Reject bad routing arguments with a ValueError that names the argument (both backends)."""
     if router_logits.dim() != 2 or not router_logits.dtype.is_floating_point:
@@ -36,6 +38,17 @@ def check_route_args(
         raise ValueError(
             f"correction_bias must have shape ({num_experts},), got {tuple(correction_bias.shape)}"
         )
+    if num_groups != 1 or topk_groups != 1:
+        if num_groups < 1 or num_experts % num_groups or not 1 <= topk_groups <= num_groups:
+            raise ValueError(
+                f"expert groups: num_groups={num_groups} must divide num_experts={num_experts} and "
+                f"topk_groups={topk_groups} must be in [1, num_groups]"
+            )
+        if top_k > topk_groups * (num_experts // num_groups):
+            raise ValueError(
+                f"top_k={top_k} exceeds the {topk_groups * (num_experts // num_groups)} experts of "
+                f"topk_groups={topk_groups} groups"
+            )
     if capture is not None:
         if tuple(capture.shape) != (num_tokens, top_k):
             raise ValueError(f"capture must have shape ({num_tokens}, {top_k}), got {tuple(capture.shape)}")
@@ -67,6 +80,35 @@ def choice_keys(
     return torch.nan_to_num(keys, nan=inf, posinf=inf, neginf=-inf)
 
 
+def group_limited_keys(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    scoring: str,
+    correction_bias: torch.Tensor | None,
+    num_groups: int,
+    topk_groups: int,
+) -> torch.Tensor:
+    """`keys` with every expert outside each token's `topk_groups` best groups set to -inf.
+
+    DeepSeek-V3's group-limited routing (GLM-4.5 and Kimi-K2 configs carry it too): experts
+    come in `num_groups` equal groups, a group scores the sum of its two best
+    `score + bias` values (float64, as `choice_keys` ranks), and equal group scores go to
+    the lower group id.
+    """
+    num_tokens, num_experts = logits.shape
+    wide = logits.double()
+    scores = torch.softmax(wide, dim=-1) if scoring == "softmax" else torch.sigmoid(wide)
+    if correction_bias is not None:
+        scores = scores + correction_bias.double()
+    scores = torch.nan_to_num(scores, nan=float("inf"))
+    per_group = scores.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
+    best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
+    keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+    keep = keep.repeat_interleave(num_experts // num_groups, dim=1)
+    return keys.masked_fill(~keep, float("-inf"))
+
+
 def route_reference(
     router_logits: torch.Tensor,
     top_k: int,
@@ -76,6 +118,8 @@ def route_reference(
     correction_bias: torch.Tensor | None = None,
     scaling: float = 1.0,
     capture: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the top-k experts of each token.
 
@@ -87,14 +131,18 @@ def route_reference(
     renormalize: weights /= their sum. scaling multiplies the final weights.
     capture: an optional [T, k] integer view (e.g. one layer of a capture buffer);
     the ids are written into it, narrowed to its dtype.
+    num_groups > 1: group-limited routing (see `group_limited_keys`): only experts of each
+    token's `topk_groups` best groups can be picked.
     Bad arguments raise ValueError. See `choice_keys` for how scores are ranked exactly.
     """
-    check_route_args(router_logits, top_k, scoring, correction_bias, capture)
+    check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups)
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     # A stable descending sort keeps the lower id first among equal keys
     # (torch.topk does not promise an order for ties).
     keys = choice_keys(logits, scoring, correction_bias)
+    if num_groups > 1:
+        keys = group_limited_keys(logits, keys, scoring, correction_bias, num_groups, topk_groups)
     ids = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = scores.gather(-1, ids)
     if renormalize:

@@ -160,6 +160,8 @@ def route_triton(
     correction_bias: torch.Tensor | None = None,
     scaling: float = 1.0,
     capture: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
     block_t: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,8 +169,10 @@ def route_triton(
 
     Needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1.
     """
-    check_route_args(router_logits, top_k, scoring, correction_bias, capture)
+    check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups)
     num_tokens, num_experts = router_logits.shape
+    if num_groups != 1:
+        raise ValueError(f"the fused router has no group-limited routing (num_groups={num_groups}); use route_reference")
     if top_k > MAX_TOP_K or num_experts > MAX_EXPERTS:
         raise ValueError(
             f"the fused router supports top_k <= {MAX_TOP_K} and <= {MAX_EXPERTS} experts, got top_k={top_k} "

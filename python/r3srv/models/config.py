@@ -1,7 +1,8 @@
 """ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
 
-The four families differ in a handful of switches (q/k norm width, qkv clipping, router
-renormalisation, shared expert, which layers are MoE). Parsing them here, from the raw JSON,
+The five families differ in a handful of switches (q/k norm width, qkv clipping, partial
+rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
+layers are MoE). Parsing them here, from the raw JSON,
 keeps `transformers` out of the runtime and accepts both old and new key spellings.
 """
 
@@ -26,6 +27,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
 _MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in ARCHITECTURE_FAMILIES.items()}
@@ -55,7 +57,7 @@ class ModelConfig:
     """Everything the decoder, the loader and the engine need to know about a checkpoint."""
 
     architecture: str
-    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe
+    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe
     name: str  # served model name
     vocab_size: int
     hidden_size: int
@@ -75,6 +77,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling_factor: float = 1.0  # "linear" RoPE scaling divides positions by this
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * this dims (GLM-4.5: 0.5)
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     # attention switches
@@ -84,8 +87,19 @@ class ModelConfig:
     clip_qkv: float | None = None
     # router switches
     renormalize: bool = True  # top-k weights renormalised to sum to one
-    shared_expert_intermediate_size: int = 0  # > 0: Qwen2-MoE shared expert with a sigmoid gate
+    scoring: str = "softmax"  # "sigmoid": GLM-4.5 / DeepSeek-V3-style routers
+    router_bias: bool = False  # e_score_correction_bias: added to the scores for the choice only
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    num_expert_groups: int = 1  # > 1: group-limited routing (n_group / topk_group)
+    topk_expert_groups: int = 1
+    router_float32: bool = False  # router matmul in float32 whatever the model dtype (GLM-4.5's reference)
+    shared_expert_intermediate_size: int = 0  # > 0: a shared expert every token goes through
+    shared_expert_gate: bool = True  # Qwen2-MoE scales it by a sigmoid gate; GLM-4.5's has none
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def has_moe(self) -> bool:
@@ -126,7 +140,7 @@ class ModelConfig:
         kv_heads = get.int("num_key_value_heads", default=heads)
         head_dim = raw.get("head_dim") or hidden // heads
         num_layers = get.int("num_hidden_layers")
-        num_experts = get.int("num_local_experts", "num_experts")
+        num_experts = get.int("num_local_experts", "num_experts", "n_routed_experts")
         top_k = get.int("num_experts_per_tok")
         if not 0 < top_k <= num_experts:
             raise ConfigError(f"{architecture}: num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
@@ -175,6 +189,8 @@ class ModelConfig:
             cfg["qk_norm"] = "full"
             cfg["clip_qkv"] = raw.get("clip_qkv")
             cfg["renormalize"] = bool(raw.get("norm_topk_prob", False))
+        elif family == "glm4_moe":
+            cfg.update(_glm4_moe_switches(raw, get, num_layers))
         window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         if window and window < cfg["max_position_embeddings"]:
             # Within the window, sliding-window attention is full attention: capping the
@@ -186,10 +202,53 @@ class ModelConfig:
             raise ConfigError(f"{architecture}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
         if heads % kv_heads:
             raise ConfigError(f"{architecture}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        _check_routing(architecture, cfg)
+        rotary = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0))
+        if rotary < 2 or rotary % 2 or rotary > cfg["head_dim"]:
+            raise ConfigError(f"{architecture}: the rotary dims ({rotary}) must be even and in 2..head_dim={cfg['head_dim']}")
         return cls(**cfg)
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+def _glm4_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:
+    """GLM-4.5 / 4.6 (Glm4MoeForCausalLM): sigmoid router with a correction bias, optional
+    expert groups and scaling, gate-less shared experts, dense first layers, partial RoPE."""
+    moe_width = get.int("moe_intermediate_size")
+    rope = raw.get("rope_parameters") or {}
+    first_dense = int(raw.get("first_k_dense_replace", 1))  # the transformers default
+    return dict(
+        moe_intermediate_size=moe_width,
+        moe_layers=list(range(min(first_dense, num_layers), num_layers)),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        qk_norm="head" if raw.get("use_qk_norm") else None,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))),
+        renormalize=bool(raw.get("norm_topk_prob", True)),
+        scoring="sigmoid",
+        router_bias=True,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        num_expert_groups=int(raw.get("n_group") or 1),
+        topk_expert_groups=int(raw.get("topk_group") or 1),
+        router_float32=True,
+        shared_expert_intermediate_size=moe_width * int(raw.get("n_shared_experts") or 0),
+        shared_expert_gate=False,
+    )
+
+
+def _check_routing(architecture: str, cfg: dict[str, Any]) -> None:
+    groups, topk_groups = cfg.get("num_expert_groups", 1), cfg.get("topk_expert_groups", 1)
+    experts, top_k = cfg["num_experts"], cfg["top_k"]
+    if groups < 1 or experts % groups or not 1 <= topk_groups <= groups:
+        raise ConfigError(
+            f"{architecture}: n_group={groups} must divide the {experts} experts and topk_group={topk_groups} "
+            f"must be in 1..n_group"
+        )
+    if top_k > topk_groups * (experts // groups):
+        raise ConfigError(
+            f"{architecture}: num_experts_per_tok={top_k} exceeds the {topk_groups * (experts // groups)} "
+            f"experts of topk_group={topk_groups} groups"
+        )
 
 
 def _architecture(raw: dict[str, Any]) -> str:

@@ -30,8 +30,14 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by the half-split (GPT-NeoX / HF Llama) convention."""
-    half = x.shape[-1] // 2
+    """x [T, heads, head_dim] rotated by the half-split (GPT-NeoX / HF Llama) convention.
+
+    cos/sin narrower than head_dim (partial rotary, GLM-4.5) rotate the leading dims only.
+    """
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    half = rotary // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 

@@ -1,8 +1,8 @@
-"""The MoE decoder shared by the four families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
+"""The MoE decoder shared by the five families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5).
 
 One class with a few config switches rather than a class per family: the families differ
-only in q/k norm width, qkv bias/clipping, router renormalisation, the shared expert and
-the checkpoint names (see `weight_targets`).
+only in q/k norm width, qkv bias/clipping, partial rotary, the router (scoring, bias, groups,
+renormalisation, scaling), the shared expert and the checkpoint names (see `weight_targets`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class MoeForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(device)
+        self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta).to(device)
         self.block_size = 0
         self.num_blocks = 0
         self.cpu_threads = _cpu_threads() if device.type == "cpu" else 0
@@ -207,6 +207,8 @@ class MoeForCausalLM(nn.Module):
                 targets[p + "mlp.up_proj.weight"] = mlp.w13[half:]
                 targets[p + "mlp.down_proj.weight"] = mlp.w2
                 continue
+            if mlp.correction_bias is not None:
+                targets[p + "mlp.gate.e_score_correction_bias"] = mlp.correction_bias
             moe_prefix = p + ("block_sparse_moe." if family == "mixtral" else "mlp.")
             gate_name, up_name, down_name = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
             targets[moe_prefix + "gate.weight"] = mlp.gate
@@ -222,8 +224,11 @@ class MoeForCausalLM(nn.Module):
             targets[p + "mlp.experts.down_proj"] = mlp.w2
             if mlp.shared_w13 is not None:
                 s_half = mlp.shared_w13.shape[0] // 2
-                targets[p + "mlp.shared_expert.gate_proj.weight"] = mlp.shared_w13[:s_half]
-                targets[p + "mlp.shared_expert.up_proj.weight"] = mlp.shared_w13[s_half:]
-                targets[p + "mlp.shared_expert.down_proj.weight"] = mlp.shared_w2
-                targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
+                # Qwen2-MoE: one gated "shared_expert"; GLM-4.5: gate-less "shared_experts"
+                shared = p + ("mlp.shared_experts." if family == "glm4_moe" else "mlp.shared_expert.")
+                targets[shared + "gate_proj.weight"] = mlp.shared_w13[:s_half]
+                targets[shared + "up_proj.weight"] = mlp.shared_w13[s_half:]
+                targets[shared + "down_proj.weight"] = mlp.shared_w2
+                if mlp.shared_gate is not None:
+                    targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
         return targets

@@ -85,7 +85,8 @@ def _grouped_mm_enabled() -> bool:
 
 
 class SparseMoeBlock(nn.Module):
-    """Routed experts, plus the Qwen2-MoE shared expert when the config has one."""
+    """Routed experts, plus a shared expert when the config has one (Qwen2-MoE: sigmoid-gated;
+    GLM-4.5: ungated)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -93,7 +94,18 @@ class SparseMoeBlock(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.top_k = cfg.top_k
         self.renormalize = cfg.renormalize
-        self.gate = nn.Parameter(torch.empty(e, h, **kw), requires_grad=False)
+        self.scoring = cfg.scoring
+        self.scaling = cfg.routed_scaling_factor
+        self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
+        # A float32 router keeps the checkpoint's routing exact in a bf16 model: the reference
+        # implementations compute these logits in float32, and the correction bias is stored
+        # in float32 (rounding it to bf16 would change which experts win).
+        router_dtype = torch.float32 if cfg.router_float32 else dtype
+        self.gate = nn.Parameter(torch.empty(e, h, dtype=router_dtype, device=device), requires_grad=False)
+        self.correction_bias = (
+            nn.Parameter(torch.empty(e, dtype=torch.float32, device=device), requires_grad=False)
+            if cfg.router_bias else None
+        )
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **kw), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, **kw), requires_grad=False)
         self.shared_w13 = self.shared_w2 = self.shared_gate = None
@@ -101,15 +113,24 @@ class SparseMoeBlock(nn.Module):
         if s:
             self.shared_w13 = nn.Parameter(torch.empty(2 * s, h, **kw), requires_grad=False)
             self.shared_w2 = nn.Parameter(torch.empty(h, s, **kw), requires_grad=False)
-            self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
+            if cfg.shared_expert_gate:
+                self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:
-        router_logits = F.linear(x, self.gate)
+        router_logits = F.linear(x.to(self.gate.dtype), self.gate)
         weights, ids = select_experts(
-            router_logits, self.top_k, scoring="softmax", renormalize=self.renormalize, capture=capture
+            router_logits,
+            self.top_k,
+            scoring=self.scoring,
+            renormalize=self.renormalize,
+            correction_bias=self.correction_bias,
+            scaling=self.scaling,
+            capture=capture,
+            num_groups=self.num_groups,
+            topk_groups=self.topk_groups,
         )
         out = grouped_experts(x, self.w13, self.w2, weights, ids)
         if self.shared_w13 is not None:
             shared = silu_mlp(x, self.shared_w13, self.shared_w2)
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)
         return out

@@ -1,0 +1,144 @@
+"""GLM-4.5 / 4.6 (Glm4MoeForCausalLM) specifics the transformers oracle tests do not cover:
+released config spellings, a float32 router in a bfloat16 model, the MTP layer a released
+checkpoint carries, and bad expert groups. (Logits and routing against transformers:
+tests/test_models_oracle.py and tests/test_models_llm_oracle.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from r3srv.errors import ConfigError
+from r3srv.models.batch import ForwardBatch
+from r3srv.models.config import ModelConfig
+from r3srv.models.loader import load_model
+from tiny_checkpoints import write_tiny_checkpoint
+
+pytest.importorskip("transformers")
+
+PROMPT = [72, 101, 108, 108, 111, 33, 10, 200, 7, 9]
+
+# The keys and spellings of GLM-4.5-Air's released config.json (transformers 4.54 era):
+# top-level rope_theta and partial_rotary_factor, n_routed_experts, an MTP layer.
+GLM45_AIR_STYLE = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "attention_bias": True,
+    "eos_token_id": [151329, 151336, 151338],
+    "first_k_dense_replace": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 10944,
+    "max_position_embeddings": 131072,
+    "model_type": "glm4_moe",
+    "moe_intermediate_size": 1408,
+    "n_group": 1,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 46,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "torch_dtype": "bfloat16",
+    "use_qk_norm": False,
+    "vocab_size": 151552,
+}
+
+
+def _prefill(model) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = model.config
+    model.init_kv_cache(8, 16)
+    t = len(PROMPT)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(PROMPT),
+        positions=torch.arange(t),
+        slot_mapping=torch.arange(t),
+        query_lens=[t],
+        context_lens=[t],
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        logits_indices=torch.tensor([t - 1]),
+        routing_capture=torch.zeros(t, cfg.num_layers, cfg.top_k, dtype=torch.int32),
+    )
+    return model.forward(batch), batch.routing_capture
+
+
+def test_released_config_spelling_parses_to_the_glm_switches():
+    cfg = ModelConfig.from_dict(GLM45_AIR_STYLE, name="glm-4.5-air")
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.num_layers) == ("glm4_moe", 128, 8, 46)
+    assert cfg.moe_layers == list(range(1, 46))  # first_k_dense_replace=1: layer 0 is dense
+    assert cfg.rotary_dim == 64 and cfg.rope_theta == 1e6
+    assert (cfg.scoring, cfg.router_bias, cfg.router_float32, cfg.renormalize) == ("sigmoid", True, True, True)
+    assert (cfg.num_expert_groups, cfg.topk_expert_groups, cfg.routed_scaling_factor) == (1, 1, 1.0)
+    assert cfg.shared_expert_intermediate_size == 1408 and not cfg.shared_expert_gate
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.qk_norm is None
+    assert cfg.eos_token_ids == [151329, 151336, 151338] and cfg.torch_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "groups,match",
+    [({"n_group": 3}, "must divide"), ({"n_group": 2, "topk_group": 3}, "topk_group"),
+     ({"n_group": 32, "topk_group": 1}, "exceeds")],
+)
+def test_bad_expert_groups_are_config_errors(groups, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dict({**GLM45_AIR_STYLE, **groups})
+
+
+def test_odd_rotary_width_is_a_config_error():
+    with pytest.raises(ConfigError, match="rotary dims"):
+        ModelConfig.from_dict({**GLM45_AIR_STYLE, "partial_rotary_factor": 0.7})
+
+
+def test_bfloat16_model_keeps_the_router_in_float32(tmp_path):
+    """A bf16 checkpoint stores the correction bias in float32 (transformers keeps it so);
+    rounding it, or the router logits, to bf16 would change which experts win."""
+    path = write_tiny_checkpoint(tmp_path / "fp32", "glm4_moe", seed=3)
+    tensors = load_file(str(path / "model.safetensors"))
+    bf16 = {k: v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16) for k, v in tensors.items()}
+    save_file(bf16, str(path / "model.safetensors"))
+    raw = json.loads((path / "config.json").read_text())
+    raw["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(raw))
+
+    model, _ = load_model(path, dtype="bfloat16")
+    moe = model.layers[0].mlp
+    assert model.embed.dtype == torch.bfloat16 and moe.w13.dtype == torch.bfloat16
+    assert moe.gate.dtype == torch.float32 and moe.correction_bias.dtype == torch.float32
+    bias = tensors["model.layers.0.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(moe.correction_bias, bias)  # bit for bit, not via bf16
+    assert torch.equal(moe.gate, bf16["model.layers.0.mlp.gate.weight"].float())
+    logits, rows = _prefill(model)
+    assert torch.isfinite(logits).all()
+    assert all(len(set(r)) == model.config.top_k for r in rows.reshape(-1, model.config.top_k).tolist())
+
+
+def test_the_mtp_layer_of_a_released_checkpoint_is_ignored(tmp_path, caplog):
+    """Released GLM-4.5 checkpoints carry one multi-token-prediction layer after the last
+    decoder layer (model.layers.<num_hidden_layers>.*); serving does not use it."""
+    plain = write_tiny_checkpoint(tmp_path / "plain", "glm4_moe", seed=4)
+    with_mtp = tmp_path / "with_mtp"
+    shutil.copytree(plain, with_mtp)
+    tensors = load_file(str(with_mtp / "model.safetensors"))
+    n = ModelConfig.from_dir(plain).num_layers
+    layer0 = "model.layers.0."
+    extra = {f"model.layers.{n}." + k.removeprefix(layer0): v.clone() for k, v in tensors.items() if k.startswith(layer0)}
+    extra[f"model.layers.{n}.eh_proj.weight"] = torch.randn(32, 64)
+    save_file({**tensors, **extra}, str(with_mtp / "model.safetensors"))
+
+    want_logits, want_rows = _prefill(load_model(plain)[0])
+    logits, rows = _prefill(load_model(with_mtp)[0])
+    assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
+    assert f"model.layers.{n}." in caplog.text  # named in the "ignored" warning
