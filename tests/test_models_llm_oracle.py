@@ -32,7 +32,7 @@ def _hf_routing(hf, tokens: list[int], num_layers: int, top_k: int) -> np.ndarra
     """[len(tokens), num_layers, top_k] router top-k of one transformers forward; dense layers zero."""
     rows = np.zeros((len(tokens), num_layers, top_k), dtype=np.int64)
     hooks = [
-        gate.register_forward_hook(lambda m, i, out, layer=layer: rows.__setitem__((slice(None), layer), hf_router_ids(m, out).numpy()))
+        gate.register_forward_hook(lambda m, inp, out, layer=layer: rows.__setitem__((slice(None), layer), hf_router_ids(m, inp, out).numpy()))
         for layer, gate in hf_gate_modules(hf).items()
     ]
     try:

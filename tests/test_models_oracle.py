@@ -38,6 +38,8 @@ VARIANTS = {
         "glm4_moe", {"rope_parameters": {"rope_theta": 500.0, "rope_type": "default", "partial_rotary_factor": 1.0},
                      "n_shared_experts": 2}
     ),
+    "minimax_m2": ("minimax_m2", {}),
+    "minimax_m2_32e_top8": ("minimax_m2", {"num_experts": 32, "top_k": 8, "num_layers": 3}),
 }
 
 
@@ -61,7 +63,7 @@ def _hf_run(case: Case, ids: list[int], past=None):
     """transformers forward: (logits [T, V], router ids per MoE layer [T, k], past)."""
     picked: dict[int, torch.Tensor] = {}
     hooks = [
-        gate.register_forward_hook(lambda m, inp, out, i=i: picked.__setitem__(i, hf_router_ids(m, out).clone()))
+        gate.register_forward_hook(lambda m, inp, out, i=i: picked.__setitem__(i, hf_router_ids(m, inp, out).clone()))
         for i, gate in case.gates.items()
     ]
     try:

@@ -177,7 +177,7 @@ def test_a_failure_while_copying_is_named_in_every_later_output(policies, monkey
     llm = LLM(str(v0), **ENGINE)
 
     def copy_then_fail(model, plan):
-        (file, names), *_ = plan
+        (file, names), *_ = plan.shards
         with loader.safe_open(str(file), framework="pt", device="cpu") as f:
             target = model.weight_targets()[names[0]]
             target.copy_(f.get_tensor(names[0]))

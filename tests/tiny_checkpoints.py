@@ -22,7 +22,7 @@ import torch
 
 from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2")
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
 
@@ -62,6 +62,11 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
         cls, extra = transformers.Glm4MoeConfig, dict(
             n_routed_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, head_dim=16,
             first_k_dense_replace=0, attention_bias=True, routed_scaling_factor=2.5, n_shared_experts=1,
+        )
+    elif family == "minimax_m2":
+        # rotary_dim as the released configs spell partial RoPE (half of head_dim here)
+        cls, extra = transformers.MiniMaxM2Config, dict(
+            num_local_experts=num_experts, intermediate_size=16, head_dim=16, rotary_dim=8
         )
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -133,15 +138,18 @@ def hf_gate_modules(hf) -> dict[int, torch.nn.Module]:
     return gates
 
 
-def hf_router_ids(gate: torch.nn.Module, output: tuple) -> torch.Tensor:
-    """The [T, k] expert ids a transformers router module returned, in router order.
+def hf_router_ids(gate: torch.nn.Module, inputs: tuple, output: tuple) -> torch.Tensor:
+    """The [T, k] expert ids a transformers router module returned (a forward hook's
+    arguments), in router order.
 
     Most routers return them sorted by score; sigmoid routers with a correction bias
-    (GLM-4.5) return an unsorted top-k, which is put in r3srv's order here: descending
-    sigmoid(logit) + bias, ties to the lower id.
+    (GLM-4.5, MiniMax-M2) return an unsorted top-k, which is put in r3srv's order here:
+    descending sigmoid(logit) + bias, ties to the lower id.
     """
     ids = output[2]
-    bias = getattr(gate, "e_score_correction_bias", None)
+    bias = getattr(gate, "e_score_correction_bias", None)  # GLM-4.5: the router holds it
+    if bias is None and len(inputs) > 1:  # MiniMax-M2: the MoE block passes it in
+        bias = inputs[1]
     if bias is None:
         return ids
     keys = (output[0].float().sigmoid() + bias).gather(1, ids)

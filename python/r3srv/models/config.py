@@ -1,6 +1,6 @@
 """ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
 
-The five families differ in a handful of switches (q/k norm width, qkv clipping, partial
+The six families differ in a handful of switches (q/k norm width, qkv clipping, partial
 rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
 layers are MoE). Parsing them here, from the raw JSON,
 keeps `transformers` out of the runtime and accepts both old and new key spellings.
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from r3srv.errors import ConfigError
+from r3srv.models.fp8 import parse_fp8_block
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
 _MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in ARCHITECTURE_FAMILIES.items()}
@@ -57,7 +59,7 @@ class ModelConfig:
     """Everything the decoder, the loader and the engine need to know about a checkpoint."""
 
     architecture: str
-    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe
+    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe | minimax_m2
     name: str  # served model name
     vocab_size: int
     hidden_size: int
@@ -74,6 +76,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     torch_dtype: torch.dtype  # the checkpoint's dtype
+    fp8_block: tuple[int, int] | None = None  # block-FP8 checkpoint: dequantized at load (models/fp8.py)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling_factor: float = 1.0  # "linear" RoPE scaling divides positions by this
@@ -165,6 +168,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=parse_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32", what="checkpoint dtype"),
+            fp8_block=parse_fp8_block(raw, architecture),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling_factor=rope_factor,
@@ -191,6 +195,8 @@ class ModelConfig:
             cfg["renormalize"] = bool(raw.get("norm_topk_prob", False))
         elif family == "glm4_moe":
             cfg.update(_glm4_moe_switches(raw, get, num_layers))
+        elif family == "minimax_m2":
+            cfg.update(_minimax_m2_switches(raw, int(head_dim)))
         window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         if window and window < cfg["max_position_embeddings"]:
             # Within the window, sliding-window attention is full attention: capping the
@@ -233,6 +239,26 @@ def _glm4_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> 
         router_float32=True,
         shared_expert_intermediate_size=moe_width * int(raw.get("n_shared_experts") or 0),
         shared_expert_gate=False,
+    )
+
+
+def _minimax_m2_switches(raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """MiniMax-M2 (MiniMaxM2ForCausalLM): Mixtral's layout and names with a sigmoid router and a
+    correction bias (always renormalised), q/k RMSNorm over all heads, partial RoPE."""
+    rope = raw.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor")
+    if factor is None:  # released configs give `rotary_dim` (64 of head_dim 128)
+        factor = raw["rotary_dim"] / head_dim if raw.get("rotary_dim") else raw.get("partial_rotary_factor", 1.0)
+    if raw.get("shared_intermediate_size"):
+        raise ConfigError("MiniMaxM2ForCausalLM: shared experts (shared_intermediate_size > 0) are not supported")
+    return dict(
+        qk_norm="full",
+        partial_rotary_factor=float(factor),
+        renormalize=True,
+        scoring="sigmoid",
+        router_bias=True,
+        # float32 router logits, as vLLM and SGLang compute them for this family
+        router_float32=True,
     )
 
 

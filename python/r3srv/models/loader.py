@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from r3srv.errors import ConfigError
+from r3srv.models import fp8
 from r3srv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from r3srv.models.model import MoeForCausalLM
 from r3srv.tokenizer import Tokenizer
@@ -82,7 +85,7 @@ def load_model(
     device = torch.device(device)
     model_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
     model = MoeForCausalLM(cfg, dtype=model_dtype, device=device)
-    _load_weights(model, safetensors_files(path))
+    _load_weights(model, safetensors_files(path), cfg.fp8_block)
     model.eval()
 
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
@@ -99,7 +102,7 @@ def load_model(
 
 
 # ModelConfig fields two checkpoints may differ in and still swap weights (an RL policy update).
-_UPDATE_MAY_CHANGE = frozenset({"name", "torch_dtype", "raw", "eos_token_ids", "bos_token_id"})
+_UPDATE_MAY_CHANGE = frozenset({"name", "torch_dtype", "raw", "eos_token_ids", "bos_token_id", "fp8_block"})
 
 
 def load_weights_from_dir(model: MoeForCausalLM, path: str | os.PathLike) -> None:
@@ -121,16 +124,40 @@ def load_weights_from_dir(model: MoeForCausalLM, path: str | os.PathLike) -> Non
     ]
     if changed:
         raise ConfigError(f"{path} is not the served model's architecture: {'; '.join(changed[:6])}")
-    _load_weights(model, safetensors_files(path))
+    _load_weights(model, safetensors_files(path), new.fp8_block)
 
 
-def _load_weights(model: MoeForCausalLM, files: list[Path]) -> None:
-    _copy_weights(model, _plan_weights(model, files))
+def _load_weights(model: MoeForCausalLM, files: list[Path], fp8_block: tuple[int, int] | None = None) -> None:
+    _copy_weights(model, _plan_weights(model, files, fp8_block))
 
 
-def _plan_weights(model: MoeForCausalLM, files: list[Path]) -> list[tuple[Path, list[str]]]:
+@dataclasses.dataclass
+class WeightPlan:
+    """What to copy: per shard, the tensor names that fill the model; for FP8 weights,
+    where their block scales are (a scale may sit in another shard)."""
+
+    shards: list[tuple[Path, list[str]]]
+    scales: dict[str, tuple[Path, str]]
+    fp8_block: tuple[int, int] | None = None
+
+
+def _read_headers(files: list[Path]) -> dict[Path, dict[str, tuple[tuple[int, ...], str]]]:
+    headers = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                headers[file] = {
+                    name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()
+                }
+        except Exception as exc:  # safetensors raises its own error types for a corrupt header
+            raise ConfigError(f"cannot read {file}: {exc}") from exc
+    return headers
+
+
+def _plan_weights(model: MoeForCausalLM, files: list[Path], fp8_block: tuple[int, int] | None = None) -> WeightPlan:
     """Which tensors of which shard fill the model, checked from the shard headers alone:
-    every shape matches and every parameter is filled, before a single weight is copied."""
+    every shape matches, every FP8 weight has its block scales, and every parameter is
+    filled, before a single weight is copied."""
     targets = model.weight_targets()
     # elements filled per parameter, to report anything the checkpoint left empty
     filled: dict[str, int] = {}
@@ -138,27 +165,32 @@ def _plan_weights(model: MoeForCausalLM, files: list[Path]) -> list[tuple[Path, 
     by_storage = {p.untyped_storage().data_ptr(): name for name, p in named.items()}
     # a target is a view of one parameter: they share its storage
     owners = {name: by_storage[t.untyped_storage().data_ptr()] for name, t in targets.items()}
+    headers = _read_headers(files)
+    scale_of = {
+        name.removesuffix(fp8.SCALE_SUFFIX): (file, name)
+        for file, header in headers.items()
+        for name in header
+        if name.endswith(fp8.SCALE_SUFFIX)
+    }
     unexpected: list[str] = []
-    plan: list[tuple[Path, list[str]]] = []
-    for file in files:
+    plan = WeightPlan(shards=[], scales={}, fp8_block=fp8_block)
+    for file, header in headers.items():
         used: list[str] = []
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-        except Exception as exc:  # safetensors raises its own error types for a corrupt header
-            raise ConfigError(f"cannot read {file}: {exc}") from exc
-        for name, shape in shapes.items():
+        for name, (shape, dtype) in header.items():
             target = targets.get(name)
             if target is None:
-                if not name.endswith(_IGNORED_SUFFIXES) and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                if not (name.endswith(_IGNORED_SUFFIXES) or name.removesuffix(fp8.SCALE_SUFFIX) in targets
+                        or (name == "lm_head.weight" and model.config.tie_word_embeddings)):
                     unexpected.append(name)
                 continue
             if shape != tuple(target.shape):
                 raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies {tuple(target.shape)}")
+            if dtype in fp8.FP8_DTYPES:
+                plan.scales[name] = _check_fp8_weight(file, name, shape, scale_of, headers, fp8_block)
             owner = owners[name]
             filled[owner] = filled.get(owner, 0) + target.numel()
             used.append(name)
-        plan.append((file, used))
+        plan.shards.append((file, used))
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:5])
     missing = [name for name, p in named.items() if filled.get(name, 0) != p.numel()]
@@ -167,10 +199,36 @@ def _plan_weights(model: MoeForCausalLM, files: list[Path]) -> list[tuple[Path, 
     return plan
 
 
+def _check_fp8_weight(file, name, shape, scale_of, headers, fp8_block) -> tuple[Path, str]:
+    if fp8_block is None:
+        raise ConfigError(f"{file.name}: tensor {name} is float8 but config.json has no block-FP8 quantization_config")
+    if len(shape) != 2 or name not in scale_of:
+        raise ConfigError(f"{file.name}: float8 tensor {name} needs a 2-D shape and a {name}{fp8.SCALE_SUFFIX} tensor")
+    scale_file, scale_name = scale_of[name]
+    scale_shape = headers[scale_file][scale_name][0]
+    if scale_shape != fp8.scale_shape(shape, fp8_block):
+        raise ConfigError(
+            f"{scale_file.name}: {scale_name} has shape {scale_shape}; {shape} in {fp8_block} blocks needs "
+            f"{fp8.scale_shape(shape, fp8_block)}"
+        )
+    return scale_file, scale_name
+
+
 @torch.no_grad()
-def _copy_weights(model: MoeForCausalLM, plan: list[tuple[Path, list[str]]]) -> None:
+def _copy_weights(model: MoeForCausalLM, plan: WeightPlan) -> None:
     targets = model.weight_targets()
-    for file, names in tqdm(plan, desc="Loading safetensors shards", unit="shard"):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+
+        def shard(file: Path):
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            return opened[file]
+
+        for file, names in tqdm(plan.shards, desc="Loading safetensors shards", unit="shard"):
             for name in names:
-                targets[name].copy_(f.get_tensor(name))
+                tensor = shard(file).get_tensor(name)
+                if name in plan.scales:
+                    scale_file, scale_name = plan.scales[name]
+                    tensor = fp8.dequantize(tensor, shard(scale_file).get_tensor(scale_name), plan.fp8_block)
+                targets[name].copy_(tensor)

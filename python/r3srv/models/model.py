@@ -1,4 +1,4 @@
-"""The MoE decoder shared by the five families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5).
+"""The MoE decoder shared by the six families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, partial rotary, the router (scoring, bias, groups,
@@ -207,10 +207,16 @@ class MoeForCausalLM(nn.Module):
                 targets[p + "mlp.up_proj.weight"] = mlp.w13[half:]
                 targets[p + "mlp.down_proj.weight"] = mlp.w2
                 continue
+            mixtral_names = family in ("mixtral", "minimax_m2")
+            moe_prefix = p + ("block_sparse_moe." if mixtral_names else "mlp.")
+            gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
             if mlp.correction_bias is not None:
-                targets[p + "mlp.gate.e_score_correction_bias"] = mlp.correction_bias
-            moe_prefix = p + ("block_sparse_moe." if family == "mixtral" else "mlp.")
-            gate_name, up_name, down_name = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+                # GLM-4.5 keeps the bias in its router module; MiniMax-M2 in the MoE block
+                # (transformers 5 in memory: mlp.e_score_correction_bias)
+                bias_names = ["mlp.gate.e_score_correction_bias"] if family == "glm4_moe" else [
+                    "block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"]
+                for name in bias_names:
+                    targets[p + name] = mlp.correction_bias
             targets[moe_prefix + "gate.weight"] = mlp.gate
             half = mlp.w13.shape[1] // 2
             for e in range(cfg.num_experts):

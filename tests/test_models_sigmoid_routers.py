@@ -1,7 +1,8 @@
-"""GLM-4.5 / 4.6 (Glm4MoeForCausalLM) specifics the transformers oracle tests do not cover:
-released config spellings, a float32 router in a bfloat16 model, the MTP layer a released
-checkpoint carries, and bad expert groups. (Logits and routing against transformers:
-tests/test_models_oracle.py and tests/test_models_llm_oracle.py.)"""
+"""GLM-4.5 / 4.6 (Glm4MoeForCausalLM) and MiniMax-M2 (MiniMaxM2ForCausalLM) specifics the
+transformers oracle tests do not cover: released config spellings, a float32 router in a
+bfloat16 model, the MTP layer a released checkpoint carries, and bad expert groups. (Logits
+and routing against transformers: tests/test_models_oracle.py and test_models_llm_oracle.py;
+block-FP8 loading: test_models_fp8.py.)"""
 
 from __future__ import annotations
 
@@ -58,6 +59,34 @@ GLM45_AIR_STYLE = {
 }
 
 
+# MiniMax-M2's released config.json spellings: rotary_dim instead of a factor, block-FP8
+MINIMAX_M2_STYLE = {
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 196608,
+    "model_type": "minimax_m2",
+    "num_attention_heads": 48,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 62,
+    "num_key_value_heads": 8,
+    "num_local_experts": 256,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 5000000,
+    "rotary_dim": 64,
+    "scoring_func": "sigmoid",
+    "shared_intermediate_size": 0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_qk_norm": True,
+    "vocab_size": 200064,
+}
+
+
 def _prefill(model) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = model.config
     model.init_kv_cache(8, 16)
@@ -85,6 +114,16 @@ def test_released_config_spelling_parses_to_the_glm_switches():
     assert cfg.shared_expert_intermediate_size == 1408 and not cfg.shared_expert_gate
     assert cfg.qkv_bias and not cfg.o_bias and cfg.qk_norm is None
     assert cfg.eos_token_ids == [151329, 151336, 151338] and cfg.torch_dtype == torch.bfloat16
+
+
+def test_minimax_m2_released_config_spelling():
+    cfg = ModelConfig.from_dict(MINIMAX_M2_STYLE)
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("minimax_m2", 256, 8, list(range(62)))
+    assert cfg.rotary_dim == 64 and cfg.qk_norm == "full" and cfg.moe_intermediate_size == 1536
+    assert (cfg.scoring, cfg.router_bias, cfg.renormalize, cfg.routed_scaling_factor) == ("sigmoid", True, True, 1.0)
+    assert cfg.shared_expert_intermediate_size == 0 and cfg.fp8_block == (128, 128)
+    with pytest.raises(ConfigError, match="shared experts"):
+        ModelConfig.from_dict({**MINIMAX_M2_STYLE, "shared_intermediate_size": 512})
 
 
 @pytest.mark.parametrize(
