@@ -34,6 +34,6 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/python"
 
 status=0
 timeout 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu" \
-    tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+    tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine.py tests/test_memory_release.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 270 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md" 2>&1 | tee "$out/router_bench.log" || status=1
 exit $status

@@ -1,5 +1,7 @@
 """Shared by the engine tests: greedy settings, deterministic prompts, one torch thread."""
 
+import time
+
 import pytest
 import torch
 
@@ -21,3 +23,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def slowed(engine):
+    """5 ms more per step of an AsyncLLM: a request stays running while an update and other
+    requests arrive, however fast the machine."""
+    step = engine._engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    engine._engine.step = slow_step
+    return engine

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import time
 
 import httpx
 import numpy as np
@@ -115,6 +117,28 @@ def test_metrics_count_weight_updates_by_outcome(server, policies, tmp_path):
     assert post(server, "/update_weights_from_disk", {"model_path": str(tmp_path)}).status_code == 400
     assert count("loaded") == before["loaded"] + 1 and count("rejected") == before["rejected"] + 1
     assert "r3srv_weight_update_seconds_count" in httpx.get(server.url + "/metrics").text
+
+
+def test_release_and_resume_memory_occupation(server):
+    """SGLang's endpoints: requests arriving while memory is released wait, then run as before."""
+    prompt = prompt_ids(30, base=4)
+    want = served(server, prompt)
+    r = post(server, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+    assert r.status_code == 200 and r.json() == {"success": True, "released": ["kv_cache", "weights"]}
+    assert httpx.get(server.url + "/health").status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(served, server, prompt)
+        time.sleep(0.5)
+        assert not pending.done()  # held, not failed
+        r = post(server, "/resume_memory_occupation", {"tags": ["weights"]})
+        assert r.status_code == 200 and r.json()["released"] == ["kv_cache"]
+        time.sleep(0.2)
+        assert not pending.done()  # still no KV cache
+        assert post(server, "/resume_memory_occupation").json() == {"success": True, "released": []}
+        ids, rows, version = pending.result(timeout=60)
+    assert ids == want[0] and np.array_equal(rows, want[1]) and version == want[2]
+    r = post(server, "/release_memory_occupation", {"tags": ["vram"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tags" and "vram" in r.json()["error"]["message"]
 
 
 def test_malformed_body_is_a_400(server):

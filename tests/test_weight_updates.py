@@ -3,13 +3,12 @@ flight finish on the weights they started with (or are aborted), bad checkpoints
 
 import asyncio
 import shutil
-import time
 
 import numpy as np
 import pytest
 from tiny_checkpoints import write_tiny_checkpoint
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from engine_testing import GREEDY, one_torch_thread, prompt_ids, slowed  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM
 from r3srv.errors import ConfigError, InvalidRequestError
@@ -33,19 +32,6 @@ def policies(tmp_path_factory):
 def fresh_v1(policies):
     """What a server started on v1 answers."""
     return LLM(str(policies[1]), **ENGINE).generate([PROMPT], PARAMS)[0].outputs[0]
-
-
-def slowed(engine: AsyncLLM) -> AsyncLLM:
-    """5 ms more per step: a request stays running while an update and other requests arrive,
-    however fast the machine."""
-    step = engine._engine.step
-
-    def slow_step():
-        time.sleep(0.005)
-        return step()
-
-    engine._engine.step = slow_step
-    return engine
 
 
 def same(a, b) -> bool:

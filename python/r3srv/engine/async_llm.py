@@ -10,6 +10,7 @@ the same steps.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -85,9 +86,10 @@ class AsyncLLM:
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
-        # A weight update waiting for the requests in flight to finish: (path, version, reply). Requests
-        # added meanwhile are held, and start after it, on the new weights.
-        self._update: tuple[str, str | None, _Reply] | None = None
+        # Weight updates and memory release/resume wait, in order, for the requests in flight to
+        # finish: (kind, args, reply). Requests added meanwhile, or while memory is released,
+        # are held, and start after them (on the new weights, in the resumed memory).
+        self._exclusive: collections.deque[tuple[str, tuple, _Reply]] = collections.deque()
         self._held: list[PreparedRequest] = []
         self._stopping = False
         # Set (under _lock) once the engine thread stops taking commands: from then on nothing
@@ -130,7 +132,7 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         stats = self._engine.stats()  # plain counters: a slightly stale read is fine
-        held = len(self._held)  # requests waiting for a weight update wait like the others
+        held = len(self._held)  # requests held for a weight update or released memory wait like the others
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + held) if held else stats
 
     # -- requests -------------------------------------------------------------------------
@@ -206,6 +208,20 @@ class AsyncLLM:
         """Forget every cached prefix; returns how many blocks were forgotten."""
         return await self._ask("reset_prefix_cache")
 
+    async def release_memory(self, tags: list[str] | None = None) -> list[str]:
+        """LLMEngine.release_memory once the requests in flight have finished; requests that
+        arrive meanwhile, or until everything is resumed, are held. Returns what is released."""
+        return await self._ask("release", tags)
+
+    async def resume_memory(self, tags: list[str] | None = None) -> list[str]:
+        """LLMEngine.resume_memory (after any update or release queued before it); once nothing
+        is released, held requests start. Returns what is still released."""
+        return await self._ask("resume", tags)
+
+    @property
+    def released_memory(self) -> list[str]:
+        return sorted(self._engine.released_memory)
+
     async def _ask(self, kind: str, *args):
         """Queue a command whose answer comes back through a _Reply, and wait for it."""
         self._check_alive()
@@ -253,8 +269,8 @@ class AsyncLLM:
         engine = self._engine
         try:
             while True:
-                if self._update is not None and not engine.has_unfinished():
-                    self._apply_update()
+                if self._exclusive and not engine.has_unfinished():
+                    self._run_exclusive()
                 # Block while idle; otherwise take whatever arrived since the last step.
                 cmd = self._commands.get() if not engine.has_unfinished() else self._next_command()
                 while cmd is not None:
@@ -285,7 +301,7 @@ class AsyncLLM:
         kind, arg = cmd
         engine = self._engine
         if kind == "add":
-            if self._update is not None:
+            if self._exclusive or engine.released_memory:
                 self._held.append(arg)
                 return
             try:
@@ -302,29 +318,42 @@ class AsyncLLM:
                 self._deliver(out)
         elif kind == "update":
             path, version, abort_running, reply = arg
-            if self._update is not None:
+            if any(op == "update" for op, _, _ in self._exclusive):
                 self._answer(reply, exc=InvalidRequestError("a weight update is already under way", param="model_path"))
                 return
-            self._update = (path, version, reply)
+            self._exclusive.append(("update", (path, version), reply))
             if abort_running:
                 for rid in list(engine.requests):
                     self._handle(("abort", rid))
+        elif kind in ("release", "resume"):
+            tags, reply = arg
+            self._exclusive.append((kind, (tags,), reply))
         elif kind == "reset_prefix_cache":
             self._answer(arg[0], engine.reset_prefix_cache())
 
-    def _apply_update(self) -> None:
-        """Runs once no request is in flight: load, then start the requests held meanwhile."""
-        path, version, reply = self._update  # type: ignore[misc]
-        try:
-            self._engine.update_weights(path, version)
-        except Exception as exc:
-            logger.error("weight update from %s failed: %s", path, exc)
-            self._answer(reply, exc=exc)
-        else:
-            logger.info("loaded new weights from %s", path)
-            self._answer(reply)
-        finally:
-            self._update = None
+    def _run_exclusive(self) -> None:
+        """Runs once no request is in flight: every queued update / release / resume in
+        order, then the held requests, unless memory is still released."""
+        engine = self._engine
+        while self._exclusive:
+            kind, args, reply = self._exclusive.popleft()
+            try:
+                if kind == "update":
+                    engine.update_weights(*args)
+                    logger.info("loaded new weights from %s", args[0])
+                    value = None
+                elif kind == "release":
+                    value = engine.release_memory(*args)
+                    logger.info("released memory: %s", value)
+                else:
+                    value = engine.resume_memory(*args)
+                    logger.info("resumed memory; still released: %s", value)
+            except Exception as exc:
+                logger.error("%s failed: %s", kind, exc)
+                self._answer(reply, exc=exc)
+            else:
+                self._answer(reply, value)
+        if not engine.released_memory:
             held, self._held = self._held, []
             for prep in held:
                 self._handle(("add", prep))
@@ -353,7 +382,8 @@ class AsyncLLM:
         engine = self._engine
         for rid in list(engine.requests):
             engine.abort_request(rid)
-        self._update, self._held = None, []
+        self._exclusive.clear()
+        self._held = []
         with self._lock:
             self._closed = True
             sinks, self._sinks = self._sinks, {}

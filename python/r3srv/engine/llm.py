@@ -81,6 +81,15 @@ class LLM:
         """Forget every cached prefix; returns how many blocks were forgotten."""
         return self.engine.reset_prefix_cache()
 
+    def release_memory(self, tags: list[str] | None = None) -> list[str]:
+        """Free the KV cache ("kv_cache") and/or move the weights to host memory ("weights");
+        None: both. generate refuses to run until resume_memory. Returns what is released."""
+        return self.engine.release_memory(tags)
+
+    def resume_memory(self, tags: list[str] | None = None) -> list[str]:
+        """Take back released memory (None: all); returns what is still released."""
+        return self.engine.resume_memory(tags)
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 

@@ -86,6 +86,18 @@ class StepResult:
     num_decode_tokens: int = 0
 
 
+MEMORY_TAGS = ("kv_cache", "weights")  # SGLang's release/resume_memory_occupation tags
+
+
+def _memory_tags(tags: list[str] | None) -> set[str]:
+    if tags is None:
+        return set(MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise InvalidRequestError(f"unknown memory tags {unknown}; expected any of {list(MEMORY_TAGS)}", param="tags")
+    return set(tags)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from r3srv.models.loader import load_model
@@ -122,6 +134,7 @@ class LLMEngine:
         self._sampling_generator.manual_seed(config.seed)
         self.weight_version = config.weight_version
         self.requests: dict[str, Request] = {}
+        self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
 
     @classmethod
     def from_kwargs(
@@ -235,6 +248,10 @@ class LLMEngine:
         return PreparedRequest(str(request_id), text, ids, params, max_tokens, bool(want))
 
     def add_prepared(self, prep: PreparedRequest) -> None:
+        if self.released_memory:
+            raise InvalidRequestError(
+                f"the engine's {' and '.join(sorted(self.released_memory))} memory is released: resume it first"
+            )
         if prep.request_id in self.requests:
             raise InvalidRequestError(f"request_id {prep.request_id!r} is already in flight", param="request_id")
         p = prep.params
@@ -287,6 +304,8 @@ class LLMEngine:
                 f"cannot update weights with {len(self.requests)} requests in flight: let them finish or abort them",
                 param="model_path",
             )
+        # Released weights live in host memory: an update fills them there, and they move
+        # back with resume_memory.
         try:
             load_weights_from_dir(self.model, path)
         except ConfigError:
@@ -303,6 +322,39 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
         return self.block_manager.reset_prefix_cache()
+
+    def release_memory(self, tags: list[str] | None = None) -> list[str]:
+        """Give memory back between rollout batches (a trainer colocated on the same GPU
+        trains meanwhile): "kv_cache" frees the KV cache (and forgets the prefix cache),
+        "weights" moves the weights to pinned host memory. None: both. Only between
+        requests; releasing something already released does nothing. Returns what is released."""
+        wanted = _memory_tags(tags)
+        if self.requests:
+            raise InvalidRequestError(
+                f"cannot release memory with {len(self.requests)} requests in flight: let them finish or abort them",
+                param="tags",
+            )
+        if "kv_cache" in wanted and "kv_cache" not in self.released_memory:
+            self.block_manager.reset_prefix_cache()  # its blocks' K/V are about to go
+            self.model.free_kv_cache()
+        if "weights" in wanted and "weights" not in self.released_memory:
+            self.model.move_weights("cpu")
+        self.released_memory |= wanted
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the driver, for the trainer
+        return sorted(self.released_memory)
+
+    def resume_memory(self, tags: list[str] | None = None) -> list[str]:
+        """Undo release_memory for `tags` (None: both): the weights come back as they were
+        (or as an update loaded them meanwhile), the KV cache is allocated afresh. Returns
+        what is still released."""
+        wanted = _memory_tags(tags) & self.released_memory
+        if "weights" in wanted:
+            self.model.move_weights(self.device)
+        if "kv_cache" in wanted:
+            self.model.init_kv_cache(self.config.num_kv_blocks, self.config.block_size)
+        self.released_memory -= wanted
+        return sorted(self.released_memory)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

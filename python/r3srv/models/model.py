@@ -138,6 +138,25 @@ class MoeForCausalLM(nn.Module):
             layer.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def free_kv_cache(self) -> None:
+        """Drop every layer's K/V (init_kv_cache allocates them again)."""
+        for layer in self.layers:
+            layer.attn.k_cache = layer.attn.v_cache = None
+
+    @property
+    def has_kv_cache(self) -> bool:
+        return self.layers[0].attn.k_cache is not None
+
+    def move_weights(self, device: torch.device | str) -> None:
+        """Move every weight to `device` in place (the module keeps its parameters, views
+        made later by weight_targets see the moved data). To the host, on a CUDA model,
+        into pinned memory so the way back is one fast copy."""
+        device = torch.device(device)
+        pin = device.type == "cpu" and self.device.type == "cuda"
+        for param in self.parameters():  # tied embeddings: one parameter, moved once
+            data = param.data.to(device)
+            param.data = data.pin_memory() if pin else data
+
     # ---- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

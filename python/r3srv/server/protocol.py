@@ -457,6 +457,17 @@ class ResetPrefixCacheResponse(Struct, kw_only=True):
     num_blocks_forgotten: int
 
 
+class MemoryOccupationRequest(Struct, kw_only=True):
+    """SGLang's /release_memory_occupation and /resume_memory_occupation body."""
+
+    tags: list[str] | None = None  # "kv_cache", "weights"; null: both
+
+
+class MemoryOccupationResponse(Struct, kw_only=True):
+    success: bool
+    released: list[str]  # what is released after the call
+
+
 # ---------------------------------------------------------------- tokenizer, models, version
 
 

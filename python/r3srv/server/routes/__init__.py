@@ -3,7 +3,12 @@
 from r3srv.server.routes.inference import abort_requests, generate
 from r3srv.server.routes.info import detokenize, health, list_models, metrics, tokenize, version
 from r3srv.server.routes.openai import chat_completions, completions
-from r3srv.server.routes.weights import reset_prefix_cache, update_weights_from_disk
+from r3srv.server.routes.weights import (
+    release_memory_occupation,
+    reset_prefix_cache,
+    resume_memory_occupation,
+    update_weights_from_disk,
+)
 
 ROUTE_HANDLERS = [
     completions,
@@ -18,4 +23,6 @@ ROUTE_HANDLERS = [
     metrics,
     update_weights_from_disk,
     reset_prefix_cache,
+    release_memory_occupation,
+    resume_memory_occupation,
 ]

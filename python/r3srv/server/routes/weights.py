@@ -1,8 +1,10 @@
-"""RL trainer endpoints: POST /update_weights_from_disk and POST /reset_prefix_cache.
+"""RL trainer endpoints: POST /update_weights_from_disk, /reset_prefix_cache,
+/release_memory_occupation and /resume_memory_occupation.
 
 Off unless the server starts with --enable-weight-updates: the first reads any directory the
-server can, and both change what every later request gets. Names follow SGLang's
-/update_weights_from_disk and vLLM's /reset_prefix_cache, which RL frameworks already call.
+server can, and all change what every later request gets. Names follow SGLang's
+(/update_weights_from_disk, /release_memory_occupation, /resume_memory_occupation) and
+vLLM's /reset_prefix_cache, which RL frameworks already call.
 """
 
 from __future__ import annotations
@@ -59,3 +61,21 @@ async def update_weights_from_disk(
 async def reset_prefix_cache(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
     state = _weights_state(request)
     return p.ResetPrefixCacheResponse(success=True, num_blocks_forgotten=await state.engine.reset_prefix_cache())
+
+
+@post("/release_memory_occupation", status_code=200, summary="Free the KV cache and/or move the weights to host memory")
+async def release_memory_occupation(
+    data: p.MemoryOccupationRequest, request: Request[Any, Any, Any]
+) -> p.MemoryOccupationResponse:
+    state = _weights_state(request)
+    released = await state.engine.release_memory(data.tags)
+    return p.MemoryOccupationResponse(success=True, released=released)
+
+
+@post("/resume_memory_occupation", status_code=200, summary="Take back what /release_memory_occupation gave up")
+async def resume_memory_occupation(
+    data: p.MemoryOccupationRequest, request: Request[Any, Any, Any]
+) -> p.MemoryOccupationResponse:
+    state = _weights_state(request)
+    released = await state.engine.resume_memory(data.tags)
+    return p.MemoryOccupationResponse(success=True, released=released)
