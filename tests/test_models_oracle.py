@@ -40,6 +40,23 @@ VARIANTS = {
     ),
     "minimax_m2": ("minimax_m2", {}),
     "minimax_m2_32e_top8": ("minimax_m2", {"num_experts": 32, "top_k": 8, "num_layers": 3}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    # DeepSeek-V3's own switches: expert groups, YaRN with mscale (softmax scale and cos/sin),
+    # a dense first layer, q without the low-rank pair, biased projections
+    "deepseek_v3_groups_yarn": (
+        "deepseek_v3",
+        {"num_experts": 16, "top_k": 4, "n_group": 4, "topk_group": 2, "num_layers": 3, "first_k_dense_replace": 1,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
+                             "mscale": 1.0, "mscale_all_dim": 1.0}},
+    ),
+    "deepseek_v3_no_q_lora_not_interleaved": (
+        "deepseek_v3", {"q_lora_rank": None, "rope_interleave": False, "attention_bias": True}
+    ),
+    "qwen3_moe_yarn": (
+        "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 8}}
+    ),
 }
 
 

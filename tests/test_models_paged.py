@@ -13,9 +13,16 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("paged"), "qwen3_moe", seed=3, num_layers=3, mlp_only_layers=[1])
+# deepseek_v3: multi-head latent attention, whose paged cache holds one latent per token
+LAYOUTS = {
+    "qwen3_moe": dict(num_layers=3, mlp_only_layers=[1]),
+    "deepseek_v3": dict(num_layers=3, first_k_dense_replace=1),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def model(request, tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("paged"), request.param, seed=3, **LAYOUTS[request.param])
     model, _ = load_model(path)
     return model
 
@@ -74,7 +81,10 @@ def test_chunked_prefill_and_decode_equal_one_shot(model):
         start += size
     torch.testing.assert_close(torch.cat(logits), ref_logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.cat(captures), ref_capture)
-    assert ref_capture[:, 0].any() and not ref_capture[:, 1].any()  # layer 1 is dense
+    cfg = model.config
+    dense = [layer for layer in range(cfg.num_layers) if layer not in cfg.moe_layers]
+    assert len(dense) == 1 and not ref_capture[:, dense[0]].any()  # a dense layer leaves zero rows
+    assert all(ref_capture[:, layer].any() for layer in cfg.moe_layers)
 
 
 def test_mixed_batch_of_prefills_chunks_and_decodes(model):
@@ -112,6 +122,17 @@ def test_kv_cache_bytes_and_forward_without_cache(tmp_path):
         model.forward(batch)
     with pytest.raises(ValueError, match="positive"):
         model.init_kv_cache(0, 16)
+
+
+def test_mla_caches_one_latent_per_token(tmp_path):
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / "mla", "deepseek_v3", num_layers=2))
+    cfg = model.config
+    latent = cfg.kv_lora_rank + cfg.head_dim  # head_dim is the rotary key's width under MLA
+    assert model.kv_cache_bytes_per_block(16) == cfg.num_layers * 16 * latent * 4
+    model.init_kv_cache(4, 16)
+    attn = model.layers[0].attn
+    assert attn.k_cache.shape == (64, 1, latent)
+    assert attn.v_cache.data_ptr() == attn.k_cache.data_ptr() and attn.v_cache.shape[-1] == cfg.kv_lora_rank
 
 
 def test_cpu_forward_thread_count(model, monkeypatch):

@@ -1,4 +1,5 @@
-"""GLM-4.5 / 4.6 (Glm4MoeForCausalLM) and MiniMax-M2 (MiniMaxM2ForCausalLM) specifics the
+"""GLM-4.5 / 4.6 (Glm4MoeForCausalLM), MiniMax-M2 (MiniMaxM2ForCausalLM) and DeepSeek-V3
+(DeepseekV3ForCausalLM: Kimi-K2, Moonlight) specifics the
 transformers oracle tests do not cover: released config spellings, a float32 router in a
 bfloat16 model, the MTP layer a released checkpoint carries, and bad expert groups. (Logits
 and routing against transformers: tests/test_models_oracle.py and test_models_llm_oracle.py;
@@ -87,6 +88,50 @@ MINIMAX_M2_STYLE = {
 }
 
 
+# DeepSeek-V3's released config.json spellings (Kimi-K2 and Moonlight share them)
+DEEPSEEK_V3_STYLE = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
 def _prefill(model) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = model.config
     model.init_kv_cache(8, 16)
@@ -124,6 +169,31 @@ def test_minimax_m2_released_config_spelling():
     assert cfg.shared_expert_intermediate_size == 0 and cfg.fp8_block == (128, 128)
     with pytest.raises(ConfigError, match="shared experts"):
         ModelConfig.from_dict({**MINIMAX_M2_STYLE, "shared_intermediate_size": 512})
+
+
+def test_deepseek_v3_released_config_spelling():
+    import math
+
+    from r3srv.models.mla import mla_softmax_scale
+
+    cfg = ModelConfig.from_dict(DEEPSEEK_V3_STYLE)
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("deepseek_v3", 256, 8, list(range(3, 61)))
+    assert cfg.is_mla and (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim) == (512, 1536, 128, 128)
+    assert cfg.head_dim == cfg.rotary_dim == 64 and cfg.rope_interleave
+    assert (cfg.num_expert_groups, cfg.topk_expert_groups, cfg.routed_scaling_factor) == (8, 4, 2.5)
+    assert (cfg.scoring, cfg.router_bias, cfg.router_float32) == ("sigmoid", True, True)
+    assert cfg.shared_expert_intermediate_size == 2048 and not cfg.shared_expert_gate
+    assert cfg.rope_yarn["factor"] == 40 and cfg.rope_yarn["original_max_position_embeddings"] == 4096
+    assert cfg.fp8_block == (128, 128)
+    # one 576-wide latent per token and layer: 61 x 16 x 576 bf16 values a block
+    assert cfg.kv_cache_bytes_per_block(16, torch.bfloat16) == 61 * 16 * 576 * 2
+    assert mla_softmax_scale(cfg) == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+    kimi = ModelConfig.from_dict({**DEEPSEEK_V3_STYLE, "n_routed_experts": 384, "n_group": 1, "topk_group": 1,
+                                  "first_k_dense_replace": 1, "num_attention_heads": 64,
+                                  "num_key_value_heads": 64})
+    assert kimi.num_experts == 384 and kimi.moe_layers == list(range(1, 61))
+    with pytest.raises(ConfigError, match="noaux_tc"):
+        ModelConfig.from_dict({**DEEPSEEK_V3_STYLE, "scoring_func": "softmax", "topk_method": "greedy"})
 
 
 @pytest.mark.parametrize(

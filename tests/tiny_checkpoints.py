@@ -22,7 +22,7 @@ import torch
 
 from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3")
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
 
@@ -67,6 +67,13 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
         # rotary_dim as the released configs spell partial RoPE (half of head_dim here)
         cls, extra = transformers.MiniMaxM2Config, dict(
             num_local_experts=num_experts, intermediate_size=16, head_dim=16, rotary_dim=8
+        )
+    elif family == "deepseek_v3":
+        # MLA with a low-rank q; every attention width differs, so a mix-up cannot go unnoticed
+        cls, extra = transformers.DeepseekV3Config, dict(
+            n_routed_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4,
+            q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+            n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=1, routed_scaling_factor=2.5,
         )
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")

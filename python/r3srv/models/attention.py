@@ -118,15 +118,19 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> attention output [T, H, D].
+    """q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] (this step's tokens) -> attention output [T, H, Dv].
 
     Writes k/v into the caches at meta.slot_mapping first, so later steps (and prefix-cache
-    hits) see them.
+    hits) see them. A v_cache that is a view into k_cache (MLA: the values are the leading
+    dims of the cached latent) is written by the k write. scale: the softmax scale (default
+    1/sqrt(D)).
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    if v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr():
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     gqa = q.shape[1] != k.shape[1]
     for span in meta.prefills:
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -139,13 +143,13 @@ def paged_attention(
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=gqa
+            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=gqa, scale=scale
         )
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
     for group in meta.decodes:
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
         kd = k_cache[group.slots].transpose(1, 2)  # [Bg, KVH, ctx, D]
         vd = v_cache[group.slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, enable_gqa=gqa, scale=scale)
         out.index_copy_(0, group.rows, o.squeeze(2))
     return out

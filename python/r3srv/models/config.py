@@ -1,6 +1,6 @@
 """ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
 
-The six families differ in a handful of switches (q/k norm width, qkv clipping, partial
+The seven families differ in a handful of switches (q/k norm width, qkv clipping, partial
 rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
 layers are MoE). Parsing them here, from the raw JSON,
 keeps `transformers` out of the runtime and accepts both old and new key spellings.
@@ -30,6 +30,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "OlmoeForCausalLM": "olmoe",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
 _MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in ARCHITECTURE_FAMILIES.items()}
@@ -59,7 +60,7 @@ class ModelConfig:
     """Everything the decoder, the loader and the engine need to know about a checkpoint."""
 
     architecture: str
-    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe | minimax_m2
+    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe | minimax_m2 | deepseek_v3
     name: str  # served model name
     vocab_size: int
     hidden_size: int
@@ -81,6 +82,16 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling_factor: float = 1.0  # "linear" RoPE scaling divides positions by this
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * this dims (GLM-4.5: 0.5)
+    # YaRN RoPE scaling (rope_type "yarn"): factor, original_max_position_embeddings, beta_fast,
+    # beta_slow, mscale, mscale_all_dim, attention_factor, truncate, as in config.json
+    rope_yarn: dict[str, Any] | None = None
+    # Multi-head latent attention (DeepSeek-V3): K/V cached as one latent of kv_lora_rank +
+    # qk_rope_head_dim per token; head_dim is then qk_rope_head_dim (the rotary width).
+    kv_lora_rank: int = 0  # > 0: MLA
+    q_lora_rank: int = 0  # > 0: q through a low-rank pair (q_a_proj, q_a_layernorm, q_b_proj)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of halves
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     # attention switches
@@ -99,6 +110,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # > 0: a shared expert every token goes through
     shared_expert_gate: bool = True  # Qwen2-MoE scales it by a sigmoid gate; GLM-4.5's has none
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def rotary_dim(self) -> int:
@@ -148,7 +163,7 @@ class ModelConfig:
         if not 0 < top_k <= num_experts:
             raise ConfigError(f"{architecture}: num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
 
-        rope_theta, rope_factor = _rope(raw, architecture)
+        rope_theta, rope_factor, rope_yarn = _rope(raw, architecture)
         cfg = dict(
             architecture=architecture,
             model_type=family,
@@ -172,6 +187,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling_factor=rope_factor,
+            rope_yarn=rope_yarn,
             hidden_act=raw.get("hidden_act", "silu"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             raw=raw,
@@ -197,6 +213,9 @@ class ModelConfig:
             cfg.update(_glm4_moe_switches(raw, get, num_layers))
         elif family == "minimax_m2":
             cfg.update(_minimax_m2_switches(raw, int(head_dim)))
+        elif family == "deepseek_v3":
+            cfg.update(_glm4_moe_switches(raw, get, num_layers))  # the same router and MoE layout
+            cfg.update(_mla_switches(raw, get))
         window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         if window and window < cfg["max_position_embeddings"]:
             # Within the window, sliding-window attention is full attention: capping the
@@ -215,6 +234,8 @@ class ModelConfig:
         return cls(**cfg)
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        if self.is_mla:  # one latent per token, no per-head K/V
+            return self.num_layers * block_size * (self.kv_lora_rank + self.head_dim) * dtype.itemsize
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
@@ -239,6 +260,33 @@ def _glm4_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> 
         router_float32=True,
         shared_expert_intermediate_size=moe_width * int(raw.get("n_shared_experts") or 0),
         shared_expert_gate=False,
+    )
+
+
+def _mla_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention (Kimi-K2 and Moonlight share the architecture)."""
+    rope_dim = get.int("qk_rope_head_dim")
+    if raw.get("scoring_func", "sigmoid") != "sigmoid" or raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(
+            f"DeepseekV3ForCausalLM: scoring_func={raw.get('scoring_func')!r} / topk_method={raw.get('topk_method')!r} "
+            "is not supported (only DeepSeek-V3's sigmoid / noaux_tc router)"
+        )
+    layers = get.int("num_hidden_layers")
+    first_dense, every = int(raw.get("first_k_dense_replace", 3)), int(raw.get("moe_layer_freq") or 1)
+    return dict(
+        kv_lora_rank=get.int("kv_lora_rank"),
+        q_lora_rank=int(raw.get("q_lora_rank") or 0),
+        qk_nope_head_dim=get.int("qk_nope_head_dim"),
+        v_head_dim=get.int("v_head_dim"),
+        head_dim=rope_dim,
+        num_kv_heads=get.int("num_attention_heads"),  # the latent expands to every head
+        partial_rotary_factor=1.0,
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        o_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=None,
+        # DeepSeek-V3's reference: dense before first_k_dense_replace (default 3), then every moe_layer_freq-th
+        moe_layers=[i for i in range(first_dense, layers) if i % every == 0],
     )
 
 
@@ -305,17 +353,35 @@ class _Getter:
         raise ConfigError(f"{self.architecture} config.json lacks {' / '.join(keys)}")
 
 
-def _rope(raw: dict[str, Any], architecture: str) -> tuple[float, float]:
-    """(rope_theta, linear scaling factor) from `rope_parameters` (new) or `rope_theta`/`rope_scaling` (old)."""
+def _rope(raw: dict[str, Any], architecture: str) -> tuple[float, float, dict[str, Any] | None]:
+    """(rope_theta, linear scaling factor, YaRN parameters or None) from `rope_parameters`
+    (new) or `rope_theta` / `rope_scaling` (old)."""
     params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
     if rope_type == "default":
-        return float(theta), 1.0
+        return float(theta), 1.0, None
     if rope_type == "linear":
-        return float(theta), float(params.get("factor", scaling.get("factor", 1.0)))
-    raise ConfigError(f"{architecture}: RoPE type {rope_type!r} is not supported (only 'default' and 'linear')")
+        return float(theta), float(merged.get("factor", 1.0)), None
+    if rope_type == "yarn":
+        original = merged.get("original_max_position_embeddings")
+        if not original:
+            raise ConfigError(f"{architecture}: YaRN RoPE needs original_max_position_embeddings")
+        factor = merged.get("factor") or raw.get("max_position_embeddings", 0) / original
+        yarn = {
+            "factor": float(factor),
+            "original_max_position_embeddings": int(original),
+            "beta_fast": float(merged.get("beta_fast") or 32),
+            "beta_slow": float(merged.get("beta_slow") or 1),
+            "mscale": merged.get("mscale"),
+            "mscale_all_dim": merged.get("mscale_all_dim"),
+            "attention_factor": merged.get("attention_factor"),
+            "truncate": bool(merged.get("truncate", True)),
+        }
+        return float(theta), 1.0, yarn
+    raise ConfigError(f"{architecture}: RoPE type {rope_type!r} is not supported (only 'default', 'linear' and 'yarn')")
 
 
 def _qwen_moe_layers(raw: dict[str, Any], num_layers: int, num_experts: int) -> list[int]:

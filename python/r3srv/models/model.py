@@ -1,8 +1,10 @@
-"""The MoE decoder shared by the six families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2).
+"""The MoE decoder shared by the seven families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5,
+MiniMax-M2, DeepSeek-V3).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, partial rotary, the router (scoring, bias, groups,
-renormalisation, scaling), the shared expert and the checkpoint names (see `weight_targets`).
+renormalisation, scaling), the shared expert, the checkpoint names (see `weight_targets`) and,
+for DeepSeek-V3, the attention (multi-head latent attention, models/mla.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from r3srv.errors import ConfigError
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
-from r3srv.models.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_mlp
+from r3srv.models.layers import apply_rope, empty_param as _param, rms_norm, rope_cos_sin, rope_inv_freq, silu_mlp, yarn_inv_freq
+from r3srv.models.mla import MlaAttention
 from r3srv.models.moe import SparseMoeBlock
 
 
@@ -31,10 +34,6 @@ def _cpu_threads() -> int:
     if threads < 1:
         raise ConfigError(f"R3SRV_CPU_THREADS={value!r} must be a positive integer")
     return threads
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class Attention(nn.Module):
@@ -59,6 +58,28 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        p = prefix + "self_attn."
+        targets: dict[str, torch.Tensor] = {}
+        qkv_rows = {"q": slice(0, self.q_size), "k": slice(self.q_size, self.q_size + self.kv_size),
+                    "v": slice(self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)}
+        for name, rows in qkv_rows.items():
+            targets[p + f"{name}_proj.weight"] = self.qkv[rows]
+            if self.qkv_bias is not None:
+                targets[p + f"{name}_proj.bias"] = self.qkv_bias[rows]
+        targets[p + "o_proj.weight"] = self.o
+        if self.o_bias is not None:
+            targets[p + "o_proj.bias"] = self.o_bias
+        if self.q_norm is not None:
+            targets[p + "q_norm.weight"] = self.q_norm
+            targets[p + "k_norm.weight"] = self.k_norm
+        return targets
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -97,7 +118,7 @@ class DecoderLayer(nn.Module):
         self.is_moe = index in cfg.moe_layers
         self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.attn = Attention(cfg, dtype, device)
+        self.attn = MlaAttention(cfg, dtype, device) if cfg.is_mla else Attention(cfg, dtype, device)
         self.mlp = SparseMoeBlock(cfg, dtype, device) if self.is_moe else DenseMlp(cfg, dtype, device)
 
     def forward(self, x, cos, sin, meta, capture):
@@ -118,7 +139,11 @@ class MoeForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta).to(device)
+        if cfg.rope_yarn:
+            inv_freq, self.rope_attention_factor = yarn_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)
+        else:
+            inv_freq, self.rope_attention_factor = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), 1.0
+        self.inv_freq = inv_freq.to(device)
         self.block_size = 0
         self.num_blocks = 0
         self.cpu_threads = _cpu_threads() if device.type == "cpu" else 0
@@ -131,12 +156,9 @@ class MoeForCausalLM(nn.Module):
         """Allocate paged K/V for every layer (replacing any earlier cache)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
-        cfg = self.config
         self.block_size, self.num_blocks = block_size, num_blocks
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         for layer in self.layers:
-            layer.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.attn.allocate_cache(num_blocks * block_size, self.dtype, self.device)
 
     def free_kv_cache(self) -> None:
         """Drop every layer's K/V (init_kv_cache allocates them again)."""
@@ -181,7 +203,9 @@ class MoeForCausalLM(nn.Module):
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         meta = AttentionMetadata.build(batch, self.block_size, self.device)
         positions = batch.positions.to(self.device)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype, self.config.rope_scaling_factor)
+        cos, sin = rope_cos_sin(
+            positions, self.inv_freq, self.dtype, self.config.rope_scaling_factor, self.rope_attention_factor
+        )
         x = F.embedding(batch.input_ids.to(self.device), self.embed)
         capture = batch.routing_capture
         for layer in self.layers:
@@ -204,21 +228,9 @@ class MoeForCausalLM(nn.Module):
             targets["lm_head.weight"] = self.lm_head
         for layer in self.layers:
             p = f"model.layers.{layer.index}."
-            attn = layer.attn
             targets[p + "input_layernorm.weight"] = layer.input_norm
             targets[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
-            qkv_rows = {"q": slice(0, attn.q_size), "k": slice(attn.q_size, attn.q_size + attn.kv_size),
-                        "v": slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)}
-            for name, rows in qkv_rows.items():
-                targets[p + f"self_attn.{name}_proj.weight"] = attn.qkv[rows]
-                if attn.qkv_bias is not None:
-                    targets[p + f"self_attn.{name}_proj.bias"] = attn.qkv_bias[rows]
-            targets[p + "self_attn.o_proj.weight"] = attn.o
-            if attn.o_bias is not None:
-                targets[p + "self_attn.o_proj.bias"] = attn.o_bias
-            if attn.q_norm is not None:
-                targets[p + "self_attn.q_norm.weight"] = attn.q_norm
-                targets[p + "self_attn.k_norm.weight"] = attn.k_norm
+            targets.update(layer.attn.weight_targets(p))
             mlp = layer.mlp
             if isinstance(mlp, DenseMlp):
                 half = mlp.w13.shape[0] // 2
@@ -232,7 +244,7 @@ class MoeForCausalLM(nn.Module):
             if mlp.correction_bias is not None:
                 # GLM-4.5 keeps the bias in its router module; MiniMax-M2 in the MoE block
                 # (transformers 5 in memory: mlp.e_score_correction_bias)
-                bias_names = ["mlp.gate.e_score_correction_bias"] if family == "glm4_moe" else [
+                bias_names = ["mlp.gate.e_score_correction_bias"] if family in ("glm4_moe", "deepseek_v3") else [
                     "block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"]
                 for name in bias_names:
                     targets[p + name] = mlp.correction_bias
@@ -250,7 +262,7 @@ class MoeForCausalLM(nn.Module):
             if mlp.shared_w13 is not None:
                 s_half = mlp.shared_w13.shape[0] // 2
                 # Qwen2-MoE: one gated "shared_expert"; GLM-4.5: gate-less "shared_experts"
-                shared = p + ("mlp.shared_experts." if family == "glm4_moe" else "mlp.shared_expert.")
+                shared = p + ("mlp.shared_experts." if family in ("glm4_moe", "deepseek_v3") else "mlp.shared_expert.")
                 targets[shared + "gate_proj.weight"] = mlp.shared_w13[:s_half]
                 targets[shared + "up_proj.weight"] = mlp.shared_w13[s_half:]
                 targets[shared + "down_proj.weight"] = mlp.shared_w2

@@ -1,0 +1,104 @@
+"""DeepSeek-V3's multi-head latent attention (MLA) over a paged latent cache.
+
+Each token caches one vector: its normalised KV latent (kv_lora_rank) and its rotated
+shared key (qk_rope_head_dim); nothing per head. Attention runs in the latent space (the
+"absorbed" form DeepSeek describes and vLLM uses): each head's no-RoPE query is multiplied
+into the latent by its slice of kv_b_proj's key half, scores are taken against the cached
+latent plus rotary key, values are the latent itself, and each head's output leaves the
+latent through the value half. That is the same attention as expanding every cached latent
+into per-head keys and values (transformers' form), without the per-step expansion.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from r3srv.models.attention import AttentionMetadata, paged_attention
+from r3srv.models.config import ModelConfig
+from r3srv.models.layers import apply_rope, apply_rope_interleaved, empty_param as _param, rms_norm, yarn_mscale
+
+# DeepSeek-V3's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not the config's.
+LATENT_NORM_EPS = 1e-6
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim) squared when set."""
+    scale = (cfg.qk_nope_head_dim + cfg.head_dim) ** -0.5
+    yarn = cfg.rope_yarn
+    if yarn and yarn.get("mscale_all_dim"):
+        scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+    return scale
+
+
+class MlaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.num_heads = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim, self.rank = cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        h, hidden = self.num_heads, cfg.hidden_size
+        self.q_a = self.q_a_bias = self.q_a_norm = self.q_b = self.q = None
+        if cfg.q_lora_rank:
+            self.q_a = _param(cfg.q_lora_rank, hidden, **kw)
+            self.q_a_bias = _param(cfg.q_lora_rank, **kw) if cfg.qkv_bias else None
+            self.q_a_norm = _param(cfg.q_lora_rank, **kw)
+            self.q_b = _param(h * qk, cfg.q_lora_rank, **kw)
+        else:
+            self.q = _param(h * qk, hidden, **kw)
+        self.kv_a = _param(self.rank + self.rope, hidden, **kw)
+        self.kv_a_bias = _param(self.rank + self.rope, **kw) if cfg.qkv_bias else None
+        self.kv_a_norm = _param(self.rank, **kw)
+        self.kv_b = _param(h * (self.nope + self.v_dim), self.rank, **kw)
+        self.o = _param(hidden, h * self.v_dim, **kw)
+        self.o_bias = _param(hidden, **kw) if cfg.o_bias else None
+        self.scale = mla_softmax_scale(cfg)
+        self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k_cache = torch.zeros(num_slots, 1, self.rank + self.rope, dtype=dtype, device=device)
+        self.v_cache = self.k_cache[..., : self.rank]  # the values are the latent itself
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        p = prefix + "self_attn."
+        targets = {
+            p + "kv_a_proj_with_mqa.weight": self.kv_a,
+            p + "kv_a_layernorm.weight": self.kv_a_norm,
+            p + "kv_b_proj.weight": self.kv_b,
+            p + "o_proj.weight": self.o,
+        }
+        if self.q is not None:
+            targets[p + "q_proj.weight"] = self.q
+        else:
+            targets.update({p + "q_a_proj.weight": self.q_a, p + "q_a_layernorm.weight": self.q_a_norm,
+                            p + "q_b_proj.weight": self.q_b})
+        for name, bias in (("q_a_proj", self.q_a_bias), ("kv_a_proj_with_mqa", self.kv_a_bias), ("o_proj", self.o_bias)):
+            if bias is not None:
+                targets[p + name + ".bias"] = bias
+        return targets
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.k_cache is None:
+            raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
+        t, h = x.shape[0], self.num_heads
+        if self.q is not None:
+            q = F.linear(x, self.q)
+        else:
+            q = F.linear(rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS), self.q_b)
+        q_nope, q_rope = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = F.linear(x, self.kv_a, self.kv_a_bias).split([self.rank, self.rope], dim=-1)
+        latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
+        q_rope = self.rotate(q_rope, cos, sin)
+        k_rope = self.rotate(k_rope.reshape(t, 1, self.rope), cos, sin)
+
+        kv_b = self.kv_b.view(h, self.nope + self.v_dim, self.rank)
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
+        query = torch.cat((q_latent, q_rope), dim=-1)  # [t, h, rank + rope]
+        key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [t, 1, rank + rope]: what is cached
+        out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, meta, scale=self.scale)
+        out = torch.einsum("thc,hdc->thd", out_latent, kv_b[:, self.nope :])
+        return F.linear(out.reshape(t, h * self.v_dim), self.o, self.o_bias)
