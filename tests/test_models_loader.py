@@ -132,7 +132,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
     assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
     assert set(SUPPORTED_ARCHITECTURES) == {
         "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
-        "MiniMaxM2ForCausalLM", "DeepseekV3ForCausalLM",
+        "MiniMaxM2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",
     }
 
 

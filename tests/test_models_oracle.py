@@ -53,6 +53,15 @@ VARIANTS = {
     "deepseek_v3_no_q_lora_not_interleaved": (
         "deepseek_v3", {"q_lora_rank": None, "rope_interleave": False, "attention_bias": True}
     ),
+    "deepseek_v2": ("deepseek_v2", {}),
+    # V2's group_limited_greedy (a group scores its best expert), a low-rank q, YaRN with mscale
+    "deepseek_v2_groups_q_lora_yarn": (
+        "deepseek_v2",
+        {"num_experts": 16, "top_k": 4, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+         "q_lora_rank": 24, "num_layers": 3, "first_k_dense_replace": 1,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "mscale": 0.707, "mscale_all_dim": 0.707}},
+    ),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

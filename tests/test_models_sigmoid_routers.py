@@ -1,5 +1,5 @@
 """GLM-4.5 / 4.6 (Glm4MoeForCausalLM), MiniMax-M2 (MiniMaxM2ForCausalLM) and DeepSeek-V3
-(DeepseekV3ForCausalLM: Kimi-K2, Moonlight) specifics the
+(DeepseekV3ForCausalLM: Kimi-K2, Moonlight) specifics, and DeepSeek-V2's config, the
 transformers oracle tests do not cover: released config spellings, a float32 router in a
 bfloat16 model, the MTP layer a released checkpoint carries, and bad expert groups. (Logits
 and routing against transformers: tests/test_models_oracle.py and test_models_llm_oracle.py;
@@ -194,6 +194,34 @@ def test_deepseek_v3_released_config_spelling():
     assert kimi.num_experts == 384 and kimi.moe_layers == list(range(1, 61))
     with pytest.raises(ConfigError, match="noaux_tc"):
         ModelConfig.from_dict({**DEEPSEEK_V3_STYLE, "scoring_func": "softmax", "topk_method": "greedy"})
+
+
+# DeepSeek-V2-Lite's released config.json spellings: softmax router, no low-rank q, YaRN
+DEEPSEEK_V2_LITE_STYLE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "first_k_dense_replace": 1, "hidden_size": 2048,
+    "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+    "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "topk_group": 1,
+    "topk_method": "greedy", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 102400,
+}
+
+
+def test_deepseek_v2_lite_released_config_spelling():
+    cfg = ModelConfig.from_dict(DEEPSEEK_V2_LITE_STYLE)
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("deepseek_v2", 64, 6, list(range(1, 27)))
+    assert cfg.is_mla and cfg.q_lora_rank == 0 and cfg.kv_lora_rank == 512 and cfg.rope_interleave
+    assert (cfg.scoring, cfg.router_bias, cfg.renormalize, cfg.num_expert_groups) == ("softmax", False, False, 1)
+    assert cfg.shared_expert_intermediate_size == 2 * 1408 and cfg.rope_yarn["mscale_all_dim"] == 0.707
+    grouped = ModelConfig.from_dict({**DEEPSEEK_V2_LITE_STYLE, "topk_method": "group_limited_greedy",
+                                     "n_group": 8, "topk_group": 3})
+    assert (grouped.num_expert_groups, grouped.topk_expert_groups, grouped.group_score_top) == (8, 3, 1)
+    for bad in ({"topk_method": "noaux_tc"}, {"scoring_func": "sigmoid"}, {"mlp_bias": True}):
+        with pytest.raises(ConfigError, match="DeepseekV2ForCausalLM"):
+            ModelConfig.from_dict({**DEEPSEEK_V2_LITE_STYLE, **bad})
 
 
 @pytest.mark.parametrize(

@@ -116,9 +116,10 @@ def test_capture_too_narrow_for_expert_count():
         route_reference(torch.zeros(2, 300), 2, capture=torch.zeros(2, 2, dtype=torch.uint8))
 
 
-def group_oracle(logits, top_k, scoring, bias, num_groups, topk_groups):
-    """DeepSeek-V3's group-limited choice, by Python sorts: a group scores the sum of its two
-    best score + bias values; the best topk_groups groups (ties: lower group) are eligible."""
+def group_oracle(logits, top_k, scoring, bias, num_groups, topk_groups, score_top=2):
+    """The group-limited choice, by Python sorts: a group scores the sum of its `score_top`
+    best score + bias values (DeepSeek-V3: 2, V2: 1); the best topk_groups groups (ties: lower
+    group) are eligible."""
     x = logits.double().numpy()
     if scoring == "softmax":
         e = np.exp(x - x.max(axis=1, keepdims=True))
@@ -129,7 +130,7 @@ def group_oracle(logits, top_k, scoring, bias, num_groups, topk_groups):
     size = x.shape[1] // num_groups
     all_ids = []
     for row_choice, row_logits in zip(choice, x):
-        group_score = [sum(sorted(row_choice[g * size:(g + 1) * size])[-2:]) for g in range(num_groups)]
+        group_score = [sum(sorted(row_choice[g * size:(g + 1) * size])[-score_top:]) for g in range(num_groups)]
         groups = sorted(range(num_groups), key=lambda g: (-group_score[g], g))[:topk_groups]
         eligible = [e for g in groups for e in range(g * size, (g + 1) * size)]
         rank = row_logits if bias is None else row_choice  # as choice_keys ranks
@@ -144,9 +145,10 @@ def group_oracle(logits, top_k, scoring, bias, num_groups, topk_groups):
     scoring=st.sampled_from(["softmax", "sigmoid"]),
     with_bias=st.booleans(),
     tie_heavy=st.booleans(),
+    score_top=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_group_limited_routing_matches_the_oracle(layout, scoring, with_bias, tie_heavy, seed):
+def test_group_limited_routing_matches_the_oracle(layout, scoring, with_bias, tie_heavy, score_top, seed):
     num_experts, num_groups, topk_groups, top_k = layout
     gen = torch.Generator().manual_seed(seed)
     if tie_heavy:  # few distinct values: equal experts and equal groups
@@ -156,9 +158,9 @@ def test_group_limited_routing_matches_the_oracle(layout, scoring, with_bias, ti
     bias = torch.randn(num_experts, generator=gen) * 0.2 if with_bias else None
     weights, ids = route_reference(
         logits, top_k, scoring=scoring, correction_bias=bias, renormalize=False,
-        num_groups=num_groups, topk_groups=topk_groups,
+        num_groups=num_groups, topk_groups=topk_groups, group_score_top=score_top,
     )
-    want_w, want_ids = group_oracle(logits, top_k, scoring, bias, num_groups, topk_groups)
+    want_w, want_ids = group_oracle(logits, top_k, scoring, bias, num_groups, topk_groups, score_top)
     np.testing.assert_array_equal(ids.numpy(), want_ids)
     np.testing.assert_allclose(weights.numpy(), want_w, atol=2e-6, rtol=0)
 
@@ -178,3 +180,5 @@ def test_groups_exclude_a_better_expert_of_a_weaker_group():
 def test_bad_groups_are_value_errors(num_experts, top_k, num_groups, topk_groups, match):
     with pytest.raises(ValueError, match=match):
         route_reference(torch.zeros(2, num_experts), top_k, num_groups=num_groups, topk_groups=topk_groups)
+    with pytest.raises(ValueError, match="group_score_top"):
+        route_reference(torch.zeros(2, 8), 2, num_groups=2, topk_groups=1, group_score_top=3)

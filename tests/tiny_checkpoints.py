@@ -22,7 +22,7 @@ import torch
 
 from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2")
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
 
@@ -74,6 +74,13 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             n_routed_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4,
             q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
             n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=1, routed_scaling_factor=2.5,
+        )
+    elif family == "deepseek_v2":
+        # V2-Lite's shape: no low-rank q, two shared experts, softmax routing scaled
+        cls, extra = transformers.DeepseekV2Config, dict(
+            n_routed_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4,
+            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+            first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.5,
         )
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -150,16 +157,19 @@ def hf_router_ids(gate: torch.nn.Module, inputs: tuple, output: tuple) -> torch.
     arguments), in router order.
 
     Most routers return them sorted by score; sigmoid routers with a correction bias
-    (GLM-4.5, MiniMax-M2) return an unsorted top-k, which is put in r3srv's order here:
-    descending sigmoid(logit) + bias, ties to the lower id.
+    (GLM-4.5, MiniMax-M2, DeepSeek-V3) and DeepSeek-V2's return an unsorted top-k, which is
+    put in r3srv's order here: descending score (+ bias), ties to the lower id.
     """
     ids = output[2]
     bias = getattr(gate, "e_score_correction_bias", None)  # GLM-4.5: the router holds it
     if bias is None and len(inputs) > 1:  # MiniMax-M2: the MoE block passes it in
         bias = inputs[1]
-    if bias is None:
+    if bias is not None:
+        keys = (output[0].float().sigmoid() + bias).gather(1, ids)
+    elif getattr(gate, "topk_method", None) is not None:  # DeepSeek-V2: softmax, ranked by its logits
+        keys = output[0].float().gather(1, ids)
+    else:
         return ids
-    keys = (output[0].float().sigmoid() + bias).gather(1, ids)
     by_id = torch.sort(ids, dim=1).indices  # ties keep ascending ids through the stable sort
     ids, keys = ids.gather(1, by_id), keys.gather(1, by_id)
     return ids.gather(1, torch.sort(keys, dim=1, descending=True, stable=True).indices)

@@ -81,6 +81,7 @@ def select_experts(
     capture: torch.Tensor | None = None,
     num_groups: int = 1,
     topk_groups: int = 1,
+    group_score_top: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to its top-k experts; see `route_reference` for the contract."""
     if uses_triton(router_logits, top_k, num_groups):
@@ -99,4 +100,5 @@ def select_experts(
         capture=capture,
         num_groups=num_groups,
         topk_groups=topk_groups,
+        group_score_top=group_score_top,
     )

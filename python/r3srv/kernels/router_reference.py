@@ -22,6 +22,7 @@ def check_route_args(
     capture: torch.Tensor | None,
     num_groups: int = 1,
     topk_groups: int = 1,
+    group_score_top: int = 2,
 ) -> None:
     """Reject bad routing arguments with a ValueError that names the argument (both backends)."""
     if router_logits.dim() != 2 or not router_logits.dtype.is_floating_point:
@@ -44,6 +45,8 @@ def check_route_args(
                 f"expert groups: num_groups={num_groups} must divide num_experts={num_experts} and "
                 f"topk_groups={topk_groups} must be in [1, num_groups]"
             )
+        if group_score_top not in (1, 2):
+            raise ValueError(f"group_score_top must be 1 (DeepSeek-V2) or 2 (DeepSeek-V3), got {group_score_top!r}")
         if top_k > topk_groups * (num_experts // num_groups):
             raise ValueError(
                 f"top_k={top_k} exceeds the {topk_groups * (num_experts // num_groups)} experts of "
@@ -87,13 +90,14 @@ def group_limited_keys(
     correction_bias: torch.Tensor | None,
     num_groups: int,
     topk_groups: int,
+    group_score_top: int = 2,
 ) -> torch.Tensor:
     """`keys` with every expert outside each token's `topk_groups` best groups set to -inf.
 
-    DeepSeek-V3's group-limited routing (GLM-4.5 and Kimi-K2 configs carry it too): experts
-    come in `num_groups` equal groups, a group scores the sum of its two best
-    `score + bias` values (float64, as `choice_keys` ranks), and equal group scores go to
-    the lower group id.
+    Group-limited routing: experts come in `num_groups` equal groups, a group scores the sum
+    of its `group_score_top` best `score + bias` values (float64, as `choice_keys` ranks:
+    2 in DeepSeek-V3, whose GLM-4.5 and Kimi-K2 configs carry the switch too; 1, the best
+    score, in DeepSeek-V2's group_limited_greedy), and equal group scores go to the lower group id.
     """
     num_tokens, num_experts = logits.shape
     wide = logits.double()
@@ -102,7 +106,7 @@ def group_limited_keys(
         scores = scores + correction_bias.double()
     scores = torch.nan_to_num(scores, nan=float("inf"))
     per_group = scores.view(num_tokens, num_groups, num_experts // num_groups)
-    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
+    group_scores = per_group.topk(min(group_score_top, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
     best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
     keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
     keep = keep.repeat_interleave(num_experts // num_groups, dim=1)
@@ -120,6 +124,7 @@ def route_reference(
     capture: torch.Tensor | None = None,
     num_groups: int = 1,
     topk_groups: int = 1,
+    group_score_top: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the top-k experts of each token.
 
@@ -132,17 +137,17 @@ def route_reference(
     capture: an optional [T, k] integer view (e.g. one layer of a capture buffer);
     the ids are written into it, narrowed to its dtype.
     num_groups > 1: group-limited routing (see `group_limited_keys`): only experts of each
-    token's `topk_groups` best groups can be picked.
+    token's `topk_groups` best groups can be picked; a group scores its `group_score_top` best.
     Bad arguments raise ValueError. See `choice_keys` for how scores are ranked exactly.
     """
-    check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups)
+    check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups, group_score_top)
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     # A stable descending sort keeps the lower id first among equal keys
     # (torch.topk does not promise an order for ties).
     keys = choice_keys(logits, scoring, correction_bias)
     if num_groups > 1:
-        keys = group_limited_keys(logits, keys, scoring, correction_bias, num_groups, topk_groups)
+        keys = group_limited_keys(logits, keys, scoring, correction_bias, num_groups, topk_groups, group_score_top)
     ids = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = scores.gather(-1, ids)
     if renormalize:

@@ -162,6 +162,7 @@ def route_triton(
     capture: torch.Tensor | None = None,
     num_groups: int = 1,
     topk_groups: int = 1,
+    group_score_top: int = 2,
     block_t: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +170,7 @@ def route_triton(
 
     Needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1.
     """
-    check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups)
+    check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups, group_score_top)
     num_tokens, num_experts = router_logits.shape
     if num_groups != 1:
         raise ValueError(f"the fused router has no group-limited routing (num_groups={num_groups}); use route_reference")

@@ -1,6 +1,6 @@
 """ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
 
-The seven families differ in a handful of switches (q/k norm width, qkv clipping, partial
+The eight families differ in a handful of switches (q/k norm width, qkv clipping, partial
 rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
 layers are MoE). Parsing them here, from the raw JSON,
 keeps `transformers` out of the runtime and accepts both old and new key spellings.
@@ -31,6 +31,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
 _MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in ARCHITECTURE_FAMILIES.items()}
@@ -60,7 +61,7 @@ class ModelConfig:
     """Everything the decoder, the loader and the engine need to know about a checkpoint."""
 
     architecture: str
-    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe | minimax_m2 | deepseek_v3
+    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe | minimax_m2 | deepseek_v3 | deepseek_v2
     name: str  # served model name
     vocab_size: int
     hidden_size: int
@@ -106,6 +107,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
     num_expert_groups: int = 1  # > 1: group-limited routing (n_group / topk_group)
     topk_expert_groups: int = 1
+    group_score_top: int = 2  # a group scores the sum of its best this many (DeepSeek-V2: 1)
     router_float32: bool = False  # router matmul in float32 whatever the model dtype (GLM-4.5's reference)
     shared_expert_intermediate_size: int = 0  # > 0: a shared expert every token goes through
     shared_expert_gate: bool = True  # Qwen2-MoE scales it by a sigmoid gate; GLM-4.5's has none
@@ -214,8 +216,12 @@ class ModelConfig:
         elif family == "minimax_m2":
             cfg.update(_minimax_m2_switches(raw, int(head_dim)))
         elif family == "deepseek_v3":
+            _check_v3_router(raw)
             cfg.update(_glm4_moe_switches(raw, get, num_layers))  # the same router and MoE layout
-            cfg.update(_mla_switches(raw, get))
+            cfg.update(_mla_switches(raw, get, first_dense_default=3))
+        elif family == "deepseek_v2":
+            cfg.update(_deepseek_v2_switches(raw, get))
+            cfg.update(_mla_switches(raw, get, first_dense_default=0))
         window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         if window and window < cfg["max_position_embeddings"]:
             # Within the window, sliding-window attention is full attention: capping the
@@ -263,16 +269,46 @@ def _glm4_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> 
     )
 
 
-def _mla_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
-    """DeepSeek-V3's multi-head latent attention (Kimi-K2 and Moonlight share the architecture)."""
-    rope_dim = get.int("qk_rope_head_dim")
+def _check_v3_router(raw: dict[str, Any]) -> None:
     if raw.get("scoring_func", "sigmoid") != "sigmoid" or raw.get("topk_method", "noaux_tc") != "noaux_tc":
         raise ConfigError(
             f"DeepseekV3ForCausalLM: scoring_func={raw.get('scoring_func')!r} / topk_method={raw.get('topk_method')!r} "
             "is not supported (only DeepSeek-V3's sigmoid / noaux_tc router)"
         )
+
+
+def _deepseek_v2_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
+    """DeepSeek-V2 / V2-Lite: softmax router, greedy or group_limited_greedy (a group scores
+    its best expert), no renormalisation unless norm_topk_prob, gate-less shared experts."""
+    method = raw.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy") or raw.get("scoring_func", "softmax") != "softmax":
+        raise ConfigError(
+            f"DeepseekV2ForCausalLM: topk_method={method!r} / scoring_func={raw.get('scoring_func')!r} is not "
+            "supported (only softmax with 'greedy' or 'group_limited_greedy')"
+        )
+    if raw.get("mlp_bias"):
+        raise ConfigError("DeepseekV2ForCausalLM: mlp_bias=true is not supported")
+    grouped = method == "group_limited_greedy"
+    moe_width = get.int("moe_intermediate_size")
+    return dict(
+        moe_intermediate_size=moe_width,
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        num_expert_groups=int(raw.get("n_group") or 1) if grouped else 1,
+        topk_expert_groups=int(raw.get("topk_group") or 1) if grouped else 1,
+        group_score_top=1,
+        router_float32=True,  # the references compute these logits in float32
+        shared_expert_intermediate_size=moe_width * int(raw.get("n_shared_experts") or 0),
+        shared_expert_gate=False,
+    )
+
+
+def _mla_switches(raw: dict[str, Any], get: "_Getter", first_dense_default: int) -> dict[str, Any]:
+    """DeepSeek-V2/V3's multi-head latent attention (Kimi-K2 and Moonlight share V3's architecture)."""
+    rope_dim = get.int("qk_rope_head_dim")
     layers = get.int("num_hidden_layers")
-    first_dense, every = int(raw.get("first_k_dense_replace", 3)), int(raw.get("moe_layer_freq") or 1)
+    first_dense = int(raw.get("first_k_dense_replace", first_dense_default))
+    every = int(raw.get("moe_layer_freq") or 1)
     return dict(
         kv_lora_rank=get.int("kv_lora_rank"),
         q_lora_rank=int(raw.get("q_lora_rank") or 0),
@@ -285,7 +321,7 @@ def _mla_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
         qkv_bias=bool(raw.get("attention_bias", False)),
         o_bias=bool(raw.get("attention_bias", False)),
         qk_norm=None,
-        # DeepSeek-V3's reference: dense before first_k_dense_replace (default 3), then every moe_layer_freq-th
+        # the DeepSeek references: dense before first_k_dense_replace, then every moe_layer_freq-th
         moe_layers=[i for i in range(first_dense, layers) if i % every == 0],
     )
 

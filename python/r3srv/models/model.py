@@ -1,10 +1,10 @@
-"""The MoE decoder shared by the seven families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5,
-MiniMax-M2, DeepSeek-V3).
+"""The MoE decoder shared by the eight families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5,
+MiniMax-M2, DeepSeek-V3, DeepSeek-V2).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, partial rotary, the router (scoring, bias, groups,
 renormalisation, scaling), the shared expert, the checkpoint names (see `weight_targets`) and,
-for DeepSeek-V3, the attention (multi-head latent attention, models/mla.py).
+for DeepSeek-V2/V3, the attention (multi-head latent attention, models/mla.py).
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ class MoeForCausalLM(nn.Module):
             if mlp.correction_bias is not None:
                 # GLM-4.5 keeps the bias in its router module; MiniMax-M2 in the MoE block
                 # (transformers 5 in memory: mlp.e_score_correction_bias)
-                bias_names = ["mlp.gate.e_score_correction_bias"] if family in ("glm4_moe", "deepseek_v3") else [
+                bias_names = ["mlp.gate.e_score_correction_bias"] if family in ("glm4_moe", "deepseek_v3", "deepseek_v2") else [
                     "block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"]
                 for name in bias_names:
                     targets[p + name] = mlp.correction_bias
@@ -262,7 +262,7 @@ class MoeForCausalLM(nn.Module):
             if mlp.shared_w13 is not None:
                 s_half = mlp.shared_w13.shape[0] // 2
                 # Qwen2-MoE: one gated "shared_expert"; GLM-4.5: gate-less "shared_experts"
-                shared = p + ("mlp.shared_experts." if family in ("glm4_moe", "deepseek_v3") else "mlp.shared_expert.")
+                shared = p + ("mlp.shared_experts." if family in ("glm4_moe", "deepseek_v3", "deepseek_v2") else "mlp.shared_expert.")
                 targets[shared + "gate_proj.weight"] = mlp.shared_w13[:s_half]
                 targets[shared + "up_proj.weight"] = mlp.shared_w13[s_half:]
                 targets[shared + "down_proj.weight"] = mlp.shared_w2

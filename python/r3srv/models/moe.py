@@ -97,6 +97,7 @@ class SparseMoeBlock(nn.Module):
         self.scoring = cfg.scoring
         self.scaling = cfg.routed_scaling_factor
         self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
+        self.group_score_top = cfg.group_score_top
         # A float32 router keeps the checkpoint's routing exact in a bf16 model: the reference
         # implementations compute these logits in float32, and the correction bias is stored
         # in float32 (rounding it to bf16 would change which experts win).
@@ -128,6 +129,7 @@ class SparseMoeBlock(nn.Module):
             capture=capture,
             num_groups=self.num_groups,
             topk_groups=self.topk_groups,
+            group_score_top=self.group_score_top,
         )
         out = grouped_experts(x, self.w13, self.w2, weights, ids)
         if self.shared_w13 is not None:
