@@ -70,7 +70,11 @@ def check_correctness() -> list[str]:
               (160, 6, dict(scoring="sigmoid", renormalize=True, bias=True, strided=True)),
               (256, 8, dict(scoring="softmax", renormalize=False, bias=False, tokens=1)),
               (60, 4, dict(scoring="softmax", renormalize=True, bias=False, ties=True)),
-              (384, 8, dict(scoring="sigmoid", renormalize=True, bias=True, ties=True))]
+              (384, 8, dict(scoring="sigmoid", renormalize=True, bias=True, ties=True)),
+              # expert groups: DeepSeek-V3 (sum of the best two) and V2's group_limited_greedy (the best one)
+              (256, 8, dict(scoring="sigmoid", renormalize=True, bias=True, scaling=2.5, groups=(8, 4, 2))),
+              (160, 6, dict(scoring="softmax", renormalize=False, bias=False, groups=(8, 3, 1))),
+              (64, 6, dict(scoring="sigmoid", renormalize=True, bias=True, ties=True, groups=(8, 2, 2)))]
     for i, (num_experts, top_k, mode) in enumerate(cases):
         tokens = mode.get("tokens", CHECK_TOKENS if DEVICE == "cuda" else 37)
         if mode.get("ties"):
@@ -89,6 +93,8 @@ def check_correctness() -> list[str]:
         buffer = torch.full((tokens, 3, top_k), POISON, dtype=capture_dtype, device=DEVICE)
         kwargs = dict(scoring=mode["scoring"], renormalize=mode["renormalize"], correction_bias=bias,
                       scaling=mode.get("scaling", 1.0))
+        if "groups" in mode:
+            kwargs.update(zip(("num_groups", "topk_groups", "group_score_top"), mode["groups"]))
         weights, ids = route_triton(logits, top_k, capture=buffer[:, 1], **kwargs)
         want_w, want_ids = route_reference(logits, top_k, **kwargs)
         # the CPU reference too: the ids must not depend on where torch ran
@@ -158,6 +164,15 @@ def time_router() -> list[dict]:
                 topk = median_us(lambda: torch_topk_route(logits, top_k, view))
                 rows.append(dict(tokens=tokens, experts=num_experts, top_k=top_k,
                                  fused=fused, reference=reference, topk=topk))
+    # DeepSeek-V3's router (sigmoid, correction bias, 8 groups of which 4, scaling 2.5): no topk baseline
+    tokens = 64 if smoke else HEADLINE[0]
+    logits = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
+    view = torch.zeros((tokens, 4, 8), dtype=torch.uint8, device=DEVICE)[:, 1]
+    kwargs = dict(scoring="sigmoid", correction_bias=torch.randn(256, device=DEVICE) * 0.3, scaling=2.5,
+                  num_groups=8, topk_groups=4, capture=view)
+    rows.append(dict(tokens=tokens, experts="256 (DeepSeek-V3: 8 groups, top 4)", top_k=8,
+                     fused=median_us(lambda: route_triton(logits, 8, **kwargs)),
+                     reference=median_us(lambda: route_reference(logits, 8, **kwargs)), topk=None))
     return rows
 
 
@@ -238,10 +253,10 @@ def render(router_rows, sweep, decode, decode_error) -> str:
     lines = ["| case | fused / measured | torch reference / baseline | ratio | torch topk | topk / fused |",
              "|---|---|---|---|---|---|"]
     for r in router_rows:
+        topk = "| | |" if r["topk"] is None else f"| {r['topk']:.1f} µs | {r['topk'] / r['fused']:.2f}x |"
         lines.append(
             f"| router T={r['tokens']} E={r['experts']} k={r['top_k']} | {r['fused']:.1f} µs | "
-            f"{r['reference']:.1f} µs | {r['reference'] / r['fused']:.2f}x | {r['topk']:.1f} µs | "
-            f"{r['topk'] / r['fused']:.2f}x |"
+            f"{r['reference']:.1f} µs | {r['reference'] / r['fused']:.2f}x {topk}"
         )
     for label, us in sweep:
         lines.append(f"| {label} | {us:.1f} µs | | | | |")

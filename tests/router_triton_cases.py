@@ -120,6 +120,38 @@ def test_masked_and_nan_logits():
     check_against_reference(logits, 8, scoring="sigmoid", renormalize=False)
 
 
+# (experts, top_k, groups, top groups): DeepSeek-V3 (256, 8, 8, 4), V2 (160, 6, 8, 3), uneven cases
+GROUP_LAYOUTS = [(256, 8, 8, 4), (160, 6, 8, 3), (64, 6, 8, 1), (60, 4, 5, 3), (8, 2, 8, 2), (384, 8, 32, 4)]
+
+
+@pytest.mark.parametrize("layout", GROUP_LAYOUTS, ids=lambda v: "x".join(map(str, v)))
+@pytest.mark.parametrize("mode", ["v3", "v2", "sigmoid-top1", "softmax-top2"])
+def test_group_limited_routing_matches_reference(layout, mode):
+    num_experts, top_k, groups, top_groups = layout
+    gen = generator(num_experts, groups, len(mode))
+    scoring = "sigmoid" if mode in ("v3", "sigmoid-top1") else "softmax"
+    group_score_top = 2 if mode in ("v3", "softmax-top2") else 1
+    bias = torch.randn(num_experts, generator=gen) * 0.3 if mode == "v3" else None
+    logits = torch.randn(37, num_experts, generator=gen) * 2
+    kwargs = dict(scoring=scoring, correction_bias=bias, num_groups=groups, topk_groups=top_groups,
+                  group_score_top=group_score_top)
+    check_against_reference(logits, top_k, renormalize=mode == "v3", scaling=2.5 if mode == "v3" else 1.0,
+                            capture_dtype=torch.uint16 if num_experts > 256 else torch.uint8, **kwargs)
+    ties = torch.randint(-1, 2, (23, num_experts), generator=gen).float()  # equal experts and equal groups
+    check_against_reference(ties, top_k, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_group_limited_routing_with_masked_and_nan_logits():
+    logits = torch.randn(5, 32, generator=generator(77))
+    logits[0, :16] = float("-inf")  # two whole groups masked
+    logits[1, 3] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, ::2] = float("-inf")
+    for scoring in ("sigmoid", "softmax"):
+        check_against_reference(logits, 4, scoring=scoring, num_groups=4, topk_groups=2)
+
+
 @pytest.mark.parametrize("num_tokens", [0, 1, 2])
 def test_tiny_batches(num_tokens):
     logits = torch.randn(num_tokens, 128, generator=generator(num_tokens))
@@ -151,8 +183,10 @@ def test_rejects_bad_arguments():
         route_triton(logits, 2, scoring="tanh")
     with pytest.raises(ValueError, match="cannot hold"):
         route_triton(torch.randn(4, 300), 2, capture=torch.zeros(4, 2, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="group-limited"):
-        route_triton(logits, 2, scoring="sigmoid", num_groups=4, topk_groups=2)
+    with pytest.raises(ValueError, match="<= 32 expert groups"):
+        route_triton(torch.randn(4, 128), 2, num_groups=64, topk_groups=2)
+    with pytest.raises(ValueError, match="must divide"):
+        route_triton(logits, 2, num_groups=3, topk_groups=1)
 
 
 def test_select_experts_runs_the_kernel_when_asked(monkeypatch):

@@ -22,25 +22,31 @@ if router_triton.interpreter_enabled():
 
 POINTER_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "u8": "*u8", "u16": "*u16", "i32": "*i32"}
 
-# (experts, top_k, scoring, bias, renormalize, logits dtype, capture dtype): the engine's
-# shapes (bf16 logits, uint8 capture) and the extremes (k=1, 512/1024 experts, float64 keys).
+# (experts, top_k, scoring, bias, renormalize, logits dtype, capture dtype[, groups, top
+# groups, group score top]): the engine's shapes (bf16 logits, uint8 capture), the extremes
+# (k=1, 512/1024 experts, float64 keys) and expert groups (DeepSeek-V3, DeepSeek-V2, 32 groups).
 VARIANTS = [
     (128, 8, "softmax", False, True, "bf16", "u8"),
     (60, 1, "sigmoid", False, False, "fp16", "u16"),
     (256, 8, "sigmoid", True, True, "bf16", "u8"),
     (512, 8, "sigmoid", True, True, "fp32", "i32"),
     (1024, 8, "softmax", True, False, "fp32", "i32"),
+    (256, 8, "sigmoid", True, True, "bf16", "u8", 8, 4, 2),
+    (160, 6, "softmax", False, False, "bf16", "u8", 8, 3, 1),
+    (384, 8, "sigmoid", True, True, "bf16", "u16", 32, 4, 2),
 ]
 
 
-def compile_for_hopper(experts, top_k, scoring, bias, renormalize, logits_dtype, capture_dtype):
+def compile_for_hopper(experts, top_k, scoring, bias, renormalize, logits_dtype, capture_dtype,
+                       groups=1, top_groups=1, group_top=2):
     constants, num_warps = router_triton.kernel_constants(
-        experts, top_k, scoring=scoring, has_bias=bias, renormalize=renormalize, has_capture=True
+        experts, top_k, scoring=scoring, has_bias=bias, renormalize=renormalize, has_capture=True,
+        num_groups=groups, topk_groups=top_groups, group_score_top=group_top,
     )
     logits = POINTER_TYPES[logits_dtype]
     signature = {
         "logits_ptr": logits, "bias_ptr": "*fp32" if bias else logits, "weights_ptr": "*fp32", "ids_ptr": "*i32",
-        "capture_ptr": POINTER_TYPES[capture_dtype], "num_tokens": "i32", "num_experts": "i32",
+        "capture_ptr": POINTER_TYPES[capture_dtype], "num_tokens": "i32", "num_experts": "i32", "group_size": "i32",
         "stride_lt": "i32", "stride_le": "i32", "stride_ct": "i32", "stride_ck": "i32", "scaling": "fp32",
     } | {name: "constexpr" for name in constants}
     assert list(signature) == router_triton._route_kernel.arg_names  # the test tracks the kernel's signature

@@ -29,7 +29,8 @@ def test_auto_uses_the_kernel_for_cuda_tensors_only():
 def test_auto_falls_back_to_torch_beyond_the_kernels_limits():
     assert not router.uses_triton(CUDA_LIKE, 9)
     assert not router.uses_triton(SimpleNamespace(is_cuda=True, shape=(4, 1025)), 8)
-    assert not router.uses_triton(CUDA_LIKE, 8, num_groups=8)  # group-limited routing is not fused
+    assert not router.uses_triton(CUDA_LIKE, 8, num_groups=64)
+    assert router.uses_triton(CUDA_LIKE, 8, num_groups=8) == router.triton_available()  # DeepSeek-V3's groups are fused
 
 
 def test_cpu_group_limited_routing_is_the_reference():
@@ -44,7 +45,8 @@ def test_cpu_group_limited_routing_is_the_reference():
 
 def test_dispatcher_limits_match_the_kernel():
     router_triton = pytest.importorskip("r3srv.kernels.router_triton")
-    assert (router._FUSED_MAX_TOP_K, router._FUSED_MAX_EXPERTS) == (router_triton.MAX_TOP_K, router_triton.MAX_EXPERTS)
+    assert (router._FUSED_MAX_TOP_K, router._FUSED_MAX_EXPERTS, router._FUSED_MAX_GROUPS) == (
+        router_triton.MAX_TOP_K, router_triton.MAX_EXPERTS, router_triton.MAX_GROUPS)
 
 
 @pytest.mark.parametrize("value,forced", [("1", True), ("true", True), ("0", False), ("", False)])

@@ -34,3 +34,26 @@ def test_cuda_select_experts_matches_cpu_reference(monkeypatch, num_experts, top
     torch.testing.assert_close(weights.cpu(), want_w, atol=1e-6, rtol=0)
     assert torch.equal(buffer[:, 2].cpu().int(), want_ids)
     assert (buffer[:, [0, 1, 3]] == 0x5A).all()
+
+
+@pytest.mark.parametrize(
+    "num_experts,top_k,groups",
+    [(256, 8, (8, 4, 2)), (160, 6, (8, 3, 1)), (384, 8, (32, 4, 2))],
+    ids=["deepseek-v3", "deepseek-v2", "32-groups"],
+)
+def test_cuda_group_limited_routing_matches_cpu_reference(monkeypatch, num_experts, top_k, groups):
+    from r3srv.kernels import router
+    from r3srv.kernels.router_reference import route_reference
+
+    monkeypatch.delenv(router.FORCE_TORCH_ENV, raising=False)
+    router.set_router_backend("auto")
+    num_groups, topk_groups, group_score_top = groups
+    logits = torch.randn(1000, num_experts, device="cuda") * 2
+    bias = torch.randn(num_experts, device="cuda") * 0.3 if group_score_top == 2 else None
+    kwargs = dict(scoring="sigmoid" if bias is not None else "softmax", num_groups=num_groups,
+                  topk_groups=topk_groups, group_score_top=group_score_top)
+    assert router.uses_triton(logits, top_k, num_groups)
+    weights, ids = router.select_experts(logits, top_k, correction_bias=bias, **kwargs)
+    want_w, want_ids = route_reference(logits.cpu(), top_k, correction_bias=None if bias is None else bias.cpu(), **kwargs)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(weights.cpu(), want_w, atol=1e-6, rtol=0)

@@ -5,7 +5,7 @@ plain-torch reference everywhere else; both share `route_reference`'s signature.
 
 Backends (`set_router_backend`):
   "auto"   (default) Triton for CUDA tensors when triton imports, top_k <= 8,
-           experts <= 1024 and no expert groups; torch otherwise. R3SRV_FORCE_TORCH_ROUTER=1 in the environment makes "auto" use torch.
+           experts <= 1024 and expert groups <= 32; torch otherwise. R3SRV_FORCE_TORCH_ROUTER=1 in the environment makes "auto" use torch.
   "torch"  always the torch reference.
   "triton" always the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);
            raises if it cannot run. For tests and benchmarks.
@@ -25,6 +25,7 @@ FORCE_TORCH_ENV = "R3SRV_FORCE_TORCH_ROUTER"
 # router_triton's limits, without importing triton on CPU-only paths
 _FUSED_MAX_TOP_K = 8
 _FUSED_MAX_EXPERTS = 1024
+_FUSED_MAX_GROUPS = 32
 
 _backend = "auto"
 _triton_importable: bool | None = None
@@ -63,7 +64,7 @@ def uses_triton(router_logits: torch.Tensor, top_k: int, num_groups: int = 1) ->
         return False
     return (
         router_logits.is_cuda
-        and num_groups == 1  # group-limited routing is not fused (yet)
+        and num_groups <= _FUSED_MAX_GROUPS
         and top_k <= _FUSED_MAX_TOP_K
         and router_logits.shape[-1] <= _FUSED_MAX_EXPERTS
         and triton_available()

@@ -83,16 +83,15 @@ def choice_keys(
     return torch.nan_to_num(keys, nan=inf, posinf=inf, neginf=-inf)
 
 
-def group_limited_keys(
+def eligible_experts(
     logits: torch.Tensor,
-    keys: torch.Tensor,
     scoring: str,
     correction_bias: torch.Tensor | None,
     num_groups: int,
     topk_groups: int,
     group_score_top: int = 2,
 ) -> torch.Tensor:
-    """`keys` with every expert outside each token's `topk_groups` best groups set to -inf.
+    """[T, E] bool: the experts of each token's `topk_groups` best groups.
 
     Group-limited routing: experts come in `num_groups` equal groups, a group scores the sum
     of its `group_score_top` best `score + bias` values (float64, as `choice_keys` ranks:
@@ -109,8 +108,7 @@ def group_limited_keys(
     group_scores = per_group.topk(min(group_score_top, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
     best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
     keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
-    keep = keep.repeat_interleave(num_experts // num_groups, dim=1)
-    return keys.masked_fill(~keep, float("-inf"))
+    return keep.repeat_interleave(num_experts // num_groups, dim=1)
 
 
 def route_reference(
@@ -146,9 +144,13 @@ def route_reference(
     # A stable descending sort keeps the lower id first among equal keys
     # (torch.topk does not promise an order for ties).
     keys = choice_keys(logits, scoring, correction_bias)
+    order = torch.sort(keys, dim=-1, descending=True, stable=True).indices
     if num_groups > 1:
-        keys = group_limited_keys(logits, keys, scoring, correction_bias, num_groups, topk_groups, group_score_top)
-    ids = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        # eligible experts first, in key order: one of a dropped group is never picked, even
+        # against an eligible expert whose key is -inf
+        dropped = ~eligible_experts(logits, scoring, correction_bias, num_groups, topk_groups, group_score_top)
+        order = order.gather(1, torch.sort(dropped.gather(1, order).to(torch.uint8), dim=-1, stable=True).indices)
+    ids = order[:, :top_k]
     weights = scores.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -1,5 +1,6 @@
-"""Fused Triton router: one launch scores, picks the top-k, renormalizes, scales and
-writes the ids into the routed-experts capture row of the layer.
+"""Fused Triton router: one launch scores, limits the choice to the best expert groups (if
+any), picks the top-k, renormalizes, scales and writes the ids into the routed-experts
+capture row of the layer.
 
 The same kernel source runs on CUDA and, with TRITON_INTERPRET=1, on CPU tensors in
 Triton's interpreter (how the tests check it). The variable must be set before triton is
@@ -20,7 +21,41 @@ from r3srv.kernels.router_reference import check_route_args
 
 MAX_TOP_K = 8  # the top-k loop is unrolled; every router we serve picks <= 8
 MAX_EXPERTS = 1024  # a program holds whole rows in registers
+MAX_GROUPS = 32  # the group loops are unrolled; DeepSeek-V2/V3 use 8
 TILE_ELEMENTS = 2048  # logits per program: enough work per program, few registers per thread
+
+
+@triton.jit
+def _best_groups(scores, valid, cols, group_size, BLOCK_T: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                 TOPK_GROUPS: tl.constexpr, GROUP_TOP: tl.constexpr, BLOCK_G: tl.constexpr):
+    """[BLOCK_T, BLOCK_E] bool: experts of each row's TOPK_GROUPS best groups, a group scoring
+    the sum of its GROUP_TOP best scores, equal group scores going to the lower group id."""
+    gcols = tl.arange(0, BLOCK_G)
+    group_scores = tl.full([BLOCK_T, BLOCK_G], float("-inf"), dtype=tl.float64)
+    for g in tl.static_range(NUM_GROUPS):
+        member = valid & ((cols >= g * group_size) & (cols < (g + 1) * group_size))[None, :]
+        in_group = tl.where(member, scores, float("-inf"))
+        top = tl.max(in_group, axis=1)
+        total = top
+        if GROUP_TOP == 2:
+            # the second best: the best once the first (lowest id among equals) is set aside
+            first = tl.min(tl.where(member & (in_group == top[:, None]), cols[None, :], 1 << 30), axis=1)
+            second = tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), in_group), axis=1)
+            total = top + tl.where(second == float("-inf"), 0.0, second)  # a one-expert group: its best alone
+        group_scores = tl.where(gcols[None, :] == g, total[:, None], group_scores)
+    group_open = (gcols < NUM_GROUPS)[None, :] & (group_scores == group_scores)
+    kept = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int1)
+    for _ in tl.static_range(TOPK_GROUPS):
+        best = tl.max(tl.where(group_open, group_scores, float("-inf")), axis=1)
+        pick = tl.min(tl.where(group_open & (group_scores == best[:, None]), gcols[None, :], BLOCK_G), axis=1)
+        kept = kept | (gcols[None, :] == pick[:, None])
+        group_open = group_open & (gcols[None, :] != pick[:, None])
+    eligible = tl.zeros(scores.shape, dtype=tl.int1)
+    for g in tl.static_range(NUM_GROUPS):
+        take = tl.max(tl.where(kept & (gcols[None, :] == g), 1, 0), axis=1) > 0
+        member = ((cols >= g * group_size) & (cols < (g + 1) * group_size))[None, :]
+        eligible = eligible | (member & take[:, None])
+    return eligible
 
 
 # Token count varies every step: don't specialize (and recompile) on it.
@@ -33,6 +68,7 @@ def _route_kernel(
     capture_ptr,
     num_tokens,
     num_experts,
+    group_size,
     stride_lt,
     stride_le,
     stride_ct,
@@ -46,6 +82,10 @@ def _route_kernel(
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     HAS_CAPTURE: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr,
+    GROUP_TOP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -60,25 +100,33 @@ def _route_kernel(
         denom = tl.where(row_ok, tl.sum(tl.exp(x - row_max[:, None]), axis=1), 1.0)
 
     # Rank keys, bit-identical to router_reference.choice_keys: the logits themselves
-    # (softmax and sigmoid are monotone), or score + bias in float64.
-    if HAS_BIAS:
+    # (softmax and sigmoid are monotone), or score + bias in float64. Expert groups are
+    # scored on score (+ bias) in float64 too (router_reference.eligible_experts).
+    if HAS_BIAS or NUM_GROUPS > 1:
         wide = x.to(tl.float64)
         if SIGMOID:
             scores = 1.0 / (1.0 + tl.exp(-wide))
         else:
             e = tl.exp(wide - row_max.to(tl.float64)[:, None])
             scores = e / tl.where(row_ok, tl.sum(e, axis=1), 1.0)[:, None]
-        bias = tl.load(bias_ptr + cols, mask=cols < num_experts, other=0.0).to(tl.float64)
-        keys = scores + bias[None, :]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=cols < num_experts, other=0.0).to(tl.float64)
+            scores = scores + bias[None, :]
+        scores = tl.where(scores != scores, float("inf"), scores)
+    if HAS_BIAS:
+        keys = scores
     else:
         keys = x
     keys = tl.where(keys != keys, float("inf"), keys)  # NaN ranks as +inf, as in the reference
+
+    avail = valid
+    if NUM_GROUPS > 1:
+        avail = valid & _best_groups(scores, valid, cols, group_size, BLOCK_T, NUM_GROUPS, TOPK_GROUPS, GROUP_TOP, BLOCK_G)
 
     slots = tl.arange(0, BLOCK_K)
     out_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     out_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     w_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
-    avail = valid
     for j in tl.static_range(TOP_K):
         # Argmax with the lowest id among equal keys; `avail` (not a -inf mask) keeps
         # genuine -inf keys selectable in id order, as the stable sort does.
@@ -124,6 +172,9 @@ def kernel_constants(
     has_bias: bool,
     renormalize: bool,
     has_capture: bool,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    group_score_top: int = 2,
     block_t: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[dict, int]:
@@ -147,6 +198,10 @@ def kernel_constants(
         HAS_BIAS=bool(has_bias),
         RENORMALIZE=bool(renormalize),
         HAS_CAPTURE=bool(has_capture),
+        NUM_GROUPS=num_groups,
+        TOPK_GROUPS=topk_groups,
+        GROUP_TOP=group_score_top,
+        BLOCK_G=max(2, triton.next_power_of_2(num_groups)),
     )
     return constants, num_warps
 
@@ -172,8 +227,8 @@ def route_triton(
     """
     check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups, group_score_top)
     num_tokens, num_experts = router_logits.shape
-    if num_groups != 1:
-        raise ValueError(f"the fused router has no group-limited routing (num_groups={num_groups}); use route_reference")
+    if num_groups > MAX_GROUPS:
+        raise ValueError(f"the fused router supports <= {MAX_GROUPS} expert groups, got {num_groups}; use route_reference")
     if top_k > MAX_TOP_K or num_experts > MAX_EXPERTS:
         raise ValueError(
             f"the fused router supports top_k <= {MAX_TOP_K} and <= {MAX_EXPERTS} experts, got top_k={top_k} "
@@ -196,7 +251,8 @@ def route_triton(
     bias = correction_bias.contiguous() if correction_bias is not None else None
     constants, num_warps = kernel_constants(
         num_experts, top_k, scoring=scoring, has_bias=bias is not None, renormalize=renormalize,
-        has_capture=capture is not None, block_t=block_t, num_warps=num_warps,
+        has_capture=capture is not None, num_groups=num_groups, topk_groups=topk_groups,
+        group_score_top=group_score_top, block_t=block_t, num_warps=num_warps,
     )
     grid = (triton.cdiv(num_tokens, constants["BLOCK_T"]),)
     # Triton launches on the current device; follow the tensors when they live elsewhere.
@@ -210,6 +266,7 @@ def route_triton(
             capture if capture is not None else ids,  # unused when HAS_CAPTURE is False
             num_tokens,
             num_experts,
+            num_experts // num_groups,
             router_logits.stride(0),
             router_logits.stride(1),
             capture.stride(0) if capture is not None else 0,
@@ -224,4 +281,4 @@ def route_triton(
     return weights, ids
 
 
-__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "interpreter_enabled", "kernel_constants", "route_triton"]
+__all__ = ["MAX_EXPERTS", "MAX_GROUPS", "MAX_TOP_K", "interpreter_enabled", "kernel_constants", "route_triton"]
