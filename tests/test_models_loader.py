@@ -54,9 +54,11 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
 
     def to_old_keys(raw):
         rope = raw.pop("rope_parameters")
-        raw["rope_theta"] = rope["rope_theta"]
+        raw["rope_theta"] = rope.pop("rope_theta")
         if "partial_rotary_factor" in rope:  # GLM-4.5's released config.json keeps it top level
-            raw["partial_rotary_factor"] = rope["partial_rotary_factor"]
+            raw["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+        if rope.get("rope_type", "default") != "default":  # YaRN (gpt-oss): the old rope_scaling dict
+            raw["rope_scaling"] = rope
         if "num_local_experts" in raw:  # swap whichever spelling transformers wrote
             raw["num_experts"] = raw.pop("num_local_experts")
         elif "n_routed_experts" in raw:  # GLM-4.5 / DeepSeek spelling
@@ -132,7 +134,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
     assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
     assert set(SUPPORTED_ARCHITECTURES) == {
         "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
-        "MiniMaxM2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",
+        "MiniMaxM2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
     }
 
 

@@ -62,6 +62,11 @@ VARIANTS = {
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                              "original_max_position_embeddings": 8, "mscale": 0.707, "mscale_all_dim": 0.707}},
     ),
+    "gpt_oss": ("gpt_oss", {}),
+    # all-windowed layers and a SwiGLU limit low enough that the clamps bite
+    "gpt_oss_windows_clamped": (
+        "gpt_oss", {"num_layers": 3, "layer_types": ["sliding_attention"] * 3, "swiglu_limit": 0.5, "top_k": 4}
+    ),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

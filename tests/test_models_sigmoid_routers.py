@@ -1,5 +1,5 @@
 """GLM-4.5 / 4.6 (Glm4MoeForCausalLM), MiniMax-M2 (MiniMaxM2ForCausalLM) and DeepSeek-V3
-(DeepseekV3ForCausalLM: Kimi-K2, Moonlight) specifics, and DeepSeek-V2's config, the
+(DeepseekV3ForCausalLM: Kimi-K2, Moonlight) specifics, and DeepSeek-V2's and gpt-oss's configs, the
 transformers oracle tests do not cover: released config spellings, a float32 router in a
 bfloat16 model, the MTP layer a released checkpoint carries, and bad expert groups. (Logits
 and routing against transformers: tests/test_models_oracle.py and test_models_llm_oracle.py;
@@ -222,6 +222,33 @@ def test_deepseek_v2_lite_released_config_spelling():
     for bad in ({"topk_method": "noaux_tc"}, {"scoring_func": "sigmoid"}, {"mlp_bias": True}):
         with pytest.raises(ConfigError, match="DeepseekV2ForCausalLM"):
             ModelConfig.from_dict({**DEEPSEEK_V2_LITE_STYLE, **bad})
+
+
+# gpt-oss-20b's released config.json spellings (its weights: see test_models_fp8.py for MXFP4)
+GPT_OSS_20B_STYLE = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002, "experts_per_token": 4,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
+
+
+def test_gpt_oss_released_config_spelling():
+    cfg = ModelConfig.from_dict(GPT_OSS_20B_STYLE)
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("gpt_oss", 32, 4, list(range(24)))
+    assert cfg.sliding_windows == [128, None] * 12 and cfg.attention_sinks
+    assert cfg.max_position_embeddings == 131072  # windows run windowed: no cap to the window
+    assert cfg.rope_yarn["factor"] == 32.0 and cfg.rope_yarn["truncate"] is False
+    assert (cfg.expert_activation, cfg.swiglu_limit, cfg.router_logit_bias, cfg.renormalize) == ("gpt_oss", 7.0, True, True)
+    assert cfg.qkv_bias and cfg.o_bias
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_dict({**GPT_OSS_20B_STYLE, "layer_types": ["sliding_attention"] * 23})
 
 
 @pytest.mark.parametrize(

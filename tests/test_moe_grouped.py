@@ -27,17 +27,23 @@ def random_routing(gen: torch.Generator, tokens: int, experts: int, top_k: int, 
     experts=st.sampled_from([2, 8, 60]),
     top_k=st.integers(1, 2),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    gpt_oss=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_grouped_gemms_equal_the_loop_bitwise(tokens, experts, top_k, dtype, seed):
-    args = random_routing(torch.Generator().manual_seed(seed), tokens, experts, top_k, 16, 8, dtype)
+def test_grouped_gemms_equal_the_loop_bitwise(tokens, experts, top_k, dtype, gpt_oss, seed):
+    gen = torch.Generator().manual_seed(seed)
+    args = random_routing(gen, tokens, experts, top_k, 16, 8, dtype)
     x, w13, w2, weights, ids = args
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order // top_k)
     counts = torch.bincount(flat, minlength=experts)
-    grouped = moe._expert_mlps_grouped(rows, w13, w2, counts)
-    looped = moe._expert_mlps_looped(rows, w13, w2, counts)
+    kwargs = {}
+    if gpt_oss:  # biased experts with the clamped, interleaved SwiGLU
+        b13, b2 = torch.randn(experts, 16, generator=gen).to(dtype), torch.randn(experts, 16, generator=gen).to(dtype)
+        kwargs = dict(act=lambda h: moe.clamped_swiglu(h, 1.702, 0.3), biases=(b13, b2, flat[order]))
+    grouped = moe._expert_mlps_grouped(rows, w13, w2, counts, **kwargs)
+    looped = moe._expert_mlps_looped(rows, w13, w2, counts, **kwargs)
     assert torch.equal(grouped, looped)
 
 

@@ -22,7 +22,9 @@ import torch
 
 from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2")
+FAMILIES = (
+    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss"
+)
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
 
@@ -82,6 +84,14 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
             first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.5,
         )
+    elif family == "gpt_oss":
+        # a window of 4 (every other layer) that prompts and decodes run past; transformers'
+        # default YaRN (factor 32) scaled to the tiny context
+        cls, extra = transformers.GptOssConfig, dict(
+            num_local_experts=num_experts, intermediate_size=16, head_dim=8, sliding_window=4,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "original_max_position_embeddings": 16, "truncate": False},
+        )
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return cls(**{**common, **extra, **overrides})
@@ -98,8 +108,9 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.2 * torch.randn(p.shape, generator=g))
         else:
             fan_in = p.shape[-1]
-            # router gates (mlp.gate / block_sparse_moe.gate) and the shared-expert gate: wide logits
-            std = 3.0 / math.sqrt(fan_in) if name.endswith("gate.weight") else 1.0 / math.sqrt(fan_in)
+            # router gates (mlp.gate / block_sparse_moe.gate / mlp.router) and the shared-expert gate: wide logits
+            wide = name.endswith(("gate.weight", "router.weight"))
+            std = 3.0 / math.sqrt(fan_in) if wide else 1.0 / math.sqrt(fan_in)
             p.copy_(std * torch.randn(p.shape, generator=g))
     for name, b in sorted(model.named_buffers()):
         if name.endswith("e_score_correction_bias"):  # sigmoid routers: a bias that changes picks
@@ -147,8 +158,8 @@ def hf_gate_modules(hf) -> dict[int, torch.nn.Module]:
     gates = {}
     for i, layer in enumerate(hf.model.layers):
         moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
-        if hasattr(moe, "gate") and hasattr(moe, "experts"):
-            gates[i] = moe.gate
+        if hasattr(moe, "experts") and (hasattr(moe, "gate") or hasattr(moe, "router")):
+            gates[i] = getattr(moe, "gate", None) or moe.router
     return gates
 
 

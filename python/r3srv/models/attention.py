@@ -6,7 +6,8 @@ token's K/V lives at its slot and a sequence's context is `slots = table[pos // 
 A step mixes prefills (possibly chunked, possibly after a prefix-cache hit) and decodes.
 Decodes (one query token each) share padded SDPA calls, grouped by context length within a
 gather budget; each prefill chunk gets its own call with the causal mask shifted by the
-tokens already in the cache.
+tokens already in the cache. Sliding-window layers mask keys more than `window` positions
+back; attention sinks (gpt-oss) add a learned per-head logit to every softmax's denominator.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class PrefillSpan:
     end: int
     context_slots: torch.Tensor | None  # [context_len] slots; None when the whole context is this chunk
     mask: torch.Tensor | None  # [q, context_len] bool; None means plain causal (q == context_len)
+    context_len: int = 0
 
 
 @dataclass
@@ -34,6 +36,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [Bg] rows (into T) of the decode tokens
     slots: torch.Tensor  # [Bg, max_context] context slots, padded with slot 0
     mask: torch.Tensor | None  # [Bg, 1, 1, max_context] True where the key is real (None: all real)
+    context_lens: torch.Tensor | None = None  # [Bg]
 
 
 # Keys (and as many values) one decode group may gather: the gathered K/V of a group is
@@ -65,13 +68,13 @@ class AttentionMetadata:
                 decode_seqs.append(i)
                 decode_rows.append(start)
             elif q == ctx:
-                prefills.append(PrefillSpan(start, start + q, None, None))
+                prefills.append(PrefillSpan(start, start + q, None, None, ctx))
             else:
                 pos = torch.arange(ctx, device=device)
                 slots = tables[i, pos // block_size] * block_size + pos % block_size
                 # query i sits at position ctx - q + i and sees keys 0..that position
                 qpos = torch.arange(ctx - q, ctx, device=device)
-                prefills.append(PrefillSpan(start, start + q, slots, pos[None, :] <= qpos[:, None]))
+                prefills.append(PrefillSpan(start, start + q, slots, pos[None, :] <= qpos[:, None], ctx))
             start += q
 
         decodes = [
@@ -108,7 +111,7 @@ def _decode_group(
     slots = torch.where(real, blocks * block_size + pos % block_size, 0)
     # all of one length (one sequence, say): every gathered key is real, and an unmasked SDPA is faster
     mask = None if min(ctx_lens) == max(ctx_lens) else real[:, None, None, :]
-    return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
+    return DecodeGroup(torch.tensor(rows, device=device), slots, mask, ctx)
 
 
 def paged_attention(
@@ -119,13 +122,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] (this step's tokens) -> attention output [T, H, Dv].
 
     Writes k/v into the caches at meta.slot_mapping first, so later steps (and prefix-cache
     hits) see them. A v_cache that is a view into k_cache (MLA: the values are the leading
     dims of the cached latent) is written by the k write. scale: the softmax scale (default
-    1/sqrt(D)).
+    1/sqrt(D)). window: each query sees the keys at most `window - 1` positions back (a
+    sliding-window layer). sinks [H]: each head's sink logit, in every softmax's denominator.
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     if v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr():
@@ -142,14 +148,57 @@ def paged_attention(
             vs = v_cache.index_select(0, span.context_slots)
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=gqa, scale=scale
-        )
+        mask = span.mask
+        if window is not None and window < span.context_len:
+            mask = _window_mask(span.end - span.start, span.context_len, window, q.device)
+        elif mask is None:
+            mask = CAUSAL
+        o = _attend(qs, ks, vs, mask, gqa, scale, sinks)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
     for group in meta.decodes:
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
         kd = k_cache[group.slots].transpose(1, 2)  # [Bg, KVH, ctx, D]
         vd = v_cache[group.slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, enable_gqa=gqa, scale=scale)
+        mask = group.mask
+        if window is not None and window < group.slots.shape[1]:
+            pos = torch.arange(group.slots.shape[1], device=q.device)
+            ctx = group.context_lens[:, None]
+            mask = ((pos[None, :] < ctx) & (pos[None, :] >= ctx - window))[:, None, None, :]
+        o = _attend(qd, kd, vd, mask, gqa, scale, sinks)
         out.index_copy_(0, group.rows, o.squeeze(2))
     return out
+
+
+CAUSAL = "causal"  # _attend's mask for a plain causal prefill (SDPA's is_causal)
+
+
+def _window_mask(q_len: int, ctx_len: int, window: int, device) -> torch.Tensor:
+    """[q, ctx] bool: for the last q of ctx positions, the keys causally visible within the window."""
+    qpos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    kpos = torch.arange(ctx_len, device=device)[None, :]
+    return (kpos <= qpos) & (kpos > qpos - window)
+
+
+def _attend(q, k, v, mask, gqa: bool, scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, q, D], k/v [B, KVH, ctx, D*]; mask: bool (True = visible, broadcast), CAUSAL or None.
+
+    SDPA, or with sinks the same attention written out, each head's sink logit joining the
+    softmax's denominator (transformers' gpt-oss reference)."""
+    causal = isinstance(mask, str)
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=gqa, scale=scale
+        )
+    heads, q_len, ctx = q.shape[1], q.shape[2], k.shape[2]
+    if gqa:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril(ctx - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(scores.shape[0], heads, q_len, 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

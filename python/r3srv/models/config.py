@@ -1,6 +1,6 @@
 """ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
 
-The eight families differ in a handful of switches (q/k norm width, qkv clipping, partial
+The nine families differ in a handful of switches (q/k norm width, qkv clipping, partial
 rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
 layers are MoE). Parsing them here, from the raw JSON,
 keeps `transformers` out of the runtime and accepts both old and new key spellings.
@@ -32,6 +32,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
 _MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in ARCHITECTURE_FAMILIES.items()}
@@ -61,7 +62,7 @@ class ModelConfig:
     """Everything the decoder, the loader and the engine need to know about a checkpoint."""
 
     architecture: str
-    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe | minimax_m2 | deepseek_v3 | deepseek_v2
+    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe | minimax_m2 | deepseek_v3 | deepseek_v2 | gpt_oss
     name: str  # served model name
     vocab_size: int
     hidden_size: int
@@ -100,6 +101,8 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: str | None = None  # "head": RMSNorm over head_dim (Qwen3); "full": over all heads (OLMoE)
     clip_qkv: float | None = None
+    attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
+    sliding_windows: list[int | None] | None = None  # per layer: keys within this many positions (gpt-oss)
     # router switches
     renormalize: bool = True  # top-k weights renormalised to sum to one
     scoring: str = "softmax"  # "sigmoid": GLM-4.5 / DeepSeek-V3-style routers
@@ -111,6 +114,12 @@ class ModelConfig:
     router_float32: bool = False  # router matmul in float32 whatever the model dtype (GLM-4.5's reference)
     shared_expert_intermediate_size: int = 0  # > 0: a shared expert every token goes through
     shared_expert_gate: bool = True  # Qwen2-MoE scales it by a sigmoid gate; GLM-4.5's has none
+    router_logit_bias: bool = False  # the router linear has a bias (gpt-oss): part of the logits
+    # expert MLPs: "silu" (silu(gate) * up, gate rows then up rows) or "gpt_oss" (interleaved
+    # gate/up rows, clamped at swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1), biases)
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -222,7 +231,11 @@ class ModelConfig:
         elif family == "deepseek_v2":
             cfg.update(_deepseek_v2_switches(raw, get))
             cfg.update(_mla_switches(raw, get, first_dense_default=0))
+        elif family == "gpt_oss":
+            cfg.update(_gpt_oss_switches(raw, num_layers))
         window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        if family == "gpt_oss":
+            window = None  # its windowed layers run windowed (sliding_windows)
         if window and window < cfg["max_position_embeddings"]:
             # Within the window, sliding-window attention is full attention: capping the
             # length keeps every sequence exact without a windowed kernel.
@@ -343,6 +356,28 @@ def _minimax_m2_switches(raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
         router_bias=True,
         # float32 router logits, as vLLM and SGLang compute them for this family
         router_float32=True,
+    )
+
+
+def _gpt_oss_switches(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """gpt-oss: biased attention with sinks, sliding-window layers (layer_types), a biased
+    router whose top-k logits are softmaxed, biased experts with a clamped SwiGLU."""
+    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    window = raw.get("sliding_window")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if len(types) != num_layers or unknown or ("sliding_attention" in types and not window):
+        raise ConfigError(f"GptOssForCausalLM: layer_types {types} / sliding_window {window!r} do not describe "
+                          f"{num_layers} full or sliding attention layers")
+    return dict(
+        qkv_bias=bool(raw.get("attention_bias", True)),
+        o_bias=bool(raw.get("attention_bias", True)),
+        attention_sinks=True,
+        sliding_windows=[int(window) if t == "sliding_attention" else None for t in types],
+        renormalize=True,  # softmax over the top-k logits = the top-k softmax scores renormalised
+        router_logit_bias=True,
+        expert_activation="gpt_oss",
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
     )
 
 

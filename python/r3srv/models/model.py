@@ -1,8 +1,8 @@
-"""The MoE decoder shared by the eight families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5,
-MiniMax-M2, DeepSeek-V3, DeepSeek-V2).
+"""The MoE decoder shared by the nine families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5,
+MiniMax-M2, DeepSeek-V3, DeepSeek-V2, gpt-oss).
 
 One class with a few config switches rather than a class per family: the families differ
-only in q/k norm width, qkv bias/clipping, partial rotary, the router (scoring, bias, groups,
+only in q/k norm width, qkv bias/clipping, partial rotary, sliding windows and sinks, the router (scoring, bias, groups,
 renormalisation, scaling), the shared expert, the checkpoint names (see `weight_targets`) and,
 for DeepSeek-V2/V3, the attention (multi-head latent attention, models/mla.py).
 """
@@ -37,8 +37,9 @@ def _cpu_threads() -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # a sliding-window layer: keys at most window - 1 positions back
         kw = dict(dtype=dtype, device=device)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -56,6 +57,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = _param(self.head_dim, **kw), _param(self.head_dim, **kw)
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
+        self.sinks = _param(self.num_heads, **kw) if cfg.attention_sinks else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -79,6 +81,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             targets[p + "q_norm.weight"] = self.q_norm
             targets[p + "k_norm.weight"] = self.k_norm
+        if self.sinks is not None:
+            targets[p + "sinks"] = self.sinks
         return targets
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -96,7 +100,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
-        o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta)
+        o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, window=self.window, sinks=self.sinks)
         return F.linear(o.reshape(t, self.q_size), self.o, self.o_bias)
 
 
@@ -118,7 +122,8 @@ class DecoderLayer(nn.Module):
         self.is_moe = index in cfg.moe_layers
         self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.attn = MlaAttention(cfg, dtype, device) if cfg.is_mla else Attention(cfg, dtype, device)
+        window = cfg.sliding_windows[index] if cfg.sliding_windows else None
+        self.attn = MlaAttention(cfg, dtype, device) if cfg.is_mla else Attention(cfg, dtype, device, window)
         self.mlp = SparseMoeBlock(cfg, dtype, device) if self.is_moe else DenseMlp(cfg, dtype, device)
 
     def forward(self, x, cos, sin, meta, capture):
@@ -238,6 +243,9 @@ class MoeForCausalLM(nn.Module):
                 targets[p + "mlp.up_proj.weight"] = mlp.w13[half:]
                 targets[p + "mlp.down_proj.weight"] = mlp.w2
                 continue
+            if family == "gpt_oss":
+                targets.update(_gpt_oss_moe_targets(p, mlp))
+                continue
             mixtral_names = family in ("mixtral", "minimax_m2")
             moe_prefix = p + ("block_sparse_moe." if mixtral_names else "mlp.")
             gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
@@ -269,3 +277,17 @@ class MoeForCausalLM(nn.Module):
                 if mlp.shared_gate is not None:
                     targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
         return targets
+
+
+def _gpt_oss_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
+    """gpt-oss keeps experts fused and transposed ([E, H, 2I] with gate/up columns interleaved,
+    [E, I, H]): views of w13 (whose rows stay interleaved, see moe.clamped_swiglu) and w2."""
+    p = prefix + "mlp."
+    return {
+        p + "router.weight": mlp.gate,
+        p + "router.bias": mlp.gate_bias,
+        p + "experts.gate_up_proj": mlp.w13.transpose(1, 2),
+        p + "experts.gate_up_proj_bias": mlp.b13,
+        p + "experts.down_proj": mlp.w2.transpose(1, 2),
+        p + "experts.down_proj_bias": mlp.b2,
+    }

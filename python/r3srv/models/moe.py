@@ -8,7 +8,9 @@ matmuls per expert that received tokens: no per-token Python loop either way.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,20 +21,43 @@ from r3srv.models.config import ModelConfig
 from r3srv.models.layers import silu_mlp
 
 
+def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on [rows, 2I] gate-then-up projections."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on [rows, 2I] interleaved gate/up projections."""
+    gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def grouped_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t. x [T, H]; ids/weights [T, k]."""
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t. x [T, H]; ids/weights [T, k].
+
+    An expert is down(act(gate_up(x) + b13) ) + b2; the biases ([E, 2I], [E, H]) are optional."""
     num_tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
     token_of_row = order // top_k
     counts = torch.bincount(flat_ids, minlength=w13.shape[0])
     rows = x.index_select(0, token_of_row)
+    biases = None if b13 is None else (b13, b2, flat_ids[order])
     if uses_grouped_mm(rows, w2):
-        out = _expert_mlps_grouped(rows, w13, w2, counts)
+        out = _expert_mlps_grouped(rows, w13, w2, counts, act, biases)
     else:
-        out = _expert_mlps_looped(rows, w13, w2, counts)
+        out = _expert_mlps_looped(rows, w13, w2, counts, act, biases)
     out.mul_(weights.reshape(-1)[order].to(out.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, token_of_row, out)
 
@@ -59,21 +84,35 @@ def uses_grouped_mm(rows: torch.Tensor, w2: torch.Tensor) -> bool:
     return num_experts <= rows.shape[0] <= 16 * num_experts
 
 
-def _expert_mlps_grouped(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _expert_mlps_grouped(rows, w13, w2, counts, act=silu_and_mul, biases=None) -> torch.Tensor:
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # stays on the device: no sync
-    gate, up = _GROUPED_MM(rows, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    return _GROUPED_MM(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    h = _GROUPED_MM(rows, w13.transpose(1, 2), offs=offs)
+    if biases is not None:
+        h = h + biases[0].index_select(0, biases[2])
+    out = _GROUPED_MM(act(h), w2.transpose(1, 2), offs=offs)
+    if biases is not None:
+        out = out + biases[1].index_select(0, biases[2])
+    return out
 
 
-def _expert_mlps_looped(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(rows)
-    start = 0
+def _expert_mlps_looped(rows, w13, w2, counts, act=silu_and_mul, biases=None) -> torch.Tensor:
+    spans, start = [], 0
     for expert, count in enumerate(counts.tolist()):  # one device sync on CUDA
         if count:
-            end = start + count
-            out[start:end] = silu_mlp(rows[start:end], w13[expert], w2[expert])
-            start = end
-    return out
+            spans.append((expert, start, start + count))
+            start += count
+    # Projections per expert; biases and the activation over all rows at once, as the grouped
+    # path applies them (elementwise kernels may round a slice's tail differently).
+    h = rows.new_empty(rows.shape[0], w13.shape[1])
+    for expert, begin, end in spans:
+        h[begin:end] = F.linear(rows[begin:end], w13[expert])
+    if biases is not None:
+        h = h + biases[0].index_select(0, biases[2])
+    h = act(h)
+    out = torch.empty_like(rows)
+    for expert, begin, end in spans:
+        out[begin:end] = F.linear(h[begin:end], w2[expert])
+    return out if biases is None else out + biases[1].index_select(0, biases[2])
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # absent from older torch releases
@@ -103,12 +142,22 @@ class SparseMoeBlock(nn.Module):
         # in float32 (rounding it to bf16 would change which experts win).
         router_dtype = torch.float32 if cfg.router_float32 else dtype
         self.gate = nn.Parameter(torch.empty(e, h, dtype=router_dtype, device=device), requires_grad=False)
+        self.gate_bias = (
+            nn.Parameter(torch.empty(e, dtype=router_dtype, device=device), requires_grad=False)
+            if cfg.router_logit_bias else None
+        )
         self.correction_bias = (
             nn.Parameter(torch.empty(e, dtype=torch.float32, device=device), requires_grad=False)
             if cfg.router_bias else None
         )
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **kw), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, **kw), requires_grad=False)
+        self.b13 = self.b2 = None
+        self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+        if cfg.expert_activation == "gpt_oss":  # biased experts, gate/up rows interleaved in w13
+            self.b13 = nn.Parameter(torch.empty(e, 2 * i, **kw), requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(e, h, **kw), requires_grad=False)
+            self.act = functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
         self.shared_w13 = self.shared_w2 = self.shared_gate = None
         s = cfg.shared_expert_intermediate_size
         if s:
@@ -118,7 +167,7 @@ class SparseMoeBlock(nn.Module):
                 self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:
-        router_logits = F.linear(x.to(self.gate.dtype), self.gate)
+        router_logits = F.linear(x.to(self.gate.dtype), self.gate, self.gate_bias)
         weights, ids = select_experts(
             router_logits,
             self.top_k,
@@ -131,7 +180,7 @@ class SparseMoeBlock(nn.Module):
             topk_groups=self.topk_groups,
             group_score_top=self.group_score_top,
         )
-        out = grouped_experts(x, self.w13, self.w2, weights, ids)
+        out = grouped_experts(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2, act=self.act)
         if self.shared_w13 is not None:
             shared = silu_mlp(x, self.shared_w13, self.shared_w2)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)
