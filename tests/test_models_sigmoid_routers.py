@@ -3,7 +3,7 @@
 transformers oracle tests do not cover: released config spellings, a float32 router in a
 bfloat16 model, the MTP layer a released checkpoint carries, and bad expert groups. (Logits
 and routing against transformers: tests/test_models_oracle.py and test_models_llm_oracle.py;
-block-FP8 loading: test_models_fp8.py.)"""
+block-FP8 and MXFP4 loading: test_models_quantized.py.)"""
 
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def test_deepseek_v2_lite_released_config_spelling():
             ModelConfig.from_dict({**DEEPSEEK_V2_LITE_STYLE, **bad})
 
 
-# gpt-oss-20b's released config.json spellings (its weights: see test_models_fp8.py for MXFP4)
+# gpt-oss-20b's released config.json spellings (MXFP4 weights: test_models_quantized.py)
 GPT_OSS_20B_STYLE = {
     "architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002, "experts_per_token": 4,
     "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
@@ -234,6 +234,8 @@ GPT_OSS_20B_STYLE = {
     "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
                                             "original_max_position_embeddings": 4096, "rope_type": "yarn",
                                             "truncate": False},
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
     "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
     "vocab_size": 201088,
 }
@@ -246,7 +248,7 @@ def test_gpt_oss_released_config_spelling():
     assert cfg.max_position_embeddings == 131072  # windows run windowed: no cap to the window
     assert cfg.rope_yarn["factor"] == 32.0 and cfg.rope_yarn["truncate"] is False
     assert (cfg.expert_activation, cfg.swiglu_limit, cfg.router_logit_bias, cfg.renormalize) == ("gpt_oss", 7.0, True, True)
-    assert cfg.qkv_bias and cfg.o_bias
+    assert cfg.qkv_bias and cfg.o_bias and cfg.mxfp4 and cfg.fp8_block is None
     with pytest.raises(ConfigError, match="layer_types"):
         ModelConfig.from_dict({**GPT_OSS_20B_STYLE, "layer_types": ["sliding_attention"] * 23})
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from r3srv.errors import ConfigError
-from r3srv.models.fp8 import parse_fp8_block
+from r3srv.models.quantization import parse_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,9 @@ class ModelConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     torch_dtype: torch.dtype  # the checkpoint's dtype
-    fp8_block: tuple[int, int] | None = None  # block-FP8 checkpoint: dequantized at load (models/fp8.py)
+    # quantized checkpoints, dequantized at load (models/quantization.py)
+    fp8_block: tuple[int, int] | None = None  # block FP8's weight_block_size
+    mxfp4: bool = False  # MXFP4 X_blocks / X_scales (gpt-oss)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling_factor: float = 1.0  # "linear" RoPE scaling divides positions by this
@@ -175,6 +177,7 @@ class ModelConfig:
             raise ConfigError(f"{architecture}: num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
 
         rope_theta, rope_factor, rope_yarn = _rope(raw, architecture)
+        fp8_block, mxfp4 = parse_quantization(raw, architecture)
         cfg = dict(
             architecture=architecture,
             model_type=family,
@@ -194,7 +197,8 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=parse_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32", what="checkpoint dtype"),
-            fp8_block=parse_fp8_block(raw, architecture),
+            fp8_block=fp8_block,
+            mxfp4=mxfp4,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling_factor=rope_factor,

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from r3srv.errors import ConfigError
-from r3srv.models import fp8
+from r3srv.models import quantization as quant
 from r3srv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from r3srv.models.model import MoeForCausalLM
 from r3srv.tokenizer import Tokenizer
@@ -85,7 +85,7 @@ def load_model(
     device = torch.device(device)
     model_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
     model = MoeForCausalLM(cfg, dtype=model_dtype, device=device)
-    _load_weights(model, safetensors_files(path), cfg.fp8_block)
+    _load_weights(model, safetensors_files(path), cfg)
     model.eval()
 
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
@@ -102,7 +102,7 @@ def load_model(
 
 
 # ModelConfig fields two checkpoints may differ in and still swap weights (an RL policy update).
-_UPDATE_MAY_CHANGE = frozenset({"name", "torch_dtype", "raw", "eos_token_ids", "bos_token_id", "fp8_block"})
+_UPDATE_MAY_CHANGE = frozenset({"name", "torch_dtype", "raw", "eos_token_ids", "bos_token_id", "fp8_block", "mxfp4"})
 
 
 def load_weights_from_dir(model: MoeForCausalLM, path: str | os.PathLike) -> None:
@@ -124,21 +124,23 @@ def load_weights_from_dir(model: MoeForCausalLM, path: str | os.PathLike) -> Non
     ]
     if changed:
         raise ConfigError(f"{path} is not the served model's architecture: {'; '.join(changed[:6])}")
-    _load_weights(model, safetensors_files(path), new.fp8_block)
+    _load_weights(model, safetensors_files(path), new)
 
 
-def _load_weights(model: MoeForCausalLM, files: list[Path], fp8_block: tuple[int, int] | None = None) -> None:
-    _copy_weights(model, _plan_weights(model, files, fp8_block))
+def _load_weights(model: MoeForCausalLM, files: list[Path], checkpoint: ModelConfig) -> None:
+    _copy_weights(model, _plan_weights(model, files, checkpoint.fp8_block, checkpoint.mxfp4))
 
 
 @dataclasses.dataclass
 class WeightPlan:
-    """What to copy: per shard, the tensor names that fill the model; for FP8 weights,
-    where their block scales are (a scale may sit in another shard)."""
+    """What to copy: per shard, the tensor names that fill the model; for FP8 weights, where
+    their block scales are, and for MXFP4 ones where their blocks and scales are (any of
+    them may sit in another shard)."""
 
     shards: list[tuple[Path, list[str]]]
     scales: dict[str, tuple[Path, str]]
     fp8_block: tuple[int, int] | None = None
+    packed: dict[str, tuple[tuple[Path, str], tuple[Path, str]]] = dataclasses.field(default_factory=dict)
 
 
 def _read_headers(files: list[Path]) -> dict[Path, dict[str, tuple[tuple[int, ...], str]]]:
@@ -154,7 +156,9 @@ def _read_headers(files: list[Path]) -> dict[Path, dict[str, tuple[tuple[int, ..
     return headers
 
 
-def _plan_weights(model: MoeForCausalLM, files: list[Path], fp8_block: tuple[int, int] | None = None) -> WeightPlan:
+def _plan_weights(
+    model: MoeForCausalLM, files: list[Path], fp8_block: tuple[int, int] | None = None, mxfp4: bool = False
+) -> WeightPlan:
     """Which tensors of which shard fill the model, checked from the shard headers alone:
     every shape matches, every FP8 weight has its block scales, and every parameter is
     filled, before a single weight is copied."""
@@ -166,26 +170,28 @@ def _plan_weights(model: MoeForCausalLM, files: list[Path], fp8_block: tuple[int
     # a target is a view of one parameter: they share its storage
     owners = {name: by_storage[t.untyped_storage().data_ptr()] for name, t in targets.items()}
     headers = _read_headers(files)
-    scale_of = {
-        name.removesuffix(fp8.SCALE_SUFFIX): (file, name)
-        for file, header in headers.items()
-        for name in header
-        if name.endswith(fp8.SCALE_SUFFIX)
-    }
+    located = {name: (file, name) for file, header in headers.items() for name in header}
+    scale_of = {name.removesuffix(quant.SCALE_SUFFIX): at for name, at in located.items() if name.endswith(quant.SCALE_SUFFIX)}
     unexpected: list[str] = []
     plan = WeightPlan(shards=[], scales={}, fp8_block=fp8_block)
     for file, header in headers.items():
         used: list[str] = []
         for name, (shape, dtype) in header.items():
             target = targets.get(name)
+            if target is None and name.endswith(quant.BLOCKS_SUFFIX) and name.removesuffix(quant.BLOCKS_SUFFIX) in targets:
+                base = name.removesuffix(quant.BLOCKS_SUFFIX)
+                plan.packed[base] = _check_mxfp4_weight(file, name, shape, targets[base], located, headers, mxfp4)
+                filled[owners[base]] = filled.get(owners[base], 0) + targets[base].numel()
+                continue
             if target is None:
-                if not (name.endswith(_IGNORED_SUFFIXES) or name.removesuffix(fp8.SCALE_SUFFIX) in targets
+                if not (name.endswith(_IGNORED_SUFFIXES) or name.removesuffix(quant.SCALE_SUFFIX) in targets
+                        or name.removesuffix(quant.SCALES_SUFFIX) in plan.packed or name.removesuffix(quant.SCALES_SUFFIX) in targets
                         or (name == "lm_head.weight" and model.config.tie_word_embeddings)):
                     unexpected.append(name)
                 continue
             if shape != tuple(target.shape):
                 raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies {tuple(target.shape)}")
-            if dtype in fp8.FP8_DTYPES:
+            if dtype in quant.FP8_DTYPES:
                 plan.scales[name] = _check_fp8_weight(file, name, shape, scale_of, headers, fp8_block)
             owner = owners[name]
             filled[owner] = filled.get(owner, 0) + target.numel()
@@ -203,15 +209,31 @@ def _check_fp8_weight(file, name, shape, scale_of, headers, fp8_block) -> tuple[
     if fp8_block is None:
         raise ConfigError(f"{file.name}: tensor {name} is float8 but config.json has no block-FP8 quantization_config")
     if len(shape) != 2 or name not in scale_of:
-        raise ConfigError(f"{file.name}: float8 tensor {name} needs a 2-D shape and a {name}{fp8.SCALE_SUFFIX} tensor")
+        raise ConfigError(f"{file.name}: float8 tensor {name} needs a 2-D shape and a {name}{quant.SCALE_SUFFIX} tensor")
     scale_file, scale_name = scale_of[name]
     scale_shape = headers[scale_file][scale_name][0]
-    if scale_shape != fp8.scale_shape(shape, fp8_block):
+    if scale_shape != quant.scale_shape(shape, fp8_block):
         raise ConfigError(
             f"{scale_file.name}: {scale_name} has shape {scale_shape}; {shape} in {fp8_block} blocks needs "
-            f"{fp8.scale_shape(shape, fp8_block)}"
+            f"{quant.scale_shape(shape, fp8_block)}"
         )
     return scale_file, scale_name
+
+
+def _check_mxfp4_weight(file, name, shape, target, located, headers, mxfp4):
+    base = name.removesuffix(quant.BLOCKS_SUFFIX)
+    if not mxfp4:
+        raise ConfigError(f"{file.name}: {name} is MXFP4-packed but config.json has no mxfp4 quantization_config")
+    scales = located.get(base + quant.SCALES_SUFFIX)
+    if scales is None:
+        raise ConfigError(f"{file.name}: {name} has no {base}{quant.SCALES_SUFFIX} tensor")
+    scales_shape = headers[scales[0]][scales[1]][0]
+    if len(shape) < 3 or shape[-1] != 16 or scales_shape != shape[:-1] or quant.mxfp4_shape(shape) != tuple(target.shape):
+        raise ConfigError(
+            f"{file.name}: MXFP4 {name} {shape} with scales {scales_shape} does not unpack to {base}'s "
+            f"{tuple(target.shape)}"
+        )
+    return (file, name), scales
 
 
 @torch.no_grad()
@@ -230,5 +252,8 @@ def _copy_weights(model: MoeForCausalLM, plan: WeightPlan) -> None:
                 tensor = shard(file).get_tensor(name)
                 if name in plan.scales:
                     scale_file, scale_name = plan.scales[name]
-                    tensor = fp8.dequantize(tensor, shard(scale_file).get_tensor(scale_name), plan.fp8_block)
+                    tensor = quant.dequantize(tensor, shard(scale_file).get_tensor(scale_name), plan.fp8_block)
                 targets[name].copy_(tensor)
+        for base, ((blocks_file, blocks), (scales_file, scales)) in plan.packed.items():
+            tensor = quant.dequantize_mxfp4(shard(blocks_file).get_tensor(blocks), shard(scales_file).get_tensor(scales))
+            targets[base].copy_(tensor)

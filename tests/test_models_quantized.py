@@ -1,4 +1,5 @@
-"""Block-FP8 checkpoints (MiniMax-M2's release format): dequantized at load, exactly, or refused clearly."""
+"""Quantized checkpoints as released: block FP8 (MiniMax-M2, DeepSeek-V3) and MXFP4 (gpt-oss),
+dequantized at load exactly, or refused clearly."""
 
 from __future__ import annotations
 
@@ -179,3 +180,72 @@ def test_other_quantizations_are_refused_at_start_up(source, tmp_path, quant):
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="not supported"):
         load_model(tmp_path / "fp8")
+
+
+# ---------------------------------------------------------------- MXFP4 (gpt-oss)
+
+
+def _write_mxfp4(tmp_path, *, drop_scales=False, quant_config=True):
+    """A tiny gpt-oss whose experts are random MXFP4 blocks and scales; returns (path, the
+    float32 expert tensors transformers' own dequantization gives, by parameter name)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = write_tiny_checkpoint(tmp_path / "src", "gpt_oss", seed=8, intermediate_size=32)  # 32-value groups
+    dst = tmp_path / "mxfp4"
+    dst.mkdir()
+    for extra in src.iterdir():
+        if extra.suffix != ".safetensors":
+            (dst / extra.name).write_bytes(extra.read_bytes())
+    gen = torch.Generator().manual_seed(8)
+    tensors, expected = {}, {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensor
+            continue
+        experts, cols, rows = tensor.shape  # transformers keeps x @ W: [E, in, out]
+        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(122, 130, (experts, rows, cols // 32), generator=gen, dtype=torch.uint8)
+        tensors[name + "_blocks"] = blocks
+        if not drop_scales:
+            tensors[name + "_scales"] = scales
+        expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert expected[name].shape == tensor.shape
+    save_file(tensors, str(dst / "model.safetensors"))
+    if quant_config:
+        raw = json.loads((dst / "config.json").read_text())
+        raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+        (dst / "config.json").write_text(json.dumps(raw))
+    return dst, tensors, expected
+
+
+def test_mxfp4_experts_match_transformers_dequantization(tmp_path):
+    path, tensors, expected = _write_mxfp4(tmp_path)
+    model, _ = load_model(path)
+    assert model.config.mxfp4
+    targets = model.weight_targets()
+    assert len(expected) == 2 * model.config.num_layers
+    for name, want in expected.items():
+        assert torch.equal(targets[name], want), name
+    # and the forward equals one of an unquantized checkpoint holding the same values
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for extra in path.iterdir():
+        if extra.suffix != ".safetensors":
+            (plain / extra.name).write_bytes(extra.read_bytes())
+    raw = json.loads((plain / "config.json").read_text())
+    del raw["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(raw))
+    dense = {k: v for k, v in tensors.items() if not k.endswith(("_blocks", "_scales"))}
+    save_file({**dense, **{k: v.contiguous() for k, v in expected.items()}}, str(plain / "model.safetensors"))
+    logits, rows = _prefill(model)
+    want_logits, want_rows = _prefill(load_model(plain)[0])
+    assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
+
+
+def test_mxfp4_without_scales_or_config_is_a_config_error(tmp_path):
+    path, _, _ = _write_mxfp4(tmp_path / "a", drop_scales=True)
+    with pytest.raises(ConfigError, match="_scales"):
+        load_model(path)
+    path, _, _ = _write_mxfp4(tmp_path / "b", quant_config=False)
+    with pytest.raises(ConfigError, match="no mxfp4 quantization_config"):
+        load_model(path)
