@@ -63,6 +63,8 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
             raw["num_experts"] = raw.pop("num_local_experts")
         elif "n_routed_experts" in raw:  # GLM-4.5 / DeepSeek spelling
             raw["num_local_experts"] = raw.pop("n_routed_experts")
+        elif "moe_num_experts" in raw:  # ERNIE-4.5 spelling
+            raw["num_local_experts"] = raw.pop("moe_num_experts")
         else:
             raw["num_local_experts"] = raw.pop("num_experts")
         raw["torch_dtype"] = raw.pop("dtype")
@@ -135,6 +137,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
     assert set(SUPPORTED_ARCHITECTURES) == {
         "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
         "MiniMaxM2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
+        "Ernie4_5_MoeForCausalLM",
     }
 
 

@@ -67,6 +67,11 @@ VARIANTS = {
     "gpt_oss_windows_clamped": (
         "gpt_oss", {"num_layers": 3, "layer_types": ["sliding_attention"] * 3, "swiglu_limit": 0.5, "top_k": 4}
     ),
+    "ernie4_5_moe": ("ernie4_5_moe", {}),
+    "ernie4_5_moe_dense_interval_tied": (
+        "ernie4_5_moe", {"num_layers": 4, "moe_layer_start_index": 1, "moe_layer_interval": 2, "moe_num_shared_experts": 2,
+                         "tie_word_embeddings": True}
+    ),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

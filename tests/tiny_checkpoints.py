@@ -23,7 +23,8 @@ import torch
 from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
 FAMILIES = (
-    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss"
+    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
+    "ernie4_5_moe",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -92,6 +93,12 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "original_max_position_embeddings": 16, "truncate": False},
         )
+    elif family == "ernie4_5_moe":
+        # every layer MoE unless overridden; untied embeddings like the other tiny checkpoints
+        cls, extra = transformers.Ernie4_5_MoeConfig, dict(
+            moe_num_experts=num_experts, moe_k=top_k, intermediate_size=48, moe_intermediate_size=16, head_dim=16,
+            moe_layer_start_index=0, moe_num_shared_experts=1,
+        )
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return cls(**{**common, **extra, **overrides})
@@ -113,7 +120,7 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             std = 3.0 / math.sqrt(fan_in) if wide else 1.0 / math.sqrt(fan_in)
             p.copy_(std * torch.randn(p.shape, generator=g))
     for name, b in sorted(model.named_buffers()):
-        if name.endswith("e_score_correction_bias"):  # sigmoid routers: a bias that changes picks
+        if name.endswith("e_score_correction_bias"):  # routers with a correction bias: one that changes picks
             b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 

@@ -1,6 +1,6 @@
 """ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
 
-The nine families differ in a handful of switches (q/k norm width, qkv clipping, partial
+The ten families differ in a handful of switches (q/k norm width, qkv clipping, partial
 rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
 layers are MoE). Parsing them here, from the raw JSON,
 keeps `transformers` out of the runtime and accepts both old and new key spellings.
@@ -33,6 +33,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "GptOssForCausalLM": "gpt_oss",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
 _MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in ARCHITECTURE_FAMILIES.items()}
@@ -62,7 +63,7 @@ class ModelConfig:
     """Everything the decoder, the loader and the engine need to know about a checkpoint."""
 
     architecture: str
-    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe | minimax_m2 | deepseek_v3 | deepseek_v2 | gpt_oss
+    model_type: str  # the family: qwen3_moe | qwen2_moe | mixtral | olmoe | glm4_moe | minimax_m2 | deepseek_v3 | deepseek_v2 | gpt_oss | ernie4_5_moe
     name: str  # served model name
     vocab_size: int
     hidden_size: int
@@ -171,8 +172,8 @@ class ModelConfig:
         kv_heads = get.int("num_key_value_heads", default=heads)
         head_dim = raw.get("head_dim") or hidden // heads
         num_layers = get.int("num_hidden_layers")
-        num_experts = get.int("num_local_experts", "num_experts", "n_routed_experts")
-        top_k = get.int("num_experts_per_tok")
+        num_experts = get.int("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+        top_k = get.int("num_experts_per_tok", "moe_k")
         if not 0 < top_k <= num_experts:
             raise ConfigError(f"{architecture}: num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
 
@@ -237,6 +238,8 @@ class ModelConfig:
             cfg.update(_mla_switches(raw, get, first_dense_default=0))
         elif family == "gpt_oss":
             cfg.update(_gpt_oss_switches(raw, num_layers))
+        elif family == "ernie4_5_moe":
+            cfg.update(_ernie4_5_moe_switches(raw, get, num_layers))
         window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         if family == "gpt_oss":
             window = None  # its windowed layers run windowed (sliding_windows)
@@ -382,6 +385,28 @@ def _gpt_oss_switches(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
         expert_activation="gpt_oss",
         swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+    )
+
+
+def _ernie4_5_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:
+    """ERNIE-4.5 MoE: float32 softmax router whose correction bias (moe_statics) steers the
+    choice, gate-less shared experts, MoE layers by start / end / interval, GPT-J-style RoPE."""
+    if raw.get("use_bias"):
+        raise ConfigError("Ernie4_5_MoeForCausalLM: use_bias=true is not supported")
+    moe_width = get.int("moe_intermediate_size")
+    start, every = int(raw.get("moe_layer_start_index", 1)), int(raw.get("moe_layer_interval") or 1)
+    end = int(raw.get("moe_layer_end_index", -1))
+    end = num_layers - 1 if end == -1 else end
+    return dict(
+        moe_intermediate_size=moe_width,
+        moe_layers=[i for i in range(num_layers) if (i + 1) % every == 0 and start <= i <= end],
+        renormalize=True,
+        router_bias=True,
+        router_float32=True,
+        rope_interleave=True,
+        shared_expert_intermediate_size=moe_width * int(raw.get("moe_num_shared_experts") or 0),
+        shared_expert_gate=False,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
     )
 
 

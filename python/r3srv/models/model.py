@@ -19,7 +19,7 @@ from r3srv.errors import ConfigError
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
-from r3srv.models.layers import apply_rope, empty_param as _param, rms_norm, rope_cos_sin, rope_inv_freq, silu_mlp, yarn_inv_freq
+from r3srv.models.layers import apply_rope, apply_rope_interleaved, empty_param as _param, rms_norm, rope_cos_sin, rope_inv_freq, silu_mlp, yarn_inv_freq
 from r3srv.models.mla import MlaAttention
 from r3srv.models.moe import SparseMoeBlock
 
@@ -58,6 +58,7 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
         self.sinks = _param(self.num_heads, **kw) if cfg.attention_sinks else None
+        self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":  # Qwen3: per head
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, window=self.window, sinks=self.sinks)
@@ -256,6 +257,9 @@ class MoeForCausalLM(nn.Module):
                     "block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"]
                 for name in bias_names:
                     targets[p + name] = mlp.correction_bias
+                if family == "ernie4_5_moe":  # [1, E], in the MoE block's moe_statics
+                    for name in ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"):
+                        targets[p + name] = mlp.correction_bias.view(1, -1)
             targets[moe_prefix + "gate.weight"] = mlp.gate
             half = mlp.w13.shape[1] // 2
             for e in range(cfg.num_experts):
@@ -270,7 +274,7 @@ class MoeForCausalLM(nn.Module):
             if mlp.shared_w13 is not None:
                 s_half = mlp.shared_w13.shape[0] // 2
                 # Qwen2-MoE: one gated "shared_expert"; GLM-4.5: gate-less "shared_experts"
-                shared = p + ("mlp.shared_experts." if family in ("glm4_moe", "deepseek_v3", "deepseek_v2") else "mlp.shared_expert.")
+                shared = p + ("mlp.shared_experts." if family in ("glm4_moe", "deepseek_v3", "deepseek_v2", "ernie4_5_moe") else "mlp.shared_expert.")
                 targets[shared + "gate_proj.weight"] = mlp.shared_w13[:s_half]
                 targets[shared + "up_proj.weight"] = mlp.shared_w13[s_half:]
                 targets[shared + "down_proj.weight"] = mlp.shared_w2

@@ -1,9 +1,7 @@
-"""GLM-4.5 / 4.6 (Glm4MoeForCausalLM), MiniMax-M2 (MiniMaxM2ForCausalLM) and DeepSeek-V3
-(DeepseekV3ForCausalLM: Kimi-K2, Moonlight) specifics, and DeepSeek-V2's and gpt-oss's configs, the
-transformers oracle tests do not cover: released config spellings, a float32 router in a
-bfloat16 model, the MTP layer a released checkpoint carries, and bad expert groups. (Logits
-and routing against transformers: tests/test_models_oracle.py and test_models_llm_oracle.py;
-block-FP8 and MXFP4 loading: test_models_quantized.py.)"""
+"""What the transformers oracle tests (test_models_oracle.py, test_models_llm_oracle.py) do not
+cover for the newer families (GLM-4.5, MiniMax-M2, DeepSeek-V3/V2, gpt-oss, ERNIE-4.5): their
+released config.json spellings, a float32 router in a bfloat16 model, the MTP layer a
+released checkpoint carries, and bad expert groups. (Quantized weights: test_models_quantized.py.)"""
 
 from __future__ import annotations
 
@@ -251,6 +249,28 @@ def test_gpt_oss_released_config_spelling():
     assert cfg.qkv_bias and cfg.o_bias and cfg.mxfp4 and cfg.fp8_block is None
     with pytest.raises(ConfigError, match="layer_types"):
         ModelConfig.from_dict({**GPT_OSS_20B_STYLE, "layer_types": ["sliding_attention"] * 23})
+
+
+# ERNIE-4.5-21B-A3B's released config.json spellings
+ERNIE_4_5_STYLE = {
+    "architectures": ["Ernie4_5_MoeForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2560, "intermediate_size": 12288, "max_position_embeddings": 131072,
+    "model_type": "ernie4_5_moe", "moe_capacity": [64, 64, 64], "moe_gate": "top2_fused", "moe_intermediate_size": 1536,
+    "moe_k": 6, "moe_layer_interval": 1, "moe_layer_start_index": 1, "moe_num_experts": 64, "moe_num_shared_experts": 2,
+    "moe_use_aux_free": True, "num_attention_heads": 20, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "pad_token_id": 0, "rms_norm_eps": 1e-05, "rope_theta": 500000, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "use_bias": False, "vocab_size": 103424,
+}
+
+
+def test_ernie_4_5_released_config_spelling():
+    cfg = ModelConfig.from_dict(ERNIE_4_5_STYLE)
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("ernie4_5_moe", 64, 6, list(range(1, 28)))
+    assert (cfg.scoring, cfg.router_bias, cfg.router_float32, cfg.renormalize) == ("softmax", True, True, True)
+    assert cfg.rope_interleave and cfg.tie_word_embeddings and cfg.rope_theta == 500000
+    assert cfg.shared_expert_intermediate_size == 2 * 1536 and not cfg.shared_expert_gate
+    with pytest.raises(ConfigError, match="use_bias"):
+        ModelConfig.from_dict({**ERNIE_4_5_STYLE, "use_bias": True})
 
 
 @pytest.mark.parametrize(
