@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from r3srv.errors import ConfigError
-from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
 from r3srv.models.loader import load_model
+from model_testing import prefill
 from tiny_checkpoints import write_tiny_checkpoint
 
 pytest.importorskip("transformers")
@@ -128,23 +128,6 @@ DEEPSEEK_V3_STYLE = {
     "v_head_dim": 128,
     "vocab_size": 129280,
 }
-
-
-def _prefill(model) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = model.config
-    model.init_kv_cache(8, 16)
-    t = len(PROMPT)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(PROMPT),
-        positions=torch.arange(t),
-        slot_mapping=torch.arange(t),
-        query_lens=[t],
-        context_lens=[t],
-        block_tables=torch.zeros(1, 1, dtype=torch.int32),
-        logits_indices=torch.tensor([t - 1]),
-        routing_capture=torch.zeros(t, cfg.num_layers, cfg.top_k, dtype=torch.int32),
-    )
-    return model.forward(batch), batch.routing_capture
 
 
 def test_released_config_spelling_parses_to_the_glm_switches():
@@ -306,7 +289,7 @@ def test_bfloat16_model_keeps_the_router_in_float32(tmp_path):
     bias = tensors["model.layers.0.mlp.gate.e_score_correction_bias"]
     assert torch.equal(moe.correction_bias, bias)  # bit for bit, not via bf16
     assert torch.equal(moe.gate, bf16["model.layers.0.mlp.gate.weight"].float())
-    logits, rows = _prefill(model)
+    logits, rows = prefill(model, PROMPT)
     assert torch.isfinite(logits).all()
     assert all(len(set(r)) == model.config.top_k for r in rows.reshape(-1, model.config.top_k).tolist())
 
@@ -324,7 +307,7 @@ def test_the_mtp_layer_of_a_released_checkpoint_is_ignored(tmp_path, caplog):
     extra[f"model.layers.{n}.eh_proj.weight"] = torch.randn(32, 64)
     save_file({**tensors, **extra}, str(with_mtp / "model.safetensors"))
 
-    want_logits, want_rows = _prefill(load_model(plain)[0])
-    logits, rows = _prefill(load_model(with_mtp)[0])
+    want_logits, want_rows = prefill(load_model(plain)[0], PROMPT)
+    logits, rows = prefill(load_model(with_mtp)[0], PROMPT)
     assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
     assert f"model.layers.{n}." in caplog.text  # named in the "ignored" warning

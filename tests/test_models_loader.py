@@ -10,27 +10,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from r3srv.errors import ConfigError
-from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
 from r3srv.models.loader import SUPPORTED_ARCHITECTURES, load_model
+from model_testing import prefill
 from tiny_checkpoints import FAMILIES, build_hf_model, write_tiny_checkpoint
 
 PROMPT = [72, 101, 108, 108, 111, 33, 10, 200]
 
 
-def _prefill_logits(model) -> torch.Tensor:
-    model.init_kv_cache(8, 16)
-    t = len(PROMPT)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(PROMPT),
-        positions=torch.arange(t),
-        slot_mapping=torch.arange(t),
-        query_lens=[t],
-        context_lens=[t],
-        block_tables=torch.zeros(1, 1, dtype=torch.int32),
-        logits_indices=torch.tensor([t - 1]),
-    )
-    return model.forward(batch)
+def prefill_logits(model) -> torch.Tensor:
+    return prefill(model, PROMPT)[0]
 
 
 def _edit_config(path, edit) -> None:
@@ -76,7 +65,7 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
     assert new_cfg.torch_dtype == old_cfg.torch_dtype == torch.float32
     assert new_cfg.model_type == family and new_cfg.moe_layers == [0, 1]
     assert new_cfg.eos_token_ids == [258]
-    torch.testing.assert_close(_prefill_logits(load_model(old_style)[0]), _prefill_logits(load_model(new_style)[0]))
+    torch.testing.assert_close(prefill_logits(load_model(old_style)[0]), prefill_logits(load_model(new_style)[0]))
 
 
 def test_top_level_partial_rotary_factor_is_read(checkpoints, tmp_path):
@@ -92,8 +81,8 @@ def test_top_level_partial_rotary_factor_is_read(checkpoints, tmp_path):
 
     _edit_config(full, to_full_rotary)
     assert ModelConfig.from_dir(full).rotary_dim == base.head_dim
-    logits = _prefill_logits(load_model(checkpoints["glm4_moe"])[0])
-    assert not torch.allclose(_prefill_logits(load_model(full)[0]), logits, atol=1e-3)
+    logits = prefill_logits(load_model(checkpoints["glm4_moe"])[0])
+    assert not torch.allclose(prefill_logits(load_model(full)[0]), logits, atol=1e-3)
 
 
 def test_rope_theta_changes_the_model(checkpoints, tmp_path):
@@ -101,8 +90,8 @@ def test_rope_theta_changes_the_model(checkpoints, tmp_path):
     other = tmp_path / "theta"
     shutil.copytree(checkpoints["qwen3_moe"], other)
     _edit_config(other, lambda raw: raw.__setitem__("rope_parameters", {"rope_theta": 3.0, "rope_type": "default"}))
-    base = _prefill_logits(load_model(checkpoints["qwen3_moe"])[0])
-    assert not torch.allclose(_prefill_logits(load_model(other)[0]), base, atol=1e-3)
+    base = prefill_logits(load_model(checkpoints["qwen3_moe"])[0])
+    assert not torch.allclose(prefill_logits(load_model(other)[0]), base, atol=1e-3)
 
 
 def test_sharded_and_single_file_checkpoints_load_identically(tmp_path):
@@ -110,7 +99,7 @@ def test_sharded_and_single_file_checkpoints_load_identically(tmp_path):
     sharded = write_tiny_checkpoint(tmp_path / "sharded", "qwen2_moe", seed=2, max_shard_size="30KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 2
-    torch.testing.assert_close(_prefill_logits(load_model(sharded)[0]), _prefill_logits(load_model(single)[0]))
+    torch.testing.assert_close(prefill_logits(load_model(sharded)[0]), prefill_logits(load_model(single)[0]))
 
 
 def test_fused_expert_tensor_names_load_like_per_expert_names(checkpoints, tmp_path):
@@ -122,7 +111,7 @@ def test_fused_expert_tensor_names_load_like_per_expert_names(checkpoints, tmp_p
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(fused / "model.safetensors"))
     keys = load_file(str(fused / "model.safetensors")).keys()
     assert "model.layers.0.mlp.experts.gate_up_proj" in keys
-    torch.testing.assert_close(_prefill_logits(load_model(fused)[0]), _prefill_logits(load_model(checkpoints["mixtral"])[0]))
+    torch.testing.assert_close(prefill_logits(load_model(fused)[0]), prefill_logits(load_model(checkpoints["mixtral"])[0]))
 
 
 def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path):
@@ -172,7 +161,7 @@ def test_dtype_choice_and_missing_tokenizer(tmp_path, capfd):
     assert tokenizer is None and model.dtype == torch.float32  # "auto" is float32 on the CPU
     model, _ = load_model(path, dtype=torch.bfloat16)
     assert model.embed.dtype == torch.bfloat16
-    assert _prefill_logits(model).dtype == torch.float32
+    assert prefill_logits(model).dtype == torch.float32
     with pytest.raises(ConfigError, match="unsupported dtype"):
         load_model(path, dtype="int8")
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from r3srv.errors import ConfigError
-from r3srv.models.batch import ForwardBatch
 from r3srv.models.loader import load_model
+from model_testing import prefill
 from tiny_checkpoints import write_tiny_checkpoint
 
 pytest.importorskip("transformers")
@@ -82,23 +82,6 @@ def _write_fp8(src, dst, block, *, split_scales=False, edit=None):
     return expected
 
 
-def _prefill(model):
-    cfg = model.config
-    model.init_kv_cache(8, 16)
-    t = len(PROMPT)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(PROMPT),
-        positions=torch.arange(t),
-        slot_mapping=torch.arange(t),
-        query_lens=[t],
-        context_lens=[t],
-        block_tables=torch.zeros(1, 1, dtype=torch.int32),
-        logits_indices=torch.arange(t),
-        routing_capture=torch.zeros(t, cfg.num_layers, cfg.top_k, dtype=torch.int32),
-    )
-    return model.forward(batch), batch.routing_capture
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("src") / "minimax", "minimax_m2", seed=6)
@@ -128,8 +111,8 @@ def test_fp8_weights_are_dequantized_exactly(source, tmp_path, block, split_scal
     (plain / "config.json").write_text(json.dumps(raw))
     (plain / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
     save_file(expected, str(plain / "model.safetensors"))
-    logits, rows = _prefill(model)
-    want_logits, want_rows = _prefill(load_model(plain)[0])
+    logits, rows = prefill(model, PROMPT, all_logits=True)
+    want_logits, want_rows = prefill(load_model(plain)[0], PROMPT, all_logits=True)
     assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
 
 
@@ -237,8 +220,8 @@ def test_mxfp4_experts_match_transformers_dequantization(tmp_path):
     (plain / "config.json").write_text(json.dumps(raw))
     dense = {k: v for k, v in tensors.items() if not k.endswith(("_blocks", "_scales"))}
     save_file({**dense, **{k: v.contiguous() for k, v in expected.items()}}, str(plain / "model.safetensors"))
-    logits, rows = _prefill(model)
-    want_logits, want_rows = _prefill(load_model(plain)[0])
+    logits, rows = prefill(model, PROMPT, all_logits=True)
+    want_logits, want_rows = prefill(load_model(plain)[0], PROMPT, all_logits=True)
     assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
 
 

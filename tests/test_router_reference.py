@@ -11,14 +11,17 @@ from hypothesis import strategies as st
 from r3srv.kernels.router_reference import choice_keys, route_reference
 
 
+def float64_scores(x: np.ndarray, scoring: str) -> np.ndarray:
+    if scoring == "softmax":
+        e = np.exp(x - x.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+    return 1.0 / (1.0 + np.exp(-x))
+
+
 def oracle(logits, top_k, scoring, renormalize, bias, scaling):
     """Rank with Python's sort on (-key, id); weights in float64."""
     x = logits.double().numpy()
-    if scoring == "softmax":
-        e = np.exp(x - x.max(axis=1, keepdims=True))
-        scores = e / e.sum(axis=1, keepdims=True)
-    else:
-        scores = 1.0 / (1.0 + np.exp(-x))
+    scores = float64_scores(x, scoring)
     keys = x if bias is None else scores + bias.double().numpy()
     ids = np.array([sorted(range(x.shape[1]), key=lambda e: (-row[e], e))[:top_k] for row in keys])
     weights = np.take_along_axis(scores, ids, axis=1)
@@ -121,11 +124,7 @@ def group_oracle(logits, top_k, scoring, bias, num_groups, topk_groups, score_to
     best score + bias values (DeepSeek-V3: 2, V2: 1); the best topk_groups groups (ties: lower
     group) are eligible."""
     x = logits.double().numpy()
-    if scoring == "softmax":
-        e = np.exp(x - x.max(axis=1, keepdims=True))
-        scores = e / e.sum(axis=1, keepdims=True)
-    else:
-        scores = 1.0 / (1.0 + np.exp(-x))
+    scores = float64_scores(x, scoring)
     choice = scores + (0.0 if bias is None else bias.double().numpy())
     size = x.shape[1] // num_groups
     all_ids = []
