@@ -1,0 +1,204 @@
+"""Each family's switches of ModelConfig, read from its raw config.json (see models/config.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from r3srv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from r3srv.models.config import _Getter
+
+
+def family_switches(
+    family: str, raw: dict[str, Any], get: "_Getter", *, num_layers: int, head_dim: int, num_experts: int
+) -> dict[str, Any]:
+    """The ModelConfig fields in which `family` departs from the defaults."""
+    if family in ("qwen3_moe", "qwen2_moe"):
+        switches: dict[str, Any] = dict(
+            moe_intermediate_size=get.int("moe_intermediate_size"),
+            moe_layers=_qwen_moe_layers(raw, num_layers, num_experts),
+            renormalize=bool(raw.get("norm_topk_prob", False)),  # the HF default
+        )
+        if family == "qwen3_moe":
+            bias = bool(raw.get("attention_bias", False))
+            return switches | dict(qkv_bias=bias, o_bias=bias, qk_norm="head")
+        return switches | dict(
+            qkv_bias=bool(raw.get("qkv_bias", True)),  # older configs have no key: always biased
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        )
+    if family == "mixtral":
+        return dict(renormalize=True)
+    if family == "olmoe":
+        bias = bool(raw.get("attention_bias", False))
+        return dict(qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=raw.get("clip_qkv"),
+                    renormalize=bool(raw.get("norm_topk_prob", False)))
+    if family == "glm4_moe":
+        return _glm4_moe_switches(raw, get, num_layers)
+    if family == "minimax_m2":
+        return _minimax_m2_switches(raw, head_dim)
+    if family == "deepseek_v3":
+        _check_v3_router(raw)
+        # GLM-4.5's router and MoE layout, with multi-head latent attention
+        return _glm4_moe_switches(raw, get, num_layers) | _mla_switches(raw, get, first_dense_default=3)
+    if family == "deepseek_v2":
+        return _deepseek_v2_switches(raw, get) | _mla_switches(raw, get, first_dense_default=0)
+    if family == "gpt_oss":
+        return _gpt_oss_switches(raw, num_layers)
+    if family == "ernie4_5_moe":
+        return _ernie4_5_moe_switches(raw, get, num_layers)
+    raise ValueError(f"no switches for family {family!r}")
+
+
+def _glm4_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:
+    """GLM-4.5 / 4.6 (Glm4MoeForCausalLM): sigmoid router with a correction bias, optional
+    expert groups and scaling, gate-less shared experts, dense first layers, partial RoPE."""
+    moe_width = get.int("moe_intermediate_size")
+    rope = raw.get("rope_parameters") or {}
+    first_dense = int(raw.get("first_k_dense_replace", 1))  # the transformers default
+    return dict(
+        moe_intermediate_size=moe_width,
+        moe_layers=list(range(min(first_dense, num_layers), num_layers)),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        qk_norm="head" if raw.get("use_qk_norm") else None,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))),
+        renormalize=bool(raw.get("norm_topk_prob", True)),
+        scoring="sigmoid",
+        router_bias=True,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        num_expert_groups=int(raw.get("n_group") or 1),
+        topk_expert_groups=int(raw.get("topk_group") or 1),
+        router_float32=True,
+        shared_expert_intermediate_size=moe_width * int(raw.get("n_shared_experts") or 0),
+        shared_expert_gate=False,
+    )
+
+
+def _check_v3_router(raw: dict[str, Any]) -> None:
+    if raw.get("scoring_func", "sigmoid") != "sigmoid" or raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(
+            f"DeepseekV3ForCausalLM: scoring_func={raw.get('scoring_func')!r} / topk_method={raw.get('topk_method')!r} "
+            "is not supported (only DeepSeek-V3's sigmoid / noaux_tc router)"
+        )
+
+
+def _deepseek_v2_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
+    """DeepSeek-V2 / V2-Lite: softmax router, greedy or group_limited_greedy (a group scores
+    its best expert), no renormalisation unless norm_topk_prob, gate-less shared experts."""
+    method = raw.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy") or raw.get("scoring_func", "softmax") != "softmax":
+        raise ConfigError(
+            f"DeepseekV2ForCausalLM: topk_method={method!r} / scoring_func={raw.get('scoring_func')!r} is not "
+            "supported (only softmax with 'greedy' or 'group_limited_greedy')"
+        )
+    if raw.get("mlp_bias"):
+        raise ConfigError("DeepseekV2ForCausalLM: mlp_bias=true is not supported")
+    grouped = method == "group_limited_greedy"
+    moe_width = get.int("moe_intermediate_size")
+    return dict(
+        moe_intermediate_size=moe_width,
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        num_expert_groups=int(raw.get("n_group") or 1) if grouped else 1,
+        topk_expert_groups=int(raw.get("topk_group") or 1) if grouped else 1,
+        group_score_top=1,
+        router_float32=True,  # the references compute these logits in float32
+        shared_expert_intermediate_size=moe_width * int(raw.get("n_shared_experts") or 0),
+        shared_expert_gate=False,
+    )
+
+
+def _mla_switches(raw: dict[str, Any], get: "_Getter", first_dense_default: int) -> dict[str, Any]:
+    """DeepSeek-V2/V3's multi-head latent attention (Kimi-K2 and Moonlight share V3's architecture)."""
+    rope_dim = get.int("qk_rope_head_dim")
+    layers = get.int("num_hidden_layers")
+    first_dense = int(raw.get("first_k_dense_replace", first_dense_default))
+    every = int(raw.get("moe_layer_freq") or 1)
+    return dict(
+        kv_lora_rank=get.int("kv_lora_rank"),
+        q_lora_rank=int(raw.get("q_lora_rank") or 0),
+        qk_nope_head_dim=get.int("qk_nope_head_dim"),
+        v_head_dim=get.int("v_head_dim"),
+        head_dim=rope_dim,
+        num_kv_heads=get.int("num_attention_heads"),  # the latent expands to every head
+        partial_rotary_factor=1.0,
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        o_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=None,
+        # the DeepSeek references: dense before first_k_dense_replace, then every moe_layer_freq-th
+        moe_layers=[i for i in range(first_dense, layers) if i % every == 0],
+    )
+
+
+def _minimax_m2_switches(raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """MiniMax-M2 (MiniMaxM2ForCausalLM): Mixtral's layout and names with a sigmoid router and a
+    correction bias (always renormalised), q/k RMSNorm over all heads, partial RoPE."""
+    rope = raw.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor")
+    if factor is None:  # released configs give `rotary_dim` (64 of head_dim 128)
+        factor = raw["rotary_dim"] / head_dim if raw.get("rotary_dim") else raw.get("partial_rotary_factor", 1.0)
+    if raw.get("shared_intermediate_size"):
+        raise ConfigError("MiniMaxM2ForCausalLM: shared experts (shared_intermediate_size > 0) are not supported")
+    return dict(
+        qk_norm="full",
+        partial_rotary_factor=float(factor),
+        renormalize=True,
+        scoring="sigmoid",
+        router_bias=True,
+        # float32 router logits: bf16 rounding kept out of which experts win, as for GLM-4.5
+        router_float32=True,
+    )
+
+
+def _gpt_oss_switches(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """gpt-oss: biased attention with sinks, sliding-window layers (layer_types), a biased
+    router whose top-k logits are softmaxed, biased experts with a clamped SwiGLU."""
+    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    window = raw.get("sliding_window")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if len(types) != num_layers or unknown or ("sliding_attention" in types and not window):
+        raise ConfigError(f"GptOssForCausalLM: layer_types {types} / sliding_window {window!r} do not describe "
+                          f"{num_layers} full or sliding attention layers")
+    return dict(
+        qkv_bias=bool(raw.get("attention_bias", True)),
+        o_bias=bool(raw.get("attention_bias", True)),
+        attention_sinks=True,
+        sliding_windows=[int(window) if t == "sliding_attention" else None for t in types],
+        renormalize=True,  # softmax over the top-k logits = the top-k softmax scores renormalised
+        router_logit_bias=True,
+        expert_activation="gpt_oss",
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+    )
+
+
+def _ernie4_5_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:
+    """ERNIE-4.5 MoE: float32 softmax router whose correction bias (moe_statics) steers the
+    choice, gate-less shared experts, MoE layers by start / end / interval, GPT-J-style RoPE."""
+    if raw.get("use_bias"):
+        raise ConfigError("Ernie4_5_MoeForCausalLM: use_bias=true is not supported")
+    moe_width = get.int("moe_intermediate_size")
+    start, every = int(raw.get("moe_layer_start_index", 1)), int(raw.get("moe_layer_interval") or 1)
+    end = int(raw.get("moe_layer_end_index", -1))
+    end = num_layers - 1 if end == -1 else end
+    return dict(
+        moe_intermediate_size=moe_width,
+        moe_layers=[i for i in range(num_layers) if (i + 1) % every == 0 and start <= i <= end],
+        renormalize=True,
+        router_bias=True,
+        router_float32=True,
+        rope_interleave=True,
+        shared_expert_intermediate_size=moe_width * int(raw.get("moe_num_shared_experts") or 0),
+        shared_expert_gate=False,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+    )
+
+
+def _qwen_moe_layers(raw: dict[str, Any], num_layers: int, num_experts: int) -> list[int]:
+    """Qwen MoE layer rule: not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    dense = set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step") or 1)
+    if num_experts <= 0:
+        return []
+    return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
