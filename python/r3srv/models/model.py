@@ -1,10 +1,11 @@
-"""The MoE decoder shared by the nine families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5,
-MiniMax-M2, DeepSeek-V3, DeepSeek-V2, gpt-oss).
+"""The MoE decoder shared by the ten families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5,
+MiniMax-M2, DeepSeek-V3, DeepSeek-V2, gpt-oss, ERNIE-4.5).
 
 One class with a few config switches rather than a class per family: the families differ
-only in q/k norm width, qkv bias/clipping, partial rotary, sliding windows and sinks, the router (scoring, bias, groups,
-renormalisation, scaling), the shared expert, the checkpoint names (see `weight_targets`) and,
-for DeepSeek-V2/V3, the attention (multi-head latent attention, models/mla.py).
+only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
+router (scoring, bias, groups, renormalisation, scaling), the experts' activation and
+biases, the shared expert, the checkpoint names (see `weight_targets`) and, for DeepSeek-V2/V3,
+the attention (multi-head latent attention, models/mla.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from r3srv.errors import ConfigError
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
-from r3srv.models.layers import apply_rope, apply_rope_interleaved, empty_param as _param, rms_norm, rope_cos_sin, rope_inv_freq, silu_mlp, yarn_inv_freq
+from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm, rope_cos_sin, rope_inv_freq, silu_mlp
+from r3srv.models.layers import empty_param as _param
+from r3srv.models.layers import yarn_inv_freq
 from r3srv.models.mla import MlaAttention
 from r3srv.models.moe import SparseMoeBlock
 
@@ -244,43 +247,50 @@ class MoeForCausalLM(nn.Module):
                 targets[p + "mlp.up_proj.weight"] = mlp.w13[half:]
                 targets[p + "mlp.down_proj.weight"] = mlp.w2
                 continue
-            if family == "gpt_oss":
-                targets.update(_gpt_oss_moe_targets(p, mlp))
-                continue
-            mixtral_names = family in ("mixtral", "minimax_m2")
-            moe_prefix = p + ("block_sparse_moe." if mixtral_names else "mlp.")
-            gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
-            if mlp.correction_bias is not None:
-                # GLM-4.5 keeps the bias in its router module; MiniMax-M2 in the MoE block
-                # (transformers 5 in memory: mlp.e_score_correction_bias)
-                bias_names = ["mlp.gate.e_score_correction_bias"] if family in ("glm4_moe", "deepseek_v3", "deepseek_v2") else [
-                    "block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"]
-                for name in bias_names:
-                    targets[p + name] = mlp.correction_bias
-                if family == "ernie4_5_moe":  # [1, E], in the MoE block's moe_statics
-                    for name in ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"):
-                        targets[p + name] = mlp.correction_bias.view(1, -1)
-            targets[moe_prefix + "gate.weight"] = mlp.gate
-            half = mlp.w13.shape[1] // 2
-            for e in range(cfg.num_experts):
-                ep = f"{moe_prefix}experts.{e}."
-                targets[ep + f"{gate_name}.weight"] = mlp.w13[e, :half]
-                targets[ep + f"{up_name}.weight"] = mlp.w13[e, half:]
-                targets[ep + f"{down_name}.weight"] = mlp.w2[e]
-            # transformers 5 in-memory (fused) names, which use "mlp." for every family
-            targets[p + "mlp.gate.weight"] = mlp.gate
-            targets[p + "mlp.experts.gate_up_proj"] = mlp.w13
-            targets[p + "mlp.experts.down_proj"] = mlp.w2
-            if mlp.shared_w13 is not None:
-                s_half = mlp.shared_w13.shape[0] // 2
-                # Qwen2-MoE: one gated "shared_expert"; GLM-4.5: gate-less "shared_experts"
-                shared = p + ("mlp.shared_experts." if family in ("glm4_moe", "deepseek_v3", "deepseek_v2", "ernie4_5_moe") else "mlp.shared_expert.")
-                targets[shared + "gate_proj.weight"] = mlp.shared_w13[:s_half]
-                targets[shared + "up_proj.weight"] = mlp.shared_w13[s_half:]
-                targets[shared + "down_proj.weight"] = mlp.shared_w2
-                if mlp.shared_gate is not None:
-                    targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
+            targets.update(_gpt_oss_moe_targets(p, mlp) if family == "gpt_oss" else _moe_targets(family, p, mlp))
         return targets
+
+
+# Where each family keeps what the standard names do not cover
+_MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.<e>.w1 / w3 / w2
+_SHARED_EXPERTS = ("glm4_moe", "deepseek_v3", "deepseek_v2", "ernie4_5_moe")  # mlp.shared_experts, no gate
+_BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_score_correction_bias
+    "glm4_moe": ("mlp.gate.e_score_correction_bias",),
+    "deepseek_v3": ("mlp.gate.e_score_correction_bias",),
+    "minimax_m2": ("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
+    "ernie4_5_moe": ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"),
+}
+
+
+def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
+    """Released per-expert names and transformers 5's fused ones, for every family but gpt-oss."""
+    mixtral_names = family in _MIXTRAL_NAMES
+    moe_prefix = p + ("block_sparse_moe." if mixtral_names else "mlp.")
+    gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
+    targets = {moe_prefix + "gate.weight": mlp.gate}
+    if mlp.correction_bias is not None:
+        for name in _BIAS_NAMES[family]:  # ERNIE stores it as [1, E]
+            targets[p + name] = mlp.correction_bias.view(1, -1) if family == "ernie4_5_moe" else mlp.correction_bias
+    half = mlp.w13.shape[1] // 2
+    for e in range(mlp.w13.shape[0]):
+        ep = f"{moe_prefix}experts.{e}."
+        targets[ep + f"{gate_name}.weight"] = mlp.w13[e, :half]
+        targets[ep + f"{up_name}.weight"] = mlp.w13[e, half:]
+        targets[ep + f"{down_name}.weight"] = mlp.w2[e]
+    # transformers 5 in-memory (fused) names, which use "mlp." for every family
+    targets[p + "mlp.gate.weight"] = mlp.gate
+    targets[p + "mlp.experts.gate_up_proj"] = mlp.w13
+    targets[p + "mlp.experts.down_proj"] = mlp.w2
+    if mlp.shared_w13 is not None:
+        s_half = mlp.shared_w13.shape[0] // 2
+        # Qwen2-MoE: one gated "shared_expert"; GLM-4.5 and others: gate-less "shared_experts"
+        shared = p + ("mlp.shared_experts." if family in _SHARED_EXPERTS else "mlp.shared_expert.")
+        targets[shared + "gate_proj.weight"] = mlp.shared_w13[:s_half]
+        targets[shared + "up_proj.weight"] = mlp.shared_w13[s_half:]
+        targets[shared + "down_proj.weight"] = mlp.shared_w2
+        if mlp.shared_gate is not None:
+            targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
+    return targets
 
 
 def _gpt_oss_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
