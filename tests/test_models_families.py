@@ -1,5 +1,5 @@
 """What the transformers oracle tests (test_models_oracle.py, test_models_llm_oracle.py) do not
-cover for the newer families (GLM-4.5, MiniMax-M2, DeepSeek-V3/V2, gpt-oss, ERNIE-4.5): their
+cover for the newer families (GLM-4.5, GLM-4.7-Flash, MiniMax-M2, DeepSeek-V3/V2, gpt-oss, ERNIE-4.5): their
 released config.json spellings, a float32 router in a bfloat16 model, the MTP layer a
 released checkpoint carries, and bad expert groups. (Quantized weights: test_models_quantized.py.)"""
 
@@ -254,6 +254,28 @@ def test_ernie_4_5_released_config_spelling():
     assert cfg.shared_expert_intermediate_size == 2 * 1536 and not cfg.shared_expert_gate
     with pytest.raises(ConfigError, match="use_bias"):
         ModelConfig.from_dict({**ERNIE_4_5_STYLE, "use_bias": True})
+
+
+# GLM-4.7-Flash's shape (transformers' Glm4MoeLiteConfig defaults), in DeepSeek-style keys
+GLM47_FLASH_STYLE = {
+    "architectures": ["Glm4MoeLiteForCausalLM"], "first_k_dense_replace": 1, "hidden_size": 2048,
+    "intermediate_size": 10240, "kv_lora_rank": 512, "max_position_embeddings": 202752, "model_type": "glm4_moe_lite",
+    "moe_intermediate_size": 1536, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 20, "num_experts_per_tok": 4, "num_hidden_layers": 47, "num_key_value_heads": 20,
+    "q_lora_rank": 768, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "rope_theta": 1000000,
+    "routed_scaling_factor": 1.8, "topk_group": 1, "torch_dtype": "bfloat16", "v_head_dim": 256, "vocab_size": 154880,
+}
+
+
+def test_glm47_flash_config():
+    cfg = ModelConfig.from_dict(GLM47_FLASH_STYLE)
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("glm4_moe_lite", 64, 4, list(range(1, 47)))
+    assert cfg.is_mla and cfg.rotary_dim == 64 and (cfg.scoring, cfg.router_bias, cfg.routed_scaling_factor) == (
+        "sigmoid", True, 1.8)
+    kinds = ["dense", "dense"] + ["sparse"] * 45
+    assert ModelConfig.from_dict({**GLM47_FLASH_STYLE, "mlp_layer_types": kinds}).moe_layers == list(range(2, 47))
+    with pytest.raises(ConfigError, match="mlp_layer_types"):
+        ModelConfig.from_dict({**GLM47_FLASH_STYLE, "mlp_layer_types": ["sparse"] * 46})
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,8 @@ VARIANTS = {
         "ernie4_5_moe", {"num_layers": 4, "moe_layer_start_index": 1, "moe_layer_interval": 2, "moe_num_shared_experts": 2,
                          "tie_word_embeddings": True}
     ),
+    "glm4_moe_lite": ("glm4_moe_lite", {}),
+    "glm4_moe_lite_dense_first": ("glm4_moe_lite", {"num_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

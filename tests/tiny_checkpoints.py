@@ -24,7 +24,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
-    "ernie4_5_moe",
+    "ernie4_5_moe", "glm4_moe_lite",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -92,6 +92,13 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             num_local_experts=num_experts, intermediate_size=16, head_dim=8, sliding_window=4,
             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "original_max_position_embeddings": 16, "truncate": False},
+        )
+    elif family == "glm4_moe_lite":
+        # GLM-4.7-Flash: MLA (no partial rotary) with GLM's router; all layers MoE unless overridden
+        cls, extra = transformers.Glm4MoeLiteConfig, dict(
+            n_routed_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4,
+            q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+            mlp_layer_types=["sparse"] * num_layers, routed_scaling_factor=1.8,
         )
     elif family == "ernie4_5_moe":
         # every layer MoE unless overridden; untied embeddings like the other tiny checkpoints

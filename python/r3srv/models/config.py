@@ -1,6 +1,6 @@
 """ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
 
-The ten families differ in a handful of switches (q/k norm width, qkv clipping, partial
+The eleven families differ in a handful of switches (q/k norm width, qkv clipping, partial
 rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
 layers are MoE; each family's are read in models/families.py). Parsing them from the raw
 JSON keeps `transformers` out of the runtime and accepts both old and new key spellings.
@@ -35,6 +35,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "GptOssForCausalLM": "gpt_oss",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
 _MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in ARCHITECTURE_FAMILIES.items()}

@@ -41,6 +41,15 @@ def family_switches(
         _check_v3_router(raw)
         # GLM-4.5's router and MoE layout, with multi-head latent attention
         return _glm4_moe_switches(raw, get, num_layers) | _mla_switches(raw, get, first_dense_default=3)
+    if family == "glm4_moe_lite":
+        # GLM-4.7-Flash: DeepSeek-V3's attention and GLM-4.5's router; dense layers by mlp_layer_types
+        switches = _glm4_moe_switches(raw, get, num_layers) | _mla_switches(raw, get, first_dense_default=1)
+        kinds = raw.get("mlp_layer_types")
+        if kinds is not None:
+            if len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}:
+                raise ConfigError(f"Glm4MoeLiteForCausalLM: mlp_layer_types {kinds} must be {num_layers} of dense / sparse")
+            switches["moe_layers"] = [i for i, kind in enumerate(kinds) if kind == "sparse"]
+        return switches
     if family == "deepseek_v2":
         return _deepseek_v2_switches(raw, get) | _mla_switches(raw, get, first_dense_default=0)
     if family == "gpt_oss":
