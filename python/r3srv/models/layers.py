@@ -97,7 +97,10 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     The result comes out de-interleaved (evens' rotations, then odds'), as transformers writes
     it: queries and keys get the same permutation, so their dot products are unchanged.
     """
-    half = cos.shape[-1] // 2
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:  # partial rotary: the leading dims only
+        return torch.cat((apply_rope_interleaved(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    half = rotary // 2
     cos, sin = cos[:, None, :half], sin[:, None, :half]
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
