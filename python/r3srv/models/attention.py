@@ -153,7 +153,7 @@ def paged_attention(
             mask = _window_mask(span.end - span.start, span.context_len, window, q.device)
         elif mask is None:
             mask = CAUSAL
-        o = _attend(qs, ks, vs, mask, gqa, scale, sinks)
+        o = attend(qs, ks, vs, mask, gqa, scale, sinks)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
     for group in meta.decodes:
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
@@ -164,12 +164,12 @@ def paged_attention(
             pos = torch.arange(group.slots.shape[1], device=q.device)
             ctx = group.context_lens[:, None]
             mask = ((pos[None, :] < ctx) & (pos[None, :] >= ctx - window))[:, None, None, :]
-        o = _attend(qd, kd, vd, mask, gqa, scale, sinks)
+        o = attend(qd, kd, vd, mask, gqa, scale, sinks)
         out.index_copy_(0, group.rows, o.squeeze(2))
     return out
 
 
-CAUSAL = "causal"  # _attend's mask for a plain causal prefill (SDPA's is_causal)
+CAUSAL = "causal"  # attend's mask for a plain causal prefill (SDPA's is_causal)
 
 
 def _window_mask(q_len: int, ctx_len: int, window: int, device) -> torch.Tensor:
@@ -179,7 +179,7 @@ def _window_mask(q_len: int, ctx_len: int, window: int, device) -> torch.Tensor:
     return (kpos <= qpos) & (kpos > qpos - window)
 
 
-def _attend(q, k, v, mask, gqa: bool, scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def attend(q, k, v, mask, gqa: bool, scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """q [B, H, q, D], k/v [B, KVH, ctx, D*]; mask: bool (True = visible, broadcast), CAUSAL or None.
 
     SDPA, or with sinks the same attention written out, each head's sink logit joining the

@@ -1,12 +1,15 @@
 """DeepSeek-V3's multi-head latent attention (MLA) over a paged latent cache.
 
 Each token caches one vector: its normalised KV latent (kv_lora_rank) and its rotated
-shared key (qk_rope_head_dim); nothing per head. Attention runs in the latent space (the
-"absorbed" form DeepSeek describes and vLLM uses): each head's no-RoPE query is multiplied
-into the latent by its slice of kv_b_proj's key half, scores are taken against the cached
-latent plus rotary key, values are the latent itself, and each head's output leaves the
-latent through the value half. That is the same attention as expanding every cached latent
-into per-head keys and values (transformers' form), without the per-step expansion.
+shared key (qk_rope_head_dim); nothing per head. Two equal ways to attend, as vLLM does:
+
+- Prefills expand the latents of their context into per-head keys and values through
+  kv_b_proj (transformers' form): head dims of qk_nope + qk_rope and v_head_dim, which the
+  fused SDPA kernels take, so a long prompt never materialises its score matrix.
+- Decodes attend in the latent space (the "absorbed" form DeepSeek describes): each head's
+  no-RoPE query is multiplied into the latent by its slice of kv_b_proj's key half, scores
+  are taken against the cached latent plus rotary key, values are the latent itself, and each
+  head's output leaves the latent through the value half: no per-step expansion of the context.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from r3srv.models.attention import AttentionMetadata, paged_attention
+import dataclasses
+
+from r3srv.models.attention import CAUSAL, AttentionMetadata, attend, paged_attention
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import apply_rope, apply_rope_interleaved, empty_param as _param, rms_norm, yarn_mscale
 
@@ -95,10 +100,37 @@ class MlaAttention(nn.Module):
         q_rope = self.rotate(q_rope, cos, sin)
         k_rope = self.rotate(k_rope.reshape(t, 1, self.rope), cos, sin)
 
-        kv_b = self.kv_b.view(h, self.nope + self.v_dim, self.rank)
-        q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
-        query = torch.cat((q_latent, q_rope), dim=-1)  # [t, h, rank + rope]
         key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [t, 1, rank + rope]: what is cached
-        out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, meta, scale=self.scale)
-        out = torch.einsum("thc,hdc->thd", out_latent, kv_b[:, self.nope :])
+        kv_b = self.kv_b.view(h, self.nope + self.v_dim, self.rank)
+
+        if meta.decodes:  # in the latent space; paged_attention also writes every token's latent
+            q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
+            query = torch.cat((q_latent, q_rope), dim=-1)  # [t, h, rank + rope]
+            decodes = dataclasses.replace(meta, prefills=[])
+            out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, decodes,
+                                         scale=self.scale)
+            out = torch.einsum("thc,hdc->thd", out_latent, kv_b[:, self.nope :])
+        else:
+            self.k_cache.index_copy_(0, meta.slot_mapping, key)
+            out = x.new_empty(t, h, self.v_dim)
+
+        # prefills on expanded keys and values
+        if meta.prefills:
+            query = torch.cat((q_nope, q_rope), dim=-1)  # [t, h, nope + rope]
+            for span in meta.prefills:
+                context = key[span.start : span.end] if span.context_slots is None else (
+                    self.k_cache.index_select(0, span.context_slots))
+                k, v = self._expand(context)
+                qs = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
+                o = attend(qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                            CAUSAL if span.mask is None else span.mask, False, self.scale, None)
+                out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         return F.linear(out.reshape(t, h * self.v_dim), self.o, self.o_bias)
+
+    def _expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached [n, 1, rank + rope] -> per-head keys [n, h, nope + rope] and values [n, h, v_head_dim]."""
+        n, h = cached.shape[0], self.num_heads
+        k_nope, v = F.linear(cached[:, 0, : self.rank], self.kv_b).view(n, h, self.nope + self.v_dim).split(
+            [self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, cached[:, :, self.rank :].expand(n, h, self.rope)), dim=-1)
+        return k, v.contiguous()
