@@ -1,5 +1,5 @@
 """What the transformers oracle tests (test_models_oracle.py, test_models_llm_oracle.py) do not
-cover for the newer families (GLM-4.5, GLM-4.7-Flash, MiniMax-M2, DeepSeek-V3/V2, gpt-oss, ERNIE-4.5): their
+cover for the newer families (GLM-4.5, GLM-4.7-Flash, MiniMax-M2, DeepSeek-V3/V2, gpt-oss, ERNIE-4.5, dots.llm1): their
 released config.json spellings, a float32 router in a bfloat16 model, the MTP layer a
 released checkpoint carries, and bad expert groups. (Quantized weights: test_models_quantized.py.)"""
 
@@ -276,6 +276,27 @@ def test_glm47_flash_config():
     assert ModelConfig.from_dict({**GLM47_FLASH_STYLE, "mlp_layer_types": kinds}).moe_layers == list(range(2, 47))
     with pytest.raises(ConfigError, match="mlp_layer_types"):
         ModelConfig.from_dict({**GLM47_FLASH_STYLE, "mlp_layer_types": ["sparse"] * 46})
+
+
+# dots.llm1's released config.json spellings: every layer full attention (max_window_layers = 62)
+DOTS1_STYLE = {
+    "architectures": ["Dots1ForCausalLM"], "attention_bias": False, "first_k_dense_replace": 1, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944, "max_position_embeddings": 32768,
+    "max_window_layers": 62, "model_type": "dots1", "moe_intermediate_size": 1408, "n_group": 1,
+    "n_routed_experts": 128, "n_shared_experts": 2, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts_per_tok": 6, "num_hidden_layers": 62, "num_key_value_heads": 32, "rms_norm_eps": 1e-05,
+    "rope_theta": 10000000, "routed_scaling_factor": 2.5, "sliding_window": 4096, "topk_group": 1,
+    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 152064,
+}
+
+
+def test_dots1_released_config_spelling():
+    cfg = ModelConfig.from_dict(DOTS1_STYLE)
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("dots1", 128, 6, list(range(1, 62)))
+    assert cfg.sliding_windows is None and cfg.max_position_embeddings == 32768  # no layer windowed, no cap
+    assert cfg.qk_norm == "head" and cfg.rotary_dim == 128 and cfg.renormalize and cfg.routed_scaling_factor == 2.5
+    windowed = ModelConfig.from_dict({**DOTS1_STYLE, "max_window_layers": 60})
+    assert windowed.sliding_windows == [None] * 60 + [4096, 4096]
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,8 @@ def _prefill(model, ids: list[int], device: str):
 # glm4_moe, minimax_m2: the fused kernel's sigmoid + correction-bias (+ scaling) path inside the model;
 # deepseek_v3, deepseek_v2: multi-head latent attention on CUDA; gpt_oss: sinks, sliding windows, biased experts
 @pytest.mark.parametrize(
-    "family", ["qwen2_moe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss", "ernie4_5_moe", "glm4_moe_lite"]
+    "family",
+    ["qwen2_moe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss", "ernie4_5_moe", "glm4_moe_lite", "dots1"],
 )
 def test_cuda_float32_matches_cpu(family, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)

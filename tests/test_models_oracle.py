@@ -74,6 +74,9 @@ VARIANTS = {
     ),
     "glm4_moe_lite": ("glm4_moe_lite", {}),
     "glm4_moe_lite_dense_first": ("glm4_moe_lite", {"num_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    "dots1": ("dots1", {}),
+    "dots1_dense_first_groups": ("dots1", {"num_layers": 3, "first_k_dense_replace": 1, "num_experts": 16, "top_k": 4,
+                                           "n_group": 4, "topk_group": 2, "norm_topk_prob": False}),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

@@ -24,7 +24,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
-    "ernie4_5_moe", "glm4_moe_lite",
+    "ernie4_5_moe", "glm4_moe_lite", "dots1",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -99,6 +99,13 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             n_routed_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4,
             q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
             mlp_layer_types=["sparse"] * num_layers, routed_scaling_factor=1.8,
+        )
+    elif family == "dots1":
+        # dots.llm1: a window of 4 on the last layer (max_window_layers), one shared expert
+        cls, extra = transformers.Dots1Config, dict(
+            n_routed_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, head_dim=16,
+            n_shared_experts=1, routed_scaling_factor=2.0, sliding_window=4, max_window_layers=num_layers - 1,
+            norm_topk_prob=True,
         )
     elif family == "ernie4_5_moe":
         # every layer MoE unless overridden; untied embeddings like the other tiny checkpoints

@@ -1,6 +1,6 @@
 """ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
 
-The eleven families differ in a handful of switches (q/k norm width, qkv clipping, partial
+The twelve families differ in a handful of switches (q/k norm width, qkv clipping, partial
 rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
 layers are MoE; each family's are read in models/families.py). Parsing them from the raw
 JSON keeps `transformers` out of the runtime and accepts both old and new key spellings.
@@ -36,6 +36,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "Dots1ForCausalLM": "dots1",
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
 _MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in ARCHITECTURE_FAMILIES.items()}
@@ -212,8 +213,8 @@ class ModelConfig:
         )
         cfg.update(family_switches(family, raw, get, num_layers=num_layers, head_dim=int(head_dim), num_experts=num_experts))
         window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-        if family == "gpt_oss":
-            window = None  # its windowed layers run windowed (sliding_windows)
+        if cfg.get("sliding_windows") is not None or family in ("gpt_oss", "dots1"):
+            window = None  # windowed layers run windowed (sliding_windows)
         if window and window < cfg["max_position_embeddings"]:
             # Within the window, sliding-window attention is full attention: capping the
             # length keeps every sequence exact without a windowed kernel.

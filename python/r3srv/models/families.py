@@ -56,6 +56,15 @@ def family_switches(
         return _gpt_oss_switches(raw, num_layers)
     if family == "ernie4_5_moe":
         return _ernie4_5_moe_switches(raw, get, num_layers)
+    if family == "dots1":
+        # dots.llm1: DeepSeek-V3's router and MoE layout under Qwen3's attention
+        bias = bool(raw.get("attention_bias", False))
+        return _glm4_moe_switches(raw, get, num_layers) | dict(
+            moe_layers=list(range(min(int(raw.get("first_k_dense_replace", 0)), num_layers), num_layers)),
+            renormalize=bool(raw.get("norm_topk_prob", False)),
+            partial_rotary_factor=1.0, qk_norm="head", qkv_bias=bias, o_bias=bias,
+            sliding_windows=_layer_windows(raw, num_layers, "Dots1ForCausalLM"),
+        )
     raise ValueError(f"no switches for family {family!r}")
 
 
@@ -160,20 +169,33 @@ def _minimax_m2_switches(raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
     )
 
 
+def _layer_windows(raw: dict[str, Any], num_layers: int, architecture: str, default: list[str] | None = None):
+    """Per-layer sliding windows (None: full attention) from layer_types and sliding_window;
+    None when no layer is windowed. Without layer_types: `default`, else Qwen2's rule
+    (layers from max_window_layers on are windowed when sliding_window is set)."""
+    window = raw.get("sliding_window")
+    types = raw.get("layer_types") or default
+    if types is None:
+        start = int(raw.get("max_window_layers") or num_layers)
+        types = ["sliding_attention" if window and i >= start else "full_attention" for i in range(num_layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if len(types) != num_layers or unknown or ("sliding_attention" in types and not window):
+        raise ConfigError(f"{architecture}: layer_types {types} / sliding_window {window!r} do not describe "
+                          f"{num_layers} full or sliding attention layers")
+    if "sliding_attention" not in types:
+        return None
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
 def _gpt_oss_switches(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """gpt-oss: biased attention with sinks, sliding-window layers (layer_types), a biased
     router whose top-k logits are softmaxed, biased experts with a clamped SwiGLU."""
-    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    window = raw.get("sliding_window")
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if len(types) != num_layers or unknown or ("sliding_attention" in types and not window):
-        raise ConfigError(f"GptOssForCausalLM: layer_types {types} / sliding_window {window!r} do not describe "
-                          f"{num_layers} full or sliding attention layers")
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     return dict(
         qkv_bias=bool(raw.get("attention_bias", True)),
         o_bias=bool(raw.get("attention_bias", True)),
         attention_sinks=True,
-        sliding_windows=[int(window) if t == "sliding_attention" else None for t in types],
+        sliding_windows=_layer_windows(raw, num_layers, "GptOssForCausalLM", default=alternating),
         renormalize=True,  # softmax over the top-k logits = the top-k softmax scores renormalised
         router_logit_bias=True,
         expert_activation="gpt_oss",

@@ -253,10 +253,12 @@ class MoeForCausalLM(nn.Module):
 
 # Where each family keeps what the standard names do not cover
 _MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.<e>.w1 / w3 / w2
-_SHARED_EXPERTS = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v2", "ernie4_5_moe")  # mlp.shared_experts, no gate
+# mlp.shared_experts, no gate
+_SHARED_EXPERTS = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v2", "ernie4_5_moe", "dots1")
 _BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_score_correction_bias
     "glm4_moe": ("mlp.gate.e_score_correction_bias",),
     "glm4_moe_lite": ("mlp.gate.e_score_correction_bias",),
+    "dots1": ("mlp.gate.e_score_correction_bias",),
     "deepseek_v3": ("mlp.gate.e_score_correction_bias",),
     "minimax_m2": ("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
     "ernie4_5_moe": ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"),
