@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from tiny_checkpoints import write_tiny_checkpoint
+from tiny_checkpoints import FAMILIES, write_tiny_checkpoint
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids, slowed  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
@@ -174,3 +174,18 @@ def test_a_failure_while_copying_is_named_in_every_later_output(policies, monkey
         llm.update_weights(str(v1), weight_version="v1")
     out = llm.generate([PROMPT], PARAMS)[0]
     assert out.weight_version == f"incomplete:{v1}" and out.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_updates_to_the_new_policy(family, tmp_path):
+    """Each family's checkpoint names (fused, transposed, [1, E] biases, latent attention, ...)
+    fill the served model on an update as on a fresh load."""
+    v0 = write_tiny_checkpoint(tmp_path / "v0", family, seed=0)
+    v1 = write_tiny_checkpoint(tmp_path / "v1", family, seed=1)
+    params = SamplingParams(max_tokens=6, return_routed_experts=True, **GREEDY)
+    fresh = LLM(str(v1), **ENGINE).generate([PROMPT], params)[0].outputs[0]
+    llm = LLM(str(v0), **ENGINE)
+    before = llm.generate([PROMPT], params)[0].outputs[0]
+    llm.update_weights(str(v1))
+    after = llm.generate([PROMPT], params)[0].outputs[0]
+    assert same(after, fresh) and not same(before, fresh)
