@@ -175,11 +175,26 @@ def test_generation_config_eos_ids_are_merged(checkpoints, tmp_path):
     assert tokenizer.eos_token_id == 258
 
 
-def test_sliding_window_caps_the_length(checkpoints, tmp_path):
+def test_sliding_windows_follow_each_familys_rule(checkpoints, tmp_path):
+    """The window no longer caps the context: it masks, by transformers' rule per family
+    (logits against transformers: the *_sliding_window variants of test_models_oracle.py)."""
     path = tmp_path / "swa"
     shutil.copytree(checkpoints["mixtral"], path)
     _edit_config(path, lambda raw: raw.update(sliding_window=64, max_position_embeddings=512))
-    assert ModelConfig.from_dir(path).max_position_embeddings == 64
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.max_position_embeddings == 512 and cfg.sliding_windows == [64, 64]  # Mixtral: every layer
     _edit_config(path, lambda raw: raw.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
                                               num_experts=8, moe_intermediate_size=16, use_sliding_window=False))
-    assert ModelConfig.from_dir(path).max_position_embeddings == 512  # a window that is switched off
+    assert ModelConfig.from_dir(path).sliding_windows is None  # a window that is switched off
+    _edit_config(path, lambda raw: raw.update(use_sliding_window=True, max_window_layers=2, num_hidden_layers=2,
+                                              layer_types=None))
+    assert ModelConfig.from_dir(path).sliding_windows == [64, None]  # Qwen2-MoE: even layers below max_window_layers
+    # the rule for configs without layer_types, against transformers' own
+    transformers = pytest.importorskip("transformers")
+    raw = json.loads((path / "config.json").read_text())
+    for layers, start in ((5, 3), (6, 6), (4, 0)):
+        hf = transformers.Qwen2MoeConfig(num_hidden_layers=layers, use_sliding_window=True, sliding_window=64,
+                                         max_window_layers=start)
+        want = [64 if kind == "sliding_attention" else None for kind in hf.layer_types]
+        ours = ModelConfig.from_dict({**raw, "num_hidden_layers": layers, "max_window_layers": start, "layer_types": None})
+        assert (ours.sliding_windows or [None] * layers) == want, (layers, start)

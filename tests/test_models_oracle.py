@@ -77,6 +77,10 @@ VARIANTS = {
     "dots1": ("dots1", {}),
     "dots1_dense_first_groups": ("dots1", {"num_layers": 3, "first_k_dense_replace": 1, "num_experts": 16, "top_k": 4,
                                            "n_group": 4, "topk_group": 2, "norm_topk_prob": False}),
+    # sliding windows by each family's rule (a window of 4: prompts and decodes run past it)
+    "mixtral_sliding_window": ("mixtral", {"sliding_window": 4}),
+    "qwen3_moe_sliding_window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4}),
+    "qwen2_moe_sliding_window": ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

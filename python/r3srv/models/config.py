@@ -9,7 +9,6 @@ JSON keeps `transformers` out of the runtime and accepts both old and new key sp
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,6 @@ from r3srv.errors import ConfigError
 from r3srv.models.families import family_switches
 from r3srv.models.quantization import parse_quantization
 
-logger = logging.getLogger(__name__)
 
 # architecture name (config.json "architectures"[0]) -> family
 ARCHITECTURE_FAMILIES: dict[str, str] = {
@@ -212,15 +210,6 @@ class ModelConfig:
             raw=raw,
         )
         cfg.update(family_switches(family, raw, get, num_layers=num_layers, head_dim=int(head_dim), num_experts=num_experts))
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-        if cfg.get("sliding_windows") is not None or family in ("gpt_oss", "dots1"):
-            window = None  # windowed layers run windowed (sliding_windows)
-        if window and window < cfg["max_position_embeddings"]:
-            # Within the window, sliding-window attention is full attention: capping the
-            # length keeps every sequence exact without a windowed kernel.
-            logger.warning("%s: sliding_window=%d; capping max_position_embeddings %d to it",
-                           architecture, window, cfg["max_position_embeddings"])
-            cfg["max_position_embeddings"] = int(window)
         if cfg["hidden_act"] != "silu":
             raise ConfigError(f"{architecture}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
         if heads % kv_heads:

@@ -20,15 +20,23 @@ def family_switches(
             moe_layers=_qwen_moe_layers(raw, num_layers, num_experts),
             renormalize=bool(raw.get("norm_topk_prob", False)),  # the HF default
         )
-        if family == "qwen3_moe":
+        windowed = bool(raw.get("use_sliding_window")) and bool(raw.get("sliding_window"))
+        if family == "qwen3_moe":  # transformers windows every layer when use_sliding_window
             bias = bool(raw.get("attention_bias", False))
-            return switches | dict(qkv_bias=bias, o_bias=bias, qk_norm="head")
+            windows = [int(raw["sliding_window"])] * num_layers if windowed else None
+            return switches | dict(qkv_bias=bias, o_bias=bias, qk_norm="head", sliding_windows=windows)
+        # Qwen2-MoE: layer_types, else transformers' rule (even layers below max_window_layers)
+        start = num_layers if raw.get("max_window_layers") is None else int(raw["max_window_layers"])
+        rule = ["sliding_attention" if windowed and i % 2 == 0 and i < start else "full_attention" for i in range(num_layers)]
         return switches | dict(
             qkv_bias=bool(raw.get("qkv_bias", True)),  # older configs have no key: always biased
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+            sliding_windows=_layer_windows(raw if windowed else {**raw, "layer_types": None}, num_layers,
+                                           "Qwen2MoeForCausalLM", default=rule),
         )
-    if family == "mixtral":
-        return dict(renormalize=True)
+    if family == "mixtral":  # a sliding_window applies to every layer
+        window = raw.get("sliding_window")
+        return dict(renormalize=True, sliding_windows=[int(window)] * num_layers if window else None)
     if family == "olmoe":
         bias = bool(raw.get("attention_bias", False))
         return dict(qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=raw.get("clip_qkv"),
@@ -176,7 +184,7 @@ def _layer_windows(raw: dict[str, Any], num_layers: int, architecture: str, defa
     window = raw.get("sliding_window")
     types = raw.get("layer_types") or default
     if types is None:
-        start = int(raw.get("max_window_layers") or num_layers)
+        start = num_layers if raw.get("max_window_layers") is None else int(raw["max_window_layers"])
         types = ["sliding_attention" if window and i >= start else "full_attention" for i in range(num_layers)]
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
     if len(types) != num_layers or unknown or ("sliding_attention" in types and not window):
