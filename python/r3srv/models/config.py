@@ -106,7 +106,7 @@ class ModelConfig:
     qk_norm: str | None = None  # "head": RMSNorm over head_dim (Qwen3); "full": over all heads (OLMoE)
     clip_qkv: float | None = None
     attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
-    sliding_windows: list[int | None] | None = None  # per layer: keys within this many positions (gpt-oss)
+    sliding_windows: list[int | None] | None = None  # per layer: keys within this many positions back
     # router switches
     renormalize: bool = True  # top-k weights renormalised to sum to one
     scoring: str = "softmax"  # "sigmoid": GLM-4.5 / DeepSeek-V3-style routers

@@ -1,5 +1,5 @@
-"""The MoE decoder shared by the ten families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5,
-MiniMax-M2, DeepSeek-V3, DeepSeek-V2, gpt-oss, ERNIE-4.5).
+"""The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
+Mixtral, OLMoE, GLM-4.5 and 4.7-Flash, MiniMax-M2, DeepSeek-V2/V3, gpt-oss, ERNIE-4.5, dots.llm1).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
