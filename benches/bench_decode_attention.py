@@ -62,3 +62,45 @@ def test_decode_attention_mixed_lengths(benchmark, monkeypatch, candidate):
     monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", 1 << 40)
     want = attention.paged_attention(q, k, v, k_cache, v_cache, attention.AttentionMetadata.build(batch, BLOCK, torch.device("cpu")))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+WINDOW, LONG = 128, 4096
+
+
+def masked_window_attention(q, k_cache, v_cache, meta, sinks):
+    """The previous windowed decode: gather every context whole, mask keys outside the window."""
+    out = torch.empty_like(q)
+    for group in meta.decodes:
+        ctx = torch.tensor([meta.context_lens[meta.decode_seqs[meta.decode_rows.index(r)]] for r in group.rows.tolist()])
+        pos = torch.arange(group.slots.shape[1])
+        mask = ((pos[None, :] < ctx[:, None]) & (pos[None, :] >= ctx[:, None] - WINDOW))[:, None, None, :]
+        o = attention.attend(q.index_select(0, group.rows).unsqueeze(2), k_cache[group.slots].transpose(1, 2),
+                             v_cache[group.slots].transpose(1, 2), mask, True, None, sinks)
+        out.index_copy_(0, group.rows, o.squeeze(2))
+    return out
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+def test_sliding_window_decode(benchmark, candidate):
+    """16 sequences of 4,096 tokens decoding in a 128-token window layer with sinks (gpt-oss)."""
+    gen = torch.Generator().manual_seed(1)
+    n, blocks = 16, LONG // BLOCK
+    table = torch.arange(n * blocks, dtype=torch.int32).view(n, blocks)
+    positions = torch.full((n,), LONG - 1)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64), positions=positions,
+        slot_mapping=table[:, -1].long() * BLOCK + BLOCK - 1, query_lens=[1] * n, context_lens=[LONG] * n,
+        block_tables=table, logits_indices=torch.arange(n),
+    )
+    meta = attention.AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
+    k_cache = torch.randn(n * LONG, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(n * LONG, KV_HEADS, DIM, generator=gen)
+    q, k, v = (torch.randn(n, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    sinks = torch.randn(HEADS, generator=gen)
+    out = attention.paged_attention(q, k, v, k_cache, v_cache, meta, window=WINDOW, sinks=sinks)
+    torch.testing.assert_close(out, masked_window_attention(q, k_cache, v_cache, meta, sinks), rtol=1e-5, atol=1e-5)
+    benchmark.group = f"sliding-window decode {n} x {LONG}, window {WINDOW}"
+    if candidate == "reference":
+        benchmark(masked_window_attention, q, k_cache, v_cache, meta, sinks)
+    else:
+        benchmark(attention.paged_attention, q, k, v, k_cache, v_cache, meta, window=WINDOW, sinks=sinks)

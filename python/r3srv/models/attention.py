@@ -12,7 +12,7 @@ back; attention sinks (gpt-oss) add a learned per-head logit to every softmax's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,6 @@ class DecodeGroup:
     rows: torch.Tensor  # [Bg] rows (into T) of the decode tokens
     slots: torch.Tensor  # [Bg, max_context] context slots, padded with slot 0
     mask: torch.Tensor | None  # [Bg, 1, 1, max_context] True where the key is real (None: all real)
-    context_lens: torch.Tensor | None = None  # [Bg]
 
 
 # Keys (and as many values) one decode group may gather: the gathered K/V of a group is
@@ -53,6 +52,27 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    # to build decode groups of a sliding window on first use (shared by the windowed layers)
+    tables: torch.Tensor | None = None
+    decode_seqs: list[int] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_size: int = 0
+    windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict)
+
+    def decode_groups(self, window: int | None) -> list[DecodeGroup]:
+        """The decode groups of a layer whose queries see `window` keys at most: they gather
+        only the last `window` keys of each context (O(window) a step, not O(context))."""
+        if window is None or all(self.context_lens[i] <= window for i in self.decode_seqs):
+            return self.decodes
+        if window not in self.windowed:
+            lens = [min(self.context_lens[i], window) for i in self.decode_seqs]
+            self.windowed[window] = [
+                _decode_group(self.tables, [self.decode_seqs[j] for j in group], [self.decode_rows[j] for j in group],
+                              self.context_lens, self.block_size, self.slot_mapping.device, window)
+                for group in _decode_groups(lens)
+            ]
+        return self.windowed[window]
 
     @classmethod
     def build(cls, batch: ForwardBatch, block_size: int, device: torch.device) -> "AttentionMetadata":
@@ -81,7 +101,8 @@ class AttentionMetadata:
             _decode_group(tables, [decode_seqs[j] for j in group], [decode_rows[j] for j in group], batch.context_lens, block_size, device)
             for group in _decode_groups([batch.context_lens[i] for i in decode_seqs])
         ]
-        return cls(batch.slot_mapping.to(device), decodes, prefills)
+        return cls(batch.slot_mapping.to(device), decodes, prefills, tables, decode_seqs, decode_rows,
+                   list(batch.context_lens), block_size)
 
 
 def _decode_groups(context_lens: list[int]) -> list[list[int]]:
@@ -100,18 +121,27 @@ def _decode_groups(context_lens: list[int]) -> list[list[int]]:
 
 
 def _decode_group(
-    tables: torch.Tensor, seqs: list[int], rows: list[int], context_lens: list[int], block_size: int, device
+    tables: torch.Tensor, seqs: list[int], rows: list[int], context_lens: list[int], block_size: int, device,
+    window: int | None = None,
 ) -> DecodeGroup:
+    """The group's context slots, padded to its longest; with a window, only each context's
+    last `window` positions."""
     ctx_lens = [context_lens[i] for i in seqs]
-    ctx = torch.tensor(ctx_lens, device=device)
-    pos = torch.arange(max(ctx_lens), device=device)  # the max from the host list: no device sync
-    real = pos[None, :] < ctx[:, None]
-    block_idx = (pos // block_size).clamp(max=tables.shape[1] - 1)
-    blocks = tables[torch.tensor(seqs, device=device)][:, block_idx]
+    firsts = [0 if window is None else max(0, c - window) for c in ctx_lens]
+    lens = [c - f for c, f in zip(ctx_lens, firsts)]
+    offsets = torch.arange(max(lens), device=device)  # the max from the host list: no device sync
+    real = offsets[None, :] < torch.tensor(lens, device=device)[:, None]
+    seq_tables = tables[torch.tensor(seqs, device=device)]
+    if any(firsts):
+        pos = offsets[None, :] + torch.tensor(firsts, device=device)[:, None]
+        blocks = torch.gather(seq_tables, 1, (pos // block_size).clamp(max=tables.shape[1] - 1))
+    else:  # every context from position 0: one column index for all rows
+        pos = offsets[None, :]
+        blocks = seq_tables[:, (offsets // block_size).clamp(max=tables.shape[1] - 1)]
     slots = torch.where(real, blocks * block_size + pos % block_size, 0)
     # all of one length (one sequence, say): every gathered key is real, and an unmasked SDPA is faster
-    mask = None if min(ctx_lens) == max(ctx_lens) else real[:, None, None, :]
-    return DecodeGroup(torch.tensor(rows, device=device), slots, mask, ctx)
+    mask = None if min(lens) == max(lens) else real[:, None, None, :]
+    return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
 
 def paged_attention(
@@ -155,16 +185,11 @@ def paged_attention(
             mask = CAUSAL
         o = attend(qs, ks, vs, mask, gqa, scale, sinks)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
-    for group in meta.decodes:
+    for group in meta.decode_groups(window):
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
         kd = k_cache[group.slots].transpose(1, 2)  # [Bg, KVH, ctx, D]
         vd = v_cache[group.slots].transpose(1, 2)
-        mask = group.mask
-        if window is not None and window < group.slots.shape[1]:
-            pos = torch.arange(group.slots.shape[1], device=q.device)
-            ctx = group.context_lens[:, None]
-            mask = ((pos[None, :] < ctx) & (pos[None, :] >= ctx - window))[:, None, None, :]
-        o = attend(qd, kd, vd, mask, gqa, scale, sinks)
+        o = attend(qd, kd, vd, group.mask, gqa, scale, sinks)
         out.index_copy_(0, group.rows, o.squeeze(2))
     return out
 
