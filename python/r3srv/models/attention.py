@@ -169,18 +169,22 @@ def paged_attention(
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     gqa = q.shape[1] != k.shape[1]
     for span in meta.prefills:
+        q_len = span.end - span.start
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        windowed = window is not None and window < span.context_len
+        # a windowed chunk after cached tokens reads only the keys its queries can see
+        first = max(0, span.context_len - q_len - window + 1) if windowed else 0
         if span.context_slots is None:
             ks = k[span.start : span.end]
             vs = v[span.start : span.end]
         else:
-            ks = k_cache.index_select(0, span.context_slots)
-            vs = v_cache.index_select(0, span.context_slots)
+            ks = k_cache.index_select(0, span.context_slots[first:])
+            vs = v_cache.index_select(0, span.context_slots[first:])
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = span.mask
-        if window is not None and window < span.context_len:
-            mask = _window_mask(span.end - span.start, span.context_len, window, q.device)
+        if windowed:
+            mask = _window_mask(q_len, span.context_len, window, q.device)[:, first:]
         elif mask is None:
             mask = CAUSAL
         o = attend(qs, ks, vs, mask, gqa, scale, sinks)
