@@ -119,6 +119,12 @@ def test_metrics_count_weight_updates_by_outcome(server, policies, tmp_path):
     assert "r3srv_weight_update_seconds_count" in httpx.get(server.url + "/metrics").text
 
 
+def released_gauges(server) -> dict[str, float]:
+    lines = httpx.get(server.url + "/metrics").text.splitlines()
+    found = (re.match(r'r3srv_memory_released\{tag="(\w+)"\} (\S+)', line) for line in lines)
+    return {m.group(1): float(m.group(2)) for m in found if m}
+
+
 def test_release_and_resume_memory_occupation(server):
     """SGLang's endpoints: requests arriving while memory is released wait, then run as before."""
     prompt = prompt_ids(30, base=4)
@@ -126,6 +132,7 @@ def test_release_and_resume_memory_occupation(server):
     r = post(server, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
     assert r.status_code == 200 and r.json() == {"success": True, "released": ["kv_cache", "weights"]}
     assert httpx.get(server.url + "/health").status_code == 200
+    assert released_gauges(server) == {"kv_cache": 1.0, "weights": 1.0}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(served, server, prompt)
         time.sleep(0.5)
@@ -134,7 +141,9 @@ def test_release_and_resume_memory_occupation(server):
         assert r.status_code == 200 and r.json()["released"] == ["kv_cache"]
         time.sleep(0.2)
         assert not pending.done()  # still no KV cache
+        assert released_gauges(server) == {"kv_cache": 1.0, "weights": 0.0}
         assert post(server, "/resume_memory_occupation").json() == {"success": True, "released": []}
+        assert released_gauges(server) == {"kv_cache": 0.0, "weights": 0.0}
         ids, rows, version = pending.result(timeout=60)
     assert ids == want[0] and np.array_equal(rows, want[1]) and version == want[2]
     r = post(server, "/release_memory_occupation", {"tags": ["vram"]})

@@ -41,6 +41,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which served from it
     num_preemptions: int
+    released_memory: tuple[str, ...] = ()  # MEMORY_TAGS given back by release_memory
 
 
 @dataclass
@@ -369,6 +370,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            released_memory=tuple(sorted(self.released_memory)),
         )
 
     @property

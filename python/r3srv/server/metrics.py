@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from r3srv.engine.llm_engine import MEMORY_TAGS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -32,6 +34,12 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        released = GaugeMetricFamily(
+            "r3srv_memory_released", "1 while /release_memory_occupation has given this memory back", labels=["tag"]
+        )
+        for tag in MEMORY_TAGS:
+            released.add_metric([tag], float(tag in s.released_memory))
+        yield released
         counters = {
             "r3srv_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
             "r3srv_prefix_cache_hits": ("Prompt tokens served from the prefix cache", s.prefix_cache_hits),
