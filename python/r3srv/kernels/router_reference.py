@@ -62,6 +62,16 @@ def check_route_args(
             raise ValueError(f"capture is on {capture.device} but router_logits on {router_logits.device}")
 
 
+def wide_scores(logits: torch.Tensor, scoring: str, correction_bias: torch.Tensor | None) -> torch.Tensor:
+    """float64 score (+ bias) of every expert, NaN as +inf: what biased choices and expert
+    groups are ranked by (the fused kernel computes the same values)."""
+    wide = logits.double()
+    scores = torch.softmax(wide, dim=-1) if scoring == "softmax" else torch.sigmoid(wide)
+    if correction_bias is not None:
+        scores = scores + correction_bias.double()
+    return torch.nan_to_num(scores, nan=float("inf"))
+
+
 def choice_keys(
     logits: torch.Tensor, scoring: str, correction_bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -69,45 +79,30 @@ def choice_keys(
 
     Softmax and sigmoid are monotone, so without a bias the float32 logits themselves rank
     the experts (an equal-score tie is an equal-logit tie, whatever the exp rounding).
-    With a bias, score + bias is ranked in float64, where the last-bit differences between
-    torch's and the kernel's exp cannot reorder two different inputs. NaN ranks as +inf
-    (first, as torch's descending sort puts it), so a NaN row is still routed deterministically.
+    With a bias, score + bias is ranked in float64 (`wide_scores`), where the last-bit
+    differences between torch's and the kernel's exp cannot reorder two different inputs.
+    NaN ranks as +inf (first, as torch's descending sort puts it), so a NaN row is still
+    routed deterministically.
     """
-    if correction_bias is None:
-        keys = logits
-    else:
-        wide = logits.double()
-        scores = torch.softmax(wide, dim=-1) if scoring == "softmax" else torch.sigmoid(wide)
-        keys = scores + correction_bias.double()
+    if correction_bias is not None:
+        return wide_scores(logits, scoring, correction_bias)
     inf = float("inf")
-    return torch.nan_to_num(keys, nan=inf, posinf=inf, neginf=-inf)
+    return torch.nan_to_num(logits, nan=inf, posinf=inf, neginf=-inf)
 
 
-def eligible_experts(
-    logits: torch.Tensor,
-    scoring: str,
-    correction_bias: torch.Tensor | None,
-    num_groups: int,
-    topk_groups: int,
-    group_score_top: int = 2,
-) -> torch.Tensor:
-    """[T, E] bool: the experts of each token's `topk_groups` best groups.
+def eligible_experts(scores: torch.Tensor, num_groups: int, topk_groups: int, group_score_top: int = 2) -> torch.Tensor:
+    """[T, E] bool: the experts of each token's `topk_groups` best groups, from `wide_scores`.
 
     Group-limited routing: experts come in `num_groups` equal groups, a group scores the sum
-    of its `group_score_top` best `score + bias` values (float64, as `choice_keys` ranks:
-    2 in DeepSeek-V3, whose GLM-4.5 and Kimi-K2 configs carry the switch too; 1, the best
-    score, in DeepSeek-V2's group_limited_greedy), and equal group scores go to the lower group id.
+    of its `group_score_top` best `score + bias` values (2 in DeepSeek-V3, whose GLM-4.5 and
+    Kimi-K2 configs carry the switch too; 1, the best score, in DeepSeek-V2's
+    group_limited_greedy), and equal group scores go to the lower group id.
     """
-    num_tokens, num_experts = logits.shape
-    wide = logits.double()
-    scores = torch.softmax(wide, dim=-1) if scoring == "softmax" else torch.sigmoid(wide)
-    if correction_bias is not None:
-        scores = scores + correction_bias.double()
-    scores = torch.nan_to_num(scores, nan=float("inf"))
+    num_tokens, num_experts = scores.shape
     per_group = scores.view(num_tokens, num_groups, num_experts // num_groups)
     group_scores = per_group.topk(min(group_score_top, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
     best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
-    keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+    keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores.device).scatter_(1, best, True)
     return keep.repeat_interleave(num_experts // num_groups, dim=1)
 
 
@@ -134,7 +129,7 @@ def route_reference(
     renormalize: weights /= their sum. scaling multiplies the final weights.
     capture: an optional [T, k] integer view (e.g. one layer of a capture buffer);
     the ids are written into it, narrowed to its dtype.
-    num_groups > 1: group-limited routing (see `group_limited_keys`): only experts of each
+    num_groups > 1: group-limited routing (see `eligible_experts`): only experts of each
     token's `topk_groups` best groups can be picked; a group scores its `group_score_top` best.
     Bad arguments raise ValueError. See `choice_keys` for how scores are ranked exactly.
     """
@@ -148,7 +143,9 @@ def route_reference(
     if num_groups > 1:
         # eligible experts first, in key order: one of a dropped group is never picked, even
         # against an eligible expert whose key is -inf
-        dropped = ~eligible_experts(logits, scoring, correction_bias, num_groups, topk_groups, group_score_top)
+        # biased keys are the wide scores already: computed once
+        group_keys = keys if correction_bias is not None else wide_scores(logits, scoring, None)
+        dropped = ~eligible_experts(group_keys, num_groups, topk_groups, group_score_top)
         order = order.gather(1, torch.sort(dropped.gather(1, order).to(torch.uint8), dim=-1, stable=True).indices)
     ids = order[:, :top_k]
     weights = scores.gather(-1, ids)

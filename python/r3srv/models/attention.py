@@ -66,13 +66,16 @@ class AttentionMetadata:
         if window is None or all(self.context_lens[i] <= window for i in self.decode_seqs):
             return self.decodes
         if window not in self.windowed:
-            lens = [min(self.context_lens[i], window) for i in self.decode_seqs]
-            self.windowed[window] = [
-                _decode_group(self.tables, [self.decode_seqs[j] for j in group], [self.decode_rows[j] for j in group],
-                              self.context_lens, self.block_size, self.slot_mapping.device, window)
-                for group in _decode_groups(lens)
-            ]
+            self.windowed[window] = self._build_decode_groups(window)
         return self.windowed[window]
+
+    def _build_decode_groups(self, window: int | None) -> list[DecodeGroup]:
+        lens = [self.context_lens[i] if window is None else min(self.context_lens[i], window) for i in self.decode_seqs]
+        return [
+            _decode_group(self.tables, [self.decode_seqs[j] for j in group], [self.decode_rows[j] for j in group],
+                          self.context_lens, self.block_size, self.slot_mapping.device, window)
+            for group in _decode_groups(lens)
+        ]
 
     @classmethod
     def build(cls, batch: ForwardBatch, block_size: int, device: torch.device) -> "AttentionMetadata":
@@ -97,12 +100,10 @@ class AttentionMetadata:
                 prefills.append(PrefillSpan(start, start + q, slots, pos[None, :] <= qpos[:, None], ctx))
             start += q
 
-        decodes = [
-            _decode_group(tables, [decode_seqs[j] for j in group], [decode_rows[j] for j in group], batch.context_lens, block_size, device)
-            for group in _decode_groups([batch.context_lens[i] for i in decode_seqs])
-        ]
-        return cls(batch.slot_mapping.to(device), decodes, prefills, tables, decode_seqs, decode_rows,
+        meta = cls(batch.slot_mapping.to(device), [], prefills, tables, decode_seqs, decode_rows,
                    list(batch.context_lens), block_size)
+        meta.decodes = meta._build_decode_groups(None)
+        return meta
 
 
 def _decode_groups(context_lens: list[int]) -> list[list[int]]:

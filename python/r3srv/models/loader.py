@@ -184,8 +184,9 @@ def _plan_weights(
                 filled[owners[base]] = filled.get(owners[base], 0) + targets[base].numel()
                 continue
             if target is None:
-                if not (name.endswith(_IGNORED_SUFFIXES) or name.removesuffix(quant.SCALE_SUFFIX) in targets
-                        or name.removesuffix(quant.SCALES_SUFFIX) in plan.packed or name.removesuffix(quant.SCALES_SUFFIX) in targets
+                # FP8 and MXFP4 scales are read with their weights
+                scales_of = (name.removesuffix(quant.SCALE_SUFFIX), name.removesuffix(quant.SCALES_SUFFIX))
+                if not (name.endswith(_IGNORED_SUFFIXES) or any(base in targets for base in scales_of)
                         or (name == "lm_head.weight" and model.config.tie_word_embeddings)):
                     unexpected.append(name)
                 continue

@@ -24,8 +24,8 @@ SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"  # MXFP4: X -> X_blocks, X_scales
 # FP4 e2m1 code points 0..15: sign bit, two exponent bits, one mantissa bit
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-FP8_DTYPES = ("F8_E4M3",)
-E4M3_NAMES = ("e4m3", "float8_e4m3fn")  # quantization_config "fmt" spellings seen in releases  # safetensors' dtype names of the float8 formats we dequantize
+FP8_DTYPES = ("F8_E4M3",)  # safetensors' dtype names of the float8 formats we dequantize
+E4M3_NAMES = ("e4m3", "float8_e4m3fn")  # quantization_config "fmt" spellings seen in releases
 
 
 def parse_quantization(raw: dict[str, Any], architecture: str) -> tuple[tuple[int, int] | None, bool]:
