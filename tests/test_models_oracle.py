@@ -81,6 +81,13 @@ VARIANTS = {
     "mixtral_sliding_window": ("mixtral", {"sliding_window": 4}),
     "qwen3_moe_sliding_window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4}),
     "qwen2_moe_sliding_window": ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    # hybrids: Gated DeltaNet layers (prefill, then decodes continuing their states) and gated attention
+    "qwen3_next": ("qwen3_next", {}),
+    # transformers' layer rule (a full-attention layer every 4th), a dense layer, one value head per key head
+    "qwen3_next_interval_dense_layer": (
+        "qwen3_next", {"num_layers": 4, "layer_types": None, "mlp_only_layers": [2], "linear_num_value_heads": 2}
+    ),
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

@@ -24,7 +24,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
-    "ernie4_5_moe", "glm4_moe_lite", "dots1",
+    "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -113,6 +113,19 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             moe_num_experts=num_experts, moe_k=top_k, intermediate_size=48, moe_intermediate_size=16, head_dim=16,
             moe_layer_start_index=0, moe_num_shared_experts=1,
         )
+    elif family in ("qwen3_next", "qwen3_5_moe"):
+        # hybrid: Gated DeltaNet layers and a gated full-attention layer every second one;
+        # two value heads per key head, partial RoPE (transformers' default 0.25)
+        hybrid = dict(
+            num_experts=num_experts, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        )
+        if family == "qwen3_next":
+            cls, extra = transformers.Qwen3NextConfig, dict(hybrid, intermediate_size=48)
+        else:  # the language model of Qwen3.5 (Qwen3_5MoeForCausalLM)
+            cls, extra = transformers.Qwen3_5MoeTextConfig, hybrid
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return cls(**{**common, **extra, **overrides})

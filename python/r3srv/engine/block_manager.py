@@ -13,6 +13,10 @@ so two prompts share a block only when every token before it is the same, whatev
 the hash does (Python's tuple hash is not collision-resistant). Freed blocks keep their
 hash and contents and sit in LRU order in the free pool until a fresh allocation
 evicts them.
+
+Hybrid models (Gated DeltaNet layers) also hold one fixed-size state per sequence: an
+admitted sequence takes a state slot with its blocks and gives it back with them, so a
+finished, aborted or preempted sequence frees both in one place.
 """
 
 from __future__ import annotations
@@ -46,9 +50,15 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
+        # free linear-attention state slots (none for a model without linear layers); the
+        # scheduler admits at most max_num_seqs sequences, the engine allocates that many
+        self.num_state_slots = num_state_slots
+        self._free_state_slots = list(range(num_state_slots - 1, -1, -1))
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -67,6 +77,10 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_used_state_slots(self) -> int:
+        return self.num_state_slots - len(self._free_state_slots)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs so that its table covers `num_tokens` tokens."""
@@ -104,6 +118,10 @@ class BlockManager:
     def admit(self, seq: Sequence, cached: list[int]) -> None:
         """Give `seq` (with an empty table) the cached prefix blocks; its computed tokens start after them."""
         assert not seq.block_table, "admit() needs a sequence without blocks"
+        if self.num_state_slots:
+            if not self._free_state_slots:
+                raise RuntimeError(f"out of linear-attention state slots: all {self.num_state_slots} in use")
+            seq.state_slot = self._free_state_slots.pop()
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -168,6 +186,9 @@ class BlockManager:
         seq.block_hashes = []
         seq.block_prefix_ids = []
         seq.num_computed_tokens = 0
+        if seq.state_slot >= 0:
+            self._free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` whose tokens are now all computed, for later prefix hits."""

@@ -115,8 +115,11 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         config.check_kv_pool(num_blocks)
         config.num_kv_blocks = num_blocks
-        self.model.init_kv_cache(num_blocks, config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            num_state_slots=config.max_num_seqs if self.model_config.is_hybrid else 0,
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         mc = self.model_config
         self.rows = (
@@ -172,6 +175,14 @@ class LLMEngine:
             budget = int(free * fraction)
         else:
             budget = min(int(_mem_available() * fraction), _CPU_KV_CAP_BYTES)
+        states = cfg.max_num_seqs * self.model.state_bytes_per_slot()  # a hybrid's linear-attention states
+        if states and states >= budget:
+            raise ConfigError(
+                f"the linear-attention states of max_num_seqs={cfg.max_num_seqs} sequences take "
+                f"{states / 2**30:.2f} GiB, more than the {budget / 2**30:.2f} GiB cache budget; lower "
+                "max_num_seqs or raise kv_cache_memory_fraction"
+            )
+        budget -= states
         # More than every sequence at full length is never used.
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         return max(1, min(budget // max(per_block, 1), useful))
@@ -353,7 +364,7 @@ class LLMEngine:
         if "weights" in wanted:
             self.model.move_weights(self.device)
         if "kv_cache" in wanted:
-            self.model.init_kv_cache(self.config.num_kv_blocks, self.config.block_size)
+            self.model.init_kv_cache(self.config.num_kv_blocks, self.config.block_size, self.config.max_num_seqs)
         self.released_memory -= wanted
         return sorted(self.released_memory)
 

@@ -59,6 +59,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev),
             logits_indices=torch.from_numpy(np.cumsum(query_lens) - 1).to(dev),
             routing_capture=None if self.rows is None else self.rows.new_capture(num_tokens, dev),
+            state_slots=[s.state_slot for s in seqs],
         )
         return batch, slot_np
 

@@ -55,6 +55,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.admitted = False
         self.num_scheduled_tokens = 0  # tokens the current step computes
+        self.state_slot = -1  # linear-attention state slot while admitted (hybrid models)
         # Output-side state.
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

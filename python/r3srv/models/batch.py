@@ -21,3 +21,6 @@ class ForwardBatch:
     # [T, num_layers, top_k] integer buffer, zero-filled by the engine; every MoE layer
     # writes the logical expert ids its router picked for token t into [t, layer]. None: no capture.
     routing_capture: torch.Tensor | None = None
+    # [B] linear-attention state slot of each sequence (hybrid models only; None: slot i for
+    # sequence i). A sequence whose step starts at position 0 starts from zero states.
+    state_slots: list[int] | None = None

@@ -35,9 +35,12 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "Dots1ForCausalLM": "dots1",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
-_MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in ARCHITECTURE_FAMILIES.items()}
+_MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in reversed(ARCHITECTURE_FAMILIES.items())}
 
 _DTYPES = {
     "float32": torch.float32,
@@ -124,11 +127,32 @@ class ModelConfig:
     expert_activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # hybrid models (Qwen3-Next, Qwen3.5): Gated DeltaNet layers (models/gated_deltanet.py)
+    # hold a per-sequence state instead of K/V; the other layers are full attention
+    linear_attention_layers: list[int] = field(default_factory=list)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    linear_projection_layout: str = "qkvz_ba"  # Qwen3-Next's in_proj_qkvz/ba; Qwen3.5: "qkv_z_b_a"
+    attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the output
+    zero_centered_norms: bool = False  # RMSNorm weights stored as w - 1 (scaled by 1 + w, in float32)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_attention_layers)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Layers with a paged KV cache (all but the linear-attention ones)."""
+        linear = set(self.linear_attention_layers)
+        return [i for i in range(self.num_layers) if i not in linear]
 
     @property
     def rotary_dim(self) -> int:
@@ -166,6 +190,8 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], *, name: str = "model", generation: dict[str, Any] | None = None) -> "ModelConfig":
         architecture = _architecture(raw)
         family = ARCHITECTURE_FAMILIES[architecture]
+        if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint: serve its language model
+            raw = {**raw, **raw["text_config"], "architectures": raw.get("architectures")}
         get = _Getter(raw, architecture)
 
         hidden = get.int("hidden_size")
@@ -193,8 +219,8 @@ class ModelConfig:
             num_experts=num_experts,
             top_k=top_k,
             moe_layers=list(range(num_layers)),
-            intermediate_size=get.int("intermediate_size"),
-            moe_intermediate_size=get.int("intermediate_size"),
+            intermediate_size=get.int("intermediate_size", "moe_intermediate_size"),  # Qwen3.5 has no dense MLP
+            moe_intermediate_size=get.int("intermediate_size", "moe_intermediate_size"),
             max_position_embeddings=get.int("max_position_embeddings", default=4096),
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
@@ -223,7 +249,15 @@ class ModelConfig:
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         if self.is_mla:  # one latent per token, no per-head K/V
             return self.num_layers * block_size * (self.kv_lora_rank + self.head_dim) * dtype.itemsize
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+        return 2 * len(self.attention_layers) * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def linear_state_bytes(self, dtype: torch.dtype) -> int:
+        """One sequence's state in every linear-attention layer: the convolution's last
+        kernel - 1 inputs (model dtype) and the float32 recurrent matrix per value head."""
+        conv = (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim) * (self.linear_conv_kernel_dim - 1)
+        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        return len(self.linear_attention_layers) * (conv * dtype.itemsize + recurrent * 4)
 
 
 def _check_routing(architecture: str, cfg: dict[str, Any]) -> None:

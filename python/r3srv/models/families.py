@@ -73,7 +73,46 @@ def family_switches(
             partial_rotary_factor=1.0, qk_norm="head", qkv_bias=bias, o_bias=bias,
             sliding_windows=_layer_windows(raw, num_layers, "Dots1ForCausalLM"),
         )
+    if family in ("qwen3_next", "qwen3_5_moe"):
+        return _qwen_hybrid_switches(family, raw, get, num_layers, num_experts)
     raise ValueError(f"no switches for family {family!r}")
+
+
+def _qwen_hybrid_switches(family: str, raw: dict[str, Any], get: "_Getter", num_layers: int, num_experts: int):
+    """Qwen3-Next and Qwen3.5 MoE: Gated DeltaNet layers with a gated full-attention layer every
+    full_attention_interval (layer_types), zero-centred norms, Qwen2-MoE's gated shared expert.
+    Qwen3.5 is multimodal: its text_config is served (text prompts; its M-RoPE is plain RoPE
+    for text, where all three position ids are equal)."""
+    architecture = "Qwen3NextForCausalLM" if family == "qwen3_next" else "Qwen3_5MoeForConditionalGeneration"
+    types = raw.get("layer_types")
+    if types is None:
+        interval = int(raw.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ConfigError(f"{architecture}: layer_types {types} must be {num_layers} of linear_attention / full_attention")
+    rope = raw.get("rope_parameters") or {}
+    bias = bool(raw.get("attention_bias", False))
+    switches = dict(
+        moe_intermediate_size=get.int("moe_intermediate_size"),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        qk_norm="head", qkv_bias=bias, o_bias=bias,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))),
+        attention_output_gate=True,
+        zero_centered_norms=True,
+        linear_attention_layers=[i for i, t in enumerate(types) if t == "linear_attention"],
+        linear_num_key_heads=get.int("linear_num_key_heads"),
+        linear_num_value_heads=get.int("linear_num_value_heads"),
+        linear_key_head_dim=get.int("linear_key_head_dim"),
+        linear_value_head_dim=get.int("linear_value_head_dim"),
+        linear_conv_kernel_dim=get.int("linear_conv_kernel_dim", default=4),
+    )
+    if switches["linear_num_value_heads"] % switches["linear_num_key_heads"]:
+        raise ConfigError(f"{architecture}: linear_num_value_heads must be a multiple of linear_num_key_heads")
+    if family == "qwen3_next":
+        return switches | dict(moe_layers=_qwen_moe_layers(raw, num_layers, num_experts),
+                               renormalize=bool(raw.get("norm_topk_prob", True)))
+    # Qwen3.5: every layer MoE, always renormalised
+    return switches | dict(moe_layers=list(range(num_layers)), renormalize=True, linear_projection_layout="qkv_z_b_a")
 
 
 def _glm4_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:

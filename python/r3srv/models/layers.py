@@ -20,6 +20,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm whose stored weight is w - 1 (Qwen3-Next, Qwen3.5): scaled by 1 + w in float32,
+    cast back last, as their reference does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def rms_norm_for(zero_centered: bool):
+    """The RMSNorm a family's norms use."""
+    return rms_norm_zero_centered if zero_centered else rms_norm
+
+
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 

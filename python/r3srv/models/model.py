@@ -20,7 +20,8 @@ from r3srv.errors import ConfigError
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
-from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm, rope_cos_sin, rope_inv_freq, silu_mlp
+from r3srv.models.gated_deltanet import GatedDeltaNet, LinearStateBatch
+from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq, silu_mlp
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.layers import yarn_inv_freq
 from r3srv.models.mla import MlaAttention
@@ -48,11 +49,14 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.eps = cfg.rms_norm_eps
+        self.norm = rms_norm_for(cfg.zero_centered_norms)
         self.qk_norm = cfg.qk_norm
         self.clip_qkv = cfg.clip_qkv
+        # Qwen3-Next / 3.5: q_proj yields [q, gate] per head; the gate scales the attention output
+        self.q_rows = 2 * self.q_size if cfg.attention_output_gate else self.q_size
         # q, k and v stacked: one matmul per layer
-        self.qkv = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size, **kw)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, **kw) if cfg.qkv_bias else None
+        self.qkv = _param(self.q_rows + 2 * self.kv_size, cfg.hidden_size, **kw)
+        self.qkv_bias = _param(self.q_rows + 2 * self.kv_size, **kw) if cfg.qkv_bias else None
         self.o = _param(cfg.hidden_size, self.q_size, **kw)
         self.o_bias = _param(cfg.hidden_size, **kw) if cfg.o_bias else None
         self.q_norm = self.k_norm = None
@@ -73,8 +77,8 @@ class Attention(nn.Module):
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         p = prefix + "self_attn."
         targets: dict[str, torch.Tensor] = {}
-        qkv_rows = {"q": slice(0, self.q_size), "k": slice(self.q_size, self.q_size + self.kv_size),
-                    "v": slice(self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)}
+        q = self.q_rows
+        qkv_rows = {"q": slice(0, q), "k": slice(q, q + self.kv_size), "v": slice(q + self.kv_size, q + 2 * self.kv_size)}
         for name, rows in qkv_rows.items():
             targets[p + f"{name}_proj.weight"] = self.qkv[rows]
             if self.qkv_bias is not None:
@@ -91,21 +95,28 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.q_rows != self.q_size:
+            q, gate = q.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(t, self.q_size)
         if self.qk_norm == "full":  # OLMoE: over all heads, before clipping
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            q, k = self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)
         if self.clip_qkv is not None:
             q, k, v = (y.clamp(-self.clip_qkv, self.clip_qkv) for y in (q, k, v))
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":  # Qwen3: per head
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            q, k = self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, window=self.window, sinks=self.sinks)
-        return F.linear(o.reshape(t, self.q_size), self.o, self.o_bias)
+        o = o.reshape(t, self.q_size)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return F.linear(o, self.o, self.o_bias)
 
 
 class DenseMlp(nn.Module):
@@ -123,16 +134,22 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.eps = cfg.rms_norm_eps
+        self.norm = rms_norm_for(cfg.zero_centered_norms)
         self.is_moe = index in cfg.moe_layers
         self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         window = cfg.sliding_windows[index] if cfg.sliding_windows else None
-        self.attn = MlaAttention(cfg, dtype, device) if cfg.is_mla else Attention(cfg, dtype, device, window)
+        self.linear_attn = GatedDeltaNet(cfg, dtype, device) if index in cfg.linear_attention_layers else None
+        if self.linear_attn is not None:
+            self.attn = None
+        else:
+            self.attn = MlaAttention(cfg, dtype, device) if cfg.is_mla else Attention(cfg, dtype, device, window)
         self.mlp = SparseMoeBlock(cfg, dtype, device) if self.is_moe else DenseMlp(cfg, dtype, device)
 
-    def forward(self, x, cos, sin, meta, capture):
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, meta)
-        return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps), capture)
+    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
+        h = self.norm(x, self.input_norm, self.eps)
+        x = x + (self.attn(h, cos, sin, meta) if self.linear_attn is None else self.linear_attn(h, states))
+        return x + self.mlp(self.norm(x, self.post_attention_norm, self.eps), capture)
 
 
 class MoeForCausalLM(nn.Module):
@@ -153,30 +170,46 @@ class MoeForCausalLM(nn.Module):
         else:
             inv_freq, self.rope_attention_factor = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), 1.0
         self.inv_freq = inv_freq.to(device)
+        self.norm = rms_norm_for(cfg.zero_centered_norms)
         self.block_size = 0
         self.num_blocks = 0
+        self.num_state_slots = 0
         self.cpu_threads = _cpu_threads() if device.type == "cpu" else 0
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return self.config.kv_cache_bytes_per_block(block_size, self.dtype)
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate paged K/V for every layer (replacing any earlier cache)."""
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one sequence's linear-attention states (0 for a model without such layers)."""
+        return self.config.linear_state_bytes(self.dtype) if self.config.is_hybrid else 0
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 8) -> None:
+        """Allocate paged K/V for every attention layer and, in a hybrid model, `num_state_slots`
+        linear-attention states per linear layer (one per running sequence), replacing any
+        earlier cache."""
+        if num_blocks <= 0 or block_size <= 0 or num_state_slots <= 0:
+            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size} and "
+                             f"num_state_slots={num_state_slots} must be positive")
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.num_state_slots = num_state_slots if self.config.is_hybrid else 0
         for layer in self.layers:
-            layer.attn.allocate_cache(num_blocks * block_size, self.dtype, self.device)
+            if layer.linear_attn is not None:
+                layer.linear_attn.allocate_states(num_state_slots, self.dtype, self.device)
+            else:
+                layer.attn.allocate_cache(num_blocks * block_size, self.dtype, self.device)
 
     def free_kv_cache(self) -> None:
-        """Drop every layer's K/V (init_kv_cache allocates them again)."""
+        """Drop every layer's K/V and states (init_kv_cache allocates them again)."""
         for layer in self.layers:
-            layer.attn.k_cache = layer.attn.v_cache = None
+            if layer.linear_attn is not None:
+                layer.linear_attn.free_states()
+            else:
+                layer.attn.k_cache = layer.attn.v_cache = None
 
     @property
     def has_kv_cache(self) -> bool:
-        return self.layers[0].attn.k_cache is not None
+        return self.block_size > 0 and next(layer for layer in self.layers if layer.attn).attn.k_cache is not None
 
     def move_weights(self, device: torch.device | str) -> None:
         """Move every weight to `device` in place (the module keeps its parameters, views
@@ -217,10 +250,15 @@ class MoeForCausalLM(nn.Module):
         )
         x = F.embedding(batch.input_ids.to(self.device), self.embed)
         capture = batch.routing_capture
+        states = None
+        if self.config.is_hybrid:
+            states = LinearStateBatch.build(batch.query_lens, batch.context_lens, batch.state_slots, self.device)
+            if max(states.slots) >= self.num_state_slots or min(states.slots) < 0:
+                raise ValueError(f"state slots {states.slots} outside the {self.num_state_slots} allocated")
         for layer in self.layers:
             layer_capture = capture[:, layer.index] if capture is not None and layer.is_moe else None
-            x = layer(x, cos, sin, meta, layer_capture)
-        x = rms_norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.rms_norm_eps)
+            x = layer(x, cos, sin, meta, layer_capture, states)
+        x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
     # ---- checkpoint names -----------------------------------------------------------------
@@ -239,7 +277,7 @@ class MoeForCausalLM(nn.Module):
             p = f"model.layers.{layer.index}."
             targets[p + "input_layernorm.weight"] = layer.input_norm
             targets[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
-            targets.update(layer.attn.weight_targets(p))
+            targets.update((layer.linear_attn or layer.attn).weight_targets(p))
             mlp = layer.mlp
             if isinstance(mlp, DenseMlp):
                 half = mlp.w13.shape[0] // 2
@@ -248,6 +286,9 @@ class MoeForCausalLM(nn.Module):
                 targets[p + "mlp.down_proj.weight"] = mlp.w2
                 continue
             targets.update(_gpt_oss_moe_targets(p, mlp) if family == "gpt_oss" else _moe_targets(family, p, mlp))
+        if family == "qwen3_5_moe":  # the multimodal checkpoint nests the language model
+            targets |= {"model.language_model." + k.removeprefix("model."): v
+                        for k, v in targets.items() if k.startswith("model.")}
         return targets
 
 

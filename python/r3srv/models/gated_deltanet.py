@@ -1,0 +1,217 @@
+"""Gated DeltaNet: the linear-attention layers of Qwen3-Next and Qwen3.5 (hybrid models).
+
+A linear layer keeps, per sequence, a fixed-size state instead of a growing KV cache: the
+last `kernel - 1` inputs of its causal depthwise convolution and a recurrent matrix S
+[value heads, key dim, value dim] (float32). Per token t (per value head), with decay
+g_t <= 0 and write strength beta_t in (0, 1):
+
+    S_t = exp(g_t) S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t),   o_t = S_t^T q_t
+
+Decodes take that step directly (`recurrent_step`). Prefill chunks use the equivalent chunked
+form (`chunked_delta_rule`, after the DeltaNet papers): inside a chunk of C tokens the writes U
+solve one unit lower-triangular system, so a chunk is a few [C, C] and [C, d] matmuls.
+
+States live in slots of a pool the model allocates with its KV cache (one slot per running
+sequence, given by the engine). A sequence whose step starts at position 0 starts from a
+zero state, so a slot needs no reset when it changes hands (or after a preemption).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from r3srv.models.config import ModelConfig
+from r3srv.models.layers import empty_param
+
+CHUNK = 64  # tokens per chunk of the chunked form
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the reference kernels' definition)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_step(state, q, k, v, g, beta):
+    """One token per sequence. state [B, H, dk, dv] float32 (updated in place); q, k [B, H, dk]
+    (q already scaled); v [B, H, dv]; g, beta [B, H]. Returns o [B, H, dv]."""
+    state.mul_(g.exp()[..., None, None])
+    u = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", state, k))
+    state.add_(k[..., :, None] * u[..., None, :])
+    return torch.einsum("bhkv,bhk->bhv", state, q)
+
+
+def chunked_delta_rule(state, q, k, v, g, beta, chunk: int = CHUNK):
+    """One sequence's L tokens. state [H, dk, dv] float32 (replaced in place by the final state);
+    q, k [H, L, dk] (q scaled); v [H, L, dv]; g, beta [H, L]. Returns o [H, L, dv].
+
+    Within a chunk starting from state S0, with cumulative log decay c_i = g_1 + ... + g_i,
+    the writes satisfy (I + A) U = beta V - diag(beta e^c) K S0 where A_ij = beta_i e^(c_i - c_j)
+    k_i.k_j for j < i; then o_i = e^(c_i) S0^T q_i + sum_{j<=i} e^(c_i - c_j) (q_i.k_j) u_j and
+    the chunk leaves S = e^(c_C) S0 + sum_j e^(c_C - c_j) k_j u_j^T.
+    """
+    length = q.shape[1]
+    out = torch.empty_like(v)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    s = state
+    for lo in range(0, length, chunk):
+        hi = min(lo + chunk, length)
+        n = hi - lo
+        qc, kc, vc, bc = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], beta[:, lo:hi, None]
+        c = g[:, lo:hi].cumsum(-1)  # [H, n]
+        # e^(c_i - c_j) for j <= i; masked before exp, where the difference is positive
+        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~causal[:n, :n], float("-inf")).exp()
+        a = (bc * kc) @ kc.transpose(-1, -2) * decay
+        rhs = torch.cat((bc * vc, bc * c.exp()[..., None] * kc), dim=-1)
+        solved = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+        u = solved[..., : v.shape[-1]] - solved[..., v.shape[-1] :] @ s  # [H, n, dv]
+        out[:, lo:hi] = (qc * c.exp()[..., None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        last = c[:, -1:]  # [H, 1]
+        s = last.exp()[..., None] * s + (kc * (last - c).exp()[..., None]).transpose(-1, -2) @ u
+    state.copy_(s)
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dim, times weight, gated by silu(z) (the reference order and casts)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+
+@dataclass
+class LinearStateBatch:
+    """Per-step indices of the linear layers, built once and shared by them."""
+
+    slots: list[int]  # state slot of each sequence
+    fresh: list[bool]  # the sequence's step starts at position 0: zero states
+    spans: list[tuple[int, int]]  # its rows in the step's T tokens
+    decode: bool  # every sequence has one token: one batched recurrent step
+    slot_index: torch.Tensor  # [B] slots, on the device
+    keep: torch.Tensor  # [B, 1, 1] float: 0 where fresh, to zero a gathered state
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], slots: list[int] | None, device) -> "LinearStateBatch":
+        slots = list(range(len(query_lens))) if slots is None else [int(s) for s in slots]
+        fresh = [ctx == q for q, ctx in zip(query_lens, context_lens)]
+        ends = torch.tensor(query_lens).cumsum(0).tolist()
+        spans = [(end - q, end) for q, end in zip(query_lens, ends)]
+        keep = torch.tensor([0.0 if f else 1.0 for f in fresh], device=device)[:, None, None]
+        return cls(slots, fresh, spans, all(q == 1 for q in query_lens),
+                   torch.tensor(slots, dtype=torch.long, device=device), keep)
+
+
+class GatedDeltaNet(nn.Module):
+    """A linear-attention layer. Its input projection keeps the checkpoint's row order:
+    Qwen3-Next's [q k v z per key head] then [b a per key head] ("qkvz_ba"), Qwen3.5's
+    [q k v] [z] [b] [a] over all heads ("qkv_z_b_a")."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.layout = cfg.linear_projection_layout
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        self.in_proj = empty_param(self.conv_dim + self.value_dim + 2 * self.nv, cfg.hidden_size, **kw)
+        self.conv_weight = empty_param(self.conv_dim, 1, self.kernel, **kw)
+        self.dt_bias = empty_param(self.nv, **kw)
+        self.a_log = empty_param(self.nv, **kw)
+        self.norm = empty_param(self.dv, **kw)
+        self.out_proj = empty_param(cfg.hidden_size, self.value_dim, **kw)
+        self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1], model dtype
+        self.recurrent_state: torch.Tensor | None = None  # [slots, nv, dk, dv], float32
+
+    # ---- states ---------------------------------------------------------------------------
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one sequence's state in this layer."""
+        return self.conv_dim * (self.kernel - 1) * dtype.itemsize + self.nv * self.dk * self.dv * 4
+
+    def allocate_states(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
+        self.recurrent_state = torch.zeros(num_slots, self.nv, self.dk, self.dv, dtype=torch.float32, device=device)
+
+    def free_states(self) -> None:
+        self.conv_state = self.recurrent_state = None
+
+    # ---- checkpoint names -----------------------------------------------------------------
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        p = prefix + "linear_attn."
+        targets = {
+            p + "conv1d.weight": self.conv_weight, p + "dt_bias": self.dt_bias, p + "A_log": self.a_log,
+            p + "norm.weight": self.norm, p + "out_proj.weight": self.out_proj,
+        }
+        qkvz = self.conv_dim + self.value_dim
+        if self.layout == "qkvz_ba":
+            targets[p + "in_proj_qkvz.weight"] = self.in_proj[:qkvz]
+            targets[p + "in_proj_ba.weight"] = self.in_proj[qkvz:]
+        else:
+            rows = {"qkv": (0, self.conv_dim), "z": (self.conv_dim, qkvz), "b": (qkvz, qkvz + self.nv),
+                    "a": (qkvz + self.nv, qkvz + 2 * self.nv)}
+            for name, (lo, hi) in rows.items():
+                targets[p + f"in_proj_{name}.weight"] = self.in_proj[lo:hi]
+        return targets
+
+    # ---- forward --------------------------------------------------------------------------
+    def _split(self, proj: torch.Tensor):
+        """(qkv [T, conv_dim] as q, k, v over all heads; z [T, nv, dv]; b, a [T, nv])."""
+        t = proj.shape[0]
+        qkvz_width = self.conv_dim + self.value_dim
+        if self.layout == "qkv_z_b_a":
+            qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
+            return qkv, z.reshape(t, self.nv, self.dv), b, a
+        r = self.nv // self.nk  # value heads per key head
+        grouped = proj[:, :qkvz_width].reshape(t, self.nk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = grouped.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        b, a = proj[:, qkvz_width:].reshape(t, self.nk, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        return qkv, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
+
+    def _conv(self, qkv: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
+        """Causal depthwise convolution (then SiLU) continuing each sequence's conv state."""
+        w = self.conv_weight[:, 0]  # [C, K]
+        if states.decode:
+            prev = self.conv_state.index_select(0, states.slot_index) * states.keep.to(qkv.dtype)
+            window = torch.cat((prev, qkv[:, :, None]), dim=-1)  # [B, C, K]
+            self.conv_state.index_copy_(0, states.slot_index, window[:, :, 1:])
+            return F.silu((window * w).sum(-1))
+        out = torch.empty_like(qkv)
+        for slot, fresh, (lo, hi) in zip(states.slots, states.fresh, states.spans):
+            prev = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
+            full = torch.cat((prev, qkv[lo:hi].T), dim=-1)  # [C, K - 1 + n]
+            out[lo:hi] = F.conv1d(full[None], w[:, None], groups=self.conv_dim)[0].T
+            self.conv_state[slot] = full[:, full.shape[1] - (self.kernel - 1) :]
+        return F.silu(out)
+
+    def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
+        if self.recurrent_state is None:
+            raise RuntimeError("init_kv_cache must be called before forward (it allocates the linear states)")
+        t = x.shape[0]
+        qkv, z, b, a = self._split(F.linear(x, self.in_proj))
+        q, k, v = self._conv(qkv, states).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        r = self.nv // self.nk
+        q = l2_normalize(q.float().reshape(t, self.nk, self.dk)).repeat_interleave(r, dim=1) * self.dk**-0.5
+        k = l2_normalize(k.float().reshape(t, self.nk, self.dk)).repeat_interleave(r, dim=1)
+        v = v.float().reshape(t, self.nv, self.dv)
+        beta = b.float().sigmoid()
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if states.decode:
+            s = self.recurrent_state.index_select(0, states.slot_index) * states.keep[..., None]
+            o = recurrent_step(s, q, k, v, g, beta)
+            self.recurrent_state.index_copy_(0, states.slot_index, s)
+        else:
+            o = torch.empty(t, self.nv, self.dv, dtype=torch.float32, device=x.device)
+            for slot, fresh, (lo, hi) in zip(states.slots, states.fresh, states.spans):
+                s = self.recurrent_state[slot]
+                if fresh:
+                    s.zero_()
+                parts = (y[lo:hi].transpose(0, 1) for y in (q, k, v, g, beta))
+                o[lo:hi] = chunked_delta_rule(s, *parts).transpose(0, 1)
+        o = gated_rms_norm(o.to(x.dtype), z, self.norm, self.eps)
+        return F.linear(o.reshape(t, self.value_dim), self.out_proj)
