@@ -97,7 +97,7 @@ def _qwen_hybrid_switches(family: str, raw: dict[str, Any], get: "_Getter", num_
         shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
         qk_norm="head", qkv_bias=bias, o_bias=bias,
         partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))),
-        attention_output_gate=True,
+        attention_output_gate=bool(raw.get("attn_output_gate", True)),  # Qwen3.5 spells it out
         zero_centered_norms=True,
         linear_attention_layers=[i for i, t in enumerate(types) if t == "linear_attention"],
         linear_num_key_heads=get.int("linear_num_key_heads"),

@@ -1,0 +1,106 @@
+"""Hybrid models (Qwen3-Next, Qwen3.5-MoE) beyond the transformers oracle tests: their
+released config.json spellings, sizes that follow from them, and Qwen3.5's multimodal
+checkpoint layout (a nested text_config, model.language_model.* names, vision and MTP
+tensors the server does not use)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from r3srv.models.config import ModelConfig
+from r3srv.models.loader import load_model
+from model_testing import prefill
+from tiny_checkpoints import write_tiny_checkpoint
+
+pytest.importorskip("transformers")
+
+# Qwen3-Next-80B-A3B-Instruct's config.json (transformers 4.57 era): top-level rope_theta and
+# partial_rotary_factor, layer kinds by full_attention_interval, 512 experts, top-10
+QWEN3_NEXT_80B = {
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151645, "full_attention_interval": 4, "head_dim": 256,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+    "model_type": "qwen3_next", "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16,
+    "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
+    "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+# Qwen3.5-35B-A3B's config.json: the language model in text_config (with M-RoPE parameters and
+# an MTP layer), a vision tower beside it
+QWEN35_35B = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    "image_token_id": 248056, "video_token_id": 248057, "tie_word_embeddings": False,
+    "text_config": {
+        "attention_bias": False, "attn_output_gate": True, "dtype": "bfloat16", "eos_token_id": 248044,
+        "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 10,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+        "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 512, "mtp_num_hidden_layers": 1,
+        "num_attention_heads": 16, "num_experts": 256, "num_experts_per_tok": 8, "num_hidden_layers": 40,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "shared_expert_intermediate_size": 512,
+        "vocab_size": 248320,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                            "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    },
+    "vision_config": {"depth": 27, "hidden_size": 1152, "model_type": "qwen3_5_moe", "out_hidden_size": 2048},
+}
+
+
+def test_qwen3_next_released_config_spelling():
+    cfg = ModelConfig.from_dict(QWEN3_NEXT_80B)
+    assert cfg.model_type == "qwen3_next" and cfg.is_hybrid
+    assert cfg.attention_layers == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47]
+    assert len(cfg.linear_attention_layers) == 36 and cfg.moe_layers == list(range(48))
+    assert (cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size) == (512, 10, 512)
+    assert cfg.renormalize and cfg.shared_expert_gate and cfg.zero_centered_norms and cfg.attention_output_gate
+    assert cfg.rotary_dim == 64 and cfg.rope_theta == 1e7 and cfg.torch_dtype == torch.bfloat16
+    assert cfg.linear_projection_layout == "qkvz_ba"
+    # K/V for the 12 attention layers only; per sequence, 36 x (conv window + float32 matrix)
+    assert cfg.kv_cache_bytes_per_block(16, torch.bfloat16) == 2 * 12 * 16 * 2 * 256 * 2
+    assert cfg.linear_state_bytes(torch.bfloat16) == 36 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)
+
+
+def test_qwen3_5_released_config_spelling():
+    cfg = ModelConfig.from_dict(QWEN35_35B)
+    assert cfg.architecture == "Qwen3_5MoeForConditionalGeneration" and cfg.model_type == "qwen3_5_moe"
+    assert cfg.num_layers == 40 and cfg.moe_layers == list(range(40)) and cfg.renormalize
+    assert cfg.attention_layers == list(range(3, 40, 4)) and cfg.vocab_size == 248320
+    assert cfg.rotary_dim == 64 and cfg.rope_yarn is None and cfg.torch_dtype == torch.bfloat16
+    assert cfg.linear_projection_layout == "qkv_z_b_a" and cfg.eos_token_ids == [248044]
+    no_gate = json.loads(json.dumps(QWEN35_35B))
+    no_gate["text_config"]["attn_output_gate"] = False
+    assert not ModelConfig.from_dict(no_gate).attention_output_gate
+
+
+def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(tmp_path, caplog):
+    """The tiny Qwen3_5MoeForCausalLM rewritten as the released checkpoints are laid out: the
+    same weights under model.language_model.*, a vision tower and an MTP layer beside them."""
+    plain = write_tiny_checkpoint(tmp_path / "plain", "qwen3_5_moe", seed=6)
+    released = tmp_path / "released"
+    shutil.copytree(plain, released)
+    text_config = json.loads((plain / "config.json").read_text())
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+              "tie_word_embeddings": False, "text_config": text_config,
+              "vision_config": {"depth": 1, "hidden_size": 16, "model_type": "qwen3_5_moe"}}
+    (released / "config.json").write_text(json.dumps(config))
+    tensors = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+               for k, v in load_file(str(plain / "model.safetensors")).items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(48, 16)
+    tensors["mtp.fc.weight"] = torch.randn(32, 64)
+    save_file(tensors, str(released / "model.safetensors"))
+
+    want_logits, want_rows = prefill(load_model(plain)[0], list(range(30, 50)))
+    model, _ = load_model(released)
+    logits, rows = prefill(model, list(range(30, 50)))
+    assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
+    assert "model.visual.blocks.0.attn.qkv.weight" in caplog.text and "mtp.fc.weight" in caplog.text
