@@ -42,6 +42,8 @@ class EngineStats:
     prefix_cache_hits: int  # of which served from it
     num_preemptions: int
     released_memory: tuple[str, ...] = ()  # MEMORY_TAGS given back by release_memory
+    state_slots_total: int = 0  # linear-attention state slots (hybrid models; else 0)
+    state_slots_used: int = 0
 
 
 @dataclass
@@ -382,6 +384,8 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             released_memory=tuple(sorted(self.released_memory)),
+            state_slots_total=bm.num_state_slots,
+            state_slots_used=bm.num_used_state_slots,
         )
 
     @property

@@ -29,6 +29,8 @@ class _EngineCollector(Collector):
         gauges = {
             "r3srv_kv_blocks_used": ("KV cache blocks in use", s.kv_blocks_used),
             "r3srv_kv_blocks_total": ("KV cache blocks in the pool", s.kv_blocks_total),
+            "r3srv_state_slots_used": ("Linear-attention state slots in use (hybrid models)", s.state_slots_used),
+            "r3srv_state_slots_total": ("Linear-attention state slots (hybrid models; 0 otherwise)", s.state_slots_total),
             "r3srv_num_requests_running": ("Requests being scheduled", s.num_running),
             "r3srv_num_requests_waiting": ("Requests waiting to be scheduled", s.num_waiting),
         }
