@@ -7,7 +7,7 @@ sizes (kernel in Triton's interpreter, wall-clock timer, engine on the CPU): it 
 script itself, not the GPU, and its numbers mean nothing.
 
 1. correctness: the fused kernel against the torch reference on fresh random logits, on the
-   GPU, over expert counts 8..512 (powers of two or not), top_k 1..8, softmax / sigmoid /
+   GPU, over expert counts 8..512 (powers of two or not), top_k 1..8 (and Qwen3-Next's 10), softmax / sigmoid /
    sigmoid+bias, renormalize on/off, capture dtypes uint8/uint16/int32 into a poisoned
    [T, L, K] buffer (every row must be written, the other layers untouched);
 2. router timing (triton.testing.do_bench, median) of the fused kernel against the torch
@@ -74,7 +74,9 @@ def check_correctness() -> list[str]:
               # expert groups: DeepSeek-V3 (sum of the best two) and V2's group_limited_greedy (the best one)
               (256, 8, dict(scoring="sigmoid", renormalize=True, bias=True, scaling=2.5, groups=(8, 4, 2))),
               (160, 6, dict(scoring="softmax", renormalize=False, bias=False, groups=(8, 3, 1))),
-              (64, 6, dict(scoring="sigmoid", renormalize=True, bias=True, ties=True, groups=(8, 2, 2)))]
+              (64, 6, dict(scoring="sigmoid", renormalize=True, bias=True, ties=True, groups=(8, 2, 2))),
+              # Qwen3-Next's router: 512 experts, top-10, softmax renormalised
+              (512, 10, dict(scoring="softmax", renormalize=True, bias=False, dtype=torch.bfloat16))]
     for i, (num_experts, top_k, mode) in enumerate(cases):
         tokens = mode.get("tokens", CHECK_TOKENS if DEVICE == "cuda" else 37)
         if mode.get("ties"):
@@ -173,6 +175,13 @@ def time_router() -> list[dict]:
     rows.append(dict(tokens=tokens, experts="256 (DeepSeek-V3: 8 groups, top 4)", top_k=8,
                      fused=median_us(lambda: route_triton(logits, 8, **kwargs)),
                      reference=median_us(lambda: route_reference(logits, 8, **kwargs)), topk=None))
+    # Qwen3-Next's router: 512 experts, top-10
+    logits = torch.randn(tokens, 512, device=DEVICE, dtype=torch.bfloat16)
+    view = torch.zeros((tokens, 4, 10), dtype=torch.uint16, device=DEVICE)[:, 1]
+    rows.append(dict(tokens=tokens, experts="512 (Qwen3-Next)", top_k=10,
+                     fused=median_us(lambda: route_triton(logits, 10, capture=view)),
+                     reference=median_us(lambda: route_reference(logits, 10, capture=view)),
+                     topk=median_us(lambda: torch_topk_route(logits, 10, view))))
     return rows
 
 

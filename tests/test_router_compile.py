@@ -34,6 +34,8 @@ VARIANTS = [
     (256, 8, "sigmoid", True, True, "bf16", "u8", 8, 4, 2),
     (160, 6, "softmax", False, False, "bf16", "u8", 8, 3, 1),
     (384, 8, "sigmoid", True, True, "bf16", "u16", 32, 4, 2),
+    (512, 10, "softmax", False, True, "bf16", "u16"),  # Qwen3-Next
+    (1024, 16, "sigmoid", True, True, "fp32", "i32"),  # the largest top-k
 ]
 
 

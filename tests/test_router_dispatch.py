@@ -27,7 +27,8 @@ def test_auto_uses_the_kernel_for_cuda_tensors_only():
 
 
 def test_auto_falls_back_to_torch_beyond_the_kernels_limits():
-    assert not router.uses_triton(CUDA_LIKE, 9)
+    assert not router.uses_triton(CUDA_LIKE, 17)
+    assert router.uses_triton(CUDA_LIKE, 10) == router.triton_available()  # Qwen3-Next's top-10 is fused
     assert not router.uses_triton(SimpleNamespace(is_cuda=True, shape=(4, 1025)), 8)
     assert not router.uses_triton(CUDA_LIKE, 8, num_groups=64)
     assert router.uses_triton(CUDA_LIKE, 8, num_groups=8) == router.triton_available()  # DeepSeek-V3's groups are fused

@@ -13,7 +13,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("num_experts", [8, 60, 128, 160, 256, 384, 512])
-@pytest.mark.parametrize("top_k", [1, 2, 6, 8])
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8, 10])
 @pytest.mark.parametrize("scoring,with_bias", [("softmax", False), ("sigmoid", True)])
 def test_cuda_select_experts_matches_cpu_reference(monkeypatch, num_experts, top_k, scoring, with_bias):
     from r3srv.kernels import router

@@ -4,7 +4,7 @@ Dispatches to the fused Triton kernel on CUDA (when it is available) and to the
 plain-torch reference everywhere else; both share `route_reference`'s signature.
 
 Backends (`set_router_backend`):
-  "auto"   (default) Triton for CUDA tensors when triton imports, top_k <= 8,
+  "auto"   (default) Triton for CUDA tensors when triton imports, top_k <= 16,
            experts <= 1024 and expert groups <= 32; torch otherwise. R3SRV_FORCE_TORCH_ROUTER=1 in the environment makes "auto" use torch.
   "torch"  always the torch reference.
   "triton" always the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);
@@ -23,7 +23,7 @@ from r3srv.kernels.router_reference import route_reference
 BACKENDS = ("auto", "torch", "triton")
 FORCE_TORCH_ENV = "R3SRV_FORCE_TORCH_ROUTER"
 # router_triton's limits, without importing triton on CPU-only paths
-_FUSED_MAX_TOP_K = 8
+_FUSED_MAX_TOP_K = 16
 _FUSED_MAX_EXPERTS = 1024
 _FUSED_MAX_GROUPS = 32
 

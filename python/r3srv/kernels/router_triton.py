@@ -19,7 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from r3srv.kernels.router_reference import check_route_args
 
-MAX_TOP_K = 8  # the top-k loop is unrolled; every router we serve picks <= 8
+MAX_TOP_K = 16  # the top-k loop is unrolled; the routers we serve pick <= 10 (Qwen3-Next)
 MAX_EXPERTS = 1024  # a program holds whole rows in registers
 MAX_GROUPS = 32  # the group loops are unrolled; DeepSeek-V2/V3 use 8
 TILE_ELEMENTS = 2048  # logits per program: enough work per program, few registers per thread
