@@ -7,12 +7,9 @@ Checks that need the model (MoE layers, context length, KV pool size) run in
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from r3srv.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -95,12 +92,6 @@ class EngineConfig:
                 f"enable_return_routed_experts=True, but model {model_config.name!r} has no MoE layers, "
                 "so there are no routed experts to return; start without --enable-return-routed-experts"
             )
-        if model_config.is_hybrid and self.enable_prefix_caching:
-            logger.warning(
-                "prefix caching is off for %s: its linear-attention layers keep one state per sequence, "
-                "not per KV block, so a cached prefix could not restore them", model_config.name,
-            )
-            self.enable_prefix_caching = False
         limit = model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit

@@ -16,7 +16,10 @@ evicts them.
 
 Hybrid models (Gated DeltaNet layers) also hold one fixed-size state per sequence: an
 admitted sequence takes a state slot with its blocks and gives it back with them, so a
-finished, aborted or preempted sequence frees both in one place.
+finished, aborted or preempted sequence frees both in one place. Their KV blocks alone
+cannot resume a prefix, so a block serves prefix hits only while it carries a state
+snapshot taken right after its last token (engine/state_pool.py): a hit stops at the last
+such block, and the admitted sequence restores that snapshot into its slot.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from collections import OrderedDict
 
 from r3srv.engine.block_table import BlockTable
 from r3srv.engine.sequence import Sequence
+from r3srv.engine.state_pool import StatePool
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "generation", "parent")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "generation", "parent", "snapshot")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -37,6 +41,7 @@ class Block:
         self.token_ids: tuple[int, ...] = ()
         self.generation = 0  # bumped at every fresh allocation: (block_id, generation) names one content
         self.parent: tuple[int, int] | None = None  # (block_id, generation) of the block before it
+        self.snapshot: int | None = None  # hybrids: state entry holding the states after its last token
 
     @property
     def identity(self) -> tuple[int, int]:
@@ -51,14 +56,14 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
-        # free linear-attention state slots (none for a model without linear layers); the
-        # scheduler admits at most max_num_seqs sequences, the engine allocates that many
-        self.num_state_slots = num_state_slots
-        self._free_state_slots = list(range(num_state_slots - 1, -1, -1))
+        # hybrids' linear-attention states: a slot per admitted sequence (the scheduler admits
+        # at most max_num_seqs, the engine allocates that many) and snapshots for prefix hits
+        self.states = StatePool(num_state_slots, num_state_snapshots) if num_state_slots else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -79,8 +84,12 @@ class BlockManager:
         return self.num_blocks - len(self._free)
 
     @property
+    def num_state_slots(self) -> int:
+        return self.states.num_slots if self.states else 0
+
+    @property
     def num_used_state_slots(self) -> int:
-        return self.num_state_slots - len(self._free_state_slots)
+        return self.states.num_used_slots if self.states else 0
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs so that its table covers `num_tokens` tokens."""
@@ -107,6 +116,9 @@ class BlockManager:
                 break
             hits.append(block_id)
             parent = block.identity
+        if self.states is not None:  # a hybrid resumes only where a state snapshot was taken
+            while hits and self.blocks[hits[-1]].snapshot is None:
+                hits.pop()
         return hits
 
     def admission_cost(self, seq: Sequence, cached: list[int], num_tokens: int) -> int:
@@ -118,10 +130,11 @@ class BlockManager:
     def admit(self, seq: Sequence, cached: list[int]) -> None:
         """Give `seq` (with an empty table) the cached prefix blocks; its computed tokens start after them."""
         assert not seq.block_table, "admit() needs a sequence without blocks"
-        if self.num_state_slots:
-            if not self._free_state_slots:
-                raise RuntimeError(f"out of linear-attention state slots: all {self.num_state_slots} in use")
-            seq.state_slot = self._free_state_slots.pop()
+        if self.states is not None:
+            seq.state_slot = self.states.take_slot()
+            if cached:  # match_prefix ended the hit on a block with a snapshot: resume from it
+                seq.restore_from = self.blocks[cached[-1]].snapshot
+                self.states.touch(seq.restore_from)
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -146,6 +159,10 @@ class BlockManager:
         self._hash_to_block.clear()
         for block in self.blocks:
             block.hash, block.token_ids, block.parent = None, (), None
+            if block.snapshot is not None:
+                if self.states is not None:
+                    self.states.drop(block.snapshot)  # unowned: free; owned: its sequence frees it
+                block.snapshot = None
         return forgotten
 
     # -- allocation ---------------------------------------------------------------------
@@ -170,6 +187,9 @@ class BlockManager:
             block.hash = None
             block.token_ids = ()
             block.parent = None
+        if block.snapshot is not None:  # its snapshot describes the evicted content
+            self.states.drop(block.snapshot)
+            block.snapshot = None
         block.generation += 1  # blocks that named this one as parent no longer match
         block.ref_count = 1
         return block_id
@@ -187,11 +207,78 @@ class BlockManager:
         seq.block_prefix_ids = []
         seq.num_computed_tokens = 0
         if seq.state_slot >= 0:
-            self._free_state_slots.append(seq.state_slot)
+            self.states.give_back_slot(seq.state_slot)
             seq.state_slot = -1
+        if seq.snapshot >= 0:  # kept for later hits while its block still names it
+            on_block = seq.snapshot_block is not None and self.blocks[seq.snapshot_block].snapshot == seq.snapshot
+            self.states.disown(seq.snapshot, seq.snapshot_block if on_block else None)
+        for _, entry in seq.snapshot_plan:  # planned for a step that never committed
+            if entry != seq.snapshot:
+                self.states.disown(entry, None)
+        seq.snapshot, seq.snapshot_block, seq.snapshot_plan, seq.restore_from = -1, None, [], -1
+
+    def plan_snapshots(self, seq: Sequence) -> None:
+        """Before a step of a hybrid with prefix caching: the block boundaries inside the step's
+        tokens where the model copies `seq`'s states (seq.snapshot_plan, attached to their
+        blocks by commit_full_blocks). Two are worth keeping: the last boundary before the
+        prompt's final token (what a repeated prompt or an n > 1 sibling resumes from), left
+        in the pool for hits at once; and the latest one, in the snapshot the sequence owns
+        and moves along (what the next turn of a conversation, or a preempted sequence, resumes
+        from, once the sequence ends)."""
+        seq.snapshot_plan = []
+        if self.states is None or not self.states.num_snapshots or not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        end = start + seq.num_scheduled_tokens
+        prompt_point = (seq.num_prompt_tokens - 1) // bs * bs
+        latest = end // bs * bs
+        if start < prompt_point <= end:
+            entry = self._take_snapshot()
+            if entry is not None:
+                seq.snapshot_plan.append((prompt_point, entry))
+        if start < latest <= end and latest != prompt_point:
+            if seq.snapshot < 0:
+                seq.snapshot = self._take_snapshot()
+                if seq.snapshot is None:
+                    seq.snapshot = -1
+                    return
+            elif seq.snapshot_block is not None:  # about to be overwritten: its block loses it
+                if self.blocks[seq.snapshot_block].snapshot == seq.snapshot:
+                    self.blocks[seq.snapshot_block].snapshot = None
+                seq.snapshot_block = None
+            seq.snapshot_plan.append((latest, seq.snapshot))
+
+    def _take_snapshot(self) -> int | None:
+        taken = self.states.take_snapshot()
+        if taken is None:  # every snapshot belongs to a running sequence
+            return None
+        entry, evicted_from = taken
+        if evicted_from is not None:
+            self.blocks[evicted_from].snapshot = None
+        return entry
+
+    def _attach_snapshots(self, seq: Sequence) -> None:
+        """Hang the snapshots this step took on the registered blocks of their prefixes (a
+        twin computed first, if any: the block later prompts' hits reach)."""
+        for position, entry in seq.snapshot_plan:
+            block_id, generation = seq.block_prefix_ids[position // self.block_size - 1]
+            block = self.blocks[block_id]
+            owned = entry == seq.snapshot
+            if block.generation != generation or (block.snapshot is not None and block.snapshot != entry):
+                if not owned:  # unreachable, or the prefix already has one
+                    self.states.disown(entry, None)
+                continue
+            block.snapshot = entry
+            if owned:
+                seq.snapshot_block = block_id
+            else:
+                self.states.disown(entry, block_id)
+        seq.snapshot_plan = []
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` whose tokens are now all computed, for later prefix hits."""
+        """Register the blocks of `seq` whose tokens are now all computed, for later prefix hits
+        (and, for a hybrid, attach the snapshots this step took)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -212,3 +299,5 @@ class BlockManager:
                 self._hash_to_block[h] = block.block_id
                 prefix_ids.append(block.identity)
             hashes.append(h)
+        if seq.snapshot_plan:
+            self._attach_snapshots(seq)

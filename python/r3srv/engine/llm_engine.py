@@ -114,13 +114,17 @@ class LLMEngine:
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         self.enable_return_routed_experts = config.enable_return_routed_experts
 
+        # a hybrid's linear-attention states: a slot per running sequence, and with prefix
+        # caching as many snapshots again for the running ones plus as many kept for later hits
+        self.num_state_slots = config.max_num_seqs if self.model_config.is_hybrid else 0
+        self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         config.check_kv_pool(num_blocks)
         config.num_kv_blocks = num_blocks
-        self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs)
+        self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
-            num_state_slots=config.max_num_seqs if self.model_config.is_hybrid else 0,
+            num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         mc = self.model_config
@@ -177,12 +181,13 @@ class LLMEngine:
             budget = int(free * fraction)
         else:
             budget = min(int(_mem_available() * fraction), _CPU_KV_CAP_BYTES)
-        states = cfg.max_num_seqs * self.model.state_bytes_per_slot()  # a hybrid's linear-attention states
+        # a hybrid's linear-attention states
+        states = (self.num_state_slots + self.num_state_snapshots) * self.model.state_bytes_per_slot()
         if states and states >= budget:
             raise ConfigError(
-                f"the linear-attention states of max_num_seqs={cfg.max_num_seqs} sequences take "
-                f"{states / 2**30:.2f} GiB, more than the {budget / 2**30:.2f} GiB cache budget; lower "
-                "max_num_seqs or raise kv_cache_memory_fraction"
+                f"the linear-attention states of max_num_seqs={cfg.max_num_seqs} sequences (and with prefix "
+                f"caching their snapshots) take {states / 2**30:.2f} GiB, more than the {budget / 2**30:.2f} GiB "
+                "cache budget; lower max_num_seqs, disable prefix caching or raise kv_cache_memory_fraction"
             )
         budget -= states
         # More than every sequence at full length is never used.
@@ -366,7 +371,9 @@ class LLMEngine:
         if "weights" in wanted:
             self.model.move_weights(self.device)
         if "kv_cache" in wanted:
-            self.model.init_kv_cache(self.config.num_kv_blocks, self.config.block_size, self.config.max_num_seqs)
+            self.model.init_kv_cache(
+                self.config.num_kv_blocks, self.config.block_size, self.config.max_num_seqs, self.num_state_snapshots
+            )
         self.released_memory -= wanted
         return sorted(self.released_memory)
 
@@ -413,6 +420,8 @@ class LLMEngine:
                 result.num_decode_tokens += 1
             else:
                 result.num_prefill_tokens += s.num_scheduled_tokens
+        for s in seqs:
+            self.block_manager.plan_snapshots(s)
         try:
             logits = self.runner.run(seqs)
         except Exception as exc:  # fail this step's requests, keep the engine alive

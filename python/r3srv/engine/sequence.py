@@ -55,7 +55,14 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.admitted = False
         self.num_scheduled_tokens = 0  # tokens the current step computes
-        self.state_slot = -1  # linear-attention state slot while admitted (hybrid models)
+        # hybrid models (engine/state_pool.py): the state slot while admitted; the snapshot entry
+        # this sequence owns and the block it is attached to; (position, entry) of the snapshots
+        # this step takes; the snapshot a prefix hit restores before the sequence's first step
+        self.state_slot = -1
+        self.snapshot = -1
+        self.snapshot_block: int | None = None
+        self.snapshot_plan: list[tuple[int, int]] = []
+        self.restore_from = -1
         # Output-side state.
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,3 +24,8 @@ class ForwardBatch:
     # [B] linear-attention state slot of each sequence (hybrid models only; None: slot i for
     # sequence i). A sequence whose step starts at position 0 starts from zero states.
     state_slots: list[int] | None = None
+    # (snapshot entry, slot): states copied into a slot before the step (a prefix hit resumes)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    # (sequence index, position, snapshot entry): copy the sequence's states right after the
+    # token before `position` (a block boundary inside this step) into the entry
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)

@@ -174,6 +174,7 @@ class MoeForCausalLM(nn.Module):
         self.block_size = 0
         self.num_blocks = 0
         self.num_state_slots = 0
+        self.num_state_snapshots = 0
         self.cpu_threads = _cpu_threads() if device.type == "cpu" else 0
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -184,18 +185,19 @@ class MoeForCausalLM(nn.Module):
         """Bytes of one sequence's linear-attention states (0 for a model without such layers)."""
         return self.config.linear_state_bytes(self.dtype) if self.config.is_hybrid else 0
 
-    def init_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 8) -> None:
-        """Allocate paged K/V for every attention layer and, in a hybrid model, `num_state_slots`
-        linear-attention states per linear layer (one per running sequence), replacing any
-        earlier cache."""
-        if num_blocks <= 0 or block_size <= 0 or num_state_slots <= 0:
-            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size} and "
-                             f"num_state_slots={num_state_slots} must be positive")
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 8, num_state_snapshots: int = 0) -> None:
+        """Allocate paged K/V for every attention layer and, in a hybrid model, linear-attention
+        states per linear layer: `num_state_slots` slots (one per running sequence), then
+        `num_state_snapshots` snapshots (prefix caching), replacing any earlier cache."""
+        if num_blocks <= 0 or block_size <= 0 or num_state_slots <= 0 or num_state_snapshots < 0:
+            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size} and num_state_slots="
+                             f"{num_state_slots} must be positive, num_state_snapshots={num_state_snapshots} >= 0")
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.num_state_slots = num_state_slots if self.config.is_hybrid else 0
+        hybrid = self.config.is_hybrid
+        self.num_state_slots, self.num_state_snapshots = (num_state_slots, num_state_snapshots) if hybrid else (0, 0)
         for layer in self.layers:
             if layer.linear_attn is not None:
-                layer.linear_attn.allocate_states(num_state_slots, self.dtype, self.device)
+                layer.linear_attn.allocate_states(num_state_slots + num_state_snapshots, self.dtype, self.device)
             else:
                 layer.attn.allocate_cache(num_blocks * block_size, self.dtype, self.device)
 
@@ -252,9 +254,11 @@ class MoeForCausalLM(nn.Module):
         capture = batch.routing_capture
         states = None
         if self.config.is_hybrid:
-            states = LinearStateBatch.build(batch.query_lens, batch.context_lens, batch.state_slots, self.device)
-            if max(states.slots) >= self.num_state_slots or min(states.slots) < 0:
-                raise ValueError(f"state slots {states.slots} outside the {self.num_state_slots} allocated")
+            states = LinearStateBatch.build(batch, self.device)
+            entries = states.entries()
+            if max(entries) >= self.num_state_slots + self.num_state_snapshots or min(entries) < 0:
+                raise ValueError(f"state entries {entries} outside the {self.num_state_slots} slots and "
+                                 f"{self.num_state_snapshots} snapshots allocated")
         for layer in self.layers:
             layer_capture = capture[:, layer.index] if capture is not None and layer.is_moe else None
             x = layer(x, cos, sin, meta, layer_capture, states)
