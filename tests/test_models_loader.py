@@ -127,7 +127,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
         "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
         "MiniMaxM2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
         "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Dots1ForCausalLM", "Qwen3NextForCausalLM",
-        "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
     }
 
 

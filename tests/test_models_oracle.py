@@ -88,6 +88,13 @@ VARIANTS = {
         "qwen3_next", {"num_layers": 4, "layer_types": None, "mlp_only_layers": [2], "linear_num_value_heads": 2}
     ),
     "qwen3_5_moe": ("qwen3_5_moe", {}),
+    # sparse attention: an indexer's top-5 keys per query (its own rotary layout per family)
+    "deepseek_v32": ("deepseek_v32", {}),
+    "glm_moe_dsa": ("glm_moe_dsa", {}),
+    # three layers: full, shared, full; a dense first layer; a wider selection than the prompt
+    "glm_moe_dsa_full_shared_full": (
+        "glm_moe_dsa", {"num_layers": 3, "indexer_types": ["full", "shared", "full"], "first_k_dense_replace": 1}
+    ),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

@@ -24,7 +24,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
-    "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe",
+    "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -113,6 +113,19 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             moe_num_experts=num_experts, moe_k=top_k, intermediate_size=48, moe_intermediate_size=16, head_dim=16,
             moe_layer_start_index=0, moe_num_shared_experts=1,
         )
+    elif family in ("deepseek_v32", "glm_moe_dsa"):
+        # DeepSeek-V3 with sparse attention: each query attends to its indexer's 5 best keys, so
+        # prompts and decodes past 5 tokens attend sparsely; GLM-5's second layer shares the first's choice
+        dsa = dict(
+            n_routed_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4,
+            q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+            n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=1, routed_scaling_factor=2.5,
+            index_topk=5, index_n_heads=4, index_head_dim=16,
+        )
+        if family == "deepseek_v32":
+            cls, extra = transformers.DeepseekV32Config, dsa
+        else:
+            cls, extra = transformers.GlmMoeDsaConfig, dict(dsa, indexer_types=["full"] + ["shared"] * (num_layers - 1))
     elif family in ("qwen3_next", "qwen3_5_moe"):
         # hybrid: Gated DeltaNet layers and a gated full-attention layer every second one;
         # two value heads per key head, partial RoPE (transformers' default 0.25)

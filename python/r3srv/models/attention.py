@@ -59,6 +59,9 @@ class AttentionMetadata:
     context_lens: list[int] = field(default_factory=list)
     block_size: int = 0
     windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict)
+    # DeepSeek Sparse Attention (models/dsa.py): the last indexer layer's selection, which the
+    # layers after it that share it reuse in this step
+    sparse_selection: object = None
 
     def decode_groups(self, window: int | None) -> list[DecodeGroup]:
         """The decode groups of a layer whose queries see `window` keys at most: they gather

@@ -1,6 +1,6 @@
 """ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
 
-The twelve families differ in a handful of switches (q/k norm width, qkv clipping, partial
+The families differ in a handful of switches (q/k norm width, qkv clipping, partial
 rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
 layers are MoE; each family's are read in models/families.py). Parsing them from the raw
 JSON keeps `transformers` out of the runtime and accepts both old and new key spellings.
@@ -36,6 +36,8 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "Dots1ForCausalLM": "dots1",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
@@ -101,6 +103,13 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of halves
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; models/dsa.py): each query attends to the
+    # index_topk keys its indexer scores best; index_shared_layers reuse the last indexer's choice
+    index_topk: int = 0  # > 0: DSA
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False
+    index_shared_layers: list[int] = field(default_factory=list)
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     # attention switches
@@ -247,8 +256,9 @@ class ModelConfig:
         return cls(**cfg)
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        if self.is_mla:  # one latent per token, no per-head K/V
-            return self.num_layers * block_size * (self.kv_lora_rank + self.head_dim) * dtype.itemsize
+        if self.is_mla:  # one latent per token, no per-head K/V; DSA: an index key per token too
+            indexed = (self.num_layers - len(self.index_shared_layers)) * self.index_head_dim if self.index_topk else 0
+            return (self.num_layers * (self.kv_lora_rank + self.head_dim) + indexed) * block_size * dtype.itemsize
         return 2 * len(self.attention_layers) * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def linear_state_bytes(self, dtype: torch.dtype) -> int:

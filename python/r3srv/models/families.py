@@ -52,12 +52,14 @@ def family_switches(
     if family == "glm4_moe_lite":
         # GLM-4.7-Flash: DeepSeek-V3's attention and GLM-4.5's router; dense layers by mlp_layer_types
         switches = _glm4_moe_switches(raw, get, num_layers) | _mla_switches(raw, get, first_dense_default=1)
-        kinds = raw.get("mlp_layer_types")
-        if kinds is not None:
-            if len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}:
-                raise ConfigError(f"Glm4MoeLiteForCausalLM: mlp_layer_types {kinds} must be {num_layers} of dense / sparse")
-            switches["moe_layers"] = [i for i, kind in enumerate(kinds) if kind == "sparse"]
-        return switches
+        return _mlp_layer_types(raw, num_layers, "Glm4MoeLiteForCausalLM", switches)
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        # DeepSeek-V3.2 and GLM-5: DeepSeek-V3 with sparse attention (always interleaved MLA rotary)
+        architecture = "DeepseekV32ForCausalLM" if family == "deepseek_v32" else "GlmMoeDsaForCausalLM"
+        _check_v3_router(raw, architecture)
+        switches = _glm4_moe_switches(raw, get, num_layers) | _mla_switches(raw, get, first_dense_default=3)
+        switches = _mlp_layer_types(raw, num_layers, architecture, switches)
+        return switches | dict(rope_interleave=True) | _dsa_switches(raw, get, num_layers, family, architecture)
     if family == "deepseek_v2":
         return _deepseek_v2_switches(raw, get) | _mla_switches(raw, get, first_dense_default=0)
     if family == "gpt_oss":
@@ -139,12 +141,49 @@ def _glm4_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> 
     )
 
 
-def _check_v3_router(raw: dict[str, Any]) -> None:
+def _check_v3_router(raw: dict[str, Any], architecture: str = "DeepseekV3ForCausalLM") -> None:
     if raw.get("scoring_func", "sigmoid") != "sigmoid" or raw.get("topk_method", "noaux_tc") != "noaux_tc":
         raise ConfigError(
-            f"DeepseekV3ForCausalLM: scoring_func={raw.get('scoring_func')!r} / topk_method={raw.get('topk_method')!r} "
+            f"{architecture}: scoring_func={raw.get('scoring_func')!r} / topk_method={raw.get('topk_method')!r} "
             "is not supported (only DeepSeek-V3's sigmoid / noaux_tc router)"
         )
+
+
+def _mlp_layer_types(raw: dict[str, Any], num_layers: int, architecture: str, switches: dict[str, Any]):
+    """Dense and MoE layers by mlp_layer_types (dense / sparse) when the config lists them."""
+    kinds = raw.get("mlp_layer_types")
+    if kinds is not None:
+        if len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}:
+            raise ConfigError(f"{architecture}: mlp_layer_types {kinds} must be {num_layers} of dense / sparse")
+        switches["moe_layers"] = [i for i, kind in enumerate(kinds) if kind == "sparse"]
+    return switches
+
+
+def _dsa_switches(raw: dict[str, Any], get: "_Getter", num_layers: int, family: str, architecture: str):
+    """The sparse-attention indexer: DeepSeek-V3.2 rotates its index keys by halves, GLM-5
+    interleaved, and GLM-5's "shared" layers (indexer_types, or transformers' pattern /
+    frequency rule) reuse the last full layer's selection."""
+    types = raw.get("indexer_types")
+    if types is None and family == "glm_moe_dsa":
+        pattern = raw.get("index_topk_pattern")
+        if pattern is not None:
+            types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+        else:
+            freq = max(int(raw.get("index_topk_freq") or 1), 1)
+            offset = int(raw.get("index_skip_topk_offset", 2))
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+    types = types or ["full"] * num_layers
+    if len(types) != num_layers or set(types) - {"full", "shared"} or types[0] != "full":
+        raise ConfigError(f"{architecture}: indexer_types {types} must be {num_layers} of full / shared, the first full")
+    if raw.get("q_lora_rank") in (None, 0):
+        raise ConfigError(f"{architecture}: sparse attention needs q_lora_rank (its indexer reads the low-rank query)")
+    return dict(
+        index_topk=get.int("index_topk"),
+        index_n_heads=get.int("index_n_heads"),
+        index_head_dim=get.int("index_head_dim"),
+        index_rope_interleave=family == "glm_moe_dsa",
+        index_shared_layers=[i for i, t in enumerate(types) if t == "shared"],
+    )
 
 
 def _deepseek_v2_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:

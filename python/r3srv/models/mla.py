@@ -23,6 +23,7 @@ import dataclasses
 
 from r3srv.models.attention import CAUSAL, AttentionMetadata, attend, paged_attention
 from r3srv.models.config import ModelConfig
+from r3srv.models.dsa import Indexer, Selection
 from r3srv.models.layers import apply_rope, apply_rope_interleaved, empty_param as _param, rms_norm, yarn_mscale
 
 # DeepSeek-V3's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not the config's.
@@ -39,8 +40,13 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MlaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, index: int = 0) -> None:
         super().__init__()
+        # DeepSeek Sparse Attention: an indexer picks each query's keys, or this layer reuses
+        # the selection of the last layer that has one
+        sparse = cfg.index_topk > 0
+        self.shares_selection = sparse and index in cfg.index_shared_layers
+        self.indexer = Indexer(cfg, dtype, device) if sparse and not self.shares_selection else None
         kw = dict(dtype=dtype, device=device)
         self.num_heads = cfg.num_attention_heads
         self.nope, self.rope, self.v_dim, self.rank = cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -68,6 +74,13 @@ class MlaAttention(nn.Module):
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k_cache = torch.zeros(num_slots, 1, self.rank + self.rope, dtype=dtype, device=device)
         self.v_cache = self.k_cache[..., : self.rank]  # the values are the latent itself
+        if self.indexer is not None:
+            self.indexer.k_cache = torch.zeros(num_slots, self.indexer.dim, dtype=dtype, device=device)
+
+    def free_cache(self) -> None:
+        self.k_cache = self.v_cache = None
+        if self.indexer is not None:
+            self.indexer.k_cache = None
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         p = prefix + "self_attn."
@@ -85,16 +98,25 @@ class MlaAttention(nn.Module):
         for name, bias in (("q_a_proj", self.q_a_bias), ("kv_a_proj_with_mqa", self.kv_a_bias), ("o_proj", self.o_bias)):
             if bias is not None:
                 targets[p + name + ".bias"] = bias
+        if self.indexer is not None:
+            targets.update(self.indexer.weight_targets(prefix))
         return targets
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         t, h = x.shape[0], self.num_heads
+        q_resid = None
         if self.q is not None:
             q = F.linear(x, self.q)
         else:
-            q = F.linear(rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS), self.q_b)
+            q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            q = F.linear(q_resid, self.q_b)
+        selection: Selection | None = None
+        if self.indexer is not None:
+            selection = meta.sparse_selection = self.indexer.select(x, q_resid, cos, sin, meta)
+        elif self.shares_selection:
+            selection = meta.sparse_selection
         q_nope, q_rope = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rope = F.linear(x, self.kv_a, self.kv_a_bias).split([self.rank, self.rope], dim=-1)
         latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
@@ -107,7 +129,10 @@ class MlaAttention(nn.Module):
         if meta.decodes:  # in the latent space; paged_attention also writes every token's latent
             q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
             query = torch.cat((q_latent, q_rope), dim=-1)  # [t, h, rank + rope]
-            decodes = dataclasses.replace(meta, prefills=[])
+            groups = meta.decodes
+            if selection is not None:  # sparse attention: the selected keys only
+                groups = [g if m is None else dataclasses.replace(g, mask=m) for g, m in zip(groups, selection.decodes)]
+            decodes = dataclasses.replace(meta, prefills=[], decodes=groups)
             out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, decodes,
                                          scale=self.scale)
             out = torch.einsum("thc,hdc->thd", out_latent, kv_b[:, self.nope :])
@@ -118,13 +143,16 @@ class MlaAttention(nn.Module):
         # prefills on expanded keys and values
         if meta.prefills:
             query = torch.cat((q_nope, q_rope), dim=-1)  # [t, h, nope + rope]
-            for span in meta.prefills:
+            for i, span in enumerate(meta.prefills):
                 context = key[span.start : span.end] if span.context_slots is None else (
                     self.k_cache.index_select(0, span.context_slots))
                 k, v = self._expand(context)
                 qs = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
-                o = attend(qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                            CAUSAL if span.mask is None else span.mask, False, self.scale, None)
+                mask = CAUSAL if span.mask is None else span.mask
+                if selection is not None and selection.prefills[i] is not None:
+                    mask = selection.prefills[i]  # the selected keys (a subset of the causal ones)
+                o = attend(qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, False,
+                           self.scale, None)
                 out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         return F.linear(out.reshape(t, h * self.v_dim), self.o, self.o_bias)
 

@@ -1,11 +1,13 @@
 """The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
-Mixtral, OLMoE, GLM-4.5 and 4.7-Flash, MiniMax-M2, DeepSeek-V2/V3, gpt-oss, ERNIE-4.5, dots.llm1).
+Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
+gpt-oss, ERNIE-4.5, dots.llm1).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
 router (scoring, bias, groups, renormalisation, scaling), the experts' activation and
-biases, the shared expert, the checkpoint names (see `weight_targets`) and, for DeepSeek-V2/V3,
-the attention (multi-head latent attention, models/mla.py).
+biases, the shared expert, the checkpoint names (see `weight_targets`) and the token mixer:
+multi-head latent attention for DeepSeek and GLM-4.7-Flash/5 (models/mla.py, sparse with
+models/dsa.py), Gated DeltaNet layers in the hybrids (models/gated_deltanet.py).
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class Attention(nn.Module):
         shape = (num_slots, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def free_cache(self) -> None:
+        self.k_cache = self.v_cache = None
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         p = prefix + "self_attn."
@@ -143,7 +148,7 @@ class DecoderLayer(nn.Module):
         if self.linear_attn is not None:
             self.attn = None
         else:
-            self.attn = MlaAttention(cfg, dtype, device) if cfg.is_mla else Attention(cfg, dtype, device, window)
+            self.attn = MlaAttention(cfg, dtype, device, index) if cfg.is_mla else Attention(cfg, dtype, device, window)
         self.mlp = SparseMoeBlock(cfg, dtype, device) if self.is_moe else DenseMlp(cfg, dtype, device)
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
@@ -207,7 +212,7 @@ class MoeForCausalLM(nn.Module):
             if layer.linear_attn is not None:
                 layer.linear_attn.free_states()
             else:
-                layer.attn.k_cache = layer.attn.v_cache = None
+                layer.attn.free_cache()
 
     @property
     def has_kv_cache(self) -> bool:
@@ -299,12 +304,15 @@ class MoeForCausalLM(nn.Module):
 # Where each family keeps what the standard names do not cover
 _MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.<e>.w1 / w3 / w2
 # mlp.shared_experts, no gate
-_SHARED_EXPERTS = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v2", "ernie4_5_moe", "dots1")
+_SHARED_EXPERTS = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v2", "ernie4_5_moe", "dots1", "deepseek_v32",
+                   "glm_moe_dsa")
 _BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_score_correction_bias
     "glm4_moe": ("mlp.gate.e_score_correction_bias",),
     "glm4_moe_lite": ("mlp.gate.e_score_correction_bias",),
     "dots1": ("mlp.gate.e_score_correction_bias",),
     "deepseek_v3": ("mlp.gate.e_score_correction_bias",),
+    "deepseek_v32": ("mlp.gate.e_score_correction_bias",),
+    "glm_moe_dsa": ("mlp.gate.e_score_correction_bias",),
     "minimax_m2": ("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
     "ernie4_5_moe": ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"),
 }

@@ -1,0 +1,110 @@
+"""DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5): which keys each query attends to.
+
+A light scorer beside multi-head latent attention: per token it caches one index key (a
+LayerNorm'd projection, partly rotated); a query's score for key j is
+sum_h w_h * relu(q_h . k_j / sqrt(d)), and the query attends to its `index_topk` best keys
+among those it can see causally. A context no longer than index_topk is attended densely (every
+visible key is selected), so the indexer only runs where it selects. GLM-5's "shared" layers
+reuse the selection of the last layer with an indexer.
+
+Selections are boolean masks in the shapes attention uses: [q, context] per prefill span and
+[group, 1, 1, padded context] per decode group (models/attention.py), None where dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from r3srv.models.attention import AttentionMetadata
+from r3srv.models.config import ModelConfig
+from r3srv.models.layers import apply_rope, apply_rope_interleaved
+from r3srv.models.layers import empty_param as _param
+
+# Index scores one prefill chunk computes at once (query rows x heads x context keys): bounds
+# the transient memory of long prompts over long contexts.
+SCORE_ELEMENTS = 1 << 24
+
+
+@dataclass
+class Selection:
+    prefills: list[torch.Tensor | None]  # per meta.prefills span: [q, ctx] bool, True = attended
+    decodes: list[torch.Tensor | None]  # per meta.decodes group: [Bg, 1, 1, ctx] bool (None: the group's own)
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.rope = cfg.head_dim  # the rotary width of MLA's keys; the indexer rotates its leading dims
+        self.wq_b = _param(self.heads * self.dim, cfg.q_lora_rank, **kw)
+        self.wk = _param(self.dim, cfg.hidden_size, **kw)
+        self.k_norm = _param(self.dim, **kw)
+        self.k_norm_bias = _param(self.dim, **kw)
+        self.weights_proj = _param(self.heads, cfg.hidden_size, **kw)
+        self.rotate = apply_rope_interleaved if cfg.index_rope_interleave else apply_rope
+        self.scale = self.dim**-0.5
+        self.k_cache: torch.Tensor | None = None  # [slots, dim]
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        p = prefix + "self_attn.indexer."
+        return {p + "wq_b.weight": self.wq_b, p + "wk.weight": self.wk, p + "k_norm.weight": self.k_norm,
+                p + "k_norm.bias": self.k_norm_bias, p + "weights_proj.weight": self.weights_proj}
+
+    def _rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [t, heads, dim] with its leading rope dims rotated (the rest pass through)."""
+        return torch.cat((self.rotate(x[..., : self.rope], cos, sin), x[..., self.rope :]), dim=-1)
+
+    def select(self, x, q_resid, cos, sin, meta: AttentionMetadata) -> Selection:
+        """Writes this step's index keys, then picks each query's keys (x [t, hidden], q_resid
+        [t, q_lora_rank]: MLA's normalised low-rank query)."""
+        t = x.shape[0]
+        key = F.layer_norm(F.linear(x, self.wk), (self.dim,), self.k_norm, self.k_norm_bias, 1e-6)
+        key = self._rotated(key.view(t, 1, self.dim), cos, sin).view(t, self.dim)
+        self.k_cache.index_copy_(0, meta.slot_mapping, key)
+        sparse_prefill = any(span.context_len > self.topk for span in meta.prefills)
+        sparse_decode = any(meta.context_lens[i] > self.topk for i in meta.decode_seqs)
+        if not (sparse_prefill or sparse_decode):
+            return Selection([None] * len(meta.prefills), [None] * len(meta.decodes))
+        query = self._rotated(F.linear(q_resid, self.wq_b).view(t, self.heads, self.dim), cos, sin).float()
+        weights = F.linear(x, self.weights_proj).float() * self.heads**-0.5  # [t, heads]
+        prefills = [self._prefill(span, query, weights, key) for span in meta.prefills]
+        decodes = [self._decode(group, query, weights) for group in meta.decodes]
+        return Selection(prefills, decodes)
+
+    def _prefill(self, span, query, weights, key) -> torch.Tensor | None:
+        ctx, q_len = span.context_len, span.end - span.start
+        if ctx <= self.topk:
+            return None
+        keys = (key[span.start : span.end] if span.context_slots is None else self.k_cache[span.context_slots]).float()
+        qpos = torch.arange(ctx - q_len, ctx, device=keys.device)
+        visible = torch.arange(ctx, device=keys.device)[None, :] <= qpos[:, None]
+        selected = torch.zeros(q_len, ctx, dtype=torch.bool, device=keys.device)
+        rows = max(1, SCORE_ELEMENTS // (self.heads * ctx))
+        for lo in range(0, q_len, rows):
+            hi = min(lo + rows, q_len)
+            scores = self._scores(query[span.start + lo : span.start + hi], weights[span.start + lo : span.start + hi],
+                                  keys[None])
+            scores = scores.masked_fill(~visible[lo:hi], float("-inf"))
+            picked = scores.topk(self.topk, dim=-1).indices
+            selected[lo:hi].scatter_(1, picked, True)
+        return selected & visible
+
+    def _decode(self, group, query, weights) -> torch.Tensor | None:
+        real = group.slots.new_ones(group.slots.shape, dtype=torch.bool) if group.mask is None else group.mask[:, 0, 0]
+        if real.shape[1] <= self.topk:
+            return None
+        keys = self.k_cache[group.slots].float()  # [Bg, ctx, dim]
+        scores = self._scores(query[group.rows], weights[group.rows], keys)
+        picked = scores.masked_fill(~real, float("-inf")).topk(self.topk, dim=-1).indices
+        selected = torch.zeros_like(real).scatter_(1, picked, True) & real
+        return selected[:, None, None, :]
+
+    def _scores(self, query, weights, keys) -> torch.Tensor:
+        """query [n, heads, dim], weights [n, heads], keys [n or 1, ctx, dim] -> [n, ctx]."""
+        per_head = F.relu(torch.einsum("nhd,ncd->nhc", query, keys.expand(query.shape[0], -1, -1)) * self.scale)
+        return torch.einsum("nh,nhc->nc", weights, per_head)
