@@ -7,8 +7,10 @@ among those it can see causally. A context no longer than index_topk is attended
 visible key is selected), so the indexer only runs where it selects. GLM-5's "shared" layers
 reuse the selection of the last layer with an indexer.
 
-Selections are boolean masks in the shapes attention uses: [q, context] per prefill span and
-[group, 1, 1, padded context] per decode group (models/attention.py), None where dense.
+A prefill span's selection is a boolean mask [q, context] over the keys it already gathers;
+a decode group's is a smaller decode group: each sequence gathers only its selected keys, so a
+decode attends over index_topk keys whatever its context (models/attention.py's groups).
+None where dense.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from r3srv.models.attention import AttentionMetadata
+from r3srv.models.attention import AttentionMetadata, DecodeGroup
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import apply_rope, apply_rope_interleaved
 from r3srv.models.layers import empty_param as _param
@@ -32,7 +34,7 @@ SCORE_ELEMENTS = 1 << 24
 @dataclass
 class Selection:
     prefills: list[torch.Tensor | None]  # per meta.prefills span: [q, ctx] bool, True = attended
-    decodes: list[torch.Tensor | None]  # per meta.decodes group: [Bg, 1, 1, ctx] bool (None: the group's own)
+    decodes: list[DecodeGroup | None]  # per meta.decodes group: the group over its selected keys
 
 
 class Indexer(nn.Module):
@@ -94,15 +96,16 @@ class Indexer(nn.Module):
             selected[lo:hi].scatter_(1, picked, True)
         return selected & visible
 
-    def _decode(self, group, query, weights) -> torch.Tensor | None:
+    def _decode(self, group: DecodeGroup, query, weights) -> DecodeGroup | None:
         real = group.slots.new_ones(group.slots.shape, dtype=torch.bool) if group.mask is None else group.mask[:, 0, 0]
         if real.shape[1] <= self.topk:
             return None
         keys = self.k_cache[group.slots].float()  # [Bg, ctx, dim]
         scores = self._scores(query[group.rows], weights[group.rows], keys)
-        picked = scores.masked_fill(~real, float("-inf")).topk(self.topk, dim=-1).indices
-        selected = torch.zeros_like(real).scatter_(1, picked, True) & real
-        return selected[:, None, None, :]
+        picked = scores.masked_fill(~real, float("-inf")).topk(self.topk, dim=-1).indices  # [Bg, topk]
+        picked_real = real.gather(1, picked)  # a context shorter than topk picks padding too
+        mask = None if bool(picked_real.all()) else picked_real[:, None, None, :]
+        return DecodeGroup(group.rows, group.slots.gather(1, picked), mask)
 
     def _scores(self, query, weights, keys) -> torch.Tensor:
         """query [n, heads, dim], weights [n, heads], keys [n or 1, ctx, dim] -> [n, ctx]."""

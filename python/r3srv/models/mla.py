@@ -130,8 +130,8 @@ class MlaAttention(nn.Module):
             q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
             query = torch.cat((q_latent, q_rope), dim=-1)  # [t, h, rank + rope]
             groups = meta.decodes
-            if selection is not None:  # sparse attention: the selected keys only
-                groups = [g if m is None else dataclasses.replace(g, mask=m) for g, m in zip(groups, selection.decodes)]
+            if selection is not None:  # sparse attention: each decode gathers its selected keys only
+                groups = [g if sparse is None else sparse for g, sparse in zip(groups, selection.decodes)]
             decodes = dataclasses.replace(meta, prefills=[], decodes=groups)
             out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, decodes,
                                          scale=self.scale)
