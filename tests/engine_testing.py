@@ -25,6 +25,24 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def run_with_aborts(engine, requests: dict, aborted: dict, abort_at_step: int) -> dict:
+    """Add `requests` and `aborted` (request id -> (prompt, SamplingParams)) to an LLMEngine and
+    step it to the end, aborting the `aborted` ones after `abort_at_step` steps (each must end
+    with finish_reason "abort"); no step may fail. Returns the finished outputs by request id."""
+    for rid, (prompt, params) in {**requests, **aborted}.items():
+        engine.add_request(rid, prompt, params)
+    finished, steps = {}, 0
+    while engine.has_unfinished():
+        step = engine.step()
+        assert not step.failed
+        finished.update((o.request_id, o) for o in step.outputs if o.finished)
+        steps += 1
+        if steps == abort_at_step:
+            for rid in aborted:
+                assert engine.abort_request(rid).outputs[0].finish_reason == "abort"
+    return finished
+
+
 def slowed(engine):
     """5 ms more per step of an AsyncLLM: a request stays running while an update and other
     requests arrive, however fast the machine."""

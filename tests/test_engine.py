@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_checkpoints import BOS_TEMPLATE_ID, make_bos_adding_chat_checkpoint
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from engine_testing import GREEDY, one_torch_thread, prompt_ids, run_with_aborts  # noqa: F401 (autouse fixture)
 import r3srv.models.moe as moe_module
 from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
@@ -365,20 +365,10 @@ def test_a_mixed_workload_under_a_tight_pool_matches_a_roomy_engine():
         params.append(SamplingParams(**kw))
     roomy = LLM(max_model_len=128, enable_prefix_caching=False, max_num_seqs=64).generate(prompts, params)
     tight = LLM(max_model_len=128, block_size=4, num_kv_blocks=32, max_num_batched_tokens=11, max_num_seqs=8)
-    engine = tight.engine
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", prompt, p)
-    for j in range(3):  # requests sharing the prefix, aborted mid-flight
-        engine.add_request(f"x{j}", shared[:30] + [40 + j] * 5, SamplingParams(max_tokens=40, **GREEDY))
-    finished, steps = {}, 0
-    while engine.has_unfinished():
-        step = engine.step()
-        assert not step.failed
-        finished.update((o.request_id, o) for o in step.outputs if o.finished)
-        steps += 1
-        if steps == 15:
-            for j in range(3):
-                assert engine.abort_request(f"x{j}").outputs[0].finish_reason == "abort"
+    requests = {f"r{i}": (prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))}
+    # requests sharing the prefix, aborted mid-flight
+    aborted = {f"x{j}": (shared[:30] + [40 + j] * 5, SamplingParams(max_tokens=40, **GREEDY)) for j in range(3)}
+    finished = run_with_aborts(tight.engine, requests, aborted, abort_at_step=15)
     stats = tight.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.kv_blocks_used == 0
     for i, want in enumerate(roomy):

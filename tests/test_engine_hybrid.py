@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (fixture)
+from engine_testing import GREEDY, one_torch_thread, prompt_ids, run_with_aborts  # noqa: F401 (fixture)
 from r3srv import LLM, SamplingParams
 from r3srv.errors import ConfigError
 from r3srv.models.model import MoeForCausalLM
@@ -112,20 +112,9 @@ def test_chunked_prefill_preemption_and_aborts_keep_states_straight(hybrid_path)
     roomy = LLM(hybrid_path, max_model_len=64, enable_prefix_caching=False).generate(prompts, params)
     tight = LLM(hybrid_path, max_model_len=64, block_size=4, num_kv_blocks=20, max_num_batched_tokens=8,
                 max_num_seqs=4)
-    engine = tight.engine
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", prompt, p)
-    for j in range(2):
-        engine.add_request(f"x{j}", prompt_ids(12, base=50 + j), SamplingParams(max_tokens=30, **GREEDY))
-    finished, steps = {}, 0
-    while engine.has_unfinished():
-        step = engine.step()
-        assert not step.failed
-        finished.update((o.request_id, o) for o in step.outputs if o.finished)
-        steps += 1
-        if steps == 6:
-            for j in range(2):
-                assert engine.abort_request(f"x{j}").outputs[0].finish_reason == "abort"
+    requests = {f"r{i}": (prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))}
+    aborted = {f"x{j}": (prompt_ids(12, base=50 + j), SamplingParams(max_tokens=30, **GREEDY)) for j in range(2)}
+    finished = run_with_aborts(tight.engine, requests, aborted, abort_at_step=6)
     stats = tight.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.state_slots_total == 4
     assert stats.state_slots_used == 0 and stats.kv_blocks_used == 0
