@@ -5,9 +5,9 @@ Entries [0, num_slots) are slots: a running sequence computes in its own. Entrie
 right after the last token of one of its KV blocks, which is what lets the prefix cache
 serve a hybrid model (a prompt that reuses the blocks up to a snapshot restores it into its
 slot and computes the rest). Each running sequence owns at most one snapshot, overwritten at
-every block boundary it crosses; when the sequence ends its snapshot is released into an LRU
-of unowned ones, which fresh snapshots evict oldest first. Which block a snapshot belongs to
-is the block manager's business (Block.snapshot).
+every block boundary it crosses; when the sequence ends it joins an LRU of unowned ones, as
+a prompt's snapshot does at once (BlockManager.plan_snapshots), and fresh snapshots evict
+the oldest. Which block a snapshot belongs to is the block manager's business (Block.snapshot).
 """
 
 from __future__ import annotations

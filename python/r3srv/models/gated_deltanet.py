@@ -159,10 +159,6 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_state: torch.Tensor | None = None  # [slots, nv, dk, dv], float32
 
     # ---- states ---------------------------------------------------------------------------
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one sequence's state in this layer."""
-        return self.conv_dim * (self.kernel - 1) * dtype.itemsize + self.nv * self.dk * self.dv * 4
-
     def allocate_states(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
         self.recurrent_state = torch.zeros(num_slots, self.nv, self.dk, self.dv, dtype=torch.float32, device=device)

@@ -216,7 +216,8 @@ class MoeForCausalLM(nn.Module):
 
     @property
     def has_kv_cache(self) -> bool:
-        return self.block_size > 0 and next(layer for layer in self.layers if layer.attn).attn.k_cache is not None
+        first = self.layers[0]
+        return (first.attn.k_cache if first.linear_attn is None else first.linear_attn.recurrent_state) is not None
 
     def move_weights(self, device: torch.device | str) -> None:
         """Move every weight to `device` in place (the module keeps its parameters, views
