@@ -11,16 +11,10 @@ Decodes take that step directly (`recurrent_step`). Prefill chunks use the equiv
 form (`chunked_delta_rule`, after the DeltaNet papers): inside a chunk of C tokens the writes U
 solve one unit lower-triangular system, so a chunk is a few [C, C] and [C, d] matmuls.
 
-States live in entries of a pool the model allocates with its KV cache: slots, one per
-running sequence (given by the engine), and snapshots, copies of a sequence's states at a
-block boundary that a later prompt sharing the prefix restores into its slot (prefix
-caching, engine/state_pool.py). A sequence whose step starts at position 0 starts from a
-zero state, so a slot needs no reset when it changes hands (or after a preemption).
+Its states live in the pool entries models/recurrent.py describes.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +22,7 @@ from torch import nn
 
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import empty_param
+from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, scan_prefills, snapshot_decodes
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -82,56 +77,6 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf.to(x.dtype) * F.silu(z.float())).to(x.dtype)
-
-
-@dataclass
-class LinearStateBatch:
-    """Per-step indices of the linear layers, built once and shared by them."""
-
-    slots: list[int]  # state slot of each sequence
-    fresh: list[bool]  # the sequence's step starts at position 0: zero states
-    spans: list[tuple[int, int]]  # its rows in the step's T tokens
-    decode: bool  # every sequence has one token: one batched recurrent step
-    slot_index: torch.Tensor  # [B] slots, on the device
-    keep: torch.Tensor  # [B, 1, 1] float: 0 where fresh, to zero a gathered state
-    snapshot_at: list[list[tuple[int, int]]]  # per sequence: (tokens into its span, entry) to snapshot
-    restore_from: torch.Tensor | None = None  # [R] snapshot entries copied ...
-    restore_to: torch.Tensor | None = None  # ... into these slots before the step
-    snapshot_from: torch.Tensor | None = None  # decode steps: [S] slots copied after the step ...
-    snapshot_to: torch.Tensor | None = None  # ... into these snapshot entries
-
-    @classmethod
-    def build(cls, batch, device) -> "LinearStateBatch":
-        query_lens, context_lens = batch.query_lens, batch.context_lens
-        slots = list(range(len(query_lens))) if batch.state_slots is None else [int(s) for s in batch.state_slots]
-        fresh = [ctx == q for q, ctx in zip(query_lens, context_lens)]
-        ends = torch.tensor(query_lens).cumsum(0).tolist()
-        spans = [(end - q, end) for q, end in zip(query_lens, ends)]
-        keep = torch.tensor([0.0 if f else 1.0 for f in fresh], device=device)[:, None, None]
-        snapshot_at: list[list[tuple[int, int]]] = [[] for _ in query_lens]
-        for i, position, entry in batch.state_snapshots:
-            offset = position - (context_lens[i] - query_lens[i])
-            if not 0 < offset <= query_lens[i]:
-                raise ValueError(f"snapshot position {position} is not inside sequence {i}'s tokens this step")
-            snapshot_at[i].append((offset, entry))
-        for points in snapshot_at:
-            points.sort()
-        states = cls(slots, fresh, spans, all(q == 1 for q in query_lens),
-                     torch.tensor(slots, dtype=torch.long, device=device), keep, snapshot_at)
-        if batch.state_restores:
-            entries, targets = zip(*batch.state_restores)
-            states.restore_from = torch.tensor(entries, dtype=torch.long, device=device)
-            states.restore_to = torch.tensor(targets, dtype=torch.long, device=device)
-        if batch.state_snapshots and states.decode:
-            states.snapshot_from = torch.tensor([slots[i] for i, _, _ in batch.state_snapshots], device=device)
-            states.snapshot_to = torch.tensor([entry for _, _, entry in batch.state_snapshots], device=device)
-        return states
-
-    def entries(self) -> list[int]:
-        """Every pool entry this step touches (to check them against the pool's size)."""
-        snapshots = [entry for points in self.snapshot_at for _, entry in points]
-        restores = [] if self.restore_from is None else self.restore_from.tolist()
-        return self.slots + snapshots + restores
 
 
 class GatedDeltaNet(nn.Module):
@@ -199,51 +144,23 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         return qkv, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
 
-    def _conv(self, qkv: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
-        """Causal depthwise convolution (then SiLU) continuing each sequence's conv state."""
-        w = self.conv_weight[:, 0]  # [C, K]
-        if states.decode:
-            prev = self.conv_state.index_select(0, states.slot_index) * states.keep.to(qkv.dtype)
-            window = torch.cat((prev, qkv[:, :, None]), dim=-1)  # [B, C, K]
-            self.conv_state.index_copy_(0, states.slot_index, window[:, :, 1:])
-            return F.silu((window * w).sum(-1))
-        out = torch.empty_like(qkv)
-        for slot, fresh, (lo, hi), points in zip(states.slots, states.fresh, states.spans, states.snapshot_at):
-            prev = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
-            full = torch.cat((prev, qkv[lo:hi].T), dim=-1)  # [C, K - 1 + n]: inputs from lo - (K - 1)
-            out[lo:hi] = F.conv1d(full[None], w[:, None], groups=self.conv_dim)[0].T
-            for offset, entry in points:  # the K - 1 inputs before each snapshot's position
-                self.conv_state[entry] = full[:, offset : offset + self.kernel - 1]
-            self.conv_state[slot] = full[:, full.shape[1] - (self.kernel - 1) :]
-        return F.silu(out)
-
     def _delta_rule_prefill(self, q, k, v, g, beta, states: LinearStateBatch) -> torch.Tensor:
-        """Each sequence's span through the chunked form from its slot's state (zero when
-        fresh), split where the step snapshots it."""
         o = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
-        for slot, fresh, (lo, hi), points in zip(states.slots, states.fresh, states.spans, states.snapshot_at):
-            s = self.recurrent_state[slot]
-            if fresh:
-                s.zero_()
-            a = lo
-            for b, entry in [(lo + offset, entry) for offset, entry in points] + [(hi, None)]:
-                if a < b:
-                    parts = (y[a:b].transpose(0, 1) for y in (q, k, v, g, beta))
-                    o[a:b] = chunked_delta_rule(s, *parts).transpose(0, 1)
-                if entry is not None:
-                    self.recurrent_state[entry] = s
-                a = b
+
+        def scan(s: torch.Tensor, a: int, b: int) -> None:
+            o[a:b] = chunked_delta_rule(s, *(y[a:b].transpose(0, 1) for y in (q, k, v, g, beta))).transpose(0, 1)
+
+        scan_prefills(self.recurrent_state, states, scan)
         return o
 
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
         if self.recurrent_state is None:
             raise RuntimeError("init_kv_cache must be called before forward (it allocates the linear states)")
-        if states.restore_from is not None:  # prefix hits resume from snapshots
-            for pool in (self.conv_state, self.recurrent_state):
-                pool.index_copy_(0, states.restore_to, pool.index_select(0, states.restore_from))
+        restore_snapshots((self.conv_state, self.recurrent_state), states)
         t = x.shape[0]
         qkv, z, b, a = self._split(F.linear(x, self.in_proj))
-        q, k, v = self._conv(qkv, states).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        qkv = causal_conv(self.conv_state, qkv, self.conv_weight[:, 0], None, states)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.nv // self.nk
         q = l2_normalize(q.float().reshape(t, self.nk, self.dk)).repeat_interleave(r, dim=1) * self.dk**-0.5
         k = l2_normalize(k.float().reshape(t, self.nk, self.dk)).repeat_interleave(r, dim=1)
@@ -254,9 +171,7 @@ class GatedDeltaNet(nn.Module):
             s = self.recurrent_state.index_select(0, states.slot_index) * states.keep[..., None]
             o = recurrent_step(s, q, k, v, g, beta)
             self.recurrent_state.index_copy_(0, states.slot_index, s)
-            if states.snapshot_to is not None:  # decodes that completed a block
-                for pool in (self.conv_state, self.recurrent_state):
-                    pool.index_copy_(0, states.snapshot_to, pool.index_select(0, states.snapshot_from))
+            snapshot_decodes((self.conv_state, self.recurrent_state), states)
         else:
             o = self._delta_rule_prefill(q, k, v, g, beta, states)
         o = gated_rms_norm(o.to(x.dtype), z, self.norm, self.eps)

@@ -22,7 +22,8 @@ from r3srv.errors import ConfigError
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
-from r3srv.models.gated_deltanet import GatedDeltaNet, LinearStateBatch
+from r3srv.models.gated_deltanet import GatedDeltaNet
+from r3srv.models.recurrent import LinearStateBatch
 from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq, silu_mlp
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.layers import yarn_inv_freq
