@@ -1,4 +1,4 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5-MoE) beyond the transformers oracle tests: their
+"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Nemotron-H) beyond the transformers oracle tests: their
 released config.json spellings, sizes that follow from them, and Qwen3.5's multimodal
 checkpoint layout (a nested text_config, model.language_model.* names, vision and MTP
 tensors the server does not use)."""
@@ -104,3 +104,48 @@ def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(tmp_path, caplo
     logits, rows = prefill(model, list(range(30, 50)))
     assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
     assert "model.visual.blocks.0.attn.qkv.weight" in caplog.text and "mtp.fc.weight" in caplog.text
+
+
+# NVIDIA Nemotron 3 Nano 30B-A3B's config.json (remote-code era spellings): the layer pattern as
+# letters (M Mamba-2, E MoE, * attention), norm epsilon as layer_norm_epsilon, an unused rope_theta
+NEMOTRON3_NANO = {
+    "architectures": ["NemotronHForCausalLM"], "attention_bias": False, "bos_token_id": 1, "chunk_size": 128,
+    "conv_kernel": 4, "eos_token_id": 2, "expand": 2, "head_dim": 128, "hidden_size": 2688,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "intermediate_size": 1856,
+    "layer_norm_epsilon": 1e-05, "mamba_head_dim": 64, "mamba_hidden_act": "silu", "mamba_num_heads": 64,
+    "mamba_proj_bias": False, "max_position_embeddings": 262144, "mlp_bias": False, "mlp_hidden_act": "relu2",
+    "model_type": "nemotron_h", "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+    "n_group": 1, "n_groups": 8, "n_routed_experts": 128, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts_per_tok": 6, "num_hidden_layers": 52, "num_key_value_heads": 2,
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "sliding_window": None, "ssm_state_size": 128,
+    "tie_word_embeddings": False, "time_step_limit": [0.0, float("inf")], "time_step_min": 0.001, "topk_group": 1,
+    "torch_dtype": "bfloat16", "use_bias": False, "use_conv_bias": True, "vocab_size": 131072,
+}
+
+
+def test_nemotron_h_released_config_spelling():
+    cfg = ModelConfig.from_dict(NEMOTRON3_NANO)
+    assert cfg.model_type == "nemotron_h" and cfg.is_hybrid and not cfg.use_rope
+    assert cfg.num_layers == 52 and cfg.layer_kinds[:6] == ["mamba", "moe", "mamba", "moe", "mamba", "attention"]
+    assert len(cfg.linear_attention_layers) == 23 and len(cfg.moe_layers) == 23 and len(cfg.attention_layers) == 6
+    assert (cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size) == (128, 6, 3712)
+    assert cfg.expert_activation == "relu2" and cfg.scoring == "sigmoid" and cfg.router_bias and cfg.renormalize
+    assert cfg.routed_scaling_factor == 2.5 and cfg.rms_norm_eps == 1e-5 and cfg.mamba_groups == 8
+    assert cfg.kv_cache_bytes_per_block(16, torch.bfloat16) == 6 * 2 * 16 * 2 * 128 * 2
+    conv = (64 * 64 + 2 * 8 * 128) * 3 * 2
+    assert cfg.linear_state_bytes(torch.bfloat16) == 23 * (conv + 64 * 64 * 128 * 4)
+    listed = {**NEMOTRON3_NANO, "layers_block_type": ["mamba", "moe", "attention", "mlp"]}
+    del listed["hybrid_override_pattern"]
+    assert ModelConfig.from_dict(listed).layer_kinds == ["mamba", "moe", "attention", "mlp"]
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
+    ({"moe_latent_size": 1024}, "moe_latent_size"),
+    ({"hybrid_override_pattern": "MEX"}, "layer kinds"),
+])
+def test_unsupported_nemotron_h_configs_are_config_errors(change, match):
+    from r3srv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dict({**NEMOTRON3_NANO, **change})

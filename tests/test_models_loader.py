@@ -42,6 +42,11 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
     shutil.copytree(new_style, old_style)
 
     def to_old_keys(raw):
+        if family == "nemotron_h":  # no positions; the layer list as the released pattern letters
+            letters = {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}
+            raw["hybrid_override_pattern"] = "".join(letters[k] for k in raw.pop("layers_block_type"))
+            raw["mamba_n_groups"], raw["mamba_d_conv"] = raw.pop("n_groups"), raw.pop("conv_kernel")
+            raw["rope_parameters"] = {"rope_theta": 10000.0}
         rope = raw.pop("rope_parameters")
         raw["rope_theta"] = rope.pop("rope_theta")
         if "partial_rotary_factor" in rope:  # GLM-4.5's released config.json keeps it top level
@@ -63,7 +68,9 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
     assert new_cfg.rope_theta == old_cfg.rope_theta and new_cfg.rope_theta > 0
     assert new_cfg.num_experts == old_cfg.num_experts == 8
     assert new_cfg.torch_dtype == old_cfg.torch_dtype == torch.float32
-    assert new_cfg.model_type == family and new_cfg.moe_layers == [0, 1]
+    assert new_cfg.model_type == family and new_cfg.moe_layers == old_cfg.moe_layers
+    assert new_cfg.moe_layers == ([1, 3] if family == "nemotron_h" else [0, 1])
+    assert new_cfg.layer_kinds == old_cfg.layer_kinds and new_cfg.mamba_groups == old_cfg.mamba_groups
     assert new_cfg.eos_token_ids == [258]
     torch.testing.assert_close(prefill_logits(load_model(old_style)[0]), prefill_logits(load_model(new_style)[0]))
 
@@ -128,6 +135,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
         "MiniMaxM2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
         "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Dots1ForCausalLM", "Qwen3NextForCausalLM",
         "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+        "NemotronHForCausalLM",
     }
 
 

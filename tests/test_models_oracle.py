@@ -95,6 +95,10 @@ VARIANTS = {
     "glm_moe_dsa_full_shared_full": (
         "glm_moe_dsa", {"num_layers": 3, "indexer_types": ["full", "shared", "full"], "first_k_dense_replace": 1}
     ),
+    # Nemotron-H: Mamba-2 layers (prefill, then decodes continuing their states), attention
+    # without positions, relu^2 experts under DeepSeek-V3's router (here with expert groups)
+    "nemotron_h": ("nemotron_h", {}),
+    "nemotron_h_groups_16e": ("nemotron_h", {"num_experts": 16, "top_k": 4, "n_group": 4, "topk_group": 2}),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

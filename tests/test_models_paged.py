@@ -16,7 +16,7 @@ NUM_BLOCKS = 64
 # deepseek_v3: multi-head latent attention, whose paged cache holds one latent per token;
 # gpt_oss: sinks and a window of 4 on the first layer (chunks and decodes run past it);
 # qwen3_next: Gated DeltaNet layers, whose per-sequence states continue across chunks and decodes;
-# glm_moe_dsa: MLA whose queries attend only to the keys their indexer selects
+# glm_moe_dsa: MLA whose queries attend only to the keys their indexer selects; nemotron_h: Mamba-2 states
 LAYOUTS = {
     "qwen3_moe": dict(num_layers=3, mlp_only_layers=[1]),
     "deepseek_v3": dict(num_layers=3, first_k_dense_replace=1),
@@ -24,6 +24,8 @@ LAYOUTS = {
     "qwen3_next": dict(num_layers=3, mlp_only_layers=[1]),
     # sparse attention (top-5 keys): selections over cached chunks, padded decode groups, a shared layer
     "glm_moe_dsa": dict(num_layers=3, indexer_types=["full", "shared", "full"]),
+    # Mamba-2 layers beside attention without positions, one mixer per layer
+    "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"]),
 }
 
 

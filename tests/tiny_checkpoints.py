@@ -24,7 +24,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
-    "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa",
+    "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -126,6 +126,14 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             cls, extra = transformers.DeepseekV32Config, dsa
         else:
             cls, extra = transformers.GlmMoeDsaConfig, dict(dsa, indexer_types=["full"] + ["shared"] * (num_layers - 1))
+    elif family == "nemotron_h":
+        # one mixer per layer: Mamba-2, MoE, attention (no positions), MoE, Mamba-2 again, a relu^2 MLP
+        cls, extra = transformers.NemotronHConfig, dict(
+            n_routed_experts=num_experts, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+            intermediate_size=48, head_dim=8, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+            routed_scaling_factor=1.5,
+            layers_block_type=["linear_attention", "moe", "full_attention", "moe", "linear_attention", "mlp"],
+        )
     elif family in ("qwen3_next", "qwen3_5_moe"):
         # hybrid: Gated DeltaNet layers and a gated full-attention layer every second one;
         # two value heads per key head, partial RoPE (transformers' default 0.25)
@@ -204,7 +212,7 @@ def hf_gate_modules(hf) -> dict[int, torch.nn.Module]:
     """Layer index -> router gate of a transformers MoE model built by `build_hf_model`."""
     gates = {}
     for i, layer in enumerate(hf.model.layers):
-        moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
+        moe = getattr(layer, "block_sparse_moe", None) or getattr(layer, "mlp", None) or layer.mixer  # Nemotron-H: mixer
         if hasattr(moe, "experts") and (hasattr(moe, "gate") or hasattr(moe, "router")):
             gates[i] = getattr(moe, "gate", None) or moe.router
     return gates

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from r3srv.errors import ConfigError
-from r3srv.models.families import family_switches
+from r3srv.models.families import family_switches, nemotron_h_layer_kinds
 from r3srv.models.quantization import parse_quantization
 
 
@@ -37,6 +37,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Dots1ForCausalLM": "dots1",
     "Qwen3NextForCausalLM": "qwen3_next",
     "DeepseekV32ForCausalLM": "deepseek_v32",
+    "NemotronHForCausalLM": "nemotron_h",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
@@ -146,6 +147,18 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     linear_projection_layout: str = "qkvz_ba"  # Qwen3-Next's in_proj_qkvz/ba; Qwen3.5: "qkv_z_b_a"
     attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the output
+    # Nemotron-H: every layer is one mixer ("mamba", "attention", "moe" or "mlp") behind one norm,
+    # instead of attention then MLP; its Mamba-2 layers (models/mamba2.py) are the linear ones
+    layer_kinds: list[str] | None = None
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_groups: int = 1
+    mamba_conv_kernel: int = 4
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_dt_min: float = 0.0  # the step dt is clamped to at least this
+    use_rope: bool = True  # False: attention without positions (Nemotron-H)
     zero_centered_norms: bool = False  # RMSNorm weights stored as w - 1 (scaled by 1 + w, in float32)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -159,7 +172,9 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> list[int]:
-        """Layers with a paged KV cache (all but the linear-attention ones)."""
+        """Layers with a paged KV cache (all but the linear ones; Nemotron-H: its attention layers)."""
+        if self.layer_kinds is not None:
+            return [i for i, kind in enumerate(self.layer_kinds) if kind == "attention"]
         linear = set(self.linear_attention_layers)
         return [i for i in range(self.num_layers) if i not in linear]
 
@@ -207,7 +222,8 @@ class ModelConfig:
         heads = get.int("num_attention_heads")
         kv_heads = get.int("num_key_value_heads", default=heads)
         head_dim = raw.get("head_dim") or hidden // heads
-        num_layers = get.int("num_hidden_layers")
+        # Nemotron-H: the layer list is the count (transformers 5 writes no num_hidden_layers)
+        num_layers = len(nemotron_h_layer_kinds(raw)) if family == "nemotron_h" else get.int("num_hidden_layers")
         num_experts = get.int("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
         top_k = get.int("num_experts_per_tok", "moe_k")
         if not 0 < top_k <= num_experts:
@@ -251,7 +267,7 @@ class ModelConfig:
             raise ConfigError(f"{architecture}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         _check_routing(architecture, cfg)
         rotary = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0))
-        if rotary < 2 or rotary % 2 or rotary > cfg["head_dim"]:
+        if cfg.get("use_rope", True) and (rotary < 2 or rotary % 2 or rotary > cfg["head_dim"]):
             raise ConfigError(f"{architecture}: the rotary dims ({rotary}) must be even and in 2..head_dim={cfg['head_dim']}")
         return cls(**cfg)
 
@@ -262,11 +278,17 @@ class ModelConfig:
         return 2 * len(self.attention_layers) * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def linear_state_bytes(self, dtype: torch.dtype) -> int:
-        """One sequence's state in every linear-attention layer: the convolution's last
-        kernel - 1 inputs (model dtype) and the float32 recurrent matrix per value head."""
-        conv = (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                + self.linear_num_value_heads * self.linear_value_head_dim) * (self.linear_conv_kernel_dim - 1)
-        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        """One sequence's state in every linear layer: the convolution's last kernel - 1 inputs
+        (model dtype) and the float32 recurrent state (Gated DeltaNet: a matrix per value head;
+        Mamba-2: head_dim x state_size per head)."""
+        if self.layer_kinds is not None:
+            conv = (self.mamba_num_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state_size) * (
+                self.mamba_conv_kernel - 1)
+            recurrent = self.mamba_num_heads * self.mamba_head_dim * self.mamba_state_size
+        else:
+            conv = (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                    + self.linear_num_value_heads * self.linear_value_head_dim) * (self.linear_conv_kernel_dim - 1)
+            recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
         return len(self.linear_attention_layers) * (conv * dtype.itemsize + recurrent * 4)
 
 

@@ -77,7 +77,64 @@ def family_switches(
         )
     if family in ("qwen3_next", "qwen3_5_moe"):
         return _qwen_hybrid_switches(family, raw, get, num_layers, num_experts)
+    if family == "nemotron_h":
+        return _nemotron_h_switches(raw, get)
     raise ValueError(f"no switches for family {family!r}")
+
+
+# Nemotron-H's layer kinds, in transformers 5's names, the older ones and the pattern letters
+_NEMOTRON_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba", "full_attention": "attention",
+                   "attention": "attention", "*": "attention", "moe": "moe", "E": "moe", "mlp": "mlp", "-": "mlp"}
+
+
+def nemotron_h_layer_kinds(raw: dict[str, Any]) -> list[str]:
+    """Each layer's mixer: layers_block_type / layer_types, else hybrid_override_pattern (M E * -)."""
+    listed = raw.get("layers_block_type") or raw.get("layer_types") or list(raw.get("hybrid_override_pattern") or "")
+    unknown = sorted({kind for kind in listed if kind not in _NEMOTRON_KINDS})
+    if not listed or unknown:
+        raise ConfigError(f"NemotronHForCausalLM: layer kinds {unknown or 'missing'}; expected layers_block_type of "
+                          "mamba / attention / moe / mlp (or hybrid_override_pattern of M * E -)")
+    return [_NEMOTRON_KINDS[kind] for kind in listed]
+
+
+def _nemotron_h_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
+    """Nemotron-H: Mamba-2, attention (no positions), MoE and MLP layers, each one mixer behind a
+    norm; DeepSeek-V3's router over non-gated relu^2 experts, a non-gated shared expert."""
+    kinds = nemotron_h_layer_kinds(raw)
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if raw.get(key, want) != want:
+            raise ConfigError(f"NemotronHForCausalLM: {key}={raw[key]!r} is not supported (only {want!r})")
+    if raw.get("moe_latent_size"):
+        raise ConfigError("NemotronHForCausalLM: moe_latent_size (latent MoE projections) is not supported")
+    if raw.get("mlp_bias"):
+        raise ConfigError("NemotronHForCausalLM: mlp_bias=true is not supported")
+    return dict(
+        num_layers=len(kinds),
+        layer_kinds=kinds,
+        linear_attention_layers=[i for i, kind in enumerate(kinds) if kind == "mamba"],
+        moe_layers=[i for i, kind in enumerate(kinds) if kind == "moe"],
+        mamba_num_heads=get.int("mamba_num_heads"),
+        mamba_head_dim=get.int("mamba_head_dim"),
+        mamba_state_size=get.int("ssm_state_size"),
+        mamba_groups=get.int("n_groups", "mamba_n_groups", default=8),
+        mamba_conv_kernel=get.int("conv_kernel", "mamba_d_conv", default=4),
+        mamba_conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
+        mamba_proj_bias=bool(raw.get("use_bias", False)),
+        mamba_dt_min=float(raw.get("time_step_min", raw.get("mamba_dt_min", 0.001))),
+        use_rope=False,
+        rms_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        moe_intermediate_size=get.int("moe_intermediate_size"),
+        shared_expert_intermediate_size=int(raw.get("moe_shared_expert_intermediate_size") or 0),
+        shared_expert_gate=False,
+        expert_activation="relu2",
+        scoring="sigmoid",
+        router_bias=True,
+        router_float32=True,
+        renormalize=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        num_expert_groups=int(raw.get("n_group") or 1),
+        topk_expert_groups=int(raw.get("topk_group") or 1),
+    )
 
 
 def _qwen_hybrid_switches(family: str, raw: dict[str, Any], get: "_Getter", num_layers: int, num_experts: int):

@@ -28,9 +28,18 @@ def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
-def rms_norm_for(zero_centered: bool):
-    """The RMSNorm a family's norms use."""
-    return rms_norm_zero_centered if zero_centered else rms_norm
+def rms_norm_float32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaled by the weight in float32, cast back last (Nemotron-H's reference)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def rms_norm_for(cfg):
+    """The RMSNorm a family's norms use (cfg: its ModelConfig)."""
+    if cfg.zero_centered_norms:
+        return rms_norm_zero_centered
+    return rms_norm_float32_weight if cfg.layer_kinds is not None else rms_norm
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
 Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
-gpt-oss, ERNIE-4.5, dots.llm1).
+gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
 router (scoring, bias, groups, renormalisation, scaling), the experts' activation and
 biases, the shared expert, the checkpoint names (see `weight_targets`) and the token mixer:
 multi-head latent attention for DeepSeek and GLM-4.7-Flash/5 (models/mla.py, sparse with
-models/dsa.py), Gated DeltaNet layers in the hybrids (models/gated_deltanet.py).
+models/dsa.py), Gated DeltaNet layers in the hybrids (models/gated_deltanet.py). Nemotron-H's
+layers are one mixer each (MixerBlock: Mamba-2, models/mamba2.py, attention, MoE or MLP).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
 from r3srv.models.gated_deltanet import GatedDeltaNet
+from r3srv.models.mamba2 import Mamba2
 from r3srv.models.recurrent import LinearStateBatch
 from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq, silu_mlp
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.layers import yarn_inv_freq
 from r3srv.models.mla import MlaAttention
-from r3srv.models.moe import SparseMoeBlock
+from r3srv.models.moe import SparseMoeBlock, relu2_mlp
 
 
 def _cpu_threads() -> int:
@@ -52,7 +54,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.eps = cfg.rms_norm_eps
-        self.norm = rms_norm_for(cfg.zero_centered_norms)
+        self.norm = rms_norm_for(cfg)
         self.qk_norm = cfg.qk_norm
         self.clip_qkv = cfg.clip_qkv
         # Qwen3-Next / 3.5: q_proj yields [q, gate] per head; the gate scales the attention output
@@ -69,6 +71,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
         self.sinks = _param(self.num_heads, **kw) if cfg.attention_sinks else None
         self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
+        self.use_rope = cfg.use_rope
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -80,8 +83,8 @@ class Attention(nn.Module):
     def free_cache(self) -> None:
         self.k_cache = self.v_cache = None
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        p = prefix + "self_attn."
+    def weight_targets(self, prefix: str, module: str = "self_attn.") -> dict[str, torch.Tensor]:
+        p = prefix + module
         targets: dict[str, torch.Tensor] = {}
         q = self.q_rows
         qkv_rows = {"q": slice(0, q), "k": slice(q, q + self.kv_size), "v": slice(q + self.kv_size, q + 2 * self.kv_size)}
@@ -115,7 +118,8 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":  # Qwen3: per head
             q, k = self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)
-        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        if self.use_rope:
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, window=self.window, sinks=self.sinks)
@@ -126,13 +130,16 @@ class Attention(nn.Module):
 
 
 class DenseMlp(nn.Module):
+    """A SwiGLU MLP (w13: gate then up rows), or Nemotron-H's non-gated relu^2 one (w13: up rows)."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.w13 = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.gated = cfg.expert_activation != "relu2"
+        self.w13 = _param((2 if self.gated else 1) * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
         self.w2 = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None) -> torch.Tensor:
-        return silu_mlp(x, self.w13, self.w2)
+        return (silu_mlp if self.gated else relu2_mlp)(x, self.w13, self.w2)
 
 
 class DecoderLayer(nn.Module):
@@ -140,7 +147,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.eps = cfg.rms_norm_eps
-        self.norm = rms_norm_for(cfg.zero_centered_norms)
+        self.norm = rms_norm_for(cfg)
         self.is_moe = index in cfg.moe_layers
         self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
@@ -158,6 +165,48 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.norm(x, self.post_attention_norm, self.eps), capture)
 
 
+class MixerBlock(nn.Module):
+    """A Nemotron-H layer: one mixer (Mamba-2, attention, MoE or MLP) behind one norm."""
+
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.index, self.kind, self.eps = index, cfg.layer_kinds[index], cfg.rms_norm_eps
+        self.is_moe = self.kind == "moe"
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.norm_fn = rms_norm_for(cfg)
+        self.linear_attn = Mamba2(cfg, dtype, device) if self.kind == "mamba" else None
+        self.attn = Attention(cfg, dtype, device) if self.kind == "attention" else None
+        self.mlp = {"moe": SparseMoeBlock, "mlp": DenseMlp}.get(self.kind, lambda *a: None)(cfg, dtype, device)
+
+    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
+        h = self.norm_fn(x, self.norm, self.eps)
+        if self.attn is not None:
+            return x + self.attn(h, cos, sin, meta)
+        if self.linear_attn is not None:
+            return x + self.linear_attn(h, states)
+        return x + self.mlp(h, capture)
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        targets = {prefix + "norm.weight": self.norm}
+        if self.attn is not None:
+            return targets | self.attn.weight_targets(prefix, module="mixer.")
+        if self.linear_attn is not None:
+            return targets | self.linear_attn.weight_targets(prefix)
+        p = prefix + "mixer."
+        if isinstance(self.mlp, DenseMlp):
+            return targets | {p + "up_proj.weight": self.mlp.w13, p + "down_proj.weight": self.mlp.w2}
+        mlp = self.mlp
+        targets |= {p + "gate.weight": mlp.gate, p + "gate.e_score_correction_bias": mlp.correction_bias,
+                    p + "experts.up_proj": mlp.w13, p + "experts.down_proj": mlp.w2}  # transformers 5's fused names
+        for e in range(mlp.w13.shape[0]):
+            targets[p + f"experts.{e}.up_proj.weight"] = mlp.w13[e]
+            targets[p + f"experts.{e}.down_proj.weight"] = mlp.w2[e]
+        if mlp.shared_w13 is not None:
+            targets[p + "shared_experts.up_proj.weight"] = mlp.shared_w13
+            targets[p + "shared_experts.down_proj.weight"] = mlp.shared_w2
+        return targets
+
+
 class MoeForCausalLM(nn.Module):
     """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
 
@@ -168,7 +217,8 @@ class MoeForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        layer_class = DecoderLayer if cfg.layer_kinds is None else MixerBlock
+        self.layers = nn.ModuleList(layer_class(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         if cfg.rope_yarn:
@@ -176,7 +226,7 @@ class MoeForCausalLM(nn.Module):
         else:
             inv_freq, self.rope_attention_factor = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), 1.0
         self.inv_freq = inv_freq.to(device)
-        self.norm = rms_norm_for(cfg.zero_centered_norms)
+        self.norm = rms_norm_for(cfg)
         self.block_size = 0
         self.num_blocks = 0
         self.num_state_slots = 0
@@ -204,7 +254,7 @@ class MoeForCausalLM(nn.Module):
         for layer in self.layers:
             if layer.linear_attn is not None:
                 layer.linear_attn.allocate_states(num_state_slots + num_state_snapshots, self.dtype, self.device)
-            else:
+            elif layer.attn is not None:
                 layer.attn.allocate_cache(num_blocks * block_size, self.dtype, self.device)
 
     def free_kv_cache(self) -> None:
@@ -212,12 +262,12 @@ class MoeForCausalLM(nn.Module):
         for layer in self.layers:
             if layer.linear_attn is not None:
                 layer.linear_attn.free_states()
-            else:
+            elif layer.attn is not None:
                 layer.attn.free_cache()
 
     @property
     def has_kv_cache(self) -> bool:
-        first = self.layers[0]
+        first = next(layer for layer in self.layers if layer.attn is not None or layer.linear_attn is not None)
         return (first.attn.k_cache if first.linear_attn is None else first.linear_attn.recurrent_state) is not None
 
     def move_weights(self, device: torch.device | str) -> None:
@@ -284,6 +334,8 @@ class MoeForCausalLM(nn.Module):
         targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
         if not cfg.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head
+        if family == "nemotron_h":
+            return _nemotron_h_targets(self, targets)
         for layer in self.layers:
             p = f"model.layers.{layer.index}."
             targets[p + "input_layernorm.weight"] = layer.input_norm
@@ -349,6 +401,17 @@ def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Te
         if mlp.shared_gate is not None:
             targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
     return targets
+
+
+def _nemotron_h_targets(model: MoeForCausalLM, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Nemotron-H's names: embeddings and norm_f, one mixer per layer; released checkpoints
+    spell "model." as "backbone."."""
+    targets = {"lm_head.weight": targets["lm_head.weight"]} if "lm_head.weight" in targets else {}
+    named = {"model.embeddings.weight": model.embed, "model.norm_f.weight": model.final_norm}
+    for layer in model.layers:
+        named |= layer.weight_targets(f"model.layers.{layer.index}.")
+    named = {k: v for k, v in named.items() if v is not None}
+    return targets | named | {"backbone." + k.removeprefix("model."): v for k, v in named.items()}
 
 
 def _gpt_oss_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:

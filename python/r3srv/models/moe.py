@@ -27,6 +27,16 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def relu_squared(h: torch.Tensor) -> torch.Tensor:
+    """Nemotron-H's non-gated expert activation on [rows, I] up projections."""
+    return F.relu(h).square()
+
+
+def relu2_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """down(relu(up(x))^2): Nemotron-H's non-gated MLP."""
+    return F.linear(relu_squared(F.linear(x, w_up)), w_down)
+
+
 def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's expert activation on [rows, 2I] interleaved gate/up projections."""
     gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
@@ -125,7 +135,8 @@ def _grouped_mm_enabled() -> bool:
 
 class SparseMoeBlock(nn.Module):
     """Routed experts, plus a shared expert when the config has one (Qwen2-MoE: sigmoid-gated;
-    GLM-4.5: ungated)."""
+    GLM-4.5: ungated). Experts are SwiGLU MLPs (w13 holds gate and up rows), gpt-oss's clamped
+    variant, or Nemotron-H's non-gated relu^2 MLPs (w13 holds the up rows only)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -150,10 +161,12 @@ class SparseMoeBlock(nn.Module):
             nn.Parameter(torch.empty(e, dtype=torch.float32, device=device), requires_grad=False)
             if cfg.router_bias else None
         )
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **kw), requires_grad=False)
+        gated = cfg.expert_activation != "relu2"
+        self.w13 = nn.Parameter(torch.empty(e, (2 if gated else 1) * i, h, **kw), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, **kw), requires_grad=False)
         self.b13 = self.b2 = None
-        self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+        self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul if gated else relu_squared
+        self.shared_mlp = silu_mlp if gated else relu2_mlp
         if cfg.expert_activation == "gpt_oss":  # biased experts, gate/up rows interleaved in w13
             self.b13 = nn.Parameter(torch.empty(e, 2 * i, **kw), requires_grad=False)
             self.b2 = nn.Parameter(torch.empty(e, h, **kw), requires_grad=False)
@@ -161,7 +174,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_w13 = self.shared_w2 = self.shared_gate = None
         s = cfg.shared_expert_intermediate_size
         if s:
-            self.shared_w13 = nn.Parameter(torch.empty(2 * s, h, **kw), requires_grad=False)
+            self.shared_w13 = nn.Parameter(torch.empty((2 if gated else 1) * s, h, **kw), requires_grad=False)
             self.shared_w2 = nn.Parameter(torch.empty(h, s, **kw), requires_grad=False)
             if cfg.shared_expert_gate:
                 self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
@@ -182,6 +195,6 @@ class SparseMoeBlock(nn.Module):
         )
         out = grouped_experts(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2, act=self.act)
         if self.shared_w13 is not None:
-            shared = silu_mlp(x, self.shared_w13, self.shared_w2)
+            shared = self.shared_mlp(x, self.shared_w13, self.shared_w2)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)
         return out

@@ -1,4 +1,5 @@
-"""Gated DeltaNet's chunked form against its definition, token by token (models/gated_deltanet.py)."""
+"""The recurrent layers' chunked forms against their definitions, token by token: Gated DeltaNet
+(models/gated_deltanet.py) and Mamba-2 (models/mamba2.py)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,54 @@ def test_float32_chunks_stay_close_over_a_long_prompt():
     out = chunked_delta_rule(s, *(x.float() for x in (q, k, v, decay, beta)))
     torch.testing.assert_close(out.double(), ref_out, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(s.double(), ref_state, atol=2e-4, rtol=1e-4)
+
+
+# Mamba-2's chunked scan (models/mamba2.py) against its definition, the same way.
+def _ssm_inputs(seed: int, heads: int, length: int, head_dim: int, state: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(heads, length, head_dim, generator=g, dtype=torch.float64)
+    dt = torch.rand(heads, length, generator=g, dtype=torch.float64) * 0.5 + 1e-3
+    a = -torch.rand(heads, generator=g, dtype=torch.float64) * 4
+    b = torch.randn(heads, length, state, generator=g, dtype=torch.float64)
+    c = torch.randn(heads, length, state, generator=g, dtype=torch.float64)
+    s0 = torch.randn(heads, head_dim, state, generator=g, dtype=torch.float64)
+    return s0, x, dt, a, b, c
+
+
+def _ssm_by_definition(s0, x, dt, a, b, c):
+    """S_t = exp(dt_t a) S_{t-1} + dt_t x_t b_t^T; y_t = S_t c_t."""
+    s, out = s0.clone(), []
+    for t in range(x.shape[1]):
+        s = s * (dt[:, t] * a).exp()[:, None, None] + (dt[:, t, None] * x[:, t])[..., None] * b[:, t, None, :]
+        out.append(torch.einsum("hpn,hn->hp", s, c[:, t]))
+    return torch.stack(out, dim=1), s
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), heads=st.integers(1, 3), length=st.integers(1, 40),
+       chunk=st.sampled_from([1, 3, 4, 16, 64]), dims=st.sampled_from([(4, 4), (8, 5), (3, 7)]))
+def test_mamba2_chunked_scan_equals_the_definition(seed, heads, length, chunk, dims):
+    from r3srv.models.mamba2 import chunked_scan
+
+    s0, x, dt, a, b, c = _ssm_inputs(seed, heads, length, *dims)
+    ref_out, ref_state = _ssm_by_definition(s0, x, dt, a, b, c)
+    s = s0.clone()
+    torch.testing.assert_close(chunked_scan(s, x, dt, a, b, c, chunk=chunk), ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(s, ref_state, atol=1e-10, rtol=1e-10)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), heads=st.integers(1, 3))
+def test_mamba2_step_is_one_token_of_the_definition(seed, batch, heads):
+    from r3srv.models.mamba2 import ssm_step
+
+    per_seq = [_ssm_inputs(seed + i, heads, 1, 6, 5) for i in range(batch)]
+    states = torch.stack([p[0] for p in per_seq])
+    x, dt, b, c = (torch.stack([p[j][:, 0] for p in per_seq]) for j in (1, 2, 4, 5))
+    a = per_seq[0][3]
+    per_seq = [(p[0], p[1], p[2], a, p[4], p[5]) for p in per_seq]  # one decay per layer
+    out = ssm_step(states, x, dt, a, b, c)
+    for i, p in enumerate(per_seq):
+        ref_out, ref_state = _ssm_by_definition(*p)
+        torch.testing.assert_close(out[i], ref_out[:, 0], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(states[i], ref_state, atol=1e-12, rtol=1e-12)

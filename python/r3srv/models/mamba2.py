@@ -1,0 +1,142 @@
+"""Mamba-2: the state-space layers of Nemotron-H (NVIDIA Nemotron 3 Nano and friends).
+
+Per sequence a layer keeps the last `kernel - 1` inputs of its causal convolution and a state
+S [heads, head_dim, state_size] (float32). Per token t and head, with step dt_t > 0, decay
+A < 0 and input-dependent B_t, C_t (shared by the heads of a group):
+
+    S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,   y_t = S_t C_t + D x_t
+
+Decodes take that step directly (`ssm_step`); prefills the chunked form (`chunked_scan`, the
+state-space duality of the Mamba-2 paper): inside a chunk, y is a causally masked, decayed
+product of C B^T with dt x, plus the chunk's initial state read through C. The output is
+gated by silu(z) and normalised per group of heads. States live in the pool entries
+models/recurrent.py describes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from r3srv.models.config import ModelConfig
+from r3srv.models.layers import empty_param
+from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, scan_prefills, snapshot_decodes
+
+CHUNK = 64  # tokens per chunk of the chunked form
+
+
+def ssm_step(state, x, dt, a, b, c):
+    """One token per sequence. state [B, H, P, N] float32 (updated in place); x [B, H, P];
+    dt [B, H]; a [H] (< 0); b, c [B, H, N]. Returns y [B, H, P] (without the D skip)."""
+    state.mul_((dt * a).exp()[..., None, None])
+    state.add_((dt[..., None] * x)[..., None] * b[:, :, None, :])
+    return torch.einsum("bhpn,bhn->bhp", state, c)
+
+
+def chunked_scan(state, x, dt, a, b, c, chunk: int = CHUNK):
+    """One sequence's L tokens. state [H, P, N] float32 (replaced in place by the final state);
+    x [H, L, P]; dt [H, L]; a [H]; b, c [H, L, N]. Returns y [H, L, P] (without the D skip).
+
+    Within a chunk from state S0, with cumulative log decay s_i = a (dt_1 + ... + dt_i):
+    y_i = e^(s_i) S0 c_i + sum_{j<=i} e^(s_i - s_j) (c_i . b_j) dt_j x_j, and the chunk leaves
+    S = e^(s_n) S0 + sum_j e^(s_n - s_j) dt_j x_j b_j^T.
+    """
+    length = x.shape[1]
+    out = torch.empty_like(x)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    s = state
+    for lo in range(0, length, chunk):
+        hi = min(lo + chunk, length)
+        n = hi - lo
+        xc, bc, cc = x[:, lo:hi], b[:, lo:hi], c[:, lo:hi]
+        dx = dt[:, lo:hi, None] * xc  # [H, n, P]
+        cum = (dt[:, lo:hi] * a[:, None]).cumsum(-1)  # [H, n]
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal[:n, :n], float("-inf")).exp()
+        scores = (cc @ bc.transpose(-1, -2)) * decay  # [H, n, n]
+        out[:, lo:hi] = scores @ dx + cum.exp()[..., None] * (cc @ s.transpose(-1, -2))
+        last = cum[:, -1:]
+        s = last.exp()[..., None] * s + (dx * (last - cum).exp()[..., None]).transpose(-1, -2) @ bc
+    state.copy_(s)
+    return out
+
+
+class Mamba2(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.heads, self.head_dim = cfg.mamba_num_heads, cfg.mamba_head_dim
+        self.state_size, self.groups = cfg.mamba_state_size, cfg.mamba_groups
+        self.inner = self.heads * self.head_dim
+        self.conv_dim = self.inner + 2 * self.groups * self.state_size
+        self.dt_min = cfg.mamba_dt_min
+        self.eps = cfg.rms_norm_eps
+        self.in_proj = empty_param(self.inner + self.conv_dim + self.heads, cfg.hidden_size, **kw)
+        self.in_proj_bias = empty_param(self.inner + self.conv_dim + self.heads, **kw) if cfg.mamba_proj_bias else None
+        self.conv_weight = empty_param(self.conv_dim, 1, cfg.mamba_conv_kernel, **kw)
+        self.conv_bias = empty_param(self.conv_dim, **kw) if cfg.mamba_conv_bias else None
+        self.dt_bias = empty_param(self.heads, **kw)
+        self.a_log = empty_param(self.heads, **kw)
+        self.d = empty_param(self.heads, **kw)
+        self.norm = empty_param(self.inner, **kw)
+        self.out_proj = empty_param(cfg.hidden_size, self.inner, **kw)
+        self.out_proj_bias = empty_param(cfg.hidden_size, **kw) if cfg.mamba_proj_bias else None
+        self.conv_state: torch.Tensor | None = None  # [entries, conv_dim, kernel - 1], model dtype
+        self.recurrent_state: torch.Tensor | None = None  # [entries, heads, head_dim, state_size], float32
+
+    def allocate_states(self, num_entries: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(num_entries, self.conv_dim, self.conv_weight.shape[-1] - 1, dtype=dtype,
+                                      device=device)
+        self.recurrent_state = torch.zeros(num_entries, self.heads, self.head_dim, self.state_size,
+                                           dtype=torch.float32, device=device)
+
+    def free_states(self) -> None:
+        self.conv_state = self.recurrent_state = None
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        p = prefix + "mixer."
+        targets = {
+            p + "in_proj.weight": self.in_proj, p + "conv1d.weight": self.conv_weight, p + "dt_bias": self.dt_bias,
+            p + "A_log": self.a_log, p + "D": self.d, p + "norm.weight": self.norm, p + "out_proj.weight": self.out_proj,
+        }
+        for name, bias in (("in_proj", self.in_proj_bias), ("conv1d", self.conv_bias), ("out_proj", self.out_proj_bias)):
+            if bias is not None:
+                targets[p + name + ".bias"] = bias
+        return targets
+
+    def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
+        if self.recurrent_state is None:
+            raise RuntimeError("init_kv_cache must be called before forward (it allocates the recurrent states)")
+        restore_snapshots((self.conv_state, self.recurrent_state), states)
+        t, h, p, n = x.shape[0], self.heads, self.head_dim, self.state_size
+        z, xbc, dt = F.linear(x, self.in_proj, self.in_proj_bias).split([self.inner, self.conv_dim, h], dim=-1)
+        xbc = causal_conv(self.conv_state, xbc, self.conv_weight[:, 0], self.conv_bias, states)
+        u, b, c = xbc.split([self.inner, self.groups * n, self.groups * n], dim=-1)
+        u = u.float().reshape(t, h, p)
+        per_group = h // self.groups
+        b = b.float().reshape(t, self.groups, n).repeat_interleave(per_group, dim=1)  # [T, H, N]
+        c = c.float().reshape(t, self.groups, n).repeat_interleave(per_group, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
+        a = -self.a_log.float().exp()
+        if states.decode:
+            s = self.recurrent_state.index_select(0, states.slot_index) * states.keep[..., None]
+            y = ssm_step(s, u, dt, a, b, c)
+            self.recurrent_state.index_copy_(0, states.slot_index, s)
+            snapshot_decodes((self.conv_state, self.recurrent_state), states)
+        else:
+            y = torch.empty_like(u)
+
+            def scan(s: torch.Tensor, lo: int, hi: int) -> None:
+                parts = (y_.transpose(0, 1) for y_ in (u[lo:hi], dt[lo:hi], b[lo:hi], c[lo:hi]))
+                xs, dts, bs, cs = parts
+                y[lo:hi] = chunked_scan(s, xs, dts, a, bs, cs).transpose(0, 1)
+
+            scan_prefills(self.recurrent_state, states, scan)
+        y = (y + self.d.float()[:, None] * u).reshape(t, self.inner)
+        return F.linear(self._gated_norm(y.to(x.dtype), z), self.out_proj, self.out_proj_bias)
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of y * silu(z) over each group's heads (in float32), times the weight."""
+        g = (y.float() * F.silu(z.float())).view(y.shape[0], self.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm * g.view(y.shape).to(y.dtype)
