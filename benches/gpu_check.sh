@@ -2,7 +2,7 @@
 # Every GPU check of r3srv in ONE device call (a lent task has 15 minutes of device time in all):
 # the CUDA tests (fused router vs torch reference, CUDA model vs CPU, engine rows on CUDA),
 # then the router table of benches/gpu_router.py (correctness grid, do_bench timings,
-# engine decode step with capture on/off).
+# engine decode step with capture on/off), then the hybrid-prefill grouping ratio.
 #
 # The device image has python3 3.12 with torch and triton but reaches no registry, and lacks
 # msgspec (SamplingParams). Nothing there needs the Rust extension. So, on the dev machine first:
@@ -36,4 +36,5 @@ status=0
 timeout 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu" \
     tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine.py tests/test_memory_release.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 270 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md" 2>&1 | tee "$out/router_bench.log" || status=1
+timeout 60 python3 benches/bench_hybrid_prefill.py 2>&1 | tee "$out/hybrid_prefill.log" || status=1
 exit $status

@@ -28,6 +28,15 @@ def hybrid_path(request, tmp_path_factory):
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp(family), family, seed=5, **HYBRIDS[family]))
 
 
+@pytest.fixture(params=["alone", "padded"])
+def scan_grouping(request, monkeypatch):
+    """Multi-token sequences scan one by one (the CPU's way) or padded in groups (CUDA's way)."""
+    from r3srv.models import recurrent
+
+    monkeypatch.setitem(recurrent.PAD_FACTOR, "cpu", 0.0 if request.param == "alone" else 2.0)
+    return request.param
+
+
 def _outputs_equal(got, want):
     for a, b in zip(want, got):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
@@ -95,7 +104,7 @@ def test_snapshots_are_evicted_oldest_first_and_a_reset_forgets_them(hybrid_path
     assert _no_snapshot_leaks(llm).num_kept_snapshots <= 2
 
 
-def test_more_sequences_than_slots_reuse_them_from_zero_states(hybrid_path):
+def test_more_sequences_than_slots_reuse_them_from_zero_states(hybrid_path, scan_grouping):
     """Ten prompts through three slots, in one batch: each output equals its own lone run,
     so a reused slot never leaks the previous sequence's state."""
     # one-token prompts join steps of decodes only: a fresh state in the batched decode path
@@ -106,7 +115,7 @@ def test_more_sequences_than_slots_reuse_them_from_zero_states(hybrid_path):
     assert llm.engine.block_manager.num_used_state_slots == 0
 
 
-def test_chunked_prefill_preemption_and_aborts_keep_states_straight(hybrid_path):
+def test_chunked_prefill_preemption_and_aborts_keep_states_straight(hybrid_path, scan_grouping):
     """Chunked prefills (8-token budget), preemptions by recompute (a 20-block pool), prompts
     sharing prefixes (snapshot hits), aborts mid-flight: every output equals a roomy engine's
     without prefix caching, and every slot and owned snapshot comes back."""

@@ -125,3 +125,57 @@ def test_mamba2_step_is_one_token_of_the_definition(seed, batch, heads):
         ref_out, ref_state = _ssm_by_definition(*p)
         torch.testing.assert_close(out[i], ref_out[:, 0], atol=1e-12, rtol=1e-12)
         torch.testing.assert_close(states[i], ref_state, atol=1e-12, rtol=1e-12)
+
+
+# Several sequences padded into one batch (models/recurrent.py's scan groups), with snapshots
+# captured mid-span: each equals its own run of the definition.
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4),
+       chunk=st.sampled_from([1, 4, 64]), kind=st.sampled_from(["delta", "mamba2"]))
+def test_padded_batches_with_captures_equal_each_sequence(seed, lengths, chunk, kind):
+    from r3srv.models.mamba2 import chunked_scan
+
+    width = max(lengths)
+    g = torch.Generator().manual_seed(seed)
+    if kind == "delta":
+        seqs = [_inputs(seed + i, 2, n, 4, 3) for i, n in enumerate(lengths)]
+        definition, scan = _by_definition, chunked_delta_rule
+        # state, then per-token inputs with tokens on dim 1; padding: zeros (beta = 0, g = 0)
+        padded = [torch.stack([torch.nn.functional.pad(s[j], (0, 0, 0, width - n) if s[j].dim() == 3
+                                                       else (0, width - n)) for s, n in zip(seqs, lengths)])
+                  for j in range(1, 6)]
+        args = padded
+    else:
+        seqs = [_ssm_inputs(seed + i, 2, n, 4, 3) for i, n in enumerate(lengths)]
+        a = seqs[0][3]
+        seqs = [(s[0], s[1], s[2], a, s[4], s[5]) for s in seqs]
+        definition, scan = _ssm_by_definition, chunked_scan
+        pad = [torch.stack([torch.nn.functional.pad(s[j], (0, 0, 0, width - n) if s[j].dim() == 3
+                                                    else (0, width - n)) for s, n in zip(seqs, lengths)])
+               for j in (1, 2, 4, 5)]
+        args = [pad[0], pad[1], a, pad[2], pad[3]]
+    state = torch.stack([s[0] for s in seqs])
+    positions = [int(torch.randint(1, n + 1, (1,), generator=g)) for n in lengths]
+    targets = [torch.empty_like(state[0]) for _ in lengths]
+    out = scan(state, *args, chunk=chunk, captures=[(b, p, t) for b, (p, t) in enumerate(zip(positions, targets))])
+    for b, (s, n, p) in enumerate(zip(seqs, lengths, positions)):
+        ref_out, ref_state = definition(*s)
+        torch.testing.assert_close(out[b, :, :n], ref_out, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(state[b], ref_state, atol=1e-10, rtol=1e-10)  # padding left it alone
+        prefix = [x[:, :p] if x.dim() >= 2 and x.shape[1] == n and x is not s[0] else x for x in s]
+        torch.testing.assert_close(targets[b], definition(*prefix)[1], atol=1e-10, rtol=1e-10)
+
+
+def test_scan_groups_bound_the_padding():
+    from r3srv.models.recurrent import PAD_FACTOR, _scan_groups
+
+    lengths = [40, 3, 38, 5, 2, 39, 4, 20]
+    factor = PAD_FACTOR["cuda"]
+    groups = _scan_groups(list(range(len(lengths))), lengths, factor)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) == 1 or len(group) * longest <= factor * sum(lengths[i] for i in group)
+    # longest first; the 2-token one would pad 8 x 40 = 320 for 151 real tokens: a group of its own
+    assert groups == [[0, 5, 2, 7, 3, 6, 1], [4]]
+    assert _scan_groups(list(range(len(lengths))), lengths, PAD_FACTOR["cpu"]) == [[i] for i in (0, 5, 2, 7, 3, 6, 1, 4)]

@@ -22,7 +22,7 @@ from torch import nn
 
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import empty_param
-from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, scan_prefills, snapshot_decodes
+from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, run_recurrence, snapshot_steps
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -41,32 +41,41 @@ def recurrent_step(state, q, k, v, g, beta):
     return torch.einsum("bhkv,bhk->bhv", state, q)
 
 
-def chunked_delta_rule(state, q, k, v, g, beta, chunk: int = CHUNK):
-    """One sequence's L tokens. state [H, dk, dv] float32 (replaced in place by the final state);
-    q, k [H, L, dk] (q scaled); v [H, L, dv]; g, beta [H, L]. Returns o [H, L, dv].
+def chunked_delta_rule(state, q, k, v, g, beta, chunk: int = CHUNK, captures=()):
+    """L tokens of each sequence (any leading batch dims). state [..., H, dk, dv] float32
+    (replaced in place by the final states); q, k [..., H, L, dk] (q scaled); v [..., H, L, dv];
+    g, beta [..., H, L]. captures: (b, position, target) with 4-D inputs: the state of batch
+    member b after its first `position` tokens is copied into target. Returns o [..., H, L, dv].
 
     Within a chunk starting from state S0, with cumulative log decay c_i = g_1 + ... + g_i,
     the writes satisfy (I + A) U = beta V - diag(beta e^c) K S0 where A_ij = beta_i e^(c_i - c_j)
     k_i.k_j for j < i; then o_i = e^(c_i) S0^T q_i + sum_{j<=i} e^(c_i - c_j) (q_i.k_j) u_j and
-    the chunk leaves S = e^(c_C) S0 + sum_j e^(c_C - c_j) k_j u_j^T.
+    after m tokens the state is e^(c_m) S0 + sum_{j<=m} e^(c_m - c_j) k_j u_j^T. A token with
+    beta = 0 and g = 0 (padding) leaves the state as it is.
     """
-    length = q.shape[1]
+    length, dv = q.shape[-2], v.shape[-1]
     out = torch.empty_like(v)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     s = state
     for lo in range(0, length, chunk):
         hi = min(lo + chunk, length)
         n = hi - lo
-        qc, kc, vc, bc = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], beta[:, lo:hi, None]
-        c = g[:, lo:hi].cumsum(-1)  # [H, n]
+        qc, kc, vc, bc = q[..., lo:hi, :], k[..., lo:hi, :], v[..., lo:hi, :], beta[..., lo:hi, None]
+        c = g[..., lo:hi].cumsum(-1)  # [..., H, n]
         # e^(c_i - c_j) for j <= i; masked before exp, where the difference is positive
-        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~causal[:n, :n], float("-inf")).exp()
+        decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal[:n, :n], float("-inf")).exp()
         a = (bc * kc) @ kc.transpose(-1, -2) * decay
         rhs = torch.cat((bc * vc, bc * c.exp()[..., None] * kc), dim=-1)
         solved = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
-        u = solved[..., : v.shape[-1]] - solved[..., v.shape[-1] :] @ s  # [H, n, dv]
-        out[:, lo:hi] = (qc * c.exp()[..., None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ u
-        last = c[:, -1:]  # [H, 1]
+        u = solved[..., :dv] - solved[..., dv:] @ s  # [..., H, n, dv]
+        out[..., lo:hi, :] = (qc * c.exp()[..., None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        for b, position, target in captures:
+            if lo < position <= hi:
+                m = position - lo
+                cm = c[b, :, m - 1 : m]  # [H, 1]
+                target.copy_(cm.exp()[..., None] * s[b]
+                             + (kc[b, :, :m] * (cm - c[b, :, :m]).exp()[..., None]).transpose(-1, -2) @ u[b, :, :m])
+        last = c[..., -1:]
         s = last.exp()[..., None] * s + (kc * (last - c).exp()[..., None]).transpose(-1, -2) @ u
     state.copy_(s)
     return out
@@ -144,15 +153,6 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         return qkv, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
 
-    def _delta_rule_prefill(self, q, k, v, g, beta, states: LinearStateBatch) -> torch.Tensor:
-        o = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
-
-        def scan(s: torch.Tensor, a: int, b: int) -> None:
-            o[a:b] = chunked_delta_rule(s, *(y[a:b].transpose(0, 1) for y in (q, k, v, g, beta))).transpose(0, 1)
-
-        scan_prefills(self.recurrent_state, states, scan)
-        return o
-
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
         if self.recurrent_state is None:
             raise RuntimeError("init_kv_cache must be called before forward (it allocates the linear states)")
@@ -167,12 +167,16 @@ class GatedDeltaNet(nn.Module):
         v = v.float().reshape(t, self.nv, self.dv)
         beta = b.float().sigmoid()
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if states.decode:
-            s = self.recurrent_state.index_select(0, states.slot_index) * states.keep[..., None]
-            o = recurrent_step(s, q, k, v, g, beta)
-            self.recurrent_state.index_copy_(0, states.slot_index, s)
-            snapshot_decodes((self.conv_state, self.recurrent_state), states)
-        else:
-            o = self._delta_rule_prefill(q, k, v, g, beta, states)
+        o = torch.empty(t, self.nv, self.dv, dtype=torch.float32, device=x.device)
+
+        def step(s, rows):
+            return recurrent_step(s, q[rows], k[rows], v[rows], g[rows], beta[rows])
+
+        def scan(s, group, captures):  # heads before tokens: [G, H, L, ...]
+            padded = (group.pad(y).transpose(1, 2) for y in (q, k, v, g, beta))
+            return chunked_delta_rule(s, *padded, captures=captures).transpose(1, 2)
+
+        run_recurrence(self.recurrent_state, states, o, step, scan)
+        snapshot_steps((self.conv_state, self.recurrent_state), states)
         o = gated_rms_norm(o.to(x.dtype), z, self.norm, self.eps)
         return F.linear(o.reshape(t, self.value_dim), self.out_proj)

@@ -21,7 +21,7 @@ from torch import nn
 
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import empty_param
-from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, scan_prefills, snapshot_decodes
+from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, run_recurrence, snapshot_steps
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -34,28 +34,37 @@ def ssm_step(state, x, dt, a, b, c):
     return torch.einsum("bhpn,bhn->bhp", state, c)
 
 
-def chunked_scan(state, x, dt, a, b, c, chunk: int = CHUNK):
-    """One sequence's L tokens. state [H, P, N] float32 (replaced in place by the final state);
-    x [H, L, P]; dt [H, L]; a [H]; b, c [H, L, N]. Returns y [H, L, P] (without the D skip).
+def chunked_scan(state, x, dt, a, b, c, chunk: int = CHUNK, captures=()):
+    """L tokens of each sequence (any leading batch dims). state [..., H, P, N] float32 (replaced
+    in place by the final states); x [..., H, L, P]; dt [..., H, L]; a [H]; b, c [..., H, L, N].
+    captures: (member, position, target) with 4-D inputs: member's state after its first
+    `position` tokens is copied into target. Returns y [..., H, L, P] (without the D skip).
 
     Within a chunk from state S0, with cumulative log decay s_i = a (dt_1 + ... + dt_i):
-    y_i = e^(s_i) S0 c_i + sum_{j<=i} e^(s_i - s_j) (c_i . b_j) dt_j x_j, and the chunk leaves
-    S = e^(s_n) S0 + sum_j e^(s_n - s_j) dt_j x_j b_j^T.
+    y_i = e^(s_i) S0 c_i + sum_{j<=i} e^(s_i - s_j) (c_i . b_j) dt_j x_j, and after m tokens
+    the state is e^(s_m) S0 + sum_{j<=m} e^(s_m - s_j) dt_j x_j b_j^T. A token with dt = 0
+    (padding) leaves the state as it is.
     """
-    length = x.shape[1]
+    length = x.shape[-2]
     out = torch.empty_like(x)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
     s = state
     for lo in range(0, length, chunk):
         hi = min(lo + chunk, length)
         n = hi - lo
-        xc, bc, cc = x[:, lo:hi], b[:, lo:hi], c[:, lo:hi]
-        dx = dt[:, lo:hi, None] * xc  # [H, n, P]
-        cum = (dt[:, lo:hi] * a[:, None]).cumsum(-1)  # [H, n]
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal[:n, :n], float("-inf")).exp()
-        scores = (cc @ bc.transpose(-1, -2)) * decay  # [H, n, n]
-        out[:, lo:hi] = scores @ dx + cum.exp()[..., None] * (cc @ s.transpose(-1, -2))
-        last = cum[:, -1:]
+        bc, cc = b[..., lo:hi, :], c[..., lo:hi, :]
+        dx = dt[..., lo:hi, None] * x[..., lo:hi, :]  # [..., H, n, P]
+        cum = (dt[..., lo:hi] * a[:, None]).cumsum(-1)  # [..., H, n]
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal[:n, :n], float("-inf")).exp()
+        scores = (cc @ bc.transpose(-1, -2)) * decay  # [..., H, n, n]
+        out[..., lo:hi, :] = scores @ dx + cum.exp()[..., None] * (cc @ s.transpose(-1, -2))
+        for member, position, target in captures:
+            if lo < position <= hi:
+                m = position - lo
+                cm = cum[member, :, m - 1 : m]  # [H, 1]
+                target.copy_(cm.exp()[..., None] * s[member] + (
+                    dx[member, :, :m] * (cm - cum[member, :, :m]).exp()[..., None]).transpose(-1, -2) @ bc[member, :, :m])
+        last = cum[..., -1:]
         s = last.exp()[..., None] * s + (dx * (last - cum).exp()[..., None]).transpose(-1, -2) @ bc
     state.copy_(s)
     return out
@@ -118,20 +127,17 @@ class Mamba2(nn.Module):
         c = c.float().reshape(t, self.groups, n).repeat_interleave(per_group, dim=1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
         a = -self.a_log.float().exp()
-        if states.decode:
-            s = self.recurrent_state.index_select(0, states.slot_index) * states.keep[..., None]
-            y = ssm_step(s, u, dt, a, b, c)
-            self.recurrent_state.index_copy_(0, states.slot_index, s)
-            snapshot_decodes((self.conv_state, self.recurrent_state), states)
-        else:
-            y = torch.empty_like(u)
+        y = torch.empty_like(u)
 
-            def scan(s: torch.Tensor, lo: int, hi: int) -> None:
-                parts = (y_.transpose(0, 1) for y_ in (u[lo:hi], dt[lo:hi], b[lo:hi], c[lo:hi]))
-                xs, dts, bs, cs = parts
-                y[lo:hi] = chunked_scan(s, xs, dts, a, bs, cs).transpose(0, 1)
+        def step(s, rows):
+            return ssm_step(s, u[rows], dt[rows], a, b[rows], c[rows])
 
-            scan_prefills(self.recurrent_state, states, scan)
+        def scan(s, group, captures):  # heads before tokens: [G, H, L, ...]
+            xs, dts, bs, cs = (group.pad(v).transpose(1, 2) for v in (u, dt, b, c))
+            return chunked_scan(s, xs, dts, a, bs, cs, captures=captures).transpose(1, 2)
+
+        run_recurrence(self.recurrent_state, states, y, step, scan)
+        snapshot_steps((self.conv_state, self.recurrent_state), states)
         y = (y + self.d.float()[:, None] * u).reshape(t, self.inner)
         return F.linear(self._gated_norm(y.to(x.dtype), z), self.out_proj, self.out_proj_bias)
 

@@ -1,0 +1,95 @@
+"""Hybrid prefills of many sequences at once (a batch of rollout prompts): the sequences padded
+into scan groups and scanned together (r3srv, models/recurrent.py), against one chunked scan per
+sequence (the previous implementation, the reference).
+
+    .venv/bin/python -m pytest benches/bench_hybrid_prefill.py
+
+64 prompts of 24-64 tokens through the gated delta rule of one linear-attention layer of
+Qwen3.5's per-head shape (key and value heads of 128) with 4 value heads, float32, one thread.
+benches/conftest.py prints reference / r3srv. On this CPU grouping LOSES (0.4-0.6x: padding
+costs compute, launches cost little), which is why the engine groups only on CUDA
+(models/recurrent.py's PAD_FACTOR), where the reference's per-sequence launches dominate:
+
+    python3 benches/bench_hybrid_prefill.py     # on a GPU (benches/gpu_check.sh runs it)
+"""
+
+from __future__ import annotations
+
+from unittest.mock import patch
+
+import pytest
+import torch
+
+from r3srv.models.batch import ForwardBatch
+from r3srv.models.gated_deltanet import chunked_delta_rule, l2_normalize
+from r3srv.models.recurrent import PAD_FACTOR, LinearStateBatch
+
+SEQS, HEADS, DIM = 64, 4, 128
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _step(device="cpu"):
+    lengths = torch.randint(24, 65, (SEQS,), generator=torch.Generator().manual_seed(0)).tolist()
+    t = sum(lengths)
+    g = torch.Generator().manual_seed(1)
+    q = l2_normalize(torch.randn(t, HEADS, DIM, generator=g)) * DIM**-0.5
+    k = l2_normalize(torch.randn(t, HEADS, DIM, generator=g))
+    v = torch.randn(t, HEADS, DIM, generator=g)
+    decay = -torch.rand(t, HEADS, generator=g) * 0.1
+    beta = torch.rand(t, HEADS, generator=g)
+    q, k, v, decay, beta = (x.to(device) for x in (q, k, v, decay, beta))
+    batch = ForwardBatch(input_ids=torch.zeros(t, dtype=torch.long), positions=torch.zeros(t, dtype=torch.long),
+                         slot_mapping=torch.zeros(t, dtype=torch.long), query_lens=lengths, context_lens=lengths,
+                         block_tables=torch.zeros(SEQS, 1, dtype=torch.int32), logits_indices=torch.zeros(SEQS, dtype=torch.long))
+    with patch.dict(PAD_FACTOR, {torch.device(device).type: 2.0}):  # group as on CUDA
+        states = LinearStateBatch.build(batch, torch.device(device))
+    return states, lengths, (q, k, v, decay, beta)
+
+
+def per_sequence(states, lengths, inputs):
+    out, start = [], 0
+    for n in lengths:
+        s = torch.zeros(HEADS, DIM, DIM, device=inputs[0].device)
+        out.append(chunked_delta_rule(s, *(x[start : start + n].transpose(0, 1) for x in inputs)).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+def grouped(states, lengths, inputs):
+    out = torch.empty_like(inputs[2])
+    for group in states.scans:
+        s = torch.zeros(len(group.lengths), HEADS, DIM, DIM, device=inputs[0].device)
+        y = chunked_delta_rule(s, *(group.pad(x).transpose(1, 2) for x in inputs)).transpose(1, 2)
+        out[group.rows] = y[group.valid]
+    return out
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+def test_hybrid_prefill_of_many_prompts(benchmark, candidate):
+    states, lengths, inputs = _step()
+    assert len(states.scans) < 4  # a few scan groups, not 64 scans
+    torch.testing.assert_close(grouped(states, lengths, inputs), per_sequence(states, lengths, inputs),
+                               atol=2e-5, rtol=1e-4)
+    benchmark.group = f"hybrid prefill {SEQS} prompts of 24-64 tokens"
+    benchmark(per_sequence if candidate == "reference" else grouped, states, lengths, inputs)
+
+
+if __name__ == "__main__":  # the GPU's ratio (benches/gpu_check.sh)
+    import time
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    states, lengths, inputs = _step(device)
+    timings = {}
+    for name, fn in (("per sequence", per_sequence), ("grouped", grouped)):
+        fn(states, lengths, inputs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            fn(states, lengths, inputs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        timings[name] = (time.perf_counter() - start) / 10
+    print(f"hybrid prefill, {SEQS} prompts of 24-64 tokens on {device}: per sequence {timings['per sequence'] * 1e3:.2f} ms, "
+          f"grouped {timings['grouped'] * 1e3:.2f} ms, ratio {timings['per sequence'] / timings['grouped']:.1f}x")
