@@ -1,5 +1,5 @@
 """The engine on hybrid models (Qwen3-Next: Gated DeltaNet layers beside full attention;
-Nemotron-H: Mamba-2 layers beside attention): state slots follow sequences through chunked
+Nemotron-H: Mamba-2 layers beside attention; Kimi-Linear: Kimi Delta Attention beside MLA): state slots follow sequences through chunked
 prefill, preemption, aborts and reuse, and are always given back; prefix caching resumes
 from state snapshots; memory sizing counts the states."""
 
@@ -19,7 +19,7 @@ from tiny_checkpoints import write_tiny_checkpoint
 pytest.importorskip("transformers")
 
 
-HYBRIDS = {"qwen3_next": dict(num_layers=3), "nemotron_h": {}}
+HYBRIDS = {"qwen3_next": dict(num_layers=3), "nemotron_h": {}, "kimi_linear": dict(num_layers=3)}
 
 
 @pytest.fixture(scope="module", params=list(HYBRIDS))
@@ -163,7 +163,11 @@ def test_kv_sizing_counts_the_states(hybrid_path, monkeypatch):
     assert [layer.index for layer in model.layers if layer.linear_attn is not None] == cfg.linear_attention_layers
     assert [layer.index for layer in model.layers if layer.attn is not None] == cfg.attention_layers
     assert len(linear) >= 2 and len(attention) >= 1
-    assert model.kv_cache_bytes_per_block(16) == sum(2 * 16 * a.k_cache[0].numel() * 4 for a in attention)
+    def cached_row_bytes(a):  # K and V, or MLA's one latent (its values are a view of it)
+        shared = a.v_cache.untyped_storage().data_ptr() == a.k_cache.untyped_storage().data_ptr()
+        return (a.k_cache[0].numel() + (0 if shared else a.v_cache[0].numel())) * 4
+
+    assert model.kv_cache_bytes_per_block(16) == sum(16 * cached_row_bytes(a) for a in attention)
     assert model.state_bytes_per_slot() == sum(
         m.conv_state[0].numel() * m.conv_state.itemsize + m.recurrent_state[0].numel() * 4 for m in linear)
     monkeypatch.setattr(MoeForCausalLM, "state_bytes_per_slot", lambda self: 1 << 50)

@@ -1,4 +1,4 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Nemotron-H) beyond the transformers oracle tests: their
+"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Nemotron-H, Kimi-Linear) beyond the transformers oracle tests: their
 released config.json spellings, sizes that follow from them, and Qwen3.5's multimodal
 checkpoint layout (a nested text_config, model.language_model.* names, vision and MTP
 tensors the server does not use)."""
@@ -149,3 +149,34 @@ def test_unsupported_nemotron_h_configs_are_config_errors(change, match):
 
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_dict({**NEMOTRON3_NANO, **change})
+
+
+# Kimi-Linear-48B-A3B's shape in its config.json spellings: Moonshot's names for DeepSeek's keys,
+# the layer kinds in linear_attn_config (1-indexed), no q_lora_rank
+KIMI_LINEAR = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 2304,
+    "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 27, "num_attention_heads": 32,
+    "num_key_value_heads": 32, "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
+    "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+    "routed_scaling_factor": 2.446, "first_k_dense_replace": 1, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+    "model_max_length": 1048576, "rms_norm_eps": 1e-05, "vocab_size": 163840, "torch_dtype": "bfloat16",
+    "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                           "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                           "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
+}
+
+
+def test_kimi_linear_released_config_spelling():
+    cfg = ModelConfig.from_dict(KIMI_LINEAR)
+    assert cfg.model_type == "kimi_linear" and cfg.is_hybrid and cfg.is_mla and not cfg.use_rope
+    assert cfg.linear_attention_kind == "kda" and cfg.attention_layers == [3, 7, 11, 15, 19, 23, 26]
+    assert (cfg.num_experts, cfg.top_k, cfg.renormalize, cfg.max_position_embeddings) == (256, 8, True, 1048576)
+    assert cfg.moe_layers == list(range(1, 27)) and cfg.shared_expert_intermediate_size == 1024
+    assert (cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim) == (32, 128, 4)
+    assert cfg.kv_cache_bytes_per_block(16, torch.bfloat16) == 7 * (512 + 64) * 16 * 2  # MLA layers only
+    assert cfg.linear_state_bytes(torch.bfloat16) == 20 * (3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4)
+    from r3srv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="moe_router_activation_func"):
+        ModelConfig.from_dict({**KIMI_LINEAR, "moe_router_activation_func": "softmax"})

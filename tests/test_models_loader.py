@@ -47,6 +47,14 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
             raw["hybrid_override_pattern"] = "".join(letters[k] for k in raw.pop("layers_block_type"))
             raw["mamba_n_groups"], raw["mamba_d_conv"] = raw.pop("n_groups"), raw.pop("conv_kernel")
             raw["rope_parameters"] = {"rope_theta": 10000.0}
+        if family == "kimi_linear":  # no positions; the released linear_attn_config (1-indexed layers)
+            kinds = raw.pop("layer_types")
+            raw["linear_attn_config"] = {
+                "kda_layers": [i + 1 for i, t in enumerate(kinds) if t == "linear_attention"],
+                "full_attn_layers": [i + 1 for i, t in enumerate(kinds) if t == "full_attention"],
+                "num_heads": raw.pop("linear_num_heads"), "head_dim": raw.pop("linear_head_dim"),
+                "short_conv_kernel_size": raw.pop("linear_conv_kernel_dim")}
+            raw["rope_parameters"] = {"rope_theta": 10000.0}
         rope = raw.pop("rope_parameters")
         raw["rope_theta"] = rope.pop("rope_theta")
         if "partial_rotary_factor" in rope:  # GLM-4.5's released config.json keeps it top level
@@ -71,6 +79,8 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
     assert new_cfg.model_type == family and new_cfg.moe_layers == old_cfg.moe_layers
     assert new_cfg.moe_layers == ([1, 3] if family == "nemotron_h" else [0, 1])
     assert new_cfg.layer_kinds == old_cfg.layer_kinds and new_cfg.mamba_groups == old_cfg.mamba_groups
+    assert new_cfg.linear_attention_layers == old_cfg.linear_attention_layers
+    assert new_cfg.linear_value_head_dim == old_cfg.linear_value_head_dim
     assert new_cfg.eos_token_ids == [258]
     torch.testing.assert_close(prefill_logits(load_model(old_style)[0]), prefill_logits(load_model(new_style)[0]))
 
@@ -135,7 +145,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
         "MiniMaxM2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
         "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Dots1ForCausalLM", "Qwen3NextForCausalLM",
         "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-        "NemotronHForCausalLM",
+        "NemotronHForCausalLM", "KimiLinearForCausalLM",
     }
 
 

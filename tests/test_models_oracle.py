@@ -99,6 +99,11 @@ VARIANTS = {
     # without positions, relu^2 experts under DeepSeek-V3's router (here with expert groups)
     "nemotron_h": ("nemotron_h", {}),
     "nemotron_h_groups_16e": ("nemotron_h", {"num_experts": 16, "top_k": 4, "n_group": 4, "topk_group": 2}),
+    # Kimi-Linear: Kimi Delta Attention (per-channel decay) and MLA without positions
+    "kimi_linear": ("kimi_linear", {}),
+    "kimi_linear_dense_first_3_layers": (
+        "kimi_linear", {"num_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"], "num_experts": 16, "top_k": 4}
+    ),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

@@ -26,6 +26,8 @@ LAYOUTS = {
     "glm_moe_dsa": dict(num_layers=3, indexer_types=["full", "shared", "full"]),
     # Mamba-2 layers beside attention without positions, one mixer per layer
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"]),
+    # Kimi Delta Attention (per-channel decay) around MLA without positions
+    "kimi_linear": dict(num_layers=3),
 }
 
 

@@ -1,5 +1,5 @@
 """The recurrent layers' chunked forms against their definitions, token by token: Gated DeltaNet
-(models/gated_deltanet.py) and Mamba-2 (models/mamba2.py)."""
+(models/gated_deltanet.py), Mamba-2 (models/mamba2.py) and Kimi Delta Attention (models/kda.py)."""
 
 from __future__ import annotations
 
@@ -179,3 +179,54 @@ def test_scan_groups_bound_the_padding():
     # longest first; the 2-token one would pad 8 x 40 = 320 for 151 real tokens: a group of its own
     assert groups == [[0, 5, 2, 7, 3, 6, 1], [4]]
     assert _scan_groups(list(range(len(lengths))), lengths, PAD_FACTOR["cpu"]) == [[i] for i in (0, 5, 2, 7, 3, 6, 1, 4)]
+
+
+# Kimi Delta Attention (models/kda.py): the delta rule with a decay per key channel.
+def _kda_inputs(seed: int, heads: int, length: int, dk: int, dv: int):
+    state, q, k, v, _, beta = _inputs(seed, heads, length, dk, dv)
+    g = -torch.rand(heads, length, dk, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) * 2
+    return state, q, k, v, g, beta
+
+
+def _kda_by_definition(state, q, k, v, g, beta):
+    """S_t = Diag(e^g_t) S_{t-1} + k_t u_t^T with u_t = beta_t (v_t - (Diag(e^g_t) S_{t-1})^T k_t); o_t = S_t^T q_t."""
+    s, out = state.clone(), []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None]
+        u = beta[:, t, None] * (v[:, t] - torch.einsum("hkv,hk->hv", s, k[:, t]))
+        s = s + k[:, t, :, None] * u[:, None, :]
+        out.append(torch.einsum("hkv,hk->hv", s, q[:, t]))
+    return torch.stack(out, dim=1), s
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=3),
+       chunk=st.sampled_from([1, 4, 32]))
+def test_kda_chunks_padding_and_captures_equal_the_definition(seed, lengths, chunk):
+    from r3srv.models.kda import chunked_kda, kda_step
+
+    width = max(lengths)
+    seqs = [_kda_inputs(seed + i, 2, n, 4, 3) for i, n in enumerate(lengths)]
+
+    def pad(x, n):  # tokens on dim 1
+        return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - n))
+
+    state = torch.stack([s[0] for s in seqs])
+    args = [torch.stack([pad(s[j], n) for s, n in zip(seqs, lengths)]) for j in range(1, 6)]
+    g = torch.Generator().manual_seed(seed)
+    positions = [int(torch.randint(1, n + 1, (1,), generator=g)) for n in lengths]
+    targets = [torch.empty_like(state[0]) for _ in lengths]
+    out = chunked_kda(state, *args, chunk=chunk, captures=[(b, p, t) for b, (p, t) in enumerate(zip(positions, targets))])
+    for b, (s, n, p) in enumerate(zip(seqs, lengths, positions)):
+        ref_out, ref_state = _kda_by_definition(*s)
+        torch.testing.assert_close(out[b, :, :n], ref_out, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(state[b], ref_state, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(targets[b], _kda_by_definition(s[0], *(x[:, :p] for x in s[1:]))[1],
+                                   atol=1e-10, rtol=1e-10)
+    # one decode step of every sequence at once
+    first = torch.stack([s[0] for s in seqs])
+    step = kda_step(first, *(torch.stack([x[:, 0] for x in [s[j] for s in seqs]]) for j in range(1, 6)))
+    for b, s in enumerate(seqs):
+        ref_out, ref_state = _kda_by_definition(s[0], *(x[:, :1] for x in s[1:]))
+        torch.testing.assert_close(step[b], ref_out[:, 0], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(first[b], ref_state, atol=1e-12, rtol=1e-12)

@@ -25,6 +25,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
     "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
+    "kimi_linear",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -126,6 +127,16 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             cls, extra = transformers.DeepseekV32Config, dsa
         else:
             cls, extra = transformers.GlmMoeDsaConfig, dict(dsa, indexer_types=["full"] + ["shared"] * (num_layers - 1))
+    elif family == "kimi_linear":
+        # KDA layers around one MLA layer without positions; every layer MoE unless overridden
+        cls, extra = transformers.KimiLinearConfig, dict(
+            num_local_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4,
+            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+            n_group=1, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.0,
+            linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
+            layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)],
+            mlp_layer_types=["sparse"] * num_layers,
+        )
     elif family == "nemotron_h":
         # one mixer per layer: Mamba-2, MoE, attention (no positions), MoE, Mamba-2 again, a relu^2 MLP
         cls, extra = transformers.NemotronHConfig, dict(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from r3srv.errors import ConfigError
-from r3srv.models.families import family_switches, nemotron_h_layer_kinds
+from r3srv.models.families import family_switches, nemotron_h_layer_kinds, standard_spellings
 from r3srv.models.quantization import parse_quantization
 
 
@@ -38,6 +38,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "DeepseekV32ForCausalLM": "deepseek_v32",
     "NemotronHForCausalLM": "nemotron_h",
+    "KimiLinearForCausalLM": "kimi_linear",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
@@ -146,6 +147,7 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     linear_projection_layout: str = "qkvz_ba"  # Qwen3-Next's in_proj_qkvz/ba; Qwen3.5: "qkv_z_b_a"
+    linear_attention_kind: str = "gated_deltanet"  # or "kda": Kimi-Linear's per-channel decay (models/kda.py)
     attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the output
     # Nemotron-H: every layer is one mixer ("mamba", "attention", "moe" or "mlp") behind one norm,
     # instead of attention then MLP; its Mamba-2 layers (models/mamba2.py) are the linear ones
@@ -216,6 +218,7 @@ class ModelConfig:
         family = ARCHITECTURE_FAMILIES[architecture]
         if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint: serve its language model
             raw = {**raw, **raw["text_config"], "architectures": raw.get("architectures")}
+        raw = standard_spellings(family, raw)
         get = _Getter(raw, architecture)
 
         hidden = get.int("hidden_size")
@@ -274,7 +277,8 @@ class ModelConfig:
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         if self.is_mla:  # one latent per token, no per-head K/V; DSA: an index key per token too
             indexed = (self.num_layers - len(self.index_shared_layers)) * self.index_head_dim if self.index_topk else 0
-            return (self.num_layers * (self.kv_lora_rank + self.head_dim) + indexed) * block_size * dtype.itemsize
+            latents = len(self.attention_layers) * (self.kv_lora_rank + self.head_dim)  # Kimi-Linear: MLA layers only
+            return (latents + indexed) * block_size * dtype.itemsize
         return 2 * len(self.attention_layers) * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def linear_state_bytes(self, dtype: torch.dtype) -> int:
@@ -285,6 +289,9 @@ class ModelConfig:
             conv = (self.mamba_num_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state_size) * (
                 self.mamba_conv_kernel - 1)
             recurrent = self.mamba_num_heads * self.mamba_head_dim * self.mamba_state_size
+        elif self.linear_attention_kind == "kda":  # q, k and v convolved; a dk x dv matrix per head
+            heads, dim = self.linear_num_value_heads, self.linear_value_head_dim
+            conv, recurrent = 3 * heads * dim * (self.linear_conv_kernel_dim - 1), heads * dim * dim
         else:
             conv = (2 * self.linear_num_key_heads * self.linear_key_head_dim
                     + self.linear_num_value_heads * self.linear_value_head_dim) * (self.linear_conv_kernel_dim - 1)

@@ -10,6 +10,19 @@ if TYPE_CHECKING:
     from r3srv.models.config import _Getter
 
 
+# Kimi-Linear's config.json spells DeepSeek's keys its own way (transformers' attribute_map)
+_KIMI_SPELLINGS = {"num_experts_per_token": "num_experts_per_tok", "num_expert_group": "n_group",
+                   "moe_renormalize": "norm_topk_prob", "num_shared_experts": "n_shared_experts",
+                   "model_max_length": "max_position_embeddings"}
+
+
+def standard_spellings(family: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """raw with a family's own spellings of common keys added under the common names."""
+    if family != "kimi_linear":
+        return raw
+    return {**{common: raw[own] for own, common in _KIMI_SPELLINGS.items() if own in raw}, **raw}
+
+
 def family_switches(
     family: str, raw: dict[str, Any], get: "_Getter", *, num_layers: int, head_dim: int, num_experts: int
 ) -> dict[str, Any]:
@@ -79,6 +92,8 @@ def family_switches(
         return _qwen_hybrid_switches(family, raw, get, num_layers, num_experts)
     if family == "nemotron_h":
         return _nemotron_h_switches(raw, get)
+    if family == "kimi_linear":
+        return _kimi_linear_switches(raw, get, num_layers)
     raise ValueError(f"no switches for family {family!r}")
 
 
@@ -134,6 +149,38 @@ def _nemotron_h_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         num_expert_groups=int(raw.get("n_group") or 1),
         topk_expert_groups=int(raw.get("topk_group") or 1),
+    )
+
+
+def _kimi_linear_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:
+    """Kimi-Linear: Kimi Delta Attention layers and multi-head latent attention without positions
+    (kda_layers / full_attn_layers of linear_attn_config, 1-indexed, or layer_types), DeepSeek-V3's
+    router over Mixtral-named experts."""
+    _check_v3_router(raw, "KimiLinearForCausalLM")
+    if raw.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise ConfigError(f"KimiLinearForCausalLM: moe_router_activation_func={raw['moe_router_activation_func']!r} "
+                          "is not supported (only 'sigmoid')")
+    linear = raw.get("linear_attn_config") or {}
+    types = raw.get("layer_types")
+    if types is None and "kda_layers" in linear and "full_attn_layers" in linear:
+        types = [None] * num_layers
+        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+            for layer in linear[key]:
+                types[layer - 1] = kind
+    if types is None:  # transformers' default
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ConfigError(f"KimiLinearForCausalLM: layer kinds {types} must be {num_layers} of KDA / full attention")
+    heads = int(linear.get("num_heads") or raw.get("linear_num_heads") or 32)
+    dim = int(linear.get("head_dim") or raw.get("linear_head_dim") or 128)
+    switches = _glm4_moe_switches(raw, get, num_layers) | _mla_switches(raw, get, first_dense_default=1)
+    switches = _mlp_layer_types(raw, num_layers, "KimiLinearForCausalLM", switches)
+    return switches | dict(
+        use_rope=False,
+        linear_attention_kind="kda",
+        linear_attention_layers=[i for i, t in enumerate(types) if t == "linear_attention"],
+        linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=dim, linear_value_head_dim=dim,
+        linear_conv_kernel_dim=int(linear.get("short_conv_kernel_size") or raw.get("linear_conv_kernel_dim") or 4),
     )
 
 

@@ -68,6 +68,7 @@ class MlaAttention(nn.Module):
         self.o_bias = _param(hidden, **kw) if cfg.o_bias else None
         self.scale = mla_softmax_scale(cfg)
         self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
+        self.use_rope = cfg.use_rope  # Kimi-Linear: no positions (its rope dims stay as they are)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -120,8 +121,9 @@ class MlaAttention(nn.Module):
         q_nope, q_rope = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rope = F.linear(x, self.kv_a, self.kv_a_bias).split([self.rank, self.rope], dim=-1)
         latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
-        q_rope = self.rotate(q_rope, cos, sin)
-        k_rope = self.rotate(k_rope.reshape(t, 1, self.rope), cos, sin)
+        k_rope = k_rope.reshape(t, 1, self.rope)
+        if self.use_rope:
+            q_rope, k_rope = self.rotate(q_rope, cos, sin), self.rotate(k_rope, cos, sin)
 
         key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [t, 1, rank + rope]: what is cached
         kv_b = self.kv_b.view(h, self.nope + self.v_dim, self.rank)

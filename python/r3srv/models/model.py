@@ -1,13 +1,14 @@
 """The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
 Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
-gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H).
+gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
 router (scoring, bias, groups, renormalisation, scaling), the experts' activation and
 biases, the shared expert, the checkpoint names (see `weight_targets`) and the token mixer:
 multi-head latent attention for DeepSeek and GLM-4.7-Flash/5 (models/mla.py, sparse with
-models/dsa.py), Gated DeltaNet layers in the hybrids (models/gated_deltanet.py). Nemotron-H's
+models/dsa.py), Gated DeltaNet or Kimi Delta Attention layers in the hybrids
+(models/gated_deltanet.py, models/kda.py). Nemotron-H's
 layers are one mixer each (MixerBlock: Mamba-2, models/mamba2.py, attention, MoE or MLP).
 """
 
@@ -24,6 +25,7 @@ from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
 from r3srv.models.gated_deltanet import GatedDeltaNet
+from r3srv.models.kda import KimiDeltaAttention
 from r3srv.models.mamba2 import Mamba2
 from r3srv.models.recurrent import LinearStateBatch
 from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq, silu_mlp
@@ -152,7 +154,8 @@ class DecoderLayer(nn.Module):
         self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         window = cfg.sliding_windows[index] if cfg.sliding_windows else None
-        self.linear_attn = GatedDeltaNet(cfg, dtype, device) if index in cfg.linear_attention_layers else None
+        linear = KimiDeltaAttention if cfg.linear_attention_kind == "kda" else GatedDeltaNet
+        self.linear_attn = linear(cfg, dtype, device) if index in cfg.linear_attention_layers else None
         if self.linear_attn is not None:
             self.attn = None
         else:
@@ -347,6 +350,9 @@ class MoeForCausalLM(nn.Module):
                 targets[p + "mlp.gate_proj.weight"] = mlp.w13[:half]
                 targets[p + "mlp.up_proj.weight"] = mlp.w13[half:]
                 targets[p + "mlp.down_proj.weight"] = mlp.w2
+                if family == "kimi_linear":  # transformers writes Kimi-Linear's dense MLPs as block_sparse_moe
+                    for name in ("gate_proj", "up_proj", "down_proj"):
+                        targets[p + f"block_sparse_moe.{name}.weight"] = targets[p + f"mlp.{name}.weight"]
                 continue
             targets.update(_gpt_oss_moe_targets(p, mlp) if family == "gpt_oss" else _moe_targets(family, p, mlp))
         if family == "qwen3_5_moe":  # the multimodal checkpoint nests the language model
@@ -356,10 +362,10 @@ class MoeForCausalLM(nn.Module):
 
 
 # Where each family keeps what the standard names do not cover
-_MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.<e>.w1 / w3 / w2
+_MIXTRAL_NAMES = ("mixtral", "minimax_m2", "kimi_linear")  # block_sparse_moe.experts.<e>.w1 / w3 / w2
 # mlp.shared_experts, no gate
 _SHARED_EXPERTS = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v2", "ernie4_5_moe", "dots1", "deepseek_v32",
-                   "glm_moe_dsa")
+                   "glm_moe_dsa", "kimi_linear")
 _BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_score_correction_bias
     "glm4_moe": ("mlp.gate.e_score_correction_bias",),
     "glm4_moe_lite": ("mlp.gate.e_score_correction_bias",),
@@ -367,6 +373,7 @@ _BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_scor
     "deepseek_v3": ("mlp.gate.e_score_correction_bias",),
     "deepseek_v32": ("mlp.gate.e_score_correction_bias",),
     "glm_moe_dsa": ("mlp.gate.e_score_correction_bias",),
+    "kimi_linear": ("block_sparse_moe.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
     "minimax_m2": ("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
     "ernie4_5_moe": ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"),
 }
@@ -400,6 +407,8 @@ def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Te
         targets[shared + "down_proj.weight"] = mlp.shared_w2
         if mlp.shared_gate is not None:
             targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
+        if family == "kimi_linear":  # released under block_sparse_moe like its experts
+            targets |= {k.replace(".mlp.", ".block_sparse_moe.", 1): v for k, v in targets.items() if k.startswith(shared)}
     return targets
 
 

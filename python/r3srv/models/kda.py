@@ -1,0 +1,145 @@
+"""Kimi Delta Attention (KDA): the linear-attention layers of Kimi-Linear.
+
+The gated delta rule of models/gated_deltanet.py with a decay per key channel instead of per
+head: per token, with g_t in R^dk (<= 0) and write strength beta_t,
+
+    S_t = Diag(e^g_t) S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - (Diag(e^g_t) S_{t-1})^T k_t),   o_t = S_t^T q_t
+
+Decodes take that step (`kda_step`); prefills the chunked form (`chunked_kda`), whose pairwise
+decays are per channel ([n, n, dk] per head, so its chunks are shorter). The output is
+normalised per head and gated by a sigmoid of a low-rank projection. States live in the pool
+entries models/recurrent.py describes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from r3srv.models.config import ModelConfig
+from r3srv.models.gated_deltanet import l2_normalize
+from r3srv.models.layers import empty_param
+from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, run_recurrence, snapshot_steps
+
+CHUNK = 32  # tokens per chunk: the pairwise decays take chunk^2 x dk per head
+
+
+def kda_step(state, q, k, v, g, beta):
+    """One token per sequence. state [B, H, dk, dv] float32 (updated in place); q, k [B, H, dk]
+    (q scaled); v [B, H, dv]; g [B, H, dk]; beta [B, H]. Returns o [B, H, dv]."""
+    state.mul_(g.exp()[..., None])
+    u = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", state, k))
+    state.add_(k[..., :, None] * u[..., None, :])
+    return torch.einsum("bhkv,bhk->bhv", state, q)
+
+
+def chunked_kda(state, q, k, v, g, beta, chunk: int = CHUNK, captures=()):
+    """L tokens of each sequence (any leading batch dims). state [..., H, dk, dv] float32
+    (replaced in place by the final states); q, k [..., H, L, dk] (q scaled); v [..., H, L, dv];
+    g [..., H, L, dk]; beta [..., H, L]. captures: (b, position, target) with 4-D inputs.
+    Returns o [..., H, L, dv].
+
+    Within a chunk from S0, with cumulative decays c_i = g_1 + ... + g_i (vectors) and
+    P_ij = e^(c_i - c_j) for j <= i: (I + A) U = beta V - diag(beta) (K * e^C) S0 where
+    A_ij = beta_i sum_d k_i[d] k_j[d] P_ij[d] (j < i); o_i = (q_i * e^c_i)^T S0 +
+    sum_{j<=i} (sum_d q_i[d] k_j[d] P_ij[d]) u_j; after m tokens the state is
+    Diag(e^c_m) S0 + sum_{j<=m} Diag(P_mj) k_j u_j^T. Padding (beta = 0, g = 0) is neutral.
+    """
+    length, dv = q.shape[-2], v.shape[-1]
+    out = torch.empty_like(v)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    s = state
+    for lo in range(0, length, chunk):
+        hi = min(lo + chunk, length)
+        n = hi - lo
+        qc, kc, vc, bc = q[..., lo:hi, :], k[..., lo:hi, :], v[..., lo:hi, :], beta[..., lo:hi, None]
+        c = g[..., lo:hi, :].cumsum(-2)  # [..., H, n, dk]
+        diff = (c[..., :, None, :] - c[..., None, :, :]).masked_fill(~causal[:n, :n, None], float("-inf"))
+        pair = diff.exp()  # [..., H, n, n, dk]
+        a = bc * torch.einsum("...id,...jd,...ijd->...ij", kc, kc, pair)
+        rhs = torch.cat((bc * vc, bc * kc * c.exp()), dim=-1)
+        solved = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+        u = solved[..., :dv] - solved[..., dv:] @ s  # [..., H, n, dv]
+        scores = torch.einsum("...id,...jd,...ijd->...ij", qc, kc, pair)
+        out[..., lo:hi, :] = (qc * c.exp()) @ s + scores @ u
+        for b, position, target in captures:
+            if lo < position <= hi:
+                m = position - lo
+                cm = c[b, :, m - 1 : m, :]  # [H, 1, dk]
+                target.copy_(cm.exp().transpose(-1, -2) * s[b]
+                             + (kc[b, :, :m] * (cm - c[b, :, :m]).exp()).transpose(-1, -2) @ u[b, :, :m])
+        last = c[..., -1:, :]
+        s = last.exp().transpose(-1, -2) * s + (kc * (last - c).exp()).transpose(-1, -2) @ u
+    state.copy_(s)
+    return out
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.heads, self.dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        self.width = self.heads * self.dim
+        self.eps = cfg.rms_norm_eps
+        hidden = cfg.hidden_size
+        self.qkv = empty_param(3 * self.width, hidden, **kw)
+        self.conv_weight = empty_param(3 * self.width, 1, cfg.linear_conv_kernel_dim, **kw)
+        self.f_a, self.f_b = empty_param(self.dim, hidden, **kw), empty_param(self.width, self.dim, **kw)
+        self.dt_bias = empty_param(self.width, **kw)
+        self.a_log = empty_param(self.heads, **kw)
+        self.b_proj = empty_param(self.heads, hidden, **kw)
+        self.g_a, self.g_b = empty_param(self.dim, hidden, **kw), empty_param(self.width, self.dim, **kw)
+        self.o_norm = empty_param(self.dim, **kw)
+        self.o_proj = empty_param(hidden, self.width, **kw)
+        self.conv_state: torch.Tensor | None = None  # [entries, 3 * width, kernel - 1], model dtype
+        self.recurrent_state: torch.Tensor | None = None  # [entries, heads, dim, dim], float32
+
+    def allocate_states(self, num_entries: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(num_entries, 3 * self.width, self.conv_weight.shape[-1] - 1, dtype=dtype,
+                                      device=device)
+        self.recurrent_state = torch.zeros(num_entries, self.heads, self.dim, self.dim, dtype=torch.float32,
+                                           device=device)
+
+    def free_states(self) -> None:
+        self.conv_state = self.recurrent_state = None
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Released names (q/k/v_conv1d, f_a_proj, ...) and transformers 5's (one conv1d, forget_gate.*)."""
+        p, w = prefix + "self_attn.", self.width
+        targets = {p + "b_proj.weight": self.b_proj, p + "g_a_proj.weight": self.g_a, p + "g_b_proj.weight": self.g_b,
+                   p + "o_norm.weight": self.o_norm, p + "o_proj.weight": self.o_proj, p + "conv1d.weight": self.conv_weight}
+        for i, name in enumerate("qkv"):
+            targets[p + f"{name}_proj.weight"] = self.qkv[i * w : (i + 1) * w]
+            targets[p + f"{name}_conv1d.weight"] = self.conv_weight[i * w : (i + 1) * w]
+        gate = {"f_a_proj.weight": self.f_a, "f_b_proj.weight": self.f_b, "dt_bias": self.dt_bias,
+                "A_log": self.a_log.view(1, 1, self.heads, 1)}
+        for name, tensor in gate.items():
+            targets[p + name] = targets[p + "forget_gate." + name] = tensor
+        return targets
+
+    def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
+        if self.recurrent_state is None:
+            raise RuntimeError("init_kv_cache must be called before forward (it allocates the recurrent states)")
+        restore_snapshots((self.conv_state, self.recurrent_state), states)
+        t, h, d = x.shape[0], self.heads, self.dim
+        qkv = causal_conv(self.conv_state, F.linear(x, self.qkv), self.conv_weight[:, 0], None, states)
+        q, k, v = (y.float().reshape(t, h, d) for y in qkv.split(self.width, dim=-1))
+        q, k = l2_normalize(q) * d**-0.5, l2_normalize(k)
+        raw = F.linear(F.linear(x, self.f_a), self.f_b).float() + self.dt_bias.float()
+        g = (-self.a_log.float().exp()[:, None] * F.softplus(raw.view(t, h, d), threshold=20.0))
+        beta = F.linear(x, self.b_proj).float().sigmoid()
+        o = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
+
+        def step(s, rows):
+            return kda_step(s, q[rows], k[rows], v[rows], g[rows], beta[rows])
+
+        def scan(s, group, captures):  # heads before tokens: [G, H, L, ...]
+            padded = (group.pad(y).transpose(1, 2) for y in (q, k, v, g, beta))
+            return chunked_kda(s, *padded, captures=captures).transpose(1, 2)
+
+        run_recurrence(self.recurrent_state, states, o, step, scan)
+        snapshot_steps((self.conv_state, self.recurrent_state), states)
+        gate = F.linear(F.linear(x, self.g_a), self.g_b).float().view(t, h, d)
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
+        return F.linear((normed * gate.sigmoid()).to(x.dtype).reshape(t, self.width), self.o_proj)
