@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import empty_param
-from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, run_recurrence, snapshot_steps
+from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -88,7 +87,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return (weight * xf.to(x.dtype) * F.silu(z.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentLayer):
     """A linear-attention layer. Its input projection keeps the checkpoint's row order:
     Qwen3-Next's [q k v z per key head] then [b a per key head] ("qkvz_ba"), Qwen3.5's
     [q k v] [z] [b] [a] over all heads ("qkv_z_b_a")."""
@@ -109,16 +108,9 @@ class GatedDeltaNet(nn.Module):
         self.a_log = empty_param(self.nv, **kw)
         self.norm = empty_param(self.dv, **kw)
         self.out_proj = empty_param(cfg.hidden_size, self.value_dim, **kw)
-        self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1], model dtype
-        self.recurrent_state: torch.Tensor | None = None  # [slots, nv, dk, dv], float32
 
-    # ---- states ---------------------------------------------------------------------------
-    def allocate_states(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
-        self.recurrent_state = torch.zeros(num_slots, self.nv, self.dk, self.dv, dtype=torch.float32, device=device)
-
-    def free_states(self) -> None:
-        self.conv_state = self.recurrent_state = None
+    def state_shapes(self):
+        return (self.conv_dim, self.kernel - 1), (self.nv, self.dk, self.dv)
 
     # ---- checkpoint names -----------------------------------------------------------------
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -154,9 +146,7 @@ class GatedDeltaNet(nn.Module):
         return qkv, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
 
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
-        if self.recurrent_state is None:
-            raise RuntimeError("init_kv_cache must be called before forward (it allocates the linear states)")
-        restore_snapshots((self.conv_state, self.recurrent_state), states)
+        self.begin_step(states)
         t = x.shape[0]
         qkv, z, b, a = self._split(F.linear(x, self.in_proj))
         qkv = causal_conv(self.conv_state, qkv, self.conv_weight[:, 0], None, states)
@@ -176,7 +166,6 @@ class GatedDeltaNet(nn.Module):
             padded = (group.pad(y).transpose(1, 2) for y in (q, k, v, g, beta))
             return chunked_delta_rule(s, *padded, captures=captures).transpose(1, 2)
 
-        run_recurrence(self.recurrent_state, states, o, step, scan)
-        snapshot_steps((self.conv_state, self.recurrent_state), states)
+        self.recur(states, o, step, scan)
         o = gated_rms_norm(o.to(x.dtype), z, self.norm, self.eps)
         return F.linear(o.reshape(t, self.value_dim), self.out_proj)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from r3srv.models.config import ModelConfig
 from r3srv.models.gated_deltanet import l2_normalize
 from r3srv.models.layers import empty_param
-from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, run_recurrence, snapshot_steps
+from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv
 
 CHUNK = 32  # tokens per chunk: the pairwise decays take chunk^2 x dk per head
 
@@ -75,7 +74,7 @@ def chunked_kda(state, q, k, v, g, beta, chunk: int = CHUNK, captures=()):
     return out
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(RecurrentLayer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
@@ -92,17 +91,9 @@ class KimiDeltaAttention(nn.Module):
         self.g_a, self.g_b = empty_param(self.dim, hidden, **kw), empty_param(self.width, self.dim, **kw)
         self.o_norm = empty_param(self.dim, **kw)
         self.o_proj = empty_param(hidden, self.width, **kw)
-        self.conv_state: torch.Tensor | None = None  # [entries, 3 * width, kernel - 1], model dtype
-        self.recurrent_state: torch.Tensor | None = None  # [entries, heads, dim, dim], float32
 
-    def allocate_states(self, num_entries: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.conv_state = torch.zeros(num_entries, 3 * self.width, self.conv_weight.shape[-1] - 1, dtype=dtype,
-                                      device=device)
-        self.recurrent_state = torch.zeros(num_entries, self.heads, self.dim, self.dim, dtype=torch.float32,
-                                           device=device)
-
-    def free_states(self) -> None:
-        self.conv_state = self.recurrent_state = None
+    def state_shapes(self):
+        return (3 * self.width, self.conv_weight.shape[-1] - 1), (self.heads, self.dim, self.dim)
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Released names (q/k/v_conv1d, f_a_proj, ...) and transformers 5's (one conv1d, forget_gate.*)."""
@@ -119,9 +110,7 @@ class KimiDeltaAttention(nn.Module):
         return targets
 
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
-        if self.recurrent_state is None:
-            raise RuntimeError("init_kv_cache must be called before forward (it allocates the recurrent states)")
-        restore_snapshots((self.conv_state, self.recurrent_state), states)
+        self.begin_step(states)
         t, h, d = x.shape[0], self.heads, self.dim
         qkv = causal_conv(self.conv_state, F.linear(x, self.qkv), self.conv_weight[:, 0], None, states)
         q, k, v = (y.float().reshape(t, h, d) for y in qkv.split(self.width, dim=-1))
@@ -138,8 +127,7 @@ class KimiDeltaAttention(nn.Module):
             padded = (group.pad(y).transpose(1, 2) for y in (q, k, v, g, beta))
             return chunked_kda(s, *padded, captures=captures).transpose(1, 2)
 
-        run_recurrence(self.recurrent_state, states, o, step, scan)
-        snapshot_steps((self.conv_state, self.recurrent_state), states)
+        self.recur(states, o, step, scan)
         gate = F.linear(F.linear(x, self.g_a), self.g_b).float().view(t, h, d)
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
         return F.linear((normed * gate.sigmoid()).to(x.dtype).reshape(t, self.width), self.o_proj)

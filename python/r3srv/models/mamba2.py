@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import empty_param
-from r3srv.models.recurrent import LinearStateBatch, causal_conv, restore_snapshots, run_recurrence, snapshot_steps
+from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -70,7 +69,7 @@ def chunked_scan(state, x, dt, a, b, c, chunk: int = CHUNK, captures=()):
     return out
 
 
-class Mamba2(nn.Module):
+class Mamba2(RecurrentLayer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
@@ -90,17 +89,9 @@ class Mamba2(nn.Module):
         self.norm = empty_param(self.inner, **kw)
         self.out_proj = empty_param(cfg.hidden_size, self.inner, **kw)
         self.out_proj_bias = empty_param(cfg.hidden_size, **kw) if cfg.mamba_proj_bias else None
-        self.conv_state: torch.Tensor | None = None  # [entries, conv_dim, kernel - 1], model dtype
-        self.recurrent_state: torch.Tensor | None = None  # [entries, heads, head_dim, state_size], float32
 
-    def allocate_states(self, num_entries: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.conv_state = torch.zeros(num_entries, self.conv_dim, self.conv_weight.shape[-1] - 1, dtype=dtype,
-                                      device=device)
-        self.recurrent_state = torch.zeros(num_entries, self.heads, self.head_dim, self.state_size,
-                                           dtype=torch.float32, device=device)
-
-    def free_states(self) -> None:
-        self.conv_state = self.recurrent_state = None
+    def state_shapes(self):
+        return (self.conv_dim, self.conv_weight.shape[-1] - 1), (self.heads, self.head_dim, self.state_size)
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         p = prefix + "mixer."
@@ -114,9 +105,7 @@ class Mamba2(nn.Module):
         return targets
 
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
-        if self.recurrent_state is None:
-            raise RuntimeError("init_kv_cache must be called before forward (it allocates the recurrent states)")
-        restore_snapshots((self.conv_state, self.recurrent_state), states)
+        self.begin_step(states)
         t, h, p, n = x.shape[0], self.heads, self.head_dim, self.state_size
         z, xbc, dt = F.linear(x, self.in_proj, self.in_proj_bias).split([self.inner, self.conv_dim, h], dim=-1)
         xbc = causal_conv(self.conv_state, xbc, self.conv_weight[:, 0], self.conv_bias, states)
@@ -136,8 +125,7 @@ class Mamba2(nn.Module):
             xs, dts, bs, cs = (group.pad(v).transpose(1, 2) for v in (u, dt, b, c))
             return chunked_scan(s, xs, dts, a, bs, cs, captures=captures).transpose(1, 2)
 
-        run_recurrence(self.recurrent_state, states, y, step, scan)
-        snapshot_steps((self.conv_state, self.recurrent_state), states)
+        self.recur(states, y, step, scan)
         y = (y + self.d.float()[:, None] * u).reshape(t, self.inner)
         return F.linear(self._gated_norm(y.to(x.dtype), z), self.out_proj, self.out_proj_bias)
 

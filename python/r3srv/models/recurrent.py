@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # A scan group pads its members to the longest: at most this many padded tokens per real one,
 # by device type (0: every multi-token sequence scans alone)
@@ -205,3 +206,34 @@ def run_recurrence(pool: torch.Tensor, states: LinearStateBatch, out: torch.Tens
         captures = [(member, offset, pool[entry]) for member, offset, entry in group.captures]
         out[group.rows] = scan(s, group, captures)[group.valid]
         pool.index_copy_(0, group.slots, s)
+
+
+class RecurrentLayer(nn.Module):
+    """A layer whose memory of a sequence is a conv window and a float32 recurrent state, one of
+    each per pool entry; subclasses give their shapes and their step and scan."""
+
+    conv_state: torch.Tensor | None = None  # [entries, channels, kernel - 1], model dtype
+    recurrent_state: torch.Tensor | None = None  # [entries, ...], float32
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv window, recurrent state) of one entry."""
+        raise NotImplementedError
+
+    def allocate_states(self, num_entries: int, dtype: torch.dtype, device: torch.device) -> None:
+        conv, recurrent = self.state_shapes()
+        self.conv_state = torch.zeros(num_entries, *conv, dtype=dtype, device=device)
+        self.recurrent_state = torch.zeros(num_entries, *recurrent, dtype=torch.float32, device=device)
+
+    def free_states(self) -> None:
+        self.conv_state = self.recurrent_state = None
+
+    def begin_step(self, states: LinearStateBatch) -> None:
+        """Before a step's first write: the pool exists, prefix hits are restored."""
+        if self.recurrent_state is None:
+            raise RuntimeError("init_kv_cache must be called before forward (it allocates the recurrent states)")
+        restore_snapshots((self.conv_state, self.recurrent_state), states)
+
+    def recur(self, states: LinearStateBatch, out: torch.Tensor, step, scan) -> None:
+        """run_recurrence on this layer's states, then the one-token sequences' snapshots."""
+        run_recurrence(self.recurrent_state, states, out, step, scan)
+        snapshot_steps((self.conv_state, self.recurrent_state), states)
