@@ -1,5 +1,6 @@
 """The engine on hybrid models (Qwen3-Next: Gated DeltaNet layers beside full attention;
-Nemotron-H: Mamba-2 layers beside attention; Kimi-Linear: Kimi Delta Attention beside MLA): state slots follow sequences through chunked
+Nemotron-H and Granite-4.0-H: Mamba-2 layers beside attention; Kimi-Linear: Kimi Delta
+Attention beside MLA): state slots follow sequences through chunked
 prefill, preemption, aborts and reuse, and are always given back; prefix caching resumes
 from state snapshots; memory sizing counts the states."""
 
@@ -19,7 +20,8 @@ from tiny_checkpoints import write_tiny_checkpoint
 pytest.importorskip("transformers")
 
 
-HYBRIDS = {"qwen3_next": dict(num_layers=3), "nemotron_h": {}, "kimi_linear": dict(num_layers=3)}
+HYBRIDS = {"qwen3_next": dict(num_layers=3), "nemotron_h": {}, "kimi_linear": dict(num_layers=3),
+           "granitemoehybrid": dict(num_layers=3)}
 
 
 @pytest.fixture(scope="module", params=list(HYBRIDS))

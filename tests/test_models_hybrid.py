@@ -1,4 +1,4 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Nemotron-H, Kimi-Linear) beyond the transformers oracle tests: their
+"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Nemotron-H, Kimi-Linear, Granite-4.0-H) beyond the transformers oracle tests: their
 released config.json spellings, sizes that follow from them, and Qwen3.5's multimodal
 checkpoint layout (a nested text_config, model.language_model.* names, vision and MTP
 tensors the server does not use)."""
@@ -180,3 +180,34 @@ def test_kimi_linear_released_config_spelling():
 
     with pytest.raises(ConfigError, match="moe_router_activation_func"):
         ModelConfig.from_dict({**KIMI_LINEAR, "moe_router_activation_func": "softmax"})
+
+
+# Granite-4.0-H-Small's shape in its config.json spellings: the older layer kind names, an
+# infinite time_step_limit, no positions, muP-style scalars, top-10 of 72 experts
+GRANITE4_H_SMALL = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "hidden_size": 4096,
+    "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 768,
+    "shared_intermediate_size": 8192, "num_local_experts": 72, "num_experts_per_tok": 10, "mamba_n_heads": 128,
+    "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_conv": 4,
+    "mamba_conv_bias": True, "mamba_proj_bias": False, "position_embedding_type": "nope",
+    "time_step_limit": [0.0, float("inf")], "attention_multiplier": 0.0078125, "embedding_multiplier": 12,
+    "residual_multiplier": 0.22, "logits_scaling": 8, "rms_norm_eps": 1e-05, "vocab_size": 100352,
+    "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "tie_word_embeddings": True,
+    "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+}
+
+
+def test_granite_4_h_released_config_spelling():
+    cfg = ModelConfig.from_dict(GRANITE4_H_SMALL)
+    assert cfg.model_type == "granitemoehybrid" and cfg.linear_attention_kind == "mamba2" and not cfg.use_rope
+    assert cfg.attention_layers == [5, 15, 25, 35] and len(cfg.linear_attention_layers) == 36
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (72, 10, 768, 8192)
+    assert cfg.scoring == "softmax" and cfg.renormalize and not cfg.shared_expert_gate and cfg.tie_word_embeddings
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling, cfg.attention_scale) == (12, 0.22, 8, 0.0078125)
+    assert cfg.mamba_dt_min == 0.0 and cfg.moe_layers == list(range(40))
+    conv = (128 * 64 + 2 * 1 * 128) * 3 * 2
+    assert cfg.linear_state_bytes(torch.bfloat16) == 36 * (conv + 128 * 64 * 128 * 4)
+    from r3srv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mamba_expand"):
+        ModelConfig.from_dict({**GRANITE4_H_SMALL, "mamba_expand": 3})

@@ -104,6 +104,9 @@ VARIANTS = {
     "kimi_linear_dense_first_3_layers": (
         "kimi_linear", {"num_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"], "num_experts": 16, "top_k": 4}
     ),
+    # Granite-4.0-H: Mamba-2 beside attention, muP-style scalars, an always-on shared MLP; with RoPE too
+    "granitemoehybrid": ("granitemoehybrid", {}),
+    "granitemoehybrid_rope_3_layers": ("granitemoehybrid", {"num_layers": 3, "position_embedding_type": "rope"}),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

@@ -28,6 +28,8 @@ LAYOUTS = {
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"]),
     # Kimi Delta Attention (per-channel decay) around MLA without positions
     "kimi_linear": dict(num_layers=3),
+    # Mamba-2 in decoder layers (attention then MoE), muP-style scalars
+    "granitemoehybrid": dict(num_layers=3),
 }
 
 

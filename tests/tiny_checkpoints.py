@@ -25,7 +25,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
     "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
-    "kimi_linear",
+    "kimi_linear", "granitemoehybrid",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -127,6 +127,15 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             cls, extra = transformers.DeepseekV32Config, dsa
         else:
             cls, extra = transformers.GlmMoeDsaConfig, dict(dsa, indexer_types=["full"] + ["shared"] * (num_layers - 1))
+    elif family == "granitemoehybrid":
+        # Granite-4.0-H: Mamba-2 and attention without positions, a shared MLP beside the experts,
+        # every muP-style scalar away from 1 so that a forgotten one shows
+        cls, extra = transformers.GraniteMoeHybridConfig, dict(
+            num_local_experts=num_experts, intermediate_size=16, shared_intermediate_size=24, mamba_n_heads=4,
+            mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_expand=2, position_embedding_type="nope",
+            layer_types=["attention" if i % 2 else "mamba" for i in range(num_layers)],
+            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
+        )
     elif family == "kimi_linear":
         # KDA layers around one MLA layer without positions; every layer MoE unless overridden
         cls, extra = transformers.KimiLinearConfig, dict(

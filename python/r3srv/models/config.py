@@ -39,6 +39,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "DeepseekV32ForCausalLM": "deepseek_v32",
     "NemotronHForCausalLM": "nemotron_h",
     "KimiLinearForCausalLM": "kimi_linear",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
@@ -147,7 +148,8 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     linear_projection_layout: str = "qkvz_ba"  # Qwen3-Next's in_proj_qkvz/ba; Qwen3.5: "qkv_z_b_a"
-    linear_attention_kind: str = "gated_deltanet"  # or "kda": Kimi-Linear's per-channel decay (models/kda.py)
+    # "kda": Kimi-Linear's per-channel decay (models/kda.py); "mamba2": Granite-4.0-H (models/mamba2.py)
+    linear_attention_kind: str = "gated_deltanet"
     attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the output
     # Nemotron-H: every layer is one mixer ("mamba", "attention", "moe" or "mlp") behind one norm,
     # instead of attention then MLP; its Mamba-2 layers (models/mamba2.py) are the linear ones
@@ -161,6 +163,12 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     mamba_dt_min: float = 0.0  # the step dt is clamped to at least this
     use_rope: bool = True  # False: attention without positions (Nemotron-H)
+    # Granite's scalars: embeddings times embedding_multiplier, each residual branch times
+    # residual_multiplier, logits divided by logits_scaling, attention scaled by attention_scale
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
     zero_centered_norms: bool = False  # RMSNorm weights stored as w - 1 (scaled by 1 + w, in float32)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -285,7 +293,7 @@ class ModelConfig:
         """One sequence's state in every linear layer: the convolution's last kernel - 1 inputs
         (model dtype) and the float32 recurrent state (Gated DeltaNet: a matrix per value head;
         Mamba-2: head_dim x state_size per head)."""
-        if self.layer_kinds is not None:
+        if self.layer_kinds is not None or self.linear_attention_kind == "mamba2":
             conv = (self.mamba_num_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state_size) * (
                 self.mamba_conv_kernel - 1)
             recurrent = self.mamba_num_heads * self.mamba_head_dim * self.mamba_state_size

@@ -94,6 +94,8 @@ def family_switches(
         return _nemotron_h_switches(raw, get)
     if family == "kimi_linear":
         return _kimi_linear_switches(raw, get, num_layers)
+    if family == "granitemoehybrid":
+        return _granite_hybrid_switches(raw, get, num_layers)
     raise ValueError(f"no switches for family {family!r}")
 
 
@@ -149,6 +151,42 @@ def _nemotron_h_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         num_expert_groups=int(raw.get("n_group") or 1),
         topk_expert_groups=int(raw.get("topk_group") or 1),
+    )
+
+
+def _granite_hybrid_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:
+    """Granite-4.0-H: Mamba-2 or attention (usually without positions) then Mixtral's router
+    over SwiGLU experts beside an always-on shared MLP; muP-style scalars on embeddings,
+    residual branches, attention and logits."""
+    kinds = [_NEMOTRON_KINDS.get(t, t) for t in (raw.get("layer_types") or raw.get("layers_block_type") or [])]
+    if len(kinds) != num_layers or set(kinds) - {"mamba", "attention"}:
+        raise ConfigError(f"GraniteMoeHybridForCausalLM: layer_types {kinds} must be {num_layers} of mamba / attention")
+    position = raw.get("position_embedding_type") or "nope"
+    if position not in ("nope", "rope"):
+        raise ConfigError(f"GraniteMoeHybridForCausalLM: position_embedding_type={position!r} is not supported")
+    hidden = get.int("hidden_size")
+    if int(raw.get("mamba_expand", 2)) * hidden != get.int("mamba_n_heads") * get.int("mamba_d_head"):
+        raise ConfigError("GraniteMoeHybridForCausalLM: mamba_expand x hidden_size must be mamba_n_heads x mamba_d_head")
+    limit = raw.get("time_step_limit") or [0.0]  # JSON may spell its infinite upper bound as an object
+    return dict(
+        linear_attention_kind="mamba2",
+        linear_attention_layers=[i for i, kind in enumerate(kinds) if kind == "mamba"],
+        mamba_num_heads=get.int("mamba_n_heads"),
+        mamba_head_dim=get.int("mamba_d_head"),
+        mamba_state_size=get.int("mamba_d_state"),
+        mamba_groups=get.int("mamba_n_groups", default=1),
+        mamba_conv_kernel=get.int("mamba_d_conv", default=4),
+        mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)),
+        mamba_dt_min=float(limit[0] if isinstance(limit[0], (int, float)) else 0.0),
+        use_rope=position == "rope",
+        renormalize=True,  # a softmax over the top-k logits
+        shared_expert_intermediate_size=int(raw.get("shared_intermediate_size") or 0),
+        shared_expert_gate=False,
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+        logits_scaling=float(raw.get("logits_scaling", 1.0)),
+        attention_scale=float(raw.get("attention_multiplier", (hidden // get.int("num_attention_heads")) ** -0.5)),
     )
 
 

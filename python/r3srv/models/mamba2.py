@@ -1,4 +1,4 @@
-"""Mamba-2: the state-space layers of Nemotron-H (NVIDIA Nemotron 3 Nano and friends).
+"""Mamba-2: the state-space layers of Nemotron-H (NVIDIA Nemotron 3 Nano) and Granite-4.0-H.
 
 Per sequence a layer keeps the last `kernel - 1` inputs of its causal convolution and a state
 S [heads, head_dim, state_size] (float32). Per token t and head, with step dt_t > 0, decay
@@ -93,8 +93,8 @@ class Mamba2(RecurrentLayer):
     def state_shapes(self):
         return (self.conv_dim, self.conv_weight.shape[-1] - 1), (self.heads, self.head_dim, self.state_size)
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        p = prefix + "mixer."
+    def weight_targets(self, prefix: str, module: str = "mixer.") -> dict[str, torch.Tensor]:
+        p = prefix + module  # Nemotron-H: mixer.; Granite-4.0-H: mamba.
         targets = {
             p + "in_proj.weight": self.in_proj, p + "conv1d.weight": self.conv_weight, p + "dt_bias": self.dt_bias,
             p + "A_log": self.a_log, p + "D": self.d, p + "norm.weight": self.norm, p + "out_proj.weight": self.out_proj,

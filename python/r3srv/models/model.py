@@ -1,14 +1,14 @@
 """The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
 Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
-gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear).
+gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
 router (scoring, bias, groups, renormalisation, scaling), the experts' activation and
 biases, the shared expert, the checkpoint names (see `weight_targets`) and the token mixer:
 multi-head latent attention for DeepSeek and GLM-4.7-Flash/5 (models/mla.py, sparse with
-models/dsa.py), Gated DeltaNet or Kimi Delta Attention layers in the hybrids
-(models/gated_deltanet.py, models/kda.py). Nemotron-H's
+models/dsa.py), Gated DeltaNet, Kimi Delta Attention or Mamba-2 layers in the hybrids
+(models/gated_deltanet.py, models/kda.py, models/mamba2.py). Nemotron-H's
 layers are one mixer each (MixerBlock: Mamba-2, models/mamba2.py, attention, MoE or MLP).
 """
 
@@ -72,6 +72,7 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
         self.sinks = _param(self.num_heads, **kw) if cfg.attention_sinks else None
+        self.scale = cfg.attention_scale  # None: 1 / sqrt(head_dim)
         self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
         self.use_rope = cfg.use_rope
         self.k_cache: torch.Tensor | None = None
@@ -124,7 +125,8 @@ class Attention(nn.Module):
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
-        o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, window=self.window, sinks=self.sinks)
+        o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, scale=self.scale, window=self.window,
+                            sinks=self.sinks)
         o = o.reshape(t, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -150,11 +152,12 @@ class DecoderLayer(nn.Module):
         self.index = index
         self.eps = cfg.rms_norm_eps
         self.norm = rms_norm_for(cfg)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output scaled
         self.is_moe = index in cfg.moe_layers
         self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         window = cfg.sliding_windows[index] if cfg.sliding_windows else None
-        linear = KimiDeltaAttention if cfg.linear_attention_kind == "kda" else GatedDeltaNet
+        linear = {"kda": KimiDeltaAttention, "mamba2": Mamba2}.get(cfg.linear_attention_kind, GatedDeltaNet)
         self.linear_attn = linear(cfg, dtype, device) if index in cfg.linear_attention_layers else None
         if self.linear_attn is not None:
             self.attn = None
@@ -164,8 +167,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
         h = self.norm(x, self.input_norm, self.eps)
-        x = x + (self.attn(h, cos, sin, meta) if self.linear_attn is None else self.linear_attn(h, states))
-        return x + self.mlp(self.norm(x, self.post_attention_norm, self.eps), capture)
+        h = self.attn(h, cos, sin, meta) if self.linear_attn is None else self.linear_attn(h, states)
+        x = x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
+        h = self.mlp(self.norm(x, self.post_attention_norm, self.eps), capture)
+        return x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
 
 
 class MixerBlock(nn.Module):
@@ -311,6 +316,8 @@ class MoeForCausalLM(nn.Module):
             positions, self.inv_freq, self.dtype, self.config.rope_scaling_factor, self.rope_attention_factor
         )
         x = F.embedding(batch.input_ids.to(self.device), self.embed)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         capture = batch.routing_capture
         states = None
         if self.config.is_hybrid:
@@ -323,7 +330,8 @@ class MoeForCausalLM(nn.Module):
             layer_capture = capture[:, layer.index] if capture is not None and layer.is_moe else None
             x = layer(x, cos, sin, meta, layer_capture, states)
         x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        logits = F.linear(x, self.lm_head).float()
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     # ---- checkpoint names -----------------------------------------------------------------
     def weight_targets(self) -> dict[str, torch.Tensor]:
@@ -343,7 +351,10 @@ class MoeForCausalLM(nn.Module):
             p = f"model.layers.{layer.index}."
             targets[p + "input_layernorm.weight"] = layer.input_norm
             targets[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
-            targets.update((layer.linear_attn or layer.attn).weight_targets(p))
+            if family == "granitemoehybrid" and layer.linear_attn is not None:
+                targets.update(layer.linear_attn.weight_targets(p, module="mamba."))
+            else:
+                targets.update((layer.linear_attn or layer.attn).weight_targets(p))
             mlp = layer.mlp
             if isinstance(mlp, DenseMlp):
                 half = mlp.w13.shape[0] // 2
@@ -354,7 +365,12 @@ class MoeForCausalLM(nn.Module):
                     for name in ("gate_proj", "up_proj", "down_proj"):
                         targets[p + f"block_sparse_moe.{name}.weight"] = targets[p + f"mlp.{name}.weight"]
                 continue
-            targets.update(_gpt_oss_moe_targets(p, mlp) if family == "gpt_oss" else _moe_targets(family, p, mlp))
+            if family == "gpt_oss":
+                targets.update(_gpt_oss_moe_targets(p, mlp))
+            elif family == "granitemoehybrid":
+                targets.update(_granite_moe_targets(p, mlp))
+            else:
+                targets.update(_moe_targets(family, p, mlp))
         if family == "qwen3_5_moe":  # the multimodal checkpoint nests the language model
             targets |= {"model.language_model." + k.removeprefix("model."): v
                         for k, v in targets.items() if k.startswith("model.")}
@@ -409,6 +425,18 @@ def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Te
             targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
         if family == "kimi_linear":  # released under block_sparse_moe like its experts
             targets |= {k.replace(".mlp.", ".block_sparse_moe.", 1): v for k, v in targets.items() if k.startswith(shared)}
+    return targets
+
+
+def _granite_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
+    """Granite's fused experts (input_linear: gate then up rows; output_linear) and its shared MLP."""
+    p = prefix + "block_sparse_moe."
+    targets = {p + "router.layer.weight": mlp.gate, p + "router.weight": mlp.gate,
+               p + "input_linear.weight": mlp.w13, p + "output_linear.weight": mlp.w2,
+               p + "experts.gate_up_proj": mlp.w13, p + "experts.down_proj": mlp.w2}
+    if mlp.shared_w13 is not None:
+        targets[prefix + "shared_mlp.input_linear.weight"] = mlp.shared_w13
+        targets[prefix + "shared_mlp.output_linear.weight"] = mlp.shared_w2
     return targets
 
 

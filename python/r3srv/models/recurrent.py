@@ -1,6 +1,6 @@
 """What the recurrent (state-space and linear-attention) layers share: per-sequence states in a
 pool of entries, continued step after step (models/gated_deltanet.py: Qwen3-Next and Qwen3.5;
-models/mamba2.py: Nemotron-H; models/kda.py: Kimi-Linear).
+models/mamba2.py: Nemotron-H and Granite-4.0-H; models/kda.py: Kimi-Linear).
 
 A layer's pool holds slots, one per running sequence (given by the engine), and snapshots,
 copies of a sequence's states at a block boundary that a later prompt sharing the prefix
