@@ -354,3 +354,23 @@ def test_the_mtp_layer_of_a_released_checkpoint_is_ignored(tmp_path, caplog):
     logits, rows = prefill(load_model(with_mtp)[0], PROMPT)
     assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
     assert f"model.layers.{n}." in caplog.text  # named in the "ignored" warning
+
+
+# Arcee Trinity-Mini's shape in AfmoeConfig's spellings: a global layer every 4th, muP input scaling
+AFMOE_TRINITY_MINI = {
+    "architectures": ["AfmoeForCausalLM"], "model_type": "afmoe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 1024, "num_hidden_layers": 32, "num_dense_layers": 2, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "num_shared_experts": 1,
+    "route_scale": 2.826, "global_attn_every_n_layers": 4, "sliding_window": 2048, "mup_enabled": True,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "vocab_size": 200192, "torch_dtype": "bfloat16",
+    "rope_parameters": {"rope_theta": 10000, "rope_type": "default"},
+}
+
+
+def test_afmoe_config_spelling():
+    cfg = ModelConfig.from_dict(AFMOE_TRINITY_MINI)
+    assert cfg.model_type == "afmoe" and cfg.sandwich_norms and cfg.attention_gate_proj and cfg.norm_weight_float32
+    full = [i for i in range(32) if cfg.sliding_windows[i] is None]
+    assert full == [3, 7, 11, 15, 19, 23, 27, 31] and cfg.rope_layers == [i for i in range(32) if i not in full]
+    assert cfg.moe_layers == list(range(2, 32)) and cfg.routed_scaling_factor == 2.826 and cfg.router_bias
+    assert cfg.embedding_multiplier == 2048**0.5 and cfg.shared_expert_intermediate_size == 1024

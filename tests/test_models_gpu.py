@@ -39,7 +39,8 @@ def _prefill(model, ids: list[int], device: str):
 @pytest.mark.parametrize(
     "family",
     ["qwen2_moe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss", "ernie4_5_moe", "glm4_moe_lite", "dots1",
-     "qwen3_next", "qwen3_5_moe", "deepseek_v32", "nemotron_h", "kimi_linear", "granitemoehybrid"],
+     "qwen3_next", "qwen3_5_moe", "deepseek_v32", "nemotron_h", "kimi_linear", "granitemoehybrid",
+     "afmoe"],
 )
 def test_cuda_float32_matches_cpu(family, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)

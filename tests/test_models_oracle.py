@@ -107,6 +107,9 @@ VARIANTS = {
     # Granite-4.0-H: Mamba-2 beside attention, muP-style scalars, an always-on shared MLP; with RoPE too
     "granitemoehybrid": ("granitemoehybrid", {}),
     "granitemoehybrid_rope_3_layers": ("granitemoehybrid", {"num_layers": 3, "position_embedding_type": "rope"}),
+    # Arcee's AFMoE: windowed RoPE layers and position-free full layers, sandwich norms, gated output
+    "afmoe": ("afmoe", {}),
+    "afmoe_dense_first_4_layers": ("afmoe", {"num_layers": 4, "num_dense_layers": 1, "mup_enabled": False}),
     "qwen3_moe_yarn": (
         "qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 8}}

@@ -30,6 +30,8 @@ LAYOUTS = {
     "kimi_linear": dict(num_layers=3),
     # Mamba-2 in decoder layers (attention then MoE), muP-style scalars
     "granitemoehybrid": dict(num_layers=3),
+    # windowed RoPE layers around a position-free full layer, sandwich norms
+    "afmoe": dict(num_layers=3),
 }
 
 

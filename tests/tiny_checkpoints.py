@@ -25,7 +25,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
     "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
-    "kimi_linear", "granitemoehybrid",
+    "kimi_linear", "granitemoehybrid", "afmoe",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -127,6 +127,13 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             cls, extra = transformers.DeepseekV32Config, dsa
         else:
             cls, extra = transformers.GlmMoeDsaConfig, dict(dsa, indexer_types=["full"] + ["shared"] * (num_layers - 1))
+    elif family == "afmoe":
+        # Arcee's AFMoE: a window of 4 on the first layer (with RoPE), full attention without
+        # positions on the second, sandwich norms, gated attention output, muP input scaling
+        cls, extra = transformers.AfmoeConfig, dict(
+            num_experts=num_experts, intermediate_size=48, moe_intermediate_size=16, head_dim=16, num_dense_layers=0,
+            num_shared_experts=1, route_scale=2.0, sliding_window=4, global_attn_every_n_layers=2, mup_enabled=True,
+        )
     elif family == "granitemoehybrid":
         # Granite-4.0-H: Mamba-2 and attention without positions, a shared MLP beside the experts,
         # every muP-style scalar away from 1 so that a forgotten one shows

@@ -40,6 +40,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "NemotronHForCausalLM": "nemotron_h",
     "KimiLinearForCausalLM": "kimi_linear",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "AfmoeForCausalLM": "afmoe",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
@@ -170,6 +171,12 @@ class ModelConfig:
     logits_scaling: float = 1.0
     attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
     zero_centered_norms: bool = False  # RMSNorm weights stored as w - 1 (scaled by 1 + w, in float32)
+    norm_weight_float32: bool = False  # RMSNorm scaled by its weight in float32, cast back last
+    # Arcee's AFMoE: a norm on each branch's output too (sandwich), a separate sigmoid-gate
+    # projection on the attention output, RoPE only in the layers of rope_layers (None: all)
+    sandwich_norms: bool = False
+    attention_gate_proj: bool = False
+    rope_layers: list[int] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property

@@ -96,6 +96,8 @@ def family_switches(
         return _kimi_linear_switches(raw, get, num_layers)
     if family == "granitemoehybrid":
         return _granite_hybrid_switches(raw, get, num_layers)
+    if family == "afmoe":
+        return _afmoe_switches(raw, get, num_layers)
     raise ValueError(f"no switches for family {family!r}")
 
 
@@ -128,6 +130,7 @@ def _nemotron_h_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
     return dict(
         num_layers=len(kinds),
         layer_kinds=kinds,
+        norm_weight_float32=True,
         linear_attention_layers=[i for i, kind in enumerate(kinds) if kind == "mamba"],
         moe_layers=[i for i, kind in enumerate(kinds) if kind == "moe"],
         mamba_num_heads=get.int("mamba_num_heads"),
@@ -151,6 +154,32 @@ def _nemotron_h_switches(raw: dict[str, Any], get: "_Getter") -> dict[str, Any]:
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         num_expert_groups=int(raw.get("n_group") or 1),
         topk_expert_groups=int(raw.get("topk_group") or 1),
+    )
+
+
+def _afmoe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:
+    """Arcee's AFMoE (Trinity): sliding-window layers with RoPE and full-attention layers
+    without, a sigmoid gate projection on the attention output, per-head q/k norms, norms
+    before and after each branch, a sigmoid router with an expert bias, shared experts."""
+    every = int(raw.get("global_attn_every_n_layers") or 4)
+    default = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(num_layers)]
+    windows = _layer_windows(raw, num_layers, "AfmoeForCausalLM", default=default)
+    moe_width = get.int("moe_intermediate_size")
+    bias = bool(raw.get("attention_bias", False))
+    return dict(
+        moe_intermediate_size=moe_width,
+        moe_layers=list(range(min(int(raw.get("num_dense_layers") or 0), num_layers), num_layers)),
+        qk_norm="head", qkv_bias=bias, o_bias=bias,
+        sliding_windows=windows,
+        rope_layers=[i for i in range(num_layers) if windows is not None and windows[i] is not None],
+        attention_gate_proj=True,
+        sandwich_norms=True,
+        norm_weight_float32=True,
+        scoring="sigmoid", router_bias=True, router_float32=True, renormalize=True,
+        routed_scaling_factor=float(raw.get("route_scale") or 1.0),
+        shared_expert_intermediate_size=moe_width * int(raw.get("num_shared_experts") or 0),
+        shared_expert_gate=False,
+        embedding_multiplier=get.int("hidden_size") ** 0.5 if raw.get("mup_enabled") else 1.0,
     )
 
 

@@ -39,7 +39,7 @@ def rms_norm_for(cfg):
     """The RMSNorm a family's norms use (cfg: its ModelConfig)."""
     if cfg.zero_centered_norms:
         return rms_norm_zero_centered
-    return rms_norm_float32_weight if cfg.layer_kinds is not None else rms_norm
+    return rms_norm_float32_weight if cfg.norm_weight_float32 else rms_norm
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

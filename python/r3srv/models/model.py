@@ -1,6 +1,6 @@
 """The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
 Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
-gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H).
+gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H, AFMoE).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
@@ -48,7 +48,8 @@ def _cpu_threads() -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, window: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, window: int | None = None,
+                 index: int = 0) -> None:
         super().__init__()
         self.window = window  # a sliding-window layer: keys at most window - 1 positions back
         kw = dict(dtype=dtype, device=device)
@@ -74,7 +75,9 @@ class Attention(nn.Module):
         self.sinks = _param(self.num_heads, **kw) if cfg.attention_sinks else None
         self.scale = cfg.attention_scale  # None: 1 / sqrt(head_dim)
         self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
-        self.use_rope = cfg.use_rope
+        self.use_rope = cfg.use_rope and (cfg.rope_layers is None or index in cfg.rope_layers)
+        # AFMoE: a separate projection's sigmoid gates the attention output
+        self.gate = _param(self.q_size, cfg.hidden_size, **kw) if cfg.attention_gate_proj else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -103,12 +106,14 @@ class Attention(nn.Module):
             targets[p + "k_norm.weight"] = self.k_norm
         if self.sinks is not None:
             targets[p + "sinks"] = self.sinks
+        if self.gate is not None:
+            targets[p + "gate_proj.weight"] = self.gate
         return targets
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = F.linear(x, self.qkv, self.qkv_bias).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
-        gate = None
+        gate = None if self.gate is None else F.linear(x, self.gate)
         if self.q_rows != self.q_size:
             q, gate = q.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, self.q_size)
@@ -155,22 +160,34 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output scaled
         self.is_moe = index in cfg.moe_layers
         self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)  # before the MLP
+        # AFMoE's sandwich: each branch's output normalised too, before the residual add
+        self.attn_out_norm = self.mlp_out_norm = None
+        if cfg.sandwich_norms:
+            self.attn_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+            self.mlp_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         window = cfg.sliding_windows[index] if cfg.sliding_windows else None
         linear = {"kda": KimiDeltaAttention, "mamba2": Mamba2}.get(cfg.linear_attention_kind, GatedDeltaNet)
         self.linear_attn = linear(cfg, dtype, device) if index in cfg.linear_attention_layers else None
         if self.linear_attn is not None:
             self.attn = None
         else:
-            self.attn = MlaAttention(cfg, dtype, device, index) if cfg.is_mla else Attention(cfg, dtype, device, window)
+            self.attn = MlaAttention(cfg, dtype, device, index) if cfg.is_mla else Attention(cfg, dtype, device, window,
+                                                                                                index)
         self.mlp = SparseMoeBlock(cfg, dtype, device) if self.is_moe else DenseMlp(cfg, dtype, device)
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
         h = self.norm(x, self.input_norm, self.eps)
         h = self.attn(h, cos, sin, meta) if self.linear_attn is None else self.linear_attn(h, states)
-        x = x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
+        x = x + self._branch(h, self.attn_out_norm)
         h = self.mlp(self.norm(x, self.post_attention_norm, self.eps), capture)
-        return x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
+        return x + self._branch(h, self.mlp_out_norm)
+
+    def _branch(self, h: torch.Tensor, out_norm: torch.Tensor | None) -> torch.Tensor:
+        """A branch's output as its residual add takes it (sandwich norm, residual multiplier)."""
+        if out_norm is not None:
+            h = self.norm(h, out_norm, self.eps)
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
 
 class MixerBlock(nn.Module):
@@ -351,6 +368,10 @@ class MoeForCausalLM(nn.Module):
             p = f"model.layers.{layer.index}."
             targets[p + "input_layernorm.weight"] = layer.input_norm
             targets[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
+            if layer.attn_out_norm is not None:  # AFMoE: post_attention_layernorm is the attention output's
+                targets[p + "post_attention_layernorm.weight"] = layer.attn_out_norm
+                targets[p + "pre_mlp_layernorm.weight"] = layer.post_attention_norm
+                targets[p + "post_mlp_layernorm.weight"] = layer.mlp_out_norm
             if family == "granitemoehybrid" and layer.linear_attn is not None:
                 targets.update(layer.linear_attn.weight_targets(p, module="mamba."))
             else:
@@ -381,7 +402,7 @@ class MoeForCausalLM(nn.Module):
 _MIXTRAL_NAMES = ("mixtral", "minimax_m2", "kimi_linear")  # block_sparse_moe.experts.<e>.w1 / w3 / w2
 # mlp.shared_experts, no gate
 _SHARED_EXPERTS = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v2", "ernie4_5_moe", "dots1", "deepseek_v32",
-                   "glm_moe_dsa", "kimi_linear")
+                   "glm_moe_dsa", "kimi_linear", "afmoe")
 _BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_score_correction_bias
     "glm4_moe": ("mlp.gate.e_score_correction_bias",),
     "glm4_moe_lite": ("mlp.gate.e_score_correction_bias",),
@@ -390,6 +411,7 @@ _BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_scor
     "deepseek_v32": ("mlp.gate.e_score_correction_bias",),
     "glm_moe_dsa": ("mlp.gate.e_score_correction_bias",),
     "kimi_linear": ("block_sparse_moe.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+    "afmoe": ("mlp.expert_bias",),
     "minimax_m2": ("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
     "ernie4_5_moe": ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"),
 }
@@ -401,6 +423,8 @@ def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Te
     moe_prefix = p + ("block_sparse_moe." if mixtral_names else "mlp.")
     gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
     targets = {moe_prefix + "gate.weight": mlp.gate}
+    if family == "afmoe":  # its router holds the gate linear
+        targets[moe_prefix + "router.gate.weight"] = mlp.gate
     if mlp.correction_bias is not None:
         for name in _BIAS_NAMES[family]:  # ERNIE stores it as [1, E]
             targets[p + name] = mlp.correction_bias.view(1, -1) if family == "ernie4_5_moe" else mlp.correction_bias
