@@ -14,7 +14,7 @@ on CUDA the others are padded to the longest of their group and scanned together
 one group for lengths that pad within PAD_FACTOR (a batch of rollouts' prompts is a few
 launches per layer, not a few per sequence). On the CPU, where launches cost little and
 padding costs compute, each multi-token sequence scans alone: grouping 64 prompts of 24-64
-tokens measured 0.4-0.6x, and even equal lengths 0.64x (benches/bench_hybrid_prefill.py).
+tokens measured 0.4-0.7x, and even equal lengths 0.64x (benches/bench_hybrid_prefill.py).
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ class ScanGroup:
         self.rows = self.index[self.valid]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, ...] -> [G, L, ...], zeros where padded."""
-        padded = x[self.index]
-        return padded * self.valid.view(*self.valid.shape, *[1] * (x.dim() - 1)).to(x.dtype)
+        """x [T, ...] -> [G, L, ...], zeros where padded (selected, not multiplied: a non-finite
+        value in the row padding reads must not leak in)."""
+        valid = self.valid.view(*self.valid.shape, *[1] * (x.dim() - 1))
+        return torch.where(valid, x[self.index], torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 @dataclass
