@@ -94,3 +94,24 @@ def test_a_context_within_index_topk_is_attended_densely(tmp_path):
     assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
     sparse, _ = load_model(path)  # top-5 of 20 keys: a different forward
     assert not torch.allclose(prefill(sparse, prompt, all_logits=True)[0], want_logits)
+
+
+def test_prefix_hits_reuse_the_cached_index_keys(tmp_path):
+    """A prompt served from the prefix cache attends through index keys it never computed:
+    they were cached per token with the latents, so its outputs equal a cold run's."""
+    import numpy as np
+
+    from r3srv import LLM, SamplingParams
+
+    path = str(write_tiny_checkpoint(tmp_path / "glm5", "glm_moe_dsa", seed=9, num_layers=3,
+                                     indexer_types=["full", "shared", "full"]))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = list(range(40, 70))  # 30 tokens: a top-5 selection from the first blocks on
+    cold = LLM(path, max_model_len=64, block_size=4, enable_prefix_caching=False).generate([prompt], params)[0]
+    llm = LLM(path, max_model_len=64, block_size=4)
+    llm.generate([prompt], params)
+    warm = llm.generate([prompt + [71, 72]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    again = llm.generate([prompt], params)[0]
+    assert again.num_cached_tokens == 28 and warm.num_cached_tokens == 28
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_array_equal(again.outputs[0].routed_experts, cold.outputs[0].routed_experts)
