@@ -103,8 +103,9 @@ class Indexer(nn.Module):
         keys = self.k_cache[group.slots].float()  # [Bg, ctx, dim]
         scores = self._scores(query[group.rows], weights[group.rows], keys)
         picked = scores.masked_fill(~real, float("-inf")).topk(self.topk, dim=-1).indices  # [Bg, topk]
-        picked_real = real.gather(1, picked)  # a context shorter than topk picks padding too
-        mask = None if bool(picked_real.all()) else picked_real[:, None, None, :]
+        # a context shorter than topk picks padding too; a group of one length has none (known
+        # on the host: no device sync in the decode path)
+        mask = None if group.mask is None else real.gather(1, picked)[:, None, None, :]
         return DecodeGroup(group.rows, group.slots.gather(1, picked), mask)
 
     def _scores(self, query, weights, keys) -> torch.Tensor:

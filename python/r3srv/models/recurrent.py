@@ -73,6 +73,7 @@ class LinearStateBatch:
     steps: list[StepGroup]
     scans: list[ScanGroup]
     snapshot_entries: list[int]  # every snapshot this step writes
+    restore_entries: list[int] = field(default_factory=list)  # the snapshots restored, on the host
     restore_from: torch.Tensor | None = None  # [R] snapshot entries copied ...
     restore_to: torch.Tensor | None = None  # ... into these slots before the step
 
@@ -110,13 +111,14 @@ class LinearStateBatch:
         states = cls(slots, steps, scans, [entry for points in snapshots.values() for _, entry in points])
         if batch.state_restores:
             entries, targets = zip(*batch.state_restores)
+            states.restore_entries = list(entries)
             states.restore_from, states.restore_to = tensor(list(entries)), tensor(list(targets))
         return states
 
     @staticmethod
     def _scan_group(members, query_lens, starts, slots, snapshots, tensor, keep) -> ScanGroup:
         lengths = tensor([query_lens[i] for i in members])
-        positions = torch.arange(int(lengths.max()), device=lengths.device)
+        positions = torch.arange(max(query_lens[i] for i in members), device=lengths.device)  # from the host
         valid = positions[None, :] < lengths[:, None]
         index = torch.where(valid, tensor([starts[i] for i in members])[:, None] + positions[None, :], 0)
         captures = [(m, offset, entry) for m, i in enumerate(members) for offset, entry in snapshots.get(i, [])]
@@ -129,8 +131,7 @@ class LinearStateBatch:
 
     def entries(self) -> list[int]:
         """Every pool entry this step touches (to check them against the pool's size)."""
-        restores = [] if self.restore_from is None else self.restore_from.tolist()
-        return self.slots + self.snapshot_entries + restores
+        return self.slots + self.snapshot_entries + self.restore_entries
 
 
 def _scan_groups(members: list[int], query_lens: list[int], factor: float) -> list[list[int]]:
