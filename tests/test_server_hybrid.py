@@ -78,3 +78,24 @@ def test_stream_disconnect_gives_back_the_state_slot(server):
     while (_metric(server, "r3srv_state_slots_used") or _metric(server, "r3srv_kv_blocks_used")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _metric(server, "r3srv_state_slots_used") == 0 and _metric(server, "r3srv_kv_blocks_used") == 0
+
+
+def test_multi_turn_rollouts_resume_from_snapshots_with_the_rows_of_one_pass(server, client, checkpoint):
+    """examples/rl_rollout.py's multi-turn episode on the hybrid: each turn resumes from the state
+    snapshot the last one left (prefix hits on /metrics), and the rows stitched turn by turn
+    equal those of the whole conversation computed cold in one pass (offline, no prefix cache)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "rl_rollout.py"
+    spec = importlib.util.spec_from_file_location("rl_rollout", path)
+    rollout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rollout)
+    model = client.models.list().data[0].id
+    hits = _metric(server, "r3srv_prefix_cache_hits_total")
+    tokens, rows, _ = rollout.episode(client, model, [list(b"Hi! " * 5), list(b" How?" * 4), list(b" Ok")], 9)
+    assert _metric(server, "r3srv_prefix_cache_hits_total") > hits  # turns 2 and 3 resumed
+    cold = LLM(checkpoint, max_model_len=128, enable_prefix_caching=False)
+    whole = cold.generate([tokens[:-1]], SamplingParams(max_tokens=1, ignore_eos=True))[0].outputs[0].routed_experts
+    assert whole.shape == rows.shape
+    np.testing.assert_array_equal(rows, whole)
