@@ -11,6 +11,9 @@ costs compute, launches cost little), which is why the engine groups only on CUD
 (models/recurrent.py's PAD_FACTOR), where the reference's per-sequence launches dominate:
 
     python3 benches/bench_hybrid_prefill.py     # on a GPU (benches/gpu_check.sh runs it)
+
+On a GPU that script also times the fused in-place decode step of kernels/delta_rule_triton.py
+against gathering, stepping and scattering the states as the CPU path does.
 """
 
 from __future__ import annotations
@@ -93,3 +96,32 @@ if __name__ == "__main__":  # the GPU's ratio (benches/gpu_check.sh)
         timings[name] = (time.perf_counter() - start) / 10
     print(f"hybrid prefill, {SEQS} prompts of 24-64 tokens on {device}: per sequence {timings['per sequence'] * 1e3:.2f} ms, "
           f"grouped {timings['grouped'] * 1e3:.2f} ms, ratio {timings['per sequence'] / timings['grouped']:.1f}x")
+    if device == "cuda":  # the decode step: fused in place (kernels/delta_rule_triton.py) vs gather-step-scatter
+        from r3srv.kernels.delta_rule_triton import delta_rule_step_triton
+        from r3srv.models.gated_deltanet import recurrent_step
+
+        rows, heads = 64, 32  # Qwen3.5's 32 value heads of 128 x 128
+        pool = torch.zeros(3 * rows, heads, DIM, DIM, device=device)
+        slots, keep = torch.arange(rows, device=device) * 3, torch.ones(rows, device=device)
+        q, k = (l2_normalize(torch.randn(rows, heads, DIM, device=device)) for _ in range(2))
+        v, decay, beta = torch.randn(rows, heads, DIM, device=device), -torch.rand(rows, heads, device=device), torch.rand(rows, heads, device=device)
+
+        def gathered():
+            s = pool.index_select(0, slots) * keep[:, None, None, None]
+            out = recurrent_step(s, q, k, v, decay, beta)
+            pool.index_copy_(0, slots, s)
+            return out
+
+        steps = {}
+        for name, fn in (("gather-step-scatter", gathered),
+                         ("fused", lambda: delta_rule_step_triton(pool, slots, keep, q, k, v, decay, beta))):
+            fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            steps[name] = (time.perf_counter() - start) / 20
+        print(f"delta-rule decode step, {rows} sequences x {heads} heads of {DIM} x {DIM}: gather-step-scatter "
+              f"{steps['gather-step-scatter'] * 1e3:.3f} ms, fused {steps['fused'] * 1e3:.3f} ms, "
+              f"ratio {steps['gather-step-scatter'] / steps['fused']:.1f}x")

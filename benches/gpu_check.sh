@@ -2,7 +2,8 @@
 # Every GPU check of r3srv in ONE device call (a lent task has 15 minutes of device time in all):
 # the CUDA tests (fused router vs torch reference, CUDA model vs CPU, engine rows on CUDA),
 # then the router table of benches/gpu_router.py (correctness grid, do_bench timings,
-# engine decode step with capture on/off), then the hybrid-prefill grouping ratio.
+# engine decode step with capture on/off), then the hybrid-prefill grouping ratio and the fused
+# delta-rule decode step against gather-step-scatter.
 #
 # The device image has python3 3.12 with torch and triton but reaches no registry, and lacks
 # msgspec (SamplingParams). Nothing there needs the Rust extension. So, on the dev machine first:

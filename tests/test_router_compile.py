@@ -57,10 +57,7 @@ def compile_for_hopper(experts, top_k, scoring, bias, renormalize, logits_dtype,
                           options={"num_warps": num_warps, "enable_fp_fusion": False})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
-def test_compiles_for_sm90_without_spills(variant):
-    kernel = compile_for_hopper(*variant)
+def assert_no_spills(kernel) -> None:
     assert kernel.asm["cubin"], "no cubin produced"
     cuobjdump = triton.knobs.nvidia.cuobjdump.path
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -71,3 +68,28 @@ def test_compiles_for_sm90_without_spills(variant):
     local = re.search(r"LOCAL:(\d+)", usage)
     assert local is not None, usage
     assert int(local.group(1)) == 0, f"register spills to local memory: {usage}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_compiles_for_sm90_without_spills(variant):
+    assert_no_spills(compile_for_hopper(*variant))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_k", [64, 128, 256])
+def test_delta_rule_step_compiles_for_sm90_without_spills(block_k):
+    """kernels/delta_rule_triton.py at the key widths the delta-rule models use (Qwen3-Next,
+    Qwen3.5 and Kimi-Linear: 128)."""
+    from r3srv.kernels import delta_rule_triton
+
+    kernel = delta_rule_triton._delta_rule_step_kernel
+    pointers = {"state_ptr": "*fp32", "slots_ptr": "*i64", "keep_ptr": "*fp32", "q_ptr": "*fp32", "k_ptr": "*fp32",
+                "v_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32"}
+    constants = {"BLOCK_K": block_k, "BLOCK_V": delta_rule_triton.BLOCK_V}
+    signature = pointers | {name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants}
+    signature |= {name: "constexpr" for name in constants}
+    assert list(signature) == kernel.arg_names  # the test tracks the kernel's signature
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": 4, "enable_fp_fusion": False}))

@@ -19,6 +19,9 @@ tokens measured 0.4-0.7x, and even equal lengths 0.64x (benches/bench_hybrid_pre
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -191,15 +194,40 @@ def causal_conv(pool: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     return F.silu(out)
 
 
+FUSED_STEP_ENV = "R3SRV_FUSED_DELTA_STEP"  # "0": the torch step on CUDA too
+
+
+@functools.cache
+def fused_delta_step():
+    """kernels/delta_rule_triton.py's in-place decode step, or None without triton (or when
+    $R3SRV_FUSED_DELTA_STEP is 0). Imported on first use: CPU paths never import triton."""
+    if os.environ.get(FUSED_STEP_ENV, "1") == "0" or importlib.util.find_spec("triton") is None:
+        return None
+    from r3srv.kernels.delta_rule_triton import delta_rule_step_triton
+
+    return delta_rule_step_triton
+
+
+def fuses(out: torch.Tensor) -> bool:
+    """Whether a step on this device takes the fused Triton step: on CUDA (the interpreter
+    tests also say yes for CPU tensors)."""
+    return out.is_cuda
+
+
 def run_recurrence(pool: torch.Tensor, states: LinearStateBatch, out: torch.Tensor,
                    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   scan: Callable[[torch.Tensor, ScanGroup, list], torch.Tensor]) -> None:
+                   scan: Callable[[torch.Tensor, ScanGroup, list], torch.Tensor],
+                   fused_step: Callable[[torch.Tensor, StepGroup], torch.Tensor] | None = None) -> None:
     """Continue every sequence's recurrent state in `pool`, writing out [T, ...]:
     `step(states [G, ...], rows)` for one-token sequences (updates the states in place, returns
     their outputs); `scan(states, group, captures)` for a scan group (continues the states over
     the padded group, copies the state at each capture (member, position, target) into the
-    target, returns the outputs [G, L, ...])."""
+    target, returns the outputs [G, L, ...]). `fused_step(pool, group)`, if given, takes the
+    one-token sequences instead, updating their states where they lie."""
     for group in states.steps:
+        if fused_step is not None:
+            out[group.rows] = fused_step(pool, group)
+            continue
         s = _zeroed(pool, group.slots, group.keep)
         out[group.rows] = step(s, group.rows)
         pool.index_copy_(0, group.slots, s)
@@ -235,7 +263,15 @@ class RecurrentLayer(nn.Module):
             raise RuntimeError("init_kv_cache must be called before forward (it allocates the recurrent states)")
         restore_snapshots((self.conv_state, self.recurrent_state), states)
 
-    def recur(self, states: LinearStateBatch, out: torch.Tensor, step, scan) -> None:
-        """run_recurrence on this layer's states, then the one-token sequences' snapshots."""
-        run_recurrence(self.recurrent_state, states, out, step, scan)
+    def recur(self, states: LinearStateBatch, out: torch.Tensor, step, scan, delta_inputs=None) -> None:
+        """run_recurrence on this layer's states, then the one-token sequences' snapshots. A
+        delta-rule layer passes its per-token (q, k, v, g, beta): on CUDA its one-token
+        sequences then take the fused in-place step (kernels/delta_rule_triton.py)."""
+        kernel = fused_delta_step() if delta_inputs is not None and fuses(out) else None
+
+        def fused(pool, group):
+            q, k, v, g, beta = (x[group.rows] for x in delta_inputs)
+            return kernel(pool, group.slots, group.keep, q, k, v, g, beta)
+
+        run_recurrence(self.recurrent_state, states, out, step, scan, fused if kernel is not None else None)
         snapshot_steps((self.conv_state, self.recurrent_state), states)

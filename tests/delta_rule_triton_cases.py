@@ -1,0 +1,99 @@
+"""Cases for the fused delta-rule decode step (kernels/delta_rule_triton.py), run on CPU tensors
+in Triton's interpreter against the torch steps of models/gated_deltanet.py and models/kda.py.
+
+Like tests/router_triton_cases.py, this file only runs in a process started with
+TRITON_INTERPRET=1: tests/test_delta_rule_triton.py starts one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs a process started with TRITON_INTERPRET=1 (see tests/test_delta_rule_triton.py)",
+                allow_module_level=True)
+
+from r3srv.kernels import delta_rule_triton  # noqa: E402
+from r3srv.models.gated_deltanet import l2_normalize, recurrent_step  # noqa: E402
+from r3srv.models.kda import kda_step  # noqa: E402
+
+
+def test_runs_in_the_interpreter():
+    assert delta_rule_triton.interpreter_enabled()
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gated-deltanet", "kda"])
+@pytest.mark.parametrize("dk, dv", [(16, 16), (24, 40), (128, 128)])
+def test_in_place_step_equals_the_torch_step(per_channel, dk, dv):
+    """Five sequences in scattered slots of a pool (one fresh): outputs and updated states equal
+    the gather-step-scatter torch path; every other entry of the pool is left as it was."""
+    g = torch.Generator().manual_seed(dk * 1000 + dv + per_channel)
+    rows, heads, entries = 5, 3, 9
+    pool = torch.randn(entries, heads, dk, dv, generator=g)
+    slots = torch.tensor([7, 2, 5, 0, 8])
+    keep = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0])  # the third starts here: zero state
+    q = l2_normalize(torch.randn(rows, heads, dk, generator=g)) * dk**-0.5
+    k = l2_normalize(torch.randn(rows, heads, dk, generator=g))
+    v = torch.randn(rows, heads, dv, generator=g)
+    decay = -torch.rand(rows, heads, *((dk,) if per_channel else ()), generator=g)
+    beta = torch.rand(rows, heads, generator=g)
+
+    want_pool = pool.clone()
+    s = want_pool[slots] * keep[:, None, None, None]
+    want = (kda_step if per_channel else recurrent_step)(s, q, k, v, decay, beta)
+    want_pool[slots] = s
+    got = delta_rule_triton.delta_rule_step_triton(pool, slots, keep, q, k, v, decay, beta)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)  # untouched entries stay bitwise too
+
+
+def test_strided_inputs_and_no_rows():
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randn(4, 2, 8, 8, generator=g)
+    wide = torch.randn(3, 2, 16, generator=g)
+    q, k = wide[..., :8], wide[..., 8:]  # views with a row stride of 32
+    v = torch.randn(3, 2, 8, generator=g)
+    decay, beta = -torch.rand(3, 2, generator=g), torch.rand(3, 2, generator=g)
+    slots, keep = torch.tensor([3, 1, 0]), torch.ones(3)
+    want_pool = pool.clone()
+    s = want_pool[slots].clone()
+    want = recurrent_step(s, q, k, v, decay, beta)
+    want_pool[slots] = s
+    torch.testing.assert_close(delta_rule_triton.delta_rule_step_triton(pool, slots, keep, q, k, v, decay, beta), want,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
+    empty = delta_rule_triton.delta_rule_step_triton(pool, slots[:0], keep[:0], q[:0], k[:0], v[:0], decay[:0], beta[:0])
+    assert empty.shape == (0, 2, 8)
+    with pytest.raises(ValueError, match="float32"):
+        delta_rule_triton.delta_rule_step_triton(pool.half(), slots, keep, q, k, v, decay, beta)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_layers_decode_through_the_fused_step(family, monkeypatch, tmp_path):
+    """The wiring: a hybrid's decode steps (after a chunked prefill) through the fused step give
+    the logits of the gather-step-scatter path, states and snapshots included."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_models_paged import BLOCK_SIZE, _batch
+
+    from r3srv.models import recurrent
+    from r3srv.models.loader import load_model
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, num_layers=3))
+    tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def run(fused: bool):
+        monkeypatch.setattr(recurrent, "fuses", lambda out: fused)
+        model.init_kv_cache(16, BLOCK_SIZE, 4)
+        logits = [model.forward(_batch(model, [(tokens[:9], 0, [0, 1, 2, 3])]))]
+        for pos in range(9, 12):  # decodes, one crossing a block boundary
+            logits.append(model.forward(_batch(model, [(tokens[pos : pos + 1], pos, [0, 1, 2, 3])])))
+        return torch.cat(logits)
+
+    torch.testing.assert_close(run(True), run(False), atol=1e-5, rtol=1e-5)
