@@ -12,7 +12,7 @@ costs compute, launches cost little), which is why the engine groups only on CUD
 
     python3 benches/bench_hybrid_prefill.py     # on a GPU (benches/gpu_check.sh runs it)
 
-On a GPU that script also times the fused in-place decode step of kernels/delta_rule_triton.py
+On a GPU that script also times the fused in-place decode step of kernels/recurrent_triton.py
 against gathering, stepping and scattering the states as the CPU path does.
 """
 
@@ -96,8 +96,8 @@ if __name__ == "__main__":  # the GPU's ratio (benches/gpu_check.sh)
         timings[name] = (time.perf_counter() - start) / 10
     print(f"hybrid prefill, {SEQS} prompts of 24-64 tokens on {device}: per sequence {timings['per sequence'] * 1e3:.2f} ms, "
           f"grouped {timings['grouped'] * 1e3:.2f} ms, ratio {timings['per sequence'] / timings['grouped']:.1f}x")
-    if device == "cuda":  # the decode step: fused in place (kernels/delta_rule_triton.py) vs gather-step-scatter
-        from r3srv.kernels.delta_rule_triton import delta_rule_step_triton
+    if device == "cuda":  # the decode step: fused in place (kernels/recurrent_triton.py) vs gather-step-scatter
+        from r3srv.kernels.recurrent_triton import delta_rule_step_triton
         from r3srv.models.gated_deltanet import recurrent_step
 
         rows, heads = 64, 32  # Qwen3.5's 32 value heads of 128 x 128

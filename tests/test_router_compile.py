@@ -79,17 +79,35 @@ def test_compiles_for_sm90_without_spills(variant):
 @pytest.mark.slow
 @pytest.mark.parametrize("block_k", [64, 128, 256])
 def test_delta_rule_step_compiles_for_sm90_without_spills(block_k):
-    """kernels/delta_rule_triton.py at the key widths the delta-rule models use (Qwen3-Next,
+    """kernels/recurrent_triton.py at the key widths the delta-rule models use (Qwen3-Next,
     Qwen3.5 and Kimi-Linear: 128)."""
-    from r3srv.kernels import delta_rule_triton
+    from r3srv.kernels import recurrent_triton
 
-    kernel = delta_rule_triton._delta_rule_step_kernel
+    kernel = recurrent_triton._delta_rule_step_kernel
     pointers = {"state_ptr": "*fp32", "slots_ptr": "*i64", "keep_ptr": "*fp32", "q_ptr": "*fp32", "k_ptr": "*fp32",
                 "v_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32"}
-    constants = {"BLOCK_K": block_k, "BLOCK_V": delta_rule_triton.BLOCK_V}
+    constants = {"BLOCK_K": block_k, "BLOCK_V": recurrent_triton.BLOCK_V}
     signature = pointers | {name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants}
     signature |= {name: "constexpr" for name in constants}
     assert list(signature) == kernel.arg_names  # the test tracks the kernel's signature
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": 4, "enable_fp_fusion": False}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state_size", [64, 128, 256])
+def test_ssm_step_compiles_for_sm90_without_spills(state_size):
+    """kernels/recurrent_triton.py's Mamba-2 step at the state sizes Nemotron-H and Granite-4.0-H use (128)."""
+    from r3srv.kernels import recurrent_triton
+
+    kernel = recurrent_triton._ssm_step_kernel
+    pointers = {"state_ptr": "*fp32", "slots_ptr": "*i64", "keep_ptr": "*fp32", "x_ptr": "*fp32", "dt_ptr": "*fp32",
+                "a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*fp32"}
+    constants = {"BLOCK_P": recurrent_triton.BLOCK_P, "BLOCK_N": state_size}
+    signature = pointers | {name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants}
+    signature |= {name: "constexpr" for name in constants}
+    assert list(signature) == kernel.arg_names
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                     options={"num_warps": 4, "enable_fp_fusion": False}))

@@ -166,6 +166,6 @@ class GatedDeltaNet(RecurrentLayer):
             padded = (group.pad(y).transpose(1, 2) for y in (q, k, v, g, beta))
             return chunked_delta_rule(s, *padded, captures=captures).transpose(1, 2)
 
-        self.recur(states, o, step, scan, delta_inputs=(q, k, v, g, beta))
+        self.recur(states, o, step, scan, fused=("delta_rule_step_triton", (q, k, v, g, beta), ()))
         o = gated_rms_norm(o.to(x.dtype), z, self.norm, self.eps)
         return F.linear(o.reshape(t, self.value_dim), self.out_proj)

@@ -127,7 +127,7 @@ class KimiDeltaAttention(RecurrentLayer):
             padded = (group.pad(y).transpose(1, 2) for y in (q, k, v, g, beta))
             return chunked_kda(s, *padded, captures=captures).transpose(1, 2)
 
-        self.recur(states, o, step, scan, delta_inputs=(q, k, v, g, beta))
+        self.recur(states, o, step, scan, fused=("delta_rule_step_triton", (q, k, v, g, beta), ()))
         gate = F.linear(F.linear(x, self.g_a), self.g_b).float().view(t, h, d)
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
         return F.linear((normed * gate.sigmoid()).to(x.dtype).reshape(t, self.width), self.o_proj)

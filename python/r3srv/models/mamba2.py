@@ -125,7 +125,7 @@ class Mamba2(RecurrentLayer):
             xs, dts, bs, cs = (group.pad(v).transpose(1, 2) for v in (u, dt, b, c))
             return chunked_scan(s, xs, dts, a, bs, cs, captures=captures).transpose(1, 2)
 
-        self.recur(states, y, step, scan)
+        self.recur(states, y, step, scan, fused=("ssm_step_triton", (u, dt, b, c), (a,)))
         y = (y + self.d.float()[:, None] * u).reshape(t, self.inner)
         return F.linear(self._gated_norm(y.to(x.dtype), z), self.out_proj, self.out_proj_bias)
 

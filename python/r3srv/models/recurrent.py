@@ -194,18 +194,18 @@ def causal_conv(pool: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     return F.silu(out)
 
 
-FUSED_STEP_ENV = "R3SRV_FUSED_DELTA_STEP"  # "0": the torch step on CUDA too
+FUSED_STEP_ENV = "R3SRV_FUSED_STEP"  # "0": the torch step on CUDA too
 
 
 @functools.cache
-def fused_delta_step():
-    """kernels/delta_rule_triton.py's in-place decode step, or None without triton (or when
-    $R3SRV_FUSED_DELTA_STEP is 0). Imported on first use: CPU paths never import triton."""
+def fused_kernel(name: str):
+    """The in-place decode step `name` of kernels/recurrent_triton.py, or None without triton (or
+    when $R3SRV_FUSED_STEP is 0). Imported on first use: CPU paths never import triton."""
     if os.environ.get(FUSED_STEP_ENV, "1") == "0" or importlib.util.find_spec("triton") is None:
         return None
-    from r3srv.kernels.delta_rule_triton import delta_rule_step_triton
+    from r3srv.kernels import recurrent_triton
 
-    return delta_rule_step_triton
+    return getattr(recurrent_triton, name)
 
 
 def fuses(out: torch.Tensor) -> bool:
@@ -263,15 +263,14 @@ class RecurrentLayer(nn.Module):
             raise RuntimeError("init_kv_cache must be called before forward (it allocates the recurrent states)")
         restore_snapshots((self.conv_state, self.recurrent_state), states)
 
-    def recur(self, states: LinearStateBatch, out: torch.Tensor, step, scan, delta_inputs=None) -> None:
-        """run_recurrence on this layer's states, then the one-token sequences' snapshots. A
-        delta-rule layer passes its per-token (q, k, v, g, beta): on CUDA its one-token
-        sequences then take the fused in-place step (kernels/delta_rule_triton.py)."""
-        kernel = fused_delta_step() if delta_inputs is not None and fuses(out) else None
+    def recur(self, states: LinearStateBatch, out: torch.Tensor, step, scan, fused=None) -> None:
+        """run_recurrence on this layer's states, then the one-token sequences' snapshots.
+        fused: (a step of kernels/recurrent_triton.py, the per-token inputs [T, ...] it takes, its
+        per-layer arguments after them): on CUDA the one-token sequences take that in-place step."""
+        kernel = fused_kernel(fused[0]) if fused is not None and fuses(out) else None
 
-        def fused(pool, group):
-            q, k, v, g, beta = (x[group.rows] for x in delta_inputs)
-            return kernel(pool, group.slots, group.keep, q, k, v, g, beta)
+        def fused_step(pool, group):
+            return kernel(pool, group.slots, group.keep, *(x[group.rows] for x in fused[1]), *fused[2])
 
-        run_recurrence(self.recurrent_state, states, out, step, scan, fused if kernel is not None else None)
+        run_recurrence(self.recurrent_state, states, out, step, scan, fused_step if kernel is not None else None)
         snapshot_steps((self.conv_state, self.recurrent_state), states)

@@ -1,14 +1,16 @@
-"""Fused Triton decode step of the delta-rule layers (Gated DeltaNet, Kimi Delta Attention).
+"""Fused Triton decode steps of the recurrent layers: the delta rules (Gated DeltaNet, Kimi
+Delta Attention) and Mamba-2's state-space step.
 
 The torch step (models/gated_deltanet.py's recurrent_step, models/kda.py's kda_step) gathers
 each decoding sequence's float32 state out of the pool, updates the copy and scatters it back:
 three passes over the largest tensors of a decode step. This kernel reads each state where
 it lies (the sequence's slot), decays it, writes the token, reads the output and stores the
 state back in place: one pass. A program owns one (sequence, head, block of value columns):
-the delta rule treats value columns independently, so programs never share a state element.
+the delta rule treats value columns independently, so programs never share a state element
+(Mamba-2's step: one per sequence, head and 16 rows of its head_dim x state_size state).
 
 The same source runs on CUDA and, with TRITON_INTERPRET=1, on CPU tensors in Triton's
-interpreter (how tests/delta_rule_triton_cases.py checks it against the torch step).
+interpreter (how tests/recurrent_triton_cases.py checks it against the torch step).
 """
 
 from __future__ import annotations
@@ -85,4 +87,60 @@ def delta_rule_step_triton(pool, slots, keep, q, k, v, g, beta) -> torch.Tensor:
     return out
 
 
-__all__ = ["BLOCK_V", "delta_rule_step_triton", "interpreter_enabled"]
+
+
+@triton.jit
+def _ssm_step_kernel(
+    state_ptr, slots_ptr, keep_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, out_ptr,
+    head_dim, state_size,
+    stride_se, stride_sh, stride_sp, stride_sn,
+    stride_xt, stride_xh, stride_dt, stride_bt, stride_bh, stride_ot, stride_oh,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    ps = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ns = tl.arange(0, BLOCK_N)
+    p_ok, n_ok = ps < head_dim, ns < state_size
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    keep = tl.load(keep_ptr + row)
+    tile = state_ptr + slot * stride_se + head * stride_sh + ps[:, None] * stride_sp + ns[None, :] * stride_sn
+    mask = p_ok[:, None] & n_ok[None, :]
+    s = tl.load(tile, mask=mask, other=0.0) * keep
+    dt = tl.load(dt_ptr + row * stride_dt + head).to(tl.float32)
+    a = tl.load(a_ptr + head).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_xt + head * stride_xh + ps, mask=p_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_bt + head * stride_bh + ns, mask=n_ok, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + row * stride_bt + head * stride_bh + ns, mask=n_ok, other=0.0).to(tl.float32)
+    s = s * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
+    tl.store(tile, s, mask=mask)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + ps, tl.sum(s * c[None, :], axis=1), mask=p_ok)
+
+
+BLOCK_P = 16  # head_dim rows per program of the state-space step
+
+
+def ssm_step_triton(pool, slots, keep, x, dt, b, c, a) -> torch.Tensor:
+    """Mamba-2's one-token step (models/mamba2.py's ssm_step), states updated in place in their
+    pool slots. pool [entries, H, P, N] float32; slots [B]; keep [B]; x [B, H, P]; dt [B, H];
+    b, c [B, H, N]; a [H]. Returns y [B, H, P] float32 (without the D skip)."""
+    if pool.dtype != torch.float32 or pool.dim() != 4:
+        raise ValueError(f"the state pool must be [entries, heads, P, N] float32, got {tuple(pool.shape)} {pool.dtype}")
+    rows, heads, head_dim = x.shape
+    state_size = b.shape[-1]
+    out = torch.empty(rows, heads, head_dim, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return out
+    x, dt, a, b, c = (t.float().contiguous() for t in (x, dt, a, b, c))
+    grid = (rows, heads, triton.cdiv(head_dim, BLOCK_P))
+    _ssm_step_kernel[grid](
+        pool, slots.contiguous(), keep.float().contiguous(), x, dt, a, b, c, out,
+        head_dim, state_size,
+        *pool.stride(),
+        x.stride(0), x.stride(1), dt.stride(0), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        BLOCK_P=BLOCK_P, BLOCK_N=triton.next_power_of_2(state_size), num_warps=4, enable_fp_fusion=False,
+    )
+    return out
+
+
+__all__ = ["BLOCK_P", "BLOCK_V", "delta_rule_step_triton", "interpreter_enabled", "ssm_step_triton"]

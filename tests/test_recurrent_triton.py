@@ -1,4 +1,4 @@
-"""The fused delta-rule decode step in Triton's interpreter (the cases: tests/delta_rule_triton_cases.py),
+"""The fused decode steps of the recurrent layers in Triton's interpreter (the cases: tests/recurrent_triton_cases.py),
 in a fresh subprocess started with TRITON_INTERPRET=1 (see tests/test_router_triton.py for why)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-CASES = Path(__file__).with_name("delta_rule_triton_cases.py")
+CASES = Path(__file__).with_name("recurrent_triton_cases.py")
 
 
-def test_fused_step_matches_the_torch_step_in_the_triton_interpreter():
+def test_fused_steps_match_the_torch_steps_in_the_triton_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (it ships with torch on Linux)")
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)]

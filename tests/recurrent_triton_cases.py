@@ -1,8 +1,8 @@
-"""Cases for the fused delta-rule decode step (kernels/delta_rule_triton.py), run on CPU tensors
-in Triton's interpreter against the torch steps of models/gated_deltanet.py and models/kda.py.
+"""Cases for the fused decode steps (kernels/recurrent_triton.py), run on CPU tensors in Triton's
+interpreter against the torch steps of models/gated_deltanet.py, models/kda.py and models/mamba2.py.
 
 Like tests/router_triton_cases.py, this file only runs in a process started with
-TRITON_INTERPRET=1: tests/test_delta_rule_triton.py starts one.
+TRITON_INTERPRET=1: tests/test_recurrent_triton.py starts one.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs a process started with TRITON_INTERPRET=1 (see tests/test_delta_rule_triton.py)",
+    pytest.skip("needs a process started with TRITON_INTERPRET=1 (see tests/test_recurrent_triton.py)",
                 allow_module_level=True)
 
-from r3srv.kernels import delta_rule_triton  # noqa: E402
+from r3srv.kernels import recurrent_triton  # noqa: E402
 from r3srv.models.gated_deltanet import l2_normalize, recurrent_step  # noqa: E402
 from r3srv.models.kda import kda_step  # noqa: E402
 
 
 def test_runs_in_the_interpreter():
-    assert delta_rule_triton.interpreter_enabled()
+    assert recurrent_triton.interpreter_enabled()
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gated-deltanet", "kda"])
@@ -45,7 +45,7 @@ def test_in_place_step_equals_the_torch_step(per_channel, dk, dv):
     s = want_pool[slots] * keep[:, None, None, None]
     want = (kda_step if per_channel else recurrent_step)(s, q, k, v, decay, beta)
     want_pool[slots] = s
-    got = delta_rule_triton.delta_rule_step_triton(pool, slots, keep, q, k, v, decay, beta)
+    got = recurrent_triton.delta_rule_step_triton(pool, slots, keep, q, k, v, decay, beta)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)  # untouched entries stay bitwise too
 
@@ -62,19 +62,40 @@ def test_strided_inputs_and_no_rows():
     s = want_pool[slots].clone()
     want = recurrent_step(s, q, k, v, decay, beta)
     want_pool[slots] = s
-    torch.testing.assert_close(delta_rule_triton.delta_rule_step_triton(pool, slots, keep, q, k, v, decay, beta), want,
+    torch.testing.assert_close(recurrent_triton.delta_rule_step_triton(pool, slots, keep, q, k, v, decay, beta), want,
                                atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
-    empty = delta_rule_triton.delta_rule_step_triton(pool, slots[:0], keep[:0], q[:0], k[:0], v[:0], decay[:0], beta[:0])
+    empty = recurrent_triton.delta_rule_step_triton(pool, slots[:0], keep[:0], q[:0], k[:0], v[:0], decay[:0], beta[:0])
     assert empty.shape == (0, 2, 8)
     with pytest.raises(ValueError, match="float32"):
-        delta_rule_triton.delta_rule_step_triton(pool.half(), slots, keep, q, k, v, decay, beta)
+        recurrent_triton.delta_rule_step_triton(pool.half(), slots, keep, q, k, v, decay, beta)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("head_dim, state_size", [(8, 8), (24, 40), (64, 128)])
+def test_ssm_step_equals_the_torch_step(head_dim, state_size):
+    from r3srv.models.mamba2 import ssm_step
+
+    g = torch.Generator().manual_seed(head_dim + state_size)
+    rows, heads, entries = 4, 3, 7
+    pool = torch.randn(entries, heads, head_dim, state_size, generator=g)
+    slots, keep = torch.tensor([6, 1, 3, 0]), torch.tensor([1.0, 0.0, 1.0, 1.0])
+    x = torch.randn(rows, heads, head_dim, generator=g)
+    dt = torch.rand(rows, heads, generator=g) * 0.5
+    a = -torch.rand(heads, generator=g) * 4
+    b, c = torch.randn(rows, heads, state_size, generator=g), torch.randn(rows, heads, state_size, generator=g)
+    want_pool = pool.clone()
+    s = want_pool[slots] * keep[:, None, None, None]
+    want = ssm_step(s, x, dt, a, b, c)
+    want_pool[slots] = s
+    got = recurrent_triton.ssm_step_triton(pool, slots, keep, x, dt, b, c, a)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "nemotron_h", "granitemoehybrid"])
 def test_layers_decode_through_the_fused_step(family, monkeypatch, tmp_path):
-    """The wiring: a hybrid's decode steps (after a chunked prefill) through the fused step give
-    the logits of the gather-step-scatter path, states and snapshots included."""
+    """The wiring: a hybrid's decode steps (after a prefill) through the fused steps give the
+    logits of the gather-step-scatter path."""
     import sys
     from pathlib import Path
 
@@ -85,7 +106,8 @@ def test_layers_decode_through_the_fused_step(family, monkeypatch, tmp_path):
     from r3srv.models.loader import load_model
     from tiny_checkpoints import write_tiny_checkpoint
 
-    model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, num_layers=3))
+    layers = {} if family == "nemotron_h" else {"num_layers": 3}
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, **layers))
     tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def run(fused: bool):
