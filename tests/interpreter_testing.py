@@ -1,0 +1,23 @@
+"""Run a cases file of Triton kernels in Triton's interpreter: in a fresh subprocess started with
+TRITON_INTERPRET=1, since triton reads the variable when first imported and in a pytest run
+anything may have imported it already (so a result never depends on test order)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def assert_cases_pass_in_interpreter(cases: Path, **env: str) -> None:
+    """Every case of `cases` passes (none skipped) under TRITON_INTERPRET=1; `env` is added."""
+    environment = dict(os.environ, TRITON_INTERPRET="1", **env)
+    environment.pop("R3SRV_FORCE_TORCH_ROUTER", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)]
+    done = subprocess.run(cmd, env=environment, capture_output=True, text=True, timeout=900, cwd=cases.parent.parent)
+    lines = done.stdout.strip().splitlines()
+    summary = lines[-1] if lines else ""
+    assert done.returncode == 0 and " passed" in summary and "skipped" not in summary, (
+        f"interpreter cases of {cases.name} failed ({env}):\n{done.stdout[-8000:]}\n{done.stderr[-2000:]}"
+    )
