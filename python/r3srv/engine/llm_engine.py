@@ -420,8 +420,9 @@ class LLMEngine:
                 result.num_decode_tokens += 1
             else:
                 result.num_prefill_tokens += s.num_scheduled_tokens
-        for s in seqs:
-            self.block_manager.plan_snapshots(s)
+        if self.num_state_snapshots:  # a hybrid with prefix caching
+            for s in seqs:
+                self.block_manager.plan_snapshots(s)
         try:
             logits = self.runner.run(seqs)
         except Exception as exc:  # fail this step's requests, keep the engine alive

@@ -59,12 +59,13 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev),
             logits_indices=torch.from_numpy(np.cumsum(query_lens) - 1).to(dev),
             routing_capture=None if self.rows is None else self.rows.new_capture(num_tokens, dev),
-            state_slots=[s.state_slot for s in seqs],
-            state_restores=[(s.restore_from, s.state_slot) for s in seqs if s.restore_from >= 0],
-            state_snapshots=[(i, position, entry) for i, s in enumerate(seqs) for position, entry in s.snapshot_plan],
         )
-        for s in seqs:
-            s.restore_from = -1  # restored by this step
+        if seqs[0].state_slot >= 0:  # a hybrid: every admitted sequence holds a state slot
+            batch.state_slots = [s.state_slot for s in seqs]
+            batch.state_restores = [(s.restore_from, s.state_slot) for s in seqs if s.restore_from >= 0]
+            batch.state_snapshots = [(i, pos, entry) for i, s in enumerate(seqs) for pos, entry in s.snapshot_plan]
+            for s in seqs:
+                s.restore_from = -1  # restored by this step
         return batch, slot_np
 
     @torch.inference_mode()
