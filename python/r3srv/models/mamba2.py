@@ -78,6 +78,8 @@ class Mamba2(RecurrentLayer):
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
         self.dt_min = cfg.mamba_dt_min
+        # its checkpoint names: Nemotron-H's one mixer per layer, Granite-4.0-H's decoder-layer mamba
+        self.module_name = "mixer." if cfg.layer_kinds is not None else "mamba."
         self.eps = cfg.rms_norm_eps
         self.in_proj = empty_param(self.inner + self.conv_dim + self.heads, cfg.hidden_size, **kw)
         self.in_proj_bias = empty_param(self.inner + self.conv_dim + self.heads, **kw) if cfg.mamba_proj_bias else None
@@ -93,8 +95,8 @@ class Mamba2(RecurrentLayer):
     def state_shapes(self):
         return (self.conv_dim, self.conv_weight.shape[-1] - 1), (self.heads, self.head_dim, self.state_size)
 
-    def weight_targets(self, prefix: str, module: str = "mixer.") -> dict[str, torch.Tensor]:
-        p = prefix + module  # Nemotron-H: mixer.; Granite-4.0-H: mamba.
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        p = prefix + self.module_name
         targets = {
             p + "in_proj.weight": self.in_proj, p + "conv1d.weight": self.conv_weight, p + "dt_bias": self.dt_bias,
             p + "A_log": self.a_log, p + "D": self.d, p + "norm.weight": self.norm, p + "out_proj.weight": self.out_proj,

@@ -372,10 +372,7 @@ class MoeForCausalLM(nn.Module):
                 targets[p + "post_attention_layernorm.weight"] = layer.attn_out_norm
                 targets[p + "pre_mlp_layernorm.weight"] = layer.post_attention_norm
                 targets[p + "post_mlp_layernorm.weight"] = layer.mlp_out_norm
-            if family == "granitemoehybrid" and layer.linear_attn is not None:
-                targets.update(layer.linear_attn.weight_targets(p, module="mamba."))
-            else:
-                targets.update((layer.linear_attn or layer.attn).weight_targets(p))
+            targets.update((layer.linear_attn or layer.attn).weight_targets(p))
             mlp = layer.mlp
             if isinstance(mlp, DenseMlp):
                 half = mlp.w13.shape[0] // 2
