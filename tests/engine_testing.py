@@ -25,6 +25,15 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def full_precision_matmuls():
+    """float32 matmuls without TF32 on CUDA, so GPU results can equal the CPU's."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
 def run_with_aborts(engine, requests: dict, aborted: dict, abort_at_step: int) -> dict:
     """Add `requests` and `aborted` (request id -> (prompt, SamplingParams)) to an LLMEngine and
     step it to the end, aborting the `aborted` ones after `abort_at_step` steps (each must end

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_testing import full_precision_matmuls  # noqa: F401 (fixture)
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.loader import load_model
 from tiny_checkpoints import write_tiny_checkpoint
@@ -42,8 +43,7 @@ def _prefill(model, ids: list[int], device: str):
      "qwen3_next", "qwen3_5_moe", "deepseek_v32", "nemotron_h", "kimi_linear", "granitemoehybrid",
      "afmoe"],
 )
-def test_cuda_float32_matches_cpu(family, tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def test_cuda_float32_matches_cpu(family, tmp_path, full_precision_matmuls):
     path = write_tiny_checkpoint(tmp_path / "ckpt", family, seed=4)
     ids = list(range(40, 60))
     cpu_logits, cpu_rows = _prefill(load_model(path)[0], ids, "cpu")

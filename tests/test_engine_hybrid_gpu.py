@@ -1,0 +1,88 @@
+"""Hybrid models through the engine on CUDA: chunked scans for prefills, the fused Triton decode
+steps (kernels/recurrent_triton.py) updating states in the pool, grouped prefill scans. Greedy
+tokens and routed experts equal the CPU engine's, and the fused steps equal the torch steps on
+the GPU. Skipped (with the reason) without CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_testing import GREEDY, full_precision_matmuls, prompt_ids  # noqa: F401 (fixture)
+from r3srv import LLM, SamplingParams
+from tiny_checkpoints import write_tiny_checkpoint
+
+pytest.importorskip("transformers")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# family -> (its fused step, checkpoint overrides)
+HYBRIDS = {
+    "qwen3_next": ("delta_rule_step_triton", dict(num_layers=3)),
+    "kimi_linear": ("delta_rule_step_triton", dict(num_layers=3)),
+    "nemotron_h": ("ssm_step_triton", {}),
+    "granitemoehybrid": ("ssm_step_triton", dict(num_layers=3)),
+}
+# prompts of 5..40 tokens decoding together, one longer than a chunk of the chunked scans
+PROMPTS = [prompt_ids(5), prompt_ids(23, base=3), prompt_ids(40, base=6)]
+
+
+def _generate(path, device: str):
+    llm = LLM(path, device=device, dtype="float32", max_model_len=128, block_size=4)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, **GREEDY))
+    states = llm.engine.block_manager.states
+    assert llm.stats().kv_blocks_used == 0 and states.num_used_slots == 0
+    return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
+
+
+def _assert_same(got, want):
+    for (tokens, rows), (want_tokens, want_rows) in zip(got, want):
+        assert tokens == want_tokens
+        np.testing.assert_array_equal(rows, want_rows)
+
+
+@pytest.fixture(params=list(HYBRIDS))
+def hybrid(request, tmp_path, full_precision_matmuls):
+    step, overrides = HYBRIDS[request.param]
+    return write_tiny_checkpoint(tmp_path / "ckpt", request.param, seed=5, **overrides), step
+
+
+@pytest.fixture
+def counted_fused_steps(monkeypatch):
+    """Counts the calls of each fused step; the cached kernel lookup is reset before and after."""
+    from r3srv.kernels import recurrent_triton
+    from r3srv.models import recurrent
+
+    calls = {"delta_rule_step_triton": 0, "ssm_step_triton": 0}
+    for name in calls:
+        def counting(*args, _step=getattr(recurrent_triton, name), _name=name):
+            calls[_name] += 1
+            return _step(*args)
+        monkeypatch.setattr(recurrent_triton, name, counting)
+    recurrent.fused_kernel.cache_clear()
+    yield calls
+    recurrent.fused_kernel.cache_clear()
+
+
+def test_cuda_hybrid_engine_matches_the_cpu_engine(hybrid, counted_fused_steps):
+    path, step = hybrid
+    gpu = _generate(path, "cuda")
+    assert counted_fused_steps[step] > 0, f"the CUDA decodes never took {step}"
+    _assert_same(gpu, _generate(path, "cpu"))
+
+
+def test_fused_steps_equal_the_torch_steps_on_cuda(hybrid, counted_fused_steps, monkeypatch):
+    from r3srv.models import recurrent
+
+    path, step = hybrid
+    fused = _generate(path, "cuda")
+    assert counted_fused_steps[step] > 0
+    monkeypatch.setenv(recurrent.FUSED_STEP_ENV, "0")
+    recurrent.fused_kernel.cache_clear()
+    calls = dict(counted_fused_steps)
+    unfused = _generate(path, "cuda")
+    assert counted_fused_steps == calls  # R3SRV_FUSED_STEP=0: the torch steps only
+    _assert_same(fused, unfused)
