@@ -10,9 +10,10 @@ script itself, not the GPU, and its numbers mean nothing.
    GPU, over expert counts 8..512 (powers of two or not), top_k 1..8 (and Qwen3-Next's 10), softmax / sigmoid /
    sigmoid+bias, renormalize on/off, capture dtypes uint8/uint16/int32 into a poisoned
    [T, L, K] buffer (every row must be written, the other layers untouched);
-2. router timing (triton.testing.do_bench, median) of the fused kernel against the torch
-   reference (softmax, stable sort, renormalize, copy into the buffer) and a torch.topk
-   path, for tokens {1, 64, 4096, 32768} x experts {8, 64, 128, 256} x top_k {2, 8};
+2. router timing (triton.testing.do_bench, median; the lower of two passes over the grid, after
+   a warm-up) of the fused kernel against the torch reference (softmax, stable sort,
+   renormalize, copy into the buffer) and a torch.topk path, for tokens {1, 64, 4096, 32768}
+   x experts {8, 64, 128, 256} x top_k {2, 8};
 3. a decode step of the engine (built-in model) with routed-experts capture on and off.
 
 Prints one markdown table. Exits 1 if correctness fails; without CUDA it says so and exits 0
@@ -185,6 +186,28 @@ def time_router() -> list[dict]:
     return rows
 
 
+def warm_up_gpu(seconds: float = 2.0) -> None:
+    """Busy the GPU for a while first: clocks ramp up (an H200 idles at 345 MHz)."""
+    if DEVICE == "cpu":
+        return
+    a = torch.randn(4096, 4096, device=DEVICE, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ a
+        synchronize()
+
+
+def lower_of(first: list[dict], second: list[dict]) -> list[dict]:
+    """Per cell the lower of two passes' medians: the first H200 run had a ~30 s window in which
+    every kernel, fused and torch alike, took 2-6x longer (ratios held; absolute times did not)."""
+    merged = []
+    for a, b in zip(first, second):
+        merged.append({key: (min(a[key], b[key]) if key in ("fused", "reference", "topk") and a[key] is not None
+                             else a[key]) for key in a})
+    return merged
+
+
 def sweep_launch_config() -> list[tuple[str, float]]:
     """(BLOCK_T, num_warps) choices at the headline shape, to tune router_triton's defaults."""
     from r3srv.kernels.router_triton import kernel_constants, route_triton
@@ -210,7 +233,7 @@ def sweep_launch_config() -> list[tuple[str, float]]:
 # ---------------------------------------------------------------- 3. engine decode step
 
 
-def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 64, rounds: int = 3) -> dict:
+def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 64, rounds: int = 5) -> dict:
     """Median seconds per decode step, capture on vs off, from generate(N+1) - generate(1) tokens."""
     if DEVICE == "cpu":
         batch, prompt_len, decode_steps, rounds = 2, 8, 2, 1
@@ -310,7 +333,8 @@ def main() -> int:
     for failure in failures[:20]:
         print(f"  FAIL {failure}")
     print(f"[{time.perf_counter() - start:.0f}s] timing the router...")
-    router_rows = time_router()
+    warm_up_gpu()
+    router_rows = lower_of(time_router(), time_router())
     try:
         sweep = sweep_launch_config()
     except Exception:  # tuning data only: never lose the table over it

@@ -12,8 +12,10 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("num_experts", [8, 60, 128, 160, 256, 384, 512])
-@pytest.mark.parametrize("top_k", [1, 2, 6, 8, 10])
+@pytest.mark.parametrize(
+    "num_experts,top_k",
+    [(e, k) for e in (8, 60, 128, 160, 256, 384, 512) for k in (1, 2, 6, 8, 10) if k <= e],  # 8 experts: no top-10
+)
 @pytest.mark.parametrize("scoring,with_bias", [("softmax", False), ("sigmoid", True)])
 def test_cuda_select_experts_matches_cpu_reference(monkeypatch, num_experts, top_k, scoring, with_bias):
     from r3srv.kernels import router

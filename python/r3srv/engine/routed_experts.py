@@ -6,6 +6,11 @@ the step the rows are scattered into this buffer at the tokens' KV slots. A sequ
 array is then a gather through its block table, so prefix-cache hits (same blocks,
 same slots) and recomputation after preemption (same tokens, recomputed rows) give the
 rows the forward pass produced for those tokens.
+
+From a CUDA capture the copy to the host is queued behind the step into pinned memory and
+scattered at the next read or store: a synchronous copy would stall the host until the
+forward ends, before it could queue the sampling kernels (measured on an H200: +2.8% per
+decode step of the built-in model at batch 32, against the issue's 1% budget).
 """
 
 from __future__ import annotations
@@ -38,19 +43,44 @@ class RoutedExpertsBuffer:
         self.capture_dtype = capture_torch_dtype(num_experts)
         # np.zeros maps pages lazily: untouched slots cost no memory.
         self.rows = np.zeros((num_slots, num_layers, top_k), dtype=self.dtype)
+        self._pinned: torch.Tensor | None = None  # host staging for CUDA captures, grown on demand
+        self._pending: tuple[np.ndarray, torch.Tensor, torch.cuda.Event] | None = None
 
     def new_capture(self, num_tokens: int, device: torch.device | str) -> torch.Tensor:
         return torch.zeros((num_tokens, self.num_layers, self.top_k), dtype=self.capture_dtype, device=device)
 
     def store(self, slot_mapping: np.ndarray, capture: torch.Tensor) -> None:
-        """Scatter one step's rows to their tokens' slots."""
-        rows = capture.cpu().numpy()
-        if rows.dtype != self.dtype:
-            rows = rows.astype(self.dtype)
-        self.rows[slot_mapping] = rows
+        """Scatter one step's rows to their tokens' slots (from a CUDA capture: at the next
+        read or store, once its queued copy has landed)."""
+        self.flush()
+        if not capture.is_cuda:
+            self._scatter(slot_mapping, capture.numpy())
+            return
+        num_tokens = capture.shape[0]
+        if self._pinned is None or self._pinned.shape[0] < num_tokens:
+            self._pinned = torch.empty((max(num_tokens, 256), self.num_layers, self.top_k), dtype=capture.dtype,
+                                       pin_memory=True)
+        host = self._pinned[:num_tokens]
+        host.copy_(capture, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        self._pending = (slot_mapping, host, landed)
+
+    def flush(self) -> None:
+        """Scatter the last CUDA step's rows (waits for its copy; the step's sampling usually has)."""
+        if self._pending is None:
+            return
+        slot_mapping, host, landed = self._pending
+        self._pending = None
+        landed.synchronize()
+        self._scatter(slot_mapping, host.numpy())
+
+    def _scatter(self, slot_mapping: np.ndarray, rows: np.ndarray) -> None:
+        self.rows[slot_mapping] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
 
     def gather(self, block_table: np.ndarray | list[int], block_size: int, num_rows: int, start: int = 0) -> np.ndarray:
         """Rows of tokens [start, num_rows) of a sequence, as a fresh C-contiguous array."""
+        self.flush()
         if num_rows <= start:
             return np.zeros((0, self.num_layers, self.top_k), dtype=self.dtype)
         positions = np.arange(start, num_rows)

@@ -92,6 +92,9 @@ class Indexer(nn.Module):
             scores = self._scores(query[span.start + lo : span.start + hi], weights[span.start + lo : span.start + hi],
                                   keys[None])
             scores = scores.masked_fill(~visible[lo:hi], float("-inf"))
+            # exact ties go as torch.topk breaks them, which differs between the CPU and CUDA
+            # (so do the reference implementations'); a real indexer's 32-64 relu'd heads make
+            # them vanishingly rare
             picked = scores.topk(self.topk, dim=-1).indices
             selected[lo:hi].scatter_(1, picked, True)
         return selected & visible
