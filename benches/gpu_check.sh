@@ -41,6 +41,6 @@ status=0
 timeout 220 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md" 2>&1 | tee "$out/router_bench.log" || status=1
 timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda or gpu" \
     tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine_hybrid_gpu.py tests/test_engine.py \
-    tests/test_memory_release.py tests/test_routed_experts_buffer.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+    tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_engine_gpu_syncs.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 45 python3 benches/bench_hybrid_prefill.py 2>&1 | tee "$out/hybrid_prefill.log" || status=1
 exit $status

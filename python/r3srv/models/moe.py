@@ -61,7 +61,8 @@ def grouped_experts(
     flat_ids = ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
     token_of_row = order // top_k
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0])
+    # rows per expert; not torch.bincount, which on CUDA reads the largest id back to the host
+    counts = flat_ids.new_zeros(w13.shape[0]).index_add_(0, flat_ids, torch.ones_like(flat_ids))
     rows = x.index_select(0, token_of_row)
     biases = None if b13 is None else (b13, b2, flat_ids[order])
     if uses_grouped_mm(rows, w2):
