@@ -41,7 +41,9 @@ def _syncs_per_decode_step(path, steps: int = 4) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+# plain attention + the fused router + grouped expert GEMMs; latent attention; a hybrid (Gated
+# DeltaNet beside attention: its fused decode steps, state slots)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
 def test_decode_steps_wait_for_the_gpu_no_more_in_a_deeper_model(family, tmp_path):
     shallow = _syncs_per_decode_step(write_tiny_checkpoint(tmp_path / "2", family, seed=1, num_layers=2))
     deep = _syncs_per_decode_step(write_tiny_checkpoint(tmp_path / "4", family, seed=1, num_layers=4))
