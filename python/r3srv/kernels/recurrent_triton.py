@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from r3srv.kernels.launch import cdiv, next_power_of_2
+
 BLOCK_V = 32  # value columns per program: dk x 32 float32 in registers
 
 
@@ -74,14 +76,14 @@ def delta_rule_step_triton(pool, slots, keep, q, k, v, g, beta) -> torch.Tensor:
     q, k, v, beta = (x.float().contiguous() for x in (q, k, v, beta))
     g = g.float()
     g_stride_k = 0 if g.dim() == 2 else g.stride(2)  # a decay per head reads the same value for every channel
-    grid = (rows, heads, triton.cdiv(dv, BLOCK_V))
+    grid = (rows, heads, cdiv(dv, BLOCK_V))
     _delta_rule_step_kernel[grid](
         pool, slots.contiguous(), keep.float().contiguous(), q, k, v, g, beta, out,
         heads, dk, dv,
         *pool.stride(),
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), g_stride_k,
         beta.stride(0), out.stride(0), out.stride(1),
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V, num_warps=4,
+        BLOCK_K=next_power_of_2(dk), BLOCK_V=BLOCK_V, num_warps=4,
         enable_fp_fusion=False,  # no fused multiply-adds: the torch step's rounding, as the router kernel
     )
     return out
@@ -132,13 +134,13 @@ def ssm_step_triton(pool, slots, keep, x, dt, b, c, a) -> torch.Tensor:
     if rows == 0:
         return out
     x, dt, a, b, c = (t.float().contiguous() for t in (x, dt, a, b, c))
-    grid = (rows, heads, triton.cdiv(head_dim, BLOCK_P))
+    grid = (rows, heads, cdiv(head_dim, BLOCK_P))
     _ssm_step_kernel[grid](
         pool, slots.contiguous(), keep.float().contiguous(), x, dt, a, b, c, out,
         head_dim, state_size,
         *pool.stride(),
         x.stride(0), x.stride(1), dt.stride(0), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        BLOCK_P=BLOCK_P, BLOCK_N=triton.next_power_of_2(state_size), num_warps=4, enable_fp_fusion=False,
+        BLOCK_P=BLOCK_P, BLOCK_N=next_power_of_2(state_size), num_warps=4, enable_fp_fusion=False,
     )
     return out
 

@@ -11,12 +11,15 @@ helpers (tl.max, tl.sum, ...) are decorated at triton's import.
 from __future__ import annotations
 
 import contextlib
+import functools
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from r3srv.kernels.launch import cdiv, next_power_of_2
 from r3srv.kernels.router_reference import check_route_args
 
 MAX_TOP_K = 16  # the top-k loop is unrolled; the routers we serve pick <= 10 (Qwen3-Next)
@@ -164,6 +167,7 @@ def interpreter_enabled() -> bool:
     return isinstance(_route_kernel, InterpretedFunction)
 
 
+@functools.lru_cache(maxsize=1024)  # one entry per layer shape; computing them took ~11 us a launch
 def kernel_constants(
     num_experts: int,
     top_k: int,
@@ -178,22 +182,22 @@ def kernel_constants(
     block_t: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[dict, int]:
-    """The kernel's constexpr arguments and num_warps for one router shape.
+    """The kernel's constexpr arguments (read-only) and num_warps for one router shape.
 
     BLOCK_T depends on E only, so a model compiles one variant per layer shape whatever
     the batch size. `block_t` and `num_warps` override the defaults (the GPU benchmark sweeps them).
     """
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     if block_t is None:
         block_t = max(2, TILE_ELEMENTS // block_e)
     tile = block_t * block_e
     if num_warps is None:
         num_warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 4096 else 8
-    constants = dict(
+    constants = MappingProxyType(dict(
         TOP_K=top_k,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
-        BLOCK_K=max(2, triton.next_power_of_2(top_k)),  # no size-1 blocks: k=1 gets one masked slot
+        BLOCK_K=max(2, next_power_of_2(top_k)),  # no size-1 blocks: k=1 gets one masked slot
         SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bool(has_bias),
         RENORMALIZE=bool(renormalize),
@@ -201,8 +205,8 @@ def kernel_constants(
         NUM_GROUPS=num_groups,
         TOPK_GROUPS=topk_groups,
         GROUP_TOP=group_score_top,
-        BLOCK_G=max(2, triton.next_power_of_2(num_groups)),
-    )
+        BLOCK_G=max(2, next_power_of_2(num_groups)),
+    ))
     return constants, num_warps
 
 
@@ -254,7 +258,7 @@ def route_triton(
         has_capture=capture is not None, num_groups=num_groups, topk_groups=topk_groups,
         group_score_top=group_score_top, block_t=block_t, num_warps=num_warps,
     )
-    grid = (triton.cdiv(num_tokens, constants["BLOCK_T"]),)
+    grid = (cdiv(num_tokens, constants["BLOCK_T"]),)
     # Triton launches on the current device; follow the tensors when they live elsewhere.
     on_other_gpu = router_logits.is_cuda and router_logits.device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if on_other_gpu else contextlib.nullcontext():
