@@ -63,7 +63,7 @@ class RoutedExpertsBuffer:
         host = self._pinned[:num_tokens]
         host.copy_(capture, non_blocking=True)
         landed = torch.cuda.Event()
-        landed.record()
+        landed.record(torch.cuda.current_stream(capture.device))  # the engine's GPU, current or not
         self._pending = (slot_mapping, host, landed)
 
     def flush(self) -> None:

@@ -181,7 +181,7 @@ def kernel_constants(
     group_score_top: int = 2,
     block_t: int | None = None,
     num_warps: int | None = None,
-) -> tuple[dict, int]:
+) -> tuple[MappingProxyType, int]:
     """The kernel's constexpr arguments (read-only) and num_warps for one router shape.
 
     BLOCK_T depends on E only, so a model compiles one variant per layer shape whatever
