@@ -1,5 +1,6 @@
 """What the transformers oracle tests (test_models_oracle.py, test_models_llm_oracle.py) do not
-cover for the newer families (GLM-4.5, GLM-4.7-Flash, MiniMax-M2, DeepSeek-V3/V2, gpt-oss, ERNIE-4.5, dots.llm1): their
+cover for the newer families (GLM-4.5, GLM-4.7-Flash, MiniMax-M2, DeepSeek-V3/V2, gpt-oss, ERNIE-4.5, dots.llm1,
+Granite 3.x MoE): their
 released config.json spellings, a float32 router in a bfloat16 model, the MTP layer a
 released checkpoint carries, and bad expert groups. (Quantized weights: test_models_quantized.py.)"""
 
@@ -297,6 +298,35 @@ def test_dots1_released_config_spelling():
     assert cfg.qk_norm == "head" and cfg.rotary_dim == 128 and cfg.renormalize and cfg.routed_scaling_factor == 2.5
     windowed = ModelConfig.from_dict({**DOTS1_STYLE, "max_window_layers": 60})
     assert windowed.sliding_windows == [None] * 60 + [4096, 4096]
+
+
+# The keys of granite-3.1-3b-a800m-instruct's config.json (GraniteMoe: 40 experts, top-8, tied
+# embeddings, every muP-style scalar set)
+GRANITE_3_MOE_STYLE = {
+    "architectures": ["GraniteMoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.1,
+    "attention_multiplier": 0.015625, "bos_token_id": 0, "embedding_multiplier": 12.0, "eos_token_id": 0,
+    "hidden_act": "silu", "hidden_size": 1536, "intermediate_size": 512, "logits_scaling": 6.0,
+    "max_position_embeddings": 131072, "model_type": "granitemoe", "num_attention_heads": 24,
+    "num_experts_per_tok": 8, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 40,
+    "residual_multiplier": 0.22, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000.0,
+    "router_aux_loss_coef": 0.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 49155,
+}
+
+
+def test_granite_3_moe_released_config_spelling():
+    cfg = ModelConfig.from_dict(GRANITE_3_MOE_STYLE)
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == ("granitemoe", 40, 8, 512)
+    assert cfg.moe_layers == list(range(32)) and cfg.use_rope and cfg.linear_attention_layers == []
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling, cfg.attention_scale) == (
+        12.0, 0.22, 6.0, 0.015625)
+    assert cfg.renormalize and cfg.shared_expert_intermediate_size == 0 and cfg.tie_word_embeddings
+    shared = ModelConfig.from_dict({**GRANITE_3_MOE_STYLE, "architectures": ["GraniteMoeSharedForCausalLM"],
+                                    "model_type": "granitemoeshared", "shared_intermediate_size": 1024})
+    assert shared.model_type == "granitemoeshared" and shared.shared_expert_intermediate_size == 1024
+    assert not shared.shared_expert_gate
+    # transformers' defaults where a config leaves a scalar out
+    bare = ModelConfig.from_dict({k: v for k, v in GRANITE_3_MOE_STYLE.items() if "multiplier" not in k})
+    assert (bare.embedding_multiplier, bare.residual_multiplier, bare.attention_scale) == (1.0, 1.0, 1.0)
 
 
 @pytest.mark.parametrize(

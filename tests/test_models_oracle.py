@@ -107,6 +107,9 @@ VARIANTS = {
     # Granite-4.0-H: Mamba-2 beside attention, muP-style scalars, an always-on shared MLP; with RoPE too
     "granitemoehybrid": ("granitemoehybrid", {}),
     "granitemoehybrid_rope_3_layers": ("granitemoehybrid", {"num_layers": 3, "position_embedding_type": "rope"}),
+    # Granite 3.x MoE: RoPE attention with biases, muP-style scalars; GraniteMoeShared's shared MLP
+    "granitemoe": ("granitemoe", {}),
+    "granitemoeshared_3_layers_16e": ("granitemoeshared", {"num_layers": 3, "num_experts": 16, "top_k": 4}),
     # Arcee's AFMoE: windowed RoPE layers and position-free full layers, sandwich norms, gated output
     "afmoe": ("afmoe", {}),
     "afmoe_dense_first_4_layers": ("afmoe", {"num_layers": 4, "num_dense_layers": 1, "mup_enabled": False}),

@@ -32,6 +32,8 @@ LAYOUTS = {
     "granitemoehybrid": dict(num_layers=3),
     # windowed RoPE layers around a position-free full layer, sandwich norms
     "afmoe": dict(num_layers=3),
+    # RoPE attention with muP-style scalars, experts beside a shared MLP
+    "granitemoeshared": dict(num_layers=3),
 }
 
 

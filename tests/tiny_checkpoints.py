@@ -25,7 +25,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
     "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
-    "kimi_linear", "granitemoehybrid", "afmoe",
+    "kimi_linear", "granitemoehybrid", "afmoe", "granitemoe", "granitemoeshared",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -145,6 +145,13 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             layer_types=["attention" if i % 2 else "mamba" for i in range(num_layers)],
             embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
         )
+    elif family in ("granitemoe", "granitemoeshared"):
+        # Granite 3.x MoE (and its shared-MLP variant): attention with RoPE, every muP-style
+        # scalar away from 1 so that a forgotten one shows; biased attention projections
+        cls, extra = (transformers.GraniteMoeConfig, {}) if family == "granitemoe" else (
+            transformers.GraniteMoeSharedConfig, dict(shared_intermediate_size=24))
+        extra |= dict(num_local_experts=num_experts, intermediate_size=16, attention_bias=True,
+                      embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)
     elif family == "kimi_linear":
         # KDA layers around one MLA layer without positions; every layer MoE unless overridden
         cls, extra = transformers.KimiLinearConfig, dict(

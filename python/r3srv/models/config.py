@@ -40,6 +40,8 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "NemotronHForCausalLM": "nemotron_h",
     "KimiLinearForCausalLM": "kimi_linear",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "AfmoeForCausalLM": "afmoe",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",

@@ -96,6 +96,8 @@ def family_switches(
         return _kimi_linear_switches(raw, get, num_layers)
     if family == "granitemoehybrid":
         return _granite_hybrid_switches(raw, get, num_layers)
+    if family in ("granitemoe", "granitemoeshared"):
+        return _granite_switches(raw)
     if family == "afmoe":
         return _afmoe_switches(raw, get, num_layers)
     raise ValueError(f"no switches for family {family!r}")
@@ -183,6 +185,24 @@ def _afmoe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dic
     )
 
 
+def _granite_switches(raw: dict[str, Any]) -> dict[str, Any]:
+    """Granite 3.x MoE (GraniteMoe) and GraniteMoeShared: attention with RoPE then Mixtral's
+    router (a softmax over the top-k logits) over SwiGLU experts, beside an always-on shared MLP
+    where shared_intermediate_size says; muP-style scalars on embeddings, residual branches,
+    attention and logits (transformers' defaults: 1.0 each)."""
+    bias = bool(raw.get("attention_bias", False))
+    return dict(
+        renormalize=True,
+        qkv_bias=bias, o_bias=bias,
+        shared_expert_intermediate_size=int(raw.get("shared_intermediate_size") or 0),
+        shared_expert_gate=False,
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+        logits_scaling=float(raw.get("logits_scaling", 1.0)),
+        attention_scale=float(raw.get("attention_multiplier", 1.0)),
+    )
+
+
 def _granite_hybrid_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:
     """Granite-4.0-H: Mamba-2 or attention (usually without positions) then Mixtral's router
     over SwiGLU experts beside an always-on shared MLP; muP-style scalars on embeddings,
@@ -215,7 +235,8 @@ def _granite_hybrid_switches(raw: dict[str, Any], get: "_Getter", num_layers: in
         embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
         logits_scaling=float(raw.get("logits_scaling", 1.0)),
-        attention_scale=float(raw.get("attention_multiplier", (hidden // get.int("num_attention_heads")) ** -0.5)),
+        attention_scale=float(raw.get("attention_multiplier", 1.0)),  # transformers' default, as GraniteMoe's
+        qkv_bias=bool(raw.get("attention_bias", False)), o_bias=bool(raw.get("attention_bias", False)),
     )
 
 

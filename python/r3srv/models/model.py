@@ -1,6 +1,6 @@
 """The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
 Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
-gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H, AFMoE).
+gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H and 3.x MoE, AFMoE).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
@@ -385,7 +385,7 @@ class MoeForCausalLM(nn.Module):
                 continue
             if family == "gpt_oss":
                 targets.update(_gpt_oss_moe_targets(p, mlp))
-            elif family == "granitemoehybrid":
+            elif family in ("granitemoehybrid", "granitemoe", "granitemoeshared"):
                 targets.update(_granite_moe_targets(p, mlp))
             else:
                 targets.update(_moe_targets(family, p, mlp))
