@@ -1,6 +1,6 @@
 """The engine on hybrid models (Qwen3-Next: Gated DeltaNet layers beside full attention;
 Nemotron-H and Granite-4.0-H: Mamba-2 layers beside attention; Kimi-Linear: Kimi Delta
-Attention beside MLA): state slots follow sequences through chunked
+Attention beside MLA; LFM2-MoE: short convolutions, a window and no recurrent state): state slots follow sequences through chunked
 prefill, preemption, aborts and reuse, and are always given back; prefix caching resumes
 from state snapshots; memory sizing counts the states."""
 
@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 
 HYBRIDS = {"qwen3_next": dict(num_layers=3), "nemotron_h": {}, "kimi_linear": dict(num_layers=3),
-           "granitemoehybrid": dict(num_layers=3)}
+           "granitemoehybrid": dict(num_layers=3), "lfm2_moe": dict(num_layers=3)}
 
 
 @pytest.fixture(scope="module", params=list(HYBRIDS))
@@ -149,7 +149,7 @@ def test_release_and_resume_drop_and_restore_the_states(hybrid_path):
     assert linear.recurrent_state is None and linear.conv_state is None
     llm.resume_memory(["kv_cache"])
     # a slot per sequence, and twice as many snapshots (owned by running sequences, or kept)
-    assert linear.recurrent_state.shape[0] == 3 * llm.engine.config.max_num_seqs
+    assert all(pool.shape[0] == 3 * llm.engine.config.max_num_seqs for pool in linear.pools())
     again = llm.generate([prompt_ids(40)], params)
     assert again[0].num_cached_tokens == 0  # the release forgot the prefix cache and its snapshots
     _outputs_equal(again, before)
@@ -170,8 +170,7 @@ def test_kv_sizing_counts_the_states(hybrid_path, monkeypatch):
         return (a.k_cache[0].numel() + (0 if shared else a.v_cache[0].numel())) * 4
 
     assert model.kv_cache_bytes_per_block(16) == sum(16 * cached_row_bytes(a) for a in attention)
-    assert model.state_bytes_per_slot() == sum(
-        m.conv_state[0].numel() * m.conv_state.itemsize + m.recurrent_state[0].numel() * 4 for m in linear)
+    assert model.state_bytes_per_slot() == sum(pool[0].numel() * pool.itemsize for m in linear for pool in m.pools())
     monkeypatch.setattr(MoeForCausalLM, "state_bytes_per_slot", lambda self: 1 << 50)
     with pytest.raises(ConfigError, match="max_num_seqs"):
         LLM(hybrid_path, max_model_len=64)

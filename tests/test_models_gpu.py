@@ -36,12 +36,12 @@ def _prefill(model, ids: list[int], device: str):
 # glm4_moe, minimax_m2: the fused kernel's sigmoid + correction-bias (+ scaling) path inside the model;
 # deepseek_v3, deepseek_v2: multi-head latent attention on CUDA; gpt_oss: sinks, sliding windows, biased experts;
 # qwen3_next, qwen3_5_moe: Gated DeltaNet (triangular solves, state slots) on CUDA; deepseek_v32: sparse attention;
-# nemotron_h: Mamba-2; kimi_linear: Kimi Delta Attention
+# nemotron_h: Mamba-2; kimi_linear: Kimi Delta Attention; lfm2_moe: short convolutions
 @pytest.mark.parametrize(
     "family",
     ["qwen2_moe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss", "ernie4_5_moe", "glm4_moe_lite", "dots1",
      "qwen3_next", "qwen3_5_moe", "deepseek_v32", "nemotron_h", "kimi_linear", "granitemoehybrid",
-     "afmoe"],
+     "afmoe", "granitemoe", "lfm2_moe"],
 )
 def test_cuda_float32_matches_cpu(family, tmp_path, full_precision_matmuls):
     path = write_tiny_checkpoint(tmp_path / "ckpt", family, seed=4)

@@ -1,4 +1,4 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Nemotron-H, Kimi-Linear, Granite-4.0-H) beyond the transformers oracle tests: their
+"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Nemotron-H, Kimi-Linear, Granite-4.0-H, LFM2-MoE) beyond the transformers oracle tests: their
 released config.json spellings, sizes that follow from them, and Qwen3.5's multimodal
 checkpoint layout (a nested text_config, model.language_model.* names, vision and MTP
 tensors the server does not use)."""
@@ -211,3 +211,30 @@ def test_granite_4_h_released_config_spelling():
 
     with pytest.raises(ConfigError, match="mamba_expand"):
         ModelConfig.from_dict({**GRANITE4_H_SMALL, "mamba_expand": 3})
+
+
+# LFM2-8B-A1B's config.json keys and spellings (norm_eps, tie_embedding, conv_L_cache): 24
+# layers, of which 6 attention
+LFM2_8B_A1B = {
+    "architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "hidden_size": 2048, "intermediate_size": 7168,
+    "moe_intermediate_size": 1792, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "num_dense_layers": 2, "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": True,
+    "use_expert_bias": True, "routed_scaling_factor": 1.0, "conv_L_cache": 3, "conv_bias": False,
+    "norm_eps": 1e-05, "rope_theta": 1000000.0, "max_position_embeddings": 128000, "tie_embedding": True,
+    "vocab_size": 65536, "dtype": "bfloat16",
+    "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
+}
+
+
+def test_lfm2_moe_released_config_spelling():
+    cfg = ModelConfig.from_dict(LFM2_8B_A1B)
+    assert cfg.model_type == "lfm2_moe" and cfg.linear_attention_kind == "short_conv" and cfg.use_rope
+    assert cfg.attention_layers == [2, 6, 10, 14, 18, 21] and len(cfg.linear_attention_layers) == 18
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.moe_layers) == (32, 4, 1792, list(range(2, 24)))
+    assert cfg.scoring == "sigmoid" and cfg.router_bias and cfg.renormalize and cfg.qk_norm == "head"
+    assert cfg.rms_norm_eps == 1e-05 and cfg.tie_word_embeddings and cfg.linear_conv_kernel_dim == 3
+    assert cfg.linear_state_bytes(torch.bfloat16) == 18 * 2048 * 2 * 2  # the conv window alone: 2 inputs
+    from r3srv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_dict({**LFM2_8B_A1B, "layer_types": ["conv"] * 23})

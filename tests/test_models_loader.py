@@ -146,7 +146,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
         "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Dots1ForCausalLM", "Qwen3NextForCausalLM",
         "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
         "NemotronHForCausalLM", "KimiLinearForCausalLM", "GraniteMoeHybridForCausalLM",
-        "AfmoeForCausalLM",
+        "AfmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Lfm2MoeForCausalLM",
     }
 
 

@@ -107,6 +107,12 @@ VARIANTS = {
     # Granite-4.0-H: Mamba-2 beside attention, muP-style scalars, an always-on shared MLP; with RoPE too
     "granitemoehybrid": ("granitemoehybrid", {}),
     "granitemoehybrid_rope_3_layers": ("granitemoehybrid", {"num_layers": 3, "position_embedding_type": "rope"}),
+    # LFM2-MoE: gated short convolutions (prefill, then decodes continuing their windows) beside
+    # attention; a dense first layer and no expert bias in the second variant
+    "lfm2_moe": ("lfm2_moe", {}),
+    "lfm2_moe_dense_first_no_bias_4_layers": (
+        "lfm2_moe", {"num_layers": 4, "num_dense_layers": 1, "use_expert_bias": False, "norm_topk_prob": False}
+    ),
     # Granite 3.x MoE: RoPE attention with biases, muP-style scalars; GraniteMoeShared's shared MLP
     "granitemoe": ("granitemoe", {}),
     "granitemoeshared_3_layers_16e": ("granitemoeshared", {"num_layers": 3, "num_experts": 16, "top_k": 4}),

@@ -34,6 +34,8 @@ LAYOUTS = {
     "afmoe": dict(num_layers=3),
     # RoPE attention with muP-style scalars, experts beside a shared MLP
     "granitemoeshared": dict(num_layers=3),
+    # gated short convolutions around attention (a convolution window, no recurrent state)
+    "lfm2_moe": dict(num_layers=3),
 }
 
 

@@ -25,7 +25,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
     "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
-    "kimi_linear", "granitemoehybrid", "afmoe", "granitemoe", "granitemoeshared",
+    "kimi_linear", "granitemoehybrid", "afmoe", "granitemoe", "granitemoeshared", "lfm2_moe",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -152,6 +152,14 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             transformers.GraniteMoeSharedConfig, dict(shared_intermediate_size=24))
         extra |= dict(num_local_experts=num_experts, intermediate_size=16, attention_bias=True,
                       embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)
+    elif family == "lfm2_moe":
+        # LFM2-MoE: gated short convolutions, then attention with per-head q/k norms; every layer
+        # MoE unless num_dense_layers says; a sigmoid router whose expert bias changes picks
+        cls, extra = transformers.Lfm2MoeConfig, dict(
+            num_experts=num_experts, moe_intermediate_size=16, intermediate_size=48, num_dense_layers=0,
+            routed_scaling_factor=1.5, conv_L_cache=3,
+            layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        )
     elif family == "kimi_linear":
         # KDA layers around one MLA layer without positions; every layer MoE unless overridden
         cls, extra = transformers.KimiLinearConfig, dict(
@@ -204,7 +212,7 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             std = 3.0 / math.sqrt(fan_in) if wide else 1.0 / math.sqrt(fan_in)
             p.copy_(std * torch.randn(p.shape, generator=g))
     for name, b in sorted(model.named_buffers()):
-        if name.endswith("e_score_correction_bias"):  # routers with a correction bias: one that changes picks
+        if name.endswith(("e_score_correction_bias", "expert_bias")):  # a router bias that changes picks
             b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
@@ -248,7 +256,8 @@ def hf_gate_modules(hf) -> dict[int, torch.nn.Module]:
     """Layer index -> router gate of a transformers MoE model built by `build_hf_model`."""
     gates = {}
     for i, layer in enumerate(hf.model.layers):
-        moe = getattr(layer, "block_sparse_moe", None) or getattr(layer, "mlp", None) or layer.mixer  # Nemotron-H: mixer
+        moe = (getattr(layer, "block_sparse_moe", None) or getattr(layer, "mlp", None)
+               or getattr(layer, "feed_forward", None) or layer.mixer)  # LFM2: feed_forward; Nemotron-H: mixer
         if hasattr(moe, "experts") and (hasattr(moe, "gate") or hasattr(moe, "router")):
             gates[i] = getattr(moe, "gate", None) or moe.router
     return gates

@@ -41,6 +41,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "KimiLinearForCausalLM": "kimi_linear",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "GraniteMoeForCausalLM": "granitemoe",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "AfmoeForCausalLM": "afmoe",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
@@ -151,8 +152,10 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     linear_projection_layout: str = "qkvz_ba"  # Qwen3-Next's in_proj_qkvz/ba; Qwen3.5: "qkv_z_b_a"
-    # "kda": Kimi-Linear's per-channel decay (models/kda.py); "mamba2": Granite-4.0-H (models/mamba2.py)
+    # "kda": Kimi-Linear's per-channel decay (models/kda.py); "mamba2": Granite-4.0-H (models/mamba2.py);
+    # "short_conv": LFM2's gated convolution alone (models/short_conv.py)
     linear_attention_kind: str = "gated_deltanet"
+    short_conv_bias: bool = False  # LFM2's conv_bias: biases on in_proj, the convolution and out_proj
     attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the output
     # Nemotron-H: every layer is one mixer ("mamba", "attention", "moe" or "mlp") behind one norm,
     # instead of attention then MLP; its Mamba-2 layers (models/mamba2.py) are the linear ones
@@ -306,6 +309,8 @@ class ModelConfig:
             conv = (self.mamba_num_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state_size) * (
                 self.mamba_conv_kernel - 1)
             recurrent = self.mamba_num_heads * self.mamba_head_dim * self.mamba_state_size
+        elif self.linear_attention_kind == "short_conv":  # the convolution's window alone
+            conv, recurrent = self.hidden_size * (self.linear_conv_kernel_dim - 1), 0
         elif self.linear_attention_kind == "kda":  # q, k and v convolved; a dk x dv matrix per head
             heads, dim = self.linear_num_value_heads, self.linear_value_head_dim
             conv, recurrent = 3 * heads * dim * (self.linear_conv_kernel_dim - 1), heads * dim * dim

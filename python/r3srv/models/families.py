@@ -16,11 +16,16 @@ _KIMI_SPELLINGS = {"num_experts_per_token": "num_experts_per_tok", "num_expert_g
                    "model_max_length": "max_position_embeddings"}
 
 
+# LFM2's config.json spellings (older releases: tie_embedding)
+_LFM2_SPELLINGS = {"norm_eps": "rms_norm_eps", "tie_embedding": "tie_word_embeddings"}
+
+
 def standard_spellings(family: str, raw: dict[str, Any]) -> dict[str, Any]:
     """raw with a family's own spellings of common keys added under the common names."""
-    if family != "kimi_linear":
+    spellings = {"kimi_linear": _KIMI_SPELLINGS, "lfm2_moe": _LFM2_SPELLINGS}.get(family)
+    if spellings is None:
         return raw
-    return {**{common: raw[own] for own, common in _KIMI_SPELLINGS.items() if own in raw}, **raw}
+    return {**{common: raw[own] for own, common in spellings.items() if own in raw}, **raw}
 
 
 def family_switches(
@@ -98,6 +103,8 @@ def family_switches(
         return _granite_hybrid_switches(raw, get, num_layers)
     if family in ("granitemoe", "granitemoeshared"):
         return _granite_switches(raw)
+    if family == "lfm2_moe":
+        return _lfm2_moe_switches(raw, get, num_layers)
     if family == "afmoe":
         return _afmoe_switches(raw, get, num_layers)
     raise ValueError(f"no switches for family {family!r}")
@@ -182,6 +189,28 @@ def _afmoe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dic
         shared_expert_intermediate_size=moe_width * int(raw.get("num_shared_experts") or 0),
         shared_expert_gate=False,
         embedding_multiplier=get.int("hidden_size") ** 0.5 if raw.get("mup_enabled") else 1.0,
+    )
+
+
+def _lfm2_moe_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:
+    """LFM2-MoE: gated short convolutions (layer_types "conv") beside attention with per-head
+    q/k norms; after num_dense_layers dense MLPs, a sigmoid router whose expert bias only picks
+    (DeepSeek-V3's scheme without groups)."""
+    types = raw.get("layer_types") or []
+    if len(types) != num_layers or set(types) - {"conv", "full_attention"}:
+        raise ConfigError(f"Lfm2MoeForCausalLM: layer_types {types} must be {num_layers} of conv / full_attention")
+    return dict(
+        moe_intermediate_size=get.int("moe_intermediate_size"),
+        moe_layers=list(range(min(int(raw.get("num_dense_layers") or 0), num_layers), num_layers)),
+        linear_attention_kind="short_conv",
+        linear_attention_layers=[i for i, kind in enumerate(types) if kind == "conv"],
+        linear_conv_kernel_dim=get.int("conv_L_cache", default=3),
+        short_conv_bias=bool(raw.get("conv_bias", False)),
+        qk_norm="head",
+        scoring="sigmoid",
+        router_bias=bool(raw.get("use_expert_bias", True)),
+        renormalize=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
     )
 
 

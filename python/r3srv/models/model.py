@@ -1,6 +1,6 @@
 """The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
 Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
-gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H and 3.x MoE, AFMoE).
+gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H and 3.x MoE, AFMoE, LFM2-MoE).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
@@ -15,6 +15,7 @@ layers are one mixer each (MixerBlock: Mamba-2, models/mamba2.py, attention, MoE
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from r3srv.models.gated_deltanet import GatedDeltaNet
 from r3srv.models.kda import KimiDeltaAttention
 from r3srv.models.mamba2 import Mamba2
 from r3srv.models.recurrent import LinearStateBatch
+from r3srv.models.short_conv import ShortConv
 from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq, silu_mlp
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.layers import yarn_inv_freq
@@ -167,7 +169,8 @@ class DecoderLayer(nn.Module):
             self.attn_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
             self.mlp_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         window = cfg.sliding_windows[index] if cfg.sliding_windows else None
-        linear = {"kda": KimiDeltaAttention, "mamba2": Mamba2}.get(cfg.linear_attention_kind, GatedDeltaNet)
+        linear = {"kda": KimiDeltaAttention, "mamba2": Mamba2, "short_conv": ShortConv}.get(cfg.linear_attention_kind,
+                                                                                           GatedDeltaNet)
         self.linear_attn = linear(cfg, dtype, device) if index in cfg.linear_attention_layers else None
         if self.linear_attn is not None:
             self.attn = None
@@ -293,7 +296,7 @@ class MoeForCausalLM(nn.Module):
     @property
     def has_kv_cache(self) -> bool:
         first = next(layer for layer in self.layers if layer.attn is not None or layer.linear_attn is not None)
-        return (first.attn.k_cache if first.linear_attn is None else first.linear_attn.recurrent_state) is not None
+        return first.attn.k_cache is not None if first.linear_attn is None else first.linear_attn.has_states
 
     def move_weights(self, device: torch.device | str) -> None:
         """Move every weight to `device` in place (the module keeps its parameters, views
@@ -389,6 +392,8 @@ class MoeForCausalLM(nn.Module):
                 targets.update(_granite_moe_targets(p, mlp))
             else:
                 targets.update(_moe_targets(family, p, mlp))
+        if family == "lfm2_moe":
+            return {_lfm2_name(name): target for name, target in targets.items()}
         if family == "qwen3_5_moe":  # the multimodal checkpoint nests the language model
             targets |= {"model.language_model." + k.removeprefix("model."): v
                         for k, v in targets.items() if k.startswith("model.")}
@@ -409,9 +414,25 @@ _BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_scor
     "glm_moe_dsa": ("mlp.gate.e_score_correction_bias",),
     "kimi_linear": ("block_sparse_moe.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
     "afmoe": ("mlp.expert_bias",),
+    "lfm2_moe": ("feed_forward.expert_bias",),
     "minimax_m2": ("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
     "ernie4_5_moe": ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"),
 }
+
+
+# LFM2's names for the standard ones (its experts: w1 gate, w3 up, w2 down, as its dense MLPs)
+_LFM2_NAMES = [(re.compile(pattern), replacement) for pattern, replacement in (
+    (r"\.input_layernorm\.", ".operator_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.self_attn\.o_proj\.", ".self_attn.out_proj."), (r"\.self_attn\.([qk])_norm\.", r".self_attn.\1_layernorm."),
+    (r"\.mlp\.", ".feed_forward."), (r"\.gate_proj\.", ".w1."), (r"\.up_proj\.", ".w3."), (r"\.down_proj\.", ".w2."),
+    (r"^model\.norm\.", "model.embedding_norm."),
+)]
+
+
+def _lfm2_name(name: str) -> str:
+    for pattern, replacement in _LFM2_NAMES:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """What the recurrent (state-space and linear-attention) layers share: per-sequence states in a
 pool of entries, continued step after step (models/gated_deltanet.py: Qwen3-Next and Qwen3.5;
-models/mamba2.py: Nemotron-H and Granite-4.0-H; models/kda.py: Kimi-Linear).
+models/mamba2.py: Nemotron-H and Granite-4.0-H; models/kda.py: Kimi-Linear; models/short_conv.py:
+LFM2-MoE, a convolution alone).
 
 A layer's pool holds slots, one per running sequence (given by the engine), and snapshots,
 copies of a sequence's states at a block boundary that a later prompt sharing the prefix
@@ -173,9 +174,10 @@ def snapshot_steps(pools: tuple[torch.Tensor, ...], states: LinearStateBatch) ->
 
 
 def causal_conv(pool: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                states: LinearStateBatch) -> torch.Tensor:
-    """SiLU of the causal depthwise convolution of x [T, C] (weight [C, K]) continuing each
-    sequence's conv state in `pool` [entries, C, K - 1], which it updates (and snapshots)."""
+                states: LinearStateBatch, silu: bool = True) -> torch.Tensor:
+    """The causal depthwise convolution of x [T, C] (weight [C, K]), through SiLU unless told
+    not, continuing each sequence's conv state in `pool` [entries, C, K - 1], which it updates
+    (and snapshots, for scanned sequences)."""
     kernel = weight.shape[1]
     out = torch.empty_like(x)
     for group in states.steps:
@@ -191,7 +193,7 @@ def causal_conv(pool: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
             pool[entry] = full[member, :, offset : offset + kernel - 1]
         last = group.lengths[:, None] + torch.arange(kernel - 1, device=x.device)  # each span's last K - 1 inputs
         pool.index_copy_(0, group.slots, full.gather(2, last[:, None, :].expand(-1, full.shape[1], -1)))
-    return F.silu(out)
+    return F.silu(out) if silu else out
 
 
 FUSED_STEP_ENV = "R3SRV_FUSED_STEP"  # "0": the torch step on CUDA too
@@ -239,29 +241,38 @@ def run_recurrence(pool: torch.Tensor, states: LinearStateBatch, out: torch.Tens
 
 
 class RecurrentLayer(nn.Module):
-    """A layer whose memory of a sequence is a conv window and a float32 recurrent state, one of
-    each per pool entry; subclasses give their shapes and their step and scan."""
+    """A layer whose memory of a sequence is a conv window and (but for a short convolution) a
+    float32 recurrent state, one of each per pool entry; subclasses give their shapes and their
+    step and scan."""
 
     conv_state: torch.Tensor | None = None  # [entries, channels, kernel - 1], model dtype
     recurrent_state: torch.Tensor | None = None  # [entries, ...], float32
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(conv window, recurrent state) of one entry."""
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """(conv window, recurrent state or None) of one entry."""
         raise NotImplementedError
 
     def allocate_states(self, num_entries: int, dtype: torch.dtype, device: torch.device) -> None:
         conv, recurrent = self.state_shapes()
         self.conv_state = torch.zeros(num_entries, *conv, dtype=dtype, device=device)
-        self.recurrent_state = torch.zeros(num_entries, *recurrent, dtype=torch.float32, device=device)
+        if recurrent is not None:
+            self.recurrent_state = torch.zeros(num_entries, *recurrent, dtype=torch.float32, device=device)
 
     def free_states(self) -> None:
         self.conv_state = self.recurrent_state = None
 
+    @property
+    def has_states(self) -> bool:
+        return self.conv_state is not None
+
+    def pools(self) -> tuple[torch.Tensor, ...]:
+        return (self.conv_state,) if self.recurrent_state is None else (self.conv_state, self.recurrent_state)
+
     def begin_step(self, states: LinearStateBatch) -> None:
         """Before a step's first write: the pool exists, prefix hits are restored."""
-        if self.recurrent_state is None:
+        if self.conv_state is None:
             raise RuntimeError("init_kv_cache must be called before forward (it allocates the recurrent states)")
-        restore_snapshots((self.conv_state, self.recurrent_state), states)
+        restore_snapshots(self.pools(), states)
 
     def recur(self, states: LinearStateBatch, out: torch.Tensor, step, scan, fused=None) -> None:
         """run_recurrence on this layer's states, then the one-token sequences' snapshots.
@@ -273,4 +284,4 @@ class RecurrentLayer(nn.Module):
             return kernel(pool, group.slots, group.keep, *(x[group.rows] for x in fused[1]), *fused[2])
 
         run_recurrence(self.recurrent_state, states, out, step, scan, fused_step if kernel is not None else None)
-        snapshot_steps((self.conv_state, self.recurrent_state), states)
+        snapshot_steps(self.pools(), states)
