@@ -5,7 +5,8 @@
 # the time), then the CUDA tests (fused router vs torch reference, CUDA models vs CPU, engine
 # rows on CUDA, hybrid engines with the fused decode steps vs the CPU and the torch steps),
 # then the hybrid-prefill grouping ratio and the fused delta-rule decode step against
-# gather-step-scatter. Every log lands in $OUT, so a run cut short still returns what it did.
+# gather-step-scatter, then the Triton paged decode attention against gather + SDPA. Every log
+# lands in $OUT, so a run cut short still returns what it did.
 #
 # The device image has python3 3.12 with torch and triton but reaches no registry, and lacks
 # msgspec (SamplingParams); its transformers (5.17) predates some families the tiny test
@@ -41,6 +42,8 @@ status=0
 timeout 220 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md" 2>&1 | tee "$out/router_bench.log" || status=1
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda or gpu" \
     tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine_hybrid_gpu.py tests/test_engine.py \
-    tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_engine_gpu_syncs.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+    tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_engine_gpu_syncs.py \
+    tests/test_attention_gpu.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 45 python3 benches/bench_hybrid_prefill.py 2>&1 | tee "$out/hybrid_prefill.log" || status=1
+timeout 60 python3 benches/gpu_decode_attention.py 2>&1 | tee "$out/decode_attention.log" || status=1
 exit $status

@@ -111,3 +111,33 @@ def test_ssm_step_compiles_for_sm90_without_spills(state_size):
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                     options={"num_warps": 4, "enable_fp_fusion": False}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, dtype, sinks, window",
+    [(32, 8, 128, "bf16", False, False),  # Qwen3-MoE, GLM-4.5: GQA groups of 4 to 12, 128-wide heads
+     (64, 8, 64, "bf16", True, True),  # gpt-oss: sinks, sliding windows, 64-wide heads
+     (16, 4, 256, "fp16", False, True),  # the widest heads
+     (8, 2, 64, "fp32", False, False)],  # float32 models: IEEE products
+)
+def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim, dtype, sinks, window):
+    """kernels/paged_decode_triton.py at the shapes the attention families decode with."""
+    import torch
+
+    from r3srv.kernels import paged_decode_triton
+
+    kernel = paged_decode_triton._paged_decode_kernel
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    constants = paged_decode_triton.kernel_constants(heads, kv_heads, head_dim, head_dim, 16, sinks=sinks,
+                                                     window=window, dtype=torch_dtype)
+    data = "*" + dtype
+    pointers = {"q_ptr": data, "k_ptr": data, "v_ptr": data, "tables_ptr": "*i64", "lens_ptr": "*i32",
+                "rows_ptr": "*i64", "sinks_ptr": data, "out_ptr": data}
+    signature = pointers | {"scale": "fp32"} | {
+        name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants and name != "scale"}
+    signature |= {name: "constexpr" for name in constants}
+    assert list(signature) == kernel.arg_names
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": 4, "enable_fp_fusion": True}))

@@ -12,6 +12,9 @@ back; attention sinks (gpt-oss) add a learned per-head logit to every softmax's 
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +65,17 @@ class AttentionMetadata:
     # DeepSeek Sparse Attention (models/dsa.py): the last indexer layer's selection, which the
     # layers after it that share it reuse in this step
     sparse_selection: object = None
+    _decode_kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def decode_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decoding sequences' block tables, context lengths and rows, for the Triton kernel
+        (built on first use, shared by the layers)."""
+        if self._decode_kernel_args is None:
+            device = self.slot_mapping.device
+            seqs = torch.tensor(self.decode_seqs, device=device)
+            lens = torch.tensor([self.context_lens[i] for i in self.decode_seqs], dtype=torch.int32, device=device)
+            self._decode_kernel_args = (self.tables[seqs], lens, torch.tensor(self.decode_rows, device=device))
+        return self._decode_kernel_args
 
     def decode_groups(self, window: int | None) -> list[DecodeGroup]:
         """The decode groups of a layer whose queries see `window` keys at most: they gather
@@ -148,6 +162,26 @@ def _decode_group(
     return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
 
+TRITON_DECODE_ENV = "R3SRV_TRITON_DECODE"  # "0": the torch decode path on CUDA too
+
+
+def decode_kernel_for(q: torch.Tensor):
+    """kernels/paged_decode_triton.py's launcher when this step's decodes take it: on CUDA, with
+    triton, unless $R3SRV_TRITON_DECODE is 0 (the interpreter tests say yes for CPU tensors)."""
+    if not q.is_cuda or os.environ.get(TRITON_DECODE_ENV, "1") == "0":
+        return None
+    return _decode_launcher()
+
+
+@functools.cache
+def _decode_launcher():
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from r3srv.kernels.paged_decode_triton import paged_decode_triton  # CPU paths never import triton
+
+    return paged_decode_triton
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -158,6 +192,7 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    decode_kernel: bool = False,
 ) -> torch.Tensor:
     """q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] (this step's tokens) -> attention output [T, H, Dv].
 
@@ -166,6 +201,8 @@ def paged_attention(
     dims of the cached latent) is written by the k write. scale: the softmax scale (default
     1/sqrt(D)). window: each query sees the keys at most `window - 1` positions back (a
     sliding-window layer). sinks [H]: each head's sink logit, in every softmax's denominator.
+    decode_kernel: on CUDA the decodes may take the Triton kernel over the paged cache instead of
+    gathered groups (not MLA's: its groups may be sparse selections).
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     if v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr():
@@ -193,6 +230,12 @@ def paged_attention(
             mask = CAUSAL
         o = attend(qs, ks, vs, mask, gqa, scale, sinks)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
+    launch = decode_kernel_for(q) if decode_kernel and meta.decode_seqs else None
+    if launch is not None:
+        tables, lens, rows = meta.decode_kernel_args()
+        launch(q, k_cache, v_cache, tables, lens, rows, out, page=meta.block_size,
+               scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window, sinks=sinks)
+        return out
     for group in meta.decode_groups(window):
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
         kd = k_cache[group.slots].transpose(1, 2)  # [Bg, KVH, ctx, D]

@@ -133,7 +133,7 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, scale=self.scale, window=self.window,
-                            sinks=self.sinks)
+                            sinks=self.sinks, decode_kernel=True)
         o = o.reshape(t, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)

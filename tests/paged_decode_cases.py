@@ -1,0 +1,126 @@
+"""Cases for the paged decode attention kernel (kernels/paged_decode_triton.py), run on CPU
+tensors in Triton's interpreter against the torch path's attention (models/attention.py).
+
+Like tests/router_triton_cases.py, this file only runs in a process started with
+TRITON_INTERPRET=1: tests/test_paged_decode_triton.py starts one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs a process started with TRITON_INTERPRET=1 (see tests/test_paged_decode_triton.py)",
+                allow_module_level=True)
+
+from r3srv.kernels import paged_decode_triton  # noqa: E402
+from r3srv.kernels.paged_decode_triton import paged_decode_triton as kernel  # noqa: E402
+from r3srv.models.attention import attend  # noqa: E402
+
+PAGE = 4
+
+
+def _cache(lens, kv_heads, head_dim, v_dim, g, dtype=torch.float32):
+    """A paged cache holding each sequence's context in scattered blocks, and their block tables."""
+    blocks = [-(-n // PAGE) for n in lens]
+    order = torch.randperm(sum(blocks) + 3, generator=g)[: sum(blocks)]  # 3 blocks nobody owns
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    first = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[first : first + n]
+        first += n
+    slots = (sum(blocks) + 3) * PAGE
+    k_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, v_dim, generator=g).to(dtype)
+    return k_cache, v_cache, tables
+
+
+def _reference(q, k_cache, v_cache, tables, lens, rows, scale, window, sinks):
+    out = torch.full((q.shape[0], q.shape[1], v_cache.shape[2]), float("nan"), dtype=q.dtype)
+    for i, (n, row) in enumerate(zip(lens, rows)):
+        pos = torch.arange(max(0, n - window) if window else 0, n)
+        slots = tables[i, pos // PAGE].long() * PAGE + pos % PAGE
+        k, v = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
+        o = attend(q[row][None, :, None], k, v, None, q.shape[1] != k.shape[1], scale, sinks)
+        out[row] = o[0, :, 0]
+    return out
+
+
+def test_runs_in_the_interpreter():
+    assert paged_decode_triton.interpreter_enabled()
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (16, 1), (6, 2)])
+@pytest.mark.parametrize("head_dim, v_dim", [(16, 16), (64, 64), (24, 40)])
+@pytest.mark.parametrize("window, sinks", [(None, False), (5, False), (None, True), (7, True)], ids=["plain", "window", "sinks", "window-sinks"])
+def test_decode_attention_equals_the_torch_path(heads, kv_heads, head_dim, v_dim, window, sinks):
+    """Sequences of 1 to 70 keys in scattered blocks (across tiles; shorter and longer than the
+    window) at scattered rows of a step: each row equals the torch path's attention, and the
+    rows of other tokens are left as they were."""
+    g = torch.Generator().manual_seed(heads * 100 + head_dim + (window or 0) + sinks)
+    lens = [1, 3, 4, 33, 70, 9]
+    k_cache, v_cache, tables = _cache(lens, kv_heads, head_dim, v_dim, g)
+    t = 9
+    rows = torch.tensor([7, 0, 3, 8, 1, 5])
+    q = torch.randn(t, heads, head_dim, generator=g)
+    sink = torch.randn(heads, generator=g) if sinks else None
+    scale = head_dim**-0.5 * 1.3
+    out = torch.full((t, heads, v_dim), -7.0)
+    kernel(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), rows, out, page=PAGE, scale=scale,
+           window=window, sinks=sink)
+    want = _reference(q, k_cache, v_cache, tables, lens, rows.tolist(), scale, window, sink)
+    torch.testing.assert_close(out[rows], want[rows], atol=2e-5, rtol=2e-5)
+    others = [r for r in range(t) if r not in rows.tolist()]
+    assert (out[others] == -7.0).all()
+
+
+def test_bfloat16_cache():
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 40]
+    k_cache, v_cache, tables = _cache(lens, 2, 32, 32, g, torch.bfloat16)
+    q = torch.randn(2, 8, 32, generator=g).to(torch.bfloat16)
+    out = torch.empty(2, 8, 32, dtype=torch.bfloat16)
+    rows = torch.tensor([1, 0])
+    kernel(q, k_cache, v_cache, tables, torch.tensor(lens), rows, out, page=PAGE, scale=32**-0.5)
+    want = _reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, [1, 0], 32**-0.5, None, None)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("family, layers", [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}), ("mixtral", {"sliding_window": 4})])
+def test_models_decode_through_the_kernel(family, layers, monkeypatch, tmp_path):
+    """The wiring: decode steps (after a prefill; GQA, gpt-oss's sinks and windows, Mixtral's
+    window) through the kernel give the logits of the gathered torch path."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_models_paged import BLOCK_SIZE, _batch
+
+    from r3srv.models import attention
+    from r3srv.models.loader import load_model
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, **layers))
+    tokens = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    calls = []
+
+    def run(kernel: bool):
+        launcher = attention._decode_launcher()
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return launcher(*args, **kwargs)
+
+        monkeypatch.setattr(attention, "decode_kernel_for", lambda q: counted if kernel else None)
+        model.init_kv_cache(16, BLOCK_SIZE, 4)
+        logits = [model.forward(_batch(model, [(tokens[:9], 0, [0, 1, 2, 3]), (tokens[:2], 0, [5, 6])]))]
+        for pos in range(9, 14):  # two sequences decode together, one crossing block boundaries
+            logits.append(model.forward(_batch(model, [(tokens[pos : pos + 1], pos, [0, 1, 2, 3]),
+                                                       (tokens[pos - 7 : pos - 6], pos - 7, [5, 6])])))
+        return torch.cat(logits)
+
+    torch.testing.assert_close(run(True), run(False), atol=1e-5, rtol=1e-5)
+    assert calls, "the decodes never took the kernel"

@@ -1,0 +1,50 @@
+"""The Triton paged decode kernel on CUDA (kernels/paged_decode_triton.py): engines decoding
+through it give the torch path's greedy tokens and routed experts (GQA; gpt-oss's sinks and
+sliding windows), and the kernel is what ran. Skipped (with the reason) without CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_testing import GREEDY, full_precision_matmuls, prompt_ids  # noqa: F401 (fixture)
+from r3srv import LLM, SamplingParams
+from tiny_checkpoints import write_tiny_checkpoint
+
+pytest.importorskip("transformers")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("family, layers", [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}),
+                                            ("mixtral", {"sliding_window": 4})])
+def test_cuda_decodes_through_the_kernel_equal_the_torch_path(family, layers, tmp_path, monkeypatch,
+                                                              full_precision_matmuls):
+    from r3srv.models import attention
+
+    path = write_tiny_checkpoint(tmp_path / family, family, seed=2, **layers)
+    prompts = [prompt_ids(5), prompt_ids(23, base=2), prompt_ids(40, base=5)]
+    launcher, calls = attention._decode_launcher(), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return launcher(*args, **kwargs)
+
+    def generate():
+        llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=128, block_size=4)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
+
+    monkeypatch.setattr(attention, "_decode_launcher", lambda: counted)
+    kernel = generate()
+    assert calls, "the CUDA decodes never took the kernel"
+    monkeypatch.setenv(attention.TRITON_DECODE_ENV, "0")
+    calls.clear()
+    torch_path = generate()
+    assert not calls
+    for (tokens, rows), (want_tokens, want_rows) in zip(kernel, torch_path):
+        assert tokens == want_tokens
+        np.testing.assert_array_equal(rows, want_rows)
