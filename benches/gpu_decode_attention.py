@@ -7,9 +7,12 @@ step, bf16, checked equal first. Prints one table; run by benches/gpu_check.sh.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
+
+os.environ["R3SRV_TRITON_DECODE"] = "1"  # the kernel is opt-in until measured (models/attention.py)
 
 SHAPES = [  # (sequences, context, heads, kv heads, head dim, window)
     (32, 1024, 32, 4, 128, None),  # Qwen3-30B-A3B-like, a rollout batch

@@ -39,6 +39,7 @@ def test_cuda_decodes_through_the_kernel_equal_the_torch_path(family, layers, tm
         return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
 
     monkeypatch.setattr(attention, "_decode_launcher", lambda: counted)
+    monkeypatch.setenv(attention.TRITON_DECODE_ENV, "1")
     kernel = generate()
     assert calls, "the CUDA decodes never took the kernel"
     monkeypatch.setenv(attention.TRITON_DECODE_ENV, "0")

@@ -162,13 +162,16 @@ def _decode_group(
     return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
 
-TRITON_DECODE_ENV = "R3SRV_TRITON_DECODE"  # "0": the torch decode path on CUDA too
+# "1": CUDA decodes take the Triton kernel. Off by default until a GPU has run its checks
+# (tests/test_attention_gpu.py, benches/gpu_decode_attention.py): it is tested in Triton's
+# interpreter and compiled for sm_90, never yet run on one.
+TRITON_DECODE_ENV = "R3SRV_TRITON_DECODE"
 
 
 def decode_kernel_for(q: torch.Tensor):
     """kernels/paged_decode_triton.py's launcher when this step's decodes take it: on CUDA, with
-    triton, unless $R3SRV_TRITON_DECODE is 0 (the interpreter tests say yes for CPU tensors)."""
-    if not q.is_cuda or os.environ.get(TRITON_DECODE_ENV, "1") == "0":
+    triton, when $R3SRV_TRITON_DECODE is 1 (the interpreter tests say yes for CPU tensors)."""
+    if not q.is_cuda or os.environ.get(TRITON_DECODE_ENV, "0") != "1":
         return None
     return _decode_launcher()
 
