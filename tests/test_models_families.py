@@ -1,6 +1,6 @@
 """What the transformers oracle tests (test_models_oracle.py, test_models_llm_oracle.py) do not
 cover for the newer families (GLM-4.5, GLM-4.7-Flash, MiniMax-M2, DeepSeek-V3/V2, gpt-oss, ERNIE-4.5, dots.llm1,
-Granite 3.x MoE): their
+Granite 3.x MoE, Qwen3-VL-MoE): their
 released config.json spellings, a float32 router in a bfloat16 model, the MTP layer a
 released checkpoint carries, and bad expert groups. (Quantized weights: test_models_quantized.py.)"""
 
@@ -327,6 +327,52 @@ def test_granite_3_moe_released_config_spelling():
     # transformers' defaults where a config leaves a scalar out
     bare = ModelConfig.from_dict({k: v for k, v in GRANITE_3_MOE_STYLE.items() if "multiplier" not in k})
     assert (bare.embedding_multiplier, bare.residual_multiplier, bare.attention_scale) == (1.0, 1.0, 1.0)
+
+
+# Qwen3-VL-30B-A3B-Instruct's config.json: the language model in text_config, M-RoPE in
+# rope_scaling, untied embeddings said by the outer config
+QWEN3_VL_30B = {
+    "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", "tie_word_embeddings": False,
+    "image_token_id": 151655, "video_token_id": 151656,
+    "text_config": {
+        "attention_bias": False, "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+        "intermediate_size": 6144, "max_position_embeddings": 262144, "mlp_only_layers": [],
+        "model_type": "qwen3_vl_moe_text", "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 5000000, "vocab_size": 151936,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+    },
+    "vision_config": {"depth": 27, "hidden_size": 1152, "model_type": "qwen3_vl_moe", "out_hidden_size": 2048},
+}
+
+
+def test_qwen3_vl_moe_released_config_spelling():
+    cfg = ModelConfig.from_dict(QWEN3_VL_30B)
+    assert (cfg.model_type, cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == (
+        "qwen3_vl_moe", 48, 128, 8, 768)
+    assert cfg.head_dim == 128 and cfg.rope_theta == 5000000 and cfg.qk_norm == "head" and cfg.renormalize
+    assert not cfg.tie_word_embeddings and cfg.moe_layers == list(range(48)) and cfg.rotary_dim == 128
+    # the outer config says whether lm_head is the embedding, whatever text_config says
+    tied_inside = {**QWEN3_VL_30B, "text_config": {**QWEN3_VL_30B["text_config"], "tie_word_embeddings": True}}
+    assert not ModelConfig.from_dict(tied_inside).tie_word_embeddings
+
+
+def test_qwen3_vl_moe_released_expert_layout_loads_as_transformers_saved_one(tmp_path, caplog):
+    """Released Qwen3-VL checkpoints store the fused experts transposed ([E, H, 2I], [E, I, H]);
+    transformers 5 saves them as it holds them. Both load to the same model; the vision tower's
+    tensors are left out (and said so)."""
+    saved = write_tiny_checkpoint(tmp_path / "saved", "qwen3_vl_moe", seed=6)
+    released = tmp_path / "released"
+    shutil.copytree(saved, released)
+    tensors = load_file(str(saved / "model.safetensors"))
+    experts = [k for k in tensors if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+    assert experts and any(k.startswith("model.visual.") for k in tensors)
+    save_file({k: v.transpose(1, 2).contiguous() if k in experts else v for k, v in tensors.items()},
+              str(released / "model.safetensors"))
+    want_logits, want_rows = prefill(load_model(saved)[0], PROMPT)
+    logits, rows = prefill(load_model(released)[0], PROMPT)
+    assert torch.equal(logits, want_logits) and torch.equal(rows, want_rows)
+    assert "model.visual." in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,8 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
     old_style = tmp_path / "old"
     shutil.copytree(new_style, old_style)
 
-    def to_old_keys(raw):
+    def to_old_keys(outer):
+        raw = outer.get("text_config", outer)  # Qwen3-VL: the language model's keys are nested
         if family == "nemotron_h":  # no positions; the layer list as the released pattern letters
             letters = {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}
             raw["hybrid_override_pattern"] = "".join(letters[k] for k in raw.pop("layers_block_type"))
@@ -69,7 +70,7 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
             raw["num_local_experts"] = raw.pop("moe_num_experts")
         else:
             raw["num_local_experts"] = raw.pop("num_experts")
-        raw["torch_dtype"] = raw.pop("dtype")
+        outer["torch_dtype"] = outer.pop("dtype")
 
     _edit_config(old_style, to_old_keys)
     new_cfg, old_cfg = ModelConfig.from_dir(new_style), ModelConfig.from_dir(old_style)
@@ -147,6 +148,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
         "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
         "NemotronHForCausalLM", "KimiLinearForCausalLM", "GraniteMoeHybridForCausalLM",
         "AfmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Lfm2MoeForCausalLM",
+        "Qwen3VLMoeForConditionalGeneration",
     }
 
 

@@ -107,6 +107,10 @@ VARIANTS = {
     # Granite-4.0-H: Mamba-2 beside attention, muP-style scalars, an always-on shared MLP; with RoPE too
     "granitemoehybrid": ("granitemoehybrid", {}),
     "granitemoehybrid_rope_3_layers": ("granitemoehybrid", {"num_layers": 3, "position_embedding_type": "rope"}),
+    # Qwen3-VL-MoE's language model, from its multimodal checkpoint (fused experts as transformers
+    # 5 saves them); tied embeddings by the outer config
+    "qwen3_vl_moe": ("qwen3_vl_moe", {}),
+    "qwen3_vl_moe_tied_dense_layer": ("qwen3_vl_moe", {"num_layers": 3, "mlp_only_layers": [1], "tie_word_embeddings": True}),
     # LFM2-MoE: gated short convolutions (prefill, then decodes continuing their windows) beside
     # attention; a dense first layer and no expert bias in the second variant
     "lfm2_moe": ("lfm2_moe", {}),

@@ -25,7 +25,7 @@ from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
     "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
-    "kimi_linear", "granitemoehybrid", "afmoe", "granitemoe", "granitemoeshared", "lfm2_moe",
+    "kimi_linear", "granitemoehybrid", "afmoe", "granitemoe", "granitemoeshared", "lfm2_moe", "qwen3_vl_moe",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -152,6 +152,19 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             transformers.GraniteMoeSharedConfig, dict(shared_intermediate_size=24))
         extra |= dict(num_local_experts=num_experts, intermediate_size=16, attention_bias=True,
                       embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)
+    elif family == "qwen3_vl_moe":
+        # Qwen3-VL's language model (its checkpoint nests it beside a vision tower, here a tiny
+        # one), M-RoPE sections that are plain RoPE for text; tied embeddings are the outer
+        # config's say, so the text config's (True by default) must not leak out
+        text = {**common, "num_experts": num_experts, "moe_intermediate_size": 8, "intermediate_size": 48,
+                "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
+        text.pop("tie_word_embeddings")
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                      spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        outer = {k: overrides.pop(k) for k in ("tie_word_embeddings",) if k in overrides}
+        return transformers.Qwen3VLMoeConfig(text_config={**text, **overrides}, vision_config=vision,
+                                             tie_word_embeddings=outer.get("tie_word_embeddings", False))
     elif family == "lfm2_moe":
         # LFM2-MoE: gated short convolutions, then attention with per-head q/k norms; every layer
         # MoE unless num_dense_layers says; a sigmoid router whose expert bias changes picks
@@ -222,7 +235,10 @@ def build_hf_model(family: str, *, seed: int = 0, **config_kwargs: Any):
 
     config = hf_config(family, **config_kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "qwen3_vl_moe":  # no causal-LM class: the image-text model, prompted with text
+        model = transformers.Qwen3VLMoeForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_(model, seed)
     return model.eval()
 
@@ -255,7 +271,8 @@ def write_tiny_checkpoint(
 def hf_gate_modules(hf) -> dict[int, torch.nn.Module]:
     """Layer index -> router gate of a transformers MoE model built by `build_hf_model`."""
     gates = {}
-    for i, layer in enumerate(hf.model.layers):
+    decoder = getattr(hf.model, "language_model", hf.model)  # Qwen3-VL nests its language model
+    for i, layer in enumerate(decoder.layers):
         moe = (getattr(layer, "block_sparse_moe", None) or getattr(layer, "mlp", None)
                or getattr(layer, "feed_forward", None) or layer.mixer)  # LFM2: feed_forward; Nemotron-H: mixer
         if hasattr(moe, "experts") and (hasattr(moe, "gate") or hasattr(moe, "router")):

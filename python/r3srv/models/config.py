@@ -42,6 +42,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "GraniteMoeForCausalLM": "granitemoe",
     "Lfm2MoeForCausalLM": "lfm2_moe",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "AfmoeForCausalLM": "afmoe",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
@@ -237,7 +238,9 @@ class ModelConfig:
         architecture = _architecture(raw)
         family = ARCHITECTURE_FAMILIES[architecture]
         if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint: serve its language model
-            raw = {**raw, **raw["text_config"], "architectures": raw.get("architectures")}
+            # (whether lm_head is the embedding is the outer config's say, as in transformers)
+            outer = {key: raw[key] for key in ("architectures", "tie_word_embeddings") if key in raw}
+            raw = {**raw, **raw["text_config"], **outer}
         raw = standard_spellings(family, raw)
         get = _Getter(raw, architecture)
 

@@ -52,6 +52,13 @@ def family_switches(
             sliding_windows=_layer_windows(raw if windowed else {**raw, "layer_types": None}, num_layers,
                                            "Qwen2MoeForCausalLM", default=rule),
         )
+    if family == "qwen3_vl_moe":
+        # Qwen3-VL's language model: Qwen3-MoE's attention and layout, a router that always
+        # renormalises; text prompts (its M-RoPE is plain RoPE for text, all three ids equal)
+        bias = bool(raw.get("attention_bias", False))
+        return dict(moe_intermediate_size=get.int("moe_intermediate_size"),
+                    moe_layers=_qwen_moe_layers(raw, num_layers, num_experts), renormalize=True,
+                    qkv_bias=bias, o_bias=bias, qk_norm="head")
     if family == "mixtral":  # a sliding_window applies to every layer
         window = raw.get("sliding_window")
         return dict(renormalize=True, sliding_windows=[int(window)] * num_layers if window else None)

@@ -141,6 +141,7 @@ class WeightPlan:
     scales: dict[str, tuple[Path, str]]
     fp8_block: tuple[int, int] | None = None
     packed: dict[str, tuple[tuple[Path, str], tuple[Path, str]]] = dataclasses.field(default_factory=dict)
+    transposed: set[str] = dataclasses.field(default_factory=set)  # stored transposed in their last two dims
 
 
 def _read_headers(files: list[Path]) -> dict[Path, dict[str, tuple[tuple[int, ...], str]]]:
@@ -170,6 +171,7 @@ def _plan_weights(
     # a target is a view of one parameter: they share its storage
     owners = {name: by_storage[t.untyped_storage().data_ptr()] for name, t in targets.items()}
     headers = _read_headers(files)
+    transposable = model.transposed_layouts()
     located = {name: (file, name) for file, header in headers.items() for name in header}
     scale_of = {name.removesuffix(quant.SCALE_SUFFIX): at for name, at in located.items() if name.endswith(quant.SCALE_SUFFIX)}
     unexpected: list[str] = []
@@ -191,7 +193,10 @@ def _plan_weights(
                     unexpected.append(name)
                 continue
             if shape != tuple(target.shape):
-                raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies {tuple(target.shape)}")
+                if name in transposable and shape == tuple(target.transpose(-1, -2).shape):
+                    plan.transposed.add(name)
+                else:
+                    raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies {tuple(target.shape)}")
             if dtype in quant.FP8_DTYPES:
                 plan.scales[name] = _check_fp8_weight(file, name, shape, scale_of, headers, fp8_block)
             owner = owners[name]
@@ -254,7 +259,7 @@ def _copy_weights(model: MoeForCausalLM, plan: WeightPlan) -> None:
                 if name in plan.scales:
                     scale_file, scale_name = plan.scales[name]
                     tensor = quant.dequantize(tensor, shard(scale_file).get_tensor(scale_name), plan.fp8_block)
-                targets[name].copy_(tensor)
+                targets[name].copy_(tensor.transpose(-1, -2) if name in plan.transposed else tensor)
         for base, ((blocks_file, blocks), (scales_file, scales)) in plan.packed.items():
             tensor = quant.dequantize_mxfp4(shard(blocks_file).get_tensor(blocks), shard(scales_file).get_tensor(scales))
             targets[base].copy_(tensor)

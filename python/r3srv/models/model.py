@@ -1,6 +1,6 @@
 """The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
 Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
-gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H and 3.x MoE, AFMoE, LFM2-MoE).
+gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H and 3.x MoE, AFMoE, LFM2-MoE, Qwen3-VL-MoE).
 
 One class with a few config switches rather than a class per family: the families differ
 only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
@@ -298,6 +298,14 @@ class MoeForCausalLM(nn.Module):
         first = next(layer for layer in self.layers if layer.attn is not None or layer.linear_attn is not None)
         return first.attn.k_cache is not None if first.linear_attn is None else first.linear_attn.has_states
 
+    def transposed_layouts(self) -> set[str]:
+        """Weight names a checkpoint may also hold transposed in their last two dims: Qwen3-VL's
+        released fused experts are [E, H, 2I] and [E, I, H], while transformers 5 saves them as
+        it holds them ([E, 2I, H], [E, H, I]); the loader tells them apart by shape."""
+        if self.config.model_type != "qwen3_vl_moe":
+            return set()
+        return {name for name in self.weight_targets() if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))}
+
     def move_weights(self, device: torch.device | str) -> None:
         """Move every weight to `device` in place (the module keeps its parameters, views
         made later by weight_targets see the moved data). To the host, on a CUDA model,
@@ -394,7 +402,7 @@ class MoeForCausalLM(nn.Module):
                 targets.update(_moe_targets(family, p, mlp))
         if family == "lfm2_moe":
             return {_lfm2_name(name): target for name, target in targets.items()}
-        if family == "qwen3_5_moe":  # the multimodal checkpoint nests the language model
+        if family in ("qwen3_5_moe", "qwen3_vl_moe"):  # the multimodal checkpoint nests the language model
             targets |= {"model.language_model." + k.removeprefix("model."): v
                         for k, v in targets.items() if k.startswith("model.")}
         return targets
