@@ -56,7 +56,7 @@ def test_decode_attention_mixed_lengths(benchmark, monkeypatch, candidate):
     if candidate == "reference":
         monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", 1 << 40)  # one group, padded to the longest
     meta = attention.AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
-    assert len(meta.decodes) == (1 if candidate == "reference" else 2)
+    assert len(meta.decode_groups(None)) == (1 if candidate == "reference" else 2)
     benchmark.group = "decode attention 1 x 4096 + 31 x 256"
     out = benchmark(attention.paged_attention, q, k, v, k_cache, v_cache, meta)
     monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", 1 << 40)
@@ -70,7 +70,7 @@ WINDOW, LONG = 128, 4096
 def masked_window_attention(q, k_cache, v_cache, meta, sinks):
     """The previous windowed decode: gather every context whole, mask keys outside the window."""
     out = torch.empty_like(q)
-    for group in meta.decodes:
+    for group in meta.decode_groups(None):
         ctx = torch.tensor([meta.context_lens[meta.decode_seqs[meta.decode_rows.index(r)]] for r in group.rows.tolist()])
         pos = torch.arange(group.slots.shape[1])
         mask = ((pos[None, :] < ctx[:, None]) & (pos[None, :] >= ctx[:, None] - WINDOW))[:, None, None, :]

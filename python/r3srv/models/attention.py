@@ -53,7 +53,7 @@ class AttentionMetadata:
     """Per-step indices, built once and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T]
-    decodes: list[DecodeGroup]
+    decodes: list[DecodeGroup] | None  # None: built on first use (decode_groups), as the kernel needs none
     prefills: list[PrefillSpan]
     # to build decode groups of a sliding window on first use (shared by the windowed layers)
     tables: torch.Tensor | None = None
@@ -81,6 +81,8 @@ class AttentionMetadata:
         """The decode groups of a layer whose queries see `window` keys at most: they gather
         only the last `window` keys of each context (O(window) a step, not O(context))."""
         if window is None or all(self.context_lens[i] <= window for i in self.decode_seqs):
+            if self.decodes is None:
+                self.decodes = self._build_decode_groups(None)
             return self.decodes
         if window not in self.windowed:
             self.windowed[window] = self._build_decode_groups(window)
@@ -117,10 +119,8 @@ class AttentionMetadata:
                 prefills.append(PrefillSpan(start, start + q, slots, pos[None, :] <= qpos[:, None], ctx))
             start += q
 
-        meta = cls(batch.slot_mapping.to(device), [], prefills, tables, decode_seqs, decode_rows,
+        return cls(batch.slot_mapping.to(device), None, prefills, tables, decode_seqs, decode_rows,
                    list(batch.context_lens), block_size)
-        meta.decodes = meta._build_decode_groups(None)
-        return meta
 
 
 def _decode_groups(context_lens: list[int]) -> list[list[int]]:

@@ -34,7 +34,7 @@ SCORE_ELEMENTS = 1 << 24
 @dataclass
 class Selection:
     prefills: list[torch.Tensor | None]  # per meta.prefills span: [q, ctx] bool, True = attended
-    decodes: list[DecodeGroup | None]  # per meta.decodes group: the group over its selected keys
+    decodes: list[DecodeGroup | None]  # per decode group (meta.decode_groups): the group over its selected keys
 
 
 class Indexer(nn.Module):
@@ -71,11 +71,11 @@ class Indexer(nn.Module):
         sparse_prefill = any(span.context_len > self.topk for span in meta.prefills)
         sparse_decode = any(meta.context_lens[i] > self.topk for i in meta.decode_seqs)
         if not (sparse_prefill or sparse_decode):
-            return Selection([None] * len(meta.prefills), [None] * len(meta.decodes))
+            return Selection([None] * len(meta.prefills), [None] * len(meta.decode_groups(None)))
         query = self._rotated(F.linear(q_resid, self.wq_b).view(t, self.heads, self.dim), cos, sin).float()
         weights = F.linear(x, self.weights_proj).float() * self.heads**-0.5  # [t, heads]
         prefills = [self._prefill(span, query, weights, key) for span in meta.prefills]
-        decodes = [self._decode(group, query, weights) for group in meta.decodes]
+        decodes = [self._decode(group, query, weights) for group in meta.decode_groups(None)]
         return Selection(prefills, decodes)
 
     def _prefill(self, span, query, weights, key) -> torch.Tensor | None:

@@ -128,10 +128,10 @@ class MlaAttention(nn.Module):
         key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [t, 1, rank + rope]: what is cached
         kv_b = self.kv_b.view(h, self.nope + self.v_dim, self.rank)
 
-        if meta.decodes:  # in the latent space; paged_attention also writes every token's latent
+        if meta.decode_seqs:  # in the latent space; paged_attention also writes every token's latent
             q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
             query = torch.cat((q_latent, q_rope), dim=-1)  # [t, h, rank + rope]
-            groups = meta.decodes
+            groups = meta.decode_groups(None)
             if selection is not None:  # sparse attention: each decode gathers its selected keys only
                 groups = [g if sparse is None else sparse for g, sparse in zip(groups, selection.decodes)]
             decodes = dataclasses.replace(meta, prefills=[], decodes=groups)
