@@ -25,6 +25,7 @@ HYBRIDS = {
     "kimi_linear": ("delta_rule_step_triton", dict(num_layers=3)),
     "nemotron_h": ("ssm_step_triton", {}),
     "granitemoehybrid": ("ssm_step_triton", dict(num_layers=3)),
+    "lfm2_moe": (None, dict(num_layers=3)),  # a convolution alone: no fused step
 }
 # prompts of 5..40 tokens decoding together, one longer than a chunk of the chunked scans
 PROMPTS = [prompt_ids(5), prompt_ids(23, base=3), prompt_ids(40, base=6)]
@@ -44,10 +45,9 @@ def _assert_same(got, want):
         np.testing.assert_array_equal(rows, want_rows)
 
 
-@pytest.fixture(params=list(HYBRIDS))
-def hybrid(request, tmp_path, full_precision_matmuls):
-    step, overrides = HYBRIDS[request.param]
-    return write_tiny_checkpoint(tmp_path / "ckpt", request.param, seed=5, **overrides), step
+def _checkpoint(family, tmp_path):
+    step, overrides = HYBRIDS[family]
+    return write_tiny_checkpoint(tmp_path / "ckpt", family, seed=5, **overrides), step
 
 
 @pytest.fixture
@@ -67,17 +67,20 @@ def counted_fused_steps(monkeypatch):
     recurrent.fused_kernel.cache_clear()
 
 
-def test_cuda_hybrid_engine_matches_the_cpu_engine(hybrid, counted_fused_steps):
-    path, step = hybrid
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_cuda_hybrid_engine_matches_the_cpu_engine(family, tmp_path, full_precision_matmuls, counted_fused_steps):
+    path, step = _checkpoint(family, tmp_path)
     gpu = _generate(path, "cuda")
-    assert counted_fused_steps[step] > 0, f"the CUDA decodes never took {step}"
+    assert step is None or counted_fused_steps[step] > 0, f"the CUDA decodes never took {step}"
     _assert_same(gpu, _generate(path, "cpu"))
 
 
-def test_fused_steps_equal_the_torch_steps_on_cuda(hybrid, counted_fused_steps, monkeypatch):
+@pytest.mark.parametrize("family", [family for family, (step, _) in HYBRIDS.items() if step is not None])
+def test_fused_steps_equal_the_torch_steps_on_cuda(family, tmp_path, full_precision_matmuls, counted_fused_steps,
+                                                   monkeypatch):
     from r3srv.models import recurrent
 
-    path, step = hybrid
+    path, step = _checkpoint(family, tmp_path)
     fused = _generate(path, "cuda")
     assert counted_fused_steps[step] > 0
     monkeypatch.setenv(recurrent.FUSED_STEP_ENV, "0")
