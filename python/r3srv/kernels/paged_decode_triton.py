@@ -119,6 +119,9 @@ def paged_decode_triton(q, k_cache, v_cache, tables, lens, rows, out, *, page: i
         return
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
+    if out.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("out and the caches must be contiguous in their last dim")
+    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernel steps through a head's dims one by one
     constants = kernel_constants(heads, kv_heads, q.shape[2], v_cache.shape[2], page, sinks=sinks is not None,
                                  window=window is not None, dtype=q.dtype)
     _paged_decode_kernel[(num_seqs, kv_heads)](
