@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import empty_param
-from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv
+from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv, linear_targets
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -97,14 +97,9 @@ class Mamba2(RecurrentLayer):
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         p = prefix + self.module_name
-        targets = {
-            p + "in_proj.weight": self.in_proj, p + "conv1d.weight": self.conv_weight, p + "dt_bias": self.dt_bias,
-            p + "A_log": self.a_log, p + "D": self.d, p + "norm.weight": self.norm, p + "out_proj.weight": self.out_proj,
-        }
-        for name, bias in (("in_proj", self.in_proj_bias), ("conv1d", self.conv_bias), ("out_proj", self.out_proj_bias)):
-            if bias is not None:
-                targets[p + name + ".bias"] = bias
-        return targets
+        return {p + "dt_bias": self.dt_bias, p + "A_log": self.a_log, p + "D": self.d, p + "norm.weight": self.norm} | (
+            linear_targets(p, {"in_proj": (self.in_proj, self.in_proj_bias), "conv1d": (self.conv_weight, self.conv_bias),
+                               "out_proj": (self.out_proj, self.out_proj_bias)}))
 
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
         self.begin_step(states)

@@ -240,6 +240,16 @@ def run_recurrence(pool: torch.Tensor, states: LinearStateBatch, out: torch.Tens
         pool.index_copy_(0, group.slots, s)
 
 
+def linear_targets(prefix: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> dict[str, torch.Tensor]:
+    """Checkpoint names of a layer's projections and convolution: {name: (weight, bias or None)}."""
+    targets = {}
+    for name, (weight, bias) in layers.items():
+        targets[prefix + name + ".weight"] = weight
+        if bias is not None:
+            targets[prefix + name + ".bias"] = bias
+    return targets
+
+
 class RecurrentLayer(nn.Module):
     """A layer whose memory of a sequence is a conv window and (but for a short convolution) a
     float32 recurrent state, one of each per pool entry; subclasses give their shapes and their

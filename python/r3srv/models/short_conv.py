@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import empty_param
-from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv, snapshot_steps
+from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv, linear_targets, snapshot_steps
 
 
 class ShortConv(RecurrentLayer):
@@ -34,13 +34,9 @@ class ShortConv(RecurrentLayer):
         return (self.conv_weight.shape[0], self.conv_weight.shape[-1] - 1), None
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        p = prefix + "conv."
-        targets = {p + "in_proj.weight": self.in_proj, p + "conv.weight": self.conv_weight,
-                   p + "out_proj.weight": self.out_proj}
-        for name, bias in (("in_proj", self.in_proj_bias), ("conv", self.conv_bias), ("out_proj", self.out_proj_bias)):
-            if bias is not None:
-                targets[p + name + ".bias"] = bias
-        return targets
+        return linear_targets(prefix + "conv.", {"in_proj": (self.in_proj, self.in_proj_bias),
+                                                 "conv": (self.conv_weight, self.conv_bias),
+                                                 "out_proj": (self.out_proj, self.out_proj_bias)})
 
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
         self.begin_step(states)
