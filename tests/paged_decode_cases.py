@@ -77,6 +77,22 @@ def test_decode_attention_equals_the_torch_path(heads, kv_heads, head_dim, v_dim
     assert (out[others] == -7.0).all()
 
 
+@pytest.mark.parametrize("heads", [16, 20, 40])
+def test_latent_decodes_equal_the_torch_path(heads):
+    """MLA's latent decodes: every head over one "KV head" (the cached latent and its rotary
+    part), the values a view of its leading dims; several blocks of 16 heads, the last partial."""
+    g = torch.Generator().manual_seed(heads)
+    lens = [2, 17, 45]
+    k_cache, _, tables = _cache(lens, 1, 40, 40, g)
+    v_cache = k_cache[..., :32]  # the latent without its rotary dims
+    rows = torch.tensor([2, 0, 1])
+    q = torch.randn(3, heads, 40, generator=g)
+    out = torch.full((3, heads, 32), -7.0)
+    kernel(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), rows, out, page=PAGE, scale=0.3)
+    want = _reference(q, k_cache, v_cache, tables, lens, rows.tolist(), 0.3, None, None)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
 def test_bfloat16_cache():
     g = torch.Generator().manual_seed(3)
     lens = [5, 40]
@@ -89,10 +105,11 @@ def test_bfloat16_cache():
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("family, layers", [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}), ("mixtral", {"sliding_window": 4})])
+@pytest.mark.parametrize("family, layers", [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}), ("mixtral", {"sliding_window": 4}),
+                                            ("deepseek_v3", {}), ("glm4_moe_lite", {})])
 def test_models_decode_through_the_kernel(family, layers, monkeypatch, tmp_path):
     """The wiring: decode steps (after a prefill; GQA, gpt-oss's sinks and windows, Mixtral's
-    window) through the kernel give the logits of the gathered torch path."""
+    window, latent attention) through the kernel give the logits of the gathered torch path."""
     import sys
     from pathlib import Path
 

@@ -1,6 +1,6 @@
 """The Triton paged decode kernel on CUDA (kernels/paged_decode_triton.py): engines decoding
 through it give the torch path's greedy tokens and routed experts (GQA; gpt-oss's sinks and
-sliding windows), and the kernel is what ran. Skipped (with the reason) without CUDA."""
+sliding windows; DeepSeek-V3's latent decodes), and the kernel is what ran. Skipped (with the reason) without CUDA."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("family, layers", [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}),
-                                            ("mixtral", {"sliding_window": 4})])
+                                            ("mixtral", {"sliding_window": 4}), ("deepseek_v3", {})])
 def test_cuda_decodes_through_the_kernel_equal_the_torch_path(family, layers, tmp_path, monkeypatch,
                                                               full_precision_matmuls):
     from r3srv.models import attention

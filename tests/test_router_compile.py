@@ -119,7 +119,8 @@ def test_ssm_step_compiles_for_sm90_without_spills(state_size):
     [(32, 8, 128, "bf16", False, False),  # Qwen3-MoE, GLM-4.5: GQA groups of 4 to 12, 128-wide heads
      (64, 8, 64, "bf16", True, True),  # gpt-oss: sinks, sliding windows, 64-wide heads
      (16, 4, 256, "fp16", False, True),  # the widest heads
-     (8, 2, 64, "fp32", False, False)],  # float32 models: IEEE products
+     (8, 2, 64, "fp32", False, False),  # float32 models: IEEE products
+     (128, 1, (576, 512), "bf16", False, False)],  # DeepSeek-V3's latent decodes: 576-wide keys, 512-wide values
 )
 def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim, dtype, sinks, window):
     """kernels/paged_decode_triton.py at the shapes the attention families decode with."""
@@ -129,7 +130,8 @@ def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim
 
     kernel = paged_decode_triton._paged_decode_kernel
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    constants = paged_decode_triton.kernel_constants(heads, kv_heads, head_dim, head_dim, 16, sinks=sinks,
+    head_dim, v_dim = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
+    constants = paged_decode_triton.kernel_constants(heads, kv_heads, head_dim, v_dim, 16, sinks=sinks,
                                                      window=window, dtype=torch_dtype)
     data = "*" + dtype
     pointers = {"q_ptr": data, "k_ptr": data, "v_ptr": data, "tables_ptr": "*i64", "lens_ptr": "*i32",
@@ -140,4 +142,5 @@ def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim
     assert list(signature) == kernel.arg_names
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": 4, "enable_fp_fusion": True}))
+                                    options={"num_warps": paged_decode_triton.launch_warps(constants),
+                                             "enable_fp_fusion": True}))

@@ -4,11 +4,13 @@ and values where they lie in the paged cache, read through its block table.
 The torch decode path (models/attention.py) gathers each sequence's context out of the cache
 into a padded [B, context, heads, dim] copy and calls SDPA: the gather reads and writes the
 whole context once more than attention does, and grouping the sequences by length is host work
-every step. Here one program per (sequence, KV head) walks the context in tiles of BLOCK_N keys
-and scores them for that KV head's query heads (GQA) with an online softmax: one read of the
-context, no copy, no grouping. A sliding window starts the walk at the window; attention sinks
-(gpt-oss) join the softmax's denominator at the end. A long context at a small batch leaves most
-of the GPU idle (no split of the context across programs yet).
+every step. Here one program per (sequence, KV head, block of 16 of its query heads) walks the
+context in tiles of keys and scores them for those heads with an online softmax: one read of
+the context, no copy, no grouping. GQA: a KV head's group of query heads; MLA's latent decodes:
+one "KV head" (the cached latent) for all heads, the values its leading dims. A sliding window
+starts the walk at the window; attention sinks (gpt-oss) join the softmax's denominator at the
+end. A long context at a small batch leaves most of the GPU idle (no split of the context
+across programs yet).
 
 The same source runs on CUDA and, with TRITON_INTERPRET=1, on CPU tensors in Triton's
 interpreter (how tests/paged_decode_cases.py checks it against the torch path).
@@ -21,10 +23,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from r3srv.kernels.launch import next_power_of_2
+from r3srv.kernels.launch import cdiv, next_power_of_2
 
-BLOCK_N = 32  # keys per tile
-MIN_DOT = 16  # tl.dot's smallest tile side
+MIN_DOT = 16  # tl.dot's smallest tile side: query heads per program, and the fewest keys per tile
 
 
 @triton.jit
@@ -40,7 +41,7 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     row = tl.load(rows_ptr + seq).to(tl.int64)
     ctx = tl.load(lens_ptr + seq)
-    g = tl.arange(0, BLOCK_G)
+    g = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)  # this program's block of the group's heads
     g_ok = g < GROUP
     heads = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
@@ -96,17 +97,22 @@ def interpreter_enabled() -> bool:
 def kernel_constants(heads: int, kv_heads: int, head_dim: int, v_dim: int, page: int, *, sinks: bool, window: bool,
                      dtype: torch.dtype) -> dict:
     """The kernel's constexpr arguments for one layer shape."""
-    group = heads // kv_heads
+    block_d = max(MIN_DOT, next_power_of_2(head_dim))
     return dict(
-        GROUP=group, BLOCK_G=max(MIN_DOT, next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, next_power_of_2(head_dim)),
+        GROUP=heads // kv_heads, BLOCK_G=MIN_DOT,  # GQA groups fit one block; MLA's 16-128 heads take several
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
         V_DIM=v_dim, BLOCK_DV=max(MIN_DOT, next_power_of_2(v_dim)),
-        PAGE=page, BLOCK_N=BLOCK_N, HAS_SINKS=sinks, HAS_WINDOW=window,
+        PAGE=page, BLOCK_N=32 if block_d <= 256 else MIN_DOT,  # MLA's 576-wide latents: smaller key tiles
+        HAS_SINKS=sinks, HAS_WINDOW=window,
         PRECISION="ieee" if dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
         # Triton's interpreter multiplies bfloat16 tiles wrongly (tl.dot on their raw bits):
         # there the tiles go to float32 first; on a GPU, bf16 tiles take the tensor cores
         UPCAST=interpreter_enabled() and dtype != torch.float32,
     )
+
+
+def launch_warps(constants: dict) -> int:
+    return 4 if constants["BLOCK_D"] <= 256 else 8  # MLA's latents: more threads for the wider tiles
 
 
 def paged_decode_triton(q, k_cache, v_cache, tables, lens, rows, out, *, page: int, scale: float,
@@ -124,13 +130,15 @@ def paged_decode_triton(q, k_cache, v_cache, tables, lens, rows, out, *, page: i
     q = q if q.stride(-1) == 1 else q.contiguous()  # the kernel steps through a head's dims one by one
     constants = kernel_constants(heads, kv_heads, q.shape[2], v_cache.shape[2], page, sinks=sinks is not None,
                                  window=window is not None, dtype=q.dtype)
-    _paged_decode_kernel[(num_seqs, kv_heads)](
+    grid = (num_seqs, kv_heads, cdiv(constants["GROUP"], constants["BLOCK_G"]))
+    _paged_decode_kernel[grid](
         q, k_cache, v_cache, tables, lens, rows, sinks if sinks is not None else q, out,
         float(scale), int(window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         tables.stride(0), out.stride(0), out.stride(1),
-        **constants, num_warps=4, enable_fp_fusion=True,  # pinned (Triton 3.9 warns its default will change)
+        **constants, num_warps=launch_warps(constants),
+        enable_fp_fusion=True,  # pinned (Triton 3.9 warns its default will change)
     )
 
 
-__all__ = ["interpreter_enabled", "kernel_constants", "paged_decode_triton"]
+__all__ = ["interpreter_enabled", "kernel_constants", "launch_warps", "paged_decode_triton"]

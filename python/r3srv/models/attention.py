@@ -196,6 +196,8 @@ def paged_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     decode_kernel: bool = False,
+    with_prefills: bool = True,
+    groups: list[DecodeGroup] | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] (this step's tokens) -> attention output [T, H, Dv].
 
@@ -205,14 +207,16 @@ def paged_attention(
     1/sqrt(D)). window: each query sees the keys at most `window - 1` positions back (a
     sliding-window layer). sinks [H]: each head's sink logit, in every softmax's denominator.
     decode_kernel: on CUDA the decodes may take the Triton kernel over the paged cache instead of
-    gathered groups (not MLA's: its groups may be sparse selections).
+    gathered groups. with_prefills=False: only the decodes attend here (MLA expands its prefills
+    itself; every token's K/V is written all the same). groups: the decode groups to attend over
+    instead of the metadata's (sparse attention's selections; never the kernel's).
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     if v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr():
         v_cache.index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     gqa = q.shape[1] != k.shape[1]
-    for span in meta.prefills:
+    for span in meta.prefills if with_prefills else ():
         q_len = span.end - span.start
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         windowed = window is not None and window < span.context_len
@@ -233,13 +237,13 @@ def paged_attention(
             mask = CAUSAL
         o = attend(qs, ks, vs, mask, gqa, scale, sinks)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
-    launch = decode_kernel_for(q) if decode_kernel and meta.decode_seqs else None
+    launch = decode_kernel_for(q) if decode_kernel and groups is None and meta.decode_seqs else None
     if launch is not None:
         tables, lens, rows = meta.decode_kernel_args()
         launch(q, k_cache, v_cache, tables, lens, rows, out, page=meta.block_size,
                scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window, sinks=sinks)
         return out
-    for group in meta.decode_groups(window):
+    for group in meta.decode_groups(window) if groups is None else groups:
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
         kd = k_cache[group.slots].transpose(1, 2)  # [Bg, KVH, ctx, D]
         vd = v_cache[group.slots].transpose(1, 2)

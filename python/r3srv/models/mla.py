@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dataclasses
-
 from r3srv.models.attention import CAUSAL, AttentionMetadata, attend, paged_attention
 from r3srv.models.config import ModelConfig
 from r3srv.models.dsa import Indexer, Selection
@@ -131,12 +129,13 @@ class MlaAttention(nn.Module):
         if meta.decode_seqs:  # in the latent space; paged_attention also writes every token's latent
             q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
             query = torch.cat((q_latent, q_rope), dim=-1)  # [t, h, rank + rope]
-            groups = meta.decode_groups(None)
+            groups = None
             if selection is not None:  # sparse attention: each decode gathers its selected keys only
-                groups = [g if sparse is None else sparse for g, sparse in zip(groups, selection.decodes)]
-            decodes = dataclasses.replace(meta, prefills=[], decodes=groups)
-            out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, decodes,
-                                         scale=self.scale)
+                groups = [g if sparse is None else sparse
+                          for g, sparse in zip(meta.decode_groups(None), selection.decodes)]
+            out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, meta,
+                                         scale=self.scale, decode_kernel=groups is None, with_prefills=False,
+                                         groups=groups)
             out = torch.einsum("thc,hdc->thd", out_latent, kv_b[:, self.nope :])
         else:
             self.k_cache.index_copy_(0, meta.slot_mapping, key)
