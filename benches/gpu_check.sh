@@ -14,8 +14,8 @@
 # Rust extension. So, on the dev machine first:
 #   bash benches/gpu_check.sh --fetch-wheels
 # then call the device tool's run with
-#   command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=600 (338 s on an H200 before the
-#   paged-decode, sync and new-family tests joined; each step also has its own limit below)
+#   command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=600 (about 380 s on an H200:
+#   router 125, tests 110, syncs 15, decode attention 90 s; each step also has its own limit below)
 # and copy the table it prints (also in $OUT/router_table.md) into the README.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,12 +39,30 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/python"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 | tee "$out/machine.txt"
 
+# R3SRV_GPU_STEPS picks steps (default all): a follow-up call in the same session reruns only
+# what changed, e.g. R3SRV_GPU_STEPS="engine tests syncs decode" (engine: the router script's
+# decode-step rows only) with R3SRV_GPU_TESTS naming the test files.
+steps=" ${R3SRV_GPU_STEPS:-router tests syncs hybrid decode} "
+wants() { [[ "$steps" == *" $1 "* ]]; }
 status=0
-timeout 220 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md" 2>&1 | tee "$out/router_bench.log" || status=1
-timeout 280 python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda or gpu" \
-    tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine_hybrid_gpu.py tests/test_engine.py \
-    tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_engine_gpu_syncs.py \
-    tests/test_attention_gpu.py 2>&1 | tee "$out/gpu_tests.log" || status=1
-timeout 45 python3 benches/bench_hybrid_prefill.py 2>&1 | tee "$out/hybrid_prefill.log" || status=1
-timeout 60 python3 benches/gpu_decode_attention.py 2>&1 | tee "$out/decode_attention.log" || status=1
+if wants router; then
+    timeout 220 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md" 2>&1 | tee "$out/router_bench.log" || status=1
+elif wants engine; then
+    timeout 150 python3 benches/gpu_router.py --require-gpu --engine-only --out "$out/engine_table.md" 2>&1 | tee "$out/engine_bench.log" || status=1
+fi
+if wants tests; then
+    # R3SRV_GPU_TESTS: the test files to run (default all the CUDA ones)
+    timeout 280 python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda or gpu" ${R3SRV_GPU_TESTS:-\
+        tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine_hybrid_gpu.py tests/test_engine.py \
+        tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_attention_gpu.py} 2>&1 | tee "$out/gpu_tests.log" || status=1
+fi
+if wants syncs; then  # -rP: its lines say where a decode step synchronizes
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfEP tests/test_engine_gpu_syncs.py 2>&1 | tee "$out/syncs.log" || status=1
+fi
+if wants hybrid; then
+    timeout 45 python3 benches/bench_hybrid_prefill.py 2>&1 | tee "$out/hybrid_prefill.log" || status=1
+fi
+if wants decode; then
+    timeout 150 python3 benches/gpu_decode_attention.py 2>&1 | tee "$out/decode_attention.log" || status=1
+fi
 exit $status

@@ -1,6 +1,6 @@
 """GPU check and timing of the fused Triton router (issue 5), in one command:
 
-    python benches/gpu_router.py [--skip-engine] [--require-gpu] [--out table.md]
+    python benches/gpu_router.py [--skip-engine | --engine-only] [--require-gpu] [--out table.md]
 
 `TRITON_INTERPRET=1 python benches/gpu_router.py --smoke` runs every part on the CPU at toy
 sizes (kernel in Triton's interpreter, wall-clock timer, engine on the CPU): it checks the
@@ -14,7 +14,9 @@ script itself, not the GPU, and its numbers mean nothing.
    a warm-up) of the fused kernel against the torch reference (softmax, stable sort,
    renormalize, copy into the buffer) and a torch.topk path, for tokens {1, 64, 4096, 32768}
    x experts {8, 64, 128, 256} x top_k {2, 8};
-3. a decode step of the engine (built-in model) with routed-experts capture on and off.
+3. a decode step of the engine (built-in model) with routed-experts capture on and off (and
+   the capture's own work per step, timed by itself), with the torch router, with the paged
+   decode kernel.
 
 Prints one markdown table. Exits 1 if correctness fails; without CUDA it says so and exits 0
 (1 with --require-gpu). Sized for a few minutes on one GPU, most of it Triton compiles.
@@ -23,6 +25,8 @@ Prints one markdown table. Exits 1 if correctness fails; without CUDA it says so
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -233,20 +237,53 @@ def sweep_launch_config() -> list[tuple[str, float]]:
 # ---------------------------------------------------------------- 3. engine decode step
 
 
-def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 64, rounds: int = 5) -> dict:
-    """Median seconds per decode step, capture on vs off, from generate(N+1) - generate(1) tokens."""
+def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 64, rounds: int = 12) -> dict:
+    """Median seconds per decode step, from generate(N+1) - generate(1) tokens, of ONE engine
+    with capture on, off (its rows taken away: the same weights, cache and allocator, so only
+    the capture differs), with the torch router, and with gather + SDPA decodes. Each round runs
+    the variants in a rotated order, after a garbage collection: the second H200 run saw the
+    variant measured first in its round run ~3% slower whatever it was."""
     if DEVICE == "cpu":
-        batch, prompt_len, decode_steps, rounds = 2, 8, 2, 1
+        batch, prompt_len, decode_steps, rounds = 2, 8, 2, 2
     from r3srv import LLM, SamplingParams
     from r3srv.kernels import router
+    from r3srv.models.attention import TRITON_DECODE_ENV
 
-    llms = {}
-    for capture in (True, False):
-        llms[capture] = LLM(device=DEVICE, enable_return_routed_experts=capture, max_num_seqs=batch,
-                            enable_prefix_caching=False, max_model_len=256, num_kv_blocks=batch * 16)
+    llm = LLM(device=DEVICE, enable_return_routed_experts=True, max_num_seqs=batch,
+              enable_prefix_caching=False, max_model_len=256, num_kv_blocks=batch * 16)
+    engine = llm.engine
     prompts = [[(7 * i + j) % 250 + 1 for j in range(prompt_len)] for i in range(batch)]
 
-    def run(llm, max_tokens):
+    @contextlib.contextmanager
+    def capture_off():
+        rows = engine.rows
+        engine.rows = engine.runner.rows = None
+        try:
+            yield
+        finally:
+            engine.rows = engine.runner.rows = rows
+
+    @contextlib.contextmanager
+    def torch_router():
+        previous = router.get_router_backend()
+        router.set_router_backend("torch")
+        try:
+            yield
+        finally:
+            router.set_router_backend(previous)
+
+    @contextlib.contextmanager
+    def torch_decode():
+        os.environ[TRITON_DECODE_ENV] = "0"  # gather + SDPA instead of the paged decode kernel
+        try:
+            yield
+        finally:
+            os.environ.pop(TRITON_DECODE_ENV)
+
+    variants = {"on": contextlib.nullcontext, "off": capture_off, "on_torch_router": torch_router,
+                "on_torch_decode": torch_decode}
+
+    def run(max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         synchronize()
         start = time.perf_counter()
@@ -255,36 +292,33 @@ def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
         return time.perf_counter() - start, outs
 
-    def step_seconds(llm):
-        short, _ = run(llm, 1)
-        long, outs = run(llm, decode_steps + 1)
+    def step_seconds(variant):
+        gc.collect()
+        with variants[variant]():
+            short, _ = run(1)
+            long, outs = run(decode_steps + 1)
         return (long - short) / decode_steps, outs
 
-    samples = {"on": [], "off": [], "on_torch_router": []}
-    for capture in (True, False):
-        step_seconds(llms[capture])  # warm-up: compiles, allocator, cuBLAS handles
-    _, outs = step_seconds(llms[True])
-    routed = outs[0].outputs[0].routed_experts
-    assert routed is not None and routed.shape[0] > 0, "capture on, but no routed_experts came back"
-    for _ in range(rounds):  # interleaved, so drift hits both sides alike
-        samples["on"].append(step_seconds(llms[True])[0])
-        samples["off"].append(step_seconds(llms[False])[0])
-        previous = router.get_router_backend()
-        router.set_router_backend("torch")
-        try:
-            samples["on_torch_router"].append(step_seconds(llms[True])[0])
-        finally:
-            router.set_router_backend(previous)
+    for variant in variants:
+        _, outs = step_seconds(variant)  # warm-up: compiles, allocator, cuBLAS handles
+        routed = outs[0].outputs[0].routed_experts
+        assert (routed is None) == (variant == "off"), f"capture {variant}, but routed_experts is {routed!r}"
+    samples = {variant: [] for variant in variants}
+    order = list(variants)
+    for r in range(rounds):
+        for variant in order[r % len(order):] + order[: r % len(order)]:
+            samples[variant].append(step_seconds(variant)[0])
     for key, values in samples.items():  # the spread says how far a median can be trusted
         print(f"decode step, capture {key}: " + " ".join(f"{v * 1e3:.3f}" for v in values) + " ms")
     medians = {key: statistics.median(values) for key, values in samples.items()}
-    # rounds pair on with off a second apart: the median of their ratios rides out host drift
+    # each round pairs on with off seconds apart: the median of their ratios rides out host drift
     paired = statistics.median(a / b for a, b in zip(samples["on"], samples["off"]))
-    return medians | {"batch": batch, "paired": paired, "capture_work": time_capture_work(llms[True], batch)}
+    return medians | {"batch": batch, "paired": paired, "capture_work": time_capture_work(llm, batch)}
 
 
+@torch.inference_mode()  # as the engine's steps run: the capture's tensors are inference tensors
 def time_capture_work(llm, batch: int, steps: int = 200) -> float:
-    """Seconds per decode step of the capture's own work (zero the step's [batch, layers, top_k]
+    """Seconds per decode step of the capture's own work (take the step's [batch, layers, top_k]
     capture, queue its copy to the host, scatter the previous step's rows), in a tight loop: the
     H200's host ran decode steps 7 or 11 ms in turns of seconds (gVisor), too noisy for an on/off
     difference of 1%; this measures the difference itself. Leaves out the routers' id stores
@@ -326,6 +360,9 @@ def render(router_rows, sweep, decode, decode_error) -> str:
                      f"{off * 1e3:.3f} ms (step, capture off) | {decode['capture_work'] / off * 100:.2f}% of a step | | |")
         lines.append(f"| decode step B={decode['batch']}, capture on: fused vs torch router | {on * 1e3:.3f} ms | "
                      f"{torch_router * 1e3:.3f} ms | {torch_router / on:.2f}x | | |")
+        gathered = decode["on_torch_decode"]
+        lines.append(f"| decode step B={decode['batch']}, capture on: paged decode kernel vs gather + SDPA | "
+                     f"{on * 1e3:.3f} ms | {gathered * 1e3:.3f} ms | {gathered / on:.2f}x | | |")
     else:
         lines.append(f"| decode step | failed: {decode_error} | | | | |")
     return "\n".join(lines)
@@ -334,6 +371,7 @@ def render(router_rows, sweep, decode, decode_error) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--skip-engine", action="store_true", help="skip the engine decode-step measurement")
+    parser.add_argument("--engine-only", action="store_true", help="only the engine decode-step measurement")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 (not 0) when there is no CUDA device")
     parser.add_argument("--out", help="also write the table to this file")
     parser.add_argument("--smoke", action="store_true",
@@ -357,17 +395,20 @@ def main() -> int:
     start = time.perf_counter()
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run: numbers mean nothing)"
     print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}")
-    failures = check_correctness()
-    for failure in failures[:20]:
-        print(f"  FAIL {failure}")
-    print(f"[{time.perf_counter() - start:.0f}s] timing the router...")
-    warm_up_gpu()
-    router_rows = lower_of(time_router(), time_router())
-    try:
-        sweep = sweep_launch_config()
-    except Exception:  # tuning data only: never lose the table over it
-        traceback.print_exc()
-        sweep = []
+    failures, router_rows, sweep = [], [], []
+    if not args.engine_only:
+        failures = check_correctness()
+        for failure in failures[:20]:
+            print(f"  FAIL {failure}")
+        print(f"[{time.perf_counter() - start:.0f}s] timing the router...")
+        warm_up_gpu()
+        router_rows = lower_of(time_router(), time_router())
+        try:
+            sweep = sweep_launch_config()
+        except Exception:  # tuning data only: never lose the table over it
+            traceback.print_exc()
+    else:
+        warm_up_gpu()
     decode, decode_error = None, None
     if not args.skip_engine:
         print(f"[{time.perf_counter() - start:.0f}s] timing engine decode steps...")

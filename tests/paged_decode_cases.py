@@ -77,6 +77,44 @@ def test_decode_attention_equals_the_torch_path(heads, kv_heads, head_dim, v_dim
     assert (out[others] == -7.0).all()
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, v_dim", [(8, 2, 32, 32), (20, 1, 40, 32)], ids=["gqa", "latent"])
+@pytest.mark.parametrize("window, sinks", [(None, False), (50, True)], ids=["plain", "window-sinks"])
+def test_split_contexts_equal_the_torch_path(splits, heads, kv_heads, head_dim, v_dim, window, sinks):
+    """Contexts split into parts (flash-decoding) and combined: equal to the torch path, for
+    contexts from 2 keys (later parts empty) to 300 (several tiles a part), windows and sinks
+    (which join in the combine), several blocks of 16 heads (the latent case)."""
+    g = torch.Generator().manual_seed(splits * 10 + heads + (window or 0))
+    lens = [2, 300, 45, 129, 97]
+    k_cache, v_cache, tables = _cache(lens, kv_heads, head_dim, max(head_dim, v_dim), g)
+    v_cache = v_cache[..., :v_dim] if kv_heads > 1 else k_cache[..., :v_dim]  # latent: values lead the keys
+    rows = torch.tensor([4, 0, 2, 1, 3])
+    q = torch.randn(6, heads, head_dim, generator=g)
+    sink = torch.randn(heads, generator=g) if sinks else None
+    out = torch.full((6, heads, v_dim), -7.0)
+    kernel(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), rows, out, page=PAGE, scale=0.2,
+           window=window, sinks=sink, splits=splits)
+    want = _reference(q, k_cache, v_cache, tables, lens, rows.tolist(), 0.2, window, sink)
+    torch.testing.assert_close(out[rows], want[rows], atol=2e-5, rtol=2e-5)
+    assert (out[5] == -7.0).all()
+
+
+def test_a_long_context_splits_by_itself():
+    """Without an explicit split the launcher splits a long context at a small batch (the
+    interpreter pretends to be a 4-processor GPU), and the result still equals the torch path."""
+    assert paged_decode_triton.choose_splits(2, 1000, paged_decode_triton.processor_count(torch.device("cpu"))) > 1
+    g = torch.Generator().manual_seed(5)
+    lens = [1000, 700]
+    k_cache, v_cache, tables = _cache(lens, 1, 16, 16, g)
+    rows = torch.tensor([0, 1])
+    q = torch.randn(2, 4, 16, generator=g)
+    out = torch.empty(2, 4, 16)
+    kernel(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), rows, out, page=PAGE, scale=0.25,
+           max_context=max(lens))
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, [0, 1], 0.25, None, None),
+                               atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("heads", [16, 20, 40])
 def test_latent_decodes_equal_the_torch_path(heads):
     """MLA's latent decodes: every head over one "KV head" (the cached latent and its rotary

@@ -7,6 +7,7 @@ the reason) without CUDA."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -22,13 +23,15 @@ pytestmark = [
 ]
 
 
-def _syncs_per_decode_step(path, steps: int = 4) -> list[int]:
+def _syncs_per_decode_step(path, steps: int = 4) -> list[list[str]]:
+    """Per decode step, where it synchronized (file:line of the Python call, one per sync)."""
     engine = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=128).engine
     for i in range(3):
-        engine.add_request(f"r{i}", prompt_ids(20 + 7 * i, base=i), SamplingParams(max_tokens=steps + 2, **GREEDY))
+        engine.add_request(f"r{i}", prompt_ids(20 + 7 * i, base=i), SamplingParams(max_tokens=steps + 3, **GREEDY))
     engine.step()  # the prefills
-    engine.step()  # a first decode: one-time allocations
-    counts = []
+    engine.step()  # first decodes: one-time allocations
+    engine.step()
+    sites = []
     for _ in range(steps):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -37,15 +40,19 @@ def _syncs_per_decode_step(path, steps: int = 4) -> list[int]:
                 assert not engine.step().failed
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchroniz" in str(w.message) for w in caught))
-    return counts
+        sites.append([f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)])
+    return sites
 
 
 # plain attention + the fused router + grouped expert GEMMs; latent attention; a hybrid (Gated
 # DeltaNet beside attention: its fused decode steps, state slots)
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
 def test_decode_steps_wait_for_the_gpu_no_more_in_a_deeper_model(family, tmp_path):
+    """A sync inside a layer shows in every step of the deeper model (the first GPU run saw one
+    step of the shallow model make an extra, one-off sync: the fewest per step are compared)."""
     shallow = _syncs_per_decode_step(write_tiny_checkpoint(tmp_path / "2", family, seed=1, num_layers=2))
     deep = _syncs_per_decode_step(write_tiny_checkpoint(tmp_path / "4", family, seed=1, num_layers=4))
-    assert min(shallow) > 0  # the sampler reads its picks back: the mode does report syncs
-    assert deep == shallow, f"syncs per decode step: {shallow} with 2 layers, {deep} with 4"
+    print(f"{family}: syncs per decode step, 2 layers {[len(s) for s in shallow]}, 4 layers {[len(s) for s in deep]}; "
+          f"where (4 layers, a middle step): {dict(Counter(deep[1]))}")
+    assert min(map(len, shallow)) > 0  # the sampler reads its picks back: the mode does report syncs
+    assert min(map(len, deep)) <= min(map(len, shallow)), f"2 layers: {shallow}\n4 layers: {deep}"

@@ -40,12 +40,29 @@ def test_steps_scatter_by_slot_and_the_latest_step_wins(device, num_experts):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (queued copies into pinned memory)")
 def test_a_cuda_store_waits_for_nothing_until_read():
     """The store returns with the copy queued behind the step's work; a read sees it landed,
-    also after the capture's memory went back to the allocator; larger steps grow the staging."""
+    also after the next step's routers (queued behind the copy) overwrote the capture."""
     buffer = RoutedExpertsBuffer(num_slots=4096, num_layers=2, top_k=2, num_experts=64)
     torch.cuda._sleep(50_000_000)  # the GPU is busy for a while: the copy cannot have run yet
     ids = [[i % 64, (i + 1) % 64] for i in range(1000)]
     buffer.store(np.arange(1000), _capture(buffer, ids, "cuda"))
     assert buffer._pending is not None  # queued, not waited for
-    torch.zeros(1 << 20, device="cuda")  # the capture's memory may be reused meanwhile
+    buffer.new_capture(1000, "cuda").fill_(7)  # the next step's routers write the same memory
     np.testing.assert_array_equal(buffer.gather([0], 4096, num_rows=1000)[:, 1], ids)
     assert buffer._pending is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_reuse_one_capture_whose_dense_layers_stay_zero(device):
+    """Each step's capture is the leading rows of one buffer (zeroed once, grown for a larger
+    step): a step's MoE column holds only its own ids, the dense layer's column stays zero."""
+    buffer = RoutedExpertsBuffer(num_slots=1024, num_layers=2, top_k=2, num_experts=64)
+    first = buffer.new_capture(300, device)  # more than the first allocation: grows
+    assert first.shape == (300, 2, 2) and not first.any()
+    for step, tokens in enumerate([300, 5, 600]):
+        ids = [[(step + i) % 64, (step + 2 * i) % 64] for i in range(tokens)]
+        capture = _capture(buffer, ids, device)
+        assert capture.shape[0] == tokens
+        buffer.store(np.arange(tokens) + 400 * (step % 2), capture)
+        rows = buffer.gather([0], 1024, num_rows=400 * (step % 2) + tokens, start=400 * (step % 2))
+        np.testing.assert_array_equal(rows[:, 1], ids)
+        assert not rows[:, 0].any()

@@ -36,4 +36,17 @@ def test_smoke_run_exercises_every_part_on_the_cpu():
     assert "correctness: PASS" in out and "0 failures" in out
     assert "| router T=64 E=128 k=8 |" in out
     assert "decode step B=2, capture on vs off" in out, out[-3000:] + done.stderr[-3000:]  # the engine part ran
+    assert "capture work per decode step B=2" in out and "paged decode kernel vs gather + SDPA" in out
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_decode_attention_script_smoke_runs_on_the_cpu():
+    """benches/gpu_decode_attention.py --smoke: every row (splits checked equal, timed) at toy sizes."""
+    script = SCRIPT.with_name("gpu_decode_attention.py")
+    env = {k: v for k, v in os.environ.items() if k != "R3SRV_TRITON_DECODE"} | {"TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=SCRIPT.parent.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "tokens" in line]
+    assert len(rows) == 3 and not any("failed" in row for row in rows), done.stdout

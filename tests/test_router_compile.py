@@ -122,8 +122,10 @@ def test_ssm_step_compiles_for_sm90_without_spills(state_size):
      (8, 2, 64, "fp32", False, False),  # float32 models: IEEE products
      (128, 1, (576, 512), "bf16", False, False)],  # DeepSeek-V3's latent decodes: 576-wide keys, 512-wide values
 )
-def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim, dtype, sinks, window):
-    """kernels/paged_decode_triton.py at the shapes the attention families decode with."""
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim, dtype, sinks, window, split):
+    """kernels/paged_decode_triton.py at the shapes the attention families decode with, whole
+    contexts and parts of split ones."""
     import torch
 
     from r3srv.kernels import paged_decode_triton
@@ -132,10 +134,10 @@ def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     head_dim, v_dim = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
     constants = paged_decode_triton.kernel_constants(heads, kv_heads, head_dim, v_dim, 16, sinks=sinks,
-                                                     window=window, dtype=torch_dtype)
+                                                     window=window, dtype=torch_dtype, split=split)
     data = "*" + dtype
     pointers = {"q_ptr": data, "k_ptr": data, "v_ptr": data, "tables_ptr": "*i64", "lens_ptr": "*i32",
-                "rows_ptr": "*i64", "sinks_ptr": data, "out_ptr": data}
+                "rows_ptr": "*i64", "sinks_ptr": data, "out_ptr": data, "part_ptr": "*fp32", "part_acc_ptr": "*fp32"}
     signature = pointers | {"scale": "fp32"} | {
         name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants and name != "scale"}
     signature |= {name: "constexpr" for name in constants}
@@ -144,3 +146,24 @@ def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim
     assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                     options={"num_warps": paged_decode_triton.launch_warps(constants),
                                              "enable_fp_fusion": True}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("v_dim, dtype, sinks", [(128, "bf16", False), (64, "bf16", True), (512, "bf16", False),
+                                                 (64, "fp32", False)])
+def test_split_combine_compiles_for_sm90_without_spills(v_dim, dtype, sinks):
+    """The combine of split contexts, up to MLA's 512-wide values and the most parts."""
+    from r3srv.kernels import paged_decode_triton
+    from r3srv.kernels.launch import next_power_of_2
+
+    kernel = paged_decode_triton._combine_splits_kernel
+    constants = {"V_DIM": v_dim, "BLOCK_DV": next_power_of_2(v_dim),
+                 "BLOCK_S": next_power_of_2(paged_decode_triton.MAX_SPLITS), "HAS_SINKS": sinks}
+    pointers = {"part_ptr": "*fp32", "part_acc_ptr": "*fp32", "rows_ptr": "*i64", "sinks_ptr": "*" + dtype,
+                "out_ptr": "*" + dtype}
+    signature = pointers | {name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants}
+    signature |= {name: "constexpr" for name in constants}
+    assert list(signature) == kernel.arg_names
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": 4, "enable_fp_fusion": True}))

@@ -43,11 +43,22 @@ class RoutedExpertsBuffer:
         self.capture_dtype = capture_torch_dtype(num_experts)
         # np.zeros maps pages lazily: untouched slots cost no memory.
         self.rows = np.zeros((num_slots, num_layers, top_k), dtype=self.dtype)
+        self._capture: torch.Tensor | None = None  # the steps' capture, grown on demand
         self._pinned: torch.Tensor | None = None  # host staging for CUDA captures, grown on demand
-        self._pending: tuple[np.ndarray, torch.Tensor, torch.cuda.Event] | None = None
+        self._landed: torch.cuda.Event | None = None  # recorded behind each CUDA copy (one, re-recorded)
+        self._pending: tuple[np.ndarray, torch.Tensor] | None = None
 
     def new_capture(self, num_tokens: int, device: torch.device | str) -> torch.Tensor:
-        return torch.zeros((num_tokens, self.num_layers, self.top_k), dtype=self.capture_dtype, device=device)
+        """The step's [num_tokens, layers, top_k] capture: the leading rows of one buffer, zeroed
+        once. Every MoE layer's router writes all the step's rows of its column and no one
+        writes a dense layer's, so no step needs to zero it again (a launch less a step). A
+        step's rows are read (or their copy queued, in stream order) before the next step's
+        routers run."""
+        device = torch.device(device)
+        if self._capture is None or self._capture.device != device or self._capture.shape[0] < num_tokens:
+            self._capture = torch.zeros((max(num_tokens, 256), self.num_layers, self.top_k),
+                                        dtype=self.capture_dtype, device=device)
+        return self._capture[:num_tokens]
 
     def store(self, slot_mapping: np.ndarray, capture: torch.Tensor) -> None:
         """Scatter one step's rows to their tokens' slots (from a CUDA capture: at the next
@@ -62,17 +73,18 @@ class RoutedExpertsBuffer:
                                        pin_memory=True)
         host = self._pinned[:num_tokens]
         host.copy_(capture, non_blocking=True)
-        landed = torch.cuda.Event()
-        landed.record(torch.cuda.current_stream(capture.device))  # the engine's GPU, current or not
-        self._pending = (slot_mapping, host, landed)
+        if self._landed is None:
+            self._landed = torch.cuda.Event()
+        self._landed.record(torch.cuda.current_stream(capture.device))  # the engine's GPU, current or not
+        self._pending = (slot_mapping, host)
 
     def flush(self) -> None:
         """Scatter the last CUDA step's rows (waits for its copy; the step's sampling usually has)."""
         if self._pending is None:
             return
-        slot_mapping, host, landed = self._pending
+        slot_mapping, host = self._pending
         self._pending = None
-        landed.synchronize()
+        self._landed.synchronize()
         self._scatter(slot_mapping, host.numpy())
 
     def _scatter(self, slot_mapping: np.ndarray, rows: np.ndarray) -> None:
