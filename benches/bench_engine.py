@@ -148,9 +148,10 @@ def test_single_sequence_decode(benchmark, engines):
 
 def test_capture_path_cost_per_step(benchmark, engines):
     """The capture's own work per step, timed in isolation (immune to the noise that swamps
-    a 1-3% end-to-end difference on a shared machine): zero-fill the capture tensor, write
-    every MoE layer's ids into it (as select_experts does), scatter it into the slot-indexed
-    host buffer; compared with a forward step of the same shape."""
+    a 1-3% end-to-end difference on a shared machine): take the step's capture rows, write
+    every MoE layer's ids into them (as select_experts does), scatter them into the slot-indexed
+    host buffer; compared with a forward step of the same shape. In inference mode, as the
+    engine's steps run (the capture buffer the engine made is an inference tensor)."""
     llm = engines["on"]
     rows = llm.engine.rows
     info = llm.routed_experts_info
@@ -159,6 +160,7 @@ def test_capture_path_cost_per_step(benchmark, engines):
         slots = torch.randperm(rows.rows.shape[0])[:tokens].numpy()
         ids = torch.randint(0, info["num_experts"], (tokens, info["top_k"]), dtype=torch.int32)
 
+        @torch.inference_mode()
         def capture_path():
             cap = rows.new_capture(tokens, "cpu")
             for layer in info["moe_layers"]:

@@ -54,7 +54,7 @@ if wants tests; then
     # R3SRV_GPU_TESTS: the test files to run (default all the CUDA ones)
     timeout 280 python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda or gpu" ${R3SRV_GPU_TESTS:-\
         tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine_hybrid_gpu.py tests/test_engine.py \
-        tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_attention_gpu.py} 2>&1 | tee "$out/gpu_tests.log" || status=1
+        tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_attention_gpu.py tests/test_transfer.py} 2>&1 | tee "$out/gpu_tests.log" || status=1
 fi
 if wants syncs; then  # -rP: its lines say where a decode step synchronizes
     timeout 90 python3 -m pytest -q -p no:cacheprovider -rfEP tests/test_engine_gpu_syncs.py 2>&1 | tee "$out/syncs.log" || status=1

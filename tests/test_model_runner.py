@@ -70,7 +70,7 @@ def test_prepare_matches_the_per_token_reference(step):
         assert got == expected, name
     assert slot_np.tolist() == want["slot_mapping"]
     assert batch.input_ids.dtype == batch.positions.dtype == batch.slot_mapping.dtype == torch.int64
-    assert batch.block_tables.dtype == torch.int32 and batch.logits_indices.dtype == torch.int64
+    assert batch.block_tables.dtype == batch.logits_indices.dtype == torch.int64
 
 
 def test_block_table_acts_as_an_append_only_list():

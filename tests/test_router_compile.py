@@ -136,7 +136,7 @@ def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim
     constants = paged_decode_triton.kernel_constants(heads, kv_heads, head_dim, v_dim, 16, sinks=sinks,
                                                      window=window, dtype=torch_dtype, split=split)
     data = "*" + dtype
-    pointers = {"q_ptr": data, "k_ptr": data, "v_ptr": data, "tables_ptr": "*i64", "lens_ptr": "*i32",
+    pointers = {"q_ptr": data, "k_ptr": data, "v_ptr": data, "tables_ptr": "*i64", "lens_ptr": "*i64",
                 "rows_ptr": "*i64", "sinks_ptr": data, "out_ptr": data, "part_ptr": "*fp32", "part_acc_ptr": "*fp32"}
     signature = pointers | {"scale": "fp32"} | {
         name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants and name != "scale"}

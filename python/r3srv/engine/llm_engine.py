@@ -441,7 +441,9 @@ class LLMEngine:
         if to_sample:
             sampled_seqs = [seqs[i] for i in to_sample]
             try:
-                samples = sample(logits[to_sample], sampled_seqs, self.eos_token_ids, self._sampling_generator)
+                # every row samples in a decode step: no index (a list index is a blocking copy on CUDA)
+                rows = logits if len(to_sample) == len(seqs) else logits[to_sample]
+                samples = sample(rows, sampled_seqs, self.eos_token_ids, self._sampling_generator)
             except Exception as exc:
                 for rid in dict.fromkeys(s.request_id for s in sampled_seqs):
                     self._fail(rid, exc, result)

@@ -14,6 +14,7 @@ import torch
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 from r3srv.engine.sequence import Sequence
 from r3srv.models.batch import ForwardBatch
+from r3srv.transfer import ints_to_device
 
 
 class ModelRunner:
@@ -50,14 +51,17 @@ class ModelRunner:
             positions = np.arange(num_tokens) - first_row[owner] + starts[owner]
         slot_np = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
+        # one transfer that does not wait for the GPU (the last step's work may still run)
+        ids, positions_t, slots_t, tables_t, logits_indices = ints_to_device(
+            [np.array(input_ids, dtype=np.int64), positions, slot_np, tables, np.cumsum(query_lens) - 1], dev)
         batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            slot_mapping=torch.from_numpy(slot_np).to(dev),
+            input_ids=ids,
+            positions=positions_t,
+            slot_mapping=slots_t,
             query_lens=query_lens.tolist(),
             context_lens=ends.tolist(),
-            block_tables=torch.from_numpy(tables).to(dev),
-            logits_indices=torch.from_numpy(np.cumsum(query_lens) - 1).to(dev),
+            block_tables=tables_t,
+            logits_indices=logits_indices,
             routing_capture=None if self.rows is None else self.rows.new_capture(num_tokens, dev),
         )
         if seqs[0].state_slot >= 0:  # a hybrid: every admitted sequence holds a state slot

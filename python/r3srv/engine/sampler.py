@@ -75,7 +75,8 @@ def sample(
     ]
     if plain_greedy:
         # torch.argmax returns the first maximal index: ties go to the lowest id.
-        for i, tok in zip(plain_greedy, torch.argmax(logits[plain_greedy], dim=-1).tolist()):
+        greedy_rows = logits if len(plain_greedy) == len(seqs) else logits[plain_greedy]  # all: no copy, no index
+        for i, tok in zip(plain_greedy, torch.argmax(greedy_rows, dim=-1).tolist()):
             token_ids[i] = tok
     plain = set(plain_greedy)
     others = [i for i in range(len(seqs)) if i not in plain]

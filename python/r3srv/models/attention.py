@@ -17,10 +17,12 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from r3srv.models.batch import ForwardBatch
+from r3srv.transfer import ints_to_device
 
 
 @dataclass
@@ -72,12 +74,10 @@ class AttentionMetadata:
         context (a host int: it decides the kernel's split), for the Triton kernel (built on
         first use, shared by the layers)."""
         if self._decode_kernel_args is None:
-            device = self.slot_mapping.device
-            seqs = torch.tensor(self.decode_seqs, device=device)
             host_lens = [self.context_lens[i] for i in self.decode_seqs]
-            lens = torch.tensor(host_lens, dtype=torch.int32, device=device)
-            self._decode_kernel_args = (self.tables[seqs], lens, torch.tensor(self.decode_rows, device=device),
-                                        max(host_lens))
+            seqs, lens, rows = ints_to_device([np.array(self.decode_seqs), np.array(host_lens),
+                                               np.array(self.decode_rows)], self.slot_mapping.device)
+            self._decode_kernel_args = (self.tables[seqs], lens, rows, max(host_lens))
         return self._decode_kernel_args
 
     def decode_groups(self, window: int | None) -> list[DecodeGroup]:

@@ -16,7 +16,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, KV-cache slot (block_id * block_size + offset) of each token
     query_lens: list[int]  # [B] tokens of each sequence in this step (sum == T)
     context_lens: list[int]  # [B] tokens with valid KV after this step (cached + computed + this step)
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with -1
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (int32 accepted), padded with -1
     logits_indices: torch.Tensor  # [B] int64: the token (index into T) whose logits each sequence samples from
     # [T, num_layers, top_k] integer buffer, zero-filled by the engine; every MoE layer
     # writes the logical expert ids its router picked for token t into [t, layer]. None: no capture.

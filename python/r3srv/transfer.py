@@ -1,0 +1,25 @@
+"""Host integers to the device without waiting for it.
+
+On CUDA a copy from pageable host memory blocks the host until the GPU has run everything
+queued before it: a decode step on an H200 made eight such copies (its inputs, the decode
+kernel's arguments), each a wait in a step bound by the host. From pinned memory the copy is
+queued like a kernel. Several arrays travel in one pinned block and one copy; torch's caching
+host allocator keeps that block until its copy has run, so a later step never overwrites
+data still in flight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def ints_to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 tensors on `device` with the arrays' shapes and values (on the CPU: views of int64
+    copies, no transfer)."""
+    flat = [np.asarray(a, dtype=np.int64) for a in arrays]
+    if device.type != "cuda":
+        return [torch.from_numpy(a) for a in flat]
+    host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in flat])).pin_memory()
+    moved = host.to(device, non_blocking=True)
+    return [part.view(a.shape) for part, a in zip(moved.split([a.size for a in flat]), flat)]
