@@ -450,3 +450,38 @@ def test_afmoe_config_spelling():
     assert full == [3, 7, 11, 15, 19, 23, 27, 31] and cfg.rope_layers == [i for i in range(32) if i not in full]
     assert cfg.moe_layers == list(range(2, 32)) and cfg.routed_scaling_factor == 2.826 and cfg.router_bias
     assert cfg.embedding_multiplier == 2048**0.5 and cfg.shared_expert_intermediate_size == 1024
+
+
+def test_granite_swa_config_spellings():
+    """GraniteMoeSWA as transformers 5.23's GraniteMoeSWAConfig writes it (no released config.json
+    was at hand): its defaults (a window of 128, every fourth layer full from the first) apply
+    where the keys are missing; a 0 in layer_rope_theta is a layer without positions; several
+    RoPE bases and a list of the wrong length are refused."""
+    transformers = pytest.importorskip("transformers")
+    written = transformers.GraniteMoeSWAConfig(num_hidden_layers=8, layer_rope_theta=[0.0, 5e5, 5e5, 5e5] * 2,
+                                               shared_intermediate_size=64).to_dict()
+    written["architectures"] = ["GraniteMoeSWAForCausalLM"]
+    cfg = ModelConfig.from_dict(written)
+    assert cfg.model_type == "granitemoe_swa" and cfg.attention_sinks and cfg.shared_expert_intermediate_size == 64
+    assert cfg.sliding_windows == [None, 128, 128, 128] * 2
+    assert cfg.rope_layers == [1, 2, 3, 5, 6, 7] and cfg.rope_theta == 5e5
+    bare = {k: v for k, v in written.items() if k not in ("layer_types", "sliding_window", "layer_rope_theta")}
+    cfg = ModelConfig.from_dict(bare)
+    assert cfg.sliding_windows == [None, 128, 128, 128] * 2 and cfg.rope_layers is None
+    with pytest.raises(ConfigError, match="several RoPE bases"):
+        ModelConfig.from_dict({**written, "layer_rope_theta": [0.0, 1e4, 5e5, 5e5] * 2})
+    with pytest.raises(ConfigError, match="layer_rope_theta has 3 entries"):
+        ModelConfig.from_dict({**written, "layer_rope_theta": [0.0, 1e4, 1e4]})
+
+
+def test_flex_olmo_config_spellings():
+    """FlexOlmo as transformers 5.23's FlexOlmoConfig writes it (its defaults: 7 experts, top-5,
+    no renormalisation; no released config.json was at hand): OLMoE's router and full-width
+    q/k norms, no norm before a branch and one on each branch's output."""
+    transformers = pytest.importorskip("transformers")
+    written = transformers.FlexOlmoConfig(num_hidden_layers=4).to_dict()
+    written["architectures"] = ["FlexOlmoForCausalLM"]
+    cfg = ModelConfig.from_dict(written)
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.renormalize) == ("flex_olmo", 7, 5, False)
+    assert cfg.qk_norm == "full" and cfg.clip_qkv is None and not cfg.pre_norms and cfg.sandwich_norms
+    assert cfg.moe_layers == [0, 1, 2, 3] and cfg.rope_theta == 500000.0 and cfg.num_kv_heads == 32

@@ -41,7 +41,7 @@ def _prefill(model, ids: list[int], device: str):
     "family",
     ["qwen2_moe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss", "ernie4_5_moe", "glm4_moe_lite", "dots1",
      "qwen3_next", "qwen3_5_moe", "deepseek_v32", "nemotron_h", "kimi_linear", "granitemoehybrid",
-     "afmoe", "granitemoe", "lfm2_moe", "qwen3_vl_moe"],
+     "afmoe", "granitemoe", "lfm2_moe", "qwen3_vl_moe", "granitemoe_swa", "flex_olmo"],
 )
 def test_cuda_float32_matches_cpu(family, tmp_path, full_precision_matmuls):
     path = write_tiny_checkpoint(tmp_path / "ckpt", family, seed=4)

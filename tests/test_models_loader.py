@@ -148,7 +148,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
         "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
         "NemotronHForCausalLM", "KimiLinearForCausalLM", "GraniteMoeHybridForCausalLM",
         "AfmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Lfm2MoeForCausalLM",
-        "Qwen3VLMoeForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration", "GraniteMoeSWAForCausalLM", "FlexOlmoForCausalLM",
     }
 
 

@@ -120,6 +120,15 @@ VARIANTS = {
     # Granite 3.x MoE: RoPE attention with biases, muP-style scalars; GraniteMoeShared's shared MLP
     "granitemoe": ("granitemoe", {}),
     "granitemoeshared_3_layers_16e": ("granitemoeshared", {"num_layers": 3, "num_experts": 16, "top_k": 4}),
+    # GraniteMoeSWA: windows and sinks, position-free full layers; without layer_rope_theta every
+    # layer rotates by the one base (5 layers: two full, three windowed)
+    "granitemoe_swa": ("granitemoe_swa", {}),
+    # FlexOlmo: OLMo-2's layout (no norm before a branch, one on its output). norm_topk_prob
+    # scales a token's expert mix by one number, which the output norm cancels (a dropped
+    # renormalisation passes here, rightly); the variant checks the parse and the ids
+    "flex_olmo": ("flex_olmo", {}),
+    "flex_olmo_3_layers_top3_renormalized": ("flex_olmo", {"num_layers": 3, "norm_topk_prob": True, "top_k": 3}),
+    "granitemoe_swa_rope_everywhere_5_layers": ("granitemoe_swa", {"num_layers": 5, "layer_rope_theta": None}),
     # Arcee's AFMoE: windowed RoPE layers and position-free full layers, sandwich norms, gated output
     "afmoe": ("afmoe", {}),
     "afmoe_dense_first_4_layers": ("afmoe", {"num_layers": 4, "num_dense_layers": 1, "mup_enabled": False}),

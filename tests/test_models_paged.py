@@ -36,6 +36,8 @@ LAYOUTS = {
     "granitemoeshared": dict(num_layers=3),
     # gated short convolutions around attention (a convolution window, no recurrent state)
     "lfm2_moe": dict(num_layers=3),
+    # windowed RoPE layers with sinks around position-free full layers
+    "granitemoe_swa": dict(num_layers=5),
 }
 
 

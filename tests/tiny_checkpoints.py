@@ -26,6 +26,7 @@ FAMILIES = (
     "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "gpt_oss",
     "ernie4_5_moe", "glm4_moe_lite", "dots1", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "nemotron_h",
     "kimi_linear", "granitemoehybrid", "afmoe", "granitemoe", "granitemoeshared", "lfm2_moe", "qwen3_vl_moe",
+    "granitemoe_swa", "flex_olmo",
 )
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte-level tokenizer
 EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -60,6 +61,9 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
         cls, extra = transformers.MixtralConfig, dict(num_local_experts=num_experts, intermediate_size=16)
     elif family == "olmoe":
         cls, extra = transformers.OlmoeConfig, dict(num_experts=num_experts, intermediate_size=16, clip_qkv=3.0)
+    elif family == "flex_olmo":
+        # FlexOlmo: OLMoE's router and q/k norms in OLMo-2's layout (only branch outputs normalised)
+        cls, extra = transformers.FlexOlmoConfig, dict(num_experts=num_experts, intermediate_size=16)
     elif family == "glm4_moe":
         # GLM-4.6's switches: biased qkv, routed_scaling_factor 2.5, one shared expert, and
         # (transformers' default) partial rotary 0.5; all layers MoE unless overridden
@@ -152,6 +156,15 @@ def hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: 
             transformers.GraniteMoeSharedConfig, dict(shared_intermediate_size=24))
         extra |= dict(num_local_experts=num_experts, intermediate_size=16, attention_bias=True,
                       embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)
+    elif family == "granitemoe_swa":
+        # granite-swash: GraniteMoeShared with a window of 4 in every layer but each fourth (from
+        # the first), a learned sink per head, the fully attending layers without positions
+        # (layer_rope_theta 0), every muP-style scalar away from 1
+        cls, extra = transformers.GraniteMoeSWAConfig, dict(
+            num_local_experts=num_experts, intermediate_size=16, shared_intermediate_size=24, attention_bias=True,
+            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
+            sliding_window=4, layer_rope_theta=[0.0 if i % 4 == 0 else 10000.0 for i in range(num_layers)],
+        )
     elif family == "qwen3_vl_moe":
         # Qwen3-VL's language model (its checkpoint nests it beside a vision tower, here a tiny
         # one), M-RoPE sections that are plain RoPE for text; tied embeddings are the outer

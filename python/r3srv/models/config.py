@@ -27,6 +27,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "FlexOlmoForCausalLM": "flex_olmo",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -42,6 +43,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
+    "GraniteMoeSWAForCausalLM": "granitemoe_swa",
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
     "AfmoeForCausalLM": "afmoe",
@@ -181,6 +183,7 @@ class ModelConfig:
     # Arcee's AFMoE: a norm on each branch's output too (sandwich), a separate sigmoid-gate
     # projection on the attention output, RoPE only in the layers of rope_layers (None: all)
     sandwich_norms: bool = False
+    pre_norms: bool = True  # False: no norm before a branch, only on its output (FlexOlmo, OLMo-2's layout)
     attention_gate_proj: bool = False
     rope_layers: list[int] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)

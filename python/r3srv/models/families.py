@@ -62,10 +62,13 @@ def family_switches(
     if family == "mixtral":  # a sliding_window applies to every layer
         window = raw.get("sliding_window")
         return dict(renormalize=True, sliding_windows=[int(window)] * num_layers if window else None)
-    if family == "olmoe":
+    if family in ("olmoe", "flex_olmo"):
         bias = bool(raw.get("attention_bias", False))
-        return dict(qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=raw.get("clip_qkv"),
-                    renormalize=bool(raw.get("norm_topk_prob", False)))
+        switches = dict(qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=raw.get("clip_qkv"),
+                        renormalize=bool(raw.get("norm_topk_prob", False)))
+        if family == "flex_olmo":  # OLMoE's router and attention in OLMo-2's layout: each branch's output normalised
+            switches |= dict(pre_norms=False, sandwich_norms=True)
+        return switches
     if family == "glm4_moe":
         return _glm4_moe_switches(raw, get, num_layers)
     if family == "minimax_m2":
@@ -110,6 +113,8 @@ def family_switches(
         return _granite_hybrid_switches(raw, get, num_layers)
     if family in ("granitemoe", "granitemoeshared"):
         return _granite_switches(raw)
+    if family == "granitemoe_swa":
+        return _granite_swa_switches(raw, num_layers)
     if family == "lfm2_moe":
         return _lfm2_moe_switches(raw, get, num_layers)
     if family == "afmoe":
@@ -237,6 +242,29 @@ def _granite_switches(raw: dict[str, Any]) -> dict[str, Any]:
         logits_scaling=float(raw.get("logits_scaling", 1.0)),
         attention_scale=float(raw.get("attention_multiplier", 1.0)),
     )
+
+
+def _granite_swa_switches(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """GraniteMoeSWA (granite-swash): GraniteMoeShared with sliding-window layers (by default
+    every fourth layer, from the first, attends fully), a learned per-head sink in every
+    layer (transformers scales the output by sigmoid(lse - sink): the sink logit in the
+    softmax's denominator, gpt-oss's form), and a RoPE base per layer where 0 means no
+    positions. One base for all rotary layers is supported; several are refused."""
+    default = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(num_layers)]
+    windows = _layer_windows({"sliding_window": 128, **raw}, num_layers, "GraniteMoeSWAForCausalLM", default=default)
+    switches = _granite_switches(raw) | dict(attention_sinks=True, sliding_windows=windows)
+    thetas = raw.get("layer_rope_theta")
+    if thetas is not None:
+        if len(thetas) != num_layers:
+            raise ConfigError(f"GraniteMoeSWAForCausalLM: layer_rope_theta has {len(thetas)} entries for {num_layers} layers")
+        bases = sorted({float(t) for t in thetas if t})
+        if len(bases) > 1:
+            raise ConfigError(f"GraniteMoeSWAForCausalLM: layer_rope_theta uses several RoPE bases {bases}; "
+                              "only one (besides 0, no positions) is supported")
+        switches |= dict(rope_layers=[i for i, t in enumerate(thetas) if t])
+        if bases:
+            switches |= dict(rope_theta=bases[0])
+    return switches
 
 
 def _granite_hybrid_switches(raw: dict[str, Any], get: "_Getter", num_layers: int) -> dict[str, Any]:

@@ -161,9 +161,10 @@ class DecoderLayer(nn.Module):
         self.norm = rms_norm_for(cfg)
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output scaled
         self.is_moe = index in cfg.moe_layers
-        self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device)  # before the MLP
-        # AFMoE's sandwich: each branch's output normalised too, before the residual add
+        # the norms before each branch (none in FlexOlmo's OLMo-2 layout)
+        self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.pre_norms else None
+        self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.pre_norms else None
+        # AFMoE's sandwich, FlexOlmo's output norms: each branch's output normalised before the residual add
         self.attn_out_norm = self.mlp_out_norm = None
         if cfg.sandwich_norms:
             self.attn_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
@@ -180,11 +181,14 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(cfg, dtype, device) if self.is_moe else DenseMlp(cfg, dtype, device)
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
-        h = self.norm(x, self.input_norm, self.eps)
+        h = self._pre_norm(x, self.input_norm)
         h = self.attn(h, cos, sin, meta) if self.linear_attn is None else self.linear_attn(h, states)
         x = x + self._branch(h, self.attn_out_norm)
-        h = self.mlp(self.norm(x, self.post_attention_norm, self.eps), capture)
+        h = self.mlp(self._pre_norm(x, self.post_attention_norm), capture)
         return x + self._branch(h, self.mlp_out_norm)
+
+    def _pre_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else self.norm(x, weight, self.eps)
 
     def _branch(self, h: torch.Tensor, out_norm: torch.Tensor | None) -> torch.Tensor:
         """A branch's output as its residual add takes it (sandwich norm, residual multiplier)."""
@@ -377,12 +381,17 @@ class MoeForCausalLM(nn.Module):
             return _nemotron_h_targets(self, targets)
         for layer in self.layers:
             p = f"model.layers.{layer.index}."
-            targets[p + "input_layernorm.weight"] = layer.input_norm
-            targets[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
-            if layer.attn_out_norm is not None:  # AFMoE: post_attention_layernorm is the attention output's
+            if layer.input_norm is not None:
+                targets[p + "input_layernorm.weight"] = layer.input_norm
+            if layer.attn_out_norm is None:
+                targets[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
+            else:  # AFMoE's and FlexOlmo's post_attention_layernorm is the attention output's
                 targets[p + "post_attention_layernorm.weight"] = layer.attn_out_norm
-                targets[p + "pre_mlp_layernorm.weight"] = layer.post_attention_norm
-                targets[p + "post_mlp_layernorm.weight"] = layer.mlp_out_norm
+                if family == "afmoe":
+                    targets[p + "pre_mlp_layernorm.weight"] = layer.post_attention_norm
+                    targets[p + "post_mlp_layernorm.weight"] = layer.mlp_out_norm
+                else:
+                    targets[p + "post_feedforward_layernorm.weight"] = layer.mlp_out_norm
             targets.update((layer.linear_attn or layer.attn).weight_targets(p))
             mlp = layer.mlp
             if isinstance(mlp, DenseMlp):
@@ -396,7 +405,7 @@ class MoeForCausalLM(nn.Module):
                 continue
             if family == "gpt_oss":
                 targets.update(_gpt_oss_moe_targets(p, mlp))
-            elif family in ("granitemoehybrid", "granitemoe", "granitemoeshared"):
+            elif family in ("granitemoehybrid", "granitemoe", "granitemoeshared", "granitemoe_swa"):
                 targets.update(_granite_moe_targets(p, mlp))
             else:
                 targets.update(_moe_targets(family, p, mlp))
