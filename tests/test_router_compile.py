@@ -70,6 +70,17 @@ def assert_no_spills(kernel) -> None:
     assert int(local.group(1)) == 0, f"register spills to local memory: {usage}"
 
 
+def assert_compiles_without_spills(kernel, types: dict[str, str], constants: dict, *, num_warps: int = 4,
+                                   fp_fusion: bool = False) -> None:
+    """Compile `kernel` for sm_90 and check that it spills nothing. types: its pointer (and
+    float) arguments' types, the other runtime arguments being i32; constants: its constexprs."""
+    assert set(types) | set(constants) <= set(kernel.arg_names)  # the test tracks the kernel's signature
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": num_warps, "enable_fp_fusion": fp_fusion}))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
 def test_compiles_for_sm90_without_spills(variant):
@@ -86,13 +97,7 @@ def test_delta_rule_step_compiles_for_sm90_without_spills(block_k):
     kernel = recurrent_triton._delta_rule_step_kernel
     pointers = {"state_ptr": "*fp32", "slots_ptr": "*i64", "keep_ptr": "*fp32", "q_ptr": "*fp32", "k_ptr": "*fp32",
                 "v_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32"}
-    constants = {"BLOCK_K": block_k, "BLOCK_V": recurrent_triton.BLOCK_V}
-    signature = pointers | {name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants}
-    signature |= {name: "constexpr" for name in constants}
-    assert list(signature) == kernel.arg_names  # the test tracks the kernel's signature
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": 4, "enable_fp_fusion": False}))
+    assert_compiles_without_spills(kernel, pointers, {"BLOCK_K": block_k, "BLOCK_V": recurrent_triton.BLOCK_V})
 
 
 @pytest.mark.slow
@@ -104,13 +109,7 @@ def test_ssm_step_compiles_for_sm90_without_spills(state_size):
     kernel = recurrent_triton._ssm_step_kernel
     pointers = {"state_ptr": "*fp32", "slots_ptr": "*i64", "keep_ptr": "*fp32", "x_ptr": "*fp32", "dt_ptr": "*fp32",
                 "a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*fp32"}
-    constants = {"BLOCK_P": recurrent_triton.BLOCK_P, "BLOCK_N": state_size}
-    signature = pointers | {name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants}
-    signature |= {name: "constexpr" for name in constants}
-    assert list(signature) == kernel.arg_names
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": 4, "enable_fp_fusion": False}))
+    assert_compiles_without_spills(kernel, pointers, {"BLOCK_P": recurrent_triton.BLOCK_P, "BLOCK_N": state_size})
 
 
 @pytest.mark.slow
@@ -138,14 +137,8 @@ def test_paged_decode_compiles_for_sm90_without_spills(heads, kv_heads, head_dim
     data = "*" + dtype
     pointers = {"q_ptr": data, "k_ptr": data, "v_ptr": data, "tables_ptr": "*i64", "lens_ptr": "*i64",
                 "rows_ptr": "*i64", "sinks_ptr": data, "out_ptr": data, "part_ptr": "*fp32", "part_acc_ptr": "*fp32"}
-    signature = pointers | {"scale": "fp32"} | {
-        name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants and name != "scale"}
-    signature |= {name: "constexpr" for name in constants}
-    assert list(signature) == kernel.arg_names
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": paged_decode_triton.launch_warps(constants),
-                                             "enable_fp_fusion": True}))
+    assert_compiles_without_spills(kernel, pointers | {"scale": "fp32"}, constants,
+                                   num_warps=paged_decode_triton.launch_warps(constants), fp_fusion=True)
 
 
 @pytest.mark.slow
@@ -161,9 +154,4 @@ def test_split_combine_compiles_for_sm90_without_spills(v_dim, dtype, sinks):
                  "BLOCK_S": next_power_of_2(paged_decode_triton.MAX_SPLITS), "HAS_SINKS": sinks}
     pointers = {"part_ptr": "*fp32", "part_acc_ptr": "*fp32", "rows_ptr": "*i64", "sinks_ptr": "*" + dtype,
                 "out_ptr": "*" + dtype}
-    signature = pointers | {name: "i32" for name in kernel.arg_names if name not in pointers and name not in constants}
-    signature |= {name: "constexpr" for name in constants}
-    assert list(signature) == kernel.arg_names
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    assert_no_spills(triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": 4, "enable_fp_fusion": True}))
+    assert_compiles_without_spills(kernel, pointers, constants, fp_fusion=True)
