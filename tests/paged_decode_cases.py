@@ -179,3 +179,35 @@ def test_models_decode_through_the_kernel(family, layers, monkeypatch, tmp_path)
 
     torch.testing.assert_close(run(True), run(False), atol=1e-5, rtol=1e-5)
     assert calls, "the decodes never took the kernel"
+
+
+def test_a_model_decode_after_a_long_prefill_takes_split_parts(monkeypatch, tmp_path):
+    """The wiring of the split: a decode after a 600-token prefill hands the longest context to
+    the launcher, which splits it (2 parts: one sequence, 2 KV heads, a pretend 4-processor
+    GPU), and the logits equal the torch path's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_models_paged import BLOCK_SIZE, _batch
+
+    from r3srv.models import attention
+    from r3srv.models.loader import load_model
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / "long", "qwen3_moe", seed=6, max_position_embeddings=1024))
+    tokens = torch.randint(0, 256, (601,), generator=torch.Generator().manual_seed(2)).tolist()
+    table = list(range(-(-601 // BLOCK_SIZE)))
+    chosen = []
+    choose = paged_decode_triton.choose_splits
+    monkeypatch.setattr(paged_decode_triton, "choose_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+
+    def decode(kernel: bool):
+        launcher = attention._decode_launcher()
+        monkeypatch.setattr(attention, "decode_kernel_for", lambda q: launcher if kernel else None)
+        model.init_kv_cache(len(table), BLOCK_SIZE, 1)
+        model.forward(_batch(model, [(tokens[:600], 0, table)]))
+        return model.forward(_batch(model, [(tokens[600:], 600, table)]))
+
+    torch.testing.assert_close(decode(True), decode(False), atol=1e-5, rtol=1e-5)
+    assert chosen and set(chosen) == {2}, chosen
