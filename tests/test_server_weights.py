@@ -150,6 +150,47 @@ def test_release_and_resume_memory_occupation(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tags" and "vram" in r.json()["error"]["message"]
 
 
+def test_pause_retract_update_continue_under_a_live_stream(server, policies):
+    """An in-flight rollout survives a policy update (SGLang's partial-rollout flow): paused with
+    mode=retract it frees its KV, the update runs at once, and after /continue_generation it
+    recomputes its tokens on the new weights and goes on; its final chunk names the new
+    version and every row is what the new weights compute for its tokens."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    prompt = prompt_ids(40, base=9)
+    replies = {}
+
+    def pause_then_update():
+        replies["pause"] = post(server, "/pause_generation", {"mode": "retract"})
+        replies["is_paused"] = httpx.get(server.url + "/is_paused").json()
+        replies["update"] = post(server, "/update_weights_from_disk",
+                                 {"model_path": str(policies[0]), "weight_version": "mid-rollout"})
+        replies["continue"] = post(server, "/continue_generation")
+
+    chunks = []
+    stream = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=120, temperature=0.0, stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices:
+            chunks.append(chunk.choices[0])
+        if len(chunks) == 1:  # the server generates on meanwhile; 119 tokens to go
+            pause_then_update()
+    assert replies["pause"].status_code == 200 and replies["pause"].json()["num_retracted"] == 1
+    assert replies["is_paused"] == {"is_paused": True, "mode": "retract"}
+    assert replies["update"].status_code == 200 and replies["update"].json()["weight_version"] == "mid-rollout"
+    assert replies["continue"].json() == {"success": True, "was_paused": True}
+    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False, "mode": None}
+    final = chunks[-1]
+    ids = [t for c in chunks for t in c.token_ids]
+    assert final.finish_reason == "length" and len(ids) == 120 and final.weight_version == "mid-rollout"
+    rows = decode_routed_experts(final.routed_experts)
+    cold = LLM(str(policies[0]), **ENGINE).generate(
+        [prompt + ids[:-1]], SamplingParams(max_tokens=1, return_routed_experts=True, **GREEDY))[0].outputs[0]
+    np.testing.assert_array_equal(rows, cold.routed_experts)
+    bad = post(server, "/pause_generation", {"mode": "sideways"})
+    assert bad.status_code == 400 and "mode" in bad.json()["error"]["message"]
+
+
 def test_malformed_body_is_a_400(server):
     r = post(server, "/update_weights_from_disk", {"path": "x"})
     assert r.status_code == 400 and "model_path" in r.json()["error"]["message"]

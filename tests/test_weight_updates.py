@@ -81,7 +81,8 @@ def test_a_bad_checkpoint_raises_and_changes_nothing(policies, tmp_path, break_i
 def test_the_sync_engine_refuses_to_update_under_running_requests(policies):
     llm = LLM(str(policies[0]), **ENGINE)
     llm.engine.add_request("r", PROMPT, PARAMS)
-    with pytest.raises(InvalidRequestError, match="1 requests in flight"):
+    llm.engine.step()  # its prompt's KV now holds the old weights
+    with pytest.raises(InvalidRequestError, match="1 requests in flight holding KV"):
         llm.update_weights(str(policies[1]))
 
 

@@ -72,6 +72,9 @@ class _Reply:
             pass
 
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
 def _aborted_before_start(prep: PreparedRequest) -> RequestOutput:
     """The final output of a request aborted while it waited for a weight update (it never ran)."""
     outs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(prep.params.n)]
@@ -91,6 +94,8 @@ class AsyncLLM:
         # are held, and start after them (on the new weights, in the resumed memory).
         self._exclusive: collections.deque[tuple[str, tuple, _Reply]] = collections.deque()
         self._held: list[PreparedRequest] = []
+        # pause_generation's mode while generation is paused (no step runs), else None
+        self._paused: str | None = None
         self._stopping = False
         # Set (under _lock) once the engine thread stops taking commands: from then on nothing
         # may be queued, and every waiter registered before was failed by _fail_all.
@@ -222,6 +227,26 @@ class AsyncLLM:
     def released_memory(self) -> list[str]:
         return sorted(self._engine.released_memory)
 
+    async def pause_generation(self, mode: str = "abort") -> dict[str, int]:
+        """Stop stepping until continue_generation (SGLang's modes): "abort" ends every request
+        in flight (finish_reason "abort"); "retract" sends running sequences back to waiting
+        with their KV freed, so a weight update can run at once and they resume on the new
+        weights, recomputing their tokens (and rows) first; "in_place" keeps everything as it
+        is (an update then waits for continue_generation and the requests to finish, so it is
+        refused). Requests that arrive meanwhile wait. Returns {"aborted": n, "retracted": n}."""
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+        return await self._ask("pause", mode)
+
+    async def continue_generation(self) -> bool:
+        """Step again after pause_generation; returns whether generation was paused."""
+        return await self._ask("continue")
+
+    @property
+    def paused(self) -> str | None:
+        """pause_generation's mode while paused, else None."""
+        return self._paused
+
     async def _ask(self, kind: str, *args):
         """Queue a command whose answer comes back through a _Reply, and wait for it."""
         self._check_alive()
@@ -269,17 +294,19 @@ class AsyncLLM:
         engine = self._engine
         try:
             while True:
-                if self._exclusive and not engine.has_unfinished():
+                # updates and releases wait until no sequence holds KV (paused and retracted, or drained)
+                if self._exclusive and (not engine.has_unfinished() or (self._paused and not engine.scheduler.running)):
                     self._run_exclusive()
-                # Block while idle; otherwise take whatever arrived since the last step.
-                cmd = self._commands.get() if not engine.has_unfinished() else self._next_command()
+                stepping = engine.has_unfinished() and self._paused is None
+                # Block while idle or paused; otherwise take whatever arrived since the last step.
+                cmd = self._commands.get() if not stepping else self._next_command()
                 while cmd is not None:
                     if cmd[0] == "stop":
                         self._fail_all(EngineDeadError("the engine was shut down"))
                         return
                     self._handle(cmd)
                     cmd = self._next_command()
-                if engine.has_unfinished():
+                if engine.has_unfinished() and self._paused is None:
                     step = engine.step()
                     for out in step.outputs:
                         self._deliver(out)
@@ -321,6 +348,11 @@ class AsyncLLM:
             if any(op == "update" for op, _, _ in self._exclusive):
                 self._answer(reply, exc=InvalidRequestError("a weight update is already under way", param="model_path"))
                 return
+            if self._paused == "in_place" and engine.scheduler.running and not abort_running:
+                self._answer(reply, exc=InvalidRequestError(
+                    "generation is paused in place and requests hold KV of the current weights: pause with "
+                    "mode=retract or abort, or update with abort_all_requests", param="model_path"))
+                return
             self._exclusive.append(("update", (path, version), reply))
             if abort_running:
                 for rid in list(engine.requests):
@@ -330,6 +362,20 @@ class AsyncLLM:
             self._exclusive.append((kind, (tags,), reply))
         elif kind == "reset_prefix_cache":
             self._answer(arg[0], engine.reset_prefix_cache())
+        elif kind == "pause":
+            mode, reply = arg
+            aborted = retracted = 0
+            if mode == "abort":
+                for rid in [*engine.requests, *(p.request_id for p in self._held)]:
+                    self._handle(("abort", rid))
+                    aborted += 1
+            elif mode == "retract":
+                retracted = engine.retract_running()
+            self._paused = mode
+            self._answer(reply, {"aborted": aborted, "retracted": retracted})
+        elif kind == "continue":
+            was_paused, self._paused = self._paused is not None, None
+            self._answer(arg[0], was_paused)
 
     def _run_exclusive(self) -> None:
         """Runs once no request is in flight: every queued update / release / resume in

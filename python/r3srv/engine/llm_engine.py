@@ -308,19 +308,31 @@ class LLMEngine:
         self._stop_unfinished(req, "abort")
         return self._output(req)
 
+    def retract_running(self) -> int:
+        """Send every running sequence back to the waiting queue with its blocks freed: its KV,
+        state slot and routed-experts rows are recomputed when it runs again, on the weights
+        loaded by then (a partial rollout resumed on a new policy). Returns how many."""
+        return self.scheduler.retract_running()
+
+    def _requests_holding_kv(self) -> int:
+        return len({seq.request_id for seq in self.scheduler.running})
+
     def update_weights(self, path: str, weight_version: str | None = None) -> None:
         """Load new weights of the same architecture (an RL policy update) and forget the prefix cache.
 
-        Only between requests: KV and routed-experts rows computed with the old weights must not
-        mix with new ones in one sequence, so requests in flight are an error (finish or abort
-        them first; AsyncLLM.update_weights waits for them). A ConfigError leaves the weights as
-        they were. `weight_version` names the new weights in every later output (default: `path`).
+        Only while no sequence holds KV: KV and routed-experts rows computed with the old weights
+        must not mix with new ones in one sequence, so running requests are an error (let them
+        finish, abort them, or retract them first; AsyncLLM.update_weights waits for them).
+        Requests that hold none (waiting, or retracted) compute everything on the new weights,
+        and their outputs carry its version. A ConfigError leaves the weights as they were.
+        `weight_version` names the new weights in every later output (default: `path`).
         """
         from r3srv.models.loader import load_weights_from_dir
 
-        if self.requests:
+        if holding := self._requests_holding_kv():
             raise InvalidRequestError(
-                f"cannot update weights with {len(self.requests)} requests in flight: let them finish or abort them",
+                f"cannot update weights with {holding} requests in flight holding KV of the current weights: "
+                "let them finish, abort them, or retract them (pause_generation mode=retract)",
                 param="model_path",
             )
         # Released weights live in host memory: an update fills them there, and they move
@@ -337,6 +349,8 @@ class LLMEngine:
             raise
         self.block_manager.reset_prefix_cache()
         self.weight_version = str(path) if weight_version is None else weight_version
+        for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
+            req.weight_version = self.weight_version
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
@@ -348,7 +362,7 @@ class LLMEngine:
         "weights" moves the weights to pinned host memory. None: both. Only between
         requests; releasing something already released does nothing. Returns what is released."""
         wanted = _memory_tags(tags)
-        if self.requests:
+        if self.requests:  # even retracted ones: nothing may wait to run in released memory
             raise InvalidRequestError(
                 f"cannot release memory with {len(self.requests)} requests in flight: let them finish or abort them",
                 param="tags",

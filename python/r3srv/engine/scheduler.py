@@ -91,13 +91,25 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self._back_to_waiting(seq)
+        self.num_preemptions += 1
+
+    def retract_running(self) -> int:
+        """Every running sequence back to the front of the waiting queue, oldest first, its
+        blocks freed: it is recomputed when scheduled again (a pause before a weight update,
+        not a preemption). Returns how many."""
+        running, self.running = self.running, []
+        for seq in reversed(running):
+            self._back_to_waiting(seq)
+        return len(running)
+
+    def _back_to_waiting(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.WAITING
-        if seq in self.running:
-            self.running.remove(seq)
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks (its cached blocks stay reusable)."""

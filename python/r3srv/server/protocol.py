@@ -468,6 +468,31 @@ class MemoryOccupationResponse(Struct, kw_only=True):
     released: list[str]  # what is released after the call
 
 
+class PauseGenerationRequest(Struct, kw_only=True):
+    """SGLang's /pause_generation body. abort: end every request in flight; retract: free the
+    running sequences' KV (they recompute, on the weights loaded by then, after
+    /continue_generation); in_place: keep everything as it is."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class PauseGenerationResponse(Struct, kw_only=True):
+    success: bool
+    mode: str
+    num_aborted: int  # requests ended with finish_reason "abort"
+    num_retracted: int  # running sequences whose KV was freed
+
+
+class ContinueGenerationResponse(Struct, kw_only=True):
+    success: bool
+    was_paused: bool
+
+
+class IsPausedResponse(Struct, kw_only=True):
+    is_paused: bool
+    mode: str | None = None
+
+
 # ---------------------------------------------------------------- tokenizer, models, version
 
 

@@ -4,6 +4,9 @@ from r3srv.server.routes.inference import abort_requests, generate
 from r3srv.server.routes.info import detokenize, health, list_models, metrics, tokenize, version
 from r3srv.server.routes.openai import chat_completions, completions
 from r3srv.server.routes.weights import (
+    continue_generation,
+    is_paused,
+    pause_generation,
     release_memory_occupation,
     reset_prefix_cache,
     resume_memory_occupation,
@@ -25,4 +28,7 @@ ROUTE_HANDLERS = [
     reset_prefix_cache,
     release_memory_occupation,
     resume_memory_occupation,
+    pause_generation,
+    continue_generation,
+    is_paused,
 ]

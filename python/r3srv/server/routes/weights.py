@@ -1,10 +1,12 @@
 """RL trainer endpoints: POST /update_weights_from_disk, /reset_prefix_cache,
-/release_memory_occupation and /resume_memory_occupation.
+/release_memory_occupation, /resume_memory_occupation, /pause_generation and
+/continue_generation (GET /is_paused reads the state).
 
 Off unless the server starts with --enable-weight-updates: the first reads any directory the
 server can, and all change what every later request gets. Names follow SGLang's
-(/update_weights_from_disk, /release_memory_occupation, /resume_memory_occupation) and
-vLLM's /reset_prefix_cache, which RL frameworks already call.
+(/update_weights_from_disk, /release_memory_occupation, /resume_memory_occupation,
+/pause_generation, /continue_generation) and vLLM's (/reset_prefix_cache, /is_paused), which
+RL frameworks already call.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from litestar import Request, post
+from litestar import Request, get, post
 
 from r3srv.errors import ConfigError, InvalidRequestError
 from r3srv.server import protocol as p
@@ -79,3 +81,23 @@ async def resume_memory_occupation(
     state = _weights_state(request)
     released = await state.engine.resume_memory(data.tags)
     return p.MemoryOccupationResponse(success=True, released=released)
+
+
+@post("/pause_generation", status_code=200, summary="Stop generating until /continue_generation (abort, retract or in place)")
+async def pause_generation(data: p.PauseGenerationRequest, request: Request[Any, Any, Any]) -> p.PauseGenerationResponse:
+    state = _weights_state(request)
+    done = await state.engine.pause_generation(data.mode)
+    return p.PauseGenerationResponse(success=True, mode=data.mode, num_aborted=done["aborted"],
+                                     num_retracted=done["retracted"])
+
+
+@post("/continue_generation", status_code=200, summary="Generate again after /pause_generation")
+async def continue_generation(request: Request[Any, Any, Any]) -> p.ContinueGenerationResponse:
+    state = _weights_state(request)
+    return p.ContinueGenerationResponse(success=True, was_paused=await state.engine.continue_generation())
+
+
+@get("/is_paused", summary="Whether generation is paused, and how")
+async def is_paused(request: Request[Any, Any, Any]) -> p.IsPausedResponse:
+    mode = server_state(request).engine.paused
+    return p.IsPausedResponse(is_paused=mode is not None, mode=mode)
