@@ -104,6 +104,10 @@ def test_reset_prefix_cache(server):
     r = post(server, "/reset_prefix_cache")
     assert r.status_code == 200 and r.json()["success"] is True and r.json()["num_blocks_forgotten"] >= 2
     assert post(server, "/reset_prefix_cache").json()["num_blocks_forgotten"] == 0
+    served(server, prompt)  # SGLang's name for it, which RL frameworks GET or POST
+    assert httpx.get(server.url + "/flush_cache").json()["num_blocks_forgotten"] >= 2
+    served(server, prompt)
+    assert post(server, "/flush_cache").json()["num_blocks_forgotten"] >= 2
 
 
 def test_metrics_count_weight_updates_by_outcome(server, policies, tmp_path):

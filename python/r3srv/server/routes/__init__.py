@@ -5,6 +5,7 @@ from r3srv.server.routes.info import detokenize, health, list_models, metrics, t
 from r3srv.server.routes.openai import chat_completions, completions
 from r3srv.server.routes.weights import (
     continue_generation,
+    flush_cache,
     is_paused,
     pause_generation,
     release_memory_occupation,
@@ -26,6 +27,7 @@ ROUTE_HANDLERS = [
     metrics,
     update_weights_from_disk,
     reset_prefix_cache,
+    flush_cache,
     release_memory_occupation,
     resume_memory_occupation,
     pause_generation,

@@ -1,6 +1,7 @@
 """RL trainer endpoints: POST /update_weights_from_disk, /reset_prefix_cache,
 /release_memory_occupation, /resume_memory_occupation, /pause_generation and
-/continue_generation (GET /is_paused reads the state).
+/continue_generation (GET /is_paused reads the state; GET or POST /flush_cache is SGLang's
+name for /reset_prefix_cache).
 
 Off unless the server starts with --enable-weight-updates: the first reads any directory the
 server can, and all change what every later request gets. Names follow SGLang's
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from litestar import Request, get, post
+from litestar import HttpMethod, Request, get, post, route
 
 from r3srv.errors import ConfigError, InvalidRequestError
 from r3srv.server import protocol as p
@@ -63,6 +64,12 @@ async def update_weights_from_disk(
 async def reset_prefix_cache(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
     state = _weights_state(request)
     return p.ResetPrefixCacheResponse(success=True, num_blocks_forgotten=await state.engine.reset_prefix_cache())
+
+
+@route("/flush_cache", http_method=[HttpMethod.GET, HttpMethod.POST], status_code=200,
+       summary="Forget every cached prompt prefix (SGLang's name; RL frameworks GET or POST it)")
+async def flush_cache(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
+    return await reset_prefix_cache.fn(request)
 
 
 @post("/release_memory_occupation", status_code=200, summary="Free the KV cache and/or move the weights to host memory")
