@@ -578,6 +578,8 @@ def test_metrics_count_requests_tokens_and_bytes(server, client, model):
     assert metric(server, "r3srv_routed_experts_bytes_total") - before == len(r.choices[0].routed_experts)
     assert metric(server, "r3srv_generation_tokens_total") - gen_before == 3
     assert metric(server, "r3srv_requests_total", '{route="/v1/completions",status="200"}') >= 1
+    with pytest.raises(openai.BadRequestError):  # counted by status too (this test's own 400: no order dependence)
+        client.completions.create(model=model, prompt="metrics", max_tokens=3, extra_body={"routed_experts_prompt_start": 10**6})
     assert metric(server, "r3srv_requests_total", '{route="/v1/completions",status="400"}') >= 1
     assert metric(server, "r3srv_e2e_request_latency_seconds_count", '{route="/v1/completions"}') >= 1
     assert metric(server, "r3srv_time_to_first_token_seconds_count", '{route="/v1/completions"}') >= 1

@@ -166,6 +166,7 @@ def test_pause_retract_update_continue_under_a_live_stream(server, policies):
     def pause_then_update():
         replies["pause"] = post(server, "/pause_generation", {"mode": "retract"})
         replies["is_paused"] = httpx.get(server.url + "/is_paused").json()
+        replies["metrics"] = httpx.get(server.url + "/metrics").text
         replies["update"] = post(server, "/update_weights_from_disk",
                                  {"model_path": str(policies[0]), "weight_version": "mid-rollout"})
         replies["continue"] = post(server, "/continue_generation")
@@ -181,6 +182,8 @@ def test_pause_retract_update_continue_under_a_live_stream(server, policies):
             pause_then_update()
     assert replies["pause"].status_code == 200 and replies["pause"].json()["num_retracted"] == 1
     assert replies["is_paused"] == {"is_paused": True, "mode": "retract"}
+    assert 'r3srv_generation_paused{mode="retract"} 1.0' in replies["metrics"]
+    assert 'r3srv_generation_paused{mode="retract"} 0.0' in httpx.get(server.url + "/metrics").text
     assert replies["update"].status_code == 200 and replies["update"].json()["weight_version"] == "mid-rollout"
     assert replies["continue"].json() == {"success": True, "was_paused": True}
     assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False, "mode": None}

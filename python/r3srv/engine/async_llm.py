@@ -138,7 +138,7 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         stats = self._engine.stats()  # plain counters: a slightly stale read is fine
         held = len(self._held)  # requests held for a weight update or released memory wait like the others
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + held) if held else stats
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + held, paused=self._paused)
 
     # -- requests -------------------------------------------------------------------------
     async def generate(

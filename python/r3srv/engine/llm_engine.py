@@ -44,6 +44,7 @@ class EngineStats:
     released_memory: tuple[str, ...] = ()  # MEMORY_TAGS given back by release_memory
     state_slots_total: int = 0  # linear-attention state slots (hybrid models; else 0)
     state_slots_used: int = 0
+    paused: str | None = None  # AsyncLLM.pause_generation's mode while paused
 
 
 @dataclass

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from r3srv.engine.async_llm import PAUSE_MODES
 from r3srv.engine.llm_engine import MEMORY_TAGS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -42,6 +43,11 @@ class _EngineCollector(Collector):
         for tag in MEMORY_TAGS:
             released.add_metric([tag], float(tag in s.released_memory))
         yield released
+        paused = GaugeMetricFamily("r3srv_generation_paused", "1 while /pause_generation holds generation, by mode",
+                                   labels=["mode"])
+        for mode in PAUSE_MODES:
+            paused.add_metric([mode], float(s.paused == mode))
+        yield paused
         counters = {
             "r3srv_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
             "r3srv_prefix_cache_hits": ("Prompt tokens served from the prefix cache", s.prefix_cache_hits),
