@@ -15,8 +15,8 @@ import torch
 
 
 def ints_to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 tensors on `device` with the arrays' shapes and values (on the CPU: views of int64
-    copies, no transfer)."""
+    """int64 tensors on `device` with the arrays' shapes and values (on the CPU: the arrays
+    themselves, as int64, without a transfer)."""
     flat = [np.asarray(a, dtype=np.int64) for a in arrays]
     if device.type != "cuda":
         return [torch.from_numpy(a) for a in flat]
