@@ -135,3 +135,49 @@ def test_async_pause_modes(policies):
     got = retracted.outputs[0]
     assert retracted.weight_version == "v1" and got.finish_reason == "length"
     np.testing.assert_array_equal(got.routed_experts, _cold(v1, got).outputs[0].routed_experts)
+
+
+@pytest.mark.parametrize("steps_before", [1, 6])  # siblings still deferred, or running beside sample 0
+def test_a_retract_keeps_n_samples_whole(policies, steps_before):
+    """n = 2 with prefix caching (sample 1 waits for sample 0's prompt, then shares its blocks):
+    retracted before or after the sibling started, both samples finish with every row, equal to
+    an uninterrupted run (greedy, so both samples are the same)."""
+    v0 = policies[0]
+    params = SamplingParams(n=2, max_tokens=20, return_routed_experts=True, **GREEDY)
+    want = LLM(str(v0), **ENGINE).generate([PROMPT], params)[0]
+    engine = LLM(str(v0), **ENGINE).engine
+    engine.add_request("r", PROMPT, params)
+    for _ in range(steps_before):
+        engine.step()
+    engine.retract_running()
+    finished = []
+    while engine.has_unfinished():
+        finished += [o for o in engine.step().outputs if o.finished]
+    (out,) = finished
+    for got, ref in zip(out.outputs, want.outputs):
+        assert got.token_ids == ref.token_ids and len(got.routed_experts) == len(PROMPT) + 20 - 1
+        np.testing.assert_array_equal(got.routed_experts, ref.routed_experts)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_a_retracted_hybrid_recomputes_its_states(family, tmp_path):
+    """A hybrid's running sequences give back their state slots (and snapshots) too, and
+    resume with the tokens and rows of an uninterrupted run."""
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / family, family, seed=3)
+    prompts = [PROMPT, prompt_ids(23, base=4)]
+    want = LLM(str(path), **ENGINE).generate(prompts, LONG)
+    engine = LLM(str(path), **ENGINE).engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, LONG)
+    for _ in range(5):
+        engine.step()
+    assert engine.retract_running() == 2 and engine.block_manager.num_used_state_slots == 0
+    finished = {}
+    while engine.has_unfinished():
+        finished |= {o.request_id: o for o in engine.step().outputs if o.finished}
+    for i, ref in enumerate(want):
+        got = finished[str(i)].outputs[0]
+        assert got.token_ids == ref.outputs[0].token_ids
+        np.testing.assert_array_equal(got.routed_experts, ref.outputs[0].routed_experts)
