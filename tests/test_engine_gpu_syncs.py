@@ -23,11 +23,12 @@ pytestmark = [
 ]
 
 
-def _syncs_per_decode_step(path, steps: int = 4) -> list[list[str]]:
+def _syncs_per_decode_step(path, steps: int = 4, sampling: dict = GREEDY) -> list[list[str]]:
     """Per decode step, where it synchronized (file:line of the Python call, one per sync)."""
     engine = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=128).engine
     for i in range(3):
-        engine.add_request(f"r{i}", prompt_ids(20 + 7 * i, base=i), SamplingParams(max_tokens=steps + 3, **GREEDY))
+        engine.add_request(f"r{i}", prompt_ids(20 + 7 * i, base=i),
+                           SamplingParams(max_tokens=steps + 3, **sampling))
     engine.step()  # the prefills
     engine.step()  # first decodes: one-time allocations
     engine.step()
@@ -59,3 +60,12 @@ def test_decode_steps_wait_for_the_gpu_no_more_in_a_deeper_model(family, tmp_pat
     assert min(map(len, shallow)) > 0  # the sampler reads its picks back: the mode does report syncs
     assert min(map(len, deep)) <= min(map(len, shallow)), f"2 layers: {shallow}\n4 layers: {deep}"
     assert min(map(len, deep)) == 1, f"a decode step waited more than once: {deep}"
+
+
+def test_a_sampling_decode_step_waits_once(tmp_path):
+    """Rollouts sample (temperature 1): the temperatures travel without a wait too, so the step
+    waits only to read the draws back."""
+    path = write_tiny_checkpoint(tmp_path / "q", "qwen3_moe", seed=1, num_layers=2)
+    sites = _syncs_per_decode_step(path, sampling=dict(temperature=1.0, ignore_eos=True))
+    print(f"sampling: syncs per decode step {[len(s) for s in sites]}; where: {dict(Counter(sites[1]))}")
+    assert min(map(len, sites)) == 1, sites

@@ -1,4 +1,4 @@
-"""Host integers to the device without waiting for it.
+"""Host numbers to the device without waiting for it.
 
 On CUDA a copy from pageable host memory blocks the host until the GPU has run everything
 queued before it: a decode step on an H200 made eight such copies (its inputs, the decode
@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 
-def ints_to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 tensors on `device` with the arrays' shapes and values (on the CPU: the arrays
-    themselves, as int64, without a transfer)."""
-    flat = [np.asarray(a, dtype=np.int64) for a in arrays]
+def to_device(arrays: list, device: torch.device, dtype: type = np.int64) -> list[torch.Tensor]:
+    """Tensors of `dtype` on `device` with the arrays' (or lists') shapes and values (on the
+    CPU: the arrays themselves, as `dtype`, without a transfer)."""
+    flat = [np.asarray(a, dtype=dtype) for a in arrays]
     if device.type != "cuda":
         return [torch.from_numpy(a) for a in flat]
     host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in flat])).pin_memory()

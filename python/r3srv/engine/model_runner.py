@@ -14,7 +14,7 @@ import torch
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 from r3srv.engine.sequence import Sequence
 from r3srv.models.batch import ForwardBatch
-from r3srv.transfer import ints_to_device
+from r3srv.transfer import to_device
 
 
 class ModelRunner:
@@ -52,7 +52,7 @@ class ModelRunner:
         slot_np = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
         # one transfer that does not wait for the GPU (the last step's work may still run)
-        ids, positions_t, slots_t, tables_t, logits_indices = ints_to_device(
+        ids, positions_t, slots_t, tables_t, logits_indices = to_device(
             [np.array(input_ids, dtype=np.int64), positions, slot_np, tables, np.cumsum(query_lens) - 1], dev)
         batch = ForwardBatch(
             input_ids=ids,

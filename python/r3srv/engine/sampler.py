@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from r3srv.engine.sequence import Sequence
+from r3srv.transfer import to_device
 
 
 @dataclass
@@ -126,7 +128,8 @@ def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], 
     if not sampled:
         return picks
     x = logits if len(sampled) == rows else logits[sampled]
-    x = x / torch.tensor([seqs[r].params.temperature for r in sampled], device=device)[:, None]
+    (temperatures,) = to_device([[seqs[r].params.temperature for r in sampled]], device, np.float32)
+    x = x / temperatures[:, None]
     filtered = [j for j, r in enumerate(sampled) if 0 < seqs[r].params.top_k < vocab or seqs[r].params.top_p < 1.0]
     if filtered:
         params = [seqs[sampled[j]].params for j in filtered]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from r3srv.models.batch import ForwardBatch
-from r3srv.transfer import ints_to_device
+from r3srv.transfer import to_device
 
 
 @dataclass
@@ -75,7 +75,7 @@ class AttentionMetadata:
         first use, shared by the layers)."""
         if self._decode_kernel_args is None:
             host_lens = [self.context_lens[i] for i in self.decode_seqs]
-            seqs, lens, rows = ints_to_device([np.array(self.decode_seqs), np.array(host_lens),
+            seqs, lens, rows = to_device([np.array(self.decode_seqs), np.array(host_lens),
                                                np.array(self.decode_rows)], self.slot_mapping.device)
             self._decode_kernel_args = (self.tables[seqs], lens, rows, max(host_lens))
         return self._decode_kernel_args

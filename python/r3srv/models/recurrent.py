@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from r3srv.transfer import ints_to_device
+from r3srv.transfer import to_device
 
 # A scan group pads its members to the longest: at most this many padded tokens per real one,
 # by device type (0: every multi-token sequence scans alone)
@@ -105,7 +105,7 @@ class LinearStateBatch:
         steps: list[StepGroup] = []
         singles = [i for i, q in enumerate(query_lens) if q == 1]
         if singles:  # a decode step's indices in one transfer that does not wait for the GPU
-            rows, single_slots, kept = ints_to_device(
+            rows, single_slots, kept = to_device(
                 [np.array([starts[i] for i in singles]), np.array([slots[i] for i in singles]),
                  np.array([context_lens[i] != query_lens[i] for i in singles])], torch.device(device))
             group = StepGroup(rows, single_slots, kept.to(torch.float32))
