@@ -64,7 +64,7 @@ def grouped(states, lengths, inputs):
     for group in states.scans:
         s = torch.zeros(len(group.lengths), HEADS, DIM, DIM, device=inputs[0].device)
         y = chunked_delta_rule(s, *(group.pad(x).transpose(1, 2) for x in inputs)).transpose(1, 2)
-        out[group.rows] = y[group.valid]
+        out[group.rows] = group.take_valid(y)
     return out
 
 

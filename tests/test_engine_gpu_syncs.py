@@ -69,3 +69,29 @@ def test_a_sampling_decode_step_waits_once(tmp_path):
     sites = _syncs_per_decode_step(path, sampling=dict(temperature=1.0, ignore_eos=True))
     print(f"sampling: syncs per decode step {[len(s) for s in sites]}; where: {dict(Counter(sites[1]))}")
     assert min(map(len, sites)) == 1, sites
+
+
+def _syncs_in_a_prefill_step(path) -> list[str]:
+    engine = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=128).engine
+    engine.add_request("warm", prompt_ids(9), SamplingParams(max_tokens=1, **GREEDY))
+    engine.step()  # one-time allocations
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt_ids(20 + 7 * i, base=i), SamplingParams(max_tokens=2, **GREEDY))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            assert not engine.step().failed
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_prefill_steps_wait_for_the_gpu_no_more_in_a_deeper_model(family, tmp_path):
+    """The same for a step of three prefills: a hybrid's scan groups index their real rows by
+    host-built positions, not by a mask (which waited for the GPU in every recurrent layer)."""
+    shallow = _syncs_in_a_prefill_step(write_tiny_checkpoint(tmp_path / "2", family, seed=1, num_layers=2))
+    deep = _syncs_in_a_prefill_step(write_tiny_checkpoint(tmp_path / "4", family, seed=1, num_layers=4))
+    print(f"{family} prefill step: {len(shallow)} syncs with 2 layers, {len(deep)} with 4; where: {dict(Counter(deep))}")
+    assert 0 < len(deep) <= len(shallow), f"2 layers: {shallow}\n4 layers: {deep}"

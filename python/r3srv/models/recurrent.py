@@ -60,10 +60,15 @@ class ScanGroup:
     slots: torch.Tensor  # [G]
     keep: torch.Tensor  # [G] float
     captures: list[tuple[int, int, int]]  # (member, tokens into its span, snapshot entry)
-    rows: torch.Tensor = field(init=False)  # the real rows, member by member
+    rows: torch.Tensor  # [R] the real rows, member by member (= index[valid])
+    # [R] each real row's member and position in the padded group: indexing by a mask would
+    # wait for the GPU to count it
+    valid_members: torch.Tensor
+    valid_positions: torch.Tensor
 
-    def __post_init__(self) -> None:
-        self.rows = self.index[self.valid]
+    def take_valid(self, y: torch.Tensor) -> torch.Tensor:
+        """y [G, L, ...] -> its real positions [R, ...], member by member (= y[valid])."""
+        return y[self.valid_members, self.valid_positions]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, ...] -> [G, L, ...], zeros where padded (selected, not multiplied: a non-finite
@@ -99,9 +104,6 @@ class LinearStateBatch:
         def tensor(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        def keep(members):
-            return tensor([0.0 if context_lens[i] == query_lens[i] else 1.0 for i in members], torch.float32)
-
         steps: list[StepGroup] = []
         singles = [i for i, q in enumerate(query_lens) if q == 1]
         if singles:  # a decode step's indices in one transfer that does not wait for the GPU
@@ -115,7 +117,7 @@ class LinearStateBatch:
             steps.append(group)
         factor = PAD_FACTOR.get(torch.device(device).type, 0.0)
         scans = [
-            cls._scan_group(members, query_lens, starts, slots, snapshots, tensor, keep)
+            cls._scan_group(members, query_lens, context_lens, starts, slots, snapshots, torch.device(device))
             for members in _scan_groups([i for i, q in enumerate(query_lens) if q > 1], query_lens, factor)
         ]
         states = cls(slots, steps, scans, [entry for points in snapshots.values() for _, entry in points])
@@ -126,13 +128,18 @@ class LinearStateBatch:
         return states
 
     @staticmethod
-    def _scan_group(members, query_lens, starts, slots, snapshots, tensor, keep) -> ScanGroup:
-        lengths = tensor([query_lens[i] for i in members])
-        positions = torch.arange(max(query_lens[i] for i in members), device=lengths.device)  # from the host
+    def _scan_group(members, query_lens, context_lens, starts, slots, snapshots, device) -> ScanGroup:
+        """Built on the host and sent in one transfer that does not wait for the GPU."""
+        lengths = np.array([query_lens[i] for i in members])
+        positions = np.arange(lengths.max())
         valid = positions[None, :] < lengths[:, None]
-        index = torch.where(valid, tensor([starts[i] for i in members])[:, None] + positions[None, :], 0)
+        index = np.where(valid, np.array([starts[i] for i in members])[:, None] + positions[None, :], 0)
+        kept = np.array([context_lens[i] != query_lens[i] for i in members])
+        lengths_t, index_t, valid_t, slots_t, kept_t, rows, valid_members, valid_positions = to_device(
+            [lengths, index, valid, [slots[i] for i in members], kept, index[valid], *np.nonzero(valid)], device)
         captures = [(m, offset, entry) for m, i in enumerate(members) for offset, entry in snapshots.get(i, [])]
-        return ScanGroup(index, valid, lengths, tensor([slots[i] for i in members]), keep(members), captures)
+        return ScanGroup(index_t, valid_t.bool(), lengths_t, slots_t, kept_t.to(torch.float32), captures, rows,
+                         valid_members, valid_positions)
 
     @property
     def decode(self) -> bool:
@@ -194,7 +201,7 @@ def causal_conv(pool: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
         # [G, C, K - 1 + L]: column j holds the input K - 1 - j positions before the span
         full = torch.cat((_zeroed(pool, group.slots, group.keep), group.pad(x).transpose(1, 2)), dim=-1)
         y = F.conv1d(full, weight[:, None], bias, groups=x.shape[1])  # [G, C, L]
-        out[group.rows] = y.transpose(1, 2)[group.valid]
+        out[group.rows] = group.take_valid(y.transpose(1, 2))
         for member, offset, entry in group.captures:  # the K - 1 inputs before each snapshot
             pool[entry] = full[member, :, offset : offset + kernel - 1]
         last = group.lengths[:, None] + torch.arange(kernel - 1, device=x.device)  # each span's last K - 1 inputs
@@ -242,7 +249,7 @@ def run_recurrence(pool: torch.Tensor, states: LinearStateBatch, out: torch.Tens
     for group in states.scans:
         s = _zeroed(pool, group.slots, group.keep)
         captures = [(member, offset, pool[entry]) for member, offset, entry in group.captures]
-        out[group.rows] = scan(s, group, captures)[group.valid]
+        out[group.rows] = group.take_valid(scan(s, group, captures))
         pool.index_copy_(0, group.slots, s)
 
 
