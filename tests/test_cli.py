@@ -39,6 +39,8 @@ def test_console_script_is_installed():
         "--decode-context-parallel-size",
         "--prefill-context-parallel-size",
         "--seed",
+        "--tensor-parallel-size",
+        "--data-parallel-size",
     ):
         assert flag in out.stdout
 
@@ -54,6 +56,16 @@ def test_flags_map_onto_engine_arguments():
     assert (kw["max_model_len"], kw["max_num_seqs"], kw["dtype"], kw["seed"]) == (2112, 4, "float32", 9)
     default = engine_kwargs(build_parser().parse_args(["serve"]))
     assert default["enable_return_routed_experts"] is False and default["enable_prefix_caching"] is True
+    assert default["device"] == "auto" and default["tensor_parallel_size"] == default["data_parallel_size"] == 1
+    assert engine_kwargs(build_parser().parse_args(["serve", "-tp", "1", "-dp", "1"]))["tensor_parallel_size"] == 1
+
+
+def test_device_auto_takes_the_gpu_when_there_is_one():
+    import torch
+
+    from r3srv.config import EngineConfig
+
+    assert EngineConfig(device="auto").device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_bad_config_exits_before_binding():
@@ -73,6 +85,8 @@ def test_bad_config_exits_before_binding():
         (["--prefill-context-parallel-size", "4"], ["prefill_context_parallel_size=4"]),
         (["--dtype", "float8"], ["dtype"]),
         (["--device", "tpu"], ["device"]),
+        (["--tensor-parallel-size", "2"], ["tensor_parallel_size=2", "one device"]),
+        (["-dp", "4"], ["data_parallel_size=4"]),
         (["/no/such/checkpoint"], ["/no/such/checkpoint"]),
     ],
 )

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step (default: %(default)s)")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="tokens per step")
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
-    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    serve.add_argument("--device", default="auto",
+                       help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
     serve.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory-fraction", type=float, default=None, help="share of free memory for the KV cache"
     )
     serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    # vLLM's flags, accepted so launch scripts that pass 1 work; more than 1 is a clear start-up error
+    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     serve.add_argument(
@@ -93,6 +97,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         pipeline_parallel_size=args.pipeline_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,
         prefill_context_parallel_size=args.prefill_context_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
     if args.num_kv_blocks is not None:
         kwargs["num_kv_blocks"] = args.num_kv_blocks
@@ -148,10 +154,11 @@ def serve(args: argparse.Namespace) -> int:
         enable_weight_updates=args.enable_weight_updates,
     )
     logger.info(
-        "serving %s on http://%s:%d (routed experts %s by default, max_model_len=%d)",
+        "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",
         name,
         args.host,
         args.port,
+        engine.device,
         "returned" if engine.enable_return_routed_experts else "not returned",
         engine.max_model_len,
     )

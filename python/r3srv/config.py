@@ -21,12 +21,22 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size",
+                     "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if value > 1:  # vLLM's flags, which launch scripts pass: say so before loading anything
+                raise ConfigError(
+                    f"{name}={value} is not supported: r3srv serves from one device; for more throughput "
+                    f"run one server per GPU behind a router; use {name}=1"
+                )
         if self.pipeline_parallel_size > 1:
             raise ConfigError(
                 f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: routed experts are "
@@ -64,8 +74,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
             self.model = str(self.model)  # accept os.PathLike
+        if self.device == "auto":  # the GPU when there is one
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ConfigError(f"device={self.device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+            raise ConfigError(f"device={self.device!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.device.startswith("cuda"):
             import torch
 

@@ -118,6 +118,10 @@ class AsyncLLM:
         return self._engine.max_model_len
 
     @property
+    def device(self):
+        return self._engine.device
+
+    @property
     def enable_return_routed_experts(self) -> bool:
         return self._engine.enable_return_routed_experts
 

@@ -39,6 +39,8 @@ class LLM:
         pipeline_parallel_size: int = 1,
         decode_context_parallel_size: int = 1,
         prefill_context_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
     ) -> None:
         self.engine = LLMEngine.from_kwargs(
             model,
@@ -56,6 +58,8 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size,
             decode_context_parallel_size=decode_context_parallel_size,
             prefill_context_parallel_size=prefill_context_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
         )
         self._ids = itertools.count()
 

@@ -8,6 +8,7 @@ and configs, so the async front validates on the caller's thread before queuing.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -148,20 +149,10 @@ class LLMEngine:
         self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
 
     @classmethod
-    def from_kwargs(
-        cls,
-        model: str | None = None,
-        *,
-        pipeline_parallel_size: int = 1,
-        decode_context_parallel_size: int = 1,
-        prefill_context_parallel_size: int = 1,
-        **kwargs,
-    ) -> "LLMEngine":
-        parallel = ParallelConfig(
-            pipeline_parallel_size=pipeline_parallel_size,
-            decode_context_parallel_size=decode_context_parallel_size,
-            prefill_context_parallel_size=prefill_context_parallel_size,
-        )
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+        """EngineConfig's and ParallelConfig's fields as keywords."""
+        parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+        parallel = ParallelConfig(**{name: kwargs.pop(name) for name in list(kwargs) if name in parallel_fields})
         try:
             config = EngineConfig(model=model, parallel=parallel, **kwargs)
         except TypeError as e:  # an unknown keyword
