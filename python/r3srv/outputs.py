@@ -49,8 +49,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    # The weights every token and routed-experts row of this request came from (a request
-    # runs on one version: weight updates wait for the requests in flight).
+    # The weights every routed-experts row of this request came from (weight updates wait for
+    # the requests in flight; a request retracted for one, AsyncLLM.pause_generation, recomputes
+    # all its rows on the new weights, though its earlier tokens were sampled on the old).
     weight_version: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 

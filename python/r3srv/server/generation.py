@@ -18,6 +18,7 @@ from typing import Any, TypeVar, cast
 import anyio
 import msgspec
 import numpy as np
+import pybase64
 from msgspec import UNSET, UnsetType
 
 from r3srv.errors import InvalidRequestError
@@ -84,6 +85,17 @@ class ServerState:
             quoted = encode_routed_experts(array, 0, json_quoted=True)
         self.metrics.routed_experts_bytes.inc(len(quoted) - 2)
         return cast(str, msgspec.Raw(quoted))  # Raw keeps a reference to the str: no copy
+
+    async def encode_experts_raw_int32(self, array: np.ndarray) -> str:
+        """SGLang's encoding of routed experts (its /generate's meta_info): base64 of the rows as
+        little-endian int32, C order, no header; clients reshape to (-1, num_layers, top_k)."""
+        raw = np.ascontiguousarray(array, dtype="<i4")
+        if raw.nbytes >= _OFFLOAD_ENCODE_BYTES:
+            text = await asyncio.to_thread(lambda: pybase64.b64encode(raw.data).decode("ascii"))
+        else:
+            text = pybase64.b64encode(raw.data).decode("ascii")
+        self.metrics.routed_experts_bytes.inc(len(text))
+        return text
 
 
 class Generation:

@@ -468,6 +468,86 @@ class MemoryOccupationResponse(Struct, kw_only=True):
     released: list[str]  # what is released after the call
 
 
+# ---------------------------------------------------------------- SGLang's native /generate
+
+
+class SglangSamplingParams(Struct, kw_only=True):
+    """SGLang's sampling_params, the fields r3srv serves; a penalty or a constraint r3srv does
+    not implement is a 400, not silently ignored."""
+
+    max_new_tokens: Annotated[int, Meta(ge=1)] | None = 128
+    min_new_tokens: NonNegInt = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    sampling_seed: int | None = None
+    no_stop_trim: bool = False
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def __post_init__(self) -> None:
+        unsupported = [name for name, default in _SGLANG_UNSERVED.items() if getattr(self, name) != default]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported by r3srv")
+
+
+_SGLANG_UNSERVED = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                    "json_schema": None, "regex": None, "ebnf": None}
+
+
+class SglangGenerateRequest(Struct, kw_only=True):
+    """SGLang's GenerateReqInput for one prompt: `text` or `input_ids`. Routed experts come back
+    in meta_info as SGLang sends them (base64 of little-endian int32, no header), from
+    `routed_experts_start_len` on."""
+
+    text: str | None = None
+    input_ids: list[NonNegInt] | None = None
+    sampling_params: SglangSamplingParams = msgspec.field(default_factory=SglangSamplingParams)
+    rid: str | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
+    return_routed_experts: bool | None = None
+    routed_experts_start_len: NonNegInt = 0
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids (one prompt per request)")
+        if self.input_ids is not None and not self.input_ids:
+            raise ValueError("input_ids must not be empty")
+        if self.logprob_start_len != -1:
+            raise ValueError("logprob_start_len: prompt logprobs are not supported (leave it -1)")
+
+    def to_sampling_params(self) -> SamplingParams:
+        sp = self.sampling_params
+        return SamplingParams(
+            n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
+            max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
+            stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
+            include_stop_str_in_output=sp.no_stop_trim,
+            logprobs=self.top_logprobs_num if self.return_logprob else None,
+            routed_experts_prompt_start=self.routed_experts_start_len,
+            return_routed_experts=self.return_routed_experts,
+        )
+
+
+class SglangGenerateOutput(Struct, kw_only=True, omit_defaults=True):
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+
 class PauseGenerationRequest(Struct, kw_only=True):
     """SGLang's /pause_generation body. abort: end every request in flight; retract: free the
     running sequences' KV (they recompute, on the weights loaded by then, after

@@ -22,7 +22,7 @@ def usage_of(outputs: list[RequestOutput], completion_tokens: int | None = None)
     )
 
 
-def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
+def ranked_logprobs(entry: dict[int, float]) -> list[tuple[int, float]]:
     # descending logprob, ties to the lower id (the sampler's order)
     return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))
 
@@ -53,7 +53,7 @@ class LogprobFormatter:
             text_offset += len(token)
             out.tokens.append(token)
             out.token_logprobs.append(entry.get(tid))
-            out.top_logprobs.append({self.token_str(t): v for t, v in _ranked(entry)})
+            out.top_logprobs.append({self.token_str(t): v for t, v in ranked_logprobs(entry)})
         return out
 
     def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> p.ChatCompletionLogProbs:
@@ -67,7 +67,7 @@ class LogprobFormatter:
                     bytes=list(token.encode("utf-8")),
                     top_logprobs=[
                         p.ChatCompletionLogProb(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode("utf-8")))
-                        for t, v in _ranked(entry)[:top]
+                        for t, v in ranked_logprobs(entry)[:top]
                     ],
                 )
             )
@@ -80,7 +80,7 @@ def generate_logprobs(token_ids: list[int], logprobs: list[dict[int, float]]) ->
             token_id=tid,
             logprob=entry.get(tid, float("-inf")),
             rank=_rank(entry, tid) if tid in entry else None,
-            top_logprobs=[p.GenerateLogProb(token_id=t, logprob=v, rank=r + 1) for r, (t, v) in enumerate(_ranked(entry))],
+            top_logprobs=[p.GenerateLogProb(token_id=t, logprob=v, rank=r + 1) for r, (t, v) in enumerate(ranked_logprobs(entry))],
         )
         for tid, entry in zip(token_ids, logprobs)
     ]

@@ -1,0 +1,74 @@
+"""SGLang's native API: POST /generate for one prompt (text or input_ids), as SGLang-based RL
+rollouts (slime, miles, verl's SGLang backend) call it, with the routed experts in meta_info
+the way SGLang sends them (base64 of little-endian int32 rows, no header, every token of
+prompt + output but the last from routed_experts_start_len on). Not streamed here."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from litestar import Request, post
+from msgspec import UNSET
+
+from r3srv.errors import InvalidRequestError
+from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.server import protocol as p
+from r3srv.server.generation import ServerState
+from r3srv.server.responses import ranked_logprobs
+from r3srv.server.routes.common import run_to_end, server_state
+
+ROUTE = "/generate"
+
+
+@post(ROUTE, status_code=200, summary="Generate for one prompt (SGLang's native API), routed experts in meta_info")
+async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, Any, Any]) -> Any:
+    state = server_state(request)
+    if data.stream:
+        raise InvalidRequestError("stream=true is not served on /generate: stream /v1/completions or "
+                                  "/inference/v1/generate instead", param="stream")
+    request_id = data.rid or uuid.uuid4().hex
+    prompt: str | list[int] = data.text if data.input_ids is None else list(data.input_ids)
+    try:
+        return await run_to_end(request, ROUTE, [prompt], data.to_sampling_params(), request_id,
+                                lambda finals: _outputs(state, data, request_id, finals[0]))
+    except InvalidRequestError as exc:  # the engine names the field as SamplingParams does
+        if exc.param == "routed_experts_prompt_start":
+            raise InvalidRequestError(str(exc).replace("routed_experts_prompt_start", "routed_experts_start_len"),
+                                      param="routed_experts_start_len") from None
+        raise
+
+
+async def _outputs(state: ServerState, req: p.SglangGenerateRequest, request_id: str, final: RequestOutput):
+    """One output object, or a list of them with sampling_params.n > 1 (as SGLang answers)."""
+    version = state.weight_version(final)
+    outs = []
+    for c in final.outputs:
+        meta: dict[str, Any] = {
+            "id": request_id if len(final.outputs) == 1 else f"{request_id}-{c.index}",
+            "finish_reason": _finish_reason(c),
+            "prompt_tokens": len(final.prompt_token_ids),
+            "completion_tokens": len(c.token_ids),
+            "cached_tokens": final.num_cached_tokens,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(c.token_ids, c.logprobs or [])]
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = [[[v, t, None] for t, v in ranked_logprobs(entry)[: req.top_logprobs_num]]
+                                               for entry in c.logprobs or []]
+        if c.routed_experts is not None:
+            meta["routed_experts"] = await state.encode_experts_raw_int32(c.routed_experts)
+        if version is not UNSET:
+            meta["weight_version"] = version
+        outs.append(p.SglangGenerateOutput(text=c.text, output_ids=list(c.token_ids), meta_info=meta))
+    return outs[0] if len(outs) == 1 else outs
+
+
+def _finish_reason(c: CompletionOutput) -> dict[str, Any]:
+    """SGLang's finish_reason objects."""
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(c.token_ids)}
+    if c.finish_reason == "stop":  # a stop string, a stop token, or EOS (the last token)
+        last = c.token_ids[-1] if c.token_ids else None
+        return {"type": "stop", "matched": c.stop_reason if c.stop_reason is not None else last}
+    return {"type": "abort", "message": "aborted"}
