@@ -32,17 +32,19 @@ def _syncs_per_decode_step(path, steps: int = 4, sampling: dict = GREEDY) -> lis
     engine.step()  # the prefills
     engine.step()  # first decodes: one-time allocations
     engine.step()
-    sites = []
-    for _ in range(steps):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                assert not engine.step().failed
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        sites.append([f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)])
-    return sites
+    return [_sync_sites_of_a_step(engine) for _ in range(steps)]
+
+
+def _sync_sites_of_a_step(engine) -> list[str]:
+    """Where one engine step synchronized (file:line of the Python call, one per sync)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            assert not engine.step().failed
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 # plain attention + the fused router + grouped expert GEMMs; latent attention; a hybrid (Gated
@@ -77,14 +79,7 @@ def _syncs_in_a_prefill_step(path) -> list[str]:
     engine.step()  # one-time allocations
     for i in range(3):
         engine.add_request(f"r{i}", prompt_ids(20 + 7 * i, base=i), SamplingParams(max_tokens=2, **GREEDY))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            assert not engine.step().failed
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return _sync_sites_of_a_step(engine)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
