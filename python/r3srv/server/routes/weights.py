@@ -62,14 +62,18 @@ async def update_weights_from_disk(
 
 @post("/reset_prefix_cache", status_code=200, summary="Forget every cached prompt prefix")
 async def reset_prefix_cache(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
-    state = _weights_state(request)
-    return p.ResetPrefixCacheResponse(success=True, num_blocks_forgotten=await state.engine.reset_prefix_cache())
+    return await _forget_prefixes(request)
 
 
 @route("/flush_cache", http_method=[HttpMethod.GET, HttpMethod.POST], status_code=200,
        summary="Forget every cached prompt prefix (SGLang's name; RL frameworks GET or POST it)")
 async def flush_cache(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
-    return await reset_prefix_cache.fn(request)
+    return await _forget_prefixes(request)
+
+
+async def _forget_prefixes(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
+    state = _weights_state(request)
+    return p.ResetPrefixCacheResponse(success=True, num_blocks_forgotten=await state.engine.reset_prefix_cache())
 
 
 @post("/release_memory_occupation", status_code=200, summary="Free the KV cache and/or move the weights to host memory")
