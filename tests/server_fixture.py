@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 
 # Small KV pool: fast to allocate, plenty for tests (256 blocks x 16 tokens).
-TEST_SERVER_ARGS = ("--num-kv-blocks", "256", "--max-num-seqs", "16", "--log-level", "warning")
+# the CPU even on a GPU machine (serve's default is auto): the tests compare with CPU engines
+TEST_SERVER_ARGS = ("--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "16", "--log-level", "warning")
 
 
 def free_port() -> int:
