@@ -7,6 +7,7 @@ logprobs and n; unsupported fields are 400s that name them."""
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import numpy as np
@@ -94,3 +95,26 @@ def test_what_is_not_served_is_a_400_naming_it(server, body, field):
     r = generate(server, body)
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
+
+
+def test_abort_request_ends_one_or_all_in_flight(server):
+    """SGLang's /abort_request, as rollouts stop over-sampled requests: by rid, or abort_all;
+    each ends with finish_reason abort and what it generated so far."""
+    import concurrent.futures
+
+    long = {"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        runs = {rid: pool.submit(generate, server, {"input_ids": PROMPT, "rid": rid, "sampling_params": long})
+                for rid in ("a", "b", "c")}
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/metrics").text.count("r3srv_num_requests_running 3.0") == 0:
+            assert time.monotonic() < deadline, "the three requests never ran together"
+            time.sleep(0.01)
+        assert httpx.post(server.url + "/abort_request", json={"rid": "a"}).status_code == 200
+        first = runs["a"].result(timeout=60).json()
+        assert not runs["b"].done() and not runs["c"].done()
+        assert httpx.post(server.url + "/abort_request", json={"abort_all": True}).status_code == 200
+        rest = [runs[rid].result(timeout=60).json() for rid in "bc"]
+    for out in [first, *rest]:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 3000
+    assert httpx.post(server.url + "/abort_request", json={}).status_code == 400

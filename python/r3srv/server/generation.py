@@ -46,7 +46,8 @@ class ServerState:
     enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
 
     async def abort_all(self) -> None:
-        """On shutdown: end every request in flight (finish_reason "abort"), so streams close promptly."""
+        """End every request in flight (finish_reason "abort"): on shutdown, so streams close
+        promptly, and for SGLang's /abort_request with abort_all."""
         for gen in list(self.live):
             await self.engine.abort(gen.request_id)
 

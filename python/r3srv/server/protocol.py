@@ -542,6 +542,13 @@ class SglangGenerateRequest(Struct, kw_only=True):
         )
 
 
+class SglangAbortRequest(Struct, kw_only=True):
+    """SGLang's /abort_request body: one request by its rid, or every request in flight."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
 class SglangGenerateOutput(Struct, kw_only=True, omit_defaults=True):
     text: str
     output_ids: list[int]

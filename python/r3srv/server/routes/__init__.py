@@ -3,7 +3,7 @@
 from r3srv.server.routes.inference import abort_requests, generate
 from r3srv.server.routes.info import detokenize, health, list_models, metrics, tokenize, version
 from r3srv.server.routes.openai import chat_completions, completions
-from r3srv.server.routes.sglang import sglang_generate
+from r3srv.server.routes.sglang import sglang_abort_request, sglang_generate
 from r3srv.server.routes.weights import (
     continue_generation,
     flush_cache,
@@ -21,6 +21,7 @@ ROUTE_HANDLERS = [
     generate,
     abort_requests,
     sglang_generate,
+    sglang_abort_request,
     list_models,
     health,
     version,

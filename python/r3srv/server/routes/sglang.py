@@ -1,14 +1,15 @@
 """SGLang's native API: POST /generate for one prompt (text or input_ids), as SGLang-based RL
 rollouts (slime, miles, verl's SGLang backend) call it, with the routed experts in meta_info
 the way SGLang sends them (base64 of little-endian int32 rows, no header, every token of
-prompt + output but the last from routed_experts_start_len on). Not streamed here."""
+prompt + output but the last from routed_experts_start_len on), not streamed here; and POST
+/abort_request (one rid, or abort_all, as those rollouts stop over-sampled requests)."""
 
 from __future__ import annotations
 
 import uuid
 from typing import Any
 
-from litestar import Request, post
+from litestar import MediaType, Request, Response, post
 from msgspec import UNSET
 
 from r3srv.errors import InvalidRequestError
@@ -72,3 +73,15 @@ def _finish_reason(c: CompletionOutput) -> dict[str, Any]:
         last = c.token_ids[-1] if c.token_ids else None
         return {"type": "stop", "matched": c.stop_reason if c.stop_reason is not None else last}
     return {"type": "abort", "message": "aborted"}
+
+
+@post("/abort_request", status_code=200, summary="Abort one request by rid, or all in flight (SGLang)")
+async def sglang_abort_request(data: p.SglangAbortRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
+    state = server_state(request)
+    if data.abort_all:
+        await state.abort_all()
+    elif data.rid:
+        await state.engine.abort(data.rid)
+    else:
+        raise InvalidRequestError("give a rid, or abort_all=true", param="rid")
+    return Response(b"", status_code=200, media_type=MediaType.TEXT)
