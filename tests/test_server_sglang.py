@@ -90,6 +90,7 @@ def test_text_logprobs_stop_and_n(server, layout):
     ({"input_ids": [1], "stream": True}, "stream"),
     ({"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len"),
     ({"input_ids": PROMPT, "routed_experts_start_len": 99}, "routed_experts_start_len"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0.0}}, "top_p"),
 ])
 def test_what_is_not_served_is_a_400_naming_it(server, body, field):
     r = generate(server, body)

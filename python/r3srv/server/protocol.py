@@ -531,7 +531,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params
-        return SamplingParams(
+        return _sampling_params(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
             max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
