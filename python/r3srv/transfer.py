@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 
-def to_device(arrays: list, device: torch.device, dtype: type = np.int64) -> list[torch.Tensor]:
+def to_device(arrays: list[np.ndarray | list], device: torch.device, dtype: type = np.int64) -> list[torch.Tensor]:
     """Tensors of `dtype` on `device` with the arrays' (or lists') shapes and values (on the
     CPU: the arrays themselves, as `dtype`, without a transfer)."""
     flat = [np.asarray(a, dtype=dtype) for a in arrays]

@@ -17,7 +17,6 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -75,8 +74,7 @@ class AttentionMetadata:
         first use, shared by the layers)."""
         if self._decode_kernel_args is None:
             host_lens = [self.context_lens[i] for i in self.decode_seqs]
-            seqs, lens, rows = to_device([np.array(self.decode_seqs), np.array(host_lens),
-                                               np.array(self.decode_rows)], self.slot_mapping.device)
+            seqs, lens, rows = to_device([self.decode_seqs, host_lens, self.decode_rows], self.slot_mapping.device)
             self._decode_kernel_args = (self.tables[seqs], lens, rows, max(host_lens))
         return self._decode_kernel_args
 

@@ -108,8 +108,8 @@ class LinearStateBatch:
         singles = [i for i, q in enumerate(query_lens) if q == 1]
         if singles:  # a decode step's indices in one transfer that does not wait for the GPU
             rows, single_slots, kept = to_device(
-                [np.array([starts[i] for i in singles]), np.array([slots[i] for i in singles]),
-                 np.array([context_lens[i] != query_lens[i] for i in singles])], torch.device(device))
+                [[starts[i] for i in singles], [slots[i] for i in singles],
+                 [context_lens[i] != query_lens[i] for i in singles]], torch.device(device))
             group = StepGroup(rows, single_slots, kept.to(torch.float32))
             snapped = [(slots[i], entry) for i in singles for _, entry in snapshots.get(i, [])]
             if snapped:
