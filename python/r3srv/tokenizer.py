@@ -6,11 +6,12 @@ import json
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from r3srv.errors import ConfigError, InvalidRequestError
 
@@ -114,6 +115,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context_ids: Sequence[int], skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """An incremental decoder (the library's DecodeStream): fed one token id at a time, it
+        returns the text that token completes, or None while a character is still partial.
+        `context_ids` (e.g. the prompt's last few ids) are decoded as context, never returned."""
+        stream, tok = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens), self._tok
+        return lambda token_id: stream.step(tok, token_id)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
