@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import pytest
 
-from r3srv.engine.llm_engine import _completion
-from r3srv.engine.sequence import Sequence
+from r3srv.engine.input_processor import EngineRequest
+from r3srv.engine.output_processor import SeqState
+from r3srv.engine.output_processor import completion_output as _completion
 from r3srv.sampling_params import SamplingParams
 
 LENGTHS = [256, 8192, 32768]
 
 
-def streaming_sequence(num_output: int) -> Sequence:
-    seq = Sequence("r", 0, list(range(100)), SamplingParams(logprobs=1), num_output + 1, None)
+def streaming_sequence(num_output: int) -> SeqState:
+    prep = EngineRequest("r", None, list(range(100)), SamplingParams(logprobs=1), num_output + 1, False)
+    seq = SeqState(0, prep, None)
     for i in range(num_output):
         seq.token_ids.append(i % 250)
         seq.logprobs.append({i % 250: -0.5, 3: -1.5})
         seq.cumulative_logprobs.append(seq.cumulative_logprob - 0.5)
-    seq.text = "x" * num_output
+    seq.stream.text = "x" * num_output
     return seq
 
 

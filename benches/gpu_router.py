@@ -256,12 +256,13 @@ def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 
 
     @contextlib.contextmanager
     def capture_off():
-        rows = engine.rows
-        engine.rows = engine.runner.rows = None
+        core, runner = engine.core, engine.core.executor.runner
+        rows, capture = core.rows, runner.rows
+        core.rows = runner.rows = None
         try:
             yield
         finally:
-            engine.rows = engine.runner.rows = rows
+            core.rows, runner.rows = rows, capture
 
     @contextlib.contextmanager
     def torch_router():

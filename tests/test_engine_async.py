@@ -56,7 +56,7 @@ def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatc
     whatever the batching), and the tokens against an offline run."""
     steps: list[list[tuple[str, int, int]]] = []  # per step: (request_id, first position, tokens)
     router_logits: list[torch.Tensor] = []  # per step and MoE layer, in call order
-    runner = engine._engine.runner
+    runner = engine._core.executor.runner
     real_run, real_select = runner.run, moe_module.select_experts
 
     def spy_run(seqs):
@@ -155,7 +155,7 @@ def test_cancelled_consumer_aborts(engine):
         return await wait_idle(engine)
 
     assert asyncio.run(main()).kv_blocks_used == 0
-    assert "cx" not in engine._engine.requests
+    assert "cx" not in engine._core.requests
 
 
 def test_abort_from_another_coroutine_ends_the_stream(engine):
@@ -194,7 +194,7 @@ def test_duplicate_request_id_in_flight_is_rejected(engine):
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
-    model = engine._engine.model
+    model = engine._core.executor.model
     real_forward = model.forward
 
     def broken(batch):
@@ -274,7 +274,7 @@ def test_an_engine_thread_crash_fails_requests_loudly():
     def broken_schedule():
         raise AssertionError("scheduler bug")
 
-    eng._engine.scheduler.schedule = broken_schedule
+    eng._core.scheduler.schedule = broken_schedule
 
     async def main():
         with pytest.raises(EngineDeadError, match="scheduler bug"):
@@ -292,13 +292,13 @@ def test_large_prompts_are_prepared_off_the_event_loop(engine, monkeypatch):
     from r3srv.offload import OFFLOAD_MIN_SIZE
 
     threads: list[int] = []
-    prepare = engine._engine.prepare_request
+    prepare = engine._input.process
 
     def recording_prepare(*args, **kwargs):
         threads.append(threading.get_ident())
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(engine._engine, "prepare_request", recording_prepare)
+    monkeypatch.setattr(engine._input, "process", recording_prepare)
 
     async def main():
         loop_thread = threading.get_ident()
@@ -321,13 +321,13 @@ def test_requests_and_commands_racing_a_shutdown_fail_instead_of_hanging(monkeyp
     from r3srv.offload import OFFLOAD_MIN_SIZE
 
     eng = AsyncLLM(max_model_len=64)
-    prepare = eng._engine.prepare_request
+    prepare = eng._input.process
 
     def slow_prepare(request_id, prompt, params, **kwargs):
         time.sleep(0.3)  # the shutdown lands while this runs
         return prepare(request_id, prompt[:8], params, **kwargs)
 
-    monkeypatch.setattr(eng._engine, "prepare_request", slow_prepare)
+    monkeypatch.setattr(eng._input, "process", slow_prepare)
 
     async def main():
         gen = eng.generate([65] * OFFLOAD_MIN_SIZE, SamplingParams(max_tokens=2, **GREEDY), "late")

@@ -1,8 +1,8 @@
-"""Incremental detokenization on the built-in byte-level tokenizer, and stop-string cuts."""
+"""Incremental detokenization (TextStream) on the built-in byte-level tokenizer, and stop-string cuts."""
 
 import pytest
 
-from r3srv.engine.detokenizer import IncrementalDetokenizer
+from r3srv.engine.text_stream import TextStream as IncrementalDetokenizer
 from r3srv.models.builtin import builtin_model_dir
 from r3srv.tokenizer import Tokenizer
 

@@ -181,7 +181,7 @@ def test_a_failed_step_leaks_no_state(hybrid_path, monkeypatch):
     owned snapshot and the prompt snapshot it was to keep all go back to the pool."""
     llm = LLM(hybrid_path, max_model_len=128, block_size=4, max_num_seqs=2)
     engine = llm.engine
-    monkeypatch.setattr(engine.runner, "run", lambda seqs: (_ for _ in ()).throw(RuntimeError("device lost")))
+    monkeypatch.setattr(engine.core.executor, "execute", lambda sched: (_ for _ in ()).throw(RuntimeError("device lost")))
     engine.add_request("r", prompt_ids(30), SamplingParams(max_tokens=4, **GREEDY))
     step = engine.step()
     assert [rid for rid, _ in step.failed] == ["r"] and not engine.has_unfinished()

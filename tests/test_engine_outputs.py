@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
-import r3srv.engine.llm_engine as engine_module
+import r3srv.engine.executor as executor_module
 from r3srv import SamplingParams
 from r3srv.engine.async_llm import AsyncLLM
 from r3srv.engine.llm_engine import LLMEngine
@@ -69,7 +69,7 @@ def test_partial_outputs_hold_back_tokens_that_add_no_text_before_a_stop(monkeyp
     def scripted(logits, seqs, eos, generator):
         return [SampleResult(t, -0.5, {t: -0.5}) for t in (next(script) for _ in seqs)]
 
-    monkeypatch.setattr(engine_module, "sample", scripted)
+    monkeypatch.setattr(executor_module, "sample", scripted)
     engine = LLMEngine.from_kwargs(None, max_model_len=64, num_kv_blocks=16)
     engine.add_request("r", [104, 105], SamplingParams(max_tokens=5, stop=["éz"], logprobs=0))
     partial = []

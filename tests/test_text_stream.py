@@ -11,7 +11,7 @@ import pytest
 
 from engine_testing import one_torch_thread  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
-from r3srv.engine.detokenizer import IncrementalDetokenizer
+from detokenizer_reference import IncrementalDetokenizer
 from r3srv.engine.text_stream import TextStream
 from r3srv.models.builtin import builtin_model_dir
 from r3srv.tokenizer import Tokenizer

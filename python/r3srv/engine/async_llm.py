@@ -1,10 +1,12 @@
 """The async front used by the HTTP server.
 
-One background thread owns the engine and runs its step loop (the event loop never
-runs model code). Coroutines hand it requests and aborts through a thread-safe command
-queue; it hands back each request's outputs through the request's own
-asyncio.Queue (via `call_soon_threadsafe`). All requests in flight batch together in
-the same steps.
+Three parts on three sides: the input processor runs on the caller's event loop (or a
+worker thread for large inputs), the engine core on one background thread (the event loop
+never runs model code), the output processor on another (detokenizing and output building
+never delay a step). Coroutines hand the core typed commands through a thread-safe queue;
+the core hands its step updates to the output thread, which delivers each request's
+outputs through the request's own asyncio.Queue (via `call_soon_threadsafe`) and sends
+stop strings back to the core as commands. All requests in flight batch together.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import enum
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from r3srv.engine.llm_engine import EngineStats, LLMEngine, PreparedRequest
+from r3srv.engine.core import CoreOutputs, EngineCore, EngineStats, engine_config
+from r3srv.engine.input_processor import EngineRequest, InputProcessor
+from r3srv.engine.output_processor import OutputProcessor, StopSequence
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.offload import run_sized
-from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput, merge_deltas
+from r3srv.outputs import OutputKind, RequestOutput, merge_deltas
 from r3srv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,74 +81,166 @@ class _Reply:
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-def _aborted_before_start(prep: PreparedRequest) -> RequestOutput:
-    """The final output of a request aborted while it waited for a weight update (it never ran)."""
-    outs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(prep.params.n)]
-    return RequestOutput(prep.request_id, prep.prompt, prep.prompt_token_ids, outs, finished=True)
+class EngineState(enum.Enum):
+    """Where the engine stands (one value, under AsyncLLM._lock). Released memory is the
+    core's own fact (EngineCore.released_memory): requests wait while any is released."""
+
+    RUNNING = "running"
+    PAUSED_ABORT = "abort"  # paused: pause_generation's mode is the value
+    PAUSED_RETRACT = "retract"
+    PAUSED_IN_PLACE = "in_place"
+    STOPPING = "stopping"  # shutdown asked; the core thread has not stopped yet
+    STOPPED = "stopped"  # the core thread takes no more commands
+    DEAD = "dead"  # the core thread died of an error outside a step
+
+    @property
+    def pause_mode(self) -> str | None:
+        return self.value if self in _PAUSED else None
+
+    @property
+    def accepts_requests(self) -> bool:
+        return self is EngineState.RUNNING or self in _PAUSED
+
+
+_PAUSED = (EngineState.PAUSED_ABORT, EngineState.PAUSED_RETRACT, EngineState.PAUSED_IN_PLACE)
+
+
+# -- commands to the core thread (the output thread sends StopSequence too) -------------
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    request: EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeights:
+    path: str
+    weight_version: str | None
+    abort_running: bool
+    reply: _Reply
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseMemory:
+    tags: list[str] | None
+    reply: _Reply
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeMemory:
+    tags: list[str] | None
+    reply: _Reply
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    reply: _Reply
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    mode: str
+    reply: _Reply
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    reply: _Reply
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+# -- items for the output thread, in the order the core thread produced them ------------
+@dataclass(frozen=True, slots=True)
+class _Register:
+    request: EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class _AbortedBeforeStart:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Close:
+    error: BaseException
 
 
 class AsyncLLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        # Config errors (ConfigError) raise here, on the caller's thread, before the loop starts.
-        self._engine = LLMEngine.from_kwargs(model, **kwargs)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
+        # Config errors (ConfigError) raise here, on the caller's thread, before the threads start.
+        self._core = EngineCore(engine_config(model, **kwargs))
+        core = self._core
+        self._input = InputProcessor(core.tokenizer, core.model_config.vocab_size, core.max_model_len,
+                                     core.enable_return_routed_experts)
+        self._output = OutputProcessor(core.tokenizer)  # the output thread's alone
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # to the core thread
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # to the output thread
         self._lock = threading.Lock()
-        self._dead: BaseException | None = None
-        # Weight updates and memory release/resume wait, in order, for the requests in flight to
-        # finish: (kind, args, reply). Requests added meanwhile, or while memory is released,
+        self._state = EngineState.RUNNING
+        self._death: BaseException | None = None  # why the core thread died (state DEAD)
+        self._sinks: dict[str, _Sink] = {}
+        # Core thread only. Weight updates and memory release/resume wait, in order, for the
+        # requests in flight to finish; requests added meanwhile, or while memory is released,
         # are held, and start after them (on the new weights, in the resumed memory).
-        self._exclusive: collections.deque[tuple[str, tuple, _Reply]] = collections.deque()
-        self._held: list[PreparedRequest] = []
-        # pause_generation's mode while generation is paused (no step runs), else None
-        self._paused: str | None = None
-        self._stopping = False
-        # Set (under _lock) once the engine thread stops taking commands: from then on nothing
-        # may be queued, and every waiter registered before was failed by _fail_all.
-        self._closed = False
+        self._exclusive: collections.deque[UpdateWeights | ReleaseMemory | ResumeMemory] = collections.deque()
+        self._held: list[EngineRequest] = []
         self._replies: set[_Reply] = set()  # weight updates and cache resets not answered yet
+        self._output_thread = threading.Thread(target=self._run_output, name="r3srv-output", daemon=True)
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
+        self._output_thread.start()
         self._thread.start()
 
     # -- facts the server needs -----------------------------------------------------------
     @property
     def tokenizer(self):
-        return self._engine.tokenizer
+        return self._core.tokenizer
 
     @property
     def model_config(self):
-        return self._engine.model_config
+        return self._core.model_config
 
     @property
     def max_model_len(self) -> int:
-        return self._engine.max_model_len
+        return self._core.max_model_len
 
     @property
     def device(self):
-        return self._engine.device
+        return self._core.device
 
     @property
     def enable_return_routed_experts(self) -> bool:
-        return self._engine.enable_return_routed_experts
+        return self._core.enable_return_routed_experts
 
     @property
     def routed_experts_info(self) -> dict | None:
-        return self._engine.routed_experts_info
+        return self._core.routed_experts_info
 
     @property
     def weight_version(self) -> str:
         """The version of the weights requests admitted from now on run on."""
-        return self._engine.weight_version
+        return self._core.weight_version
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
 
     @property
     def is_running(self) -> bool:
         """False once shut down or after the engine thread died (a /health probe can report it)."""
-        return self._dead is None and not self._stopping and self._thread.is_alive()
+        return self._state.accepts_requests and self._thread.is_alive()
 
     def stats(self) -> EngineStats:
-        stats = self._engine.stats()  # plain counters: a slightly stale read is fine
+        stats = self._core.stats()  # plain counters: a slightly stale read is fine
         held = len(self._held)  # requests held for a weight update or released memory wait like the others
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + held, paused=self._paused)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + held, paused=self._state.pause_mode)
 
     # -- requests -------------------------------------------------------------------------
     async def generate(
@@ -168,18 +266,18 @@ class AsyncLLM:
         """
         self._check_alive()
         size = len(prompt) if isinstance(prompt, (str, list, tuple)) else 0  # anything else fails validation
-        prepared: PreparedRequest = await run_sized(
-            size, self._engine.prepare_request, request_id, prompt, sampling_params,
-            add_special_tokens=add_special_tokens,
+        prepared: EngineRequest = await run_sized(
+            size, self._input.process, request_id, prompt, sampling_params, add_special_tokens=add_special_tokens,
         )
         prepared.output_kind = output_kind
         sink = _Sink(asyncio.get_running_loop())
-        with self._lock:  # registered and queued atomically with respect to _fail_all
+        with self._lock:  # registered and queued atomically with respect to closing
             self._check_open()
             if prepared.request_id in self._sinks:
                 raise InvalidRequestError(f"request_id {prepared.request_id!r} is already in flight", param="request_id")
             self._sinks[prepared.request_id] = sink
-            self._commands.put(("add", prepared))
+            self._outputs.put(_Register(prepared))  # before any of its outputs: the core sees it after this
+            self._commands.put(AddRequest(prepared))
         finished = False
         try:
             while True:
@@ -199,7 +297,7 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._commands.put(("abort", prepared.request_id))
+                self._commands.put(Abort(prepared.request_id))
 
     async def update_weights(self, path: str, *, abort_running: bool = False, weight_version: str | None = None) -> None:
         """Load new weights of the same architecture from a checkpoint directory (an RL policy update).
@@ -211,25 +309,25 @@ class AsyncLLM:
         architecture, InvalidRequestError if another update is under way. Outputs of requests
         that start later carry `weight_version` (default: `path`).
         """
-        await self._ask("update", str(path), weight_version, abort_running)
+        await self._ask(lambda reply: UpdateWeights(str(path), weight_version, abort_running, reply))
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
-        return await self._ask("reset_prefix_cache")
+        return await self._ask(ResetPrefixCache)
 
     async def release_memory(self, tags: list[str] | None = None) -> list[str]:
-        """LLMEngine.release_memory once the requests in flight have finished; requests that
+        """EngineCore.release_memory once the requests in flight have finished; requests that
         arrive meanwhile, or until everything is resumed, are held. Returns what is released."""
-        return await self._ask("release", tags)
+        return await self._ask(lambda reply: ReleaseMemory(tags, reply))
 
     async def resume_memory(self, tags: list[str] | None = None) -> list[str]:
-        """LLMEngine.resume_memory (after any update or release queued before it); once nothing
+        """EngineCore.resume_memory (after any update or release queued before it); once nothing
         is released, held requests start. Returns what is still released."""
-        return await self._ask("resume", tags)
+        return await self._ask(lambda reply: ResumeMemory(tags, reply))
 
     @property
     def released_memory(self) -> list[str]:
-        return sorted(self._engine.released_memory)
+        return sorted(self._core.released_memory)
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, int]:
         """Stop stepping until continue_generation (SGLang's modes): "abort" ends every request
@@ -240,52 +338,59 @@ class AsyncLLM:
         refused). Requests that arrive meanwhile wait. Returns {"aborted": n, "retracted": n}."""
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
-        return await self._ask("pause", mode)
+        return await self._ask(lambda reply: Pause(mode, reply))
 
     async def continue_generation(self) -> bool:
         """Step again after pause_generation; returns whether generation was paused."""
-        return await self._ask("continue")
+        return await self._ask(Continue)
 
     @property
     def paused(self) -> str | None:
         """pause_generation's mode while paused, else None."""
-        return self._paused
+        return self._state.pause_mode
 
-    async def _ask(self, kind: str, *args):
-        """Queue a command whose answer comes back through a _Reply, and wait for it."""
+    async def _ask(self, command):
+        """Queue `command(reply)`, whose answer comes back through the reply, and wait for it."""
         self._check_alive()
         reply = _Reply(asyncio.get_running_loop())
         with self._lock:
             self._check_open()
             self._replies.add(reply)
-            self._commands.put((kind, (*args, reply)))
+            self._commands.put(command(reply))
         return await reply.future
 
     def _check_alive(self) -> None:
-        if self._dead is not None or self._stopping:
-            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+        if not self._state.accepts_requests:
+            raise EngineDeadError(f"the engine is not running: {self._death or 'shut down'}")
 
     def _check_open(self) -> None:
-        """Under _lock: the engine thread still takes commands."""
-        if self._closed:
-            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+        """Under _lock: the core thread still takes commands."""
+        if self._state in (EngineState.STOPPED, EngineState.DEAD):
+            raise EngineDeadError(f"the engine is not running: {self._death or 'shut down'}")
+
+    def _set_state(self, state: EngineState, *, unless_stopping: bool = True) -> None:
+        with self._lock:
+            if not (unless_stopping and not self._state.accepts_requests):
+                self._state = state
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight; its generator ends with finish_reason "abort". False if unknown."""
         with self._lock:
             known = request_id in self._sinks
         if known:
-            self._commands.put(("abort", request_id))
+            self._commands.put(Abort(request_id))
         return known
 
     def shutdown(self) -> None:
-        """Stop the engine thread; requests still in flight fail with EngineDeadError. Idempotent."""
-        if self._stopping:
-            return
-        self._stopping = True
-        self._commands.put(("stop", None))
+        """Stop the engine threads; requests still in flight fail with EngineDeadError. Idempotent."""
+        with self._lock:
+            if not self._state.accepts_requests:
+                return
+            self._state = EngineState.STOPPING
+        self._commands.put(Shutdown())
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
+            self._output_thread.join(timeout=60)
 
     def __del__(self) -> None:
         try:
@@ -293,34 +398,32 @@ class AsyncLLM:
         except Exception:
             pass
 
-    # -- the engine thread ----------------------------------------------------------------
+    # -- the core thread ------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self._engine
+        core = self._core
         try:
             while True:
+                paused = self._state.pause_mode is not None
                 # updates and releases wait until no sequence holds KV (paused and retracted, or drained)
-                if self._exclusive and (not engine.has_unfinished() or (self._paused and not engine.scheduler.running)):
+                if self._exclusive and (not core.has_unfinished() or (paused and not core.scheduler.running)):
                     self._run_exclusive()
-                stepping = engine.has_unfinished() and self._paused is None
+                stepping = core.has_unfinished() and not paused
                 # Block while idle or paused; otherwise take whatever arrived since the last step.
                 cmd = self._commands.get() if not stepping else self._next_command()
                 while cmd is not None:
-                    if cmd[0] == "stop":
-                        self._fail_all(EngineDeadError("the engine was shut down"))
+                    if isinstance(cmd, Shutdown):
+                        self._close(EngineState.STOPPED, EngineDeadError("the engine was shut down"))
                         return
                     self._handle(cmd)
                     cmd = self._next_command()
-                if engine.has_unfinished() and self._paused is None:
-                    step = engine.step()
-                    for out in step.outputs:
-                        self._deliver(out)
-                    for rid, exc in step.failed:
-                        logger.error("request %s failed in an engine step: %r", rid, exc)
-                        self._deliver_error(rid, exc)
+                if core.has_unfinished() and self._state.pause_mode is None:
+                    out = core.step()
+                    if out.updates or out.failed:
+                        self._outputs.put(out)
         except BaseException as exc:  # a bug outside a step: fail loudly, never hang clients
             logger.exception("the engine thread died")
-            self._dead = exc
-            self._fail_all(EngineDeadError(f"the engine thread died: {exc!r}"))
+            self._death = exc
+            self._close(EngineState.DEAD, EngineDeadError(f"the engine thread died: {exc!r}"))
 
     def _next_command(self):
         try:
@@ -329,84 +432,91 @@ class AsyncLLM:
             return None
 
     def _handle(self, cmd) -> None:
-        kind, arg = cmd
-        engine = self._engine
-        if kind == "add":
-            if self._exclusive or engine.released_memory:
-                self._held.append(arg)
+        core = self._core
+        if isinstance(cmd, AddRequest):
+            if self._exclusive or core.released_memory:
+                self._held.append(cmd.request)
                 return
             try:
-                engine.add_prepared(arg)
+                core.add_request(cmd.request)
             except Exception as exc:
-                self._deliver_error(arg.request_id, exc)
-        elif kind == "abort":
-            out = engine.abort_request(arg)
-            held = next((p for p in self._held if p.request_id == arg), None)
-            if held is not None:
-                self._held.remove(held)
-                out = _aborted_before_start(held)
-            if out is not None:
-                self._deliver(out)
-        elif kind == "update":
-            path, version, abort_running, reply = arg
-            if any(op == "update" for op, _, _ in self._exclusive):
-                self._answer(reply, exc=InvalidRequestError("a weight update is already under way", param="model_path"))
+                self._outputs.put(CoreOutputs(failed=[(cmd.request.request_id, exc)]))
+        elif isinstance(cmd, StopSequence):
+            out = core.stop_sequence(cmd.request_id, cmd.index, cmd.num_output_tokens, cmd.stop)
+            if out.updates:
+                self._outputs.put(out)
+        elif isinstance(cmd, Abort):
+            self._abort(cmd.request_id)
+        elif isinstance(cmd, UpdateWeights):
+            if any(isinstance(c, UpdateWeights) for c in self._exclusive):
+                self._answer(cmd.reply, exc=InvalidRequestError("a weight update is already under way", param="model_path"))
                 return
-            if self._paused == "in_place" and engine.scheduler.running and not abort_running:
-                self._answer(reply, exc=InvalidRequestError(
+            if self._state is EngineState.PAUSED_IN_PLACE and core.scheduler.running and not cmd.abort_running:
+                self._answer(cmd.reply, exc=InvalidRequestError(
                     "generation is paused in place and requests hold KV of the current weights: pause with "
                     "mode=retract or abort, or update with abort_all_requests", param="model_path"))
                 return
-            self._exclusive.append(("update", (path, version), reply))
-            if abort_running:
-                for rid in list(engine.requests):
-                    self._handle(("abort", rid))
-        elif kind in ("release", "resume"):
-            tags, reply = arg
-            self._exclusive.append((kind, (tags,), reply))
-        elif kind == "reset_prefix_cache":
-            self._answer(arg[0], engine.reset_prefix_cache())
-        elif kind == "pause":
-            mode, reply = arg
+            self._exclusive.append(cmd)
+            if cmd.abort_running:
+                for rid in list(core.requests):
+                    self._abort(rid)
+        elif isinstance(cmd, (ReleaseMemory, ResumeMemory)):
+            self._exclusive.append(cmd)
+        elif isinstance(cmd, ResetPrefixCache):
+            self._answer(cmd.reply, core.reset_prefix_cache())
+        elif isinstance(cmd, Pause):
             aborted = retracted = 0
-            if mode == "abort":
-                for rid in [*engine.requests, *(p.request_id for p in self._held)]:
-                    self._handle(("abort", rid))
+            if cmd.mode == "abort":
+                for rid in [*core.requests, *(p.request_id for p in self._held)]:
+                    self._abort(rid)
                     aborted += 1
-            elif mode == "retract":
-                retracted = engine.retract_running()
-            self._paused = mode
-            self._answer(reply, {"aborted": aborted, "retracted": retracted})
-        elif kind == "continue":
-            was_paused, self._paused = self._paused is not None, None
-            self._answer(arg[0], was_paused)
+            elif cmd.mode == "retract":
+                retracted = core.retract_running()
+            self._set_state(EngineState(cmd.mode))
+            self._answer(cmd.reply, {"aborted": aborted, "retracted": retracted})
+        elif isinstance(cmd, Continue):
+            was_paused = self._state.pause_mode is not None
+            if was_paused:
+                self._set_state(EngineState.RUNNING)
+            self._answer(cmd.reply, was_paused)
+        else:
+            raise TypeError(f"unknown engine command {cmd!r}")
+
+    def _abort(self, request_id: str) -> None:
+        update = self._core.abort_request(request_id)
+        if update is not None:
+            self._outputs.put(CoreOutputs(updates=[update]))
+        held = next((p for p in self._held if p.request_id == request_id), None)
+        if held is not None:
+            self._held.remove(held)
+            self._outputs.put(_AbortedBeforeStart(request_id))
 
     def _run_exclusive(self) -> None:
         """Runs once no request is in flight: every queued update / release / resume in
         order, then the held requests, unless memory is still released."""
-        engine = self._engine
+        core = self._core
         while self._exclusive:
-            kind, args, reply = self._exclusive.popleft()
+            cmd = self._exclusive.popleft()
             try:
-                if kind == "update":
-                    engine.update_weights(*args)
-                    logger.info("loaded new weights from %s", args[0])
+                if isinstance(cmd, UpdateWeights):
+                    core.update_weights(cmd.path, cmd.weight_version)
+                    logger.info("loaded new weights from %s", cmd.path)
                     value = None
-                elif kind == "release":
-                    value = engine.release_memory(*args)
+                elif isinstance(cmd, ReleaseMemory):
+                    value = core.release_memory(cmd.tags)
                     logger.info("released memory: %s", value)
                 else:
-                    value = engine.resume_memory(*args)
+                    value = core.resume_memory(cmd.tags)
                     logger.info("resumed memory; still released: %s", value)
             except Exception as exc:
-                logger.error("%s failed: %s", kind, exc)
-                self._answer(reply, exc=exc)
+                logger.error("%s failed: %s", type(cmd).__name__, exc)
+                self._answer(cmd.reply, exc=exc)
             else:
-                self._answer(reply, value)
-        if not engine.released_memory:
+                self._answer(cmd.reply, value)
+        if not core.released_memory:
             held, self._held = self._held, []
             for prep in held:
-                self._handle(("add", prep))
+                self._handle(AddRequest(prep))
 
     def _answer(self, reply: _Reply, value: object = None, exc: BaseException | None = None) -> None:
         with self._lock:
@@ -415,6 +525,53 @@ class AsyncLLM:
             reply.ok(value)
         else:
             reply.fail(exc)
+
+    def _close(self, state: EngineState, exc: BaseException) -> None:
+        """The core thread's last act: nothing more is queued, every waiter fails with `exc`."""
+        core = self._core
+        for rid in list(core.requests):
+            core.abort_request(rid)
+        self._exclusive.clear()
+        self._held = []
+        with self._lock:
+            self._state = state
+            replies, self._replies = self._replies, set()
+        for reply in replies:
+            reply.fail(exc)
+        self._outputs.put(_Close(exc))  # the output thread fails the requests' sinks
+
+    # -- the output thread ----------------------------------------------------------------
+    def _run_output(self) -> None:
+        """Detokenizing, stop strings and RequestOutputs, off the core thread."""
+        output = self._output
+        try:
+            while True:
+                item = self._outputs.get()
+                if isinstance(item, _Register):
+                    output.add_request(item.request)
+                elif isinstance(item, _AbortedBeforeStart):
+                    if (out := output.abort(item.request_id)) is not None:
+                        self._deliver(out)
+                elif isinstance(item, _Close):
+                    self._fail_sinks(item.error)
+                    return
+                else:
+                    processed = output.process(item)
+                    for stop in processed.stops:
+                        self._commands.put(stop)
+                    for rid in processed.to_abort:
+                        self._commands.put(Abort(rid))
+                    for out in processed.outputs:
+                        self._deliver(out)
+                    for rid, exc in processed.failed:
+                        logger.error("request %s failed: %r", rid, exc)
+                        self._deliver_error(rid, exc)
+        except BaseException as exc:  # a bug here: fail loudly, never hang clients
+            logger.exception("the output thread died")
+            self._death = exc
+            self._set_state(EngineState.STOPPING)
+            self._commands.put(Shutdown())
+            self._fail_sinks(EngineDeadError(f"the output thread died: {exc!r}"))
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -428,17 +585,8 @@ class AsyncLLM:
         if sink is not None:
             sink.put(exc)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        engine = self._engine
-        for rid in list(engine.requests):
-            engine.abort_request(rid)
-        self._exclusive.clear()
-        self._held = []
+    def _fail_sinks(self, exc: BaseException) -> None:
         with self._lock:
-            self._closed = True
             sinks, self._sinks = self._sinks, {}
-            replies, self._replies = self._replies, set()
         for sink in sinks.values():
             sink.put(exc)
-        for reply in replies:
-            reply.fail(exc)

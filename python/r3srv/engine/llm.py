@@ -165,7 +165,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
+        prompts = [self.engine.input_processor.render_chat(conv) for conv in conversations]
         # The template writes the specials itself (a second BOS would shift every token).
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
 

@@ -3,7 +3,9 @@
 The model owns its paged KV cache (`init_kv_cache`); this module only tells it where
 each token's KV goes (slot mapping) and where each sequence's context lives (block
 tables). When routed experts are enabled every step captures rows, whether or not
-its requests asked for them: a later request may hit these blocks in the prefix cache.
+its requests asked for them: a later request may hit these blocks in the prefix cache
+(the engine core stores them in its slot-indexed buffer; `rows` here only lends the
+reusable capture tensor).
 """
 
 from __future__ import annotations
@@ -73,10 +75,9 @@ class ModelRunner:
         return batch, slot_np
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Computes the scheduled tokens of `seqs`; returns float32 logits [len(seqs), vocab]."""
+    def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+        """Computes the scheduled tokens of `seqs`; returns float32 logits [len(seqs), vocab], the
+        step's routed-experts capture (None when off) and the tokens' KV slots (where its rows go)."""
         batch, slot_np = self.prepare(seqs)
         logits = self.model.forward(batch)
-        if self.rows is not None:
-            self.rows.store(slot_np, batch.routing_capture)
-        return logits
+        return logits, batch.routing_capture, slot_np

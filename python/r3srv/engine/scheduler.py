@@ -21,6 +21,9 @@ from r3srv.engine.sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)  # each with num_scheduled_tokens > 0
     num_preempted: int = 0
+    # positions in `seqs` of those whose step ends at their last token, so they sample one more
+    # (a sequence stopped by a stop string only recomputes its rows: it samples nothing)
+    sample_indices: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +91,10 @@ class Scheduler:
             budget -= n
             out.seqs.append(seq)
             self.running.append(seq)
+        out.sample_indices = [
+            i for i, s in enumerate(out.seqs)
+            if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens and s.stopped_at is None
+        ]
         return out
 
     def _preempt(self, seq: Sequence) -> None:

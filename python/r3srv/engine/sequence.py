@@ -21,7 +21,8 @@ _seq_ids = itertools.count()
 
 
 class Sequence:
-    """Token ids (prompt + output), the KV blocks holding them, and per-sample decoding state.
+    """Token ids (prompt + output) and the KV blocks holding them (text, logprobs and outputs are
+    the output processor's).
 
     Invariant: tokens [0, num_computed_tokens) have their KV (and routed-expert rows)
     in the slots given by `block_table`; the last sampled token is never computed
@@ -63,19 +64,10 @@ class Sequence:
         self.snapshot_block: int | None = None
         self.snapshot_plan: list[tuple[int, int]] = []
         self.restore_from = -1
-        # Output-side state.
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        # Running sums of the output tokens' logprobs: [i] covers tokens 0..i, so a stop-string
-        # cut or a held-back partial output reads its sum in O(1).
-        self.cumulative_logprobs: list[float] = []
-        self.text = ""
-        # What DELTA outputs have handed out so far (output tokens, text characters).
-        self.num_emitted_tokens = 0
-        self.num_emitted_chars = 0
-        self.detok = None  # IncrementalDetokenizer, set by the engine
-        self.routed_experts = None  # np.ndarray, set when finished
+        # A stop string the output processor found, while this sequence waits to recompute the
+        # rows of its kept tokens (it was preempted meanwhile): it finishes, sampling nothing,
+        # once they are computed.
+        self.stopped_at: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -91,10 +83,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def cumulative_logprob(self) -> float:
-        return self.cumulative_logprobs[-1] if self.cumulative_logprobs else 0.0
 
     @property
     def is_finished(self) -> bool:

@@ -1,4 +1,7 @@
-"""Incremental detokenization, and where a stop string cuts the text and the tokens.
+"""The hand-written incremental detokenizer the engine used before TextStream (DecodeStream),
+kept as the oracle tests/test_text_stream.py holds TextStream against.
+
+Incremental detokenization, and where a stop string cuts the text and the tokens.
 
 Text grows by decoding a small window of ids (the last few already-emitted ids as
 context plus the new ones), so each step costs O(window), and a multi-byte character

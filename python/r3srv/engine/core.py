@@ -1,0 +1,472 @@
+"""The engine core: validated requests in, one step at a time, token-level updates out.
+
+It owns the scheduler, the KV block and state pools, the slot-indexed routed-experts rows,
+weight updates and memory release, and runs the model only through an Executor. It knows
+tokens, never text: detokenizing, stop strings and RequestOutputs are the output
+processor's, which tells the core when a stop string ended a sequence (`stop_sequence`).
+
+Not thread-safe: the offline LLMEngine calls it from its own thread and AsyncLLM from its
+one core thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from r3srv.config import EngineConfig, ParallelConfig
+from r3srv.engine.block_manager import BlockManager
+from r3srv.engine.executor import Executor, InProcessExecutor
+from r3srv.engine.input_processor import EngineRequest
+from r3srv.engine.routed_experts import RoutedExpertsBuffer
+from r3srv.engine.sampler import SampleResult
+from r3srv.engine.scheduler import Scheduler
+from r3srv.engine.sequence import Sequence
+from r3srv.errors import ConfigError, InvalidRequestError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Default share of free memory for the KV cache when num_kv_blocks is not given.
+_DEFAULT_KV_FRACTION = {"cpu": 0.25, "cuda": 0.85}
+_CPU_KV_CAP_BYTES = 8 << 30
+
+MEMORY_TAGS = ("kv_cache", "weights")  # SGLang's release/resume_memory_occupation tags
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which served from it
+    num_preemptions: int
+    released_memory: tuple[str, ...] = ()  # MEMORY_TAGS given back by release_memory
+    state_slots_total: int = 0  # linear-attention state slots (hybrid models; else 0)
+    state_slots_used: int = 0
+    paused: str | None = None  # AsyncLLM.pause_generation's mode while paused
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """What one sequence gained in one step, or how it ended."""
+
+    index: int
+    sample: SampleResult | None = None  # the token sampled this step
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    # set when it finished and the request asked for them: rows of every token but the last
+    routed_experts: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    request_id: str
+    seqs: list[SeqUpdate]
+    num_cached_tokens: int
+    weight_version: str | None
+    arrival_time: float
+    first_token_time: float | None
+
+
+@dataclass
+class CoreOutputs:
+    updates: list[RequestUpdate] = field(default_factory=list)
+    failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request_id, error)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    def extend(self, other: "CoreOutputs") -> None:
+        self.updates += other.updates
+        self.failed += other.failed
+
+
+@dataclass
+class _Request:
+    prepared: EngineRequest
+    seqs: list[Sequence]
+    deferred: list[Sequence] = field(default_factory=list)  # n > 1 samples waiting for sample 0's prompt
+    weight_version: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
+    """EngineConfig's and ParallelConfig's fields as keywords."""
+    parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    parallel = ParallelConfig(**{name: kwargs.pop(name) for name in list(kwargs) if name in parallel_fields})
+    try:
+        return EngineConfig(model=model, parallel=parallel, **kwargs)
+    except TypeError as e:  # an unknown keyword
+        raise ConfigError(str(e)) from None
+
+
+def _memory_tags(tags: list[str] | None) -> set[str]:
+    if tags is None:
+        return set(MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise InvalidRequestError(f"unknown memory tags {unknown}; expected any of {list(MEMORY_TAGS)}", param="tags")
+    return set(tags)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from r3srv.models.loader import load_model
+
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
+        self.model_config = mc = model.config
+        config.finalize(mc)
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        self.enable_return_routed_experts = config.enable_return_routed_experts
+        eos = list(mc.eos_token_ids or [])
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in eos:
+            eos.append(tok_eos)
+        self.eos_token_ids = eos
+        self.executor: Executor = InProcessExecutor(
+            model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed
+        )
+
+        # a hybrid's linear-attention states: a slot per running sequence, and with prefix
+        # caching as many snapshots again for the running ones plus as many kept for later hits
+        self.num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
+        self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
+        num_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        config.check_kv_pool(num_blocks)
+        config.num_kv_blocks = num_blocks
+        self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
+        self.rows = (
+            RoutedExpertsBuffer(num_blocks * config.block_size, mc.num_layers, mc.top_k, mc.num_experts)
+            if config.enable_return_routed_experts
+            else None
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.weight_version = config.weight_version
+        self.requests: dict[str, _Request] = {}
+        self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
+
+    # -- sizing -------------------------------------------------------------------------
+    def _auto_num_blocks(self) -> int:
+        cfg = self.config
+        per_block = self.executor.kv_cache_bytes_per_block(cfg.block_size)
+        mc = self.model_config
+        if cfg.enable_return_routed_experts:
+            per_block += cfg.block_size * mc.num_layers * mc.top_k * (1 if mc.num_experts <= 256 else 4)
+        kind = self.device.type
+        fraction = cfg.kv_cache_memory_fraction or _DEFAULT_KV_FRACTION[kind]
+        if kind == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * fraction)
+        else:
+            budget = min(int(_mem_available() * fraction), _CPU_KV_CAP_BYTES)
+        # a hybrid's linear-attention states
+        states = (self.num_state_slots + self.num_state_snapshots) * self.executor.state_bytes_per_slot()
+        if states and states >= budget:
+            raise ConfigError(
+                f"the linear-attention states of max_num_seqs={cfg.max_num_seqs} sequences (and with prefix "
+                f"caching their snapshots) take {states / 2**30:.2f} GiB, more than the {budget / 2**30:.2f} GiB "
+                "cache budget; lower max_num_seqs, disable prefix caching or raise kv_cache_memory_fraction"
+            )
+        budget -= states
+        # More than every sequence at full length is never used.
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return max(1, min(budget // max(per_block, 1), useful))
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(self, prep: EngineRequest) -> None:
+        if self.released_memory:
+            raise InvalidRequestError(
+                f"the engine's {' and '.join(sorted(self.released_memory))} memory is released: resume it first"
+            )
+        if prep.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {prep.request_id!r} is already in flight", param="request_id")
+        p = prep.params
+        seqs = [Sequence(prep.request_id, i, prep.prompt_token_ids, p, prep.max_tokens, self._generator(p, i)) for i in range(p.n)]
+        req = _Request(prep, seqs, weight_version=self.weight_version)
+        self.requests[prep.request_id] = req
+        self.scheduler.add(seqs[0])
+        # With prefix caching, samples 1..n-1 wait until sample 0 has computed the prompt,
+        # then share its full blocks instead of recomputing them.
+        if self.config.enable_prefix_caching:
+            req.deferred = seqs[1:]
+        else:
+            for seq in seqs[1:]:
+                self.scheduler.add(seq)
+
+    def _generator(self, params, index: int) -> torch.Generator | None:
+        """A seeded request's own generator (its samples then depend on its seed alone)."""
+        if params.greedy or params.seed is None:
+            return None
+        # n > 1: sample i of a seeded request uses seed + i (as vLLM's parallel sampling does).
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed((params.seed + index) % (1 << 63))
+        return gen
+
+    def abort_request(self, request_id: str) -> RequestUpdate | None:
+        """Stop a request and free its blocks; the update ends its unfinished sequences ("abort")."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        return self._update(req, self._stop_unfinished(req, "abort"))
+
+    def stop_sequence(self, request_id: str, index: int, num_output_tokens: int, stop: str) -> CoreOutputs:
+        """The output processor found stop string `stop` in sequence `index`: keep its first
+        `num_output_tokens` output tokens and finish it ("stop"), with the rows of those tokens.
+        Nothing if the sequence has finished meanwhile (its own update trims)."""
+        out = CoreOutputs()
+        req = self.requests.get(request_id)
+        if req is None or req.seqs[index].is_finished:
+            return out
+        seq = req.seqs[index]
+        del seq.token_ids[seq.num_prompt_tokens + num_output_tokens :]
+        wants_rows = req.prepared.return_routed_experts and self.rows is not None
+        if wants_rows and seq.num_computed_tokens < seq.num_tokens - 1:
+            # preempted or retracted since (its rows went with its blocks): recompute them first
+            seq.stopped_at = stop
+            return out
+        out.updates.append(self._update(req, [self._finish(seq, "stop", stop)]))
+        self._forget_if_finished(req)
+        return out
+
+    def retract_running(self) -> int:
+        """Send every running sequence back to the waiting queue with its blocks freed: its KV,
+        state slot and routed-experts rows are recomputed when it runs again, on the weights
+        loaded by then (a partial rollout resumed on a new policy). Returns how many."""
+        return self.scheduler.retract_running()
+
+    def num_requests_holding_kv(self) -> int:
+        return len({seq.request_id for seq in self.scheduler.running})
+
+    def update_weights(self, path: str, weight_version: str | None = None) -> None:
+        """Load new weights of the same architecture (an RL policy update) and forget the prefix cache.
+
+        Only while no sequence holds KV: KV and routed-experts rows computed with the old weights
+        must not mix with new ones in one sequence, so running requests are an error (let them
+        finish, abort them, or retract them first; AsyncLLM.update_weights waits for them).
+        Requests that hold none (waiting, or retracted) compute everything on the new weights,
+        and their outputs carry its version. A ConfigError leaves the weights as they were.
+        `weight_version` names the new weights in every later output (default: `path`).
+        """
+        if holding := self.num_requests_holding_kv():
+            raise InvalidRequestError(
+                f"cannot update weights with {holding} requests in flight holding KV of the current weights: "
+                "let them finish, abort them, or retract them (pause_generation mode=retract)",
+                param="model_path",
+            )
+        # Released weights live in host memory: an update fills them there, and they move
+        # back with resume_memory.
+        try:
+            self.executor.load_weights(path)
+        except ConfigError:
+            raise  # found before any weight was copied: nothing changed
+        except Exception:
+            # Failed while copying (an I/O error mid-shard): some weights are new, some old.
+            # Say so in every later output rather than serve a silent mix under the old name.
+            self.block_manager.reset_prefix_cache()
+            self.weight_version = f"incomplete:{path}"
+            raise
+        self.block_manager.reset_prefix_cache()
+        self.weight_version = str(path) if weight_version is None else weight_version
+        for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
+            req.weight_version = self.weight_version
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were forgotten."""
+        return self.block_manager.reset_prefix_cache()
+
+    def release_memory(self, tags: list[str] | None = None) -> list[str]:
+        """Give memory back between rollout batches (a trainer colocated on the same GPU
+        trains meanwhile): "kv_cache" frees the KV cache (and forgets the prefix cache),
+        "weights" moves the weights to pinned host memory. None: both. Only between
+        requests; releasing something already released does nothing. Returns what is released."""
+        wanted = _memory_tags(tags)
+        if self.requests:  # even retracted ones: nothing may wait to run in released memory
+            raise InvalidRequestError(
+                f"cannot release memory with {len(self.requests)} requests in flight: let them finish or abort them",
+                param="tags",
+            )
+        if "kv_cache" in wanted and "kv_cache" not in self.released_memory:
+            self.block_manager.reset_prefix_cache()  # its blocks' K/V are about to go
+            self.executor.free_kv_cache()
+        if "weights" in wanted and "weights" not in self.released_memory:
+            self.executor.release_weights()
+        self.released_memory |= wanted
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the driver, for the trainer
+        return sorted(self.released_memory)
+
+    def resume_memory(self, tags: list[str] | None = None) -> list[str]:
+        """Undo release_memory for `tags` (None: both): the weights come back as they were
+        (or as an update loaded them meanwhile), the KV cache is allocated afresh. Returns
+        what is still released."""
+        wanted = _memory_tags(tags) & self.released_memory
+        if "weights" in wanted:
+            self.executor.resume_weights()
+        if "kv_cache" in wanted:
+            cfg = self.config
+            self.executor.init_kv_cache(cfg.num_kv_blocks, cfg.block_size, cfg.max_num_seqs, self.num_state_snapshots)
+        self.released_memory -= wanted
+        return sorted(self.released_memory)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            released_memory=tuple(sorted(self.released_memory)),
+            state_slots_total=bm.num_state_slots,
+            state_slots_used=bm.num_used_state_slots,
+        )
+
+    @property
+    def routed_experts_info(self) -> dict | None:
+        if self.rows is None:
+            return None
+        mc = self.model_config
+        return {
+            "num_layers": mc.num_layers,
+            "top_k": mc.top_k,
+            "num_experts": mc.num_experts,
+            "dtype": self.rows.dtype.name,
+            "moe_layers": list(mc.moe_layers),
+        }
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self) -> CoreOutputs:
+        result = CoreOutputs()
+        sched = self.scheduler.schedule()
+        seqs = sched.seqs
+        if not seqs:
+            return result
+        for s in seqs:
+            if s.num_tokens - s.num_computed_tokens == s.num_scheduled_tokens and s.num_scheduled_tokens == 1:
+                result.num_decode_tokens += 1
+            else:
+                result.num_prefill_tokens += s.num_scheduled_tokens
+        if self.num_state_snapshots:  # a hybrid with prefix caching
+            for s in seqs:
+                self.block_manager.plan_snapshots(s)
+        try:
+            out = self.executor.execute(sched)
+        except Exception as exc:  # fail this step's requests, keep the engine alive
+            for rid in dict.fromkeys(s.request_id for s in seqs):
+                self._fail(rid, exc, result)
+            return result
+        if self.rows is not None:
+            self.rows.store(out.slot_mapping, out.routing_capture)
+
+        touched: dict[str, tuple[_Request, list[SeqUpdate]]] = {}
+        for seq in seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.commit_full_blocks(seq)
+            if seq.stopped_at is not None and seq.num_computed_tokens >= seq.num_tokens - 1:
+                req = self.requests[seq.request_id]  # its kept tokens' rows are back: finish it
+                touched.setdefault(seq.request_id, (req, []))[1].append(self._finish(seq, "stop", seq.stopped_at))
+        sampled_seqs = [seqs[i] for i in sched.sample_indices]
+        if out.sample_error is not None:
+            for rid in dict.fromkeys(s.request_id for s in sampled_seqs):
+                touched.pop(rid, None)
+                self._fail(rid, out.sample_error, result)
+            sampled_seqs = []
+        now = time.monotonic()
+        for seq, res in zip(sampled_seqs, out.samples):
+            req = self.requests[seq.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched.setdefault(seq.request_id, (req, []))[1].append(self._append(seq, res))
+            if req.deferred and seq.index == 0:
+                for sib in req.deferred:
+                    self.scheduler.add(sib)
+                req.deferred = []
+        for req, updates in touched.values():
+            result.updates.append(self._update(req, updates))
+            self._forget_if_finished(req)
+        return result
+
+    def _append(self, seq: Sequence, res: SampleResult) -> SeqUpdate:
+        """The token-level stop checks; stop strings are the output processor's."""
+        p = seq.params
+        tok = res.token_id
+        seq.token_ids.append(tok)
+        if p.stop_token_ids and tok in p.stop_token_ids:
+            return self._finish(seq, "stop", tok, res)
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return self._finish(seq, "stop", None, res)
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length", None, res)
+        return SeqUpdate(seq.index, res)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, res: SampleResult | None = None) -> SeqUpdate:
+        update = SeqUpdate(seq.index, res, reason, stop_reason)
+        prep = self.requests[seq.request_id].prepared
+        if prep.return_routed_experts and self.rows is not None:
+            # Rows of tokens 0 .. num_tokens-2: every token but the last sampled one ran.
+            update.routed_experts = self.rows.gather(
+                seq.block_table.array, self.block_manager.block_size, seq.num_tokens - 1,
+                prep.params.routed_experts_prompt_start,
+            )
+        self.scheduler.finish(seq)
+        return update
+
+    def _forget_if_finished(self, req: _Request) -> None:
+        if req.finished:
+            self.requests.pop(req.prepared.request_id, None)
+
+    def _fail(self, request_id: str, exc: BaseException, result: CoreOutputs) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self._stop_unfinished(req, "error")
+        result.failed.append((request_id, exc))
+
+    def _stop_unfinished(self, req: _Request, reason: str) -> list[SeqUpdate]:
+        """Finish every sequence of `req` still running, waiting or deferred, freeing its blocks (and so its rows)."""
+        updates = []
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                updates.append(SeqUpdate(seq.index, finish_reason=reason))
+        return updates
+
+    def _update(self, req: _Request, seqs: list[SeqUpdate]) -> RequestUpdate:
+        return RequestUpdate(
+            req.prepared.request_id, seqs, req.seqs[0].num_cached_tokens, req.weight_version,
+            req.arrival_time, req.first_token_time,
+        )
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

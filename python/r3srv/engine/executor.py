@@ -1,0 +1,127 @@
+"""The executor: the one road from the engine core to the model.
+
+The core decides what runs (a SchedulerOutput) and keeps the books (blocks, rows, requests);
+the executor runs it and hands back a ModelOutput: the sampled tokens with their logprobs
+and the step's captured routed-experts rows. It also carries the control calls that touch
+the model's memory: weight updates, KV cache allocation and release, weights to the host
+and back.
+
+`InProcessExecutor` runs the model in this process (one device). Worker processes for
+tensor and expert parallelism take its place behind the same interface: `execute` then
+broadcasts the step's inputs to the ranks and returns rank 0's tokens and rows; the core
+does not change. The seam is also where CUDA graphs (inside the model runner) and
+overlapped scheduling (an `execute` that returns before the GPU is done, its tokens read
+one step late) plug in.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from r3srv.engine.model_runner import ModelRunner
+from r3srv.engine.routed_experts import RoutedExpertsBuffer
+from r3srv.engine.sampler import SampleResult, sample
+from r3srv.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelOutput:
+    # one per SchedulerOutput.sample_indices entry, in that order (empty if sampling failed)
+    samples: list[SampleResult] = field(default_factory=list)
+    sample_error: BaseException | None = None  # sampling failed: only the sampling sequences fail
+    # the step's rows ([tokens, layers, top_k], possibly still on the device) and their KV slots
+    routing_capture: torch.Tensor | None = None
+    slot_mapping: np.ndarray | None = None
+
+
+class Executor(abc.ABC):
+    """What the engine core asks of the model, wherever the model runs."""
+
+    device: torch.device
+
+    @abc.abstractmethod
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """Compute the scheduled tokens and sample for `scheduler_output.sample_indices`.
+        Raises if the forward pass fails (the core fails the step's requests)."""
+
+    @abc.abstractmethod
+    def kv_cache_bytes_per_block(self, block_size: int) -> int: ...
+
+    @abc.abstractmethod
+    def state_bytes_per_slot(self) -> int: ...
+
+    @abc.abstractmethod
+    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_seqs: int, num_state_snapshots: int) -> None: ...
+
+    @abc.abstractmethod
+    def free_kv_cache(self) -> None: ...
+
+    @abc.abstractmethod
+    def release_weights(self) -> None:
+        """Move the weights to host memory (a colocated trainer uses the device meanwhile)."""
+
+    @abc.abstractmethod
+    def resume_weights(self) -> None: ...
+
+    @abc.abstractmethod
+    def load_weights(self, path: str) -> None:
+        """New weights of the same architecture from a checkpoint directory; ConfigError before
+        any weight is copied leaves them unchanged."""
+
+
+class InProcessExecutor(Executor):
+    """The model in this process, driven by a ModelRunner; sampling on the same device."""
+
+    def __init__(self, model, block_size: int, device: torch.device, capture_routed_experts: bool,
+                 eos_token_ids: list[int], seed: int) -> None:
+        self.model = model
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        # Only the reusable capture tensor (no slots): the core stores what a step captured.
+        mc = model.config
+        capture = RoutedExpertsBuffer(0, mc.num_layers, mc.top_k, mc.num_experts) if capture_routed_experts else None
+        self.runner = ModelRunner(model, block_size, device, capture)
+        # Noise for requests without a seed: one generator, so their rows sample in one batched draw.
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        seqs = scheduler_output.seqs
+        logits, capture, slots = self.runner.run(seqs)
+        out = ModelOutput(routing_capture=capture, slot_mapping=slots)
+        picked = scheduler_output.sample_indices
+        if picked:
+            try:
+                # every row samples in a decode step: no index (a list index is a blocking copy on CUDA)
+                rows = logits if len(picked) == len(seqs) else logits[picked]
+                out.samples = sample(rows, [seqs[i] for i in picked], self.eos_token_ids, self.generator)
+            except Exception as exc:
+                out.sample_error = exc
+        return out
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return self.model.kv_cache_bytes_per_block(block_size)
+
+    def state_bytes_per_slot(self) -> int:
+        return self.model.state_bytes_per_slot()
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_seqs: int, num_state_snapshots: int) -> None:
+        self.model.init_kv_cache(num_blocks, block_size, max_num_seqs, num_state_snapshots)
+
+    def free_kv_cache(self) -> None:
+        self.model.free_kv_cache()
+
+    def release_weights(self) -> None:
+        self.model.move_weights("cpu")
+
+    def resume_weights(self) -> None:
+        self.model.move_weights(self.device)
+
+    def load_weights(self, path: str) -> None:
+        from r3srv.models.loader import load_weights_from_dir
+
+        load_weights_from_dir(self.model, path)

@@ -1,0 +1,120 @@
+"""The input processor: a request's prompt and SamplingParams in, a validated EngineRequest out.
+
+Tokenization, chat templates and every check that needs the prompt's length happen here,
+once, before the engine core sees the request (so `routed_experts_prompt_start` is checked
+where the prompt length is first known, and the core never asserts on a bad offset). It
+reads only the tokenizer and fixed configuration, so any thread may call it: AsyncLLM runs
+it on the caller's event loop for small inputs and on a worker thread for large ones
+(r3srv/offload.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from r3srv.errors import InvalidRequestError
+from r3srv.outputs import OutputKind
+from r3srv.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """A validated request, ready for the engine core and the output processor."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    return_routed_experts: bool
+    # FINAL_ONLY for a consumer that waits for the end (non-streaming HTTP, offline generate):
+    # no per-step outputs. DELTA for a streaming one: per-step outputs cost the new tokens only,
+    # where CUMULATIVE ones copy every token and logprob so far, every step.
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, enable_return_routed_experts: bool) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.enable_return_routed_experts = enable_return_routed_experts
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """A conversation as prompt text, through the tokenizer's chat template. Process it with
+        add_special_tokens=False: the template writes the specials itself (the tokenizer adding
+        a second BOS would shift every token)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer (no tokenizer.json): no chat template", param="messages")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        *,
+        add_special_tokens: bool = True,
+    ) -> EngineRequest:
+        """Validate and tokenize; every problem is an InvalidRequestError raised here, before scheduling.
+
+        add_special_tokens=False for a rendered chat template: it already holds the BOS
+        and other specials, and the tokenizer's post-processor would add a second BOS.
+        """
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this model has no tokenizer (no tokenizer.json): send the prompt as token ids", param="prompt"
+                )
+            text: str | None = prompt
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        else:
+            text = None
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt") from None
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (it has no tokens)", param="prompt")
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        n_prompt = len(ids)
+        start = params.routed_experts_prompt_start
+        if not 0 <= start <= n_prompt:
+            raise InvalidRequestError(
+                f"routed_experts_prompt_start={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
+                param="routed_experts_prompt_start",
+            )
+        max_len = self.max_model_len
+        if n_prompt >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {n_prompt} tokens, leaving no room to generate within max_model_len={max_len}",
+                param="prompt",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - n_prompt
+        if n_prompt + max_tokens > max_len:
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens exceeds max_model_len="
+                f"{max_len}; ask for at most {max_len - n_prompt} tokens",
+                param="max_tokens",
+            )
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens={params.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens"
+            )
+        want = params.return_routed_experts
+        if want and not self.enable_return_routed_experts:
+            raise InvalidRequestError(
+                "return_routed_experts=true, but this engine was started without routed-experts capture; "
+                "start it with --enable-return-routed-experts (enable_return_routed_experts=True)",
+                param="return_routed_experts",
+            )
+        if want is None:
+            want = self.enable_return_routed_experts
+        return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want))
