@@ -12,6 +12,8 @@ trims the tokens to the shortest prefix that still produces the kept text.
 
 from __future__ import annotations
 
+from r3srv.engine.text_stream import TextStream
+
 _CONTEXT = 5  # prompt/previous ids decoded with the new ones, for tokenizers whose pieces merge
 
 
@@ -48,27 +50,7 @@ class IncrementalDetokenizer:
         self.text_len_after.append(len(self.text))
         return delta
 
-    def find_stop(self, stops: list[str], new_chars: int, include_stop: bool) -> tuple[str, int, int] | None:
-        """Look for a stop string that ends in the last `new_chars` characters.
-
-        Returns (stop, kept_text_len, kept_num_tokens) for the earliest match, or None.
-        """
-        if not stops or new_chars == 0:
-            return None
-        longest = max(len(s) for s in stops)
-        begin = max(0, len(self.text) - new_chars - longest + 1)
-        best: tuple[int, str] | None = None
-        for stop in stops:
-            idx = self.text.find(stop, begin)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
-            return None
-        idx, stop = best
-        kept_len = idx + len(stop) if include_stop else idx
-        kept_tokens = next(i + 1 for i, n in enumerate(self.text_len_after) if n >= kept_len) if kept_len > 0 else 0
-        return stop, kept_len, kept_tokens
-
-    def truncate(self, kept_len: int, kept_tokens: int) -> None:
-        self.text = self.text[:kept_len]
-        del self.text_len_after[kept_tokens:]
+    # Where a stop string cuts depends only on `text` and `text_len_after`: the engine's own
+    # cut, so the test compares what the two decoders feed it.
+    find_stop = TextStream.find_stop
+    truncate = TextStream.truncate
