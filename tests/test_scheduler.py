@@ -11,16 +11,13 @@ def make_seq(n_prompt: int, base: int = 0) -> Sequence:
 
 
 def run_step(sched: Scheduler, sample_token: int = 7):
-    """Apply a schedule as the engine would: mark tokens computed and sample where complete."""
+    """Apply a schedule as the engine core does (mark_computed), sampling `sample_token` where it samples."""
     out = sched.schedule()
     out.sizes = [s.num_scheduled_tokens for s in out.seqs]
     out.total = out.num_tokens
-    for s in out.seqs:
-        s.num_computed_tokens += s.num_scheduled_tokens
-        s.num_scheduled_tokens = 0
-        sched.block_manager.commit_full_blocks(s)
-        if s.num_computed_tokens == s.num_tokens:
-            s.token_ids.append(sample_token)
+    sched.mark_computed(out)
+    for i in out.sample_indices:
+        out.seqs[i].token_ids.append(sample_token)
     return out
 
 

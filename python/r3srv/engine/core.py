@@ -380,11 +380,9 @@ class EngineCore:
         if self.rows is not None:
             self.rows.store(out.slot_mapping, out.routing_capture)
 
+        self.scheduler.mark_computed(sched)
         touched: dict[str, tuple[_Request, list[SeqUpdate]]] = {}
         for seq in seqs:
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            self.block_manager.commit_full_blocks(seq)
             if seq.stopped_at is not None and seq.num_computed_tokens >= seq.num_tokens - 1:
                 req = self.requests[seq.request_id]  # its kept tokens' rows are back: finish it
                 touched.setdefault(seq.request_id, (req, []))[1].append(self._finish(seq, "stop", seq.stopped_at))

@@ -97,6 +97,14 @@ class Scheduler:
         ]
         return out
 
+    def mark_computed(self, out: SchedulerOutput) -> None:
+        """After the step of `out` ran: its scheduled tokens are computed, and full blocks are
+        registered for prefix hits. (The sequences at `out.sample_indices` now sample.)"""
+        for seq in out.seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.commit_full_blocks(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
