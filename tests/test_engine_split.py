@@ -1,7 +1,7 @@
 """The engine split's seams: a stop string found by the output processor ends the sequence in
 the core with exactly the rows of the kept tokens (also when the core preempted it before the
-stop arrived, and when the core ran further steps meanwhile), and AsyncLLM's output processing
-never runs on the core's thread."""
+stop arrived, and when the core ran further steps meanwhile), AsyncLLM's output processing
+never runs on the core's thread, and a crash there ends the engine loudly (no hung clients)."""
 
 import asyncio
 import threading
@@ -11,7 +11,7 @@ import pytest
 
 from engine_testing import one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
-from r3srv.engine.async_llm import AsyncLLM
+from r3srv.engine.async_llm import AsyncLLM, EngineDeadError, EngineState
 from r3srv.engine.core import CoreOutputs
 from r3srv.engine.output_processor import OutputProcessor
 
@@ -93,3 +93,21 @@ def test_async_outputs_are_built_off_the_core_thread_and_equal_the_offline_engin
     assert threads and core_thread not in threads and threading.get_ident() not in threads
     assert (got.text, got.token_ids, got.stop_reason) == (want.text, want.token_ids, want.stop_reason)
     np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
+
+
+def test_an_output_thread_crash_fails_requests_loudly_and_stops_the_core(monkeypatch):
+    def broken(self, core_outputs):
+        raise AssertionError("output processor bug")
+
+    monkeypatch.setattr(OutputProcessor, "process", broken)
+    engine = AsyncLLM(**ENGINE)
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="output processor bug"):
+            async for _ in engine.generate(prompt_ids(5), SamplingParams(max_tokens=2), "crash"):
+                pass
+
+    asyncio.run(main())
+    engine._thread.join(timeout=30)
+    assert engine.state is EngineState.DEAD and not engine.is_running and not engine._thread.is_alive()
+    engine.shutdown()  # idempotent after a death

@@ -37,7 +37,7 @@ class EngineDeadError(R3srvError):
 
 
 class _Sink:
-    """Where the engine thread delivers one request's outputs."""
+    """Where the output thread delivers one request's outputs."""
 
     __slots__ = ("loop", "queue")
 
@@ -368,9 +368,10 @@ class AsyncLLM:
         if self._state in (EngineState.STOPPED, EngineState.DEAD):
             raise EngineDeadError(f"the engine is not running: {self._death or 'shut down'}")
 
-    def _set_state(self, state: EngineState, *, unless_stopping: bool = True) -> None:
+    def _set_state(self, state: EngineState) -> None:
+        """From running or paused only: a shutdown under way is never undone."""
         with self._lock:
-            if not (unless_stopping and not self._state.accepts_requests):
+            if self._state.accepts_requests:
                 self._state = state
 
     async def abort(self, request_id: str) -> bool:
@@ -412,7 +413,10 @@ class AsyncLLM:
                 cmd = self._commands.get() if not stepping else self._next_command()
                 while cmd is not None:
                     if isinstance(cmd, Shutdown):
-                        self._close(EngineState.STOPPED, EngineDeadError("the engine was shut down"))
+                        if self._death is not None:  # sent by the output thread as it died
+                            self._close(EngineState.DEAD, EngineDeadError(f"the output thread died: {self._death!r}"))
+                        else:
+                            self._close(EngineState.STOPPED, EngineDeadError("the engine was shut down"))
                         return
                     self._handle(cmd)
                     cmd = self._next_command()
