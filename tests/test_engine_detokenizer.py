@@ -2,7 +2,7 @@
 
 import pytest
 
-from r3srv.engine.text_stream import TextStream as IncrementalDetokenizer
+from r3srv.engine.text_stream import TextStream
 from r3srv.models.builtin import builtin_model_dir
 from r3srv.tokenizer import Tokenizer
 
@@ -12,7 +12,7 @@ def tok():
     return Tokenizer.from_dir(builtin_model_dir())
 
 
-def feed(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+def feed(detok: TextStream, ids: list[int]) -> list[str]:
     return [detok.add(i) for i in ids]
 
 
@@ -20,7 +20,7 @@ def test_multibyte_characters_appear_only_when_complete(tok):
     text = "héllo ✓ wörld " * 20  # long enough to exercise the window trimming
     ids = tok.encode(text)
     assert len(ids) > len(text)  # multi-byte characters span several byte tokens
-    d = IncrementalDetokenizer(tok, tok.encode("prompt: "))
+    d = TextStream(tok, tok.encode("prompt: "))
     deltas = feed(d, ids)
     assert "".join(deltas) == d.text == text
     assert all("\ufffd" not in x for x in deltas)
@@ -32,15 +32,15 @@ def test_special_tokens_are_skipped_or_kept(tok):
     end = tok.encode("<|im_end|>")
     assert len(end) == 1
     ids = tok.encode("ab") + end
-    skipped = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    skipped = TextStream(tok, [], skip_special_tokens=True)
     feed(skipped, ids)
-    kept = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    kept = TextStream(tok, [], skip_special_tokens=False)
     feed(kept, ids)
     assert skipped.text == "ab" and kept.text == "ab<|im_end|>"
 
 
 def test_find_stop_returns_the_earliest_match_and_the_tokens_to_keep(tok):
-    d = IncrementalDetokenizer(tok, [])
+    d = TextStream(tok, [])
     ids = tok.encode("one two three")
     deltas = feed(d, ids)
     # Only stops ending in the new text count: "two" ended earlier, "three" ends in the last delta.
@@ -56,7 +56,7 @@ def test_find_stop_returns_the_earliest_match_and_the_tokens_to_keep(tok):
 
 
 def test_stop_inside_a_multibyte_character_keeps_the_whole_character(tok):
-    d = IncrementalDetokenizer(tok, [])
+    d = TextStream(tok, [])
     ids = tok.encode("a✓b")  # ✓ is three byte tokens
     feed(d, ids)
     stop, kept_len, kept_tokens = d.find_stop(["b"], len(d.text), include_stop=False)
@@ -64,5 +64,5 @@ def test_stop_inside_a_multibyte_character_keeps_the_whole_character(tok):
 
 
 def test_no_tokenizer_means_no_text():
-    d = IncrementalDetokenizer(None, [1, 2])
+    d = TextStream(None, [1, 2])
     assert feed(d, [3, 4]) == ["", ""] and d.text == "" and d.text_len_after == [0, 0]
