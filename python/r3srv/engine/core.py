@@ -404,7 +404,8 @@ class EngineCore:
                 req.deferred = []
         for req, updates in touched.values():
             result.updates.append(self._update(req, updates))
-            self._forget_if_finished(req)
+            if any(u.finish_reason is not None for u in updates):
+                self._forget_if_finished(req)
         return result
 
     def _append(self, seq: Sequence, res: SampleResult) -> SeqUpdate:

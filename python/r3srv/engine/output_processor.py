@@ -106,10 +106,6 @@ class RequestState:
         self.arrival_time: float | None = None
         self.first_token_time: float | None = None
 
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None and not s.stopping for s in self.seqs)
-
 
 class OutputProcessor:
     """Not thread-safe: one thread (or one event loop) calls it."""
@@ -130,7 +126,7 @@ class OutputProcessor:
         for s in st.seqs:
             if s.finish_reason is None or s.stopping:
                 s.finish_reason, s.stopping = "abort", False
-        return _request_output(st)
+        return _request_output(st, True)
 
     def process(self, core_outputs: CoreOutputs) -> ProcessedOutputs:
         res = ProcessedOutputs()
@@ -148,14 +144,21 @@ class OutputProcessor:
                 res.failed.append((update.request_id, exc))
                 res.to_abort.append(update.request_id)
                 continue
-            if any(s.stopping for s in st.seqs):
-                continue  # the core's answer to the stop brings the next output
-            finished = st.finished
-            if finished or st.prep.output_kind is not OutputKind.FINAL_ONLY:
-                res.outputs.append(_request_output(st))
-            if finished:
-                del self.requests[update.request_id]
+            finished = True
+            for s in st.seqs:
+                if s.stopping:
+                    break  # the core's answer to the stop brings the next output
+                if s.finish_reason is None:
+                    finished = False
+            else:
+                self._emit(st, finished, res.outputs)
         return res
+
+    def _emit(self, st: RequestState, finished: bool, outputs: list[RequestOutput]) -> None:
+        if finished or st.prep.output_kind is not OutputKind.FINAL_ONLY:
+            outputs.append(_request_output(st, finished))
+        if finished:
+            del self.requests[st.prep.request_id]
 
     def _apply(self, st: RequestState, update: RequestUpdate, stops: list[StopSequence]) -> None:
         st.num_cached_tokens = update.num_cached_tokens
@@ -196,7 +199,7 @@ class OutputProcessor:
         s.take_rows(su.routed_experts)
 
 
-def _request_output(st: RequestState) -> RequestOutput:
+def _request_output(st: RequestState, finished: bool) -> RequestOutput:
     prep = st.prep
     delta = prep.output_kind is OutputKind.DELTA
     metrics = {"arrival_time": st.arrival_time} if st.arrival_time is not None else {}
@@ -207,7 +210,7 @@ def _request_output(st: RequestState) -> RequestOutput:
         prompt=prep.prompt,
         prompt_token_ids=prep.prompt_token_ids,
         outputs=[completion_output(s, delta) for s in st.seqs],
-        finished=st.finished,
+        finished=finished,
         num_cached_tokens=st.num_cached_tokens,
         weight_version=st.weight_version,
         metrics=metrics,
