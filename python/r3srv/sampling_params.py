@@ -12,6 +12,8 @@ import math
 
 import msgspec
 
+from r3srv.errors import InvalidRequestError
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -61,5 +63,5 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 def _check(ok: bool, field: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}={value!r} {rule}")
+    if not ok:  # carries the field: the server names it as the client spelled it
+        raise InvalidRequestError(param=field, problem=f"={value!r} {rule}")

@@ -14,12 +14,12 @@ from typing import Any
 
 from litestar import Litestar, Request
 from litestar.datastructures import State
-from litestar.exceptions import ClientException
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Receive, Scope, Send
 
 import r3srv
-from r3srv.server.errors import handle_exception
+from r3srv.server.body import decode_body
+from r3srv.server.errors import PARAM_NAMES, handle_exception
 from r3srv.server.generation import ServerState
 from r3srv.server.metrics import ServerMetrics
 from r3srv.server.routes import ROUTE_HANDLERS
@@ -29,10 +29,17 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 
 class _Request(Request):
     async def json(self) -> Any:
-        try:
+        """The body decoded strictly into the handler's `data` Struct (server/body.py); Litestar
+        then takes the Struct as it is."""
+        data_field = self.route_handler.parsed_data_field
+        if data_field is None:
             return await super().json()
-        except RecursionError:  # msgspec's answer to hostile nesting; a client error, not a 500
-            raise ClientException("Invalid request body: JSON nested too deeply") from None
+        body = await self.body()
+        data = decode_body(body, data_field.annotation, self.route_handler.opt.get("fields"))
+        param_names = getattr(data, "param_names", None)
+        if param_names is not None:  # errors from here on name fields as this client does
+            self.scope[PARAM_NAMES] = param_names()  # type: ignore[literal-required]
+        return data
 
 
 def create_app(
