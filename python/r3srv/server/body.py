@@ -14,15 +14,17 @@ from typing import Any
 import msgspec
 
 from r3srv.errors import InvalidRequestError
-from r3srv.server.fields import BodyFields
+from r3srv.server.fields import SAMPLING_PARAMS, BodyFields
 
 # msgspec ends its validation messages with " - at `$.a.b[0]`"
 _PATH = re.compile(r"^(?P<message>.*) - at `\$(?P<path>[^`]*)`$", re.S)
 
 
 def _dotted(path: str) -> str:
-    """`.sampling_params.stop_token_ids[2]` -> `sampling_params.stop_token_ids`."""
-    return re.sub(r"\[\d+\]", "", path).lstrip(".")
+    """`.messages[0].content` -> `messages.content`; the fields of sampling_params are named
+    without it, as vLLM and SGLang name them (`.sampling_params.max_new_tokens` -> `max_new_tokens`)."""
+    dotted = re.sub(r"\[\d+\]", "", path).lstrip(".")
+    return dotted.removeprefix(f"{SAMPLING_PARAMS}.") if dotted != SAMPLING_PARAMS else dotted
 
 
 def decode_body(body: bytes, target: Any, fields: BodyFields | None) -> Any:
@@ -30,9 +32,9 @@ def decode_body(body: bytes, target: Any, fields: BodyFields | None) -> Any:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidRequestError(f"Invalid request body: not UTF-8 (byte {exc.start})") from None
-    if fields is not None:
-        fields.check(text)
     try:
+        if fields is not None:
+            fields.check(text)
         return msgspec.json.decode(text, type=target, strict=True)
     except msgspec.ValidationError as exc:
         raise _validation_error(exc) from None

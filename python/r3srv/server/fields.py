@@ -7,7 +7,8 @@ sampling_params) defines is, on the matching r3srv route, exactly one of:
 - served: a field of r3srv's own request Struct (it works as in the peer);
 - without effect: a field whose peer behaviour on a server like r3srv is to do nothing
   (metadata, logging switches, tool and reasoning options that need a parser r3srv lacks);
-- refused: a 400 naming the field, unless the client sends null or the peer's "off" value.
+- refused: a 400 naming the field, unless the client sends null or the peer's default (a few
+  refusals accept more values that leave the feature off, e.g. response_format {"type": "text"}).
 
 tests/data/peer_fields.json lists the peers' fields (tools/peer_fields.py extracts them from
 the wheels); tests/test_server_fields.py holds this table to it, so a field a peer adds fails
@@ -24,18 +25,25 @@ import msgspec
 
 from r3srv.errors import InvalidRequestError
 
-# Values that say "this feature is not used" unless a refusal names its own.
-_OFF_BY_DEFAULT: tuple[Any, ...] = (None, False, 0, "", [], {})
+# The nested object of sampling fields (TITO, SGLang): errors name its fields without it, as the peers do
+SAMPLING_PARAMS = "sampling_params"
+
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 0 equals 0.0, but a bool is no number (`False == 0` in Python)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
 
 
 @dataclass(frozen=True)
 class Refusal:
     reason: str
-    off: tuple[Any, ...] = _OFF_BY_DEFAULT  # values accepted as "not used" (null always is)
+    off: tuple[Any, ...] = ()  # values, besides null and the peer's default, that leave the feature off
 
-    def accepts(self, value: Any) -> bool:
-        # bool is an int: `0 == False`, so compare the type too
-        return value is None or any(type(value) is type(v) and value == v for v in self.off)
+    def accepts(self, value: Any, default: Any = None) -> bool:
+        return value is None or _same(value, default) or any(_same(value, v) for v in self.off)
 
 
 LORA = Refusal("LoRA adapters are not supported by r3srv")
@@ -45,16 +53,15 @@ BEAM = Refusal("beam search is not supported by r3srv")
 DISAGGREGATION = Refusal("prefill/decode disaggregation and KV transfer are not supported by r3srv")
 NOT_SUPPORTED = Refusal("is not supported by r3srv")
 INTERNAL = Refusal("is an internal field of the peer, not part of r3srv's API")
-TOOLS = Refusal("tool calling is not supported by r3srv", off=(None, [], "none", "auto"))
-SPACES = Refusal("only true (the default) is supported by r3srv", off=(None, True))
-LENGTH_PENALTY = Refusal("beam search is not supported by r3srv", off=(None, 1.0, 1))
+TOOLS = Refusal("tool calling is not supported by r3srv", off=([], "none", "auto"))
+SPACES = Refusal("only true (the default) is supported by r3srv")
 RESPONSE_FORMAT = Refusal(
     "constrained decoding (structured outputs, grammars, JSON schemas, regexes) is not supported by r3srv; "
     "response_format may only be {\"type\": \"text\"}",
-    off=(None, {"type": "text"}),
+    off=({"type": "text"},),
 )
-STREAM_INTERVAL = Refusal("only 1 (a chunk per step) is supported by r3srv", off=(None, 1))
-DETOKENIZE = Refusal("only true is supported by r3srv", off=(None, True))
+STREAM_INTERVAL = Refusal("only 1 (a chunk per step) is supported by r3srv", off=(1,))
+DETOKENIZE = Refusal("only true is supported by r3srv")
 
 # Implemented by the `sampling` branch (logit_bias, penalties, prompt logprobs, ...), which adds
 # them to the request Structs: a field a Struct declares is served, so once that branch is merged
@@ -74,7 +81,7 @@ SAMPLING_BRANCH_FIELDS = {
 _VLLM_OPENAI_REFUSED: dict[str, Refusal] = {
     "suffix": NOT_SUPPORTED,
     "use_beam_search": BEAM,
-    "length_penalty": LENGTH_PENALTY,
+    "length_penalty": BEAM,
     "watermarking": NOT_SUPPORTED,
     "spaces_between_special_tokens": SPACES,
     "truncation_side": NOT_SUPPORTED,
@@ -103,7 +110,7 @@ _VLLM_OPENAI_REFUSED: dict[str, Refusal] = {
 COMPLETION_REFUSED: dict[str, Refusal] = {
     **_VLLM_OPENAI_REFUSED,
     "prompt_embeds": NOT_SUPPORTED,
-    "add_special_tokens": Refusal("only true (the default for completions) is supported by r3srv", off=(None, True)),
+    "add_special_tokens": Refusal("only true (the default for completions) is supported by r3srv"),
 }
 
 CHAT_REFUSED: dict[str, Refusal] = {
@@ -112,7 +119,7 @@ CHAT_REFUSED: dict[str, Refusal] = {
     "tool_choice": TOOLS,
     "reasoning_effort": NOT_SUPPORTED,
     "continue_final_message": NOT_SUPPORTED,
-    "add_special_tokens": Refusal("only false (the default for chat) is supported by r3srv", off=(None, False)),
+    "add_special_tokens": Refusal("only false (the default for chat) is supported by r3srv"),
     "documents": NOT_SUPPORTED,
     "chat_template": Refusal("custom chat templates are not supported by r3srv: the model's own is used"),
     "chat_template_kwargs": NOT_SUPPORTED,
@@ -228,6 +235,34 @@ SGLANG_SAMPLING_REFUSED: dict[str, Refusal] = {
 }
 
 
+# The peers' defaults that are not null, for the fields refused here (a client may send them)
+_VLLM_OPENAI_DEFAULTS = {
+    "echo": False, "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+    "bad_words": [], "priority": 0, "return_weight_versions": False, "return_token_offsets": False,
+    "mm_payload": "tensors",
+}
+COMPLETION_DEFAULTS = {**_VLLM_OPENAI_DEFAULTS, "add_special_tokens": True}
+CHAT_DEFAULTS = {**_VLLM_OPENAI_DEFAULTS, "add_special_tokens": False, "tool_choice": "none",
+                 "continue_final_message": False}
+TITO_DEFAULTS = {"priority": 0}
+TITO_SAMPLING_DEFAULTS = {
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0, "flat_logprobs": False,
+    "detokenize": True, "spaces_between_special_tokens": True, "output_kind": 0, "skip_clone": False,
+    "output_text_buffer_length": 0, "bad_words": [],
+}
+SGLANG_DEFAULTS = {
+    "use_audio_in_video": False, "return_text_in_logprobs": False, "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
+    "return_hidden_states": False, "return_indexer_topk": False, "background": False, "require_reasoning": False,
+    "return_bytes": False, "return_entropy": False, "return_prompt_token_ids": False, "logprob_start_len": -1,
+}
+SGLANG_SAMPLING_DEFAULTS = {
+    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "spaces_between_special_tokens": True, "stop_str_max_len": 0, "stop_regex_max_len": 0, "is_normalized": False,
+    "ebnf_full_assistant": False,
+}
+
+
 @dataclass(frozen=True)
 class BodyFields:
     """One request object (a body, or an object nested in it) of one route: which fields its
@@ -236,6 +271,7 @@ class BodyFields:
     struct: type[msgspec.Struct]
     refused: Mapping[str, Refusal]
     pending: frozenset[str] = frozenset()  # PENDING_SAMPLING_BRANCH names
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # the peer's non-null defaults
     without_effect: frozenset[str] = frozenset()
     nested: Mapping[str, BodyFields] = field(default_factory=dict)
 
@@ -264,13 +300,13 @@ class BodyFields:
             refusal = self.refusal(name)
             if refusal is not None:
                 value = msgspec.json.decode(raw)
-                if not refusal.accepts(value):
+                if not refusal.accepts(value, self.defaults.get(name)):
                     reason = refusal.reason
                     problem = f" {reason}" if reason.startswith(("is ", "only ")) else f": {reason}"
                     raise InvalidRequestError(param=prefix + name, problem=problem)
             elif name in self.nested:
                 for item in _objects(raw):
-                    self.nested[name]._check(item, f"{prefix}{name}.")
+                    self.nested[name]._check(item, "" if name == SAMPLING_PARAMS else f"{prefix}{name}.")
 
 
 def _objects(raw: msgspec.Raw) -> Iterable[Mapping[str, msgspec.Raw]]:
@@ -289,12 +325,17 @@ def _route_fields() -> dict[str, BodyFields]:
 
     vllm, sglang = SAMPLING_BRANCH_FIELDS["vllm"], SAMPLING_BRANCH_FIELDS["sglang"]
     return {
-        "completions": BodyFields(p.CompletionRequest, COMPLETION_REFUSED, vllm),
-        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, vllm, CHAT_WITHOUT_EFFECT),
-        "tito": BodyFields(p.GenerateRequest, TITO_REFUSED, vllm,
-                           nested={"sampling_params": BodyFields(p.TitoSamplingParams, TITO_SAMPLING_REFUSED, vllm)}),
-        "sglang": BodyFields(p.SglangGenerateRequest, SGLANG_REFUSED, sglang, SGLANG_WITHOUT_EFFECT,
-                             nested={"sampling_params": BodyFields(p.SglangSamplingParams, SGLANG_SAMPLING_REFUSED, sglang)}),
+        "completions": BodyFields(p.CompletionRequest, COMPLETION_REFUSED, vllm, COMPLETION_DEFAULTS),
+        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, vllm, CHAT_DEFAULTS, CHAT_WITHOUT_EFFECT),
+        "tito": BodyFields(
+            p.GenerateRequest, TITO_REFUSED, vllm, TITO_DEFAULTS,
+            nested={SAMPLING_PARAMS: BodyFields(p.TitoSamplingParams, TITO_SAMPLING_REFUSED, vllm, TITO_SAMPLING_DEFAULTS)},
+        ),
+        "sglang": BodyFields(
+            p.SglangGenerateRequest, SGLANG_REFUSED, sglang, SGLANG_DEFAULTS, SGLANG_WITHOUT_EFFECT,
+            nested={SAMPLING_PARAMS: BodyFields(p.SglangSamplingParams, SGLANG_SAMPLING_REFUSED, sglang,
+                                                SGLANG_SAMPLING_DEFAULTS)},
+        ),
     }
 
 

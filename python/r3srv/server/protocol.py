@@ -381,13 +381,9 @@ class ChatCompletionStreamResponse(Struct, kw_only=True):
 # ---------------------------------------------------------------- /inference/v1/generate (vLLM scale-out)
 
 
-def _nested(prefix: str, names: Any) -> dict[str, str]:
-    """Engine field names as a client writes them inside a nested object."""
-    return {name: f"{prefix}.{name}" for name in names}
+# SamplingParams' own names are vLLM's, which TITO clients use (inside sampling_params)
+_TITO_NAMES = {"prompt": "token_ids"}
 
-
-# SamplingParams' fields, named as a TITO client writes them (inside its sampling_params)
-_TITO_NAMES = {"prompt": "token_ids", **_nested("sampling_params", SamplingParams.__struct_fields__)}
 
 class TitoSamplingParams(SamplingParams, kw_only=True, omit_defaults=True):
     """SamplingParams as /inference/v1/generate reads them: without max_tokens, generate up to
@@ -532,12 +528,10 @@ class SglangSamplingParams(Struct, kw_only=True):
 
 # The engine's names -> SGLang's (the prompt's, text or input_ids, is added per request)
 _SGLANG_NAMES = {
-    **_nested("sampling_params", ("n", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-                                  "skip_special_tokens")),
-    "max_tokens": "sampling_params.max_new_tokens",
-    "min_tokens": "sampling_params.min_new_tokens",
-    "seed": "sampling_params.sampling_seed",
-    "include_stop_str_in_output": "sampling_params.no_stop_trim",
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim",
     "logprobs": "top_logprobs_num",
     "routed_experts_prompt_start": "routed_experts_start_len",
 }

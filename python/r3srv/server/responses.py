@@ -12,11 +12,14 @@ from r3srv.server import protocol as p
 from r3srv.server.generation import ServerState
 
 
-def usage_of(outputs: list[RequestOutput], completion_tokens: int | None = None) -> p.UsageInfo:
-    """Usage of finished outputs; a stream of DELTA outputs passes the tokens it counted."""
+def usage_of(state: ServerState, outputs: list[RequestOutput], completion_tokens: int | None = None) -> p.UsageInfo:
+    """Usage of finished outputs; a stream of DELTA outputs passes the tokens it counted.
+    prompt_tokens_details only with --enable-prompt-tokens-details, as vLLM."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if completion_tokens is None else completion_tokens
-    cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
+    cached = None
+    if state.enable_prompt_tokens_details:
+        cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
     return p.UsageInfo(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion, prompt_tokens_details=cached
     )
@@ -112,7 +115,7 @@ async def completion_response(
                     weight_version=state.weight_version(out),
                 )
             )
-    return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage_of(finals))
+    return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage_of(state, finals))
 
 
 async def chat_response(
@@ -137,7 +140,7 @@ async def chat_response(
         id=request_id,
         model=state.model_name,
         choices=choices,
-        usage=usage_of([final]),
+        usage=usage_of(state, [final]),
         prompt_token_ids=list(final.prompt_token_ids) if with_ids else UNSET,
     )
 
@@ -165,6 +168,6 @@ async def generate_response(
         created=int(time.time()),
         output_mode=req.output_mode,
         choices=choices,
-        usage=usage_of([final]),
+        usage=usage_of(state, [final]),
         prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
     )

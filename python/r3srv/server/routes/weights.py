@@ -12,6 +12,9 @@ RL frameworks already call.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import stat
 import time
 from typing import Any
 
@@ -39,6 +42,7 @@ async def update_weights_from_disk(
     counted = state.metrics.weight_updates
     start = time.perf_counter()
     try:
+        await asyncio.to_thread(_check_checkpoint_dir, data.model_path)
         await state.engine.update_weights(
             data.model_path, abort_running=data.abort_all_requests, weight_version=data.weight_version
         )
@@ -58,6 +62,18 @@ async def update_weights_from_disk(
         message=f"loaded {data.model_path} in {seconds:.2f} s; prefix cache emptied",
         weight_version=state.engine.weight_version,
     )
+
+
+def _check_checkpoint_dir(path: str) -> None:
+    """A path the file system refuses (too long, a NUL byte, missing, no access) is the client's
+    to fix, and is found before the engine touches a weight."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InvalidRequestError(param="model_path", problem=f": cannot read {path[:256]!r}: {reason}") from None
+    if not stat.S_ISDIR(mode):
+        raise InvalidRequestError(param="model_path", problem=f": {path[:256]!r} is not a directory")
 
 
 @post("/reset_prefix_cache", status_code=200, summary="Forget every cached prompt prefix")
