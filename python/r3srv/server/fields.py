@@ -54,14 +54,14 @@ DISAGGREGATION = Refusal("prefill/decode disaggregation and KV transfer are not 
 NOT_SUPPORTED = Refusal("is not supported by r3srv")
 INTERNAL = Refusal("is an internal field of the peer, not part of r3srv's API")
 TOOLS = Refusal("tool calling is not supported by r3srv", off=([], "none", "auto"))
-SPACES = Refusal("only true (the default) is supported by r3srv")
+SPACES = Refusal("is not supported by r3srv except true (the default)")
 RESPONSE_FORMAT = Refusal(
     "constrained decoding (structured outputs, grammars, JSON schemas, regexes) is not supported by r3srv; "
     "response_format may only be {\"type\": \"text\"}",
     off=({"type": "text"},),
 )
-STREAM_INTERVAL = Refusal("only 1 (a chunk per step) is supported by r3srv", off=(1,))
-DETOKENIZE = Refusal("only true is supported by r3srv")
+STREAM_INTERVAL = Refusal("is not supported by r3srv except 1 (a chunk per step)", off=(1,))
+DETOKENIZE = Refusal("is not supported by r3srv except true (the default)")
 
 # Implemented by the `sampling` branch (logit_bias, penalties, prompt logprobs, ...), which adds
 # them to the request Structs: a field a Struct declares is served, so once that branch is merged
@@ -110,7 +110,7 @@ _VLLM_OPENAI_REFUSED: dict[str, Refusal] = {
 COMPLETION_REFUSED: dict[str, Refusal] = {
     **_VLLM_OPENAI_REFUSED,
     "prompt_embeds": NOT_SUPPORTED,
-    "add_special_tokens": Refusal("only true (the default for completions) is supported by r3srv"),
+    "add_special_tokens": Refusal("is not supported by r3srv except true (the default for completions)"),
 }
 
 CHAT_REFUSED: dict[str, Refusal] = {
@@ -119,7 +119,7 @@ CHAT_REFUSED: dict[str, Refusal] = {
     "tool_choice": TOOLS,
     "reasoning_effort": NOT_SUPPORTED,
     "continue_final_message": NOT_SUPPORTED,
-    "add_special_tokens": Refusal("only false (the default for chat) is supported by r3srv"),
+    "add_special_tokens": Refusal("is not supported by r3srv except false (the default for chat)"),
     "documents": NOT_SUPPORTED,
     "chat_template": Refusal("custom chat templates are not supported by r3srv: the model's own is used"),
     "chat_template_kwargs": NOT_SUPPORTED,
@@ -302,7 +302,7 @@ class BodyFields:
                 value = msgspec.json.decode(raw)
                 if not refusal.accepts(value, self.defaults.get(name)):
                     reason = refusal.reason
-                    problem = f" {reason}" if reason.startswith(("is ", "only ")) else f": {reason}"
+                    problem = f" {reason}" if reason.startswith("is ") else f": {reason}"
                     raise InvalidRequestError(param=prefix + name, problem=problem)
             elif name in self.nested:
                 for item in _objects(raw):

@@ -275,10 +275,6 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
 
-    # Accepted without effect, as vLLM without tool or reasoning parsers (server/fields.py)
-    include_reasoning: bool = True
-    parallel_tool_calls: bool | None = True
-
     def template_messages(self) -> list[dict[str, str]]:
         return [m.to_template_dict() for m in self.messages]
 
