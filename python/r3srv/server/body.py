@@ -53,8 +53,7 @@ def _validation_error(exc: msgspec.ValidationError) -> InvalidRequestError:
     message = match["message"] if match else str(exc)
     cause = exc.__cause__
     if isinstance(cause, InvalidRequestError) and cause.param is not None:
-        param = f"{path}.{cause.param}" if path else cause.param
-        return cause.renamed({cause.param: param})
+        return cause.renamed({cause.param: _dotted(f"{match['path'] if match else ''}.{cause.param}")})
     if path:
         return InvalidRequestError(param=path, problem=f": {message}")
     return InvalidRequestError(f"Invalid request body: {message}")

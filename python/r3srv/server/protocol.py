@@ -590,11 +590,17 @@ class SglangGenerateRequest(Struct, kw_only=True):
     def param_names(self) -> dict[str, str]:
         return {**_SGLANG_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
 
-    def to_sampling_params(self, index: int = 0) -> SamplingParams:
+    def to_sampling_params(self, index: int = 0, room: int | None = None) -> SamplingParams:
+        """Prompt `index`'s SamplingParams. `room`: the tokens its prompt leaves within the context;
+        max_new_tokens (and min_new_tokens) are clipped to it, as SGLang's scheduler does."""
         sp = self.sampling_params[index] if isinstance(self.sampling_params, list) else self.sampling_params
+        max_tokens, min_tokens = sp.max_new_tokens, sp.min_new_tokens
+        if room is not None and room >= 1:
+            max_tokens = room if max_tokens is None else min(max_tokens, room)
+            min_tokens = min(min_tokens, max_tokens)
         return SamplingParams(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
-            max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
+            max_tokens=max_tokens, min_tokens=min_tokens, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,
             logprobs=self.top_logprobs_num if self.return_logprob else None,

@@ -109,8 +109,8 @@ async def completion_response(
                     logprobs=fmt.completion(c.token_ids, _logprobs(c), 0) if req.logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    prompt_token_ids=list(out.prompt_token_ids) if with_ids else UNSET,
-                    token_ids=list(c.token_ids) if with_ids else UNSET,
+                    prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
+                    token_ids=list(c.token_ids) if with_ids else None,
                     routed_experts=await state.encode_experts(c.routed_experts),
                     weight_version=state.weight_version(out),
                 )
@@ -130,7 +130,7 @@ async def chat_response(
             logprobs=fmt.chat(c.token_ids, _logprobs(c), req.top_logprobs or 0) if req.logprobs else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
-            token_ids=list(c.token_ids) if with_ids else UNSET,
+            token_ids=list(c.token_ids) if with_ids else None,
             routed_experts=await state.encode_experts(c.routed_experts),
             weight_version=state.weight_version(final),
         )
@@ -141,7 +141,7 @@ async def chat_response(
         model=state.model_name,
         choices=choices,
         usage=usage_of(state, [final]),
-        prompt_token_ids=list(final.prompt_token_ids) if with_ids else UNSET,
+        prompt_token_ids=list(final.prompt_token_ids) if with_ids else None,
     )
 
 

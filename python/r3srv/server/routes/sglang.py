@@ -21,6 +21,7 @@ from litestar import MediaType, Request, Response, post
 from msgspec import UNSET
 
 from r3srv.errors import InvalidRequestError
+from r3srv.offload import run_sized
 from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
 from r3srv.server.fields import ROUTE_FIELDS
@@ -36,8 +37,9 @@ ROUTE = "/generate"
       summary="Generate for one prompt or a batch (SGLang's native API), routed experts in meta_info")
 async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, Any, Any]) -> Any:
     state = server_state(request)
-    prompts = data.prompts()
-    params = [data.to_sampling_params(i) for i in range(len(prompts))]
+    prompts = await _token_ids(state, data.prompts())
+    room = state.engine.max_model_len
+    params = [data.to_sampling_params(i, room - len(prompt)) for i, prompt in enumerate(prompts)]
     request_ids = data.request_ids(len(prompts), uuid.uuid4().hex)
     if data.stream:
         gens = await start_all(state, ROUTE, prompts, params, request_ids)
@@ -45,6 +47,18 @@ async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, A
     outs = await run_to_end(request, ROUTE, prompts, params, request_ids,
                             lambda finals: _answer(state, data, request_ids, finals))
     return outs
+
+
+async def _token_ids(state: ServerState, prompts: list[str | list[int]]) -> list[str | list[int]]:
+    """Texts tokenized here (as the engine would), so each prompt's length is known before its
+    max_new_tokens is clipped to the room its prompt leaves."""
+    out: list[str | list[int]] = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            tokenizer = state.tokenizer()
+            prompt = list(await run_sized(len(prompt), tokenizer.encode, prompt, add_special_tokens=True))
+        out.append(prompt)
+    return out
 
 
 def _output_id(request_id: str, final: RequestOutput, c: CompletionOutput) -> str:
