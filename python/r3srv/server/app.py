@@ -23,6 +23,7 @@ from r3srv.server.body import decode_body
 from r3srv.server.errors import PARAM_NAMES, handle_exception
 from r3srv.server.generation import ServerState
 from r3srv.server.metrics import ServerMetrics
+from r3srv.server.openapi import describe_what_is_served
 from r3srv.server.routes import ROUTE_HANDLERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
@@ -86,7 +87,7 @@ def create_app(
             watcher.cancel()
             await asyncio.to_thread(engine.shutdown)  # joins the engine thread: keep the loop free
 
-    return Litestar(
+    app = Litestar(
         route_handlers=ROUTE_HANDLERS,
         state=State({"server": state}),
         lifespan=[lifespan],
@@ -97,6 +98,8 @@ def create_app(
         debug=False,
         logging_config=None,
     )
+    describe_what_is_served(app)
+    return app
 
 
 class CountRequests:

@@ -32,7 +32,7 @@ async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> 
     )
 
 
-@post("/inference/v1/abort_requests", status_code=200, summary="Abort requests by request_id (vLLM scale-out)")
+@post("/inference/v1/abort_requests", status_code=200, media_type=MediaType.TEXT, summary="Abort requests by request_id (vLLM scale-out)")
 async def abort_requests(data: p.AbortRequestsRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
     engine = server_state(request).engine
     for request_id in data.request_ids:

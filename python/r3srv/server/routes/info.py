@@ -40,7 +40,7 @@ async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
 
 
 @get("/health", summary="200 while the engine loop runs; 503 once it has died (the server then exits non-zero)",
-     include_in_schema=True,
+     include_in_schema=True, media_type=MediaType.TEXT,
      responses={503: ResponseSpec(p.ErrorResponse, description="The engine loop has died", generate_examples=False)})
 async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
     if not server_state(request).engine.is_running:

@@ -131,7 +131,7 @@ def _finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:
     return {"type": "abort", "message": "aborted"}
 
 
-@post("/abort_request", status_code=200, summary="Abort one request by rid, or all in flight (SGLang)")
+@post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)")
 async def sglang_abort_request(data: p.SglangAbortRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
     state = server_state(request)
     if data.abort_all:
