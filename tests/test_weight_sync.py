@@ -5,6 +5,7 @@ names, and prime-rl's /pause?mode=keep + /update_weights {weight_dir} + /resume.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import shutil
 import time
@@ -53,6 +54,23 @@ def serves(server, policy) -> bool:
     return ids == want_ids and np.array_equal(rows, want_rows)
 
 
+@contextlib.contextmanager
+def joined(server, pool):
+    """A gloo group of this process (the trainer, rank 0) and the server, torn down after."""
+    group = trainer.join(server.url, free_port(), pool)
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+        post(server, "/destroy_weights_update_group", {"group_name": trainer.GROUP})
+
+
+def push_policy(server, group, pool, policy) -> None:
+    r = trainer.push(server.url, group, trainer.checkpoint_tensors(policy), pool)
+    assert r.status_code == 200, r.text
+    assert serves(server, policy)
+
+
 def reset(server, policy, version: str = "0") -> None:
     r = post(server, "/update_weights_from_disk", {"model_path": str(policy), "weight_version": version})
     assert r.status_code == 200, r.text
@@ -62,8 +80,7 @@ def test_a_broadcast_policy_serves_as_the_same_policy_loaded_from_disk(server, p
     v0, v1 = policies
     reset(server, v0)
     assert serves(server, v0)
-    group = trainer.join(server.url, free_port(), pool)
-    try:
+    with joined(server, pool) as group:
         tensors = trainer.checkpoint_tensors(v1)
         names = list(tensors)
         first, rest = names[: len(names) // 2], names[len(names) // 2:]
@@ -76,9 +93,6 @@ def test_a_broadcast_policy_serves_as_the_same_policy_loaded_from_disk(server, p
         assert serves(server, v1)
         assert served(server, PROMPT)[2] == "step-1"
         assert httpx.get(server.url + "/weight_info").json() == {"weight_version": "step-1"}
-    finally:
-        dist.destroy_process_group(group)
-        assert post(server, "/destroy_weights_update_group", {"group_name": trainer.GROUP}).status_code == 200
 
 
 @pytest.mark.parametrize("fault, param, named", [
@@ -92,8 +106,7 @@ def test_a_bad_announcement_is_a_400_naming_it_before_anything_is_received(serve
                                                                           named):
     v0, v1 = policies
     reset(server, v0)
-    group = trainer.join(server.url, free_port(), pool)
-    try:
+    with joined(server, pool) as group:
         body = trainer.announce(trainer.checkpoint_tensors(v1))
         i = body["names"].index("model.norm.weight")
         if fault == "unknown":
@@ -111,13 +124,7 @@ def test_a_bad_announcement_is_a_400_naming_it_before_anything_is_received(serve
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param and named in r.json()["error"]["message"]
         assert serves(server, v0) and served(server, PROMPT)[2] == "0"
-        # The group still works: a whole, correct policy goes through afterwards.
-        r = trainer.push(server.url, group, trainer.checkpoint_tensors(v1), pool)
-        assert r.status_code == 200, r.text
-        assert serves(server, v1)
-    finally:
-        dist.destroy_process_group(group)
-        post(server, "/destroy_weights_update_group", {"group_name": trainer.GROUP})
+        push_policy(server, group, pool, v1)  # the group still works
 
 
 def test_a_trainer_dying_mid_broadcast_leaves_the_old_weights_serving(server, policies, pool):
@@ -138,14 +145,8 @@ def test_a_trainer_dying_mid_broadcast_leaves_the_old_weights_serving(server, po
     assert r.status_code == 400 and r.json()["error"]["param"] == "group_name", r.text
     assert httpx.get(server.url + "/health").status_code == 200
     assert serves(server, v0) and served(server, PROMPT)[2] == "old"
-    # A new group with the same name works.
-    group = trainer.join(server.url, free_port(), pool)
-    try:
-        assert trainer.push(server.url, group, trainer.checkpoint_tensors(v1), pool).status_code == 200
-        assert serves(server, v1)
-    finally:
-        dist.destroy_process_group(group)
-        post(server, "/destroy_weights_update_group", {"group_name": trainer.GROUP})
+    with joined(server, pool) as group:  # a new group of the same name works
+        push_policy(server, group, pool, v1)
 
 
 def test_vllm_weight_transfer_names_map_onto_the_same_group(server, policies, pool):
