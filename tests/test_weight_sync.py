@@ -220,6 +220,19 @@ def test_prime_rl_pause_keep_update_resume_recomputes_frozen_sequences_on_the_ne
     assert r.status_code == 400 and r.json()["error"]["param"] == "weight_dir"
 
 
+def test_pause_wait_returns_once_the_requests_in_flight_have_finished(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=24,
+                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert httpx.post(server.url + "/pause", params={"mode": "wait"}, timeout=120).json() == {"status": "paused"}
+    stats = httpx.get(server.url + "/metrics").text
+    assert "r3srv_num_requests_running 0.0" in stats  # it finished before the pause answered
+    rest = [c for c in stream if c.choices]
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert httpx.post(server.url + "/resume").json() == {"status": "resumed"}
+
+
 def test_pause_modes_and_bad_mode(server, policies):
     r = httpx.post(server.url + "/pause", params={"mode": "retract"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode"

@@ -164,6 +164,7 @@ async def finish_weight_update(data: w.VllmFinishRequest, request: Request[Any, 
 @post("/update_weights", status_code=200,
       summary="vLLM's weight transfer ({update_info}) or prime-rl's disk update ({weight_dir})")
 async def update_weights(data: dict[str, Any], request: Request[Any, Any, Any]) -> w.VllmMessage:
+    weights_state(request)
     if "weight_dir" in data:
         body = msgspec.convert(data, w.PrimeRlUpdateRequest)
         if body.weight_dir is None:
