@@ -35,7 +35,7 @@ def policies(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(policies):
-    args = (str(policies[0]), "--enable-weight-updates", "--enable-return-routed-experts", "--weight-sync-timeout", "30")
+    args = (str(policies[0]), "--enable-weight-updates", "--enable-return-routed-experts", "--weight-sync-timeout", "8")
     with RemoteServer(*args, *TEST_SERVER_ARGS) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
@@ -147,6 +147,24 @@ def test_a_trainer_dying_mid_broadcast_leaves_the_old_weights_serving(server, po
     assert serves(server, v0) and served(server, PROMPT)[2] == "old"
     with joined(server, pool) as group:  # a new group of the same name works
         push_policy(server, group, pool, v1)
+
+
+def test_a_trainer_stalling_mid_broadcast_fails_the_update_after_the_timeout(server, policies, pool):
+    v0, v1 = policies
+    reset(server, v0, version="old")
+    group = trainer.join(server.url, free_port(), pool)
+    try:
+        tensors = trainer.checkpoint_tensors(v1)
+        reply = pool.submit(post, server, "/update_weights_from_distributed", trainer.announce(tensors))
+        first = next(iter(tensors.values()))
+        dist.broadcast(first.contiguous(), src=0, group=group)  # then nothing more: a hung trainer
+        r = reply.result()  # the server gives up after --weight-sync-timeout (8 s here)
+        assert r.status_code == 400 and f"after 1 of {len(tensors)} tensors" in r.json()["error"]["message"], r.text
+        assert serves(server, v0) and served(server, PROMPT)[2] == "old"
+        r = post(server, "/update_weights_from_distributed", trainer.announce({}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "group_name"  # the group is gone
+    finally:
+        dist.destroy_process_group(group)
 
 
 def test_vllm_weight_transfer_names_map_onto_the_same_group(server, policies, pool):

@@ -51,10 +51,15 @@ def push(url: str, group: dist.ProcessGroup, tensors: dict[str, torch.Tensor], p
     """One /update_weights_from_distributed call and its broadcasts; with die_after, the
     process exits (as a crashed trainer) after broadcasting that many tensors."""
     reply = pool.submit(post, url, "/update_weights_from_distributed", announce(tensors, **extra))
+    handles = []
     for i, tensor in enumerate(tensors.values()):
         if die_after is not None and i == die_after:
+            for handle in handles:
+                handle.wait()
             os._exit(3)
-        dist.broadcast(tensor.contiguous(), src=0, group=group)
+        handles.append(dist.broadcast(tensor.contiguous(), src=0, group=group, async_op=True))
+    for handle in handles:
+        handle.wait()
     return reply.result()
 
 

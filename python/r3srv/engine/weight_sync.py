@@ -149,14 +149,15 @@ class WeightSync:
                        for name, (shape, dtype) in named.metas.items()}
             done = 0
             try:
-                for buffer in buffers.values():
-                    dist.broadcast(buffer, src=0, group=known.group)
+                # all posted at once, as SGLang does: the transfers pipeline instead of paying a round trip each
+                handles = [dist.broadcast(buffer, src=0, group=known.group, async_op=True) for buffer in buffers.values()]
+                for handle in handles:
+                    handle.wait()
                     done += 1
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             except Exception as exc:
-                self.staged.clear()
-                self._destroy(group_name)
+                self._destroy(group_name)  # drops the staged tensors too
                 raise WeightSyncError(
                     f"the broadcast from the trainer failed after {done} of {len(buffers)} tensors ({exc}); "
                     f"the served weights are unchanged and group {group_name!r} is destroyed",

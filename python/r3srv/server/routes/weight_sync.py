@@ -54,7 +54,7 @@ async def init_weights_update_group(data: w.InitWeightsUpdateGroupRequest, reque
 async def destroy_weights_update_group(
     data: w.DestroyWeightsUpdateGroupRequest, request: Request[Any, Any, Any]
 ) -> w.SglangResult:
-    trainer_updates(request).sync.leave(data.group_name)
+    await asyncio.to_thread(trainer_updates(request).sync.leave, data.group_name)  # waits for a receive under way
     return w.SglangResult(success=True, message=f"left {data.group_name!r}")
 
 
@@ -139,7 +139,7 @@ async def init_weight_transfer_engine(data: w.VllmInitRequest, request: Request[
 
 @post("/shutdown_weight_transfer_engine", status_code=200, summary="Leave the trainer's process group (vLLM's name)")
 async def shutdown_weight_transfer_engine(request: Request[Any, Any, Any]) -> w.VllmMessage:
-    trainer_updates(request).sync.leave(w.VLLM_GROUP)
+    await asyncio.to_thread(trainer_updates(request).sync.leave, w.VLLM_GROUP)
     return w.VllmMessage(message="Weight transfer shut down")
 
 
