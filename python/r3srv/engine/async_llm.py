@@ -18,8 +18,8 @@ import threading
 from collections.abc import AsyncIterator
 
 from r3srv.engine.llm_engine import EngineStats, LLMEngine, PreparedRequest
-from r3srv.models.loader import NamedTensors, plan_named_tensors
 from r3srv.errors import InvalidRequestError, R3srvError
+from r3srv.models.loader import NamedTensors, plan_named_tensors
 from r3srv.offload import run_sized
 from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput, merge_deltas
 from r3srv.sampling_params import SamplingParams
