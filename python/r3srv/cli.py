@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the first loads any checkpoint directory the server can read)",
     )
     serve.add_argument(
+        "--weight-sync-timeout", type=float, default=600.0,
+        help="seconds a trainer's rendezvous or broadcast (/update_weights_from_distributed) may stall before the "
+        "update fails, leaving the weights unchanged (default: %(default)s)",
+    )
+    serve.add_argument(
         "--weight-version", default="0", help="name of the served weights in responses (default: %(default)s)"
     )
     serve.add_argument(
@@ -189,6 +194,7 @@ def serve(args: argparse.Namespace) -> int:
         enable_weight_updates=args.enable_weight_updates,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         on_engine_death=on_engine_death,
+        weight_sync_timeout=args.weight_sync_timeout,
     )
     logger.info(
         "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",

@@ -58,6 +58,7 @@ def create_app(
     enable_weight_updates: bool = False,
     enable_prompt_tokens_details: bool = False,
     on_engine_death: Callable[[], None] | None = None,
+    weight_sync_timeout: float = 600.0,
 ) -> Litestar:
     """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
     CLI stops the server and exits non-zero so that an orchestrator restarts it."""
@@ -67,6 +68,7 @@ def create_app(
         metrics=ServerMetrics(engine.stats),
         enable_weight_updates=enable_weight_updates,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
+        weight_sync_timeout=weight_sync_timeout,
     )
 
     async def watch_engine() -> None:
