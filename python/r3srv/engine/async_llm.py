@@ -25,6 +25,7 @@ from r3srv.engine.core import CoreOutputs, EngineCore, EngineStats, engine_confi
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, StopSequence
 from r3srv.errors import InvalidRequestError, R3srvError
+from r3srv.models.loader import NamedTensors
 from r3srv.offload import run_sized
 from r3srv.outputs import OutputKind, RequestOutput, merge_deltas
 from r3srv.sampling_params import SamplingParams
@@ -78,7 +79,9 @@ class _Reply:
             pass
 
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's abort, retract and in_place; vLLM's keep (in place, but a weight update retracts the
+# frozen sequences rather than wait for them) and wait (pause once the requests in flight finished)
+PAUSE_MODES = ("abort", "retract", "in_place", "keep", "wait")
 
 
 class EngineState(enum.Enum):
@@ -89,6 +92,8 @@ class EngineState(enum.Enum):
     PAUSED_ABORT = "abort"  # paused: pause_generation's mode is the value
     PAUSED_RETRACT = "retract"
     PAUSED_IN_PLACE = "in_place"
+    PAUSED_KEEP = "keep"
+    PAUSED_WAIT = "wait"
     STOPPING = "stopping"  # shutdown asked; the core thread has not stopped yet
     STOPPED = "stopped"  # the core thread takes no more commands
     DEAD = "dead"  # the core thread died of an error outside a step
@@ -102,7 +107,8 @@ class EngineState(enum.Enum):
         return self is EngineState.RUNNING or self in _PAUSED
 
 
-_PAUSED = (EngineState.PAUSED_ABORT, EngineState.PAUSED_RETRACT, EngineState.PAUSED_IN_PLACE)
+_PAUSED = (EngineState.PAUSED_ABORT, EngineState.PAUSED_RETRACT, EngineState.PAUSED_IN_PLACE,
+           EngineState.PAUSED_KEEP, EngineState.PAUSED_WAIT)
 
 
 # -- commands to the core thread (the output thread sends StopSequence too) -------------
@@ -118,7 +124,7 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class UpdateWeights:
-    path: str
+    path: str | NamedTensors
     weight_version: str | None
     abort_running: bool
     reply: _Reply
@@ -137,12 +143,26 @@ class ResumeMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class RenameWeights:
+    weight_version: str
+    reply: _Reply
+
+
+@dataclass(frozen=True, slots=True)
 class ResetPrefixCache:
     reply: _Reply
 
 
 @dataclass(frozen=True, slots=True)
 class Pause:
+    mode: str
+    reply: _Reply
+
+
+@dataclass(frozen=True, slots=True)
+class PauseAfterRequests:
+    """pause_generation("wait"): queued like an update, so it runs once the requests in flight finished."""
+
     mode: str
     reply: _Reply
 
@@ -190,7 +210,9 @@ class AsyncLLM:
         # Core thread only. Weight updates and memory release/resume wait, in order, for the
         # requests in flight to finish; requests added meanwhile, or while memory is released,
         # are held, and start after them (on the new weights, in the resumed memory).
-        self._exclusive: collections.deque[UpdateWeights | ReleaseMemory | ResumeMemory] = collections.deque()
+        self._exclusive: collections.deque[UpdateWeights | ReleaseMemory | ResumeMemory | PauseAfterRequests] = (
+            collections.deque()
+        )
         self._held: list[EngineRequest] = []
         self._replies: set[_Reply] = set()  # weight updates and cache resets not answered yet
         self._output_thread = threading.Thread(target=self._run_output, name="r3srv-output", daemon=True)
@@ -299,8 +321,11 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(Abort(prepared.request_id))
 
-    async def update_weights(self, path: str, *, abort_running: bool = False, weight_version: str | None = None) -> None:
-        """Load new weights of the same architecture from a checkpoint directory (an RL policy update).
+    async def update_weights(
+        self, path: str | NamedTensors, *, abort_running: bool = False, weight_version: str | None = None
+    ) -> None:
+        """Load new weights of the same architecture from a checkpoint directory, or from
+        tensors a trainer sent by name (received in full), as an RL policy update.
 
         Requests in flight finish on the old weights first (abort_running=True aborts them
         instead), so no sequence mixes two policies in its KV or its routed experts; requests
@@ -309,7 +334,17 @@ class AsyncLLM:
         architecture, InvalidRequestError if another update is under way. Outputs of requests
         that start later carry `weight_version` (default: `path`).
         """
-        await self._ask(lambda reply: UpdateWeights(str(path), weight_version, abort_running, reply))
+        source = path if isinstance(path, NamedTensors) else str(path)
+        await self._ask(lambda reply: UpdateWeights(source, weight_version, abort_running, reply))
+
+    def unfilled_weights(self, named: NamedTensors) -> list[str]:
+        """The parameters tensors so named, shaped and typed leave unfilled; a ConfigError naming
+        any that cannot fill the served model (unknown name, wrong shape or dtype). Reads shapes only."""
+        return self._core.executor.unfilled_weights(named)
+
+    async def rename_weights(self, weight_version: str) -> None:
+        """Name the served weights `weight_version` in the outputs of requests admitted from now on."""
+        await self._ask(lambda reply: RenameWeights(weight_version, reply))
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
@@ -335,10 +370,13 @@ class AsyncLLM:
         with their KV freed, so a weight update can run at once and they resume on the new
         weights, recomputing their tokens (and rows) first; "in_place" keeps everything as it
         is (an update then waits for continue_generation and the requests to finish, so it is
-        refused). Requests that arrive meanwhile wait. Returns {"aborted": n, "retracted": n}."""
+        refused); "keep" (vLLM's) keeps everything as it is too, but a weight update retracts
+        the frozen sequences, as "retract" would have, and runs at once; "wait" (vLLM's) pauses
+        once the requests in flight have finished. Requests that arrive meanwhile wait.
+        Returns {"aborted": n, "retracted": n}."""
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
-        return await self._ask(lambda reply: Pause(mode, reply))
+        return await self._ask(lambda reply: (PauseAfterRequests if mode == "wait" else Pause)(mode, reply))
 
     async def continue_generation(self) -> bool:
         """Step again after pause_generation; returns whether generation was paused."""
@@ -455,6 +493,8 @@ class AsyncLLM:
             if any(isinstance(c, UpdateWeights) for c in self._exclusive):
                 self._answer(cmd.reply, exc=InvalidRequestError("a weight update is already under way", param="model_path"))
                 return
+            if self._state is EngineState.PAUSED_KEEP and core.scheduler.running and not cmd.abort_running:
+                core.retract_running()  # they recompute on the new weights: no sequence mixes two policies
             if self._state is EngineState.PAUSED_IN_PLACE and core.scheduler.running and not cmd.abort_running:
                 self._answer(cmd.reply, exc=InvalidRequestError(
                     "generation is paused in place and requests hold KV of the current weights: pause with "
@@ -464,8 +504,11 @@ class AsyncLLM:
             if cmd.abort_running:
                 for rid in list(core.requests):
                     self._abort(rid)
-        elif isinstance(cmd, (ReleaseMemory, ResumeMemory)):
+        elif isinstance(cmd, (ReleaseMemory, ResumeMemory, PauseAfterRequests)):
             self._exclusive.append(cmd)
+        elif isinstance(cmd, RenameWeights):
+            core.weight_version = cmd.weight_version
+            self._answer(cmd.reply)
         elif isinstance(cmd, ResetPrefixCache):
             self._answer(cmd.reply, core.reset_prefix_cache())
         elif isinstance(cmd, Pause):
@@ -506,6 +549,9 @@ class AsyncLLM:
                     core.update_weights(cmd.path, cmd.weight_version)
                     logger.info("loaded new weights from %s", cmd.path)
                     value = None
+                elif isinstance(cmd, PauseAfterRequests):
+                    self._set_state(EngineState(cmd.mode))
+                    value = {"aborted": 0, "retracted": 0}
                 elif isinstance(cmd, ReleaseMemory):
                     value = core.release_memory(cmd.tags)
                     logger.info("released memory: %s", value)

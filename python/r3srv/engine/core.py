@@ -15,6 +15,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from r3srv.engine.sampler import SampleResult
 from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
 from r3srv.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from r3srv.models.loader import NamedTensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Default share of free memory for the KV cache when num_kv_blocks is not given.
@@ -254,8 +258,9 @@ class EngineCore:
     def num_requests_holding_kv(self) -> int:
         return len({seq.request_id for seq in self.scheduler.running})
 
-    def update_weights(self, path: str, weight_version: str | None = None) -> None:
+    def update_weights(self, path: str | NamedTensors, weight_version: str | None = None) -> None:
         """Load new weights of the same architecture (an RL policy update) and forget the prefix cache.
+        `path` is a checkpoint directory, or tensors a trainer sent by name (received in full).
 
         Only while no sequence holds KV: KV and routed-experts rows computed with the old weights
         must not mix with new ones in one sequence, so running requests are an error (let them
@@ -264,6 +269,9 @@ class EngineCore:
         and their outputs carry its version. A ConfigError leaves the weights as they were.
         `weight_version` names the new weights in every later output (default: `path`).
         """
+        from r3srv.models.loader import NamedTensors
+
+        label = "tensors" if isinstance(path, NamedTensors) else str(path)
         if holding := self.num_requests_holding_kv():
             raise InvalidRequestError(
                 f"cannot update weights with {holding} requests in flight holding KV of the current weights: "
@@ -280,10 +288,10 @@ class EngineCore:
             # Failed while copying (an I/O error mid-shard): some weights are new, some old.
             # Say so in every later output rather than serve a silent mix under the old name.
             self.block_manager.reset_prefix_cache()
-            self.weight_version = f"incomplete:{path}"
+            self.weight_version = f"incomplete:{label}"
             raise
         self.block_manager.reset_prefix_cache()
-        self.weight_version = str(path) if weight_version is None else weight_version
+        self.weight_version = label if weight_version is None else weight_version
         for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
             req.weight_version = self.weight_version
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from r3srv.engine.model_runner import ModelRunner
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 from r3srv.engine.sampler import SampleResult, sample
 from r3srv.engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from r3srv.models.loader import NamedTensors
 
 
 @dataclass
@@ -68,9 +72,15 @@ class Executor(abc.ABC):
     def resume_weights(self) -> None: ...
 
     @abc.abstractmethod
-    def load_weights(self, path: str) -> None:
-        """New weights of the same architecture from a checkpoint directory; ConfigError before
-        any weight is copied leaves them unchanged."""
+    def load_weights(self, source: str | NamedTensors) -> None:
+        """New weights of the same architecture from a checkpoint directory, or from tensors a
+        trainer sent by name (received in full); ConfigError before any weight is copied leaves
+        them unchanged."""
+
+    @abc.abstractmethod
+    def unfilled_weights(self, named: NamedTensors) -> list[str]:
+        """The parameters tensors so named, shaped and typed leave unfilled; a ConfigError naming
+        any that cannot fill the model (unknown name, wrong shape or dtype). Reads shapes only."""
 
 
 class InProcessExecutor(Executor):
@@ -121,7 +131,12 @@ class InProcessExecutor(Executor):
     def resume_weights(self) -> None:
         self.model.move_weights(self.device)
 
-    def load_weights(self, path: str) -> None:
-        from r3srv.models.loader import load_weights_from_dir
+    def load_weights(self, source: str | NamedTensors) -> None:
+        from r3srv.models.loader import NamedTensors, load_named_tensors, load_weights_from_dir
 
-        load_weights_from_dir(self.model, path)
+        (load_named_tensors if isinstance(source, NamedTensors) else load_weights_from_dir)(self.model, source)
+
+    def unfilled_weights(self, named: NamedTensors) -> list[str]:
+        from r3srv.models.loader import plan_named_tensors
+
+        return plan_named_tensors(self.model, named, complete=False).missing

@@ -7,6 +7,7 @@ its own side of a thread boundary (docs/architecture.md, "Engine").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from r3srv.config import EngineConfig
 from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineStats, engine_config
@@ -14,6 +15,9 @@ from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, ProcessedOutputs
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from r3srv.models.loader import NamedTensors
 
 __all__ = ["MEMORY_TAGS", "EngineStats", "LLMEngine", "PreparedRequest", "StepResult"]
 
@@ -121,7 +125,7 @@ class LLMEngine:
     def retract_running(self) -> int:
         return self.core.retract_running()
 
-    def update_weights(self, path: str, weight_version: str | None = None) -> None:
+    def update_weights(self, path: str | NamedTensors, weight_version: str | None = None) -> None:
         self.core.update_weights(path, weight_version)
 
     def reset_prefix_cache(self) -> int:
