@@ -55,11 +55,11 @@ def run_with_aborts(engine, requests: dict, aborted: dict, abort_at_step: int) -
 def slowed(engine):
     """5 ms more per step of an AsyncLLM: a request stays running while an update and other
     requests arrive, however fast the machine."""
-    step = engine._core.step
+    step = engine.core.step
 
     def slow_step():
         time.sleep(0.005)
         return step()
 
-    engine._core.step = slow_step
+    engine.core.step = slow_step
     return engine

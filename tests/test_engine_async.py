@@ -56,7 +56,7 @@ def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatc
     whatever the batching), and the tokens against an offline run."""
     steps: list[list[tuple[str, int, int]]] = []  # per step: (request_id, first position, tokens)
     router_logits: list[torch.Tensor] = []  # per step and MoE layer, in call order
-    runner = engine._core.executor.runner
+    runner = engine.core.executor.runner
     real_run, real_select = runner.run, moe_module.select_experts
 
     def spy_run(seqs):
@@ -155,7 +155,7 @@ def test_cancelled_consumer_aborts(engine):
         return await wait_idle(engine)
 
     assert asyncio.run(main()).kv_blocks_used == 0
-    assert "cx" not in engine._core.requests
+    assert "cx" not in engine.core.requests
 
 
 def test_abort_from_another_coroutine_ends_the_stream(engine):
@@ -194,7 +194,7 @@ def test_duplicate_request_id_in_flight_is_rejected(engine):
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
-    model = engine._core.executor.model
+    model = engine.core.executor.model
     real_forward = model.forward
 
     def broken(batch):
@@ -274,7 +274,7 @@ def test_an_engine_thread_crash_fails_requests_loudly():
     def broken_schedule():
         raise AssertionError("scheduler bug")
 
-    eng._core.scheduler.schedule = broken_schedule
+    eng.core.scheduler.schedule = broken_schedule
 
     async def main():
         with pytest.raises(EngineDeadError, match="scheduler bug"):

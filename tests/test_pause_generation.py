@@ -88,9 +88,9 @@ def test_async_pause_modes(policies):
         await started()
         assert await engine.pause_generation("in_place") == {"aborted": 0, "retracted": 0}
         assert engine.paused == "in_place"
-        produced = engine._core.requests["in_place"].seqs[0].num_output_tokens
+        produced = engine.core.requests["in_place"].seqs[0].num_output_tokens
         await asyncio.sleep(0.1)
-        assert engine._core.requests["in_place"].seqs[0].num_output_tokens == produced
+        assert engine.core.requests["in_place"].seqs[0].num_output_tokens == produced
         with pytest.raises(InvalidRequestError, match="paused in place"):
             await engine.update_weights(str(v1))
         assert await engine.continue_generation() is True
@@ -110,7 +110,7 @@ def test_async_pause_modes(policies):
         # retract: an update runs at once, in flight; the request resumes on the new weights
         task = asyncio.create_task(run("retracted"))
         await started()
-        while engine._core.requests["retracted"].seqs[0].num_output_tokens < 3:
+        while engine.core.requests["retracted"].seqs[0].num_output_tokens < 3:
             await asyncio.sleep(0.001)
         assert await engine.pause_generation("retract") == {"aborted": 0, "retracted": 1}
         await engine.update_weights(str(v1), weight_version="v1")

@@ -21,7 +21,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from r3srv.engine.core import CoreOutputs, EngineCore, EngineStats, engine_config
+from r3srv.engine.core import CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, StopSequence
 from r3srv.errors import InvalidRequestError, R3srvError
@@ -193,11 +193,11 @@ class _Close:
     error: BaseException
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFacts):
     def __init__(self, model: str | None = None, **kwargs) -> None:
         # Config errors (ConfigError) raise here, on the caller's thread, before the threads start.
-        self._core = EngineCore(engine_config(model, **kwargs))
-        core = self._core
+        self.core = EngineCore(engine_config(model, **kwargs))
+        core = self.core
         self._input = InputProcessor(core.tokenizer, core.model_config.vocab_size, core.max_model_len,
                                      core.enable_return_routed_experts)
         self._output = OutputProcessor(core.tokenizer)  # the output thread's alone
@@ -220,36 +220,7 @@ class AsyncLLM:
         self._output_thread.start()
         self._thread.start()
 
-    # -- facts the server needs -----------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self._core.tokenizer
-
-    @property
-    def model_config(self):
-        return self._core.model_config
-
-    @property
-    def max_model_len(self) -> int:
-        return self._core.max_model_len
-
-    @property
-    def device(self):
-        return self._core.device
-
-    @property
-    def enable_return_routed_experts(self) -> bool:
-        return self._core.enable_return_routed_experts
-
-    @property
-    def routed_experts_info(self) -> dict | None:
-        return self._core.routed_experts_info
-
-    @property
-    def weight_version(self) -> str:
-        """The version of the weights requests admitted from now on run on."""
-        return self._core.weight_version
-
+    # -- facts the server needs (EngineFacts: tokenizer, model_config, max_model_len, ...) --
     @property
     def state(self) -> EngineState:
         return self._state
@@ -260,7 +231,7 @@ class AsyncLLM:
         return self._state.accepts_requests and self._thread.is_alive()
 
     def stats(self) -> EngineStats:
-        stats = self._core.stats()  # plain counters: a slightly stale read is fine
+        stats = self.core.stats()  # plain counters: a slightly stale read is fine
         held = len(self._held)  # requests held for a weight update or released memory wait like the others
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + held, paused=self._state.pause_mode)
 
@@ -340,7 +311,7 @@ class AsyncLLM:
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
         """The parameters tensors so named, shaped and typed leave unfilled; a ConfigError naming
         any that cannot fill the served model (unknown name, wrong shape or dtype). Reads shapes only."""
-        return self._core.executor.unfilled_weights(named)
+        return self.core.executor.unfilled_weights(named)
 
     async def rename_weights(self, weight_version: str) -> None:
         """Name the served weights `weight_version` in the outputs of requests admitted from now on."""
@@ -362,7 +333,7 @@ class AsyncLLM:
 
     @property
     def released_memory(self) -> list[str]:
-        return sorted(self._core.released_memory)
+        return sorted(self.core.released_memory)
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, int]:
         """Stop stepping until continue_generation (SGLang's modes): "abort" ends every request
@@ -439,7 +410,7 @@ class AsyncLLM:
 
     # -- the core thread ------------------------------------------------------------------
     def _run(self) -> None:
-        core = self._core
+        core = self.core
         try:
             while True:
                 paused = self._state.pause_mode is not None
@@ -474,7 +445,7 @@ class AsyncLLM:
             return None
 
     def _handle(self, cmd) -> None:
-        core = self._core
+        core = self.core
         if isinstance(cmd, AddRequest):
             if self._exclusive or core.released_memory:
                 self._held.append(cmd.request)
@@ -530,7 +501,7 @@ class AsyncLLM:
             raise TypeError(f"unknown engine command {cmd!r}")
 
     def _abort(self, request_id: str) -> None:
-        update = self._core.abort_request(request_id)
+        update = self.core.abort_request(request_id)
         if update is not None:
             self._outputs.put(CoreOutputs(updates=[update]))
         held = next((p for p in self._held if p.request_id == request_id), None)
@@ -541,7 +512,7 @@ class AsyncLLM:
     def _run_exclusive(self) -> None:
         """Runs once no request is in flight: every queued update / release / resume in
         order, then the held requests, unless memory is still released."""
-        core = self._core
+        core = self.core
         while self._exclusive:
             cmd = self._exclusive.popleft()
             try:
@@ -578,7 +549,7 @@ class AsyncLLM:
 
     def _close(self, state: EngineState, exc: BaseException) -> None:
         """The core thread's last act: nothing more is queued, every waiter fails with `exc`."""
-        core = self._core
+        core = self.core
         for rid in list(core.requests):
             core.abort_request(rid)
         self._exclusive.clear()

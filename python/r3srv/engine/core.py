@@ -468,6 +468,41 @@ class EngineCore:
         )
 
 
+class EngineFacts:
+    """What callers (the server, LLM) read about the engine, for a front holding its EngineCore as `core`."""
+
+    core: EngineCore
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def model_config(self):
+        return self.core.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.device
+
+    @property
+    def enable_return_routed_experts(self) -> bool:
+        return self.core.enable_return_routed_experts
+
+    @property
+    def routed_experts_info(self) -> dict | None:
+        return self.core.routed_experts_info
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights requests admitted from now on run on."""
+        return self.core.weight_version
+
+
 def _mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from r3srv.config import EngineConfig
-from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineStats, engine_config
+from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, ProcessedOutputs
 from r3srv.outputs import RequestOutput
@@ -33,7 +33,7 @@ class StepResult:
     num_decode_tokens: int = 0
 
 
-class LLMEngine:
+class LLMEngine(EngineFacts):
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         core = self.core
@@ -47,38 +47,10 @@ class LLMEngine:
         """EngineConfig's and ParallelConfig's fields as keywords."""
         return cls(engine_config(model, **kwargs))
 
-    # -- facts --------------------------------------------------------------------------
+    # -- facts (EngineFacts: tokenizer, model_config, max_model_len, device, ...) -------
     @property
     def config(self) -> EngineConfig:
         return self.core.config
-
-    @property
-    def tokenizer(self):
-        return self.core.tokenizer
-
-    @property
-    def model_config(self):
-        return self.core.model_config
-
-    @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
-
-    @property
-    def device(self):
-        return self.core.device
-
-    @property
-    def enable_return_routed_experts(self) -> bool:
-        return self.core.enable_return_routed_experts
-
-    @property
-    def routed_experts_info(self) -> dict | None:
-        return self.core.routed_experts_info
-
-    @property
-    def weight_version(self) -> str:
-        return self.core.weight_version
 
     @property
     def released_memory(self) -> set[str]:
