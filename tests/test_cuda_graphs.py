@@ -199,3 +199,40 @@ def test_hybrid_graphs_equal_eager(tmp_path):
 def test_enforce_eager_wins():
     engine = _engine(True, enforce_eager=True)
     assert engine.runner.graphs is None and engine.graphs_reserved == 0
+
+
+# ---- benches/gpu_throughput.py on the CPU (--smoke: the script itself, at toy size) ------------
+def _throughput_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benches" / "gpu_throughput.py"
+    spec = importlib.util.spec_from_file_location("gpu_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_throughput_roofline_bytes():
+    bench = _throughput_bench()
+    cfg = dict(bench.QWEN3_30B_A3B, **bench.SMOKE)
+    sizes = bench.Bytes(bench.random_model(cfg, torch.device("cpu")))
+    h, i, layers, kvh, d = cfg["hidden_size"], cfg["moe_intermediate_size"], 2, 2, 16
+    assert sizes.expert == 3 * h * i * 2  # gate, up and down of one bf16 expert
+    assert sizes.kv_token == layers * 2 * kvh * d * 2
+    attention = h * (4 * d + 2 * kvh * d) + 4 * d * h + 2 * d  # qkv, o, q/k norms
+    dense = layers * (attention + 2 * h + cfg["num_experts"] * h) + h + cfg["vocab_size"] * h  # norms, router, final, lm_head
+    assert sizes.dense == dense * 2
+    assert sizes.step(3, 100, 10.0) == dense * 2 + 3 * h * 2 + 10 * sizes.expert + 300 * sizes.kv_token
+
+
+def test_throughput_bench_skips_on_cpu_and_smokes(tmp_path, capsys):
+    bench = _throughput_bench()
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 0 and "skipped" in capsys.readouterr().out
+        assert bench.main(["--require-gpu"]) == 1
+    out = tmp_path / "table.md"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    table = out.read_text()
+    assert table.count("| on | eager |") == 2 and table.count("| off | eager |") == 2  # batches 1 and 3
+    assert "routed experts on/off step time" in table
