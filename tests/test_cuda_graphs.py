@@ -67,7 +67,7 @@ def test_only_plain_decode_steps_replay():
     assert not is_graph_decode([_seq(), _seq(scheduled=4)])  # a prefill chunk: mixed step
     assert not is_graph_decode([_seq(computed=0)])  # a one-token prompt is a prefill
     assert not is_graph_decode([_seq(), _seq(restore=3)])  # a hybrid's prefix hit restores states
-    assert not is_graph_decode([_seq(snapshots=[(16, 9)])])  # ... or snapshots them
+    assert is_graph_decode([_seq(snapshots=[(16, 9)])])  # snapshots are copied after the replay
 
 
 def test_graph_memory_comes_out_of_the_kv_budget(monkeypatch):
@@ -163,7 +163,7 @@ def test_replay_equals_eager_forward_of_the_same_inputs():
     ids, positions, slots, tables, _, _ = engine.runner.host_arrays(seqs)
     logits, capture = graphs.run(seqs, ids, positions, slots, tables)
     logits, capture = logits.clone(), capture.clone()
-    eager = engine.model.forward(graphs._batch(bucket_for(2, graphs.buckets)))  # the same static inputs
+    eager = engine.model.forward(graphs.batch(bucket_for(2, graphs.buckets)))  # the same static inputs
     torch.testing.assert_close(logits, eager[:2], rtol=0, atol=0)
     torch.testing.assert_close(capture, graphs.capture[:2], rtol=0, atol=0)
     assert capture.any()
@@ -236,3 +236,15 @@ def test_throughput_bench_skips_on_cpu_and_smokes(tmp_path, capsys):
     table = out.read_text()
     assert table.count("| on | eager |") == 2 and table.count("| off | eager |") == 2  # batches 1 and 3
     assert "routed experts on/off step time" in table
+
+
+def test_padded_graph_inputs_equal_eager_steps_in_the_triton_interpreter():
+    """tests/cuda_graph_cases.py in a fresh TRITON_INTERPRET=1 process: a bucket's padded static
+    inputs through the graph-mode metadata equal the eager steps (qwen3_moe and a hybrid)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from interpreter_testing import assert_cases_pass_in_interpreter
+
+    assert_cases_pass_in_interpreter(Path(__file__).with_name("cuda_graph_cases.py"))

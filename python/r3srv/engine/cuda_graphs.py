@@ -12,8 +12,8 @@ states in place (models/recurrent.py).
 A step of n sequences runs the graph of the smallest bucket >= n; the padding rows are
 dummies that must not touch real state: they write their K/V into a scratch block the block
 manager never hands out, their recurrent state into a scratch entry, and their
-routed-experts rows stay in the capture rows that are never stored. Prefills, mixed steps and
-decode steps that restore or snapshot a hybrid's states run eagerly.
+routed-experts rows stay in the capture rows that are never stored. A hybrid's prefix-cache
+snapshots of a decode step are copied after the replay. Prefills and mixed steps run eagerly.
 
 The graphs share one memory pool; the engine measures a capture's pool use before it sizes
 the KV cache and subtracts it (`reserved_bytes`).
@@ -31,6 +31,7 @@ import torch
 
 from r3srv.engine.sequence import Sequence
 from r3srv.models.batch import ForwardBatch, GraphDecodeInputs
+from r3srv.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
 
 def is_graph_decode(seqs: list[Sequence]) -> bool:
     """A step the graphs can run: every sequence computes one token after at least one cached
-    (a one-token prompt is a prefill), and no hybrid state is restored or snapshotted."""
-    return all(s.num_scheduled_tokens == 1 and s.num_computed_tokens >= 1 and s.restore_from < 0
-               and not s.snapshot_plan for s in seqs)
+    (a one-token prompt is a prefill), and no hybrid state is restored into a slot (a prefix
+    hit's first step, a prefill anyway). Snapshots are copied after the replay (`snapshot`)."""
+    return all(s.num_scheduled_tokens == 1 and s.num_computed_tokens >= 1 and s.restore_from < 0 for s in seqs)
 
 
 def graph_blocker(model) -> str | None:
@@ -137,7 +138,7 @@ class DecodeGraphs:
         self.pool = None
         self.pool_bytes = 0  # reserved by the last capture_all
 
-    def _batch(self, bucket: int) -> ForwardBatch:
+    def batch(self, bucket: int) -> ForwardBatch:
         """The bucket's ForwardBatch over views of the static buffers (built inside the capture,
         so the few ops it runs are replayed too)."""
         head = self.inputs[: bucket * len(_SCALARS)].view(len(_SCALARS), bucket)
@@ -170,11 +171,11 @@ class DecodeGraphs:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                self.model.forward(self._batch(bucket))
+                self.model.forward(self.batch(bucket))
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bucket] = self.model.forward(self._batch(bucket))
+                self.logits[bucket] = self.model.forward(self.batch(bucket))
             self.graphs[bucket] = graph
         torch.cuda.synchronize(device)
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
@@ -193,6 +194,31 @@ class DecodeGraphs:
         self.logits.clear()
         self.pool = None
 
+    def load(self, seqs: list[Sequence], input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+             tables: np.ndarray) -> int:
+        """Write a decode step's inputs, padded, into the static buffers; returns its bucket."""
+        bucket = bucket_for(len(seqs), self.buckets)
+        state_slots = np.fromiter((s.state_slot for s in seqs), np.int64, len(seqs)) if self.hybrid else None
+        host = torch.from_numpy(pad_decode_inputs(input_ids, positions, slots, tables, state_slots, bucket,
+                                                  self.table_width, self.block_size, self.scratch_block,
+                                                  self.scratch_state))
+        # pinned: the copy queues behind the last step instead of waiting for it
+        self.inputs[: host.numel()].copy_(host.pin_memory() if self.inputs.is_cuda else host, non_blocking=True)
+        return bucket
+
+    def snapshot(self, seqs: list[Sequence]) -> None:
+        """A hybrid's prefix-cache snapshots of this step: the states a sequence's token leaves
+        in its slot, copied into the snapshot entries (a decode token is the last of its step,
+        so after the replay is where the eager step copies them too)."""
+        pairs = [(s.state_slot, entry) for s in seqs for _, entry in s.snapshot_plan]
+        if not pairs:
+            return
+        slots, entries = to_device([[p[0] for p in pairs], [p[1] for p in pairs]], self.inputs.device)
+        for layer in self.model.layers:
+            if layer.linear_attn is not None:
+                for pool in layer.linear_attn.pools():
+                    pool.index_copy_(0, entries, pool.index_select(0, slots))
+
     def run(self, seqs: list[Sequence], input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Replay the bucket's graph for this decode step: float32 logits [n, vocab] and the
@@ -201,15 +227,11 @@ class DecodeGraphs:
         bucket = bucket_for(len(seqs), self.buckets)
         if bucket is None or bucket not in self.graphs:
             return None
-        state_slots = np.fromiter((s.state_slot for s in seqs), np.int64, len(seqs)) if self.hybrid else None
-        host = pad_decode_inputs(input_ids, positions, slots, tables, state_slots, bucket, self.table_width,
-                                 self.block_size, self.scratch_block, self.scratch_state)
-        # pinned: the copy queues behind the last step instead of waiting for it
-        self.inputs[: host.size].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        self.load(seqs, input_ids, positions, slots, tables)
         self.graphs[bucket].replay()
+        self.snapshot(seqs)
         n = len(seqs)
         return self.logits[bucket][:n], None if self.capture is None else self.capture[:n]
-
 
 def measure_pool_bytes(model, block_size: int, max_num_seqs: int, max_model_len: int, num_state_slots: int,
                        capture_dtype: torch.dtype | None) -> int:

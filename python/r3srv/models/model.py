@@ -338,7 +338,7 @@ class MoeForCausalLM(nn.Module):
         if self.config.is_hybrid:
             states = LinearStateBatch.build(batch, self.device)
             entries = states.entries()  # a graph step's entries were checked before they were copied in
-            if entries and max(entries) >= self.num_state_slots + self.num_state_snapshots or min(entries) < 0:
+            if entries and (max(entries) >= self.num_state_slots + self.num_state_snapshots or min(entries) < 0):
                 raise ValueError(f"state entries {entries} outside the {self.num_state_slots} slots and "
                                  f"{self.num_state_snapshots} snapshots allocated")
         for layer in self.layers:
