@@ -248,3 +248,18 @@ def test_padded_graph_inputs_equal_eager_steps_in_the_triton_interpreter():
     from interpreter_testing import assert_cases_pass_in_interpreter
 
     assert_cases_pass_in_interpreter(Path(__file__).with_name("cuda_graph_cases.py"))
+
+
+@pytest.mark.gpu
+@pytestmark_cuda
+def test_graphs_are_captured_again_after_memory_is_released():
+    engine = _engine(True)
+    prompts = [prompt_ids(7 + i, base=i) for i in range(3)]
+    first = _run(engine, prompts)
+    engine.release_memory()
+    assert not engine.runner.graphs.graphs  # they pointed into the memory that moved
+    engine.resume_memory()
+    assert sorted(engine.runner.graphs.graphs) == engine.runner.graphs.buckets
+    steps = engine.runner.graph_steps
+    _assert_same(_run(engine, prompts), first)
+    assert engine.runner.graph_steps > steps
