@@ -75,11 +75,10 @@ def test_padded_decode_inputs_equal_the_eager_step(family, tmp_path):
     path = write_tiny_checkpoint(tmp_path / "ckpt", family, seed=5, **FAMILIES[family])
     engine = _engine(path)
     model, cfg = engine.model, engine.config
-    # as the engine allocates for graphs: one scratch block and one scratch state entry more
-    model.init_kv_cache(cfg.num_kv_blocks + 1, BLOCK, cfg.max_num_seqs, engine.num_state_snapshots + 1)
-    scratch_state = engine.num_state_slots + engine.num_state_snapshots
-    graphs = DecodeGraphs(model, BLOCK, cfg.max_num_seqs, 64, scratch_block=cfg.num_kv_blocks,
-                          scratch_state=scratch_state, capture_dtype=capture_torch_dtype(model.config.num_experts))
+    graphs = DecodeGraphs(model, BLOCK, cfg.max_num_seqs, 64, engine.num_state_snapshots,
+                          capture_torch_dtype(model.config.num_experts))
+    graphs.init_kv_cache(cfg.num_kv_blocks, capture=False)  # as the engine allocates for graphs, less the capture
+    scratch_state = graphs.scratch_state
     runner, eager_run = engine.runner, engine.runner.run
     real_slots = cfg.num_kv_blocks * BLOCK
     checked, snapshotted = [], []

@@ -116,15 +116,18 @@ def pad_decode_inputs(input_ids: np.ndarray, positions: np.ndarray, slots: np.nd
 class DecodeGraphs:
     """The captured decode graphs of one model, their static inputs and outputs."""
 
-    def __init__(self, model, block_size: int, max_num_seqs: int, max_model_len: int, scratch_block: int,
-                 scratch_state: int, capture_dtype: torch.dtype | None) -> None:
+    def __init__(self, model, block_size: int, max_num_seqs: int, max_model_len: int, num_state_snapshots: int,
+                 capture_dtype: torch.dtype | None) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.buckets = batch_size_buckets(max_num_seqs)
         self.table_width = -(-max_model_len // block_size)
-        self.scratch_block, self.scratch_state = scratch_block, scratch_state
+        self.max_num_seqs, self.num_state_snapshots = max_num_seqs, num_state_snapshots
+        self.scratch_block = 0  # set by init_kv_cache: the block past the block manager's
+        # a hybrid's state pool: max_num_seqs slots, the snapshots, then the padding rows' entry
+        self.scratch_state = max_num_seqs + num_state_snapshots
         self.hybrid = cfg.is_hybrid
         device = model.device
         largest = self.buckets[-1]
@@ -137,6 +140,29 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
         self.pool_bytes = 0  # reserved by the last capture_all
+
+    def init_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
+        """The model's cache as the engine's init_kv_cache(num_blocks, ...) would allocate it, plus
+        the padding rows' scratch block and state entry; then (capture) every bucket's graph."""
+        self.clear()
+        self.scratch_block = num_blocks
+        self.model.init_kv_cache(num_blocks + 1, self.block_size, self.max_num_seqs, self.num_state_snapshots + 1)
+        if capture:
+            self.capture_all()
+
+    def reserve(self) -> int:
+        """Device bytes the graphs take beside the KV cache, measured before it is sized: a
+        capture of the largest bucket (the buckets share its pool) over a two-block cache,
+        one scratch block and one scratch state entry. Leaves no cache behind."""
+        try:
+            self.init_kv_cache(1, capture=False)
+            pool = self.capture_all([self.buckets[-1]])
+        finally:
+            self.clear()
+            self.model.free_kv_cache()
+            torch.cuda.empty_cache()
+        return reserved_bytes(pool, self.model.kv_cache_bytes_per_block(self.block_size),
+                              self.model.state_bytes_per_slot())
 
     def batch(self, bucket: int) -> ForwardBatch:
         """The bucket's ForwardBatch over views of the static buffers (built inside the capture,
@@ -232,18 +258,3 @@ class DecodeGraphs:
         self.snapshot(seqs)
         n = len(seqs)
         return self.logits[bucket][:n], None if self.capture is None else self.capture[:n]
-
-def measure_pool_bytes(model, block_size: int, max_num_seqs: int, max_model_len: int, num_state_slots: int,
-                       capture_dtype: torch.dtype | None) -> int:
-    """The device memory a capture of the largest bucket reserves (the buckets share its pool),
-    measured over a two-block cache before the real KV cache is sized; leaves no cache behind."""
-    model.init_kv_cache(2, block_size, max(num_state_slots, 1), 1)
-    probe = DecodeGraphs(model, block_size, max_num_seqs, max_model_len, scratch_block=1,
-                         scratch_state=max(num_state_slots, 1), capture_dtype=capture_dtype)
-    try:
-        return probe.capture_all([probe.buckets[-1]])
-    finally:
-        probe.clear()
-        del probe
-        model.free_kv_cache()
-        torch.cuda.empty_cache()

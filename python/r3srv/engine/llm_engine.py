@@ -129,21 +129,20 @@ class LLMEngine:
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
         mc = self.model_config
         capture_dtype = capture_torch_dtype(mc.num_experts) if config.enable_return_routed_experts else None
-        self.graphs_reserved = 0  # device bytes of the decode graphs, out of the KV budget
         blocker = cuda_graphs.graph_blocker(self.model) if config.use_cuda_graphs else "not asked for"
         if config.use_cuda_graphs and blocker:
             log.warning("CUDA graphs off: %s", blocker)
-        if not blocker:
-            pool = cuda_graphs.measure_pool_bytes(self.model, config.block_size, config.max_num_seqs,
-                                                  self.max_model_len, self.num_state_slots, capture_dtype)
-            self.graphs_reserved = cuda_graphs.reserved_bytes(
-                pool, self.model.kv_cache_bytes_per_block(config.block_size), self.model.state_bytes_per_slot())
+        graphs = None if blocker else cuda_graphs.DecodeGraphs(
+            self.model, config.block_size, config.max_num_seqs, self.max_model_len, self.num_state_snapshots,
+            capture_dtype)
+        self.graphs_reserved = 0 if graphs is None else graphs.reserve()  # out of the KV budget
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         config.check_kv_pool(num_blocks)
         config.num_kv_blocks = num_blocks
-        scratch = 0 if blocker else 1  # the graphs' padding rows write a block and a state entry of their own
-        self.model.init_kv_cache(num_blocks + scratch, config.block_size, config.max_num_seqs,
-                                 self.num_state_snapshots + scratch)
+        if graphs is None:
+            self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
+        else:
+            graphs.init_kv_cache(num_blocks)  # and the padding rows' scratch block and state entry
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
@@ -154,11 +153,6 @@ class LLMEngine:
             if config.enable_return_routed_experts
             else None
         )
-        graphs = None if blocker else cuda_graphs.DecodeGraphs(
-            self.model, config.block_size, config.max_num_seqs, self.max_model_len, scratch_block=num_blocks,
-            scratch_state=self.num_state_slots + self.num_state_snapshots, capture_dtype=capture_dtype)
-        if graphs is not None:
-            graphs.capture_all()
         self.runner = ModelRunner(self.model, config.block_size, self.device, self.rows, graphs)
         eos = list(mc.eos_token_ids or [])
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -412,10 +406,12 @@ class LLMEngine:
         if "weights" in wanted:
             self.model.move_weights(self.device)
         graphs = self.runner.graphs
-        if "kv_cache" in wanted:
-            scratch = 0 if graphs is None else 1
-            self.model.init_kv_cache(self.config.num_kv_blocks + scratch, self.config.block_size,
-                                     self.config.max_num_seqs, self.num_state_snapshots + scratch)
+        if "kv_cache" in wanted and graphs is not None:
+            graphs.init_kv_cache(self.config.num_kv_blocks, capture=False)
+        elif "kv_cache" in wanted:
+            self.model.init_kv_cache(
+                self.config.num_kv_blocks, self.config.block_size, self.config.max_num_seqs, self.num_state_snapshots
+            )
         self.released_memory -= wanted
         if graphs is not None and not self.released_memory:
             graphs.capture_all()  # over the cache and weights where they now lie
