@@ -152,11 +152,12 @@ class Bytes:
         return self.dense + batch * self.embed_row + active_experts * self.expert + batch * context * self.kv_token
 
 
-def active_experts(engine, seqs, first: int, steps: int) -> list[int]:
-    """Distinct experts routed to in each of `steps` decode steps (positions first, first+1,
-    ...), summed over the layers: from the engine's routed-experts rows."""
+def active_experts(engine, seqs, firsts: list[int], steps: int) -> list[int]:
+    """Distinct experts routed to in each of `steps` decode steps (sequence i's tokens at
+    positions firsts[i], firsts[i] + 1, ...), summed over the layers: from the engine's
+    routed-experts rows."""
     rows = np.stack([engine.rows.gather(s.block_table.array, engine.config.block_size, first + steps, first)
-                     for s in seqs])  # [B, steps, layers, top_k]
+                     for s, first in zip(seqs, firsts)])  # [B, steps, layers, top_k]
     moe = sorted(engine.model_config.moe_layers)
     return [sum(len(np.unique(rows[:, k, layer])) for layer in moe) for k in range(steps)]
 
@@ -166,7 +167,8 @@ def decode_run(engine, batch: int, prompt_len: int, steps: int, rng, vocab: int)
     alternating in rounds of 4; returns the median step times and the steps' active experts."""
     from r3srv import SamplingParams
 
-    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
+    # none may finish while timed: those prefilled first decode in the later prefill steps too
+    params = SamplingParams(max_tokens=engine.max_model_len - prompt_len, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", rng.integers(0, vocab, prompt_len).tolist(), params)
     seqs = [r.seqs[0] for r in engine.requests.values()]
@@ -174,7 +176,8 @@ def decode_run(engine, batch: int, prompt_len: int, steps: int, rng, vocab: int)
         engine.step()
     graphs = engine.runner.graphs
     times: dict[str, list[float]] = {"graphs": [], "eager": []}
-    first = seqs[0].num_computed_tokens
+    # sequences whose prefill ended in an earlier step have decoded in the mixed steps since
+    firsts = [s.num_computed_tokens for s in seqs]
     modes = ["graphs", "eager"] if graphs is not None else ["eager"]
     while len(times[modes[-1]]) < steps:
         for mode in modes:
@@ -185,11 +188,11 @@ def decode_run(engine, batch: int, prompt_len: int, steps: int, rng, vocab: int)
                 engine.step()  # sampling reads the tokens back: the step has ended when it returns
                 times[mode].append(time.perf_counter() - start)
     engine.runner.graphs = graphs
-    done = seqs[0].num_computed_tokens - first
-    experts = active_experts(engine, seqs, first, done) if engine.rows is not None else []
+    done = sum(len(t) for t in times.values())
+    experts = active_experts(engine, seqs, firsts, done) if engine.rows is not None else []
     for rid in list(engine.requests):
         engine.abort_request(rid)
-    context = first + done // 2 + 1  # the steps' mean context
+    context = round(statistics.mean(firsts)) + done // 2 + 1  # the steps' mean context
     return {"context": context, "experts": experts, **{m: statistics.median(t) for m, t in times.items() if t}}
 
 
@@ -229,7 +232,7 @@ def main(argv=None) -> int:
             engine = llm_engine.LLMEngine.from_kwargs(
                 "qwen3-30b-a3b-random", device=device.type, dtype="bfloat16", enable_return_routed_experts=rexp,
                 enable_prefix_caching=False, max_num_seqs=max(args.batches), max_num_batched_tokens=8192,
-                max_model_len=args.prompt_len + 4 * args.steps + 32, cuda_graphs=True,
+                max_model_len=args.prompt_len + 4 * args.steps + 64, cuda_graphs=True,
                 num_kv_blocks=8 * max(args.batches) if args.smoke else None)
             rng = np.random.default_rng(1)  # the same prompts for both engines
             for batch in args.batches:

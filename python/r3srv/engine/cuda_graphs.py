@@ -200,7 +200,8 @@ class DecodeGraphs:
                 self.model.forward(self.batch(bucket))
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: a server thread's CUDA call meanwhile does not void the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.logits[bucket] = self.model.forward(self.batch(bucket))
             self.graphs[bucket] = graph
         torch.cuda.synchronize(device)
