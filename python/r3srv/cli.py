@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--weight-version", default="0", help="name of the served weights in responses (default: %(default)s)"
     )
+    serve.add_argument(
+        "--fleet-peer-urls", nargs="+", default=None, metavar="URL",
+        help="the other replicas of a fleet behind a router: control calls (pause, continue, weight updates, "
+        "flush, abort, memory release) made to this server are applied on them too (docs/fleet.md)",
+    )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -126,6 +131,12 @@ def _server_class(on_shutdown: Any) -> Any:
     return Server
 
 
+def _peers_but_self(args: argparse.Namespace) -> list[str]:
+    """The peers, without this server (so one list can be handed to every replica)."""
+    own = {f"http://{args.host}:{args.port}", f"http://localhost:{args.port}"}
+    return [url.rstrip("/") for url in args.fleet_peer_urls or () if url.rstrip("/") not in own]
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here so `r3srv --help` stays fast.
@@ -135,6 +146,10 @@ def serve(args: argparse.Namespace) -> int:
     from r3srv.errors import ConfigError
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
 
+    if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
+        from r3srv.data_parallel import serve_fleet
+
+        return serve_fleet(args, build_parser())
     if args.model is None:
         logger.warning("no MODEL given: serving the built-in model, whose weights are RANDOM (text is meaningless)")
     try:
@@ -152,6 +167,7 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=name,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         enable_weight_updates=args.enable_weight_updates,
+        fleet_peer_urls=_peers_but_self(args),
     )
     logger.info(
         "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",

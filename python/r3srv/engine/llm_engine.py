@@ -145,6 +145,7 @@ class LLMEngine:
         self._sampling_generator = torch.Generator(device=self.device)
         self._sampling_generator.manual_seed(config.seed)
         self.weight_version = config.weight_version
+        self.model_path = config.model  # the checkpoint the weights came from (None: the built-in model)
         self.requests: dict[str, Request] = {}
         self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
 
@@ -341,6 +342,7 @@ class LLMEngine:
             raise
         self.block_manager.reset_prefix_cache()
         self.weight_version = str(path) if weight_version is None else weight_version
+        self.model_path = str(path)
         for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
             req.weight_version = self.weight_version
 
