@@ -58,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory-fraction", type=float, default=None, help="share of free memory for the KV cache"
     )
     serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       help="N > 1: N replicas (a device each) behind the SGLang router on --host/--port "
+                       "(needs r3srv[router]; docs/fleet.md)")
     # vLLM's flags, accepted so launch scripts that pass 1 work; more than 1 is a clear start-up error
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     serve.add_argument(
@@ -133,7 +135,7 @@ def _server_class(on_shutdown: Any) -> Any:
 
 def _peers_but_self(args: argparse.Namespace) -> list[str]:
     """The peers, without this server (so one list can be handed to every replica)."""
-    own = {f"http://{args.host}:{args.port}", f"http://localhost:{args.port}"}
+    own = {f"http://{host}:{args.port}" for host in (args.host, "127.0.0.1", "localhost", "0.0.0.0")}
     return [url.rstrip("/") for url in args.fleet_peer_urls or () if url.rstrip("/") not in own]
 
 
