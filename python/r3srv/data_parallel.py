@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -222,8 +223,20 @@ class Fleet:
                     info = httpx.get(s.url + "/model_info", timeout=5.0).json()
                 except (httpx.HTTPError, ValueError):
                     continue
-                return info["model_path"] or self.args.model, str(info["weight_version"]), info["served_model_name"]
+                return self._restartable(info)
         return self.args.model, self.args.weight_version, self.args.served_model_name
+
+    def _restartable(self, info: dict) -> tuple[str | None, str, str]:
+        """What a new replica can load to serve as its siblings do, from their /model_info."""
+        path, version, name = info["model_path"], str(info["weight_version"]), info["served_model_name"]
+        if path and Path(path, "config.json").is_file():
+            return path, version, name
+        if version == self.args.weight_version:  # never updated: the start-up weights
+            return self.args.model, version, name
+        logger.error("the fleet serves weights no checkpoint directory holds (weight_version %s: pushed by a "
+                     "trainer, or a weights-only directory): the restarted replica serves the start-up weights "
+                     "under weight_version %s until the next update", version, self.args.weight_version)
+        return self.args.model, self.args.weight_version, name
 
     def _stop_all(self, timeout: float = 20.0) -> None:
         procs = [p for p in [self.router, *(r.proc for r in self.replicas)] if p is not None]

@@ -28,6 +28,12 @@ CONTROL_PATHS = frozenset({
     "/abort_request",
     "/release_memory_occupation",
     "/resume_memory_occupation",
+    # vLLM's names, as prime-rl calls them; not the process-group calls (/init_weights_update_group,
+    # /update_weights_from_distributed, ...): each replica joins the trainer's group with its own rank
+    "/pause",
+    "/resume",
+    "/update_weights",
+    "/update_weight_version",
 })
 # Control bodies are a few fields; a larger one is not a control call.
 MAX_CONTROL_BODY_BYTES = 1 << 20
