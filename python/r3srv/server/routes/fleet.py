@@ -12,10 +12,10 @@ import asyncio
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import MediaType, Request, Response, get
-from litestar.params import Parameter
+from litestar.params import FromQuery, QueryParameter
 
 import r3srv
 from r3srv.errors import InvalidRequestError
@@ -161,9 +161,9 @@ def _load(state: ServerState) -> fp.Load:
 @get("/v1/loads", summary="Load of this replica, as SGLang's /v1/loads (JSON)")
 async def v1_loads(
     request: Request[Any, Any, Any],
-    dp_rank: int | None = None,
-    include: str | None = None,
-    response_format: str | None = Parameter(query="format", default=None),
+    dp_rank: FromQuery[int | None] = None,
+    include: FromQuery[str | None] = None,
+    response_format: Annotated[str | None, QueryParameter(name="format")] = None,
 ) -> fp.Loads:
     if include is not None:
         unknown = {s.strip() for s in include.split(",")} - LOAD_SECTIONS
