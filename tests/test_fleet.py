@@ -30,7 +30,7 @@ pytest.importorskip("sglang_router", reason="the fleet tests need sglang-router 
 NUM_KV_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, MAX_MODEL_LEN = 64, 16, 8, 256
 FLEET_ARGS = ("--data-parallel-size", "2", "--enable-weight-updates", "--enable-return-routed-experts",
               "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
-              "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning")
+              "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details", "--log-level", "warning")
 
 
 @pytest.fixture(scope="module")

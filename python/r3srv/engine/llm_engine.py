@@ -221,36 +221,38 @@ class LLMEngine:
             try:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
-                raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt") from None
+                raise InvalidRequestError(param="prompt", problem=" must be a string or a list of token ids") from None
         if not ids:
-            raise InvalidRequestError("the prompt is empty (it has no tokens)", param="prompt")
+            raise InvalidRequestError(param="prompt", problem=" is empty (it has no tokens)")
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            raise InvalidRequestError(param="prompt", problem=f" holds token id {bad}, outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(param="stop_token_ids", problem=f" holds {bad}, outside the vocabulary [0, {vocab})")
         n_prompt = len(ids)
         start = params.routed_experts_prompt_start
         if not 0 <= start <= n_prompt:
             raise InvalidRequestError(
-                f"routed_experts_prompt_start={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
                 param="routed_experts_prompt_start",
+                problem=f"={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
             )
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {n_prompt} tokens, leaving no room to generate within max_model_len="
-                f"{self.max_model_len}",
                 param="prompt",
+                problem=f" has {n_prompt} tokens, leaving no room to generate within max_model_len={self.max_model_len}",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens exceeds max_model_len="
-                f"{self.max_model_len}; ask for at most {self.max_model_len - n_prompt} tokens",
                 param="max_tokens",
+                problem=f"={max_tokens} plus the prompt's {n_prompt} tokens exceeds max_model_len="
+                f"{self.max_model_len}; ask for at most {self.max_model_len - n_prompt} tokens",
             )
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(
-                f"min_tokens={params.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens"
+                param="min_tokens", problem=f"={params.min_tokens} exceeds the {max_tokens} tokens this request may generate"
             )
         want = params.return_routed_experts
         if want and not self.enable_return_routed_experts:
