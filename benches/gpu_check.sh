@@ -61,7 +61,7 @@ step() {
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 if wants graphs; then
-    step cuda_graphs.log 150 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda_graphs.py
+    step cuda_graphs.log 150 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_cuda_graphs.py
 fi
 if wants throughput; then  # prints each batch's line as it goes: a run cut short keeps them
     step throughput.log 240 python3 benches/gpu_throughput.py --require-gpu --out "$out/throughput_table.md"

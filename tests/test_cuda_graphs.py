@@ -1,10 +1,12 @@
-"""CUDA graphs for decode steps (engine/cuda_graphs.py).
+"""CUDA graphs for decode steps (engine/cuda_graphs.py), and benches/gpu_throughput.py.
 
 On the CPU: the pure logic (bucket ladder, padding of a step's inputs into a bucket, which
-steps are graph steps, the KV budget with the graphs' memory taken out, the flags). On CUDA
-(skipped with the reason elsewhere): a replay equals the eager forward of the same inputs bit
-for bit, and an engine with graphs gives the eager engine's tokens and routed-experts rows
-for batch sizes on and between buckets, with an abort mid-generation, and for a hybrid.
+steps are graph steps, the KV budget with the graphs' memory taken out, the flags), the padded
+inputs against eager steps in Triton's interpreter (tests/cuda_graph_cases.py), the bench's
+roofline bytes and its --smoke run. On CUDA (marked gpu, skipped with the reason elsewhere): a
+replay equals the eager forward of the same inputs, and an engine with graphs gives the eager
+engine's tokens and routed-experts rows for batch sizes on and between buckets, with an abort
+mid-generation, for a hybrid, and after its memory is released and resumed.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def test_graph_decode_equals_eager(batch):
 
 @pytest.mark.gpu
 @pytestmark_cuda
-def test_replay_equals_eager_forward_of_the_same_inputs():
+def test_replay_equals_the_eager_forward_of_the_same_inputs():
     engine = _engine(True)
     graphs = engine.runner.graphs
     engine.add_request("a", prompt_ids(30), SamplingParams(max_tokens=2, **GREEDY))
@@ -164,7 +166,10 @@ def test_replay_equals_eager_forward_of_the_same_inputs():
     logits, capture = graphs.run(seqs, ids, positions, slots, tables)
     logits, capture = logits.clone(), capture.clone()
     eager = engine.model.forward(graphs.batch(bucket_for(2, graphs.buckets)))  # the same static inputs
-    torch.testing.assert_close(logits, eager[:2], rtol=0, atol=0)
+    # the same kernels on the same shapes; only the experts' index_add_ (atomics) may sum in
+    # another order, a bfloat16 rounding apart
+    torch.testing.assert_close(logits, eager[:2], rtol=2e-2, atol=5e-2)
+    assert torch.equal(logits.argmax(-1), eager[:2].argmax(-1))
     torch.testing.assert_close(capture, graphs.capture[:2], rtol=0, atol=0)
     assert capture.any()
 
