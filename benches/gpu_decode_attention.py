@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-os.environ.pop("R3SRV_TRITON_DECODE", None)  # "0" would turn the kernel off (models/attention.py)
+os.environ.pop("R3SRV_TRITON_DECODE", None)  # "0" would turn the kernel off (r3srv/settings.py)
 
 SHAPES = [  # (sequences, context, heads, kv heads, head dim, window); head dim (576, 512): MLA's latents
     (32, 1024, 32, 4, 128, None),  # Qwen3-30B-A3B-like, a rollout batch

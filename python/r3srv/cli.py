@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from r3srv import settings
+
 logger = logging.getLogger("r3srv.serve")
 
 EXIT_CONFIG_ERROR = 2
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-version", default="0", help="name of the served weights in responses (default: %(default)s)"
     )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    settings.add_arguments(serve)
     return parser
 
 
@@ -128,11 +131,17 @@ def _server_class(on_shutdown: Any) -> Any:
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from r3srv.errors import ConfigError
+
+    try:  # before anything reads them: the model, the encoder
+        settings.configure(settings.from_args(args))
+    except ConfigError as exc:
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     # Imported here so `r3srv --help` stays fast.
     import uvicorn
 
     from r3srv.engine.async_llm import AsyncLLM
-    from r3srv.errors import ConfigError
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
 
     if args.model is None:

@@ -23,6 +23,23 @@ pub enum Isa {
     Portable,
 }
 
+impl Isa {
+    pub const ALL: [Isa; 3] = [Isa::Avx512Vbmi, Isa::Avx2, Isa::Portable];
+
+    /// The name `r3srv.settings.base64_isa` and `r3srv.serial.encoder_isa()` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512Vbmi => "avx512vbmi",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|isa| isa.name() == name)
+    }
+}
+
 fn has_avx512_vbmi() -> bool {
     is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vbmi")
 }
@@ -40,22 +57,24 @@ pub fn supported_isas() -> Vec<Isa> {
     v
 }
 
-/// The fastest kernel, unless `R3SRV_BASE64_ISA` (`avx2`, `portable`) asks for a slower
-/// one (to measure, or to rule a kernel out).
-pub fn best_isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
+static ACTIVE: OnceLock<Isa> = OnceLock::new();
+
+/// Fixes the kernel every later encode and decode uses, once per process: `wanted` when this
+/// CPU has it (a slower one, to measure or to rule a kernel out), else the fastest. The first
+/// call wins (r3srv.settings makes it on import of r3srv.serial); returns the kernel in use.
+pub fn choose_isa(wanted: Option<Isa>) -> Isa {
+    *ACTIVE.get_or_init(|| {
         let supported = supported_isas();
-        let wanted = match std::env::var("R3SRV_BASE64_ISA").as_deref() {
-            Ok("avx2") => Some(Isa::Avx2),
-            Ok("portable") => Some(Isa::Portable),
-            _ => None,
-        };
         match wanted {
             Some(isa) if supported.contains(&isa) => isa,
             _ => supported[0],
         }
     })
+}
+
+/// The kernel in use: the chosen one, or the fastest when none was chosen.
+pub fn active_isa() -> Isa {
+    choose_isa(None)
 }
 
 /// Encodes the longest prefix of `src` that is a multiple of 48 bytes; returns its length.

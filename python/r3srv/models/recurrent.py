@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from r3srv import settings
 from r3srv.transfer import to_device
 
 # A scan group pads its members to the longest: at most this many padded tokens per real one,
@@ -209,14 +209,11 @@ def causal_conv(pool: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     return F.silu(out) if silu else out
 
 
-FUSED_STEP_ENV = "R3SRV_FUSED_STEP"  # "0": the torch step on CUDA too
-
-
 @functools.cache
 def fused_kernel(name: str):
     """The in-place decode step `name` of kernels/recurrent_triton.py, or None without triton (or
-    when $R3SRV_FUSED_STEP is 0). Imported on first use: CPU paths never import triton."""
-    if os.environ.get(FUSED_STEP_ENV, "1") == "0" or importlib.util.find_spec("triton") is None:
+    when settings.fused_step is off). Imported on first use: CPU paths never import triton."""
+    if not settings.current().fused_step or importlib.util.find_spec("triton") is None:
         return None
     from r3srv.kernels import recurrent_triton
 

@@ -1,0 +1,28 @@
+"""Shared by every test: deterministic Hypothesis, and a way to run a test under other settings."""
+
+from __future__ import annotations
+
+import hypothesis
+import pytest
+
+from r3srv import settings
+
+# Every run draws the same examples (derandomize: from each test's own source), and nothing
+# found by an earlier run on this machine is replayed first: a failure reproduces anywhere.
+hypothesis.settings.register_profile("r3srv", derandomize=True, database=None, print_blob=True)
+hypothesis.settings.load_profile("r3srv")
+
+
+@pytest.fixture
+def r3srv_settings():
+    """`r3srv_settings(grouped_mm=False, ...)` makes those this process's settings (see
+    r3srv/settings.py) until the test ends; returns the new settings."""
+    previous = settings.current()
+
+    def change(**fields) -> settings.Settings:
+        changed = settings.current().replace(**fields)
+        settings.configure(changed)
+        return changed
+
+    yield change
+    settings.configure(previous)
