@@ -361,6 +361,7 @@ def render(router_rows, sweep, decode, decode_error) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    torch.manual_seed(0)  # the same inputs on every run
     parser.add_argument("--skip-engine", action="store_true", help="skip the engine decode-step measurement")
     parser.add_argument("--engine-only", action="store_true", help="only the engine decode-step measurement")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 (not 0) when there is no CUDA device")

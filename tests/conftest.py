@@ -1,9 +1,14 @@
-"""Shared by every test: deterministic Hypothesis, and a way to run a test under other settings."""
+"""Shared by every test: fixed seeds, deterministic Hypothesis, and a way to run a test under
+other settings."""
 
 from __future__ import annotations
 
+import random
+
 import hypothesis
+import numpy as np
 import pytest
+import torch
 
 from r3srv import settings
 
@@ -11,6 +16,15 @@ from r3srv import settings
 # found by an earlier run on this machine is replayed first: a failure reproduces anywhere.
 hypothesis.settings.register_profile("r3srv", derandomize=True, database=None, print_blob=True)
 hypothesis.settings.load_profile("r3srv")
+
+
+@pytest.fixture(autouse=True)
+def fixed_seeds():
+    """Every test starts from the same global random state, whatever ran before it (tests
+    should still pass their own generators: this catches the ones that do not)."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture

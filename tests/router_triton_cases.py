@@ -1,5 +1,5 @@
 """Cases for the fused Triton router kernel, run on CPU tensors in Triton's interpreter
-against the torch reference on fresh random logits.
+against the torch reference on seeded random logits.
 
 Triton reads TRITON_INTERPRET when it is first imported, so this file only runs in a
 process started with TRITON_INTERPRET=1: tests/test_router_triton.py starts one (the file
@@ -22,8 +22,8 @@ from r3srv.kernels import router, router_triton  # noqa: E402
 from r3srv.kernels.router_reference import route_reference  # noqa: E402
 from r3srv.kernels.router_triton import route_triton  # noqa: E402
 
-# Fresh logits every run; the seed is in every failure message.
-SEED = int(os.environ.get("R3SRV_ROUTER_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+# A fixed seed, in every failure message; R3SRV_ROUTER_TEST_SEED explores others by hand.
+SEED = int(os.environ.get("R3SRV_ROUTER_TEST_SEED") or 20261201)
 CAPTURE_DTYPES = (torch.uint8, torch.uint16, torch.int32)
 POISON = 0x5A  # a valid-looking id: an unwritten cell would not stand out as garbage
 

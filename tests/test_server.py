@@ -634,20 +634,17 @@ def test_event_loop_stays_responsive_during_generation(server):
     result: dict = {}
 
     def long_request() -> None:
-        t0 = time.perf_counter()
         body = {"prompt": "z" * 1500, "max_tokens": 150, "ignore_eos": True}
         result["status"] = httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code
-        result["seconds"] = time.perf_counter() - t0
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    latencies = []
+    answered_in_flight = 0
     while thread.is_alive():
-        t0 = time.perf_counter()
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        latencies.append(time.perf_counter() - t0)
+        answered_in_flight += "status" not in result
         time.sleep(0.01)
     thread.join()
-    assert result["status"] == 200 and len(latencies) >= 3
-    # a loop blocked by the engine would stall /health for (nearly) the whole request
-    assert max(latencies) < min(1.0, result["seconds"] / 2), (max(latencies), result["seconds"])
+    # A loop blocked by the engine would answer /health once, when the request is done; a free one
+    # answers every probe while the ~150 steps run (a count, not a time).
+    assert result["status"] == 200 and answered_in_flight >= 10, answered_in_flight
