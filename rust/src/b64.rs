@@ -12,9 +12,8 @@ pub const fn encoded_len(n: usize) -> usize {
 
 /// Encodes `src` (any length) into the front of `dst`, with padding; returns chars written.
 ///
-/// On CPUs with AVX-512 VBMI the bulk goes through `b64_x86` (measured 2-3x faster than
-/// base64-simd 0.8 here, see docs/encoding.md); the tail, and every byte on other CPUs, goes
-/// through base64-simd.
+/// On CPUs with AVX-512 VBMI the bulk goes through `b64_x86` (faster than base64-simd 0.8,
+/// docs/encoding.md); the tail, and every byte on other CPUs, goes through base64-simd.
 #[inline]
 pub fn encode_into(src: &[u8], dst: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
@@ -74,9 +73,9 @@ pub unsafe fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) 
     done / 3 * 4 + encode_into_portable(&src[done..], &mut dst[done / 3 * 4..])
 }
 
-/// From this input size on, the AVX-512 kernel uses non-temporal stores. Same-run ratios
-/// against pybase64 here: at 3 MB, 0.67-0.86 with them vs 0.99-1.0 without; at 196 KB
-/// (cache-resident) they were 3.3x slower, so small outputs keep plain stores.
+/// From this input size on, the AVX-512 kernel uses non-temporal stores: they skip reading
+/// every destination line of outputs far larger than the caches, but are slower for
+/// cache-resident ones (docs/benchmarks.md), so small outputs keep plain stores.
 pub const STREAM_MIN_LEN: usize = 1 << 20;
 
 /// base64-simd alone (its own AVX2/SSSE3/NEON dispatch), for the tail and other CPUs.

@@ -3,9 +3,9 @@
 //! bytes, one byte permute puts each 3-byte group into a 32-bit lane, one multishift pulls out
 //! the four 6-bit fields, one byte permute maps them to the alphabet.
 //!
-//! Measured on this machine: 18-26 GB/s against 8-9 GB/s for base64-simd 0.8's AVX2 path. An
-//! AVX2 kernel of our own (Muła's shuffle/multiply scheme) measured the same as base64-simd,
-//! so without AVX-512 VBMI base64-simd does the whole job.
+//! It is about twice as fast as base64-simd 0.8's AVX2 path (docs/benchmarks.md). Our AVX2
+//! kernel (Muła's shuffle/multiply scheme) is no faster than base64-simd's, so without AVX-512
+//! VBMI base64-simd does the whole job except streaming stores for large outputs.
 //!
 //! The kernels handle whole blocks only; `b64` finishes the tails with base64-simd. Decoding
 //! uses the same paper's AVX-512 VBMI scheme (a 128-entry two-register byte lookup that also

@@ -76,14 +76,13 @@ fn encoder_isa() -> &'static str {
 
 /// Outputs at least this large get huge pages. glibc serves allocations above its largest
 /// dynamic mmap threshold (32 MiB on 64-bit) with fresh `mmap` memory every time; smaller
-/// ones are soon reused heap memory, where the advice measured slower (4 MB: 1.07-1.21x
-/// bare pybase64 with it, 0.87-0.99 without; 16.7 MB: 0.28-0.37 against 0.22-0.23).
+/// ones are soon reused heap memory, where the advice measured slower (docs/benchmarks.md).
 const HUGE_PAGES_MIN_BYTES: usize = 32 << 20;
 
 /// Asks for transparent huge pages on the 2 MiB-aligned interior of a large fresh output
 /// buffer, then populates it in one call: one fault per 2 MiB instead of per 4 KiB, and no
-/// trap per fault (settings.huge_pages off, `R3SRV_HUGEPAGES=0`, turns it off). Measured on 85 MB of output: about
-/// 110 ms of faulting with 4 KiB pages, 50-70 ms with huge pages, 46-53 ms populated.
+/// trap per fault, about half the faulting time (docs/benchmarks.md). settings.huge_pages
+/// (`R3SRV_HUGEPAGES=0`) turns it off.
 fn advise_huge_pages(ptr: *mut u8, len: usize) {
     #[cfg(target_os = "linux")]
     {

@@ -163,9 +163,9 @@ def _decode_group(
     return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
 
-# CUDA decodes take the Triton kernel unless this is "0" (the torch path: gather + SDPA). On an
-# H200 engines through the kernel equalled the torch path's, and one layer's decode ran 1.4-3x
-# faster for GQA and 47x for MLA's latents (benches/gpu_decode_attention.py; README).
+# CUDA decodes take the Triton kernel unless settings.triton_decode is off (the torch path:
+# gather + SDPA): it walks the paged cache instead of gathering each context into a padded copy
+# (docs/benchmarks.md, "Paged decode attention").
 def decode_kernel_for(q: torch.Tensor):
     """kernels/paged_decode_triton.py's launcher when this step's decodes take it: on CUDA, with
     triton, unless settings.triton_decode is off (the interpreter tests pass it CPU tensors)."""

@@ -78,10 +78,10 @@ def uses_grouped_mm(rows: torch.Tensor, w2: torch.Tensor) -> bool:
 
     On CUDA: for bfloat16 (the grouped GEMM kernels' dtype), where it also saves the loop's
     device sync. On the CPU (torch's reference grouped_mm: the same per-group matmuls, bitwise
-    equal results) it pays off between about 1 and 16 rows per expert: an 8-sequence decode
-    of the built-in model runs 1.2x faster end to end. With fewer rows (a one-sequence
-    decode) most groups are empty and the loop skips them; with many (a long prefill) the
-    loop's per-expert matmuls are as fast or faster (0.95x for 1,024 prompt tokens).
+    equal results) it pays off between about 1 and 16 rows per expert (docs/benchmarks.md,
+    benches/bench_moe.py). With fewer rows (a one-sequence decode) most groups are empty and
+    the loop skips them; with many (a long prefill) the loop's per-expert matmuls are as fast
+    or faster.
     Either way every row of every operand must start on a 16-byte boundary, as grouped_mm
     requires.
     """

@@ -14,8 +14,8 @@ A step's sequences are grouped: those computing one token take one batched recur
 on CUDA the others are padded to the longest of their group and scanned together in chunks,
 one group for lengths that pad within PAD_FACTOR (a batch of rollouts' prompts is a few
 launches per layer, not a few per sequence). On the CPU, where launches cost little and
-padding costs compute, each multi-token sequence scans alone: grouping 64 prompts of 24-64
-tokens measured 0.4-0.7x, and even equal lengths 0.64x (benches/bench_hybrid_prefill.py).
+padding costs compute, each multi-token sequence scans alone: grouping measured slower there,
+even for equal lengths (docs/benchmarks.md, benches/bench_hybrid_prefill.py).
 """
 
 from __future__ import annotations
