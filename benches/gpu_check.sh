@@ -16,7 +16,7 @@
 # then call the device tool's run with
 #   command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=600 (about 380 s on an H200:
 #   router 125, tests 110, syncs 15, decode attention 90 s; each step also has its own limit below)
-# and copy the table it prints (also in $OUT/router_table.md) into the README.
+# and copy the table it prints (also in $OUT/router_table.md) into docs/benchmarks.md, with the date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

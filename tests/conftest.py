@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import random
 
-import hypothesis
 import numpy as np
 import pytest
 import torch
 
 from r3srv import settings
 
-# Every run draws the same examples (derandomize: from each test's own source), and nothing
-# found by an earlier run on this machine is replayed first: a failure reproduces anywhere.
-hypothesis.settings.register_profile("r3srv", derandomize=True, database=None, print_blob=True)
-hypothesis.settings.load_profile("r3srv")
+try:
+    import hypothesis
+except ImportError:  # the GPU machine's image (benches/gpu_check.sh) runs only tests without it
+    hypothesis = None
+if hypothesis is not None:
+    # Every run draws the same examples (derandomize: from each test's own source), and nothing
+    # found by an earlier run on this machine is replayed first: a failure reproduces anywhere.
+    hypothesis.settings.register_profile("r3srv", derandomize=True, database=None, print_blob=True)
+    hypothesis.settings.load_profile("r3srv")
 
 
 @pytest.fixture(autouse=True)

@@ -149,7 +149,7 @@ def test_prompt_start_slices_the_same_rows(client, model):
 
 
 def test_multi_turn_start_continues_the_rows_already_held(server, client, model, model_info):
-    """README's multi-turn recipe: turn 2 asks from the count of rows turn 1 returned, and the two
+    """docs/rl.md's multi-turn recipe: turn 2 asks from the count of rows turn 1 returned, and the two
     arrays together cover every token of turn 2 but the last; turn 1's blocks come from the cache."""
     kwargs = dict(model=model, max_tokens=6, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
     turn1 = client.completions.create(prompt="Multi-turn agents hold rows. " * 2, **kwargs).choices[0]
