@@ -168,13 +168,17 @@ def test_fuzz_headers_never_crash(header, data, version):
     assert out.nbytes == len(data)
 
 
-def _numpy_load(text) -> np.ndarray | None:
-    """numpy's own reading of the text (the oracle), or None where numpy refuses it."""
+def _assert_value_error_or_numpy(text) -> None:
+    """The decoder raises ValueError, or returns what numpy's own np.load reads from the text."""
     try:
-        raw = base64.b64decode(text, validate=True)
-        return np.load(io.BytesIO(raw), allow_pickle=False)
-    except Exception:  # numpy and binascii refuse bad input with many exception types
-        return None
+        got = decode_routed_experts(text)
+    except ValueError:
+        return
+    try:
+        want = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    except Exception as exc:  # numpy and binascii refuse bad input with many exception types
+        raise AssertionError(f"decoded text numpy refuses ({exc}): {text!r}") from None
+    _assert_identical(got, want)
 
 
 @settings(max_examples=400, deadline=None)
@@ -205,22 +209,10 @@ def test_fuzz_decodes_as_numpy_does_or_raises_value_error(dtype, rows, edits, cu
     text = "".join(text)[: cut or None]
     if as_bytes:
         text = text.encode("utf-8", "surrogatepass")
-    try:
-        got = decode_routed_experts(text)
-    except ValueError:
-        return
-    want = _numpy_load(text)
-    assert want is not None, f"decoded text numpy refuses: {text!r}"
-    _assert_identical(got, want)
+    _assert_value_error_or_numpy(text)
 
 
 @settings(max_examples=300, deadline=None)
 @given(text=st.one_of(st.binary(max_size=300), st.text(max_size=300)))
 def test_fuzz_arbitrary_input_is_value_error_or_numpy(text):
-    try:
-        got = decode_routed_experts(text)
-    except ValueError:
-        return
-    want = _numpy_load(text)
-    assert want is not None, f"decoded text numpy refuses: {text!r}"
-    _assert_identical(got, want)
+    _assert_value_error_or_numpy(text)
