@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-rust test-python bench bench-gate bench-smoke serve
+.PHONY: install test test-fast test-rust test-python bench bench-gate bench-smoke serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,18 @@ install: $(BIN)/python
 
 test: install test-rust test-python
 
+# The edit loop, after `make install`: every test not marked slow (tests/conftest.py's
+# SLOW_FILES and @pytest.mark.slow), on two workers; under 3 minutes on a shared 2-core machine.
+test-fast:
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+
 test-rust:
 	cargo test --release
 
+# Two workers (pytest-xdist): the tests are seeded and wait for events, not times, so they
+# do not depend on what runs beside them.
 test-python:
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # Same-run ratios against the reference implementations (never absolute times).
 bench: install

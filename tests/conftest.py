@@ -22,6 +22,29 @@ if hypothesis is not None:
     hypothesis.settings.load_profile("r3srv")
 
 
+# `make test-fast` (-m "not slow") leaves these out: whole files that start real servers, compare
+# against transformers' models, run Triton's interpreter in subprocesses or compile kernels,
+# and single tests of otherwise quick files that take longest (tens of seconds each).
+SLOW_FILES = {
+    "test_cli.py", "test_server.py", "test_server_chat_specials.py", "test_server_hybrid.py",
+    "test_server_sglang.py", "test_server_weights.py", "test_server_without_flag.py",
+    "test_models_oracle.py", "test_models_llm_oracle.py", "test_models_bfloat16.py", "test_models_quantized.py",
+    "test_router_triton.py", "test_paged_decode_triton.py", "test_recurrent_triton.py", "test_router_bench.py",
+    "test_router_compile.py", "test_engine_hybrid.py", "test_builtin_model.py",
+}
+SLOW_TESTS = {
+    "test_a_chat_prompt_gets_the_templates_bos_only", "test_a_mixed_workload_under_a_tight_pool_matches_a_roomy_engine",
+    "test_forced_preemption_gives_identical_rows", "test_weight_update_on_the_builtin_model",
+    "test_prepare_matches_the_per_token_reference",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def fixed_seeds():
     """Every test starts from the same global random state, whatever ran before it (tests

@@ -193,10 +193,9 @@ def test_select_experts_runs_the_kernel_when_asked(monkeypatch):
     calls = []
     real = router_triton.route_triton
     monkeypatch.setattr(router_triton, "route_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(router, "_backend", "triton")
     logits = torch.randn(9, 60, generator=generator(1))
     capture = torch.full((9, 2, 4), 200, dtype=torch.uint8)
-    weights, ids = router.select_experts(logits, 4, capture=capture[:, 1])
+    weights, ids = router.select_experts(logits, 4, capture=capture[:, 1], backend="triton")
     want_w, want_ids = route_reference(logits, 4)
     assert calls == [1]
     assert torch.equal(ids, want_ids) and torch.equal(capture[:, 1].int(), want_ids)
@@ -204,8 +203,8 @@ def test_select_experts_runs_the_kernel_when_asked(monkeypatch):
 
 
 def test_auto_backend_keeps_cpu_tensors_on_torch(monkeypatch):
-    monkeypatch.setattr(router, "_backend", "auto")
     monkeypatch.setattr(router_triton, "route_triton", lambda *a, **k: pytest.fail("kernel used for CPU tensors"))
-    logits = torch.randn(3, 8)
-    assert not router.uses_triton(logits, 2)
-    router.select_experts(logits, 2)
+    logits = torch.randn(3, 8, generator=generator(2))
+    assert not router.uses_triton(logits, 2, backend="auto")
+    router.select_experts(logits, 2, backend="auto")
+    router.select_experts(logits, 2)  # the default: "auto" unless settings force torch

@@ -166,16 +166,15 @@ def test_mla_caches_one_latent_per_token(tmp_path):
     assert attn.v_cache.data_ptr() == attn.k_cache.data_ptr() and attn.v_cache.shape[-1] == cfg.kv_lora_rank
 
 
-def test_cpu_thread_count_is_set_when_the_model_is_built_not_per_forward(model, monkeypatch, r3srv_settings):
+def test_cpu_thread_count_is_set_when_the_model_is_built_not_per_forward(tmp_path, monkeypatch, r3srv_settings):
     from r3srv.errors import ConfigError
-    from r3srv.models.model import MoeForCausalLM
     from r3srv.settings import Settings
 
     assert Settings.from_environ({}).cpu_threads == 1  # default: one intra-op thread for CPU forwards
     before = torch.get_num_threads()
     try:
         r3srv_settings(cpu_threads=3)
-        MoeForCausalLM(model.config, dtype=torch.float32, device="cpu")
+        model, _ = load_model(write_tiny_checkpoint(tmp_path, "qwen3_moe", seed=3))
         assert torch.get_num_threads() == 3
         torch.set_num_threads(2)
         seen = []
