@@ -16,18 +16,20 @@ install: $(BIN)/python
 
 test: install test-rust test-python
 
+# Extra pytest arguments, e.g. PYTEST_ARGS="-n 4" (pytest-xdist) on a machine with cores to
+# spare. Not the default: on a shared 2-core machine two workers measured no faster than one.
+PYTEST_ARGS ?=
+
 # The edit loop, after `make install`: every test not marked slow (tests/conftest.py's
-# SLOW_FILES and @pytest.mark.slow), on two workers; under 3 minutes on a shared 2-core machine.
+# SLOW_FILES and @pytest.mark.slow); under 3 minutes on a shared 2-core machine.
 test-fast:
-	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-rust:
 	cargo test --release
 
-# Two workers (pytest-xdist): the tests are seeded and wait for events, not times, so they
-# do not depend on what runs beside them.
 test-python:
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Same-run ratios against the reference implementations (never absolute times).
 bench: install
