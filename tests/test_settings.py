@@ -117,3 +117,14 @@ def test_the_encoder_takes_its_kernel_from_the_settings(isa):
                              env={k: v for k, v in os.environ.items() if k != "R3SRV_BASE64_ISA"}).stdout.strip()
     order = ["avx512vbmi", "avx2", "portable"]
     assert used == (isa if order.index(isa) >= order.index(fastest) else fastest)
+
+
+def test_fleet_replicas_get_the_settings_flags():
+    """`--data-parallel-size N` starts replicas with the supervisor's flags: settings included."""
+    from r3srv.data_parallel import replica_argv
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--cpu-threads", "2", "--no-grouped-mm", "--base64-isa", "portable"])
+    argv = replica_argv(parser, args, model=None, port=1234, device="cpu", peers=[], weight_version="0")
+    replica = settings.from_args(parser.parse_args(argv[argv.index("serve"):]), {})
+    assert replica == Settings(cpu_threads=2, grouped_mm=False, base64_isa="portable")
