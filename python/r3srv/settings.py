@@ -24,8 +24,9 @@ from r3srv.errors import ConfigError
 BASE64_ISAS = ("auto", "avx512vbmi", "avx2", "portable")
 
 
-def _setting(default, help: str):
-    return field(default=default, metadata={"help": help})
+def _setting(default, help: str, flag: bool = True):
+    """flag=False: the setting's serve flag is defined elsewhere (it also sets an engine field)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Settings:
     fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")
     grouped_mm: bool = _setting(True, "expert matmuls through torch's grouped_mm where it pays; off: a loop")
     force_torch_router: bool = _setting(False, "route with the torch reference, never the Triton kernel")
+    # Decode steps replayed as CUDA graphs when EngineConfig.cuda_graphs is not given (serve's own
+    # --cuda-graphs flag sets that field).
+    cuda_graphs: bool = _setting(False, "replay decode steps as CUDA graphs", flag=False)
 
     def __post_init__(self) -> None:
         for name in ("cpu_threads", "encode_threads"):
@@ -97,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, e.g. --cpu-threads, whose default is its environment variable."""
     group = parser.add_argument_group("settings", "each defaults to its R3SRV_* environment variable, else the value shown")
     for f in dataclasses.fields(Settings):
+        if not f.metadata["flag"]:
+            continue
         flag, default = "--" + f.name.replace("_", "-"), f.default
         shown = ("on" if default else "off") if isinstance(default, bool) else default
         helptext = f"{f.metadata['help']} (${ENV_NAMES[f.name]}, else {shown})"
@@ -112,7 +118,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ)
     """The environment's settings with the flags `add_arguments` defined that were given."""
     given = {}
     for f in dataclasses.fields(Settings):
-        value = getattr(args, f.name, None)
+        value = getattr(args, f.name, None) if f.metadata["flag"] else None
         if value is not None:
             given[f.name] = value if isinstance(value, bool) else _parse(f.name, value)
     return Settings.from_environ(environ).replace(**given)
