@@ -32,7 +32,7 @@ SLOW_FILES = {
     "test_models_oracle.py", "test_models_llm_oracle.py", "test_models_bfloat16.py", "test_models_quantized.py",
     "test_router_triton.py", "test_paged_decode_triton.py", "test_recurrent_triton.py", "test_router_bench.py",
     "test_router_compile.py", "test_engine_hybrid.py", "test_builtin_model.py",
-    "test_weight_updates.py", "test_pause_generation.py",
+    "test_weight_updates.py", "test_pause_generation.py", "test_cuda_graphs.py",
 }
 SLOW_TESTS = {
     "test_a_chat_prompt_gets_the_templates_bos_only", "test_a_mixed_workload_under_a_tight_pool_matches_a_roomy_engine",
