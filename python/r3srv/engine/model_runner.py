@@ -23,6 +23,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.rows = rows
+        # After run(): the logits of the prompt positions whose logprobs the step's sequences
+        # asked for ([R, vocab]), and (sequence index, first position, count) of each run of them.
+        self.prompt_logits: torch.Tensor | None = None
+        self.prompt_spans: list[tuple[int, int, int]] = []
 
     def prepare(self, seqs: list[Sequence]) -> tuple[ForwardBatch, np.ndarray]:
         """The step's ForwardBatch, and its KV slots on the host (where the rows go).
@@ -51,9 +55,15 @@ class ModelRunner:
             positions = np.arange(num_tokens) - first_row[owner] + starts[owner]
         slot_np = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
+        last_rows = np.cumsum(query_lens) - 1
+        self.prompt_spans = _prompt_logprob_spans(seqs)
+        if self.prompt_spans:  # after the B sampling rows: the prompt rows whose logprobs are asked for
+            first_row = last_rows - query_lens + 1
+            last_rows = np.concatenate([last_rows] + [
+                np.arange(count) + first_row[i] + (position - starts[i]) for i, position, count in self.prompt_spans])
         # one transfer that does not wait for the GPU (the last step's work may still run)
         ids, positions_t, slots_t, tables_t, logits_indices = to_device(
-            [np.array(input_ids, dtype=np.int64), positions, slot_np, tables, np.cumsum(query_lens) - 1], dev)
+            [np.array(input_ids, dtype=np.int64), positions, slot_np, tables, last_rows], dev)
         batch = ForwardBatch(
             input_ids=ids,
             positions=positions_t,
@@ -79,4 +89,24 @@ class ModelRunner:
         logits = self.model.forward(batch)
         if self.rows is not None:
             self.rows.store(slot_np, batch.routing_capture)
-        return logits
+        if not self.prompt_spans:
+            self.prompt_logits = None
+            return logits
+        self.prompt_logits = logits[len(seqs):]
+        return logits[: len(seqs)]
+
+
+def _prompt_logprob_spans(seqs: list[Sequence]) -> list[tuple[int, int, int]]:
+    """(sequence index, first position, count): the positions of this step whose logits give
+    the prompt logprobs a sequence still misses (each predicts the token after it)."""
+    spans = []
+    for i, seq in enumerate(seqs):
+        position = seq.next_prompt_logprob_position
+        if position is None:
+            continue
+        start = seq.num_computed_tokens
+        end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+        # position < start would mean positions served by the prefix cache: such sequences skip it
+        if start <= position < end:
+            spans.append((i, position, end - position))
+    return spans
