@@ -12,6 +12,7 @@ wire to the engine's `SamplingParams`. `/inference/v1/generate` decodes its
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Annotated, Any, Literal
 
@@ -45,15 +46,12 @@ ReturnTokenIds = Annotated[
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool | None = False
+    # With include_usage: the usage so far on every chunk too (vLLM's).
     continuous_usage_stats: bool | None = False
 
-    def __post_init__(self) -> None:
-        # Not implemented: refused (a 400 at decode) rather than silently ignored.
-        if self.continuous_usage_stats:
-            raise ValueError(
-                "stream_options.continuous_usage_stats=true is not supported by r3srv; "
-                "include_usage=true sends the usage in a last chunk"
-            )
+    @property
+    def continuous(self) -> bool:
+        return bool(self.include_usage and self.continuous_usage_stats)
 
 
 class PromptTokensDetails(Struct, kw_only=True):
@@ -65,6 +63,17 @@ class UsageInfo(Struct, kw_only=True):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class Logprob(Struct, kw_only=True):
+    """One entry of vLLM's prompt_logprobs: {token id: this}."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 class ErrorInfo(Struct, kw_only=True):
@@ -87,11 +96,17 @@ def _sampling_params(**kwargs: Any) -> SamplingParams:
         raise InvalidRequestError(message, param=message.split("=", 1)[0]) from exc
 
 
-def _reject_unsupported(**values: Any) -> None:
-    """OpenAI fields r3srv does not implement: refuse them rather than ignore them silently."""
-    for name, value in values.items():
-        if value not in (None, 0, 0.0, False):
-            raise InvalidRequestError(f"{name}={value!r} is not supported by r3srv", param=name)
+def _check_logprob_count(name: str, value: int | None) -> None:
+    """vLLM's rule for logprobs, top_logprobs and prompt_logprobs: -1 (the whole vocabulary) or
+    >= 0 (the server's --max-logprobs bounds both, in the engine)."""
+    if value is not None and value < -1:
+        raise InvalidRequestError(f"`{name}` must be a positive value or -1, got {value}", param=name)
+
+
+def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool | None) -> None:
+    _check_logprob_count("prompt_logprobs", prompt_logprobs)
+    if stream and prompt_logprobs is not None and prompt_logprobs != 0:
+        raise InvalidRequestError("`prompt_logprobs` are not available when `stream=True`", param="prompt_logprobs")
 
 
 # ---------------------------------------------------------------- fields both OpenAI requests share
@@ -112,8 +127,15 @@ class _OpenAIRequest(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, as OpenAI's
     user: str | None = None
     # vLLM extras
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    cache_salt: str | None = None
     min_tokens: NonNegInt = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -125,15 +147,26 @@ class _OpenAIRequest(Struct, kw_only=True):
     # r3srv extra
     return_routed_experts: ReturnRoutedExperts = None
 
-    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        _reject_unsupported(frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+    def _sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
+        _check_prompt_logprobs(self.prompt_logprobs, self.stream)
         return _sampling_params(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left",
+            cache_salt=self.cache_salt,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -159,7 +192,8 @@ PromptType = str | list[str | int | list[int]]
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     prompt: PromptType
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logprobs: int | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
+    # The prompt's text before the completion's (and with logprobs, the prompt's logprobs first).
     echo: bool | None = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -183,8 +217,14 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
         )
 
     def to_sampling_params(self) -> SamplingParams:
-        _reject_unsupported(echo=self.echo)
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        _check_logprob_count("logprobs", self.logprobs)
+        # as vLLM: echo's logprobs cover the prompt too, with as many top entries
+        prompt_logprobs = self.prompt_logprobs
+        if (prompt_logprobs is None or self.stream) and self.echo:
+            prompt_logprobs = self.logprobs
+        elif self.stream:  # a stream sends prompt logprobs only with echo (only 0 passes the checks)
+            prompt_logprobs = None
+        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class CompletionLogProbs(Struct, kw_only=True):
@@ -205,6 +245,7 @@ class CompletionResponseChoice(Struct, kw_only=True):
     routed_experts: str | None = None
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -271,17 +312,42 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: int | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
     add_generation_prompt: bool = True
+    # vLLM's: the last message's content before the reply, when its role is the reply's
+    echo: bool = False
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.to_template_dict() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
+        _check_logprob_count("top_logprobs", self.top_logprobs)
         if self.top_logprobs and not self.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+            raise InvalidRequestError("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens=max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        top = self.top_logprobs or 0
+        # as vLLM: echo asks for the prompt's logprobs, top_logprobs of them
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = top
+        if self.stream:  # a chat stream never sends them (only 0 passes the checks)
+            prompt_logprobs = None
+        return self._sampling_params(
+            max_tokens=max_tokens, logprobs=top if self.logprobs else None, prompt_logprobs=prompt_logprobs
+        )
+
+    def response_role(self) -> str:
+        """The reply's role (vLLM's get_chat_request_role with its default response role)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_text(self) -> str:
+        """What echo puts before the reply: the last message's content when its role is the reply's."""
+        if not self.echo or self.messages[-1].role != self.response_role():
+            return ""
+        content = self.messages[-1].content
+        if isinstance(content, list):
+            return "\n".join(part.text or "" for part in content)
+        return content or ""
 
 
 class ChatMessage(Struct, kw_only=True):
@@ -331,6 +397,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
@@ -367,12 +434,20 @@ class GenerateRequest(Struct, kw_only=True):
     return_token_ids: ReturnTokenIds = None
     # "tokens": token ids only; "text": also the detokenized text.
     output_mode: Literal["tokens", "text"] = "tokens"
+    cache_salt: str | None = None  # vLLM's: top-level here, a SamplingParams field in r3srv's engine
 
     def __post_init__(self) -> None:
         # SamplingParams has no upper bound on n; the OpenAI routes' cap applies here too.
         # (A ValueError here is a msgspec.ValidationError at decode, so a 400.)
         if self.sampling_params.n > MAX_N:
             raise ValueError(f"sampling_params.n={self.sampling_params.n} must be <= {MAX_N}")
+        if self.stream and self.sampling_params.prompt_logprobs:
+            raise ValueError("sampling_params.prompt_logprobs are not available when stream=true")
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.cache_salt is None:
+            return self.sampling_params
+        return _sampling_params(**{**msgspec.structs.asdict(self.sampling_params), "cache_salt": self.cache_salt})
 
 
 class GenerateLogProb(Struct, kw_only=True):
@@ -411,6 +486,7 @@ class GenerateResponse(Struct, kw_only=True):
     output_mode: Literal["tokens", "text"] = "tokens"
     choices: list[GenerateChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -472,8 +548,8 @@ class MemoryOccupationResponse(Struct, kw_only=True):
 
 
 class SglangSamplingParams(Struct, kw_only=True):
-    """SGLang's sampling_params, the fields r3srv serves; a penalty or a constraint r3srv does
-    not implement is a 400, not silently ignored."""
+    """SGLang's sampling_params, the fields r3srv serves; a constraint r3srv does not implement
+    is a 400, not silently ignored."""
 
     max_new_tokens: Annotated[int, Meta(ge=1)] | None = 128
     min_new_tokens: NonNegInt = 0
@@ -490,7 +566,8 @@ class SglangSamplingParams(Struct, kw_only=True):
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # SGLang's: on the output tokens only, in (0, 2]
+    logit_bias: dict[str, float] | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -499,10 +576,11 @@ class SglangSamplingParams(Struct, kw_only=True):
         unsupported = [name for name, default in _SGLANG_UNSERVED.items() if getattr(self, name) != default]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported by r3srv")
+        if not 0.0 < self.repetition_penalty <= 2.0:  # SGLang's own bound
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}")
 
 
-_SGLANG_UNSERVED = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                    "json_schema": None, "regex": None, "ebnf": None}
+_SGLANG_UNSERVED = {"json_schema": None, "regex": None, "ebnf": None}
 
 
 class SglangGenerateRequest(Struct, kw_only=True):
@@ -516,23 +594,34 @@ class SglangGenerateRequest(Struct, kw_only=True):
     rid: str | None = None
     stream: bool = False
     return_logprob: bool = False
-    logprob_start_len: int = -1
+    # With return_logprob: input_token_logprobs (and input_top_logprobs) from this prompt token
+    # on (that first one has none, as SGLang sends it); -1: none.
+    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
     top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
     return_routed_experts: bool | None = None
     routed_experts_start_len: NonNegInt = 0
+    extra_key: str | None = None  # prefix-cache isolation, as vLLM's cache_salt
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text and input_ids (one prompt per request)")
         if self.input_ids is not None and not self.input_ids:
             raise ValueError("input_ids must not be empty")
-        if self.logprob_start_len != -1:
-            raise ValueError("logprob_start_len: prompt logprobs are not supported (leave it -1)")
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params
         return _sampling_params(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
+            min_p=sp.min_p, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty, repetition_penalty_prompt=False, logit_bias=sp.logit_bias,
+            prompt_logprobs=self.top_logprobs_num if self.wants_input_logprobs else None,
+            prompt_logprobs_start=max(self.logprob_start_len, 0),
+            # any string SGLang accepts, as a salt vLLM's rules accept
+            cache_salt=None if self.extra_key is None else hashlib.sha256(self.extra_key.encode()).hexdigest(),
             max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,

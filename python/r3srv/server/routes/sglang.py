@@ -34,10 +34,15 @@ async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, A
         return await run_to_end(request, ROUTE, [prompt], data.to_sampling_params(), request_id,
                                 lambda finals: _outputs(state, data, request_id, finals[0]))
     except InvalidRequestError as exc:  # the engine names the field as SamplingParams does
-        if exc.param == "routed_experts_prompt_start":
-            raise InvalidRequestError(str(exc).replace("routed_experts_prompt_start", "routed_experts_start_len"),
-                                      param="routed_experts_start_len") from None
+        sglang_name = _SGLANG_NAMES.get(exc.param or "")
+        if sglang_name is not None:
+            raise InvalidRequestError(str(exc).replace(exc.param, sglang_name), param=sglang_name) from None
         raise
+
+
+# SamplingParams' names of the fields SGLang names otherwise
+_SGLANG_NAMES = {"routed_experts_prompt_start": "routed_experts_start_len", "prompt_logprobs_start": "logprob_start_len",
+                 "max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "cache_salt": "extra_key"}
 
 
 async def _outputs(state: ServerState, req: p.SglangGenerateRequest, request_id: str, final: RequestOutput):
@@ -53,16 +58,30 @@ async def _outputs(state: ServerState, req: p.SglangGenerateRequest, request_id:
             "cached_tokens": final.num_cached_tokens,
         }
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(c.token_ids, c.logprobs or [])]
-            if req.top_logprobs_num:
-                meta["output_top_logprobs"] = [[[v, t, None] for t, v in ranked_logprobs(entry)[: req.top_logprobs_num]]
-                                               for entry in c.logprobs or []]
+            _add_logprobs(meta, req, final, c)
         if c.routed_experts is not None:
             meta["routed_experts"] = await state.encode_experts_raw_int32(c.routed_experts)
         if version is not UNSET:
             meta["weight_version"] = version
         outs.append(p.SglangGenerateOutput(text=c.text, output_ids=list(c.token_ids), meta_info=meta))
     return outs[0] if len(outs) == 1 else outs
+
+
+def _add_logprobs(meta: dict[str, Any], req: p.SglangGenerateRequest, final: RequestOutput, c: CompletionOutput) -> None:
+    """SGLang's logprob keys: [logprob, token id, None] triples; the input ones from
+    logprob_start_len on, the first of them without a logprob (as SGLang sends them)."""
+    entries = final.prompt_logprobs or []
+    inputs = final.prompt_token_ids[len(final.prompt_token_ids) - len(entries):]
+    meta["input_token_logprobs"] = [[None if e is None else e[t].logprob, t, None] for t, e in zip(inputs, entries)]
+    meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(c.token_ids, c.logprobs or [])]
+    meta["output_token_logprobs_length"] = len(c.token_ids)
+    k = req.top_logprobs_num
+    if k:
+        meta["input_top_logprobs"] = [
+            None if e is None else [[lp.logprob, t, None] for t, lp in sorted(e.items(), key=lambda kv: kv[1].rank)[:k]]
+            for e in entries
+        ]
+        meta["output_top_logprobs"] = [[[v, t, None] for t, v in ranked_logprobs(entry)[:k]] for entry in c.logprobs or []]
 
 
 def _finish_reason(c: CompletionOutput) -> dict[str, Any]:
