@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3srv import LLM, SamplingParams
-from r3srv.engine.sampler import apply_min_p, apply_penalties, sample
+from r3srv.engine.sampler import apply_min_p, apply_penalties, sample, token_counts
 from r3srv.engine.sequence import Sequence
 from r3srv.errors import InvalidRequestError
 from tiny_checkpoints import build_hf_model, write_tiny_checkpoint
@@ -51,7 +51,8 @@ def test_penalties_equal_a_numpy_reference(data):
     presence = [data.draw(st.floats(-2, 2)) for _ in range(rows)]
     frequency = [data.draw(st.floats(-2, 2)) for _ in range(rows)]
     repetition = [data.draw(st.floats(0.1, 3.0)) for _ in range(rows)]
-    got = apply_penalties(torch.from_numpy(logits.copy()), prompt, output, presence, frequency, repetition)
+    prompt_seen = token_counts(prompt, vocab, torch.device("cpu")) > 0
+    got = apply_penalties(torch.from_numpy(logits.copy()), prompt_seen, output, presence, frequency, repetition)
     want = _reference_penalties(logits, prompt, output, presence, frequency, repetition)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-4)
 

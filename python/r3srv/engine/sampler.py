@@ -10,6 +10,7 @@ steps entirely: a batch of plain requests costs what it did before they existed.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,31 +37,29 @@ def _banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
     return list(p.stop_token_ids or []) + eos_token_ids
 
 
-def _adjusted(seq: Sequence, eos_token_ids: list[int]) -> bool:
-    """Whether the row's logits change before a greedy pick (min_tokens mask, bias, penalties)."""
-    p = seq.params
-    return bool(p.logit_bias) or p.penalized or seq.num_output_tokens < p.min_tokens
+def _adjusted(seq: Sequence) -> bool:
+    """Whether the row's logits change before a greedy pick (bias, penalties, min_tokens mask)."""
+    return seq.adjusts_logits or seq.num_output_tokens < seq.params.min_tokens
 
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompt_ids: list[list[int]],
+    prompt_seen: torch.Tensor | None,
     output_ids: list[list[int]],
     presence: list[float],
     frequency: list[float],
     repetition: list[float],
 ) -> torch.Tensor:
     """vLLM's penalties on `logits` [rows, vocab] (in place): a repetition penalty divides the
-    positive logits and multiplies the negative ones of every token in the row's prompt_ids or
-    output_ids (an empty prompt_ids: output tokens only, as SGLang's); then the frequency penalty
-    times each token's count in the output, and the presence penalty once per token in it, are
-    subtracted (OpenAI's definition)."""
-    rows, vocab = logits.shape
+    positive logits and multiplies the negative ones of every token in the row's prompt
+    (`prompt_seen`, [rows, vocab] bool; None or a False row: output tokens only, as SGLang's) or
+    output; then the frequency penalty times each token's count in the output, and the presence
+    penalty once per token in it, are subtracted (OpenAI's definition)."""
     device = logits.device
-    counts = _token_counts(output_ids, vocab, device)
+    counts = token_counts(output_ids, logits.shape[1], device)
     in_output = counts > 0
     if any(r != 1.0 for r in repetition):
-        seen = in_output | (_token_counts(prompt_ids, vocab, device) > 0)
+        seen = in_output if prompt_seen is None else in_output | prompt_seen
         (rep,) = to_device([repetition], device, np.float32)
         factor = torch.where(seen, rep[:, None], 1.0)
         logits *= torch.where(logits > 0, 1.0 / factor, factor)
@@ -69,16 +68,26 @@ def apply_penalties(
     return logits
 
 
-def _token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float32: how often each token occurs in each row's ids."""
-    width = max((len(x) for x in ids), default=0)
-    padded = np.full((len(ids), width), vocab, dtype=np.int64)  # pad into a spare column
-    for r, x in enumerate(ids):
-        padded[r, : len(x)] = x
-    (index,) = to_device([padded], device)
-    counts = torch.zeros(len(ids), vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
-    return counts[:, :vocab]
+def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float32: how often each token occurs in each row's ids (one transfer, one
+    scatter for the whole batch)."""
+    lengths = [len(x) for x in ids]
+    counts = torch.zeros(len(ids), vocab, dtype=torch.float32, device=device)
+    if sum(lengths):
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=sum(lengths))
+        rows = np.repeat(np.arange(len(ids)), lengths)
+        (where,) = to_device([np.stack([rows, flat])], device)
+        counts.index_put_((where[0], where[1]), torch.ones((), device=device), accumulate=True)
+    return counts
+
+
+def _prompt_seen(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] bool: the tokens of the sequence's prompt (computed once, kept on the sequence)."""
+    mask = seq.prompt_token_mask
+    if mask is None or mask.device != device or mask.shape[0] != vocab:
+        mask = token_counts([seq.token_ids[: seq.num_prompt_tokens]], vocab, device)[0] > 0
+        seq.prompt_token_mask = mask
+    return mask
 
 
 def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
@@ -108,9 +117,14 @@ def _adjust(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]
     penalized = [r for r, s in enumerate(seqs) if s.params.penalized]
     if penalized:
         ps = [seqs[r] for r in penalized]
+        prompt_seen = None
+        if any(s.params.repetition_penalty != 1.0 and s.params.repetition_penalty_prompt for s in ps):
+            none = torch.zeros(vocab, dtype=torch.bool, device=device)
+            prompt_seen = torch.stack([
+                _prompt_seen(s, vocab, device) if s.params.repetition_penalty_prompt else none for s in ps])
         sub = apply_penalties(
             logits[penalized],
-            [s.token_ids[: s.num_prompt_tokens] if s.params.repetition_penalty_prompt else [] for s in ps],
+            prompt_seen,
             [s.output_token_ids for s in ps],
             [s.params.presence_penalty for s in ps],
             [s.params.frequency_penalty for s in ps],
@@ -159,7 +173,7 @@ def sample(
     """
     logits = logits.float()
     token_ids = [0] * len(seqs)
-    plain_greedy = [i for i, s in enumerate(seqs) if s.params.greedy and not _adjusted(s, eos_token_ids)]
+    plain_greedy = [i for i, s in enumerate(seqs) if s.params.greedy and not _adjusted(s)]
     if plain_greedy:
         # torch.argmax returns the first maximal index: ties go to the lowest id.
         greedy_rows = logits if len(plain_greedy) == len(seqs) else logits[plain_greedy]  # all: no copy, no index
@@ -201,7 +215,7 @@ def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], 
     gathered (copied) when the batch mixes kinds."""
     rows, vocab = logits.shape
     device = logits.device
-    if any(_adjusted(s, eos_token_ids) for s in seqs):
+    if any(_adjusted(s) for s in seqs):
         logits = _adjust(logits, seqs, eos_token_ids)
     greedy = [r for r, s in enumerate(seqs) if s.params.greedy]
     sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]

@@ -44,6 +44,9 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # logit_bias or a penalty: the sampler adjusts this row's logits (checked every step)
+        self.adjusts_logits = bool(params.logit_bias) or params.penalized
+        self.prompt_token_mask: torch.Tensor | None = None  # [vocab] bool, for vLLM's repetition penalty
         self.max_tokens = max_tokens
         self.generator = generator
         self.status = SequenceStatus.WAITING
