@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the first loads any checkpoint directory the server can read)",
     )
     serve.add_argument(
+        "--weight-sync-timeout", type=float, default=600.0,
+        help="seconds a trainer's rendezvous or broadcast (/update_weights_from_distributed) may stall before the "
+        "update fails, leaving the weights unchanged (default: %(default)s)",
+    )
+    serve.add_argument(
         "--weight-version", default="0", help="name of the served weights in responses (default: %(default)s)"
     )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -155,6 +160,7 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=name,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         enable_weight_updates=args.enable_weight_updates,
+        weight_sync_timeout=args.weight_sync_timeout,
     )
     logger.info(
         "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",

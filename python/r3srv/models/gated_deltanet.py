@@ -95,13 +95,14 @@ class GatedDeltaNet(RecurrentLayer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.layout = cfg.linear_projection_layout
-        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        spec = cfg.linear
+        self.layout = spec.projection_layout
+        self.nk, self.nv = spec.num_key_heads, spec.num_value_heads
+        self.dk, self.dv = spec.key_head_dim, spec.value_head_dim
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.kernel = cfg.linear_conv_kernel_dim
-        self.eps = cfg.rms_norm_eps
+        self.kernel = spec.conv_kernel
+        self.eps = cfg.norm.eps
         self.in_proj = empty_param(self.conv_dim + self.value_dim + 2 * self.nv, cfg.hidden_size, **kw)
         self.conv_weight = empty_param(self.conv_dim, 1, self.kernel, **kw)
         self.dt_bias = empty_param(self.nv, **kw)

@@ -78,12 +78,12 @@ class KimiDeltaAttention(RecurrentLayer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.heads, self.dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        self.heads, self.dim = cfg.linear.num_value_heads, cfg.linear.value_head_dim
         self.width = self.heads * self.dim
-        self.eps = cfg.rms_norm_eps
+        self.eps = cfg.norm.eps
         hidden = cfg.hidden_size
         self.qkv = empty_param(3 * self.width, hidden, **kw)
-        self.conv_weight = empty_param(3 * self.width, 1, cfg.linear_conv_kernel_dim, **kw)
+        self.conv_weight = empty_param(3 * self.width, 1, cfg.linear.conv_kernel, **kw)
         self.f_a, self.f_b = empty_param(self.dim, hidden, **kw), empty_param(self.width, self.dim, **kw)
         self.dt_bias = empty_param(self.width, **kw)
         self.a_log = empty_param(self.heads, **kw)

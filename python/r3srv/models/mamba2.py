@@ -73,30 +73,29 @@ class Mamba2(RecurrentLayer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.heads, self.head_dim = cfg.mamba_num_heads, cfg.mamba_head_dim
-        self.state_size, self.groups = cfg.mamba_state_size, cfg.mamba_groups
+        spec = cfg.linear
+        self.heads, self.head_dim = spec.mamba_num_heads, spec.mamba_head_dim
+        self.state_size, self.groups = spec.state_size, spec.groups
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
-        self.dt_min = cfg.mamba_dt_min
-        # its checkpoint names: Nemotron-H's one mixer per layer, Granite-4.0-H's decoder-layer mamba
-        self.module_name = "mixer." if cfg.layer_kinds is not None else "mamba."
-        self.eps = cfg.rms_norm_eps
+        self.dt_min = spec.dt_min
+        self.eps = cfg.norm.eps
         self.in_proj = empty_param(self.inner + self.conv_dim + self.heads, cfg.hidden_size, **kw)
-        self.in_proj_bias = empty_param(self.inner + self.conv_dim + self.heads, **kw) if cfg.mamba_proj_bias else None
-        self.conv_weight = empty_param(self.conv_dim, 1, cfg.mamba_conv_kernel, **kw)
-        self.conv_bias = empty_param(self.conv_dim, **kw) if cfg.mamba_conv_bias else None
+        self.in_proj_bias = empty_param(self.inner + self.conv_dim + self.heads, **kw) if spec.proj_bias else None
+        self.conv_weight = empty_param(self.conv_dim, 1, spec.conv_kernel, **kw)
+        self.conv_bias = empty_param(self.conv_dim, **kw) if spec.conv_bias else None
         self.dt_bias = empty_param(self.heads, **kw)
         self.a_log = empty_param(self.heads, **kw)
         self.d = empty_param(self.heads, **kw)
         self.norm = empty_param(self.inner, **kw)
         self.out_proj = empty_param(cfg.hidden_size, self.inner, **kw)
-        self.out_proj_bias = empty_param(cfg.hidden_size, **kw) if cfg.mamba_proj_bias else None
+        self.out_proj_bias = empty_param(cfg.hidden_size, **kw) if spec.proj_bias else None
 
     def state_shapes(self):
         return (self.conv_dim, self.conv_weight.shape[-1] - 1), (self.heads, self.head_dim, self.state_size)
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        p = prefix + self.module_name
+    def weight_targets(self, prefix: str, module: str = "mamba.") -> dict[str, torch.Tensor]:
+        p = prefix + module
         return {p + "dt_bias": self.dt_bias, p + "A_log": self.a_log, p + "D": self.d, p + "norm.weight": self.norm} | (
             linear_targets(p, {"in_proj": (self.in_proj, self.in_proj_bias), "conv1d": (self.conv_weight, self.conv_bias),
                                "out_proj": (self.out_proj, self.out_proj_bias)}))

@@ -30,8 +30,8 @@ LATENT_NORM_EPS = 1e-6
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
     """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim) squared when set."""
-    scale = (cfg.qk_nope_head_dim + cfg.head_dim) ** -0.5
-    yarn = cfg.rope_yarn
+    scale = (cfg.attention.mla.qk_nope_head_dim + cfg.head_dim) ** -0.5
+    yarn = cfg.rope.yarn
     if yarn and yarn.get("mscale_all_dim"):
         scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
     return scale
@@ -42,31 +42,32 @@ class MlaAttention(nn.Module):
         super().__init__()
         # DeepSeek Sparse Attention: an indexer picks each query's keys, or this layer reuses
         # the selection of the last layer that has one
-        sparse = cfg.index_topk > 0
-        self.shares_selection = sparse and index in cfg.index_shared_layers
+        spec, mla = cfg.attention, cfg.attention.mla
+        sparse = spec.sparse is not None
+        self.shares_selection = sparse and index in spec.sparse.shared_layers
         self.indexer = Indexer(cfg, dtype, device) if sparse and not self.shares_selection else None
         kw = dict(dtype=dtype, device=device)
         self.num_heads = cfg.num_attention_heads
-        self.nope, self.rope, self.v_dim, self.rank = cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim, self.rank = mla.qk_nope_head_dim, cfg.head_dim, mla.v_head_dim, mla.kv_lora_rank
         qk = self.nope + self.rope
         h, hidden = self.num_heads, cfg.hidden_size
         self.q_a = self.q_a_bias = self.q_a_norm = self.q_b = self.q = None
-        if cfg.q_lora_rank:
-            self.q_a = _param(cfg.q_lora_rank, hidden, **kw)
-            self.q_a_bias = _param(cfg.q_lora_rank, **kw) if cfg.qkv_bias else None
-            self.q_a_norm = _param(cfg.q_lora_rank, **kw)
-            self.q_b = _param(h * qk, cfg.q_lora_rank, **kw)
+        if mla.q_lora_rank:
+            self.q_a = _param(mla.q_lora_rank, hidden, **kw)
+            self.q_a_bias = _param(mla.q_lora_rank, **kw) if spec.qkv_bias else None
+            self.q_a_norm = _param(mla.q_lora_rank, **kw)
+            self.q_b = _param(h * qk, mla.q_lora_rank, **kw)
         else:
             self.q = _param(h * qk, hidden, **kw)
         self.kv_a = _param(self.rank + self.rope, hidden, **kw)
-        self.kv_a_bias = _param(self.rank + self.rope, **kw) if cfg.qkv_bias else None
+        self.kv_a_bias = _param(self.rank + self.rope, **kw) if spec.qkv_bias else None
         self.kv_a_norm = _param(self.rank, **kw)
         self.kv_b = _param(h * (self.nope + self.v_dim), self.rank, **kw)
         self.o = _param(hidden, h * self.v_dim, **kw)
-        self.o_bias = _param(hidden, **kw) if cfg.o_bias else None
+        self.o_bias = _param(hidden, **kw) if spec.o_bias else None
         self.scale = mla_softmax_scale(cfg)
-        self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
-        self.use_rope = cfg.use_rope  # Kimi-Linear: no positions (its rope dims stay as they are)
+        self.rotate = apply_rope_interleaved if cfg.rope.interleave else apply_rope
+        self.use_rope = cfg.rope.enabled  # Kimi-Linear: no positions (its rope dims stay as they are)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 

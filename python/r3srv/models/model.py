@@ -1,11 +1,12 @@
-"""The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
-Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
-gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H and 3.x MoE, AFMoE, LFM2-MoE, Qwen3-VL-MoE).
+"""The MoE decoder shared by every family (models/families/: Qwen2/3-MoE, Qwen3-Next and Qwen3.5,
+Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2, gpt-oss, ERNIE-4.5,
+dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H and 3.x MoE, AFMoE, LFM2-MoE, Qwen3-VL-MoE, ...).
 
-One class with a few config switches rather than a class per family: the families differ
-only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
-router (scoring, bias, groups, renormalisation, scaling), the experts' activation and
-biases, the shared expert, the checkpoint names (see `weight_targets`) and the token mixer:
+One class built from the config's typed specs (models/specs.py) rather than a class per
+family: the families differ only in q/k norm width, qkv bias/clipping, rotary layout, sliding
+windows and sinks, the router (scoring, bias, groups, renormalisation, scaling), the experts'
+activation and biases, the shared expert, the checkpoint names (each family module's
+`weight_targets`) and the token mixer:
 multi-head latent attention for DeepSeek and GLM-4.7-Flash/5 (models/mla.py, sparse with
 models/dsa.py), Gated DeltaNet, Kimi Delta Attention or Mamba-2 layers in the hybrids
 (models/gated_deltanet.py, models/kda.py, models/mamba2.py). Nemotron-H's
@@ -15,7 +16,6 @@ layers are one mixer each (MixerBlock: Mamba-2, models/mamba2.py, attention, MoE
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from r3srv.errors import ConfigError
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
+from r3srv.models.families import family_named
 from r3srv.models.gated_deltanet import GatedDeltaNet
 from r3srv.models.kda import KimiDeltaAttention
 from r3srv.models.mamba2 import Mamba2
@@ -49,37 +50,42 @@ def _cpu_threads() -> int:
     return threads
 
 
+# the layers with a per-sequence state, by LinearAttentionSpec.kind
+LINEAR_LAYERS = {"gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "mamba2": Mamba2, "short_conv": ShortConv}
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, window: int | None = None,
                  index: int = 0) -> None:
         super().__init__()
         self.window = window  # a sliding-window layer: keys at most window - 1 positions back
         kw = dict(dtype=dtype, device=device)
+        spec = cfg.attention
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.eps = cfg.rms_norm_eps
+        self.eps = cfg.norm.eps
         self.norm = rms_norm_for(cfg)
-        self.qk_norm = cfg.qk_norm
-        self.clip_qkv = cfg.clip_qkv
+        self.qk_norm = spec.qk_norm
+        self.clip_qkv = spec.clip_qkv
         # Qwen3-Next / 3.5: q_proj yields [q, gate] per head; the gate scales the attention output
-        self.q_rows = 2 * self.q_size if cfg.attention_output_gate else self.q_size
+        self.q_rows = 2 * self.q_size if spec.output_gate else self.q_size
         # q, k and v stacked: one matmul per layer
         self.qkv = _param(self.q_rows + 2 * self.kv_size, cfg.hidden_size, **kw)
-        self.qkv_bias = _param(self.q_rows + 2 * self.kv_size, **kw) if cfg.qkv_bias else None
+        self.qkv_bias = _param(self.q_rows + 2 * self.kv_size, **kw) if spec.qkv_bias else None
         self.o = _param(cfg.hidden_size, self.q_size, **kw)
-        self.o_bias = _param(cfg.hidden_size, **kw) if cfg.o_bias else None
+        self.o_bias = _param(cfg.hidden_size, **kw) if spec.o_bias else None
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm == "head":
+        if spec.qk_norm == "head":
             self.q_norm, self.k_norm = _param(self.head_dim, **kw), _param(self.head_dim, **kw)
-        elif cfg.qk_norm == "full":
+        elif spec.qk_norm == "full":
             self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
-        self.sinks = _param(self.num_heads, **kw) if cfg.attention_sinks else None
-        self.scale = cfg.attention_scale  # None: 1 / sqrt(head_dim)
-        self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
-        self.use_rope = cfg.use_rope and (cfg.rope_layers is None or index in cfg.rope_layers)
+        self.sinks = _param(self.num_heads, **kw) if spec.sinks else None
+        self.scale = spec.scale  # None: 1 / sqrt(head_dim)
+        self.rotate = apply_rope_interleaved if cfg.rope.interleave else apply_rope
+        self.use_rope = cfg.rope.enabled and (cfg.rope.layers is None or index in cfg.rope.layers)
         # AFMoE: a separate projection's sigmoid gates the attention output
-        self.gate = _param(self.q_size, cfg.hidden_size, **kw) if cfg.attention_gate_proj else None
+        self.gate = _param(self.q_size, cfg.hidden_size, **kw) if spec.gate_proj else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -145,7 +151,7 @@ class DenseMlp(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.gated = cfg.expert_activation != "relu2"
+        self.gated = cfg.experts.gated
         self.w13 = _param((2 if self.gated else 1) * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
         self.w2 = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
 
@@ -157,22 +163,20 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.index = index
-        self.eps = cfg.rms_norm_eps
+        self.eps = cfg.norm.eps
         self.norm = rms_norm_for(cfg)
-        self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output scaled
+        self.residual_multiplier = cfg.scales.residual  # Granite: each branch's output scaled
         self.is_moe = index in cfg.moe_layers
         # the norms before each branch (none in FlexOlmo's OLMo-2 layout)
-        self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.pre_norms else None
-        self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.pre_norms else None
+        self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.norm.pre else None
+        self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.norm.pre else None
         # AFMoE's sandwich, FlexOlmo's output norms: each branch's output normalised before the residual add
         self.attn_out_norm = self.mlp_out_norm = None
-        if cfg.sandwich_norms:
+        if cfg.norm.sandwich:
             self.attn_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
             self.mlp_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        window = cfg.sliding_windows[index] if cfg.sliding_windows else None
-        linear = {"kda": KimiDeltaAttention, "mamba2": Mamba2, "short_conv": ShortConv}.get(cfg.linear_attention_kind,
-                                                                                           GatedDeltaNet)
-        self.linear_attn = linear(cfg, dtype, device) if index in cfg.linear_attention_layers else None
+        window = cfg.attention.window(index)
+        self.linear_attn = LINEAR_LAYERS[cfg.linear.kind](cfg, dtype, device) if index in cfg.linear_attention_layers else None
         if self.linear_attn is not None:
             self.attn = None
         else:
@@ -202,7 +206,7 @@ class MixerBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.index, self.kind, self.eps = index, cfg.layer_kinds[index], cfg.rms_norm_eps
+        self.index, self.kind, self.eps = index, cfg.layer_kinds[index], cfg.norm.eps
         self.is_moe = self.kind == "moe"
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.norm_fn = rms_norm_for(cfg)
@@ -218,26 +222,6 @@ class MixerBlock(nn.Module):
             return x + self.linear_attn(h, states)
         return x + self.mlp(h, capture)
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        targets = {prefix + "norm.weight": self.norm}
-        if self.attn is not None:
-            return targets | self.attn.weight_targets(prefix, module="mixer.")
-        if self.linear_attn is not None:
-            return targets | self.linear_attn.weight_targets(prefix)
-        p = prefix + "mixer."
-        if isinstance(self.mlp, DenseMlp):
-            return targets | {p + "up_proj.weight": self.mlp.w13, p + "down_proj.weight": self.mlp.w2}
-        mlp = self.mlp
-        targets |= {p + "gate.weight": mlp.gate, p + "gate.e_score_correction_bias": mlp.correction_bias,
-                    p + "experts.up_proj": mlp.w13, p + "experts.down_proj": mlp.w2}  # transformers 5's fused names
-        for e in range(mlp.w13.shape[0]):
-            targets[p + f"experts.{e}.up_proj.weight"] = mlp.w13[e]
-            targets[p + f"experts.{e}.down_proj.weight"] = mlp.w2[e]
-        if mlp.shared_w13 is not None:
-            targets[p + "shared_experts.up_proj.weight"] = mlp.shared_w13
-            targets[p + "shared_experts.down_proj.weight"] = mlp.shared_w2
-        return targets
-
 
 class MoeForCausalLM(nn.Module):
     """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
@@ -246,6 +230,7 @@ class MoeForCausalLM(nn.Module):
         super().__init__()
         device = torch.device(device)
         self.config = cfg
+        self.family = family_named(cfg.model_type)
         self.dtype = dtype
         self.device = device
         self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
@@ -253,10 +238,10 @@ class MoeForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layer_class(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        if cfg.rope_yarn:
-            inv_freq, self.rope_attention_factor = yarn_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)
+        if cfg.rope.yarn:
+            inv_freq, self.rope_attention_factor = yarn_inv_freq(cfg.rotary_dim, cfg.rope.theta, cfg.rope.yarn)
         else:
-            inv_freq, self.rope_attention_factor = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), 1.0
+            inv_freq, self.rope_attention_factor = rope_inv_freq(cfg.rotary_dim, cfg.rope.theta), 1.0
         self.inv_freq = inv_freq.to(device)
         self.norm = rms_norm_for(cfg)
         self.block_size = 0
@@ -303,12 +288,10 @@ class MoeForCausalLM(nn.Module):
         return first.attn.k_cache is not None if first.linear_attn is None else first.linear_attn.has_states
 
     def transposed_layouts(self) -> set[str]:
-        """Weight names a checkpoint may also hold transposed in their last two dims: Qwen3-VL's
-        released fused experts are [E, H, 2I] and [E, I, H], while transformers 5 saves them as
-        it holds them ([E, 2I, H], [E, H, I]); the loader tells them apart by shape."""
-        if self.config.model_type != "qwen3_vl_moe":
-            return set()
-        return {name for name in self.weight_targets() if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))}
+        """Weight names a checkpoint may also hold transposed in their last two dims (the family
+        says which; the loader tells the layouts apart by shape)."""
+        suffixes = self.family.transposed
+        return {name for name in self.weight_targets() if name.endswith(suffixes)} if suffixes else set()
 
     def move_weights(self, device: torch.device | str) -> None:
         """Move every weight to `device` in place (the module keeps its parameters, views
@@ -345,11 +328,11 @@ class MoeForCausalLM(nn.Module):
         meta = AttentionMetadata.build(batch, self.block_size, self.device)
         positions = batch.positions.to(self.device)
         cos, sin = rope_cos_sin(
-            positions, self.inv_freq, self.dtype, self.config.rope_scaling_factor, self.rope_attention_factor
+            positions, self.inv_freq, self.dtype, self.config.rope.linear_factor, self.rope_attention_factor
         )
         x = F.embedding(batch.input_ids.to(self.device), self.embed)
-        if self.config.embedding_multiplier != 1.0:
-            x = x * self.config.embedding_multiplier
+        if self.config.scales.embedding != 1.0:
+            x = x * self.config.scales.embedding
         capture = batch.routing_capture
         states = None
         if self.config.is_hybrid:
@@ -361,164 +344,13 @@ class MoeForCausalLM(nn.Module):
         for layer in self.layers:
             layer_capture = capture[:, layer.index] if capture is not None and layer.is_moe else None
             x = layer(x, cos, sin, meta, layer_capture, states)
-        x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.rms_norm_eps)
+        x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.norm.eps)
         logits = F.linear(x, self.lm_head).float()
-        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+        scaling = self.config.scales.logits
+        return logits if scaling == 1.0 else logits / scaling
 
     # ---- checkpoint names -----------------------------------------------------------------
     def weight_targets(self) -> dict[str, torch.Tensor]:
-        """Hugging Face tensor name -> the view of our (stacked) parameter it fills.
-
-        Both the per-expert names of released checkpoints and the fused 3-D names that
-        transformers 5 keeps in memory (`experts.gate_up_proj`, `experts.down_proj`) map here.
-        """
-        cfg = self.config
-        family = cfg.model_type
-        targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
-        if not cfg.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head
-        if family == "nemotron_h":
-            return _nemotron_h_targets(self, targets)
-        for layer in self.layers:
-            p = f"model.layers.{layer.index}."
-            if layer.input_norm is not None:
-                targets[p + "input_layernorm.weight"] = layer.input_norm
-            if layer.attn_out_norm is None:
-                targets[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
-            else:  # AFMoE's and FlexOlmo's post_attention_layernorm is the attention output's
-                targets[p + "post_attention_layernorm.weight"] = layer.attn_out_norm
-                if family == "afmoe":
-                    targets[p + "pre_mlp_layernorm.weight"] = layer.post_attention_norm
-                    targets[p + "post_mlp_layernorm.weight"] = layer.mlp_out_norm
-                else:
-                    targets[p + "post_feedforward_layernorm.weight"] = layer.mlp_out_norm
-            targets.update((layer.linear_attn or layer.attn).weight_targets(p))
-            mlp = layer.mlp
-            if isinstance(mlp, DenseMlp):
-                half = mlp.w13.shape[0] // 2
-                targets[p + "mlp.gate_proj.weight"] = mlp.w13[:half]
-                targets[p + "mlp.up_proj.weight"] = mlp.w13[half:]
-                targets[p + "mlp.down_proj.weight"] = mlp.w2
-                if family == "kimi_linear":  # transformers writes Kimi-Linear's dense MLPs as block_sparse_moe
-                    for name in ("gate_proj", "up_proj", "down_proj"):
-                        targets[p + f"block_sparse_moe.{name}.weight"] = targets[p + f"mlp.{name}.weight"]
-                continue
-            if family == "gpt_oss":
-                targets.update(_gpt_oss_moe_targets(p, mlp))
-            elif family in ("granitemoehybrid", "granitemoe", "granitemoeshared", "granitemoe_swa"):
-                targets.update(_granite_moe_targets(p, mlp))
-            else:
-                targets.update(_moe_targets(family, p, mlp))
-        if family == "lfm2_moe":
-            return {_lfm2_name(name): target for name, target in targets.items()}
-        if family in ("qwen3_5_moe", "qwen3_vl_moe"):  # the multimodal checkpoint nests the language model
-            targets |= {"model.language_model." + k.removeprefix("model."): v
-                        for k, v in targets.items() if k.startswith("model.")}
-        return targets
-
-
-# Where each family keeps what the standard names do not cover
-_MIXTRAL_NAMES = ("mixtral", "minimax_m2", "kimi_linear")  # block_sparse_moe.experts.<e>.w1 / w3 / w2
-# mlp.shared_experts, no gate
-_SHARED_EXPERTS = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v2", "ernie4_5_moe", "dots1", "deepseek_v32",
-                   "glm_moe_dsa", "kimi_linear", "afmoe")
-_BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_score_correction_bias
-    "glm4_moe": ("mlp.gate.e_score_correction_bias",),
-    "glm4_moe_lite": ("mlp.gate.e_score_correction_bias",),
-    "dots1": ("mlp.gate.e_score_correction_bias",),
-    "deepseek_v3": ("mlp.gate.e_score_correction_bias",),
-    "deepseek_v32": ("mlp.gate.e_score_correction_bias",),
-    "glm_moe_dsa": ("mlp.gate.e_score_correction_bias",),
-    "kimi_linear": ("block_sparse_moe.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
-    "afmoe": ("mlp.expert_bias",),
-    "lfm2_moe": ("feed_forward.expert_bias",),
-    "minimax_m2": ("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
-    "ernie4_5_moe": ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"),
-}
-
-
-# LFM2's names for the standard ones (its experts: w1 gate, w3 up, w2 down, as its dense MLPs)
-_LFM2_NAMES = [(re.compile(pattern), replacement) for pattern, replacement in (
-    (r"\.input_layernorm\.", ".operator_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    (r"\.self_attn\.o_proj\.", ".self_attn.out_proj."), (r"\.self_attn\.([qk])_norm\.", r".self_attn.\1_layernorm."),
-    (r"\.mlp\.", ".feed_forward."), (r"\.gate_proj\.", ".w1."), (r"\.up_proj\.", ".w3."), (r"\.down_proj\.", ".w2."),
-    (r"^model\.norm\.", "model.embedding_norm."),
-)]
-
-
-def _lfm2_name(name: str) -> str:
-    for pattern, replacement in _LFM2_NAMES:
-        name = pattern.sub(replacement, name)
-    return name
-
-
-def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
-    """Released per-expert names and transformers 5's fused ones, for every family but gpt-oss."""
-    mixtral_names = family in _MIXTRAL_NAMES
-    moe_prefix = p + ("block_sparse_moe." if mixtral_names else "mlp.")
-    gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
-    targets = {moe_prefix + "gate.weight": mlp.gate}
-    if family == "afmoe":  # its router holds the gate linear
-        targets[moe_prefix + "router.gate.weight"] = mlp.gate
-    if mlp.correction_bias is not None:
-        for name in _BIAS_NAMES[family]:  # ERNIE stores it as [1, E]
-            targets[p + name] = mlp.correction_bias.view(1, -1) if family == "ernie4_5_moe" else mlp.correction_bias
-    half = mlp.w13.shape[1] // 2
-    for e in range(mlp.w13.shape[0]):
-        ep = f"{moe_prefix}experts.{e}."
-        targets[ep + f"{gate_name}.weight"] = mlp.w13[e, :half]
-        targets[ep + f"{up_name}.weight"] = mlp.w13[e, half:]
-        targets[ep + f"{down_name}.weight"] = mlp.w2[e]
-    # transformers 5 in-memory (fused) names, which use "mlp." for every family
-    targets[p + "mlp.gate.weight"] = mlp.gate
-    targets[p + "mlp.experts.gate_up_proj"] = mlp.w13
-    targets[p + "mlp.experts.down_proj"] = mlp.w2
-    if mlp.shared_w13 is not None:
-        s_half = mlp.shared_w13.shape[0] // 2
-        # Qwen2-MoE: one gated "shared_expert"; GLM-4.5 and others: gate-less "shared_experts"
-        shared = p + ("mlp.shared_experts." if family in _SHARED_EXPERTS else "mlp.shared_expert.")
-        targets[shared + "gate_proj.weight"] = mlp.shared_w13[:s_half]
-        targets[shared + "up_proj.weight"] = mlp.shared_w13[s_half:]
-        targets[shared + "down_proj.weight"] = mlp.shared_w2
-        if mlp.shared_gate is not None:
-            targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
-        if family == "kimi_linear":  # released under block_sparse_moe like its experts
-            targets |= {k.replace(".mlp.", ".block_sparse_moe.", 1): v for k, v in targets.items() if k.startswith(shared)}
-    return targets
-
-
-def _granite_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
-    """Granite's fused experts (input_linear: gate then up rows; output_linear) and its shared MLP."""
-    p = prefix + "block_sparse_moe."
-    targets = {p + "router.layer.weight": mlp.gate, p + "router.weight": mlp.gate,
-               p + "input_linear.weight": mlp.w13, p + "output_linear.weight": mlp.w2,
-               p + "experts.gate_up_proj": mlp.w13, p + "experts.down_proj": mlp.w2}
-    if mlp.shared_w13 is not None:
-        targets[prefix + "shared_mlp.input_linear.weight"] = mlp.shared_w13
-        targets[prefix + "shared_mlp.output_linear.weight"] = mlp.shared_w2
-    return targets
-
-
-def _nemotron_h_targets(model: MoeForCausalLM, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Nemotron-H's names: embeddings and norm_f, one mixer per layer; released checkpoints
-    spell "model." as "backbone."."""
-    targets = {"lm_head.weight": targets["lm_head.weight"]} if "lm_head.weight" in targets else {}
-    named = {"model.embeddings.weight": model.embed, "model.norm_f.weight": model.final_norm}
-    for layer in model.layers:
-        named |= layer.weight_targets(f"model.layers.{layer.index}.")
-    named = {k: v for k, v in named.items() if v is not None}
-    return targets | named | {"backbone." + k.removeprefix("model."): v for k, v in named.items()}
-
-
-def _gpt_oss_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
-    """gpt-oss keeps experts fused and transposed ([E, H, 2I] with gate/up columns interleaved,
-    [E, I, H]): views of w13 (whose rows stay interleaved, see moe.clamped_swiglu) and w2."""
-    p = prefix + "mlp."
-    return {
-        p + "router.weight": mlp.gate,
-        p + "router.bias": mlp.gate_bias,
-        p + "experts.gate_up_proj": mlp.w13.transpose(1, 2),
-        p + "experts.gate_up_proj_bias": mlp.b13,
-        p + "experts.down_proj": mlp.w2.transpose(1, 2),
-        p + "experts.down_proj_bias": mlp.b2,
-    }
+        """Hugging Face tensor name -> the view of our (stacked) parameter it fills: the family
+        module's names (models/families/), released per-expert ones and transformers 5's fused ones."""
+        return self.family.weight_targets(self)

@@ -143,41 +143,42 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         kw = dict(dtype=dtype, device=device)
+        router, experts = cfg.router, cfg.experts
         self.top_k = cfg.top_k
-        self.renormalize = cfg.renormalize
-        self.scoring = cfg.scoring
-        self.scaling = cfg.routed_scaling_factor
-        self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
-        self.group_score_top = cfg.group_score_top
+        self.renormalize = router.renormalize
+        self.scoring = router.scoring
+        self.scaling = router.scaling
+        self.num_groups, self.topk_groups = router.num_groups, router.topk_groups
+        self.group_score_top = router.group_score_top
         # A float32 router keeps the checkpoint's routing exact in a bf16 model: the reference
         # implementations compute these logits in float32, and the correction bias is stored
         # in float32 (rounding it to bf16 would change which experts win).
-        router_dtype = torch.float32 if cfg.router_float32 else dtype
+        router_dtype = torch.float32 if router.float32 else dtype
         self.gate = nn.Parameter(torch.empty(e, h, dtype=router_dtype, device=device), requires_grad=False)
         self.gate_bias = (
             nn.Parameter(torch.empty(e, dtype=router_dtype, device=device), requires_grad=False)
-            if cfg.router_logit_bias else None
+            if router.logit_bias else None
         )
         self.correction_bias = (
             nn.Parameter(torch.empty(e, dtype=torch.float32, device=device), requires_grad=False)
-            if cfg.router_bias else None
+            if router.correction_bias else None
         )
-        gated = cfg.expert_activation != "relu2"
+        gated = experts.gated
         self.w13 = nn.Parameter(torch.empty(e, (2 if gated else 1) * i, h, **kw), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, **kw), requires_grad=False)
         self.b13 = self.b2 = None
         self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul if gated else relu_squared
         self.shared_mlp = silu_mlp if gated else relu2_mlp
-        if cfg.expert_activation == "gpt_oss":  # biased experts, gate/up rows interleaved in w13
+        if experts.activation == "clamped_swiglu":  # biased experts, gate/up rows interleaved in w13
             self.b13 = nn.Parameter(torch.empty(e, 2 * i, **kw), requires_grad=False)
             self.b2 = nn.Parameter(torch.empty(e, h, **kw), requires_grad=False)
-            self.act = functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+            self.act = functools.partial(clamped_swiglu, alpha=experts.swiglu_alpha, limit=experts.swiglu_limit)
         self.shared_w13 = self.shared_w2 = self.shared_gate = None
-        s = cfg.shared_expert_intermediate_size
+        s = experts.shared_intermediate_size
         if s:
             self.shared_w13 = nn.Parameter(torch.empty((2 if gated else 1) * s, h, **kw), requires_grad=False)
             self.shared_w2 = nn.Parameter(torch.empty(h, s, **kw), requires_grad=False)
-            if cfg.shared_expert_gate:
+            if experts.shared_gate:
                 self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:

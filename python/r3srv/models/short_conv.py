@@ -23,9 +23,9 @@ class ShortConv(RecurrentLayer):
         kw = dict(dtype=dtype, device=device)
         hidden = cfg.hidden_size
         self.in_proj = empty_param(3 * hidden, hidden, **kw)
-        self.conv_weight = empty_param(hidden, 1, cfg.linear_conv_kernel_dim, **kw)
+        self.conv_weight = empty_param(hidden, 1, cfg.linear.conv_kernel, **kw)
         self.out_proj = empty_param(hidden, hidden, **kw)
-        biased = cfg.short_conv_bias
+        biased = cfg.linear.conv_bias
         self.in_proj_bias = empty_param(3 * hidden, **kw) if biased else None
         self.conv_bias = empty_param(hidden, **kw) if biased else None
         self.out_proj_bias = empty_param(hidden, **kw) if biased else None

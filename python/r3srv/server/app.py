@@ -41,12 +41,14 @@ def create_app(
     served_model_name: str,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_weight_updates: bool = False,
+    weight_sync_timeout: float = 600.0,
 ) -> Litestar:
     state = ServerState(
         engine=engine,
         model_name=served_model_name,
         metrics=ServerMetrics(engine.stats),
         enable_weight_updates=enable_weight_updates,
+        weight_sync_timeout=weight_sync_timeout,
     )
 
     @asynccontextmanager

@@ -44,6 +44,7 @@ class ServerState:
     metrics: ServerMetrics
     live: set[Generation] = field(default_factory=set)  # requests in flight, for abort_all
     enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
+    weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
 
     async def abort_all(self) -> None:
         """End every request in flight (finish_reason "abort"): on shutdown, so streams close
