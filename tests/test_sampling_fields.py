@@ -266,3 +266,33 @@ def test_penalized_greedy_equals_transformers_with_reference_penalties(tiny, pen
         want = _reference_penalties(logits, [prompt if p.repetition_penalty_prompt else []], [out[:i]],
                                     [p.presence_penalty], [p.frequency_penalty], [p.repetition_penalty])
         assert token == int(want.argmax()) or want[0, token] >= want.max() - 1e-4, (i, token, int(want.argmax()))
+
+
+def test_eos_under_min_tokens_and_its_text(llm):
+    """logit_bias pushes EOS to the top: min_tokens holds it off for two tokens, then the
+    sequence stops on it, its text left out unless include_stop_str_in_output."""
+    eos = llm.engine.eos_token_ids[0]
+    eos_text = llm.tokenizer.decode([eos], skip_special_tokens=False)
+    params = dict(max_tokens=8, min_tokens=2, logit_bias={eos: 100.0}, skip_special_tokens=False, temperature=0.0)
+    cut = llm.generate([list(b"Hi")], SamplingParams(**params))[0].outputs[0]
+    kept = llm.generate([list(b"Hi")], SamplingParams(**params, include_stop_str_in_output=True))[0].outputs[0]
+    assert cut.token_ids == kept.token_ids and len(cut.token_ids) == 3 and cut.token_ids[-1] == eos
+    assert cut.finish_reason == "stop" and eos_text not in cut.text and kept.text == cut.text + eos_text
+
+
+def test_prompt_logprobs_survive_preemption(tiny):
+    """A pool too small for every request at once preempts some mid-prompt: they recompute,
+    and their prompt logprobs come out whole and equal to an unconstrained run's."""
+    llm, _ = tiny
+    path = llm.engine.config.model
+    small = LLM(path, block_size=4, num_kv_blocks=24, max_model_len=64, max_num_batched_tokens=16)
+    prompts = [list(bytes(f"request {i} with a prompt of some length", "ascii")) for i in range(3)]
+    params = SamplingParams(max_tokens=12, prompt_logprobs=1, **GREEDY)
+    want = llm.generate(prompts, params)
+    got = small.generate(prompts, params)
+    assert small.engine.stats().num_preemptions > 0
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.prompt_logprobs) == len(g.prompt_token_ids)
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert list(a) == list(b) and all(math.isclose(a[t].logprob, b[t].logprob, abs_tol=1e-4) for t in a)

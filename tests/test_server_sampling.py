@@ -181,6 +181,10 @@ def test_cache_salt_separates_prefix_caches(server, client, model):
     meta = lambda key: post(server, "/generate", {"text": prompt, "extra_key": key,  # noqa: E731
                                                   "sampling_params": {"max_new_tokens": 1}})["meta_info"]
     assert meta("sglang/a")["cached_tokens"] == 0 and meta("sglang/a")["cached_tokens"] > 0
+    tito = lambda salt: post(server, "/inference/v1/generate", {  # noqa: E731
+        "token_ids": list(prompt.encode()), "cache_salt": salt,
+        "sampling_params": {"max_tokens": 1}})["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert tito("tito-salt") == 0 and tito("tito-salt") > 0
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         cached(cache_salt="a/b")
 
