@@ -6,9 +6,11 @@ salts, truncate_prompt_tokens, top_logprobs -1, include_stop_str_in_output."""
 
 from __future__ import annotations
 
+import base64
 import math
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
@@ -215,3 +217,29 @@ def test_stop_token_text_is_left_out_unless_asked_for(client, model):
             "stop_token_ids": [stop], "include_stop_str_in_output": include}).choices[0]
         assert c.stop_reason == stop
         assert c.text == free.text[: i + 1] if include else c.text == free.text[:i]
+
+
+def test_scoring_a_prompt_without_generating(server, client, model, offline):
+    """vLLM's echo with max_tokens=0 and SGLang's max_new_tokens=0 (slime's teacher logprobs for
+    on-policy distillation): the prompt's logprobs, nothing generated in the answer."""
+    ids = list(PROMPT.encode())
+    engine = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY))[0].prompt_logprobs
+    scored = client.completions.create(model=model, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == PROMPT and "".join(lp.tokens) == PROMPT  # token ids echoed as text
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    assert all(math.isclose(a, e[t].logprob, abs_tol=1e-5) for a, e, t in zip(lp.token_logprobs[1:], engine[1:], ids[1:]))
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=0)
+    out = post(server, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 0},
+                                     "return_logprob": True, "logprob_start_len": 0, "return_routed_experts": True})
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and out["text"] == "" and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["output_token_logprobs"] == []
+    teacher = [lp for lp, _, _ in meta["input_token_logprobs"][1:]]  # what slime reads
+    assert len(teacher) == len(ids) - 1
+    assert all(math.isclose(a, e[t].logprob, abs_tol=1e-5) for a, e, t in zip(teacher, engine[1:], ids[1:]))
+    rows = decode_routed_experts(post(server, "/inference/v1/generate", {"token_ids": ids, "sampling_params": {
+        "max_tokens": 1, **GREEDY}})["choices"][0]["routed_experts"])
+    got = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(len(ids) - 1, *rows.shape[1:])
+    np.testing.assert_array_equal(got, rows[: len(ids) - 1].astype(np.int32))

@@ -191,7 +191,7 @@ PromptType = str | list[str | int | list[int]]
 
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     prompt: PromptType
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    max_tokens: NonNegInt | None = 16  # 0 only with echo: the prompt alone (vLLM's scoring use)
     logprobs: int | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
     # The prompt's text before the completion's (and with logprobs, the prompt's logprobs first).
     echo: bool | None = False
@@ -224,7 +224,16 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
             prompt_logprobs = self.logprobs
         elif self.stream:  # a stream sends prompt logprobs only with echo (only 0 passes the checks)
             prompt_logprobs = None
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+        max_tokens = self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise InvalidRequestError("max_tokens must be at least 1, got 0 (0 needs echo=true)", param="max_tokens")
+            max_tokens = 1  # as vLLM: one token is generated, the response shows the prompt alone
+        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class CompletionLogProbs(Struct, kw_only=True):
@@ -551,7 +560,7 @@ class SglangSamplingParams(Struct, kw_only=True):
     """SGLang's sampling_params, the fields r3srv serves; a constraint r3srv does not implement
     is a 400, not silently ignored."""
 
-    max_new_tokens: Annotated[int, Meta(ge=1)] | None = 128
+    max_new_tokens: NonNegInt | None = 128  # 0: the prompt alone (slime's teacher logprobs)
     min_new_tokens: NonNegInt = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -612,6 +621,11 @@ class SglangGenerateRequest(Struct, kw_only=True):
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
 
+    @property
+    def prefill_only(self) -> bool:
+        """max_new_tokens=0: the engine runs one token, the answer leaves it out (nothing generated)."""
+        return self.sampling_params.max_new_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params
         return _sampling_params(
@@ -622,7 +636,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
             prompt_logprobs_start=max(self.logprob_start_len, 0),
             # any string SGLang accepts, as a salt vLLM's rules accept
             cache_salt=None if self.extra_key is None else hashlib.sha256(self.extra_key.encode()).hexdigest(),
-            max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
+            max_tokens=1 if self.prefill_only else sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,
             logprobs=self.top_logprobs_num if self.return_logprob else None,

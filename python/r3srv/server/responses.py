@@ -132,14 +132,16 @@ async def completion_response(
         prompt_text = echo_prompt_text(state.engine.tokenizer, out, with_ids) if req.echo else ""
         prompt_logprobs = fmt.prompt_logprobs(out.prompt_logprobs)
         for c in out.outputs:
-            token_ids, logprobs = c.token_ids, _logprobs(c)
+            token_ids, logprobs, text = c.token_ids, _logprobs(c), c.text
+            if req.echo_only:  # max_tokens=0: the prompt alone, as vLLM
+                token_ids, logprobs, text = [], [], ""
             if req.echo and req.logprobs is not None:  # the prompt's tokens and logprobs first
                 token_ids = list(out.prompt_token_ids) + token_ids
                 logprobs = plain_prompt_logprobs(out.prompt_logprobs or []) + logprobs
             choices.append(
                 p.CompletionResponseChoice(
                     index=i * req.n + c.index,
-                    text=prompt_text + c.text,
+                    text=prompt_text + text,
                     logprobs=fmt.completion(token_ids, logprobs, 0) if req.logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,

@@ -176,6 +176,8 @@ async def completion_stream(
             if d is None:
                 continue
             text, token_ids, logprobs, offset = d.text, d.token_ids, d.logprobs or [], d.text_offset + len(prompt_text)
+            if req.echo_only:  # max_tokens=0: the prompt alone, as vLLM
+                text, token_ids, logprobs = "", [], []
             if req.echo and d.first:
                 text, offset = prompt_text + text, 0
                 if req.logprobs is not None:

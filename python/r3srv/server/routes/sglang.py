@@ -6,6 +6,7 @@ prompt + output but the last from routed_experts_start_len on), not streamed her
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -50,6 +51,8 @@ async def _outputs(state: ServerState, req: p.SglangGenerateRequest, request_id:
     version = state.weight_version(final)
     outs = []
     for c in final.outputs:
+        if req.prefill_only:
+            c = _without_the_generated_token(c)
         meta: dict[str, Any] = {
             "id": request_id if len(final.outputs) == 1 else f"{request_id}-{c.index}",
             "finish_reason": _finish_reason(c),
@@ -65,6 +68,15 @@ async def _outputs(state: ServerState, req: p.SglangGenerateRequest, request_id:
             meta["weight_version"] = version
         outs.append(p.SglangGenerateOutput(text=c.text, output_ids=list(c.token_ids), meta_info=meta))
     return outs[0] if len(outs) == 1 else outs
+
+
+def _without_the_generated_token(c: CompletionOutput) -> CompletionOutput:
+    """max_new_tokens=0: the one token the engine ran is left out, with its logprobs and the
+    prompt's last row (rows cover every token but the last, and the last is now the prompt's)."""
+    rows = c.routed_experts
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                               finish_reason="length", stop_reason=None,
+                               routed_experts=None if rows is None else rows[:-1])
 
 
 def _add_logprobs(meta: dict[str, Any], req: p.SglangGenerateRequest, final: RequestOutput, c: CompletionOutput) -> None:
