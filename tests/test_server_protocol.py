@@ -122,11 +122,11 @@ def test_generate_request_decodes_sampling_params_directly():
     assert (req.stream, req.output_mode, req.request_id) == (False, "tokens", None)
 
 
-def test_optional_vllm_fields_are_omitted_unless_set():
-    choice = p.CompletionResponseChoice(index=0, text="a")
-    # prompt_logprobs: null, as vLLM sends it (SDK objects are read by attribute)
-    assert set(msgspec.to_builtins(choice)) == {
-        "index", "text", "logprobs", "finish_reason", "stop_reason", "routed_experts", "prompt_logprobs"}
+def test_vllm_null_fields_are_sent_as_null():
+    # vLLM sends these keys as null when not asked for: SDK objects read them as attributes
+    choice = msgspec.to_builtins(p.CompletionResponseChoice(index=0, text="a"))
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None and choice["prompt_logprobs"] is None
+    assert "weight_version" not in choice  # r3srv's own: only where weights can change
     choice = p.CompletionResponseChoice(index=0, text="a", token_ids=[1], prompt_token_ids=[2])
     assert msgspec.to_builtins(choice)["token_ids"] == [1]
 

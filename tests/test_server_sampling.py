@@ -24,7 +24,8 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteServer("--enable-return-routed-experts", *TEST_SERVER_ARGS) as srv:
+    # prompt_tokens_details (cached tokens) only with the flag, as vLLM
+    with RemoteServer("--enable-return-routed-experts", "--enable-prompt-tokens-details", *TEST_SERVER_ARGS) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
 

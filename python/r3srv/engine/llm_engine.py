@@ -220,43 +220,45 @@ class LLMEngine:
             try:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
-                raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt") from None
+                raise InvalidRequestError(param="prompt", problem=" must be a string or a list of token ids") from None
         ids = self._truncated(ids, params)
         if not ids:
-            raise InvalidRequestError("the prompt is empty (it has no tokens)", param="prompt")
+            raise InvalidRequestError(param="prompt", problem=" is empty (it has no tokens)")
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            raise InvalidRequestError(param="prompt", problem=f" holds token id {bad}, outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(param="stop_token_ids", problem=f" holds {bad}, outside the vocabulary [0, {vocab})")
         self._check_sampling_limits(params)
         n_prompt = len(ids)
         if params.prompt_logprobs_start > n_prompt:
             raise InvalidRequestError(
-                f"prompt_logprobs_start={params.prompt_logprobs_start} is beyond the prompt's {n_prompt} tokens",
                 param="prompt_logprobs_start",
+                problem=f"={params.prompt_logprobs_start} is beyond the prompt's {n_prompt} tokens",
             )
         start = params.routed_experts_prompt_start
         if not 0 <= start <= n_prompt:
             raise InvalidRequestError(
-                f"routed_experts_prompt_start={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
                 param="routed_experts_prompt_start",
+                problem=f"={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
             )
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {n_prompt} tokens, leaving no room to generate within max_model_len="
-                f"{self.max_model_len}",
                 param="prompt",
+                problem=f" has {n_prompt} tokens, leaving no room to generate within max_model_len={self.max_model_len}",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens exceeds max_model_len="
-                f"{self.max_model_len}; ask for at most {self.max_model_len - n_prompt} tokens",
                 param="max_tokens",
+                problem=f"={max_tokens} plus the prompt's {n_prompt} tokens exceeds max_model_len="
+                f"{self.max_model_len}; ask for at most {self.max_model_len - n_prompt} tokens",
             )
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(
-                f"min_tokens={params.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens"
+                param="min_tokens", problem=f"={params.min_tokens} exceeds the {max_tokens} tokens this request may generate"
             )
         want = params.return_routed_experts
         if want and not self.enable_return_routed_experts:
@@ -277,9 +279,9 @@ class LLMEngine:
             return ids
         if keep > self.max_model_len:
             raise InvalidRequestError(
-                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len={self.max_model_len}; "
-                "request a smaller truncation size",
                 param="truncate_prompt_tokens",
+                problem=f"={keep} cannot be greater than max_model_len={self.max_model_len}; "
+                "request a smaller truncation size",
             )
         if keep == -1:
             keep = self.max_model_len - 1
@@ -288,15 +290,12 @@ class LLMEngine:
         return ids[len(ids) - keep :] if params.truncation_side == "left" else ids[:keep]
 
     def _check_sampling_limits(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against the vocabulary, and logprob
+        """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and logprob
         counts against max_logprobs (-1, the whole vocabulary, counts as vocab_size), as vLLM."""
         vocab = self.model_config.vocab_size
-        for name in ("logit_bias", "stop_token_ids"):
-            bad = sorted(t for t in (getattr(params, name) or ()) if not 0 <= t < vocab)
-            if bad:
-                raise InvalidRequestError(
-                    f"token_id(s) {bad} in {name} contain out-of-vocab token ids; vocabulary size: {vocab}", param=name
-                )
+        bad = sorted(t for t in (params.logit_bias or ()) if not 0 <= t < vocab)
+        if bad:
+            raise InvalidRequestError(param="logit_bias", problem=f" holds token ids {bad}, outside the vocabulary [0, {vocab})")
         limit = self.config.max_logprobs
         limit = vocab if limit == -1 else limit
         for name in ("logprobs", "prompt_logprobs"):
@@ -304,9 +303,9 @@ class LLMEngine:
             asked = vocab if asked == -1 else asked
             if asked is not None and asked > limit:
                 raise InvalidRequestError(
-                    f"requested {name} of {asked}, which is greater than max allowed: {limit} "
-                    "(the server's --max-logprobs; -1 asks for the whole vocabulary)",
                     param=name,
+                    problem=f": requested {asked}, which is greater than max allowed: {limit} "
+                    "(the server's --max-logprobs; -1 asks for the whole vocabulary)",
                 )
 
     def add_prepared(self, prep: PreparedRequest) -> None:

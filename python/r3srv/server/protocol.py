@@ -3,7 +3,12 @@
 Field names follow OpenAI's completions/chat API and vLLM 0.33 (its
 `entrypoints/openai/*/protocol.py` and `scale_out/token_in_token_out/protocol.py`)
 for every field r3srv supports, so clients written for vLLM work unchanged.
-Unknown request fields are ignored, as OpenAI-compatible servers do.
+Every field the peers define is served here, has no effect, or is refused with a 400 naming
+it (`server/fields.py` holds the table); fields neither peer has are ignored, as vLLM does.
+Bodies are decoded strictly (`"16"` is not an int, `2.0` is not a token id).
+
+Errors name fields as the client spelled them: each request's `param_names` maps the engine's
+names (SamplingParams and prompt checks) to its own.
 
 Each OpenAI request has exactly one `to_sampling_params`: the one road from the
 wire to the engine's `SamplingParams`. `/inference/v1/generate` decodes its
@@ -23,6 +28,8 @@ from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
 
 NonNegInt = Annotated[int, Meta(ge=0)]
+# vLLM bounds seeds to the signed 64-bit range
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 # Choices per prompt; every route holds to it (a huge n ties the engine up for minutes).
 MAX_N = 128
 ChoiceCount = Annotated[int, Meta(ge=1, le=MAX_N)]
@@ -62,7 +69,8 @@ class UsageInfo(Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details, as vLLM
+    completion_tokens_details: dict[str, int] | None = None  # vLLM sends null
 
 
 class Logprob(Struct, kw_only=True):
@@ -87,26 +95,19 @@ class ErrorResponse(Struct, kw_only=True):
     error: ErrorInfo
 
 
-def _sampling_params(**kwargs: Any) -> SamplingParams:
-    """Build SamplingParams; its own checks become a 400 naming the field."""
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as exc:
-        message = str(exc)
-        raise InvalidRequestError(message, param=message.split("=", 1)[0]) from exc
-
-
 def _check_logprob_count(name: str, value: int | None) -> None:
     """vLLM's rule for logprobs, top_logprobs and prompt_logprobs: -1 (the whole vocabulary) or
     >= 0 (the server's --max-logprobs bounds both, in the engine)."""
     if value is not None and value < -1:
-        raise InvalidRequestError(f"`{name}` must be a positive value or -1, got {value}", param=name)
+        raise InvalidRequestError(param=name, problem=f"={value} must be a positive value or -1")
 
 
 def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool | None) -> None:
     _check_logprob_count("prompt_logprobs", prompt_logprobs)
     if stream and prompt_logprobs is not None and prompt_logprobs != 0:
-        raise InvalidRequestError("`prompt_logprobs` are not available when `stream=True`", param="prompt_logprobs")
+        raise InvalidRequestError(param="prompt_logprobs", problem=" are not available when stream=true")
+
+
 
 
 # ---------------------------------------------------------------- fields both OpenAI requests share
@@ -121,14 +122,14 @@ class _OpenAIRequest(Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, as OpenAI's
-    user: str | None = None
+    user: str | None = None  # no effect, as in vLLM
     # vLLM extras
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -153,7 +154,7 @@ class _OpenAIRequest(Struct, kw_only=True):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
         _check_prompt_logprobs(self.prompt_logprobs, self.stream)
-        return _sampling_params(
+        return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -196,6 +197,9 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
     # The prompt's text before the completion's (and with logprobs, the prompt's logprobs first).
     echo: bool | None = False
 
+    def param_names(self) -> dict[str, str]:
+        return {}  # the engine's names are vLLM's
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one text or one token-id list each."""
         prompt = self.prompt
@@ -227,7 +231,7 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
         max_tokens = self.max_tokens
         if max_tokens == 0:
             if not self.echo:
-                raise InvalidRequestError("max_tokens must be at least 1, got 0 (0 needs echo=true)", param="max_tokens")
+                raise InvalidRequestError(param="max_tokens", problem="=0 must be at least 1 (0 needs echo=true)")
             max_tokens = 1  # as vLLM: one token is generated, the response shows the prompt alone
         return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
@@ -249,12 +253,13 @@ class CompletionResponseChoice(Struct, kw_only=True):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | UnsetType = UNSET
-    token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -263,7 +268,12 @@ class CompletionResponse(Struct, kw_only=True):
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionResponseChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 class CompletionResponseStreamChoice(Struct, kw_only=True):
@@ -311,7 +321,9 @@ class ChatMessageParam(Struct, kw_only=True):
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
-                raise InvalidRequestError("only text content parts are supported", param="messages")
+                raise InvalidRequestError(
+                    param="messages", problem=": only text content parts are supported by r3srv (no multimodal inputs)"
+                )
             content = "".join(part.text for part in content)  # type: ignore[misc]
         return {"role": self.role, "content": content or ""}
 
@@ -328,6 +340,12 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def param_names(self) -> dict[str, str]:
+        names = {"prompt": "messages", "logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def to_sampling_params(self) -> SamplingParams:
         _check_logprob_count("top_logprobs", self.top_logprobs)
@@ -362,6 +380,11 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
 class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | None = None
+    refusal: str | None = None
+    annotations: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    reasoning: str | None = None  # vLLM leaves tool_calls out when empty
 
 
 class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
@@ -392,8 +415,9 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
 
@@ -404,9 +428,15 @@ class ChatCompletionResponse(Struct, kw_only=True):
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
-    prompt_token_ids: list[int] | UnsetType = UNSET
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
@@ -433,9 +463,20 @@ class ChatCompletionStreamResponse(Struct, kw_only=True):
 # ---------------------------------------------------------------- /inference/v1/generate (vLLM scale-out)
 
 
+# SamplingParams' own names are vLLM's, which TITO clients use (inside sampling_params)
+_TITO_NAMES = {"prompt": "token_ids"}
+
+
+class TitoSamplingParams(SamplingParams, kw_only=True, omit_defaults=True):
+    """SamplingParams as /inference/v1/generate reads them: without max_tokens, generate up to
+    max_model_len - prompt, as vLLM 0.33 does there."""
+
+    max_tokens: int | None = None
+
+
 class GenerateRequest(Struct, kw_only=True):
     token_ids: Annotated[list[NonNegInt], Meta(min_length=1)]
-    sampling_params: SamplingParams
+    sampling_params: TitoSamplingParams
     request_id: str | None = None
     model: str | None = None
     stream: bool | None = False
@@ -449,14 +490,17 @@ class GenerateRequest(Struct, kw_only=True):
         # SamplingParams has no upper bound on n; the OpenAI routes' cap applies here too.
         # (A ValueError here is a msgspec.ValidationError at decode, so a 400.)
         if self.sampling_params.n > MAX_N:
-            raise ValueError(f"sampling_params.n={self.sampling_params.n} must be <= {MAX_N}")
+            raise InvalidRequestError(param="n", problem=f"={self.sampling_params.n} must be <= {MAX_N}")
         if self.stream and self.sampling_params.prompt_logprobs:
-            raise ValueError("sampling_params.prompt_logprobs are not available when stream=true")
+            raise InvalidRequestError(param="prompt_logprobs", problem=" are not available when stream=true")
 
     def to_sampling_params(self) -> SamplingParams:
         if self.cache_salt is None:
             return self.sampling_params
-        return _sampling_params(**{**msgspec.structs.asdict(self.sampling_params), "cache_salt": self.cache_salt})
+        return msgspec.structs.replace(self.sampling_params, cache_salt=self.cache_salt)
+
+    def param_names(self) -> dict[str, str]:
+        return _TITO_NAMES
 
 
 class GenerateLogProb(Struct, kw_only=True):
@@ -557,8 +601,7 @@ class MemoryOccupationResponse(Struct, kw_only=True):
 
 
 class SglangSamplingParams(Struct, kw_only=True):
-    """SGLang's sampling_params, the fields r3srv serves; a constraint r3srv does not implement
-    is a 400, not silently ignored."""
+    """SGLang's sampling_params, the fields r3srv serves (server/fields.py refuses the others)."""
 
     max_new_tokens: NonNegInt | None = 128  # 0: the prompt alone (slime's teacher logprobs)
     min_new_tokens: NonNegInt = 0
@@ -570,37 +613,46 @@ class SglangSamplingParams(Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    sampling_seed: int | None = None
+    sampling_seed: Seed | None = None
     no_stop_trim: bool = False
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # SGLang's: on the output tokens only, in (0, 2]
     logit_bias: dict[str, float] | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
 
     def __post_init__(self) -> None:
-        unsupported = [name for name, default in _SGLANG_UNSERVED.items() if getattr(self, name) != default]
-        if unsupported:
-            raise ValueError(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported by r3srv")
         if not 0.0 < self.repetition_penalty <= 2.0:  # SGLang's own bound
-            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}")
+            raise InvalidRequestError(param="repetition_penalty",
+                                      problem=f"={self.repetition_penalty} must be in (0, 2] (1.0 = no penalty)")
 
 
-_SGLANG_UNSERVED = {"json_schema": None, "regex": None, "ebnf": None}
+# The engine's names -> SGLang's (the prompt's, text or input_ids, is added per request)
+_SGLANG_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim",
+    "logprobs": "top_logprobs_num",
+    "routed_experts_prompt_start": "routed_experts_start_len",
+    "prompt_logprobs_start": "logprob_start_len",
+}
 
 
 class SglangGenerateRequest(Struct, kw_only=True):
-    """SGLang's GenerateReqInput for one prompt: `text` or `input_ids`. Routed experts come back
-    in meta_info as SGLang sends them (base64 of little-endian int32, no header), from
-    `routed_experts_start_len` on."""
+    """SGLang's GenerateReqInput: one prompt (`text` or `input_ids`) or a batch of them (a list
+    of texts or of token-id lists), answered with one output object or, for a batch or n > 1,
+    a list (prompt-major, as SGLang). Routed experts come back in meta_info as SGLang sends them
+    (base64 of little-endian int32, no header), from `routed_experts_start_len` on."""
 
-    text: str | None = None
-    input_ids: list[NonNegInt] | None = None
-    sampling_params: SglangSamplingParams = msgspec.field(default_factory=SglangSamplingParams)
-    rid: str | None = None
+    # msgspec allows one array-like type per union: a list of token ids or a batch of token-id
+    # lists are sorted out by `prompts()`
+    text: str | list[str] | None = None
+    input_ids: list[NonNegInt | list[NonNegInt]] | None = None
+    sampling_params: SglangSamplingParams | list[SglangSamplingParams] = msgspec.field(
+        default_factory=SglangSamplingParams
+    )
+    rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
     # With return_logprob: input_token_logprobs (and input_top_logprobs) from this prompt token
@@ -609,34 +661,81 @@ class SglangGenerateRequest(Struct, kw_only=True):
     top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
     return_routed_experts: bool | None = None
     routed_experts_start_len: NonNegInt = 0
-    extra_key: str | None = None  # prefix-cache isolation, as vLLM's cache_salt
+    # prefix-cache isolation: requests share cached prefixes only with equal keys and salts
+    extra_key: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of text and input_ids (one prompt per request)")
-        if self.input_ids is not None and not self.input_ids:
-            raise ValueError("input_ids must not be empty")
+            raise InvalidRequestError(param="text", problem=": give exactly one of text and input_ids")
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+    def prompts(self) -> list[str | list[int]]:
+        name = "text" if self.text is not None else "input_ids"
+        prompts: list[Any] = [self.text] if isinstance(self.text, str) else list(self.text or [])
+        if self.input_ids is not None:
+            nested = [isinstance(p, list) for p in self.input_ids]
+            if any(nested) and not all(nested):
+                raise InvalidRequestError(param=name, problem=" must be a list of token ids or a list of such lists")
+            prompts = list(self.input_ids) if all(nested) and nested else [list(self.input_ids)]
+        if not prompts:
+            raise InvalidRequestError(param=name, problem=" must not be an empty batch")
+        count = len(prompts)
+        if isinstance(self.sampling_params, list) and len(self.sampling_params) != count:
+            raise InvalidRequestError(param="sampling_params",
+                                      problem=f" has {len(self.sampling_params)} entries for {count} prompts")
+        if isinstance(self.rid, list) and len(self.rid) != count:
+            raise InvalidRequestError(param="rid", problem=f" has {len(self.rid)} entries for {count} prompts")
+        return prompts
+
+    def request_ids(self, count: int, default: str) -> list[str]:
+        if isinstance(self.rid, list):
+            return list(self.rid)
+        base = self.rid or default
+        return [base] if count == 1 and not self.is_batch else [f"{base}-{i}" for i in range(count)]
+
+    def param_names(self) -> dict[str, str]:
+        return {**_SGLANG_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
 
     @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
 
-    @property
-    def prefill_only(self) -> bool:
+    def prefill_only(self, index: int = 0) -> bool:
         """max_new_tokens=0: the engine runs one token, the answer leaves it out (nothing generated)."""
-        return self.sampling_params.max_new_tokens == 0
+        sp = self.sampling_params[index] if isinstance(self.sampling_params, list) else self.sampling_params
+        return sp.max_new_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
-        sp = self.sampling_params
-        return _sampling_params(
+    def _salt(self, index: int) -> str | None:
+        """extra_key and cache_salt as one engine salt that vLLM's rules accept (SGLang takes any
+        string; "" is none, as in SGLang)."""
+        parts = [v[index] if isinstance(v, list) else v for v in (self.extra_key, self.cache_salt)]
+        if not any(parts):
+            return None
+        return hashlib.sha256(msgspec.json.encode([p or None for p in parts])).hexdigest()
+
+    def to_sampling_params(self, index: int = 0, room: int | None = None) -> SamplingParams:
+        """Prompt `index`'s SamplingParams. `room`: the tokens its prompt leaves within the context;
+        max_new_tokens (and min_new_tokens) are clipped to it, as SGLang's scheduler does."""
+        sp = self.sampling_params[index] if isinstance(self.sampling_params, list) else self.sampling_params
+        max_tokens, min_tokens = sp.max_new_tokens, sp.min_new_tokens
+        if max_tokens == 0:
+            max_tokens = 1
+        if room is not None and room >= 1:
+            max_tokens = room if max_tokens is None else min(max_tokens, room)
+            min_tokens = min(min_tokens, max_tokens)
+        return SamplingParams(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
             min_p=sp.min_p, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
             repetition_penalty=sp.repetition_penalty, repetition_penalty_prompt=False, logit_bias=sp.logit_bias,
             prompt_logprobs=self.top_logprobs_num if self.wants_input_logprobs else None,
-            prompt_logprobs_start=max(self.logprob_start_len, 0),
-            # any string SGLang accepts, as a salt vLLM's rules accept
-            cache_salt=None if self.extra_key is None else hashlib.sha256(self.extra_key.encode()).hexdigest(),
-            max_tokens=1 if self.prefill_only else sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
+            prompt_logprobs_start=max(self.logprob_start_len, 0), cache_salt=self._salt(index),
+            max_tokens=max_tokens, min_tokens=min_tokens, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
@@ -656,6 +755,7 @@ class SglangGenerateOutput(Struct, kw_only=True, omit_defaults=True):
     text: str
     output_ids: list[int]
     meta_info: dict[str, Any]
+    index: int | None = None  # streams of a batch (or n > 1): the output's place in the answer list
 
 
 class PauseGenerationRequest(Struct, kw_only=True):

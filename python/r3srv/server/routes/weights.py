@@ -12,6 +12,9 @@ RL frameworks already call.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import stat
 import time
 from typing import Any
 
@@ -55,6 +58,7 @@ async def update_weights_from_dir(
     counted = state.metrics.weight_updates
     start = time.perf_counter()
     try:
+        await asyncio.to_thread(_check_checkpoint_dir, path, param)
         await state.engine.update_weights(path, abort_running=abort_running, weight_version=weight_version)
     except (ConfigError, InvalidRequestError) as exc:  # the checkpoint or the timing: the client's to fix
         counted.labels("rejected").inc()
@@ -68,6 +72,18 @@ async def update_weights_from_dir(
     counted.labels("loaded").inc()
     state.metrics.weight_update_seconds.observe(seconds)
     return seconds
+
+
+def _check_checkpoint_dir(path: str, param: str) -> None:
+    """A path the file system refuses (too long, a NUL byte, missing, no access) is the client's
+    to fix, and is found before the engine touches a weight."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InvalidRequestError(param=param, problem=f": cannot read {path[:256]!r}: {reason}") from None
+    if not stat.S_ISDIR(mode):
+        raise InvalidRequestError(param=param, problem=f": {path[:256]!r} is not a directory")
 
 
 @post("/reset_prefix_cache", status_code=200, summary="Forget every cached prompt prefix")
