@@ -45,6 +45,10 @@ EXAMPLES = {
     "top_logprobs_num": 2, "routed_experts_start_len": 1, "log_metrics": False, "no_logs": True,
     "routing_key": "k", "conversation_id": "c", "custom_labels": {"a": "b"}, "external_trace_header": {"x": "y"},
     "max_new_tokens": 3, "min_new_tokens": 1, "no_stop_trim": True, "sampling_seed": 7,
+    # the sampling fields (docs/sampling.md)
+    "logit_bias": {"65": 1.5}, "min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+    "repetition_penalty": 1.1, "prompt_logprobs": 1, "truncate_prompt_tokens": 2, "truncation_side": "left",
+    "cache_salt": "fields-salt", "echo": True, "logprob_start_len": 0, "extra_key": "fields-key",
 }
 PROBE = "r3srv-probe"  # neither null nor any peer default: a refused field set to it is a 400
 
