@@ -18,6 +18,8 @@ from r3srv.errors import ConfigError
 from r3srv.models import quantization as quant
 from r3srv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from r3srv.models.model import MoeForCausalLM
+from r3srv.models.parallel import checkpoint_shape, shard_of, transposed
+from r3srv.models.shard_reader import read_fp8, read_mxfp4, read_tensor
 from r3srv.tokenizer import Tokenizer
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "load_model", "load_weights_from_dir", "resolve_dtype", "safetensors_files"]
@@ -192,11 +194,13 @@ def _plan_weights(
                         or (name == "lm_head.weight" and model.config.tie_word_embeddings)):
                     unexpected.append(name)
                 continue
-            if shape != tuple(target.shape):
-                if name in transposable and shape == tuple(target.transpose(-1, -2).shape):
+            # a sharded target holds a slice: the checkpoint has the whole tensor
+            if shape != checkpoint_shape(target):
+                if name in transposable and shape == checkpoint_shape(transposed(target)):
                     plan.transposed.add(name)
                 else:
-                    raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies {tuple(target.shape)}")
+                    raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies "
+                                      f"{checkpoint_shape(target)}")
             if dtype in quant.FP8_DTYPES:
                 plan.scales[name] = _check_fp8_weight(file, name, shape, scale_of, headers, fp8_block)
             owner = owners[name]
@@ -234,10 +238,10 @@ def _check_mxfp4_weight(file, name, shape, target, located, headers, mxfp4):
     if scales is None:
         raise ConfigError(f"{file.name}: {name} has no {base}{quant.SCALES_SUFFIX} tensor")
     scales_shape = headers[scales[0]][scales[1]][0]
-    if len(shape) < 3 or shape[-1] != 16 or scales_shape != shape[:-1] or quant.mxfp4_shape(shape) != tuple(target.shape):
+    if len(shape) < 3 or shape[-1] != 16 or scales_shape != shape[:-1] or quant.mxfp4_shape(shape) != checkpoint_shape(target):
         raise ConfigError(
             f"{file.name}: MXFP4 {name} {shape} with scales {scales_shape} does not unpack to {base}'s "
-            f"{tuple(target.shape)}"
+            f"{checkpoint_shape(target)}"
         )
     return (file, name), scales
 
@@ -253,13 +257,17 @@ def _copy_weights(model: MoeForCausalLM, plan: WeightPlan) -> None:
                 opened[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             return opened[file]
 
+        # each target reads only its shard of the tensor (all of it at size 1)
         for file, names in tqdm(plan.shards, desc="Loading safetensors shards", unit="shard"):
             for name in names:
-                tensor = shard(file).get_tensor(name)
+                target = targets[name]
+                splits = shard_of(transposed(target) if name in plan.transposed else target)
                 if name in plan.scales:
                     scale_file, scale_name = plan.scales[name]
-                    tensor = quant.dequantize(tensor, shard(scale_file).get_tensor(scale_name), plan.fp8_block)
-                targets[name].copy_(tensor.transpose(-1, -2) if name in plan.transposed else tensor)
+                    tensor = read_fp8(shard(file), name, shard(scale_file), scale_name, plan.fp8_block, splits)
+                else:
+                    tensor = read_tensor(shard(file), name, splits)
+                target.copy_(tensor.transpose(-1, -2) if name in plan.transposed else tensor)
         for base, ((blocks_file, blocks), (scales_file, scales)) in plan.packed.items():
-            tensor = quant.dequantize_mxfp4(shard(blocks_file).get_tensor(blocks), shard(scales_file).get_tensor(scales))
-            targets[base].copy_(tensor)
+            target = targets[base]
+            target.copy_(read_mxfp4(shard(blocks_file), blocks, shard(scales_file), scales, shard_of(target)))

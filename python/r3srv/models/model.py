@@ -18,7 +18,6 @@ import os
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from r3srv.errors import ConfigError
@@ -30,11 +29,13 @@ from r3srv.models.kda import KimiDeltaAttention
 from r3srv.models.mamba2 import Mamba2
 from r3srv.models.recurrent import LinearStateBatch
 from r3srv.models.short_conv import ShortConv
-from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq, silu_mlp
+from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.layers import yarn_inv_freq
 from r3srv.models.mla import MlaAttention
-from r3srv.models.moe import SparseMoeBlock, relu2_mlp
+from r3srv.models.moe import Mlp, SparseMoeBlock
+from r3srv.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, ParallelState, RowParallelLinear,
+                                   VocabParallelEmbedding, column_weight, head_pieces, local_heads, transposed)
 
 
 def _cpu_threads() -> int:
@@ -50,12 +51,18 @@ def _cpu_threads() -> int:
 
 
 class Attention(nn.Module):
+    """Grouped-query attention over this rank's heads (all of them at size 1; KV heads are
+    replicated where there are fewer than ranks)."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, window: int | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         self.window = window  # a sliding-window layer: keys at most window - 1 positions back
         kw = dict(dtype=dtype, device=device)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        heads, kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = local_heads(heads, parallel), local_heads(kv_heads, parallel)
+        if cfg.qk_norm == "full" and parallel.tp_size > 1:
+            raise NotImplementedError("a q/k norm over all heads (OLMoE) under tensor parallelism")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.eps = cfg.rms_norm_eps
@@ -65,21 +72,24 @@ class Attention(nn.Module):
         # Qwen3-Next / 3.5: q_proj yields [q, gate] per head; the gate scales the attention output
         self.q_rows = 2 * self.q_size if cfg.attention_output_gate else self.q_size
         # q, k and v stacked: one matmul per layer
-        self.qkv = _param(self.q_rows + 2 * self.kv_size, cfg.hidden_size, **kw)
-        self.qkv_bias = _param(self.q_rows + 2 * self.kv_size, **kw) if cfg.qkv_bias else None
-        self.o = _param(cfg.hidden_size, self.q_size, **kw)
-        self.o_bias = _param(cfg.hidden_size, **kw) if cfg.o_bias else None
+        q_piece = head_pieces(heads, self.q_rows // self.num_heads, parallel)
+        kv_piece = head_pieces(kv_heads, self.head_dim, parallel)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (q_piece, kv_piece, kv_piece), bias=cfg.qkv_bias, **kw)
+        self.o_proj = RowParallelLinear(head_pieces(heads, self.head_dim, parallel), cfg.hidden_size, bias=cfg.o_bias,
+                                        state=parallel, **kw)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm == "head":
             self.q_norm, self.k_norm = _param(self.head_dim, **kw), _param(self.head_dim, **kw)
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
-        self.sinks = _param(self.num_heads, **kw) if cfg.attention_sinks else None
+        self.sinks = column_weight(head_pieces(heads, 1, parallel), **kw) if cfg.attention_sinks else None
         self.scale = cfg.attention_scale  # None: 1 / sqrt(head_dim)
         self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
         self.use_rope = cfg.use_rope and (cfg.rope_layers is None or index in cfg.rope_layers)
         # AFMoE: a separate projection's sigmoid gates the attention output
-        self.gate = _param(self.q_size, cfg.hidden_size, **kw) if cfg.attention_gate_proj else None
+        self.gate = None
+        if cfg.attention_gate_proj:
+            self.gate = ColumnParallelLinear(cfg.hidden_size, head_pieces(heads, self.head_dim, parallel), **kw)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -94,28 +104,26 @@ class Attention(nn.Module):
     def weight_targets(self, prefix: str, module: str = "self_attn.") -> dict[str, torch.Tensor]:
         p = prefix + module
         targets: dict[str, torch.Tensor] = {}
-        q = self.q_rows
-        qkv_rows = {"q": slice(0, q), "k": slice(q, q + self.kv_size), "v": slice(q + self.kv_size, q + 2 * self.kv_size)}
-        for name, rows in qkv_rows.items():
-            targets[p + f"{name}_proj.weight"] = self.qkv[rows]
-            if self.qkv_bias is not None:
-                targets[p + f"{name}_proj.bias"] = self.qkv_bias[rows]
-        targets[p + "o_proj.weight"] = self.o
-        if self.o_bias is not None:
-            targets[p + "o_proj.bias"] = self.o_bias
+        for i, name in enumerate("qkv"):
+            targets[p + f"{name}_proj.weight"] = self.qkv_proj.part(i)
+            if self.qkv_proj.bias is not None:
+                targets[p + f"{name}_proj.bias"] = self.qkv_proj.bias_part(i)
+        targets[p + "o_proj.weight"] = self.o_proj.part()
+        if self.o_proj.bias is not None:
+            targets[p + "o_proj.bias"] = self.o_proj.bias
         if self.q_norm is not None:
             targets[p + "q_norm.weight"] = self.q_norm
             targets[p + "k_norm.weight"] = self.k_norm
         if self.sinks is not None:
-            targets[p + "sinks"] = self.sinks
+            targets[p + "sinks"] = self.sinks.part()
         if self.gate is not None:
-            targets[p + "gate_proj.weight"] = self.gate
+            targets[p + "gate_proj.weight"] = self.gate.part()
         return targets
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
-        gate = None if self.gate is None else F.linear(x, self.gate)
+        q, k, v = self.qkv_proj(x).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None if self.gate is None else self.gate(x)
         if self.q_rows != self.q_size:
             q, gate = q.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, self.q_size)
@@ -133,28 +141,28 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, scale=self.scale, window=self.window,
-                            sinks=self.sinks, decode_kernel=True)
+                            sinks=None if self.sinks is None else self.sinks.weight, decode_kernel=True)
         o = o.reshape(t, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return F.linear(o, self.o, self.o_bias)
+        return self.o_proj(o)
 
 
-class DenseMlp(nn.Module):
-    """A SwiGLU MLP (w13: gate then up rows), or Nemotron-H's non-gated relu^2 one (w13: up rows)."""
+class DenseMlp(Mlp):
+    """A dense layer's SwiGLU MLP (gate_up: gate then up rows), or Nemotron-H's non-gated relu^2 one (up rows)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.gated = cfg.expert_activation != "relu2"
-        self.w13 = _param((2 if self.gated else 1) * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.w2 = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, gated=cfg.expert_activation != "relu2",
+                         parallel=parallel, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None) -> torch.Tensor:
-        return (silu_mlp if self.gated else relu2_mlp)(x, self.w13, self.w2)
+        return super().forward(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         self.index = index
         self.eps = cfg.rms_norm_eps
@@ -172,13 +180,14 @@ class DecoderLayer(nn.Module):
         window = cfg.sliding_windows[index] if cfg.sliding_windows else None
         linear = {"kda": KimiDeltaAttention, "mamba2": Mamba2, "short_conv": ShortConv}.get(cfg.linear_attention_kind,
                                                                                            GatedDeltaNet)
-        self.linear_attn = linear(cfg, dtype, device) if index in cfg.linear_attention_layers else None
+        self.linear_attn = linear(cfg, dtype, device, parallel) if index in cfg.linear_attention_layers else None
         if self.linear_attn is not None:
             self.attn = None
+        elif cfg.is_mla:
+            self.attn = MlaAttention(cfg, dtype, device, index, parallel)
         else:
-            self.attn = MlaAttention(cfg, dtype, device, index) if cfg.is_mla else Attention(cfg, dtype, device, window,
-                                                                                                index)
-        self.mlp = SparseMoeBlock(cfg, dtype, device) if self.is_moe else DenseMlp(cfg, dtype, device)
+            self.attn = Attention(cfg, dtype, device, window, index, parallel)
+        self.mlp = (SparseMoeBlock if self.is_moe else DenseMlp)(cfg, dtype, device, parallel)
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
         h = self._pre_norm(x, self.input_norm)
@@ -200,15 +209,16 @@ class DecoderLayer(nn.Module):
 class MixerBlock(nn.Module):
     """A Nemotron-H layer: one mixer (Mamba-2, attention, MoE or MLP) behind one norm."""
 
-    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         self.index, self.kind, self.eps = index, cfg.layer_kinds[index], cfg.rms_norm_eps
         self.is_moe = self.kind == "moe"
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.norm_fn = rms_norm_for(cfg)
-        self.linear_attn = Mamba2(cfg, dtype, device) if self.kind == "mamba" else None
-        self.attn = Attention(cfg, dtype, device) if self.kind == "attention" else None
-        self.mlp = {"moe": SparseMoeBlock, "mlp": DenseMlp}.get(self.kind, lambda *a: None)(cfg, dtype, device)
+        self.linear_attn = Mamba2(cfg, dtype, device, parallel) if self.kind == "mamba" else None
+        self.attn = Attention(cfg, dtype, device, parallel=parallel) if self.kind == "attention" else None
+        self.mlp = {"moe": SparseMoeBlock, "mlp": DenseMlp}.get(self.kind, lambda *a: None)(cfg, dtype, device, parallel)
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
         h = self.norm_fn(x, self.norm, self.eps)
@@ -226,33 +236,35 @@ class MixerBlock(nn.Module):
             return targets | self.linear_attn.weight_targets(prefix)
         p = prefix + "mixer."
         if isinstance(self.mlp, DenseMlp):
-            return targets | {p + "up_proj.weight": self.mlp.w13, p + "down_proj.weight": self.mlp.w2}
-        mlp = self.mlp
+            return targets | {p + "up_proj.weight": self.mlp.gate_up.part(), p + "down_proj.weight": self.mlp.down.part()}
+        mlp, experts = self.mlp, self.mlp.experts
         targets |= {p + "gate.weight": mlp.gate, p + "gate.e_score_correction_bias": mlp.correction_bias,
-                    p + "experts.up_proj": mlp.w13, p + "experts.down_proj": mlp.w2}  # transformers 5's fused names
-        for e in range(mlp.w13.shape[0]):
-            targets[p + f"experts.{e}.up_proj.weight"] = mlp.w13[e]
-            targets[p + f"experts.{e}.down_proj.weight"] = mlp.w2[e]
-        if mlp.shared_w13 is not None:
-            targets[p + "shared_experts.up_proj.weight"] = mlp.shared_w13
-            targets[p + "shared_experts.down_proj.weight"] = mlp.shared_w2
+                    p + "experts.up_proj": experts.w13_part(), p + "experts.down_proj": experts.w2_part()}  # transformers 5's fused names
+        for e in experts.local_ids:
+            targets[p + f"experts.{e}.up_proj.weight"] = experts.w13_part(e)
+            targets[p + f"experts.{e}.down_proj.weight"] = experts.w2_part(e)
+        if mlp.shared is not None:
+            targets[p + "shared_experts.up_proj.weight"] = mlp.shared.gate_up.part()
+            targets[p + "shared_experts.down_proj.weight"] = mlp.shared.down.part()
         return targets
 
 
 class MoeForCausalLM(nn.Module):
     """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = cfg
         self.dtype = dtype
         self.device = device
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.parallel = parallel  # this rank's shard of every layer (the whole model at size 1)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, state=parallel, dtype=dtype, device=device)
         layer_class = DecoderLayer if cfg.layer_kinds is None else MixerBlock
-        self.layers = nn.ModuleList(layer_class(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, i, dtype, device, parallel) for i in range(cfg.num_layers))
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(self.embed, cfg.tie_word_embeddings, dtype=dtype, device=device)
         if cfg.rope_yarn:
             inv_freq, self.rope_attention_factor = yarn_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)
         else:
@@ -347,7 +359,7 @@ class MoeForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(
             positions, self.inv_freq, self.dtype, self.config.rope_scaling_factor, self.rope_attention_factor
         )
-        x = F.embedding(batch.input_ids.to(self.device), self.embed)
+        x = self.embed(batch.input_ids.to(self.device))
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
         capture = batch.routing_capture
@@ -362,7 +374,7 @@ class MoeForCausalLM(nn.Module):
             layer_capture = capture[:, layer.index] if capture is not None and layer.is_moe else None
             x = layer(x, cos, sin, meta, layer_capture, states)
         x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.rms_norm_eps)
-        logits = F.linear(x, self.lm_head).float()
+        logits = self.lm_head(x).float()
         return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     # ---- checkpoint names -----------------------------------------------------------------
@@ -374,9 +386,10 @@ class MoeForCausalLM(nn.Module):
         """
         cfg = self.config
         family = cfg.model_type
-        targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
+        targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed.part(),
+                                            "model.norm.weight": self.final_norm}
         if not cfg.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head
+            targets["lm_head.weight"] = self.lm_head.part()
         if family == "nemotron_h":
             return _nemotron_h_targets(self, targets)
         for layer in self.layers:
@@ -395,10 +408,9 @@ class MoeForCausalLM(nn.Module):
             targets.update((layer.linear_attn or layer.attn).weight_targets(p))
             mlp = layer.mlp
             if isinstance(mlp, DenseMlp):
-                half = mlp.w13.shape[0] // 2
-                targets[p + "mlp.gate_proj.weight"] = mlp.w13[:half]
-                targets[p + "mlp.up_proj.weight"] = mlp.w13[half:]
-                targets[p + "mlp.down_proj.weight"] = mlp.w2
+                targets[p + "mlp.gate_proj.weight"] = mlp.gate_up.part(0)
+                targets[p + "mlp.up_proj.weight"] = mlp.gate_up.part(1)
+                targets[p + "mlp.down_proj.weight"] = mlp.down.part()
                 if family == "kimi_linear":  # transformers writes Kimi-Linear's dense MLPs as block_sparse_moe
                     for name in ("gate_proj", "up_proj", "down_proj"):
                         targets[p + f"block_sparse_moe.{name}.weight"] = targets[p + f"mlp.{name}.weight"]
@@ -463,23 +475,22 @@ def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Te
     if mlp.correction_bias is not None:
         for name in _BIAS_NAMES[family]:  # ERNIE stores it as [1, E]
             targets[p + name] = mlp.correction_bias.view(1, -1) if family == "ernie4_5_moe" else mlp.correction_bias
-    half = mlp.w13.shape[1] // 2
-    for e in range(mlp.w13.shape[0]):
+    experts = mlp.experts
+    for e in experts.local_ids:  # logical ids: another rank's experts are not targets here
         ep = f"{moe_prefix}experts.{e}."
-        targets[ep + f"{gate_name}.weight"] = mlp.w13[e, :half]
-        targets[ep + f"{up_name}.weight"] = mlp.w13[e, half:]
-        targets[ep + f"{down_name}.weight"] = mlp.w2[e]
+        targets[ep + f"{gate_name}.weight"] = experts.w13_part(e, 0)
+        targets[ep + f"{up_name}.weight"] = experts.w13_part(e, 1)
+        targets[ep + f"{down_name}.weight"] = experts.w2_part(e)
     # transformers 5 in-memory (fused) names, which use "mlp." for every family
     targets[p + "mlp.gate.weight"] = mlp.gate
-    targets[p + "mlp.experts.gate_up_proj"] = mlp.w13
-    targets[p + "mlp.experts.down_proj"] = mlp.w2
-    if mlp.shared_w13 is not None:
-        s_half = mlp.shared_w13.shape[0] // 2
+    targets[p + "mlp.experts.gate_up_proj"] = experts.w13_part()
+    targets[p + "mlp.experts.down_proj"] = experts.w2_part()
+    if mlp.shared is not None:
         # Qwen2-MoE: one gated "shared_expert"; GLM-4.5 and others: gate-less "shared_experts"
         shared = p + ("mlp.shared_experts." if family in _SHARED_EXPERTS else "mlp.shared_expert.")
-        targets[shared + "gate_proj.weight"] = mlp.shared_w13[:s_half]
-        targets[shared + "up_proj.weight"] = mlp.shared_w13[s_half:]
-        targets[shared + "down_proj.weight"] = mlp.shared_w2
+        targets[shared + "gate_proj.weight"] = mlp.shared.gate_up.part(0)
+        targets[shared + "up_proj.weight"] = mlp.shared.gate_up.part(1)
+        targets[shared + "down_proj.weight"] = mlp.shared.down.part()
         if mlp.shared_gate is not None:
             targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
         if family == "kimi_linear":  # released under block_sparse_moe like its experts
@@ -490,12 +501,13 @@ def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Te
 def _granite_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
     """Granite's fused experts (input_linear: gate then up rows; output_linear) and its shared MLP."""
     p = prefix + "block_sparse_moe."
+    experts = mlp.experts
     targets = {p + "router.layer.weight": mlp.gate, p + "router.weight": mlp.gate,
-               p + "input_linear.weight": mlp.w13, p + "output_linear.weight": mlp.w2,
-               p + "experts.gate_up_proj": mlp.w13, p + "experts.down_proj": mlp.w2}
-    if mlp.shared_w13 is not None:
-        targets[prefix + "shared_mlp.input_linear.weight"] = mlp.shared_w13
-        targets[prefix + "shared_mlp.output_linear.weight"] = mlp.shared_w2
+               p + "input_linear.weight": experts.w13_part(), p + "output_linear.weight": experts.w2_part(),
+               p + "experts.gate_up_proj": experts.w13_part(), p + "experts.down_proj": experts.w2_part()}
+    if mlp.shared is not None:
+        targets[prefix + "shared_mlp.input_linear.weight"] = mlp.shared.gate_up.part()
+        targets[prefix + "shared_mlp.output_linear.weight"] = mlp.shared.down.part()
     return targets
 
 
@@ -503,7 +515,7 @@ def _nemotron_h_targets(model: MoeForCausalLM, targets: dict[str, torch.Tensor])
     """Nemotron-H's names: embeddings and norm_f, one mixer per layer; released checkpoints
     spell "model." as "backbone."."""
     targets = {"lm_head.weight": targets["lm_head.weight"]} if "lm_head.weight" in targets else {}
-    named = {"model.embeddings.weight": model.embed, "model.norm_f.weight": model.final_norm}
+    named = {"model.embeddings.weight": model.embed.part(), "model.norm_f.weight": model.final_norm}
     for layer in model.layers:
         named |= layer.weight_targets(f"model.layers.{layer.index}.")
     named = {k: v for k, v in named.items() if v is not None}
@@ -513,12 +525,13 @@ def _nemotron_h_targets(model: MoeForCausalLM, targets: dict[str, torch.Tensor])
 def _gpt_oss_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
     """gpt-oss keeps experts fused and transposed ([E, H, 2I] with gate/up columns interleaved,
     [E, I, H]): views of w13 (whose rows stay interleaved, see moe.clamped_swiglu) and w2."""
-    p = prefix + "mlp."
+    p, experts = prefix + "mlp.", mlp.experts
+    b13, b2 = experts.bias_parts()
     return {
         p + "router.weight": mlp.gate,
         p + "router.bias": mlp.gate_bias,
-        p + "experts.gate_up_proj": mlp.w13.transpose(1, 2),
-        p + "experts.gate_up_proj_bias": mlp.b13,
-        p + "experts.down_proj": mlp.w2.transpose(1, 2),
-        p + "experts.down_proj_bias": mlp.b2,
+        p + "experts.gate_up_proj": transposed(experts.w13_part()),
+        p + "experts.gate_up_proj_bias": b13,
+        p + "experts.down_proj": transposed(experts.w2_part()),
+        p + "experts.down_proj_bias": b2,
     }
