@@ -18,7 +18,7 @@ from r3srv.errors import ConfigError
 from r3srv.models import quantization as quant
 from r3srv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from r3srv.models.model import MoeForCausalLM
-from r3srv.models.parallel import checkpoint_shape, shard_of, transposed
+from r3srv.models.parallel import SINGLE, ParallelState, checkpoint_shape, loaded_numel, shard_of, transposed
 from r3srv.models.shard_reader import read_fp8, read_mxfp4, read_tensor
 from r3srv.tokenizer import Tokenizer
 
@@ -61,10 +61,12 @@ def load_model(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
+    parallel: ParallelState = SINGLE,
 ) -> tuple[MoeForCausalLM, Tokenizer | None]:
     """Load a checkpoint directory; `path=None` (or the name BUILTIN_MODEL_NAME) loads the built-in
     model (random weights).
 
+    parallel: this rank's place; the model holds, and reads, only its shard of each weight.
     Returns (model, tokenizer). The tokenizer is None when the directory has no
     tokenizer.json (token-id prompts only). Raises ConfigError for an unsupported
     architecture, a missing or malformed file, or missing weights.
@@ -86,7 +88,7 @@ def load_model(
     cfg = ModelConfig.from_dir(path)
     device = torch.device(device)
     model_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
-    model = MoeForCausalLM(cfg, dtype=model_dtype, device=device)
+    model = MoeForCausalLM(cfg, dtype=model_dtype, device=device, parallel=parallel)
     _load_weights(model, safetensors_files(path), cfg)
     model.eval()
 
@@ -209,7 +211,7 @@ def _plan_weights(
         plan.shards.append((file, used))
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:5])
-    missing = [name for name, p in named.items() if filled.get(name, 0) != p.numel()]
+    missing = [name for name, p in named.items() if filled.get(name, 0) != loaded_numel(p)]
     if missing:
         raise ConfigError(f"the checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:8]}")
     return plan

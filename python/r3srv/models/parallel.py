@@ -140,6 +140,11 @@ def checkpoint_shape(target: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def loaded_numel(param: torch.Tensor) -> int:
+    """Elements of a parameter its checkpoint fills (a padded vocabulary slice's padding is not)."""
+    return param.numel() - getattr(param, "padding", 0)
+
+
 def split_evenly(size: int, rank: int, count: int) -> Piece:
     if size % count:
         raise ValueError(f"{size} does not split over {count} ranks")
@@ -252,6 +257,10 @@ class VocabParallelEmbedding(ShardedWeight):
         super().__init__((Piece(vocab_size, state.tp_rank, state.tp_size),), (0, hidden_size), 0, bias=False,
                          dtype=dtype, device=device)
         self.state, self.vocab_size = state, vocab_size
+        piece = self.pieces[0]
+        with torch.no_grad():  # the padding rows of the last slice: no token, zero logits (dropped)
+            self.weight[piece.stop - piece.start :].zero_()
+        self.weight.padding = (piece.local - (piece.stop - piece.start)) * hidden_size
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.state.tp_size == 1:
