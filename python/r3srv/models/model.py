@@ -61,8 +61,7 @@ class Attention(nn.Module):
         kw = dict(dtype=dtype, device=device)
         heads, kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads = local_heads(heads, parallel), local_heads(kv_heads, parallel)
-        if cfg.qk_norm == "full" and parallel.tp_size > 1:
-            raise NotImplementedError("a q/k norm over all heads (OLMoE) under tensor parallelism")
+        self.total_heads, self.total_kv_heads, self.parallel = heads, kv_heads, parallel
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.eps = cfg.rms_norm_eps
@@ -80,8 +79,8 @@ class Attention(nn.Module):
         self.q_norm = self.k_norm = None
         if cfg.qk_norm == "head":
             self.q_norm, self.k_norm = _param(self.head_dim, **kw), _param(self.head_dim, **kw)
-        elif cfg.qk_norm == "full":
-            self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
+        elif cfg.qk_norm == "full":  # over every head: whole on each rank
+            self.q_norm, self.k_norm = _param(heads * self.head_dim, **kw), _param(kv_heads * self.head_dim, **kw)
         self.sinks = column_weight(head_pieces(heads, 1, parallel), **kw) if cfg.attention_sinks else None
         self.scale = cfg.attention_scale  # None: 1 / sqrt(head_dim)
         self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
@@ -92,6 +91,16 @@ class Attention(nn.Module):
             self.gate = ColumnParallelLinear(cfg.hidden_size, head_pieces(heads, self.head_dim, parallel), **kw)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def _norm_all_heads(self, y: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
+        """RMSNorm over every head: under tensor parallelism the ranks' heads are gathered (each
+        replicated head once), normed whole, and this rank's kept."""
+        tp = self.parallel.tp_size
+        if tp == 1:
+            return self.norm(y, weight, self.eps)
+        every = max(1, tp // heads)  # ranks holding the same replicated heads
+        whole = self.norm(torch.cat(self.parallel.all_gather(y).chunk(tp, dim=-1)[::every], dim=-1), weight, self.eps)
+        return whole.chunk(tp // every, dim=-1)[self.parallel.tp_rank // every]
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_slots, self.num_kv_heads, self.head_dim)
@@ -127,8 +136,9 @@ class Attention(nn.Module):
         if self.q_rows != self.q_size:
             q, gate = q.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, self.q_size)
-        if self.qk_norm == "full":  # OLMoE: over all heads, before clipping
-            q, k = self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)
+        if self.qk_norm == "full":  # OLMoE, MiniMax-M2: over all heads, before clipping
+            q, k = self._norm_all_heads(q, self.q_norm, self.total_heads), self._norm_all_heads(k, self.k_norm,
+                                                                                                  self.total_kv_heads)
         if self.clip_qkv is not None:
             q, k, v = (y.clamp(-self.clip_qkv, self.clip_qkv) for y in (q, k, v))
         q = q.reshape(t, self.num_heads, self.head_dim)

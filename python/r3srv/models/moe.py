@@ -69,7 +69,8 @@ def grouped_experts(
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t. x [T, H]; ids/weights [T, k].
 
-    An expert is down(act(gate_up(x) + b13) ) + b2; the biases ([E, 2I], [E, H]) are optional."""
+    An expert is down(act(gate_up(x) + b13) ) + b2; the biases ([E, 2I], [E, H]) are optional
+    (b2 alone too: a split expert adds it on one rank)."""
     num_tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
@@ -114,7 +115,7 @@ def _expert_mlps_grouped(rows, w13, w2, counts, act=silu_and_mul, biases=None) -
     if biases is not None:
         h = h + biases[0].index_select(0, biases[2])
     out = _GROUPED_MM(act(h), w2.transpose(1, 2), offs=offs)
-    if biases is not None:
+    if biases is not None and biases[1] is not None:
         out = out + biases[1].index_select(0, biases[2])
     return out
 
@@ -136,7 +137,7 @@ def _expert_mlps_looped(rows, w13, w2, counts, act=silu_and_mul, biases=None) ->
     out = torch.empty_like(rows)
     for expert, begin, end in spans:
         out[begin:end] = F.linear(h[begin:end], w2[expert])
-    return out if biases is None else out + biases[1].index_select(0, biases[2])
+    return out if biases is None or biases[1] is None else out + biases[1].index_select(0, biases[2])
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # absent from older torch releases
@@ -182,6 +183,7 @@ class SparseMoeBlock(nn.Module):
         self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul if gated else relu_squared
         if gpt_oss:
             self.act = functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+        self.expert_pass = functools.partial(grouped_experts, act=self.act)
         self.shared = self.shared_gate = None
         s = cfg.shared_expert_intermediate_size
         if s:
@@ -203,7 +205,7 @@ class SparseMoeBlock(nn.Module):
             topk_groups=self.topk_groups,
             group_score_top=self.group_score_top,
         )
-        out = self.experts(x, weights, ids, functools.partial(grouped_experts, act=self.act))
+        out = self.experts(x, weights, ids, self.expert_pass)
         if self.shared is not None:
             shared = self.shared(x)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)
