@@ -159,36 +159,36 @@ class SparseMoeBlock(nn.Module):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         kw = dict(dtype=dtype, device=device)
         self.top_k = cfg.top_k
-        self.renormalize = cfg.renormalize
-        self.scoring = cfg.scoring
-        self.scaling = cfg.routed_scaling_factor
-        self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
-        self.group_score_top = cfg.group_score_top
+        self.renormalize = cfg.router.renormalize
+        self.scoring = cfg.router.scoring
+        self.scaling = cfg.router.scaling
+        self.num_groups, self.topk_groups = cfg.router.num_groups, cfg.router.topk_groups
+        self.group_score_top = cfg.router.group_score_top
         # A float32 router keeps the checkpoint's routing exact in a bf16 model: the reference
         # implementations compute these logits in float32, and the correction bias is stored
         # in float32 (rounding it to bf16 would change which experts win).
-        router_dtype = torch.float32 if cfg.router_float32 else dtype
+        router_dtype = torch.float32 if cfg.router.float32 else dtype
         self.gate = nn.Parameter(torch.empty(e, h, dtype=router_dtype, device=device), requires_grad=False)
         self.gate_bias = (
             nn.Parameter(torch.empty(e, dtype=router_dtype, device=device), requires_grad=False)
-            if cfg.router_logit_bias else None
+            if cfg.router.logit_bias else None
         )
         self.correction_bias = (
             nn.Parameter(torch.empty(e, dtype=torch.float32, device=device), requires_grad=False)
-            if cfg.router_bias else None
+            if cfg.router.correction_bias else None
         )
-        gated = cfg.expert_activation != "relu2"
-        gpt_oss = cfg.expert_activation == "gpt_oss"  # biased experts, gate/up rows interleaved in w13
+        gated = cfg.experts.gated
+        gpt_oss = cfg.experts.activation == "clamped_swiglu"  # biased experts, gate/up rows interleaved in w13
         self.experts = ExpertSlice(e, h, i, gated=gated, interleaved=gpt_oss, biased=gpt_oss, state=parallel, **kw)
         self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul if gated else relu_squared
         if gpt_oss:
-            self.act = functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+            self.act = functools.partial(clamped_swiglu, alpha=cfg.experts.swiglu_alpha, limit=cfg.experts.swiglu_limit)
         self.expert_pass = functools.partial(grouped_experts, act=self.act)
         self.shared = self.shared_gate = None
-        s = cfg.shared_expert_intermediate_size
+        s = cfg.experts.shared_intermediate_size
         if s:
             self.shared = Mlp(h, s, gated=gated, parallel=parallel, **kw)
-            if cfg.shared_expert_gate:
+            if cfg.experts.shared_gate:
                 self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:
