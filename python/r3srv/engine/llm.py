@@ -41,6 +41,8 @@ class LLM:
         prefill_context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        cuda_graphs: bool | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.engine = LLMEngine.from_kwargs(
             model,
@@ -60,6 +62,8 @@ class LLM:
             prefill_context_parallel_size=prefill_context_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            cuda_graphs=cuda_graphs,
+            enforce_eager=enforce_eager,
         )
         self._ids = itertools.count()
 
