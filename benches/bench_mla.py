@@ -33,17 +33,17 @@ def latent_prefill(attn: MlaAttention, x, cos, sin, meta):
     """The same layer attending in the latent space for every token (the absorbed form)."""
     t, h = x.shape[0], attn.num_heads
     q = torch.nn.functional.linear(x, attn.q_a)
-    q = torch.nn.functional.linear(torch.nn.functional.rms_norm(q, (q.shape[-1],), attn.q_a_norm, 1e-6), attn.q_b)
+    q = torch.nn.functional.linear(torch.nn.functional.rms_norm(q, (q.shape[-1],), attn.q_a_norm, 1e-6), attn.q_b_proj.weight)
     q_nope, q_rope = q.view(t, h, attn.nope + attn.rope).split([attn.nope, attn.rope], dim=-1)
     latent, k_rope = torch.nn.functional.linear(x, attn.kv_a).split([attn.rank, attn.rope], dim=-1)
     latent = torch.nn.functional.rms_norm(latent, (attn.rank,), attn.kv_a_norm, 1e-6)
     q_rope, k_rope = attn.rotate(q_rope, cos, sin), attn.rotate(k_rope.reshape(t, 1, attn.rope), cos, sin)
-    kv_b = attn.kv_b.view(h, attn.nope + attn.v_dim, attn.rank)
+    kv_b = attn.kv_b_proj.weight.view(h, attn.nope + attn.v_dim, attn.rank)
     query = torch.cat((torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : attn.nope]), q_rope), dim=-1)
     key = torch.cat((latent[:, None, :], k_rope), dim=-1)
     out = paged_attention(query, key, key[..., : attn.rank], attn.k_cache, attn.v_cache, meta, scale=attn.scale)
     out = torch.einsum("thc,hdc->thd", out, kv_b[:, attn.nope :])
-    return torch.nn.functional.linear(out.reshape(t, -1), attn.o)
+    return torch.nn.functional.linear(out.reshape(t, -1), attn.o_proj.weight)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

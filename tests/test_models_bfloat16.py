@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 def test_bfloat16_generation(family, tmp_path):
     llm = LLM(str(write_tiny_checkpoint(tmp_path / family, family, seed=3)), dtype="bfloat16", max_model_len=64,
               block_size=4)
-    assert llm.engine.model.embed.dtype.itemsize == 2
+    assert llm.engine.model.embed.weight.dtype.itemsize == 2
     cfg = llm.model_config
     prompts = [list(range(30, 50)), list(range(60, 63))]  # a chunk past DSA's top-5 and a short one
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1))

@@ -403,7 +403,7 @@ def test_bfloat16_model_keeps_the_router_in_float32(tmp_path):
 
     model, _ = load_model(path, dtype="bfloat16")
     moe = model.layers[0].mlp
-    assert model.embed.dtype == torch.bfloat16 and moe.w13.dtype == torch.bfloat16
+    assert model.embed.weight.dtype == torch.bfloat16 and moe.experts.w13.dtype == torch.bfloat16
     assert moe.gate.dtype == torch.float32 and moe.correction_bias.dtype == torch.float32
     bias = tensors["model.layers.0.mlp.gate.e_score_correction_bias"]
     assert torch.equal(moe.correction_bias, bias)  # bit for bit, not via bf16

@@ -181,7 +181,7 @@ def test_dtype_choice_and_missing_tokenizer(tmp_path, capfd):
     assert "Loading safetensors shards" in capfd.readouterr().err  # the progress bar
     assert tokenizer is None and model.dtype == torch.float32  # "auto" is float32 on the CPU
     model, _ = load_model(path, dtype=torch.bfloat16)
-    assert model.embed.dtype == torch.bfloat16
+    assert model.embed.weight.dtype == torch.bfloat16
     assert prefill_logits(model).dtype == torch.float32
     with pytest.raises(ConfigError, match="unsupported dtype"):
         load_model(path, dtype="int8")

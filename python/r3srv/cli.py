@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from r3srv import settings
+
 logger = logging.getLogger("r3srv.serve")
 
 EXIT_CONFIG_ERROR = 2
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step (default: %(default)s)")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="tokens per step")
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="most logprobs a request may ask for per token; -1: no limit (default: %(default)s)")
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
     serve.add_argument("--device", default="auto",
                        help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
@@ -122,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--enforce-eager", action="store_true", help="vLLM's flag: no CUDA graphs, whatever else asks")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    settings.add_arguments(serve)
     return parser
 
 
@@ -133,6 +138,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_logprobs=args.max_logprobs,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         seed=args.seed,
@@ -179,11 +185,17 @@ def _peers_but_self(args: argparse.Namespace) -> list[str]:
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from r3srv.errors import ConfigError
+
+    try:  # before anything reads them: the model, the encoder
+        settings.configure(settings.from_args(args))
+    except ConfigError as exc:
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     # Imported here so `r3srv --help` stays fast.
     import uvicorn
 
     from r3srv.engine.async_llm import AsyncLLM
-    from r3srv.errors import ConfigError
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
     from r3srv.server.connections import guarded_h11
 

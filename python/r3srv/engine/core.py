@@ -25,10 +25,11 @@ from r3srv.engine.block_manager import BlockManager
 from r3srv.engine.executor import Executor, InProcessExecutor
 from r3srv.engine.input_processor import EngineRequest
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
-from r3srv.engine.sampler import SampleResult
+from r3srv.engine.sampler import SampleResult, prompt_logprobs
 from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
 from r3srv.errors import ConfigError, InvalidRequestError
+from r3srv.outputs import Logprob
 
 if TYPE_CHECKING:
     from r3srv.models.loader import NamedTensors
@@ -76,6 +77,8 @@ class RequestUpdate:
     weight_version: str | None
     arrival_time: float
     first_token_time: float | None
+    # the request's prompt logprobs, once all computed (sent once; None otherwise)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -98,6 +101,7 @@ class _Request:
     weight_version: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -395,20 +399,30 @@ class EngineCore:
         if self.rows is not None:
             self.rows.store(out.slot_mapping, out.routing_capture)
 
+        if out.prompt_logits is not None:
+            try:
+                _record_prompt_logprobs(seqs, out.prompt_logits, out.prompt_spans)
+            except Exception as exc:  # fail the requests that asked for them; the others go on
+                for i, _, _ in out.prompt_spans:
+                    self._fail(seqs[i].request_id, exc, result)
         self.scheduler.mark_computed(sched)
         touched: dict[str, tuple[_Request, list[SeqUpdate]]] = {}
         for seq in seqs:
-            if seq.stopped_at is not None and seq.num_computed_tokens >= seq.num_tokens - 1:
+            if seq.stopped_at is not None and not seq.is_finished and seq.num_computed_tokens >= seq.num_tokens - 1:
                 req = self.requests[seq.request_id]  # its kept tokens' rows are back: finish it
                 touched.setdefault(seq.request_id, (req, []))[1].append(self._finish(seq, "stop", seq.stopped_at))
         sampled_seqs = [seqs[i] for i in sched.sample_indices]
+        samples = out.samples
+        if result.failed and out.sample_error is None:  # prompt logprobs failed above: drop those samples
+            kept = [k for k, s in enumerate(sampled_seqs) if not s.is_finished]  # failed above
+            sampled_seqs, samples = [sampled_seqs[k] for k in kept], [samples[k] for k in kept if k < len(samples)]
         if out.sample_error is not None:
             for rid in dict.fromkeys(s.request_id for s in sampled_seqs):
                 touched.pop(rid, None)
                 self._fail(rid, out.sample_error, result)
             sampled_seqs = []
         now = time.monotonic()
-        for seq, res in zip(sampled_seqs, out.samples):
+        for seq, res in zip(sampled_seqs, samples):
             req = self.requests[seq.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -469,10 +483,27 @@ class EngineCore:
         return updates
 
     def _update(self, req: _Request, seqs: list[SeqUpdate]) -> RequestUpdate:
-        return RequestUpdate(
+        update = RequestUpdate(
             req.prepared.request_id, seqs, req.seqs[0].num_cached_tokens, req.weight_version,
             req.arrival_time, req.first_token_time,
         )
+        first = req.seqs[0]
+        if not req.prompt_logprobs_sent and first.prompt_logprobs is not None:
+            if first.next_prompt_logprob_position is None or req.finished:  # complete, or never will be
+                update.prompt_logprobs = list(first.prompt_logprobs)  # the core thread may not touch it again
+                req.prompt_logprobs_sent = True
+        return update
+
+
+def _record_prompt_logprobs(seqs: list[Sequence], logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
+    """Append the prompt logprobs of this step's prompt rows to their sequences."""
+    targets = [t for i, position, count in spans for t in seqs[i].token_ids[position + 1 : position + 1 + count]]
+    num_top = [seqs[i].params.prompt_logprobs for i, _, count in spans for _ in range(count)]
+    entries = prompt_logprobs(logits, targets, num_top)
+    first = 0
+    for i, _, count in spans:
+        seqs[i].prompt_logprobs.extend(entries[first : first + count])
+        first += count
 
 
 class EngineFacts:
@@ -506,6 +537,11 @@ class EngineFacts:
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The model's and the tokenizer's end-of-sequence ids."""
+        return self.core.eos_token_ids
 
     @property
     def device(self) -> torch.device:

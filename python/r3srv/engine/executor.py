@@ -45,6 +45,10 @@ class ModelOutput:
     # the step's rows ([tokens, layers, top_k], possibly still on the device) and their KV slots
     routing_capture: torch.Tensor | None = None
     slot_mapping: np.ndarray | None = None
+    # the asked prompt positions' logits ([R, vocab]) and (sequence index, first position,
+    # count) of each run of them (ModelRunner.prompt_spans); None / empty when none asked
+    prompt_logits: torch.Tensor | None = None
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Executor(abc.ABC):
@@ -123,7 +127,8 @@ class InProcessExecutor(Executor):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         seqs = scheduler_output.seqs
         logits, capture, slots = self.runner.run(seqs)
-        out = ModelOutput(routing_capture=capture, slot_mapping=slots)
+        out = ModelOutput(routing_capture=capture, slot_mapping=slots,
+                          prompt_logits=self.runner.prompt_logits, prompt_spans=self.runner.prompt_spans)
         picked = scheduler_output.sample_indices
         if picked:
             try:

@@ -34,8 +34,10 @@ class EngineRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, enable_return_routed_experts: bool) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, enable_return_routed_experts: bool,
+                 max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs  # -1: the whole vocabulary
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.enable_return_routed_experts = enable_return_routed_experts
@@ -78,6 +80,7 @@ class InputProcessor:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
                 raise InvalidRequestError(param="prompt", problem=" must be a string or a list of token ids") from None
+        ids = self._truncated(ids, params)
         if not ids:
             raise InvalidRequestError(param="prompt", problem=" is empty (it has no tokens)")
         vocab = self.vocab_size
@@ -87,7 +90,13 @@ class InputProcessor:
         bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(param="stop_token_ids", problem=f" holds {bad}, outside the vocabulary [0, {vocab})")
+        self._check_sampling_limits(params)
         n_prompt = len(ids)
+        if params.prompt_logprobs_start > n_prompt:
+            raise InvalidRequestError(
+                param="prompt_logprobs_start",
+                problem=f"={params.prompt_logprobs_start} is beyond the prompt's {n_prompt} tokens",
+            )
         start = params.routed_experts_prompt_start
         if not 0 <= start <= n_prompt:
             raise InvalidRequestError(
@@ -121,3 +130,39 @@ class InputProcessor:
         if want is None:
             want = self.enable_return_routed_experts
         return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want))
+
+    def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt after truncate_prompt_tokens, checked in vLLM's order: a size above
+        max_model_len is refused before truncating; -1 keeps max_model_len - 1 tokens."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep > self.max_model_len:
+            raise InvalidRequestError(
+                param="truncate_prompt_tokens",
+                problem=f"={keep} cannot be greater than max_model_len={self.max_model_len}; "
+                "request a smaller truncation size",
+            )
+        if keep == -1:
+            keep = self.max_model_len - 1
+        if keep >= len(ids):
+            return ids
+        return ids[len(ids) - keep :] if params.truncation_side == "left" else ids[:keep]
+
+    def _check_sampling_limits(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and logprob
+        counts against max_logprobs (-1, the whole vocabulary, counts as vocab_size), as vLLM."""
+        vocab = self.vocab_size
+        bad = sorted(t for t in (params.logit_bias or ()) if not 0 <= t < vocab)
+        if bad:
+            raise InvalidRequestError(param="logit_bias", problem=f" holds token ids {bad}, outside the vocabulary [0, {vocab})")
+        limit = vocab if self.max_logprobs == -1 else self.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            asked = vocab if asked == -1 else asked
+            if asked is not None and asked > limit:
+                raise InvalidRequestError(
+                    param=name,
+                    problem=f": requested {asked}, which is greater than max allowed: {limit} "
+                    "(the server's --max-logprobs; -1 asks for the whole vocabulary)",
+                )

@@ -38,7 +38,8 @@ class LLMEngine(EngineFacts):
         self.core = EngineCore(config)
         core = self.core
         self.input_processor = InputProcessor(
-            core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts
+            core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
+            core.config.max_logprobs,
         )
         self.output_processor = OutputProcessor(core.tokenizer)
 

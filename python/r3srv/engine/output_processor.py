@@ -73,12 +73,12 @@ class SeqState:
     def cumulative_logprob(self) -> float:
         return self.cumulative_logprobs[-1] if self.cumulative_logprobs else 0.0
 
-    def append(self, sample) -> str:
+    def append(self, sample, silent: bool = False) -> str:
         self.token_ids.append(sample.token_id)
         if self.logprobs is not None:
             self.logprobs.append(sample.top_logprobs)
             self.cumulative_logprobs.append(self.cumulative_logprob + sample.logprob)
-        return self.stream.add(sample.token_id)
+        return self.stream.add(sample.token_id, silent)
 
     def cut(self, kept_len: int, kept_tokens: int) -> None:
         self.stream.truncate(kept_len, kept_tokens)
@@ -96,7 +96,8 @@ class SeqState:
 
 
 class RequestState:
-    __slots__ = ("prep", "seqs", "num_cached_tokens", "weight_version", "arrival_time", "first_token_time")
+    __slots__ = ("prep", "seqs", "num_cached_tokens", "weight_version", "arrival_time", "first_token_time",
+                 "prompt_logprobs")
 
     def __init__(self, prep: EngineRequest, tokenizer) -> None:
         self.prep = prep
@@ -105,6 +106,7 @@ class RequestState:
         self.weight_version: str | None = None
         self.arrival_time: float | None = None
         self.first_token_time: float | None = None
+        self.prompt_logprobs: list | None = None  # the core sends them once, all computed
 
 
 class OutputProcessor:
@@ -165,10 +167,15 @@ class OutputProcessor:
         st.weight_version = update.weight_version
         st.arrival_time = update.arrival_time
         st.first_token_time = update.first_token_time
+        if update.prompt_logprobs is not None:
+            st.prompt_logprobs = update.prompt_logprobs
         for su in update.seqs:
             s = st.seqs[su.index]
             if su.sample is not None and s.finish_reason is None:  # tokens after a stop string are dropped
-                delta = s.append(su.sample)
+                # As vLLM: the text of a stop token or EOS (the core finished the sequence on the
+                # token itself) is left out unless include_stop_str_in_output.
+                silent = su.finish_reason == "stop" and not s.params.include_stop_str_in_output
+                delta = s.append(su.sample, silent)
                 if su.finish_reason != "stop" and self._stop_string(s, delta):  # a stop token comes first
                     if su.finish_reason is None:  # the core still runs it
                         s.stopping = True
@@ -212,6 +219,7 @@ def _request_output(st: RequestState, finished: bool) -> RequestOutput:
         outputs=[completion_output(s, delta) for s in st.seqs],
         finished=finished,
         num_cached_tokens=st.num_cached_tokens,
+        prompt_logprobs=st.prompt_logprobs,
         weight_version=st.weight_version,
         metrics=metrics,
     )

@@ -75,7 +75,7 @@ class Scheduler:
         # 2. Waiting sequences, unless this step had to preempt (the pool is tight).
         while self.waiting and out.num_preempted == 0 and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.match_prefix(seq.token_ids)
+            cached = bm.match_sequence(seq)
             start = len(cached) * bm.block_size
             n = min(seq.num_tokens - start, budget)
             if bm.admission_cost(seq, cached, start + n) > bm.num_free_blocks:
@@ -101,6 +101,8 @@ class Scheduler:
         """After the step of `out` ran: its scheduled tokens are computed, and full blocks are
         registered for prefix hits. (The sequences at `out.sample_indices` now sample.)"""
         for seq in out.seqs:
+            if seq.is_finished:  # failed in this step (its blocks are freed)
+                continue
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.commit_full_blocks(seq)

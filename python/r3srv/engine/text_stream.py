@@ -28,10 +28,11 @@ class TextStream:
         self.text = ""
         self.text_len_after: list[int] = []
 
-    def add(self, token_id: int) -> str:
-        """Append one output token; returns the newly completed text (possibly empty)."""
-        if self._step is None:  # token-id-only model: no text
-            self.text_len_after.append(0)
+    def add(self, token_id: int, silent: bool = False) -> str:
+        """Append one output token; returns the newly completed text (possibly empty).
+        silent: the token adds no text (a final stop token whose text is left out)."""
+        if self._step is None or silent:  # token-id-only model: no text
+            self.text_len_after.append(len(self.text))
             return ""
         try:
             delta = self._step(token_id) or ""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from r3srv.models.config import ModelConfig
 from r3srv.models.layers import empty_param
+from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, column_weight, split_evenly
 from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens per chunk of the chunked form
@@ -90,25 +91,33 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 class GatedDeltaNet(RecurrentLayer):
     """A linear-attention layer. Its input projection keeps the checkpoint's row order:
     Qwen3-Next's [q k v z per key head] then [b a per key head] ("qkvz_ba"), Qwen3.5's
-    [q k v] [z] [b] [a] over all heads ("qkv_z_b_a")."""
+    [q k v] [z] [b] [a] over all heads ("qkv_z_b_a"). A rank holds its key heads and their
+    value heads: its slice of each of those sub-matrices."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        spec = cfg.linear
-        self.layout = spec.projection_layout
-        self.nk, self.nv = spec.num_key_heads, spec.num_value_heads
-        self.dk, self.dv = spec.key_head_dim, spec.value_head_dim
+        self.layout = cfg.linear.projection_layout
+        nk, nv, tp = cfg.linear.num_key_heads, cfg.linear.num_value_heads, (parallel.tp_rank, parallel.tp_size)
+        self.nk, self.nv = split_evenly(nk, *tp).local, split_evenly(nv, *tp).local
+        self.dk, self.dv = cfg.linear.key_head_dim, cfg.linear.value_head_dim
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.kernel = spec.conv_kernel
+        self.kernel = cfg.linear.conv_kernel
         self.eps = cfg.norm.eps
-        self.in_proj = empty_param(self.conv_dim + self.value_dim + 2 * self.nv, cfg.hidden_size, **kw)
-        self.conv_weight = empty_param(self.conv_dim, 1, self.kernel, **kw)
-        self.dt_bias = empty_param(self.nv, **kw)
-        self.a_log = empty_param(self.nv, **kw)
+        keys, values, heads = (split_evenly(n, *tp) for n in (nk * self.dk, nv * self.dv, nv))
+        if self.layout == "qkvz_ba":  # rows grouped by key head: one contiguous slice of each tensor
+            r = nv // nk
+            in_pieces = (split_evenly(nk * (2 * self.dk + 2 * r * self.dv), *tp), split_evenly(nk * 2 * r, *tp))
+        else:
+            in_pieces = (keys, keys, values, values, heads, heads)
+        self.in_proj = ColumnParallelLinear(cfg.hidden_size, in_pieces, **kw)
+        self.conv = column_weight((keys, keys, values), 1, self.kernel, **kw)
+        self.dt_bias = column_weight(heads, **kw)
+        self.a_log = column_weight(heads, **kw)
         self.norm = empty_param(self.dv, **kw)
-        self.out_proj = empty_param(cfg.hidden_size, self.value_dim, **kw)
+        self.out_proj = RowParallelLinear(values, cfg.hidden_size, state=parallel, **kw)
 
     def state_shapes(self):
         return (self.conv_dim, self.kernel - 1), (self.nv, self.dk, self.dv)
@@ -117,18 +126,15 @@ class GatedDeltaNet(RecurrentLayer):
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         p = prefix + "linear_attn."
         targets = {
-            p + "conv1d.weight": self.conv_weight, p + "dt_bias": self.dt_bias, p + "A_log": self.a_log,
-            p + "norm.weight": self.norm, p + "out_proj.weight": self.out_proj,
+            p + "conv1d.weight": self.conv.part(), p + "dt_bias": self.dt_bias.part(), p + "A_log": self.a_log.part(),
+            p + "norm.weight": self.norm, p + "out_proj.weight": self.out_proj.part(),
         }
-        qkvz = self.conv_dim + self.value_dim
         if self.layout == "qkvz_ba":
-            targets[p + "in_proj_qkvz.weight"] = self.in_proj[:qkvz]
-            targets[p + "in_proj_ba.weight"] = self.in_proj[qkvz:]
-        else:
-            rows = {"qkv": (0, self.conv_dim), "z": (self.conv_dim, qkvz), "b": (qkvz, qkvz + self.nv),
-                    "a": (qkvz + self.nv, qkvz + 2 * self.nv)}
-            for name, (lo, hi) in rows.items():
-                targets[p + f"in_proj_{name}.weight"] = self.in_proj[lo:hi]
+            targets[p + "in_proj_qkvz.weight"] = self.in_proj.part(0)
+            targets[p + "in_proj_ba.weight"] = self.in_proj.part(1)
+        else:  # q, k and v in one tensor: three sub-matrices, each split
+            for name, pieces in {"qkv": (0, 2), "z": (3, 3), "b": (4, 4), "a": (5, 5)}.items():
+                targets[p + f"in_proj_{name}.weight"] = self.in_proj.part(*pieces)
         return targets
 
     # ---- forward --------------------------------------------------------------------------
@@ -149,15 +155,15 @@ class GatedDeltaNet(RecurrentLayer):
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
         self.begin_step(states)
         t = x.shape[0]
-        qkv, z, b, a = self._split(F.linear(x, self.in_proj))
-        qkv = causal_conv(self.conv_state, qkv, self.conv_weight[:, 0], None, states)
+        qkv, z, b, a = self._split(self.in_proj(x))
+        qkv = causal_conv(self.conv_state, qkv, self.conv.weight[:, 0], None, states)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.nv // self.nk
         q = l2_normalize(q.float().reshape(t, self.nk, self.dk)).repeat_interleave(r, dim=1) * self.dk**-0.5
         k = l2_normalize(k.float().reshape(t, self.nk, self.dk)).repeat_interleave(r, dim=1)
         v = v.float().reshape(t, self.nv, self.dv)
         beta = b.float().sigmoid()
-        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = -self.a_log.weight.float().exp() * F.softplus(a.float() + self.dt_bias.weight.float())
         o = torch.empty(t, self.nv, self.dv, dtype=torch.float32, device=x.device)
 
         def step(s, rows):
@@ -169,4 +175,4 @@ class GatedDeltaNet(RecurrentLayer):
 
         self.recur(states, o, step, scan, fused=("delta_rule_step_triton", (q, k, v, g, beta), ()))
         o = gated_rms_norm(o.to(x.dtype), z, self.norm, self.eps)
-        return F.linear(o.reshape(t, self.value_dim), self.out_proj)
+        return self.out_proj(o.reshape(t, self.value_dim))

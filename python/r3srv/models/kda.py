@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from r3srv.models.config import ModelConfig
 from r3srv.models.gated_deltanet import l2_normalize
 from r3srv.models.layers import empty_param
+from r3srv.models.parallel import (SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, column_weight, reshaped,
+                                   split_evenly)
 from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv
 
 CHUNK = 32  # tokens per chunk: the pairwise decays take chunk^2 x dk per head
@@ -75,36 +77,44 @@ def chunked_kda(state, q, k, v, g, beta, chunk: int = CHUNK, captures=()):
 
 
 class KimiDeltaAttention(RecurrentLayer):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """A rank holds its heads: their rows of every per-head projection; the low-rank inputs
+    (f_a, g_a) and the norm are whole."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.heads, self.dim = cfg.linear.num_value_heads, cfg.linear.value_head_dim
+        heads, self.dim = cfg.linear.num_value_heads, cfg.linear.value_head_dim
+        tp = (parallel.tp_rank, parallel.tp_size)
+        self.heads = split_evenly(heads, *tp).local
         self.width = self.heads * self.dim
         self.eps = cfg.norm.eps
         hidden = cfg.hidden_size
-        self.qkv = empty_param(3 * self.width, hidden, **kw)
-        self.conv_weight = empty_param(3 * self.width, 1, cfg.linear.conv_kernel, **kw)
-        self.f_a, self.f_b = empty_param(self.dim, hidden, **kw), empty_param(self.width, self.dim, **kw)
-        self.dt_bias = empty_param(self.width, **kw)
-        self.a_log = empty_param(self.heads, **kw)
-        self.b_proj = empty_param(self.heads, hidden, **kw)
-        self.g_a, self.g_b = empty_param(self.dim, hidden, **kw), empty_param(self.width, self.dim, **kw)
+        width, per_head = split_evenly(heads * self.dim, *tp), split_evenly(heads, *tp)
+        self.qkv = ColumnParallelLinear(hidden, (width,) * 3, **kw)
+        self.conv = column_weight((width,) * 3, 1, cfg.linear.conv_kernel, **kw)
+        self.f_a, self.f_b = empty_param(self.dim, hidden, **kw), ColumnParallelLinear(self.dim, width, **kw)
+        self.dt_bias = column_weight(width, **kw)
+        self.a_log = column_weight(per_head, **kw)
+        self.b_proj = ColumnParallelLinear(hidden, per_head, **kw)
+        self.g_a, self.g_b = empty_param(self.dim, hidden, **kw), ColumnParallelLinear(self.dim, width, **kw)
         self.o_norm = empty_param(self.dim, **kw)
-        self.o_proj = empty_param(hidden, self.width, **kw)
+        self.o_proj = RowParallelLinear(width, hidden, state=parallel, **kw)
 
     def state_shapes(self):
-        return (3 * self.width, self.conv_weight.shape[-1] - 1), (self.heads, self.dim, self.dim)
+        return (3 * self.width, self.conv.weight.shape[-1] - 1), (self.heads, self.dim, self.dim)
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Released names (q/k/v_conv1d, f_a_proj, ...) and transformers 5's (one conv1d, forget_gate.*)."""
-        p, w = prefix + "self_attn.", self.width
-        targets = {p + "b_proj.weight": self.b_proj, p + "g_a_proj.weight": self.g_a, p + "g_b_proj.weight": self.g_b,
-                   p + "o_norm.weight": self.o_norm, p + "o_proj.weight": self.o_proj, p + "conv1d.weight": self.conv_weight}
+        p = prefix + "self_attn."
+        targets = {p + "b_proj.weight": self.b_proj.part(), p + "g_a_proj.weight": self.g_a,
+                   p + "g_b_proj.weight": self.g_b.part(), p + "o_norm.weight": self.o_norm,
+                   p + "o_proj.weight": self.o_proj.part(), p + "conv1d.weight": self.conv.part()}
         for i, name in enumerate("qkv"):
-            targets[p + f"{name}_proj.weight"] = self.qkv[i * w : (i + 1) * w]
-            targets[p + f"{name}_conv1d.weight"] = self.conv_weight[i * w : (i + 1) * w]
-        gate = {"f_a_proj.weight": self.f_a, "f_b_proj.weight": self.f_b, "dt_bias": self.dt_bias,
-                "A_log": self.a_log.view(1, 1, self.heads, 1)}
+            targets[p + f"{name}_proj.weight"] = self.qkv.part(i)
+            targets[p + f"{name}_conv1d.weight"] = self.conv.part(i)
+        gate = {"f_a_proj.weight": self.f_a, "f_b_proj.weight": self.f_b.part(), "dt_bias": self.dt_bias.part(),
+                "A_log": reshaped(self.a_log.part(), 1, 1, self.heads, 1, dim=2)}
         for name, tensor in gate.items():
             targets[p + name] = targets[p + "forget_gate." + name] = tensor
         return targets
@@ -112,12 +122,12 @@ class KimiDeltaAttention(RecurrentLayer):
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
         self.begin_step(states)
         t, h, d = x.shape[0], self.heads, self.dim
-        qkv = causal_conv(self.conv_state, F.linear(x, self.qkv), self.conv_weight[:, 0], None, states)
+        qkv = causal_conv(self.conv_state, self.qkv(x), self.conv.weight[:, 0], None, states)
         q, k, v = (y.float().reshape(t, h, d) for y in qkv.split(self.width, dim=-1))
         q, k = l2_normalize(q) * d**-0.5, l2_normalize(k)
-        raw = F.linear(F.linear(x, self.f_a), self.f_b).float() + self.dt_bias.float()
-        g = (-self.a_log.float().exp()[:, None] * F.softplus(raw.view(t, h, d), threshold=20.0))
-        beta = F.linear(x, self.b_proj).float().sigmoid()
+        raw = self.f_b(F.linear(x, self.f_a)).float() + self.dt_bias.weight.float()
+        g = (-self.a_log.weight.float().exp()[:, None] * F.softplus(raw.view(t, h, d), threshold=20.0))
+        beta = self.b_proj(x).float().sigmoid()
         o = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
 
         def step(s, rows):
@@ -128,6 +138,6 @@ class KimiDeltaAttention(RecurrentLayer):
             return chunked_kda(s, *padded, captures=captures).transpose(1, 2)
 
         self.recur(states, o, step, scan, fused=("delta_rule_step_triton", (q, k, v, g, beta), ()))
-        gate = F.linear(F.linear(x, self.g_a), self.g_b).float().view(t, h, d)
+        gate = self.g_b(F.linear(x, self.g_a)).float().view(t, h, d)
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
-        return F.linear((normed * gate.sigmoid()).to(x.dtype).reshape(t, self.width), self.o_proj)
+        return self.o_proj((normed * gate.sigmoid()).to(x.dtype).reshape(t, self.width))

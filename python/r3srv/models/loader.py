@@ -18,6 +18,8 @@ from r3srv.errors import ConfigError
 from r3srv.models import quantization as quant
 from r3srv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from r3srv.models.model import MoeForCausalLM
+from r3srv.models.parallel import SINGLE, ParallelState, checkpoint_shape, loaded_numel, shard_of, transposed
+from r3srv.models.shard_reader import read_fp8, read_mxfp4, read_tensor
 from r3srv.tokenizer import Tokenizer
 
 __all__ = [
@@ -70,10 +72,12 @@ def load_model(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
+    parallel: ParallelState = SINGLE,
 ) -> tuple[MoeForCausalLM, Tokenizer | None]:
     """Load a checkpoint directory; `path=None` (or the name BUILTIN_MODEL_NAME) loads the built-in
     model (random weights).
 
+    parallel: this rank's place; the model holds, and reads, only its shard of each weight.
     Returns (model, tokenizer). The tokenizer is None when the directory has no
     tokenizer.json (token-id prompts only). Raises ConfigError for an unsupported
     architecture, a missing or malformed file, or missing weights.
@@ -95,7 +99,7 @@ def load_model(
     cfg = ModelConfig.from_dir(path)
     device = torch.device(device)
     model_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
-    model = MoeForCausalLM(cfg, dtype=model_dtype, device=device)
+    model = MoeForCausalLM(cfg, dtype=model_dtype, device=device, parallel=parallel)
     _load_weights(model, safetensors_files(path), cfg)
     model.eval()
 
@@ -174,8 +178,24 @@ class NamedTensors:
     def get_tensor(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
+    def get_slice(self, name: str) -> "_InMemorySlice":
+        return _InMemorySlice(self.tensors[name])
+
     def header(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {name: (shape, safetensors_dtype(dtype)) for name, (shape, dtype) in self.metas.items()}
+
+
+class _InMemorySlice:
+    """A tensor read as safetensors' get_slice reads one (a rank's shard, models/shard_reader.py)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
 
 
 _SAFETENSORS_DTYPES = {
@@ -275,11 +295,13 @@ def _plan_weights(
                         or (name == "lm_head.weight" and model.config.tie_word_embeddings)):
                     unexpected.append(name)
                 continue
-            if shape != tuple(target.shape):
-                if name in transposable and shape == tuple(target.transpose(-1, -2).shape):
+            # a sharded target holds a slice: the checkpoint has the whole tensor
+            if shape != checkpoint_shape(target):
+                if name in transposable and shape == checkpoint_shape(transposed(target)):
                     plan.transposed.add(name)
                 else:
-                    raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies {tuple(target.shape)}")
+                    raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies "
+                                      f"{checkpoint_shape(target)}")
             if dtype not in _FLOAT_DTYPES:
                 raise ConfigError(f"{file.name}: tensor {name} has dtype {dtype}, a weight needs a floating-point one")
             if dtype in quant.FP8_DTYPES:
@@ -289,7 +311,7 @@ def _plan_weights(
             used.append(name)
         plan.shards.append((file, used))
     plan.unexpected = unexpected
-    plan.missing = [name for name, p in named.items() if filled.get(name, 0) != p.numel()]
+    plan.missing = [name for name, p in named.items() if filled.get(name, 0) != loaded_numel(p)]
     return plan
 
 
@@ -316,10 +338,10 @@ def _check_mxfp4_weight(file, name, shape, target, located, headers, mxfp4):
     if scales is None:
         raise ConfigError(f"{file.name}: {name} has no {base}{quant.SCALES_SUFFIX} tensor")
     scales_shape = headers[scales[0]][scales[1]][0]
-    if len(shape) < 3 or shape[-1] != 16 or scales_shape != shape[:-1] or quant.mxfp4_shape(shape) != tuple(target.shape):
+    if len(shape) < 3 or shape[-1] != 16 or scales_shape != shape[:-1] or quant.mxfp4_shape(shape) != checkpoint_shape(target):
         raise ConfigError(
             f"{file.name}: MXFP4 {name} {shape} with scales {scales_shape} does not unpack to {base}'s "
-            f"{tuple(target.shape)}"
+            f"{checkpoint_shape(target)}"
         )
     return (file, name), scales
 
@@ -337,13 +359,17 @@ def _copy_weights(model: MoeForCausalLM, plan: WeightPlan) -> None:
                 opened[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             return opened[file]
 
+        # each target reads only its shard of the tensor (all of it at size 1)
         for file, names in tqdm(plan.shards, desc="Loading safetensors shards", unit="shard"):
             for name in names:
-                tensor = shard(file).get_tensor(name)
+                target = targets[name]
+                splits = shard_of(transposed(target) if name in plan.transposed else target)
                 if name in plan.scales:
                     scale_file, scale_name = plan.scales[name]
-                    tensor = quant.dequantize(tensor, shard(scale_file).get_tensor(scale_name), plan.fp8_block)
-                targets[name].copy_(tensor.transpose(-1, -2) if name in plan.transposed else tensor)
+                    tensor = read_fp8(shard(file), name, shard(scale_file), scale_name, plan.fp8_block, splits)
+                else:
+                    tensor = read_tensor(shard(file), name, splits)
+                target.copy_(tensor.transpose(-1, -2) if name in plan.transposed else tensor)
         for base, ((blocks_file, blocks), (scales_file, scales)) in plan.packed.items():
-            tensor = quant.dequantize_mxfp4(shard(blocks_file).get_tensor(blocks), shard(scales_file).get_tensor(scales))
-            targets[base].copy_(tensor)
+            target = targets[base]
+            target.copy_(read_mxfp4(shard(blocks_file), blocks, shard(scales_file), scales, shard_of(target)))

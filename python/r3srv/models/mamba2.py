@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from r3srv.models.config import ModelConfig
-from r3srv.models.layers import empty_param
+from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, column_weight, head_pieces
 from r3srv.models.recurrent import LinearStateBatch, RecurrentLayer, causal_conv, linear_targets
 
 CHUNK = 64  # tokens per chunk of the chunked form
@@ -70,48 +70,57 @@ def chunked_scan(state, x, dt, a, b, c, chunk: int = CHUNK, captures=()):
 
 
 class Mamba2(RecurrentLayer):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """A rank holds its heads (their rows of in_proj, the convolution, the per-head vectors and
+    the norm) and their groups' B and C rows."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         spec = cfg.linear
-        self.heads, self.head_dim = spec.mamba_num_heads, spec.mamba_head_dim
-        self.state_size, self.groups = spec.state_size, spec.groups
+        heads, groups = spec.mamba_num_heads, spec.groups
+        if groups % parallel.tp_size and parallel.tp_size % groups:
+            raise ValueError(f"{groups} Mamba-2 groups neither split over nor replicate on {parallel.tp_size} ranks")
+        self.parallel, self.total_groups = parallel, groups
+        self.head_dim, self.state_size = spec.mamba_head_dim, spec.state_size
+        per_head, inner = head_pieces(heads, 1, parallel), head_pieces(heads, self.head_dim, parallel)
+        bc = head_pieces(groups, self.state_size, parallel)
+        # fewer groups than ranks: each rank holds part of one group's heads (B and C replicated)
+        self.heads, self.groups = per_head.local, max(1, groups // parallel.tp_size)
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
         self.dt_min = spec.dt_min
         self.eps = cfg.norm.eps
-        self.in_proj = empty_param(self.inner + self.conv_dim + self.heads, cfg.hidden_size, **kw)
-        self.in_proj_bias = empty_param(self.inner + self.conv_dim + self.heads, **kw) if spec.proj_bias else None
-        self.conv_weight = empty_param(self.conv_dim, 1, spec.conv_kernel, **kw)
-        self.conv_bias = empty_param(self.conv_dim, **kw) if spec.conv_bias else None
-        self.dt_bias = empty_param(self.heads, **kw)
-        self.a_log = empty_param(self.heads, **kw)
-        self.d = empty_param(self.heads, **kw)
-        self.norm = empty_param(self.inner, **kw)
-        self.out_proj = empty_param(cfg.hidden_size, self.inner, **kw)
-        self.out_proj_bias = empty_param(cfg.hidden_size, **kw) if spec.proj_bias else None
+        # in_proj: z, then the convolved x, B and C, then dt
+        self.in_proj = ColumnParallelLinear(cfg.hidden_size, (inner, inner, bc, bc, per_head),
+                                            bias=spec.proj_bias, **kw)
+        self.conv = column_weight((inner, bc, bc), 1, spec.conv_kernel, bias=spec.conv_bias, **kw)
+        self.dt_bias, self.a_log, self.d = (column_weight(per_head, **kw) for _ in range(3))
+        self.norm = column_weight(inner, **kw)
+        self.out_proj = RowParallelLinear(inner, cfg.hidden_size, bias=spec.proj_bias, state=parallel, **kw)
 
     def state_shapes(self):
-        return (self.conv_dim, self.conv_weight.shape[-1] - 1), (self.heads, self.head_dim, self.state_size)
+        return (self.conv_dim, self.conv.weight.shape[-1] - 1), (self.heads, self.head_dim, self.state_size)
 
     def weight_targets(self, prefix: str, module: str = "mamba.") -> dict[str, torch.Tensor]:
         p = prefix + module
-        return {p + "dt_bias": self.dt_bias, p + "A_log": self.a_log, p + "D": self.d, p + "norm.weight": self.norm} | (
-            linear_targets(p, {"in_proj": (self.in_proj, self.in_proj_bias), "conv1d": (self.conv_weight, self.conv_bias),
-                               "out_proj": (self.out_proj, self.out_proj_bias)}))
+        vectors = {"dt_bias": self.dt_bias, "A_log": self.a_log, "D": self.d, "norm.weight": self.norm}
+        return {p + name: vector.part() for name, vector in vectors.items()} | linear_targets(p, {
+            name: (layer.part(), layer.bias_part())
+            for name, layer in (("in_proj", self.in_proj), ("conv1d", self.conv), ("out_proj", self.out_proj))})
 
     def forward(self, x: torch.Tensor, states: LinearStateBatch) -> torch.Tensor:
         self.begin_step(states)
         t, h, p, n = x.shape[0], self.heads, self.head_dim, self.state_size
-        z, xbc, dt = F.linear(x, self.in_proj, self.in_proj_bias).split([self.inner, self.conv_dim, h], dim=-1)
-        xbc = causal_conv(self.conv_state, xbc, self.conv_weight[:, 0], self.conv_bias, states)
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, h], dim=-1)
+        xbc = causal_conv(self.conv_state, xbc, self.conv.weight[:, 0], self.conv.bias, states)
         u, b, c = xbc.split([self.inner, self.groups * n, self.groups * n], dim=-1)
         u = u.float().reshape(t, h, p)
         per_group = h // self.groups
         b = b.float().reshape(t, self.groups, n).repeat_interleave(per_group, dim=1)  # [T, H, N]
         c = c.float().reshape(t, self.groups, n).repeat_interleave(per_group, dim=1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
-        a = -self.a_log.float().exp()
+        dt = F.softplus(dt.float() + self.dt_bias.weight.float()).clamp(min=self.dt_min)
+        a = -self.a_log.weight.float().exp()
         y = torch.empty_like(u)
 
         def step(s, rows):
@@ -122,11 +131,16 @@ class Mamba2(RecurrentLayer):
             return chunked_scan(s, xs, dts, a, bs, cs, captures=captures).transpose(1, 2)
 
         self.recur(states, y, step, scan, fused=("ssm_step_triton", (u, dt, b, c), (a,)))
-        y = (y + self.d.float()[:, None] * u).reshape(t, self.inner)
-        return F.linear(self._gated_norm(y.to(x.dtype), z), self.out_proj, self.out_proj_bias)
+        y = (y + self.d.weight.float()[:, None] * u).reshape(t, self.inner)
+        return self.out_proj(self._gated_norm(y.to(x.dtype), z))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of y * silu(z) over each group's heads (in float32), times the weight."""
-        g = (y.float() * F.silu(z.float())).view(y.shape[0], self.groups, -1)
+        """RMSNorm of y * silu(z) over each group's heads (in float32), times the weight. A group
+        split between ranks is gathered, normed whole, and this rank's part kept."""
+        tp, t = self.parallel.tp_size, y.shape[0]
+        spans = tp > self.total_groups
+        g = y.float() * F.silu(z.float())
+        g = (self.parallel.all_gather(g) if spans else g).view(t, self.total_groups if spans else self.groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.norm * g.view(y.shape).to(y.dtype)
+        g = g.view(t, -1).chunk(tp, dim=-1)[self.parallel.tp_rank] if spans else g.view(y.shape)
+        return self.norm.weight * g.to(y.dtype)

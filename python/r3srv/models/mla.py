@@ -23,6 +23,7 @@ from r3srv.models.attention import CAUSAL, AttentionMetadata, attend, paged_atte
 from r3srv.models.config import ModelConfig
 from r3srv.models.dsa import Indexer, Selection
 from r3srv.models.layers import apply_rope, apply_rope_interleaved, empty_param as _param, rms_norm, yarn_mscale
+from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, head_pieces, local_heads
 
 # DeepSeek-V3's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not the config's.
 LATENT_NORM_EPS = 1e-6
@@ -38,7 +39,11 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MlaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, index: int = 0) -> None:
+    """Latent attention over this rank's heads: the latent (kv_a, its norm, the cache) and the
+    indexer are whole on every rank, q/kv_b split by heads, o row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, index: int = 0,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         # DeepSeek Sparse Attention: an indexer picks each query's keys, or this layer reuses
         # the selection of the last layer that has one
@@ -47,24 +52,26 @@ class MlaAttention(nn.Module):
         self.shares_selection = sparse and index in spec.sparse.shared_layers
         self.indexer = Indexer(cfg, dtype, device) if sparse and not self.shares_selection else None
         kw = dict(dtype=dtype, device=device)
-        self.num_heads = cfg.num_attention_heads
+        heads = cfg.num_attention_heads
+        self.num_heads = local_heads(heads, parallel)
         self.nope, self.rope, self.v_dim, self.rank = mla.qk_nope_head_dim, cfg.head_dim, mla.v_head_dim, mla.kv_lora_rank
         qk = self.nope + self.rope
-        h, hidden = self.num_heads, cfg.hidden_size
-        self.q_a = self.q_a_bias = self.q_a_norm = self.q_b = self.q = None
+        hidden = cfg.hidden_size
+        q_piece = head_pieces(heads, qk, parallel)
+        self.q_a = self.q_a_bias = self.q_a_norm = self.q_b_proj = self.q_proj = None
         if mla.q_lora_rank:
             self.q_a = _param(mla.q_lora_rank, hidden, **kw)
             self.q_a_bias = _param(mla.q_lora_rank, **kw) if spec.qkv_bias else None
             self.q_a_norm = _param(mla.q_lora_rank, **kw)
-            self.q_b = _param(h * qk, mla.q_lora_rank, **kw)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, q_piece, **kw)
         else:
-            self.q = _param(h * qk, hidden, **kw)
+            self.q_proj = ColumnParallelLinear(hidden, q_piece, **kw)
         self.kv_a = _param(self.rank + self.rope, hidden, **kw)
         self.kv_a_bias = _param(self.rank + self.rope, **kw) if spec.qkv_bias else None
         self.kv_a_norm = _param(self.rank, **kw)
-        self.kv_b = _param(h * (self.nope + self.v_dim), self.rank, **kw)
-        self.o = _param(hidden, h * self.v_dim, **kw)
-        self.o_bias = _param(hidden, **kw) if spec.o_bias else None
+        self.kv_b_proj = ColumnParallelLinear(self.rank, head_pieces(heads, self.nope + self.v_dim, parallel), **kw)
+        self.o_proj = RowParallelLinear(head_pieces(heads, self.v_dim, parallel), hidden, bias=spec.o_bias,
+                                        state=parallel, **kw)
         self.scale = mla_softmax_scale(cfg)
         self.rotate = apply_rope_interleaved if cfg.rope.interleave else apply_rope
         self.use_rope = cfg.rope.enabled  # Kimi-Linear: no positions (its rope dims stay as they are)
@@ -87,15 +94,16 @@ class MlaAttention(nn.Module):
         targets = {
             p + "kv_a_proj_with_mqa.weight": self.kv_a,
             p + "kv_a_layernorm.weight": self.kv_a_norm,
-            p + "kv_b_proj.weight": self.kv_b,
-            p + "o_proj.weight": self.o,
+            p + "kv_b_proj.weight": self.kv_b_proj.part(),
+            p + "o_proj.weight": self.o_proj.part(),
         }
-        if self.q is not None:
-            targets[p + "q_proj.weight"] = self.q
+        if self.q_proj is not None:
+            targets[p + "q_proj.weight"] = self.q_proj.part()
         else:
             targets.update({p + "q_a_proj.weight": self.q_a, p + "q_a_layernorm.weight": self.q_a_norm,
-                            p + "q_b_proj.weight": self.q_b})
-        for name, bias in (("q_a_proj", self.q_a_bias), ("kv_a_proj_with_mqa", self.kv_a_bias), ("o_proj", self.o_bias)):
+                            p + "q_b_proj.weight": self.q_b_proj.part()})
+        for name, bias in (("q_a_proj", self.q_a_bias), ("kv_a_proj_with_mqa", self.kv_a_bias),
+                           ("o_proj", self.o_proj.bias)):
             if bias is not None:
                 targets[p + name + ".bias"] = bias
         if self.indexer is not None:
@@ -107,11 +115,11 @@ class MlaAttention(nn.Module):
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         t, h = x.shape[0], self.num_heads
         q_resid = None
-        if self.q is not None:
-            q = F.linear(x, self.q)
+        if self.q_proj is not None:
+            q = self.q_proj(x)
         else:
             q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
-            q = F.linear(q_resid, self.q_b)
+            q = self.q_b_proj(q_resid)
         selection: Selection | None = None
         if self.indexer is not None:
             selection = meta.sparse_selection = self.indexer.select(x, q_resid, cos, sin, meta)
@@ -125,7 +133,7 @@ class MlaAttention(nn.Module):
             q_rope, k_rope = self.rotate(q_rope, cos, sin), self.rotate(k_rope, cos, sin)
 
         key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [t, 1, rank + rope]: what is cached
-        kv_b = self.kv_b.view(h, self.nope + self.v_dim, self.rank)
+        kv_b = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
 
         if meta.decode_seqs:  # in the latent space; paged_attention also writes every token's latent
             q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
@@ -156,12 +164,12 @@ class MlaAttention(nn.Module):
                 o = attend(qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, False,
                            self.scale, None)
                 out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
-        return F.linear(out.reshape(t, h * self.v_dim), self.o, self.o_bias)
+        return self.o_proj(out.reshape(t, h * self.v_dim))
 
     def _expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached [n, 1, rank + rope] -> per-head keys [n, h, nope + rope] and values [n, h, v_head_dim]."""
         n, h = cached.shape[0], self.num_heads
-        k_nope, v = F.linear(cached[:, 0, : self.rank], self.kv_b).view(n, h, self.nope + self.v_dim).split(
+        k_nope, v = self.kv_b_proj(cached[:, 0, : self.rank]).view(n, h, self.nope + self.v_dim).split(
             [self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, cached[:, :, self.rank :].expand(n, h, self.rope)), dim=-1)
         return k, v.contiguous()

@@ -15,13 +15,10 @@ layers are one mixer each (MixerBlock: Mamba-2, models/mamba2.py, attention, MoE
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from r3srv.errors import ConfigError
+from r3srv import settings
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
@@ -31,23 +28,13 @@ from r3srv.models.kda import KimiDeltaAttention
 from r3srv.models.mamba2 import Mamba2
 from r3srv.models.recurrent import LinearStateBatch
 from r3srv.models.short_conv import ShortConv
-from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq, silu_mlp
+from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.layers import yarn_inv_freq
 from r3srv.models.mla import MlaAttention
-from r3srv.models.moe import SparseMoeBlock, relu2_mlp
-
-
-def _cpu_threads() -> int:
-    """Intra-op threads for CPU forwards (see MoeForCausalLM.forward)."""
-    value = os.environ.get("R3SRV_CPU_THREADS", "1")
-    try:
-        threads = int(value)
-    except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ConfigError(f"R3SRV_CPU_THREADS={value!r} must be a positive integer")
-    return threads
+from r3srv.models.moe import Mlp, SparseMoeBlock
+from r3srv.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, ParallelState, RowParallelLinear,
+                                   VocabParallelEmbedding, column_weight, head_pieces, local_heads)
 
 
 # the layers with a per-sequence state, by LinearAttentionSpec.kind
@@ -55,13 +42,18 @@ LINEAR_LAYERS = {"gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "ma
 
 
 class Attention(nn.Module):
+    """Grouped-query attention over this rank's heads (all of them at size 1; KV heads are
+    replicated where there are fewer than ranks)."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, window: int | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         self.window = window  # a sliding-window layer: keys at most window - 1 positions back
         kw = dict(dtype=dtype, device=device)
         spec = cfg.attention
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        heads, kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = local_heads(heads, parallel), local_heads(kv_heads, parallel)
+        self.total_heads, self.total_kv_heads, self.parallel = heads, kv_heads, parallel
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.eps = cfg.norm.eps
@@ -71,23 +63,36 @@ class Attention(nn.Module):
         # Qwen3-Next / 3.5: q_proj yields [q, gate] per head; the gate scales the attention output
         self.q_rows = 2 * self.q_size if spec.output_gate else self.q_size
         # q, k and v stacked: one matmul per layer
-        self.qkv = _param(self.q_rows + 2 * self.kv_size, cfg.hidden_size, **kw)
-        self.qkv_bias = _param(self.q_rows + 2 * self.kv_size, **kw) if spec.qkv_bias else None
-        self.o = _param(cfg.hidden_size, self.q_size, **kw)
-        self.o_bias = _param(cfg.hidden_size, **kw) if spec.o_bias else None
+        q_piece = head_pieces(heads, self.q_rows // self.num_heads, parallel)
+        kv_piece = head_pieces(kv_heads, self.head_dim, parallel)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (q_piece, kv_piece, kv_piece), bias=spec.qkv_bias, **kw)
+        self.o_proj = RowParallelLinear(head_pieces(heads, self.head_dim, parallel), cfg.hidden_size, bias=spec.o_bias,
+                                        state=parallel, **kw)
         self.q_norm = self.k_norm = None
         if spec.qk_norm == "head":
             self.q_norm, self.k_norm = _param(self.head_dim, **kw), _param(self.head_dim, **kw)
-        elif spec.qk_norm == "full":
-            self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
-        self.sinks = _param(self.num_heads, **kw) if spec.sinks else None
+        elif spec.qk_norm == "full":  # over every head: whole on each rank
+            self.q_norm, self.k_norm = _param(heads * self.head_dim, **kw), _param(kv_heads * self.head_dim, **kw)
+        self.sinks = column_weight(head_pieces(heads, 1, parallel), **kw) if spec.sinks else None
         self.scale = spec.scale  # None: 1 / sqrt(head_dim)
         self.rotate = apply_rope_interleaved if cfg.rope.interleave else apply_rope
         self.use_rope = cfg.rope.enabled and (cfg.rope.layers is None or index in cfg.rope.layers)
         # AFMoE: a separate projection's sigmoid gates the attention output
-        self.gate = _param(self.q_size, cfg.hidden_size, **kw) if spec.gate_proj else None
+        self.gate = None
+        if spec.gate_proj:
+            self.gate = ColumnParallelLinear(cfg.hidden_size, head_pieces(heads, self.head_dim, parallel), **kw)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def _norm_all_heads(self, y: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
+        """RMSNorm over every head: under tensor parallelism the ranks' heads are gathered (each
+        replicated head once), normed whole, and this rank's kept."""
+        tp = self.parallel.tp_size
+        if tp == 1:
+            return self.norm(y, weight, self.eps)
+        every = max(1, tp // heads)  # ranks holding the same replicated heads
+        whole = self.norm(torch.cat(self.parallel.all_gather(y).chunk(tp, dim=-1)[::every], dim=-1), weight, self.eps)
+        return whole.chunk(tp // every, dim=-1)[self.parallel.tp_rank // every]
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_slots, self.num_kv_heads, self.head_dim)
@@ -100,33 +105,32 @@ class Attention(nn.Module):
     def weight_targets(self, prefix: str, module: str = "self_attn.") -> dict[str, torch.Tensor]:
         p = prefix + module
         targets: dict[str, torch.Tensor] = {}
-        q = self.q_rows
-        qkv_rows = {"q": slice(0, q), "k": slice(q, q + self.kv_size), "v": slice(q + self.kv_size, q + 2 * self.kv_size)}
-        for name, rows in qkv_rows.items():
-            targets[p + f"{name}_proj.weight"] = self.qkv[rows]
-            if self.qkv_bias is not None:
-                targets[p + f"{name}_proj.bias"] = self.qkv_bias[rows]
-        targets[p + "o_proj.weight"] = self.o
-        if self.o_bias is not None:
-            targets[p + "o_proj.bias"] = self.o_bias
+        for i, name in enumerate("qkv"):
+            targets[p + f"{name}_proj.weight"] = self.qkv_proj.part(i)
+            if self.qkv_proj.bias is not None:
+                targets[p + f"{name}_proj.bias"] = self.qkv_proj.bias_part(i)
+        targets[p + "o_proj.weight"] = self.o_proj.part()
+        if self.o_proj.bias is not None:
+            targets[p + "o_proj.bias"] = self.o_proj.bias
         if self.q_norm is not None:
             targets[p + "q_norm.weight"] = self.q_norm
             targets[p + "k_norm.weight"] = self.k_norm
         if self.sinks is not None:
-            targets[p + "sinks"] = self.sinks
+            targets[p + "sinks"] = self.sinks.part()
         if self.gate is not None:
-            targets[p + "gate_proj.weight"] = self.gate
+            targets[p + "gate_proj.weight"] = self.gate.part()
         return targets
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
-        gate = None if self.gate is None else F.linear(x, self.gate)
+        q, k, v = self.qkv_proj(x).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None if self.gate is None else self.gate(x)
         if self.q_rows != self.q_size:
             q, gate = q.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, self.q_size)
-        if self.qk_norm == "full":  # OLMoE: over all heads, before clipping
-            q, k = self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)
+        if self.qk_norm == "full":  # OLMoE, MiniMax-M2: over all heads, before clipping
+            q, k = self._norm_all_heads(q, self.q_norm, self.total_heads), self._norm_all_heads(k, self.k_norm,
+                                                                                                  self.total_kv_heads)
         if self.clip_qkv is not None:
             q, k, v = (y.clamp(-self.clip_qkv, self.clip_qkv) for y in (q, k, v))
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -139,28 +143,28 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, scale=self.scale, window=self.window,
-                            sinks=self.sinks, decode_kernel=True)
+                            sinks=None if self.sinks is None else self.sinks.weight, decode_kernel=True)
         o = o.reshape(t, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return F.linear(o, self.o, self.o_bias)
+        return self.o_proj(o)
 
 
-class DenseMlp(nn.Module):
-    """A SwiGLU MLP (w13: gate then up rows), or Nemotron-H's non-gated relu^2 one (w13: up rows)."""
+class DenseMlp(Mlp):
+    """A dense layer's SwiGLU MLP (gate_up: gate then up rows), or Nemotron-H's non-gated relu^2 one (up rows)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.gated = cfg.experts.gated
-        self.w13 = _param((2 if self.gated else 1) * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.w2 = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, gated=cfg.experts.gated, parallel=parallel,
+                         dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None) -> torch.Tensor:
-        return (silu_mlp if self.gated else relu2_mlp)(x, self.w13, self.w2)
+        return super().forward(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         self.index = index
         self.eps = cfg.norm.eps
@@ -176,13 +180,16 @@ class DecoderLayer(nn.Module):
             self.attn_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
             self.mlp_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         window = cfg.attention.window(index)
-        self.linear_attn = LINEAR_LAYERS[cfg.linear.kind](cfg, dtype, device) if index in cfg.linear_attention_layers else None
+        self.linear_attn = None
+        if index in cfg.linear_attention_layers:
+            self.linear_attn = LINEAR_LAYERS[cfg.linear.kind](cfg, dtype, device, parallel)
         if self.linear_attn is not None:
             self.attn = None
+        elif cfg.is_mla:
+            self.attn = MlaAttention(cfg, dtype, device, index, parallel)
         else:
-            self.attn = MlaAttention(cfg, dtype, device, index) if cfg.is_mla else Attention(cfg, dtype, device, window,
-                                                                                                index)
-        self.mlp = SparseMoeBlock(cfg, dtype, device) if self.is_moe else DenseMlp(cfg, dtype, device)
+            self.attn = Attention(cfg, dtype, device, window, index, parallel)
+        self.mlp = (SparseMoeBlock if self.is_moe else DenseMlp)(cfg, dtype, device, parallel)
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
         h = self._pre_norm(x, self.input_norm)
@@ -204,15 +211,16 @@ class DecoderLayer(nn.Module):
 class MixerBlock(nn.Module):
     """A Nemotron-H layer: one mixer (Mamba-2, attention, MoE or MLP) behind one norm."""
 
-    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         self.index, self.kind, self.eps = index, cfg.layer_kinds[index], cfg.norm.eps
         self.is_moe = self.kind == "moe"
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.norm_fn = rms_norm_for(cfg)
-        self.linear_attn = Mamba2(cfg, dtype, device) if self.kind == "mamba" else None
-        self.attn = Attention(cfg, dtype, device) if self.kind == "attention" else None
-        self.mlp = {"moe": SparseMoeBlock, "mlp": DenseMlp}.get(self.kind, lambda *a: None)(cfg, dtype, device)
+        self.linear_attn = Mamba2(cfg, dtype, device, parallel) if self.kind == "mamba" else None
+        self.attn = Attention(cfg, dtype, device, parallel=parallel) if self.kind == "attention" else None
+        self.mlp = {"moe": SparseMoeBlock, "mlp": DenseMlp}.get(self.kind, lambda *a: None)(cfg, dtype, device, parallel)
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
         h = self.norm_fn(x, self.norm, self.eps)
@@ -226,18 +234,20 @@ class MixerBlock(nn.Module):
 class MoeForCausalLM(nn.Module):
     """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = cfg
         self.family = family_named(cfg.model_type)
         self.dtype = dtype
         self.device = device
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.parallel = parallel  # this rank's shard of every layer (the whole model at size 1)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, state=parallel, dtype=dtype, device=device)
         layer_class = DecoderLayer if cfg.layer_kinds is None else MixerBlock
-        self.layers = nn.ModuleList(layer_class(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, i, dtype, device, parallel) for i in range(cfg.num_layers))
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(self.embed, cfg.tie_word_embeddings, dtype=dtype, device=device)
         if cfg.rope.yarn:
             inv_freq, self.rope_attention_factor = yarn_inv_freq(cfg.rotary_dim, cfg.rope.theta, cfg.rope.yarn)
         else:
@@ -248,7 +258,8 @@ class MoeForCausalLM(nn.Module):
         self.num_blocks = 0
         self.num_state_slots = 0
         self.num_state_snapshots = 0
-        self.cpu_threads = _cpu_threads() if device.type == "cpu" else 0
+        if device.type == "cpu":  # once per model, not per forward (settings.cpu_threads says why)
+            torch.set_num_threads(settings.current().cpu_threads)
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -306,23 +317,10 @@ class MoeForCausalLM(nn.Module):
     # ---- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [B, vocab] at batch.logits_indices; writes this step's K/V and routing rows.
-
-        On the CPU the step runs on `cpu_threads` intra-op threads ($R3SRV_CPU_THREADS,
-        default 1). On a busy 2-core machine every parallel op waits for a descheduled
-        sibling thread: measured on the built-in model with load ~5, one thread decoded at
-        ~100 tok/s against 5 tok/s with two, and prefilled 2,000 tok/s against 250-350.
-        """
+        """float32 logits [B, vocab] at batch.logits_indices; writes this step's K/V and routing rows."""
         if self.block_size == 0:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
-        threads = torch.get_num_threads()
-        if self.device.type != "cpu" or threads == self.cpu_threads:
-            return self._forward(batch)
-        torch.set_num_threads(self.cpu_threads)
-        try:
-            return self._forward(batch)
-        finally:
-            torch.set_num_threads(threads)
+        return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         meta = AttentionMetadata.build(batch, self.block_size, self.device)
@@ -330,7 +328,7 @@ class MoeForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(
             positions, self.inv_freq, self.dtype, self.config.rope.linear_factor, self.rope_attention_factor
         )
-        x = F.embedding(batch.input_ids.to(self.device), self.embed)
+        x = self.embed(batch.input_ids.to(self.device))
         if self.config.scales.embedding != 1.0:
             x = x * self.config.scales.embedding
         capture = batch.routing_capture
@@ -345,7 +343,7 @@ class MoeForCausalLM(nn.Module):
             layer_capture = capture[:, layer.index] if capture is not None and layer.is_moe else None
             x = layer(x, cos, sin, meta, layer_capture, states)
         x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.norm.eps)
-        logits = F.linear(x, self.lm_head).float()
+        logits = self.lm_head(x).float()
         scaling = self.config.scales.logits
         return logits if scaling == 1.0 else logits / scaling
 

@@ -1,6 +1,7 @@
 """Sparse MoE block: router -> select_experts (captures ids) -> grouped expert matmuls.
 
-Experts are stacked at load time: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I].
+A rank's experts (models/parallel.py's ExpertSlice) are stacked: w13 [E, 2I, H] (gate rows
+then up rows), w2 [E, H, I].
 The expert pass sorts the (token, slot) pairs by expert id, then runs every expert's MLP in
 two grouped GEMMs (torch's grouped_mm) or, where that is slower or unsupported, one pair of
 matmuls per expert that received tokens: no per-token Python loop either way.
@@ -9,16 +10,16 @@ matmuls per expert that received tokens: no per-token Python loop either way.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from r3srv import settings
 from r3srv.kernels.router import select_experts
 from r3srv.models.config import ModelConfig
-from r3srv.models.layers import silu_mlp
+from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ExpertSlice, ParallelState, RowParallelLinear, split_evenly
 
 
 def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
@@ -32,9 +33,21 @@ def relu_squared(h: torch.Tensor) -> torch.Tensor:
     return F.relu(h).square()
 
 
-def relu2_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """down(relu(up(x))^2): Nemotron-H's non-gated MLP."""
-    return F.linear(relu_squared(F.linear(x, w_up)), w_down)
+class Mlp(nn.Module):
+    """down(act(gate_up(x))): a SwiGLU MLP (gate_up: gate rows then up rows) or Nemotron-H's
+    non-gated relu^2 one (up rows alone), its intermediate size split over the tensor-parallel
+    ranks (gate_up column-parallel, down row-parallel)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, gated: bool, parallel: ParallelState = SINGLE,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        piece = split_evenly(intermediate, parallel.tp_rank, parallel.tp_size)
+        self.gated = gated
+        self.gate_up = ColumnParallelLinear(hidden, (piece,) * (2 if gated else 1), dtype=dtype, device=device)
+        self.down = RowParallelLinear(piece, hidden, state=parallel, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down((silu_and_mul if self.gated else relu_squared)(self.gate_up(x)))
 
 
 def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -56,7 +69,8 @@ def grouped_experts(
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t. x [T, H]; ids/weights [T, k].
 
-    An expert is down(act(gate_up(x) + b13) ) + b2; the biases ([E, 2I], [E, H]) are optional."""
+    An expert is down(act(gate_up(x) + b13) ) + b2; the biases ([E, 2I], [E, H]) are optional
+    (b2 alone too: a split expert adds it on one rank)."""
     num_tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
@@ -78,14 +92,14 @@ def uses_grouped_mm(rows: torch.Tensor, w2: torch.Tensor) -> bool:
 
     On CUDA: for bfloat16 (the grouped GEMM kernels' dtype), where it also saves the loop's
     device sync. On the CPU (torch's reference grouped_mm: the same per-group matmuls, bitwise
-    equal results) it pays off between about 1 and 16 rows per expert: an 8-sequence decode
-    of the built-in model runs 1.2x faster end to end. With fewer rows (a one-sequence
-    decode) most groups are empty and the loop skips them; with many (a long prefill) the
-    loop's per-expert matmuls are as fast or faster (0.95x for 1,024 prompt tokens).
+    equal results) it pays off between about 1 and 16 rows per expert (docs/benchmarks.md,
+    benches/bench_moe.py). With fewer rows (a one-sequence decode) most groups are empty and
+    the loop skips them; with many (a long prefill) the loop's per-expert matmuls are as fast
+    or faster.
     Either way every row of every operand must start on a 16-byte boundary, as grouped_mm
     requires.
     """
-    if _GROUPED_MM is None or not _grouped_mm_enabled():
+    if _GROUPED_MM is None or not settings.current().grouped_mm:
         return False
     num_experts, hidden, inter = w2.shape
     if (hidden * rows.element_size()) % 16 or (inter * rows.element_size()) % 16:
@@ -101,7 +115,7 @@ def _expert_mlps_grouped(rows, w13, w2, counts, act=silu_and_mul, biases=None) -
     if biases is not None:
         h = h + biases[0].index_select(0, biases[2])
     out = _GROUPED_MM(act(h), w2.transpose(1, 2), offs=offs)
-    if biases is not None:
+    if biases is not None and biases[1] is not None:
         out = out + biases[1].index_select(0, biases[2])
     return out
 
@@ -123,62 +137,51 @@ def _expert_mlps_looped(rows, w13, w2, counts, act=silu_and_mul, biases=None) ->
     out = torch.empty_like(rows)
     for expert, begin, end in spans:
         out[begin:end] = F.linear(h[begin:end], w2[expert])
-    return out if biases is None else out + biases[1].index_select(0, biases[2])
+    return out if biases is None or biases[1] is None else out + biases[1].index_select(0, biases[2])
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # absent from older torch releases
-GROUPED_MM_ENV = "R3SRV_GROUPED_MM"  # "0": always the per-expert loop
-
-
-def _grouped_mm_enabled() -> bool:
-    return os.environ.get(GROUPED_MM_ENV, "1") != "0"
-
-
 class SparseMoeBlock(nn.Module):
     """Routed experts, plus a shared expert when the config has one (Qwen2-MoE: sigmoid-gated;
     GLM-4.5: ungated). Experts are SwiGLU MLPs (w13 holds gate and up rows), gpt-oss's clamped
     variant, or Nemotron-H's non-gated relu^2 MLPs (w13 holds the up rows only)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         kw = dict(dtype=dtype, device=device)
-        router, experts = cfg.router, cfg.experts
         self.top_k = cfg.top_k
-        self.renormalize = router.renormalize
-        self.scoring = router.scoring
-        self.scaling = router.scaling
-        self.num_groups, self.topk_groups = router.num_groups, router.topk_groups
-        self.group_score_top = router.group_score_top
+        self.renormalize = cfg.router.renormalize
+        self.scoring = cfg.router.scoring
+        self.scaling = cfg.router.scaling
+        self.num_groups, self.topk_groups = cfg.router.num_groups, cfg.router.topk_groups
+        self.group_score_top = cfg.router.group_score_top
         # A float32 router keeps the checkpoint's routing exact in a bf16 model: the reference
         # implementations compute these logits in float32, and the correction bias is stored
         # in float32 (rounding it to bf16 would change which experts win).
-        router_dtype = torch.float32 if router.float32 else dtype
+        router_dtype = torch.float32 if cfg.router.float32 else dtype
         self.gate = nn.Parameter(torch.empty(e, h, dtype=router_dtype, device=device), requires_grad=False)
         self.gate_bias = (
             nn.Parameter(torch.empty(e, dtype=router_dtype, device=device), requires_grad=False)
-            if router.logit_bias else None
+            if cfg.router.logit_bias else None
         )
         self.correction_bias = (
             nn.Parameter(torch.empty(e, dtype=torch.float32, device=device), requires_grad=False)
-            if router.correction_bias else None
+            if cfg.router.correction_bias else None
         )
-        gated = experts.gated
-        self.w13 = nn.Parameter(torch.empty(e, (2 if gated else 1) * i, h, **kw), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, i, **kw), requires_grad=False)
-        self.b13 = self.b2 = None
+        gated = cfg.experts.gated
+        gpt_oss = cfg.experts.activation == "clamped_swiglu"  # biased experts, gate/up rows interleaved in w13
+        self.experts = ExpertSlice(e, h, i, gated=gated, interleaved=gpt_oss, biased=gpt_oss, state=parallel, **kw)
         self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul if gated else relu_squared
-        self.shared_mlp = silu_mlp if gated else relu2_mlp
-        if experts.activation == "clamped_swiglu":  # biased experts, gate/up rows interleaved in w13
-            self.b13 = nn.Parameter(torch.empty(e, 2 * i, **kw), requires_grad=False)
-            self.b2 = nn.Parameter(torch.empty(e, h, **kw), requires_grad=False)
-            self.act = functools.partial(clamped_swiglu, alpha=experts.swiglu_alpha, limit=experts.swiglu_limit)
-        self.shared_w13 = self.shared_w2 = self.shared_gate = None
-        s = experts.shared_intermediate_size
+        if gpt_oss:
+            self.act = functools.partial(clamped_swiglu, alpha=cfg.experts.swiglu_alpha, limit=cfg.experts.swiglu_limit)
+        self.expert_pass = functools.partial(grouped_experts, act=self.act)
+        self.shared = self.shared_gate = None
+        s = cfg.experts.shared_intermediate_size
         if s:
-            self.shared_w13 = nn.Parameter(torch.empty((2 if gated else 1) * s, h, **kw), requires_grad=False)
-            self.shared_w2 = nn.Parameter(torch.empty(h, s, **kw), requires_grad=False)
-            if experts.shared_gate:
+            self.shared = Mlp(h, s, gated=gated, parallel=parallel, **kw)
+            if cfg.experts.shared_gate:
                 self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:
@@ -195,8 +198,8 @@ class SparseMoeBlock(nn.Module):
             topk_groups=self.topk_groups,
             group_score_top=self.group_score_top,
         )
-        out = grouped_experts(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2, act=self.act)
-        if self.shared_w13 is not None:
-            shared = self.shared_mlp(x, self.shared_w13, self.shared_w2)
+        out = self.experts(x, weights, ids, self.expert_pass)
+        if self.shared is not None:
+            shared = self.shared(x)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)
         return out

@@ -57,10 +57,14 @@ def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[
     return math.ceil(rows / block[0]), math.ceil(cols / block[1])
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float32 weight of a [rows, cols] float8 tensor and its per-block scales."""
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """float32 weight of a [rows, cols] float8 tensor and its per-block scales. A slice of a
+    larger weight starting at `origin` comes with the scale tiles from the one holding origin."""
     rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    r0, c0 = origin[0] % block[0], origin[1] % block[1]
+    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[r0 : r0 + rows]
+    scale = scale.repeat_interleave(block[1], dim=1)[:, c0 : c0 + cols]
     return weight.float() * scale
 
 

@@ -2,7 +2,8 @@
 block's in its per-expert (released) and fused (transformers 5 in memory) forms.
 
 Every function returns {Hugging Face tensor name: the view of our (stacked) parameter it
-fills}; the loader checks shapes and that every parameter is filled."""
+fills}; the views come from the layers (`part()`, models/parallel.py), which mark the slice of
+the checkpoint tensor a rank holds; the loader checks shapes and that every parameter is filled."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from r3srv.models.model import MoeForCausalLM
-    from r3srv.models.moe import SparseMoeBlock
+    from r3srv.models.moe import Mlp, SparseMoeBlock
 
 Targets = dict[str, "torch.Tensor"]
 
@@ -35,9 +36,9 @@ class MoeNames:
 def model_targets(model: MoeForCausalLM, embed: str = "model.embed_tokens.weight",
                   norm: str = "model.norm.weight") -> Targets:
     """The embedding, the final norm and (unless tied) the LM head."""
-    targets = {embed: model.embed, norm: model.final_norm}
+    targets = {embed: model.embed.part(), norm: model.final_norm}
     if not model.config.tie_word_embeddings:
-        targets["lm_head.weight"] = model.lm_head
+        targets["lm_head.weight"] = model.lm_head.part()
     return targets
 
 
@@ -51,20 +52,26 @@ def decoder_targets(model: MoeForCausalLM, moe: Callable[[str, SparseMoeBlock], 
         targets |= {p + name + ".weight": getattr(layer, attr) for attr, name in norms.items()
                     if getattr(layer, attr) is not None}
         targets |= (layer.linear_attn or layer.attn).weight_targets(p)
-        targets |= moe(p, layer.mlp) if layer.is_moe else gated_mlp_targets(p + dense, layer.mlp.w13, layer.mlp.w2)
+        targets |= moe(p, layer.mlp) if layer.is_moe else gated_mlp_targets(p + dense, *mlp_parts(layer.mlp))
     return targets
 
 
-def gated_mlp_targets(p: str, w13: torch.Tensor, w2: torch.Tensor,
+def mlp_parts(mlp: Mlp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A SwiGLU MLP's gate, up and down projections as checkpoint targets."""
+    return mlp.gate_up.part(0), mlp.gate_up.part(1), mlp.down.part()
+
+
+def gated_mlp_targets(p: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                       names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> Targets:
-    """A SwiGLU MLP's gate, up and down projections (w13: gate rows then up rows)."""
-    half = w13.shape[0] // 2
-    return {p + f"{names[0]}.weight": w13[:half], p + f"{names[1]}.weight": w13[half:], p + f"{names[2]}.weight": w2}
+    """A SwiGLU MLP's gate, up and down projections under their names."""
+    return {p + f"{names[0]}.weight": gate, p + f"{names[1]}.weight": up, p + f"{names[2]}.weight": down}
 
 
 def fused_expert_targets(p: str, mlp: SparseMoeBlock) -> Targets:
     """transformers 5's in-memory names of the router and the stacked experts (under "mlp." in every family)."""
-    return {p + "mlp.gate.weight": mlp.gate, p + "mlp.experts.gate_up_proj": mlp.w13, p + "mlp.experts.down_proj": mlp.w2}
+    experts = mlp.experts
+    return {p + "mlp.gate.weight": mlp.gate, p + "mlp.experts.gate_up_proj": experts.w13_part(),
+            p + "mlp.experts.down_proj": experts.w2_part()}
 
 
 def moe_targets(p: str, mlp: SparseMoeBlock, names: MoeNames = MoeNames()) -> Targets:
@@ -73,11 +80,13 @@ def moe_targets(p: str, mlp: SparseMoeBlock, names: MoeNames = MoeNames()) -> Ta
     targets = {module + "gate.weight": mlp.gate}
     if mlp.correction_bias is not None:
         targets |= {p + name: mlp.correction_bias for name in names.correction_bias}
-    for e in range(mlp.w13.shape[0]):
-        targets |= gated_mlp_targets(f"{module}experts.{e}.", mlp.w13[e], mlp.w2[e], names.projections)
+    experts = mlp.experts
+    for e in experts.local_ids:  # logical ids: another rank's experts are not targets here
+        targets |= gated_mlp_targets(f"{module}experts.{e}.", experts.w13_part(e, 0), experts.w13_part(e, 1),
+                                     experts.w2_part(e), names.projections)
     targets |= fused_expert_targets(p, mlp)
-    if mlp.shared_w13 is not None:
-        targets |= gated_mlp_targets(p + names.shared, mlp.shared_w13, mlp.shared_w2)
+    if mlp.shared is not None:
+        targets |= gated_mlp_targets(p + names.shared, *mlp_parts(mlp.shared))
         if mlp.shared_gate is not None:
             targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
     return targets

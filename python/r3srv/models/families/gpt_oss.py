@@ -9,6 +9,7 @@ from dataclasses import replace
 from r3srv.models.families import Family
 from r3srv.models.families._names import decoder_targets
 from r3srv.models.families._parsing import layer_windows
+from r3srv.models.parallel import transposed
 from r3srv.models.specs import AttentionSpec, ExpertSpec, RouterSpec
 
 
@@ -29,14 +30,15 @@ def configure(cfg, raw, get):
 def moe_targets(prefix, mlp):
     """Experts fused and transposed ([E, H, 2I] with gate/up columns interleaved, [E, I, H]):
     views of w13 (whose rows stay interleaved, see moe.clamped_swiglu) and w2."""
-    p = prefix + "mlp."
+    p, experts = prefix + "mlp.", mlp.experts
+    b13, b2 = experts.bias_parts()
     return {
         p + "router.weight": mlp.gate,
         p + "router.bias": mlp.gate_bias,
-        p + "experts.gate_up_proj": mlp.w13.transpose(1, 2),
-        p + "experts.gate_up_proj_bias": mlp.b13,
-        p + "experts.down_proj": mlp.w2.transpose(1, 2),
-        p + "experts.down_proj_bias": mlp.b2,
+        p + "experts.gate_up_proj": transposed(experts.w13_part()),
+        p + "experts.gate_up_proj_bias": b13,
+        p + "experts.down_proj": transposed(experts.w2_part()),
+        p + "experts.down_proj_bias": b2,
     }
 
 

@@ -32,13 +32,13 @@ def configure(cfg, raw, get):
 
 def moe_targets(prefix, mlp):
     """Granite's fused experts and its shared MLP."""
-    p = prefix + "block_sparse_moe."
+    p, experts = prefix + "block_sparse_moe.", mlp.experts
     targets = {p + "router.layer.weight": mlp.gate, p + "router.weight": mlp.gate,
-               p + "input_linear.weight": mlp.w13, p + "output_linear.weight": mlp.w2,
-               p + "experts.gate_up_proj": mlp.w13, p + "experts.down_proj": mlp.w2}
-    if mlp.shared_w13 is not None:
-        targets[prefix + "shared_mlp.input_linear.weight"] = mlp.shared_w13
-        targets[prefix + "shared_mlp.output_linear.weight"] = mlp.shared_w2
+               p + "input_linear.weight": experts.w13_part(), p + "output_linear.weight": experts.w2_part(),
+               p + "experts.gate_up_proj": experts.w13_part(), p + "experts.down_proj": experts.w2_part()}
+    if mlp.shared is not None:
+        targets[prefix + "shared_mlp.input_linear.weight"] = mlp.shared.gate_up.part()
+        targets[prefix + "shared_mlp.output_linear.weight"] = mlp.shared.down.part()
     return targets
 
 

@@ -72,21 +72,23 @@ def mixer_targets(layer, prefix: str) -> dict:
         return targets | layer.linear_attn.weight_targets(prefix, module="mixer.")
     p, mlp = prefix + "mixer.", layer.mlp
     if not layer.is_moe:
-        return targets | {p + "up_proj.weight": mlp.w13, p + "down_proj.weight": mlp.w2}
+        return targets | {p + "up_proj.weight": mlp.gate_up.part(), p + "down_proj.weight": mlp.down.part()}
+    experts = mlp.experts
     targets |= {p + "gate.weight": mlp.gate, p + "gate.e_score_correction_bias": mlp.correction_bias,
-                p + "experts.up_proj": mlp.w13, p + "experts.down_proj": mlp.w2}  # transformers 5's fused names
-    for e in range(mlp.w13.shape[0]):
-        targets[p + f"experts.{e}.up_proj.weight"] = mlp.w13[e]
-        targets[p + f"experts.{e}.down_proj.weight"] = mlp.w2[e]
-    if mlp.shared_w13 is not None:
-        targets[p + "shared_experts.up_proj.weight"] = mlp.shared_w13
-        targets[p + "shared_experts.down_proj.weight"] = mlp.shared_w2
+                p + "experts.up_proj": experts.w13_part(),
+                p + "experts.down_proj": experts.w2_part()}  # transformers 5's fused names
+    for e in experts.local_ids:
+        targets[p + f"experts.{e}.up_proj.weight"] = experts.w13_part(e)
+        targets[p + f"experts.{e}.down_proj.weight"] = experts.w2_part(e)
+    if mlp.shared is not None:
+        targets[p + "shared_experts.up_proj.weight"] = mlp.shared.gate_up.part()
+        targets[p + "shared_experts.down_proj.weight"] = mlp.shared.down.part()
     return targets
 
 
 def weight_targets(model):
-    targets = {} if model.config.tie_word_embeddings else {"lm_head.weight": model.lm_head}
-    named = {"model.embeddings.weight": model.embed, "model.norm_f.weight": model.final_norm}
+    targets = {} if model.config.tie_word_embeddings else {"lm_head.weight": model.lm_head.part()}
+    named = {"model.embeddings.weight": model.embed.part(), "model.norm_f.weight": model.final_norm}
     for layer in model.layers:
         named |= mixer_targets(layer, f"model.layers.{layer.index}.")
     named = {k: v for k, v in named.items() if v is not None}
