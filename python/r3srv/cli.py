@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger("r3srv.serve")
 
 EXIT_CONFIG_ERROR = 2
+EXIT_ENGINE_FAILED = 3  # a tensor-parallel rank died or raised
+_FAILED_EXIT_GRACE_S = 5.0
 
 
 def _positive_int(text: str) -> int:
@@ -58,8 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory-fraction", type=float, default=None, help="share of free memory for the KV cache"
     )
     serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    # vLLM's flags, accepted so launch scripts that pass 1 work; more than 1 is a clear start-up error
-    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    serve.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="ranks (devices) the model is split over, one worker process each (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="with -tp N: each rank holds 1/N of the routed experts whole, not a slice of every expert",
+    )
+    dist = serve.add_argument_group("multi-node rendezvous (torch.distributed TCP; see docs/parallelism.md)")
+    dist.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (default: %(default)s)")
+    dist.add_argument("--master-port", type=int, default=0, help="a port every node names (default: a free one, one node)")
+    dist.add_argument("--nnodes", type=int, default=1, help="nodes the ranks span (default: %(default)s)")
+    dist.add_argument("--node-rank", type=int, default=0,
+                      help="this node; only node 0 serves HTTP, the others run their ranks' workers (default: %(default)s)")
+    # vLLM's flag, accepted so launch scripts that pass 1 work; more than 1 is a clear start-up error
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
@@ -99,6 +116,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         prefill_context_parallel_size=args.prefill_context_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
     )
     if args.num_kv_blocks is not None:
         kwargs["num_kv_blocks"] = args.num_kv_blocks
@@ -137,6 +159,8 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.model is None:
         logger.warning("no MODEL given: serving the built-in model, whose weights are RANDOM (text is meaningless)")
+    if args.node_rank > 0:
+        return _serve_node(args)
     try:
         engine = AsyncLLM(args.model, **engine_kwargs(args))
     except ConfigError as exc:
@@ -173,12 +197,40 @@ def serve(args: argparse.Namespace) -> int:
         access_log=args.log_level == "debug",
     )
     server = server_class(config)
+    failed: list[BaseException] = []
+
+    def rank_failed(error: BaseException) -> None:
+        # /health already answers 503; stop serving, and exit even if a collective hangs the shutdown
+        logger.error("the engine stopped: %s", error)
+        failed.append(error)
+        server.should_exit = True
+        threading.Timer(_FAILED_EXIT_GRACE_S, os._exit, args=(EXIT_ENGINE_FAILED,)).start()
+
+    engine.on_dead.append(rank_failed)
     try:
         server.run()
     finally:
         engine.shutdown()
+    if failed:
+        return EXIT_ENGINE_FAILED
     # uvicorn exits quietly (started False) when it cannot bind the port.
     return 0 if server.started else 1
+
+
+def _serve_node(args: argparse.Namespace) -> int:
+    """A node other than node 0: its ranks' workers, which node 0's engine drives."""
+    from r3srv.engine.llm_engine import engine_config
+    from r3srv.engine.multiproc_executor import rank_setup, run_node
+    from r3srv.errors import ConfigError
+
+    try:
+        spec, rendezvous = rank_setup(engine_config(args.model, **engine_kwargs(args)))
+    except ConfigError as exc:
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    logger.info("node %d of %d: ranks %s for the engine at %s:%d", args.node_rank, args.nnodes,
+                list(rendezvous.local_ranks), args.master_addr, args.master_port)
+    return run_node(spec, rendezvous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

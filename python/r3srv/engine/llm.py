@@ -41,6 +41,7 @@ class LLM:
         prefill_context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
     ) -> None:
         self.engine = LLMEngine.from_kwargs(
             model,
@@ -60,8 +61,13 @@ class LLM:
             prefill_context_parallel_size=prefill_context_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
         )
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

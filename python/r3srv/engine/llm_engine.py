@@ -110,7 +110,11 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
+        self.executor = _multiproc_executor(config)  # None at tensor_parallel_size 1
+        if self.executor is None:
+            self.model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
+        else:  # the ranks' shards, driven as one model
+            self.model, self.tokenizer = self.executor, self.executor.tokenizer
         self.model_config = self.model.config
         config.finalize(self.model_config)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
@@ -151,13 +155,7 @@ class LLMEngine:
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
         """EngineConfig's and ParallelConfig's fields as keywords."""
-        parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-        parallel = ParallelConfig(**{name: kwargs.pop(name) for name in list(kwargs) if name in parallel_fields})
-        try:
-            config = EngineConfig(model=model, parallel=parallel, **kwargs)
-        except TypeError as e:  # an unknown keyword
-            raise ConfigError(str(e)) from None
-        return cls(config)
+        return cls(engine_config(model, **kwargs))
 
     # -- sizing -------------------------------------------------------------------------
     def _auto_num_blocks(self) -> int:
@@ -330,7 +328,10 @@ class LLMEngine:
         # Released weights live in host memory: an update fills them there, and they move
         # back with resume_memory.
         try:
-            load_weights_from_dir(self.model, path)
+            if self.executor is None:
+                load_weights_from_dir(self.model, path)
+            else:
+                self.executor.load_weights(path)
         except ConfigError:
             raise  # found before any weight was copied: nothing changed
         except Exception:
@@ -382,6 +383,11 @@ class LLMEngine:
             )
         self.released_memory -= wanted
         return sorted(self.released_memory)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (nothing to do at one device)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -590,6 +596,24 @@ def _visible(s: Sequence) -> tuple[int, int]:
     ends = s.detok.text_len_after
     n = min(bisect.bisect_left(ends, safe) + 1, bisect.bisect_right(ends, safe)) if safe else 0
     return n, ends[n - 1] if n else 0
+
+
+def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
+    """EngineConfig's and ParallelConfig's fields as keywords."""
+    parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    parallel = ParallelConfig(**{name: kwargs.pop(name) for name in list(kwargs) if name in parallel_fields})
+    try:
+        return EngineConfig(model=model, parallel=parallel, **kwargs)
+    except TypeError as e:  # an unknown keyword
+        raise ConfigError(str(e)) from None
+
+
+def _multiproc_executor(config: EngineConfig):
+    if config.parallel.tensor_parallel_size == 1:
+        return None
+    from r3srv.engine.multiproc_executor import MultiprocExecutor, rank_setup
+
+    return MultiprocExecutor(*rank_setup(config))
 
 
 def _mem_available() -> int:

@@ -37,9 +37,10 @@ async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
     return p.ModelList(data=[card])
 
 
-@get("/health", summary="200 when the server is up", include_in_schema=True)
-async def health() -> Response[bytes]:
-    return Response(b"", status_code=200, media_type=MediaType.TEXT)
+@get("/health", summary="200 when the server is up, 503 once its engine stopped", include_in_schema=True)
+async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
+    up = server_state(request).engine.is_running
+    return Response(b"", status_code=200 if up else 503, media_type=MediaType.TEXT)
 
 
 @get("/version", summary="r3srv version")
