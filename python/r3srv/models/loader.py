@@ -18,7 +18,7 @@ from r3srv.errors import ConfigError
 from r3srv.models import quantization as quant
 from r3srv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from r3srv.models.model import MoeForCausalLM
-from r3srv.models.parallel import SINGLE, ParallelState, allocated_numel, checkpoint_shape, shard_of, transposed
+from r3srv.models.parallel import SINGLE, ParallelState, checkpoint_shape, loaded_numel, shard_of, transposed
 from r3srv.models.shard_reader import read_fp8, read_mxfp4, read_tensor
 from r3srv.tokenizer import Tokenizer
 
@@ -64,8 +64,9 @@ def load_model(
     parallel: ParallelState = SINGLE,
 ) -> tuple[MoeForCausalLM, Tokenizer | None]:
     """Load a checkpoint directory; `path=None` (or the name BUILTIN_MODEL_NAME) loads the built-in
-    model (random weights). `parallel`: the rank whose shards to hold and read (default: all).
+    model (random weights).
 
+    parallel: this rank's place; the model holds, and reads, only its shard of each weight.
     Returns (model, tokenizer). The tokenizer is None when the directory has no
     tokenizer.json (token-id prompts only). Raises ConfigError for an unsupported
     architecture, a missing or malformed file, or missing weights.
@@ -208,14 +209,14 @@ def _plan_weights(
             if dtype in quant.FP8_DTYPES:
                 plan.scales[name] = _check_fp8_weight(file, name, shape, scale_of, headers, fp8_block)
             owner = owners[name]
-            filled[owner] = filled.get(owner, 0) + allocated_numel(target)
+            filled[owner] = filled.get(owner, 0) + target.numel()
             used.append(name)
         plan.shards.append((file, used))
     if model.parallel.ep_size > 1:  # the other ranks' experts, per-expert named
         unexpected = [name for name in unexpected if ".experts." not in name]
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:5])
-    missing = [name for name, p in named.items() if filled.get(name, 0) != p.numel()]
+    missing = [name for name, p in named.items() if filled.get(name, 0) != loaded_numel(p)]
     if missing:
         raise ConfigError(f"the checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:8]}")
     return plan

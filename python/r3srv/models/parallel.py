@@ -132,21 +132,17 @@ def transposed(target: torch.Tensor) -> torch.Tensor:
     return with_splits(target.transpose(-1, -2), *(replace(s, dim=swap.get(s.dim, s.dim)) for s in shard_of(target)))
 
 
-def allocated_numel(target: torch.Tensor) -> int:
-    """Elements of its parameter a target accounts for: its own, plus the padding rows of a
-    short last slice (a padded vocabulary), which no checkpoint fills."""
-    shape = list(target.shape)
-    for split in shard_of(target):
-        shape[split.dim] = sum(p.local for p in split.pieces)
-    return math.prod(shape)
-
-
 def checkpoint_shape(target: torch.Tensor) -> tuple[int, ...]:
     """The shape of the whole checkpoint tensor a target holds a slice of."""
     shape = list(target.shape)
     for split in shard_of(target):
         shape[split.dim] = split.checkpoint_size()
     return tuple(shape)
+
+
+def loaded_numel(param: torch.Tensor) -> int:
+    """Elements of a parameter its checkpoint fills (a padded vocabulary slice's padding is not)."""
+    return param.numel() - getattr(param, "padding", 0)
 
 
 def split_evenly(size: int, rank: int, count: int) -> Piece:
@@ -261,7 +257,10 @@ class VocabParallelEmbedding(ShardedWeight):
         super().__init__((Piece(vocab_size, state.tp_rank, state.tp_size),), (0, hidden_size), 0, bias=False,
                          dtype=dtype, device=device)
         self.state, self.vocab_size = state, vocab_size
-        self.weight.data.zero_()  # a padded last slice's rows stay zero (no checkpoint fills them)
+        piece = self.pieces[0]
+        with torch.no_grad():  # the padding rows of the last slice: no token, zero logits (dropped)
+            self.weight[piece.stop - piece.start :].zero_()
+        self.weight.padding = (piece.local - (piece.stop - piece.start)) * hidden_size
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.state.tp_size == 1:
