@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from r3srv.engine.sequence import Sequence
 from r3srv.errors import ConfigError, InvalidRequestError
 from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Default share of free memory for the KV cache when num_kv_blocks is not given.
@@ -128,6 +131,7 @@ class LLMEngine:
         config.check_kv_pool(num_blocks)
         config.num_kv_blocks = num_blocks
         self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
+        self._log_memory_plan(num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
@@ -158,6 +162,17 @@ class LLMEngine:
         return cls(engine_config(model, **kwargs))
 
     # -- sizing -------------------------------------------------------------------------
+    def _log_memory_plan(self, num_blocks: int) -> None:
+        """What each rank holds (rank 0's shard stands for all: the splits are even)."""
+        shard = self.model if self.executor is None else self.executor.model
+        weights = sum(p.numel() * p.element_size() for p in shard.parameters())
+        kv = num_blocks * self.model.kv_cache_bytes_per_block(self.config.block_size)
+        states = (self.num_state_slots + self.num_state_snapshots) * self.model.state_bytes_per_slot()
+        ranks = self.config.parallel.tensor_parallel_size
+        logger.info("memory per rank (%d rank%s): weights %.3f GiB, KV cache %.3f GiB (%d blocks of %d tokens)%s",
+                    ranks, "s" if ranks > 1 else "", weights / 2**30, kv / 2**30, num_blocks, self.config.block_size,
+                    f", linear-attention states {states / 2**30:.3f} GiB" if states else "")
+
     def _auto_num_blocks(self) -> int:
         cfg = self.config
         per_block = self.model.kv_cache_bytes_per_block(cfg.block_size)
