@@ -62,7 +62,7 @@ def test_dsa_decode_step(benchmark, candidate, monkeypatch):
         block_tables=torch.arange(SEQS * blocks, dtype=torch.int32).view(SEQS, blocks), logits_indices=torch.arange(SEQS),
     )
     meta = AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
-    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), torch.float32)
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.rotary_dim, cfg.rope.theta), torch.float32)
     x = torch.randn(SEQS, cfg.hidden_size)
     with torch.inference_mode():
         got = attn(x, cos, sin, meta)

@@ -63,7 +63,7 @@ def test_mla_prefill(benchmark, candidate):
         logits_indices=torch.tensor([TOKENS - 1]),
     )
     meta = AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
-    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), torch.float32)
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.rotary_dim, cfg.rope.theta), torch.float32)
     x = torch.randn(TOKENS, cfg.hidden_size)
     with torch.inference_mode():
         want = latent_prefill(attn, x, cos, sin, meta)

@@ -135,20 +135,20 @@ def test_released_config_spelling_parses_to_the_glm_switches():
     cfg = ModelConfig.from_dict(GLM45_AIR_STYLE, name="glm-4.5-air")
     assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.num_layers) == ("glm4_moe", 128, 8, 46)
     assert cfg.moe_layers == list(range(1, 46))  # first_k_dense_replace=1: layer 0 is dense
-    assert cfg.rotary_dim == 64 and cfg.rope_theta == 1e6
-    assert (cfg.scoring, cfg.router_bias, cfg.router_float32, cfg.renormalize) == ("sigmoid", True, True, True)
-    assert (cfg.num_expert_groups, cfg.topk_expert_groups, cfg.routed_scaling_factor) == (1, 1, 1.0)
-    assert cfg.shared_expert_intermediate_size == 1408 and not cfg.shared_expert_gate
-    assert cfg.qkv_bias and not cfg.o_bias and cfg.qk_norm is None
+    assert cfg.rotary_dim == 64 and cfg.rope.theta == 1e6
+    assert (cfg.router.scoring, cfg.router.correction_bias, cfg.router.float32, cfg.router.renormalize) == ("sigmoid", True, True, True)
+    assert (cfg.router.num_groups, cfg.router.topk_groups, cfg.router.scaling) == (1, 1, 1.0)
+    assert cfg.experts.shared_intermediate_size == 1408 and not cfg.experts.shared_gate
+    assert cfg.attention.qkv_bias and not cfg.attention.o_bias and cfg.attention.qk_norm is None
     assert cfg.eos_token_ids == [151329, 151336, 151338] and cfg.torch_dtype == torch.bfloat16
 
 
 def test_minimax_m2_released_config_spelling():
     cfg = ModelConfig.from_dict(MINIMAX_M2_STYLE)
     assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("minimax_m2", 256, 8, list(range(62)))
-    assert cfg.rotary_dim == 64 and cfg.qk_norm == "full" and cfg.moe_intermediate_size == 1536
-    assert (cfg.scoring, cfg.router_bias, cfg.renormalize, cfg.routed_scaling_factor) == ("sigmoid", True, True, 1.0)
-    assert cfg.shared_expert_intermediate_size == 0 and cfg.fp8_block == (128, 128)
+    assert cfg.rotary_dim == 64 and cfg.attention.qk_norm == "full" and cfg.moe_intermediate_size == 1536
+    assert (cfg.router.scoring, cfg.router.correction_bias, cfg.router.renormalize, cfg.router.scaling) == ("sigmoid", True, True, 1.0)
+    assert cfg.experts.shared_intermediate_size == 0 and cfg.fp8_block == (128, 128)
     with pytest.raises(ConfigError, match="shared experts"):
         ModelConfig.from_dict({**MINIMAX_M2_STYLE, "shared_intermediate_size": 512})
 
@@ -160,12 +160,12 @@ def test_deepseek_v3_released_config_spelling():
 
     cfg = ModelConfig.from_dict(DEEPSEEK_V3_STYLE)
     assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("deepseek_v3", 256, 8, list(range(3, 61)))
-    assert cfg.is_mla and (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim) == (512, 1536, 128, 128)
-    assert cfg.head_dim == cfg.rotary_dim == 64 and cfg.rope_interleave
-    assert (cfg.num_expert_groups, cfg.topk_expert_groups, cfg.routed_scaling_factor) == (8, 4, 2.5)
-    assert (cfg.scoring, cfg.router_bias, cfg.router_float32) == ("sigmoid", True, True)
-    assert cfg.shared_expert_intermediate_size == 2048 and not cfg.shared_expert_gate
-    assert cfg.rope_yarn["factor"] == 40 and cfg.rope_yarn["original_max_position_embeddings"] == 4096
+    assert cfg.is_mla and (cfg.attention.mla.kv_lora_rank, cfg.attention.mla.q_lora_rank, cfg.attention.mla.qk_nope_head_dim, cfg.attention.mla.v_head_dim) == (512, 1536, 128, 128)
+    assert cfg.head_dim == cfg.rotary_dim == 64 and cfg.rope.interleave
+    assert (cfg.router.num_groups, cfg.router.topk_groups, cfg.router.scaling) == (8, 4, 2.5)
+    assert (cfg.router.scoring, cfg.router.correction_bias, cfg.router.float32) == ("sigmoid", True, True)
+    assert cfg.experts.shared_intermediate_size == 2048 and not cfg.experts.shared_gate
+    assert cfg.rope.yarn["factor"] == 40 and cfg.rope.yarn["original_max_position_embeddings"] == 4096
     assert cfg.fp8_block == (128, 128)
     # one 576-wide latent per token and layer: 61 x 16 x 576 bf16 values a block
     assert cfg.kv_cache_bytes_per_block(16, torch.bfloat16) == 61 * 16 * 576 * 2
@@ -195,12 +195,12 @@ DEEPSEEK_V2_LITE_STYLE = {
 def test_deepseek_v2_lite_released_config_spelling():
     cfg = ModelConfig.from_dict(DEEPSEEK_V2_LITE_STYLE)
     assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("deepseek_v2", 64, 6, list(range(1, 27)))
-    assert cfg.is_mla and cfg.q_lora_rank == 0 and cfg.kv_lora_rank == 512 and cfg.rope_interleave
-    assert (cfg.scoring, cfg.router_bias, cfg.renormalize, cfg.num_expert_groups) == ("softmax", False, False, 1)
-    assert cfg.shared_expert_intermediate_size == 2 * 1408 and cfg.rope_yarn["mscale_all_dim"] == 0.707
+    assert cfg.is_mla and cfg.attention.mla.q_lora_rank == 0 and cfg.attention.mla.kv_lora_rank == 512 and cfg.rope.interleave
+    assert (cfg.router.scoring, cfg.router.correction_bias, cfg.router.renormalize, cfg.router.num_groups) == ("softmax", False, False, 1)
+    assert cfg.experts.shared_intermediate_size == 2 * 1408 and cfg.rope.yarn["mscale_all_dim"] == 0.707
     grouped = ModelConfig.from_dict({**DEEPSEEK_V2_LITE_STYLE, "topk_method": "group_limited_greedy",
                                      "n_group": 8, "topk_group": 3})
-    assert (grouped.num_expert_groups, grouped.topk_expert_groups, grouped.group_score_top) == (8, 3, 1)
+    assert (grouped.router.num_groups, grouped.router.topk_groups, grouped.router.group_score_top) == (8, 3, 1)
     for bad in ({"topk_method": "noaux_tc"}, {"scoring_func": "sigmoid"}, {"mlp_bias": True}):
         with pytest.raises(ConfigError, match="DeepseekV2ForCausalLM"):
             ModelConfig.from_dict({**DEEPSEEK_V2_LITE_STYLE, **bad})
@@ -226,11 +226,11 @@ GPT_OSS_20B_STYLE = {
 def test_gpt_oss_released_config_spelling():
     cfg = ModelConfig.from_dict(GPT_OSS_20B_STYLE)
     assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("gpt_oss", 32, 4, list(range(24)))
-    assert cfg.sliding_windows == [128, None] * 12 and cfg.attention_sinks
+    assert cfg.attention.sliding_windows == [128, None] * 12 and cfg.attention.sinks
     assert cfg.max_position_embeddings == 131072  # windows run windowed: no cap to the window
-    assert cfg.rope_yarn["factor"] == 32.0 and cfg.rope_yarn["truncate"] is False
-    assert (cfg.expert_activation, cfg.swiglu_limit, cfg.router_logit_bias, cfg.renormalize) == ("gpt_oss", 7.0, True, True)
-    assert cfg.qkv_bias and cfg.o_bias and cfg.mxfp4 and cfg.fp8_block is None
+    assert cfg.rope.yarn["factor"] == 32.0 and cfg.rope.yarn["truncate"] is False
+    assert (cfg.experts.activation, cfg.experts.swiglu_limit, cfg.router.logit_bias, cfg.router.renormalize) == ("clamped_swiglu", 7.0, True, True)
+    assert cfg.attention.qkv_bias and cfg.attention.o_bias and cfg.mxfp4 and cfg.fp8_block is None
     with pytest.raises(ConfigError, match="layer_types"):
         ModelConfig.from_dict({**GPT_OSS_20B_STYLE, "layer_types": ["sliding_attention"] * 23})
 
@@ -250,9 +250,9 @@ ERNIE_4_5_STYLE = {
 def test_ernie_4_5_released_config_spelling():
     cfg = ModelConfig.from_dict(ERNIE_4_5_STYLE)
     assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("ernie4_5_moe", 64, 6, list(range(1, 28)))
-    assert (cfg.scoring, cfg.router_bias, cfg.router_float32, cfg.renormalize) == ("softmax", True, True, True)
-    assert cfg.rope_interleave and cfg.tie_word_embeddings and cfg.rope_theta == 500000
-    assert cfg.shared_expert_intermediate_size == 2 * 1536 and not cfg.shared_expert_gate
+    assert (cfg.router.scoring, cfg.router.correction_bias, cfg.router.float32, cfg.router.renormalize) == ("softmax", True, True, True)
+    assert cfg.rope.interleave and cfg.tie_word_embeddings and cfg.rope.theta == 500000
+    assert cfg.experts.shared_intermediate_size == 2 * 1536 and not cfg.experts.shared_gate
     with pytest.raises(ConfigError, match="use_bias"):
         ModelConfig.from_dict({**ERNIE_4_5_STYLE, "use_bias": True})
 
@@ -271,7 +271,7 @@ GLM47_FLASH_STYLE = {
 def test_glm47_flash_config():
     cfg = ModelConfig.from_dict(GLM47_FLASH_STYLE)
     assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("glm4_moe_lite", 64, 4, list(range(1, 47)))
-    assert cfg.is_mla and cfg.rotary_dim == 64 and (cfg.scoring, cfg.router_bias, cfg.routed_scaling_factor) == (
+    assert cfg.is_mla and cfg.rotary_dim == 64 and (cfg.router.scoring, cfg.router.correction_bias, cfg.router.scaling) == (
         "sigmoid", True, 1.8)
     kinds = ["dense", "dense"] + ["sparse"] * 45
     assert ModelConfig.from_dict({**GLM47_FLASH_STYLE, "mlp_layer_types": kinds}).moe_layers == list(range(2, 47))
@@ -294,10 +294,10 @@ DOTS1_STYLE = {
 def test_dots1_released_config_spelling():
     cfg = ModelConfig.from_dict(DOTS1_STYLE)
     assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_layers) == ("dots1", 128, 6, list(range(1, 62)))
-    assert cfg.sliding_windows is None and cfg.max_position_embeddings == 32768  # no layer windowed, no cap
-    assert cfg.qk_norm == "head" and cfg.rotary_dim == 128 and cfg.renormalize and cfg.routed_scaling_factor == 2.5
+    assert cfg.attention.sliding_windows is None and cfg.max_position_embeddings == 32768  # no layer windowed, no cap
+    assert cfg.attention.qk_norm == "head" and cfg.rotary_dim == 128 and cfg.router.renormalize and cfg.router.scaling == 2.5
     windowed = ModelConfig.from_dict({**DOTS1_STYLE, "max_window_layers": 60})
-    assert windowed.sliding_windows == [None] * 60 + [4096, 4096]
+    assert windowed.attention.sliding_windows == [None] * 60 + [4096, 4096]
 
 
 # The keys of granite-3.1-3b-a800m-instruct's config.json (GraniteMoe: 40 experts, top-8, tied
@@ -316,17 +316,17 @@ GRANITE_3_MOE_STYLE = {
 def test_granite_3_moe_released_config_spelling():
     cfg = ModelConfig.from_dict(GRANITE_3_MOE_STYLE)
     assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == ("granitemoe", 40, 8, 512)
-    assert cfg.moe_layers == list(range(32)) and cfg.use_rope and cfg.linear_attention_layers == []
-    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling, cfg.attention_scale) == (
+    assert cfg.moe_layers == list(range(32)) and cfg.rope.enabled and cfg.linear_attention_layers == []
+    assert (cfg.scales.embedding, cfg.scales.residual, cfg.scales.logits, cfg.attention.scale) == (
         12.0, 0.22, 6.0, 0.015625)
-    assert cfg.renormalize and cfg.shared_expert_intermediate_size == 0 and cfg.tie_word_embeddings
+    assert cfg.router.renormalize and cfg.experts.shared_intermediate_size == 0 and cfg.tie_word_embeddings
     shared = ModelConfig.from_dict({**GRANITE_3_MOE_STYLE, "architectures": ["GraniteMoeSharedForCausalLM"],
                                     "model_type": "granitemoeshared", "shared_intermediate_size": 1024})
-    assert shared.model_type == "granitemoeshared" and shared.shared_expert_intermediate_size == 1024
-    assert not shared.shared_expert_gate
+    assert shared.model_type == "granitemoeshared" and shared.experts.shared_intermediate_size == 1024
+    assert not shared.experts.shared_gate
     # transformers' defaults where a config leaves a scalar out
     bare = ModelConfig.from_dict({k: v for k, v in GRANITE_3_MOE_STYLE.items() if "multiplier" not in k})
-    assert (bare.embedding_multiplier, bare.residual_multiplier, bare.attention_scale) == (1.0, 1.0, 1.0)
+    assert (bare.scales.embedding, bare.scales.residual, bare.attention.scale) == (1.0, 1.0, 1.0)
 
 
 # Qwen3-VL-30B-A3B-Instruct's config.json: the language model in text_config, M-RoPE in
@@ -350,7 +350,7 @@ def test_qwen3_vl_moe_released_config_spelling():
     cfg = ModelConfig.from_dict(QWEN3_VL_30B)
     assert (cfg.model_type, cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == (
         "qwen3_vl_moe", 48, 128, 8, 768)
-    assert cfg.head_dim == 128 and cfg.rope_theta == 5000000 and cfg.qk_norm == "head" and cfg.renormalize
+    assert cfg.head_dim == 128 and cfg.rope.theta == 5000000 and cfg.attention.qk_norm == "head" and cfg.router.renormalize
     assert not cfg.tie_word_embeddings and cfg.moe_layers == list(range(48)) and cfg.rotary_dim == 128
     # the outer config says whether lm_head is the embedding, whatever text_config says
     tied_inside = {**QWEN3_VL_30B, "text_config": {**QWEN3_VL_30B["text_config"], "tie_word_embeddings": True}}
@@ -445,11 +445,11 @@ AFMOE_TRINITY_MINI = {
 
 def test_afmoe_config_spelling():
     cfg = ModelConfig.from_dict(AFMOE_TRINITY_MINI)
-    assert cfg.model_type == "afmoe" and cfg.sandwich_norms and cfg.attention_gate_proj and cfg.norm_weight_float32
-    full = [i for i in range(32) if cfg.sliding_windows[i] is None]
-    assert full == [3, 7, 11, 15, 19, 23, 27, 31] and cfg.rope_layers == [i for i in range(32) if i not in full]
-    assert cfg.moe_layers == list(range(2, 32)) and cfg.routed_scaling_factor == 2.826 and cfg.router_bias
-    assert cfg.embedding_multiplier == 2048**0.5 and cfg.shared_expert_intermediate_size == 1024
+    assert cfg.model_type == "afmoe" and cfg.norm.sandwich and cfg.attention.gate_proj and cfg.norm.weight_float32
+    full = [i for i in range(32) if cfg.attention.sliding_windows[i] is None]
+    assert full == [3, 7, 11, 15, 19, 23, 27, 31] and cfg.rope.layers == [i for i in range(32) if i not in full]
+    assert cfg.moe_layers == list(range(2, 32)) and cfg.router.scaling == 2.826 and cfg.router.correction_bias
+    assert cfg.scales.embedding == 2048**0.5 and cfg.experts.shared_intermediate_size == 1024
 
 
 def test_granite_swa_config_spellings():
@@ -462,12 +462,12 @@ def test_granite_swa_config_spellings():
                                                shared_intermediate_size=64).to_dict()
     written["architectures"] = ["GraniteMoeSWAForCausalLM"]
     cfg = ModelConfig.from_dict(written)
-    assert cfg.model_type == "granitemoe_swa" and cfg.attention_sinks and cfg.shared_expert_intermediate_size == 64
-    assert cfg.sliding_windows == [None, 128, 128, 128] * 2
-    assert cfg.rope_layers == [1, 2, 3, 5, 6, 7] and cfg.rope_theta == 5e5
+    assert cfg.model_type == "granitemoe_swa" and cfg.attention.sinks and cfg.experts.shared_intermediate_size == 64
+    assert cfg.attention.sliding_windows == [None, 128, 128, 128] * 2
+    assert cfg.rope.layers == [1, 2, 3, 5, 6, 7] and cfg.rope.theta == 5e5
     bare = {k: v for k, v in written.items() if k not in ("layer_types", "sliding_window", "layer_rope_theta")}
     cfg = ModelConfig.from_dict(bare)
-    assert cfg.sliding_windows == [None, 128, 128, 128] * 2 and cfg.rope_layers is None
+    assert cfg.attention.sliding_windows == [None, 128, 128, 128] * 2 and cfg.rope.layers is None
     with pytest.raises(ConfigError, match="several RoPE bases"):
         ModelConfig.from_dict({**written, "layer_rope_theta": [0.0, 1e4, 5e5, 5e5] * 2})
     with pytest.raises(ConfigError, match="layer_rope_theta has 3 entries"):
@@ -482,6 +482,6 @@ def test_flex_olmo_config_spellings():
     written = transformers.FlexOlmoConfig(num_hidden_layers=4).to_dict()
     written["architectures"] = ["FlexOlmoForCausalLM"]
     cfg = ModelConfig.from_dict(written)
-    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.renormalize) == ("flex_olmo", 7, 5, False)
-    assert cfg.qk_norm == "full" and cfg.clip_qkv is None and not cfg.pre_norms and cfg.sandwich_norms
-    assert cfg.moe_layers == [0, 1, 2, 3] and cfg.rope_theta == 500000.0 and cfg.num_kv_heads == 32
+    assert (cfg.model_type, cfg.num_experts, cfg.top_k, cfg.router.renormalize) == ("flex_olmo", 7, 5, False)
+    assert cfg.attention.qk_norm == "full" and cfg.attention.clip_qkv is None and not cfg.norm.pre and cfg.norm.sandwich
+    assert cfg.moe_layers == [0, 1, 2, 3] and cfg.rope.theta == 500000.0 and cfg.num_kv_heads == 32

@@ -61,10 +61,10 @@ def test_qwen3_next_released_config_spelling():
     assert cfg.model_type == "qwen3_next" and cfg.is_hybrid
     assert cfg.attention_layers == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47]
     assert len(cfg.linear_attention_layers) == 36 and cfg.moe_layers == list(range(48))
-    assert (cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size) == (512, 10, 512)
-    assert cfg.renormalize and cfg.shared_expert_gate and cfg.zero_centered_norms and cfg.attention_output_gate
-    assert cfg.rotary_dim == 64 and cfg.rope_theta == 1e7 and cfg.torch_dtype == torch.bfloat16
-    assert cfg.linear_projection_layout == "qkvz_ba"
+    assert (cfg.num_experts, cfg.top_k, cfg.experts.shared_intermediate_size) == (512, 10, 512)
+    assert cfg.router.renormalize and cfg.experts.shared_gate and cfg.norm.zero_centered and cfg.attention.output_gate
+    assert cfg.rotary_dim == 64 and cfg.rope.theta == 1e7 and cfg.torch_dtype == torch.bfloat16
+    assert cfg.linear.projection_layout == "qkvz_ba"
     # K/V for the 12 attention layers only; per sequence, 36 x (conv window + float32 matrix)
     assert cfg.kv_cache_bytes_per_block(16, torch.bfloat16) == 2 * 12 * 16 * 2 * 256 * 2
     assert cfg.linear_state_bytes(torch.bfloat16) == 36 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)
@@ -73,13 +73,13 @@ def test_qwen3_next_released_config_spelling():
 def test_qwen3_5_released_config_spelling():
     cfg = ModelConfig.from_dict(QWEN35_35B)
     assert cfg.architecture == "Qwen3_5MoeForConditionalGeneration" and cfg.model_type == "qwen3_5_moe"
-    assert cfg.num_layers == 40 and cfg.moe_layers == list(range(40)) and cfg.renormalize
+    assert cfg.num_layers == 40 and cfg.moe_layers == list(range(40)) and cfg.router.renormalize
     assert cfg.attention_layers == list(range(3, 40, 4)) and cfg.vocab_size == 248320
-    assert cfg.rotary_dim == 64 and cfg.rope_yarn is None and cfg.torch_dtype == torch.bfloat16
-    assert cfg.linear_projection_layout == "qkv_z_b_a" and cfg.eos_token_ids == [248044]
+    assert cfg.rotary_dim == 64 and cfg.rope.yarn is None and cfg.torch_dtype == torch.bfloat16
+    assert cfg.linear.projection_layout == "qkv_z_b_a" and cfg.eos_token_ids == [248044]
     no_gate = json.loads(json.dumps(QWEN35_35B))
     no_gate["text_config"]["attn_output_gate"] = False
-    assert not ModelConfig.from_dict(no_gate).attention_output_gate
+    assert not ModelConfig.from_dict(no_gate).attention.output_gate
 
 
 def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(tmp_path, caplog):
@@ -125,12 +125,12 @@ NEMOTRON3_NANO = {
 
 def test_nemotron_h_released_config_spelling():
     cfg = ModelConfig.from_dict(NEMOTRON3_NANO)
-    assert cfg.model_type == "nemotron_h" and cfg.is_hybrid and not cfg.use_rope
+    assert cfg.model_type == "nemotron_h" and cfg.is_hybrid and not cfg.rope.enabled
     assert cfg.num_layers == 52 and cfg.layer_kinds[:6] == ["mamba", "moe", "mamba", "moe", "mamba", "attention"]
     assert len(cfg.linear_attention_layers) == 23 and len(cfg.moe_layers) == 23 and len(cfg.attention_layers) == 6
-    assert (cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size) == (128, 6, 3712)
-    assert cfg.expert_activation == "relu2" and cfg.scoring == "sigmoid" and cfg.router_bias and cfg.renormalize
-    assert cfg.routed_scaling_factor == 2.5 and cfg.rms_norm_eps == 1e-5 and cfg.mamba_groups == 8
+    assert (cfg.num_experts, cfg.top_k, cfg.experts.shared_intermediate_size) == (128, 6, 3712)
+    assert cfg.experts.activation == "relu2" and cfg.router.scoring == "sigmoid" and cfg.router.correction_bias and cfg.router.renormalize
+    assert cfg.router.scaling == 2.5 and cfg.norm.eps == 1e-5 and cfg.linear.groups == 8
     assert cfg.kv_cache_bytes_per_block(16, torch.bfloat16) == 6 * 2 * 16 * 2 * 128 * 2
     conv = (64 * 64 + 2 * 8 * 128) * 3 * 2
     assert cfg.linear_state_bytes(torch.bfloat16) == 23 * (conv + 64 * 64 * 128 * 4)
@@ -169,11 +169,11 @@ KIMI_LINEAR = {
 
 def test_kimi_linear_released_config_spelling():
     cfg = ModelConfig.from_dict(KIMI_LINEAR)
-    assert cfg.model_type == "kimi_linear" and cfg.is_hybrid and cfg.is_mla and not cfg.use_rope
-    assert cfg.linear_attention_kind == "kda" and cfg.attention_layers == [3, 7, 11, 15, 19, 23, 26]
-    assert (cfg.num_experts, cfg.top_k, cfg.renormalize, cfg.max_position_embeddings) == (256, 8, True, 1048576)
-    assert cfg.moe_layers == list(range(1, 27)) and cfg.shared_expert_intermediate_size == 1024
-    assert (cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim) == (32, 128, 4)
+    assert cfg.model_type == "kimi_linear" and cfg.is_hybrid and cfg.is_mla and not cfg.rope.enabled
+    assert cfg.linear.kind == "kda" and cfg.attention_layers == [3, 7, 11, 15, 19, 23, 26]
+    assert (cfg.num_experts, cfg.top_k, cfg.router.renormalize, cfg.max_position_embeddings) == (256, 8, True, 1048576)
+    assert cfg.moe_layers == list(range(1, 27)) and cfg.experts.shared_intermediate_size == 1024
+    assert (cfg.linear.num_value_heads, cfg.linear.value_head_dim, cfg.linear.conv_kernel) == (32, 128, 4)
     assert cfg.kv_cache_bytes_per_block(16, torch.bfloat16) == 7 * (512 + 64) * 16 * 2  # MLA layers only
     assert cfg.linear_state_bytes(torch.bfloat16) == 20 * (3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4)
     from r3srv.errors import ConfigError
@@ -199,12 +199,12 @@ GRANITE4_H_SMALL = {
 
 def test_granite_4_h_released_config_spelling():
     cfg = ModelConfig.from_dict(GRANITE4_H_SMALL)
-    assert cfg.model_type == "granitemoehybrid" and cfg.linear_attention_kind == "mamba2" and not cfg.use_rope
+    assert cfg.model_type == "granitemoehybrid" and cfg.linear.kind == "mamba2" and not cfg.rope.enabled
     assert cfg.attention_layers == [5, 15, 25, 35] and len(cfg.linear_attention_layers) == 36
-    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (72, 10, 768, 8192)
-    assert cfg.scoring == "softmax" and cfg.renormalize and not cfg.shared_expert_gate and cfg.tie_word_embeddings
-    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling, cfg.attention_scale) == (12, 0.22, 8, 0.0078125)
-    assert cfg.mamba_dt_min == 0.0 and cfg.moe_layers == list(range(40))
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.experts.shared_intermediate_size) == (72, 10, 768, 8192)
+    assert cfg.router.scoring == "softmax" and cfg.router.renormalize and not cfg.experts.shared_gate and cfg.tie_word_embeddings
+    assert (cfg.scales.embedding, cfg.scales.residual, cfg.scales.logits, cfg.attention.scale) == (12, 0.22, 8, 0.0078125)
+    assert cfg.linear.dt_min == 0.0 and cfg.moe_layers == list(range(40))
     conv = (128 * 64 + 2 * 1 * 128) * 3 * 2
     assert cfg.linear_state_bytes(torch.bfloat16) == 36 * (conv + 128 * 64 * 128 * 4)
     from r3srv.errors import ConfigError
@@ -228,11 +228,11 @@ LFM2_8B_A1B = {
 
 def test_lfm2_moe_released_config_spelling():
     cfg = ModelConfig.from_dict(LFM2_8B_A1B)
-    assert cfg.model_type == "lfm2_moe" and cfg.linear_attention_kind == "short_conv" and cfg.use_rope
+    assert cfg.model_type == "lfm2_moe" and cfg.linear.kind == "short_conv" and cfg.rope.enabled
     assert cfg.attention_layers == [2, 6, 10, 14, 18, 21] and len(cfg.linear_attention_layers) == 18
     assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.moe_layers) == (32, 4, 1792, list(range(2, 24)))
-    assert cfg.scoring == "sigmoid" and cfg.router_bias and cfg.renormalize and cfg.qk_norm == "head"
-    assert cfg.rms_norm_eps == 1e-05 and cfg.tie_word_embeddings and cfg.linear_conv_kernel_dim == 3
+    assert cfg.router.scoring == "sigmoid" and cfg.router.correction_bias and cfg.router.renormalize and cfg.attention.qk_norm == "head"
+    assert cfg.norm.eps == 1e-05 and cfg.tie_word_embeddings and cfg.linear.conv_kernel == 3
     assert cfg.linear_state_bytes(torch.bfloat16) == 18 * 2048 * 2 * 2  # the conv window alone: 2 inputs
     from r3srv.errors import ConfigError
 

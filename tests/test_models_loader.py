@@ -74,14 +74,13 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
 
     _edit_config(old_style, to_old_keys)
     new_cfg, old_cfg = ModelConfig.from_dir(new_style), ModelConfig.from_dir(old_style)
-    assert new_cfg.rope_theta == old_cfg.rope_theta and new_cfg.rope_theta > 0
+    assert new_cfg.rope.theta == old_cfg.rope.theta and new_cfg.rope.theta > 0
     assert new_cfg.num_experts == old_cfg.num_experts == 8
     assert new_cfg.torch_dtype == old_cfg.torch_dtype == torch.float32
     assert new_cfg.model_type == family and new_cfg.moe_layers == old_cfg.moe_layers
     assert new_cfg.moe_layers == ([1, 3] if family == "nemotron_h" else [0, 1])
-    assert new_cfg.layer_kinds == old_cfg.layer_kinds and new_cfg.mamba_groups == old_cfg.mamba_groups
+    assert new_cfg.layer_kinds == old_cfg.layer_kinds and new_cfg.linear == old_cfg.linear  # Mamba-2 groups, head dims
     assert new_cfg.linear_attention_layers == old_cfg.linear_attention_layers
-    assert new_cfg.linear_value_head_dim == old_cfg.linear_value_head_dim
     assert new_cfg.eos_token_ids == [258]
     torch.testing.assert_close(prefill_logits(load_model(old_style)[0]), prefill_logits(load_model(new_style)[0]))
 
@@ -89,7 +88,7 @@ def test_old_and_new_config_keys_give_the_same_model(family, checkpoints, tmp_pa
 def test_top_level_partial_rotary_factor_is_read(checkpoints, tmp_path):
     # GLM-4.5's released configs: partial_rotary_factor next to rope_theta, no rope_parameters
     base = ModelConfig.from_dir(checkpoints["glm4_moe"])
-    assert base.partial_rotary_factor == 0.5 and base.rotary_dim == base.head_dim // 2
+    assert base.rope.partial_factor == 0.5 and base.rotary_dim == base.head_dim // 2
     full = tmp_path / "full_rotary"
     shutil.copytree(checkpoints["glm4_moe"], full)
 
@@ -204,13 +203,13 @@ def test_sliding_windows_follow_each_familys_rule(checkpoints, tmp_path):
     shutil.copytree(checkpoints["mixtral"], path)
     _edit_config(path, lambda raw: raw.update(sliding_window=64, max_position_embeddings=512))
     cfg = ModelConfig.from_dir(path)
-    assert cfg.max_position_embeddings == 512 and cfg.sliding_windows == [64, 64]  # Mixtral: every layer
+    assert cfg.max_position_embeddings == 512 and cfg.attention.sliding_windows == [64, 64]  # Mixtral: every layer
     _edit_config(path, lambda raw: raw.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
                                               num_experts=8, moe_intermediate_size=16, use_sliding_window=False))
-    assert ModelConfig.from_dir(path).sliding_windows is None  # a window that is switched off
+    assert ModelConfig.from_dir(path).attention.sliding_windows is None  # a window that is switched off
     _edit_config(path, lambda raw: raw.update(use_sliding_window=True, max_window_layers=2, num_hidden_layers=2,
                                               layer_types=None))
-    assert ModelConfig.from_dir(path).sliding_windows == [64, None]  # Qwen2-MoE: even layers below max_window_layers
+    assert ModelConfig.from_dir(path).attention.sliding_windows == [64, None]  # Qwen2-MoE: even layers below max_window_layers
     # the rule for configs without layer_types, against transformers' own
     transformers = pytest.importorskip("transformers")
     raw = json.loads((path / "config.json").read_text())
@@ -219,4 +218,4 @@ def test_sliding_windows_follow_each_familys_rule(checkpoints, tmp_path):
                                          max_window_layers=start)
         want = [64 if kind == "sliding_attention" else None for kind in hf.layer_types]
         ours = ModelConfig.from_dict({**raw, "num_hidden_layers": layers, "max_window_layers": start, "layer_types": None})
-        assert (ours.sliding_windows or [None] * layers) == want, (layers, start)
+        assert (ours.attention.sliding_windows or [None] * layers) == want, (layers, start)

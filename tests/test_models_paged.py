@@ -158,12 +158,12 @@ def test_kv_cache_bytes_and_forward_without_cache(tmp_path):
 def test_mla_caches_one_latent_per_token(tmp_path):
     model, _ = load_model(write_tiny_checkpoint(tmp_path / "mla", "deepseek_v3", num_layers=2))
     cfg = model.config
-    latent = cfg.kv_lora_rank + cfg.head_dim  # head_dim is the rotary key's width under MLA
+    latent = cfg.attention.mla.kv_lora_rank + cfg.head_dim  # head_dim is the rotary key's width under MLA
     assert model.kv_cache_bytes_per_block(16) == cfg.num_layers * 16 * latent * 4
     model.init_kv_cache(4, 16)
     attn = model.layers[0].attn
     assert attn.k_cache.shape == (64, 1, latent)
-    assert attn.v_cache.data_ptr() == attn.k_cache.data_ptr() and attn.v_cache.shape[-1] == cfg.kv_lora_rank
+    assert attn.v_cache.data_ptr() == attn.k_cache.data_ptr() and attn.v_cache.shape[-1] == cfg.attention.mla.kv_lora_rank
 
 
 def test_cpu_forward_thread_count(model, monkeypatch):

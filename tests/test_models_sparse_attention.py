@@ -48,24 +48,24 @@ GLM5 = {
 
 def test_deepseek_v32_released_config_spelling():
     cfg = ModelConfig.from_dict(DEEPSEEK_V32)
-    assert cfg.model_type == "deepseek_v32" and cfg.is_mla and cfg.rope_interleave
-    assert (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (2048, 64, 128)
-    assert not cfg.index_rope_interleave and cfg.index_shared_layers == []
-    assert cfg.moe_layers == list(range(3, 61)) and (cfg.num_expert_groups, cfg.topk_expert_groups) == (8, 4)
-    assert cfg.fp8_block == (128, 128) and cfg.rope_yarn["factor"] == 40
+    assert cfg.model_type == "deepseek_v32" and cfg.is_mla and cfg.rope.interleave
+    assert (cfg.attention.sparse.topk, cfg.attention.sparse.n_heads, cfg.attention.sparse.head_dim) == (2048, 64, 128)
+    assert not cfg.attention.sparse.rope_interleave and cfg.attention.sparse.shared_layers == []
+    assert cfg.moe_layers == list(range(3, 61)) and (cfg.router.num_groups, cfg.router.topk_groups) == (8, 4)
+    assert cfg.fp8_block == (128, 128) and cfg.rope.yarn["factor"] == 40
     # per token and layer: the 576-value latent and a 128-value index key
     assert cfg.kv_cache_bytes_per_block(64, torch.bfloat16) == 61 * (576 + 128) * 64 * 2
 
 
 def test_glm5_shared_indexers_follow_transformers_rule():
     cfg = ModelConfig.from_dict(GLM5)
-    assert cfg.model_type == "glm_moe_dsa" and cfg.index_rope_interleave
+    assert cfg.model_type == "glm_moe_dsa" and cfg.attention.sparse.rope_interleave
     # transformers: layer i is full when max(i - offset + 1, 0) % freq == 0
-    full = [i for i in range(78) if i not in cfg.index_shared_layers]
+    full = [i for i in range(78) if i not in cfg.attention.sparse.shared_layers]
     assert full[:4] == [0, 1, 5, 9] and len(full) == 21
     assert cfg.kv_cache_bytes_per_block(16, torch.bfloat16) == (78 * 576 + 21 * 128) * 16 * 2
     pattern = ModelConfig.from_dict({**GLM5, "num_hidden_layers": 4, "index_topk_pattern": "FSSF"})
-    assert pattern.index_shared_layers == [1, 2]
+    assert pattern.attention.sparse.shared_layers == [1, 2]
 
 
 @pytest.mark.parametrize("change, match", [

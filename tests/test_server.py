@@ -29,7 +29,8 @@ MAX_BODY = 200_000
 @pytest.fixture(scope="module")
 def server():
     with RemoteServer(
-        "--enable-return-routed-experts", "--max-request-body-bytes", str(MAX_BODY), *TEST_SERVER_ARGS
+        "--enable-return-routed-experts", "--max-request-body-bytes", str(MAX_BODY), "--enable-prompt-tokens-details",
+        *TEST_SERVER_ARGS
     ) as srv:
         yield srv
     assert srv.returncode == 0, f"SIGTERM should stop the server cleanly:\n{srv.log}"

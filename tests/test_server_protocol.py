@@ -71,7 +71,6 @@ def test_chat_request_maps_tokens_and_logprobs():
         (p.CompletionRequest, {"prompt": "x", "temperature": -1}, "temperature"),
         (p.CompletionRequest, {"prompt": "x", "top_p": 2}, "top_p"),
         (p.CompletionRequest, {"prompt": "x", "stop": [""]}, "stop"),
-        (p.CompletionRequest, {"prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
         (p.CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         (p.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ],
@@ -114,9 +113,11 @@ def test_generate_request_decodes_sampling_params_directly():
     assert (req.stream, req.output_mode, req.request_id) == (False, "tokens", None)
 
 
-def test_optional_vllm_fields_are_omitted_unless_set():
-    choice = p.CompletionResponseChoice(index=0, text="a")
-    assert set(msgspec.to_builtins(choice)) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "routed_experts"}
+def test_vllm_null_fields_are_sent_as_null():
+    # vLLM sends these keys as null when not asked for: SDK objects read them as attributes
+    choice = msgspec.to_builtins(p.CompletionResponseChoice(index=0, text="a"))
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None and choice["prompt_logprobs"] is None
+    assert "weight_version" not in choice  # r3srv's own: only where weights can change
     choice = p.CompletionResponseChoice(index=0, text="a", token_ids=[1], prompt_token_ids=[2])
     assert msgspec.to_builtins(choice)["token_ids"] == [1]
 

@@ -87,7 +87,6 @@ def test_text_logprobs_stop_and_n(server, layout):
     ({"text": "a", "input_ids": [1]}, "input_ids"),
     ({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "regex"),
-    ({"input_ids": [1], "stream": True}, "stream"),
     ({"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len"),
     ({"input_ids": PROMPT, "routed_experts_start_len": 99}, "routed_experts_start_len"),
     ({"input_ids": [1], "sampling_params": {"top_p": 0.0}}, "top_p"),

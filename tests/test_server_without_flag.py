@@ -97,7 +97,9 @@ def test_the_loop_keeps_serving_while_a_huge_prompt_is_tokenized(server, api):
 
 @pytest.mark.parametrize(
     "path", ["/update_weights_from_disk", "/reset_prefix_cache", "/release_memory_occupation", "/resume_memory_occupation",
-             "/pause_generation", "/continue_generation", "/flush_cache"]
+             "/pause_generation", "/continue_generation", "/flush_cache", "/destroy_weights_update_group", "/pause",
+             "/resume", "/update_weights", "/start_weight_update", "/finish_weight_update",
+             "/shutdown_weight_transfer_engine"]
 )
 def test_weight_update_endpoints_are_off_without_their_flag(server, path):
     r = httpx.post(server.url + path, json={"model_path": "/tmp"})

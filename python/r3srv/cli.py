@@ -18,8 +18,9 @@ from typing import Any
 logger = logging.getLogger("r3srv.serve")
 
 EXIT_CONFIG_ERROR = 2
-EXIT_ENGINE_FAILED = 3  # a tensor-parallel rank died or raised
-_FAILED_EXIT_GRACE_S = 5.0
+EXIT_ENGINE_DIED = 3  # the engine loop (or a tensor-parallel rank) died while serving: restart the server
+# after a rank died: the process exits this long after even if a collective holds the shutdown
+_RANK_DEATH_HARD_EXIT_S = 15.0
 
 
 def _positive_int(text: str) -> int:
@@ -27,6 +28,18 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+# The defaults of r3srv.server.connections (not imported: `r3srv --help` stays fast)
+DEFAULT_HEADER_TIMEOUT_S = 60.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
         "the first loads any checkpoint directory the server can read)",
     )
     serve.add_argument(
+        "--weight-sync-timeout", type=float, default=600.0,
+        help="seconds a trainer's rendezvous or broadcast (/update_weights_from_distributed) may stall before the "
+        "update fails, leaving the weights unchanged (default: %(default)s)",
+    )
+    serve.add_argument(
         "--weight-version", default="0", help="name of the served weights in responses (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="add usage.prompt_tokens_details (cached_tokens: prompt tokens served from the prefix cache), as vLLM",
+    )
+    serve.add_argument(
+        "--timeout-headers", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a connection may take from its first byte to its complete request headers (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--timeout-body", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request body may stall between two reads before the connection closes (default: %(default)s)",
     )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
@@ -156,6 +187,7 @@ def serve(args: argparse.Namespace) -> int:
     from r3srv.engine.async_llm import AsyncLLM
     from r3srv.errors import ConfigError
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
+    from r3srv.server.connections import guarded_h11
 
     if args.model is None:
         logger.warning("no MODEL given: serving the built-in model, whose weights are RANDOM (text is meaningless)")
@@ -171,11 +203,22 @@ def serve(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
 
     name = args.served_model_name or engine.model_config.name
+    engine_died = False
+    server: Any = None
+
+    def on_engine_death() -> None:
+        nonlocal engine_died
+        engine_died = True
+        server.should_exit = True
+
     app = build_asgi_app(
         engine,
         served_model_name=name,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         enable_weight_updates=args.enable_weight_updates,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        on_engine_death=on_engine_death,
+        weight_sync_timeout=args.weight_sync_timeout,
     )
     logger.info(
         "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",
@@ -193,26 +236,27 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         lifespan="on",
+        http=guarded_h11(args.timeout_headers, args.timeout_body),
         timeout_graceful_shutdown=5,
         access_log=args.log_level == "debug",
     )
     server = server_class(config)
-    failed: list[BaseException] = []
 
-    def rank_failed(error: BaseException) -> None:
-        # /health already answers 503; stop serving, and exit even if a collective hangs the shutdown
+    def rank_died(error: BaseException) -> None:
+        # the engine is dead (/health 503, the app's watcher stops the server); exit even if a hung
+        # collective holds the shutdown
         logger.error("the engine stopped: %s", error)
-        failed.append(error)
-        server.should_exit = True
-        threading.Timer(_FAILED_EXIT_GRACE_S, os._exit, args=(EXIT_ENGINE_FAILED,)).start()
+        timer = threading.Timer(_RANK_DEATH_HARD_EXIT_S, os._exit, args=(EXIT_ENGINE_DIED,))
+        timer.daemon = True
+        timer.start()
 
-    engine.on_dead.append(rank_failed)
+    engine.on_dead.append(rank_died)
     try:
         server.run()
     finally:
         engine.shutdown()
-    if failed:
-        return EXIT_ENGINE_FAILED
+    if engine_died:
+        return EXIT_ENGINE_DIED
     # uvicorn exits quietly (started False) when it cannot bind the port.
     return 0 if server.started else 1
 

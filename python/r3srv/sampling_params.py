@@ -12,6 +12,8 @@ import math
 
 import msgspec
 
+from r3srv.errors import InvalidRequestError
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -39,6 +41,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed", self.seed, "must be a signed 64-bit integer")
         _check(0.0 <= self.temperature < math.inf, "temperature", self.temperature, "must be finite and >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "must be -1, 0 (disabled) or positive")
@@ -61,5 +64,5 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 def _check(ok: bool, field: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}={value!r} {rule}")
+    if not ok:  # carries the field: the server names it as the client spelled it
+        raise InvalidRequestError(param=field, problem=f"={value!r} {rule}")

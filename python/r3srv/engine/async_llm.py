@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from r3srv.engine.llm_engine import EngineStats, LLMEngine, PreparedRequest
 from r3srv.errors import InvalidRequestError, R3srvError
+from r3srv.models.loader import NamedTensors, plan_named_tensors
 from r3srv.offload import run_sized
 from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput, merge_deltas
 from r3srv.sampling_params import SamplingParams
@@ -72,7 +73,9 @@ class _Reply:
             pass
 
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's abort, retract and in_place; vLLM's keep (in place, but a weight update retracts the
+# frozen sequences rather than wait for them) and wait (pause once the requests in flight finished)
+PAUSE_MODES = ("abort", "retract", "in_place", "keep", "wait")
 
 
 def _aborted_before_start(prep: PreparedRequest) -> RequestOutput:
@@ -204,8 +207,11 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(("abort", prepared.request_id))
 
-    async def update_weights(self, path: str, *, abort_running: bool = False, weight_version: str | None = None) -> None:
-        """Load new weights of the same architecture from a checkpoint directory (an RL policy update).
+    async def update_weights(
+        self, path: str | NamedTensors, *, abort_running: bool = False, weight_version: str | None = None
+    ) -> None:
+        """Load new weights of the same architecture from a checkpoint directory, or from
+        tensors a trainer sent by name (received in full), as an RL policy update.
 
         Requests in flight finish on the old weights first (abort_running=True aborts them
         instead), so no sequence mixes two policies in its KV or its routed experts; requests
@@ -214,7 +220,16 @@ class AsyncLLM:
         architecture, InvalidRequestError if another update is under way. Outputs of requests
         that start later carry `weight_version` (default: `path`).
         """
-        await self._ask("update", str(path), weight_version, abort_running)
+        await self._ask("update", path if isinstance(path, NamedTensors) else str(path), weight_version, abort_running)
+
+    def unfilled_weights(self, named: NamedTensors) -> list[str]:
+        """The parameters tensors so named, shaped and typed leave unfilled; a ConfigError naming
+        any that cannot fill the served model (unknown name, wrong shape or dtype). Reads shapes only."""
+        return plan_named_tensors(self._engine.model, named, complete=False).missing
+
+    async def rename_weights(self, weight_version: str) -> None:
+        """Name the served weights `weight_version` in the outputs of requests admitted from now on."""
+        await self._ask("rename", weight_version)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
@@ -240,10 +255,13 @@ class AsyncLLM:
         with their KV freed, so a weight update can run at once and they resume on the new
         weights, recomputing their tokens (and rows) first; "in_place" keeps everything as it
         is (an update then waits for continue_generation and the requests to finish, so it is
-        refused). Requests that arrive meanwhile wait. Returns {"aborted": n, "retracted": n}."""
+        refused); "keep" (vLLM's) keeps everything as it is too, but a weight update retracts
+        the frozen sequences, as "retract" would have, and runs at once; "wait" (vLLM's) pauses
+        once the requests in flight have finished. Requests that arrive meanwhile wait.
+        Returns {"aborted": n, "retracted": n}."""
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
-        return await self._ask("pause", mode)
+        return await self._ask("pause_after_requests" if mode == "wait" else "pause", mode)
 
     async def continue_generation(self) -> bool:
         """Step again after pause_generation; returns whether generation was paused."""
@@ -361,6 +379,8 @@ class AsyncLLM:
             if any(op == "update" for op, _, _ in self._exclusive):
                 self._answer(reply, exc=InvalidRequestError("a weight update is already under way", param="model_path"))
                 return
+            if self._paused == "keep" and engine.scheduler.running and not abort_running:
+                engine.retract_running()  # they recompute on the new weights: no sequence mixes two policies
             if self._paused == "in_place" and engine.scheduler.running and not abort_running:
                 self._answer(reply, exc=InvalidRequestError(
                     "generation is paused in place and requests hold KV of the current weights: pause with "
@@ -370,9 +390,12 @@ class AsyncLLM:
             if abort_running:
                 for rid in list(engine.requests):
                     self._handle(("abort", rid))
-        elif kind in ("release", "resume"):
-            tags, reply = arg
-            self._exclusive.append((kind, (tags,), reply))
+        elif kind in ("release", "resume", "pause_after_requests"):
+            value, reply = arg
+            self._exclusive.append((kind, (value,), reply))
+        elif kind == "rename":
+            engine.weight_version, reply = arg
+            self._answer(reply)
         elif kind == "reset_prefix_cache":
             self._answer(arg[0], engine.reset_prefix_cache())
         elif kind == "pause":
@@ -401,6 +424,9 @@ class AsyncLLM:
                     engine.update_weights(*args)
                     logger.info("loaded new weights from %s", args[0])
                     value = None
+                elif kind == "pause_after_requests":
+                    self._paused = args[0]
+                    value = {"aborted": 0, "retracted": 0}
                 elif kind == "release":
                     value = engine.release_memory(*args)
                     logger.info("released memory: %s", value)

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from r3srv.models.loader import NamedTensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Default share of free memory for the KV cache when num_kv_blocks is not given.
@@ -229,36 +233,38 @@ class LLMEngine:
             try:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
-                raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt") from None
+                raise InvalidRequestError(param="prompt", problem=" must be a string or a list of token ids") from None
         if not ids:
-            raise InvalidRequestError("the prompt is empty (it has no tokens)", param="prompt")
+            raise InvalidRequestError(param="prompt", problem=" is empty (it has no tokens)")
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            raise InvalidRequestError(param="prompt", problem=f" holds token id {bad}, outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(param="stop_token_ids", problem=f" holds {bad}, outside the vocabulary [0, {vocab})")
         n_prompt = len(ids)
         start = params.routed_experts_prompt_start
         if not 0 <= start <= n_prompt:
             raise InvalidRequestError(
-                f"routed_experts_prompt_start={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
                 param="routed_experts_prompt_start",
+                problem=f"={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
             )
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {n_prompt} tokens, leaving no room to generate within max_model_len="
-                f"{self.max_model_len}",
                 param="prompt",
+                problem=f" has {n_prompt} tokens, leaving no room to generate within max_model_len={self.max_model_len}",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens exceeds max_model_len="
-                f"{self.max_model_len}; ask for at most {self.max_model_len - n_prompt} tokens",
                 param="max_tokens",
+                problem=f"={max_tokens} plus the prompt's {n_prompt} tokens exceeds max_model_len="
+                f"{self.max_model_len}; ask for at most {self.max_model_len - n_prompt} tokens",
             )
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(
-                f"min_tokens={params.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens"
+                param="min_tokens", problem=f"={params.min_tokens} exceeds the {max_tokens} tokens this request may generate"
             )
         want = params.return_routed_experts
         if want and not self.enable_return_routed_experts:
@@ -322,8 +328,9 @@ class LLMEngine:
     def _requests_holding_kv(self) -> int:
         return len({seq.request_id for seq in self.scheduler.running})
 
-    def update_weights(self, path: str, weight_version: str | None = None) -> None:
+    def update_weights(self, path: str | NamedTensors, weight_version: str | None = None) -> None:
         """Load new weights of the same architecture (an RL policy update) and forget the prefix cache.
+        `path` is a checkpoint directory, or tensors a trainer sent by name (received in full).
 
         Only while no sequence holds KV: KV and routed-experts rows computed with the old weights
         must not mix with new ones in one sequence, so running requests are an error (let them
@@ -332,7 +339,12 @@ class LLMEngine:
         and their outputs carry its version. A ConfigError leaves the weights as they were.
         `weight_version` names the new weights in every later output (default: `path`).
         """
-        from r3srv.models.loader import load_weights_from_dir
+        from r3srv.models.loader import NamedTensors, load_named_tensors, load_weights_from_dir
+
+        if isinstance(path, NamedTensors):
+            load, label = load_named_tensors, "tensors"
+        else:
+            load, label = load_weights_from_dir, str(path)
 
         if holding := self._requests_holding_kv():
             raise InvalidRequestError(
@@ -340,11 +352,14 @@ class LLMEngine:
                 "let them finish, abort them, or retract them (pause_generation mode=retract)",
                 param="model_path",
             )
+        if self.executor is not None and isinstance(path, NamedTensors):
+            raise InvalidRequestError("weights sent as tensors are not supported under tensor parallelism yet: "
+                                      "update from a checkpoint directory", param="model_path")
         # Released weights live in host memory: an update fills them there, and they move
         # back with resume_memory.
         try:
             if self.executor is None:
-                load_weights_from_dir(self.model, path)
+                load(self.model, path)
             else:
                 self.executor.load_weights(path)
         except ConfigError:
@@ -353,10 +368,10 @@ class LLMEngine:
             # Failed while copying (an I/O error mid-shard): some weights are new, some old.
             # Say so in every later output rather than serve a silent mix under the old name.
             self.block_manager.reset_prefix_cache()
-            self.weight_version = f"incomplete:{path}"
+            self.weight_version = f"incomplete:{label}"
             raise
         self.block_manager.reset_prefix_cache()
-        self.weight_version = str(path) if weight_version is None else weight_version
+        self.weight_version = label if weight_version is None else weight_version
         for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
             req.weight_version = self.weight_version
 

@@ -1,9 +1,8 @@
-"""ModelConfig: one flat description of an MoE decoder, parsed from a raw Hugging Face config.json.
+"""ModelConfig: an MoE decoder's description, parsed from a raw Hugging Face config.json.
 
-The families differ in a handful of switches (q/k norm width, qkv clipping, partial
-rotary, router scoring / bias / groups / renormalisation / scaling, shared expert, which
-layers are MoE; each family's are read in models/families.py). Parsing them from the raw
-JSON keeps `transformers` out of the runtime and accepts both old and new key spellings.
+The shape every family shares is read here; the family module (models/families/) fills in the
+typed specs (models/specs.py) in which it departs from a plain decoder. Parsing the raw JSON
+keeps `transformers` out of the runtime and accepts both old and new key spellings.
 """
 
 from __future__ import annotations
@@ -17,42 +16,12 @@ from typing import Any
 import torch
 
 from r3srv.errors import ConfigError
-from r3srv.models.families import family_switches, nemotron_h_layer_kinds, standard_spellings
+from r3srv.models.families import SUPPORTED_ARCHITECTURES, Getter, family_of
 from r3srv.models.quantization import parse_quantization
+from r3srv.models.specs import (AttentionSpec, ExpertSpec, LinearAttentionSpec, NormSpec, RopeSpec, RouterSpec,
+                                ScaleSpec)
 
-
-# architecture name (config.json "architectures"[0]) -> family
-ARCHITECTURE_FAMILIES: dict[str, str] = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-    "FlexOlmoForCausalLM": "flex_olmo",
-    "Glm4MoeForCausalLM": "glm4_moe",
-    "MiniMaxM2ForCausalLM": "minimax_m2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "GptOssForCausalLM": "gpt_oss",
-    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
-    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
-    "Dots1ForCausalLM": "dots1",
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "DeepseekV32ForCausalLM": "deepseek_v32",
-    "NemotronHForCausalLM": "nemotron_h",
-    "KimiLinearForCausalLM": "kimi_linear",
-    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
-    "GraniteMoeForCausalLM": "granitemoe",
-    "GraniteMoeSharedForCausalLM": "granitemoeshared",
-    "GraniteMoeSWAForCausalLM": "granitemoe_swa",
-    "Lfm2MoeForCausalLM": "lfm2_moe",
-    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
-    "AfmoeForCausalLM": "afmoe",
-    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
-}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURE_FAMILIES)
-_MODEL_TYPE_ARCHITECTURES = {family: arch for arch, family in reversed(ARCHITECTURE_FAMILIES.items())}
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "parse_dtype"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -76,10 +45,12 @@ def parse_dtype(value: Any, *, what: str = "dtype") -> torch.dtype:
 
 @dataclass
 class ModelConfig:
-    """Everything the decoder, the loader and the engine need to know about a checkpoint."""
+    """Everything the decoder, the loader and the engine need to know about a checkpoint: the
+    shape every family shares, and the typed specs (models/specs.py) its family module
+    (models/families/) fills in where the family departs from a plain decoder."""
 
     architecture: str
-    model_type: str  # the family (ARCHITECTURE_FAMILIES' values; models/families.py)
+    model_type: str  # the family's name (models/families/<name>.py)
     name: str  # served model name
     vocab_size: int
     hidden_size: int
@@ -99,98 +70,26 @@ class ModelConfig:
     # quantized checkpoints, dequantized at load (models/quantization.py)
     fp8_block: tuple[int, int] | None = None  # block FP8's weight_block_size
     mxfp4: bool = False  # MXFP4 X_blocks / X_scales (gpt-oss)
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling_factor: float = 1.0  # "linear" RoPE scaling divides positions by this
-    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * this dims (GLM-4.5: 0.5)
-    # YaRN RoPE scaling (rope_type "yarn"): factor, original_max_position_embeddings, beta_fast,
-    # beta_slow, mscale, mscale_all_dim, attention_factor, truncate, as in config.json
-    rope_yarn: dict[str, Any] | None = None
-    # Multi-head latent attention (DeepSeek-V3): K/V cached as one latent of kv_lora_rank +
-    # qk_rope_head_dim per token; head_dim is then qk_rope_head_dim (the rotary width).
-    kv_lora_rank: int = 0  # > 0: MLA
-    q_lora_rank: int = 0  # > 0: q through a low-rank pair (q_a_proj, q_a_layernorm, q_b_proj)
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
-    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of halves
-    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; models/dsa.py): each query attends to the
-    # index_topk keys its indexer scores best; index_shared_layers reuse the last indexer's choice
-    index_topk: int = 0  # > 0: DSA
-    index_n_heads: int = 0
-    index_head_dim: int = 0
-    index_rope_interleave: bool = False
-    index_shared_layers: list[int] = field(default_factory=list)
-    hidden_act: str = "silu"
     tie_word_embeddings: bool = False
-    # attention switches
-    qkv_bias: bool = False
-    o_bias: bool = False
-    qk_norm: str | None = None  # "head": RMSNorm over head_dim (Qwen3); "full": over all heads (OLMoE)
-    clip_qkv: float | None = None
-    attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
-    sliding_windows: list[int | None] | None = None  # per layer: keys within this many positions back
-    # router switches
-    renormalize: bool = True  # top-k weights renormalised to sum to one
-    scoring: str = "softmax"  # "sigmoid": GLM-4.5 / DeepSeek-V3-style routers
-    router_bias: bool = False  # e_score_correction_bias: added to the scores for the choice only
-    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
-    num_expert_groups: int = 1  # > 1: group-limited routing (n_group / topk_group)
-    topk_expert_groups: int = 1
-    group_score_top: int = 2  # a group scores the sum of its best this many (DeepSeek-V2: 1)
-    router_float32: bool = False  # router matmul in float32 whatever the model dtype (GLM-4.5's reference)
-    shared_expert_intermediate_size: int = 0  # > 0: a shared expert every token goes through
-    shared_expert_gate: bool = True  # Qwen2-MoE scales it by a sigmoid gate; GLM-4.5's has none
-    router_logit_bias: bool = False  # the router linear has a bias (gpt-oss): part of the logits
-    # expert MLPs: "silu" (silu(gate) * up, gate rows then up rows) or "gpt_oss" (interleaved
-    # gate/up rows, clamped at swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1), biases)
-    expert_activation: str = "silu"
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    # hybrid models (Qwen3-Next, Qwen3.5): Gated DeltaNet layers (models/gated_deltanet.py)
-    # hold a per-sequence state instead of K/V; the other layers are full attention
-    linear_attention_layers: list[int] = field(default_factory=list)
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_conv_kernel_dim: int = 0
-    linear_projection_layout: str = "qkvz_ba"  # Qwen3-Next's in_proj_qkvz/ba; Qwen3.5: "qkv_z_b_a"
-    # "kda": Kimi-Linear's per-channel decay (models/kda.py); "mamba2": Granite-4.0-H (models/mamba2.py);
-    # "short_conv": LFM2's gated convolution alone (models/short_conv.py)
-    linear_attention_kind: str = "gated_deltanet"
-    short_conv_bias: bool = False  # LFM2's conv_bias: biases on in_proj, the convolution and out_proj
-    attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the output
-    # Nemotron-H: every layer is one mixer ("mamba", "attention", "moe" or "mlp") behind one norm,
-    # instead of attention then MLP; its Mamba-2 layers (models/mamba2.py) are the linear ones
+    norm: NormSpec = field(default_factory=NormSpec)
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    attention: AttentionSpec = field(default_factory=AttentionSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
+    experts: ExpertSpec = field(default_factory=ExpertSpec)
+    scales: ScaleSpec = field(default_factory=ScaleSpec)
+    linear: LinearAttentionSpec | None = None  # hybrids: the layers with a recurrent state instead of K/V
+    # one mixer per layer ("mamba", "attention", "moe" or "mlp") behind one norm, instead of
+    # attention then MLP (Nemotron-H's layout); None: every layer is attention (or linear) then MLP
     layer_kinds: list[str] | None = None
-    mamba_num_heads: int = 0
-    mamba_head_dim: int = 0
-    mamba_state_size: int = 0
-    mamba_groups: int = 1
-    mamba_conv_kernel: int = 4
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    mamba_dt_min: float = 0.0  # the step dt is clamped to at least this
-    use_rope: bool = True  # False: attention without positions (Nemotron-H)
-    # Granite's scalars: embeddings times embedding_multiplier, each residual branch times
-    # residual_multiplier, logits divided by logits_scaling, attention scaled by attention_scale
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
-    logits_scaling: float = 1.0
-    attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
-    zero_centered_norms: bool = False  # RMSNorm weights stored as w - 1 (scaled by 1 + w, in float32)
-    norm_weight_float32: bool = False  # RMSNorm scaled by its weight in float32, cast back last
-    # Arcee's AFMoE: a norm on each branch's output too (sandwich), a separate sigmoid-gate
-    # projection on the attention output, RoPE only in the layers of rope_layers (None: all)
-    sandwich_norms: bool = False
-    pre_norms: bool = True  # False: no norm before a branch, only on its output (FlexOlmo, OLMo-2's layout)
-    attention_gate_proj: bool = False
-    rope_layers: list[int] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
+        return self.attention.mla is not None
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [] if self.linear is None else self.linear.layers
 
     @property
     def is_hybrid(self) -> bool:
@@ -206,7 +105,7 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
+        return int(self.head_dim * self.rope.partial_factor)
 
     @property
     def has_moe(self) -> bool:
@@ -238,21 +137,21 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, name: str = "model", generation: dict[str, Any] | None = None) -> "ModelConfig":
-        architecture = _architecture(raw)
-        family = ARCHITECTURE_FAMILIES[architecture]
+        """The shape every family shares, read here; then the family module's `configure`."""
+        family = family_of(raw)
+        architecture = family.architecture_of(raw)
         if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint: serve its language model
             # (whether lm_head is the embedding is the outer config's say, as in transformers)
             outer = {key: raw[key] for key in ("architectures", "tie_word_embeddings") if key in raw}
             raw = {**raw, **raw["text_config"], **outer}
-        raw = standard_spellings(family, raw)
-        get = _Getter(raw, architecture)
+        raw = family.standard_spellings(raw)
+        get = Getter(raw, architecture)
 
         hidden = get.int("hidden_size")
         heads = get.int("num_attention_heads")
         kv_heads = get.int("num_key_value_heads", default=heads)
         head_dim = raw.get("head_dim") or hidden // heads
-        # Nemotron-H: the layer list is the count (transformers 5 writes no num_hidden_layers)
-        num_layers = len(nemotron_h_layer_kinds(raw)) if family == "nemotron_h" else get.int("num_hidden_layers")
+        num_layers = family.count_layers(raw) if family.count_layers else get.int("num_hidden_layers")
         num_experts = get.int("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
         top_k = get.int("num_experts_per_tok", "moe_k")
         if not 0 < top_k <= num_experts:
@@ -260,9 +159,10 @@ class ModelConfig:
 
         rope_theta, rope_factor, rope_yarn = _rope(raw, architecture)
         fp8_block, mxfp4 = parse_quantization(raw, architecture)
-        cfg = dict(
+        hidden_act = raw.get("hidden_act", "silu")
+        cfg = cls(
             architecture=architecture,
-            model_type=family,
+            model_type=family.name,
             name=name,
             vocab_size=get.int("vocab_size"),
             hidden_size=hidden,
@@ -281,93 +181,48 @@ class ModelConfig:
             torch_dtype=parse_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32", what="checkpoint dtype"),
             fp8_block=fp8_block,
             mxfp4=mxfp4,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling_factor=rope_factor,
-            rope_yarn=rope_yarn,
-            hidden_act=raw.get("hidden_act", "silu"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            norm=NormSpec(eps=float(raw.get("rms_norm_eps", 1e-6))),
+            rope=RopeSpec(theta=rope_theta, linear_factor=rope_factor, yarn=rope_yarn),
             raw=raw,
         )
-        cfg.update(family_switches(family, raw, get, num_layers=num_layers, head_dim=int(head_dim), num_experts=num_experts))
-        if cfg["hidden_act"] != "silu":
-            raise ConfigError(f"{architecture}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+        cfg = family.configure(cfg, raw, get)
+        if hidden_act != "silu":
+            raise ConfigError(f"{architecture}: hidden_act {hidden_act!r} is not supported (only 'silu')")
         if heads % kv_heads:
             raise ConfigError(f"{architecture}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        _check_routing(architecture, cfg)
-        rotary = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0))
-        if cfg.get("use_rope", True) and (rotary < 2 or rotary % 2 or rotary > cfg["head_dim"]):
-            raise ConfigError(f"{architecture}: the rotary dims ({rotary}) must be even and in 2..head_dim={cfg['head_dim']}")
-        return cls(**cfg)
+        _check_routing(cfg)
+        rotary = cfg.rotary_dim
+        if cfg.rope.enabled and (rotary < 2 or rotary % 2 or rotary > cfg.head_dim):
+            raise ConfigError(f"{architecture}: the rotary dims ({rotary}) must be even and in 2..head_dim={cfg.head_dim}")
+        return cfg
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        if self.is_mla:  # one latent per token, no per-head K/V; DSA: an index key per token too
-            indexed = (self.num_layers - len(self.index_shared_layers)) * self.index_head_dim if self.index_topk else 0
-            latents = len(self.attention_layers) * (self.kv_lora_rank + self.head_dim)  # Kimi-Linear: MLA layers only
+        mla, sparse = self.attention.mla, self.attention.sparse
+        if mla is not None:  # one latent per token, no per-head K/V; DSA: an index key per token too
+            indexed = (self.num_layers - len(sparse.shared_layers)) * sparse.head_dim if sparse else 0
+            latents = len(self.attention_layers) * (mla.kv_lora_rank + self.head_dim)  # Kimi-Linear: MLA layers only
             return (latents + indexed) * block_size * dtype.itemsize
         return 2 * len(self.attention_layers) * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def linear_state_bytes(self, dtype: torch.dtype) -> int:
-        """One sequence's state in every linear layer: the convolution's last kernel - 1 inputs
-        (model dtype) and the float32 recurrent state (Gated DeltaNet: a matrix per value head;
-        Mamba-2: head_dim x state_size per head)."""
-        if self.layer_kinds is not None or self.linear_attention_kind == "mamba2":
-            conv = (self.mamba_num_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state_size) * (
-                self.mamba_conv_kernel - 1)
-            recurrent = self.mamba_num_heads * self.mamba_head_dim * self.mamba_state_size
-        elif self.linear_attention_kind == "short_conv":  # the convolution's window alone
-            conv, recurrent = self.hidden_size * (self.linear_conv_kernel_dim - 1), 0
-        elif self.linear_attention_kind == "kda":  # q, k and v convolved; a dk x dv matrix per head
-            heads, dim = self.linear_num_value_heads, self.linear_value_head_dim
-            conv, recurrent = 3 * heads * dim * (self.linear_conv_kernel_dim - 1), heads * dim * dim
-        else:
-            conv = (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                    + self.linear_num_value_heads * self.linear_value_head_dim) * (self.linear_conv_kernel_dim - 1)
-            recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
-        return len(self.linear_attention_layers) * (conv * dtype.itemsize + recurrent * 4)
+        """One sequence's state in every linear layer (models/specs.py's LinearAttentionSpec)."""
+        return 0 if self.linear is None else self.linear.state_bytes(self.hidden_size, dtype)
 
 
-def _check_routing(architecture: str, cfg: dict[str, Any]) -> None:
-    groups, topk_groups = cfg.get("num_expert_groups", 1), cfg.get("topk_expert_groups", 1)
-    experts, top_k = cfg["num_experts"], cfg["top_k"]
+def _check_routing(cfg: ModelConfig) -> None:
+    groups, topk_groups = cfg.router.num_groups, cfg.router.topk_groups
+    experts, top_k = cfg.num_experts, cfg.top_k
     if groups < 1 or experts % groups or not 1 <= topk_groups <= groups:
         raise ConfigError(
-            f"{architecture}: n_group={groups} must divide the {experts} experts and topk_group={topk_groups} "
+            f"{cfg.architecture}: n_group={groups} must divide the {experts} experts and topk_group={topk_groups} "
             f"must be in 1..n_group"
         )
     if top_k > topk_groups * (experts // groups):
         raise ConfigError(
-            f"{architecture}: num_experts_per_tok={top_k} exceeds the {topk_groups * (experts // groups)} "
+            f"{cfg.architecture}: num_experts_per_tok={top_k} exceeds the {topk_groups * (experts // groups)} "
             f"experts of topk_group={topk_groups} groups"
         )
-
-
-def _architecture(raw: dict[str, Any]) -> str:
-    archs = raw.get("architectures") or []
-    if not archs and raw.get("model_type") in _MODEL_TYPE_ARCHITECTURES:
-        archs = [_MODEL_TYPE_ARCHITECTURES[raw["model_type"]]]
-    for arch in archs:
-        if arch in ARCHITECTURE_FAMILIES:
-            return arch
-    found = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
-    raise ConfigError(f"unsupported model architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
-class _Getter:
-    """Required integer keys, trying each spelling in turn, with a clear error naming them."""
-
-    def __init__(self, raw: dict[str, Any], architecture: str) -> None:
-        self.raw = raw
-        self.architecture = architecture
-
-    def int(self, *keys: str, default: int | None = None) -> int:
-        for key in keys:
-            value = self.raw.get(key)
-            if value is not None:
-                return int(value)
-        if default is not None:
-            return default
-        raise ConfigError(f"{self.architecture} config.json lacks {' / '.join(keys)}")
 
 
 def _rope(raw: dict[str, Any], architecture: str) -> tuple[float, float, dict[str, Any] | None]:

@@ -41,14 +41,15 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        spec = cfg.attention.sparse
+        self.heads, self.dim, self.topk = spec.n_heads, spec.head_dim, spec.topk
         self.rope = cfg.head_dim  # the rotary width of MLA's keys; the indexer rotates its leading dims
-        self.wq_b = _param(self.heads * self.dim, cfg.q_lora_rank, **kw)
+        self.wq_b = _param(self.heads * self.dim, cfg.attention.mla.q_lora_rank, **kw)
         self.wk = _param(self.dim, cfg.hidden_size, **kw)
         self.k_norm = _param(self.dim, **kw)
         self.k_norm_bias = _param(self.dim, **kw)
         self.weights_proj = _param(self.heads, cfg.hidden_size, **kw)
-        self.rotate = apply_rope_interleaved if cfg.index_rope_interleave else apply_rope
+        self.rotate = apply_rope_interleaved if spec.rope_interleave else apply_rope
         self.scale = self.dim**-0.5
         self.k_cache: torch.Tensor | None = None  # [slots, dim]
 

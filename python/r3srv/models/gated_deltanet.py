@@ -98,14 +98,14 @@ class GatedDeltaNet(RecurrentLayer):
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.layout = cfg.linear_projection_layout
-        nk, nv, tp = cfg.linear_num_key_heads, cfg.linear_num_value_heads, (parallel.tp_rank, parallel.tp_size)
+        self.layout = cfg.linear.projection_layout
+        nk, nv, tp = cfg.linear.num_key_heads, cfg.linear.num_value_heads, (parallel.tp_rank, parallel.tp_size)
         self.nk, self.nv = split_evenly(nk, *tp).local, split_evenly(nv, *tp).local
-        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.dk, self.dv = cfg.linear.key_head_dim, cfg.linear.value_head_dim
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.kernel = cfg.linear_conv_kernel_dim
-        self.eps = cfg.rms_norm_eps
+        self.kernel = cfg.linear.conv_kernel
+        self.eps = cfg.norm.eps
         keys, values, heads = (split_evenly(n, *tp) for n in (nk * self.dk, nv * self.dv, nv))
         if self.layout == "qkvz_ba":  # rows grouped by key head: one contiguous slice of each tensor
             r = nv // nk

@@ -84,15 +84,15 @@ class KimiDeltaAttention(RecurrentLayer):
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        heads, self.dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        heads, self.dim = cfg.linear.num_value_heads, cfg.linear.value_head_dim
         tp = (parallel.tp_rank, parallel.tp_size)
         self.heads = split_evenly(heads, *tp).local
         self.width = self.heads * self.dim
-        self.eps = cfg.rms_norm_eps
+        self.eps = cfg.norm.eps
         hidden = cfg.hidden_size
         width, per_head = split_evenly(heads * self.dim, *tp), split_evenly(heads, *tp)
         self.qkv = ColumnParallelLinear(hidden, (width,) * 3, **kw)
-        self.conv = column_weight((width,) * 3, 1, cfg.linear_conv_kernel_dim, **kw)
+        self.conv = column_weight((width,) * 3, 1, cfg.linear.conv_kernel, **kw)
         self.f_a, self.f_b = empty_param(self.dim, hidden, **kw), ColumnParallelLinear(self.dim, width, **kw)
         self.dt_bias = column_weight(width, **kw)
         self.a_log = column_weight(per_head, **kw)

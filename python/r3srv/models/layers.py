@@ -36,10 +36,10 @@ def rms_norm_float32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -
 
 
 def rms_norm_for(cfg):
-    """The RMSNorm a family's norms use (cfg: its ModelConfig)."""
-    if cfg.zero_centered_norms:
+    """The RMSNorm a model's norms use (cfg: its ModelConfig, whose NormSpec says)."""
+    if cfg.norm.zero_centered:
         return rms_norm_zero_centered
-    return rms_norm_float32_weight if cfg.norm_weight_float32 else rms_norm
+    return rms_norm_float32_weight if cfg.norm.weight_float32 else rms_norm
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -22,12 +22,23 @@ from r3srv.models.parallel import SINGLE, ParallelState, checkpoint_shape, loade
 from r3srv.models.shard_reader import read_fp8, read_mxfp4, read_tensor
 from r3srv.tokenizer import Tokenizer
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "load_model", "load_weights_from_dir", "resolve_dtype", "safetensors_files"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "NamedTensors",
+    "load_model",
+    "load_named_tensors",
+    "load_weights_from_dir",
+    "plan_named_tensors",
+    "resolve_dtype",
+    "safetensors_files",
+]
 
 logger = logging.getLogger(__name__)
 
 # checkpoint tensors that carry no weights we need (recomputed or unused at inference)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors' names of the dtypes a weight may arrive in (cast to the served dtype at the copy)
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", *quant.FP8_DTYPES})
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -118,12 +129,19 @@ def load_weights_from_dir(model: MoeForCausalLM, path: str | os.PathLike) -> Non
     The checkpoint's config.json must describe the served model (same shapes, same routing:
     experts, top_k, MoE layers, scoring); it and every shard header are checked before any
     weight is copied, so a ConfigError leaves the model as it was. Weights are cast to the
-    served dtype.
+    served dtype. A directory of shards alone (what prime-rl's trainer writes: safetensors
+    and their index, no config.json) is read as the served architecture's.
     """
     path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{str(path)!r} is not a checkpoint directory")
+    served = model.config
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{str(path)!r} is not a checkpoint directory with a config.json")
-    new, served = ModelConfig.from_dir(path), model.config
+        if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
+            raise ConfigError(f"{str(path)!r} has neither a config.json nor *.safetensors weights")
+        _load_weights(model, safetensors_files(path), served)
+        return
+    new = ModelConfig.from_dir(path)
     changed = [
         f"{f.name}={getattr(new, f.name)!r} (served: {getattr(served, f.name)!r})"
         for f in dataclasses.fields(ModelConfig)
@@ -135,7 +153,84 @@ def load_weights_from_dir(model: MoeForCausalLM, path: str | os.PathLike) -> Non
 
 
 def _load_weights(model: MoeForCausalLM, files: list[Path], checkpoint: ModelConfig) -> None:
-    _copy_weights(model, _plan_weights(model, files, checkpoint.fp8_block, checkpoint.mxfp4))
+    plan = _plan_weights(model, _read_headers(files), checkpoint.fp8_block, checkpoint.mxfp4)
+    if plan.unexpected:
+        logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(plan.unexpected),
+                       plan.unexpected[:5])
+    if plan.missing:
+        raise ConfigError(f"the checkpoint lacks weights for {len(plan.missing)} parameters, e.g. {plan.missing[:8]}")
+    _copy_weights(model, plan)
+
+
+class NamedTensors:
+    """Tensors that arrive by name (a trainer's broadcast), read like a safetensors shard; their
+    metadata (shape, dtype) is known, and checked, before the tensors themselves arrive."""
+
+    name = "the update"  # how errors name this "shard"
+
+    def __init__(self, metas: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        self.metas = {name: (tuple(shape), dtype) for name, (shape, dtype) in metas.items()}
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> "NamedTensors":
+        named = cls({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+        named.tensors = dict(tensors)
+        return named
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def get_slice(self, name: str) -> "_InMemorySlice":
+        return _InMemorySlice(self.tensors[name])
+
+    def header(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {name: (shape, safetensors_dtype(dtype)) for name, (shape, dtype) in self.metas.items()}
+
+
+class _InMemorySlice:
+    """A tensor read as safetensors' get_slice reads one (a rank's shard, models/shard_reader.py)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """safetensors' name of a torch dtype (what a shard header says), as the planner reads it."""
+    return _SAFETENSORS_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def plan_named_tensors(model: MoeForCausalLM, named: NamedTensors, *, complete: bool) -> WeightPlan:
+    """Check tensors that are to arrive by name (checkpoint names, shapes, dtypes) as a shard
+    header is checked, before any of them arrives: a name the model does not use, a shape or
+    a dtype that cannot fill its target is a ConfigError naming it; so, with `complete`, is a
+    parameter they leave unfilled."""
+    plan = _plan_weights(model, {named: named.header()}, model.config.fp8_block, model.config.mxfp4)
+    if plan.unexpected:
+        raise ConfigError(f"the served model has no tensor named {', '.join(plan.unexpected[:8])}")
+    if complete and plan.missing:
+        raise ConfigError(f"no weights arrived for {len(plan.missing)} parameters, e.g. {', '.join(plan.missing[:8])}")
+    return plan
+
+
+def load_named_tensors(model: MoeForCausalLM, named: NamedTensors) -> None:
+    """Overwrite every weight of `model` with tensors named as in its checkpoint (fused,
+    stacked, transposed and cast as at load); checked in full before a single one is copied,
+    so a ConfigError leaves the model as it was."""
+    _copy_weights(model, plan_named_tensors(model, named, complete=True))
 
 
 @dataclasses.dataclass
@@ -149,6 +244,8 @@ class WeightPlan:
     fp8_block: tuple[int, int] | None = None
     packed: dict[str, tuple[tuple[Path, str], tuple[Path, str]]] = dataclasses.field(default_factory=dict)
     transposed: set[str] = dataclasses.field(default_factory=set)  # stored transposed in their last two dims
+    unexpected: list[str] = dataclasses.field(default_factory=list)  # tensors the model does not use
+    missing: list[str] = dataclasses.field(default_factory=list)  # parameters left (partly) unfilled
 
 
 def _read_headers(files: list[Path]) -> dict[Path, dict[str, tuple[tuple[int, ...], str]]]:
@@ -165,11 +262,14 @@ def _read_headers(files: list[Path]) -> dict[Path, dict[str, tuple[tuple[int, ..
 
 
 def _plan_weights(
-    model: MoeForCausalLM, files: list[Path], fp8_block: tuple[int, int] | None = None, mxfp4: bool = False
+    model: MoeForCausalLM,
+    headers: dict[Path, dict[str, tuple[tuple[int, ...], str]]],
+    fp8_block: tuple[int, int] | None = None,
+    mxfp4: bool = False,
 ) -> WeightPlan:
     """Which tensors of which shard fill the model, checked from the shard headers alone:
-    every shape matches, every FP8 weight has its block scales, and every parameter is
-    filled, before a single weight is copied."""
+    every shape and dtype fits, every FP8 weight has its block scales; what no parameter
+    takes and what is left unfilled are listed in the plan, before a single weight is copied."""
     targets = model.weight_targets()
     # elements filled per parameter, to report anything the checkpoint left empty
     filled: dict[str, int] = {}
@@ -177,7 +277,6 @@ def _plan_weights(
     by_storage = {p.untyped_storage().data_ptr(): name for name, p in named.items()}
     # a target is a view of one parameter: they share its storage
     owners = {name: by_storage[t.untyped_storage().data_ptr()] for name, t in targets.items()}
-    headers = _read_headers(files)
     transposable = model.transposed_layouts()
     located = {name: (file, name) for file, header in headers.items() for name in header}
     scale_of = {name.removesuffix(quant.SCALE_SUFFIX): at for name, at in located.items() if name.endswith(quant.SCALE_SUFFIX)}
@@ -206,6 +305,8 @@ def _plan_weights(
                 else:
                     raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, the config implies "
                                       f"{checkpoint_shape(target)}")
+            if dtype not in _FLOAT_DTYPES:
+                raise ConfigError(f"{file.name}: tensor {name} has dtype {dtype}, a weight needs a floating-point one")
             if dtype in quant.FP8_DTYPES:
                 plan.scales[name] = _check_fp8_weight(file, name, shape, scale_of, headers, fp8_block)
             owner = owners[name]
@@ -214,11 +315,8 @@ def _plan_weights(
         plan.shards.append((file, used))
     if model.parallel.ep_size > 1:  # the other ranks' experts, per-expert named
         unexpected = [name for name in unexpected if ".experts." not in name]
-    if unexpected:
-        logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:5])
-    missing = [name for name, p in named.items() if filled.get(name, 0) != loaded_numel(p)]
-    if missing:
-        raise ConfigError(f"the checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:8]}")
+    plan.unexpected = unexpected
+    plan.missing = [name for name, p in named.items() if filled.get(name, 0) != loaded_numel(p)]
     return plan
 
 
@@ -259,7 +357,9 @@ def _copy_weights(model: MoeForCausalLM, plan: WeightPlan) -> None:
     with contextlib.ExitStack() as stack:
         opened: dict[Path, Any] = {}
 
-        def shard(file: Path):
+        def shard(file: Path | NamedTensors):
+            if isinstance(file, NamedTensors):  # already in memory
+                return file
             if file not in opened:
                 opened[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             return opened[file]

@@ -77,32 +77,33 @@ class Mamba2(RecurrentLayer):
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        heads, groups = cfg.mamba_num_heads, cfg.mamba_groups
-        if parallel.tp_size > 1 and groups % parallel.tp_size:
-            raise NotImplementedError("Mamba-2's norm over a group split between ranks")
-        self.head_dim, self.state_size = cfg.mamba_head_dim, cfg.mamba_state_size
+        spec = cfg.linear
+        heads, groups = spec.mamba_num_heads, spec.groups
+        if groups % parallel.tp_size and parallel.tp_size % groups:
+            raise ValueError(f"{groups} Mamba-2 groups neither split over nor replicate on {parallel.tp_size} ranks")
+        self.parallel, self.total_groups = parallel, groups
+        self.head_dim, self.state_size = spec.mamba_head_dim, spec.state_size
         per_head, inner = head_pieces(heads, 1, parallel), head_pieces(heads, self.head_dim, parallel)
         bc = head_pieces(groups, self.state_size, parallel)
-        self.heads, self.groups = per_head.local, groups // parallel.tp_size
+        # fewer groups than ranks: each rank holds part of one group's heads (B and C replicated)
+        self.heads, self.groups = per_head.local, max(1, groups // parallel.tp_size)
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
-        self.dt_min = cfg.mamba_dt_min
-        # its checkpoint names: Nemotron-H's one mixer per layer, Granite-4.0-H's decoder-layer mamba
-        self.module_name = "mixer." if cfg.layer_kinds is not None else "mamba."
-        self.eps = cfg.rms_norm_eps
+        self.dt_min = spec.dt_min
+        self.eps = cfg.norm.eps
         # in_proj: z, then the convolved x, B and C, then dt
         self.in_proj = ColumnParallelLinear(cfg.hidden_size, (inner, inner, bc, bc, per_head),
-                                            bias=cfg.mamba_proj_bias, **kw)
-        self.conv = column_weight((inner, bc, bc), 1, cfg.mamba_conv_kernel, bias=cfg.mamba_conv_bias, **kw)
+                                            bias=spec.proj_bias, **kw)
+        self.conv = column_weight((inner, bc, bc), 1, spec.conv_kernel, bias=spec.conv_bias, **kw)
         self.dt_bias, self.a_log, self.d = (column_weight(per_head, **kw) for _ in range(3))
         self.norm = column_weight(inner, **kw)
-        self.out_proj = RowParallelLinear(inner, cfg.hidden_size, bias=cfg.mamba_proj_bias, state=parallel, **kw)
+        self.out_proj = RowParallelLinear(inner, cfg.hidden_size, bias=spec.proj_bias, state=parallel, **kw)
 
     def state_shapes(self):
         return (self.conv_dim, self.conv.weight.shape[-1] - 1), (self.heads, self.head_dim, self.state_size)
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        p = prefix + self.module_name
+    def weight_targets(self, prefix: str, module: str = "mamba.") -> dict[str, torch.Tensor]:
+        p = prefix + module
         vectors = {"dt_bias": self.dt_bias, "A_log": self.a_log, "D": self.d, "norm.weight": self.norm}
         return {p + name: vector.part() for name, vector in vectors.items()} | linear_targets(p, {
             name: (layer.part(), layer.bias_part())
@@ -134,7 +135,12 @@ class Mamba2(RecurrentLayer):
         return self.out_proj(self._gated_norm(y.to(x.dtype), z))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of y * silu(z) over each group's heads (in float32), times the weight."""
-        g = (y.float() * F.silu(z.float())).view(y.shape[0], self.groups, -1)
+        """RMSNorm of y * silu(z) over each group's heads (in float32), times the weight. A group
+        split between ranks is gathered, normed whole, and this rank's part kept."""
+        tp, t = self.parallel.tp_size, y.shape[0]
+        spans = tp > self.total_groups
+        g = y.float() * F.silu(z.float())
+        g = (self.parallel.all_gather(g) if spans else g).view(t, self.total_groups if spans else self.groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.norm.weight * g.view(y.shape).to(y.dtype)
+        g = g.view(t, -1).chunk(tp, dim=-1)[self.parallel.tp_rank] if spans else g.view(y.shape)
+        return self.norm.weight * g.to(y.dtype)

@@ -31,8 +31,8 @@ LATENT_NORM_EPS = 1e-6
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
     """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim) squared when set."""
-    scale = (cfg.qk_nope_head_dim + cfg.head_dim) ** -0.5
-    yarn = cfg.rope_yarn
+    scale = (cfg.attention.mla.qk_nope_head_dim + cfg.head_dim) ** -0.5
+    yarn = cfg.rope.yarn
     if yarn and yarn.get("mscale_all_dim"):
         scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
     return scale
@@ -47,33 +47,34 @@ class MlaAttention(nn.Module):
         super().__init__()
         # DeepSeek Sparse Attention: an indexer picks each query's keys, or this layer reuses
         # the selection of the last layer that has one
-        sparse = cfg.index_topk > 0
-        self.shares_selection = sparse and index in cfg.index_shared_layers
+        spec, mla = cfg.attention, cfg.attention.mla
+        sparse = spec.sparse is not None
+        self.shares_selection = sparse and index in spec.sparse.shared_layers
         self.indexer = Indexer(cfg, dtype, device) if sparse and not self.shares_selection else None
         kw = dict(dtype=dtype, device=device)
         heads = cfg.num_attention_heads
         self.num_heads = local_heads(heads, parallel)
-        self.nope, self.rope, self.v_dim, self.rank = cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim, self.rank = mla.qk_nope_head_dim, cfg.head_dim, mla.v_head_dim, mla.kv_lora_rank
         qk = self.nope + self.rope
         hidden = cfg.hidden_size
         q_piece = head_pieces(heads, qk, parallel)
         self.q_a = self.q_a_bias = self.q_a_norm = self.q_b_proj = self.q_proj = None
-        if cfg.q_lora_rank:
-            self.q_a = _param(cfg.q_lora_rank, hidden, **kw)
-            self.q_a_bias = _param(cfg.q_lora_rank, **kw) if cfg.qkv_bias else None
-            self.q_a_norm = _param(cfg.q_lora_rank, **kw)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, q_piece, **kw)
+        if mla.q_lora_rank:
+            self.q_a = _param(mla.q_lora_rank, hidden, **kw)
+            self.q_a_bias = _param(mla.q_lora_rank, **kw) if spec.qkv_bias else None
+            self.q_a_norm = _param(mla.q_lora_rank, **kw)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, q_piece, **kw)
         else:
             self.q_proj = ColumnParallelLinear(hidden, q_piece, **kw)
         self.kv_a = _param(self.rank + self.rope, hidden, **kw)
-        self.kv_a_bias = _param(self.rank + self.rope, **kw) if cfg.qkv_bias else None
+        self.kv_a_bias = _param(self.rank + self.rope, **kw) if spec.qkv_bias else None
         self.kv_a_norm = _param(self.rank, **kw)
         self.kv_b_proj = ColumnParallelLinear(self.rank, head_pieces(heads, self.nope + self.v_dim, parallel), **kw)
-        self.o_proj = RowParallelLinear(head_pieces(heads, self.v_dim, parallel), hidden, bias=cfg.o_bias,
+        self.o_proj = RowParallelLinear(head_pieces(heads, self.v_dim, parallel), hidden, bias=spec.o_bias,
                                         state=parallel, **kw)
         self.scale = mla_softmax_scale(cfg)
-        self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
-        self.use_rope = cfg.use_rope  # Kimi-Linear: no positions (its rope dims stay as they are)
+        self.rotate = apply_rope_interleaved if cfg.rope.interleave else apply_rope
+        self.use_rope = cfg.rope.enabled  # Kimi-Linear: no positions (its rope dims stay as they are)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 

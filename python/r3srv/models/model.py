@@ -1,11 +1,12 @@
-"""The MoE decoder shared by every family (models/config.py's ARCHITECTURE_FAMILIES: Qwen2/3-MoE,
-Qwen3-Next and Qwen3.5, Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2,
-gpt-oss, ERNIE-4.5, dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H and 3.x MoE, AFMoE, LFM2-MoE, Qwen3-VL-MoE).
+"""The MoE decoder shared by every family (models/families/: Qwen2/3-MoE, Qwen3-Next and Qwen3.5,
+Mixtral, OLMoE, GLM-4.5, 4.7-Flash and 5, MiniMax-M2, DeepSeek-V2/V3/V3.2, gpt-oss, ERNIE-4.5,
+dots.llm1, Nemotron-H, Kimi-Linear, Granite-4.0-H and 3.x MoE, AFMoE, LFM2-MoE, Qwen3-VL-MoE, ...).
 
-One class with a few config switches rather than a class per family: the families differ
-only in q/k norm width, qkv bias/clipping, rotary layout, sliding windows and sinks, the
-router (scoring, bias, groups, renormalisation, scaling), the experts' activation and
-biases, the shared expert, the checkpoint names (see `weight_targets`) and the token mixer:
+One class built from the config's typed specs (models/specs.py) rather than a class per
+family: the families differ only in q/k norm width, qkv bias/clipping, rotary layout, sliding
+windows and sinks, the router (scoring, bias, groups, renormalisation, scaling), the experts'
+activation and biases, the shared expert, the checkpoint names (each family module's
+`weight_targets`) and the token mixer:
 multi-head latent attention for DeepSeek and GLM-4.7-Flash/5 (models/mla.py, sparse with
 models/dsa.py), Gated DeltaNet, Kimi Delta Attention or Mamba-2 layers in the hybrids
 (models/gated_deltanet.py, models/kda.py, models/mamba2.py). Nemotron-H's
@@ -15,7 +16,6 @@ layers are one mixer each (MixerBlock: Mamba-2, models/mamba2.py, attention, MoE
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from r3srv.errors import ConfigError
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
+from r3srv.models.families import family_named
 from r3srv.models.gated_deltanet import GatedDeltaNet
 from r3srv.models.kda import KimiDeltaAttention
 from r3srv.models.mamba2 import Mamba2
@@ -35,7 +36,7 @@ from r3srv.models.layers import yarn_inv_freq
 from r3srv.models.mla import MlaAttention
 from r3srv.models.moe import Mlp, SparseMoeBlock
 from r3srv.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, ParallelState, RowParallelLinear,
-                                   VocabParallelEmbedding, column_weight, head_pieces, local_heads, transposed)
+                                   VocabParallelEmbedding, column_weight, head_pieces, local_heads)
 
 
 def _cpu_threads() -> int:
@@ -50,6 +51,10 @@ def _cpu_threads() -> int:
     return threads
 
 
+# the layers with a per-sequence state, by LinearAttentionSpec.kind
+LINEAR_LAYERS = {"gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "mamba2": Mamba2, "short_conv": ShortConv}
+
+
 class Attention(nn.Module):
     """Grouped-query attention over this rank's heads (all of them at size 1; KV heads are
     replicated where there are fewer than ranks)."""
@@ -59,39 +64,49 @@ class Attention(nn.Module):
         super().__init__()
         self.window = window  # a sliding-window layer: keys at most window - 1 positions back
         kw = dict(dtype=dtype, device=device)
+        spec = cfg.attention
         heads, kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads = local_heads(heads, parallel), local_heads(kv_heads, parallel)
-        if cfg.qk_norm == "full" and parallel.tp_size > 1:
-            raise NotImplementedError("a q/k norm over all heads (OLMoE) under tensor parallelism")
+        self.total_heads, self.total_kv_heads, self.parallel = heads, kv_heads, parallel
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.eps = cfg.rms_norm_eps
+        self.eps = cfg.norm.eps
         self.norm = rms_norm_for(cfg)
-        self.qk_norm = cfg.qk_norm
-        self.clip_qkv = cfg.clip_qkv
+        self.qk_norm = spec.qk_norm
+        self.clip_qkv = spec.clip_qkv
         # Qwen3-Next / 3.5: q_proj yields [q, gate] per head; the gate scales the attention output
-        self.q_rows = 2 * self.q_size if cfg.attention_output_gate else self.q_size
+        self.q_rows = 2 * self.q_size if spec.output_gate else self.q_size
         # q, k and v stacked: one matmul per layer
         q_piece = head_pieces(heads, self.q_rows // self.num_heads, parallel)
         kv_piece = head_pieces(kv_heads, self.head_dim, parallel)
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (q_piece, kv_piece, kv_piece), bias=cfg.qkv_bias, **kw)
-        self.o_proj = RowParallelLinear(head_pieces(heads, self.head_dim, parallel), cfg.hidden_size, bias=cfg.o_bias,
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (q_piece, kv_piece, kv_piece), bias=spec.qkv_bias, **kw)
+        self.o_proj = RowParallelLinear(head_pieces(heads, self.head_dim, parallel), cfg.hidden_size, bias=spec.o_bias,
                                         state=parallel, **kw)
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm == "head":
+        if spec.qk_norm == "head":
             self.q_norm, self.k_norm = _param(self.head_dim, **kw), _param(self.head_dim, **kw)
-        elif cfg.qk_norm == "full":
-            self.q_norm, self.k_norm = _param(self.q_size, **kw), _param(self.kv_size, **kw)
-        self.sinks = column_weight(head_pieces(heads, 1, parallel), **kw) if cfg.attention_sinks else None
-        self.scale = cfg.attention_scale  # None: 1 / sqrt(head_dim)
-        self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
-        self.use_rope = cfg.use_rope and (cfg.rope_layers is None or index in cfg.rope_layers)
+        elif spec.qk_norm == "full":  # over every head: whole on each rank
+            self.q_norm, self.k_norm = _param(heads * self.head_dim, **kw), _param(kv_heads * self.head_dim, **kw)
+        self.sinks = column_weight(head_pieces(heads, 1, parallel), **kw) if spec.sinks else None
+        self.scale = spec.scale  # None: 1 / sqrt(head_dim)
+        self.rotate = apply_rope_interleaved if cfg.rope.interleave else apply_rope
+        self.use_rope = cfg.rope.enabled and (cfg.rope.layers is None or index in cfg.rope.layers)
         # AFMoE: a separate projection's sigmoid gates the attention output
         self.gate = None
-        if cfg.attention_gate_proj:
+        if spec.gate_proj:
             self.gate = ColumnParallelLinear(cfg.hidden_size, head_pieces(heads, self.head_dim, parallel), **kw)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def _norm_all_heads(self, y: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
+        """RMSNorm over every head: under tensor parallelism the ranks' heads are gathered (each
+        replicated head once), normed whole, and this rank's kept."""
+        tp = self.parallel.tp_size
+        if tp == 1:
+            return self.norm(y, weight, self.eps)
+        every = max(1, tp // heads)  # ranks holding the same replicated heads
+        whole = self.norm(torch.cat(self.parallel.all_gather(y).chunk(tp, dim=-1)[::every], dim=-1), weight, self.eps)
+        return whole.chunk(tp // every, dim=-1)[self.parallel.tp_rank // every]
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_slots, self.num_kv_heads, self.head_dim)
@@ -127,8 +142,9 @@ class Attention(nn.Module):
         if self.q_rows != self.q_size:
             q, gate = q.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, self.q_size)
-        if self.qk_norm == "full":  # OLMoE: over all heads, before clipping
-            q, k = self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)
+        if self.qk_norm == "full":  # OLMoE, MiniMax-M2: over all heads, before clipping
+            q, k = self._norm_all_heads(q, self.q_norm, self.total_heads), self._norm_all_heads(k, self.k_norm,
+                                                                                                  self.total_kv_heads)
         if self.clip_qkv is not None:
             q, k, v = (y.clamp(-self.clip_qkv, self.clip_qkv) for y in (q, k, v))
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -153,8 +169,8 @@ class DenseMlp(Mlp):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelState = SINGLE) -> None:
-        super().__init__(cfg.hidden_size, cfg.intermediate_size, gated=cfg.expert_activation != "relu2",
-                         parallel=parallel, dtype=dtype, device=device)
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, gated=cfg.experts.gated, parallel=parallel,
+                         dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None) -> torch.Tensor:
         return super().forward(x)
@@ -165,22 +181,22 @@ class DecoderLayer(nn.Module):
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         self.index = index
-        self.eps = cfg.rms_norm_eps
+        self.eps = cfg.norm.eps
         self.norm = rms_norm_for(cfg)
-        self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output scaled
+        self.residual_multiplier = cfg.scales.residual  # Granite: each branch's output scaled
         self.is_moe = index in cfg.moe_layers
         # the norms before each branch (none in FlexOlmo's OLMo-2 layout)
-        self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.pre_norms else None
-        self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.pre_norms else None
+        self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.norm.pre else None
+        self.post_attention_norm = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.norm.pre else None
         # AFMoE's sandwich, FlexOlmo's output norms: each branch's output normalised before the residual add
         self.attn_out_norm = self.mlp_out_norm = None
-        if cfg.sandwich_norms:
+        if cfg.norm.sandwich:
             self.attn_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
             self.mlp_out_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        window = cfg.sliding_windows[index] if cfg.sliding_windows else None
-        linear = {"kda": KimiDeltaAttention, "mamba2": Mamba2, "short_conv": ShortConv}.get(cfg.linear_attention_kind,
-                                                                                           GatedDeltaNet)
-        self.linear_attn = linear(cfg, dtype, device, parallel) if index in cfg.linear_attention_layers else None
+        window = cfg.attention.window(index)
+        self.linear_attn = None
+        if index in cfg.linear_attention_layers:
+            self.linear_attn = LINEAR_LAYERS[cfg.linear.kind](cfg, dtype, device, parallel)
         if self.linear_attn is not None:
             self.attn = None
         elif cfg.is_mla:
@@ -212,7 +228,7 @@ class MixerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.index, self.kind, self.eps = index, cfg.layer_kinds[index], cfg.rms_norm_eps
+        self.index, self.kind, self.eps = index, cfg.layer_kinds[index], cfg.norm.eps
         self.is_moe = self.kind == "moe"
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.norm_fn = rms_norm_for(cfg)
@@ -228,26 +244,6 @@ class MixerBlock(nn.Module):
             return x + self.linear_attn(h, states)
         return x + self.mlp(h, capture)
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        targets = {prefix + "norm.weight": self.norm}
-        if self.attn is not None:
-            return targets | self.attn.weight_targets(prefix, module="mixer.")
-        if self.linear_attn is not None:
-            return targets | self.linear_attn.weight_targets(prefix)
-        p = prefix + "mixer."
-        if isinstance(self.mlp, DenseMlp):
-            return targets | {p + "up_proj.weight": self.mlp.gate_up.part(), p + "down_proj.weight": self.mlp.down.part()}
-        mlp, experts = self.mlp, self.mlp.experts
-        targets |= {p + "gate.weight": mlp.gate, p + "gate.e_score_correction_bias": mlp.correction_bias,
-                    p + "experts.up_proj": experts.w13_part(), p + "experts.down_proj": experts.w2_part()}  # transformers 5's fused names
-        for e in experts.local_ids:
-            targets[p + f"experts.{e}.up_proj.weight"] = experts.w13_part(e)
-            targets[p + f"experts.{e}.down_proj.weight"] = experts.w2_part(e)
-        if mlp.shared is not None:
-            targets[p + "shared_experts.up_proj.weight"] = mlp.shared.gate_up.part()
-            targets[p + "shared_experts.down_proj.weight"] = mlp.shared.down.part()
-        return targets
-
 
 class MoeForCausalLM(nn.Module):
     """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
@@ -257,6 +253,7 @@ class MoeForCausalLM(nn.Module):
         super().__init__()
         device = torch.device(device)
         self.config = cfg
+        self.family = family_named(cfg.model_type)
         self.dtype = dtype
         self.device = device
         self.parallel = parallel  # this rank's shard of every layer (the whole model at size 1)
@@ -265,10 +262,10 @@ class MoeForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layer_class(cfg, i, dtype, device, parallel) for i in range(cfg.num_layers))
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = ParallelLMHead(self.embed, cfg.tie_word_embeddings, dtype=dtype, device=device)
-        if cfg.rope_yarn:
-            inv_freq, self.rope_attention_factor = yarn_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)
+        if cfg.rope.yarn:
+            inv_freq, self.rope_attention_factor = yarn_inv_freq(cfg.rotary_dim, cfg.rope.theta, cfg.rope.yarn)
         else:
-            inv_freq, self.rope_attention_factor = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), 1.0
+            inv_freq, self.rope_attention_factor = rope_inv_freq(cfg.rotary_dim, cfg.rope.theta), 1.0
         self.inv_freq = inv_freq.to(device)
         self.norm = rms_norm_for(cfg)
         self.block_size = 0
@@ -320,12 +317,10 @@ class MoeForCausalLM(nn.Module):
         return first.attn.k_cache is not None if first.linear_attn is None else first.linear_attn.has_states
 
     def transposed_layouts(self) -> set[str]:
-        """Weight names a checkpoint may also hold transposed in their last two dims: Qwen3-VL's
-        released fused experts are [E, H, 2I] and [E, I, H], while transformers 5 saves them as
-        it holds them ([E, 2I, H], [E, H, I]); the loader tells them apart by shape."""
-        if self.config.model_type != "qwen3_vl_moe":
-            return set()
-        return {name for name in self.weight_targets() if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))}
+        """Weight names a checkpoint may also hold transposed in their last two dims (the family
+        says which; the loader tells the layouts apart by shape)."""
+        suffixes = self.family.transposed
+        return {name for name in self.weight_targets() if name.endswith(suffixes)} if suffixes else set()
 
     def move_weights(self, device: torch.device | str) -> None:
         """Move every weight to `device` in place (the module keeps its parameters, views
@@ -362,11 +357,11 @@ class MoeForCausalLM(nn.Module):
         meta = AttentionMetadata.build(batch, self.block_size, self.device)
         positions = batch.positions.to(self.device)
         cos, sin = rope_cos_sin(
-            positions, self.inv_freq, self.dtype, self.config.rope_scaling_factor, self.rope_attention_factor
+            positions, self.inv_freq, self.dtype, self.config.rope.linear_factor, self.rope_attention_factor
         )
         x = self.embed(batch.input_ids.to(self.device))
-        if self.config.embedding_multiplier != 1.0:
-            x = x * self.config.embedding_multiplier
+        if self.config.scales.embedding != 1.0:
+            x = x * self.config.scales.embedding
         capture = batch.routing_capture
         states = None
         if self.config.is_hybrid:
@@ -378,165 +373,13 @@ class MoeForCausalLM(nn.Module):
         for layer in self.layers:
             layer_capture = capture[:, layer.index] if capture is not None and layer.is_moe else None
             x = layer(x, cos, sin, meta, layer_capture, states)
-        x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.rms_norm_eps)
+        x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.norm.eps)
         logits = self.lm_head(x).float()
-        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+        scaling = self.config.scales.logits
+        return logits if scaling == 1.0 else logits / scaling
 
     # ---- checkpoint names -----------------------------------------------------------------
     def weight_targets(self) -> dict[str, torch.Tensor]:
-        """Hugging Face tensor name -> the view of our (stacked) parameter it fills.
-
-        Both the per-expert names of released checkpoints and the fused 3-D names that
-        transformers 5 keeps in memory (`experts.gate_up_proj`, `experts.down_proj`) map here.
-        """
-        cfg = self.config
-        family = cfg.model_type
-        targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed.part(),
-                                            "model.norm.weight": self.final_norm}
-        if not cfg.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head.part()
-        if family == "nemotron_h":
-            return _nemotron_h_targets(self, targets)
-        for layer in self.layers:
-            p = f"model.layers.{layer.index}."
-            if layer.input_norm is not None:
-                targets[p + "input_layernorm.weight"] = layer.input_norm
-            if layer.attn_out_norm is None:
-                targets[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
-            else:  # AFMoE's and FlexOlmo's post_attention_layernorm is the attention output's
-                targets[p + "post_attention_layernorm.weight"] = layer.attn_out_norm
-                if family == "afmoe":
-                    targets[p + "pre_mlp_layernorm.weight"] = layer.post_attention_norm
-                    targets[p + "post_mlp_layernorm.weight"] = layer.mlp_out_norm
-                else:
-                    targets[p + "post_feedforward_layernorm.weight"] = layer.mlp_out_norm
-            targets.update((layer.linear_attn or layer.attn).weight_targets(p))
-            mlp = layer.mlp
-            if isinstance(mlp, DenseMlp):
-                targets[p + "mlp.gate_proj.weight"] = mlp.gate_up.part(0)
-                targets[p + "mlp.up_proj.weight"] = mlp.gate_up.part(1)
-                targets[p + "mlp.down_proj.weight"] = mlp.down.part()
-                if family == "kimi_linear":  # transformers writes Kimi-Linear's dense MLPs as block_sparse_moe
-                    for name in ("gate_proj", "up_proj", "down_proj"):
-                        targets[p + f"block_sparse_moe.{name}.weight"] = targets[p + f"mlp.{name}.weight"]
-                continue
-            if family == "gpt_oss":
-                targets.update(_gpt_oss_moe_targets(p, mlp))
-            elif family in ("granitemoehybrid", "granitemoe", "granitemoeshared", "granitemoe_swa"):
-                targets.update(_granite_moe_targets(p, mlp))
-            else:
-                targets.update(_moe_targets(family, p, mlp))
-        if family == "lfm2_moe":
-            return {_lfm2_name(name): target for name, target in targets.items()}
-        if family in ("qwen3_5_moe", "qwen3_vl_moe"):  # the multimodal checkpoint nests the language model
-            targets |= {"model.language_model." + k.removeprefix("model."): v
-                        for k, v in targets.items() if k.startswith("model.")}
-        return targets
-
-
-# Where each family keeps what the standard names do not cover
-_MIXTRAL_NAMES = ("mixtral", "minimax_m2", "kimi_linear")  # block_sparse_moe.experts.<e>.w1 / w3 / w2
-# mlp.shared_experts, no gate
-_SHARED_EXPERTS = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v2", "ernie4_5_moe", "dots1", "deepseek_v32",
-                   "glm_moe_dsa", "kimi_linear", "afmoe")
-_BIAS_NAMES = {  # e_score_correction_bias; transformers 5 in memory: mlp.e_score_correction_bias
-    "glm4_moe": ("mlp.gate.e_score_correction_bias",),
-    "glm4_moe_lite": ("mlp.gate.e_score_correction_bias",),
-    "dots1": ("mlp.gate.e_score_correction_bias",),
-    "deepseek_v3": ("mlp.gate.e_score_correction_bias",),
-    "deepseek_v32": ("mlp.gate.e_score_correction_bias",),
-    "glm_moe_dsa": ("mlp.gate.e_score_correction_bias",),
-    "kimi_linear": ("block_sparse_moe.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
-    "afmoe": ("mlp.expert_bias",),
-    "lfm2_moe": ("feed_forward.expert_bias",),
-    "minimax_m2": ("block_sparse_moe.e_score_correction_bias", "mlp.e_score_correction_bias"),
-    "ernie4_5_moe": ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"),
-}
-
-
-# LFM2's names for the standard ones (its experts: w1 gate, w3 up, w2 down, as its dense MLPs)
-_LFM2_NAMES = [(re.compile(pattern), replacement) for pattern, replacement in (
-    (r"\.input_layernorm\.", ".operator_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    (r"\.self_attn\.o_proj\.", ".self_attn.out_proj."), (r"\.self_attn\.([qk])_norm\.", r".self_attn.\1_layernorm."),
-    (r"\.mlp\.", ".feed_forward."), (r"\.gate_proj\.", ".w1."), (r"\.up_proj\.", ".w3."), (r"\.down_proj\.", ".w2."),
-    (r"^model\.norm\.", "model.embedding_norm."),
-)]
-
-
-def _lfm2_name(name: str) -> str:
-    for pattern, replacement in _LFM2_NAMES:
-        name = pattern.sub(replacement, name)
-    return name
-
-
-def _moe_targets(family: str, p: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
-    """Released per-expert names and transformers 5's fused ones, for every family but gpt-oss."""
-    mixtral_names = family in _MIXTRAL_NAMES
-    moe_prefix = p + ("block_sparse_moe." if mixtral_names else "mlp.")
-    gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
-    targets = {moe_prefix + "gate.weight": mlp.gate}
-    if family == "afmoe":  # its router holds the gate linear
-        targets[moe_prefix + "router.gate.weight"] = mlp.gate
-    if mlp.correction_bias is not None:
-        for name in _BIAS_NAMES[family]:  # ERNIE stores it as [1, E]
-            targets[p + name] = mlp.correction_bias.view(1, -1) if family == "ernie4_5_moe" else mlp.correction_bias
-    experts = mlp.experts
-    for e in experts.local_ids:  # logical ids: another rank's experts are not targets here
-        ep = f"{moe_prefix}experts.{e}."
-        targets[ep + f"{gate_name}.weight"] = experts.w13_part(e, 0)
-        targets[ep + f"{up_name}.weight"] = experts.w13_part(e, 1)
-        targets[ep + f"{down_name}.weight"] = experts.w2_part(e)
-    # transformers 5 in-memory (fused) names, which use "mlp." for every family
-    targets[p + "mlp.gate.weight"] = mlp.gate
-    targets[p + "mlp.experts.gate_up_proj"] = experts.w13_part()
-    targets[p + "mlp.experts.down_proj"] = experts.w2_part()
-    if mlp.shared is not None:
-        # Qwen2-MoE: one gated "shared_expert"; GLM-4.5 and others: gate-less "shared_experts"
-        shared = p + ("mlp.shared_experts." if family in _SHARED_EXPERTS else "mlp.shared_expert.")
-        targets[shared + "gate_proj.weight"] = mlp.shared.gate_up.part(0)
-        targets[shared + "up_proj.weight"] = mlp.shared.gate_up.part(1)
-        targets[shared + "down_proj.weight"] = mlp.shared.down.part()
-        if mlp.shared_gate is not None:
-            targets[p + "mlp.shared_expert_gate.weight"] = mlp.shared_gate
-        if family == "kimi_linear":  # released under block_sparse_moe like its experts
-            targets |= {k.replace(".mlp.", ".block_sparse_moe.", 1): v for k, v in targets.items() if k.startswith(shared)}
-    return targets
-
-
-def _granite_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
-    """Granite's fused experts (input_linear: gate then up rows; output_linear) and its shared MLP."""
-    p = prefix + "block_sparse_moe."
-    experts = mlp.experts
-    targets = {p + "router.layer.weight": mlp.gate, p + "router.weight": mlp.gate,
-               p + "input_linear.weight": experts.w13_part(), p + "output_linear.weight": experts.w2_part(),
-               p + "experts.gate_up_proj": experts.w13_part(), p + "experts.down_proj": experts.w2_part()}
-    if mlp.shared is not None:
-        targets[prefix + "shared_mlp.input_linear.weight"] = mlp.shared.gate_up.part()
-        targets[prefix + "shared_mlp.output_linear.weight"] = mlp.shared.down.part()
-    return targets
-
-
-def _nemotron_h_targets(model: MoeForCausalLM, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Nemotron-H's names: embeddings and norm_f, one mixer per layer; released checkpoints
-    spell "model." as "backbone."."""
-    targets = {"lm_head.weight": targets["lm_head.weight"]} if "lm_head.weight" in targets else {}
-    named = {"model.embeddings.weight": model.embed.part(), "model.norm_f.weight": model.final_norm}
-    for layer in model.layers:
-        named |= layer.weight_targets(f"model.layers.{layer.index}.")
-    named = {k: v for k, v in named.items() if v is not None}
-    return targets | named | {"backbone." + k.removeprefix("model."): v for k, v in named.items()}
-
-
-def _gpt_oss_moe_targets(prefix: str, mlp: SparseMoeBlock) -> dict[str, torch.Tensor]:
-    """gpt-oss keeps experts fused and transposed ([E, H, 2I] with gate/up columns interleaved,
-    [E, I, H]): views of w13 (whose rows stay interleaved, see moe.clamped_swiglu) and w2."""
-    p, experts = prefix + "mlp.", mlp.experts
-    b13, b2 = experts.bias_parts()
-    return {
-        p + "router.weight": mlp.gate,
-        p + "router.bias": mlp.gate_bias,
-        p + "experts.gate_up_proj": transposed(experts.w13_part()),
-        p + "experts.gate_up_proj_bias": b13,
-        p + "experts.down_proj": transposed(experts.w2_part()),
-        p + "experts.down_proj_bias": b2,
-    }
+        """Hugging Face tensor name -> the view of our (stacked) parameter it fills: the family
+        module's names (models/families/), released per-expert ones and transformers 5's fused ones."""
+        return self.family.weight_targets(self)

@@ -69,7 +69,8 @@ def grouped_experts(
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t. x [T, H]; ids/weights [T, k].
 
-    An expert is down(act(gate_up(x) + b13) ) + b2; the biases ([E, 2I], [E, H]) are optional."""
+    An expert is down(act(gate_up(x) + b13) ) + b2; the biases ([E, 2I], [E, H]) are optional
+    (b2 alone too: a split expert adds it on one rank)."""
     num_tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
@@ -114,7 +115,7 @@ def _expert_mlps_grouped(rows, w13, w2, counts, act=silu_and_mul, biases=None) -
     if biases is not None:
         h = h + biases[0].index_select(0, biases[2])
     out = _GROUPED_MM(act(h), w2.transpose(1, 2), offs=offs)
-    if biases is not None:
+    if biases is not None and biases[1] is not None:
         out = out + biases[1].index_select(0, biases[2])
     return out
 
@@ -136,7 +137,7 @@ def _expert_mlps_looped(rows, w13, w2, counts, act=silu_and_mul, biases=None) ->
     out = torch.empty_like(rows)
     for expert, begin, end in spans:
         out[begin:end] = F.linear(h[begin:end], w2[expert])
-    return out if biases is None else out + biases[1].index_select(0, biases[2])
+    return out if biases is None or biases[1] is None else out + biases[1].index_select(0, biases[2])
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # absent from older torch releases
@@ -158,35 +159,36 @@ class SparseMoeBlock(nn.Module):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         kw = dict(dtype=dtype, device=device)
         self.top_k = cfg.top_k
-        self.renormalize = cfg.renormalize
-        self.scoring = cfg.scoring
-        self.scaling = cfg.routed_scaling_factor
-        self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
-        self.group_score_top = cfg.group_score_top
+        self.renormalize = cfg.router.renormalize
+        self.scoring = cfg.router.scoring
+        self.scaling = cfg.router.scaling
+        self.num_groups, self.topk_groups = cfg.router.num_groups, cfg.router.topk_groups
+        self.group_score_top = cfg.router.group_score_top
         # A float32 router keeps the checkpoint's routing exact in a bf16 model: the reference
         # implementations compute these logits in float32, and the correction bias is stored
         # in float32 (rounding it to bf16 would change which experts win).
-        router_dtype = torch.float32 if cfg.router_float32 else dtype
+        router_dtype = torch.float32 if cfg.router.float32 else dtype
         self.gate = nn.Parameter(torch.empty(e, h, dtype=router_dtype, device=device), requires_grad=False)
         self.gate_bias = (
             nn.Parameter(torch.empty(e, dtype=router_dtype, device=device), requires_grad=False)
-            if cfg.router_logit_bias else None
+            if cfg.router.logit_bias else None
         )
         self.correction_bias = (
             nn.Parameter(torch.empty(e, dtype=torch.float32, device=device), requires_grad=False)
-            if cfg.router_bias else None
+            if cfg.router.correction_bias else None
         )
-        gated = cfg.expert_activation != "relu2"
-        gpt_oss = cfg.expert_activation == "gpt_oss"  # biased experts, gate/up rows interleaved in w13
+        gated = cfg.experts.gated
+        gpt_oss = cfg.experts.activation == "clamped_swiglu"  # biased experts, gate/up rows interleaved in w13
         self.experts = ExpertSlice(e, h, i, gated=gated, interleaved=gpt_oss, biased=gpt_oss, state=parallel, **kw)
         self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul if gated else relu_squared
         if gpt_oss:
-            self.act = functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+            self.act = functools.partial(clamped_swiglu, alpha=cfg.experts.swiglu_alpha, limit=cfg.experts.swiglu_limit)
+        self.expert_pass = functools.partial(grouped_experts, act=self.act)
         self.shared = self.shared_gate = None
-        s = cfg.shared_expert_intermediate_size
+        s = cfg.experts.shared_intermediate_size
         if s:
             self.shared = Mlp(h, s, gated=gated, parallel=parallel, **kw)
-            if cfg.shared_expert_gate:
+            if cfg.experts.shared_gate:
                 self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:
@@ -203,7 +205,7 @@ class SparseMoeBlock(nn.Module):
             topk_groups=self.topk_groups,
             group_score_top=self.group_score_top,
         )
-        out = self.experts(x, weights, ids, functools.partial(grouped_experts, act=self.act))
+        out = self.experts(x, weights, ids, self.expert_pass)
         if self.shared is not None:
             shared = self.shared(x)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)

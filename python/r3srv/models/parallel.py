@@ -377,9 +377,7 @@ class ExpertSlice(nn.Module):
         outside = (local < 0) | (local >= self.count)
         # another rank's expert: weight 0 on a local one (its output is multiplied away)
         weights = weights.masked_fill(outside, 0)
-        b2 = self.b2
-        if b2 is not None and self.inter_piece.index != 0:  # a split expert's bias added once, on rank 0
-            b2 = torch.zeros_like(b2)
+        b2 = self.b2 if self.inter_piece.index == 0 else None  # a split expert's bias added once
         out = run(x, self.w13, self.w2, weights, local.masked_fill(outside, 0), b13=self.b13, b2=b2)
         return self.state.all_reduce(out)
 

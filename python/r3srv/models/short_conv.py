@@ -22,11 +22,11 @@ class ShortConv(RecurrentLayer):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
-        kw = dict(dtype=dtype, device=device, bias=cfg.short_conv_bias)
+        kw = dict(dtype=dtype, device=device, bias=cfg.linear.conv_bias)
         hidden = cfg.hidden_size
         channels = split_evenly(hidden, parallel.tp_rank, parallel.tp_size)
         self.in_proj = ColumnParallelLinear(hidden, (channels,) * 3, **kw)
-        self.conv = column_weight(channels, 1, cfg.linear_conv_kernel_dim, **kw)
+        self.conv = column_weight(channels, 1, cfg.linear.conv_kernel, **kw)
         self.out_proj = RowParallelLinear(channels, hidden, state=parallel, **kw)
 
     def state_shapes(self):

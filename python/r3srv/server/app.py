@@ -8,31 +8,46 @@ lifespan shuts it down when the server stops.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from litestar import Litestar, Request
 from litestar.datastructures import State
-from litestar.exceptions import ClientException
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Receive, Scope, Send
 
 import r3srv
-from r3srv.server.errors import handle_exception
+from r3srv.server.body import decode_body
+from r3srv.server.errors import PARAM_NAMES, handle_exception
 from r3srv.server.generation import ServerState
 from r3srv.server.metrics import ServerMetrics
+from r3srv.server.openapi import describe_what_is_served
 from r3srv.server.routes import ROUTE_HANDLERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+# How often the server looks whether the engine loop still runs, and how long /health answers
+# 503 after it died before the server stops (so a balancer sees it before the port closes).
+ENGINE_WATCH_INTERVAL_S = 0.5
+ENGINE_DEATH_EXIT_DELAY_S = 2.0
+
+logger = logging.getLogger("r3srv.server")
 
 
 class _Request(Request):
     async def json(self) -> Any:
-        try:
+        """The body decoded strictly into the handler's `data` Struct (server/body.py); Litestar
+        then takes the Struct as it is."""
+        data_field = self.route_handler.parsed_data_field
+        if data_field is None:
             return await super().json()
-        except RecursionError:  # msgspec's answer to hostile nesting; a client error, not a 500
-            raise ClientException("Invalid request body: JSON nested too deeply") from None
+        body = await self.body()
+        data = decode_body(body, data_field.annotation, self.route_handler.opt.get("fields"))
+        param_names = getattr(data, "param_names", None)
+        if param_names is not None:  # errors from here on name fields as this client does
+            self.scope[PARAM_NAMES] = param_names()  # type: ignore[literal-required]
+        return data
 
 
 def create_app(
@@ -41,22 +56,40 @@ def create_app(
     served_model_name: str,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_weight_updates: bool = False,
+    enable_prompt_tokens_details: bool = False,
+    on_engine_death: Callable[[], None] | None = None,
+    weight_sync_timeout: float = 600.0,
 ) -> Litestar:
+    """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
+    CLI stops the server and exits non-zero so that an orchestrator restarts it."""
     state = ServerState(
         engine=engine,
         model_name=served_model_name,
         metrics=ServerMetrics(engine.stats),
         enable_weight_updates=enable_weight_updates,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
+        weight_sync_timeout=weight_sync_timeout,
     )
+
+    async def watch_engine() -> None:
+        while engine.is_running:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+        logger.critical("the engine loop has died (its error is logged above): /health answers 503, and the "
+                        "server stops in %.0f s with a non-zero exit status", ENGINE_DEATH_EXIT_DELAY_S)
+        await asyncio.sleep(ENGINE_DEATH_EXIT_DELAY_S)
+        if on_engine_death is not None:
+            on_engine_death()
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(watch_engine())
         try:
             yield
         finally:
+            watcher.cancel()
             await asyncio.to_thread(engine.shutdown)  # joins the engine thread: keep the loop free
 
-    return Litestar(
+    app = Litestar(
         route_handlers=ROUTE_HANDLERS,
         state=State({"server": state}),
         lifespan=[lifespan],
@@ -67,10 +100,16 @@ def create_app(
         debug=False,
         logging_config=None,
     )
+    describe_what_is_served(app)
+    return app
 
 
 class CountRequests:
-    """Outermost ASGI layer: counts every HTTP request by route and status, 404s and 405s included."""
+    """Outermost ASGI layer: counts every HTTP request by route and status, 404s and 405s included.
+
+    A client that goes away before any response starts (mid-upload, or while waiting) received
+    nothing: it counts as 499 (nginx's "client closed request"), whatever the handler answered
+    into the closed connection."""
 
     def __init__(self, app: Litestar) -> None:
         self.app = app
@@ -83,19 +122,27 @@ class CountRequests:
             await self.app(scope, receive, send)
             return
         status = 500
+        started = gone = False
+
+        async def receive_watching() -> Message:
+            nonlocal gone
+            message = await receive()
+            if message["type"] == "http.disconnect" and not started:
+                gone = True
+            return message
 
         async def send_counting(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
         try:
-            await self.app(scope, receive, send_counting)
+            await self.app(scope, receive_watching, send_counting)
         finally:
             path = scope["path"]
             route = path if path in self._routes else "other"
-            self._metrics.requests.labels(route, str(status)).inc()
+            self._metrics.requests.labels(route, "499" if gone else str(status)).inc()
 
 
 def build_asgi_app(engine: Any, **kwargs: Any) -> CountRequests:

@@ -21,6 +21,9 @@ from r3srv.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("r3srv.server")
 
+# ASGI scope key: the decoded request's `param_names()`, engine field name -> the client's
+PARAM_NAMES = "r3srv.param_names"
+
 # The `type` string vLLM puts in its errors, by status.
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -93,8 +96,11 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
         return error_response(status, message)
     if isinstance(exc, (ModelNotFoundError, EndpointDisabledError)):
         return error_response(404, str(exc), getattr(exc, "param", None))
-    if isinstance(exc, (InvalidRequestError, msgspec.ValidationError)):
-        return error_response(400, str(exc), getattr(exc, "param", None))
+    if isinstance(exc, InvalidRequestError):
+        exc = exc.renamed(request.scope.get(PARAM_NAMES) or {})  # type: ignore[call-overload]
+        return error_response(400, str(exc), exc.param)
+    if isinstance(exc, msgspec.ValidationError):
+        return error_response(400, str(exc))
     if isinstance(exc, R3srvError):  # e.g. the engine is shut down or its thread died
         logger.error("engine error on %s %s: %s", request.method, request.url.path, exc)
         return error_response(503, f"{type(exc).__name__}: {exc}")

@@ -44,6 +44,8 @@ class ServerState:
     metrics: ServerMetrics
     live: set[Generation] = field(default_factory=set)  # requests in flight, for abort_all
     enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached tokens), as vLLM
+    weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
 
     async def abort_all(self) -> None:
         """End every request in flight (finish_reason "abort"): on shutdown, so streams close
@@ -180,6 +182,8 @@ class Generation:
         with anyio.CancelScope(shield=True):
             try:
                 await self._stream.aclose()
+            except RuntimeError:  # still inside a start another task is cancelling: abort below
+                pass
             finally:
                 if not self.finished:
                     await self.state.engine.abort(self.request_id)
@@ -189,23 +193,31 @@ async def start_all(
     state: ServerState,
     route: str,
     prompts: list[str | list[int]],
-    params: SamplingParams,
-    request_id: str,
+    params: SamplingParams | list[SamplingParams],
+    request_id: str | list[str],
     *,
     stream: bool = True,
 ) -> list[Generation]:
     """Submit every prompt of a request together (so they batch), then wait for each first output
-    (with stream=True a DELTA output, with stream=False the finished one)."""
-    suffix = len(prompts) > 1
-    gens = [
-        Generation(state, route, p, params, f"{request_id}-{i}" if suffix else request_id, stream=stream)
-        for i, p in enumerate(prompts)
-    ]
+    (with stream=True a DELTA output, with stream=False the finished one). `params` and
+    `request_id` are one for all prompts (ids get a "-i" suffix) or one per prompt.
+
+    If one prompt is refused, the others are aborted only once every start has settled
+    (closing a generator another task is still inside fails), and the refusal is raised.
+    """
+    ids = request_id if isinstance(request_id, list) else (
+        [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id])
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    gens = [Generation(state, route, p, sp, rid, stream=stream) for p, sp, rid in zip(prompts, each, ids)]
     try:
-        await asyncio.gather(*(g.start() for g in gens))
-    except BaseException:
+        results = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
+    except BaseException:  # cancelled: gather has cancelled the starts and they have ended
         await close_all(gens)
         raise
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        await close_all(gens)
+        raise failed
     return gens
 
 

@@ -3,7 +3,12 @@
 Field names follow OpenAI's completions/chat API and vLLM 0.33 (its
 `entrypoints/openai/*/protocol.py` and `scale_out/token_in_token_out/protocol.py`)
 for every field r3srv supports, so clients written for vLLM work unchanged.
-Unknown request fields are ignored, as OpenAI-compatible servers do.
+Every field the peers define is served here, has no effect, or is refused with a 400 naming
+it (`server/fields.py` holds the table); fields neither peer has are ignored, as vLLM does.
+Bodies are decoded strictly (`"16"` is not an int, `2.0` is not a token id).
+
+Errors name fields as the client spelled them: each request's `param_names` maps the engine's
+names (SamplingParams and prompt checks) to its own.
 
 Each OpenAI request has exactly one `to_sampling_params`: the one road from the
 wire to the engine's `SamplingParams`. `/inference/v1/generate` decodes its
@@ -22,6 +27,8 @@ from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
 
 NonNegInt = Annotated[int, Meta(ge=0)]
+# vLLM bounds seeds to the signed 64-bit range
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 # Choices per prompt; every route holds to it (a huge n ties the engine up for minutes).
 MAX_N = 128
 ChoiceCount = Annotated[int, Meta(ge=1, le=MAX_N)]
@@ -48,11 +55,11 @@ class StreamOptions(Struct, kw_only=True):
     continuous_usage_stats: bool | None = False
 
     def __post_init__(self) -> None:
-        # Not implemented: refused (a 400 at decode) rather than silently ignored.
+        # Not implemented yet (the sampling branch): refused (a 400 at decode) rather than ignored.
         if self.continuous_usage_stats:
-            raise ValueError(
-                "stream_options.continuous_usage_stats=true is not supported by r3srv; "
-                "include_usage=true sends the usage in a last chunk"
+            raise InvalidRequestError(
+                param="continuous_usage_stats",
+                problem="=true is not supported by r3srv; include_usage=true sends the usage in a last chunk",
             )
 
 
@@ -64,7 +71,8 @@ class UsageInfo(Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details, as vLLM
+    completion_tokens_details: dict[str, int] | None = None  # vLLM sends null
 
 
 class ErrorInfo(Struct, kw_only=True):
@@ -78,20 +86,6 @@ class ErrorResponse(Struct, kw_only=True):
     error: ErrorInfo
 
 
-def _sampling_params(**kwargs: Any) -> SamplingParams:
-    """Build SamplingParams; its own checks become a 400 naming the field."""
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as exc:
-        message = str(exc)
-        raise InvalidRequestError(message, param=message.split("=", 1)[0]) from exc
-
-
-def _reject_unsupported(**values: Any) -> None:
-    """OpenAI fields r3srv does not implement: refuse them rather than ignore them silently."""
-    for name, value in values.items():
-        if value not in (None, 0, 0.0, False):
-            raise InvalidRequestError(f"{name}={value!r} is not supported by r3srv", param=name)
 
 
 # ---------------------------------------------------------------- fields both OpenAI requests share
@@ -106,13 +100,11 @@ class _OpenAIRequest(Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    user: str | None = None
+    user: str | None = None  # no effect, as in vLLM
     # vLLM extras
     min_tokens: NonNegInt = 0
     stop_token_ids: list[int] | None = None
@@ -126,10 +118,9 @@ class _OpenAIRequest(Struct, kw_only=True):
     return_routed_experts: ReturnRoutedExperts = None
 
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        _reject_unsupported(frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
-        return _sampling_params(
+        return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -160,7 +151,9 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
     prompt: PromptType
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    echo: bool | None = False
+
+    def param_names(self) -> dict[str, str]:
+        return {}  # the engine's names are vLLM's
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one text or one token-id list each."""
@@ -183,7 +176,6 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
         )
 
     def to_sampling_params(self) -> SamplingParams:
-        _reject_unsupported(echo=self.echo)
         return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
 
 
@@ -200,9 +192,11 @@ class CompletionResponseChoice(Struct, kw_only=True):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | UnsetType = UNSET
-    token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
 
@@ -213,7 +207,12 @@ class CompletionResponse(Struct, kw_only=True):
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionResponseChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 class CompletionResponseStreamChoice(Struct, kw_only=True):
@@ -261,7 +260,9 @@ class ChatMessageParam(Struct, kw_only=True):
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
-                raise InvalidRequestError("only text content parts are supported", param="messages")
+                raise InvalidRequestError(
+                    param="messages", problem=": only text content parts are supported by r3srv (no multimodal inputs)"
+                )
             content = "".join(part.text for part in content)  # type: ignore[misc]
         return {"role": self.role, "content": content or ""}
 
@@ -277,6 +278,12 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     def template_messages(self) -> list[dict[str, str]]:
         return [m.to_template_dict() for m in self.messages]
 
+    def param_names(self) -> dict[str, str]:
+        names = {"prompt": "messages", "logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
+
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -287,6 +294,11 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
 class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | None = None
+    refusal: str | None = None
+    annotations: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    reasoning: str | None = None  # vLLM leaves tool_calls out when empty
 
 
 class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
@@ -317,8 +329,9 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
 
@@ -329,8 +342,15 @@ class ChatCompletionResponse(Struct, kw_only=True):
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
-    prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
@@ -357,9 +377,20 @@ class ChatCompletionStreamResponse(Struct, kw_only=True):
 # ---------------------------------------------------------------- /inference/v1/generate (vLLM scale-out)
 
 
+# SamplingParams' own names are vLLM's, which TITO clients use (inside sampling_params)
+_TITO_NAMES = {"prompt": "token_ids"}
+
+
+class TitoSamplingParams(SamplingParams, kw_only=True, omit_defaults=True):
+    """SamplingParams as /inference/v1/generate reads them: without max_tokens, generate up to
+    max_model_len - prompt, as vLLM 0.33 does there."""
+
+    max_tokens: int | None = None
+
+
 class GenerateRequest(Struct, kw_only=True):
     token_ids: Annotated[list[NonNegInt], Meta(min_length=1)]
-    sampling_params: SamplingParams
+    sampling_params: TitoSamplingParams
     request_id: str | None = None
     model: str | None = None
     stream: bool | None = False
@@ -372,7 +403,10 @@ class GenerateRequest(Struct, kw_only=True):
         # SamplingParams has no upper bound on n; the OpenAI routes' cap applies here too.
         # (A ValueError here is a msgspec.ValidationError at decode, so a 400.)
         if self.sampling_params.n > MAX_N:
-            raise ValueError(f"sampling_params.n={self.sampling_params.n} must be <= {MAX_N}")
+            raise InvalidRequestError(param="n", problem=f"={self.sampling_params.n} must be <= {MAX_N}")
+
+    def param_names(self) -> dict[str, str]:
+        return _TITO_NAMES
 
 
 class GenerateLogProb(Struct, kw_only=True):
@@ -472,8 +506,7 @@ class MemoryOccupationResponse(Struct, kw_only=True):
 
 
 class SglangSamplingParams(Struct, kw_only=True):
-    """SGLang's sampling_params, the fields r3srv serves; a penalty or a constraint r3srv does
-    not implement is a 400, not silently ignored."""
+    """SGLang's sampling_params, the fields r3srv serves (server/fields.py refuses the others)."""
 
     max_new_tokens: Annotated[int, Meta(ge=1)] | None = 128
     min_new_tokens: NonNegInt = 0
@@ -485,55 +518,89 @@ class SglangSamplingParams(Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    sampling_seed: int | None = None
+    sampling_seed: Seed | None = None
     no_stop_trim: bool = False
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-
-    def __post_init__(self) -> None:
-        unsupported = [name for name, default in _SGLANG_UNSERVED.items() if getattr(self, name) != default]
-        if unsupported:
-            raise ValueError(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported by r3srv")
 
 
-_SGLANG_UNSERVED = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                    "json_schema": None, "regex": None, "ebnf": None}
+# The engine's names -> SGLang's (the prompt's, text or input_ids, is added per request)
+_SGLANG_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim",
+    "logprobs": "top_logprobs_num",
+    "routed_experts_prompt_start": "routed_experts_start_len",
+}
 
 
 class SglangGenerateRequest(Struct, kw_only=True):
-    """SGLang's GenerateReqInput for one prompt: `text` or `input_ids`. Routed experts come back
-    in meta_info as SGLang sends them (base64 of little-endian int32, no header), from
-    `routed_experts_start_len` on."""
+    """SGLang's GenerateReqInput: one prompt (`text` or `input_ids`) or a batch of them (a list
+    of texts or of token-id lists), answered with one output object or, for a batch or n > 1,
+    a list (prompt-major, as SGLang). Routed experts come back in meta_info as SGLang sends them
+    (base64 of little-endian int32, no header), from `routed_experts_start_len` on."""
 
-    text: str | None = None
-    input_ids: list[NonNegInt] | None = None
-    sampling_params: SglangSamplingParams = msgspec.field(default_factory=SglangSamplingParams)
-    rid: str | None = None
+    # msgspec allows one array-like type per union: a list of token ids or a batch of token-id
+    # lists are sorted out by `prompts()`
+    text: str | list[str] | None = None
+    input_ids: list[NonNegInt | list[NonNegInt]] | None = None
+    sampling_params: SglangSamplingParams | list[SglangSamplingParams] = msgspec.field(
+        default_factory=SglangSamplingParams
+    )
+    rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
-    logprob_start_len: int = -1
     top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
     return_routed_experts: bool | None = None
     routed_experts_start_len: NonNegInt = 0
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of text and input_ids (one prompt per request)")
-        if self.input_ids is not None and not self.input_ids:
-            raise ValueError("input_ids must not be empty")
-        if self.logprob_start_len != -1:
-            raise ValueError("logprob_start_len: prompt logprobs are not supported (leave it -1)")
+            raise InvalidRequestError(param="text", problem=": give exactly one of text and input_ids")
 
-    def to_sampling_params(self) -> SamplingParams:
-        sp = self.sampling_params
-        return _sampling_params(
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+    def prompts(self) -> list[str | list[int]]:
+        name = "text" if self.text is not None else "input_ids"
+        prompts: list[Any] = [self.text] if isinstance(self.text, str) else list(self.text or [])
+        if self.input_ids is not None:
+            nested = [isinstance(p, list) for p in self.input_ids]
+            if any(nested) and not all(nested):
+                raise InvalidRequestError(param=name, problem=" must be a list of token ids or a list of such lists")
+            prompts = list(self.input_ids) if all(nested) and nested else [list(self.input_ids)]
+        if not prompts:
+            raise InvalidRequestError(param=name, problem=" must not be an empty batch")
+        count = len(prompts)
+        if isinstance(self.sampling_params, list) and len(self.sampling_params) != count:
+            raise InvalidRequestError(param="sampling_params",
+                                      problem=f" has {len(self.sampling_params)} entries for {count} prompts")
+        if isinstance(self.rid, list) and len(self.rid) != count:
+            raise InvalidRequestError(param="rid", problem=f" has {len(self.rid)} entries for {count} prompts")
+        return prompts
+
+    def request_ids(self, count: int, default: str) -> list[str]:
+        if isinstance(self.rid, list):
+            return list(self.rid)
+        base = self.rid or default
+        return [base] if count == 1 and not self.is_batch else [f"{base}-{i}" for i in range(count)]
+
+    def param_names(self) -> dict[str, str]:
+        return {**_SGLANG_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
+
+    def to_sampling_params(self, index: int = 0, room: int | None = None) -> SamplingParams:
+        """Prompt `index`'s SamplingParams. `room`: the tokens its prompt leaves within the context;
+        max_new_tokens (and min_new_tokens) are clipped to it, as SGLang's scheduler does."""
+        sp = self.sampling_params[index] if isinstance(self.sampling_params, list) else self.sampling_params
+        max_tokens, min_tokens = sp.max_new_tokens, sp.min_new_tokens
+        if room is not None and room >= 1:
+            max_tokens = room if max_tokens is None else min(max_tokens, room)
+            min_tokens = min(min_tokens, max_tokens)
+        return SamplingParams(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
-            max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
+            max_tokens=max_tokens, min_tokens=min_tokens, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
@@ -553,6 +620,7 @@ class SglangGenerateOutput(Struct, kw_only=True, omit_defaults=True):
     text: str
     output_ids: list[int]
     meta_info: dict[str, Any]
+    index: int | None = None  # streams of a batch (or n > 1): the output's place in the answer list
 
 
 class PauseGenerationRequest(Struct, kw_only=True):

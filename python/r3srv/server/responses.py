@@ -12,11 +12,14 @@ from r3srv.server import protocol as p
 from r3srv.server.generation import ServerState
 
 
-def usage_of(outputs: list[RequestOutput], completion_tokens: int | None = None) -> p.UsageInfo:
-    """Usage of finished outputs; a stream of DELTA outputs passes the tokens it counted."""
+def usage_of(state: ServerState, outputs: list[RequestOutput], completion_tokens: int | None = None) -> p.UsageInfo:
+    """Usage of finished outputs; a stream of DELTA outputs passes the tokens it counted.
+    prompt_tokens_details only with --enable-prompt-tokens-details, as vLLM."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if completion_tokens is None else completion_tokens
-    cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
+    cached = None
+    if state.enable_prompt_tokens_details:
+        cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
     return p.UsageInfo(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion, prompt_tokens_details=cached
     )
@@ -106,13 +109,13 @@ async def completion_response(
                     logprobs=fmt.completion(c.token_ids, _logprobs(c), 0) if req.logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    prompt_token_ids=list(out.prompt_token_ids) if with_ids else UNSET,
-                    token_ids=list(c.token_ids) if with_ids else UNSET,
+                    prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
+                    token_ids=list(c.token_ids) if with_ids else None,
                     routed_experts=await state.encode_experts(c.routed_experts),
                     weight_version=state.weight_version(out),
                 )
             )
-    return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage_of(finals))
+    return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage_of(state, finals))
 
 
 async def chat_response(
@@ -127,7 +130,7 @@ async def chat_response(
             logprobs=fmt.chat(c.token_ids, _logprobs(c), req.top_logprobs or 0) if req.logprobs else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
-            token_ids=list(c.token_ids) if with_ids else UNSET,
+            token_ids=list(c.token_ids) if with_ids else None,
             routed_experts=await state.encode_experts(c.routed_experts),
             weight_version=state.weight_version(final),
         )
@@ -137,8 +140,8 @@ async def chat_response(
         id=request_id,
         model=state.model_name,
         choices=choices,
-        usage=usage_of([final]),
-        prompt_token_ids=list(final.prompt_token_ids) if with_ids else UNSET,
+        usage=usage_of(state, [final]),
+        prompt_token_ids=list(final.prompt_token_ids) if with_ids else None,
     )
 
 
@@ -165,6 +168,6 @@ async def generate_response(
         created=int(time.time()),
         output_mode=req.output_mode,
         choices=choices,
-        usage=usage_of([final]),
+        usage=usage_of(state, [final]),
         prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
     )

@@ -171,7 +171,7 @@ async def completion_stream(
         if out.finished:
             finals[i] = out
     if req.stream_options and req.stream_options.include_usage:
-        usage = usage_of(list(finals.values()), tracker.num_tokens)
+        usage = usage_of(state, list(finals.values()), tracker.num_tokens)
         yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
     yield DONE
 
@@ -225,7 +225,7 @@ async def chat_stream(
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
-        usage = usage_of([final], tracker.num_tokens)
+        usage = usage_of(state, [final], tracker.num_tokens)
         yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
     yield DONE
 
@@ -263,5 +263,5 @@ async def generate_stream(
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
-        yield sse(p.GenerateStreamResponse(request_id=request_id, output_mode=req.output_mode, choices=[], usage=usage_of([final], tracker.num_tokens)))
+        yield sse(p.GenerateStreamResponse(request_id=request_id, output_mode=req.output_mode, choices=[], usage=usage_of(state, [final], tracker.num_tokens)))
     yield DONE

@@ -4,6 +4,7 @@ from r3srv.server.routes.inference import abort_requests, generate
 from r3srv.server.routes.info import detokenize, health, list_models, metrics, tokenize, version
 from r3srv.server.routes.openai import chat_completions, completions
 from r3srv.server.routes.sglang import sglang_abort_request, sglang_generate
+from r3srv.server.routes.weight_sync import TRAINER_ROUTES
 from r3srv.server.routes.weights import (
     continue_generation,
     flush_cache,
@@ -36,4 +37,5 @@ ROUTE_HANDLERS = [
     pause_generation,
     continue_generation,
     is_paused,
+    *TRAINER_ROUTES,
 ]

@@ -8,13 +8,15 @@ from typing import Any
 from litestar import MediaType, Request, Response, post
 
 from r3srv.server import protocol as p
+from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import start_all
 from r3srv.server.responses import generate_response
 from r3srv.server.routes.common import run_to_end, server_state
 from r3srv.server.streaming import EngineStream, generate_stream
 
 
-@post("/inference/v1/generate", status_code=200, summary="Generate from token ids (vLLM scale-out)")
+@post("/inference/v1/generate", status_code=200, summary="Generate from token ids (vLLM scale-out)",
+      opt={"fields": ROUTE_FIELDS["tito"]})
 async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> p.GenerateResponse:
     state = server_state(request)
     state.check_model(data.model)
@@ -30,7 +32,7 @@ async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> 
     )
 
 
-@post("/inference/v1/abort_requests", status_code=200, summary="Abort requests by request_id (vLLM scale-out)")
+@post("/inference/v1/abort_requests", status_code=200, media_type=MediaType.TEXT, summary="Abort requests by request_id (vLLM scale-out)")
 async def abort_requests(data: p.AbortRequestsRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
     engine = server_state(request).engine
     for request_id in data.request_ids:

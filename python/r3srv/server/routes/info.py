@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import MediaType, Request, Response, get, post
+from litestar.openapi import ResponseSpec
 
 import r3srv
 from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
 from r3srv.server import protocol as p
+from r3srv.server.errors import error_response
 from r3srv.server.metrics import CONTENT_TYPE
 from r3srv.server.routes.common import server_state
 
@@ -37,10 +39,13 @@ async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
     return p.ModelList(data=[card])
 
 
-@get("/health", summary="200 when the server is up, 503 once its engine stopped", include_in_schema=True)
+@get("/health", summary="200 while the engine loop runs; 503 once it has died (the server then exits non-zero)",
+     include_in_schema=True, media_type=MediaType.TEXT,
+     responses={503: ResponseSpec(p.ErrorResponse, description="The engine loop has died", generate_examples=False)})
 async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
-    up = server_state(request).engine.is_running
-    return Response(b"", status_code=200 if up else 503, media_type=MediaType.TEXT)
+    if not server_state(request).engine.is_running:
+        return error_response(503, "the engine loop is not running")
+    return Response(b"", status_code=200, media_type=MediaType.TEXT)
 
 
 @get("/version", summary="r3srv version")
@@ -74,6 +79,10 @@ async def detokenize(data: p.DetokenizeRequest, request: Request[Any, Any, Any])
     state = server_state(request)
     state.check_model(data.model)
     tokenizer = state.tokenizer()
+    vocab = state.engine.model_config.vocab_size
+    bad = next((t for t in data.tokens if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(param="tokens", problem=f" holds {bad}, outside the vocabulary [0, {vocab})")
     try:
         text = tokenizer.decode(data.tokens)
     except Exception as exc:  # ids outside the vocabulary

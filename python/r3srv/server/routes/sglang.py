@@ -1,81 +1,137 @@
-"""SGLang's native API: POST /generate for one prompt (text or input_ids), as SGLang-based RL
-rollouts (slime, miles, verl's SGLang backend) call it, with the routed experts in meta_info
-the way SGLang sends them (base64 of little-endian int32 rows, no header, every token of
-prompt + output but the last from routed_experts_start_len on), not streamed here; and POST
-/abort_request (one rid, or abort_all, as those rollouts stop over-sampled requests)."""
+"""SGLang's native API: POST /generate, as SGLang-based RL rollouts (slime, miles, AReaL, verl's
+SGLang backend) call it, and POST /abort_request (one rid, or abort_all, as those rollouts stop
+over-sampled requests).
+
+/generate takes one prompt (`text` or `input_ids`) or a batch (a list of either) and answers
+one output object, or a list of them for a batch or n > 1 (prompt-major, as SGLang). Routed
+experts are in meta_info the way SGLang sends them (base64 of little-endian int32 rows, no
+header, every token of prompt + output but the last, from routed_experts_start_len on), and
+meta_info echoes routed_experts_start_len on every answer (slime's multi-turn reads it back).
+With stream=true it answers SGLang's server-sent events: `data: {...}` chunks whose text and
+output_ids are cumulative, then `data: [DONE]`; routed experts come on each output's last chunk.
+"""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import MediaType, Request, Response, post
 from msgspec import UNSET
 
 from r3srv.errors import InvalidRequestError
+from r3srv.offload import run_sized
 from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
-from r3srv.server.generation import ServerState
+from r3srv.server.fields import ROUTE_FIELDS
+from r3srv.server.generation import Generation, ServerState, merged_outputs, start_all
 from r3srv.server.responses import ranked_logprobs
 from r3srv.server.routes.common import run_to_end, server_state
+from r3srv.server.streaming import DONE, EngineStream, sse
 
 ROUTE = "/generate"
 
 
-@post(ROUTE, status_code=200, summary="Generate for one prompt (SGLang's native API), routed experts in meta_info")
+@post(ROUTE, status_code=200, opt={"fields": ROUTE_FIELDS["sglang"]},
+      summary="Generate for one prompt or a batch (SGLang's native API), routed experts in meta_info")
 async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, Any, Any]) -> Any:
     state = server_state(request)
+    prompts = await _token_ids(state, data.prompts())
+    room = state.engine.max_model_len
+    params = [data.to_sampling_params(i, room - len(prompt)) for i, prompt in enumerate(prompts)]
+    request_ids = data.request_ids(len(prompts), uuid.uuid4().hex)
     if data.stream:
-        raise InvalidRequestError("stream=true is not served on /generate: stream /v1/completions or "
-                                  "/inference/v1/generate instead", param="stream")
-    request_id = data.rid or uuid.uuid4().hex
-    prompt: str | list[int] = data.text if data.input_ids is None else list(data.input_ids)
-    try:
-        return await run_to_end(request, ROUTE, [prompt], data.to_sampling_params(), request_id,
-                                lambda finals: _outputs(state, data, request_id, finals[0]))
-    except InvalidRequestError as exc:  # the engine names the field as SamplingParams does
-        if exc.param == "routed_experts_prompt_start":
-            raise InvalidRequestError(str(exc).replace("routed_experts_prompt_start", "routed_experts_start_len"),
-                                      param="routed_experts_start_len") from None
-        raise
+        gens = await start_all(state, ROUTE, prompts, params, request_ids)
+        return EngineStream(_stream(state, data, request_ids, gens), gens)
+    outs = await run_to_end(request, ROUTE, prompts, params, request_ids,
+                            lambda finals: _answer(state, data, request_ids, finals))
+    return outs
 
 
-async def _outputs(state: ServerState, req: p.SglangGenerateRequest, request_id: str, final: RequestOutput):
-    """One output object, or a list of them with sampling_params.n > 1 (as SGLang answers)."""
-    version = state.weight_version(final)
-    outs = []
-    for c in final.outputs:
-        meta: dict[str, Any] = {
-            "id": request_id if len(final.outputs) == 1 else f"{request_id}-{c.index}",
-            "finish_reason": _finish_reason(c),
-            "prompt_tokens": len(final.prompt_token_ids),
-            "completion_tokens": len(c.token_ids),
-            "cached_tokens": final.num_cached_tokens,
-        }
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(c.token_ids, c.logprobs or [])]
-            if req.top_logprobs_num:
-                meta["output_top_logprobs"] = [[[v, t, None] for t, v in ranked_logprobs(entry)[: req.top_logprobs_num]]
-                                               for entry in c.logprobs or []]
-        if c.routed_experts is not None:
-            meta["routed_experts"] = await state.encode_experts_raw_int32(c.routed_experts)
-        if version is not UNSET:
-            meta["weight_version"] = version
-        outs.append(p.SglangGenerateOutput(text=c.text, output_ids=list(c.token_ids), meta_info=meta))
-    return outs[0] if len(outs) == 1 else outs
+async def _token_ids(state: ServerState, prompts: list[str | list[int]]) -> list[str | list[int]]:
+    """Texts tokenized here (as the engine would), so each prompt's length is known before its
+    max_new_tokens is clipped to the room its prompt leaves."""
+    out: list[str | list[int]] = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            tokenizer = state.tokenizer()
+            prompt = list(await run_sized(len(prompt), tokenizer.encode, prompt, add_special_tokens=True))
+        out.append(prompt)
+    return out
 
 
-def _finish_reason(c: CompletionOutput) -> dict[str, Any]:
+def _output_id(request_id: str, final: RequestOutput, c: CompletionOutput) -> str:
+    return request_id if len(final.outputs) == 1 else f"{request_id}-{c.index}"
+
+
+async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids: list[str],
+                  finals: list[RequestOutput]) -> Any:
+    outs = [
+        p.SglangGenerateOutput(
+            text=c.text, output_ids=list(c.token_ids),
+            meta_info=await _meta_info(state, req, _output_id(rid, final, c), final, c, c.token_ids, c.logprobs, True),
+        )
+        for rid, final in zip(request_ids, finals)
+        for c in final.outputs
+    ]
+    return outs[0] if len(outs) == 1 and not req.is_batch else outs
+
+
+async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, output_id: str, out: RequestOutput,
+                     c: CompletionOutput, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                     final: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": output_id,
+        "finish_reason": _finish_reason(c, token_ids) if final else None,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(token_ids),
+        "cached_tokens": out.num_cached_tokens,
+        "routed_experts_start_len": req.routed_experts_start_len,
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(token_ids, logprobs or [])]
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = [[[v, t, None] for t, v in ranked_logprobs(entry)[: req.top_logprobs_num]]
+                                           for entry in logprobs or []]
+    if final and c.routed_experts is not None:
+        meta["routed_experts"] = await state.encode_experts_raw_int32(c.routed_experts)
+    version = state.weight_version(out) if final else UNSET
+    if version is not UNSET:
+        meta["weight_version"] = version
+    return meta
+
+
+async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids: list[str],
+                  gens: list[Generation]) -> AsyncIterator[bytes]:
+    """SGLang's default (non-incremental) stream: every chunk holds the output so far."""
+    n = max(len(o.outputs) for o in (g.last for g in gens) if o is not None)
+    indexed = req.is_batch or n > 1
+    sofar: dict[tuple[int, int], tuple[str, list[int], list[dict[int, float]]]] = {}
+    async for i, out in merged_outputs(gens):
+        for c in out.outputs:
+            text, ids, logprobs = sofar.get((i, c.index), ("", [], []))
+            if not c.text and not c.token_ids and not c.finished and (i, c.index) in sofar:
+                continue
+            text, ids, logprobs = text + c.text, ids + list(c.token_ids), logprobs + list(c.logprobs or [])
+            sofar[(i, c.index)] = (text, ids, logprobs)
+            meta = await _meta_info(state, req, _output_id(request_ids[i], out, c), out, c, ids, logprobs, c.finished)
+            yield sse(p.SglangGenerateOutput(text=text, output_ids=ids, meta_info=meta,
+                                             index=i * n + c.index if indexed else None))
+    yield DONE
+
+
+def _finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:
     """SGLang's finish_reason objects."""
     if c.finish_reason == "length":
-        return {"type": "length", "length": len(c.token_ids)}
+        return {"type": "length", "length": len(token_ids)}
     if c.finish_reason == "stop":  # a stop string, a stop token, or EOS (the last token)
-        last = c.token_ids[-1] if c.token_ids else None
+        last = token_ids[-1] if token_ids else None
         return {"type": "stop", "matched": c.stop_reason if c.stop_reason is not None else last}
     return {"type": "abort", "message": "aborted"}
 
 
-@post("/abort_request", status_code=200, summary="Abort one request by rid, or all in flight (SGLang)")
+@post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)")
 async def sglang_abort_request(data: p.SglangAbortRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
     state = server_state(request)
     if data.abort_all:

@@ -12,6 +12,9 @@ RL frameworks already call.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import stat
 import time
 from typing import Any
 
@@ -24,7 +27,7 @@ from r3srv.server.generation import ServerState
 from r3srv.server.routes.common import server_state
 
 
-def _weights_state(request: Request[Any, Any, Any]) -> ServerState:
+def weights_state(request: Request[Any, Any, Any]) -> ServerState:
     state = server_state(request)
     if not state.enable_weight_updates:
         raise EndpointDisabledError(request.url.path, "--enable-weight-updates")
@@ -35,29 +38,52 @@ def _weights_state(request: Request[Any, Any, Any]) -> ServerState:
 async def update_weights_from_disk(
     data: p.UpdateWeightsFromDiskRequest, request: Request[Any, Any, Any]
 ) -> p.UpdateWeightsResponse:
-    state = _weights_state(request)
+    seconds = await update_weights_from_dir(
+        request, data.model_path, abort_running=data.abort_all_requests, weight_version=data.weight_version
+    )
+    return p.UpdateWeightsResponse(
+        success=True,
+        message=f"loaded {data.model_path} in {seconds:.2f} s; prefix cache emptied",
+        weight_version=server_state(request).engine.weight_version,
+    )
+
+
+async def update_weights_from_dir(
+    request: Request[Any, Any, Any], path: str, *, param: str = "model_path", abort_running: bool = False,
+    weight_version: str | None = None,
+) -> float:
+    """Load a checkpoint directory (or a directory of shards alone) into the served model,
+    counted in the metrics; returns the seconds it took."""
+    state = weights_state(request)
     counted = state.metrics.weight_updates
     start = time.perf_counter()
     try:
-        await state.engine.update_weights(
-            data.model_path, abort_running=data.abort_all_requests, weight_version=data.weight_version
-        )
+        await asyncio.to_thread(_check_checkpoint_dir, path, param)
+        await state.engine.update_weights(path, abort_running=abort_running, weight_version=weight_version)
     except (ConfigError, InvalidRequestError) as exc:  # the checkpoint or the timing: the client's to fix
         counted.labels("rejected").inc()
         if isinstance(exc, InvalidRequestError):
             raise
-        raise InvalidRequestError(f"cannot load {data.model_path!r}: {exc}", param="model_path") from exc
+        raise InvalidRequestError(f"cannot load {path!r}: {exc}", param=param) from exc
     except Exception:
         counted.labels("failed").inc()
         raise
     seconds = time.perf_counter() - start
     counted.labels("loaded").inc()
     state.metrics.weight_update_seconds.observe(seconds)
-    return p.UpdateWeightsResponse(
-        success=True,
-        message=f"loaded {data.model_path} in {seconds:.2f} s; prefix cache emptied",
-        weight_version=state.engine.weight_version,
-    )
+    return seconds
+
+
+def _check_checkpoint_dir(path: str, param: str) -> None:
+    """A path the file system refuses (too long, a NUL byte, missing, no access) is the client's
+    to fix, and is found before the engine touches a weight."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InvalidRequestError(param=param, problem=f": cannot read {path[:256]!r}: {reason}") from None
+    if not stat.S_ISDIR(mode):
+        raise InvalidRequestError(param=param, problem=f": {path[:256]!r} is not a directory")
 
 
 @post("/reset_prefix_cache", status_code=200, summary="Forget every cached prompt prefix")
@@ -72,7 +98,7 @@ async def flush_cache(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResp
 
 
 async def _forget_prefixes(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
-    state = _weights_state(request)
+    state = weights_state(request)
     return p.ResetPrefixCacheResponse(success=True, num_blocks_forgotten=await state.engine.reset_prefix_cache())
 
 
@@ -80,7 +106,7 @@ async def _forget_prefixes(request: Request[Any, Any, Any]) -> p.ResetPrefixCach
 async def release_memory_occupation(
     data: p.MemoryOccupationRequest, request: Request[Any, Any, Any]
 ) -> p.MemoryOccupationResponse:
-    state = _weights_state(request)
+    state = weights_state(request)
     released = await state.engine.release_memory(data.tags)
     return p.MemoryOccupationResponse(success=True, released=released)
 
@@ -89,14 +115,14 @@ async def release_memory_occupation(
 async def resume_memory_occupation(
     data: p.MemoryOccupationRequest, request: Request[Any, Any, Any]
 ) -> p.MemoryOccupationResponse:
-    state = _weights_state(request)
+    state = weights_state(request)
     released = await state.engine.resume_memory(data.tags)
     return p.MemoryOccupationResponse(success=True, released=released)
 
 
 @post("/pause_generation", status_code=200, summary="Stop generating until /continue_generation (abort, retract or in place)")
 async def pause_generation(data: p.PauseGenerationRequest, request: Request[Any, Any, Any]) -> p.PauseGenerationResponse:
-    state = _weights_state(request)
+    state = weights_state(request)
     done = await state.engine.pause_generation(data.mode)
     return p.PauseGenerationResponse(success=True, mode=data.mode, num_aborted=done["aborted"],
                                      num_retracted=done["retracted"])
@@ -104,7 +130,7 @@ async def pause_generation(data: p.PauseGenerationRequest, request: Request[Any,
 
 @post("/continue_generation", status_code=200, summary="Generate again after /pause_generation")
 async def continue_generation(request: Request[Any, Any, Any]) -> p.ContinueGenerationResponse:
-    state = _weights_state(request)
+    state = weights_state(request)
     return p.ContinueGenerationResponse(success=True, was_paused=await state.engine.continue_generation())
 
 

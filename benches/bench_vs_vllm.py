@@ -1,0 +1,184 @@
+"""r3srv against vLLM-CPU, side by side on this machine: `python benches/bench_vs_vllm.py`.
+
+Installs nothing. Prepare the peer once with `../shared/peers/install_vllm_cpu.sh DIR`, then
+`export VLLM_VENV=DIR`; without it the benchmark skips with that hint. Both servers serve the
+same checkpoint (the built-in model unless --model is given) in float32, r3srv with routed
+experts ON, vLLM in its default CPU mode (torch.compile, no routed experts): the speed to beat.
+
+Three workloads, each timed end to end over HTTP with token-id prompts and ignore_eos:
+  single      one request of 512 prompt + 64 output tokens at a time (latency)
+  throughput  64 requests of 256 + 64 tokens, 16 in flight (wall time for all)
+  long        one 4,000-token prompt + 16 output tokens (prefill)
+Rounds alternate the servers (and who goes first), so drift in the machine's load hits both;
+each line prints the median of the per-round ratios vLLM time / r3srv time (> 1: r3srv is
+faster) with their min and max. Run at 1 and 2 threads each (--threads 1 2). A benchmark, not
+a CI gate: under pytest (`make bench-smoke`) it only runs when VLLM_VENV is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = Path(os.environ.get("R3SRV_PEERS_DIR") or ROOT.parent / "shared" / "peers")  # the recipes beside the clone
+sys.path.insert(0, str(ROOT / "tests"))
+
+from server_fixture import RemoteServer, free_port  # noqa: E402
+
+MAX_MODEL_LEN = 4096
+HINT = f"set VLLM_VENV to a directory prepared by {PEERS / 'install_vllm_cpu.sh'} DIR"
+WORKLOADS = {
+    # name: (prompt tokens, output tokens, number of requests, requests in flight)
+    "single": (512, 64, 1, 1),
+    "throughput": (256, 64, 64, 16),
+    "long": (4000, 16, 1, 1),
+}
+
+
+class VllmServer:
+    """`vllm serve` from VLLM_VENV with the peer recipe's environment (vllm_cpu_env.sh)."""
+
+    def __init__(self, venv: str, model: str, threads: int, startup_timeout: float = 900.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False)
+        serve = (
+            f'source "{PEERS / "vllm_cpu_env.sh"}" && exec "$VLLM_VENV/bin/vllm" serve "{model}" '
+            f"--host 127.0.0.1 --port {self.port} --dtype float32 --max-model-len {MAX_MODEL_LEN} "
+            "--served-model-name bench"
+        )
+        env = dict(os.environ, VLLM_VENV=venv, VLLM_THREADS=str(threads), VLLM_MODE="default")
+        self.proc = subprocess.Popen(["bash", "-c", serve], stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vllm serve did not become healthy in {startup_timeout}s")
+
+    @property
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        os.unlink(self._log.name)
+
+
+async def run_workload(url: str, prompts: list[list[int]], gen: int, in_flight: int, rows: bool) -> float:
+    """Seconds for all prompts, `in_flight` at a time; checks every answer's length."""
+    limit = asyncio.Semaphore(in_flight)
+    async with httpx.AsyncClient(timeout=600) as http:
+
+        async def one(prompt: list[int]) -> None:
+            async with limit:
+                body = {"model": "bench", "prompt": prompt, "max_tokens": gen, "ignore_eos": True,
+                        "temperature": 0, "return_token_ids": True}
+                r = await http.post(url + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                assert len(choice["token_ids"]) == gen, choice
+                assert (choice.get("routed_experts") is not None) == rows
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts))
+        return time.perf_counter() - start
+
+
+def compare(r3srv_url: str, vllm_url: str, vocab: int, rounds: int, seed: int = 0) -> dict[str, list[float]]:
+    """Per-round ratios vLLM time / r3srv time for each workload (fresh prompts every round, no cache hits)."""
+    rng = np.random.default_rng(seed)
+    ratios: dict[str, list[float]] = {}
+    for name, (prompt_len, gen, count, in_flight) in WORKLOADS.items():
+        warm = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(min(count, in_flight))]
+        asyncio.run(run_workload(r3srv_url, warm, gen, in_flight, True))
+        asyncio.run(run_workload(vllm_url, warm, gen, in_flight, False))
+        for i in range(rounds):
+            prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(count)]
+            order = [("r3srv", r3srv_url), ("vllm", vllm_url)]
+            if i % 2:
+                order.reverse()
+            t = {who: asyncio.run(run_workload(url, prompts, gen, in_flight, who == "r3srv")) for who, url in order}
+            ratios.setdefault(name, []).append(t["vllm"] / t["r3srv"])
+    return ratios
+
+
+def print_table(threads: int, ratios: dict[str, list[float]]) -> None:
+    for name, values in ratios.items():
+        print(f"threads={threads} {name:10s} vLLM/r3srv time: median {statistics.median(values):.2f}x "
+              f"(min {min(values):.2f}, max {max(values):.2f}, {len(values)} rounds)", flush=True)
+
+
+def run(model: str | None, threads_list: list[int], rounds: int, venv: str) -> dict[int, dict[str, list[float]]]:
+    from r3srv.models.builtin import builtin_model_dir
+
+    checkpoint = model or str(builtin_model_dir())
+    import json
+
+    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    results = {}
+    for threads in threads_list:
+        os.environ["R3SRV_CPU_THREADS"] = str(threads)
+        r3srv_args = (checkpoint, "--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                      "--served-model-name", "bench", "--enable-return-routed-experts", "--num-kv-blocks", "1024",
+                      "--max-num-seqs", "16", "--log-level", "warning")
+        with RemoteServer(*r3srv_args) as ours:
+            theirs = VllmServer(venv, checkpoint, threads)
+            try:
+                results[threads] = compare(ours.url, theirs.url, vocab, rounds)
+            finally:
+                theirs.stop()
+        print_table(threads, results[threads])
+    return results
+
+
+def test_r3srv_vs_vllm_cpu():
+    """Runs the comparison once (3 rounds, 1 thread) when the peer is installed; no speed gate."""
+    import pytest
+
+    venv = os.environ.get("VLLM_VENV")
+    if not venv:
+        pytest.skip(HINT)
+    results = run(None, [1], rounds=3, venv=venv)
+    assert all(len(v) == 3 and all(r > 0 for r in v) for v in results[1].values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint directory (default: the built-in model)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    venv = os.environ.get("VLLM_VENV")
+    if not venv:
+        sys.exit(f"skipped: {HINT}")
+    run(args.model, args.threads, args.rounds, venv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Weights pushed by a trainer over torch.distributed (SGLang's /init_weights_update_group and
+/update_weights_from_distributed; vLLM's NCCL weight transfer is mapped onto the same groups).
+
+The trainer is rank 0 of a process group of its own (not the server's default group, which it
+may not have): it hosts the TCPStore rendezvous at master_address:master_port, the server joins
+as rank rank_offset, and every tensor is a broadcast from rank 0, in the order of the names it
+announced. Tensors land in staging buffers, never in the model: the model is overwritten only
+once every parameter has arrived (by the engine thread, under the same rules as a disk update),
+so a trainer that dies or stalls mid-broadcast (the group's timeout) leaves the served weights
+untouched and the group torn down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from r3srv.errors import ConfigError, InvalidRequestError
+from r3srv.models.loader import NamedTensors
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+
+
+def init_custom_process_group(
+    *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
+    timeout: float,
+) -> dist.ProcessGroup:
+    """Join a process group outside the default one, as SGLang's model runner and the trainers
+    written for it do: a TCPStore rendezvous at tcp://master_address:master_port (hosted by
+    rank 0), keys under `group_name`. Works with or without a default process group."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    wait = datetime.timedelta(seconds=timeout)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=wait))
+    store.set_timeout(wait)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
+        backend_options=None, timeout=wait,
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+class WeightSyncError(InvalidRequestError):
+    """A weight sync that failed; the served weights are unchanged."""
+
+
+@dataclass
+class _Group:
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    backend: str
+
+
+@dataclass
+class WeightSync:
+    """The server's update groups and the tensors received but not yet applied."""
+
+    device: torch.device
+    timeout: float  # seconds a rendezvous or a broadcast may wait for the trainer
+    groups: dict[str, _Group] = field(default_factory=dict)
+    # tensors of an update that arrives in several calls (SGLang trainers send buckets)
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # one rendezvous or receive at a time
+
+    def backend_for(self, backend: str) -> str:
+        """gloo on the CPU, NCCL on CUDA: a trainer asking for the other one is a 400."""
+        want = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend != want:
+            raise InvalidRequestError(
+                f"backend {backend!r} cannot move tensors to this server's {self.device.type} weights: use {want!r}",
+                param="backend",
+            )
+        return backend
+
+    def join(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+             backend: str) -> str:
+        """Blocking: run it off the event loop. The trainer joins too, at the same time."""
+        backend = self.backend_for(backend)
+        if not group_name:
+            raise InvalidRequestError("group_name must not be empty", param="group_name")
+        if not 0 < rank_offset < world_size:
+            raise InvalidRequestError(
+                f"rank_offset must be in [1, world_size) (rank 0 is the trainer), got {rank_offset} of {world_size}",
+                param="rank_offset",
+            )
+        with self._lock:
+            if group_name in self.groups:
+                raise InvalidRequestError(f"group {group_name!r} already exists: destroy it first", param="group_name")
+            try:
+                group = init_custom_process_group(
+                    master_address=master_address, master_port=master_port, rank=rank_offset, world_size=world_size,
+                    group_name=group_name, backend=backend, timeout=self.timeout,
+                )
+            except Exception as exc:  # the rendezvous timed out, or the address is wrong
+                raise WeightSyncError(f"could not join {group_name!r} at {master_address}:{master_port}: {exc}",
+                                      param="master_address") from exc
+            self.groups[group_name] = _Group(group, rank_offset, world_size, backend)
+        logger.info("joined weight update group %s as rank %d of %d (%s)", group_name, rank_offset, world_size, backend)
+        return f"joined {group_name!r} as rank {rank_offset} of {world_size} ({backend})"
+
+    def leave(self, group_name: str) -> None:
+        with self._lock:
+            self._destroy(group_name)
+
+    def _destroy(self, group_name: str) -> None:
+        known = self.groups.pop(group_name, None)
+        if known is None:
+            raise InvalidRequestError(f"no weight update group named {group_name!r}", param="group_name")
+        self.staged.clear()
+        try:
+            dist.destroy_process_group(known.group)
+        except Exception as exc:  # a group broken by a dead trainer: forget it anyway
+            logger.warning("destroying weight update group %s: %s", group_name, exc)
+
+    def group(self, group_name: str) -> _Group:
+        known = self.groups.get(group_name)
+        if known is None:
+            raise InvalidRequestError(
+                f"no weight update group named {group_name!r}: call /init_weights_update_group first",
+                param="group_name",
+            )
+        return known
+
+    def receive(self, group_name: str, named: NamedTensors) -> None:
+        """Blocking: every announced tensor, broadcast from rank 0 in order, into new staging
+        buffers on the server's device (`named.tensors`). On a failure (the trainer died, or
+        stalled past the timeout) the group is destroyed, as it can no longer be trusted,
+        and WeightSyncError says so; nothing received is kept."""
+        with self._lock:
+            known = self.group(group_name)
+            buffers = {name: torch.empty(shape, dtype=dtype, device=self.device)
+                       for name, (shape, dtype) in named.metas.items()}
+            done = 0
+            try:
+                # all posted at once, as SGLang does: the transfers pipeline instead of paying a round trip each
+                handles = [dist.broadcast(buffer, src=0, group=known.group, async_op=True) for buffer in buffers.values()]
+                for handle in handles:
+                    handle.wait()
+                    done += 1
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            except Exception as exc:
+                self._destroy(group_name)  # drops the staged tensors too
+                raise WeightSyncError(
+                    f"the broadcast from the trainer failed after {done} of {len(buffers)} tensors ({exc}); "
+                    f"the served weights are unchanged and group {group_name!r} is destroyed",
+                    param="names",
+                ) from exc
+            named.tensors = buffers
+
+
+def named_tensor_metas(names: list[str], dtypes: list[str], shapes: list[list[int]], *, dtypes_param: str) -> NamedTensors:
+    """The announced tensors of one call, each name once, every dtype a torch dtype name
+    ("bfloat16" or "torch.bfloat16"); an InvalidRequestError names the field at fault."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise InvalidRequestError(
+            f"names, {dtypes_param} and shapes must have the same length, got {len(names)}, {len(dtypes)}, {len(shapes)}",
+            param=dtypes_param if len(dtypes) != len(names) else "shapes",
+        )
+    metas: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, dtype_name, shape in zip(names, dtypes, shapes):
+        dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidRequestError(f"{dtypes_param}: {dtype_name!r} (of {name}) is not a torch dtype", param=dtypes_param)
+        if any(not isinstance(d, int) or d < 0 for d in shape):
+            raise InvalidRequestError(f"shapes: {shape!r} (of {name}) is not a shape", param="shapes")
+        if name in metas:
+            raise InvalidRequestError(f"names: {name} appears twice", param="names")
+        metas[name] = (tuple(shape), dtype)
+    return NamedTensors(metas)
+
+
+class TrainerUpdates:
+    """The one road for weights a trainer sends by name (SGLang's distributed and tensor
+    updates, vLLM's weight transfer): check the names, shapes and dtypes against the served
+    model before anything arrives, stage what arrives, and hand the engine a complete set.
+
+    A call may carry part of the model (trainers send buckets): its tensors are staged, and
+    the update is applied when the staged tensors fill every parameter; between vLLM's
+    start_weight_update and finish_weight_update, at finish_weight_update only (anything
+    unfilled then is a 400). Until then the server serves the weights it had.
+    """
+
+    def __init__(self, engine, timeout: float) -> None:
+        self.engine = engine
+        self.sync = WeightSync(engine.device, timeout)
+        self.in_round = False  # between vLLM's start_weight_update and finish_weight_update
+        self.last_vllm_info: Any = None  # vLLM's update_info with empty lists means the previous one again
+        self._lock: asyncio.Lock | None = None  # one update call at a time (made on the server's loop)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def check(self, named: NamedTensors) -> None:
+        """A 400 naming the first tensor the served model cannot take, before any arrives."""
+        try:
+            await asyncio.to_thread(self.engine.unfilled_weights, named)
+        except ConfigError as exc:
+            raise InvalidRequestError(str(exc), param="names") from exc
+
+    async def receive(self, group_name: str, named: NamedTensors, *, weight_version: str | None = None,
+                      abort_running: bool = False) -> str:
+        async with self.lock:
+            self.sync.group(group_name)
+            await self.check(named)
+            await asyncio.to_thread(self.sync.receive, group_name, named)
+            return await self._stage(named.tensors, weight_version, abort_running)
+
+    async def take(self, tensors: dict[str, torch.Tensor], *, weight_version: str | None = None,
+                   abort_running: bool = False) -> str:
+        """Tensors already in this process (CUDA IPC): checked, copied into staging, staged."""
+        named = NamedTensors.of(tensors)
+        async with self.lock:
+            await self.check(named)
+            copies = await asyncio.to_thread(
+                lambda: {name: t.to(self.sync.device, copy=True) for name, t in tensors.items()})
+            return await self._stage(copies, weight_version, abort_running)
+
+    async def start_round(self) -> None:
+        async with self.lock:
+            self.sync.staged.clear()
+            self.in_round = True
+
+    async def finish_round(self, weight_version: str | None) -> str:
+        async with self.lock:
+            if not self.in_round:
+                raise InvalidRequestError("no weight update was started: call /start_weight_update first")
+            self.in_round = False
+            return await self._apply(weight_version, abort_running=False, complete=True)
+
+    async def _stage(self, tensors: dict[str, torch.Tensor], weight_version: str | None, abort_running: bool) -> str:
+        self.sync.staged.update(tensors)
+        if self.in_round:
+            return f"received {len(tensors)} tensors; {len(self.sync.staged)} staged until /finish_weight_update"
+        return await self._apply(weight_version, abort_running, complete=False)
+
+    async def _apply(self, weight_version: str | None, abort_running: bool, *, complete: bool) -> str:
+        staged = NamedTensors.of(self.sync.staged)
+        unfilled = await asyncio.to_thread(self.engine.unfilled_weights, staged)
+        if unfilled and not complete:
+            return (f"staged {len(staged.tensors)} tensors; the update is applied once the other "
+                    f"{len(unfilled)} parameters arrive, e.g. {', '.join(unfilled[:4])}")
+        self.sync.staged = {}
+        if unfilled:
+            raise InvalidRequestError(
+                f"no weights arrived for {len(unfilled)} parameters, e.g. {', '.join(unfilled[:8])}; "
+                "the served weights are unchanged", param="names")
+        try:
+            await self.engine.update_weights(staged, abort_running=abort_running, weight_version=weight_version)
+        except ConfigError as exc:
+            raise InvalidRequestError(str(exc), param="names") from exc
+        return f"updated {len(staged.tensors)} tensors; prefix cache emptied; weight version {self.engine.weight_version}"

@@ -1,0 +1,54 @@
+"""The family registry (models/families/): every architecture maps to one module, shared code
+never switches on a family's name, and docs/models.md's template is a working family."""
+
+from __future__ import annotations
+
+import re
+import types
+from pathlib import Path
+
+import torch
+
+from r3srv.models import families
+from r3srv.models.config import ModelConfig
+from r3srv.models.model import MoeForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "python" / "r3srv"
+
+
+def test_each_module_is_one_family_and_each_architecture_has_one():
+    modules = sorted(p.stem for p in (MODELS / "models" / "families").glob("*.py") if not p.stem.startswith("_"))
+    assert sorted(families.FAMILIES) == modules and len(modules) == 26
+    listed = [arch for family in families.FAMILIES.values() for arch in family.architectures]
+    assert len(listed) == len(set(listed)) == len(families.SUPPORTED_ARCHITECTURES)
+
+
+def test_no_family_name_outside_the_family_modules():
+    names = "|".join(map(re.escape, families.FAMILIES))
+    quoted = re.compile(rf"[\"']({names})[\"']")
+    offenders = [
+        f"{path.relative_to(ROOT)}: {match.group(0)}"
+        for path in MODELS.rglob("*.py")
+        if "families" not in path.parts and path.name != "builtin.py"  # the built-in model writes a config.json
+        for match in quoted.finditer(path.read_text(encoding="utf-8"))
+    ]
+    assert offenders == []
+
+
+def test_the_docs_template_is_a_working_family(monkeypatch):
+    code = (ROOT / "docs" / "models.md").read_text(encoding="utf-8").split("```python\n")[1].split("```")[0]
+    module = types.ModuleType("foo_moe")
+    exec(compile(code, "docs/models.md", "exec"), module.__dict__)
+    family = module.FAMILY
+    raw = {"architectures": ["FooMoeForCausalLM"], "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48,
+           "moe_intermediate_size": 16, "vocab_size": 64}
+    monkeypatch.setitem(families.FAMILIES, family.name, family)  # as the registry would find it
+    monkeypatch.setitem(families._BY_ARCHITECTURE, "FooMoeForCausalLM", family)
+    cfg = ModelConfig.from_dict(raw)
+    assert (cfg.model_type, cfg.router.scoring, cfg.router.correction_bias, cfg.attention.qk_norm) == (
+        "foo_moe", "sigmoid", True, "head")
+    targets = MoeForCausalLM(cfg, dtype=torch.float32).weight_targets()
+    assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in targets
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in targets
