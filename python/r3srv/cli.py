@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--nnodes", type=int, default=1, help="nodes the ranks span (default: %(default)s)")
     dist.add_argument("--node-rank", type=int, default=0,
                       help="this node; only node 0 serves HTTP, the others run their ranks' workers (default: %(default)s)")
-    # vLLM's flag, accepted so launch scripts that pass 1 work; more than 1 is a clear start-up error
-    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       help="N > 1: N replicas (a device each) behind the SGLang router on --host/--port "
+                       "(needs r3srv[router]; docs/fleet.md)")
     serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     serve.add_argument(
@@ -112,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--weight-version", default="0", help="name of the served weights in responses (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--fleet-peer-urls", nargs="+", default=None, metavar="URL",
+        help="the other replicas of a fleet behind a router: control calls (pause, continue, weight updates, "
+        "flush, abort, memory release) made to this server are applied on them too (docs/fleet.md)",
     )
     serve.add_argument(
         "--enable-prompt-tokens-details",
@@ -179,6 +185,12 @@ def _server_class(on_shutdown: Any) -> Any:
     return Server
 
 
+def _peers_but_self(args: argparse.Namespace) -> list[str]:
+    """The peers, without this server (so one list can be handed to every replica)."""
+    own = {f"http://{host}:{args.port}" for host in (args.host, "127.0.0.1", "localhost", "0.0.0.0")}
+    return [url.rstrip("/") for url in args.fleet_peer_urls or () if url.rstrip("/") not in own]
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here so `r3srv --help` stays fast.
@@ -189,6 +201,14 @@ def serve(args: argparse.Namespace) -> int:
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
     from r3srv.server.connections import guarded_h11
 
+    if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
+        print("r3srv serve: configuration error: --data-parallel-size with --tensor-parallel-size is not supported "
+              "yet (a replica's ranks would take every replica's devices); run one or the other", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
+        from r3srv.data_parallel import serve_fleet
+
+        return serve_fleet(args, build_parser())
     if args.model is None:
         logger.warning("no MODEL given: serving the built-in model, whose weights are RANDOM (text is meaningless)")
     if args.node_rank > 0:
@@ -219,6 +239,7 @@ def serve(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,
+        fleet_peer_urls=_peers_but_self(args),
     )
     logger.info(
         "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",

@@ -157,6 +157,7 @@ class LLMEngine:
         self._sampling_generator = torch.Generator(device=self.device)
         self._sampling_generator.manual_seed(config.seed)
         self.weight_version = config.weight_version
+        self.model_path = config.model  # the checkpoint the weights came from (None: the built-in model)
         self.requests: dict[str, Request] = {}
         self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
 
@@ -372,6 +373,7 @@ class LLMEngine:
             raise
         self.block_manager.reset_prefix_cache()
         self.weight_version = label if weight_version is None else weight_version
+        self.model_path = None if isinstance(path, NamedTensors) else str(path)  # pushed tensors have no checkpoint
         for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
             req.weight_version = self.weight_version
 
