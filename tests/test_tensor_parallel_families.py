@@ -15,6 +15,7 @@ ENGINE = dict(dtype="float32", max_num_seqs=4, num_kv_blocks=64, max_model_len=2
 # tensor-parallel ranks), and each expert whole; TP=2 splits every expert's intermediate size
 CASES = [
     ("qwen3_moe", "ep"),  # GQA, softmax top-k router (TP=2: the built-in model, test_tensor_parallel)
+    ("olmoe", "tp"),  # a q/k norm over all heads (gathered, normed whole)
     ("deepseek_v3", "ep"),  # MLA, grouped sigmoid router with a bias, shared experts
     ("deepseek_v32", "tp"),  # sparse MLA (an indexer)
     ("gpt_oss", "ep"),  # sliding window with sinks, biased interleaved experts
