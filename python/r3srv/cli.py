@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-body", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a request body may stall between two reads before the connection closes (default: %(default)s)",
     )
+    serve.add_argument(
+        "--cuda-graphs", action="store_true", default=None,
+        help="replay decode steps as CUDA graphs (off by default until measured on a GPU; also $R3SRV_CUDA_GRAPHS=1)",
+    )
+    serve.add_argument("--enforce-eager", action="store_true", help="vLLM's flag: no CUDA graphs, whatever else asks")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -158,6 +163,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         master_port=args.master_port,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
+        cuda_graphs=args.cuda_graphs,
+        enforce_eager=args.enforce_eager,
     )
     if args.num_kv_blocks is not None:
         kwargs["num_kv_blocks"] = args.num_kv_blocks

@@ -18,18 +18,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from r3srv.config import EngineConfig, ParallelConfig
+from r3srv.engine import cuda_graphs
 from r3srv.engine.block_manager import BlockManager
 from r3srv.engine.detokenizer import IncrementalDetokenizer
 from r3srv.engine.model_runner import ModelRunner
-from r3srv.engine.routed_experts import RoutedExpertsBuffer
+from r3srv.engine.routed_experts import RoutedExpertsBuffer, capture_torch_dtype
 from r3srv.engine.sampler import sample
 from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
 from r3srv.errors import ConfigError, InvalidRequestError
 from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from r3srv.models.loader import NamedTensors
@@ -38,6 +37,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Default share of free memory for the KV cache when num_kv_blocks is not given.
 _DEFAULT_KV_FRACTION = {"cpu": 0.25, "cuda": 0.85}
 _CPU_KV_CAP_BYTES = 8 << 30
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,23 +131,36 @@ class LLMEngine:
         # caching as many snapshots again for the running ones plus as many kept for later hits
         self.num_state_slots = config.max_num_seqs if self.model_config.is_hybrid else 0
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
+        mc = self.model_config
+        capture_dtype = capture_torch_dtype(mc.num_experts) if config.enable_return_routed_experts else None
+        blocker = "not asked for"
+        if config.use_cuda_graphs:
+            blocker = "not under tensor parallelism yet" if self.executor else cuda_graphs.graph_blocker(self.model)
+        if config.use_cuda_graphs and blocker:
+            log.warning("CUDA graphs off: %s", blocker)
+        graphs = None if blocker else cuda_graphs.DecodeGraphs(
+            self.model, config.block_size, config.max_num_seqs, self.max_model_len, self.num_state_snapshots,
+            capture_dtype)
+        self.graphs_reserved = 0 if graphs is None else graphs.reserve()  # out of the KV budget
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         config.check_kv_pool(num_blocks)
         config.num_kv_blocks = num_blocks
-        self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
+        if graphs is None:
+            self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
+        else:
+            graphs.init_kv_cache(num_blocks)  # and the padding rows' scratch block and state entry
         self._log_memory_plan(num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        mc = self.model_config
         self.rows = (
             RoutedExpertsBuffer(num_blocks * config.block_size, mc.num_layers, mc.top_k, mc.num_experts)
             if config.enable_return_routed_experts
             else None
         )
-        self.runner = ModelRunner(self.model, config.block_size, self.device, self.rows)
+        self.runner = ModelRunner(self.model, config.block_size, self.device, self.rows, graphs)
         eos = list(mc.eos_token_ids or [])
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         if tok_eos is not None and tok_eos not in eos:
@@ -174,7 +187,7 @@ class LLMEngine:
         kv = num_blocks * self.model.kv_cache_bytes_per_block(self.config.block_size)
         states = (self.num_state_slots + self.num_state_snapshots) * self.model.state_bytes_per_slot()
         ranks = self.config.parallel.tensor_parallel_size
-        logger.info("memory per rank (%d rank%s): weights %.3f GiB, KV cache %.3f GiB (%d blocks of %d tokens)%s",
+        log.info("memory per rank (%d rank%s): weights %.3f GiB, KV cache %.3f GiB (%d blocks of %d tokens)%s",
                     ranks, "s" if ranks > 1 else "", weights / 2**30, kv / 2**30, num_blocks, self.config.block_size,
                     f", linear-attention states {states / 2**30:.3f} GiB" if states else "")
 
@@ -191,6 +204,7 @@ class LLMEngine:
             budget = int(free * fraction)
         else:
             budget = min(int(_mem_available() * fraction), _CPU_KV_CAP_BYTES)
+        budget -= self.graphs_reserved
         # a hybrid's linear-attention states
         states = (self.num_state_slots + self.num_state_snapshots) * self.model.state_bytes_per_slot()
         if states and states >= budget:
@@ -392,6 +406,8 @@ class LLMEngine:
                 f"cannot release memory with {len(self.requests)} requests in flight: let them finish or abort them",
                 param="tags",
             )
+        if self.runner.graphs is not None:  # they point into the memory about to move
+            self.runner.graphs.clear()
         if "kv_cache" in wanted and "kv_cache" not in self.released_memory:
             self.block_manager.reset_prefix_cache()  # its blocks' K/V are about to go
             self.model.free_kv_cache()
@@ -409,11 +425,16 @@ class LLMEngine:
         wanted = _memory_tags(tags) & self.released_memory
         if "weights" in wanted:
             self.model.move_weights(self.device)
-        if "kv_cache" in wanted:
+        graphs = self.runner.graphs
+        if "kv_cache" in wanted and graphs is not None:
+            graphs.init_kv_cache(self.config.num_kv_blocks, capture=False)
+        elif "kv_cache" in wanted:
             self.model.init_kv_cache(
                 self.config.num_kv_blocks, self.config.block_size, self.config.max_num_seqs, self.num_state_snapshots
             )
         self.released_memory -= wanted
+        if graphs is not None and not self.released_memory:
+            graphs.capture_all()  # over the cache and weights where they now lie
         return sorted(self.released_memory)
 
     def shutdown(self) -> None:
