@@ -134,15 +134,16 @@ class Bytes:
 
     def __init__(self, model) -> None:
         cfg = model.config
-        expert_params = {id(layer.mlp.w13) for layer in model.layers if layer.is_moe} | {
-            id(layer.mlp.w2) for layer in model.layers if layer.is_moe}
+        expert_params = {id(layer.mlp.experts.w13) for layer in model.layers if layer.is_moe} | {
+            id(layer.mlp.experts.w2) for layer in model.layers if layer.is_moe}
         self.dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
-        self.dense -= model.embed.numel() * model.embed.element_size()  # a step reads B rows of it, counted per step
-        if model.lm_head is model.embed:
-            self.dense += model.embed.numel() * model.embed.element_size()
-        moe = next(layer.mlp for layer in model.layers if layer.is_moe)
-        self.expert = (moe.w13[0].numel() + moe.w2[0].numel()) * moe.w13.element_size()
-        self.embed_row = cfg.hidden_size * model.embed.element_size()
+        embed = model.embed.weight
+        self.dense -= embed.numel() * embed.element_size()  # a step reads B rows of it, counted per step
+        if model.lm_head.weight is embed:
+            self.dense += embed.numel() * embed.element_size()
+        experts = next(layer.mlp.experts for layer in model.layers if layer.is_moe)
+        self.expert = (experts.w13[0].numel() + experts.w2[0].numel()) * experts.w13.element_size()
+        self.embed_row = cfg.hidden_size * embed.element_size()
         self.kv_token = model.kv_cache_bytes_per_block(1)
         self.moe_layers = sorted(cfg.moe_layers)
 
