@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step (default: %(default)s)")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="tokens per step")
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="most logprobs a request may ask for per token; -1: no limit (default: %(default)s)")
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
     serve.add_argument("--device", default="auto",
                        help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
@@ -149,6 +151,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_logprobs=args.max_logprobs,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         seed=args.seed,

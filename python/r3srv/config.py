@@ -86,6 +86,8 @@ class EngineConfig:
     # MemAvailable on the CPU) given to the KV cache when num_kv_blocks is None.
     kv_cache_memory_fraction: float | None = None
     max_num_batched_tokens: int = 2048
+    # Most logprobs (sampled or prompt) a request may ask for per token, as vLLM's; -1: no limit.
+    max_logprobs: int = 20
     seed: int = 0
     weight_version: str = "0"  # names the weights in outputs until an update names new ones
     # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py). None: $R3SRV_CUDA_GRAPHS == "1".
@@ -113,6 +115,8 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs={self.max_logprobs} must be -1 (no limit) or >= 0")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:

@@ -23,7 +23,7 @@ from r3srv.engine.block_manager import BlockManager
 from r3srv.engine.detokenizer import IncrementalDetokenizer
 from r3srv.engine.model_runner import ModelRunner
 from r3srv.engine.routed_experts import RoutedExpertsBuffer, capture_torch_dtype
-from r3srv.engine.sampler import sample
+from r3srv.engine.sampler import prompt_logprobs, sample
 from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
 from r3srv.errors import ConfigError, InvalidRequestError
@@ -249,6 +249,7 @@ class LLMEngine:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
                 raise InvalidRequestError(param="prompt", problem=" must be a string or a list of token ids") from None
+        ids = self._truncated(ids, params)
         if not ids:
             raise InvalidRequestError(param="prompt", problem=" is empty (it has no tokens)")
         vocab = self.model_config.vocab_size
@@ -258,7 +259,13 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(param="stop_token_ids", problem=f" holds {bad}, outside the vocabulary [0, {vocab})")
+        self._check_sampling_limits(params)
         n_prompt = len(ids)
+        if params.prompt_logprobs_start > n_prompt:
+            raise InvalidRequestError(
+                param="prompt_logprobs_start",
+                problem=f"={params.prompt_logprobs_start} is beyond the prompt's {n_prompt} tokens",
+            )
         start = params.routed_experts_prompt_start
         if not 0 <= start <= n_prompt:
             raise InvalidRequestError(
@@ -291,6 +298,43 @@ class LLMEngine:
         if want is None:
             want = self.enable_return_routed_experts
         return PreparedRequest(str(request_id), text, ids, params, max_tokens, bool(want))
+
+    def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt after truncate_prompt_tokens, checked in vLLM's order: a size above
+        max_model_len is refused before truncating; -1 keeps max_model_len - 1 tokens."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep > self.max_model_len:
+            raise InvalidRequestError(
+                param="truncate_prompt_tokens",
+                problem=f"={keep} cannot be greater than max_model_len={self.max_model_len}; "
+                "request a smaller truncation size",
+            )
+        if keep == -1:
+            keep = self.max_model_len - 1
+        if keep >= len(ids):
+            return ids
+        return ids[len(ids) - keep :] if params.truncation_side == "left" else ids[:keep]
+
+    def _check_sampling_limits(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and logprob
+        counts against max_logprobs (-1, the whole vocabulary, counts as vocab_size), as vLLM."""
+        vocab = self.model_config.vocab_size
+        bad = sorted(t for t in (params.logit_bias or ()) if not 0 <= t < vocab)
+        if bad:
+            raise InvalidRequestError(param="logit_bias", problem=f" holds token ids {bad}, outside the vocabulary [0, {vocab})")
+        limit = self.config.max_logprobs
+        limit = vocab if limit == -1 else limit
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            asked = vocab if asked == -1 else asked
+            if asked is not None and asked > limit:
+                raise InvalidRequestError(
+                    param=name,
+                    problem=f": requested {asked}, which is greater than max allowed: {limit} "
+                    "(the server's --max-logprobs; -1 asks for the whole vocabulary)",
+                )
 
     def add_prepared(self, prep: PreparedRequest) -> None:
         if self.released_memory:
@@ -496,8 +540,16 @@ class LLMEngine:
             return result
 
         touched: dict[str, Request] = {}
+        if self.runner.prompt_logits is not None:
+            try:
+                self._record_prompt_logprobs(seqs)
+            except Exception as exc:
+                for i, _, _ in self.runner.prompt_spans:
+                    self._fail(seqs[i].request_id, exc, result)
         to_sample: list[int] = []
         for i, seq in enumerate(seqs):
+            if seq.is_finished:  # failed above
+                continue
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.commit_full_blocks(seq)
@@ -539,6 +591,17 @@ class LLMEngine:
                 del self.requests[rid]
         return result
 
+    def _record_prompt_logprobs(self, seqs: list[Sequence]) -> None:
+        """Append the prompt logprobs of this step's prompt rows (ModelRunner.prompt_spans)."""
+        spans = self.runner.prompt_spans
+        targets = [t for i, position, count in spans for t in seqs[i].token_ids[position + 1 : position + 1 + count]]
+        num_top = [seqs[i].params.prompt_logprobs for i, _, count in spans for _ in range(count)]
+        entries = prompt_logprobs(self.runner.prompt_logits, targets, num_top)
+        first = 0
+        for i, _, count in spans:
+            seqs[i].prompt_logprobs.extend(entries[first : first + count])
+            first += count
+
     def _fail(self, request_id: str, exc: BaseException, result: StepResult) -> None:
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -560,11 +623,14 @@ class LLMEngine:
         if seq.logprobs is not None:
             seq.logprobs.append(res.top_logprobs)
             seq.cumulative_logprobs.append(seq.cumulative_logprob + res.logprob)
-        delta = seq.detok.add(tok)
         n_out = seq.num_output_tokens
-        if p.stop_token_ids and tok in p.stop_token_ids:
+        stop_token = bool(p.stop_token_ids) and tok in p.stop_token_ids
+        eos = not stop_token and not p.ignore_eos and tok in self.eos_token_ids
+        # As vLLM: the text of a stop token or EOS is left out unless include_stop_str_in_output.
+        delta = seq.detok.add(tok, silent=(stop_token or eos) and not p.include_stop_str_in_output)
+        if stop_token:
             self._finish(seq, "stop", tok)
-        elif not p.ignore_eos and tok in self.eos_token_ids:
+        elif eos:
             self._finish(seq, "stop", None)
         elif p.stop and n_out >= p.min_tokens and (hit := seq.detok.find_stop(p.stop, len(delta), p.include_stop_str_in_output)):
             stop, kept_len, kept_tokens = hit
@@ -606,6 +672,7 @@ class LLMEngine:
             outputs=outs,
             finished=req.finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
+            prompt_logprobs=req.seqs[0].prompt_logprobs,
             weight_version=req.weight_version,
             metrics=metrics,
         )
