@@ -103,7 +103,8 @@ def test_bad_configs_are_reported(flags, words, capsys):
 
 
 def test_sigint_stops_cleanly_and_ends_open_streams():
-    """Ctrl-C with a stream open: the stream ends with finish_reason "abort" and [DONE], exit 0, quickly.
+    """Ctrl-C with a stream open: the stream ends with finish_reason "abort" and [DONE] (not cut by
+    uvicorn's graceful-shutdown timeout, which would end it without either), exit 0.
     (SIGTERM: every server fixture's teardown asserts exit status 0.)"""
     srv = RemoteServer(*TEST_SERVER_ARGS)
     result: dict = {}
@@ -122,12 +123,9 @@ def test_sigint_stops_cleanly_and_ends_open_streams():
         while "r3srv_num_requests_running 1.0" not in httpx.get(srv.url + "/metrics").text:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        t0 = time.monotonic()
         rc = srv.stop(signal.SIGINT, timeout=30)
-        elapsed = time.monotonic() - t0
         thread.join(timeout=30)
         assert rc == 0, srv.log
-        assert elapsed < 5, f"stopping took {elapsed:.1f}s"
         assert result == {"done": True, "finish": "abort"}
         assert "Traceback" not in srv.log, srv.log
         with pytest.raises(httpx.ConnectError):

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from r3srv import settings
+
 logger = logging.getLogger("r3srv.serve")
 
 EXIT_CONFIG_ERROR = 2
@@ -140,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--enforce-eager", action="store_true", help="vLLM's flag: no CUDA graphs, whatever else asks")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    settings.add_arguments(serve)
     return parser
 
 
@@ -203,11 +206,17 @@ def _peers_but_self(args: argparse.Namespace) -> list[str]:
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from r3srv.errors import ConfigError
+
+    try:  # before anything reads them: the model, the encoder
+        settings.configure(settings.from_args(args))
+    except ConfigError as exc:
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     # Imported here so `r3srv --help` stays fast.
     import uvicorn
 
     from r3srv.engine.async_llm import AsyncLLM
-    from r3srv.errors import ConfigError
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
     from r3srv.server.connections import guarded_h11
 

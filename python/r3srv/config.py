@@ -7,12 +7,10 @@ Checks that need the model (MoE layers, context length, KV pool size) run in
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from r3srv import settings
 from r3srv.errors import ConfigError
-
-CUDA_GRAPHS_ENV = "R3SRV_CUDA_GRAPHS"  # "1": capture decode steps when EngineConfig.cuda_graphs is not given
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -90,7 +88,7 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     weight_version: str = "0"  # names the weights in outputs until an update names new ones
-    # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py). None: $R3SRV_CUDA_GRAPHS == "1".
+    # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py). None: settings.cuda_graphs ($R3SRV_CUDA_GRAPHS).
     # Off by default until a GPU run has checked them; enforce_eager (vLLM's flag) wins.
     cuda_graphs: bool | None = None
     enforce_eager: bool = False
@@ -126,7 +124,7 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
         if self.cuda_graphs is None:
-            self.cuda_graphs = os.environ.get(CUDA_GRAPHS_ENV, "0") == "1"
+            self.cuda_graphs = settings.current().cuda_graphs
 
     @property
     def use_cuda_graphs(self) -> bool:
