@@ -110,8 +110,6 @@ def rank_device(device: str, rank: int, rendezvous: Rendezvous) -> torch.device:
 
 
 def init_process_group(rank: int, rendezvous: Rendezvous, device: torch.device) -> None:
-    if rendezvous.master_addr in ("127.0.0.1", "localhost"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a loopback rendezvous: gloo on loopback too
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
