@@ -85,7 +85,10 @@ def test_bad_config_exits_before_binding():
         (["--prefill-context-parallel-size", "4"], ["prefill_context_parallel_size=4"]),
         (["--dtype", "float8"], ["dtype"]),
         (["--device", "tpu"], ["device"]),
-        (["--tensor-parallel-size", "2"], ["tensor_parallel_size=2", "one device"]),
+        (["--tensor-parallel-size", "3"], ["cannot be split", "over 3 ranks"]),
+        (["-tp", "2", "--nnodes", "2"], ["master_port is required"]),
+        (["--node-rank", "1"], ["node_rank=1"]),
+        (["-tp", "2", "-dp", "2"], ["--data-parallel-size with --tensor-parallel-size"]),
         (["-dp", "2", "--device", "cuda:1"], ["cuda:1", "--data-parallel-size 2"]),  # a fleet needs a device each
         (["/no/such/checkpoint"], ["/no/such/checkpoint"]),
     ],

@@ -207,6 +207,7 @@ class AsyncLLM(EngineFacts):
         self._state = EngineState.RUNNING
         self._death: BaseException | None = None  # why the core thread died (state DEAD)
         self._sinks: dict[str, _Sink] = {}
+        self.on_dead: list = []  # called (from another thread) with the error when a tensor-parallel rank fails
         # Core thread only. Weight updates and memory release/resume wait, in order, for the
         # requests in flight to finish; requests added meanwhile, or while memory is released,
         # are held, and start after them (on the new weights, in the resumed memory).
@@ -219,6 +220,8 @@ class AsyncLLM(EngineFacts):
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
         self._output_thread.start()
         self._thread.start()
+        if self.core.multiproc is not None:  # a tensor-parallel rank that fails ends the engine
+            self.core.multiproc.on_failure.append(self._worker_failed)
 
     # -- facts the server needs (EngineFacts: tokenizer, model_config, max_model_len, ...) --
     @property
@@ -311,7 +314,7 @@ class AsyncLLM(EngineFacts):
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
         """The parameters tensors so named, shaped and typed leave unfilled; a ConfigError naming
         any that cannot fill the served model (unknown name, wrong shape or dtype). Reads shapes only."""
-        return self.core.executor.unfilled_weights(named)
+        return self.core.unfilled_weights(named)
 
     async def rename_weights(self, weight_version: str) -> None:
         """Name the served weights `weight_version` in the outputs of requests admitted from now on."""
@@ -392,15 +395,27 @@ class AsyncLLM(EngineFacts):
         return known
 
     def shutdown(self) -> None:
-        """Stop the engine threads; requests still in flight fail with EngineDeadError. Idempotent."""
+        """Stop the engine threads (and tensor-parallel workers); requests still in flight fail
+        with EngineDeadError. Idempotent."""
         with self._lock:
-            if not self._state.accepts_requests:
-                return
-            self._state = EngineState.STOPPING
-        self._commands.put(Shutdown())
+            stop = self._state.accepts_requests
+            if stop:
+                self._state = EngineState.STOPPING
+        if stop:
+            self._commands.put(Shutdown())
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
             self._output_thread.join(timeout=60)
+        self.core.shutdown()
+
+    def _worker_failed(self, error: BaseException) -> None:
+        """A tensor-parallel rank failed (the monitor thread calls this): the engine is dead,
+        /health answers 503, requests in flight fail, as when the output thread dies."""
+        self._death = error
+        self._set_state(EngineState.STOPPING)
+        self._commands.put(Shutdown())
+        for callback in self.on_dead:
+            callback(error)
 
     def __del__(self) -> None:
         try:
@@ -422,8 +437,8 @@ class AsyncLLM(EngineFacts):
                 cmd = self._commands.get() if not stepping else self._next_command()
                 while cmd is not None:
                     if isinstance(cmd, Shutdown):
-                        if self._death is not None:  # sent by the output thread as it died
-                            self._close(EngineState.DEAD, EngineDeadError(f"the output thread died: {self._death!r}"))
+                        if self._death is not None:  # sent by the output thread or a failed rank
+                            self._close(EngineState.DEAD, EngineDeadError(f"the engine died: {self._death!r}"))
                         else:
                             self._close(EngineState.STOPPED, EngineDeadError("the engine was shut down"))
                         return

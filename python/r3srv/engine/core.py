@@ -12,6 +12,7 @@ one core thread.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from r3srv.outputs import Logprob
 
 if TYPE_CHECKING:
     from r3srv.models.loader import NamedTensors
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Default share of free memory for the KV cache when num_kv_blocks is not given.
@@ -134,7 +137,13 @@ class EngineCore:
         self.config = config
         self.device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
+        # Tensor parallelism: the ranks' shards driven as one model (worker processes behind
+        # a MultiprocExecutor, which the InProcessExecutor below runs like a local model).
+        self.multiproc = _multiproc_executor(config)  # None at tensor_parallel_size 1
+        if self.multiproc is None:
+            model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
+        else:
+            model, self.tokenizer = self.multiproc, self.multiproc.tokenizer
         self.model_config = mc = model.config
         config.finalize(mc)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
@@ -150,13 +159,15 @@ class EngineCore:
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
         self.executor: Executor = InProcessExecutor(
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
-            use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
+            use_cuda_graphs=self._use_cuda_graphs(), max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
+            tensor_parallel=self.multiproc is not None,
         )
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         config.check_kv_pool(num_blocks)
         config.num_kv_blocks = num_blocks
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
+        self._log_memory_plan(model, num_blocks)
         self.rows = (
             RoutedExpertsBuffer(num_blocks * config.block_size, mc.num_layers, mc.top_k, mc.num_experts)
             if config.enable_return_routed_experts
@@ -172,7 +183,29 @@ class EngineCore:
         self.requests: dict[str, _Request] = {}
         self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
 
+    def _use_cuda_graphs(self) -> bool:
+        if self.config.use_cuda_graphs and self.multiproc is not None:
+            log.warning("CUDA graphs off: not under tensor parallelism yet")
+            return False
+        return self.config.use_cuda_graphs
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (nothing to do at one device). Idempotent."""
+        if self.multiproc is not None:
+            self.multiproc.shutdown()
+
     # -- sizing -------------------------------------------------------------------------
+    def _log_memory_plan(self, model, num_blocks: int) -> None:
+        """What each rank holds (rank 0's shard stands for all: the splits are even)."""
+        shard = model if self.multiproc is None else self.multiproc.model
+        weights = sum(p.numel() * p.element_size() for p in shard.parameters())
+        kv = num_blocks * model.kv_cache_bytes_per_block(self.config.block_size)
+        states = (self.num_state_slots + self.num_state_snapshots) * model.state_bytes_per_slot()
+        ranks = self.config.parallel.tensor_parallel_size
+        log.info("memory per rank (%d rank%s): weights %.3f GiB, KV cache %.3f GiB (%d blocks of %d tokens)%s",
+                 ranks, "s" if ranks > 1 else "", weights / 2**30, kv / 2**30, num_blocks, self.config.block_size,
+                 f", linear-attention states {states / 2**30:.3f} GiB" if states else "")
+
     def _auto_num_blocks(self) -> int:
         cfg = self.config
         per_block = self.executor.kv_cache_bytes_per_block(cfg.block_size)
@@ -285,6 +318,7 @@ class EngineCore:
                 "let them finish, abort them, or retract them (pause_generation mode=retract)",
                 param="model_path",
             )
+        self._check_tensors_allowed(path)
         # Released weights live in host memory: an update fills them there, and they move
         # back with resume_memory.
         try:
@@ -302,6 +336,18 @@ class EngineCore:
         self.model_path = None if isinstance(path, NamedTensors) else str(path)  # pushed tensors have no checkpoint
         for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
             req.weight_version = self.weight_version
+
+    def unfilled_weights(self, named: NamedTensors) -> list[str]:
+        """Executor.unfilled_weights, once tensors may update this engine's weights."""
+        self._check_tensors_allowed(named)
+        return self.executor.unfilled_weights(named)
+
+    def _check_tensors_allowed(self, source) -> None:
+        from r3srv.models.loader import NamedTensors
+
+        if self.multiproc is not None and isinstance(source, NamedTensors):
+            raise InvalidRequestError("weights sent as tensors are not supported under tensor parallelism yet: "
+                                      "update from a checkpoint directory", param="model_path")
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
@@ -559,6 +605,14 @@ class EngineFacts:
     def weight_version(self) -> str:
         """The version of the weights requests admitted from now on run on."""
         return self.core.weight_version
+
+
+def _multiproc_executor(config: EngineConfig):
+    if config.parallel.tensor_parallel_size == 1:
+        return None
+    from r3srv.engine.multiproc_executor import MultiprocExecutor, rank_setup
+
+    return MultiprocExecutor(*rank_setup(config))
 
 
 def _mem_available() -> int:

@@ -6,10 +6,9 @@ and the step's captured routed-experts rows. It also carries the control calls t
 the model's memory: weight updates, KV cache allocation and release, weights to the host
 and back.
 
-`InProcessExecutor` runs the model in this process (one device). Worker processes for
-tensor and expert parallelism take its place behind the same interface: `execute` then
-broadcasts the step's inputs to the ranks and returns rank 0's tokens and rows; the core
-does not change. The seam is also where CUDA graphs (inside the model runner) and
+`InProcessExecutor` runs the model in this process. Under tensor (and expert) parallelism
+its model is a MultiprocExecutor (engine/multiproc_executor.py): rank 0's shard plus worker
+processes, every model call run on each rank; the core does not change. The seam is also where CUDA graphs (inside the model runner) and
 overlapped scheduling (an `execute` that returns before the GPU is done, its tokens read
 one step late) plug in: CUDA graphs live here already (engine/cuda_graphs.py, replayed by the
 model runner for decode steps; their memory is counted out of the KV budget).
@@ -104,8 +103,11 @@ class InProcessExecutor(Executor):
 
     def __init__(self, model, block_size: int, device: torch.device, capture_routed_experts: bool,
                  eos_token_ids: list[int], seed: int, *, use_cuda_graphs: bool = False, max_num_seqs: int = 1,
-                 max_model_len: int = 1, num_state_snapshots: int = 0) -> None:
+                 max_model_len: int = 1, num_state_snapshots: int = 0, tensor_parallel: bool = False) -> None:
         self.model = model
+        # a MultiprocExecutor (engine/multiproc_executor.py) stands in for the model: the ranks'
+        # shards driven as one, with the model's methods (forward, KV cache, weights)
+        self.tensor_parallel = tensor_parallel
         self.device = device
         self.dtype = model.dtype
         self.eos_token_ids = eos_token_ids
@@ -175,6 +177,9 @@ class InProcessExecutor(Executor):
     def load_weights(self, source: str | NamedTensors) -> None:
         from r3srv.models.loader import NamedTensors, load_named_tensors, load_weights_from_dir
 
+        if self.tensor_parallel:  # the MultiprocExecutor loads every rank's shard (a directory only)
+            self.model.load_weights(source)
+            return
         (load_named_tensors if isinstance(source, NamedTensors) else load_weights_from_dir)(self.model, source)
 
     def unfilled_weights(self, named: NamedTensors) -> list[str]:

@@ -116,6 +116,10 @@ class LLMEngine(EngineFacts):
     def resume_memory(self, tags: list[str] | None = None) -> list[str]:
         return self.core.resume_memory(tags)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (nothing to do at one device)."""
+        self.core.shutdown()
+
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 

@@ -263,7 +263,12 @@ class MoeForCausalLM(nn.Module):
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        return self.config.kv_cache_bytes_per_block(block_size, self.dtype)
+        """This rank's share: its KV heads (MLA's latent is whole on every rank)."""
+        whole = self.config.kv_cache_bytes_per_block(block_size, self.dtype)
+        if self.config.is_mla or self.parallel.tp_size == 1:
+            return whole
+        kv_heads = self.config.num_kv_heads
+        return whole * local_heads(kv_heads, self.parallel) // kv_heads
 
     def state_bytes_per_slot(self) -> int:
         """Bytes of one sequence's linear-attention states (0 for a model without such layers)."""
