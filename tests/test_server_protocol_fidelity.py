@@ -339,13 +339,13 @@ def test_sigterm_during_an_upload_answers_503_json():
 # any request, so raising there kills the loop (a test-only hook; nothing of it is in r3srv).
 _DYING_SERVER = """
 import sys
-import r3srv.engine.llm_engine as llm_engine
+import r3srv.engine.core as core
 import r3srv.server.app as app
 
 def broken(self):
     raise RuntimeError("test-only: the engine loop breaks")
 
-llm_engine.LLMEngine.reset_prefix_cache = broken
+core.EngineCore.reset_prefix_cache = broken  # AsyncLLM's core thread runs it
 app.ENGINE_DEATH_EXIT_DELAY_S = 10.0  # long enough for the test to see the 503
 from r3srv.cli import main
 sys.exit(main(sys.argv[1:]))
