@@ -54,3 +54,26 @@ def test_sample_unseeded_rows(benchmark, rows, vocab, top_p, candidate):
         shared = torch.Generator().manual_seed(0)
         picks = [r.token_id for r in benchmark(sample, logits, seqs, [], shared)]
     assert len(picks) == rows and all(0 <= t < vocab for t in picks)
+
+
+ADJUSTED = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                          logit_bias={7: 2.0}, min_p=0.05)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("rows, vocab", SHAPES, ids=[f"{b}x{v}" for b, v in SHAPES])
+def test_sample_with_some_penalized_rows(benchmark, rows, vocab, candidate):
+    """What penalties, logit_bias and min_p on one row in 8 (each with 512 output tokens) cost
+    a batch: "reference" is the same batch with none (the ratio is below 1 by that cost)."""
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
+    plain = SamplingParams(temperature=1.0)
+    benchmark.group = f"sample {rows}x{vocab} 1/8 penalized"
+    seqs = []
+    for i in range(rows):
+        params = ADJUSTED if candidate == "r3srv" and i % 8 == 0 else plain
+        seq = Sequence(str(i), 0, list(range(64)), params, 1024, None)
+        seq.token_ids += [(i * 7 + j) % vocab for j in range(512)]
+        seqs.append(seq)
+    shared = torch.Generator().manual_seed(0)
+    picks = [r.token_id for r in benchmark(sample, logits, seqs, [], shared)]
+    assert len(picks) == rows and all(0 <= t < vocab for t in picks)

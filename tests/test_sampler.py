@@ -72,8 +72,11 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5])
     assert sample(logits, [seq(p, n_out=1)], EOS)[0].token_id == 2
     assert sample(logits, [seq(p, n_out=2)], EOS)[0].token_id == 9
+    # vLLM bans EOS until min_tokens even with ignore_eos (its all_stop_token_ids always hold EOS);
+    # after that, with ignore_eos, EOS is an ordinary token
     ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
-    assert sample(logits, [seq(ignore, n_out=0)], EOS)[0].token_id == 9  # ignore_eos: EOS is an ordinary token
+    assert sample(logits, [seq(ignore, n_out=0)], EOS)[0].token_id == 5
+    assert sample(logits, [seq(ignore, n_out=2)], EOS)[0].token_id == 9
 
 
 def test_logprobs_are_log_softmax_of_the_unmodified_logits():

@@ -424,7 +424,9 @@ INVALID_PER_ROUTE: dict[str, list[dict]] = {
         {"prompt": "x", "routed_experts_prompt_start": "zero"},
         {"prompt": "x", "return_routed_experts": "yes"},
         {"prompt": "x", "model": "nope"},
-        {"prompt": "x", "echo": True},
+        {"prompt": "x", "presence_penalty": 2.5},
+        {"prompt": "x", "logit_bias": {"not-an-id": 1}},
+        {"prompt": "x", "prompt_logprobs": 1, "stream": True},
         {"prompt": [65] * 5000},
         {"prompt": "x", "seed": "s"},
     ],
@@ -506,9 +508,9 @@ def test_unknown_route_and_method(server):
     assert_openai_error(httpx.get(server.url + "/v1/completions"), 405)
 
 
-def test_unsupported_fields_are_refused(client, model):
+def test_out_of_range_sampling_fields_are_refused(client, model):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        client.completions.create(model=model, prompt="hi", max_tokens=2, presence_penalty=0.5)
+        client.completions.create(model=model, prompt="hi", max_tokens=2, presence_penalty=2.5)
 
 
 # ---------------------------------------------------------------- concurrency, disconnects, metrics

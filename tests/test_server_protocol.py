@@ -71,6 +71,16 @@ def test_chat_request_maps_tokens_and_logprobs():
         (p.CompletionRequest, {"prompt": "x", "temperature": -1}, "temperature"),
         (p.CompletionRequest, {"prompt": "x", "top_p": 2}, "top_p"),
         (p.CompletionRequest, {"prompt": "x", "stop": [""]}, "stop"),
+        (p.CompletionRequest, {"prompt": "x", "presence_penalty": -2.5}, "presence_penalty"),
+        (p.CompletionRequest, {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
+        (p.CompletionRequest, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        (p.CompletionRequest, {"prompt": "x", "min_p": 1.5}, "min_p"),
+        (p.CompletionRequest, {"prompt": "x", "logit_bias": {"1.5": 2}}, "logit_bias"),
+        (p.CompletionRequest, {"prompt": "x", "logprobs": -2}, "logprobs"),
+        (p.CompletionRequest, {"prompt": "x", "prompt_logprobs": -3}, "prompt_logprobs"),
+        (p.CompletionRequest, {"prompt": "x", "prompt_logprobs": -1, "stream": True}, "prompt_logprobs"),
+        (p.CompletionRequest, {"prompt": "x", "cache_salt": "a/b"}, "cache_salt"),
+        (p.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}, "top_logprobs"),
         (p.CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         (p.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ],
@@ -92,9 +102,8 @@ def test_invalid_values_name_their_field(cls, body, param):
         (p.GenerateRequest, {"token_ids": [1], "sampling_params": {"routed_experts_prompt_start": -2}}),
         # the OpenAI routes' cap on n holds here too (n=100000 tied the engine up for minutes)
         (p.GenerateRequest, {"token_ids": [1], "sampling_params": {"n": 129}}),
-        # not implemented, so refused rather than silently ignored
-        (p.CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}),
-        (p.GenerateRequest, {"token_ids": [1], "sampling_params": {}, "stream": True, "stream_options": {"continuous_usage_stats": True}}),
+        (p.GenerateRequest, {"token_ids": [1], "sampling_params": {"prompt_logprobs": 1}, "stream": True}),
+        (p.CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": -2}),
         (p.DetokenizeRequest, {"tokens": [-1]}),
     ],
 )

@@ -129,7 +129,8 @@ def test_errors_name_fields_as_the_client_sent_them(http, client):
     assert_400(http.post("/inference/v1/generate", json={"token_ids": [1] * MAX_MODEL_LEN, "sampling_params": {}}),
                "token_ids")
     assert_400(http.post("/generate", json={"text": "x" * 300}), "text")
-    assert_400(http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}),
+    # (max_new_tokens=0 is served: the prompt alone, docs/sampling.md)
+    assert_400(http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}),
                "max_new_tokens")
     assert_400(http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"min_new_tokens": -1}}),
                "min_new_tokens")

@@ -85,9 +85,10 @@ def test_text_logprobs_stop_and_n(server, layout):
 
 @pytest.mark.parametrize("body, field", [
     ({"text": "a", "input_ids": [1]}, "input_ids"),
-    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 2.5}}, "repetition_penalty"),
+    ({"input_ids": [1], "sampling_params": {"logit_bias": {"99999": 1}}}, "logit_bias"),
     ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "regex"),
-    ({"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len"),
+    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len"),
     ({"input_ids": PROMPT, "routed_experts_start_len": 99}, "routed_experts_start_len"),
     ({"input_ids": [1], "sampling_params": {"top_p": 0.0}}, "top_p"),
 ])

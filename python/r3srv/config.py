@@ -7,9 +7,12 @@ Checks that need the model (MoE layers, context length, KV pool size) run in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from r3srv.errors import ConfigError
+
+CUDA_GRAPHS_ENV = "R3SRV_CUDA_GRAPHS"  # "1": capture decode steps when EngineConfig.cuda_graphs is not given
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -67,8 +70,14 @@ class EngineConfig:
     # MemAvailable on the CPU) given to the KV cache when num_kv_blocks is None.
     kv_cache_memory_fraction: float | None = None
     max_num_batched_tokens: int = 2048
+    # Most logprobs (sampled or prompt) a request may ask for per token, as vLLM's; -1: no limit.
+    max_logprobs: int = 20
     seed: int = 0
     weight_version: str = "0"  # names the weights in outputs until an update names new ones
+    # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py). None: $R3SRV_CUDA_GRAPHS == "1".
+    # Off by default until a GPU run has checked them; enforce_eager (vLLM's flag) wins.
+    cuda_graphs: bool | None = None
+    enforce_eager: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -90,6 +99,8 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs={self.max_logprobs} must be -1 (no limit) or >= 0")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:
@@ -98,6 +109,13 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 1]")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if self.cuda_graphs is None:
+            self.cuda_graphs = os.environ.get(CUDA_GRAPHS_ENV, "0") == "1"
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Whether decode steps are to be captured: asked for, not enforce_eager, on CUDA."""
+        return bool(self.cuda_graphs) and not self.enforce_eager and self.device.startswith("cuda")
 
     def finalize(self, model_config) -> None:
         """Checks that need the loaded model's config; fills max_model_len."""

@@ -20,6 +20,16 @@ class OutputKind(enum.Enum):
 
 
 @dataclass
+class Logprob:
+    """One token's logprob at one position, as vLLM's: its rank in the whole vocabulary (1 = the
+    most likely) and its text (left None by the engine; the HTTP server fills it)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One sample. In a DELTA output `text`, `token_ids` and `logprobs` are only what is new;
     `cumulative_logprob`, `finish_reason` and `routed_experts` are whole-sample in every kind."""
@@ -49,6 +59,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: per prompt token from prompt_logprobs_start on (the
+    # first is None), the token's own logprob first, then the top prompt_logprobs, as vLLM's.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # The weights every routed-experts row of this request came from (weight updates wait for
     # the requests in flight; a request retracted for one, AsyncLLM.pause_generation, recomputes
     # all its rows on the new weights, though its earlier tokens were sampled on the old).

@@ -117,6 +117,21 @@ class AsyncLLM:
         return self._engine.model_config
 
     @property
+    def config(self):
+        """The engine's EngineConfig, finalized (KV pool size, block size, ...)."""
+        return self._engine.config
+
+    @property
+    def dtype(self):
+        """The torch dtype the weights and the KV cache are held in."""
+        return self._engine.model.dtype
+
+    @property
+    def model_path(self) -> str | None:
+        """The checkpoint directory of the weights now served (None: the built-in model)."""
+        return self._engine.model_path
+
+    @property
     def max_model_len(self) -> int:
         return self._engine.max_model_len
 

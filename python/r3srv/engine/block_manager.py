@@ -14,6 +14,10 @@ the hash does (Python's tuple hash is not collision-resistant). Freed blocks kee
 hash and contents and sit in LRU order in the free pool until a fresh allocation
 evicts them.
 
+Cache salts (vLLM's cache_salt, SGLang's extra_key): a salted sequence's first block chains
+from the salt (its hash and its recorded parent), so prompts with different salts, or one
+salted and one not, never share a block, even on a hash collision.
+
 Hybrid models (Gated DeltaNet layers) also hold one fixed-size state per sequence: an
 admitted sequence takes a state slot with its blocks and gives it back with them, so a
 finished, aborted or preempted sequence frees both in one place. Their KV blocks alone
@@ -40,7 +44,8 @@ class Block:
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
         self.generation = 0  # bumped at every fresh allocation: (block_id, generation) names one content
-        self.parent: tuple[int, int] | None = None  # (block_id, generation) of the block before it
+        # (block_id, generation) of the block before it; a first block: its cache salt (or None)
+        self.parent: tuple[int, int] | str | None = None
         self.snapshot: int | None = None  # hybrids: state entry holding the states after its last token
 
     @property
@@ -48,9 +53,10 @@ class Block:
         return (self.block_id, self.generation)
 
 
-def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    # Stable within the process (ints and tuples are not salted); crafted collisions are
-    # harmless because a hit is verified by token ids and parent identity.
+def chain_hash(prev_hash: int | str | None, token_ids: tuple[int, ...]) -> int:
+    # Stable within the process (str hashes vary only between processes); crafted collisions
+    # are harmless because a hit is verified by token ids and parent identity. A first block
+    # chains from its cache salt.
     return hash((prev_hash, token_ids))
 
 
@@ -96,15 +102,22 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     # -- prefix cache -------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks holding a prefix of `token_ids`, leaving at least one token to compute
-        (the step that samples the next token needs the last token's logits)."""
+    def match_sequence(self, seq: Sequence) -> list[int]:
+        """match_prefix for `seq`: within its cache salt, and none while it still needs prompt
+        logprobs (the cache has no logits: vLLM also recomputes such prompts)."""
+        if seq.next_prompt_logprob_position is not None:
+            return []
+        return self.match_prefix(seq.token_ids, seq.params.cache_salt)
+
+    def match_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        """Cached blocks holding a prefix of `token_ids` (under `salt`), leaving at least one
+        token to compute (the step that samples the next token needs the last token's logits)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         hits: list[int] = []
-        prev: int | None = None
-        parent: tuple[int, int] | None = None
+        prev: int | str | None = salt
+        parent: tuple[int, int] | str | None = salt
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             prev = chain_hash(prev, chunk)
@@ -283,10 +296,11 @@ class BlockManager:
             return
         bs = self.block_size
         hashes, prefix_ids = seq.block_hashes, seq.block_prefix_ids
+        salt = seq.params.cache_salt
         for i in range(len(hashes), seq.num_computed_tokens // bs):
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = chain_hash(hashes[-1] if hashes else None, chunk)
-            parent = prefix_ids[-1] if prefix_ids else None
+            h = chain_hash(hashes[-1] if hashes else salt, chunk)
+            parent = prefix_ids[-1] if prefix_ids else salt
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids, block.parent = h, chunk, parent
             registered = self._hash_to_block.get(h)

@@ -22,10 +22,11 @@ class IncrementalDetokenizer:
         self.text = ""
         self.text_len_after: list[int] = []
 
-    def add(self, token_id: int) -> str:
-        """Append one output token; returns the newly completed text (possibly empty)."""
+    def add(self, token_id: int, silent: bool = False) -> str:
+        """Append one output token; returns the newly completed text (possibly empty).
+        silent: the token adds no text (a final stop token whose text is left out)."""
         self._ids.append(token_id)
-        if self.tokenizer is None:  # token-id-only model: no text
+        if self.tokenizer is None or silent:  # token-id-only model: no text
             self.text_len_after.append(0)
             return ""
         decode = self.tokenizer.decode

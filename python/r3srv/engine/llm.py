@@ -35,12 +35,15 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_fraction: float | None = None,
         max_num_batched_tokens: int = 2048,
+        max_logprobs: int = 20,
         seed: int = 0,
         pipeline_parallel_size: int = 1,
         decode_context_parallel_size: int = 1,
         prefill_context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        cuda_graphs: bool | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.engine = LLMEngine.from_kwargs(
             model,
@@ -54,12 +57,15 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_fraction=kv_cache_memory_fraction,
             max_num_batched_tokens=max_num_batched_tokens,
+            max_logprobs=max_logprobs,
             seed=seed,
             pipeline_parallel_size=pipeline_parallel_size,
             decode_context_parallel_size=decode_context_parallel_size,
             prefill_context_parallel_size=prefill_context_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            cuda_graphs=cuda_graphs,
+            enforce_eager=enforce_eager,
         )
         self._ids = itertools.count()
 

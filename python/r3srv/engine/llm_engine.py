@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,11 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from r3srv.config import EngineConfig, ParallelConfig
+from r3srv.engine import cuda_graphs
 from r3srv.engine.block_manager import BlockManager
 from r3srv.engine.detokenizer import IncrementalDetokenizer
 from r3srv.engine.model_runner import ModelRunner
-from r3srv.engine.routed_experts import RoutedExpertsBuffer
-from r3srv.engine.sampler import sample
+from r3srv.engine.routed_experts import RoutedExpertsBuffer, capture_torch_dtype
+from r3srv.engine.sampler import prompt_logprobs, sample
 from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
 from r3srv.errors import ConfigError, InvalidRequestError
@@ -35,6 +37,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Default share of free memory for the KV cache when num_kv_blocks is not given.
 _DEFAULT_KV_FRACTION = {"cpu": 0.25, "cuda": 0.85}
 _CPU_KV_CAP_BYTES = 8 << 30
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -124,22 +127,33 @@ class LLMEngine:
         # caching as many snapshots again for the running ones plus as many kept for later hits
         self.num_state_slots = config.max_num_seqs if self.model_config.is_hybrid else 0
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
+        mc = self.model_config
+        capture_dtype = capture_torch_dtype(mc.num_experts) if config.enable_return_routed_experts else None
+        blocker = cuda_graphs.graph_blocker(self.model) if config.use_cuda_graphs else "not asked for"
+        if config.use_cuda_graphs and blocker:
+            log.warning("CUDA graphs off: %s", blocker)
+        graphs = None if blocker else cuda_graphs.DecodeGraphs(
+            self.model, config.block_size, config.max_num_seqs, self.max_model_len, self.num_state_snapshots,
+            capture_dtype)
+        self.graphs_reserved = 0 if graphs is None else graphs.reserve()  # out of the KV budget
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         config.check_kv_pool(num_blocks)
         config.num_kv_blocks = num_blocks
-        self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
+        if graphs is None:
+            self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
+        else:
+            graphs.init_kv_cache(num_blocks)  # and the padding rows' scratch block and state entry
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        mc = self.model_config
         self.rows = (
             RoutedExpertsBuffer(num_blocks * config.block_size, mc.num_layers, mc.top_k, mc.num_experts)
             if config.enable_return_routed_experts
             else None
         )
-        self.runner = ModelRunner(self.model, config.block_size, self.device, self.rows)
+        self.runner = ModelRunner(self.model, config.block_size, self.device, self.rows, graphs)
         eos = list(mc.eos_token_ids or [])
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         if tok_eos is not None and tok_eos not in eos:
@@ -149,6 +163,7 @@ class LLMEngine:
         self._sampling_generator = torch.Generator(device=self.device)
         self._sampling_generator.manual_seed(config.seed)
         self.weight_version = config.weight_version
+        self.model_path = config.model  # the checkpoint the weights came from (None: the built-in model)
         self.requests: dict[str, Request] = {}
         self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
 
@@ -177,6 +192,7 @@ class LLMEngine:
             budget = int(free * fraction)
         else:
             budget = min(int(_mem_available() * fraction), _CPU_KV_CAP_BYTES)
+        budget -= self.graphs_reserved
         # a hybrid's linear-attention states
         states = (self.num_state_slots + self.num_state_snapshots) * self.model.state_bytes_per_slot()
         if states and states >= budget:
@@ -221,6 +237,7 @@ class LLMEngine:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
                 raise InvalidRequestError(param="prompt", problem=" must be a string or a list of token ids") from None
+        ids = self._truncated(ids, params)
         if not ids:
             raise InvalidRequestError(param="prompt", problem=" is empty (it has no tokens)")
         vocab = self.model_config.vocab_size
@@ -230,7 +247,13 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(param="stop_token_ids", problem=f" holds {bad}, outside the vocabulary [0, {vocab})")
+        self._check_sampling_limits(params)
         n_prompt = len(ids)
+        if params.prompt_logprobs_start > n_prompt:
+            raise InvalidRequestError(
+                param="prompt_logprobs_start",
+                problem=f"={params.prompt_logprobs_start} is beyond the prompt's {n_prompt} tokens",
+            )
         start = params.routed_experts_prompt_start
         if not 0 <= start <= n_prompt:
             raise InvalidRequestError(
@@ -263,6 +286,43 @@ class LLMEngine:
         if want is None:
             want = self.enable_return_routed_experts
         return PreparedRequest(str(request_id), text, ids, params, max_tokens, bool(want))
+
+    def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt after truncate_prompt_tokens, checked in vLLM's order: a size above
+        max_model_len is refused before truncating; -1 keeps max_model_len - 1 tokens."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep > self.max_model_len:
+            raise InvalidRequestError(
+                param="truncate_prompt_tokens",
+                problem=f"={keep} cannot be greater than max_model_len={self.max_model_len}; "
+                "request a smaller truncation size",
+            )
+        if keep == -1:
+            keep = self.max_model_len - 1
+        if keep >= len(ids):
+            return ids
+        return ids[len(ids) - keep :] if params.truncation_side == "left" else ids[:keep]
+
+    def _check_sampling_limits(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and logprob
+        counts against max_logprobs (-1, the whole vocabulary, counts as vocab_size), as vLLM."""
+        vocab = self.model_config.vocab_size
+        bad = sorted(t for t in (params.logit_bias or ()) if not 0 <= t < vocab)
+        if bad:
+            raise InvalidRequestError(param="logit_bias", problem=f" holds token ids {bad}, outside the vocabulary [0, {vocab})")
+        limit = self.config.max_logprobs
+        limit = vocab if limit == -1 else limit
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            asked = vocab if asked == -1 else asked
+            if asked is not None and asked > limit:
+                raise InvalidRequestError(
+                    param=name,
+                    problem=f": requested {asked}, which is greater than max allowed: {limit} "
+                    "(the server's --max-logprobs; -1 asks for the whole vocabulary)",
+                )
 
     def add_prepared(self, prep: PreparedRequest) -> None:
         if self.released_memory:
@@ -353,6 +413,7 @@ class LLMEngine:
             raise
         self.block_manager.reset_prefix_cache()
         self.weight_version = label if weight_version is None else weight_version
+        self.model_path = None if isinstance(path, NamedTensors) else str(path)  # pushed tensors have no checkpoint
         for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
             req.weight_version = self.weight_version
 
@@ -371,6 +432,8 @@ class LLMEngine:
                 f"cannot release memory with {len(self.requests)} requests in flight: let them finish or abort them",
                 param="tags",
             )
+        if self.runner.graphs is not None:  # they point into the memory about to move
+            self.runner.graphs.clear()
         if "kv_cache" in wanted and "kv_cache" not in self.released_memory:
             self.block_manager.reset_prefix_cache()  # its blocks' K/V are about to go
             self.model.free_kv_cache()
@@ -388,11 +451,16 @@ class LLMEngine:
         wanted = _memory_tags(tags) & self.released_memory
         if "weights" in wanted:
             self.model.move_weights(self.device)
-        if "kv_cache" in wanted:
+        graphs = self.runner.graphs
+        if "kv_cache" in wanted and graphs is not None:
+            graphs.init_kv_cache(self.config.num_kv_blocks, capture=False)
+        elif "kv_cache" in wanted:
             self.model.init_kv_cache(
                 self.config.num_kv_blocks, self.config.block_size, self.config.max_num_seqs, self.num_state_snapshots
             )
         self.released_memory -= wanted
+        if graphs is not None and not self.released_memory:
+            graphs.capture_all()  # over the cache and weights where they now lie
         return sorted(self.released_memory)
 
     def has_unfinished(self) -> bool:
@@ -449,8 +517,16 @@ class LLMEngine:
             return result
 
         touched: dict[str, Request] = {}
+        if self.runner.prompt_logits is not None:
+            try:
+                self._record_prompt_logprobs(seqs)
+            except Exception as exc:
+                for i, _, _ in self.runner.prompt_spans:
+                    self._fail(seqs[i].request_id, exc, result)
         to_sample: list[int] = []
         for i, seq in enumerate(seqs):
+            if seq.is_finished:  # failed above
+                continue
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.commit_full_blocks(seq)
@@ -492,6 +568,17 @@ class LLMEngine:
                 del self.requests[rid]
         return result
 
+    def _record_prompt_logprobs(self, seqs: list[Sequence]) -> None:
+        """Append the prompt logprobs of this step's prompt rows (ModelRunner.prompt_spans)."""
+        spans = self.runner.prompt_spans
+        targets = [t for i, position, count in spans for t in seqs[i].token_ids[position + 1 : position + 1 + count]]
+        num_top = [seqs[i].params.prompt_logprobs for i, _, count in spans for _ in range(count)]
+        entries = prompt_logprobs(self.runner.prompt_logits, targets, num_top)
+        first = 0
+        for i, _, count in spans:
+            seqs[i].prompt_logprobs.extend(entries[first : first + count])
+            first += count
+
     def _fail(self, request_id: str, exc: BaseException, result: StepResult) -> None:
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -513,11 +600,14 @@ class LLMEngine:
         if seq.logprobs is not None:
             seq.logprobs.append(res.top_logprobs)
             seq.cumulative_logprobs.append(seq.cumulative_logprob + res.logprob)
-        delta = seq.detok.add(tok)
         n_out = seq.num_output_tokens
-        if p.stop_token_ids and tok in p.stop_token_ids:
+        stop_token = bool(p.stop_token_ids) and tok in p.stop_token_ids
+        eos = not stop_token and not p.ignore_eos and tok in self.eos_token_ids
+        # As vLLM: the text of a stop token or EOS is left out unless include_stop_str_in_output.
+        delta = seq.detok.add(tok, silent=(stop_token or eos) and not p.include_stop_str_in_output)
+        if stop_token:
             self._finish(seq, "stop", tok)
-        elif not p.ignore_eos and tok in self.eos_token_ids:
+        elif eos:
             self._finish(seq, "stop", None)
         elif p.stop and n_out >= p.min_tokens and (hit := seq.detok.find_stop(p.stop, len(delta), p.include_stop_str_in_output)):
             stop, kept_len, kept_tokens = hit
@@ -559,6 +649,7 @@ class LLMEngine:
             outputs=outs,
             finished=req.finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
+            prompt_logprobs=req.seqs[0].prompt_logprobs,
             weight_version=req.weight_version,
             metrics=metrics,
         )

@@ -4,6 +4,7 @@ The model owns its paged KV cache (`init_kv_cache`); this module only tells it w
 each token's KV goes (slot mapping) and where each sequence's context lives (block
 tables). When routed experts are enabled every step captures rows, whether or not
 its requests asked for them: a later request may hit these blocks in the prefix cache.
+With `graphs` (engine/cuda_graphs.py) a decode step replays a captured CUDA graph instead.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from r3srv.engine.cuda_graphs import DecodeGraphs, is_graph_decode
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 from r3srv.engine.sequence import Sequence
 from r3srv.models.batch import ForwardBatch
@@ -18,14 +20,22 @@ from r3srv.transfer import to_device
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, device: torch.device, rows: RoutedExpertsBuffer | None) -> None:
+    def __init__(self, model, block_size: int, device: torch.device, rows: RoutedExpertsBuffer | None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.rows = rows
+        self.graphs = graphs
+        self.graph_steps = 0  # steps replayed from a graph (tests and benches read it)
+        # After run(): the logits of the prompt positions whose logprobs the step's sequences
+        # asked for ([R, vocab]), and (sequence index, first position, count) of each run of them.
+        self.prompt_logits: torch.Tensor | None = None
+        self.prompt_spans: list[tuple[int, int, int]] = []
 
-    def prepare(self, seqs: list[Sequence]) -> tuple[ForwardBatch, np.ndarray]:
-        """The step's ForwardBatch, and its KV slots on the host (where the rows go).
+    def host_arrays(self, seqs: list[Sequence]) -> tuple[np.ndarray, ...]:
+        """The step's input ids, positions, KV slots, block tables (-1 padded), query lengths and
+        context lengths after the step, on the host.
 
         Python touches each sequence once (its new token ids, one memcpy of its block
         table); positions and slots are computed per token in numpy.
@@ -50,10 +60,25 @@ class ModelRunner:
             first_row = np.cumsum(query_lens) - query_lens
             positions = np.arange(num_tokens) - first_row[owner] + starts[owner]
         slot_np = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        return np.array(input_ids, dtype=np.int64), positions, slot_np, tables, query_lens, ends
+
+    def prepare(
+        self, seqs: list[Sequence], prompt_spans: list[tuple[int, int, int]] | None = None
+    ) -> tuple[ForwardBatch, np.ndarray]:
+        """The step's ForwardBatch, and its KV slots on the host (where the rows go). Its logits
+        rows: each sequence's last token, then the `prompt_spans` (default: what they ask for)."""
+        input_ids, positions, slot_np, tables, query_lens, ends = self.host_arrays(seqs)
+        num_tokens = len(input_ids)
         dev = self.device
+        last_rows = np.cumsum(query_lens) - 1
+        self.prompt_spans = _prompt_logprob_spans(seqs) if prompt_spans is None else prompt_spans
+        if self.prompt_spans:  # after the B sampling rows: the prompt rows whose logprobs are asked for
+            first_row, starts = last_rows - query_lens + 1, ends - query_lens
+            last_rows = np.concatenate([last_rows] + [
+                np.arange(count) + first_row[i] + (position - starts[i]) for i, position, count in self.prompt_spans])
         # one transfer that does not wait for the GPU (the last step's work may still run)
         ids, positions_t, slots_t, tables_t, logits_indices = to_device(
-            [np.array(input_ids, dtype=np.int64), positions, slot_np, tables, np.cumsum(query_lens) - 1], dev)
+            [input_ids, positions, slot_np, tables, last_rows], dev)
         batch = ForwardBatch(
             input_ids=ids,
             positions=positions_t,
@@ -75,8 +100,43 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """Computes the scheduled tokens of `seqs`; returns float32 logits [len(seqs), vocab]."""
-        batch, slot_np = self.prepare(seqs)
-        logits = self.model.forward(batch)
+        # a one-token step inside a prompt whose logprobs are asked for needs its row: no graph
+        self.prompt_spans = _prompt_logprob_spans(seqs)
+        graphed = self.graphs is not None and not self.prompt_spans and is_graph_decode(seqs)
+        replayed = self._replay(seqs) if graphed else None
+        if replayed is not None:
+            logits, capture, slot_np = replayed
+        else:
+            batch, slot_np = self.prepare(seqs, self.prompt_spans)
+            logits, capture = self.model.forward(batch), batch.routing_capture
         if self.rows is not None:
-            self.rows.store(slot_np, batch.routing_capture)
-        return logits
+            self.rows.store(slot_np, capture)
+        if not self.prompt_spans:
+            self.prompt_logits = None
+            return logits
+        self.prompt_logits = logits[len(seqs):]
+        return logits[: len(seqs)]
+
+    def _replay(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray] | None:
+        input_ids, positions, slot_np, tables, _, _ = self.host_arrays(seqs)
+        out = self.graphs.run(seqs, input_ids, positions, slot_np, tables)
+        if out is None:
+            return None
+        self.graph_steps += 1
+        return *out, slot_np
+
+
+def _prompt_logprob_spans(seqs: list[Sequence]) -> list[tuple[int, int, int]]:
+    """(sequence index, first position, count): the positions of this step whose logits give
+    the prompt logprobs a sequence still misses (each predicts the token after it)."""
+    spans = []
+    for i, seq in enumerate(seqs):
+        position = seq.next_prompt_logprob_position
+        if position is None:
+            continue
+        start = seq.num_computed_tokens
+        end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+        # position < start would mean positions served by the prefix cache: such sequences skip it
+        if start <= position < end:
+            spans.append((i, position, end - position))
+    return spans

@@ -1,18 +1,23 @@
-"""Next-token sampling: greedy (ties to the lowest id), temperature, top-k, top-p,
-per-sequence torch.Generator for seeded requests, min_tokens, and logprobs.
+"""Next-token sampling in vLLM's order: the min_tokens mask, logit_bias, then repetition,
+frequency and presence penalties (all of which can change a greedy pick); then greedy (ties to
+the lowest id) or temperature, min_p, top-k, top-p and a draw (per-sequence torch.Generator for
+seeded requests); and logprobs, sampled and prompt.
 
-Logprobs are the log-softmax of the model's unmodified logits (before temperature,
-top-k/top-p and the min_tokens mask), as vLLM reports them by default.
+Logprobs are the log-softmax of the model's unmodified logits (before every adjustment above),
+as vLLM reports them by default. Rows without bias, penalties or a min_tokens mask skip those
+steps entirely: a batch of plain requests costs what it did before they existed.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from r3srv.engine.sequence import Sequence
+from r3srv.outputs import Logprob
 from r3srv.transfer import to_device
 
 
@@ -24,14 +29,110 @@ class SampleResult:
 
 
 def _banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
-    """Tokens that would end the sequence before min_tokens outputs exist."""
+    """Tokens banned until min_tokens outputs exist: stop_token_ids and EOS (with ignore_eos too,
+    as vLLM, whose min_tokens processor bans all_stop_token_ids, EOS always among them)."""
     p = seq.params
     if seq.num_output_tokens >= p.min_tokens:
         return []
-    banned = list(p.stop_token_ids or [])
-    if not p.ignore_eos:
-        banned += eos_token_ids
-    return banned
+    return list(p.stop_token_ids or []) + eos_token_ids
+
+
+def _adjusted(seq: Sequence) -> bool:
+    """Whether the row's logits change before a greedy pick (bias, penalties, min_tokens mask)."""
+    return seq.adjusts_logits or seq.num_output_tokens < seq.params.min_tokens
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_seen: torch.Tensor | None,
+    output_ids: list[list[int]],
+    presence: list[float],
+    frequency: list[float],
+    repetition: list[float],
+) -> torch.Tensor:
+    """vLLM's penalties on `logits` [rows, vocab] (in place): a repetition penalty divides the
+    positive logits and multiplies the negative ones of every token in the row's prompt
+    (`prompt_seen`, [rows, vocab] bool; None or a False row: output tokens only, as SGLang's) or
+    output; then the frequency penalty times each token's count in the output, and the presence
+    penalty once per token in it, are subtracted (OpenAI's definition)."""
+    device = logits.device
+    counts = token_counts(output_ids, logits.shape[1], device)
+    in_output = counts > 0
+    if any(r != 1.0 for r in repetition):
+        seen = in_output if prompt_seen is None else in_output | prompt_seen
+        (rep,) = to_device([repetition], device, np.float32)
+        factor = torch.where(seen, rep[:, None], 1.0)
+        logits *= torch.where(logits > 0, 1.0 / factor, factor)
+    freq, pres = to_device([frequency, presence], device, np.float32)
+    logits -= freq[:, None] * counts + pres[:, None] * in_output
+    return logits
+
+
+def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float32: how often each token occurs in each row's ids (one transfer, one
+    scatter for the whole batch)."""
+    lengths = [len(x) for x in ids]
+    counts = torch.zeros(len(ids), vocab, dtype=torch.float32, device=device)
+    if sum(lengths):
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=sum(lengths))
+        rows = np.repeat(np.arange(len(ids)), lengths)
+        (where,) = to_device([np.stack([rows, flat])], device)
+        counts.index_put_((where[0], where[1]), torch.ones((), device=device), accumulate=True)
+    return counts
+
+
+def _prompt_seen(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] bool: the tokens of the sequence's prompt (computed once, kept on the sequence)."""
+    mask = seq.prompt_token_mask
+    if mask is None or mask.device != device or mask.shape[0] != vocab:
+        mask = token_counts([seq.token_ids[: seq.num_prompt_tokens]], vocab, device)[0] > 0
+        seq.prompt_token_mask = mask
+    return mask
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) the tokens whose probability is below min_p times the row's highest
+    (`logits` already temperature-scaled), as vLLM's MinPLogitsProcessor."""
+    probs = torch.softmax(logits, dim=-1)
+    (mp,) = to_device([min_p], logits.device, np.float32)
+    threshold = probs.amax(dim=-1, keepdim=True) * mp[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _adjust(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> torch.Tensor:
+    """A copy of `logits` with the min_tokens mask, logit_bias and penalties applied to the rows
+    that ask for them (batched over those rows; `logits` itself, which logprobs read, is kept)."""
+    rows, vocab = logits.shape
+    device = logits.device
+    banned = [(r, b) for r, s in enumerate(seqs) for b in _banned_ids(s, eos_token_ids) if 0 <= b < vocab]
+    if banned:
+        where = torch.tensor(banned, dtype=torch.int64, device=device)
+        logits = logits.index_put((where[:, 0], where[:, 1]), torch.tensor(float("-inf"), device=device))
+    biased = [(r, t, b) for r, s in enumerate(seqs) if s.params.logit_bias for t, b in s.params.logit_bias.items()
+              if 0 <= t < vocab]
+    if biased:
+        (where,) = to_device([[(r, t) for r, t, _ in biased]], device)
+        (values,) = to_device([[b for _, _, b in biased]], device, np.float32)
+        logits = logits.index_put((where[:, 0], where[:, 1]), values, accumulate=True)
+    penalized = [r for r, s in enumerate(seqs) if s.params.penalized]
+    if penalized:
+        ps = [seqs[r] for r in penalized]
+        prompt_seen = None
+        if any(s.params.repetition_penalty != 1.0 and s.params.repetition_penalty_prompt for s in ps):
+            none = torch.zeros(vocab, dtype=torch.bool, device=device)
+            prompt_seen = torch.stack([
+                _prompt_seen(s, vocab, device) if s.params.repetition_penalty_prompt else none for s in ps])
+        sub = apply_penalties(
+            logits[penalized],
+            prompt_seen,
+            [s.output_token_ids for s in ps],
+            [s.params.presence_penalty for s in ps],
+            [s.params.frequency_penalty for s in ps],
+            [s.params.repetition_penalty for s in ps],
+        )
+        (index,) = to_device([penalized], device)
+        logits = logits.index_put((index,), sub)
+    return logits
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -72,9 +173,7 @@ def sample(
     """
     logits = logits.float()
     token_ids = [0] * len(seqs)
-    plain_greedy = [
-        i for i, s in enumerate(seqs) if s.params.greedy and not _banned_ids(s, eos_token_ids)
-    ]
+    plain_greedy = [i for i, s in enumerate(seqs) if s.params.greedy and not _adjusted(s)]
     if plain_greedy:
         # torch.argmax returns the first maximal index: ties go to the lowest id.
         greedy_rows = logits if len(plain_greedy) == len(seqs) else logits[plain_greedy]  # all: no copy, no index
@@ -94,13 +193,14 @@ def sample(
         logps = torch.log_softmax(logits[want], dim=-1)
         picked = torch.tensor([token_ids[i] for i in want], dtype=torch.int64, device=logps.device)
         sampled = logps.gather(1, picked[:, None])[:, 0].tolist()
-        n_top = max(seqs[i].params.logprobs for i in want)
-        if n_top:
-            top = torch.topk(logps, min(n_top, logps.shape[-1]), dim=-1)
+        vocab = logps.shape[-1]
+        n_tops = [vocab if seqs[i].params.logprobs == -1 else min(seqs[i].params.logprobs, vocab) for i in want]
+        if max(n_tops):
+            top = torch.topk(logps, max(n_tops), dim=-1)
             top_vals, top_ids = top.values.tolist(), top.indices.tolist()
         for row_idx, i in enumerate(want):
             res = results[i]
-            k = seqs[i].params.logprobs
+            k = n_tops[row_idx]
             top_lp = dict(zip(top_ids[row_idx][:k], top_vals[row_idx][:k])) if k else {}
             res.logprob = sampled[row_idx]
             top_lp[res.token_id] = res.logprob  # the sampled token, listed last unless among the top
@@ -109,16 +209,14 @@ def sample(
 
 
 def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], generator) -> list[int]:
-    """Tokens for rows that are not plain greedy: greedy under a min_tokens mask, or sampled.
+    """Tokens for rows that are not plain greedy: greedy after bias/penalties/min_tokens, or sampled.
 
     Every full-size pass over [rows, vocab] counts at large vocabularies, so rows are only
     gathered (copied) when the batch mixes kinds."""
     rows, vocab = logits.shape
     device = logits.device
-    banned = [(r, b) for r, s in enumerate(seqs) for b in _banned_ids(s, eos_token_ids) if 0 <= b < vocab]
-    if banned:
-        where = torch.tensor(banned, dtype=torch.int64, device=device)
-        logits = logits.index_put((where[:, 0], where[:, 1]), torch.tensor(float("-inf"), device=device))
+    if any(_adjusted(s) for s in seqs):
+        logits = _adjust(logits, seqs, eos_token_ids)
     greedy = [r for r, s in enumerate(seqs) if s.params.greedy]
     sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
     picks = [0] * rows
@@ -130,6 +228,9 @@ def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], 
     x = logits if len(sampled) == rows else logits[sampled]
     (temperatures,) = to_device([[seqs[r].params.temperature for r in sampled]], device, np.float32)
     x = x / temperatures[:, None]
+    with_min_p = [j for j, r in enumerate(sampled) if seqs[r].params.min_p > 0.0]
+    if with_min_p:
+        x[with_min_p] = apply_min_p(x[with_min_p], [seqs[sampled[j]].params.min_p for j in with_min_p])
     filtered = [j for j, r in enumerate(sampled) if 0 < seqs[r].params.top_k < vocab or seqs[r].params.top_p < 1.0]
     if filtered:
         params = [seqs[sampled[j]].params for j in filtered]
@@ -148,3 +249,28 @@ def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], 
     for r, tok in zip(sampled, draws.tolist()):
         picks[r] = tok
     return picks
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:
+    """One entry per row of `logits` ([R, vocab], the rows of prompt positions): the next prompt
+    token's (`targets[i]`) logprob and vocabulary rank first, then the row's top `num_top[i]`
+    tokens (-1: all) with ranks 1, 2, ..., as vLLM's prompt logprobs. Batched over the rows."""
+    rows, vocab = logits.shape
+    logps = torch.log_softmax(logits.float(), dim=-1)
+    (target,) = to_device([targets], logps.device)
+    chosen = logps.gather(1, target[:, None])
+    ranks = (logps > chosen).sum(dim=-1).add_(1).tolist()
+    chosen_values = chosen[:, 0].tolist()
+    k = [vocab if n == -1 else min(n, vocab) for n in num_top]
+    top_ids: list[list[int]] = [[] for _ in range(rows)]
+    top_values: list[list[float]] = [[] for _ in range(rows)]
+    if max(k):
+        top = torch.topk(logps, max(k), dim=-1)  # sorted; ties to the lower id as torch.topk gives them
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    entries = []
+    for i in range(rows):
+        entry = {targets[i]: Logprob(chosen_values[i], ranks[i])}
+        for rank, (tok, value) in enumerate(zip(top_ids[i][: k[i]], top_values[i][: k[i]]), start=1):
+            entry.setdefault(tok, Logprob(value, rank))
+        entries.append(entry)
+    return entries

@@ -72,7 +72,7 @@ class Scheduler:
         # 2. Waiting sequences, unless this step had to preempt (the pool is tight).
         while self.waiting and out.num_preempted == 0 and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.match_prefix(seq.token_ids)
+            cached = bm.match_sequence(seq)
             start = len(cached) * bm.block_size
             n = min(seq.num_tokens - start, budget)
             if bm.admission_cost(seq, cached, start + n) > bm.num_free_blocks:

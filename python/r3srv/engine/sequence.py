@@ -8,6 +8,7 @@ import itertools
 import torch
 
 from r3srv.engine.block_table import BlockTable
+from r3srv.outputs import Logprob
 from r3srv.sampling_params import SamplingParams
 
 
@@ -43,6 +44,9 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # logit_bias or a penalty: the sampler adjusts this row's logits (checked every step)
+        self.adjusts_logits = bool(params.logit_bias) or params.penalized
+        self.prompt_token_mask: torch.Tensor | None = None  # [vocab] bool, for vLLM's repetition penalty
         self.max_tokens = max_tokens
         self.generator = generator
         self.status = SequenceStatus.WAITING
@@ -67,6 +71,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Prompt logprobs (sample 0 of a request only: they are the request's), one entry per
+        # prompt token from params.prompt_logprobs_start on; that first token has none.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        if params.prompt_logprobs is not None and index == 0:
+            self.prompt_logprobs = [None] if params.prompt_logprobs_start < self.num_prompt_tokens else []
         # Running sums of the output tokens' logprobs: [i] covers tokens 0..i, so a stop-string
         # cut or a held-back partial output reads its sum in O(1).
         self.cumulative_logprobs: list[float] = []
@@ -91,6 +100,15 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def next_prompt_logprob_position(self) -> int | None:
+        """The position whose logits give the next missing prompt logprob (they predict the
+        token after it); None when none is missing (or none was asked for)."""
+        if self.prompt_logprobs is None:
+            return None
+        position = self.params.prompt_logprobs_start + len(self.prompt_logprobs) - 1
+        return position if position < self.num_prompt_tokens - 1 else None
 
     @property
     def cumulative_logprob(self) -> float:

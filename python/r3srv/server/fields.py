@@ -63,28 +63,12 @@ RESPONSE_FORMAT = Refusal(
 STREAM_INTERVAL = Refusal("is not supported by r3srv except 1 (a chunk per step)", off=(1,))
 DETOKENIZE = Refusal("is not supported by r3srv except true (the default)")
 
-# Implemented by the `sampling` branch (logit_bias, penalties, prompt logprobs, ...), which adds
-# them to the request Structs: a field a Struct declares is served, so once that branch is merged
-# these names simply stop being refused (and can be deleted here).
-PENDING_SAMPLING_BRANCH = Refusal("is not supported by r3srv yet")
-SAMPLING_BRANCH_FIELDS = {
-    "vllm": frozenset({
-        "logit_bias", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
-        "truncate_prompt_tokens", "cache_salt", "echo",
-    }),
-    "sglang": frozenset({
-        "logit_bias", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprob_start_len",
-        "extra_key", "cache_salt",
-    }),
-}
-
 _VLLM_OPENAI_REFUSED: dict[str, Refusal] = {
     "suffix": NOT_SUPPORTED,
     "use_beam_search": BEAM,
     "length_penalty": BEAM,
     "watermarking": NOT_SUPPORTED,
     "spaces_between_special_tokens": SPACES,
-    "truncation_side": NOT_SUPPORTED,
     "allowed_token_ids": NOT_SUPPORTED,
     "logprob_token_ids": NOT_SUPPORTED,
     "bad_words": NOT_SUPPORTED,
@@ -237,7 +221,7 @@ SGLANG_SAMPLING_REFUSED: dict[str, Refusal] = {
 
 # The peers' defaults that are not null, for the fields refused here (a client may send them)
 _VLLM_OPENAI_DEFAULTS = {
-    "echo": False, "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+    "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
     "bad_words": [], "priority": 0, "return_weight_versions": False, "return_token_offsets": False,
     "mm_payload": "tensors",
 }
@@ -246,7 +230,7 @@ CHAT_DEFAULTS = {**_VLLM_OPENAI_DEFAULTS, "add_special_tokens": False, "tool_cho
                  "continue_final_message": False}
 TITO_DEFAULTS = {"priority": 0}
 TITO_SAMPLING_DEFAULTS = {
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0, "flat_logprobs": False,
+    "flat_logprobs": False,
     "detokenize": True, "spaces_between_special_tokens": True, "output_kind": 0, "skip_clone": False,
     "output_text_buffer_length": 0, "bad_words": [],
 }
@@ -254,10 +238,9 @@ SGLANG_DEFAULTS = {
     "use_audio_in_video": False, "return_text_in_logprobs": False, "return_flat_raw_top_logprobs": False,
     "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
     "return_hidden_states": False, "return_indexer_topk": False, "background": False, "require_reasoning": False,
-    "return_bytes": False, "return_entropy": False, "return_prompt_token_ids": False, "logprob_start_len": -1,
+    "return_bytes": False, "return_entropy": False, "return_prompt_token_ids": False,
 }
 SGLANG_SAMPLING_DEFAULTS = {
-    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
     "spaces_between_special_tokens": True, "stop_str_max_len": 0, "stop_regex_max_len": 0, "is_normalized": False,
     "ebnf_full_assistant": False,
 }
@@ -270,7 +253,6 @@ class BodyFields:
 
     struct: type[msgspec.Struct]
     refused: Mapping[str, Refusal]
-    pending: frozenset[str] = frozenset()  # PENDING_SAMPLING_BRANCH names
     defaults: Mapping[str, Any] = field(default_factory=dict)  # the peer's non-null defaults
     without_effect: frozenset[str] = frozenset()
     nested: Mapping[str, BodyFields] = field(default_factory=dict)
@@ -283,9 +265,7 @@ class BodyFields:
         """The refusal for a field the client sent, or None when it is served or unknown."""
         if name in self.served or name in self.without_effect:
             return None
-        if name in self.refused:
-            return self.refused[name]
-        return PENDING_SAMPLING_BRANCH if name in self.pending else None
+        return self.refused.get(name)
 
     def check(self, body: str | bytes) -> None:
         """400 naming the first refused field the body sets (before the body is decoded)."""
@@ -323,17 +303,16 @@ def _objects(raw: msgspec.Raw) -> Iterable[Mapping[str, msgspec.Raw]]:
 def _route_fields() -> dict[str, BodyFields]:
     from r3srv.server import protocol as p  # protocol imports nothing of this module's users
 
-    vllm, sglang = SAMPLING_BRANCH_FIELDS["vllm"], SAMPLING_BRANCH_FIELDS["sglang"]
     return {
-        "completions": BodyFields(p.CompletionRequest, COMPLETION_REFUSED, vllm, COMPLETION_DEFAULTS),
-        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, vllm, CHAT_DEFAULTS, CHAT_WITHOUT_EFFECT),
+        "completions": BodyFields(p.CompletionRequest, COMPLETION_REFUSED, COMPLETION_DEFAULTS),
+        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, CHAT_DEFAULTS, CHAT_WITHOUT_EFFECT),
         "tito": BodyFields(
-            p.GenerateRequest, TITO_REFUSED, vllm, TITO_DEFAULTS,
-            nested={SAMPLING_PARAMS: BodyFields(p.TitoSamplingParams, TITO_SAMPLING_REFUSED, vllm, TITO_SAMPLING_DEFAULTS)},
+            p.GenerateRequest, TITO_REFUSED, TITO_DEFAULTS,
+            nested={SAMPLING_PARAMS: BodyFields(p.TitoSamplingParams, TITO_SAMPLING_REFUSED, TITO_SAMPLING_DEFAULTS)},
         ),
         "sglang": BodyFields(
-            p.SglangGenerateRequest, SGLANG_REFUSED, sglang, SGLANG_DEFAULTS, SGLANG_WITHOUT_EFFECT,
-            nested={SAMPLING_PARAMS: BodyFields(p.SglangSamplingParams, SGLANG_SAMPLING_REFUSED, sglang,
+            p.SglangGenerateRequest, SGLANG_REFUSED, SGLANG_DEFAULTS, SGLANG_WITHOUT_EFFECT,
+            nested={SAMPLING_PARAMS: BodyFields(p.SglangSamplingParams, SGLANG_SAMPLING_REFUSED,
                                                 SGLANG_SAMPLING_DEFAULTS)},
         ),
     }

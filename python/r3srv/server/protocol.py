@@ -17,6 +17,7 @@ wire to the engine's `SamplingParams`. `/inference/v1/generate` decodes its
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Annotated, Any, Literal
 
@@ -52,15 +53,12 @@ ReturnTokenIds = Annotated[
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool | None = False
+    # With include_usage: the usage so far on every chunk too (vLLM's).
     continuous_usage_stats: bool | None = False
 
-    def __post_init__(self) -> None:
-        # Not implemented yet (the sampling branch): refused (a 400 at decode) rather than ignored.
-        if self.continuous_usage_stats:
-            raise InvalidRequestError(
-                param="continuous_usage_stats",
-                problem="=true is not supported by r3srv; include_usage=true sends the usage in a last chunk",
-            )
+    @property
+    def continuous(self) -> bool:
+        return bool(self.include_usage and self.continuous_usage_stats)
 
 
 class PromptTokensDetails(Struct, kw_only=True):
@@ -75,6 +73,17 @@ class UsageInfo(Struct, kw_only=True):
     completion_tokens_details: dict[str, int] | None = None  # vLLM sends null
 
 
+class Logprob(Struct, kw_only=True):
+    """One entry of vLLM's prompt_logprobs: {token id: this}."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 class ErrorInfo(Struct, kw_only=True):
     message: str
     type: str
@@ -84,6 +93,19 @@ class ErrorInfo(Struct, kw_only=True):
 
 class ErrorResponse(Struct, kw_only=True):
     error: ErrorInfo
+
+
+def _check_logprob_count(name: str, value: int | None) -> None:
+    """vLLM's rule for logprobs, top_logprobs and prompt_logprobs: -1 (the whole vocabulary) or
+    >= 0 (the server's --max-logprobs bounds both, in the engine)."""
+    if value is not None and value < -1:
+        raise InvalidRequestError(param=name, problem=f"={value} must be a positive value or -1")
+
+
+def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool | None) -> None:
+    _check_logprob_count("prompt_logprobs", prompt_logprobs)
+    if stream and prompt_logprobs is not None and prompt_logprobs != 0:
+        raise InvalidRequestError(param="prompt_logprobs", problem=" are not available when stream=true")
 
 
 
@@ -104,8 +126,17 @@ class _OpenAIRequest(Struct, kw_only=True):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, as OpenAI's
     user: str | None = None  # no effect, as in vLLM
     # vLLM extras
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    cache_salt: str | None = None
     min_tokens: NonNegInt = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -117,14 +148,26 @@ class _OpenAIRequest(Struct, kw_only=True):
     # r3srv extra
     return_routed_experts: ReturnRoutedExperts = None
 
-    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
+        _check_prompt_logprobs(self.prompt_logprobs, self.stream)
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left",
+            cache_salt=self.cache_salt,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -149,8 +192,10 @@ PromptType = str | list[str | int | list[int]]
 
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     prompt: PromptType
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    max_tokens: NonNegInt | None = 16  # 0 only with echo: the prompt alone (vLLM's scoring use)
+    logprobs: int | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
+    # The prompt's text before the completion's (and with logprobs, the prompt's logprobs first).
+    echo: bool | None = False
 
     def param_names(self) -> dict[str, str]:
         return {}  # the engine's names are vLLM's
@@ -176,7 +221,23 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
         )
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        _check_logprob_count("logprobs", self.logprobs)
+        # as vLLM: echo's logprobs cover the prompt too, with as many top entries
+        prompt_logprobs = self.prompt_logprobs
+        if (prompt_logprobs is None or self.stream) and self.echo:
+            prompt_logprobs = self.logprobs
+        elif self.stream:  # a stream sends prompt logprobs only with echo (only 0 passes the checks)
+            prompt_logprobs = None
+        max_tokens = self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise InvalidRequestError(param="max_tokens", problem="=0 must be at least 1 (0 needs echo=true)")
+            max_tokens = 1  # as vLLM: one token is generated, the response shows the prompt alone
+        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class CompletionLogProbs(Struct, kw_only=True):
@@ -193,7 +254,7 @@ class CompletionResponseChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
@@ -272,8 +333,10 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: int | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
     add_generation_prompt: bool = True
+    # vLLM's: the last message's content before the reply, when its role is the reply's
+    echo: bool = False
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.to_template_dict() for m in self.messages]
@@ -285,10 +348,33 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
         return names
 
     def to_sampling_params(self) -> SamplingParams:
+        _check_logprob_count("top_logprobs", self.top_logprobs)
         if self.top_logprobs and not self.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+            raise InvalidRequestError("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens=max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        top = self.top_logprobs or 0
+        # as vLLM: echo asks for the prompt's logprobs, top_logprobs of them
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = top
+        if self.stream:  # a chat stream never sends them (only 0 passes the checks)
+            prompt_logprobs = None
+        return self._sampling_params(
+            max_tokens=max_tokens, logprobs=top if self.logprobs else None, prompt_logprobs=prompt_logprobs
+        )
+
+    def response_role(self) -> str:
+        """The reply's role (vLLM's get_chat_request_role with its default response role)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_text(self) -> str:
+        """What echo puts before the reply: the last message's content when its role is the reply's."""
+        if not self.echo or self.messages[-1].role != self.response_role():
+            return ""
+        content = self.messages[-1].content
+        if isinstance(content, list):
+            return "\n".join(part.text or "" for part in content)
+        return content or ""
 
 
 class ChatMessage(Struct, kw_only=True):
@@ -345,7 +431,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -398,12 +484,20 @@ class GenerateRequest(Struct, kw_only=True):
     return_token_ids: ReturnTokenIds = None
     # "tokens": token ids only; "text": also the detokenized text.
     output_mode: Literal["tokens", "text"] = "tokens"
+    cache_salt: str | None = None  # vLLM's: top-level here, a SamplingParams field in r3srv's engine
 
     def __post_init__(self) -> None:
         # SamplingParams has no upper bound on n; the OpenAI routes' cap applies here too.
         # (A ValueError here is a msgspec.ValidationError at decode, so a 400.)
         if self.sampling_params.n > MAX_N:
             raise InvalidRequestError(param="n", problem=f"={self.sampling_params.n} must be <= {MAX_N}")
+        if self.stream and self.sampling_params.prompt_logprobs:
+            raise InvalidRequestError(param="prompt_logprobs", problem=" are not available when stream=true")
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.cache_salt is None:
+            return self.sampling_params
+        return msgspec.structs.replace(self.sampling_params, cache_salt=self.cache_salt)
 
     def param_names(self) -> dict[str, str]:
         return _TITO_NAMES
@@ -445,6 +539,7 @@ class GenerateResponse(Struct, kw_only=True):
     output_mode: Literal["tokens", "text"] = "tokens"
     choices: list[GenerateChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -508,7 +603,7 @@ class MemoryOccupationResponse(Struct, kw_only=True):
 class SglangSamplingParams(Struct, kw_only=True):
     """SGLang's sampling_params, the fields r3srv serves (server/fields.py refuses the others)."""
 
-    max_new_tokens: Annotated[int, Meta(ge=1)] | None = 128
+    max_new_tokens: NonNegInt | None = 128  # 0: the prompt alone (slime's teacher logprobs)
     min_new_tokens: NonNegInt = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -520,6 +615,16 @@ class SglangSamplingParams(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     sampling_seed: Seed | None = None
     no_stop_trim: bool = False
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # SGLang's: on the output tokens only, in (0, 2]
+    logit_bias: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.repetition_penalty <= 2.0:  # SGLang's own bound
+            raise InvalidRequestError(param="repetition_penalty",
+                                      problem=f"={self.repetition_penalty} must be in (0, 2] (1.0 = no penalty)")
 
 
 # The engine's names -> SGLang's (the prompt's, text or input_ids, is added per request)
@@ -530,6 +635,7 @@ _SGLANG_NAMES = {
     "include_stop_str_in_output": "no_stop_trim",
     "logprobs": "top_logprobs_num",
     "routed_experts_prompt_start": "routed_experts_start_len",
+    "prompt_logprobs_start": "logprob_start_len",
 }
 
 
@@ -549,9 +655,15 @@ class SglangGenerateRequest(Struct, kw_only=True):
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
+    # With return_logprob: input_token_logprobs (and input_top_logprobs) from this prompt token
+    # on (that first one has none, as SGLang sends it); -1: none.
+    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
     top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
     return_routed_experts: bool | None = None
     routed_experts_start_len: NonNegInt = 0
+    # prefix-cache isolation: requests share cached prefixes only with equal keys and salts
+    extra_key: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
@@ -590,16 +702,39 @@ class SglangGenerateRequest(Struct, kw_only=True):
     def param_names(self) -> dict[str, str]:
         return {**_SGLANG_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
 
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    def prefill_only(self, index: int = 0) -> bool:
+        """max_new_tokens=0: the engine runs one token, the answer leaves it out (nothing generated)."""
+        sp = self.sampling_params[index] if isinstance(self.sampling_params, list) else self.sampling_params
+        return sp.max_new_tokens == 0
+
+    def _salt(self, index: int) -> str | None:
+        """extra_key and cache_salt as one engine salt that vLLM's rules accept (SGLang takes any
+        string; "" is none, as in SGLang)."""
+        parts = [v[index] if isinstance(v, list) else v for v in (self.extra_key, self.cache_salt)]
+        if not any(parts):
+            return None
+        return hashlib.sha256(msgspec.json.encode([p or None for p in parts])).hexdigest()
+
     def to_sampling_params(self, index: int = 0, room: int | None = None) -> SamplingParams:
         """Prompt `index`'s SamplingParams. `room`: the tokens its prompt leaves within the context;
         max_new_tokens (and min_new_tokens) are clipped to it, as SGLang's scheduler does."""
         sp = self.sampling_params[index] if isinstance(self.sampling_params, list) else self.sampling_params
         max_tokens, min_tokens = sp.max_new_tokens, sp.min_new_tokens
+        if max_tokens == 0:
+            max_tokens = 1
         if room is not None and room >= 1:
             max_tokens = room if max_tokens is None else min(max_tokens, room)
             min_tokens = min(min_tokens, max_tokens)
         return SamplingParams(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
+            min_p=sp.min_p, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty, repetition_penalty_prompt=False, logit_bias=sp.logit_bias,
+            prompt_logprobs=self.top_logprobs_num if self.wants_input_logprobs else None,
+            prompt_logprobs_start=max(self.logprob_start_len, 0), cache_salt=self._salt(index),
             max_tokens=max_tokens, min_tokens=min_tokens, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,

@@ -7,7 +7,7 @@ from typing import Any
 
 from msgspec import UNSET
 
-from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
 from r3srv.server import protocol as p
 from r3srv.server.generation import ServerState
 
@@ -30,6 +30,24 @@ def ranked_logprobs(entry: dict[int, float]) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
+_LOGPROB_FLOOR = -9999.0  # what vLLM sends for -inf (JSON has no infinity)
+
+
+def plain_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict[int, float] | None]:
+    """Prompt logprobs as the {token id: logprob} dicts of sampled tokens (for echo's logprobs)."""
+    return [None if e is None else {t: max(lp.logprob, _LOGPROB_FLOOR) for t, lp in e.items()} for e in entries]
+
+
+def echo_prompt_text(tokenizer: Any, out: RequestOutput, with_token_ids: bool) -> str:
+    """The prompt text echo puts first: the prompt as sent, token-id prompts decoded; none with
+    return_token_ids (the ids carry it), as vLLM."""
+    if with_token_ids:
+        return ""
+    if out.prompt is not None:
+        return out.prompt
+    return "" if tokenizer is None else tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+
 def _rank(entry: dict[int, float], token_id: int) -> int:
     value = entry[token_id]
     return 1 + sum(1 for v in entry.values() if v > value)
@@ -47,17 +65,30 @@ class LogprobFormatter:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(
-        self, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int
+        self, token_ids: list[int], logprobs: list[dict[int, float] | None], text_offset: int
     ) -> p.CompletionLogProbs:
+        """An entry of None (the first prompt token's, with echo) has no logprobs, as in vLLM."""
         out = p.CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
         for tid, entry in zip(token_ids, logprobs):
             token = self.token_str(tid)
             out.text_offset.append(text_offset)
             text_offset += len(token)
             out.tokens.append(token)
-            out.token_logprobs.append(entry.get(tid))
-            out.top_logprobs.append({self.token_str(t): v for t, v in ranked_logprobs(entry)})
+            out.token_logprobs.append(None if entry is None else entry.get(tid))
+            out.top_logprobs.append(None if entry is None else {self.token_str(t): v for t, v in ranked_logprobs(entry)})
         return out
+
+    def prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None) -> p.PromptLogprobs | None:
+        """vLLM's prompt_logprobs: -inf as -9999.0 (its clamp_prompt_logprobs), token texts filled."""
+        if entries is None:
+            return None
+        return [
+            None if entry is None else {
+                t: p.Logprob(logprob=max(lp.logprob, _LOGPROB_FLOOR), rank=lp.rank, decoded_token=self.token_str(t))
+                for t, lp in entry.items()
+            }
+            for entry in entries
+        ]
 
     def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> p.ChatCompletionLogProbs:
         content = []
@@ -70,7 +101,7 @@ class LogprobFormatter:
                     bytes=list(token.encode("utf-8")),
                     top_logprobs=[
                         p.ChatCompletionLogProb(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode("utf-8")))
-                        for t, v in ranked_logprobs(entry)[:top]
+                        for t, v in (ranked_logprobs(entry) if top == -1 else ranked_logprobs(entry)[:top])
                     ],
                 )
             )
@@ -101,18 +132,27 @@ async def completion_response(
     with_ids = bool(req.return_token_ids)
     choices = []
     for i, out in enumerate(finals):
+        prompt_text = echo_prompt_text(state.engine.tokenizer, out, with_ids) if req.echo else ""
+        prompt_logprobs = fmt.prompt_logprobs(out.prompt_logprobs)
         for c in out.outputs:
+            token_ids, logprobs, text = c.token_ids, _logprobs(c), c.text
+            if req.echo_only:  # max_tokens=0: the prompt alone, as vLLM
+                token_ids, logprobs, text = [], [], ""
+            if req.echo and req.logprobs is not None:  # the prompt's tokens and logprobs first
+                token_ids = list(out.prompt_token_ids) + token_ids
+                logprobs = plain_prompt_logprobs(out.prompt_logprobs or []) + logprobs
             choices.append(
                 p.CompletionResponseChoice(
                     index=i * req.n + c.index,
-                    text=c.text,
-                    logprobs=fmt.completion(c.token_ids, _logprobs(c), 0) if req.logprobs is not None else None,
+                    text=prompt_text + text,
+                    logprobs=fmt.completion(token_ids, logprobs, 0) if req.logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
                     token_ids=list(c.token_ids) if with_ids else None,
                     routed_experts=await state.encode_experts(c.routed_experts),
                     weight_version=state.weight_version(out),
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
     return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage_of(state, finals))
@@ -123,10 +163,11 @@ async def chat_response(
 ) -> p.ChatCompletionResponse:
     fmt = LogprobFormatter(state.engine.tokenizer)
     with_ids = bool(req.return_token_ids)
+    echoed = req.echoed_text()
     choices = [
         p.ChatCompletionResponseChoice(
             index=c.index,
-            message=p.ChatMessage(role="assistant", content=c.text),
+            message=p.ChatMessage(role=req.response_role(), content=echoed + c.text),
             logprobs=fmt.chat(c.token_ids, _logprobs(c), req.top_logprobs or 0) if req.logprobs else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
@@ -142,6 +183,7 @@ async def chat_response(
         choices=choices,
         usage=usage_of(state, [final]),
         prompt_token_ids=list(final.prompt_token_ids) if with_ids else None,
+        prompt_logprobs=fmt.prompt_logprobs(final.prompt_logprobs),
     )
 
 
@@ -169,5 +211,6 @@ async def generate_response(
         output_mode=req.output_mode,
         choices=choices,
         usage=usage_of(state, [final]),
+        prompt_logprobs=LogprobFormatter(state.engine.tokenizer).prompt_logprobs(final.prompt_logprobs),
         prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
     )

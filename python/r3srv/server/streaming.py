@@ -27,7 +27,13 @@ from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
 from r3srv.server.errors import error_body
 from r3srv.server.generation import Generation, ServerState, close_all, merged_outputs
-from r3srv.server.responses import LogprobFormatter, generate_logprobs, usage_of
+from r3srv.server.responses import (
+    LogprobFormatter,
+    echo_prompt_text,
+    generate_logprobs,
+    plain_prompt_logprobs,
+    usage_of,
+)
 
 logger = logging.getLogger("r3srv.server")
 _encode = msgspec.json.Encoder().encode
@@ -142,6 +148,16 @@ class _Tracker:
     def num_tokens(self) -> int:
         return sum(n_tok for _, n_tok in self._sent.values())
 
+    def usage(self, prompt_index: int, choice: int, out: RequestOutput) -> p.UsageInfo:
+        """vLLM's continuous usage: the prompt, and the tokens this choice has sent so far."""
+        prompt = len(out.prompt_token_ids)
+        sent = self._sent.get((prompt_index, choice), (0, 0))[1]
+        return p.UsageInfo(prompt_tokens=prompt, completion_tokens=sent, total_tokens=prompt + sent)
+
+
+def _continuous(stream_options: p.StreamOptions | None) -> bool:
+    return stream_options is not None and stream_options.continuous
+
 
 async def completion_stream(
     state: ServerState, req: p.CompletionRequest, request_id: str, gens: list[Generation]
@@ -149,17 +165,28 @@ async def completion_stream(
     created = int(time.time())
     fmt = LogprobFormatter(state.engine.tokenizer)
     with_ids = bool(req.return_token_ids)
+    continuous = _continuous(req.stream_options)
     tracker = _Tracker()
     finals: dict[int, RequestOutput] = {}
     async for i, out in merged_outputs(gens):
+        # echo: each choice's first chunk starts with the prompt (and its logprobs), as vLLM's
+        prompt_text = echo_prompt_text(state.engine.tokenizer, out, with_ids) if req.echo else ""
         for c in out.outputs:
             d = tracker.delta(i, c)
             if d is None:
                 continue
+            text, token_ids, logprobs, offset = d.text, d.token_ids, d.logprobs or [], d.text_offset + len(prompt_text)
+            if req.echo_only:  # max_tokens=0: the prompt alone, as vLLM
+                text, token_ids, logprobs = "", [], []
+            if req.echo and d.first:
+                text, offset = prompt_text + text, 0
+                if req.logprobs is not None:
+                    token_ids = list(out.prompt_token_ids) + token_ids
+                    logprobs = plain_prompt_logprobs(out.prompt_logprobs or []) + logprobs
             choice = p.CompletionResponseStreamChoice(
                 index=i * req.n + c.index,
-                text=d.text,
-                logprobs=fmt.completion(d.token_ids, d.logprobs or [], d.text_offset) if req.logprobs is not None else None,
+                text=text,
+                logprobs=fmt.completion(token_ids, logprobs, offset) if req.logprobs is not None else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 prompt_token_ids=list(out.prompt_token_ids) if with_ids and d.first else UNSET,
@@ -167,7 +194,9 @@ async def completion_stream(
                 routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
             )
-            yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[choice]))
+            usage = tracker.usage(i, c.index, out) if continuous else None
+            yield sse(p.CompletionStreamResponse(
+                id=request_id, created=created, model=state.model_name, choices=[choice], usage=usage))
         if out.finished:
             finals[i] = out
     if req.stream_options and req.stream_options.include_usage:
@@ -182,11 +211,21 @@ async def chat_stream(
     created = int(time.time())
     fmt = LogprobFormatter(state.engine.tokenizer)
     with_ids = bool(req.return_token_ids)
+    continuous = _continuous(req.stream_options)
+    role, echoed = req.response_role(), req.echoed_text()
     tracker = _Tracker()
     final: RequestOutput | None = None
     sent_prompt_ids = False
 
-    def chunk(choice: p.ChatCompletionResponseStreamChoice, prompt_ids: list[int] | None) -> bytes:
+    def chunk(
+        choice: p.ChatCompletionResponseStreamChoice, prompt_ids: list[int] | None, out: RequestOutput,
+        opening: bool = False,
+    ) -> bytes:
+        usage = None
+        if continuous:  # the role and echo chunks come before any generated token
+            usage = tracker.usage(0, choice.index, out)
+            if opening:
+                usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
         return sse(
             p.ChatCompletionStreamResponse(
                 id=request_id,
@@ -194,6 +233,7 @@ async def chat_stream(
                 model=state.model_name,
                 choices=[choice],
                 prompt_token_ids=prompt_ids if prompt_ids is not None else UNSET,
+                usage=usage,
             )
         )
 
@@ -205,9 +245,12 @@ async def chat_stream(
             prompt_ids = None
             if with_ids and not sent_prompt_ids:
                 prompt_ids, sent_prompt_ids = list(out.prompt_token_ids), True
-            if d.first:  # OpenAI opens each choice with the role
-                role = p.ChatCompletionResponseStreamChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))
-                yield chunk(role, prompt_ids)
+            if d.first:  # OpenAI opens each choice with the role (then vLLM's echo, if any)
+                opening = p.ChatCompletionResponseStreamChoice(index=c.index, delta=p.DeltaMessage(role=role, content=""))
+                yield chunk(opening, prompt_ids, out, opening=True)
+                if echoed:
+                    echo = p.ChatCompletionResponseStreamChoice(index=c.index, delta=p.DeltaMessage(content=echoed))
+                    yield chunk(echo, None, out, opening=True)
                 prompt_ids = None
                 if not d.text and not d.token_ids and not d.final:
                     continue
@@ -221,7 +264,7 @@ async def chat_stream(
                 routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
             )
-            yield chunk(choice, prompt_ids)
+            yield chunk(choice, prompt_ids, out)
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
@@ -257,7 +300,8 @@ async def generate_stream(
             )
             yield sse(
                 p.GenerateStreamResponse(
-                    request_id=request_id, output_mode=req.output_mode, choices=[choice], prompt_token_ids=prompt_ids
+                    request_id=request_id, output_mode=req.output_mode, choices=[choice], prompt_token_ids=prompt_ids,
+                    usage=tracker.usage(0, c.index, out) if _continuous(req.stream_options) else None,
                 )
             )
         if out.finished:

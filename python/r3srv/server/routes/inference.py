@@ -20,7 +20,7 @@ from r3srv.server.streaming import EngineStream, generate_stream
 async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> p.GenerateResponse:
     state = server_state(request)
     state.check_model(data.model)
-    params = data.sampling_params
+    params = data.to_sampling_params()
     request_id = data.request_id or uuid.uuid4().hex
     route = "/inference/v1/generate"
     prompts: list[str | list[int]] = [list(data.token_ids)]

@@ -13,6 +13,7 @@ output_ids are cumulative, then `data: [DONE]`; routed experts come on each outp
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -72,8 +73,8 @@ async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids:
             text=c.text, output_ids=list(c.token_ids),
             meta_info=await _meta_info(state, req, _output_id(rid, final, c), final, c, c.token_ids, c.logprobs, True),
         )
-        for rid, final in zip(request_ids, finals)
-        for c in final.outputs
+        for i, (rid, final) in enumerate(zip(request_ids, finals))
+        for c in _as_asked(req, i, final.outputs)
     ]
     return outs[0] if len(outs) == 1 and not req.is_batch else outs
 
@@ -90,10 +91,7 @@ async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, output_id
         "routed_experts_start_len": req.routed_experts_start_len,
     }
     if req.return_logprob:
-        meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(token_ids, logprobs or [])]
-        if req.top_logprobs_num:
-            meta["output_top_logprobs"] = [[[v, t, None] for t, v in ranked_logprobs(entry)[: req.top_logprobs_num]]
-                                           for entry in logprobs or []]
+        _add_logprobs(meta, req, out, token_ids, logprobs)
     if final and c.routed_experts is not None:
         meta["routed_experts"] = await state.encode_experts_raw_int32(c.routed_experts)
     version = state.weight_version(out) if final else UNSET
@@ -109,7 +107,7 @@ async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids:
     indexed = req.is_batch or n > 1
     sofar: dict[tuple[int, int], tuple[str, list[int], list[dict[int, float]]]] = {}
     async for i, out in merged_outputs(gens):
-        for c in out.outputs:
+        for c in _as_asked(req, i, out.outputs):
             text, ids, logprobs = sofar.get((i, c.index), ("", [], []))
             if not c.text and not c.token_ids and not c.finished and (i, c.index) in sofar:
                 continue
@@ -119,6 +117,37 @@ async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids:
             yield sse(p.SglangGenerateOutput(text=text, output_ids=ids, meta_info=meta,
                                              index=i * n + c.index if indexed else None))
     yield DONE
+
+
+def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[CompletionOutput]) -> list[CompletionOutput]:
+    """max_new_tokens=0 (prompt `index`): the one token the engine ran is left out, with its
+    logprobs and the prompt's last row (rows cover every token but the last, now the prompt's)."""
+    if not req.prefill_only(index):
+        return outputs
+    return [
+        dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                            finish_reason=c.finish_reason and "length", stop_reason=None,
+                            routed_experts=None if c.routed_experts is None else c.routed_experts[:-1])
+        for c in outputs
+    ]
+
+
+def _add_logprobs(meta: dict[str, Any], req: p.SglangGenerateRequest, out: RequestOutput, token_ids: list[int],
+                  logprobs: list[dict[int, float]] | None) -> None:
+    """SGLang's logprob keys: [logprob, token id, None] triples; the input ones from
+    logprob_start_len on, the first of them without a logprob (as SGLang sends them)."""
+    entries = out.prompt_logprobs or []
+    inputs = out.prompt_token_ids[len(out.prompt_token_ids) - len(entries):]
+    meta["input_token_logprobs"] = [[None if e is None else e[t].logprob, t, None] for t, e in zip(inputs, entries)]
+    meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(token_ids, logprobs or [])]
+    meta["output_token_logprobs_length"] = len(token_ids)
+    k = req.top_logprobs_num
+    if k:
+        meta["input_top_logprobs"] = [
+            None if e is None else [[lp.logprob, t, None] for t, lp in sorted(e.items(), key=lambda kv: kv[1].rank)[:k]]
+            for e in entries
+        ]
+        meta["output_top_logprobs"] = [[[v, t, None] for t, v in ranked_logprobs(entry)[:k]] for entry in logprobs or []]
 
 
 def _finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:
