@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-rust test-python bench bench-gate bench-smoke serve
+.PHONY: install test test-fast test-rust test-python bench bench-gate bench-smoke serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,20 @@ install: $(BIN)/python
 
 test: install test-rust test-python
 
+# Extra pytest arguments, e.g. PYTEST_ARGS="-n 4" (pytest-xdist) on a machine with cores to
+# spare. Not the default: on a shared 2-core machine two workers measured no faster than one.
+PYTEST_ARGS ?=
+
+# The edit loop, after `make install`: every test not marked slow (tests/conftest.py's
+# SLOW_FILES and @pytest.mark.slow); under 3 minutes on a shared 2-core machine.
+test-fast:
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
 test-rust:
 	cargo test --release
 
 test-python:
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Same-run ratios against the reference implementations (never absolute times).
 bench: install

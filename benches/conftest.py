@@ -10,6 +10,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.fixture(autouse=True)
+def fixed_seeds():
+    """Every benchmark draws the same inputs on every run."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def one_torch_thread():
     """Time a kernel on one torch thread: a shared 2-core machine makes a second one noise."""

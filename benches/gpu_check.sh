@@ -22,7 +22,7 @@
 #   syncs 15, router 125 s; each step also has its own limit below; "hybrid decode", measured
 #   before, run only when R3SRV_GPU_STEPS names them)
 # and copy the tables it prints ($OUT/throughput_table.md, $OUT/router_table.md) into
-# docs/benchmarks.md. Every command is printed before it runs.
+# docs/benchmarks.md, with the date. Every command is printed before it runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-os.environ.pop("R3SRV_TRITON_DECODE", None)  # "0" would turn the kernel off (models/attention.py)
+os.environ.pop("R3SRV_TRITON_DECODE", None)  # "0" would turn the kernel off (r3srv/settings.py)
 
 SHAPES = [  # (sequences, context, heads, kv heads, head dim, window); head dim (576, 512): MLA's latents
     (32, 1024, 32, 4, 128, None),  # Qwen3-30B-A3B-like, a rollout batch
@@ -35,6 +35,7 @@ PAGE = 16
 
 def main() -> int:
     smoke = "--smoke" in sys.argv
+    torch.manual_seed(0)  # the same inputs on every run
     if smoke and os.environ.get("TRITON_INTERPRET") != "1":
         print("--smoke needs TRITON_INTERPRET=1 (the kernel runs in Triton's interpreter)")
         return 1

@@ -246,8 +246,7 @@ def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 
     if DEVICE == "cpu":
         batch, prompt_len, decode_steps, rounds = 2, 8, 2, 2
     from r3srv import LLM, SamplingParams
-    from r3srv.kernels import router
-    from r3srv.models.attention import TRITON_DECODE_ENV
+    from r3srv import settings
 
     llm = LLM(device=DEVICE, enable_return_routed_experts=True, max_num_seqs=batch,
               enable_prefix_caching=False, max_model_len=256, num_kv_blocks=batch * 16)
@@ -264,24 +263,16 @@ def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 
             engine.rows = engine.runner.rows = rows
 
     @contextlib.contextmanager
-    def torch_router():
-        previous = router.get_router_backend()
-        router.set_router_backend("torch")
+    def changed_settings(**fields):
+        previous = settings.configure(settings.current().replace(**fields))
         try:
             yield
         finally:
-            router.set_router_backend(previous)
+            settings.configure(previous)
 
-    @contextlib.contextmanager
-    def torch_decode():
-        os.environ[TRITON_DECODE_ENV] = "0"  # gather + SDPA instead of the paged decode kernel
-        try:
-            yield
-        finally:
-            os.environ.pop(TRITON_DECODE_ENV)
-
-    variants = {"on": contextlib.nullcontext, "off": capture_off, "on_torch_router": torch_router,
-                "on_torch_decode": torch_decode}
+    variants = {"on": contextlib.nullcontext, "off": capture_off,
+                "on_torch_router": lambda: changed_settings(force_torch_router=True),
+                "on_torch_decode": lambda: changed_settings(triton_decode=False)}  # gather + SDPA
 
     def run(max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -370,6 +361,7 @@ def render(router_rows, sweep, decode, decode_error) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    torch.manual_seed(0)  # the same inputs on every run
     parser.add_argument("--skip-engine", action="store_true", help="skip the engine decode-step measurement")
     parser.add_argument("--engine-only", action="store_true", help="only the engine decode-step measurement")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 (not 0) when there is no CUDA device")

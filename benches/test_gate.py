@@ -1,9 +1,14 @@
 """Benchmark regression gate (run by `make bench-gate` in .ci/run).
 
-Fails when the Rust encoder is less than 3x faster than the reference at 1 row or at 8,192
-rows. The measure is a same-run ratio of medians with the two candidates interleaved round
-by round, never an absolute time; a noisy attempt is retried, and the best of three counts
-(noise only ever slows one side by chance, a real regression fails every attempt).
+Fails when the Rust encoder is less than MIN_SPEEDUP[isa][rows] times faster than the
+reference at 1 row or at 8,192 rows. The threshold depends on the base64 kernel the encoder
+uses on this runner (`encoder_isa()`, printed): with AVX-512 VBMI it beats the reference 3.7-7x
+at 8,192 rows; without it (AVX2 or base64-simd's portable dispatch) 2.6-3.4x, so a 3x floor
+there would fail at random, and the floor is 2x (docs/benchmarks.md). At 1 row the cost is the
+reference's np.save call, whatever the kernel. The measure is a same-run ratio of medians with
+the two candidates interleaved round by round, never an absolute time; a noisy attempt is
+retried, and the best of three counts (noise only ever slows one side by chance, a real
+regression fails every attempt).
 """
 
 from __future__ import annotations
@@ -11,15 +16,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from r3srv.serial import encode_routed_experts, numpy2base64
+from r3srv.serial import encode_routed_experts, encoder_isa, numpy2base64
 from serial_cases import interleaved_medians, make_array
 
-MIN_SPEEDUP = 3.0
+MIN_SPEEDUP = {
+    "avx512vbmi": {1: 3.0, 8192: 3.0},
+    "avx2": {1: 3.0, 8192: 2.0},
+    "portable": {1: 3.0, 8192: 2.0},
+}
 ATTEMPTS = 3
 
 
 @pytest.mark.parametrize("rows", [1, 8192])
 def test_encoder_beats_reference(rows):
+    isa = encoder_isa()
+    minimum = MIN_SPEEDUP[isa][rows]
     array = make_array((rows, 48, 8), np.uint8)
     assert encode_routed_experts(array) == numpy2base64(array)
     ratios = []
@@ -29,7 +40,9 @@ def test_encoder_beats_reference(rows):
             rounds=21,
         )
         ratios.append(med["reference"] / med["rust"])
-        if ratios[-1] >= MIN_SPEEDUP:
+        if ratios[-1] >= minimum:
             break
-    print(f"rows={rows}: reference/rust speed-up per attempt {[round(r, 1) for r in ratios]}")
-    assert max(ratios) >= MIN_SPEEDUP, f"encoder only {max(ratios):.2f}x faster than the reference at {rows} rows"
+    print(f"rows={rows} kernel={isa}: reference/rust speed-up per attempt {[round(r, 1) for r in ratios]}, "
+          f"threshold {minimum}x")
+    assert max(ratios) >= minimum, (
+        f"encoder (kernel {isa}) only {max(ratios):.2f}x faster than the reference at {rows} rows, under {minimum}x")

@@ -1,5 +1,5 @@
 """Cases for the fused Triton router kernel, run on CPU tensors in Triton's interpreter
-against the torch reference on fresh random logits.
+against the torch reference on seeded random logits.
 
 Triton reads TRITON_INTERPRET when it is first imported, so this file only runs in a
 process started with TRITON_INTERPRET=1: tests/test_router_triton.py starts one (the file
@@ -22,8 +22,8 @@ from r3srv.kernels import router, router_triton  # noqa: E402
 from r3srv.kernels.router_reference import route_reference  # noqa: E402
 from r3srv.kernels.router_triton import route_triton  # noqa: E402
 
-# Fresh logits every run; the seed is in every failure message.
-SEED = int(os.environ.get("R3SRV_ROUTER_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+# A fixed seed, in every failure message; R3SRV_ROUTER_TEST_SEED explores others by hand.
+SEED = int(os.environ.get("R3SRV_ROUTER_TEST_SEED") or 20261201)
 CAPTURE_DTYPES = (torch.uint8, torch.uint16, torch.int32)
 POISON = 0x5A  # a valid-looking id: an unwritten cell would not stand out as garbage
 
@@ -193,10 +193,9 @@ def test_select_experts_runs_the_kernel_when_asked(monkeypatch):
     calls = []
     real = router_triton.route_triton
     monkeypatch.setattr(router_triton, "route_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(router, "_backend", "triton")
     logits = torch.randn(9, 60, generator=generator(1))
     capture = torch.full((9, 2, 4), 200, dtype=torch.uint8)
-    weights, ids = router.select_experts(logits, 4, capture=capture[:, 1])
+    weights, ids = router.select_experts(logits, 4, capture=capture[:, 1], backend="triton")
     want_w, want_ids = route_reference(logits, 4)
     assert calls == [1]
     assert torch.equal(ids, want_ids) and torch.equal(capture[:, 1].int(), want_ids)
@@ -204,8 +203,8 @@ def test_select_experts_runs_the_kernel_when_asked(monkeypatch):
 
 
 def test_auto_backend_keeps_cpu_tensors_on_torch(monkeypatch):
-    monkeypatch.setattr(router, "_backend", "auto")
     monkeypatch.setattr(router_triton, "route_triton", lambda *a, **k: pytest.fail("kernel used for CPU tensors"))
-    logits = torch.randn(3, 8)
-    assert not router.uses_triton(logits, 2)
-    router.select_experts(logits, 2)
+    logits = torch.randn(3, 8, generator=generator(2))
+    assert not router.uses_triton(logits, 2, backend="auto")
+    router.select_experts(logits, 2, backend="auto")
+    router.select_experts(logits, 2)  # the default: "auto" unless settings force torch

@@ -22,7 +22,7 @@ pytestmark = [
 @pytest.mark.parametrize("family, layers", [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}),
                                             ("mixtral", {"sliding_window": 4}), ("deepseek_v3", {})])
 def test_cuda_decodes_through_the_kernel_equal_the_torch_path(family, layers, tmp_path, monkeypatch,
-                                                              full_precision_matmuls):
+                                                              full_precision_matmuls, r3srv_settings):
     from r3srv.models import attention
 
     path = write_tiny_checkpoint(tmp_path / family, family, seed=2, **layers)
@@ -39,10 +39,10 @@ def test_cuda_decodes_through_the_kernel_equal_the_torch_path(family, layers, tm
         return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
 
     monkeypatch.setattr(attention, "_decode_launcher", lambda: counted)
-    monkeypatch.setenv(attention.TRITON_DECODE_ENV, "1")
+    r3srv_settings(triton_decode=True)
     kernel = generate()
     assert calls, "the CUDA decodes never took the kernel"
-    monkeypatch.setenv(attention.TRITON_DECODE_ENV, "0")
+    r3srv_settings(triton_decode=False)
     calls.clear()
     torch_path = generate()
     assert not calls

@@ -27,14 +27,12 @@ def _digests(path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
+    from r3srv import settings
+
     path = tmp_path_factory.mktemp("r3srv-cache")
-    old = os.environ.get("R3SRV_CACHE_DIR")
-    os.environ["R3SRV_CACHE_DIR"] = str(path)
+    previous = settings.configure(settings.current().replace(cache_dir=path))
     yield path
-    if old is None:
-        del os.environ["R3SRV_CACHE_DIR"]
-    else:
-        os.environ["R3SRV_CACHE_DIR"] = old
+    settings.configure(previous)
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,10 @@ def test_bad_config_exits_before_binding():
         (["--prefill-context-parallel-size", "4"], ["prefill_context_parallel_size=4"]),
         (["--dtype", "float8"], ["dtype"]),
         (["--device", "tpu"], ["device"]),
-        (["--tensor-parallel-size", "2"], ["tensor_parallel_size=2", "one device"]),
+        (["--tensor-parallel-size", "3"], ["cannot be split", "over 3 ranks"]),
+        (["-tp", "2", "--nnodes", "2"], ["master_port is required"]),
+        (["--node-rank", "1"], ["node_rank=1"]),
+        (["-tp", "2", "-dp", "2"], ["--data-parallel-size with --tensor-parallel-size"]),
         (["-dp", "2", "--device", "cuda:1"], ["cuda:1", "--data-parallel-size 2"]),  # a fleet needs a device each
         (["/no/such/checkpoint"], ["/no/such/checkpoint"]),
     ],
@@ -100,7 +103,8 @@ def test_bad_configs_are_reported(flags, words, capsys):
 
 
 def test_sigint_stops_cleanly_and_ends_open_streams():
-    """Ctrl-C with a stream open: the stream ends with finish_reason "abort" and [DONE], exit 0, quickly.
+    """Ctrl-C with a stream open: the stream ends with finish_reason "abort" and [DONE] (not cut by
+    uvicorn's graceful-shutdown timeout, which would end it without either), exit 0.
     (SIGTERM: every server fixture's teardown asserts exit status 0.)"""
     srv = RemoteServer(*TEST_SERVER_ARGS)
     result: dict = {}
@@ -119,12 +123,9 @@ def test_sigint_stops_cleanly_and_ends_open_streams():
         while "r3srv_num_requests_running 1.0" not in httpx.get(srv.url + "/metrics").text:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        t0 = time.monotonic()
         rc = srv.stop(signal.SIGINT, timeout=30)
-        elapsed = time.monotonic() - t0
         thread.join(timeout=30)
         assert rc == 0, srv.log
-        assert elapsed < 5, f"stopping took {elapsed:.1f}s"
         assert result == {"done": True, "finish": "abort"}
         assert "Traceback" not in srv.log, srv.log
         with pytest.raises(httpx.ConnectError):

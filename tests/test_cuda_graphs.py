@@ -20,7 +20,7 @@ import torch
 from engine_testing import GREEDY, one_torch_thread, prompt_ids, run_with_aborts  # noqa: F401 (fixture)
 from r3srv import SamplingParams
 from r3srv.cli import build_parser, engine_kwargs
-from r3srv.config import CUDA_GRAPHS_ENV, EngineConfig
+from r3srv.config import EngineConfig
 from r3srv.engine import cuda_graphs, llm_engine
 from r3srv.engine.cuda_graphs import batch_size_buckets, bucket_for, is_graph_decode, pad_decode_inputs
 from r3srv.engine.llm_engine import LLMEngine
@@ -88,14 +88,14 @@ def _config(args) -> EngineConfig:
     return EngineConfig(**{k: v for k, v in engine_kwargs(args).items() if k in EngineConfig.__dataclass_fields__})
 
 
-def test_flags(monkeypatch):
+def test_flags(r3srv_settings):
     parser = build_parser()
     argv = ["serve", "--device", "cpu"]
-    monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
+    r3srv_settings(cuda_graphs=False)
     assert _config(parser.parse_args(argv)).cuda_graphs is False  # off by default
-    monkeypatch.setenv(CUDA_GRAPHS_ENV, "1")
+    r3srv_settings(cuda_graphs=True)  # $R3SRV_CUDA_GRAPHS=1
     assert _config(parser.parse_args(argv)).cuda_graphs is True
-    monkeypatch.delenv(CUDA_GRAPHS_ENV)
+    r3srv_settings(cuda_graphs=False)
     asked = _config(parser.parse_args(argv + ["--cuda-graphs"]))
     assert asked.cuda_graphs and not asked.use_cuda_graphs  # on the CPU there is nothing to capture
     cuda = dict(device="cuda") if torch.cuda.is_available() else None

@@ -166,3 +166,53 @@ def test_fuzz_headers_never_crash(header, data, version):
     except ValueError:
         return
     assert out.nbytes == len(data)
+
+
+def _assert_value_error_or_numpy(text) -> None:
+    """The decoder raises ValueError, or returns what numpy's own np.load reads from the text."""
+    try:
+        got = decode_routed_experts(text)
+    except ValueError:
+        return
+    try:
+        want = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    except Exception as exc:  # numpy and binascii refuse bad input with many exception types
+        raise AssertionError(f"decoded text numpy refuses ({exc}): {text!r}") from None
+    _assert_identical(got, want)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    rows=st.integers(0, 40),
+    edits=st.lists(
+        st.tuples(st.sampled_from(["set", "insert", "delete"]), st.integers(0, 100_000),
+                  st.characters(min_codepoint=0, max_codepoint=0x2FF)),
+        max_size=6,
+    ),
+    cut=st.integers(0, 100_000),
+    as_bytes=st.booleans(),
+)
+def test_fuzz_decodes_as_numpy_does_or_raises_value_error(dtype, rows, edits, cut, as_bytes):
+    """Untrusted text (mutated, inserted into, cut, any code point, str or bytes): the decoder
+    either raises ValueError or returns exactly what numpy's own np.load reads from it."""
+    array = np.random.default_rng(rows).integers(0, 256, rows * 6 * np.dtype(dtype).itemsize, dtype=np.uint8)
+    text = list(numpy2base64(array.view(dtype).reshape(rows, 2, 3) if rows else array.view(dtype)))
+    for op, pos, ch in edits:
+        pos %= len(text) + 1
+        if op == "insert":
+            text.insert(pos, ch)
+        elif text and op == "set":
+            text[pos % len(text)] = ch
+        elif text:
+            del text[pos % len(text)]
+    text = "".join(text)[: cut or None]
+    if as_bytes:
+        text = text.encode("utf-8", "surrogatepass")
+    _assert_value_error_or_numpy(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.one_of(st.binary(max_size=300), st.text(max_size=300)))
+def test_fuzz_arbitrary_input_is_value_error_or_numpy(text):
+    _assert_value_error_or_numpy(text)

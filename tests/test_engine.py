@@ -278,7 +278,7 @@ def test_stop_trimming_keeps_logprobs_consistent(llm):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_engine_rows_match_across_prefix_hits_and_seeds():
     # float32: the warm run computes the prompt's tail in a different batch shape, and in
-    # bfloat16 a last-bit difference flips near-tie router picks often (README: floating
+    # bfloat16 a last-bit difference flips near-tie router picks often (docs/architecture.md: floating
     # point is not batch-invariant); in float32 such ties are as rare as on the CPU.
     gpu = LLM(device="cuda", dtype="float32", max_model_len=256)
     prompt = prompt_ids(40, base=3)

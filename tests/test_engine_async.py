@@ -51,7 +51,7 @@ def test_facts_for_the_server(engine):
 
 def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatch):
     """Which requests share a step depends on timing, and a token computed in another batch
-    shape may round differently (README: floating point is not batch-invariant). So the rows
+    shape may round differently (docs/architecture.md: floating point is not batch-invariant). So the rows
     are checked against the router logits of the steps that actually ran (deterministic
     whatever the batching), and the tokens against an offline run."""
     steps: list[list[tuple[str, int, int]]] = []  # per step: (request_id, first position, tokens)

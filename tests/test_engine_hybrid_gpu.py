@@ -77,15 +77,15 @@ def test_cuda_hybrid_engine_matches_the_cpu_engine(family, tmp_path, full_precis
 
 @pytest.mark.parametrize("family", [family for family, (step, _) in HYBRIDS.items() if step is not None])
 def test_fused_steps_equal_the_torch_steps_on_cuda(family, tmp_path, full_precision_matmuls, counted_fused_steps,
-                                                   monkeypatch):
+                                                   r3srv_settings):
     from r3srv.models import recurrent
 
     path, step = _checkpoint(family, tmp_path)
     fused = _generate(path, "cuda")
     assert counted_fused_steps[step] > 0
-    monkeypatch.setenv(recurrent.FUSED_STEP_ENV, "0")
+    r3srv_settings(fused_step=False)
     recurrent.fused_kernel.cache_clear()
     calls = dict(counted_fused_steps)
     unfused = _generate(path, "cuda")
-    assert counted_fused_steps == calls  # R3SRV_FUSED_STEP=0: the torch steps only
+    assert counted_fused_steps == calls  # settings.fused_step off: the torch steps only
     _assert_same(fused, unfused)

@@ -53,8 +53,8 @@ def test_cuda_float32_matches_cpu(family, tmp_path, full_precision_matmuls):
     assert torch.equal(gpu_rows, cpu_rows)
 
 
-def test_builtin_model_runs_in_bfloat16_on_cuda(tmp_path, monkeypatch):
-    monkeypatch.setenv("R3SRV_CACHE_DIR", str(tmp_path))
+def test_builtin_model_runs_in_bfloat16_on_cuda(tmp_path, r3srv_settings):
+    r3srv_settings(cache_dir=tmp_path)
     model, tokenizer = load_model(None, device="cuda")
     assert model.dtype == torch.bfloat16  # "auto": the checkpoint's dtype on CUDA
     logits, rows = _prefill(model, tokenizer.encode("Hello, GPU"), "cuda")
@@ -62,7 +62,7 @@ def test_builtin_model_runs_in_bfloat16_on_cuda(tmp_path, monkeypatch):
     assert all(len(set(r)) == model.config.top_k for r in rows.reshape(-1, model.config.top_k).tolist())
 
 
-def test_grouped_expert_gemms_on_cuda_match_the_loop(monkeypatch):
+def test_grouped_expert_gemms_on_cuda_match_the_loop(r3srv_settings):
     from r3srv.models import moe
 
     if moe._GROUPED_MM is None:
@@ -75,6 +75,6 @@ def test_grouped_expert_gemms_on_cuda_match_the_loop(monkeypatch):
     weights, ids = weights.cuda(), ids.to("cuda", torch.int32)
     assert moe.uses_grouped_mm(x, w2)
     grouped = moe.grouped_experts(x, w13, w2, weights, ids)
-    monkeypatch.setenv(moe.GROUPED_MM_ENV, "0")
+    r3srv_settings(grouped_mm=False)
     looped = moe.grouped_experts(x, w13, w2, weights, ids)
     torch.testing.assert_close(grouped.float(), looped.float(), rtol=2e-2, atol=2e-2)

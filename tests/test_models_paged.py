@@ -166,23 +166,29 @@ def test_mla_caches_one_latent_per_token(tmp_path):
     assert attn.v_cache.data_ptr() == attn.k_cache.data_ptr() and attn.v_cache.shape[-1] == cfg.attention.mla.kv_lora_rank
 
 
-def test_cpu_forward_thread_count(model, monkeypatch):
+def test_cpu_thread_count_is_set_when_the_model_is_built_not_per_forward(tmp_path, monkeypatch, r3srv_settings):
     from r3srv.errors import ConfigError
-    from r3srv.models.model import _cpu_threads
+    from r3srv.settings import Settings
 
-    monkeypatch.delenv("R3SRV_CPU_THREADS", raising=False)
-    assert _cpu_threads() == 1  # default: one intra-op thread per CPU forward
-    monkeypatch.setattr(model, "cpu_threads", 1)
-    seen = []
-    original = model._forward
-    monkeypatch.setattr(model, "_forward", lambda batch: seen.append(torch.get_num_threads()) or original(batch))
+    assert Settings.from_environ({}).cpu_threads == 1  # default: one intra-op thread for CPU forwards
     before = torch.get_num_threads()
-    model.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, NUM_BLOCKS)
-    model.forward(_batch(model, [(_tokens(5, seed=9), 0, [0, 1])]))
-    assert seen == [1] and torch.get_num_threads() == before  # restored after the step
-    monkeypatch.setenv("R3SRV_CPU_THREADS", "zero")
+    try:
+        r3srv_settings(cpu_threads=3)
+        model, _ = load_model(write_tiny_checkpoint(tmp_path, "qwen3_moe", seed=3))
+        assert torch.get_num_threads() == 3
+        torch.set_num_threads(2)
+        seen = []
+        original = model._forward
+        monkeypatch.setattr(model, "_forward", lambda batch: seen.append(torch.get_num_threads()) or original(batch))
+        model.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, NUM_BLOCKS)
+        model.forward(_batch(model, [(_tokens(5, seed=9), 0, [0, 1])]))
+        assert seen == [2] and torch.get_num_threads() == 2  # a forward leaves the count alone
+    finally:
+        torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="R3SRV_CPU_THREADS"):
-        _cpu_threads()
+        Settings.from_environ({"R3SRV_CPU_THREADS": "zero"})
+    with pytest.raises(ConfigError, match="R3SRV_CPU_THREADS"):
+        Settings.from_environ({"R3SRV_CPU_THREADS": "0"})
 
 
 @pytest.mark.parametrize("budget", [1, 24, 1 << 16], ids=["one-per-group", "small-groups", "one-group"])

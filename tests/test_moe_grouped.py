@@ -47,7 +47,7 @@ def test_grouped_gemms_equal_the_loop_bitwise(tokens, experts, top_k, dtype, gpt
     assert torch.equal(grouped, looped)
 
 
-def test_dispatch_on_the_cpu(monkeypatch):
+def test_dispatch_on_the_cpu(r3srv_settings):
     rows, w2 = torch.zeros(64, 8), torch.zeros(64, 8, 4)  # 64 experts, hidden 8, intermediate 4
     assert moe.uses_grouped_mm(rows, w2)  # a row per expert: grouped
     assert not moe.uses_grouped_mm(rows[:8], w2)  # one-sequence decode: the loop
@@ -55,7 +55,7 @@ def test_dispatch_on_the_cpu(monkeypatch):
     # rows that do not start on 16-byte boundaries (10 floats, 6 bfloat16s): grouped_mm refuses them
     assert not moe.uses_grouped_mm(torch.zeros(64, 10), torch.zeros(64, 10, 4))
     assert not moe.uses_grouped_mm(torch.zeros(64, 8, dtype=torch.bfloat16), torch.zeros(64, 8, 6, dtype=torch.bfloat16))
-    monkeypatch.setenv(moe.GROUPED_MM_ENV, "0")
+    r3srv_settings(grouped_mm=False)
     assert not moe.uses_grouped_mm(rows, w2)
 
 
@@ -65,10 +65,10 @@ def test_unaligned_shapes_take_the_loop_and_still_work():
     assert out.shape == x.shape and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("force_loop", ["0", "1"])
+@pytest.mark.parametrize("grouped_mm", [False, True])
 @pytest.mark.parametrize("tokens", [32, 3])  # 3 tokens x 2 slots < 8 experts: one pair at a time
-def test_the_whole_expert_pass_is_the_same_on_either_path(monkeypatch, force_loop, tokens):
-    monkeypatch.setenv(moe.GROUPED_MM_ENV, force_loop)
+def test_the_whole_expert_pass_is_the_same_on_either_path(r3srv_settings, grouped_mm, tokens):
+    r3srv_settings(grouped_mm=grouped_mm)
     x, w13, w2, weights, ids = random_routing(torch.Generator().manual_seed(3), tokens, 8, 2, 16, 8, torch.float32)
     want = torch.zeros_like(x)
     for t in range(tokens):  # the definition, token by token

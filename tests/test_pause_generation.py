@@ -114,9 +114,8 @@ def test_async_pause_modes(policies):
         while engine._engine.requests["retracted"].seqs[0].num_output_tokens < 3:
             await asyncio.sleep(0.001)
         assert await engine.pause_generation("retract") == {"aborted": 0, "retracted": 1}
-        start = time.monotonic()
         await engine.update_weights(str(v1), weight_version="v1")
-        assert time.monotonic() - start < 5 and not task.done()
+        assert not task.done()  # the update did not wait for the request to finish
         assert await engine.continue_generation() is True
         assert await engine.continue_generation() is False  # not paused any more
         with pytest.raises(InvalidRequestError, match="mode must be one of"):

@@ -14,15 +14,13 @@ CUDA_LIKE = SimpleNamespace(is_cuda=True, shape=(4, 128))  # uses_triton reads o
 
 
 @pytest.fixture(autouse=True)
-def restore_backend(monkeypatch):
-    monkeypatch.delenv(router.FORCE_TORCH_ENV, raising=False)
-    yield
-    router.set_router_backend("auto")
+def default_backend(r3srv_settings):
+    r3srv_settings(force_torch_router=False)
 
 
 def test_auto_uses_the_kernel_for_cuda_tensors_only():
-    assert router.get_router_backend() == "auto"
     assert router.uses_triton(CUDA_LIKE, 8) == router.triton_available()
+    assert router.uses_triton(CUDA_LIKE, 8, backend="auto") == router.triton_available()
     assert not router.uses_triton(torch.zeros(2, 8), 2)
 
 
@@ -51,19 +49,20 @@ def test_dispatcher_limits_match_the_kernel():
 
 
 @pytest.mark.parametrize("value,forced", [("1", True), ("true", True), ("0", False), ("", False)])
-def test_env_var_forces_torch_in_auto_mode(monkeypatch, value, forced):
-    monkeypatch.setenv(router.FORCE_TORCH_ENV, value)
+def test_env_var_forces_torch_in_auto_mode(r3srv_settings, value, forced):
+    from r3srv.settings import Settings
+
+    r3srv_settings(force_torch_router=Settings.from_environ({"R3SRV_FORCE_TORCH_ROUTER": value}).force_torch_router)
     assert router.uses_triton(CUDA_LIKE, 8) == (router.triton_available() and not forced)
+    assert router.uses_triton(CUDA_LIKE, 8, backend="auto") == router.triton_available()  # an explicit choice wins
 
 
 def test_explicit_backends():
-    router.set_router_backend("torch")
-    assert not router.uses_triton(CUDA_LIKE, 8)
-    router.set_router_backend("triton")
-    assert router.uses_triton(torch.zeros(2, 8), 2)
+    assert not router.uses_triton(CUDA_LIKE, 8, backend="torch")
+    if router.triton_available():
+        assert router.uses_triton(torch.zeros(2, 8), 2, backend="triton")
     with pytest.raises(ValueError, match="unknown router backend"):
-        router.set_router_backend("cuda")
-    assert router.get_router_backend() == "triton"  # a rejected name changes nothing
+        router.uses_triton(CUDA_LIKE, 8, backend="cuda")
 
 
 def test_cpu_routing_is_the_reference():
@@ -84,6 +83,5 @@ def test_forced_kernel_refuses_cpu_tensors_without_the_interpreter():
 
     if router_triton.interpreter_enabled():
         pytest.skip("this process runs triton in its interpreter: CPU tensors are accepted")
-    router.set_router_backend("triton")
     with pytest.raises(ValueError, match="CUDA tensors"):
-        router.select_experts(torch.zeros(2, 8), 2)
+        router.select_experts(torch.zeros(2, 8), 2, backend="triton")

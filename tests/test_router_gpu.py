@@ -17,12 +17,11 @@ pytestmark = [
     [(e, k) for e in (8, 60, 128, 160, 256, 384, 512) for k in (1, 2, 6, 8, 10) if k <= e],  # 8 experts: no top-10
 )
 @pytest.mark.parametrize("scoring,with_bias", [("softmax", False), ("sigmoid", True)])
-def test_cuda_select_experts_matches_cpu_reference(monkeypatch, num_experts, top_k, scoring, with_bias):
+def test_cuda_select_experts_matches_cpu_reference(r3srv_settings, num_experts, top_k, scoring, with_bias):
     from r3srv.kernels import router
     from r3srv.kernels.router_reference import route_reference
 
-    monkeypatch.delenv(router.FORCE_TORCH_ENV, raising=False)
-    router.set_router_backend("auto")
+    r3srv_settings(force_torch_router=False)
     logits = torch.randn(1000, num_experts, device="cuda") * 2
     bias = torch.randn(num_experts, device="cuda") * 0.3 if with_bias else None
     dtype = torch.uint8 if num_experts <= 256 else torch.int32
@@ -43,12 +42,11 @@ def test_cuda_select_experts_matches_cpu_reference(monkeypatch, num_experts, top
     [(256, 8, (8, 4, 2)), (160, 6, (8, 3, 1)), (384, 8, (32, 4, 2))],
     ids=["deepseek-v3", "deepseek-v2", "32-groups"],
 )
-def test_cuda_group_limited_routing_matches_cpu_reference(monkeypatch, num_experts, top_k, groups):
+def test_cuda_group_limited_routing_matches_cpu_reference(r3srv_settings, num_experts, top_k, groups):
     from r3srv.kernels import router
     from r3srv.kernels.router_reference import route_reference
 
-    monkeypatch.delenv(router.FORCE_TORCH_ENV, raising=False)
-    router.set_router_backend("auto")
+    r3srv_settings(force_torch_router=False)
     num_groups, topk_groups, group_score_top = groups
     logits = torch.randn(1000, num_experts, device="cuda") * 2
     bias = torch.randn(num_experts, device="cuda") * 0.3 if group_score_top == 2 else None

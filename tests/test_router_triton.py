@@ -3,7 +3,6 @@ in a fresh subprocess (tests/interpreter_testing.py)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from interpreter_testing import assert_cases_pass_in_interpreter
 
 CASES = Path(__file__).with_name("router_triton_cases.py")
-SEED = int.from_bytes(os.urandom(4), "little")  # passed down: fresh logits, replayable
+SEED = 20261201  # passed down: the same logits every run
 
 
 def test_kernel_matches_reference_in_the_triton_interpreter():

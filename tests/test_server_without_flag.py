@@ -62,8 +62,8 @@ def test_other_model_names_are_not_found(client):
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_the_loop_keeps_serving_while_a_huge_prompt_is_tokenized(server, api):
     """A 2.4M-character prompt takes the server seconds to tokenize (then 400: too long for
-    max_model_len); /health must keep answering meanwhile. Before tokenization moved off the
-    event loop, /health waited as long as the big request (ratio ~0.95); now ~0.05."""
+    max_model_len); /health must keep answering meanwhile (docs/benchmarks.md: the probe's worst
+    wait against the request's time, before and after tokenization left the event loop)."""
     import threading
     import time
 
@@ -76,23 +76,22 @@ def test_the_loop_keeps_serving_while_a_huge_prompt_is_tokenized(server, api):
     result: dict = {}
 
     def big_request() -> None:
-        start = time.perf_counter()
         result["response"] = httpx.post(server.url + path, json=body, timeout=120)
-        result["seconds"] = time.perf_counter() - start
 
     worker = threading.Thread(target=big_request)
     worker.start()
-    worst = 0.0
+    answered_in_flight = 0
     with httpx.Client(timeout=120) as probe:
         while worker.is_alive():
-            start = time.perf_counter()
             assert probe.get(server.url + "/health").status_code == 200
-            worst = max(worst, time.perf_counter() - start)
+            answered_in_flight += "response" not in result
             time.sleep(0.005)
     worker.join()
     response = result["response"]
     assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
-    assert worst < 0.5 * result["seconds"], (worst, result["seconds"])
+    # Tokenizing on the loop would hold every probe until the 400 (a probe or two before it
+    # starts); off the loop they keep coming back meanwhile (a count, not a time).
+    assert answered_in_flight >= 10, answered_in_flight
 
 
 @pytest.mark.parametrize(

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
+
+from r3srv import settings
 
 logger = logging.getLogger("r3srv.serve")
 
 EXIT_CONFIG_ERROR = 2
-EXIT_ENGINE_DIED = 3  # the engine loop died while serving: restart the server
+EXIT_ENGINE_DIED = 3  # the engine loop (or a tensor-parallel rank) died while serving: restart the server
+# after a rank died: the process exits this long after even if a collective holds the shutdown
+_RANK_DEATH_HARD_EXIT_S = 15.0
 
 
 def _positive_int(text: str) -> int:
@@ -73,11 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory-fraction", type=float, default=None, help="share of free memory for the KV cache"
     )
     serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    serve.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="ranks (devices) the model is split over, one worker process each (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="with -tp N: each rank holds 1/N of the routed experts whole, not a slice of every expert",
+    )
+    dist = serve.add_argument_group("multi-node rendezvous (torch.distributed TCP; see docs/parallelism.md)")
+    dist.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (default: %(default)s)")
+    dist.add_argument("--master-port", type=int, default=0, help="a port every node names (default: a free one, one node)")
+    dist.add_argument("--nnodes", type=int, default=1, help="nodes the ranks span (default: %(default)s)")
+    dist.add_argument("--node-rank", type=int, default=0,
+                      help="this node; only node 0 serves HTTP, the others run their ranks' workers (default: %(default)s)")
     serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
                        help="N > 1: N replicas (a device each) behind the SGLang router on --host/--port "
                        "(needs r3srv[router]; docs/fleet.md)")
-    # vLLM's flags, accepted so launch scripts that pass 1 work; more than 1 is a clear start-up error
-    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     serve.add_argument(
@@ -124,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--enforce-eager", action="store_true", help="vLLM's flag: no CUDA graphs, whatever else asks")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    settings.add_arguments(serve)
     return parser
 
 
@@ -145,6 +164,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         prefill_context_parallel_size=args.prefill_context_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
         cuda_graphs=args.cuda_graphs,
         enforce_eager=args.enforce_eager,
     )
@@ -182,20 +206,32 @@ def _peers_but_self(args: argparse.Namespace) -> list[str]:
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from r3srv.errors import ConfigError
+
+    try:  # before anything reads them: the model, the encoder
+        settings.configure(settings.from_args(args))
+    except ConfigError as exc:
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     # Imported here so `r3srv --help` stays fast.
     import uvicorn
 
     from r3srv.engine.async_llm import AsyncLLM
-    from r3srv.errors import ConfigError
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
     from r3srv.server.connections import guarded_h11
 
+    if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
+        print("r3srv serve: configuration error: --data-parallel-size with --tensor-parallel-size is not supported "
+              "yet (a replica's ranks would take every replica's devices); run one or the other", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
         from r3srv.data_parallel import serve_fleet
 
         return serve_fleet(args, build_parser())
     if args.model is None:
         logger.warning("no MODEL given: serving the built-in model, whose weights are RANDOM (text is meaningless)")
+    if args.node_rank > 0:
+        return _serve_node(args)
     try:
         engine = AsyncLLM(args.model, **engine_kwargs(args))
     except ConfigError as exc:
@@ -245,6 +281,16 @@ def serve(args: argparse.Namespace) -> int:
         access_log=args.log_level == "debug",
     )
     server = server_class(config)
+
+    def rank_died(error: BaseException) -> None:
+        # the engine is dead (/health 503, the app's watcher stops the server); exit even if a hung
+        # collective holds the shutdown
+        logger.error("the engine stopped: %s", error)
+        timer = threading.Timer(_RANK_DEATH_HARD_EXIT_S, os._exit, args=(EXIT_ENGINE_DIED,))
+        timer.daemon = True
+        timer.start()
+
+    engine.on_dead.append(rank_died)
     try:
         server.run()
     finally:
@@ -253,6 +299,22 @@ def serve(args: argparse.Namespace) -> int:
         return EXIT_ENGINE_DIED
     # uvicorn exits quietly (started False) when it cannot bind the port.
     return 0 if server.started else 1
+
+
+def _serve_node(args: argparse.Namespace) -> int:
+    """A node other than node 0: its ranks' workers, which node 0's engine drives."""
+    from r3srv.engine.llm_engine import engine_config
+    from r3srv.engine.multiproc_executor import rank_setup, run_node
+    from r3srv.errors import ConfigError
+
+    try:
+        spec, rendezvous = rank_setup(engine_config(args.model, **engine_kwargs(args)))
+    except ConfigError as exc:
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    logger.info("node %d of %d: ranks %s for the engine at %s:%d", args.node_rank, args.nnodes,
+                list(rendezvous.local_ranks), args.master_addr, args.master_port)
+    return run_node(spec, rendezvous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

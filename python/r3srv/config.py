@@ -7,25 +7,30 @@ Checks that need the model (MoE layers, context length, KV pool size) run in
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from r3srv import settings
 from r3srv.errors import ConfigError
-
-CUDA_GRAPHS_ENV = "R3SRV_CUDA_GRAPHS"  # "1": capture decode steps when EngineConfig.cuda_graphs is not given
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
 class ParallelConfig:
-    """Parallelism r3srv can serve with: one device, no sharded KV layout."""
+    """Parallelism r3srv can serve with: tensor parallelism over worker processes (one rank per
+    device; expert parallelism over the same ranks), no sharded KV layout; the rendezvous of
+    the ranks (torch.distributed TCP: node 0's address and a port every node names)."""
 
     pipeline_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one node)
+    nnodes: int = 1
+    node_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size",
@@ -33,13 +38,22 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        for name in ("tensor_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if value > 1:  # vLLM's flags, which launch scripts pass: say so before loading anything
-                raise ConfigError(
-                    f"{name}={value} is not supported: r3srv serves from one device; for more throughput "
-                    f"run one server per GPU behind a router; use {name}=1"
-                )
+        if self.data_parallel_size > 1:  # vLLM's flag, which launch scripts pass: say so before loading anything
+            raise ConfigError(
+                f"data_parallel_size={self.data_parallel_size} is not supported: for more throughput run one "
+                "server per replica behind a router; use data_parallel_size=1"
+            )
+        if not (isinstance(self.nnodes, int) and self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes):
+            raise ConfigError(f"node_rank={self.node_rank!r} must be in 0..nnodes-1 (nnodes={self.nnodes!r})")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of nnodes={self.nnodes} "
+                "(every node runs as many ranks)"
+            )
+        if not (isinstance(self.master_port, int) and 0 <= self.master_port < 65536):
+            raise ConfigError(f"master_port={self.master_port!r} must be a TCP port (0: a free one)")
+        if self.nnodes > 1 and not self.master_port:
+            raise ConfigError("master_port is required with nnodes > 1: every node must name the same port")
         if self.pipeline_parallel_size > 1:
             raise ConfigError(
                 f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: routed experts are "
@@ -74,7 +88,7 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     weight_version: str = "0"  # names the weights in outputs until an update names new ones
-    # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py). None: $R3SRV_CUDA_GRAPHS == "1".
+    # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py). None: settings.cuda_graphs ($R3SRV_CUDA_GRAPHS).
     # Off by default until a GPU run has checked them; enforce_eager (vLLM's flag) wins.
     cuda_graphs: bool | None = None
     enforce_eager: bool = False
@@ -110,7 +124,7 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
         if self.cuda_graphs is None:
-            self.cuda_graphs = os.environ.get(CUDA_GRAPHS_ENV, "0") == "1"
+            self.cuda_graphs = settings.current().cuda_graphs
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -1,10 +1,10 @@
 """Running request preparation off the event loop once it is big enough to stall it.
 
-Tokenizing a 120k-character prompt takes about 50 ms and checking 120k token ids about
-10 ms: on the event loop that is 50 ms in which no other client is served. On a worker
-thread the loop keeps running (the tokenizer releases the GIL for long texts, and pure
-Python work is switched out every few ms). Small inputs stay inline, where a thread
-hand-off (about 50 us) would cost more than the work.
+Tokenizing a long prompt or checking many token ids takes tens of milliseconds
+(docs/benchmarks.md): on the event loop, time in which no other client is served. On a
+worker thread the loop keeps running (the tokenizer releases the GIL for long texts, and
+pure Python work is switched out every few ms). Small inputs stay inline, where a thread
+hand-off would cost more than the work.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ decoder that the server and clients use are the Rust ones in ``r3srv._core``:
   adds a double quote at each end: the JSON string, ready for ``msgspec.Raw``.
 - ``decode_routed_experts(text: str | bytes) -> np.ndarray`` is the inverse; malformed or
   hostile text raises ValueError.
+- ``encoder_isa() -> str`` names the base64 kernel both use on this CPU ("avx512vbmi",
+  "avx2" or "portable"; settings.base64_isa can ask for a slower one).
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ import io
 import numpy as np
 import pybase64
 
-from r3srv._core import decode_routed_experts, encode_routed_experts
+from r3srv import settings
+from r3srv._core import configure_encoder, decode_routed_experts, encode_routed_experts, encoder_isa
 
-__all__ = ["numpy2base64", "encode_routed_experts", "decode_routed_experts"]
+__all__ = ["numpy2base64", "encode_routed_experts", "decode_routed_experts", "encoder_isa"]
+
+# The encoder's settings are fixed once per process, before its first use.
+_settings = settings.current()
+configure_encoder(_settings.encode_threads, _settings.huge_pages, _settings.base64_isa)
 
 
 def numpy2base64(array: np.ndarray) -> str:

@@ -22,7 +22,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# From here on the GIL-releasing path is worth its thread hand-off (about 1 ms of encoding).
+# From here on the GIL-releasing path is worth its thread hand-off (docs/benchmarks.md).
 GIL_FREE_ENCODE_CHARS = 4096
 
 

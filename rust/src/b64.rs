@@ -12,15 +12,14 @@ pub const fn encoded_len(n: usize) -> usize {
 
 /// Encodes `src` (any length) into the front of `dst`, with padding; returns chars written.
 ///
-/// On CPUs with AVX-512 VBMI the bulk goes through `b64_x86` (measured 2-3x faster than
-/// base64-simd 0.8 here, see docs/encoding.md); the tail, and every byte on other CPUs, goes
-/// through base64-simd.
+/// On CPUs with AVX-512 VBMI the bulk goes through `b64_x86` (faster than base64-simd 0.8,
+/// docs/encoding.md); the tail, and every byte on other CPUs, goes through base64-simd.
 #[inline]
 pub fn encode_into(src: &[u8], dst: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: best_isa() only returns kernels this CPU supports (runtime detection).
-        unsafe { encode_with(crate::b64_x86::best_isa(), src, dst) }
+        // SAFETY: active_isa() only returns kernels this CPU supports (runtime detection).
+        unsafe { encode_with(crate::b64_x86::active_isa(), src, dst) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -32,7 +31,7 @@ pub fn encode_into(src: &[u8], dst: &mut [u8]) -> usize {
 ///
 /// # Safety
 /// The CPU must support `isa` (it must come from `b64_x86::supported_isas()` or
-/// `best_isa()`): the kernels are compiled for AVX-512/AVX2 and are undefined behaviour
+/// `active_isa()`): the kernels are compiled for AVX-512/AVX2 and are undefined behaviour
 /// (SIGILL at best) elsewhere, so a safe signature would be unsound.
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) -> usize {
@@ -53,6 +52,9 @@ pub unsafe fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) 
             // Outputs far larger than the caches: non-temporal stores skip reading every
             // destination line first.
             let head = if src.len() >= STREAM_MIN_LEN { align_head(dst, 64) } else { None };
+            // SAFETY: the caller guarantees AVX-512 VBMI (this function's contract); `dst` holds
+            // encoded_len(src.len()) >= src.len() / 3 * 4 chars from each start, and align_head
+            // aligned it to 64 bytes for the streaming stores.
             done = match head {
                 Some(head) => head + unsafe { avx512_blocks::<true>(&src[head..], &mut dst[head / 3 * 4..]) },
                 None => unsafe { avx512_blocks::<false>(src, dst) },
@@ -61,6 +63,8 @@ pub unsafe fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) 
         Isa::Avx2 if src.len() >= STREAM_MIN_LEN => {
             // Below the streaming size our AVX2 kernel is no faster than base64-simd's.
             if let Some(head) = align_head(dst, 32) {
+                // SAFETY: the caller guarantees AVX2; `dst` is long enough (as above) and
+                // align_head aligned it to 32 bytes for the streaming stores.
                 done = head + unsafe { avx2_blocks::<true>(&src[head..], &mut dst[head / 3 * 4..]) };
             }
         }
@@ -69,9 +73,9 @@ pub unsafe fn encode_with(isa: crate::b64_x86::Isa, src: &[u8], dst: &mut [u8]) 
     done / 3 * 4 + encode_into_portable(&src[done..], &mut dst[done / 3 * 4..])
 }
 
-/// From this input size on, the AVX-512 kernel uses non-temporal stores. Same-run ratios
-/// against pybase64 here: at 3 MB, 0.67-0.86 with them vs 0.99-1.0 without; at 196 KB
-/// (cache-resident) they were 3.3x slower, so small outputs keep plain stores.
+/// From this input size on, the AVX-512 kernel uses non-temporal stores: they skip reading
+/// every destination line of outputs far larger than the caches, but are slower for
+/// cache-resident ones (docs/benchmarks.md), so small outputs keep plain stores.
 pub const STREAM_MIN_LEN: usize = 1 << 20;
 
 /// base64-simd alone (its own AVX2/SSSE3/NEON dispatch), for the tail and other CPUs.
@@ -196,12 +200,34 @@ pub struct InvalidBase64;
 /// Decodes base64 that must hold whole, unpadded quads (`chars.len()` a multiple of 4) into
 /// `out` (`chars.len() / 4 * 3` bytes).
 pub fn decode_whole_quads(chars: &[u8], out: &mut [u8]) -> Result<(), InvalidBase64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: active_isa() only returns kernels this CPU supports (runtime detection).
+        unsafe { decode_whole_quads_with(crate::b64_x86::active_isa(), chars, out) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        decode_portable(chars, out, 0)
+    }
+}
+
+/// `decode_whole_quads` with a chosen kernel; for tests and measurement.
+///
+/// # Safety
+/// The CPU must support `isa`, as for `encode_with`.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn decode_whole_quads_with(isa: crate::b64_x86::Isa, chars: &[u8], out: &mut [u8]) -> Result<(), InvalidBase64> {
     debug_assert!(chars.len().is_multiple_of(4) && out.len() == chars.len() / 4 * 3);
     let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if chars.len() >= 64 && crate::b64_x86::best_isa() == crate::b64_x86::Isa::Avx512Vbmi {
+    if chars.len() >= 64 && isa == crate::b64_x86::Isa::Avx512Vbmi {
+        // SAFETY: the caller guarantees AVX-512 VBMI; `out` holds chars.len() / 4 * 3 bytes.
         done = unsafe { crate::b64_x86::avx512_decode_blocks(chars, out)? };
     }
+    decode_portable(chars, out, done)
+}
+
+/// base64-simd for `chars[done..]` (whole quads), after a SIMD kernel did `done` chars.
+fn decode_portable(chars: &[u8], out: &mut [u8], done: usize) -> Result<(), InvalidBase64> {
     let rest = &chars[done..];
     if rest.is_empty() {
         return Ok(());
@@ -299,16 +325,103 @@ mod tests {
                 #[cfg(target_arch = "x86_64")]
                 for &isa in &isas {
                     dst.fill(0);
+                    // SAFETY: `isa` comes from supported_isas(): this CPU runs it.
                     assert_eq!(unsafe { encode_with(isa, &data, dst) }, want.len());
                     assert!(*dst == want[..], "n={n} shift={shift} isa={isa:?}");
                     if isa == crate::b64_x86::Isa::Avx2 {
                         // The plain-store AVX2 kernel (used only by measurements) as well.
                         dst.fill(0);
+                        // SAFETY: this CPU has AVX2 (supported_isas() listed it).
                         let done = unsafe { crate::b64_x86::avx2_blocks::<false>(&data, dst) };
                         encode_into_portable(&data[done..], &mut dst[done / 3 * 4..]);
                         assert!(*dst == want[..], "n={n} shift={shift} avx2 plain");
                     }
                 }
+            }
+        }
+    }
+
+    /// A plain scalar decoder of whole quads, independent of base64-simd and the kernels.
+    fn reference_decode(chars: &[u8]) -> Option<Vec<u8>> {
+        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let value = |c: u8| A.iter().position(|&a| a == c).map(|v| v as u32);
+        let mut out = Vec::new();
+        for quad in chars.chunks(4) {
+            let mut n = 0u32;
+            for &c in quad {
+                n = n << 6 | value(c)?;
+            }
+            out.extend_from_slice(&n.to_be_bytes()[1..]);
+        }
+        Some(out)
+    }
+
+    /// Kernels this CPU has; the others are named on stderr as skipped (`cargo test -- --nocapture`).
+    #[cfg(target_arch = "x86_64")]
+    fn kernels_to_test(what: &str) -> Vec<crate::b64_x86::Isa> {
+        let supported = crate::b64_x86::supported_isas();
+        for isa in crate::b64_x86::Isa::ALL {
+            if !supported.contains(&isa) {
+                eprintln!("{what}: skipped the {} kernel: this CPU does not have it", isa.name());
+            }
+        }
+        supported
+    }
+
+    /// Random lengths (with the kernels' block edges) and random bytes, from a fixed seed.
+    fn random_cases() -> Vec<Vec<u8>> {
+        let mut x = 0x9e37_79b9u32;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        let mut lengths: Vec<usize> = vec![0, 1, 2, 3, 47, 48, 49, 95, 96, 97, 191, 192, 193, (1 << 20) + 2];
+        lengths.extend((0..200).map(|_| (next() % 5000) as usize));
+        lengths.into_iter().map(|n| bytes(n, next())).collect()
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn every_encode_kernel_equals_scalar_on_random_inputs() {
+        let kernels = kernels_to_test("encode");
+        for data in random_cases() {
+            let want = reference(&data);
+            let mut dst = vec![0u8; want.len()];
+            for &isa in &kernels {
+                dst.fill(0);
+                // SAFETY: `isa` comes from supported_isas(): this CPU runs it.
+                assert_eq!(unsafe { encode_with(isa, &data, &mut dst) }, want.len());
+                assert!(dst == want, "n={} isa={}", data.len(), isa.name());
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn every_decode_kernel_equals_scalar_on_random_inputs() {
+        let kernels = kernels_to_test("decode");
+        for (case, data) in random_cases().into_iter().enumerate() {
+            let mut text = reference(&data[..data.len() / 3 * 3]); // whole quads, no padding
+            let mut out = vec![0u8; text.len() / 4 * 3];
+            for &isa in &kernels {
+                // SAFETY: `isa` comes from supported_isas(): this CPU runs it.
+                unsafe { decode_whole_quads_with(isa, &text, &mut out) }.unwrap();
+                assert_eq!(Some(out.clone()), reference_decode(&text), "n={} isa={}", text.len(), isa.name());
+            }
+            if text.is_empty() {
+                continue;
+            }
+            // One byte of the text replaced by a random one: the kernels agree with the scalar
+            // decoder on whether it is still base64, and on the bytes when it is.
+            let pos = (case * 7919) % text.len();
+            text[pos] = data.get(case % data.len().max(1)).copied().unwrap_or(0) ^ (case as u8);
+            let want = reference_decode(&text);
+            for &isa in &kernels {
+                // SAFETY: as above.
+                let got = unsafe { decode_whole_quads_with(isa, &text, &mut out) };
+                assert_eq!(got.ok().map(|()| out.clone()), want, "n={} pos={pos} isa={}", text.len(), isa.name());
             }
         }
     }

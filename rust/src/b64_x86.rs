@@ -3,9 +3,9 @@
 //! bytes, one byte permute puts each 3-byte group into a 32-bit lane, one multishift pulls out
 //! the four 6-bit fields, one byte permute maps them to the alphabet.
 //!
-//! Measured on this machine: 18-26 GB/s against 8-9 GB/s for base64-simd 0.8's AVX2 path. An
-//! AVX2 kernel of our own (Muła's shuffle/multiply scheme) measured the same as base64-simd,
-//! so without AVX-512 VBMI base64-simd does the whole job.
+//! It is about twice as fast as base64-simd 0.8's AVX2 path (docs/benchmarks.md). Our AVX2
+//! kernel (Muła's shuffle/multiply scheme) is no faster than base64-simd's, so without AVX-512
+//! VBMI base64-simd does the whole job except streaming stores for large outputs.
 //!
 //! The kernels handle whole blocks only; `b64` finishes the tails with base64-simd. Decoding
 //! uses the same paper's AVX-512 VBMI scheme (a 128-entry two-register byte lookup that also
@@ -21,6 +21,23 @@ pub enum Isa {
     Avx2,
     /// base64-simd's own dispatch (AVX2, SSSE3) only.
     Portable,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 3] = [Isa::Avx512Vbmi, Isa::Avx2, Isa::Portable];
+
+    /// The name `r3srv.settings.base64_isa` and `r3srv.serial.encoder_isa()` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512Vbmi => "avx512vbmi",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|isa| isa.name() == name)
+    }
 }
 
 fn has_avx512_vbmi() -> bool {
@@ -40,22 +57,24 @@ pub fn supported_isas() -> Vec<Isa> {
     v
 }
 
-/// The fastest kernel, unless `R3SRV_BASE64_ISA` (`avx2`, `portable`) asks for a slower
-/// one (to measure, or to rule a kernel out).
-pub fn best_isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
+static ACTIVE: OnceLock<Isa> = OnceLock::new();
+
+/// Fixes the kernel every later encode and decode uses, once per process: `wanted` when this
+/// CPU has it (a slower one, to measure or to rule a kernel out), else the fastest. The first
+/// call wins (r3srv.settings makes it on import of r3srv.serial); returns the kernel in use.
+pub fn choose_isa(wanted: Option<Isa>) -> Isa {
+    *ACTIVE.get_or_init(|| {
         let supported = supported_isas();
-        let wanted = match std::env::var("R3SRV_BASE64_ISA").as_deref() {
-            Ok("avx2") => Some(Isa::Avx2),
-            Ok("portable") => Some(Isa::Portable),
-            _ => None,
-        };
         match wanted {
             Some(isa) if supported.contains(&isa) => isa,
             _ => supported[0],
         }
     })
+}
+
+/// The kernel in use: the chosen one, or the fastest when none was chosen.
+pub fn active_isa() -> Isa {
+    choose_isa(None)
 }
 
 /// Encodes the longest prefix of `src` that is a multiple of 48 bytes; returns its length.

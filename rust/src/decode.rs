@@ -57,6 +57,7 @@ mod tests {
         let view = ArrayView { ptr: data.as_ptr(), shape, strides, itemsize: 1 };
         let plan = Plan::new("|u1", view);
         let mut out = vec![0u8; plan.encoded_len()];
+        // SAFETY: the view describes `data`, a live slice of its size that nothing mutates.
         unsafe { plan.write(&mut out, 1) };
         out
     }

@@ -112,6 +112,7 @@ mod tests {
         let view = ArrayView { ptr: data.as_ptr(), shape, strides: &strides, itemsize: 1 };
         let plan = Plan::new(header_descr, view);
         let mut out = vec![0u8; plan.encoded_len()];
+        // SAFETY: the view describes `data` (contiguous, of its size), alive and unchanged.
         unsafe { plan.write(&mut out, threads) };
         out
     }

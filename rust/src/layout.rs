@@ -12,7 +12,11 @@ pub struct ArrayView<'a> {
     pub itemsize: usize,
 }
 
+// SAFETY: a view only reads; whoever builds one promises (as for `Plan::write`) that the memory
+// stays valid and unchanged while any thread uses it, so sharing it across the encoder's threads
+// adds no data race.
 unsafe impl Send for ArrayView<'_> {}
+// SAFETY: as for Send: no interior mutability, only reads of memory that does not change.
 unsafe impl Sync for ArrayView<'_> {}
 
 impl ArrayView<'_> {
@@ -158,6 +162,7 @@ mod tests {
         let n = view.nbytes();
         let mut out = vec![0u8; encoded_len(n)];
         let mut s = Base64Stream::new(&mut out);
+        // SAFETY: every view in these tests lies inside its `data` vector.
         unsafe { gather_c_order(view, &mut s) };
         s.finish();
         out
@@ -177,6 +182,7 @@ mod tests {
         let want: Vec<u8> = (0..6).flat_map(|i| (0..4).map(move |j| (j * 6 + i) as u8)).collect();
         assert_eq!(gather(&v), encode(&want));
         // Reversed rows of a (4, 3) u16 array (itemsize 2): rows 3, 2, 1, 0.
+        // SAFETY: offset 18 is inside the 24-byte `data`.
         let v = ArrayView { ptr: unsafe { data.as_ptr().add(18) }, shape: &[4, 3], strides: &[-6, 2], itemsize: 2 };
         let want: Vec<u8> = (0..4).rev().flat_map(|r| data[r * 6..r * 6 + 6].to_vec()).collect();
         assert_eq!(gather(&v), encode(&want));

@@ -25,34 +25,69 @@ const DETACH_MIN_BYTES: usize = 64 * 1024;
 /// `r3srv.serial._encode_reference`, for dtypes the fast path does not cover.
 static REFERENCE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-/// Threads for large contiguous payloads: `R3SRV_ENCODE_THREADS` (default 1, capped by the
-/// CPUs available). Two threads lost on the shared 2-core machine we measured on (see
-/// docs/encoding.md); on an idle many-core host they split the work and the page faults.
+/// Threads for large contiguous payloads (r3srv.settings.encode_threads, default 1, capped by
+/// the CPUs available). Two threads lost on a shared 2-core machine (docs/encoding.md); on an
+/// idle many-core host they split the work and the page faults.
+static ENCODE_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+/// Huge pages for large outputs (r3srv.settings.huge_pages, default on).
+static HUGE_PAGES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 fn worker_threads() -> usize {
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *THREADS.get_or_init(|| {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let wanted = std::env::var("R3SRV_ENCODE_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1usize);
-        wanted.clamp(1, cpus.max(1))
-    })
+    *ENCODE_THREADS.get_or_init(|| 1)
+}
+
+/// Fixes the encoder's settings for this process (r3srv.serial passes r3srv.settings on
+/// import): the first call wins, and any encode before it fixes the defaults. Returns the
+/// base64 kernel in use, which is `base64_isa` only when this CPU has it.
+#[pyfunction]
+fn configure_encoder(threads: usize, huge_pages: bool, base64_isa: &str) -> PyResult<&'static str> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    ENCODE_THREADS.get_or_init(|| threads.clamp(1, cpus));
+    HUGE_PAGES.get_or_init(|| huge_pages);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::b64_x86::{choose_isa, Isa};
+        let wanted = match base64_isa {
+            "auto" => None,
+            name => Some(Isa::from_name(name).ok_or_else(|| PyValueError::new_err(format!("unknown base64 kernel {name:?}")))?),
+        };
+        Ok(choose_isa(wanted).name())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = base64_isa;
+        Ok("portable")
+    }
+}
+
+/// The base64 kernel the encoder and decoder use: "avx512vbmi", "avx2" (our streaming kernel
+/// for large outputs, base64-simd's AVX2 below) or "portable" (base64-simd's own dispatch).
+#[pyfunction]
+fn encoder_isa() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::b64_x86::active_isa().name()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        "portable"
+    }
 }
 
 /// Outputs at least this large get huge pages. glibc serves allocations above its largest
 /// dynamic mmap threshold (32 MiB on 64-bit) with fresh `mmap` memory every time; smaller
-/// ones are soon reused heap memory, where the advice measured slower (4 MB: 1.07-1.21x
-/// bare pybase64 with it, 0.87-0.99 without; 16.7 MB: 0.28-0.37 against 0.22-0.23).
+/// ones are soon reused heap memory, where the advice measured slower (docs/benchmarks.md).
 const HUGE_PAGES_MIN_BYTES: usize = 32 << 20;
 
 /// Asks for transparent huge pages on the 2 MiB-aligned interior of a large fresh output
 /// buffer, then populates it in one call: one fault per 2 MiB instead of per 4 KiB, and no
-/// trap per fault (`R3SRV_HUGEPAGES=0` turns it off). Measured on 85 MB of output: about
-/// 110 ms of faulting with 4 KiB pages, 50-70 ms with huge pages, 46-53 ms populated.
+/// trap per fault, about half the faulting time (docs/benchmarks.md). settings.huge_pages
+/// (`R3SRV_HUGEPAGES=0`) turns it off.
 fn advise_huge_pages(ptr: *mut u8, len: usize) {
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;
-        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if len < HUGE_PAGES_MIN_BYTES || !*ENABLED.get_or_init(|| std::env::var("R3SRV_HUGEPAGES").map_or(true, |v| v != "0")) {
+        if len < HUGE_PAGES_MIN_BYTES || !*HUGE_PAGES.get_or_init(|| true) {
             return;
         }
         let start = (ptr as usize).next_multiple_of(HUGE);
@@ -60,6 +95,8 @@ fn advise_huge_pages(ptr: *mut u8, len: usize) {
         if end > start {
             // Advisory only: failure (e.g. THP disabled) changes nothing.
             // MADV_POPULATE_WRITE needs Linux 5.14; on older kernels the pages fault as usual.
+            // SAFETY: [start, end) lies inside the caller's live `len`-byte buffer at `ptr`;
+            // madvise only changes how its pages are backed, never their contents.
             unsafe {
                 libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
                 libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE);
@@ -157,6 +194,7 @@ fn encode_routed_experts<'py>(
         return Err(PyValueError::new_err("Object arrays cannot be saved when allow_pickle=False"));
     }
     let mut descr_buf = [0u8; 24];
+    // SAFETY: `array` is a live object (borrowed with the GIL held) and numpy's C API is loaded.
     let exact = unsafe { npyffi::PyArray_CheckExact(py, array.as_ptr()) } != 0;
     let descr_len = if exact { descr_of(&dtype, &mut descr_buf)? } else { None };
     let Some(descr_len) = descr_len else {
@@ -172,6 +210,7 @@ fn encode_routed_experts<'py>(
     let mut sliced = [0usize; MAX_NDIM];
     sliced[..ndim].copy_from_slice(shape);
     sliced[0] = shape[0] - start;
+    // SAFETY: `arr` is a live ndarray (checked by the cast above); reading its data pointer field.
     let base = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
     let view = ArrayView {
         ptr: base.wrapping_offset(start as isize * strides[0]),
@@ -182,6 +221,10 @@ fn encode_routed_experts<'py>(
     let plan = Plan::new(descr, view);
     let len = plan.encoded_len();
     let quotes = if json_quoted { 2 } else { 0 };
+    // SAFETY: PyUnicode_New(n, 127) returns a new compact ASCII str of n one-byte chars (or NULL,
+    // checked), owned by `text` from here on and not shared until returned, so filling its
+    // buffer with ASCII through a slice of exactly n bytes is sound. The view describes the
+    // array's own memory, which `array` keeps alive (see below for threads that mutate it).
     unsafe {
         let s = ffi::PyUnicode_New((len + quotes) as ffi::Py_ssize_t, 127);
         if s.is_null() {
@@ -246,6 +289,9 @@ fn checked_descr(descr: &str) -> PyResult<&str> {
 fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let not_ascii = || PyValueError::new_err("routed experts text is not ASCII base64");
     let bytes: &[u8] = if let Ok(s) = text.cast::<PyString>() {
+        // SAFETY: `s` is a live str borrowed from the caller for this call; a compact ASCII
+        // str's data is its length in bytes, and PyUnicode_AsUTF8AndSize's buffer (checked for
+        // NULL) lives as long as the str. Python strs are immutable.
         unsafe {
             if ffi::PyUnicode_IS_COMPACT_ASCII(s.as_ptr()) != 0 {
                 // The common case: read the str's own ASCII buffer.
@@ -284,6 +330,10 @@ fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyRe
     check_size(&plan.header.shape, dtype.itemsize(), plan.data_len).map_err(PyValueError::new_err)?;
     let mut dims: Vec<npy_intp> = plan.header.shape.iter().map(|&d| d as npy_intp).collect();
     let flags: c_int = if plan.header.fortran_order { NPY_ARRAY_F_CONTIGUOUS } else { 0 };
+    // SAFETY: PyArray_NewFromDescr steals `dtype`'s reference and returns a new array (NULL is
+    // turned into the error) that owns exactly data_len bytes (check_size matched shape x
+    // itemsize to it); nobody else sees the array before it is returned, so writing its
+    // buffer, even with the GIL released, races with nothing.
     unsafe {
         let raw = PY_ARRAY_API.PyArray_NewFromDescr(
             py,
@@ -315,5 +365,7 @@ fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyRe
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_routed_experts, m)?)?;
     m.add_function(wrap_pyfunction!(decode_routed_experts, m)?)?;
+    m.add_function(wrap_pyfunction!(configure_encoder, m)?)?;
+    m.add_function(wrap_pyfunction!(encoder_isa, m)?)?;
     Ok(())
 }

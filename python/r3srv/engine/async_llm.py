@@ -92,6 +92,7 @@ class AsyncLLM:
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
+        self.on_dead: list = []  # called (from another thread) with the error when a tensor-parallel rank fails
         # Weight updates and memory release/resume wait, in order, for the requests in flight to
         # finish: (kind, args, reply). Requests added meanwhile, or while memory is released,
         # are held, and start after them (on the new weights, in the resumed memory).
@@ -106,6 +107,8 @@ class AsyncLLM:
         self._replies: set[_Reply] = set()  # weight updates and cache resets not answered yet
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
         self._thread.start()
+        if self._engine.executor is not None:  # a tensor-parallel rank that fails ends the engine
+            self._engine.executor.on_failure.append(self._worker_failed)
 
     # -- facts the server needs -----------------------------------------------------------
     @property
@@ -319,6 +322,12 @@ class AsyncLLM:
         self._commands.put(("stop", None))
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
+        self._engine.shutdown()
+
+    def _worker_failed(self, error: BaseException) -> None:
+        self._dead = error  # is_running turns False: /health answers 503
+        for callback in self.on_dead:
+            callback(error)
 
     def __del__(self) -> None:
         try:

@@ -1,8 +1,8 @@
 """A sequence's KV block ids: append-only until freed, stored in a growing int32 array.
 
 The model runner copies every running sequence's table into the step's padded table
-each step. From a Python list that copy converts element by element (about 50 us for a
-32k-token context, 13 ms a step for 256 such sequences); from this array it is one
+each step. From a Python list that copy converts element by element, which long
+contexts make a large part of a step (docs/benchmarks.md); from this array it is one
 memcpy. The block manager only appends, or drops the whole table on free, so no other
 mutation is offered.
 """

@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import importlib.util
 import logging
-import os
 
 import numpy as np
 import torch
@@ -61,7 +60,7 @@ def is_graph_decode(seqs: list[Sequence]) -> bool:
 
 def graph_blocker(model) -> str | None:
     """Why this model's decode steps cannot be captured (None: they can)."""
-    from r3srv.models.attention import TRITON_DECODE_ENV
+    from r3srv import settings
     from r3srv.models.moe import uses_grouped_mm
 
     cfg = model.config
@@ -69,8 +68,8 @@ def graph_blocker(model) -> str | None:
         return f"the model is on {model.device.type}, not CUDA"
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (the paged decode kernel)"
-    if os.environ.get(TRITON_DECODE_ENV, "1") == "0":
-        return f"{TRITON_DECODE_ENV}=0 (the torch decode path groups sequences on the host)"
+    if not settings.current().triton_decode:
+        return "the Triton decode kernel is off (--no-triton-decode, $R3SRV_TRITON_DECODE=0): the torch decode path groups sequences on the host"
     if cfg.is_mla:
         return "multi-head latent attention decodes have no graph-safe path yet"
     if cfg.moe_layers:

@@ -42,6 +42,7 @@ class LLM:
         prefill_context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         cuda_graphs: bool | None = None,
         enforce_eager: bool = False,
     ) -> None:
@@ -64,10 +65,15 @@ class LLM:
             prefill_context_parallel_size=prefill_context_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
             cuda_graphs=cuda_graphs,
             enforce_eager=enforce_eager,
         )
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -117,7 +117,11 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
+        self.executor = _multiproc_executor(config)  # None at tensor_parallel_size 1
+        if self.executor is None:
+            self.model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
+        else:  # the ranks' shards, driven as one model
+            self.model, self.tokenizer = self.executor, self.executor.tokenizer
         self.model_config = self.model.config
         config.finalize(self.model_config)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
@@ -129,7 +133,9 @@ class LLMEngine:
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
         mc = self.model_config
         capture_dtype = capture_torch_dtype(mc.num_experts) if config.enable_return_routed_experts else None
-        blocker = cuda_graphs.graph_blocker(self.model) if config.use_cuda_graphs else "not asked for"
+        blocker = "not asked for"
+        if config.use_cuda_graphs:
+            blocker = "not under tensor parallelism yet" if self.executor else cuda_graphs.graph_blocker(self.model)
         if config.use_cuda_graphs and blocker:
             log.warning("CUDA graphs off: %s", blocker)
         graphs = None if blocker else cuda_graphs.DecodeGraphs(
@@ -143,6 +149,7 @@ class LLMEngine:
             self.model.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
         else:
             graphs.init_kv_cache(num_blocks)  # and the padding rows' scratch block and state entry
+        self._log_memory_plan(num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
@@ -170,15 +177,20 @@ class LLMEngine:
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
         """EngineConfig's and ParallelConfig's fields as keywords."""
-        parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-        parallel = ParallelConfig(**{name: kwargs.pop(name) for name in list(kwargs) if name in parallel_fields})
-        try:
-            config = EngineConfig(model=model, parallel=parallel, **kwargs)
-        except TypeError as e:  # an unknown keyword
-            raise ConfigError(str(e)) from None
-        return cls(config)
+        return cls(engine_config(model, **kwargs))
 
     # -- sizing -------------------------------------------------------------------------
+    def _log_memory_plan(self, num_blocks: int) -> None:
+        """What each rank holds (rank 0's shard stands for all: the splits are even)."""
+        shard = self.model if self.executor is None else self.executor.model
+        weights = sum(p.numel() * p.element_size() for p in shard.parameters())
+        kv = num_blocks * self.model.kv_cache_bytes_per_block(self.config.block_size)
+        states = (self.num_state_slots + self.num_state_snapshots) * self.model.state_bytes_per_slot()
+        ranks = self.config.parallel.tensor_parallel_size
+        log.info("memory per rank (%d rank%s): weights %.3f GiB, KV cache %.3f GiB (%d blocks of %d tokens)%s",
+                    ranks, "s" if ranks > 1 else "", weights / 2**30, kv / 2**30, num_blocks, self.config.block_size,
+                    f", linear-attention states {states / 2**30:.3f} GiB" if states else "")
+
     def _auto_num_blocks(self) -> int:
         cfg = self.config
         per_block = self.model.kv_cache_bytes_per_block(cfg.block_size)
@@ -399,10 +411,16 @@ class LLMEngine:
                 "let them finish, abort them, or retract them (pause_generation mode=retract)",
                 param="model_path",
             )
+        if self.executor is not None and isinstance(path, NamedTensors):
+            raise InvalidRequestError("weights sent as tensors are not supported under tensor parallelism yet: "
+                                      "update from a checkpoint directory", param="model_path")
         # Released weights live in host memory: an update fills them there, and they move
         # back with resume_memory.
         try:
-            load(self.model, path)
+            if self.executor is None:
+                load(self.model, path)
+            else:
+                self.executor.load_weights(path)
         except ConfigError:
             raise  # found before any weight was copied: nothing changed
         except Exception:
@@ -462,6 +480,11 @@ class LLMEngine:
         if graphs is not None and not self.released_memory:
             graphs.capture_all()  # over the cache and weights where they now lie
         return sorted(self.released_memory)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (nothing to do at one device)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -693,6 +716,24 @@ def _visible(s: Sequence) -> tuple[int, int]:
     ends = s.detok.text_len_after
     n = min(bisect.bisect_left(ends, safe) + 1, bisect.bisect_right(ends, safe)) if safe else 0
     return n, ends[n - 1] if n else 0
+
+
+def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
+    """EngineConfig's and ParallelConfig's fields as keywords."""
+    parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    parallel = ParallelConfig(**{name: kwargs.pop(name) for name in list(kwargs) if name in parallel_fields})
+    try:
+        return EngineConfig(model=model, parallel=parallel, **kwargs)
+    except TypeError as e:  # an unknown keyword
+        raise ConfigError(str(e)) from None
+
+
+def _multiproc_executor(config: EngineConfig):
+    if config.parallel.tensor_parallel_size == 1:
+        return None
+    from r3srv.engine.multiproc_executor import MultiprocExecutor, rank_setup
+
+    return MultiprocExecutor(*rank_setup(config))
 
 
 def _mem_available() -> int:

@@ -9,8 +9,8 @@ rows the forward pass produced for those tokens.
 
 From a CUDA capture the copy to the host is queued behind the step into pinned memory and
 scattered at the next read or store: a synchronous copy would stall the host until the
-forward ends, before it could queue the sampling kernels (measured on an H200: +2.8% per
-decode step of the built-in model at batch 32, against the issue's 1% budget).
+forward ends, before it could queue the sampling kernels (docs/benchmarks.md, "GPU router
+kernel": it cost more than the 1% budget).
 """
 
 from __future__ import annotations

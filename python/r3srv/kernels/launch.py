@@ -1,8 +1,8 @@
 """Launch-grid arithmetic in plain Python for the host side of kernel launches.
 
 triton.cdiv and triton.next_power_of_2 are constexpr functions: each host call unwraps its
-arguments through Triton's machinery, about 5 us on this CPU, and the launches pay it per
-layer per step. These give the same integers (for n >= 1).
+arguments through Triton's machinery (microseconds each, docs/benchmarks.md), and the
+launches pay it per layer per step. These give the same integers (for n >= 1).
 """
 
 

@@ -3,9 +3,9 @@
 Dispatches to the fused Triton kernel on CUDA (when it is available) and to the
 plain-torch reference everywhere else; both share `route_reference`'s signature.
 
-Backends (`set_router_backend`):
-  "auto"   (default) Triton for CUDA tensors when triton imports, top_k <= 16,
-           experts <= 1024 and expert groups <= 32; torch otherwise. R3SRV_FORCE_TORCH_ROUTER=1 in the environment makes "auto" use torch.
+Backends (the `backend` argument; None: "torch" when settings.force_torch_router, else "auto"):
+  "auto"   Triton for CUDA tensors when triton imports, top_k <= 16, experts <= 1024 and
+           expert groups <= 32; torch otherwise.
   "torch"  always the torch reference.
   "triton" always the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);
            raises if it cannot run. For tests and benchmarks.
@@ -14,35 +14,19 @@ Backends (`set_router_backend`):
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
+from r3srv import settings
 from r3srv.kernels.router_reference import route_reference
 
 BACKENDS = ("auto", "torch", "triton")
-FORCE_TORCH_ENV = "R3SRV_FORCE_TORCH_ROUTER"
 # router_triton's limits, without importing triton on CPU-only paths
 _FUSED_MAX_TOP_K = 16
 _FUSED_MAX_EXPERTS = 1024
 _FUSED_MAX_GROUPS = 32
 
-_backend = "auto"
 _triton_importable: bool | None = None
-
-
-def set_router_backend(name: str) -> None:
-    """Choose how `select_experts` routes: "auto", "torch" or "triton" (process-wide)."""
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"unknown router backend {name!r}; expected one of {BACKENDS}")
-    if name == "triton" and not triton_available():
-        raise ValueError("router backend 'triton' needs the triton package, which is not importable")
-    _backend = name
-
-
-def get_router_backend() -> str:
-    return _backend
 
 
 def triton_available() -> bool:
@@ -52,15 +36,17 @@ def triton_available() -> bool:
     return _triton_importable
 
 
-def _torch_forced() -> bool:
-    return os.environ.get(FORCE_TORCH_ENV, "") not in ("", "0")
-
-
-def uses_triton(router_logits: torch.Tensor, top_k: int, num_groups: int = 1) -> bool:
+def uses_triton(router_logits: torch.Tensor, top_k: int, num_groups: int = 1, backend: str | None = None) -> bool:
     """Whether `select_experts` would run the fused kernel for these inputs."""
-    if _backend == "triton":
+    if backend is None:
+        backend = "torch" if settings.current().force_torch_router else "auto"
+    elif backend not in BACKENDS:
+        raise ValueError(f"unknown router backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("router backend 'triton' needs the triton package, which is not importable")
         return True
-    if _backend == "torch" or _torch_forced():
+    if backend == "torch":
         return False
     return (
         router_logits.is_cuda
@@ -83,9 +69,10 @@ def select_experts(
     num_groups: int = 1,
     topk_groups: int = 1,
     group_score_top: int = 2,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to its top-k experts; see `route_reference` for the contract."""
-    if uses_triton(router_logits, top_k, num_groups):
+    if uses_triton(router_logits, top_k, num_groups, backend):
         from r3srv.kernels.router_triton import route_triton  # imports triton only when used
 
         route = route_triton

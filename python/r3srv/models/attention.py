@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from r3srv import settings
 from r3srv.models.batch import ForwardBatch
 from r3srv.transfer import to_device
 
@@ -179,16 +179,13 @@ def _decode_group(
     return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
 
-# CUDA decodes take the Triton kernel unless this is "0" (the torch path: gather + SDPA). On an
-# H200 engines through the kernel equalled the torch path's, and one layer's decode ran 1.4-3x
-# faster for GQA and 47x for MLA's latents (benches/gpu_decode_attention.py; README).
-TRITON_DECODE_ENV = "R3SRV_TRITON_DECODE"
-
-
+# CUDA decodes take the Triton kernel unless settings.triton_decode is off (the torch path:
+# gather + SDPA): it walks the paged cache instead of gathering each context into a padded copy
+# (docs/benchmarks.md, "Paged decode attention").
 def decode_kernel_for(q: torch.Tensor):
     """kernels/paged_decode_triton.py's launcher when this step's decodes take it: on CUDA, with
-    triton, unless $R3SRV_TRITON_DECODE is 0 (the interpreter tests pass it CPU tensors)."""
-    if not q.is_cuda or os.environ.get(TRITON_DECODE_ENV, "1") == "0":
+    triton, unless settings.triton_decode is off (the interpreter tests pass it CPU tensors)."""
+    if not q.is_cuda or not settings.current().triton_decode:
         return None
     return _decode_launcher()
 

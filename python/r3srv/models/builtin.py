@@ -3,7 +3,7 @@
 It lets `LLM()` and `r3srv serve` run on a new machine with nothing downloaded: the weights
 come from a fixed torch.Generator seed, so every machine writes the identical checkpoint
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) into
-$R3SRV_CACHE_DIR (default ~/.cache/r3srv) once, and loads it through the ordinary loader.
+settings.cache_dir ($R3SRV_CACHE_DIR, default ~/.cache/r3srv) once, and loads it through the ordinary loader.
 
 Its text is meaningless: the weights are random. They are scaled so that routing is
 spread over the experts (different tokens pick different experts, as in a trained model)
@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from r3srv import settings
 
 BUILTIN_MODEL_NAME = "r3srv-builtin-random-moe"
 # Bump when anything below changes the written bytes: a new version gets its own directory.
@@ -166,7 +168,7 @@ def write_builtin_checkpoint(path: Path) -> None:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("R3SRV_CACHE_DIR") or Path.home() / ".cache" / "r3srv")
+    return settings.current().cache_dir
 
 
 def builtin_model_dir() -> Path:

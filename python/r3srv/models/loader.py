@@ -99,7 +99,10 @@ def load_model(
     cfg = ModelConfig.from_dir(path)
     device = torch.device(device)
     model_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
-    model = MoeForCausalLM(cfg, dtype=model_dtype, device=device, parallel=parallel)
+    try:
+        model = MoeForCausalLM(cfg, dtype=model_dtype, device=device, parallel=parallel)
+    except (ValueError, NotImplementedError) as exc:  # heads or experts that do not split over the ranks
+        raise ConfigError(f"{cfg.name} cannot be split that way: {exc}") from exc
     _load_weights(model, safetensors_files(path), cfg)
     model.eval()
 
@@ -310,6 +313,8 @@ def _plan_weights(
             filled[owner] = filled.get(owner, 0) + target.numel()
             used.append(name)
         plan.shards.append((file, used))
+    if model.parallel.ep_size > 1:  # the other ranks' experts, per-expert named
+        unexpected = [name for name in unexpected if ".experts." not in name]
     plan.unexpected = unexpected
     plan.missing = [name for name, p in named.items() if filled.get(name, 0) != loaded_numel(p)]
     return plan

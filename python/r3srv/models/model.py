@@ -15,12 +15,10 @@ layers are one mixer each (MixerBlock: Mamba-2, models/mamba2.py, attention, MoE
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from r3srv.errors import ConfigError
+from r3srv import settings
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
@@ -37,18 +35,6 @@ from r3srv.models.mla import MlaAttention
 from r3srv.models.moe import Mlp, SparseMoeBlock
 from r3srv.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, ParallelState, RowParallelLinear,
                                    VocabParallelEmbedding, column_weight, head_pieces, local_heads)
-
-
-def _cpu_threads() -> int:
-    """Intra-op threads for CPU forwards (see MoeForCausalLM.forward)."""
-    value = os.environ.get("R3SRV_CPU_THREADS", "1")
-    try:
-        threads = int(value)
-    except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ConfigError(f"R3SRV_CPU_THREADS={value!r} must be a positive integer")
-    return threads
 
 
 # the layers with a per-sequence state, by LinearAttentionSpec.kind
@@ -272,11 +258,17 @@ class MoeForCausalLM(nn.Module):
         self.num_blocks = 0
         self.num_state_slots = 0
         self.num_state_snapshots = 0
-        self.cpu_threads = _cpu_threads() if device.type == "cpu" else 0
+        if device.type == "cpu":  # once per model, not per forward (settings.cpu_threads says why)
+            torch.set_num_threads(settings.current().cpu_threads)
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        return self.config.kv_cache_bytes_per_block(block_size, self.dtype)
+        """This rank's share: its KV heads (MLA's latent is whole on every rank)."""
+        whole = self.config.kv_cache_bytes_per_block(block_size, self.dtype)
+        if self.config.is_mla or self.parallel.tp_size == 1:
+            return whole
+        kv_heads = self.config.num_kv_heads
+        return whole * local_heads(kv_heads, self.parallel) // kv_heads
 
     def state_bytes_per_slot(self) -> int:
         """Bytes of one sequence's linear-attention states (0 for a model without such layers)."""
@@ -330,23 +322,10 @@ class MoeForCausalLM(nn.Module):
     # ---- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [B, vocab] at batch.logits_indices; writes this step's K/V and routing rows.
-
-        On the CPU the step runs on `cpu_threads` intra-op threads ($R3SRV_CPU_THREADS,
-        default 1). On a busy 2-core machine every parallel op waits for a descheduled
-        sibling thread: measured on the built-in model with load ~5, one thread decoded at
-        ~100 tok/s against 5 tok/s with two, and prefilled 2,000 tok/s against 250-350.
-        """
+        """float32 logits [B, vocab] at batch.logits_indices; writes this step's K/V and routing rows."""
         if self.block_size == 0:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
-        threads = torch.get_num_threads()
-        if self.device.type != "cpu" or threads == self.cpu_threads:
-            return self._forward(batch)
-        torch.set_num_threads(self.cpu_threads)
-        try:
-            return self._forward(batch)
-        finally:
-            torch.set_num_threads(threads)
+        return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         meta = AttentionMetadata.build(batch, self.block_size, self.device)

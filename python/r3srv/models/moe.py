@@ -13,13 +13,13 @@ the sort and the scatter.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from r3srv import settings
 from r3srv.kernels.router import select_experts
 from r3srv.models.config import ModelConfig
 from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ExpertSlice, ParallelState, RowParallelLinear, split_evenly
@@ -119,14 +119,14 @@ def uses_grouped_mm(rows: torch.Tensor, w2: torch.Tensor) -> bool:
 
     On CUDA: for bfloat16 (the grouped GEMM kernels' dtype), where it also saves the loop's
     device sync. On the CPU (torch's reference grouped_mm: the same per-group matmuls, bitwise
-    equal results) it pays off between about 1 and 16 rows per expert: an 8-sequence decode
-    of the built-in model runs 1.2x faster end to end. With fewer rows (a one-sequence
-    decode) most groups are empty and the loop skips them; with many (a long prefill) the
-    loop's per-expert matmuls are as fast or faster (0.95x for 1,024 prompt tokens).
+    equal results) it pays off between about 1 and 16 rows per expert (docs/benchmarks.md,
+    benches/bench_moe.py). With fewer rows (a one-sequence decode) most groups are empty and
+    the loop skips them; with many (a long prefill) the loop's per-expert matmuls are as fast
+    or faster.
     Either way every row of every operand must start on a 16-byte boundary, as grouped_mm
     requires.
     """
-    if _GROUPED_MM is None or not _grouped_mm_enabled():
+    if _GROUPED_MM is None or not settings.current().grouped_mm:
         return False
     num_experts, hidden, inter = w2.shape
     if (hidden * rows.element_size()) % 16 or (inter * rows.element_size()) % 16:
@@ -168,13 +168,6 @@ def _expert_mlps_looped(rows, w13, w2, counts, act=silu_and_mul, biases=None) ->
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # absent from older torch releases
-GROUPED_MM_ENV = "R3SRV_GROUPED_MM"  # "0": always the per-expert loop
-
-
-def _grouped_mm_enabled() -> bool:
-    return os.environ.get(GROUPED_MM_ENV, "1") != "0"
-
-
 class SparseMoeBlock(nn.Module):
     """Routed experts, plus a shared expert when the config has one (Qwen2-MoE: sigmoid-gated;
     GLM-4.5: ungated). Experts are SwiGLU MLPs (w13 holds gate and up rows), gpt-oss's clamped

@@ -14,15 +14,14 @@ A step's sequences are grouped: those computing one token take one batched recur
 on CUDA the others are padded to the longest of their group and scanned together in chunks,
 one group for lengths that pad within PAD_FACTOR (a batch of rollouts' prompts is a few
 launches per layer, not a few per sequence). On the CPU, where launches cost little and
-padding costs compute, each multi-token sequence scans alone: grouping 64 prompts of 24-64
-tokens measured 0.4-0.7x, and even equal lengths 0.64x (benches/bench_hybrid_prefill.py).
+padding costs compute, each multi-token sequence scans alone: grouping measured slower there,
+even for equal lengths (docs/benchmarks.md, benches/bench_hybrid_prefill.py).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from r3srv import settings
 from r3srv.transfer import to_device
 
 # A scan group pads its members to the longest: at most this many padded tokens per real one,
@@ -213,14 +213,11 @@ def causal_conv(pool: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     return F.silu(out) if silu else out
 
 
-FUSED_STEP_ENV = "R3SRV_FUSED_STEP"  # "0": the torch step on CUDA too
-
-
 @functools.cache
 def fused_kernel(name: str):
     """The in-place decode step `name` of kernels/recurrent_triton.py, or None without triton (or
-    when $R3SRV_FUSED_STEP is 0). Imported on first use: CPU paths never import triton."""
-    if os.environ.get(FUSED_STEP_ENV, "1") == "0" or importlib.util.find_spec("triton") is None:
+    when settings.fused_step is off). Imported on first use: CPU paths never import triton."""
+    if not settings.current().fused_step or importlib.util.find_spec("triton") is None:
         return None
     from r3srv.kernels import recurrent_triton
 

@@ -75,7 +75,7 @@ class ServerState:
     async def encode_experts(self, array: np.ndarray | None) -> str | None:
         """The base64 text for a response field, as a `msgspec.Raw` JSON string literal.
 
-        msgspec would scan the text for characters to escape (7-20 ms for 17 MB), yet base64
+        msgspec would scan the text for characters to escape (docs/benchmarks.md), yet base64
         never has any: the encoder writes the quotes itself and msgspec copies the bytes as
         they are. Typed `str` because the fields' OpenAPI schema must say string (a `Raw`
         annotation would make it "any"); on the wire it is the same JSON string.

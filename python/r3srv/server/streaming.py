@@ -42,7 +42,7 @@ SSE_MEDIA_TYPE = "text/event-stream"
 
 
 def sse(chunk: msgspec.Struct) -> bytes:
-    # One join, not two `+`: a final chunk holds megabytes of routed experts (17 MB: 2.5 ms vs 3.7 ms).
+    # One join, not two `+`: a final chunk holds megabytes of routed experts, copied once.
     return b"".join((b"data: ", _encode(chunk), b"\n\n"))
 
 

@@ -1,0 +1,310 @@
+"""Tensor and expert parallelism over worker processes, one rank per device.
+
+Rank 0 is the engine's own process (vLLM's in-process driver worker): it holds its shard of
+the model, schedules, samples and captures the routed experts, so tokens and rows need no
+hop back. Ranks 1..N-1 are worker processes that hold their shards and follow rank 0's
+commands (`StepChannel`: one broadcast per step). Every rank runs the same forward, with the
+parallel layers' collectives (one all-reduce per row-parallel layer, the LM head's gather).
+
+`MultiprocExecutor` stands where the loaded model stands at one device (the same methods:
+forward, init_kv_cache, free_kv_cache, move_weights, ...), so the engine drives N ranks as it
+drives one model. At tensor_parallel_size 1 none of this runs: no process, no hop.
+
+Faults: a worker that exits (an exception, a kill) is seen by a monitor thread within a
+poll; the executor then fails every later call, stops the other workers and calls its
+`on_failure` callbacks (the server answers /health with 503 and exits non-zero). Workers
+die with their parent (PR_SET_PDEATHSIG), so a killed server leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from r3srv.engine.step_channel import Command, StepChannel, decode_text, encode_text, pack_batch, unpack_batch
+from r3srv.errors import ConfigError
+from r3srv.models.batch import ForwardBatch
+from r3srv.models.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank failed: the model can no longer run."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet (torch.distributed's TCP rendezvous) and which of them run here."""
+
+    world_size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one node only)
+    nnodes: int = 1
+    node_rank: int = 0
+    enable_expert_parallel: bool = False
+
+    @property
+    def local_size(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        first = self.node_rank * self.local_size
+        return range(first, first + self.local_size)
+
+    def with_port(self) -> "Rendezvous":
+        if self.master_port:
+            return self
+        if self.nnodes > 1:
+            raise ConfigError("--master-port is required with --nnodes > 1 (every node must name the same port)")
+        with socket.socket() as s:
+            s.bind((self.master_addr, 0))
+            port = s.getsockname()[1]
+        return Rendezvous(self.world_size, self.master_addr, port, self.nnodes, self.node_rank,
+                          self.enable_expert_parallel)
+
+    def state(self, rank: int) -> ParallelState:
+        ep = self.world_size if self.enable_expert_parallel else 1
+        return ParallelState(tp_rank=rank, tp_size=self.world_size, ep_rank=rank if ep > 1 else 0, ep_size=ep)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every rank loads: the checkpoint, the device kind and the dtype."""
+
+    path: str | None
+    device: str  # "cpu" or "cuda"
+    dtype: str  # "auto" or a dtype name
+
+
+def rank_setup(config) -> tuple[ModelSpec, Rendezvous]:
+    """An EngineConfig's model and rendezvous, as every rank needs them."""
+    par = config.parallel
+    rendezvous = Rendezvous(par.tensor_parallel_size, par.master_addr, par.master_port, par.nnodes, par.node_rank,
+                            par.enable_expert_parallel)
+    return ModelSpec(config.model, "cuda" if config.device.startswith("cuda") else "cpu", config.dtype), rendezvous
+
+
+def rank_device(device: str, rank: int, rendezvous: Rendezvous) -> torch.device:
+    if device.startswith("cuda"):
+        return torch.device("cuda", rank % rendezvous.local_size)
+    return torch.device("cpu")
+
+
+def init_process_group(rank: int, rendezvous: Rendezvous, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
+        world_size=rendezvous.world_size, rank=rank, timeout=timedelta(minutes=10),
+    )
+
+
+def load_shard(spec: ModelSpec, rank: int, rendezvous: Rendezvous, device: torch.device):
+    from r3srv.models.loader import load_model
+
+    return load_model(spec.path, device=device, dtype=spec.dtype, parallel=rendezvous.state(rank))
+
+
+# ---- a worker process ---------------------------------------------------------------------
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux); elsewhere the parent's exit closes
+    the rendezvous sockets and the next collective fails."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl
+        os._exit(1)
+
+
+def worker_main(rank: int, spec: ModelSpec, rendezvous: Rendezvous, parent_pid: int, log_level: int) -> None:
+    _die_with_parent(parent_pid)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    try:
+        device = rank_device(spec.device, rank, rendezvous)
+        init_process_group(rank, rendezvous, device)
+        model, _ = load_shard(spec, rank, rendezvous, device)
+        _serve_commands(model, StepChannel(device if device.type == "cuda" else torch.device("cpu")))
+        dist.destroy_process_group()
+    except BaseException:
+        # the traceback goes to the inherited stderr: the server's log names the worker's error
+        print(f"r3srv tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def _serve_commands(model, channel: StepChannel) -> None:
+    while True:
+        msg = channel.receive()
+        if msg.command is Command.STEP:
+            model.forward(unpack_batch(msg.args, msg.payload))
+        elif msg.command is Command.INIT_KV_CACHE:
+            model.init_kv_cache(*msg.args[:4])
+        elif msg.command is Command.FREE_KV_CACHE:
+            model.free_kv_cache()
+        elif msg.command is Command.WEIGHTS_TO_HOST:
+            model.move_weights("cpu")
+        elif msg.command is Command.WEIGHTS_TO_DEVICE:
+            model.move_weights(model.device)
+        elif msg.command is Command.LOAD_WEIGHTS:
+            from r3srv.models.loader import load_weights_from_dir
+
+            load_weights_from_dir(model, decode_text(msg.payload))
+        elif msg.command is Command.SHUTDOWN:
+            return
+
+
+def spawn_workers(spec: ModelSpec, rendezvous: Rendezvous, ranks: range) -> list[mp.Process]:
+    ctx = mp.get_context("spawn")  # never fork a process holding threads (and CUDA)
+    procs = []
+    for rank in ranks:
+        proc = ctx.Process(target=worker_main, name=f"r3srv-tp-rank{rank}", daemon=True,
+                           args=(rank, spec, rendezvous, os.getpid(), logging.getLogger().level))
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def run_node(spec: ModelSpec, rendezvous: Rendezvous) -> int:
+    """A node other than the first (--node-rank > 0): its ranks' workers, until they end."""
+    procs = spawn_workers(spec, rendezvous, rendezvous.local_ranks)
+    for proc in procs:
+        proc.join()
+    return max((p.exitcode or 0) for p in procs)
+
+
+# ---- rank 0 ---------------------------------------------------------------------------------
+class MultiprocExecutor:
+    """Rank 0's shard of the model plus the workers that hold the others, driven as one model."""
+
+    def __init__(self, spec: ModelSpec, rendezvous: Rendezvous) -> None:
+        if rendezvous.node_rank != 0:
+            raise ValueError("the engine runs on node 0; other nodes run run_node")
+        if rendezvous.world_size % rendezvous.nnodes:
+            raise ConfigError(f"tensor_parallel_size={rendezvous.world_size} does not split over nnodes={rendezvous.nnodes}")
+        self.rendezvous = rendezvous = rendezvous.with_port()
+        self.device = rank_device(spec.device, 0, rendezvous)
+        self.failure: WorkerError | None = None
+        self.on_failure: list[Callable[[WorkerError], None]] = []
+        self._closing = False
+        self._lock = threading.Lock()
+        self.workers = spawn_workers(spec, rendezvous, rendezvous.local_ranks[1:])
+        atexit.register(self.shutdown)
+        try:
+            self.model, self.tokenizer = load_shard(spec, 0, rendezvous, self.device)
+            init_process_group(0, rendezvous, self.device)
+        except BaseException:
+            self._stop_workers()
+            raise
+        self.config = self.model.config
+        self.dtype = self.model.dtype
+        self.channel = StepChannel(self.device if self.device.type == "cuda" else torch.device("cpu"))
+        threading.Thread(target=self._monitor, name="r3srv-tp-monitor", daemon=True).start()
+
+    # ---- the model's methods, on every rank ------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        args, payload = pack_batch(batch)
+        return self._everywhere(Command.STEP, args, payload, lambda: self.model.forward(batch))
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 8, num_state_snapshots: int = 0) -> None:
+        args = (num_blocks, block_size, num_state_slots, num_state_snapshots)
+        self._everywhere(Command.INIT_KV_CACHE, args, None, lambda: self.model.init_kv_cache(*args))
+
+    def free_kv_cache(self) -> None:
+        self._everywhere(Command.FREE_KV_CACHE, (), None, self.model.free_kv_cache)
+
+    def move_weights(self, device: torch.device | str) -> None:
+        to_host = torch.device(device).type == "cpu" and self.device.type != "cpu"
+        command = Command.WEIGHTS_TO_HOST if to_host else Command.WEIGHTS_TO_DEVICE
+        self._everywhere(command, (), None, lambda: self.model.move_weights(device))
+
+    def load_weights(self, path: str) -> None:
+        """Rank 0 checks and loads first (a ConfigError leaves every rank unchanged), then the others."""
+        from r3srv.models.loader import load_weights_from_dir
+
+        self._check_alive()
+        load_weights_from_dir(self.model, path)
+        self._everywhere(Command.LOAD_WEIGHTS, (), encode_text(str(path)), lambda: None)
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return self.model.kv_cache_bytes_per_block(block_size)
+
+    def state_bytes_per_slot(self) -> int:
+        return self.model.state_bytes_per_slot()
+
+    def _everywhere(self, command: Command, args, payload, local: Callable):
+        """Send the command, then run its rank-0 part. Any failure is final: a rank that
+        stopped half-way through a step leaves the others waiting in a collective."""
+        self._check_alive()
+        try:
+            self.channel.send(command, args, payload)
+            return local()
+        except BaseException as exc:
+            self._fail(WorkerError(f"tensor-parallel step failed on rank 0: {exc!r}"))
+            raise WorkerError(str(self.failure)) from exc
+
+    # ---- faults and shutdown --------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise WorkerError(str(self.failure))
+
+    def _monitor(self) -> None:
+        sentinels = {p.sentinel: p for p in self.workers}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._closing:
+            return
+        proc = sentinels[ready[0]]
+        proc.join()
+        self._fail(WorkerError(f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"))
+
+    def _fail(self, error: WorkerError) -> None:
+        with self._lock:
+            if self.failure is not None or self._closing:
+                return
+            self.failure = error
+        logger.error("%s; stopping the other ranks", error)
+        self._stop_workers()
+        for callback in self.on_failure:
+            callback(error)
+
+    def _stop_workers(self) -> None:
+        for proc in self.workers:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.workers:
+            proc.join(timeout=5)
+
+    def shutdown(self) -> None:
+        """Stop the workers (they finish the command in flight first) and leave the group."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self.failure is None:
+            try:
+                self.channel.send(Command.SHUTDOWN)
+            except Exception:  # a worker already gone: killed below
+                pass
+            for proc in self.workers:
+                proc.join(timeout=10)
+        self._stop_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        atexit.unregister(self.shutdown)

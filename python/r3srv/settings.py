@@ -1,0 +1,144 @@
+"""Process settings: every R3SRV_* environment variable, read once, in one typed object.
+
+`current()` reads the environment on first use (or `r3srv serve` calls `configure` at start-up
+with its flags, whose defaults are these variables); code on hot paths reads an attribute of
+the returned frozen object, never the environment. The Rust encoder's three settings are read
+here too and handed to the Rust core once (`r3srv.serial` applies them on import).
+
+`r3srv serve --help` shows each as a flag whose default is its variable. Backend switches are
+for measuring and for ruling a kernel out; a user normally sets only the first three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import argparse
+
+from r3srv.errors import ConfigError
+
+BASE64_ISAS = ("auto", "avx512vbmi", "avx2", "portable")
+
+
+def _setting(default, help: str, flag: bool = True):
+    """flag=False: the setting's serve flag is defined elsewhere (it also sets an engine field)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclass(frozen=True)
+class Settings:
+    # CPU forwards run on this many intra-op threads, set when a CPU model is built: on a busy
+    # 2-core machine every parallel op waits for a descheduled sibling (docs/benchmarks.md).
+    cpu_threads: int = _setting(1, "intra-op threads of CPU forwards")
+    cache_dir: Path = _setting(Path.home() / ".cache" / "r3srv", "where the built-in checkpoint is generated")
+    encode_threads: int = _setting(1, "Rust encoder threads for payloads of 4 MiB and more, at most the CPUs")
+    huge_pages: bool = _setting(True, "transparent huge pages for encoder outputs of 32 MiB and more")
+    base64_isa: str = _setting("auto", "base64 kernel: auto (the fastest this CPU has) or a slower one to measure")
+    # Backend switches, to measure or to rule a kernel out:
+    triton_decode: bool = _setting(True, "CUDA decodes through the paged-attention Triton kernel; off: gather + SDPA")
+    fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")
+    grouped_mm: bool = _setting(True, "expert matmuls through torch's grouped_mm where it pays; off: a loop")
+    force_torch_router: bool = _setting(False, "route with the torch reference, never the Triton kernel")
+    # Decode steps replayed as CUDA graphs when EngineConfig.cuda_graphs is not given (serve's own
+    # --cuda-graphs flag sets that field).
+    cuda_graphs: bool = _setting(False, "replay decode steps as CUDA graphs", flag=False)
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_threads", "encode_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{_names(name)} must be a positive integer, got {value!r}")
+        if self.base64_isa not in BASE64_ISAS:
+            raise ConfigError(f"{_names('base64_isa')} must be one of {', '.join(BASE64_ISAS)}, got {self.base64_isa!r}")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+        """The settings the R3SRV_* variables in `environ` ask for (defaults for the others)."""
+        values: dict = {}
+        for f in dataclasses.fields(cls):
+            text = environ.get(ENV_NAMES[f.name], "")
+            if text != "":
+                values[f.name] = _parse(f.name, text)
+        return cls(**values)
+
+    def replace(self, **changes) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+ENV_NAMES = {f.name: "R3SRV_" + f.name.upper() for f in dataclasses.fields(Settings)}
+ENV_NAMES["huge_pages"] = "R3SRV_HUGEPAGES"  # the names users already set
+
+
+def _names(name: str) -> str:
+    return f"{name} (--{name.replace('_', '-')}, ${ENV_NAMES[name]})"
+
+
+def _parse(name: str, text: str):
+    default = _default(name)
+    if isinstance(default, bool):
+        # A switch that defaults on is turned off by "0"; one that defaults off is turned on by
+        # anything but "0" (R3SRV_FORCE_TORCH_ROUTER=1 or =true), as before these settings.
+        return text != "0"
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{_names(name)} must be a positive integer, got {text!r}") from None
+    if isinstance(default, Path):
+        return Path(text)
+    return text
+
+
+def _default(name: str):
+    return Settings.__dataclass_fields__[name].default
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, e.g. --cpu-threads, whose default is its environment variable."""
+    group = parser.add_argument_group("settings", "each defaults to its R3SRV_* environment variable, else the value shown")
+    for f in dataclasses.fields(Settings):
+        if not f.metadata["flag"]:
+            continue
+        flag, default = "--" + f.name.replace("_", "-"), f.default
+        shown = ("on" if default else "off") if isinstance(default, bool) else default
+        helptext = f"{f.metadata['help']} (${ENV_NAMES[f.name]}, else {shown})"
+        if isinstance(default, bool):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+        elif f.name == "base64_isa":
+            group.add_argument(flag, dest=f.name, choices=BASE64_ISAS, default=None, help=helptext)
+        else:
+            group.add_argument(flag, dest=f.name, type=str, default=None, metavar=f.name.upper(), help=helptext)
+
+
+def from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Settings:
+    """The environment's settings with the flags `add_arguments` defined that were given."""
+    given = {}
+    for f in dataclasses.fields(Settings):
+        value = getattr(args, f.name, None) if f.metadata["flag"] else None
+        if value is not None:
+            given[f.name] = value if isinstance(value, bool) else _parse(f.name, value)
+    return Settings.from_environ(environ).replace(**given)
+
+
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """This process's settings, read from the environment on first use."""
+    global _current
+    if _current is None:
+        _current = Settings.from_environ()
+    return _current
+
+
+def configure(settings: Settings) -> Settings:
+    """Make `settings` this process's settings (start-up, before any model is built; tests
+    through their `r3srv_settings` fixture); returns the ones they replace."""
+    global _current
+    previous = current()
+    _current = settings
+    return previous
