@@ -15,6 +15,8 @@ def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back before the weight, as the HF reference does."""
+    if x.dtype == weight.dtype == torch.float32:  # nothing to cast: torch's fused kernel, one op
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -108,9 +110,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotary = cos.shape[-1]
     if rotary < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    # x * cos + rotate_half(x) * sin written per half: cos and sin repeat their first half
+    # (rope_cos_sin), so this is the same arithmetic, bit for bit, without the rotated copy
     half = rotary // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,10 @@ A rank's experts (models/parallel.py's ExpertSlice) are stacked: w13 [E, 2I, H] 
 then up rows), w2 [E, H, I].
 The expert pass sorts the (token, slot) pairs by expert id, then runs every expert's MLP in
 two grouped GEMMs (torch's grouped_mm) or, where that is slower or unsupported, one pair of
-matmuls per expert that received tokens: no per-token Python loop either way.
+matmuls per expert that received tokens: no per-token Python loop either way. The exception is
+a CPU step with fewer (token, slot) pairs than experts (a decode of a few sequences), where
+nearly every expert gets one row: there each pair runs as two matrix-vector products, skipping
+the sort and the scatter.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def grouped_experts(
     An expert is down(act(gate_up(x) + b13) ) + b2; the biases ([E, 2I], [E, H]) are optional
     (b2 alone too: a split expert adds it on one rank)."""
     num_tokens, top_k = ids.shape
+    if not x.is_cuda and ids.numel() < w13.shape[0]:
+        return _expert_pairs(x, w13, w2, weights, ids, b13, b2, act)
     flat_ids = ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
     token_of_row = order // top_k
@@ -85,6 +90,28 @@ def grouped_experts(
         out = _expert_mlps_looped(rows, w13, w2, counts, act, biases)
     out.mul_(weights.reshape(-1)[order].to(out.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, token_of_row, out)
+
+
+def _expert_pairs(x, w13, w2, weights, ids, b13, b2, act) -> torch.Tensor:
+    """The expert pass one (token, slot) pair at a time: torch.mv reads an expert's weights once
+    per pair at less cost than a one-row F.linear, and no sort, gather or scatter is needed
+    (the CPU's answer for a few tokens; ids are read to the host)."""
+    pairs = ids.tolist()
+    num_pairs = ids.numel()
+    h = x.new_empty(num_pairs, w13.shape[1])
+    for row, (token, expert) in enumerate((t, e) for t, experts in enumerate(pairs) for e in experts):
+        torch.mv(w13[expert], x[token], out=h[row])
+    flat_ids = ids.reshape(-1).long()
+    if b13 is not None:
+        h = h + b13.index_select(0, flat_ids)
+    h = act(h)
+    out = x.new_empty(num_pairs, w2.shape[1])
+    for row, expert in enumerate(e for experts in pairs for e in experts):
+        torch.mv(w2[expert], h[row], out=out[row])
+    if b2 is not None:
+        out = out + b2.index_select(0, flat_ids)
+    out.mul_(weights.reshape(-1, 1).to(out.dtype))
+    return out.view(*ids.shape, -1).sum(1)
 
 
 def uses_grouped_mm(rows: torch.Tensor, w2: torch.Tensor) -> bool:
