@@ -99,7 +99,7 @@ async def get_weight_version(request: Request[Any, Any, Any]) -> fp.WeightVersio
     return fp.WeightVersion(weight_version=server_state(request).engine.weight_version)
 
 
-@get("/health_generate", summary="200 once a real one-token generation succeeds, else 503")
+@get("/health_generate", summary="200 once a real one-token generation succeeds, else 503", media_type=MediaType.TEXT)
 async def health_generate(request: Request[Any, Any, Any]) -> Response[bytes]:
     engine = server_state(request).engine
     stats = engine.stats()
