@@ -68,6 +68,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None
     max_num_batched_tokens: int = 2048
     seed: int = 0
+    # Overlapped scheduling (vLLM's name): the host schedules and prepares step N+1 while the
+    # device runs step N; the same tokens and rows as without (docs/architecture.md)
+    async_scheduling: bool = False
     weight_version: str = "0"  # names the weights in outputs until an update names new ones
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 

@@ -64,10 +64,10 @@ class Sequence:
         self.snapshot_block: int | None = None
         self.snapshot_plan: list[tuple[int, int]] = []
         self.restore_from = -1
-        # A stop string the output processor found, while this sequence waits to recompute the
-        # rows of its kept tokens (it was preempted meanwhile): it finishes, sampling nothing,
-        # once they are computed.
-        self.stopped_at: str | None = None
+        # How this sequence ends, (finish_reason, stop_reason, the last sample or None), while it
+        # waits for the rows of its kept tokens (preempted since, or, with overlapped scheduling,
+        # computed by the step in flight): it finishes, sampling nothing, once they are computed.
+        self.finish_later: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
