@@ -210,3 +210,45 @@ def test_off_by_default_and_refused_where_unsupported(tmp_path):
 
         path = write_tiny_checkpoint(tmp_path / "hybrid", "qwen3_next")
         LLMEngine.from_kwargs(str(path), async_scheduling=True, max_model_len=64, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("steps_after_retract", [0, 1, 2])
+def test_a_stop_string_handed_over_after_a_retract_keeps_the_kept_tokens_rows(steps_after_retract):
+    """AsyncLLM hands the output processor's stop to the core late: here after a retract and
+    `steps_after_retract` steps, so the recompute of the kept tokens may be queued, not yet run."""
+    from r3srv import LLM
+    from r3srv.engine.core import CoreOutputs
+    from r3srv.engine.output_processor import OutputProcessor
+
+    params = dict(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True, return_routed_experts=True,
+                  routed_experts_prompt_start=3)
+    plain = LLM(max_model_len=128, enable_prefix_caching=False)
+    free = plain.generate([prompt_ids(12)], SamplingParams(**params))[0].outputs[0]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 2]
+    want = plain.generate([prompt_ids(12)], SamplingParams(stop=[stop], **params))[0].outputs[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) < len(free.token_ids)
+
+    engine = LLM(max_model_len=128, enable_prefix_caching=False, async_scheduling=True).engine
+    core, op = engine.core, OutputProcessor(engine.tokenizer)
+    prep = engine.prepare_request("r", prompt_ids(12), SamplingParams(stop=[stop], **params))
+    core.add_request(prep)
+    op.add_request(prep)
+    finals, pending, wait = [], [], None
+    while not finals:
+        processed = op.process(core.step() if core.has_unfinished() else CoreOutputs())
+        finals += [o for o in processed.outputs if o.finished]
+        pending += processed.stops
+        if pending and wait is None:
+            assert core.retract_running() == 1
+            wait = steps_after_retract
+        if pending and wait == 0:
+            for s in pending:
+                processed = op.process(core.stop_sequence(s.request_id, s.index, s.num_output_tokens, s.stop))
+                finals += [o for o in processed.outputs if o.finished]
+            pending = []
+        elif pending:
+            wait -= 1
+    got = finals[0].outputs[0]
+    assert (got.text, got.token_ids, got.stop_reason) == (want.text, want.token_ids, want.stop_reason)
+    np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
+    assert not core.requests and core.block_manager.num_used_blocks == 0

@@ -41,6 +41,7 @@ class LLM:
         prefill_context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        async_scheduling: bool = False,
     ) -> None:
         self.engine = LLMEngine.from_kwargs(
             model,
@@ -55,6 +56,7 @@ class LLM:
             kv_cache_memory_fraction=kv_cache_memory_fraction,
             max_num_batched_tokens=max_num_batched_tokens,
             seed=seed,
+            async_scheduling=async_scheduling,
             pipeline_parallel_size=pipeline_parallel_size,
             decode_context_parallel_size=decode_context_parallel_size,
             prefill_context_parallel_size=prefill_context_parallel_size,
