@@ -252,3 +252,32 @@ def test_a_stop_string_handed_over_after_a_retract_keeps_the_kept_tokens_rows(st
     assert (got.text, got.token_ids, got.stop_reason) == (want.text, want.token_ids, want.stop_reason)
     np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
     assert not core.requests and core.block_manager.num_used_blocks == 0
+
+
+def test_async_llm_with_overlap_streams_the_plain_engines_outputs_and_pauses_by_retract():
+    """The server's engine: concurrent streams, a retract pause in the middle, then a weight
+    update's drain (resume): the same outputs as the offline plain engine."""
+    import asyncio
+
+    from r3srv.engine.async_llm import AsyncLLM
+
+    requests = _free_running(4, 16)
+    want = _run(_engine(False, **BASE), requests)
+    engine = AsyncLLM(None, async_scheduling=True, seed=7, **BASE)
+    try:
+        async def one(rid):
+            prompt, params = requests[rid]
+            return [o async for o in engine.generate(prompt, params, rid)][-1]
+
+        async def main():
+            tasks = [asyncio.create_task(one(rid)) for rid in requests]
+            await asyncio.sleep(0.2)
+            await engine.pause_generation(mode="retract")
+            await engine.reset_prefix_cache()
+            await engine.continue_generation()
+            return {rid: await task for rid, task in zip(requests, tasks)}
+
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    _assert_equal(got, want)
