@@ -233,21 +233,22 @@ def test_a_stop_string_handed_over_after_a_retract_keeps_the_kept_tokens_rows(st
     prep = engine.prepare_request("r", prompt_ids(12), SamplingParams(stop=[stop], **params))
     core.add_request(prep)
     op.add_request(prep)
-    finals, pending, wait = [], [], None
-    while not finals:
-        processed = op.process(core.step() if core.has_unfinished() else CoreOutputs())
-        finals += [o for o in processed.outputs if o.finished]
-        pending += processed.stops
-        if pending and wait is None:
-            assert core.retract_running() == 1
-            wait = steps_after_retract
-        if pending and wait == 0:
-            for s in pending:
-                processed = op.process(core.stop_sequence(s.request_id, s.index, s.num_output_tokens, s.stop))
-                finals += [o for o in processed.outputs if o.finished]
-            pending = []
-        elif pending:
-            wait -= 1
+    # step until the output processor finds the stop; retract; step on; then hand the stop over
+    stops = []
+    while not stops:
+        stops = op.process(core.step()).stops
+    assert core.retract_running() == 1
+    finals = []
+    for _ in range(steps_after_retract):
+        finals += op.process(core.step()).outputs
+    core_out = CoreOutputs()
+    for s in stops:
+        core_out.extend(core.stop_sequence(s.request_id, s.index, s.num_output_tokens, s.stop))
+    finals += op.process(core_out).outputs
+    while core.has_unfinished():
+        finals += op.process(core.step()).outputs
+    finals = [o for o in finals if o.finished]
+    assert len(finals) == 1
     got = finals[0].outputs[0]
     assert (got.text, got.token_ids, got.stop_reason) == (want.text, want.token_ids, want.stop_reason)
     np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
