@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check of r3srv in ONE device call (a lent task has 15 minutes of device time in all):
-# first the router table of benches/gpu_router.py (correctness grid, do_bench timings, engine
+# first the CUDA-graph tests (tests/test_cuda_graphs.py: graph decode == eager in tokens and
+# routed-experts rows, padding, abort, hybrid) and the decode throughput table of a
+# Qwen3-30B-A3B-shaped model against the HBM roofline (benches/gpu_throughput.py), both never
+# run on a GPU yet (docs/cuda_graphs.md); then the router table of benches/gpu_router.py (correctness grid, do_bench timings, engine
 # decode step with capture on/off: issue 5's deliverable, so it runs before anything can eat
 # the time), then the CUDA tests (fused router vs torch reference, CUDA models vs CPU, engine
 # rows on CUDA, hybrid engines with the fused decode steps vs the CPU and the torch steps),
@@ -14,9 +17,12 @@
 # Rust extension. So, on the dev machine first:
 #   bash benches/gpu_check.sh --fetch-wheels
 # then call the device tool's run with
-#   command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=600 (about 380 s on an H200:
-#   router 125, tests 110, syncs 15, decode attention 90 s; each step also has its own limit below)
-# and copy the table it prints (also in $OUT/router_table.md) into the README.
+#   command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=600 (the default steps, estimated
+#   at about 500 s on an H200: graphs ~90, throughput ~200 (estimated, unmeasured), tests 110,
+#   syncs 15, router 125 s; each step also has its own limit below; "hybrid decode", measured
+#   before, run only when R3SRV_GPU_STEPS names them)
+# and copy the tables it prints ($OUT/throughput_table.md, $OUT/router_table.md) into
+# docs/benchmarks.md. Every command is printed before it runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,30 +45,45 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/python"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 | tee "$out/machine.txt"
 
-# R3SRV_GPU_STEPS picks steps (default all): a follow-up call in the same session reruns only
+# R3SRV_GPU_STEPS picks steps (default "graphs throughput tests syncs router"; also "hybrid",
+# "decode", "engine"): a follow-up call in the same session reruns only
 # what changed, e.g. R3SRV_GPU_STEPS="engine tests syncs decode" (engine: the router script's
 # decode-step rows only) with R3SRV_GPU_TESTS naming the test files.
-steps=" ${R3SRV_GPU_STEPS:-router tests syncs hybrid decode} "
+steps=" ${R3SRV_GPU_STEPS:-graphs throughput tests syncs router} "
 wants() { [[ "$steps" == *" $1 "* ]]; }
 status=0
-if wants router; then
-    timeout 220 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md" 2>&1 | tee "$out/router_bench.log" || status=1
-elif wants engine; then
-    timeout 150 python3 benches/gpu_router.py --require-gpu --engine-only --out "$out/engine_table.md" 2>&1 | tee "$out/engine_bench.log" || status=1
+# step LOG SECONDS COMMAND...: prints the command, runs it under a limit, its output also in $out/LOG
+step() {
+    local log=$1 limit=$2
+    shift 2
+    echo "+ timeout $limit $*" | tee "$out/$log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$out/$log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+if wants graphs; then
+    step cuda_graphs.log 150 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_cuda_graphs.py
+fi
+if wants throughput; then  # prints each batch's line as it goes: a run cut short keeps them
+    step throughput.log 240 python3 benches/gpu_throughput.py --require-gpu --out "$out/throughput_table.md"
 fi
 if wants tests; then
-    # R3SRV_GPU_TESTS: the test files to run (default all the CUDA ones)
-    timeout 280 python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda or gpu" ${R3SRV_GPU_TESTS:-\
+    # R3SRV_GPU_TESTS: the test files to run (default all the CUDA ones but the graphs')
+    step gpu_tests.log 280 python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda or gpu" ${R3SRV_GPU_TESTS:-\
         tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine_hybrid_gpu.py tests/test_engine.py \
-        tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_attention_gpu.py tests/test_transfer.py} 2>&1 | tee "$out/gpu_tests.log" || status=1
+        tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_attention_gpu.py tests/test_transfer.py}
 fi
 if wants syncs; then  # -rP: its lines say where a decode step synchronizes
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfEP tests/test_engine_gpu_syncs.py 2>&1 | tee "$out/syncs.log" || status=1
+    step syncs.log 90 python3 -m pytest -q -p no:cacheprovider -rfEP tests/test_engine_gpu_syncs.py
+fi
+if wants router; then
+    step router_bench.log 220 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md"
+elif wants engine; then
+    step engine_bench.log 150 python3 benches/gpu_router.py --require-gpu --engine-only --out "$out/engine_table.md"
 fi
 if wants hybrid; then
-    timeout 45 python3 benches/bench_hybrid_prefill.py 2>&1 | tee "$out/hybrid_prefill.log" || status=1
+    step hybrid_prefill.log 45 python3 benches/bench_hybrid_prefill.py
 fi
 if wants decode; then
-    timeout 150 python3 benches/gpu_decode_attention.py 2>&1 | tee "$out/decode_attention.log" || status=1
+    step decode_attention.log 150 python3 benches/gpu_decode_attention.py
 fi
 exit $status

@@ -86,7 +86,7 @@ def test_bad_config_exits_before_binding():
         (["--dtype", "float8"], ["dtype"]),
         (["--device", "tpu"], ["device"]),
         (["--tensor-parallel-size", "2"], ["tensor_parallel_size=2", "one device"]),
-        (["-dp", "4"], ["data_parallel_size=4"]),
+        (["-dp", "2", "--device", "cuda:1"], ["cuda:1", "--data-parallel-size 2"]),  # a fleet needs a device each
         (["/no/such/checkpoint"], ["/no/such/checkpoint"]),
     ],
 )

@@ -71,9 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory-fraction", type=float, default=None, help="share of free memory for the KV cache"
     )
     serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       help="N > 1: N replicas (a device each) behind the SGLang router on --host/--port "
+                       "(needs r3srv[router]; docs/fleet.md)")
     # vLLM's flags, accepted so launch scripts that pass 1 work; more than 1 is a clear start-up error
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     serve.add_argument(
@@ -102,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-version", default="0", help="name of the served weights in responses (default: %(default)s)"
     )
     serve.add_argument(
+        "--fleet-peer-urls", nargs="+", default=None, metavar="URL",
+        help="the other replicas of a fleet behind a router: control calls (pause, continue, weight updates, "
+        "flush, abort, memory release) made to this server are applied on them too (docs/fleet.md)",
+    )
+    serve.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="add usage.prompt_tokens_details (cached_tokens: prompt tokens served from the prefix cache), as vLLM",
@@ -114,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-body", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a request body may stall between two reads before the connection closes (default: %(default)s)",
     )
+    serve.add_argument(
+        "--cuda-graphs", action="store_true", default=None,
+        help="replay decode steps as CUDA graphs (off by default until measured on a GPU; also $R3SRV_CUDA_GRAPHS=1)",
+    )
+    serve.add_argument("--enforce-eager", action="store_true", help="vLLM's flag: no CUDA graphs, whatever else asks")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -136,6 +148,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         prefill_context_parallel_size=args.prefill_context_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        cuda_graphs=args.cuda_graphs,
+        enforce_eager=args.enforce_eager,
     )
     if args.num_kv_blocks is not None:
         kwargs["num_kv_blocks"] = args.num_kv_blocks
@@ -163,6 +177,12 @@ def _server_class(on_shutdown: Any) -> Any:
     return Server
 
 
+def _peers_but_self(args: argparse.Namespace) -> list[str]:
+    """The peers, without this server (so one list can be handed to every replica)."""
+    own = {f"http://{host}:{args.port}" for host in (args.host, "127.0.0.1", "localhost", "0.0.0.0")}
+    return [url.rstrip("/") for url in args.fleet_peer_urls or () if url.rstrip("/") not in own]
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here so `r3srv --help` stays fast.
@@ -173,6 +193,10 @@ def serve(args: argparse.Namespace) -> int:
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
     from r3srv.server.connections import guarded_h11
 
+    if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
+        from r3srv.data_parallel import serve_fleet
+
+        return serve_fleet(args, build_parser())
     if args.model is None:
         logger.warning("no MODEL given: serving the built-in model, whose weights are RANDOM (text is meaningless)")
     try:
@@ -201,6 +225,7 @@ def serve(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,
+        fleet_peer_urls=_peers_but_self(args),
     )
     logger.info(
         "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",

@@ -7,9 +7,12 @@ Checks that need the model (MoE layers, context length, KV pool size) run in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from r3srv.errors import ConfigError
+
+CUDA_GRAPHS_ENV = "R3SRV_CUDA_GRAPHS"  # "1": capture decode steps when EngineConfig.cuda_graphs is not given
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -72,6 +75,10 @@ class EngineConfig:
     # device runs step N; the same tokens and rows as without (docs/architecture.md)
     async_scheduling: bool = False
     weight_version: str = "0"  # names the weights in outputs until an update names new ones
+    # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py). None: $R3SRV_CUDA_GRAPHS == "1".
+    # Off by default until a GPU run has checked them; enforce_eager (vLLM's flag) wins.
+    cuda_graphs: bool | None = None
+    enforce_eager: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -101,6 +108,13 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 1]")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if self.cuda_graphs is None:
+            self.cuda_graphs = os.environ.get(CUDA_GRAPHS_ENV, "0") == "1"
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Whether decode steps are to be captured: asked for, not enforce_eager, on CUDA."""
+        return bool(self.cuda_graphs) and not self.enforce_eager and self.device.startswith("cuda")
 
     def finalize(self, model_config) -> None:
         """Checks that need the loaded model's config; fills max_model_len."""

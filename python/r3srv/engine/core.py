@@ -140,14 +140,15 @@ class EngineCore:
         if tok_eos is not None and tok_eos not in eos:
             eos.append(tok_eos)
         self.eos_token_ids = eos
-        self.executor: Executor = InProcessExecutor(
-            model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed
-        )
-
         # a hybrid's linear-attention states: a slot per running sequence, and with prefix
         # caching as many snapshots again for the running ones plus as many kept for later hits
         self.num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
+        self.executor: Executor = InProcessExecutor(
+            model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
+            use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
+        )
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         config.check_kv_pool(num_blocks)
         config.num_kv_blocks = num_blocks
@@ -163,6 +164,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.weight_version = config.weight_version
+        self.model_path = config.model  # the checkpoint the weights came from (None: the built-in model)
         self.requests: dict[str, _Request] = {}
         self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
         from r3srv.engine.overlap import OverlappedStepper
@@ -185,6 +187,7 @@ class EngineCore:
             budget = int(free * fraction)
         else:
             budget = min(int(_mem_available() * fraction), _CPU_KV_CAP_BYTES)
+        budget -= self.executor.graphs_reserved
         # a hybrid's linear-attention states
         states = (self.num_state_slots + self.num_state_snapshots) * self.executor.state_bytes_per_slot()
         if states and states >= budget:
@@ -300,6 +303,7 @@ class EngineCore:
             raise
         self.block_manager.reset_prefix_cache()
         self.weight_version = label if weight_version is None else weight_version
+        self.model_path = None if isinstance(path, NamedTensors) else str(path)  # pushed tensors have no checkpoint
         for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
             req.weight_version = self.weight_version
 
@@ -339,8 +343,11 @@ class EngineCore:
             self.executor.resume_weights()
         if "kv_cache" in wanted:
             cfg = self.config
-            self.executor.init_kv_cache(cfg.num_kv_blocks, cfg.block_size, cfg.max_num_seqs, self.num_state_snapshots)
+            self.executor.init_kv_cache(cfg.num_kv_blocks, cfg.block_size, cfg.max_num_seqs, self.num_state_snapshots,
+                                        capture_graphs=False)
         self.released_memory -= wanted
+        if not self.released_memory:
+            self.executor.capture_graphs()  # over the cache and weights where they now lie
         return sorted(self.released_memory)
 
     def has_unfinished(self) -> bool:
@@ -499,6 +506,21 @@ class EngineFacts:
     """What callers (the server, LLM) read about the engine, for a front holding its EngineCore as `core`."""
 
     core: EngineCore
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's EngineConfig, finalized (KV pool size, block size, ...)."""
+        return self.core.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype the weights and the KV cache are held in."""
+        return self.core.executor.dtype
+
+    @property
+    def model_path(self) -> str | None:
+        """The checkpoint directory of the weights now served (None: the built-in model)."""
+        return self.core.model_path
 
     @property
     def tokenizer(self):

@@ -9,14 +9,16 @@ and back.
 `InProcessExecutor` runs the model in this process (one device). Worker processes for
 tensor and expert parallelism take its place behind the same interface: `execute` then
 broadcasts the step's inputs to the ranks and returns rank 0's tokens and rows; the core
-does not change. The seam is also where CUDA graphs (inside the model runner) and
-overlapped scheduling (an `execute` that returns before the GPU is done, its tokens read
-one step late) plug in.
+does not change. The seam is also where CUDA graphs and overlapped scheduling plug in: CUDA
+graphs live here (engine/cuda_graphs.py, replayed by the model runner for decode steps; their
+memory is counted out of the KV budget), and `submit` queues a step on a device thread and
+returns at once, its tokens read one step late (engine/overlap.py; such steps run eagerly).
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,14 +26,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from r3srv.engine import cuda_graphs
 from r3srv.engine.model_runner import ModelRunner
-from r3srv.engine.routed_experts import RoutedExpertsBuffer
+from r3srv.engine.routed_experts import RoutedExpertsBuffer, capture_torch_dtype
 from r3srv.engine.sampler import SampleResult, sample
 from r3srv.engine.scheduler import SchedulerOutput
 from r3srv.transfer import to_device
 
 if TYPE_CHECKING:
     from r3srv.models.loader import NamedTensors
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +53,8 @@ class Executor(abc.ABC):
     """What the engine core asks of the model, wherever the model runs."""
 
     device: torch.device
+    dtype: torch.dtype  # of the weights and the KV cache
+    graphs_reserved: int = 0  # device bytes CUDA graphs take beside the KV cache (out of its budget)
 
     @abc.abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
@@ -69,10 +76,15 @@ class Executor(abc.ABC):
     def state_bytes_per_slot(self) -> int: ...
 
     @abc.abstractmethod
-    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_seqs: int, num_state_snapshots: int) -> None: ...
+    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_seqs: int, num_state_snapshots: int,
+                      *, capture_graphs: bool = True) -> None:
+        """Allocate the KV cache (and, with CUDA graphs, capture them over it unless told not to)."""
 
     @abc.abstractmethod
     def free_kv_cache(self) -> None: ...
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs over the cache and weights where they now lie (none: nothing)."""
 
     @abc.abstractmethod
     def release_weights(self) -> None:
@@ -97,14 +109,23 @@ class InProcessExecutor(Executor):
     """The model in this process, driven by a ModelRunner; sampling on the same device."""
 
     def __init__(self, model, block_size: int, device: torch.device, capture_routed_experts: bool,
-                 eos_token_ids: list[int], seed: int) -> None:
+                 eos_token_ids: list[int], seed: int, *, use_cuda_graphs: bool = False, max_num_seqs: int = 1,
+                 max_model_len: int = 1, num_state_snapshots: int = 0) -> None:
         self.model = model
         self.device = device
+        self.dtype = model.dtype
         self.eos_token_ids = eos_token_ids
         # Only the reusable capture tensor (no slots): the core stores what a step captured.
         mc = model.config
         capture = RoutedExpertsBuffer(0, mc.num_layers, mc.top_k, mc.num_experts) if capture_routed_experts else None
-        self.runner = ModelRunner(model, block_size, device, capture)
+        blocker = cuda_graphs.graph_blocker(model) if use_cuda_graphs else "not asked for"
+        if use_cuda_graphs and blocker:
+            log.warning("CUDA graphs off: %s", blocker)
+        graphs = None if blocker else cuda_graphs.DecodeGraphs(
+            model, block_size, max_num_seqs, max_model_len, num_state_snapshots,
+            capture_torch_dtype(mc.num_experts) if capture_routed_experts else None)
+        self.graphs_reserved = 0 if graphs is None else graphs.reserve()
+        self.runner = ModelRunner(model, block_size, device, capture, graphs)
         # Noise for requests without a seed: one generator, so their rows sample in one batched draw.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -164,14 +185,29 @@ class InProcessExecutor(Executor):
     def state_bytes_per_slot(self) -> int:
         return self.model.state_bytes_per_slot()
 
-    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_seqs: int, num_state_snapshots: int) -> None:
-        self.model.init_kv_cache(num_blocks, block_size, max_num_seqs, num_state_snapshots)
+    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_seqs: int, num_state_snapshots: int,
+                      *, capture_graphs: bool = True) -> None:
+        graphs = self.runner.graphs
+        if graphs is None:
+            self.model.init_kv_cache(num_blocks, block_size, max_num_seqs, num_state_snapshots)
+        else:  # and the padding rows' scratch block and state entry
+            graphs.init_kv_cache(num_blocks, capture=capture_graphs)
 
     def free_kv_cache(self) -> None:
+        self._drop_graphs()
         self.model.free_kv_cache()
 
     def release_weights(self) -> None:
+        self._drop_graphs()
         self.model.move_weights("cpu")
+
+    def capture_graphs(self) -> None:
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture_all()
+
+    def _drop_graphs(self) -> None:
+        if self.runner.graphs is not None:  # they point into the memory about to move
+            self.runner.graphs.clear()
 
     def resume_weights(self) -> None:
         self.model.move_weights(self.device)

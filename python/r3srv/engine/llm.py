@@ -42,6 +42,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         async_scheduling: bool = False,
+        cuda_graphs: bool | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.engine = LLMEngine.from_kwargs(
             model,
@@ -62,6 +64,8 @@ class LLM:
             prefill_context_parallel_size=prefill_context_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            cuda_graphs=cuda_graphs,
+            enforce_eager=enforce_eager,
         )
         self._ids = itertools.count()
 

@@ -47,11 +47,7 @@ class LLMEngine(EngineFacts):
         """EngineConfig's and ParallelConfig's fields as keywords."""
         return cls(engine_config(model, **kwargs))
 
-    # -- facts (EngineFacts: tokenizer, model_config, max_model_len, device, ...) -------
-    @property
-    def config(self) -> EngineConfig:
-        return self.core.config
-
+    # -- facts (EngineFacts: config, tokenizer, model_config, max_model_len, device, ...) --
     @property
     def released_memory(self) -> set[str]:
         return self.core.released_memory
@@ -60,6 +56,16 @@ class LLMEngine(EngineFacts):
     def model(self):
         """The in-process executor's model (for inspection; the core reaches it only through the executor)."""
         return self.core.executor.model
+
+    @property
+    def runner(self):
+        """The in-process executor's model runner (for inspection: graph steps, ...)."""
+        return self.core.executor.runner
+
+    @property
+    def rows(self):
+        """The core's slot-indexed routed-experts rows (None when capture is off)."""
+        return self.core.rows
 
     @property
     def block_manager(self):

@@ -1,4 +1,4 @@
-"""Turns a scheduled step into a ForwardBatch, runs the model, and keeps the step's rows.
+"""Turns a scheduled step into a ForwardBatch, runs the model, and hands back the step's rows.
 
 The model owns its paged KV cache (`init_kv_cache`); this module only tells it where
 each token's KV goes (slot mapping) and where each sequence's context lives (block
@@ -6,6 +6,7 @@ tables). When routed experts are enabled every step captures rows, whether or no
 its requests asked for them: a later request may hit these blocks in the prefix cache
 (the engine core stores them in its slot-indexed buffer; `rows` here only lends the
 reusable capture tensor).
+With `graphs` (engine/cuda_graphs.py) a decode step replays a captured CUDA graph instead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from r3srv.engine.cuda_graphs import DecodeGraphs, is_graph_decode
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 from r3srv.engine.sequence import Sequence
 from r3srv.models.batch import ForwardBatch
@@ -20,14 +22,18 @@ from r3srv.transfer import to_device
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, device: torch.device, rows: RoutedExpertsBuffer | None) -> None:
+    def __init__(self, model, block_size: int, device: torch.device, rows: RoutedExpertsBuffer | None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.rows = rows
+        self.graphs = graphs
+        self.graph_steps = 0  # steps replayed from a graph (tests and benches read it)
 
-    def prepare(self, seqs: list[Sequence]) -> tuple[ForwardBatch, np.ndarray]:
-        """The step's ForwardBatch, and its KV slots on the host (where the rows go).
+    def host_arrays(self, seqs: list[Sequence]) -> tuple[np.ndarray, ...]:
+        """The step's input ids, positions, KV slots, block tables (-1 padded), query lengths and
+        context lengths after the step, on the host.
 
         Python touches each sequence once (its new token ids, one memcpy of its block
         table); positions and slots are computed per token in numpy.
@@ -52,10 +58,16 @@ class ModelRunner:
             first_row = np.cumsum(query_lens) - query_lens
             positions = np.arange(num_tokens) - first_row[owner] + starts[owner]
         slot_np = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        return np.array(input_ids, dtype=np.int64), positions, slot_np, tables, query_lens, ends
+
+    def prepare(self, seqs: list[Sequence]) -> tuple[ForwardBatch, np.ndarray]:
+        """The step's ForwardBatch, and its KV slots on the host (where the rows go)."""
+        input_ids, positions, slot_np, tables, query_lens, ends = self.host_arrays(seqs)
+        num_tokens = len(input_ids)
         dev = self.device
         # one transfer that does not wait for the GPU (the last step's work may still run)
         ids, positions_t, slots_t, tables_t, logits_indices = to_device(
-            [np.array(input_ids, dtype=np.int64), positions, slot_np, tables, np.cumsum(query_lens) - 1], dev)
+            [input_ids, positions, slot_np, tables, np.cumsum(query_lens) - 1], dev)
         batch = ForwardBatch(
             input_ids=ids,
             positions=positions_t,
@@ -77,7 +89,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
         """Computes the scheduled tokens of `seqs`; returns float32 logits [len(seqs), vocab], the
-        step's routed-experts capture (None when off) and the tokens' KV slots (where its rows go)."""
+        step's routed-experts capture (None when off; a graph's is valid until its next replay)
+        and the tokens' KV slots (where its rows go)."""
+        replayed = self._replay(seqs) if self.graphs is not None and is_graph_decode(seqs) else None
+        if replayed is not None:
+            return replayed
         batch, slot_np = self.prepare(seqs)
-        logits = self.model.forward(batch)
-        return logits, batch.routing_capture, slot_np
+        return self.model.forward(batch), batch.routing_capture, slot_np
+
+    def _replay(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray] | None:
+        input_ids, positions, slot_np, tables, _, _ = self.host_arrays(seqs)
+        out = self.graphs.run(seqs, input_ids, positions, slot_np, tables)
+        if out is None:
+            return None
+        self.graph_steps += 1
+        return *out, slot_np

@@ -66,6 +66,9 @@ class AttentionMetadata:
     # DeepSeek Sparse Attention (models/dsa.py): the last indexer layer's selection, which the
     # layers after it that share it reuse in this step
     sparse_selection: object = None
+    # a graph-captured decode step: the longest context is not known on the host when the graph
+    # replays, so the kernel's split comes from the bucket and max_model_len
+    graph: bool = False
     _decode_kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
     def decode_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -99,6 +102,8 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, batch: ForwardBatch, block_size: int, device: torch.device) -> "AttentionMetadata":
+        if batch.graph is not None:
+            return cls._graph_decode(batch, block_size)
         tables = batch.block_tables.to(device=device, dtype=torch.int64)
         decode_seqs: list[int] = []
         decode_rows: list[int] = []
@@ -122,6 +127,17 @@ class AttentionMetadata:
 
         return cls(batch.slot_mapping.to(device), None, prefills, tables, decode_seqs, decode_rows,
                    list(batch.context_lens), block_size)
+
+
+    @classmethod
+    def _graph_decode(cls, batch: ForwardBatch, block_size: int) -> "AttentionMetadata":
+        """A decode step for CUDA-graph capture: the Triton kernel's arguments straight from the
+        batch's static tensors (row i is sequence i), no host list read, no transfer."""
+        rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
+        meta = cls(batch.slot_mapping, None, [], batch.block_tables, list(range(len(rows))), [], [], block_size,
+                   graph=True)
+        meta._decode_kernel_args = (batch.block_tables, batch.graph.context_lens, rows, batch.graph.max_context)
+        return meta
 
 
 def _decode_groups(context_lens: list[int]) -> list[list[int]]:
@@ -239,6 +255,9 @@ def paged_attention(
         o = attend(qs, ks, vs, mask, gqa, scale, sinks)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
     launch = decode_kernel_for(q) if decode_kernel and groups is None and meta.decode_seqs else None
+    if launch is None and meta.graph:
+        raise RuntimeError("a graph-captured decode step needs the Triton paged decode kernel (CUDA, triton, "
+                           f"{TRITON_DECODE_ENV} not 0)")
     if launch is not None:
         tables, lens, rows, longest = meta.decode_kernel_args()
         launch(q, k_cache, v_cache, tables, lens, rows, out, page=meta.block_size,

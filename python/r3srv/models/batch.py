@@ -29,3 +29,20 @@ class ForwardBatch:
     # (sequence index, position, snapshot entry): copy the sequence's states right after the
     # token before `position` (a block boundary inside this step) into the entry
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    # A decode step replayed as a CUDA graph (engine/cuda_graphs.py): its per-sequence indices as
+    # static device tensors, so the forward pass reads nothing from the host lists above.
+    graph: "GraphDecodeInputs | None" = None
+
+
+@dataclass
+class GraphDecodeInputs:
+    """A graph-captured decode step's device-side indices: every row computes one token (row i is
+    sequence i), padding rows included. The host lists of the batch are the capture's and are
+    not read by attention or the recurrent layers."""
+
+    context_lens: torch.Tensor  # [B] int32 keys each row attends to (this token's included)
+    state_slots: torch.Tensor | None  # [B] int64 state entries (hybrids); padding rows: a scratch entry
+    state_keep: torch.Tensor | None  # [B] float32: 0 for a padding row (starts from zero states)
+    # the longest context any row may have (max_model_len): the paged decode kernel picks its
+    # split of the contexts from this and the bucket's size, never from the step's data
+    max_context: int

@@ -337,8 +337,8 @@ class MoeForCausalLM(nn.Module):
         states = None
         if self.config.is_hybrid:
             states = LinearStateBatch.build(batch, self.device)
-            entries = states.entries()
-            if max(entries) >= self.num_state_slots + self.num_state_snapshots or min(entries) < 0:
+            entries = states.entries()  # a graph step's entries were checked before they were copied in
+            if entries and (max(entries) >= self.num_state_slots + self.num_state_snapshots or min(entries) < 0):
                 raise ValueError(f"state entries {entries} outside the {self.num_state_slots} slots and "
                                  f"{self.num_state_snapshots} snapshots allocated")
         for layer in self.layers:

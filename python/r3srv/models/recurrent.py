@@ -91,6 +91,10 @@ class LinearStateBatch:
 
     @classmethod
     def build(cls, batch, device) -> "LinearStateBatch":
+        if batch.graph is not None:  # a graph-captured decode step: one step group from static tensors
+            g = batch.graph
+            rows = torch.arange(g.state_slots.shape[0], device=g.state_slots.device)
+            return cls([], [StepGroup(rows, g.state_slots, g.state_keep)], [], [])
         query_lens, context_lens = batch.query_lens, batch.context_lens
         slots = list(range(len(query_lens))) if batch.state_slots is None else [int(s) for s in batch.state_slots]
         starts = torch.tensor([0] + query_lens).cumsum(0).tolist()

@@ -145,5 +145,11 @@ class CountRequests:
             self._metrics.requests.labels(route, "499" if gone else str(status)).inc()
 
 
-def build_asgi_app(engine: Any, **kwargs: Any) -> CountRequests:
-    return CountRequests(create_app(engine, **kwargs))
+def build_asgi_app(engine: Any, *, fleet_peer_urls: list[str] | None = None, **kwargs: Any) -> Any:
+    """The app with request counting; with peers, control calls also reach every peer (server/fanout.py)."""
+    app = CountRequests(create_app(engine, **kwargs))
+    if fleet_peer_urls:
+        from r3srv.server.fanout import FanOutControl
+
+        return FanOutControl(app, fleet_peer_urls)
+    return app

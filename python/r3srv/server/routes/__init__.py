@@ -1,5 +1,13 @@
 """Litestar route handlers, one module per API area."""
 
+from r3srv.server.routes.fleet import (
+    get_load,
+    get_weight_version,
+    health_generate,
+    model_info,
+    server_info,
+    v1_loads,
+)
 from r3srv.server.routes.inference import abort_requests, generate
 from r3srv.server.routes.info import detokenize, health, list_models, metrics, tokenize, version
 from r3srv.server.routes.openai import chat_completions, completions
@@ -38,4 +46,10 @@ ROUTE_HANDLERS = [
     continue_generation,
     is_paused,
     *TRAINER_ROUTES,
+    server_info,
+    model_info,
+    get_weight_version,
+    health_generate,
+    v1_loads,
+    get_load,
 ]
