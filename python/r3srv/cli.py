@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seeds the noise of requests without a seed of their own (default: %(default)s)"
     )
     serve.add_argument(
+        "--async-scheduling", action="store_true",
+        help="overlapped scheduling, as vLLM's flag: prepare the next step while the device runs this one "
+        "(same tokens and rows; off by default)",
+    )
+    serve.add_argument(
         "--max-request-body-bytes", type=_positive_int, default=None, help="larger bodies get 413 (default: 32 MiB)"
     )
     serve.add_argument(
@@ -158,6 +163,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         seed=args.seed,
+        async_scheduling=args.async_scheduling,
         weight_version=args.weight_version,
         pipeline_parallel_size=args.pipeline_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,

@@ -87,6 +87,9 @@ class EngineConfig:
     # Most logprobs (sampled or prompt) a request may ask for per token, as vLLM's; -1: no limit.
     max_logprobs: int = 20
     seed: int = 0
+    # Overlapped scheduling (vLLM's name): the host schedules and prepares step N+1 while the
+    # device runs step N; the same tokens and rows as without (docs/architecture.md)
+    async_scheduling: bool = False
     weight_version: str = "0"  # names the weights in outputs until an update names new ones
     # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py). None: settings.cuda_graphs ($R3SRV_CUDA_GRAPHS).
     # Off by default until a GPU run has checked them; enforce_eager (vLLM's flag) wins.

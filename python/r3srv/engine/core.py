@@ -182,6 +182,11 @@ class EngineCore:
         self.model_path = config.model  # the checkpoint the weights came from (None: the built-in model)
         self.requests: dict[str, _Request] = {}
         self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
+        from r3srv.engine.overlap import OverlappedStepper
+
+        self.overlap = OverlappedStepper(self) if config.async_scheduling else None
+        if self.overlap is not None and mc.is_hybrid:
+            raise ConfigError("async_scheduling does not support hybrid (linear-attention) models yet; leave it off")
 
     def _use_cuda_graphs(self) -> bool:
         if self.config.use_cuda_graphs and self.multiproc is not None:
@@ -281,9 +286,10 @@ class EngineCore:
         seq = req.seqs[index]
         del seq.token_ids[seq.num_prompt_tokens + num_output_tokens :]
         wants_rows = req.prepared.return_routed_experts and self.rows is not None
-        if wants_rows and seq.num_computed_tokens < seq.num_tokens - 1:
+        rows_upto = seq.num_computed_tokens if self.overlap is None else self.overlap.rows_stored_upto(seq)
+        if wants_rows and rows_upto < seq.num_tokens - 1:
             # preempted or retracted since (its rows went with its blocks): recompute them first
-            seq.stopped_at = stop
+            seq.finish_later = ("stop", stop, None)
             return out
         out.updates.append(self._update(req, [self._finish(seq, "stop", stop)]))
         self._forget_if_finished(req)
@@ -293,6 +299,7 @@ class EngineCore:
         """Send every running sequence back to the waiting queue with its blocks freed: its KV,
         state slot and routed-experts rows are recomputed when it runs again, on the weights
         loaded by then (a partial rollout resumed on a new policy). Returns how many."""
+        self._drain()
         return self.scheduler.retract_running()
 
     def num_requests_holding_kv(self) -> int:
@@ -312,6 +319,7 @@ class EngineCore:
         from r3srv.models.loader import NamedTensors
 
         label = "tensors" if isinstance(path, NamedTensors) else str(path)
+        self._drain()
         if holding := self.num_requests_holding_kv():
             raise InvalidRequestError(
                 f"cannot update weights with {holding} requests in flight holding KV of the current weights: "
@@ -359,6 +367,7 @@ class EngineCore:
         "weights" moves the weights to pinned host memory. None: both. Only between
         requests; releasing something already released does nothing. Returns what is released."""
         wanted = _memory_tags(tags)
+        self._drain()
         if self.requests:  # even retracted ones: nothing may wait to run in released memory
             raise InvalidRequestError(
                 f"cannot release memory with {len(self.requests)} requests in flight: let them finish or abort them",
@@ -379,6 +388,7 @@ class EngineCore:
         (or as an update loaded them meanwhile), the KV cache is allocated afresh. Returns
         what is still released."""
         wanted = _memory_tags(tags) & self.released_memory
+        self._drain()
         if "weights" in wanted:
             self.executor.resume_weights()
         if "kv_cache" in wanted:
@@ -391,7 +401,13 @@ class EngineCore:
         return sorted(self.released_memory)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or (self.overlap is not None and self.overlap.busy)
+
+    def _drain(self) -> None:
+        """Overlapped scheduling: wait for the step in flight and book it (its outputs come with
+        the next step), so a control call finds the device idle and no token unknown."""
+        if self.overlap is not None:
+            self.overlap.drain()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -423,16 +439,14 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> CoreOutputs:
+        if self.overlap is not None:
+            return self.overlap.step()
         result = CoreOutputs()
         sched = self.scheduler.schedule()
         seqs = sched.seqs
         if not seqs:
             return result
-        for s in seqs:
-            if s.num_tokens - s.num_computed_tokens == s.num_scheduled_tokens and s.num_scheduled_tokens == 1:
-                result.num_decode_tokens += 1
-            else:
-                result.num_prefill_tokens += s.num_scheduled_tokens
+        _count_tokens(sched, result)
         if self.num_state_snapshots:  # a hybrid with prefix caching
             for s in seqs:
                 self.block_manager.plan_snapshots(s)
@@ -454,9 +468,9 @@ class EngineCore:
         self.scheduler.mark_computed(sched)
         touched: dict[str, tuple[_Request, list[SeqUpdate]]] = {}
         for seq in seqs:
-            if seq.stopped_at is not None and not seq.is_finished and seq.num_computed_tokens >= seq.num_tokens - 1:
+            if seq.finish_later is not None and not seq.is_finished and seq.num_computed_tokens >= seq.num_tokens - 1:
                 req = self.requests[seq.request_id]  # its kept tokens' rows are back: finish it
-                touched.setdefault(seq.request_id, (req, []))[1].append(self._finish(seq, "stop", seq.stopped_at))
+                touched.setdefault(seq.request_id, (req, []))[1].append(self._finish(seq, *seq.finish_later))
         sampled_seqs = [seqs[i] for i in sched.sample_indices]
         samples = out.samples
         if result.failed and out.sample_error is None:  # prompt logprobs failed above: drop those samples
@@ -484,17 +498,21 @@ class EngineCore:
         return result
 
     def _append(self, seq: Sequence, res: SampleResult) -> SeqUpdate:
-        """The token-level stop checks; stop strings are the output processor's."""
+        seq.token_ids.append(res.token_id)
+        end = self.end_of(seq, res.token_id)
+        return SeqUpdate(seq.index, res) if end is None else self._finish(seq, *end, res)
+
+    def end_of(self, seq: Sequence, tok: int) -> tuple[str, int | None] | None:
+        """The token-level stop checks for `tok`, the last of `seq.token_ids`: (finish_reason,
+        stop_reason) if it ends the sequence. Stop strings are the output processor's."""
         p = seq.params
-        tok = res.token_id
-        seq.token_ids.append(tok)
         if p.stop_token_ids and tok in p.stop_token_ids:
-            return self._finish(seq, "stop", tok, res)
+            return "stop", tok
         if not p.ignore_eos and tok in self.eos_token_ids:
-            return self._finish(seq, "stop", None, res)
+            return "stop", None
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return self._finish(seq, "length", None, res)
-        return SeqUpdate(seq.index, res)
+            return "length", None
+        return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, res: SampleResult | None = None) -> SeqUpdate:
         update = SeqUpdate(seq.index, res, reason, stop_reason)
@@ -550,6 +568,15 @@ def _record_prompt_logprobs(seqs: list[Sequence], logits: torch.Tensor, spans: l
     for i, _, count in spans:
         seqs[i].prompt_logprobs.extend(entries[first : first + count])
         first += count
+
+
+def _count_tokens(sched, result: CoreOutputs) -> None:
+    """The step's decode tokens (one for a sequence at its last token) and prefill tokens."""
+    for s in sched.seqs:
+        if s.num_tokens - s.num_computed_tokens == s.num_scheduled_tokens and s.num_scheduled_tokens == 1:
+            result.num_decode_tokens += 1
+        else:
+            result.num_prefill_tokens += s.num_scheduled_tokens
 
 
 class EngineFacts:

@@ -8,16 +8,18 @@ and back.
 
 `InProcessExecutor` runs the model in this process. Under tensor (and expert) parallelism
 its model is a MultiprocExecutor (engine/multiproc_executor.py): rank 0's shard plus worker
-processes, every model call run on each rank; the core does not change. The seam is also where CUDA graphs (inside the model runner) and
-overlapped scheduling (an `execute` that returns before the GPU is done, its tokens read
-one step late) plug in: CUDA graphs live here already (engine/cuda_graphs.py, replayed by the
-model runner for decode steps; their memory is counted out of the KV budget).
+processes, every model call run on each rank; the core does not change. The seam is also where
+CUDA graphs and overlapped scheduling plug in: CUDA graphs live here (engine/cuda_graphs.py,
+replayed by the model runner for decode steps; their memory is counted out of the KV budget),
+and `submit` queues a step on a device thread and returns at once, its tokens read one step
+late (engine/overlap.py; such steps run eagerly).
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +31,7 @@ from r3srv.engine.model_runner import ModelRunner
 from r3srv.engine.routed_experts import RoutedExpertsBuffer, capture_torch_dtype
 from r3srv.engine.sampler import SampleResult, sample
 from r3srv.engine.scheduler import SchedulerOutput
+from r3srv.transfer import to_device
 
 if TYPE_CHECKING:
     from r3srv.models.loader import NamedTensors
@@ -61,6 +64,14 @@ class Executor(abc.ABC):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Compute the scheduled tokens and sample for `scheduler_output.sample_indices`.
         Raises if the forward pass fails (the core fails the step's requests)."""
+
+    def submit(self, scheduler_output: SchedulerOutput, samplers: list, holes: list[tuple[int, int]]) -> Future:
+        """Overlapped scheduling: queue the step and return at once; the Future gives its ModelOutput.
+        The step's inputs are read now; `samplers` (one per sample_indices entry: params,
+        generator, num_output_tokens) stand for the sequences at sampling time. `holes`:
+        (position in the step's input ids, row in the previous submitted step's samples), the
+        tokens not sampled yet when this step was prepared, filled on the device before the forward."""
+        raise NotImplementedError(f"{type(self).__name__} does not support overlapped scheduling")
 
     @abc.abstractmethod
     def kv_cache_bytes_per_block(self, block_size: int) -> int: ...
@@ -125,6 +136,10 @@ class InProcessExecutor(Executor):
         # Noise for requests without a seed: one generator, so their rows sample in one batched draw.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # overlapped scheduling: the one "device" thread steps run on, in order (on CUDA the
+        # stream orders the kernels; the thread lets the host go on while they are queued and read)
+        self._device_thread: ThreadPoolExecutor | None = None
+        self._last_tokens: torch.Tensor | None = None  # the last step's sampled ids (device thread only)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         seqs = scheduler_output.seqs
@@ -132,14 +147,45 @@ class InProcessExecutor(Executor):
         out = ModelOutput(routing_capture=capture, slot_mapping=slots,
                           prompt_logits=self.runner.prompt_logits, prompt_spans=self.runner.prompt_spans)
         picked = scheduler_output.sample_indices
-        if picked:
-            try:
-                # every row samples in a decode step: no index (a list index is a blocking copy on CUDA)
-                rows = logits if len(picked) == len(seqs) else logits[picked]
-                out.samples = sample(rows, [seqs[i] for i in picked], self.eos_token_ids, self.generator)
-            except Exception as exc:
-                out.sample_error = exc
+        self._sample(out, logits, picked, [seqs[i] for i in picked])
         return out
+
+    def _sample(self, out: ModelOutput, logits: torch.Tensor, picked: list[int], samplers: list) -> None:
+        if not picked:
+            return
+        try:
+            # every row samples in a decode step: no index (a list index is a blocking copy on CUDA)
+            rows = logits if len(picked) == logits.shape[0] else logits[picked]
+            out.samples = sample(rows, samplers, self.eos_token_ids, self.generator)
+        except Exception as exc:
+            out.sample_error = exc
+
+    def submit(self, scheduler_output: SchedulerOutput, samplers: list, holes: list[tuple[int, int]]) -> Future:
+        batch, slots = self.runner.prepare(scheduler_output.seqs)
+        holes_t = to_device([[h[0] for h in holes], [h[1] for h in holes]], self.device) if holes else None
+        if self._device_thread is None:
+            self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3srv-device")
+        return self._device_thread.submit(self._run_queued, batch, slots, scheduler_output.sample_indices, samplers, holes_t)
+
+    def _run_queued(self, batch, slots: np.ndarray, picked: list[int], samplers: list, holes) -> ModelOutput:
+        last, self._last_tokens = self._last_tokens, None  # a failed step leaves none
+        with torch.inference_mode():
+            if holes is not None:
+                # a hole's sequence failed last step when there is no token: it is discarded anyway
+                batch.input_ids[holes[0]] = last[holes[1]] if last is not None else 0
+            logits = self.model.forward(batch)
+            # the capture tensor is reused by the next step, prepared meanwhile: keep this step's
+            capture = None if batch.routing_capture is None else batch.routing_capture.clone()
+            out = ModelOutput(routing_capture=capture, slot_mapping=slots)
+            self._sample(out, logits, picked, samplers)
+            if out.samples:
+                self._last_tokens = torch.tensor([s.token_id for s in out.samples], dtype=torch.int64, device=self.device)
+        return out
+
+    def close(self) -> None:
+        if self._device_thread is not None:
+            self._device_thread.shutdown(wait=True)
+            self._device_thread = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return self.model.kv_cache_bytes_per_block(block_size)

@@ -43,6 +43,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
+        async_scheduling: bool = False,
         cuda_graphs: bool | None = None,
         enforce_eager: bool = False,
     ) -> None:
@@ -60,6 +61,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_logprobs=max_logprobs,
             seed=seed,
+            async_scheduling=async_scheduling,
             pipeline_parallel_size=pipeline_parallel_size,
             decode_context_parallel_size=decode_context_parallel_size,
             prefill_context_parallel_size=prefill_context_parallel_size,

@@ -39,7 +39,7 @@ class LLMEngine(EngineFacts):
         core = self.core
         self.input_processor = InputProcessor(
             core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
-            core.config.max_logprobs,
+            core.config.max_logprobs, core.config.async_scheduling,
         )
         self.output_processor = OutputProcessor(core.tokenizer)
 

@@ -57,6 +57,9 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:  # overlapped scheduling: computed ahead of a stop string's cut, finishing
+                kept.append(seq)
+                continue
             target = seq.num_computed_tokens + n
             while not bm.can_grow(seq, target):
                 victim = queue.pop() if queue else seq
@@ -93,19 +96,25 @@ class Scheduler:
             self.running.append(seq)
         out.sample_indices = [
             i for i, s in enumerate(out.seqs)
-            if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens and s.stopped_at is None
+            if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens and s.finish_later is None
         ]
         return out
 
     def mark_computed(self, out: SchedulerOutput) -> None:
         """After the step of `out` ran: its scheduled tokens are computed, and full blocks are
         registered for prefix hits. (The sequences at `out.sample_indices` now sample.)"""
+        self.advance(out)
+        for seq in out.seqs:
+            self.block_manager.commit_full_blocks(seq)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Count the scheduled tokens of `out` as computed (overlapped scheduling: as soon as the
+        step is queued; its blocks are registered once its sampled tokens are known)."""
         for seq in out.seqs:
             if seq.is_finished:  # failed in this step (its blocks are freed)
                 continue
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.commit_full_blocks(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         if seq in self.running:

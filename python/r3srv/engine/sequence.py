@@ -68,10 +68,10 @@ class Sequence:
         self.snapshot_block: int | None = None
         self.snapshot_plan: list[tuple[int, int]] = []
         self.restore_from = -1
-        # A stop string the output processor found, while this sequence waits to recompute the
-        # rows of its kept tokens (it was preempted meanwhile): it finishes, sampling nothing,
-        # once they are computed.
-        self.stopped_at: str | None = None
+        # How this sequence ends, (finish_reason, stop_reason, the last sample or None), while it
+        # waits for the rows of its kept tokens (preempted since, or, with overlapped scheduling,
+        # computed by the step in flight): it finishes, sampling nothing, once they are computed.
+        self.finish_later: tuple | None = None
         # Prompt logprobs (sample 0 of a request only: they are the request's), one entry per
         # prompt token from params.prompt_logprobs_start on; that first token has none. Kept
         # here (not by the output processor) so a preempted prompt resumes where it left off.
