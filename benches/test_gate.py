@@ -3,8 +3,9 @@
 Fails when the Rust encoder is less than MIN_SPEEDUP[isa][rows] times faster than the
 reference at 1 row or at 8,192 rows. The threshold depends on the base64 kernel the encoder
 uses on this runner (`encoder_isa()`, printed): with AVX-512 VBMI it beats the reference 3.7-7x
-at 8,192 rows; without it (AVX2 or base64-simd's portable dispatch) 2.6-3.4x, so a 3x floor
-there would fail at random, and the floor is 2x (docs/benchmarks.md). At 1 row the cost is the
+at 8,192 rows; without it (AVX2 or base64-simd's portable dispatch) 1.7-3.4x depending on the
+CPU (the reference's pybase64 uses the same AVX2 there), so the floor is 1.5x: a fall back to a
+slow path still fails it, noise does not (docs/benchmarks.md). At 1 row the cost is the
 reference's np.save call, whatever the kernel. The measure is a same-run ratio of medians with
 the two candidates interleaved round by round, never an absolute time; a noisy attempt is
 retried, and the best of three counts (noise only ever slows one side by chance, a real
@@ -21,8 +22,8 @@ from serial_cases import interleaved_medians, make_array
 
 MIN_SPEEDUP = {
     "avx512vbmi": {1: 3.0, 8192: 3.0},
-    "avx2": {1: 3.0, 8192: 2.0},
-    "portable": {1: 3.0, 8192: 2.0},
+    "avx2": {1: 3.0, 8192: 1.5},
+    "portable": {1: 3.0, 8192: 1.5},
 }
 ATTEMPTS = 3
 
