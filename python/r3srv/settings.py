@@ -42,6 +42,7 @@ class Settings:
     triton_decode: bool = _setting(True, "CUDA decodes through the paged-attention Triton kernel; off: gather + SDPA")
     fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")
     grouped_mm: bool = _setting(True, "expert matmuls through torch's grouped_mm where it pays; off: a loop")
+    cpu_expert_kernel: bool = _setting(True, "CPU expert pass of a few tokens in one Rust call per layer; off: torch.mv per pair")
     force_torch_router: bool = _setting(False, "route with the torch reference, never the Triton kernel")
     # Decode steps replayed as CUDA graphs when EngineConfig.cuda_graphs is not given (serve's own
     # --cuda-graphs flag sets that field).

@@ -1,10 +1,12 @@
 //! r3srv core: byte-identical, zero-copy `base64(np.save(array))` for routed experts, and its
-//! inverse. Everything but `python` builds and tests without Python (`cargo test`).
+//! inverse; and the CPU expert pass for a few tokens (`expert_pairs`). Everything but
+//! `python` builds and tests without Python (`cargo test`).
 pub mod b64;
 #[cfg(target_arch = "x86_64")]
 pub mod b64_x86;
 pub mod decode;
 pub mod encode;
+pub mod expert_pairs;
 pub mod layout;
 pub mod npy_header;
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from r3srv import settings
+from r3srv.kernels.expert_pairs_cpu import expert_pairs
 from r3srv.kernels.router import select_experts
 from r3srv.models.config import ModelConfig
 from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ExpertSlice, ParallelState, RowParallelLinear, split_evenly
@@ -96,6 +97,9 @@ def _expert_pairs(x, w13, w2, weights, ids, b13, b2, act) -> torch.Tensor:
     """The expert pass one (token, slot) pair at a time: torch.mv reads an expert's weights once
     per pair at less cost than a one-row F.linear, and no sort, gather or scatter is needed
     (the CPU's answer for a few tokens; ids are read to the host)."""
+    fused = expert_pairs(x, w13, w2, weights, ids, b13, b2, act)  # the Rust kernel, where it applies
+    if fused is not None:
+        return fused
     pairs = ids.tolist()
     num_pairs = ids.numel()
     h = x.new_empty(num_pairs, w13.shape[1])

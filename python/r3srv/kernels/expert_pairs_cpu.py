@@ -1,0 +1,81 @@
+"""The CPU expert pass for a few (token, slot) pairs in one call into the Rust core
+(rust/src/expert_pairs.rs): both matrix-vector products of every pair, the activation, the
+biases and the weighted sum per token, reading the experts' weights in place. It replaces
+models/moe.py's torch loop of two `torch.mv` and several indexing ops per pair, whose
+dispatch costs as much as the products' memory traffic in a one-sequence decode step.
+
+float32 only, and only the activations moe.py defines (SwiGLU, gpt-oss's clamped SwiGLU,
+Nemotron-H's relu^2); anything else returns None and the caller keeps its torch path, as
+does `--no-cpu-expert-kernel` (R3SRV_CPU_EXPERT_KERNEL=0). The sum over a token's slots runs
+in a different order than torch's, so results differ from the torch path by rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from r3srv import settings
+from r3srv._core import expert_pairs_f32, expert_pairs_isa
+
+__all__ = ["expert_pairs", "expert_pairs_isa"]
+
+
+def expert_pairs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor | None:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (see moe.grouped_experts) through the
+    Rust kernel, or None where it does not apply: the setting is off, a tensor is not a
+    contiguous float32 CPU tensor, or `act` is not one of moe.py's activations."""
+    if not settings.current().cpu_expert_kernel or x.dtype != torch.float32 or not x.is_cpu:
+        return None
+    spec = _activation(act)
+    if spec is None:
+        return None
+    name, alpha, limit = spec
+    num_experts, hidden, inter = w2.shape
+    rows13 = inter * (1 if name == "relu_squared" else 2)
+    if w13.shape != (num_experts, rows13, hidden) or x.shape[-1] != hidden:
+        return None
+    for w in (w13, w2, b13, b2):
+        if w is not None and (w.dtype != torch.float32 or not w.is_cpu or not w.is_contiguous()):
+            return None
+    x = x.contiguous()
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    if weights.dtype != torch.float32:
+        weights = weights.to(torch.float32)
+    ids, weights = ids.contiguous(), weights.contiguous()
+    tokens, top_k = ids.shape
+    out = torch.empty_like(x)
+    expert_pairs_f32(
+        x.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+        0 if b13 is None else b13.data_ptr(), 0 if b2 is None else b2.data_ptr(),
+        ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
+        tokens, top_k, num_experts, hidden, inter, name, alpha, limit,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _activation(act: Callable) -> tuple[str, float, float] | None:
+    """(name, alpha, limit) of the Rust activation equal to `act`, or None."""
+    from r3srv.models import moe  # moe imports this module
+
+    if act is moe.silu_and_mul:
+        return "silu_and_mul", 0.0, 0.0
+    if act is moe.relu_squared:
+        return "relu_squared", 0.0, 0.0
+    if isinstance(act, functools.partial) and act.func is moe.clamped_swiglu and not act.args \
+            and set(act.keywords) == {"alpha", "limit"}:
+        return "clamped_swiglu", float(act.keywords["alpha"]), float(act.keywords["limit"])
+    return None

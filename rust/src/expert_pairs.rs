@@ -1,0 +1,455 @@
+//! The CPU expert pass for a few (token, slot) pairs, one call per MoE layer: for each pair
+//! (t, j) with expert e = ids[t, j] and weight w = weights[t, j],
+//!     h = w13[e] @ x[t] (+ b13[e]),  a = act(h),  o = w2[e] @ a (+ b2[e]),
+//! and out[t] = sum_j w * o in slot order. The torch path pays a dispatch per matrix-vector
+//! product and per indexing op; here the products read each expert's rows in place and the
+//! whole pass is one call (r3srv.kernels.expert_pairs_cpu). float32 throughout.
+//!
+//! One thread: splitting the pairs over scoped threads lost on the shared 2-core machine
+//! (docs/benchmarks.md), the thread start costing more than a one-token pass saves.
+
+use std::sync::OnceLock;
+
+/// The expert activations of r3srv.models.moe.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Activation {
+    /// `silu_and_mul`: h = [gate; up] (I rows each), a = silu(gate) * up.
+    SiluAndMul,
+    /// gpt-oss's `clamped_swiglu`: h interleaves gate and up rows (gate at even indices),
+    /// gate clamped above at `limit`, up to [-limit, limit], a = (up + 1) * gate * sigmoid(alpha * gate).
+    ClampedSwiglu { alpha: f32, limit: f32 },
+    /// Nemotron-H's `relu_squared`: h = up (I rows), a = relu(up)^2.
+    ReluSquared,
+}
+
+impl Activation {
+    /// Rows of w13 per intermediate unit: 2 for the gated activations, 1 for relu^2.
+    pub fn rows_per_unit(self) -> usize {
+        match self {
+            Activation::ReluSquared => 1,
+            _ => 2,
+        }
+    }
+
+    fn apply(self, h: &[f32], a: &mut [f32]) {
+        let inter = a.len();
+        match self {
+            Activation::SiluAndMul => {
+                let (gate, up) = h.split_at(inter);
+                for ((a, &g), &u) in a.iter_mut().zip(gate).zip(up) {
+                    *a = g / (1.0 + (-g).exp()) * u;
+                }
+            }
+            Activation::ClampedSwiglu { alpha, limit } => {
+                for (a, pair) in a.iter_mut().zip(h.chunks_exact(2)) {
+                    let gate = pair[0].min(limit);
+                    let up = pair[1].clamp(-limit, limit);
+                    *a = (up + 1.0) * (gate / (1.0 + (-(gate * alpha)).exp()));
+                }
+            }
+            Activation::ReluSquared => {
+                for (a, &u) in a.iter_mut().zip(h) {
+                    let r = u.max(0.0);
+                    *a = r * r;
+                }
+            }
+        }
+    }
+}
+
+/// A rank's stacked experts, read in place: w13 [E, R, H], w2 [E, H, I], b13 [E, R], b2 [E, H]
+/// (R = I x `Activation::rows_per_unit`).
+pub struct Experts<'a> {
+    pub w13: &'a [f32],
+    pub w2: &'a [f32],
+    pub b13: Option<&'a [f32]>,
+    pub b2: Option<&'a [f32]>,
+    pub num_experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    pub act: Activation,
+}
+
+impl Experts<'_> {
+    fn rows13(&self) -> usize {
+        self.inter * self.act.rows_per_unit()
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let (e, h, i, r) = (self.num_experts, self.hidden, self.inter, self.rows13());
+        let want = |name: &str, got: usize, want: usize| {
+            if got == want { Ok(()) } else { Err(format!("{name} holds {got} values, expected {want}")) }
+        };
+        want("w13", self.w13.len(), e * r * h)?;
+        want("w2", self.w2.len(), e * h * i)?;
+        if let Some(b13) = self.b13 {
+            want("b13", b13.len(), e * r)?;
+        }
+        if let Some(b2) = self.b2 {
+            want("b2", b2.len(), e * h)?;
+        }
+        Ok(())
+    }
+
+    /// o = w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]; `h` and `a` are scratch of R and I values.
+    fn run(&self, isa: Isa, e: usize, x: &[f32], h: &mut [f32], a: &mut [f32], o: &mut [f32]) {
+        let (hid, r, i) = (self.hidden, self.rows13(), self.inter);
+        gemv(isa, &self.w13[e * r * hid..(e + 1) * r * hid], x, h);
+        if let Some(b13) = self.b13 {
+            add(h, &b13[e * r..(e + 1) * r]);
+        }
+        self.act.apply(h, a);
+        gemv(isa, &self.w2[e * hid * i..(e + 1) * hid * i], a, o);
+        if let Some(b2) = self.b2 {
+            add(o, &b2[e * hid..(e + 1) * hid]);
+        }
+    }
+}
+
+fn add(dst: &mut [f32], src: &[f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += s;
+    }
+}
+
+/// out [T, H] = the expert pass of x [T, H] routed by ids and weights [T, k]. A pair of weight 0 (another rank's expert under expert
+/// parallelism) contributes nothing and is skipped. Errors name the first inconsistent input.
+pub fn expert_pairs(
+    experts: &Experts,
+    x: &[f32],
+    ids: &[i32],
+    weights: &[f32],
+    out: &mut [f32],
+    isa: Isa,
+) -> Result<(), String> {
+    experts.check()?;
+    let hid = experts.hidden;
+    if hid == 0 || !x.len().is_multiple_of(hid) || out.len() != x.len() {
+        return Err(format!("x holds {} values and out {}, expected equal multiples of hidden={hid}", x.len(), out.len()));
+    }
+    let tokens = x.len() / hid;
+    if tokens == 0 || !ids.len().is_multiple_of(tokens) || weights.len() != ids.len() {
+        return Err(format!("ids ({}) and weights ({}) must hold top_k values for each of {tokens} tokens", ids.len(), weights.len()));
+    }
+    let top_k = ids.len() / tokens;
+    if let Some(&bad) = ids.iter().find(|&&e| e < 0 || e as usize >= experts.num_experts) {
+        return Err(format!("expert id {bad} is outside 0..{}", experts.num_experts));
+    }
+    let (mut h, mut a, mut o) = (vec![0.0f32; experts.rows13()], vec![0.0f32; experts.inter], vec![0.0f32; hid]);
+    for (t, row) in out.chunks_exact_mut(hid).enumerate() {
+        row.fill(0.0);
+        for p in t * top_k..(t + 1) * top_k {
+            let w = weights[p];
+            if w != 0.0 {
+                experts.run(isa, ids[p] as usize, &x[t * hid..(t + 1) * hid], &mut h, &mut a, &mut o);
+                for (acc, &o) in row.iter_mut().zip(&o) {
+                    *acc += w * o;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The matrix-vector kernel: AVX2 with FMA, or portable scalar code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Avx2Fma,
+    Scalar,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx2Fma => "avx2",
+            Isa::Scalar => "scalar",
+        }
+    }
+
+    /// The fastest kernel this CPU runs, detected once.
+    pub fn best() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2Fma;
+            }
+            Isa::Scalar
+        })
+    }
+}
+
+/// out = m @ v for a row-major m [out.len(), v.len()].
+pub fn gemv(isa: Isa, m: &[f32], v: &[f32], out: &mut [f32]) {
+    assert_eq!(m.len(), out.len() * v.len(), "gemv: matrix and vectors disagree");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx2Fma is only chosen (Isa::best, or a test that checked the same
+        // features) on a CPU with AVX2 and FMA; the lengths were checked above.
+        Isa::Avx2Fma => unsafe { gemv_avx2(m, v, out) },
+        _ => gemv_scalar(m, v, out),
+    }
+}
+
+fn gemv_scalar(m: &[f32], v: &[f32], out: &mut [f32]) {
+    for (o, row) in out.iter_mut().zip(m.chunks_exact(v.len().max(1))) {
+        // four partial sums, as the vector kernel keeps independent chains
+        let mut acc = [0.0f32; 4];
+        let body = v.len() / 4 * 4;
+        for (w, x) in row[..body].chunks_exact(4).zip(v[..body].chunks_exact(4)) {
+            for l in 0..4 {
+                acc[l] += w[l] * x[l];
+            }
+        }
+        let mut sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+        for (w, x) in row[body..].iter().zip(&v[body..]) {
+            sum += w * x;
+        }
+        *o = sum;
+    }
+}
+
+/// Four rows at a time, each with its own accumulator, sharing every load of `v`: four
+/// independent FMA chains, enough to stream the rows from memory at full speed.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA, and `m.len() == out.len() * v.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemv_avx2(m: &[f32], v: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let cols = v.len();
+    let body = cols / 8 * 8;
+    let rows = out.len();
+    let (mp, vp) = (m.as_ptr(), v.as_ptr());
+    let tail = |r: usize| -> f32 { m[r * cols + body..(r + 1) * cols].iter().zip(&v[body..]).map(|(w, x)| w * x).sum() };
+    let mut r = 0;
+    while r + 4 <= rows {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut c = 0;
+        while c < body {
+            let x = _mm256_loadu_ps(vp.add(c));
+            for (l, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(mp.add((r + l) * cols + c)), x, *a);
+            }
+            c += 8;
+        }
+        for (l, a) in acc.into_iter().enumerate() {
+            out[r + l] = hsum(a) + tail(r + l);
+        }
+        r += 4;
+    }
+    while r < rows {
+        let mut a = _mm256_setzero_ps();
+        let mut c = 0;
+        while c < body {
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(mp.add(r * cols + c)), _mm256_loadu_ps(vp.add(c)), a);
+            c += 8;
+        }
+        out[r] = hsum(a) + tail(r);
+        r += 1;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn hsum(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+#[cfg(feature = "python")]
+pub(crate) mod python {
+    //! `r3srv._core.expert_pairs_f32`, called by r3srv.kernels.expert_pairs_cpu, which passes
+    //! the tensors as data addresses after checking their dtype, device and contiguity.
+
+    use pyo3::exceptions::PyValueError;
+    use pyo3::prelude::*;
+
+    use super::{expert_pairs, Activation, Experts, Isa};
+
+    /// The kernel this CPU runs: "avx2" or "scalar".
+    #[pyfunction]
+    pub fn expert_pairs_isa() -> &'static str {
+        Isa::best().name()
+    }
+
+    /// out [T, H] = the expert pass (see rust/src/expert_pairs.rs) of the float32 tensors at
+    /// these addresses: x and out [T, H], ids (int32) and weights [T, k], w13 [E, R, H],
+    /// w2 [E, H, I], b13 [E, R] and b2 [E, H] (address 0: none). activation: "silu_and_mul",
+    /// "clamped_swiglu" (alpha, limit) or "relu_squared". Runs with the GIL released.
+    #[pyfunction]
+    #[pyo3(signature = (x, w13, w2, b13, b2, ids, weights, out, tokens, top_k, num_experts, hidden, inter,
+                        activation, alpha=0.0, limit=0.0))]
+    #[allow(clippy::too_many_arguments)]
+    pub fn expert_pairs_f32(
+        py: Python<'_>,
+        x: usize,
+        w13: usize,
+        w2: usize,
+        b13: usize,
+        b2: usize,
+        ids: usize,
+        weights: usize,
+        out: usize,
+        tokens: usize,
+        top_k: usize,
+        num_experts: usize,
+        hidden: usize,
+        inter: usize,
+        activation: &str,
+        alpha: f32,
+        limit: f32,
+    ) -> PyResult<()> {
+        let act = match activation {
+            "silu_and_mul" => Activation::SiluAndMul,
+            "clamped_swiglu" => Activation::ClampedSwiglu { alpha, limit },
+            "relu_squared" => Activation::ReluSquared,
+            other => return Err(PyValueError::new_err(format!("unknown expert activation {other:?}"))),
+        };
+        if [x, w13, w2, ids, weights, out].contains(&0) || tokens == 0 || top_k == 0 {
+            return Err(PyValueError::new_err("expert_pairs_f32 needs non-null tensors and at least one pair"));
+        }
+        let rows13 = inter * act.rows_per_unit();
+        // SAFETY: the caller (r3srv.kernels.expert_pairs_cpu) passes the data addresses of
+        // live, contiguous, CPU float32 (ids: int32) tensors of exactly these shapes, keeps
+        // them alive for the call, and `out` is a fresh tensor that aliases none of the others;
+        // nothing else writes to them while the GIL is released (the engine's forward is the
+        // only user of a model's tensors).
+        let (experts, x, ids, weights, out) = unsafe {
+            use std::slice::{from_raw_parts, from_raw_parts_mut};
+            let bias = |addr: usize, len: usize| (addr != 0).then(|| from_raw_parts(addr as *const f32, len));
+            (
+                Experts {
+                    w13: from_raw_parts(w13 as *const f32, num_experts * rows13 * hidden),
+                    w2: from_raw_parts(w2 as *const f32, num_experts * hidden * inter),
+                    b13: bias(b13, num_experts * rows13),
+                    b2: bias(b2, num_experts * hidden),
+                    num_experts,
+                    hidden,
+                    inter,
+                    act,
+                },
+                from_raw_parts(x as *const f32, tokens * hidden),
+                from_raw_parts(ids as *const i32, tokens * top_k),
+                from_raw_parts(weights as *const f32, tokens * top_k),
+                from_raw_parts_mut(out as *mut f32, tokens * hidden),
+            )
+        };
+        let isa = Isa::best();
+        py.detach(|| expert_pairs(&experts, x, ids, weights, out, isa)).map_err(PyValueError::new_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small deterministic generator (xorshift), values in [-1, 1).
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    fn gemv_f64(m: &[f32], v: &[f32], rows: usize) -> Vec<f64> {
+        (0..rows).map(|r| (0..v.len()).map(|c| m[r * v.len() + c] as f64 * v[c] as f64).sum()).collect()
+    }
+
+    /// The pass by its definition, in float64 (the activation's exp in float32's own formula).
+    fn pass_f64(experts: &Experts, x: &[f32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
+        let (hid, i, r) = (experts.hidden, experts.inter, experts.rows13());
+        let tokens = x.len() / hid;
+        let top_k = ids.len() / tokens;
+        let mut out = vec![0.0f64; x.len()];
+        for p in 0..ids.len() {
+            let (t, e) = (p / top_k, ids[p] as usize);
+            let mut h: Vec<f32> = gemv_f64(&experts.w13[e * r * hid..(e + 1) * r * hid], &x[t * hid..(t + 1) * hid], r)
+                .iter()
+                .map(|&v| v as f32)
+                .collect();
+            if let Some(b13) = experts.b13 {
+                add(&mut h, &b13[e * r..(e + 1) * r]);
+            }
+            let mut a = vec![0.0f32; i];
+            experts.act.apply(&h, &mut a);
+            let o = gemv_f64(&experts.w2[e * hid * i..(e + 1) * hid * i], &a, hid);
+            for c in 0..hid {
+                let bias = experts.b2.map_or(0.0, |b2| b2[e * hid + c] as f64);
+                out[t * hid + c] += weights[p] as f64 * (o[c] + bias);
+            }
+        }
+        out
+    }
+
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        if Isa::best() == Isa::Avx2Fma {
+            v.push(Isa::Avx2Fma);
+        }
+        v
+    }
+
+    #[test]
+    fn gemv_matches_f64_for_every_shape_and_kernel() {
+        for isa in isas() {
+            for rows in [1, 3, 4, 5, 9, 16] {
+                for cols in [1, 7, 8, 9, 17, 64, 100] {
+                    let (m, v) = (values(rows as u64 * 131 + cols as u64, rows * cols), values(cols as u64, cols));
+                    let mut out = vec![f32::NAN; rows];
+                    gemv(isa, &m, &v, &mut out);
+                    for (got, want) in out.iter().zip(gemv_f64(&m, &v, rows)) {
+                        assert!((*got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "{isa:?} {rows}x{cols}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_matches_the_definition_on_the_whole_pass() {
+        let (e, hid, inter, tokens, top_k) = (6, 20, 12, 3, 4);
+        for act in [Activation::SiluAndMul, Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 }, Activation::ReluSquared] {
+            let r = inter * act.rows_per_unit();
+            let (w13, w2, b13, b2) = (values(1, e * r * hid), values(2, e * hid * inter), values(3, e * r), values(4, e * hid));
+            let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: Some(&b2), num_experts: e, hidden: hid, inter, act };
+            let x = values(5, tokens * hid);
+            let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p * 5) % e) as i32).collect();
+            let mut weights = values(6, tokens * top_k);
+            weights[1] = 0.0; // a skipped pair: contributes nothing either way
+            let mut results = Vec::new();
+            for isa in isas() {
+                let mut out = vec![f32::NAN; tokens * hid];
+                expert_pairs(&experts, &x, &ids, &weights, &mut out, isa).unwrap();
+                results.push(out);
+            }
+            let want = pass_f64(&experts, &x, &ids, &weights);
+            for out in &results {
+                for (got, want) in out.iter().zip(&want) {
+                    assert!((*got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "{act:?}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let (w13, w2) = (values(1, 2 * 8 * 4), values(2, 2 * 4 * 4));
+        let experts = Experts { w13: &w13, w2: &w2, b13: None, b2: None, num_experts: 2, hidden: 4, inter: 4, act: Activation::SiluAndMul };
+        let (x, mut out) = (values(3, 4), vec![0.0; 4]);
+        let err = expert_pairs(&experts, &x, &[2], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        assert!(err.contains("expert id 2"), "{err}");
+        let err = expert_pairs(&experts, &x, &[0, 1], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        assert!(err.contains("top_k"), "{err}");
+        let short = Experts { w13: &w13[1..], ..experts };
+        assert!(expert_pairs(&short, &x, &[0], &[1.0], &mut out, Isa::Scalar).unwrap_err().contains("w13"));
+    }
+}

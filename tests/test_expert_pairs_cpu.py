@@ -1,0 +1,153 @@
+"""The Rust expert pass for a few tokens (r3srv.kernels.expert_pairs_cpu) against the torch
+paths on generated inputs, its fallbacks, and the built-in model's tokens and routed experts
+with it on and off."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from r3srv import LLM, SamplingParams
+from r3srv import settings as r3srv_settings_module
+from r3srv.kernels.expert_pairs_cpu import expert_pairs, expert_pairs_isa
+from r3srv.models import moe
+
+ACTIVATIONS = {
+    "silu_and_mul": moe.silu_and_mul,
+    "relu_squared": moe.relu_squared,
+    "clamped_swiglu": functools.partial(moe.clamped_swiglu, alpha=1.702, limit=0.4),
+}
+
+
+def random_experts(seed: int, tokens: int, experts: int, top_k: int, hidden: int, inter: int, act: str,
+                   b13: bool, b2: bool):
+    gen = torch.Generator().manual_seed(seed)
+    rows13 = inter * (1 if act == "relu_squared" else 2)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, rows13, hidden, generator=gen) * 0.3
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.3
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=gen), -1), top_k)
+    bias13 = torch.randn(experts, rows13, generator=gen) * 0.3 if b13 else None
+    bias2 = torch.randn(experts, hidden, generator=gen) * 0.3 if b2 else None
+    return x, w13, w2, weights, ids.to(torch.int32), bias13, bias2, ACTIVATIONS[act]
+
+
+@contextlib.contextmanager
+def kernel_off():
+    """The torch path for one block (a context manager: Hypothesis reruns a test's body with
+    the same function-scoped fixtures)."""
+    previous = r3srv_settings_module.configure(r3srv_settings_module.current().replace(cpu_expert_kernel=False))
+    try:
+        yield
+    finally:
+        r3srv_settings_module.configure(previous)
+
+
+def sorted_path(x, w13, w2, weights, ids, b13, b2, act):
+    """grouped_experts' sort-and-scatter path: zero-weight padding tokens give it at least as
+    many (token, slot) pairs as experts, so it does not take the pairs path."""
+    tokens, top_k = ids.shape
+    pad = -(-w13.shape[0] // top_k)
+    padded = (torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([weights, weights.new_zeros(pad, top_k)]),
+              torch.cat([ids, ids.new_zeros(pad, top_k)]))
+    return moe.grouped_experts(padded[0], w13, w2, padded[1], padded[2], b13=b13, b2=b2, act=act)[:tokens]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(1, 8),
+    experts=st.sampled_from([8, 12, 64]),
+    top_k=st.integers(1, 8),
+    hidden=st.sampled_from([8, 13, 40]),
+    inter=st.sampled_from([4, 7, 16]),
+    act=st.sampled_from(sorted(ACTIVATIONS)),
+    # b2 without b13 never occurs (a tensor-parallel split keeps b13 on every rank, b2 on one)
+    biases=st.sampled_from([(False, False), (True, True), (True, False)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, biases, seed):
+    args = random_experts(seed, tokens, experts, top_k, hidden, inter, act, *biases)
+    got = expert_pairs(*args)
+    assert got is not None and got.shape == (tokens, hidden) and got.dtype == torch.float32
+    with kernel_off():
+        assert expert_pairs(*args) is None
+        torch.testing.assert_close(got, moe._expert_pairs(*args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, sorted_path(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_the_moe_pass_takes_it_for_a_few_tokens(monkeypatch):
+    args = random_experts(1, 2, 64, 8, 24, 16, "silu_and_mul", False, False)
+    monkeypatch.setattr(torch, "mv", None)  # the torch path's product: must not run
+    got = moe.grouped_experts(*args[:5], act=args[-1])
+    torch.testing.assert_close(got, expert_pairs(*args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "strided w13", "other activation", "int64 ids, float64 weights"])
+def test_falls_back_or_converts(case):
+    x, w13, w2, weights, ids, b13, b2, act = random_experts(2, 3, 12, 2, 16, 8, "silu_and_mul", True, True)
+    want = moe._expert_pairs(x, w13, w2, weights, ids, b13, b2, act)
+    if case == "bfloat16":
+        x, w13, w2, b13, b2 = (t.bfloat16() for t in (x, w13, w2, b13, b2))
+        assert expert_pairs(x, w13, w2, weights, ids, b13, b2, act) is None
+    elif case == "strided w13":
+        strided = torch.cat([w13, w13], dim=2)[..., ::2]
+        assert not strided.is_contiguous()
+        assert expert_pairs(x, strided, w2, weights, ids, b13, b2, act) is None
+    elif case == "other activation":
+        assert expert_pairs(x, w13, w2, weights, ids, b13, b2, lambda h: moe.silu_and_mul(h)) is None
+    else:
+        got = expert_pairs(x, w13, w2, weights.double(), ids.long(), b13, b2, act)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_expert_id_out_of_range_is_a_value_error():
+    x, w13, w2, weights, ids, b13, b2, act = random_experts(3, 2, 12, 2, 16, 8, "relu_squared", False, False)
+    ids[1, 0] = 12
+    with pytest.raises(ValueError, match="expert id 12 is outside 0..12"):
+        expert_pairs(x, w13, w2, weights, ids, b13, b2, act)
+
+
+def test_this_cpu_runs_the_vector_kernel():
+    import platform
+
+    flags = open("/proc/cpuinfo").read().split() if platform.system() == "Linux" else []
+    assert expert_pairs_isa() == ("avx2" if {"avx2", "fma"} <= set(flags) else "scalar")
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
+
+
+def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
+    prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
+    kernel_runs = []
+
+    def counted(*args):
+        out = expert_pairs(*args)
+        kernel_runs.append(out is not None)
+        return out
+
+    monkeypatch.setattr(moe, "expert_pairs", counted)
+
+    def run():
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))  # 3 sequences: the pairs path
+        single = llm.generate(prompts[:1], SamplingParams(max_tokens=12, **GREEDY))  # one sequence
+        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs + single]
+
+    on = run()
+    assert kernel_runs and all(kernel_runs)
+    runs_on = len(kernel_runs)
+    r3srv_settings(cpu_expert_kernel=False)
+    off = run()
+    assert len(kernel_runs) == 2 * runs_on and not any(kernel_runs[runs_on:])
+    for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
+        assert tokens_on == tokens_off
+        np.testing.assert_array_equal(rows_on, rows_off)
