@@ -22,14 +22,20 @@ TOKENS = [8, 128]  # 1 and 16 rows per expert
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
-@pytest.mark.parametrize("tokens", TOKENS)
-def test_expert_pass(benchmark, tokens, candidate):
+def expert_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
+    """x, w13, w2, weights, ids of the built-in model's shapes for `tokens` tokens (seeded)."""
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=gen)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.05
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.05
     weights, ids = torch.topk(torch.softmax(torch.randn(tokens, EXPERTS, generator=gen), -1), TOP_K)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_expert_pass(benchmark, tokens, candidate):
+    x, w13, w2, weights, ids = expert_inputs(tokens)
     flat = ids.reshape(-1)
     rows = x.index_select(0, torch.argsort(flat, stable=True) // TOP_K)
     counts = torch.bincount(flat, minlength=EXPERTS)

@@ -1,0 +1,110 @@
+"""The CPU expert pass for a few tokens: the Rust kernel (r3srv.kernels.expert_pairs_cpu)
+against moe.py's torch path (two torch.mv per (token, slot) pair), as same-run ratios.
+
+    .venv/bin/python -m pytest benches/bench_expert_pairs_cpu.py -s
+
+(a) the expert pass alone, 1 and 4 tokens x top-8 of 64 experts (the built-in model's
+    shape): benches/conftest.py prints torch / Rust as reference / r3srv;
+(b) the built-in model's whole decode step, 1 and 4 sequences, kernel on and off on the same
+    engine, interleaved round by round (alternating which goes first): median thread-CPU and
+    wall time per step. With 8 sequences a step has 64 pairs, as many as experts, and takes
+    the sorted path either way.
+Both check the kernel's result against the torch path's (the same greedy tokens in (b)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+from bench_moe import TOP_K, expert_inputs
+from r3srv import LLM, SamplingParams, settings
+from r3srv.models import moe
+
+ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "5"))
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@contextlib.contextmanager
+def kernel(on: bool):
+    previous = settings.configure(settings.current().replace(cpu_expert_kernel=on))
+    try:
+        yield
+    finally:
+        settings.configure(previous)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_expert_pass(benchmark, tokens, candidate):
+    x, w13, w2, weights, ids = expert_inputs(tokens)
+    args = (x, w13, w2, weights, ids.to(torch.int32), None, None, moe.silu_and_mul)
+    benchmark.group = f"expert pairs {tokens} tokens x top-{TOP_K}"
+    with kernel(False):
+        want = moe._expert_pairs(*args)
+    with kernel(candidate == "r3srv"):
+        out = benchmark(moe._expert_pairs, *args)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=8)
+
+
+def decode_steps(llm: LLM, num_seqs: int, steps: int, round_no: int) -> tuple[list[float], list[float], list]:
+    """Per-step (thread CPU, wall) seconds of `steps` decode steps after an untimed prefill,
+    and the generated tokens."""
+    engine = llm.engine
+    prompts = [[32 + (round_no * 31 + s * 17 + i * 13) % 90 for i in range(16)] for s in range(num_seqs)]
+    for s, p in enumerate(prompts):
+        engine.add_request(f"b{round_no}-{s}-{time.perf_counter_ns()}", p,
+                           SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    cpu, wall = [], []
+    while engine.has_unfinished():
+        c0, w0 = time.thread_time(), time.perf_counter()
+        result = engine.step()
+        if result.num_prefill_tokens == 0:
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - w0)
+        for out in result.outputs:
+            if out.finished:
+                tokens[out.request_id.split("-")[1]] = out.outputs[0].token_ids
+    return cpu, wall, [tokens[k] for k in sorted(tokens)]
+
+
+@pytest.mark.parametrize("num_seqs", [1, 4])
+def test_decode_step(benchmark, llm, num_seqs):
+    steps = 32
+    per: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
+    round_no = iter(range(10_000))
+
+    def one_round() -> None:
+        r = next(round_no)
+        generated = {}
+        for on in (False, True) if r % 2 == 0 else (True, False):
+            with kernel(on):
+                cpu, wall, generated[on] = decode_steps(llm, num_seqs, steps, r)
+            per[on][0].extend(cpu)
+            per[on][1].extend(wall)
+        assert generated[True] == generated[False]
+
+    with kernel(True):
+        decode_steps(llm, num_seqs, 4, 9999)  # warm-up
+    benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
+    med = {on: (statistics.median(c), statistics.median(w)) for on, (c, w) in per.items()}
+    benchmark.extra_info.update(cpu_ratio=med[False][0] / med[True][0], wall_ratio=med[False][1] / med[True][1])
+    print(
+        f"\ndecode step, {num_seqs} sequence(s), torch threads {torch.get_num_threads()}, median per step:\n"
+        f"  thread CPU: torch path {med[False][0] * 1e3:.2f} ms, Rust kernel {med[True][0] * 1e3:.2f} ms,"
+        f" {med[False][0] / med[True][0]:.2f}x\n"
+        f"  wall:       torch path {med[False][1] * 1e3:.2f} ms, Rust kernel {med[True][1] * 1e3:.2f} ms,"
+        f" {med[False][1] / med[True][1]:.2f}x"
+    )
