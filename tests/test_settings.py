@@ -29,6 +29,7 @@ EXAMPLES = {
     "R3SRV_TRITON_DECODE": ("0", False),
     "R3SRV_FUSED_STEP": ("0", False),
     "R3SRV_GROUPED_MM": ("0", False),
+    "R3SRV_CPU_EXPERT_KERNEL": ("0", False),
     "R3SRV_FORCE_TORCH_ROUTER": ("1", True),
     "R3SRV_CUDA_GRAPHS": ("1", True),
 }

@@ -112,8 +112,9 @@ fn add(dst: &mut [f32], src: &[f32]) {
     }
 }
 
-/// out [T, H] = the expert pass of x [T, H] routed by ids and weights [T, k]. A pair of weight 0 (another rank's expert under expert
-/// parallelism) contributes nothing and is skipped. Errors name the first inconsistent input.
+/// out [T, H] = the expert pass of x [T, H] routed by ids and weights [T, k]. A pair of weight
+/// 0 (another rank's expert under expert parallelism) contributes nothing and is skipped.
+/// Errors name the first inconsistent input.
 pub fn expert_pairs(
     experts: &Experts,
     x: &[f32],
