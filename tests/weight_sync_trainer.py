@@ -29,12 +29,14 @@ def post(url: str, route: str, body: dict) -> httpx.Response:
     return httpx.post(url + route, json=body, timeout=120)
 
 
-def join(url: str, port: int, pool: concurrent.futures.Executor, group_name: str = GROUP) -> dist.ProcessGroup:
-    """The server joins as rank 1 while this process hosts the rendezvous as rank 0."""
-    body = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=group_name,
-                backend="gloo")
+def join(url: str, port: int, pool: concurrent.futures.Executor, group_name: str = GROUP,
+         world_size: int = 2) -> dist.ProcessGroup:
+    """The server joins as rank 1 (its tensor-parallel ranks as 1..world_size-1) while this
+    process hosts the rendezvous as rank 0."""
+    body = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=world_size,
+                group_name=group_name, backend="gloo")
     reply = pool.submit(post, url, "/init_weights_update_group", body)
-    group = init_custom_process_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+    group = init_custom_process_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=world_size,
                                       group_name=group_name, backend="gloo", timeout=60)
     response = reply.result()
     assert response.status_code == 200, response.text
@@ -63,8 +65,21 @@ def push(url: str, group: dist.ProcessGroup, tensors: dict[str, torch.Tensor], p
     return reply.result()
 
 
-def push_then_die(url: str, port: int, checkpoint: Path, die_after: int) -> None:
+def push_then_die(url: str, port: int, checkpoint: Path, die_after: int, world_size: int = 2) -> None:
     """Run in a process of its own: join, announce the whole checkpoint, broadcast a few tensors, die."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        group = join(url, port, pool)
+        group = join(url, port, pool, world_size=world_size)
         push(url, group, checkpoint_tensors(checkpoint), pool, die_after=die_after)
+
+
+def broadcast_checkpoint(port: int, world_size: int, checkpoint: Path, die_after: int | None = None) -> None:
+    """Run in a process of its own, for an offline engine that joins and announces by itself:
+    host the rendezvous as rank 0, then broadcast the checkpoint's tensors in checkpoint_tensors'
+    order (with die_after, exit 3 after that many, as a crashed trainer)."""
+    group = init_custom_process_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=world_size,
+                                      group_name=GROUP, backend="gloo", timeout=60)
+    for i, tensor in enumerate(checkpoint_tensors(checkpoint).values()):
+        if i == die_after:
+            os._exit(3)
+        dist.broadcast(tensor.contiguous(), src=0, group=group)
+    dist.destroy_process_group(group)
