@@ -24,6 +24,7 @@ from tiny_checkpoints import write_tiny_checkpoint
 from engine_testing import GREEDY, prompt_ids
 from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
+from r3srv.models.staged_shards import ShardPieces
 
 PROMPT = prompt_ids(20, base=3)
 WORLD = 3  # the trainer and two tensor-parallel ranks
@@ -66,6 +67,10 @@ def generated(llm: LLM):
 
 def test_offline_tp2_engine_takes_a_pushed_policy_and_survives_a_dying_trainer(policies, oracle):
     v0, v1 = policies
+    # both trainers start first (each hosts its rendezvous and waits there), while the engine loads
+    port, dying_port = free_port(), free_port()
+    pusher = spawn(trainer.broadcast_checkpoint, port, WORLD, v1)
+    dying = spawn(trainer.broadcast_checkpoint, dying_port, WORLD, v0, 3)
     llm = LLM(str(v0), tensor_parallel_size=2, dtype="float32", **ENGINE)
     try:
         assert same(generated(llm), oracle[v0])
@@ -77,20 +82,25 @@ def test_offline_tp2_engine_takes_a_pushed_policy_and_survives_a_dying_trainer(p
                 llm.init_weights_update_group("127.0.0.1", free_port(), *ranks)
             assert refused.value.param == param
 
-        port = free_port()
-        pusher = spawn(trainer.broadcast_checkpoint, port, WORLD, v1)
         joined = llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=WORLD, timeout=30)
         assert "ranks 1..2 of 3" in joined
-        message = llm.update_weights_from_distributed(names, dtypes, shapes, weight_version="step-1")
+        half = len(names) // 2
+        message = llm.update_weights_from_distributed(names[:half], dtypes[:half], shapes[:half])
+        assert "staged" in message and same(generated(llm), oracle[v0])
+        # Rank 0 staged only its shard of each split tensor, read as the loader will read it.
+        staged = llm.engine.core.multiproc.weight_sync.staged
+        kept = {name: sum(p.numel() for p in t.pieces.values()) / t.shape.numel()
+                for name, t in staged.items() if isinstance(t, ShardPieces)}
+        assert kept and max(kept.values()) <= 0.51, kept  # half of each (a padded vocabulary's rows rounded up)
+        message = llm.update_weights_from_distributed(names[half:], dtypes[half:], shapes[half:],
+                                                      weight_version="step-1")
         pusher.join(60)
-        assert pusher.exitcode == 0 and "updated" in message
+        assert pusher.exitcode == 0 and "updated" in message and not llm.engine.core.multiproc.weight_sync.staged
         assert same(generated(llm), oracle[v1])
         llm.destroy_weights_update_group()
 
         # A trainer dying mid-push: every rank drops what it got and the group; v1 stays.
-        port = free_port()
-        dying = spawn(trainer.broadcast_checkpoint, port, WORLD, v0, 3)
-        llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=WORLD, timeout=10)
+        llm.init_weights_update_group("127.0.0.1", dying_port, rank_offset=1, world_size=WORLD, timeout=10)
         with pytest.raises(InvalidRequestError) as failed:
             llm.update_weights_from_distributed(names, dtypes, shapes)
         dying.join(60)

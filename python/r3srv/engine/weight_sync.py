@@ -23,6 +23,7 @@ import asyncio
 import datetime
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,11 +184,13 @@ class WeightSync:
             )
         return known
 
-    def receive(self, group_name: str, named: NamedTensors) -> None:
+    def receive(self, group_name: str, named: NamedTensors,
+                keep: Callable[[NamedTensors], dict[str, Any]] | None = None) -> None:
         """Blocking: every announced tensor, broadcast from rank 0 in order, into new buffers
-        on this rank's device, staged once all arrived. On a failure (the trainer died, or
-        stalled past the timeout) the group is destroyed, as it can no longer be trusted,
-        and WeightSyncError says so; nothing received is kept."""
+        on this rank's device, staged once all arrived (`keep`: what of them to stage; default
+        all). On a failure (the trainer died, or stalled past the timeout) the group is
+        destroyed, as it can no longer be trusted, and WeightSyncError says so; nothing
+        received is kept."""
         with self._lock:
             known = self.group(group_name)
             buffers = {name: torch.empty(shape, dtype=dtype, device=self.device)
@@ -208,7 +211,7 @@ class WeightSync:
                     f"the served weights are unchanged and group {group_name!r} is destroyed",
                     param="names",
                 ) from exc
-            self.staged.update(buffers)
+            self.staged.update(buffers if keep is None else keep(NamedTensors.of(buffers)))
 
 
 def named_tensor_metas(names: list[str], dtypes: list[str], shapes: list[list[int]], *, dtypes_param: str) -> NamedTensors:
@@ -236,13 +239,14 @@ def named_tensor_metas(names: list[str], dtypes: list[str], shapes: list[list[in
 def run_weight_command(sync: WeightSync, model, command: Command, call: dict) -> None:
     """What every rank does for `command` (rank 0 has checked `call` first); raises on failure."""
     from r3srv.models.loader import load_named_tensors, plan_named_tensors
+    from r3srv.models.staged_shards import keep_shard_pieces
 
     if command is Command.JOIN_WEIGHT_GROUP:
         sync.timeout = call["timeout"]
         sync.join(**{k: v for k, v in call.items() if k != "timeout"})
     elif command is Command.RECEIVE_WEIGHTS:
         named = named_tensor_metas(call["names"], call["dtypes"], call["shapes"], dtypes_param="dtypes")
-        sync.receive(call["group_name"], named)
+        sync.receive(call["group_name"], named, keep=lambda arrived: keep_shard_pieces(model, arrived))
     elif command is Command.LEAVE_WEIGHT_GROUP:
         sync.leave(call["group_name"])
     elif command is Command.DROP_STAGED_WEIGHTS:
