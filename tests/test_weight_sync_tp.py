@@ -9,9 +9,7 @@ trainer that dies mid-push leaves the old weights on every rank."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import multiprocessing
-import time
 
 import httpx
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 import weight_sync_trainer as trainer
 from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port
 from test_server_weights import ENGINE, offline, post, served
-from tiny_checkpoints import write_tiny_checkpoint
+from test_weight_sync import policies, pool  # noqa: F401 (fixtures: the two policies, a thread pool)
 
 from engine_testing import GREEDY, prompt_ids
 from r3srv import LLM, SamplingParams
@@ -32,21 +30,9 @@ TP2 = ("--tensor-parallel-size", "2", "--dtype", "float32")
 
 
 @pytest.fixture(scope="module")
-def policies(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp-pushed-policies")
-    return write_tiny_checkpoint(root / "v0", seed=0), write_tiny_checkpoint(root / "v1", seed=1)
-
-
-@pytest.fixture(scope="module")
 def oracle(policies):
     """One device's greedy tokens and routed experts, each policy loaded from disk."""
     return {path: offline(path, PROMPT) for path in policies}
-
-
-@pytest.fixture
-def pool():
-    with concurrent.futures.ThreadPoolExecutor(2) as threads:
-        yield threads
 
 
 def same(got, want) -> bool:
@@ -159,11 +145,8 @@ def test_a_trainer_dying_mid_push_leaves_the_old_weights_on_every_rank(server, p
     dying = spawn(trainer.push_then_die, server.url, free_port(), v1, 3, WORLD)
     dying.join(120)
     assert dying.exitcode == 3
-    for _ in range(150):  # the ranks see the dead peer (or the 10 s timeout) and drop the group
-        r = post(server, "/update_weights_from_distributed", trainer.announce({}))
-        if "no weight update group" in r.text:
-            break
-        time.sleep(0.2)
+    # The server notices the dead peer, drops what it received and the group with it.
+    r = trainer.group_dropped(server.url)
     assert r.status_code == 400 and r.json()["error"]["param"] == "group_name", r.text
     assert httpx.get(server.url + "/health").status_code == 200
     assert serves(server, oracle[v0]) and served(server, PROMPT)[2] == "old"
@@ -173,21 +156,11 @@ def test_vllm_weight_transfer_under_tp_ranks_its_workers_the_same_way(server, po
     v0, v1 = policies
     r = post(server, "/update_weights_from_disk", {"model_path": str(v0)})
     assert r.status_code == 200, r.text
-    port = free_port()
-    init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": WORLD}}
-    reply = pool.submit(trainer.post, server.url, "/init_weight_transfer_engine", init)
-    group = trainer.init_custom_process_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=WORLD,
-                                              group_name=trainer.GROUP, backend="gloo", timeout=60)
+    group = trainer.vllm_join(server.url, free_port(), pool, world_size=WORLD)
     try:
-        assert reply.result().status_code == 200, reply.result().text
         assert post(server, "/start_weight_update").status_code == 200
-        tensors = trainer.checkpoint_tensors(v1)
-        body = trainer.announce(tensors)
-        info = {"names": body["names"], "dtype_names": body["dtypes"], "shapes": body["shapes"]}
-        reply = pool.submit(trainer.post, server.url, "/update_weights", {"update_info": info})
-        for tensor in tensors.values():
-            trainer.dist.broadcast(tensor.contiguous(), src=0, group=group)
-        assert reply.result().status_code == 200, reply.result().text
+        r = trainer.vllm_push(server.url, group, trainer.checkpoint_tensors(v1), pool)
+        assert r.status_code == 200, r.text
         assert serves(server, oracle[v0])  # applied at /finish_weight_update only
         r = post(server, "/finish_weight_update", {"weight_version": "vllm-1"})
         assert r.status_code == 200, r.text

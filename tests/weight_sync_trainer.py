@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -43,6 +44,34 @@ def join(url: str, port: int, pool: concurrent.futures.Executor, group_name: str
     return group
 
 
+def vllm_init_info(port: int, world_size: int = 2) -> dict:
+    return {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world_size}
+
+
+def vllm_join(url: str, port: int, pool: concurrent.futures.Executor, world_size: int = 2) -> dist.ProcessGroup:
+    """vLLM's names: /init_weight_transfer_engine while this process hosts the rendezvous as rank 0."""
+    reply = pool.submit(post, url, "/init_weight_transfer_engine", {"init_info": vllm_init_info(port, world_size)})
+    group = init_custom_process_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=world_size,
+                                      group_name=GROUP, backend="gloo", timeout=60)
+    response = reply.result()
+    assert response.status_code == 200, response.text
+    return group
+
+
+def vllm_update_info(tensors: dict[str, torch.Tensor]) -> dict:
+    body = announce(tensors)
+    return {"names": body["names"], "dtype_names": body["dtypes"], "shapes": body["shapes"]}
+
+
+def vllm_push(url: str, group: dist.ProcessGroup, tensors: dict[str, torch.Tensor],
+              pool: concurrent.futures.Executor) -> httpx.Response:
+    """One vLLM /update_weights {update_info} call and its broadcasts (inside a start/finish round)."""
+    reply = pool.submit(post, url, "/update_weights", {"update_info": vllm_update_info(tensors)})
+    for tensor in tensors.values():
+        dist.broadcast(tensor.contiguous(), src=0, group=group)
+    return reply.result()
+
+
 def announce(tensors: dict[str, torch.Tensor], **extra) -> dict:
     return dict(names=list(tensors), dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors.values()],
                 shapes=[list(t.shape) for t in tensors.values()], group_name=GROUP, **extra)
@@ -63,6 +92,17 @@ def push(url: str, group: dist.ProcessGroup, tensors: dict[str, torch.Tensor], p
     for handle in handles:
         handle.wait()
     return reply.result()
+
+
+def group_dropped(url: str, seconds: float = 30.0) -> httpx.Response:
+    """After a trainer died: the server's answer to an announcement once it has noticed the dead
+    peer and dropped the group (or the last answer, when `seconds` ran out)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        r = post(url, "/update_weights_from_distributed", announce({}))
+        if "no weight update group" in r.text or time.monotonic() > deadline:
+            return r
+        time.sleep(0.2)
 
 
 def push_then_die(url: str, port: int, checkpoint: Path, die_after: int, world_size: int = 2) -> None:
