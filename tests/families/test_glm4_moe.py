@@ -17,7 +17,9 @@ VARIANTS = {
     "glm4_moe_dense_first_qk_norm": {
         "num_layers": 3, "first_k_dense_replace": 1, "use_qk_norm": True, "attention_bias": False
     },
-    "glm4_moe_groups_no_renorm": {"num_experts": 16, "top_k": 4, "n_group": 4, "topk_group": 2, "norm_topk_prob": False},
+    "glm4_moe_groups_no_renorm": {
+        "num_experts": 16, "top_k": 4, "n_group": 4, "topk_group": 2, "norm_topk_prob": False
+    },
     "glm4_moe_full_rotary_2_shared": {
         "rope_parameters": {"rope_theta": 500.0, "rope_type": "default", "partial_rotary_factor": 1.0},
         "n_shared_experts": 2,

@@ -14,5 +14,7 @@ VARIANTS = {
     # sparse attention: an indexer's top-5 keys per query (its own rotary layout per family)
     "glm_moe_dsa": {},
     # three layers: full, shared, full; a dense first layer; a wider selection than the prompt
-    "glm_moe_dsa_full_shared_full": {"num_layers": 3, "indexer_types": ["full", "shared", "full"], "first_k_dense_replace": 1},
+    "glm_moe_dsa_full_shared_full": {
+        "num_layers": 3, "indexer_types": ["full", "shared", "full"], "first_k_dense_replace": 1
+    },
 }

@@ -16,5 +16,7 @@ def tiny_config(transformers, *, num_experts, top_k, num_layers):
 VARIANTS = {
     "gpt_oss": {},
     # all-windowed layers and a SwiGLU limit low enough that the clamps bite
-    "gpt_oss_windows_clamped": {"num_layers": 3, "layer_types": ["sliding_attention"] * 3, "swiglu_limit": 0.5, "top_k": 4},
+    "gpt_oss_windows_clamped": {
+        "num_layers": 3, "layer_types": ["sliding_attention"] * 3, "swiglu_limit": 0.5, "top_k": 4
+    },
 }

@@ -1,4 +1,4 @@
-"""GraniteMoeSWA (granite-swash): its tiny transformers config and its oracle variants (checks: tests/family_oracle.py)."""
+"""GraniteMoeSWA: its tiny transformers config and its oracle variants (checks: tests/family_oracle.py)."""
 
 from family_oracle import *  # noqa: F403 (the oracle checks, run on every entry of VARIANTS)
 
