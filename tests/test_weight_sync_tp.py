@@ -99,6 +99,21 @@ def test_offline_tp2_engine_takes_a_pushed_policy_and_survives_a_dying_trainer(p
         llm.shutdown()
 
 
+def test_offline_single_device_engine_takes_the_same_calls(policies, oracle):
+    """The offline API at one device (the server's own receiver, driven from the caller's thread)."""
+    v0, v1 = policies
+    port = free_port()
+    pusher = spawn(trainer.broadcast_checkpoint, port, 2, v1)
+    llm = LLM(str(v0), **ENGINE)
+    assert "as rank 1 of 2" in llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2)
+    announced = trainer.announce(trainer.checkpoint_tensors(v1))
+    message = llm.update_weights_from_distributed(announced["names"], announced["dtypes"], announced["shapes"])
+    pusher.join(60)
+    assert pusher.exitcode == 0 and "updated" in message
+    assert same(generated(llm), oracle[v1])
+    llm.destroy_weights_update_group()
+
+
 # ---------------------------------------------------------------- over HTTP
 @pytest.fixture(scope="module")
 def server(policies):
