@@ -70,12 +70,23 @@ def sorted_path(x, w13, w2, weights, ids, b13, b2, act):
     act=st.sampled_from(sorted(ACTIVATIONS)),
     # b2 without b13 never occurs (a tensor-parallel split keeps b13 on every rank, b2 on one)
     biases=st.sampled_from([(False, False), (True, True), (True, False)]),
+    bfloat16=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, biases, seed):
+def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, biases, bfloat16, seed):
     args = random_experts(seed, tokens, experts, top_k, hidden, inter, act, *biases)
+    if bfloat16:  # the same values in bfloat16: the float32 pass on them, rounded once
+        args = tuple(a.bfloat16() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        args = (*args[:3], args[3].float(), *args[4:])  # routing weights stay float32, as the router gives them
     got = expert_pairs(*args)
-    assert got is not None and got.shape == (tokens, hidden) and got.dtype == torch.float32
+    assert got is not None and got.shape == (tokens, hidden) and got.dtype == args[0].dtype
+    if bfloat16:
+        widened = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        want = expert_pairs(*widened)
+        torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5)  # one bfloat16 rounding
+        with kernel_off():  # the torch path rounds every intermediate to bfloat16
+            torch.testing.assert_close(got, moe._expert_pairs(*args), rtol=0.05, atol=0.05)
+        return
     with kernel_off():
         assert expert_pairs(*args) is None
         torch.testing.assert_close(got, moe._expert_pairs(*args), rtol=1e-5, atol=1e-5)
@@ -89,13 +100,15 @@ def test_the_moe_pass_takes_it_for_a_few_tokens(monkeypatch):
     torch.testing.assert_close(got, expert_pairs(*args), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "strided w13", "other activation", "int64 ids, float64 weights"])
+@pytest.mark.parametrize("case", ["float16", "mixed dtypes", "strided w13", "other activation", "int64 ids, float64 weights"])
 def test_falls_back_or_converts(case):
     x, w13, w2, weights, ids, b13, b2, act = random_experts(2, 3, 12, 2, 16, 8, "silu_and_mul", True, True)
     want = moe._expert_pairs(x, w13, w2, weights, ids, b13, b2, act)
-    if case == "bfloat16":
-        x, w13, w2, b13, b2 = (t.bfloat16() for t in (x, w13, w2, b13, b2))
+    if case == "float16":
+        x, w13, w2, b13, b2 = (t.half() for t in (x, w13, w2, b13, b2))
         assert expert_pairs(x, w13, w2, weights, ids, b13, b2, act) is None
+    elif case == "mixed dtypes":
+        assert expert_pairs(x.bfloat16(), w13, w2, weights, ids, b13, b2, act) is None
     elif case == "strided w13":
         strided = torch.cat([w13, w13], dim=2)[..., ::2]
         assert not strided.is_contiguous()

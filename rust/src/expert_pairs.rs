@@ -3,12 +3,70 @@
 //!     h = w13[e] @ x[t] (+ b13[e]),  a = act(h),  o = w2[e] @ a (+ b2[e]),
 //! and out[t] = sum_j w * o in slot order. The torch path pays a dispatch per matrix-vector
 //! product and per indexing op; here the products read each expert's rows in place and the
-//! whole pass is one call (r3srv.kernels.expert_pairs_cpu). float32 throughout.
+//! whole pass is one call (r3srv.kernels.expert_pairs_cpu). Tensors hold float32 or
+//! bfloat16 (`Element`); the arithmetic is float32 throughout, bfloat16 rounded once at the end.
 //!
 //! One thread: splitting the pairs over scoped threads lost on the shared 2-core machine
 //! (docs/benchmarks.md), the thread start costing more than a one-token pass saves.
 
 use std::sync::OnceLock;
+
+/// What the experts' and tokens' tensors hold: read as f32, written from f32.
+pub trait Element: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+
+    /// Eight elements from `p`, widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, and `p` must be valid for reading eight elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Element for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+}
+
+/// A bfloat16: the upper half of an f32's bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Element for Bf16 {
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+
+    /// Rounded to nearest, ties to even, as torch rounds (NaN stays a quiet NaN).
+    fn from_f32(v: f32) -> Self {
+        if v.is_nan() {
+            return Bf16(0x7fc0);
+        }
+        let bits = v.to_bits();
+        Bf16((bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(halves))
+    }
+}
 
 /// The expert activations of r3srv.models.moe.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -59,18 +117,18 @@ impl Activation {
 
 /// A rank's stacked experts, read in place: w13 [E, R, H], w2 [E, H, I], b13 [E, R], b2 [E, H]
 /// (R = I x `Activation::rows_per_unit`).
-pub struct Experts<'a> {
-    pub w13: &'a [f32],
-    pub w2: &'a [f32],
-    pub b13: Option<&'a [f32]>,
-    pub b2: Option<&'a [f32]>,
+pub struct Experts<'a, W: Element> {
+    pub w13: &'a [W],
+    pub w2: &'a [W],
+    pub b13: Option<&'a [W]>,
+    pub b2: Option<&'a [W]>,
     pub num_experts: usize,
     pub hidden: usize,
     pub inter: usize,
     pub act: Activation,
 }
 
-impl Experts<'_> {
+impl<W: Element> Experts<'_, W> {
     fn rows13(&self) -> usize {
         self.inter * self.act.rows_per_unit()
     }
@@ -106,21 +164,21 @@ impl Experts<'_> {
     }
 }
 
-fn add(dst: &mut [f32], src: &[f32]) {
+fn add<W: Element>(dst: &mut [f32], src: &[W]) {
     for (d, s) in dst.iter_mut().zip(src) {
-        *d += s;
+        *d += s.to_f32();
     }
 }
 
 /// out [T, H] = the expert pass of x [T, H] routed by ids and weights [T, k]. A pair of weight
 /// 0 (another rank's expert under expert parallelism) contributes nothing and is skipped.
 /// Errors name the first inconsistent input.
-pub fn expert_pairs(
-    experts: &Experts,
-    x: &[f32],
+pub fn expert_pairs<W: Element>(
+    experts: &Experts<W>,
+    x: &[W],
     ids: &[i32],
     weights: &[f32],
-    out: &mut [f32],
+    out: &mut [W],
     isa: Isa,
 ) -> Result<(), String> {
     experts.check()?;
@@ -137,16 +195,23 @@ pub fn expert_pairs(
         return Err(format!("expert id {bad} is outside 0..{}", experts.num_experts));
     }
     let (mut h, mut a, mut o) = (vec![0.0f32; experts.rows13()], vec![0.0f32; experts.inter], vec![0.0f32; hid]);
-    for (t, row) in out.chunks_exact_mut(hid).enumerate() {
+    let (mut xt, mut row) = (vec![0.0f32; hid], vec![0.0f32; hid]);
+    for (t, out_row) in out.chunks_exact_mut(hid).enumerate() {
+        for (v, &e) in xt.iter_mut().zip(&x[t * hid..(t + 1) * hid]) {
+            *v = e.to_f32();
+        }
         row.fill(0.0);
         for p in t * top_k..(t + 1) * top_k {
             let w = weights[p];
             if w != 0.0 {
-                experts.run(isa, ids[p] as usize, &x[t * hid..(t + 1) * hid], &mut h, &mut a, &mut o);
+                experts.run(isa, ids[p] as usize, &xt, &mut h, &mut a, &mut o);
                 for (acc, &o) in row.iter_mut().zip(&o) {
                     *acc += w * o;
                 }
             }
+        }
+        for (dst, &v) in out_row.iter_mut().zip(&row) {
+            *dst = W::from_f32(v);
         }
     }
     Ok(())
@@ -181,7 +246,7 @@ impl Isa {
 }
 
 /// out = m @ v for a row-major m [out.len(), v.len()].
-pub fn gemv(isa: Isa, m: &[f32], v: &[f32], out: &mut [f32]) {
+pub fn gemv<W: Element>(isa: Isa, m: &[W], v: &[f32], out: &mut [f32]) {
     assert_eq!(m.len(), out.len() * v.len(), "gemv: matrix and vectors disagree");
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -192,19 +257,19 @@ pub fn gemv(isa: Isa, m: &[f32], v: &[f32], out: &mut [f32]) {
     }
 }
 
-fn gemv_scalar(m: &[f32], v: &[f32], out: &mut [f32]) {
+fn gemv_scalar<W: Element>(m: &[W], v: &[f32], out: &mut [f32]) {
     for (o, row) in out.iter_mut().zip(m.chunks_exact(v.len().max(1))) {
         // four partial sums, as the vector kernel keeps independent chains
         let mut acc = [0.0f32; 4];
         let body = v.len() / 4 * 4;
         for (w, x) in row[..body].chunks_exact(4).zip(v[..body].chunks_exact(4)) {
             for l in 0..4 {
-                acc[l] += w[l] * x[l];
+                acc[l] += w[l].to_f32() * x[l];
             }
         }
         let mut sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         for (w, x) in row[body..].iter().zip(&v[body..]) {
-            sum += w * x;
+            sum += w.to_f32() * x;
         }
         *o = sum;
     }
@@ -217,13 +282,13 @@ fn gemv_scalar(m: &[f32], v: &[f32], out: &mut [f32]) {
 /// The CPU must support AVX2 and FMA, and `m.len() == out.len() * v.len()`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn gemv_avx2(m: &[f32], v: &[f32], out: &mut [f32]) {
+unsafe fn gemv_avx2<W: Element>(m: &[W], v: &[f32], out: &mut [f32]) {
     use std::arch::x86_64::*;
     let cols = v.len();
     let body = cols / 8 * 8;
     let rows = out.len();
     let (mp, vp) = (m.as_ptr(), v.as_ptr());
-    let tail = |r: usize| -> f32 { m[r * cols + body..(r + 1) * cols].iter().zip(&v[body..]).map(|(w, x)| w * x).sum() };
+    let tail = |r: usize| -> f32 { m[r * cols + body..(r + 1) * cols].iter().zip(&v[body..]).map(|(w, x)| w.to_f32() * x).sum() };
     let mut r = 0;
     while r + 4 <= rows {
         let mut acc = [_mm256_setzero_ps(); 4];
@@ -231,7 +296,7 @@ unsafe fn gemv_avx2(m: &[f32], v: &[f32], out: &mut [f32]) {
         while c < body {
             let x = _mm256_loadu_ps(vp.add(c));
             for (l, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(mp.add((r + l) * cols + c)), x, *a);
+                *a = _mm256_fmadd_ps(W::load8(mp.add((r + l) * cols + c)), x, *a);
             }
             c += 8;
         }
@@ -244,7 +309,7 @@ unsafe fn gemv_avx2(m: &[f32], v: &[f32], out: &mut [f32]) {
         let mut a = _mm256_setzero_ps();
         let mut c = 0;
         while c < body {
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(mp.add(r * cols + c)), _mm256_loadu_ps(vp.add(c)), a);
+            a = _mm256_fmadd_ps(W::load8(mp.add(r * cols + c)), _mm256_loadu_ps(vp.add(c)), a);
             c += 8;
         }
         out[r] = hsum(a) + tail(r);
@@ -263,13 +328,13 @@ fn hsum(v: std::arch::x86_64::__m256) -> f32 {
 
 #[cfg(feature = "python")]
 pub(crate) mod python {
-    //! `r3srv._core.expert_pairs_f32`, called by r3srv.kernels.expert_pairs_cpu, which passes
+    //! `r3srv._core.expert_pairs_cpu`, called by r3srv.kernels.expert_pairs_cpu, which passes
     //! the tensors as data addresses after checking their dtype, device and contiguity.
 
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
 
-    use super::{expert_pairs, Activation, Experts, Isa};
+    use super::{expert_pairs, Activation, Bf16, Element, Experts, Isa};
 
     /// The kernel this CPU runs: "avx2" or "scalar".
     #[pyfunction]
@@ -277,15 +342,61 @@ pub(crate) mod python {
         Isa::best().name()
     }
 
-    /// out [T, H] = the expert pass (see rust/src/expert_pairs.rs) of the float32 tensors at
-    /// these addresses: x and out [T, H], ids (int32) and weights [T, k], w13 [E, R, H],
-    /// w2 [E, H, I], b13 [E, R] and b2 [E, H] (address 0: none). activation: "silu_and_mul",
-    /// "clamped_swiglu" (alpha, limit) or "relu_squared". Runs with the GIL released.
+    /// Tensor addresses and sizes, as the Python wrapper passes them.
+    struct Call {
+        x: usize,
+        w13: usize,
+        w2: usize,
+        b13: usize,
+        b2: usize,
+        ids: usize,
+        weights: usize,
+        out: usize,
+        tokens: usize,
+        top_k: usize,
+        num_experts: usize,
+        hidden: usize,
+        inter: usize,
+        act: Activation,
+    }
+
+    impl Call {
+        /// # Safety
+        /// As `expert_pairs_cpu` requires of its caller, with `W` the tensors' element type.
+        unsafe fn run<W: Element>(&self, py: Python<'_>) -> PyResult<()> {
+            use std::slice::{from_raw_parts, from_raw_parts_mut};
+            let Call { tokens, top_k, num_experts, hidden, inter, act, .. } = *self;
+            let rows13 = inter * act.rows_per_unit();
+            let bias = |addr: usize, len: usize| (addr != 0).then(|| from_raw_parts(addr as *const W, len));
+            let experts = Experts {
+                w13: from_raw_parts(self.w13 as *const W, num_experts * rows13 * hidden),
+                w2: from_raw_parts(self.w2 as *const W, num_experts * hidden * inter),
+                b13: bias(self.b13, num_experts * rows13),
+                b2: bias(self.b2, num_experts * hidden),
+                num_experts,
+                hidden,
+                inter,
+                act,
+            };
+            let x = from_raw_parts(self.x as *const W, tokens * hidden);
+            let ids = from_raw_parts(self.ids as *const i32, tokens * top_k);
+            let weights = from_raw_parts(self.weights as *const f32, tokens * top_k);
+            let out = from_raw_parts_mut(self.out as *mut W, tokens * hidden);
+            let isa = Isa::best();
+            py.detach(|| expert_pairs(&experts, x, ids, weights, out, isa)).map_err(PyValueError::new_err)
+        }
+    }
+
+    /// out [T, H] = the expert pass (see rust/src/expert_pairs.rs) of the tensors at these
+    /// addresses, all of `dtype` ("float32" or "bfloat16") but ids (int32) and weights
+    /// (float32): x and out [T, H], ids and weights [T, k], w13 [E, R, H], w2 [E, H, I], b13
+    /// [E, R] and b2 [E, H] (address 0: none). activation: "silu_and_mul", "clamped_swiglu"
+    /// (alpha, limit) or "relu_squared". Runs with the GIL released.
     #[pyfunction]
     #[pyo3(signature = (x, w13, w2, b13, b2, ids, weights, out, tokens, top_k, num_experts, hidden, inter,
-                        activation, alpha=0.0, limit=0.0))]
+                        dtype, activation, alpha=0.0, limit=0.0))]
     #[allow(clippy::too_many_arguments)]
-    pub fn expert_pairs_f32(
+    pub fn expert_pairs_cpu(
         py: Python<'_>,
         x: usize,
         w13: usize,
@@ -300,6 +411,7 @@ pub(crate) mod python {
         num_experts: usize,
         hidden: usize,
         inter: usize,
+        dtype: &str,
         activation: &str,
         alpha: f32,
         limit: f32,
@@ -311,36 +423,21 @@ pub(crate) mod python {
             other => return Err(PyValueError::new_err(format!("unknown expert activation {other:?}"))),
         };
         if [x, w13, w2, ids, weights, out].contains(&0) || tokens == 0 || top_k == 0 {
-            return Err(PyValueError::new_err("expert_pairs_f32 needs non-null tensors and at least one pair"));
+            return Err(PyValueError::new_err("expert_pairs_cpu needs non-null tensors and at least one pair"));
         }
-        let rows13 = inter * act.rows_per_unit();
+        let call = Call { x, w13, w2, b13, b2, ids, weights, out, tokens, top_k, num_experts, hidden, inter, act };
         // SAFETY: the caller (r3srv.kernels.expert_pairs_cpu) passes the data addresses of
-        // live, contiguous, CPU float32 (ids: int32) tensors of exactly these shapes, keeps
-        // them alive for the call, and `out` is a fresh tensor that aliases none of the others;
-        // nothing else writes to them while the GIL is released (the engine's forward is the
-        // only user of a model's tensors).
-        let (experts, x, ids, weights, out) = unsafe {
-            use std::slice::{from_raw_parts, from_raw_parts_mut};
-            let bias = |addr: usize, len: usize| (addr != 0).then(|| from_raw_parts(addr as *const f32, len));
-            (
-                Experts {
-                    w13: from_raw_parts(w13 as *const f32, num_experts * rows13 * hidden),
-                    w2: from_raw_parts(w2 as *const f32, num_experts * hidden * inter),
-                    b13: bias(b13, num_experts * rows13),
-                    b2: bias(b2, num_experts * hidden),
-                    num_experts,
-                    hidden,
-                    inter,
-                    act,
-                },
-                from_raw_parts(x as *const f32, tokens * hidden),
-                from_raw_parts(ids as *const i32, tokens * top_k),
-                from_raw_parts(weights as *const f32, tokens * top_k),
-                from_raw_parts_mut(out as *mut f32, tokens * hidden),
-            )
-        };
-        let isa = Isa::best();
-        py.detach(|| expert_pairs(&experts, x, ids, weights, out, isa)).map_err(PyValueError::new_err)
+        // live, contiguous CPU tensors of exactly these shapes and dtypes, keeps them alive for
+        // the call, and `out` is a fresh tensor that aliases none of the others; nothing else
+        // writes to them while the GIL is released (the engine's forward is the only user of
+        // a model's tensors).
+        unsafe {
+            match dtype {
+                "float32" => call.run::<f32>(py),
+                "bfloat16" => call.run::<Bf16>(py),
+                other => Err(PyValueError::new_err(format!("unsupported expert dtype {other:?}"))),
+            }
+        }
     }
 }
 
@@ -361,22 +458,24 @@ mod tests {
             .collect()
     }
 
-    fn gemv_f64(m: &[f32], v: &[f32], rows: usize) -> Vec<f64> {
-        (0..rows).map(|r| (0..v.len()).map(|c| m[r * v.len() + c] as f64 * v[c] as f64).sum()).collect()
+    fn gemv_f64<W: Element>(m: &[W], v: &[f32], rows: usize) -> Vec<f64> {
+        (0..rows).map(|r| (0..v.len()).map(|c| m[r * v.len() + c].to_f32() as f64 * v[c] as f64).sum()).collect()
+    }
+
+    fn cast<W: Element>(v: Vec<f32>) -> Vec<W> {
+        v.into_iter().map(W::from_f32).collect()
     }
 
     /// The pass by its definition, in float64 (the activation's exp in float32's own formula).
-    fn pass_f64(experts: &Experts, x: &[f32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
+    fn pass_f64<W: Element>(experts: &Experts<W>, x: &[W], ids: &[i32], weights: &[f32]) -> Vec<f64> {
         let (hid, i, r) = (experts.hidden, experts.inter, experts.rows13());
         let tokens = x.len() / hid;
         let top_k = ids.len() / tokens;
         let mut out = vec![0.0f64; x.len()];
         for p in 0..ids.len() {
             let (t, e) = (p / top_k, ids[p] as usize);
-            let mut h: Vec<f32> = gemv_f64(&experts.w13[e * r * hid..(e + 1) * r * hid], &x[t * hid..(t + 1) * hid], r)
-                .iter()
-                .map(|&v| v as f32)
-                .collect();
+            let xt: Vec<f32> = x[t * hid..(t + 1) * hid].iter().map(|v| v.to_f32()).collect();
+            let mut h: Vec<f32> = gemv_f64(&experts.w13[e * r * hid..(e + 1) * r * hid], &xt, r).iter().map(|&v| v as f32).collect();
             if let Some(b13) = experts.b13 {
                 add(&mut h, &b13[e * r..(e + 1) * r]);
             }
@@ -384,7 +483,7 @@ mod tests {
             experts.act.apply(&h, &mut a);
             let o = gemv_f64(&experts.w2[e * hid * i..(e + 1) * hid * i], &a, hid);
             for c in 0..hid {
-                let bias = experts.b2.map_or(0.0, |b2| b2[e * hid + c] as f64);
+                let bias = experts.b2.map_or(0.0, |b2| b2[e * hid + c].to_f32() as f64);
                 out[t * hid + c] += weights[p] as f64 * (o[c] + bias);
             }
         }
@@ -399,12 +498,13 @@ mod tests {
         v
     }
 
-    #[test]
-    fn gemv_matches_f64_for_every_shape_and_kernel() {
+    /// Every kernel against float64 on every shape (the matrix rounded to `W` first).
+    fn gemv_cases<W: Element>() {
         for isa in isas() {
             for rows in [1, 3, 4, 5, 9, 16] {
                 for cols in [1, 7, 8, 9, 17, 64, 100] {
-                    let (m, v) = (values(rows as u64 * 131 + cols as u64, rows * cols), values(cols as u64, cols));
+                    let m: Vec<W> = cast(values(rows as u64 * 131 + cols as u64, rows * cols));
+                    let v = values(cols as u64, cols);
                     let mut out = vec![f32::NAN; rows];
                     gemv(isa, &m, &v, &mut out);
                     for (got, want) in out.iter().zip(gemv_f64(&m, &v, rows)) {
@@ -416,29 +516,51 @@ mod tests {
     }
 
     #[test]
-    fn every_kernel_matches_the_definition_on_the_whole_pass() {
+    fn gemv_matches_f64_for_every_shape_and_kernel() {
+        gemv_cases::<f32>();
+        gemv_cases::<Bf16>();
+    }
+
+    fn whole_pass<W: Element>(rel: f64) {
         let (e, hid, inter, tokens, top_k) = (6, 20, 12, 3, 4);
         for act in [Activation::SiluAndMul, Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 }, Activation::ReluSquared] {
             let r = inter * act.rows_per_unit();
-            let (w13, w2, b13, b2) = (values(1, e * r * hid), values(2, e * hid * inter), values(3, e * r), values(4, e * hid));
+            let (w13, w2): (Vec<W>, Vec<W>) = (cast(values(1, e * r * hid)), cast(values(2, e * hid * inter)));
+            let (b13, b2): (Vec<W>, Vec<W>) = (cast(values(3, e * r)), cast(values(4, e * hid)));
             let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: Some(&b2), num_experts: e, hidden: hid, inter, act };
-            let x = values(5, tokens * hid);
+            let x: Vec<W> = cast(values(5, tokens * hid));
             let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p * 5) % e) as i32).collect();
             let mut weights = values(6, tokens * top_k);
             weights[1] = 0.0; // a skipped pair: contributes nothing either way
-            let mut results = Vec::new();
-            for isa in isas() {
-                let mut out = vec![f32::NAN; tokens * hid];
-                expert_pairs(&experts, &x, &ids, &weights, &mut out, isa).unwrap();
-                results.push(out);
-            }
             let want = pass_f64(&experts, &x, &ids, &weights);
-            for out in &results {
+            for isa in isas() {
+                let mut out = vec![W::from_f32(f32::NAN); tokens * hid];
+                expert_pairs(&experts, &x, &ids, &weights, &mut out, isa).unwrap();
                 for (got, want) in out.iter().zip(&want) {
-                    assert!((*got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "{act:?}: {got} vs {want}");
+                    let got = got.to_f32() as f64;
+                    assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(), "{isa:?} {act:?}: {got} vs {want}");
                 }
             }
         }
+    }
+
+    #[test]
+    fn every_kernel_matches_the_definition_on_the_whole_pass() {
+        whole_pass::<f32>(0.0);
+        whole_pass::<Bf16>(1.0 / 256.0); // bfloat16's final rounding: at most half of 2^-7
+    }
+
+    #[test]
+    fn bfloat16_rounds_to_nearest_even() {
+        for (v, bits) in [(1.0f32, 0x3f80u16), (-2.5, 0xc020), (f32::INFINITY, 0x7f80), (f32::NAN, 0x7fc0)] {
+            assert_eq!(Bf16::from_f32(v), Bf16(bits), "{v}");
+        }
+        let between = |lo: u16, frac: u32| f32::from_bits(((lo as u32) << 16) | frac);
+        assert_eq!(Bf16::from_f32(between(0x3f80, 0x8000)), Bf16(0x3f80)); // tie: to the even 0x3f80
+        assert_eq!(Bf16::from_f32(between(0x3f81, 0x8000)), Bf16(0x3f82)); // tie: to the even 0x3f82
+        assert_eq!(Bf16::from_f32(between(0x3f80, 0x8001)), Bf16(0x3f81));
+        assert_eq!(Bf16::from_f32(between(0x3f80, 0x7fff)), Bf16(0x3f80));
+        assert_eq!(Bf16(0x4049).to_f32(), f32::from_bits(0x4049_0000));
     }
 
     #[test]

@@ -367,7 +367,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_routed_experts, m)?)?;
     m.add_function(wrap_pyfunction!(configure_encoder, m)?)?;
     m.add_function(wrap_pyfunction!(encoder_isa, m)?)?;
-    m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_isa, m)?)?;
     Ok(())
 }

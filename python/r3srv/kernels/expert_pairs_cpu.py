@@ -4,10 +4,12 @@ biases and the weighted sum per token, reading the experts' weights in place. It
 models/moe.py's torch loop of two `torch.mv` and several indexing ops per pair, whose
 dispatch costs as much as the products' memory traffic in a one-sequence decode step.
 
-float32 only, and only the activations moe.py defines (SwiGLU, gpt-oss's clamped SwiGLU,
-Nemotron-H's relu^2); anything else returns None and the caller keeps its torch path, as
-does `--no-cpu-expert-kernel` (R3SRV_CPU_EXPERT_KERNEL=0). The sum over a token's slots runs
-in a different order than torch's, so results differ from the torch path by rounding.
+float32 or bfloat16 tensors (float32 arithmetic either way: a bfloat16 result is rounded
+once, where the torch path rounds every intermediate), and only the activations moe.py defines
+(SwiGLU, gpt-oss's clamped SwiGLU, Nemotron-H's relu^2); anything else returns None and the
+caller keeps its torch path, as does `--no-cpu-expert-kernel` (R3SRV_CPU_EXPERT_KERNEL=0).
+The products and the sum over a token's slots run in another order than torch's, so results
+differ from the torch path by rounding.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from r3srv import settings
-from r3srv._core import expert_pairs_f32, expert_pairs_isa
+from r3srv._core import expert_pairs_cpu, expert_pairs_isa
 
 __all__ = ["expert_pairs", "expert_pairs_isa"]
 
@@ -34,9 +36,11 @@ def expert_pairs(
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor | None:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (see moe.grouped_experts) through the
-    Rust kernel, or None where it does not apply: the setting is off, a tensor is not a
-    contiguous float32 CPU tensor, or `act` is not one of moe.py's activations."""
-    if not settings.current().cpu_expert_kernel or x.dtype != torch.float32 or not x.is_cpu:
+    Rust kernel, or None where it does not apply: the setting is off, x and the experts are not
+    contiguous CPU tensors of one dtype the kernel reads, or `act` is not one of moe.py's
+    activations."""
+    dtype = _DTYPES.get(x.dtype)
+    if not settings.current().cpu_expert_kernel or dtype is None or not x.is_cpu:
         return None
     spec = _activation(act)
     if spec is None:
@@ -47,7 +51,7 @@ def expert_pairs(
     if w13.shape != (num_experts, rows13, hidden) or x.shape[-1] != hidden:
         return None
     for w in (w13, w2, b13, b2):
-        if w is not None and (w.dtype != torch.float32 or not w.is_cpu or not w.is_contiguous()):
+        if w is not None and (w.dtype != x.dtype or not w.is_cpu or not w.is_contiguous()):
             return None
     x = x.contiguous()
     if ids.dtype != torch.int32:
@@ -57,13 +61,16 @@ def expert_pairs(
     ids, weights = ids.contiguous(), weights.contiguous()
     tokens, top_k = ids.shape
     out = torch.empty_like(x)
-    expert_pairs_f32(
+    expert_pairs_cpu(
         x.data_ptr(), w13.data_ptr(), w2.data_ptr(),
         0 if b13 is None else b13.data_ptr(), 0 if b2 is None else b2.data_ptr(),
         ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
-        tokens, top_k, num_experts, hidden, inter, name, alpha, limit,
+        tokens, top_k, num_experts, hidden, inter, dtype, name, alpha, limit,
     )
     return out
+
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 @functools.lru_cache(maxsize=256)
