@@ -342,75 +342,44 @@ pub(crate) mod python {
         Isa::best().name()
     }
 
-    /// Tensor addresses and sizes, as the Python wrapper passes them.
-    struct Call {
-        x: usize,
-        w13: usize,
-        w2: usize,
-        b13: usize,
-        b2: usize,
-        ids: usize,
-        weights: usize,
-        out: usize,
-        tokens: usize,
-        top_k: usize,
-        num_experts: usize,
-        hidden: usize,
-        inter: usize,
-        act: Activation,
+    /// # Safety
+    /// As `expert_pairs_cpu` requires of its caller, with `W` the tensors' element type.
+    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 8], shape: [usize; 5], act: Activation) -> PyResult<()> {
+        use std::slice::{from_raw_parts, from_raw_parts_mut};
+        let [x, w13, w2, b13, b2, ids, weights, out] = addresses;
+        let [tokens, top_k, num_experts, hidden, inter] = shape;
+        let rows13 = inter * act.rows_per_unit();
+        let bias = |addr: usize, len: usize| (addr != 0).then(|| from_raw_parts(addr as *const W, len));
+        let experts = Experts {
+            w13: from_raw_parts(w13 as *const W, num_experts * rows13 * hidden),
+            w2: from_raw_parts(w2 as *const W, num_experts * hidden * inter),
+            b13: bias(b13, num_experts * rows13),
+            b2: bias(b2, num_experts * hidden),
+            num_experts,
+            hidden,
+            inter,
+            act,
+        };
+        let x = from_raw_parts(x as *const W, tokens * hidden);
+        let ids = from_raw_parts(ids as *const i32, tokens * top_k);
+        let weights = from_raw_parts(weights as *const f32, tokens * top_k);
+        let out = from_raw_parts_mut(out as *mut W, tokens * hidden);
+        let isa = Isa::best();
+        py.detach(|| expert_pairs(&experts, x, ids, weights, out, isa)).map_err(PyValueError::new_err)
     }
 
-    impl Call {
-        /// # Safety
-        /// As `expert_pairs_cpu` requires of its caller, with `W` the tensors' element type.
-        unsafe fn run<W: Element>(&self, py: Python<'_>) -> PyResult<()> {
-            use std::slice::{from_raw_parts, from_raw_parts_mut};
-            let Call { tokens, top_k, num_experts, hidden, inter, act, .. } = *self;
-            let rows13 = inter * act.rows_per_unit();
-            let bias = |addr: usize, len: usize| (addr != 0).then(|| from_raw_parts(addr as *const W, len));
-            let experts = Experts {
-                w13: from_raw_parts(self.w13 as *const W, num_experts * rows13 * hidden),
-                w2: from_raw_parts(self.w2 as *const W, num_experts * hidden * inter),
-                b13: bias(self.b13, num_experts * rows13),
-                b2: bias(self.b2, num_experts * hidden),
-                num_experts,
-                hidden,
-                inter,
-                act,
-            };
-            let x = from_raw_parts(self.x as *const W, tokens * hidden);
-            let ids = from_raw_parts(self.ids as *const i32, tokens * top_k);
-            let weights = from_raw_parts(self.weights as *const f32, tokens * top_k);
-            let out = from_raw_parts_mut(self.out as *mut W, tokens * hidden);
-            let isa = Isa::best();
-            py.detach(|| expert_pairs(&experts, x, ids, weights, out, isa)).map_err(PyValueError::new_err)
-        }
-    }
-
-    /// out [T, H] = the expert pass (see rust/src/expert_pairs.rs) of the tensors at these
-    /// addresses, all of `dtype` ("float32" or "bfloat16") but ids (int32) and weights
-    /// (float32): x and out [T, H], ids and weights [T, k], w13 [E, R, H], w2 [E, H, I], b13
-    /// [E, R] and b2 [E, H] (address 0: none). activation: "silu_and_mul", "clamped_swiglu"
-    /// (alpha, limit) or "relu_squared". Runs with the GIL released.
+    /// out [T, H] = the expert pass (see rust/src/expert_pairs.rs) of the tensors at
+    /// `addresses` (x, w13, w2, b13, b2, ids, weights, out), all of `dtype` ("float32" or
+    /// "bfloat16") but ids (int32) and weights (float32), of `shape` (T, k, E, H, I): x and out
+    /// [T, H], ids and weights [T, k], w13 [E, R, H], w2 [E, H, I], b13 [E, R] and b2 [E, H]
+    /// (address 0: none). activation: "silu_and_mul", "clamped_swiglu" (alpha, limit) or
+    /// "relu_squared". Runs with the GIL released.
     #[pyfunction]
-    #[pyo3(signature = (x, w13, w2, b13, b2, ids, weights, out, tokens, top_k, num_experts, hidden, inter,
-                        dtype, activation, alpha=0.0, limit=0.0))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (addresses, shape, dtype, activation, alpha=0.0, limit=0.0))]
     pub fn expert_pairs_cpu(
         py: Python<'_>,
-        x: usize,
-        w13: usize,
-        w2: usize,
-        b13: usize,
-        b2: usize,
-        ids: usize,
-        weights: usize,
-        out: usize,
-        tokens: usize,
-        top_k: usize,
-        num_experts: usize,
-        hidden: usize,
-        inter: usize,
+        addresses: [usize; 8],
+        shape: [usize; 5],
         dtype: &str,
         activation: &str,
         alpha: f32,
@@ -422,10 +391,10 @@ pub(crate) mod python {
             "relu_squared" => Activation::ReluSquared,
             other => return Err(PyValueError::new_err(format!("unknown expert activation {other:?}"))),
         };
-        if [x, w13, w2, ids, weights, out].contains(&0) || tokens == 0 || top_k == 0 {
+        let [x, w13, w2, _, _, ids, weights, out] = addresses;
+        if [x, w13, w2, ids, weights, out].contains(&0) || shape[0] == 0 || shape[1] == 0 {
             return Err(PyValueError::new_err("expert_pairs_cpu needs non-null tensors and at least one pair"));
         }
-        let call = Call { x, w13, w2, b13, b2, ids, weights, out, tokens, top_k, num_experts, hidden, inter, act };
         // SAFETY: the caller (r3srv.kernels.expert_pairs_cpu) passes the data addresses of
         // live, contiguous CPU tensors of exactly these shapes and dtypes, keeps them alive for
         // the call, and `out` is a fresh tensor that aliases none of the others; nothing else
@@ -433,8 +402,8 @@ pub(crate) mod python {
         // a model's tensors).
         unsafe {
             match dtype {
-                "float32" => call.run::<f32>(py),
-                "bfloat16" => call.run::<Bf16>(py),
+                "float32" => run::<f32>(py, addresses, shape, act),
+                "bfloat16" => run::<Bf16>(py, addresses, shape, act),
                 other => Err(PyValueError::new_err(format!("unsupported expert dtype {other:?}"))),
             }
         }

@@ -61,12 +61,9 @@ def expert_pairs(
     ids, weights = ids.contiguous(), weights.contiguous()
     tokens, top_k = ids.shape
     out = torch.empty_like(x)
-    expert_pairs_cpu(
-        x.data_ptr(), w13.data_ptr(), w2.data_ptr(),
-        0 if b13 is None else b13.data_ptr(), 0 if b2 is None else b2.data_ptr(),
-        ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
-        tokens, top_k, num_experts, hidden, inter, dtype, name, alpha, limit,
-    )
+    addresses = (x.data_ptr(), w13.data_ptr(), w2.data_ptr(), 0 if b13 is None else b13.data_ptr(),
+                 0 if b2 is None else b2.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr())
+    expert_pairs_cpu(addresses, (tokens, top_k, num_experts, hidden, inter), dtype, name, alpha, limit)
     return out
 
 
