@@ -245,20 +245,24 @@ impl Isa {
     }
 }
 
-/// out = m @ v for a row-major m [out.len(), v.len()].
+/// out = m @ v for a row-major m [out.len(), v.len()]; `Isa::Avx2Fma` on a CPU without those
+/// features runs the scalar code.
 pub fn gemv<W: Element>(isa: Isa, m: &[W], v: &[f32], out: &mut [f32]) {
     assert_eq!(m.len(), out.len() * v.len(), "gemv: matrix and vectors disagree");
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx2Fma is only chosen (Isa::best, or a test that checked the same
-        // features) on a CPU with AVX2 and FMA; the lengths were checked above.
-        Isa::Avx2Fma => unsafe { gemv_avx2(m, v, out) },
+        // SAFETY: the guard checked that this CPU has AVX2 and FMA; the lengths were checked above.
+        Isa::Avx2Fma if Isa::best() == Isa::Avx2Fma => unsafe { gemv_avx2(m, v, out) },
         _ => gemv_scalar(m, v, out),
     }
 }
 
 fn gemv_scalar<W: Element>(m: &[W], v: &[f32], out: &mut [f32]) {
-    for (o, row) in out.iter_mut().zip(m.chunks_exact(v.len().max(1))) {
+    if v.is_empty() {
+        out.fill(0.0);
+        return;
+    }
+    for (o, row) in out.iter_mut().zip(m.chunks_exact(v.len())) {
         // four partial sums, as the vector kernel keeps independent chains
         let mut acc = [0.0f32; 4];
         let body = v.len() / 4 * 4;
@@ -471,7 +475,7 @@ mod tests {
     fn gemv_cases<W: Element>() {
         for isa in isas() {
             for rows in [1, 3, 4, 5, 9, 16] {
-                for cols in [1, 7, 8, 9, 17, 64, 100] {
+                for cols in [0, 1, 7, 8, 9, 17, 64, 100] {
                     let m: Vec<W> = cast(values(rows as u64 * 131 + cols as u64, rows * cols));
                     let v = values(cols as u64, cols);
                     let mut out = vec![f32::NAN; rows];
