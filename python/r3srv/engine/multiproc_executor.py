@@ -30,12 +30,13 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from r3srv import settings
 from r3srv.engine.step_channel import Command, StepChannel, decode_text, encode_text, pack_batch, unpack_batch
 from r3srv.errors import ConfigError
 from r3srv.models.batch import ForwardBatch
@@ -60,6 +61,7 @@ class Rendezvous:
     nnodes: int = 1
     node_rank: int = 0
     enable_expert_parallel: bool = False
+    ep_dispatch: str = "all_reduce"  # rank 0's setting, carried to every rank (they must agree)
 
     @property
     def local_size(self) -> int:
@@ -78,12 +80,12 @@ class Rendezvous:
         with socket.socket() as s:
             s.bind((self.master_addr, 0))
             port = s.getsockname()[1]
-        return Rendezvous(self.world_size, self.master_addr, port, self.nnodes, self.node_rank,
-                          self.enable_expert_parallel)
+        return replace(self, master_port=port)
 
     def state(self, rank: int) -> ParallelState:
         ep = self.world_size if self.enable_expert_parallel else 1
-        return ParallelState(tp_rank=rank, tp_size=self.world_size, ep_rank=rank if ep > 1 else 0, ep_size=ep)
+        return ParallelState(tp_rank=rank, tp_size=self.world_size, ep_rank=rank if ep > 1 else 0, ep_size=ep,
+                             ep_dispatch=self.ep_dispatch)
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def rank_setup(config) -> tuple[ModelSpec, Rendezvous]:
     """An EngineConfig's model and rendezvous, as every rank needs them."""
     par = config.parallel
     rendezvous = Rendezvous(par.tensor_parallel_size, par.master_addr, par.master_port, par.nnodes, par.node_rank,
-                            par.enable_expert_parallel)
+                            par.enable_expert_parallel, settings.current().ep_dispatch)
     return ModelSpec(config.model, "cuda" if config.device.startswith("cuda") else "cpu", config.dtype), rendezvous
 
 
