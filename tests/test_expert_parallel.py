@@ -28,7 +28,8 @@ from r3srv.models.moe import SparseMoeBlock
 from r3srv.models.parallel import EP_DISPATCHES, ParallelState
 from test_tensor_parallel import assert_same_generation
 
-TOKENS = [3, 17, 5, 9, 21, 4, 8, 30, 2, 11, 7, 13, 19, 23, 1, 6, 12, 14, 15, 16, 40, 41, 27]  # 23: shares of 11 and 12
+# 23 tokens: all-to-all shares of 11 and 12; one token (a one-sequence decode): one rank's share is empty
+PROMPTS = ([3, 17, 5, 9, 21, 4, 8, 30, 2, 11, 7, 13, 19, 23, 1, 6, 12, 14, 15, 16, 40, 41, 27], [29])
 CASES = {
     "deepseek_v3": dict(n_group=4, topk_group=2, top_k=3),  # grouped router, a shared expert, 3 slots over 2 ranks
     "qwen2_moe": dict(top_k=3),  # sigmoid-gated shared expert
@@ -63,28 +64,35 @@ def _count_pairs(model) -> list[tuple[int, torch.Tensor]]:
     return seen
 
 
+def _assert_own_pairs(seen, routing: torch.Tensor, rank: int, config, what: str) -> None:
+    """The pairs this rank ran: exactly those routed to its experts, layer by layer."""
+    half = config.num_experts // 2
+    assert [layer for layer, _ in seen] == list(range(config.num_layers)), what  # one pass a layer
+    for layer, ran in seen:
+        ids = routing[:, layer].reshape(-1)
+        own = ids[(ids >= rank * half) & (ids < (rank + 1) * half)]
+        if len(routing) > 1:
+            assert 0 < len(own) < len(ids), what  # both ranks have work, neither runs every pair
+        assert torch.equal(torch.sort(ran).values, torch.sort(own.long()).values), f"{what} layer {layer}"
+
+
 def _rank_main(rank: int, port: int, cases: dict) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
-        for family, (path, want_logits, want_routing) in cases.items():
+        for family, (path, wants) in cases.items():
             for dispatch in EP_DISPATCHES:
-                what = f"{family} EP=2 {dispatch} rank {rank}"
                 state = ParallelState(tp_rank=rank, tp_size=2, ep_rank=rank, ep_size=2, ep_dispatch=dispatch,
                                       group=torch.distributed.group.WORLD)
                 model, _ = load_model(path, parallel=state)
                 seen = _count_pairs(model)
-                logits, routing = prefill(model, TOKENS, all_logits=True)
-                assert torch.equal(routing, want_routing), what
-                torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4, msg=what)
-                # the pairs this rank ran: exactly those routed to its experts, layer by layer
-                half = model.config.num_experts // 2
-                assert [layer for layer, _ in seen] == list(range(model.config.num_layers)), what  # one pass a layer
-                for layer, ran in seen:
-                    ids = want_routing[:, layer].reshape(-1)
-                    own = ids[(ids >= rank * half) & (ids < (rank + 1) * half)]
-                    assert 0 < len(own) < len(ids), what  # both ranks have work, neither has all
-                    assert torch.equal(torch.sort(ran).values, torch.sort(own.long()).values), f"{what} layer {layer}"
+                for tokens, (want_logits, want_routing) in zip(PROMPTS, wants):
+                    what = f"{family} EP=2 {dispatch} rank {rank}, {len(tokens)} tokens"
+                    seen.clear()
+                    logits, routing = prefill(model, tokens, all_logits=True)
+                    assert torch.equal(routing, want_routing), what
+                    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4, msg=what)
+                    _assert_own_pairs(seen, want_routing, rank, model.config, what)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -94,7 +102,7 @@ def test_each_rank_runs_its_own_pairs_and_gives_the_single_device_result(checkpo
     cases = {}
     for family, path in checkpoints.items():
         model, _ = load_model(path)
-        cases[family] = (path, *prefill(model, TOKENS, all_logits=True))
+        cases[family] = (path, [prefill(model, tokens, all_logits=True) for tokens in PROMPTS])
     torch.multiprocessing.spawn(functools.partial(_rank_main, port=_free_port(), cases=cases), nprocs=2, join=True)
 
 
