@@ -93,7 +93,7 @@ class ModelSpec:
     """What every rank loads: the checkpoint, the device kind and the dtype."""
 
     path: str | None
-    device: str  # "cpu" or "cuda"
+    device: str  # "cpu", "cuda" or "cuda:N" (the first of the node's devices)
     dtype: str  # "auto" or a dtype name
 
 
@@ -102,12 +102,13 @@ def rank_setup(config) -> tuple[ModelSpec, Rendezvous]:
     par = config.parallel
     rendezvous = Rendezvous(par.tensor_parallel_size, par.master_addr, par.master_port, par.nnodes, par.node_rank,
                             par.enable_expert_parallel, settings.current().ep_dispatch)
-    return ModelSpec(config.model, "cuda" if config.device.startswith("cuda") else "cpu", config.dtype), rendezvous
+    return ModelSpec(config.model, config.device if config.device.startswith("cuda") else "cpu", config.dtype), rendezvous
 
 
 def rank_device(device: str, rank: int, rendezvous: Rendezvous) -> torch.device:
+    """A rank's device: cuda:(first + local rank) where `device` is cuda:first (cuda: from 0)."""
     if device.startswith("cuda"):
-        return torch.device("cuda", rank % rendezvous.local_size)
+        return torch.device("cuda", (torch.device(device).index or 0) + rank % rendezvous.local_size)
     return torch.device("cpu")
 
 
