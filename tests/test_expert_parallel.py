@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import re
-import socket
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from r3srv import LLM, SamplingParams
 from r3srv.models.loader import load_model
 from r3srv.models.moe import SparseMoeBlock
 from r3srv.models.parallel import EP_DISPATCHES, ParallelState
+from test_parallel_model import _free_port
 from test_tensor_parallel import assert_same_generation
 
 # 23 tokens: all-to-all shares of 11 and 12; one token (a one-sequence decode): one rank's share is empty
@@ -41,12 +41,6 @@ CASES = {
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep-families")
     return {family: str(write_tiny_checkpoint(root / family, family, **overrides)) for family, overrides in CASES.items()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _count_pairs(model) -> list[tuple[int, torch.Tensor]]:

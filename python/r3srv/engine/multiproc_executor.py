@@ -102,7 +102,8 @@ def rank_setup(config) -> tuple[ModelSpec, Rendezvous]:
     par = config.parallel
     rendezvous = Rendezvous(par.tensor_parallel_size, par.master_addr, par.master_port, par.nnodes, par.node_rank,
                             par.enable_expert_parallel, settings.current().ep_dispatch)
-    return ModelSpec(config.model, config.device if config.device.startswith("cuda") else "cpu", config.dtype), rendezvous
+    device = config.device if config.device.startswith("cuda") else "cpu"
+    return ModelSpec(config.model, device, config.dtype), rendezvous
 
 
 def rank_device(device: str, rank: int, rendezvous: Rendezvous) -> torch.device:
