@@ -86,7 +86,7 @@ def grouped_experts(
     if not x.is_cuda and flat_ids.numel() < w13.shape[0]:
         pair_tokens = torch.arange(x.shape[0]).repeat_interleave(top_k) if grid else tokens
         out = _expert_pairs(x, w13, w2, flat_weights, flat_ids, pair_tokens, b13, b2, act)
-        if grid:  # a token's k rows are adjacent: one reduction, as before pair lists
+        if grid:  # a token's k rows are adjacent: summed in one reduction
             return out.view(*ids.shape, -1).sum(1)
         return torch.zeros_like(x).index_add_(0, pair_tokens, out)
     order = torch.argsort(flat_ids, stable=True)
