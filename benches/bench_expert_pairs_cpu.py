@@ -46,12 +46,12 @@ def kernel(on: bool):
 def test_expert_pass(benchmark, tokens, dtype, candidate):
     x, w13, w2, weights, ids = expert_inputs(tokens)
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
-    args = (x, w13, w2, weights, ids.to(torch.int32), None, None, moe.silu_and_mul)
+    args = (x, w13, w2, weights, ids.to(torch.int32))
     benchmark.group = f"expert pairs {tokens} tokens x top-{TOP_K} {str(dtype)[6:]}"
     with kernel(False):
-        want = moe._expert_pairs(*args)
+        want = moe.grouped_experts(*args)  # fewer pairs than experts: the pairs path
     with kernel(candidate == "r3srv"):
-        out = benchmark(moe._expert_pairs, *args)
+        out = benchmark(moe.grouped_experts, *args)
     # bfloat16: the torch path rounds every intermediate, the kernel its result once
     tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.03, atol=0.01)
     torch.testing.assert_close(out, want, **tolerance)

@@ -28,6 +28,8 @@ ACTIVATIONS = {
 
 def random_experts(seed: int, tokens: int, experts: int, top_k: int, hidden: int, inter: int, act: str,
                    b13: bool, b2: bool):
+    """expert_pairs' arguments for every token's top_k slots: (x, w13, w2, weights, ids,
+    tokens=None, b13, b2, act)."""
     gen = torch.Generator().manual_seed(seed)
     rows13 = inter * (1 if act == "relu_squared" else 2)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -36,7 +38,36 @@ def random_experts(seed: int, tokens: int, experts: int, top_k: int, hidden: int
     weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=gen), -1), top_k)
     bias13 = torch.randn(experts, rows13, generator=gen) * 0.3 if b13 else None
     bias2 = torch.randn(experts, hidden, generator=gen) * 0.3 if b2 else None
-    return x, w13, w2, weights, ids.to(torch.int32), bias13, bias2, ACTIVATIONS[act]
+    return x, w13, w2, weights, ids.to(torch.int32), None, bias13, bias2, ACTIVATIONS[act]
+
+
+def as_list(args, seed: int | None = None):
+    """The same pairs as an explicit (tokens, ids, weights) list; with a seed, shuffled and
+    a third of them dropped (an expert-parallel rank's share)."""
+    x, w13, w2, weights, ids, tokens, b13, b2, act = args
+    if tokens is None:
+        tokens = torch.arange(x.shape[0]).repeat_interleave(ids.shape[1])
+    ids, weights = ids.reshape(-1), weights.reshape(-1)
+    if seed is not None:
+        keep = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(seed))
+        keep = keep[: max(1, ids.numel() - ids.numel() // 3)]
+        tokens, ids, weights = tokens[keep], ids[keep], weights[keep]
+    return x, w13, w2, weights, ids, tokens, b13, b2, act
+
+
+def torch_pass(args, path: str) -> torch.Tensor:
+    """grouped_experts with the kernel off on these pairs, through its torch pairs path
+    ("pairs": never-routed zero experts make the experts outnumber the pairs) or its
+    sort-and-scatter path ("sorted": zero-weight pairs make the pairs outnumber the experts)."""
+    x, w13, w2, weights, ids, tokens, b13, b2, act = as_list(args)
+    if path == "pairs":
+        extra = max(0, ids.numel() + 1 - w13.shape[0])
+        w13, w2, b13, b2 = (None if w is None else torch.cat([w, w.new_zeros(extra, *w.shape[1:])]) for w in (w13, w2, b13, b2))
+    else:
+        extra = max(0, w13.shape[0] - ids.numel())
+        tokens, ids, weights = (torch.cat([v, v.new_zeros(extra)]) for v in (tokens, ids, weights))
+    with kernel_off():
+        return moe.grouped_experts(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2, act=act)
 
 
 @contextlib.contextmanager
@@ -50,14 +81,10 @@ def kernel_off():
         r3srv_settings_module.configure(previous)
 
 
-def sorted_path(x, w13, w2, weights, ids, b13, b2, act):
-    """grouped_experts' sort-and-scatter path: zero-weight padding tokens give it at least as
-    many (token, slot) pairs as experts, so it does not take the pairs path."""
-    tokens, top_k = ids.shape
-    pad = -(-w13.shape[0] // top_k)
-    padded = (torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([weights, weights.new_zeros(pad, top_k)]),
-              torch.cat([ids, ids.new_zeros(pad, top_k)]))
-    return moe.grouped_experts(padded[0], w13, w2, padded[1], padded[2], b13=b13, b2=b2, act=act)[:tokens]
+def float_args(args, dtype: torch.dtype):
+    """x, the experts and the biases in `dtype` (routing weights stay float32, as the router gives them)."""
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and i != 3 else a
+                 for i, a in enumerate(args))
 
 
 @settings(max_examples=40, deadline=None)
@@ -70,61 +97,70 @@ def sorted_path(x, w13, w2, weights, ids, b13, b2, act):
     act=st.sampled_from(sorted(ACTIVATIONS)),
     # b2 without b13 never occurs (a tensor-parallel split keeps b13 on every rank, b2 on one)
     biases=st.sampled_from([(False, False), (True, True), (True, False)]),
+    listed=st.booleans(),
     bfloat16=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, biases, bfloat16, seed):
+def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, biases, listed, bfloat16, seed):
     args = random_experts(seed, tokens, experts, top_k, hidden, inter, act, *biases)
+    if listed:
+        args = as_list(args, seed)
     if bfloat16:  # the same values in bfloat16: the float32 pass on them, rounded once
-        args = tuple(a.bfloat16() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-        args = (*args[:3], args[3].float(), *args[4:])  # routing weights stay float32, as the router gives them
+        args = float_args(args, torch.bfloat16)
     got = expert_pairs(*args)
     assert got is not None and got.shape == (tokens, hidden) and got.dtype == args[0].dtype
     if bfloat16:
-        widened = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-        want = expert_pairs(*widened)
+        want = expert_pairs(*float_args(args, torch.float32))
         torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5)  # one bfloat16 rounding
-        with kernel_off():  # the torch path rounds every intermediate to bfloat16
-            torch.testing.assert_close(got, moe._expert_pairs(*args), rtol=0.05, atol=0.05)
+        # the torch path rounds every intermediate to bfloat16
+        torch.testing.assert_close(got, torch_pass(args, "pairs"), rtol=0.05, atol=0.05)
         return
     with kernel_off():
         assert expert_pairs(*args) is None
-        torch.testing.assert_close(got, moe._expert_pairs(*args), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, sorted_path(*args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, torch_pass(args, "pairs"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, torch_pass(args, "sorted"), rtol=1e-5, atol=1e-5)
 
 
-def test_the_moe_pass_takes_it_for_a_few_tokens(monkeypatch):
-    args = random_experts(1, 2, 64, 8, 24, 16, "silu_and_mul", False, False)
+@pytest.mark.parametrize("listed", [False, True])
+def test_the_moe_pass_takes_it_for_a_few_tokens(monkeypatch, listed):
+    args = random_experts(1, 2, 64, 8, 24, 16, "silu_and_mul", True, True)
+    if listed:
+        args = as_list(args, 1)
+    x, w13, w2, weights, ids, tokens, b13, b2, act = args
     monkeypatch.setattr(torch, "mv", None)  # the torch path's product: must not run
-    got = moe.grouped_experts(*args[:5], act=args[-1])
+    got = moe.grouped_experts(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2, act=act)
     torch.testing.assert_close(got, expert_pairs(*args), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", ["float16", "mixed dtypes", "strided w13", "other activation", "int64 ids, float64 weights"])
 def test_falls_back_or_converts(case):
-    x, w13, w2, weights, ids, b13, b2, act = random_experts(2, 3, 12, 2, 16, 8, "silu_and_mul", True, True)
-    want = moe._expert_pairs(x, w13, w2, weights, ids, b13, b2, act)
+    args = random_experts(2, 3, 12, 2, 16, 8, "silu_and_mul", True, True)
+    x, w13, w2, weights, ids, tokens, b13, b2, act = args
     if case == "float16":
-        x, w13, w2, b13, b2 = (t.half() for t in (x, w13, w2, b13, b2))
-        assert expert_pairs(x, w13, w2, weights, ids, b13, b2, act) is None
+        assert expert_pairs(*float_args(args, torch.float16)) is None
     elif case == "mixed dtypes":
-        assert expert_pairs(x.bfloat16(), w13, w2, weights, ids, b13, b2, act) is None
+        assert expert_pairs(x.bfloat16(), *args[1:]) is None
     elif case == "strided w13":
         strided = torch.cat([w13, w13], dim=2)[..., ::2]
         assert not strided.is_contiguous()
-        assert expert_pairs(x, strided, w2, weights, ids, b13, b2, act) is None
+        assert expert_pairs(x, strided, *args[2:]) is None
     elif case == "other activation":
-        assert expert_pairs(x, w13, w2, weights, ids, b13, b2, lambda h: moe.silu_and_mul(h)) is None
+        assert expert_pairs(*args[:-1], lambda h: moe.silu_and_mul(h)) is None
     else:
-        got = expert_pairs(x, w13, w2, weights.double(), ids.long(), b13, b2, act)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got = expert_pairs(x, w13, w2, weights.double(), ids.long(), tokens, b13, b2, act)
+        torch.testing.assert_close(got, torch_pass(args, "pairs"), rtol=1e-5, atol=1e-5)
 
 
-def test_an_expert_id_out_of_range_is_a_value_error():
-    x, w13, w2, weights, ids, b13, b2, act = random_experts(3, 2, 12, 2, 16, 8, "relu_squared", False, False)
-    ids[1, 0] = 12
+def test_an_expert_id_or_token_out_of_range_is_a_value_error():
+    args = random_experts(3, 2, 12, 2, 16, 8, "relu_squared", False, False)
+    args[4][1, 0] = 12
     with pytest.raises(ValueError, match="expert id 12 is outside 0..12"):
-        expert_pairs(x, w13, w2, weights, ids, b13, b2, act)
+        expert_pairs(*args)
+    args[4][1, 0] = 0
+    x, w13, w2, weights, ids, tokens, b13, b2, act = as_list(args)
+    tokens[2] = 2
+    with pytest.raises(ValueError, match="token 2 is outside 0..2"):
+        expert_pairs(x, w13, w2, weights, ids, tokens, b13, b2, act)
 
 
 def test_this_cpu_runs_the_vector_kernel():

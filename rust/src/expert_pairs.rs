@@ -1,7 +1,8 @@
-//! The CPU expert pass for a few (token, slot) pairs, one call per MoE layer: for each pair
-//! (t, j) with expert e = ids[t, j] and weight w = weights[t, j],
+//! The CPU expert pass for a few (token, expert, weight) pairs, one call per MoE layer: for
+//! each pair p of token t, expert e = ids[p] and weight w = weights[p] (every token's k slots,
+//! or an expert-parallel rank's own list of pairs, `PairTokens`),
 //!     h = w13[e] @ x[t] (+ b13[e]),  a = act(h),  o = w2[e] @ a (+ b2[e]),
-//! and out[t] = sum_j w * o in slot order. The torch path pays a dispatch per matrix-vector
+//! and out[t] = the sum of its pairs' w * o in pair order. The torch path pays a dispatch per matrix-vector
 //! product and per indexing op; here the products read each expert's rows in place and the
 //! whole pass is one call (r3srv.kernels.expert_pairs_cpu). Tensors hold float32 or
 //! bfloat16 (`Element`); the arithmetic is float32 throughout, bfloat16 rounded once at the end.
@@ -170,12 +171,22 @@ fn add<W: Element>(dst: &mut [f32], src: &[W]) {
     }
 }
 
-/// out [T, H] = the expert pass of x [T, H] routed by ids and weights [T, k]. A pair of weight
-/// 0 (another rank's expert under expert parallelism) contributes nothing and is skipped.
-/// Errors name the first inconsistent input.
+/// Which token each (token, expert, weight) pair belongs to.
+#[derive(Clone, Copy, Debug)]
+pub enum PairTokens<'a> {
+    /// Every token's k slots in order (ids and weights [T, k]): pair p is token p / k.
+    Grid,
+    /// An explicit list ([P]): pair p is token tokens[p] (an expert-parallel rank's own pairs).
+    List(&'a [i32]),
+}
+
+/// out [T, H] = sum over the pairs p of token t of weights[p] * expert_{ids[p]}(x[t]), summed
+/// in pair order. A pair of weight 0 (another rank's expert) contributes nothing and is
+/// skipped. Errors name the first inconsistent input.
 pub fn expert_pairs<W: Element>(
     experts: &Experts<W>,
     x: &[W],
+    tokens: PairTokens,
     ids: &[i32],
     weights: &[f32],
     out: &mut [W],
@@ -183,36 +194,48 @@ pub fn expert_pairs<W: Element>(
 ) -> Result<(), String> {
     experts.check()?;
     let hid = experts.hidden;
-    if hid == 0 || !x.len().is_multiple_of(hid) || out.len() != x.len() {
-        return Err(format!("x holds {} values and out {}, expected equal multiples of hidden={hid}", x.len(), out.len()));
+    if hid == 0 || !x.len().is_multiple_of(hid) || out.len() != x.len() || x.is_empty() {
+        return Err(format!("x holds {} values and out {}, expected equal nonzero multiples of hidden={hid}", x.len(), out.len()));
     }
-    let tokens = x.len() / hid;
-    if tokens == 0 || !ids.len().is_multiple_of(tokens) || weights.len() != ids.len() {
-        return Err(format!("ids ({}) and weights ({}) must hold top_k values for each of {tokens} tokens", ids.len(), weights.len()));
+    let num_tokens = x.len() / hid;
+    if weights.len() != ids.len() {
+        return Err(format!("ids ({}) and weights ({}) must hold one value per pair", ids.len(), weights.len()));
     }
-    let top_k = ids.len() / tokens;
+    let token_of = |p: usize| match tokens {
+        PairTokens::Grid => p / (ids.len() / num_tokens),
+        PairTokens::List(list) => list[p] as usize,
+    };
+    match tokens {
+        PairTokens::Grid if !ids.len().is_multiple_of(num_tokens) => {
+            return Err(format!("ids ({}) must hold top_k values for each of {num_tokens} tokens", ids.len()));
+        }
+        PairTokens::List(list) if list.len() != ids.len() => {
+            return Err(format!("tokens ({}) must hold one token per pair ({})", list.len(), ids.len()));
+        }
+        PairTokens::List(list) => {
+            if let Some(&bad) = list.iter().find(|&&t| t < 0 || t as usize >= num_tokens) {
+                return Err(format!("token {bad} is outside 0..{num_tokens}"));
+            }
+        }
+        PairTokens::Grid => {}
+    }
     if let Some(&bad) = ids.iter().find(|&&e| e < 0 || e as usize >= experts.num_experts) {
         return Err(format!("expert id {bad} is outside 0..{}", experts.num_experts));
     }
     let (mut h, mut a, mut o) = (vec![0.0f32; experts.rows13()], vec![0.0f32; experts.inter], vec![0.0f32; hid]);
-    let (mut xt, mut row) = (vec![0.0f32; hid], vec![0.0f32; hid]);
-    for (t, out_row) in out.chunks_exact_mut(hid).enumerate() {
-        for (v, &e) in xt.iter_mut().zip(&x[t * hid..(t + 1) * hid]) {
-            *v = e.to_f32();
-        }
-        row.fill(0.0);
-        for p in t * top_k..(t + 1) * top_k {
-            let w = weights[p];
-            if w != 0.0 {
-                experts.run(isa, ids[p] as usize, &xt, &mut h, &mut a, &mut o);
-                for (acc, &o) in row.iter_mut().zip(&o) {
-                    *acc += w * o;
-                }
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let mut sums = vec![0.0f32; x.len()];
+    for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        if w != 0.0 {
+            let t = token_of(p);
+            experts.run(isa, e as usize, &xf[t * hid..(t + 1) * hid], &mut h, &mut a, &mut o);
+            for (acc, &o) in sums[t * hid..(t + 1) * hid].iter_mut().zip(&o) {
+                *acc += w * o;
             }
         }
-        for (dst, &v) in out_row.iter_mut().zip(&row) {
-            *dst = W::from_f32(v);
-        }
+    }
+    for (dst, &v) in out.iter_mut().zip(&sums) {
+        *dst = W::from_f32(v);
     }
     Ok(())
 }
@@ -338,7 +361,7 @@ pub(crate) mod python {
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
 
-    use super::{expert_pairs, Activation, Bf16, Element, Experts, Isa};
+    use super::{expert_pairs, Activation, Bf16, Element, Experts, Isa, PairTokens};
 
     /// The kernel this CPU runs: "avx2" or "scalar".
     #[pyfunction]
@@ -348,10 +371,10 @@ pub(crate) mod python {
 
     /// # Safety
     /// As `expert_pairs_cpu` requires of its caller, with `W` the tensors' element type.
-    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 8], shape: [usize; 5], act: Activation) -> PyResult<()> {
+    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 9], shape: [usize; 5], act: Activation) -> PyResult<()> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
-        let [x, w13, w2, b13, b2, ids, weights, out] = addresses;
-        let [tokens, top_k, num_experts, hidden, inter] = shape;
+        let [x, w13, w2, b13, b2, tokens, ids, weights, out] = addresses;
+        let [num_tokens, num_pairs, num_experts, hidden, inter] = shape;
         let rows13 = inter * act.rows_per_unit();
         let bias = |addr: usize, len: usize| (addr != 0).then(|| from_raw_parts(addr as *const W, len));
         let experts = Experts {
@@ -364,25 +387,30 @@ pub(crate) mod python {
             inter,
             act,
         };
-        let x = from_raw_parts(x as *const W, tokens * hidden);
-        let ids = from_raw_parts(ids as *const i32, tokens * top_k);
-        let weights = from_raw_parts(weights as *const f32, tokens * top_k);
-        let out = from_raw_parts_mut(out as *mut W, tokens * hidden);
+        let x = from_raw_parts(x as *const W, num_tokens * hidden);
+        let tokens = match tokens {
+            0 => PairTokens::Grid,
+            list => PairTokens::List(from_raw_parts(list as *const i32, num_pairs)),
+        };
+        let ids = from_raw_parts(ids as *const i32, num_pairs);
+        let weights = from_raw_parts(weights as *const f32, num_pairs);
+        let out = from_raw_parts_mut(out as *mut W, num_tokens * hidden);
         let isa = Isa::best();
-        py.detach(|| expert_pairs(&experts, x, ids, weights, out, isa)).map_err(PyValueError::new_err)
+        py.detach(|| expert_pairs(&experts, x, tokens, ids, weights, out, isa)).map_err(PyValueError::new_err)
     }
 
     /// out [T, H] = the expert pass (see rust/src/expert_pairs.rs) of the tensors at
-    /// `addresses` (x, w13, w2, b13, b2, ids, weights, out), all of `dtype` ("float32" or
-    /// "bfloat16") but ids (int32) and weights (float32), of `shape` (T, k, E, H, I): x and out
-    /// [T, H], ids and weights [T, k], w13 [E, R, H], w2 [E, H, I], b13 [E, R] and b2 [E, H]
-    /// (address 0: none). activation: "silu_and_mul", "clamped_swiglu" (alpha, limit) or
-    /// "relu_squared". Runs with the GIL released.
+    /// `addresses` (x, w13, w2, b13, b2, tokens, ids, weights, out), all of `dtype` ("float32"
+    /// or "bfloat16") but tokens and ids (int32) and weights (float32), of `shape` (T, P, E,
+    /// H, I): x and out [T, H], tokens, ids and weights [P], w13 [E, R, H], w2 [E, H, I], b13
+    /// [E, R] and b2 [E, H] (address 0: none; no tokens: every token's P / T slots in order).
+    /// activation: "silu_and_mul", "clamped_swiglu" (alpha, limit) or "relu_squared". Runs with
+    /// the GIL released.
     #[pyfunction]
     #[pyo3(signature = (addresses, shape, dtype, activation, alpha=0.0, limit=0.0))]
     pub fn expert_pairs_cpu(
         py: Python<'_>,
-        addresses: [usize; 8],
+        addresses: [usize; 9],
         shape: [usize; 5],
         dtype: &str,
         activation: &str,
@@ -395,7 +423,7 @@ pub(crate) mod python {
             "relu_squared" => Activation::ReluSquared,
             other => return Err(PyValueError::new_err(format!("unknown expert activation {other:?}"))),
         };
-        let [x, w13, w2, _, _, ids, weights, out] = addresses;
+        let [x, w13, w2, _, _, _, ids, weights, out] = addresses;
         if [x, w13, w2, ids, weights, out].contains(&0) || shape[0] == 0 || shape[1] == 0 {
             return Err(PyValueError::new_err("expert_pairs_cpu needs non-null tensors and at least one pair"));
         }
@@ -440,13 +468,11 @@ mod tests {
     }
 
     /// The pass by its definition, in float64 (the activation's exp in float32's own formula).
-    fn pass_f64<W: Element>(experts: &Experts<W>, x: &[W], ids: &[i32], weights: &[f32]) -> Vec<f64> {
+    fn pass_f64<W: Element>(experts: &Experts<W>, x: &[W], tokens: &[i32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
         let (hid, i, r) = (experts.hidden, experts.inter, experts.rows13());
-        let tokens = x.len() / hid;
-        let top_k = ids.len() / tokens;
         let mut out = vec![0.0f64; x.len()];
         for p in 0..ids.len() {
-            let (t, e) = (p / top_k, ids[p] as usize);
+            let (t, e) = (tokens[p] as usize, ids[p] as usize);
             let xt: Vec<f32> = x[t * hid..(t + 1) * hid].iter().map(|v| v.to_f32()).collect();
             let mut h: Vec<f32> = gemv_f64(&experts.w13[e * r * hid..(e + 1) * r * hid], &xt, r).iter().map(|&v| v as f32).collect();
             if let Some(b13) = experts.b13 {
@@ -505,13 +531,24 @@ mod tests {
             let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p * 5) % e) as i32).collect();
             let mut weights = values(6, tokens * top_k);
             weights[1] = 0.0; // a skipped pair: contributes nothing either way
-            let want = pass_f64(&experts, &x, &ids, &weights);
-            for isa in isas() {
-                let mut out = vec![W::from_f32(f32::NAN); tokens * hid];
-                expert_pairs(&experts, &x, &ids, &weights, &mut out, isa).unwrap();
-                for (got, want) in out.iter().zip(&want) {
-                    let got = got.to_f32() as f64;
-                    assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(), "{isa:?} {act:?}: {got} vs {want}");
+            // the grid's pairs, then a list of them in another order, missing token 1's
+            let grid: Vec<i32> = (0..tokens * top_k).map(|p| (p / top_k) as i32).collect();
+            let order: Vec<usize> = (0..grid.len()).rev().filter(|&p| grid[p] != 1).collect();
+            let listed = |v: &[i32]| -> Vec<i32> { order.iter().map(|&p| v[p]).collect() };
+            let list_weights: Vec<f32> = order.iter().map(|&p| weights[p]).collect();
+            let cases = [
+                (PairTokens::Grid, grid.clone(), ids.clone(), weights.clone()),
+                (PairTokens::List(&listed(&grid)), listed(&grid), listed(&ids), list_weights),
+            ];
+            for (tokens_arg, pair_tokens, ids, weights) in &cases {
+                let want = pass_f64(&experts, &x, pair_tokens, ids, weights);
+                for isa in isas() {
+                    let mut out = vec![W::from_f32(f32::NAN); tokens * hid];
+                    expert_pairs(&experts, &x, *tokens_arg, ids, weights, &mut out, isa).unwrap();
+                    for (got, want) in out.iter().zip(&want) {
+                        let got = got.to_f32() as f64;
+                        assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(), "{isa:?} {act:?}: {got} vs {want}");
+                    }
                 }
             }
         }
@@ -541,11 +578,16 @@ mod tests {
         let (w13, w2) = (values(1, 2 * 8 * 4), values(2, 2 * 4 * 4));
         let experts = Experts { w13: &w13, w2: &w2, b13: None, b2: None, num_experts: 2, hidden: 4, inter: 4, act: Activation::SiluAndMul };
         let (x, mut out) = (values(3, 4), vec![0.0; 4]);
-        let err = expert_pairs(&experts, &x, &[2], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        let grid = PairTokens::Grid;
+        let err = expert_pairs(&experts, &x, grid, &[2], &[1.0], &mut out, Isa::Scalar).unwrap_err();
         assert!(err.contains("expert id 2"), "{err}");
-        let err = expert_pairs(&experts, &x, &[0, 1], &[1.0], &mut out, Isa::Scalar).unwrap_err();
-        assert!(err.contains("top_k"), "{err}");
+        let err = expert_pairs(&experts, &x, grid, &[0, 1], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        assert!(err.contains("one value per pair"), "{err}");
+        let err = expert_pairs(&experts, &x, PairTokens::List(&[1]), &[0], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        assert!(err.contains("token 1 is outside 0..1"), "{err}");
+        let err = expert_pairs(&experts, &x, PairTokens::List(&[0, 0]), &[0], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        assert!(err.contains("one token per pair"), "{err}");
         let short = Experts { w13: &w13[1..], ..experts };
-        assert!(expert_pairs(&short, &x, &[0], &[1.0], &mut out, Isa::Scalar).unwrap_err().contains("w13"));
+        assert!(expert_pairs(&short, &x, grid, &[0], &[1.0], &mut out, Isa::Scalar).unwrap_err().contains("w13"));
     }
 }

@@ -31,14 +31,16 @@ def expert_pairs(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    tokens: torch.Tensor | None,
     b13: torch.Tensor | None,
     b2: torch.Tensor | None,
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor | None:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (see moe.grouped_experts) through the
-    Rust kernel, or None where it does not apply: the setting is off, x and the experts are not
-    contiguous CPU tensors of one dtype the kernel reads, or `act` is not one of moe.py's
-    activations."""
+    """sum over pairs p of token t: weights[p] * expert_{ids[p]}(x[t]) (as moe.grouped_experts:
+    every token's k slots, ids/weights [T, k], or the pairs (tokens[p], ids[p], weights[p])
+    [P]) through the Rust kernel, or None where it does not apply: the setting is off, x and
+    the experts are not contiguous CPU tensors of one dtype the kernel reads, or `act` is not
+    one of moe.py's activations."""
     dtype = _DTYPES.get(x.dtype)
     if not settings.current().cpu_expert_kernel or dtype is None or not x.is_cpu:
         return None
@@ -53,18 +55,20 @@ def expert_pairs(
     for w in (w13, w2, b13, b2):
         if w is not None and (w.dtype != x.dtype or not w.is_cpu or not w.is_contiguous()):
             return None
-    x = x.contiguous()
-    if ids.dtype != torch.int32:
-        ids = ids.to(torch.int32)
-    if weights.dtype != torch.float32:
-        weights = weights.to(torch.float32)
-    ids, weights = ids.contiguous(), weights.contiguous()
-    tokens, top_k = ids.shape
+    x, ids, weights = x.contiguous(), _as(ids, torch.int32), _as(weights, torch.float32)
+    tokens = None if tokens is None else _as(tokens, torch.int32)
     out = torch.empty_like(x)
     addresses = (x.data_ptr(), w13.data_ptr(), w2.data_ptr(), 0 if b13 is None else b13.data_ptr(),
-                 0 if b2 is None else b2.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr())
-    expert_pairs_cpu(addresses, (tokens, top_k, num_experts, hidden, inter), dtype, name, alpha, limit)
+                 0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
+                 ids.data_ptr(), weights.data_ptr(), out.data_ptr())
+    shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
+    expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit)
     return out
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` contiguous in `dtype` (no copy when it already is)."""
+    return (t if t.dtype == dtype else t.to(dtype)).contiguous()
 
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
