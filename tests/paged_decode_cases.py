@@ -18,35 +18,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from r3srv.kernels import paged_decode_triton  # noqa: E402
 from r3srv.kernels.paged_decode_triton import paged_decode_triton as kernel  # noqa: E402
-from r3srv.models.attention import attend  # noqa: E402
+from paged_decode_testing import paged_cache as _cache  # noqa: E402
+from paged_decode_testing import torch_path_decode as _reference  # noqa: E402
 
 PAGE = 4
-
-
-def _cache(lens, kv_heads, head_dim, v_dim, g, dtype=torch.float32):
-    """A paged cache holding each sequence's context in scattered blocks, and their block tables."""
-    blocks = [-(-n // PAGE) for n in lens]
-    order = torch.randperm(sum(blocks) + 3, generator=g)[: sum(blocks)]  # 3 blocks nobody owns
-    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    first = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = order[first : first + n]
-        first += n
-    slots = (sum(blocks) + 3) * PAGE
-    k_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(slots, kv_heads, v_dim, generator=g).to(dtype)
-    return k_cache, v_cache, tables
-
-
-def _reference(q, k_cache, v_cache, tables, lens, rows, scale, window, sinks):
-    out = torch.full((q.shape[0], q.shape[1], v_cache.shape[2]), float("nan"), dtype=q.dtype)
-    for i, (n, row) in enumerate(zip(lens, rows)):
-        pos = torch.arange(max(0, n - window) if window else 0, n)
-        slots = tables[i, pos // PAGE].long() * PAGE + pos % PAGE
-        k, v = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
-        o = attend(q[row][None, :, None], k, v, None, q.shape[1] != k.shape[1], scale, sinks)
-        out[row] = o[0, :, 0]
-    return out
 
 
 def test_runs_in_the_interpreter():

@@ -7,6 +7,7 @@ pub mod decode;
 pub mod encode;
 pub mod layout;
 pub mod npy_header;
+pub mod paged_attn;
 
 #[cfg(feature = "python")]
 mod python;
