@@ -34,3 +34,23 @@ def torch_path_decode(q, k_cache, v_cache, tables, lens, rows, scale, window, si
         o = attend(q[row][None, :, None], k, v, None, q.shape[1] != k.shape[1], scale, sinks)
         out[row] = o[0, :, 0]
     return out
+
+
+# The families and config changes whose decodes the kernels' wiring tests run: GQA, gpt-oss's
+# sinks and windows, Mixtral's window, latent attention.
+MODEL_CASES = [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}), ("mixtral", {"sliding_window": 4}),
+               ("deepseek_v3", {}), ("glm4_moe_lite", {})]
+
+
+def two_sequence_decode_logits(model) -> torch.Tensor:
+    """The logits of a prefill of two sequences, then five steps in which both decode together
+    (one crossing block boundaries), in a fresh cache."""
+    from test_models_paged import BLOCK_SIZE, _batch
+
+    tokens = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    model.init_kv_cache(16, BLOCK_SIZE, 4)
+    logits = [model.forward(_batch(model, [(tokens[:9], 0, [0, 1, 2, 3]), (tokens[:2], 0, [5, 6])]))]
+    for pos in range(9, 14):
+        logits.append(model.forward(_batch(model, [(tokens[pos : pos + 1], pos, [0, 1, 2, 3]),
+                                                   (tokens[pos - 7 : pos - 6], pos - 7, [5, 6])])))
+    return torch.cat(logits)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from paged_decode_testing import paged_cache, torch_path_decode
+from paged_decode_testing import MODEL_CASES, paged_cache, torch_path_decode, two_sequence_decode_logits
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams, _core
@@ -136,33 +136,21 @@ def counting_kernel(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("family, layers", [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}),
-                                            ("mixtral", {"sliding_window": 4}), ("deepseek_v3", {}),
-                                            ("glm4_moe_lite", {})])
+@pytest.mark.parametrize("family, layers", MODEL_CASES)
 def test_models_decode_through_the_kernel(family, layers, monkeypatch, r3srv_settings, tmp_path):
     """The wiring: decode steps (after a prefill; GQA, gpt-oss's sinks and windows, Mixtral's
     window, latent attention) through the kernel give the logits of the gathered torch path."""
-    from test_models_paged import BLOCK_SIZE, _batch
     from tiny_checkpoints import write_tiny_checkpoint
 
     from r3srv.models.loader import load_model
 
     model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, **layers))
-    tokens = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(1)).tolist()
     calls = counting_kernel(monkeypatch)
-
-    def run(on: bool):
-        r3srv_settings(rust_decode=on)
-        model.init_kv_cache(16, BLOCK_SIZE, 4)
-        logits = [model.forward(_batch(model, [(tokens[:9], 0, [0, 1, 2, 3]), (tokens[:2], 0, [5, 6])]))]
-        for pos in range(9, 14):  # two sequences decode together, one crossing block boundaries
-            logits.append(model.forward(_batch(model, [(tokens[pos : pos + 1], pos, [0, 1, 2, 3]),
-                                                       (tokens[pos - 7 : pos - 6], pos - 7, [5, 6])])))
-        return torch.cat(logits)
-
-    off = run(False)
+    r3srv_settings(rust_decode=False)
+    off = two_sequence_decode_logits(model)
     assert not calls
-    torch.testing.assert_close(run(True), off, atol=1e-5, rtol=1e-5)
+    r3srv_settings(rust_decode=True)
+    torch.testing.assert_close(two_sequence_decode_logits(model), off, atol=1e-5, rtol=1e-5)
     assert calls, "the decodes never took the kernel"
 
 
