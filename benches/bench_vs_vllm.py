@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("R3SRV_PEERS_DIR") or ROOT.parent / "shared" / "peers")  # the recipes beside the clone
 sys.path.insert(0, str(ROOT / "tests"))
 
-from server_fixture import RemoteServer, free_port  # noqa: E402
+from server_fixture import RemoteServer, free_port, wait_healthy  # noqa: E402
 
 MAX_MODEL_LEN = 4096
 HINT = f"set VLLM_VENV to a directory prepared by {PEERS / 'install_vllm_cpu.sh'} DIR"
@@ -62,18 +62,11 @@ class VllmServer:
         env = dict(os.environ, VLLM_VENV=venv, VLLM_THREADS=str(threads), VLLM_MODE="default")
         self.proc = subprocess.Popen(["bash", "-c", serve], stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"vllm serve did not become healthy in {startup_timeout}s")
+        try:
+            wait_healthy(self.url, self.proc, startup_timeout, "vllm serve", lambda: self.log[-4000:], interval=1.0)
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def log(self) -> str:

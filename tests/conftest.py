@@ -28,13 +28,15 @@ if hypothesis is not None:
 SLOW_FILES = {
     "test_cli.py", "test_server.py", "test_server_chat_specials.py", "test_server_hybrid.py",
     "test_server_sglang.py", "test_server_weights.py", "test_server_without_flag.py", "test_server_fields.py",
-    "test_server_protocol_fidelity.py", "test_server_schema.py", "test_weight_sync.py", "test_fleet.py",
+    "test_server_protocol_fidelity.py", "test_server_schema.py", "test_weight_sync.py", "test_weight_sync_tp.py",
+    "test_fleet.py",
     "test_server_sampling.py",
-    "test_models_oracle.py", "test_models_llm_oracle.py", "test_models_bfloat16.py", "test_models_quantized.py",
+    "test_models_llm_oracle.py", "test_models_bfloat16.py", "test_models_quantized.py",
     "test_router_triton.py", "test_paged_decode_triton.py", "test_recurrent_triton.py", "test_router_bench.py",
     "test_router_compile.py", "test_engine_hybrid.py", "test_builtin_model.py",
     "test_weight_updates.py", "test_pause_generation.py", "test_cuda_graphs.py",
 }
+SLOW_DIRS = {"families"}  # every family against transformers (tests/family_oracle.py)
 SLOW_TESTS = {
     "test_a_chat_prompt_gets_the_templates_bos_only", "test_a_mixed_workload_under_a_tight_pool_matches_a_roomy_engine",
     "test_forced_preemption_gives_identical_rows", "test_weight_update_on_the_builtin_model",
@@ -44,7 +46,8 @@ SLOW_TESTS = {
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS:
+        slow_file = item.path.name in SLOW_FILES or item.path.parent.name in SLOW_DIRS
+        if slow_file or getattr(item, "originalname", item.name) in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
 
 

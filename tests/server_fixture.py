@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,31 @@ def free_port() -> int:
 
 def serve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "r3srv.cli", "serve", *args]
+
+
+class ServerExited(RuntimeError):
+    """The server process ended before it answered /health."""
+
+    def __init__(self, name: str, returncode: int, log: str) -> None:
+        super().__init__(f"{name} exited with {returncode}:\n{log}")
+        self.log = log
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, name: str, log: Callable[[], str], *,
+                 interval: float) -> None:
+    """Poll `url`/health until it answers 200; ServerExited if `proc` ends first, TimeoutError
+    (with the log) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerExited(name, proc.returncode, log())
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"{name} did not become healthy in {timeout}s:\n{log()}")
 
 
 class _PortTaken(RuntimeError):
@@ -73,20 +99,12 @@ class RemoteServer:
         return path.read_text(errors="replace") if path.exists() else getattr(self, "final_log", "")
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = self.log
-                if "address already in use" in log.lower():
-                    raise _PortTaken(f"port {self.port} was taken before r3srv serve could bind it:\n{log}")
-                raise RuntimeError(f"r3srv serve exited with {self.proc.returncode}:\n{log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"r3srv serve did not become healthy in {timeout}s:\n{self.log}")
+        try:
+            wait_healthy(self.url, self.proc, timeout, "r3srv serve", lambda: self.log, interval=0.2)
+        except ServerExited as exited:
+            if "address already in use" in exited.log.lower():
+                raise _PortTaken(f"port {self.port} was taken before r3srv serve could bind it:\n{exited.log}") from None
+            raise
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:

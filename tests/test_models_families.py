@@ -1,4 +1,4 @@
-"""What the transformers oracle tests (test_models_oracle.py, test_models_llm_oracle.py) do not
+"""What the transformers oracle tests (tests/families/, test_models_llm_oracle.py) do not
 cover for the newer families (GLM-4.5, GLM-4.7-Flash, MiniMax-M2, DeepSeek-V3/V2, gpt-oss, ERNIE-4.5, dots.llm1,
 Granite 3.x MoE, Qwen3-VL-MoE): their
 released config.json spellings, a float32 router in a bfloat16 model, the MTP layer a

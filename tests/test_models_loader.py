@@ -198,7 +198,7 @@ def test_generation_config_eos_ids_are_merged(checkpoints, tmp_path):
 
 def test_sliding_windows_follow_each_familys_rule(checkpoints, tmp_path):
     """The window no longer caps the context: it masks, by transformers' rule per family
-    (logits against transformers: the *_sliding_window variants of test_models_oracle.py)."""
+    (logits against transformers: the *_sliding_window variants in tests/families/)."""
     path = tmp_path / "swa"
     shutil.copytree(checkpoints["mixtral"], path)
     _edit_config(path, lambda raw: raw.update(sliding_window=64, max_position_embeddings=512))

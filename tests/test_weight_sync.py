@@ -8,7 +8,6 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import shutil
-import time
 
 import httpx
 import numpy as np
@@ -137,11 +136,7 @@ def test_a_trainer_dying_mid_broadcast_leaves_the_old_weights_serving(server, po
     dying.join(120)
     assert dying.exitcode == 3
     # The server notices the dead peer, drops what it received and the group with it.
-    for _ in range(100):
-        r = post(server, "/update_weights_from_distributed", trainer.announce({}))
-        if "no weight update group" in r.text:
-            break
-        time.sleep(0.2)
+    r = trainer.group_dropped(server.url)
     assert r.status_code == 400 and r.json()["error"]["param"] == "group_name", r.text
     assert httpx.get(server.url + "/health").status_code == 200
     assert serves(server, v0) and served(server, PROMPT)[2] == "old"
@@ -171,30 +166,23 @@ def test_vllm_weight_transfer_names_map_onto_the_same_group(server, policies, po
     v0, v1 = policies
     reset(server, v0)
     port = free_port()
-    init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}}
-    reply = pool.submit(trainer.post, server.url, "/init_weight_transfer_engine", init)
-    group = trainer.init_custom_process_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-                                              group_name=trainer.GROUP, backend="gloo", timeout=60)
+    group = trainer.vllm_join(server.url, port, pool)
     try:
-        assert reply.result().status_code == 200, reply.result().text
         assert post(server, "/start_weight_update").status_code == 200
         tensors = trainer.checkpoint_tensors(v1)
-        body = trainer.announce(tensors)
-        info = {"names": body["names"], "dtype_names": body["dtypes"], "shapes": body["shapes"]}
-        reply = pool.submit(trainer.post, server.url, "/update_weights", {"update_info": info})
-        for tensor in tensors.values():
-            dist.broadcast(tensor.contiguous(), src=0, group=group)
-        assert reply.result().status_code == 200, reply.result().text
+        r = trainer.vllm_push(server.url, group, tensors, pool)
+        assert r.status_code == 200, r.text
         assert serves(server, v0)  # applied at /finish_weight_update only
         r = post(server, "/finish_weight_update", {"weight_version": "vllm-1"})
         assert r.status_code == 200, r.text
         assert serves(server, v1) and served(server, PROMPT)[2] == "vllm-1"
         # What r3srv does not implement is a 400 naming it.
-        for bad, param in ((dict(init["init_info"], packed=True), "packed"),
-                           (dict(init["init_info"], nccl_unique_id_b64="AAAA"), "nccl_unique_id_b64")):
+        init_info = trainer.vllm_init_info(port)
+        for bad, param in ((dict(init_info, packed=True), "packed"),
+                           (dict(init_info, nccl_unique_id_b64="AAAA"), "nccl_unique_id_b64")):
             r = post(server, "/init_weight_transfer_engine", {"init_info": bad})
             assert r.status_code == 400 and param in r.text, r.text
-        r = post(server, "/update_weights", {"update_info": info, "other": 1})
+        r = post(server, "/update_weights", {"update_info": trainer.vllm_update_info(tensors), "other": 1})
         assert r.status_code == 400 and "other" in r.text, r.text
     finally:
         dist.destroy_process_group(group)

@@ -18,7 +18,7 @@ import enum
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from r3srv.engine.core import CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
@@ -150,6 +150,14 @@ class RenameWeights:
 
 @dataclass(frozen=True, slots=True)
 class ResetPrefixCache:
+    reply: _Reply
+
+
+@dataclass(frozen=True, slots=True)
+class CallRanks:
+    """A trainer's weight-group command for the tensor-parallel ranks (EngineCore.call_ranks)."""
+
+    call: Callable
     reply: _Reply
 
 
@@ -311,6 +319,10 @@ class AsyncLLM(EngineFacts):
         """
         source = path if isinstance(path, NamedTensors) else str(path)
         await self._ask(lambda reply: UpdateWeights(source, weight_version, abort_running, reply))
+
+    async def call_ranks(self, call):
+        """EngineCore.call_ranks on the core thread, between steps (generation waits meanwhile)."""
+        return await self._ask(lambda reply: CallRanks(call, reply))
 
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
         """The parameters tensors so named, shaped and typed leave unfilled; a ConfigError naming
@@ -498,6 +510,13 @@ class AsyncLLM(EngineFacts):
             self._answer(cmd.reply)
         elif isinstance(cmd, ResetPrefixCache):
             self._answer(cmd.reply, core.reset_prefix_cache())
+        elif isinstance(cmd, CallRanks):
+            try:
+                value = core.call_ranks(cmd.call)
+            except Exception as exc:
+                self._answer(cmd.reply, exc=exc)
+            else:
+                self._answer(cmd.reply, value)
         elif isinstance(cmd, Pause):
             aborted = retracted = 0
             if cmd.mode == "abort":

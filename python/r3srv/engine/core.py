@@ -326,7 +326,6 @@ class EngineCore:
                 "let them finish, abort them, or retract them (pause_generation mode=retract)",
                 param="model_path",
             )
-        self._check_tensors_allowed(path)
         # Released weights live in host memory: an update fills them there, and they move
         # back with resume_memory.
         try:
@@ -346,16 +345,14 @@ class EngineCore:
             req.weight_version = self.weight_version
 
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
-        """Executor.unfilled_weights, once tensors may update this engine's weights."""
-        self._check_tensors_allowed(named)
+        """Executor.unfilled_weights: reads shapes only (any thread may ask)."""
         return self.executor.unfilled_weights(named)
 
-    def _check_tensors_allowed(self, source) -> None:
-        from r3srv.models.loader import NamedTensors
-
-        if self.multiproc is not None and isinstance(source, NamedTensors):
-            raise InvalidRequestError("weights sent as tensors are not supported under tensor parallelism yet: "
-                                      "update from a checkpoint directory", param="model_path")
+    def call_ranks(self, call):
+        """`call(multiproc_executor)` with no step in flight: a trainer's weight-group commands
+        reach the tensor-parallel ranks over the channel the steps use (engine/weight_sync.py)."""
+        self._drain()
+        return call(self.multiproc)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""

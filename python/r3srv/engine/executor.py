@@ -223,7 +223,7 @@ class InProcessExecutor(Executor):
     def load_weights(self, source: str | NamedTensors) -> None:
         from r3srv.models.loader import NamedTensors, load_named_tensors, load_weights_from_dir
 
-        if self.tensor_parallel:  # the MultiprocExecutor loads every rank's shard (a directory only)
+        if self.tensor_parallel:  # the MultiprocExecutor loads every rank's shard
             self.model.load_weights(source)
             return
         (load_named_tensors if isinstance(source, NamedTensors) else load_weights_from_dir)(self.model, source)
@@ -231,4 +231,6 @@ class InProcessExecutor(Executor):
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
         from r3srv.models.loader import plan_named_tensors
 
+        if self.tensor_parallel:
+            return self.model.unfilled_weights(named)
         return plan_named_tensors(self.model, named, complete=False).missing

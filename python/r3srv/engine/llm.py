@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import numbers
 from collections.abc import Sequence as SequenceABC
@@ -72,6 +73,7 @@ class LLM:
             enforce_eager=enforce_eager,
         )
         self._ids = itertools.count()
+        self._trainer = None  # TrainerUpdates, once a trainer joins
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
@@ -94,6 +96,38 @@ class LLM:
         prefix cache (an RL policy update); a ConfigError leaves the weights unchanged. Later
         outputs carry `weight_version` (default: `path`)."""
         self.engine.update_weights(path, weight_version)
+
+    # -- a trainer pushing weights over torch.distributed (SGLang Engine's names; docs/weight_sync.md)
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "gloo",
+                                  timeout: float = 600.0) -> str:
+        """Join the trainer's process group (the trainer, rank 0, joins at the same time):
+        as rank rank_offset, or under tensor parallelism every rank, rank_offset + its rank."""
+        updates = self._trainer_updates()
+        updates.sync.timeout = timeout  # seconds a rendezvous or a broadcast may wait for the trainer
+        return asyncio.run(updates.sync.join(master_address=master_address, master_port=master_port,
+                                             rank_offset=rank_offset, world_size=world_size, group_name=group_name,
+                                             backend=backend))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        weight_version: str | None = None) -> str:
+        """Receive the announced tensors, broadcast by the trainer in this order; once they
+        fill every parameter (with earlier calls' staged ones) they replace the weights."""
+        from r3srv.engine.weight_sync import named_tensor_metas
+
+        named = named_tensor_metas(names, dtypes, shapes, dtypes_param="dtypes")
+        return asyncio.run(self._trainer_updates().receive(group_name, named, weight_version=weight_version))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        asyncio.run(self._trainer_updates().sync.leave(group_name))
+
+    def _trainer_updates(self):
+        from r3srv.engine.weight_sync import OfflineTrainerEngine, TrainerUpdates
+
+        if self._trainer is None:
+            self._trainer = TrainerUpdates(OfflineTrainerEngine(self.engine.core), 600.0)
+        return self._trainer
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -32,14 +33,19 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from r3srv.engine.step_channel import Command, StepChannel, decode_text, encode_text, pack_batch, unpack_batch
+from r3srv.engine.weight_sync import WeightSync, WeightSyncError, run_weight_command, settle_weight_command
 from r3srv.errors import ConfigError
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.parallel import ParallelState
+
+if TYPE_CHECKING:
+    from r3srv.models.loader import NamedTensors
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +148,8 @@ def worker_main(rank: int, spec: ModelSpec, rendezvous: Rendezvous, parent_pid: 
         device = rank_device(spec.device, rank, rendezvous)
         init_process_group(rank, rendezvous, device)
         model, _ = load_shard(spec, rank, rendezvous, device)
-        _serve_commands(model, StepChannel(device if device.type == "cuda" else torch.device("cpu")))
+        weight_sync = WeightSync(device, timeout=0.0, tp_rank=rank, tp_size=rendezvous.world_size)
+        _serve_commands(model, StepChannel(device if device.type == "cuda" else torch.device("cpu")), weight_sync)
         dist.destroy_process_group()
     except BaseException:
         # the traceback goes to the inherited stderr: the server's log names the worker's error
@@ -150,7 +157,7 @@ def worker_main(rank: int, spec: ModelSpec, rendezvous: Rendezvous, parent_pid: 
         os._exit(1)
 
 
-def _serve_commands(model, channel: StepChannel) -> None:
+def _serve_commands(model, channel: StepChannel, weight_sync: WeightSync) -> None:
     while True:
         msg = channel.receive()
         if msg.command is Command.STEP:
@@ -167,8 +174,28 @@ def _serve_commands(model, channel: StepChannel) -> None:
             from r3srv.models.loader import load_weights_from_dir
 
             load_weights_from_dir(model, decode_text(msg.payload))
+        elif msg.command in WEIGHT_COMMANDS:
+            _weight_command_on_worker(weight_sync, model, channel, msg.command, json.loads(decode_text(msg.payload)))
         elif msg.command is Command.SHUTDOWN:
             return
+
+
+WEIGHT_COMMANDS = frozenset({
+    Command.JOIN_WEIGHT_GROUP, Command.LEAVE_WEIGHT_GROUP, Command.RECEIVE_WEIGHTS, Command.DROP_STAGED_WEIGHTS,
+    Command.CHECK_STAGED_WEIGHTS, Command.APPLY_STAGED_WEIGHTS,
+})
+
+
+def _weight_command_on_worker(sync: WeightSync, model, channel: StepChannel, command: Command, call: dict) -> None:
+    """A failure (a dead trainer, a timeout, a shard that does not fit) is this rank's vote,
+    not its death: the ranks settle it together."""
+    try:
+        run_weight_command(sync, model, command, call)
+        ok = True
+    except Exception as exc:
+        logger.warning("%s failed on this rank: %s", command.name, exc)
+        ok = False
+    settle_weight_command(sync, command, call, channel.agree(ok))
 
 
 def spawn_workers(spec: ModelSpec, rendezvous: Rendezvous, ranks: range) -> list[mp.Process]:
@@ -215,6 +242,7 @@ class MultiprocExecutor:
             raise
         self.config = self.model.config
         self.dtype = self.model.dtype
+        self.weight_sync = WeightSync(self.device, timeout=0.0, tp_rank=0, tp_size=rendezvous.world_size)
         self.channel = StepChannel(self.device if self.device.type == "cuda" else torch.device("cpu"))
         threading.Thread(target=self._monitor, name="r3srv-tp-monitor", daemon=True).start()
 
@@ -235,13 +263,76 @@ class MultiprocExecutor:
         command = Command.WEIGHTS_TO_HOST if to_host else Command.WEIGHTS_TO_DEVICE
         self._everywhere(command, (), None, lambda: self.model.move_weights(device))
 
-    def load_weights(self, path: str) -> None:
-        """Rank 0 checks and loads first (a ConfigError leaves every rank unchanged), then the others."""
-        from r3srv.models.loader import load_weights_from_dir
+    def load_weights(self, source: str | NamedTensors) -> None:
+        """A directory: rank 0 checks and loads first (a ConfigError leaves every rank
+        unchanged), then the others. Tensors a trainer pushed: each rank's staged ones (which
+        `source` stands for), checked on every rank before any rank copies its shard."""
+        from r3srv.models.loader import NamedTensors, load_weights_from_dir
 
         self._check_alive()
-        load_weights_from_dir(self.model, path)
-        self._everywhere(Command.LOAD_WEIGHTS, (), encode_text(str(path)), lambda: None)
+        if isinstance(source, NamedTensors):
+            self._weights_everywhere(Command.CHECK_STAGED_WEIGHTS, {}, "checking the staged weights")
+            self._weights_everywhere(Command.APPLY_STAGED_WEIGHTS, {}, "copying the staged weights")
+            return
+        load_weights_from_dir(self.model, source)
+        self._everywhere(Command.LOAD_WEIGHTS, (), encode_text(str(source)), lambda: None)
+
+    def unfilled_weights(self, named: NamedTensors) -> list[str]:
+        """Rank 0's answer stands for all (the same parameters, each cut the same way);
+        CHECK_STAGED_WEIGHTS asks every rank before an update."""
+        from r3srv.models.loader import plan_named_tensors
+
+        return plan_named_tensors(self.model, named, complete=False).missing
+
+    # ---- a trainer's weight push: every rank joins and receives (engine/weight_sync.py) -----
+    def join_weight_group(self, timeout: float, **group) -> str:
+        self._weights_everywhere(Command.JOIN_WEIGHT_GROUP, {**group, "timeout": timeout},
+                                 f"joining {group['group_name']!r}", param="master_address")
+        ranks = range(group["rank_offset"], group["rank_offset"] + self.rendezvous.world_size)
+        return (f"joined {group['group_name']!r} as ranks {ranks.start}..{ranks.stop - 1} of {group['world_size']} "
+                f"({group['backend']}; one per tensor-parallel rank)")
+
+    def leave_weight_group(self, group_name: str) -> None:
+        self._weights_everywhere(Command.LEAVE_WEIGHT_GROUP, {"group_name": group_name}, f"leaving {group_name!r}",
+                                 param="group_name")
+
+    def receive_weights(self, group_name: str, named: NamedTensors) -> None:
+        names = list(named.metas)
+        call = {"group_name": group_name, "names": names, "dtypes": [str(named.metas[n][1]) for n in names],
+                "shapes": [list(named.metas[n][0]) for n in names]}
+        self._weights_everywhere(Command.RECEIVE_WEIGHTS, call, "the broadcast from the trainer", param="names",
+                                 after=f"; the served weights are unchanged and group {group_name!r} is destroyed")
+
+    def drop_staged_weights(self) -> None:
+        self._weights_everywhere(Command.DROP_STAGED_WEIGHTS, {}, "dropping the staged weights")
+
+    def _weights_everywhere(self, command: Command, call: dict, what: str, *, param: str = "names",
+                            after: str = "") -> None:
+        """Every rank runs its part, then all vote; if any failed, every rank undoes its part
+        (settle_weight_command) and rank 0's error, or the failed ranks, is raised. A failure
+        of the ranks' own channel is the engine's death, as for a step."""
+        self._check_alive()
+        error: Exception | None = None
+        try:
+            self.channel.send(command, (), encode_text(json.dumps(call)))
+            try:
+                run_weight_command(self.weight_sync, self.model, command, call)
+            except Exception as exc:  # raised once the ranks have settled
+                error = exc
+            failed = self.channel.agree(error is None)
+            settle_weight_command(self.weight_sync, command, call, failed)
+        except BaseException as exc:
+            self._fail(WorkerError(f"tensor-parallel {command.name} failed on rank 0: {exc!r}"))
+            raise WorkerError(str(self.failure)) from exc
+        if error is not None:
+            raise error
+        where = f"tensor-parallel rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
+        if failed and command is Command.APPLY_STAGED_WEIGHTS:  # some shards are new, some old
+            raise RuntimeError(f"{what} failed on {where} (the server's log has the error)")
+        if failed and command is Command.CHECK_STAGED_WEIGHTS:  # nothing copied: as a checkpoint that does not fit
+            raise ConfigError(f"the staged weights do not fill {where}'s shards (the server's log names them)")
+        if failed:
+            raise WeightSyncError(f"{what} failed on {where} (the server's log has the error){after}", param=param)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return self.model.kv_cache_bytes_per_block(block_size)

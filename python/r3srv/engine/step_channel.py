@@ -31,6 +31,13 @@ class Command(enum.IntEnum):
     WEIGHTS_TO_DEVICE = 5
     LOAD_WEIGHTS = 6  # payload: the checkpoint path, utf-8, one byte per slot
     SHUTDOWN = 7
+    # a trainer's weight push (engine/weight_sync.py); payload: the call as JSON, as LOAD_WEIGHTS' path
+    JOIN_WEIGHT_GROUP = 8
+    LEAVE_WEIGHT_GROUP = 9
+    RECEIVE_WEIGHTS = 10
+    DROP_STAGED_WEIGHTS = 11
+    CHECK_STAGED_WEIGHTS = 12
+    APPLY_STAGED_WEIGHTS = 13
 
 
 @dataclass
@@ -62,6 +69,13 @@ class StepChannel:
         dist.broadcast(self.packet, src=0)
         if inline < len(payload):
             dist.broadcast(torch.from_numpy(np.ascontiguousarray(payload[inline:])).to(self.device), src=0)
+
+    def agree(self, ok: bool) -> list[int]:
+        """Every rank says whether its part of a command succeeded; all learn which ranks failed."""
+        votes = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=self.device)
+        votes[dist.get_rank()] = int(not ok)
+        dist.all_reduce(votes)
+        return [rank for rank, failed in enumerate(votes.tolist()) if failed]
 
     def receive(self) -> Message:
         dist.broadcast(self.packet, src=0)

@@ -8,6 +8,13 @@ announced. Tensors land in staging buffers, never in the model: the model is ove
 once every parameter has arrived (by the engine thread, under the same rules as a disk update),
 so a trainer that dies or stalls mid-broadcast (the group's timeout) leaves the served weights
 untouched and the group torn down.
+
+Under tensor parallelism every rank joins, as SGLang's and vLLM's workers do: rank
+rank_offset + tp_rank of a group whose world_size counts them all. Each rank receives every
+broadcast in full (one broadcast per tensor, nothing relayed through rank 0), stages it, and
+at the update loads its own shard of it as from a checkpoint. `WeightSync` is one rank's part
+(the server's own at one device; engine/multiproc_executor.py runs one per rank on the engine
+thread, which `RankedWeightSync` drives).
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ import asyncio
 import datetime
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from r3srv.engine.step_channel import Command
 from r3srv.errors import ConfigError, InvalidRequestError
 from r3srv.models.loader import NamedTensors
 
@@ -60,6 +69,21 @@ class WeightSyncError(InvalidRequestError):
     """A weight sync that failed; the served weights are unchanged."""
 
 
+def check_group_ranks(rank_offset: int, world_size: int, tp_size: int) -> None:
+    """The trainer is rank 0; this engine's ranks are rank_offset .. rank_offset + tp_size - 1."""
+    if not 0 < rank_offset < world_size:
+        raise InvalidRequestError(
+            f"rank_offset must be in [1, world_size) (rank 0 is the trainer), got {rank_offset} of {world_size}",
+            param="rank_offset",
+        )
+    if rank_offset + tp_size > world_size:
+        raise InvalidRequestError(
+            f"world_size {world_size} leaves no room for this engine's {tp_size} tensor-parallel ranks: they join "
+            f"as ranks {rank_offset}..{rank_offset + tp_size - 1}, so world_size must be at least {rank_offset + tp_size}",
+            param="world_size",
+        )
+
+
 @dataclass
 class _Group:
     group: dist.ProcessGroup
@@ -70,10 +94,12 @@ class _Group:
 
 @dataclass
 class WeightSync:
-    """The server's update groups and the tensors received but not yet applied."""
+    """One rank's update groups and the tensors it received but has not applied yet."""
 
     device: torch.device
     timeout: float  # seconds a rendezvous or a broadcast may wait for the trainer
+    tp_rank: int = 0  # this rank joins as rank_offset + tp_rank
+    tp_size: int = 1
     groups: dict[str, _Group] = field(default_factory=dict)
     # tensors of an update that arrives in several calls (SGLang trainers send buckets)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -93,31 +119,51 @@ class WeightSync:
              backend: str) -> str:
         """Blocking: run it off the event loop. The trainer joins too, at the same time."""
         backend = self.backend_for(backend)
-        if not group_name:
-            raise InvalidRequestError("group_name must not be empty", param="group_name")
-        if not 0 < rank_offset < world_size:
-            raise InvalidRequestError(
-                f"rank_offset must be in [1, world_size) (rank 0 is the trainer), got {rank_offset} of {world_size}",
-                param="rank_offset",
-            )
+        self.check_join(rank_offset=rank_offset, world_size=world_size, group_name=group_name)
+        rank = rank_offset + self.tp_rank
         with self._lock:
-            if group_name in self.groups:
-                raise InvalidRequestError(f"group {group_name!r} already exists: destroy it first", param="group_name")
             try:
                 group = init_custom_process_group(
-                    master_address=master_address, master_port=master_port, rank=rank_offset, world_size=world_size,
+                    master_address=master_address, master_port=master_port, rank=rank, world_size=world_size,
                     group_name=group_name, backend=backend, timeout=self.timeout,
                 )
             except Exception as exc:  # the rendezvous timed out, or the address is wrong
                 raise WeightSyncError(f"could not join {group_name!r} at {master_address}:{master_port}: {exc}",
                                       param="master_address") from exc
-            self.groups[group_name] = _Group(group, rank_offset, world_size, backend)
-        logger.info("joined weight update group %s as rank %d of %d (%s)", group_name, rank_offset, world_size, backend)
-        return f"joined {group_name!r} as rank {rank_offset} of {world_size} ({backend})"
+            self.groups[group_name] = _Group(group, rank, world_size, backend)
+        logger.info("joined weight update group %s as rank %d of %d (%s)", group_name, rank, world_size, backend)
+        ranks = str(rank_offset) if self.tp_size == 1 else f"{rank_offset}..{rank_offset + self.tp_size - 1}"
+        return f"joined {group_name!r} as rank{'s' if self.tp_size > 1 else ''} {ranks} of {world_size} ({backend})"
+
+    def check_join(self, *, rank_offset: int, world_size: int, group_name: str) -> None:
+        """A 400 naming the field before anyone waits at the rendezvous."""
+        if not group_name:
+            raise InvalidRequestError("group_name must not be empty", param="group_name")
+        check_group_ranks(rank_offset, world_size, self.tp_size)
+        if group_name in self.groups:
+            raise InvalidRequestError(f"group {group_name!r} already exists: destroy it first", param="group_name")
 
     def leave(self, group_name: str) -> None:
         with self._lock:
             self._destroy(group_name)
+
+    def forget(self, group_name: str) -> None:
+        """Leave `group_name` if this rank is in it, and drop what it staged (another rank failed)."""
+        with self._lock:
+            self.staged.clear()
+            if group_name in self.groups:
+                self._destroy(group_name)
+
+    def staged_tensors(self) -> NamedTensors:
+        return NamedTensors.of(self.staged)
+
+    def take_staged(self) -> NamedTensors:
+        """The staged set, handed to an update: staging no longer holds it."""
+        named, self.staged = self.staged_tensors(), {}
+        return named
+
+    def drop_staged(self) -> None:
+        self.staged.clear()
 
     def _destroy(self, group_name: str) -> None:
         known = self.groups.pop(group_name, None)
@@ -138,11 +184,13 @@ class WeightSync:
             )
         return known
 
-    def receive(self, group_name: str, named: NamedTensors) -> None:
-        """Blocking: every announced tensor, broadcast from rank 0 in order, into new staging
-        buffers on the server's device (`named.tensors`). On a failure (the trainer died, or
-        stalled past the timeout) the group is destroyed, as it can no longer be trusted,
-        and WeightSyncError says so; nothing received is kept."""
+    def receive(self, group_name: str, named: NamedTensors,
+                keep: Callable[[NamedTensors], dict[str, Any]] | None = None) -> None:
+        """Blocking: every announced tensor, broadcast from rank 0 in order, into new buffers
+        on this rank's device, staged once all arrived (`keep`: what of them to stage; default
+        all). On a failure (the trainer died, or stalled past the timeout) the group is
+        destroyed, as it can no longer be trusted, and WeightSyncError says so; nothing
+        received is kept."""
         with self._lock:
             known = self.group(group_name)
             buffers = {name: torch.empty(shape, dtype=dtype, device=self.device)
@@ -163,7 +211,7 @@ class WeightSync:
                     f"the served weights are unchanged and group {group_name!r} is destroyed",
                     param="names",
                 ) from exc
-            named.tensors = buffers
+            self.staged.update(buffers if keep is None else keep(NamedTensors.of(buffers)))
 
 
 def named_tensor_metas(names: list[str], dtypes: list[str], shapes: list[list[int]], *, dtypes_param: str) -> NamedTensors:
@@ -187,6 +235,127 @@ def named_tensor_metas(names: list[str], dtypes: list[str], shapes: list[list[in
     return NamedTensors(metas)
 
 
+# ---- one rank's part of a command, under tensor parallelism --------------------------------
+def run_weight_command(sync: WeightSync, model, command: Command, call: dict) -> None:
+    """What every rank does for `command` (rank 0 has checked `call` first); raises on failure."""
+    from r3srv.models.loader import load_named_tensors, plan_named_tensors
+    from r3srv.models.staged_shards import keep_shard_pieces
+
+    if command is Command.JOIN_WEIGHT_GROUP:
+        sync.timeout = call["timeout"]
+        sync.join(**{k: v for k, v in call.items() if k != "timeout"})
+    elif command is Command.RECEIVE_WEIGHTS:
+        named = named_tensor_metas(call["names"], call["dtypes"], call["shapes"], dtypes_param="dtypes")
+        sync.receive(call["group_name"], named, keep=lambda arrived: keep_shard_pieces(model, arrived))
+    elif command is Command.LEAVE_WEIGHT_GROUP:
+        sync.leave(call["group_name"])
+    elif command is Command.DROP_STAGED_WEIGHTS:
+        sync.drop_staged()
+    elif command is Command.CHECK_STAGED_WEIGHTS:  # this rank's shard of every parameter is staged
+        plan_named_tensors(model, sync.staged_tensors(), complete=True)
+    elif command is Command.APPLY_STAGED_WEIGHTS:
+        load_named_tensors(model, sync.take_staged())
+    else:
+        raise ValueError(f"not a weight command: {command!r}")
+
+
+def settle_weight_command(sync: WeightSync, command: Command, call: dict, failed: list[int]) -> None:
+    """After every rank voted: if any failed, every rank undoes its part the same way, so the
+    ranks never disagree on which groups exist or what is staged."""
+    if not failed:
+        return
+    if command in (Command.JOIN_WEIGHT_GROUP, Command.RECEIVE_WEIGHTS):
+        sync.forget(call["group_name"])
+    elif command is Command.CHECK_STAGED_WEIGHTS:
+        sync.drop_staged()
+
+
+# ---- the receivers TrainerUpdates drives -----------------------------------------------------
+class LocalReceiver:
+    """One device: the server receives on a thread of its own while the engine keeps serving."""
+
+    tp_size = 1
+
+    def __init__(self, device: torch.device, timeout: float) -> None:
+        self.sync = WeightSync(device, timeout)
+        self.device = device
+
+    @property
+    def timeout(self) -> float:
+        return self.sync.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.sync.timeout = seconds
+
+    def check_group(self, group_name: str) -> None:
+        self.sync.group(group_name)
+
+    async def join(self, **group: Any) -> str:
+        return await asyncio.to_thread(self.sync.join, **group)
+
+    async def leave(self, group_name: str) -> None:
+        await asyncio.to_thread(self.sync.leave, group_name)  # waits for a receive under way
+
+    async def receive(self, group_name: str, named: NamedTensors) -> None:
+        await asyncio.to_thread(self.sync.receive, group_name, named)
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.sync.staged.update(tensors)
+
+    def staged_tensors(self) -> NamedTensors:
+        return self.sync.staged_tensors()
+
+    async def take_staged(self) -> NamedTensors:
+        return self.sync.take_staged()
+
+    async def drop_staged(self) -> None:
+        self.sync.drop_staged()
+
+
+class RankedReceiver:
+    """Tensor parallelism: every rank joins, receives and stages (engine/multiproc_executor.py),
+    on the engine thread between steps, since the commands reach the workers over the channel
+    the steps use; generation waits meanwhile, as in SGLang. Rank 0's WeightSync answers what
+    needs no rank (known groups, what is staged), and checks every call before any rank waits."""
+
+    def __init__(self, engine, timeout: float) -> None:
+        self.engine = engine
+        self.ranks = engine.core.multiproc
+        self.sync: WeightSync = self.ranks.weight_sync
+        self.device = self.sync.device
+        self.tp_size = self.sync.tp_size
+        self.timeout = timeout  # every rank's, from the next join
+
+    def check_group(self, group_name: str) -> None:
+        self.sync.group(group_name)
+
+    async def join(self, *, backend: str, **group: Any) -> str:
+        group["backend"] = self.sync.backend_for(backend)
+        self.sync.check_join(rank_offset=group["rank_offset"], world_size=group["world_size"],
+                             group_name=group["group_name"])
+        return await self.engine.call_ranks(lambda ranks: ranks.join_weight_group(self.timeout, **group))
+
+    async def leave(self, group_name: str) -> None:
+        self.check_group(group_name)
+        await self.engine.call_ranks(lambda ranks: ranks.leave_weight_group(group_name))
+
+    async def receive(self, group_name: str, named: NamedTensors) -> None:
+        await self.engine.call_ranks(lambda ranks: ranks.receive_weights(group_name, named))
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError("tensors handed over in one process cannot reach every rank's staging")
+
+    def staged_tensors(self) -> NamedTensors:
+        return self.sync.staged_tensors()  # rank 0's: every rank received the same tensors
+
+    async def take_staged(self) -> NamedTensors:
+        return self.sync.staged_tensors()  # the update applies and clears every rank's staging
+
+    async def drop_staged(self) -> None:
+        await self.engine.call_ranks(lambda ranks: ranks.drop_staged_weights())
+
+
 class TrainerUpdates:
     """The one road for weights a trainer sends by name (SGLang's distributed and tensor
     updates, vLLM's weight transfer): check the names, shapes and dtypes against the served
@@ -196,11 +365,14 @@ class TrainerUpdates:
     the update is applied when the staged tensors fill every parameter; between vLLM's
     start_weight_update and finish_weight_update, at finish_weight_update only (anything
     unfilled then is a 400). Until then the server serves the weights it had.
+
+    `engine`: an AsyncLLM, or OfflineTrainerEngine for the offline LLM.
     """
 
     def __init__(self, engine, timeout: float) -> None:
         self.engine = engine
-        self.sync = WeightSync(engine.device, timeout)
+        self.sync: LocalReceiver | RankedReceiver = (
+            LocalReceiver(engine.device, timeout) if engine.core.multiproc is None else RankedReceiver(engine, timeout))
         self.in_round = False  # between vLLM's start_weight_update and finish_weight_update
         self.last_vllm_info: Any = None  # vLLM's update_info with empty lists means the previous one again
         self._lock: asyncio.Lock | None = None  # one update call at a time (made on the server's loop)
@@ -221,10 +393,10 @@ class TrainerUpdates:
     async def receive(self, group_name: str, named: NamedTensors, *, weight_version: str | None = None,
                       abort_running: bool = False) -> str:
         async with self.lock:
-            self.sync.group(group_name)
+            self.sync.check_group(group_name)
             await self.check(named)
-            await asyncio.to_thread(self.sync.receive, group_name, named)
-            return await self._stage(named.tensors, weight_version, abort_running)
+            await self.sync.receive(group_name, named)
+            return await self._staged(len(named.metas), weight_version, abort_running)
 
     async def take(self, tensors: dict[str, torch.Tensor], *, weight_version: str | None = None,
                    abort_running: bool = False) -> str:
@@ -234,11 +406,12 @@ class TrainerUpdates:
             await self.check(named)
             copies = await asyncio.to_thread(
                 lambda: {name: t.to(self.sync.device, copy=True) for name, t in tensors.items()})
-            return await self._stage(copies, weight_version, abort_running)
+            self.sync.stage(copies)
+            return await self._staged(len(copies), weight_version, abort_running)
 
     async def start_round(self) -> None:
         async with self.lock:
-            self.sync.staged.clear()
+            await self.sync.drop_staged()
             self.in_round = True
 
     async def finish_round(self, weight_version: str | None) -> str:
@@ -248,25 +421,47 @@ class TrainerUpdates:
             self.in_round = False
             return await self._apply(weight_version, abort_running=False, complete=True)
 
-    async def _stage(self, tensors: dict[str, torch.Tensor], weight_version: str | None, abort_running: bool) -> str:
-        self.sync.staged.update(tensors)
+    async def _staged(self, arrived: int, weight_version: str | None, abort_running: bool) -> str:
         if self.in_round:
-            return f"received {len(tensors)} tensors; {len(self.sync.staged)} staged until /finish_weight_update"
+            return (f"received {arrived} tensors; {len(self.sync.staged_tensors().metas)} staged until "
+                    "/finish_weight_update")
         return await self._apply(weight_version, abort_running, complete=False)
 
     async def _apply(self, weight_version: str | None, abort_running: bool, *, complete: bool) -> str:
-        staged = NamedTensors.of(self.sync.staged)
+        staged = self.sync.staged_tensors()
         unfilled = await asyncio.to_thread(self.engine.unfilled_weights, staged)
         if unfilled and not complete:
             return (f"staged {len(staged.tensors)} tensors; the update is applied once the other "
                     f"{len(unfilled)} parameters arrive, e.g. {', '.join(unfilled[:4])}")
-        self.sync.staged = {}
         if unfilled:
+            await self.sync.drop_staged()
             raise InvalidRequestError(
                 f"no weights arrived for {len(unfilled)} parameters, e.g. {', '.join(unfilled[:8])}; "
                 "the served weights are unchanged", param="names")
+        staged = await self.sync.take_staged()
         try:
             await self.engine.update_weights(staged, abort_running=abort_running, weight_version=weight_version)
         except ConfigError as exc:
             raise InvalidRequestError(str(exc), param="names") from exc
         return f"updated {len(staged.tensors)} tensors; prefix cache emptied; weight version {self.engine.weight_version}"
+
+
+class OfflineTrainerEngine:
+    """The offline LLM's engine as TrainerUpdates drives it: the caller's thread is the engine's."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.device = core.device
+
+    @property
+    def weight_version(self) -> str:
+        return self.core.weight_version
+
+    def unfilled_weights(self, named: NamedTensors) -> list[str]:
+        return self.core.unfilled_weights(named)
+
+    async def update_weights(self, named: NamedTensors, *, abort_running: bool, weight_version: str | None) -> None:
+        self.core.update_weights(named, weight_version)
+
+    async def call_ranks(self, call):
+        return self.core.call_ranks(call)

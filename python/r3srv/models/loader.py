@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "load_named_tensors",
     "load_weights_from_dir",
     "plan_named_tensors",
+    "planned_reads",
     "resolve_dtype",
     "safetensors_files",
 ]
@@ -353,7 +355,6 @@ def _check_mxfp4_weight(file, name, shape, target, located, headers, mxfp4):
 
 @torch.no_grad()
 def _copy_weights(model: MoeForCausalLM, plan: WeightPlan) -> None:
-    targets = model.weight_targets()
     with contextlib.ExitStack() as stack:
         opened: dict[Path, Any] = {}
 
@@ -364,17 +365,24 @@ def _copy_weights(model: MoeForCausalLM, plan: WeightPlan) -> None:
                 opened[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             return opened[file]
 
-        # each target reads only its shard of the tensor (all of it at size 1)
-        for file, names in tqdm(plan.shards, desc="Loading safetensors shards", unit="shard"):
-            for name in names:
-                target = targets[name]
-                splits = shard_of(transposed(target) if name in plan.transposed else target)
-                if name in plan.scales:
-                    scale_file, scale_name = plan.scales[name]
-                    tensor = read_fp8(shard(file), name, shard(scale_file), scale_name, plan.fp8_block, splits)
-                else:
-                    tensor = read_tensor(shard(file), name, splits)
-                target.copy_(tensor.transpose(-1, -2) if name in plan.transposed else tensor)
-        for base, ((blocks_file, blocks), (scales_file, scales)) in plan.packed.items():
-            target = targets[base]
-            target.copy_(read_mxfp4(shard(blocks_file), blocks, shard(scales_file), scales, shard_of(target)))
+        for target, tensor in planned_reads(model, plan, shard):
+            target.copy_(tensor)
+
+
+def planned_reads(model: MoeForCausalLM, plan: WeightPlan, shard: Callable[[Any], Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(target, the tensor this rank reads for it) of every planned weight; `shard` opens a plan's file."""
+    targets = model.weight_targets()
+    # each target reads only its shard of the tensor (all of it at size 1)
+    for file, names in tqdm(plan.shards, desc="Loading safetensors shards", unit="shard"):
+        for name in names:
+            target = targets[name]
+            splits = shard_of(transposed(target) if name in plan.transposed else target)
+            if name in plan.scales:
+                scale_file, scale_name = plan.scales[name]
+                tensor = read_fp8(shard(file), name, shard(scale_file), scale_name, plan.fp8_block, splits)
+            else:
+                tensor = read_tensor(shard(file), name, splits)
+            yield target, (tensor.transpose(-1, -2) if name in plan.transposed else tensor)
+    for base, ((blocks_file, blocks), (scales_file, scales)) in plan.packed.items():
+        target = targets[base]
+        yield target, read_mxfp4(shard(blocks_file), blocks, shard(scales_file), scales, shard_of(target))

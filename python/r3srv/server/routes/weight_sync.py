@@ -11,7 +11,6 @@ field decides. Every update follows /update_weights_from_disk's rules for reques
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
 import msgspec
@@ -36,7 +35,7 @@ def trainer_updates(request: Request[Any, Any, Any]) -> TrainerUpdates:
 
 
 async def _join(request: Request[Any, Any, Any], **group: Any) -> str:
-    return await asyncio.to_thread(trainer_updates(request).sync.join, **group)
+    return await trainer_updates(request).sync.join(**group)
 
 
 # ---------------------------------------------------------------- SGLang's
@@ -54,7 +53,7 @@ async def init_weights_update_group(data: w.InitWeightsUpdateGroupRequest, reque
 async def destroy_weights_update_group(
     data: w.DestroyWeightsUpdateGroupRequest, request: Request[Any, Any, Any]
 ) -> w.SglangResult:
-    await asyncio.to_thread(trainer_updates(request).sync.leave, data.group_name)  # waits for a receive under way
+    await trainer_updates(request).sync.leave(data.group_name)  # waits for a receive under way
     return w.SglangResult(success=True, message=f"left {data.group_name!r}")
 
 
@@ -78,6 +77,10 @@ async def update_weights_from_tensor(
             "/update_weights_from_tensor hands over CUDA IPC handles, and this server runs on the "
             f"{updates.sync.device.type}: use /update_weights_from_distributed (gloo) or /update_weights_from_disk",
             param="serialized_named_tensors")
+    if updates.sync.tp_size > 1:  # SGLang takes one payload per rank there, each opened on its rank's device
+        raise InvalidRequestError(
+            "/update_weights_from_tensor is not supported under tensor parallelism yet: use "
+            "/update_weights_from_distributed", param="serialized_named_tensors")
     if len(data.serialized_named_tensors) != 1:
         raise InvalidRequestError(
             f"serialized_named_tensors needs one payload per tensor-parallel rank (1), got "
@@ -139,7 +142,7 @@ async def init_weight_transfer_engine(data: w.VllmInitRequest, request: Request[
 
 @post("/shutdown_weight_transfer_engine", status_code=200, summary="Leave the trainer's process group (vLLM's name)")
 async def shutdown_weight_transfer_engine(request: Request[Any, Any, Any]) -> w.VllmMessage:
-    await asyncio.to_thread(trainer_updates(request).sync.leave, w.VLLM_GROUP)
+    await trainer_updates(request).sync.leave(w.VLLM_GROUP)
     return w.VllmMessage(message="Weight transfer shut down")
 
 
