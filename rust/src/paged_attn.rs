@@ -157,7 +157,7 @@ impl Isa {
 
 /// Keys scored per tile: the softmax's running max rescales the accumulators once per tile.
 const TILE: usize = 32;
-/// Below this many multiply-adds a call runs on the caller's thread alone: spawning a thread
+/// The fewest multiply-adds worth a thread of their own (about 100 us of work): spawning one
 /// costs tens of microseconds.
 const PARALLEL_MIN_MACS: usize = 1 << 19;
 
@@ -249,7 +249,8 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
         }
     }
 
-    let threads = if macs >= PARALLEL_MIN_MACS { threads.clamp(1, items.len().max(1)) } else { 1 };
+    // each thread at least PARALLEL_MIN_MACS of work: a many-core host spawns no idle threads
+    let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
     if threads == 1 {
         run(d, &mut items, isa);
         return Ok(());
@@ -363,12 +364,7 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
             *slot = base + offset;
             offset += 1;
         }
-        for (j, &slot) in slots[..n].iter().enumerate() {
-            let k = d.k.at(slot, item.kv_head);
-            for g in 0..group {
-                s.scores[g * TILE + j] = dot::<T, AVX2>(&s.q[g * head_dim..][..head_dim], k) * d.scale;
-            }
-        }
+        score_tile::<T, AVX2>(d, item.kv_head, &slots[..n], &s.q, &mut s.scores);
         for g in 0..group {
             let p = &mut s.scores[g * TILE..][..n];
             let m_new = p.iter().fold(s.max[g], |m, &x| m.max(x));
@@ -380,12 +376,7 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
             }
             s.max[g] = m_new;
         }
-        for (j, &slot) in slots[..n].iter().enumerate() {
-            let v = d.v.at(slot, item.kv_head);
-            for g in 0..group {
-                axpy::<T, AVX2>(&mut s.acc[g * v_dim..][..v_dim], s.scores[g * TILE + j], v);
-            }
-        }
+        weigh_values::<T, AVX2>(d, item.kv_head, &slots[..n], &s.scores, &mut s.acc);
         lo += n;
     }
     for g in 0..group {
@@ -402,109 +393,188 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
     }
 }
 
+/// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
+/// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`.
 #[inline(always)]
-fn dot<T: Element, const AVX2: bool>(a: &[f32], b: &[T]) -> f32 {
+fn score_tile<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
-        // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
-        return unsafe { dot_avx2(a, b) };
+        let (group, mut g0) = (q.len() / d.q.dim, 0);
+        while g0 < group {
+            let heads = HEAD_BLOCK.min(group - g0);
+            // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
+            unsafe {
+                match heads {
+                    1 => score_heads_avx2::<T, 1>(d, kv_head, slots, q, scores, g0),
+                    2 => score_heads_avx2::<T, 2>(d, kv_head, slots, q, scores, g0),
+                    3 => score_heads_avx2::<T, 3>(d, kv_head, slots, q, scores, g0),
+                    _ => score_heads_avx2::<T, HEAD_BLOCK>(d, kv_head, slots, q, scores, g0),
+                }
+            }
+            g0 += heads;
+        }
+        return;
     }
     // Lanes of running sums, so that consecutive multiply-adds do not wait on each other.
     const LANES: usize = 8;
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let whole = n / LANES * LANES;
-    let mut acc = [0f32; LANES];
-    for (x, y) in a[..whole].chunks_exact(LANES).zip(b[..whole].chunks_exact(LANES)) {
-        for i in 0..LANES {
-            acc[i] += x[i] * y[i].to_f32();
+    let dim = d.q.dim;
+    let whole = dim / LANES * LANES;
+    for (j, &slot) in slots.iter().enumerate() {
+        let k = d.k.at(slot, kv_head);
+        for (g, qg) in q.chunks_exact(dim).enumerate() {
+            let mut lanes = [0f32; LANES];
+            for (x, y) in qg[..whole].chunks_exact(LANES).zip(k[..whole].chunks_exact(LANES)) {
+                for i in 0..LANES {
+                    lanes[i] += x[i] * y[i].to_f32();
+                }
+            }
+            let mut sum = lanes.iter().sum::<f32>();
+            for (x, y) in qg[whole..].iter().zip(&k[whole..]) {
+                sum += x * y.to_f32();
+            }
+            scores[g * TILE + j] = sum * d.scale;
         }
     }
-    let mut tail = 0.0;
-    for (x, y) in a[whole..].iter().zip(&b[whole..]) {
-        tail += x * y.to_f32();
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
-/// The dot product in two AVX2 registers of running sums (LLVM's SLP vectorizer splits a
-/// portable lane array into 2-wide pieces here), the tail in scalar FMAs.
+/// The values at `slots`, weighed by the tile's probabilities, added to the group's
+/// accumulators (`acc`: [group, v_dim]), key by key in order.
+#[inline(always)]
+fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        let (group, mut g0) = (acc.len() / d.v.dim, 0);
+        while g0 < group {
+            let heads = HEAD_BLOCK.min(group - g0);
+            // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
+            unsafe {
+                match heads {
+                    1 => weigh_heads_avx2::<T, 1>(d, kv_head, slots, scores, acc, g0),
+                    2 => weigh_heads_avx2::<T, 2>(d, kv_head, slots, scores, acc, g0),
+                    3 => weigh_heads_avx2::<T, 3>(d, kv_head, slots, scores, acc, g0),
+                    _ => weigh_heads_avx2::<T, HEAD_BLOCK>(d, kv_head, slots, scores, acc, g0),
+                }
+            }
+            g0 += heads;
+        }
+        return;
+    }
+    let v_dim = d.v.dim;
+    for (j, &slot) in slots.iter().enumerate() {
+        let v = d.v.at(slot, kv_head);
+        for (g, a) in acc.chunks_exact_mut(v_dim).enumerate() {
+            let p = scores[g * TILE + j];
+            for (a, x) in a.iter_mut().zip(v) {
+                *a += p * x.to_f32();
+            }
+        }
+    }
+}
+
+/// Up to this many query heads share each load of a key or value row (their running sums
+/// stay in registers).
+const HEAD_BLOCK: usize = 4;
+
+/// score_tile for heads g0..g0 + NH (NH at most HEAD_BLOCK): each key row loaded once, 8 dims
+/// at a time, for all of them.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn dot_avx2<T: Element>(a: &[f32], b: &[T]) -> f32 {
+unsafe fn score_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32], g0: usize) {
     use std::arch::x86_64::*;
-    let n = a.len().min(b.len());
-    let mut i = 0;
-    // SAFETY: every load reads 8 elements at i with i + 8 <= n, inside both slices; the
-    // caller's contract provides AVX2 and FMA.
-    unsafe {
-        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let (a_at, b_at) = (a.as_ptr(), b.as_ptr());
-        while i + 16 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a_at.add(i)), T::load8(b_at.add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a_at.add(i + 8)), T::load8(b_at.add(i + 8)), acc1);
-            i += 16;
+    let dim = d.q.dim;
+    let whole = dim / 8 * 8;
+    let q = &q[g0 * dim..(g0 + NH) * dim];
+    for (j, &slot) in slots.iter().enumerate() {
+        let k = d.k.at(slot, kv_head);
+        // SAFETY: k holds `dim` elements and each query row `dim` (q is [heads, dim]): every
+        // 8-wide load at c < whole stays inside them; AVX2 and FMA by the caller's contract.
+        unsafe {
+            let mut sums = [_mm256_setzero_ps(); NH];
+            for c in (0..whole).step_by(8) {
+                let kc = T::load8(k.as_ptr().add(c));
+                for (h, sum) in sums.iter_mut().enumerate() {
+                    *sum = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(h * dim + c)), kc, *sum);
+                }
+            }
+            for (h, sum) in sums.iter().enumerate() {
+                let quad = _mm_add_ps(_mm256_castps256_ps128(*sum), _mm256_extractf128_ps::<1>(*sum));
+                let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+                let mut total = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps::<1>(pair, pair)));
+                for (x, y) in q[h * dim + whole..(h + 1) * dim].iter().zip(&k[whole..]) {
+                    total = x.mul_add(y.to_f32(), total);
+                }
+                scores[(g0 + h) * TILE + j] = total * d.scale;
+            }
         }
-        if i + 8 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a_at.add(i)), T::load8(b_at.add(i)), acc0);
-            i += 8;
-        }
-        let acc = _mm256_add_ps(acc0, acc1);
-        let quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-        let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-        let mut sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps::<1>(pair, pair)));
-        for (x, y) in a[i..n].iter().zip(&b[i..n]) {
-            sum = x.mul_add(y.to_f32(), sum);
-        }
-        sum
     }
 }
 
-/// acc += p * v
-#[inline(always)]
-fn axpy<T: Element, const AVX2: bool>(acc: &mut [f32], p: f32, v: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    if AVX2 {
-        // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
-        return unsafe { axpy_avx2(acc, p, v) };
-    }
-    for (a, x) in acc.iter_mut().zip(v) {
-        *a += p * x.to_f32();
-    }
-}
-
+/// weigh_values for heads g0..g0 + NH (NH at most HEAD_BLOCK): 16 value dims at a time (then
+/// 8, then one), their running sums in registers across the tile's keys, each value row's
+/// dims loaded once for the NH heads.
+///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn axpy_avx2<T: Element>(acc: &mut [f32], p: f32, v: &[T]) {
+unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32], g0: usize) {
     use std::arch::x86_64::*;
-    let n = acc.len().min(v.len());
-    let mut i = 0;
-    // SAFETY: every load and store touches 8 elements at i with i + 8 <= n, inside both
-    // slices; the caller's contract provides AVX2 and FMA.
-    unsafe {
-        let weight = _mm256_set1_ps(p);
-        let (acc_at, v_at) = (acc.as_mut_ptr(), v.as_ptr());
-        while i + 16 <= n {
-            let (a0, a1) = (acc_at.add(i), acc_at.add(i + 8));
-            let sum0 = _mm256_fmadd_ps(weight, T::load8(v_at.add(i)), _mm256_loadu_ps(a0));
-            let sum1 = _mm256_fmadd_ps(weight, T::load8(v_at.add(i + 8)), _mm256_loadu_ps(a1));
-            _mm256_storeu_ps(a0, sum0);
-            _mm256_storeu_ps(a1, sum1);
-            i += 16;
-        }
-        if i + 8 <= n {
-            let a = acc_at.add(i);
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(weight, T::load8(v_at.add(i)), _mm256_loadu_ps(a)));
-            i += 8;
-        }
+    let v_dim = d.v.dim;
+    let n = slots.len();
+    assert!(n <= TILE && (g0 + NH) * TILE <= scores.len() && (g0 + NH) * v_dim <= acc.len());
+    let mut rows = [std::ptr::null::<T>(); TILE];
+    for (row, &slot) in rows.iter_mut().zip(slots) {
+        *row = d.v.at(slot, kv_head).as_ptr(); // bounds-checked: v_dim readable elements
     }
-    for (a, x) in acc[i..n].iter_mut().zip(&v[i..n]) {
-        *a = p.mul_add(x.to_f32(), *a);
+    let probs: [*const f32; NH] = std::array::from_fn(|h| scores[(g0 + h) * TILE..].as_ptr());
+    let sums_at: [*mut f32; NH] = std::array::from_fn(|h| acc[(g0 + h) * v_dim..].as_mut_ptr());
+    let mut c = 0;
+    // SAFETY: rows[..n] point to v_dim readable elements each, probs[h] to n probabilities
+    // and sums_at[h] to v_dim accumulators (the assert and at() above); every 8-wide load and
+    // store is at c + 8 <= v_dim. AVX2 and FMA by the caller's contract.
+    unsafe {
+        while c + 16 <= v_dim {
+            let mut lo: [__m256; NH] = std::array::from_fn(|h| _mm256_loadu_ps(sums_at[h].add(c)));
+            let mut hi: [__m256; NH] = std::array::from_fn(|h| _mm256_loadu_ps(sums_at[h].add(c + 8)));
+            for (j, &row) in rows[..n].iter().enumerate() {
+                let (v0, v1) = (T::load8(row.add(c)), T::load8(row.add(c + 8)));
+                for h in 0..NH {
+                    let p = _mm256_broadcast_ss(&*probs[h].add(j));
+                    lo[h] = _mm256_fmadd_ps(p, v0, lo[h]);
+                    hi[h] = _mm256_fmadd_ps(p, v1, hi[h]);
+                }
+            }
+            for h in 0..NH {
+                _mm256_storeu_ps(sums_at[h].add(c), lo[h]);
+                _mm256_storeu_ps(sums_at[h].add(c + 8), hi[h]);
+            }
+            c += 16;
+        }
+        if c + 8 <= v_dim {
+            let mut lo: [__m256; NH] = std::array::from_fn(|h| _mm256_loadu_ps(sums_at[h].add(c)));
+            for (j, &row) in rows[..n].iter().enumerate() {
+                let v0 = T::load8(row.add(c));
+                for h in 0..NH {
+                    lo[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(&*probs[h].add(j)), v0, lo[h]);
+                }
+            }
+            for h in 0..NH {
+                _mm256_storeu_ps(sums_at[h].add(c), lo[h]);
+            }
+            c += 8;
+        }
+        for i in c..v_dim {
+            for h in 0..NH {
+                let mut sum = *sums_at[h].add(i);
+                for (j, &row) in rows[..n].iter().enumerate() {
+                    sum = (*probs[h].add(j)).mul_add((*row.add(i)).to_f32(), sum);
+                }
+                *sums_at[h].add(i) = sum;
+            }
+        }
     }
 }
 
