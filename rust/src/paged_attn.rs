@@ -312,7 +312,7 @@ unsafe fn run_avx2<T: Element>(d: &PagedDecode<'_, T>, items: &mut [Item<'_, T>]
 
 /// Per-thread buffers, reused across items.
 struct Scratch {
-    q: Vec<f32>,      // [group, head_dim], the scaled queries
+    q: Vec<f32>,      // [group, head_dim], the queries in f32
     acc: Vec<f32>,    // [group, v_dim]
     scores: Vec<f32>, // [group, TILE]
     max: Vec<f32>,
@@ -393,26 +393,38 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
     }
 }
 
+/// Up to this many query heads share each load of a key or value row (their running sums
+/// stay in registers).
+#[cfg(target_arch = "x86_64")]
+const HEAD_BLOCK: usize = 4;
+
+/// `$f::<T, NH>(args.., g0)` for the group's heads in blocks g0..g0 + NH of at most HEAD_BLOCK
+/// (NH a constant, so that the blocks' running sums are registers).
+#[cfg(target_arch = "x86_64")]
+macro_rules! in_head_blocks {
+    ($group:expr, $f:ident::<$t:ty>($($arg:expr),*)) => {{
+        let (group, mut g0) = ($group, 0);
+        while g0 < group {
+            let heads = HEAD_BLOCK.min(group - g0);
+            match heads {
+                1 => $f::<$t, 1>($($arg,)* g0),
+                2 => $f::<$t, 2>($($arg,)* g0),
+                3 => $f::<$t, 3>($($arg,)* g0),
+                _ => $f::<$t, HEAD_BLOCK>($($arg,)* g0),
+            }
+            g0 += heads;
+        }
+    }};
+}
+
 /// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
 /// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`.
 #[inline(always)]
 fn score_tile<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
-        let (group, mut g0) = (q.len() / d.q.dim, 0);
-        while g0 < group {
-            let heads = HEAD_BLOCK.min(group - g0);
-            // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
-            unsafe {
-                match heads {
-                    1 => score_heads_avx2::<T, 1>(d, kv_head, slots, q, scores, g0),
-                    2 => score_heads_avx2::<T, 2>(d, kv_head, slots, q, scores, g0),
-                    3 => score_heads_avx2::<T, 3>(d, kv_head, slots, q, scores, g0),
-                    _ => score_heads_avx2::<T, HEAD_BLOCK>(d, kv_head, slots, q, scores, g0),
-                }
-            }
-            g0 += heads;
-        }
+        // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
+        unsafe { in_head_blocks!(q.len() / d.q.dim, score_heads_avx2::<T>(d, kv_head, slots, q, scores)) };
         return;
     }
     // Lanes of running sums, so that consecutive multiply-adds do not wait on each other.
@@ -443,20 +455,8 @@ fn score_tile<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usi
 fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
-        let (group, mut g0) = (acc.len() / d.v.dim, 0);
-        while g0 < group {
-            let heads = HEAD_BLOCK.min(group - g0);
-            // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
-            unsafe {
-                match heads {
-                    1 => weigh_heads_avx2::<T, 1>(d, kv_head, slots, scores, acc, g0),
-                    2 => weigh_heads_avx2::<T, 2>(d, kv_head, slots, scores, acc, g0),
-                    3 => weigh_heads_avx2::<T, 3>(d, kv_head, slots, scores, acc, g0),
-                    _ => weigh_heads_avx2::<T, HEAD_BLOCK>(d, kv_head, slots, scores, acc, g0),
-                }
-            }
-            g0 += heads;
-        }
+        // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
+        unsafe { in_head_blocks!(acc.len() / d.v.dim, weigh_heads_avx2::<T>(d, kv_head, slots, scores, acc)) };
         return;
     }
     let v_dim = d.v.dim;
@@ -471,9 +471,6 @@ fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: u
     }
 }
 
-/// Up to this many query heads share each load of a key or value row (their running sums
-/// stay in registers).
-const HEAD_BLOCK: usize = 4;
 
 /// score_tile for heads g0..g0 + NH (NH at most HEAD_BLOCK): each key row loaded once, 8 dims
 /// at a time, for all of them.
