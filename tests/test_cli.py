@@ -88,7 +88,7 @@ def test_bad_config_exits_before_binding():
         (["--tensor-parallel-size", "3"], ["cannot be split", "over 3 ranks"]),
         (["-tp", "2", "--nnodes", "2"], ["master_port is required"]),
         (["--node-rank", "1"], ["node_rank=1"]),
-        (["-tp", "2", "-dp", "2"], ["--data-parallel-size with --tensor-parallel-size"]),
+        (["-tp", "2", "-dp", "2", "--master-port", "29555"], ["--master-port"]),  # each replica's ranks: a free port
         (["-dp", "2", "--device", "cuda:1"], ["cuda:1", "--data-parallel-size 2"]),  # a fleet needs a device each
         (["/no/such/checkpoint"], ["/no/such/checkpoint"]),
     ],

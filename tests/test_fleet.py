@@ -17,11 +17,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 from server_fixture import RemoteServer, free_port
 from tiny_checkpoints import write_tiny_checkpoint
 
 from r3srv.cli import build_parser
-from r3srv.data_parallel import replica_argv
+from r3srv.data_parallel import replica_argv, replica_devices
+from r3srv.engine.multiproc_executor import Rendezvous, rank_device
+from r3srv.errors import ConfigError
 from r3srv.serial import decode_routed_experts
 from r3srv.server.fanout import FANOUT_HEADER
 
@@ -311,3 +314,20 @@ def test_a_peer_that_cannot_be_reached_is_named(policies):
         assert post(srv.url + "/flush_cache", headers={FANOUT_HEADER: "1"}).status_code == 200
         # inference is not fanned out
         assert complete(srv.url, "hello", max_tokens=1)["choices"][0]["text"] is not None
+
+
+def test_replicas_with_tensor_parallel_ranks_take_consecutive_devices():
+    """-dp 2 -tp 2: each replica gets -tp 2 and its first device, its ranks the devices from there on."""
+    parser = build_parser()
+    args = parser.parse_args(["serve", "m", "-dp", "2", "-tp", "2", "--enable-expert-parallel", "--device", "cpu"])
+    assert replica_devices(args.device, 2, args.tensor_parallel_size) == ["cpu", "cpu"]
+    child = parser.parse_args(replica_argv(parser, args, model="m", port=1, device="cuda:2", peers=[],
+                                           weight_version="v")[3:])
+    assert (child.tensor_parallel_size, child.enable_expert_parallel, child.data_parallel_size) == (2, True, 1)
+    assert child.master_port == 0  # each replica's ranks meet on a free port of their own
+    rendezvous = Rendezvous(world_size=2)
+    assert [rank_device(child.device, r, rendezvous) for r in range(2)] == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert rank_device("cuda", 1, rendezvous) == torch.device("cuda", 1)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 4:
+        with pytest.raises(ConfigError, match="needs 4 CUDA devices"):
+            replica_devices("cuda", 2, 2)

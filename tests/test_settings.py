@@ -31,6 +31,7 @@ EXAMPLES = {
     "R3SRV_FUSED_STEP": ("0", False),
     "R3SRV_GROUPED_MM": ("0", False),
     "R3SRV_FORCE_TORCH_ROUTER": ("1", True),
+    "R3SRV_EP_DISPATCH": ("all_to_all", "all_to_all"),
     "R3SRV_CUDA_GRAPHS": ("1", True),
 }
 
@@ -49,7 +50,8 @@ def test_every_variable_is_one_field():
 
 
 @pytest.mark.parametrize("name,text", [("R3SRV_CPU_THREADS", "zero"), ("R3SRV_CPU_THREADS", "0"),
-                                       ("R3SRV_ENCODE_THREADS", "-1"), ("R3SRV_BASE64_ISA", "sse9")])
+                                       ("R3SRV_ENCODE_THREADS", "-1"), ("R3SRV_BASE64_ISA", "sse9"),
+                                       ("R3SRV_EP_DISPATCH", "alltoall")])
 def test_bad_values_are_config_errors_naming_the_variable(name, text):
     with pytest.raises(ConfigError, match=name):
         Settings.from_environ({name: text})

@@ -226,9 +226,9 @@ def serve(args: argparse.Namespace) -> int:
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
     from r3srv.server.connections import guarded_h11
 
-    if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
-        print("r3srv serve: configuration error: --data-parallel-size with --tensor-parallel-size is not supported "
-              "yet (a replica's ranks would take every replica's devices); run one or the other", file=sys.stderr)
+    if args.data_parallel_size > 1 and (args.nnodes > 1 or args.master_port):
+        print("r3srv serve: configuration error: --data-parallel-size runs its replicas on this machine, each "
+              "replica's ranks on a free port of their own: leave out --nnodes and --master-port", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
         from r3srv.data_parallel import serve_fleet

@@ -1,7 +1,8 @@
 """`r3srv serve --data-parallel-size N`: N replicas behind the SGLang router, supervised by this process.
 
 Each replica is a child `r3srv serve` on a free 127.0.0.1 port (device cuda:i when there are N
-CUDA devices, else the CPU), started with `--fleet-peer-urls` naming its siblings so that a
+CUDA devices, else the CPU; with --tensor-parallel-size M, cuda:i*M and the M-1 devices after
+it, its ranks meeting on a free port of their own), started with `--fleet-peer-urls` naming its siblings so that a
 control call made to any of them reaches all (server/fanout.py). sglang-router 0.3.2 listens on
 the public --host/--port with cache-aware routing, so a conversation's next turn goes to the
 replica that caches its prefix.
@@ -51,8 +52,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replica_devices(device: str, n: int) -> list[str]:
-    """One device per replica: cuda:0..N-1, or the CPU for all of them."""
+def replica_devices(device: str, n: int, tp: int = 1) -> list[str]:
+    """Each replica's --device: cuda:0, cuda:tp, cuda:2tp, ... (a replica's tp ranks take the
+    devices from there on), or the CPU for all of them."""
     if device == "cpu":
         return ["cpu"] * n
     if device not in ("auto", "cuda"):
@@ -62,9 +64,10 @@ def replica_devices(device: str, n: int) -> list[str]:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "auto" and count == 0:
         return ["cpu"] * n
-    if count < n:
-        raise ConfigError(f"--data-parallel-size {n} needs {n} CUDA devices, {count} found")
-    return [f"cuda:{i}" for i in range(n)]
+    if count < n * tp:
+        raise ConfigError(f"--data-parallel-size {n} x --tensor-parallel-size {tp} needs {n * tp} CUDA devices, "
+                          f"{count} found")
+    return [f"cuda:{i * tp}" for i in range(n)]
 
 
 def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, *, model: str | None, port: int,
@@ -135,7 +138,7 @@ class Fleet:
         self.args = args
         self.parser = parser
         n = args.data_parallel_size
-        devices = replica_devices(args.device, n)
+        devices = replica_devices(args.device, n, args.tensor_parallel_size)
         self.replicas = [Replica(i, free_port(), devices[i]) for i in range(n)]
         for r in self.replicas:
             r.peers = [s.url for s in self.replicas if s is not r]

@@ -22,6 +22,7 @@ import argparse
 from r3srv.errors import ConfigError
 
 BASE64_ISAS = ("auto", "avx512vbmi", "avx2", "portable")
+EP_DISPATCHES = ("all_reduce", "all_to_all")
 
 
 def _setting(default, help: str, flag: bool = True):
@@ -44,6 +45,7 @@ class Settings:
     fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")
     grouped_mm: bool = _setting(True, "expert matmuls through torch's grouped_mm where it pays; off: a loop")
     force_torch_router: bool = _setting(False, "route with the torch reference, never the Triton kernel")
+    ep_dispatch: str = _setting("all_reduce", "expert parallelism's combine: all_reduce or all_to_all (dispatch)")
     # Decode steps replayed as CUDA graphs when EngineConfig.cuda_graphs is not given (serve's own
     # --cuda-graphs flag sets that field).
     cuda_graphs: bool = _setting(False, "replay decode steps as CUDA graphs", flag=False)
@@ -53,6 +55,8 @@ class Settings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{_names(name)} must be a positive integer, got {value!r}")
+        if self.ep_dispatch not in EP_DISPATCHES:
+            raise ConfigError(f"{_names('ep_dispatch')} must be one of {', '.join(EP_DISPATCHES)}, got {self.ep_dispatch!r}")
         if self.base64_isa not in BASE64_ISAS:
             raise ConfigError(f"{_names('base64_isa')} must be one of {', '.join(BASE64_ISAS)}, got {self.base64_isa!r}")
 
@@ -109,8 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         helptext = f"{f.metadata['help']} (${ENV_NAMES[f.name]}, else {shown})"
         if isinstance(default, bool):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
-        elif f.name == "base64_isa":
-            group.add_argument(flag, dest=f.name, choices=BASE64_ISAS, default=None, help=helptext)
+        elif f.name in ("base64_isa", "ep_dispatch"):
+            choices = BASE64_ISAS if f.name == "base64_isa" else EP_DISPATCHES
+            group.add_argument(flag, dest=f.name, choices=choices, default=None, help=helptext)
         else:
             group.add_argument(flag, dest=f.name, type=str, default=None, metavar=f.name.upper(), help=helptext)
 

@@ -31,13 +31,14 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from r3srv import settings
 from r3srv.engine.step_channel import Command, StepChannel, decode_text, encode_text, pack_batch, unpack_batch
 from r3srv.engine.weight_sync import WeightSync, WeightSyncError, run_weight_command, settle_weight_command
 from r3srv.errors import ConfigError
@@ -66,6 +67,7 @@ class Rendezvous:
     nnodes: int = 1
     node_rank: int = 0
     enable_expert_parallel: bool = False
+    ep_dispatch: str = "all_reduce"  # rank 0's setting, carried to every rank (they must agree)
 
     @property
     def local_size(self) -> int:
@@ -84,12 +86,12 @@ class Rendezvous:
         with socket.socket() as s:
             s.bind((self.master_addr, 0))
             port = s.getsockname()[1]
-        return Rendezvous(self.world_size, self.master_addr, port, self.nnodes, self.node_rank,
-                          self.enable_expert_parallel)
+        return replace(self, master_port=port)
 
     def state(self, rank: int) -> ParallelState:
         ep = self.world_size if self.enable_expert_parallel else 1
-        return ParallelState(tp_rank=rank, tp_size=self.world_size, ep_rank=rank if ep > 1 else 0, ep_size=ep)
+        return ParallelState(tp_rank=rank, tp_size=self.world_size, ep_rank=rank if ep > 1 else 0, ep_size=ep,
+                             ep_dispatch=self.ep_dispatch)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class ModelSpec:
     """What every rank loads: the checkpoint, the device kind and the dtype."""
 
     path: str | None
-    device: str  # "cpu" or "cuda"
+    device: str  # "cpu", "cuda" or "cuda:N" (the first of the node's devices)
     dtype: str  # "auto" or a dtype name
 
 
@@ -105,13 +107,15 @@ def rank_setup(config) -> tuple[ModelSpec, Rendezvous]:
     """An EngineConfig's model and rendezvous, as every rank needs them."""
     par = config.parallel
     rendezvous = Rendezvous(par.tensor_parallel_size, par.master_addr, par.master_port, par.nnodes, par.node_rank,
-                            par.enable_expert_parallel)
-    return ModelSpec(config.model, "cuda" if config.device.startswith("cuda") else "cpu", config.dtype), rendezvous
+                            par.enable_expert_parallel, settings.current().ep_dispatch)
+    device = config.device if config.device.startswith("cuda") else "cpu"
+    return ModelSpec(config.model, device, config.dtype), rendezvous
 
 
 def rank_device(device: str, rank: int, rendezvous: Rendezvous) -> torch.device:
+    """A rank's device: cuda:(first + local rank) where `device` is cuda:first (cuda: from 0)."""
     if device.startswith("cuda"):
-        return torch.device("cuda", rank % rendezvous.local_size)
+        return torch.device("cuda", (torch.device(device).index or 0) + rank % rendezvous.local_size)
     return torch.device("cpu")
 
 

@@ -2,12 +2,13 @@
 
 A rank's experts (models/parallel.py's ExpertSlice) are stacked: w13 [E, 2I, H] (gate rows
 then up rows), w2 [E, H, I].
-The expert pass sorts the (token, slot) pairs by expert id, then runs every expert's MLP in
-two grouped GEMMs (torch's grouped_mm) or, where that is slower or unsupported, one pair of
-matmuls per expert that received tokens: no per-token Python loop either way. The exception is
-a CPU step with fewer (token, slot) pairs than experts (a decode of a few sequences), where
-nearly every expert gets one row: there each pair runs as two matrix-vector products, skipping
-the sort and the scatter.
+The expert pass (`grouped_experts`) takes (token, expert, weight) pairs: every token's k slots
+at one device, or the list of pairs an expert-parallel rank owns (models/parallel.py). It sorts
+them by expert id, then runs every expert's MLP in two grouped GEMMs (torch's grouped_mm) or,
+where that is slower or unsupported, one pair of matmuls per expert that received tokens: no
+per-token Python loop either way. The exception is a CPU step with fewer pairs than experts (a
+decode of a few sequences), where nearly every expert gets one row: there each pair runs as
+two matrix-vector products, skipping the sort.
 """
 
 from __future__ import annotations
@@ -66,20 +67,30 @@ def grouped_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     *,
+    tokens: torch.Tensor | None = None,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t. x [T, H]; ids/weights [T, k].
+    """sum over pairs p of token t: weights[p] * expert_{ids[p]}(x[t]), for every row t of x [T, H].
 
-    An expert is down(act(gate_up(x) + b13) ) + b2; the biases ([E, 2I], [E, H]) are optional
-    (b2 alone too: a split expert adds it on one rank)."""
-    num_tokens, top_k = ids.shape
-    if not x.is_cuda and ids.numel() < w13.shape[0]:
-        return _expert_pairs(x, w13, w2, weights, ids, b13, b2, act)
-    flat_ids = ids.reshape(-1).long()
+    The pairs are every token's k slots (ids/weights [T, k]) or, given `tokens`, a list of
+    (tokens[p], ids[p], weights[p]) ([P] each: an expert-parallel rank's own pairs). Ids index
+    w13/w2. An expert is down(act(gate_up(x) + b13)) + b2; the biases ([E, 2I], [E, H]) are
+    optional (b2 alone too: a split expert adds it on one rank)."""
+    grid = tokens is None  # every slot of every token: ids [T, k]
+    top_k = ids.shape[-1] if grid else 1
+    flat_ids, flat_weights = ids.reshape(-1).long(), weights.reshape(-1)
+    if not flat_ids.numel():
+        return torch.zeros_like(x)
+    if not x.is_cuda and flat_ids.numel() < w13.shape[0]:
+        pair_tokens = torch.arange(x.shape[0]).repeat_interleave(top_k) if grid else tokens
+        out = _expert_pairs(x, w13, w2, flat_weights, flat_ids, pair_tokens, b13, b2, act)
+        if grid:  # a token's k rows are adjacent: summed in one reduction
+            return out.view(*ids.shape, -1).sum(1)
+        return torch.zeros_like(x).index_add_(0, pair_tokens, out)
     order = torch.argsort(flat_ids, stable=True)
-    token_of_row = order // top_k
+    token_of_row = order // top_k if grid else tokens.index_select(0, order)
     # rows per expert; not torch.bincount, which on CUDA reads the largest id back to the host
     counts = flat_ids.new_zeros(w13.shape[0]).index_add_(0, flat_ids, torch.ones_like(flat_ids))
     rows = x.index_select(0, token_of_row)
@@ -88,30 +99,28 @@ def grouped_experts(
         out = _expert_mlps_grouped(rows, w13, w2, counts, act, biases)
     else:
         out = _expert_mlps_looped(rows, w13, w2, counts, act, biases)
-    out.mul_(weights.reshape(-1)[order].to(out.dtype)[:, None])
+    out.mul_(flat_weights[order].to(out.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, token_of_row, out)
 
 
-def _expert_pairs(x, w13, w2, weights, ids, b13, b2, act) -> torch.Tensor:
-    """The expert pass one (token, slot) pair at a time: torch.mv reads an expert's weights once
-    per pair at less cost than a one-row F.linear, and no sort, gather or scatter is needed
-    (the CPU's answer for a few tokens; ids are read to the host)."""
-    pairs = ids.tolist()
-    num_pairs = ids.numel()
+def _expert_pairs(x, w13, w2, weights, ids, tokens, b13, b2, act) -> torch.Tensor:
+    """The weighted outputs of the pairs (tokens[p], ids[p]), one pair at a time: torch.mv
+    reads an expert's weights once per pair at less cost than a one-row F.linear, and no sort
+    or gather is needed (the CPU's answer for a few tokens; ids are read to the host)."""
+    pairs = list(zip(tokens.tolist(), ids.tolist()))
+    num_pairs = len(pairs)
     h = x.new_empty(num_pairs, w13.shape[1])
-    for row, (token, expert) in enumerate((t, e) for t, experts in enumerate(pairs) for e in experts):
+    for row, (token, expert) in enumerate(pairs):
         torch.mv(w13[expert], x[token], out=h[row])
-    flat_ids = ids.reshape(-1).long()
     if b13 is not None:
-        h = h + b13.index_select(0, flat_ids)
+        h = h + b13.index_select(0, ids)
     h = act(h)
     out = x.new_empty(num_pairs, w2.shape[1])
-    for row, expert in enumerate(e for experts in pairs for e in experts):
+    for row, (_, expert) in enumerate(pairs):
         torch.mv(w2[expert], h[row], out=out[row])
     if b2 is not None:
-        out = out + b2.index_select(0, flat_ids)
-    out.mul_(weights.reshape(-1, 1).to(out.dtype))
-    return out.view(*ids.shape, -1).sum(1)
+        out = out + b2.index_select(0, ids)
+    return out.mul_(weights.reshape(-1, 1).to(out.dtype))
 
 
 def uses_grouped_mm(rows: torch.Tensor, w2: torch.Tensor) -> bool:

@@ -12,9 +12,10 @@ At size 1 (`SINGLE`, no torch.distributed) every block computes exactly what a p
 - Heads: `head_pieces` splits heads over ranks; fewer KV heads than ranks are replicated, each
   rank holding the one head its query heads read (vLLM's rule).
 - Vocab-parallel embedding and LM head: vocabulary rows split (padded up to equal slices).
-- Experts: expert parallelism gives each rank a contiguous slice of the experts, tensor
-  parallelism (without EP) a slice of every expert's intermediate size. Routers run whole on
-  every rank, so expert ids stay logical (global) everywhere, routed-experts capture included.
+- Experts: expert parallelism gives each rank a contiguous slice of the experts, whole, and
+  each rank runs only the (token, slot) pairs routed to them; tensor parallelism (without EP)
+  gives each rank a slice of every expert's intermediate size. Routers run whole on every
+  rank, so expert ids stay logical (global) everywhere, routed-experts capture included.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from r3srv.settings import EP_DISPATCHES
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -39,6 +42,9 @@ class ParallelState:
     ep_rank: int = 0
     ep_size: int = 1
     group: Any = None
+    # how expert parallelism combines (docs/parallelism.md): "all_reduce" (each rank runs its
+    # experts' pairs of every token, one all-reduce) or "all_to_all" (tokens dispatched)
+    ep_dispatch: str = "all_reduce"
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.ep_rank < self.ep_size):
@@ -46,6 +52,8 @@ class ParallelState:
         # one group: expert parallelism spans the tensor-parallel ranks (vLLM's EP without data parallelism)
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"ep_size {self.ep_size} must be 1 or tp_size {self.tp_size}")
+        if self.ep_dispatch not in EP_DISPATCHES:
+            raise ValueError(f"ep_dispatch {self.ep_dispatch!r} is not one of {EP_DISPATCHES}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the group's ranks (x itself at size 1)."""
@@ -370,16 +378,69 @@ class ExpertSlice(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 run: Callable[..., torch.Tensor]) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (logical ids [T, k]) through
-        `run(x, w13, w2, weights, ids, b13=, b2=)`, the grouped expert pass."""
+        `run(x, w13, w2, weights, ids, tokens=, b13=, b2=)`, the grouped expert pass (moe.py's
+        grouped_experts: ids [T, k], or a pair list with `tokens`)."""
+        if self.state.ep_size > 1:
+            dispatch = _all_to_all if self.state.ep_dispatch == "all_to_all" else _own_pairs_all_reduced
+            return dispatch(self, x, weights, ids, run)
         if not self.reduces:
             return run(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2)
-        local = ids - self.first
-        outside = (local < 0) | (local >= self.count)
-        # another rank's expert: weight 0 on a local one (its output is multiplied away)
-        weights = weights.masked_fill(outside, 0)
         b2 = self.b2 if self.inter_piece.index == 0 else None  # a split expert's bias added once
-        out = run(x, self.w13, self.w2, weights, local.masked_fill(outside, 0), b13=self.b13, b2=b2)
-        return self.state.all_reduce(out)
+        return self.state.all_reduce(run(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=b2))
+
+    def owns(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of these logical ids are this rank's experts."""
+        return (ids >= self.first) & (ids < self.first + self.count)
+
+
+def _own_pairs_all_reduced(experts: ExpertSlice, x, weights, ids, run) -> torch.Tensor:
+    """Expert parallelism over replicated tokens: each rank runs only the (token, slot) pairs
+    of its own experts into a [T, H] partial sum, and one all-reduce combines the ranks'."""
+    tokens, slots = experts.owns(ids).nonzero(as_tuple=True)
+    out = run(x, experts.w13, experts.w2, weights[tokens, slots], ids[tokens, slots] - experts.first, tokens=tokens,
+              b13=experts.b13, b2=experts.b2)
+    return experts.state.all_reduce(out)
+
+
+def _all_to_all(experts: ExpertSlice, x, weights, ids, run) -> torch.Tensor:
+    """Expert parallelism by dispatch: each rank takes a contiguous 1/N of the tokens, sends
+    each of their (token, slot) rows to the rank owning the expert (all_to_all_single), the
+    owners run them and send the outputs back (all_to_all_single), each rank sums its
+    tokens' weighted outputs, and an all-gather makes [T, H] whole again.
+
+    The router ran identically on every rank, so every rank knows every pair: the counts
+    and the expert ids of the rows it will receive are computed here, not exchanged."""
+    state, group = experts.state, experts.state.group
+    n, rank, per_rank = state.ep_size, state.ep_rank, experts.count
+    num_tokens, top_k = ids.shape
+    bounds = [num_tokens * r // n for r in range(n + 1)]
+    # this rank's tokens' pairs, sorted by expert id and so by owner rank
+    share_ids = ids[bounds[rank] : bounds[rank + 1]].reshape(-1).long()
+    order = torch.argsort(share_ids, stable=True)
+    send_counts = torch.bincount(share_ids // per_rank, minlength=n).tolist()
+    send_rows = x[bounds[rank] : bounds[rank + 1]].index_select(0, order // top_k)
+    # the rows each rank sends here: its share's pairs of this rank's experts, in expert order
+    received = []
+    for r in range(n):
+        theirs = ids[bounds[r] : bounds[r + 1]].reshape(-1)
+        received.append(torch.sort(theirs[experts.owns(theirs)], stable=True).values)
+    recv_counts = [len(e) for e in received]
+    recv_ids = torch.cat(received).long() - experts.first
+    recv_rows = x.new_empty(len(recv_ids), x.shape[1])
+    torch.distributed.all_to_all_single(recv_rows, send_rows, recv_counts, send_counts, group=group)
+    # each received row is its own "token": weight 1 here, the token's rank applies its weight
+    ones = torch.ones(len(recv_ids), dtype=weights.dtype, device=x.device)
+    outputs = run(recv_rows, experts.w13, experts.w2, ones, recv_ids,
+                  tokens=torch.arange(len(recv_ids), device=x.device), b13=experts.b13, b2=experts.b2)
+    returned = torch.empty_like(send_rows)
+    torch.distributed.all_to_all_single(returned, outputs, send_counts, recv_counts, group=group)
+    returned.mul_(weights[bounds[rank] : bounds[rank + 1]].reshape(-1)[order].to(returned.dtype)[:, None])
+    # shares padded to one length for the all-gather
+    width = -(-num_tokens // n)
+    share = x.new_zeros(width, x.shape[1]).index_add_(0, order // top_k, returned)
+    parts = [torch.empty_like(share) for _ in range(n)]
+    torch.distributed.all_gather(parts, share, group=group)
+    return torch.cat([part[: bounds[r + 1] - bounds[r]] for r, part in enumerate(parts)])
 
 
 def reshaped(target: torch.Tensor, *shape: int, dim: int) -> torch.Tensor:

@@ -51,7 +51,7 @@ async def server_info(request: Request[Any, Any, Any]) -> fp.ServerInfo:
         tp_size=parallel.tensor_parallel_size,
         dp_size=parallel.data_parallel_size,
         pp_size=parallel.pipeline_parallel_size,
-        ep_size=1,
+        ep_size=parallel.tensor_parallel_size if parallel.enable_expert_parallel else 1,  # EP spans the TP ranks
         device=str(engine.device),
         dtype=str(engine.dtype).removeprefix("torch."),
         context_length=engine.max_model_len,
