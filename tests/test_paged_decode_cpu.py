@@ -117,7 +117,7 @@ def test_bad_sinks_and_window_are_value_errors():
 
 def test_cpu_decodes_take_the_kernel_unless_turned_off(r3srv_settings):
     q = torch.zeros(1, 4, 8)
-    assert _core.paged_decode_isa() in ("avx2", "portable")
+    assert cpu_kernel.BUILT and _core.paged_decode_isa() in ("avx2", "portable")
     assert attention.decode_kernel_for(q) is cpu_kernel.paged_decode_cpu
     assert attention.decode_kernel_for(q.bfloat16()) is cpu_kernel.paged_decode_cpu
     assert attention.decode_kernel_for(q.half()) is None  # float16: the torch path

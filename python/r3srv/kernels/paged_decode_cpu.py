@@ -17,11 +17,15 @@ import torch
 from r3srv import _core
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# An extension built before the kernel (a stale `_core*.so` next to newer Python sources) leaves
+# CPU decodes on the torch path instead of failing them; tests/test_paged_decode_cpu.py asserts
+# that a fresh build has it.
+BUILT = hasattr(_core, "paged_decode_attention")
 
 
 def supports(q: torch.Tensor) -> bool:
     """Whether decodes of queries like `q` can take this kernel (CPU, float32 or bfloat16)."""
-    return q.device.type == "cpu" and q.dtype in DTYPES
+    return BUILT and q.device.type == "cpu" and q.dtype in DTYPES
 
 
 def _head_major(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
