@@ -18,35 +18,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from r3srv.kernels import paged_decode_triton  # noqa: E402
 from r3srv.kernels.paged_decode_triton import paged_decode_triton as kernel  # noqa: E402
-from r3srv.models.attention import attend  # noqa: E402
+from paged_decode_testing import paged_cache as _cache  # noqa: E402
+from paged_decode_testing import torch_path_decode as _reference  # noqa: E402
+from paged_decode_testing import MODEL_CASES, two_sequence_decode_logits  # noqa: E402
 
 PAGE = 4
-
-
-def _cache(lens, kv_heads, head_dim, v_dim, g, dtype=torch.float32):
-    """A paged cache holding each sequence's context in scattered blocks, and their block tables."""
-    blocks = [-(-n // PAGE) for n in lens]
-    order = torch.randperm(sum(blocks) + 3, generator=g)[: sum(blocks)]  # 3 blocks nobody owns
-    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    first = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = order[first : first + n]
-        first += n
-    slots = (sum(blocks) + 3) * PAGE
-    k_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(slots, kv_heads, v_dim, generator=g).to(dtype)
-    return k_cache, v_cache, tables
-
-
-def _reference(q, k_cache, v_cache, tables, lens, rows, scale, window, sinks):
-    out = torch.full((q.shape[0], q.shape[1], v_cache.shape[2]), float("nan"), dtype=q.dtype)
-    for i, (n, row) in enumerate(zip(lens, rows)):
-        pos = torch.arange(max(0, n - window) if window else 0, n)
-        slots = tables[i, pos // PAGE].long() * PAGE + pos % PAGE
-        k, v = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
-        o = attend(q[row][None, :, None], k, v, None, q.shape[1] != k.shape[1], scale, sinks)
-        out[row] = o[0, :, 0]
-    return out
 
 
 def test_runs_in_the_interpreter():
@@ -143,8 +119,7 @@ def test_bfloat16_cache():
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("family, layers", [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}), ("mixtral", {"sliding_window": 4}),
-                                            ("deepseek_v3", {}), ("glm4_moe_lite", {})])
+@pytest.mark.parametrize("family, layers", MODEL_CASES)
 def test_models_decode_through_the_kernel(family, layers, monkeypatch, tmp_path):
     """The wiring: decode steps (after a prefill; GQA, gpt-oss's sinks and windows, Mixtral's
     window, latent attention) through the kernel give the logits of the gathered torch path."""
@@ -152,14 +127,11 @@ def test_models_decode_through_the_kernel(family, layers, monkeypatch, tmp_path)
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_models_paged import BLOCK_SIZE, _batch
-
     from r3srv.models import attention
     from r3srv.models.loader import load_model
     from tiny_checkpoints import write_tiny_checkpoint
 
     model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, **layers))
-    tokens = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(1)).tolist()
     calls = []
 
     def run(kernel: bool):
@@ -170,12 +142,7 @@ def test_models_decode_through_the_kernel(family, layers, monkeypatch, tmp_path)
             return launcher(*args, **kwargs)
 
         monkeypatch.setattr(attention, "decode_kernel_for", lambda q: counted if kernel else None)
-        model.init_kv_cache(16, BLOCK_SIZE, 4)
-        logits = [model.forward(_batch(model, [(tokens[:9], 0, [0, 1, 2, 3]), (tokens[:2], 0, [5, 6])]))]
-        for pos in range(9, 14):  # two sequences decode together, one crossing block boundaries
-            logits.append(model.forward(_batch(model, [(tokens[pos : pos + 1], pos, [0, 1, 2, 3]),
-                                                       (tokens[pos - 7 : pos - 6], pos - 7, [5, 6])])))
-        return torch.cat(logits)
+        return two_sequence_decode_logits(model)
 
     torch.testing.assert_close(run(True), run(False), atol=1e-5, rtol=1e-5)
     assert calls, "the decodes never took the kernel"

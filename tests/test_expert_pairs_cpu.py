@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
-from r3srv import LLM, SamplingParams
+from r3srv import LLM, SamplingParams, _core
 from r3srv import settings as r3srv_settings_module
-from r3srv.kernels.expert_pairs_cpu import expert_pairs, expert_pairs_isa
+from r3srv.kernels.expert_pairs_cpu import BUILT, expert_pairs
 from r3srv.models import moe
 
 ACTIVATIONS = {
@@ -163,11 +163,12 @@ def test_an_expert_id_or_token_out_of_range_is_a_value_error():
         expert_pairs(x, w13, w2, weights, ids, tokens, b13, b2, act)
 
 
-def test_this_cpu_runs_the_vector_kernel():
+def test_this_build_has_the_kernel_and_this_cpu_runs_its_vector_code():
     import platform
 
+    assert BUILT, "r3srv._core predates the expert kernel: rebuild the extension"
     flags = open("/proc/cpuinfo").read().split() if platform.system() == "Linux" else []
-    assert expert_pairs_isa() == ("avx2" if {"avx2", "fma"} <= set(flags) else "scalar")
+    assert _core.expert_pairs_isa() == ("avx2" if {"avx2", "fma"} <= set(flags) else "scalar")
 
 
 @pytest.fixture(scope="module")

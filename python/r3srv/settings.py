@@ -41,6 +41,7 @@ class Settings:
     base64_isa: str = _setting("auto", "base64 kernel: auto (the fastest this CPU has) or a slower one to measure")
     # Backend switches, to measure or to rule a kernel out:
     triton_decode: bool = _setting(True, "CUDA decodes through the paged-attention Triton kernel; off: gather + SDPA")
+    rust_decode: bool = _setting(True, "CPU decodes through the Rust paged-attention kernel; off: gather + SDPA")
     fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")
     grouped_mm: bool = _setting(True, "expert matmuls through torch's grouped_mm where it pays; off: a loop")
     cpu_expert_kernel: bool = _setting(True, "CPU expert pass of a few tokens in one Rust call per layer; off: torch.mv per pair")

@@ -9,6 +9,7 @@ pub mod encode;
 pub mod expert_pairs;
 pub mod layout;
 pub mod npy_header;
+pub mod paged_attn;
 
 #[cfg(feature = "python")]
 mod python;

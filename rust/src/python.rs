@@ -1,4 +1,5 @@
-//! The PyO3 binding: `r3srv._core.encode_routed_experts` and `decode_routed_experts`.
+//! The PyO3 binding: `r3srv._core.encode_routed_experts` and `decode_routed_experts`, and the
+//! paged decode attention kernel's raw-tensor entry (r3srv.kernels.paged_decode_cpu).
 //! Reads the ndarray's fields directly (no slicing through Python), writes the base64 text
 //! straight into a new compact ASCII str, and decodes straight into a new array's memory.
 
@@ -18,6 +19,7 @@ use crate::decode::{check_size, plan_decode};
 use crate::encode::Plan;
 use crate::layout::ArrayView;
 use crate::npy_header::MAX_NDIM;
+use crate::paged_attn::{paged_decode, Bf16, Element, Isa, PagedDecode, Strided};
 
 /// Payloads at least this large are encoded with the GIL released.
 const DETACH_MIN_BYTES: usize = 64 * 1024;
@@ -361,6 +363,128 @@ fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyRe
     }
 }
 
+/// A tensor as r3srv.kernels.paged_decode_cpu hands it over: (data pointer, rows, heads, dim,
+/// row stride, head stride), strides in elements, the last dim contiguous.
+type TensorArg = (usize, usize, usize, usize, usize, usize);
+
+fn usable<T>(ptr: usize) -> PyResult<()> {
+    if ptr == 0 || !ptr.is_multiple_of(std::mem::align_of::<T>()) {
+        return Err(PyValueError::new_err(format!("a tensor's data pointer {ptr:#x} is null or misaligned")));
+    }
+    Ok(())
+}
+
+/// A slice over `len` elements at `ptr` (none when `len` is 0, whatever the pointer).
+///
+/// # Safety
+/// Unless `len` is 0, `ptr` must point to `len` initialized elements of T that stay alive and
+/// unmodified (or, for `slice_mut`, unaliased) for 'a.
+unsafe fn slice<'a, T>(ptr: usize, len: usize) -> PyResult<&'a [T]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    usable::<T>(ptr)?;
+    // SAFETY: the caller's contract; pointer non-null and aligned (checked).
+    Ok(unsafe { std::slice::from_raw_parts(ptr as *const T, len) })
+}
+
+/// # Safety
+/// As `slice`, and nothing else reads or writes the memory for 'a.
+unsafe fn slice_mut<'a, T>(ptr: usize, len: usize) -> PyResult<&'a mut [T]> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    usable::<T>(ptr)?;
+    // SAFETY: the caller's contract; pointer non-null and aligned (checked).
+    Ok(unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, len) })
+}
+
+/// # Safety
+/// `arg` must describe a live tensor: its pointer valid for the elements its shape and strides span.
+unsafe fn strided<'a, T>(arg: TensorArg) -> PyResult<Strided<'a, T>> {
+    let (ptr, rows, heads, dim, row_stride, head_stride) = arg;
+    let len = Strided::<T>::span(rows, heads, dim, row_stride, head_stride)
+        .ok_or_else(|| PyValueError::new_err("a tensor's shape and strides overflow"))?;
+    // SAFETY: the caller's contract (the span is exactly the elements the tensor's view reaches).
+    let data = unsafe { slice::<T>(ptr, len)? };
+    Strided::new(data, rows, heads, dim, row_stride, head_stride).map_err(PyValueError::new_err)
+}
+
+static PAGED_DECODE_ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+
+/// The ISA the paged decode attention kernel runs on this CPU: "avx2" (AVX2 + FMA) or "portable".
+#[pyfunction]
+fn paged_decode_isa() -> &'static str {
+    PAGED_DECODE_ISA.get_or_init(Isa::detect).name()
+}
+
+/// Paged decode attention over raw tensors (crate::paged_attn): the private half of
+/// r3srv.kernels.paged_decode_cpu, which checks dtypes, devices, contiguity and that `out`
+/// shares no memory with the inputs, and keeps every tensor alive across the call. q, k, v:
+/// TensorArg; tables: (pointer, sequences, max blocks), int64, contiguous; lens and rows: int64
+/// pointers of `sequences` elements; out: (pointer, tokens, heads, v_dim), contiguous; sinks:
+/// float32 pointer of `heads` elements. Every index is checked in Rust before it is followed;
+/// runs with the GIL released.
+#[pyfunction]
+#[pyo3(signature = (dtype, q, k, v, tables, lens, rows, out, page, scale, window, sinks, threads))]
+#[allow(clippy::too_many_arguments)]
+fn paged_decode_attention(
+    py: Python<'_>,
+    dtype: &str,
+    q: TensorArg,
+    k: TensorArg,
+    v: TensorArg,
+    tables: (usize, usize, usize),
+    lens: usize,
+    rows: usize,
+    out: (usize, usize, usize, usize),
+    page: usize,
+    scale: f32,
+    window: Option<usize>,
+    sinks: Option<usize>,
+    threads: usize,
+) -> PyResult<()> {
+    fn call<T: Element>(
+        py: Python<'_>, q: TensorArg, k: TensorArg, v: TensorArg, tables: (usize, usize, usize), lens: usize,
+        rows: usize, out: (usize, usize, usize, usize), page: usize, scale: f32, window: Option<usize>,
+        sinks: Option<usize>, threads: usize,
+    ) -> PyResult<()> {
+        let (seqs, max_blocks) = (tables.1, tables.2);
+        let out_len = out.1.checked_mul(out.2).and_then(|n| n.checked_mul(out.3));
+        let out_len = out_len.ok_or_else(|| PyValueError::new_err("the output's shape overflows"))?;
+        let table_len = seqs.checked_mul(max_blocks).ok_or_else(|| PyValueError::new_err("the tables' shape overflows"))?;
+        // SAFETY: paged_decode_cpu passes live tensors of these shapes and strides and the dtype
+        // T stands for, held by its caller for the whole call; `out` is a contiguous tensor that
+        // shares no memory with the others (checked there), so the one &mut aliases nothing.
+        let (decode, out) = unsafe {
+            let decode = PagedDecode {
+                q: strided::<T>(q)?,
+                k: strided::<T>(k)?,
+                v: strided::<T>(v)?,
+                tables: slice::<i64>(tables.0, table_len)?,
+                max_blocks,
+                lens: slice::<i64>(lens, seqs)?,
+                rows: slice::<i64>(rows, seqs)?,
+                page,
+                scale,
+                window,
+                sinks: match sinks {
+                    Some(ptr) => Some(slice::<f32>(ptr, q.2)?),
+                    None => None,
+                },
+            };
+            (decode, slice_mut::<T>(out.0, out_len)?)
+        };
+        let isa = *PAGED_DECODE_ISA.get_or_init(Isa::detect);
+        py.detach(|| paged_decode(&decode, out, threads, isa)).map_err(PyValueError::new_err)
+    }
+    match dtype {
+        "float32" => call::<f32>(py, q, k, v, tables, lens, rows, out, page, scale, window, sinks, threads),
+        "bfloat16" => call::<Bf16>(py, q, k, v, tables, lens, rows, out, page, scale, window, sinks, threads),
+        other => Err(PyTypeError::new_err(format!("paged decode attention takes float32 or bfloat16, not {other}"))),
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_routed_experts, m)?)?;
@@ -369,5 +493,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encoder_isa, m)?)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_decode_isa, m)?)?;
     Ok(())
 }

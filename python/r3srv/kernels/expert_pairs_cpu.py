@@ -19,10 +19,12 @@ from collections.abc import Callable
 
 import torch
 
-from r3srv import settings
-from r3srv._core import expert_pairs_cpu, expert_pairs_isa
+from r3srv import _core, settings
 
-__all__ = ["expert_pairs", "expert_pairs_isa"]
+# An extension built before the kernel (a stale `_core*.so` next to newer Python sources) leaves
+# the expert pass on the torch path instead of failing it; tests/test_expert_pairs_cpu.py
+# asserts that a fresh build has it.
+BUILT = hasattr(_core, "expert_pairs_cpu")
 
 
 def expert_pairs(
@@ -42,7 +44,7 @@ def expert_pairs(
     the experts are not contiguous CPU tensors of one dtype the kernel reads, or `act` is not
     one of moe.py's activations."""
     dtype = _DTYPES.get(x.dtype)
-    if not settings.current().cpu_expert_kernel or dtype is None or not x.is_cpu:
+    if not BUILT or not settings.current().cpu_expert_kernel or dtype is None or not x.is_cpu:
         return None
     spec = _activation(act)
     if spec is None:
@@ -62,7 +64,7 @@ def expert_pairs(
                  0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
-    expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit)
+    _core.expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit)
     return out
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from r3srv import settings
+from r3srv.kernels import paged_decode_cpu
 from r3srv.models.batch import ForwardBatch
 from r3srv.transfer import to_device
 
@@ -179,15 +180,19 @@ def _decode_group(
     return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
 
-# CUDA decodes take the Triton kernel unless settings.triton_decode is off (the torch path:
-# gather + SDPA): it walks the paged cache instead of gathering each context into a padded copy
-# (docs/benchmarks.md, "Paged decode attention").
+# CUDA decodes take the Triton kernel unless settings.triton_decode is off, CPU decodes the Rust
+# one unless settings.rust_decode is off (both fall back to the torch path: gather + SDPA): they
+# walk the paged cache instead of gathering each context into a padded copy (docs/benchmarks.md,
+# "Paged decode attention").
 def decode_kernel_for(q: torch.Tensor):
-    """kernels/paged_decode_triton.py's launcher when this step's decodes take it: on CUDA, with
-    triton, unless settings.triton_decode is off (the interpreter tests pass it CPU tensors)."""
-    if not q.is_cuda or not settings.current().triton_decode:
-        return None
-    return _decode_launcher()
+    """The launcher this step's decodes take, if any: kernels/paged_decode_triton.py's on CUDA
+    (with triton; the interpreter tests pass it CPU tensors themselves), kernels/paged_decode_cpu.py's
+    for float32 and bfloat16 CPU tensors."""
+    if q.is_cuda:
+        return _decode_launcher() if settings.current().triton_decode else None
+    if settings.current().rust_decode and paged_decode_cpu.supports(q):
+        return paged_decode_cpu.paged_decode_cpu
+    return None
 
 
 @functools.cache
@@ -220,8 +225,8 @@ def paged_attention(
     dims of the cached latent) is written by the k write. scale: the softmax scale (default
     1/sqrt(D)). window: each query sees the keys at most `window - 1` positions back (a
     sliding-window layer). sinks [H]: each head's sink logit, in every softmax's denominator.
-    decode_kernel: on CUDA the decodes may take the Triton kernel over the paged cache instead of
-    gathered groups. with_prefills=False: only the decodes attend here (MLA expands its prefills
+    decode_kernel: the decodes may take the paged kernel (decode_kernel_for: Triton on CUDA, Rust
+    on the CPU) over the paged cache instead of gathered groups. with_prefills=False: only the decodes attend here (MLA expands its prefills
     itself; every token's K/V is written all the same). groups: the decode groups to attend over
     instead of the metadata's (sparse attention's selections; never the kernel's).
     """
@@ -254,7 +259,7 @@ def paged_attention(
     launch = decode_kernel_for(q) if decode_kernel and groups is None and meta.decode_seqs else None
     if launch is None and meta.graph:
         raise RuntimeError("a graph-captured decode step needs the Triton paged decode kernel (CUDA, triton, "
-                           f"{TRITON_DECODE_ENV} not 0)")
+                           "settings.triton_decode on)")
     if launch is not None:
         tables, lens, rows, longest = meta.decode_kernel_args()
         launch(q, k_cache, v_cache, tables, lens, rows, out, page=meta.block_size,

@@ -1,0 +1,132 @@
+"""CPU decode attention: the Rust paged kernel (kernels/paged_decode_cpu.py) against the torch
+path it replaces (gather each context out of the paged cache, then SDPA), and the built-in
+model's whole decode step with the kernel on and off.
+
+    .venv/bin/python -m pytest benches/bench_paged_decode_cpu.py -s
+
+(a) one layer's decode attention (paged_attention: the K/V write, then the decodes), the built-in
+model's shape (4 query heads, 2 KV heads, head_dim 64, float32, blocks of 16), 1 sequence of
+512 tokens and 16 of 300; benches/conftest.py prints reference / r3srv.
+(b) the built-in model's decode steps (1 sequence after a 512-token prompt, 16 after 300-token
+prompts), settings.rust_decode off and on in the same engine, interleaved round by round and
+alternating which goes first; the ratio of the medians of each step's CPU time on the calling
+thread (one torch thread: every op runs there, so other processes on a shared machine barely
+disturb it), and the wall-clock ratio next to it. Both also check their answers: the same
+attention rows, the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+import r3srv.models.attention as attention
+from r3srv import LLM, SamplingParams, settings
+from r3srv.models.batch import ForwardBatch
+
+BLOCK, HEADS, KV_HEADS, DIM = 16, 4, 2, 64
+SHAPES = [(1, 512), (16, 300)]
+ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "6"))
+DECODE_STEPS = 32
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def rust_decode():
+    """rust_decode(on) switches the CPU kernel for the rest of the test."""
+    previous = settings.current()
+    yield lambda on: settings.configure(previous.replace(rust_decode=on))
+    settings.configure(previous)
+
+
+def decode_batch(seqs: int, context: int) -> ForwardBatch:
+    """`seqs` sequences decoding their token `context` (each context in its own blocks)."""
+    blocks = -(-context // BLOCK)
+    table = torch.arange(seqs * blocks, dtype=torch.int32).view(seqs, blocks)
+    pos = context - 1
+    return ForwardBatch(
+        input_ids=torch.zeros(seqs, dtype=torch.int64), positions=torch.full((seqs,), pos),
+        slot_mapping=table[:, pos // BLOCK].long() * BLOCK + pos % BLOCK, query_lens=[1] * seqs,
+        context_lens=[context] * seqs, block_tables=table, logits_indices=torch.arange(seqs),
+    )
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])  # last in the id: conftest reads it there
+@pytest.mark.parametrize("seqs, context", SHAPES, ids=[f"{s}x{c}" for s, c in SHAPES])
+def test_decode_attention_layer(benchmark, rust_decode, candidate, seqs, context):
+    gen = torch.Generator().manual_seed(seqs)
+    batch = decode_batch(seqs, context)
+    slots = batch.block_tables.numel() * BLOCK
+    k_cache, v_cache = (torch.randn(slots, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    q = torch.randn(seqs, HEADS, DIM, generator=gen)
+    k, v = (torch.randn(seqs, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    meta = attention.AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
+
+    def layer():
+        return attention.paged_attention(q, k, v, k_cache, v_cache, meta, decode_kernel=True)
+
+    rust_decode(False)
+    want = layer()
+    rust_decode(candidate == "r3srv")
+    benchmark.group = f"decode attention {seqs} x {context}"
+    got = benchmark(layer)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=1024, enable_prefix_caching=False, max_num_seqs=16, max_num_batched_tokens=8192)
+
+
+def decode_steps(llm: LLM, prompts: list[list[int]]) -> tuple[list[float], list[float], list[list[int]]]:
+    """Each decode step's (wall, thread CPU) seconds after the prompts' prefill, and the tokens."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+    ids = [f"b{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    while engine.step().num_prefill_tokens == 0:  # the prefill step, untimed
+        pass
+    walls, cpus, tokens = [], [], {}
+    while engine.has_unfinished():
+        w0, c0 = time.perf_counter(), time.thread_time()
+        step = engine.step()
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.thread_time() - c0)
+        tokens.update((o.request_id, o.outputs[0].token_ids) for o in step.outputs if o.finished)
+    return walls, cpus, [tokens[rid] for rid in ids]
+
+
+@pytest.mark.parametrize("seqs, context", SHAPES, ids=[f"{s}x{c}" for s, c in SHAPES])
+def test_decode_step_kernel_on_vs_off(benchmark, llm, rust_decode, seqs, context):
+    steps: dict[bool, tuple[list[float], list[float]]] = {}
+    rounds = iter(range(10_000))
+
+    def one_round():
+        r = next(rounds)
+        prompts = [[32 + (r * 31 + s * 17 + i * 13) % 90 for i in range(context)] for s in range(seqs)]
+        tokens = {}
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            rust_decode(on)
+            walls, cpus, tokens[on] = decode_steps(llm, prompts)
+            steps[on][0].extend(walls)
+            steps[on][1].extend(cpus)
+        assert tokens[True] == tokens[False]  # the kernel changes no greedy token
+
+    if not benchmark.disabled:  # bench-smoke runs the one (checked) round only
+        steps.update({False: ([], []), True: ([], [])})
+        one_round()  # warm-up
+    steps.update({False: ([], []), True: ([], [])})
+    benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
+    wall = {on: statistics.median(s[0]) for on, s in steps.items()}
+    cpu = {on: statistics.median(s[1]) for on, s in steps.items()}
+    benchmark.extra_info.update(cpu_ratio=cpu[False] / cpu[True], wall_ratio=wall[False] / wall[True])
+    print(f"\ndecode step, {seqs} x {context} (torch threads {torch.get_num_threads()}), medians of "
+          f"{len(steps[True][1])} steps each:\n"
+          f"  thread CPU: off {cpu[False] * 1e3:.2f} ms, on {cpu[True] * 1e3:.2f} ms, off/on {cpu[False] / cpu[True]:.2f}x\n"
+          f"  wall:       off {wall[False] * 1e3:.2f} ms, on {wall[True] * 1e3:.2f} ms, off/on {wall[False] / wall[True]:.2f}x")

@@ -1,0 +1,86 @@
+"""Paged decode attention on the CPU, in the Rust core (rust/src/paged_attn.rs): each decoding
+sequence's query heads attend over its keys and values where they lie in the paged cache.
+
+The CPU counterpart of kernels/paged_decode_triton.py, with its launcher's signature and
+semantics (GQA, MLA's values viewing the keys' leading dims, sliding windows, sinks): the torch
+path gathers every decode context into a padded copy and calls SDPA; this reads each context
+once, in place, with an online softmax in float32 (bfloat16 caches accumulate in float32 too).
+The work is split over (sequence, KV head) across torch's intra-op thread count when there is
+enough of it. Tensors cross as data pointers, shapes and strides: this module checks what Rust
+cannot (dtypes, devices, layouts, aliasing) and Rust checks every index before following it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from r3srv import _core
+
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# An extension built before the kernel (a stale `_core*.so` next to newer Python sources) leaves
+# CPU decodes on the torch path instead of failing them; tests/test_paged_decode_cpu.py asserts
+# that a fresh build has it.
+BUILT = hasattr(_core, "paged_decode_attention")
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether decodes of queries like `q` can take this kernel (CPU, float32 or bfloat16)."""
+    return BUILT and q.device.type == "cpu" and q.dtype in DTYPES
+
+
+def _head_major(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """A [rows, heads, dim] tensor, contiguous in its last dim, as (pointer, shape, strides)."""
+    strides = t.stride()
+    if len(strides) != 3 or (strides[2] != 1 and t.shape[2] > 1):
+        raise ValueError(f"{name} must be [rows, heads, dim] and contiguous in its last dim, "
+                         f"got shape {tuple(t.shape)} strides {strides}")
+    return (t.data_ptr(), *t.shape, strides[0], strides[1])
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
+def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int, scale: float,
+                     window: int | None = None, sinks: torch.Tensor | None = None,
+                     max_context: int | None = None) -> None:
+    """Decode attention into out[rows] (out [T, H, Dv], contiguous): q [T, H, D]; k_cache
+    [slots, KVH, D], v_cache [slots, KVH, Dv]; per decoding sequence its block table row
+    (tables [B, max_blocks]), context length (lens [B], this token included) and row in q
+    (rows [B]). max_context: accepted for the Triton launcher's signature (no split here)."""
+    del max_context
+    num_seqs = rows.shape[0]
+    if num_seqs == 0:
+        return
+    if q.dtype not in DTYPES:
+        raise TypeError(f"paged_decode_cpu takes float32 or bfloat16, not {q.dtype}")
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}
+    for name, t in tensors.items():
+        if not t.is_cpu or t.dtype is not q.dtype:
+            raise TypeError(f"paged_decode_cpu: {name} is {t.dtype} on {t.device}; every tensor must be "
+                            f"{q.dtype} on the CPU")
+    if not out.is_contiguous() or out.shape != (q.shape[0], q.shape[1], v_cache.shape[-1]):
+        raise ValueError(f"paged_decode_cpu: out must be contiguous [{q.shape[0]}, {q.shape[1]}, {v_cache.shape[-1]}], "
+                         f"got shape {tuple(out.shape)} strides {out.stride()}")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_decode_cpu: window must be positive, got {window}")
+    written = out.untyped_storage().data_ptr()
+    for name in ("q", "k_cache", "v_cache"):
+        if tensors[name].untyped_storage().data_ptr() == written:
+            raise ValueError(f"paged_decode_cpu: out shares memory with {name}")
+    tables, lens, rows = _index(tables), _index(lens), _index(rows)
+    if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != rows.shape:
+        raise ValueError(f"paged_decode_cpu: tables {tuple(tables.shape)}, lens {tuple(lens.shape)} and rows "
+                         f"{tuple(rows.shape)} do not describe {num_seqs} sequences")
+    if sinks is not None:
+        sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"paged_decode_cpu: {tuple(sinks.shape)} sinks for {q.shape[1]} heads")
+    _core.paged_decode_attention(
+        DTYPES[q.dtype], _head_major("q", q), _head_major("k_cache", k_cache), _head_major("v_cache", v_cache),
+        (tables.data_ptr(), *tables.shape), lens.data_ptr(), rows.data_ptr(), (out.data_ptr(), *out.shape),
+        page, float(scale), window, None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
+    )
+
+
+__all__ = ["paged_decode_cpu", "supports"]

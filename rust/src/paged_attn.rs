@@ -1,0 +1,908 @@
+//! Paged decode attention on the CPU: each decoding sequence's query token attends over its keys
+//! and values where they lie in the paged KV cache, read through its block table, without the
+//! gathered copy the torch path makes (python/r3srv/models/attention.py). The CPU counterpart of
+//! python/r3srv/kernels/paged_decode_triton.py, with its semantics: GQA (a KV head's keys are
+//! read once for its group of query heads), an optional sliding window (the last `window`
+//! positions), optional per-head sink logits in the softmax's denominator.
+//!
+//! One work item is a (sequence, KV head): it walks the context in tiles of keys with an online
+//! softmax in f32: scores of the tile for the group's heads, one rescale of the accumulators per
+//! tile, then the values weighted into them. The dot products, the weighted sums and the
+//! exponentials are loops the compiler vectorizes; they are compiled twice, for AVX2 + FMA
+//! (chosen at run time when the CPU has them) and for the baseline ISA.
+
+/// A cache or activation element: f32, or bfloat16 accumulated in f32.
+pub trait Element: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+    /// The 8 elements at `src` as f32 lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `src` must point to 8 readable elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(src: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(src: *const Self) -> std::arch::x86_64::__m256 {
+        // SAFETY: 8 readable f32 at src (the caller's contract); an unaligned load.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(src) }
+    }
+}
+
+/// bfloat16 as its bits (torch.bfloat16's layout: the high half of an f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Element for Bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+    /// Round to nearest, ties to even (as torch rounds), NaN kept a (quiet) NaN.
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        let bits = x.to_bits();
+        if x.is_nan() {
+            return Bf16(((bits >> 16) | 0x40) as u16);
+        }
+        Bf16(((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(src: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: 8 readable bfloat16 (16 bytes) at src and AVX2 (the caller's contract);
+        // widened to 32 bits and shifted into the high half: the f32 of the same value.
+        unsafe {
+            let half = _mm_loadu_si128(src as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(half)))
+        }
+    }
+}
+
+/// A [rows, heads, dim] tensor: element (r, h, i) at `r * row_stride + h * head_stride + i`.
+#[derive(Clone, Copy, Debug)]
+pub struct Strided<'a, T> {
+    pub data: &'a [T],
+    pub rows: usize,
+    pub heads: usize,
+    pub dim: usize,
+    pub row_stride: usize,
+    pub head_stride: usize,
+}
+
+impl<'a, T> Strided<'a, T> {
+    /// The elements a [rows, heads, dim] tensor with these strides spans (0 when empty).
+    pub fn span(rows: usize, heads: usize, dim: usize, row_stride: usize, head_stride: usize) -> Option<usize> {
+        if rows == 0 || heads == 0 || dim == 0 {
+            return Some(0);
+        }
+        (rows - 1)
+            .checked_mul(row_stride)?
+            .checked_add((heads - 1).checked_mul(head_stride)?)?
+            .checked_add(dim)
+    }
+
+    pub fn new(data: &'a [T], rows: usize, heads: usize, dim: usize, row_stride: usize, head_stride: usize) -> Result<Self, String> {
+        match Self::span(rows, heads, dim, row_stride, head_stride) {
+            Some(n) if n <= data.len() => Ok(Strided { data, rows, heads, dim, row_stride, head_stride }),
+            _ => Err(format!("a [{rows}, {heads}, {dim}] tensor with strides ({row_stride}, {head_stride}, 1) overruns its {} elements", data.len())),
+        }
+    }
+
+    #[inline(always)]
+    fn at(&self, row: usize, head: usize) -> &'a [T] {
+        &self.data[row * self.row_stride + head * self.head_stride..][..self.dim]
+    }
+}
+
+/// One layer's decodes: query rows, the paged cache and each sequence's place in it.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedDecode<'a, T> {
+    /// [tokens, heads, head_dim]: the step's queries; sequence i's is row `rows[i]`.
+    pub q: Strided<'a, T>,
+    /// [slots, kv_heads, head_dim]; slot = block * page + offset.
+    pub k: Strided<'a, T>,
+    /// [slots, kv_heads, v_dim] (may view the keys' leading dims: MLA's latents).
+    pub v: Strided<'a, T>,
+    /// [sequences, max_blocks] block tables, row-major.
+    pub tables: &'a [i64],
+    pub max_blocks: usize,
+    /// Context lengths (this token included) and rows in q (and in the output).
+    pub lens: &'a [i64],
+    pub rows: &'a [i64],
+    pub page: usize,
+    pub scale: f32,
+    /// Keys visible to a query: its last `window` positions.
+    pub window: Option<usize>,
+    /// Per query head, a logit that joins the softmax's denominator.
+    pub sinks: Option<&'a [f32]>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Avx2Fma,
+    Scalar,
+}
+
+impl Isa {
+    /// The fastest this CPU runs.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Isa::Avx2Fma;
+        }
+        Isa::Scalar
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx2Fma => "avx2",
+            Isa::Scalar => "portable",
+        }
+    }
+}
+
+/// Keys scored per tile: the softmax's running max rescales the accumulators once per tile.
+const TILE: usize = 32;
+/// The fewest multiply-adds worth a thread of their own (about 100 us of work): spawning one
+/// costs tens of microseconds.
+const PARALLEL_MIN_MACS: usize = 1 << 19;
+
+struct Item<'o, T> {
+    seq: usize,
+    kv_head: usize,
+    start: usize,
+    end: usize,
+    /// The group's heads' output rows, [group, v_dim], contiguous.
+    out: &'o mut [T],
+}
+
+/// Decode attention into `out` ([tokens, heads, v_dim], contiguous): sequence i's heads go to
+/// row `rows[i]`; other rows are left as they were. Validates every index it will follow (rows
+/// distinct and in range, contexts within their tables, visible blocks within the cache) before
+/// writing anything; splits the work over up to `threads` threads when there is enough.
+pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: usize, isa: Isa) -> Result<(), String> {
+    let (heads, kv_heads) = (d.q.heads, d.k.heads);
+    let (head_dim, v_dim) = (d.q.dim, d.v.dim);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(format!("{heads} query heads do not divide into {kv_heads} KV heads"));
+    }
+    if d.k.dim != head_dim || d.v.heads != kv_heads || d.v.rows != d.k.rows {
+        return Err(format!(
+            "queries [_, {heads}, {head_dim}], keys [{}, {kv_heads}, {}] and values [{}, {}, {v_dim}] do not match",
+            d.k.rows, d.k.dim, d.v.rows, d.v.heads
+        ));
+    }
+    if d.page == 0 {
+        return Err("the page (block size) must be positive".into());
+    }
+    let seqs = d.rows.len();
+    if d.lens.len() != seqs || d.tables.len() < seqs * d.max_blocks {
+        return Err(format!("{seqs} rows, {} context lengths and {} table entries for {} blocks each do not match",
+                           d.lens.len(), d.tables.len(), d.max_blocks));
+    }
+    if let Some(s) = d.sinks {
+        if s.len() != heads {
+            return Err(format!("{} sinks for {heads} heads", s.len()));
+        }
+    }
+    let row_len = heads * v_dim;
+    if out.len() != d.q.rows * row_len {
+        return Err(format!("the output holds {} elements, not [{}, {heads}, {v_dim}]", out.len(), d.q.rows));
+    }
+    if d.window == Some(0) {
+        return Err("a window must be positive".into());
+    }
+    let num_blocks = d.k.rows / d.page;
+    let mut order: Vec<(usize, usize)> = Vec::with_capacity(seqs); // (row, sequence)
+    let mut macs = 0usize;
+    for i in 0..seqs {
+        let (row, len) = (d.rows[i], d.lens[i]);
+        if row < 0 || row as usize >= d.q.rows {
+            return Err(format!("sequence {i}: row {row} is outside the {} query rows", d.q.rows));
+        }
+        if len < 1 || len as usize > d.max_blocks * d.page {
+            return Err(format!("sequence {i}: context length {len} is outside 1..={} (its table's {} blocks of {})",
+                               d.max_blocks * d.page, d.max_blocks, d.page));
+        }
+        let (start, end) = visible(len as usize, d.window);
+        for b in start / d.page..end.div_ceil(d.page) {
+            let block = d.tables[i * d.max_blocks + b];
+            if block < 0 || block as usize >= num_blocks {
+                return Err(format!("sequence {i}: block {block} (table entry {b}) is outside the cache's {num_blocks} blocks"));
+            }
+        }
+        macs += (end - start) * heads * (head_dim + v_dim);
+        order.push((row as usize, i));
+    }
+    order.sort_unstable();
+    if order.windows(2).any(|w| w[0].0 == w[1].0) {
+        return Err("two sequences write the same output row".into());
+    }
+
+    // Each sequence's output row, split into its KV heads' groups: disjoint borrows of `out`.
+    let group = heads / kv_heads;
+    let mut items = Vec::with_capacity(seqs * kv_heads);
+    let mut rest = out;
+    let mut next_row = 0;
+    for &(row, seq) in &order {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut((row - next_row) * row_len);
+        let (mine, tail) = tail.split_at_mut(row_len);
+        rest = tail;
+        next_row = row + 1;
+        let (start, end) = visible(d.lens[seq] as usize, d.window);
+        for (kv_head, part) in mine.chunks_exact_mut(group * v_dim).enumerate() {
+            items.push(Item { seq, kv_head, start, end, out: part });
+        }
+    }
+
+    // each thread at least PARALLEL_MIN_MACS of work: a many-core host spawns no idle threads
+    let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
+    if threads == 1 {
+        run(d, &mut items, isa);
+        return Ok(());
+    }
+    // Contiguous runs of items with about equal numbers of keys, one per thread.
+    let costs: Vec<usize> = items.iter().map(|it| it.end - it.start + 1).collect();
+    let total: usize = costs.iter().sum();
+    let (mut bounds, mut done) = (Vec::with_capacity(threads), 0);
+    for (i, cost) in costs.iter().enumerate() {
+        done += cost;
+        if bounds.len() + 1 < threads && done * threads >= total * (bounds.len() + 1) && i + 1 < costs.len() {
+            bounds.push(i + 1);
+        }
+    }
+    let mut chunks: Vec<&mut [Item<'_, T>]> = Vec::with_capacity(threads);
+    let mut rest = &mut items[..];
+    let mut taken = 0;
+    for b in bounds {
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(b - taken);
+        chunks.push(mine);
+        rest = tail;
+        taken = b;
+    }
+    chunks.push(rest);
+    std::thread::scope(|scope| {
+        let mut chunks = chunks.into_iter();
+        let own = chunks.next().expect("one chunk at least");
+        for chunk in chunks {
+            scope.spawn(move || run(d, chunk, isa));
+        }
+        run(d, own, isa);
+    });
+    Ok(())
+}
+
+/// The positions [start, end) a query at the end of a `len`-token context sees.
+fn visible(len: usize, window: Option<usize>) -> (usize, usize) {
+    (window.map_or(0, |w| len.saturating_sub(w)), len)
+}
+
+fn run<T: Element>(d: &PagedDecode<'_, T>, items: &mut [Item<'_, T>], isa: Isa) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above), all `run_avx2` requires.
+            unsafe { run_avx2(d, items) }
+        }
+        _ => run_items::<T, false>(d, items),
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_avx2<T: Element>(d: &PagedDecode<'_, T>, items: &mut [Item<'_, T>]) {
+    run_items::<T, true>(d, items)
+}
+
+/// Per-thread buffers, reused across items.
+struct Scratch {
+    q: Vec<f32>,      // [group, head_dim], the queries in f32
+    acc: Vec<f32>,    // [group, v_dim]
+    scores: Vec<f32>, // [group, TILE]
+    max: Vec<f32>,
+    total: Vec<f32>,
+}
+
+#[inline(always)]
+fn run_items<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, items: &mut [Item<'_, T>]) {
+    let group = d.q.heads / d.k.heads;
+    let mut s = Scratch {
+        q: vec![0.0; group * d.q.dim],
+        acc: vec![0.0; group * d.v.dim],
+        scores: vec![0.0; group * TILE],
+        max: vec![0.0; group],
+        total: vec![0.0; group],
+    };
+    for item in items {
+        attend_item::<T, AVX2>(d, item, group, &mut s);
+    }
+}
+
+#[inline(always)]
+fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut Item<'_, T>, group: usize, s: &mut Scratch) {
+    let (head_dim, v_dim) = (d.q.dim, d.v.dim);
+    let row = d.rows[item.seq] as usize;
+    let table = &d.tables[item.seq * d.max_blocks..][..d.max_blocks];
+    for g in 0..group {
+        let q = d.q.at(row, item.kv_head * group + g);
+        for (dst, &x) in s.q[g * head_dim..][..head_dim].iter_mut().zip(q) {
+            *dst = x.to_f32();
+        }
+    }
+    s.acc.fill(0.0);
+    s.max.fill(f32::NEG_INFINITY);
+    s.total.fill(0.0);
+    let mut slots = [0usize; TILE];
+    let mut lo = item.start;
+    while lo < item.end {
+        let n = TILE.min(item.end - lo);
+        // one division a tile, not one a key (validated: every visible block is in the cache)
+        let (mut entry, mut offset) = (lo / d.page, lo % d.page);
+        let mut base = table[entry] as usize * d.page;
+        for slot in &mut slots[..n] {
+            if offset == d.page {
+                entry += 1;
+                offset = 0;
+                base = table[entry] as usize * d.page;
+            }
+            *slot = base + offset;
+            offset += 1;
+        }
+        score_tile::<T, AVX2>(d, item.kv_head, &slots[..n], &s.q, &mut s.scores);
+        for g in 0..group {
+            let p = &mut s.scores[g * TILE..][..n];
+            let m_new = p.iter().fold(s.max[g], |m, &x| m.max(x));
+            let decay = exp(s.max[g] - m_new);
+            exp_shifted(p, m_new);
+            s.total[g] = s.total[g] * decay + p.iter().sum::<f32>();
+            if decay != 1.0 {
+                s.acc[g * v_dim..][..v_dim].iter_mut().for_each(|a| *a *= decay);
+            }
+            s.max[g] = m_new;
+        }
+        weigh_values::<T, AVX2>(d, item.kv_head, &slots[..n], &s.scores, &mut s.acc);
+        lo += n;
+    }
+    for g in 0..group {
+        let mut norm = 1.0 / s.total[g];
+        if let Some(sinks) = d.sinks {
+            let sink = sinks[item.kv_head * group + g];
+            let m_new = s.max[g].max(sink);
+            let decay = exp(s.max[g] - m_new);
+            norm = decay / (s.total[g] * decay + exp(sink - m_new));
+        }
+        for (o, &a) in item.out[g * v_dim..][..v_dim].iter_mut().zip(&s.acc[g * v_dim..][..v_dim]) {
+            *o = T::from_f32(a * norm);
+        }
+    }
+}
+
+/// Up to this many query heads share each load of a key or value row (their running sums
+/// stay in registers).
+#[cfg(target_arch = "x86_64")]
+const HEAD_BLOCK: usize = 4;
+
+/// `$f::<T, NH>(args.., g0)` for the group's heads in blocks g0..g0 + NH of at most HEAD_BLOCK
+/// (NH a constant, so that the blocks' running sums are registers).
+#[cfg(target_arch = "x86_64")]
+macro_rules! in_head_blocks {
+    ($group:expr, $f:ident::<$t:ty>($($arg:expr),*)) => {{
+        let (group, mut g0) = ($group, 0);
+        while g0 < group {
+            let heads = HEAD_BLOCK.min(group - g0);
+            match heads {
+                1 => $f::<$t, 1>($($arg,)* g0),
+                2 => $f::<$t, 2>($($arg,)* g0),
+                3 => $f::<$t, 3>($($arg,)* g0),
+                _ => $f::<$t, HEAD_BLOCK>($($arg,)* g0),
+            }
+            g0 += heads;
+        }
+    }};
+}
+
+/// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
+/// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`.
+#[inline(always)]
+fn score_tile<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
+        unsafe { in_head_blocks!(q.len() / d.q.dim, score_heads_avx2::<T>(d, kv_head, slots, q, scores)) };
+        return;
+    }
+    // Lanes of running sums, so that consecutive multiply-adds do not wait on each other.
+    const LANES: usize = 8;
+    let dim = d.q.dim;
+    let whole = dim / LANES * LANES;
+    for (j, &slot) in slots.iter().enumerate() {
+        let k = d.k.at(slot, kv_head);
+        for (g, qg) in q.chunks_exact(dim).enumerate() {
+            let mut lanes = [0f32; LANES];
+            for (x, y) in qg[..whole].chunks_exact(LANES).zip(k[..whole].chunks_exact(LANES)) {
+                for i in 0..LANES {
+                    lanes[i] += x[i] * y[i].to_f32();
+                }
+            }
+            let mut sum = lanes.iter().sum::<f32>();
+            for (x, y) in qg[whole..].iter().zip(&k[whole..]) {
+                sum += x * y.to_f32();
+            }
+            scores[g * TILE + j] = sum * d.scale;
+        }
+    }
+}
+
+/// The values at `slots`, weighed by the tile's probabilities, added to the group's
+/// accumulators (`acc`: [group, v_dim]), key by key in order.
+#[inline(always)]
+fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
+        unsafe { in_head_blocks!(acc.len() / d.v.dim, weigh_heads_avx2::<T>(d, kv_head, slots, scores, acc)) };
+        return;
+    }
+    let v_dim = d.v.dim;
+    for (j, &slot) in slots.iter().enumerate() {
+        let v = d.v.at(slot, kv_head);
+        for (g, a) in acc.chunks_exact_mut(v_dim).enumerate() {
+            let p = scores[g * TILE + j];
+            for (a, x) in a.iter_mut().zip(v) {
+                *a += p * x.to_f32();
+            }
+        }
+    }
+}
+
+
+/// score_tile for heads g0..g0 + NH (NH at most HEAD_BLOCK): each key row loaded once, 8 dims
+/// at a time, for all of them.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn score_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32], g0: usize) {
+    use std::arch::x86_64::*;
+    let dim = d.q.dim;
+    let whole = dim / 8 * 8;
+    let q = &q[g0 * dim..(g0 + NH) * dim];
+    for (j, &slot) in slots.iter().enumerate() {
+        let k = d.k.at(slot, kv_head);
+        // SAFETY: k holds `dim` elements and each query row `dim` (q is [heads, dim]): every
+        // 8-wide load at c < whole stays inside them; AVX2 and FMA by the caller's contract.
+        unsafe {
+            let mut sums = [_mm256_setzero_ps(); NH];
+            for c in (0..whole).step_by(8) {
+                let kc = T::load8(k.as_ptr().add(c));
+                for (h, sum) in sums.iter_mut().enumerate() {
+                    *sum = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(h * dim + c)), kc, *sum);
+                }
+            }
+            for (h, sum) in sums.iter().enumerate() {
+                let quad = _mm_add_ps(_mm256_castps256_ps128(*sum), _mm256_extractf128_ps::<1>(*sum));
+                let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+                let mut total = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps::<1>(pair, pair)));
+                for (x, y) in q[h * dim + whole..(h + 1) * dim].iter().zip(&k[whole..]) {
+                    total = x.mul_add(y.to_f32(), total);
+                }
+                scores[(g0 + h) * TILE + j] = total * d.scale;
+            }
+        }
+    }
+}
+
+/// weigh_values for heads g0..g0 + NH (NH at most HEAD_BLOCK): 16 value dims at a time (then
+/// 8, then one), their running sums in registers across the tile's keys, each value row's
+/// dims loaded once for the NH heads.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32], g0: usize) {
+    use std::arch::x86_64::*;
+    let v_dim = d.v.dim;
+    let n = slots.len();
+    assert!(n <= TILE && (g0 + NH) * TILE <= scores.len() && (g0 + NH) * v_dim <= acc.len());
+    let mut rows = [std::ptr::null::<T>(); TILE];
+    for (row, &slot) in rows.iter_mut().zip(slots) {
+        *row = d.v.at(slot, kv_head).as_ptr(); // bounds-checked: v_dim readable elements
+    }
+    let probs: [*const f32; NH] = std::array::from_fn(|h| scores[(g0 + h) * TILE..].as_ptr());
+    let sums_at: [*mut f32; NH] = std::array::from_fn(|h| acc[(g0 + h) * v_dim..].as_mut_ptr());
+    let mut c = 0;
+    // SAFETY: rows[..n] point to v_dim readable elements each, probs[h] to n probabilities
+    // and sums_at[h] to v_dim accumulators (the assert and at() above); every 8-wide load and
+    // store is at c + 8 <= v_dim. AVX2 and FMA by the caller's contract.
+    unsafe {
+        while c + 16 <= v_dim {
+            let mut lo: [__m256; NH] = std::array::from_fn(|h| _mm256_loadu_ps(sums_at[h].add(c)));
+            let mut hi: [__m256; NH] = std::array::from_fn(|h| _mm256_loadu_ps(sums_at[h].add(c + 8)));
+            for (j, &row) in rows[..n].iter().enumerate() {
+                let (v0, v1) = (T::load8(row.add(c)), T::load8(row.add(c + 8)));
+                for h in 0..NH {
+                    let p = _mm256_broadcast_ss(&*probs[h].add(j));
+                    lo[h] = _mm256_fmadd_ps(p, v0, lo[h]);
+                    hi[h] = _mm256_fmadd_ps(p, v1, hi[h]);
+                }
+            }
+            for h in 0..NH {
+                _mm256_storeu_ps(sums_at[h].add(c), lo[h]);
+                _mm256_storeu_ps(sums_at[h].add(c + 8), hi[h]);
+            }
+            c += 16;
+        }
+        if c + 8 <= v_dim {
+            let mut lo: [__m256; NH] = std::array::from_fn(|h| _mm256_loadu_ps(sums_at[h].add(c)));
+            for (j, &row) in rows[..n].iter().enumerate() {
+                let v0 = T::load8(row.add(c));
+                for h in 0..NH {
+                    lo[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(&*probs[h].add(j)), v0, lo[h]);
+                }
+            }
+            for h in 0..NH {
+                _mm256_storeu_ps(sums_at[h].add(c), lo[h]);
+            }
+            c += 8;
+        }
+        for i in c..v_dim {
+            for h in 0..NH {
+                let mut sum = *sums_at[h].add(i);
+                for (j, &row) in rows[..n].iter().enumerate() {
+                    sum = (*probs[h].add(j)).mul_add((*row.add(i)).to_f32(), sum);
+                }
+                *sums_at[h].add(i) = sum;
+            }
+        }
+    }
+}
+
+/// p[i] = exp(p[i] - shift), a loop the compiler vectorizes (libm's expf is a call per element).
+#[inline(always)]
+fn exp_shifted(p: &mut [f32], shift: f32) {
+    for x in p.iter_mut() {
+        *x = exp(*x - shift);
+    }
+}
+
+/// e^x in f32 within about 2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7
+/// polynomial for e^r, 2^n built in the exponent bits); 0 below the smallest normal's log, so
+/// exp(-inf) = 0, and infinite above 88 (the softmax only takes it of x <= 0). Branch-free, so
+/// a loop of it vectorizes.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer in the low bits
+    const LO: f32 = -87.336_55; // ln of the smallest normal f32
+    const HI: f32 = 88.0; // 2^n stays finite (e^x is infinite above this, not from 88.72)
+    let under = x < LO;
+    let xc = x.clamp(LO, HI);
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let mut y = 1.987_569_1e-4_f32;
+    y = y * r + 1.398_199_9e-3;
+    y = y * r + 8.333_452e-3;
+    y = y * r + 4.166_579_6e-2;
+    y = y * r + 1.666_666_5e-1;
+    y = y * r + 0.5;
+    let e = y * (r * r) + r + 1.0;
+    let exponent = (t.to_bits() as i32 - ROUND.to_bits() as i32 + 127) as u32;
+    let y = e * f32::from_bits(exponent << 23);
+    let y = if x > HI { f32::INFINITY } else { y };
+    let y = if under { 0.0 } else { y };
+    if x.is_nan() {
+        x
+    } else {
+        y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn noise(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    struct Case {
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        v_dim: usize,
+        page: usize,
+        lens: Vec<i64>,
+        window: Option<usize>,
+        sinks: bool,
+    }
+
+    /// q, k, v, tables (scattered blocks), rows (reversed), sinks.
+    #[allow(clippy::type_complexity)]
+    fn inputs(c: &Case, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<i64>, usize, Vec<i64>, Vec<f32>, usize) {
+        let blocks: Vec<usize> = c.lens.iter().map(|&n| (n as usize).div_ceil(c.page)).collect();
+        let max_blocks = *blocks.iter().max().unwrap();
+        let num_blocks = blocks.iter().sum::<usize>() + 2;
+        let mut tables = vec![-1i64; c.lens.len() * max_blocks];
+        let mut next = 0;
+        for (i, &b) in blocks.iter().enumerate() {
+            for j in 0..b {
+                tables[i * max_blocks + j] = ((next * 7 + 1) % num_blocks) as i64; // 7 and num_blocks coprime below
+                next += 1;
+            }
+        }
+        let slots = num_blocks * c.page;
+        let tokens = c.lens.len() + 1;
+        let q = noise(tokens * c.heads * c.head_dim, seed);
+        let k = noise(slots * c.kv_heads * c.head_dim, seed + 1);
+        let v = noise(slots * c.kv_heads * c.v_dim, seed + 2);
+        let rows = (0..c.lens.len() as i64).rev().collect();
+        let sinks = noise(c.heads, seed + 3);
+        (q, k, v, tables, max_blocks, rows, sinks, tokens)
+    }
+
+    /// Plain two-pass softmax attention in f64 over the gathered context.
+    fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], tables: &[i64], max_blocks: usize, rows: &[i64],
+                 sinks: &[f32], scale: f32, out: &mut [f64]) {
+        let group = c.heads / c.kv_heads;
+        for (i, &len) in c.lens.iter().enumerate() {
+            let (start, end) = visible(len as usize, c.window);
+            let row = rows[i] as usize;
+            for h in 0..c.heads {
+                let kvh = h / group;
+                let qh = &q[(row * c.heads + h) * c.head_dim..][..c.head_dim];
+                let mut logits = Vec::new();
+                let mut slots = Vec::new();
+                for pos in start..end {
+                    let slot = tables[i * max_blocks + pos / c.page] as usize * c.page + pos % c.page;
+                    let kh = &k[(slot * c.kv_heads + kvh) * c.head_dim..][..c.head_dim];
+                    logits.push(qh.iter().zip(kh).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64);
+                    slots.push(slot);
+                }
+                let mut m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                if c.sinks {
+                    m = m.max(sinks[h] as f64);
+                }
+                let mut total: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+                if c.sinks {
+                    total += (sinks[h] as f64 - m).exp();
+                }
+                let o = &mut out[(row * c.heads + h) * c.v_dim..][..c.v_dim];
+                for (l, slot) in logits.iter().zip(&slots) {
+                    let w = (l - m).exp() / total;
+                    let vh = &v[(slot * c.kv_heads + kvh) * c.v_dim..][..c.v_dim];
+                    for (a, b) in o.iter_mut().zip(vh) {
+                        *a += w * *b as f64;
+                    }
+                }
+            }
+        }
+    }
+
+    fn check(c: &Case, isa: Isa, threads: usize) {
+        let (q, k, v, tables, max_blocks, rows, sinks, tokens) = inputs(c, c.lens.len() as u64 * 31 + c.head_dim as u64);
+        let scale = (c.head_dim as f32).powf(-0.5) * 1.3;
+        let slots = k.len() / (c.kv_heads * c.head_dim);
+        let d = PagedDecode {
+            q: Strided::new(&q, tokens, c.heads, c.head_dim, c.heads * c.head_dim, c.head_dim).unwrap(),
+            k: Strided::new(&k, slots, c.kv_heads, c.head_dim, c.kv_heads * c.head_dim, c.head_dim).unwrap(),
+            v: Strided::new(&v, slots, c.kv_heads, c.v_dim, c.kv_heads * c.v_dim, c.v_dim).unwrap(),
+            tables: &tables,
+            max_blocks,
+            lens: &c.lens,
+            rows: &rows,
+            page: c.page,
+            scale,
+            window: c.window,
+            sinks: c.sinks.then_some(&sinks[..]),
+        };
+        let mut out = vec![-7.0f32; tokens * c.heads * c.v_dim];
+        paged_decode(&d, &mut out, threads, isa).unwrap();
+        let mut want = vec![-7.0f64; out.len()];
+        for r in 0..c.lens.len() {
+            want[r * c.heads * c.v_dim..][..c.heads * c.v_dim].fill(0.0);
+        }
+        reference(c, &q, &k, &v, &tables, max_blocks, &rows, &sinks, scale, &mut want);
+        for (i, (&got, &w)) in out.iter().zip(&want).enumerate() {
+            assert!((got as f64 - w).abs() <= 2e-5 + 2e-5 * w.abs(), "{isa:?} threads={threads} element {i}: {got} != {w}");
+        }
+    }
+
+    fn cases() -> Vec<Case> {
+        let mut all = Vec::new();
+        for (heads, kv_heads) in [(4, 4), (8, 2), (16, 1), (6, 2)] {
+            for (head_dim, v_dim) in [(64, 64), (24, 40), (13, 13)] {
+                for (window, sinks) in [(None, false), (Some(5), false), (None, true), (Some(70), true)] {
+                    let lens = vec![1, 3, 4, 33, 70, 9, 130];
+                    all.push(Case { heads, kv_heads, head_dim, v_dim, page: 4, lens, window, sinks });
+                }
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn the_portable_path_equals_the_reference() {
+        for c in cases() {
+            check(&c, Isa::Scalar, 1);
+        }
+    }
+
+    #[test]
+    fn the_avx2_path_equals_the_reference() {
+        if Isa::detect() != Isa::Avx2Fma {
+            eprintln!("skipped: this CPU has no AVX2 + FMA");
+            return;
+        }
+        for c in cases() {
+            check(&c, Isa::Avx2Fma, 1);
+        }
+    }
+
+    #[test]
+    fn threads_split_the_work_and_give_the_same_result() {
+        let lens = vec![300; 16];
+        let c = Case { heads: 4, kv_heads: 2, head_dim: 64, v_dim: 64, page: 16, lens, window: None, sinks: false };
+        for threads in [2, 3, 7] {
+            check(&c, Isa::detect(), threads);
+        }
+        let lens = vec![1, 2, 700, 3];
+        let c = Case { heads: 32, kv_heads: 1, head_dim: 96, v_dim: 80, page: 16, lens, window: Some(600), sinks: true };
+        check(&c, Isa::detect(), 2);
+    }
+
+    #[test]
+    fn the_isas_agree_closely() {
+        let c = Case { heads: 8, kv_heads: 2, head_dim: 64, v_dim: 64, page: 16, lens: vec![500, 17], window: None, sinks: true };
+        let (q, k, v, tables, max_blocks, rows, sinks, tokens) = inputs(&c, 5);
+        let slots = k.len() / (c.kv_heads * c.head_dim);
+        let d = PagedDecode {
+            q: Strided::new(&q, tokens, 8, 64, 8 * 64, 64).unwrap(),
+            k: Strided::new(&k, slots, 2, 64, 2 * 64, 64).unwrap(),
+            v: Strided::new(&v, slots, 2, 64, 2 * 64, 64).unwrap(),
+            tables: &tables,
+            max_blocks,
+            lens: &c.lens,
+            rows: &rows,
+            page: 16,
+            scale: 0.125,
+            window: None,
+            sinks: Some(&sinks),
+        };
+        let mut a = vec![0.0f32; tokens * 8 * 64];
+        let mut b = a.clone();
+        paged_decode(&d, &mut a, 1, Isa::Scalar).unwrap();
+        paged_decode(&d, &mut b, 1, Isa::detect()).unwrap();
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 + 1e-6 * x.abs(), "{x} != {y}");
+        }
+    }
+
+    #[test]
+    fn bfloat16_accumulates_in_f32() {
+        let c = Case { heads: 4, kv_heads: 2, head_dim: 32, v_dim: 32, page: 4, lens: vec![40, 5], window: None, sinks: false };
+        let (q, k, v, tables, max_blocks, rows, _, tokens) = inputs(&c, 9);
+        let bf = |x: &[f32]| x.iter().map(|&f| Bf16::from_f32(f)).collect::<Vec<_>>();
+        let (qb, kb, vb) = (bf(&q), bf(&k), bf(&v));
+        let round = |x: &[Bf16]| x.iter().map(|b| b.to_f32()).collect::<Vec<_>>();
+        let (qr, kr, vr) = (round(&qb), round(&kb), round(&vb));
+        let slots = k.len() / 64;
+        let view = |data, dim| Strided::new(data, slots, 2, dim, 2 * dim, dim).unwrap();
+        let d = PagedDecode {
+            q: Strided::new(&qb, tokens, 4, 32, 128, 32).unwrap(),
+            k: view(&kb, 32),
+            v: view(&vb, 32),
+            tables: &tables,
+            max_blocks,
+            lens: &c.lens,
+            rows: &rows,
+            page: 4,
+            scale: 0.2,
+            window: None,
+            sinks: None,
+        };
+        let mut out = vec![Bf16(0); tokens * 128];
+        paged_decode(&d, &mut out, 1, Isa::detect()).unwrap();
+        let mut want = vec![0.0f64; out.len()];
+        reference(&c, &qr, &kr, &vr, &tables, max_blocks, &rows, &[], 0.2, &mut want);
+        for (got, w) in out.iter().zip(&want).take(c.lens.len() * 128) {
+            // one bfloat16 rounding of an f32-accurate result
+            assert!((got.to_f32() as f64 - w).abs() <= 4e-3 * w.abs() + 1e-6, "{} != {w}", got.to_f32());
+        }
+    }
+
+    #[test]
+    fn bfloat16_rounds_to_nearest_even() {
+        assert_eq!(Bf16::from_f32(1.0).0, 0x3f80);
+        assert_eq!(Bf16::from_f32(f32::from_bits(0x3f80_8000)).0, 0x3f80); // tie: to even
+        assert_eq!(Bf16::from_f32(f32::from_bits(0x3f81_8000)).0, 0x3f82); // tie: to even
+        assert_eq!(Bf16::from_f32(f32::from_bits(0x3f80_8001)).0, 0x3f81);
+        assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
+        assert_eq!(Bf16::from_f32(f32::INFINITY).to_f32(), f32::INFINITY);
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_and_exact_at_the_ends() {
+        let mut x = -100.0f32;
+        while x < 88.0 {
+            let (got, want) = (exp(x), (x as f64).exp());
+            if want >= f32::MIN_POSITIVE as f64 && want <= f32::MAX as f64 {
+                let ulp = f32::from_bits((want as f32).to_bits() + 1) as f64 - want as f32 as f64;
+                assert!((got as f64 - want).abs() <= 2.0 * ulp, "exp({x}) = {got}, want {want}");
+            }
+            x += 0.0137;
+        }
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(f32::INFINITY), f32::INFINITY);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    fn small<'a>(q: &'a [f32], kv: &'a [f32], tables: &'a [i64], lens: &'a [i64], rows: &'a [i64]) -> PagedDecode<'a, f32> {
+        PagedDecode {
+            q: Strided::new(q, 2, 2, 4, 8, 4).unwrap(),
+            k: Strided::new(kv, 8, 1, 4, 4, 4).unwrap(),
+            v: Strided::new(kv, 8, 1, 4, 4, 4).unwrap(),
+            tables,
+            max_blocks: 2,
+            lens,
+            rows,
+            page: 2,
+            scale: 1.0,
+            window: None,
+            sinks: None,
+        }
+    }
+
+    #[test]
+    fn bad_indices_are_errors_and_nothing_is_written() {
+        let (q, kv) = (vec![1.0f32; 16], vec![1.0f32; 32]);
+        let mut out = vec![-7.0f32; 16];
+        let tables = [0i64, 1, 2, 3];
+        for (tables, lens, rows, wanted) in [
+            (&tables[..], &[3i64, 2][..], &[0i64, 0][..], "same output row"),
+            (&tables[..], &[3, 2], &[0, 2], "outside the 2 query rows"),
+            (&tables[..], &[5, 2], &[0, 1], "outside 1..=4"),
+            (&tables[..], &[0, 2], &[0, 1], "outside 1..=4"),
+            (&[0, 4, 2, 3][..], &[3, 2], &[0, 1], "block 4"),
+            (&[0, -1, 2, 3][..], &[3, 2], &[0, 1], "block -1"),
+            (&tables[..3], &[3, 2], &[0, 1], "table entries"),
+        ] {
+            let err = paged_decode(&small(&q, &kv, tables, lens, rows), &mut out, 1, Isa::Scalar).unwrap_err();
+            assert!(err.contains(wanted), "{err}");
+        }
+        assert!(out.iter().all(|&x| x == -7.0));
+        // a table entry past the visible part is never read: -1 there is fine
+        paged_decode(&small(&q, &kv, &[0, -1, 2, 3], &[2, 2], &[0, 1]), &mut out, 1, Isa::Scalar).unwrap();
+        assert!(out.iter().all(|&x| x == 1.0));
+        assert!(Strided::new(&q, 3, 2, 4, 8, 4).is_err());
+    }
+}
