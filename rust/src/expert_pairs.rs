@@ -446,17 +446,9 @@ pub(crate) mod python {
 mod tests {
     use super::*;
 
-    /// A small deterministic generator (xorshift), values in [-1, 1).
+    /// Deterministic values in [-1, 1).
     fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
+        crate::testing::noise(n, seed).into_iter().map(|v| v / 2.0).collect()
     }
 
     fn gemv_f64<W: Element>(m: &[W], v: &[f32], rows: usize) -> Vec<f64> {

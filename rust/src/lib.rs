@@ -1,6 +1,7 @@
 //! r3srv core: byte-identical, zero-copy `base64(np.save(array))` for routed experts, and its
-//! inverse; and the CPU expert pass for a few tokens (`expert_pairs`). Everything but
-//! `python` builds and tests without Python (`cargo test`).
+//! inverse; and CPU kernels: the expert pass for a few tokens (`expert_pairs`) and paged
+//! decode attention (`paged_attn`). Everything but `python` builds and tests without Python
+//! (`cargo test`).
 pub mod b64;
 #[cfg(target_arch = "x86_64")]
 pub mod b64_x86;
@@ -10,6 +11,8 @@ pub mod expert_pairs;
 pub mod layout;
 pub mod npy_header;
 pub mod paged_attn;
+#[cfg(test)]
+mod testing;
 
 #[cfg(feature = "python")]
 mod python;

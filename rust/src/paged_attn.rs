@@ -621,18 +621,7 @@ pub fn exp(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn noise(n: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                ((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-            })
-            .collect()
-    }
+    use crate::testing::noise;
 
     struct Case {
         heads: usize,
