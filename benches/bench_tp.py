@@ -1,6 +1,6 @@
 """Decode and prefill step time of the built-in model at TP=2 against TP=1 on the CPU, same run.
 
-    PYTHONPATH=python .venv/bin/python benches/bench_tp.py [--rounds 5]
+    PYTHONPATH=python .venv/bin/python benches/bench_tp.py [--rounds 5] [--device cuda]
 
 Both engines live in this process (TP=2's second rank is a worker process); rounds
 alternate between them, and the ratios are of medians. On a CPU the ranks share the memory
@@ -50,9 +50,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--device", default="cpu", help="cpu (gloo ranks) or cuda (one GPU per rank, NCCL; gpu_check.sh)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    engines = {"tp1": LLM(**ENGINE), "tp2": LLM(tensor_parallel_size=2, **ENGINE)}
+    engine = dict(ENGINE, device=args.device)
+    engines = {"tp1": LLM(**engine), "tp2": LLM(tensor_parallel_size=2, **engine)}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, llm in engines.items():

@@ -19,7 +19,7 @@
 # then call the device tool's run with
 #   command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=600 (the default steps, estimated
 #   at about 500 s on an H200: graphs ~90, throughput ~200 (estimated, unmeasured), tests 110,
-#   syncs 15, router 125 s; each step also has its own limit below; "hybrid decode", measured
+#   tp ~60 with two GPUs (with one it says so and skips), syncs 15, router 125 s; each step also has its own limit below; "hybrid decode", measured
 #   before, run only when R3SRV_GPU_STEPS names them)
 # and copy the tables it prints ($OUT/throughput_table.md, $OUT/router_table.md) into
 # docs/benchmarks.md, with the date. Every command is printed before it runs.
@@ -45,11 +45,11 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/python"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 | tee "$out/machine.txt"
 
-# R3SRV_GPU_STEPS picks steps (default "graphs throughput tests syncs router"; also "hybrid",
+# R3SRV_GPU_STEPS picks steps (default "graphs throughput tests tp syncs router"; also "hybrid",
 # "decode", "engine"): a follow-up call in the same session reruns only
 # what changed, e.g. R3SRV_GPU_STEPS="engine tests syncs decode" (engine: the router script's
 # decode-step rows only) with R3SRV_GPU_TESTS naming the test files.
-steps=" ${R3SRV_GPU_STEPS:-graphs throughput tests syncs router} "
+steps=" ${R3SRV_GPU_STEPS:-graphs throughput tests tp syncs router} "
 wants() { [[ "$steps" == *" $1 "* ]]; }
 status=0
 # step LOG SECONDS COMMAND...: prints the command, runs it under a limit, its output also in $out/LOG
@@ -71,6 +71,14 @@ if wants tests; then
     step gpu_tests.log 280 python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda or gpu" ${R3SRV_GPU_TESTS:-\
         tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine_hybrid_gpu.py tests/test_engine.py \
         tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_attention_gpu.py tests/test_transfer.py}
+fi
+if wants tp; then  # TP=2 against TP=1 (NCCL, one GPU per rank): only where there are two GPUs
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    if [ "$gpus" -ge 2 ]; then
+        step tp_bench.log 150 python3 benches/bench_tp.py --device cuda --rounds 3
+    else
+        echo "tp: this machine has $gpus GPU(s); the TP=2 run needs two, so it did not run" | tee "$out/tp_bench.log"
+    fi
 fi
 if wants syncs; then  # -rP: its lines say where a decode step synchronizes
     step syncs.log 90 python3 -m pytest -q -p no:cacheprovider -rfEP tests/test_engine_gpu_syncs.py

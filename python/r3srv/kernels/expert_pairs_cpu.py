@@ -19,7 +19,12 @@ from collections.abc import Callable
 
 import torch
 
-from r3srv import _core, settings
+from r3srv import settings
+
+try:
+    from r3srv import _core
+except ImportError:  # no built extension (benches/gpu_check.sh's device image): the torch paths
+    _core = None
 
 # An extension built before the kernel (a stale `_core*.so` next to newer Python sources) leaves
 # the expert pass on the torch path instead of failing it; tests/test_expert_pairs_cpu.py

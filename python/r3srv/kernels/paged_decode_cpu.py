@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from r3srv import _core
+try:
+    from r3srv import _core
+except ImportError:  # no built extension (benches/gpu_check.sh's device image): the torch paths
+    _core = None
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # An extension built before the kernel (a stale `_core*.so` next to newer Python sources) leaves
