@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from r3srv.kernels.rms_norm_cpu import rms_norm_cpu
+
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
     """An uninitialised, frozen parameter (the loader fills it)."""
@@ -15,8 +17,9 @@ def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back before the weight, as the HF reference does."""
-    if x.dtype == weight.dtype == torch.float32:  # nothing to cast: torch's fused kernel, one op
-        return F.rms_norm(x, weight.shape, weight, eps)
+    if x.dtype == weight.dtype == torch.float32:  # nothing to cast: one kernel, Rust's on the CPU
+        out = rms_norm_cpu(x, weight, eps)
+        return F.rms_norm(x, weight.shape, weight, eps) if out is None else out
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

@@ -1,0 +1,70 @@
+"""RMSNorm on the CPU: the Rust kernel (r3srv.kernels.rms_norm_cpu) against torch's rms_norm,
+as same-run ratios.
+
+    .venv/bin/python -m pytest benches/bench_rms_norm_cpu.py -s
+
+(a) one call on a decode step's shapes (a 1 x 256 row, Qwen3's per-head q/k norm on 1 x 4 x 64,
+    16 x 256 rows): benches/conftest.py prints torch / Rust as reference / r3srv;
+(b) the built-in model's decode step of one sequence with the kernel on and off, interleaved
+    round by round (bench_expert_pairs_cpu's decode_steps): median thread-CPU time per step.
+Both check the kernel's result against torch's (the same greedy tokens in (b)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+
+import pytest
+import torch
+
+from bench_expert_pairs_cpu import decode_steps
+from r3srv import LLM, settings
+from r3srv.models.layers import rms_norm
+
+ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "5"))
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@contextlib.contextmanager
+def rust_rms_norm(on: bool):
+    previous = settings.configure(settings.current().replace(rust_rms_norm=on))
+    try:
+        yield
+    finally:
+        settings.configure(previous)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("shape", [(1, 256), (1, 4, 64), (16, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_rms_norm(benchmark, shape, candidate):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=g), torch.rand(shape[-1], generator=g) + 0.5
+    benchmark.group = f"rms_norm {'x'.join(map(str, shape))}"
+    with rust_rms_norm(candidate == "r3srv"):
+        out = benchmark(rms_norm, x, w, 1e-6)
+    torch.testing.assert_close(out, torch.rms_norm(x, (shape[-1],), w, 1e-6), rtol=2e-6, atol=2e-6)
+
+
+def test_decode_step(benchmark):
+    llm = LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=8)
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    round_no = iter(range(10_000))
+
+    def one_round() -> None:
+        r = next(round_no)
+        generated = {}
+        for on in (False, True) if r % 2 == 0 else (True, False):
+            with rust_rms_norm(on):
+                times, _, generated[on] = decode_steps(llm, 1, 32, r)
+            cpu[on].extend(times)
+        assert generated[True] == generated[False]
+
+    decode_steps(llm, 1, 4, 9999)  # warm-up
+    benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
+    med = {on: statistics.median(t) for on, t in cpu.items()}
+    benchmark.extra_info.update(cpu_ratio=med[False] / med[True])
+    print(f"\ndecode step, 1 sequence, median thread CPU per step: torch rms_norm {med[False] * 1e3:.2f} ms, "
+          f"Rust {med[True] * 1e3:.2f} ms, {med[False] / med[True]:.2f}x")

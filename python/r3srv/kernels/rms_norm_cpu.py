@@ -1,0 +1,34 @@
+"""RMSNorm of float32 rows on the CPU in the Rust core (rust/src/rms_norm.rs): one call instead
+of torch's composite CPU kernel, whose per-call cost exceeds the work on a decode step's few
+rows (docs/benchmarks.md). models/layers.rms_norm takes it for contiguous float32 CPU tensors;
+`--no-rust-rms-norm` (R3SRV_RUST_RMS_NORM=0), a stale or missing extension keep torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from r3srv import settings
+
+try:
+    from r3srv import _core
+except ImportError:  # no built extension (benches/gpu_check.sh's device image): torch's kernel
+    _core = None
+
+# tests/test_rms_norm_cpu.py asserts that a fresh build has it.
+BUILT = hasattr(_core, "rms_norm_f32")
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x / sqrt(mean(x^2, -1) + eps) * weight for float32 CPU tensors, or None where the Rust
+    kernel does not apply (the caller keeps torch's)."""
+    if not BUILT or not x.is_cpu or not settings.current().rust_rms_norm:
+        return None
+    if weight.dim() != 1 or x.shape[-1] != weight.shape[0] or not (x.is_contiguous() and weight.is_contiguous()):
+        return None
+    if not weight.is_cpu or x.requires_grad or weight.requires_grad:
+        return None
+    dim = weight.shape[0]
+    out = torch.empty_like(x)
+    _core.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return out

@@ -1,0 +1,64 @@
+"""The Rust RMSNorm (kernels/rms_norm_cpu.py, rust/src/rms_norm.rs) against torch's on generated
+float32 inputs, where it applies and where it must step aside, and the built-in model's
+tokens and routed-experts rows with it on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings as hsettings
+from hypothesis import strategies as st
+
+from r3srv import LLM, SamplingParams, settings
+from r3srv.kernels import rms_norm_cpu as kernel
+from r3srv.models.layers import rms_norm
+
+
+def test_a_fresh_build_has_the_kernel():
+    assert kernel.BUILT, "r3srv._core lacks rms_norm_f32: rebuild the extension (make install)"
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.integers(0, 5), min_size=0, max_size=2), dim=st.integers(1, 300),
+       seed=st.integers(0, 2**31 - 1), eps=st.sampled_from([1e-6, 1e-5, 0.1]))
+def test_rows_equal_torch_rms_norm(rows, dim, seed, eps):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*rows, dim, generator=g) * 3
+    w = torch.rand(dim, generator=g) + 0.5
+    got = kernel.rms_norm_cpu(x, w, eps)
+    assert got is not None and got.shape == x.shape
+    torch.testing.assert_close(got, torch.rms_norm(x, (dim,), w, eps), rtol=2e-6, atol=2e-6)
+
+
+def test_it_steps_aside_where_it_does_not_apply():
+    x, w = torch.randn(4, 8), torch.ones(8)
+    assert kernel.rms_norm_cpu(x.t().contiguous().t(), w, 1e-6) is None  # not contiguous
+    assert kernel.rms_norm_cpu(x, torch.ones(2, 4), 1e-6) is None  # weight not [dim]
+    assert kernel.rms_norm_cpu(x.requires_grad_(), w, 1e-6) is None  # autograd stays with torch
+    previous = settings.configure(settings.current().replace(rust_rms_norm=False))
+    try:
+        assert kernel.rms_norm_cpu(torch.randn(4, 8), w, 1e-6) is None
+    finally:
+        settings.configure(previous)
+    # the layer's function gives torch's result either way
+    y = torch.randn(3, 16)
+    torch.testing.assert_close(rms_norm(y, torch.ones(16), 1e-6), torch.rms_norm(y, (16,), torch.ones(16), 1e-6))
+
+
+def _generate(rust: bool) -> list[tuple[list[int], object]]:
+    previous = settings.configure(settings.current().replace(rust_rms_norm=rust))
+    try:
+        llm = LLM(max_model_len=256, enable_return_routed_experts=True)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate([[(7 * i + k) % 250 + 1 for i in range(20 + k)] for k in range(3)], params)
+        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
+    finally:
+        settings.configure(previous)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_builtin_model_gives_the_same_tokens_and_rows_either_way():
+    on, off = _generate(True), _generate(False)
+    for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
+        assert tokens_on == tokens_off
+        assert rows_on is not None and (rows_on == rows_off).all()
