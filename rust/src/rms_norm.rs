@@ -11,7 +11,7 @@ const LANES: usize = 8;
 /// Normalizes each `w.len()`-long row of `x` into `out`. Errors on lengths that do not match.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), String> {
     let dim = w.len();
-    if dim == 0 || x.len() % dim != 0 || out.len() != x.len() {
+    if dim == 0 || !x.len().is_multiple_of(dim) || out.len() != x.len() {
         return Err(format!("rms_norm: {} inputs and {} outputs for rows of {dim}", x.len(), out.len()));
     }
     for (row, dst) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
