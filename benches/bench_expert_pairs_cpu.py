@@ -14,7 +14,6 @@ Both check the kernel's result against the torch path's (the same greedy tokens 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
@@ -31,13 +30,8 @@ ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "5"))
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@contextlib.contextmanager
 def kernel(on: bool):
-    previous = settings.configure(settings.current().replace(cpu_expert_kernel=on))
-    try:
-        yield
-    finally:
-        settings.configure(previous)
+    return settings.overridden(cpu_expert_kernel=on)
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])
@@ -84,9 +78,10 @@ def decode_steps(llm: LLM, num_seqs: int, steps: int, round_no: int) -> tuple[li
     return cpu, wall, [tokens[k] for k in sorted(tokens)]
 
 
-@pytest.mark.parametrize("num_seqs", [1, 4])
-def test_decode_step(benchmark, llm, num_seqs):
-    steps = 32
+def interleaved_decode_steps(benchmark, llm: LLM, num_seqs: int, switch, steps: int = 32) -> dict:
+    """Median (thread CPU, wall) seconds per decode step with `switch(False)` and `switch(True)`
+    (context managers) on one engine, interleaved round by round, alternating which goes first;
+    asserts both give the same greedy tokens."""
     per: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
     round_no = iter(range(10_000))
 
@@ -94,17 +89,23 @@ def test_decode_step(benchmark, llm, num_seqs):
         r = next(round_no)
         generated = {}
         for on in (False, True) if r % 2 == 0 else (True, False):
-            with kernel(on):
+            with switch(on):
                 cpu, wall, generated[on] = decode_steps(llm, num_seqs, steps, r)
             per[on][0].extend(cpu)
             per[on][1].extend(wall)
         assert generated[True] == generated[False]
 
-    with kernel(True):
+    with switch(True):
         decode_steps(llm, num_seqs, 4, 9999)  # warm-up
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
     med = {on: (statistics.median(c), statistics.median(w)) for on, (c, w) in per.items()}
     benchmark.extra_info.update(cpu_ratio=med[False][0] / med[True][0], wall_ratio=med[False][1] / med[True][1])
+    return med
+
+
+@pytest.mark.parametrize("num_seqs", [1, 4])
+def test_decode_step(benchmark, llm, num_seqs):
+    med = interleaved_decode_steps(benchmark, llm, num_seqs, kernel)
     print(
         f"\ndecode step, {num_seqs} sequence(s), torch threads {torch.get_num_threads()}, median per step:\n"
         f"  thread CPU: torch path {med[False][0] * 1e3:.2f} ms, Rust kernel {med[True][0] * 1e3:.2f} ms,"

@@ -6,35 +6,25 @@ as same-run ratios.
 (a) one call on a decode step's shapes (a 1 x 256 row, Qwen3's per-head q/k norm on 1 x 4 x 64,
     16 x 256 rows): benches/conftest.py prints torch / Rust as reference / r3srv;
 (b) the built-in model's decode step of one sequence with the kernel on and off, interleaved
-    round by round (bench_expert_pairs_cpu's decode_steps): median thread-CPU time per step.
+    round by round (bench_expert_pairs_cpu's interleaved_decode_steps): median thread-CPU time per step.
 Both check the kernel's result against torch's (the same greedy tokens in (b)).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import statistics
 
 import pytest
 import torch
 
-from bench_expert_pairs_cpu import decode_steps
+from bench_expert_pairs_cpu import interleaved_decode_steps
 from r3srv import LLM, settings
 from r3srv.models.layers import rms_norm
-
-ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "5"))
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@contextlib.contextmanager
 def rust_rms_norm(on: bool):
-    previous = settings.configure(settings.current().replace(rust_rms_norm=on))
-    try:
-        yield
-    finally:
-        settings.configure(previous)
+    return settings.overridden(rust_rms_norm=on)
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])
@@ -50,21 +40,6 @@ def test_rms_norm(benchmark, shape, candidate):
 
 def test_decode_step(benchmark):
     llm = LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=8)
-    cpu: dict[bool, list[float]] = {False: [], True: []}
-    round_no = iter(range(10_000))
-
-    def one_round() -> None:
-        r = next(round_no)
-        generated = {}
-        for on in (False, True) if r % 2 == 0 else (True, False):
-            with rust_rms_norm(on):
-                times, _, generated[on] = decode_steps(llm, 1, 32, r)
-            cpu[on].extend(times)
-        assert generated[True] == generated[False]
-
-    decode_steps(llm, 1, 4, 9999)  # warm-up
-    benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
-    med = {on: statistics.median(t) for on, t in cpu.items()}
-    benchmark.extra_info.update(cpu_ratio=med[False] / med[True])
-    print(f"\ndecode step, 1 sequence, median thread CPU per step: torch rms_norm {med[False] * 1e3:.2f} ms, "
-          f"Rust {med[True] * 1e3:.2f} ms, {med[False] / med[True]:.2f}x")
+    med = interleaved_decode_steps(benchmark, llm, 1, rust_rms_norm)
+    print(f"\ndecode step, 1 sequence, median thread CPU per step: torch rms_norm {med[False][0] * 1e3:.2f} ms, "
+          f"Rust {med[True][0] * 1e3:.2f} ms, {med[False][0] / med[True][0]:.2f}x")

@@ -263,17 +263,9 @@ def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 
         finally:
             core.rows, runner.rows = rows, capture
 
-    @contextlib.contextmanager
-    def changed_settings(**fields):
-        previous = settings.configure(settings.current().replace(**fields))
-        try:
-            yield
-        finally:
-            settings.configure(previous)
-
     variants = {"on": contextlib.nullcontext, "off": capture_off,
-                "on_torch_router": lambda: changed_settings(force_torch_router=True),
-                "on_torch_decode": lambda: changed_settings(triton_decode=False)}  # gather + SDPA
+                "on_torch_router": lambda: settings.overridden(force_torch_router=True),
+                "on_torch_decode": lambda: settings.overridden(triton_decode=False)}  # gather + SDPA
 
     def run(max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

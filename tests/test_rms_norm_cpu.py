@@ -35,25 +35,19 @@ def test_it_steps_aside_where_it_does_not_apply():
     assert kernel.rms_norm_cpu(x.t().contiguous().t(), w, 1e-6) is None  # not contiguous
     assert kernel.rms_norm_cpu(x, torch.ones(2, 4), 1e-6) is None  # weight not [dim]
     assert kernel.rms_norm_cpu(x.requires_grad_(), w, 1e-6) is None  # autograd stays with torch
-    previous = settings.configure(settings.current().replace(rust_rms_norm=False))
-    try:
+    with settings.overridden(rust_rms_norm=False):
         assert kernel.rms_norm_cpu(torch.randn(4, 8), w, 1e-6) is None
-    finally:
-        settings.configure(previous)
     # the layer's function gives torch's result either way
     y = torch.randn(3, 16)
     torch.testing.assert_close(rms_norm(y, torch.ones(16), 1e-6), torch.rms_norm(y, (16,), torch.ones(16), 1e-6))
 
 
 def _generate(rust: bool) -> list[tuple[list[int], object]]:
-    previous = settings.configure(settings.current().replace(rust_rms_norm=rust))
-    try:
+    with settings.overridden(rust_rms_norm=rust):
         llm = LLM(max_model_len=256, enable_return_routed_experts=True)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         outs = llm.generate([[(7 * i + k) % 250 + 1 for i in range(20 + k)] for k in range(3)], params)
         return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
-    finally:
-        settings.configure(previous)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -11,9 +11,10 @@ for measuring and for ruling a kernel out; a user normally sets only the first t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,3 +151,14 @@ def configure(settings: Settings) -> Settings:
     previous = current()
     _current = settings
     return previous
+
+
+@contextlib.contextmanager
+def overridden(**fields) -> Iterator[Settings]:
+    """These fields changed for a with block, then the settings before it (benchmarks and tests
+    comparing a backend switch on and off in one process)."""
+    previous = configure(current().replace(**fields))
+    try:
+        yield current()
+    finally:
+        configure(previous)
