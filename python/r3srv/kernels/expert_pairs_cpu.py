@@ -20,16 +20,10 @@ from collections.abc import Callable
 import torch
 
 from r3srv import settings
+from r3srv.kernels.rust_core import rust_kernel
 
-try:
-    from r3srv import _core
-except ImportError:  # no built extension (benches/gpu_check.sh's device image): the torch paths
-    _core = None
-
-# An extension built before the kernel (a stale `_core*.so` next to newer Python sources) leaves
-# the expert pass on the torch path instead of failing it; tests/test_expert_pairs_cpu.py
-# asserts that a fresh build has it.
-BUILT = hasattr(_core, "expert_pairs_cpu")
+_expert_pairs_cpu = rust_kernel("expert_pairs_cpu")
+BUILT = _expert_pairs_cpu is not None  # else the torch path (kernels/rust_core.py)
 
 
 def expert_pairs(
@@ -69,7 +63,7 @@ def expert_pairs(
                  0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
-    _core.expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit)
+    _expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit)
     return out
 
 

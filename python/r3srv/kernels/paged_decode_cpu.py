@@ -14,16 +14,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    from r3srv import _core
-except ImportError:  # no built extension (benches/gpu_check.sh's device image): the torch paths
-    _core = None
+from r3srv.kernels.rust_core import rust_kernel
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-# An extension built before the kernel (a stale `_core*.so` next to newer Python sources) leaves
-# CPU decodes on the torch path instead of failing them; tests/test_paged_decode_cpu.py asserts
-# that a fresh build has it.
-BUILT = hasattr(_core, "paged_decode_attention")
+_paged_decode_attention = rust_kernel("paged_decode_attention")
+BUILT = _paged_decode_attention is not None  # else the torch path (kernels/rust_core.py)
 
 
 def supports(q: torch.Tensor) -> bool:
@@ -79,7 +74,7 @@ def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int,
         sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
         if sinks.shape != (q.shape[1],):
             raise ValueError(f"paged_decode_cpu: {tuple(sinks.shape)} sinks for {q.shape[1]} heads")
-    _core.paged_decode_attention(
+    _paged_decode_attention(
         DTYPES[q.dtype], _head_major("q", q), _head_major("k_cache", k_cache), _head_major("v_cache", v_cache),
         (tables.data_ptr(), *tables.shape), lens.data_ptr(), rows.data_ptr(), (out.data_ptr(), *out.shape),
         page, float(scale), window, None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),

@@ -9,14 +9,10 @@ from __future__ import annotations
 import torch
 
 from r3srv import settings
+from r3srv.kernels.rust_core import rust_kernel
 
-try:
-    from r3srv import _core
-except ImportError:  # no built extension (benches/gpu_check.sh's device image): torch's kernel
-    _core = None
-
-# tests/test_rms_norm_cpu.py asserts that a fresh build has it.
-BUILT = hasattr(_core, "rms_norm_f32")
+_rms_norm_f32 = rust_kernel("rms_norm_f32")
+BUILT = _rms_norm_f32 is not None  # else the torch path (kernels/rust_core.py)
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -30,5 +26,5 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         return None
     dim = weight.shape[0]
     out = torch.empty_like(x)
-    _core.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    _rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
     return out

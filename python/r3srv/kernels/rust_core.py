@@ -1,0 +1,21 @@
+"""The Rust core's CPU kernels, looked up once per kernel module.
+
+A checkout without the built extension (benches/gpu_check.sh's device image) or with one built
+before a kernel (a stale `_core*.so` next to newer Python sources, as worktrees that copy it
+have) gets None, and the caller keeps its torch path; each kernel's test asserts that a fresh
+build has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+try:
+    from r3srv import _core
+except ImportError:
+    _core = None
+
+
+def rust_kernel(name: str) -> Callable | None:
+    """r3srv._core.`name`, or None where this build lacks it."""
+    return getattr(_core, name, None)
