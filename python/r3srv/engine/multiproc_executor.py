@@ -331,8 +331,9 @@ class MultiprocExecutor:
         if error is not None:
             raise error
         where = f"tensor-parallel rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
-        if failed and command is Command.APPLY_STAGED_WEIGHTS:  # some shards are new, some old
-            raise RuntimeError(f"{what} failed on {where} (the server's log has the error)")
+        if failed and command is Command.APPLY_STAGED_WEIGHTS:  # some shards new, some old: no policy to serve
+            self._fail(WorkerError(f"{what} failed on {where}, leaving the ranks on mixed weights"))
+            raise WorkerError(str(self.failure))
         if failed and command is Command.CHECK_STAGED_WEIGHTS:  # nothing copied: as a checkpoint that does not fit
             raise ConfigError(f"the staged weights do not fill {where}'s shards (the server's log names them)")
         if failed:
