@@ -1,6 +1,6 @@
-"""The Rust expert pass for a few tokens (r3srv.kernels.expert_pairs_cpu) against the torch
-paths on generated inputs, its fallbacks, and the built-in model's tokens and routed experts
-with it on and off."""
+"""The Rust expert pass (r3srv.kernels.expert_pairs_cpu) against the torch paths on generated
+inputs (from one token to many pairs per expert), its batch invariance, its fallbacks, and the
+built-in model's tokens and routed experts with it on and off."""
 
 from __future__ import annotations
 
@@ -89,8 +89,9 @@ def float_args(args, dtype: torch.dtype):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    tokens=st.integers(1, 8),
-    experts=st.sampled_from([8, 12, 64]),
+    # up to 150 tokens on 4 experts: several of the kernel's chunks of pairs per expert
+    tokens=st.one_of(st.integers(1, 8), st.integers(9, 150)),
+    experts=st.sampled_from([4, 8, 12, 64]),
     top_k=st.integers(1, 8),
     hidden=st.sampled_from([8, 13, 40]),
     inter=st.sampled_from([4, 7, 16]),
@@ -102,7 +103,7 @@ def float_args(args, dtype: torch.dtype):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, biases, listed, bfloat16, seed):
-    args = random_experts(seed, tokens, experts, top_k, hidden, inter, act, *biases)
+    args = random_experts(seed, tokens, experts, min(top_k, experts), hidden, inter, act, *biases)
     if listed:
         args = as_list(args, seed)
     if bfloat16:  # the same values in bfloat16: the float32 pass on them, rounded once
@@ -122,14 +123,24 @@ def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, bias
 
 
 @pytest.mark.parametrize("listed", [False, True])
-def test_the_moe_pass_takes_it_for_a_few_tokens(monkeypatch, listed):
-    args = random_experts(1, 2, 64, 8, 24, 16, "silu_and_mul", True, True)
+@pytest.mark.parametrize("tokens", [2, 300])
+def test_the_moe_pass_takes_it_at_every_batch_size(monkeypatch, listed, tokens):
+    args = random_experts(1, tokens, 64, 8, 24, 16, "silu_and_mul", True, True)
     if listed:
         args = as_list(args, 1)
     x, w13, w2, weights, ids, tokens, b13, b2, act = args
-    monkeypatch.setattr(torch, "mv", None)  # the torch path's product: must not run
+    for name in ("mv", "argsort"):  # the torch paths' first steps: must not run
+        monkeypatch.setattr(torch, name, None)
     got = moe.grouped_experts(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2, act=act)
     torch.testing.assert_close(got, expert_pairs(*args), rtol=0, atol=0)
+
+
+def test_a_tokens_result_does_not_depend_on_its_batch():
+    x, w13, w2, weights, ids, _, b13, b2, act = random_experts(4, 120, 8, 4, 32, 16, "clamped_swiglu", True, True)
+    batch = expert_pairs(x, w13, w2, weights, ids, None, b13, b2, act)
+    for t in (0, 59, 119):
+        alone = expert_pairs(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], None, b13, b2, act)
+        assert torch.equal(alone[0], batch[t])
 
 
 @pytest.mark.parametrize("case", ["float16", "mixed dtypes", "strided w13", "other activation", "int64 ids, float64 weights"])

@@ -45,7 +45,7 @@ class Settings:
     rust_decode: bool = _setting(True, "CPU decodes through the Rust paged-attention kernel; off: gather + SDPA")
     fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")
     grouped_mm: bool = _setting(True, "expert matmuls through torch's grouped_mm where it pays; off: a loop")
-    cpu_expert_kernel: bool = _setting(True, "CPU expert pass of a few tokens in one Rust call per layer; off: torch.mv per pair")
+    cpu_expert_kernel: bool = _setting(True, "CPU expert pass in one Rust call per layer at every batch size; off: torch's paths")
     rust_rms_norm: bool = _setting(True, "CPU float32 RMSNorm in one Rust call; off: torch's rms_norm")
     force_torch_router: bool = _setting(False, "route with the torch reference, never the Triton kernel")
     ep_dispatch: str = _setting("all_reduce", "expert parallelism's combine: all_reduce or all_to_all (dispatch)")

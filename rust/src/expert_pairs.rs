@@ -1,14 +1,16 @@
-//! The CPU expert pass for a few (token, expert, weight) pairs, one call per MoE layer: for
-//! each pair p of token t, expert e = ids[p] and weight w = weights[p] (every token's k slots,
-//! or an expert-parallel rank's own list of pairs, `PairTokens`),
+//! The CPU expert pass, one call per MoE layer: for each pair p of token t, expert e = ids[p]
+//! and weight w = weights[p] (every token's k slots, or an expert-parallel rank's own list of
+//! pairs, `PairTokens`),
 //!     h = w13[e] @ x[t] (+ b13[e]),  a = act(h),  o = w2[e] @ a (+ b2[e]),
-//! and out[t] = the sum of its pairs' w * o in pair order. The torch path pays a dispatch per matrix-vector
-//! product and per indexing op; here the products read each expert's rows in place and the
-//! whole pass is one call (r3srv.kernels.expert_pairs_cpu). Tensors hold float32 or
-//! bfloat16 (`Element`); the arithmetic is float32 throughout, bfloat16 rounded once at the end.
+//! and out[t] = the sum of its pairs' w * o in pair order. Pairs are grouped by expert, and
+//! each expert's pairs run as small matrix products (`gemm_nt`) that read every weight row once
+//! per chunk of pairs, in place (r3srv.kernels.expert_pairs_cpu). Each output element is the
+//! same dot product, summed in the same order, whatever the grouping, chunking or threading, so
+//! a token's result does not depend on the batch it runs in. Tensors hold float32 or bfloat16
+//! (`Element`); the arithmetic is float32 throughout, bfloat16 rounded once at the end.
 //!
-//! One thread: splitting the pairs over scoped threads lost on the shared 2-core machine
-//! (docs/benchmarks.md), the thread start costing more than a one-token pass saves.
+//! Threads (scoped, started per call) take chunks from a shared counter, and only for calls
+//! large enough to pay for starting them (`PARALLEL_MIN_MACS`).
 
 use std::sync::OnceLock;
 
@@ -149,20 +151,6 @@ impl<W: Element> Experts<'_, W> {
         }
         Ok(())
     }
-
-    /// o = w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]; `h` and `a` are scratch of R and I values.
-    fn run(&self, isa: Isa, e: usize, x: &[f32], h: &mut [f32], a: &mut [f32], o: &mut [f32]) {
-        let (hid, r, i) = (self.hidden, self.rows13(), self.inter);
-        gemv(isa, &self.w13[e * r * hid..(e + 1) * r * hid], x, h);
-        if let Some(b13) = self.b13 {
-            add(h, &b13[e * r..(e + 1) * r]);
-        }
-        self.act.apply(h, a);
-        gemv(isa, &self.w2[e * hid * i..(e + 1) * hid * i], a, o);
-        if let Some(b2) = self.b2 {
-            add(o, &b2[e * hid..(e + 1) * hid]);
-        }
-    }
 }
 
 fn add<W: Element>(dst: &mut [f32], src: &[W]) {
@@ -190,6 +178,7 @@ pub fn expert_pairs<W: Element>(
     ids: &[i32],
     weights: &[f32],
     out: &mut [W],
+    threads: usize,
     isa: Isa,
 ) -> Result<(), String> {
     experts.check()?;
@@ -222,22 +211,150 @@ pub fn expert_pairs<W: Element>(
     if let Some(&bad) = ids.iter().find(|&&e| e < 0 || e as usize >= experts.num_experts) {
         return Err(format!("expert id {bad} is outside 0..{}", experts.num_experts));
     }
-    let (mut h, mut a, mut o) = (vec![0.0f32; experts.rows13()], vec![0.0f32; experts.inter], vec![0.0f32; hid]);
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let pair_token: Vec<u32> = (0..ids.len()).map(|p| token_of(p) as u32).collect();
+    let outputs = grouped_pass(experts, &xf, &pair_token, ids, weights, threads, isa);
+    // out[t] = its pairs' weighted outputs summed in pair order, whatever order they ran in
     let mut sums = vec![0.0f32; x.len()];
-    for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
-        if w != 0.0 {
-            let t = token_of(p);
-            experts.run(isa, e as usize, &xf[t * hid..(t + 1) * hid], &mut h, &mut a, &mut o);
-            for (acc, &o) in sums[t * hid..(t + 1) * hid].iter_mut().zip(&o) {
-                *acc += w * o;
-            }
+    for (p, &t) in pair_token.iter().enumerate().filter(|&(p, _)| weights[p] != 0.0) {
+        let t = t as usize;
+        for (acc, &o) in sums[t * hid..(t + 1) * hid].iter_mut().zip(&outputs[p * hid..(p + 1) * hid]) {
+            *acc += weights[p] * o;
         }
     }
     for (dst, &v) in out.iter_mut().zip(&sums) {
         *dst = W::from_f32(v);
     }
     Ok(())
+}
+
+/// Pairs of one expert run together, at most this many at a time: each weight row is read
+/// once per chunk, and a chunk's scratch (inputs, both projections) stays in the L2 cache.
+const CHUNK_PAIRS: usize = 48;
+/// The fewest multiply-adds worth a thread of their own: spawning one costs tens of
+/// microseconds.
+const PARALLEL_MIN_MACS: usize = 1 << 20;
+
+/// Every pair's expert output o[p] ([P, H]; zero for a pair of weight 0), the pairs grouped by
+/// expert so that each weight row is read once per chunk of up to CHUNK_PAIRS pairs instead
+/// of once per pair. Results do not depend on the grouping: each output element is the same
+/// dot product, accumulated in the same order, as a one-pair pass computes. Up to `threads`
+/// threads take chunks from a shared counter, so a thread the OS preempts holds up none of
+/// the others' work.
+fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32], ids: &[i32], weights: &[f32],
+                            threads: usize, isa: Isa) -> Vec<f32> {
+    let hid = experts.hidden;
+    // a counting sort of the live pairs by expert (stable: pair order within an expert)
+    let mut starts = vec![0usize; experts.num_experts + 1];
+    for (&e, &w) in ids.iter().zip(weights) {
+        if w != 0.0 {
+            starts[e as usize + 1] += 1;
+        }
+    }
+    for e in 0..experts.num_experts {
+        starts[e + 1] += starts[e];
+    }
+    let mut order = vec![0u32; starts[experts.num_experts]];
+    let mut fill = starts.clone();
+    for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        if w != 0.0 {
+            order[fill[e as usize]] = p as u32;
+            fill[e as usize] += 1;
+        }
+    }
+    let mut chunks: Vec<(usize, usize, usize)> = Vec::new(); // (expert, first, end) into `order`
+    for e in 0..experts.num_experts {
+        let mut first = starts[e];
+        while first < starts[e + 1] {
+            let end = (first + CHUNK_PAIRS).min(starts[e + 1]);
+            chunks.push((e, first, end));
+            first = end;
+        }
+    }
+    let mut outputs = vec![0.0f32; ids.len() * hid];
+    let macs = order.len() * experts.rows13() * hid * 3 / 2;
+    let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, chunks.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let dst = SharedRows(outputs.as_mut_ptr());
+    let work = || {
+        let mut scratch = Scratch::default();
+        loop {
+            let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(&(e, first, end)) = chunks.get(c) else { break };
+            let pairs = &order[first..end];
+            experts.run_chunk(isa, e, xf, pair_token, pairs, &mut scratch);
+            for (j, &p) in pairs.iter().enumerate() {
+                // SAFETY: every pair is in exactly one chunk and each chunk runs once, so no
+                // two threads write the same row of `outputs`, which outlives the scope.
+                unsafe { dst.row(p as usize, hid) }.copy_from_slice(&scratch.o[j * hid..(j + 1) * hid]);
+            }
+        }
+    };
+    if threads == 1 {
+        work();
+    } else {
+        std::thread::scope(|scope| {
+            for _ in 1..threads {
+                scope.spawn(work);
+            }
+            work();
+        });
+    }
+    outputs
+}
+
+/// The output rows' base, shared by the threads of `grouped_pass`.
+#[derive(Clone, Copy)]
+struct SharedRows(*mut f32);
+
+// SAFETY: the threads write disjoint rows (see `grouped_pass`).
+unsafe impl Send for SharedRows {}
+unsafe impl Sync for SharedRows {}
+
+impl SharedRows {
+    /// # Safety
+    /// No other live reference may cover row `row` (of `len` values) of the buffer.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(&self, row: usize, len: usize) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(row * len), len)
+    }
+}
+
+/// One thread's buffers for a chunk: inputs [n, H], h [n, R], a [n, I], o [n, H].
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    a: Vec<f32>,
+    o: Vec<f32>,
+}
+
+impl<W: Element> Experts<'_, W> {
+    /// o[j] = expert e of x[pair_token[pairs[j]]] for the chunk's pairs, into `s.o`.
+    fn run_chunk(&self, isa: Isa, e: usize, xf: &[f32], pair_token: &[u32], pairs: &[u32], s: &mut Scratch) {
+        let (hid, r, i, n) = (self.hidden, self.rows13(), self.inter, pairs.len());
+        s.x.clear();
+        for &p in pairs {
+            let t = pair_token[p as usize] as usize;
+            s.x.extend_from_slice(&xf[t * hid..(t + 1) * hid]);
+        }
+        s.h.resize(n * r, 0.0);
+        s.a.resize(n * i, 0.0);
+        s.o.resize(n * hid, 0.0);
+        gemm_nt(isa, &self.w13[e * r * hid..(e + 1) * r * hid], r, &s.x, &mut s.h);
+        for (h, a) in s.h.chunks_exact_mut(r).zip(s.a.chunks_exact_mut(i)) {
+            if let Some(b13) = self.b13 {
+                add(h, &b13[e * r..(e + 1) * r]);
+            }
+            self.act.apply(h, a);
+        }
+        gemm_nt(isa, &self.w2[e * hid * i..(e + 1) * hid * i], hid, &s.a, &mut s.o);
+        if let Some(b2) = self.b2 {
+            for o in s.o.chunks_exact_mut(hid) {
+                add(o, &b2[e * hid..(e + 1) * hid]);
+            }
+        }
+    }
 }
 
 /// The matrix-vector kernel: AVX2 with FMA, or portable scalar code.
@@ -277,6 +394,121 @@ pub fn gemv<W: Element>(isa: Isa, m: &[W], v: &[f32], out: &mut [f32]) {
         // SAFETY: the guard checked that this CPU has AVX2 and FMA; the lengths were checked above.
         Isa::Avx2Fma if Isa::best() == Isa::Avx2Fma => unsafe { gemv_avx2(m, v, out) },
         _ => gemv_scalar(m, v, out),
+    }
+}
+
+/// out[j, r] = m[r] . vs[j] for a row-major m [rows, K] and vectors vs [n, K] (out [n, rows]):
+/// every weight row read once for all n vectors. Each element is the dot product `gemv`
+/// computes, in the same order, so results do not depend on n.
+pub fn gemm_nt<W: Element>(isa: Isa, m: &[W], rows: usize, vs: &[f32], out: &mut [f32]) {
+    let cols = if rows == 0 { 0 } else { m.len() / rows };
+    assert_eq!(m.len(), rows * cols, "gemm_nt: the matrix is not [rows, K]");
+    if cols == 0 || rows == 0 {
+        out.fill(0.0);
+        return;
+    }
+    assert_eq!(vs.len() % cols, 0, "gemm_nt: the vectors are not [n, K]");
+    assert_eq!(out.len(), vs.len() / cols * rows, "gemm_nt: the output is not [n, rows]");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the guard checked that this CPU has AVX2 and FMA; the lengths were checked above.
+        Isa::Avx2Fma if Isa::best() == Isa::Avx2Fma => unsafe { gemm_nt_avx2(m, rows, cols, vs, out) },
+        _ => {
+            for (v, o) in vs.chunks_exact(cols).zip(out.chunks_exact_mut(rows)) {
+                gemv_scalar(m, v, o);
+            }
+        }
+    }
+}
+
+/// Blocks of 4 rows x 3 vectors: 12 accumulators sharing each load, the 4 rows read from
+/// memory once and kept in L1 while the vectors pass.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; m is [rows, cols], vs [n, cols], out [n, rows], cols > 0.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_nt_avx2<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f32], out: &mut [f32]) {
+    let n = vs.len() / cols;
+    let mut r = 0;
+    while r < rows {
+        let block_rows = if r + 4 <= rows { 4 } else { 1 };
+        prefetch_rows(m, cols, r + PREFETCH_ROWS_AHEAD, 4.min(rows.saturating_sub(r + PREFETCH_ROWS_AHEAD)));
+        let mut j = 0;
+        while j < n {
+            let left = n - j;
+            match (block_rows, left) {
+                (4, 3..) => gemm_block::<W, 4, 3>(m, cols, vs, out, rows, r, j),
+                (4, 2) => gemm_block::<W, 4, 2>(m, cols, vs, out, rows, r, j),
+                (4, _) => gemm_block::<W, 4, 1>(m, cols, vs, out, rows, r, j),
+                (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j),
+                (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j),
+                _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j),
+            }
+            j += left.min(3);
+        }
+        r += block_rows;
+    }
+}
+
+/// How far ahead of the block being computed `gemm_nt_avx2` asks for weight rows: a chunk's
+/// first pass over a row block otherwise waits on memory the hardware prefetcher has not
+/// guessed (each row block is only a few KiB).
+const PREFETCH_ROWS_AHEAD: usize = 8;
+
+/// Asks for rows [first, first + count) of m [_, cols] to be brought into the cache.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn prefetch_rows<W: Element>(m: &[W], cols: usize, first: usize, count: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    if count == 0 {
+        return;
+    }
+    let rows = &m[first * cols..(first + count) * cols];
+    let bytes = std::mem::size_of_val(rows);
+    let base = rows.as_ptr() as *const i8;
+    for offset in (0..bytes).step_by(64) {
+        // SAFETY: the address lies within `rows`; a prefetch never faults or writes anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(offset)) };
+    }
+}
+
+/// out[j + v, r + l] for l < R, v < V (see `gemm_nt_avx2`).
+///
+/// # Safety
+/// As `gemm_nt_avx2`, with r + R <= rows and j + V <= n.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn gemm_block<W: Element, const R: usize, const V: usize>(
+    m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize, j: usize,
+) {
+    use std::arch::x86_64::*;
+    let body = cols / 8 * 8;
+    let (mp, vp) = (m.as_ptr(), vs.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); V]; R];
+    let mut c = 0;
+    while c < body {
+        let mut x = [_mm256_setzero_ps(); V];
+        for (v, xv) in x.iter_mut().enumerate() {
+            *xv = _mm256_loadu_ps(vp.add((j + v) * cols + c));
+        }
+        for (l, row) in acc.iter_mut().enumerate() {
+            let w = W::load8(mp.add((r + l) * cols + c));
+            for (a, xv) in row.iter_mut().zip(&x) {
+                *a = _mm256_fmadd_ps(w, *xv, *a);
+            }
+        }
+        c += 8;
+    }
+    for (l, row) in acc.iter().enumerate() {
+        let wrow = &m[(r + l) * cols + body..(r + l + 1) * cols];
+        for (v, a) in row.iter().enumerate() {
+            let x = &vs[(j + v) * cols + body..(j + v + 1) * cols];
+            let tail: f32 = wrow.iter().zip(x).map(|(w, x)| w.to_f32() * x).sum();
+            out[(j + v) * rows + r + l] = hsum(*a) + tail;
+        }
     }
 }
 
@@ -371,7 +603,7 @@ pub(crate) mod python {
 
     /// # Safety
     /// As `expert_pairs_cpu` requires of its caller, with `W` the tensors' element type.
-    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 9], shape: [usize; 5], act: Activation) -> PyResult<()> {
+    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 9], shape: [usize; 5], act: Activation, threads: usize) -> PyResult<()> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
         let [x, w13, w2, b13, b2, tokens, ids, weights, out] = addresses;
         let [num_tokens, num_pairs, num_experts, hidden, inter] = shape;
@@ -396,7 +628,7 @@ pub(crate) mod python {
         let weights = from_raw_parts(weights as *const f32, num_pairs);
         let out = from_raw_parts_mut(out as *mut W, num_tokens * hidden);
         let isa = Isa::best();
-        py.detach(|| expert_pairs(&experts, x, tokens, ids, weights, out, isa)).map_err(PyValueError::new_err)
+        py.detach(|| expert_pairs(&experts, x, tokens, ids, weights, out, threads, isa)).map_err(PyValueError::new_err)
     }
 
     /// out [T, H] = the expert pass (see rust/src/expert_pairs.rs) of the tensors at
@@ -405,9 +637,9 @@ pub(crate) mod python {
     /// H, I): x and out [T, H], tokens, ids and weights [P], w13 [E, R, H], w2 [E, H, I], b13
     /// [E, R] and b2 [E, H] (address 0: none; no tokens: every token's P / T slots in order).
     /// activation: "silu_and_mul", "clamped_swiglu" (alpha, limit) or "relu_squared". Runs with
-    /// the GIL released.
+    /// the GIL released, on up to `threads` threads when the work is large enough.
     #[pyfunction]
-    #[pyo3(signature = (addresses, shape, dtype, activation, alpha=0.0, limit=0.0))]
+    #[pyo3(signature = (addresses, shape, dtype, activation, alpha=0.0, limit=0.0, threads=1))]
     pub fn expert_pairs_cpu(
         py: Python<'_>,
         addresses: [usize; 9],
@@ -416,6 +648,7 @@ pub(crate) mod python {
         activation: &str,
         alpha: f32,
         limit: f32,
+        threads: usize,
     ) -> PyResult<()> {
         let act = match activation {
             "silu_and_mul" => Activation::SiluAndMul,
@@ -434,8 +667,8 @@ pub(crate) mod python {
         // a model's tensors).
         unsafe {
             match dtype {
-                "float32" => run::<f32>(py, addresses, shape, act),
-                "bfloat16" => run::<Bf16>(py, addresses, shape, act),
+                "float32" => run::<f32>(py, addresses, shape, act, threads),
+                "bfloat16" => run::<Bf16>(py, addresses, shape, act, threads),
                 other => Err(PyValueError::new_err(format!("unsupported expert dtype {other:?}"))),
             }
         }
@@ -536,7 +769,7 @@ mod tests {
                 let want = pass_f64(&experts, &x, pair_tokens, ids, weights);
                 for isa in isas() {
                     let mut out = vec![W::from_f32(f32::NAN); tokens * hid];
-                    expert_pairs(&experts, &x, *tokens_arg, ids, weights, &mut out, isa).unwrap();
+                    expert_pairs(&experts, &x, *tokens_arg, ids, weights, &mut out, 1, isa).unwrap();
                     for (got, want) in out.iter().zip(&want) {
                         let got = got.to_f32() as f64;
                         assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(), "{isa:?} {act:?}: {got} vs {want}");
@@ -550,6 +783,68 @@ mod tests {
     fn every_kernel_matches_the_definition_on_the_whole_pass() {
         whole_pass::<f32>(0.0);
         whole_pass::<Bf16>(1.0 / 256.0); // bfloat16's final rounding: at most half of 2^-7
+    }
+
+    /// `gemm_nt` gives, element for element, the bits `gemv` gives for each vector alone.
+    fn gemm_cases<W: Element>() {
+        for isa in isas() {
+            for rows in [1, 3, 4, 5, 9] {
+                for cols in [1, 7, 8, 9, 17, 64] {
+                    for n in 1..=8 {
+                        let m: Vec<W> = cast(values(rows as u64 * 7 + cols as u64, rows * cols));
+                        let vs = values(n as u64 * 3 + 1, n * cols);
+                        let mut out = vec![f32::NAN; n * rows];
+                        gemm_nt(isa, &m, rows, &vs, &mut out);
+                        for (j, v) in vs.chunks_exact(cols).enumerate() {
+                            let mut want = vec![f32::NAN; rows];
+                            gemv(isa, &m, v, &mut want);
+                            let got = &out[j * rows..(j + 1) * rows];
+                            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                    "{isa:?} {rows}x{cols} n={n} vector {j}: {got:?} vs {want:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gemm_nt_is_gemv_bit_for_bit_at_every_width() {
+        gemm_cases::<f32>();
+        gemm_cases::<Bf16>();
+    }
+
+    /// Many pairs per expert (several chunks each), on 1-3 threads and token by token: the
+    /// same bits every way, as the module promises.
+    #[test]
+    fn threads_chunks_and_batch_size_do_not_change_a_bit() {
+        let (e, hid, inter, tokens, top_k) = (3, 64, 32, 400, 2);
+        let act = Activation::SiluAndMul;
+        let (w13, w2) = (values(11, e * 2 * inter * hid), values(12, e * hid * inter));
+        let b13 = values(13, e * 2 * inter);
+        let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
+        assert!(tokens * top_k / e > CHUNK_PAIRS, "every expert needs several chunks");
+        assert!(tokens * top_k * 2 * inter * hid * 3 / 2 >= 3 * PARALLEL_MIN_MACS, "three threads must be allowed");
+        let x = values(14, tokens * hid);
+        let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p * 7 + p / 5) % e) as i32).collect();
+        let weights = values(15, tokens * top_k);
+        for isa in isas() {
+            let run = |threads: usize| {
+                let mut out = vec![f32::NAN; tokens * hid];
+                expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, threads, isa).unwrap();
+                out
+            };
+            let one = run(1);
+            for threads in [2, 3] {
+                assert!(one.iter().zip(run(threads)).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} {threads} threads");
+            }
+            for t in [0, 77, tokens - 1] {
+                let mut alone = vec![f32::NAN; hid];
+                let slots = t * top_k..(t + 1) * top_k;
+                expert_pairs(&experts, &x[t * hid..(t + 1) * hid], PairTokens::Grid, &ids[slots.clone()], &weights[slots], &mut alone, 1, isa).unwrap();
+                assert!(alone.iter().zip(&one[t * hid..(t + 1) * hid]).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} token {t}");
+            }
+        }
     }
 
     #[test]
@@ -571,15 +866,15 @@ mod tests {
         let experts = Experts { w13: &w13, w2: &w2, b13: None, b2: None, num_experts: 2, hidden: 4, inter: 4, act: Activation::SiluAndMul };
         let (x, mut out) = (values(3, 4), vec![0.0; 4]);
         let grid = PairTokens::Grid;
-        let err = expert_pairs(&experts, &x, grid, &[2], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        let err = expert_pairs(&experts, &x, grid, &[2], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err();
         assert!(err.contains("expert id 2"), "{err}");
-        let err = expert_pairs(&experts, &x, grid, &[0, 1], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        let err = expert_pairs(&experts, &x, grid, &[0, 1], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err();
         assert!(err.contains("one value per pair"), "{err}");
-        let err = expert_pairs(&experts, &x, PairTokens::List(&[1]), &[0], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        let err = expert_pairs(&experts, &x, PairTokens::List(&[1]), &[0], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err();
         assert!(err.contains("token 1 is outside 0..1"), "{err}");
-        let err = expert_pairs(&experts, &x, PairTokens::List(&[0, 0]), &[0], &[1.0], &mut out, Isa::Scalar).unwrap_err();
+        let err = expert_pairs(&experts, &x, PairTokens::List(&[0, 0]), &[0], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err();
         assert!(err.contains("one token per pair"), "{err}");
         let short = Experts { w13: &w13[1..], ..experts };
-        assert!(expert_pairs(&short, &x, grid, &[0], &[1.0], &mut out, Isa::Scalar).unwrap_err().contains("w13"));
+        assert!(expert_pairs(&short, &x, grid, &[0], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err().contains("w13"));
     }
 }

@@ -1,8 +1,11 @@
-"""The CPU expert pass for a few (token, slot) pairs in one call into the Rust core
-(rust/src/expert_pairs.rs): both matrix-vector products of every pair, the activation, the
-biases and the weighted sum per token, reading the experts' weights in place. It replaces
-models/moe.py's torch loop of two `torch.mv` and several indexing ops per pair, whose
-dispatch costs as much as the products' memory traffic in a one-sequence decode step.
+"""The CPU expert pass in one call into the Rust core (rust/src/expert_pairs.rs), at every
+batch size: the pairs grouped by expert, both projections of each expert's pairs as one small
+matrix product that reads each weight row once, the activation, the biases and the weighted
+sum per token, reading the experts' weights in place, on up to torch's intra-op thread count.
+It replaces models/moe.py's torch paths: two `torch.mv` and several indexing ops per pair for a
+few pairs (dispatch cost as large as the products' memory traffic), and the sort, gather,
+grouped GEMMs and scatter of larger batches (each a full pass over memory).
+Batch invariant: a token's result does not depend on the other tokens in the call.
 
 float32 or bfloat16 tensors (float32 arithmetic either way: a bfloat16 result is rounded
 once, where the torch path rounds every intermediate), and only the activations moe.py defines
@@ -63,7 +66,7 @@ def expert_pairs(
                  0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
-    _expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit)
+    _expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit, torch.get_num_threads())
     return out
 
 

@@ -3,12 +3,14 @@
 A rank's experts (models/parallel.py's ExpertSlice) are stacked: w13 [E, 2I, H] (gate rows
 then up rows), w2 [E, H, I].
 The expert pass (`grouped_experts`) takes (token, expert, weight) pairs: every token's k slots
-at one device, or the list of pairs an expert-parallel rank owns (models/parallel.py). It sorts
-them by expert id, then runs every expert's MLP in two grouped GEMMs (torch's grouped_mm) or,
-where that is slower or unsupported, one pair of matmuls per expert that received tokens: no
-per-token Python loop either way. The exception is a CPU step with fewer pairs than experts (a
-decode of a few sequences), where nearly every expert gets one row: there each pair runs as
-two matrix-vector products, skipping the sort.
+at one device, or the list of pairs an expert-parallel rank owns (models/parallel.py). On the
+CPU it is one call into the Rust core (kernels/expert_pairs_cpu.py) at every batch size, where
+that kernel applies. Otherwise it sorts the pairs by expert id, then runs every expert's MLP in
+two grouped GEMMs (torch's grouped_mm) or, where that is slower or unsupported, one pair of
+matmuls per expert that received tokens: no per-token Python loop either way. The exception is
+a CPU step with fewer pairs than experts without the Rust kernel (a decode of a few sequences),
+where nearly every expert gets one row: there each pair runs as two matrix-vector products,
+skipping the sort.
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ def grouped_experts(
     flat_ids, flat_weights = ids.reshape(-1).long(), weights.reshape(-1)
     if not flat_ids.numel():
         return torch.zeros_like(x)
-    if not x.is_cuda and flat_ids.numel() < w13.shape[0]:
+    if not x.is_cuda:
         fused = expert_pairs(x, w13, w2, weights, ids, tokens, b13, b2, act)  # the Rust kernel, where it applies
         if fused is not None:
             return fused
+    if not x.is_cuda and flat_ids.numel() < w13.shape[0]:
         pair_tokens = torch.arange(x.shape[0]).repeat_interleave(top_k) if grid else tokens
         out = _expert_pairs(x, w13, w2, flat_weights, flat_ids, pair_tokens, b13, b2, act)
         if grid:  # a token's k rows are adjacent: summed in one reduction
