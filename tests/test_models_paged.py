@@ -166,8 +166,11 @@ def test_mla_caches_one_latent_per_token(tmp_path):
     assert attn.v_cache.data_ptr() == attn.k_cache.data_ptr() and attn.v_cache.shape[-1] == cfg.attention.mla.kv_lora_rank
 
 
-def test_cpu_thread_count_is_set_when_the_model_is_built_not_per_forward(tmp_path, monkeypatch, r3srv_settings):
+def test_cpu_forwards_give_torch_the_threads_only_for_many_tokens(tmp_path, monkeypatch, r3srv_settings):
+    """settings.cpu_threads for torch in a step of TORCH_PARALLEL_MIN_TOKENS tokens or more (a
+    prefill), one thread below (decodes: the Rust kernels split their own work)."""
     from r3srv.errors import ConfigError
+    from r3srv.models.cpu_threads import TORCH_PARALLEL_MIN_TOKENS
     from r3srv.settings import Settings
 
     assert Settings.from_environ({}).cpu_threads == 1  # default: one intra-op thread for CPU forwards
@@ -175,14 +178,15 @@ def test_cpu_thread_count_is_set_when_the_model_is_built_not_per_forward(tmp_pat
     try:
         r3srv_settings(cpu_threads=3)
         model, _ = load_model(write_tiny_checkpoint(tmp_path, "qwen3_moe", seed=3))
-        assert torch.get_num_threads() == 3
-        torch.set_num_threads(2)
         seen = []
         original = model._forward
         monkeypatch.setattr(model, "_forward", lambda batch: seen.append(torch.get_num_threads()) or original(batch))
         model.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, NUM_BLOCKS)
-        model.forward(_batch(model, [(_tokens(5, seed=9), 0, [0, 1])]))
-        assert seen == [2] and torch.get_num_threads() == 2  # a forward leaves the count alone
+        many = TORCH_PARALLEL_MIN_TOKENS
+        blocks = list(range(-(-many // BLOCK_SIZE)))
+        for tokens in (5, many, many - 1):
+            model.forward(_batch(model, [(_tokens(tokens, seed=9), 0, blocks)]))
+        assert seen == [1, 3, 1]
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="R3SRV_CPU_THREADS"):

@@ -11,6 +11,7 @@ from paged_decode_testing import MODEL_CASES, paged_cache, torch_path_decode, tw
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams, _core
+from r3srv import settings as settings_module
 from r3srv.kernels import paged_decode_cpu as cpu_kernel
 from r3srv.kernels.paged_decode_cpu import paged_decode_cpu as kernel
 from r3srv.models import attention
@@ -65,15 +66,11 @@ def test_bfloat16_accumulates_in_float32():
 
 
 def test_threads_split_the_work_to_the_same_result():
-    """At two torch threads 16 sequences of 300 keys are split over two threads: the same rows."""
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
+    """At cpu_threads=2 16 sequences of 300 keys are split over two threads: the same rows."""
+    results = []
+    for threads in (1, 2):
+        with settings_module.overridden(cpu_threads=threads):
             results.append(run_case(4, 2, 64, 64, None, False, seed=7, lens=[300] * 16))
-    finally:
-        torch.set_num_threads(before)
     (one, want), (two, _) = results
     torch.testing.assert_close(one, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(two, one, atol=0, rtol=0)

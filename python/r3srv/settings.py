@@ -33,9 +33,9 @@ def _setting(default, help: str, flag: bool = True):
 
 @dataclass(frozen=True)
 class Settings:
-    # CPU forwards run on this many intra-op threads, set when a CPU model is built: on a busy
-    # 2-core machine every parallel op waits for a descheduled sibling (docs/benchmarks.md).
-    cpu_threads: int = _setting(1, "intra-op threads of CPU forwards")
+    # CPU forwards' threads: the Rust kernels' for every step, torch's for prefills only
+    # (models/cpu_threads.py says why).
+    cpu_threads: int = _setting(1, "threads of CPU forwards (torch's for prefill steps, the Rust kernels' always)")
     cache_dir: Path = _setting(Path.home() / ".cache" / "r3srv", "where the built-in checkpoint is generated")
     encode_threads: int = _setting(1, "Rust encoder threads for payloads of 4 MiB and more, at most the CPUs")
     huge_pages: bool = _setting(True, "transparent huge pages for encoder outputs of 32 MiB and more")

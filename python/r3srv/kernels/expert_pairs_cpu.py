@@ -66,7 +66,7 @@ def expert_pairs(
                  0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
-    _expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit, torch.get_num_threads())
+    _expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit, settings.current().cpu_threads)
     return out
 
 

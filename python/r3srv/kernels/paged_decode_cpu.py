@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from r3srv import settings
 from r3srv.kernels.rust_core import rust_kernel
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -77,7 +78,7 @@ def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int,
     _paged_decode_attention(
         DTYPES[q.dtype], _head_major("q", q), _head_major("k_cache", k_cache), _head_major("v_cache", v_cache),
         (tables.data_ptr(), *tables.shape), lens.data_ptr(), rows.data_ptr(), (out.data_ptr(), *out.shape),
-        page, float(scale), window, None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
+        page, float(scale), window, None if sinks is None else sinks.data_ptr(), settings.current().cpu_threads,
     )
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from r3srv import settings
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
+from r3srv.models.cpu_threads import cpu_torch_threads
 from r3srv.models.families import family_named
 from r3srv.models.gated_deltanet import GatedDeltaNet
 from r3srv.models.kda import KimiDeltaAttention
@@ -258,8 +258,6 @@ class MoeForCausalLM(nn.Module):
         self.num_blocks = 0
         self.num_state_slots = 0
         self.num_state_snapshots = 0
-        if device.type == "cpu":  # once per model, not per forward (settings.cpu_threads says why)
-            torch.set_num_threads(settings.current().cpu_threads)
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -325,6 +323,8 @@ class MoeForCausalLM(nn.Module):
         """float32 logits [B, vocab] at batch.logits_indices; writes this step's K/V and routing rows."""
         if self.block_size == 0:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_torch_threads(batch.input_ids.shape[0]))
         return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
