@@ -65,7 +65,8 @@ def test_explicit_backends():
         router.uses_triton(CUDA_LIKE, 8, backend="cuda")
 
 
-def test_cpu_routing_is_the_reference():
+def test_cpu_routing_without_the_rust_router_is_the_reference(r3srv_settings):
+    r3srv_settings(rust_router=False)  # on: tests/test_router_cpu.py
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(11, 64, generator=gen)
     capture = torch.full((11, 2, 8), 7, dtype=torch.uint8)

@@ -1,5 +1,5 @@
 //! The PyO3 binding: `r3srv._core.encode_routed_experts` and `decode_routed_experts`, and the
-//! paged decode attention kernel's raw-tensor entry (r3srv.kernels.paged_decode_cpu).
+//! CPU kernels' raw-tensor entries (r3srv.kernels.paged_decode_cpu, rms_norm_cpu, router_cpu).
 //! Reads the ndarray's fields directly (no slicing through Python), writes the base64 text
 //! straight into a new compact ASCII str, and decodes straight into a new array's memory.
 
@@ -497,6 +497,93 @@ fn rms_norm_f32(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f3
     crate::rms_norm::rms_norm(x, w, eps, out).map_err(PyValueError::new_err)
 }
 
+/// Routing inputs at least this large are routed with the GIL released; below it releasing and
+/// taking it back costs a noticeable part of the call (a decode step's few rows).
+const ROUTE_DETACH_MIN_LOGITS: usize = 1 << 16;
+
+/// Top-k expert selection (crate::router_cpu): the private half of
+/// r3srv.kernels.router_cpu.route_cpu, which passes a contiguous float32 or bfloat16 CPU tensor
+/// of logits [tokens, experts] (`shape` = (tokens, experts, top_k)), fresh contiguous float32
+/// weights and int32 ids [tokens, top_k], and optionally one layer of a capture buffer as
+/// (address, row stride in elements, item size in bytes: 1, 2, 4 or 8) whose integer dtype
+/// holds the expert ids, and keeps them all alive across the call. Every length is checked
+/// here; a capture that overlaps the logits is a ValueError.
+#[pyfunction]
+#[pyo3(signature = (logits, dtype, shape, scoring, renormalize, scaling, weights, ids, capture=None))]
+#[allow(clippy::too_many_arguments)]
+fn route_experts(
+    py: Python<'_>,
+    logits: usize,
+    dtype: &str,
+    shape: (usize, usize, usize),
+    scoring: &str,
+    renormalize: bool,
+    scaling: f32,
+    weights: usize,
+    ids: usize,
+    capture: Option<(usize, usize, usize)>,
+) -> PyResult<()> {
+    use crate::router_cpu::{capture_ids, capture_len, Routing, Scoring};
+
+    let (tokens, experts, top_k) = shape;
+    let scoring = Scoring::from_name(scoring)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown router scoring {scoring:?}; expected 'softmax' or 'sigmoid'")))?;
+    let routing = Routing { top_k, scoring, renormalize, scaling };
+    let overflow = || PyValueError::new_err("route_experts: the shapes overflow");
+    let num_logits = tokens.checked_mul(experts).ok_or_else(overflow)?;
+    let num_ids = tokens.checked_mul(top_k).ok_or_else(overflow)?;
+    let logit_size = match dtype {
+        "float32" => 4,
+        "bfloat16" => 2,
+        other => return Err(PyTypeError::new_err(format!("route_experts takes float32 or bfloat16 logits, not {other}"))),
+    };
+    if let Some((address, row_stride, itemsize)) = capture {
+        let span = capture_len(tokens, top_k, row_stride).and_then(|n| n.checked_mul(itemsize)).ok_or_else(overflow)?;
+        let logit_bytes = num_logits * logit_size; // no overflow: the logits tensor exists
+        if span > 0 && num_logits > 0 && address < logits + logit_bytes && logits < address.saturating_add(span) {
+            return Err(PyValueError::new_err("route_experts: the capture rows overlap the logits"));
+        }
+    }
+    // SAFETY: router_cpu.route_cpu passes live tensors of these shapes and dtypes, held by its
+    // caller for the whole call; weights and ids are fresh tensors, and the capture rows do not
+    // overlap the logits (checked above), so the &mut slices alias nothing.
+    let (weights, ids) = unsafe { (slice_mut::<f32>(weights, num_ids)?, slice_mut::<i32>(ids, num_ids)?) };
+    // SAFETY: as above.
+    unsafe {
+        match logit_size {
+            4 => route_rows(py, slice::<f32>(logits, num_logits)?, experts, &routing, weights, ids)?,
+            _ => route_rows(py, slice::<Bf16>(logits, num_logits)?, experts, &routing, weights, ids)?,
+        }
+    }
+    let Some((address, row_stride, itemsize)) = capture else { return Ok(()) };
+    let len = capture_len(tokens, top_k, row_stride).ok_or_else(overflow)?;
+    // SAFETY: as above: the capture rows span `len` elements of a live integer tensor of
+    // `itemsize` bytes that overlaps neither the logits nor the fresh ids.
+    unsafe {
+        match itemsize {
+            1 => capture_ids(ids, top_k, slice_mut::<u8>(address, len)?, row_stride),
+            2 => capture_ids(ids, top_k, slice_mut::<u16>(address, len)?, row_stride),
+            4 => capture_ids(ids, top_k, slice_mut::<u32>(address, len)?, row_stride),
+            8 => capture_ids(ids, top_k, slice_mut::<u64>(address, len)?, row_stride),
+            other => return Err(PyValueError::new_err(format!("capture ids of {other} bytes"))),
+        }
+    }
+    .map_err(PyValueError::new_err)
+}
+
+/// crate::router_cpu::route, with the GIL released for large inputs.
+fn route_rows<L: Element>(
+    py: Python<'_>,
+    logits: &[L],
+    experts: usize,
+    routing: &crate::router_cpu::Routing,
+    weights: &mut [f32],
+    ids: &mut [i32],
+) -> PyResult<()> {
+    let mut run = || crate::router_cpu::route(logits, experts, routing, weights, ids);
+    if logits.len() >= ROUTE_DETACH_MIN_LOGITS { py.detach(run) } else { run() }.map_err(PyValueError::new_err)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_routed_experts, m)?)?;
@@ -508,5 +595,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_isa, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(route_experts, m)?)?;
     Ok(())
 }

@@ -1,11 +1,13 @@
 """Expert selection entry point used by every MoE layer.
 
-Dispatches to the fused Triton kernel on CUDA (when it is available) and to the
-plain-torch reference everywhere else; both share `route_reference`'s signature.
+Dispatches to the fused Triton kernel on CUDA (when it is available), to the Rust kernel on
+the CPU (kernels/router_cpu.py, where it applies) and to the plain-torch reference everywhere
+else; all share `route_reference`'s signature and its ValueErrors.
 
 Backends (the `backend` argument; None: "torch" when settings.force_torch_router, else "auto"):
   "auto"   Triton for CUDA tensors when triton imports, top_k <= 16, experts <= 1024 and
-           expert groups <= 32; torch otherwise.
+           expert groups <= 32; on the CPU the Rust kernel when settings.rust_router is on
+           and router_cpu.route_cpu applies; torch otherwise.
   "torch"  always the torch reference.
   "triton" always the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);
            raises if it cannot run. For tests and benchmarks.
@@ -18,7 +20,8 @@ import importlib.util
 import torch
 
 from r3srv import settings
-from r3srv.kernels.router_reference import route_reference
+from r3srv.kernels.router_cpu import route_cpu
+from r3srv.kernels.router_reference import check_route_args, route_reference
 
 BACKENDS = ("auto", "torch", "triton")
 # router_triton's limits, without importing triton on CPU-only paths
@@ -36,12 +39,18 @@ def triton_available() -> bool:
     return _triton_importable
 
 
+def _resolved(backend: str | None) -> str:
+    """The backend a call runs: `backend`, or the settings' default for None."""
+    if backend is None:
+        return "torch" if settings.current().force_torch_router else "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown router backend {backend!r}; expected one of {BACKENDS}")
+    return backend
+
+
 def uses_triton(router_logits: torch.Tensor, top_k: int, num_groups: int = 1, backend: str | None = None) -> bool:
     """Whether `select_experts` would run the fused kernel for these inputs."""
-    if backend is None:
-        backend = "torch" if settings.current().force_torch_router else "auto"
-    elif backend not in BACKENDS:
-        raise ValueError(f"unknown router backend {backend!r}; expected one of {BACKENDS}")
+    backend = _resolved(backend)
     if backend == "triton":
         if not triton_available():
             raise ValueError("router backend 'triton' needs the triton package, which is not importable")
@@ -72,11 +81,20 @@ def select_experts(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to its top-k experts; see `route_reference` for the contract."""
+    backend = _resolved(backend)
     if uses_triton(router_logits, top_k, num_groups, backend):
         from r3srv.kernels.router_triton import route_triton  # imports triton only when used
 
         route = route_triton
     else:
+        if backend == "auto":
+            check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups,
+                             group_score_top)
+            routed = route_cpu(router_logits, top_k, scoring=scoring, renormalize=renormalize,
+                               correction_bias=correction_bias, scaling=scaling, capture=capture,
+                               num_groups=num_groups)
+            if routed is not None:
+                return routed
         route = route_reference
     return route(
         router_logits,

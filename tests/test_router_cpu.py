@@ -1,0 +1,196 @@
+"""The Rust CPU router (kernels/router_cpu.py, rust/src/router_cpu.rs) against route_reference on
+generated logits (ties, NaN, infinities, float32 and bfloat16), where it must step aside, its
+ValueErrors, and the built-in model's tokens and routed experts with it on and off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings as hsettings
+from hypothesis import strategies as st
+
+from engine_testing import GREEDY, prompt_ids
+from r3srv import LLM, SamplingParams, settings
+from r3srv.kernels import router
+from r3srv.kernels.router_cpu import BUILT, route_cpu
+from r3srv.kernels.router_reference import route_reference
+
+CAPTURE_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+SPECIALS = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+
+
+def generated_logits(seed: int, tokens: int, experts: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """[tokens, experts] logits: "normal" draws, "ties" (small integers: many equal logits) or
+    "specials" (normal draws with NaN, +-inf and signed zeros sprinkled in, whole rows too)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        logits = torch.randint(-2, 3, (tokens, experts), generator=gen).float()
+    else:
+        logits = torch.randn(tokens, experts, generator=gen) * 3
+    if kind == "specials":
+        where = torch.rand(tokens, experts, generator=gen) < 0.1
+        picks = SPECIALS[torch.randint(0, len(SPECIALS), (tokens, experts), generator=gen)]
+        logits = torch.where(where, picks, logits)
+        row = int(torch.randint(0, tokens, (1,), generator=gen))
+        logits[row] = SPECIALS[int(torch.randint(0, len(SPECIALS), (1,), generator=gen))]
+    return logits.to(dtype)
+
+
+def capture_view(tokens: int, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer [tokens, 3, top_k] of sevens, its layer-1 view), as the engine hands a layer its rows."""
+    buffer = torch.full((tokens, 3, top_k), 7, dtype=dtype)
+    return buffer, buffer[:, 1]
+
+
+def assert_same_routing(got, want) -> None:
+    """ids exactly; weights up to the rounding of another exp and another order of summation."""
+    assert got[1].dtype == torch.int32 and got[0].dtype == torch.float32
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def test_a_fresh_build_has_the_kernel():
+    assert BUILT, "r3srv._core lacks route_experts: rebuild the extension (make install)"
+
+
+@hsettings(max_examples=150, deadline=None)
+@given(
+    tokens=st.integers(1, 64),
+    experts=st.sampled_from([4, 8, 60, 64, 128]),
+    top_k=st.integers(1, 8),
+    bfloat16=st.booleans(),
+    scoring=st.sampled_from(["softmax", "sigmoid"]),
+    renormalize=st.booleans(),
+    scaling=st.sampled_from([1.0, 2.5, 0.37]),
+    capture=st.sampled_from([None, *CAPTURE_DTYPES]),
+    kind=st.sampled_from(["normal", "ties", "specials"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_equals_the_reference(tokens, experts, top_k, bfloat16, scoring, renormalize, scaling, capture, kind, seed):
+    top_k = min(top_k, experts)
+    logits = generated_logits(seed, tokens, experts, kind, torch.bfloat16 if bfloat16 else torch.float32)
+    kwargs = dict(scoring=scoring, renormalize=renormalize, scaling=scaling)
+    if capture is not None:
+        buffer, view = capture_view(tokens, top_k, capture)
+        want_buffer, want_view = capture_view(tokens, top_k, capture)
+        got, want = route_cpu(logits, top_k, capture=view, **kwargs), route_reference(logits, top_k, capture=want_view, **kwargs)
+        assert torch.equal(buffer, want_buffer)  # layer 1 written, layers 0 and 2 untouched
+    else:
+        got, want = route_cpu(logits, top_k, **kwargs), route_reference(logits, top_k, **kwargs)
+    assert got is not None
+    assert_same_routing(got, want)
+
+
+def test_select_experts_takes_it_on_the_cpu(monkeypatch, r3srv_settings):
+    r3srv_settings(force_torch_router=False, rust_router=True)
+    logits = generated_logits(3, 11, 64, "ties", torch.float32)
+    monkeypatch.setattr(router, "route_reference", None)  # must not run
+    buffer, view = capture_view(11, 8, torch.uint8)
+    got = router.select_experts(logits, 8, scoring="sigmoid", renormalize=False, capture=view)
+    monkeypatch.undo()
+    want_buffer, want_view = capture_view(11, 8, torch.uint8)
+    assert_same_routing(got, route_reference(logits, 8, scoring="sigmoid", renormalize=False, capture=want_view))
+    assert torch.equal(buffer, want_buffer)
+
+
+def test_no_tokens():
+    weights, ids = route_cpu(torch.randn(0, 8), 2, capture=torch.zeros(0, 2, dtype=torch.uint8))
+    assert weights.shape == ids.shape == (0, 2)
+
+
+@pytest.mark.parametrize("case", ["bias", "groups", "float16", "float64", "non-contiguous", "setting off",
+                                  "strided capture", "requires grad"])
+def test_falls_back_to_the_reference(case, r3srv_settings):
+    r3srv_settings(force_torch_router=False)
+    logits, kwargs = torch.randn(6, 16, generator=torch.Generator().manual_seed(5)), {}
+    if case == "bias":
+        kwargs = dict(scoring="sigmoid", correction_bias=torch.randn(16))
+    elif case == "groups":
+        kwargs = dict(num_groups=4, topk_groups=2)
+    elif case in ("float16", "float64"):
+        logits = logits.to(getattr(torch, case))
+    elif case == "non-contiguous":
+        logits = torch.randn(16, 6).t()
+    elif case == "setting off":
+        r3srv_settings(rust_router=False)
+    elif case == "strided capture":
+        kwargs = dict(capture=torch.zeros(6, 4, 2, dtype=torch.int16)[:, :, 0])  # ids 2 apart in a row
+    else:
+        logits.requires_grad_()
+    assert route_cpu(logits, 4, **{k: v for k, v in kwargs.items() if k != "topk_groups"}) is None
+    want_kwargs = {k: (v.clone() if k == "capture" else v) for k, v in kwargs.items()}
+    weights, ids = router.select_experts(logits, 4, **kwargs)
+    want_weights, want_ids = route_reference(logits, 4, **want_kwargs)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)  # the reference itself
+    if "capture" in kwargs:
+        assert torch.equal(kwargs["capture"], want_kwargs["capture"])
+
+
+@pytest.mark.parametrize("logits,top_k,kwargs,match", [
+    (torch.randn(3, 8), 0, {}, "top_k"),
+    (torch.randn(3, 8), 9, {}, "top_k"),
+    (torch.randn(3, 8), True, {}, "top_k"),
+    (torch.randn(3, 8), 2, dict(scoring="softplus"), "scoring"),
+    (torch.randn(8), 2, {}, "2-D"),
+    (torch.randn(3, 8), 2, dict(capture=torch.zeros(3, 3, dtype=torch.uint8)), "capture must have shape"),
+    (torch.randn(3, 300), 2, dict(capture=torch.zeros(3, 2, dtype=torch.uint8)), "cannot hold expert ids"),
+    (torch.randn(3, 8), 2, dict(capture=torch.zeros(3, 2)), "cannot hold expert ids"),
+])
+def test_bad_arguments_raise_the_references_value_errors(logits, top_k, kwargs, match, r3srv_settings):
+    r3srv_settings(force_torch_router=False, rust_router=True)
+    for route in (router.select_experts, route_reference):
+        with pytest.raises(ValueError, match=match):
+            route(logits, top_k, **kwargs)
+
+
+def test_the_kernel_checks_what_it_is_given():
+    logits = torch.randn(3, 8)
+    for top_k in (0, 9):
+        with pytest.raises(ValueError, match="top_k"):
+            route_cpu(logits, top_k)
+    with pytest.raises(ValueError, match="scoring"):
+        route_cpu(logits, 2, scoring="softplus")
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
+
+
+def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
+    r3srv_settings(force_torch_router=False)
+    prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
+    kernel_runs = []
+
+    def counted(*args, **kwargs):
+        out = route_cpu(*args, **kwargs)
+        kernel_runs.append(out is not None)
+        return out
+
+    monkeypatch.setattr(router, "route_cpu", counted)
+
+    def run():
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))  # prefill and decode steps
+        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
+
+    r3srv_settings(rust_router=True)
+    on = run()
+    assert kernel_runs and all(kernel_runs)
+    runs_on = len(kernel_runs)
+    r3srv_settings(rust_router=False)
+    off = run()
+    assert len(kernel_runs) == 2 * runs_on and not any(kernel_runs[runs_on:])
+    for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
+        assert tokens_on == tokens_off
+        assert rows_on is not None
+        np.testing.assert_array_equal(rows_on, rows_off)
+
+
+def test_the_serve_flag_turns_it_off():
+    from r3srv.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--no-rust-router"])
+    assert not settings.from_args(args, {}).rust_router
+    assert settings.from_args(build_parser().parse_args(["serve"]), {}).rust_router
+    assert not settings.Settings.from_environ({"R3SRV_RUST_ROUTER": "0"}).rust_router
