@@ -103,13 +103,15 @@ def interleaved_decode_steps(benchmark, llm: LLM, num_seqs: int, switch, steps: 
     return med
 
 
+def decode_step_report(med: dict, num_seqs: int, off: str = "torch path", on: str = "Rust kernel") -> str:
+    """interleaved_decode_steps' medians as lines to print: the switch off, on, and off / on."""
+    lines = [f"\ndecode step, {num_seqs} sequence(s), torch threads {torch.get_num_threads()}, median per step:"]
+    for i, what in enumerate(("thread CPU", "wall")):
+        lines.append(f"  {what + ':':11s} {off} {med[False][i] * 1e3:.2f} ms, {on} {med[True][i] * 1e3:.2f} ms,"
+                     f" {med[False][i] / med[True][i]:.2f}x")
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize("num_seqs", [1, 4])
 def test_decode_step(benchmark, llm, num_seqs):
-    med = interleaved_decode_steps(benchmark, llm, num_seqs, kernel)
-    print(
-        f"\ndecode step, {num_seqs} sequence(s), torch threads {torch.get_num_threads()}, median per step:\n"
-        f"  thread CPU: torch path {med[False][0] * 1e3:.2f} ms, Rust kernel {med[True][0] * 1e3:.2f} ms,"
-        f" {med[False][0] / med[True][0]:.2f}x\n"
-        f"  wall:       torch path {med[False][1] * 1e3:.2f} ms, Rust kernel {med[True][1] * 1e3:.2f} ms,"
-        f" {med[False][1] / med[True][1]:.2f}x"
-    )
+    print(decode_step_report(interleaved_decode_steps(benchmark, llm, num_seqs, kernel), num_seqs))

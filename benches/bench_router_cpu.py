@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench_expert_pairs_cpu import interleaved_decode_steps
+from bench_expert_pairs_cpu import decode_step_report, interleaved_decode_steps
 from r3srv import LLM, settings
 from r3srv.kernels.router import select_experts
 from r3srv.kernels.router_reference import route_reference
@@ -52,10 +52,4 @@ def llm() -> LLM:
 @pytest.mark.parametrize("num_seqs", [1, 8])
 def test_decode_step(benchmark, llm, num_seqs):
     med = interleaved_decode_steps(benchmark, llm, num_seqs, rust_router)
-    print(
-        f"\ndecode step, {num_seqs} sequence(s), median per step:\n"
-        f"  thread CPU: reference {med[False][0] * 1e3:.3f} ms, Rust {med[True][0] * 1e3:.3f} ms,"
-        f" {med[False][0] / med[True][0]:.2f}x\n"
-        f"  wall:       reference {med[False][1] * 1e3:.3f} ms, Rust {med[True][1] * 1e3:.3f} ms,"
-        f" {med[False][1] / med[True][1]:.2f}x"
-    )
+    print(decode_step_report(med, num_seqs, off="reference", on="Rust"))

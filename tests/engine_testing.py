@@ -34,6 +34,30 @@ def full_precision_matmuls():
     torch.set_float32_matmul_precision(before)
 
 
+def assert_same_outputs_either_way(llm, prompts: list, kernel_runs: list, switch) -> None:
+    """Greedy generations of `prompts` after switch(True), then after switch(False) (a backend
+    setting on and off): the same tokens and routed-experts rows, and the kernel ran (each call
+    appends whether it did to `kernel_runs`) at every call the first time and at none the second."""
+    import numpy as np
+
+    from r3srv import SamplingParams
+
+    def run():
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
+
+    switch(True)
+    on = run()
+    assert kernel_runs and all(kernel_runs)
+    runs_on = len(kernel_runs)
+    switch(False)
+    off = run()
+    assert len(kernel_runs) == 2 * runs_on and not any(kernel_runs[runs_on:])
+    for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
+        assert tokens_on == tokens_off and rows_on is not None
+        np.testing.assert_array_equal(rows_on, rows_off)
+
+
 def run_with_aborts(engine, requests: dict, aborted: dict, abort_at_step: int) -> dict:
     """Add `requests` and `aborted` (request id -> (prompt, SamplingParams)) to an LLMEngine and
     step it to the end, aborting the `aborted` ones after `abort_at_step` steps (each must end

@@ -4,14 +4,13 @@ ValueErrors, and the built-in model's tokens and routed experts with it on and o
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings as hsettings
 from hypothesis import strategies as st
 
-from engine_testing import GREEDY, prompt_ids
-from r3srv import LLM, SamplingParams, settings
+from engine_testing import assert_same_outputs_either_way, prompt_ids
+from r3srv import LLM, settings
 from r3srv.kernels import router
 from r3srv.kernels.router_cpu import BUILT, route_cpu
 from r3srv.kernels.router_reference import route_reference
@@ -170,21 +169,7 @@ def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_s
 
     monkeypatch.setattr(router, "route_cpu", counted)
 
-    def run():
-        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))  # prefill and decode steps
-        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
-
-    r3srv_settings(rust_router=True)
-    on = run()
-    assert kernel_runs and all(kernel_runs)
-    runs_on = len(kernel_runs)
-    r3srv_settings(rust_router=False)
-    off = run()
-    assert len(kernel_runs) == 2 * runs_on and not any(kernel_runs[runs_on:])
-    for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
-        assert tokens_on == tokens_off
-        assert rows_on is not None
-        np.testing.assert_array_equal(rows_on, rows_off)
+    assert_same_outputs_either_way(llm, prompts, kernel_runs, lambda on: r3srv_settings(rust_router=on))
 
 
 def test_the_serve_flag_turns_it_off():
