@@ -136,7 +136,8 @@ def checkpoint(tmp_path):
 
 
 # ---- size 1 -----------------------------------------------------------------------------
-def test_size_one_blocks_equal_plain_torch_bit_for_bit(checkpoint):
+def test_size_one_blocks_equal_plain_torch_bit_for_bit(checkpoint, r3srv_settings):
+    r3srv_settings(rust_linear=False)  # F.linear's own bits (tests/test_linear_cpu.py checks the Rust kernel)
     full, path = checkpoint
     blocks = _blocks(SINGLE)
     assert all(shard_of(t) == () for t in _targets(blocks).values())  # whole tensors: nothing to cut
@@ -148,7 +149,8 @@ def test_size_one_blocks_equal_plain_torch_bit_for_bit(checkpoint):
         assert torch.equal(got[name], want[name]), name
 
 
-def test_size_one_linear_and_embedding_are_the_plain_calls():
+def test_size_one_linear_and_embedding_are_the_plain_calls(r3srv_settings):
+    r3srv_settings(rust_linear=False)  # F.linear's own bits (tests/test_linear_cpu.py checks the Rust kernel)
     g = torch.Generator().manual_seed(3)
     linear = ColumnParallelLinear(8, (split_evenly(6, 0, 1), split_evenly(4, 0, 1)), bias=True, **CPU)
     row = RowParallelLinear(split_evenly(10, 0, 1), 8, bias=True, **CPU)
@@ -252,8 +254,10 @@ def _rank_main(rank: int, port: int, path: str, expert_parallel: bool) -> None:
         q_rows = HEADS * HEAD_DIM // 2
         mine = torch.cat((want["qkv"][:, rank * q_rows : (rank + 1) * q_rows], want["qkv"][:, HEADS * HEAD_DIM :]), -1)
         torch.testing.assert_close(got.pop("qkv"), mine, rtol=1e-5, atol=1e-5)
-        for name, tensor in got.items():  # reduced or gathered: the whole result on every rank
-            torch.testing.assert_close(tensor, want[name], rtol=1e-5, atol=1e-5, msg=name)
+        # reduced or gathered: the whole result on every rank (rtol: a rank's few-row products
+        # run through the Rust linear kernel, the reference through F.linear: other rounding)
+        for name, tensor in got.items():
+            torch.testing.assert_close(tensor, want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     finally:
         torch.distributed.destroy_process_group()
 

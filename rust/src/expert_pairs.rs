@@ -502,6 +502,16 @@ unsafe fn gemm_block<W: Element, const R: usize, const V: usize>(
         }
         c += 8;
     }
+    if R == 4 && body == cols {
+        // four rows' sums of each vector reduced together, in hsum's order, stored at once
+        let empty = _mm_set1_ps([0f32; 0].iter().sum::<f32>()); // what the tail adds below
+        for v in 0..V {
+            let sums = _mm_add_ps(hsum4(acc[0][v], acc[1][v], acc[2][v], acc[3][v]), empty);
+            let dst = &mut out[(j + v) * rows + r..(j + v) * rows + r + 4];
+            _mm_storeu_ps(dst.as_mut_ptr(), sums);
+        }
+        return;
+    }
     for (l, row) in acc.iter().enumerate() {
         let wrow = &m[(r + l) * cols + body..(r + l + 1) * cols];
         for (v, a) in row.iter().enumerate() {
@@ -574,6 +584,24 @@ unsafe fn gemv_avx2<W: Element>(m: &[W], v: &[f32], out: &mut [f32]) {
         out[r] = hsum(a) + tail(r);
         r += 1;
     }
+}
+
+/// [hsum(a), hsum(b), hsum(c), hsum(d)], each summed in exactly `hsum`'s order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn hsum4(a: std::arch::x86_64::__m256, b: std::arch::x86_64::__m256, c: std::arch::x86_64::__m256,
+         d: std::arch::x86_64::__m256) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    // s = lo + hi of each: [sa | sb] and [sc | sd]
+    let ab = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b));
+    let cd = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(c, d), _mm256_permute2f128_ps::<0x31>(c, d));
+    // s0 + s2 and s1 + s3 of each: [a, a, c, c | b, b, d, d]
+    let (ab, cd) = (_mm256_castps_pd(ab), _mm256_castps_pd(cd));
+    let u = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ab, cd)), _mm256_castpd_ps(_mm256_unpackhi_pd(ab, cd)));
+    // (s0 + s2) + (s1 + s3): [a, c, a, c | b, d, b, d], then [a, b, c, d]
+    let h = _mm256_hadd_ps(u, u);
+    _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -596,5 +596,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_decode_isa, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
     m.add_function(wrap_pyfunction!(route_experts, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::linear::python::linear_cpu, m)?)?;
     Ok(())
 }

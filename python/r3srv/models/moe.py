@@ -24,6 +24,7 @@ from torch import nn
 
 from r3srv import settings
 from r3srv.kernels.expert_pairs_cpu import expert_pairs
+from r3srv.kernels.linear_cpu import linear
 from r3srv.kernels.router import select_experts
 from r3srv.models.config import ModelConfig
 from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ExpertSlice, ParallelState, RowParallelLinear, split_evenly
@@ -228,7 +229,7 @@ class SparseMoeBlock(nn.Module):
                 self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:
-        router_logits = F.linear(x.to(self.gate.dtype), self.gate, self.gate_bias)
+        router_logits = linear(x.to(self.gate.dtype), self.gate, self.gate_bias)
         weights, ids = select_experts(
             router_logits,
             self.top_k,

@@ -2,8 +2,9 @@
 rank's shard of their weights and say, on every checkpoint target they hand the loader, which
 slice of the checkpoint tensor that shard is (so each rank reads only its slice).
 
-At size 1 (`SINGLE`, no torch.distributed) every block computes exactly what a plain
-`F.linear` / `F.embedding` on the whole weight does, with the same calls.
+At size 1 (`SINGLE`, no torch.distributed) every block computes what a plain `F.linear` /
+`F.embedding` on the whole weight does, with the same calls (on the CPU, a linear layer of a
+few rows through the Rust kernel: kernels/linear_cpu.py).
 
 - Column-parallel: output rows split. A merged layer (q/k/v, gate/up, a recurrent layer's
   in_proj) stacks several sub-matrices, each split on its own (`Piece`), so a rank holds its
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from r3srv.kernels.linear_cpu import linear
 from r3srv.settings import EP_DISPATCHES
 
 
@@ -230,7 +232,7 @@ class ColumnParallelLinear(ShardedWeight):
         super().__init__(pieces, (0, in_features), 0, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(ShardedWeight):
@@ -243,8 +245,8 @@ class RowParallelLinear(ShardedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.state.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.state.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -299,7 +301,7 @@ class ParallelLMHead(nn.Module):
         return self.rows.part()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.rows.weight)
+        logits = linear(x, self.rows.weight)
         if self.state.tp_size == 1:
             return logits
         return self.state.all_gather(logits)[..., : self.vocab_size]

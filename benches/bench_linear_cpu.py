@@ -1,0 +1,49 @@
+"""Linear layers of a few rows on the CPU: the Rust kernel (r3srv.kernels.linear_cpu) against
+torch's F.linear, as same-run ratios.
+
+    .venv/bin/python -m pytest benches/bench_linear_cpu.py -s
+
+(a) one call on the built-in model's decode shapes (q/k/v 256 -> 512, LM head 256 -> 259) at 1
+    and 16 rows: benches/conftest.py prints torch / Rust as reference / r3srv (the weight is hot
+    in the cache here, unlike in a step, where the experts' weights have evicted it);
+(b) the built-in model's decode step of 1 and 16 sequences with the kernel on and off,
+    interleaved round by round (bench_expert_pairs_cpu's interleaved_decode_steps): median
+    thread-CPU and wall time per step, the same greedy tokens asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench_expert_pairs_cpu import interleaved_decode_steps
+from r3srv import LLM, settings
+from r3srv.kernels.linear_cpu import linear
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def rust_linear(on: bool):
+    return settings.overridden(rust_linear=on)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("shape", [(1, 256, 512), (16, 256, 512), (1, 256, 259)], ids=lambda s: "x".join(map(str, s)))
+def test_linear(benchmark, shape, candidate):
+    rows, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / 16
+    benchmark.group = f"linear {'x'.join(map(str, shape))}"
+    with rust_linear(candidate == "r3srv"):
+        out = benchmark(linear, x, w)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 16])
+def test_decode_step(benchmark, num_seqs):
+    llm = LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=16)
+    med = interleaved_decode_steps(benchmark, llm, num_seqs, rust_linear)
+    print(f"\ndecode step, {num_seqs} sequence(s), median per step: thread CPU torch {med[False][0] * 1e3:.2f} ms, "
+          f"Rust {med[True][0] * 1e3:.2f} ms, {med[False][0] / med[True][0]:.2f}x; wall "
+          f"{med[False][1] / med[True][1]:.2f}x")

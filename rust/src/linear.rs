@@ -1,0 +1,173 @@
+//! y = x W^T (+ b) for a few rows of x on the CPU (a decode step's projections): one call that
+//! reads W once, row by row, with the expert pass's small matrix product (`gemm_nt`: weight
+//! rows prefetched ahead, every row read once for all of x's rows), instead of torch's GEMM
+//! call, whose per-call cost and cache-cold weight reads dominate at one to a few rows.
+//! Each output element is the dot product `gemm_nt` computes, whatever the thread split.
+
+use crate::expert_pairs::{gemm_nt, Element, Isa};
+
+/// The fewest multiply-adds worth a thread of their own: spawning one costs tens of
+/// microseconds.
+const PARALLEL_MIN_MACS: usize = 1 << 20;
+
+/// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), on up to `threads` threads (each a
+/// contiguous run of W's rows). Errors name the first inconsistent length.
+pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &mut [W], threads: usize,
+                          isa: Isa) -> Result<(), String> {
+    if n == 0 || !w.len().is_multiple_of(n) {
+        return Err(format!("linear: the weight holds {} values, not [{n}, K]", w.len()));
+    }
+    let k = w.len() / n;
+    if k == 0 || !x.len().is_multiple_of(k) || out.len() != x.len() / k * n {
+        return Err(format!("linear: x holds {} and out {} values for a [{n}, {k}] weight", x.len(), out.len()));
+    }
+    if let Some(b) = bias {
+        if b.len() != n {
+            return Err(format!("linear: {} biases for {n} outputs", b.len()));
+        }
+    }
+    let m = x.len() / k;
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    // runs of whole 4-row blocks, so that each row is computed as it is on one thread
+    let threads = threads.min(m * n * k / PARALLEL_MIN_MACS).clamp(1, n.div_ceil(4));
+    let per = n.div_ceil(4).div_ceil(threads) * 4;
+    let parts: Vec<(usize, usize)> = (0..n).step_by(per).map(|r| (r, (r + per).min(n))).collect();
+    let run = |&(first, end): &(usize, usize)| {
+        let mut part = vec![0.0f32; m * (end - first)];
+        gemm_nt(isa, &w[first * k..end * k], end - first, &xf, &mut part);
+        part
+    };
+    let results: Vec<Vec<f32>> = if parts.len() == 1 {
+        vec![run(&parts[0])]
+    } else {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = parts[1..].iter().map(|p| scope.spawn(move || run(p))).collect();
+            let mut all = vec![run(&parts[0])];
+            all.extend(handles.into_iter().map(|h| h.join().expect("a linear thread panicked")));
+            all
+        })
+    };
+    for (&(first, end), part) in parts.iter().zip(&results) {
+        let width = end - first;
+        for (row, src) in part.chunks_exact(width).enumerate() {
+            let dst = &mut out[row * n + first..row * n + end];
+            match bias {
+                Some(b) => {
+                    for ((d, &s), bv) in dst.iter_mut().zip(src).zip(&b[first..end]) {
+                        *d = W::from_f32(s + bv.to_f32());
+                    }
+                }
+                None => {
+                    for (d, &s) in dst.iter_mut().zip(src) {
+                        *d = W::from_f32(s);
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "python")]
+pub(crate) mod python {
+    //! `r3srv._core.linear_cpu`, called by r3srv.kernels.linear_cpu, which passes the tensors
+    //! as data addresses after checking their dtype, device and contiguity.
+
+    use pyo3::exceptions::PyValueError;
+    use pyo3::prelude::*;
+
+    use super::linear;
+    use crate::expert_pairs::{Bf16, Element, Isa};
+
+    /// # Safety
+    /// As `linear_cpu` requires of its caller, with `W` the tensors' element type.
+    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 4], shape: [usize; 3], threads: usize) -> PyResult<()> {
+        use std::slice::{from_raw_parts, from_raw_parts_mut};
+        let [x, w, bias, out] = addresses;
+        let [m, n, k] = shape;
+        let x = from_raw_parts(x as *const W, m * k);
+        let w = from_raw_parts(w as *const W, n * k);
+        let bias = (bias != 0).then(|| from_raw_parts(bias as *const W, n));
+        let out = from_raw_parts_mut(out as *mut W, m * n);
+        let isa = Isa::best();
+        py.detach(|| linear(x, w, bias, n, out, threads, isa)).map_err(PyValueError::new_err)
+    }
+
+    /// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) for the tensors at `addresses` (x, w,
+    /// bias (0: none), out), all of `dtype` ("float32" or "bfloat16"), of `shape` (M, N, K),
+    /// on up to `threads` threads when the work is large enough. Runs with the GIL released.
+    #[pyfunction]
+    pub fn linear_cpu(py: Python<'_>, addresses: [usize; 4], shape: [usize; 3], dtype: &str, threads: usize) -> PyResult<()> {
+        let [x, w, _, out] = addresses;
+        if [x, w, out].contains(&0) || shape.contains(&0) {
+            return Err(PyValueError::new_err("linear_cpu needs non-null tensors and non-empty shapes"));
+        }
+        // SAFETY: the caller (r3srv.kernels.linear_cpu) passes the data addresses of live,
+        // contiguous CPU tensors of exactly these shapes and dtype, keeps them alive for the
+        // call, and `out` is a fresh tensor that aliases none of the others.
+        unsafe {
+            match dtype {
+                "float32" => run::<f32>(py, addresses, shape, threads),
+                "bfloat16" => run::<Bf16>(py, addresses, shape, threads),
+                other => Err(PyValueError::new_err(format!("unsupported linear dtype {other:?}"))),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::expert_pairs::{gemv, Bf16};
+
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        crate::testing::noise(n, seed).into_iter().map(|v| v / 2.0).collect()
+    }
+
+    /// Every row of the result is `gemv`'s, bit for bit, plus the bias, on 1-3 threads.
+    fn cases<W: Element>() {
+        for isa in [Isa::Scalar, Isa::best()] {
+            for (m, n, k) in [(1, 1, 1), (1, 5, 7), (3, 9, 16), (2, 64, 40), (9, 1030, 256)] {
+                let x: Vec<W> = values(1, m * k).into_iter().map(W::from_f32).collect();
+                let w: Vec<W> = values(2, n * k).into_iter().map(W::from_f32).collect();
+                let b: Vec<W> = values(3, n).into_iter().map(W::from_f32).collect();
+                let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                for bias in [None, Some(&b[..])] {
+                    let mut want = vec![W::from_f32(0.0); m * n];
+                    for (row, dst) in xf.chunks_exact(k).zip(want.chunks_exact_mut(n)) {
+                        let mut y = vec![0.0f32; n];
+                        gemv(isa, &w, row, &mut y);
+                        for (i, d) in dst.iter_mut().enumerate() {
+                            *d = W::from_f32(y[i] + bias.map_or(0.0, |b| b[i].to_f32()));
+                        }
+                    }
+                    for threads in [1, 2, 3] {
+                        let mut out = vec![W::from_f32(f32::NAN); m * n];
+                        linear(&x, &w, bias, n, &mut out, threads, isa).unwrap();
+                        let same = out.iter().zip(&want).all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits());
+                        assert!(same, "{isa:?} {m}x{n}x{k} bias={} threads={threads}", bias.is_some());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_are_gemv_bit_for_bit_on_any_thread_count() {
+        assert!(9 * 1030 * 256 >= 2 * PARALLEL_MIN_MACS, "the largest case must split");
+        cases::<f32>();
+        cases::<Bf16>();
+    }
+
+    #[test]
+    fn bad_lengths_are_errors() {
+        let (x, w) = (values(1, 6), values(2, 12));
+        let mut out = vec![0.0f32; 8];
+        assert!(linear(&x, &w, None, 0, &mut out, 1, Isa::Scalar).unwrap_err().contains("weight"));
+        assert!(linear(&x, &w, None, 5, &mut out, 1, Isa::Scalar).unwrap_err().contains("weight"));
+        assert!(linear(&x, &w, None, 2, &mut out, 1, Isa::Scalar).unwrap_err().contains("x holds"));
+        let mut out = vec![0.0f32; 8]; // x [2, 3], w [4, 3]
+        assert!(linear(&x, &w, Some(&[0.0; 3]), 4, &mut out, 1, Isa::Scalar).unwrap_err().contains("biases"));
+        linear(&x, &w, Some(&[0.0; 4]), 4, &mut out, 1, Isa::Scalar).unwrap();
+    }
+}
