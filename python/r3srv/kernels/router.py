@@ -87,7 +87,7 @@ def select_experts(
 
         route = route_triton
     else:
-        if backend == "auto":
+        if backend == "auto" and router_logits.is_cpu:
             check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups,
                              group_score_top)
             routed = route_cpu(router_logits, top_k, scoring=scoring, renormalize=renormalize,

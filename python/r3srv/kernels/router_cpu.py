@@ -53,7 +53,7 @@ def route_cpu(
         target = (capture.data_ptr(), capture.stride(0), capture.element_size())
     weights = torch.empty(tokens, top_k, dtype=torch.float32)
     ids = torch.empty(tokens, top_k, dtype=torch.int32)
-    _route_experts(router_logits.data_ptr(), dtype, (tokens, experts, top_k), scoring, renormalize, scaling,
+    _route_experts(router_logits.data_ptr(), dtype, (tokens, experts, top_k), scoring, bool(renormalize), scaling,
                    weights.data_ptr(), ids.data_ptr(), target)
     return weights, ids
 
