@@ -81,6 +81,15 @@ def test_equals_the_reference(tokens, experts, top_k, bfloat16, scoring, renorma
     assert_same_routing(got, want)
 
 
+@pytest.mark.parametrize("experts,top_k", [(128, 10), (512, 10), (512, 8), (16, 16)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "specials"])
+def test_the_scalar_top_k_beyond_the_vector_ones_limits(experts, top_k, kind):
+    # the AVX2 top-k takes k <= 8 of at most 256 experts; the others take the scalar insertion
+    logits = generated_logits(experts + top_k, 24, experts, kind, torch.float32)
+    for scoring in ("softmax", "sigmoid"):
+        assert_same_routing(route_cpu(logits, top_k, scoring=scoring), route_reference(logits, top_k, scoring=scoring))
+
+
 def test_select_experts_takes_it_on_the_cpu(monkeypatch, r3srv_settings):
     r3srv_settings(force_torch_router=False, rust_router=True)
     logits = generated_logits(3, 11, 64, "ties", torch.float32)

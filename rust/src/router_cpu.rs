@@ -53,12 +53,93 @@ pub fn route<L: Element>(logits: &[L], experts: usize, routing: &Routing, weight
             ids.len()
         ));
     }
-    let mut keys = vec![0f32; k];
-    for ((row, w), slot_ids) in logits.chunks_exact(experts).zip(weights.chunks_exact_mut(k)).zip(ids.chunks_exact_mut(k)) {
-        top_k(row, &mut keys, slot_ids);
-        weigh(row, keys[0], slot_ids, routing, w);
-    }
+    let avx2 = k <= 8 && experts <= AVX2_MAX_EXPERTS && avx2_available();
+    route_rows(logits, experts, routing, weights, ids, avx2);
     Ok(())
+}
+
+/// Up to this many experts the branch-free AVX2 top-k beats the scalar insertion, whose
+/// mispredicted branches cost more than the vector pass over every expert (docs/benchmarks.md).
+const AVX2_MAX_EXPERTS: usize = 256;
+
+fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `route` on checked lengths; `avx2`: the vector top-k (k <= 8, an AVX2 CPU).
+fn route_rows<L: Element>(logits: &[L], experts: usize, routing: &Routing, weights: &mut [f32], ids: &mut [i32], avx2: bool) {
+    let k = routing.top_k;
+    let mut keys = vec![0f32; k];
+    let mut sortable_lanes = [0i32; AVX2_MAX_EXPERTS];
+    let sortable = &mut sortable_lanes[..if avx2 { experts } else { 0 }];
+    for ((row, w), slot_ids) in logits.chunks_exact(experts).zip(weights.chunks_exact_mut(k)).zip(ids.chunks_exact_mut(k)) {
+        if avx2 {
+            for (s, &logit) in sortable.iter_mut().zip(row) {
+                *s = sortable_key(logit.to_f32());
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `avx2` is true only where the CPU has AVX2; k <= 8 (route checked both).
+            unsafe {
+                avx2::top_k(sortable, slot_ids)
+            };
+        } else {
+            top_k(row, &mut keys, slot_ids);
+        }
+        weigh(row, key(row[slot_ids[0] as usize].to_f32()), slot_ids, routing, w);
+    }
+}
+
+/// An i32 whose order is the keys' order: NaN as +inf, -0.0 equal to 0.0 (the key plus 0.0 is
+/// +0.0), negative floats' magnitude bits flipped so that larger magnitudes sort lower.
+#[inline(always)]
+fn sortable_key(logit: f32) -> i32 {
+    let bits = (key(logit) + 0.0).to_bits() as i32;
+    if bits < 0 {
+        bits ^ 0x7fff_ffff
+    } else {
+        bits
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// The best `ids.len()` (at most 8) experts by `sortable_key`, best first, as `super::top_k`
+    /// ranks them: eight (key, id) lanes kept sorted, each expert inserted without a branch
+    /// (the lanes below its key shift down one, the last falls out, its key takes the first of
+    /// them), so a later expert with an equal key goes after the earlier ones. The keys' update
+    /// is max(lane, min(key, lane above)), a short dependency chain from one expert to the next.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `ids.len()` <= 8.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn top_k(keys: &[i32], ids: &mut [i32]) {
+        let mut best = _mm256_set1_epi32(i32::MIN); // below every sortable key
+        let mut best_ids = _mm256_set1_epi32(-1);
+        let down = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6);
+        let top = _mm256_set1_epi32(i32::MAX); // above every sortable key
+        for (e, &key) in keys.iter().enumerate() {
+            let v = _mm256_set1_epi32(key);
+            let above = _mm256_blend_epi32::<1>(_mm256_permutevar8x32_epi32(best, down), top); // lane i: best[i - 1]
+            let after = _mm256_cmpgt_epi32(v, above); // the lanes past v's slot
+            let at = _mm256_andnot_si256(after, _mm256_cmpgt_epi32(v, best));
+            best = _mm256_max_epi32(best, _mm256_min_epi32(v, above));
+            let placed = _mm256_blendv_epi8(best_ids, _mm256_set1_epi32(e as i32), at);
+            best_ids = _mm256_blendv_epi8(placed, _mm256_permutevar8x32_epi32(best_ids, down), after);
+        }
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; an unaligned store.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, best_ids) };
+        ids.copy_from_slice(&lanes[..ids.len()]);
+    }
 }
 
 /// The expert ranking key: the logit, NaN as +inf (first, where torch's descending sort puts it).
@@ -317,6 +398,49 @@ mod tests {
     }
 
     #[test]
+    fn the_vector_top_k_equals_the_scalar_one() {
+        if !avx2_available() {
+            return;
+        }
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        for (seed, experts) in [(1u64, 64usize), (2, 4), (3, 60), (4, 128), (5, 256), (6, 9)] {
+            let mut logits = noise(50 * experts, seed);
+            for (i, v) in logits.iter_mut().enumerate() {
+                *v = match (i * 7 + seed as usize) % 13 {
+                    0 => (*v * 1.5).round(), // ties
+                    1 => [nan, inf, -inf, -0.0, 0.0][i % 5],
+                    _ => *v,
+                };
+            }
+            logits[..experts].fill(-inf); // a row of -inf: every key equal
+            logits[experts..2 * experts].fill(-0.0);
+            for k in 1..=experts.min(8) {
+                let r = routing(k, Scoring::Softmax, true, 1.0);
+                let rows = logits.len() / experts;
+                let mut got = (vec![0f32; rows * k], vec![0i32; rows * k]);
+                let mut want = got.clone();
+                route_rows(&logits, experts, &r, &mut got.0, &mut got.1, true);
+                route_rows(&logits, experts, &r, &mut want.0, &mut want.1, false);
+                assert_eq!(got.1, want.1, "{experts} experts, top-{k}");
+                for (a, b) in got.0.iter().zip(&want.0) {
+                    assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sortable_keys_order_as_the_keys() {
+        let values = [f32::NEG_INFINITY, -3.5, -1.0, -1e-30, -0.0, 0.0, 1e-30, 2.0, f32::MAX, f32::INFINITY];
+        for w in values.windows(2) {
+            assert!(sortable_key(w[0]) <= sortable_key(w[1]));
+            assert_eq!(sortable_key(w[0]) == sortable_key(w[1]), w[0] == w[1]);
+        }
+        assert_eq!(sortable_key(f32::NAN), sortable_key(f32::INFINITY));
+        assert!(sortable_key(f32::NEG_INFINITY) > i32::MIN);
+    }
+
+    #[test]
     fn bad_arguments_are_errors() {
         let (mut w, mut ids) = (vec![0f32; 4], vec![0i32; 4]);
         let r = routing(2, Scoring::Softmax, true, 1.0);
@@ -337,8 +461,8 @@ mod tests {
         let mut one = vec![0u8; 3];
         capture_ids(&ids[..3], 3, &mut one, 0).unwrap(); // one row: any stride
         assert_eq!(one, [3, 1, 0]);
-        assert!(capture_ids(&ids, 3, &mut vec![0u64; 6], 2).is_err()); // overlapping rows
-        assert!(capture_ids(&ids, 3, &mut vec![0u32; 7], 3).is_err()); // wrong span
+        assert!(capture_ids(&ids, 3, &mut [0u64; 6], 2).is_err()); // overlapping rows
+        assert!(capture_ids(&ids, 3, &mut [0u32; 7], 3).is_err()); // wrong span
         assert_eq!(capture_len(4, 8, usize::MAX), None);
     }
 }
