@@ -1,6 +1,7 @@
 //! r3srv core: byte-identical, zero-copy `base64(np.save(array))` for routed experts, and its
 //! inverse; and CPU kernels: the expert pass (`expert_pairs`), linear layers of a few rows
-//! (`linear`), paged decode attention (`paged_attn`) and RMSNorm of float32 rows (`rms_norm`).
+//! (`linear`), paged decode attention (`paged_attn`), RMSNorm of float32 rows (`rms_norm`) and
+//! an attention layer's q/k norms and RoPE (`qk_rope`).
 //! Everything but `python` builds and tests without Python (`cargo test`).
 pub mod b64;
 #[cfg(target_arch = "x86_64")]
@@ -12,6 +13,7 @@ pub mod layout;
 pub mod linear;
 pub mod npy_header;
 pub mod paged_attn;
+pub mod qk_rope;
 pub mod rms_norm;
 #[cfg(test)]
 mod testing;
