@@ -174,6 +174,7 @@ pub enum PairTokens<'a> {
 /// out [T, H] = sum over the pairs p of token t of weights[p] * expert_{ids[p]}(x[t]), summed
 /// in pair order. A pair of weight 0 (another rank's expert) contributes nothing and is
 /// skipped. Errors name the first inconsistent input.
+#[allow(clippy::too_many_arguments)]
 pub fn expert_pairs<W: Element>(
     experts: &Experts<W>,
     x: &[W],
@@ -404,7 +405,7 @@ pub fn gemv<W: Element>(isa: Isa, m: &[W], v: &[f32], out: &mut [f32]) {
 /// every weight row read once for all n vectors. Each element is the dot product `gemv`
 /// computes, in the same order, so results do not depend on n.
 pub fn gemm_nt<W: Element>(isa: Isa, m: &[W], rows: usize, vs: &[f32], out: &mut [f32]) {
-    let cols = if rows == 0 { 0 } else { m.len() / rows };
+    let cols = m.len().checked_div(rows).unwrap_or(0);
     assert_eq!(m.len(), rows * cols, "gemm_nt: the matrix is not [rows, K]");
     if cols == 0 || rows == 0 {
         out.fill(0.0);

@@ -35,7 +35,7 @@ pub fn qk_norm_rope(qkv: &[f32], s: Heads, norms: Option<&HeadNorms>, cos: &[f32
                     k: &mut [f32], v: &mut [f32]) -> Result<(), String> {
     let d = s.head_dim;
     let width = (s.heads + 2 * s.kv_heads) * d;
-    if d == 0 || s.rotary > d || s.rotary % 2 != 0 {
+    if d == 0 || s.rotary > d || !s.rotary.is_multiple_of(2) {
         return Err(format!("qk_norm_rope: rotary {} must be even and at most head_dim {d} (> 0)", s.rotary));
     }
     let lengths = [
