@@ -48,6 +48,7 @@ class Settings:
     cpu_expert_kernel: bool = _setting(True, "CPU expert pass in one Rust call per layer at every batch size; off: torch's paths")
     rust_rms_norm: bool = _setting(True, "CPU float32 RMSNorm in one Rust call; off: torch's rms_norm")
     rust_linear: bool = _setting(True, "CPU linear layers of up to 32 rows in one Rust call; off: torch's F.linear")
+    rust_rope: bool = _setting(True, "CPU q/k norms and RoPE of an attention layer in one Rust call; off: torch's ops")
     rust_router: bool = _setting(True, "CPU routing in one Rust call; off: the torch reference")
     force_torch_router: bool = _setting(False, "route with the torch reference, never the Triton kernel")
     ep_dispatch: str = _setting("all_reduce", "expert parallelism's combine: all_reduce or all_to_all (dispatch)")

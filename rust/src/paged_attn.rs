@@ -252,36 +252,19 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
     // each thread at least PARALLEL_MIN_MACS of work: a many-core host spawns no idle threads
     let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
     if threads == 1 {
-        run(d, &mut items, isa);
+        run(d, items.iter_mut(), isa);
         return Ok(());
     }
-    // Contiguous runs of items with about equal numbers of keys, one per thread.
-    let costs: Vec<usize> = items.iter().map(|it| it.end - it.start + 1).collect();
-    let total: usize = costs.iter().sum();
-    let (mut bounds, mut done) = (Vec::with_capacity(threads), 0);
-    for (i, cost) in costs.iter().enumerate() {
-        done += cost;
-        if bounds.len() + 1 < threads && done * threads >= total * (bounds.len() + 1) && i + 1 < costs.len() {
-            bounds.push(i + 1);
-        }
-    }
-    let mut chunks: Vec<&mut [Item<'_, T>]> = Vec::with_capacity(threads);
-    let mut rest = &mut items[..];
-    let mut taken = 0;
-    for b in bounds {
-        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(b - taken);
-        chunks.push(mine);
-        rest = tail;
-        taken = b;
-    }
-    chunks.push(rest);
+    // Threads take items one at a time from a shared queue: a thread the OS preempts holds up
+    // none of the others' work (a static split would wait for it).
+    let queue = std::sync::Mutex::new(items.iter_mut());
+    let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).next();
+    let work = || run(d, std::iter::from_fn(next), isa);
     std::thread::scope(|scope| {
-        let mut chunks = chunks.into_iter();
-        let own = chunks.next().expect("one chunk at least");
-        for chunk in chunks {
-            scope.spawn(move || run(d, chunk, isa));
+        for _ in 1..threads {
+            scope.spawn(work);
         }
-        run(d, own, isa);
+        work();
     });
     Ok(())
 }
@@ -291,7 +274,7 @@ fn visible(len: usize, window: Option<usize>) -> (usize, usize) {
     (window.map_or(0, |w| len.saturating_sub(w)), len)
 }
 
-fn run<T: Element>(d: &PagedDecode<'_, T>, items: &mut [Item<'_, T>], isa: Isa) {
+fn run<'i, 'o: 'i, T: Element + 'o>(d: &PagedDecode<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>, isa: Isa) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => {
@@ -306,7 +289,7 @@ fn run<T: Element>(d: &PagedDecode<'_, T>, items: &mut [Item<'_, T>], isa: Isa) 
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<T: Element>(d: &PagedDecode<'_, T>, items: &mut [Item<'_, T>]) {
+unsafe fn run_avx2<'i, 'o: 'i, T: Element + 'o>(d: &PagedDecode<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>) {
     run_items::<T, true>(d, items)
 }
 
@@ -320,7 +303,7 @@ struct Scratch {
 }
 
 #[inline(always)]
-fn run_items<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, items: &mut [Item<'_, T>]) {
+fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool>(d: &PagedDecode<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>) {
     let group = d.q.heads / d.k.heads;
     let mut s = Scratch {
         q: vec![0.0; group * d.q.dim],
@@ -364,6 +347,7 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
             *slot = base + offset;
             offset += 1;
         }
+        prefetch_tile(d, item, table, lo + n);
         score_tile::<T, AVX2>(d, item.kv_head, &slots[..n], &s.q, &mut s.scores);
         for g in 0..group {
             let p = &mut s.scores[g * TILE..][..n];
@@ -391,6 +375,31 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
             *o = T::from_f32(a * norm);
         }
     }
+}
+
+/// Asks for the key and value rows of the tile after the one at hand (keys from `next`) to
+/// be brought into the cache while this one is computed: a tile's rows sit in scattered
+/// blocks, a few KiB each, that the hardware prefetcher does not foresee.
+#[inline(always)]
+fn prefetch_tile<T: Element>(d: &PagedDecode<'_, T>, item: &Item<'_, T>, table: &[i64], next: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let end = item.end.min(next + TILE);
+        for pos in next..end {
+            let slot = table[pos / d.page] as usize * d.page + pos % d.page; // validated by paged_decode
+            for row in [d.k.at(slot, item.kv_head), d.v.at(slot, item.kv_head)] {
+                let bytes = std::mem::size_of_val(row);
+                let base = row.as_ptr() as *const i8;
+                for offset in (0..bytes).step_by(64) {
+                    // SAFETY: the address lies within `row`; a prefetch never faults or writes.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(offset)) };
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (d, item, table, next);
 }
 
 /// Up to this many query heads share each load of a key or value row (their running sums

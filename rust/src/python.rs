@@ -584,6 +584,34 @@ fn route_rows<L: Element>(
     if logits.len() >= ROUTE_DETACH_MIN_LOGITS { py.detach(run) } else { run() }.map_err(PyValueError::new_err)
 }
 
+/// One attention layer's q/k norms and RoPE (crate::qk_rope): the private half of
+/// r3srv.kernels.qk_rope_cpu, which passes contiguous float32 CPU tensors at `addresses` (qkv,
+/// q_norm, k_norm (0: no norms), cos, sin, and fresh q, k, v) of `shape` (tokens, heads,
+/// kv_heads, head_dim, rotary), and keeps them alive across the call. Keeps the GIL: a call
+/// takes less than releasing it.
+#[pyfunction]
+fn qk_norm_rope_f32(addresses: [usize; 8], shape: [usize; 5], eps: f32) -> PyResult<()> {
+    let [qkv, q_norm, k_norm, cos, sin, q, k, v] = addresses;
+    let [tokens, heads, kv_heads, head_dim, rotary] = shape;
+    let overflow = || PyValueError::new_err("qk_norm_rope: the shape overflows");
+    let width = heads.checked_add(kv_heads.checked_mul(2).ok_or_else(overflow)?).ok_or_else(overflow)?;
+    let cell = |a: usize, b: usize| a.checked_mul(b).ok_or_else(overflow);
+    let (q_len, kv_len) = (cell(cell(tokens, heads)?, head_dim)?, cell(cell(tokens, kv_heads)?, head_dim)?);
+    let (qkv_len, rope_len) = (cell(cell(tokens, width)?, head_dim)?, cell(tokens, rotary)?);
+    // SAFETY: the caller's contract above; q, k and v are new tensors, so the &muts alias nothing.
+    let (qkv, cos, sin, q, k, v, norms) = unsafe {
+        let norms = match (q_norm, k_norm) {
+            (0, 0) => None,
+            (qn, kn) => Some((slice::<f32>(qn, head_dim)?, slice::<f32>(kn, head_dim)?)),
+        };
+        (slice::<f32>(qkv, qkv_len)?, slice::<f32>(cos, rope_len)?, slice::<f32>(sin, rope_len)?,
+         slice_mut::<f32>(q, q_len)?, slice_mut::<f32>(k, kv_len)?, slice_mut::<f32>(v, kv_len)?, norms)
+    };
+    let norms = norms.map(|(q, k)| crate::qk_rope::HeadNorms { q, k, eps });
+    let s = crate::qk_rope::Heads { tokens, heads, kv_heads, head_dim, rotary };
+    crate::qk_rope::qk_norm_rope(qkv, s, norms.as_ref(), cos, sin, q, k, v).map_err(PyValueError::new_err)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_routed_experts, m)?)?;
@@ -597,5 +625,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
     m.add_function(wrap_pyfunction!(route_experts, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::linear_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(qk_norm_rope_f32, m)?)?;
     Ok(())
 }

@@ -15,23 +15,29 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), S
         return Err(format!("rms_norm: {} inputs and {} outputs for rows of {dim}", x.len(), out.len()));
     }
     for (row, dst) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let mut lanes = [0f32; LANES];
-        let whole = dim / LANES * LANES;
-        for chunk in row[..whole].chunks_exact(LANES) {
-            for i in 0..LANES {
-                lanes[i] += chunk[i] * chunk[i];
-            }
-        }
-        let mut sum: f32 = lanes.iter().sum();
-        for v in &row[whole..] {
-            sum += v * v;
-        }
-        let scale = 1.0 / (sum / dim as f32 + eps).sqrt();
-        for ((o, v), g) in dst.iter_mut().zip(row).zip(w) {
-            *o = v * scale * g;
-        }
+        normalize_row(row, w, eps, dst);
     }
     Ok(())
+}
+
+/// One row: dst = row / sqrt(mean(row^2) + eps) * w (all of w's length).
+pub fn normalize_row(row: &[f32], w: &[f32], eps: f32, dst: &mut [f32]) {
+    let dim = w.len();
+    let mut lanes = [0f32; LANES];
+    let whole = dim / LANES * LANES;
+    for chunk in row[..whole].chunks_exact(LANES) {
+        for i in 0..LANES {
+            lanes[i] += chunk[i] * chunk[i];
+        }
+    }
+    let mut sum: f32 = lanes.iter().sum();
+    for v in &row[whole..dim] {
+        sum += v * v;
+    }
+    let scale = 1.0 / (sum / dim as f32 + eps).sqrt();
+    for ((o, v), g) in dst.iter_mut().zip(row).zip(w) {
+        *o = v * scale * g;
+    }
 }
 
 #[cfg(test)]

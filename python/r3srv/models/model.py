@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from r3srv.kernels.qk_rope_cpu import qk_norm_rope
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
@@ -28,7 +29,7 @@ from r3srv.models.kda import KimiDeltaAttention
 from r3srv.models.mamba2 import Mamba2
 from r3srv.models.recurrent import LinearStateBatch
 from r3srv.models.short_conv import ShortConv
-from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm_for, rope_cos_sin, rope_inv_freq
+from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm, rms_norm_for, rope_cos_sin, rope_inv_freq
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.layers import yarn_inv_freq
 from r3srv.models.mla import MlaAttention
@@ -83,6 +84,9 @@ class Attention(nn.Module):
             self.gate = ColumnParallelLinear(cfg.hidden_size, head_pieces(heads, self.head_dim, parallel), **kw)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # q/k norms and RoPE in one Rust call on the CPU, where the layer is that simple
+        self.fused_heads = (self.q_rows == self.q_size and self.qk_norm in (None, "head") and self.clip_qkv is None
+                            and self.rotate is apply_rope and self.norm is rms_norm)
 
     def _norm_all_heads(self, y: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
         """RMSNorm over every head: under tensor parallelism the ranks' heads are gathered (each
@@ -122,9 +126,33 @@ class Attention(nn.Module):
         return targets
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
         gate = None if self.gate is None else self.gate(x)
+        heads = None
+        if self.fused_heads:  # the Rust kernel where it applies (kernels/qk_rope_cpu.py)
+            heads = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                 None if self.q_norm is None else (self.q_norm, self.k_norm), self.eps,
+                                 cos if self.use_rope else None, sin if self.use_rope else None)
+        if heads is None:
+            q, k, v, q_gate = self._heads(qkv, cos, sin)
+            gate = gate if q_gate is None else q_gate
+        else:
+            q, k, v = heads
+        if self.k_cache is None:
+            raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
+        o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, scale=self.scale, window=self.window,
+                            sinks=None if self.sinks is None else self.sinks.weight, decode_kernel=True)
+        o = o.reshape(x.shape[0], self.q_size)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    def _heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q [T, H, D], k, v [T, KVH, D]) from the fused projection, normed and rotated; with
+        an output gate (Qwen3-Next), the gate's half of the q rows replaces `self.gate`'s."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
         if self.q_rows != self.q_size:
             q, gate = q.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, self.q_size)
@@ -140,14 +168,7 @@ class Attention(nn.Module):
             q, k = self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)
         if self.use_rope:
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-        if self.k_cache is None:
-            raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
-        o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, scale=self.scale, window=self.window,
-                            sinks=None if self.sinks is None else self.sinks.weight, decode_kernel=True)
-        o = o.reshape(t, self.q_size)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self.o_proj(o)
+        return q, k, v, gate
 
 
 class DenseMlp(Mlp):

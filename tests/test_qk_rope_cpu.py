@@ -1,0 +1,111 @@
+"""The Rust q/k norms + RoPE kernel (r3srv.kernels.qk_rope_cpu) against the torch ops the
+attention layer runs without it, on generated shapes; its fallbacks; and the built-in model's
+tokens and routed experts with it on and off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from r3srv import LLM, SamplingParams
+from r3srv import settings as settings_module
+from r3srv.kernels.qk_rope_cpu import BUILT, qk_norm_rope
+from r3srv.models import model as model_module
+from r3srv.models.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+
+
+def torch_heads(qkv, heads, kv_heads, dim, norms, eps, cos, sin):
+    t = qkv.shape[0]
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.reshape(t, heads, dim), k.reshape(t, kv_heads, dim), v.reshape(t, kv_heads, dim)
+    if norms is not None:
+        with settings_module.overridden(rust_rms_norm=False):
+            q, k = rms_norm(q, norms[0], eps), rms_norm(k, norms[1], eps)
+    if cos is not None:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, k, v
+
+
+def operands(seed, tokens, heads, kv_heads, dim, rotary, normed):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    norms = (torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5) if normed else None
+    cos = sin = None
+    if rotary:
+        positions = torch.randint(0, 5000, (tokens,), generator=g)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(rotary, 1e6), torch.float32)
+    return qkv, heads, kv_heads, dim, norms, 1e-6, cos, sin
+
+
+def test_this_build_has_the_kernel():
+    assert BUILT, "r3srv._core predates the q/k RoPE kernel: rebuild the extension"
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 40), heads=st.integers(1, 8), kv_heads=st.integers(1, 4),
+       dim=st.sampled_from([2, 8, 30, 64, 128]), rotary_part=st.sampled_from([0, 0.5, 1.0]), normed=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_equals_the_torch_ops(tokens, heads, kv_heads, dim, rotary_part, normed, seed):
+    rotary = int(dim * rotary_part) // 2 * 2
+    args = operands(seed, tokens, heads, kv_heads, dim, rotary, normed)
+    got = qk_norm_rope(*args)
+    want = torch_heads(*args)
+    assert got is not None
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.is_contiguous()
+    exact = 0 if not normed else 1e-5  # the rotation is torch's op for op; the norms round differently
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, rtol=exact, atol=exact)
+    assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "strided qkv", "odd rotary", "setting off", "norm shape", "wide qkv"])
+def test_falls_back(case):
+    qkv, heads, kv_heads, dim, norms, eps, cos, sin = operands(1, 3, 2, 1, 8, 8, True)
+    if case == "bfloat16":
+        qkv = qkv.bfloat16()
+    elif case == "strided qkv":
+        qkv = torch.cat([qkv, qkv], dim=1)[:, ::2]
+    elif case == "odd rotary":
+        cos, sin = cos[:, :3].contiguous(), sin[:, :3].contiguous()
+    elif case == "norm shape":
+        norms = (norms[0][:4], norms[1])
+    elif case == "wide qkv":
+        qkv = torch.randn(3, 41)
+    with settings_module.overridden(rust_rope=case != "setting off"):
+        assert qk_norm_rope(qkv, heads, kv_heads, dim, norms, eps, cos, sin) is None
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
+
+
+def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
+    prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
+    runs = []
+
+    def counted(*args):
+        out = qk_norm_rope(*args)
+        runs.append(out is not None)
+        return out
+
+    monkeypatch.setattr(model_module, "qk_norm_rope", counted)
+
+    def run():
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
+
+    on = run()
+    assert runs and all(runs)
+    count = len(runs)
+    r3srv_settings(rust_rope=False)
+    off = run()
+    assert len(runs) == 2 * count and not any(runs[count:])
+    for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
+        assert tokens_on == tokens_off
+        np.testing.assert_array_equal(rows_on, rows_off)
