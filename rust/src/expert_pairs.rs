@@ -95,6 +95,7 @@ impl Activation {
         }
     }
 
+    #[inline(always)]
     fn apply(self, h: &[f32], a: &mut [f32]) {
         let inter = a.len();
         match self {
@@ -156,6 +157,7 @@ impl<W: Element> Experts<'_, W> {
     }
 }
 
+#[inline(always)]
 fn add<W: Element>(dst: &mut [f32], src: &[W]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d += s.to_f32();
@@ -215,21 +217,58 @@ pub fn expert_pairs<W: Element>(
     if let Some(&bad) = ids.iter().find(|&&e| e < 0 || e as usize >= experts.num_experts) {
         return Err(format!("expert id {bad} is outside 0..{}", experts.num_experts));
     }
-    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
     let pair_token: Vec<u32> = (0..ids.len()).map(|p| token_of(p) as u32).collect();
-    let outputs = grouped_pass(experts, &xf, &pair_token, ids, weights, threads, isa);
-    // out[t] = its pairs' weighted outputs summed in pair order, whatever order they ran in
-    let mut sums = vec![0.0f32; x.len()];
+    BUFFERS.with_borrow_mut(|[xf, outputs, sums]| {
+        xf.clear();
+        xf.extend(x.iter().map(|v| v.to_f32()));
+        grouped_pass(experts, xf, &pair_token, ids, weights, threads, isa, outputs);
+        sums.clear();
+        sums.resize(x.len(), 0.0);
+        match simd(isa) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: simd() checked that this CPU has AVX2 and FMA.
+            true => unsafe { weighted_sums_avx2(outputs, &pair_token, weights, hid, sums) },
+            _ => weighted_sums(outputs, &pair_token, weights, hid, sums),
+        }
+        for (dst, &v) in out.iter_mut().zip(sums.iter()) {
+            *dst = W::from_f32(v);
+        }
+    });
+    Ok(())
+}
+
+thread_local! {
+    /// Per-thread buffers reused across calls (the inputs in f32, the pairs' outputs, the
+    /// sums): a prefill's are megabytes, whose fresh pages would each cost a fault and a clear.
+    static BUFFERS: std::cell::RefCell<[Vec<f32>; 3]> = std::cell::RefCell::default();
+}
+
+/// sums[t] += weights[p] * outputs[p] for every live pair p of token t, in pair order (the
+/// order the result promises, whatever order the pairs ran in).
+#[inline(always)]
+fn weighted_sums(outputs: &[f32], pair_token: &[u32], weights: &[f32], hid: usize, sums: &mut [f32]) {
     for (p, &t) in pair_token.iter().enumerate().filter(|&(p, _)| weights[p] != 0.0) {
         let t = t as usize;
         for (acc, &o) in sums[t * hid..(t + 1) * hid].iter_mut().zip(&outputs[p * hid..(p + 1) * hid]) {
             *acc += weights[p] * o;
         }
     }
-    for (dst, &v) in out.iter_mut().zip(&sums) {
-        *dst = W::from_f32(v);
-    }
-    Ok(())
+}
+
+/// Whether to run the elementwise loops below in their AVX2 builds (8 wide instead of SSE's
+/// 4). Rust never fuses a multiply and an add on its own, so both builds give the same bits.
+fn simd(isa: Isa) -> bool {
+    cfg!(target_arch = "x86_64") && isa == Isa::Avx2Fma && Isa::best() == Isa::Avx2Fma
+}
+
+/// `weighted_sums` compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_sums_avx2(outputs: &[f32], pair_token: &[u32], weights: &[f32], hid: usize, sums: &mut [f32]) {
+    weighted_sums(outputs, pair_token, weights, hid, sums)
 }
 
 /// Pairs of one expert run together, at most this many at a time: each weight row is read
@@ -239,14 +278,16 @@ const CHUNK_PAIRS: usize = 48;
 /// microseconds.
 const PARALLEL_MIN_MACS: usize = 1 << 20;
 
-/// Every pair's expert output o[p] ([P, H]; zero for a pair of weight 0), the pairs grouped by
+/// Every pair's expert output o[p] into `outputs` ([P, H]; a pair of weight 0's row is left
+/// unwritten, and nothing reads it), the pairs grouped by
 /// expert so that each weight row is read once per chunk of up to CHUNK_PAIRS pairs instead
 /// of once per pair. Results do not depend on the grouping: each output element is the same
 /// dot product, accumulated in the same order, as a one-pair pass computes. Up to `threads`
 /// threads take chunks from a shared counter, so a thread the OS preempts holds up none of
 /// the others' work.
+#[allow(clippy::too_many_arguments)]
 fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32], ids: &[i32], weights: &[f32],
-                            threads: usize, isa: Isa) -> Vec<f32> {
+                            threads: usize, isa: Isa, outputs: &mut Vec<f32>) {
     let hid = experts.hidden;
     // a counting sort of the live pairs by expert (stable: pair order within an expert)
     let mut starts = vec![0usize; experts.num_experts + 1];
@@ -275,7 +316,7 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32]
             chunks.push((e, starts[e] + count * i / pieces, starts[e] + count * (i + 1) / pieces));
         }
     }
-    let mut outputs = vec![0.0f32; ids.len() * hid];
+    outputs.resize(ids.len() * hid, 0.0);
     let macs = order.len() * experts.rows13() * hid * 3 / 2;
     let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, chunks.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -304,7 +345,6 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32]
             work();
         });
     }
-    outputs
 }
 
 /// The output rows' base, shared by the threads of `grouped_pass`.
@@ -322,6 +362,27 @@ impl SharedRows {
     unsafe fn row(&self, row: usize, len: usize) -> &mut [f32] {
         std::slice::from_raw_parts_mut(self.0.add(row * len), len)
     }
+}
+
+/// a = act(h + b13) for each of a chunk's rows (h [n, r], a [n, i]).
+#[inline(always)]
+fn activate<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, h: &mut [f32], a: &mut [f32]) {
+    for (h, a) in h.chunks_exact_mut(r).zip(a.chunks_exact_mut(i)) {
+        if let Some(b13) = b13 {
+            add(h, b13);
+        }
+        act.apply(h, a);
+    }
+}
+
+/// `activate` compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn activate_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, h: &mut [f32], a: &mut [f32]) {
+    activate(act, b13, r, i, h, a)
 }
 
 /// One thread's buffers for a chunk: inputs [n, H], h [n, R], a [n, I], o [n, H].
@@ -346,11 +407,12 @@ impl<W: Element> Experts<'_, W> {
         s.a.resize(n * i, 0.0);
         s.o.resize(n * hid, 0.0);
         gemm_nt(isa, &self.w13[e * r * hid..(e + 1) * r * hid], r, &s.x, &mut s.h);
-        for (h, a) in s.h.chunks_exact_mut(r).zip(s.a.chunks_exact_mut(i)) {
-            if let Some(b13) = self.b13 {
-                add(h, &b13[e * r..(e + 1) * r]);
-            }
-            self.act.apply(h, a);
+        let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
+        match simd(isa) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: simd() checked that this CPU has AVX2 and FMA.
+            true => unsafe { activate_avx2(self.act, b13, r, i, &mut s.h, &mut s.a) },
+            _ => activate(self.act, b13, r, i, &mut s.h, &mut s.a),
         }
         gemm_nt(isa, &self.w2[e * hid * i..(e + 1) * hid * i], hid, &s.a, &mut s.o);
         if let Some(b2) = self.b2 {
