@@ -48,11 +48,11 @@ def test_equals_f_linear(rows, k, n, bias, bfloat16, seed):
 
 
 def test_leading_dims_and_the_thread_split():
-    x, w, b = operands(1, 12, 256, 1030, True)
-    one = linear_rust(x.view(3, 4, 256), w, b)
-    assert one.shape == (3, 4, 1030)
-    with settings_module.overridden(cpu_threads=2):  # 12 x 1030 x 256 multiply-adds: two threads
-        assert torch.equal(linear_rust(x.view(3, 4, 256), w, b), one)
+    x, w, b = operands(1, MAX_ROWS, 256, 1030, True)
+    one = linear_rust(x.view(4, MAX_ROWS // 4, 256), w, b)
+    assert one.shape == (4, MAX_ROWS // 4, 1030)
+    with settings_module.overridden(cpu_threads=2):  # 32 x 1030 x 256 multiply-adds: two threads
+        assert torch.equal(linear_rust(x.view(4, MAX_ROWS // 4, 256), w, b), one)
 
 
 @pytest.mark.parametrize("case", ["too many rows", "float16", "mixed dtypes", "strided weight", "strided x",

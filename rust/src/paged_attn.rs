@@ -250,16 +250,18 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
     }
 
     // each thread at least PARALLEL_MIN_MACS of work: a many-core host spawns no idle threads
-    let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
+    let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, seqs.max(1));
     if threads == 1 {
         run(d, items.iter_mut(), isa);
         return Ok(());
     }
-    // Threads take items one at a time from a shared queue: a thread the OS preempts holds up
-    // none of the others' work (a static split would wait for it).
-    let queue = std::sync::Mutex::new(items.iter_mut());
+    // Threads take sequences (all their KV heads' items, adjacent in `items`) one at a time
+    // from a shared queue: a thread the OS preempts holds up none of the others' work (a static
+    // split would wait for it), and a slot's heads, adjacent in the cache, are read by one
+    // thread (two threads streaming neighbouring lines would each pull in both).
+    let queue = std::sync::Mutex::new(items.chunks_mut(kv_heads));
     let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).next();
-    let work = || run(d, std::iter::from_fn(next), isa);
+    let work = || run(d, std::iter::from_fn(next).flatten(), isa);
     std::thread::scope(|scope| {
         for _ in 1..threads {
             scope.spawn(work);
