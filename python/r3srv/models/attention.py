@@ -6,7 +6,8 @@ token's K/V lives at its slot and a sequence's context is `slots = table[pos // 
 A step mixes prefills (possibly chunked, possibly after a prefix-cache hit) and decodes.
 Decodes (one query token each) share padded SDPA calls, grouped by context length within a
 gather budget; each prefill chunk gets its own call with the causal mask shifted by the
-tokens already in the cache. Sliding-window layers mask keys more than `window` positions
+tokens already in the cache (on the CPU, two flash attentions merged by their log-sum-exps:
+over the cached keys, nothing masked, and causally over the chunk's own). Sliding-window layers mask keys more than `window` positions
 back; attention sinks (gpt-oss) add a learned per-head logit to every softmax's denominator.
 """
 
@@ -254,7 +255,11 @@ def paged_attention(
             mask = _window_mask(q_len, span.context_len, window, q.device)[:, first:]
         elif mask is None:
             mask = CAUSAL
-        o = attend(qs, ks, vs, mask, gqa, scale, sinks)
+        o = None
+        if span.context_slots is not None and not windowed and sinks is None:
+            o = _attend_after_cache(qs, ks, vs, gqa, scale)
+        if o is None:
+            o = attend(qs, ks, vs, mask, gqa, scale, sinks)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
     launch = decode_kernel_for(q) if decode_kernel and groups is None and meta.decode_seqs else None
     if launch is None and meta.graph:
@@ -276,6 +281,27 @@ def paged_attention(
 
 
 CAUSAL = "causal"  # attend's mask for a plain causal prefill (SDPA's is_causal)
+# The CPU flash attention that also returns each query's log-sum-exp (absent from older torch).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_after_cache(q, k, v, gqa: bool, scale: float | None) -> torch.Tensor | None:
+    """attend() of a prefill chunk after cached tokens (q [1, H, q, D], keys [1, KVH, context,
+    D], the chunk's own keys last) as two flash attentions merged by their log-sum-exps: over
+    the cached keys with nothing masked, and causally over the chunk's own keys. One call with
+    the shifted causal mask computes every masked-out score, about half of a long chunk's.
+    None where it does not apply (not the CPU kernel's device or dtypes): the caller masks."""
+    if _FLASH_CPU is None or not q.is_cpu or q.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if gqa:  # head h reads KV head h // group, as SDPA's enable_gqa
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cached = k.shape[2] - q.shape[2]
+    old, old_lse = _FLASH_CPU(q, k[:, :, :cached], v[:, :, :cached], scale=scale)[:2]
+    new, new_lse = _FLASH_CPU(q, k[:, :, cached:], v[:, :, cached:], is_causal=True, scale=scale)[:2]
+    top = torch.maximum(old_lse, new_lse)
+    w_old, w_new = torch.exp(old_lse - top).unsqueeze(-1), torch.exp(new_lse - top).unsqueeze(-1)
+    return ((old.float() * w_old + new.float() * w_new) / (w_old + w_new)).to(q.dtype)
 
 
 def _window_mask(q_len: int, ctx_len: int, window: int, device) -> torch.Tensor:
