@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import functools
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
-from r3srv import LLM, SamplingParams, _core
+from engine_testing import assert_same_outputs_either_way, counting, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from r3srv import LLM, _core
 from r3srv import settings as r3srv_settings_module
 from r3srv.kernels.expert_pairs_cpu import BUILT, expert_pairs
 from r3srv.models import moe
@@ -188,27 +187,10 @@ def llm() -> LLM:
 
 
 def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
-    prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
     kernel_runs = []
 
-    def counted(*args):
-        out = expert_pairs(*args)
-        kernel_runs.append(out is not None)
-        return out
-
-    monkeypatch.setattr(moe, "expert_pairs", counted)
-
-    def run():
-        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))  # 3 sequences: the pairs path
-        single = llm.generate(prompts[:1], SamplingParams(max_tokens=12, **GREEDY))  # one sequence
-        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs + single]
-
-    on = run()
-    assert kernel_runs and all(kernel_runs)
-    runs_on = len(kernel_runs)
-    r3srv_settings(cpu_expert_kernel=False)
-    off = run()
-    assert len(kernel_runs) == 2 * runs_on and not any(kernel_runs[runs_on:])
-    for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
-        assert tokens_on == tokens_off
-        np.testing.assert_array_equal(rows_on, rows_off)
+    monkeypatch.setattr(moe, "expert_pairs", counting(expert_pairs, kernel_runs))
+    prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
+    for batch in (prompts, prompts[:1]):  # three sequences (prefills of 62 tokens), then one
+        kernel_runs.clear()
+        assert_same_outputs_either_way(llm, batch, kernel_runs, lambda on: r3srv_settings(cpu_expert_kernel=on))

@@ -4,15 +4,14 @@ experts with it on and off."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
-from r3srv import LLM, SamplingParams
+from engine_testing import assert_same_outputs_either_way, counting, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from r3srv import LLM
 from r3srv import settings as settings_module
 from r3srv.kernels import linear_cpu
 from r3srv.kernels.linear_cpu import BUILT, MAX_ROWS, linear, linear_rust
@@ -81,27 +80,11 @@ def llm() -> LLM:
 
 
 def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
-    prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
     kernel_runs = []
 
-    def counted(*args):
-        out = linear_rust(*args)
-        kernel_runs.append(out is not None)
-        return out
-
-    monkeypatch.setattr(linear_cpu, "linear_rust", counted)
-
-    def run():
-        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
-        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
-
-    on = run()
-    assert any(kernel_runs), "the decode steps' projections must take the kernel"
-    runs_on = len(kernel_runs)
-    r3srv_settings(rust_linear=False)
-    off = run()
-    assert not any(kernel_runs[runs_on:])
-    for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
-        assert tokens_on == tokens_off
-        np.testing.assert_array_equal(rows_on, rows_off)
+    monkeypatch.setattr(linear_cpu, "linear_rust", counting(linear_rust, kernel_runs))
+    prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
+    # the decode steps' projections take the kernel; a 40-token prefill's have too many rows
+    assert_same_outputs_either_way(llm, prompts, kernel_runs, lambda on: r3srv_settings(rust_linear=on),
+                                   every_call=False)
     assert parallel.linear is linear  # the layers' one entry point

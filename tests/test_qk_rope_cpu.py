@@ -4,14 +4,13 @@ tokens and routed experts with it on and off."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
-from r3srv import LLM, SamplingParams
+from engine_testing import assert_same_outputs_either_way, counting, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from r3srv import LLM
 from r3srv import settings as settings_module
 from r3srv.kernels.qk_rope_cpu import BUILT, qk_norm_rope
 from r3srv.models import model as model_module
@@ -86,26 +85,8 @@ def llm() -> LLM:
 
 
 def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
-    prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
     runs = []
 
-    def counted(*args):
-        out = qk_norm_rope(*args)
-        runs.append(out is not None)
-        return out
-
-    monkeypatch.setattr(model_module, "qk_norm_rope", counted)
-
-    def run():
-        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
-        return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
-
-    on = run()
-    assert runs and all(runs)
-    count = len(runs)
-    r3srv_settings(rust_rope=False)
-    off = run()
-    assert len(runs) == 2 * count and not any(runs[count:])
-    for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
-        assert tokens_on == tokens_off
-        np.testing.assert_array_equal(rows_on, rows_off)
+    monkeypatch.setattr(model_module, "qk_norm_rope", counting(qk_norm_rope, runs))
+    prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
+    assert_same_outputs_either_way(llm, prompts, runs, lambda on: r3srv_settings(rust_rope=on))

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings as hsettings
 from hypothesis import strategies as st
 
-from engine_testing import assert_same_outputs_either_way, prompt_ids
+from engine_testing import assert_same_outputs_either_way, counting, prompt_ids
 from r3srv import LLM, settings
 from r3srv.kernels import router
 from r3srv.kernels.router_cpu import BUILT, route_cpu
@@ -171,12 +171,7 @@ def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_s
     prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
     kernel_runs = []
 
-    def counted(*args, **kwargs):
-        out = route_cpu(*args, **kwargs)
-        kernel_runs.append(out is not None)
-        return out
-
-    monkeypatch.setattr(router, "route_cpu", counted)
+    monkeypatch.setattr(router, "route_cpu", counting(route_cpu, kernel_runs))
 
     assert_same_outputs_either_way(llm, prompts, kernel_runs, lambda on: r3srv_settings(rust_router=on))
 
