@@ -1,7 +1,7 @@
 """The CPU expert pass in one call into the Rust core (rust/src/expert_pairs.rs), at every
 batch size: the pairs grouped by expert, both projections of each expert's pairs as one small
 matrix product that reads each weight row once, the activation, the biases and the weighted
-sum per token, reading the experts' weights in place, on up to torch's intra-op thread count.
+sum per token, reading the experts' weights in place, on up to settings.cpu_threads threads.
 It replaces models/moe.py's torch paths: two `torch.mv` and several indexing ops per pair for a
 few pairs (dispatch cost as large as the products' memory traffic), and the sort, gather,
 grouped GEMMs and scatter of larger batches (each a full pass over memory).

@@ -7,8 +7,9 @@ A step mixes prefills (possibly chunked, possibly after a prefix-cache hit) and 
 Decodes (one query token each) share padded SDPA calls, grouped by context length within a
 gather budget; each prefill chunk gets its own call with the causal mask shifted by the
 tokens already in the cache (on the CPU, two flash attentions merged by their log-sum-exps:
-over the cached keys, nothing masked, and causally over the chunk's own). Sliding-window layers mask keys more than `window` positions
-back; attention sinks (gpt-oss) add a learned per-head logit to every softmax's denominator.
+over the cached keys, nothing masked, and causally over the chunk's own). Sliding-window
+layers mask keys more than `window` positions back; attention sinks (gpt-oss) add a learned
+per-head logit to every softmax's denominator.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from r3srv import settings
 from r3srv.kernels.qk_rope_cpu import qk_norm_rope
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
@@ -279,6 +280,8 @@ class MoeForCausalLM(nn.Module):
         self.num_blocks = 0
         self.num_state_slots = 0
         self.num_state_snapshots = 0
+        if device.type == "cpu":  # the work outside forwards (loading, sampling) as before; forwards set their own
+            torch.set_num_threads(settings.current().cpu_threads)
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
