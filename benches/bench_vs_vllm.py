@@ -103,8 +103,10 @@ async def run_workload(url: str, prompts: list[list[int]], gen: int, in_flight: 
         return time.perf_counter() - start
 
 
-def compare(r3srv_url: str, vllm_url: str, vocab: int, rounds: int, seed: int = 0) -> dict[str, list[float]]:
-    """Per-round ratios vLLM time / r3srv time for each workload (fresh prompts every round, no cache hits)."""
+def compare(r3srv_url: str, vllm_url: str, vocab: int, rounds: int, seed: int = 0,
+            seconds: dict | None = None) -> dict[str, list[float]]:
+    """Per-round ratios vLLM time / r3srv time for each workload (fresh prompts every round, no
+    cache hits); each round's times go to `seconds[workload][server]` when given."""
     rng = np.random.default_rng(seed)
     ratios: dict[str, list[float]] = {}
     for name, (prompt_len, gen, count, in_flight) in WORKLOADS.items():
@@ -118,13 +120,18 @@ def compare(r3srv_url: str, vllm_url: str, vocab: int, rounds: int, seed: int = 
                 order.reverse()
             t = {who: asyncio.run(run_workload(url, prompts, gen, in_flight, who == "r3srv")) for who, url in order}
             ratios.setdefault(name, []).append(t["vllm"] / t["r3srv"])
+            if seconds is not None:
+                for who, took in t.items():
+                    seconds.setdefault(name, {}).setdefault(who, []).append(took)
     return ratios
 
 
-def print_table(threads: int, ratios: dict[str, list[float]]) -> None:
+def print_table(threads: int, ratios: dict[str, list[float]], seconds: dict | None = None) -> None:
     for name, values in ratios.items():
+        took = "" if not seconds else (f"; median seconds vLLM {statistics.median(seconds[name]['vllm']):.2f}, "
+                                       f"r3srv {statistics.median(seconds[name]['r3srv']):.2f}")
         print(f"threads={threads} {name:10s} vLLM/r3srv time: median {statistics.median(values):.2f}x "
-              f"(min {min(values):.2f}, max {max(values):.2f}, {len(values)} rounds)", flush=True)
+              f"(min {min(values):.2f}, max {max(values):.2f}, {len(values)} rounds){took}", flush=True)
 
 
 def run(model: str | None, threads_list: list[int], rounds: int, venv: str) -> dict[int, dict[str, list[float]]]:
@@ -142,11 +149,12 @@ def run(model: str | None, threads_list: list[int], rounds: int, venv: str) -> d
                       "--max-num-seqs", "16", "--log-level", "warning")
         with RemoteServer(*r3srv_args) as ours:
             theirs = VllmServer(venv, checkpoint, threads)
+            seconds: dict = {}
             try:
-                results[threads] = compare(ours.url, theirs.url, vocab, rounds)
+                results[threads] = compare(ours.url, theirs.url, vocab, rounds, seconds=seconds)
             finally:
                 theirs.stop()
-        print_table(threads, results[threads])
+        print_table(threads, results[threads], seconds)
     return results
 
 
