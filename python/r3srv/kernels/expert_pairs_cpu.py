@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from r3srv import settings
-from r3srv.kernels.rust_core import rust_kernel
+from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 _expert_pairs_cpu = rust_kernel("expert_pairs_cpu")
 BUILT = _expert_pairs_cpu is not None  # else the torch path (kernels/rust_core.py)
@@ -45,7 +45,7 @@ def expert_pairs(
     [P]) through the Rust kernel, or None where it does not apply: the setting is off, x and
     the experts are not contiguous CPU tensors of one dtype the kernel reads, or `act` is not
     one of moe.py's activations."""
-    dtype = _DTYPES.get(x.dtype)
+    dtype = RUST_DTYPES.get(x.dtype)
     if not BUILT or not settings.current().cpu_expert_kernel or dtype is None or not x.is_cpu:
         return None
     spec = _activation(act)
@@ -73,9 +73,6 @@ def expert_pairs(
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` contiguous in `dtype` (no copy when it already is)."""
     return (t if t.dtype == dtype else t.to(dtype)).contiguous()
-
-
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 @functools.lru_cache(maxsize=256)

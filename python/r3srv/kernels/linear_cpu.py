@@ -16,14 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from r3srv import settings
-from r3srv.kernels.rust_core import rust_kernel
+from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 _linear_cpu = rust_kernel("linear_cpu")
 BUILT = _linear_cpu is not None  # else torch's F.linear (kernels/rust_core.py)
 
 # More rows than this: torch's GEMM, whose packed kernels win once the weights are reused enough.
 MAX_ROWS = 32
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,7 +33,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ weight.T (+ bias) through the Rust kernel, or None where it does not apply."""
-    dtype = _DTYPES.get(x.dtype)
+    dtype = RUST_DTYPES.get(x.dtype)
     if not BUILT or dtype is None or not x.is_cpu or not settings.current().rust_linear:
         return None
     if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1] or x.numel() == 0:

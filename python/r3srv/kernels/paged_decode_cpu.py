@@ -15,16 +15,15 @@ from __future__ import annotations
 import torch
 
 from r3srv import settings
-from r3srv.kernels.rust_core import rust_kernel
+from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 _paged_decode_attention = rust_kernel("paged_decode_attention")
 BUILT = _paged_decode_attention is not None  # else the torch path (kernels/rust_core.py)
 
 
 def supports(q: torch.Tensor) -> bool:
     """Whether decodes of queries like `q` can take this kernel (CPU, float32 or bfloat16)."""
-    return BUILT and q.device.type == "cpu" and q.dtype in DTYPES
+    return BUILT and q.device.type == "cpu" and q.dtype in RUST_DTYPES
 
 
 def _head_major(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -51,7 +50,7 @@ def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int,
     num_seqs = rows.shape[0]
     if num_seqs == 0:
         return
-    if q.dtype not in DTYPES:
+    if q.dtype not in RUST_DTYPES:
         raise TypeError(f"paged_decode_cpu takes float32 or bfloat16, not {q.dtype}")
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}
     for name, t in tensors.items():
@@ -76,7 +75,7 @@ def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int,
         if sinks.shape != (q.shape[1],):
             raise ValueError(f"paged_decode_cpu: {tuple(sinks.shape)} sinks for {q.shape[1]} heads")
     _paged_decode_attention(
-        DTYPES[q.dtype], _head_major("q", q), _head_major("k_cache", k_cache), _head_major("v_cache", v_cache),
+        RUST_DTYPES[q.dtype], _head_major("q", q), _head_major("k_cache", k_cache), _head_major("v_cache", v_cache),
         (tables.data_ptr(), *tables.shape), lens.data_ptr(), rows.data_ptr(), (out.data_ptr(), *out.shape),
         page, float(scale), window, None if sinks is None else sinks.data_ptr(), settings.current().cpu_threads,
     )

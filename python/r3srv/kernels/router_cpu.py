@@ -16,12 +16,10 @@ import torch
 
 from r3srv import settings
 from r3srv.kernels.router_reference import _id_limit
-from r3srv.kernels.rust_core import rust_kernel
+from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 _route_experts = rust_kernel("route_experts")
 BUILT = _route_experts is not None  # else the reference (kernels/rust_core.py)
-
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def route_cpu(
@@ -38,7 +36,7 @@ def route_cpu(
     """`route_reference`'s (weights float32 [T, k], ids int32 [T, k]) through the Rust kernel, or
     None where it does not apply. Takes arguments `check_route_args` accepts (select_experts
     checks them first); the kernel checks every length itself and raises ValueError."""
-    dtype = _DTYPES.get(router_logits.dtype)
+    dtype = RUST_DTYPES.get(router_logits.dtype)
     if not BUILT or dtype is None or correction_bias is not None or num_groups != 1:
         return None
     if not settings.current().rust_router or not router_logits.is_cpu or router_logits.requires_grad:

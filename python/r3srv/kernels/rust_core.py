@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 try:
     from r3srv import _core
 except ImportError:
@@ -19,3 +21,7 @@ except ImportError:
 def rust_kernel(name: str) -> Callable | None:
     """r3srv._core.`name`, or None where this build lacks it."""
     return getattr(_core, name, None)
+
+
+# The element types the Rust CPU kernels take, by the name their entry points expect.
+RUST_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
