@@ -348,7 +348,9 @@ class MoeForCausalLM(nn.Module):
         if self.block_size == 0:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         if self.device.type == "cpu":
-            torch.set_num_threads(cpu_torch_threads(batch.input_ids.shape[0]))
+            threads = cpu_torch_threads(batch.input_ids.shape[0])
+            if torch.get_num_threads() != threads:  # most steps keep the last step's count
+                torch.set_num_threads(threads)
         return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
