@@ -7,14 +7,14 @@ wrappers) gains: bench_engine_vs_base.py compares child processes, between which
 forward's own time swings by tens of percent on a shared machine; here the base tree's
 `r3srv` package is imported next to this tree's (each tree's modules swapped into
 sys.modules while it runs; the compiled Rust extension is this tree's, shared), each builds
-its engine, and the two alternate round by round in one process, so the same caches, memory
-and neighbours' load meet both. Workloads: 1 and 16 sequences of 256-token prompts decoding
-48 steps (contexts of 257-304 tokens), greedy, routed experts on, float32, at 1 and 2 threads
+its engine, and the two decode the same batch in turns, one step each, so a neighbour's
+burst of load meets both. Workloads: 1 and 16 sequences of 256-token prompts decoding 48
+steps (contexts of 257-304 tokens), greedy, routed experts on, float32, at 1 and 2 threads
 (settings.cpu_threads; R3SRV_BENCH_THREADS, e.g. "1", picks). Printed: each tree's median
 decode step (wall clock, the median of its rounds) and the median over rounds of the
-same-round ratio base / head (> 1: this tree is faster); the two trees' tokens and routed-experts rows must be equal.
-A benchmark, not a speed gate. Skips
-when R3SRV_BASE_REF is unset or cannot be checked out.
+same-round ratio base / head (> 1: this tree is faster). The two trees' tokens and
+routed-experts rows must be equal. A benchmark, not a speed gate; skips when
+R3SRV_BASE_REF is unset or cannot be checked out.
 """
 
 from __future__ import annotations
@@ -71,32 +71,49 @@ class Tree:
             sys.path.remove(self.python_dir)
             self.modules = _r3srv_modules()  # with what this run imported
 
-    def median_step(self, batch: int, threads: int, round_no: int) -> tuple[float, list]:
-        """The median wall-clock decode step of `batch` sequences at `threads` threads, and each
-        sequence's tokens and routed-experts rows."""
+    def start(self, batch: int, round_no: int) -> None:
+        """Add `batch` requests of PROMPT tokens and run their prefill."""
+        with self.active():
+            engine = self.engine
+            for i in range(batch):
+                prompt = [32 + (round_no * 31 + i * 17 + j * 13) % 90 for j in range(PROMPT)]
+                engine.add_request(f"{round_no}-{batch}-{i}", prompt,
+                                   self.params(max_tokens=STEPS + 1, temperature=0.0, ignore_eos=True))
+            while engine.step().num_prefill_tokens == 0:
+                pass
+        self.done = {}
+
+    def step(self, threads: int) -> float:
+        """One decode step at `threads` threads: its wall-clock seconds."""
         with self.active():
             current = self.settings.current()
             self.settings.configure(current.replace(cpu_threads=threads))
             try:
-                return self._decode(batch, round_no)
+                t0 = time.perf_counter()
+                step = self.engine.step()
+                seconds = time.perf_counter() - t0
             finally:
                 self.settings.configure(current)
+        self.done.update((o.request_id, o.outputs[0]) for o in step.outputs if o.finished)
+        return seconds
 
-    def _decode(self, batch: int, round_no: int) -> tuple[float, list]:
-        engine = self.engine
-        for i in range(batch):
-            prompt = [32 + (round_no * 31 + i * 17 + j * 13) % 90 for j in range(PROMPT)]
-            engine.add_request(f"{round_no}-{batch}-{i}", prompt,
-                               self.params(max_tokens=STEPS + 1, temperature=0.0, ignore_eos=True))
-        while engine.step().num_prefill_tokens == 0:
-            pass
-        steps, done = [], {}
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            step = engine.step()
-            steps.append(time.perf_counter() - t0)
-            done.update((o.request_id, o.outputs[0]) for o in step.outputs if o.finished)
-        return statistics.median(steps), [(done[r].token_ids, done[r].routed_experts.tolist()) for r in sorted(done)]
+    def outputs(self) -> list:
+        """Each finished sequence's tokens and routed-experts rows."""
+        assert not self.engine.has_unfinished()
+        return [(self.done[r].token_ids, self.done[r].routed_experts.tolist()) for r in sorted(self.done)]
+
+
+def decode_round(trees: dict, batch: int, threads: int, round_no: int) -> dict[str, float]:
+    """Both trees decode the same batch step by step in turns (who goes first alternates), so
+    a neighbour's burst of load meets both: each tree's median step."""
+    steps: dict[str, list[float]] = {"base": [], "head": []}
+    for tree in trees.values():
+        tree.start(batch, round_no)
+    for step_no in range(STEPS):
+        for name in ("base", "head") if (round_no + step_no) % 2 else ("head", "base"):
+            steps[name].append(trees[name].step(threads))
+    assert trees["base"].outputs() == trees["head"].outputs(), "the trees' tokens or routed-experts rows differ"
+    return {name: statistics.median(times) for name, times in steps.items()}
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +134,7 @@ def test_decode_step_against_the_base(trees):
     for round_no in range(ROUNDS + 1):  # round 0 warms both up, untimed
         for threads in THREADS:
             for workload, batch in WORKLOADS.items():
-                order = ["base", "head"] if round_no % 2 else ["head", "base"]  # alternate who goes first
-                got = {name: trees[name].median_step(batch, threads, round_no) for name in order}
-                assert got["base"][1] == got["head"][1], f"{workload}: tokens or routed-experts rows differ"
-                got = {name: step for name, (step, _) in got.items()}
+                got = decode_round(trees, batch, threads, round_no)
                 if round_no:
                     runs = results.setdefault((workload, threads), {"base": [], "head": [], "ratio": []})
                     runs["base"].append(got["base"])
