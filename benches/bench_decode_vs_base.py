@@ -55,7 +55,8 @@ class Tree:
             import r3srv
 
             self.engine = r3srv.LLM(max_model_len=1024, enable_prefix_caching=False, max_num_seqs=16,
-                                    num_kv_blocks=1200, enable_return_routed_experts=True, dtype="float32").engine
+                                    num_kv_blocks=1200, max_num_batched_tokens=4096,
+                                    enable_return_routed_experts=True, dtype="float32").engine
             self.settings = sys.modules["r3srv.settings"]
             self.params = r3srv.SamplingParams
 
@@ -72,7 +73,7 @@ class Tree:
             self.modules = _r3srv_modules()  # with what this run imported
 
     def start(self, batch: int, round_no: int) -> None:
-        """Add `batch` requests of PROMPT tokens and run their prefill."""
+        """Add `batch` requests of PROMPT tokens and run their prefill (one step: they fit the step budget)."""
         with self.active():
             engine = self.engine
             for i in range(batch):
