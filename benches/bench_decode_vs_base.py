@@ -7,8 +7,9 @@ wrappers) gains: bench_engine_vs_base.py compares child processes, between which
 forward's own time swings by tens of percent on a shared machine; here the base tree's
 `r3srv` package is imported next to this tree's (each tree's modules swapped into
 sys.modules while it runs; the compiled Rust extension is this tree's, shared), each builds
-its engine, and the two decode the same batch in turns, one step each, so a neighbour's
-burst of load meets both. Workloads: 1 and 16 sequences of 256-token prompts decoding 48
+its engine (afresh every round: where the weights land in memory moves a step by a few
+percent), and the two decode the same batch in turns, one step each, so a neighbour's burst
+of load meets both. Workloads: 1 and 16 sequences of 256-token prompts decoding 48
 steps (contexts of 257-304 tokens), greedy, routed experts on, float32, at 1 and 2 threads
 (settings.cpu_threads; R3SRV_BENCH_THREADS, e.g. "1", picks). Printed: each tree's median
 decode step (wall clock, the median of its rounds) and the median over rounds of the
@@ -51,6 +52,13 @@ class Tree:
 
     def __init__(self, python_dir: str, core) -> None:
         self.python_dir, self.modules = python_dir, {"r3srv._core": core}
+        self.engine = None
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """A fresh engine: each round's pair of engines lies elsewhere in memory, so neither tree
+        keeps the luckier placement of the weights and caches for the whole run."""
+        self.engine = None
         with self.active():
             import r3srv
 
@@ -133,6 +141,9 @@ def trees(base_tree):  # noqa: F811
 def test_decode_step_against_the_base(trees):
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
     for round_no in range(ROUNDS + 1):  # round 0 warms both up, untimed
+        if round_no:
+            for tree in trees.values():
+                tree.rebuild()
         for threads in THREADS:
             for workload, batch in WORKLOADS.items():
                 got = decode_round(trees, batch, threads, round_no)
