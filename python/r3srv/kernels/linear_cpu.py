@@ -32,21 +32,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x @ weight.T (+ bias) through the Rust kernel, or None where it does not apply."""
+    """x @ weight.T (+ bias) through the Rust kernel, or None where it does not apply. A decode
+    step makes a dozen of these calls: the checks read each attribute once, cheapest first."""
+    current = settings.current()
     dtype = RUST_DTYPES.get(x.dtype)
-    if not BUILT or dtype is None or not x.is_cpu or not settings.current().rust_linear:
+    if dtype is None or not BUILT or not current.rust_linear or not x.is_cpu:
         return None
-    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1] or x.numel() == 0:
+    shape, weight_shape = x.shape, weight.shape
+    if len(weight_shape) != 2 or not shape:
         return None
-    rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS or weight.shape[0] == 0 or x.requires_grad or weight.requires_grad:
+    out_features, in_features = weight_shape
+    if shape[-1] != in_features or in_features == 0 or out_features == 0:
         return None
-    for t in (x, weight, bias):
-        if t is not None and (t.dtype != x.dtype or not t.is_cpu or not t.is_contiguous()):
-            return None
-    if bias is not None and bias.shape != (weight.shape[0],):
+    rows = x.numel() // in_features
+    if not 0 < rows <= MAX_ROWS or x.requires_grad or weight.requires_grad:
         return None
-    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    if weight.dtype != x.dtype or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous():
+        return None
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_cpu or not bias.is_contiguous()
+                             or bias.shape != (out_features,)):
+        return None
+    out = x.new_empty(rows, out_features) if len(shape) == 2 else x.new_empty(*shape[:-1], out_features)
     addresses = (x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
-    _linear_cpu(addresses, (rows, weight.shape[0], weight.shape[1]), dtype, settings.current().cpu_threads)
+    _linear_cpu(addresses, (rows, out_features, in_features), dtype, current.cpu_threads)
     return out

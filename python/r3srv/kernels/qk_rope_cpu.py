@@ -38,8 +38,9 @@ def qk_norm_rope(
     if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or not qkv.is_contiguous() or tokens == 0:
         return None
     rotary = 0 if cos is None else cos.shape[-1]
-    tensors = [qkv] + ([] if norms is None else list(norms)) + ([] if cos is None else [cos, sin])
-    if any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.requires_grad for t in tensors):
+    if not _kernel_ready(qkv) or (norms is not None and not (_kernel_ready(norms[0]) and _kernel_ready(norms[1]))):
+        return None
+    if cos is not None and not (_kernel_ready(cos) and _kernel_ready(sin)):
         return None
     if cos is not None and (cos.shape != (tokens, rotary) or sin.shape != cos.shape or rotary % 2 or rotary > head_dim):
         return None
@@ -53,3 +54,8 @@ def qk_norm_rope(
                  q.data_ptr(), k.data_ptr(), v.data_ptr())
     _qk_norm_rope_f32(addresses, (tokens, heads, kv_heads, head_dim, rotary), eps)
     return q, k, v
+
+
+def _kernel_ready(t: torch.Tensor) -> bool:
+    """Whether the kernel can read `t` in place: float32, on the CPU, contiguous, no autograd."""
+    return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and not t.requires_grad

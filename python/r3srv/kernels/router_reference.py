@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SCORINGS = ("softmax", "sigmoid")
 
 
+@functools.cache  # every MoE layer of every step asks, for one or two dtypes
 def _id_limit(dtype: torch.dtype) -> int | None:
     """Largest expert count whose ids fit `dtype`; None if it is not an integer dtype."""
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:

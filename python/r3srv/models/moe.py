@@ -82,15 +82,15 @@ def grouped_experts(
     (tokens[p], ids[p], weights[p]) ([P] each: an expert-parallel rank's own pairs). Ids index
     w13/w2. An expert is down(act(gate_up(x) + b13)) + b2; the biases ([E, 2I], [E, H]) are
     optional (b2 alone too: a split expert adds it on one rank)."""
-    grid = tokens is None  # every slot of every token: ids [T, k]
-    top_k = ids.shape[-1] if grid else 1
-    flat_ids, flat_weights = ids.reshape(-1).long(), weights.reshape(-1)
-    if not flat_ids.numel():
+    if not ids.numel():
         return torch.zeros_like(x)
     if not x.is_cuda:
         fused = expert_pairs(x, w13, w2, weights, ids, tokens, b13, b2, act)  # the Rust kernel, where it applies
         if fused is not None:
             return fused
+    grid = tokens is None  # every slot of every token: ids [T, k]
+    top_k = ids.shape[-1] if grid else 1
+    flat_ids, flat_weights = ids.reshape(-1).long(), weights.reshape(-1)
     if not x.is_cuda and flat_ids.numel() < w13.shape[0]:
         pair_tokens = torch.arange(x.shape[0]).repeat_interleave(top_k) if grid else tokens
         out = _expert_pairs(x, w13, w2, flat_weights, flat_ids, pair_tokens, b13, b2, act)
@@ -229,7 +229,8 @@ class SparseMoeBlock(nn.Module):
                 self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:
-        router_logits = linear(x.to(self.gate.dtype), self.gate, self.gate_bias)
+        gate = self.gate
+        router_logits = linear(x if x.dtype == gate.dtype else x.to(gate.dtype), gate, self.gate_bias)
         weights, ids = select_experts(
             router_logits,
             self.top_k,
