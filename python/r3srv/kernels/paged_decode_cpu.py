@@ -23,7 +23,7 @@ BUILT = _paged_decode_attention is not None  # else the torch path (kernels/rust
 
 def supports(q: torch.Tensor) -> bool:
     """Whether decodes of queries like `q` can take this kernel (CPU, float32 or bfloat16)."""
-    return BUILT and q.device.type == "cpu" and q.dtype in RUST_DTYPES
+    return BUILT and q.is_cpu and q.dtype in RUST_DTYPES
 
 
 def _head_major(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:

@@ -82,20 +82,18 @@ def select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to its top-k experts; see `route_reference` for the contract."""
     backend = _resolved(backend)
-    if uses_triton(router_logits, top_k, num_groups, backend):
+    route = route_reference
+    if backend == "auto" and router_logits.is_cpu:  # every CPU MoE layer of every step: the Rust kernel
+        check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups,
+                         group_score_top)
+        routed = route_cpu(router_logits, top_k, scoring=scoring, renormalize=renormalize,
+                           correction_bias=correction_bias, scaling=scaling, capture=capture, num_groups=num_groups)
+        if routed is not None:
+            return routed
+    elif uses_triton(router_logits, top_k, num_groups, backend):
         from r3srv.kernels.router_triton import route_triton  # imports triton only when used
 
         route = route_triton
-    else:
-        if backend == "auto" and router_logits.is_cpu:
-            check_route_args(router_logits, top_k, scoring, correction_bias, capture, num_groups, topk_groups,
-                             group_score_top)
-            routed = route_cpu(router_logits, top_k, scoring=scoring, renormalize=renormalize,
-                               correction_bias=correction_bias, scaling=scaling, capture=capture,
-                               num_groups=num_groups)
-            if routed is not None:
-                return routed
-        route = route_reference
     return route(
         router_logits,
         top_k,

@@ -131,9 +131,10 @@ class Attention(nn.Module):
         gate = None if self.gate is None else self.gate(x)
         heads = None
         if self.fused_heads:  # the Rust kernel where it applies (kernels/qk_rope_cpu.py)
+            q_norm, rope = self.q_norm, self.use_rope
             heads = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                                 None if self.q_norm is None else (self.q_norm, self.k_norm), self.eps,
-                                 cos if self.use_rope else None, sin if self.use_rope else None)
+                                 None if q_norm is None else (q_norm, self.k_norm), self.eps,
+                                 cos if rope else None, sin if rope else None)
         if heads is None:
             q, k, v, q_gate = self._heads(qkv, cos, sin)
             gate = gate if q_gate is None else q_gate
@@ -370,8 +371,9 @@ class MoeForCausalLM(nn.Module):
             if entries and (max(entries) >= self.num_state_slots + self.num_state_snapshots or min(entries) < 0):
                 raise ValueError(f"state entries {entries} outside the {self.num_state_slots} slots and "
                                  f"{self.num_state_snapshots} snapshots allocated")
+        layer_captures = None if capture is None else capture.unbind(1)  # every layer's [T, top_k] view in one op
         for layer in self.layers:
-            layer_capture = capture[:, layer.index] if capture is not None and layer.is_moe else None
+            layer_capture = layer_captures[layer.index] if layer_captures is not None and layer.is_moe else None
             x = layer(x, cos, sin, meta, layer_capture, states)
         x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.norm.eps)
         logits = self.lm_head(x).float()
