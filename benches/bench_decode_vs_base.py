@@ -36,8 +36,6 @@ ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "7"))
 THREADS = [int(t) for t in os.environ.get("R3SRV_BENCH_THREADS", "1 2").split()]
 WORKLOADS = {"1 seq": 1, "16 seqs": 16}
 PROMPT, STEPS = 256, 48
-
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -133,6 +131,8 @@ def trees(base_tree):  # noqa: F811
     torch.set_num_threads(1)
     here = Tree(str(ROOT / "python"), _core)
     base = Tree(str(base_tree / "python"), _core)
+    for tree in (here, base):  # each runs its own sources
+        assert Path(tree.modules["r3srv.models.model"].__file__).is_relative_to(tree.python_dir)
     yield {"base": base, "head": here}
     with here.active():
         torch.set_num_threads(threads)
