@@ -4,13 +4,16 @@
 //!     h = w13[e] @ x[t] (+ b13[e]),  a = act(h),  o = w2[e] @ a (+ b2[e]),
 //! and out[t] = the sum of its pairs' w * o in pair order. Pairs are grouped by expert, and
 //! each expert's pairs run as small matrix products (`gemm_nt`) that read every weight row once
-//! per chunk of pairs, in place (r3srv.kernels.expert_pairs_cpu). Each output element is the
-//! same dot product, summed in the same order, whatever the grouping, chunking or threading, so
-//! a token's result does not depend on the batch it runs in. Tensors hold float32 or bfloat16
-//! (`Element`); the arithmetic is float32 throughout, bfloat16 rounded once at the end.
+//! per chunk of pairs, in place (r3srv.kernels.expert_pairs_cpu); an expert with many pairs (a
+//! prefill's) runs them in wide chunks through `matmul`'s packed kernels instead. A narrow
+//! chunk's output elements are each the same dot product, summed in the same order, whatever
+//! the grouping or chunking, so a token whose experts have few pairs gets the bits it gets
+//! alone; a wide chunk's are within float32 rounding of those. The thread count never changes
+//! a bit. Tensors hold float32 or bfloat16 (`Element`); the arithmetic is float32 throughout,
+//! bfloat16 rounded once at the end.
 //!
-//! Threads (scoped, started per call) take chunks from a shared counter, and only for calls
-//! large enough to pay for starting them (`PARALLEL_MIN_MACS`).
+//! Threads (`workers`' pool) take chunks from a shared counter, and only for calls large
+//! enough to pay for waking them (`PARALLEL_MIN_MACS`).
 
 use std::sync::OnceLock;
 
@@ -21,6 +24,9 @@ use crate::paged_attn::exp;
 pub trait Element: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
+
+    /// The slice itself when it already holds f32.
+    fn as_f32s(s: &[Self]) -> Option<&[f32]>;
 
     /// Eight elements from `p`, widened to f32.
     ///
@@ -37,6 +43,10 @@ impl Element for f32 {
 
     fn from_f32(v: f32) -> Self {
         v
+    }
+
+    fn as_f32s(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -63,6 +73,10 @@ impl Element for Bf16 {
         }
         let bits = v.to_bits();
         Bf16((bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16)
+    }
+
+    fn as_f32s(_: &[Self]) -> Option<&[f32]> {
+        None
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -274,15 +288,30 @@ unsafe fn weighted_sums_avx2(outputs: &[f32], pair_token: &[u32], weights: &[f32
 /// Pairs of one expert run together, at most this many at a time: each weight row is read
 /// once per chunk, and a chunk's scratch (inputs, both projections) stays in the L2 cache.
 const CHUNK_PAIRS: usize = 48;
-/// The fewest multiply-adds worth a thread of their own: spawning one costs tens of
-/// microseconds.
+/// From this many pairs on, an expert's chunks are wide: `matmul`'s packed kernels, which
+/// outrun `gemm_nt` once they have this many rows to amortize their packing.
+const WIDE_MIN_PAIRS: usize = 64;
+/// Pairs per wide chunk: enough for the packed kernels' full speed (a prefill's experts have
+/// hundreds), while the chunks still spread over the threads.
+const WIDE_CHUNK_PAIRS: usize = 512;
+
+/// Pairs first..end of `order`, all of one expert, run together.
+struct Chunk {
+    expert: usize,
+    first: usize,
+    end: usize,
+    /// Through `matmul` (see WIDE_MIN_PAIRS), else `gemm_nt`.
+    wide: bool,
+}
+
+/// The fewest multiply-adds worth a thread of their own: waking one costs microseconds, and
+/// its share must outweigh that.
 const PARALLEL_MIN_MACS: usize = 1 << 20;
 
 /// Every pair's expert output o[p] into `outputs` ([P, H]; a pair of weight 0's row is left
 /// unwritten, and nothing reads it), the pairs grouped by
-/// expert so that each weight row is read once per chunk of up to CHUNK_PAIRS pairs instead
-/// of once per pair. Results do not depend on the grouping: each output element is the same
-/// dot product, accumulated in the same order, as a one-pair pass computes. Up to `threads`
+/// expert so that each weight row is read once per chunk of pairs instead of once per pair.
+/// The chunks depend only on each expert's pair count, never on `threads`. Up to `threads`
 /// threads take chunks from a shared counter, so a thread the OS preempts holds up none of
 /// the others' work.
 #[allow(clippy::too_many_arguments)]
@@ -307,13 +336,15 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32]
             fill[e as usize] += 1;
         }
     }
-    let mut chunks: Vec<(usize, usize, usize)> = Vec::new(); // (expert, first, end) into `order`
+    let mut chunks: Vec<Chunk> = Vec::new();
     for e in 0..experts.num_experts {
-        // equal chunks of at most CHUNK_PAIRS (64 pairs: two of 32, not 48 and 16)
+        // equal chunks of at most CHUNK_PAIRS (64 pairs: two of 32, not 48 and 16), or of
+        // WIDE_CHUNK_PAIRS for an expert with many pairs
         let count = starts[e + 1] - starts[e];
-        let pieces = count.div_ceil(CHUNK_PAIRS);
+        let wide = count >= WIDE_MIN_PAIRS;
+        let pieces = count.div_ceil(if wide { WIDE_CHUNK_PAIRS } else { CHUNK_PAIRS });
         for i in 0..pieces {
-            chunks.push((e, starts[e] + count * i / pieces, starts[e] + count * (i + 1) / pieces));
+            chunks.push(Chunk { expert: e, first: starts[e] + count * i / pieces, end: starts[e] + count * (i + 1) / pieces, wide });
         }
     }
     outputs.resize(ids.len() * hid, 0.0);
@@ -321,30 +352,20 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32]
     let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, chunks.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
     let dst = SharedRows(outputs.as_mut_ptr());
-    let work = || {
-        let mut scratch = Scratch::default();
+    let work = || SCRATCH.with_borrow_mut(|scratch| {
         loop {
             let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let Some(&(e, first, end)) = chunks.get(c) else { break };
-            let pairs = &order[first..end];
-            experts.run_chunk(isa, e, xf, pair_token, pairs, &mut scratch);
+            let Some(chunk) = chunks.get(c) else { break };
+            let pairs = &order[chunk.first..chunk.end];
+            experts.run_chunk(isa, chunk, xf, pair_token, pairs, scratch);
             for (j, &p) in pairs.iter().enumerate() {
                 // SAFETY: every pair is in exactly one chunk and each chunk runs once, so no
                 // two threads write the same row of `outputs`, which outlives the scope.
                 unsafe { dst.row(p as usize, hid) }.copy_from_slice(&scratch.o[j * hid..(j + 1) * hid]);
             }
         }
-    };
-    if threads == 1 {
-        work();
-    } else {
-        std::thread::scope(|scope| {
-            for _ in 1..threads {
-                scope.spawn(work);
-            }
-            work();
-        });
-    }
+    });
+    crate::workers::run_on_threads(threads, &work);
 }
 
 /// The output rows' base, shared by the threads of `grouped_pass`.
@@ -385,19 +406,37 @@ unsafe fn activate_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize
     activate(act, b13, r, i, h, a)
 }
 
-/// One thread's buffers for a chunk: inputs [n, H], h [n, R], a [n, I], o [n, H].
+thread_local! {
+    /// Each thread's chunk buffers, kept across calls (the pool's threads live on).
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// One thread's buffers for a chunk: inputs [n, H], h [n, R], a [n, I], o [n, H]; and a wide
+/// chunk's expert weights widened to f32 when they are not (w13 [R, H], w2 [H, I]).
 #[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
     h: Vec<f32>,
     a: Vec<f32>,
     o: Vec<f32>,
+    w13: Vec<f32>,
+    w2: Vec<f32>,
+}
+
+/// `w` as f32: itself, or widened into `buffer`.
+fn as_f32<'a, W: Element>(w: &'a [W], buffer: &'a mut Vec<f32>) -> &'a [f32] {
+    if let Some(f) = W::as_f32s(w) {
+        return f;
+    }
+    buffer.clear();
+    buffer.extend(w.iter().map(|v| v.to_f32()));
+    buffer
 }
 
 impl<W: Element> Experts<'_, W> {
-    /// o[j] = expert e of x[pair_token[pairs[j]]] for the chunk's pairs, into `s.o`.
-    fn run_chunk(&self, isa: Isa, e: usize, xf: &[f32], pair_token: &[u32], pairs: &[u32], s: &mut Scratch) {
-        let (hid, r, i, n) = (self.hidden, self.rows13(), self.inter, pairs.len());
+    /// o[j] = the chunk's expert of x[pair_token[pairs[j]]] for its pairs, into `s.o`.
+    fn run_chunk(&self, isa: Isa, chunk: &Chunk, xf: &[f32], pair_token: &[u32], pairs: &[u32], s: &mut Scratch) {
+        let (e, hid, r, i, n) = (chunk.expert, self.hidden, self.rows13(), self.inter, pairs.len());
         s.x.clear();
         for &p in pairs {
             let t = pair_token[p as usize] as usize;
@@ -406,7 +445,12 @@ impl<W: Element> Experts<'_, W> {
         s.h.resize(n * r, 0.0);
         s.a.resize(n * i, 0.0);
         s.o.resize(n * hid, 0.0);
-        gemm_nt(isa, &self.w13[e * r * hid..(e + 1) * r * hid], r, &s.x, &mut s.h);
+        let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
+        if chunk.wide {
+            crate::matmul::matmul_nt(as_f32(w13, &mut s.w13), r, &s.x, &mut s.h);
+        } else {
+            gemm_nt(isa, w13, r, &s.x, &mut s.h);
+        }
         let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
         match simd(isa) {
             #[cfg(target_arch = "x86_64")]
@@ -414,7 +458,11 @@ impl<W: Element> Experts<'_, W> {
             true => unsafe { activate_avx2(self.act, b13, r, i, &mut s.h, &mut s.a) },
             _ => activate(self.act, b13, r, i, &mut s.h, &mut s.a),
         }
-        gemm_nt(isa, &self.w2[e * hid * i..(e + 1) * hid * i], hid, &s.a, &mut s.o);
+        if chunk.wide {
+            crate::matmul::matmul_nt(as_f32(w2, &mut s.w2), hid, &s.a, &mut s.o);
+        } else {
+            gemm_nt(isa, w2, hid, &s.a, &mut s.o);
+        }
         if let Some(b2) = self.b2 {
             for o in s.o.chunks_exact_mut(hid) {
                 add(o, &b2[e * hid..(e + 1) * hid]);
@@ -908,35 +956,48 @@ mod tests {
         gemm_cases::<Bf16>();
     }
 
-    /// Many pairs per expert (several chunks each), on 1-3 threads and token by token: the
-    /// same bits every way, as the module promises.
+    /// Narrow chunks (60 pairs per expert: two chunks each) and wide ones (733: two each), on
+    /// 1-3 threads: the same bits on any thread count. A token run alone (one narrow chunk)
+    /// gets exactly its narrow-batch bits, and its wide-batch result within rounding of them.
     #[test]
-    fn threads_chunks_and_batch_size_do_not_change_a_bit() {
-        let (e, hid, inter, tokens, top_k) = (3, 64, 32, 400, 2);
+    fn threads_never_change_a_bit_and_narrow_chunks_are_batch_invariant() {
+        let (e, hid, inter, top_k) = (3, 128, 64, 2);
         let act = Activation::SiluAndMul;
         let (w13, w2) = (values(11, e * 2 * inter * hid), values(12, e * hid * inter));
         let b13 = values(13, e * 2 * inter);
         let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
-        assert!(tokens * top_k / e > CHUNK_PAIRS, "every expert needs several chunks");
-        assert!(tokens * top_k * 2 * inter * hid * 3 / 2 >= 3 * PARALLEL_MIN_MACS, "three threads must be allowed");
-        let x = values(14, tokens * hid);
-        let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p * 7 + p / 5) % e) as i32).collect();
-        let weights = values(15, tokens * top_k);
-        for isa in isas() {
-            let run = |threads: usize| {
-                let mut out = vec![f32::NAN; tokens * hid];
-                expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, threads, isa).unwrap();
-                out
-            };
-            let one = run(1);
-            for threads in [2, 3] {
-                assert!(one.iter().zip(run(threads)).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} {threads} threads");
-            }
-            for t in [0, 77, tokens - 1] {
-                let mut alone = vec![f32::NAN; hid];
-                let slots = t * top_k..(t + 1) * top_k;
-                expert_pairs(&experts, &x[t * hid..(t + 1) * hid], PairTokens::Grid, &ids[slots.clone()], &weights[slots], &mut alone, 1, isa).unwrap();
-                assert!(alone.iter().zip(&one[t * hid..(t + 1) * hid]).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} token {t}");
+        for (tokens, wide) in [(90, false), (1100, true)] {
+            let per_expert = tokens * top_k / e;
+            assert_eq!(per_expert >= WIDE_MIN_PAIRS, wide);
+            let chunk = if wide { WIDE_CHUNK_PAIRS } else { CHUNK_PAIRS };
+            assert!(per_expert > chunk && per_expert <= 2 * chunk, "every expert needs two chunks");
+            assert!(tokens * top_k * 2 * inter * hid * 3 / 2 >= 3 * PARALLEL_MIN_MACS, "three threads must be allowed");
+            let x = values(14, tokens * hid);
+            let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
+            let weights = values(15, tokens * top_k);
+            for isa in isas() {
+                let run = |threads: usize| {
+                    let mut out = vec![f32::NAN; tokens * hid];
+                    expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, threads, isa).unwrap();
+                    out
+                };
+                let one = run(1);
+                for threads in [2, 3] {
+                    assert!(one.iter().zip(run(threads)).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} {threads} threads, wide {wide}");
+                }
+                for t in [0, 77, tokens - 1] {
+                    let mut alone = vec![f32::NAN; hid];
+                    let slots = t * top_k..(t + 1) * top_k;
+                    expert_pairs(&experts, &x[t * hid..(t + 1) * hid], PairTokens::Grid, &ids[slots.clone()], &weights[slots], &mut alone, 1, isa).unwrap();
+                    for (a, b) in alone.iter().zip(&one[t * hid..(t + 1) * hid]) {
+                        if wide {
+                            // two float32 summation orders over a few hundred terms of order 1
+                            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{isa:?} token {t}: {a} vs {b}");
+                        } else {
+                            assert_eq!(a.to_bits(), b.to_bits(), "{isa:?} token {t}");
+                        }
+                    }
+                }
             }
         }
     }

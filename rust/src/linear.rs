@@ -6,8 +6,8 @@
 
 use crate::expert_pairs::{gemm_nt, Element, Isa};
 
-/// The fewest multiply-adds worth a thread of their own (about 0.2 ms of work): spawning one
-/// costs tens of microseconds, and a decode step's 16-row projections measured slower split.
+/// The fewest multiply-adds worth a thread of their own (about 0.2 ms of work): a decode
+/// step's 16-row projections measured slower split.
 const PARALLEL_MIN_MACS: usize = 1 << 22;
 
 /// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), on up to `threads` threads (each a
@@ -37,16 +37,18 @@ pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &
         gemm_nt(isa, &w[first * k..end * k], end - first, &xf, &mut part);
         part
     };
-    let results: Vec<Vec<f32>> = if parts.len() == 1 {
-        vec![run(&parts[0])]
-    } else {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = parts[1..].iter().map(|p| scope.spawn(move || run(p))).collect();
-            let mut all = vec![run(&parts[0])];
-            all.extend(handles.into_iter().map(|h| h.join().expect("a linear thread panicked")));
-            all
-        })
-    };
+    // threads take parts from a shared counter (a preempted thread holds up no one)
+    let results: Vec<std::sync::Mutex<Vec<f32>>> = parts.iter().map(|_| Default::default()).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    crate::workers::run_on_threads(parts.len(), &|| {
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(p) = parts.get(i) else { break };
+            let part = run(p);
+            *results[i].lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = part;
+        }
+    });
+    let results: Vec<Vec<f32>> = results.into_iter().map(|r| r.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner())).collect();
     for (&(first, end), part) in parts.iter().zip(&results) {
         let width = end - first;
         for (row, src) in part.chunks_exact(width).enumerate() {

@@ -157,8 +157,8 @@ impl Isa {
 
 /// Keys scored per tile: the softmax's running max rescales the accumulators once per tile.
 const TILE: usize = 32;
-/// The fewest multiply-adds worth a thread of their own (about 100 us of work): spawning one
-/// costs tens of microseconds.
+/// The fewest multiply-adds worth a thread of their own (about 100 us of work): waking one
+/// costs microseconds, and its share must outweigh that.
 const PARALLEL_MIN_MACS: usize = 1 << 19;
 
 struct Item<'o, T> {
@@ -262,12 +262,7 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
     let queue = std::sync::Mutex::new(items.chunks_mut(kv_heads));
     let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).next();
     let work = || run(d, std::iter::from_fn(next).flatten(), isa);
-    std::thread::scope(|scope| {
-        for _ in 1..threads {
-            scope.spawn(work);
-        }
-        work();
-    });
+    crate::workers::run_on_threads(threads, &work);
     Ok(())
 }
 
