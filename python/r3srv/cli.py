@@ -326,8 +326,22 @@ def _serve_node(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
+        if argv is None and _is_entry_point():  # this process's own command line: it may re-execute
+            from r3srv.errors import ConfigError
+            from r3srv.preload import reexec_with_tcmalloc
+
+            try:
+                reexec_with_tcmalloc(args.device, settings.from_args(args).tcmalloc)
+            except ConfigError:
+                pass  # serve reports it
         return serve(args)
     return 2  # unreachable: argparse requires a command
+
+
+def _is_entry_point() -> bool:
+    """Whether this process runs `python -m r3srv.cli` or the `r3srv` script."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(main_spec, "name", None) == "r3srv.cli" or os.path.basename(sys.argv[0]) == "r3srv"
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class Settings:
     encode_threads: int = _setting(1, "Rust encoder threads for payloads of 4 MiB and more, at most the CPUs")
     huge_pages: bool = _setting(True, "transparent huge pages for encoder outputs of 32 MiB and more")
     base64_isa: str = _setting("auto", "base64 kernel: auto (the fastest this CPU has) or a slower one to measure")
+    tcmalloc: bool = _setting(True, "serve re-executes itself with tcmalloc preloaded where installed (not for GPUs)")
     # Backend switches, to measure or to rule a kernel out:
     triton_decode: bool = _setting(True, "CUDA decodes through the paged-attention Triton kernel; off: gather + SDPA")
     rust_decode: bool = _setting(True, "CPU decodes through the Rust paged-attention kernel; off: gather + SDPA")

@@ -1,0 +1,55 @@
+"""tcmalloc for the server on the CPU, preloaded as vLLM's CPU backend preloads it.
+
+A CPU step allocates and frees tensors of a megabyte and more (activations, the expert pass's
+buffers) every step; glibc's malloc hands such blocks back to the kernel and faults their pages
+in again the next step, tcmalloc keeps them (the engine's 64-request throughput run ~10% faster,
+docs/benchmarks.md). A malloc must be in LD_PRELOAD before the process starts, so `r3srv serve`
+re-executes itself once with it added: an exec, not a child, so the PID a supervisor or test
+holds stays the server's. Only on its own command line (never inside a caller's process), when
+the library is installed (Debian/Ubuntu: libtcmalloc-minimal4) and no GPU will be used.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+# Where distributions install tcmalloc's allocator-only build.
+TCMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+)
+# Present when an NVIDIA driver is loaded: `--device auto` will pick the GPU.
+NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
+
+
+def tcmalloc_path(paths: Sequence[str] = TCMALLOC_PATHS) -> str | None:
+    """The first installed tcmalloc of `paths`, or None."""
+    return next((p for p in paths if os.path.exists(p)), None)
+
+
+def uses_gpu(device: str) -> bool:
+    """Whether `--device` will put the model on a GPU (auto: when an NVIDIA driver is loaded)."""
+    return device.startswith("cuda") or (device == "auto" and os.path.exists(NVIDIA_CONTROL_DEVICE))
+
+
+def preload_env(environ: Mapping[str, str], device: str, enabled: bool, library: str | None) -> dict[str, str] | None:
+    """The environment to re-execute with (LD_PRELOAD led by `library`), or None to run as is:
+    turned off, no library, a GPU run, or tcmalloc already preloaded."""
+    preload = environ.get("LD_PRELOAD", "")
+    if not enabled or library is None or uses_gpu(device) or "libtcmalloc" in preload:
+        return None
+    return {**environ, "LD_PRELOAD": f"{library}:{preload}" if preload else library}
+
+
+def reexec_with_tcmalloc(device: str, enabled: bool) -> None:
+    """Replaces this process with its own command line, tcmalloc preloaded, where that applies
+    (see `preload_env`); returns otherwise."""
+    env = preload_env(os.environ, device, enabled, tcmalloc_path())
+    if env is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
