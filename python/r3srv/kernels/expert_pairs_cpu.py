@@ -5,7 +5,9 @@ sum per token, reading the experts' weights in place, on up to settings.cpu_thre
 It replaces models/moe.py's torch paths: two `torch.mv` and several indexing ops per pair for a
 few pairs (dispatch cost as large as the products' memory traffic), and the sort, gather,
 grouped GEMMs and scatter of larger batches (each a full pass over memory).
-Batch invariant: a token's result does not depend on the other tokens in the call.
+An expert with many pairs (a prefill's) runs them through packed matrix kernels instead
+(rust/src/matmul.rs), within float32 rounding of the small products; below that a token's
+result does not depend on the other tokens in the call, and the thread count never does.
 
 float32 or bfloat16 tensors (float32 arithmetic either way: a bfloat16 result is rounded
 once, where the torch path rounds every intermediate), and only the activations moe.py defines
