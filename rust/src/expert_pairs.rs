@@ -511,18 +511,25 @@ pub fn gemv<W: Element>(isa: Isa, m: &[W], v: &[f32], out: &mut [f32]) {
     }
 }
 
+/// K of an out [n, rows] = vs [n, K] @ m [rows, K]^T product (`name`'s lengths checked, a
+/// mismatch panics naming it), or None when K or rows is 0: out is then zeros.
+pub(crate) fn nt_cols(name: &str, m_len: usize, rows: usize, vs_len: usize, out: &mut [f32]) -> Option<usize> {
+    let cols = m_len.checked_div(rows).unwrap_or(0);
+    assert_eq!(m_len, rows * cols, "{name}: the matrix is not [rows, K]");
+    if cols == 0 || rows == 0 {
+        out.fill(0.0);
+        return None;
+    }
+    assert_eq!(vs_len % cols, 0, "{name}: the vectors are not [n, K]");
+    assert_eq!(out.len(), vs_len / cols * rows, "{name}: the output is not [n, rows]");
+    Some(cols)
+}
+
 /// out[j, r] = m[r] . vs[j] for a row-major m [rows, K] and vectors vs [n, K] (out [n, rows]):
 /// every weight row read once for all n vectors. Each element is the dot product `gemv`
 /// computes, in the same order, so results do not depend on n.
 pub fn gemm_nt<W: Element>(isa: Isa, m: &[W], rows: usize, vs: &[f32], out: &mut [f32]) {
-    let cols = m.len().checked_div(rows).unwrap_or(0);
-    assert_eq!(m.len(), rows * cols, "gemm_nt: the matrix is not [rows, K]");
-    if cols == 0 || rows == 0 {
-        out.fill(0.0);
-        return;
-    }
-    assert_eq!(vs.len() % cols, 0, "gemm_nt: the vectors are not [n, K]");
-    assert_eq!(out.len(), vs.len() / cols * rows, "gemm_nt: the output is not [n, rows]");
+    let Some(cols) = nt_cols("gemm_nt", m.len(), rows, vs.len(), out) else { return };
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the guard checked that this CPU has AVX2 and FMA; the lengths were checked above.

@@ -5,16 +5,9 @@
 
 /// out [n, rows] = vs [n, cols] @ m [rows, cols]^T, with cols = m.len() / rows.
 pub fn matmul_nt(m: &[f32], rows: usize, vs: &[f32], out: &mut [f32]) {
-    let cols = m.len().checked_div(rows).unwrap_or(0);
-    assert_eq!(m.len(), rows * cols, "matmul_nt: the matrix is not [rows, K]");
-    if cols == 0 || rows == 0 {
-        out.fill(0.0);
-        return;
-    }
-    assert_eq!(vs.len() % cols, 0, "matmul_nt: the vectors are not [n, K]");
+    let Some(cols) = crate::expert_pairs::nt_cols("matmul_nt", m.len(), rows, vs.len(), out) else { return };
     let n = vs.len() / cols;
-    assert_eq!(out.len(), n * rows, "matmul_nt: the output is not [n, rows]");
-    // SAFETY: every pointer covers the extent its strides give, as the asserts above checked:
+    // SAFETY: every pointer covers the extent its strides give, as nt_cols checked:
     // dst [n, rows] row-major, lhs [n, cols] row-major, rhs = m^T read as [cols, rows] with a
     // column stride of cols. beta = 1 with read_dst false: dst = lhs @ rhs.
     unsafe {
