@@ -210,7 +210,7 @@ def _peers_but_self(args: argparse.Namespace) -> list[str]:
     return [url.rstrip("/") for url in args.fleet_peer_urls or () if url.rstrip("/") not in own]
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, own_process: bool = False) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from r3srv.errors import ConfigError
 
@@ -219,6 +219,10 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    if own_process:
+        from r3srv.preload import reexec_with_tcmalloc
+
+        reexec_with_tcmalloc(args.device, settings.current().tcmalloc)
     # Imported here so `r3srv --help` stays fast.
     import uvicorn
 
@@ -326,15 +330,8 @@ def _serve_node(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        if argv is None and _is_entry_point():  # this process's own command line: it may re-execute
-            from r3srv.errors import ConfigError
-            from r3srv.preload import reexec_with_tcmalloc
-
-            try:
-                reexec_with_tcmalloc(args.device, settings.from_args(args).tcmalloc)
-            except ConfigError:
-                pass  # serve reports it
-        return serve(args)
+        # this process's own command line: it may re-execute itself (preload.py)
+        return serve(args, own_process=argv is None and _is_entry_point())
     return 2  # unreachable: argparse requires a command
 
 
