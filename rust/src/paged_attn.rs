@@ -163,10 +163,9 @@ const PARALLEL_MIN_MACS: usize = 1 << 19;
 
 struct Item<'o, T> {
     seq: usize,
-    kv_head: usize,
     start: usize,
     end: usize,
-    /// The group's heads' output rows, [group, v_dim], contiguous.
+    /// The sequence's output row, [heads, v_dim], contiguous.
     out: &'o mut [T],
 }
 
@@ -233,9 +232,8 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
         return Err("two sequences write the same output row".into());
     }
 
-    // Each sequence's output row, split into its KV heads' groups: disjoint borrows of `out`.
-    let group = heads / kv_heads;
-    let mut items = Vec::with_capacity(seqs * kv_heads);
+    // Each sequence's output row: disjoint borrows of `out`.
+    let mut items = Vec::with_capacity(seqs);
     let mut rest = out;
     let mut next_row = 0;
     for &(row, seq) in &order {
@@ -244,9 +242,7 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
         rest = tail;
         next_row = row + 1;
         let (start, end) = visible(d.lens[seq] as usize, d.window);
-        for (kv_head, part) in mine.chunks_exact_mut(group * v_dim).enumerate() {
-            items.push(Item { seq, kv_head, start, end, out: part });
-        }
+        items.push(Item { seq, start, end, out: mine });
     }
 
     // each thread at least PARALLEL_MIN_MACS of work: a many-core host spawns no idle threads
@@ -255,13 +251,11 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
         run(d, items.iter_mut(), isa);
         return Ok(());
     }
-    // Threads take sequences (all their KV heads' items, adjacent in `items`) one at a time
-    // from a shared queue: a thread the OS preempts holds up none of the others' work (a static
-    // split would wait for it), and a slot's heads, adjacent in the cache, are read by one
-    // thread (two threads streaming neighbouring lines would each pull in both).
-    let queue = std::sync::Mutex::new(items.chunks_mut(kv_heads));
+    // Threads take sequences one at a time from a shared queue: a thread the OS preempts holds
+    // up none of the others' work (a static split would wait for it).
+    let queue = std::sync::Mutex::new(items.iter_mut());
     let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).next();
-    let work = || run(d, std::iter::from_fn(next).flatten(), isa);
+    let work = || run(d, std::iter::from_fn(next), isa);
     crate::workers::run_on_threads(threads, &work);
     Ok(())
 }
@@ -292,36 +286,39 @@ unsafe fn run_avx2<'i, 'o: 'i, T: Element + 'o>(d: &PagedDecode<'_, T>, items: i
 
 /// Per-thread buffers, reused across items.
 struct Scratch {
-    q: Vec<f32>,      // [group, head_dim], the queries in f32
-    acc: Vec<f32>,    // [group, v_dim]
-    scores: Vec<f32>, // [group, TILE]
+    q: Vec<f32>,      // [heads, head_dim], the queries in f32
+    acc: Vec<f32>,    // [heads, v_dim]
+    scores: Vec<f32>, // [heads, TILE]
     max: Vec<f32>,
     total: Vec<f32>,
 }
 
 #[inline(always)]
 fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool>(d: &PagedDecode<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>) {
-    let group = d.q.heads / d.k.heads;
+    let heads = d.q.heads;
     let mut s = Scratch {
-        q: vec![0.0; group * d.q.dim],
-        acc: vec![0.0; group * d.v.dim],
-        scores: vec![0.0; group * TILE],
-        max: vec![0.0; group],
-        total: vec![0.0; group],
+        q: vec![0.0; heads * d.q.dim],
+        acc: vec![0.0; heads * d.v.dim],
+        scores: vec![0.0; heads * TILE],
+        max: vec![0.0; heads],
+        total: vec![0.0; heads],
     };
     for item in items {
-        attend_item::<T, AVX2>(d, item, group, &mut s);
+        attend_item::<T, AVX2>(d, item, &mut s);
     }
 }
 
+/// One sequence: tile by tile, each KV head's group of query heads scores the tile's keys and
+/// weighs its values (a slot's heads, adjacent in the cache, are read together: the tile's
+/// blocks are streamed whole).
 #[inline(always)]
-fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut Item<'_, T>, group: usize, s: &mut Scratch) {
-    let (head_dim, v_dim) = (d.q.dim, d.v.dim);
+fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut Item<'_, T>, s: &mut Scratch) {
+    let (heads, head_dim, v_dim) = (d.q.heads, d.q.dim, d.v.dim);
+    let group = heads / d.k.heads;
     let row = d.rows[item.seq] as usize;
     let table = &d.tables[item.seq * d.max_blocks..][..d.max_blocks];
-    for g in 0..group {
-        let q = d.q.at(row, item.kv_head * group + g);
-        for (dst, &x) in s.q[g * head_dim..][..head_dim].iter_mut().zip(q) {
+    for h in 0..heads {
+        for (dst, &x) in s.q[h * head_dim..][..head_dim].iter_mut().zip(d.q.at(row, h)) {
             *dst = x.to_f32();
         }
     }
@@ -345,30 +342,34 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
             offset += 1;
         }
         prefetch_tile(d, item, table, lo + n);
-        score_tile::<T, AVX2>(d, item.kv_head, &slots[..n], &s.q, &mut s.scores);
-        for g in 0..group {
-            let p = &mut s.scores[g * TILE..][..n];
-            let m_new = p.iter().fold(s.max[g], |m, &x| m.max(x));
-            let decay = exp(s.max[g] - m_new);
-            exp_shifted(p, m_new);
-            s.total[g] = s.total[g] * decay + p.iter().sum::<f32>();
-            if decay != 1.0 {
-                s.acc[g * v_dim..][..v_dim].iter_mut().for_each(|a| *a *= decay);
+        for kv_head in 0..d.k.heads {
+            let first = kv_head * group; // the group's first query head
+            let scores = &mut s.scores[first * TILE..][..group * TILE];
+            score_tile::<T, AVX2>(d, kv_head, &slots[..n], &s.q[first * head_dim..][..group * head_dim], scores);
+            for g in 0..group {
+                let h = first + g;
+                let p = &mut scores[g * TILE..][..n];
+                let m_new = p.iter().fold(s.max[h], |m, &x| m.max(x));
+                let decay = exp(s.max[h] - m_new);
+                exp_shifted(p, m_new);
+                s.total[h] = s.total[h] * decay + p.iter().sum::<f32>();
+                if decay != 1.0 {
+                    s.acc[h * v_dim..][..v_dim].iter_mut().for_each(|a| *a *= decay);
+                }
+                s.max[h] = m_new;
             }
-            s.max[g] = m_new;
+            weigh_values::<T, AVX2>(d, kv_head, &slots[..n], scores, &mut s.acc[first * v_dim..][..group * v_dim]);
         }
-        weigh_values::<T, AVX2>(d, item.kv_head, &slots[..n], &s.scores, &mut s.acc);
         lo += n;
     }
-    for g in 0..group {
-        let mut norm = 1.0 / s.total[g];
+    for h in 0..heads {
+        let mut norm = 1.0 / s.total[h];
         if let Some(sinks) = d.sinks {
-            let sink = sinks[item.kv_head * group + g];
-            let m_new = s.max[g].max(sink);
-            let decay = exp(s.max[g] - m_new);
-            norm = decay / (s.total[g] * decay + exp(sink - m_new));
+            let m_new = s.max[h].max(sinks[h]);
+            let decay = exp(s.max[h] - m_new);
+            norm = decay / (s.total[h] * decay + exp(sinks[h] - m_new));
         }
-        for (o, &a) in item.out[g * v_dim..][..v_dim].iter_mut().zip(&s.acc[g * v_dim..][..v_dim]) {
+        for (o, &a) in item.out[h * v_dim..][..v_dim].iter_mut().zip(&s.acc[h * v_dim..][..v_dim]) {
             *o = T::from_f32(a * norm);
         }
     }
@@ -383,16 +384,27 @@ fn prefetch_tile<T: Element>(d: &PagedDecode<'_, T>, item: &Item<'_, T>, table: 
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         let end = item.end.min(next + TILE);
-        for pos in next..end {
-            let slot = table[pos / d.page] as usize * d.page + pos % d.page; // validated by paged_decode
-            for row in [d.k.at(slot, item.kv_head), d.v.at(slot, item.kv_head)] {
+        if next >= end {
+            return;
+        }
+        // one division a tile, as for the tile's own slots
+        let (mut entry, mut offset) = (next / d.page, next % d.page);
+        let mut base = table[entry] as usize * d.page; // validated by paged_decode
+        for _ in next..end {
+            if offset == d.page {
+                entry += 1;
+                offset = 0;
+                base = table[entry] as usize * d.page;
+            }
+            for row in (0..d.k.heads).flat_map(|h| [d.k.at(base + offset, h), d.v.at(base + offset, h)]) {
                 let bytes = std::mem::size_of_val(row);
-                let base = row.as_ptr() as *const i8;
-                for offset in (0..bytes).step_by(64) {
+                let first = row.as_ptr() as *const i8;
+                for at in (0..bytes).step_by(64) {
                     // SAFETY: the address lies within `row`; a prefetch never faults or writes.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(offset)) };
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(first.add(at)) };
                 }
             }
+            offset += 1;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -479,13 +491,100 @@ fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: u
 
 
 /// score_tile for heads g0..g0 + NH (NH at most HEAD_BLOCK): each key row loaded once, 8 dims
-/// at a time, for all of them.
+/// at a time, for all of them; keys taken KB at a time (KB * NH running sums: independent
+/// multiply-add chains) and their sums reduced together.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn score_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32], g0: usize) {
+    // 8 sums for one or two heads, 4 for three or four: all of them in the 16 registers
+    // beside the key lanes
+    // SAFETY: forwarded, the caller's contract.
+    unsafe {
+        if NH <= 2 {
+            score_keys_avx2::<T, NH, 4>(d, kv_head, slots, q, scores, g0)
+        } else {
+            score_keys_avx2::<T, NH, 2>(d, kv_head, slots, q, scores, g0)
+        }
+    }
+}
+
+/// score_heads_avx2 with keys KB (2 or 4) at a time; a last group of fewer keys one by one.
+/// Each score's sum is reduced in the order the single-key loop reduces it: the same bits.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn score_keys_avx2<T: Element, const NH: usize, const KB: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32], g0: usize) {
+    use std::arch::x86_64::*;
+    let dim = d.q.dim;
+    let whole = dim / 8 * 8;
+    let heads_q = &q[g0 * dim..(g0 + NH) * dim];
+    let grouped = slots.len() / KB * KB;
+    for j0 in (0..grouped).step_by(KB) {
+        let keys: [&[T]; KB] = std::array::from_fn(|i| d.k.at(slots[j0 + i], kv_head));
+        // SAFETY: each key holds `dim` elements and each query row `dim` (q is [heads, dim]):
+        // every 8-wide load at c < whole stays inside them; AVX2 and FMA by the caller's contract.
+        unsafe {
+            let mut sums = [[_mm256_setzero_ps(); KB]; NH];
+            for c in (0..whole).step_by(8) {
+                let kc: [__m256; KB] = std::array::from_fn(|i| T::load8(keys[i].as_ptr().add(c)));
+                for (h, row) in sums.iter_mut().enumerate() {
+                    let qc = _mm256_loadu_ps(heads_q.as_ptr().add(h * dim + c));
+                    for (sum, &k) in row.iter_mut().zip(&kc) {
+                        *sum = _mm256_fmadd_ps(qc, k, *sum);
+                    }
+                }
+            }
+            for (h, row) in sums.iter().enumerate() {
+                let mut totals = [0f32; 4];
+                let (a, b) = (row[0], row[1]);
+                let (c, e) = if KB == 4 { (row[KB / 2], row[KB - 1]) } else { (a, b) };
+                _mm_storeu_ps(totals.as_mut_ptr(), reduce4(a, b, c, e));
+                for (i, total) in totals.iter().take(KB).enumerate() {
+                    let mut total = *total;
+                    for (x, y) in heads_q[h * dim + whole..(h + 1) * dim].iter().zip(&keys[i][whole..]) {
+                        total = x.mul_add(y.to_f32(), total);
+                    }
+                    scores[(g0 + h) * TILE + j0 + i] = total * d.scale;
+                }
+            }
+        }
+    }
+    // SAFETY: forwarded, the caller's contract.
+    unsafe { score_one_by_one_avx2::<T, NH>(d, kv_head, &slots[grouped..], q, &mut scores[grouped..], g0) };
+}
+
+/// The lane sums of four vectors [a, b, c, e], each summed as ((l0 + l4) + (l2 + l6)) +
+/// ((l1 + l5) + (l3 + l7)): the order of the single-key reduction in score_one_by_one_avx2.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn reduce4(a: std::arch::x86_64::__m256, b: std::arch::x86_64::__m256, c: std::arch::x86_64::__m256,
+                  e: std::arch::x86_64::__m256) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    // quads: [a0 + a4, .., a3 + a7 | b0 + b4, ..] and the same of c, e
+    let ab = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b));
+    let ce = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(c, e), _mm256_permute2f128_ps::<0x31>(c, e));
+    // pairs: [qa0 + qa2, qa1 + qa3, qc0 + qc2, qc1 + qc3 | the same of b, e]
+    let pairs = _mm256_add_ps(_mm256_shuffle_ps::<0x44>(ab, ce), _mm256_shuffle_ps::<0xEE>(ab, ce));
+    // [ta, tc, ta, tc | tb, te, tb, te]
+    let totals = _mm256_hadd_ps(pairs, pairs);
+    _mm_unpacklo_ps(_mm256_castps256_ps128(totals), _mm256_extractf128_ps::<1>(totals))
+}
+
+/// score_tile for heads g0..g0 + NH, key by key.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn score_one_by_one_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32], g0: usize) {
     use std::arch::x86_64::*;
     let dim = d.q.dim;
     let whole = dim / 8 * 8;
@@ -515,16 +614,16 @@ unsafe fn score_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, 
     }
 }
 
-/// weigh_values for heads g0..g0 + NH (NH at most HEAD_BLOCK): 16 value dims at a time (then
-/// 8, then one), their running sums in registers across the tile's keys, each value row's
-/// dims loaded once for the NH heads.
+/// weigh_values for heads g0..g0 + NH (NH at most HEAD_BLOCK): value dims W * 8 at a time
+/// (then 8, then one), their running sums in registers across the tile's keys, each value
+/// row's dims loaded once for the NH heads; W = 4 for one or two heads (8 independent
+/// multiply-add chains), 2 for three or four. Each dim's sum runs over the keys in order.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32], g0: usize) {
-    use std::arch::x86_64::*;
     let v_dim = d.v.dim;
     let n = slots.len();
     assert!(n <= TILE && (g0 + NH) * TILE <= scores.len() && (g0 + NH) * v_dim <= acc.len());
@@ -534,48 +633,62 @@ unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, 
     }
     let probs: [*const f32; NH] = std::array::from_fn(|h| scores[(g0 + h) * TILE..].as_ptr());
     let sums_at: [*mut f32; NH] = std::array::from_fn(|h| acc[(g0 + h) * v_dim..].as_mut_ptr());
+    let rows = &rows[..n];
     let mut c = 0;
-    // SAFETY: rows[..n] point to v_dim readable elements each, probs[h] to n probabilities
-    // and sums_at[h] to v_dim accumulators (the assert and at() above); every 8-wide load and
-    // store is at c + 8 <= v_dim. AVX2 and FMA by the caller's contract.
+    // SAFETY: rows point to v_dim readable elements each, probs[h] to n probabilities and
+    // sums_at[h] to v_dim accumulators (the assert and at() above); every chunk's loads and
+    // stores end at or before v_dim. AVX2 and FMA by the caller's contract.
     unsafe {
+        if NH <= 2 {
+            while c + 32 <= v_dim {
+                weigh_chunk::<T, NH, 4>(rows, &probs, &sums_at, c);
+                c += 32;
+            }
+        }
         while c + 16 <= v_dim {
-            let mut lo: [__m256; NH] = std::array::from_fn(|h| _mm256_loadu_ps(sums_at[h].add(c)));
-            let mut hi: [__m256; NH] = std::array::from_fn(|h| _mm256_loadu_ps(sums_at[h].add(c + 8)));
-            for (j, &row) in rows[..n].iter().enumerate() {
-                let (v0, v1) = (T::load8(row.add(c)), T::load8(row.add(c + 8)));
-                for h in 0..NH {
-                    let p = _mm256_broadcast_ss(&*probs[h].add(j));
-                    lo[h] = _mm256_fmadd_ps(p, v0, lo[h]);
-                    hi[h] = _mm256_fmadd_ps(p, v1, hi[h]);
-                }
-            }
-            for h in 0..NH {
-                _mm256_storeu_ps(sums_at[h].add(c), lo[h]);
-                _mm256_storeu_ps(sums_at[h].add(c + 8), hi[h]);
-            }
+            weigh_chunk::<T, NH, 2>(rows, &probs, &sums_at, c);
             c += 16;
         }
         if c + 8 <= v_dim {
-            let mut lo: [__m256; NH] = std::array::from_fn(|h| _mm256_loadu_ps(sums_at[h].add(c)));
-            for (j, &row) in rows[..n].iter().enumerate() {
-                let v0 = T::load8(row.add(c));
-                for h in 0..NH {
-                    lo[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(&*probs[h].add(j)), v0, lo[h]);
-                }
-            }
-            for h in 0..NH {
-                _mm256_storeu_ps(sums_at[h].add(c), lo[h]);
-            }
+            weigh_chunk::<T, NH, 1>(rows, &probs, &sums_at, c);
             c += 8;
         }
         for i in c..v_dim {
             for h in 0..NH {
                 let mut sum = *sums_at[h].add(i);
-                for (j, &row) in rows[..n].iter().enumerate() {
+                for (j, &row) in rows.iter().enumerate() {
                     sum = (*probs[h].add(j)).mul_add((*row.add(i)).to_f32(), sum);
                 }
                 *sums_at[h].add(i) = sum;
+            }
+        }
+    }
+}
+
+/// Dims c..c + W * 8 of weigh_heads_avx2: W * NH running sums in registers over the keys.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; each of `rows` points to c + W * 8 readable elements,
+/// each of `probs` to rows.len() probabilities, each of `sums_at` to c + W * 8 sums.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn weigh_chunk<T: Element, const NH: usize, const W: usize>(rows: &[*const T], probs: &[*const f32; NH], sums_at: &[*mut f32; NH], c: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut sums: [[__m256; W]; NH] = std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(sums_at[h].add(c + 8 * w))));
+        for (j, &row) in rows.iter().enumerate() {
+            let v: [__m256; W] = std::array::from_fn(|w| T::load8(row.add(c + 8 * w)));
+            for (h, lanes) in sums.iter_mut().enumerate() {
+                let p = _mm256_broadcast_ss(&*probs[h].add(j));
+                for (sum, &x) in lanes.iter_mut().zip(&v) {
+                    *sum = _mm256_fmadd_ps(p, x, *sum);
+                }
+            }
+        }
+        for (h, lanes) in sums.iter().enumerate() {
+            for (w, &sum) in lanes.iter().enumerate() {
+                _mm256_storeu_ps(sums_at[h].add(c + 8 * w), sum);
             }
         }
     }
@@ -772,6 +885,46 @@ mod tests {
         let lens = vec![1, 2, 700, 3];
         let c = Case { heads: 32, kv_heads: 1, head_dim: 96, v_dim: 80, page: 16, lens, window: Some(600), sinks: true };
         check(&c, Isa::detect(), 2);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn scoring_keys_together_gives_the_bits_of_one_by_one() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("skipped: this CPU has no AVX2 + FMA");
+            return;
+        }
+        for (group, head_dim) in [(1, 64), (2, 64), (3, 24), (4, 13), (2, 8)] {
+            let c = Case { heads: group * 2, kv_heads: 2, head_dim, v_dim: head_dim, page: 4, lens: vec![TILE as i64 + 3], window: None, sinks: false };
+            let (q, k, v, ..) = inputs(&c, group as u64 * 97 + head_dim as u64);
+            let slots_total = k.len() / (c.kv_heads * c.head_dim);
+            let d = PagedDecode {
+                q: Strided::new(&q, 2, c.heads, head_dim, c.heads * head_dim, head_dim).unwrap(),
+                k: Strided::new(&k, slots_total, 2, head_dim, 2 * head_dim, head_dim).unwrap(),
+                v: Strided::new(&v, slots_total, 2, head_dim, 2 * head_dim, head_dim).unwrap(),
+                tables: &[],
+                max_blocks: 0,
+                lens: &[],
+                rows: &[],
+                page: 4,
+                scale: 0.37,
+                window: None,
+                sinks: None,
+            };
+            let qs = &q[..group * head_dim];
+            // a tile's worth of scattered slots, then a short one (a remainder below KB)
+            for n in [TILE, 7, 3] {
+                let slots: Vec<usize> = (0..n).map(|j| (j * 5 + 1) % slots_total).collect();
+                let (mut together, mut alone) = (vec![0f32; group * TILE], vec![0f32; group * TILE]);
+                // SAFETY: the CPU has AVX2 and FMA (checked above).
+                unsafe {
+                    in_head_blocks!(group, score_heads_avx2::<f32>(&d, 1, &slots, qs, &mut together));
+                    in_head_blocks!(group, score_one_by_one_avx2::<f32>(&d, 1, &slots, qs, &mut alone));
+                }
+                assert_eq!(together.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                           alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "group {group} dim {head_dim} keys {n}");
+            }
+        }
     }
 
     #[test]
