@@ -349,10 +349,10 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
             for g in 0..group {
                 let h = first + g;
                 let p = &mut scores[g * TILE..][..n];
-                let m_new = p.iter().fold(s.max[h], |m, &x| m.max(x));
+                let m_new = lane_max(p).max(s.max[h]);
                 let decay = exp(s.max[h] - m_new);
                 exp_shifted(p, m_new);
-                s.total[h] = s.total[h] * decay + p.iter().sum::<f32>();
+                s.total[h] = s.total[h] * decay + lane_sum(p);
                 if decay != 1.0 {
                     s.acc[h * v_dim..][..v_dim].iter_mut().for_each(|a| *a *= decay);
                 }
@@ -692,6 +692,34 @@ unsafe fn weigh_chunk<T: Element, const NH: usize, const W: usize>(rows: &[*cons
             }
         }
     }
+}
+
+/// The largest of `p` (NaN only if every element is one), 8 lanes at a time: a chain of one
+/// comparison per element would wait on each.
+#[inline(always)]
+fn lane_max(p: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = p.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    chunks.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// The sum of `p` in 8 running lanes (then the lanes and the tail): vectorized, in a fixed
+/// order whatever the thread count.
+#[inline(always)]
+fn lane_sum(p: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut chunks = p.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (s, &x) in lanes.iter_mut().zip(chunk) {
+            *s += x;
+        }
+    }
+    lanes.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
 }
 
 /// p[i] = exp(p[i] - shift), a loop the compiler vectorizes (libm's expf is a call per element).
