@@ -232,57 +232,116 @@ pub fn expert_pairs<W: Element>(
         return Err(format!("expert id {bad} is outside 0..{}", experts.num_experts));
     }
     let pair_token: Vec<u32> = (0..ids.len()).map(|p| token_of(p) as u32).collect();
-    BUFFERS.with_borrow_mut(|[xf, outputs, sums]| {
-        xf.clear();
-        xf.extend(x.iter().map(|v| v.to_f32()));
-        grouped_pass(experts, xf, &pair_token, ids, weights, threads, isa, outputs);
-        sums.clear();
-        sums.resize(x.len(), 0.0);
-        match simd(isa) {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: simd() checked that this CPU has AVX2 and FMA.
-            true => unsafe { weighted_sums_avx2(outputs, &pair_token, weights, hid, sums) },
-            _ => weighted_sums(outputs, &pair_token, weights, hid, sums),
-        }
-        for (dst, &v) in out.iter_mut().zip(sums.iter()) {
-            *dst = W::from_f32(v);
-        }
+    BUFFERS.with_borrow_mut(|[widened, outputs]| {
+        let xf: &[f32] = match W::as_f32s(x) {
+            Some(xf) => xf,
+            None => {
+                widened.clear();
+                widened.extend(x.iter().map(|v| v.to_f32()));
+                widened
+            }
+        };
+        let row_of = grouped_pass(experts, xf, &pair_token, ids, weights, threads, isa, outputs);
+        weighted_sums(outputs, &row_of, &pair_token, weights, hid, out, threads, isa);
     });
     Ok(())
 }
 
 thread_local! {
-    /// Per-thread buffers reused across calls (the inputs in f32, the pairs' outputs, the
-    /// sums): a prefill's are megabytes, whose fresh pages would each cost a fault and a clear.
-    static BUFFERS: std::cell::RefCell<[Vec<f32>; 3]> = std::cell::RefCell::default();
+    /// Per-thread buffers reused across calls (the inputs widened to f32, the pairs' outputs):
+    /// a prefill's are megabytes, whose fresh pages would each cost a fault and a clear.
+    static BUFFERS: std::cell::RefCell<[Vec<f32>; 2]> = std::cell::RefCell::default();
 }
 
-/// sums[t] += weights[p] * outputs[p] for every live pair p of token t, in pair order (the
-/// order the result promises, whatever order the pairs ran in).
-#[inline(always)]
-fn weighted_sums(outputs: &[f32], pair_token: &[u32], weights: &[f32], hid: usize, sums: &mut [f32]) {
-    for (p, &t) in pair_token.iter().enumerate().filter(|&(p, _)| weights[p] != 0.0) {
-        let t = t as usize;
-        for (acc, &o) in sums[t * hid..(t + 1) * hid].iter_mut().zip(&outputs[p * hid..(p + 1) * hid]) {
-            *acc += weights[p] * o;
+/// A pair of weight 0 (another rank's expert): no row in the outputs.
+const DEAD: u32 = u32::MAX;
+
+/// Tokens per unit of work in `weighted_sums`.
+const SUM_BLOCK_TOKENS: usize = 32;
+
+/// out[t] = the sum over token t's live pairs p, in pair order (the order the result promises,
+/// whatever order the pairs ran in), of weights[p] * outputs[row_of[p]], starting from 0.
+/// Threads take blocks of tokens from a shared counter when there is enough work.
+#[allow(clippy::too_many_arguments)]
+fn weighted_sums<W: Element>(outputs: &[f32], row_of: &[u32], pair_token: &[u32], weights: &[f32], hid: usize,
+                             out: &mut [W], threads: usize, isa: Isa) {
+    let num_tokens = out.len() / hid;
+    // each token's live pairs in pair order: a stable counting sort by token
+    let mut starts = vec![0usize; num_tokens + 1];
+    for (&t, &row) in pair_token.iter().zip(row_of) {
+        if row != DEAD {
+            starts[t as usize + 1] += 1;
         }
     }
+    for t in 0..num_tokens {
+        starts[t + 1] += starts[t];
+    }
+    let mut by_token = vec![0u32; starts[num_tokens]];
+    let mut fill = starts.clone();
+    for (p, (&t, &row)) in pair_token.iter().zip(row_of).enumerate() {
+        if row != DEAD {
+            by_token[fill[t as usize]] = p as u32;
+            fill[t as usize] += 1;
+        }
+    }
+    let blocks = num_tokens.div_ceil(SUM_BLOCK_TOKENS);
+    let threads = threads.min(by_token.len() * hid / PARALLEL_MIN_MACS).clamp(1, blocks.max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let dst = SharedRows(out.as_mut_ptr());
+    let work = || {
+        let mut acc = vec![0f32; hid];
+        loop {
+            let b = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if b >= blocks {
+                break;
+            }
+            for t in b * SUM_BLOCK_TOKENS..num_tokens.min((b + 1) * SUM_BLOCK_TOKENS) {
+                let pairs = &by_token[starts[t]..starts[t + 1]];
+                // SAFETY: each block of tokens is taken once, so no two threads write row t of
+                // `out`, which outlives the threads' scope.
+                let row = unsafe { dst.row(t, hid) };
+                match simd(isa) {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: simd() checked that this CPU has AVX2 and FMA.
+                    true => unsafe { sum_token_avx2(outputs, row_of, pairs, weights, &mut acc, row) },
+                    _ => sum_token(outputs, row_of, pairs, weights, &mut acc, row),
+                }
+            }
+        }
+    };
+    crate::workers::run_on_threads(threads, &work);
+}
+
+/// One token's row of `weighted_sums` (its live pairs in order), through `acc` in f32.
+#[inline(always)]
+fn sum_token<W: Element>(outputs: &[f32], row_of: &[u32], pairs: &[u32], weights: &[f32], acc: &mut [f32], out: &mut [W]) {
+    let hid = acc.len();
+    acc.fill(0.0);
+    for &p in pairs {
+        let (w, row) = (weights[p as usize], row_of[p as usize] as usize);
+        for (a, &o) in acc.iter_mut().zip(&outputs[row * hid..(row + 1) * hid]) {
+            *a += w * o;
+        }
+    }
+    for (dst, &v) in out.iter_mut().zip(acc.iter()) {
+        *dst = W::from_f32(v);
+    }
+}
+
+/// `sum_token` compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sum_token_avx2<W: Element>(outputs: &[f32], row_of: &[u32], pairs: &[u32], weights: &[f32], acc: &mut [f32], out: &mut [W]) {
+    sum_token(outputs, row_of, pairs, weights, acc, out)
 }
 
 /// Whether to run the elementwise loops below in their AVX2 builds (8 wide instead of SSE's
 /// 4). Rust never fuses a multiply and an add on its own, so both builds give the same bits.
 fn simd(isa: Isa) -> bool {
     cfg!(target_arch = "x86_64") && isa == Isa::Avx2Fma && Isa::best() == Isa::Avx2Fma
-}
-
-/// `weighted_sums` compiled for AVX2.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn weighted_sums_avx2(outputs: &[f32], pair_token: &[u32], weights: &[f32], hid: usize, sums: &mut [f32]) {
-    weighted_sums(outputs, pair_token, weights, hid, sums)
 }
 
 /// Pairs of one expert run together, at most this many at a time: each weight row is read
@@ -308,15 +367,16 @@ struct Chunk {
 /// its share must outweigh that.
 const PARALLEL_MIN_MACS: usize = 1 << 20;
 
-/// Every pair's expert output o[p] into `outputs` ([P, H]; a pair of weight 0's row is left
-/// unwritten, and nothing reads it), the pairs grouped by
+/// Every live pair's expert output into `outputs` ([live pairs, H], the pairs grouped by expert,
+/// so that each chunk's rows are adjacent and written in place); returns each pair's row
+/// (DEAD for a pair of weight 0). Grouped by
 /// expert so that each weight row is read once per chunk of pairs instead of once per pair.
 /// The chunks depend only on each expert's pair count, never on `threads`. Up to `threads`
 /// threads take chunks from a shared counter, so a thread the OS preempts holds up none of
 /// the others' work.
 #[allow(clippy::too_many_arguments)]
 fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32], ids: &[i32], weights: &[f32],
-                            threads: usize, isa: Isa, outputs: &mut Vec<f32>) {
+                            threads: usize, isa: Isa, outputs: &mut Vec<f32>) -> Vec<u32> {
     let hid = experts.hidden;
     // a counting sort of the live pairs by expert (stable: pair order within an expert)
     let mut starts = vec![0usize; experts.num_experts + 1];
@@ -329,10 +389,12 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32]
         starts[e + 1] += starts[e];
     }
     let mut order = vec![0u32; starts[experts.num_experts]];
+    let mut row_of = vec![DEAD; ids.len()];
     let mut fill = starts.clone();
     for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
         if w != 0.0 {
             order[fill[e as usize]] = p as u32;
+            row_of[p] = fill[e as usize] as u32;
             fill[e as usize] += 1;
         }
     }
@@ -347,7 +409,7 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32]
             chunks.push(Chunk { expert: e, first: starts[e] + count * i / pieces, end: starts[e] + count * (i + 1) / pieces, wide });
         }
     }
-    outputs.resize(ids.len() * hid, 0.0);
+    outputs.resize(order.len() * hid, 0.0);
     let macs = order.len() * experts.rows13() * hid * 3 / 2;
     let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, chunks.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -357,31 +419,42 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32]
             let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let Some(chunk) = chunks.get(c) else { break };
             let pairs = &order[chunk.first..chunk.end];
-            experts.run_chunk(isa, chunk, xf, pair_token, pairs, scratch);
-            for (j, &p) in pairs.iter().enumerate() {
-                // SAFETY: every pair is in exactly one chunk and each chunk runs once, so no
-                // two threads write the same row of `outputs`, which outlives the scope.
-                unsafe { dst.row(p as usize, hid) }.copy_from_slice(&scratch.o[j * hid..(j + 1) * hid]);
-            }
+            // SAFETY: the chunks cover disjoint ranges of rows and each runs once, so no two
+            // threads write the same rows of `outputs`, which outlives the scope.
+            let o = unsafe { dst.rows(chunk.first, pairs.len(), hid) };
+            experts.run_chunk(isa, chunk, xf, pair_token, pairs, scratch, o);
         }
     });
     crate::workers::run_on_threads(threads, &work);
+    row_of
 }
 
-/// The output rows' base, shared by the threads of `grouped_pass`.
+/// A row-major buffer's base, shared by threads that each write their own rows
+/// (`grouped_pass`, `weighted_sums`).
 #[derive(Clone, Copy)]
-struct SharedRows(*mut f32);
+struct SharedRows<T>(*mut T);
 
-// SAFETY: the threads write disjoint rows (see `grouped_pass`).
-unsafe impl Send for SharedRows {}
-unsafe impl Sync for SharedRows {}
+// SAFETY: the threads write disjoint rows (see the users).
+unsafe impl<T> Send for SharedRows<T> {}
+unsafe impl<T> Sync for SharedRows<T> {}
 
-impl SharedRows {
+impl<T> SharedRows<T> {
+    /// Row `row` (of `len` values).
+    ///
     /// # Safety
-    /// No other live reference may cover row `row` (of `len` values) of the buffer.
+    /// The row lies within the buffer, and no other live reference covers it.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn row(&self, row: usize, len: usize) -> &mut [f32] {
-        std::slice::from_raw_parts_mut(self.0.add(row * len), len)
+    unsafe fn row(&self, row: usize, len: usize) -> &mut [T] {
+        self.rows(row, 1, len)
+    }
+
+    /// Rows first..first + count (of `len` values each).
+    ///
+    /// # Safety
+    /// The rows lie within the buffer, and no other live reference covers them.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn rows(&self, first: usize, count: usize, len: usize) -> &mut [T] {
+        std::slice::from_raw_parts_mut(self.0.add(first * len), count * len)
     }
 }
 
@@ -411,14 +484,13 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
-/// One thread's buffers for a chunk: inputs [n, H], h [n, R], a [n, I], o [n, H]; and a wide
+/// One thread's buffers for a chunk: inputs [n, H], h [n, R], a [n, I]; and a wide
 /// chunk's expert weights widened to f32 when they are not (w13 [R, H], w2 [H, I]).
 #[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
     h: Vec<f32>,
     a: Vec<f32>,
-    o: Vec<f32>,
     w13: Vec<f32>,
     w2: Vec<f32>,
 }
@@ -434,8 +506,9 @@ fn as_f32<'a, W: Element>(w: &'a [W], buffer: &'a mut Vec<f32>) -> &'a [f32] {
 }
 
 impl<W: Element> Experts<'_, W> {
-    /// o[j] = the chunk's expert of x[pair_token[pairs[j]]] for its pairs, into `s.o`.
-    fn run_chunk(&self, isa: Isa, chunk: &Chunk, xf: &[f32], pair_token: &[u32], pairs: &[u32], s: &mut Scratch) {
+    /// o[j] = the chunk's expert of x[pair_token[pairs[j]]] for its pairs (o [n, H]).
+    #[allow(clippy::too_many_arguments)]
+    fn run_chunk(&self, isa: Isa, chunk: &Chunk, xf: &[f32], pair_token: &[u32], pairs: &[u32], s: &mut Scratch, o: &mut [f32]) {
         let (e, hid, r, i, n) = (chunk.expert, self.hidden, self.rows13(), self.inter, pairs.len());
         s.x.clear();
         for &p in pairs {
@@ -444,7 +517,6 @@ impl<W: Element> Experts<'_, W> {
         }
         s.h.resize(n * r, 0.0);
         s.a.resize(n * i, 0.0);
-        s.o.resize(n * hid, 0.0);
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
         if chunk.wide {
             crate::matmul::matmul_nt(as_f32(w13, &mut s.w13), r, &s.x, &mut s.h);
@@ -459,12 +531,12 @@ impl<W: Element> Experts<'_, W> {
             _ => activate(self.act, b13, r, i, &mut s.h, &mut s.a),
         }
         if chunk.wide {
-            crate::matmul::matmul_nt(as_f32(w2, &mut s.w2), hid, &s.a, &mut s.o);
+            crate::matmul::matmul_nt(as_f32(w2, &mut s.w2), hid, &s.a, o);
         } else {
-            gemm_nt(isa, w2, hid, &s.a, &mut s.o);
+            gemm_nt(isa, w2, hid, &s.a, o);
         }
         if let Some(b2) = self.b2 {
-            for o in s.o.chunks_exact_mut(hid) {
+            for o in o.chunks_exact_mut(hid) {
                 add(o, &b2[e * hid..(e + 1) * hid]);
             }
         }
