@@ -198,9 +198,10 @@ def test_abort_returns_every_block(llm):
     assert engine.abort_request("abort-0") is None
 
 
-def test_rows_equal_an_independent_recomputation_of_the_router(llm, monkeypatch):
+def test_rows_equal_an_independent_recomputation_of_the_router(llm, monkeypatch, r3srv_settings):
     """Record every router's logits during the forward passes, recompute top-k ourselves
     (descending, ties to the lower id), and compare with the rows the engine returned."""
+    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     recorded: list[torch.Tensor] = []
     real = moe_module.select_experts
 

@@ -49,11 +49,12 @@ def test_facts_for_the_server(engine):
     assert engine.tokenizer.decode(engine.tokenizer.encode("abc")) == "abc"
 
 
-def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatch):
+def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatch, r3srv_settings):
     """Which requests share a step depends on timing, and a token computed in another batch
     shape may round differently (docs/architecture.md: floating point is not batch-invariant). So the rows
     are checked against the router logits of the steps that actually ran (deterministic
     whatever the batching), and the tokens against an offline run."""
+    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     steps: list[list[tuple[str, int, int]]] = []  # per step: (request_id, first position, tokens)
     router_logits: list[torch.Tensor] = []  # per step and MoE layer, in call order
     runner = engine.core.executor.runner

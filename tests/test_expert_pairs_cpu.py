@@ -189,6 +189,7 @@ def llm() -> LLM:
 
 
 def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
+    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     kernel_runs = []
 
     monkeypatch.setattr(moe, "expert_pairs", counting(expert_pairs, kernel_runs))

@@ -80,6 +80,7 @@ def llm() -> LLM:
 
 
 def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
+    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     kernel_runs = []
 
     monkeypatch.setattr(linear_cpu, "linear_rust", counting(linear_rust, kernel_runs))

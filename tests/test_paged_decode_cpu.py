@@ -137,6 +137,7 @@ def counting_kernel(monkeypatch) -> list:
 def test_models_decode_through_the_kernel(family, layers, monkeypatch, r3srv_settings, tmp_path):
     """The wiring: decode steps (after a prefill; GQA, gpt-oss's sinks and windows, Mixtral's
     window, latent attention) through the kernel give the logits of the gathered torch path."""
+    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     from tiny_checkpoints import write_tiny_checkpoint
 
     from r3srv.models.loader import load_model
@@ -154,6 +155,7 @@ def test_models_decode_through_the_kernel(family, layers, monkeypatch, r3srv_set
 def test_engine_tokens_and_routed_experts_equal_the_torch_path(monkeypatch, r3srv_settings):
     """The built-in model's greedy tokens and routed-experts rows, with decodes through the
     kernel and through gather + SDPA, for prompts of several lengths decoding together."""
+    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     llm = LLM(max_model_len=256, max_num_seqs=8, enable_prefix_caching=False)
     prompts = [prompt_ids(3, 1), prompt_ids(40, 2), prompt_ids(17, 3), prompt_ids(90, 4)]
     params = SamplingParams(max_tokens=24, **GREEDY)

@@ -85,6 +85,7 @@ def llm() -> LLM:
 
 
 def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
+    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     runs = []
 
     monkeypatch.setattr(model_module, "qk_norm_rope", counting(qk_norm_rope, runs))

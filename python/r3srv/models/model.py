@@ -23,6 +23,7 @@ from r3srv.kernels.qk_rope_cpu import qk_norm_rope
 from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
+from r3srv.models.cpu_decode import DecodeStep, FastDecodeLayer
 from r3srv.models.cpu_threads import cpu_torch_threads
 from r3srv.models.families import family_named
 from r3srv.models.gated_deltanet import GatedDeltaNet
@@ -281,6 +282,7 @@ class MoeForCausalLM(nn.Module):
         self.num_blocks = 0
         self.num_state_slots = 0
         self.num_state_snapshots = 0
+        self._fast_layers: list[FastDecodeLayer | None] | None = None  # decided at the first forward, after loading
         if device.type == "cpu":  # the work outside forwards (loading, sampling) as before; forwards set their own
             torch.set_num_threads(settings.current().cpu_threads)
 
@@ -341,6 +343,15 @@ class MoeForCausalLM(nn.Module):
         for param in self.parameters():  # tied embeddings: one parameter, moved once
             data = param.data.to(device)
             param.data = data.pin_memory() if pin else data
+        self._fast_layers = None  # decided again for the new device
+
+    def _fast_decode_layers(self) -> list[FastDecodeLayer | None]:
+        """Per layer, its decode step as straight kernel calls where every part of it allows
+        (models/cpu_decode.py), else None."""
+        if self._fast_layers is None:
+            self._fast_layers = [FastDecodeLayer(layer) if FastDecodeLayer.eligible(layer) else None
+                                 for layer in self.layers]
+        return self._fast_layers
 
     # ---- forward --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -372,9 +383,17 @@ class MoeForCausalLM(nn.Module):
                 raise ValueError(f"state entries {entries} outside the {self.num_state_slots} slots and "
                                  f"{self.num_state_snapshots} snapshots allocated")
         layer_captures = None if capture is None else capture.unbind(1)  # every layer's [T, top_k] view in one op
+        fast, fast_layers = None, self._fast_decode_layers()
+        if states is None and any(fast_layers):
+            fast = DecodeStep.plan(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
+                                   self.config.num_experts)
         for layer in self.layers:
             layer_capture = layer_captures[layer.index] if layer_captures is not None and layer.is_moe else None
-            x = layer(x, cos, sin, meta, layer_capture, states)
+            kernels = None if fast is None else fast_layers[layer.index]
+            if kernels is not None:
+                x = kernels(x, cos, sin, meta, layer_capture, fast)
+            else:
+                x = layer(x, cos, sin, meta, layer_capture, states)
         x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.norm.eps)
         logits = self.lm_head(x).float()
         scaling = self.config.scales.logits
