@@ -56,8 +56,9 @@ class DecodeStep:
         if not 0 < rows <= linear_cpu.MAX_ROWS or len(meta.decode_seqs) != rows:
             return None
         current = settings.current()
-        if not (current.fast_cpu_decode and current.rust_linear and current.rust_rms_norm and current.rust_rope and current.rust_decode
-                and current.cpu_expert_kernel and current.rust_router and _resolved(None) == "auto"):
+        switches = (current.fast_cpu_decode, current.rust_linear, current.rust_rms_norm, current.rust_rope,
+                    current.rust_decode, current.cpu_expert_kernel, current.rust_router)
+        if not all(switches) or _resolved(None) != "auto":
             return None
         if not _kernels_built():
             return None
@@ -73,7 +74,8 @@ class DecodeStep:
 
 @functools.cache
 def _kernels_built() -> bool:
-    return all(m.BUILT for m in (linear_cpu, rms_norm_cpu, qk_rope_cpu, paged_decode_cpu, expert_pairs_cpu, router_cpu))
+    kernels = (linear_cpu, rms_norm_cpu, qk_rope_cpu, paged_decode_cpu, expert_pairs_cpu, router_cpu)
+    return all(kernel.BUILT for kernel in kernels)
 
 
 class FastDecodeLayer:
@@ -91,7 +93,8 @@ class FastDecodeLayer:
         self.scale = float(attn.head_dim**-0.5 if attn.scale is None else attn.scale)
         self.use_rope, self.qk_eps = attn.use_rope, attn.eps
         self.gate, self.w13, self.w2 = moe.gate, moe.experts.w13, moe.experts.w2
-        self.top_k, self.scoring, self.renormalize, self.scaling = moe.top_k, moe.scoring, bool(moe.renormalize), moe.scaling
+        self.top_k, self.scoring, self.scaling = moe.top_k, moe.scoring, moe.scaling
+        self.renormalize = bool(moe.renormalize)
         # (name, alpha, limit), as the expert pass hands them to the kernel
         self.activation = expert_pairs_cpu._activation(moe.expert_pass.keywords["act"])
 
@@ -99,7 +102,8 @@ class FastDecodeLayer:
     def eligible(layer) -> bool:
         """Whether every part of `layer` is one the kernels below take unchanged: a pre-norm
         attention + MoE layer on one device, float32, per-head q/k norms or none, no bias,
-        gate, sinks, window or shared expert, a plain softmax/sigmoid router, SiLU experts."""
+        gate, sinks, window or shared expert, a router without correction bias or groups,
+        experts of one of the expert kernel's activations without biases."""
         from r3srv.models.model import Attention, DecoderLayer  # model.py imports this module
 
         if type(layer) is not DecoderLayer or layer.linear_attn is not None or type(layer.attn) is not Attention:
@@ -137,10 +141,10 @@ class FastDecodeLayer:
         k_cache, v_cache = self.attn.k_cache, self.attn.v_cache
         # what the wrappers would decline (odd or too wide a rotary part; a cache of another
         # dtype, or none yet): the modules, which take their other paths or raise
-        if rotary % 2 or rotary > head_dim or k_cache is None or k_cache.dtype is not F32 or v_cache.dtype is not F32:
+        if rotary % 2 or rotary > head_dim or k_cache is None or (k_cache.dtype, v_cache.dtype) != (F32, F32):
             return self.layer(x, cos, sin, meta, capture)
 
-        # attention: norm, q/k/v projection, q/k norms + RoPE, cache write, paged attention, output projection
+        # attention: norm, q/k/v projection, q/k norms + RoPE, cache write, paged decode, output projection
         h = torch.empty_like(x)
         rms_norm_cpu._rms_norm_f32(x.data_ptr(), self.input_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
         qkv_w = self.qkv_w
@@ -150,19 +154,20 @@ class FastDecodeLayer:
         k = x.new_empty(rows, kv_heads, head_dim)
         v = x.new_empty(rows, kv_heads, head_dim)
         normed = self.q_norm is not None
-        qk_rope_cpu._qk_norm_rope_f32(
-            (qkv.data_ptr(), self.q_norm.data_ptr() if normed else 0, self.k_norm.data_ptr() if normed else 0,
-             cos.data_ptr() if rotary else 0, sin.data_ptr() if rotary else 0, q.data_ptr(), k.data_ptr(), v.data_ptr()),
-            (rows, heads, kv_heads, head_dim, rotary), self.qk_eps)
+        addresses = (qkv.data_ptr(), self.q_norm.data_ptr() if normed else 0, self.k_norm.data_ptr() if normed else 0,
+                     cos.data_ptr() if rotary else 0, sin.data_ptr() if rotary else 0, q.data_ptr(), k.data_ptr(),
+                     v.data_ptr())
+        qk_rope_cpu._qk_norm_rope_f32(addresses, (rows, heads, kv_heads, head_dim, rotary), self.qk_eps)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         o = x.new_empty(rows, heads, head_dim)
         slots = k_cache.shape[0]
         cache_layout = (slots, kv_heads, head_dim, kv_heads * head_dim, head_dim)  # allocate_cache's, contiguous
         paged_decode_cpu._paged_decode_attention(
-            f32, (q.data_ptr(), rows, heads, head_dim, heads * head_dim, head_dim), (k_cache.data_ptr(), *cache_layout),
-            (v_cache.data_ptr(), *cache_layout), step.table_args, step.lens.data_ptr(), step.rows.data_ptr(),
-            (o.data_ptr(), rows, heads, head_dim), step.block_size, self.scale, None, None, threads)
+            f32, (q.data_ptr(), rows, heads, head_dim, heads * head_dim, head_dim),
+            (k_cache.data_ptr(), *cache_layout), (v_cache.data_ptr(), *cache_layout), step.table_args,
+            step.lens.data_ptr(), step.rows.data_ptr(), (o.data_ptr(), rows, heads, head_dim), step.block_size,
+            self.scale, None, None, threads)
         o_w = self.o_w
         attended = torch.empty_like(x)
         linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), f32, threads)
@@ -185,9 +190,10 @@ class FastDecodeLayer:
         num_experts, _, inter = w2.shape
         mixed = torch.empty_like(x)
         name, alpha, limit = self.activation
-        expert_pairs_cpu._expert_pairs_cpu(
-            (h.data_ptr(), w13.data_ptr(), w2.data_ptr(), 0, 0, 0, ids.data_ptr(), weights.data_ptr(), mixed.data_ptr()),
-            (rows, rows * top_k, num_experts, hidden, inter), f32, name, alpha, limit, threads)
+        addresses = (h.data_ptr(), w13.data_ptr(), w2.data_ptr(), 0, 0, 0, ids.data_ptr(), weights.data_ptr(),
+                     mixed.data_ptr())
+        expert_pairs_cpu._expert_pairs_cpu(addresses, (rows, rows * top_k, num_experts, hidden, inter), f32, name, alpha,
+                                           limit, threads)
         return x + mixed
 
 
