@@ -367,10 +367,10 @@ struct Chunk {
 /// its share must outweigh that.
 const PARALLEL_MIN_MACS: usize = 1 << 20;
 
-/// Every live pair's expert output into `outputs` ([live pairs, H], the pairs grouped by expert,
-/// so that each chunk's rows are adjacent and written in place); returns each pair's row
-/// (DEAD for a pair of weight 0). Grouped by
-/// expert so that each weight row is read once per chunk of pairs instead of once per pair.
+/// Every live pair's expert output into `outputs` ([live pairs, H] in expert order, so that a
+/// chunk's rows are adjacent and written in place); returns each pair's row (DEAD for a pair
+/// of weight 0). The pairs are grouped by expert so that each weight row is read once per
+/// chunk of pairs instead of once per pair.
 /// The chunks depend only on each expert's pair count, never on `threads`. Up to `threads`
 /// threads take chunks from a shared counter, so a thread the OS preempts holds up none of
 /// the others' work.
@@ -435,8 +435,8 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32]
 struct SharedRows<T>(*mut T);
 
 // SAFETY: the threads write disjoint rows (see the users).
-unsafe impl<T> Send for SharedRows<T> {}
-unsafe impl<T> Sync for SharedRows<T> {}
+unsafe impl<T: Send> Send for SharedRows<T> {}
+unsafe impl<T: Send> Sync for SharedRows<T> {}
 
 impl<T> SharedRows<T> {
     /// Row `row` (of `len` values).

@@ -5,9 +5,10 @@
 //! read once for its group of query heads), an optional sliding window (the last `window`
 //! positions), optional per-head sink logits in the softmax's denominator.
 //!
-//! One work item is a (sequence, KV head): it walks the context in tiles of keys with an online
-//! softmax in f32: scores of the tile for the group's heads, one rescale of the accumulators per
-//! tile, then the values weighted into them. The dot products, the weighted sums and the
+//! One work item is a sequence: it walks the context in tiles of keys with an online softmax in
+//! f32; for each KV head of a tile, the scores of its group of query heads, one rescale of their
+//! accumulators, then the values weighted into them (a slot's KV heads, adjacent in the cache,
+//! are read together). The dot products, the weighted sums and the
 //! exponentials are loops the compiler vectorizes; they are compiled twice, for AVX2 + FMA
 //! (chosen at run time when the CPU has them) and for the baseline ISA.
 
