@@ -190,8 +190,10 @@ def sse_events(http, route, body) -> list[dict]:
 
 
 def test_sglang_stream_is_cumulative_with_experts_on_the_final_chunk(http):
+    # enough tokens that the stream has several chunks however fast the decode steps are (the
+    # server sends what is new since its last chunk)
     body = {"input_ids": [5, 6, 7, 8], "routed_experts_start_len": 2,
-            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, **GREEDY}}
+            "sampling_params": {"max_new_tokens": 48, "ignore_eos": True, **GREEDY}}
     whole = http.post("/generate", json=body).json()
     chunks = sse_events(http, "/generate", {**body, "stream": True})
     assert len(chunks) > 1
@@ -203,7 +205,7 @@ def test_sglang_stream_is_cumulative_with_experts_on_the_final_chunk(http):
     last = chunks[-1]
     assert (last["text"], last["output_ids"]) == (whole["text"], whole["output_ids"])
     assert last["meta_info"]["routed_experts"] == whole["meta_info"]["routed_experts"]
-    assert last["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert last["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"] == {"type": "length", "length": 48}
     assert whole["meta_info"]["routed_experts_start_len"] == 2
 
 

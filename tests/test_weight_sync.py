@@ -24,6 +24,7 @@ from engine_testing import GREEDY, prompt_ids
 from r3srv import LLM, SamplingParams
 
 PROMPT = prompt_ids(20, base=3)
+LONG = 400  # tokens of a request that must still be running a few HTTP calls later
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,8 @@ def test_prime_rl_pause_keep_update_resume_recomputes_frozen_sequences_on_the_ne
     assert not (shards / "config.json").exists()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=48, temperature=0.0, stream=True,
+    # long enough to be still running when /pause arrives however fast the decode steps are
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=LONG, temperature=0.0, stream=True,
                                        extra_body={"return_token_ids": True, "ignore_eos": True})
     chunks = [next(iter(stream))]  # the request is running, holding KV of the old weights
     assert httpx.post(server.url + "/pause", params={"mode": "keep", "clear_cache": "false"}).json() == {"status": "paused"}
@@ -213,7 +215,7 @@ def test_prime_rl_pause_keep_update_resume_recomputes_frozen_sequences_on_the_ne
     chunks += [c for c in stream if c.choices]
     final = chunks[-1].choices[0]
     tokens = [t for c in chunks for t in c.choices[0].token_ids]
-    assert len(tokens) == 48 and final.weight_version == str(shards)
+    assert len(tokens) == LONG and final.weight_version == str(shards)
     # Oracle: the new policy reading the whole sequence (prompt and every sampled token).
     from r3srv.serial import decode_routed_experts
 
