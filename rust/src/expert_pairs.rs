@@ -266,24 +266,9 @@ const SUM_BLOCK_TOKENS: usize = 32;
 fn weighted_sums<W: Element>(outputs: &[f32], row_of: &[u32], pair_token: &[u32], weights: &[f32], hid: usize,
                              out: &mut [W], threads: usize, isa: Isa) {
     let num_tokens = out.len() / hid;
-    // each token's live pairs in pair order: a stable counting sort by token
-    let mut starts = vec![0usize; num_tokens + 1];
-    for (&t, &row) in pair_token.iter().zip(row_of) {
-        if row != DEAD {
-            starts[t as usize + 1] += 1;
-        }
-    }
-    for t in 0..num_tokens {
-        starts[t + 1] += starts[t];
-    }
-    let mut by_token = vec![0u32; starts[num_tokens]];
-    let mut fill = starts.clone();
-    for (p, (&t, &row)) in pair_token.iter().zip(row_of).enumerate() {
-        if row != DEAD {
-            by_token[fill[t as usize]] = p as u32;
-            fill[t as usize] += 1;
-        }
-    }
+    // each token's live pairs in pair order
+    let live_token = |(&t, &row): (&u32, &u32)| (row != DEAD).then_some(t as usize);
+    let (starts, by_token) = group_pairs(num_tokens, pair_token.iter().zip(row_of).map(live_token));
     let blocks = num_tokens.div_ceil(SUM_BLOCK_TOKENS);
     let threads = threads.min(by_token.len() * hid / PARALLEL_MIN_MACS).clamp(1, blocks.max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -338,6 +323,28 @@ unsafe fn sum_token_avx2<W: Element>(outputs: &[f32], row_of: &[u32], pairs: &[u
     sum_token(outputs, row_of, pairs, weights, acc, out)
 }
 
+/// A stable counting sort of the pairs by key (`keys` yields each pair's key in 0..groups, or
+/// None for a pair left out): (starts, order), group g's pairs being
+/// order[starts[g]..starts[g + 1]], in pair order.
+fn group_pairs(groups: usize, keys: impl Iterator<Item = Option<usize>> + Clone) -> (Vec<usize>, Vec<u32>) {
+    let mut starts = vec![0usize; groups + 1];
+    for g in keys.clone().flatten() {
+        starts[g + 1] += 1;
+    }
+    for g in 0..groups {
+        starts[g + 1] += starts[g];
+    }
+    let mut order = vec![0u32; starts[groups]];
+    let mut fill = starts.clone();
+    for (p, key) in keys.enumerate() {
+        if let Some(g) = key {
+            order[fill[g]] = p as u32;
+            fill[g] += 1;
+        }
+    }
+    (starts, order)
+}
+
 /// Whether to run the elementwise loops below in their AVX2 builds (8 wide instead of SSE's
 /// 4). Rust never fuses a multiply and an add on its own, so both builds give the same bits.
 fn simd(isa: Isa) -> bool {
@@ -378,25 +385,12 @@ const PARALLEL_MIN_MACS: usize = 1 << 20;
 fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32], ids: &[i32], weights: &[f32],
                             threads: usize, isa: Isa, outputs: &mut Vec<f32>) -> Vec<u32> {
     let hid = experts.hidden;
-    // a counting sort of the live pairs by expert (stable: pair order within an expert)
-    let mut starts = vec![0usize; experts.num_experts + 1];
-    for (&e, &w) in ids.iter().zip(weights) {
-        if w != 0.0 {
-            starts[e as usize + 1] += 1;
-        }
-    }
-    for e in 0..experts.num_experts {
-        starts[e + 1] += starts[e];
-    }
-    let mut order = vec![0u32; starts[experts.num_experts]];
+    // the live pairs by expert, in pair order within an expert; each pair's row is its place
+    let live_expert = |(&e, &w): (&i32, &f32)| (w != 0.0).then_some(e as usize);
+    let (starts, order) = group_pairs(experts.num_experts, ids.iter().zip(weights).map(live_expert));
     let mut row_of = vec![DEAD; ids.len()];
-    let mut fill = starts.clone();
-    for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
-        if w != 0.0 {
-            order[fill[e as usize]] = p as u32;
-            row_of[p] = fill[e as usize] as u32;
-            fill[e as usize] += 1;
-        }
+    for (row, &p) in order.iter().enumerate() {
+        row_of[p as usize] = row as u32;
     }
     let mut chunks: Vec<Chunk> = Vec::new();
     for e in 0..experts.num_experts {

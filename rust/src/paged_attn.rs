@@ -326,23 +326,15 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
     s.acc.fill(0.0);
     s.max.fill(f32::NEG_INFINITY);
     s.total.fill(0.0);
-    let mut slots = [0usize; TILE];
+    // the slots of the tile at hand and of the next (found once: for its prefetch, then its turn)
+    let (mut slots, mut next_slots) = ([0usize; TILE], [0usize; TILE]);
     let mut lo = item.start;
+    tile_slots(d, table, lo, TILE.min(item.end - lo), &mut slots);
     while lo < item.end {
         let n = TILE.min(item.end - lo);
-        // one division a tile, not one a key (validated: every visible block is in the cache)
-        let (mut entry, mut offset) = (lo / d.page, lo % d.page);
-        let mut base = table[entry] as usize * d.page;
-        for slot in &mut slots[..n] {
-            if offset == d.page {
-                entry += 1;
-                offset = 0;
-                base = table[entry] as usize * d.page;
-            }
-            *slot = base + offset;
-            offset += 1;
-        }
-        prefetch_tile(d, item, table, lo + n);
+        let next_n = TILE.min(item.end - lo - n);
+        tile_slots(d, table, lo + n, next_n, &mut next_slots);
+        prefetch_slots(d, &next_slots[..next_n]);
         for kv_head in 0..d.k.heads {
             let first = kv_head * group; // the group's first query head
             let scores = &mut s.scores[first * TILE..][..group * TILE];
@@ -361,6 +353,7 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
             }
             weigh_values::<T, AVX2>(d, kv_head, &slots[..n], scores, &mut s.acc[first * v_dim..][..group * v_dim]);
         }
+        std::mem::swap(&mut slots, &mut next_slots);
         lo += n;
     }
     for h in 0..heads {
@@ -376,40 +369,44 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
     }
 }
 
-/// Asks for the key and value rows of the tile after the one at hand (keys from `next`) to
-/// be brought into the cache while this one is computed: a tile's rows sit in scattered
-/// blocks, a few KiB each, that the hardware prefetcher does not foresee.
+/// slots[..n] = the cache slots of positions lo..lo + n through the block table: one division
+/// a tile, not one a key (validated by paged_decode: every visible block is in the cache).
 #[inline(always)]
-fn prefetch_tile<T: Element>(d: &PagedDecode<'_, T>, item: &Item<'_, T>, table: &[i64], next: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let end = item.end.min(next + TILE);
-        if next >= end {
-            return;
+fn tile_slots<T: Element>(d: &PagedDecode<'_, T>, table: &[i64], lo: usize, n: usize, slots: &mut [usize; TILE]) {
+    if n == 0 {
+        return;
+    }
+    let (mut entry, mut offset) = (lo / d.page, lo % d.page);
+    let mut base = table[entry] as usize * d.page;
+    for slot in &mut slots[..n] {
+        if offset == d.page {
+            entry += 1;
+            offset = 0;
+            base = table[entry] as usize * d.page;
         }
-        // one division a tile, as for the tile's own slots
-        let (mut entry, mut offset) = (next / d.page, next % d.page);
-        let mut base = table[entry] as usize * d.page; // validated by paged_decode
-        for _ in next..end {
-            if offset == d.page {
-                entry += 1;
-                offset = 0;
-                base = table[entry] as usize * d.page;
+        *slot = base + offset;
+        offset += 1;
+    }
+}
+
+/// Asks for the key and value rows of every KV head at `slots` (the next tile's) to be brought
+/// into the cache while the tile at hand is computed: a tile's rows sit in scattered blocks, a
+/// few KiB each, that the hardware prefetcher does not foresee.
+#[inline(always)]
+fn prefetch_slots<T: Element>(d: &PagedDecode<'_, T>, slots: &[usize]) {
+    #[cfg(target_arch = "x86_64")]
+    for &slot in slots {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        for row in (0..d.k.heads).flat_map(|h| [d.k.at(slot, h), d.v.at(slot, h)]) {
+            let first = row.as_ptr() as *const i8;
+            for at in (0..std::mem::size_of_val(row)).step_by(64) {
+                // SAFETY: the address lies within `row`; a prefetch never faults or writes.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(first.add(at)) };
             }
-            for row in (0..d.k.heads).flat_map(|h| [d.k.at(base + offset, h), d.v.at(base + offset, h)]) {
-                let bytes = std::mem::size_of_val(row);
-                let first = row.as_ptr() as *const i8;
-                for at in (0..bytes).step_by(64) {
-                    // SAFETY: the address lies within `row`; a prefetch never faults or writes.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(first.add(at)) };
-                }
-            }
-            offset += 1;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (d, item, table, next);
+    let _ = (d, slots);
 }
 
 /// Up to this many query heads share each load of a key or value row (their running sums
