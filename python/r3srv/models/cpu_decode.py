@@ -161,11 +161,9 @@ class FastDecodeLayer:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         o = x.new_empty(rows, heads, head_dim)
-        slots = k_cache.shape[0]
-        cache_layout = (slots, kv_heads, head_dim, kv_heads * head_dim, head_dim)  # allocate_cache's, contiguous
+        head_major = paged_decode_cpu._head_major  # the wrapper's: pointers, shapes and the real strides
         paged_decode_cpu._paged_decode_attention(
-            f32, (q.data_ptr(), rows, heads, head_dim, heads * head_dim, head_dim),
-            (k_cache.data_ptr(), *cache_layout), (v_cache.data_ptr(), *cache_layout), step.table_args,
+            f32, head_major("q", q), head_major("k_cache", k_cache), head_major("v_cache", v_cache), step.table_args,
             step.lens.data_ptr(), step.rows.data_ptr(), (o.data_ptr(), rows, heads, head_dim), step.block_size,
             self.scale, None, None, threads)
         o_w = self.o_w
