@@ -20,6 +20,7 @@ from litestar.types import Message, Receive, Scope, Send
 
 import r3srv
 from r3srv.server.body import decode_body
+from r3srv.server.chat_output import ChatParsers
 from r3srv.server.errors import PARAM_NAMES, handle_exception
 from r3srv.server.generation import ServerState
 from r3srv.server.metrics import ServerMetrics
@@ -59,6 +60,7 @@ def create_app(
     enable_prompt_tokens_details: bool = False,
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
+    chat_parsers: ChatParsers | None = None,
 ) -> Litestar:
     """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
     CLI stops the server and exits non-zero so that an orchestrator restarts it."""
@@ -69,6 +71,7 @@ def create_app(
         enable_weight_updates=enable_weight_updates,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         weight_sync_timeout=weight_sync_timeout,
+        chat_parsers=chat_parsers or ChatParsers(),
     )
 
     async def watch_engine() -> None:

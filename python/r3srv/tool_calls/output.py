@@ -100,7 +100,9 @@ class OutputParser:
         self._text += delta
         return self._diff(self._scan(self._text, final=False))
 
-    def finish(self) -> MessageDelta | None:
+    def finish(self, delta: str = "") -> MessageDelta | None:
+        """The last delta (the output's last text, if any, with whatever waited for the end)."""
+        self._text += delta
         return self._diff(self._scan(self._text, final=True))
 
     @property
