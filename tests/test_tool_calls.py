@@ -68,3 +68,18 @@ def test_include_reasoning_false_drops_it():
     text, expected = rendered_output(case, 1)
     assert _parser(case, expected, include_reasoning=False).parse(text).reasoning is None
     assert _parser(case, expected).parse(text).reasoning
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"enable_auto_tool_choice": True}, "requires --tool-call-parser"),
+    ({"tool_parser": "nope", "enable_auto_tool_choice": True}, "--tool-call-parser 'nope'"),
+    ({"reasoning_parser": "nope"}, "--reasoning-parser 'nope'"),
+])
+def test_bad_parser_flags_are_config_errors(kwargs, message):
+    from r3srv.errors import ConfigError
+    from r3srv.server.chat_output import ChatParsers
+
+    with pytest.raises(ConfigError, match=message):
+        ChatParsers(**kwargs)
+    assert ChatParsers(tool_parser="hermes", enable_auto_tool_choice=True).tools_served
+    assert not ChatParsers(tool_parser="hermes").tools_served  # vLLM reads no calls without auto tool choice
