@@ -12,6 +12,11 @@ from tool_call_cases import CASES, arguments_of, chunks, rendered_output, stream
 SEEDS = range(12)
 
 
+def _rendered(name, seed):
+    case = CASES[name]
+    return (case, *rendered_output(case, seed))
+
+
 def _parser(case, expected, **kw):
     return output_parser(tool_parser=case.tool_parser, reasoning_parser=case.reasoning_parser, parse_tools=True,
                          tools=expected["tools"], **kw)
@@ -20,8 +25,7 @@ def _parser(case, expected, **kw):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_template_rendered_calls_parse_back(name, seed):
-    case = CASES[name]
-    text, expected = rendered_output(case, seed)
+    case, text, expected = _rendered(name, seed)
     parsed = _parser(case, expected).parse(text)
     assert [c.name for c in parsed.tool_calls] == [c["name"] for c in expected["calls"]], text
     assert [arguments_of(c.arguments) for c in parsed.tool_calls] == [c["arguments"] for c in expected["calls"]], text
@@ -34,8 +38,7 @@ def test_template_rendered_calls_parse_back(name, seed):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_streamed_deltas_add_up_to_the_parse(name, seed):
-    case = CASES[name]
-    text, expected = rendered_output(case, seed)
+    case, text, expected = _rendered(name, seed)
     whole = _parser(case, expected).parse(text)
     parts = streamed(_parser(case, expected), chunks(text, seed))
     assert parts["reasoning"] == whole.reasoning

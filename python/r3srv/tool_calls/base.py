@@ -81,6 +81,23 @@ def blocks(text: str, start: str, end: str, final: bool) -> Iterator[Block]:
         pos = j + len(end)
 
 
+def tagged(text: str, final: bool, start: str, end: str, call: Any) -> tuple[str, list[Call]]:
+    """Formats whose calls are `start BODY end` blocks among the content (Hermes, Qwen3-Coder,
+    GLM): `call(body, closed)` reads one body (None: not a call, and its text is content)."""
+    content: list[str] = []
+    calls: list[Call] = []
+    for block in blocks(text, start, end, final):
+        if not block.is_call:
+            content.append(block.text)
+            continue
+        found = call(block.text, block.closed or final)
+        if found is not None:
+            calls.append(found)
+        elif block.closed:
+            content.append(start + block.text + end)
+    return "".join(content), calls
+
+
 def json_object_span(text: str) -> int | None:
     """The length of the JSON value `text` starts with, or None while it is incomplete or invalid."""
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from r3srv.tool_calls.base import ArgumentsJson, Call, blocks
+from r3srv.tool_calls.base import ArgumentsJson, Call, tagged
 
 START, END = "<tool_call>", "</tool_call>"
 KEY = "<arg_key>"
@@ -35,14 +35,4 @@ def _call(body: str, closed: bool, schemas: dict[str, Any]) -> Call | None:
 
 
 def scan(text: str, final: bool, schemas: dict[str, Any]) -> tuple[str, list[Call]]:
-    content, calls = [], []
-    for block in blocks(text, START, END, final):
-        if not block.is_call:
-            content.append(block.text)
-            continue
-        call = _call(block.text, block.closed or final, schemas)
-        if call is not None:
-            calls.append(call)
-        elif block.closed:
-            content.append(START + block.text + END)
-    return "".join(content), calls
+    return tagged(text, final, START, END, lambda body, closed: _call(body, closed, schemas))

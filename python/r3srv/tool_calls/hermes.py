@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from r3srv.tool_calls.base import Call, blocks, json_object_span, raw_arguments
+from r3srv.tool_calls.base import Call, json_object_span, raw_arguments, tagged
 
 START, END = "<tool_call>", "</tool_call>"
 # the usual order of the object's keys: the name is known, then the arguments stream as written
@@ -53,15 +53,4 @@ def _parsed(body: str) -> dict[str, Any] | None:
 
 
 def scan(text: str, final: bool, schemas: dict[str, Any]) -> tuple[str, list[Call]]:
-    content, calls = [], []
-    for block in blocks(text, START, END, final):
-        if not block.is_call:
-            content.append(block.text)
-            continue
-        closed = block.closed or final
-        call = _call(block.text, closed)
-        if call is None:  # not a call after all: its text is content, as vLLM's
-            content.append(START + block.text + (END if block.closed else ""))
-        else:
-            calls.append(call)
-    return "".join(content), calls
+    return tagged(text, final, START, END, _call)
