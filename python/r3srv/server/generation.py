@@ -25,6 +25,7 @@ from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
 from r3srv.serial import encode_routed_experts
+from r3srv.server.declare import Feature
 from r3srv.server.errors import ModelNotFoundError
 from r3srv.server.metrics import ServerMetrics
 
@@ -46,6 +47,11 @@ class ServerState:
     enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached tokens), as vLLM
     weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """The optional route groups this server serves (server/declare.py)."""
+        return frozenset({Feature.WEIGHT_UPDATES} if self.enable_weight_updates else ())
 
     async def abort_all(self) -> None:
         """End every request in flight (finish_reason "abort"): on shutdown, so streams close
