@@ -21,6 +21,7 @@ from litestar.types import Message, Receive, Scope, Send
 import r3srv
 from r3srv.server.body import decode_body
 from r3srv.server.chat_output import ChatParsers
+from r3srv.server.declare import feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
 from r3srv.server.generation import ServerState
 from r3srv.server.metrics import ServerMetrics
@@ -94,6 +95,7 @@ def create_app(
 
     app = Litestar(
         route_handlers=ROUTE_HANDLERS,
+        guards=[feature_guard],
         state=State({"server": state}),
         lifespan=[lifespan],
         exception_handlers={Exception: handle_exception},

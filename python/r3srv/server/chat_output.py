@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from r3srv.errors import ConfigError
-from r3srv.server import tool_protocol as t
+from r3srv.server.protocol import tools as t
 from r3srv.tool_calls import REASONING_PARSERS, TOOL_PARSERS, MessageDelta, OutputParser, output_parser
 
 

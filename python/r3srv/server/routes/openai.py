@@ -11,15 +11,17 @@ from litestar import Request, post
 from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
 from r3srv.server import protocol as p
+from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import start_all
 from r3srv.server.responses import chat_response, completion_response
 from r3srv.server.routes.common import run_to_end, server_state
 from r3srv.server.streaming import EngineStream, chat_stream, completion_stream
-from r3srv.server.tool_protocol import check_tool_request
+from r3srv.server.protocol.tools import check_tool_request
 
 
-@post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)", opt={"fields": ROUTE_FIELDS["completions"]})
+@post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)", opt={"fields": ROUTE_FIELDS["completions"]},
+      access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]) -> p.CompletionResponse:
     state = server_state(request)
     state.check_model(data.model)
@@ -36,7 +38,8 @@ async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion (OpenAI)",
-      opt={"fields": ROUTE_FIELDS["chat"]})
+      opt={"fields": ROUTE_FIELDS["chat"]},
+      access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, Any, Any]) -> p.ChatCompletionResponse:
     state = server_state(request)
     state.check_model(data.model)
