@@ -375,6 +375,22 @@ def test_qwen3_vl_moe_released_expert_layout_loads_as_transformers_saved_one(tmp
     assert "model.visual." in caplog.text
 
 
+def test_glm4v_moe_default_config_is_glm_4_5v_shaped():
+    """transformers' Glm4vMoeConfig defaults are GLM-4.5V's shape (its docstring's checkpoint),
+    46 layers, the first dense, 128 experts top-8 under the sigmoid router, biased qkv, half the
+    head rotated (M-RoPE sections over those 64 dims)."""
+    transformers = pytest.importorskip("transformers")
+    raw = transformers.Glm4vMoeConfig().to_dict()
+    raw["architectures"] = ["Glm4vMoeForConditionalGeneration"]
+    raw["text_config"]["head_dim"] = 128  # the released config says it (GLM-4.5-Air's); 4096 / 96 is not whole
+    cfg = ModelConfig.from_dict(raw)
+    assert (cfg.model_type, cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.moe_layers) == (
+        "glm4v_moe", 46, 128, 8, list(range(1, 46)))
+    assert cfg.rotary_dim == 64 and cfg.attention.qkv_bias and cfg.attention.qk_norm is None
+    assert cfg.router.scoring == "sigmoid" and cfg.router.correction_bias and cfg.router.renormalize
+    assert cfg.experts.shared_intermediate_size == cfg.moe_intermediate_size == 1408
+
+
 @pytest.mark.parametrize(
     "groups,match",
     [({"n_group": 3}, "must divide"), ({"n_group": 2, "topk_group": 3}, "topk_group"),
