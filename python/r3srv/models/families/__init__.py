@@ -41,6 +41,9 @@ class Family:
     # suffixes of tensor names a checkpoint may hold transposed in their last two dims (the
     # loader tells the layouts apart by shape)
     transposed: tuple[str, ...] = ()
+    # (config.json's vision_config, dtype, device) -> the vision tower (models/vision/), for the
+    # vision-language families; its weights are the checkpoint's model.visual.* tensors
+    vision_tower: Callable[[dict[str, Any], torch.dtype, torch.device], torch.nn.Module] | None = None
 
     def architecture_of(self, raw: dict[str, Any]) -> str:
         listed = [arch for arch in raw.get("architectures") or [] if arch in self.architectures]

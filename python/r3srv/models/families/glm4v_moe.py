@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from r3srv.models.families import Family, glm4_moe
 from r3srv.models.families._names import in_language_model
+from r3srv.models.vision.glm4v import GlmVisionConfig, GlmVisionTower
 
 
 def configure(cfg, raw, get):
@@ -18,4 +19,9 @@ def weight_targets(model):
     return in_language_model(glm4_moe.weight_targets(model))
 
 
-FAMILY = Family("glm4v_moe", ("Glm4vMoeForConditionalGeneration",), configure, weight_targets)
+def vision_tower(raw, dtype, device):
+    return GlmVisionTower(GlmVisionConfig.from_dict(raw), dtype=dtype, device=device)
+
+
+FAMILY = Family("glm4v_moe", ("Glm4vMoeForConditionalGeneration",), configure, weight_targets,
+                vision_tower=vision_tower)

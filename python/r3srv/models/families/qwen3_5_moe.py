@@ -9,6 +9,7 @@ from dataclasses import replace
 from r3srv.models.families import Family, qwen3_next
 from r3srv.models.families._names import in_language_model
 from r3srv.models.specs import RouterSpec
+from r3srv.models.vision.qwen3_vl import QwenVisionConfig, QwenVisionTower
 
 
 def configure(cfg, raw, get):
@@ -20,5 +21,9 @@ def weight_targets(model):
     return in_language_model(qwen3_next.weight_targets(model))
 
 
+def vision_tower(raw, dtype, device):
+    return QwenVisionTower(QwenVisionConfig.from_dict(raw, deepstack=False), dtype=dtype, device=device)
+
+
 FAMILY = Family("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), configure,
-                weight_targets)
+                weight_targets, vision_tower=vision_tower)

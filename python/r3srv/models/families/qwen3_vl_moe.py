@@ -10,6 +10,7 @@ from dataclasses import replace
 from r3srv.models.families import Family, qwen3_moe
 from r3srv.models.families._names import in_language_model
 from r3srv.models.specs import AttentionSpec, RouterSpec
+from r3srv.models.vision.qwen3_vl import QwenVisionConfig, QwenVisionTower
 
 
 def configure(cfg, raw, get):
@@ -23,5 +24,9 @@ def weight_targets(model):
     return in_language_model(qwen3_moe.weight_targets(model))
 
 
+def vision_tower(raw, dtype, device):
+    return QwenVisionTower(QwenVisionConfig.from_dict(raw, deepstack=True), dtype=dtype, device=device)
+
+
 FAMILY = Family("qwen3_vl_moe", ("Qwen3VLMoeForConditionalGeneration",), configure, weight_targets,
-                transposed=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+                transposed=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), vision_tower=vision_tower)
