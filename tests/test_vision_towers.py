@@ -12,55 +12,15 @@ from r3srv.errors import ConfigError
 from r3srv.models.vision import load_vision_tower
 from r3srv.vision.decode import decode_image
 from r3srv.vision.processor import ImageProcessorConfig, preprocess
-from tiny_checkpoints import VOCAB_SIZE, randomize_
-from vision_testing import IMAGE_CASES, image_bytes
+from tiny_checkpoints import randomize_
+from vision_testing import FAMILIES, IMAGE_CASES, PREPROCESSOR, glm4v_moe, image_bytes
 
 transformers = pytest.importorskip("transformers")
-
-TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, num_experts_per_tok=2, max_position_embeddings=512)
-# merged tokens cover 8 x 8 pixels (patch 4, merge 2); images land on 2 x 2 to 16 x 16 patches
-PREPROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
-                "size": {"shortest_edge": 256, "longest_edge": 4096}}
-
-
-def qwen3_vl_moe():
-    text = dict(TEXT, num_experts=8, moe_intermediate_size=8, intermediate_size=48,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                 "mrope_interleaved": True})
-    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, patch_size=4,
-                  spatial_merge_size=2, num_position_embeddings=25, deepstack_visual_indexes=[0, 2])
-    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
-    return transformers.Qwen3VLMoeForConditionalGeneration(config), "Qwen2VLImageProcessorFast"
-
-
-def qwen3_5_moe():
-    text = dict(TEXT, num_experts=8, moe_intermediate_size=8, shared_expert_intermediate_size=16,
-                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                layer_types=["linear_attention", "full_attention"])
-    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32, patch_size=4,
-                  spatial_merge_size=2, num_position_embeddings=36)
-    config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
-    return transformers.Qwen3_5MoeForConditionalGeneration(config), "Qwen2VLImageProcessorFast"
-
-
-def glm4v_moe():
-    text = dict(TEXT, n_routed_experts=8, moe_intermediate_size=16, intermediate_size=48, first_k_dense_replace=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                 "mrope_section": [2, 1, 1]})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=32, patch_size=4,
-                  image_size=20, spatial_merge_size=2, attention_bias=True)
-    config = transformers.Glm4vMoeConfig(text_config=text, vision_config=vision)
-    return transformers.Glm4vMoeForConditionalGeneration(config), "Glm4vImageProcessor"
-
-
-FAMILIES = {"qwen3_vl_moe": qwen3_vl_moe, "qwen3_5_moe": qwen3_5_moe, "glm4v_moe": glm4v_moe}
-
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
-    hf, processor_type = FAMILIES[request.param]()
+    hf, processor_type = FAMILIES[request.param](transformers)
     randomize_(hf, seed=5)
     path = tmp_path_factory.mktemp(request.param)
     hf.float().eval().save_pretrained(path)
@@ -104,7 +64,7 @@ def test_an_image_embeds_alike_alone_and_beside_others(checkpoint):
 def test_missing_or_misshapen_tower_weights_are_config_errors(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    hf, _ = glm4v_moe()
+    hf, _ = glm4v_moe(transformers)
     hf.save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     save_file({k: v for k, v in tensors.items() if "downsample" not in k}, str(tmp_path / "model.safetensors"))

@@ -8,6 +8,8 @@ import io
 import numpy as np
 from PIL import Image
 
+from tiny_checkpoints import VOCAB_SIZE
+
 # (width, height, mode, format): tall, wide, tiny, odd sizes; alpha, palette with a transparent
 # entry, greyscale; lossless and lossy formats
 IMAGE_CASES = [
@@ -36,3 +38,52 @@ def encode(image: Image.Image, fmt: str) -> bytes:
 
 def image_bytes(width: int, height: int, mode: str = "RGB", fmt: str = "PNG", seed: int = 0) -> bytes:
     return encode(random_image(width, height, mode, seed), fmt)
+
+
+# Tiny vision-language checkpoints of the three families (transformers' image-text models; the
+# placeholder and delimiter ids inside the byte-level vocabulary)
+TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_experts_per_tok=2, max_position_embeddings=512)
+# merged tokens cover 8 x 8 pixels (patch 4, merge 2); images land on 2 x 2 to 16 x 16 patches
+PREPROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+                "size": {"shortest_edge": 256, "longest_edge": 4096}}
+
+
+IMAGE_TOKEN = 250  # the placeholder; + 1 and + 2 open and close an image
+QWEN_IDS = dict(image_token_id=IMAGE_TOKEN, vision_start_token_id=IMAGE_TOKEN + 1, vision_end_token_id=IMAGE_TOKEN + 2)
+
+
+def qwen3_vl_moe(transformers):
+    text = dict(TEXT, num_experts=8, moe_intermediate_size=8, intermediate_size=48,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=2, num_position_embeddings=25, deepstack_visual_indexes=[0, 2])
+    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **QWEN_IDS)
+    return transformers.Qwen3VLMoeForConditionalGeneration(config), "Qwen2VLImageProcessorFast"
+
+
+def qwen3_5_moe(transformers):
+    text = dict(TEXT, num_experts=8, moe_intermediate_size=8, shared_expert_intermediate_size=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                layer_types=["linear_attention", "full_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=2, num_position_embeddings=36)
+    config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **QWEN_IDS)
+    return transformers.Qwen3_5MoeForConditionalGeneration(config), "Qwen2VLImageProcessorFast"
+
+
+def glm4v_moe(transformers):
+    text = dict(TEXT, n_routed_experts=8, moe_intermediate_size=16, intermediate_size=48, first_k_dense_replace=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [2, 1, 1]})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=32, patch_size=4,
+                  image_size=20, spatial_merge_size=2, attention_bias=True)
+    config = transformers.Glm4vMoeConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                                         image_start_token_id=IMAGE_TOKEN + 1, image_end_token_id=IMAGE_TOKEN + 2)
+    return transformers.Glm4vMoeForConditionalGeneration(config), "Glm4vImageProcessor"
+
+
+FAMILIES = {"qwen3_vl_moe": qwen3_vl_moe, "qwen3_5_moe": qwen3_5_moe, "glm4v_moe": glm4v_moe}

@@ -32,6 +32,26 @@ class ForwardBatch:
     # A decode step replayed as a CUDA graph (engine/cuda_graphs.py): its per-sequence indices as
     # static device tensors, so the forward pass reads nothing from the host lists above.
     graph: "GraphDecodeInputs | None" = None
+    # vision-language models: [3, T] M-RoPE ids (temporal, height, width) of each token
+    # (r3srv/vision/positions.py; None: all three are `positions`), and the image embeddings
+    # that stand in for this step's placeholder tokens
+    mrope_positions: torch.Tensor | None = None
+    visual: VisualRows | None = None
+
+
+@dataclass
+class VisualRows:
+    """Image embeddings for some rows of a step (the vision tower's output for the placeholder
+    tokens there); Qwen3-VL's deepstack features are added to the same rows after its first
+    len(deepstack) decoder layers."""
+
+    rows: torch.Tensor  # [N] int64 indices into the step's T tokens
+    embeds: torch.Tensor  # [N, hidden]
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # each [N, hidden]
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> VisualRows:
+        return VisualRows(self.rows.to(device), self.embeds.to(device, dtype),
+                          [d.to(device, dtype) for d in self.deepstack])
 
 
 @dataclass

@@ -35,6 +35,7 @@ from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm, rm
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.layers import yarn_inv_freq
 from r3srv.models.mla import MlaAttention
+from r3srv.models.mrope import mrope_cos_sin
 from r3srv.models.moe import Mlp, SparseMoeBlock
 from r3srv.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, ParallelState, RowParallelLinear,
                                    VocabParallelEmbedding, column_weight, head_pieces, local_heads)
@@ -367,13 +368,17 @@ class MoeForCausalLM(nn.Module):
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         meta = AttentionMetadata.build(batch, self.block_size, self.device)
-        positions = batch.positions.to(self.device)
-        cos, sin = rope_cos_sin(
-            positions, self.inv_freq, self.dtype, self.config.rope.linear_factor, self.rope_attention_factor
-        )
+        if batch.mrope_positions is not None:  # a vision-language prompt's M-RoPE ids
+            cos, sin = mrope_cos_sin(batch.mrope_positions.to(self.device), self.inv_freq, self.config.rope, self.dtype)
+        else:
+            cos, sin = rope_cos_sin(batch.positions.to(self.device), self.inv_freq, self.dtype,
+                                    self.config.rope.linear_factor, self.rope_attention_factor)
         x = self.embed(batch.input_ids.to(self.device))
         if self.config.scales.embedding != 1.0:
             x = x * self.config.scales.embedding
+        visual = None if batch.visual is None else batch.visual.to(self.device, x.dtype)
+        if visual is not None:  # image embeddings stand in for the placeholder tokens
+            x = x.index_copy(0, visual.rows, visual.embeds)
         capture = batch.routing_capture
         states = None
         if self.config.is_hybrid:
@@ -384,7 +389,7 @@ class MoeForCausalLM(nn.Module):
                                  f"{self.num_state_snapshots} snapshots allocated")
         layer_captures = None if capture is None else capture.unbind(1)  # every layer's [T, top_k] view in one op
         fast, fast_layers = None, self._fast_decode_layers()
-        if states is None and any(fast_layers):
+        if states is None and visual is None and any(fast_layers):
             fast = DecodeStep.plan(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
                                    self.config.num_experts)
         for layer in self.layers:
@@ -394,6 +399,8 @@ class MoeForCausalLM(nn.Module):
                 x = kernels(x, cos, sin, meta, layer_capture, fast)
             else:
                 x = layer(x, cos, sin, meta, layer_capture, states)
+            if visual is not None and layer.index < len(visual.deepstack):  # Qwen3-VL's deepstack
+                x = x.index_add(0, visual.rows, visual.deepstack[layer.index])
         x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.norm.eps)
         logits = self.lm_head(x).float()
         scaling = self.config.scales.logits

@@ -33,6 +33,11 @@ class RopeSpec:
     interleave: bool = False  # pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of halves
     enabled: bool = True  # False: attention without positions
     layers: list[int] | None = None  # rotate in these layers only (None: all)
+    # M-RoPE (vision-language models): the rotary frequencies split among the temporal, height
+    # and width position ids by these counts, taking turns (Qwen3-VL, Qwen3.5: interleaved) or
+    # in three runs (GLM-4.5V); a token whose three ids are equal (text) rotates as plain RoPE
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False
 
 
 @dataclass(frozen=True)

@@ -79,3 +79,22 @@ def partial_rotary(raw: dict[str, Any], default: float) -> float:
     """partial_rotary_factor from rope_parameters (new) or the top level (old)."""
     rope = raw.get("rope_parameters") or {}
     return float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", default)))
+
+
+def with_mrope(rope, raw: dict[str, Any], architecture: str, *, interleaved: bool, rotary_dim: int):
+    """`rope` with the M-RoPE sections of rope_parameters (new) or rope_scaling (old), if any.
+    In three runs they must share out the rotary_dim // 2 frequencies exactly; interleaved,
+    sections past the last frequency are cut off (as transformers' slices cut them)."""
+    from dataclasses import replace
+
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    section = params.get("mrope_section")
+    if section is None:
+        return rope
+    if rope.yarn or rope.linear_factor != 1.0:
+        raise ConfigError(f"{architecture}: M-RoPE with scaled (linear or YaRN) positions is not supported")
+    section = tuple(int(s) for s in section)
+    if len(section) != 3 or min(section) < 0 or (not interleaved and sum(section) != rotary_dim // 2):
+        raise ConfigError(f"{architecture}: mrope_section {list(section)} does not share out the "
+                          f"{rotary_dim // 2} rotary frequencies among 3 axes")
+    return replace(rope, mrope_section=section, mrope_interleaved=interleaved)

@@ -5,14 +5,18 @@ sections, which is plain RoPE where all three position ids are equal (text)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from r3srv.models.families import Family, glm4_moe
 from r3srv.models.families._names import in_language_model
+from r3srv.models.families._parsing import with_mrope
 from r3srv.models.vision.glm4v import GlmVisionConfig, GlmVisionTower
 
 
 def configure(cfg, raw, get):
     # transformers' Glm4vMoeTextConfig defaults: biased qkv, one dense first layer, partial 0.5
-    return glm4_moe.configure(cfg, {"attention_bias": True, "first_k_dense_replace": 1, **raw}, get)
+    cfg = glm4_moe.configure(cfg, {"attention_bias": True, "first_k_dense_replace": 1, **raw}, get)
+    return replace(cfg, rope=with_mrope(cfg.rope, raw, cfg.architecture, interleaved=False, rotary_dim=cfg.rotary_dim))
 
 
 def weight_targets(model):
