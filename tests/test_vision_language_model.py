@@ -16,8 +16,7 @@ from r3srv.models.vision import load_vision_tower
 from r3srv.vision.decode import decode_image
 from r3srv.vision.positions import ImageSpan, mrope_positions
 from r3srv.vision.processor import ImageProcessorConfig, preprocess
-from tiny_checkpoints import hf_gate_modules, hf_router_ids, randomize_
-from vision_testing import FAMILIES, IMAGE_CASES, IMAGE_TOKEN, PREPROCESSOR, image_bytes
+from vision_testing import FAMILIES, IMAGE_CASES, IMAGE_TOKEN, hf_run, image_bytes, write_vision_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,15 +26,9 @@ NEW_TOKENS = 4
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def case(request, tmp_path_factory):
-    torch.manual_seed(0)
-    hf, processor_type = FAMILIES[request.param](transformers)
-    randomize_(hf, seed=7)
     path = tmp_path_factory.mktemp(request.param)
-    hf = hf.float().eval()
-    hf.save_pretrained(path)
-    model, _ = load_model(path)
-    processor = ImageProcessorConfig.from_dict({**PREPROCESSOR, "image_processor_type": processor_type})
-    return hf, model, load_vision_tower(path), processor
+    hf, _ = write_vision_checkpoint(transformers, request.param, path)
+    return hf, load_model(path)[0], load_vision_tower(path), ImageProcessorConfig.from_dir(path)
 
 
 def image_prompt(processor, images: list[int], texts: list[int], merge: int):
@@ -53,19 +46,6 @@ def image_prompt(processor, images: list[int], texts: list[int], merge: int):
         pixels.append(image.pixel_values)
         grids.append(image.grid_thw)
     return ids, spans, torch.from_numpy(np.concatenate(pixels)), grids
-
-
-def hf_run(hf, ids, past=None, **images):
-    picked = {}
-    hooks = [gate.register_forward_hook(lambda m, i, o, n=n: picked.__setitem__(n, hf_router_ids(m, i, o).clone()))
-             for n, gate in hf_gate_modules(hf).items()]
-    try:
-        with torch.no_grad():
-            out = hf(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True, **images)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out.logits[0].float(), picked, out.past_key_values
 
 
 def step(model, ids, start, positions3, visual=None):

@@ -12,19 +12,15 @@ from r3srv.errors import ConfigError
 from r3srv.models.vision import load_vision_tower
 from r3srv.vision.decode import decode_image
 from r3srv.vision.processor import ImageProcessorConfig, preprocess
-from tiny_checkpoints import randomize_
-from vision_testing import FAMILIES, IMAGE_CASES, PREPROCESSOR, glm4v_moe, image_bytes
+from vision_testing import FAMILIES, IMAGE_CASES, glm4v_moe, image_bytes, write_vision_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
-    torch.manual_seed(0)
-    hf, processor_type = FAMILIES[request.param](transformers)
-    randomize_(hf, seed=5)
     path = tmp_path_factory.mktemp(request.param)
-    hf.float().eval().save_pretrained(path)
-    return path, hf, ImageProcessorConfig.from_dict({**PREPROCESSOR, "image_processor_type": processor_type})
+    hf, _ = write_vision_checkpoint(transformers, request.param, path, seed=5)
+    return path, hf, ImageProcessorConfig.from_dir(path)
 
 
 def pixels_of(cfg, cases):

@@ -87,3 +87,84 @@ def glm4v_moe(transformers):
 
 
 FAMILIES = {"qwen3_vl_moe": qwen3_vl_moe, "qwen3_5_moe": qwen3_5_moe, "glm4v_moe": glm4v_moe}
+
+
+def write_vision_checkpoint(transformers, family: str, path, seed: int = 7):
+    """A tiny random image-text checkpoint of `family` at `path` (weights, preprocessor config,
+    the byte-level tokenizer); returns the transformers model (float32, eval) and transformers'
+    own PIL image processor for its preprocessor config (the oracle of the pixels)."""
+    import json
+
+    import torch
+
+    from r3srv.models.builtin import write_byte_level_tokenizer
+    from tiny_checkpoints import randomize_
+
+    torch.manual_seed(0)
+    hf, processor_type = FAMILIES[family](transformers)
+    randomize_(hf, seed=seed)
+    hf = hf.float().eval()
+    hf.save_pretrained(path)
+    write_byte_level_tokenizer(path)
+    (path / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "image_processor_type": processor_type}))
+    oracle = "Glm4vImageProcessorPil" if processor_type.startswith("Glm4v") else "Qwen2VLImageProcessorPil"
+    return hf, getattr(transformers, oracle)(**PREPROCESSOR)
+
+
+def hf_run(hf, ids: list[int], past=None, **images):
+    """transformers' forward of `ids` (after `past`): float32 logits [T, V], the router's picks
+    per MoE layer [T, k], and the cache."""
+    import torch
+
+    from tiny_checkpoints import hf_gate_modules, hf_router_ids
+
+    picked = {}
+    hooks = [gate.register_forward_hook(lambda m, i, o, n=n: picked.__setitem__(n, hf_router_ids(m, i, o).clone()))
+             for n, gate in hf_gate_modules(hf).items()]
+    try:
+        with torch.no_grad():
+            out = hf(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True, **images)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out.logits[0].float(), picked, out.past_key_values
+
+
+def hf_greedy(hf, ids: list[int], images: list[bytes], processor, image_token: int, new_tokens: int):
+    """transformers' greedy continuation of an expanded prompt with `images` (bytes, through its
+    own processor): tokens, each one's logprob, and the routed experts of every position but
+    the last, per MoE layer [positions, k]."""
+    import torch
+
+    hf.model.rope_deltas = None  # transformers keeps the last prompt's M-RoPE delta for its decodes: not this one's
+    extra = {}
+    if images:
+        batch = processor(images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="pt")
+        kinds = (torch.tensor([ids]) == image_token).int()
+        extra = dict(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=kinds)
+    logits, picked, past = hf_run(hf, ids, **extra)
+    rows = [picked]
+    tokens, logprobs = [], []
+    for i in range(new_tokens):
+        last = logits[-1].log_softmax(-1)
+        tokens.append(int(last.argmax()))
+        logprobs.append(float(last[tokens[-1]]))
+        if i + 1 < new_tokens:
+            logits, picked, past = hf_run(hf, [tokens[-1]], past)
+            rows.append(picked)
+    return tokens, logprobs, {layer: torch.cat([r[layer] for r in rows]) for layer in rows[0]}
+
+
+def expanded(ids: list[int], images: list[bytes], processor, image_token: int, merge: int = 2) -> list[int]:
+    """`ids` with each single placeholder expanded to its image's tokens, by transformers' processor's grids."""
+    if not images:
+        return list(ids)
+    grids = processor(images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="np")["image_grid_thw"]
+    out, k = [], 0
+    for t in ids:
+        if t == image_token:
+            out += [image_token] * (int(grids[k].prod()) // (merge * merge))
+            k += 1
+        else:
+            out.append(t)
+    return out

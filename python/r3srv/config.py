@@ -95,6 +95,12 @@ class EngineConfig:
     # Off by default until a GPU run has checked them; enforce_eager (vLLM's flag) wins.
     cuda_graphs: bool | None = None
     enforce_eager: bool = False
+    # vision-language checkpoints' image inputs: the most per prompt, the most pixels a decoded
+    # image may have (checked from its header), and the vision tower's outputs kept for images
+    # sent again (in tokens: one per merged block of patches)
+    max_images_per_prompt: int = 16
+    max_image_pixels: int = 50_000_000
+    encoder_cache_tokens: int = 65536
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -116,6 +122,9 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_images_per_prompt", self.max_images_per_prompt)
+        _positive("max_image_pixels", self.max_image_pixels)
+        _positive("encoder_cache_tokens", self.encoder_cache_tokens)
         if self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs={self.max_logprobs} must be -1 (no limit) or >= 0")
         if self.max_model_len is not None:

@@ -206,9 +206,7 @@ class AsyncLLM(EngineFacts):
         # Config errors (ConfigError) raise here, on the caller's thread, before the threads start.
         self.core = EngineCore(engine_config(model, **kwargs))
         core = self.core
-        self._input = InputProcessor(core.tokenizer, core.model_config.vocab_size, core.max_model_len,
-                                     core.enable_return_routed_experts, core.config.max_logprobs,
-                                     core.config.async_scheduling)
+        self._input = InputProcessor.for_core(core)
         self._output = OutputProcessor(core.tokenizer)  # the output thread's alone
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # to the core thread
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # to the output thread

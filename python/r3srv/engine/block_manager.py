@@ -16,7 +16,9 @@ evicts them.
 
 Cache salts (vLLM's cache_salt, SGLang's extra_key): a salted sequence's first block chains
 from the salt (its hash and its recorded parent), so prompts with different salts, or one
-salted and one not, never share a block, even on a hash collision.
+salted and one not, never share a block, even on a hash collision. Images: a block holding
+image placeholders is keyed by its token ids and each image's content hash and offset
+(Sequence.block_key), so equal placeholders of different images never share a block.
 
 Hybrid models (Gated DeltaNet layers) also hold one fixed-size state per sequence: an
 admitted sequence takes a state slot with its blocks and gives it back with them, so a
@@ -42,7 +44,7 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
+        self.token_ids: tuple = ()  # its key: the token ids (and images) it holds (Sequence.block_key)
         self.generation = 0  # bumped at every fresh allocation: (block_id, generation) names one content
         # (block_id, generation) of the block before it; a first block: its cache salt (or None)
         self.parent: tuple[int, int] | str | None = None
@@ -107,11 +109,14 @@ class BlockManager:
         logprobs (the cache has no logits: vLLM also recomputes such prompts)."""
         if seq.next_prompt_logprob_position is not None:
             return []
-        return self.match_prefix(seq.token_ids, seq.params.cache_salt)
+        return self.match_prefix(seq.token_ids, seq.params.cache_salt,
+                                 None if seq.multimodal is None else seq.block_key)
 
-    def match_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+    def match_prefix(self, token_ids: list[int], salt: str | None = None, block_key=None) -> list[int]:
         """Cached blocks holding a prefix of `token_ids` (under `salt`), leaving at least one
-        token to compute (the step that samples the next token needs the last token's logits)."""
+        token to compute (the step that samples the next token needs the last token's logits).
+        block_key(i, block_size): block i's key when more than its token ids tell it apart
+        (Sequence.block_key: the images it holds)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
@@ -119,7 +124,7 @@ class BlockManager:
         prev: int | str | None = salt
         parent: tuple[int, int] | str | None = salt
         for i in range((len(token_ids) - 1) // bs):
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs]) if block_key is None else block_key(i, bs)
             prev = chain_hash(prev, chunk)
             block_id = self._hash_to_block.get(prev)
             if block_id is None:
@@ -298,7 +303,7 @@ class BlockManager:
         hashes, prefix_ids = seq.block_hashes, seq.block_prefix_ids
         salt = seq.params.cache_salt
         for i in range(len(hashes), seq.num_computed_tokens // bs):
-            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            chunk = seq.block_key(i, bs)
             h = chain_hash(hashes[-1] if hashes else salt, chunk)
             parent = prefix_ids[-1] if prefix_ids else salt
             block = self.blocks[seq.block_table[i]]

@@ -157,11 +157,12 @@ class EngineCore:
         # caching as many snapshots again for the running ones plus as many kept for later hits
         self.num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
+        self.image_inputs, encoder = self._vision(mc, model.dtype)
         self.executor: Executor = InProcessExecutor(
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
             use_cuda_graphs=self._use_cuda_graphs(), max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
-            tensor_parallel=self.multiproc is not None,
+            tensor_parallel=self.multiproc is not None, encoder=encoder,
         )
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         config.check_kv_pool(num_blocks)
@@ -187,6 +188,29 @@ class EngineCore:
         self.overlap = OverlappedStepper(self) if config.async_scheduling else None
         if self.overlap is not None and mc.is_hybrid:
             raise ConfigError("async_scheduling does not support hybrid (linear-attention) models yet; leave it off")
+
+    def _vision(self, mc, dtype: torch.dtype):
+        """A vision-language checkpoint's image inputs and its tower behind an encoder cache
+        (None, None for any other model, or one whose directory lacks what images need)."""
+        from r3srv.engine.encoder_cache import EncoderCache
+        from r3srv.models.vision import load_vision_tower
+        from r3srv.vision.inputs import ImageInputConfig
+        from r3srv.vision.processor import ImageProcessorConfig
+
+        cfg = self.config
+        if mc.vision is None or cfg.model is None:
+            return None, None
+        if self.multiproc is not None:
+            log.warning("image inputs off: not under tensor parallelism yet (text and token prompts are served)")
+            return None, None
+        try:
+            processor = ImageProcessorConfig.from_dir(cfg.model)
+            tower = load_vision_tower(cfg.model, dtype=dtype, device=self.device)
+        except ConfigError as exc:
+            log.warning("image inputs off: %s (text and token prompts are served)", exc)
+            return None, None
+        inputs = ImageInputConfig(mc.vision, processor, cfg.max_images_per_prompt, cfg.max_image_pixels)
+        return inputs, EncoderCache(tower, self.device, dtype, cfg.encoder_cache_tokens)
 
     def _use_cuda_graphs(self) -> bool:
         if self.config.use_cuda_graphs and self.multiproc is not None:
@@ -247,7 +271,8 @@ class EngineCore:
         if prep.request_id in self.requests:
             raise InvalidRequestError(f"request_id {prep.request_id!r} is already in flight", param="request_id")
         p = prep.params
-        seqs = [Sequence(prep.request_id, i, prep.prompt_token_ids, p, prep.max_tokens, self._generator(p, i)) for i in range(p.n)]
+        seqs = [Sequence(prep.request_id, i, prep.prompt_token_ids, p, prep.max_tokens, self._generator(p, i),
+                         prep.multimodal) for i in range(p.n)]
         req = _Request(prep, seqs, weight_version=self.weight_version)
         self.requests[prep.request_id] = req
         self.scheduler.add(seqs[0])

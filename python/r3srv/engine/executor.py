@@ -114,7 +114,8 @@ class InProcessExecutor(Executor):
 
     def __init__(self, model, block_size: int, device: torch.device, capture_routed_experts: bool,
                  eos_token_ids: list[int], seed: int, *, use_cuda_graphs: bool = False, max_num_seqs: int = 1,
-                 max_model_len: int = 1, num_state_snapshots: int = 0, tensor_parallel: bool = False) -> None:
+                 max_model_len: int = 1, num_state_snapshots: int = 0, tensor_parallel: bool = False,
+                 encoder=None) -> None:
         self.model = model
         # a MultiprocExecutor (engine/multiproc_executor.py) stands in for the model: the ranks'
         # shards driven as one, with the model's methods (forward, KV cache, weights)
@@ -132,7 +133,7 @@ class InProcessExecutor(Executor):
             model, block_size, max_num_seqs, max_model_len, num_state_snapshots,
             capture_torch_dtype(mc.num_experts) if capture_routed_experts else None)
         self.graphs_reserved = 0 if graphs is None else graphs.reserve()
-        self.runner = ModelRunner(model, block_size, device, capture, graphs)
+        self.runner = ModelRunner(model, block_size, device, capture, graphs, encoder)
         # Noise for requests without a seed: one generator, so their rows sample in one batched draw.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind
 from r3srv.sampling_params import SamplingParams
+from r3srv.vision.inputs import ImageInputConfig, MultiModalPrompt, with_images
 
 
 @dataclass
@@ -31,17 +32,26 @@ class EngineRequest:
     # no per-step outputs. DELTA for a streaming one: per-step outputs cost the new tokens only,
     # where CUMULATIVE ones copy every token and logprob so far, every step.
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    # a vision-language prompt's images (prompt_token_ids holds their expanded placeholders)
+    multimodal: MultiModalPrompt | None = None
 
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, enable_return_routed_experts: bool,
-                 max_logprobs: int = 20, async_scheduling: bool = False) -> None:
+                 max_logprobs: int = 20, async_scheduling: bool = False, images: ImageInputConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # None: the served model takes no images
         self.async_scheduling = async_scheduling
         self.max_logprobs = max_logprobs  # -1: the whole vocabulary
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.enable_return_routed_experts = enable_return_routed_experts
+
+    @classmethod
+    def for_core(cls, core) -> InputProcessor:
+        """The input processor of an EngineCore's model and configuration."""
+        return cls(core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
+                   core.config.max_logprobs, core.config.async_scheduling, core.image_inputs)
 
     def render_chat(self, messages: list[dict]) -> str:
         """A conversation as prompt text, through the tokenizer's chat template. Process it with
@@ -58,11 +68,16 @@ class InputProcessor:
         params: SamplingParams | None,
         *,
         add_special_tokens: bool = True,
+        images: list | None = None,
+        images_param: str = "multi_modal_data",
     ) -> EngineRequest:
         """Validate and tokenize; every problem is an InvalidRequestError raised here, before scheduling.
 
         add_special_tokens=False for a rendered chat template: it already holds the BOS
         and other specials, and the tokenizer's post-processor would add a second BOS.
+        images: the prompt's images in order (bytes, PIL images or (H, W, 3) uint8 arrays),
+        one placeholder run each in the prompt (r3srv/vision/inputs.py); their problems are
+        400s naming `images_param` (the field the client sent them in).
         """
         if params is None:
             params = SamplingParams()
@@ -81,6 +96,13 @@ class InputProcessor:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
                 raise InvalidRequestError(param="prompt", problem=" must be a string or a list of token ids") from None
+        multimodal = None
+        if images:
+            if self.images is None:
+                raise InvalidRequestError(param=images_param, problem=": this model takes no image inputs")
+            if params.truncate_prompt_tokens is not None:
+                raise InvalidRequestError(param="truncate_prompt_tokens", problem=" cannot cut a prompt with images")
+            ids, multimodal = with_images(ids, list(images), self.images, param=images_param)
         ids = self._truncated(ids, params)
         if not ids:
             raise InvalidRequestError(param="prompt", problem=" is empty (it has no tokens)")
@@ -105,6 +127,11 @@ class InputProcessor:
                 problem=f"={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
             )
         max_len = self.max_model_len
+        if n_prompt >= max_len and multimodal is not None:  # the images' placeholders filled the context
+            image_tokens = sum(image.num_tokens(multimodal.merge) for image in multimodal.images)
+            raise InvalidRequestError(
+                param=images_param, problem=f": the images take {image_tokens} of the prompt's {n_prompt} tokens, "
+                f"leaving no room to generate within max_model_len={max_len}")
         if n_prompt >= max_len:
             raise InvalidRequestError(
                 param="prompt",
@@ -130,7 +157,7 @@ class InputProcessor:
             )
         if want is None:
             want = self.enable_return_routed_experts
-        return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want))
+        return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want), multimodal=multimodal)
 
     def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt after truncate_prompt_tokens, checked in vLLM's order: a size above
@@ -172,3 +199,23 @@ class InputProcessor:
                     problem=f": requested {asked}, which is greater than max allowed: {limit} "
                     "(the server's --max-logprobs; -1 asks for the whole vocabulary)",
                 )
+
+
+def prompt_and_images(prompt) -> tuple[str | list[int], list | None]:
+    """A prompt as vLLM's offline API takes it: a string, token ids, or a dict with "prompt" or
+    "prompt_token_ids" and "multi_modal_data" ({"image": one image or a list}); (prompt, images)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InvalidRequestError(param="prompt", problem=" as a dict needs one of prompt / prompt_token_ids, and "
+                                  f"besides only multi_modal_data{f' (unknown: {unknown})' if unknown else ''}")
+    text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    data = prompt.get("multi_modal_data") or {}
+    other = sorted(set(data) - {"image"})
+    if other:
+        raise InvalidRequestError(param=f"multi_modal_data.{other[0]}", problem=": only images are supported")
+    images = data.get("image")
+    if images is None:
+        return text, None
+    return text, list(images) if isinstance(images, (list, tuple)) else [images]

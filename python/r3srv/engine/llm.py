@@ -12,7 +12,7 @@ from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
 
-PromptType = str | list[int]
+PromptType = str | list[int] | dict  # a dict: vLLM's, with multi_modal_data (input_processor.prompt_and_images)
 
 
 class LLM:
@@ -47,6 +47,9 @@ class LLM:
         async_scheduling: bool = False,
         cuda_graphs: bool | None = None,
         enforce_eager: bool = False,
+        max_images_per_prompt: int = 16,
+        max_image_pixels: int = 50_000_000,
+        encoder_cache_tokens: int = 65536,
     ) -> None:
         self.engine = LLMEngine.from_kwargs(
             model,
@@ -71,6 +74,9 @@ class LLM:
             enable_expert_parallel=enable_expert_parallel,
             cuda_graphs=cuda_graphs,
             enforce_eager=enforce_eager,
+            max_images_per_prompt=max_images_per_prompt,
+            max_image_pixels=max_image_pixels,
+            encoder_cache_tokens=encoder_cache_tokens,
         )
         self._ids = itertools.count()
         self._trainer = None  # TrainerUpdates, once a trainer joins
@@ -153,7 +159,8 @@ class LLM:
         use_tqdm: bool = False,
         add_special_tokens: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); outputs come back in prompt order.
+        """Generate for every prompt (a string, a list of token ids, or vLLM's dict with
+        multi_modal_data images); outputs come back in prompt order.
 
         add_special_tokens: let the tokenizer add its specials (e.g. a BOS) to string prompts.
 
@@ -221,7 +228,7 @@ class LLM:
 def _as_prompt_list(prompts) -> list[PromptType]:
     if hasattr(prompts, "tolist") and not isinstance(prompts, (list, str)):  # a numpy array of ids
         prompts = prompts.tolist()
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         return [list(prompts)]  # one prompt of token ids

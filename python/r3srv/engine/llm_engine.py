@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from r3srv.config import EngineConfig
 from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
-from r3srv.engine.input_processor import EngineRequest, InputProcessor
+from r3srv.engine.input_processor import EngineRequest, InputProcessor, prompt_and_images
 from r3srv.engine.output_processor import OutputProcessor, ProcessedOutputs
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams
@@ -37,10 +37,7 @@ class LLMEngine(EngineFacts):
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         core = self.core
-        self.input_processor = InputProcessor(
-            core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
-            core.config.max_logprobs, core.config.async_scheduling,
-        )
+        self.input_processor = InputProcessor.for_core(core)
         self.output_processor = OutputProcessor(core.tokenizer)
 
     @classmethod
@@ -85,8 +82,11 @@ class LLMEngine(EngineFacts):
     def prepare_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None, *, add_special_tokens: bool = True
     ) -> EngineRequest:
-        """InputProcessor.process: every problem is an InvalidRequestError raised here, before scheduling."""
-        return self.input_processor.process(request_id, prompt, params, add_special_tokens=add_special_tokens)
+        """InputProcessor.process: every problem is an InvalidRequestError raised here, before scheduling.
+        A dict prompt may carry images (input_processor.prompt_and_images)."""
+        prompt, images = prompt_and_images(prompt)
+        return self.input_processor.process(request_id, prompt, params, add_special_tokens=add_special_tokens,
+                                            images=images)
 
     def add_prepared(self, prep: EngineRequest) -> None:
         self.core.add_request(prep)

@@ -17,14 +17,16 @@ import torch
 from r3srv.engine.cuda_graphs import DecodeGraphs, is_graph_decode
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 from r3srv.engine.sequence import Sequence
-from r3srv.models.batch import ForwardBatch
+from r3srv.engine.encoder_cache import EncoderCache
+from r3srv.models.batch import ForwardBatch, VisualRows
 from r3srv.transfer import to_device
 
 
 class ModelRunner:
     def __init__(self, model, block_size: int, device: torch.device, rows: RoutedExpertsBuffer | None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, encoder: EncoderCache | None = None) -> None:
         self.model = model
+        self.encoder = encoder  # a vision-language model's tower and its outputs by image
         self.block_size = block_size
         self.device = device
         self.rows = rows
@@ -91,6 +93,8 @@ class ModelRunner:
             logits_indices=logits_indices,
             routing_capture=None if self.rows is None else self.rows.new_capture(num_tokens, dev),
         )
+        if any(s.multimodal is not None for s in seqs):
+            batch.mrope_positions, batch.visual = self._vision_inputs(seqs, positions, query_lens)
         if seqs[0].state_slot >= 0:  # a hybrid: every admitted sequence holds a state slot
             batch.state_slots = [s.state_slot for s in seqs]
             batch.state_restores = [(s.restore_from, s.state_slot) for s in seqs if s.restore_from >= 0]
@@ -98,6 +102,33 @@ class ModelRunner:
             for s in seqs:
                 s.restore_from = -1  # restored by this step
         return batch, slot_np
+
+    def _vision_inputs(self, seqs: list[Sequence], positions: np.ndarray,
+                       query_lens: np.ndarray) -> tuple[torch.Tensor, VisualRows | None]:
+        """The step's M-RoPE ids (text: three equal ids) and the image embeddings of the
+        placeholder tokens it computes (from the encoder cache: each image encoded once)."""
+        ids = np.repeat(positions[None], 3, axis=0)
+        first_rows = np.cumsum(query_lens) - query_lens
+        wanted = [(i, image, lo, hi) for i, seq in enumerate(seqs) if seq.multimodal is not None
+                  for image, lo, hi in seq.multimodal.overlaps(seq.num_computed_tokens,
+                                                               seq.num_computed_tokens + seq.num_scheduled_tokens)]
+        outputs = self.encoder.outputs([image for _, image, _, _ in wanted]) if wanted else {}
+        for i, seq in enumerate(seqs):
+            if seq.multimodal is not None:
+                start = seq.num_computed_tokens
+                ids[:, first_rows[i]:first_rows[i] + query_lens[i]] = seq.multimodal.positions_between(
+                    start, start + seq.num_scheduled_tokens)
+        mrope = to_device([ids], self.device)[0]
+        if not wanted:
+            return mrope, None
+        rows, embeds, deepstack = [], [], []
+        for i, image, lo, hi in wanted:
+            out = outputs[image.content_hash]
+            rows.append(np.arange(lo, hi) + image.span.start - seqs[i].num_computed_tokens + first_rows[i])
+            embeds.append(out.embeds[lo:hi])
+            deepstack.append([d[lo:hi] for d in out.deepstack])
+        return mrope, VisualRows(to_device([np.concatenate(rows)], self.device)[0], torch.cat(embeds),
+                                 [torch.cat(layer) for layer in zip(*deepstack)])
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
@@ -108,7 +139,9 @@ class ModelRunner:
         # a one-token step inside a prompt whose logprobs are asked for needs its row: no graph
         self.prompt_spans = _prompt_logprob_spans(seqs)
         self.prompt_logits = None
-        graphed = self.graphs is not None and not self.prompt_spans and is_graph_decode(seqs)
+        # (an image prompt's tokens rotate by their M-RoPE ids, which a graph's positions do not carry)
+        graphed = (self.graphs is not None and not self.prompt_spans and is_graph_decode(seqs)
+                   and all(s.multimodal is None for s in seqs))
         replayed = self._replay(seqs) if graphed else None
         if replayed is not None:
             return replayed

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from r3srv.engine.block_table import BlockTable
 from r3srv.outputs import Logprob
 from r3srv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from r3srv.vision.inputs import MultiModalPrompt
 
 
 class SequenceStatus(enum.Enum):
@@ -38,6 +42,7 @@ class Sequence:
         params: SamplingParams,
         max_tokens: int,
         generator: torch.Generator | None,
+        multimodal: MultiModalPrompt | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -45,6 +50,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.multimodal = multimodal  # the prompt's images and M-RoPE ids (vision-language models)
         # logit_bias or a penalty: the sampler adjusts this row's logits (checked every step)
         self.adjusts_logits = bool(params.logit_bias) or params.penalized
         self.prompt_token_mask: torch.Tensor | None = None  # [vocab] bool, for vLLM's repetition penalty
@@ -78,6 +84,13 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         if params.prompt_logprobs is not None and index == 0:
             self.prompt_logprobs = [None] if params.prompt_logprobs_start < self.num_prompt_tokens else []
+
+    def block_key(self, index: int, block_size: int) -> tuple:
+        """What a prefix-cache block of this sequence holds: its token ids, and the content of
+        any image it holds placeholders of (equal placeholders of two images never match)."""
+        start, end = index * block_size, (index + 1) * block_size
+        chunk = tuple(self.token_ids[start:end])
+        return chunk if self.multimodal is None else chunk + self.multimodal.block_keys(start, end)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -19,7 +19,7 @@ from r3srv.errors import ConfigError
 from r3srv.models.families import SUPPORTED_ARCHITECTURES, Getter, family_of
 from r3srv.models.quantization import parse_quantization
 from r3srv.models.specs import (AttentionSpec, ExpertSpec, LinearAttentionSpec, NormSpec, RopeSpec, RouterSpec,
-                                ScaleSpec)
+                                ScaleSpec, VisionSpec)
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "parse_dtype"]
 
@@ -78,6 +78,7 @@ class ModelConfig:
     experts: ExpertSpec = field(default_factory=ExpertSpec)
     scales: ScaleSpec = field(default_factory=ScaleSpec)
     linear: LinearAttentionSpec | None = None  # hybrids: the layers with a recurrent state instead of K/V
+    vision: VisionSpec | None = None  # vision-language checkpoints: their image inputs
     # one mixer per layer ("mamba", "attention", "moe" or "mlp") behind one norm, instead of
     # attention then MLP (Nemotron-H's layout); None: every layer is attention (or linear) then MLP
     layer_kinds: list[str] | None = None

@@ -160,3 +160,13 @@ class LinearAttentionSpec:
                 self.conv_kernel - 1)
             recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim
         return len(self.layers) * (conv * dtype.itemsize + recurrent * 4)
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision-language checkpoint's image inputs (models/vision/ has its tower): the token
+    that stands for one merged block of patches in the prompt, and how many patches a side of
+    such a block holds."""
+
+    image_token_id: int
+    merge_size: int

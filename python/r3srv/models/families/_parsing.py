@@ -98,3 +98,16 @@ def with_mrope(rope, raw: dict[str, Any], architecture: str, *, interleaved: boo
         raise ConfigError(f"{architecture}: mrope_section {list(section)} does not share out the "
                           f"{rotary_dim // 2} rotary frequencies among 3 axes")
     return replace(rope, mrope_section=section, mrope_interleaved=interleaved)
+
+
+def vision_spec(raw: dict[str, Any], architecture: str, merge_default: int = 2):
+    """The image inputs of a checkpoint with a vision_config (None without one)."""
+    from r3srv.models.specs import VisionSpec
+
+    vision = raw.get("vision_config")
+    if not isinstance(vision, dict):
+        return None
+    if raw.get("image_token_id") is None:
+        raise ConfigError(f"{architecture}: a vision_config needs the image_token_id of its placeholders")
+    return VisionSpec(image_token_id=int(raw["image_token_id"]),
+                      merge_size=int(vision.get("spatial_merge_size") or merge_default))

@@ -9,14 +9,15 @@ from dataclasses import replace
 
 from r3srv.models.families import Family, glm4_moe
 from r3srv.models.families._names import in_language_model
-from r3srv.models.families._parsing import with_mrope
+from r3srv.models.families._parsing import vision_spec, with_mrope
 from r3srv.models.vision.glm4v import GlmVisionConfig, GlmVisionTower
 
 
 def configure(cfg, raw, get):
     # transformers' Glm4vMoeTextConfig defaults: biased qkv, one dense first layer, partial 0.5
     cfg = glm4_moe.configure(cfg, {"attention_bias": True, "first_k_dense_replace": 1, **raw}, get)
-    return replace(cfg, rope=with_mrope(cfg.rope, raw, cfg.architecture, interleaved=False, rotary_dim=cfg.rotary_dim))
+    return replace(cfg, rope=with_mrope(cfg.rope, raw, cfg.architecture, interleaved=False, rotary_dim=cfg.rotary_dim),
+                   vision=vision_spec(raw, cfg.architecture))
 
 
 def weight_targets(model):

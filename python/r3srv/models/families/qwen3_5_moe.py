@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from r3srv.models.families import Family, qwen3_next
 from r3srv.models.families._names import in_language_model
-from r3srv.models.families._parsing import with_mrope
+from r3srv.models.families._parsing import vision_spec, with_mrope
 from r3srv.models.specs import RouterSpec
 from r3srv.models.vision.qwen3_vl import QwenVisionConfig, QwenVisionTower
 
@@ -16,7 +16,8 @@ from r3srv.models.vision.qwen3_vl import QwenVisionConfig, QwenVisionTower
 def configure(cfg, raw, get):
     cfg = qwen3_next.with_gated_deltanet(cfg, raw, get, "Qwen3_5MoeForConditionalGeneration", "qkv_z_b_a")
     return replace(cfg, moe_layers=list(range(cfg.num_layers)), router=RouterSpec(renormalize=True),
-                   rope=with_mrope(cfg.rope, raw, cfg.architecture, interleaved=True, rotary_dim=cfg.rotary_dim))
+                   rope=with_mrope(cfg.rope, raw, cfg.architecture, interleaved=True, rotary_dim=cfg.rotary_dim),
+                   vision=vision_spec(raw, cfg.architecture))
 
 
 def weight_targets(model):

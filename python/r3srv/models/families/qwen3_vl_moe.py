@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from r3srv.models.families import Family, qwen3_moe
 from r3srv.models.families._names import in_language_model
-from r3srv.models.families._parsing import with_mrope
+from r3srv.models.families._parsing import vision_spec, with_mrope
 from r3srv.models.specs import AttentionSpec, RouterSpec
 from r3srv.models.vision.qwen3_vl import QwenVisionConfig, QwenVisionTower
 
@@ -19,7 +19,8 @@ def configure(cfg, raw, get):
     bias = bool(raw.get("attention_bias", False))
     return replace(cfg, router=RouterSpec(renormalize=True),
                    attention=AttentionSpec(qkv_bias=bias, o_bias=bias, qk_norm="head"),
-                   rope=with_mrope(cfg.rope, raw, cfg.architecture, interleaved=True, rotary_dim=cfg.rotary_dim))
+                   rope=with_mrope(cfg.rope, raw, cfg.architecture, interleaved=True, rotary_dim=cfg.rotary_dim),
+                   vision=vision_spec(raw, cfg.architecture))
 
 
 def weight_targets(model):

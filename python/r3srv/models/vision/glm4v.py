@@ -15,9 +15,8 @@ from torch import nn
 
 from r3srv.errors import ConfigError
 from r3srv.models.layers import rms_norm
-from r3srv.models.vision.layers import (PatchEmbed, VisionAttention, axial_rope, frozen, grid_sizes, image_lengths,
-                                        patch_coords)
-from r3srv.models.vision.qwen3_vl import VisionOutput
+from r3srv.models.vision.layers import (PatchEmbed, VisionAttention, VisionOutput, VisionTower, axial_rope, frozen,
+                                        grid_sizes, image_lengths, patch_coords)
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ class _Merger(_SwiGlu):
         return super().forward(F.gelu(self.post_projection_norm(self.proj(x))))
 
 
-class GlmVisionTower(nn.Module):
+class GlmVisionTower(VisionTower):
     def __init__(self, cfg: GlmVisionConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
@@ -131,13 +130,8 @@ class GlmVisionTower(nn.Module):
         self.post_layernorm = _RmsNorm(cfg.hidden_size, cfg.rms_norm_eps)
         frozen(self.to(dtype=dtype, device=device))
 
-    @property
-    def merge_size(self) -> int:
-        return self.cfg.spatial_merge_size
-
     @torch.no_grad()
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> VisionOutput:
-        """pixels [patches, C * T * P * P] of the images whose (t, h, w) patch grids are `grids`."""
         cfg, m = self.cfg, self.cfg.spatial_merge_size
         coords = patch_coords(grids, m, pixels.device)
         x = self.post_conv_layernorm(self.patch_embed(pixels))

@@ -7,9 +7,29 @@ table here is laid out in that order too."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class VisionOutput:
+    embeds: torch.Tensor  # [tokens, text hidden]: one per merged block, images in order
+    deepstack: list[torch.Tensor]  # per deepstack layer, the same shape (Qwen3-VL; empty otherwise)
+
+
+class VisionTower(nn.Module):
+    """What the engine reads of a tower (models/vision/qwen3_vl.py, glm4v.py): its config's
+    spatial_merge_size, and forward(pixels [patches, C * T * P * P], grids: each image's (t, h,
+    w) patches) -> VisionOutput."""
+
+    cfg: object
+
+    @property
+    def merge_size(self) -> int:
+        return self.cfg.spatial_merge_size
 
 
 def frozen(module: nn.Module) -> nn.Module:

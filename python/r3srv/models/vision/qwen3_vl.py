@@ -15,16 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from r3srv.errors import ConfigError
-from r3srv.models.vision.layers import (PatchEmbed, VisionAttention, axial_rope, frozen, grid_sizes, image_lengths,
-                                        patch_coords)
+from r3srv.models.vision.layers import (PatchEmbed, VisionAttention, VisionOutput, VisionTower, axial_rope, frozen,
+                                        grid_sizes, image_lengths, patch_coords)
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
-
-
-@dataclass(frozen=True)
-class VisionOutput:
-    embeds: torch.Tensor  # [tokens, text hidden]: one per merged block, images in order
-    deepstack: list[torch.Tensor]  # per deepstack layer, the same shape (Qwen3-VL; empty otherwise)
 
 
 @dataclass(frozen=True)
@@ -105,7 +99,7 @@ class _Merger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-class QwenVisionTower(nn.Module):
+class QwenVisionTower(VisionTower):
     def __init__(self, cfg: QwenVisionConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
@@ -118,13 +112,8 @@ class QwenVisionTower(nn.Module):
             _Merger(cfg, norm_after_shuffle=True) for _ in cfg.deepstack_visual_indexes)
         frozen(self.to(dtype=dtype, device=device))
 
-    @property
-    def merge_size(self) -> int:
-        return self.cfg.spatial_merge_size
-
     @torch.no_grad()
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> VisionOutput:
-        """pixels [patches, C * T * P * P] of the images whose (t, h, w) patch grids are `grids`."""
         cfg = self.cfg
         coords = patch_coords(grids, cfg.spatial_merge_size, pixels.device)
         x = self.patch_embed(pixels)
