@@ -69,15 +69,13 @@ def _same_outcome(rust, reference):
     return got
 
 
+# the array half of the generated cases: source dtype, shape, layout, and the draws of layout_view
+ARRAYS = dict(source=st.sampled_from(SOURCES), shape=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+              layout=st.sampled_from(LAYOUTS), data=st.data())
+
+
 @SETTINGS
-@given(
-    source=st.sampled_from(SOURCES),
-    target=st.sampled_from(RAW_DTYPES),
-    shape=st.lists(st.integers(0, 5), min_size=1, max_size=4),
-    layout=st.sampled_from(LAYOUTS),
-    high=st.sampled_from([1, 127, 255, 300, 40_000, 2**31, 2**63]),
-    data=st.data(),
-)
+@given(target=st.sampled_from(RAW_DTYPES), high=st.sampled_from([1, 127, 255, 300, 40_000, 2**31, 2**63]), **ARRAYS)
 def test_raw_equals_reference(source, target, shape, layout, high, data):
     array = _array(data, source, shape, layout, high)
     start = data.draw(st.sampled_from([0, len(array), len(array) // 2]))
@@ -89,15 +87,8 @@ def test_raw_equals_reference(source, target, shape, layout, high, data):
 
 
 @SETTINGS
-@given(
-    source=st.sampled_from(SOURCES),
-    ladder=st.sampled_from(LADDERS),
-    shape=st.lists(st.integers(0, 5), min_size=1, max_size=4),
-    layout=st.sampled_from(LAYOUTS),
-    high=st.sampled_from([1, 255, 256, 32_767, 32_768, 65_535, 65_536, 2**40]),
-    label=st.one_of(st.none(), st.integers(0, 2**40)),
-    data=st.data(),
-)
+@given(ladder=st.sampled_from(LADDERS), high=st.sampled_from([1, 255, 256, 32_767, 32_768, 65_535, 65_536, 2**40]),
+       label=st.one_of(st.none(), st.integers(0, 2**40)), **ARRAYS)
 def test_packed_equals_reference(source, ladder, shape, layout, high, label, data):
     array = _array(data, source, shape, layout, high)
     start = data.draw(st.sampled_from([0, len(array), 1 if len(array) else 0]))

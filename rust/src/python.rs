@@ -234,6 +234,21 @@ pub(crate) unsafe fn new_ascii_str<'py>(py: Python<'py>, len: usize) -> PyResult
     Ok((text, std::slice::from_raw_parts_mut(ffi::PyUnicode_DATA(s) as *mut u8, len)))
 }
 
+/// A new str of `len` chars, between double quotes when `json_quoted` (a JSON string as is:
+/// base64 never needs escaping), and the buffer of the `len` chars inside them.
+///
+/// # Safety
+/// As for `new_ascii_str`: the caller fills the returned buffer with ASCII before sharing the str.
+pub(crate) unsafe fn new_text<'py>(py: Python<'py>, len: usize, json_quoted: bool) -> PyResult<(Bound<'py, PyAny>, &'py mut [u8])> {
+    if !json_quoted {
+        return new_ascii_str(py, len);
+    }
+    let (text, whole) = new_ascii_str(py, len + 2)?;
+    whole[0] = b'"';
+    whole[len + 1] = b'"';
+    Ok((text, &mut whole[1..len + 1]))
+}
+
 /// Runs `fill` on an output buffer, with the GIL released when the payload is large.
 ///
 /// The str is not shared yet and the caller's argument keeps the array's rows alive. Another
@@ -285,19 +300,10 @@ fn encode_routed_experts<'py>(
     };
     let descr = std::str::from_utf8(&descr_buf[..descr_len]).expect("ASCII descr");
     let plan = Plan::new(descr, rows.view());
-    let len = plan.encoded_len();
-    let quotes = if json_quoted { 2 } else { 0 };
-    // SAFETY: the buffer is filled whole (quotes, then exactly encoded_len chars) before the str
-    // is returned; the view describes the array's own memory, which `array` keeps alive.
+    // SAFETY: the buffer is filled whole (exactly encoded_len chars) before the str is returned;
+    // the view describes the array's own memory, which `array` keeps alive.
     unsafe {
-        let (text, whole) = new_ascii_str(py, len + quotes)?;
-        let out = if json_quoted {
-            whole[0] = b'"';
-            whole[len + 1] = b'"';
-            &mut whole[1..len + 1]
-        } else {
-            whole
-        };
+        let (text, out) = new_text(py, plan.encoded_len(), json_quoted)?;
         let threads = if plan.payload_len() >= DETACH_MIN_BYTES { worker_threads() } else { 1 };
         fill_detached(py, plan.payload_len(), out, |out| plan.write(out, threads));
         Ok(text)

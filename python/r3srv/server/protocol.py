@@ -26,6 +26,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
+from r3srv.server.rows_encoding import RequestedEncoding, RoutedExpertsValue, SglExt
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 # vLLM bounds seeds to the signed 64-bit range
@@ -145,8 +146,9 @@ class _OpenAIRequest(Struct, kw_only=True):
     request_id: str | None = None
     return_token_ids: ReturnTokenIds = None
     routed_experts_prompt_start: PromptStart = 0
-    # r3srv extra
+    # r3srv extras
     return_routed_experts: ReturnRoutedExperts = None
+    routed_experts_encoding: RequestedEncoding = None
 
     def _sampling_params(
         self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
@@ -256,7 +258,7 @@ class CompletionResponseChoice(Struct, kw_only=True):
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
@@ -271,6 +273,7 @@ class CompletionResponse(Struct, kw_only=True):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
@@ -285,7 +288,7 @@ class CompletionResponseStreamChoice(Struct, kw_only=True):
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
     # Only on the final chunk of a choice (the one with finish_reason).
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
@@ -296,6 +299,7 @@ class CompletionStreamResponse(Struct, kw_only=True):
     model: str
     choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -416,7 +420,7 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
@@ -431,6 +435,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
@@ -446,7 +451,7 @@ class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
@@ -458,6 +463,7 @@ class ChatCompletionStreamResponse(Struct, kw_only=True):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's
 
 
 # ---------------------------------------------------------------- /inference/v1/generate (vLLM scale-out)
@@ -485,6 +491,7 @@ class GenerateRequest(Struct, kw_only=True):
     # "tokens": token ids only; "text": also the detokenized text.
     output_mode: Literal["tokens", "text"] = "tokens"
     cache_salt: str | None = None  # vLLM's: top-level here, a SamplingParams field in r3srv's engine
+    routed_experts_encoding: RequestedEncoding = None  # r3srv's
 
     def __post_init__(self) -> None:
         # SamplingParams has no upper bound on n; the OpenAI routes' cap applies here too.
@@ -526,7 +533,7 @@ class GenerateChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int]
     logprobs: GenerateLogProbs | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
     text: str | UnsetType = UNSET  # output_mode="text" only
@@ -549,7 +556,7 @@ class GenerateStreamChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int]  # the delta since the previous chunk of this choice
     logprobs: GenerateLogProbs | None = None
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     text: str | UnsetType = UNSET
 
@@ -642,8 +649,9 @@ _SGLANG_NAMES = {
 class SglangGenerateRequest(Struct, kw_only=True):
     """SGLang's GenerateReqInput: one prompt (`text` or `input_ids`) or a batch of them (a list
     of texts or of token-id lists), answered with one output object or, for a batch or n > 1,
-    a list (prompt-major, as SGLang). Routed experts come back in meta_info as SGLang sends them
-    (base64 of little-endian int32, no header), from `routed_experts_start_len` on."""
+    a list (prompt-major, as SGLang). Routed experts come back in meta_info, from
+    `routed_experts_start_len` on, by default as SGLang sends them (base64 of little-endian int32,
+    no header; server/rows_encoding.py)."""
 
     # msgspec allows one array-like type per union: a list of token ids or a batch of token-id
     # lists are sorted out by `prompts()`
@@ -661,6 +669,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
     top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
     return_routed_experts: bool | None = None
     routed_experts_start_len: NonNegInt = 0
+    routed_experts_encoding: RequestedEncoding = None  # r3srv's
     # prefix-cache isolation: requests share cached prefixes only with equal keys and salts
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None

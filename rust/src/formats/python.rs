@@ -13,9 +13,7 @@ use pyo3::types::PyString;
 use super::{DictPlan, Num, RawPlan, Source};
 use crate::b64::{decode_range, decoded_len};
 use crate::layout::ArrayView;
-use crate::python::{
-    as_array, ascii_bytes, fill_detached, new_ascii_str, sliced_rows, DETACH_MIN_BYTES,
-};
+use crate::python::{as_array, ascii_bytes, fill_detached, new_ascii_str, new_text, sliced_rows, DETACH_MIN_BYTES};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_raw, m)?)?;
@@ -89,19 +87,10 @@ fn encode_raw<'py>(
     let src = source_of(&arr.dtype(), "encode_raw")?;
     let rows = sliced_rows(arr, prompt_start, "encode_raw")?;
     let plan = plan(py, rows.view(), src, &[dst])?;
-    let len = plan.encoded_len();
-    let quotes = if json_quoted { 2 } else { 0 };
-    // SAFETY: the buffer is filled whole (quotes, then exactly encoded_len chars) before the str
-    // is returned; the view describes the array's own memory, which `array` keeps alive.
+    // SAFETY: the buffer is filled whole (exactly encoded_len chars) before the str is returned;
+    // the view describes the array's own memory, which `array` keeps alive.
     unsafe {
-        let (text, whole) = new_ascii_str(py, len + quotes)?;
-        let out = if json_quoted {
-            whole[0] = b'"';
-            whole[len + 1] = b'"';
-            &mut whole[1..len + 1]
-        } else {
-            whole
-        };
+        let (text, out) = new_text(py, plan.encoded_len(), json_quoted)?;
         fill_detached(py, plan.payload_len(), out, |out| plan.write(out));
         Ok(text)
     }
