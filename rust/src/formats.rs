@@ -110,10 +110,15 @@ pub struct Source {
 #[derive(Clone, Copy)]
 struct B8(u8);
 
+/// A number as stored: read from any (unaligned) address in either byte order, and put into
+/// little-endian order for the output. Plain loops over these vectorize.
 trait Prim: Copy {
     const SIZE: usize;
-    fn read<const SWAP: bool>(b: &[u8]) -> Self;
-    fn write_le(self, out: &mut [u8]);
+    /// # Safety
+    /// `p` must point at `SIZE` readable bytes.
+    unsafe fn load<const SWAP: bool>(p: *const u8) -> Self;
+    /// The value whose in-memory bytes are this one's little-endian bytes.
+    fn le(self) -> Self;
 }
 
 macro_rules! int_prims {
@@ -121,13 +126,14 @@ macro_rules! int_prims {
         impl Prim for $t {
             const SIZE: usize = std::mem::size_of::<$t>();
             #[inline(always)]
-            fn read<const SWAP: bool>(b: &[u8]) -> Self {
-                let v = <$t>::from_ne_bytes(b.try_into().unwrap());
+            unsafe fn load<const SWAP: bool>(p: *const u8) -> Self {
+                // SAFETY: the caller's contract; read_unaligned takes any address.
+                let v = unsafe { p.cast::<$t>().read_unaligned() };
                 if SWAP { v.swap_bytes() } else { v }
             }
             #[inline(always)]
-            fn write_le(self, out: &mut [u8]) {
-                out.copy_from_slice(&self.to_le_bytes());
+            fn le(self) -> Self {
+                self.to_le()
             }
         }
     )*};
@@ -139,12 +145,13 @@ macro_rules! float_prims {
         impl Prim for $t {
             const SIZE: usize = std::mem::size_of::<$t>();
             #[inline(always)]
-            fn read<const SWAP: bool>(b: &[u8]) -> Self {
-                <$t>::from_bits(<$bits as Prim>::read::<SWAP>(b))
+            unsafe fn load<const SWAP: bool>(p: *const u8) -> Self {
+                // SAFETY: the caller's contract.
+                <$t>::from_bits(unsafe { <$bits as Prim>::load::<SWAP>(p) })
             }
             #[inline(always)]
-            fn write_le(self, out: &mut [u8]) {
-                out.copy_from_slice(&self.to_le_bytes());
+            fn le(self) -> Self {
+                <$t>::from_bits(self.to_bits().to_le())
             }
         }
     )*};
@@ -154,12 +161,13 @@ float_prims!(f32 => u32, f64 => u64);
 impl Prim for B8 {
     const SIZE: usize = 1;
     #[inline(always)]
-    fn read<const SWAP: bool>(b: &[u8]) -> Self {
-        B8(b[0])
+    unsafe fn load<const SWAP: bool>(p: *const u8) -> Self {
+        // SAFETY: the caller's contract.
+        B8(unsafe { p.read() })
     }
     #[inline(always)]
-    fn write_le(self, out: &mut [u8]) {
-        out[0] = (self.0 != 0) as u8;
+    fn le(self) -> Self {
+        self
     }
 }
 
@@ -190,12 +198,21 @@ macro_rules! bool_casts {
 }
 bool_casts!(u8, i8, u16, i16, u32, i32, u64, i64, f32, f64);
 
-/// Converts whole source elements into target elements, little-endian.
+/// Converts whole source elements into target elements, little-endian. `dst` must be aligned
+/// for the target type (ConvertSink's buffer is u64-aligned) and hold as many of them as `src`
+/// holds source elements.
 type ConvertFn = fn(&[u8], &mut [u8]);
 
 fn convert<S: Prim + Cast<T>, T: Prim, const SWAP: bool>(src: &[u8], dst: &mut [u8]) {
-    for (s, d) in src.chunks_exact(S::SIZE).zip(dst.chunks_exact_mut(T::SIZE)) {
-        S::read::<SWAP>(s).cast().write_le(d);
+    let n = src.len() / S::SIZE;
+    assert!(dst.len() == n * T::SIZE && dst.as_ptr().align_offset(std::mem::align_of::<T>()) == 0);
+    // SAFETY: checked just above: `dst` is aligned for T and holds exactly n of them, and every
+    // bit pattern is a valid T (integers and floats).
+    let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<T>(), n) };
+    let p = src.as_ptr();
+    for (i, d) in out.iter_mut().enumerate() {
+        // SAFETY: element i lies within `src`, which holds n whole elements.
+        *d = unsafe { S::load::<SWAP>(p.add(i * S::SIZE)) }.cast().le();
     }
 }
 
@@ -244,9 +261,19 @@ fn converter(src: Source, dst: Num) -> ConvertFn {
 type RangeFn = fn(&[u8], &mut Option<(i128, i128)>);
 
 fn range_of<S: Prim + Ord + Into<i128>, const SWAP: bool>(src: &[u8], acc: &mut Option<(i128, i128)>) {
-    let mut it = src.chunks_exact(S::SIZE).map(S::read::<SWAP>);
-    let Some(first) = it.next() else { return };
-    let (lo, hi) = it.fold((first, first), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    let n = src.len() / S::SIZE;
+    if n == 0 {
+        return;
+    }
+    let p = src.as_ptr();
+    // SAFETY (both loads): element i < n lies within `src`, which holds n whole elements.
+    let first = unsafe { S::load::<SWAP>(p) };
+    let (mut lo, mut hi) = (first, first);
+    for i in 1..n {
+        let v = unsafe { S::load::<SWAP>(p.add(i * S::SIZE)) };
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
     let (lo, hi) = (lo.into(), hi.into());
     *acc = Some(acc.map_or((lo, hi), |(a, b)| (a.min(lo), b.max(hi))));
 }
@@ -304,17 +331,20 @@ struct ConvertSink<'s, 'o> {
     f: ConvertFn,
     src_size: usize,
     dst_size: usize,
-    buf: Vec<u8>,
+    /// u64s, so that its bytes are aligned for every target type.
+    buf: Vec<u64>,
     out: &'s mut Base64Stream<'o>,
 }
 
 impl ByteSink for ConvertSink<'_, '_> {
     fn put(&mut self, data: &[u8]) {
         let per = CONVERT_CHUNK / self.dst_size;
+        // SAFETY: a u64 buffer seen as its bytes (any bit pattern is a valid u8).
+        let buf = unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast::<u8>(), self.buf.len() * 8) };
         for piece in data.chunks(per * self.src_size) {
             let n = piece.len() / self.src_size * self.dst_size;
-            (self.f)(piece, &mut self.buf[..n]);
-            self.out.write(&self.buf[..n]);
+            (self.f)(piece, &mut buf[..n]);
+            self.out.write(&buf[..n]);
         }
     }
 }
@@ -398,7 +428,7 @@ impl<'a> RawPlan<'a> {
                 f: converter(self.src, self.dst),
                 src_size: self.src.num.size(),
                 dst_size: self.dst.size(),
-                buf: vec![0; CONVERT_CHUNK.min(self.payload_len())],
+                buf: vec![0; CONVERT_CHUNK.min(self.payload_len()).div_ceil(8)],
                 out: stream,
             };
             read_c_order(&self.view, &mut sink);
