@@ -24,6 +24,8 @@ from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
 from r3srv.server import rows_encoding
+from r3srv.server.chat_output import ChatParsers
+from r3srv.server.declare import Feature
 from r3srv.server.errors import ModelNotFoundError
 from r3srv.server.metrics import ServerMetrics
 
@@ -46,6 +48,12 @@ class ServerState:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached tokens), as vLLM
     weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
     routed_experts_encoding: str = rows_encoding.AUTO  # --routed-experts-encoding
+    chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # --tool-call-parser, --reasoning-parser
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """The optional route groups this server serves (server/declare.py)."""
+        return frozenset({Feature.WEIGHT_UPDATES} if self.enable_weight_updates else ())
 
     async def abort_all(self) -> None:
         """End every request in flight (finish_reason "abort"): on shutdown, so streams close

@@ -27,6 +27,7 @@ from r3srv.offload import run_sized
 from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
 from r3srv.server import rows_encoding
+from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import Generation, ServerState, merged_outputs, start_all
 from r3srv.server.responses import ranked_logprobs
@@ -37,7 +38,8 @@ ROUTE = "/generate"
 
 
 @post(ROUTE, status_code=200, opt={"fields": ROUTE_FIELDS["sglang"]},
-      summary="Generate for one prompt or a batch (SGLang's native API), routed experts in meta_info")
+      summary="Generate for one prompt or a batch (SGLang's native API), routed experts in meta_info",
+      access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, Any, Any]) -> Any:
     state = server_state(request)
     prompts = await _token_ids(state, data.prompts())
@@ -163,7 +165,8 @@ def _finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:
     return {"type": "abort", "message": "aborted"}
 
 
-@post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)")
+@post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)",
+      access=Access.INFERENCE, fleet=Fleet.EVERY_REPLICA)
 async def sglang_abort_request(data: p.SglangAbortRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
     state = server_state(request)
     if data.abort_all:
