@@ -59,6 +59,7 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_weight_updates: bool = False,
     enable_prompt_tokens_details: bool = False,
+    routed_experts_encoding: str = "auto",
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
     chat_parsers: ChatParsers | None = None,
@@ -72,6 +73,7 @@ def create_app(
         enable_weight_updates=enable_weight_updates,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         weight_sync_timeout=weight_sync_timeout,
+        routed_experts_encoding=routed_experts_encoding,
         chat_parsers=chat_parsers or ChatParsers(),
     )
 
