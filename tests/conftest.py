@@ -35,7 +35,7 @@ SLOW_FILES = {
     "test_router_triton.py", "test_paged_decode_triton.py", "test_recurrent_triton.py", "test_router_bench.py",
     "test_router_compile.py", "test_engine_hybrid.py", "test_builtin_model.py",
     "test_weight_updates.py", "test_pause_generation.py", "test_cuda_graphs.py",
-    "test_vision_towers.py", "test_vision_language_model.py", "test_engine_vision.py",
+    "test_vision_towers.py", "test_vision_language_model.py", "test_engine_vision.py", "test_engine_vision_tp.py",
 }
 SLOW_DIRS = {"families"}  # every family against transformers (tests/family_oracle.py)
 SLOW_TESTS = {

@@ -191,7 +191,9 @@ class EngineCore:
 
     def _vision(self, mc, dtype: torch.dtype):
         """A vision-language checkpoint's image inputs and its tower behind an encoder cache
-        (None, None for any other model, or one whose directory lacks what images need)."""
+        (None, None for any other model, or one whose directory lacks what images need). Under
+        tensor parallelism the tower is whole on rank 0 (this process) and its outputs travel
+        with the step's inputs (step_channel.py): it runs once per image, not once per rank."""
         from r3srv.engine.encoder_cache import EncoderCache
         from r3srv.models.vision import load_vision_tower
         from r3srv.vision.inputs import ImageInputConfig
@@ -199,9 +201,6 @@ class EngineCore:
 
         cfg = self.config
         if mc.vision is None or cfg.model is None:
-            return None, None
-        if self.multiproc is not None:
-            log.warning("image inputs off: not under tensor parallelism yet (text and token prompts are served)")
             return None, None
         try:
             processor = ImageProcessorConfig.from_dir(cfg.model)

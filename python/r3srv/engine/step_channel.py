@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from r3srv.models.batch import ForwardBatch
+from r3srv.models.batch import ForwardBatch, VisualRows
 
 HEADER = 16  # int64 slots before the payload
 PACKET = 4096  # int64 slots broadcast for every command (32 KiB)
@@ -95,31 +95,56 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.int64).numpy().reshape(-1)
 
 
+def _float_bits(t: torch.Tensor) -> np.ndarray:
+    """A float tensor's values as float32 bit patterns, one per int64 slot (exact for the model
+    dtypes: float32 itself, and bfloat16 / float16 widened)."""
+    return t.detach().to("cpu", torch.float32).numpy().reshape(-1).view(np.int32).astype(np.int64)
+
+
+def _from_float_bits(values: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(values.astype(np.int32).view(np.float32).reshape(shape).copy())
+
+
 def pack_batch(batch: ForwardBatch) -> tuple[tuple[int, ...], np.ndarray]:
-    """(args, payload) describing `batch` (routing capture aside: only rank 0 captures)."""
+    """(args, payload) describing `batch` (routing capture aside: only rank 0 captures). An image
+    prompt's M-RoPE ids and image embeddings (rank 0's vision tower computed them) travel too."""
     num_seqs, table_cols = batch.block_tables.shape
     slots = batch.state_slots or []
     restores = [v for pair in batch.state_restores for v in pair]
     snapshots = [v for triple in batch.state_snapshots for v in triple]
+    visual = batch.visual
     parts = [
         _host(batch.input_ids), _host(batch.positions), _host(batch.slot_mapping),
         np.asarray(batch.query_lens, dtype=np.int64), np.asarray(batch.context_lens, dtype=np.int64),
         _host(batch.block_tables), _host(batch.logits_indices),
         np.asarray(slots, dtype=np.int64), np.asarray(restores, dtype=np.int64), np.asarray(snapshots, dtype=np.int64),
     ]
+    if batch.mrope_positions is not None:
+        parts.append(_host(batch.mrope_positions))
+    if visual is not None:
+        parts += [_host(visual.rows), _float_bits(visual.embeds), *(_float_bits(d) for d in visual.deepstack)]
     num_tokens = len(parts[0])
+    rows, hidden = (0, 0) if visual is None else tuple(visual.embeds.shape)
     args = (num_tokens, num_seqs, table_cols, int(batch.state_slots is not None), len(batch.state_restores),
-            len(batch.state_snapshots))
+            len(batch.state_snapshots), int(batch.mrope_positions is not None), rows, hidden,
+            0 if visual is None else len(visual.deepstack))
     return args, np.concatenate(parts)
 
 
 def unpack_batch(args: list[int], payload: np.ndarray) -> ForwardBatch:
-    num_tokens, num_seqs, table_cols, has_slots, restores, snapshots = args[:6]
+    num_tokens, num_seqs, table_cols, has_slots, restores, snapshots, has_mrope, rows, hidden, deepstack = args[:10]
     sizes = [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs * table_cols, num_seqs,
-             num_seqs if has_slots else 0, 2 * restores, 3 * snapshots]
+             num_seqs if has_slots else 0, 2 * restores, 3 * snapshots, 3 * num_tokens if has_mrope else 0, rows,
+             rows * hidden * (1 + deepstack)]
     parts = np.split(payload, np.cumsum(sizes)[:-1])
-    ids, positions, slots, query_lens, context_lens, tables, logits_indices, state_slots, rest, snaps = parts
+    ids, positions, slots, query_lens, context_lens, tables, logits_indices, state_slots, rest, snaps = parts[:10]
+    mrope, visual_rows, embeds = parts[10:]
+    visual = None
+    if rows:
+        floats = [_from_float_bits(part, (rows, hidden)) for part in np.split(embeds, 1 + deepstack)]
+        visual = VisualRows(torch.from_numpy(visual_rows), floats[0], floats[1:])
     return ForwardBatch(
+        mrope_positions=torch.from_numpy(mrope.reshape(3, num_tokens)) if has_mrope else None, visual=visual,
         input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),
         query_lens=query_lens.tolist(), context_lens=context_lens.tolist(),
         block_tables=torch.from_numpy(tables.reshape(num_seqs, table_cols)),
