@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids, run_with_aborts  # noqa: F401 (fixture)
-from r3srv import SamplingParams
-from r3srv.cli import build_parser, engine_kwargs
-from r3srv.config import EngineConfig
+from r3srv import SamplingParams, engine_options
+from r3srv.cli import build_parser
+from r3srv.config import EngineConfig, engine_config
 from r3srv.engine import core as core_module
 from r3srv.engine import cuda_graphs
 from r3srv.engine.cuda_graphs import batch_size_buckets, bucket_for, is_graph_decode, pad_decode_inputs
@@ -85,8 +85,8 @@ def test_graph_memory_comes_out_of_the_kv_budget(monkeypatch):
 
 
 def _config(args) -> EngineConfig:
-    """The EngineConfig the CLI's arguments make (less the parallel ones)."""
-    return EngineConfig(**{k: v for k, v in engine_kwargs(args).items() if k in EngineConfig.__dataclass_fields__})
+    """The EngineConfig the CLI's arguments make."""
+    return engine_config(**engine_options.from_args(args))
 
 
 def test_flags(r3srv_settings):
@@ -104,7 +104,7 @@ def test_flags(r3srv_settings):
         assert EngineConfig(cuda_graphs=True, **cuda).use_cuda_graphs
         assert not EngineConfig(cuda_graphs=True, enforce_eager=True, **cuda).use_cuda_graphs
     eager = parser.parse_args(argv + ["--cuda-graphs", "--enforce-eager"])
-    assert engine_kwargs(eager)["enforce_eager"] is True
+    assert engine_options.from_args(eager)["enforce_eager"] is True
 
 
 def test_cpu_engine_asked_for_graphs_runs_eagerly():

@@ -201,10 +201,11 @@ def test_off_by_default_and_refused_where_unsupported(tmp_path):
     from r3srv.config import EngineConfig
 
     assert EngineConfig().async_scheduling is False
-    from r3srv.cli import build_parser, engine_kwargs
+    from r3srv import engine_options
+    from r3srv.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--async-scheduling"])
-    assert engine_kwargs(args)["async_scheduling"] is True
+    assert engine_options.from_args(args)["async_scheduling"] is True
     with pytest.raises(ConfigError, match="async_scheduling"):
         from tiny_checkpoints import write_tiny_checkpoint
 

@@ -21,9 +21,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from r3srv.engine.core import CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
+from r3srv.config import engine_config
+from r3srv.engine.core import CoreOutputs, EngineCore, EngineFacts, EngineStats
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, StopSequence
+from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.models.loader import NamedTensors
 from r3srv.offload import run_sized
@@ -202,9 +204,11 @@ class _Close:
 
 
 class AsyncLLM(EngineFacts):
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        # Config errors (ConfigError) raise here, on the caller's thread, before the threads start.
-        self.core = EngineCore(engine_config(model, **kwargs))
+    @with_option_keywords
+    def __init__(self, model: str | None = None, **options) -> None:
+        """Every engine option (r3srv.config) as a keyword. Config errors (ConfigError) raise
+        here, on the caller's thread, before the threads start."""
+        self.core = EngineCore(engine_config(model, **options))
         core = self.core
         self._input = InputProcessor(core.tokenizer, core.model_config.vocab_size, core.max_model_len,
                                      core.enable_return_routed_experts, core.config.max_logprobs,

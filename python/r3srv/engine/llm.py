@@ -8,6 +8,7 @@ import numbers
 from collections.abc import Sequence as SequenceABC
 
 from r3srv.engine.llm_engine import EngineStats, LLMEngine
+from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
@@ -22,56 +23,11 @@ class LLM:
     fixed seed): its text is gibberish, but its routing has a real MoE's shape.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        device: str = "cpu",
-        dtype: str = "auto",
-        enable_return_routed_experts: bool = True,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_fraction: float | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_logprobs: int = 20,
-        seed: int = 0,
-        pipeline_parallel_size: int = 1,
-        decode_context_parallel_size: int = 1,
-        prefill_context_parallel_size: int = 1,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        async_scheduling: bool = False,
-        cuda_graphs: bool | None = None,
-        enforce_eager: bool = False,
-    ) -> None:
-        self.engine = LLMEngine.from_kwargs(
-            model,
-            device=device,
-            dtype=dtype,
-            enable_return_routed_experts=enable_return_routed_experts,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_fraction=kv_cache_memory_fraction,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_logprobs=max_logprobs,
-            seed=seed,
-            async_scheduling=async_scheduling,
-            pipeline_parallel_size=pipeline_parallel_size,
-            decode_context_parallel_size=decode_context_parallel_size,
-            prefill_context_parallel_size=prefill_context_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            cuda_graphs=cuda_graphs,
-            enforce_eager=enforce_eager,
-        )
+    @with_option_keywords
+    def __init__(self, model: str | None = None, **options) -> None:
+        """Every engine option (r3srv.config) as a keyword, with its default; a ConfigError for a
+        bad value or an unknown keyword."""
+        self.engine = LLMEngine.from_kwargs(model, **options)
         self._ids = itertools.count()
         self._trainer = None  # TrainerUpdates, once a trainer joins
 

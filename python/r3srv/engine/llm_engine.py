@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from r3srv.config import EngineConfig
-from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
+from r3srv.config import EngineConfig, engine_config
+from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineFacts, EngineStats
+from r3srv.engine_options import with_option_keywords
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, ProcessedOutputs
 from r3srv.outputs import RequestOutput
@@ -19,9 +20,7 @@ from r3srv.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from r3srv.models.loader import NamedTensors
 
-__all__ = ["MEMORY_TAGS", "EngineStats", "LLMEngine", "PreparedRequest", "StepResult"]
-
-PreparedRequest = EngineRequest  # the name callers used before the split
+__all__ = ["MEMORY_TAGS", "EngineStats", "LLMEngine", "StepResult"]
 
 
 @dataclass
@@ -44,9 +43,10 @@ class LLMEngine(EngineFacts):
         self.output_processor = OutputProcessor(core.tokenizer)
 
     @classmethod
-    def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
-        """EngineConfig's and ParallelConfig's fields as keywords."""
-        return cls(engine_config(model, **kwargs))
+    @with_option_keywords
+    def from_kwargs(cls, model: str | None = None, **options) -> "LLMEngine":
+        """Every engine option (r3srv.config) as a keyword."""
+        return cls(engine_config(model, **options))
 
     # -- facts (EngineFacts: config, tokenizer, model_config, max_model_len, device, ...) --
     @property
