@@ -11,7 +11,6 @@ one core thread.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time

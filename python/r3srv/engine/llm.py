@@ -7,6 +7,7 @@ import itertools
 import numbers
 from collections.abc import Sequence as SequenceABC
 
+from r3srv.engine.commands import commands_as_methods
 from r3srv.engine.llm_engine import EngineStats, LLMEngine
 from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError
@@ -16,8 +17,10 @@ from r3srv.sampling_params import SamplingParams
 PromptType = str | list[int]
 
 
+@commands_as_methods("through_engine")
 class LLM:
-    """Batch generation on one device.
+    """Batch generation on one device (or tensor-parallel ranks); the control methods
+    (update_weights, release_memory, ...) come from engine/commands.py.
 
     `LLM()` loads the built-in model, whose weights are random (deterministic from a
     fixed seed): its text is gibberish, but its routing has a real MoE's shape.
@@ -46,12 +49,6 @@ class LLM:
     @property
     def routed_experts_info(self) -> dict | None:
         return self.engine.routed_experts_info
-
-    def update_weights(self, path: str, weight_version: str | None = None) -> None:
-        """Load new weights of the same architecture from a checkpoint directory and empty the
-        prefix cache (an RL policy update); a ConfigError leaves the weights unchanged. Later
-        outputs carry `weight_version` (default: `path`)."""
-        self.engine.update_weights(path, weight_version)
 
     # -- a trainer pushing weights over torch.distributed (SGLang Engine's names; docs/weight_sync.md)
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -84,19 +81,6 @@ class LLM:
         if self._trainer is None:
             self._trainer = TrainerUpdates(OfflineTrainerEngine(self.engine.core), 600.0)
         return self._trainer
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix; returns how many blocks were forgotten."""
-        return self.engine.reset_prefix_cache()
-
-    def release_memory(self, tags: list[str] | None = None) -> list[str]:
-        """Free the KV cache ("kv_cache") and/or move the weights to host memory ("weights");
-        None: both. generate refuses to run until resume_memory. Returns what is released."""
-        return self.engine.release_memory(tags)
-
-    def resume_memory(self, tags: list[str] | None = None) -> list[str]:
-        """Take back released memory (None: all); returns what is still released."""
-        return self.engine.resume_memory(tags)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
