@@ -19,6 +19,8 @@ from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port, serve_comm
 from r3srv import engine_options
 from r3srv.cli import build_parser, main
 
+pytestmark = pytest.mark.slow  # real servers
+
 
 def test_console_script_is_installed():
     script = shutil.which("r3srv", path=str(Path(sys.executable).parent))
@@ -103,11 +105,12 @@ def test_bad_configs_are_reported(flags, words, capsys):
     assert all(w in err for w in words), err
 
 
-def test_sigint_stops_cleanly_and_ends_open_streams():
+def test_sigint_stops_cleanly_and_ends_open_streams(gate):
     """Ctrl-C with a stream open: the stream ends with finish_reason "abort" and [DONE] (not cut by
     uvicorn's graceful-shutdown timeout, which would end it without either), exit 0.
     (SIGTERM: every server fixture's teardown asserts exit status 0.)"""
-    srv = RemoteServer(*TEST_SERVER_ARGS)
+    gate.allow(2)  # the stream is in flight, short of its 3000 tokens, when Ctrl-C comes
+    srv = RemoteServer(*TEST_SERVER_ARGS, step_gate=gate)
     result: dict = {}
 
     def stream() -> None:
@@ -133,6 +136,7 @@ def test_sigint_stops_cleanly_and_ends_open_streams():
             httpx.get(srv.url + "/health", timeout=2)
     finally:
         srv.stop()
+        gate.open()
 
 
 def test_server_fixture_retries_when_its_port_is_taken(monkeypatch):

@@ -184,9 +184,7 @@ class AsyncLLM(EngineFacts):
         here, on the caller's thread, before the threads start."""
         self.core = EngineCore(engine_config(model, **options))
         core = self.core
-        self._input = InputProcessor(core.tokenizer, core.model_config.vocab_size, core.max_model_len,
-                                     core.enable_return_routed_experts, core.config.max_logprobs,
-                                     core.config.async_scheduling)
+        self.input_processor = InputProcessor.of(core)  # any thread may call it
         self._output = OutputProcessor(core.tokenizer)  # the output thread's alone
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # to the core thread
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # to the output thread
@@ -249,7 +247,7 @@ class AsyncLLM(EngineFacts):
         self._check_alive()
         size = len(prompt) if isinstance(prompt, (str, list, tuple)) else 0  # anything else fails validation
         prepared: EngineRequest = await run_sized(
-            size, self._input.process, request_id, prompt, sampling_params, add_special_tokens=add_special_tokens,
+            size, self.input_processor.process, request_id, prompt, sampling_params, add_special_tokens=add_special_tokens,
         )
         prepared.output_kind = output_kind
         sink = _Sink(asyncio.get_running_loop())

@@ -37,10 +37,7 @@ class LLMEngine(EngineFacts):
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         core = self.core
-        self.input_processor = InputProcessor(
-            core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
-            core.config.max_logprobs, core.config.async_scheduling,
-        )
+        self.input_processor = InputProcessor.of(core)
         self.output_processor = OutputProcessor(core.tokenizer)
 
     @classmethod

@@ -7,7 +7,6 @@ from typing import Any
 
 from litestar import Request, post
 
-from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
 from r3srv.server import protocol as p
 from r3srv.server.fields import ROUTE_FIELDS
@@ -39,20 +38,13 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     state = server_state(request)
     state.check_model(data.model)
     params = data.to_sampling_params()
-    tokenizer = state.tokenizer()
+    state.tokenizer()  # a 400 saying what to use instead when the checkpoint has none
+    chat = state.engine.input_processor
 
     def render_and_encode() -> list[int]:
-        rendered = tokenizer.apply_chat_template(data.template_messages(), add_generation_prompt=data.add_generation_prompt)
-        # The template writes its own specials (e.g. Mixtral's `{{ bos_token }}`): encoding them
-        # again would double the BOS and shift every token and row, so add none (as HF and vLLM).
-        return tokenizer.encode(rendered, add_special_tokens=False)
+        return chat.chat_prompt_ids(data.template_messages(), data.add_generation_prompt)
 
-    try:
-        prompt = await run_sized(sum(m.content_chars() for m in data.messages), render_and_encode)
-    except InvalidRequestError:
-        raise
-    except Exception as exc:  # a template that rejects these messages (jinja raise_exception, bad roles)
-        raise InvalidRequestError(f"cannot apply the chat template to these messages: {exc}", param="messages") from exc
+    prompt = await run_sized(sum(m.content_chars() for m in data.messages), render_and_encode)
     request_id = data.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     route = "/v1/chat/completions"
     if data.stream:
