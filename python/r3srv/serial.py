@@ -1,4 +1,5 @@
-"""Routed experts on the wire: base64 text of a ``.npy`` file (DESIGN.md sections 2 and 4).
+"""Routed experts on the wire: base64 text of a ``.npy`` file (README.md, "The routed-experts contract";
+docs/encoding.md).
 
 ``numpy2base64`` is the pure-Python reference and stays as the oracle. The encoder and
 decoder that the server and clients use are the Rust ones in ``r3srv._core``:
