@@ -81,11 +81,10 @@ def gate_steps(target: EngineCore | type[EngineCore], path: Path) -> None:
 
 
 def one_step_per_item(gate: StepGate, items: Iterable[T]) -> Iterator[T]:
-    """`items` (a stream's chunks) read while the engine takes one step per item read, so a
+    """`items` (a stream's chunks) read while the engine takes one more step per item read, so a
     stream has a chunk per step or so however fast the engine: a chunk that comes from no step
-    (a chat stream's first, with the role) lets two steps' tokens share one. The gate opens at
-    the end."""
-    with gate.allowing(1):
-        for item in items:
-            yield item
-            gate.allow(1)
+    (a chat stream's first, with the role) lets two steps' tokens share one. Send the request
+    inside `with gate.allowing(1):` (its first step), then read it through this."""
+    for item in items:
+        yield item
+        gate.allow(1)

@@ -4,6 +4,7 @@ deadlines for stalled connections, and a /health that tells the truth when the e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -185,8 +186,8 @@ def test_tito_without_max_tokens_generates_to_max_model_len(http):
 
 
 def sse_events(http, route, body, gate=None) -> list[dict]:
-    """The events of a stream; with a StepGate, read one engine step per event."""
-    with http.stream("POST", route, json=body) as r:
+    """The events of a stream; with a StepGate, one engine step per event read."""
+    with gate.allowing(1) if gate else contextlib.nullcontext(), http.stream("POST", route, json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = (line for line in r.iter_lines() if line)
         lines = list(lines if gate is None else one_step_per_item(gate, lines))

@@ -161,14 +161,15 @@ def test_completion_echo_with_and_without_logprobs(client, model):
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_continuous_usage_on_every_chunk(client, model, route, gate):
     options = {"include_usage": True, "continuous_usage_stats": True}
-    if route == "completions":
-        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
-                                           stream_options=options, extra_body={"ignore_eos": True})
-    else:
-        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
-                                                max_tokens=5, temperature=0, stream=True, stream_options=options,
-                                                extra_body={"ignore_eos": True})
-    chunks = list(one_step_per_item(gate, stream))  # a chunk per step or so, however fast the engine
+    with gate.allowing(1):  # then a step per chunk read: a chunk per step or so, however fast the engine
+        if route == "completions":
+            stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+                                               stream_options=options, extra_body={"ignore_eos": True})
+        else:
+            stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=5, temperature=0, stream=True, stream_options=options,
+                                                    extra_body={"ignore_eos": True})
+        chunks = list(one_step_per_item(gate, stream))
     assert len(chunks) > 3 and all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 5
