@@ -69,8 +69,16 @@ class Command:
         raise NotImplementedError
 
 
+class AfterRequests(Command):
+    """A command that runs only once no sequence holds KV (in order with the others that wait)."""
+
+    @property
+    def after_requests(self) -> bool:
+        return True
+
+
 @dataclass(frozen=True, slots=True)
-class UpdateWeights(Command):
+class UpdateWeights(AfterRequests):
     """Load new weights of the same architecture from a checkpoint directory, or from tensors a
     trainer sent by name (received in full), as an RL policy update.
 
@@ -88,10 +96,6 @@ class UpdateWeights(Command):
     def __post_init__(self) -> None:
         if not _is_named_tensors(self.path):
             object.__setattr__(self, "path", str(self.path))  # accept os.PathLike
-
-    @property
-    def after_requests(self) -> bool:
-        return True
 
     def admit(self, target: Target) -> None:
         if target.is_waiting(UpdateWeights):
@@ -131,16 +135,12 @@ class ResetPrefixCache(Command):
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseMemory(Command):
+class ReleaseMemory(AfterRequests):
     """Free the KV cache ("kv_cache") and/or move the weights to host memory ("weights"); None:
     both. Runs once the requests in flight have finished; requests that arrive meanwhile, or
     until everything is resumed, wait. Returns what is released."""
 
     tags: list[str] | None = None
-
-    @property
-    def after_requests(self) -> bool:
-        return True
 
     def run(self, target: Target) -> list[str]:
         released = target.core.release_memory(self.tags)
@@ -149,15 +149,11 @@ class ReleaseMemory(Command):
 
 
 @dataclass(frozen=True, slots=True)
-class ResumeMemory(Command):
+class ResumeMemory(AfterRequests):
     """Take back released memory (None: all), after any update or release asked for before;
     once nothing is released, the requests that waited start. Returns what is still released."""
 
     tags: list[str] | None = None
-
-    @property
-    def after_requests(self) -> bool:
-        return True
 
     def run(self, target: Target) -> list[str]:
         released = target.core.resume_memory(self.tags)
