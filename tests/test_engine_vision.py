@@ -18,6 +18,8 @@ from vision_testing import (FAMILIES, IMAGE_CASES, IMAGE_TOKEN, expanded, hf_gre
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # transformers oracles
+
 NEW_TOKENS = 4
 START, END = IMAGE_TOKEN + 1, IMAGE_TOKEN + 2
 

@@ -17,6 +17,8 @@ from vision_testing import FAMILIES, IMAGE_TOKEN, hf_greedy, write_vision_checkp
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # worker processes, transformers oracles
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_step_packet_carries_image_inputs_exactly(dtype):

@@ -28,6 +28,8 @@ from r3srv.errors import ConfigError
 from r3srv.serial import decode_routed_experts
 from r3srv.server.fanout import FANOUT_HEADER
 
+pytestmark = [pytest.mark.slow, pytest.mark.peer]  # real servers; the real sglang-router
+
 pytest.importorskip("sglang_router", reason="the fleet tests need sglang-router (pip install 'r3srv[router]')")
 
 NUM_KV_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, MAX_MODEL_LEN = 64, 16, 8, 256

@@ -20,6 +20,8 @@ from vision_testing import FAMILIES, IMAGE_CASES, IMAGE_TOKEN, hf_run, image_byt
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # transformers oracles
+
 BLOCK_SIZE = 4
 NEW_TOKENS = 4
 

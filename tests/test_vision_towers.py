@@ -16,6 +16,8 @@ from vision_testing import FAMILIES, IMAGE_CASES, glm4v_moe, image_bytes, write_
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # transformers oracles
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)

@@ -109,10 +109,6 @@ class ModelConfig:
         return int(self.head_dim * self.rope.partial_factor)
 
     @property
-    def has_moe(self) -> bool:
-        return bool(self.moe_layers)
-
-    @property
     def is_random_builtin(self) -> bool:
         return bool(self.raw.get("r3srv_random_weights"))
 
