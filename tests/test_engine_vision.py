@@ -13,15 +13,15 @@ import pytest
 
 from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
-from vision_testing import (FAMILIES, IMAGE_CASES, IMAGE_TOKEN, expanded, hf_greedy, image_bytes,
-                            write_vision_checkpoint)
+from vision_testing import (FAMILIES, IMAGE_CASES, IMAGE_TOKEN, VISION_END, VISION_START, expanded, hf_greedy,
+                            image_bytes, write_vision_checkpoint)
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow  # transformers oracles
 
 NEW_TOKENS = 4
-START, END = IMAGE_TOKEN + 1, IMAGE_TOKEN + 2
+START, END = VISION_START, VISION_END
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

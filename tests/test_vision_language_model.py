@@ -16,7 +16,7 @@ from r3srv.models.vision import load_vision_tower
 from r3srv.vision.decode import decode_image
 from r3srv.vision.positions import ImageSpan, mrope_positions
 from r3srv.vision.processor import ImageProcessorConfig, preprocess
-from vision_testing import FAMILIES, IMAGE_CASES, IMAGE_TOKEN, hf_run, image_bytes, write_vision_checkpoint
+from vision_testing import FAMILIES, IMAGE_CASES, IMAGE_TOKEN, VISION_END, VISION_START, hf_run, image_bytes, write_vision_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,9 +42,9 @@ def image_prompt(processor, images: list[int], texts: list[int], merge: int):
         width, height, mode, fmt = IMAGE_CASES[case]
         image = preprocess(processor, decode_image(image_bytes(width, height, mode, fmt, seed=case), param="image",
                                                    max_pixels=1 << 20), param="image")
-        ids.append(IMAGE_TOKEN + 1)
+        ids.append(VISION_START)
         spans.append(ImageSpan(len(ids), image.grid_thw))
-        ids += [IMAGE_TOKEN] * image.num_tokens(merge) + [IMAGE_TOKEN + 2] + rng.integers(0, 200, n).tolist()
+        ids += [IMAGE_TOKEN] * image.num_tokens(merge) + [VISION_END] + rng.integers(0, 200, n).tolist()
         pixels.append(image.pixel_values)
         grids.append(image.grid_thw)
     return ids, spans, torch.from_numpy(np.concatenate(pixels)), grids

@@ -42,15 +42,25 @@ def image_bytes(width: int, height: int, mode: str = "RGB", fmt: str = "PNG", se
 
 # Tiny vision-language checkpoints of the three families (transformers' image-text models; the
 # placeholder and delimiter ids inside the byte-level vocabulary)
-TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+# the byte-level tokenizer's vocabulary, then an image's delimiters and placeholder as special
+# tokens (their text in a chat template encodes to them, as a real checkpoint's does)
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+VISION_START, IMAGE_TOKEN, VISION_END = range(VOCAB_SIZE, VOCAB_SIZE + len(VISION_TOKENS))
+# ChatML whose list contents show each image as its delimited placeholder (as Qwen3-VL's template)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+TEXT = dict(vocab_size=VOCAB_SIZE + len(VISION_TOKENS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_experts_per_tok=2, max_position_embeddings=512)
 # merged tokens cover 8 x 8 pixels (patch 4, merge 2); images land on 2 x 2 to 16 x 16 patches
 PREPROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
                 "size": {"shortest_edge": 256, "longest_edge": 4096}}
 
 
-IMAGE_TOKEN = 250  # the placeholder; + 1 and + 2 open and close an image
-QWEN_IDS = dict(image_token_id=IMAGE_TOKEN, vision_start_token_id=IMAGE_TOKEN + 1, vision_end_token_id=IMAGE_TOKEN + 2)
+QWEN_IDS = dict(image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
 
 
 def qwen3_vl_moe(transformers):
@@ -82,7 +92,7 @@ def glm4v_moe(transformers):
     vision = dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=32, patch_size=4,
                   image_size=20, spatial_merge_size=2, attention_bias=True)
     config = transformers.Glm4vMoeConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
-                                         image_start_token_id=IMAGE_TOKEN + 1, image_end_token_id=IMAGE_TOKEN + 2)
+                                         image_start_token_id=VISION_START, image_end_token_id=VISION_END)
     return transformers.Glm4vMoeForConditionalGeneration(config), "Glm4vImageProcessor"
 
 
@@ -97,7 +107,6 @@ def write_vision_checkpoint(transformers, family: str, path, seed: int = 7):
 
     import torch
 
-    from r3srv.models.builtin import write_byte_level_tokenizer
     from tiny_checkpoints import randomize_
 
     torch.manual_seed(0)
@@ -105,7 +114,7 @@ def write_vision_checkpoint(transformers, family: str, path, seed: int = 7):
     randomize_(hf, seed=seed)
     hf = hf.float().eval()
     hf.save_pretrained(path)
-    write_byte_level_tokenizer(path)
+    write_vision_tokenizer(path)
     (path / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "image_processor_type": processor_type}))
     oracle = "Glm4vImageProcessorPil" if processor_type.startswith("Glm4v") else "Qwen2VLImageProcessorPil"
     return hf, getattr(transformers, oracle)(**PREPROCESSOR)
@@ -168,3 +177,20 @@ def expanded(ids: list[int], images: list[bytes], processor, image_token: int, m
         else:
             out.append(t)
     return out
+
+
+def write_vision_tokenizer(path) -> None:
+    """The byte-level tokenizer with the image tokens added, and CHAT_TEMPLATE."""
+    import json
+
+    from r3srv.models.builtin import byte_level_tokenizer, write_byte_level_tokenizer
+
+    write_byte_level_tokenizer(path)
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_special_tokens(list(VISION_TOKENS))
+    assert tokenizer.token_to_id(VISION_TOKENS[1]) == IMAGE_TOKEN
+    (path / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
+    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["chat_template"] = CHAT_TEMPLATE
+    config["additional_special_tokens"] = [*config["additional_special_tokens"], *VISION_TOKENS]
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -104,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--reasoning-parser", default=None, metavar="NAME",
                       help="the model's reasoning format, into message.reasoning: qwen3, deepseek_r1, deepseek_v3, "
                       "glm45, glm47, kimi_k2, openai_gptoss")
+    # image inputs of vision-language models: where images may come from (docs/vision.md)
+    media = serve.add_argument_group("image inputs (vision-language models)")
+    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let requests read images from files under DIR (vLLM's flag; off by default: a server "
+                       "opening paths for its callers is a risk)")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
+                       help="let requests name http(s) image URLs on these hosts and their subdomains (off by "
+                       "default: a server fetching URLs for its callers is a request-forgery risk)")
+    media.add_argument("--max-media-bytes", type=_positive_int, default=20 << 20,
+                       help="most bytes one image may have, however it arrives (default: %(default)s)")
+    media.add_argument("--media-fetch-timeout", type=_positive_float, default=5.0,
+                       help="seconds an image URL may take, connection to last byte (default: %(default)s)")
     settings.add_arguments(serve)
     return parser
 
@@ -136,6 +148,7 @@ def _peers_but_self(args: argparse.Namespace) -> list[str]:
 def serve(args: argparse.Namespace, own_process: bool = False) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from r3srv.errors import ConfigError
+    from r3srv.vision.media import MediaPolicy
 
     try:  # before anything reads them: the model, the encoder
         settings.configure(settings.from_args(args))
@@ -203,6 +216,8 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         weight_sync_timeout=args.weight_sync_timeout,
         fleet_peer_urls=_peers_but_self(args),
         chat_parsers=chat_parsers,
+        media=MediaPolicy(args.allowed_local_media_path, tuple(d.lower() for d in args.allowed_media_domains or ()),
+                          args.max_media_bytes, args.media_fetch_timeout),
     )
     logger.info(
         "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",

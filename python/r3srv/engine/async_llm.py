@@ -32,6 +32,7 @@ from r3srv.models.loader import NamedTensors
 from r3srv.offload import run_sized
 from r3srv.outputs import OutputKind, RequestOutput, merge_deltas
 from r3srv.sampling_params import SamplingParams
+from r3srv.vision.inputs import MultiModalPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +232,7 @@ class AsyncLLM(EngineFacts):
         *,
         add_special_tokens: bool = True,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        multimodal: MultiModalPrompt | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; the last has finished=True.
 
@@ -239,7 +241,8 @@ class AsyncLLM(EngineFacts):
         consumer is busy are merged. FINAL_ONLY: one output, the finished one.
 
         Pass add_special_tokens=False for a prompt rendered from a chat template (it holds
-        its specials already; the tokenizer would add a second BOS).
+        its specials already; the tokenizer would add a second BOS). An image prompt comes with
+        `multimodal` (InputProcessor.expand_images), `prompt` its expanded token ids.
 
         Invalid requests raise InvalidRequestError before anything is yielded. Leaving
         the iteration early (aclose, cancellation) aborts the request and frees its blocks.
@@ -248,6 +251,7 @@ class AsyncLLM(EngineFacts):
         size = len(prompt) if isinstance(prompt, (str, list, tuple)) else 0  # anything else fails validation
         prepared: EngineRequest = await run_sized(
             size, self.input_processor.process, request_id, prompt, sampling_params, add_special_tokens=add_special_tokens,
+            multimodal=multimodal,
         )
         prepared.output_kind = output_kind
         sink = _Sink(asyncio.get_running_loop())

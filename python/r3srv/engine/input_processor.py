@@ -76,6 +76,15 @@ class InputProcessor:
         text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def expand_images(self, ids: list[int], images: list, *, param: str,
+                      fields: list[str] | None = None) -> tuple[list[int], MultiModalPrompt]:
+        """The prompt's token ids with its images' placeholders expanded, and its images
+        (r3srv/vision/inputs.py); CPU work (decoding, resizing), so callers off the event loop.
+        Errors name `param`, or fields[k] (default `param[k]`) for image k."""
+        if self.images is None:
+            raise InvalidRequestError(param=param, problem=": this model takes no image inputs")
+        return with_images(ids, images, self.images, param=param, fields=fields)
+
     def process(
         self,
         request_id: str,
@@ -85,6 +94,7 @@ class InputProcessor:
         add_special_tokens: bool = True,
         images: list | None = None,
         images_param: str = "multi_modal_data",
+        multimodal: MultiModalPrompt | None = None,
     ) -> EngineRequest:
         """Validate and tokenize; every problem is an InvalidRequestError raised here, before scheduling.
 
@@ -92,7 +102,8 @@ class InputProcessor:
         and other specials, and the tokenizer's post-processor would add a second BOS.
         images: the prompt's images in order (bytes, PIL images or (H, W, 3) uint8 arrays),
         one placeholder run each in the prompt (r3srv/vision/inputs.py); their problems are
-        400s naming `images_param` (the field the client sent them in).
+        400s naming `images_param` (the field the client sent them in). multimodal: images
+        expanded already (expand_images), `prompt` being their expanded token ids.
         """
         if params is None:
             params = SamplingParams()
@@ -111,13 +122,10 @@ class InputProcessor:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
                 raise InvalidRequestError(param="prompt", problem=" must be a string or a list of token ids") from None
-        multimodal = None
         if images:
-            if self.images is None:
-                raise InvalidRequestError(param=images_param, problem=": this model takes no image inputs")
-            if params.truncate_prompt_tokens is not None:
-                raise InvalidRequestError(param="truncate_prompt_tokens", problem=" cannot cut a prompt with images")
-            ids, multimodal = with_images(ids, list(images), self.images, param=images_param)
+            ids, multimodal = self.expand_images(ids, list(images), param=images_param)
+        if multimodal is not None and params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError(param="truncate_prompt_tokens", problem=" cannot cut a prompt with images")
         ids = self._truncated(ids, params)
         if not ids:
             raise InvalidRequestError(param="prompt", problem=" is empty (it has no tokens)")

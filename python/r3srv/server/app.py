@@ -23,6 +23,7 @@ from r3srv.server.body import decode_body
 from r3srv.server.chat_output import ChatParsers
 from r3srv.server.declare import feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
+from r3srv.vision.media import MediaPolicy
 from r3srv.server.generation import ServerState
 from r3srv.server.metrics import ServerMetrics
 from r3srv.server.openapi import describe_what_is_served
@@ -63,6 +64,7 @@ def create_app(
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
     chat_parsers: ChatParsers | None = None,
+    media: MediaPolicy | None = None,
 ) -> Litestar:
     """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
     CLI stops the server and exits non-zero so that an orchestrator restarts it."""
@@ -75,6 +77,7 @@ def create_app(
         weight_sync_timeout=weight_sync_timeout,
         routed_experts_encoding=routed_experts_encoding,
         chat_parsers=chat_parsers or ChatParsers(),
+        media=media or MediaPolicy(),
     )
 
     async def watch_engine() -> None:

@@ -48,7 +48,7 @@ class Refusal:
 
 
 LORA = Refusal("LoRA adapters are not supported by r3srv")
-MULTIMODAL = Refusal("multimodal inputs are not supported by r3srv (text and token ids only)")
+MULTIMODAL = Refusal("multimodal inputs other than images (and their options) are not supported by r3srv")
 CONSTRAINED = Refusal("constrained decoding (structured outputs, grammars, JSON schemas, regexes) is not supported by r3srv")
 BEAM = Refusal("beam search is not supported by r3srv")
 DISAGGREGATION = Refusal("prefill/decode disaggregation and KV transfer are not supported by r3srv")
@@ -149,7 +149,7 @@ SGLANG_REFUSED: dict[str, Refusal] = {
     "input_embeds": NOT_SUPPORTED,
     "positional_embed_overrides": NOT_SUPPORTED,
     **dict.fromkeys(
-        ("image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
+        ("video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
          "video_config", "modalities", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
          "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch",
          "images_config", "mm_processor_kwargs"),

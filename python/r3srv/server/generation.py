@@ -28,6 +28,8 @@ from r3srv.server.chat_output import ChatParsers
 from r3srv.server.declare import Feature
 from r3srv.server.errors import ModelNotFoundError
 from r3srv.server.metrics import ServerMetrics
+from r3srv.vision.inputs import MultiModalPrompt
+from r3srv.vision.media import MediaPolicy
 
 T = TypeVar("T")
 
@@ -49,6 +51,7 @@ class ServerState:
     weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
     routed_experts_encoding: str = rows_encoding.AUTO  # --routed-experts-encoding
     chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # --tool-call-parser, --reasoning-parser
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where images may come from (--allowed-...)
 
     @property
     def features(self) -> frozenset[Feature]:
@@ -115,6 +118,7 @@ class Generation:
         request_id: str,
         *,
         stream: bool = True,
+        multimodal: MultiModalPrompt | None = None,
     ) -> None:
         self.state = state
         self.route = route
@@ -122,7 +126,7 @@ class Generation:
         # Streams get DELTA outputs (per step, only the new tokens); the others FINAL_ONLY (no
         # per-step outputs, no loop wake-ups).
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        self._stream = state.engine.generate(prompt, params, request_id, output_kind=kind)
+        self._stream = state.engine.generate(prompt, params, request_id, output_kind=kind, multimodal=multimodal)
         self._delta = stream
         self._generated_tokens = 0
         self._started = time.perf_counter()
@@ -199,6 +203,7 @@ async def start_all(
     request_id: str | list[str],
     *,
     stream: bool = True,
+    multimodal: list[MultiModalPrompt | None] | None = None,
 ) -> list[Generation]:
     """Submit every prompt of a request together (so they batch), then wait for each first output
     (with stream=True a DELTA output, with stream=False the finished one). `params` and
@@ -210,7 +215,9 @@ async def start_all(
     ids = request_id if isinstance(request_id, list) else (
         [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id])
     each = params if isinstance(params, list) else [params] * len(prompts)
-    gens = [Generation(state, route, p, sp, rid, stream=stream) for p, sp, rid in zip(prompts, each, ids)]
+    images = multimodal or [None] * len(prompts)  # each prompt's images, expanded (server/images.py)
+    gens = [Generation(state, route, p, sp, rid, stream=stream, multimodal=mm)
+            for p, sp, rid, mm in zip(prompts, each, ids, images)]
     try:
         results = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
     except BaseException:  # cancelled: gather has cancelled the starts and they have ended

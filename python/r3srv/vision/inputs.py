@@ -93,12 +93,12 @@ def content_hash(pixels: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def with_images(ids: list[int], sources: list, config: ImageInputConfig, *,
-                param: str) -> tuple[list[int], MultiModalPrompt]:
+def with_images(ids: list[int], sources: list, config: ImageInputConfig, *, param: str,
+                fields: list[str] | None = None) -> tuple[list[int], MultiModalPrompt]:
     """The prompt with each image's placeholder run expanded (a single placeholder token becomes
     one per merged block; a run already that long stays), and the images in prompt order.
     A run count that differs from the images', or a run of another length, is a 400 naming
-    `param`; image i's problems name `param[i]`."""
+    `param`; image i's problems name fields[i] (default `param[i]`)."""
     token, merge = config.spec.image_token_id, config.spec.merge_size
     if len(sources) > config.max_images:
         raise InvalidRequestError(param=param, problem=f" holds {len(sources)} images; a prompt may hold at most "
@@ -118,7 +118,7 @@ def with_images(ids: list[int], sources: list, config: ImageInputConfig, *,
                                   f"token {token}) for {len(sources)} images")
     out, images, last = [], [], 0
     for k, ((start, length), source) in enumerate(zip(runs, sources)):
-        where = f"{param}[{k}]"
+        where = fields[k] if fields else f"{param}[{k}]"
         pixels = load_image(source, param=where, max_pixels=config.max_pixels)
         processed = preprocess(config.processor, pixels, param=where)
         n = processed.num_tokens(merge)

@@ -229,9 +229,15 @@ class CompletionStreamResponse(Struct, kw_only=True):
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM 0.33's
 
 
+class ImageUrl(Struct, kw_only=True):
+    url: str  # a data:image/...;base64 URI, file:// or http(s):// (r3srv/vision/media.py)
+    detail: str | None = None  # OpenAI's; the checkpoint's preprocessing decides the resolution
+
+
 class ContentPart(Struct, kw_only=True):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None  # type "image_url" (vision-language models)
 
 
 class ChatMessageParam(Struct, kw_only=True):
@@ -249,14 +255,22 @@ class ChatMessageParam(Struct, kw_only=True):
             return sum(len(part.text or "") for part in self.content)
         return len(self.content or "")
 
-    def to_template_dict(self) -> dict[str, Any]:
-        content = self.content
+    def to_template_dict(self, index: int = 0) -> dict[str, Any]:
+        """The message as the chat template reads it: text parts joined into one string; with
+        images, the parts as a list, each image an {"type": "image"} part the template shows as
+        its placeholder (vLLM's "openai" content format)."""
+        content: Any = self.content
         if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise InvalidRequestError(
-                    param="messages", problem=": only text content parts are supported by r3srv (no multimodal inputs)"
-                )
-            content = "".join(part.text for part in content)  # type: ignore[misc]
+            for j, part in enumerate(content):
+                if not (part.type == "text" and part.text is not None
+                        or part.type == "image_url" and part.image_url is not None):
+                    raise InvalidRequestError(param=f"messages[{index}].content[{j}]",
+                                              problem=": only text and image_url content parts are supported by r3srv")
+            if any(part.type == "image_url" for part in content):
+                content = [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+                           for part in content]
+            else:
+                content = "".join(part.text for part in content)  # type: ignore[misc]
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
@@ -284,7 +298,18 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.to_template_dict() for m in self.messages]
+        return [m.to_template_dict(i) for i, m in enumerate(self.messages)]
+
+    def image_refs(self) -> tuple[list[str], list[str]]:
+        """The conversation's image URLs in order, and the field each came in."""
+        refs, fields = [], []
+        for i, message in enumerate(self.messages):
+            if isinstance(message.content, list):
+                for j, part in enumerate(message.content):
+                    if part.type == "image_url" and part.image_url is not None:
+                        refs.append(part.image_url.url)
+                        fields.append(f"messages[{i}].content[{j}].image_url")
+        return refs, fields
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's variables besides messages: tools, chat_template_kwargs, and

@@ -82,6 +82,10 @@ class SglangGenerateRequest(Struct, kw_only=True):
     # prefix-cache isolation: requests share cached prefixes only with equal keys and salts
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    # images (vision-language models): one for every prompt, a list for the prompt (a batch: one
+    # entry per prompt, each an image or a list); each a data: URI, bare base64, a path or a URL
+    # (r3srv/vision/media.py), or {"url": ...}
+    image_data: str | list[Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
@@ -110,6 +114,23 @@ class SglangGenerateRequest(Struct, kw_only=True):
         if isinstance(self.rid, list) and len(self.rid) != count:
             raise InvalidRequestError(param="rid", problem=f" has {len(self.rid)} entries for {count} prompts")
         return prompts
+
+    def images(self, count: int) -> list[list[str]]:
+        """Each prompt's image references, as SGLang normalizes image_data (its names in errors:
+        image_data[k] for a single prompt, image_data[i][k] in a batch)."""
+        data = self.image_data
+        if data is None or data == []:
+            return [[] for _ in range(count)]
+        if not isinstance(data, list):
+            return [[_image_ref(data, "image_data")] for _ in range(count)]
+        if not self.is_batch:
+            flat = data[0] if len(data) == 1 and isinstance(data[0], list) else data
+            return [[_image_ref(item, f"image_data[{k}]") for k, item in enumerate(flat)]]
+        if len(data) != count:
+            raise InvalidRequestError(param="image_data", problem=f" has {len(data)} entries for {count} prompts")
+        return [[_image_ref(item, f"image_data[{i}][{k}]") for k, item in enumerate(entry)]
+                if isinstance(entry, list) else ([] if entry is None else [_image_ref(entry, f"image_data[{i}]")])
+                for i, entry in enumerate(data)]
 
     def request_ids(self, count: int, default: str) -> list[str]:
         if isinstance(self.rid, list):
@@ -160,6 +181,15 @@ class SglangGenerateRequest(Struct, kw_only=True):
             routed_experts_prompt_start=self.routed_experts_start_len,
             return_routed_experts=self.return_routed_experts,
         )
+
+
+def _image_ref(item: Any, param: str) -> str:
+    if isinstance(item, dict) and isinstance(item.get("url"), str):  # SGLang's ImageData
+        return item["url"]
+    if isinstance(item, str):
+        return item
+    raise InvalidRequestError(param=param, problem=" must be a string (a data: URI, base64, a path or a URL) "
+                              "or {\"url\": ...}")
 
 
 class SglangAbortRequest(Struct, kw_only=True):

@@ -12,6 +12,7 @@ from r3srv.offload import run_sized
 from r3srv.server import protocol as p
 from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
+from r3srv.server.images import expand
 from r3srv.server.generation import start_all
 from r3srv.server.responses import chat_response, completion_response
 from r3srv.server.routes.common import run_to_end, server_state
@@ -54,12 +55,14 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
         return chat.chat_prompt_ids(data.template_messages(), data.add_generation_prompt, **data.template_kwargs())
 
     prompt = await run_sized(sum(m.content_chars() for m in data.messages), render_and_encode)
+    refs, fields = data.image_refs()
+    prompt, images = await expand(state, prompt, refs, param="messages", fields=fields)
     request_id = data.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     route = "/v1/chat/completions"
     if data.stream:
-        gens = await start_all(state, route, [prompt], params, request_id)
+        gens = await start_all(state, route, [prompt], params, request_id, multimodal=[images])
         return EngineStream(chat_stream(state, data, request_id, gens, parsing), gens)  # type: ignore[return-value]
     return await run_to_end(  # type: ignore[return-value]
         request, route, [prompt], params, request_id,
-        lambda finals: chat_response(state, data, request_id, finals[0], parsing),
+        lambda finals: chat_response(state, data, request_id, finals[0], parsing), multimodal=[images],
     )

@@ -30,6 +30,7 @@ from r3srv.server import rows_encoding
 from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import Generation, ServerState, merged_outputs, start_all
+from r3srv.server.images import expand
 from r3srv.server.responses import ranked_logprobs
 from r3srv.server.routes.common import run_to_end, server_state
 from r3srv.server.streaming import DONE, EngineStream, sse
@@ -43,14 +44,20 @@ ROUTE = "/generate"
 async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, Any, Any]) -> Any:
     state = server_state(request)
     prompts = await _token_ids(state, data.prompts())
+    images = data.images(len(prompts))
+    multimodal = []
+    for i, refs in enumerate(images):  # placeholders expanded first: the room a prompt leaves counts them
+        prompts[i], mm = await expand(state, prompts[i], refs, param="image_data" if not data.is_batch else
+                                      f"image_data[{i}]", bare_base64=True)
+        multimodal.append(mm)
     room = state.engine.max_model_len
     params = [data.to_sampling_params(i, room - len(prompt)) for i, prompt in enumerate(prompts)]
     request_ids = data.request_ids(len(prompts), uuid.uuid4().hex)
     if data.stream:
-        gens = await start_all(state, ROUTE, prompts, params, request_ids)
+        gens = await start_all(state, ROUTE, prompts, params, request_ids, multimodal=multimodal)
         return EngineStream(_stream(state, data, request_ids, gens), gens)
     outs = await run_to_end(request, ROUTE, prompts, params, request_ids,
-                            lambda finals: _answer(state, data, request_ids, finals))
+                            lambda finals: _answer(state, data, request_ids, finals), multimodal=multimodal)
     return outs
 
 

@@ -1,0 +1,162 @@
+"""Images over HTTP on a real server (a tiny random Qwen3-VL-MoE checkpoint): SGLang's /generate
+with image_data as a data: URI, bare base64 or a file under --allowed-local-media-path, single
+and batched; the expanded prompt's tokens and every position's routed experts (decoded as
+SGLang-based trainers decode them) equal transformers'; the same image again hits the prefix
+cache; files outside the allowed directory, URLs (off by default) and bad images are 400s
+naming the field, with nothing held."""
+
+from __future__ import annotations
+
+import base64
+import re
+
+import httpx
+import numpy as np
+import pytest
+from server_fixture import TEST_SERVER_ARGS, RemoteServer
+
+from test_engine_vision import picture, text, with_placeholders
+from vision_testing import IMAGE_TOKEN, expanded, hf_greedy, write_vision_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow  # a real server, transformers oracles
+
+NEW_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_vl_moe")
+    hf, processor = write_vision_checkpoint(transformers, "qwen3_vl_moe", path)
+    media = tmp_path_factory.mktemp("media")
+    (media / "cat.png").write_bytes(picture(0))
+    with RemoteServer(str(path), "--enable-return-routed-experts", *TEST_SERVER_ARGS, "--dtype", "float32",
+                      "--max-model-len", "512", "--allowed-local-media-path", str(media)) as srv:
+        srv.model_path = path
+        yield srv, hf, processor, media
+    assert srv.returncode == 0, srv.log
+
+
+def generate(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/generate", json=body, timeout=300)
+
+
+def body(ids: list[int], image_data, **extra) -> dict:
+    return {"input_ids": ids, "image_data": image_data, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}, **extra}
+
+
+def assert_matches_transformers(out: dict, hf, processor, ids: list[int], images: list[bytes]) -> None:
+    """The expanded prompt's length, the greedy tokens and every position's routed experts
+    (decoded as slime decodes SGLang's) equal transformers' on the same prompt and images."""
+    expected = expanded(ids, images, processor, IMAGE_TOKEN)
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == len(expected)
+    tokens, _, want = hf_greedy(hf, expected, images, processor, IMAGE_TOKEN, NEW_TOKENS)
+    assert out["output_ids"] == tokens
+    rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
+    rows = rows.reshape(len(expected) + NEW_TOKENS - 1, hf.config.text_config.num_hidden_layers, -1)
+    for layer, picked in want.items():
+        assert np.array_equal(rows[:, layer], picked.numpy()), f"layer {layer}"
+
+
+def test_image_data_forms_match_transformers_and_share_the_cache(served):
+    srv, hf, processor, media = served
+    ids = with_placeholders(text(5, 1), 0, text(4, 2))
+    png = picture(0)
+    b64 = base64.b64encode(png).decode()
+    first = generate(srv, body(ids, f"data:image/png;base64,{b64}"))
+    assert first.status_code == 200, first.text
+    out = first.json()
+    assert_matches_transformers(out, hf, processor, ids, [png])
+    for form in (b64, str(media / "cat.png"), f"file://{media / 'cat.png'}", [{"url": f"data:image/png;base64,{b64}"}]):
+        again = generate(srv, body(ids, form)).json()
+        assert again["output_ids"] == out["output_ids"]
+        assert again["meta_info"]["routed_experts"] == out["meta_info"]["routed_experts"]
+        assert again["meta_info"]["cached_tokens"] > 0
+
+
+def test_a_batch_takes_one_image_list_per_prompt(served):
+    srv, hf, processor, _ = served
+    ids = [with_placeholders(text(3, 5), 0, text(2, 6)), with_placeholders(0, text(2, 7), 1)]
+    images = [[picture(1)], [picture(2), picture(6)]]
+    refs = [[f"data:image/png;base64,{base64.b64encode(i).decode()}" for i in group] for group in images]
+    outs = generate(srv, body(ids, refs)).json()
+    assert len(outs) == 2
+    for out, prompt, group in zip(outs, ids, images):
+        assert_matches_transformers(out, hf, processor, prompt, group)
+
+
+@pytest.mark.parametrize("image_data,param,match", [
+    ("/etc/hostname.png", "image_data[0]", "not a file under the allowed media directory"),
+    ("file:///etc/passwd", "image_data[0]", "not a file under the allowed media directory"),
+    ("http://127.0.0.1:1/cat.png", "image_data[0]", "image URLs are off"),
+    ("data:text/html;base64,PGh0bWw+", "image_data[0]", "not an image"),
+    (base64.b64encode(b"\x89PNG\r\n\x1a\n truncated").decode(), "image_data[0]", "could not be decoded|not an image"),
+    ([["a"], ["b"]], "image_data[0]", "must be a string"),  # one prompt's list holds images, not lists
+])
+def test_bad_images_are_400s_naming_the_field(served, image_data, param, match):
+    srv, _, _, _ = served
+    response = generate(srv, body(with_placeholders(text(3, 9), 0), image_data))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and re.search(match, error["message"]), error
+    assert "root:" not in error["message"]  # nothing of the server's files echoed
+    used = [line for line in httpx.get(srv.url + "/metrics").text.splitlines() if line.startswith("r3srv_kv_blocks_used")]
+    assert used and float(used[0].split()[-1]) == 0
+
+
+def chat_messages(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "look: "},
+                                         {"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": " what is it?"}]}]
+
+
+def test_chat_image_url_parts_through_the_openai_sdk_match_transformers(served):
+    """The openai SDK's chat call with an image_url part: the prompt the checkpoint's own chat
+    template renders (transformers' tokenizer), expanded, is the choice's prompt_token_ids; its
+    tokens and every position's rows equal transformers'."""
+    from openai import OpenAI
+
+    from r3srv.serial import decode_routed_experts
+
+    srv, hf, processor, _ = served
+    png = picture(3)
+    url = f"data:image/png;base64,{base64.b64encode(png).decode()}"
+    client = OpenAI(base_url=srv.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=chat_messages(url), max_tokens=NEW_TOKENS, temperature=0,
+                                       extra_body={"return_token_ids": True, "routed_experts_prompt_start": 0,
+                                                   "ignore_eos": True})
+    choice = r.choices[0]
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(srv.model_path))
+    template_messages = [{"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image"},
+                                                      {"type": "text", "text": " what is it?"}]}]
+    text = tokenizer.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+    expected = expanded(tokenizer.encode(text, add_special_tokens=False), [png], processor, IMAGE_TOKEN)
+    assert r.model_extra["prompt_token_ids"] == expected  # vLLM's place: the response's
+    tokens, _, want = hf_greedy(hf, expected, [png], processor, IMAGE_TOKEN, NEW_TOKENS)
+    assert choice.model_extra["token_ids"] == tokens
+    rows = decode_routed_experts(choice.model_extra["routed_experts"])
+    assert rows.shape[0] == len(expected) + NEW_TOKENS - 1 == r.usage.prompt_tokens + NEW_TOKENS - 1
+    for layer, picked in want.items():
+        assert np.array_equal(rows[:, layer], picked.numpy()), f"layer {layer}"
+
+
+@pytest.mark.parametrize("content,param,match", [
+    ([{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}], "messages[0].content[0].image_url",
+     "not a file under the allowed media directory"),
+    ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
+     "messages[0].content[1].image_url", "image URLs are off"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"nope").decode()}}],
+     "messages[0].content[0].image_url", "not an image|could not be decoded"),
+    ([{"type": "video_url", "video_url": {"url": "x"}}], "messages[0].content[0]", "only text and image_url"),
+])
+def test_bad_chat_images_are_400s_naming_the_part(served, content, param, match):
+    srv, _, _, _ = served
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and re.search(match, error["message"]), error
