@@ -160,3 +160,10 @@ def test_bad_chat_images_are_400s_naming_the_part(served, content, param, match)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and re.search(match, error["message"]), error
+
+
+def test_models_says_image_placeholders_have_rows(served):
+    srv, hf, _, _ = served
+    info = httpx.get(srv.url + "/v1/models").json()["data"][0]["routed_experts"]
+    assert info["images"] == {"image_token_id": IMAGE_TOKEN, "merge_size": hf.config.vision_config.spatial_merge_size,
+                              "placeholder_rows": True}

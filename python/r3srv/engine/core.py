@@ -444,6 +444,9 @@ class EngineCore:
             "num_experts": mc.num_experts,
             "dtype": self.rows.dtype.name,
             "moe_layers": list(mc.moe_layers),
+            # image placeholders are positions with rows (docs/vision.md)
+            "images": None if self.image_inputs is None else {
+                "image_token_id": mc.vision.image_token_id, "merge_size": mc.vision.merge_size},
         }
 
     # -- the step -----------------------------------------------------------------------

@@ -46,12 +46,23 @@ class DetokenizeResponse(Struct, kw_only=True):
     prompt: str
 
 
+class ImageRowsInfo(Struct, kw_only=True):
+    """A vision-language model's image inputs (docs/vision.md): every image placeholder of the
+    expanded prompt (one per merged block of merge_size x merge_size patches) is a position
+    with its own row, and prompt_token_ids / routed_experts_prompt_start count them."""
+
+    image_token_id: int
+    merge_size: int
+    placeholder_rows: bool = True
+
+
 class RoutedExpertsInfo(Struct, kw_only=True):
     num_layers: int
     top_k: int
     num_experts: int
     dtype: str
     moe_layers: list[int]
+    images: ImageRowsInfo | UnsetType = UNSET  # present when the model takes images
 
 
 class ModelCard(Struct, kw_only=True):

@@ -34,6 +34,7 @@ async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
             num_experts=int(info["num_experts"]),
             dtype=str(info["dtype"]),
             moe_layers=[int(i) for i in info["moe_layers"]],
+            images=p.ImageRowsInfo(**info["images"]) if info.get("images") else p.UNSET,
         )
         if info
         else p.UNSET,
