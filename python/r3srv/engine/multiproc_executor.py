@@ -300,10 +300,10 @@ class MultiprocExecutor:
         self._weights_everywhere(Command.LEAVE_WEIGHT_GROUP, {"group_name": group_name}, f"leaving {group_name!r}",
                                  param="group_name")
 
-    def receive_weights(self, group_name: str, named: NamedTensors) -> None:
+    def receive_weights(self, group_name: str, named: NamedTensors, packing: dict | None = None) -> None:
         names = list(named.metas)
         call = {"group_name": group_name, "names": names, "dtypes": [str(named.metas[n][1]) for n in names],
-                "shapes": [list(named.metas[n][0]) for n in names]}
+                "shapes": [list(named.metas[n][0]) for n in names], "packing": packing}
         self._weights_everywhere(Command.RECEIVE_WEIGHTS, call, "the broadcast from the trainer", param="names",
                                  after=f"; the served weights are unchanged and group {group_name!r} is destroyed")
 
