@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from msgspec import Struct
 
+from r3srv.errors import InvalidRequestError
+
 from r3srv.engine.vllm_transfer import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 
 
@@ -157,7 +159,7 @@ class BeginWeightUpdateRequest(Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.selector == "draft":
-            _refuse("selector", "'draft' names a draft model, and r3srv serves none")
+            raise InvalidRequestError("selector 'draft' names a draft model, and r3srv serves none", param="selector")
 
 
 class EndWeightUpdateRequest(Struct, kw_only=True):
