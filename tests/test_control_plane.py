@@ -284,3 +284,37 @@ def test_areal_joins_with_master_port_as_a_string(server, policies, pool):
 def dist_group(port: int) -> dist.ProcessGroup:
     return trainer.init_custom_process_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
                                              group_name=trainer.GROUP, backend="gloo", timeout=60)
+
+
+# ---------------------------------------------------------------- prime-rl's NCCL broadcast
+
+
+def test_prime_rl_nccl_broadcast_pauses_receives_and_resumes(server, policies, pool, tmp_path):
+    """prime-rl with weight_broadcast nccl: the orchestrator's /init_broadcaster
+    (src/prime_rl/utils/client.py:418-433) while the trainer opens vLLM's rendezvous as rank 0 of
+    inference_world_size + 1 (transports/weights/nccl.py:128-134); each step /pause?mode=keep,
+    the NCCL_READY marker in the step's directory, /update_weights {weight_dir} while the trainer
+    broadcasts, /resume (client.py:255-315)."""
+    v0, v1 = policies
+    reset(server, v0)
+    port = free_port()
+    body = {"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": 1, "timeout": 60,
+            "quantize_in_weight_transfer": False}
+    reply = pool.submit(post, server, "/init_broadcaster", body)
+    group = trainer.vllm_trainer_group(port, 2)
+    try:
+        assert reply.result().status_code == 200 and reply.result().json() == {"status": "ok"}, reply.result().text
+        step = tmp_path / "broadcasts" / "step_1"
+        step.mkdir(parents=True)
+        assert post_query(server, "/pause", mode="keep", clear_cache="false").json() == {"status": "paused"}
+        (step / "NCCL_READY").touch()
+        reply = pool.submit(post, server, "/update_weights", {"weight_dir": str(step)})
+        trainer.prime_rl_broadcast(group, trainer.checkpoint_tensors(v1))
+        assert reply.result().status_code == 200, reply.result().text
+        assert post(server, "/resume").json() == {"status": "resumed"}
+        assert serves(server, v1) and served(server, PROMPT)[2] == str(step)
+    finally:
+        dist.destroy_process_group(group)
+        post(server, "/destroy_weights_update_group", {"group_name": "prime_rl_broadcast"})
+    r = post(server, "/init_broadcaster", dict(body, quantize_in_weight_transfer=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "quantize_in_weight_transfer", r.text

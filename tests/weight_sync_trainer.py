@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from r3srv.engine.process_groups import group_on_store
-from r3srv.engine.vllm_transfer import GLOO_PREFIX, UNIQUE_ID_KEY
+from r3srv.engine.vllm_transfer import UNIQUE_ID_KEY, gloo_group_name
 from r3srv.engine.weight_sync import init_custom_process_group
 
 GROUP = "weight_update_group"
@@ -66,7 +66,8 @@ def vllm_trainer_group(port: int, world_size: int) -> dist.ProcessGroup:
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=datetime.timedelta(seconds=60),
                           use_libuv=False)
     store.set(UNIQUE_ID_KEY, VLLM_UNIQUE_ID)
-    group = group_on_store(store, rank=0, world_size=world_size, group_name=GLOO_PREFIX, backend="gloo", timeout=60)
+    group = group_on_store(store, rank=0, world_size=world_size, group_name=gloo_group_name(port), backend="gloo",
+                           timeout=60)
     dist.all_reduce(torch.zeros(1, dtype=torch.float32), group=group)
     return group
 
@@ -170,3 +171,24 @@ def broadcast_checkpoint(port: int, world_size: int, checkpoint: Path, die_after
             os._exit(3)
         dist.broadcast(tensor.contiguous(), src=0, group=group)
     dist.destroy_process_group(group)
+
+
+def prime_rl_broadcast(group: dist.ProcessGroup, tensors: dict[str, torch.Tensor], layer_prefix: str = "model.layers.") -> None:
+    """prime-rl's trainer push (src/prime_rl/transports/weights/nccl.py:27-67 and :140-161, at 559b447):
+    the number of state dicts, then the non-layer weights and each layer's, each as its metadata's
+    size, the metadata ({dtype: [(name, shape, numel)]} pickled) and one concatenated tensor per dtype."""
+    import pickle
+
+    layers = sorted({int(n[len(layer_prefix):].split(".")[0]) for n in tensors if n.startswith(layer_prefix)})
+    dicts = [{n: t for n, t in tensors.items() if not n.startswith(layer_prefix)}]
+    dicts += [{n: t for n, t in tensors.items() if n.startswith(f"{layer_prefix}{i}.")} for i in layers]
+    dist.broadcast(torch.tensor([len(dicts)], dtype=torch.long), src=0, group=group)
+    for state in dicts:
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in state.items():
+            by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+        metadata = pickle.dumps({d: [(n, t.shape, t.numel()) for n, t in items] for d, items in by_dtype.items()})
+        dist.broadcast(torch.tensor([len(metadata)], dtype=torch.long), src=0, group=group)
+        dist.broadcast(torch.ByteTensor(list(metadata)), src=0, group=group)
+        for items in by_dtype.values():
+            dist.broadcast(torch.cat([t.flatten() for _, t in items]), src=0, group=group)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 def group_on_store(store: dist.Store, *, rank: int, world_size: int, group_name: str, backend: str,
                    timeout: float) -> dist.ProcessGroup:
-    """A `backend` group of `world_size` ranks whose rendezvous keys live in `store` under `group_name`."""
+    """A `backend` group of `world_size` ranks whose rendezvous keys live in `store` under `group_name`
+    (every member names the group alike)."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     group, _ = _new_process_group_helper(

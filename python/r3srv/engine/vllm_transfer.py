@@ -12,7 +12,7 @@ takes it past the size), which both sides cut from the same names, dtypes and sh
 r3srv never unpickles from the network: the id's pickle is checked opcode by opcode against the
 one shape vLLM writes (ctypes' `_unpickle` of `ncclUniqueId` and its 128 bytes) and the bytes are
 read out of it (`nccl_unique_id`). On the CPU the "NCCL" group is gloo, made over the same store
-(keys under GLOO_PREFIX): the handshake, the warm-up and the chunk layout are vLLM's, the transport
+(keys under gloo_group_name): the handshake, the warm-up and the chunk layout are vLLM's, the transport
 is not. On CUDA the NCCL communicator itself is not built yet (a 400 says so).
 """
 
@@ -32,7 +32,7 @@ from r3srv.errors import InvalidRequestError
 
 UNIQUE_ID_KEY = "broadcast_from/0/0"  # StatelessProcessGroup.broadcast_obj's first key from rank 0
 UNIQUE_ID_BYTES = 128
-GLOO_PREFIX = "r3srv-gloo"  # the CPU stand-in's keys in the trainer's store
+GLOO_PREFIX = "r3srv-gloo"  # the CPU stand-in's keys in the trainer's store (gloo_group_name)
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's packed_tensor defaults
 DEFAULT_PACKED_NUM_BUFFERS = 2
 
@@ -117,6 +117,12 @@ def receive_packed(group: dist.ProcessGroup, metas: dict[str, tuple[tuple[int, .
     return received
 
 
+def gloo_group_name(master_port: int) -> str:
+    """The CPU stand-in's group, named alike by the trainer and every server rank (and apart from
+    another trainer's group in the same server)."""
+    return f"{GLOO_PREFIX}-{master_port}"
+
+
 def join_vllm_group(*, master_address: str, master_port: int, rank: int, world_size: int, device: torch.device,
                     timeout: float) -> dist.ProcessGroup:
     """Connect to the trainer's store, read its NCCL unique id, join the group as `rank`, answer
@@ -129,8 +135,8 @@ def join_vllm_group(*, master_address: str, master_port: int, rank: int, world_s
     # a client counts itself in (wait_for_workers): the trainer's store waits for world_size members
     store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=wait)
     nccl_unique_id(store.get(UNIQUE_ID_KEY))  # the trainer's handshake, checked; gloo needs no id
-    group = group_on_store(store, rank=rank, world_size=world_size, group_name=GLOO_PREFIX, backend="gloo",
-                           timeout=timeout)
+    group = group_on_store(store, rank=rank, world_size=world_size, group_name=gloo_group_name(master_port),
+                           backend="gloo", timeout=timeout)
     warm_up = torch.zeros(1, dtype=torch.float32)
     dist.all_reduce(warm_up, group=group)  # PyNcclCommunicator's warm-up, answered
     return group

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from r3srv.engine.prime_rl_broadcast import receive_state_dicts
 from r3srv.engine.process_groups import init_custom_process_group
 from r3srv.engine.step_channel import Command
 from r3srv.engine.vllm_transfer import Packing, join_vllm_group, receive_packed
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 VLLM_GROUP = "weight_update_group"  # vLLM's init_info names no group: the SGLang default
+PRIME_RL_GROUP = "prime_rl_broadcast"  # the group /init_broadcaster joins
 
 
 class WeightSyncError(InvalidRequestError):
@@ -96,22 +98,25 @@ class WeightSync:
         return backend
 
     def join(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
-             backend: str, rendezvous: str = "torch", packing: dict | None = None) -> str:
+             backend: str, rendezvous: str = "torch", packing: dict | None = None,
+             rendezvous_timeout: float | None = None) -> str:
         """Blocking: run it off the event loop. The trainer joins too, at the same time.
         `rendezvous`: "torch" (SGLang's) or "vllm" (vLLM's trainer store, engine/vllm_transfer.py);
-        `packing`: Packing's fields, when the trainer broadcasts vLLM's packed chunks."""
+        `packing`: Packing's fields, when the trainer broadcasts vLLM's packed chunks;
+        `rendezvous_timeout`: the trainer's own bound on the rendezvous (at most the server's)."""
         backend = self.backend_for(backend)
         self.check_join(rank_offset=rank_offset, world_size=world_size, group_name=group_name)
         rank = rank_offset + self.tp_rank
+        wait = min(self.timeout, rendezvous_timeout) if rendezvous_timeout else self.timeout
         with self._lock:
             try:
                 if rendezvous == "vllm":
                     group = join_vllm_group(master_address=master_address, master_port=master_port, rank=rank,
-                                            world_size=world_size, device=self.device, timeout=self.timeout)
+                                            world_size=world_size, device=self.device, timeout=wait)
                 else:
                     group = init_custom_process_group(
                         master_address=master_address, master_port=master_port, rank=rank, world_size=world_size,
-                        group_name=group_name, backend=backend, timeout=self.timeout,
+                        group_name=group_name, backend=backend, timeout=wait,
                     )
             except InvalidRequestError:
                 raise
@@ -180,9 +185,34 @@ class WeightSync:
         device, staged once all arrived (`keep`: what of them to stage; default all). On a
         failure (the trainer died, or stalled past the timeout) the group is destroyed, as it
         can no longer be trusted, and WeightSyncError says so; nothing received is kept."""
+        def fetch(group: _Group, arrived: Callable[[int], None]) -> dict[str, torch.Tensor]:
+            packed = Packing(**packing) if packing is not None else group.packing
+            if packed is not None:
+                return receive_packed(group.group, named.metas, packed, self.device, on_chunk=arrived)
+            buffers = {name: torch.empty(shape, dtype=dtype, device=self.device)
+                       for name, (shape, dtype) in named.metas.items()}
+            # all posted at once, as SGLang does: the transfers pipeline instead of paying a round trip each
+            handles = [dist.broadcast(b, src=0, group=group.group, async_op=True) for b in buffers.values()]
+            for done, handle in enumerate(handles, 1):
+                handle.wait()
+                arrived(done)
+            return buffers
+
+        self._receive(group_name, fetch, keep, f" of {len(named.metas)}")
+
+    def receive_announced(self, group_name: str, check: Callable[[NamedTensors], Any],
+                          keep: Callable[[NamedTensors], dict[str, Any]] | None = None) -> int:
+        """prime-rl's push (engine/prime_rl_broadcast.py): the names arrive with the tensors, and
+        `check` sees each state dict's before its tensors come. Returns how many tensors arrived;
+        failures as receive's."""
+        def fetch(group: _Group, arrived: Callable[[int], None]) -> dict[str, torch.Tensor]:
+            return receive_state_dicts(group.group, self.device, lambda metas: check(NamedTensors(metas)), arrived)
+
+        return self._receive(group_name, fetch, keep, "")
+
+    def _receive(self, group_name: str, fetch, keep, of_total: str) -> int:
         with self._lock:
             known = self.group(group_name)
-            packed = Packing(**packing) if packing is not None else known.packing
             done = 0
 
             def arrived(count: int) -> None:
@@ -190,26 +220,18 @@ class WeightSync:
                 done = count
 
             try:
-                if packed is not None:
-                    buffers = receive_packed(known.group, named.metas, packed, self.device, on_chunk=arrived)
-                else:
-                    buffers = {name: torch.empty(shape, dtype=dtype, device=self.device)
-                               for name, (shape, dtype) in named.metas.items()}
-                    # all posted at once, as SGLang does: the transfers pipeline instead of paying a round trip each
-                    handles = [dist.broadcast(b, src=0, group=known.group, async_op=True) for b in buffers.values()]
-                    for handle in handles:
-                        handle.wait()
-                        done += 1
+                buffers = fetch(known, arrived)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             except Exception as exc:
                 self._destroy(group_name)  # drops the staged tensors too
                 raise WeightSyncError(
-                    f"the broadcast from the trainer failed after {done} of {len(named.metas)} tensors ({exc}); "
+                    f"the broadcast from the trainer failed after {done}{of_total} tensors ({exc}); "
                     f"the served weights are unchanged and group {group_name!r} is destroyed",
                     param="names",
                 ) from exc
             self.staged.update(buffers if keep is None else keep(NamedTensors.of(buffers)))
+            return len(buffers)
 
 
 def named_tensor_metas(names: list[str], dtypes: list[str], shapes: list[list[int]], *, dtypes_param: str) -> NamedTensors:
@@ -242,6 +264,9 @@ def run_weight_command(sync: WeightSync, model, command: Command, call: dict) ->
     if command is Command.JOIN_WEIGHT_GROUP:
         sync.timeout = call["timeout"]
         sync.join(**{k: v for k, v in call.items() if k != "timeout"})
+    elif command is Command.RECEIVE_WEIGHTS and call.get("announced"):  # prime-rl's: names come in-band
+        sync.receive_announced(call["group_name"], check=lambda named: plan_named_tensors(model, named, complete=False),
+                               keep=lambda arrived: keep_shard_pieces(model, arrived))
     elif command is Command.RECEIVE_WEIGHTS:
         named = named_tensor_metas(call["names"], call["dtypes"], call["shapes"], dtypes_param="dtypes")
         sync.receive(call["group_name"], named, keep=lambda arrived: keep_shard_pieces(model, arrived),
@@ -290,6 +315,9 @@ class LocalReceiver:
     def check_group(self, group_name: str) -> None:
         self.sync.group(group_name)
 
+    def has_group(self, group_name: str) -> bool:
+        return group_name in self.sync.groups
+
     async def join(self, **group: Any) -> str:
         return await asyncio.to_thread(self.sync.join, **group)
 
@@ -298,6 +326,9 @@ class LocalReceiver:
 
     async def receive(self, group_name: str, named: NamedTensors, packing: dict | None = None) -> None:
         await asyncio.to_thread(self.sync.receive, group_name, named, None, packing)
+
+    async def receive_announced(self, group_name: str, check: Callable[[NamedTensors], Any]) -> int:
+        return await asyncio.to_thread(self.sync.receive_announced, group_name, check)
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> None:
         self.sync.staged.update(tensors)
@@ -329,6 +360,9 @@ class RankedReceiver:
     def check_group(self, group_name: str) -> None:
         self.sync.group(group_name)
 
+    def has_group(self, group_name: str) -> bool:
+        return group_name in self.sync.groups
+
     async def join(self, *, backend: str, **group: Any) -> str:
         group["backend"] = self.sync.backend_for(backend)
         self.sync.check_join(rank_offset=group["rank_offset"], world_size=group["world_size"],
@@ -341,6 +375,10 @@ class RankedReceiver:
 
     async def receive(self, group_name: str, named: NamedTensors, packing: dict | None = None) -> None:
         await self.engine.call_ranks(lambda ranks: ranks.receive_weights(group_name, named, packing))
+
+    async def receive_announced(self, group_name: str, check: Callable[[NamedTensors], Any]) -> int:
+        await self.engine.call_ranks(lambda ranks: ranks.receive_weights(group_name, None, announced=True))
+        return len(self.sync.staged_tensors().metas)  # every rank checked its own shard's pieces
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError("tensors handed over in one process cannot reach every rank's staging")
@@ -408,6 +446,17 @@ class TrainerUpdates:
                 lambda: {name: t.to(self.sync.device, copy=True) for name, t in tensors.items()})
             self.sync.stage(copies)
             return await self._staged(len(copies), weight_version, abort_running)
+
+    async def receive_announced(self, group_name: str, *, weight_version: str | None) -> str:
+        """prime-rl's push: every tensor it sends, its names checked against the served model as
+        each state dict's metadata arrives; applied like an SGLang call that completes the model."""
+        def check(named: NamedTensors) -> None:
+            self.engine.unfilled_weights(named)  # a ConfigError names what the model cannot take
+
+        async with self.lock:
+            self.sync.check_group(group_name)
+            arrived = await self.sync.receive_announced(group_name, check)
+            return await self._staged(arrived, weight_version, False)
 
     async def receive_in_round(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
                                packing: dict | None = None) -> str:

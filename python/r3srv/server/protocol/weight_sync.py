@@ -123,9 +123,28 @@ class VllmFinishRequest(Struct, kw_only=True):
 
 
 class PrimeRlUpdateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
-    """prime-rl's /update_weights body: a directory of safetensors shards (no config.json needed)."""
+    """prime-rl's /update_weights body: a directory of safetensors shards (no config.json needed),
+    or, once /init_broadcaster joined, the directory of its NCCL_READY marker (the push arrives
+    over the broadcaster's group)."""
 
     weight_dir: str | None
+
+
+class PrimeRlInitBroadcasterRequest(Struct, kw_only=True):
+    """prime-rl's /init_broadcaster body (src/prime_rl/utils/client.py: init_nccl_broadcast)."""
+
+    host: str
+    port: int
+    rank_offset: int  # this server's first rank among the inference ranks (the trainer's is before them)
+    inference_world_size: int
+    timeout: float | None = None  # seconds the rendezvous may wait (at most --weight-sync-timeout)
+    quantize_in_weight_transfer: bool = False
+    session_id: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.quantize_in_weight_transfer:
+            raise InvalidRequestError("quantize_in_weight_transfer (FP8 kernel-format layers) is not supported: "
+                                      "send checkpoint weights", param="quantize_in_weight_transfer")
 
 
 class VllmUpdateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
