@@ -7,7 +7,6 @@ at the commits docs/rl.md names."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import subprocess
@@ -18,8 +17,8 @@ import torch.distributed as dist
 import weight_sync_trainer as trainer
 from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port, serve_command
 from test_server_weights import post
+from test_weight_sync import policies, pool  # noqa: F401 (fixtures: the two policies, a thread pool)
 from test_weight_sync import PROMPT, reset, served, serves
-from tiny_checkpoints import write_tiny_checkpoint
 
 from r3srv.errors import InvalidRequestError
 from r3srv.server.body import decode_body
@@ -30,22 +29,10 @@ FLAGS = ("--enable-weight-updates", "--enable-return-routed-experts", "--enable-
 
 
 @pytest.fixture(scope="module")
-def policies(tmp_path_factory):
-    root = tmp_path_factory.mktemp("control-policies")
-    return write_tiny_checkpoint(root / "v0", seed=0), write_tiny_checkpoint(root / "v1", seed=1)
-
-
-@pytest.fixture(scope="module")
 def server(policies):
     with RemoteServer(str(policies[0]), *FLAGS, *TEST_SERVER_ARGS) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
-
-
-@pytest.fixture
-def pool():
-    with concurrent.futures.ThreadPoolExecutor(2) as threads:
-        yield threads
 
 
 def get(server, route: str, **params) -> httpx.Response:
@@ -184,12 +171,9 @@ def test_skyrl_broadcast_weight_sync_through_collective_rpc(server, policies, po
     v0, v1 = policies
     reset(server, v0)
     world = get(server, "/get_world_size").json()["world_size"] + 1
-    port = free_port()
-    payload = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world}
-    reply = pool.submit(post, server, "/init_weight_transfer_engine", {"init_info": payload})
-    group = trainer.vllm_trainer_group(port, world)
+    # BroadcastInitInfo.to_api_payload (broadcast_strategy.py:68-75): the same four fields
+    group = trainer.vllm_join(server.url, free_port(), pool, world_size=world)
     try:
-        assert reply.result().status_code == 200, reply.result().text
         r = skyrl_rpc(server, "skyrl_start_weight_update", is_checkpoint_format=True)
         assert r.status_code == 200 and r.json() == {"results": [None]}, r.text
         tensors = trainer.checkpoint_tensors(v1)
@@ -290,20 +274,13 @@ def dist_group(port: int) -> dist.ProcessGroup:
 
 
 def test_prime_rl_nccl_broadcast_pauses_receives_and_resumes(server, policies, pool, tmp_path):
-    """prime-rl with weight_broadcast nccl: the orchestrator's /init_broadcaster
-    (src/prime_rl/utils/client.py:418-433) while the trainer opens vLLM's rendezvous as rank 0 of
-    inference_world_size + 1 (transports/weights/nccl.py:128-134); each step /pause?mode=keep,
+    """prime-rl with weight_broadcast nccl: /init_broadcaster (trainer.prime_rl_join); each step /pause?mode=keep,
     the NCCL_READY marker in the step's directory, /update_weights {weight_dir} while the trainer
     broadcasts, /resume (client.py:255-315)."""
     v0, v1 = policies
     reset(server, v0)
-    port = free_port()
-    body = {"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": 1, "timeout": 60,
-            "quantize_in_weight_transfer": False}
-    reply = pool.submit(post, server, "/init_broadcaster", body)
-    group = trainer.vllm_trainer_group(port, 2)
+    group = trainer.prime_rl_join(server.url, free_port(), pool)
     try:
-        assert reply.result().status_code == 200 and reply.result().json() == {"status": "ok"}, reply.result().text
         step = tmp_path / "broadcasts" / "step_1"
         step.mkdir(parents=True)
         assert post_query(server, "/pause", mode="keep", clear_cache="false").json() == {"status": "paused"}
@@ -316,5 +293,7 @@ def test_prime_rl_nccl_broadcast_pauses_receives_and_resumes(server, policies, p
     finally:
         dist.destroy_process_group(group)
         post(server, "/destroy_weights_update_group", {"group_name": "prime_rl_broadcast"})
-    r = post(server, "/init_broadcaster", dict(body, quantize_in_weight_transfer=True))
+    body = {"host": "127.0.0.1", "port": free_port(), "rank_offset": 0, "inference_world_size": 1,
+            "quantize_in_weight_transfer": True}
+    r = post(server, "/init_broadcaster", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "quantize_in_weight_transfer", r.text

@@ -191,12 +191,8 @@ def test_skyrl_and_prime_rl_pushes_reach_every_tp_rank(server, policies, oracle,
     v0, v1 = policies
     assert post(server, "/update_weights_from_disk", {"model_path": str(v0)}).status_code == 200
     assert httpx.get(server.url + "/get_world_size").json() == {"world_size": 2}
-    port = free_port()
-    init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": WORLD}
-    reply = pool.submit(post, server, "/init_weight_transfer_engine", {"init_info": init_info})
-    group = trainer.vllm_trainer_group(port, WORLD)
+    group = trainer.vllm_join(server.url, free_port(), pool, world_size=WORLD)
     try:
-        assert reply.result().status_code == 200, reply.result().text
         rpc = {"method": "skyrl_start_weight_update", "kwargs": {"is_checkpoint_format": True}}
         assert post(server, "/collective_rpc", rpc).json() == {"results": [None, None]}
         tensors = trainer.checkpoint_tensors(v1)
@@ -210,12 +206,8 @@ def test_skyrl_and_prime_rl_pushes_reach_every_tp_rank(server, policies, oracle,
     finally:
         trainer.dist.destroy_process_group(group)
         assert post(server, "/shutdown_weight_transfer_engine").status_code == 200
-    port = free_port()
-    body = {"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": 2, "timeout": 60}
-    reply = pool.submit(post, server, "/init_broadcaster", body)
-    group = trainer.vllm_trainer_group(port, WORLD)
+    group = trainer.prime_rl_join(server.url, free_port(), pool, inference_world_size=2)
     try:
-        assert reply.result().status_code == 200, reply.result().text
         (tmp_path / "NCCL_READY").touch()
         reply = pool.submit(post, server, "/update_weights", {"weight_dir": str(tmp_path)})
         trainer.prime_rl_broadcast(group, trainer.checkpoint_tensors(v0))

@@ -192,3 +192,17 @@ def prime_rl_broadcast(group: dist.ProcessGroup, tensors: dict[str, torch.Tensor
         dist.broadcast(torch.ByteTensor(list(metadata)), src=0, group=group)
         for items in by_dtype.values():
             dist.broadcast(torch.cat([t.flatten() for _, t in items]), src=0, group=group)
+
+
+def prime_rl_join(url: str, port: int, pool: concurrent.futures.Executor, inference_world_size: int = 1,
+                  **extra) -> dist.ProcessGroup:
+    """prime-rl's orchestrator's /init_broadcaster (src/prime_rl/utils/client.py:418-433) for one
+    server (rank_offset 0) while this process, the trainer, opens vLLM's rendezvous as rank 0 of
+    inference_world_size + 1 (transports/weights/nccl.py:128-134)."""
+    body = {"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": inference_world_size,
+            "timeout": 60, "quantize_in_weight_transfer": False} | extra
+    reply = pool.submit(post, url, "/init_broadcaster", body)
+    group = vllm_trainer_group(port, inference_world_size + 1)
+    response = reply.result()
+    assert response.status_code == 200 and response.json() == {"status": "ok"}, response.text
+    return group
