@@ -39,12 +39,14 @@ class _Runs:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("case", ["os_system", "dict", "two_ids", "short_id", "truncated", "not_pickle", "empty"])
+@pytest.mark.parametrize("case", ["os_system", "other_class", "dict", "two_ids", "short_id", "truncated", "not_pickle",
+                                  "empty"])
 def test_anything_but_vllms_unique_id_is_refused_and_never_runs(case, tmp_path):
     marker = tmp_path / "ran"
     raw = bytes.fromhex(RECORDED["unique_id_hex"])
     payload = {
         "os_system": pickle.dumps(_Runs(marker)),
+        "other_class": VLLM_PICKLE.replace(b"ncclUniqueId", b"ncclUniqueIx"),  # same bytes, another global
         "dict": pickle.dumps({"internal": raw}),
         "two_ids": VLLM_PICKLE[:-1] + pickle.dumps(raw)[2:],
         "short_id": VLLM_PICKLE.replace(raw, raw[:100]),

@@ -205,6 +205,10 @@ async def update_weights(data: dict[str, Any], request: Request[Any, Any, Any]) 
         body = msgspec.convert(data, w.PrimeRlUpdateRequest)
         updates = trainer_updates(request)
         if updates.sync.has_group(PRIME_RL_GROUP):  # prime-rl's NCCL mode: the directory holds a marker only
+            from r3srv.server.fanout import FANOUT_HEADER
+
+            if FANOUT_HEADER in request.headers:  # a push is a collective: prime-rl calls each replica itself
+                return w.VllmMessage(message="Weights updated by the call made to this replica")
             await updates.receive_announced(PRIME_RL_GROUP, weight_version=body.weight_dir)
             return w.VllmMessage(message="Weights updated")
         if body.weight_dir is None:
