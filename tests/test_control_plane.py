@@ -205,6 +205,27 @@ def test_collective_rpc_answers_its_table_only(server, tmp_path):
     assert r.status_code == 400 and r.json()["error"]["param"] == "kwargs.tags", r.text
 
 
+def test_collective_rpc_timeout_bounds_the_answer_not_the_call(server, policies, pool):
+    """vLLM's `timeout`: the answer is a 400 once it passes; the receive goes on until the trainer's
+    stall fails it (--weight-sync-timeout, 20 s here), and the served weights stay."""
+    v0, v1 = policies
+    reset(server, v0, version="stays")
+    group = trainer.vllm_join(server.url, free_port(), pool)
+    try:
+        assert skyrl_rpc(server, "skyrl_start_weight_update").status_code == 200
+        info = trainer.vllm_update_info(trainer.checkpoint_tensors(v1))
+        r = post(server, "/collective_rpc", {"method": "update_weights_nccl", "kwargs": {"update_info": info},
+                                             "timeout": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "timeout", r.text
+        # the receive fails on its own after the server's stall timeout, dropping the group
+        r = post(server, "/collective_rpc", {"method": "skyrl_finish_weight_update"})
+        assert r.status_code == 400, r.text
+        assert serves(server, v0) and served(server, PROMPT)[2] == "stays"
+    finally:
+        dist.destroy_process_group(group)
+        post(server, "/shutdown_weight_transfer_engine")
+
+
 def test_skyrl_sleep_and_wake_in_two_steps(server, policies, pool):
     """SkyRL's colocated sync (workers/worker_dispatch.py:649-653, client :1023-1058): /sleep?level=2,
     /wake_up?tags=weights, (push), /wake_up?tags=kv_cache. A request sent while asleep waits and

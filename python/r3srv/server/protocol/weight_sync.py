@@ -213,7 +213,7 @@ class CollectiveRpcRequest(Struct, kw_only=True):
     method: str
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
-    timeout: float | None = None
+    timeout: float | None = None  # seconds the answer may take (the call itself goes on, as in vLLM)
 
 
 class CollectiveRpcResult(Struct, kw_only=True):

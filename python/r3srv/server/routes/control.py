@@ -11,6 +11,8 @@ engine/rpc.py's table only.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Annotated, Any
 
 from litestar import Request, get, post
@@ -18,10 +20,13 @@ from litestar.params import Parameter
 
 from r3srv.engine import rpc
 from r3srv.engine import sleep as sleep_mode
+from r3srv.errors import InvalidRequestError
 from r3srv.server.declare import Access, Feature, Fleet
 from r3srv.server.protocol import weight_sync as w
 from r3srv.server.routes.common import server_state
 from r3srv.server.routes.weight_sync import trainer_updates
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- SGLang's session
 # Paired with the process-group calls between them, which each replica takes on its own.
@@ -84,5 +89,18 @@ async def is_sleeping(request: Request[Any, Any, Any]) -> w.IsSleeping:
 @post("/collective_rpc", status_code=200, summary="A weight-sync method of r3srv's fixed table (vLLM's route)",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.COLLECTIVE_RPC)
 async def collective_rpc(data: w.CollectiveRpcRequest, request: Request[Any, Any, Any]) -> w.CollectiveRpcResult:
-    results = await rpc.collective_rpc(trainer_updates(request), data.method, data.args, data.kwargs)
+    call = asyncio.ensure_future(rpc.collective_rpc(trainer_updates(request), data.method, data.args, data.kwargs))
+    if data.timeout is None:
+        return w.CollectiveRpcResult(results=await call)
+    try:  # vLLM's timeout bounds the wait, not the work: the call goes on, as vLLM's workers do
+        results = await asyncio.wait_for(asyncio.shield(call), data.timeout)
+    except asyncio.TimeoutError:
+        call.add_done_callback(_log_late_failure)
+        raise InvalidRequestError(f"{data.method} did not finish within {data.timeout} s; it goes on",
+                                  param="timeout") from None
     return w.CollectiveRpcResult(results=results)
+
+
+def _log_late_failure(call: asyncio.Future) -> None:
+    if not call.cancelled() and call.exception() is not None:
+        logger.error("a collective_rpc call that outlived its timeout failed: %s", call.exception())
