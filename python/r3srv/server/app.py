@@ -20,6 +20,7 @@ from litestar.types import Message, Receive, Scope, Send
 
 import r3srv
 from r3srv.server.body import decode_body
+from r3srv.server.chat_output import ChatParsers
 from r3srv.server.declare import feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
 from r3srv.server.generation import LaunchFacts, ServerState
@@ -63,6 +64,7 @@ def create_app(
     launch: LaunchFacts | None = None,
     enable_sleep_mode: bool = False,
     enable_collective_rpc: bool = False,
+    chat_parsers: ChatParsers | None = None,
 ) -> Litestar:
     """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
     CLI stops the server and exits non-zero so that an orchestrator restarts it."""
@@ -76,6 +78,7 @@ def create_app(
         launch=launch or LaunchFacts(),
         enable_sleep_mode=enable_sleep_mode,
         enable_collective_rpc=enable_collective_rpc,
+        chat_parsers=chat_parsers or ChatParsers(),
     )
 
     async def watch_engine() -> None:

@@ -25,6 +25,7 @@ from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
 from r3srv.serial import encode_routed_experts
+from r3srv.server.chat_output import ChatParsers
 from r3srv.server.declare import Feature
 from r3srv.server.errors import ModelNotFoundError
 from r3srv.server.metrics import ServerMetrics
@@ -62,6 +63,7 @@ class ServerState:
     launch: LaunchFacts = field(default_factory=LaunchFacts)
     enable_sleep_mode: bool = False  # /sleep, /wake_up (vLLM's development-mode routes)
     enable_collective_rpc: bool = False  # /collective_rpc (vLLM's development-mode route)
+    chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # --tool-call-parser, --reasoning-parser
 
     @property
     def features(self) -> frozenset[Feature]:

@@ -9,6 +9,7 @@ from msgspec import UNSET
 
 from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
 from r3srv.server import protocol as p
+from r3srv.server.chat_output import ChoiceParsing, finish_reason, message_fields
 from r3srv.server.generation import ServerState
 
 
@@ -159,24 +160,27 @@ async def completion_response(
 
 
 async def chat_response(
-    state: ServerState, req: p.ChatCompletionRequest, request_id: str, final: RequestOutput
+    state: ServerState, req: p.ChatCompletionRequest, request_id: str, final: RequestOutput,
+    parsing: ChoiceParsing | None = None,
 ) -> p.ChatCompletionResponse:
     fmt = LogprobFormatter(state.engine.tokenizer)
-    with_ids = bool(req.return_token_ids)
+    hidden = parsing is not None and parsing.hide_metadata
+    with_ids = bool(req.return_token_ids) and not hidden
     echoed = req.echoed_text()
-    choices = [
-        p.ChatCompletionResponseChoice(
+    choices = []
+    for c in final.outputs:
+        parser = parsing.new() if parsing is not None else None
+        fields = message_fields(parser, c.text, echoed) if parser is not None else {"content": echoed + c.text}
+        choices.append(p.ChatCompletionResponseChoice(
             index=c.index,
-            message=p.ChatMessage(role=req.response_role(), content=echoed + c.text),
-            logprobs=fmt.chat(c.token_ids, _logprobs(c), req.top_logprobs or 0) if req.logprobs else None,
-            finish_reason=c.finish_reason,
+            message=p.ChatMessage(role=req.response_role(), **fields),
+            logprobs=fmt.chat(c.token_ids, _logprobs(c), req.top_logprobs or 0) if req.logprobs and not hidden else None,
+            finish_reason=finish_reason(c.finish_reason, bool(fields.get("tool_calls"))),
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if with_ids else None,
             routed_experts=await state.encode_experts(c.routed_experts),
             weight_version=state.weight_version(final),
-        )
-        for c in final.outputs
-    ]
+        ))
     return p.ChatCompletionResponse(
         id=request_id,
         model=state.model_name,

@@ -25,6 +25,7 @@ from msgspec import UNSET
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
+from r3srv.server.chat_output import ChoiceParsing, delta_fields, finish_reason
 from r3srv.server.errors import error_body
 from r3srv.server.generation import Generation, ServerState, close_all, merged_outputs
 from r3srv.server.responses import (
@@ -206,11 +207,15 @@ async def completion_stream(
 
 
 async def chat_stream(
-    state: ServerState, req: p.ChatCompletionRequest, request_id: str, gens: list[Generation]
+    state: ServerState, req: p.ChatCompletionRequest, request_id: str, gens: list[Generation],
+    parsing: ChoiceParsing | None = None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     fmt = LogprobFormatter(state.engine.tokenizer)
-    with_ids = bool(req.return_token_ids)
+    hidden = parsing is not None and parsing.hide_metadata
+    with_ids = bool(req.return_token_ids) and not hidden
+    with_logprobs = bool(req.logprobs) and not hidden
+    parsers = {} if parsing is not None else None  # one per choice
     continuous = _continuous(req.stream_options)
     role, echoed = req.response_role(), req.echoed_text()
     tracker = _Tracker()
@@ -254,11 +259,21 @@ async def chat_stream(
                 prompt_ids = None
                 if not d.text and not d.token_ids and not d.final:
                     continue
+            reason = c.finish_reason
+            if parsers is not None:
+                parser = parsers.setdefault(c.index, parsing.new())  # type: ignore[union-attr]
+                fields = delta_fields(parser.finish(d.text) if d.final else parser.feed(d.text))
+                reason = finish_reason(c.finish_reason, parser.called_tools)
+                if not fields and not d.final and not with_logprobs and not with_ids:
+                    continue  # markup so far, nothing to show yet
+                delta = p.DeltaMessage(**fields)
+            else:
+                delta = p.DeltaMessage(content=d.text) if d.text or not d.final else p.DeltaMessage()
             choice = p.ChatCompletionResponseStreamChoice(
                 index=c.index,
-                delta=p.DeltaMessage(content=d.text) if d.text or not d.final else p.DeltaMessage(),
-                logprobs=fmt.chat(d.token_ids, d.logprobs or [], req.top_logprobs or 0) if req.logprobs else None,
-                finish_reason=c.finish_reason,
+                delta=delta,
+                logprobs=fmt.chat(d.token_ids, d.logprobs or [], req.top_logprobs or 0) if with_logprobs else None,
+                finish_reason=reason,
                 stop_reason=c.stop_reason,
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,

@@ -12,6 +12,13 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
+from r3srv.server.protocol.tools import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolChoice,
+    message_tool_fields,
+)
 from r3srv.server.protocol.common import (
     ChoiceCount,
     NonNegInt,
@@ -215,6 +222,9 @@ class CompletionStreamResponse(Struct, kw_only=True):
 # ---------------------------------------------------------------- /v1/chat/completions
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM 0.33's
+
+
 class ContentPart(Struct, kw_only=True):
     type: str
     text: str | None = None
@@ -224,6 +234,10 @@ class ChatMessageParam(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM 0.33's name)
+    reasoning_content: str | None = None  # its older name, as vLLM reads it
 
     def content_chars(self) -> int:
         """The content's length in characters (how much work rendering and encoding it is)."""
@@ -231,7 +245,7 @@ class ChatMessageParam(Struct, kw_only=True):
             return sum(len(part.text or "") for part in self.content)
         return len(self.content or "")
 
-    def to_template_dict(self) -> dict[str, str]:
+    def to_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
@@ -239,7 +253,12 @@ class ChatMessageParam(Struct, kw_only=True):
                     param="messages", problem=": only text content parts are supported by r3srv (no multimodal inputs)"
                 )
             content = "".join(part.text for part in content)  # type: ignore[misc]
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        message.update(message_tool_fields(self.role, self.tool_calls, self.tool_call_id, reasoning))
+        return message
 
 
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
@@ -252,8 +271,31 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     # vLLM's: the last message's content before the reply, when its role is the reply's
     echo: bool = False
 
-    def template_messages(self) -> list[dict[str, str]]:
+    # tool calling and reasoning (docs/protocol.md, "Tool calling and reasoning")
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (vLLM's default)
+    parallel_tool_calls: bool | None = True  # false: the first call only
+    include_reasoning: bool = True
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables besides messages: tools, chat_template_kwargs, and
+        reasoning_effort (which also turns thinking on or off unless enable_thinking is given),
+        as vLLM builds them."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        clash = sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        if clash:
+            raise InvalidRequestError(param="chat_template_kwargs", problem=f" may not set {', '.join(clash)}")
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        if self.tools is not None:
+            kwargs["tools"] = [tool.template_dict() for tool in self.tools]
+        return kwargs
 
     def param_names(self) -> dict[str, str]:
         names = {"prompt": "messages", "logprobs": "top_logprobs"}
@@ -298,12 +340,15 @@ class ChatMessage(Struct, kw_only=True):
     annotations: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
-    reasoning: str | None = None  # vLLM leaves tool_calls out when empty
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # vLLM leaves tool_calls out when empty
+    reasoning: str | None = None
 
 
 class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatCompletionLogProb(Struct, kw_only=True):
