@@ -19,7 +19,8 @@ import pickle
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
+
+from r3srv.engine.process_groups import broadcast_from_trainer
 
 MAX_STATE_DICTS = 1 << 20
 MAX_METADATA_BYTES = 64 << 20
@@ -64,13 +65,13 @@ def read_metadata(data: bytes) -> Metadata:
     return metadata
 
 
-def _receive_integer(group: dist.ProcessGroup, device: torch.device) -> int:
+def _receive_integer(group, device: torch.device) -> int:
     value = torch.zeros(1, dtype=torch.long, device=device)
-    dist.broadcast(value, src=0, group=group)
+    broadcast_from_trainer(group, [value])
     return int(value.item())
 
 
-def receive_state_dicts(group: dist.ProcessGroup, device: torch.device,
+def receive_state_dicts(group, device: torch.device,
                         check: Callable[[dict[str, tuple[tuple[int, ...], torch.dtype]]], None],
                         on_tensor: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of one prime-rl push (blocking). `check` sees each state dict's names, shapes
@@ -84,12 +85,12 @@ def receive_state_dicts(group: dist.ProcessGroup, device: torch.device,
         if not 0 < size <= MAX_METADATA_BYTES:
             raise ValueError(f"the trainer announced {size} bytes of metadata")
         raw = torch.empty(size, dtype=torch.uint8, device=device)
-        dist.broadcast(raw, src=0, group=group)
+        broadcast_from_trainer(group, [raw])
         metadata = read_metadata(raw.cpu().numpy().tobytes())
         check({name: (shape, dtype) for dtype, items in metadata for name, shape, _ in items})
         for dtype, items in metadata:
             joined = torch.empty(sum(numel for _, _, numel in items), dtype=dtype, device=device)
-            dist.broadcast(joined, src=0, group=group)
+            broadcast_from_trainer(group, [joined])
             for (name, shape, _), part in zip(items, joined.split([numel for _, _, numel in items])):
                 if name in received:
                     raise ValueError(f"the trainer sent {name} twice")

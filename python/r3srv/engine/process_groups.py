@@ -36,3 +36,28 @@ def init_custom_process_group(
     store.set_timeout(wait)
     return group_on_store(store, rank=rank, world_size=world_size, group_name=group_name, backend=backend,
                           timeout=timeout)
+
+
+def broadcast_from_trainer(group, tensors, arrived=None) -> None:
+    """Receive `tensors` in order, each a broadcast from rank 0 of `group`: a torch process group
+    (all posted at once, so the transfers pipeline instead of paying a round trip each, as SGLang
+    does) or a communicator with its own `broadcast` (engine/vllm_transfer.py's NCCL one)."""
+    tensors = list(tensors)
+    if isinstance(group, dist.ProcessGroup):
+        handles = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in tensors]
+        for done, handle in enumerate(handles, 1):
+            handle.wait()
+            if arrived is not None:
+                arrived(done)
+        return
+    for done, tensor in enumerate(tensors, 1):
+        group.broadcast(tensor)
+        if arrived is not None:
+            arrived(done)
+
+
+def destroy_group(group) -> None:
+    if isinstance(group, dist.ProcessGroup):
+        dist.destroy_process_group(group)
+    else:
+        group.destroy()

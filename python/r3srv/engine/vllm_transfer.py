@@ -11,9 +11,10 @@ takes it past the size), which both sides cut from the same names, dtypes and sh
 
 r3srv never unpickles from the network: the id's pickle is checked opcode by opcode against the
 one shape vLLM writes (ctypes' `_unpickle` of `ncclUniqueId` and its 128 bytes) and the bytes are
-read out of it (`nccl_unique_id`). On the CPU the "NCCL" group is gloo, made over the same store
-(keys under gloo_group_name): the handshake, the warm-up and the chunk layout are vLLM's, the transport
-is not. On CUDA the NCCL communicator itself is not built yet (a 400 says so).
+read out of it (`nccl_unique_id`). On CUDA the server joins the trainer's NCCL communicator with that
+id (NcclCommunicator; not yet run on a GPU: it needs two, tests/test_vllm_transfer_gpu.py). On the
+CPU the "NCCL" group is gloo, made over the same store (keys under gloo_group_name): the handshake,
+the warm-up and the chunk layout are vLLM's, the transport is not.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from r3srv.engine.process_groups import group_on_store
+from r3srv.engine.process_groups import broadcast_from_trainer, group_on_store
 from r3srv.errors import InvalidRequestError
 
 UNIQUE_ID_KEY = "broadcast_from/0/0"  # StatelessProcessGroup.broadcast_obj's first key from rank 0
@@ -102,13 +103,13 @@ class Packing:
             yield chunk
 
 
-def receive_packed(group: dist.ProcessGroup, metas: dict[str, tuple[tuple[int, ...], torch.dtype]],
+def receive_packed(group, metas: dict[str, tuple[tuple[int, ...], torch.dtype]],
                    packing: Packing, device: torch.device, on_chunk=None) -> dict[str, torch.Tensor]:
     """Every tensor of `metas`, received as vLLM's packed broadcasts from rank 0 (blocking)."""
     received: dict[str, torch.Tensor] = {}
     for chunk in packing.chunks(metas):
         packed = torch.empty(sum(size for _, size in chunk), dtype=torch.uint8, device=device)
-        dist.broadcast(packed, src=0, group=group)
+        broadcast_from_trainer(group, [packed])
         for (name, size), part in zip(chunk, packed.split([size for _, size in chunk])):
             shape, dtype = metas[name]
             received[name] = part.view(dtype).view(shape)
@@ -123,18 +124,42 @@ def gloo_group_name(master_port: int) -> str:
     return f"{GLOO_PREFIX}-{master_port}"
 
 
+class NcclCommunicator:
+    """CUDA: the NCCL communicator vLLM's trainer made, joined from its unique id through torch's
+    own NCCL binding (vLLM's PyNcclCommunicator does the same through ctypes): ncclCommInitRank,
+    then the one-float warm-up all-reduce; broadcasts from rank 0 on the current stream."""
+
+    def __init__(self, unique_id: bytes, rank: int, world_size: int, device: torch.device) -> None:
+        import torch.cuda.nccl as nccl
+
+        self.device = device
+        with torch.cuda.device(device):
+            self.comm = nccl.init_rank(world_size, unique_id, rank)
+            warm_up = torch.zeros(1, dtype=torch.float32, device=device)
+            nccl.all_reduce([warm_up], comms=[self.comm])
+            torch.cuda.synchronize(device)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        import torch.cuda.nccl as nccl
+
+        with torch.cuda.device(self.device):
+            nccl.broadcast([tensor], root=0, comms=[self.comm])
+
+    def destroy(self) -> None:
+        self.comm = None  # torch destroys the communicator with its last reference
+
+
 def join_vllm_group(*, master_address: str, master_port: int, rank: int, world_size: int, device: torch.device,
-                    timeout: float) -> dist.ProcessGroup:
+                    timeout: float):
     """Connect to the trainer's store, read its NCCL unique id, join the group as `rank`, answer
-    the warm-up all-reduce. Blocking; raises on a timeout or a store that is not vLLM's."""
-    if device.type == "cuda":
-        raise InvalidRequestError(
-            "vLLM's NCCL rendezvous (a pickled ncclUniqueId in the trainer's store) is not supported on CUDA yet: "
-            "join with /init_weights_update_group (torch.distributed's rendezvous) instead", param="init_info")
+    the warm-up all-reduce: an NcclCommunicator on CUDA, gloo (the stand-in) on the CPU. Blocking;
+    raises on a timeout or a store that is not vLLM's."""
     wait = datetime.timedelta(seconds=timeout)
     # a client counts itself in (wait_for_workers): the trainer's store waits for world_size members
     store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=wait)
-    nccl_unique_id(store.get(UNIQUE_ID_KEY))  # the trainer's handshake, checked; gloo needs no id
+    unique_id = nccl_unique_id(store.get(UNIQUE_ID_KEY))  # the trainer's handshake, checked
+    if device.type == "cuda":
+        return NcclCommunicator(unique_id, rank, world_size, device)
     group = group_on_store(store, rank=rank, world_size=world_size, group_name=gloo_group_name(master_port),
                            backend="gloo", timeout=timeout)
     warm_up = torch.zeros(1, dtype=torch.float32)

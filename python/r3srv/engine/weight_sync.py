@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from r3srv.engine.prime_rl_broadcast import receive_state_dicts
-from r3srv.engine.process_groups import init_custom_process_group
+from r3srv.engine.process_groups import broadcast_from_trainer, destroy_group, init_custom_process_group
 from r3srv.engine.step_channel import Command
 from r3srv.engine.vllm_transfer import Packing, join_vllm_group, receive_packed
 from r3srv.errors import ConfigError, InvalidRequestError
@@ -67,7 +67,7 @@ RENDEZVOUS = ("torch", "vllm")  # init_custom_process_group (SGLang's), or vLLM'
 
 @dataclass
 class _Group:
-    group: dist.ProcessGroup
+    group: Any  # a torch process group, or vLLM's NCCL communicator on CUDA (engine/vllm_transfer.py)
     rank: int
     world_size: int
     backend: str
@@ -165,7 +165,7 @@ class WeightSync:
             raise InvalidRequestError(f"no weight update group named {group_name!r}", param="group_name")
         self.staged.clear()
         try:
-            dist.destroy_process_group(known.group)
+            destroy_group(known.group)
         except Exception as exc:  # a group broken by a dead trainer: forget it anyway
             logger.warning("destroying weight update group %s: %s", group_name, exc)
 
@@ -191,11 +191,7 @@ class WeightSync:
                 return receive_packed(group.group, named.metas, packed, self.device, on_chunk=arrived)
             buffers = {name: torch.empty(shape, dtype=dtype, device=self.device)
                        for name, (shape, dtype) in named.metas.items()}
-            # all posted at once, as SGLang does: the transfers pipeline instead of paying a round trip each
-            handles = [dist.broadcast(b, src=0, group=group.group, async_op=True) for b in buffers.values()]
-            for done, handle in enumerate(handles, 1):
-                handle.wait()
-                arrived(done)
+            broadcast_from_trainer(group.group, buffers.values(), arrived)
             return buffers
 
         self._receive(group_name, fetch, keep, f" of {len(named.metas)}")
