@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="return routed_experts with every completion by default (per request: return_routed_experts)",
     )
+    serve.add_argument(
+        "--routed-experts-encoding",
+        choices=["auto", "npy", "sglang", "prime-rl", "skyrl"],
+        default="auto",
+        help="how responses encode routed_experts: npy (vLLM's .npy base64), sglang (SGLang's raw int32 base64; on "
+        "the OpenAI routes in sglext), prime-rl or skyrl (their {data, shape, ...} dicts); auto: each route's own "
+        "peer's (npy on the OpenAI and /inference routes, sglang on /generate). Per request: routed_experts_encoding; "
+        "/skyrl/v1/generate always sends skyrl's (default: %(default)s)",
+    )
     serve.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's name)")
     serve.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step (default: %(default)s)")
@@ -307,6 +316,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         enable_weight_updates=args.enable_weight_updates,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        routed_experts_encoding=args.routed_experts_encoding,
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,
         fleet_peer_urls=_peers_but_self(args),

@@ -59,6 +59,7 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_weight_updates: bool = False,
     enable_prompt_tokens_details: bool = False,
+    routed_experts_encoding: str = "auto",
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
     launch: LaunchFacts | None = None,
@@ -78,6 +79,7 @@ def create_app(
         launch=launch or LaunchFacts(),
         enable_sleep_mode=enable_sleep_mode,
         enable_collective_rpc=enable_collective_rpc,
+        routed_experts_encoding=routed_experts_encoding,
         chat_parsers=chat_parsers or ChatParsers(),
     )
 

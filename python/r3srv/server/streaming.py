@@ -30,9 +30,11 @@ from r3srv.server.errors import error_body
 from r3srv.server.generation import Generation, ServerState, close_all, merged_outputs
 from r3srv.server.responses import (
     LogprobFormatter,
+    OpenAIRows,
     echo_prompt_text,
     generate_logprobs,
     plain_prompt_logprobs,
+    tito_rows_encoding,
     usage_of,
 )
 
@@ -168,6 +170,8 @@ async def completion_stream(
     with_ids = bool(req.return_token_ids)
     continuous = _continuous(req.stream_options)
     tracker = _Tracker()
+    rows = OpenAIRows(state, req)
+    first_rows = None
     finals: dict[int, RequestOutput] = {}
     async for i, out in merged_outputs(gens):
         # echo: each choice's first chunk starts with the prompt (and its logprobs), as vLLM's
@@ -192,14 +196,19 @@ async def completion_stream(
                 stop_reason=c.stop_reason,
                 prompt_token_ids=list(out.prompt_token_ids) if with_ids and d.first else UNSET,
                 token_ids=d.token_ids if with_ids else UNSET,
-                routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
             )
+            if d.final and i == c.index == 0:
+                first_rows = c.routed_experts
             usage = tracker.usage(i, c.index, out) if continuous else None
             yield sse(p.CompletionStreamResponse(
                 id=request_id, created=created, model=state.model_name, choices=[choice], usage=usage))
         if out.finished:
             finals[i] = out
+    if (sglext := await rows.sglext(first_rows)) is not UNSET:  # SGLang's: a chunk of its own
+        yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[],
+                                             sglext=sglext))
     if req.stream_options and req.stream_options.include_usage:
         usage = usage_of(state, list(finals.values()), tracker.num_tokens)
         yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
@@ -219,6 +228,8 @@ async def chat_stream(
     continuous = _continuous(req.stream_options)
     role, echoed = req.response_role(), req.echoed_text()
     tracker = _Tracker()
+    rows = OpenAIRows(state, req)
+    first_rows = None
     final: RequestOutput | None = None
     sent_prompt_ids = False
 
@@ -276,12 +287,17 @@ async def chat_stream(
                 finish_reason=reason,
                 stop_reason=c.stop_reason,
                 token_ids=d.token_ids if with_ids else UNSET,
-                routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
             )
+            if d.final and c.index == 0:
+                first_rows = c.routed_experts
             yield chunk(choice, prompt_ids, out)
         if out.finished:
             final = out
+    if (sglext := await rows.sglext(first_rows)) is not UNSET:  # SGLang's: a chunk of its own
+        yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[],
+                                                 sglext=sglext))
     if req.stream_options and req.stream_options.include_usage and final is not None:
         usage = usage_of(state, [final], tracker.num_tokens)
         yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
@@ -292,6 +308,7 @@ async def generate_stream(
     state: ServerState, req: p.GenerateRequest, request_id: str, gens: list[Generation]
 ) -> AsyncIterator[bytes]:
     text_mode = req.output_mode == "text"
+    encoding, start = tito_rows_encoding(state, req), req.sampling_params.routed_experts_prompt_start
     tracker = _Tracker()
     final: RequestOutput | None = None
     sent_prompt_ids = False
@@ -309,7 +326,7 @@ async def generate_stream(
                 stop_reason=c.stop_reason,
                 token_ids=d.token_ids,
                 logprobs=generate_logprobs(d.token_ids, d.logprobs) if d.logprobs is not None else None,
-                routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                routed_experts=await state.encode_experts(c.routed_experts, encoding, start) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 text=d.text if text_mode else UNSET,
             )

@@ -12,6 +12,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
+from r3srv.server.rows_encoding import RequestedEncoding, RoutedExpertsValue, SglExt
 from r3srv.server.protocol.tools import (
     ChatCompletionToolsParam,
     DeltaToolCall,
@@ -68,6 +69,7 @@ class _OpenAIRequest(Struct, kw_only=True):
     routed_experts_prompt_start: PromptStart = 0
     # r3srv extra
     return_routed_experts: ReturnRoutedExperts = None
+    routed_experts_encoding: RequestedEncoding = None
 
     def _sampling_params(
         self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
@@ -177,7 +179,7 @@ class CompletionResponseChoice(Struct, kw_only=True):
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
@@ -192,6 +194,7 @@ class CompletionResponse(Struct, kw_only=True):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
@@ -206,7 +209,7 @@ class CompletionResponseStreamChoice(Struct, kw_only=True):
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
     # Only on the final chunk of a choice (the one with finish_reason).
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
@@ -217,6 +220,7 @@ class CompletionStreamResponse(Struct, kw_only=True):
     model: str
     choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -375,7 +379,7 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
@@ -390,6 +394,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
@@ -405,7 +410,7 @@ class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
@@ -417,3 +422,4 @@ class ChatCompletionStreamResponse(Struct, kw_only=True):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's
