@@ -123,7 +123,7 @@ def test_server_info_and_model_info(replicas, policies):
     assert info == {**get(url + "/get_server_info"), "internal_states": info["internal_states"]}
     assert info["model_path"] == str(policies[0]) == info["tokenizer_path"]
     assert (info["tp_size"], info["dp_size"], info["pp_size"], info["ep_size"]) == (1, 1, 1, 1)
-    assert info["enable_return_routed_experts"] is True and info["enable_memory_saver"] is True
+    assert info["enable_return_routed_experts"] is True and info["enable_memory_saver"] is False  # no flag given
     assert info["context_length"] == MAX_MODEL_LEN and info["page_size"] == BLOCK_SIZE
     assert info["max_total_num_tokens"] == NUM_KV_BLOCKS * BLOCK_SIZE
     assert info["max_running_requests"] == MAX_NUM_SEQS and info["device"] == "cpu"
