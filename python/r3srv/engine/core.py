@@ -438,16 +438,16 @@ class EngineCore:
         if self.rows is None:
             return None
         mc = self.model_config
-        return {
+        info = {
             "num_layers": mc.num_layers,
             "top_k": mc.top_k,
             "num_experts": mc.num_experts,
             "dtype": self.rows.dtype.name,
             "moe_layers": list(mc.moe_layers),
-            # image placeholders are positions with rows (docs/vision.md)
-            "images": None if self.image_inputs is None else {
-                "image_token_id": mc.vision.image_token_id, "merge_size": mc.vision.merge_size},
         }
+        if self.image_inputs is not None:  # image placeholders are positions with rows (docs/vision.md)
+            info["images"] = {"image_token_id": mc.vision.image_token_id, "merge_size": mc.vision.merge_size}
+        return info
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> CoreOutputs:
