@@ -92,6 +92,22 @@ def test_image_prompts_batched_with_text_match_transformers(checkpoint):
         assert_matches_transformers(out, hf, processor, images)
 
 
+def test_the_encoder_budget_splits_a_prefill_before_an_image_that_would_pass_it(checkpoint):
+    """With a budget below one image, a prompt of two images prefills in two steps, each
+    encoding one image (an image larger than the budget runs alone), and still equals transformers."""
+    path, hf, processor = checkpoint
+    llm = make_llm(path, max_num_encoder_tokens=1, max_num_batched_tokens=512)
+    images = [picture(1), picture(5)]
+    prompt = {"prompt_token_ids": with_placeholders(text(3, 12), 0, text(4, 13), 1, text(2, 14)),
+              "multi_modal_data": {"image": images}}
+    out = llm.generate(prompt, greedy())[0]
+    encoder = llm.engine.runner.encoder
+    sizes = [image.num_tokens(2) for image in llm.engine.input_processor.expand_images(
+        prompt["prompt_token_ids"], images, param="x")[1].images]
+    assert encoder.images_encoded == 2 and encoder.most_tokens_encoded == max(sizes) < sum(sizes)
+    assert_matches_transformers(out, hf, processor, images)
+
+
 def test_second_turn_hits_the_prefix_and_encoder_caches_and_equals_a_cold_run(checkpoint):
     path, hf, processor = checkpoint
     llm = make_llm(path)

@@ -142,6 +142,9 @@ class EngineConfig:
     max_images_per_prompt: int = option(16, "most images one prompt may hold", group="images")
     max_image_pixels: int = option(50_000_000, "most pixels a decoded image may have (checked from its header "
                                    "before its pixels are decoded)", group="images")
+    max_num_encoder_tokens: int = option(2048, "image tokens the vision tower encodes per step at most (a prefill "
+                                         "chunk stops before an image that would pass it; an image larger than "
+                                         "this still runs, alone)", group="images")
     encoder_cache_tokens: int = option(65536, "vision-tower outputs kept for images sent again, in tokens (one per "
                                        "merged block of patches)", group="images")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -169,6 +172,7 @@ class EngineConfig:
         _positive("max_images_per_prompt", self.max_images_per_prompt)
         _positive("max_image_pixels", self.max_image_pixels)
         _positive("encoder_cache_tokens", self.encoder_cache_tokens)
+        _positive("max_num_encoder_tokens", self.max_num_encoder_tokens)
         if self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs={self.max_logprobs} must be -1 (no limit) or >= 0")
         if self.max_model_len is not None:

@@ -166,7 +166,8 @@ class EngineCore:
             num_blocks, config.block_size, config.enable_prefix_caching,
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_num_encoder_tokens, None if encoder is None else encoder.__contains__)
         self.weight_version = config.weight_version
         self.model_path = config.model  # the checkpoint the weights came from (None: the built-in model)
         self.requests: dict[str, _Request] = {}

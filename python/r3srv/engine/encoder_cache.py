@@ -24,6 +24,7 @@ class EncoderCache:
         self._outputs: OrderedDict[str, VisionOutput] = OrderedDict()
         self._tokens = 0
         self.images_encoded = 0  # tower calls' images, for metrics and tests
+        self.most_tokens_encoded = 0  # the largest call's tokens (the scheduler's encoder budget bounds it)
         self.hits = 0
 
     def __contains__(self, content_hash: str) -> bool:
@@ -44,6 +45,7 @@ class EncoderCache:
                 self._outputs[image.content_hash] = VisionOutput(embeds, list(deepstack))
                 self._tokens += embeds.shape[0]
             self.images_encoded += len(missing)
+            self.most_tokens_encoded = max(self.most_tokens_encoded, sum(sizes))
         wanted = {image.content_hash for image in images}
         for key in wanted:
             self._outputs.move_to_end(key)

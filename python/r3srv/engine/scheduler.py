@@ -11,6 +11,7 @@ are freed and it goes back to the front of the waiting queue, to be recomputed l
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from r3srv.engine.block_manager import BlockManager
@@ -31,10 +32,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 encoder_budget: int = 0, encoded: Callable[[str], bool] | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # image prompts: the vision tower's tokens per step, and whether an image's outputs are
+        # cached already (engine/encoder_cache.py: those cost nothing)
+        self.encoder_budget = encoder_budget
+        self.encoded = encoded
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -46,10 +52,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _within_encoder_budget(self, seq: Sequence, start: int, n: int, step: dict) -> int:
+        """How many of the n tokens from `start` this step may compute so that the images it
+        starts encoding (not cached, not already this step's) stay within the encoder budget:
+        the chunk stops before the first image that would pass it, unless that image is the
+        step's first (an image larger than the budget runs alone)."""
+        if seq.multimodal is None or self.encoded is None:
+            return n
+        for image, lo, _ in seq.multimodal.overlaps(start, start + n):
+            key = image.content_hash
+            if key in step or self.encoded(key):
+                continue
+            cost = image.num_tokens(seq.multimodal.merge)
+            if step and sum(step.values()) + cost > self.encoder_budget:
+                return image.span.start + lo - start
+            step[key] = cost
+        return n
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        encoding: dict[str, int] = {}  # images this step encodes: tokens by content hash
 
         # 1. Running sequences: one decode token each, or the next chunk of a prefill.
         queue = deque(self.running)
@@ -57,8 +81,10 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 0:
+                n = self._within_encoder_budget(seq, seq.num_computed_tokens, n, encoding)
             if n <= 0:  # overlapped scheduling: computed ahead of a stop string's cut, finishing
-                kept.append(seq)
+                kept.append(seq)  # (or an image over this step's encoder budget: the next step)
                 continue
             target = seq.num_computed_tokens + n
             while not bm.can_grow(seq, target):
@@ -80,8 +106,8 @@ class Scheduler:
             seq = self.waiting[0]
             cached = bm.match_sequence(seq)
             start = len(cached) * bm.block_size
-            n = min(seq.num_tokens - start, budget)
-            if bm.admission_cost(seq, cached, start + n) > bm.num_free_blocks:
+            n = self._within_encoder_budget(seq, start, min(seq.num_tokens - start, budget), encoding)
+            if n <= 0 or bm.admission_cost(seq, cached, start + n) > bm.num_free_blocks:
                 break
             self.waiting.popleft()
             bm.admit(seq, cached)
