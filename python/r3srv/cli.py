@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--node-rank", type=int, default=0,
                       help="this node; only node 0 serves HTTP, the others run their ranks' workers (default: %(default)s)")
     serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
-                       help="N > 1: N replicas (a device each) behind the SGLang router on --host/--port "
-                       "(needs r3srv[router]; docs/fleet.md)")
+                       help="N > 1: N replicas (a device each) behind r3srv's own front on --host/--port, "
+                       "every route served as by one server (docs/fleet.md)")
     serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     serve.add_argument(
@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--fleet-peer-urls", nargs="+", default=None, metavar="URL",
-        help="the other replicas of a fleet behind a router: control calls (pause, continue, weight updates, "
-        "flush, abort, memory release) made to this server are applied on them too (docs/fleet.md)",
+        help="other servers (or, with --data-parallel-size, other nodes' fronts) that control calls (pause, "
+        "continue, weight updates, flush, abort, memory release) made to this server also reach (docs/fleet.md)",
     )
     serve.add_argument(
         "--enable-prompt-tokens-details",
@@ -234,7 +234,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print("r3srv serve: configuration error: --data-parallel-size runs its replicas on this machine, each "
               "replica's ranks on a free port of their own: leave out --nnodes and --master-port", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
+    if args.data_parallel_size > 1:  # N replicas behind this process, their front and supervisor
         from r3srv.data_parallel import serve_fleet
 
         return serve_fleet(args, build_parser())
