@@ -184,10 +184,11 @@ class Front:
         sent = forwarded_headers(headers, (FANOUT_HEADER.encode(), b"1"))
         target = target_path(scope)
         peers = self.peer_urls if kind is Fleet.EVERY_REPLICA and not marked(scope) else []
-        replies: list[Reply] = list(await asyncio.gather(
-            *(call(self.client, r.name, r.url + target, scope["method"], sent, b) for r, b in zip(replicas, bodies)),
-            *(call(self.client, f"peer front {url}", url + target, scope["method"], sent, body) for url in peers),
-        ))
+        with self.replicas.control_call():
+            replies: list[Reply] = list(await asyncio.gather(
+                *(call(self.client, r.name, r.url + target, scope["method"], sent, b) for r, b in zip(replicas, bodies)),
+                *(call(self.client, f"peer front {url}", url + target, scope["method"], sent, body) for url in peers),
+            ))
         note = ""
         if any(r.ok for r in replies) and not all(r.ok for r in replies):
             versions = [await call(self.client, r.name, r.url + "/get_weight_version", "GET", headers, b"")

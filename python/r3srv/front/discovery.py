@@ -3,7 +3,8 @@
 - /health: 200 while at least one replica serves; 503 naming each replica's state otherwise.
 - /server_info (/get_server_info): a replica's, with `dp_size` the fleet's and `internal_states`
   one entry per replica (as SGLang's data-parallel server lists one per DP rank): its `dp_rank`,
-  URL, state, weight_version, model_path, pause and memory state and load. `weight_version` is
+  URL, state, the requests the front has in flight there, weight_version, model_path, pause and
+  memory state. `weight_version` is
   the replicas' common one, null while they differ (each entry says which serves what).
 - /v1/loads and /get_load: one load per replica, `dp_rank` its index; `dp_rank=i` selects one.
 - /get_weight_version: the common version; 409 naming each replica's while they differ.
@@ -65,7 +66,8 @@ async def server_info(front: Front, path: str, query: str, headers: list[tuple[b
         return combine(path, replies)
     info, states = None, []
     for replica, reply in zip(front.replicas.replicas, replies):
-        entry: dict[str, Any] = {"dp_rank": replica.index, "url": replica.url, "state": replica.state.value}
+        entry: dict[str, Any] = {"dp_rank": replica.index, "url": replica.url, "state": replica.state.value,
+                                 "in_flight": front.in_flight[replica.index]}
         own = _decoded(reply) if reply.ok else None
         if isinstance(own, dict):
             info = info or own

@@ -40,7 +40,12 @@ async def forward(client: httpx.AsyncClient, url: str, scope: dict[str, Any], he
     """Send the request to `url` and its answer to the client. NOT_SENT errors propagate (nothing
     was sent to the client: the caller may try another replica); ReplicaFailed after that."""
     request = client.build_request(scope["method"], url, headers=headers, content=body)
-    response = await client.send(request, stream=True)
+    try:
+        response = await client.send(request, stream=True)
+    except NOT_SENT:
+        raise
+    except httpx.HTTPError as exc:  # it had the request, and went away before answering
+        raise ReplicaFailed(f"{type(exc).__name__}: {exc}".rstrip(": "), started=False) from exc
     started = False
     try:
         kept = [(k, v) for k, v in response.headers.raw if k.lower() not in _FRAMING]

@@ -12,12 +12,13 @@ requests off it) or STARTING. One that exits is restarted on the weights its sib
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,9 @@ class ReplicaSet:
         self.on_restart: list[Callable[[Replica], None]] = []
         self.stopping = False
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.headers)
+        self._control_calls = 0
+        self._no_control_call = asyncio.Event()
+        self._no_control_call.set()
 
     def up(self) -> list[Replica]:
         return [r for r in self.replicas if r.state is State.UP]
@@ -127,6 +131,19 @@ class ReplicaSet:
         except httpx.HTTPError:
             return False
 
+    @contextlib.contextmanager
+    def control_call(self) -> Iterator[None]:
+        """Around a call sent to every replica: a replica restarted meanwhile waits for it to end
+        before reading the weights its siblings serve (an update in flight would change them)."""
+        self._control_calls += 1
+        self._no_control_call.clear()
+        try:
+            yield
+        finally:
+            self._control_calls -= 1
+            if not self._control_calls:
+                self._no_control_call.set()
+
     # -- supervision ----------------------------------------------------------------------
     def mark_down(self, r: Replica, why: str) -> None:
         """The front could not reach it: no more requests until its /health answers again."""
@@ -147,6 +164,8 @@ class ReplicaSet:
                     await self._replace(r)
                 elif r.state is not State.UP or tick % ticks_per_health == 0:
                     healthy = await self._healthy(r)
+                    if healthy and r.state is State.STARTING and r.restarts:
+                        await self._catch_up(r)
                     if healthy and r.state is not State.UP:
                         logger.info("%s is up", r.name)
                     elif not healthy and r.state is State.UP:
@@ -172,8 +191,25 @@ class ReplicaSet:
                      model or "of the built-in model", version)
         self._start(r, model, version, name)
 
+    async def _catch_up(self, r: Replica) -> None:
+        """A restarted replica pauses if its siblings are paused (it holds no request: abort is every mode)."""
+        for s in self.replicas:
+            if s is r or s.state is not State.UP:
+                continue
+            try:
+                sibling = (await self._client.get(s.url + "/is_paused")).json()
+                if sibling.get("is_paused"):
+                    await self._client.post(r.url + "/pause_generation", json={"mode": "abort"})
+                    logger.warning("%s paused, as %s is (mode %s): /continue_generation resumes the fleet", r.name,
+                                   s.name, sibling.get("mode"))
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+            return
+
     async def _current_weights(self, r: Replica) -> tuple[str | None, str, str | None]:
-        """(checkpoint, weight version, model name) a live sibling serves now (after updates), else the start-up ones."""
+        """(checkpoint, weight version, model name) a live sibling serves once no control call is under
+        way (after updates), else the start-up ones."""
+        await self._no_control_call.wait()
         for s in self.replicas:
             if s is r or s.exited():
                 continue
