@@ -120,6 +120,7 @@ async def _run(args: argparse.Namespace, fleet) -> int:
 
     from r3srv.cli import _server_class
     from r3srv.front.app import Front
+    from r3srv.front.policy import prompt_encoder
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
     from r3srv.server.connections import guarded_h11
 
@@ -137,7 +138,7 @@ async def _run(args: argparse.Namespace, fleet) -> int:
             return code
         front = Front(fleet, tp_size=args.tensor_parallel_size, block_size=args.block_size,
                       max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
-                      peer_urls=args.fleet_peer_urls)
+                      peer_urls=args.fleet_peer_urls, encode=prompt_encoder(args.model))
         config = uvicorn.Config(front, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
                                 http=guarded_h11(args.timeout_headers, args.timeout_body), server_header=False,
                                 date_header=False, timeout_graceful_shutdown=5, access_log=args.log_level == "debug")

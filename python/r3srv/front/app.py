@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import msgspec
 
 from r3srv.front.discovery import FLEET_ANSWERS, versions_by_replica
-from r3srv.front.policy import PrefixAwarePolicy, prompt_key
+from r3srv.front.policy import Key, PrefixAwarePolicy, prompt_key
 from r3srv.front.proxy import NOT_SENT, ReplicaFailed, forward, send_failure, until_disconnect
 from r3srv.front.replicas import ReplicaSet, State
 from r3srv.server.declare import Fleet
@@ -44,6 +45,8 @@ from r3srv.server.routes import ROUTE_HANDLERS
 logger = logging.getLogger("r3srv.fleet")
 
 NO_REPLICA = 503
+# Longer text prompts are tokenized off the event loop.
+_ENCODE_INLINE_CHARS = 4096
 # Pooled connections to the replicas are dropped before uvicorn's keep-alive (5 s) closes them.
 _KEEPALIVE_S = 2.0
 
@@ -63,10 +66,7 @@ def rank_bodies(body: bytes, replicas: int, tp_size: int) -> list[bytes]:
     """The body of an OWN_RANK call for each replica: `rank_offset` (at the top level, or inside an
     object field such as vLLM's init_info) moved by i * tp_size for replica i. Bodies without one go
     to all unchanged. RankError when the world the trainer opened cannot hold every replica's ranks."""
-    try:
-        data = msgspec.json.decode(body) if body else None
-    except msgspec.DecodeError:
-        data = None
+    data = _json_or_none(body) if body else None
     holder = None
     if isinstance(data, dict):
         holder = data if "rank_offset" in data else next(
@@ -102,8 +102,9 @@ def _as_int(value: Any) -> int | None:
 
 class Front:
     def __init__(self, replicas: ReplicaSet, *, tp_size: int, block_size: int, max_body_bytes: int,
-                 peer_urls: list[str] | None = None) -> None:
+                 peer_urls: list[str] | None = None, encode: Callable[[str], list[int]] | None = None) -> None:
         self.replicas = replicas
+        self.encode = encode
         self.tp_size = tp_size
         self.max_body_bytes = max_body_bytes
         self.peer_urls = [u.rstrip("/") for u in peer_urls or ()]
@@ -139,7 +140,7 @@ class Front:
     # -- one replica ----------------------------------------------------------------------
     async def dispatch(self, scope: dict[str, Any], receive: Any, send: Any, headers: list[tuple[bytes, bytes]],
                        body: bytes) -> None:
-        hashes = self.policy.block_hashes(prompt_key(_json_or_none(body))) if body else []
+        hashes = self.policy.block_hashes(await self._key(body)) if body else []
         tried: set[int] = set()
         while True:
             candidates = [r.index for r in self.replicas.up() if r.index not in tried]
@@ -165,6 +166,14 @@ class Front:
                 return
             finally:
                 self.in_flight[i] -= 1
+
+    async def _key(self, body: bytes) -> Key | None:
+        key = prompt_key(_json_or_none(body))
+        if key is None or key[0] != "text" or self.encode is None:
+            return key
+        text = key[1]
+        ids = await asyncio.to_thread(self.encode, text) if len(text) > _ENCODE_INLINE_CHARS else self.encode(text)
+        return "ids", ids
 
     # -- every replica --------------------------------------------------------------------
     async def to_every_replica(self, scope: dict[str, Any], headers: list[tuple[bytes, bytes]], body: bytes,
@@ -205,5 +214,5 @@ def _refusal(status: int, message: str, param: str | None = None) -> tuple[int, 
 def _json_or_none(body: bytes) -> Any:
     try:
         return msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # not JSON, or nested past msgspec's depth: no key
         return None

@@ -1,8 +1,10 @@
 """Which replica serves a generation: the one that caches the prompt's prefix, unless it is much busier.
 
-The front never tokenizes: it hashes what the client sent, in blocks. A token-id prompt is cut
-into blocks of the KV block size (so a matched block is a cached KV block); a text prompt, or a
-chat's messages encoded one after the other, into blocks of BLOCK_CHARS characters. Each block's
+The front hashes the prompt in blocks. Token ids are cut into blocks of the KV block size (so a
+matched block is a cached KV block); a text prompt is first encoded with the served model's
+tokenizer (prompt_encoder), so that a conversation whose first turn is text and whose next turns
+are token ids (an RL agent appending the ids it got back) keeps one key; a chat's messages,
+encoded one after the other as JSON, are cut into blocks of BLOCK_CHARS characters. Each block's
 hash chains the one before it (as a prefix cache keys its blocks), so a match is always a whole
 prefix. A conversation's next turn starts with the previous turn's prompt, finds its blocks
 recorded under the replica that served it, and goes there.
@@ -16,11 +18,15 @@ then in turn).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
+
+logger = logging.getLogger("r3srv.fleet")
 
 # ~16 tokens of English text: a text block is about a KV block
 BLOCK_CHARS = 64
@@ -29,7 +35,7 @@ MAX_BLOCKS = 1 << 18
 BALANCE_ABS = 32
 BALANCE_REL = 1.5
 
-Key = tuple[str, Sequence[Any]]  # ("ids", token ids) or ("text", characters)
+Key = tuple[str, Sequence[Any]]  # ("ids", token ids), ("text", a prompt's characters) or ("chat", messages as JSON)
 
 
 def prompt_key(body: Any) -> Key | None:
@@ -43,19 +49,36 @@ def prompt_key(body: Any) -> Key | None:
             return _first_prompt(body[field])
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
-        return "text", "".join(msgspec.json.encode(m).decode() for m in messages)
+        return "chat", "".join(msgspec.json.encode(m).decode() for m in messages)
     return None
 
 
 def _first_prompt(value: Any) -> Key | None:
-    if isinstance(value, str):
-        return "text", value
-    if isinstance(value, list) and value:
+    for _ in range(3):  # a prompt, a batch of them, a batch of token-id lists: the first prompt decides
+        if isinstance(value, str):
+            return "text", value
+        if not isinstance(value, list) or not value:
+            return None
         first = value[0]
         if isinstance(first, int) and not isinstance(first, bool):
             return "ids", value
-        return _first_prompt(first)  # a batch: its first prompt decides
+        value = first
     return None
+
+
+def prompt_encoder(model: str | None) -> Callable[[str], list[int]] | None:
+    """The served model's tokenizer (as its replicas load it), or None: text is then keyed by characters."""
+    from r3srv.models.builtin import BUILTIN_MODEL_NAME, builtin_model_dir
+    from r3srv.tokenizer import Tokenizer
+
+    path = builtin_model_dir() if model is None or (model == BUILTIN_MODEL_NAME and not Path(model).is_dir()) else Path(model)
+    if not (path / "tokenizer.json").is_file():
+        return None
+    try:
+        return Tokenizer.from_dir(path).encode
+    except Exception as exc:  # a tokenizer the replicas cannot load either: they say so themselves
+        logger.warning("the front keys text prompts by characters: cannot load %s's tokenizer (%s)", path, exc)
+        return None
 
 
 class PrefixAwarePolicy:
