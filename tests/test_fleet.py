@@ -37,14 +37,19 @@ def policies(tmp_path_factory):
     return write_tiny_checkpoint(root / "v0", "qwen3_moe", seed=0), write_tiny_checkpoint(root / "v1", "qwen3_moe", seed=1)
 
 
-@pytest.fixture(scope="module")
-def fleet(policies):
-    srv = RemoteServer(str(policies[0]), *FLEET_ARGS)
+def started_fleet(policy: Path, args: tuple[str, ...]):
+    """A fleet serving `policy`, stopped (and its log removed) when the generator is closed."""
+    srv = RemoteServer(str(policy), *args)
     try:
         yield srv
     finally:
         srv.stop()
         os.unlink(srv._log.name)
+
+
+@pytest.fixture(scope="module")
+def fleet(policies):
+    yield from started_fleet(policies[0], FLEET_ARGS)
 
 
 def replica_urls(url: str) -> list[str]:

@@ -19,9 +19,10 @@ import time
 import httpx
 import pytest
 import weight_sync_trainer as trainer
-from server_fixture import RemoteServer, free_port
-from test_fleet import alive, children, counter, get, post, replica_pid, replica_urls, wait_for
-from tiny_checkpoints import write_tiny_checkpoint
+from server_fixture import free_port
+from test_fleet import (  # noqa: F401  (policies: the fixture, shared)
+    alive, children, counter, get, policies, post, replica_pid, replica_urls, started_fleet, wait_for,
+)
 
 from r3srv.serial import decode_routed_experts
 
@@ -32,19 +33,8 @@ FLEET_ARGS = ("--data-parallel-size", "2", "--enable-weight-updates", "--enable-
 
 
 @pytest.fixture(scope="module")
-def policies(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fault-policies")
-    return write_tiny_checkpoint(root / "v0", "qwen3_moe", seed=0), write_tiny_checkpoint(root / "v1", "qwen3_moe", seed=1)
-
-
-@pytest.fixture(scope="module")
 def fleet(policies):
-    srv = RemoteServer(str(policies[0]), *FLEET_ARGS)
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        os.unlink(srv._log.name)
+    yield from started_fleet(policies[0], FLEET_ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -32,10 +32,11 @@ import msgspec
 
 from r3srv.front.discovery import FLEET_ANSWERS, versions_by_replica
 from r3srv.front.policy import Key, PrefixAwarePolicy, prompt_key
-from r3srv.front.proxy import NOT_SENT, ReplicaFailed, forward, send_failure, until_disconnect
+from r3srv.front.proxy import NOT_SENT, ReplicaFailed, forward, send_failure
 from r3srv.front.replicas import ReplicaSet, State
 from r3srv.server.declare import Fleet
 from r3srv.server.errors import error_body
+from r3srv.server.generation import until_disconnect  # cancelling the forward closes the replica's connection
 from r3srv.server.fanout import (
     FANOUT_HEADER, PEER_TIMEOUT, Reply, call, combine, forwarded_headers, marked, read_body, send_answer, send_json,
     target_path,

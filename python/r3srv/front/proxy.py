@@ -9,7 +9,6 @@ for a client of its own.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Any
 
@@ -62,28 +61,6 @@ async def forward(client: httpx.AsyncClient, url: str, scope: dict[str, Any], he
         raise ReplicaFailed(f"{type(exc).__name__}: {exc}".rstrip(": "), started) from exc
     finally:
         await response.aclose()
-
-
-async def until_disconnect(receive: Any, work: Any) -> None:
-    """Run `work` (a coroutine) unless the client disconnects first; then cancel it, which closes
-    the connection to the replica."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, watcher):
-            if not pending.done():
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pending
-    if task.done() and not task.cancelled():
-        task.result()  # its exception, if any
 
 
 async def send_failure(send: Any, name: str, exc: ReplicaFailed) -> None:
