@@ -8,8 +8,9 @@ declaration from the handler's `opt`:
           access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 
 - the route table (`routes.ROUTE_HANDLERS`) is every handler the route modules define;
-- a fleet's fan-out of control calls (`server/fanout.py`) takes the routes declared
-  `Fleet.EVERY_REPLICA`;
+- a fleet's front (`front/app.py`) dispatches ONE_REPLICA routes to one replica, fans
+  EVERY_REPLICA routes out to all with one answer, and gives each replica its own rank in
+  OWN_RANK calls; `--fleet-peer-urls` (`server/fanout.py`) fans EVERY_REPLICA routes out to peers;
 - `feature_guard` answers 404 "start the server with FLAG" for a route whose feature is off;
 - authentication reads `access`.
 
