@@ -25,6 +25,8 @@ from tiny_checkpoints import write_tiny_checkpoint
 from r3srv.serial import decode_routed_experts
 from r3srv.server.fanout import FANOUT_HEADER
 
+pytestmark = pytest.mark.slow  # real servers
+
 NUM_KV_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, MAX_MODEL_LEN = 96, 16, 8, 512
 FLEET_ARGS = ("--data-parallel-size", "2", "--enable-weight-updates", "--enable-return-routed-experts",
               "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),

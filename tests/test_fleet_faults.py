@@ -27,6 +27,7 @@ from test_fleet import (  # noqa: F401  (policies: the fixture, shared)
 from r3srv.serial import decode_routed_experts
 
 MAX_MODEL_LEN, NEW_TOKENS = 512, 400
+pytestmark = pytest.mark.slow  # real servers, a trainer process
 FLEET_ARGS = ("--data-parallel-size", "2", "--enable-weight-updates", "--enable-return-routed-experts",
               "--device", "cpu", "--num-kv-blocks", "128", "--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN),
               "--log-level", "warning")

@@ -26,6 +26,8 @@ from r3srv.serial import decode_routed_experts
 pytest.importorskip("sglang_router", reason="needs sglang-router (pip install 'r3srv[router]')")
 pytest.importorskip("vllm_router", reason="needs vllm-router (pip install 'r3srv[router]')")
 
+pytestmark = [pytest.mark.slow, pytest.mark.peer]  # real servers; the peers' own routers
+
 NODE_ARGS = ("--enable-return-routed-experts", "--enable-weight-updates", "--device", "cpu", "--num-kv-blocks", "64",
              "--max-num-seqs", "8", "--max-model-len", "256", "--log-level", "warning")
 ROUTERS = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}

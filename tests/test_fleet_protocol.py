@@ -17,11 +17,13 @@ from test_server_sglang import *  # noqa: F403
 
 del test_metrics_count_requests_tokens_and_bytes  # noqa: F821
 
+pytestmark = pytest.mark.slow  # real servers
+
 
 @pytest.fixture(scope="module")
-def server():
+def server(gate):
     args = ("--enable-return-routed-experts", "--max-request-body-bytes", str(MAX_BODY), "--enable-prompt-tokens-details",
             *TEST_SERVER_ARGS)
-    with RemoteServer("--data-parallel-size", "2", *args) as srv:
+    with RemoteServer("--data-parallel-size", "2", *args, step_gate=gate) as srv:  # both replicas behind the gate
         yield srv
     assert srv.returncode == 0, f"SIGTERM should stop the fleet cleanly:\n{srv.log}"

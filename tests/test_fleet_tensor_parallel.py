@@ -5,12 +5,15 @@ straight from each replica gives one device's greedy tokens and routed experts."
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from server_fixture import RemoteServer
 from test_fleet import complete, get, replica_urls
 from tiny_checkpoints import write_tiny_checkpoint
 
 from r3srv import LLM, SamplingParams
 from r3srv.serial import decode_routed_experts
+
+pytestmark = pytest.mark.slow  # real servers, worker processes
 
 ENGINE = dict(num_kv_blocks=32, max_num_seqs=2, max_model_len=128)
 PROMPT = "Each replica spans two ranks."

@@ -24,6 +24,8 @@ from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
 from r3srv.models.staged_shards import ShardPieces
 
+pytestmark = [pytest.mark.slow, pytest.mark.peer]  # real servers; the trainers' weight-update calls
+
 PROMPT = prompt_ids(20, base=3)
 WORLD = 3  # the trainer and two tensor-parallel ranks
 TP2 = ("--tensor-parallel-size", "2", "--dtype", "float32")
