@@ -39,9 +39,10 @@ def policies(tmp_path_factory):
     return write_tiny_checkpoint(root / "v0", "qwen3_moe", seed=0), write_tiny_checkpoint(root / "v1", "qwen3_moe", seed=1)
 
 
-def started_fleet(policy: Path, args: tuple[str, ...]):
-    """A fleet serving `policy`, stopped (and its log removed) when the generator is closed."""
-    srv = RemoteServer(str(policy), *args)
+def started_fleet(policy: Path, args: tuple[str, ...], gate):
+    """A fleet serving `policy`, its replicas behind the step gate, stopped (and its log removed)
+    when the generator is closed."""
+    srv = RemoteServer(str(policy), *args, step_gate=gate)
     try:
         yield srv
     finally:
@@ -50,8 +51,8 @@ def started_fleet(policy: Path, args: tuple[str, ...]):
 
 
 @pytest.fixture(scope="module")
-def fleet(policies):
-    yield from started_fleet(policies[0], FLEET_ARGS)
+def fleet(policies, gate):
+    yield from started_fleet(policies[0], FLEET_ARGS, gate)
 
 
 def replica_urls(url: str) -> list[str]:
@@ -188,9 +189,10 @@ def test_routed_experts_and_their_offsets_arrive_intact_on_every_route(fleet, re
             np.testing.assert_array_equal(a, b)
 
 
-def test_a_stream_arrives_while_it_runs_and_a_disconnect_frees_its_blocks(fleet):
+def test_a_stream_arrives_while_it_runs_and_a_disconnect_frees_its_blocks(fleet, gate):
     body = {"prompt": "x" * 40, "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", fleet.url + "/v1/completions", json=body) as r:
+    with gate.allowing(2), httpx.Client(timeout=60) as http, \
+            http.stream("POST", fleet.url + "/v1/completions", json=body) as r:  # in flight until the client goes
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))

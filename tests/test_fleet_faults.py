@@ -34,8 +34,8 @@ FLEET_ARGS = ("--data-parallel-size", "2", "--enable-weight-updates", "--enable-
 
 
 @pytest.fixture(scope="module")
-def fleet(policies):
-    yield from started_fleet(policies[0], FLEET_ARGS)
+def fleet(policies, gate):
+    yield from started_fleet(policies[0], FLEET_ARGS, gate)
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +55,12 @@ def rollout(url: str, i: int, stream: bool) -> str:
     body = {"prompt": f"request {i} " * 3, "max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0,
             "return_token_ids": True, "stream": stream}
     with httpx.Client(timeout=300) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code == 503:  # the replica went away before the first byte of the answer
+            r.read()
+            assert "failed while serving" in r.json()["error"]["message"]
+            return "error"
         if not stream:
             r.read()
-            if r.status_code == 503:
-                assert "failed while serving" in r.json()["error"]["message"]
-                return "error"
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
             rows = len(choice["prompt_token_ids"]) + len(choice["token_ids"]) - 1
