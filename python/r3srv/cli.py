@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--fleet-peer-urls", nargs="+", default=None, metavar="URL",
-        help="the other replicas of a fleet behind a router: control calls (pause, continue, weight updates, "
-        "flush, abort, memory release) made to this server are applied on them too (docs/fleet.md)",
+        help="other servers (or, with --data-parallel-size, other nodes' fronts) that control calls (pause, "
+        "continue, weight updates, flush, abort, memory release) made to this server also reach (docs/fleet.md)",
     )
     serve.add_argument(
         "--enable-prompt-tokens-details",
@@ -179,7 +179,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print(f"r3srv serve: configuration error: {' and '.join(dev_flags)} change the served weights and memory: "
               "add --enable-weight-updates", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
+    if args.data_parallel_size > 1:  # N replicas behind this process, their front and supervisor
         from r3srv.data_parallel import serve_fleet
 
         return serve_fleet(args, build_parser())
