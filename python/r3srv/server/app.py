@@ -58,6 +58,7 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_weight_updates: bool = False,
     enable_prompt_tokens_details: bool = False,
+    return_tokens_as_token_ids: bool = False,
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
 ) -> Litestar:
@@ -69,6 +70,7 @@ def create_app(
         metrics=ServerMetrics(engine.stats),
         enable_weight_updates=enable_weight_updates,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
         weight_sync_timeout=weight_sync_timeout,
     )
 

@@ -163,7 +163,7 @@ async def completion_stream(
     state: ServerState, req: p.CompletionRequest, request_id: str, gens: list[Generation]
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
-    fmt = LogprobFormatter(state.engine.tokenizer)
+    fmt = LogprobFormatter.of(state, req)
     with_ids = bool(req.return_token_ids)
     continuous = _continuous(req.stream_options)
     tracker = _Tracker()
@@ -209,7 +209,7 @@ async def chat_stream(
     state: ServerState, req: p.ChatCompletionRequest, request_id: str, gens: list[Generation]
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
-    fmt = LogprobFormatter(state.engine.tokenizer)
+    fmt = LogprobFormatter.of(state, req)
     with_ids = bool(req.return_token_ids)
     continuous = _continuous(req.stream_options)
     role, echoed = req.response_role(), req.echoed_text()

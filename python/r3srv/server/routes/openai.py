@@ -25,6 +25,10 @@ async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]
     state.check_model(data.model)
     params = data.to_sampling_params()
     prompts = data.prompts()
+    if not data.add_special_tokens:  # the engine tokenizes text with the tokenizer's specials
+        tokenizer = state.tokenizer()
+        prompts = [p if not isinstance(p, str) else
+                   list(await run_sized(len(p), tokenizer.encode, p, add_special_tokens=False)) for p in prompts]
     request_id = data.request_id or f"cmpl-{uuid.uuid4().hex}"
     route = "/v1/completions"
     if data.stream:
@@ -33,6 +37,17 @@ async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]
     return await run_to_end(  # type: ignore[return-value]
         request, route, prompts, params, request_id, lambda finals: completion_response(state, data, request_id, finals)
     )
+
+
+def _open_final_message(rendered: str, content: str) -> str:
+    """The rendered conversation cut right after the last message's content, its turn left open
+    for the reply to continue (transformers' continue_final_message, which vLLM uses)."""
+    final = content.strip()
+    at = rendered.rfind(final) if final else -1
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not render the final message's "
+                                  "content as it is", param="continue_final_message")
+    return rendered[: at + len(final)]
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion (OpenAI)",
@@ -45,10 +60,12 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     tokenizer = state.tokenizer()
 
     def render_and_encode() -> list[int]:
-        rendered = tokenizer.apply_chat_template(data.template_messages(), add_generation_prompt=data.add_generation_prompt)
+        rendered = tokenizer.apply_chat_template(data.template_messages(), add_generation_prompt=data.generation_prompt)
+        if data.continue_final_message:
+            rendered = _open_final_message(rendered, data.template_messages()[-1]["content"])
         # The template writes its own specials (e.g. Mixtral's `{{ bos_token }}`): encoding them
-        # again would double the BOS and shift every token and row, so add none (as HF and vLLM).
-        return tokenizer.encode(rendered, add_special_tokens=False)
+        # again would double the BOS and shift every token and row, so none unless asked (as HF and vLLM).
+        return tokenizer.encode(rendered, add_special_tokens=data.add_special_tokens)
 
     try:
         prompt = await run_sized(sum(m.content_chars() for m in data.messages), render_and_encode)

@@ -73,7 +73,8 @@ async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids:
     outs = [
         p.SglangGenerateOutput(
             text=c.text, output_ids=list(c.token_ids),
-            meta_info=await _meta_info(state, req, _output_id(rid, final, c), final, c, c.token_ids, c.logprobs, True),
+            meta_info=await _meta_info(state, req, i, _output_id(rid, final, c), final, c, c.token_ids, c.logprobs,
+                                       True),
         )
         for i, (rid, final) in enumerate(zip(request_ids, finals))
         for c in _as_asked(req, i, final.outputs)
@@ -81,9 +82,10 @@ async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids:
     return outs[0] if len(outs) == 1 and not req.is_batch else outs
 
 
-async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, output_id: str, out: RequestOutput,
-                     c: CompletionOutput, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                     final: bool) -> dict[str, Any]:
+async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, index: int, output_id: str,
+                     out: RequestOutput, c: CompletionOutput, token_ids: list[int],
+                     logprobs: list[dict[int, float]] | None, final: bool) -> dict[str, Any]:
+    """Output `c` of prompt `index`'s meta_info."""
     meta: dict[str, Any] = {
         "id": output_id,
         "finish_reason": _finish_reason(c, token_ids) if final else None,
@@ -92,8 +94,10 @@ async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, output_id
         "cached_tokens": out.num_cached_tokens,
         "routed_experts_start_len": req.routed_experts_start_len,
     }
-    if req.return_logprob:
-        _add_logprobs(meta, req, out, token_ids, logprobs)
+    return_logprob, _, top = req.logprobs_of(index)
+    if return_logprob:
+        tokenizer = state.engine.tokenizer if req.return_text_in_logprobs else None
+        _add_logprobs(meta, top, out, token_ids, logprobs, tokenizer)
     if final and c.routed_experts is not None:
         meta["routed_experts"] = await state.encode_experts_raw_int32(c.routed_experts)
     version = state.weight_version(out) if final else UNSET
@@ -115,7 +119,8 @@ async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids:
                 continue
             text, ids, logprobs = text + c.text, ids + list(c.token_ids), logprobs + list(c.logprobs or [])
             sofar[(i, c.index)] = (text, ids, logprobs)
-            meta = await _meta_info(state, req, _output_id(request_ids[i], out, c), out, c, ids, logprobs, c.finished)
+            meta = await _meta_info(state, req, i, _output_id(request_ids[i], out, c), out, c, ids, logprobs,
+                                    c.finished)
             yield sse(p.SglangGenerateOutput(text=text, output_ids=ids, meta_info=meta,
                                              index=i * n + c.index if indexed else None))
     yield DONE
@@ -134,22 +139,25 @@ def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[Completion
     ]
 
 
-def _add_logprobs(meta: dict[str, Any], req: p.SglangGenerateRequest, out: RequestOutput, token_ids: list[int],
-                  logprobs: list[dict[int, float]] | None) -> None:
-    """SGLang's logprob keys: [logprob, token id, None] triples; the input ones from
-    logprob_start_len on, the first of them without a logprob (as SGLang sends them)."""
+def _add_logprobs(meta: dict[str, Any], k: int, out: RequestOutput, token_ids: list[int],
+                  logprobs: list[dict[int, float]] | None, tokenizer: Any = None) -> None:
+    """SGLang's logprob keys: [logprob, token id, text] triples; the input ones from
+    logprob_start_len on, the first of them without a logprob (as SGLang sends them). The text is
+    null, or with return_text_in_logprobs each token decoded alone, specials kept (SGLang's)."""
+    def text(t: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
+
     entries = out.prompt_logprobs or []
     inputs = out.prompt_token_ids[len(out.prompt_token_ids) - len(entries):]
-    meta["input_token_logprobs"] = [[None if e is None else e[t].logprob, t, None] for t, e in zip(inputs, entries)]
-    meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(token_ids, logprobs or [])]
+    meta["input_token_logprobs"] = [[None if e is None else e[t].logprob, t, text(t)] for t, e in zip(inputs, entries)]
+    meta["output_token_logprobs"] = [[entry[t], t, text(t)] for t, entry in zip(token_ids, logprobs or [])]
     meta["output_token_logprobs_length"] = len(token_ids)
-    k = req.top_logprobs_num
     if k:
         meta["input_top_logprobs"] = [
-            None if e is None else [[lp.logprob, t, None] for t, lp in sorted(e.items(), key=lambda kv: kv[1].rank)[:k]]
+            None if e is None else [[lp.logprob, t, text(t)] for t, lp in sorted(e.items(), key=lambda kv: kv[1].rank)[:k]]
             for e in entries
         ]
-        meta["output_top_logprobs"] = [[[v, t, None] for t, v in ranked_logprobs(entry)[:k]] for entry in logprobs or []]
+        meta["output_top_logprobs"] = [[[v, t, text(t)] for t, v in ranked_logprobs(entry)[:k]] for entry in logprobs or []]
 
 
 def _finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:
