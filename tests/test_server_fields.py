@@ -53,6 +53,10 @@ EXAMPLES = {
     "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True, "add_special_tokens": False,
     "continue_final_message": False, "detokenize": False, "return_text_in_logprobs": True,
     "custom_params": {"return_top_p_token_ids": False},
+    # tool calling and reasoning (docs/protocol.md): on a server without parsers, tools are only shown to
+    # the model (tool_choice "none"; `_body` adds it)
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "none", "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False},
 }
 PROBE = "r3srv-probe"  # neither null nor any peer default: a refused field set to it is a 400
 
@@ -119,6 +123,8 @@ def _body(route: str, nested: str | None, name: str, value: object) -> dict:
         value = BASE[route]["sampling_params"]
     if name == "stream_options":
         target["stream"], value = True, {"include_usage": True}
+    if name == "tools":
+        target["tool_choice"] = "none"
     target[name] = value
     return body
 

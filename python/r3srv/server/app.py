@@ -20,6 +20,7 @@ from litestar.types import Message, Receive, Scope, Send
 
 import r3srv
 from r3srv.server.body import decode_body
+from r3srv.server.chat_output import ChatParsers
 from r3srv.server.declare import feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
 from r3srv.server.generation import ServerState
@@ -59,8 +60,10 @@ def create_app(
     enable_weight_updates: bool = False,
     enable_prompt_tokens_details: bool = False,
     return_tokens_as_token_ids: bool = False,
+    routed_experts_encoding: str = "auto",
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
+    chat_parsers: ChatParsers | None = None,
 ) -> Litestar:
     """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
     CLI stops the server and exits non-zero so that an orchestrator restarts it."""
@@ -72,6 +75,8 @@ def create_app(
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         weight_sync_timeout=weight_sync_timeout,
+        routed_experts_encoding=routed_experts_encoding,
+        chat_parsers=chat_parsers or ChatParsers(),
     )
 
     async def watch_engine() -> None:

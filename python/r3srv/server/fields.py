@@ -6,7 +6,7 @@ sampling_params) defines is, on the matching r3srv route, exactly one of:
 
 - served: a field of r3srv's own request Struct (it works as in the peer);
 - without effect: a field whose peer behaviour on a server like r3srv is to do nothing
-  (metadata, logging switches, tool and reasoning options that need a parser r3srv lacks);
+  (metadata, logging switches);
 - refused: a 400 naming the field, unless the client sends null or the peer's default (a few
   refusals accept more values that leave the feature off, e.g. response_format {"type": "text"}).
 
@@ -69,7 +69,6 @@ BEAM = Refusal("beam search is not supported by r3srv")
 DISAGGREGATION = Refusal("prefill/decode disaggregation and KV transfer are not supported by r3srv")
 NOT_SUPPORTED = Refusal("is not supported by r3srv")
 INTERNAL = Refusal("is an internal field of the peer, not part of r3srv's API")
-TOOLS = Refusal("tool calling is not supported by r3srv", off=("none", "auto"))
 # vLLM reads -1 as none (its validator sees the raw value: "-1" is refused)
 THINKING_BUDGET = Refusal("is not supported by r3srv", off=(-1,), convert_strings=False)
 RESPONSE_FORMAT = Refusal(
@@ -112,19 +111,13 @@ COMPLETION_REFUSED: dict[str, Refusal] = {
 
 CHAT_REFUSED: dict[str, Refusal] = {
     **_VLLM_OPENAI_REFUSED,
-    "tools": TOOLS,
-    "tool_choice": TOOLS,
-    "reasoning_effort": NOT_SUPPORTED,
     "documents": NOT_SUPPORTED,
     "chat_template": Refusal("custom chat templates are not supported by r3srv: the model's own is used"),
-    "chat_template_kwargs": NOT_SUPPORTED,
     "media_io_kwargs": MULTIMODAL,
     "mm_processor_kwargs": MULTIMODAL,
     "return_prompt_text": NOT_SUPPORTED,
 }
 
-# Accepted and without effect, as in vLLM on a server without tool or reasoning parsers.
-CHAT_WITHOUT_EFFECT = frozenset({"include_reasoning", "parallel_tool_calls"})
 
 TITO_REFUSED: dict[str, Refusal] = {
     "token_offsets": NOT_SUPPORTED,
@@ -250,7 +243,7 @@ _VLLM_OPENAI_DEFAULTS = {
     "mm_payload": "tensors",
 }
 COMPLETION_DEFAULTS = _VLLM_OPENAI_DEFAULTS
-CHAT_DEFAULTS = {**_VLLM_OPENAI_DEFAULTS, "tool_choice": "none"}
+CHAT_DEFAULTS = _VLLM_OPENAI_DEFAULTS
 TITO_DEFAULTS = {"priority": 0}
 TITO_SAMPLING_DEFAULTS = {
     "flat_logprobs": False, "output_kind": 0, "skip_clone": False,
@@ -368,7 +361,7 @@ def _route_fields() -> dict[str, BodyFields]:
     return {
         "completions": BodyFields(p.CompletionRequest, COMPLETION_REFUSED, COMPLETION_DEFAULTS,
                                   not_null=_VLLM_OPENAI_NOT_NULL),
-        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, CHAT_DEFAULTS, CHAT_WITHOUT_EFFECT,
+        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, CHAT_DEFAULTS,
                            not_null=CHAT_NOT_NULL),
         "tito": BodyFields(
             p.GenerateRequest, TITO_REFUSED, TITO_DEFAULTS, not_null=TITO_NOT_NULL,
@@ -382,6 +375,12 @@ def _route_fields() -> dict[str, BodyFields]:
             nested={SAMPLING_PARAMS: BodyFields(p.SglangSamplingParams, SGLANG_SAMPLING_REFUSED,
                                                 SGLANG_SAMPLING_DEFAULTS, SGLANG_SAMPLING_WITHOUT_EFFECT,
                                                 lax=False, closed=True)},
+        ),
+        # SkyRL builds vLLM's SamplingParams from the raw JSON: vLLM's fields, no conversion
+        "skyrl": BodyFields(
+            p.SkyrlGenerateRequest, {}, lax=False,
+            nested={SAMPLING_PARAMS: BodyFields(p.SkyrlSamplingParams, TITO_SAMPLING_REFUSED, TITO_SAMPLING_DEFAULTS,
+                                                not_null=TITO_SAMPLING_NOT_NULL, lax=False)},
         ),
     }
 

@@ -12,6 +12,14 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
+from r3srv.server.rows_encoding import RequestedEncoding, RoutedExpertsValue, SglExt
+from r3srv.server.protocol.tools import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolChoice,
+    message_tool_fields,
+)
 from r3srv.server.protocol.common import (
     ChoiceCount,
     LogprobCount,
@@ -66,6 +74,7 @@ class _OpenAIRequest(Struct, kw_only=True):
     routed_experts_prompt_start: PromptStart = 0
     # r3srv extra
     return_routed_experts: ReturnRoutedExperts = None
+    routed_experts_encoding: RequestedEncoding = None
 
     def _sampling_params(
         self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
@@ -190,7 +199,7 @@ class CompletionResponseChoice(Struct, kw_only=True):
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
@@ -205,6 +214,7 @@ class CompletionResponse(Struct, kw_only=True):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
@@ -219,7 +229,7 @@ class CompletionResponseStreamChoice(Struct, kw_only=True):
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
     # Only on the final chunk of a choice (the one with finish_reason).
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
@@ -230,9 +240,13 @@ class CompletionStreamResponse(Struct, kw_only=True):
     model: str
     choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM 0.33's
 
 
 class ContentPart(Struct, kw_only=True):
@@ -244,6 +258,10 @@ class ChatMessageParam(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM 0.33's name)
+    reasoning_content: str | None = None  # its older name, as vLLM reads it
 
     def content_chars(self) -> int:
         """The content's length in characters (how much work rendering and encoding it is)."""
@@ -251,7 +269,7 @@ class ChatMessageParam(Struct, kw_only=True):
             return sum(len(part.text or "") for part in self.content)
         return len(self.content or "")
 
-    def to_template_dict(self) -> dict[str, str]:
+    def to_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
@@ -259,7 +277,12 @@ class ChatMessageParam(Struct, kw_only=True):
                     param="messages", problem=": only text content parts are supported by r3srv (no multimodal inputs)"
                 )
             content = "".join(part.text for part in content)  # type: ignore[misc]
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        message.update(message_tool_fields(self.role, self.tool_calls, self.tool_call_id, reasoning))
+        return message
 
 
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
@@ -274,11 +297,22 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     # The reply continues the last message (its turn left open) instead of starting a new one
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the template writes its own specials
-    # Without effect here (no tool or reasoning parser), typed as vLLM types them
-    include_reasoning: bool = True
-    parallel_tool_calls: bool | None = True
+    # SGLang's chat extensions (miles' session server sends them): the prompt as token ids (the
+    # template is not rendered), each choice's SGLang meta_info, no_stop_trim, routed_experts_start_len
+    input_ids: Annotated[list[NonNegInt], Meta(min_length=1)] | None = None
+    return_meta_info: bool = False
+    no_stop_trim: bool = False
+    routed_experts_start_len: NonNegInt | None = None
     # vLLM's: the last message's content before the reply, when its role is the reply's
     echo: bool = False
+
+    # tool calling and reasoning (docs/protocol.md, "Tool calling and reasoning")
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (vLLM's default)
+    parallel_tool_calls: bool | None = True  # false: the first call only
+    include_reasoning: bool = True
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.top_logprobs is None:  # vLLM's TopLogprobsParam
@@ -286,6 +320,15 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
         if self.continue_final_message and self.add_generation_prompt is True:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                                       param="continue_final_message")
+        if self.tools == []:  # vLLM's (and OpenAI's) rule
+            raise InvalidRequestError("`tools` must not be an empty array", param="tools")
+        if self.return_meta_info and self.stream:  # SGLang's rule
+            raise InvalidRequestError("return_meta_info is not supported with streaming: set stream=false",
+                                      param="return_meta_info")
+        if self.no_stop_trim:  # SGLang's name
+            self.include_stop_str_in_output = True
+        if self.routed_experts_start_len is not None:  # SGLang's name
+            self.routed_experts_prompt_start = self.routed_experts_start_len
 
     @property
     def generation_prompt(self) -> bool:
@@ -293,8 +336,24 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
         if self.add_generation_prompt is UNSET:
             return not self.continue_final_message
         return bool(self.add_generation_prompt)
-    def template_messages(self) -> list[dict[str, str]]:
+
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables besides messages: tools, chat_template_kwargs, and
+        reasoning_effort (which also turns thinking on or off unless enable_thinking is given),
+        as vLLM builds them."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        clash = sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        if clash:
+            raise InvalidRequestError(param="chat_template_kwargs", problem=f" may not set {', '.join(clash)}")
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        if self.tools is not None:
+            kwargs["tools"] = [tool.template_dict() for tool in self.tools]
+        return kwargs
 
     def param_names(self) -> dict[str, str]:
         names = {"prompt": "messages", "logprobs": "top_logprobs"}
@@ -339,12 +398,15 @@ class ChatMessage(Struct, kw_only=True):
     annotations: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
-    reasoning: str | None = None  # vLLM leaves tool_calls out when empty
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # vLLM leaves tool_calls out when empty
+    reasoning: str | None = None
 
 
 class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatCompletionLogProb(Struct, kw_only=True):
@@ -371,10 +433,11 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
+    meta_info: dict[str, Any] | UnsetType = UNSET  # SGLang's, with return_meta_info
 
 
 class ChatCompletionResponse(Struct, kw_only=True):
@@ -386,6 +449,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
@@ -401,7 +465,7 @@ class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
@@ -413,3 +477,4 @@ class ChatCompletionStreamResponse(Struct, kw_only=True):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's

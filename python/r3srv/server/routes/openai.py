@@ -5,17 +5,21 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import msgspec
 from litestar import Request, post
 
 from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
 from r3srv.server import protocol as p
+from r3srv.server import rows_encoding
 from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import start_all
 from r3srv.server.responses import chat_response, completion_response
 from r3srv.server.routes.common import run_to_end, server_state
+from r3srv.server.sglang_meta import meta_info
 from r3srv.server.streaming import EngineStream, chat_stream, completion_stream
+from r3srv.server.protocol.tools import check_tool_request
 
 
 @post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)", opt={"fields": ROUTE_FIELDS["completions"]},
@@ -58,9 +62,15 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     state.check_model(data.model)
     params = data.to_sampling_params()
     tokenizer = state.tokenizer()
+    tool_choice = check_tool_request(data.tools, data.tool_choice, state.chat_parsers.tools_served)
+    parsing = state.chat_parsers.for_request(data, tool_choice)
+    if parsing is not None:  # the parsers read the markup, special tokens included (as vLLM's adjust_request)
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
 
     def render_and_encode() -> list[int]:
-        rendered = tokenizer.apply_chat_template(data.template_messages(), add_generation_prompt=data.generation_prompt)
+        rendered = tokenizer.apply_chat_template(
+            data.template_messages(), add_generation_prompt=data.generation_prompt, **data.template_kwargs()
+        )
         if data.continue_final_message:
             rendered = _open_final_message(rendered, data.template_messages()[-1]["content"])
         # The template writes its own specials (e.g. Mixtral's `{{ bos_token }}`): encoding them
@@ -68,7 +78,10 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
         return tokenizer.encode(rendered, add_special_tokens=data.add_special_tokens)
 
     try:
-        prompt = await run_sized(sum(m.content_chars() for m in data.messages), render_and_encode)
+        if data.input_ids is not None:  # SGLang's: the caller rendered the prompt itself
+            prompt = list(data.input_ids)
+        else:
+            prompt = await run_sized(sum(m.content_chars() for m in data.messages), render_and_encode)
     except InvalidRequestError:
         raise
     except Exception as exc:  # a template that rejects these messages (jinja raise_exception, bad roles)
@@ -77,7 +90,24 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     route = "/v1/chat/completions"
     if data.stream:
         gens = await start_all(state, route, [prompt], params, request_id)
-        return EngineStream(chat_stream(state, data, request_id, gens), gens)  # type: ignore[return-value]
-    return await run_to_end(  # type: ignore[return-value]
-        request, route, [prompt], params, request_id, lambda finals: chat_response(state, data, request_id, finals[0])
-    )
+        return EngineStream(chat_stream(state, data, request_id, gens, parsing), gens)  # type: ignore[return-value]
+
+    async def build(finals: list[Any]) -> p.ChatCompletionResponse:
+        response = await chat_response(state, data, request_id, finals[0], parsing)
+        if data.return_meta_info:
+            await _add_meta_info(state, data, request_id, finals[0], response)
+        return response
+
+    return await run_to_end(request, route, [prompt], params, request_id, build)  # type: ignore[return-value]
+
+
+async def _add_meta_info(state: Any, data: p.ChatCompletionRequest, request_id: str, final: Any,
+                         response: p.ChatCompletionResponse) -> None:
+    """SGLang's return_meta_info: each choice carries /generate's meta_info (output_token_logprobs
+    with the token texts when logprobs is on, routed experts in SGLang's int32 form)."""
+    for choice, c in zip(response.choices, final.outputs):
+        choice.meta_info = await meta_info(
+            state, request_id, final, c, list(c.token_ids), c.logprobs, True,
+            start_len=data.routed_experts_prompt_start, logprobs_top=(data.top_logprobs or 0) if data.logprobs else None,
+            text_in_logprobs=True, encoding=rows_encoding.SGLANG_DEFAULT,
+        )

@@ -4,8 +4,9 @@ over-sampled requests).
 
 /generate takes one prompt (`text` or `input_ids`) or a batch (a list of either) and answers
 one output object, or a list of them for a batch or n > 1 (prompt-major, as SGLang). Routed
-experts are in meta_info the way SGLang sends them (base64 of little-endian int32 rows, no
-header, every token of prompt + output but the last, from routed_experts_start_len on), and
+experts are in meta_info, by default the way SGLang sends them (base64 of little-endian int32
+rows, no header, every token of prompt + output but the last, from routed_experts_start_len on;
+server/rows_encoding.py), and
 meta_info echoes routed_experts_start_len on every answer (slime's multi-turn reads it back).
 With stream=true it answers SGLang's server-sent events: `data: {...}` chunks whose text and
 output_ids are cumulative, then `data: [DONE]`; routed experts come on each output's last chunk.
@@ -19,17 +20,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import MediaType, Request, Response, post
-from msgspec import UNSET
 
 from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
 from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
+from r3srv.server import rows_encoding
 from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import Generation, ServerState, merged_outputs, start_all
-from r3srv.server.responses import ranked_logprobs
 from r3srv.server.routes.common import run_to_end, server_state
+from r3srv.server.sglang_meta import meta_info
 from r3srv.server.streaming import DONE, EngineStream, sse
 
 ROUTE = "/generate"
@@ -86,24 +87,12 @@ async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, index: in
                      out: RequestOutput, c: CompletionOutput, token_ids: list[int],
                      logprobs: list[dict[int, float]] | None, final: bool) -> dict[str, Any]:
     """Output `c` of prompt `index`'s meta_info."""
-    meta: dict[str, Any] = {
-        "id": output_id,
-        "finish_reason": _finish_reason(c, token_ids) if final else None,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": len(token_ids),
-        "cached_tokens": out.num_cached_tokens,
-        "routed_experts_start_len": req.routed_experts_start_len,
-    }
     return_logprob, _, top = req.logprobs_of(index)
-    if return_logprob:
-        tokenizer = state.engine.tokenizer if req.return_text_in_logprobs else None
-        _add_logprobs(meta, top, out, token_ids, logprobs, tokenizer)
-    if final and c.routed_experts is not None:
-        meta["routed_experts"] = await state.encode_experts_raw_int32(c.routed_experts)
-    version = state.weight_version(out) if final else UNSET
-    if version is not UNSET:
-        meta["weight_version"] = version
-    return meta
+    return await meta_info(
+        state, output_id, out, c, token_ids, logprobs, final, start_len=req.routed_experts_start_len,
+        logprobs_top=top if return_logprob else None, text_in_logprobs=req.return_text_in_logprobs,
+        encoding=state.experts_encoding(req.routed_experts_encoding, rows_encoding.SGLANG_DEFAULT),
+    )
 
 
 async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids: list[str],
@@ -138,36 +127,6 @@ def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[Completion
         for c in outputs
     ]
 
-
-def _add_logprobs(meta: dict[str, Any], k: int, out: RequestOutput, token_ids: list[int],
-                  logprobs: list[dict[int, float]] | None, tokenizer: Any = None) -> None:
-    """SGLang's logprob keys: [logprob, token id, text] triples; the input ones from
-    logprob_start_len on, the first of them without a logprob (as SGLang sends them). The text is
-    null, or with return_text_in_logprobs each token decoded alone, specials kept (SGLang's)."""
-    def text(t: int) -> str | None:
-        return None if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
-
-    entries = out.prompt_logprobs or []
-    inputs = out.prompt_token_ids[len(out.prompt_token_ids) - len(entries):]
-    meta["input_token_logprobs"] = [[None if e is None else e[t].logprob, t, text(t)] for t, e in zip(inputs, entries)]
-    meta["output_token_logprobs"] = [[entry[t], t, text(t)] for t, entry in zip(token_ids, logprobs or [])]
-    meta["output_token_logprobs_length"] = len(token_ids)
-    if k:
-        meta["input_top_logprobs"] = [
-            None if e is None else [[lp.logprob, t, text(t)] for t, lp in sorted(e.items(), key=lambda kv: kv[1].rank)[:k]]
-            for e in entries
-        ]
-        meta["output_top_logprobs"] = [[[v, t, text(t)] for t, v in ranked_logprobs(entry)[:k]] for entry in logprobs or []]
-
-
-def _finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:
-    """SGLang's finish_reason objects."""
-    if c.finish_reason == "length":
-        return {"type": "length", "length": len(token_ids)}
-    if c.finish_reason == "stop":  # a stop string, a stop token, or EOS (the last token)
-        last = token_ids[-1] if token_ids else None
-        return {"type": "stop", "matched": c.stop_reason if c.stop_reason is not None else last}
-    return {"type": "abort", "message": "aborted"}
 
 
 @post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)",
