@@ -93,3 +93,14 @@ def test_numbers_only_fields_take_no_strings():
     assert convert({"x": 2.0}, holder).x == 2
     with pytest.raises(msgspec.ValidationError):
         convert({"x": "2"}, holder)
+
+
+def test_routes_without_a_field_table_convert_too():
+    """Control routes (no field table) take pydantic's conversions, as SGLang's FastAPI handlers:
+    AReaL sends /init_weights_update_group's master_port as a string."""
+    from r3srv.server.body import decode_body
+    from r3srv.server.protocol.weight_sync import InitWeightsUpdateGroupRequest
+
+    body = b'{"master_address": "127.0.0.1", "master_port": "29500", "rank_offset": "1", "world_size": 2}'
+    request = decode_body(body, InitWeightsUpdateGroupRequest, None)
+    assert (request.master_port, request.rank_offset) == (29500, 1)

@@ -30,19 +30,15 @@ MAX_MODEL_LEN = 128
 PROMPT = [5, 17, 42, 99, 7, 3]
 
 
-@pytest.fixture(scope="module")
-def server():
-    args = ("--enable-return-routed-experts", "--enable-weight-updates", "--max-model-len", str(MAX_MODEL_LEN),
-            *TEST_SERVER_ARGS)
-    with RemoteServer(*args) as srv:
-        yield srv
-    assert srv.returncode == 0, srv.log
+SERVE = ("--enable-return-routed-experts", "--enable-weight-updates", "--max-model-len", str(MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=180) as client:
+def http():
+    """A client of one server for the module (the frameworks' defaults, as docs/rl.md gives them)."""
+    with RemoteServer(*SERVE, *TEST_SERVER_ARGS) as srv, httpx.Client(base_url=srv.url, timeout=180) as client:
         yield client
+    assert srv.returncode == 0, srv.log
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,6 @@ It writes tests/data/peer_verdicts.json (`--check` compares instead).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import enum
 import importlib.abc
@@ -300,19 +299,10 @@ def render(table: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", type=Path, help="the peers' unzipped wheels (holding vllm/ and sglang/)")
-    parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what the peers decide")
-    args = parser.parse_args(argv)
-    text = render(generate(args.source))
-    if args.check:
-        same = args.out.exists() and args.out.read_text() == text
-        print("up to date" if same else f"{args.out} is stale: rerun tools/peer_verdicts.py")
-        return 0 if same else 1
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peer_fields import run_tool
+
+    return run_tool(argv, __doc__, OUT, lambda source: render(generate(source)), "tools/peer_verdicts.py")
 
 
 if __name__ == "__main__":
