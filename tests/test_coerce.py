@@ -16,6 +16,9 @@ from hypothesis import given, settings
 
 from r3srv.server.coerce import convert
 
+pytestmark = pytest.mark.peer  # held to pydantic, the peers' own validator
+
+
 TYPES: list[Any] = [
     int, float, bool, str, Optional[int], Optional[bool], Optional[float], Union[str, list[str]], list[int],
     dict[str, float], dict[int, float], Union[int, str], Union[str, int], Literal["a", "b"], Literal[1, 2],

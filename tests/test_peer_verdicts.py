@@ -29,6 +29,9 @@ from r3srv.server import protocol as p
 from r3srv.server.body import decode_body
 from r3srv.server.fields import ROUTE_FIELDS, SAMPLING_PARAMS, BodyFields
 
+pytestmark = pytest.mark.peer  # the peers' verdicts, recorded from their own classes
+
+
 DATA = json.loads((Path(__file__).parent / "data/peer_verdicts.json").read_text())
 TARGETS = {"completions": p.CompletionRequest, "chat": p.ChatCompletionRequest, "tito": p.GenerateRequest,
            "sglang": p.SglangGenerateRequest}

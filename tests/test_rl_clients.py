@@ -26,6 +26,9 @@ import pytest
 from r3srv.serial import decode_routed_experts
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
+pytestmark = [pytest.mark.slow, pytest.mark.peer]  # a real server; recorded from the frameworks' clients
+
+
 MAX_MODEL_LEN = 128
 PROMPT = [5, 17, 42, 99, 7, 3]
 
