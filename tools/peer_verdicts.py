@@ -25,11 +25,11 @@ This imports the peers' real protocol modules, so it runs outside CI, in a throw
 environment that sees the project's packages (torch, transformers, pydantic, msgspec) and has
 the peers' few other import-time dependencies; modules needing a GPU build are stubbed:
 
-    python3.11 -m venv /tmp/peervenv
-    echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/peervenv/lib/python3.11/site-packages/zz_project.pth
-    /tmp/peervenv/bin/pip install cbor2 psutil pyzmq openai-harmony pillow cachetools cloudpickle uvloop \\
-        ipython dill sentencepiece gguf partial-json-parser && /tmp/peervenv/bin/pip install --no-deps compressed-tensors
-    /tmp/peervenv/bin/python tools/peer_verdicts.py /work/peer_wheels/src   # the unzipped wheels
+    python3.11 -m venv "$VENV"    # any throwaway directory
+    echo "$PWD/.venv/lib/python3.11/site-packages" > "$VENV/lib/python3.11/site-packages/zz_project.pth"
+    "$VENV/bin/pip" install cbor2 psutil pyzmq openai-harmony pillow cachetools cloudpickle uvloop \\
+        ipython dill sentencepiece gguf partial-json-parser && "$VENV/bin/pip" install --no-deps compressed-tensors
+    "$VENV/bin/python" tools/peer_verdicts.py SRC   # SRC: the unzipped vllm==0.33.0 and sglang==0.5.23 wheels
 
 It writes tests/data/peer_verdicts.json (`--check` compares instead).
 """
