@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="add usage.prompt_tokens_details (cached_tokens: prompt tokens served from the prefix cache), as vLLM",
     )
     serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob tokens as 'token_id:<id>' instead of their text, unless a request says otherwise "
+        "(vLLM's flag; prime-rl's client reads ids this way)",
+    )
+    serve.add_argument(
         "--timeout-headers", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
         help="seconds a connection may take from its first byte to its complete request headers (default: %(default)s)",
     )
@@ -220,6 +226,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         enable_weight_updates=args.enable_weight_updates,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         routed_experts_encoding=args.routed_experts_encoding,
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,
