@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from r3srv.front.discovery import FLEET_ANSWERS, versions_by_replica
+from r3srv.front.discovery import FLEET_ANSWERS, SELF_ANSWERS, fleet_url, versions_by_replica
 from r3srv.front.policy import Key, PrefixAwarePolicy, prompt_key
 from r3srv.front.proxy import NOT_SENT, ReplicaFailed, forward, send_failure
 from r3srv.front.replicas import ReplicaSet, State
@@ -135,6 +135,10 @@ class Front:
                                                        f"{self.max_body_bytes} bytes"))
             return
         path, headers = scope["path"], forwarded_headers(scope["headers"])
+        listed = SELF_ANSWERS.get(path)
+        if listed is not None:
+            await send_answer(send, *listed(self, fleet_url(scope)))
+            return
         answer = FLEET_ANSWERS.get(path)
         if answer is not None:
             await send_answer(send, *await answer(self, path, scope.get("query_string", b"").decode("latin-1"), headers))

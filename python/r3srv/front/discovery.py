@@ -10,6 +10,10 @@
 - /get_weight_version: the common version; 409 naming each replica's while they differ.
 - /metrics: every replica's samples summed series by series (the `_created` timestamps: the
   earliest), so a counter or gauge reads as it would on one server serving all of it.
+- /workers and /list_workers (sglang-router's and older routers' worker lists): the fleet itself,
+  as the one worker its client addressed. miles, pointed at the front as its router, sends its
+  end-of-rollout `/abort_request` to each listed worker: to the front, which applies it on every
+  replica.
 """
 
 from __future__ import annotations
@@ -204,6 +208,29 @@ def _go_float(value: float) -> str:
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     return repr(value)
+
+
+def fleet_url(scope: dict[str, Any]) -> str:
+    """The fleet's URL as the client addressed it (its Host header, else the bound address)."""
+    host = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"host"), None)
+    if host is None:
+        server_host, server_port = scope.get("server") or ("127.0.0.1", 80)
+        host = f"{server_host}:{server_port}"
+    return f"http://{host}"
+
+
+def workers(front: Front, url: str) -> Answer:
+    return _json(200, {"workers": [{"id": url, "url": url, "model_id": None, "worker_type": "regular",
+                                    "is_healthy": bool(front.replicas.up()), "load": sum(front.in_flight)}],
+                       "total": 1, "stats": {"prefill_count": 0, "decode_count": 0, "regular_count": 1}})
+
+
+def list_workers(front: Front, url: str) -> Answer:
+    return _json(200, {"urls": [url]})
+
+
+# Routers' worker lists: the fleet lists itself (its URL as the client addressed it).
+SELF_ANSWERS: dict[str, Callable[[Front, str], Answer]] = {"/workers": workers, "/list_workers": list_workers}
 
 
 FLEET_ANSWERS: dict[str, Callable[[Front, str, str, list[tuple[bytes, bytes]]], Awaitable[Answer]]] = {
