@@ -355,17 +355,22 @@ def test_sigterm_during_an_upload_answers_503_json():
 
 # ---------------------------------------------------------------- 8. health when the engine loop dies
 
-# Serves with the engine's reset_prefix_cache broken: the command runs on the engine loop, outside
-# any request, so raising there kills the loop (a test-only hook; nothing of it is in r3srv).
+# Serves with the engine's core thread broken when /reset_prefix_cache arrives: AsyncLLM answers a
+# command's own error to its caller, so the break is in the thread's dispatch, outside any request,
+# which kills the loop (a test-only hook; nothing of it is in r3srv).
 _DYING_SERVER = """
 import sys
-import r3srv.engine.core as core
+import r3srv.engine.async_llm as async_llm
 import r3srv.server.app as app
 
-def broken(self):
-    raise RuntimeError("test-only: the engine loop breaks")
+_control = async_llm.AsyncLLM._control
 
-core.EngineCore.reset_prefix_cache = broken  # AsyncLLM's core thread runs it
+def broken(self, asked):
+    if type(asked.command).__name__ == "ResetPrefixCache":
+        raise RuntimeError("test-only: the engine loop breaks")
+    return _control(self, asked)
+
+async_llm.AsyncLLM._control = broken  # AsyncLLM's core thread runs it
 app.ENGINE_DEATH_EXIT_DELAY_S = 10.0  # long enough for the test to see the 503
 from r3srv.cli import main
 sys.exit(main(sys.argv[1:]))
