@@ -14,7 +14,7 @@ import pytest
 from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
 from vision_testing import (FAMILIES, IMAGE_CASES, IMAGE_TOKEN, VISION_END, VISION_START, expanded, hf_greedy,
-                            image_bytes, write_vision_checkpoint)
+                            image_bytes, image_grids, write_vision_checkpoint)
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,6 +89,7 @@ def test_image_prompts_batched_with_text_match_transformers(checkpoint):
     for out, prompt, images in zip(outs, prompts, [one, two, []]):
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
         assert out.prompt_token_ids == expanded(ids, images, processor, IMAGE_TOKEN)
+        assert out.image_grid_thw == ([tuple(g) for g in image_grids(images, processor)] if images else None)
         assert_matches_transformers(out, hf, processor, images)
 
 

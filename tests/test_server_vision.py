@@ -8,6 +8,7 @@ naming the field, with nothing held."""
 from __future__ import annotations
 
 import base64
+import json
 import re
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
 from test_engine_vision import picture, text, with_placeholders
-from vision_testing import IMAGE_TOKEN, expanded, hf_greedy, write_vision_checkpoint
+from vision_testing import IMAGE_TOKEN, expanded, hf_greedy, image_grids, write_vision_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,6 +54,7 @@ def assert_matches_transformers(out: dict, hf, processor, ids: list[int], images
     expected = expanded(ids, images, processor, IMAGE_TOKEN)
     meta = out["meta_info"]
     assert meta["prompt_tokens"] == len(expected)
+    assert meta["image_grid_thw"] == image_grids(images, processor)  # with the ids, the input rebuilt
     tokens, _, want = hf_greedy(hf, expected, images, processor, IMAGE_TOKEN, NEW_TOKENS)
     assert out["output_ids"] == tokens
     rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
@@ -95,6 +97,8 @@ def test_a_batch_takes_one_image_list_per_prompt(served):
     ("data:text/html;base64,PGh0bWw+", "image_data[0]", "not an image"),
     (base64.b64encode(b"\x89PNG\r\n\x1a\n truncated").decode(), "image_data[0]", "could not be decoded|not an image"),
     ([["a"], ["b"]], "image_data[0]", "must be a string"),  # one prompt's list holds images, not lists
+    ({"url": "data:image/png;base64,AAAA", "detail": "high"}, "image_data.detail", "not supported"),
+    ({"url": "data:image/png;base64,AAAA", "size": 3}, "image_data", "no field 'size'"),  # SGLang's ImageData has none
 ])
 def test_bad_images_are_400s_naming_the_field(served, image_data, param, match):
     srv, _, _, _ = served
@@ -136,12 +140,52 @@ def test_chat_image_url_parts_through_the_openai_sdk_match_transformers(served):
     text = tokenizer.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
     expected = expanded(tokenizer.encode(text, add_special_tokens=False), [png], processor, IMAGE_TOKEN)
     assert r.model_extra["prompt_token_ids"] == expected  # vLLM's place: the response's
+    assert r.model_extra["image_grid_thw"] == image_grids([png], processor)
     tokens, _, want = hf_greedy(hf, expected, [png], processor, IMAGE_TOKEN, NEW_TOKENS)
     assert choice.model_extra["token_ids"] == tokens
     rows = decode_routed_experts(choice.model_extra["routed_experts"])
     assert rows.shape[0] == len(expected) + NEW_TOKENS - 1 == r.usage.prompt_tokens + NEW_TOKENS - 1
     for layer, picked in want.items():
         assert np.array_equal(rows[:, layer], picked.numpy()), f"layer {layer}"
+
+
+def test_chat_with_sglang_input_ids_takes_the_messages_images(served):
+    """miles' session-server form: the caller's own token ids (one placeholder) with the image as
+    an image_url part, and SGLang's meta_info: the placeholder expanded, its rows (int32, as SGLang
+    sends them) and tokens equal transformers', each image's grid; streamed, the first chunk
+    carries the grid."""
+    srv, hf, processor, _ = served
+    png = picture(4)
+    ids = with_placeholders(text(4, 11), 0, text(3, 12))
+    request = {"messages": chat_messages(f"data:image/png;base64,{base64.b64encode(png).decode()}"),
+               "input_ids": ids, "return_meta_info": True, "max_tokens": NEW_TOKENS, "temperature": 0,
+               "ignore_eos": True, "routed_experts_start_len": 0}
+    r = httpx.post(srv.url + "/v1/chat/completions", json={**request, "return_token_ids": True}, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert_matches_transformers({"output_ids": choice["token_ids"], "meta_info": choice["meta_info"]}, hf, processor,
+                                ids, [png])
+    del request["return_meta_info"]
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**request, "stream": True}, timeout=300) as s:
+        first = next(line for line in s.iter_lines() if line.startswith("data: {"))
+    assert json.loads(first[6:])["image_grid_thw"] == image_grids([png], processor)
+
+
+def test_continue_final_message_with_an_image_cuts_after_its_text(served):
+    """continue_final_message on a message with an image part: the prompt transformers' own
+    template renders with continue_final_message (its last text part left open), expanded."""
+    srv, _, processor, _ = served
+    png = picture(5)
+    messages = chat_messages(f"data:image/png;base64,{base64.b64encode(png).decode()}")
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=300, json={
+        "messages": messages, "continue_final_message": True, "max_tokens": 2, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(srv.model_path))
+    parts = [{"type": "image"} if part["type"] == "image_url" else part for part in messages[0]["content"]]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], continue_final_message=True,
+                                         tokenize=False)
+    assert r.json()["prompt_token_ids"] == expanded(tokenizer.encode(text, add_special_tokens=False), [png],
+                                                    processor, IMAGE_TOKEN)
 
 
 @pytest.mark.parametrize("content,param,match", [

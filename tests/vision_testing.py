@@ -164,11 +164,16 @@ def hf_greedy(hf, ids: list[int], images: list[bytes], processor, image_token: i
     return tokens, logprobs, {layer: torch.cat([r[layer] for r in rows]) for layer in rows[0]}
 
 
+def image_grids(images: list[bytes], processor) -> list[list[int]]:
+    """Each image's (t, h, w) patch grid, as transformers' processor computes it."""
+    return processor(images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="np")["image_grid_thw"].tolist()
+
+
 def expanded(ids: list[int], images: list[bytes], processor, image_token: int, merge: int = 2) -> list[int]:
     """`ids` with each single placeholder expanded to its image's tokens, by transformers' processor's grids."""
     if not images:
         return list(ids)
-    grids = processor(images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="np")["image_grid_thw"]
+    grids = np.array(image_grids(images, processor))
     out, k = [], 0
     for t in ids:
         if t == image_token:

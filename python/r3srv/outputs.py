@@ -67,6 +67,9 @@ class RequestOutput:
     # all its rows on the new weights, though its earlier tokens were sampled on the old).
     weight_version: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Each image's patch grid (t, h, w), in prompt order, when the prompt has images: with the
+    # expanded prompt_token_ids what a trainer needs to rebuild the input (and its M-RoPE ids)
+    image_grid_thw: list[tuple[int, int, int]] | None = None
 
 
 def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

@@ -224,6 +224,7 @@ def _request_output(st: RequestState, finished: bool) -> RequestOutput:
         prompt_logprobs=st.prompt_logprobs,
         weight_version=st.weight_version,
         metrics=metrics,
+        image_grid_thw=None if prep.multimodal is None else prep.multimodal.grids,
     )
 
 

@@ -222,6 +222,7 @@ async def chat_response(
         prompt_token_ids=list(final.prompt_token_ids) if with_ids else None,
         prompt_logprobs=fmt.prompt_logprobs(final.prompt_logprobs),
         sglext=await rows.sglext(final.outputs[0].routed_experts),
+        image_grid_thw=UNSET if final.image_grid_thw is None else [list(grid) for grid in final.image_grid_thw],
     )
 
 

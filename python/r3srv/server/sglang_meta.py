@@ -26,6 +26,8 @@ async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: C
         "cached_tokens": out.num_cached_tokens,
         "routed_experts_start_len": start_len,
     }
+    if out.image_grid_thw is not None:  # r3srv's: each image's patch grid, to rebuild the input
+        meta["image_grid_thw"] = [list(grid) for grid in out.image_grid_thw]
     if logprobs_top is not None:
         add_logprobs(meta, logprobs_top, out, token_ids, logprobs, state.engine.tokenizer if text_in_logprobs else None)
     if final and c.routed_experts is not None:

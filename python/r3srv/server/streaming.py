@@ -20,7 +20,7 @@ import msgspec
 from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.outputs import CompletionOutput, RequestOutput
@@ -232,12 +232,16 @@ async def chat_stream(
     first_rows = None
     final: RequestOutput | None = None
     sent_prompt_ids = False
+    grids_unsent = [True]  # the images' grids ride on the stream's first chunk
 
     def chunk(
         choice: p.ChatCompletionResponseStreamChoice, prompt_ids: list[int] | None, out: RequestOutput,
         opening: bool = False,
     ) -> bytes:
         usage = None
+        grids: list[list[int]] | UnsetType = UNSET
+        if grids_unsent[0] and out.image_grid_thw is not None:
+            grids, grids_unsent[0] = [list(grid) for grid in out.image_grid_thw], False
         if continuous:  # the role and echo chunks come before any generated token
             usage = tracker.usage(0, choice.index, out)
             if opening:
@@ -250,6 +254,7 @@ async def chat_stream(
                 choices=[choice],
                 prompt_token_ids=prompt_ids if prompt_ids is not None else UNSET,
                 usage=usage,
+                image_grid_thw=grids,
             )
         )
 

@@ -481,6 +481,8 @@ class ChatCompletionResponse(Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
+    # r3srv's, for a prompt with images: each image's patch grid (t, h, w), in prompt order
+    image_grid_thw: list[list[int]] | UnsetType = UNSET
 
 
 class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
@@ -503,3 +505,4 @@ class ChatCompletionStreamResponse(Struct, kw_only=True):
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
     sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's
+    image_grid_thw: list[list[int]] | UnsetType = UNSET  # r3srv's, on the first chunk of a prompt with images

@@ -47,9 +47,9 @@ async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]
 def _open_final_message(rendered: str, content: str | list[dict[str, Any]]) -> str:
     """The rendered conversation cut right after the last message's content, its turn left open
     for the reply to continue (transformers' continue_final_message, which vLLM uses). Content
-    with images (a list of parts) is cut after its last part, which must be text."""
+    with images (a list of parts) is cut after its last text part, as transformers does."""
     if isinstance(content, list):
-        content = content[-1].get("text") or "" if content else ""
+        content = next((part["text"] for part in reversed(content) if "text" in part), "")
     final = content.strip()
     at = rendered.rfind(final) if final else -1
     if at < 0:
