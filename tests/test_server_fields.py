@@ -38,7 +38,7 @@ BASE = {
 # Struct starts serving needs one here (the test says which).
 EXAMPLES = {
     "model": "r3srv-builtin-random-moe", "prompt": "hello", "messages": [{"role": "user", "content": "yo"}],
-    "token_ids": [7, 8, 9], "text": "hello", "input_ids": [3, 4], "image_data": [], "n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+    "token_ids": [7, 8, 9], "text": "hello", "input_ids": [3, 4], "image_data": [], "content_parts": [], "n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
     "seed": 7, "stop": ["zz"], "stream": False, "stream_options": None, "user": "u1", "min_tokens": 1,
     "stop_token_ids": [3], "ignore_eos": True, "skip_special_tokens": False, "include_stop_str_in_output": True,
     "request_id": "fields-test", "return_token_ids": True, "routed_experts_prompt_start": 1,

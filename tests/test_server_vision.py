@@ -188,6 +188,52 @@ def test_continue_final_message_with_an_image_cuts_after_its_text(served):
                                                     processor, IMAGE_TOKEN)
 
 
+def test_vllm_token_in_content_parts_match_transformers(served):
+    """vLLM's /inference/v1/generate with token_ids (one placeholder) and an image_url content
+    part: the expanded prompt_token_ids, vLLM's mm_placeholders, tokens and every position's rows
+    (vLLM's .npy) equal transformers'; a stream's first chunk carries the placeholders too."""
+    from r3srv.serial import decode_routed_experts
+
+    srv, hf, processor, _ = served
+    png = picture(6)
+    ids = with_placeholders(text(3, 21), 0, text(5, 22))
+    request = {"token_ids": ids, "return_token_ids": True,
+               "content_parts": [{"type": "image_url", "url": f"data:image/png;base64,{base64.b64encode(png).decode()}"}],
+               "sampling_params": {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+                                   "routed_experts_prompt_start": 0}}
+    r = httpx.post(srv.url + "/inference/v1/generate", json=request, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    expected = expanded(ids, [png], processor, IMAGE_TOKEN)
+    assert out["prompt_token_ids"] == expected
+    first = expected.index(IMAGE_TOKEN)
+    placeholders = {"image": [{"offset": first, "length": expected.count(IMAGE_TOKEN)}]}
+    assert out["mm_placeholders"] == placeholders
+    tokens, _, want = hf_greedy(hf, expected, [png], processor, IMAGE_TOKEN, NEW_TOKENS)
+    assert out["choices"][0]["token_ids"] == tokens
+    rows = decode_routed_experts(out["choices"][0]["routed_experts"])
+    assert rows.shape[0] == len(expected) + NEW_TOKENS - 1
+    for layer, picked in want.items():
+        assert np.array_equal(rows[:, layer], picked.numpy()), f"layer {layer}"
+    with httpx.stream("POST", srv.url + "/inference/v1/generate", json={**request, "stream": True}, timeout=300) as s:
+        chunk = json.loads(next(line for line in s.iter_lines() if line.startswith("data: {"))[6:])
+    assert chunk["prompt_token_ids"] == expected and chunk["mm_placeholders"] == placeholders
+
+
+@pytest.mark.parametrize("parts,param,match", [
+    ([{"type": "audio_url", "url": "data:audio/wav;base64,AAAA"}], "content_parts[0]", "only image_url"),
+    ([{"type": "image_url", "uuid": "cached-image"}], "content_parts[0].url", "must be a string"),
+    ([{"type": "image_url", "url": "file:///etc/passwd"}], "content_parts[0].url", "not a file under"),
+])
+def test_bad_content_parts_are_400s_naming_the_part(served, parts, param, match):
+    srv, _, _, _ = served
+    r = httpx.post(srv.url + "/inference/v1/generate", timeout=120, json={
+        "token_ids": with_placeholders(text(2, 23), 0), "content_parts": parts, "sampling_params": {"max_tokens": 2}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and re.search(match, error["message"]), error
+
+
 @pytest.mark.parametrize("content,param,match", [
     ([{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}], "messages[0].content[0].image_url",
      "not a file under the allowed media directory"),

@@ -70,6 +70,7 @@ class RequestOutput:
     # Each image's patch grid (t, h, w), in prompt order, when the prompt has images: with the
     # expanded prompt_token_ids what a trainer needs to rebuild the input (and its M-RoPE ids)
     image_grid_thw: list[tuple[int, int, int]] | None = None
+    image_placeholders: list[tuple[int, int]] | None = None  # each image's (offset, length) in prompt_token_ids
 
 
 def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

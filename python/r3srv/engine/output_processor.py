@@ -225,6 +225,7 @@ def _request_output(st: RequestState, finished: bool) -> RequestOutput:
         weight_version=st.weight_version,
         metrics=metrics,
         image_grid_thw=None if prep.multimodal is None else prep.multimodal.grids,
+        image_placeholders=None if prep.multimodal is None else prep.multimodal.placeholders,
     )
 
 

@@ -122,7 +122,6 @@ CHAT_REFUSED: dict[str, Refusal] = {
 TITO_REFUSED: dict[str, Refusal] = {
     "token_offsets": NOT_SUPPORTED,
     "features": MULTIMODAL,
-    "content_parts": MULTIMODAL,
     "reasoning_ended": NOT_SUPPORTED,
     "reasoning_parser_kwargs": NOT_SUPPORTED,
     "parse_context": NOT_SUPPORTED,

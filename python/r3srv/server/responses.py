@@ -257,4 +257,5 @@ async def generate_response(
         usage=usage_of(state, [final]),
         prompt_logprobs=LogprobFormatter(state.engine.tokenizer).prompt_logprobs(final.prompt_logprobs),
         prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
+        mm_placeholders=p.mm_placeholders(final.image_placeholders),
     )

@@ -338,6 +338,7 @@ async def generate_stream(
             yield sse(
                 p.GenerateStreamResponse(
                     request_id=request_id, output_mode=req.output_mode, choices=[choice], prompt_token_ids=prompt_ids,
+                    mm_placeholders=None if prompt_ids is None else p.mm_placeholders(out.image_placeholders),
                     usage=tracker.usage(0, c.index, out) if _continuous(req.stream_options) else None,
                 )
             )

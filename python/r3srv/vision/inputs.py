@@ -63,6 +63,11 @@ class MultiModalPrompt:
     def grids(self) -> list[tuple[int, int, int]]:
         return [image.span.grid for image in self.images]
 
+    @property
+    def placeholders(self) -> list[tuple[int, int]]:
+        """Each image's (offset, length) of placeholder tokens in the expanded prompt."""
+        return [(image.span.start, image.num_tokens(self.merge)) for image in self.images]
+
 
 @dataclass(frozen=True)
 class ImageInputConfig:

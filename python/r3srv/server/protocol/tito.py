@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -50,6 +50,9 @@ class GenerateRequest(Struct, kw_only=True):
     output_mode: Literal["tokens", "text"] = "tokens"
     cache_salt: str | None = None  # vLLM's: top-level here, a SamplingParams field in r3srv's engine
     routed_experts_encoding: RequestedEncoding = None  # r3srv's
+    # vLLM's raw multimodal input: [{"type": "image_url", "url": ...}], the images of token_ids'
+    # placeholders in order (each one image token, or its run already expanded)
+    content_parts: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         # SamplingParams has no upper bound on n; the OpenAI routes' cap applies here too.
@@ -69,6 +72,26 @@ class GenerateRequest(Struct, kw_only=True):
 
     def param_names(self) -> dict[str, str]:
         return _TITO_NAMES
+
+    def image_refs(self) -> tuple[list[str], list[str]]:
+        """content_parts' image URLs in order, and the field each came in."""
+        refs, fields = [], []
+        for k, part in enumerate(self.content_parts or []):
+            if part.get("type") != "image_url":
+                raise InvalidRequestError(param=f"content_parts[{k}]",
+                                          problem=": only image_url parts are supported by r3srv")
+            if not isinstance(part.get("url"), str):  # a uuid alone asks for a cached item r3srv does not keep
+                raise InvalidRequestError(param=f"content_parts[{k}].url", problem=" must be a string (the image)")
+            refs.append(part["url"])
+            fields.append(f"content_parts[{k}].url")
+        return refs, fields
+
+
+class PlaceholderRange(Struct, kw_only=True):
+    """vLLM's PlaceholderRangeInfo: an image's placeholder tokens in the prompt."""
+
+    offset: int
+    length: int
 
 
 class GenerateLogProb(Struct, kw_only=True):
@@ -109,6 +132,7 @@ class GenerateResponse(Struct, kw_only=True):
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
+    mm_placeholders: dict[str, list[PlaceholderRange]] | None = None  # vLLM's: where each image's tokens sit
 
 
 class GenerateStreamChoice(Struct, kw_only=True):
@@ -128,6 +152,14 @@ class GenerateStreamResponse(Struct, kw_only=True):
     choices: list[GenerateStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
+    mm_placeholders: dict[str, list[PlaceholderRange]] | None = None  # on the first chunk
+
+
+def mm_placeholders(placeholders: list[tuple[int, int]] | None) -> dict[str, list[PlaceholderRange]] | None:
+    """vLLM's mm_placeholders of a prompt's images, None without images."""
+    if placeholders is None:
+        return None
+    return {"image": [PlaceholderRange(offset=offset, length=length) for offset, length in placeholders]}
 
 
 class AbortRequestsRequest(Struct, kw_only=True):

@@ -11,6 +11,7 @@ from r3srv.server import protocol as p
 from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import start_all
+from r3srv.server.images import expand
 from r3srv.server.responses import generate_response
 from r3srv.server.routes.common import run_to_end, server_state
 from r3srv.server.streaming import EngineStream, generate_stream
@@ -25,12 +26,15 @@ async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> 
     params = data.to_sampling_params()
     request_id = data.request_id or uuid.uuid4().hex
     route = "/inference/v1/generate"
-    prompts: list[str | list[int]] = [list(data.token_ids)]
+    refs, fields = data.image_refs()
+    ids, images = await expand(state, list(data.token_ids), refs, param="content_parts", fields=fields)
+    prompts: list[str | list[int]] = [ids]
     if data.stream:
-        gens = await start_all(state, route, prompts, params, request_id)
+        gens = await start_all(state, route, prompts, params, request_id, multimodal=[images])
         return EngineStream(generate_stream(state, data, request_id, gens), gens)  # type: ignore[return-value]
     return await run_to_end(  # type: ignore[return-value]
-        request, route, prompts, params, request_id, lambda finals: generate_response(state, data, request_id, finals[0])
+        request, route, prompts, params, request_id, lambda finals: generate_response(state, data, request_id, finals[0]),
+        multimodal=[images],
     )
 
 
