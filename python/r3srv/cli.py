@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from r3srv import settings
+from r3srv import security, settings
 
 logger = logging.getLogger("r3srv.serve")
 
@@ -42,6 +42,7 @@ def _positive_float(text: str) -> float:
 # The defaults of r3srv.server.connections (not imported: `r3srv --help` stays fast)
 DEFAULT_HEADER_TIMEOUT_S = 60.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_MIN_BODY_RATE = 500.0  # bytes per second, Apache mod_reqtimeout's default MinRate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,11 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request body may stall between two reads before the connection closes (default: %(default)s)",
     )
     serve.add_argument(
+        "--min-body-rate", type=_positive_float, default=DEFAULT_MIN_BODY_RATE, metavar="BYTES_PER_S",
+        help="a request body must arrive at this rate on average once --timeout-body has passed: each BYTES_PER_S "
+        "bytes received give it one more second, so a trickled body is cut (default: %(default)s)",
+    )
+    serve.add_argument(
         "--cuda-graphs", action="store_true", default=None,
         help="replay decode steps as CUDA graphs (off by default until measured on a GPU; also $R3SRV_CUDA_GRAPHS=1)",
     )
     serve.add_argument("--enforce-eager", action="store_true", help="vLLM's flag: no CUDA graphs, whatever else asks")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    security.add_arguments(serve)
     settings.add_arguments(serve)
     return parser
 
@@ -216,6 +223,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
 
     try:  # before anything reads them: the model, the encoder
         settings.configure(settings.from_args(args))
+        guard = security.ServeSecurity.from_args(args)
     except ConfigError as exc:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -234,10 +242,13 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print("r3srv serve: configuration error: --data-parallel-size runs its replicas on this machine, each "
               "replica's ranks on a free port of their own: leave out --nnodes and --master-port", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    for warning in guard.exposure_warnings(args.host, weight_updates=args.enable_weight_updates):
+        if args.node_rank == 0:  # the other nodes serve no HTTP
+            logger.warning("%s (docs/security.md)", warning)
     if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
         from r3srv.data_parallel import serve_fleet
 
-        return serve_fleet(args, build_parser())
+        return serve_fleet(args, build_parser(), guard)
     if args.model is None:
         logger.warning("no MODEL given: serving the built-in model, whose weights are RANDOM (text is meaningless)")
     if args.node_rank > 0:
@@ -269,10 +280,13 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,
         fleet_peer_urls=_peers_but_self(args),
+        keys=guard.keys(),
+        confinement=guard.confinement(),
     )
     logger.info(
-        "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",
+        "serving %s on %s://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",
         name,
+        "https" if guard.tls else "http",
         args.host,
         args.port,
         engine.device,
@@ -286,7 +300,8 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         port=args.port,
         log_level=args.log_level,
         lifespan="on",
-        http=guarded_h11(args.timeout_headers, args.timeout_body),
+        http=guarded_h11(args.timeout_headers, args.timeout_body, args.min_body_rate),
+        **guard.uvicorn_ssl(),
         timeout_graceful_shutdown=5,
         access_log=args.log_level == "debug",
     )

@@ -7,6 +7,13 @@ control call made to any of them reaches all (server/fanout.py). sglang-router 0
 the public --host/--port with cache-aware routing, so a conversation's next turn goes to the
 replica that caches its prefix.
 
+Keys and TLS (docs/security.md): the replicas get the fleet's keys through $R3SRV_API_KEY and
+$R3SRV_ADMIN_API_KEY (never on their command lines), listen on 127.0.0.1 in plain HTTP, and
+forward control calls to each other with the admin key (server/fanout.py); the router gets the
+first API key (`--api-key`: sglang-router 0.3.2 requires it of its clients and sends it to the
+workers) and the fleet's certificate (`--tls-cert-path`, `--tls-key-path`); the supervisor's own
+polls carry the admin key.
+
 The supervisor stays in the foreground: SIGTERM or SIGINT stops the router and every replica
 (children also get SIGTERM from the kernel if the supervisor itself dies: no orphans). A replica
 that exits is logged with its exit code and restarted on the same port, on the weights its
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -30,6 +38,7 @@ from pathlib import Path
 import httpx
 
 from r3srv.errors import ConfigError
+from r3srv.security import ServeSecurity
 
 logger = logging.getLogger("r3srv.fleet")
 
@@ -37,7 +46,9 @@ ROUTER_MODULE = "sglang_router.launch_router"
 EXIT_CONFIG_ERROR = 2
 # Flags the supervisor sets itself on each replica; every other serve flag is passed on unchanged.
 _REPLICA_FLAGS = {"model", "host", "port", "data_parallel_size", "device", "fleet_peer_urls", "weight_version",
-                  "served_model_name", "help"}
+                  "served_model_name", "help",
+                  # keys reach a replica through its environment; TLS ends at the router
+                  "api_key", "admin_api_key", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs"}
 MAX_RESTARTS = 5
 # The router probes /health this often and takes a replica out after this many failures.
 ROUTER_HEALTH_INTERVAL_S = 5
@@ -113,9 +124,10 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _spawn(argv: list[str]) -> subprocess.Popen:
+def _spawn(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec)
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec,
+                            env=None if env is None else {**os.environ, **env})
 
 
 @dataclass
@@ -133,10 +145,28 @@ class Replica:
         return f"http://127.0.0.1:{self.port}"
 
 
+def router_security_args(guard: ServeSecurity) -> list[str]:
+    """sglang-router's flags for the fleet's first API key and its certificate (client
+    certificates it cannot check: a ConfigError)."""
+    if guard.ssl_cert_reqs:
+        raise ConfigError("--ssl-cert-reqs: the fleet's router (sglang-router 0.3.2) does not check client "
+                          "certificates; serve one replica, or check them in a proxy in front of the fleet")
+    argv = ["--api-key", guard.api_keys[0]] if guard.api_keys else []
+    if guard.tls:
+        argv += ["--tls-cert-path", guard.ssl_certfile]
+        argv += ["--tls-key-path", guard.ssl_keyfile] if guard.ssl_keyfile else []
+    return argv
+
+
 class Fleet:
-    def __init__(self, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    def __init__(self, args: argparse.Namespace, parser: argparse.ArgumentParser,
+                 guard: ServeSecurity = ServeSecurity()) -> None:
         self.args = args
         self.parser = parser
+        self.guard = guard
+        self._router_security = router_security_args(guard)
+        credential = guard.keys().fleet_credential
+        self._poll_headers = {"authorization": f"Bearer {credential}"} if credential else {}
         n = args.data_parallel_size
         devices = replica_devices(args.device, n, args.tensor_parallel_size)
         self.replicas = [Replica(i, free_port(), devices[i]) for i in range(n)]
@@ -167,7 +197,7 @@ class Fleet:
     def _start(self, r: Replica, model: str | None, weight_version: str, served_model_name: str | None) -> None:
         argv = replica_argv(self.parser, self.args, model=model, port=r.port, device=r.device, peers=r.peers,
                             weight_version=weight_version, served_model_name=served_model_name)
-        r.proc = _spawn(argv)
+        r.proc = _spawn(argv, self.guard.key_environ())
 
     def _wait_replicas_healthy(self) -> int | None:
         """None once every replica answers /health; else the exit code the fleet should end with."""
@@ -181,7 +211,7 @@ class Fleet:
                 if code is not None:
                     logger.error("replica %d (%s) exited with code %s while starting: stopping the fleet", i, r.url, code)
                     return code or 1
-                if _healthy(r.url):
+                if _healthy(r.url, self._poll_headers):
                     waiting.discard(i)
             self.stopping.wait(0.2)
         return None
@@ -191,7 +221,7 @@ class Fleet:
                 "--worker-urls", *(r.url for r in self.replicas), "--policy", "cache_aware",
                 "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S),
                 "--health-failure-threshold", str(ROUTER_HEALTH_FAILURES),
-                "--log-level", _ROUTER_LOG_LEVELS[self.args.log_level]]
+                "--log-level", _ROUTER_LOG_LEVELS[self.args.log_level], *self._router_security]
 
     def _supervise(self) -> int:
         while not self.stopping.wait(0.5):
@@ -223,7 +253,7 @@ class Fleet:
         for s in self.replicas:
             if s.proc is not None and s.proc.poll() is None:
                 try:
-                    info = httpx.get(s.url + "/model_info", timeout=5.0).json()
+                    info = httpx.get(s.url + "/model_info", headers=self._poll_headers, timeout=5.0).json()
                 except (httpx.HTTPError, ValueError):
                     continue
                 return self._restartable(info)
@@ -256,14 +286,15 @@ class Fleet:
                 p.wait()
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, headers: dict[str, str]) -> bool:
     try:
-        return httpx.get(url + "/health", timeout=2.0).status_code == 200
+        return httpx.get(url + "/health", headers=headers, timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
 
 
-def serve_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def serve_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                guard: ServeSecurity = ServeSecurity()) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the supervisor's health polls are not news
     if importlib.util.find_spec("sglang_router") is None:
         print("r3srv serve: --data-parallel-size > 1 runs the SGLang router in front of the replicas: "
@@ -273,7 +304,7 @@ def serve_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         print("r3srv serve: --fleet-peer-urls is set by --data-parallel-size itself; give one of them", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     try:
-        fleet = Fleet(args, parser)
+        fleet = Fleet(args, parser, guard)
     except ConfigError as exc:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -11,7 +11,7 @@ declaration from the handler's `opt`:
 - a fleet's fan-out of control calls (`server/fanout.py`) takes the routes declared
   `Fleet.EVERY_REPLICA`;
 - `feature_guard` answers 404 "start the server with FLAG" for a route whose feature is off;
-- authentication reads `access`.
+- authentication reads `access` (server/auth.py: which key a request needs).
 
 Every handler must declare `access` and `fleet` (tests/test_route_declarations.py holds it), so a
 new control route cannot be forgotten by the fleet or left open by mistake.
@@ -59,6 +59,11 @@ def declaration(handler: BaseRouteHandler) -> tuple[Access, Fleet, Feature | Non
 def paths_declared(handlers: list[Any], fleet: Fleet) -> frozenset[str]:
     """Every path of the handlers that declare `fleet`."""
     return frozenset(path for h in handlers if h.opt.get("fleet") is fleet for path in h.paths)
+
+
+def access_by_path(handlers: list[Any]) -> dict[str, Access]:
+    """Every path of the handlers, with the access its handler declares (server/auth.py reads it)."""
+    return {path: h.opt["access"] for h in handlers for path in h.paths}
 
 
 def feature_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:

@@ -6,6 +6,9 @@ could only reach each replica one by one. A replica started with `--fleet-peer-u
 such a call locally and forwards it, at the same time, to every peer with the FANOUT_HEADER
 marker, which a peer applies locally only (no loops, no second hop). The answer is the local
 one when every replica succeeded; otherwise an error naming each replica that did not.
+The forwarded call carries this replica's own credential (an admin key, else an API key: the
+fleet's replicas share their keys), so that no replica of a keyed fleet needs to be open; the
+call reaches this layer only once it has passed this replica's own key check (server/auth.py).
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ class _Captured:
 
 
 class FanOutControl:
-    def __init__(self, app: Any, peer_urls: list[str]) -> None:
+    def __init__(self, app: Any, peer_urls: list[str], credential: str | None = None) -> None:
         self.app = app
+        self._credential = credential
         self.state = app.state  # the CLI reaches the server state through the outermost app
         self.peer_urls = [url.rstrip("/") for url in peer_urls]
         self._client: httpx.AsyncClient | None = None
@@ -89,6 +93,8 @@ class FanOutControl:
         query = scope.get("query_string", b"").decode("latin-1")
         target = url + scope["path"] + (f"?{query}" if query else "")
         headers = {FANOUT_HEADER: "1", "content-type": "application/json"}
+        if self._credential is not None:
+            headers["authorization"] = f"Bearer {self._credential}"
         try:
             response = await self._client.request(scope["method"], target, content=body, headers=headers)
         except httpx.HTTPError as exc:
