@@ -6,6 +6,13 @@ seeded requests); and logprobs, sampled and prompt.
 Logprobs are the log-softmax of the model's unmodified logits (before every adjustment above),
 as vLLM reports them by default. Rows without bias, penalties or a min_tokens mask skip those
 steps entirely: a batch of plain requests costs what it did before they existed.
+
+Every value a request may send is safe to draw with: vLLM accepts any repetition penalty above 0,
+and one of 1e-108 (0 in float32) or 1e300 (inf) would make the adjusted logits inf or NaN, which
+softmax and the draw cannot take. The penalty is held within float32's positive range, and the
+adjusted logits (and their temperature-scaled copy) are made finite: +inf saturates at float32's
+largest value (the overflowing tokens then tie, as their order is lost), NaN becomes -inf (never
+drawn), -inf stays a mask.
 """
 
 from __future__ import annotations
@@ -20,12 +27,19 @@ from r3srv.engine.sequence import Sequence
 from r3srv.outputs import Logprob
 from r3srv.transfer import to_device
 
+_FLOAT32 = torch.finfo(torch.float32)
+
 
 @dataclass
 class SampleResult:
     token_id: int
     logprob: float | None = None  # of the sampled token; None unless logprobs were asked for
     top_logprobs: dict[int, float] | None = None  # sampled token + the top `logprobs` tokens
+
+
+def finite_(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` in place with +inf at float32's largest value and NaN at -inf; -inf (a mask) kept."""
+    return torch.nan_to_num_(logits, nan=float("-inf"), posinf=_FLOAT32.max, neginf=float("-inf"))
 
 
 def _banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
@@ -60,12 +74,13 @@ def apply_penalties(
     in_output = counts > 0
     if any(r != 1.0 for r in repetition):
         seen = in_output if prompt_seen is None else in_output | prompt_seen
-        (rep,) = to_device([repetition], device, np.float32)
+        held = [min(max(r, _FLOAT32.tiny), _FLOAT32.max) for r in repetition]  # never 0 or inf in float32
+        (rep,) = to_device([held], device, np.float32)
         factor = torch.where(seen, rep[:, None], 1.0)
         logits *= torch.where(logits > 0, 1.0 / factor, factor)
     freq, pres = to_device([frequency, presence], device, np.float32)
     logits -= freq[:, None] * counts + pres[:, None] * in_output
-    return logits
+    return finite_(logits)
 
 
 def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -215,7 +230,8 @@ def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], 
     gathered (copied) when the batch mixes kinds."""
     rows, vocab = logits.shape
     device = logits.device
-    if any(_adjusted(s) for s in seqs):
+    adjusted = any(_adjusted(s) for s in seqs)
+    if adjusted:
         logits = _adjust(logits, seqs, eos_token_ids)
     greedy = [r for r, s in enumerate(seqs) if s.params.greedy]
     sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
@@ -228,6 +244,8 @@ def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], 
     x = logits if len(sampled) == rows else logits[sampled]
     (temperatures,) = to_device([[seqs[r].params.temperature for r in sampled]], device, np.float32)
     x = x / temperatures[:, None]
+    if adjusted:  # a saturated logit over a small temperature overflows again
+        finite_(x)
     with_min_p = [j for j, r in enumerate(sampled) if seqs[r].params.min_p > 0.0]
     if with_min_p:
         x[with_min_p] = apply_min_p(x[with_min_p], [seqs[sampled[j]].params.min_p for j in with_min_p])

@@ -106,6 +106,12 @@ class SglangGenerateRequest(Struct, kw_only=True):
                                       problem=f" has {len(self.sampling_params)} entries for {count} prompts")
         if isinstance(self.rid, list) and len(self.rid) != count:
             raise InvalidRequestError(param="rid", problem=f" has {len(self.rid)} entries for {count} prompts")
+        for name in ("extra_key", "cache_salt"):  # as SGLang's GenerateReqInput normalizes them
+            value = getattr(self, name)
+            if isinstance(value, list) and not self.is_batch:
+                raise InvalidRequestError(param=name, problem=" must be a string for a single request")
+            if isinstance(value, list) and len(value) != count:
+                raise InvalidRequestError(param=name, problem=f" has {len(value)} entries for {count} prompts")
         return prompts
 
     def request_ids(self, count: int, default: str) -> list[str]:
