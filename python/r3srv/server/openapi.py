@@ -51,7 +51,11 @@ def describe_what_is_served(app: Litestar, keys: ApiKeys) -> None:
             type="http", scheme="bearer", description="--api-key (inference routes) or --admin-api-key (admin routes)")}
         schema.components = components
     error = OpenAPIMediaType(schema=Reference(ref="#/components/schemas/ErrorResponse"))
-    events = OpenAPIMediaType(schema=Schema(type=OpenAPIType.STRING, description="data: {...} lines, then data: [DONE]"))
+    # one server-sent event (as clients parse the stream): its data is a JSON chunk, or [DONE] last
+    event = Schema(type=OpenAPIType.OBJECT, required=["data"], description="data: {...} events, then data: [DONE]",
+                   properties={"data": Schema(type=OpenAPIType.STRING), "event": Schema(type=OpenAPIType.STRING),
+                               "id": Schema(type=OpenAPIType.STRING), "retry": Schema(type=OpenAPIType.INTEGER)})
+    events = OpenAPIMediaType(schema=event)
     for path, item in (schema.paths or {}).items():
         for method in _METHODS:
             operation = getattr(item, method, None)
