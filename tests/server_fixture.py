@@ -68,8 +68,10 @@ class RemoteServer:
     with `client` (httpx's verify, cert, headers) for a server that serves TLS or keys its probes."""
 
     def __init__(self, *args: str, startup_timeout: float = 180.0, bind_attempts: int = 3,
-                 env: dict[str, str] | None = None, scheme: str = "http", **client: Any) -> None:
-        self._env, self._scheme, self._client = env or {}, scheme, client
+                 env: dict[str, str] | None = None, scheme: str = "http", script: str | None = None,
+                 **client: Any) -> None:
+        """`script`: a Python file that patches the server for a test, then runs r3srv.cli's main."""
+        self._env, self._scheme, self._client, self._script = env or {}, scheme, client, script
         # free_port() only finds a port that is free now; on a busy CI machine another
         # process can take it before the server binds, so a lost race is retried on a new one.
         for attempt in range(bind_attempts):
@@ -92,7 +94,8 @@ class RemoteServer:
         self._log = tempfile.NamedTemporaryFile(prefix="r3srv-serve-", suffix=".log", delete=False)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self._env)
         self.proc = subprocess.Popen(
-            serve_command("--host", "127.0.0.1", "--port", str(self.port), *args),
+            (serve_command if self._script is None else lambda *a: [sys.executable, self._script, "serve", *a])(
+                "--host", "127.0.0.1", "--port", str(self.port), *args),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
