@@ -6,18 +6,15 @@ error, and no KV block is left in use."""
 
 from __future__ import annotations
 
-import base64
 import errno
-import io
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
+from fault_testing import InFlight, accepting, completion, metric, taken_in, tokens_and_rows, wait_until
 from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port, serve_command
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -59,86 +56,6 @@ def test_a_worker_failing_at_start_up_fails_the_engine_with_its_error(tmp_path, 
     done = subprocess.run([sys.executable, str(script), where], capture_output=True, text=True, timeout=240)
     assert done.returncode == 7, done.stdout + done.stderr
     assert f"test-only: rank 1 fails in {where}" in done.stdout and "r3srv-tp-rank1" in done.stdout
-
-
-# ---------------------------------------------------------------- requests in flight
-
-
-def completion(url: str, prompt: list[int], max_tokens: int, **headers: str) -> httpx.Response:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
-            "return_token_ids": True, "return_routed_experts": True}
-    return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=300)
-
-
-def tokens_and_rows(response: httpx.Response) -> tuple[list[int], np.ndarray | None, str]:
-    """A finished choice's tokens, rows and finish reason; the rows checked against the tokens. An
-    aborted choice has none (an abort frees its rows with its KV blocks, README)."""
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    if choice["finish_reason"] == "abort":
-        assert choice["routed_experts"] is None
-        return choice["token_ids"], None, "abort"
-    rows = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
-    assert rows.shape[0] == len(choice["prompt_token_ids"]) + len(choice["token_ids"]) - 1
-    return choice["token_ids"], rows, choice["finish_reason"]
-
-
-def metric(url: str, name: str, **headers: str) -> float:
-    for line in httpx.get(url + "/metrics", headers=headers, timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
-
-
-def requests_read(port: int) -> int:
-    """The server's open connections on `port` with nothing left unread (/proc/net/tcp: established,
-    receive queue empty): the requests it has taken in."""
-    count = 0
-    for line in open("/proc/net/tcp").read().splitlines()[1:]:
-        fields = line.split()
-        local, state, queues = fields[1], fields[3], fields[4]
-        if int(local.split(":")[1], 16) == port and state == "01" and int(queues.split(":")[1], 16) == 0:
-            count += 1
-    return count
-
-
-def accepting(url: str) -> bool:
-    try:
-        httpx.get(url + "/health", timeout=5)
-        return True
-    except httpx.TransportError:
-        return False
-
-
-def wait_until(condition, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
-
-
-class InFlight(threading.Thread):
-    """A call run in the background; `.response` once it ends."""
-
-    def __init__(self, call, *args, **kwargs) -> None:
-        super().__init__(daemon=True)
-        self.call, self.args, self.kwargs = call, args, kwargs
-        self.response: httpx.Response | None = None
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.response = self.call(*self.args, **self.kwargs)
-        except BaseException as exc:  # a connection the server closed: the test says whether that is fine
-            self.error = exc
-
-    def result(self, timeout: float = 300.0) -> httpx.Response:
-        self.join(timeout)
-        assert not self.is_alive(), "the request never ended"
-        if self.error is not None:
-            raise self.error
-        return self.response
 
 
 def test_losing_the_second_node_answers_503_naming_the_rank_then_the_server_exits():
@@ -206,7 +123,7 @@ def test_sigterm_while_a_weight_update_waits_for_the_requests_in_flight(policies
         # the update waits for the request in flight, a new request waits for the update
         update = InFlight(httpx.post, srv.url + "/update_weights_from_disk", json={"model_path": str(v1)}, timeout=300)
         held = InFlight(completion, srv.url, [7, 8], 2)
-        wait_until(lambda: requests_read(srv.port) == 3, "the three requests are in")
+        wait_until(lambda: taken_in(srv.port) == 3, "the three requests are in")
         srv.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: not accepting(srv.url), "the server stops taking connections")
         gate.unlink()
