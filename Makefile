@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast test-rust test-python bench bench-gate bench-smoke serve
+.PHONY: install test test-fast test-rust test-python bench bench-gate bench-smoke fuzz-deep serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ bench-gate: install
 # Every benchmark run once, untimed, with its own checks: benches that no longer run fail CI.
 bench-smoke: install
 	$(BIN)/python -m pytest -q benches --benchmark-disable -p no:randomly
+
+# schemathesis over every route for FUZZ_MINUTES per server (two servers), schema-valid requests
+# that are refused counted too (benches/schema_fuzz.py); CI runs a shorter deterministic one.
+FUZZ_MINUTES ?= 10
+fuzz-deep: install
+	$(BIN)/python benches/schema_fuzz.py --minutes $(FUZZ_MINUTES)
 
 serve: install
 	$(BIN)/r3srv serve

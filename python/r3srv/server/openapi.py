@@ -72,7 +72,8 @@ def describe_what_is_served(app: Litestar, keys: ApiKeys) -> None:
                 responses[str(UNAUTHORIZED)] = OpenAPIResponse(
                     description="No key, or not one of the server's", content={"application/json": error})
                 operation.security = [{BEARER: []}]
-            if needs and access.get(path) is Access.ADMIN and keys.admin:
+            if access.get(path) is Access.ADMIN:
                 responses[str(FORBIDDEN)] = OpenAPIResponse(
-                    description="An API key on an admin route: it needs an admin key", content={"application/json": error})
+                    description="An API key on an admin route (it needs an admin key), or a weight directory or "
+                    "trainer host outside the allowed ones", content={"application/json": error})
             operation.responses = responses
