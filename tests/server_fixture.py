@@ -15,9 +15,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from step_gate import StepGate
 
 # Small KV pool: fast to allocate, plenty for tests (256 blocks x 16 tokens).
 # the CPU even on a GPU machine (serve's default is auto): the tests compare with CPU engines
@@ -30,7 +33,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(*args: str) -> list[str]:
+def serve_command(*args: str, step_gate: Path | None = None) -> list[str]:
+    """`r3srv serve ARGS`; with step_gate, its engine steps only as that gate file allows
+    (tests/step_gate.py)."""
+    if step_gate is not None:
+        return [sys.executable, str(Path(__file__).with_name("gated_serve.py")), str(step_gate), "serve", *args]
     return [sys.executable, "-m", "r3srv.cli", "serve", *args]
 
 
@@ -64,14 +71,15 @@ class _PortTaken(RuntimeError):
 
 
 class RemoteServer:
-    """`env`: variables added to the server's environment (keys: R3SRV_API_KEY); `scheme` "https"
-    with `client` (httpx's verify, cert, headers) for a server that serves TLS or keys its probes."""
+    """step_gate: a StepGate (tests/step_gate.py) that holds this server's engine steps. `env`:
+    variables added to the server's environment (keys: R3SRV_API_KEY); `scheme` "https" and
+    `client` (httpx's verify, cert, headers) for a server that serves TLS or keys its probes."""
 
     def __init__(self, *args: str, startup_timeout: float = 180.0, bind_attempts: int = 3,
-                 env: dict[str, str] | None = None, scheme: str = "http", script: str | None = None,
+                 step_gate: StepGate | None = None, env: dict[str, str] | None = None, scheme: str = "http",
                  **client: Any) -> None:
-        """`script`: a Python file that patches the server for a test, then runs r3srv.cli's main."""
-        self._env, self._scheme, self._client, self._script = env or {}, scheme, client, script
+        self._gate_path = None if step_gate is None else step_gate.path
+        self._env, self._scheme, self._client = env or {}, scheme, client
         # free_port() only finds a port that is free now; on a busy CI machine another
         # process can take it before the server binds, so a lost race is retried on a new one.
         for attempt in range(bind_attempts):
@@ -94,8 +102,7 @@ class RemoteServer:
         self._log = tempfile.NamedTemporaryFile(prefix="r3srv-serve-", suffix=".log", delete=False)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self._env)
         self.proc = subprocess.Popen(
-            (serve_command if self._script is None else lambda *a: [sys.executable, self._script, "serve", *a])(
-                "--host", "127.0.0.1", "--port", str(self.port), *args),
+            serve_command("--host", "127.0.0.1", "--port", str(self.port), *args, step_gate=self._gate_path),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from fault_testing import InFlight, accepting, completion, metric, taken_in, tokens_and_rows, wait_until
 from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port, serve_command
+from step_gate import StepGate
 from tiny_checkpoints import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -89,35 +90,13 @@ def policies(tmp_path_factory):
     return write_tiny_checkpoint(root / "v0", "qwen3_moe", seed=0), write_tiny_checkpoint(root / "v1", "qwen3_moe", seed=1)
 
 
-# Serves with the engine holding after each step while a gate file exists, so that a request
-# stays in flight until the test lets it go (test-only; nothing of it is in r3srv).
-_GATED_SERVER = """
-import os, sys, time
-import r3srv.engine.core as core
-
-GATE = sys.argv.pop(1)
-step = core.EngineCore.step
-
-def gated(self):
-    out = step(self)
-    while os.path.exists(GATE):
-        time.sleep(0.01)
-    return out
-
-core.EngineCore.step = gated
-from r3srv.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_sigterm_while_a_weight_update_waits_for_the_requests_in_flight(policies, tmp_path):
     v0, v1 = policies
-    gate, script = tmp_path / "gate", tmp_path / "gated_server.py"
-    script.write_text(_GATED_SERVER.replace("sys.argv.pop(1)", repr(str(gate))))
+    gate = StepGate(tmp_path / "gate")
     srv = RemoteServer(str(v0), "--enable-weight-updates", "--enable-return-routed-experts", *TEST_SERVER_ARGS,
-                       script=str(script))
+                       step_gate=gate)
     try:
-        gate.touch()
+        gate.allow(3)  # the prefill and two decode steps: the request stays in flight, however fast the machine
         long = InFlight(completion, srv.url, [1, 2, 3], 400)
         wait_until(lambda: metric(srv.url, "r3srv_num_requests_running") == 1.0, "the request runs")
         # the update waits for the request in flight, a new request waits for the update
@@ -126,7 +105,7 @@ def test_sigterm_while_a_weight_update_waits_for_the_requests_in_flight(policies
         wait_until(lambda: taken_in(srv.port) == 3, "the three requests are in")
         srv.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: not accepting(srv.url), "the server stops taking connections")
-        gate.unlink()
+        gate.open()
         tokens, rows, reason = tokens_and_rows(long.result())
         assert reason in ("abort", "length") and 0 < len(tokens) <= 400
         for call in (update, held):
@@ -136,7 +115,7 @@ def test_sigterm_while_a_weight_update_waits_for_the_requests_in_flight(policies
             tokens_and_rows(held.response)
         assert srv.proc.wait(timeout=60) == 0
     finally:
-        gate.unlink(missing_ok=True)
+        gate.open()
         srv.stop()
 
 

@@ -21,10 +21,11 @@ from litestar.types import Message, Receive, Scope, Send
 import r3srv
 from r3srv.server.auth import ApiKeys, Authenticate
 from r3srv.server.body import decode_body
+from r3srv.server.chat_output import ChatParsers
 from r3srv.server.confinement import Confinement
 from r3srv.server.declare import access_by_path, feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
-from r3srv.server.generation import ServerState
+from r3srv.server.generation import LaunchFacts, ServerState
 from r3srv.server.metrics import ServerMetrics
 from r3srv.server.openapi import describe_what_is_served
 from r3srv.server.routes import ROUTE_HANDLERS
@@ -60,8 +61,13 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_weight_updates: bool = False,
     enable_prompt_tokens_details: bool = False,
+    routed_experts_encoding: str = "auto",
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
+    launch: LaunchFacts | None = None,
+    enable_sleep_mode: bool = False,
+    enable_collective_rpc: bool = False,
+    chat_parsers: ChatParsers | None = None,
     confinement: Confinement | None = None,
     keys: ApiKeys | None = None,
 ) -> Litestar:
@@ -74,6 +80,11 @@ def create_app(
         enable_weight_updates=enable_weight_updates,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         weight_sync_timeout=weight_sync_timeout,
+        launch=launch or LaunchFacts(),
+        enable_sleep_mode=enable_sleep_mode,
+        enable_collective_rpc=enable_collective_rpc,
+        routed_experts_encoding=routed_experts_encoding,
+        chat_parsers=chat_parsers or ChatParsers(),
     )
 
     async def watch_engine() -> None:

@@ -18,13 +18,13 @@ from typing import Any, TypeVar, cast
 import anyio
 import msgspec
 import numpy as np
-import pybase64
 from msgspec import UNSET, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
-from r3srv.serial import encode_routed_experts
+from r3srv.server import rows_encoding
+from r3srv.server.chat_output import ChatParsers
 from r3srv.server.declare import Feature
 from r3srv.server.errors import ModelNotFoundError
 from r3srv.server.metrics import ServerMetrics
@@ -34,6 +34,18 @@ T = TypeVar("T")
 # Arrays at least this big are encoded on a worker thread (the Rust encoder
 # releases the GIL), so a 100k-token response never stalls other clients.
 _OFFLOAD_ENCODE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class LaunchFacts:
+    """How the server was started, as SGLang's /server_info reports it (RL frameworks compare these
+    with their own launch arguments before they attach to a server they did not start)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nnodes: int = 1
+    node_rank: int = 0
+    enable_memory_saver: bool = False  # SGLang's flag: the trainer offloads the server's memory between rollouts
 
 
 @dataclass
@@ -47,11 +59,18 @@ class ServerState:
     enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached tokens), as vLLM
     weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
+    launch: LaunchFacts = field(default_factory=LaunchFacts)
+    enable_sleep_mode: bool = False  # /sleep, /wake_up (vLLM's development-mode routes)
+    enable_collective_rpc: bool = False  # /collective_rpc (vLLM's development-mode route)
+    routed_experts_encoding: str = rows_encoding.AUTO  # --routed-experts-encoding
+    chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # --tool-call-parser, --reasoning-parser
 
     @property
     def features(self) -> frozenset[Feature]:
         """The optional route groups this server serves (server/declare.py)."""
-        return frozenset({Feature.WEIGHT_UPDATES} if self.enable_weight_updates else ())
+        flags = ((Feature.WEIGHT_UPDATES, self.enable_weight_updates), (Feature.SLEEP_MODE, self.enable_sleep_mode),
+                 (Feature.COLLECTIVE_RPC, self.enable_collective_rpc))
+        return frozenset(feature for feature, on in flags if on)
 
     async def abort_all(self) -> None:
         """End every request in flight (finish_reason "abort"): on shutdown, so streams close
@@ -78,33 +97,27 @@ class ServerState:
             )
         return tokenizer
 
-    async def encode_experts(self, array: np.ndarray | None) -> str | None:
-        """The base64 text for a response field, as a `msgspec.Raw` JSON string literal.
+    def experts_encoding(self, requested: str | None, route_default: str) -> str:
+        """The routed-experts encoding of one response (server/rows_encoding.py)."""
+        return rows_encoding.choose(requested, self.routed_experts_encoding, route_default)
 
-        msgspec would scan the text for characters to escape (docs/benchmarks.md), yet base64
-        never has any: the encoder writes the quotes itself and msgspec copies the bytes as
-        they are. Typed `str` because the fields' OpenAPI schema must say string (a `Raw`
-        annotation would make it "any"); on the wire it is the same JSON string.
+    async def encode_experts(self, array: np.ndarray | None, encoding: str = "npy", start: int = 0) -> str | None:
+        """A response's routed_experts value in `encoding` (rows_encoding.py), as a `msgspec.Raw`
+        of its JSON text; `start` is the request's prompt offset (prime-rl's form carries it).
+
+        The Rust core writes the JSON text itself (the quotes of a string, or the whole dict)
+        and msgspec copies the bytes as they are, instead of scanning megabytes of base64 for
+        characters to escape (docs/benchmarks.md). Typed `str` for the call sites' Structs,
+        whose schema names the values; on the wire it is the JSON written here.
         """
         if array is None:
             return None
         if array.nbytes >= _OFFLOAD_ENCODE_BYTES:
-            quoted = await asyncio.to_thread(encode_routed_experts, array, 0, json_quoted=True)
+            text = await asyncio.to_thread(rows_encoding.encode, array, encoding, start)
         else:
-            quoted = encode_routed_experts(array, 0, json_quoted=True)
-        self.metrics.routed_experts_bytes.inc(len(quoted) - 2)
-        return cast(str, msgspec.Raw(quoted))  # Raw keeps a reference to the str: no copy
-
-    async def encode_experts_raw_int32(self, array: np.ndarray) -> str:
-        """SGLang's encoding of routed experts (its /generate's meta_info): base64 of the rows as
-        little-endian int32, C order, no header; clients reshape to (-1, num_layers, top_k)."""
-        raw = np.ascontiguousarray(array, dtype="<i4")
-        if raw.nbytes >= _OFFLOAD_ENCODE_BYTES:
-            text = await asyncio.to_thread(lambda: pybase64.b64encode(raw.data).decode("ascii"))
-        else:
-            text = pybase64.b64encode(raw.data).decode("ascii")
-        self.metrics.routed_experts_bytes.inc(len(text))
-        return text
+            text = rows_encoding.encode(array, encoding, start)
+        self.metrics.routed_experts_bytes.inc(rows_encoding.payload_bytes(text))
+        return cast(str, msgspec.Raw(text))  # Raw keeps a reference to the str: no copy
 
 
 class Generation:

@@ -12,6 +12,14 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
+from r3srv.server.rows_encoding import RequestedEncoding, RoutedExpertsValue, SglExt
+from r3srv.server.protocol.tools import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolChoice,
+    message_tool_fields,
+)
 from r3srv.server.protocol.common import (
     ChoiceCount,
     NonNegInt,
@@ -61,6 +69,7 @@ class _OpenAIRequest(Struct, kw_only=True):
     routed_experts_prompt_start: PromptStart = 0
     # r3srv extra
     return_routed_experts: ReturnRoutedExperts = None
+    routed_experts_encoding: RequestedEncoding = None
 
     def _sampling_params(
         self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
@@ -170,7 +179,7 @@ class CompletionResponseChoice(Struct, kw_only=True):
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
@@ -185,6 +194,7 @@ class CompletionResponse(Struct, kw_only=True):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
@@ -199,7 +209,7 @@ class CompletionResponseStreamChoice(Struct, kw_only=True):
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
     # Only on the final chunk of a choice (the one with finish_reason).
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
@@ -210,9 +220,13 @@ class CompletionStreamResponse(Struct, kw_only=True):
     model: str
     choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM 0.33's
 
 
 class ContentPart(Struct, kw_only=True):
@@ -224,6 +238,10 @@ class ChatMessageParam(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM 0.33's name)
+    reasoning_content: str | None = None  # its older name, as vLLM reads it
 
     def content_chars(self) -> int:
         """The content's length in characters (how much work rendering and encoding it is)."""
@@ -231,7 +249,7 @@ class ChatMessageParam(Struct, kw_only=True):
             return sum(len(part.text or "") for part in self.content)
         return len(self.content or "")
 
-    def to_template_dict(self) -> dict[str, str]:
+    def to_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
@@ -239,7 +257,12 @@ class ChatMessageParam(Struct, kw_only=True):
                     param="messages", problem=": only text content parts are supported by r3srv (no multimodal inputs)"
                 )
             content = "".join(part.text for part in content)  # type: ignore[misc]
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        message.update(message_tool_fields(self.role, self.tool_calls, self.tool_call_id, reasoning))
+        return message
 
 
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
@@ -252,8 +275,31 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     # vLLM's: the last message's content before the reply, when its role is the reply's
     echo: bool = False
 
-    def template_messages(self) -> list[dict[str, str]]:
+    # tool calling and reasoning (docs/protocol.md, "Tool calling and reasoning")
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (vLLM's default)
+    parallel_tool_calls: bool | None = True  # false: the first call only
+    include_reasoning: bool = True
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables besides messages: tools, chat_template_kwargs, and
+        reasoning_effort (which also turns thinking on or off unless enable_thinking is given),
+        as vLLM builds them."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        clash = sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        if clash:
+            raise InvalidRequestError(param="chat_template_kwargs", problem=f" may not set {', '.join(clash)}")
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        if self.tools is not None:
+            kwargs["tools"] = [tool.template_dict() for tool in self.tools]
+        return kwargs
 
     def param_names(self) -> dict[str, str]:
         names = {"prompt": "messages", "logprobs": "top_logprobs"}
@@ -298,12 +344,15 @@ class ChatMessage(Struct, kw_only=True):
     annotations: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
-    reasoning: str | None = None  # vLLM leaves tool_calls out when empty
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # vLLM leaves tool_calls out when empty
+    reasoning: str | None = None
 
 
 class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatCompletionLogProb(Struct, kw_only=True):
@@ -330,7 +379,7 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
@@ -345,6 +394,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
@@ -360,7 +410,7 @@ class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
 
 
@@ -372,3 +422,4 @@ class ChatCompletionStreamResponse(Struct, kw_only=True):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's

@@ -12,6 +12,7 @@ from msgspec import Meta, Struct
 
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
+from r3srv.server.rows_encoding import RequestedEncoding
 from r3srv.server.protocol.common import MAX_N, NonNegInt, Seed
 
 
@@ -57,8 +58,9 @@ _SGLANG_NAMES = {
 class SglangGenerateRequest(Struct, kw_only=True):
     """SGLang's GenerateReqInput: one prompt (`text` or `input_ids`) or a batch of them (a list
     of texts or of token-id lists), answered with one output object or, for a batch or n > 1,
-    a list (prompt-major, as SGLang). Routed experts come back in meta_info as SGLang sends them
-    (base64 of little-endian int32, no header), from `routed_experts_start_len` on."""
+    a list (prompt-major, as SGLang). Routed experts come back in meta_info, from
+    `routed_experts_start_len` on, by default as SGLang sends them (base64 of little-endian int32,
+    no header; server/rows_encoding.py)."""
 
     # msgspec allows one array-like type per union: a list of token ids or a batch of token-id
     # lists are sorted out by `prompts()`
@@ -76,6 +78,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
     top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
     return_routed_experts: bool | None = None
     routed_experts_start_len: NonNegInt = 0
+    routed_experts_encoding: RequestedEncoding = None  # r3srv's
     # prefix-cache isolation: requests share cached prefixes only with equal keys and salts
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None

@@ -11,6 +11,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
+from r3srv.server.rows_encoding import RequestedEncoding, RoutedExpertsValue
 from r3srv.server.protocol.common import (
     MAX_N,
     NonNegInt,
@@ -43,6 +44,7 @@ class GenerateRequest(Struct, kw_only=True):
     # "tokens": token ids only; "text": also the detokenized text.
     output_mode: Literal["tokens", "text"] = "tokens"
     cache_salt: str | None = None  # vLLM's: top-level here, a SamplingParams field in r3srv's engine
+    routed_experts_encoding: RequestedEncoding = None  # r3srv's
 
     def __post_init__(self) -> None:
         # SamplingParams has no upper bound on n; the OpenAI routes' cap applies here too.
@@ -84,7 +86,7 @@ class GenerateChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int]
     logprobs: GenerateLogProbs | None = None
-    routed_experts: str | None = None
+    routed_experts: RoutedExpertsValue | None = None
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
     text: str | UnsetType = UNSET  # output_mode="text" only
@@ -107,7 +109,7 @@ class GenerateStreamChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int]  # the delta since the previous chunk of this choice
     logprobs: GenerateLogProbs | None = None
-    routed_experts: str | None | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     text: str | UnsetType = UNSET
 

@@ -4,8 +4,9 @@ over-sampled requests).
 
 /generate takes one prompt (`text` or `input_ids`) or a batch (a list of either) and answers
 one output object, or a list of them for a batch or n > 1 (prompt-major, as SGLang). Routed
-experts are in meta_info the way SGLang sends them (base64 of little-endian int32 rows, no
-header, every token of prompt + output but the last, from routed_experts_start_len on), and
+experts are in meta_info, by default the way SGLang sends them (base64 of little-endian int32
+rows, no header, every token of prompt + output but the last, from routed_experts_start_len on;
+server/rows_encoding.py), and
 meta_info echoes routed_experts_start_len on every answer (slime's multi-turn reads it back).
 With stream=true it answers SGLang's server-sent events: `data: {...}` chunks whose text and
 output_ids are cumulative, then `data: [DONE]`; routed experts come on each output's last chunk.
@@ -24,6 +25,7 @@ from msgspec import UNSET
 from r3srv.offload import run_sized
 from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
+from r3srv.server import rows_encoding
 from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import Generation, ServerState, merged_outputs, start_all
@@ -94,7 +96,8 @@ async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, output_id
     if req.return_logprob:
         _add_logprobs(meta, req, out, token_ids, logprobs)
     if final and c.routed_experts is not None:
-        meta["routed_experts"] = await state.encode_experts_raw_int32(c.routed_experts)
+        encoding = state.experts_encoding(req.routed_experts_encoding, rows_encoding.SGLANG_DEFAULT)
+        meta["routed_experts"] = await state.encode_experts(c.routed_experts, encoding, req.routed_experts_start_len)
     version = state.weight_version(out) if final else UNSET
     if version is not UNSET:
         meta["weight_version"] = version
