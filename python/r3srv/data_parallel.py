@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from r3srv import settings
 from r3srv.errors import ConfigError
 from r3srv.security import ServeSecurity
 
@@ -127,7 +127,7 @@ def _die_with_parent() -> None:
 def _spawn(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec,
-                            env=None if env is None else {**os.environ, **env})
+                            env=None if env is None else settings.child_environ(env))
 
 
 @dataclass

@@ -85,9 +85,10 @@ class ServeSecurity:
     allowed_trainer_hosts: tuple[str, ...] | None = None
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeSecurity:
+    def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeSecurity:
         """The flags as given, keys from their variables where the flags are absent (as vLLM's
-        --api-key over $VLLM_API_KEY); a ConfigError for a combination that cannot work."""
+        --api-key over $VLLM_API_KEY; `environ`: this process's by default); a ConfigError for a
+        combination that cannot work."""
         api = args.api_key if args.api_key is not None else settings.secret_keys("api_key", environ)
         admin = args.admin_api_key if args.admin_api_key is not None else settings.secret_keys("admin_api_key", environ)
         found = cls(
