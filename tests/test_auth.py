@@ -14,10 +14,12 @@ import pytest
 
 from r3srv import settings
 from r3srv.cli import build_parser
+from r3srv.data_parallel import replica_argv, supervisor_headers
 from r3srv.errors import ConfigError
 from r3srv.security import ServeSecurity
 from r3srv.server.auth import ApiKeys, Authenticate, bearer_token
 from r3srv.server.declare import Access, access_by_path
+from r3srv.server.fanout import forwarded_headers
 from r3srv.server.routes import ROUTE_HANDLERS
 
 API, ADMIN = "api-key-Zq1", "admin-key-Xw9"
@@ -119,6 +121,28 @@ def test_keys_come_from_the_flags_else_the_environment():
     # what a fleet's replica is given: the same keys, through its environment
     assert settings.secret_keys("api_key", given.key_environ()) == ["f1", "f2"]
     assert settings.secret_keys("admin_api_key", given.key_environ()) == ["ea"]
+
+
+def test_a_fleet_gives_its_replicas_keys_by_environment_and_calls_them_with_its_admin_key(tmp_path):
+    cert = tmp_path / "cert.pem"
+    cert.write_text("not read here")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "m", "-dp", "2", "--api-key", API, "--admin-api-key", ADMIN, "--protect-probes",
+                              "--ssl-certfile", str(cert), "--ssl-keyfile", str(cert), "--allowed-weight-paths",
+                              str(tmp_path)])
+    guard = ServeSecurity.from_args(args, {})
+    argv = replica_argv(parser, args, model="m", port=9, device="cpu", weight_version="0")
+    assert not [a for a in argv if API in a or ADMIN in a or a.startswith("--ssl")]  # keys by environment; TLS ends at the front
+    child = parser.parse_args(argv[3:])
+    assert child.protect_probes and child.allowed_weight_paths == [str(tmp_path)]  # the replica guards as the front
+    assert ServeSecurity.from_args(child, guard.key_environ()).keys() == guard.keys()
+    # the supervisor's own calls and every call the front makes carry the admin key, in place of the client's
+    assert supervisor_headers(guard) == {"authorization": f"Bearer {ADMIN}"}
+    assert supervisor_headers(_security("--api-key", API)) == {"authorization": f"Bearer {API}"}
+    assert supervisor_headers(_security()) == {}
+    client = [(b"host", b"fleet"), (b"authorization", f"Bearer {API}".encode()), (b"x-trace", b"1")]
+    assert forwarded_headers(client, credential=ADMIN) == [(b"x-trace", b"1"), (b"authorization", f"Bearer {ADMIN}".encode())]
+    assert forwarded_headers(client) == client[1:]
 
 
 @pytest.mark.parametrize("flags,problem", [
