@@ -16,7 +16,7 @@ import httpx
 import pytest
 from fault_testing import InFlight, RawPost, accepting, completion, metric, tokens_and_rows, wait_until
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
-from tiny_checkpoints import write_tiny_checkpoint
+from test_fleet import policies  # noqa: F401  (the fixture, shared)
 
 pytestmark = pytest.mark.slow
 
@@ -51,12 +51,6 @@ def paused(url: str) -> bool:
     answer = httpx.get(url + "/is_paused", headers=bearer(ADMIN_KEY), timeout=30)
     assert answer.status_code == 200, answer.text
     return answer.json()["is_paused"]
-
-
-@pytest.fixture(scope="module")
-def policies(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fleet-policies")
-    return write_tiny_checkpoint(root / "v0", "qwen3_moe", seed=0), write_tiny_checkpoint(root / "v1", "qwen3_moe", seed=1)
 
 
 def test_a_keyed_fleet_keeps_every_door_shut_and_stops_cleanly_during_an_update(policies, gate):
