@@ -279,14 +279,15 @@ def certificates(tmp_path_factory):
     return {k: str(v) for k, v in files.items()}
 
 
-@pytest.fixture(scope="module")
-def tls_server(certificates):
+@pytest.fixture(scope="module", params=[(), ("--data-parallel-size", "2")], ids=["one server", "a fleet's front"])
+def tls_server(certificates, request):
     c = certificates
     client = dict(verify=ssl.create_default_context(cafile=c["ca"]), headers=bearer(API_KEYS[0]))
     client["verify"].load_cert_chain(c["client"])
     with RemoteServer("--ssl-certfile", c["server"], "--ssl-keyfile", c["server"], "--ssl-ca-certs", c["ca"],
                       "--ssl-cert-reqs", str(int(ssl.CERT_REQUIRED)), "--protect-probes", *TEST_SERVER_ARGS,
-                      env={"R3SRV_API_KEY": API_KEYS[0]}, scheme="https", **client) as srv:
+                      *request.param, env={"R3SRV_API_KEY": API_KEYS[0]}, scheme="https", startup_timeout=300,
+                      **client) as srv:
         yield srv, client
     assert srv.returncode == 0, srv.log
 
@@ -298,6 +299,8 @@ def test_tls_needs_a_client_certificate_of_the_servers_ca(tls_server, certificat
         assert http.get("/health", headers={"authorization": ""}).status_code == 401  # --protect-probes
         sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEYS[0], max_retries=0, http_client=http)
         assert sdk.completions.create(model=sdk.models.list().data[0].id, prompt=[1, 2], max_tokens=1).choices
+        if http.get("/server_info").json().get("dp_size", 1) > 1:  # a fleet lists itself by the URL it is called at
+            assert http.get("/list_workers").json() == {"urls": [srv.url]}
     without = ssl.create_default_context(cafile=certificates["ca"])
     stranger = ssl.create_default_context(cafile=certificates["ca"])
     stranger.load_cert_chain(certificates["stranger"])
