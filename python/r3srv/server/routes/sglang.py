@@ -24,7 +24,7 @@ from msgspec import UNSET
 
 from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
-from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
 from r3srv.server import protocol as p
 from r3srv.server import rows_encoding
 from r3srv.server.declare import Access, Fleet
@@ -84,7 +84,7 @@ async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids:
 
 
 async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, output_id: str, out: RequestOutput,
-                     c: CompletionOutput, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                     c: CompletionOutput, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
                      final: bool) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": output_id,
@@ -138,13 +138,13 @@ def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[Completion
 
 
 def _add_logprobs(meta: dict[str, Any], req: p.SglangGenerateRequest, out: RequestOutput, token_ids: list[int],
-                  logprobs: list[dict[int, float]] | None) -> None:
+                  logprobs: list[dict[int, Logprob]] | None) -> None:
     """SGLang's logprob keys: [logprob, token id, None] triples; the input ones from
     logprob_start_len on, the first of them without a logprob (as SGLang sends them)."""
     entries = out.prompt_logprobs or []
     inputs = out.prompt_token_ids[len(out.prompt_token_ids) - len(entries):]
     meta["input_token_logprobs"] = [[None if e is None else e[t].logprob, t, None] for t, e in zip(inputs, entries)]
-    meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(token_ids, logprobs or [])]
+    meta["output_token_logprobs"] = [[entry[t].logprob, t, None] for t, entry in zip(token_ids, logprobs or [])]
     meta["output_token_logprobs_length"] = len(token_ids)
     k = req.top_logprobs_num
     if k:
