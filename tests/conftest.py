@@ -26,6 +26,7 @@ if hypothesis is not None:
 # worker processes, transformers oracles, Triton's interpreter, kernel compiles: `make test-fast`
 # leaves them out), `gpu` (needs CUDA; skipped here on a machine without it), `peer` (checks
 # r3srv against a peer's own code or data recorded from it: `make test-peer`).
+
 def pytest_collection_modifyitems(config, items):
     """A test marked gpu, or gpu("what it needs the GPU for"), skips where torch sees no CUDA device."""
     if torch.cuda.is_available():

@@ -85,7 +85,7 @@ def test_every_vllm_sampling_field_is_taken_at_its_default_and_refused_on_when_u
     vllm.SamplingParams(output_kind=vllm.RequestOutputKind.DELTA, extra_args={"kv_transfer_params": None},
                         bad_words=[], detokenize=True, stream_interval=1, allowed_token_ids=None)
     for name, value in [("bad_words", ["no"]), ("allowed_token_ids", [1, 2]), ("structured_outputs", {"json": {}}),
-                        ("logprob_token_ids", [3]), ("detokenize", False), ("flat_logprobs", True)]:
+                        ("logprob_token_ids", [3]), ("stream_interval", 4), ("flat_logprobs", True)]:
         with pytest.raises(InvalidRequestError) as exc:
             vllm.SamplingParams(**{name: value})
         assert exc.value.param == name
@@ -145,8 +145,11 @@ def test_openrlhf_per_tensor_broadcast_serves_the_pushed_policy(llm, policies):
     pusher = ctx.Process(target=trainer.broadcast_checkpoint, args=(port, 2, v1))
     pusher.start()
     try:
-        # OpenRLHF's positional arguments; its trainer asks for NCCL, which a CPU engine takes as gloo
-        llm.collective_rpc("init_process_group", args=("127.0.0.1", port, 1, 2, trainer.GROUP, "nccl", False))
+        # OpenRLHF's positional arguments; a CPU engine takes gloo (--vllm_sync_backend gloo), NCCL is refused
+        with pytest.raises(InvalidRequestError) as refused:
+            llm.collective_rpc("init_process_group", args=("127.0.0.1", port, 1, 2, trainer.GROUP, "nccl", False))
+        assert refused.value.param == "backend"
+        llm.collective_rpc("init_process_group", args=("127.0.0.1", port, 1, 2, trainer.GROUP, "gloo", False))
         for name, tensor in trainer.checkpoint_tensors(v1).items():
             llm.collective_rpc("update_weight", args=(name, tensor.dtype, tensor.shape, False))
         pusher.join(120)

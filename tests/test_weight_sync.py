@@ -180,14 +180,33 @@ def test_vllm_weight_transfer_names_map_onto_the_same_group(server, policies, po
         r = post(server, "/finish_weight_update", {"weight_version": "vllm-1"})
         assert r.status_code == 200, r.text
         assert serves(server, v1) and served(server, PROMPT)[2] == "vllm-1"
-        # What r3srv does not implement is a 400 naming it.
+        # What r3srv does not implement, or vLLM refuses, is a 400 naming it.
         init_info = trainer.vllm_init_info(port)
-        for bad, param in ((dict(init_info, packed=True), "packed"),
+        for bad, param in ((dict(init_info, packed=True, packed_buffer_size_bytes=0), "packed_buffer_size_bytes"),
                            (dict(init_info, nccl_unique_id_b64="AAAA"), "nccl_unique_id_b64")):
             r = post(server, "/init_weight_transfer_engine", {"init_info": bad})
             assert r.status_code == 400 and param in r.text, r.text
         r = post(server, "/update_weights", {"update_info": trainer.vllm_update_info(tensors), "other": 1})
         assert r.status_code == 400 and "other" in r.text, r.text
+    finally:
+        dist.destroy_process_group(group)
+        assert post(server, "/shutdown_weight_transfer_engine").status_code == 200
+
+
+def test_vllm_packed_weight_transfer_cuts_chunks_as_vllm_does(server, policies, pool):
+    """init_info packed: every round's tensors arrive as vLLM's packed uint8 chunks, here of a
+    little over 64 KiB each (the built-in default is 1 GiB: one chunk for a tiny model)."""
+    v0, v1 = policies
+    reset(server, v0)
+    group = trainer.vllm_join(server.url, free_port(), pool, packed=True, packed_buffer_size_bytes=1 << 16)
+    try:
+        assert post(server, "/start_weight_update").status_code == 200
+        tensors = trainer.checkpoint_tensors(v1)
+        assert len(trainer.vllm_packed(tensors, 1 << 16)) > 3
+        r = trainer.vllm_push(server.url, group, tensors, pool, packed_bytes=1 << 16)
+        assert r.status_code == 200, r.text
+        assert post(server, "/finish_weight_update", {"weight_version": "packed-1"}).status_code == 200
+        assert serves(server, v1) and served(server, PROMPT)[2] == "packed-1"
     finally:
         dist.destroy_process_group(group)
         assert post(server, "/shutdown_weight_transfer_engine").status_code == 200

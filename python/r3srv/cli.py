@@ -70,19 +70,40 @@ def build_parser() -> argparse.ArgumentParser:
         "the first loads any checkpoint directory the server can read)",
     )
     serve.add_argument(
+        "--enable-memory-saver", action="store_true",
+        help="SGLang's flag: say in /server_info that a trainer releases this server's memory between rollouts "
+        "(slime and miles compare it with their offload flag); the memory routes need --enable-weight-updates",
+    )
+    serve.add_argument(
+        "--enable-sleep-mode", action="store_true",
+        help="vLLM's flag: serve /sleep, /wake_up and /is_sleeping (vLLM: development mode; needs "
+        "--enable-weight-updates)",
+    )
+    serve.add_argument(
+        "--enable-collective-rpc", action="store_true",
+        help="serve /collective_rpc for the weight-sync methods SkyRL calls, from a fixed table (vLLM: "
+        "development mode; needs --enable-weight-updates; docs/weight_sync.md)",
+    )
+    serve.add_argument(
         "--weight-sync-timeout", type=float, default=600.0,
         help="seconds a trainer's rendezvous or broadcast (/update_weights_from_distributed) may stall before the "
         "update fails, leaving the weights unchanged (default: %(default)s)",
     )
     serve.add_argument(
         "--fleet-peer-urls", nargs="+", default=None, metavar="URL",
-        help="the other replicas of a fleet behind a router: control calls (pause, continue, weight updates, "
-        "flush, abort, memory release) made to this server are applied on them too (docs/fleet.md)",
+        help="other servers (or, with --data-parallel-size, other nodes' fronts) that control calls (pause, "
+        "continue, weight updates, flush, abort, memory release) made to this server also reach (docs/fleet.md)",
     )
     serve.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="add usage.prompt_tokens_details (cached_tokens: prompt tokens served from the prefix cache), as vLLM",
+    )
+    serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob tokens as 'token_id:<id>' instead of their text, unless a request says otherwise "
+        "(vLLM's flag; prime-rl's client reads ids this way)",
     )
     serve.add_argument(
         "--timeout-headers", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
@@ -152,12 +173,19 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
     from r3srv.engine.async_llm import AsyncLLM
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
     from r3srv.server.connections import guarded_h11
+    from r3srv.server.generation import LaunchFacts
 
     if args.data_parallel_size > 1 and (args.nnodes > 1 or args.master_port):
         print("r3srv serve: configuration error: --data-parallel-size runs its replicas on this machine, each "
               "replica's ranks on a free port of their own: leave out --nnodes and --master-port", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
+    dev_flags = [flag for flag, on in (("--enable-sleep-mode", args.enable_sleep_mode),
+                                        ("--enable-collective-rpc", args.enable_collective_rpc)) if on]
+    if dev_flags and not args.enable_weight_updates:
+        print(f"r3srv serve: configuration error: {' and '.join(dev_flags)} change the served weights and memory: "
+              "add --enable-weight-updates", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if args.data_parallel_size > 1:  # N replicas behind this process, their front and supervisor
         from r3srv.data_parallel import serve_fleet
 
         return serve_fleet(args, build_parser())
@@ -198,10 +226,15 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         enable_weight_updates=args.enable_weight_updates,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         routed_experts_encoding=args.routed_experts_encoding,
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,
         fleet_peer_urls=_peers_but_self(args),
+        launch=LaunchFacts(host=args.host, port=args.port, nnodes=args.nnodes, node_rank=args.node_rank,
+                           enable_memory_saver=args.enable_memory_saver),
+        enable_sleep_mode=args.enable_sleep_mode,
+        enable_collective_rpc=args.enable_collective_rpc,
         chat_parsers=chat_parsers,
     )
     logger.info(

@@ -1,24 +1,28 @@
 """collective_rpc: a fixed table of method names, each mapped onto r3srv's own weight commands.
 
 vLLM's `collective_rpc(method, timeout, args, kwargs)` calls any method of its workers by name
-(RL frameworks add theirs through a worker extension class, which reaches into vLLM's model
-runner). r3srv answers only the names below, the weight-sync calls those frameworks make, each
-run by r3srv's own trainer-update road (engine/weight_sync.py: announced tensors checked
-against the served model, staged until every parameter arrived, then one update between
-steps); any other name is an InvalidRequestError naming `method`. Arguments fill each method's
-Struct (positional ones in field order) and are checked there; nothing is looked up by name on
-an object, nothing is unpickled, no callable a caller passed is called except torch's own CUDA
-tensor rebuild. The answer is vLLM's: one result per rank.
+(its development mode over HTTP; RL frameworks add theirs through a worker extension class, which
+reaches into vLLM's model runner). r3srv answers only the names below, the weight-sync calls
+those frameworks make, each run by r3srv's own trainer-update road (engine/weight_sync.py:
+announced tensors checked against the served model, staged until every parameter arrived, then
+one update between steps); any other name is an InvalidRequestError (a 400) naming `method`.
+Arguments fill each method's Struct (positional ones in field order) and are checked there;
+nothing is looked up by name on an object, nothing is unpickled, no callable a caller passed is
+called except torch's own CUDA tensor rebuild. The answer is vLLM's: one result per rank.
 
 | method | from | what |
 |---|---|---|
+| `skyrl_start_weight_update`, `update_weights_nccl`, `skyrl_finish_weight_update` | SkyRL's vLLM worker extension (HTTP) | vLLM's weight transfer round, packed chunks |
+| `skyrl_sleep_for_weight_sync`, `skyrl_wake_for_weight_sync` | SkyRL | accepted; weights and KV stay resident |
+| `update_weights_ipc` | SkyRL | refused: pickled CUDA IPC handles |
 | `init_process_group` | OpenRLHF's vLLM worker extension | join the trainer's group (as rank_offset + rank) |
 | `update_weight` | OpenRLHF | receive one broadcast tensor by name |
-| `update_weight_cuda_ipc` | OpenRLHF | one tensor from a CUDA IPC handle (GPU only) |
+| `update_weight_cuda_ipc` | OpenRLHF | one tensor from a CUDA IPC handle (GPU only, in-process) |
 | `init_weights_update_group`, `update_weights_from_distributed`, `destroy_weights_update_group` | SGLang's engine | the same group calls under SGLang's names (many tensors per call) |
 | `update_weights_from_tensors` | in-process trainers (verl, NeMo-RL buckets) | `[(name, tensor), ...]` held in this process |
 
-The in-process fronts (r3srv.compat.vllm's LLM and AsyncLLM) call `collective_rpc` here.
+The HTTP route (server/routes/control.py) and the in-process fronts (r3srv.compat.vllm's LLM and
+AsyncLLM) are thin callers of `collective_rpc`.
 """
 
 from __future__ import annotations
@@ -31,12 +35,47 @@ import msgspec
 import torch
 from msgspec import Struct
 
+from r3srv.engine.vllm_transfer import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 from r3srv.engine.weight_sync import TrainerUpdates, named_tensor_metas
 from r3srv.errors import InvalidRequestError
 
 DEFAULT_GROUP = "weight_update_group"
-# OpenRLHF's default: a trainer joins with world_size = 1 + every engine rank
-OPENRLHF_TIMEOUT_MINUTES = 120
+OPENRLHF_TIMEOUT_MINUTES = 120  # OpenRLHF's default rendezvous and broadcast bound
+
+
+class StartWeightUpdate(Struct, kw_only=True, forbid_unknown_fields=True):
+    is_checkpoint_format: bool = True  # checkpoint (Hugging Face) names; False: the engine's own layout
+
+
+class NcclUpdateInfo(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM 0.26's NCCLWeightTransferUpdateInfo (SkyRL's pin): the packed layout rides here."""
+
+    names: list[str] = []
+    dtype_names: list[str] = []
+    shapes: list[list[int]] = []
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+
+
+class UpdateWeightsNccl(Struct, kw_only=True, forbid_unknown_fields=True):
+    update_info: NcclUpdateInfo
+
+
+class UpdateWeightsIpc(Struct, kw_only=True, forbid_unknown_fields=True):
+    update_info: dict[str, Any]
+
+
+class NoArguments(Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class SleepForWeightSync(Struct, kw_only=True, forbid_unknown_fields=True):
+    offload_kv: bool = True
+
+
+class WakeForWeightSync(Struct, kw_only=True, forbid_unknown_fields=True):
+    tags: list[str]
 
 
 class InitProcessGroup(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -91,10 +130,41 @@ class UpdateWeightsFromTensors(Struct, kw_only=True, forbid_unknown_fields=True)
     weight_version: str | None = None
 
 
-def _backend(updates: TrainerUpdates, asked: str) -> str:
-    """The trainer's NCCL on a CPU engine means gloo (OpenRLHF and SGLang trainers default to
-    NCCL, which CPU tensors cannot take); any other mismatch is refused by the group join."""
-    return "gloo" if asked == "nccl" and updates.sync.device.type == "cpu" else asked
+async def _start(updates: TrainerUpdates, call: StartWeightUpdate) -> None:
+    if not call.is_checkpoint_format:
+        raise InvalidRequestError("is_checkpoint_format=false (the engine's own tensor layout) is not supported: "
+                                  "send checkpoint names", param="kwargs.is_checkpoint_format")
+    await updates.start_round()
+
+
+async def _receive(updates: TrainerUpdates, call: UpdateWeightsNccl) -> None:
+    info = call.update_info
+    for name in ("packed_buffer_size_bytes", "packed_num_buffers"):
+        if getattr(info, name) < 1:
+            raise InvalidRequestError(f"{name} must be positive, got {getattr(info, name)}",
+                                      param=f"kwargs.update_info.{name}")
+    packing = {"buffer_size_bytes": info.packed_buffer_size_bytes, "num_buffers": info.packed_num_buffers}
+    await updates.receive_in_round(info.names, info.dtype_names, info.shapes, packing if info.packed else None)
+
+
+async def _finish(updates: TrainerUpdates, call: NoArguments) -> None:
+    await updates.finish_round(None)
+
+
+async def _refuse_ipc(updates: TrainerUpdates, call: UpdateWeightsIpc) -> None:
+    raise InvalidRequestError("update_weights_ipc hands over pickled CUDA IPC handles, which r3srv never unpickles: "
+                              "sync over NCCL (update_weights_nccl)", param="method")
+
+
+async def _keep_memory(updates: TrainerUpdates, call: SleepForWeightSync) -> None:
+    """r3srv keeps the weights and KV resident across a sync (staging needs room for the new
+    tensors either way); the frozen requests are retracted by the update and recompute after it."""
+
+
+async def _check_wake(updates: TrainerUpdates, call: WakeForWeightSync) -> None:
+    unknown = sorted(set(call.tags) - {"weights", "kv_cache"})
+    if unknown:
+        raise InvalidRequestError(f"tags: {unknown} unknown; known: weights, kv_cache", param="kwargs.tags")
 
 
 async def _join(updates: TrainerUpdates, call: InitProcessGroup | InitWeightsUpdateGroup) -> str:
@@ -105,7 +175,7 @@ async def _join(updates: TrainerUpdates, call: InitProcessGroup | InitWeightsUpd
         updates.sync.timeout = call.timeout_minutes * 60.0
     return await updates.sync.join(master_address=call.master_address, master_port=call.master_port,
                                    rank_offset=call.rank_offset, world_size=call.world_size,
-                                   group_name=call.group_name, backend=_backend(updates, call.backend))
+                                   group_name=call.group_name, backend=call.backend)
 
 
 async def _update_weight(updates: TrainerUpdates, call: UpdateWeight) -> str:
@@ -153,6 +223,12 @@ class RpcMethod:
 
 
 METHODS: dict[str, RpcMethod] = {
+    "skyrl_start_weight_update": RpcMethod(StartWeightUpdate, _start),
+    "update_weights_nccl": RpcMethod(UpdateWeightsNccl, _receive),
+    "skyrl_finish_weight_update": RpcMethod(NoArguments, _finish),
+    "update_weights_ipc": RpcMethod(UpdateWeightsIpc, _refuse_ipc),
+    "skyrl_sleep_for_weight_sync": RpcMethod(SleepForWeightSync, _keep_memory),
+    "skyrl_wake_for_weight_sync": RpcMethod(WakeForWeightSync, _check_wake),
     "init_process_group": RpcMethod(InitProcessGroup, _join),
     "update_weight": RpcMethod(UpdateWeight, _update_weight),
     "update_weight_cuda_ipc": RpcMethod(UpdateWeightCudaIpc, _update_weight_cuda_ipc),
@@ -179,7 +255,7 @@ def arguments(method: Any, args: tuple | list, kwargs: dict[str, Any] | None) ->
     if twice:
         raise InvalidRequestError(f"{method}: {twice[0]} given both positionally and by name", param="args")
     try:
-        return msgspec.convert({**dict(zip(fields, args)), **kwargs}, entry.arguments, strict=False)
+        return msgspec.convert({**dict(zip(fields, args)), **kwargs}, entry.arguments, strict=True)
     except msgspec.ValidationError as exc:
         path = str(exc).rpartition("`$.")[2].rstrip("`") if "`$." in str(exc) else ""
         raise InvalidRequestError(f"{method}: {exc}", param=f"kwargs.{path}" if path else "kwargs") from None
@@ -217,10 +293,10 @@ def _rebuild_cuda_tensor(ipc_handles: Any, device: torch.device) -> torch.Tensor
     if not isinstance(ipc_handles, dict) or not ipc_handles:
         raise InvalidRequestError("ipc_handles must map GPU ids to (rebuild_cuda_tensor, args)", param="ipc_handles")
     handle = ipc_handles.get(_physical_gpu_id(device), next(iter(ipc_handles.values())))
-    func, args = handle
-    if func is not rebuild_cuda_tensor:
+    if not (isinstance(handle, tuple | list) and len(handle) == 2 and handle[0] is rebuild_cuda_tensor
+            and isinstance(handle[1], tuple | list)):
         raise InvalidRequestError("ipc_handles may only name torch's rebuild_cuda_tensor", param="ipc_handles")
-    args = list(args)
+    func, args = handle[0], list(handle[1])
     if len(args) < 7 or args[0] is not torch.Tensor or not isinstance(args[5], torch.dtype):
         raise InvalidRequestError("ipc_handles: not the arguments of a plain CUDA tensor", param="ipc_handles")
     args[6] = device.index or 0

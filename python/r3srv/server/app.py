@@ -23,7 +23,7 @@ from r3srv.server.body import decode_body
 from r3srv.server.chat_output import ChatParsers
 from r3srv.server.declare import feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
-from r3srv.server.generation import ServerState
+from r3srv.server.generation import LaunchFacts, ServerState
 from r3srv.server.metrics import ServerMetrics
 from r3srv.server.openapi import describe_what_is_served
 from r3srv.server.routes import ROUTE_HANDLERS
@@ -59,9 +59,13 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_weight_updates: bool = False,
     enable_prompt_tokens_details: bool = False,
+    return_tokens_as_token_ids: bool = False,
     routed_experts_encoding: str = "auto",
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
+    launch: LaunchFacts | None = None,
+    enable_sleep_mode: bool = False,
+    enable_collective_rpc: bool = False,
     chat_parsers: ChatParsers | None = None,
 ) -> Litestar:
     """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
@@ -72,7 +76,11 @@ def create_app(
         metrics=ServerMetrics(engine.stats),
         enable_weight_updates=enable_weight_updates,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
         weight_sync_timeout=weight_sync_timeout,
+        launch=launch or LaunchFacts(),
+        enable_sleep_mode=enable_sleep_mode,
+        enable_collective_rpc=enable_collective_rpc,
         routed_experts_encoding=routed_experts_encoding,
         chat_parsers=chat_parsers or ChatParsers(),
     )

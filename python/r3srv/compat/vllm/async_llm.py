@@ -8,18 +8,17 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from r3srv.compat.vllm.common import MEMORY_TAGS, check_request_extras, check_sleep_level, memory_tags, model_config_of
+from r3srv.compat.vllm.common import check_request_extras, model_config_of
 from r3srv.compat.vllm.engine_args import EngineArgs, ModelConfig, VllmConfig, engine_options
 from r3srv.compat.vllm.prompts import read_prompt
 from r3srv.compat.vllm.sampling import RequestOutputKind
-from r3srv.engine import rpc
+from r3srv.engine import rpc, sleep
 from r3srv.engine.async_llm import AsyncLLM as R3srvAsyncLLM
 from r3srv.engine.weight_sync import TrainerUpdates
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
 
-PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode
 TRAINER_TIMEOUT_S = 600.0  # how long a rendezvous or a broadcast waits for the trainer
 
 
@@ -101,8 +100,8 @@ class AsyncLLM:
         older vLLM spelling of mode="wait"."""
         if wait_for_inflight_requests is not None:
             mode = "wait" if wait_for_inflight_requests else "abort"
-        if mode not in PAUSE_MODES:
-            raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+        if mode not in sleep.SLEEP_MODES:
+            raise InvalidRequestError(f"mode must be one of {', '.join(sleep.SLEEP_MODES)}, got {mode!r}", param="mode")
         await self.r3srv.pause_generation(mode)
         if clear_cache:
             await self.r3srv.reset_prefix_cache()
@@ -114,29 +113,16 @@ class AsyncLLM:
         return self.r3srv.paused is not None
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """Pause in `mode`; level 1 and 2 also empty the prefix cache and release the KV cache
-        and the weights (kept in host memory at either level). A release needs no request in
-        flight, so level >= 1 takes mode abort or wait."""
-        check_sleep_level(level)
-        if level >= 1 and mode == "keep":
-            raise InvalidRequestError("mode=keep holds the requests in flight, which sleep level >= 1 would release: "
-                                      "use mode=abort or wait, or level=0", param="mode")
-        await self.pause_generation(mode=mode, clear_cache=level >= 1)
-        if level >= 1:
-            await self.r3srv.release_memory(MEMORY_TAGS)
+        """vLLM's sleep on r3srv's (engine/sleep.py, the HTTP /sleep's): pause in `mode`; level 1
+        and 2 also empty the prefix cache and release the KV cache and the weights."""
+        await sleep.sleep(self.r3srv, level, mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Take back `tags` (None: all); generation resumes once nothing is released."""
-        memory = memory_tags(tags)
-        if memory is None or memory:
-            await self.r3srv.resume_memory(memory)
-        awake = not self.r3srv.released_memory
-        if awake:
-            await self.r3srv.continue_generation()
-        return awake
+        return await sleep.wake_up(self.r3srv, tags)
 
     async def is_sleeping(self) -> bool:
-        return self.r3srv.paused is not None or bool(self.r3srv.released_memory)
+        return sleep.is_sleeping(self.r3srv)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         await self.r3srv.reset_prefix_cache()

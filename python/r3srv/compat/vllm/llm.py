@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from r3srv.compat.vllm.common import MEMORY_TAGS, check_request_extras, check_sleep_level, memory_tags, model_config_of
+from r3srv.compat.vllm.common import check_request_extras, model_config_of
 from r3srv.compat.vllm.engine_args import ModelConfig, engine_options
 from r3srv.compat.vllm.prompts import is_one_prompt, read_prompt
 from r3srv.engine import rpc
 from r3srv.engine.llm import LLM as R3srvLLM
+from r3srv.engine.llm_engine import MEMORY_TAGS
+from r3srv.engine.sleep import check_level, memory_tags
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams
@@ -95,10 +97,10 @@ class LLM:
     def sleep(self, level: int = 1) -> None:
         """Level 1 and 2: the prefix cache emptied, the KV cache and weights released (the weights
         kept in host memory at either level, so a wake without a push serves them again)."""
-        check_sleep_level(level)
+        check_level(level)
         if level >= 1:
             self.r3srv.reset_prefix_cache()
-            self.r3srv.release_memory(MEMORY_TAGS)
+            self.r3srv.release_memory(list(MEMORY_TAGS))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         memory = memory_tags(tags)

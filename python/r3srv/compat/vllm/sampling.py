@@ -48,8 +48,6 @@ class SamplingParams(R3srvSamplingParams, kw_only=True, omit_defaults=True):
     prompt_logprob_start: Any = None
     logprob_token_ids: Any = None
     flat_logprobs: bool = False
-    detokenize: bool = True
-    spaces_between_special_tokens: bool = True
     stream_interval: int = 1
     skip_clone: bool = False
     output_text_buffer_length: int = 0
