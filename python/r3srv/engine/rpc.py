@@ -78,17 +78,6 @@ class WakeForWeightSync(Struct, kw_only=True, forbid_unknown_fields=True):
     tags: list[str]
 
 
-class InitProcessGroup(Struct, kw_only=True, forbid_unknown_fields=True):
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = DEFAULT_GROUP
-    backend: str = "nccl"
-    use_ray: bool = False
-    timeout_minutes: float = OPENRLHF_TIMEOUT_MINUTES
-
-
 class UpdateWeight(Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     dtype: Any  # a torch.dtype or its name
@@ -111,6 +100,13 @@ class InitWeightsUpdateGroup(Struct, kw_only=True, forbid_unknown_fields=True):
     world_size: int
     group_name: str = DEFAULT_GROUP
     backend: str = "nccl"
+
+
+class InitProcessGroup(InitWeightsUpdateGroup, kw_only=True, forbid_unknown_fields=True):
+    """OpenRLHF's: SGLang's fields in the same order, then its own two."""
+
+    use_ray: bool = False
+    timeout_minutes: float = OPENRLHF_TIMEOUT_MINUTES
 
 
 class UpdateWeightsFromDistributed(Struct, kw_only=True, forbid_unknown_fields=True):
