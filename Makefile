@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-data test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke fuzz-deep serve
+.PHONY: install test test-data verl-env test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke fuzz-deep serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,11 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -e ".[test]"
 
-test: install test-data test-rust test-python
+test: install test-data verl-env test-rust test-python
+
+# verl's own environment (tools/verl_env.sh) for tests/test_verl_rollout.py, built once
+verl-env: install
+	[ -x .verl_venv/bin/python ] || tools/verl_env.sh .verl_venv
 
 # Test data that would otherwise be downloaded at run time (tools/fetch_test_vocab.sh)
 test-data:

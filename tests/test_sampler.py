@@ -90,10 +90,31 @@ def test_logprobs_are_log_softmax_of_the_unmodified_logits():
     top3 = torch.topk(ref[0], 3).indices.tolist()
     assert set(top3) <= set(r0.top_logprobs) and r0.token_id in r0.top_logprobs
     for tok in top3:
-        assert math.isclose(r0.top_logprobs[tok], float(ref[0, tok]), rel_tol=1e-6)
+        assert math.isclose(r0.top_logprobs[tok].logprob, float(ref[0, tok]), rel_tol=1e-6)
     r1 = res[1]  # logprobs=0: just the sampled token
     assert list(r1.top_logprobs) == [int(logits[1].argmax())]
     assert math.isclose(r1.logprob, float(ref[1].max()), rel_tol=1e-6)
+
+
+def test_sampled_logprob_entries_are_vllms_shape():
+    """The sampled token first with its rank in the whole vocabulary, then the top k with ranks
+    1..k (vLLM's Logprob entries), ranks checked against a plain sort of the row."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 40, generator=gen)
+    params = [SamplingParams(temperature=1.5, logprobs=k, seed=20 + k) for k in (0, 1, 2, 3, 5, 40)]
+    res = sample(logits, [seq(p, seed=p.seed) for p in params], EOS)
+    ref = torch.log_softmax(logits, dim=-1)
+    for row, (r, p) in enumerate(zip(res, params)):
+        values = ref[row].tolist()
+        order = sorted(range(len(values)), key=lambda t: (-values[t], t))
+        entries = list(r.top_logprobs.items())
+        assert entries[0][0] == r.token_id
+        assert entries[0][1].rank == 1 + sum(v > values[r.token_id] for v in values)
+        top = {t: lp for t, lp in entries if t != r.token_id or lp.rank <= p.logprobs}
+        assert [t for t, lp in sorted(top.items(), key=lambda kv: kv[1].rank)][: p.logprobs] == order[: p.logprobs]
+        for t, lp in entries[1:]:
+            assert lp.rank == order.index(t) + 1 and math.isclose(lp.logprob, values[t], rel_tol=1e-6)
+        assert len(r.top_logprobs) in (p.logprobs, p.logprobs + 1)
 
 
 def test_no_logprobs_unless_asked():

@@ -34,7 +34,8 @@ _FLOAT32 = torch.finfo(torch.float32)
 class SampleResult:
     token_id: int
     logprob: float | None = None  # of the sampled token; None unless logprobs were asked for
-    top_logprobs: dict[int, float] | None = None  # sampled token + the top `logprobs` tokens
+    # the sampled token first (its vocabulary rank), then the top `logprobs` tokens (ranks 1, 2, ...)
+    top_logprobs: dict[int, Logprob] | None = None
 
 
 def finite_(logits: torch.Tensor) -> torch.Tensor:
@@ -202,24 +203,16 @@ def sample(
         for i, tok in zip(others, _pick(logits[others], [seqs[i] for i in others], eos_token_ids, generator)):
             token_ids[i] = tok
     results = [SampleResult(tok) for tok in token_ids]
-    # Logprobs from the unmodified logits.
+    # Logprobs from the unmodified logits, as vLLM's: the sampled token first, with its rank in
+    # the vocabulary, then the top `logprobs` tokens with ranks 1, 2, ...
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if want:
-        logps = torch.log_softmax(logits[want], dim=-1)
-        picked = torch.tensor([token_ids[i] for i in want], dtype=torch.int64, device=logps.device)
-        sampled = logps.gather(1, picked[:, None])[:, 0].tolist()
-        vocab = logps.shape[-1]
-        n_tops = [vocab if seqs[i].params.logprobs == -1 else min(seqs[i].params.logprobs, vocab) for i in want]
-        if max(n_tops):
-            top = torch.topk(logps, max(n_tops), dim=-1)
-            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-        for row_idx, i in enumerate(want):
+        entries = logprob_entries(torch.log_softmax(logits[want], dim=-1), [token_ids[i] for i in want],
+                                  [seqs[i].params.logprobs for i in want])
+        for i, entry in zip(want, entries):
             res = results[i]
-            k = n_tops[row_idx]
-            top_lp = dict(zip(top_ids[row_idx][:k], top_vals[row_idx][:k])) if k else {}
-            res.logprob = sampled[row_idx]
-            top_lp[res.token_id] = res.logprob  # the sampled token, listed last unless among the top
-            res.top_logprobs = top_lp
+            res.logprob = entry[res.token_id].logprob
+            res.top_logprobs = entry
     return results
 
 
@@ -270,11 +263,17 @@ def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], 
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:
-    """One entry per row of `logits` ([R, vocab], the rows of prompt positions): the next prompt
-    token's (`targets[i]`) logprob and vocabulary rank first, then the row's top `num_top[i]`
-    tokens (-1: all) with ranks 1, 2, ..., as vLLM's prompt logprobs. Batched over the rows."""
-    rows, vocab = logits.shape
-    logps = torch.log_softmax(logits.float(), dim=-1)
+    """One entry per row of `logits` ([R, vocab], the rows of prompt positions) for the next
+    prompt token (`targets[i]`), as vLLM's prompt logprobs (logprob_entries)."""
+    return logprob_entries(torch.log_softmax(logits.float(), dim=-1), targets, num_top)
+
+
+def logprob_entries(logps: torch.Tensor, targets: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:
+    """One entry per row of `logps` ([R, vocab] log-probabilities): the row's token
+    (`targets[i]`, sampled or the next prompt token) first, with its logprob and vocabulary
+    rank (1 + the tokens strictly more likely), then the row's top `num_top[i]` tokens (-1:
+    all) with ranks 1, 2, ..., as vLLM's Logprob entries. Batched over the rows."""
+    rows, vocab = logps.shape
     (target,) = to_device([targets], logps.device)
     chosen = logps.gather(1, target[:, None])
     ranks = (logps > chosen).sum(dim=-1).add_(1).tolist()
