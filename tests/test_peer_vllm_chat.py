@@ -31,7 +31,9 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteServer("--max-logprobs", str(MAX_LOGPROBS), "--max-model-len", "256", *TEST_SERVER_ARGS) as srv:
+    # prompts past 32 tokens prefill in chunks (vLLM's test_chunked_prompt.py runs chunked prefill)
+    with RemoteServer("--max-logprobs", str(MAX_LOGPROBS), "--max-model-len", "256", "--max-num-batched-tokens", "32",
+                      *TEST_SERVER_ARGS) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
 
@@ -338,3 +340,28 @@ def test_chat_return_tokens_as_token_ids(client, model):
     choice = chat.choices[0]
     assert [entry.token for entry in choice.logprobs.content] == [f"token_id:{i}" for i in choice.token_ids]
     assert all(top.token.startswith("token_id:") for entry in choice.logprobs.content for top in entry.top_logprobs)
+
+
+def test_chat_completion_stream_options_and_logprobs_with_long_prompts(client, http, model):
+    """test_chunked_prompt.py::test_chat_completion_stream_options_and_logprobs_with_long_prompts"""
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is the capital of France?" * 3}]
+    assert prompt_tokens(http, messages) > 64
+    received, empty, finished = 0, 0, False
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0.0,
+                                                stream=True, logprobs=True, top_logprobs=5,
+                                                stream_options={"include_usage": True, "continuous_usage_stats": True}):
+        usage = chunk.usage
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        if not finished:
+            choice = chunk.choices[0]
+            if choice.delta.role == "assistant":  # the role-only opening chunk: no token yet
+                assert usage.completion_tokens == 0 and choice.logprobs is None
+                empty += 1
+            else:
+                assert choice.logprobs and choice.logprobs.content
+                received += len(choice.logprobs.content)
+            finished = choice.finish_reason is not None
+        if finished:
+            assert usage.completion_tokens == received == 5
+    assert finished and empty <= 1

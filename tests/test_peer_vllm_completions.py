@@ -17,13 +17,14 @@ from server_fixture import TEST_SERVER_ARGS, RemoteServer
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, which its tests rely on
+CHUNK = 32  # --max-num-batched-tokens: longer prompts prefill in chunks (vLLM's test_chunked_prompt.py)
 TOKENS = [1, 2, 3, 4, 5]  # vLLM's tests send [0, 0, 0, 0, 0]; any in-vocabulary ids serve
 
 
 @pytest.fixture(scope="module")
 def server():
     with RemoteServer("--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS),
-                      "--max-model-len", "128", *TEST_SERVER_ARGS) as srv:
+                      "--max-model-len", "128", "--max-num-batched-tokens", str(CHUNK), *TEST_SERVER_ARGS) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
 
@@ -346,3 +347,24 @@ def test_check_models(client, model):
     """models/test_models.py::test_check_models"""
     models = client.models.list().data
     assert [m.id for m in models] == [model] and models[0].root
+
+
+def test_completion_stream_options_and_logprobs_with_long_prompts(client, http, model):
+    """test_chunked_prompt.py::test_completion_stream_options_and_logprobs_with_long_prompts (a prompt of
+    several prefill chunks; the byte-level model can hold a token's text back, so tokens are counted by
+    their logprobs, as vLLM's test counts them)"""
+    prompt = "What is the capital of France?" * 3
+    assert len(tokenize(http, prompt)) > 2 * CHUNK
+    received, finished = 0, False
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0.0, stream=True,
+                                           logprobs=5,
+                                           stream_options={"include_usage": True, "continuous_usage_stats": True}):
+        usage = chunk.usage
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        if not finished:
+            assert chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens
+            received += len(chunk.choices[0].logprobs.tokens)
+            finished = chunk.choices[0].finish_reason is not None
+        if finished:
+            assert usage.completion_tokens == received == 5
+    assert finished
