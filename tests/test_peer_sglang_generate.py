@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_fixture import TEST_SERVER_ARGS, RemoteServer
+from peer_ports import http, serve  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 
@@ -30,16 +30,8 @@ MAX_NEW_TOKENS = 8
 def server():
     # SGLang's clients of the OpenAI routes read rows from `sglext`: the server flag that says so;
     # /flush_cache is one of the control routes, served with --enable-weight-updates
-    with RemoteServer("--enable-return-routed-experts", "--routed-experts-encoding", "sglang", "--enable-weight-updates",
-                      "--max-model-len", "256", *TEST_SERVER_ARGS) as srv:
-        yield srv
-    assert srv.returncode == 0, srv.log
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
+    yield from serve("--enable-return-routed-experts", "--routed-experts-encoding", "sglang", "--enable-weight-updates",
+                     "--max-model-len", "256")
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +174,8 @@ def test_logprob_with_long_prompt(http):
     context instead of SGLang's 8000 repeats; logprob_start_len -1: no input logprobs)"""
     new_tokens = 4
     out = http.post("/generate", json={
-        "text": "I have a very good idea on this. " * 6, "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens},
+        "text": "I have a very good idea on this. " * 6,
+        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens},
         "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 5}).json()
     meta = out["meta_info"]
     assert meta["completion_tokens"] == new_tokens

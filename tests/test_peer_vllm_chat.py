@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-import httpx
 import openai
 import pytest
 from openai import BadRequestError
 
-from server_fixture import TEST_SERVER_ARGS, RemoteServer
+from peer_ports import client, http, model, serve  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 
@@ -32,26 +31,7 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def server():
     # prompts past 32 tokens prefill in chunks (vLLM's test_chunked_prompt.py runs chunked prefill)
-    with RemoteServer("--max-logprobs", str(MAX_LOGPROBS), "--max-model-len", "256", "--max-num-batched-tokens", "32",
-                      *TEST_SERVER_ARGS) as srv:
-        yield srv
-    assert srv.returncode == 0, srv.log
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(http):
-    return http.get("/v1/models").json()["data"][0]["id"]
+    yield from serve("--max-logprobs", str(MAX_LOGPROBS), "--max-model-len", "256", "--max-num-batched-tokens", "32")
 
 
 def test_vocab_is_the_models(http):
@@ -327,7 +307,8 @@ def test_chat_completion_request_rejects_non_object_body(http, payload):
 
 
 def test_cache_salt_still_validated(http):
-    """chat_completion/test_non_object_body_validation.py::test_chat_completion_request_cache_salt_still_validated_on_dict"""
+    """chat_completion/test_non_object_body_validation.py::
+    test_chat_completion_request_cache_salt_still_validated_on_dict"""
     r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 

@@ -7,12 +7,10 @@ out and why."""
 
 from __future__ import annotations
 
-import httpx
-import openai
 import pytest
 from openai import BadRequestError
 
-from server_fixture import TEST_SERVER_ARGS, RemoteServer
+from peer_ports import client, http, model, serve  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 
@@ -23,26 +21,8 @@ TOKENS = [1, 2, 3, 4, 5]  # vLLM's tests send [0, 0, 0, 0, 0]; any in-vocabulary
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteServer("--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS),
-                      "--max-model-len", "128", "--max-num-batched-tokens", str(CHUNK), *TEST_SERVER_ARGS) as srv:
-        yield srv
-    assert srv.returncode == 0, srv.log
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(http):
-    return http.get("/v1/models").json()["data"][0]["id"]
+    yield from serve("--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS),
+                      "--max-model-len", "128", "--max-num-batched-tokens", str(CHUNK))
 
 
 def tokenize(http, text: str) -> list[int]:
