@@ -69,6 +69,7 @@ class SeqUpdate:
     stop_reason: int | str | None = None
     # set when it finished and the request asked for them: rows of every token but the last
     routed_experts: np.ndarray | None = None
+    num_preempted: int = 0  # set when it finished: times it was preempted (recomputed)
 
 
 @dataclass(slots=True)
@@ -500,7 +501,7 @@ class EngineCore:
         return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, res: SampleResult | None = None) -> SeqUpdate:
-        update = SeqUpdate(seq.index, res, reason, stop_reason)
+        update = SeqUpdate(seq.index, res, reason, stop_reason, num_preempted=seq.num_preempted)
         prep = self.requests[seq.request_id].prepared
         if prep.return_routed_experts and self.rows is not None:
             # Rows of tokens 0 .. num_tokens-2: every token but the last sampled one ran.
@@ -528,7 +529,7 @@ class EngineCore:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
-                updates.append(SeqUpdate(seq.index, finish_reason=reason))
+                updates.append(SeqUpdate(seq.index, finish_reason=reason, num_preempted=seq.num_preempted))
         return updates
 
     def _update(self, req: _Request, seqs: list[SeqUpdate]) -> RequestUpdate:
