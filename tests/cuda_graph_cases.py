@@ -30,7 +30,7 @@ from r3srv.engine.cuda_graphs import DecodeGraphs, is_graph_decode  # noqa: E402
 from r3srv.engine.llm_engine import LLMEngine  # noqa: E402
 from r3srv.engine.routed_experts import capture_torch_dtype  # noqa: E402
 from r3srv.kernels.paged_decode_triton import paged_decode_triton  # noqa: E402
-from r3srv.models import attention  # noqa: E402
+from r3srv.ops import cpu  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 BLOCK = 4
@@ -40,7 +40,9 @@ PROMPTS = [prompt_ids(5), prompt_ids(11, base=3), prompt_ids(2, base=6)]  # 3 ro
 
 @pytest.fixture(autouse=True)
 def kernel_on_cpu_tensors(monkeypatch):
-    monkeypatch.setattr(attention, "decode_kernel_for", lambda q: paged_decode_triton)
+    """The models built here decode through the Triton kernel (on CPU tensors, in the interpreter)."""
+    build = cpu.build
+    monkeypatch.setattr(cpu, "build", lambda *args: build(*args).replace(decode_attention=paged_decode_triton))
 
 
 def _memory(model) -> list[torch.Tensor]:

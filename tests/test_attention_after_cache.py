@@ -1,5 +1,5 @@
 """A prefill chunk after cached tokens on the CPU: the two flash attentions merged by their
-log-sum-exps (models/attention.py's _attend_after_cache) against one SDPA call with the shifted
+log-sum-exps (ops/attention.py's _attend_after_cache) against one SDPA call with the shifted
 causal mask, on generated shapes; and that paged_attention takes it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3srv.models import attention
+from r3srv.ops import attention
 
 
 def chunk(seed: int, heads: int, kv_heads: int, cached: int, new: int, dim: int, dtype=torch.float32):

@@ -14,17 +14,17 @@ per-head logit to every softmax's denominator.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from r3srv import settings
-from r3srv.kernels import paged_decode_cpu
-from r3srv.models.batch import ForwardBatch
 from r3srv.transfer import to_device
+
+if TYPE_CHECKING:
+    from r3srv.models.batch import ForwardBatch
 
 
 @dataclass
@@ -182,28 +182,11 @@ def _decode_group(
     return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
 
-# CUDA decodes take the Triton kernel unless settings.triton_decode is off, CPU decodes the Rust
-# one unless settings.rust_decode is off (both fall back to the torch path: gather + SDPA): they
-# walk the paged cache instead of gathering each context into a padded copy (docs/benchmarks.md,
-# "Paged decode attention").
-def decode_kernel_for(q: torch.Tensor):
-    """The launcher this step's decodes take, if any: kernels/paged_decode_triton.py's on CUDA
-    (with triton; the interpreter tests pass it CPU tensors themselves), kernels/paged_decode_cpu.py's
-    for float32 and bfloat16 CPU tensors."""
-    if q.is_cuda:
-        return _decode_launcher() if settings.current().triton_decode else None
-    if settings.current().rust_decode and paged_decode_cpu.supports(q):
-        return paged_decode_cpu.paged_decode_cpu
-    return None
-
-
-@functools.cache
-def _decode_launcher():
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from r3srv.kernels.paged_decode_triton import paged_decode_triton  # CPU paths never import triton
-
-    return paged_decode_triton
+# (q, k_cache, v_cache, tables, lens, rows, out, *, page, scale, window, sinks, max_context) -> None:
+# a backend's paged decode kernel (the Triton one on CUDA, the Rust one on the CPU), which walks
+# the paged cache instead of gathering each context into a padded copy (docs/benchmarks.md,
+# "Paged decode attention"); None: the torch path (gather + SDPA)
+DecodeKernel = Callable[..., None]
 
 
 def paged_attention(
@@ -216,7 +199,7 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
-    decode_kernel: bool = False,
+    decode_kernel: DecodeKernel | None = None,
     with_prefills: bool = True,
     groups: list[DecodeGroup] | None = None,
 ) -> torch.Tensor:
@@ -227,10 +210,11 @@ def paged_attention(
     dims of the cached latent) is written by the k write. scale: the softmax scale (default
     1/sqrt(D)). window: each query sees the keys at most `window - 1` positions back (a
     sliding-window layer). sinks [H]: each head's sink logit, in every softmax's denominator.
-    decode_kernel: the decodes may take the paged kernel (decode_kernel_for: Triton on CUDA, Rust
-    on the CPU) over the paged cache instead of gathered groups. with_prefills=False: only the decodes attend here (MLA expands its prefills
-    itself; every token's K/V is written all the same). groups: the decode groups to attend over
-    instead of the metadata's (sparse attention's selections; never the kernel's).
+    decode_kernel: the backend's paged decode kernel (Ops.decode_attention), which the decodes take
+    over the paged cache instead of gathered groups (None: gathered groups). with_prefills=False:
+    only the decodes attend here (MLA expands its prefills itself; every token's K/V is written
+    all the same). groups: the decode groups to attend over instead of the metadata's (sparse
+    attention's selections; never the kernel's).
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     if v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr():
@@ -262,9 +246,9 @@ def paged_attention(
         if o is None:
             o = attend(qs, ks, vs, mask, gqa, scale, sinks)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
-    launch = decode_kernel_for(q) if decode_kernel and groups is None and meta.decode_seqs else None
+    launch = decode_kernel if groups is None and meta.decode_seqs else None
     if launch is None and meta.graph:
-        raise RuntimeError("a graph-captured decode step needs the Triton paged decode kernel (CUDA, triton, "
+        raise RuntimeError("a graph-captured decode step needs the backend's paged decode kernel (CUDA: triton, "
                            "settings.triton_decode on)")
     if launch is not None:
         tables, lens, rows, longest = meta.decode_kernel_args()
