@@ -96,7 +96,7 @@ class Attention(nn.Module):
         clipping, half-split RoPE, the default norm)."""
         self.norm = ops.norm(self.norm_kind)
         self.rotate = ops.rotate(self.rope_layout)
-        self.decode_kernel = ops.decode_attention
+        self.decode_kernel, self.prefill_kernel = ops.decode_attention, ops.prefill_attention
         simple = (self.q_rows == self.q_size and self.qk_norm in (None, "head") and self.clip_qkv is None
                   and self.rope_layout == "half" and self.norm_kind == "default")
         self.fused_heads = ops.attention_heads if simple else None
@@ -169,7 +169,8 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, scale=self.scale, window=self.window,
-                            sinks=None if self.sinks is None else self.sinks.weight, decode_kernel=self.decode_kernel)
+                            sinks=None if self.sinks is None else self.sinks.weight, decode_kernel=self.decode_kernel,
+                            prefill_kernel=self.prefill_kernel)
         o = o.reshape(x.shape[0], self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)

@@ -5,6 +5,8 @@ paths otherwise, each chosen once when a model is built (`build`).
 - float32 RMSNorm: kernels/rms_norm_cpu.py (`--[no-]rust-rms-norm`);
 - an attention layer's q/k norms and RoPE: kernels/qk_rope_cpu.py (`--[no-]rust-rope`);
 - paged decode attention (float32, bfloat16): kernels/paged_decode_cpu.py (`--[no-]rust-decode`);
+- prefill attention: SDPA per prompt, a chunk after cached tokens as two flash attentions merged
+  by their log-sum-exps (ops/attention.py);
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
   `--force-torch-router`);
 - the expert pass (float32, bfloat16): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
@@ -30,6 +32,7 @@ from r3srv.kernels import expert_pairs_cpu, linear_cpu, paged_decode_cpu, qk_rop
 from r3srv.kernels.router_reference import route_reference
 from r3srv.kernels.rust_core import RUST_DTYPES
 from r3srv.ops import cpu_decode
+from r3srv.ops.attention import prefill_attention
 from r3srv.ops.experts import Activation, KernelExperts, TorchExperts
 from r3srv.ops.linear import kernel_linear
 from r3srv.ops.norm import REFERENCE_NORMS, kernel_rms_norm
@@ -81,7 +84,8 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
 
     return Ops(
         name="cpu", linear=linear or torch.nn.functional.linear, norms=norms, rotations=ROTATIONS,
-        attention_heads=heads, decode_attention=decode, routers=routers, expert_passes=experts,
+        attention_heads=heads, decode_attention=decode, prefill_attention=functools.partial(prefill_attention, merged=True),
+        routers=routers, expert_passes=experts,
         recurrent_steps=no_fused_step, scan_pad_factor=SCAN_PAD_FACTOR,
         fuse_decoder_layer=cpu_decode.fuse_decoder_layer if fused else None, plan_fused_step=plan if fused else None,
         threads=threads, torch_threads=functools.partial(torch_threads, threads),

@@ -10,6 +10,8 @@ TRITON_INTERPRET=1).
   the experts that received rows;
 - a recurrent layer's decode step: the fused in-place steps of kernels/recurrent_triton.py
   (`--[no-]fused-step`);
+- prefill attention: SDPA per prompt (a varlen library kernel, flash-attn's or FlashInfer's,
+  would be this module's choice where installed: not yet);
 - recurrent prefills of similar lengths are padded into groups and scanned together.
 """
 
@@ -20,6 +22,7 @@ import importlib.util
 import torch
 
 from r3srv.kernels.router_reference import route_reference
+from r3srv.ops.attention import prefill_attention
 from r3srv.ops.experts import Activation, TorchExperts, grouped_mm_available
 from r3srv.ops.norm import REFERENCE_NORMS
 from r3srv.ops.reference import no_fused_step
@@ -65,6 +68,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
 
     return Ops(
         name="cuda", linear=torch.nn.functional.linear, norms=REFERENCE_NORMS, rotations=ROTATIONS,
-        attention_heads=None, decode_attention=decode, routers=routers, expert_passes=experts,
+        attention_heads=None, decode_attention=decode, prefill_attention=prefill_attention, routers=routers,
+        expert_passes=experts,
         recurrent_steps=recurrent_steps if steps is not None else no_fused_step, scan_pad_factor=SCAN_PAD_FACTOR,
     )

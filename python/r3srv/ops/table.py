@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from r3srv.ops.attention import DecodeKernel
+from r3srv.ops.attention import DecodeKernel, PrefillKernel
 from r3srv.ops.experts import Activation, ExpertPass
 from r3srv.ops.linear import LinearFn
 from r3srv.ops.norm import NormFn
@@ -32,6 +32,7 @@ class Ops:
     # (kernels/qk_rope_cpu.py's qk_norm_rope signature; None where it declines the call), or None
     attention_heads: Callable[..., Any] | None
     decode_attention: DecodeKernel | None  # the paged decode kernel (None: gather + SDPA)
+    prefill_attention: PrefillKernel  # a step's prompts' attention, in one call
     routers: RouterChoice  # a MoE layer's route function, by its RouterShape
     expert_passes: Callable[[Activation], ExpertPass]  # a MoE layer's expert pass, by its activation
     recurrent_steps: Callable[[str], Callable[..., Any] | None]  # a fused in-place recurrent step by name, or None
