@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast test-rust test-python bench bench-gate bench-smoke serve
+.PHONY: install test test-data test-fast test-rust test-python bench bench-gate bench-smoke serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,11 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -e ".[test]"
 
-test: install test-rust test-python
+test: install test-data test-rust test-python
+
+# Test data that would otherwise be downloaded at run time (tools/fetch_test_vocab.sh)
+test-data:
+	tools/fetch_test_vocab.sh
 
 # Extra pytest arguments, e.g. PYTEST_ARGS="-n 4" (pytest-xdist) on a machine with cores to
 # spare. Not the default: on a shared 2-core machine two workers measured no faster than one.

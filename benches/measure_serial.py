@@ -8,13 +8,12 @@ pattern) that a larger one left behind.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serial_cases import CASES, candidates, interleaved_medians, machine_description, make_array  # noqa: E402
+from serial_cases import CASES, candidates, interleaved_medians, make_array, print_table_in_processes  # noqa: E402
 
 
 def fmt(seconds: float) -> str:
@@ -36,16 +35,8 @@ def main() -> None:
         print(row(sys.argv[2], int(sys.argv[3])), flush=True)
         return
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 15
-    for key, value in machine_description().items():
-        print(f"- {key}: {value}")
-    print()
-    print("| array | reference | rust | pybase64 bare | rust speed-up | rust / bare |")
-    print("|---|---|---|---|---|---|")
-    for label, _, _ in CASES:
-        out = subprocess.run(
-            [sys.executable, __file__, "--case", label, str(rounds)], check=True, capture_output=True, text=True
-        )
-        print(out.stdout.strip(), flush=True)
+    header = "| array | reference | rust | pybase64 bare | rust speed-up | rust / bare |\n|---|---|---|---|---|---|"
+    print_table_in_processes(__file__, header, [label for label, _, _ in CASES], rounds)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import gc
 import os
 import platform
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -17,7 +19,7 @@ from typing import Callable
 import numpy as np
 import pybase64
 
-from r3srv.serial import encode_routed_experts, numpy2base64
+from r3srv.serial import encode_routed_experts, encoder_isa, numpy2base64
 
 # (label, shape, dtype): the issue's sizes, one row (~0.5 KB) to 131,072 rows (~64 MB).
 CASES = [
@@ -75,6 +77,20 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, budge
     return {name: float(np.median(s)) for name, s in samples.items()}
 
 
+def print_table_in_processes(script: str, header: str, labels: list[str], rounds: int) -> None:
+    """The machine, then `header` and one row per label, each printed by `script --case LABEL
+    ROUNDS` in its own process: no size inherits the heap (and so the page-fault pattern) that
+    a larger one left behind."""
+    for key, value in machine_description().items():
+        print(f"- {key}: {value}")
+    print()
+    print(header)
+    for label in labels:
+        out = subprocess.run([sys.executable, script, "--case", label, str(rounds)], check=True,
+                             capture_output=True, text=True)
+        print(out.stdout.strip(), flush=True)
+
+
 def machine_description() -> dict[str, str]:
     def read(path: str) -> str:
         try:
@@ -90,6 +106,7 @@ def machine_description() -> dict[str, str]:
     malloc_env = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))}
     return {
         "cpu": f"{cpu} x {os.cpu_count()}",
+        "base64 kernel": encoder_isa(),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "pybase64": pybase64.__version__,

@@ -30,7 +30,7 @@ SLOW_FILES = {
     "test_server_sglang.py", "test_server_weights.py", "test_server_without_flag.py", "test_server_fields.py",
     "test_server_protocol_fidelity.py", "test_server_schema.py", "test_weight_sync.py", "test_weight_sync_tp.py",
     "test_fleet.py", "test_fleet_tensor_parallel.py",
-    "test_server_sampling.py",
+    "test_server_sampling.py", "test_server_rows_encoding.py",
     "test_models_llm_oracle.py", "test_models_bfloat16.py", "test_models_quantized.py",
     "test_router_triton.py", "test_paged_decode_triton.py", "test_recurrent_triton.py", "test_router_bench.py",
     "test_router_compile.py", "test_engine_hybrid.py", "test_builtin_model.py",

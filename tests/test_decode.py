@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from r3srv.serial import decode_routed_experts, encode_routed_experts, numpy2base64
+from text_mutations import EDITS, mutated
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = ["?", "i1", "<i2", ">i4", "<i8", "u1", ">u2", "<u4", "f2", ">f4", "<f8", "c8", ">c16"]
@@ -185,11 +186,7 @@ def _assert_value_error_or_numpy(text) -> None:
 @given(
     dtype=st.sampled_from(DTYPES),
     rows=st.integers(0, 40),
-    edits=st.lists(
-        st.tuples(st.sampled_from(["set", "insert", "delete"]), st.integers(0, 100_000),
-                  st.characters(min_codepoint=0, max_codepoint=0x2FF)),
-        max_size=6,
-    ),
+    edits=EDITS,
     cut=st.integers(0, 100_000),
     as_bytes=st.booleans(),
 )
@@ -197,19 +194,8 @@ def test_fuzz_decodes_as_numpy_does_or_raises_value_error(dtype, rows, edits, cu
     """Untrusted text (mutated, inserted into, cut, any code point, str or bytes): the decoder
     either raises ValueError or returns exactly what numpy's own np.load reads from it."""
     array = np.random.default_rng(rows).integers(0, 256, rows * 6 * np.dtype(dtype).itemsize, dtype=np.uint8)
-    text = list(numpy2base64(array.view(dtype).reshape(rows, 2, 3) if rows else array.view(dtype)))
-    for op, pos, ch in edits:
-        pos %= len(text) + 1
-        if op == "insert":
-            text.insert(pos, ch)
-        elif text and op == "set":
-            text[pos % len(text)] = ch
-        elif text:
-            del text[pos % len(text)]
-    text = "".join(text)[: cut or None]
-    if as_bytes:
-        text = text.encode("utf-8", "surrogatepass")
-    _assert_value_error_or_numpy(text)
+    text = numpy2base64(array.view(dtype).reshape(rows, 2, 3) if rows else array.view(dtype))
+    _assert_value_error_or_numpy(mutated(text, edits, cut, as_bytes))
 
 
 @settings(max_examples=300, deadline=None)

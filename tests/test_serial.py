@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from array_layouts import LAYOUTS, layout_view
+from gil_check import assert_releases_gil
 from r3srv.serial import decode_routed_experts, encode_routed_experts, numpy2base64
 
 NUMERIC = ["?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16", "g"]
@@ -17,28 +19,6 @@ SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[Heal
 
 class _Subclass(np.ndarray):
     pass
-
-
-def _layout(base: np.ndarray, layout: str, data: st.DataObject) -> np.ndarray:
-    """A view of `base` in the requested memory layout (all views share base's memory)."""
-    if layout == "C":
-        return base
-    if layout == "F":
-        return np.asfortranarray(base)
-    if layout == "transposed":
-        return base.T
-    if layout == "strided":
-        # A step or a reversal on some axis, then maybe a transpose of the result.
-        ax = data.draw(st.integers(0, base.ndim - 1), label="axis")
-        step = data.draw(st.sampled_from([2, -1, -2, 3]), label="step")
-        idx = [slice(None)] * base.ndim
-        idx[ax] = slice(None, None, step)
-        view = base[tuple(idx)]
-        return view.T if data.draw(st.booleans(), label="transpose") else view
-    if layout == "broadcast":
-        # A zero stride on a new leading axis.
-        return np.broadcast_to(base, (data.draw(st.integers(0, 3)),) + base.shape)
-    raise AssertionError(layout)
 
 
 def _assert_same(array: np.ndarray, prompt_start: int) -> None:
@@ -59,7 +39,7 @@ def _assert_same(array: np.ndarray, prompt_start: int) -> None:
     dtype=st.sampled_from(NUMERIC),
     order=st.sampled_from("<>"),
     shape=st.lists(st.integers(0, 5), min_size=1, max_size=4),
-    layout=st.sampled_from(["C", "F", "transposed", "strided", "broadcast"]),
+    layout=st.sampled_from(LAYOUTS),
     data=st.data(),
 )
 def test_encoder_equals_reference(dtype, order, shape, layout, data):
@@ -67,7 +47,7 @@ def test_encoder_equals_reference(dtype, order, shape, layout, data):
     size = int(np.prod(shape))
     raw = np.random.default_rng(size).integers(0, 256, size * dt.itemsize, dtype=np.uint8)
     base = raw.view(dt).reshape(shape)
-    array = _layout(base, layout, data)
+    array = layout_view(base, layout, data)
     prompt_start = data.draw(st.sampled_from([0, len(array), len(array) // 2, 1 if len(array) else 0]))
     _assert_same(array, prompt_start)
 
@@ -148,46 +128,8 @@ def test_large_inputs_match(rows):
 
 
 def test_gil_is_released_on_large_inputs():
-    # A second thread counts only while the main thread is inside the encode call, and
-    # hands the GIL straight back (sleep(0)). With a switch interval far longer than the
-    # test, a call that holds the GIL leaves it no chance to run; one that releases it does.
-    import sys
-    import threading
-    import time
-
     array = np.ones((70_000, 48, 8), np.uint8)
-    inside = [False]
-    seen = [0]
-    stop = threading.Event()
-
-    def spin():
-        while not stop.is_set():
-            if inside[0]:
-                seen[0] += 1
-            time.sleep(0)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5.0)
-    t = threading.Thread(target=spin)
-    t.start()
-    # A call that holds the GIL never lets the spinner advance; one that releases it does
-    # whenever the OS gives the spinner a core in time, which a loaded 2-core CI machine
-    # may not: so up to 20 calls, of which 3 must see it advance.
-    advanced = 0
-    try:
-        for _ in range(20):
-            before = seen[0]
-            inside[0] = True
-            text = encode_routed_experts(array)
-            inside[0] = False
-            advanced += seen[0] > before
-            if advanced >= 3:
-                break
-    finally:
-        stop.set()
-        t.join()
-        sys.setswitchinterval(old)
-    assert advanced >= 3
+    text = assert_releases_gil(lambda: encode_routed_experts(array))
     assert decode_routed_experts(text).sum() == array.size
 
 

@@ -49,6 +49,10 @@ EXAMPLES = {
     "logit_bias": {"65": 1.5}, "min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": 0.5,
     "repetition_penalty": 1.1, "prompt_logprobs": 1, "truncate_prompt_tokens": 2, "truncation_side": "left",
     "cache_salt": "fields-salt", "echo": True, "logprob_start_len": 0, "extra_key": "fields-key",
+    # tool calling and reasoning (docs/protocol.md): on a server without parsers, tools are only shown to
+    # the model (tool_choice "none"; `_body` adds it)
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "none", "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False},
 }
 PROBE = "r3srv-probe"  # neither null nor any peer default: a refused field set to it is a 400
 
@@ -115,6 +119,8 @@ def _body(route: str, nested: str | None, name: str, value: object) -> dict:
         value = BASE[route]["sampling_params"]
     if name == "stream_options":
         target["stream"], value = True, {"include_usage": True}
+    if name == "tools":
+        target["tool_choice"] = "none"
     target[name] = value
     return body
 

@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="return routed_experts with every completion by default (per request: return_routed_experts)",
     )
+    serve.add_argument(
+        "--routed-experts-encoding",
+        choices=["auto", "npy", "sglang", "prime-rl", "skyrl"],
+        default="auto",
+        help="how responses encode routed_experts: npy (vLLM's .npy base64), sglang (SGLang's raw int32 base64; on "
+        "the OpenAI routes in sglext), prime-rl or skyrl (their {data, shape, ...} dicts); auto: each route's own "
+        "peer's (npy on the OpenAI and /inference routes, sglang on /generate). Per request: routed_experts_encoding; "
+        "/skyrl/v1/generate always sends skyrl's (default: %(default)s)",
+    )
     serve.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's name)")
     serve.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step (default: %(default)s)")
@@ -147,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--enforce-eager", action="store_true", help="vLLM's flag: no CUDA graphs, whatever else asks")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # tool calling and reasoning on /v1/chat/completions, vLLM's flags (docs/protocol.md, "Tool calling")
+    chat = serve.add_argument_group("tool calling and reasoning (chat completions)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="read the model's tool calls into message.tool_calls (needs --tool-call-parser)")
+    chat.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                      help="the model's tool-call format: hermes, qwen3_coder, qwen3_xml, deepseek_v3, deepseek_v31, "
+                      "glm45, glm47, kimi_k2, openai (gpt-oss)")
+    chat.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                      help="the model's reasoning format, into message.reasoning: qwen3, deepseek_r1, deepseek_v3, "
+                      "glm45, glm47, kimi_k2, openai_gptoss")
     settings.add_arguments(serve)
     return parser
 
@@ -238,6 +257,15 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         from r3srv.data_parallel import serve_fleet
 
         return serve_fleet(args, build_parser())
+    try:
+        from r3srv.server.chat_output import ChatParsers
+
+        chat_parsers = ChatParsers(args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice)
+    except ConfigError as exc:
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if args.tool_call_parser and not args.enable_auto_tool_choice:
+        logger.warning("--tool-call-parser without --enable-auto-tool-choice reads no tool calls (as vLLM)")
     if args.model is None:
         logger.warning("no MODEL given: serving the built-in model, whose weights are RANDOM (text is meaningless)")
     if args.node_rank > 0:
@@ -266,9 +294,11 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         enable_weight_updates=args.enable_weight_updates,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        routed_experts_encoding=args.routed_experts_encoding,
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,
         fleet_peer_urls=_peers_but_self(args),
+        chat_parsers=chat_parsers,
     )
     logger.info(
         "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",

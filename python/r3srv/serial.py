@@ -1,7 +1,10 @@
-"""Routed experts on the wire: base64 text of a ``.npy`` file (DESIGN.md sections 2 and 4).
+"""Arrays on the wire, written by the Rust core in one pass: base64 of a ``.npy`` file (vLLM's
+routed experts), base64 of raw little-endian numbers (SGLang's), and the dict form
+``{"data", "shape", "start", "dtype"}`` (prime-rl's and SkyRL's).
 
-``numpy2base64`` is the pure-Python reference and stays as the oracle. The encoder and
-decoder that the server and clients use are the Rust ones in ``r3srv._core``:
+Each Rust writer has a pure-Python reference here that stays as the oracle (``numpy2base64``,
+``raw2base64``, ``packed2json``), and a strict decoder that turns malformed or hostile input into
+a ValueError. The npy functions:
 
 - ``encode_routed_experts(array, prompt_start=0, *, json_quoted=False) -> str`` equals
   ``numpy2base64(array[prompt_start:])`` byte for byte, reading rows from the array's own
@@ -11,19 +14,54 @@ decoder that the server and clients use are the Rust ones in ``r3srv._core``:
   hostile text raises ValueError.
 - ``encoder_isa() -> str`` names the base64 kernel both use on this CPU ("avx512vbmi",
   "avx2" or "portable"; settings.base64_isa can ask for a slower one).
+
+Raw numbers and the dict form (any bool, integer, float32 or float64 array, any layout or byte
+order; written in C order, little-endian):
+
+- ``encode_raw(array, dtype, prompt_start=0, *, json_quoted=False) -> str`` equals
+  ``raw2base64(array[prompt_start:], dtype)``: integers into an integer ``dtype`` that holds
+  every value (else ValueError), integers and floats into float types as ``astype`` rounds them,
+  never floats into integers. ``decode_raw(text, dtype, trailing_shape)`` is the inverse.
+- ``encode_packed(array, dtypes, prompt_start=0, *, start=None) -> str`` equals
+  ``packed2json(array[prompt_start:], dtypes, start)``: compact JSON
+  ``{"data":"<raw base64>","shape":[..],"start":N,"dtype":"<name>"}`` (``start`` only when
+  given), its dtype the first of ``dtypes`` that holds every value. ``decode_packed(payload)``
+  is the inverse, for the text or the parsed dict.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, NamedTuple
 
+import msgspec
 import numpy as np
 import pybase64
 
 from r3srv import settings
-from r3srv._core import configure_encoder, decode_routed_experts, encode_routed_experts, encoder_isa
+from r3srv._core import (
+    configure_encoder,
+    decode_raw_base64,
+    decode_routed_experts,
+    encode_packed,
+    encode_raw,
+    encode_routed_experts,
+    encoder_isa,
+)
 
-__all__ = ["numpy2base64", "encode_routed_experts", "decode_routed_experts", "encoder_isa"]
+__all__ = [
+    "numpy2base64", "encode_routed_experts", "decode_routed_experts", "encoder_isa",
+    "RAW_DTYPES", "raw2base64", "encode_raw", "decode_raw",
+    "packed2json", "encode_packed", "decode_packed", "PackedArray",
+]
+
+# The types raw numbers (and the dict form's data) may be written as.
+RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float32", "float64")
+# numpy's limit on dimensions
+_MAX_NDIM = 64
 
 # The encoder's settings are fixed once per process, before its first use.
 _settings = settings.current()
@@ -42,3 +80,103 @@ def _encode_reference(array: np.ndarray, prompt_start: int, json_quoted: bool = 
     # non-plain dtypes, and ndarray subclasses. prompt_start is already validated.
     text = numpy2base64(array[prompt_start:])
     return f'"{text}"' if json_quoted else text
+
+
+# ---------------------------------------------------------------- raw numbers and the dict form
+
+
+def _target(name: str) -> np.dtype:
+    if name not in RAW_DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}: one of {', '.join(RAW_DTYPES)}")
+    return np.dtype(name).newbyteorder("<")
+
+
+def _chosen_dtype(array: np.ndarray, names: Sequence[str]) -> np.dtype:
+    """Reference for the Rust rule: the first of `names` that holds every value of `array`."""
+    targets = [_target(name) for name in names]
+    kind = array.dtype.kind
+    if kind not in "biuf" or array.dtype.fields is not None or (kind == "f" and array.dtype.itemsize not in (4, 8)):
+        raise ValueError(f"reads bool, integer, float32 and float64 arrays, not {array.dtype.str}")
+    for target in targets:
+        if target.kind == "f":
+            return target
+        if kind == "f":
+            continue
+        info = np.iinfo(target)
+        if array.size == 0 or (info.min <= int(array.min()) and int(array.max()) <= info.max):
+            return target
+    raise ValueError(f"{array.dtype.name} values fit none of {', '.join(names)}")
+
+
+def raw2base64(array: np.ndarray, dtype: str) -> str:
+    """Reference encoder of raw numbers: ``astype`` the little-endian ``dtype`` (after checking
+    that every value fits), its bytes in C order, standard base64."""
+    target = _chosen_dtype(array, [dtype])
+    return pybase64.b64encode(array.astype(target).tobytes(order="C")).decode("ascii")
+
+
+def packed2json(array: np.ndarray, dtypes: str | Sequence[str], start: int | None = None) -> str:
+    """Reference encoder of the dict form: the stdlib's compact JSON of
+    ``{"data", "shape", ("start",) "dtype"}``, the data as ``raw2base64``."""
+    names = [dtypes] if isinstance(dtypes, str) else list(dtypes)
+    target = _chosen_dtype(array, names)
+    packed: dict[str, Any] = {"data": raw2base64(array, target.name), "shape": list(array.shape)}
+    if start is not None:
+        packed["start"] = start
+    packed["dtype"] = target.name
+    return json.dumps(packed, separators=(",", ":"))
+
+
+def decode_raw(text: str | bytes, dtype: str, trailing_shape: Sequence[int] = ()) -> np.ndarray:
+    """Strict inverse of ``encode_raw``: padded standard base64 of little-endian ``dtype``
+    numbers, reshaped to ``(-1, *trailing_shape)``. Malformed text, or a number of values that is
+    not a multiple of ``prod(trailing_shape)``, is a ValueError."""
+    trailing = tuple(trailing_shape)
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in trailing) or len(trailing) >= _MAX_NDIM:
+        raise ValueError(f"trailing_shape must be positive ints, got {trailing_shape!r}")
+    flat = decode_raw_base64(text, dtype)
+    per = math.prod(trailing)
+    if flat.size % per:
+        raise ValueError(f"{flat.size} {dtype} values do not make whole rows of shape {trailing}")
+    return flat.reshape(-1, *trailing)
+
+
+class PackedArray(NamedTuple):
+    array: np.ndarray
+    start: int | None  # the dict's "start" (the first row's token), None where it has none
+
+
+class _Packed(msgspec.Struct, forbid_unknown_fields=True):
+    data: str
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1, max_length=_MAX_NDIM)]
+    dtype: str
+    start: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+def decode_packed(payload: str | bytes | Mapping[str, Any], dtypes: Sequence[str] = RAW_DTYPES) -> PackedArray:
+    """Strict inverse of ``encode_packed``, for the JSON text or the dict a client parsed (whose
+    ``data`` may be a str or bytes-like, as clients that splice it out of the body hold it).
+    Unknown or missing keys, wrong types, a dtype outside ``dtypes``, bad base64, or data that
+    does not fill ``shape`` exactly are a ValueError."""
+    data: Any = None
+    try:
+        if isinstance(payload, Mapping):
+            fields = dict(payload)
+            data = fields.get("data")
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                fields["data"] = ""  # checked as bytes below
+            packed = msgspec.convert(fields, _Packed)
+        elif isinstance(payload, (str, bytes)):
+            packed = msgspec.json.decode(payload, type=_Packed)
+        else:
+            raise ValueError(f"decode_packed expects JSON text or a mapping, got {type(payload).__name__}")
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"not a packed array: {exc}") from exc
+    if packed.dtype not in dtypes:
+        raise ValueError(f"packed array dtype {packed.dtype!r} is not one of {', '.join(dtypes)}")
+    text = bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else packed.data
+    flat = decode_raw_base64(text, packed.dtype)
+    if flat.size != math.prod(packed.shape):
+        raise ValueError(f"packed array holds {flat.size} {packed.dtype} values, its shape {packed.shape} needs "
+                         f"{math.prod(packed.shape)}")
+    return PackedArray(flat.reshape(packed.shape), packed.start)

@@ -34,6 +34,12 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson filter, with its keywords (GLM's templates pass ensure_ascii)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
@@ -137,7 +143,7 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         try:
             return self._template.render(

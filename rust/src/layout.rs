@@ -3,6 +3,19 @@
 
 use crate::b64::Base64Stream;
 
+/// Where `gather_c_order` sends the bytes it reads: the base64 stream itself (npy, and raw rows
+/// of the array's own type), or a converter in front of it (`formats`).
+pub trait ByteSink {
+    /// `data` always holds whole elements of the array being read.
+    fn put(&mut self, data: &[u8]);
+}
+
+impl ByteSink for Base64Stream<'_> {
+    fn put(&mut self, data: &[u8]) {
+        self.write(data);
+    }
+}
+
 /// Byte view of an n-d array: `ptr` points at element `[0, 0, ...]`.
 #[derive(Clone, Copy)]
 pub struct ArrayView<'a> {
@@ -80,11 +93,12 @@ const GATHER_CHUNK: usize = 3 * 16 * 1024;
 /// Runs at least this long go to the encoder straight from the array's memory.
 const DIRECT_RUN: usize = 4096;
 
-/// Streams the elements of a non-contiguous `view` in C order into `stream`.
+/// Streams the elements of a non-contiguous `view` in C order into `stream`, in pieces of
+/// whole elements.
 ///
 /// # Safety
 /// `view` must describe readable memory for every index within its shape.
-pub unsafe fn gather_c_order(view: &ArrayView, stream: &mut Base64Stream) {
+pub unsafe fn gather_c_order<S: ByteSink + ?Sized>(view: &ArrayView, stream: &mut S) {
     if view.size() == 0 {
         return;
     }
@@ -111,12 +125,12 @@ pub unsafe fn gather_c_order(view: &ArrayView, stream: &mut Base64Stream) {
         for _ in 0..inner_n {
             let bytes = std::slice::from_raw_parts(p, run);
             if run >= DIRECT_RUN {
-                stream.write(&scratch);
+                stream.put(&scratch);
                 scratch.clear();
-                stream.write(bytes);
+                stream.put(bytes);
             } else {
                 if scratch.len() + run > GATHER_CHUNK {
-                    stream.write(&scratch);
+                    stream.put(&scratch);
                     scratch.clear();
                 }
                 scratch.extend_from_slice(bytes);
@@ -127,7 +141,7 @@ pub unsafe fn gather_c_order(view: &ArrayView, stream: &mut Base64Stream) {
         let mut ax = outer;
         loop {
             if ax == 0 {
-                stream.write(&scratch);
+                stream.put(&scratch);
                 return;
             }
             ax -= 1;
@@ -139,6 +153,23 @@ pub unsafe fn gather_c_order(view: &ArrayView, stream: &mut Base64Stream) {
             base = base.offset(-(view.strides[ax] * view.shape[ax] as isize));
             idx[ax] = 0;
         }
+    }
+}
+
+/// Streams every element of `view` in C order into `sink`: a C-contiguous array in one piece
+/// straight from its memory, any other layout through `gather_c_order`.
+///
+/// # Safety
+/// As for `gather_c_order`.
+pub unsafe fn read_c_order<S: ByteSink + ?Sized>(view: &ArrayView, sink: &mut S) {
+    let n = view.nbytes();
+    if n == 0 {
+        return;
+    }
+    if contiguity(view.shape, view.strides, view.itemsize).0 {
+        sink.put(std::slice::from_raw_parts(view.ptr, n));
+    } else {
+        gather_c_order(view, sink);
     }
 }
 

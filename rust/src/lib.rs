@@ -9,6 +9,7 @@ pub mod b64_x86;
 pub mod decode;
 pub mod encode;
 pub mod expert_pairs;
+pub mod formats;
 pub mod layout;
 pub mod linear;
 pub mod matmul;

@@ -22,7 +22,7 @@ use crate::npy_header::MAX_NDIM;
 use crate::paged_attn::{paged_decode, Bf16, Element, Isa, PagedDecode, Strided};
 
 /// Payloads at least this large are encoded with the GIL released.
-const DETACH_MIN_BYTES: usize = 64 * 1024;
+pub(crate) const DETACH_MIN_BYTES: usize = 64 * 1024;
 
 /// `r3srv.serial._encode_reference`, for dtypes the fast path does not cover.
 static REFERENCE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -142,7 +142,7 @@ fn descr_of(dtype: &Bound<'_, PyArrayDescr>, buf: &mut [u8; 24]) -> PyResult<Opt
     }
 }
 
-fn prompt_start_value(prompt_start: Option<&Bound<'_, PyAny>>, len: usize) -> PyResult<usize> {
+pub(crate) fn prompt_start_value(prompt_start: Option<&Bound<'_, PyAny>>, len: usize) -> PyResult<usize> {
     let Some(obj) = prompt_start else { return Ok(0) };
     let out_of_range = |shown: String| {
         PyValueError::new_err(format!(
@@ -161,6 +161,111 @@ fn prompt_start_value(prompt_start: Option<&Bound<'_, PyAny>>, len: usize) -> Py
     }
 }
 
+/// An ndarray argument, or a TypeError naming the function that wanted one.
+pub(crate) fn as_array<'a, 'py>(array: &'a Bound<'py, PyAny>, what: &str) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
+    array.cast::<PyUntypedArray>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} expects a numpy.ndarray, got {}",
+            array.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })
+}
+
+/// `array[prompt_start:]` without slicing through Python: the same strides, the first axis
+/// shortened, the data pointer advanced.
+pub(crate) struct SlicedRows<'a> {
+    shape: [usize; MAX_NDIM],
+    ndim: usize,
+    ptr: *const u8,
+    strides: &'a [isize],
+    itemsize: usize,
+    /// The validated prompt_start.
+    pub(crate) start: usize,
+}
+
+impl SlicedRows<'_> {
+    pub(crate) fn view(&self) -> ArrayView<'_> {
+        ArrayView { ptr: self.ptr, shape: &self.shape[..self.ndim], strides: self.strides, itemsize: self.itemsize }
+    }
+}
+
+pub(crate) fn sliced_rows<'a>(
+    arr: &'a Bound<'_, PyUntypedArray>,
+    prompt_start: Option<&Bound<'_, PyAny>>,
+    what: &str,
+) -> PyResult<SlicedRows<'a>> {
+    let ndim = arr.ndim();
+    if ndim == 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what} needs an array with at least one dimension, got a 0-d array"
+        )));
+    }
+    let dims = arr.shape();
+    let start = prompt_start_value(prompt_start, dims[0])?;
+    let strides = arr.strides();
+    let mut shape = [0usize; MAX_NDIM];
+    shape[..ndim].copy_from_slice(dims);
+    shape[0] = dims[0] - start;
+    // SAFETY: `arr` is a live ndarray (a checked cast); reading its data pointer field.
+    let base = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
+    Ok(SlicedRows {
+        shape,
+        ndim,
+        ptr: base.wrapping_offset(start as isize * strides[0]),
+        strides,
+        itemsize: arr.dtype().itemsize(),
+        start,
+    })
+}
+
+/// A new compact ASCII str of `len` chars, and its buffer to fill before the str is shared.
+///
+/// # Safety
+/// The caller fills every byte of the buffer with ASCII before handing the str to anyone, and
+/// does not use the buffer after that.
+pub(crate) unsafe fn new_ascii_str<'py>(py: Python<'py>, len: usize) -> PyResult<(Bound<'py, PyAny>, &'py mut [u8])> {
+    // SAFETY: PyUnicode_New(n, 127) returns a new compact ASCII str of n one-byte chars (or NULL,
+    // checked), owned by the returned Bound; its buffer is exactly n bytes long.
+    let s = ffi::PyUnicode_New(len as ffi::Py_ssize_t, 127);
+    if s.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    let text = Bound::from_owned_ptr(py, s);
+    Ok((text, std::slice::from_raw_parts_mut(ffi::PyUnicode_DATA(s) as *mut u8, len)))
+}
+
+/// A new str of `len` chars, between double quotes when `json_quoted` (a JSON string as is:
+/// base64 never needs escaping), and the buffer of the `len` chars inside them.
+///
+/// # Safety
+/// As for `new_ascii_str`: the caller fills the returned buffer with ASCII before sharing the str.
+pub(crate) unsafe fn new_text<'py>(py: Python<'py>, len: usize, json_quoted: bool) -> PyResult<(Bound<'py, PyAny>, &'py mut [u8])> {
+    if !json_quoted {
+        return new_ascii_str(py, len);
+    }
+    let (text, whole) = new_ascii_str(py, len + 2)?;
+    whole[0] = b'"';
+    whole[len + 1] = b'"';
+    Ok((text, &mut whole[1..len + 1]))
+}
+
+/// Runs `fill` on an output buffer, with the GIL released when the payload is large.
+///
+/// The str is not shared yet and the caller's argument keeps the array's rows alive. Another
+/// Python thread that writes to the rows meanwhile gets torn text, one that frees them
+/// (`resize(refcheck=False)`) undefined behaviour, as with any GIL-free reader; the server's
+/// arrays are private copies.
+pub(crate) fn fill_detached<F: FnOnce(&mut [u8]) + Send>(py: Python<'_>, payload_len: usize, out: &mut [u8], fill: F) {
+    if payload_len >= DETACH_MIN_BYTES {
+        py.detach(|| {
+            advise_huge_pages(out.as_mut_ptr(), out.len());
+            fill(out)
+        });
+    } else {
+        fill(out);
+    }
+}
+
 /// Encodes `array[prompt_start:]` as base64 of its `.npy` bytes, equal byte for byte to
 /// `r3srv.serial.numpy2base64(array[prompt_start:])`. With `json_quoted=True` the str is that
 /// text between double quotes: a JSON string as is (base64 never needs escaping), which the
@@ -176,20 +281,8 @@ fn encode_routed_experts<'py>(
     prompt_start: Option<&Bound<'py, PyAny>>,
     json_quoted: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let arr = array.cast::<PyUntypedArray>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "encode_routed_experts expects a numpy.ndarray, got {}",
-            array.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        ))
-    })?;
-    let ndim = arr.ndim();
-    if ndim == 0 {
-        return Err(PyValueError::new_err(
-            "encode_routed_experts needs an array with at least one dimension, got a 0-d array",
-        ));
-    }
-    let shape = arr.shape();
-    let start = prompt_start_value(prompt_start, shape[0])?;
+    let arr = as_array(array, "encode_routed_experts")?;
+    let rows = sliced_rows(arr, prompt_start, "encode_routed_experts")?;
     let dtype = arr.dtype();
     if dtype.has_object() {
         // np.save's own message.
@@ -203,57 +296,16 @@ fn encode_routed_experts<'py>(
         let reference = REFERENCE.get_or_try_init(py, || -> PyResult<_> {
             Ok(py.import("r3srv.serial")?.getattr("_encode_reference")?.unbind())
         })?;
-        return reference.bind(py).call1((array, start, json_quoted));
+        return reference.bind(py).call1((array, rows.start, json_quoted));
     };
     let descr = std::str::from_utf8(&descr_buf[..descr_len]).expect("ASCII descr");
-
-    // The view array[start:]: same strides, first axis shortened, data pointer advanced.
-    let strides = arr.strides();
-    let mut sliced = [0usize; MAX_NDIM];
-    sliced[..ndim].copy_from_slice(shape);
-    sliced[0] = shape[0] - start;
-    // SAFETY: `arr` is a live ndarray (checked by the cast above); reading its data pointer field.
-    let base = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
-    let view = ArrayView {
-        ptr: base.wrapping_offset(start as isize * strides[0]),
-        shape: &sliced[..ndim],
-        strides,
-        itemsize: dtype.itemsize(),
-    };
-    let plan = Plan::new(descr, view);
-    let len = plan.encoded_len();
-    let quotes = if json_quoted { 2 } else { 0 };
-    // SAFETY: PyUnicode_New(n, 127) returns a new compact ASCII str of n one-byte chars (or NULL,
-    // checked), owned by `text` from here on and not shared until returned, so filling its
-    // buffer with ASCII through a slice of exactly n bytes is sound. The view describes the
-    // array's own memory, which `array` keeps alive (see below for threads that mutate it).
+    let plan = Plan::new(descr, rows.view());
+    // SAFETY: the buffer is filled whole (exactly encoded_len chars) before the str is returned;
+    // the view describes the array's own memory, which `array` keeps alive.
     unsafe {
-        let s = ffi::PyUnicode_New((len + quotes) as ffi::Py_ssize_t, 127);
-        if s.is_null() {
-            return Err(PyErr::fetch(py));
-        }
-        let text = Bound::from_owned_ptr(py, s);
-        let whole = std::slice::from_raw_parts_mut(ffi::PyUnicode_DATA(s) as *mut u8, len + quotes);
-        let out = if json_quoted {
-            whole[0] = b'"';
-            whole[len + 1] = b'"';
-            &mut whole[1..len + 1]
-        } else {
-            whole
-        };
-        if plan.payload_len() >= DETACH_MIN_BYTES {
-            // The str is not shared yet and `array` (borrowed from the caller's arguments)
-            // keeps the rows alive. Another Python thread that writes to the rows meanwhile
-            // gets torn text, one that frees them (`resize(refcheck=False)`) undefined
-            // behaviour, as with any GIL-free reader; the server's arrays are private copies.
-            let threads = worker_threads();
-            py.detach(|| {
-                advise_huge_pages(out.as_mut_ptr(), out.len());
-                plan.write(out, threads)
-            });
-        } else {
-            plan.write(out, 1);
-        }
+        let (text, out) = new_text(py, plan.encoded_len(), json_quoted)?;
+        let threads = if plan.payload_len() >= DETACH_MIN_BYTES { worker_threads() } else { 1 };
+        fill_detached(py, plan.payload_len(), out, |out| plan.write(out, threads));
         Ok(text)
     }
 }
@@ -286,11 +338,10 @@ fn checked_descr(descr: &str) -> PyResult<&str> {
     Ok(descr)
 }
 
-/// Decodes base64 `.npy` text (str or bytes) into a new array that owns the decoded rows.
-#[pyfunction]
-fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+/// The bytes of a base64 text argument: an ASCII str's own buffer, or a bytes object's.
+pub(crate) fn ascii_bytes<'a>(py: Python<'_>, text: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8]> {
     let not_ascii = || PyValueError::new_err("routed experts text is not ASCII base64");
-    let bytes: &[u8] = if let Ok(s) = text.cast::<PyString>() {
+    if let Ok(s) = text.cast::<PyString>() {
         // SAFETY: `s` is a live str borrowed from the caller for this call; a compact ASCII
         // str's data is its length in bytes, and PyUnicode_AsUTF8AndSize's buffer (checked for
         // NULL) lives as long as the str. Python strs are immutable.
@@ -298,7 +349,7 @@ fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyRe
             if ffi::PyUnicode_IS_COMPACT_ASCII(s.as_ptr()) != 0 {
                 // The common case: read the str's own ASCII buffer.
                 let n = ffi::PyUnicode_GET_LENGTH(s.as_ptr()) as usize;
-                std::slice::from_raw_parts(ffi::PyUnicode_DATA(s.as_ptr()) as *const u8, n)
+                Ok(std::slice::from_raw_parts(ffi::PyUnicode_DATA(s.as_ptr()) as *const u8, n))
             } else {
                 // Any other str (non-ASCII, or a legacy representation): its UTF-8 view.
                 let mut n: ffi::Py_ssize_t = 0;
@@ -311,17 +362,20 @@ fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyRe
                 if !b.is_ascii() {
                     return Err(not_ascii());
                 }
-                b
+                Ok(b)
             }
         }
     } else if let Ok(b) = text.cast::<PyBytes>() {
-        b.as_bytes()
+        Ok(b.as_bytes())
     } else {
-        return Err(PyTypeError::new_err(format!(
-            "decode_routed_experts expects str or bytes, got {}",
-            text.get_type().name()?
-        )));
-    };
+        Err(PyTypeError::new_err(format!("{what} expects str or bytes, got {}", text.get_type().name()?)))
+    }
+}
+
+/// Decodes base64 `.npy` text (str or bytes) into a new array that owns the decoded rows.
+#[pyfunction]
+fn decode_routed_experts<'py>(py: Python<'py>, text: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let bytes = ascii_bytes(py, text, "decode_routed_experts")?;
     let plan = plan_decode(bytes).map_err(PyValueError::new_err)?;
     let descr = checked_descr(&plan.header.descr)?;
     let dtype = PyArrayDescr::new(py, descr)
@@ -618,6 +672,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_routed_experts, m)?)?;
     m.add_function(wrap_pyfunction!(configure_encoder, m)?)?;
     m.add_function(wrap_pyfunction!(encoder_isa, m)?)?;
+    crate::formats::python::register(m)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_isa, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;

@@ -20,6 +20,8 @@ from litestar.types import Message, Receive, Scope, Send
 
 import r3srv
 from r3srv.server.body import decode_body
+from r3srv.server.chat_output import ChatParsers
+from r3srv.server.declare import feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
 from r3srv.server.generation import ServerState
 from r3srv.server.metrics import ServerMetrics
@@ -57,8 +59,10 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_weight_updates: bool = False,
     enable_prompt_tokens_details: bool = False,
+    routed_experts_encoding: str = "auto",
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
+    chat_parsers: ChatParsers | None = None,
 ) -> Litestar:
     """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
     CLI stops the server and exits non-zero so that an orchestrator restarts it."""
@@ -69,6 +73,8 @@ def create_app(
         enable_weight_updates=enable_weight_updates,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         weight_sync_timeout=weight_sync_timeout,
+        routed_experts_encoding=routed_experts_encoding,
+        chat_parsers=chat_parsers or ChatParsers(),
     )
 
     async def watch_engine() -> None:
@@ -91,6 +97,7 @@ def create_app(
 
     app = Litestar(
         route_handlers=ROUTE_HANDLERS,
+        guards=[feature_guard],
         state=State({"server": state}),
         lifespan=[lifespan],
         exception_handlers={Exception: handle_exception},

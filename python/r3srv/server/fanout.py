@@ -16,25 +16,14 @@ from typing import Any
 import httpx
 import msgspec
 
+from r3srv.server.declare import Fleet, paths_declared
 from r3srv.server.errors import error_body
+from r3srv.server.routes import ROUTE_HANDLERS
 
 FANOUT_HEADER = "x-r3srv-fleet-fanout"
-CONTROL_PATHS = frozenset({
-    "/pause_generation",
-    "/continue_generation",
-    "/update_weights_from_disk",
-    "/flush_cache",
-    "/reset_prefix_cache",
-    "/abort_request",
-    "/release_memory_occupation",
-    "/resume_memory_occupation",
-    # vLLM's names, as prime-rl calls them; not the process-group calls (/init_weights_update_group,
-    # /update_weights_from_distributed, ...): each replica joins the trainer's group with its own rank
-    "/pause",
-    "/resume",
-    "/update_weights",
-    "/update_weight_version",
-})
+# The routes declared Fleet.EVERY_REPLICA (server/declare.py). Not the process-group calls
+# (Fleet.OWN_RANK: /init_weights_update_group, ...): each replica joins the trainer's group with its own rank.
+CONTROL_PATHS = paths_declared(ROUTE_HANDLERS, Fleet.EVERY_REPLICA)
 # Control bodies are a few fields; a larger one is not a control call.
 MAX_CONTROL_BODY_BYTES = 1 << 20
 # Loading weights or waiting for requests to finish can take minutes: no read timeout.

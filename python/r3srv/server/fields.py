@@ -6,7 +6,7 @@ sampling_params) defines is, on the matching r3srv route, exactly one of:
 
 - served: a field of r3srv's own request Struct (it works as in the peer);
 - without effect: a field whose peer behaviour on a server like r3srv is to do nothing
-  (metadata, logging switches, tool and reasoning options that need a parser r3srv lacks);
+  (metadata, logging switches);
 - refused: a 400 naming the field, unless the client sends null or the peer's default (a few
   refusals accept more values that leave the feature off, e.g. response_format {"type": "text"}).
 
@@ -54,7 +54,6 @@ BEAM = Refusal("beam search is not supported by r3srv")
 DISAGGREGATION = Refusal("prefill/decode disaggregation and KV transfer are not supported by r3srv")
 NOT_SUPPORTED = Refusal("is not supported by r3srv")
 INTERNAL = Refusal("is an internal field of the peer, not part of r3srv's API")
-TOOLS = Refusal("tool calling is not supported by r3srv", off=([], "none", "auto"))
 SPACES = Refusal("is not supported by r3srv except true (the default)")
 RESPONSE_FORMAT = Refusal(
     "constrained decoding (structured outputs, grammars, JSON schemas, regexes) is not supported by r3srv; "
@@ -100,21 +99,15 @@ COMPLETION_REFUSED: dict[str, Refusal] = {
 
 CHAT_REFUSED: dict[str, Refusal] = {
     **_VLLM_OPENAI_REFUSED,
-    "tools": TOOLS,
-    "tool_choice": TOOLS,
-    "reasoning_effort": NOT_SUPPORTED,
     "continue_final_message": NOT_SUPPORTED,
     "add_special_tokens": Refusal("is not supported by r3srv except false (the default for chat)"),
     "documents": NOT_SUPPORTED,
     "chat_template": Refusal("custom chat templates are not supported by r3srv: the model's own is used"),
-    "chat_template_kwargs": NOT_SUPPORTED,
     "media_io_kwargs": MULTIMODAL,
     "mm_processor_kwargs": MULTIMODAL,
     "return_prompt_text": NOT_SUPPORTED,
 }
 
-# Accepted and without effect, as in vLLM on a server without tool or reasoning parsers.
-CHAT_WITHOUT_EFFECT = frozenset({"include_reasoning", "parallel_tool_calls"})
 
 TITO_REFUSED: dict[str, Refusal] = {
     "token_offsets": NOT_SUPPORTED,
@@ -227,8 +220,7 @@ _VLLM_OPENAI_DEFAULTS = {
     "mm_payload": "tensors",
 }
 COMPLETION_DEFAULTS = {**_VLLM_OPENAI_DEFAULTS, "add_special_tokens": True}
-CHAT_DEFAULTS = {**_VLLM_OPENAI_DEFAULTS, "add_special_tokens": False, "tool_choice": "none",
-                 "continue_final_message": False}
+CHAT_DEFAULTS = {**_VLLM_OPENAI_DEFAULTS, "add_special_tokens": False, "continue_final_message": False}
 TITO_DEFAULTS = {"priority": 0}
 TITO_SAMPLING_DEFAULTS = {
     "flat_logprobs": False,
@@ -308,7 +300,7 @@ def _route_fields() -> dict[str, BodyFields]:
 
     return {
         "completions": BodyFields(p.CompletionRequest, COMPLETION_REFUSED, COMPLETION_DEFAULTS),
-        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, CHAT_DEFAULTS, CHAT_WITHOUT_EFFECT),
+        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, CHAT_DEFAULTS),
         "tito": BodyFields(
             p.GenerateRequest, TITO_REFUSED, TITO_DEFAULTS,
             nested={SAMPLING_PARAMS: BodyFields(p.TitoSamplingParams, TITO_SAMPLING_REFUSED, TITO_SAMPLING_DEFAULTS)},

@@ -18,13 +18,14 @@ from typing import Any, TypeVar, cast
 import anyio
 import msgspec
 import numpy as np
-import pybase64
 from msgspec import UNSET, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
-from r3srv.serial import encode_routed_experts
+from r3srv.server import rows_encoding
+from r3srv.server.chat_output import ChatParsers
+from r3srv.server.declare import Feature
 from r3srv.server.errors import ModelNotFoundError
 from r3srv.server.metrics import ServerMetrics
 
@@ -46,6 +47,13 @@ class ServerState:
     enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached tokens), as vLLM
     weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
+    routed_experts_encoding: str = rows_encoding.AUTO  # --routed-experts-encoding
+    chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # --tool-call-parser, --reasoning-parser
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """The optional route groups this server serves (server/declare.py)."""
+        return frozenset({Feature.WEIGHT_UPDATES} if self.enable_weight_updates else ())
 
     async def abort_all(self) -> None:
         """End every request in flight (finish_reason "abort"): on shutdown, so streams close
@@ -72,33 +80,27 @@ class ServerState:
             )
         return tokenizer
 
-    async def encode_experts(self, array: np.ndarray | None) -> str | None:
-        """The base64 text for a response field, as a `msgspec.Raw` JSON string literal.
+    def experts_encoding(self, requested: str | None, route_default: str) -> str:
+        """The routed-experts encoding of one response (server/rows_encoding.py)."""
+        return rows_encoding.choose(requested, self.routed_experts_encoding, route_default)
 
-        msgspec would scan the text for characters to escape (docs/benchmarks.md), yet base64
-        never has any: the encoder writes the quotes itself and msgspec copies the bytes as
-        they are. Typed `str` because the fields' OpenAPI schema must say string (a `Raw`
-        annotation would make it "any"); on the wire it is the same JSON string.
+    async def encode_experts(self, array: np.ndarray | None, encoding: str = "npy", start: int = 0) -> str | None:
+        """A response's routed_experts value in `encoding` (rows_encoding.py), as a `msgspec.Raw`
+        of its JSON text; `start` is the request's prompt offset (prime-rl's form carries it).
+
+        The Rust core writes the JSON text itself (the quotes of a string, or the whole dict)
+        and msgspec copies the bytes as they are, instead of scanning megabytes of base64 for
+        characters to escape (docs/benchmarks.md). Typed `str` for the call sites' Structs,
+        whose schema names the values; on the wire it is the JSON written here.
         """
         if array is None:
             return None
         if array.nbytes >= _OFFLOAD_ENCODE_BYTES:
-            quoted = await asyncio.to_thread(encode_routed_experts, array, 0, json_quoted=True)
+            text = await asyncio.to_thread(rows_encoding.encode, array, encoding, start)
         else:
-            quoted = encode_routed_experts(array, 0, json_quoted=True)
-        self.metrics.routed_experts_bytes.inc(len(quoted) - 2)
-        return cast(str, msgspec.Raw(quoted))  # Raw keeps a reference to the str: no copy
-
-    async def encode_experts_raw_int32(self, array: np.ndarray) -> str:
-        """SGLang's encoding of routed experts (its /generate's meta_info): base64 of the rows as
-        little-endian int32, C order, no header; clients reshape to (-1, num_layers, top_k)."""
-        raw = np.ascontiguousarray(array, dtype="<i4")
-        if raw.nbytes >= _OFFLOAD_ENCODE_BYTES:
-            text = await asyncio.to_thread(lambda: pybase64.b64encode(raw.data).decode("ascii"))
-        else:
-            text = pybase64.b64encode(raw.data).decode("ascii")
-        self.metrics.routed_experts_bytes.inc(len(text))
-        return text
+            text = rows_encoding.encode(array, encoding, start)
+        self.metrics.routed_experts_bytes.inc(rows_encoding.payload_bytes(text))
+        return cast(str, msgspec.Raw(text))  # Raw keeps a reference to the str: no copy
 
 
 class Generation:

@@ -66,7 +66,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("r3srv_prompt_tokens", "Prompt tokens processed", registry=self.registry)
         self.generation_tokens = Counter("r3srv_generation_tokens", "Tokens generated", registry=self.registry)
         self.routed_experts_bytes = Counter(
-            "r3srv_routed_experts_bytes", "Bytes of base64 routed_experts sent", registry=self.registry
+            "r3srv_routed_experts_bytes", "Bytes of routed_experts sent (the base64 text; dict encodings: the whole object)",
+            registry=self.registry
         )
         self.e2e_latency = Histogram(
             "r3srv_e2e_request_latency_seconds",

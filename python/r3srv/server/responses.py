@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from msgspec import UNSET
+import numpy as np
+from msgspec import UNSET, UnsetType
 
 from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
 from r3srv.server import protocol as p
+from r3srv.server import rows_encoding
+from r3srv.server.chat_output import ChoiceParsing, finish_reason, message_fields
 from r3srv.server.generation import ServerState
 
 
@@ -23,6 +26,26 @@ def usage_of(state: ServerState, outputs: list[RequestOutput], completion_tokens
     return p.UsageInfo(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion, prompt_tokens_details=cached
     )
+
+
+class OpenAIRows:
+    """Where an OpenAI response's routed experts go in the encoding asked: each choice's
+    routed_experts, or (SGLang's encoding) the response's `sglext`, with the first choice's
+    rows, as SGLang sends them."""
+
+    def __init__(self, state: ServerState, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+        self.state = state
+        self.encoding = state.experts_encoding(req.routed_experts_encoding, rows_encoding.OPENAI_DEFAULT)
+        self.start = req.routed_experts_prompt_start
+        self.in_sglext = self.encoding == "sglang"
+
+    async def choice(self, rows: np.ndarray | None) -> str | None:
+        return None if self.in_sglext else await self.state.encode_experts(rows, self.encoding, self.start)
+
+    async def sglext(self, first_rows: np.ndarray | None) -> rows_encoding.SglExt | UnsetType:
+        if not self.in_sglext or first_rows is None:
+            return UNSET
+        return rows_encoding.SglExt(routed_experts=await self.state.encode_experts(first_rows, "sglang"))
 
 
 def ranked_logprobs(entry: dict[int, float]) -> list[tuple[int, float]]:
@@ -130,6 +153,7 @@ async def completion_response(
 ) -> p.CompletionResponse:
     fmt = LogprobFormatter(state.engine.tokenizer)
     with_ids = bool(req.return_token_ids)
+    rows = OpenAIRows(state, req)
     choices = []
     for i, out in enumerate(finals):
         prompt_text = echo_prompt_text(state.engine.tokenizer, out, with_ids) if req.echo else ""
@@ -150,33 +174,38 @@ async def completion_response(
                     stop_reason=c.stop_reason,
                     prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
                     token_ids=list(c.token_ids) if with_ids else None,
-                    routed_experts=await state.encode_experts(c.routed_experts),
+                    routed_experts=await rows.choice(c.routed_experts),
                     weight_version=state.weight_version(out),
                     prompt_logprobs=prompt_logprobs,
                 )
             )
-    return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage_of(state, finals))
+    return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage_of(state, finals),
+                                sglext=await rows.sglext(finals[0].outputs[0].routed_experts))
 
 
 async def chat_response(
-    state: ServerState, req: p.ChatCompletionRequest, request_id: str, final: RequestOutput
+    state: ServerState, req: p.ChatCompletionRequest, request_id: str, final: RequestOutput,
+    parsing: ChoiceParsing | None = None,
 ) -> p.ChatCompletionResponse:
     fmt = LogprobFormatter(state.engine.tokenizer)
-    with_ids = bool(req.return_token_ids)
+    hidden = parsing is not None and parsing.hide_metadata
+    with_ids = bool(req.return_token_ids) and not hidden
     echoed = req.echoed_text()
-    choices = [
-        p.ChatCompletionResponseChoice(
+    rows = OpenAIRows(state, req)
+    choices = []
+    for c in final.outputs:
+        parser = parsing.new() if parsing is not None else None
+        fields = message_fields(parser, c.text, echoed) if parser is not None else {"content": echoed + c.text}
+        choices.append(p.ChatCompletionResponseChoice(
             index=c.index,
-            message=p.ChatMessage(role=req.response_role(), content=echoed + c.text),
-            logprobs=fmt.chat(c.token_ids, _logprobs(c), req.top_logprobs or 0) if req.logprobs else None,
-            finish_reason=c.finish_reason,
+            message=p.ChatMessage(role=req.response_role(), **fields),
+            logprobs=fmt.chat(c.token_ids, _logprobs(c), req.top_logprobs or 0) if req.logprobs and not hidden else None,
+            finish_reason=finish_reason(c.finish_reason, bool(fields.get("tool_calls"))),
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if with_ids else None,
-            routed_experts=await state.encode_experts(c.routed_experts),
+            routed_experts=await rows.choice(c.routed_experts),
             weight_version=state.weight_version(final),
-        )
-        for c in final.outputs
-    ]
+        ))
     return p.ChatCompletionResponse(
         id=request_id,
         model=state.model_name,
@@ -184,13 +213,19 @@ async def chat_response(
         usage=usage_of(state, [final]),
         prompt_token_ids=list(final.prompt_token_ids) if with_ids else None,
         prompt_logprobs=fmt.prompt_logprobs(final.prompt_logprobs),
+        sglext=await rows.sglext(final.outputs[0].routed_experts),
     )
+
+
+def tito_rows_encoding(state: ServerState, req: p.GenerateRequest) -> str:
+    return state.experts_encoding(req.routed_experts_encoding, rows_encoding.OPENAI_DEFAULT)
 
 
 async def generate_response(
     state: ServerState, req: p.GenerateRequest, request_id: str, final: RequestOutput
 ) -> p.GenerateResponse:
     text_mode = req.output_mode == "text"
+    encoding, start = tito_rows_encoding(state, req), req.sampling_params.routed_experts_prompt_start
     choices = [
         p.GenerateChoice(
             index=c.index,
@@ -198,7 +233,7 @@ async def generate_response(
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids),
             logprobs=generate_logprobs(c.token_ids, c.logprobs) if c.logprobs is not None else None,
-            routed_experts=await state.encode_experts(c.routed_experts),
+            routed_experts=await state.encode_experts(c.routed_experts, encoding, start),
             weight_version=state.weight_version(final),
             text=c.text if text_mode else UNSET,
         )

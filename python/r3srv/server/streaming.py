@@ -25,13 +25,16 @@ from msgspec import UNSET
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
+from r3srv.server.chat_output import ChoiceParsing, delta_fields, finish_reason
 from r3srv.server.errors import error_body
 from r3srv.server.generation import Generation, ServerState, close_all, merged_outputs
 from r3srv.server.responses import (
     LogprobFormatter,
+    OpenAIRows,
     echo_prompt_text,
     generate_logprobs,
     plain_prompt_logprobs,
+    tito_rows_encoding,
     usage_of,
 )
 
@@ -167,6 +170,8 @@ async def completion_stream(
     with_ids = bool(req.return_token_ids)
     continuous = _continuous(req.stream_options)
     tracker = _Tracker()
+    rows = OpenAIRows(state, req)
+    first_rows = None
     finals: dict[int, RequestOutput] = {}
     async for i, out in merged_outputs(gens):
         # echo: each choice's first chunk starts with the prompt (and its logprobs), as vLLM's
@@ -191,14 +196,19 @@ async def completion_stream(
                 stop_reason=c.stop_reason,
                 prompt_token_ids=list(out.prompt_token_ids) if with_ids and d.first else UNSET,
                 token_ids=d.token_ids if with_ids else UNSET,
-                routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
             )
+            if d.final and i == c.index == 0:
+                first_rows = c.routed_experts
             usage = tracker.usage(i, c.index, out) if continuous else None
             yield sse(p.CompletionStreamResponse(
                 id=request_id, created=created, model=state.model_name, choices=[choice], usage=usage))
         if out.finished:
             finals[i] = out
+    if (sglext := await rows.sglext(first_rows)) is not UNSET:  # SGLang's: a chunk of its own
+        yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[],
+                                             sglext=sglext))
     if req.stream_options and req.stream_options.include_usage:
         usage = usage_of(state, list(finals.values()), tracker.num_tokens)
         yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
@@ -206,14 +216,20 @@ async def completion_stream(
 
 
 async def chat_stream(
-    state: ServerState, req: p.ChatCompletionRequest, request_id: str, gens: list[Generation]
+    state: ServerState, req: p.ChatCompletionRequest, request_id: str, gens: list[Generation],
+    parsing: ChoiceParsing | None = None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     fmt = LogprobFormatter(state.engine.tokenizer)
-    with_ids = bool(req.return_token_ids)
+    hidden = parsing is not None and parsing.hide_metadata
+    with_ids = bool(req.return_token_ids) and not hidden
+    with_logprobs = bool(req.logprobs) and not hidden
+    parsers = {} if parsing is not None else None  # one per choice
     continuous = _continuous(req.stream_options)
     role, echoed = req.response_role(), req.echoed_text()
     tracker = _Tracker()
+    rows = OpenAIRows(state, req)
+    first_rows = None
     final: RequestOutput | None = None
     sent_prompt_ids = False
 
@@ -254,19 +270,34 @@ async def chat_stream(
                 prompt_ids = None
                 if not d.text and not d.token_ids and not d.final:
                     continue
+            reason = c.finish_reason
+            if parsers is not None:
+                parser = parsers.setdefault(c.index, parsing.new())  # type: ignore[union-attr]
+                fields = delta_fields(parser.finish(d.text) if d.final else parser.feed(d.text))
+                reason = finish_reason(c.finish_reason, parser.called_tools)
+                if not fields and not d.final and not with_logprobs and not with_ids:
+                    continue  # markup so far, nothing to show yet
+                delta = p.DeltaMessage(**fields)
+            else:
+                delta = p.DeltaMessage(content=d.text) if d.text or not d.final else p.DeltaMessage()
             choice = p.ChatCompletionResponseStreamChoice(
                 index=c.index,
-                delta=p.DeltaMessage(content=d.text) if d.text or not d.final else p.DeltaMessage(),
-                logprobs=fmt.chat(d.token_ids, d.logprobs or [], req.top_logprobs or 0) if req.logprobs else None,
-                finish_reason=c.finish_reason,
+                delta=delta,
+                logprobs=fmt.chat(d.token_ids, d.logprobs or [], req.top_logprobs or 0) if with_logprobs else None,
+                finish_reason=reason,
                 stop_reason=c.stop_reason,
                 token_ids=d.token_ids if with_ids else UNSET,
-                routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
             )
+            if d.final and c.index == 0:
+                first_rows = c.routed_experts
             yield chunk(choice, prompt_ids, out)
         if out.finished:
             final = out
+    if (sglext := await rows.sglext(first_rows)) is not UNSET:  # SGLang's: a chunk of its own
+        yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[],
+                                                 sglext=sglext))
     if req.stream_options and req.stream_options.include_usage and final is not None:
         usage = usage_of(state, [final], tracker.num_tokens)
         yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
@@ -277,6 +308,7 @@ async def generate_stream(
     state: ServerState, req: p.GenerateRequest, request_id: str, gens: list[Generation]
 ) -> AsyncIterator[bytes]:
     text_mode = req.output_mode == "text"
+    encoding, start = tito_rows_encoding(state, req), req.sampling_params.routed_experts_prompt_start
     tracker = _Tracker()
     final: RequestOutput | None = None
     sent_prompt_ids = False
@@ -294,7 +326,7 @@ async def generate_stream(
                 stop_reason=c.stop_reason,
                 token_ids=d.token_ids,
                 logprobs=generate_logprobs(d.token_ids, d.logprobs) if d.logprobs is not None else None,
-                routed_experts=await state.encode_experts(c.routed_experts) if d.final else UNSET,
+                routed_experts=await state.encode_experts(c.routed_experts, encoding, start) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 text=d.text if text_mode else UNSET,
             )

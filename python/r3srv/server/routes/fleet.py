@@ -21,7 +21,8 @@ import r3srv
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind
 from r3srv.sampling_params import SamplingParams
-from r3srv.server import fleet_protocol as fp
+from r3srv.server.protocol import fleet as fp
+from r3srv.server.declare import Access, Fleet
 from r3srv.server.errors import error_response
 from r3srv.server.generation import ServerState
 from r3srv.server.routes.common import server_state
@@ -36,7 +37,8 @@ def _tokenizer_path(state: ServerState) -> str | None:
     return state.engine.model_path if state.engine.tokenizer is not None else None
 
 
-@get(["/server_info", "/get_server_info"], summary="Server configuration and live state (SGLang's)")
+@get(["/server_info", "/get_server_info"], summary="Server configuration and live state (SGLang's)",
+     access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def server_info(request: Request[Any, Any, Any]) -> fp.ServerInfo:
     state = server_state(request)
     engine = state.engine
@@ -71,7 +73,8 @@ async def server_info(request: Request[Any, Any, Any]) -> fp.ServerInfo:
     )
 
 
-@get(["/model_info", "/get_model_info"], summary="The served model and its weights (SGLang's)")
+@get(["/model_info", "/get_model_info"], summary="The served model and its weights (SGLang's)",
+     access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def model_info(request: Request[Any, Any, Any]) -> fp.ModelInfo:
     state = server_state(request)
     engine = state.engine
@@ -94,12 +97,14 @@ async def model_info(request: Request[Any, Any, Any]) -> fp.ModelInfo:
     )
 
 
-@get("/get_weight_version", summary="The version of the weights new requests run on")
+@get("/get_weight_version", summary="The version of the weights new requests run on",
+     access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def get_weight_version(request: Request[Any, Any, Any]) -> fp.WeightVersion:
     return fp.WeightVersion(weight_version=server_state(request).engine.weight_version)
 
 
-@get("/health_generate", summary="200 once a real one-token generation succeeds, else 503", media_type=MediaType.TEXT)
+@get("/health_generate", summary="200 once a real one-token generation succeeds, else 503", media_type=MediaType.TEXT,
+     access=Access.PROBE, fleet=Fleet.ONE_REPLICA)
 async def health_generate(request: Request[Any, Any, Any]) -> Response[bytes]:
     engine = server_state(request).engine
     stats = engine.stats()
@@ -158,7 +163,8 @@ def _load(state: ServerState) -> fp.Load:
     )
 
 
-@get("/v1/loads", summary="Load of this replica, as SGLang's /v1/loads (JSON)")
+@get("/v1/loads", summary="Load of this replica, as SGLang's /v1/loads (JSON)",
+     access=Access.PROBE, fleet=Fleet.ONE_REPLICA)
 async def v1_loads(
     request: Request[Any, Any, Any],
     dp_rank: FromQuery[int | None] = None,
@@ -185,7 +191,8 @@ async def v1_loads(
     )
 
 
-@get("/get_load", summary="Load as older SGLang answered it (sglang-router 0.3.2's load monitor)")
+@get("/get_load", summary="Load as older SGLang answered it (sglang-router 0.3.2's load monitor)",
+     access=Access.PROBE, fleet=Fleet.ONE_REPLICA)
 async def get_load(request: Request[Any, Any, Any]) -> list[fp.LegacyLoad]:
     load = _load(server_state(request))
     return [fp.LegacyLoad(dp_rank=0, num_reqs=load.num_running_reqs + load.num_waiting_reqs,

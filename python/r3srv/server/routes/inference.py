@@ -8,6 +8,7 @@ from typing import Any
 from litestar import MediaType, Request, Response, post
 
 from r3srv.server import protocol as p
+from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import start_all
 from r3srv.server.responses import generate_response
@@ -16,7 +17,8 @@ from r3srv.server.streaming import EngineStream, generate_stream
 
 
 @post("/inference/v1/generate", status_code=200, summary="Generate from token ids (vLLM scale-out)",
-      opt={"fields": ROUTE_FIELDS["tito"]})
+      opt={"fields": ROUTE_FIELDS["tito"]},
+      access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> p.GenerateResponse:
     state = server_state(request)
     state.check_model(data.model)
@@ -32,7 +34,8 @@ async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> 
     )
 
 
-@post("/inference/v1/abort_requests", status_code=200, media_type=MediaType.TEXT, summary="Abort requests by request_id (vLLM scale-out)")
+@post("/inference/v1/abort_requests", status_code=200, media_type=MediaType.TEXT, summary="Abort requests by request_id (vLLM scale-out)",
+      access=Access.INFERENCE, fleet=Fleet.EVERY_REPLICA)
 async def abort_requests(data: p.AbortRequestsRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
     engine = server_state(request).engine
     for request_id in data.request_ids:

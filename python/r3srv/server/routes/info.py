@@ -11,12 +11,14 @@ import r3srv
 from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
 from r3srv.server import protocol as p
+from r3srv.server.declare import Access, Fleet
 from r3srv.server.errors import error_response
 from r3srv.server.metrics import CONTENT_TYPE
 from r3srv.server.routes.common import server_state
 
 
-@get("/v1/models", summary="List the served model (with its routed-experts layout)")
+@get("/v1/models", summary="List the served model (with its routed-experts layout)",
+     access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
     state = server_state(request)
     engine = state.engine
@@ -41,19 +43,21 @@ async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
 
 @get("/health", summary="200 while the engine loop runs; 503 once it has died (the server then exits non-zero)",
      include_in_schema=True, media_type=MediaType.TEXT,
-     responses={503: ResponseSpec(p.ErrorResponse, description="The engine loop has died", generate_examples=False)})
+     responses={503: ResponseSpec(p.ErrorResponse, description="The engine loop has died", generate_examples=False)},
+     access=Access.PROBE, fleet=Fleet.ONE_REPLICA)
 async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
     if not server_state(request).engine.is_running:
         return error_response(503, "the engine loop is not running")
     return Response(b"", status_code=200, media_type=MediaType.TEXT)
 
 
-@get("/version", summary="r3srv version")
+@get("/version", summary="r3srv version", access=Access.PROBE, fleet=Fleet.ONE_REPLICA)
 async def version() -> p.VersionResponse:
     return p.VersionResponse(version=r3srv.__version__)
 
 
-@post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages")
+@post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages",
+      access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> p.TokenizeResponse:
     state = server_state(request)
     state.check_model(data.model)
@@ -74,7 +78,8 @@ async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> 
     return p.TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
 
 
-@post("/detokenize", status_code=200, summary="Turn token ids back into text")
+@post("/detokenize", status_code=200, summary="Turn token ids back into text",
+      access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def detokenize(data: p.DetokenizeRequest, request: Request[Any, Any, Any]) -> p.DetokenizeResponse:
     state = server_state(request)
     state.check_model(data.model)
@@ -90,6 +95,6 @@ async def detokenize(data: p.DetokenizeRequest, request: Request[Any, Any, Any])
     return p.DetokenizeResponse(prompt=text)
 
 
-@get("/metrics", summary="Prometheus metrics", include_in_schema=False)
+@get("/metrics", summary="Prometheus metrics", include_in_schema=False, access=Access.PROBE, fleet=Fleet.ONE_REPLICA)
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)

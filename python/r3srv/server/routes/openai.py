@@ -5,19 +5,23 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import msgspec
 from litestar import Request, post
 
 from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
 from r3srv.server import protocol as p
+from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import start_all
 from r3srv.server.responses import chat_response, completion_response
 from r3srv.server.routes.common import run_to_end, server_state
 from r3srv.server.streaming import EngineStream, chat_stream, completion_stream
+from r3srv.server.protocol.tools import check_tool_request
 
 
-@post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)", opt={"fields": ROUTE_FIELDS["completions"]})
+@post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)", opt={"fields": ROUTE_FIELDS["completions"]},
+      access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]) -> p.CompletionResponse:
     state = server_state(request)
     state.check_model(data.model)
@@ -34,15 +38,22 @@ async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion (OpenAI)",
-      opt={"fields": ROUTE_FIELDS["chat"]})
+      opt={"fields": ROUTE_FIELDS["chat"]},
+      access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, Any, Any]) -> p.ChatCompletionResponse:
     state = server_state(request)
     state.check_model(data.model)
     params = data.to_sampling_params()
     tokenizer = state.tokenizer()
+    tool_choice = check_tool_request(data.tools, data.tool_choice, state.chat_parsers.tools_served)
+    parsing = state.chat_parsers.for_request(data, tool_choice)
+    if parsing is not None:  # the parsers read the markup, special tokens included (as vLLM's adjust_request)
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
 
     def render_and_encode() -> list[int]:
-        rendered = tokenizer.apply_chat_template(data.template_messages(), add_generation_prompt=data.add_generation_prompt)
+        rendered = tokenizer.apply_chat_template(
+            data.template_messages(), add_generation_prompt=data.add_generation_prompt, **data.template_kwargs()
+        )
         # The template writes its own specials (e.g. Mixtral's `{{ bos_token }}`): encoding them
         # again would double the BOS and shift every token and row, so add none (as HF and vLLM).
         return tokenizer.encode(rendered, add_special_tokens=False)
@@ -57,7 +68,8 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     route = "/v1/chat/completions"
     if data.stream:
         gens = await start_all(state, route, [prompt], params, request_id)
-        return EngineStream(chat_stream(state, data, request_id, gens), gens)  # type: ignore[return-value]
+        return EngineStream(chat_stream(state, data, request_id, gens, parsing), gens)  # type: ignore[return-value]
     return await run_to_end(  # type: ignore[return-value]
-        request, route, [prompt], params, request_id, lambda finals: chat_response(state, data, request_id, finals[0])
+        request, route, [prompt], params, request_id,
+        lambda finals: chat_response(state, data, request_id, finals[0], parsing),
     )

@@ -4,8 +4,9 @@ over-sampled requests).
 
 /generate takes one prompt (`text` or `input_ids`) or a batch (a list of either) and answers
 one output object, or a list of them for a batch or n > 1 (prompt-major, as SGLang). Routed
-experts are in meta_info the way SGLang sends them (base64 of little-endian int32 rows, no
-header, every token of prompt + output but the last, from routed_experts_start_len on), and
+experts are in meta_info, by default the way SGLang sends them (base64 of little-endian int32
+rows, no header, every token of prompt + output but the last, from routed_experts_start_len on;
+server/rows_encoding.py), and
 meta_info echoes routed_experts_start_len on every answer (slime's multi-turn reads it back).
 With stream=true it answers SGLang's server-sent events: `data: {...}` chunks whose text and
 output_ids are cumulative, then `data: [DONE]`; routed experts come on each output's last chunk.
@@ -25,6 +26,8 @@ from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
 from r3srv.outputs import CompletionOutput, RequestOutput
 from r3srv.server import protocol as p
+from r3srv.server import rows_encoding
+from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import Generation, ServerState, merged_outputs, start_all
 from r3srv.server.responses import ranked_logprobs
@@ -35,7 +38,8 @@ ROUTE = "/generate"
 
 
 @post(ROUTE, status_code=200, opt={"fields": ROUTE_FIELDS["sglang"]},
-      summary="Generate for one prompt or a batch (SGLang's native API), routed experts in meta_info")
+      summary="Generate for one prompt or a batch (SGLang's native API), routed experts in meta_info",
+      access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, Any, Any]) -> Any:
     state = server_state(request)
     prompts = await _token_ids(state, data.prompts())
@@ -93,7 +97,8 @@ async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, output_id
     if req.return_logprob:
         _add_logprobs(meta, req, out, token_ids, logprobs)
     if final and c.routed_experts is not None:
-        meta["routed_experts"] = await state.encode_experts_raw_int32(c.routed_experts)
+        encoding = state.experts_encoding(req.routed_experts_encoding, rows_encoding.SGLANG_DEFAULT)
+        meta["routed_experts"] = await state.encode_experts(c.routed_experts, encoding, req.routed_experts_start_len)
     version = state.weight_version(out) if final else UNSET
     if version is not UNSET:
         meta["weight_version"] = version
@@ -160,7 +165,8 @@ def _finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:
     return {"type": "abort", "message": "aborted"}
 
 
-@post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)")
+@post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)",
+      access=Access.INFERENCE, fleet=Fleet.EVERY_REPLICA)
 async def sglang_abort_request(data: p.SglangAbortRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
     state = server_state(request)
     if data.abort_all:

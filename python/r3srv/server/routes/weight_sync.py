@@ -20,14 +20,16 @@ from litestar.params import Parameter
 from r3srv.engine.tensor_unpickler import load_named_cuda_tensors
 from r3srv.engine.weight_sync import TrainerUpdates, named_tensor_metas
 from r3srv.errors import InvalidRequestError
-from r3srv.server import weight_sync_protocol as w
-from r3srv.server.routes.weights import update_weights_from_dir, weights_state
+from r3srv.server.protocol import weight_sync as w
+from r3srv.server.declare import Access, Fleet, Feature
+from r3srv.server.routes.common import server_state
+from r3srv.server.routes.weights import update_weights_from_dir
 
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
 
 
 def trainer_updates(request: Request[Any, Any, Any]) -> TrainerUpdates:
-    state = weights_state(request)
+    state = server_state(request)
     app_state = request.app.state
     if "trainer_updates" not in app_state:
         app_state["trainer_updates"] = TrainerUpdates(state.engine, timeout=state.weight_sync_timeout)
@@ -41,7 +43,8 @@ async def _join(request: Request[Any, Any, Any], **group: Any) -> str:
 # ---------------------------------------------------------------- SGLang's
 
 
-@post("/init_weights_update_group", status_code=200, summary="Join the trainer's process group (rank 0 broadcasts)")
+@post("/init_weights_update_group", status_code=200, summary="Join the trainer's process group (rank 0 broadcasts)",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def init_weights_update_group(data: w.InitWeightsUpdateGroupRequest, request: Request[Any, Any, Any]) -> w.SglangResult:
     message = await _join(request, master_address=data.master_address, master_port=data.master_port,
                           rank_offset=data.rank_offset, world_size=data.world_size, group_name=data.group_name,
@@ -49,7 +52,8 @@ async def init_weights_update_group(data: w.InitWeightsUpdateGroupRequest, reque
     return w.SglangResult(success=True, message=message)
 
 
-@post("/destroy_weights_update_group", status_code=200, summary="Leave a weight update group")
+@post("/destroy_weights_update_group", status_code=200, summary="Leave a weight update group",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def destroy_weights_update_group(
     data: w.DestroyWeightsUpdateGroupRequest, request: Request[Any, Any, Any]
 ) -> w.SglangResult:
@@ -57,7 +61,8 @@ async def destroy_weights_update_group(
     return w.SglangResult(success=True, message=f"left {data.group_name!r}")
 
 
-@post("/update_weights_from_distributed", status_code=200, summary="Receive named tensors broadcast by the trainer")
+@post("/update_weights_from_distributed", status_code=200, summary="Receive named tensors broadcast by the trainer",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def update_weights_from_distributed(
     data: w.UpdateWeightsFromDistributedRequest, request: Request[Any, Any, Any]
 ) -> w.SglangResult:
@@ -67,7 +72,8 @@ async def update_weights_from_distributed(
     return w.SglangResult(success=True, message=message)
 
 
-@post("/update_weights_from_tensor", status_code=200, summary="Take CUDA tensors of a trainer on the same GPU")
+@post("/update_weights_from_tensor", status_code=200, summary="Take CUDA tensors of a trainer on the same GPU",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def update_weights_from_tensor(
     data: w.UpdateWeightsFromTensorRequest, request: Request[Any, Any, Any]
 ) -> w.SglangResult:
@@ -93,30 +99,33 @@ async def update_weights_from_tensor(
     return w.SglangResult(success=True, message=message)
 
 
-@post("/update_weight_version", status_code=200, summary="Rename the served weights (vLLM's and SGLang's)")
+@post("/update_weight_version", status_code=200, summary="Rename the served weights (vLLM's and SGLang's)",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def update_weight_version(data: w.UpdateWeightVersionRequest, request: Request[Any, Any, Any]) -> w.WeightVersionResult:
-    state = weights_state(request)
+    state = server_state(request)
     if data.abort_all_requests:
         await state.abort_all()
     await state.engine.rename_weights(data.new_version)
     return w.WeightVersionResult(success=True, new_version=data.new_version)
 
 
-@get("/weight_info", summary="The served weights' version (vLLM's)")
+@get("/weight_info", summary="The served weights' version (vLLM's)",
+     access=Access.ADMIN, fleet=Fleet.ONE_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def weight_info(request: Request[Any, Any, Any]) -> w.WeightInfo:
-    return w.WeightInfo(weight_version=weights_state(request).engine.weight_version)
+    return w.WeightInfo(weight_version=server_state(request).engine.weight_version)
 
 
 # ---------------------------------------------------------------- vLLM's
 
 
-@post("/pause", status_code=200, summary="Pause generation (vLLM's modes: abort, wait, keep)")
+@post("/pause", status_code=200, summary="Pause generation (vLLM's modes: abort, wait, keep)",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def pause(
     request: Request[Any, Any, Any],
     mode: Annotated[str, Parameter(query="mode")] = "abort",
     clear_cache: Annotated[bool, Parameter(query="clear_cache")] = True,
 ) -> w.VllmStatus:
-    state = weights_state(request)
+    state = server_state(request)
     if mode not in VLLM_PAUSE_MODES:
         raise InvalidRequestError(f"mode must be one of {', '.join(VLLM_PAUSE_MODES)}, got {mode!r}", param="mode")
     await state.engine.pause_generation(mode)
@@ -125,13 +134,15 @@ async def pause(
     return w.VllmStatus(status="paused")
 
 
-@post("/resume", status_code=200, summary="Resume generation after /pause")
+@post("/resume", status_code=200, summary="Resume generation after /pause",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def resume(request: Request[Any, Any, Any]) -> w.VllmStatus:
-    await weights_state(request).engine.continue_generation()
+    await server_state(request).engine.continue_generation()
     return w.VllmStatus(status="resumed")
 
 
-@post("/init_weight_transfer_engine", status_code=200, summary="Join the trainer's process group (vLLM's name)")
+@post("/init_weight_transfer_engine", status_code=200, summary="Join the trainer's process group (vLLM's name)",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def init_weight_transfer_engine(data: w.VllmInitRequest, request: Request[Any, Any, Any]) -> w.VllmMessage:
     info = data.init_info
     backend = "nccl" if trainer_updates(request).sync.device.type == "cuda" else "gloo"
@@ -140,34 +151,37 @@ async def init_weight_transfer_engine(data: w.VllmInitRequest, request: Request[
     return w.VllmMessage(message="Weight transfer initialized")
 
 
-@post("/shutdown_weight_transfer_engine", status_code=200, summary="Leave the trainer's process group (vLLM's name)")
+@post("/shutdown_weight_transfer_engine", status_code=200, summary="Leave the trainer's process group (vLLM's name)",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def shutdown_weight_transfer_engine(request: Request[Any, Any, Any]) -> w.VllmMessage:
     await trainer_updates(request).sync.leave(w.VLLM_GROUP)
     return w.VllmMessage(message="Weight transfer shut down")
 
 
-@post("/start_weight_update", status_code=200, summary="Begin a weight update round (vLLM's)")
+@post("/start_weight_update", status_code=200, summary="Begin a weight update round (vLLM's)",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def start_weight_update(request: Request[Any, Any, Any]) -> w.VllmMessage:
     await trainer_updates(request).start_round()
     return w.VllmMessage(message="Weight update started")
 
 
-@post("/start_draft_weight_update", status_code=200, summary="Refused: r3srv serves no draft model")
+@post("/start_draft_weight_update", status_code=200, summary="Refused: r3srv serves no draft model",
+      access=Access.ADMIN, fleet=Fleet.ONE_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def start_draft_weight_update(request: Request[Any, Any, Any]) -> w.VllmMessage:
-    weights_state(request)
     raise InvalidRequestError("/start_draft_weight_update: r3srv serves no draft model")
 
 
-@post("/finish_weight_update", status_code=200, summary="Apply the tensors received since /start_weight_update")
+@post("/finish_weight_update", status_code=200, summary="Apply the tensors received since /start_weight_update",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def finish_weight_update(data: w.VllmFinishRequest, request: Request[Any, Any, Any]) -> w.VllmMessage:
     await trainer_updates(request).finish_round(data.weight_version)
     return w.VllmMessage(message="Weight update finished")
 
 
 @post("/update_weights", status_code=200,
-      summary="vLLM's weight transfer ({update_info}) or prime-rl's disk update ({weight_dir})")
+      summary="vLLM's weight transfer ({update_info}) or prime-rl's disk update ({weight_dir})",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def update_weights(data: dict[str, Any], request: Request[Any, Any, Any]) -> w.VllmMessage:
-    weights_state(request)
     if "weight_dir" in data:
         body = msgspec.convert(data, w.PrimeRlUpdateRequest)
         if body.weight_dir is None:
@@ -192,20 +206,3 @@ async def update_weights(data: dict[str, Any], request: Request[Any, Any, Any]) 
     await updates.receive(w.VLLM_GROUP, named)
     return w.VllmMessage(message="Weights updated")
 
-
-TRAINER_ROUTES = [
-    init_weights_update_group,
-    destroy_weights_update_group,
-    update_weights_from_distributed,
-    update_weights_from_tensor,
-    update_weight_version,
-    weight_info,
-    pause,
-    resume,
-    init_weight_transfer_engine,
-    shutdown_weight_transfer_engine,
-    start_weight_update,
-    start_draft_weight_update,
-    finish_weight_update,
-    update_weights,
-]

@@ -22,19 +22,12 @@ from litestar import HttpMethod, Request, get, post, route
 
 from r3srv.errors import ConfigError, InvalidRequestError
 from r3srv.server import protocol as p
-from r3srv.server.errors import EndpointDisabledError
-from r3srv.server.generation import ServerState
+from r3srv.server.declare import Access, Fleet, Feature
 from r3srv.server.routes.common import server_state
 
 
-def weights_state(request: Request[Any, Any, Any]) -> ServerState:
-    state = server_state(request)
-    if not state.enable_weight_updates:
-        raise EndpointDisabledError(request.url.path, "--enable-weight-updates")
-    return state
-
-
-@post("/update_weights_from_disk", status_code=200, summary="Load new weights of the served architecture")
+@post("/update_weights_from_disk", status_code=200, summary="Load new weights of the served architecture",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def update_weights_from_disk(
     data: p.UpdateWeightsFromDiskRequest, request: Request[Any, Any, Any]
 ) -> p.UpdateWeightsResponse:
@@ -54,7 +47,7 @@ async def update_weights_from_dir(
 ) -> float:
     """Load a checkpoint directory (or a directory of shards alone) into the served model,
     counted in the metrics; returns the seconds it took."""
-    state = weights_state(request)
+    state = server_state(request)
     counted = state.metrics.weight_updates
     start = time.perf_counter()
     try:
@@ -86,55 +79,61 @@ def _check_checkpoint_dir(path: str, param: str) -> None:
         raise InvalidRequestError(param=param, problem=f": {path[:256]!r} is not a directory")
 
 
-@post("/reset_prefix_cache", status_code=200, summary="Forget every cached prompt prefix")
+@post("/reset_prefix_cache", status_code=200, summary="Forget every cached prompt prefix",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def reset_prefix_cache(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
     return await _forget_prefixes(request)
 
 
 @route("/flush_cache", http_method=[HttpMethod.GET, HttpMethod.POST], status_code=200,
-       summary="Forget every cached prompt prefix (SGLang's name; RL frameworks GET or POST it)")
+       summary="Forget every cached prompt prefix (SGLang's name; RL frameworks GET or POST it)",
+       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def flush_cache(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
     return await _forget_prefixes(request)
 
 
 async def _forget_prefixes(request: Request[Any, Any, Any]) -> p.ResetPrefixCacheResponse:
-    state = weights_state(request)
+    state = server_state(request)
     return p.ResetPrefixCacheResponse(success=True, num_blocks_forgotten=await state.engine.reset_prefix_cache())
 
 
-@post("/release_memory_occupation", status_code=200, summary="Free the KV cache and/or move the weights to host memory")
+@post("/release_memory_occupation", status_code=200, summary="Free the KV cache and/or move the weights to host memory",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def release_memory_occupation(
     data: p.MemoryOccupationRequest, request: Request[Any, Any, Any]
 ) -> p.MemoryOccupationResponse:
-    state = weights_state(request)
+    state = server_state(request)
     released = await state.engine.release_memory(data.tags)
     return p.MemoryOccupationResponse(success=True, released=released)
 
 
-@post("/resume_memory_occupation", status_code=200, summary="Take back what /release_memory_occupation gave up")
+@post("/resume_memory_occupation", status_code=200, summary="Take back what /release_memory_occupation gave up",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def resume_memory_occupation(
     data: p.MemoryOccupationRequest, request: Request[Any, Any, Any]
 ) -> p.MemoryOccupationResponse:
-    state = weights_state(request)
+    state = server_state(request)
     released = await state.engine.resume_memory(data.tags)
     return p.MemoryOccupationResponse(success=True, released=released)
 
 
-@post("/pause_generation", status_code=200, summary="Stop generating until /continue_generation (abort, retract or in place)")
+@post("/pause_generation", status_code=200, summary="Stop generating until /continue_generation (abort, retract or in place)",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def pause_generation(data: p.PauseGenerationRequest, request: Request[Any, Any, Any]) -> p.PauseGenerationResponse:
-    state = weights_state(request)
+    state = server_state(request)
     done = await state.engine.pause_generation(data.mode)
     return p.PauseGenerationResponse(success=True, mode=data.mode, num_aborted=done["aborted"],
                                      num_retracted=done["retracted"])
 
 
-@post("/continue_generation", status_code=200, summary="Generate again after /pause_generation")
+@post("/continue_generation", status_code=200, summary="Generate again after /pause_generation",
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def continue_generation(request: Request[Any, Any, Any]) -> p.ContinueGenerationResponse:
-    state = weights_state(request)
+    state = server_state(request)
     return p.ContinueGenerationResponse(success=True, was_paused=await state.engine.continue_generation())
 
 
-@get("/is_paused", summary="Whether generation is paused, and how")
+@get("/is_paused", summary="Whether generation is paused, and how", access=Access.ADMIN, fleet=Fleet.ONE_REPLICA)
 async def is_paused(request: Request[Any, Any, Any]) -> p.IsPausedResponse:
     mode = server_state(request).engine.paused
     return p.IsPausedResponse(is_paused=mode is not None, mode=mode)

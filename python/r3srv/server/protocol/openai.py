@@ -1,0 +1,425 @@
+"""OpenAI's /v1/completions and /v1/chat/completions, as vLLM 0.33 spells them
+(its `entrypoints/openai/*/protocol.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from r3srv.errors import InvalidRequestError
+from r3srv.sampling_params import SamplingParams
+from r3srv.server.rows_encoding import RequestedEncoding, RoutedExpertsValue, SglExt
+from r3srv.server.protocol.tools import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolChoice,
+    message_tool_fields,
+)
+from r3srv.server.protocol.common import (
+    ChoiceCount,
+    NonNegInt,
+    PromptLogprobs,
+    PromptStart,
+    ReturnRoutedExperts,
+    ReturnTokenIds,
+    Seed,
+    StreamOptions,
+    UsageInfo,
+    _check_logprob_count,
+    _check_prompt_logprobs,
+)
+
+
+class _OpenAIRequest(Struct, kw_only=True):
+    """The sampling and r3srv fields of /v1/completions and /v1/chat/completions, and their
+    common road to SamplingParams (each request adds its own max_tokens and logprobs rules)."""
+
+    model: str | None = None
+    n: ChoiceCount = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, as OpenAI's
+    user: str | None = None  # no effect, as in vLLM
+    # vLLM extras
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    cache_salt: str | None = None
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False
+    request_id: str | None = None
+    return_token_ids: ReturnTokenIds = None
+    routed_experts_prompt_start: PromptStart = 0
+    # r3srv extra
+    return_routed_experts: ReturnRoutedExperts = None
+    routed_experts_encoding: RequestedEncoding = None
+
+    def _sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
+        _check_prompt_logprobs(self.prompt_logprobs, self.stream)
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left",
+            cache_salt=self.cache_salt,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            routed_experts_prompt_start=self.routed_experts_prompt_start,
+            return_routed_experts=self.return_routed_experts,
+        )
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+# msgspec allows one array-like type per union, so the OpenAI prompt forms
+# (str, list[str], list[int], list[list[int]]) decode as str | list[...] and are
+# sorted out by `prompts()`.
+PromptType = str | list[str | int | list[int]]
+
+
+class CompletionRequest(_OpenAIRequest, kw_only=True):
+    prompt: PromptType
+    max_tokens: NonNegInt | None = 16  # 0 only with echo: the prompt alone (vLLM's scoring use)
+    logprobs: int | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
+    # The prompt's text before the completion's (and with logprobs, the prompt's logprobs first).
+    echo: bool | None = False
+
+    def param_names(self) -> dict[str, str]:
+        return {}  # the engine's names are vLLM's
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one text or one token-id list each."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        if all(isinstance(p, list) for p in prompt):
+            if not all(prompt):
+                raise InvalidRequestError("prompt token lists must not be empty", param="prompt")
+            return list(prompt)  # type: ignore[arg-type]
+        raise InvalidRequestError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            param="prompt",
+        )
+
+    def to_sampling_params(self) -> SamplingParams:
+        _check_logprob_count("logprobs", self.logprobs)
+        # as vLLM: echo's logprobs cover the prompt too, with as many top entries
+        prompt_logprobs = self.prompt_logprobs
+        if (prompt_logprobs is None or self.stream) and self.echo:
+            prompt_logprobs = self.logprobs
+        elif self.stream:  # a stream sends prompt logprobs only with echo (only 0 passes the checks)
+            prompt_logprobs = None
+        max_tokens = self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise InvalidRequestError(param="max_tokens", problem="=0 must be at least 1 (0 needs echo=true)")
+            max_tokens = 1  # as vLLM: one token is generated, the response shows the prompt alone
+        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
+
+
+class CompletionLogProbs(Struct, kw_only=True):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionResponseChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    routed_experts: RoutedExpertsValue | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
+    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_version: str | UnsetType = UNSET
+
+
+class CompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
+    usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+
+
+class CompletionResponseStreamChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
+    # Only on the final chunk of a choice (the one with finish_reason).
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
+    weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
+
+
+class CompletionStreamResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM 0.33's
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM 0.33's name)
+    reasoning_content: str | None = None  # its older name, as vLLM reads it
+
+    def content_chars(self) -> int:
+        """The content's length in characters (how much work rendering and encoding it is)."""
+        if isinstance(self.content, list):
+            return sum(len(part.text or "") for part in self.content)
+        return len(self.content or "")
+
+    def to_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidRequestError(
+                    param="messages", problem=": only text content parts are supported by r3srv (no multimodal inputs)"
+                )
+            content = "".join(part.text for part in content)  # type: ignore[misc]
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        message.update(message_tool_fields(self.role, self.tool_calls, self.tool_call_id, reasoning))
+        return message
+
+
+class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
+    messages: Annotated[list[ChatMessageParam], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
+    add_generation_prompt: bool = True
+    # vLLM's: the last message's content before the reply, when its role is the reply's
+    echo: bool = False
+
+    # tool calling and reasoning (docs/protocol.md, "Tool calling and reasoning")
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (vLLM's default)
+    parallel_tool_calls: bool | None = True  # false: the first call only
+    include_reasoning: bool = True
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables besides messages: tools, chat_template_kwargs, and
+        reasoning_effort (which also turns thinking on or off unless enable_thinking is given),
+        as vLLM builds them."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        clash = sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        if clash:
+            raise InvalidRequestError(param="chat_template_kwargs", problem=f" may not set {', '.join(clash)}")
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        if self.tools is not None:
+            kwargs["tools"] = [tool.template_dict() for tool in self.tools]
+        return kwargs
+
+    def param_names(self) -> dict[str, str]:
+        names = {"prompt": "messages", "logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
+
+    def to_sampling_params(self) -> SamplingParams:
+        _check_logprob_count("top_logprobs", self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        top = self.top_logprobs or 0
+        # as vLLM: echo asks for the prompt's logprobs, top_logprobs of them
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = top
+        if self.stream:  # a chat stream never sends them (only 0 passes the checks)
+            prompt_logprobs = None
+        return self._sampling_params(
+            max_tokens=max_tokens, logprobs=top if self.logprobs else None, prompt_logprobs=prompt_logprobs
+        )
+
+    def response_role(self) -> str:
+        """The reply's role (vLLM's get_chat_request_role with its default response role)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_text(self) -> str:
+        """What echo puts before the reply: the last message's content when its role is the reply's."""
+        if not self.echo or self.messages[-1].role != self.response_role():
+            return ""
+        content = self.messages[-1].content
+        if isinstance(content, list):
+            return "\n".join(part.text or "" for part in content)
+        return content or ""
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | None = None
+    refusal: str | None = None
+    annotations: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # vLLM leaves tool_calls out when empty
+    reasoning: str | None = None
+
+
+class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = msgspec.field(default_factory=list)
+
+
+class ChatCompletionLogProb(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatCompletionLogProb] = msgspec.field(default_factory=list)
+
+
+class ChatCompletionLogProbs(Struct, kw_only=True):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(Struct, kw_only=True):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    routed_experts: RoutedExpertsValue | None = None
+    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
+    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_version: str | UnsetType = UNSET
+
+
+class ChatCompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
+    usage: UsageInfo
+    sglext: SglExt | UnsetType = UNSET  # routed_experts_encoding "sglang" (SGLang's place for them)
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+
+
+class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
+    weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
+
+
+class ChatCompletionStreamResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    sglext: SglExt | UnsetType = UNSET  # a chunk of its own, as SGLang's

@@ -1,0 +1,126 @@
+"""vLLM 0.33's token-in token-out routes: /inference/v1/generate and /inference/v1/abort_requests
+(its `entrypoints/scale_out/token_in_token_out/protocol.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from r3srv.errors import InvalidRequestError
+from r3srv.sampling_params import SamplingParams
+from r3srv.server.rows_encoding import RequestedEncoding, RoutedExpertsValue
+from r3srv.server.protocol.common import (
+    MAX_N,
+    NonNegInt,
+    PromptLogprobs,
+    ReturnTokenIds,
+    StreamOptions,
+    UsageInfo,
+)
+
+
+# SamplingParams' own names are vLLM's, which TITO clients use (inside sampling_params)
+_TITO_NAMES = {"prompt": "token_ids"}
+
+
+class TitoSamplingParams(SamplingParams, kw_only=True, omit_defaults=True):
+    """SamplingParams as /inference/v1/generate reads them: without max_tokens, generate up to
+    max_model_len - prompt, as vLLM 0.33 does there."""
+
+    max_tokens: int | None = None
+
+
+class GenerateRequest(Struct, kw_only=True):
+    token_ids: Annotated[list[NonNegInt], Meta(min_length=1)]
+    sampling_params: TitoSamplingParams
+    request_id: str | None = None
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: ReturnTokenIds = None
+    # "tokens": token ids only; "text": also the detokenized text.
+    output_mode: Literal["tokens", "text"] = "tokens"
+    cache_salt: str | None = None  # vLLM's: top-level here, a SamplingParams field in r3srv's engine
+    routed_experts_encoding: RequestedEncoding = None  # r3srv's
+
+    def __post_init__(self) -> None:
+        # SamplingParams has no upper bound on n; the OpenAI routes' cap applies here too.
+        # (A ValueError here is a msgspec.ValidationError at decode, so a 400.)
+        if self.sampling_params.n > MAX_N:
+            raise InvalidRequestError(param="n", problem=f"={self.sampling_params.n} must be <= {MAX_N}")
+        if self.stream and self.sampling_params.prompt_logprobs:
+            raise InvalidRequestError(param="prompt_logprobs", problem=" are not available when stream=true")
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.cache_salt is None:
+            return self.sampling_params
+        return msgspec.structs.replace(self.sampling_params, cache_salt=self.cache_salt)
+
+    def param_names(self) -> dict[str, str]:
+        return _TITO_NAMES
+
+
+class GenerateLogProb(Struct, kw_only=True):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class GenerateLogProbsContent(Struct, kw_only=True):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    top_logprobs: list[GenerateLogProb] = msgspec.field(default_factory=list)
+
+
+class GenerateLogProbs(Struct, kw_only=True):
+    content: list[GenerateLogProbsContent] | None = None
+
+
+class GenerateChoice(Struct, kw_only=True):
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int]
+    logprobs: GenerateLogProbs | None = None
+    routed_experts: RoutedExpertsValue | None = None
+    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_version: str | UnsetType = UNSET
+    text: str | UnsetType = UNSET  # output_mode="text" only
+
+
+class GenerateResponse(Struct, kw_only=True):
+    request_id: str
+    model: str | None = None
+    created: int | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    choices: list[GenerateChoice]
+    usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class GenerateStreamChoice(Struct, kw_only=True):
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int]  # the delta since the previous chunk of this choice
+    logprobs: GenerateLogProbs | None = None
+    routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
+    weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
+    text: str | UnsetType = UNSET
+
+
+class GenerateStreamResponse(Struct, kw_only=True):
+    request_id: str
+    output_mode: Literal["tokens", "text"] = "tokens"
+    choices: list[GenerateStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class AbortRequestsRequest(Struct, kw_only=True):
+    request_ids: list[str]
