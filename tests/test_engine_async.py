@@ -58,9 +58,9 @@ def test_concurrent_requests_batch_together_and_match_offline(engine):
     runner = engine.core.executor.runner
     real_run = runner.run
 
-    def spy_run(seqs):
+    def spy_run(seqs, *args):
         steps.append([(s.request_id, s.num_computed_tokens, s.num_scheduled_tokens) for s in seqs])
-        return real_run(seqs)
+        return real_run(seqs, *args)
 
     runner.run = spy_run
     prompts = [prompt_ids(5 + i, base=i) for i in range(6)]  # under one block: no prefix-cache hits

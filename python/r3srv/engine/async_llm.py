@@ -21,9 +21,10 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from r3srv.engine.core import CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
+from r3srv.engine.core import EngineCore, EngineFacts, EngineStats, engine_config
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, StopSequence
+from r3srv.engine.requests import CoreOutputs
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.models.loader import NamedTensors
 from r3srv.offload import run_sized
@@ -207,8 +208,7 @@ class AsyncLLM(EngineFacts):
         self.core = EngineCore(engine_config(model, **kwargs))
         core = self.core
         self._input = InputProcessor(core.tokenizer, core.model_config.vocab_size, core.max_model_len,
-                                     core.enable_return_routed_experts, core.config.max_logprobs,
-                                     core.config.async_scheduling)
+                                     core.enable_return_routed_experts, core.config.max_logprobs)
         self._output = OutputProcessor(core.tokenizer)  # the output thread's alone
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # to the core thread
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # to the output thread

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from r3srv.config import EngineConfig
-from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
+from r3srv.engine.core import MEMORY_TAGS, EngineCore, EngineFacts, EngineStats, engine_config
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, ProcessedOutputs
+from r3srv.engine.requests import CoreOutputs
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams
 
@@ -39,7 +40,7 @@ class LLMEngine(EngineFacts):
         core = self.core
         self.input_processor = InputProcessor(
             core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
-            core.config.max_logprobs, core.config.async_scheduling,
+            core.config.max_logprobs,
         )
         self.output_processor = OutputProcessor(core.tokenizer)
 
