@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from r3srv.config import engine_config
 from r3srv.engine.commands import PAUSE_MODES, Command, commands_as_methods  # noqa: F401 (PAUSE_MODES: metrics)
-from r3srv.engine.core import CoreOutputs, EngineCore, EngineFacts, EngineStats
+from r3srv.engine.core import EngineCore, EngineFacts, EngineStats
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, StopSequence
+from r3srv.engine.requests import CoreOutputs
 from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.models.loader import NamedTensors

@@ -232,13 +232,13 @@ class BlockManager:
 
     def plan_snapshots(self, seq: Sequence) -> None:
         """Before a step of a hybrid with prefix caching: the block boundaries inside the step's
-        tokens where the model copies `seq`'s states (seq.snapshot_plan, attached to their
-        blocks by commit_full_blocks). Two are worth keeping: the last boundary before the
-        prompt's final token (what a repeated prompt or an n > 1 sibling resumes from), left
+        tokens where the model copies `seq`'s states (added to seq.snapshot_plan, attached to
+        their blocks by commit_full_blocks; an overlapped step's plan may still hold the points
+        of the step before it, not booked yet). Two are worth keeping: the last boundary before
+        the prompt's final token (what a repeated prompt or an n > 1 sibling resumes from), left
         in the pool for hits at once; and the latest one, in the snapshot the sequence owns
         and moves along (what the next turn of a conversation, or a preempted sequence, resumes
         from, once the sequence ends)."""
-        seq.snapshot_plan = []
         if self.states is None or not self.states.num_snapshots or not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -260,6 +260,8 @@ class BlockManager:
                 if self.blocks[seq.snapshot_block].snapshot == seq.snapshot:
                     self.blocks[seq.snapshot_block].snapshot = None
                 seq.snapshot_block = None
+            # a point of a queued step in the snapshot this step overwrites never reaches a block
+            seq.snapshot_plan = [point for point in seq.snapshot_plan if point[1] != seq.snapshot]
             seq.snapshot_plan.append((latest, seq.snapshot))
 
     def _take_snapshot(self) -> int | None:
@@ -272,9 +274,14 @@ class BlockManager:
         return entry
 
     def _attach_snapshots(self, seq: Sequence) -> None:
-        """Hang the snapshots this step took on the registered blocks of their prefixes (a
-        twin computed first, if any: the block later prompts' hits reach)."""
+        """Hang the planned snapshots of computed tokens on the registered blocks of their
+        prefixes (a twin computed first, if any: the block later prompts' hits reach). Attached
+        when the step that plans them is booked, or (overlapped) the step before it: the device
+        runs the steps in order, so no later step reads a snapshot before it is written."""
+        pending = [point for point in seq.snapshot_plan if point[0] > seq.num_computed_tokens]
         for position, entry in seq.snapshot_plan:
+            if position > seq.num_computed_tokens:
+                continue
             block_id, generation = seq.block_prefix_ids[position // self.block_size - 1]
             block = self.blocks[block_id]
             owned = entry == seq.snapshot
@@ -287,7 +294,7 @@ class BlockManager:
                 seq.snapshot_block = block_id
             else:
                 self.states.disown(entry, block_id)
-        seq.snapshot_plan = []
+        seq.snapshot_plan = pending
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` whose tokens are now all computed, for later prefix hits

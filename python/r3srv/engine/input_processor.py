@@ -35,9 +35,8 @@ class EngineRequest:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, enable_return_routed_experts: bool,
-                 max_logprobs: int = 20, async_scheduling: bool = False) -> None:
+                 max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
-        self.async_scheduling = async_scheduling
         self.max_logprobs = max_logprobs  # -1: the whole vocabulary
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -47,7 +46,7 @@ class InputProcessor:
     def of(cls, core) -> InputProcessor:
         """The input processor of an EngineCore (its tokenizer, vocabulary, limits)."""
         return cls(core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
-                   core.config.max_logprobs, core.config.async_scheduling)
+                   core.config.max_logprobs)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """A conversation as prompt text, through the tokenizer's chat template: the one place
@@ -175,11 +174,6 @@ class InputProcessor:
         """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and logprob
         counts against max_logprobs (-1, the whole vocabulary, counts as vocab_size), as vLLM."""
         vocab = self.vocab_size
-        if self.async_scheduling:  # they need the token in flight, or logits the queued step does not keep
-            for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                                  ("prompt_logprobs", None)):
-                if getattr(params, name) != default:
-                    raise InvalidRequestError(param=name, problem=" is not supported with --async-scheduling yet")
         bad = sorted(t for t in (params.logit_bias or ()) if not 0 <= t < vocab)
         if bad:
             raise InvalidRequestError(param="logit_bias", problem=f" holds token ids {bad}, outside the vocabulary [0, {vocab})")

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from r3srv.config import EngineConfig, engine_config
 from r3srv.engine.commands import commands_as_methods
-from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineFacts, EngineStats
+from r3srv.engine.core import MEMORY_TAGS, EngineCore, EngineFacts, EngineStats
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, ProcessedOutputs
+from r3srv.engine.requests import CoreOutputs
 from r3srv.engine_options import with_option_keywords
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams

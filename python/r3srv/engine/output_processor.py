@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from r3srv.engine.core import CoreOutputs, RequestUpdate, SeqUpdate
 from r3srv.engine.input_processor import EngineRequest
+from r3srv.engine.requests import CoreOutputs, RequestUpdate, SeqUpdate
+from r3srv.engine.routed_experts import num_routed_rows
 from r3srv.engine.text_stream import TextStream
 from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput
 
@@ -90,7 +91,7 @@ class SeqState:
     def take_rows(self, rows: np.ndarray | None) -> None:
         """The core's rows, less those of tokens a stop string cut after the core's last step."""
         if rows is not None:
-            n = max(0, self.num_prompt_tokens + len(self.token_ids) - 1 - self.params.routed_experts_prompt_start)
+            n = num_routed_rows(self.num_prompt_tokens + len(self.token_ids), self.params.routed_experts_prompt_start)
             rows = rows if len(rows) == n else rows[:n]
         self.routed_experts = rows
 

@@ -78,6 +78,8 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         if params.prompt_logprobs is not None and index == 0:
             self.prompt_logprobs = [None] if params.prompt_logprobs_start < self.num_prompt_tokens else []
+        # prompt positions whose logits a queued step computes, not recorded yet (overlapped steps)
+        self.prompt_logprobs_queued = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -96,12 +98,17 @@ class Sequence:
 
     @property
     def next_prompt_logprob_position(self) -> int | None:
-        """The position whose logits give the next missing prompt logprob (they predict the
-        token after it); None when none is missing (or none was asked for)."""
+        """The position whose logits give the next prompt logprob neither recorded nor queued
+        (they predict the token after it); None when none is missing (or none was asked for)."""
         if self.prompt_logprobs is None:
             return None
-        position = self.params.prompt_logprobs_start + len(self.prompt_logprobs) - 1
+        position = self.params.prompt_logprobs_start + len(self.prompt_logprobs) + self.prompt_logprobs_queued - 1
         return position if position < self.num_prompt_tokens - 1 else None
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Every prompt logprob asked for is recorded (none missing, none in a queued step)."""
+        return self.next_prompt_logprob_position is None and not self.prompt_logprobs_queued
 
     @property
     def is_finished(self) -> bool:

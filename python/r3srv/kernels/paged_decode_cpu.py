@@ -5,7 +5,7 @@ The CPU counterpart of kernels/paged_decode_triton.py, with its launcher's signa
 semantics (GQA, MLA's values viewing the keys' leading dims, sliding windows, sinks): the torch
 path gathers every decode context into a padded copy and calls SDPA; this reads each context
 once, in place, with an online softmax in float32 (bfloat16 caches accumulate in float32 too).
-The work is split over (sequence, KV head) across torch's intra-op thread count when there is
+The work is split over (sequence, KV head) across the given threads when there is
 enough of it. Tensors cross as data pointers, shapes and strides: this module checks what Rust
 cannot (dtypes, devices, layouts, aliasing) and Rust checks every index before following it.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from r3srv import settings
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 _paged_decode_attention = rust_kernel("paged_decode_attention")
@@ -41,11 +40,13 @@ def _index(t: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int, scale: float,
                      window: int | None = None, sinks: torch.Tensor | None = None,
-                     max_context: int | None = None) -> None:
+                     max_context: int | None = None, threads: int = 1) -> None:
     """Decode attention into out[rows] (out [T, H, Dv], contiguous): q [T, H, D]; k_cache
     [slots, KVH, D], v_cache [slots, KVH, Dv]; per decoding sequence its block table row
     (tables [B, max_blocks]), context length (lens [B], this token included) and row in q
-    (rows [B]). max_context: accepted for the Triton launcher's signature (no split here)."""
+    (rows [B]). max_context: accepted for the Triton launcher's signature (no split here).
+    threads: the work's split over the Rust core's thread pool (the CPU backend passes
+    settings.cpu_threads)."""
     del max_context
     num_seqs = rows.shape[0]
     if num_seqs == 0:
@@ -77,7 +78,7 @@ def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int,
     _paged_decode_attention(
         RUST_DTYPES[q.dtype], _head_major("q", q), _head_major("k_cache", k_cache), _head_major("v_cache", v_cache),
         (tables.data_ptr(), *tables.shape), lens.data_ptr(), rows.data_ptr(), (out.data_ptr(), *out.shape),
-        page, float(scale), window, None if sinks is None else sinks.data_ptr(), settings.current().cpu_threads,
+        page, float(scale), window, None if sinks is None else sinks.data_ptr(), threads,
     )
 
 

@@ -3,15 +3,14 @@
 and key heads RMS-normalized per head (Qwen3's q_norm / k_norm) and rotated by the half-split
 convention. It replaces about 25 torch ops per layer (split, reshapes, two norms on strided
 views, two rotations, v's copy), whose dispatch costs more than the work at a decode step's
-few tokens. float32 only; anything else, `--no-rust-rope` (R3SRV_RUST_ROPE=0) or a missing
-extension keep the torch ops. The rotation gives torch's bits; the norms differ by rounding.
+few tokens. float32 only; anything else, `--no-rust-rope` (R3SRV_RUST_ROPE=0: the CPU backend,
+ops/cpu.py, then does not take it) or a missing extension keep the torch ops. The rotation gives torch's bits; the norms differ by rounding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from r3srv import settings
 from r3srv.kernels.rust_core import rust_kernel
 
 _qk_norm_rope_f32 = rust_kernel("qk_norm_rope_f32")
@@ -32,7 +31,7 @@ def qk_norm_rope(
     kv_heads) D]: q and k normed by `norms` (q_norm, k_norm [D]; None: not normed), then
     rotated over cos/sin's width (rope_cos_sin's [T, rotary]; None: not rotated). None where
     the kernel does not apply."""
-    if not BUILT or not settings.current().rust_rope or not qkv.is_cpu or qkv.dtype != torch.float32:
+    if not BUILT or not qkv.is_cpu or qkv.dtype != torch.float32:
         return None
     tokens = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or not qkv.is_contiguous() or tokens == 0:

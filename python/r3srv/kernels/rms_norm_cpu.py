@@ -1,14 +1,14 @@
 """RMSNorm of float32 rows on the CPU in the Rust core (rust/src/rms_norm.rs): one call instead
 of torch's composite CPU kernel, whose per-call cost exceeds the work on a decode step's few
-rows (docs/benchmarks.md). models/layers.rms_norm takes it for contiguous float32 CPU tensors;
-`--no-rust-rms-norm` (R3SRV_RUST_RMS_NORM=0), a stale or missing extension keep torch's.
+rows (docs/benchmarks.md). The CPU backend's RMSNorm (ops/norm.py, ops/cpu.py) takes it for
+contiguous float32 CPU tensors; `--no-rust-rms-norm` (R3SRV_RUST_RMS_NORM=0), a stale or missing
+extension keep torch's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from r3srv import settings
 from r3srv.kernels.rust_core import rust_kernel
 
 _rms_norm_f32 = rust_kernel("rms_norm_f32")
@@ -18,7 +18,7 @@ BUILT = _rms_norm_f32 is not None  # else the torch path (kernels/rust_core.py)
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x / sqrt(mean(x^2, -1) + eps) * weight for float32 CPU tensors, or None where the Rust
     kernel does not apply (the caller keeps torch's)."""
-    if not BUILT or not x.is_cpu or not settings.current().rust_rms_norm:
+    if not BUILT or not x.is_cpu:
         return None
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0] or not (x.is_contiguous() and weight.is_contiguous()):
         return None

@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from r3srv.models.attention import CAUSAL, AttentionMetadata, attend, paged_attention
 from r3srv.models.config import ModelConfig
 from r3srv.models.dsa import Indexer, Selection
-from r3srv.models.layers import apply_rope, apply_rope_interleaved, empty_param as _param, rms_norm, yarn_mscale
+from r3srv.models.layers import empty_param as _param
 from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, head_pieces, local_heads
+from r3srv.ops import REFERENCE, Ops
+from r3srv.ops.attention import CAUSAL, AttentionMetadata, attend, paged_attention
+from r3srv.ops.rotary import yarn_mscale
 
 # DeepSeek-V3's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not the config's.
 LATENT_NORM_EPS = 1e-6
@@ -73,10 +75,17 @@ class MlaAttention(nn.Module):
         self.o_proj = RowParallelLinear(head_pieces(heads, self.v_dim, parallel), hidden, bias=spec.o_bias,
                                         state=parallel, **kw)
         self.scale = mla_softmax_scale(cfg)
-        self.rotate = apply_rope_interleaved if cfg.rope.interleave else apply_rope
+        self.rope_layout = "interleaved" if cfg.rope.interleave else "half"
         self.use_rope = cfg.rope.enabled  # Kimi-Linear: no positions (its rope dims stay as they are)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.use_ops(REFERENCE)
+
+    def use_ops(self, ops: Ops) -> None:
+        """The backend's latent norms, rotation and paged decode kernel (latent decodes)."""
+        self.rms_norm = ops.norm("default")
+        self.rotate = ops.rotate(self.rope_layout)
+        self.decode_kernel = ops.decode_attention
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k_cache = torch.zeros(num_slots, 1, self.rank + self.rope, dtype=dtype, device=device)
@@ -118,7 +127,7 @@ class MlaAttention(nn.Module):
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            q_resid = self.rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
             q = self.q_b_proj(q_resid)
         selection: Selection | None = None
         if self.indexer is not None:
@@ -127,7 +136,7 @@ class MlaAttention(nn.Module):
             selection = meta.sparse_selection
         q_nope, q_rope = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rope = F.linear(x, self.kv_a, self.kv_a_bias).split([self.rank, self.rope], dim=-1)
-        latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
+        latent = self.rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
         k_rope = k_rope.reshape(t, 1, self.rope)
         if self.use_rope:
             q_rope, k_rope = self.rotate(q_rope, cos, sin), self.rotate(k_rope, cos, sin)
@@ -143,7 +152,7 @@ class MlaAttention(nn.Module):
                 groups = [g if sparse is None else sparse
                           for g, sparse in zip(meta.decode_groups(None), selection.decodes)]
             out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, meta,
-                                         scale=self.scale, decode_kernel=groups is None, with_prefills=False,
+                                         scale=self.scale, decode_kernel=self.decode_kernel, with_prefills=False,
                                          groups=groups)
             out = torch.einsum("thc,hdc->thd", out_latent, kv_b[:, self.nope :])
         else:
