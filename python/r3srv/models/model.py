@@ -417,6 +417,17 @@ class MoeForCausalLM(nn.Module):
             param.data = data.pin_memory() if pin else data
         self.select_ops(self.ops)  # the same kernels, bound again to the weights where they now lie
 
+    lora_context = None  # the adapter slots' shared step (r3srv.lora) once enable_lora ran
+
+    def enable_lora(self, num_slots: int):
+        """Adapter slots (`num_slots` adapters at once) on every projection an adapter may
+        target, then the ops bound again: a fused op that does not compute them declines."""
+        from r3srv.lora.sites import attach
+
+        context = attach(self, num_slots)
+        self.select_ops(self.ops)
+        return context
+
     # ---- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -430,6 +441,8 @@ class MoeForCausalLM(nn.Module):
         return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.lora_context is not None:  # which adapter each token runs under, for every slot holder
+            self.lora_context.batch = batch.lora
         meta = AttentionMetadata.build(batch, self.block_size, self.device)
         positions = batch.positions.to(self.device)
         cos, sin = rope_cos_sin(

@@ -89,6 +89,7 @@ class SparseMoeBlock(nn.Module):
             self.shared = Mlp(h, s, gated=cfg.experts.gated, parallel=parallel, **kw)
             if cfg.experts.shared_gate:
                 self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), requires_grad=False)
+        self.gate_lora = None  # the router gate's adapter slots (r3srv.lora) when served with LoRA
         self.use_ops(REFERENCE)
 
     def use_ops(self, ops: Ops) -> None:
@@ -99,15 +100,18 @@ class SparseMoeBlock(nn.Module):
 
     def parts(self) -> MoeParts:
         experts = self.experts
-        router = RouterParts(LinearParts(self.gate, self.gate_bias), self.top_k, self.scoring, self.renormalize,
+        router = RouterParts(LinearParts(self.gate, self.gate_bias, self.gate_lora), self.top_k, self.scoring, self.renormalize,
                              self.scaling, self.correction_bias, self.num_groups, self.topk_groups)
         expert_parts = ExpertParts(experts.w13, experts.w2, self.activation, experts.b13, experts.b2,
-                                   experts.state.ep_size, experts.state.tp_size)
+                                   experts.state.ep_size, experts.state.tp_size, experts.lora)
         return MoeParts(router, expert_parts, None if self.shared is None else self.shared.parts(), self.shared_gate)
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:
         gate = self.gate
-        router_logits = self.ops.linear(x if x.dtype == gate.dtype else x.to(gate.dtype), gate, self.gate_bias)
+        gate_input = x if x.dtype == gate.dtype else x.to(gate.dtype)
+        router_logits = self.ops.linear(gate_input, gate, self.gate_bias)
+        if self.gate_lora is not None:  # an adapted router: the rows follow it
+            router_logits = self.gate_lora(gate_input, router_logits, self.ops.linear)
         weights, ids = self.route(
             router_logits,
             self.top_k,
@@ -120,7 +124,10 @@ class SparseMoeBlock(nn.Module):
             topk_groups=self.topk_groups,
             group_score_top=self.group_score_top,
         )
-        out = self.experts(x, weights, ids, self.expert_pass)
+        expert_pass, lora = self.expert_pass, self.experts.lora
+        if lora is not None and lora.active():  # this step's adapters on the experts (r3srv.lora.slots)
+            expert_pass = lora.expert_pass(self.activation, self.ops.linear)
+        out = self.experts(x, weights, ids, expert_pass)
         if self.shared is not None:
             shared = self.shared(x)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)

@@ -188,13 +188,14 @@ class ShardedWeight(nn.Module):
     are the checkpoint targets of piece i (None: all pieces, the whole merged tensor)."""
 
     ops: Ops = REFERENCE  # the model's backend, bound by use_ops when the model is built
+    lora = None  # a linear layer's adapter slots (r3srv.lora.slots.LoraLinear) when served with LoRA
 
     def use_ops(self, ops: Ops) -> None:
         self.ops = ops
 
     def parts(self) -> LinearParts:
         """The weight and bias as a layer hands them to a fused op (ops/parts.py)."""
-        return LinearParts(self.weight, self.bias)
+        return LinearParts(self.weight, self.bias, self.lora)
 
     def __init__(self, pieces: Sequence[Piece], shape: Sequence[int], dim: int, *, bias: bool,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -242,7 +243,8 @@ class ColumnParallelLinear(ShardedWeight):
         super().__init__(pieces, (0, in_features), 0, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        y = self.ops.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y, self.ops.linear)
 
 
 class RowParallelLinear(ShardedWeight):
@@ -255,8 +257,12 @@ class RowParallelLinear(ShardedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.tp_size == 1:
-            return self.ops.linear(x, self.weight, self.bias)
-        y = self.state.all_reduce(self.ops.linear(x, self.weight))
+            y = self.ops.linear(x, self.weight, self.bias)
+            return y if self.lora is None else self.lora(x, y, self.ops.linear)
+        y = self.ops.linear(x, self.weight)
+        if self.lora is not None:  # this rank's input columns of A: the ranks' terms sum to the whole
+            y = self.lora(x, y, self.ops.linear)
+        y = self.state.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -332,6 +338,8 @@ class ExpertSlice(nn.Module):
     ranks. Ids in and out are logical; a rank computes its share of each token's weighted sum,
     and the shares are summed over the ranks.
     """
+
+    lora = None  # the experts' adapter slots (r3srv.lora.slots.LoraExperts) when served with LoRA
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, gated: bool, interleaved: bool = False,
                  biased: bool = False, state: ParallelState = SINGLE, dtype: torch.dtype, device: torch.device) -> None:

@@ -28,6 +28,7 @@ class Declined(Exception):
 class LinearParts:
     weight: torch.Tensor
     bias: torch.Tensor | None = None
+    lora: Any = None  # adapter slots (r3srv.lora.slots): a low-rank term per token's adapter
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class ExpertParts:
     b2: torch.Tensor | None = None
     ep_size: int = 1
     tp_size: int = 1
+    lora: Any = None  # adapter slots (r3srv.lora.slots.LoraExperts)
 
 
 @dataclass(frozen=True)
