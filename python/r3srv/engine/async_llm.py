@@ -232,6 +232,7 @@ class AsyncLLM(EngineFacts):
         *,
         add_special_tokens: bool = True,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; the last has finished=True.
 
@@ -246,9 +247,11 @@ class AsyncLLM(EngineFacts):
         the iteration early (aclose, cancellation) aborts the request and frees its blocks.
         """
         self._check_alive()
+        self.core.lora_ref(lora_name)  # an unknown adapter: refused here (the core checks again when it adds it)
         size = len(prompt) if isinstance(prompt, (str, list, tuple)) else 0  # anything else fails validation
         prepared: EngineRequest = await run_sized(
             size, self.input_processor.process, request_id, prompt, sampling_params, add_special_tokens=add_special_tokens,
+            lora_name=lora_name,
         )
         prepared.output_kind = output_kind
         sink = _Sink(asyncio.get_running_loop())

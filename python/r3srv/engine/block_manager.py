@@ -14,9 +14,12 @@ the hash does (Python's tuple hash is not collision-resistant). Freed blocks kee
 hash and contents and sit in LRU order in the free pool until a fresh allocation
 evicts them.
 
-Cache salts (vLLM's cache_salt, SGLang's extra_key): a salted sequence's first block chains
-from the salt (its hash and its recorded parent), so prompts with different salts, or one
-salted and one not, never share a block, even on a hash collision.
+Extra keys: a sequence's first block chains from its `cache_key` (its hash and its recorded
+parent): the cache salt (vLLM's cache_salt, SGLang's extra_key) and the LoRA adapter with its
+version, so prompts with different salts or adapters, or one with and one without, never share
+a block, even on a hash collision. Every registered block remembers the key its chain started
+from (`root`), so the blocks of a replaced or unloaded adapter are dropped at once
+(`drop_extra_key`).
 
 Hybrid models (Gated DeltaNet layers) also hold one fixed-size state per sequence: an
 admitted sequence takes a state slot with its blocks and gives it back with them, so a
@@ -29,6 +32,7 @@ such block, and the admitted sequence restores that snapshot into its slot.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 
 from r3srv.engine.block_table import BlockTable
 from r3srv.engine.sequence import Sequence
@@ -36,7 +40,7 @@ from r3srv.engine.state_pool import StatePool
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "generation", "parent", "snapshot")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "generation", "parent", "snapshot", "root")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -47,6 +51,7 @@ class Block:
         # (block_id, generation) of the block before it; a first block: its cache salt (or None)
         self.parent: tuple[int, int] | str | None = None
         self.snapshot: int | None = None  # hybrids: state entry holding the states after its last token
+        self.root: Hashable = None  # the extra keys its chain started from (the sequence's cache_key)
 
     @property
     def identity(self) -> tuple[int, int]:
@@ -107,7 +112,7 @@ class BlockManager:
         logprobs (the cache has no logits: vLLM also recomputes such prompts)."""
         if seq.next_prompt_logprob_position is not None:
             return []
-        return self.match_prefix(seq.token_ids, seq.params.cache_salt)
+        return self.match_prefix(seq.token_ids, seq.cache_key)
 
     def match_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
         """Cached blocks holding a prefix of `token_ids` (under `salt`), leaving at least one
@@ -177,6 +182,23 @@ class BlockManager:
                     self.states.drop(block.snapshot)  # unowned: free; owned: its sequence frees it
                 block.snapshot = None
         return forgotten
+
+    def drop_extra_key(self, part: Hashable) -> int:
+        """Forget the cached prefixes whose chain started from a key holding `part` (an adapter's
+        `("lora", id, version)`): none can be reached again. Returns how many blocks."""
+        dropped = 0
+        for block in self.blocks:
+            root = block.root
+            if block.hash is None or not (root == part or isinstance(root, tuple) and part in root):
+                continue
+            if self._hash_to_block.get(block.hash) == block.block_id:
+                del self._hash_to_block[block.hash]
+            block.hash, block.token_ids, block.parent, block.root = None, (), None, None
+            if block.snapshot is not None and self.states is not None:
+                self.states.drop(block.snapshot)
+                block.snapshot = None
+            dropped += 1
+        return dropped
 
     # -- allocation ---------------------------------------------------------------------
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -303,13 +325,13 @@ class BlockManager:
             return
         bs = self.block_size
         hashes, prefix_ids = seq.block_hashes, seq.block_prefix_ids
-        salt = seq.params.cache_salt
+        salt = seq.cache_key
         for i in range(len(hashes), seq.num_computed_tokens // bs):
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(hashes[-1] if hashes else salt, chunk)
             parent = prefix_ids[-1] if prefix_ids else salt
             block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids, block.parent = h, chunk, parent
+            block.hash, block.token_ids, block.parent, block.root = h, chunk, parent, salt
             registered = self._hash_to_block.get(h)
             twin = self.blocks[registered] if registered is not None else None
             if twin is not None and twin.token_ids == chunk and twin.parent == parent:

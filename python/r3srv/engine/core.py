@@ -85,6 +85,13 @@ class EngineCore:
             model, self.tokenizer = self.multiproc, self.multiproc.tokenizer
         self.model_config = mc = model.config
         self.config = config = config.finalize(mc)
+        self.lora = None  # the adapters served (r3srv.lora.manager) with enable_lora
+        if config.enable_lora:
+            from r3srv.lora.manager import LoraManager
+
+            model.enable_lora(config.max_loras)
+            self.lora = LoraManager(model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                    max_cpu_loras=config.max_cpu_loras)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         self.enable_return_routed_experts = config.enable_return_routed_experts
         eos = list(mc.eos_token_ids or [])
@@ -115,7 +122,8 @@ class EngineCore:
             num_blocks, config.block_size, config.enable_prefix_caching,
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_loras if config.enable_lora else 0)
         self.weight_version = config.weight_version
         self.model_path = config.model  # the checkpoint the weights came from (None: the built-in model)
         self.requests: dict[str, CoreRequest] = {}
@@ -181,7 +189,9 @@ class EngineCore:
         if prep.request_id in self.requests:
             raise InvalidRequestError(f"request_id {prep.request_id!r} is already in flight", param="request_id")
         p = prep.params
-        seqs = [Sequence(prep.request_id, i, prep.prompt_token_ids, p, prep.max_tokens, self._generator(p, i)) for i in range(p.n)]
+        lora = self.lora_ref(prep.lora_name)
+        seqs = [Sequence(prep.request_id, i, prep.prompt_token_ids, p, prep.max_tokens, self._generator(p, i), lora)
+                for i in range(p.n)]
         req = CoreRequest(prep, seqs, weight_version=self.weight_version)
         self.requests[prep.request_id] = req
         self.scheduler.add(seqs[0])
@@ -290,6 +300,48 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
         return self.block_manager.reset_prefix_cache()
+
+    # -- LoRA adapters (r3srv.lora) ------------------------------------------------------------
+    def lora_ref(self, name: str | None):
+        """The adapter a request names, at its current version (None: the base model)."""
+        if name is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError(f"LoRA adapter {name!r} asked for, but the server was started without "
+                                      "--enable-lora", param="lora_name")
+        return self.lora.ref(name)
+
+    def load_lora_adapter(self, name: str, path: str | None = None, adapter=None, pinned: bool = False):
+        """Register (or replace) an adapter; a replaced one's cached prefixes are dropped."""
+        manager = self._lora_manager()
+        old = manager.entries.get(name)
+        old_key = None if old is None else self.lora_ref(name).cache_key
+        if old is not None and any(s.lora is not None and s.lora.name == name for s in self.scheduler.running):
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by running requests: replace it once they "
+                                      "finish (or pause with mode=retract or keep)", param="lora_name")
+        ref = manager.load(name, path, adapter, pinned)
+        if old_key is not None:
+            self.block_manager.drop_extra_key(old_key)
+            for seq in self.scheduler.waiting:  # holding no KV: they run on the new version
+                if seq.lora is not None and seq.lora.name == name:
+                    seq.lora = ref
+        return ref
+
+    def unload_lora_adapter(self, name: str):
+        self._lora_manager()
+        in_use = sorted({r.prepared.request_id for r in self.requests.values() for s in r.seqs
+                         if s.lora is not None and s.lora.name == name and not s.is_finished})
+        if in_use:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by requests {in_use[:4]}: unload it once "
+                                      "they finish", param="lora_name")
+        ref = self.lora.unload(name)
+        self.block_manager.drop_extra_key(ref.cache_key)
+        return ref
+
+    def _lora_manager(self):
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters need a server started with --enable-lora", param="lora_name")
+        return self.lora
 
     def release_memory(self, tags: list[str] | None = None) -> list[str]:
         """Give memory back between rollout batches (a trainer colocated on the same GPU

@@ -31,6 +31,7 @@ class EngineRequest:
     # no per-step outputs. DELTA for a streaming one: per-step outputs cost the new tokens only,
     # where CUMULATIVE ones copy every token and logprob so far, every step.
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class InputProcessor:
@@ -78,6 +79,7 @@ class InputProcessor:
         params: SamplingParams | None,
         *,
         add_special_tokens: bool = True,
+        lora_name: str | None = None,
     ) -> EngineRequest:
         """Validate and tokenize; every problem is an InvalidRequestError raised here, before scheduling.
 
@@ -150,7 +152,7 @@ class InputProcessor:
             )
         if want is None:
             want = self.enable_return_routed_experts
-        return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want))
+        return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want), lora_name=lora_name)
 
     def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt after truncate_prompt_tokens, checked in vLLM's order: a size above

@@ -19,6 +19,7 @@ import torch
 from r3srv.engine.cuda_graphs import DecodeGraphs, is_graph_decode
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 from r3srv.engine.sequence import Sequence
+from r3srv.lora.slots import LoraBatch
 from r3srv.models.batch import ForwardBatch
 from r3srv.transfer import to_device
 
@@ -100,6 +101,7 @@ class ModelRunner:
             block_tables=tables_t,
             logits_indices=logits_indices,
             routing_capture=None if self.rows is None else self.rows.new_capture(num_tokens, dev),
+            lora=LoraBatch.build([s.lora_slot for s in seqs], query_lens.tolist(), dev),
         )
         if seqs[0].state_slot >= 0:  # a hybrid: every admitted sequence holds a state slot
             batch.state_slots = [s.state_slot for s in seqs]
@@ -116,7 +118,9 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], prompt_spans: list[tuple[int, int, int]] = ()) -> RunOutput:
         """Computes the scheduled tokens of `seqs`, keeping the logits of `prompt_spans`' positions too."""
         # a one-token step inside a prompt whose logprobs are asked for needs its row: no graph
-        graphed = self.graphs is not None and not prompt_spans and is_graph_decode(seqs)
+        # nor a step under an adapter: graphs capture the base model's path only (docs/lora.md)
+        graphed = (self.graphs is not None and not prompt_spans and is_graph_decode(seqs)
+                   and all(s.lora_slot < 0 for s in seqs))
         replayed = self._replay(seqs) if graphed else None
         if replayed is not None:
             return replayed

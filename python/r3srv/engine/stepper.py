@@ -102,6 +102,8 @@ class Stepper:
         core = self.core
         count_tokens(sched, result)
         seqs = sched.seqs
+        if core.lora is not None:  # the step's adapters resident, each sequence told its slot
+            core.lora.assign(seqs)
         if core.num_state_snapshots:  # a hybrid with prefix caching: where this step copies states
             for s in seqs:
                 core.block_manager.plan_snapshots(s)
