@@ -8,7 +8,7 @@ Layouts read (keys with or without PEFT's `base_model.model.` prefix):
   them for transformers 4's expert modules; the target is `<module>.weight`;
 - PEFT's parameter wrappers (`target_parameters=["mlp.experts.gate_up_proj", ...]`): A [E * r, in],
   B [out, E * r] under `...experts[.base_layer]*.lora_A.weight`, the nesting depth telling which
-  of the module's targeted parameters (the first listed is the innermost);
+  of the module's targeted parameters (the first the module declares is the innermost);
 - stacked 3-D tensors (`...experts.gate_up_proj.lora_A.weight` [E, r, in], `.lora_B.weight`
   [E, out, r]), with SGLang's shared-outer form: an expert dimension of 1 is one tensor shared by
   every expert (gate_up's A, down's B).
@@ -173,13 +173,20 @@ def _pair_of(module: str, a: torch.Tensor, b: torch.Tensor, r: int, config: dict
     return module + ".weight", a, b
 
 
+# PEFT wraps a module's targeted parameters in the order the module declares them (the first
+# innermost), whatever order its saved config lists them in (a set's); transformers' expert
+# modules declare these in this order
+_DECLARED = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def _wrapped_parameters(config: dict) -> dict[str, list[str]]:
-    """PEFT's target_parameters by their module: {"mlp.experts": ["gate_up_proj", "down_proj"]}."""
+    """PEFT's target_parameters by their module, innermost first: {"mlp.experts": ["gate_up_proj", "down_proj"]}."""
     wrapped: dict[str, list[str]] = {}
     for name in config.get("target_parameters") or ():
         module, _, parameter = str(name).rpartition(".")
         wrapped.setdefault(module, []).append(parameter)
-    return wrapped
+    rank = {name: i for i, name in enumerate(_DECLARED)}
+    return {m: sorted(names, key=lambda n: rank.get(n, len(rank))) for m, names in wrapped.items()}
 
 
 def _pattern(patterns: dict | None, name: str, default: float) -> Any:

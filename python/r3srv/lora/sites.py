@@ -65,6 +65,9 @@ def attach(model, num_slots: int) -> LoraContext:
             module.lora = LoraExperts(context, module.w13.shape, module.w2.shape)
         elif isinstance(module, SparseMoeBlock):
             module.gate_lora = LoraLinear(context, *module.gate.shape)
+        names = [n for n in getattr(module, "LORA_WEIGHTS", ()) if getattr(module, n) is not None]
+        if names:  # a layer's whole projections held as plain weights (MLA's q_a, kv_a)
+            module.lora_weights = {n: LoraLinear(context, *getattr(module, n).shape) for n in names}
     model.lora_context = context
     return context
 
@@ -82,6 +85,8 @@ def sites(model) -> dict[int, Site]:
             found[_storage(module.w2)] = Site(module.lora, module.w2, "w2")
         elif isinstance(module, SparseMoeBlock) and module.gate_lora is not None:
             found[_storage(module.gate)] = Site(module.gate_lora, module.gate)
+        for name, holder in getattr(module, "lora_weights", {}).items():
+            found[_storage(getattr(module, name))] = Site(holder, getattr(module, name))
     return found
 
 

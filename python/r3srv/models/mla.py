@@ -44,6 +44,11 @@ class MlaAttention(nn.Module):
     """Latent attention over this rank's heads: the latent (kv_a, its norm, the cache) and the
     indexer are whole on every rank, q/kv_b split by heads, o row-parallel."""
 
+    # the whole (unsplit) projections that adapters may target beside the split layers' own
+    # slots: name -> r3srv.lora.slots.LoraLinear, filled when the model is served with LoRA
+    LORA_WEIGHTS = ("q_a", "kv_a")
+    lora_weights: dict = {}
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, index: int = 0,
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
@@ -119,6 +124,12 @@ class MlaAttention(nn.Module):
             targets.update(self.indexer.weight_targets(prefix))
         return targets
 
+    def _latent(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
+        """x through the whole low-rank projection `name` (q_a, kv_a), with its adapters."""
+        y = F.linear(x, getattr(self, name), bias)
+        lora = self.lora_weights.get(name)
+        return y if lora is None else lora(x, y, F.linear)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
@@ -127,7 +138,7 @@ class MlaAttention(nn.Module):
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q_resid = self.rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            q_resid = self.rms_norm(self._latent(x, "q_a", self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
             q = self.q_b_proj(q_resid)
         selection: Selection | None = None
         if self.indexer is not None:
@@ -135,7 +146,7 @@ class MlaAttention(nn.Module):
         elif self.shares_selection:
             selection = meta.sparse_selection
         q_nope, q_rope = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        latent, k_rope = F.linear(x, self.kv_a, self.kv_a_bias).split([self.rank, self.rope], dim=-1)
+        latent, k_rope = self._latent(x, "kv_a", self.kv_a_bias).split([self.rank, self.rope], dim=-1)
         latent = self.rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
         k_rope = k_rope.reshape(t, 1, self.rope)
         if self.use_rope:
