@@ -20,8 +20,8 @@ TARGETS = {
     "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "qwen2_moe": ["q_proj", "v_proj", "o_proj", "shared_expert.gate_proj", "shared_expert.up_proj",
                   "shared_expert.down_proj"],
-    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                    "shared_experts.gate_proj", "shared_experts.down_proj"],
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj",
+                    "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"],
     "qwen3_next": ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj"],
 }
 
@@ -152,12 +152,12 @@ def write_layout(src: Path, dst: Path, layout: str) -> Path:
             inter = b.shape[1] // 2
             for e in range(a.shape[0]):
                 if name == "down_proj":
-                    kept[f"{prefix}.experts.{e}.down_proj.lora_A.weight"] = a[e].contiguous()
-                    kept[f"{prefix}.experts.{e}.down_proj.lora_B.weight"] = b[e].contiguous()
+                    kept[f"{prefix}.experts.{e}.down_proj.lora_A.weight"] = a[e].clone()
+                    kept[f"{prefix}.experts.{e}.down_proj.lora_B.weight"] = b[e].clone()
                     continue
                 for piece, proj in enumerate(halves[0]):  # gate rows then up rows: each its own pair
-                    kept[f"{prefix}.experts.{e}.{proj}.lora_A.weight"] = a[e].contiguous()
-                    kept[f"{prefix}.experts.{e}.{proj}.lora_B.weight"] = b[e, piece * inter:(piece + 1) * inter].contiguous()
+                    kept[f"{prefix}.experts.{e}.{proj}.lora_A.weight"] = a[e].clone()
+                    kept[f"{prefix}.experts.{e}.{proj}.lora_B.weight"] = b[e, piece * inter:(piece + 1) * inter].clone()
         else:
             a_out = a[:1] if torch.equal(a, a[:1].expand_as(a)) else a
             b_out = b[:1] if torch.equal(b, b[:1].expand_as(b)) else b

@@ -68,6 +68,9 @@ def attach(model, num_slots: int) -> LoraContext:
         names = [n for n in getattr(module, "LORA_WEIGHTS", ()) if getattr(module, n) is not None]
         if names:  # a layer's whole projections held as plain weights (MLA's q_a, kv_a)
             module.lora_weights = {n: LoraLinear(context, *getattr(module, n).shape) for n in names}
+    for module in model.modules():  # layers that apply a projection outside the step's token rows
+        for name in getattr(module, "LORA_EXCLUDED", ()):
+            getattr(module, name).lora = None
     model.lora_context = context
     return context
 

@@ -48,6 +48,9 @@ class MlaAttention(nn.Module):
     # slots: name -> r3srv.lora.slots.LoraLinear, filled when the model is served with LoRA
     LORA_WEIGHTS = ("q_a", "kv_a")
     lora_weights: dict = {}
+    # kv_b_proj's weight is absorbed into the queries in decode and applied to cached latents in
+    # prefill, rows no step's adapter map covers: an adapter on it is refused (docs/lora.md)
+    LORA_EXCLUDED = ("kv_b_proj",)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, index: int = 0,
                  parallel: ParallelState = SINGLE) -> None:

@@ -47,7 +47,6 @@ class Refusal:
         return value is None or _same(value, default) or any(_same(value, v) for v in self.off)
 
 
-LORA = Refusal("LoRA adapters are not supported by r3srv")
 MULTIMODAL = Refusal("multimodal inputs are not supported by r3srv (text and token ids only)")
 CONSTRAINED = Refusal("constrained decoding (structured outputs, grammars, JSON schemas, regexes) is not supported by r3srv")
 BEAM = Refusal("beam search is not supported by r3srv")
@@ -165,8 +164,7 @@ SGLANG_REFUSED: dict[str, Refusal] = {
     "return_flat_raw_top_logprobs_b64": NOT_SUPPORTED,
     "return_hidden_states": NOT_SUPPORTED,
     "return_indexer_topk": NOT_SUPPORTED,
-    "lora_path": LORA,
-    "lora_id": LORA,
+    "lora_id": INTERNAL,  # set by SGLang's tokenizer manager from lora_path
     "custom_logit_processor": Refusal("custom logit processors are not supported by r3srv"),
     **dict.fromkeys(
         ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",

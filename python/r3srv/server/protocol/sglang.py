@@ -82,6 +82,8 @@ class SglangGenerateRequest(Struct, kw_only=True):
     # prefix-cache isolation: requests share cached prefixes only with equal keys and salts
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    # the LoRA adapter each prompt runs under, by the name it was loaded with (SGLang's lora_path)
+    lora_path: str | list[str | None] | None = None
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
@@ -128,6 +130,15 @@ class SglangGenerateRequest(Struct, kw_only=True):
         """max_new_tokens=0: the engine runs one token, the answer leaves it out (nothing generated)."""
         sp = self.sampling_params[index] if isinstance(self.sampling_params, list) else self.sampling_params
         return sp.max_new_tokens == 0
+
+    def lora(self, index: int) -> str | None:
+        """The adapter prompt `index` runs under (a list gives one per prompt)."""
+        if isinstance(self.lora_path, list):
+            if len(self.lora_path) <= index:
+                raise InvalidRequestError(param="lora_path", problem=f" has {len(self.lora_path)} entries, fewer "
+                                          "than the prompts")
+            return self.lora_path[index]
+        return self.lora_path
 
     def _salt(self, index: int) -> str | None:
         """extra_key and cache_salt as one engine salt that vLLM's rules accept (SGLang takes any
