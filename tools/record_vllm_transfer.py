@@ -5,7 +5,8 @@ own class (what `StatelessProcessGroup.broadcast_obj` stores at `broadcast_from/
 generated tensors into packed chunks with vLLM 0.33's own `pack_tensors` (loaded from the wheel's
 source file, which needs only torch), for several buffer sizes. Writes tests/data/vllm_transfer.json.
 
-    /path/to/vllm-venv/bin/python tools/record_vllm_transfer.py /work/peer_wheels/src [--check]
+    pip download --no-deps vllm==0.33.0 && unzip the wheel into SRC (it holds vllm/), then
+    /path/to/vllm-venv/bin/python tools/record_vllm_transfer.py SRC [--check]
 """
 
 from __future__ import annotations

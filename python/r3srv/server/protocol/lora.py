@@ -37,8 +37,7 @@ class SglangLoadLoraRequest(Struct, kw_only=True):
     lora_id: str | None = None  # SGLang's tokenizer manager sets it; a client may not
 
     def __post_init__(self) -> None:
-        if self.lora_id is not None:
-            raise InvalidRequestError(param="lora_id", problem=" is an internal field of SGLang, not part of r3srv's API")
+        _no_lora_id(self.lora_id)
 
 
 class SglangUnloadLoraRequest(Struct, kw_only=True):
@@ -48,8 +47,12 @@ class SglangUnloadLoraRequest(Struct, kw_only=True):
     lora_id: str | None = None
 
     def __post_init__(self) -> None:
-        if self.lora_id is not None:
-            raise InvalidRequestError(param="lora_id", problem=" is an internal field of SGLang, not part of r3srv's API")
+        _no_lora_id(self.lora_id)
+
+
+def _no_lora_id(lora_id: str | None) -> None:
+    if lora_id is not None:
+        raise InvalidRequestError(param="lora_id", problem=" is an internal field of SGLang, not part of r3srv's API")
 
 
 class SglangLoraUpdateOutput(Struct, kw_only=True):
