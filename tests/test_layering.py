@@ -4,7 +4,9 @@ module or inside a function; `if TYPE_CHECKING:` blocks aside, which never run):
 - kernels/ imports nothing of the models, the ops, the engine or the settings (a backend hands a
   kernel what it needs);
 - ops/ imports nothing of the models or the engine (the layers call the ops, not the other way);
-- no two modules of the engine import each other, directly or through others.
+- no two modules of the engine import each other, directly or through others;
+- no module of the engine reaches for another object's private names (`obj._name`), its own
+  and its class's aside.
 """
 
 from __future__ import annotations
@@ -65,3 +67,46 @@ def test_the_graph_is_read():  # the checks above would pass on an empty graph
     assert "r3srv.ops.table" in GRAPH["r3srv.models.model"] or "r3srv.ops" in GRAPH["r3srv.models.model"]
     assert "r3srv.kernels.rust_core" in GRAPH["r3srv.kernels.linear_cpu"]
     assert "r3srv.engine.scheduler" in GRAPH["r3srv.engine.core"]
+
+
+def engine_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """The engine modules that import themselves through other engine modules."""
+    engine = {m: {n for n in names if n.startswith("r3srv.engine.")} for m, names in graph.items()
+              if m.startswith("r3srv.engine.")}
+
+    def reach(start: str) -> set[str]:
+        seen, stack = set(), [start]
+        while stack:
+            for n in engine.get(stack.pop(), ()):
+                if n not in seen:
+                    seen.add(n)
+                    stack.append(n)
+        return seen
+
+    return sorted(m for m in engine if m in reach(m))
+
+
+def test_no_engine_module_imports_itself_through_others():
+    assert engine_cycles(GRAPH) == []
+    # the check sees a cycle where there is one
+    assert engine_cycles({"r3srv.engine.a": {"r3srv.engine.b"}, "r3srv.engine.b": {"r3srv.engine.a"}}) == [
+        "r3srv.engine.a", "r3srv.engine.b"]
+
+
+STDLIB_PRIVATES = {("os", "_exit")}
+
+
+def private_reaches(path: Path) -> list[str]:
+    """`obj._name` in a module, obj neither self nor cls (nor os._exit)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            if owner not in ("self", "cls") and (owner, node.attr) not in STDLIB_PRIVATES:
+                found.append(f"{path.name}:{node.lineno} {owner}.{node.attr}")
+    return found
+
+
+def test_the_engine_uses_no_other_objects_private_names():
+    assert [hit for path in sorted((PACKAGE / "engine").glob("*.py")) for hit in private_reaches(path)] == []
+

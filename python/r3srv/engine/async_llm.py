@@ -205,8 +205,8 @@ class AsyncLLM(EngineFacts):
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
         self._output_thread.start()
         self._thread.start()
-        if self.core.multiproc is not None:  # a tensor-parallel rank that fails ends the engine
-            self.core.multiproc.on_failure.append(self._worker_failed)
+        if self.core.executor.ranks is not None:  # a tensor-parallel rank that fails ends the engine
+            self.core.executor.ranks.on_failure.append(self._worker_failed)
 
     # -- facts the server needs (EngineFacts: tokenizer, model_config, max_model_len, ...) --
     @property

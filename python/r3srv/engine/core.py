@@ -20,10 +20,11 @@ import torch
 
 from r3srv.config import EngineConfig
 from r3srv.engine.block_manager import BlockManager
-from r3srv.engine.executor import Executor, InProcessExecutor
+from r3srv.engine.executor import Executor
+from r3srv.engine.placement import load_model_for
 from r3srv.engine.input_processor import EngineRequest
 from r3srv.engine.requests import CoreOutputs, CoreRequest, RequestUpdate, SeqUpdate
-from r3srv.engine.routed_experts import RoutedExpertsBuffer
+from r3srv.engine.routed_experts import RoutedExpertsBuffer, row_bytes_per_slot
 from r3srv.engine.sampler import SampleResult
 from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
@@ -71,18 +72,11 @@ def _memory_tags(tags: list[str] | None) -> set[str]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        from r3srv.models.loader import load_model
-
         self.config = config
         self.device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        # Tensor parallelism: the ranks' shards driven as one model (worker processes behind
-        # a MultiprocExecutor, which the InProcessExecutor below runs like a local model).
-        self.multiproc = _multiproc_executor(config)  # None at tensor_parallel_size 1
-        if self.multiproc is None:
-            model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
-        else:
-            model, self.tokenizer = self.multiproc, self.multiproc.tokenizer
+        # the model here, or (tensor parallelism) the ranks' shards driven as one, and its executor
+        model, self.tokenizer, executor_class = load_model_for(config, dtype)
         self.model_config = mc = model.config
         self.config = config = config.finalize(mc)
         self.lora = None  # the adapters served (r3srv.lora.manager) with enable_lora
@@ -103,16 +97,15 @@ class EngineCore:
         # caching as many snapshots again for the running ones plus as many kept for later hits
         self.num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
-        self.executor: Executor = InProcessExecutor(
+        self.executor: Executor = executor_class(
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
-            use_cuda_graphs=self._use_cuda_graphs(), max_num_seqs=config.max_num_seqs,
+            use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
-            tensor_parallel=self.multiproc is not None,
         )
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.config = config = config.with_kv_pool(num_blocks)
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
-        self._log_memory_plan(model, num_blocks)
+        self._log_memory_plan(num_blocks)
         self.rows = (
             RoutedExpertsBuffer(num_blocks * config.block_size, mc.num_layers, mc.top_k, mc.num_experts)
             if config.enable_return_routed_experts
@@ -130,24 +123,16 @@ class EngineCore:
         self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
         self.stepper = Stepper(self, overlapped=config.async_scheduling)
 
-    def _use_cuda_graphs(self) -> bool:
-        if self.config.use_cuda_graphs and self.multiproc is not None:
-            log.warning("CUDA graphs off: not under tensor parallelism yet")
-            return False
-        return self.config.use_cuda_graphs
-
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (nothing to do at one device). Idempotent."""
-        if self.multiproc is not None:
-            self.multiproc.shutdown()
+        self.executor.shutdown()
 
     # -- sizing -------------------------------------------------------------------------
-    def _log_memory_plan(self, model, num_blocks: int) -> None:
+    def _log_memory_plan(self, num_blocks: int) -> None:
         """What each rank holds (rank 0's shard stands for all: the splits are even)."""
-        shard = model if self.multiproc is None else self.multiproc.model
-        weights = sum(p.numel() * p.element_size() for p in shard.parameters())
-        kv = num_blocks * model.kv_cache_bytes_per_block(self.config.block_size)
-        states = (self.num_state_slots + self.num_state_snapshots) * model.state_bytes_per_slot()
+        weights = sum(p.numel() * p.element_size() for p in self.executor.shard.parameters())
+        kv = num_blocks * self.executor.kv_cache_bytes_per_block(self.config.block_size)
+        states = (self.num_state_slots + self.num_state_snapshots) * self.executor.state_bytes_per_slot()
         ranks = self.config.parallel.tensor_parallel_size
         log.info("memory per rank (%d rank%s): weights %.3f GiB, KV cache %.3f GiB (%d blocks of %d tokens)%s",
                  ranks, "s" if ranks > 1 else "", weights / 2**30, kv / 2**30, num_blocks, self.config.block_size,
@@ -157,8 +142,8 @@ class EngineCore:
         cfg = self.config
         per_block = self.executor.kv_cache_bytes_per_block(cfg.block_size)
         mc = self.model_config
-        if cfg.enable_return_routed_experts:
-            per_block += cfg.block_size * mc.num_layers * mc.top_k * (1 if mc.num_experts <= 256 else 4)
+        if cfg.enable_return_routed_experts:  # the rows of a block's slots, in the buffer's dtype
+            per_block += cfg.block_size * row_bytes_per_slot(mc.num_layers, mc.top_k, mc.num_experts)
         kind = self.device.type
         fraction = cfg.kv_cache_memory_fraction or _DEFAULT_KV_FRACTION[kind]
         if kind == "cuda":
@@ -292,10 +277,10 @@ class EngineCore:
         return self.executor.unfilled_weights(named)
 
     def call_ranks(self, call):
-        """`call(multiproc_executor)` with no step in flight: a trainer's weight-group commands
+        """`call(ranks)` (the executor's MultiprocExecutor) with no step in flight: a trainer's weight-group commands
         reach the tensor-parallel ranks over the channel the steps use (engine/weight_sync.py)."""
         self._drain()
-        return call(self.multiproc)
+        return call(self.executor.ranks)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
@@ -534,14 +519,6 @@ class EngineFacts:
     def weight_version(self) -> str:
         """The version of the weights requests admitted from now on run on."""
         return self.core.weight_version
-
-
-def _multiproc_executor(config: EngineConfig):
-    if config.parallel.tensor_parallel_size == 1:
-        return None
-    from r3srv.engine.multiproc_executor import MultiprocExecutor, rank_setup
-
-    return MultiprocExecutor(*rank_setup(config))
 
 
 def _mem_available() -> int:

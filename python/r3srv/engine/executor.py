@@ -70,6 +70,17 @@ class Executor(abc.ABC):
     device: torch.device
     dtype: torch.dtype  # of the weights and the KV cache
     graphs_reserved: int = 0  # device bytes CUDA graphs take beside the KV cache (out of its budget)
+    # tensor parallelism's ranks (engine/multiproc_executor.py's MultiprocExecutor: a trainer's
+    # weight-group commands reach them through it); None in one process
+    ranks = None
+
+    @property
+    def shard(self):
+        """This process's model (rank 0's shard under tensor parallelism)."""
+        return self.model
+
+    def shutdown(self) -> None:
+        """Stop whatever the executor started besides this process (nothing here). Idempotent."""
 
     @abc.abstractmethod
     def execute(self, step: StepInputs) -> ModelOutput:
@@ -124,11 +135,8 @@ class InProcessExecutor(Executor):
 
     def __init__(self, model, block_size: int, device: torch.device, capture_routed_experts: bool,
                  eos_token_ids: list[int], seed: int, *, use_cuda_graphs: bool = False, max_num_seqs: int = 1,
-                 max_model_len: int = 1, num_state_snapshots: int = 0, tensor_parallel: bool = False) -> None:
+                 max_model_len: int = 1, num_state_snapshots: int = 0) -> None:
         self.model = model
-        # a MultiprocExecutor (engine/multiproc_executor.py) stands in for the model: the ranks'
-        # shards driven as one, with the model's methods (forward, KV cache, weights)
-        self.tensor_parallel = tensor_parallel
         self.device = device
         self.dtype = model.dtype
         self.eos_token_ids = eos_token_ids
@@ -237,14 +245,9 @@ class InProcessExecutor(Executor):
     def load_weights(self, source: str | NamedTensors) -> None:
         from r3srv.models.loader import NamedTensors, load_named_tensors, load_weights_from_dir
 
-        if self.tensor_parallel:  # the MultiprocExecutor loads every rank's shard
-            self.model.load_weights(source)
-            return
         (load_named_tensors if isinstance(source, NamedTensors) else load_weights_from_dir)(self.model, source)
 
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
         from r3srv.models.loader import plan_named_tensors
 
-        if self.tensor_parallel:
-            return self.model.unfilled_weights(named)
         return plan_named_tensors(self.model, named, complete=False).missing

@@ -36,6 +36,11 @@ def routed_experts_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.int32)
 
 
+def row_bytes_per_slot(num_layers: int, top_k: int, num_experts: int) -> int:
+    """Host bytes a KV slot's row takes in the buffer (its wire dtype's: 1, 2 or 4 per id)."""
+    return num_layers * top_k * routed_experts_dtype(num_experts).itemsize
+
+
 # The capture tensor's torch dtype: uint8 where it fits, else int32 (widened ids are
 # narrowed on the host; torch's uint16 has too few kernels to rely on).
 def capture_torch_dtype(num_experts: int) -> torch.dtype:

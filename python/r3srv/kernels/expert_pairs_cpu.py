@@ -24,8 +24,8 @@ import torch
 
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
-_expert_pairs_cpu = rust_kernel("expert_pairs_cpu")
-BUILT = _expert_pairs_cpu is not None  # else the torch path (kernels/rust_core.py)
+expert_pairs_entry = rust_kernel("expert_pairs_cpu")
+BUILT = expert_pairs_entry is not None  # else the torch path (kernels/rust_core.py)
 ACTIVATIONS = ("silu_and_mul", "relu_squared", "clamped_swiglu")  # what the kernel computes
 
 
@@ -63,7 +63,7 @@ def expert_pairs(
                  0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
-    _expert_pairs_cpu(addresses, shape, dtype, act.name, float(act.alpha), float(act.limit), threads)
+    expert_pairs_entry(addresses, shape, dtype, act.name, float(act.alpha), float(act.limit), threads)
     return out
 
 

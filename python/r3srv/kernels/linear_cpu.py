@@ -16,8 +16,8 @@ import torch
 
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
-_linear_cpu = rust_kernel("linear_cpu")
-BUILT = _linear_cpu is not None  # else torch's F.linear (kernels/rust_core.py)
+linear_entry = rust_kernel("linear_cpu")
+BUILT = linear_entry is not None  # else torch's F.linear (kernels/rust_core.py)
 
 # More rows than this: torch's GEMM, whose packed kernels win once the weights are reused enough.
 MAX_ROWS = 32
@@ -47,5 +47,5 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     out = x.new_empty(rows, out_features) if len(shape) == 2 else x.new_empty(*shape[:-1], out_features)
     addresses = (x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
-    _linear_cpu(addresses, (rows, out_features, in_features), dtype, threads)
+    linear_entry(addresses, (rows, out_features, in_features), dtype, threads)
     return out

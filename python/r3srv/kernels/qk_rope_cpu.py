@@ -13,8 +13,8 @@ import torch
 
 from r3srv.kernels.rust_core import rust_kernel
 
-_qk_norm_rope_f32 = rust_kernel("qk_norm_rope_f32")
-BUILT = _qk_norm_rope_f32 is not None  # else the torch ops (kernels/rust_core.py)
+qk_norm_rope_entry = rust_kernel("qk_norm_rope_f32")
+BUILT = qk_norm_rope_entry is not None  # else the torch ops (kernels/rust_core.py)
 
 
 def qk_norm_rope(
@@ -37,9 +37,9 @@ def qk_norm_rope(
     if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or not qkv.is_contiguous() or tokens == 0:
         return None
     rotary = 0 if cos is None else cos.shape[-1]
-    if not _kernel_ready(qkv) or (norms is not None and not (_kernel_ready(norms[0]) and _kernel_ready(norms[1]))):
+    if not kernel_ready(qkv) or (norms is not None and not (kernel_ready(norms[0]) and kernel_ready(norms[1]))):
         return None
-    if cos is not None and not (_kernel_ready(cos) and _kernel_ready(sin)):
+    if cos is not None and not (kernel_ready(cos) and kernel_ready(sin)):
         return None
     if cos is not None and (cos.shape != (tokens, rotary) or sin.shape != cos.shape or rotary % 2 or rotary > head_dim):
         return None
@@ -51,10 +51,10 @@ def qk_norm_rope(
     addresses = (qkv.data_ptr(), 0 if norms is None else norms[0].data_ptr(), 0 if norms is None else norms[1].data_ptr(),
                  0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(),
                  q.data_ptr(), k.data_ptr(), v.data_ptr())
-    _qk_norm_rope_f32(addresses, (tokens, heads, kv_heads, head_dim, rotary), eps)
+    qk_norm_rope_entry(addresses, (tokens, heads, kv_heads, head_dim, rotary), eps)
     return q, k, v
 
 
-def _kernel_ready(t: torch.Tensor) -> bool:
+def kernel_ready(t: torch.Tensor) -> bool:
     """Whether the kernel can read `t` in place: float32, on the CPU, contiguous, no autograd."""
     return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and not t.requires_grad

@@ -11,8 +11,8 @@ import torch
 
 from r3srv.kernels.rust_core import rust_kernel
 
-_rms_norm_f32 = rust_kernel("rms_norm_f32")
-BUILT = _rms_norm_f32 is not None  # else the torch path (kernels/rust_core.py)
+rms_norm_entry = rust_kernel("rms_norm_f32")
+BUILT = rms_norm_entry is not None  # else the torch path (kernels/rust_core.py)
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -26,5 +26,5 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         return None
     dim = weight.shape[0]
     out = torch.empty_like(x)
-    _rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    rms_norm_entry(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
     return out

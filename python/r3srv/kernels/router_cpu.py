@@ -17,8 +17,8 @@ import torch
 from r3srv.kernels.router_reference import _id_limit
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
-_route_experts = rust_kernel("route_experts")
-BUILT = _route_experts is not None  # else the reference (kernels/rust_core.py)
+route_experts_entry = rust_kernel("route_experts")
+BUILT = route_experts_entry is not None  # else the reference (kernels/rust_core.py)
 
 
 def route_cpu(
@@ -45,17 +45,17 @@ def route_cpu(
     tokens, experts = router_logits.shape
     target = None
     if capture is not None:
-        if not _capture_fits(capture, tokens, experts, top_k):
+        if not capture_fits(capture, tokens, experts, top_k):
             return None
         target = (capture.data_ptr(), capture.stride(0), capture.element_size())
     weights = torch.empty(tokens, top_k, dtype=torch.float32)
     ids = torch.empty(tokens, top_k, dtype=torch.int32)
-    _route_experts(router_logits.data_ptr(), dtype, (tokens, experts, top_k), scoring, bool(renormalize), scaling,
+    route_experts_entry(router_logits.data_ptr(), dtype, (tokens, experts, top_k), scoring, bool(renormalize), scaling,
                    weights.data_ptr(), ids.data_ptr(), target)
     return weights, ids
 
 
-def _capture_fits(capture: torch.Tensor, tokens: int, experts: int, top_k: int) -> bool:
+def capture_fits(capture: torch.Tensor, tokens: int, experts: int, top_k: int) -> bool:
     """Whether the kernel can write the ids into `capture` as the reference's copy_ would: a
     [tokens, top_k] CPU integer view wide enough for the ids, its rows apart and each contiguous
     (one layer of a [tokens, layers, k] capture buffer is)."""

@@ -57,13 +57,13 @@ class DecodeStep:
             return None
         if not 0 < rows <= linear_cpu.MAX_ROWS or len(meta.decode_seqs) != rows:
             return None
-        ready = qk_rope_cpu._kernel_ready
+        ready = qk_rope_cpu.kernel_ready
         if not (ready(cos) and ready(sin) and cos.dim() == 2 and cos.shape[0] == rows and sin.shape == cos.shape):
             return None
-        if capture is not None and not router_cpu._capture_fits(capture, rows, num_experts, capture.shape[-1]):
+        if capture is not None and not router_cpu.capture_fits(capture, rows, num_experts, capture.shape[-1]):
             return None
         tables, lens, seq_rows, _ = meta.decode_kernel_args()
-        index = paged_decode_cpu._index
+        index = paged_decode_cpu.as_index
         return DecodeStep(index(tables), index(lens), index(seq_rows), rows, threads, meta.block_size)
 
 
@@ -139,7 +139,7 @@ class FusedDecoderLayer:
         """The layer's output, or None where a kernel would decline this step (an odd or too
         wide rotary part, a cache of another dtype or none yet): the caller runs the layer."""
         rows, hidden, threads = step.num_rows, x.shape[1], step.threads
-        f32, linear = _F32_CODE, linear_cpu._linear_cpu
+        f32, linear = _F32_CODE, linear_cpu.linear_entry
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rotary = cos.shape[-1] if self.use_rope else 0
         k_cache, v_cache = self.attn_layer.k_cache, self.attn_layer.v_cache
@@ -148,7 +148,7 @@ class FusedDecoderLayer:
 
         # attention: norm, q/k/v projection, q/k norms + RoPE, cache write, paged decode, output projection
         h = torch.empty_like(x)
-        rms_norm_cpu._rms_norm_f32(x.data_ptr(), self.input_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
+        rms_norm_cpu.rms_norm_entry(x.data_ptr(), self.input_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
         qkv_w = self.qkv_w
         qkv = x.new_empty(rows, qkv_w.shape[0])
         linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), f32, threads)
@@ -159,12 +159,12 @@ class FusedDecoderLayer:
         addresses = (qkv.data_ptr(), self.q_norm.data_ptr() if normed else 0, self.k_norm.data_ptr() if normed else 0,
                      cos.data_ptr() if rotary else 0, sin.data_ptr() if rotary else 0, q.data_ptr(), k.data_ptr(),
                      v.data_ptr())
-        qk_rope_cpu._qk_norm_rope_f32(addresses, (rows, heads, kv_heads, head_dim, rotary), self.qk_eps)
+        qk_rope_cpu.qk_norm_rope_entry(addresses, (rows, heads, kv_heads, head_dim, rotary), self.qk_eps)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         o = x.new_empty(rows, heads, head_dim)
-        head_major = paged_decode_cpu._head_major  # the wrapper's: pointers, shapes and the real strides
-        paged_decode_cpu._paged_decode_attention(
+        head_major = paged_decode_cpu.head_major  # the wrapper's: pointers, shapes and the real strides
+        paged_decode_cpu.paged_decode_entry(
             f32, head_major("q", q), head_major("k_cache", k_cache), head_major("v_cache", v_cache), step.table_args,
             step.lens.data_ptr(), step.rows.data_ptr(), (o.data_ptr(), rows, heads, head_dim), step.block_size,
             self.scale, None, None, threads)
@@ -175,7 +175,7 @@ class FusedDecoderLayer:
 
         # MoE: norm, router, expert pass
         h = torch.empty_like(x)
-        rms_norm_cpu._rms_norm_f32(x.data_ptr(), self.post_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
+        rms_norm_cpu.rms_norm_entry(x.data_ptr(), self.post_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
         gate = self.gate
         experts = gate.shape[0]
         logits = x.new_empty(rows, experts)
@@ -184,7 +184,7 @@ class FusedDecoderLayer:
         weights = torch.empty(rows, top_k, dtype=F32)
         ids = torch.empty(rows, top_k, dtype=torch.int32)
         target = None if capture is None else (capture.data_ptr(), capture.stride(0), capture.element_size())
-        router_cpu._route_experts(logits.data_ptr(), f32, (rows, experts, top_k), self.scoring, self.renormalize,
+        router_cpu.route_experts_entry(logits.data_ptr(), f32, (rows, experts, top_k), self.scoring, self.renormalize,
                                   self.scaling, weights.data_ptr(), ids.data_ptr(), target)
         w13, w2 = self.w13, self.w2
         num_experts, _, inter = w2.shape
@@ -192,6 +192,6 @@ class FusedDecoderLayer:
         name, alpha, limit = self.activation
         addresses = (h.data_ptr(), w13.data_ptr(), w2.data_ptr(), 0, 0, 0, ids.data_ptr(), weights.data_ptr(),
                      mixed.data_ptr())
-        expert_pairs_cpu._expert_pairs_cpu(addresses, (rows, rows * top_k, num_experts, hidden, inter), f32, name, alpha,
+        expert_pairs_cpu.expert_pairs_entry(addresses, (rows, rows * top_k, num_experts, hidden, inter), f32, name, alpha,
                                            limit, threads)
         return x + mixed
