@@ -31,6 +31,7 @@ from r3srv.engine.model_runner import ModelRunner
 from r3srv.engine.routed_experts import RoutedExpertsBuffer, capture_torch_dtype
 from r3srv.engine.sampler import SampleResult, SampleView, sample
 from r3srv.engine.scheduler import SchedulerOutput
+from r3srv.engine.sequence import Sequence
 from r3srv.transfer import to_device
 
 if TYPE_CHECKING:
@@ -44,7 +45,9 @@ class StepInputs:
     """One step as the core hands it over: what runs, what samples, what else it keeps."""
 
     sched: SchedulerOutput
-    samplers: list[SampleView]  # one per sched.sample_indices entry: the sequence as sampling reads it
+    # one per sched.sample_indices entry: the sequence as sampling reads it (a SampleView taken
+    # when an overlapped step was queued; in a plain step, the sequence itself)
+    samplers: list[SampleView | Sequence]
     # (sequence index, first position, count): the prompt positions whose logits the step keeps
     prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
     # overlapped steps: (position in the step's input ids, row in the previous submitted step's
@@ -166,7 +169,7 @@ class InProcessExecutor(Executor):
         self._sample(out, run.logits, step.sched.sample_indices, step.samplers)
         return out
 
-    def _sample(self, out: ModelOutput, logits: torch.Tensor, picked: list[int], samplers: list[SampleView]) -> None:
+    def _sample(self, out: ModelOutput, logits: torch.Tensor, picked: list[int], samplers: list) -> None:
         if not picked:
             return
         try:

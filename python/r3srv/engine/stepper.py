@@ -8,9 +8,10 @@ One bookkeeping for both ways of stepping:
   tokens are known by then; the host prepares step N+1 while the device runs step N.
 
 Either way a step is queued the same way: its prompt-logprob positions are reserved on their
-sequences, its sampling rows are read from the sequences (`SampleView`: the device thread never
-reads a sequence the host is changing), its tokens are counted as computed, and every sequence
-that samples gets a placeholder token. In an overlapped step the next step of such a sequence
+sequences, its tokens are counted as computed, and every sequence that samples gets a
+placeholder token. An overlapped step samples on the device thread from what it read of the
+sequences when it was queued (`SampleView`: that thread never reads a sequence the host is
+changing); a plain one samples here, from the sequences. In an overlapped step the next step of such a sequence
 computes the placeholder's position: its input id is filled on the device from the previous
 step's samples (a "hole"), and so is its last output id where penalties read it. Booking puts
 the sampled token in place of the placeholder, registers the full blocks (never with a
@@ -30,7 +31,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from r3srv.engine.executor import StepInputs
 from r3srv.engine.requests import CoreOutputs, CoreRequest, SeqUpdate
@@ -44,11 +45,29 @@ if TYPE_CHECKING:
 PLACEHOLDER = -1  # a token sampled by a queued step, not read back yet
 
 
+class Ran:
+    """A step run in this thread (plain stepping): its ModelOutput or its error, read as a Future's."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, execute, inputs: StepInputs) -> None:
+        self.value, self.error = None, None
+        try:
+            self.value = execute(inputs)
+        except Exception as exc:
+            self.error = exc
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 @dataclass
 class QueuedStep:
     sched: SchedulerOutput
-    future: Future
-    sampled: list[tuple[Sequence, int, SampleView]]  # each sampling sequence, its placeholder's index, its view
+    future: Future | Ran
+    sampled: list[tuple[Sequence, int, Any]]  # each sampling sequence, its placeholder's index, what sampling read
     computed_after: list[int]  # per sched.seqs: tokens computed once this step has run
     num_scheduled: dict[int, int]  # seq_id -> the tokens this step computes for it
     row_of: dict[int, int]  # seq_id -> its row in this step's samples
@@ -107,27 +126,25 @@ class Stepper:
         if core.num_state_snapshots:  # a hybrid with prefix caching: where this step copies states
             for s in seqs:
                 core.block_manager.plan_snapshots(s)
-        prev_rows = self.queued.row_of if self.queued is not None else {}
-        holes: list[tuple[int, int]] = []
-        offset = 0
-        for s in seqs:
-            last = s.num_tokens - 1
-            if s.token_ids[last] == PLACEHOLDER and s.num_computed_tokens <= last < s.num_computed_tokens + s.num_scheduled_tokens:
-                holes.append((offset + last - s.num_computed_tokens, prev_rows[s.seq_id]))
-            offset += s.num_scheduled_tokens
         picked = [seqs[i] for i in sched.sample_indices]
-        views = [SampleView.of(s, prev_rows.get(s.seq_id) if s.token_ids[-1] == PLACEHOLDER else None) for s in picked]
         spans = reserve_prompt_logprobs(seqs)
-        inputs = StepInputs(sched, views, spans, holes)
-        future = core.executor.submit(inputs) if self.overlapped else _ran(core.executor.execute, inputs)
-        num_scheduled = {s.seq_id: s.num_scheduled_tokens for s in seqs}
+        if self.overlapped:
+            prev_rows = self.queued.row_of if self.queued is not None else {}
+            samplers = [SampleView.of(s, prev_rows.get(s.seq_id) if s.token_ids[-1] == PLACEHOLDER else None)
+                        for s in picked]
+            future = core.executor.submit(StepInputs(sched, samplers, spans, holes(seqs, prev_rows)))
+            num_scheduled = {s.seq_id: s.num_scheduled_tokens for s in seqs}
+            row_of = {s.seq_id: row for row, s in enumerate(picked)}
+        else:  # no placeholder is left in a sequence: sampling reads the sequences themselves, here
+            samplers = picked
+            future = Ran(core.executor.execute, StepInputs(sched, samplers, spans))
+            num_scheduled = row_of = {}
         core.scheduler.advance(sched)
         sampled = []
-        for s, view in zip(picked, views):
+        for s, sampler in zip(picked, samplers):
             s.token_ids.append(PLACEHOLDER)
-            sampled.append((s, s.num_tokens - 1, view))
-        return QueuedStep(sched, future, sampled, [s.num_computed_tokens for s in seqs], num_scheduled,
-                          {s.seq_id: row for row, s in enumerate(picked)}, spans)
+            sampled.append((s, s.num_tokens - 1, sampler))
+        return QueuedStep(sched, future, sampled, [s.num_computed_tokens for s in seqs], num_scheduled, row_of, spans)
 
     # -- booking ----------------------------------------------------------------------------
     def _book(self, step: QueuedStep, result: CoreOutputs) -> None:
@@ -150,13 +167,13 @@ class Stepper:
                 core.fail_request(rid, out.sample_error, result)
             sampled = []
         placed = []
-        for (seq, pos, view), res in zip(sampled, out.samples):
+        for (seq, pos, sampler), res in zip(sampled, out.samples):
             req = core.requests.get(seq.request_id)
             if req is None or seq.is_finished or pos >= seq.num_tokens or seq.token_ids[pos] != PLACEHOLDER:
                 continue  # ended meanwhile (a stop, an abort, a failure, a stop string's cut): queued for nothing
             seq.token_ids[pos] = res.token_id
-            if seq.prompt_token_mask is None:
-                seq.prompt_token_mask = view.prompt_token_mask  # computed while sampling, kept for the next steps
+            if seq.prompt_token_mask is None:  # computed while sampling a view, kept for the next steps
+                seq.prompt_token_mask = sampler.prompt_token_mask
             placed.append((req, seq, pos, res))
         for seq in seqs:
             if seq.status == SequenceStatus.RUNNING:  # not ended, nor preempted since this step was queued
@@ -179,6 +196,8 @@ class Stepper:
                                 result: CoreOutputs) -> None:
         """Append the step's prompt logprobs to their sequences (those still in flight); a failure
         fails the requests that asked for them, the others go on."""
+        if not spans:
+            return
         for i, _, count in spans:
             seqs[i].prompt_logprobs_queued -= count
         live = [(i, position, count) for i, position, count in spans if self.core.requests.get(seqs[i].request_id)]
@@ -200,11 +219,14 @@ class Stepper:
             for sib in req.deferred:
                 core.scheduler.add(sib)
             req.deferred = []
-        tail = seq.token_ids[pos + 1 :]  # the next step's placeholder, if one is queued
-        del seq.token_ids[pos + 1 :]
+        tail = None
+        if pos + 1 < len(seq.token_ids):  # the next step's placeholder, queued: not part of the checks
+            tail = seq.token_ids[pos + 1 :]
+            del seq.token_ids[pos + 1 :]
         end = core.end_of(seq, res.token_id)
         if end is None:
-            seq.token_ids += tail
+            if tail:
+                seq.token_ids += tail
             return SeqUpdate(seq.index, res)
         if seq.status != SequenceStatus.RUNNING and req.prepared.return_routed_experts and core.rows is not None:
             seq.finish_later = (*end, res)  # preempted since: its rows come back before it ends
@@ -212,14 +234,17 @@ class Stepper:
         return core.finish_sequence(seq, *end, res)
 
 
-def _ran(execute, inputs: StepInputs) -> Future:
-    """`execute(inputs)` run here, as the Future `Executor.submit` would give."""
-    future: Future = Future()
-    try:
-        future.set_result(execute(inputs))
-    except Exception as exc:
-        future.set_exception(exc)
-    return future
+def holes(seqs: list[Sequence], prev_rows: dict[int, int]) -> list[tuple[int, int]]:
+    """(position in the step's input ids, row in the previous step's samples) of every
+    placeholder this step computes."""
+    found: list[tuple[int, int]] = []
+    offset = 0
+    for s in seqs:
+        last = s.num_tokens - 1
+        if s.token_ids[last] == PLACEHOLDER and s.num_computed_tokens <= last < s.num_computed_tokens + s.num_scheduled_tokens:
+            found.append((offset + last - s.num_computed_tokens, prev_rows[s.seq_id]))
+        offset += s.num_scheduled_tokens
+    return found
 
 
 def count_tokens(sched: SchedulerOutput, result: CoreOutputs) -> None:
@@ -237,6 +262,8 @@ def reserve_prompt_logprobs(seqs: list[Sequence]) -> list[tuple[int, int, int]]:
     the sequence until the step is booked."""
     spans = []
     for i, seq in enumerate(seqs):
+        if seq.prompt_logprobs is None:  # most sequences: none asked for
+            continue
         position = seq.next_prompt_logprob_position
         if position is None:
             continue
