@@ -143,6 +143,6 @@ def test_fleet_replicas_get_the_settings_flags():
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--cpu-threads", "2", "--no-grouped-mm", "--base64-isa", "portable"])
-    argv = replica_argv(parser, args, model=None, port=1234, device="cpu", peers=[], weight_version="0")
+    argv = replica_argv(parser, args, model=None, port=1234, device="cpu", weight_version="0")
     replica = settings.from_args(parser.parse_args(argv[argv.index("serve"):]), {})
     assert replica == Settings(cpu_threads=2, grouped_mm=False, base64_isa="portable")

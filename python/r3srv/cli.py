@@ -101,13 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--fleet-peer-urls", nargs="+", default=None, metavar="URL",
-        help="the other replicas of a fleet behind a router: control calls (pause, continue, weight updates, "
-        "flush, abort, memory release) made to this server are applied on them too (docs/fleet.md)",
+        help="other servers (or, with --data-parallel-size, other nodes' fronts) that control calls (pause, "
+        "continue, weight updates, flush, abort, memory release) made to this server also reach (docs/fleet.md)",
     )
     serve.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="add usage.prompt_tokens_details (cached_tokens: prompt tokens served from the prefix cache), as vLLM",
+    )
+    serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob tokens as 'token_id:<id>' instead of their text, unless a request says otherwise "
+        "(vLLM's flag; prime-rl's client reads ids this way)",
     )
     serve.add_argument(
         "--timeout-headers", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
@@ -217,7 +223,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print(f"r3srv serve: configuration error: {' and '.join(dev_flags)} change the served weights and memory: "
               "add --enable-weight-updates", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
+    if args.data_parallel_size > 1:  # N replicas behind this process, their front and supervisor
         from r3srv.data_parallel import serve_fleet
 
         return serve_fleet(args, build_parser())
@@ -264,6 +270,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         enable_weight_updates=args.enable_weight_updates,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         routed_experts_encoding=args.routed_experts_encoding,
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,

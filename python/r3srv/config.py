@@ -62,8 +62,9 @@ class ParallelConfig:
                                                 aliases=("-pcp",))
     tensor_parallel_size: int = option(1, "ranks (devices) the model is split over, one worker process each",
                                        aliases=("-tp",))
-    data_parallel_size: int = option(1, "serve only, N > 1: N replicas (a device each) behind the SGLang router on "
-                                     "--host/--port (needs r3srv[router]; docs/fleet.md); the engine itself takes 1",
+    data_parallel_size: int = option(1, "serve only, N > 1: N replicas (a device each) behind r3srv's own front on "
+                                     "--host/--port, every route served as by one server (docs/fleet.md); the engine "
+                                     "itself takes 1",
                                      aliases=("-dp",))
     enable_expert_parallel: bool = option(False, "with -tp N: each rank holds 1/N of the routed experts whole, not a "
                                           "slice of every expert")

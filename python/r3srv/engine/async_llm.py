@@ -18,7 +18,7 @@ import enum
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from r3srv.config import engine_config
@@ -151,27 +151,31 @@ class _Close:
 
 
 class _OnCoreThread:
-    """An AsyncLLM as its control commands reach it, on the core thread (commands.Target)."""
+    """An AsyncLLM as its control commands reach it, on the core thread (commands.Target). The
+    AsyncLLM hands it accessors of its own state, so nothing here reaches for its private names."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
-        self._llm = llm
-        self.core = llm.core
+    def __init__(self, core: EngineCore, *, state: Callable[[], EngineState],
+                 set_state: Callable[[EngineState], None], abort: Callable[[str], None],
+                 held: Callable[[], list[EngineRequest]], exclusive: Callable[[], Iterable[_Asked]]) -> None:
+        self.core = core
+        self._state, self._set_state, self._abort = state, set_state, abort
+        self._held, self._exclusive = held, exclusive
 
     @property
     def pause_mode(self) -> str | None:
-        return self._llm._state.pause_mode
+        return self._state().pause_mode
 
     def set_pause_mode(self, mode: str | None) -> None:
-        self._llm._set_state(EngineState.RUNNING if mode is None else EngineState(mode))
+        self._set_state(EngineState.RUNNING if mode is None else EngineState(mode))
 
     def abort_request(self, request_id: str) -> None:
-        self._llm._abort(request_id)
+        self._abort(request_id)
 
     def held_request_ids(self) -> list[str]:
-        return [prep.request_id for prep in self._llm._held]
+        return [prep.request_id for prep in self._held()]
 
     def is_waiting(self, kind: type[Command]) -> bool:
-        return any(isinstance(asked.command, kind) for asked in self._llm._exclusive)
+        return any(isinstance(asked.command, kind) for asked in self._exclusive())
 
 
 @commands_as_methods("queued")
@@ -200,7 +204,9 @@ class AsyncLLM(EngineFacts):
         self._exclusive: collections.deque[_Asked] = collections.deque()
         self._held: list[EngineRequest] = []
         self._replies: set[_Reply] = set()  # control commands not answered yet
-        self._target = _OnCoreThread(self)  # what control commands reach (core thread only)
+        self._target = _OnCoreThread(  # what control commands reach (core thread only)
+            core, state=lambda: self._state, set_state=self._set_state, abort=self._abort,
+            held=lambda: self._held, exclusive=lambda: self._exclusive)
         self._output_thread = threading.Thread(target=self._run_output, name="r3srv-output", daemon=True)
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
         self._output_thread.start()

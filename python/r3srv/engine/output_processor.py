@@ -57,7 +57,9 @@ class SeqState:
         # Running sums of the output tokens' logprobs: [i] covers tokens 0..i, so a stop-string
         # cut or a held-back partial output reads its sum in O(1).
         self.cumulative_logprobs: list[float] = []
-        self.stream = TextStream(tokenizer, prep.prompt_token_ids, p.skip_special_tokens)
+        # detokenize=False: token ids only, no text (vLLM's)
+        self.stream = TextStream(tokenizer if p.detokenize else None, prep.prompt_token_ids, p.skip_special_tokens,
+                                 p.spaces_between_special_tokens)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.routed_experts: np.ndarray | None = None

@@ -21,4 +21,5 @@ from r3srv.server.protocol.info import *  # noqa: F403
 from r3srv.server.protocol.lora import *  # noqa: F403
 from r3srv.server.protocol.openai import *  # noqa: F403
 from r3srv.server.protocol.sglang import *  # noqa: F403
+from r3srv.server.protocol.skyrl import *  # noqa: F403
 from r3srv.server.protocol.tito import *  # noqa: F403
