@@ -114,7 +114,7 @@ def test_a_replica_gets_every_option_but_its_own_place():
     values["model"] = "/fleet/model"
     parser = build_parser()
     args = parser.parse_args(["serve", *_flags_for(values)])
-    argv = replica_argv(parser, args, model="/replica/model", port=9, device="cpu", peers=[], weight_version="w")
+    argv = replica_argv(parser, args, model="/replica/model", port=9, device="cpu", weight_version="w")
     child = engine_options.from_args(parser.parse_args(argv[3:]))
     own = {"model": "/replica/model", "device": "cpu", "weight_version": "w", "data_parallel_size": 1}
     assert child == {**values, **own}

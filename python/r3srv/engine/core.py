@@ -459,6 +459,8 @@ class EngineCore:
             req.arrival_time, req.first_token_time,
         )
         first = req.seqs[0]
+        if first.lora is not None:  # a replacement while it waited moves it to the new version
+            update.lora = (first.lora.name, first.lora.version)
         if not req.prompt_logprobs_sent and first.prompt_logprobs is not None:
             if first.prompt_logprobs_done or req.finished:  # complete, or never will be
                 update.prompt_logprobs = list(first.prompt_logprobs)  # the core thread may not touch it again

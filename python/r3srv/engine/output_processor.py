@@ -100,7 +100,7 @@ class SeqState:
 
 class RequestState:
     __slots__ = ("prep", "seqs", "num_cached_tokens", "weight_version", "arrival_time", "first_token_time",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "lora")
 
     def __init__(self, prep: EngineRequest, tokenizer) -> None:
         self.prep = prep
@@ -110,6 +110,7 @@ class RequestState:
         self.arrival_time: float | None = None
         self.first_token_time: float | None = None
         self.prompt_logprobs: list | None = None  # the core sends them once, all computed
+        self.lora: tuple[str, int] | None = None
 
 
 class OutputProcessor:
@@ -168,6 +169,7 @@ class OutputProcessor:
     def _apply(self, st: RequestState, update: RequestUpdate, stops: list[StopSequence]) -> None:
         st.num_cached_tokens = update.num_cached_tokens
         st.weight_version = update.weight_version
+        st.lora = update.lora
         st.arrival_time = update.arrival_time
         st.first_token_time = update.first_token_time
         if update.prompt_logprobs is not None:
@@ -224,6 +226,8 @@ def _request_output(st: RequestState, finished: bool) -> RequestOutput:
         num_cached_tokens=st.num_cached_tokens,
         prompt_logprobs=st.prompt_logprobs,
         weight_version=st.weight_version,
+        lora_name=None if st.lora is None else st.lora[0],
+        lora_version=None if st.lora is None else st.lora[1],
         metrics=metrics,
     )
 

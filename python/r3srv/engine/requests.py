@@ -36,6 +36,7 @@ class RequestUpdate:
     first_token_time: float | None
     # the request's prompt logprobs, once all computed (sent once; None otherwise)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora: tuple[str, int] | None = None  # the adapter it runs under: (name, version)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -122,7 +123,11 @@ class Stepper:
         count_tokens(sched, result)
         seqs = sched.seqs
         if core.lora is not None:  # the step's adapters resident, each sequence told its slot
-            core.lora.assign(seqs)
+            in_flight = self.queued if self.overlapped else None
+            if in_flight is None:
+                core.lora.assign(seqs)
+            else:  # the step on the device keeps its adapters' slots until it is done
+                core.lora.assign(seqs, in_flight.sched.seqs, lambda: wait_futures([in_flight.future]))
         if core.num_state_snapshots:  # a hybrid with prefix caching: where this step copies states
             for s in seqs:
                 core.block_manager.plan_snapshots(s)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -115,9 +115,13 @@ class LoraManager:
                 entry.adapter = None
 
     # -- slots ---------------------------------------------------------------------------------
-    def assign(self, seqs: Iterable) -> None:
-        """Make every adapter the sequences run under resident and set each one's `lora_slot`."""
+    def assign(self, seqs: Iterable, in_flight: Iterable = (), wait: Callable[[], None] | None = None) -> None:
+        """Make every adapter the sequences run under resident and set each one's `lora_slot`.
+        Overlapped scheduling: `in_flight` are the sequences of the step still running on the
+        device; their adapters' slots are not rewritten under it, and when no other slot is free,
+        `wait()` lets that step finish first."""
         wanted = {seq.lora.name for seq in seqs if seq.lora is not None}
+        busy = {seq.lora.name for seq in in_flight if seq.lora is not None}
         for seq in seqs:
             ref = seq.lora
             if ref is None:
@@ -128,13 +132,20 @@ class LoraManager:
                 raise InvalidRequestError(f"LoRA adapter {ref.name!r} (version {ref.version}) was unloaded or "
                                           "replaced while a request ran under it", param="lora_name")
             if entry.slot < 0:
-                self._make_resident(entry, wanted)
+                if busy and wait is not None and self._free_slot(wanted | busy) is None:
+                    wait()
+                    busy = set()
+                self._make_resident(entry, wanted | busy)
             self._slot_use.move_to_end(entry.slot)
             self.entries.move_to_end(entry.name)
             seq.lora_slot = entry.slot
 
-    def _make_resident(self, entry: _Entry, wanted: set[str]) -> None:
-        slot = next((s for s in self._slot_use if self.slots[s] is None or self.slots[s] not in wanted), None)
+    def _free_slot(self, keep: set[str]) -> int | None:
+        """The least recently used slot holding no adapter of `keep`."""
+        return next((s for s in self._slot_use if self.slots[s] is None or self.slots[s] not in keep), None)
+
+    def _make_resident(self, entry: _Entry, keep: set[str]) -> None:
+        slot = self._free_slot(keep)
         if slot is None:
             raise RuntimeError("more adapters in one step than --max-loras slots (the scheduler bounds this)")
         if self.slots[slot] is not None:

@@ -88,6 +88,14 @@ class ServerState:
             return model
         raise ModelNotFoundError(model)
 
+    def check_loras(self, names: list[str | None], param: str) -> None:
+        """InvalidRequestError naming `param` for an adapter name that is not loaded (None: the base)."""
+        unknown = sorted({n for n in names if n is not None} - set(self.lora_names()))
+        if unknown:
+            why = "is not loaded" if self.engine.core.lora is not None else "asked for, but the server was started " \
+                                                                          "without --enable-lora"
+            raise InvalidRequestError(f"LoRA adapter {unknown[0]!r} {why}", param=param)
+
     def lora_names(self) -> list[str]:
         """The LoRA adapters loaded (none without --enable-lora)."""
         lora = self.engine.core.lora
@@ -98,6 +106,13 @@ class ServerState:
         if not self.enable_weight_updates or output.weight_version is None:
             return UNSET
         return output.weight_version
+
+    @staticmethod
+    def lora_fields(output: RequestOutput) -> dict[str, Any]:
+        """What a choice says of the LoRA adapter that produced it: nothing for the base model."""
+        if output.lora_name is None:
+            return {}
+        return {"lora_name": output.lora_name, "lora_version": output.lora_version}
 
     def tokenizer(self) -> Any:
         """The engine's tokenizer; a 400 for text APIs when the checkpoint has none."""

@@ -1,7 +1,10 @@
 """LoRA adapter routes: vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, SGLang's
-/load_lora_adapter and /unload_lora_adapter (their request classes' fields, field for field)."""
+/load_lora_adapter, /load_lora_adapter_from_tensors and /unload_lora_adapter (their request
+classes' fields, field for field)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from msgspec import Struct
 
@@ -38,6 +41,29 @@ class SglangLoadLoraRequest(Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         _no_lora_id(self.lora_id)
+
+
+class SglangLoadLoraFromTensorsRequest(Struct, kw_only=True):
+    """SGLang 0.5.23's LoadLoRAAdapterFromTensorsReqInput: a trainer on the same GPU pushes an
+    adapter from memory (PEFT's config and its tensors as CUDA IPC handles)."""
+
+    lora_name: str
+    config_dict: dict[str, Any]  # PEFT's adapter_config.json
+    serialized_named_tensors: list[str]  # base64 ForkingPickler payloads of {name: tensor}, one per rank
+    pinned: bool = False
+    added_tokens_config: dict[str, int] | None = None
+    lora_id: str | None = None
+    load_format: str | None = None
+    expected_checksums: dict[str, str] | None = None  # name -> sha256 of the tensor's bytes, checked
+
+    def __post_init__(self) -> None:
+        _no_lora_id(self.lora_id)
+        if self.added_tokens_config:
+            raise InvalidRequestError(param="added_tokens_config",
+                                      problem=" is not supported by r3srv: adapters add no tokens")
+        if self.load_format is not None:
+            raise InvalidRequestError(param="load_format", problem=" is not supported by r3srv: send the "
+                                      "tensors as a dict (load_format null)")
 
 
 class SglangUnloadLoraRequest(Struct, kw_only=True):

@@ -46,6 +46,7 @@ async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, A
     params = [data.to_sampling_params(i, room - len(prompt)) for i, prompt in enumerate(prompts)]
     request_ids = data.request_ids(len(prompts), uuid.uuid4().hex)
     loras = [data.lora(i) for i in range(len(prompts))]  # lora_path: the adapter's name, per prompt
+    state.check_loras(loras, param="lora_path")
     if data.stream:
         gens = await start_all(state, ROUTE, prompts, params, request_ids, lora=loras)
         return EngineStream(_stream(state, data, request_ids, gens), gens)
