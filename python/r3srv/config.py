@@ -192,9 +192,6 @@ class EngineConfig:
             raise ConfigError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
         if not self.enable_lora:
             return
-        if self.parallel.tensor_parallel_size > 1:
-            raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet (adapters are bound "
-                              "on one process); use tensor_parallel_size=1")
 
     @property
     def use_cuda_graphs(self) -> bool:

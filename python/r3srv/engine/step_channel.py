@@ -38,6 +38,10 @@ class Command(enum.IntEnum):
     DROP_STAGED_WEIGHTS = 11
     CHECK_STAGED_WEIGHTS = 12
     APPLY_STAGED_WEIGHTS = 13
+    # LoRA (r3srv.lora): args: the number of slots / the slot; an adapter comes by broadcast_object_list
+    ENABLE_LORA = 14
+    LOAD_LORA_SLOT = 15
+    CLEAR_LORA_SLOT = 16
 
 
 @dataclass
@@ -108,17 +112,25 @@ def pack_batch(batch: ForwardBatch) -> tuple[tuple[int, ...], np.ndarray]:
         np.asarray(slots, dtype=np.int64), np.asarray(restores, dtype=np.int64), np.asarray(snapshots, dtype=np.int64),
     ]
     num_tokens = len(parts[0])
+    if batch.lora is not None:  # each token's adapter slot
+        parts.append(_host(batch.lora.token_slots))
     args = (num_tokens, num_seqs, table_cols, int(batch.state_slots is not None), len(batch.state_restores),
-            len(batch.state_snapshots))
+            len(batch.state_snapshots), int(batch.lora is not None))
     return args, np.concatenate(parts)
 
 
-def unpack_batch(args: list[int], payload: np.ndarray) -> ForwardBatch:
-    num_tokens, num_seqs, table_cols, has_slots, restores, snapshots = args[:6]
+def unpack_batch(args: list[int], payload: np.ndarray, device: torch.device = torch.device("cpu")) -> ForwardBatch:
+    """The batch pack_batch described (its adapters' token slots on `device`, as the model reads them)."""
+    num_tokens, num_seqs, table_cols, has_slots, restores, snapshots, has_lora = args[:7]
     sizes = [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs * table_cols, num_seqs,
-             num_seqs if has_slots else 0, 2 * restores, 3 * snapshots]
+             num_seqs if has_slots else 0, 2 * restores, 3 * snapshots, num_tokens if has_lora else 0]
     parts = np.split(payload, np.cumsum(sizes)[:-1])
-    ids, positions, slots, query_lens, context_lens, tables, logits_indices, state_slots, rest, snaps = parts
+    ids, positions, slots, query_lens, context_lens, tables, logits_indices, state_slots, rest, snaps, lora = parts
+    lora_batch = None
+    if has_lora:
+        from r3srv.lora.slots import LoraBatch
+
+        lora_batch = LoraBatch.of_token_slots(torch.from_numpy(lora), device)
     return ForwardBatch(
         input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),
         query_lens=query_lens.tolist(), context_lens=context_lens.tolist(),
@@ -127,6 +139,7 @@ def unpack_batch(args: list[int], payload: np.ndarray) -> ForwardBatch:
         state_slots=state_slots.tolist() if has_slots else None,
         state_restores=[tuple(p) for p in rest.reshape(-1, 2).tolist()],
         state_snapshots=[tuple(t) for t in snaps.reshape(-1, 3).tolist()],
+        lora=lora_batch,
     )
 
 

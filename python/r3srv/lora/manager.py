@@ -97,7 +97,7 @@ class LoraManager:
         if adapter.rank > self.max_lora_rank:
             raise InvalidRequestError(f"the adapter's rank {adapter.rank} exceeds --max-lora-rank "
                                       f"{self.max_lora_rank}", param=param)
-        sites.bind(self.model, adapter, param)  # raises for a target or shape that does not fit
+        self.model.check_lora(adapter, param)  # raises for a target or shape that does not fit
 
     def unload(self, name: str) -> LoraRef:
         entry = self.entries.pop(name, None)
@@ -152,20 +152,14 @@ class LoraManager:
             self._evict_slot(self.entries[self.slots[slot]])
         if entry.adapter is None:  # its host copy was given back: read it again
             entry.adapter = adapters.read_dir(entry.path)
-        for bound in sites.bind(self.model, entry.adapter, "lora_path"):
-            a, b = sites.merged(bound, self.model.device, self.model.dtype)
-            if bound.site.which:
-                bound.site.holder.load(slot, bound.site.which, a, b)
-            else:
-                bound.site.holder.load(slot, a, b)
+        self.model.load_lora_slot(slot, entry.adapter)  # (tensor parallelism: on every rank)
         self.slots[slot], entry.slot = entry.name, slot
         self._trim_host()
 
     def _evict_slot(self, entry: _Entry) -> None:
         if entry.slot < 0:
             return
-        for site in {id(s.holder): s for s in sites.sites(self.model).values()}.values():
-            site.holder.clear(entry.slot)
+        self.model.clear_lora_slot(entry.slot)
         self.slots[entry.slot], entry.slot = None, -1
 
     def resident(self) -> dict[str, int]:

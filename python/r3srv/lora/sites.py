@@ -113,6 +113,22 @@ def bind(model, adapter: LoraAdapter, param: str) -> list[Bound]:
     return list(bound.values())
 
 
+def load_slot(model, slot: int, adapter: LoraAdapter) -> None:
+    """The adapter's pairs (this rank's slices) into slot `slot` of every holder it targets."""
+    for bound in bind(model, adapter, "lora_path"):
+        a, b = merged(bound, model.device, model.dtype)
+        if bound.site.which:
+            bound.site.holder.load(slot, bound.site.which, a, b)
+        else:
+            bound.site.holder.load(slot, a, b)
+
+
+def clear_slot(model, slot: int) -> None:
+    """Slot `slot` of every holder emptied."""
+    for site in {id(s.holder): s for s in sites(model).values()}.values():
+        site.holder.clear(slot)
+
+
 def _rank_slice(name: str, view: torch.Tensor, pair: LoraPair, param: str) -> tuple[torch.Tensor, torch.Tensor]:
     """pair's a and b checked against the whole checkpoint tensor, then cut to this rank's slice."""
     whole = checkpoint_shape(view)

@@ -37,8 +37,16 @@ class LoraBatch:
             return None
         slots = torch.repeat_interleave(torch.tensor(list(seq_slots), dtype=torch.long),
                                         torch.tensor(list(query_lens), dtype=torch.long))
-        present = sorted({s for s in seq_slots if s >= 0})
-        if len(present) == 1 and min(seq_slots) >= 0:
+        return cls.of_token_slots(slots, device)
+
+    @classmethod
+    def of_token_slots(cls, slots: torch.Tensor, device: torch.device) -> LoraBatch | None:
+        """The batch whose tokens run under `slots` (host, [T]; -1: none), as a tensor-parallel
+        rank receives it."""
+        present = sorted(s for s in set(slots.tolist()) if s >= 0)
+        if not present:
+            return None
+        if len(present) == 1 and int(slots.min()) >= 0:
             groups = [(present[0], None)]
         else:
             groups = [(s, (slots == s).nonzero().flatten().to(device)) for s in present]

@@ -428,6 +428,22 @@ class MoeForCausalLM(nn.Module):
         self.select_ops(self.ops)
         return context
 
+    def check_lora(self, adapter, param: str) -> None:
+        """InvalidRequestError naming `param` for an adapter target or shape this model lacks."""
+        from r3srv.lora.sites import bind
+
+        bind(self, adapter, param)
+
+    def load_lora_slot(self, slot: int, adapter) -> None:
+        from r3srv.lora.sites import load_slot
+
+        load_slot(self, slot, adapter)
+
+    def clear_lora_slot(self, slot: int) -> None:
+        from r3srv.lora.sites import clear_slot
+
+        clear_slot(self, slot)
+
     # ---- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
