@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-data test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke serve
+.PHONY: install test test-data verl-env test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke fuzz-deep serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,11 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -e ".[test]"
 
-test: install test-data test-rust test-python
+test: install test-data verl-env test-rust test-python
+
+# verl's own environment (tools/verl_env.sh) for tests/test_verl_rollout.py, built once
+verl-env: install
+	[ -x .verl_venv/bin/python ] || tools/verl_env.sh .verl_venv
 
 # Test data that would otherwise be downloaded at run time (tools/fetch_test_vocab.sh)
 test-data:
@@ -53,6 +57,12 @@ bench-gate: install
 # Every benchmark run once, untimed, with its own checks: benches that no longer run fail CI.
 bench-smoke: install
 	$(BIN)/python -m pytest -q benches --benchmark-disable -p no:randomly
+
+# schemathesis over every route for FUZZ_MINUTES per server (two servers), schema-valid requests
+# that are refused counted too (benches/schema_fuzz.py); CI runs a shorter deterministic one.
+FUZZ_MINUTES ?= 10
+fuzz-deep: install
+	$(BIN)/python benches/schema_fuzz.py --minutes $(FUZZ_MINUTES)
 
 serve: install
 	$(BIN)/r3srv serve

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -50,15 +50,15 @@ class ServerExited(RuntimeError):
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, name: str, log: Callable[[], str], *,
-                 interval: float) -> None:
+                 interval: float, **client: Any) -> None:
     """Poll `url`/health until it answers 200; ServerExited if `proc` ends first, TimeoutError
-    (with the log) after `timeout` seconds."""
+    (with the log) after `timeout` seconds. `client`: httpx's TLS arguments (verify, cert) and headers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise ServerExited(name, proc.returncode, log())
         try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+            if httpx.get(url + "/health", timeout=2.0, **client).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -71,11 +71,15 @@ class _PortTaken(RuntimeError):
 
 
 class RemoteServer:
-    """step_gate: a StepGate (tests/step_gate.py) that holds this server's engine steps."""
+    """step_gate: a StepGate (tests/step_gate.py) that holds this server's engine steps. `env`:
+    variables added to the server's environment (keys: R3SRV_API_KEY); `scheme` "https" and
+    `client` (httpx's verify, cert, headers) for a server that serves TLS or keys its probes."""
 
     def __init__(self, *args: str, startup_timeout: float = 180.0, bind_attempts: int = 3,
-                 step_gate: StepGate | None = None) -> None:
+                 step_gate: StepGate | None = None, env: dict[str, str] | None = None, scheme: str = "http",
+                 **client: Any) -> None:
         self._gate_path = None if step_gate is None else step_gate.path
+        self._env, self._scheme, self._client = env or {}, scheme, client
         # free_port() only finds a port that is free now; on a busy CI machine another
         # process can take it before the server binds, so a lost race is retried on a new one.
         for attempt in range(bind_attempts):
@@ -94,9 +98,9 @@ class RemoteServer:
 
     def _start(self, args: tuple[str, ...]) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self._scheme}://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="r3srv-serve-", suffix=".log", delete=False)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self._env)
         self.proc = subprocess.Popen(
             serve_command("--host", "127.0.0.1", "--port", str(self.port), *args, step_gate=self._gate_path),
             stdout=self._log,
@@ -112,7 +116,7 @@ class RemoteServer:
 
     def _wait_healthy(self, timeout: float) -> None:
         try:
-            wait_healthy(self.url, self.proc, timeout, "r3srv serve", lambda: self.log, interval=0.2)
+            wait_healthy(self.url, self.proc, timeout, "r3srv serve", lambda: self.log, interval=0.2, **self._client)
         except ServerExited as exited:
             if "address already in use" in exited.log.lower():
                 raise _PortTaken(f"port {self.port} was taken before r3srv serve could bind it:\n{exited.log}") from None

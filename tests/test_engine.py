@@ -176,9 +176,9 @@ def test_logprobs_and_cumulative_logprob(llm):
     c = llm.generate([prompt_ids(5)], SamplingParams(max_tokens=6, logprobs=2, **GREEDY))[0].outputs[0]
     assert len(c.logprobs) == 6
     for tok, lp in zip(c.token_ids, c.logprobs):
-        assert tok in lp and len(lp) <= 3
-        assert lp[tok] == max(lp.values())  # greedy picks the most likely token
-    assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+        assert next(iter(lp)) == tok and len(lp) <= 3  # the sampled token first, as vLLM's
+        assert lp[tok].logprob == max(x.logprob for x in lp.values()) and lp[tok].rank == 1  # greedy: the most likely
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
 
 
 def test_abort_returns_every_block(llm):
@@ -266,7 +266,7 @@ def test_stop_trimming_keeps_logprobs_consistent(llm):
     stop = full.text[12:14]
     c = llm.generate([prompt], SamplingParams(max_tokens=30, stop=stop, logprobs=1, **GREEDY))[0].outputs[0]
     assert len(c.logprobs) == len(c.token_ids) < 30
-    assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
 
 
 @pytest.mark.gpu

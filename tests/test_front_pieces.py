@@ -20,6 +20,7 @@ from r3srv.errors import ConfigError
 from r3srv.front.app import RankError, declared_fleet, declared_ranks, rank_bodies
 from r3srv.front.discovery import sum_prometheus
 from r3srv.front.policy import BALANCE_ABS, BLOCK_CHARS, PrefixAwarePolicy, prompt_key
+from r3srv.security import ServeSecurity
 from r3srv.server.declare import Fleet, Ranks
 from r3srv.server.fanout import UNREACHABLE, Reply, combine
 from r3srv.server.routes import ROUTE_HANDLERS
@@ -204,9 +205,7 @@ def test_replica_argv_passes_every_flag_on_and_sets_its_own_place():
     assert child.fleet_peer_urls is None and child.weight_version == "v7"  # the front fans out, not the replicas
     same = ("enable_prefix_caching", "enable_weight_updates", "max_num_seqs", "served_model_name", "log_level", "seed")
     assert {k: getattr(child, k) for k in same} == {k: getattr(args, k) for k in same}
-    assert supervisor_headers(args) == {}
-    args.api_key = "k"  # the security flags' seam: the supervisor's own calls carry the key
-    assert supervisor_headers(args) == {"authorization": "Bearer k"}
+    assert supervisor_headers(ServeSecurity.from_args(args, {})) == {}  # keys: tests/test_auth.py
 
 
 def test_replicas_with_tensor_parallel_ranks_take_consecutive_devices():

@@ -27,7 +27,7 @@ def test_bfloat16_generation(family, tmp_path):
     for prompt, out in zip(prompts, outs):
         choice = out.outputs[0]
         assert len(choice.token_ids) == 5 and choice.finish_reason == "length"
-        assert all(math.isfinite(lp[t]) for lp, t in zip(choice.logprobs, choice.token_ids))
+        assert all(math.isfinite(lp[t].logprob) for lp, t in zip(choice.logprobs, choice.token_ids))
         rows = choice.routed_experts
         assert rows.shape == (len(prompt) + 4, cfg.num_layers, cfg.top_k) and rows.dtype == np.uint8
         moe = rows[:, cfg.moe_layers]

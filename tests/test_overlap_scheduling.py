@@ -77,7 +77,7 @@ def _assert_equal(got: dict, want: dict) -> None:
     for rid, out in want.items():
         for c_want, c_got in zip(out.outputs, got[rid].outputs):
             if c_want.logprobs is not None:
-                flat = lambda c: [v for lp in c.logprobs for v in lp.values()]  # noqa: E731
+                flat = lambda c: [v.logprob for lp in c.logprobs for v in lp.values()]  # noqa: E731
                 np.testing.assert_allclose(flat(c_got), flat(c_want), rtol=1e-4, atol=1e-5)
         if out.prompt_logprobs is not None:
             values = lambda o: [v.logprob for lp in o.prompt_logprobs if lp for v in lp.values()]  # noqa: E731

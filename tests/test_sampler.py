@@ -90,10 +90,31 @@ def test_logprobs_are_log_softmax_of_the_unmodified_logits():
     top3 = torch.topk(ref[0], 3).indices.tolist()
     assert set(top3) <= set(r0.top_logprobs) and r0.token_id in r0.top_logprobs
     for tok in top3:
-        assert math.isclose(r0.top_logprobs[tok], float(ref[0, tok]), rel_tol=1e-6)
+        assert math.isclose(r0.top_logprobs[tok].logprob, float(ref[0, tok]), rel_tol=1e-6)
     r1 = res[1]  # logprobs=0: just the sampled token
     assert list(r1.top_logprobs) == [int(logits[1].argmax())]
     assert math.isclose(r1.logprob, float(ref[1].max()), rel_tol=1e-6)
+
+
+def test_sampled_logprob_entries_are_vllms_shape():
+    """The sampled token first with its rank in the whole vocabulary, then the top k with ranks
+    1..k (vLLM's Logprob entries), ranks checked against a plain sort of the row."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 40, generator=gen)
+    params = [SamplingParams(temperature=1.5, logprobs=k, seed=20 + k) for k in (0, 1, 2, 3, 5, 40)]
+    res = sample(logits, [seq(p, seed=p.seed) for p in params], EOS)
+    ref = torch.log_softmax(logits, dim=-1)
+    for row, (r, p) in enumerate(zip(res, params)):
+        values = ref[row].tolist()
+        order = sorted(range(len(values)), key=lambda t: (-values[t], t))
+        entries = list(r.top_logprobs.items())
+        assert entries[0][0] == r.token_id
+        assert entries[0][1].rank == 1 + sum(v > values[r.token_id] for v in values)
+        top = {t: lp for t, lp in entries if t != r.token_id or lp.rank <= p.logprobs}
+        assert [t for t, lp in sorted(top.items(), key=lambda kv: kv[1].rank)][: p.logprobs] == order[: p.logprobs]
+        for t, lp in entries[1:]:
+            assert lp.rank == order.index(t) + 1 and math.isclose(lp.logprob, values[t], rel_tol=1e-6)
+        assert len(r.top_logprobs) in (p.logprobs, p.logprobs + 1)
 
 
 def test_no_logprobs_unless_asked():
@@ -180,3 +201,60 @@ def test_batched_top_k_top_p_equals_the_per_row_definition(rows, vocab):
     got = filter_top_k_top_p(logits, [k for k, _, _ in rows], [p for _, p, _ in rows])
     want = torch.stack([one_row_filter(logits[i], k, p) for i, (k, p, _) in enumerate(rows)])
     assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- every accepted value is safe to draw with
+
+# vLLM accepts any repetition penalty above 0: these are 0 or inf in float32, or overflow a logit
+EXTREME_PENALTIES = [5e-324, 1e-308, 1e-231, 1e-108, 1e-45, 1e38, 1e300, 1.7976931348623157e308]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    repetition=st.sampled_from(EXTREME_PENALTIES) | st.floats(min_value=5e-324, max_value=1.7e308),
+    temperature=st.sampled_from([0.0, 1e-5, 1e-3, 1.0, 1e30]),
+    bias=st.sampled_from([None, 100.0, -100.0]),
+    frequency=st.sampled_from([0.0, 2.0, -2.0]),
+    min_p=st.sampled_from([0.0, 0.5, 1.0]),
+    top_k=st.sampled_from([0, 1, 5]),
+    top_p=st.sampled_from([1.0, 0.5, 1e-9]),
+    scale=st.sampled_from([1.0, 30.0, 1e30]),
+    seed=st.integers(0, 2**31),
+)
+def test_every_accepted_parameter_value_draws_a_token(repetition, temperature, bias, frequency, min_p, top_k, top_p,
+                                                      scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 40, generator=gen) * scale
+    logits[:, :6] = logits[:, :6].abs()  # the prompt's and the output's tokens (1..4) are positive...
+    logits[1, :6] = -logits[1, :6]  # ...or negative...
+    logits[2, :6] = 0.0  # ...or exactly 0 (0 * inf is NaN)
+    params = SamplingParams(repetition_penalty=repetition, temperature=temperature, frequency_penalty=frequency,
+                            presence_penalty=-frequency, min_p=min_p, top_k=top_k, top_p=top_p, min_tokens=3,
+                            logit_bias=None if bias is None else {3: bias, 7: -bias})
+    seqs = [seq(params, seed=seed + i, n_out=2) for i in range(3)]
+    for result in sample(logits, seqs, EOS):
+        assert 0 <= result.token_id < 40 and result.token_id not in EOS  # min_tokens still bans EOS
+
+
+def test_a_vanishing_repetition_penalty_picks_among_the_seen_positive_tokens():
+    """1/1e-108 overflows every seen positive logit: they tie at the top, and the draw stays among them."""
+    logits = torch.full((1, 30), 0.5)
+    logits[0, 10] = 50.0  # unseen, far ahead before the penalty
+    params = SamplingParams(repetition_penalty=1e-108, temperature=0.7)
+    s = seq(params, seed=3, n_out=1)  # seen: 1, 2, 3 (prompt), 4 (output)
+    drawn = {sample(logits.clone(), [s], EOS)[0].token_id for _ in range(200)}
+    assert drawn == {1, 2, 3, 4}
+    greedy = SamplingParams(repetition_penalty=1e-108, temperature=0.0)
+    assert sample(logits.clone(), [seq(greedy, n_out=1)], EOS)[0].token_id == 1  # ties: the lowest id
+
+
+def test_a_huge_repetition_penalty_takes_the_seen_tokens_lead_away():
+    """Positive logits are divided towards 0 (never below it, as vLLM's penalty), negative ones
+    multiplied past float32's range: a mask."""
+    logits = torch.zeros(1, 30)
+    logits[0, 1:5] = torch.tensor([9.0, -9.0, 0.0, 20.0])  # seen tokens, one of each sign and 0
+    plain = seq(SamplingParams(temperature=1.0), seed=4, n_out=1)
+    assert {sample(logits.clone(), [plain], EOS)[0].token_id for _ in range(50)} == {4}
+    s = seq(SamplingParams(repetition_penalty=1e300, temperature=1.0), seed=4, n_out=1)
+    drawn = [sample(logits.clone(), [s], EOS)[0].token_id for _ in range(300)]
+    assert 2 not in drawn and drawn.count(4) < 60 and len(set(drawn)) > 15

@@ -186,7 +186,7 @@ def test_logprobs_minus_one_is_the_whole_vocabulary():
     out = llm.generate([list(b"abc")], SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1, **GREEDY))[0]
     assert all(len(entry) == vocab for entry in out.outputs[0].logprobs)
     assert out.prompt_logprobs[0] is None and all(len(e) == vocab for e in out.prompt_logprobs[1:])
-    assert math.isclose(sum(math.exp(v) for v in out.outputs[0].logprobs[0].values()), 1.0, rel_tol=1e-4)
+    assert math.isclose(sum(math.exp(v.logprob) for v in out.outputs[0].logprobs[0].values()), 1.0, rel_tol=1e-4)
     with pytest.raises(InvalidRequestError) as exc:  # the default max_logprobs (20), as vLLM
         LLM(max_model_len=64, num_kv_blocks=32).generate([[1]], SamplingParams(logprobs=-1))
     assert exc.value.param == "logprobs" and "max allowed: 20" in str(exc.value)

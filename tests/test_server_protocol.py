@@ -135,3 +135,22 @@ def test_error_body_shape():
     body = msgspec.to_builtins(error_body(404, "nope", "model"))
     assert body == {"error": {"message": "nope", "type": "NotFoundError", "param": "model", "code": 404}}
     assert msgspec.to_builtins(error_body(413, "big"))["error"]["type"] == "RequestEntityTooLargeError"
+
+
+@pytest.mark.parametrize("name", ["cache_salt", "extra_key"])
+@pytest.mark.parametrize("text", ["one prompt", ["a"], ["a", "b"]], ids=["single", "batch of 1", "batch of 2"])
+@pytest.mark.parametrize("salt", ["s", "", [], ["s"], ["s", ""], ["s", "t", "u"]], ids=repr)
+def test_sglang_salts_follow_sglangs_normalization(name, text, salt):
+    """SGLang 0.5.23's GenerateReqInput: a string for one request or for all of a batch ("" is none);
+    a list only for a batch, one entry per prompt; anything else a ValueError (400), never an IndexError."""
+    request = decode(p.SglangGenerateRequest, {"text": text, name: salt})
+    batch = isinstance(text, list)
+    if isinstance(salt, list) and (not batch or len(salt) != len(text)):
+        with pytest.raises(InvalidRequestError) as err:
+            request.prompts()
+        assert err.value.param == name
+        return
+    salts = [request.to_sampling_params(i).cache_salt for i in range(len(request.prompts()))]
+    given = salt if isinstance(salt, list) else [salt] * len(salts)
+    assert [s is None for s in salts] == [not g for g in given]  # "" is no salt
+    assert len({s for s, g in zip(salts, given) if g}) == len({g for g in given if g})  # distinct stay distinct

@@ -124,4 +124,4 @@ def test_abort_request_ends_one_or_all_in_flight(server, gate):
         rest = [runs[rid].result(timeout=60).json() for rid in "bc"]
     for out in [first, *rest]:
         assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 3000
-    assert httpx.post(server.url + "/abort_request", json={}).status_code == 400
+    assert httpx.post(server.url + "/abort_request", json={}).status_code == 200  # nothing to abort, as SGLang

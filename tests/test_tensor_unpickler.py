@@ -93,3 +93,87 @@ def test_a_lora_push_is_a_dict_of_tensors_and_runs_no_pickled_code(tmp_path):
         with pytest.raises(InvalidRequestError, match="dict of name -> tensor") as err:
             load_cuda_tensor_dict(payload)
         assert err.value.param == "serialized_named_tensors"
+
+
+# ---------------------------------------------------------------- hostile pickles, generated
+
+# Globals a hostile pickle would reach for, and the ones the unpickler admits (whose objects a
+# pickle then holds, and could try to change with BUILD, SETITEM or APPEND).
+_GLOBALS = [("os", "system"), ("posix", "system"), ("builtins", "eval"), ("builtins", "exec"),
+            ("builtins", "getattr"), ("builtins", "__import__"), ("subprocess", "Popen"), ("io", "open"),
+            ("torch", "load"), ("torch", "save"), ("pickle", "loads"), ("copyreg", "_reconstructor"),
+            ("r3srv.engine.tensor_unpickler", "ALLOWED_GLOBALS"), *ALLOWED_GLOBALS]
+
+
+def _text(s: str) -> bytes:
+    data = s.encode()
+    return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+
+
+def _pieces(marker: str):
+    from hypothesis import strategies as st
+
+    plain = st.sampled_from([
+        pickle.MARK, pickle.NONE, pickle.NEWTRUE, pickle.EMPTY_TUPLE, pickle.EMPTY_LIST, pickle.EMPTY_DICT,
+        pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.LIST, pickle.DICT,
+        pickle.REDUCE, pickle.BUILD, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.OBJ, pickle.STACK_GLOBAL,
+        pickle.APPEND, pickle.APPENDS, pickle.SETITEM, pickle.SETITEMS, pickle.DUP, pickle.POP, pickle.POP_MARK,
+        pickle.MEMOIZE, pickle.BINPERSID, pickle.EMPTY_SET, pickle.ADDITEMS, pickle.FROZENSET,
+        pickle.BINGET + b"\x00", pickle.EXT1 + b"\x01", pickle.BININT1 + b"\x02", pickle.PERSID + b"0\n",
+    ])
+    globals_ = st.sampled_from(_GLOBALS).flatmap(lambda g: st.sampled_from([
+        pickle.GLOBAL + f"{g[0]}\n{g[1]}\n".encode(),  # by name, as protocol 0-3 do
+        _text(g[0]) + _text(g[1]) + pickle.STACK_GLOBAL,  # from the stack, as protocol 4 does
+        pickle.INST + f"{g[0]}\n{g[1]}\n".encode(),
+    ]))
+    texts = st.sampled_from([f"touch {marker}", f"open({marker!r}, 'w').close()", "cls", "__defaults__",
+                             "__class__", "__dict__", "__setstate__", "x"]).map(_text)
+    return st.one_of(plain, globals_, texts)
+
+
+def _singletons() -> dict:
+    """What every later load is handed: it must come out of any pickle unchanged."""
+    return {key: (value, tuple(getattr(value, s, None) for s in getattr(type(value), "__slots__", ())))
+            for key, value in ALLOWED_GLOBALS.items()}
+
+
+@pytest.mark.slow
+def test_generated_hostile_pickles_run_nothing_change_nothing_and_are_400s(tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    marker = tmp_path / "ran"
+    before = _singletons()
+    outcomes: dict[str, int] = {}
+
+    @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(_pieces(str(marker)), min_size=1, max_size=24))
+    def load(pieces):
+        payload = base64.b64encode(pickle.PROTO + b"\x04" + b"".join(pieces) + pickle.STOP).decode()
+        try:
+            loaded = load_named_cuda_tensors(payload)
+            assert loaded == [], loaded  # a CPU server admits no CUDA tensor: an empty list at most
+            outcomes["loaded"] = outcomes.get("loaded", 0) + 1
+        except InvalidRequestError as exc:
+            assert exc.param == "serialized_named_tensors"
+            reason = "refused global" if "not a CUDA tensor rebuild" in str(exc) else "other 400"
+            outcomes[reason] = outcomes.get(reason, 0) + 1
+        assert not marker.exists(), pieces
+        assert _singletons() == before, pieces
+
+    load()
+    assert outcomes.get("refused global", 0) > 50, outcomes  # the generator reaches the unpickler's refusals
+
+
+@pytest.mark.parametrize("payload", [
+    pickle.GLOBAL + b"torch\nTensor\n" + pickle.EMPTY_DICT + _text("cls") + pickle.NONE + pickle.SETITEM + pickle.BUILD,
+    pickle.GLOBAL + b"torch\nTensor\n" + pickle.NONE + pickle.EMPTY_DICT + _text("cls") + pickle.NONE
+    + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD,
+    pickle.GLOBAL + b"torch.multiprocessing.reductions\nrebuild_cuda_tensor\n" + pickle.NONE + pickle.EMPTY_DICT
+    + _text("__defaults__") + pickle.EMPTY_TUPLE + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD,
+], ids=["dict state on a class argument", "slot state on a class argument", "defaults of the rebuild function"])
+def test_a_pickle_cannot_rewrite_what_the_next_load_gets(payload):
+    before = _singletons()
+    with pytest.raises(InvalidRequestError):
+        load_named_cuda_tensors(base64.b64encode(payload + pickle.STOP).decode())
+    assert _singletons() == before

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -11,6 +11,10 @@ def __getattr__(name: str):
         from r3srv.engine.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from r3srv.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     if name == "SamplingParams":
         from r3srv.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from r3srv import engine_options, settings
+from r3srv import engine_options, security, settings
 from r3srv.errors import ConfigError, InvalidRequestError
 
 logger = logging.getLogger("r3srv.serve")
@@ -43,6 +43,7 @@ def _positive_float(text: str) -> float:
 # Connection deadlines (server/connections.py's guarded_h11 takes them from these flags)
 DEFAULT_HEADER_TIMEOUT_S = 60.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_MIN_BODY_RATE = 500.0  # bytes per second, Apache mod_reqtimeout's default MinRate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-body", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a request body may stall between two reads before the connection closes (default: %(default)s)",
     )
+    serve.add_argument(
+        "--min-body-rate", type=_positive_float, default=DEFAULT_MIN_BODY_RATE, metavar="BYTES_PER_S",
+        help="a request body must arrive at this rate on average once --timeout-body has passed: each BYTES_PER_S "
+        "bytes received give it one more second, so a trickled body is cut (default: %(default)s)",
+    )
     engine_options.add_arguments(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # tool calling and reasoning on /v1/chat/completions, vLLM's flags (docs/protocol.md, "Tool calling")
@@ -135,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--reasoning-parser", default=None, metavar="NAME",
                       help="the model's reasoning format, into message.reasoning: qwen3, deepseek_r1, deepseek_v3, "
                       "glm45, glm47, kimi_k2, openai_gptoss")
+    security.add_arguments(serve)
     settings.add_arguments(serve)
     return parser
 
@@ -198,6 +205,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
 
     try:  # before anything reads them: the model, the encoder
         settings.configure(settings.from_args(args))
+        guard = security.ServeSecurity.from_args(args)
     except ConfigError as exc:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -217,6 +225,9 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print("r3srv serve: configuration error: --data-parallel-size runs its replicas on this machine, each "
               "replica's ranks on a free port of their own: leave out --nnodes and --master-port", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    for warning in guard.exposure_warnings(args.host, weight_updates=args.enable_weight_updates):
+        if args.node_rank == 0:  # the other nodes serve no HTTP
+            logger.warning("%s (docs/security.md)", warning)
     dev_flags = [flag for flag, on in (("--enable-sleep-mode", args.enable_sleep_mode),
                                         ("--enable-collective-rpc", args.enable_collective_rpc)) if on]
     if dev_flags and not args.enable_weight_updates:
@@ -226,7 +237,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
     if args.data_parallel_size > 1:  # N replicas behind this process, their front and supervisor
         from r3srv.data_parallel import serve_fleet
 
-        return serve_fleet(args, build_parser())
+        return serve_fleet(args, build_parser(), guard)
     try:
         from r3srv.server.chat_output import ChatParsers
 
@@ -275,6 +286,8 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,
         fleet_peer_urls=_peers_but_self(args),
+        keys=guard.keys(),
+        confinement=guard.confinement(),
         launch=LaunchFacts(host=args.host, port=args.port, nnodes=args.nnodes, node_rank=args.node_rank,
                            enable_memory_saver=args.enable_memory_saver),
         enable_sleep_mode=args.enable_sleep_mode,
@@ -282,8 +295,9 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         chat_parsers=chat_parsers,
     )
     logger.info(
-        "serving %s on http://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",
+        "serving %s on %s://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",
         name,
+        "https" if guard.tls else "http",
         args.host,
         args.port,
         engine.device,
@@ -297,7 +311,8 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         port=args.port,
         log_level=args.log_level,
         lifespan="on",
-        http=guarded_h11(args.timeout_headers, args.timeout_body),
+        http=guarded_h11(args.timeout_headers, args.timeout_body, args.min_body_rate),
+        **guard.uvicorn_ssl(),
         timeout_graceful_shutdown=5,
         access_log=args.log_level == "debug",
     )

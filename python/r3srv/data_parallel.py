@@ -8,6 +8,12 @@ goes to the replica caching the prompt's prefix, control calls to every replica,
 calls to every replica with its own ranks; and it supervises the replicas (front/replicas.py):
 one that exits is restarted on the fleet's current weights while the others serve.
 
+Keys and TLS (docs/security.md): the front checks every request's key against its route's
+declared access as one server does (server/auth.py) and serves TLS itself; the replicas listen
+in plain HTTP on 127.0.0.1 with the same keys, given through $R3SRV_API_KEY and
+$R3SRV_ADMIN_API_KEY (never on their command lines, which every user of the host can read), and
+every call the front or the supervisor makes to them carries the fleet's own credential.
+
 SIGTERM or SIGINT stops the front and every replica (exit 0); the replicas also get SIGTERM from
 the kernel if this process dies outright: no orphans.
 """
@@ -22,13 +28,16 @@ import socket
 import sys
 
 from r3srv.errors import ConfigError
+from r3srv.security import ServeSecurity
 
 logger = logging.getLogger("r3srv.fleet")
 
 EXIT_CONFIG_ERROR = 2
 # Flags the supervisor sets itself on each replica; every other serve flag is passed on unchanged.
 _REPLICA_FLAGS = {"model", "host", "port", "data_parallel_size", "device", "fleet_peer_urls", "weight_version",
-                  "served_model_name", "help"}
+                  "served_model_name", "help",
+                  # keys reach a replica through its environment; TLS ends at the front
+                  "api_key", "admin_api_key", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs"}
 
 
 def free_port() -> int:
@@ -88,14 +97,15 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return commands.choices["serve"]
 
 
-def supervisor_headers(args: argparse.Namespace) -> dict[str, str]:
-    """Credentials for the supervisor's own calls to its replicas (/health, /model_info) when the
-    fleet is started with API keys (the replicas get the same key flags)."""
-    key = getattr(args, "api_key", None) or getattr(args, "admin_api_key", None)
-    return {"authorization": f"Bearer {key}"} if key else {}
+def supervisor_headers(guard: ServeSecurity) -> dict[str, str]:
+    """Credentials for the supervisor's own calls to its replicas (/health, /model_info, /is_paused, a
+    restarted replica's /pause_generation): the fleet's admin key, else its API key."""
+    credential = guard.keys().fleet_credential
+    return {"authorization": f"Bearer {credential}"} if credential else {}
 
 
-def serve_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def serve_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                guard: ServeSecurity = ServeSecurity()) -> int:
     from r3srv.front.replicas import Replica, ReplicaSet
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the supervisor's health polls are not news
@@ -111,15 +121,16 @@ def serve_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                             served_model_name=name)
 
     fleet = ReplicaSet(replicas, argv_for, model=args.model, weight_version=args.weight_version,
-                       served_model_name=args.served_model_name, headers=supervisor_headers(args))
-    return asyncio.run(_run(args, fleet))
+                       served_model_name=args.served_model_name, headers=supervisor_headers(guard),
+                       environ=guard.key_environ())
+    return asyncio.run(_run(args, fleet, guard))
 
 
-async def _run(args: argparse.Namespace, fleet) -> int:
+async def _run(args: argparse.Namespace, fleet, guard: ServeSecurity) -> int:
     import uvicorn
 
     from r3srv.cli import _server_class
-    from r3srv.front.app import Front
+    from r3srv.front.app import Front, keyed
     from r3srv.front.policy import prompt_encoder
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
     from r3srv.server.connections import guarded_h11
@@ -136,17 +147,21 @@ async def _run(args: argparse.Namespace, fleet) -> int:
             loop.remove_signal_handler(sig)
         if code is not None:
             return code
+        keys = guard.keys()
         front = Front(fleet, tp_size=args.tensor_parallel_size, block_size=args.block_size,
                       max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
-                      peer_urls=args.fleet_peer_urls, encode=prompt_encoder(args.model))
-        config = uvicorn.Config(front, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                                http=guarded_h11(args.timeout_headers, args.timeout_body), server_header=False,
-                                date_header=False, timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+                      peer_urls=args.fleet_peer_urls, encode=prompt_encoder(args.model),
+                      credential=keys.fleet_credential)
+        config = uvicorn.Config(keyed(front, keys), host=args.host, port=args.port, log_level=args.log_level,
+                                lifespan="off", server_header=False, date_header=False, timeout_graceful_shutdown=5,
+                                http=guarded_h11(args.timeout_headers, args.timeout_body, args.min_body_rate),
+                                access_log=args.log_level == "debug", **guard.uvicorn_ssl())
         server = _server_class(fleet.stop_all)(config)  # stopping: the replicas first, so open streams end
         supervisor = asyncio.create_task(fleet.supervise())
-        logger.info("fleet of %d replicas (%s) on http://%s:%d: generation goes to the replica caching the "
+        logger.info("fleet of %d replicas (%s) on %s://%s:%d: generation goes to the replica caching the "
                     "prompt's prefix, control calls to every replica", len(fleet.replicas),
-                    ", ".join(f"{r.url} on {r.device}" for r in fleet.replicas), args.host, args.port)
+                    ", ".join(f"{r.url} on {r.device}" for r in fleet.replicas), "https" if guard.tls else "http",
+                    args.host, args.port)
         await server.serve()
         return 0 if server.started else 1
     finally:

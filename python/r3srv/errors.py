@@ -47,3 +47,13 @@ class InvalidRequestError(R3srvError, ValueError):
 
 class ConfigError(R3srvError, ValueError):
     """An engine or server configuration that cannot work; raised at start-up, never mid-request."""
+
+
+class PermissionDeniedError(R3srvError):
+    """A request for something the server's configuration does not allow it to reach (HTTP 403):
+    a weight directory outside --allowed-weight-paths, a trainer host outside
+    --allowed-trainer-hosts. `param` names the field."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

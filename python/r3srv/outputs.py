@@ -40,11 +40,15 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cumulative_logprob: float | None = None
-    # One dict per generated token: {token_id: logprob}, the sampled token plus the top `logprobs`.
-    logprobs: list[dict[int, float]] | None = None
+    # One dict per generated token, as vLLM's: {token_id: Logprob}, the sampled token first (its
+    # rank in the whole vocabulary), then the top `logprobs` tokens (ranks 1, 2, ...).
+    logprobs: list[dict[int, Logprob]] | None = None
     # (len(prompt) + len(token_ids) - 1 - routed_experts_prompt_start, num_layers, top_k);
     # set only when finished and routed experts were asked for.
     routed_experts: np.ndarray | None = None
+    # Times the scheduler preempted this sample for KV blocks (each recomputes its tokens and
+    # rows); set when it finishes (verl reads it as vLLM's).
+    num_preempted: int = 0
 
     @property
     def finished(self) -> bool:
@@ -71,6 +75,9 @@ class RequestOutput:
     lora_name: str | None = None
     lora_version: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Always None: every row, the prompt's included, is in each sample's routed_experts (vLLM
+    # 0.33's layout); kept for code written for vLLM releases that split the prompt's rows off.
+    prompt_routed_experts: np.ndarray | None = None
 
 
 def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

@@ -138,6 +138,25 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ)
     return Settings.from_environ(environ).replace(**given)
 
 
+# Secrets are not Settings fields: a Settings object may be printed or logged. `r3srv serve`'s
+# --api-key and --admin-api-key default to these (several keys: comma-separated), and a fleet
+# hands its keys to its replicas through them rather than on their command lines.
+SECRET_ENV_NAMES = {"api_key": "R3SRV_API_KEY", "admin_api_key": "R3SRV_ADMIN_API_KEY"}
+
+
+def secret_keys(name: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The keys of $R3SRV_API_KEY (name "api_key") or $R3SRV_ADMIN_API_KEY ("admin_api_key"), in
+    `environ` (default: this process's)."""
+    text = (os.environ if environ is None else environ).get(SECRET_ENV_NAMES[name], "")
+    return [key.strip() for key in text.split(",") if key.strip()]
+
+
+def child_environ(variables: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a child process: this process's, with `variables` set (a fleet's
+    replicas get their keys so, not on their command lines)."""
+    return {**os.environ, **variables}
+
+
 _current: Settings | None = None
 
 

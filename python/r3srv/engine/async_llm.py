@@ -197,6 +197,7 @@ class AsyncLLM(EngineFacts):
         self._state = EngineState.RUNNING
         self._death: BaseException | None = None  # why the core thread died (state DEAD)
         self._sinks: dict[str, _Sink] = {}
+        self._drain_waiters: list[_Reply] = []  # requests_drained() calls, answered once _sinks is empty
         self.on_dead: list = []  # called (from another thread) with the error when a tensor-parallel rank fails
         # Core thread only. Weight updates and memory release/resume wait, in order, for the
         # requests in flight to finish; requests added meanwhile, or while memory is released,
@@ -288,6 +289,28 @@ class AsyncLLM(EngineFacts):
         finally:
             if not finished:
                 self._commands.put(Abort(prepared.request_id))
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests in flight (added and not finished, held ones included)."""
+        with self._lock:
+            return len(self._sinks)
+
+    async def requests_drained(self) -> None:
+        """Returns once no request is in flight (at once if none is)."""
+        with self._lock:
+            if not self._sinks:
+                return
+            reply = _Reply(asyncio.get_running_loop())
+            self._drain_waiters.append(reply)
+        await reply.future
+
+    def _sinks_changed(self) -> None:
+        """Under _lock, after a sink is removed: wake requests_drained() once none is left."""
+        if not self._sinks and self._drain_waiters:
+            waiters, self._drain_waiters = self._drain_waiters, []
+            for reply in waiters:
+                reply.ok(None)
 
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
         """The parameters tensors so named, shaped and typed leave unfilled; a ConfigError naming
@@ -519,17 +542,20 @@ class AsyncLLM(EngineFacts):
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            self._sinks_changed()
         if sink is not None:
             sink.put(out)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         with self._lock:
             sink = self._sinks.pop(request_id, None)
+            self._sinks_changed()
         if sink is not None:
             sink.put(exc)
 
     def _fail_sinks(self, exc: BaseException) -> None:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
+            self._sinks_changed()
         for sink in sinks.values():
             sink.put(exc)

@@ -424,7 +424,7 @@ class EngineCore:
     def finish_sequence(self, seq: Sequence, reason: str, stop_reason: int | str | None,
                         res: SampleResult | None = None) -> SeqUpdate:
         """End `seq` (its blocks freed) with its rows when its request asked for them."""
-        update = SeqUpdate(seq.index, res, reason, stop_reason)
+        update = SeqUpdate(seq.index, res, reason, stop_reason, num_preempted=seq.num_preempted)
         prep = self.requests[seq.request_id].prepared
         if prep.return_routed_experts and self.rows is not None:
             update.routed_experts = self.rows.sequence_rows(seq.block_table.array, self.block_manager.block_size,
@@ -450,7 +450,7 @@ class EngineCore:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
-                updates.append(SeqUpdate(seq.index, finish_reason=reason))
+                updates.append(SeqUpdate(seq.index, finish_reason=reason, num_preempted=seq.num_preempted))
         return updates
 
     def request_update(self, req: CoreRequest, seqs: list[SeqUpdate]) -> RequestUpdate:

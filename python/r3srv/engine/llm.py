@@ -56,7 +56,7 @@ class LLM:
                                   timeout: float = 600.0) -> str:
         """Join the trainer's process group (the trainer, rank 0, joins at the same time):
         as rank rank_offset, or under tensor parallelism every rank, rank_offset + its rank."""
-        updates = self._trainer_updates()
+        updates = self.trainer_updates()
         updates.sync.timeout = timeout  # seconds a rendezvous or a broadcast may wait for the trainer
         return asyncio.run(updates.sync.join(master_address=master_address, master_port=master_port,
                                              rank_offset=rank_offset, world_size=world_size, group_name=group_name,
@@ -70,12 +70,13 @@ class LLM:
         from r3srv.engine.weight_sync import named_tensor_metas
 
         named = named_tensor_metas(names, dtypes, shapes, dtypes_param="dtypes")
-        return asyncio.run(self._trainer_updates().receive(group_name, named, weight_version=weight_version))
+        return asyncio.run(self.trainer_updates().receive(group_name, named, weight_version=weight_version))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        asyncio.run(self._trainer_updates().sync.leave(group_name))
+        asyncio.run(self.trainer_updates().sync.leave(group_name))
 
-    def _trainer_updates(self):
+    def trainer_updates(self):
+        """The road for weights a trainer sends (engine/weight_sync.py), made on first use."""
         from r3srv.engine.weight_sync import OfflineTrainerEngine, TrainerUpdates
 
         if self._trainer is None:

@@ -13,7 +13,10 @@ drives one model. At tensor_parallel_size 1 none of this runs: no process, no ho
 Faults: a worker that exits (an exception, a kill) is seen by a monitor thread within a
 poll; the executor then fails every later call, stops the other workers and calls its
 `on_failure` callbacks (the server answers /health with 503 and exits non-zero). Workers
-die with their parent (PR_SET_PDEATHSIG), so a killed server leaves no orphans.
+die with their parent (PR_SET_PDEATHSIG), so a killed server leaves no orphans. A worker that
+fails while starting sends its error to rank 0 before it exits, and rank 0 joins the process
+group while watching this node's workers: the executor then fails at once with that error,
+instead of waiting for a rank that will never come.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -41,7 +45,7 @@ import torch.distributed as dist
 from r3srv import settings
 from r3srv.engine.step_channel import Command, StepChannel, decode_text, encode_text, pack_batch, unpack_batch
 from r3srv.engine.weight_sync import WeightSync, WeightSyncError, run_weight_command, settle_weight_command
-from r3srv.errors import ConfigError
+from r3srv.errors import ConfigError, R3srvError
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.parallel import ParallelState
 
@@ -53,8 +57,11 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-class WorkerError(RuntimeError):
-    """A tensor-parallel rank failed: the model can no longer run."""
+class WorkerError(R3srvError, RuntimeError):
+    """A tensor-parallel rank failed: the model can no longer run (the server answers 503).
+
+    Its message names the lost rank and nothing of the transport's internals (gloo's and NCCL's
+    texts stay in the server's log): it reaches the clients of the requests in flight."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,9 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def worker_main(rank: int, spec: ModelSpec, rendezvous: Rendezvous, parent_pid: int, log_level: int) -> None:
+def worker_main(rank: int, spec: ModelSpec, rendezvous: Rendezvous, parent_pid: int, log_level: int,
+                errors=None) -> None:
+    """A worker's life; `errors`: where it reports (rank, error) if it fails (a queue rank 0 reads)."""
     _die_with_parent(parent_pid)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     try:
@@ -155,9 +164,11 @@ def worker_main(rank: int, spec: ModelSpec, rendezvous: Rendezvous, parent_pid: 
         weight_sync = WeightSync(device, timeout=0.0, tp_rank=rank, tp_size=rendezvous.world_size)
         _serve_commands(model, StepChannel(device if device.type == "cuda" else torch.device("cpu")), weight_sync)
         dist.destroy_process_group()
-    except BaseException:
+    except BaseException as exc:
         # the traceback goes to the inherited stderr: the server's log names the worker's error
         print(f"r3srv tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if errors is not None:
+            errors.put((rank, f"{type(exc).__name__}: {exc}"[:2000]))
         os._exit(1)
 
 
@@ -215,12 +226,16 @@ def _weight_command_on_worker(sync: WeightSync, model, channel: StepChannel, com
     settle_weight_command(sync, command, call, channel.agree(ok))
 
 
-def spawn_workers(spec: ModelSpec, rendezvous: Rendezvous, ranks: range) -> list[mp.Process]:
+def _rank_of(proc: mp.Process) -> int:
+    return int(proc.name.removeprefix("r3srv-tp-rank"))
+
+
+def spawn_workers(spec: ModelSpec, rendezvous: Rendezvous, ranks: range, errors=None) -> list[mp.Process]:
     ctx = mp.get_context("spawn")  # never fork a process holding threads (and CUDA)
     procs = []
     for rank in ranks:
         proc = ctx.Process(target=worker_main, name=f"r3srv-tp-rank{rank}", daemon=True,
-                           args=(rank, spec, rendezvous, os.getpid(), logging.getLogger().level))
+                           args=(rank, spec, rendezvous, os.getpid(), logging.getLogger().level, errors))
         proc.start()
         procs.append(proc)
     return procs
@@ -249,11 +264,16 @@ class MultiprocExecutor:
         self.on_failure: list[Callable[[WorkerError], None]] = []
         self._closing = False
         self._lock = threading.Lock()
-        self.workers = spawn_workers(spec, rendezvous, rendezvous.local_ranks[1:])
+        self._started = False  # until then a worker's death is a start-up error, told in full
+        self._errors = mp.get_context("spawn").SimpleQueue()  # (rank, error) of a worker that failed
+        self._reported: dict[int, str] = {}
+        self.workers = spawn_workers(spec, rendezvous, rendezvous.local_ranks[1:], self._errors)
         atexit.register(self.shutdown)
         try:
+            self._join_watching_workers(rendezvous)
+            threading.Thread(target=self._monitor, name="r3srv-tp-monitor", daemon=True).start()
             self.model, self.tokenizer = load_shard(spec, 0, rendezvous, self.device)
-            init_process_group(0, rendezvous, self.device)
+            self._check_alive()  # a worker that failed to load its shard meanwhile
         except BaseException:
             self._stop_workers()
             raise
@@ -261,7 +281,40 @@ class MultiprocExecutor:
         self.dtype = self.model.dtype
         self.weight_sync = WeightSync(self.device, timeout=0.0, tp_rank=0, tp_size=rendezvous.world_size)
         self.channel = StepChannel(self.device if self.device.type == "cuda" else torch.device("cpu"))
-        threading.Thread(target=self._monitor, name="r3srv-tp-monitor", daemon=True).start()
+        self._started = True
+
+    def _join_watching_workers(self, rendezvous: Rendezvous) -> None:
+        """Rank 0 joins the process group (whose store waits for every rank) while watching this
+        node's workers: one that dies first is the start-up's error, raised at once."""
+        joined = threading.Event()
+        failures: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                init_process_group(0, rendezvous, self.device)
+            except BaseException as exc:
+                failures.append(exc)
+            finally:
+                joined.set()
+
+        # a daemon: if a worker died, it stays blocked in the store's wait until its timeout
+        threading.Thread(target=join, name="r3srv-tp-rendezvous", daemon=True).start()
+        while not joined.wait(0.1):
+            dead = next((p for p in self.workers if not p.is_alive()), None)
+            if dead is not None:
+                raise WorkerError(self._death(dead, "while starting"))
+        if failures:
+            raise failures[0]
+
+    def _death(self, proc: mp.Process, when: str = "") -> str:
+        """What a worker's exit says, with the error it reported if any."""
+        proc.join(timeout=5)
+        while not self._errors.empty():
+            rank, error = self._errors.get()
+            self._reported[rank] = error
+        error = self._reported.get(_rank_of(proc))
+        return (f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+                + (f" {when}" if when else "") + (f": {error}" if error else ""))
 
     # ---- the model's methods, on every rank ------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -342,13 +395,14 @@ class MultiprocExecutor:
             failed = self.channel.agree(error is None)
             settle_weight_command(self.weight_sync, command, call, failed)
         except BaseException as exc:
-            self._fail(WorkerError(f"tensor-parallel {command.name} failed on rank 0: {exc!r}"))
+            self._fail(self._lost(exc), f"tensor-parallel {command.name} failed on rank 0: {exc!r}")
             raise WorkerError(str(self.failure)) from exc
         if error is not None:
             raise error
         where = f"tensor-parallel rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
         if failed and command is Command.APPLY_STAGED_WEIGHTS:  # some shards new, some old: no policy to serve
-            self._fail(WorkerError(f"{what} failed on {where}, leaving the ranks on mixed weights"))
+            message = f"{what} failed on {where}, leaving the ranks on mixed weights"
+            self._fail(WorkerError(message), message)
             raise WorkerError(str(self.failure))
         if failed and command is Command.CHECK_STAGED_WEIGHTS:  # nothing copied: as a checkpoint that does not fit
             raise ConfigError(f"the staged weights do not fill {where}'s shards (the server's log names them)")
@@ -387,7 +441,7 @@ class MultiprocExecutor:
             self.channel.send(command, args, payload)
             return local()
         except BaseException as exc:
-            self._fail(WorkerError(f"tensor-parallel step failed on rank 0: {exc!r}"))
+            self._fail(self._lost(exc), f"a tensor-parallel step failed on rank 0: {exc!r}")
             raise WorkerError(str(self.failure)) from exc
 
     # ---- faults and shutdown --------------------------------------------------------------
@@ -401,15 +455,37 @@ class MultiprocExecutor:
         if self._closing:
             return
         proc = sentinels[ready[0]]
-        proc.join()
-        self._fail(WorkerError(f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"))
+        if not self._started:  # the start-up's caller gets the worker's own error
+            detail = self._death(proc, "while starting")
+            self._fail(WorkerError(detail), detail)
+            return
+        self._fail(WorkerError(f"{self._rank_name(_rank_of(proc))} was lost: the server is stopping"), self._death(proc))
 
-    def _fail(self, error: WorkerError) -> None:
+    def _rank_name(self, rank: int) -> str:
+        node = f" (node {rank // self.rendezvous.local_size})" if self.rendezvous.nnodes > 1 else ""
+        return f"tensor-parallel rank {rank}{node}"
+
+    def _lost(self, exc: BaseException) -> WorkerError:
+        """What a failed collective or channel says to clients: the rank that was lost. A worker of
+        this node that died is named (its exit may reach the monitor a moment after the collective
+        fails); else the ranks of the other nodes, whose loss a collective sees first; else rank 0."""
+        for _ in range(20):
+            dead = [_rank_of(p) for p in self.workers if not p.is_alive()]
+            if dead or self.rendezvous.nnodes > 1:
+                break
+            time.sleep(0.1)
+        remote = [r for r in range(self.rendezvous.world_size) if r not in self.rendezvous.local_ranks]
+        lost = dead or remote or [0]
+        names = ", ".join(self._rank_name(r) for r in lost)
+        return WorkerError(f"{names} {'was' if len(lost) == 1 else 'were'} lost: the server is stopping")
+
+    def _fail(self, error: WorkerError, detail: str) -> None:
+        """Record the failure clients will see (`error`) and log what happened (`detail`)."""
         with self._lock:
             if self.failure is not None or self._closing:
                 return
             self.failure = error
-        logger.error("%s; stopping the other ranks", error)
+        logger.error("%s; stopping the other ranks", detail)
         self._stop_workers()
         for callback in self.on_failure:
             callback(error)

@@ -19,7 +19,7 @@ from r3srv.engine.input_processor import EngineRequest
 from r3srv.engine.requests import CoreOutputs, RequestUpdate, SeqUpdate
 from r3srv.engine.routed_experts import num_routed_rows
 from r3srv.engine.text_stream import TextStream
-from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput
+from r3srv.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,8 @@ class SeqState:
     """One sample's output side: its output tokens, text, logprobs, and how it ended."""
 
     __slots__ = ("index", "params", "num_prompt_tokens", "token_ids", "logprobs", "cumulative_logprobs", "stream",
-                 "finish_reason", "stop_reason", "routed_experts", "num_emitted_tokens", "num_emitted_chars", "stopping")
+                 "finish_reason", "stop_reason", "routed_experts", "num_preempted", "num_emitted_tokens", "num_emitted_chars",
+                 "stopping")
 
     def __init__(self, index: int, prep: EngineRequest, tokenizer) -> None:
         p = prep.params
@@ -53,7 +54,7 @@ class SeqState:
         self.params = p
         self.num_prompt_tokens = len(prep.prompt_token_ids)
         self.token_ids: list[int] = []  # output tokens
-        self.logprobs: list[dict[int, float]] | None = [] if p.logprobs is not None else None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if p.logprobs is not None else None
         # Running sums of the output tokens' logprobs: [i] covers tokens 0..i, so a stop-string
         # cut or a held-back partial output reads its sum in O(1).
         self.cumulative_logprobs: list[float] = []
@@ -63,6 +64,7 @@ class SeqState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.routed_experts: np.ndarray | None = None
+        self.num_preempted = 0
         # What DELTA outputs have handed out so far (output tokens, text characters).
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
@@ -208,6 +210,7 @@ class OutputProcessor:
         if s.finish_reason is None or (s.stopping and su.finish_reason in ("abort", "error")):
             s.finish_reason, s.stop_reason = su.finish_reason, su.stop_reason
         s.stopping = False
+        s.num_preempted = su.num_preempted
         s.take_rows(su.routed_experts)
 
 
@@ -253,6 +256,7 @@ def completion_output(s: SeqState, delta: bool) -> CompletionOutput:
         cumulative_logprob=cumulative,
         logprobs=s.logprobs[first_token:n] if s.logprobs is not None else None,
         routed_experts=s.routed_experts,
+        num_preempted=s.num_preempted,
     )
 
 

@@ -6,6 +6,13 @@ seeded requests); and logprobs, sampled and prompt.
 Logprobs are the log-softmax of the model's unmodified logits (before every adjustment above),
 as vLLM reports them by default. Rows without bias, penalties or a min_tokens mask skip those
 steps entirely: a batch of plain requests costs what it did before they existed.
+
+Every value a request may send is safe to draw with: vLLM accepts any repetition penalty above 0,
+and one of 1e-108 (0 in float32) or 1e300 (inf) would make the adjusted logits inf or NaN, which
+softmax and the draw cannot take. The penalty is held within float32's positive range, and the
+adjusted logits (and their temperature-scaled copy) are made finite: +inf saturates at float32's
+largest value (the overflowing tokens then tie, as their order is lost), NaN becomes -inf (never
+drawn), -inf stays a mask.
 """
 
 from __future__ import annotations
@@ -21,12 +28,20 @@ from r3srv.outputs import Logprob
 from r3srv.sampling_params import SamplingParams
 from r3srv.transfer import to_device
 
+_FLOAT32 = torch.finfo(torch.float32)
+
 
 @dataclass
 class SampleResult:
     token_id: int
     logprob: float | None = None  # of the sampled token; None unless logprobs were asked for
-    top_logprobs: dict[int, float] | None = None  # sampled token + the top `logprobs` tokens
+    # the sampled token first (its vocabulary rank), then the top `logprobs` tokens (ranks 1, 2, ...)
+    top_logprobs: dict[int, Logprob] | None = None
+
+
+def finite_(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` in place with +inf at float32's largest value and NaN at -inf; -inf (a mask) kept."""
+    return torch.nan_to_num_(logits, nan=float("-inf"), posinf=_FLOAT32.max, neginf=float("-inf"))
 
 
 @dataclass(slots=True)
@@ -99,12 +114,13 @@ def apply_penalties(
     in_output = counts > 0
     if any(r != 1.0 for r in repetition):
         seen = in_output if prompt_seen is None else in_output | prompt_seen
-        (rep,) = to_device([repetition], device, np.float32)
+        held = [min(max(r, _FLOAT32.tiny), _FLOAT32.max) for r in repetition]  # never 0 or inf in float32
+        (rep,) = to_device([held], device, np.float32)
         factor = torch.where(seen, rep[:, None], 1.0)
         logits *= torch.where(logits > 0, 1.0 / factor, factor)
     freq, pres = to_device([frequency, presence], device, np.float32)
     logits -= freq[:, None] * counts + pres[:, None] * in_output
-    return logits
+    return finite_(logits)
 
 
 def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -226,24 +242,16 @@ def sample(
         for i, tok in zip(others, _pick(logits[others], [seqs[i] for i in others], eos_token_ids, generator)):
             token_ids[i] = tok
     results = [SampleResult(tok) for tok in token_ids]
-    # Logprobs from the unmodified logits.
+    # Logprobs from the unmodified logits, as vLLM's: the sampled token first, with its rank in
+    # the vocabulary, then the top `logprobs` tokens with ranks 1, 2, ...
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if want:
-        logps = torch.log_softmax(logits[want], dim=-1)
-        picked = torch.tensor([token_ids[i] for i in want], dtype=torch.int64, device=logps.device)
-        sampled = logps.gather(1, picked[:, None])[:, 0].tolist()
-        vocab = logps.shape[-1]
-        n_tops = [vocab if seqs[i].params.logprobs == -1 else min(seqs[i].params.logprobs, vocab) for i in want]
-        if max(n_tops):
-            top = torch.topk(logps, max(n_tops), dim=-1)
-            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-        for row_idx, i in enumerate(want):
+        entries = logprob_entries(torch.log_softmax(logits[want], dim=-1), [token_ids[i] for i in want],
+                                  [seqs[i].params.logprobs for i in want])
+        for i, entry in zip(want, entries):
             res = results[i]
-            k = n_tops[row_idx]
-            top_lp = dict(zip(top_ids[row_idx][:k], top_vals[row_idx][:k])) if k else {}
-            res.logprob = sampled[row_idx]
-            top_lp[res.token_id] = res.logprob  # the sampled token, listed last unless among the top
-            res.top_logprobs = top_lp
+            res.logprob = entry[res.token_id].logprob
+            res.top_logprobs = entry
     return results
 
 
@@ -254,7 +262,8 @@ def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], g
     gathered (copied) when the batch mixes kinds."""
     rows, vocab = logits.shape
     device = logits.device
-    if any(_adjusted(s) for s in seqs):
+    adjusted = any(_adjusted(s) for s in seqs)
+    if adjusted:
         logits = _adjust(logits, seqs, eos_token_ids)
     greedy = [r for r, s in enumerate(seqs) if s.params.greedy]
     sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
@@ -267,6 +276,8 @@ def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], g
     x = logits if len(sampled) == rows else logits[sampled]
     (temperatures,) = to_device([[seqs[r].params.temperature for r in sampled]], device, np.float32)
     x = x / temperatures[:, None]
+    if adjusted:  # a saturated logit over a small temperature overflows again
+        finite_(x)
     with_min_p = [j for j, r in enumerate(sampled) if seqs[r].params.min_p > 0.0]
     if with_min_p:
         x[with_min_p] = apply_min_p(x[with_min_p], [seqs[sampled[j]].params.min_p for j in with_min_p])
@@ -291,11 +302,17 @@ def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], g
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:
-    """One entry per row of `logits` ([R, vocab], the rows of prompt positions): the next prompt
-    token's (`targets[i]`) logprob and vocabulary rank first, then the row's top `num_top[i]`
-    tokens (-1: all) with ranks 1, 2, ..., as vLLM's prompt logprobs. Batched over the rows."""
-    rows, vocab = logits.shape
-    logps = torch.log_softmax(logits.float(), dim=-1)
+    """One entry per row of `logits` ([R, vocab], the rows of prompt positions) for the next
+    prompt token (`targets[i]`), as vLLM's prompt logprobs (logprob_entries)."""
+    return logprob_entries(torch.log_softmax(logits.float(), dim=-1), targets, num_top)
+
+
+def logprob_entries(logps: torch.Tensor, targets: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:
+    """One entry per row of `logps` ([R, vocab] log-probabilities): the row's token
+    (`targets[i]`, sampled or the next prompt token) first, with its logprob and vocabulary
+    rank (1 + the tokens strictly more likely), then the row's top `num_top[i]` tokens (-1:
+    all) with ranks 1, 2, ..., as vLLM's Logprob entries. Batched over the rows."""
+    rows, vocab = logps.shape
     (target,) = to_device([targets], logps.device)
     chosen = logps.gather(1, target[:, None])
     ranks = (logps > chosen).sum(dim=-1).add_(1).tolist()

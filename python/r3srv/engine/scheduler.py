@@ -131,6 +131,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self._back_to_waiting(seq)
+        seq.num_preempted += 1
         self.num_preemptions += 1
 
     def retract_running(self) -> int:

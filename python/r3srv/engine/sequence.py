@@ -66,6 +66,7 @@ class Sequence:
         self.block_prefix_ids: list[tuple[int, int]] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.num_preempted = 0  # times the scheduler preempted it for blocks (not retractions for an update)
         self.admitted = False
         self.num_scheduled_tokens = 0  # tokens the current step computes
         # hybrid models (engine/state_pool.py): the state slot while admitted; the snapshot entry

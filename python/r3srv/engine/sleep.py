@@ -21,10 +21,22 @@ SLEEP_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")
 
 
+def check_level(level: int) -> None:
+    if level not in SLEEP_LEVELS:
+        raise InvalidRequestError(f"level must be 0, 1 or 2, got {level!r}", param="level")
+
+
+def memory_tags(tags: list[str] | None) -> list[str] | None:
+    """The memory tags of a wake_up (None: all); "scheduling" alone changes no memory."""
+    unknown = sorted(set(tags or ()) - set(WAKE_TAGS))
+    if unknown:
+        raise InvalidRequestError(f"tags: {unknown} unknown; known: {', '.join(WAKE_TAGS)}", param="tags")
+    return None if tags is None else [t for t in tags if t != "scheduling"]
+
+
 async def sleep(engine, level: int, mode: str) -> None:
     """Pause, and at level >= 1 release the KV cache and the weights. `engine`: an AsyncLLM."""
-    if level not in SLEEP_LEVELS:
-        raise InvalidRequestError(f"level must be 0, 1 or 2, got {level}", param="level")
+    check_level(level)
     if mode not in SLEEP_MODES:
         raise InvalidRequestError(f"mode must be one of {', '.join(SLEEP_MODES)}, got {mode!r}", param="mode")
     if level >= 1 and mode == "keep":
@@ -40,10 +52,7 @@ async def sleep(engine, level: int, mode: str) -> None:
 async def wake_up(engine, tags: list[str] | None) -> bool:
     """Take back `tags` (None: everything); resume generation once nothing is released.
     Returns whether the engine is fully awake."""
-    unknown = sorted(set(tags or ()) - set(WAKE_TAGS))
-    if unknown:
-        raise InvalidRequestError(f"tags: {unknown} unknown; known: {', '.join(WAKE_TAGS)}", param="tags")
-    memory = None if tags is None else [t for t in tags if t != "scheduling"]
+    memory = memory_tags(tags)
     if memory is None or memory:
         await engine.resume_memory(memory)
     fully_awake = not engine.released_memory

@@ -21,30 +21,51 @@ from r3srv.errors import InvalidRequestError
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
 
 
-class _ClassArgument:
+class _Frozen:
+    """What the unpickler hands a pickle is shared by every load: its attributes cannot be set
+    (a pickle's BUILD opcode sets attributes on any object it holds), so one payload cannot
+    change what the next one gets."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise pickle.UnpicklingError(f"{type(self).__name__} is read-only")
+
+    def __delattr__(self, name: str) -> None:
+        raise pickle.UnpicklingError(f"{type(self).__name__} is read-only")
+
+
+class _ClassArgument(_Frozen):
     """Stands for a class that rebuild_cuda_tensor takes as an argument: not callable, so a
     pickle cannot instantiate it (a TypedStorage of any size, say) on its own."""
 
+    __slots__ = ("cls",)
+
     def __init__(self, cls: type) -> None:
-        self.cls = cls
+        object.__setattr__(self, "cls", cls)
 
 
 _TENSOR, _TYPED_STORAGE = _ClassArgument(torch.Tensor), _ClassArgument(torch.storage.TypedStorage)
 
 
-def _rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, *rest):
-    """torch's rebuild_cuda_tensor, for a plain tensor in a typed storage only."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+class _RebuildCudaTensor(_Frozen):
+    """torch's rebuild_cuda_tensor, for a plain tensor in a typed storage only (an object, not a
+    function: a function's attributes, its __defaults__ among them, could be set by a pickle)."""
 
-    if tensor_cls is not _TENSOR or storage_cls is not _TYPED_STORAGE or not isinstance(dtype, torch.dtype):
-        raise pickle.UnpicklingError("rebuild_cuda_tensor is admitted for plain tensors in typed storages only")
-    if not torch.cuda.is_available():
-        raise pickle.UnpicklingError("CUDA tensors cannot be opened on a server without CUDA")
-    return rebuild_cuda_tensor(tensor_cls.cls, size, stride, offset, storage_cls.cls, dtype, *rest)
+    __slots__ = ()
+
+    def __call__(self, tensor_cls, size, stride, offset, storage_cls, dtype, *rest):
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        if tensor_cls is not _TENSOR or storage_cls is not _TYPED_STORAGE or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError("rebuild_cuda_tensor is admitted for plain tensors in typed storages only")
+        if not torch.cuda.is_available():
+            raise pickle.UnpicklingError("CUDA tensors cannot be opened on a server without CUDA")
+        return rebuild_cuda_tensor(tensor_cls.cls, size, stride, offset, storage_cls.cls, dtype, *rest)
 
 
 ALLOWED_GLOBALS = {
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _RebuildCudaTensor(),
     ("torch", "Tensor"): _TENSOR,
     ("torch.storage", "TypedStorage"): _TYPED_STORAGE,
     ("torch", "Size"): torch.Size,

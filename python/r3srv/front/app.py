@@ -15,9 +15,12 @@ so a route added later is served by its declaration alone:
 - a few discovery routes answer for the fleet as a whole (front/discovery.py).
 A path no route declares is forwarded to one replica (which answers 404 or 405 as one server).
 
-The client's headers travel with every forwarded call (credentials included): each replica
-checks them as it would for a client of its own. With `--fleet-peer-urls` (the fronts of other
-nodes), every-replica calls also reach those fronts, marked so that they go no further.
+Keys: `keyed` puts server/auth.py's layer in front, reading the same route declarations
+(`access=`) as one server, so the fleet's URL asks for the keys a replica asks for, before the
+body is read. The client's headers travel with every forwarded call, its Authorization replaced
+by the fleet's own credential (`credential`: the admin key, else an API key; the replicas have
+the fleet's keys). With `--fleet-peer-urls` (the fronts of other nodes), every-replica calls also
+reach those fronts, marked so that they go no further.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from r3srv.front.discovery import FLEET_ANSWERS, SELF_ANSWERS, fleet_url, versio
 from r3srv.front.policy import Key, PrefixAwarePolicy, prompt_key
 from r3srv.front.proxy import NOT_SENT, ReplicaFailed, forward, send_failure
 from r3srv.front.replicas import ReplicaSet, State
-from r3srv.server.declare import Fleet, Ranks
+from r3srv.server.auth import ApiKeys, Authenticate
+from r3srv.server.declare import Fleet, Ranks, access_by_path
 from r3srv.server.errors import error_body
 from r3srv.server.generation import until_disconnect  # cancelling the forward closes the replica's connection
 from r3srv.server.fanout import (
@@ -109,8 +113,10 @@ def _as_int(value: Any) -> int | None:
 
 class Front:
     def __init__(self, replicas: ReplicaSet, *, tp_size: int, block_size: int, max_body_bytes: int,
-                 peer_urls: list[str] | None = None, encode: Callable[[str], list[int]] | None = None) -> None:
+                 peer_urls: list[str] | None = None, encode: Callable[[str], list[int]] | None = None,
+                 credential: str | None = None) -> None:
         self.replicas = replicas
+        self.credential = credential
         self.encode = encode
         self.tp_size = tp_size
         self.max_body_bytes = max_body_bytes
@@ -134,7 +140,7 @@ class Front:
             await send_json(send, 413, error_body(413, f"Request Entity Too Large: the body is over "
                                                        f"{self.max_body_bytes} bytes"))
             return
-        path, headers = scope["path"], forwarded_headers(scope["headers"])
+        path, headers = scope["path"], forwarded_headers(scope["headers"], credential=self.credential)
         listed = SELF_ANSWERS.get(path)
         if listed is not None:
             await send_answer(send, *listed(self, fleet_url(scope)))
@@ -217,6 +223,11 @@ class Front:
             note = f" (weights each replica serves now: {versions_by_replica(versions)})"
             logger.error("%s failed on part of the fleet%s", path, note)
         return combine(path, replies, note)
+
+
+def keyed(front: Front, keys: ApiKeys) -> Any:
+    """The front behind the key check of one server (nothing to check without keys)."""
+    return Authenticate(front, keys, access_by_path(ROUTE_HANDLERS)) if keys.enabled else front
 
 
 def _refusal(status: int, message: str, param: str | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:

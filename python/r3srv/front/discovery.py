@@ -216,7 +216,7 @@ def fleet_url(scope: dict[str, Any]) -> str:
     if host is None:
         server_host, server_port = scope.get("server") or ("127.0.0.1", 80)
         host = f"{server_host}:{server_port}"
-    return f"http://{host}"
+    return f"{scope.get('scheme', 'http')}://{host}"
 
 
 def workers(front: Front, url: str) -> Answer:

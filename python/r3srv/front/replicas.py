@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from r3srv import settings
+
 logger = logging.getLogger("r3srv.fleet")
 
 MAX_RESTARTS = 5
@@ -48,9 +50,11 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def spawn(argv: list[str]) -> subprocess.Popen:
+def spawn(argv: list[str], environ: dict[str, str] | None = None) -> subprocess.Popen:
+    """`environ`: variables set for the child on top of this process's (the fleet's keys)."""
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec)
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec,
+                            env=None if environ is None else settings.child_environ(environ))
 
 
 @dataclass
@@ -82,8 +86,10 @@ ArgvFor = Callable[[Replica, "str | None", str, "str | None"], list[str]]
 
 class ReplicaSet:
     def __init__(self, replicas: list[Replica], argv_for: ArgvFor, *, model: str | None, weight_version: str,
-                 served_model_name: str | None, headers: dict[str, str] | None = None) -> None:
+                 served_model_name: str | None, headers: dict[str, str] | None = None,
+                 environ: dict[str, str] | None = None) -> None:
         self.replicas = replicas
+        self.environ = environ  # set in each replica's environment (its keys: never on its command line)
         self.argv_for = argv_for
         self.startup = (model, weight_version, served_model_name)
         self.headers = headers or {}  # the supervisor's own calls (credentials, when the replicas need them)
@@ -104,7 +110,7 @@ class ReplicaSet:
 
     def _start(self, r: Replica, model: str | None, version: str, name: str | None) -> None:
         r.state = State.STARTING
-        r.proc = spawn(self.argv_for(r, model, version, name))
+        r.proc = spawn(self.argv_for(r, model, version, name), self.environ)
 
     async def wait_all_up(self, stop: asyncio.Event) -> int | None:
         """None once every replica answers /health; else the exit code the fleet should end with."""

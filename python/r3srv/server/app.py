@@ -19,9 +19,11 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Receive, Scope, Send
 
 import r3srv
+from r3srv.server.auth import ApiKeys, Authenticate
 from r3srv.server.body import decode_body
 from r3srv.server.chat_output import ChatParsers
-from r3srv.server.declare import feature_guard
+from r3srv.server.confinement import Confinement
+from r3srv.server.declare import access_by_path, feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
 from r3srv.server.generation import LaunchFacts, ServerState
 from r3srv.server.metrics import ServerMetrics
@@ -67,6 +69,8 @@ def create_app(
     enable_sleep_mode: bool = False,
     enable_collective_rpc: bool = False,
     chat_parsers: ChatParsers | None = None,
+    confinement: Confinement | None = None,
+    keys: ApiKeys | None = None,
 ) -> Litestar:
     """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
     CLI stops the server and exits non-zero so that an orchestrator restarts it."""
@@ -106,7 +110,7 @@ def create_app(
     app = Litestar(
         route_handlers=ROUTE_HANDLERS,
         guards=[feature_guard],
-        state=State({"server": state}),
+        state=State({"server": state, "confinement": confinement or Confinement()}),
         lifespan=[lifespan],
         exception_handlers={Exception: handle_exception},
         request_class=_Request,
@@ -115,20 +119,21 @@ def create_app(
         debug=False,
         logging_config=None,
     )
-    describe_what_is_served(app)
+    describe_what_is_served(app, keys or ApiKeys())
     return app
 
 
 class CountRequests:
-    """Outermost ASGI layer: counts every HTTP request by route and status, 404s and 405s included.
+    """Outermost ASGI layer: counts every HTTP request by route and status, 404s, 405s and
+    refused keys (401, 403) included.
 
     A client that goes away before any response starts (mid-upload, or while waiting) received
     nothing: it counts as 499 (nginx's "client closed request"), whatever the handler answered
     into the closed connection."""
 
-    def __init__(self, app: Litestar) -> None:
+    def __init__(self, app: Any, state: ServerState) -> None:
         self.app = app
-        self.state: ServerState = app.state.server
+        self.state = state
         self._metrics = self.state.metrics
         self._routes = {path for handler in ROUTE_HANDLERS for path in handler.paths}
 
@@ -160,11 +165,18 @@ class CountRequests:
             self._metrics.requests.labels(route, "499" if gone else str(status)).inc()
 
 
-def build_asgi_app(engine: Any, *, fleet_peer_urls: list[str] | None = None, **kwargs: Any) -> Any:
-    """The app with request counting; with peers, control calls also reach every peer (server/fanout.py)."""
-    app = CountRequests(create_app(engine, **kwargs))
+def build_asgi_app(engine: Any, *, fleet_peer_urls: list[str] | None = None, keys: ApiKeys | None = None,
+                   **kwargs: Any) -> Any:
+    """The app behind its ASGI layers, outermost first: request counting, key checks
+    (server/auth.py), and with peers the fan-out of control calls to every peer (server/fanout.py),
+    which so only ever forwards a call that passed this server's key check."""
+    keys = keys or ApiKeys()
+    litestar_app = create_app(engine, keys=keys, **kwargs)
+    app: Any = litestar_app
     if fleet_peer_urls:
         from r3srv.server.fanout import FanOutControl
 
-        return FanOutControl(app, fleet_peer_urls)
-    return app
+        app = FanOutControl(app, fleet_peer_urls, credential=keys.fleet_credential)
+    if keys.enabled:
+        app = Authenticate(app, keys, access_by_path(ROUTE_HANDLERS))
+    return CountRequests(app, litestar_app.state.server)

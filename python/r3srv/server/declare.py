@@ -12,7 +12,7 @@ declaration from the handler's `opt`:
   EVERY_REPLICA routes out to all with one answer, and gives each replica its own rank in
   OWN_RANK calls; `--fleet-peer-urls` (`server/fanout.py`) fans EVERY_REPLICA routes out to peers;
 - `feature_guard` answers 404 "start the server with FLAG" for a route whose feature is off;
-- authentication reads `access`.
+- authentication reads `access` (server/auth.py: which key a request needs).
 
 Every handler must declare `access` and `fleet` (tests/test_route_declarations.py holds it), so a
 new control route cannot be forgotten by the fleet or left open by mistake.
@@ -78,6 +78,11 @@ def declaration(handler: BaseRouteHandler) -> tuple[Access, Fleet, Feature | Non
 def paths_declared(handlers: list[Any], fleet: Fleet) -> frozenset[str]:
     """Every path of the handlers that declare `fleet`."""
     return frozenset(path for h in handlers if h.opt.get("fleet") is fleet for path in h.paths)
+
+
+def access_by_path(handlers: list[Any]) -> dict[str, Access]:
+    """Every path of the handlers, with the access its handler declares (server/auth.py reads it)."""
+    return {path: h.opt["access"] for h in handlers for path in h.paths}
 
 
 def feature_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:

@@ -16,7 +16,7 @@ import msgspec
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from r3srv.errors import InvalidRequestError, R3srvError
+from r3srv.errors import InvalidRequestError, PermissionDeniedError, R3srvError
 from r3srv.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("r3srv.server")
@@ -96,6 +96,8 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
         return error_response(status, message)
     if isinstance(exc, (ModelNotFoundError, EndpointDisabledError)):
         return error_response(404, str(exc), getattr(exc, "param", None))
+    if isinstance(exc, PermissionDeniedError):
+        return error_response(403, str(exc), exc.param)
     if isinstance(exc, InvalidRequestError):
         exc = exc.renamed(request.scope.get(PARAM_NAMES) or {})  # type: ignore[call-overload]
         return error_response(400, str(exc), exc.param)

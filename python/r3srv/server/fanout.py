@@ -4,7 +4,10 @@ Two users: the fleet's front (`r3srv serve --data-parallel-size N`, python/r3srv
 sends every call a route declares `Fleet.EVERY_REPLICA` to all its replicas; and a server started
 with `--fleet-peer-urls` (the outermost ASGI layer here, FanOutControl) applies such a call
 locally and forwards it, at the same time, to every peer. Forwarded calls carry the FANOUT_HEADER
-marker, which a receiver applies to itself only (no loops, no second hop).
+marker, which a receiver applies to itself only (no loops, no second hop), and the sender's own
+credential (an admin key, else an API key: a fleet shares its keys), so that no server of a keyed
+fleet needs a route open; a call is forwarded only once it passed the sender's own key check
+(server/auth.py, the layer outside this one).
 
 One answer (`combine`): the first server's when every one succeeded; the common answer when all
 failed alike (a bad model_path is the same 400 everywhere, param included); otherwise an error
@@ -69,9 +72,17 @@ class Reply:
             return None
 
 
-def forwarded_headers(scope_headers: list[tuple[bytes, bytes]], *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
-    """The client's headers (credentials included) for another server, without the hop-by-hop ones."""
-    return [(k, v) for k, v in scope_headers if k.lower() not in HOP_HEADERS] + list(extra)
+def forwarded_headers(scope_headers: list[tuple[bytes, bytes]], *extra: tuple[bytes, bytes],
+                      credential: str | None = None) -> list[tuple[bytes, bytes]]:
+    """The client's headers for another server, without the hop-by-hop ones. With `credential` (the
+    sender's own key, server/auth.py's ApiKeys.fleet_credential) it replaces the client's
+    Authorization: the sender has checked the client's key for this route already, and the
+    receiver then needs no route open to it; without, the client's credentials travel as sent."""
+    dropped = HOP_HEADERS | {b"authorization"} if credential is not None else HOP_HEADERS
+    kept = [(k, v) for k, v in scope_headers if k.lower() not in dropped]
+    if credential is not None:
+        kept.append((b"authorization", b"Bearer " + credential.encode("latin-1")))
+    return kept + list(extra)
 
 
 async def call(client: httpx.AsyncClient, name: str, url: str, method: str, headers: list[tuple[bytes, bytes]],
@@ -121,8 +132,9 @@ class _Captured:
 class FanOutControl:
     """A server's outermost ASGI layer with `--fleet-peer-urls`: control calls reach every peer too."""
 
-    def __init__(self, app: Any, peer_urls: list[str]) -> None:
+    def __init__(self, app: Any, peer_urls: list[str], credential: str | None = None) -> None:
         self.app = app
+        self.credential = credential  # this server's own key for its peers (they share its keys)
         self.state = app.state  # the CLI reaches the server state through the outermost app
         self.peer_urls = [url.rstrip("/") for url in peer_urls]
         self._client: httpx.AsyncClient | None = None
@@ -138,7 +150,7 @@ class FanOutControl:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=PEER_TIMEOUT)
         local = _Captured()
-        headers = forwarded_headers(scope["headers"], (FANOUT_HEADER.encode(), b"1"))
+        headers = forwarded_headers(scope["headers"], (FANOUT_HEADER.encode(), b"1"), credential=self.credential)
         path = target_path(scope)
         replies = await asyncio.gather(
             self.app(scope, replay(body), local.send),

@@ -48,17 +48,23 @@ class OpenAIRows:
         return rows_encoding.SglExt(routed_experts=await self.state.encode_experts(first_rows, "sglang"))
 
 
-def ranked_logprobs(entry: dict[int, float]) -> list[tuple[int, float]]:
-    # descending logprob, ties to the lower id (the sampler's order)
-    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))
+def ranked_logprobs(entry: dict[int, Logprob]) -> list[tuple[int, float]]:
+    """(token id, logprob) pairs by descending logprob, ties to the lower id (the sampler's order)."""
+    return sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda kv: (-kv[1], kv[0]))
+
+
+def _value(entry: dict[int, Logprob], token_id: int, missing: float | None) -> float | None:
+    lp = entry.get(token_id)
+    return missing if lp is None else lp.logprob
 
 
 _LOGPROB_FLOOR = -9999.0  # what vLLM sends for -inf (JSON has no infinity)
 
 
-def plain_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict[int, float] | None]:
-    """Prompt logprobs as the {token id: logprob} dicts of sampled tokens (for echo's logprobs)."""
-    return [None if e is None else {t: max(lp.logprob, _LOGPROB_FLOOR) for t, lp in e.items()} for e in entries]
+def plain_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
+    """Prompt logprobs with -inf floored, as sampled tokens' entries (for echo's logprobs)."""
+    return [None if e is None else {t: Logprob(max(lp.logprob, _LOGPROB_FLOOR), lp.rank) for t, lp in e.items()}
+            for e in entries]
 
 
 def echo_prompt_text(tokenizer: Any, out: RequestOutput, with_token_ids: bool) -> str:
@@ -71,9 +77,10 @@ def echo_prompt_text(tokenizer: Any, out: RequestOutput, with_token_ids: bool) -
     return "" if tokenizer is None else tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
 
-def _rank(entry: dict[int, float], token_id: int) -> int:
-    value = entry[token_id]
-    return 1 + sum(1 for v in entry.values() if v > value)
+def _rank(entry: dict[int, Logprob], token_id: int) -> int:
+    """The token's rank among the entry's tokens (what the HTTP routes have always sent)."""
+    value = entry[token_id].logprob
+    return 1 + sum(1 for lp in entry.values() if lp.logprob > value)
 
 
 class LogprobFormatter:
@@ -96,7 +103,7 @@ class LogprobFormatter:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(
-        self, token_ids: list[int], logprobs: list[dict[int, float] | None], text_offset: int
+        self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], text_offset: int
     ) -> p.CompletionLogProbs:
         """An entry of None (the first prompt token's, with echo) has no logprobs, as in vLLM."""
         out = p.CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
@@ -105,7 +112,7 @@ class LogprobFormatter:
             out.text_offset.append(text_offset)
             text_offset += len(token)
             out.tokens.append(token)
-            out.token_logprobs.append(None if entry is None else entry.get(tid))
+            out.token_logprobs.append(None if entry is None else _value(entry, tid, None))
             out.top_logprobs.append(None if entry is None else {self.token_str(t): v for t, v in ranked_logprobs(entry)})
         return out
 
@@ -121,14 +128,14 @@ class LogprobFormatter:
             for entry in entries
         ]
 
-    def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> p.ChatCompletionLogProbs:
+    def chat(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top: int) -> p.ChatCompletionLogProbs:
         content = []
         for tid, entry in zip(token_ids, logprobs):
             token = self.token_str(tid)
             content.append(
                 p.ChatCompletionLogProbsContent(
                     token=token,
-                    logprob=entry.get(tid, float("-inf")),
+                    logprob=_value(entry, tid, float("-inf")),
                     bytes=list(token.encode("utf-8")),
                     top_logprobs=[
                         p.ChatCompletionLogProb(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode("utf-8")))
@@ -139,11 +146,11 @@ class LogprobFormatter:
         return p.ChatCompletionLogProbs(content=content)
 
 
-def generate_logprobs(token_ids: list[int], logprobs: list[dict[int, float]]) -> p.GenerateLogProbs:
+def generate_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]) -> p.GenerateLogProbs:
     content = [
         p.GenerateLogProbsContent(
             token_id=tid,
-            logprob=entry.get(tid, float("-inf")),
+            logprob=_value(entry, tid, float("-inf")),
             rank=_rank(entry, tid) if tid in entry else None,
             top_logprobs=[p.GenerateLogProb(token_id=t, logprob=v, rank=r + 1) for r, (t, v) in enumerate(ranked_logprobs(entry))],
         )
@@ -152,7 +159,7 @@ def generate_logprobs(token_ids: list[int], logprobs: list[dict[int, float]]) ->
     return p.GenerateLogProbs(content=content)
 
 
-def _logprobs(choice: CompletionOutput) -> list[dict[int, float]]:
+def _logprobs(choice: CompletionOutput) -> list[dict[int, Logprob]]:
     return choice.logprobs or []
 
 

@@ -8,13 +8,13 @@ from typing import Any
 
 from msgspec import UNSET
 
-from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
 from r3srv.server.generation import ServerState
 from r3srv.server.responses import ranked_logprobs
 
 
 async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: CompletionOutput,
-                    token_ids: list[int], logprobs: list[dict[int, float]] | None, final: bool, *,
+                    token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, final: bool, *,
                     start_len: int, logprobs_top: int | None, text_in_logprobs: bool, encoding: str) -> dict[str, Any]:
     """Output `c`'s meta_info. `logprobs_top`: None without logprobs, else the top entries per
     token; `encoding`: how the routed experts are written (SGLang's raw int32 by default)."""
@@ -39,7 +39,7 @@ async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: C
 
 
 def add_logprobs(meta: dict[str, Any], k: int, out: RequestOutput, token_ids: list[int],
-                  logprobs: list[dict[int, float]] | None, tokenizer: Any = None) -> None:
+                  logprobs: list[dict[int, Logprob]] | None, tokenizer: Any = None) -> None:
     """SGLang's logprob keys: [logprob, token id, text] triples; the input ones from
     logprob_start_len on, the first of them without a logprob (as SGLang sends them). The text is
     null, or with return_text_in_logprobs each token decoded alone, specials kept (SGLang's)."""
@@ -49,7 +49,7 @@ def add_logprobs(meta: dict[str, Any], k: int, out: RequestOutput, token_ids: li
     entries = out.prompt_logprobs or []
     inputs = out.prompt_token_ids[len(out.prompt_token_ids) - len(entries):]
     meta["input_token_logprobs"] = [[None if e is None else e[t].logprob, t, text(t)] for t, e in zip(inputs, entries)]
-    meta["output_token_logprobs"] = [[entry[t], t, text(t)] for t, entry in zip(token_ids, logprobs or [])]
+    meta["output_token_logprobs"] = [[entry[t].logprob, t, text(t)] for t, entry in zip(token_ids, logprobs or [])]
     meta["output_token_logprobs_length"] = len(token_ids)
     if k:
         meta["input_top_logprobs"] = [

@@ -23,7 +23,7 @@ from litestar.types import Receive, Send
 from msgspec import UNSET
 
 from r3srv.errors import InvalidRequestError, R3srvError
-from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
 from r3srv.server import protocol as p
 from r3srv.server.chat_output import ChoiceParsing, delta_fields, finish_reason
 from r3srv.server.errors import error_body
@@ -120,7 +120,7 @@ class EngineStream(Stream):
 class _Delta:
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     text_offset: int  # characters of this choice sent before this delta
     first: bool
     final: bool

@@ -21,9 +21,8 @@ from typing import Any
 
 from litestar import MediaType, Request, Response, post
 
-from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
-from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
 from r3srv.server import protocol as p
 from r3srv.server import rows_encoding
 from r3srv.server.declare import Access, Fleet
@@ -87,7 +86,7 @@ async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids:
 
 async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, index: int, output_id: str,
                      out: RequestOutput, c: CompletionOutput, token_ids: list[int],
-                     logprobs: list[dict[int, float]] | None, final: bool) -> dict[str, Any]:
+                     logprobs: list[dict[int, Logprob]] | None, final: bool) -> dict[str, Any]:
     """Output `c` of prompt `index`'s meta_info."""
     return_logprob, _, top = req.logprobs_of(index)
     return await meta_info(
@@ -102,7 +101,7 @@ async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids:
     """SGLang's default (non-incremental) stream: every chunk holds the output so far."""
     n = max(len(o.outputs) for o in (g.last for g in gens) if o is not None)
     indexed = req.is_batch or n > 1
-    sofar: dict[tuple[int, int], tuple[str, list[int], list[dict[int, float]]]] = {}
+    sofar: dict[tuple[int, int], tuple[str, list[int], list[dict[int, Logprob]]]] = {}
     async for i, out in merged_outputs(gens):
         for c in _as_asked(req, i, out.outputs):
             text, ids, logprobs = sofar.get((i, c.index), ("", [], []))
@@ -132,13 +131,12 @@ def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[Completion
 
 
 @post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)",
-      access=Access.INFERENCE, fleet=Fleet.EVERY_REPLICA)
+      access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA)  # SGLang's auth level: ADMIN_OPTIONAL
 async def sglang_abort_request(data: p.SglangAbortRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
     state = server_state(request)
     if data.abort_all:
         await state.abort_all()
     elif data.rid:
         await state.engine.abort(data.rid)
-    else:
-        raise InvalidRequestError("give a rid, or abort_all=true", param="rid")
+    # neither: nothing to abort, a 200 as SGLang answers it
     return Response(b"", status_code=200, media_type=MediaType.TEXT)

@@ -9,7 +9,7 @@ from typing import Any
 
 from litestar import Request, post
 
-from r3srv.outputs import RequestOutput
+from r3srv.outputs import Logprob, RequestOutput
 from r3srv.server import protocol as p
 from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
@@ -34,10 +34,10 @@ async def skyrl_generate(data: p.SkyrlGenerateRequest, request: Request[Any, Any
     )
 
 
-def _sampled(token_ids: list[int], logprobs: list[dict[int, float]]) -> p.SkyrlLogprobs:
+def _sampled(token_ids: list[int], logprobs: list[dict[int, Logprob]]) -> p.SkyrlLogprobs:
     content = []
     for token, entry in zip(token_ids, logprobs):
-        value = entry.get(token) if entry else None
+        value = entry[token].logprob if entry and token in entry else None
         content.append(p.SkyrlLogprob(logprob=value if value is not None and math.isfinite(value) else CLAMPED_LOGPROB))
     return p.SkyrlLogprobs(content=content)
 

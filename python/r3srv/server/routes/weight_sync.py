@@ -11,6 +11,7 @@ field decides. Every update follows /update_weights_from_disk's rules for reques
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 import msgspec
@@ -21,6 +22,7 @@ from r3srv.engine.tensor_unpickler import load_named_cuda_tensors
 from r3srv.engine.weight_sync import PRIME_RL_GROUP, VLLM_GROUP, TrainerUpdates, named_tensor_metas
 from r3srv.errors import InvalidRequestError
 from r3srv.server.protocol import weight_sync as w
+from r3srv.server.confinement import confinement
 from r3srv.server.declare import Access, Feature, Fleet, Ranks
 from r3srv.server.routes.common import server_state
 from r3srv.server.routes.weights import update_weights_from_dir
@@ -36,7 +38,11 @@ def trainer_updates(request: Request[Any, Any, Any]) -> TrainerUpdates:
     return app_state["trainer_updates"]
 
 
-async def _join(request: Request[Any, Any, Any], **group: Any) -> str:
+async def _join(request: Request[Any, Any, Any], *, address_param: str = "master_address", **group: Any) -> str:
+    """Join the trainer's group at `master_address`, once --allowed-trainer-hosts admits it (a 403
+    naming `address_param` otherwise: server/confinement.py)."""
+    hosts = confinement(request).trainer_hosts
+    await asyncio.to_thread(hosts.check, group["master_address"], address_param)
     return await trainer_updates(request).sync.join(**group)
 
 
@@ -128,7 +134,7 @@ async def init_broadcaster(data: w.PrimeRlInitBroadcasterRequest, request: Reque
     backend = "nccl" if updates.sync.device.type == "cuda" else "gloo"  # gloo: the CPU's stand-in
     if updates.sync.has_group(PRIME_RL_GROUP):  # a restarted trainer: join its new rendezvous
         await updates.sync.leave(PRIME_RL_GROUP)
-    await _join(request, master_address=data.host, master_port=data.port, rank_offset=data.rank_offset + 1,
+    await _join(request, address_param="host", master_address=data.host, master_port=data.port, rank_offset=data.rank_offset + 1,
                 world_size=data.inference_world_size + 1, group_name=PRIME_RL_GROUP, backend=backend,
                 rendezvous="vllm", rendezvous_timeout=data.timeout)
     return w.VllmStatus(status="ok")
@@ -165,8 +171,8 @@ async def resume(request: Request[Any, Any, Any]) -> w.VllmStatus:
 async def init_weight_transfer_engine(data: w.VllmInitRequest, request: Request[Any, Any, Any]) -> w.VllmMessage:
     info = data.init_info
     backend = "nccl" if trainer_updates(request).sync.device.type == "cuda" else "gloo"  # gloo: the CPU's stand-in
-    await _join(request, master_address=info.master_address, master_port=info.master_port,
-                rank_offset=info.rank_offset, world_size=info.world_size, group_name=VLLM_GROUP, backend=backend,
+    await _join(request, address_param="init_info.master_address", master_address=info.master_address,
+                master_port=info.master_port, rank_offset=info.rank_offset, world_size=info.world_size, group_name=VLLM_GROUP, backend=backend,
                 rendezvous="vllm", packing=info.packing())
     return w.VllmMessage(message="Weight transfer initialized")
 

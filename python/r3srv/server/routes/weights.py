@@ -20,9 +20,10 @@ from typing import Any
 
 from litestar import HttpMethod, Request, get, post, route
 
-from r3srv.errors import ConfigError, InvalidRequestError
+from r3srv.errors import ConfigError, InvalidRequestError, PermissionDeniedError
 from r3srv.server import protocol as p
 from r3srv.server.declare import Access, Fleet, Feature
+from r3srv.server.confinement import confinement
 from r3srv.server.routes.common import server_state
 
 
@@ -46,16 +47,18 @@ async def update_weights_from_dir(
     weight_version: str | None = None,
 ) -> float:
     """Load a checkpoint directory (or a directory of shards alone) into the served model,
-    counted in the metrics; returns the seconds it took."""
+    counted in the metrics; returns the seconds it took. A directory outside
+    --allowed-weight-paths is a 403 naming `param` (server/confinement.py)."""
     state = server_state(request)
     counted = state.metrics.weight_updates
     start = time.perf_counter()
     try:
+        path = await asyncio.to_thread(confinement(request).weight_paths.confine, path, param)
         await asyncio.to_thread(_check_checkpoint_dir, path, param)
         await state.engine.update_weights(path, abort_running=abort_running, weight_version=weight_version)
-    except (ConfigError, InvalidRequestError) as exc:  # the checkpoint or the timing: the client's to fix
+    except (ConfigError, InvalidRequestError, PermissionDeniedError) as exc:  # the client's to fix
         counted.labels("rejected").inc()
-        if isinstance(exc, InvalidRequestError):
+        if not isinstance(exc, ConfigError):
             raise
         raise InvalidRequestError(f"cannot load {path!r}: {exc}", param=param) from exc
     except Exception:

@@ -1,0 +1,86 @@
+"""verl's own async rollout on r3srv: `rollout.name=r3srv` resolved through the `verl.plugins`
+entry point (no VERL_USE_EXTERNAL_MODULES), verl's example agent loop (single_turn_agent) with
+routing replay on, then verl's worker-side path between two rollouts (trainer_mode releases the
+replica's memory, rollout_mode wakes the weights, pushes the new policy in buckets, wakes the KV
+cache). verl runs in its own environment (tools/verl_env.sh: verl 0.9.1, its own ray and
+transformers) on a one-node CPU Ray cluster, as a subprocess (tests/verl_agent_loop.py).
+
+Oracle: r3srv's own LLM on each checkpoint, given the prompt ids verl's batch carried: the same
+greedy tokens, the same rows (every token but the last, as verl's batch holds them) and the same
+sampled-token logprobs. About 3 to 4 minutes on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_checkpoints import write_tiny_checkpoint
+
+from r3srv import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # a Ray cluster, verl's actors and two engines
+
+ROOT = Path(__file__).resolve().parent.parent
+VERL_PYTHON = ROOT / ".verl_venv" / "bin" / "python"
+sys.path.insert(0, str(Path(__file__).parent))
+import verl_agent_loop as loop  # noqa: E402  (its constants only: it imports verl lazily)
+
+
+@pytest.fixture(scope="module")
+def verl_run(tmp_path_factory):
+    if not VERL_PYTHON.exists():
+        pytest.skip("no verl environment at .verl_venv: tools/verl_env.sh creates it (.ci/run does)")
+    root = tmp_path_factory.mktemp("verl")
+    v0, v1 = write_tiny_checkpoint(root / "v0", seed=0), write_tiny_checkpoint(root / "v1", seed=1)
+    out = root / "batch.npz"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+    proc = subprocess.run([str(VERL_PYTHON), str(Path(loop.__file__)), str(v0), str(v1), str(out)], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return v0, v1, dict(np.load(out, allow_pickle=True))
+
+
+def own(checkpoint: Path, prompts: list[list[int]]) -> list:
+    """r3srv's own API on a fresh engine, with the agent loop's validation sampling (greedy)."""
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=loop.PROMPT_LENGTH + loop.RESPONSE_LENGTH,
+              num_kv_blocks=64, block_size=16, enable_return_routed_experts=True)
+    try:
+        return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=loop.RESPONSE_LENGTH, logprobs=0))
+    finally:
+        llm.shutdown()
+
+
+def test_verl_resolves_r3srv_through_its_entry_point(verl_run):
+    _, _, got = verl_run
+    assert str(got["replica_class"]) == "r3srv.integrations.verl.replica.R3srvReplica"
+    assert str(got["rollout_class"]) == "r3srv.integrations.verl.adapter.ServerAdapter"
+
+
+def test_trainer_mode_sleeps_and_rollout_mode_wakes_with_the_new_policy(verl_run):
+    _, _, got = verl_run
+    assert bool(got["slept"]) and bool(got["awake"])
+    assert list(got["global_steps"]) == [1] * loop.NUM_PROMPTS  # set_global_steps reached the batch
+    assert [list(r) for r in got["first_response_ids"]] != [list(r) for r in got["second_response_ids"]]
+
+
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_rollout_batch_equals_r3srvs_own_api(verl_run, which):
+    """Tokens, rows and logprobs in verl's batch, before (v0) and after (v1) the weight update."""
+    v0, v1, got = verl_run
+    prompts = [list(map(int, p)) for p in got[f"{which}_prompt_ids"]]
+    assert all(0 < len(p) <= loop.PROMPT_LENGTH for p in prompts)
+    want = own(v0 if which == "first" else v1, prompts)
+    for i, w in enumerate(want):
+        c = w.outputs[0]
+        response = list(map(int, got[f"{which}_response_ids"][i]))
+        assert response == c.token_ids
+        rows = np.asarray(got[f"{which}_rows"][i])
+        assert rows.shape == (len(prompts[i]) + len(response) - 1, *c.routed_experts.shape[1:])
+        np.testing.assert_array_equal(rows, c.routed_experts)
+        sampled = [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]
+        assert list(got[f"{which}_logprobs"][i]) == pytest.approx(sampled, abs=1e-4)

@@ -1,0 +1,174 @@
+"""verl's own async rollout on r3srv, run by verl's Python (its own environment, tools/verl_env.sh):
+a one-node CPU Ray cluster, `actor_rollout_ref.rollout.name=r3srv` resolved through the
+`verl.plugins` entry point, verl's LLMServerManager and AgentLoopManager running verl's example
+agent loop (single_turn_agent) with routing replay on, then verl's worker-side path between two
+rollouts: trainer_mode (release) and rollout_mode (resume weights, push the new policy through
+update_weights, resume kv_cache), as verl's training workers call their rollout.
+
+    python tests/verl_agent_loop.py CKPT_V0 CKPT_V1 OUT.npz
+
+OUT.npz holds what verl's batch carried (prompt and response ids, rows, logprobs) for the test
+(tests/test_verl_rollout.py) to hold against r3srv's own API, and the sleep states seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import numpy as np
+
+NUM_PROMPTS = 3
+PROMPT_LENGTH = 48  # the chat-templated prompts are 44 tokens
+RESPONSE_LENGTH = 8
+
+
+def config_for(model_path: str):
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    overrides = [
+        f"actor_rollout_ref.model.path={model_path}",
+        "actor_rollout_ref.rollout.name=r3srv",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.prompt_length={PROMPT_LENGTH}",
+        f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
+        f"actor_rollout_ref.rollout.max_model_len={PROMPT_LENGTH + RESPONSE_LENGTH}",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=256",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=True",
+        "actor_rollout_ref.rollout.calculate_log_probs=True",
+        "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0",
+        "actor_rollout_ref.rollout.val_kwargs.top_k=-1",
+        "actor_rollout_ref.rollout.val_kwargs.top_p=1.0",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "+actor_rollout_ref.rollout.engine_kwargs.r3srv.num_kv_blocks=64",
+        "+actor_rollout_ref.rollout.engine_kwargs.r3srv.block_size=16",
+    ]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+def trainer_stand_in():
+    """A training worker of verl's worker group, reduced to its rollout calls (verl's
+    fsdp_workers rollout_mode / trainer_mode around its own training step)."""
+    from verl.single_controller.base import Worker
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.base import get_rollout_class
+
+    class TrainerStandIn(Worker):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+            self.rollout = None
+
+        def _rollout(self):
+            if self.rollout is None:
+                model_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.model)
+                rollout_cls = get_rollout_class(self.config.actor_rollout_ref.rollout.name, "async")
+                self.rollout = rollout_cls(self.config.actor_rollout_ref.rollout, model_config, None)
+            return self.rollout
+
+        def rollout_class(self) -> str:
+            cls = type(self._rollout())
+            return f"{cls.__module__}.{cls.__qualname__}"
+
+        async def trainer_mode(self):
+            await self._rollout().release()
+
+        async def rollout_mode(self, checkpoint: str, global_steps: int):
+            from safetensors.torch import load_file
+
+            tensors = {}
+            for shard in sorted(os.listdir(checkpoint)):
+                if shard.endswith(".safetensors"):
+                    tensors |= load_file(os.path.join(checkpoint, shard))
+            rollout = self._rollout()
+            await rollout.resume(tags=["weights"])
+            await rollout.update_weights(iter(tensors.items()), global_steps=global_steps)
+            await rollout.resume(tags=["kv_cache"])
+
+    return TrainerStandIn
+
+
+def prompts_batch():
+    from verl import DataProto
+
+    raw = np.empty(NUM_PROMPTS, dtype=object)
+    for i in range(NUM_PROMPTS):
+        raw[i] = [{"role": "user", "content": f"rollout {i}: name {i + 2} experts"}]
+    batch = DataProto.from_single_dict({"raw_prompt": raw, "agent_name": np.array(["single_turn_agent"] * NUM_PROMPTS,
+                                                                                 dtype=object)})
+    batch.meta_info["validate"] = True  # val_kwargs: greedy, so r3srv's own API can replay it
+    return batch
+
+
+def unpadded(batch) -> dict[str, list]:
+    prompts, responses = batch.batch["prompts"], batch.batch["responses"]
+    mask = batch.batch["attention_mask"]
+    plen = prompts.shape[1]
+    out = {"prompt_ids": [], "response_ids": [], "rows": [], "logprobs": []}
+    for i in range(len(batch)):
+        p_mask, r_mask = mask[i, :plen].bool(), mask[i, plen:].bool()
+        prompt = prompts[i][p_mask].tolist()
+        response = responses[i][r_mask].tolist()
+        start = plen - len(prompt)
+        rows = batch.batch["routed_experts"][i, start:start + len(prompt) + len(response) - 1].numpy()
+        out["prompt_ids"].append(prompt)
+        out["response_ids"].append(response)
+        out["rows"].append(rows)
+        out["logprobs"].append(batch.batch["rollout_log_probs"][i, :len(response)].tolist())
+    return out
+
+
+def main(v0: str, v1: str, out_path: str) -> None:
+    import ray
+    import verl  # noqa: F401  (loads the verl.plugins entry points: r3srv registers itself)
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.workers.rollout.llm_server import LLMServerManager
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    started = time.monotonic()
+    replica_cls = RolloutReplicaRegistry.get("r3srv")
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        config = config_for(v0)
+        pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
+        workers = RayWorkerGroup(resource_pool=pool, device_name="cpu",
+                                 ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(trainer_stand_in()),
+                                                                        config=config))
+        trainer = workers.workers[0]
+        servers = LLMServerManager.create(config, worker_group=workers)
+        loops = AgentLoopManager.create(config, llm_client=servers.get_client())
+        server = servers.get_replicas()[0].servers[0]
+
+        first = unpadded(loops.generate_sequences(prompts_batch()))
+        ray.get(trainer.trainer_mode.remote())
+        slept = ray.get(server.is_sleeping.remote())
+        ray.get(trainer.rollout_mode.remote(v1, 1))
+        awake = not ray.get(server.is_sleeping.remote())
+        second_batch = loops.generate_sequences(prompts_batch())
+        second = unpadded(second_batch)
+        steps = [int(s) for s in second_batch.non_tensor_batch.get("max_global_steps", [-1])]
+        np.savez(
+            out_path,
+            replica_class=f"{replica_cls.__module__}.{replica_cls.__qualname__}",
+            rollout_class=ray.get(trainer.rollout_class.remote()),
+            slept=slept, awake=awake, global_steps=np.array(steps),
+            seconds=time.monotonic() - started,
+            **{f"first_{k}": np.array(v, dtype=object) for k, v in first.items()},
+            **{f"second_{k}": np.array(v, dtype=object) for k, v in second.items()},
+        )
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    main(*sys.argv[1:4])
