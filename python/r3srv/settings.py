@@ -157,6 +157,17 @@ def child_environ(variables: Mapping[str, str]) -> dict[str, str]:
     return {**os.environ, **variables}
 
 
+def launcher_rank() -> int:
+    """The RANK a launcher gave this process (torchrun's, or Ray's workers' as verl starts them); 0
+    when started alone."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def restrict_cuda_devices(devices: str) -> None:
+    """Make only `devices` visible to CUDA in this process (before CUDA initializes)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+
+
 _current: Settings | None = None
 
 

@@ -124,7 +124,8 @@ class InputProcessor:
         if not 0 <= start <= n_prompt:
             raise InvalidRequestError(
                 param="routed_experts_prompt_start",
-                problem=f"={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)",
+                # SGLang's words for it (its clients and tests look for them)
+                problem=f"={start} is outside 0..{n_prompt}: it is higher than the number of input tokens ({n_prompt})",
             )
         max_len = self.max_model_len
         if n_prompt >= max_len:

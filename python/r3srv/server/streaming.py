@@ -147,6 +147,9 @@ class _Tracker:
             self._done.add(key)
         return _Delta(c.text, c.token_ids, c.logprobs, n_text, first, final)
 
+    def started(self, prompt_index: int, c: CompletionOutput) -> bool:
+        return (prompt_index, c.index) in self._sent
+
     @property
     def num_tokens(self) -> int:
         return sum(n_tok for _, n_tok in self._sent.values())
@@ -179,6 +182,8 @@ async def completion_stream(
         # echo: each choice's first chunk starts with the prompt (and its logprobs), as vLLM's
         prompt_text = echo_prompt_text(state.engine.tokenizer, out, with_ids) if req.echo else ""
         for c in out.outputs:
+            if not (req.echo or c.text or c.token_ids or c.finished or tracker.started(i, c)):
+                continue  # a choice with nothing yet (n > 1: a sibling's step) opens no chunk, as vLLM's
             d = tracker.delta(i, c)
             if d is None:
                 continue

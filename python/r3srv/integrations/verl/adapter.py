@@ -13,13 +13,14 @@ gathers inside it); the replica's first rank sends.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from typing import Any
 
 import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
+
+from r3srv import settings
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ MEGABYTE = 1 << 20
 class ServerAdapter(BaseRollout):
     def __init__(self, config, model_config, device_mesh, replica_rank: int = -1) -> None:
         super().__init__(config, model_config, device_mesh)
-        rank = int(os.environ.get("RANK", "0"))
+        rank = settings.launcher_rank()
         c = self.config
         rollout_world_size = c.tensor_model_parallel_size * c.data_parallel_size * c.pipeline_model_parallel_size
         self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank

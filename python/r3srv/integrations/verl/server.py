@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 from typing import Any
 
@@ -20,6 +19,7 @@ import ray
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 import r3srv.compat.vllm as vllm
+from r3srv import settings
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class R3srvRolloutServer:
     def __init__(self, config, model_config, rollout_mode: RolloutMode, workers: list, replica_rank: int,
                  node_rank: int, gpus_per_node: int, nnodes: int, cuda_visible_devices: str) -> None:
         if cuda_visible_devices:
-            os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+            settings.restrict_cuda_devices(cuda_visible_devices)
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig
 
