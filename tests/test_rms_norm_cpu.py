@@ -1,6 +1,6 @@
 """The Rust RMSNorm (kernels/rms_norm_cpu.py, rust/src/rms_norm.rs) against torch's on generated
-float32 inputs, where it applies and where it must step aside, and the built-in model's
-tokens and routed-experts rows with it on and off."""
+float32 inputs, where it applies and where it must step aside, the CPU backend's norm with it on
+and off, and the built-in model's tokens and routed-experts rows with it on and off."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from r3srv import LLM, SamplingParams, settings
 from r3srv.kernels import rms_norm_cpu as kernel
-from r3srv.models.layers import rms_norm
+from r3srv.ops import ops_for
+from r3srv.ops.norm import rms_norm
 
 
 def test_a_fresh_build_has_the_kernel():
@@ -35,11 +36,14 @@ def test_it_steps_aside_where_it_does_not_apply():
     assert kernel.rms_norm_cpu(x.t().contiguous().t(), w, 1e-6) is None  # not contiguous
     assert kernel.rms_norm_cpu(x, torch.ones(2, 4), 1e-6) is None  # weight not [dim]
     assert kernel.rms_norm_cpu(x.requires_grad_(), w, 1e-6) is None  # autograd stays with torch
-    with settings.overridden(rust_rms_norm=False):
-        assert kernel.rms_norm_cpu(torch.randn(4, 8), w, 1e-6) is None
-    # the layer's function gives torch's result either way
+    with settings.overridden(rust_rms_norm=False):  # the CPU backend's norm is the reference's
+        assert ops_for("cpu", torch.float32).norm("default") is rms_norm
+    # the backend's norm gives torch's result either way
     y = torch.randn(3, 16)
-    torch.testing.assert_close(rms_norm(y, torch.ones(16), 1e-6), torch.rms_norm(y, (16,), torch.ones(16), 1e-6))
+    for norm in (rms_norm, ops_for("cpu", torch.float32).norm("default")):
+        torch.testing.assert_close(norm(y, torch.ones(16), 1e-6), torch.rms_norm(y, (16,), torch.ones(16), 1e-6))
+        torch.testing.assert_close(norm(y.t().contiguous().t(), torch.ones(16), 1e-6),  # the kernel steps aside
+                                   torch.rms_norm(y, (16,), torch.ones(16), 1e-6))
 
 
 def _generate(rust: bool) -> list[tuple[list[int], object]]:

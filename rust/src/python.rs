@@ -539,13 +539,13 @@ fn paged_decode_attention(
     }
 }
 
-/// RMSNorm of float32 rows (crate::rms_norm): the private half of r3srv.models.layers.rms_norm,
+/// RMSNorm of float32 rows (crate::rms_norm): the private half of the CPU backend's RMSNorm (r3srv.ops.norm),
 /// which passes contiguous float32 CPU tensors x [rows, dim], w [dim] and a fresh out like x,
 /// and keeps them alive across the call. Keeps the GIL: a call takes less than releasing it.
 #[pyfunction]
 fn rms_norm_f32(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f32) -> PyResult<()> {
     let len = rows.checked_mul(dim).ok_or_else(|| PyValueError::new_err("rms_norm: rows x dim overflows"))?;
-    // SAFETY: layers.rms_norm passes live contiguous float32 tensors of these sizes, held by the
+    // SAFETY: kernels/rms_norm_cpu.py passes live contiguous float32 tensors of these sizes, held by the
     // caller for the whole call; `out` is a new tensor, so the one &mut aliases nothing.
     let (x, w, out) = unsafe { (slice::<f32>(x, len)?, slice::<f32>(w, dim)?, slice_mut::<f32>(out, len)?) };
     crate::rms_norm::rms_norm(x, w, eps, out).map_err(PyValueError::new_err)

@@ -2,7 +2,7 @@
 //! arithmetic of torch's float32 rms_norm (the sum of squares in float32, then one reciprocal
 //! square root per row). torch's CPU kernel is a composite of several ops and costs more per
 //! call than a decode step's few rows take to normalize (docs/benchmarks.md), and a decode step
-//! calls it once or more per layer (r3srv.models.layers.rms_norm).
+//! calls it once or more per layer (r3srv.ops.norm's kernel_rms_norm, the CPU backend's).
 
 /// Lanes of running sums, so that consecutive multiply-adds do not wait on each other and the
 /// compiler vectorizes the loop.
