@@ -1,5 +1,7 @@
 """Fixtures shared by the ported peer tests (tests/test_peer_*.py): each module defines its own
-`server` fixture (its flags) and imports these, which talk to it."""
+`server` fixture (its flags) and imports these, which talk to it. Every module runs twice: against
+one `r3srv serve`, and against a `--data-parallel-size 2` fleet's one URL (its front), which must
+answer the same."""
 
 from __future__ import annotations
 
@@ -12,9 +14,16 @@ import pytest
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
 
-def serve(*args: str) -> Iterator[RemoteServer]:
-    """Body of a module's `server` fixture: `r3srv serve ARGS` on the test settings, stopped cleanly."""
-    with RemoteServer(*args, *TEST_SERVER_ARGS) as srv:
+@pytest.fixture(scope="module", params=["server", "fleet"])
+def topology(request) -> tuple[str, ...]:
+    """The flags that make one server or a 2-replica fleet."""
+    return ("--data-parallel-size", "2") if request.param == "fleet" else ()
+
+
+def serve(topology: tuple[str, ...], *args: str) -> Iterator[RemoteServer]:
+    """Body of a module's `server` fixture: `r3srv serve ARGS` (one server or a fleet, as
+    `topology` says) on the test settings, stopped cleanly."""
+    with RemoteServer(*topology, *args, *TEST_SERVER_ARGS) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
 

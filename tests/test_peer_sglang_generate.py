@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from peer_ports import http, serve  # noqa: F401 (fixtures)
+from peer_ports import http, serve, topology  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 
@@ -27,10 +27,10 @@ MAX_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(topology):
     # SGLang's clients of the OpenAI routes read rows from `sglext`: the server flag that says so;
     # /flush_cache is one of the control routes, served with --enable-weight-updates
-    yield from serve("--enable-return-routed-experts", "--routed-experts-encoding", "sglang", "--enable-weight-updates",
+    yield from serve(topology, "--enable-return-routed-experts", "--routed-experts-encoding", "sglang", "--enable-weight-updates",
                      "--max-model-len", "256")
 
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai import BadRequestError
 
-from peer_ports import client, http, model, serve  # noqa: F401 (fixtures)
+from peer_ports import client, http, model, serve, topology  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 
@@ -29,9 +29,9 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(topology):
     # prompts past 32 tokens prefill in chunks (vLLM's test_chunked_prompt.py runs chunked prefill)
-    yield from serve("--max-logprobs", str(MAX_LOGPROBS), "--max-model-len", "256", "--max-num-batched-tokens", "32")
+    yield from serve(topology, "--max-logprobs", str(MAX_LOGPROBS), "--max-model-len", "256", "--max-num-batched-tokens", "32")
 
 
 def test_vocab_is_the_models(http):

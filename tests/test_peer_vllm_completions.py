@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from openai import BadRequestError
 
-from peer_ports import client, http, model, serve  # noqa: F401 (fixtures)
+from peer_ports import client, http, model, serve, topology  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 
@@ -20,8 +20,8 @@ TOKENS = [1, 2, 3, 4, 5]  # vLLM's tests send [0, 0, 0, 0, 0]; any in-vocabulary
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from serve("--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS),
+def server(topology):
+    yield from serve(topology, "--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS),
                       "--max-model-len", "128", "--max-num-batched-tokens", str(CHUNK))
 
 

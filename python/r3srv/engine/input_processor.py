@@ -148,8 +148,9 @@ class InputProcessor:
         if not 0 <= start <= n_prompt:
             raise InvalidRequestError(
                 param="routed_experts_prompt_start",
-                # SGLang's words for it (its clients and tests look for them)
-                problem=f"={start} is outside 0..{n_prompt}: it is higher than the number of input tokens ({n_prompt})",
+                # past the end in SGLang's words (its clients and tests look for them)
+                problem=f"={start} is outside 0..{n_prompt} (the prompt has {n_prompt} tokens)"
+                + (": it is higher than the number of input tokens" if start > n_prompt else ""),
             )
         max_len = self.max_model_len
         if n_prompt >= max_len and multimodal is not None:  # the images' placeholders filled the context
