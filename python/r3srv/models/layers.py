@@ -20,6 +20,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == weight.dtype == torch.float32:  # nothing to cast: one kernel, Rust's on the CPU
         out = rms_norm_cpu(x, weight, eps)
         return F.rms_norm(x, weight.shape, weight, eps) if out is None else out
+    if x.dtype == weight.dtype == torch.bfloat16:  # Rust's on the CPU: these steps in one call
+        out = rms_norm_cpu(x, weight, eps)
+        if out is not None:
+            return out
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
