@@ -1,6 +1,6 @@
 """The CPU decode fast path (r3srv.models.cpu_decode): a plain MoE layer's decode step as
 straight kernel calls gives the modules' tokens, logprobs and routed experts bit for bit, on
-generated prompts, greedy and sampled, at one and two threads; it runs at decode steps only,
+generated prompts, greedy and sampled, at one and two threads, in float32 and bfloat16; it runs at decode steps only,
 only where the setting is on, and only for layers whose every part it covers."""
 
 from __future__ import annotations
@@ -71,6 +71,31 @@ def test_the_same_bits_as_the_modules(llm, r3srv_settings, fast_calls, threads, 
         assert rows is not None and rows.shape[1:] == want_rows.shape[1:] == (4, 8)
         np.testing.assert_array_equal(rows, want_rows)
         assert logprobs == want_logprobs  # the same logits, bit for bit
+
+
+@pytest.mark.parametrize("float32_gate", [False, True])
+def test_bfloat16_the_same_bits_as_the_modules(r3srv_settings, fast_calls, float32_gate):
+    """A bfloat16 model (weights, activations, KV cache) takes the fast path too, with its router
+    gate in bfloat16 or float32 (a float32 router in a bfloat16 model casts the normed rows)."""
+    bf16 = LLM(dtype="bfloat16", max_model_len=512, enable_prefix_caching=False, max_num_seqs=8,
+               enable_return_routed_experts=True)
+    model = bf16.engine.core.executor.runner.model
+    assert model.layers[0].attn.k_cache.dtype == torch.bfloat16
+    if float32_gate:
+        for layer in model.layers:
+            layer.mlp.gate = torch.nn.Parameter(layer.mlp.gate.float(), requires_grad=False)
+    prompts, params = generated_requests(3, 8)
+    r3srv_settings(cpu_threads=2, fast_cpu_decode=True)
+    fast = outputs(bf16, prompts, params)
+    assert fast_calls and len(fast_calls) % len(model.layers) == 0
+    fast_calls.clear()
+    r3srv_settings(fast_cpu_decode=False)
+    modules = outputs(bf16, prompts, params)
+    assert not fast_calls
+    for (tokens, rows, logprobs), (want_tokens, want_rows, want_logprobs) in zip(fast, modules):
+        assert tokens == want_tokens
+        np.testing.assert_array_equal(rows, want_rows)
+        assert logprobs == want_logprobs
 
 
 def test_prefill_steps_keep_the_modules(llm, r3srv_settings, fast_calls):
@@ -155,7 +180,10 @@ def test_the_step_plan_declines_what_the_kernels_would(llm, r3srv_settings):
     assert cpu_decode.DecodeStep.plan(torch.zeros(rows, 256), meta, torch.zeros(rows, 64), torch.zeros(rows, 64),
                                       None, 64) is None
     meta.decode_seqs = [0]
-    assert cpu_decode.DecodeStep.plan(x.to(torch.bfloat16), meta, cos, cos, None, 64) is None
+    assert cpu_decode.DecodeStep.plan(x.to(torch.bfloat16), meta, cos, cos, None, 64) is None  # cos of another dtype
+    half = cos.to(torch.bfloat16)
+    assert cpu_decode.DecodeStep.plan(x.to(torch.bfloat16), meta, half, half, None, 64) is not None
+    assert cpu_decode.DecodeStep.plan(x.half(), meta, cos.half(), cos.half(), None, 64) is None
     for switch in ("fast_cpu_decode", "rust_linear", "rust_rms_norm", "rust_rope", "rust_decode", "cpu_expert_kernel",
                    "rust_router"):
         r3srv_settings(**{switch: False})

@@ -8,6 +8,8 @@ part of a layer is one the Rust kernels take as they are; `DecodeStep` checks on
 what the step and the settings allow; then each layer runs the kernels its modules would run,
 with the same arguments, in the same order: the same bits (tests/test_cpu_decode.py compares
 tokens, logits and routed experts with the module path). Anything else keeps the modules.
+float32 or bfloat16 layers (weights, activations and KV cache of one dtype; a bfloat16 layer's
+router may be float32, as the modules then cast its input): the kernels take both.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from r3srv.models.layers import rms_norm
 from r3srv.models.moe import SparseMoeBlock, grouped_experts
 
 F32 = torch.float32
-_F32_CODE = linear_cpu.RUST_DTYPES[F32]  # the kernels' dtype argument
+# the kernels' dtype argument, and the norm and q/k kernels, by the layer's dtype
+_CODES = linear_cpu.RUST_DTYPES
+_NORMS = rms_norm_cpu._KERNELS
+_QK_NORM_ROPE = qk_rope_cpu._KERNELS
 
 
 @dataclass(frozen=True)
@@ -47,11 +52,11 @@ class DecodeStep:
     def plan(x: torch.Tensor, meta, cos: torch.Tensor, sin: torch.Tensor, capture: torch.Tensor | None,
              num_experts: int) -> "DecodeStep | None":
         """The step's shared arguments, or None where the fast path does not apply: turned off,
-        not a decode-only float32 CPU step, more rows than the Rust linear takes, a kernel
-        turned off in the settings, or a capture view (any layer's: they share one layout) the
-        router kernel cannot write."""
+        not a decode-only float32 or bfloat16 CPU step, more rows than the Rust linear takes, a
+        kernel turned off in the settings, or a capture view (any layer's: they share one
+        layout) the router kernel cannot write."""
         rows = x.shape[0]
-        if not x.is_cpu or x.dtype is not F32 or meta.prefills or not meta.decode_seqs or meta.graph:
+        if not x.is_cpu or x.dtype not in _CODES or meta.prefills or not meta.decode_seqs or meta.graph:
             return None
         if not 0 < rows <= linear_cpu.MAX_ROWS or len(meta.decode_seqs) != rows:
             return None
@@ -63,7 +68,7 @@ class DecodeStep:
         if not _kernels_built():
             return None
         ready = qk_rope_cpu._kernel_ready
-        if not (ready(cos) and ready(sin) and cos.dim() == 2 and cos.shape[0] == rows and sin.shape == cos.shape):
+        if not (ready(cos, x.dtype) and ready(sin, x.dtype) and cos.dim() == 2 and cos.shape[0] == rows and sin.shape == cos.shape):
             return None
         if capture is not None and not router_cpu._capture_fits(capture, rows, num_experts, capture.shape[-1]):
             return None
@@ -75,7 +80,8 @@ class DecodeStep:
 @functools.cache
 def _kernels_built() -> bool:
     kernels = (linear_cpu, rms_norm_cpu, qk_rope_cpu, paged_decode_cpu, expert_pairs_cpu, router_cpu)
-    return all(kernel.BUILT for kernel in kernels)
+    by_dtype = list(_NORMS.values()) + list(_QK_NORM_ROPE.values())
+    return all(kernel.BUILT for kernel in kernels) and all(k is not None for k in by_dtype)
 
 
 class FastDecodeLayer:
@@ -101,9 +107,10 @@ class FastDecodeLayer:
     @staticmethod
     def eligible(layer) -> bool:
         """Whether every part of `layer` is one the kernels below take unchanged: a pre-norm
-        attention + MoE layer on one device, float32, per-head q/k norms or none, no bias,
-        gate, sinks, window or shared expert, a router without correction bias or groups,
-        experts of one of the expert kernel's activations without biases."""
+        attention + MoE layer on one device, float32 or bfloat16 (one dtype; the router's gate
+        may be float32), per-head q/k norms or none, no bias, gate, sinks, window or shared
+        expert, a router without correction bias or groups, experts of one of the expert
+        kernel's activations without biases."""
         from r3srv.models.model import Attention, DecoderLayer  # model.py imports this module
 
         if type(layer) is not DecoderLayer or layer.linear_attn is not None or type(layer.attn) is not Attention:
@@ -129,27 +136,33 @@ class FastDecodeLayer:
             return False
         if expert_pairs_cpu._activation(run.keywords["act"]) is None:
             return False
-        tensors = [layer.input_norm, layer.post_attention_norm, attn.qkv_proj.weight, attn.o_proj.weight, moe.gate,
+        tensors = [layer.input_norm, layer.post_attention_norm, attn.qkv_proj.weight, attn.o_proj.weight,
                    experts.w13, experts.w2] + ([] if attn.q_norm is None else [attn.q_norm, attn.k_norm])
-        return all(t.dtype is F32 and t.is_cpu and t.is_contiguous() for t in tensors)
+        dtype = experts.w13.dtype
+        if dtype not in _CODES or moe.gate.dtype not in (dtype, F32):
+            return False
+        return all(t.dtype is dtype for t in tensors) and all(t.is_cpu and t.is_contiguous() for t in tensors + [moe.gate])
 
     def __call__(self, x: torch.Tensor, cos, sin, meta, capture, step: DecodeStep) -> torch.Tensor:
         rows, hidden, threads = step.num_rows, x.shape[1], step.threads
-        f32, linear = _F32_CODE, linear_cpu._linear_cpu
+        dtype, linear = x.dtype, linear_cpu._linear_cpu
+        code, norm = _CODES[dtype], _NORMS[dtype]
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rotary = cos.shape[-1] if self.use_rope else 0
         k_cache, v_cache = self.attn.k_cache, self.attn.v_cache
-        # what the wrappers would decline (odd or too wide a rotary part; a cache of another
-        # dtype, or none yet): the modules, which take their other paths or raise
-        if rotary % 2 or rotary > head_dim or k_cache is None or (k_cache.dtype, v_cache.dtype) != (F32, F32):
+        # what the wrappers would decline (odd or too wide a rotary part; activations or a cache
+        # of another dtype than the layer's, or no cache yet): the modules, which take their
+        # other paths or raise
+        if rotary % 2 or rotary > head_dim or k_cache is None or (k_cache.dtype, v_cache.dtype) != (dtype, dtype) \
+                or self.qkv_w.dtype is not dtype:
             return self.layer(x, cos, sin, meta, capture)
 
         # attention: norm, q/k/v projection, q/k norms + RoPE, cache write, paged decode, output projection
         h = torch.empty_like(x)
-        rms_norm_cpu._rms_norm_f32(x.data_ptr(), self.input_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
+        norm(x.data_ptr(), self.input_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
         qkv_w = self.qkv_w
         qkv = x.new_empty(rows, qkv_w.shape[0])
-        linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), f32, threads)
+        linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), code, threads)
         q = x.new_empty(rows, heads, head_dim)
         k = x.new_empty(rows, kv_heads, head_dim)
         v = x.new_empty(rows, kv_heads, head_dim)
@@ -157,32 +170,34 @@ class FastDecodeLayer:
         addresses = (qkv.data_ptr(), self.q_norm.data_ptr() if normed else 0, self.k_norm.data_ptr() if normed else 0,
                      cos.data_ptr() if rotary else 0, sin.data_ptr() if rotary else 0, q.data_ptr(), k.data_ptr(),
                      v.data_ptr())
-        qk_rope_cpu._qk_norm_rope_f32(addresses, (rows, heads, kv_heads, head_dim, rotary), self.qk_eps)
+        _QK_NORM_ROPE[dtype](addresses, (rows, heads, kv_heads, head_dim, rotary), self.qk_eps)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         o = x.new_empty(rows, heads, head_dim)
         head_major = paged_decode_cpu._head_major  # the wrapper's: pointers, shapes and the real strides
         paged_decode_cpu._paged_decode_attention(
-            f32, head_major("q", q), head_major("k_cache", k_cache), head_major("v_cache", v_cache), step.table_args,
+            code, head_major("q", q), head_major("k_cache", k_cache), head_major("v_cache", v_cache), step.table_args,
             step.lens.data_ptr(), step.rows.data_ptr(), (o.data_ptr(), rows, heads, head_dim), step.block_size,
             self.scale, None, None, threads)
         o_w = self.o_w
         attended = torch.empty_like(x)
-        linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), f32, threads)
+        linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), code, threads)
         x = x + attended
 
-        # MoE: norm, router, expert pass
+        # MoE: norm, router (a float32 gate takes the normed rows cast, as the module casts them), expert pass
         h = torch.empty_like(x)
-        rms_norm_cpu._rms_norm_f32(x.data_ptr(), self.post_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
+        norm(x.data_ptr(), self.post_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
         gate = self.gate
         experts = gate.shape[0]
-        logits = x.new_empty(rows, experts)
-        linear((h.data_ptr(), gate.data_ptr(), 0, logits.data_ptr()), (rows, experts, hidden), f32, threads)
+        routed = h if gate.dtype is dtype else h.to(gate.dtype)
+        gate_code = _CODES[gate.dtype]
+        logits = routed.new_empty(rows, experts)
+        linear((routed.data_ptr(), gate.data_ptr(), 0, logits.data_ptr()), (rows, experts, hidden), gate_code, threads)
         top_k = self.top_k
         weights = torch.empty(rows, top_k, dtype=F32)
         ids = torch.empty(rows, top_k, dtype=torch.int32)
         target = None if capture is None else (capture.data_ptr(), capture.stride(0), capture.element_size())
-        router_cpu._route_experts(logits.data_ptr(), f32, (rows, experts, top_k), self.scoring, self.renormalize,
+        router_cpu._route_experts(logits.data_ptr(), gate_code, (rows, experts, top_k), self.scoring, self.renormalize,
                                   self.scaling, weights.data_ptr(), ids.data_ptr(), target)
         w13, w2 = self.w13, self.w2
         num_experts, _, inter = w2.shape
@@ -190,8 +205,8 @@ class FastDecodeLayer:
         name, alpha, limit = self.activation
         addresses = (h.data_ptr(), w13.data_ptr(), w2.data_ptr(), 0, 0, 0, ids.data_ptr(), weights.data_ptr(),
                      mixed.data_ptr())
-        expert_pairs_cpu._expert_pairs_cpu(addresses, (rows, rows * top_k, num_experts, hidden, inter), f32, name, alpha,
-                                           limit, threads)
+        expert_pairs_cpu._expert_pairs_cpu(addresses, (rows, rows * top_k, num_experts, hidden, inter), code, name,
+                                           alpha, limit, threads)
         return x + mixed
 
 
