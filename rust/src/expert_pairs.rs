@@ -28,7 +28,9 @@ pub trait Element: Copy + Send + Sync + 'static {
     /// The slice itself when it already holds f32.
     fn as_f32s(s: &[Self]) -> Option<&[f32]>;
 
-    /// Eight elements from `p`, widened to f32.
+    /// Eight elements from `p`, widened to f32. The impls are compiled for the features they
+    /// use (`#[target_feature]`) so that their intrinsics inline into the kernels (see
+    /// paged_attn's `Element::load8`).
     ///
     /// # Safety
     /// The CPU must support AVX2, and `p` must be valid for reading eight elements.
@@ -57,13 +59,15 @@ impl Element for f32 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
+    #[target_feature(enable = "avx2")]
+    #[inline]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_loadu_ps(p)
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
+    #[target_feature(enable = "avx512f,avx2")]
+    #[inline]
     unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
         let lo = _mm512_castps256_ps512(_mm256_loadu_ps(lo));
@@ -95,7 +99,8 @@ impl Element for Bf16 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
+    #[target_feature(enable = "avx2")]
+    #[inline]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         let halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
@@ -103,7 +108,8 @@ impl Element for Bf16 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
+    #[target_feature(enable = "avx512f,avx2")]
+    #[inline]
     unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
         let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(lo as *const __m128i)),
