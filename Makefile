@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-data test-fast test-rust test-python bench bench-gate bench-smoke serve
+.PHONY: install test test-data test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,18 @@ test-data:
 # spare. Not the default: on a shared 2-core machine two workers measured no faster than one.
 PYTEST_ARGS ?=
 
-# The edit loop, after `make install`: every test not marked slow (tests/conftest.py's
-# SLOW_FILES and @pytest.mark.slow); under 3 minutes on a shared 2-core machine.
+# Tiers are pytest markers in the test files (pyproject.toml): slow, gpu, peer.
+# The edit loop, after `make install`: every test not marked slow or gpu.
 test-fast:
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+# r3srv against the peers' own code: their protocol classes' data, sglang-router, trainers' calls.
+test-peer:
+	$(BIN)/python -m pytest -q -m peer $(PYTEST_ARGS)
+
+# The CUDA tests (on a machine with a GPU; elsewhere they skip, saying so).
+test-gpu:
+	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
 
 test-rust:
 	cargo test --release

@@ -1,6 +1,6 @@
 """r3srv against vLLM-CPU, side by side on this machine: `python benches/bench_vs_vllm.py`.
 
-Installs nothing. Prepare the peer once with `../shared/peers/install_vllm_cpu.sh DIR`, then
+Installs nothing. Prepare the peer once with `benches/vllm_cpu/install_vllm_cpu.sh DIR`, then
 `export VLLM_VENV=DIR`; without it the benchmark skips with that hint. Both servers serve the
 same checkpoint (the built-in model unless --model is given) in each --dtype (float32 and
 bfloat16 by default), r3srv with routed experts ON, vLLM in its default CPU mode
@@ -37,7 +37,7 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = Path(os.environ.get("R3SRV_PEERS_DIR") or ROOT.parent / "shared" / "peers")  # the recipes beside the clone
+PEERS = ROOT / "benches" / "vllm_cpu"  # the recipes that install and start vLLM-CPU
 sys.path.insert(0, str(ROOT / "tests"))
 
 from server_fixture import RemoteServer, free_port, wait_healthy  # noqa: E402

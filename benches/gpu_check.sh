@@ -4,8 +4,8 @@
 # routed-experts rows, padding, abort, hybrid) and the decode throughput table of a
 # Qwen3-30B-A3B-shaped model against the HBM roofline (benches/gpu_throughput.py), both never
 # run on a GPU yet (docs/cuda_graphs.md); then the router table of benches/gpu_router.py (correctness grid, do_bench timings, engine
-# decode step with capture on/off: issue 5's deliverable, so it runs before anything can eat
-# the time), then the CUDA tests (fused router vs torch reference, CUDA models vs CPU, engine
+# decode step with capture on/off: the fused router's measured cost, so it runs before anything
+# can eat the time), then the CUDA tests (fused router vs torch reference, CUDA models vs CPU, engine
 # rows on CUDA, hybrid engines with the fused decode steps vs the CPU and the torch steps),
 # then the hybrid-prefill grouping ratio and the fused delta-rule decode step against
 # gather-step-scatter, then the Triton paged decode attention against gather + SDPA. Every log
@@ -68,7 +68,7 @@ if wants throughput; then  # prints each batch's line as it goes: a run cut shor
 fi
 if wants tests; then
     # R3SRV_GPU_TESTS: the test files to run (default all the CUDA ones but the graphs')
-    step gpu_tests.log 280 python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda or gpu" ${R3SRV_GPU_TESTS:-\
+    step gpu_tests.log 280 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu ${R3SRV_GPU_TESTS:-\
         tests/test_router_gpu.py tests/test_models_gpu.py tests/test_engine_hybrid_gpu.py tests/test_engine.py \
         tests/test_memory_release.py tests/test_routed_experts_buffer.py tests/test_attention_gpu.py tests/test_transfer.py}
 fi

@@ -1,4 +1,4 @@
-"""GPU check and timing of the fused Triton router (issue 5), in one command:
+"""GPU check and timing of the fused Triton router, in one command:
 
     python benches/gpu_router.py [--skip-engine | --engine-only] [--require-gpu] [--out table.md]
 
@@ -41,7 +41,7 @@ ROUTER_TOP_K = (2, 8)
 CHECK_EXPERTS = (8, 60, 64, 128, 160, 256, 384, 512)
 CHECK_TOP_K = (1, 2, 6, 8)
 CHECK_TOKENS = 3001  # odd: the last program of every BLOCK_T is partly masked
-HEADLINE = (4096, 128, 8)  # issue target: fused >= 3x the torch reference here
+HEADLINE = (4096, 128, 8)  # the fused router's target: >= 3x the torch reference here
 POISON = 0x5A
 DEVICE = "cuda"  # "cpu" under --smoke
 

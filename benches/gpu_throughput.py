@@ -13,8 +13,9 @@ engine: its graphs are set aside for the eager steps; the two alternate in round
 Each decode step is set against its roofline: the bytes it must read from HBM (every
 non-expert weight, the lm_head, the experts actually routed to in that step, layer by layer,
 counted from the routed-experts rows, and every sequence's K/V) over the bandwidth a
-device-to-device copy measures in the same run. Printed beside: the targets of issue 17
-(batch 1 >= 50% of the roofline, batch 64 >= 60%, routed experts on/off within 1%).
+device-to-device copy measures in the same run. Printed beside: the targets the GPU
+decode path is held to (batch 1 >= 50% of the roofline, batch 64 >= 60%, routed experts on/off
+within 1%).
 
 Without CUDA it says why and exits 0 (1 with --require-gpu).
 """

@@ -21,7 +21,7 @@ import pybase64
 
 from r3srv.serial import encode_routed_experts, encoder_isa, numpy2base64
 
-# (label, shape, dtype): the sizes, one row (~0.5 KB) to 131,072 rows (~64 MB).
+# (label, shape, dtype): one row (~0.5 KB) to 131,072 rows (~64 MB), the range the encoder's targets span.
 CASES = [
     ("1x48x8 u8", (1, 48, 8), np.uint8),
     ("512x48x8 u8", (512, 48, 8), np.uint8),

@@ -1,7 +1,5 @@
 """Shared by the engine tests: greedy settings, deterministic prompts, one torch thread."""
 
-import time
-
 import pytest
 import torch
 
@@ -87,16 +85,3 @@ def run_with_aborts(engine, requests: dict, aborted: dict, abort_at_step: int) -
             for rid in aborted:
                 assert engine.abort_request(rid).outputs[0].finish_reason == "abort"
     return finished
-
-
-def slowed(engine):
-    """5 ms more per step of an AsyncLLM: a request stays running while an update and other
-    requests arrive, however fast the machine."""
-    step = engine.core.step
-
-    def slow_step():
-        time.sleep(0.005)
-        return step()
-
-    engine.core.step = slow_step
-    return engine

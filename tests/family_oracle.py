@@ -7,8 +7,8 @@ transformers computes on the same prompt, its router's top-k read off the gate m
 A family's test module, tests/families/test_<family>.py, holds its tiny transformers config
 (`tiny_config`, which tiny_checkpoints.hf_config calls) and its `VARIANTS` (variant name ->
 hf_config overrides, one tiny checkpoint each), and runs these checks on every variant with
-`from family_oracle import *` (the two tests, the `case` fixture and the hook that
-parametrizes it over the module's VARIANTS).
+`from family_oracle import *` (the two tests, the `case` fixture, the hook that
+parametrizes it over the module's VARIANTS, and the module's slow marker).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from tiny_checkpoints import build_hf_model, hf_gate_modules, hf_router_ids, wri
 pytest.importorskip("transformers")
 
 __all__ = [
-    "case", "pytest_generate_tests", "test_greedy_continuation_and_routing_match_transformers",
+    "case", "pytest_generate_tests", "pytestmark", "test_greedy_continuation_and_routing_match_transformers",
     "test_prefill_logits_and_routing_match_transformers",
 ]
+
+pytestmark = pytest.mark.slow  # transformers oracles
 
 BLOCK_SIZE = 4
 NEW_TOKENS = 6

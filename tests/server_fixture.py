@@ -15,8 +15,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from step_gate import StepGate
 
 # Small KV pool: fast to allocate, plenty for tests (256 blocks x 16 tokens).
 # the CPU even on a GPU machine (serve's default is auto): the tests compare with CPU engines
@@ -29,7 +33,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(*args: str) -> list[str]:
+def serve_command(*args: str, step_gate: Path | None = None) -> list[str]:
+    """`r3srv serve ARGS`; with step_gate, its engine steps only as that gate file allows
+    (tests/step_gate.py)."""
+    if step_gate is not None:
+        return [sys.executable, str(Path(__file__).with_name("gated_serve.py")), str(step_gate), "serve", *args]
     return [sys.executable, "-m", "r3srv.cli", "serve", *args]
 
 
@@ -63,7 +71,11 @@ class _PortTaken(RuntimeError):
 
 
 class RemoteServer:
-    def __init__(self, *args: str, startup_timeout: float = 180.0, bind_attempts: int = 3) -> None:
+    """step_gate: a StepGate (tests/step_gate.py) that holds this server's engine steps."""
+
+    def __init__(self, *args: str, startup_timeout: float = 180.0, bind_attempts: int = 3,
+                 step_gate: StepGate | None = None) -> None:
+        self._gate_path = None if step_gate is None else step_gate.path
         # free_port() only finds a port that is free now; on a busy CI machine another
         # process can take it before the server binds, so a lost race is retried on a new one.
         for attempt in range(bind_attempts):
@@ -86,7 +98,7 @@ class RemoteServer:
         self._log = tempfile.NamedTemporaryFile(prefix="r3srv-serve-", suffix=".log", delete=False)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            serve_command("--host", "127.0.0.1", "--port", str(self.port), *args),
+            serve_command("--host", "127.0.0.1", "--port", str(self.port), *args, step_gate=self._gate_path),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

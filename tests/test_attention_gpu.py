@@ -13,10 +13,7 @@ from r3srv import LLM, SamplingParams
 from tiny_checkpoints import write_tiny_checkpoint
 
 pytest.importorskip("transformers")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("family, layers", [("qwen3_moe", {}), ("gpt_oss", {"num_layers": 3}),

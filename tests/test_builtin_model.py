@@ -18,6 +18,8 @@ from r3srv.models.batch import ForwardBatch
 from r3srv.models.builtin import BUILTIN_MODEL_NAME, builtin_model_dir, write_builtin_checkpoint
 from r3srv.models.loader import load_model
 
+pytestmark = pytest.mark.slow  # transformers oracles
+
 BLOCK_SIZE = 16
 
 

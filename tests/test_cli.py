@@ -16,7 +16,10 @@ import httpx
 import pytest
 from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port, serve_command
 
-from r3srv.cli import build_parser, engine_kwargs, main
+from r3srv import engine_options
+from r3srv.cli import build_parser, main
+
+pytestmark = pytest.mark.slow  # real servers
 
 
 def test_console_script_is_installed():
@@ -51,13 +54,13 @@ def test_flags_map_onto_engine_arguments():
          "--max-num-seqs", "4", "--dtype", "float32", "--seed", "9", "-pp", "1"]
     )
     assert args.model == "/ckpt" and args.host == "127.0.0.1" and args.port == 8000
-    kw = engine_kwargs(args)
+    kw = engine_options.from_args(args)
     assert kw["enable_return_routed_experts"] is True and kw["enable_prefix_caching"] is False
     assert (kw["max_model_len"], kw["max_num_seqs"], kw["dtype"], kw["seed"]) == (2112, 4, "float32", 9)
-    default = engine_kwargs(build_parser().parse_args(["serve"]))
+    default = engine_options.from_args(build_parser().parse_args(["serve"]))
     assert default["enable_return_routed_experts"] is False and default["enable_prefix_caching"] is True
     assert default["device"] == "auto" and default["tensor_parallel_size"] == default["data_parallel_size"] == 1
-    assert engine_kwargs(build_parser().parse_args(["serve", "-tp", "1", "-dp", "1"]))["tensor_parallel_size"] == 1
+    assert engine_options.from_args(build_parser().parse_args(["serve", "-tp", "1", "-dp", "1"]))["tensor_parallel_size"] == 1
 
 
 def test_device_auto_takes_the_gpu_when_there_is_one():
@@ -102,11 +105,12 @@ def test_bad_configs_are_reported(flags, words, capsys):
     assert all(w in err for w in words), err
 
 
-def test_sigint_stops_cleanly_and_ends_open_streams():
+def test_sigint_stops_cleanly_and_ends_open_streams(gate):
     """Ctrl-C with a stream open: the stream ends with finish_reason "abort" and [DONE] (not cut by
     uvicorn's graceful-shutdown timeout, which would end it without either), exit 0.
     (SIGTERM: every server fixture's teardown asserts exit status 0.)"""
-    srv = RemoteServer(*TEST_SERVER_ARGS)
+    gate.allow(2)  # the stream is in flight, short of its 3000 tokens, when Ctrl-C comes
+    srv = RemoteServer(*TEST_SERVER_ARGS, step_gate=gate)
     result: dict = {}
 
     def stream() -> None:
@@ -132,6 +136,7 @@ def test_sigint_stops_cleanly_and_ends_open_streams():
             httpx.get(srv.url + "/health", timeout=2)
     finally:
         srv.stop()
+        gate.open()
 
 
 def test_server_fixture_retries_when_its_port_is_taken(monkeypatch):

@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids, run_with_aborts  # noqa: F401 (fixture)
-from r3srv import SamplingParams
-from r3srv.cli import build_parser, engine_kwargs
-from r3srv.config import EngineConfig
+from r3srv import SamplingParams, engine_options
+from r3srv.cli import build_parser
+from r3srv.config import EngineConfig, engine_config
 from r3srv.engine import core as core_module
 from r3srv.engine import cuda_graphs
 from r3srv.engine.cuda_graphs import batch_size_buckets, bucket_for, is_graph_decode, pad_decode_inputs
 from r3srv.engine.llm_engine import LLMEngine
 
-pytestmark_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.slow  # kernel compiles and timings
 
 # ---- CPU: pure logic -------------------------------------------------------------------------
 def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
@@ -85,8 +85,8 @@ def test_graph_memory_comes_out_of_the_kv_budget(monkeypatch):
 
 
 def _config(args) -> EngineConfig:
-    """The EngineConfig the CLI's arguments make (less the parallel ones)."""
-    return EngineConfig(**{k: v for k, v in engine_kwargs(args).items() if k in EngineConfig.__dataclass_fields__})
+    """The EngineConfig the CLI's arguments make."""
+    return engine_config(**engine_options.from_args(args))
 
 
 def test_flags(r3srv_settings):
@@ -104,7 +104,7 @@ def test_flags(r3srv_settings):
         assert EngineConfig(cuda_graphs=True, **cuda).use_cuda_graphs
         assert not EngineConfig(cuda_graphs=True, enforce_eager=True, **cuda).use_cuda_graphs
     eager = parser.parse_args(argv + ["--cuda-graphs", "--enforce-eager"])
-    assert engine_kwargs(eager)["enforce_eager"] is True
+    assert engine_options.from_args(eager)["enforce_eager"] is True
 
 
 def test_cpu_engine_asked_for_graphs_runs_eagerly():
@@ -140,7 +140,6 @@ def _assert_same(got, want):
 
 
 @pytest.mark.gpu
-@pytestmark_cuda
 @pytest.mark.parametrize("batch", [1, 3, 8, 13])  # 3 and 13: padded into the buckets of 4 and 16
 def test_graph_decode_equals_eager(batch):
     prompts = [prompt_ids(5 + 7 * i, base=i) for i in range(batch)]
@@ -152,7 +151,6 @@ def test_graph_decode_equals_eager(batch):
 
 
 @pytest.mark.gpu
-@pytestmark_cuda
 def test_replay_equals_the_eager_forward_of_the_same_inputs():
     engine = _engine(True)
     graphs = engine.runner.graphs
@@ -176,7 +174,6 @@ def test_replay_equals_the_eager_forward_of_the_same_inputs():
 
 
 @pytest.mark.gpu
-@pytestmark_cuda
 def test_abort_mid_generation():
     prompts, aborted = [prompt_ids(6 + i, base=i) for i in range(5)], [prompt_ids(11, base=9), prompt_ids(4)]
     graphed = _engine(True)
@@ -186,7 +183,6 @@ def test_abort_mid_generation():
 
 
 @pytest.mark.gpu
-@pytestmark_cuda
 def test_hybrid_graphs_equal_eager(tmp_path):
     pytest.importorskip("transformers")
     from tiny_checkpoints import write_tiny_checkpoint
@@ -201,7 +197,6 @@ def test_hybrid_graphs_equal_eager(tmp_path):
 
 
 @pytest.mark.gpu
-@pytestmark_cuda
 def test_enforce_eager_wins():
     engine = _engine(True, enforce_eager=True)
     assert engine.runner.graphs is None and engine.core.executor.graphs_reserved == 0
@@ -257,7 +252,6 @@ def test_padded_graph_inputs_equal_eager_steps_in_the_triton_interpreter():
 
 
 @pytest.mark.gpu
-@pytestmark_cuda
 def test_graphs_are_captured_again_after_memory_is_released():
     engine = _engine(True)
     prompts = [prompt_ids(7 + i, base=i) for i in range(3)]

@@ -108,6 +108,7 @@ def test_prefix_cache_hit_returns_identical_rows(llm):
     np.testing.assert_array_equal(longer.outputs[0].routed_experts[:44], cold.outputs[0].routed_experts[:44])
 
 
+@pytest.mark.slow  # long generations under a tight pool
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_forced_preemption_gives_identical_rows(llm, prefix_caching):
     prompts = [prompt_ids(10 + i, base=20 + i) for i in range(4)]
@@ -240,6 +241,7 @@ def test_chat_renders_the_template(llm):
     assert len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.slow  # a checkpoint made through transformers
 def test_a_chat_prompt_gets_the_templates_bos_only(tmp_path):
     """Templates that write the BOS (Mixtral's `{{ bos_token }}[INST]...`) with a tokenizer
     that also adds one: the rendered chat is encoded without special tokens, as HF's
@@ -276,7 +278,6 @@ def test_stop_trimming_keeps_logprobs_consistent(llm):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_engine_rows_match_across_prefix_hits_and_seeds():
     # float32: the warm run computes the prompt's tail in a different batch shape, and in
     # bfloat16 a last-bit difference flips near-tie router picks often (docs/architecture.md: floating
@@ -295,7 +296,6 @@ def test_cuda_engine_rows_match_across_prefix_hits_and_seeds():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_engine_in_bfloat16_returns_full_rows_and_frees_blocks():
     gpu = LLM(device="cuda", max_model_len=256)  # dtype "auto": the checkpoint's bfloat16
     assert gpu.engine.model.dtype == torch.bfloat16
@@ -350,6 +350,7 @@ def test_partial_prefix_hit_after_eviction_gives_identical_rows():
     np.testing.assert_array_equal(warm.outputs[0].routed_experts, cold.outputs[0].routed_experts)
 
 
+@pytest.mark.slow  # two engines over a mixed workload
 def test_a_mixed_workload_under_a_tight_pool_matches_a_roomy_engine():
     """Chunked prefill, prefix hits, preemption, n=2, stop strings, prompt starts and aborts,
     all at once: every output's tokens and rows equal an engine that needs none of them."""
@@ -403,8 +404,9 @@ def perturbed_builtin_copy(path) -> str:
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])],
+    ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)],
 )
+@pytest.mark.slow  # the built-in checkpoint written and loaded twice
 def test_weight_update_on_the_builtin_model(device, tmp_path):
     new_weights = perturbed_builtin_copy(tmp_path / "step1")
     kwargs = dict(device=device, dtype="float32", max_model_len=256)
@@ -422,7 +424,6 @@ def test_weight_update_on_the_builtin_model(device, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_unseeded_and_top_p_sampling_in_one_batch():
     """Unseeded rows draw together from the engine's CUDA generator, top-p rows filter in one
     batched sort, a seeded row draws from its own generator: all in one step."""

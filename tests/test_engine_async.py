@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from step_gate import gate_steps
 import r3srv.models.moe as moe_module
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM, EngineDeadError
@@ -17,8 +18,9 @@ from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(gate):
     eng = AsyncLLM(max_model_len=256, max_num_seqs=16)
+    gate_steps(eng.core, gate.path)  # open: tests that need a request in flight hold it there
     yield eng
     eng.shutdown()
 
@@ -49,7 +51,7 @@ def test_facts_for_the_server(engine):
     assert engine.tokenizer.decode(engine.tokenizer.encode("abc")) == "abc"
 
 
-def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatch, r3srv_settings):
+def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatch, r3srv_settings, gate):
     """Which requests share a step depends on timing, and a token computed in another batch
     shape may round differently (docs/architecture.md: floating point is not batch-invariant). So the rows
     are checked against the router logits of the steps that actually ran (deterministic
@@ -74,7 +76,11 @@ def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatc
     params = SamplingParams(max_tokens=12, **GREEDY)
 
     async def main():
-        return await asyncio.gather(*(collect(engine, p, params, f"c{i}") for i, p in enumerate(prompts)))
+        with gate.allowing(0):  # no step until every request is in: they must share steps
+            runs = [asyncio.create_task(collect(engine, p, params, f"c{i}")) for i, p in enumerate(prompts)]
+            while len(engine.core.requests) < len(prompts):
+                await asyncio.sleep(0.001)
+        return await asyncio.gather(*runs)
 
     try:
         results = asyncio.run(main())
@@ -122,22 +128,23 @@ def test_invalid_request_raises_before_anything_is_yielded(engine):
     assert engine.stats().num_waiting == 0
 
 
-def test_leaving_early_aborts_and_frees_blocks(engine):
+def test_leaving_early_aborts_and_frees_blocks(engine, gate):
     async def main():
-        seen = 0
-        gen = engine.generate(prompt_ids(40), SamplingParams(max_tokens=200, n=2, **GREEDY), "early")
-        async for _ in gen:
-            seen += 1
-            if seen == 3:
-                break
-        await gen.aclose()
-        return await wait_idle(engine)
+        seen = []
+        with gate.allowing(4):  # short of its 200 tokens: in flight when the consumer leaves
+            gen = engine.generate(prompt_ids(40), SamplingParams(max_tokens=200, n=2, **GREEDY), "early")
+            async for out in gen:
+                seen.append(out)
+                if len(seen) == 2:
+                    break
+            await gen.aclose()
+            return seen, await wait_idle(engine)
 
-    stats = asyncio.run(main())
-    assert stats.kv_blocks_used == 0
+    seen, stats = asyncio.run(main())
+    assert not seen[-1].finished and stats.kv_blocks_used == 0 and "early" not in engine.core.requests
 
 
-def test_cancelled_consumer_aborts(engine):
+def test_cancelled_consumer_aborts(engine, gate):
     async def main():
         outs = []
 
@@ -145,21 +152,20 @@ def test_cancelled_consumer_aborts(engine):
             async for out in engine.generate(prompt_ids(30, 3), SamplingParams(max_tokens=200, **GREEDY), "cx"):
                 outs.append(out)
 
-        task = asyncio.create_task(consume())
-        # Cancel once it is generating (not after a fixed sleep, which a fast machine could
-        # outlast by finishing all 200 tokens).
-        while not outs:
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return await wait_idle(engine)
+        with gate.allowing(2):  # generating, and short of its 200 tokens until the gate opens
+            task = asyncio.create_task(consume())
+            while not outs:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return outs, await wait_idle(engine)
 
-    assert asyncio.run(main()).kv_blocks_used == 0
-    assert "cx" not in engine.core.requests
+    outs, stats = asyncio.run(main())
+    assert not outs[-1].finished and stats.kv_blocks_used == 0 and "cx" not in engine.core.requests
 
 
-def test_abort_from_another_coroutine_ends_the_stream(engine):
+def test_abort_from_another_coroutine_ends_the_stream(engine, gate):
     async def main():
         outs = []
 
@@ -167,11 +173,12 @@ def test_abort_from_another_coroutine_ends_the_stream(engine):
             async for out in engine.generate(prompt_ids(20, 4), SamplingParams(max_tokens=200, **GREEDY), "ab"):
                 outs.append(out)
 
-        task = asyncio.create_task(consume())
-        while not outs:
-            await asyncio.sleep(0.01)
-        assert await engine.abort("ab") is True
-        await asyncio.wait_for(task, 20)
+        with gate.allowing(2):  # short of its 200 tokens until the gate opens
+            task = asyncio.create_task(consume())
+            while not outs:
+                await asyncio.sleep(0.01)
+            assert await engine.abort("ab") is True
+            await asyncio.wait_for(task, 20)
         assert await engine.abort("ab") is False
         assert await engine.abort("never-seen") is False
         return outs, await wait_idle(engine)
@@ -181,13 +188,14 @@ def test_abort_from_another_coroutine_ends_the_stream(engine):
     assert len(outs[-1].outputs[0].token_ids) < 200 and stats.kv_blocks_used == 0
 
 
-def test_duplicate_request_id_in_flight_is_rejected(engine):
+def test_duplicate_request_id_in_flight_is_rejected(engine, gate):
     async def main():
-        gen = engine.generate(prompt_ids(8), SamplingParams(max_tokens=240, **GREEDY), "dup")  # still running at the second call
-        await gen.__anext__()
-        with pytest.raises(InvalidRequestError) as exc:
-            await engine.generate(prompt_ids(8), SamplingParams(max_tokens=2), "dup").__anext__()
-        await gen.aclose()
+        with gate.allowing(2):  # "dup" is still running at the second call
+            gen = engine.generate(prompt_ids(8), SamplingParams(max_tokens=240, **GREEDY), "dup")
+            await gen.__anext__()
+            with pytest.raises(InvalidRequestError) as exc:
+                await engine.generate(prompt_ids(8), SamplingParams(max_tokens=2), "dup").__anext__()
+            await gen.aclose()
         await wait_idle(engine)
         return exc.value
 
@@ -293,13 +301,13 @@ def test_large_prompts_are_prepared_off_the_event_loop(engine, monkeypatch):
     from r3srv.offload import OFFLOAD_MIN_SIZE
 
     threads: list[int] = []
-    prepare = engine._input.process
+    prepare = engine.input_processor.process
 
     def recording_prepare(*args, **kwargs):
         threads.append(threading.get_ident())
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(engine._input, "process", recording_prepare)
+    monkeypatch.setattr(engine.input_processor, "process", recording_prepare)
 
     async def main():
         loop_thread = threading.get_ident()
@@ -322,13 +330,13 @@ def test_requests_and_commands_racing_a_shutdown_fail_instead_of_hanging(monkeyp
     from r3srv.offload import OFFLOAD_MIN_SIZE
 
     eng = AsyncLLM(max_model_len=64)
-    prepare = eng._input.process
+    prepare = eng.input_processor.process
 
     def slow_prepare(request_id, prompt, params, **kwargs):
         time.sleep(0.3)  # the shutdown lands while this runs
         return prepare(request_id, prompt[:8], params, **kwargs)
 
-    monkeypatch.setattr(eng._input, "process", slow_prepare)
+    monkeypatch.setattr(eng.input_processor, "process", slow_prepare)
 
     async def main():
         gen = eng.generate([65] * OFFLOAD_MIN_SIZE, SamplingParams(max_tokens=2, **GREEDY), "late")

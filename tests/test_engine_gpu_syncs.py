@@ -17,10 +17,7 @@ from r3srv import LLM, SamplingParams
 from tiny_checkpoints import write_tiny_checkpoint
 
 pytest.importorskip("transformers")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 
 
 def _syncs_per_decode_step(path, steps: int = 4, sampling: dict = GREEDY) -> list[list[str]]:

@@ -17,6 +17,8 @@ from r3srv.errors import ConfigError
 from r3srv.models.model import MoeForCausalLM
 from tiny_checkpoints import write_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # an engine per test on several checkpoints
+
 pytest.importorskip("transformers")
 
 

@@ -35,21 +35,28 @@ def add_up(deltas):
 SAMPLED = dict(max_tokens=24, n=2, logprobs=2, seed=11, temperature=1.0, ignore_eos=True, return_routed_experts=True)
 
 
-@pytest.mark.parametrize("consumer_pause_s", [0.0, 0.3])
+async def all_delivered(engine, request_id: str) -> None:
+    """Until the output thread has handed over the request's last output (it then drops the
+    request's sink): every output not read yet waits in the consumer's queue."""
+    while request_id in engine._sinks:
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("consumer_waits", [False, True])
 @pytest.mark.parametrize("params", [SAMPLED, dict(SAMPLED, stop=["e", "t "], n=1)], ids=["n2-sampled", "stop-strings"])
-def test_delta_outputs_add_up_to_the_finished_output(engine, params, consumer_pause_s):
+def test_delta_outputs_add_up_to_the_finished_output(engine, params, consumer_waits):
     prompt = prompt_ids(9, base=3)
 
     async def run(kind, rid):
         outs = []
         async for out in engine.generate(prompt, SamplingParams(**params), rid, output_kind=kind):
             outs.append(out)
-            if len(outs) == 1:
-                await asyncio.sleep(consumer_pause_s)  # let deltas pile up: they must be merged, not dropped
+            if len(outs) == 1 and consumer_waits:
+                await all_delivered(engine, rid)  # the rest piles up: it must be merged, not dropped
         return outs
 
-    deltas = asyncio.run(run(OutputKind.DELTA, f"delta-{consumer_pause_s}"))
-    final = asyncio.run(run(OutputKind.FINAL_ONLY, f"final-{consumer_pause_s}"))[0]
+    deltas = asyncio.run(run(OutputKind.DELTA, f"delta-{consumer_waits}"))
+    final = asyncio.run(run(OutputKind.FINAL_ONLY, f"final-{consumer_waits}"))[0]
     assert deltas[-1].finished and all(not o.finished for o in deltas[:-1])
     joined = add_up(deltas)
     for want, got in zip(final.outputs, deltas[-1].outputs):
@@ -57,8 +64,8 @@ def test_delta_outputs_add_up_to_the_finished_output(engine, params, consumer_pa
         assert (text, ids, lps) == (want.text, want.token_ids, want.logprobs)
         assert got.finish_reason == want.finish_reason and got.cumulative_logprob == pytest.approx(want.cumulative_logprob)
         np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
-    if consumer_pause_s:  # the first step's tokens came alone, then several steps arrived as one
-        assert max(len(c.token_ids) for o in deltas[1:] for c in o.outputs) > 1
+    if consumer_waits:  # the first output, then everything after it merged into one
+        assert len(deltas) == 2 and max(len(c.token_ids) for c in deltas[1].outputs) > 1
 
 
 def test_partial_outputs_hold_back_tokens_that_add_no_text_before_a_stop(monkeypatch):

@@ -28,6 +28,8 @@ from r3srv.models.parallel import EP_DISPATCHES, ParallelState
 from test_parallel_model import _free_port
 from test_tensor_parallel import assert_same_generation
 
+pytestmark = pytest.mark.slow  # worker processes (torch.distributed ranks)
+
 # 23 tokens: all-to-all shares of 11 and 12; one token (a one-sequence decode): one rank's share is empty
 PROMPTS = ([3, 17, 5, 9, 21, 4, 8, 30, 2, 11, 7, 13, 19, 23, 1, 6, 12, 14, 15, 16, 40, 41, 27], [29])
 CASES = {

@@ -28,6 +28,8 @@ from r3srv.errors import ConfigError
 from r3srv.serial import decode_routed_experts
 from r3srv.server.fanout import FANOUT_HEADER
 
+pytestmark = [pytest.mark.slow, pytest.mark.peer]  # real servers; the real sglang-router
+
 pytest.importorskip("sglang_router", reason="the fleet tests need sglang-router (pip install 'r3srv[router]')")
 
 NUM_KV_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, MAX_MODEL_LEN = 64, 16, 8, 256
@@ -121,7 +123,7 @@ def test_server_info_and_model_info(replicas, policies):
     assert info == {**get(url + "/get_server_info"), "internal_states": info["internal_states"]}
     assert info["model_path"] == str(policies[0]) == info["tokenizer_path"]
     assert (info["tp_size"], info["dp_size"], info["pp_size"], info["ep_size"]) == (1, 1, 1, 1)
-    assert info["enable_return_routed_experts"] is True and info["enable_memory_saver"] is True
+    assert info["enable_return_routed_experts"] is True and info["enable_memory_saver"] is False  # no flag given
     assert info["context_length"] == MAX_MODEL_LEN and info["page_size"] == BLOCK_SIZE
     assert info["max_total_num_tokens"] == NUM_KV_BLOCKS * BLOCK_SIZE
     assert info["max_running_requests"] == MAX_NUM_SEQS and info["device"] == "cpu"

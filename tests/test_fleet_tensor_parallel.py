@@ -13,6 +13,8 @@ from tiny_checkpoints import write_tiny_checkpoint
 from r3srv import LLM, SamplingParams
 from r3srv.serial import decode_routed_experts
 
+pytestmark = [pytest.mark.slow, pytest.mark.peer]  # real servers; the real sglang-router
+
 pytest.importorskip("sglang_router", reason="the fleet tests need sglang-router (pip install 'r3srv[router]')")
 
 ENGINE = dict(num_kv_blocks=32, max_num_seqs=2, max_model_len=128)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from tiny_checkpoints import write_tiny_checkpoint
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids, slowed  # noqa: F401 (autouse fixture)
+from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from step_gate import gate_steps
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM
 from r3srv.errors import InvalidRequestError
@@ -79,23 +80,26 @@ def test_weights_updated_while_released_are_served_after_resume(policies):
     assert same(out.outputs[0], fresh_v1) and out.weight_version == "v1"
 
 
-def test_async_release_waits_for_running_requests_and_holds_new_ones_until_resume(policies):
+def test_async_release_waits_for_running_requests_and_holds_new_ones_until_resume(policies, gate):
     v0, _ = policies
     want_long = LLM(str(v0), **ENGINE).generate([PROMPT], SamplingParams(max_tokens=60, **GREEDY))[0].outputs[0]
     want = LLM(str(v0), **ENGINE).generate([PROMPT], PARAMS)[0].outputs[0]
-    engine = slowed(AsyncLLM(str(v0), **ENGINE))
+    engine = AsyncLLM(str(v0), **ENGINE)
+    gate_steps(engine.core, gate.path)
 
     async def main():
         async def run(rid, params):
             return [o async for o in engine.generate(PROMPT, params, rid)][-1]
 
-        running = asyncio.create_task(run("running", SamplingParams(max_tokens=60, **GREEDY)))
-        while engine.stats().num_running == 0:
-            await asyncio.sleep(0.001)
-        release = asyncio.create_task(engine.release_memory())
-        await asyncio.sleep(0.02)
-        assert not release.done()  # waits for "running" to finish
-        held = asyncio.create_task(run("held", PARAMS))
+        with gate.allowing(2):  # "running" is held in flight (2 steps of its 60) until the gate opens
+            running = asyncio.create_task(run("running", SamplingParams(max_tokens=60, **GREEDY)))
+            while engine.stats().num_running == 0:
+                await asyncio.sleep(0.001)
+            release = asyncio.create_task(engine.release_memory())
+            await asyncio.sleep(0.02)
+            assert not release.done()  # waits for "running" to finish
+            held = asyncio.create_task(run("held", PARAMS))
+            await asyncio.sleep(0)  # queued behind the release
         assert await release == ["kv_cache", "weights"]
         finished = await running
         await asyncio.sleep(0.05)
@@ -112,7 +116,7 @@ def test_async_release_waits_for_running_requests_and_holds_new_ones_until_resum
     assert same(held.outputs[0], want)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_release_gives_the_gpu_memory_back(policies):
     gc.collect()
     others = torch.cuda.memory_allocated()  # earlier tests' tensors (a failed one's traceback keeps its model)

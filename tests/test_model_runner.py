@@ -58,6 +58,7 @@ def steps(draw):
     return bs, seqs
 
 
+@pytest.mark.slow  # 200 generated steps
 @settings(max_examples=200, deadline=None)
 @given(steps())
 def test_prepare_matches_the_per_token_reference(step):

@@ -11,6 +11,8 @@ import pytest
 from r3srv import LLM, SamplingParams
 from tiny_checkpoints import FAMILIES, write_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # transformers oracles
+
 pytest.importorskip("transformers")
 
 

@@ -10,10 +10,7 @@ from r3srv.models.batch import ForwardBatch
 from r3srv.models.loader import load_model
 from tiny_checkpoints import write_tiny_checkpoint
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 
 
 def _prefill(model, ids: list[int], device: str):

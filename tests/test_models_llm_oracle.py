@@ -10,6 +10,8 @@ import torch
 from r3srv import LLM, SamplingParams
 from tiny_checkpoints import FAMILIES, build_hf_model, hf_gate_modules, hf_router_ids, write_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # transformers oracles
+
 pytest.importorskip("transformers")
 
 MAX_TOKENS = 8

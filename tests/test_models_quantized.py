@@ -15,6 +15,8 @@ from r3srv.models.loader import load_model
 from model_testing import prefill
 from tiny_checkpoints import write_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # transformers oracles
+
 pytest.importorskip("transformers")
 
 PROMPT = [72, 101, 108, 108, 111, 33, 10, 200, 7, 9]

@@ -201,10 +201,11 @@ def test_off_by_default_and_refused_where_unsupported(tmp_path):
     from r3srv.config import EngineConfig
 
     assert EngineConfig().async_scheduling is False
-    from r3srv.cli import build_parser, engine_kwargs
+    from r3srv import engine_options
+    from r3srv.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--async-scheduling"])
-    assert engine_kwargs(args)["async_scheduling"] is True
+    assert engine_options.from_args(args)["async_scheduling"] is True
     with pytest.raises(ConfigError, match="async_scheduling"):
         from tiny_checkpoints import write_tiny_checkpoint
 
@@ -271,27 +272,36 @@ def test_a_stop_string_handed_over_after_a_retract_keeps_the_kept_tokens_rows(st
     assert not core.requests and core.block_manager.num_used_blocks == 0
 
 
-def test_async_llm_with_overlap_streams_the_plain_engines_outputs_and_pauses_by_retract():
-    """The server's engine: concurrent streams, a retract pause in the middle, then a weight
-    update's drain (resume): the same outputs as the offline plain engine."""
+def test_async_llm_with_overlap_streams_the_plain_engines_outputs_and_pauses_by_retract(gate):
+    """The server's engine: concurrent streams, a retract pause in the middle (a step still
+    queued), then a weight update's drain (resume): the same outputs as the offline plain engine."""
     import asyncio
+
+    from step_gate import gate_steps
 
     from r3srv.engine.async_llm import AsyncLLM
 
     requests = _free_running(4, 16)
     want = _run(_engine(False, **BASE), requests)
     engine = AsyncLLM(None, async_scheduling=True, seed=7, **BASE)
+    gate_steps(engine.core, gate.path)
     try:
+        streamed = []
+
         async def one(rid):
             prompt, params = requests[rid]
-            return [o async for o in engine.generate(prompt, params, rid)][-1]
+            async for out in engine.generate(prompt, params, rid):
+                streamed.append(rid)
+            return out
 
         async def main():
-            tasks = [asyncio.create_task(one(rid)) for rid in requests]
-            await asyncio.sleep(0.2)
-            await engine.pause_generation(mode="retract")
-            await engine.reset_prefix_cache()
-            await engine.continue_generation()
+            with gate.allowing(6):  # the middle of every request's 13 to 16 tokens, whatever the speed
+                tasks = [asyncio.create_task(one(rid)) for rid in requests]
+                while len(streamed) < len(requests):  # outputs of the first steps are in
+                    await asyncio.sleep(0.001)
+                await engine.pause_generation(mode="retract")
+                await engine.reset_prefix_cache()
+                await engine.continue_generation()
             return {rid: await task for rid, task in zip(requests, tasks)}
 
         got = asyncio.run(main())

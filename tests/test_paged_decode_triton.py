@@ -9,6 +9,8 @@ import pytest
 
 from interpreter_testing import assert_cases_pass_in_interpreter
 
+pytestmark = pytest.mark.slow  # Triton's interpreter in subprocesses
+
 
 def test_paged_decode_kernel_matches_the_torch_path_in_the_triton_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (it ships with torch on Linux)")

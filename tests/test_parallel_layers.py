@@ -20,6 +20,8 @@ from r3srv.models.parallel import (SINGLE, ColumnParallelLinear, ExpertSlice, Pa
                                    split_evenly, transposed)
 from r3srv.models.shard_reader import read_fp8, read_mxfp4, read_tensor
 
+pytestmark = pytest.mark.slow  # worker processes (torch.distributed ranks)
+
 CPU = dict(dtype=torch.float32, device=torch.device("cpu"))
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, EXPERTS, TOP_K = 16, 24, 4, 1, 4, 11, 4, 2
 

@@ -16,6 +16,8 @@ from tiny_checkpoints import write_tiny_checkpoint
 from r3srv.models.loader import load_model
 from r3srv.models.parallel import ParallelState
 
+pytestmark = pytest.mark.slow  # worker processes (torch.distributed ranks)
+
 TOKENS = [3, 17, 5, 9, 21, 4, 8, 30, 2, 11, 7, 13, 19, 23, 1, 6, 12, 14, 15, 16]
 # each exercises a split the others do not
 CASES = {

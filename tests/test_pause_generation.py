@@ -9,11 +9,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids, slowed  # noqa: F401 (autouse fixture)
+from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from step_gate import gate_steps
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM
 from r3srv.errors import InvalidRequestError
 from test_weight_updates import ENGINE, PROMPT, policies  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.slow  # an engine per test on several checkpoints
 
 LONG = SamplingParams(max_tokens=40, return_routed_experts=True, **GREEDY)
 
@@ -71,9 +74,10 @@ def test_an_update_after_a_retract_serves_every_row_from_the_new_weights(policie
     assert got.token_ids[-1] == cold.outputs[0].token_ids[0]  # and the last pick is v1's
 
 
-def test_async_pause_modes(policies):
+def test_async_pause_modes(policies, gate):
     v0, v1, _ = policies
-    engine = slowed(AsyncLLM(str(v0), **ENGINE))
+    engine = AsyncLLM(str(v0), **ENGINE)
+    gate_steps(engine.core, gate.path)  # each request below is held in flight (2 steps of its 40) until it opens
 
     async def main():
         async def run(rid, prompt=PROMPT, params=LONG):
@@ -84,12 +88,13 @@ def test_async_pause_modes(policies):
                 await asyncio.sleep(0.001)
 
         # in place: nothing moves until continue; an update meanwhile is refused
-        task = asyncio.create_task(run("in_place"))
-        await started()
-        assert await engine.pause_generation("in_place") == {"aborted": 0, "retracted": 0}
+        with gate.allowing(2):
+            task = asyncio.create_task(run("in_place"))
+            await started()
+            assert await engine.pause_generation("in_place") == {"aborted": 0, "retracted": 0}
         assert engine.paused == "in_place"
         produced = engine.core.requests["in_place"].seqs[0].num_output_tokens
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the gate is open: only the pause holds it
         assert engine.core.requests["in_place"].seqs[0].num_output_tokens == produced
         with pytest.raises(InvalidRequestError, match="paused in place"):
             await engine.update_weights(str(v1))
@@ -97,9 +102,10 @@ def test_async_pause_modes(policies):
         in_place = await task
 
         # abort: what is in flight ends; what arrives while paused waits for continue
-        task = asyncio.create_task(run("aborted"))
-        await started()
-        assert await engine.pause_generation("abort") == {"aborted": 1, "retracted": 0}
+        with gate.allowing(2):
+            task = asyncio.create_task(run("aborted"))
+            await started()
+            assert await engine.pause_generation("abort") == {"aborted": 1, "retracted": 0}
         aborted = await task
         later = asyncio.create_task(run("later", params=SamplingParams(max_tokens=4, **GREEDY)))
         await asyncio.sleep(0.1)
@@ -108,14 +114,15 @@ def test_async_pause_modes(policies):
         later = await later
 
         # retract: an update runs at once, in flight; the request resumes on the new weights
-        task = asyncio.create_task(run("retracted"))
-        await started()
-        while engine.core.requests["retracted"].seqs[0].num_output_tokens < 3:
-            await asyncio.sleep(0.001)
-        assert await engine.pause_generation("retract") == {"aborted": 0, "retracted": 1}
-        await engine.update_weights(str(v1), weight_version="v1")
-        # it ran with the request in flight, paused and holding no KV (no wait for it to end)
-        assert not task.done() and engine.stats().num_running == 0 and engine.weight_version == "v1"
+        with gate.allowing(4):
+            task = asyncio.create_task(run("retracted"))
+            await started()
+            while engine.core.requests["retracted"].seqs[0].num_output_tokens < 3:
+                await asyncio.sleep(0.001)
+            assert await engine.pause_generation("retract") == {"aborted": 0, "retracted": 1}
+            await engine.update_weights(str(v1), weight_version="v1")
+            # it ran with the request in flight, paused and holding no KV (no wait for it to end)
+            assert not task.done() and engine.stats().num_running == 0 and engine.weight_version == "v1"
         assert await engine.continue_generation() is True
         assert await engine.continue_generation() is False  # not paused any more
         with pytest.raises(InvalidRequestError, match="mode must be one of"):

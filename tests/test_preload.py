@@ -11,6 +11,8 @@ import pytest
 from r3srv import preload
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
+pytestmark = pytest.mark.slow  # real servers
+
 LIBRARY = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from interpreter_testing import assert_cases_pass_in_interpreter
 
+pytestmark = pytest.mark.slow  # Triton's interpreter in subprocesses
+
 
 def test_fused_steps_match_the_torch_steps_in_the_triton_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (it ships with torch on Linux)")

@@ -10,8 +10,7 @@ import torch
 
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (queued copies into pinned memory)")])]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu("queued copies into pinned memory"))]
 
 
 def _capture(buffer, ids: list[list[int]], device) -> torch.Tensor:
@@ -36,8 +35,7 @@ def test_steps_scatter_by_slot_and_the_latest_step_wins(device, num_experts):
     assert not rows[:, 0].any()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (queued copies into pinned memory)")
+@pytest.mark.gpu("queued copies into pinned memory")
 def test_a_cuda_store_waits_for_nothing_until_read():
     """The store returns with the copy queued behind the step's work; a read sees it landed,
     also after the next step's routers (queued behind the copy) overwrote the capture."""

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # kernel compiles and timings
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benches" / "gpu_router.py"
 
 

@@ -10,6 +10,8 @@ import tempfile
 
 import pytest
 
+pytestmark = pytest.mark.slow  # kernel compiles and timings
+
 triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402

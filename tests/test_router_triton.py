@@ -9,6 +9,8 @@ import pytest
 
 from interpreter_testing import assert_cases_pass_in_interpreter
 
+pytestmark = pytest.mark.slow  # Triton's interpreter in subprocesses
+
 CASES = Path(__file__).with_name("router_triton_cases.py")
 SEED = 20261201  # passed down: the same logits every run
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
+import concurrent.futures
 import io
 import json
 import re
@@ -23,14 +23,16 @@ import openai
 import pytest
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
+pytestmark = pytest.mark.slow  # real servers
+
 MAX_BODY = 200_000
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(gate):
     with RemoteServer(
         "--enable-return-routed-experts", "--max-request-body-bytes", str(MAX_BODY), "--enable-prompt-tokens-details",
-        *TEST_SERVER_ARGS
+        *TEST_SERVER_ARGS, step_gate=gate,
     ) as srv:
         yield srv
     assert srv.returncode == 0, f"SIGTERM should stop the server cleanly:\n{srv.log}"
@@ -325,10 +327,10 @@ def test_generate_bad_offset_names_field_value_and_length(server):
     assert "routed_experts_prompt_start" in err["message"] and "4" in err["message"] and "3" in err["message"]
 
 
-def test_abort_requests_ends_generation(server):
+def test_abort_requests_ends_generation(server, gate):
     body = {"token_ids": [5, 6, 7], "request_id": "abort-me", "stream": True, "sampling_params": {"max_tokens": 3000, "ignore_eos": True}}
     finish = None
-    with httpx.stream("POST", server.url + "/inference/v1/generate", json=body, timeout=60) as resp:
+    with gate.allowing(2), httpx.stream("POST", server.url + "/inference/v1/generate", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
         for line in lines:
             if line.startswith("data: "):
@@ -541,10 +543,10 @@ def _wait_blocks_in_use(server) -> None:
     assert metric(server, "r3srv_num_requests_running") >= 1
 
 
-def test_stream_disconnect_frees_blocks(server):
+def test_stream_disconnect_frees_blocks(server, gate):
     assert wait_blocks_free(server) == 0
     body = {"prompt": "x" * 300, "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http:
+    with gate.allowing(2), httpx.Client(timeout=60) as http:  # in flight until the client goes
         with http.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()  # keep a reference: dropping the iterator closes the connection
             assert next(line for line in lines if line.startswith("data: "))
@@ -555,11 +557,12 @@ def test_stream_disconnect_frees_blocks(server):
     assert metric(server, "r3srv_num_requests_running") == 0
 
 
-def test_non_stream_disconnect_frees_blocks(server):
+def test_non_stream_disconnect_frees_blocks(server, gate):
     assert wait_blocks_free(server) == 0
     body = {"prompt": "y" * 300, "max_tokens": 3000, "ignore_eos": True}
 
     async def run() -> None:
+        gate.allow(2)  # in flight until the client hangs up
         async with httpx.AsyncClient(timeout=60) as http:
             task = asyncio.create_task(http.post(server.url + "/v1/completions", json=body))
             deadline = time.monotonic() + 30
@@ -570,7 +573,10 @@ def test_non_stream_disconnect_frees_blocks(server):
             with pytest.raises(asyncio.CancelledError):
                 await task
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        gate.open()
     assert wait_blocks_free(server) == 0, "a client that hangs up must free its KV blocks"
 
 
@@ -609,22 +615,24 @@ def test_stop_string_trims_text_tokens_and_rows_alike(client, model, model_info)
     np.testing.assert_array_equal(decode(final.routed_experts), decode(ref.routed_experts))
 
 
-def test_clients_batch_together_and_all_disconnects_free_blocks(server):
+def test_clients_batch_together_and_all_disconnects_free_blocks(server, gate):
     """Three clients stream at once: the engine runs them in the same steps; hanging up frees everything."""
     assert wait_blocks_free(server) == 0
     body = {"max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http, contextlib.ExitStack() as stack:
-        responses = [
-            stack.enter_context(http.stream("POST", server.url + "/v1/completions", json={**body, "prompt": f"client {i}"}))
-            for i in range(3)
-        ]
-        iters = [r.iter_lines() for r in responses]
+    with gate.allowing(0), httpx.Client(timeout=60) as http, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        opening = [pool.submit(http.send, http.build_request("POST", server.url + "/v1/completions",
+                                                             json={**body, "prompt": f"client {i}"}), stream=True)
+                   for i in range(3)]
+        deadline = time.monotonic() + 30
+        while metric(server, "r3srv_num_requests_waiting") < 3:  # all three in, no step taken
+            assert time.monotonic() < deadline, "the three requests never reached the engine"
+            time.sleep(0.02)
+        gate.allow(2)  # the three prefilled in one step, one decode step, then held in flight
+        responses = [f.result(timeout=60) for f in opening]
+        iters = [r.iter_lines() for r in responses]  # keep them: dropping one closes its connection
         for lines in iters:
             assert next(line for line in lines if line.startswith("data: "))
-        deadline = time.monotonic() + 30
-        while metric(server, "r3srv_num_requests_running") < 3:
-            assert time.monotonic() < deadline, "the three requests never ran together"
-            time.sleep(0.02)
+        assert metric(server, "r3srv_num_requests_running") == 3
         for r in responses:
             r.close()
         del iters
@@ -632,22 +640,22 @@ def test_clients_batch_together_and_all_disconnects_free_blocks(server):
     assert metric(server, "r3srv_num_requests_running") == 0
 
 
-def test_event_loop_stays_responsive_during_generation(server):
-    """The engine steps on its own thread: /health answers promptly while a long request runs."""
+def test_event_loop_stays_responsive_during_generation(server, gate):
+    """The engine steps on its own thread: /health answers while a long request runs. The request
+    (a 1500-token prefill, then decode steps) cannot finish before the gate opens, which is after
+    ten /health answers: a loop the request blocked would answer none (the probe times out)."""
     result: dict = {}
 
     def long_request() -> None:
         body = {"prompt": "z" * 1500, "max_tokens": 150, "ignore_eos": True}
         result["status"] = httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code
 
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    answered_in_flight = 0
-    while thread.is_alive():
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        answered_in_flight += "status" not in result
-        time.sleep(0.01)
+    with gate.allowing(20):
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        for _ in range(10):
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            assert "status" not in result  # still in flight
+            time.sleep(0.01)
     thread.join()
-    # A loop blocked by the engine would answer /health once, when the request is done; a free one
-    # answers every probe while the ~150 steps run (a count, not a time).
-    assert result["status"] == 200 and answered_in_flight >= 10, answered_in_flight
+    assert result["status"] == 200

@@ -12,6 +12,8 @@ import pytest
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 from tiny_checkpoints import BOS_TEMPLATE_ID, make_bos_adding_chat_checkpoint
 
+pytestmark = pytest.mark.slow  # real servers
+
 EXPECTED_CHAT_PROMPT = [BOS_TEMPLATE_ID, *b"[INST] hi [/INST]"]
 
 

@@ -20,6 +20,9 @@ import pytest
 from r3srv.server.fields import PEER_CLASSES, ROUTE_FIELDS, BodyFields
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
+# real servers; the peers' request fields (tests/data/peer_fields.json)
+pytestmark = [pytest.mark.slow, pytest.mark.peer]
+
 ROOT = Path(__file__).resolve().parents[1]
 PEER_FIELDS = json.loads((ROOT / "tests/data/peer_fields.json").read_text())
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "tito": "/inference/v1/generate",

@@ -15,6 +15,8 @@ from tiny_checkpoints import write_tiny_checkpoint
 
 from r3srv import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # real servers
+
 pytest.importorskip("transformers")
 
 

@@ -4,6 +4,7 @@ deadlines for stalled connections, and a /health that tells the truth when the e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -18,6 +19,10 @@ import openai
 import pytest
 
 from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port, serve_command
+from step_gate import one_step_per_item
+
+# real servers; the peers' field names and SGLang's /generate as its clients use it
+pytestmark = [pytest.mark.slow, pytest.mark.peer]
 
 PEER_FIELDS = json.loads((Path(__file__).parent / "data/peer_fields.json").read_text())["classes"]
 VOCAB = 259  # the built-in model's
@@ -27,10 +32,10 @@ GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(gate):
     args = ("--enable-return-routed-experts", "--enable-weight-updates", "--max-model-len", str(MAX_MODEL_LEN),
             "--timeout-headers", "2", "--timeout-body", "2", *TEST_SERVER_ARGS)
-    with RemoteServer(*args) as srv:
+    with RemoteServer(*args, step_gate=gate) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
 
@@ -180,23 +185,23 @@ def test_tito_without_max_tokens_generates_to_max_model_len(http):
 # ---------------------------------------------------------------- 5. SGLang's /generate
 
 
-def sse_events(http, route, body) -> list[dict]:
-    with http.stream("POST", route, json=body) as r:
+def sse_events(http, route, body, gate=None) -> list[dict]:
+    """The events of a stream; with a StepGate, one engine step per event read."""
+    with gate.allowing(1) if gate else contextlib.nullcontext(), http.stream("POST", route, json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in r.iter_lines() if line]
+        lines = (line for line in r.iter_lines() if line)
+        lines = list(lines if gate is None else one_step_per_item(gate, lines))
     assert lines[-1] == "data: [DONE]"
     assert all(line.startswith("data: ") for line in lines)
     return [json.loads(line[len("data: "):]) for line in lines[:-1]]
 
 
-def test_sglang_stream_is_cumulative_with_experts_on_the_final_chunk(http):
-    # enough tokens that the stream has several chunks however fast the decode steps are (the
-    # server sends what is new since its last chunk)
+def test_sglang_stream_is_cumulative_with_experts_on_the_final_chunk(http, gate):
     body = {"input_ids": [5, 6, 7, 8], "routed_experts_start_len": 2,
-            "sampling_params": {"max_new_tokens": 48, "ignore_eos": True, **GREEDY}}
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, **GREEDY}}
     whole = http.post("/generate", json=body).json()
-    chunks = sse_events(http, "/generate", {**body, "stream": True})
-    assert len(chunks) > 1
+    chunks = sse_events(http, "/generate", {**body, "stream": True}, gate)  # a chunk per step
+    assert len(chunks) == 6
     for before, after in zip(chunks, chunks[1:]):  # SGLang's default stream: each chunk holds all so far
         assert after["text"].startswith(before["text"])
         assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
@@ -205,7 +210,7 @@ def test_sglang_stream_is_cumulative_with_experts_on_the_final_chunk(http):
     last = chunks[-1]
     assert (last["text"], last["output_ids"]) == (whole["text"], whole["output_ids"])
     assert last["meta_info"]["routed_experts"] == whole["meta_info"]["routed_experts"]
-    assert last["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"] == {"type": "length", "length": 48}
+    assert last["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     assert whole["meta_info"]["routed_experts_start_len"] == 2
 
 

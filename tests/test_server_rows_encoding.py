@@ -23,6 +23,9 @@ import pytest
 from renderers.client import parse_generate_response
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
+# a real server; the frameworks' own parsing code
+pytestmark = [pytest.mark.slow, pytest.mark.peer]
+
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 START = 5
 MAX_TOKENS = 6

@@ -14,18 +14,22 @@ import numpy as np
 import openai
 import pytest
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
+from step_gate import one_step_per_item
 
 from r3srv import LLM, SamplingParams
 from r3srv.serial import decode_routed_experts
+
+pytestmark = pytest.mark.slow  # real servers
 
 PROMPT = "Rollouts for RL"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(gate):
     # prompt_tokens_details (cached tokens) only with the flag, as vLLM
-    with RemoteServer("--enable-return-routed-experts", "--enable-prompt-tokens-details", *TEST_SERVER_ARGS) as srv:
+    with RemoteServer("--enable-return-routed-experts", "--enable-prompt-tokens-details", *TEST_SERVER_ARGS,
+                      step_gate=gate) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
 
@@ -155,16 +159,17 @@ def test_completion_echo_with_and_without_logprobs(client, model):
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
-def test_continuous_usage_on_every_chunk(client, model, route):
+def test_continuous_usage_on_every_chunk(client, model, route, gate):
     options = {"include_usage": True, "continuous_usage_stats": True}
-    if route == "completions":
-        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
-                                           stream_options=options, extra_body={"ignore_eos": True})
-    else:
-        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
-                                                max_tokens=5, temperature=0, stream=True, stream_options=options,
-                                                extra_body={"ignore_eos": True})
-    chunks = list(stream)
+    with gate.allowing(1):  # then a step per chunk read: a chunk per step or so, however fast the engine
+        if route == "completions":
+            stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+                                               stream_options=options, extra_body={"ignore_eos": True})
+        else:
+            stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=5, temperature=0, stream=True, stream_options=options,
+                                                    extra_body={"ignore_eos": True})
+        chunks = list(one_step_per_item(gate, stream))
     assert len(chunks) > 3 and all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 5

@@ -5,6 +5,7 @@ short context so no generated request generates for long."""
 
 from __future__ import annotations
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import (
@@ -16,6 +17,8 @@ from schemathesis.specs.openapi.checks import (
 from schemathesis.checks import not_a_server_error
 
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
+
+pytestmark = pytest.mark.slow  # real servers
 
 EXAMPLES_PER_OPERATION = 12
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,

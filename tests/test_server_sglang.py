@@ -16,12 +16,14 @@ from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
 from r3srv.serial import decode_routed_experts
 
+pytestmark = pytest.mark.slow  # real servers
+
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with RemoteServer("--enable-return-routed-experts", *TEST_SERVER_ARGS) as srv:
+def server(gate):
+    with RemoteServer("--enable-return-routed-experts", *TEST_SERVER_ARGS, step_gate=gate) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
 
@@ -98,16 +100,20 @@ def test_what_is_not_served_is_a_400_naming_it(server, body, field):
     assert field in r.json()["error"]["message"]
 
 
-def test_abort_request_ends_one_or_all_in_flight(server):
+def test_abort_request_ends_one_or_all_in_flight(server, gate):
     """SGLang's /abort_request, as rollouts stop over-sampled requests: by rid, or abort_all;
     each ends with finish_reason abort and what it generated so far."""
     import concurrent.futures
 
     long = {"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True}
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with gate.allowing(0), concurrent.futures.ThreadPoolExecutor(3) as pool:
         runs = {rid: pool.submit(generate, server, {"input_ids": PROMPT, "rid": rid, "sampling_params": long})
                 for rid in ("a", "b", "c")}
         deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/metrics").text.count("r3srv_num_requests_waiting 3.0") == 0:
+            assert time.monotonic() < deadline, "the three requests never reached the engine"
+            time.sleep(0.01)
+        gate.allow(2)  # prefilled together, one decode step, then held in flight short of their 3000 tokens
         while httpx.get(server.url + "/metrics").text.count("r3srv_num_requests_running 3.0") == 0:
             assert time.monotonic() < deadline, "the three requests never ran together"
             time.sleep(0.01)

@@ -10,7 +10,10 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
+
+pytestmark = pytest.mark.slow  # real servers
 
 TP2 = (*TEST_SERVER_ARGS, "--tensor-parallel-size", "2", "--enable-return-routed-experts", "--dtype", "float32")
 

@@ -21,7 +21,7 @@ from server_fixture import TEST_SERVER_ARGS, RemoteServer
 from tiny_checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, build_hf_model
 from tool_call_cases import TEMPLATES
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a real server, a checkpoint made through transformers
 MODEL = "rigged"
 
 REASONING = "\nI need the weather first.\n"

@@ -17,6 +17,8 @@ from engine_testing import GREEDY, prompt_ids
 from r3srv import LLM, SamplingParams
 from r3srv.serial import decode_routed_experts
 
+pytestmark = pytest.mark.slow  # real servers
+
 ENGINE = dict(num_kv_blocks=256, max_num_seqs=16, enable_return_routed_experts=True)
 
 
@@ -31,8 +33,9 @@ def policies(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(policies):
-    with RemoteServer(str(policies[0]), "--enable-weight-updates", "--enable-return-routed-experts", *TEST_SERVER_ARGS) as srv:
+def server(policies, gate):
+    with RemoteServer(str(policies[0]), "--enable-weight-updates", "--enable-return-routed-experts", *TEST_SERVER_ARGS,
+                      step_gate=gate) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
 
@@ -154,7 +157,7 @@ def test_release_and_resume_memory_occupation(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tags" and "vram" in r.json()["error"]["message"]
 
 
-def test_pause_retract_update_continue_under_a_live_stream(server, policies):
+def test_pause_retract_update_continue_under_a_live_stream(server, policies, gate):
     """An in-flight rollout survives a policy update (SGLang's partial-rollout flow): paused with
     mode=retract it frees its KV, the update runs at once, and after /continue_generation it
     recomputes its tokens on the new weights and goes on; its final chunk names the new
@@ -172,14 +175,16 @@ def test_pause_retract_update_continue_under_a_live_stream(server, policies):
         replies["continue"] = post(server, "/continue_generation")
 
     chunks = []
-    stream = client.completions.create(
-        model=client.models.list().data[0].id, prompt=prompt, max_tokens=120, temperature=0.0, stream=True,
-        extra_body={"return_token_ids": True, "ignore_eos": True})
-    for chunk in stream:
-        if chunk.choices:
-            chunks.append(chunk.choices[0])
-        if len(chunks) == 1:  # the server generates on meanwhile; 119 tokens to go
-            pause_then_update()
+    with gate.allowing(2):  # the prefill and one decode step: the request is running until the gate opens
+        stream = client.completions.create(
+            model=client.models.list().data[0].id, prompt=prompt, max_tokens=120, temperature=0.0, stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True})
+        for chunk in stream:
+            if chunk.choices:
+                chunks.append(chunk.choices[0])
+            if chunks and not replies:  # running, and held short of its 120 tokens
+                pause_then_update()
+                gate.open()
     assert replies["pause"].status_code == 200 and replies["pause"].json()["num_retracted"] == 1
     assert replies["is_paused"] == {"is_paused": True, "mode": "retract"}
     assert 'r3srv_generation_paused{mode="retract"} 1.0' in replies["metrics"]

@@ -7,6 +7,8 @@ import openai
 import pytest
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
+pytestmark = pytest.mark.slow  # real servers
+
 
 @pytest.fixture(scope="module")
 def server():

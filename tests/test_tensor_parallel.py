@@ -16,6 +16,8 @@ import pytest
 from engine_testing import GREEDY, one_torch_thread, prompt_ids, run_with_aborts  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # worker processes (torch.distributed ranks)
+
 LOGPROB_TOL = 1e-4  # float32 partial sums added in another order
 # a tight pool (preemptions) that still holds one long prompt, whose prefill packet takes a second broadcast
 ENGINE = dict(dtype="float32", block_size=16, num_kv_blocks=100, max_model_len=1600, max_num_seqs=4,

@@ -10,6 +10,8 @@ from r3srv import LLM, SamplingParams
 from test_tensor_parallel import assert_same_generation
 from tiny_checkpoints import write_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # worker processes (torch.distributed ranks)
+
 ENGINE = dict(dtype="float32", max_num_seqs=4, num_kv_blocks=64, max_model_len=256)
 # EP=2 splits the attention / recurrent mixers as TP=2 does (expert parallelism spans the
 # tensor-parallel ranks), and each expert whole; TP=2 splits every expert's intermediate size

@@ -61,7 +61,7 @@ def test_the_admitted_globals_are_torchs_cuda_tensor_rebuild_and_its_arguments()
     assert ("torch.multiprocessing.reductions", "rebuild_cuda_tensor") in ALLOWED_GLOBALS
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC handles need a GPU")
+@pytest.mark.gpu("CUDA IPC handles")
 def test_a_cuda_tensor_pickled_by_torch_comes_back():
     from torch.multiprocessing.reductions import ForkingPickler
     import io

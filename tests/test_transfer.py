@@ -25,8 +25,7 @@ def test_values_shapes_and_int64_on_the_cpu():
     assert temperatures.dtype == torch.float32 and temperatures.tolist() == pytest.approx([0.7, 1.0])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned, non-blocking copies)")
+@pytest.mark.gpu("pinned, non-blocking copies")
 def test_a_cuda_transfer_waits_for_nothing_and_owns_its_data():
     arrays = _arrays()
     torch.cuda._sleep(50_000_000)  # the GPU is busy: a blocking copy would wait for it

@@ -23,8 +23,11 @@ from tiny_checkpoints import write_tiny_checkpoint
 from engine_testing import GREEDY, prompt_ids
 from r3srv import LLM, SamplingParams
 
+# real servers; the trainers' weight-update calls (SGLang's, vLLM's, prime-rl's)
+pytestmark = [pytest.mark.slow, pytest.mark.peer]
+
 PROMPT = prompt_ids(20, base=3)
-LONG = 400  # tokens of a request that must still be running a few HTTP calls later
+LONG = 24  # tokens of a request held in flight by the gate (2 steps) while the test pauses and updates
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +37,9 @@ def policies(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(policies):
+def server(policies, gate):
     args = (str(policies[0]), "--enable-weight-updates", "--enable-return-routed-experts", "--weight-sync-timeout", "8")
-    with RemoteServer(*args, *TEST_SERVER_ARGS) as srv:
+    with RemoteServer(*args, *TEST_SERVER_ARGS, step_gate=gate) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
 
@@ -177,9 +180,9 @@ def test_vllm_weight_transfer_names_map_onto_the_same_group(server, policies, po
         r = post(server, "/finish_weight_update", {"weight_version": "vllm-1"})
         assert r.status_code == 200, r.text
         assert serves(server, v1) and served(server, PROMPT)[2] == "vllm-1"
-        # What r3srv does not implement is a 400 naming it.
+        # What r3srv does not implement, or vLLM refuses, is a 400 naming it.
         init_info = trainer.vllm_init_info(port)
-        for bad, param in ((dict(init_info, packed=True), "packed"),
+        for bad, param in ((dict(init_info, packed=True, packed_buffer_size_bytes=0), "packed_buffer_size_bytes"),
                            (dict(init_info, nccl_unique_id_b64="AAAA"), "nccl_unique_id_b64")):
             r = post(server, "/init_weight_transfer_engine", {"init_info": bad})
             assert r.status_code == 400 and param in r.text, r.text
@@ -190,7 +193,27 @@ def test_vllm_weight_transfer_names_map_onto_the_same_group(server, policies, po
         assert post(server, "/shutdown_weight_transfer_engine").status_code == 200
 
 
-def test_prime_rl_pause_keep_update_resume_recomputes_frozen_sequences_on_the_new_policy(server, policies, tmp_path):
+def test_vllm_packed_weight_transfer_cuts_chunks_as_vllm_does(server, policies, pool):
+    """init_info packed: every round's tensors arrive as vLLM's packed uint8 chunks, here of a
+    little over 64 KiB each (the built-in default is 1 GiB: one chunk for a tiny model)."""
+    v0, v1 = policies
+    reset(server, v0)
+    group = trainer.vllm_join(server.url, free_port(), pool, packed=True, packed_buffer_size_bytes=1 << 16)
+    try:
+        assert post(server, "/start_weight_update").status_code == 200
+        tensors = trainer.checkpoint_tensors(v1)
+        assert len(trainer.vllm_packed(tensors, 1 << 16)) > 3
+        r = trainer.vllm_push(server.url, group, tensors, pool, packed_bytes=1 << 16)
+        assert r.status_code == 200, r.text
+        assert post(server, "/finish_weight_update", {"weight_version": "packed-1"}).status_code == 200
+        assert serves(server, v1) and served(server, PROMPT)[2] == "packed-1"
+    finally:
+        dist.destroy_process_group(group)
+        assert post(server, "/shutdown_weight_transfer_engine").status_code == 200
+
+
+def test_prime_rl_pause_keep_update_resume_recomputes_frozen_sequences_on_the_new_policy(server, policies, tmp_path,
+                                                                                        gate):
     """prime-rl: /pause?mode=keep, /update_weights {weight_dir} (shards and index, no config.json),
     /resume. The rule: a sequence frozen in keep mode is retracted by the update and recomputes
     every token on the new weights, so its routed experts are all the new policy's."""
@@ -203,15 +226,16 @@ def test_prime_rl_pause_keep_update_resume_recomputes_frozen_sequences_on_the_ne
     assert not (shards / "config.json").exists()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    # long enough to be still running when /pause arrives however fast the decode steps are
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=LONG, temperature=0.0, stream=True,
-                                       extra_body={"return_token_ids": True, "ignore_eos": True})
-    chunks = [next(iter(stream))]  # the request is running, holding KV of the old weights
-    assert httpx.post(server.url + "/pause", params={"mode": "keep", "clear_cache": "false"}).json() == {"status": "paused"}
-    assert httpx.get(server.url + "/is_paused").json()["is_paused"] is True
-    r = post(server, "/update_weights", {"weight_dir": str(shards)})
-    assert r.status_code == 200, r.text
-    assert httpx.post(server.url + "/resume").json() == {"status": "resumed"}
+    with gate.allowing(2):  # the prefill and one decode step, then held short of its LONG tokens
+        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=LONG, temperature=0.0, stream=True,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True})
+        chunks = [next(iter(stream))]  # the request is running, holding KV of the old weights
+        assert httpx.post(server.url + "/pause", params={"mode": "keep", "clear_cache": "false"}).json() == {
+            "status": "paused"}
+        assert httpx.get(server.url + "/is_paused").json()["is_paused"] is True
+        r = post(server, "/update_weights", {"weight_dir": str(shards)})
+        assert r.status_code == 200, r.text
+        assert httpx.post(server.url + "/resume").json() == {"status": "resumed"}
     chunks += [c for c in stream if c.choices]
     final = chunks[-1].choices[0]
     tokens = [t for c in chunks for t in c.choices[0].token_ids]
@@ -228,12 +252,16 @@ def test_prime_rl_pause_keep_update_resume_recomputes_frozen_sequences_on_the_ne
     assert r.status_code == 400 and r.json()["error"]["param"] == "weight_dir"
 
 
-def test_pause_wait_returns_once_the_requests_in_flight_have_finished(server):
+def test_pause_wait_returns_once_the_requests_in_flight_have_finished(server, gate, pool):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    stream = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=24,
-                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
-    next(iter(stream))
-    assert httpx.post(server.url + "/pause", params={"mode": "wait"}, timeout=120).json() == {"status": "paused"}
+    with gate.allowing(2):  # held short of its 24 tokens until the gate opens
+        stream = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=24,
+                                           temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        pause = pool.submit(httpx.post, server.url + "/pause", params={"mode": "wait"}, timeout=120)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            pause.result(timeout=1.0)  # it cannot have answered: the request is in flight until the gate opens
+    assert pause.result(timeout=120).json() == {"status": "paused"}
     stats = httpx.get(server.url + "/metrics").text
     assert "r3srv_num_requests_running 0.0" in stats  # it finished before the pause answered
     rest = [c for c in stream if c.choices]

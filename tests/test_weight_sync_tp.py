@@ -24,6 +24,8 @@ from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
 from r3srv.models.staged_shards import ShardPieces
 
+pytestmark = [pytest.mark.slow, pytest.mark.peer]  # real servers; the trainers' weight-update calls
+
 PROMPT = prompt_ids(20, base=3)
 WORLD = 3  # the trainer and two tensor-parallel ranks
 TP2 = ("--tensor-parallel-size", "2", "--dtype", "float32")
@@ -118,7 +120,7 @@ def test_offline_single_device_engine_takes_the_same_calls(policies, oracle):
 @pytest.fixture(scope="module")
 def server(policies):
     args = (str(policies[0]), *TP2, "--enable-weight-updates", "--enable-return-routed-experts",
-            "--weight-sync-timeout", "10")
+            "--enable-collective-rpc", "--weight-sync-timeout", "10")
     with RemoteServer(*args, *TEST_SERVER_ARGS) as srv:
         yield srv
     assert srv.returncode == 0, srv.log
@@ -183,3 +185,36 @@ def test_vllm_weight_transfer_under_tp_ranks_its_workers_the_same_way(server, po
     finally:
         trainer.dist.destroy_process_group(group)
         assert post(server, "/shutdown_weight_transfer_engine").status_code == 200
+
+
+def test_skyrl_and_prime_rl_pushes_reach_every_tp_rank(server, policies, oracle, pool, tmp_path):
+    """SkyRL's collective_rpc round (packed, 64 KiB chunks) and prime-rl's broadcaster, each over
+    vLLM's rendezvous: both ranks join (as 1 and 2 of 3), receive every chunk and keep their shard."""
+    v0, v1 = policies
+    assert post(server, "/update_weights_from_disk", {"model_path": str(v0)}).status_code == 200
+    assert httpx.get(server.url + "/get_world_size").json() == {"world_size": 2}
+    group = trainer.vllm_join(server.url, free_port(), pool, world_size=WORLD)
+    try:
+        rpc = {"method": "skyrl_start_weight_update", "kwargs": {"is_checkpoint_format": True}}
+        assert post(server, "/collective_rpc", rpc).json() == {"results": [None, None]}
+        tensors = trainer.checkpoint_tensors(v1)
+        info = {**trainer.vllm_update_info(tensors), "packed": True, "packed_buffer_size_bytes": 1 << 16}
+        reply = pool.submit(post, server, "/collective_rpc", {"method": "update_weights_nccl",
+                                                              "kwargs": {"update_info": info}})
+        trainer.broadcast_all(group, tensors, packed_bytes=1 << 16)
+        assert reply.result().status_code == 200, reply.result().text
+        assert post(server, "/collective_rpc", {"method": "skyrl_finish_weight_update"}).status_code == 200
+        assert serves(server, oracle[v1])
+    finally:
+        trainer.dist.destroy_process_group(group)
+        assert post(server, "/shutdown_weight_transfer_engine").status_code == 200
+    group = trainer.prime_rl_join(server.url, free_port(), pool, inference_world_size=2)
+    try:
+        (tmp_path / "NCCL_READY").touch()
+        reply = pool.submit(post, server, "/update_weights", {"weight_dir": str(tmp_path)})
+        trainer.prime_rl_broadcast(group, trainer.checkpoint_tensors(v0))
+        assert reply.result().status_code == 200, reply.result().text
+        assert serves(server, oracle[v0]) and served(server, PROMPT)[2] == str(tmp_path)
+    finally:
+        trainer.dist.destroy_process_group(group)
+        assert post(server, "/destroy_weights_update_group", {"group_name": "prime_rl_broadcast"}).status_code == 200

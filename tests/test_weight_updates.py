@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 from tiny_checkpoints import FAMILIES, write_tiny_checkpoint
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids, slowed  # noqa: F401 (autouse fixture)
+from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from step_gate import gate_steps
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM
 from r3srv.errors import ConfigError, InvalidRequestError
+
+pytestmark = pytest.mark.slow  # an engine per test on several checkpoints
 
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, enable_return_routed_experts=True)
 PARAMS = SamplingParams(max_tokens=12, return_routed_experts=True, **GREEDY)
@@ -104,26 +107,28 @@ async def held_one(engine) -> None:
 
 
 @pytest.mark.parametrize("abort_running", [False, True])
-def test_async_update_drains_or_aborts_running_requests_and_holds_new_ones(policies, fresh_v1, abort_running):
+def test_async_update_drains_or_aborts_running_requests_and_holds_new_ones(policies, fresh_v1, abort_running, gate):
     v0, v1, _ = policies
     on_v0 = LLM(str(v0), **ENGINE).generate([PROMPT], SamplingParams(max_tokens=60, return_routed_experts=True, **GREEDY))[0]
-    engine = slowed(AsyncLLM(str(v0), **ENGINE))
+    engine = AsyncLLM(str(v0), **ENGINE)
+    gate_steps(engine.core, gate.path)
 
     async def main():
         async def run(rid, params):
             return [o async for o in engine.generate(PROMPT, params, rid)][-1]
 
-        running = asyncio.create_task(run("old", SamplingParams(max_tokens=60, return_routed_experts=True, **GREEDY)))
-        while engine.stats().num_running == 0:
-            await asyncio.sleep(0.001)
-        update = asyncio.create_task(engine.update_weights(str(v1), abort_running=abort_running, weight_version="v1"))
-        await asyncio.sleep(0.02)
-        held = asyncio.create_task(run("new", PARAMS))  # arrives while the update waits
-        if not abort_running:  # still waiting for "old" to finish
-            await held_one(engine)  # the held request counts as waiting
-            assert not update.done()
-            with pytest.raises(InvalidRequestError, match="already under way"):
-                await engine.update_weights(str(v1))
+        with gate.allowing(2):  # "old" is held in flight (2 steps of its 60) until the gate opens
+            running = asyncio.create_task(run("old", SamplingParams(max_tokens=60, return_routed_experts=True, **GREEDY)))
+            while engine.stats().num_running == 0:
+                await asyncio.sleep(0.001)
+            update = asyncio.create_task(engine.update_weights(str(v1), abort_running=abort_running, weight_version="v1"))
+            await asyncio.sleep(0)  # the update is queued: the request below arrives while it waits
+            held = asyncio.create_task(run("new", PARAMS))
+            if not abort_running:  # still waiting for "old" to finish
+                await held_one(engine)  # the held request counts as waiting
+                assert not update.done()
+                with pytest.raises(InvalidRequestError, match="already under way"):
+                    await engine.update_weights(str(v1))
         results = await asyncio.gather(running, update, held)
         return results[0], results[2]
 
@@ -139,23 +144,26 @@ def test_async_update_drains_or_aborts_running_requests_and_holds_new_ones(polic
     assert (old.weight_version, new.weight_version) == ("0", "v1")  # each names the weights it ran on
 
 
-def test_a_request_aborted_while_it_waits_for_an_update_ends_cleanly(policies):
+def test_a_request_aborted_while_it_waits_for_an_update_ends_cleanly(policies, gate):
     v0, v1, _ = policies
-    engine = slowed(AsyncLLM(str(v0), **ENGINE))
+    engine = AsyncLLM(str(v0), **ENGINE)
+    gate_steps(engine.core, gate.path)
 
     async def main():
         async def run(rid, params):
             return [o async for o in engine.generate(PROMPT, params, rid)][-1]
 
-        running = asyncio.create_task(run("old", SamplingParams(max_tokens=60, **GREEDY)))
-        while engine.stats().num_running == 0:
-            await asyncio.sleep(0.001)
-        update = asyncio.create_task(engine.update_weights(str(v1)))
-        await asyncio.sleep(0.02)
-        held = asyncio.create_task(run("held", PARAMS))
-        await held_one(engine)
-        assert await engine.abort("held")
-        return await held, await running, await update
+        with gate.allowing(2):  # "old" is held in flight until the gate opens
+            running = asyncio.create_task(run("old", SamplingParams(max_tokens=60, **GREEDY)))
+            while engine.stats().num_running == 0:
+                await asyncio.sleep(0.001)
+            update = asyncio.create_task(engine.update_weights(str(v1)))
+            await asyncio.sleep(0)  # the update is queued: the request below arrives while it waits
+            held = asyncio.create_task(run("held", PARAMS))
+            await held_one(engine)
+            assert await engine.abort("held")
+            held = await held
+        return held, await running, await update
 
     try:
         held, running, _ = asyncio.run(main())

@@ -4,7 +4,9 @@ Reads the peers' own source files (unzipped wheels) with `ast`; nothing of vLLM 
 is imported, so it runs without their dependencies. Writes tests/data/peer_fields.json,
 which the server's field table is checked against (tests/test_server_fields.py).
 
-    python tools/peer_fields.py /work/peer_wheels/src [--check]
+    pip download --no-deps -d wheels vllm==0.33.0 sglang==0.5.23
+    mkdir src && for w in wheels/*.whl; do unzip -q -o "$w" -d src; done
+    python tools/peer_fields.py src [--check]
 
 A field is a class-body annotated name (pydantic model, dataclass or msgspec Struct) that
 does not start with "_" and is not a ClassVar; fields of base classes defined in the same

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from r3srv import settings
+from r3srv import engine_options, settings
 
 logger = logging.getLogger("r3srv.serve")
 
@@ -39,7 +39,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-# The defaults of r3srv.server.connections (not imported: `r3srv --help` stays fast)
+# Connection deadlines (server/connections.py's guarded_h11 takes them from these flags)
 DEFAULT_HEADER_TIMEOUT_S = 60.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 
@@ -48,16 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="r3srv", description="OpenAI-compatible MoE server that returns routed experts")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI + vLLM scale-out APIs)")
-    serve.add_argument(
-        "model", nargs="?", default=None, help="checkpoint directory; omitted: the built-in model (RANDOM weights)"
-    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
-    serve.add_argument(
-        "--enable-return-routed-experts",
-        action="store_true",
-        help="return routed_experts with every completion by default (per request: return_routed_experts)",
-    )
     serve.add_argument(
         "--routed-experts-encoding",
         choices=["auto", "npy", "sglang", "prime-rl", "skyrl"],
@@ -68,53 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
         "/skyrl/v1/generate always sends skyrl's (default: %(default)s)",
     )
     serve.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's name)")
-    serve.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step (default: %(default)s)")
-    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="tokens per step")
-    serve.add_argument("--max-logprobs", type=int, default=20,
-                       help="most logprobs a request may ask for per token; -1: no limit (default: %(default)s)")
-    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
-    serve.add_argument("--device", default="auto",
-                       help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
-    serve.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV blocks of shared prompt prefixes (default: on)",
-    )
-    serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: %(default)s)")
-    serve.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV pool size (default: from memory)")
-    serve.add_argument(
-        "--kv-cache-memory-fraction", type=float, default=None, help="share of free memory for the KV cache"
-    )
-    serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    serve.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1,
-        help="ranks (devices) the model is split over, one worker process each (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--enable-expert-parallel", action="store_true",
-        help="with -tp N: each rank holds 1/N of the routed experts whole, not a slice of every expert",
-    )
-    dist = serve.add_argument_group("multi-node rendezvous (torch.distributed TCP; see docs/parallelism.md)")
-    dist.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (default: %(default)s)")
-    dist.add_argument("--master-port", type=int, default=0, help="a port every node names (default: a free one, one node)")
-    dist.add_argument("--nnodes", type=int, default=1, help="nodes the ranks span (default: %(default)s)")
-    dist.add_argument("--node-rank", type=int, default=0,
-                      help="this node; only node 0 serves HTTP, the others run their ranks' workers (default: %(default)s)")
-    serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
-                       help="N > 1: N replicas (a device each) behind the SGLang router on --host/--port "
-                       "(needs r3srv[router]; docs/fleet.md)")
-    serve.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
-    serve.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
-    serve.add_argument(
-        "--seed", type=int, default=0, help="seeds the noise of requests without a seed of their own (default: %(default)s)"
-    )
-    serve.add_argument(
-        "--async-scheduling", action="store_true",
-        help="overlapped scheduling, as vLLM's flag: prepare the next step while the device runs this one "
-        "(same tokens and rows; off by default)",
-    )
     serve.add_argument(
         "--max-request-body-bytes", type=_positive_int, default=None, help="larger bodies get 413 (default: 32 MiB)"
     )
@@ -125,12 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
         "the first loads any checkpoint directory the server can read)",
     )
     serve.add_argument(
+        "--enable-memory-saver", action="store_true",
+        help="SGLang's flag: say in /server_info that a trainer releases this server's memory between rollouts "
+        "(slime and miles compare it with their offload flag); the memory routes need --enable-weight-updates",
+    )
+    serve.add_argument(
+        "--enable-sleep-mode", action="store_true",
+        help="vLLM's flag: serve /sleep, /wake_up and /is_sleeping (vLLM: development mode; needs "
+        "--enable-weight-updates)",
+    )
+    serve.add_argument(
+        "--enable-collective-rpc", action="store_true",
+        help="serve /collective_rpc for the weight-sync methods SkyRL calls, from a fixed table (vLLM: "
+        "development mode; needs --enable-weight-updates; docs/weight_sync.md)",
+    )
+    serve.add_argument(
         "--weight-sync-timeout", type=float, default=600.0,
         help="seconds a trainer's rendezvous or broadcast (/update_weights_from_distributed) may stall before the "
         "update fails, leaving the weights unchanged (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--weight-version", default="0", help="name of the served weights in responses (default: %(default)s)"
     )
     serve.add_argument(
         "--fleet-peer-urls", nargs="+", default=None, metavar="URL",
@@ -150,11 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-body", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a request body may stall between two reads before the connection closes (default: %(default)s)",
     )
-    serve.add_argument(
-        "--cuda-graphs", action="store_true", default=None,
-        help="replay decode steps as CUDA graphs (off by default until measured on a GPU; also $R3SRV_CUDA_GRAPHS=1)",
-    )
-    serve.add_argument("--enforce-eager", action="store_true", help="vLLM's flag: no CUDA graphs, whatever else asks")
+    engine_options.add_arguments(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # tool calling and reasoning on /v1/chat/completions, vLLM's flags (docs/protocol.md, "Tool calling")
     chat = serve.add_argument_group("tool calling and reasoning (chat completions)")
@@ -168,40 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
                       "glm45, glm47, kimi_k2, openai_gptoss")
     settings.add_arguments(serve)
     return parser
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = dict(
-        device=args.device,
-        dtype=args.dtype,
-        enable_return_routed_experts=args.enable_return_routed_experts,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_logprobs=args.max_logprobs,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        seed=args.seed,
-        async_scheduling=args.async_scheduling,
-        weight_version=args.weight_version,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        decode_context_parallel_size=args.decode_context_parallel_size,
-        prefill_context_parallel_size=args.prefill_context_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        cuda_graphs=args.cuda_graphs,
-        enforce_eager=args.enforce_eager,
-    )
-    if args.num_kv_blocks is not None:
-        kwargs["num_kv_blocks"] = args.num_kv_blocks
-    if args.kv_cache_memory_fraction is not None:
-        kwargs["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
-    return kwargs
 
 
 def _server_class(on_shutdown: Any) -> Any:
@@ -248,10 +167,17 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
     from r3srv.engine.async_llm import AsyncLLM
     from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, build_asgi_app
     from r3srv.server.connections import guarded_h11
+    from r3srv.server.generation import LaunchFacts
 
     if args.data_parallel_size > 1 and (args.nnodes > 1 or args.master_port):
         print("r3srv serve: configuration error: --data-parallel-size runs its replicas on this machine, each "
               "replica's ranks on a free port of their own: leave out --nnodes and --master-port", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    dev_flags = [flag for flag, on in (("--enable-sleep-mode", args.enable_sleep_mode),
+                                        ("--enable-collective-rpc", args.enable_collective_rpc)) if on]
+    if dev_flags and not args.enable_weight_updates:
+        print(f"r3srv serve: configuration error: {' and '.join(dev_flags)} change the served weights and memory: "
+              "add --enable-weight-updates", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
         from r3srv.data_parallel import serve_fleet
@@ -271,7 +197,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
     if args.node_rank > 0:
         return _serve_node(args)
     try:
-        engine = AsyncLLM(args.model, **engine_kwargs(args))
+        engine = AsyncLLM(**engine_options.from_args(args))
     except ConfigError as exc:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -298,6 +224,10 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,
         fleet_peer_urls=_peers_but_self(args),
+        launch=LaunchFacts(host=args.host, port=args.port, nnodes=args.nnodes, node_rank=args.node_rank,
+                           enable_memory_saver=args.enable_memory_saver),
+        enable_sleep_mode=args.enable_sleep_mode,
+        enable_collective_rpc=args.enable_collective_rpc,
         chat_parsers=chat_parsers,
     )
     logger.info(
@@ -343,12 +273,12 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
 
 def _serve_node(args: argparse.Namespace) -> int:
     """A node other than node 0: its ranks' workers, which node 0's engine drives."""
-    from r3srv.engine.llm_engine import engine_config
+    from r3srv.config import engine_config
     from r3srv.engine.multiproc_executor import rank_setup, run_node
     from r3srv.errors import ConfigError
 
     try:
-        spec, rendezvous = rank_setup(engine_config(args.model, **engine_kwargs(args)))
+        spec, rendezvous = rank_setup(engine_config(**engine_options.from_args(args)))
     except ConfigError as exc:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -1,36 +1,76 @@
-"""Engine and parallel configuration, with the start-up checks that must fail before serving.
+"""Engine and parallel configuration: every engine option declared once, with the start-up
+checks that must fail before serving.
+
+Each option is a field of `EngineConfig` or `ParallelConfig` made with `option(...)`: its
+default, its help text and how `r3srv serve` spells it. `r3srv.engine_options` turns these
+fields into the serve flags and into the keywords of `LLM`, `AsyncLLM` and
+`LLMEngine.from_kwargs`, so an option is written here and nowhere else.
 
 Every check raises `ConfigError` (a ValueError) with a message that says what to change.
 Checks that need the model (MoE layers, context length, KV pool size) run in
-`EngineConfig.finalize`, right after the model is loaded and before any request.
+`EngineConfig.finalize` and `EngineConfig.with_kv_pool`, right after the model is loaded and
+before any request; both return a new config (the config is frozen).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from r3srv import settings
 from r3srv.errors import ConfigError
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_SAME = object()  # serve_default not given: the flag's default is the option's
 
 
-@dataclass
+def option(default: Any, help: str, *, serve_default: Any = _SAME, default_text: str | None = None,
+           aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None, positional: bool = False,
+           group: str | None = None) -> Any:
+    """An engine option: a field whose `r3srv serve` flag is `--` + its name with dashes (vLLM's
+    spelling) and whose keyword (LLM, AsyncLLM) is its name.
+
+    help: what it does (the flag's help, without the default, which is added);
+    serve_default: where `r3srv serve` must start elsewhere than the library, with the reason
+    at the field; default_text: how the default reads when it is not a plain value (None);
+    aliases: short flags (vLLM's -tp, ...); choices: the values it takes (shown; the checks below
+    enforce them);
+    positional: the serve argument without dashes (the model); group: a heading in --help.
+    """
+    serve_default = default if serve_default is _SAME else serve_default
+    metadata = {"help": help, "serve_default": serve_default, "default_text": default_text, "aliases": aliases,
+                "choices": choices, "positional": positional, "group": group}
+    return field(default=default, metadata={"option": metadata})
+
+
+_MULTI_NODE = "multi-node rendezvous (torch.distributed TCP; see docs/parallelism.md)"
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Parallelism r3srv can serve with: tensor parallelism over worker processes (one rank per
     device; expert parallelism over the same ranks), no sharded KV layout; the rendezvous of
     the ranks (torch.distributed TCP: node 0's address and a port every node names)."""
 
-    pipeline_parallel_size: int = 1
-    decode_context_parallel_size: int = 1
-    prefill_context_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0  # 0: a free port (one node)
-    nnodes: int = 1
-    node_rank: int = 0
+    pipeline_parallel_size: int = option(1, "pipeline stages (only 1: routed experts are captured into one "
+                                         "slot-indexed buffer)", aliases=("-pp",))
+    decode_context_parallel_size: int = option(1, "decode context parallelism (only 1: rows follow the KV slots)",
+                                               aliases=("-dcp",))
+    prefill_context_parallel_size: int = option(1, "prefill context parallelism (only 1: rows follow the KV slots)",
+                                                aliases=("-pcp",))
+    tensor_parallel_size: int = option(1, "ranks (devices) the model is split over, one worker process each",
+                                       aliases=("-tp",))
+    data_parallel_size: int = option(1, "serve only, N > 1: N replicas (a device each) behind the SGLang router on "
+                                     "--host/--port (needs r3srv[router]; docs/fleet.md); the engine itself takes 1",
+                                     aliases=("-dp",))
+    enable_expert_parallel: bool = option(False, "with -tp N: each rank holds 1/N of the routed experts whole, not a "
+                                          "slice of every expert")
+    master_addr: str = option("127.0.0.1", "node 0's address", group=_MULTI_NODE)
+    master_port: int = option(0, "a port every node names", default_text="a free one, one node", group=_MULTI_NODE)
+    nnodes: int = option(1, "nodes the ranks span", group=_MULTI_NODE)
+    node_rank: int = option(0, "this node; only node 0 serves HTTP, the others run their ranks' workers",
+                            group=_MULTI_NODE)
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size",
@@ -69,41 +109,45 @@ class ParallelConfig:
                 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # checkpoint directory; None: the built-in random-weight model
-    device: str = "cpu"
-    dtype: str = "auto"
-    enable_return_routed_experts: bool = True
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
-    # Fraction of the memory free after loading the model (device memory on CUDA,
-    # MemAvailable on the CPU) given to the KV cache when num_kv_blocks is None.
-    kv_cache_memory_fraction: float | None = None
-    max_num_batched_tokens: int = 2048
-    # Most logprobs (sampled or prompt) a request may ask for per token, as vLLM's; -1: no limit.
-    max_logprobs: int = 20
-    seed: int = 0
-    # Overlapped scheduling (vLLM's name): the host schedules and prepares step N+1 while the
-    # device runs step N; the same tokens and rows as without (docs/architecture.md)
-    async_scheduling: bool = False
-    weight_version: str = "0"  # names the weights in outputs until an update names new ones
-    # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py). None: settings.cuda_graphs ($R3SRV_CUDA_GRAPHS).
-    # Off by default until a GPU run has checked them; enforce_eager (vLLM's flag) wins.
-    cuda_graphs: bool | None = None
-    enforce_eager: bool = False
+    model: str | None = option(None, "checkpoint directory", default_text="the built-in model (RANDOM weights)",
+                               positional=True)
+    # serve takes the GPU where there is one (as vllm serve); the library stays on the CPU unless asked
+    device: str = option("cpu", "auto (CUDA when available, else the CPU), cpu, cuda or cuda:N", serve_default="auto")
+    dtype: str = option("auto", "weights' and KV cache's dtype", choices=SUPPORTED_DTYPES)
+    # serve returns rows only when asked (vLLM's flag, off by default); the library returns them
+    enable_return_routed_experts: bool = option(
+        True, "return routed_experts with every completion by default (per request: return_routed_experts)",
+        serve_default=False)
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    max_num_seqs: int = option(64, "sequences per step")
+    max_model_len: int | None = option(None, "context length", default_text="the model's max_position_embeddings")
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks", default_text="from kv_cache_memory_fraction")
+    kv_cache_memory_fraction: float | None = option(
+        None, "share of the memory free after loading the model (device memory on CUDA, MemAvailable on the CPU) "
+        "given to the KV cache when num_kv_blocks is not set", default_text="a share set per device kind")
+    max_num_batched_tokens: int = option(2048, "tokens per step")
+    max_logprobs: int = option(20, "most logprobs (sampled or prompt) a request may ask for per token, as vLLM's; "
+                               "-1: no limit")
+    seed: int = option(0, "seeds the noise of requests without a seed of their own")
+    async_scheduling: bool = option(False, "overlapped scheduling, as vLLM's flag: prepare the next step while the "
+                                    "device runs this one (same tokens and rows; docs/architecture.md)")
+    weight_version: str = option("0", "name of the served weights in outputs, until an update names new ones")
+    cuda_graphs: bool | None = option(None, "replay decode steps as CUDA graphs (docs/cuda_graphs.md; "
+                                      "--enforce-eager wins)", default_text="$R3SRV_CUDA_GRAPHS, else off")
+    enforce_eager: bool = option(False, "vLLM's flag: no CUDA graphs, whatever else asks")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        # frozen: the values resolved here are set once, as the constructor's own
         if self.model is not None and not isinstance(self.model, str):
-            self.model = str(self.model)  # accept os.PathLike
+            object.__setattr__(self, "model", str(self.model))  # accept os.PathLike
         if self.device == "auto":  # the GPU when there is one
             import torch
 
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ConfigError(f"device={self.device!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.device.startswith("cuda"):
@@ -127,31 +171,31 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
         if self.cuda_graphs is None:
-            self.cuda_graphs = settings.current().cuda_graphs
+            object.__setattr__(self, "cuda_graphs", settings.current().cuda_graphs)
 
     @property
     def use_cuda_graphs(self) -> bool:
         """Whether decode steps are to be captured: asked for, not enforce_eager, on CUDA."""
         return bool(self.cuda_graphs) and not self.enforce_eager and self.device.startswith("cuda")
 
-    def finalize(self, model_config) -> None:
-        """Checks that need the loaded model's config; fills max_model_len."""
+    def finalize(self, model_config) -> EngineConfig:
+        """Checks that need the loaded model's config; this config with max_model_len filled."""
         if self.enable_return_routed_experts and not model_config.moe_layers:
             raise ConfigError(
                 f"enable_return_routed_experts=True, but model {model_config.name!r} has no MoE layers, "
                 "so there are no routed experts to return; start without --enable-return-routed-experts"
             )
         limit = model_config.max_position_embeddings
-        if self.max_model_len is None:
-            self.max_model_len = limit
-        elif self.max_model_len > limit:
+        if self.max_model_len is not None and self.max_model_len > limit:
             raise ConfigError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}"
             )
+        return dataclasses.replace(self, max_model_len=self.max_model_len or limit)
 
-    def check_kv_pool(self, num_kv_blocks: int) -> None:
-        """A lone sequence of max_model_len tokens must fit the pool, or it could never finish."""
-        assert self.max_model_len is not None
+    def with_kv_pool(self, num_kv_blocks: int) -> EngineConfig:
+        """This config with its KV pool's size; a lone sequence of max_model_len tokens must fit
+        the pool, or it could never finish."""
+        assert self.max_model_len is not None, "finalize first"
         needed = -(-self.max_model_len // self.block_size)
         if num_kv_blocks < needed:
             raise ConfigError(
@@ -159,6 +203,20 @@ class EngineConfig:
                 f"one sequence of max_model_len={self.max_model_len} needs; lower max_model_len or give the "
                 "cache more blocks (num_kv_blocks / kv_cache_memory_fraction)"
             )
+        return dataclasses.replace(self, num_kv_blocks=num_kv_blocks)
+
+
+def engine_config(model: str | None = None, **options) -> EngineConfig:
+    """An EngineConfig from its and ParallelConfig's options as flat keywords (LLM's, the serve
+    flags'); an unknown keyword is a ConfigError naming it."""
+    parallel_names = {f.name for f in dataclasses.fields(ParallelConfig)}
+    engine_names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "parallel"}
+    unknown = sorted(set(options) - parallel_names - engine_names)
+    if unknown:
+        raise ConfigError(f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+    parallel = ParallelConfig(**{name: value for name, value in options.items() if name in parallel_names})
+    return EngineConfig(model=model, parallel=parallel,
+                        **{name: value for name, value in options.items() if name in engine_names})
 
 
 def _positive(name: str, value: object) -> None:

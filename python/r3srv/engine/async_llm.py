@@ -18,12 +18,15 @@ import enum
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from r3srv.engine.core import CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
+from r3srv.config import engine_config
+from r3srv.engine.commands import PAUSE_MODES, Command, commands_as_methods  # noqa: F401 (PAUSE_MODES: metrics)
+from r3srv.engine.core import CoreOutputs, EngineCore, EngineFacts, EngineStats
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, StopSequence
+from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.models.loader import NamedTensors
 from r3srv.offload import run_sized
@@ -79,11 +82,6 @@ class _Reply:
             pass
 
 
-# SGLang's abort, retract and in_place; vLLM's keep (in place, but a weight update retracts the
-# frozen sequences rather than wait for them) and wait (pause once the requests in flight finished)
-PAUSE_MODES = ("abort", "retract", "in_place", "keep", "wait")
-
-
 class EngineState(enum.Enum):
     """Where the engine stands (one value, under AsyncLLM._lock). Released memory is the
     core's own fact (EngineCore.released_memory): requests wait while any is released."""
@@ -111,7 +109,7 @@ _PAUSED = (EngineState.PAUSED_ABORT, EngineState.PAUSED_RETRACT, EngineState.PAU
            EngineState.PAUSED_KEEP, EngineState.PAUSED_WAIT)
 
 
-# -- commands to the core thread (the output thread sends StopSequence too) -------------
+# -- items for the core thread (the output thread sends StopSequence too) ---------------
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     request: EngineRequest
@@ -123,60 +121,10 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateWeights:
-    path: str | NamedTensors
-    weight_version: str | None
-    abort_running: bool
-    reply: _Reply
+class _Asked:
+    """A control command (engine/commands.py) and where its answer goes."""
 
-
-@dataclass(frozen=True, slots=True)
-class ReleaseMemory:
-    tags: list[str] | None
-    reply: _Reply
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeMemory:
-    tags: list[str] | None
-    reply: _Reply
-
-
-@dataclass(frozen=True, slots=True)
-class RenameWeights:
-    weight_version: str
-    reply: _Reply
-
-
-@dataclass(frozen=True, slots=True)
-class ResetPrefixCache:
-    reply: _Reply
-
-
-@dataclass(frozen=True, slots=True)
-class CallRanks:
-    """A trainer's weight-group command for the tensor-parallel ranks (EngineCore.call_ranks)."""
-
-    call: Callable
-    reply: _Reply
-
-
-@dataclass(frozen=True, slots=True)
-class Pause:
-    mode: str
-    reply: _Reply
-
-
-@dataclass(frozen=True, slots=True)
-class PauseAfterRequests:
-    """pause_generation("wait"): queued like an update, so it runs once the requests in flight finished."""
-
-    mode: str
-    reply: _Reply
-
-
-@dataclass(frozen=True, slots=True)
-class Continue:
+    command: Command
     reply: _Reply
 
 
@@ -201,14 +149,42 @@ class _Close:
     error: BaseException
 
 
+class _OnCoreThread:
+    """An AsyncLLM as its control commands reach it, on the core thread (commands.Target)."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self._llm = llm
+        self.core = llm.core
+
+    @property
+    def pause_mode(self) -> str | None:
+        return self._llm._state.pause_mode
+
+    def set_pause_mode(self, mode: str | None) -> None:
+        self._llm._set_state(EngineState.RUNNING if mode is None else EngineState(mode))
+
+    def abort_request(self, request_id: str) -> None:
+        self._llm._abort(request_id)
+
+    def held_request_ids(self) -> list[str]:
+        return [prep.request_id for prep in self._llm._held]
+
+    def is_waiting(self, kind: type[Command]) -> bool:
+        return any(isinstance(asked.command, kind) for asked in self._llm._exclusive)
+
+
+@commands_as_methods("queued")
 class AsyncLLM(EngineFacts):
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        # Config errors (ConfigError) raise here, on the caller's thread, before the threads start.
-        self.core = EngineCore(engine_config(model, **kwargs))
+    """The engine behind the server; its control methods (update_weights, pause_generation, ...)
+    come from engine/commands.py, each queued for the core thread and awaited."""
+
+    @with_option_keywords
+    def __init__(self, model: str | None = None, **options) -> None:
+        """Every engine option (r3srv.config) as a keyword. Config errors (ConfigError) raise
+        here, on the caller's thread, before the threads start."""
+        self.core = EngineCore(engine_config(model, **options))
         core = self.core
-        self._input = InputProcessor(core.tokenizer, core.model_config.vocab_size, core.max_model_len,
-                                     core.enable_return_routed_experts, core.config.max_logprobs,
-                                     core.config.async_scheduling)
+        self.input_processor = InputProcessor.of(core)  # any thread may call it
         self._output = OutputProcessor(core.tokenizer)  # the output thread's alone
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # to the core thread
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # to the output thread
@@ -220,11 +196,10 @@ class AsyncLLM(EngineFacts):
         # Core thread only. Weight updates and memory release/resume wait, in order, for the
         # requests in flight to finish; requests added meanwhile, or while memory is released,
         # are held, and start after them (on the new weights, in the resumed memory).
-        self._exclusive: collections.deque[UpdateWeights | ReleaseMemory | ResumeMemory | PauseAfterRequests] = (
-            collections.deque()
-        )
+        self._exclusive: collections.deque[_Asked] = collections.deque()
         self._held: list[EngineRequest] = []
-        self._replies: set[_Reply] = set()  # weight updates and cache resets not answered yet
+        self._replies: set[_Reply] = set()  # control commands not answered yet
+        self._target = _OnCoreThread(self)  # what control commands reach (core thread only)
         self._output_thread = threading.Thread(target=self._run_output, name="r3srv-output", daemon=True)
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
         self._output_thread.start()
@@ -272,7 +247,7 @@ class AsyncLLM(EngineFacts):
         self._check_alive()
         size = len(prompt) if isinstance(prompt, (str, list, tuple)) else 0  # anything else fails validation
         prepared: EngineRequest = await run_sized(
-            size, self._input.process, request_id, prompt, sampling_params, add_special_tokens=add_special_tokens,
+            size, self.input_processor.process, request_id, prompt, sampling_params, add_special_tokens=add_special_tokens,
         )
         prepared.output_kind = output_kind
         sink = _Sink(asyncio.get_running_loop())
@@ -304,84 +279,28 @@ class AsyncLLM(EngineFacts):
             if not finished:
                 self._commands.put(Abort(prepared.request_id))
 
-    async def update_weights(
-        self, path: str | NamedTensors, *, abort_running: bool = False, weight_version: str | None = None
-    ) -> None:
-        """Load new weights of the same architecture from a checkpoint directory, or from
-        tensors a trainer sent by name (received in full), as an RL policy update.
-
-        Requests in flight finish on the old weights first (abort_running=True aborts them
-        instead), so no sequence mixes two policies in its KV or its routed experts; requests
-        that arrive meanwhile wait and run on the new weights. The prefix cache is emptied.
-        Raises ConfigError (weights unchanged) for a checkpoint that is not this model's
-        architecture, InvalidRequestError if another update is under way. Outputs of requests
-        that start later carry `weight_version` (default: `path`).
-        """
-        source = path if isinstance(path, NamedTensors) else str(path)
-        await self._ask(lambda reply: UpdateWeights(source, weight_version, abort_running, reply))
-
-    async def call_ranks(self, call):
-        """EngineCore.call_ranks on the core thread, between steps (generation waits meanwhile)."""
-        return await self._ask(lambda reply: CallRanks(call, reply))
-
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
         """The parameters tensors so named, shaped and typed leave unfilled; a ConfigError naming
         any that cannot fill the served model (unknown name, wrong shape or dtype). Reads shapes only."""
         return self.core.unfilled_weights(named)
 
-    async def rename_weights(self, weight_version: str) -> None:
-        """Name the served weights `weight_version` in the outputs of requests admitted from now on."""
-        await self._ask(lambda reply: RenameWeights(weight_version, reply))
-
-    async def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix; returns how many blocks were forgotten."""
-        return await self._ask(ResetPrefixCache)
-
-    async def release_memory(self, tags: list[str] | None = None) -> list[str]:
-        """EngineCore.release_memory once the requests in flight have finished; requests that
-        arrive meanwhile, or until everything is resumed, are held. Returns what is released."""
-        return await self._ask(lambda reply: ReleaseMemory(tags, reply))
-
-    async def resume_memory(self, tags: list[str] | None = None) -> list[str]:
-        """EngineCore.resume_memory (after any update or release queued before it); once nothing
-        is released, held requests start. Returns what is still released."""
-        return await self._ask(lambda reply: ResumeMemory(tags, reply))
-
     @property
     def released_memory(self) -> list[str]:
         return sorted(self.core.released_memory)
-
-    async def pause_generation(self, mode: str = "abort") -> dict[str, int]:
-        """Stop stepping until continue_generation (SGLang's modes): "abort" ends every request
-        in flight (finish_reason "abort"); "retract" sends running sequences back to waiting
-        with their KV freed, so a weight update can run at once and they resume on the new
-        weights, recomputing their tokens (and rows) first; "in_place" keeps everything as it
-        is (an update then waits for continue_generation and the requests to finish, so it is
-        refused); "keep" (vLLM's) keeps everything as it is too, but a weight update retracts
-        the frozen sequences, as "retract" would have, and runs at once; "wait" (vLLM's) pauses
-        once the requests in flight have finished. Requests that arrive meanwhile wait.
-        Returns {"aborted": n, "retracted": n}."""
-        if mode not in PAUSE_MODES:
-            raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
-        return await self._ask(lambda reply: (PauseAfterRequests if mode == "wait" else Pause)(mode, reply))
-
-    async def continue_generation(self) -> bool:
-        """Step again after pause_generation; returns whether generation was paused."""
-        return await self._ask(Continue)
 
     @property
     def paused(self) -> str | None:
         """pause_generation's mode while paused, else None."""
         return self._state.pause_mode
 
-    async def _ask(self, command):
-        """Queue `command(reply)`, whose answer comes back through the reply, and wait for it."""
+    async def _ask(self, command: Command):
+        """Queue a control command for the core thread and wait for its answer."""
         self._check_alive()
         reply = _Reply(asyncio.get_running_loop())
         with self._lock:
             self._check_open()
             self._replies.add(reply)
-            self._commands.put(command(reply))
+            self._commands.put(_Asked(command, reply))
         return await reply.future
 
     def _check_alive(self) -> None:
@@ -474,7 +393,9 @@ class AsyncLLM(EngineFacts):
 
     def _handle(self, cmd) -> None:
         core = self.core
-        if isinstance(cmd, AddRequest):
+        if isinstance(cmd, _Asked):
+            self._control(cmd)
+        elif isinstance(cmd, AddRequest):
             if self._exclusive or core.released_memory:
                 self._held.append(cmd.request)
                 return
@@ -488,52 +409,21 @@ class AsyncLLM(EngineFacts):
                 self._outputs.put(out)
         elif isinstance(cmd, Abort):
             self._abort(cmd.request_id)
-        elif isinstance(cmd, UpdateWeights):
-            if any(isinstance(c, UpdateWeights) for c in self._exclusive):
-                self._answer(cmd.reply, exc=InvalidRequestError("a weight update is already under way", param="model_path"))
-                return
-            if self._state is EngineState.PAUSED_KEEP and core.scheduler.running and not cmd.abort_running:
-                core.retract_running()  # they recompute on the new weights: no sequence mixes two policies
-            if self._state is EngineState.PAUSED_IN_PLACE and core.scheduler.running and not cmd.abort_running:
-                self._answer(cmd.reply, exc=InvalidRequestError(
-                    "generation is paused in place and requests hold KV of the current weights: pause with "
-                    "mode=retract or abort, or update with abort_all_requests", param="model_path"))
-                return
-            self._exclusive.append(cmd)
-            if cmd.abort_running:
-                for rid in list(core.requests):
-                    self._abort(rid)
-        elif isinstance(cmd, (ReleaseMemory, ResumeMemory, PauseAfterRequests)):
-            self._exclusive.append(cmd)
-        elif isinstance(cmd, RenameWeights):
-            core.weight_version = cmd.weight_version
-            self._answer(cmd.reply)
-        elif isinstance(cmd, ResetPrefixCache):
-            self._answer(cmd.reply, core.reset_prefix_cache())
-        elif isinstance(cmd, CallRanks):
-            try:
-                value = core.call_ranks(cmd.call)
-            except Exception as exc:
-                self._answer(cmd.reply, exc=exc)
-            else:
-                self._answer(cmd.reply, value)
-        elif isinstance(cmd, Pause):
-            aborted = retracted = 0
-            if cmd.mode == "abort":
-                for rid in [*core.requests, *(p.request_id for p in self._held)]:
-                    self._abort(rid)
-                    aborted += 1
-            elif cmd.mode == "retract":
-                retracted = core.retract_running()
-            self._set_state(EngineState(cmd.mode))
-            self._answer(cmd.reply, {"aborted": aborted, "retracted": retracted})
-        elif isinstance(cmd, Continue):
-            was_paused = self._state.pause_mode is not None
-            if was_paused:
-                self._set_state(EngineState.RUNNING)
-            self._answer(cmd.reply, was_paused)
         else:
             raise TypeError(f"unknown engine command {cmd!r}")
+
+    def _control(self, asked: _Asked) -> None:
+        """A control command arrives: admitted (or refused), then run now or once no sequence holds KV."""
+        try:
+            asked.command.admit(self._target)
+            if asked.command.after_requests:
+                self._exclusive.append(asked)
+                return
+            value = asked.command.run(self._target)
+        except Exception as exc:
+            self._answer(asked.reply, exc=exc)
+        else:
+            self._answer(asked.reply, value)
 
     def _abort(self, request_id: str) -> None:
         update = self.core.abort_request(request_id)
@@ -545,31 +435,18 @@ class AsyncLLM(EngineFacts):
             self._outputs.put(_AbortedBeforeStart(request_id))
 
     def _run_exclusive(self) -> None:
-        """Runs once no request is in flight: every queued update / release / resume in
-        order, then the held requests, unless memory is still released."""
-        core = self.core
+        """Runs once no request is in flight: every command that waited for that, in order,
+        then the held requests, unless memory is still released."""
         while self._exclusive:
-            cmd = self._exclusive.popleft()
+            asked = self._exclusive.popleft()
             try:
-                if isinstance(cmd, UpdateWeights):
-                    core.update_weights(cmd.path, cmd.weight_version)
-                    logger.info("loaded new weights from %s", cmd.path)
-                    value = None
-                elif isinstance(cmd, PauseAfterRequests):
-                    self._set_state(EngineState(cmd.mode))
-                    value = {"aborted": 0, "retracted": 0}
-                elif isinstance(cmd, ReleaseMemory):
-                    value = core.release_memory(cmd.tags)
-                    logger.info("released memory: %s", value)
-                else:
-                    value = core.resume_memory(cmd.tags)
-                    logger.info("resumed memory; still released: %s", value)
+                value = asked.command.run(self._target)
             except Exception as exc:
-                logger.error("%s failed: %s", type(cmd).__name__, exc)
-                self._answer(cmd.reply, exc=exc)
+                logger.error("%s failed: %s", type(asked.command).__name__, exc)
+                self._answer(asked.reply, exc=exc)
             else:
-                self._answer(cmd.reply, value)
-        if not core.released_memory:
+                self._answer(asked.reply, value)
+        if not self.core.released_memory:
             held, self._held = self._held, []
             for prep in held:
                 self._handle(AddRequest(prep))

@@ -11,7 +11,6 @@ one core thread.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from r3srv.config import EngineConfig, ParallelConfig
+from r3srv.config import EngineConfig
 from r3srv.engine.block_manager import BlockManager
 from r3srv.engine.executor import Executor, InProcessExecutor
 from r3srv.engine.input_processor import EngineRequest
@@ -111,16 +110,6 @@ class _Request:
         return all(s.is_finished for s in self.seqs)
 
 
-def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
-    """EngineConfig's and ParallelConfig's fields as keywords."""
-    parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    parallel = ParallelConfig(**{name: kwargs.pop(name) for name in list(kwargs) if name in parallel_fields})
-    try:
-        return EngineConfig(model=model, parallel=parallel, **kwargs)
-    except TypeError as e:  # an unknown keyword
-        raise ConfigError(str(e)) from None
-
-
 def _memory_tags(tags: list[str] | None) -> set[str]:
     if tags is None:
         return set(MEMORY_TAGS)
@@ -145,7 +134,7 @@ class EngineCore:
         else:
             model, self.tokenizer = self.multiproc, self.multiproc.tokenizer
         self.model_config = mc = model.config
-        config.finalize(mc)
+        self.config = config = config.finalize(mc)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         self.enable_return_routed_experts = config.enable_return_routed_experts
         eos = list(mc.eos_token_ids or [])
@@ -164,8 +153,7 @@ class EngineCore:
             tensor_parallel=self.multiproc is not None,
         )
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
-        config.check_kv_pool(num_blocks)
-        config.num_kv_blocks = num_blocks
+        self.config = config = config.with_kv_pool(num_blocks)
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
         self._log_memory_plan(model, num_blocks)
         self.rows = (

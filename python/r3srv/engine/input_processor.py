@@ -43,13 +43,34 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.enable_return_routed_experts = enable_return_routed_experts
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """A conversation as prompt text, through the tokenizer's chat template. Process it with
-        add_special_tokens=False: the template writes the specials itself (the tokenizer adding
-        a second BOS would shift every token)."""
+    @classmethod
+    def of(cls, core) -> InputProcessor:
+        """The input processor of an EngineCore (its tokenizer, vocabulary, limits)."""
+        return cls(core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
+                   core.config.max_logprobs, core.config.async_scheduling)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """A conversation as prompt text, through the tokenizer's chat template: the one place
+        every chat road renders (LLM.chat, the chat and tokenize routes). `template_kwargs` reach
+        the template as variables (tools, chat_template_kwargs). Process the text with
+        add_special_tokens=False (chat_prompt_ids does): the template writes the specials
+        itself (the tokenizer adding a second BOS would shift every token). A template that
+        rejects the messages is an InvalidRequestError naming `messages`."""
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer (no tokenizer.json): no chat template", param="messages")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      **template_kwargs)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # e.g. a template reading a key these messages lack
+            raise InvalidRequestError(f"cannot apply the chat template to these messages: {exc}",
+                                      param="messages") from exc
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """render_chat's text as token ids, without the tokenizer's specials (the template's own)."""
+        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def process(
         self,

@@ -7,7 +7,9 @@ import itertools
 import numbers
 from collections.abc import Sequence as SequenceABC
 
+from r3srv.engine.commands import commands_as_methods
 from r3srv.engine.llm_engine import EngineStats, LLMEngine
+from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
@@ -15,63 +17,20 @@ from r3srv.sampling_params import SamplingParams
 PromptType = str | list[int]
 
 
+@commands_as_methods("through_engine")
 class LLM:
-    """Batch generation on one device.
+    """Batch generation on one device (or tensor-parallel ranks); the control methods
+    (update_weights, release_memory, ...) come from engine/commands.py.
 
     `LLM()` loads the built-in model, whose weights are random (deterministic from a
     fixed seed): its text is gibberish, but its routing has a real MoE's shape.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        device: str = "cpu",
-        dtype: str = "auto",
-        enable_return_routed_experts: bool = True,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_fraction: float | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_logprobs: int = 20,
-        seed: int = 0,
-        pipeline_parallel_size: int = 1,
-        decode_context_parallel_size: int = 1,
-        prefill_context_parallel_size: int = 1,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        async_scheduling: bool = False,
-        cuda_graphs: bool | None = None,
-        enforce_eager: bool = False,
-    ) -> None:
-        self.engine = LLMEngine.from_kwargs(
-            model,
-            device=device,
-            dtype=dtype,
-            enable_return_routed_experts=enable_return_routed_experts,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_fraction=kv_cache_memory_fraction,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_logprobs=max_logprobs,
-            seed=seed,
-            async_scheduling=async_scheduling,
-            pipeline_parallel_size=pipeline_parallel_size,
-            decode_context_parallel_size=decode_context_parallel_size,
-            prefill_context_parallel_size=prefill_context_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            cuda_graphs=cuda_graphs,
-            enforce_eager=enforce_eager,
-        )
+    @with_option_keywords
+    def __init__(self, model: str | None = None, **options) -> None:
+        """Every engine option (r3srv.config) as a keyword, with its default; a ConfigError for a
+        bad value or an unknown keyword."""
+        self.engine = LLMEngine.from_kwargs(model, **options)
         self._ids = itertools.count()
         self._trainer = None  # TrainerUpdates, once a trainer joins
 
@@ -90,12 +49,6 @@ class LLM:
     @property
     def routed_experts_info(self) -> dict | None:
         return self.engine.routed_experts_info
-
-    def update_weights(self, path: str, weight_version: str | None = None) -> None:
-        """Load new weights of the same architecture from a checkpoint directory and empty the
-        prefix cache (an RL policy update); a ConfigError leaves the weights unchanged. Later
-        outputs carry `weight_version` (default: `path`)."""
-        self.engine.update_weights(path, weight_version)
 
     # -- a trainer pushing weights over torch.distributed (SGLang Engine's names; docs/weight_sync.md)
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -128,19 +81,6 @@ class LLM:
         if self._trainer is None:
             self._trainer = TrainerUpdates(OfflineTrainerEngine(self.engine.core), 600.0)
         return self._trainer
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix; returns how many blocks were forgotten."""
-        return self.engine.reset_prefix_cache()
-
-    def release_memory(self, tags: list[str] | None = None) -> list[str]:
-        """Free the KV cache ("kv_cache") and/or move the weights to host memory ("weights");
-        None: both. generate refuses to run until resume_memory. Returns what is released."""
-        return self.engine.release_memory(tags)
-
-    def resume_memory(self, tags: list[str] | None = None) -> list[str]:
-        """Take back released memory (None: all); returns what is still released."""
-        return self.engine.resume_memory(tags)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -7,21 +7,17 @@ its own side of a thread boundary (docs/architecture.md, "Engine").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from r3srv.config import EngineConfig
-from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineFacts, EngineStats, engine_config
+from r3srv.config import EngineConfig, engine_config
+from r3srv.engine.commands import commands_as_methods
+from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineFacts, EngineStats
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, ProcessedOutputs
+from r3srv.engine_options import with_option_keywords
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from r3srv.models.loader import NamedTensors
-
-__all__ = ["MEMORY_TAGS", "EngineStats", "LLMEngine", "PreparedRequest", "StepResult"]
-
-PreparedRequest = EngineRequest  # the name callers used before the split
+__all__ = ["MEMORY_TAGS", "EngineStats", "LLMEngine", "StepResult"]
 
 
 @dataclass
@@ -33,20 +29,22 @@ class StepResult:
     num_decode_tokens: int = 0
 
 
+@commands_as_methods("at_once")
 class LLMEngine(EngineFacts):
+    """The engine on the caller's thread; its control methods (update_weights, release_memory,
+    ...) come from engine/commands.py and run at once."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         core = self.core
-        self.input_processor = InputProcessor(
-            core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
-            core.config.max_logprobs, core.config.async_scheduling,
-        )
+        self.input_processor = InputProcessor.of(core)
         self.output_processor = OutputProcessor(core.tokenizer)
 
     @classmethod
-    def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
-        """EngineConfig's and ParallelConfig's fields as keywords."""
-        return cls(engine_config(model, **kwargs))
+    @with_option_keywords
+    def from_kwargs(cls, model: str | None = None, **options) -> "LLMEngine":
+        """Every engine option (r3srv.config) as a keyword."""
+        return cls(engine_config(model, **options))
 
     # -- facts (EngineFacts: config, tokenizer, model_config, max_model_len, device, ...) --
     @property
@@ -103,18 +101,6 @@ class LLMEngine(EngineFacts):
 
     def retract_running(self) -> int:
         return self.core.retract_running()
-
-    def update_weights(self, path: str | NamedTensors, weight_version: str | None = None) -> None:
-        self.core.update_weights(path, weight_version)
-
-    def reset_prefix_cache(self) -> int:
-        return self.core.reset_prefix_cache()
-
-    def release_memory(self, tags: list[str] | None = None) -> list[str]:
-        return self.core.release_memory(tags)
-
-    def resume_memory(self, tags: list[str] | None = None) -> list[str]:
-        return self.core.resume_memory(tags)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (nothing to do at one device)."""

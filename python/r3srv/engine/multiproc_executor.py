@@ -300,10 +300,13 @@ class MultiprocExecutor:
         self._weights_everywhere(Command.LEAVE_WEIGHT_GROUP, {"group_name": group_name}, f"leaving {group_name!r}",
                                  param="group_name")
 
-    def receive_weights(self, group_name: str, named: NamedTensors) -> None:
-        names = list(named.metas)
-        call = {"group_name": group_name, "names": names, "dtypes": [str(named.metas[n][1]) for n in names],
-                "shapes": [list(named.metas[n][0]) for n in names]}
+    def receive_weights(self, group_name: str, named: NamedTensors | None, packing: dict | None = None, *,
+                        announced: bool = False) -> None:
+        """`announced`: prime-rl's push, whose names come with the tensors (named is None)."""
+        names = list(named.metas) if named is not None else []
+        metas = named.metas if named is not None else {}
+        call = {"group_name": group_name, "names": names, "dtypes": [str(metas[n][1]) for n in names],
+                "shapes": [list(metas[n][0]) for n in names], "packing": packing, "announced": announced}
         self._weights_everywhere(Command.RECEIVE_WEIGHTS, call, "the broadcast from the trainer", param="names",
                                  after=f"; the served weights are unchanged and group {group_name!r} is destroyed")
 

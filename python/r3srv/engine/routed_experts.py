@@ -9,8 +9,8 @@ rows the forward pass produced for those tokens.
 
 From a CUDA capture the copy to the host is queued behind the step into pinned memory and
 scattered at the next read or store: a synchronous copy would stall the host until the
-forward ends, before it could queue the sampling kernels (docs/benchmarks.md, "GPU router
-kernel": it cost more than the 1% budget).
+forward ends, before it could queue the sampling kernels (docs/benchmarks.md, "Measurements
+behind code choices": it cost more than the 1% budget).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 
 def routed_experts_dtype(num_experts: int) -> np.dtype:
-    """The wire dtype (DESIGN.md section 2): the narrowest of uint8 / uint16 / int32 that holds every id."""
+    """The wire dtype (README.md, "The routed-experts contract"): the narrowest of uint8 /
+    uint16 / int32 that holds every id."""
     if num_experts <= 256:
         return np.dtype(np.uint8)
     if num_experts <= 65536:

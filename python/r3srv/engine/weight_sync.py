@@ -20,7 +20,6 @@ thread, which `RankedWeightSync` drives).
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import threading
 from collections.abc import Callable
@@ -30,39 +29,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from r3srv.engine.prime_rl_broadcast import receive_state_dicts
+from r3srv.engine.process_groups import broadcast_from_trainer, destroy_group, init_custom_process_group
 from r3srv.engine.step_channel import Command
+from r3srv.engine.vllm_transfer import Packing, join_vllm_group, receive_packed
 from r3srv.errors import ConfigError, InvalidRequestError
 from r3srv.models.loader import NamedTensors
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
-
-
-def init_custom_process_group(
-    *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
-    timeout: float,
-) -> dist.ProcessGroup:
-    """Join a process group outside the default one, as SGLang's model runner and the trainers
-    written for it do: a TCPStore rendezvous at tcp://master_address:master_port (hosted by
-    rank 0), keys under `group_name`. Works with or without a default process group."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    wait = datetime.timedelta(seconds=timeout)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=wait))
-    store.set_timeout(wait)
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
-        backend_options=None, timeout=wait,
-    )
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
+VLLM_GROUP = "weight_update_group"  # vLLM's init_info names no group: the SGLang default
+PRIME_RL_GROUP = "prime_rl_broadcast"  # the group /init_broadcaster joins
 
 
 class WeightSyncError(InvalidRequestError):
@@ -84,12 +62,16 @@ def check_group_ranks(rank_offset: int, world_size: int, tp_size: int) -> None:
         )
 
 
+RENDEZVOUS = ("torch", "vllm")  # init_custom_process_group (SGLang's), or vLLM's StatelessProcessGroup store
+
+
 @dataclass
 class _Group:
-    group: dist.ProcessGroup
+    group: Any  # a torch process group, or vLLM's NCCL communicator on CUDA (engine/vllm_transfer.py)
     rank: int
     world_size: int
     backend: str
+    packing: Packing | None = None  # vLLM's packed broadcasts, agreed at the rendezvous
 
 
 @dataclass
@@ -116,21 +98,33 @@ class WeightSync:
         return backend
 
     def join(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
-             backend: str) -> str:
-        """Blocking: run it off the event loop. The trainer joins too, at the same time."""
+             backend: str, rendezvous: str = "torch", packing: dict | None = None,
+             rendezvous_timeout: float | None = None) -> str:
+        """Blocking: run it off the event loop. The trainer joins too, at the same time.
+        `rendezvous`: "torch" (SGLang's) or "vllm" (vLLM's trainer store, engine/vllm_transfer.py);
+        `packing`: Packing's fields, when the trainer broadcasts vLLM's packed chunks;
+        `rendezvous_timeout`: the trainer's own bound on the rendezvous (at most the server's)."""
         backend = self.backend_for(backend)
         self.check_join(rank_offset=rank_offset, world_size=world_size, group_name=group_name)
         rank = rank_offset + self.tp_rank
+        wait = min(self.timeout, rendezvous_timeout) if rendezvous_timeout else self.timeout
         with self._lock:
             try:
-                group = init_custom_process_group(
-                    master_address=master_address, master_port=master_port, rank=rank, world_size=world_size,
-                    group_name=group_name, backend=backend, timeout=self.timeout,
-                )
-            except Exception as exc:  # the rendezvous timed out, or the address is wrong
+                if rendezvous == "vllm":
+                    group = join_vllm_group(master_address=master_address, master_port=master_port, rank=rank,
+                                            world_size=world_size, device=self.device, timeout=wait)
+                else:
+                    group = init_custom_process_group(
+                        master_address=master_address, master_port=master_port, rank=rank, world_size=world_size,
+                        group_name=group_name, backend=backend, timeout=wait,
+                    )
+            except InvalidRequestError:
+                raise
+            except Exception as exc:  # the rendezvous timed out, the address is wrong, the store is not vLLM's
                 raise WeightSyncError(f"could not join {group_name!r} at {master_address}:{master_port}: {exc}",
                                       param="master_address") from exc
-            self.groups[group_name] = _Group(group, rank, world_size, backend)
+            self.groups[group_name] = _Group(group, rank, world_size, backend,
+                                             None if packing is None else Packing(**packing))
         logger.info("joined weight update group %s as rank %d of %d (%s)", group_name, rank, world_size, backend)
         ranks = str(rank_offset) if self.tp_size == 1 else f"{rank_offset}..{rank_offset + self.tp_size - 1}"
         return f"joined {group_name!r} as rank{'s' if self.tp_size > 1 else ''} {ranks} of {world_size} ({backend})"
@@ -171,7 +165,7 @@ class WeightSync:
             raise InvalidRequestError(f"no weight update group named {group_name!r}", param="group_name")
         self.staged.clear()
         try:
-            dist.destroy_process_group(known.group)
+            destroy_group(known.group)
         except Exception as exc:  # a group broken by a dead trainer: forget it anyway
             logger.warning("destroying weight update group %s: %s", group_name, exc)
 
@@ -185,33 +179,55 @@ class WeightSync:
         return known
 
     def receive(self, group_name: str, named: NamedTensors,
-                keep: Callable[[NamedTensors], dict[str, Any]] | None = None) -> None:
-        """Blocking: every announced tensor, broadcast from rank 0 in order, into new buffers
-        on this rank's device, staged once all arrived (`keep`: what of them to stage; default
-        all). On a failure (the trainer died, or stalled past the timeout) the group is
-        destroyed, as it can no longer be trusted, and WeightSyncError says so; nothing
-        received is kept."""
-        with self._lock:
-            known = self.group(group_name)
+                keep: Callable[[NamedTensors], dict[str, Any]] | None = None, packing: dict | None = None) -> None:
+        """Blocking: every announced tensor, broadcast from rank 0 in order (one broadcast each,
+        or vLLM's packed chunks: `packing`, else the group's), into new buffers on this rank's
+        device, staged once all arrived (`keep`: what of them to stage; default all). On a
+        failure (the trainer died, or stalled past the timeout) the group is destroyed, as it
+        can no longer be trusted, and WeightSyncError says so; nothing received is kept."""
+        def fetch(group: _Group, arrived: Callable[[int], None]) -> dict[str, torch.Tensor]:
+            packed = Packing(**packing) if packing is not None else group.packing
+            if packed is not None:
+                return receive_packed(group.group, named.metas, packed, self.device, on_chunk=arrived)
             buffers = {name: torch.empty(shape, dtype=dtype, device=self.device)
                        for name, (shape, dtype) in named.metas.items()}
+            broadcast_from_trainer(group.group, buffers.values(), arrived)
+            return buffers
+
+        self._receive(group_name, fetch, keep, f" of {len(named.metas)}")
+
+    def receive_announced(self, group_name: str, check: Callable[[NamedTensors], Any],
+                          keep: Callable[[NamedTensors], dict[str, Any]] | None = None) -> int:
+        """prime-rl's push (engine/prime_rl_broadcast.py): the names arrive with the tensors, and
+        `check` sees each state dict's before its tensors come. Returns how many tensors arrived;
+        failures as receive's."""
+        def fetch(group: _Group, arrived: Callable[[int], None]) -> dict[str, torch.Tensor]:
+            return receive_state_dicts(group.group, self.device, lambda metas: check(NamedTensors(metas)), arrived)
+
+        return self._receive(group_name, fetch, keep, "")
+
+    def _receive(self, group_name: str, fetch, keep, of_total: str) -> int:
+        with self._lock:
+            known = self.group(group_name)
             done = 0
+
+            def arrived(count: int) -> None:
+                nonlocal done
+                done = count
+
             try:
-                # all posted at once, as SGLang does: the transfers pipeline instead of paying a round trip each
-                handles = [dist.broadcast(buffer, src=0, group=known.group, async_op=True) for buffer in buffers.values()]
-                for handle in handles:
-                    handle.wait()
-                    done += 1
+                buffers = fetch(known, arrived)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             except Exception as exc:
                 self._destroy(group_name)  # drops the staged tensors too
                 raise WeightSyncError(
-                    f"the broadcast from the trainer failed after {done} of {len(buffers)} tensors ({exc}); "
+                    f"the broadcast from the trainer failed after {done}{of_total} tensors ({exc}); "
                     f"the served weights are unchanged and group {group_name!r} is destroyed",
                     param="names",
                 ) from exc
             self.staged.update(buffers if keep is None else keep(NamedTensors.of(buffers)))
+            return len(buffers)
 
 
 def named_tensor_metas(names: list[str], dtypes: list[str], shapes: list[list[int]], *, dtypes_param: str) -> NamedTensors:
@@ -244,9 +260,13 @@ def run_weight_command(sync: WeightSync, model, command: Command, call: dict) ->
     if command is Command.JOIN_WEIGHT_GROUP:
         sync.timeout = call["timeout"]
         sync.join(**{k: v for k, v in call.items() if k != "timeout"})
+    elif command is Command.RECEIVE_WEIGHTS and call.get("announced"):  # prime-rl's: names come in-band
+        sync.receive_announced(call["group_name"], check=lambda named: plan_named_tensors(model, named, complete=False),
+                               keep=lambda arrived: keep_shard_pieces(model, arrived))
     elif command is Command.RECEIVE_WEIGHTS:
         named = named_tensor_metas(call["names"], call["dtypes"], call["shapes"], dtypes_param="dtypes")
-        sync.receive(call["group_name"], named, keep=lambda arrived: keep_shard_pieces(model, arrived))
+        sync.receive(call["group_name"], named, keep=lambda arrived: keep_shard_pieces(model, arrived),
+                     packing=call.get("packing"))
     elif command is Command.LEAVE_WEIGHT_GROUP:
         sync.leave(call["group_name"])
     elif command is Command.DROP_STAGED_WEIGHTS:
@@ -291,14 +311,20 @@ class LocalReceiver:
     def check_group(self, group_name: str) -> None:
         self.sync.group(group_name)
 
+    def has_group(self, group_name: str) -> bool:
+        return group_name in self.sync.groups
+
     async def join(self, **group: Any) -> str:
         return await asyncio.to_thread(self.sync.join, **group)
 
     async def leave(self, group_name: str) -> None:
         await asyncio.to_thread(self.sync.leave, group_name)  # waits for a receive under way
 
-    async def receive(self, group_name: str, named: NamedTensors) -> None:
-        await asyncio.to_thread(self.sync.receive, group_name, named)
+    async def receive(self, group_name: str, named: NamedTensors, packing: dict | None = None) -> None:
+        await asyncio.to_thread(self.sync.receive, group_name, named, None, packing)
+
+    async def receive_announced(self, group_name: str, check: Callable[[NamedTensors], Any]) -> int:
+        return await asyncio.to_thread(self.sync.receive_announced, group_name, check)
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> None:
         self.sync.staged.update(tensors)
@@ -330,6 +356,9 @@ class RankedReceiver:
     def check_group(self, group_name: str) -> None:
         self.sync.group(group_name)
 
+    def has_group(self, group_name: str) -> bool:
+        return group_name in self.sync.groups
+
     async def join(self, *, backend: str, **group: Any) -> str:
         group["backend"] = self.sync.backend_for(backend)
         self.sync.check_join(rank_offset=group["rank_offset"], world_size=group["world_size"],
@@ -340,8 +369,12 @@ class RankedReceiver:
         self.check_group(group_name)
         await self.engine.call_ranks(lambda ranks: ranks.leave_weight_group(group_name))
 
-    async def receive(self, group_name: str, named: NamedTensors) -> None:
-        await self.engine.call_ranks(lambda ranks: ranks.receive_weights(group_name, named))
+    async def receive(self, group_name: str, named: NamedTensors, packing: dict | None = None) -> None:
+        await self.engine.call_ranks(lambda ranks: ranks.receive_weights(group_name, named, packing))
+
+    async def receive_announced(self, group_name: str, check: Callable[[NamedTensors], Any]) -> int:
+        await self.engine.call_ranks(lambda ranks: ranks.receive_weights(group_name, None, announced=True))
+        return len(self.sync.staged_tensors().metas)  # every rank checked its own shard's pieces
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError("tensors handed over in one process cannot reach every rank's staging")
@@ -374,6 +407,7 @@ class TrainerUpdates:
         self.sync: LocalReceiver | RankedReceiver = (
             LocalReceiver(engine.device, timeout) if engine.core.multiproc is None else RankedReceiver(engine, timeout))
         self.in_round = False  # between vLLM's start_weight_update and finish_weight_update
+        self.session: str | None = None  # SGLang's begin_weight_update selector until end_weight_update
         self.last_vllm_info: Any = None  # vLLM's update_info with empty lists means the previous one again
         self._lock: asyncio.Lock | None = None  # one update call at a time (made on the server's loop)
 
@@ -391,11 +425,11 @@ class TrainerUpdates:
             raise InvalidRequestError(str(exc), param="names") from exc
 
     async def receive(self, group_name: str, named: NamedTensors, *, weight_version: str | None = None,
-                      abort_running: bool = False) -> str:
+                      abort_running: bool = False, packing: dict | None = None) -> str:
         async with self.lock:
             self.sync.check_group(group_name)
             await self.check(named)
-            await self.sync.receive(group_name, named)
+            await self.sync.receive(group_name, named, packing)
             return await self._staged(len(named.metas), weight_version, abort_running)
 
     async def take(self, tensors: dict[str, torch.Tensor], *, weight_version: str | None = None,
@@ -409,6 +443,30 @@ class TrainerUpdates:
             self.sync.stage(copies)
             return await self._staged(len(copies), weight_version, abort_running)
 
+    async def receive_announced(self, group_name: str, *, weight_version: str | None) -> str:
+        """prime-rl's push: every tensor it sends, its names checked against the served model as
+        each state dict's metadata arrives; applied like an SGLang call that completes the model."""
+        def check(named: NamedTensors) -> None:
+            self.engine.unfilled_weights(named)  # a ConfigError names what the model cannot take
+
+        async with self.lock:
+            self.sync.check_group(group_name)
+            arrived = await self.sync.receive_announced(group_name, check)
+            return await self._staged(arrived, weight_version, False)
+
+    async def receive_in_round(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                               packing: dict | None = None) -> str:
+        """One vLLM update_info between start_weight_update and finish_weight_update, over the
+        group /init_weight_transfer_engine joined; empty lists repeat the previous call's names."""
+        if not self.in_round:
+            raise InvalidRequestError("call /start_weight_update before /update_weights", param="update_info")
+        if names:
+            self.last_vllm_info = (names, dtype_names, shapes)
+        elif self.last_vllm_info is not None:
+            names, dtype_names, shapes = self.last_vllm_info
+        named = named_tensor_metas(names, dtype_names, shapes, dtypes_param="dtype_names")
+        return await self.receive(VLLM_GROUP, named, packing=packing)
+
     async def start_round(self) -> None:
         async with self.lock:
             await self.sync.drop_staged()
@@ -420,6 +478,31 @@ class TrainerUpdates:
                 raise InvalidRequestError("no weight update was started: call /start_weight_update first")
             self.in_round = False
             return await self._apply(weight_version, abort_running=False, complete=True)
+
+    async def begin_session(self, selector: str) -> None:
+        """SGLang's /begin_weight_update: a session of update calls, each applied once the staged
+        tensors fill the model (as without one), which /end_weight_update closes."""
+        async with self.lock:
+            if self.session is not None:
+                raise InvalidRequestError("a weight-update session is already open; call /end_weight_update first")
+            await self.sync.drop_staged()
+            self.session = selector
+
+    async def end_session(self) -> None:
+        """Close the session; tensors still staged then (parameters never sent) are dropped, and
+        the answer is a 400 naming the missing parameters: the served weights did not change."""
+        async with self.lock:
+            if self.session is None:
+                raise InvalidRequestError("no weight-update session is open; call /begin_weight_update first")
+            self.session = None
+            staged = self.sync.staged_tensors()
+            if not staged.metas:
+                return
+            unfilled = await asyncio.to_thread(self.engine.unfilled_weights, staged)
+            await self.sync.drop_staged()
+            raise InvalidRequestError(
+                f"the session ended with {len(staged.metas)} tensors staged and {len(unfilled)} parameters never "
+                f"sent, e.g. {', '.join(unfilled[:8])}; the served weights are unchanged", param="names")
 
     async def _staged(self, arrived: int, weight_version: str | None, abort_running: bool) -> str:
         if self.in_round:

@@ -108,10 +108,6 @@ class ModelConfig:
         return int(self.head_dim * self.rope.partial_factor)
 
     @property
-    def has_moe(self) -> bool:
-        return bool(self.moe_layers)
-
-    @property
     def is_random_builtin(self) -> bool:
         return bool(self.raw.get("r3srv_random_weights"))
 

@@ -138,9 +138,3 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     cos, sin = cos[:, None, :half], sin[:, None, :half]
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
-
-
-def silu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with gate and up stacked in w13 [2I, H]."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)

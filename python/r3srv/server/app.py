@@ -23,7 +23,7 @@ from r3srv.server.body import decode_body
 from r3srv.server.chat_output import ChatParsers
 from r3srv.server.declare import feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
-from r3srv.server.generation import ServerState
+from r3srv.server.generation import LaunchFacts, ServerState
 from r3srv.server.metrics import ServerMetrics
 from r3srv.server.openapi import describe_what_is_served
 from r3srv.server.routes import ROUTE_HANDLERS
@@ -62,6 +62,9 @@ def create_app(
     routed_experts_encoding: str = "auto",
     on_engine_death: Callable[[], None] | None = None,
     weight_sync_timeout: float = 600.0,
+    launch: LaunchFacts | None = None,
+    enable_sleep_mode: bool = False,
+    enable_collective_rpc: bool = False,
     chat_parsers: ChatParsers | None = None,
 ) -> Litestar:
     """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
@@ -73,6 +76,9 @@ def create_app(
         enable_weight_updates=enable_weight_updates,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         weight_sync_timeout=weight_sync_timeout,
+        launch=launch or LaunchFacts(),
+        enable_sleep_mode=enable_sleep_mode,
+        enable_collective_rpc=enable_collective_rpc,
         routed_experts_encoding=routed_experts_encoding,
         chat_parsers=chat_parsers or ChatParsers(),
     )

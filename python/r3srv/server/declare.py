@@ -48,6 +48,10 @@ class Feature(enum.Enum):
     """A group of routes the server serves only when started with its flag."""
 
     WEIGHT_UPDATES = "--enable-weight-updates"
+    # vLLM serves these only in its development mode (VLLM_SERVER_DEV_MODE=1); r3srv behind their own
+    # flags, each of which needs --enable-weight-updates too (cli.py refuses it alone)
+    SLEEP_MODE = "--enable-sleep-mode"  # /sleep, /wake_up, /is_sleeping (vLLM's flag name)
+    COLLECTIVE_RPC = "--enable-collective-rpc"  # /collective_rpc, its fixed method table (engine/rpc.py)
 
 
 def declaration(handler: BaseRouteHandler) -> tuple[Access, Fleet, Feature | None]:

@@ -36,6 +36,18 @@ T = TypeVar("T")
 _OFFLOAD_ENCODE_BYTES = 1 << 20
 
 
+@dataclass(frozen=True)
+class LaunchFacts:
+    """How the server was started, as SGLang's /server_info reports it (RL frameworks compare these
+    with their own launch arguments before they attach to a server they did not start)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nnodes: int = 1
+    node_rank: int = 0
+    enable_memory_saver: bool = False  # SGLang's flag: the trainer offloads the server's memory between rollouts
+
+
 @dataclass
 class ServerState:
     """What every route needs, kept in `app.state.server`."""
@@ -47,13 +59,18 @@ class ServerState:
     enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached tokens), as vLLM
     weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
+    launch: LaunchFacts = field(default_factory=LaunchFacts)
+    enable_sleep_mode: bool = False  # /sleep, /wake_up (vLLM's development-mode routes)
+    enable_collective_rpc: bool = False  # /collective_rpc (vLLM's development-mode route)
     routed_experts_encoding: str = rows_encoding.AUTO  # --routed-experts-encoding
     chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # --tool-call-parser, --reasoning-parser
 
     @property
     def features(self) -> frozenset[Feature]:
         """The optional route groups this server serves (server/declare.py)."""
-        return frozenset({Feature.WEIGHT_UPDATES} if self.enable_weight_updates else ())
+        flags = ((Feature.WEIGHT_UPDATES, self.enable_weight_updates), (Feature.SLEEP_MODE, self.enable_sleep_mode),
+                 (Feature.COLLECTIVE_RPC, self.enable_collective_rpc))
+        return frozenset(feature for feature, on in flags if on)
 
     async def abort_all(self) -> None:
         """End every request in flight (finish_reason "abort"): on shutdown, so streams close

@@ -22,6 +22,12 @@ class ServerInfo(Struct, kw_only=True):
     tokenizer_path: str | None
     served_model_name: str
     weight_version: str
+    host: str  # --host and --port as the server was started (miles compares them with the address it was given)
+    port: int
+    nnodes: int
+    node_rank: int
+    gpu_id_step: int  # a server's ranks take consecutive devices
+    base_gpu_id: int  # the first rank's device index (0 on the CPU)
     tp_size: int
     dp_size: int  # of this replica: a fleet's replicas are separate servers behind the router
     pp_size: int
@@ -37,8 +43,9 @@ class ServerInfo(Struct, kw_only=True):
     disable_radix_cache: bool
     random_seed: int
     enable_return_routed_experts: bool
-    # SGLang's flag for /release_memory_occupation and /resume_memory_occupation; r3srv
-    # serves both whenever weight updates are enabled.
+    # SGLang's flag (--enable-memory-saver): a trainer releases this server's memory between
+    # rollouts; r3srv serves the memory routes with --enable-weight-updates either way, as SGLang
+    # serves them without the flag.
     enable_memory_saver: bool
     enable_weight_updates: bool
     is_paused: bool

@@ -8,6 +8,10 @@ from typing import Any, Literal
 
 from msgspec import Struct
 
+from r3srv.errors import InvalidRequestError
+
+from r3srv.engine.vllm_transfer import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
+
 
 def _refuse(field: str, why: str) -> None:
     raise ValueError(f"`{field}` {why}")
@@ -66,12 +70,11 @@ class UpdateWeightVersionRequest(Struct, kw_only=True):
 
 # ---------------------------------------------------------------- vLLM 0.33's weight transfer
 
-VLLM_GROUP = "weight_update_group"  # vLLM's init_info names no group: the SGLang default
 
 
 class VllmInitInfo(Struct, kw_only=True):
-    """NCCLWeightTransferInitInfo's fields; the trainer joins with torch.distributed (see
-    docs/weight_sync.md), not with vLLM's StatelessProcessGroup, whose store exchange pickles."""
+    """NCCLWeightTransferInitInfo's fields: the trainer opens vLLM's store rendezvous
+    (engine/vllm_transfer.py); `packed` and its sizes are the wire layout of every round."""
 
     master_address: str | None = None
     master_port: int | None = None
@@ -79,16 +82,28 @@ class VllmInitInfo(Struct, kw_only=True):
     world_size: int
     nccl_unique_id_b64: str | None = None
     packed: bool = False
-    packed_buffer_size_bytes: int | None = None
-    packed_num_buffers: int | None = None
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
 
     def __post_init__(self) -> None:
         if self.nccl_unique_id_b64 is not None:
             _refuse("init_info.nccl_unique_id_b64", "is not supported: pass master_address and master_port")
         if self.master_address is None or self.master_port is None:
             _refuse("init_info.master_address", "and init_info.master_port are required")
-        if self.packed:
-            _refuse("init_info.packed", "true is not supported: the trainer broadcasts one tensor per name")
+        packing(self)  # sizes checked at decode
+
+    def packing(self) -> dict[str, int] | None:
+        return packing(self)
+
+
+def packing(info: Any) -> dict[str, int] | None:
+    """The packed layout an init or update info asks for (Packing's fields), or None."""
+    if not info.packed:
+        return None
+    for name in ("packed_buffer_size_bytes", "packed_num_buffers"):
+        if getattr(info, name) < 1:
+            _refuse(name, f"must be positive, got {getattr(info, name)}")
+    return {"buffer_size_bytes": info.packed_buffer_size_bytes, "num_buffers": info.packed_num_buffers}
 
 
 class VllmInitRequest(Struct, kw_only=True):
@@ -108,9 +123,28 @@ class VllmFinishRequest(Struct, kw_only=True):
 
 
 class PrimeRlUpdateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
-    """prime-rl's /update_weights body: a directory of safetensors shards (no config.json needed)."""
+    """prime-rl's /update_weights body: a directory of safetensors shards (no config.json needed),
+    or, once /init_broadcaster joined, the directory of its NCCL_READY marker (the push arrives
+    over the broadcaster's group)."""
 
     weight_dir: str | None
+
+
+class PrimeRlInitBroadcasterRequest(Struct, kw_only=True):
+    """prime-rl's /init_broadcaster body (src/prime_rl/utils/client.py: init_nccl_broadcast)."""
+
+    host: str
+    port: int
+    rank_offset: int  # this server's first rank among the inference ranks (the trainer's is before them)
+    inference_world_size: int
+    timeout: float | None = None  # seconds the rendezvous may wait (at most --weight-sync-timeout)
+    quantize_in_weight_transfer: bool = False
+    session_id: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.quantize_in_weight_transfer:
+            raise InvalidRequestError("quantize_in_weight_transfer (FP8 kernel-format layers) is not supported: "
+                                      "send checkpoint weights", param="quantize_in_weight_transfer")
 
 
 class VllmUpdateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -132,3 +166,55 @@ class WeightVersionResult(Struct, kw_only=True):
 
 class WeightInfo(Struct, kw_only=True):
     weight_version: str
+
+
+# ---------------------------------------------------------------- SGLang's weight-update session
+
+
+class BeginWeightUpdateRequest(Struct, kw_only=True):
+    """SGLang 0.5.23's BeginWeightUpdateReqInput (miles brackets every update with it)."""
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+    def __post_init__(self) -> None:
+        if self.selector == "draft":
+            raise InvalidRequestError("selector 'draft' names a draft model, and r3srv serves none", param="selector")
+
+
+class EndWeightUpdateRequest(Struct, kw_only=True):
+    """SGLang 0.5.23's EndWeightUpdateReqInput: no fields of its own."""
+
+
+# ---------------------------------------------------------------- vLLM's development-mode routes
+
+
+class SleepStatus(Struct, kw_only=True):
+    status: str  # "sleeping"
+    level: int
+
+
+class WakeStatus(Struct, kw_only=True):
+    status: str  # "awake" once nothing is released and generation runs again, else "sleeping"
+    tags: list[str] | None
+
+
+class IsSleeping(Struct, kw_only=True):
+    is_sleeping: bool
+
+
+class WorldSize(Struct, kw_only=True):
+    world_size: int
+
+
+class CollectiveRpcRequest(Struct, kw_only=True):
+    """vLLM's /collective_rpc body: a method of r3srv's fixed table (engine/rpc.py), never an
+    arbitrary name; its arguments as JSON."""
+
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    timeout: float | None = None  # seconds the answer may take (the call itself goes on, as in vLLM)
+
+
+class CollectiveRpcResult(Struct, kw_only=True):
+    results: list[Any]  # one per rank, as vLLM's workers answer

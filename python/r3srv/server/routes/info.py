@@ -65,7 +65,7 @@ async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> 
 
     def render_and_encode() -> list[int]:
         # A rendered chat template already holds its specials; a raw prompt gets the tokenizer's.
-        text = data.text(tokenizer.apply_chat_template)
+        text = data.text(state.engine.input_processor.render_chat)
         return list(tokenizer.encode(text, add_special_tokens=data.messages is None))
 
     size = len(data.prompt or "") + sum(m.content_chars() for m in data.messages or ())

@@ -8,7 +8,6 @@ from typing import Any
 import msgspec
 from litestar import Request, post
 
-from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
 from r3srv.server import protocol as p
 from r3srv.server.declare import Access, Fleet
@@ -44,26 +43,17 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     state = server_state(request)
     state.check_model(data.model)
     params = data.to_sampling_params()
-    tokenizer = state.tokenizer()
+    state.tokenizer()  # a 400 saying what to use instead when the checkpoint has none
     tool_choice = check_tool_request(data.tools, data.tool_choice, state.chat_parsers.tools_served)
     parsing = state.chat_parsers.for_request(data, tool_choice)
     if parsing is not None:  # the parsers read the markup, special tokens included (as vLLM's adjust_request)
         params = msgspec.structs.replace(params, skip_special_tokens=False)
+    chat = state.engine.input_processor
 
     def render_and_encode() -> list[int]:
-        rendered = tokenizer.apply_chat_template(
-            data.template_messages(), add_generation_prompt=data.add_generation_prompt, **data.template_kwargs()
-        )
-        # The template writes its own specials (e.g. Mixtral's `{{ bos_token }}`): encoding them
-        # again would double the BOS and shift every token and row, so add none (as HF and vLLM).
-        return tokenizer.encode(rendered, add_special_tokens=False)
+        return chat.chat_prompt_ids(data.template_messages(), data.add_generation_prompt, **data.template_kwargs())
 
-    try:
-        prompt = await run_sized(sum(m.content_chars() for m in data.messages), render_and_encode)
-    except InvalidRequestError:
-        raise
-    except Exception as exc:  # a template that rejects these messages (jinja raise_exception, bad roles)
-        raise InvalidRequestError(f"cannot apply the chat template to these messages: {exc}", param="messages") from exc
+    prompt = await run_sized(sum(m.content_chars() for m in data.messages), render_and_encode)
     request_id = data.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     route = "/v1/chat/completions"
     if data.stream:

@@ -18,7 +18,7 @@ from litestar import Request, get, post
 from litestar.params import Parameter
 
 from r3srv.engine.tensor_unpickler import load_named_cuda_tensors
-from r3srv.engine.weight_sync import TrainerUpdates, named_tensor_metas
+from r3srv.engine.weight_sync import PRIME_RL_GROUP, VLLM_GROUP, TrainerUpdates, named_tensor_metas
 from r3srv.errors import InvalidRequestError
 from r3srv.server.protocol import weight_sync as w
 from r3srv.server.declare import Access, Fleet, Feature
@@ -115,6 +115,24 @@ async def weight_info(request: Request[Any, Any, Any]) -> w.WeightInfo:
     return w.WeightInfo(weight_version=server_state(request).engine.weight_version)
 
 
+# ---------------------------------------------------------------- prime-rl's NCCL broadcaster
+
+
+@post("/init_broadcaster", status_code=200, summary="Join prime-rl's NCCL weight broadcast (its server's route)",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
+async def init_broadcaster(data: w.PrimeRlInitBroadcasterRequest, request: Request[Any, Any, Any]) -> w.VllmStatus:
+    """prime-rl's worker joins vLLM's store rendezvous as rank_offset + its rank + 1 of
+    inference_world_size + 1 (the trainer is rank 0); /update_weights then receives its pushes."""
+    updates = trainer_updates(request)
+    backend = "nccl" if updates.sync.device.type == "cuda" else "gloo"  # gloo: the CPU's stand-in
+    if updates.sync.has_group(PRIME_RL_GROUP):  # a restarted trainer: join its new rendezvous
+        await updates.sync.leave(PRIME_RL_GROUP)
+    await _join(request, master_address=data.host, master_port=data.port, rank_offset=data.rank_offset + 1,
+                world_size=data.inference_world_size + 1, group_name=PRIME_RL_GROUP, backend=backend,
+                rendezvous="vllm", rendezvous_timeout=data.timeout)
+    return w.VllmStatus(status="ok")
+
+
 # ---------------------------------------------------------------- vLLM's
 
 
@@ -145,16 +163,17 @@ async def resume(request: Request[Any, Any, Any]) -> w.VllmStatus:
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def init_weight_transfer_engine(data: w.VllmInitRequest, request: Request[Any, Any, Any]) -> w.VllmMessage:
     info = data.init_info
-    backend = "nccl" if trainer_updates(request).sync.device.type == "cuda" else "gloo"
+    backend = "nccl" if trainer_updates(request).sync.device.type == "cuda" else "gloo"  # gloo: the CPU's stand-in
     await _join(request, master_address=info.master_address, master_port=info.master_port,
-                rank_offset=info.rank_offset, world_size=info.world_size, group_name=w.VLLM_GROUP, backend=backend)
+                rank_offset=info.rank_offset, world_size=info.world_size, group_name=VLLM_GROUP, backend=backend,
+                rendezvous="vllm", packing=info.packing())
     return w.VllmMessage(message="Weight transfer initialized")
 
 
 @post("/shutdown_weight_transfer_engine", status_code=200, summary="Leave the trainer's process group (vLLM's name)",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def shutdown_weight_transfer_engine(request: Request[Any, Any, Any]) -> w.VllmMessage:
-    await trainer_updates(request).sync.leave(w.VLLM_GROUP)
+    await trainer_updates(request).sync.leave(VLLM_GROUP)
     return w.VllmMessage(message="Weight transfer shut down")
 
 
@@ -184,6 +203,14 @@ async def finish_weight_update(data: w.VllmFinishRequest, request: Request[Any, 
 async def update_weights(data: dict[str, Any], request: Request[Any, Any, Any]) -> w.VllmMessage:
     if "weight_dir" in data:
         body = msgspec.convert(data, w.PrimeRlUpdateRequest)
+        updates = trainer_updates(request)
+        if updates.sync.has_group(PRIME_RL_GROUP):  # prime-rl's NCCL mode: the directory holds a marker only
+            from r3srv.server.fanout import FANOUT_HEADER
+
+            if FANOUT_HEADER in request.headers:  # a push is a collective: prime-rl calls each replica itself
+                return w.VllmMessage(message="Weights updated by the call made to this replica")
+            await updates.receive_announced(PRIME_RL_GROUP, weight_version=body.weight_dir)
+            return w.VllmMessage(message="Weights updated")
         if body.weight_dir is None:
             raise InvalidRequestError("weight_dir null (prime-rl's NCCL transport) is not supported: name a directory",
                                       param="weight_dir")
@@ -195,14 +222,6 @@ async def update_weights(data: dict[str, Any], request: Request[Any, Any, Any]) 
     info = msgspec.convert(data, w.VllmUpdateRequest).update_info
     if not isinstance(info, w.VllmUpdateInfo):
         raise InvalidRequestError("update_info as a list is not supported: send one object", param="update_info")
-    updates = trainer_updates(request)
-    if not updates.in_round:
-        raise InvalidRequestError("call /start_weight_update before /update_weights", param="update_info")
-    if info.names:
-        updates.last_vllm_info = info
-    elif updates.last_vllm_info is not None:  # vLLM: empty lists send the previous call's names again
-        info = updates.last_vllm_info
-    named = named_tensor_metas(info.names, info.dtype_names, info.shapes, dtypes_param="dtype_names")
-    await updates.receive(w.VLLM_GROUP, named)
+    await trainer_updates(request).receive_in_round(info.names, info.dtype_names, info.shapes)
     return w.VllmMessage(message="Weights updated")
 
