@@ -57,7 +57,13 @@ def outputs(llm, prompts, params) -> list:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_same_bits_as_the_modules(llm, r3srv_settings, fast_calls, threads, seed):
-    prompts, params = generated_requests(seed, 10)
+    assert_the_modules_bits(llm, r3srv_settings, fast_calls, threads, seed, 10)
+
+
+def assert_the_modules_bits(llm, r3srv_settings, fast_calls, threads: int, seed: int, n: int) -> None:
+    """n generated requests give the same tokens, rows and logprobs with the fast path (which
+    runs whole steps, every layer) as with the modules."""
+    prompts, params = generated_requests(seed, n)
     r3srv_settings(cpu_threads=threads, fast_cpu_decode=True)
     fast = outputs(llm, prompts, params)
     layers = len(llm.engine.core.executor.runner.model.layers)
@@ -84,18 +90,7 @@ def test_bfloat16_the_same_bits_as_the_modules(r3srv_settings, fast_calls, float
     if float32_gate:
         for layer in model.layers:
             layer.mlp.gate = torch.nn.Parameter(layer.mlp.gate.float(), requires_grad=False)
-    prompts, params = generated_requests(3, 8)
-    r3srv_settings(cpu_threads=2, fast_cpu_decode=True)
-    fast = outputs(bf16, prompts, params)
-    assert fast_calls and len(fast_calls) % len(model.layers) == 0
-    fast_calls.clear()
-    r3srv_settings(fast_cpu_decode=False)
-    modules = outputs(bf16, prompts, params)
-    assert not fast_calls
-    for (tokens, rows, logprobs), (want_tokens, want_rows, want_logprobs) in zip(fast, modules):
-        assert tokens == want_tokens
-        np.testing.assert_array_equal(rows, want_rows)
-        assert logprobs == want_logprobs
+    assert_the_modules_bits(bf16, r3srv_settings, fast_calls, 2, 3, 8)
 
 
 def test_prefill_steps_keep_the_modules(llm, r3srv_settings, fast_calls):
