@@ -47,8 +47,8 @@ def read_bandwidth(threads: int, mib: int = 512) -> float:
 
 
 # the Rust kernels a CPU decode step calls, by the kernel module attribute the callers look up
-KERNELS = {"expert pass": (expert_pairs_cpu, "_expert_pairs_cpu"), "linear layers": (linear_cpu, "_linear_cpu"),
-           "attention": (paged_decode_cpu, "_paged_decode_attention")}
+KERNELS = {"expert pass": (expert_pairs_cpu, "expert_pairs_entry"), "linear layers": (linear_cpu, "linear_entry"),
+           "attention": (paged_decode_cpu, "paged_decode_entry")}
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """The Rust linear kernel for a few rows (r3srv.kernels.linear_cpu) against torch's F.linear on
-generated inputs, its fallbacks, its thread split, and the built-in model's tokens and routed
-experts with it on and off."""
+generated inputs, its fallbacks, its thread split, the CPU backend's linear op with it on and
+off, and the built-in model's tokens and routed experts with it on and off."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_testing import assert_same_outputs_either_way, counting, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from engine_testing import assert_same_outputs_either_way, counting, model_of, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from r3srv import LLM
 from r3srv import settings as settings_module
 from r3srv.kernels import linear_cpu
-from r3srv.kernels.linear_cpu import BUILT, MAX_ROWS, linear, linear_rust
-from r3srv.models import parallel
+from r3srv.kernels.linear_cpu import BUILT, MAX_ROWS, linear_rust
+from r3srv.ops import ops_for
 
 
 def operands(seed: int, rows: int, k: int, n: int, bias: bool, dtype=torch.float32):
@@ -50,8 +50,8 @@ def test_leading_dims_and_the_thread_split():
     x, w, b = operands(1, MAX_ROWS, 256, 1030, True)
     one = linear_rust(x.view(4, MAX_ROWS // 4, 256), w, b)
     assert one.shape == (4, MAX_ROWS // 4, 1030)
-    with settings_module.overridden(cpu_threads=2):  # 32 x 1030 x 256 multiply-adds: two threads
-        assert torch.equal(linear_rust(x.view(4, MAX_ROWS // 4, 256), w, b), one)
+    # 32 x 1030 x 256 multiply-adds: two threads
+    assert torch.equal(linear_rust(x.view(4, MAX_ROWS // 4, 256), w, b, threads=2), one)
 
 
 @pytest.mark.parametrize("rows", [MAX_ROWS + 1, 64, 300])
@@ -131,9 +131,13 @@ def test_falls_back_to_torch(case):
         "empty": (x[:0], w, b),
     }[case]
     with settings_module.overridden(rust_linear=case != "setting off"):
+        linear = ops_for("cpu", torch.float32).linear  # the CPU backend's op, chosen under these settings
+    if case == "setting off":
+        assert linear is F.linear
+    else:
         assert linear_rust(*args) is None
-        if case not in ("bias shape", "mixed dtypes"):  # F.linear refuses those itself
-            torch.testing.assert_close(linear(*args), F.linear(*args), rtol=0, atol=0)
+    if case not in ("bias shape", "mixed dtypes"):  # F.linear refuses those itself
+        torch.testing.assert_close(linear(*args), F.linear(*args), rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +145,12 @@ def llm() -> LLM:
     return LLM(max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
 
 
-def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
-    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
+def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(monkeypatch, llm):
     kernel_runs = []
 
     monkeypatch.setattr(linear_cpu, "linear_rust", counting(linear_rust, kernel_runs))
     prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
     # the decode steps' projections take the kernel; a 40-token prefill's have too many rows
-    assert_same_outputs_either_way(llm, prompts, kernel_runs, lambda on: r3srv_settings(rust_linear=on),
-                                   every_call=False)
-    assert parallel.linear is linear  # the layers' one entry point
+    assert_same_outputs_either_way(llm, prompts, kernel_runs, "rust_linear", every_call=False)
+    model = model_of(llm)
+    assert model.layers[0].attn.qkv_proj.ops is model.ops  # the layers' one entry point

@@ -1,6 +1,6 @@
 """The Rust q/k norms + RoPE kernel (r3srv.kernels.qk_rope_cpu) against the torch ops the
-attention layer runs without it, on generated shapes; its fallbacks; and the built-in model's
-tokens and routed experts with it on and off."""
+attention layer runs without it, on generated shapes; its fallbacks; the CPU backend taking it
+or not; and the built-in model's tokens and routed experts with it on and off."""
 
 from __future__ import annotations
 
@@ -12,18 +12,19 @@ from hypothesis import strategies as st
 from engine_testing import assert_same_outputs_either_way, counting, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from r3srv import LLM
 from r3srv import settings as settings_module
+from r3srv.kernels import qk_rope_cpu
 from r3srv.kernels.qk_rope_cpu import BUILT, qk_norm_rope
-from r3srv.models import model as model_module
-from r3srv.models.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from r3srv.ops import ops_for
+from r3srv.ops.norm import rms_norm
+from r3srv.ops.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 def torch_heads(qkv, heads, kv_heads, dim, norms, eps, cos, sin):
     t = qkv.shape[0]
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = q.reshape(t, heads, dim), k.reshape(t, kv_heads, dim), v.reshape(t, kv_heads, dim)
-    if norms is not None:
-        with settings_module.overridden(rust_rms_norm=False):
-            q, k = rms_norm(q, norms[0], eps), rms_norm(k, norms[1], eps)
+    if norms is not None:  # the reference norm (torch's)
+        q, k = rms_norm(q, norms[0], eps), rms_norm(k, norms[1], eps)
     if cos is not None:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return q, k, v
@@ -97,7 +98,11 @@ def test_falls_back(case):
         norms = (norms[0][:4], norms[1])
     elif case == "wide qkv":
         qkv = torch.randn(3, 41)
-    with settings_module.overridden(rust_rope=case != "setting off"):
+    if case == "setting off":  # the CPU backend does not take it at all
+        with settings_module.overridden(rust_rope=False):
+            assert ops_for("cpu", torch.float32).attention_heads is None
+        assert ops_for("cpu", torch.float32).attention_heads is qk_norm_rope
+    else:
         assert qk_norm_rope(qkv, heads, kv_heads, dim, norms, eps, cos, sin) is None
 
 
@@ -106,10 +111,9 @@ def llm() -> LLM:
     return LLM(max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
 
 
-def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
-    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
+def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(monkeypatch, llm):
     runs = []
 
-    monkeypatch.setattr(model_module, "qk_norm_rope", counting(qk_norm_rope, runs))
+    monkeypatch.setattr(qk_rope_cpu, "qk_norm_rope", counting(qk_norm_rope, runs))
     prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
-    assert_same_outputs_either_way(llm, prompts, runs, lambda on: r3srv_settings(rust_rope=on))
+    assert_same_outputs_either_way(llm, prompts, runs, "rust_rope")

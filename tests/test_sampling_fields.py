@@ -153,7 +153,8 @@ def test_cache_salt_separates_prefix_caches(llm):
     assert again.num_cached_tokens > 0
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     with pytest.raises(ValueError, match="cache_salt"):
-        SamplingParams(cache_salt="a/b")
+        SamplingParams(cache_salt="x" * 129)  # '@' and '/' are fine: SkyRL salts with "<model>@<version>"
+    SamplingParams(cache_salt="org/model@global_step_3")
 
 
 def test_truncate_prompt_tokens_keeps_the_last_k(llm):

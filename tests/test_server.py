@@ -424,7 +424,7 @@ INVALID_PER_ROUTE: dict[str, list[dict]] = {
         {"prompt": "x", "routed_experts_prompt_start": -1},
         {"prompt": "x", "routed_experts_prompt_start": 2},
         {"prompt": "x", "routed_experts_prompt_start": "zero"},
-        {"prompt": "x", "return_routed_experts": "yes"},
+        {"prompt": "x", "return_routed_experts": "maybe"},  # "yes" is true, as pydantic reads it
         {"prompt": "x", "model": "nope"},
         {"prompt": "x", "presence_penalty": 2.5},
         {"prompt": "x", "logit_bias": {"not-an-id": 1}},
@@ -442,7 +442,7 @@ INVALID_PER_ROUTE: dict[str, list[dict]] = {
         {"messages": _MSG, "max_tokens": 0},
         {"messages": _MSG, "max_completion_tokens": -1},
         {"messages": _MSG, "temperature": -0.5},
-        {"messages": _MSG, "logprobs": "yes"},
+        {"messages": _MSG, "logprobs": "maybe"},
         {"messages": _MSG, "top_logprobs": 5},
         {"messages": _MSG, "top_logprobs": 50, "logprobs": True},
         {"messages": _MSG, "routed_experts_prompt_start": -1},

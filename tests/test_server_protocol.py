@@ -79,7 +79,7 @@ def test_chat_request_maps_tokens_and_logprobs():
         (p.CompletionRequest, {"prompt": "x", "logprobs": -2}, "logprobs"),
         (p.CompletionRequest, {"prompt": "x", "prompt_logprobs": -3}, "prompt_logprobs"),
         (p.CompletionRequest, {"prompt": "x", "prompt_logprobs": -1, "stream": True}, "prompt_logprobs"),
-        (p.CompletionRequest, {"prompt": "x", "cache_salt": "a/b"}, "cache_salt"),
+        (p.CompletionRequest, {"prompt": "x", "cache_salt": "x" * 129}, "cache_salt"),
         (p.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}, "top_logprobs"),
         (p.CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         (p.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
@@ -119,7 +119,7 @@ def test_generate_request_decodes_sampling_params_directly():
     )
     assert isinstance(req.sampling_params, SamplingParams)
     assert req.sampling_params.routed_experts_prompt_start == 1 and req.sampling_params.n == 2
-    assert (req.stream, req.output_mode, req.request_id) == (False, "tokens", None)
+    assert (req.stream, req.output_mode, req.request_id) == (False, "tokens", msgspec.UNSET)  # null is refused
 
 
 def test_vllm_null_fields_are_sent_as_null():

@@ -69,27 +69,40 @@ def assert_400(r: httpx.Response, param: str) -> dict:
     return error
 
 
-# ---------------------------------------------------------------- 3. strict types, the client's names
+# ---------------------------------------------------------------- 3. types as the peer converts them, the client's names
 
+# vLLM's routes convert as pydantic's lax mode does (tests/test_peer_verdicts.py holds every field to it)
+CONVERTED = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, lambda r: r["usage"]["completion_tokens"] == 3),
+    ("/v1/completions", {"prompt": [1, 2.0], "max_tokens": 2, "return_token_ids": "true"},
+     lambda r: r["choices"][0]["prompt_token_ids"] == [1, 2]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2.0, "temperature": "0.5"}, lambda r: len(r["choices"]) == 2),
+    ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": "3"}, lambda r: r["usage"]["completion_tokens"] == 3),
+    ("/inference/v1/generate", {"token_ids": [1, 2.0], "sampling_params": {"max_tokens": "3"}},
+     lambda r: len(r["choices"][0]["token_ids"]) == 3),
+    ("/detokenize", {"tokens": [1.0]}, lambda r: isinstance(r["prompt"], str)),
+]
+
+
+@pytest.mark.parametrize("route, body, check", CONVERTED)
+def test_vllm_routes_convert_as_pydantic(http, route, body, check):
+    r = http.post(route, json=body)
+    assert r.status_code == 200 and check(r.json()), r.text
+
+
+# SGLang's /generate types its fields strictly (its JSON contract gate), and pydantic refuses what
+# it cannot convert
 STRICT = [
-    ("/v1/completions", {"prompt": "x", "max_tokens": "16"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "n": 1.0}, "n"),
-    ("/v1/completions", {"prompt": [1, 2.0]}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "stop_token_ids": [2.0]}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "x", "temperature": "0"}, "temperature"),
-    ("/v1/chat/completions", {"messages": MSG, "n": 1.0}, "n"),
-    ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": "3"}, "max_completion_tokens"),
-    ("/inference/v1/generate", {"token_ids": [1, 2.0], "sampling_params": {}}, "token_ids"),
-    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": "3"}}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "1.5"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": "2"}, "logprobs"),
     ("/generate", {"input_ids": [1, 2.0]}, "input_ids"),
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "3"}}, "max_new_tokens"),
     ("/generate", {"input_ids": [1], "routed_experts_start_len": 1.0}, "routed_experts_start_len"),
-    ("/detokenize", {"tokens": [1.0]}, "tokens"),
 ]
 
 
 @pytest.mark.parametrize("route, body, param", STRICT)
-def test_strict_types(http, route, body, param):
+def test_refused_types(http, route, body, param):
     assert_400(http.post(route, json=body), param)
 
 
@@ -342,17 +355,22 @@ def test_sigterm_during_an_upload_answers_503_json():
 
 # ---------------------------------------------------------------- 8. health when the engine loop dies
 
-# Serves with the engine's reset_prefix_cache broken: the command runs on the engine loop, outside
-# any request, so raising there kills the loop (a test-only hook; nothing of it is in r3srv).
+# Serves with the engine's core thread broken when /reset_prefix_cache arrives: AsyncLLM answers a
+# command's own error to its caller, so the break is in the thread's dispatch, outside any request,
+# which kills the loop (a test-only hook; nothing of it is in r3srv).
 _DYING_SERVER = """
 import sys
-import r3srv.engine.core as core
+import r3srv.engine.async_llm as async_llm
 import r3srv.server.app as app
 
-def broken(self):
-    raise RuntimeError("test-only: the engine loop breaks")
+_control = async_llm.AsyncLLM._control
 
-core.EngineCore.reset_prefix_cache = broken  # AsyncLLM's core thread runs it
+def broken(self, asked):
+    if type(asked.command).__name__ == "ResetPrefixCache":
+        raise RuntimeError("test-only: the engine loop breaks")
+    return _control(self, asked)
+
+async_llm.AsyncLLM._control = broken  # AsyncLLM's core thread runs it
 app.ENGINE_DEATH_EXIT_DELAY_S = 10.0  # long enough for the test to see the 503
 from r3srv.cli import main
 sys.exit(main(sys.argv[1:]))

@@ -87,20 +87,27 @@ def render(table: dict) -> str:
     return json.dumps(table, indent=1) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_tool(argv: list[str] | None, doc: str, default_out: Path, make_text, tool: str) -> int:
+    """The command line the peer tools share: SOURCE [--out FILE] [--check]; `make_text(source)`
+    is the file's content."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("source", type=Path, help="the peers' unzipped wheels (holding vllm/ and sglang/)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/data/peer_fields.json")
-    parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what the source gives")
+    parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what the peers give")
     args = parser.parse_args(argv)
-    text = render(extract(args.source))
+    text = make_text(args.source)
     if args.check:
         same = args.out.exists() and args.out.read_text() == text
-        print("up to date" if same else f"{args.out} is stale: rerun tools/peer_fields.py")
+        print("up to date" if same else f"{args.out} is stale: rerun {tool}")
         return 0 if same else 1
     args.out.write_text(text)
     print(f"wrote {args.out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    out = Path(__file__).resolve().parents[1] / "tests/data/peer_fields.json"
+    return run_tool(argv, __doc__, out, lambda source: render(extract(source)), "tools/peer_fields.py")
 
 
 if __name__ == "__main__":

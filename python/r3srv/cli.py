@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from r3srv import engine_options, settings
+from r3srv.errors import ConfigError, InvalidRequestError
 
 logger = logging.getLogger("r3srv.serve")
 
@@ -85,19 +86,34 @@ def build_parser() -> argparse.ArgumentParser:
         "development mode; needs --enable-weight-updates; docs/weight_sync.md)",
     )
     serve.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help="vLLM's flag: LoRA adapters (PEFT saves) loaded at start, each selected by its name as `model` "
+        "(needs --enable-lora; docs/lora.md)",
+    )
+    serve.add_argument(
+        "--lora-paths", nargs="+", default=None, metavar="[NAME=]PATH",
+        help="SGLang's flag: the same, an adapter without a name named by its path (lora_path on /generate)",
+    )
+    serve.add_argument(
         "--weight-sync-timeout", type=float, default=600.0,
         help="seconds a trainer's rendezvous or broadcast (/update_weights_from_distributed) may stall before the "
         "update fails, leaving the weights unchanged (default: %(default)s)",
     )
     serve.add_argument(
         "--fleet-peer-urls", nargs="+", default=None, metavar="URL",
-        help="the other replicas of a fleet behind a router: control calls (pause, continue, weight updates, "
-        "flush, abort, memory release) made to this server are applied on them too (docs/fleet.md)",
+        help="other servers (or, with --data-parallel-size, other nodes' fronts) that control calls (pause, "
+        "continue, weight updates, flush, abort, memory release) made to this server also reach (docs/fleet.md)",
     )
     serve.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="add usage.prompt_tokens_details (cached_tokens: prompt tokens served from the prefix cache), as vLLM",
+    )
+    serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob tokens as 'token_id:<id>' instead of their text, unless a request says otherwise "
+        "(vLLM's flag; prime-rl's client reads ids this way)",
     )
     serve.add_argument(
         "--timeout-headers", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
@@ -148,6 +164,34 @@ def _peers_but_self(args: argparse.Namespace) -> list[str]:
     return [url.rstrip("/") for url in args.fleet_peer_urls or () if url.rstrip("/") not in own]
 
 
+def _load_lora_modules(engine, args: argparse.Namespace) -> None:
+    """--lora-modules name=path (vLLM's, also its JSON form) and --lora-paths [name=]path (SGLang's)."""
+    import asyncio
+    import json
+
+    modules = []
+    for flag, items in (("--lora-modules", args.lora_modules), ("--lora-paths", args.lora_paths)):
+        for item in items or ():
+            if item.lstrip().startswith("{"):
+                spec = json.loads(item)
+                modules.append((spec["name"], spec["path"]))
+            elif "=" in item:
+                modules.append(tuple(item.split("=", 1)))
+            elif flag == "--lora-paths":
+                modules.append((item, item))
+            else:
+                raise ConfigError(f"{flag} {item!r}: give name=path")
+    if modules and not args.enable_lora:
+        raise ConfigError("--lora-modules / --lora-paths need --enable-lora")
+
+    async def load() -> None:
+        for name, path in modules:
+            await engine.load_lora_adapter(name, path)
+
+    if modules:
+        asyncio.run(load())
+
+
 def serve(args: argparse.Namespace, own_process: bool = False) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from r3srv.errors import ConfigError
@@ -179,7 +223,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print(f"r3srv serve: configuration error: {' and '.join(dev_flags)} change the served weights and memory: "
               "add --enable-weight-updates", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    if args.data_parallel_size > 1:  # N replicas behind the SGLang router, supervised by this process
+    if args.data_parallel_size > 1:  # N replicas behind this process, their front and supervisor
         from r3srv.data_parallel import serve_fleet
 
         return serve_fleet(args, build_parser())
@@ -205,6 +249,12 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print(f"r3srv serve: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
+    try:
+        _load_lora_modules(engine, args)
+    except (ConfigError, InvalidRequestError) as exc:
+        engine.shutdown()
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     name = args.served_model_name or engine.model_config.name
     engine_died = False
     server: Any = None
@@ -220,6 +270,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         enable_weight_updates=args.enable_weight_updates,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         routed_experts_encoding=args.routed_experts_encoding,
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,

@@ -44,6 +44,7 @@ def option(default: Any, help: str, *, serve_default: Any = _SAME, default_text:
     return field(default=default, metadata={"option": metadata})
 
 
+_LORA = "LoRA adapters (vLLM's flags; docs/lora.md)"
 _MULTI_NODE = "multi-node rendezvous (torch.distributed TCP; see docs/parallelism.md)"
 
 
@@ -61,8 +62,9 @@ class ParallelConfig:
                                                 aliases=("-pcp",))
     tensor_parallel_size: int = option(1, "ranks (devices) the model is split over, one worker process each",
                                        aliases=("-tp",))
-    data_parallel_size: int = option(1, "serve only, N > 1: N replicas (a device each) behind the SGLang router on "
-                                     "--host/--port (needs r3srv[router]; docs/fleet.md); the engine itself takes 1",
+    data_parallel_size: int = option(1, "serve only, N > 1: N replicas (a device each) behind r3srv's own front on "
+                                     "--host/--port, every route served as by one server (docs/fleet.md); the engine "
+                                     "itself takes 1",
                                      aliases=("-dp",))
     enable_expert_parallel: bool = option(False, "with -tp N: each rank holds 1/N of the routed experts whole, not a "
                                           "slice of every expert")
@@ -138,6 +140,12 @@ class EngineConfig:
     cuda_graphs: bool | None = option(None, "replay decode steps as CUDA graphs (docs/cuda_graphs.md; "
                                       "--enforce-eager wins)", default_text="$R3SRV_CUDA_GRAPHS, else off")
     enforce_eager: bool = option(False, "vLLM's flag: no CUDA graphs, whatever else asks")
+    enable_lora: bool = option(False, "serve LoRA adapters (docs/lora.md): slots on every projection an adapter "
+                               "may target", group=_LORA)
+    max_loras: int = option(1, "adapters in one step (device slots)", group=_LORA)
+    max_lora_rank: int = option(16, "the largest rank an adapter may have", group=_LORA)
+    max_cpu_loras: int | None = option(None, "adapters kept in host memory; more may be registered, read again from "
+                                       "their directories when used", default_text="max_loras", group=_LORA)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -172,6 +180,24 @@ class EngineConfig:
             raise ConfigError(f"seed={self.seed!r} must be an integer")
         if self.cuda_graphs is None:
             object.__setattr__(self, "cuda_graphs", settings.current().cuda_graphs)
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
+        if not self.enable_lora:
+            return
+        if self.async_scheduling:
+            raise ConfigError("enable_lora with async_scheduling is not supported yet: an adapter swapped into a "
+                              "slot would change the step in flight; start without --async-scheduling")
+        if self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet (adapters are bound "
+                              "on one process); use tensor_parallel_size=1")
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -1,49 +1,34 @@
-"""`r3srv serve --data-parallel-size N`: N replicas behind the SGLang router, supervised by this process.
+"""`r3srv serve --data-parallel-size N`: N replicas behind r3srv's own front, on one URL.
 
 Each replica is a child `r3srv serve` on a free 127.0.0.1 port (device cuda:i when there are N
 CUDA devices, else the CPU; with --tensor-parallel-size M, cuda:i*M and the M-1 devices after
-it, its ranks meeting on a free port of their own), started with `--fleet-peer-urls` naming its siblings so that a
-control call made to any of them reaches all (server/fanout.py). sglang-router 0.3.2 listens on
-the public --host/--port with cache-aware routing, so a conversation's next turn goes to the
-replica that caches its prefix.
+it, its ranks meeting on a free port of their own). This process is the fleet's front
+(front/app.py) on the public --host/--port, serving every route as one server does: generation
+goes to the replica caching the prompt's prefix, control calls to every replica, process-group
+calls to every replica with its own ranks; and it supervises the replicas (front/replicas.py):
+one that exits is restarted on the fleet's current weights while the others serve.
 
-The supervisor stays in the foreground: SIGTERM or SIGINT stops the router and every replica
-(children also get SIGTERM from the kernel if the supervisor itself dies: no orphans). A replica
-that exits is logged with its exit code and restarted on the same port, on the weights its
-siblings serve now (their /model_info), while the router's health checks keep requests off it.
+SIGTERM or SIGINT stops the front and every replica (exit 0); the replicas also get SIGTERM from
+the kernel if this process dies outright: no orphans.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import asyncio
 import logging
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import httpx
 
 from r3srv.errors import ConfigError
 
 logger = logging.getLogger("r3srv.fleet")
 
-ROUTER_MODULE = "sglang_router.launch_router"
 EXIT_CONFIG_ERROR = 2
 # Flags the supervisor sets itself on each replica; every other serve flag is passed on unchanged.
 _REPLICA_FLAGS = {"model", "host", "port", "data_parallel_size", "device", "fleet_peer_urls", "weight_version",
                   "served_model_name", "help"}
-MAX_RESTARTS = 5
-# The router probes /health this often and takes a replica out after this many failures.
-ROUTER_HEALTH_INTERVAL_S = 5
-ROUTER_HEALTH_FAILURES = 2
-# The router's info level narrates every registration step: r3srv's info shows its warnings.
-_ROUTER_LOG_LEVELS = {"critical": "error", "error": "error", "warning": "warn", "info": "warn", "debug": "debug"}
 
 
 def free_port() -> int:
@@ -71,11 +56,11 @@ def replica_devices(device: str, n: int, tp: int = 1) -> list[str]:
 
 
 def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, *, model: str | None, port: int,
-                 device: str, peers: list[str], weight_version: str, served_model_name: str | None = None) -> list[str]:
+                 device: str, weight_version: str, served_model_name: str | None = None) -> list[str]:
     """The `r3srv serve` command of one replica: the fleet's flags as given, plus its own place.
 
     A replica restarted on updated weights keeps the fleet's model name (served_model_name): by
-    default the name comes from the checkpoint directory, and the router knows the fleet by it.
+    default the name would come from the new checkpoint directory.
     """
     serve = _serve_parser(parser)
     argv = [sys.executable, "-m", "r3srv.cli", "serve"] + ([model] if model else [])
@@ -95,8 +80,6 @@ def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, *, m
     argv += ["--host", "127.0.0.1", "--port", str(port), "--device", device, "--weight-version", weight_version]
     if served_model_name is not None:
         argv += ["--served-model-name", served_model_name]
-    if peers:
-        argv += ["--fleet-peer-urls", *peers]
     return argv
 
 
@@ -105,176 +88,70 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return commands.choices["serve"]
 
 
-def _die_with_parent() -> None:
-    """Runs in each child before exec: the kernel sends it SIGTERM when the supervisor dies."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _spawn(argv: list[str]) -> subprocess.Popen:
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec)
-
-
-@dataclass
-class Replica:
-    index: int
-    port: int
-    device: str
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    given_up: bool = False
-    peers: list[str] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-class Fleet:
-    def __init__(self, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-        self.args = args
-        self.parser = parser
-        n = args.data_parallel_size
-        devices = replica_devices(args.device, n, args.tensor_parallel_size)
-        self.replicas = [Replica(i, free_port(), devices[i]) for i in range(n)]
-        for r in self.replicas:
-            r.peers = [s.url for s in self.replicas if s is not r]
-        self.router: subprocess.Popen | None = None
-        self.stopping = threading.Event()
-
-    # -- lifetime -------------------------------------------------------------------------
-    def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stopping.set())
-        try:
-            for r in self.replicas:
-                self._start(r, self.args.model, self.args.weight_version, self.args.served_model_name)
-            code = self._wait_replicas_healthy()
-            if code is not None:
-                return code
-            self.router = _spawn(self._router_argv())
-            logger.info("fleet of %d replicas (%s) behind sglang-router (cache_aware) on http://%s:%d; control calls "
-                        "(pause, update, flush, abort, memory) sent to any replica reach all of them",
-                        len(self.replicas), ", ".join(f"{r.url} on {r.device}" for r in self.replicas),
-                        self.args.host, self.args.port)
-            return self._supervise()
-        finally:
-            self._stop_all()
-
-    def _start(self, r: Replica, model: str | None, weight_version: str, served_model_name: str | None) -> None:
-        argv = replica_argv(self.parser, self.args, model=model, port=r.port, device=r.device, peers=r.peers,
-                            weight_version=weight_version, served_model_name=served_model_name)
-        r.proc = _spawn(argv)
-
-    def _wait_replicas_healthy(self) -> int | None:
-        """None once every replica answers /health; else the exit code the fleet should end with."""
-        waiting = set(range(len(self.replicas)))
-        while waiting:
-            if self.stopping.is_set():
-                return 0
-            for i in sorted(waiting):
-                r = self.replicas[i]
-                code = r.proc.poll()
-                if code is not None:
-                    logger.error("replica %d (%s) exited with code %s while starting: stopping the fleet", i, r.url, code)
-                    return code or 1
-                if _healthy(r.url):
-                    waiting.discard(i)
-            self.stopping.wait(0.2)
-        return None
-
-    def _router_argv(self) -> list[str]:
-        return [sys.executable, "-m", ROUTER_MODULE, "--host", self.args.host, "--port", str(self.args.port),
-                "--worker-urls", *(r.url for r in self.replicas), "--policy", "cache_aware",
-                "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S),
-                "--health-failure-threshold", str(ROUTER_HEALTH_FAILURES),
-                "--log-level", _ROUTER_LOG_LEVELS[self.args.log_level]]
-
-    def _supervise(self) -> int:
-        while not self.stopping.wait(0.5):
-            code = self.router.poll()
-            if code is not None:
-                logger.error("sglang-router exited with code %s: stopping the fleet", code)
-                return code or 1
-            for r in self.replicas:
-                if not r.given_up and r.proc.poll() is not None:
-                    self._replace(r)
-        return 0
-
-    def _replace(self, r: Replica) -> None:
-        code = r.proc.returncode
-        if r.restarts >= MAX_RESTARTS:
-            r.given_up = True
-            logger.error("replica %d (%s) exited with code %s after %d restarts: not restarting it again; the "
-                         "router's health checks keep requests off it", r.index, r.url, code, r.restarts)
-            return
-        model, version, name = self._current_weights()
-        r.restarts += 1
-        logger.error("replica %d (%s) exited with code %s: restarting it (restart %d of %d) on weights %s "
-                     "(weight_version %s); the router's health checks keep requests off it until it is up",
-                     r.index, r.url, code, r.restarts, MAX_RESTARTS, model or "of the built-in model", version)
-        self._start(r, model, version, name)
-
-    def _current_weights(self) -> tuple[str | None, str, str | None]:
-        """(checkpoint, weight version, model name) a live sibling serves now (after updates), else the start-up ones."""
-        for s in self.replicas:
-            if s.proc is not None and s.proc.poll() is None:
-                try:
-                    info = httpx.get(s.url + "/model_info", timeout=5.0).json()
-                except (httpx.HTTPError, ValueError):
-                    continue
-                return self._restartable(info)
-        return self.args.model, self.args.weight_version, self.args.served_model_name
-
-    def _restartable(self, info: dict) -> tuple[str | None, str, str]:
-        """What a new replica can load to serve as its siblings do, from their /model_info."""
-        path, version, name = info["model_path"], str(info["weight_version"]), info["served_model_name"]
-        if path and Path(path, "config.json").is_file():
-            return path, version, name
-        if version == self.args.weight_version:  # never updated: the start-up weights
-            return self.args.model, version, name
-        logger.error("the fleet serves weights no checkpoint directory holds (weight_version %s: pushed by a "
-                     "trainer, or a weights-only directory): the restarted replica serves the start-up weights "
-                     "under weight_version %s until the next update", version, self.args.weight_version)
-        return self.args.model, self.args.weight_version, name
-
-    def _stop_all(self, timeout: float = 20.0) -> None:
-        procs = [p for p in [self.router, *(r.proc for r in self.replicas)] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("pid %d did not stop within %.0f s of SIGTERM: killing it", p.pid, timeout)
-                p.kill()
-                p.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+def supervisor_headers(args: argparse.Namespace) -> dict[str, str]:
+    """Credentials for the supervisor's own calls to its replicas (/health, /model_info) when the
+    fleet is started with API keys (the replicas get the same key flags)."""
+    key = getattr(args, "api_key", None) or getattr(args, "admin_api_key", None)
+    return {"authorization": f"Bearer {key}"} if key else {}
 
 
 def serve_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from r3srv.front.replicas import Replica, ReplicaSet
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the supervisor's health polls are not news
-    if importlib.util.find_spec("sglang_router") is None:
-        print("r3srv serve: --data-parallel-size > 1 runs the SGLang router in front of the replicas: "
-              "pip install 'r3srv[router]' (sglang-router)", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    if args.fleet_peer_urls:
-        print("r3srv serve: --fleet-peer-urls is set by --data-parallel-size itself; give one of them", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
     try:
-        fleet = Fleet(args, parser)
+        devices = replica_devices(args.device, args.data_parallel_size, args.tensor_parallel_size)
     except ConfigError as exc:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    return fleet.run()
+    replicas = [Replica(i, free_port(), device) for i, device in enumerate(devices)]
+
+    def argv_for(r: Replica, model: str | None, version: str, name: str | None) -> list[str]:
+        return replica_argv(parser, args, model=model, port=r.port, device=r.device, weight_version=version,
+                            served_model_name=name)
+
+    fleet = ReplicaSet(replicas, argv_for, model=args.model, weight_version=args.weight_version,
+                       served_model_name=args.served_model_name, headers=supervisor_headers(args))
+    return asyncio.run(_run(args, fleet))
+
+
+async def _run(args: argparse.Namespace, fleet) -> int:
+    import uvicorn
+
+    from r3srv.cli import _server_class
+    from r3srv.front.app import Front
+    from r3srv.front.policy import prompt_encoder
+    from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from r3srv.server.connections import guarded_h11
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until uvicorn takes the signals over
+        loop.add_signal_handler(sig, stop.set)
+    front = supervisor = None
+    try:
+        fleet.start_all()  # from this (the main) thread: see front/replicas.py
+        code = await fleet.wait_all_up(stop)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if code is not None:
+            return code
+        front = Front(fleet, tp_size=args.tensor_parallel_size, block_size=args.block_size,
+                      max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+                      peer_urls=args.fleet_peer_urls, encode=prompt_encoder(args.model))
+        config = uvicorn.Config(front, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
+                                http=guarded_h11(args.timeout_headers, args.timeout_body), server_header=False,
+                                date_header=False, timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+        server = _server_class(fleet.stop_all)(config)  # stopping: the replicas first, so open streams end
+        supervisor = asyncio.create_task(fleet.supervise())
+        logger.info("fleet of %d replicas (%s) on http://%s:%d: generation goes to the replica caching the "
+                    "prompt's prefix, control calls to every replica", len(fleet.replicas),
+                    ", ".join(f"{r.url} on {r.device}" for r in fleet.replicas), args.host, args.port)
+        await server.serve()
+        return 0 if server.started else 1
+    finally:
+        if supervisor is not None:
+            supervisor.cancel()
+        await fleet.stop_all()
+        if front is not None:
+            await front.aclose()

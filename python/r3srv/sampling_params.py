@@ -20,9 +20,10 @@ GREEDY_TEMPERATURE = 1e-5
 
 # vLLM clamps each logit_bias value into this range.
 LOGIT_BIAS_LIMIT = 100.0
-# vLLM's cache_salt rules (entrypoints/generate/base/protocol.py).
+# vLLM's cache_salt length rule (entrypoints/generate/base/protocol.py). Its characters are not
+# restricted: vLLM 0.33 refuses '@', '/', '\\' and NUL, but the vLLM releases RL frameworks pin
+# took them (SkyRL salts with "<model name>@<weight version>"), and r3srv only hashes the salt.
 MAX_CACHE_SALT_CHARS = 128
-_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -51,6 +52,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs_start: int = 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to +-100)
     skip_special_tokens: bool = True
+    # With skip_special_tokens false: false joins consecutive added tokens without a space (vLLM's)
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True  # False: no text, token ids only (stop strings need text)
     include_stop_str_in_output: bool = False
     # Keep only the last (truncation_side "left") or first ("right") k prompt tokens; -1: as many
     # as the context allows with one token to generate (vLLM's max_model_len - 1).
@@ -74,6 +78,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(self.top_k >= -1, "top_k", self.top_k, "must be -1, 0 (disabled) or positive")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               f"must be <= max_tokens ({self.max_tokens})")
         _check(self.min_p == self.min_p and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -96,9 +102,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                "must be 'left' or 'right'")
         salt = self.cache_salt
         _check(
-            salt is None or (0 < len(salt) <= MAX_CACHE_SALT_CHARS and not _CACHE_SALT_FORBIDDEN & set(salt)),
-            "cache_salt", salt, f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters "
-            "without '@', '/', '\\' or NUL",
+            salt is None or 0 < len(salt) <= MAX_CACHE_SALT_CHARS,
+            "cache_salt", salt, f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
         )
         _check(
             self.routed_experts_prompt_start >= 0,
@@ -108,6 +113,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
         if self.stop:
             _check(all(self.stop), "stop", self.stop, "must not contain empty strings")
+            _check(self.detokenize, "stop", self.stop, "needs detokenize=true (stop strings match text)")
 
     @property
     def penalized(self) -> bool:

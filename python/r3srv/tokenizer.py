@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from datetime import datetime
@@ -128,6 +130,11 @@ class Tokenizer:
         `context_ids` (e.g. the prompt's last few ids) are decoded as context, never returned."""
         stream, tok = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens), self._tok
         return lambda token_id: stream.step(tok, token_id)
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """Id -> content of every added token (specials and the like)."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)

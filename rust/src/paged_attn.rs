@@ -1,6 +1,6 @@
 //! Paged decode attention on the CPU: each decoding sequence's query token attends over its keys
 //! and values where they lie in the paged KV cache, read through its block table, without the
-//! gathered copy the torch path makes (python/r3srv/models/attention.py). The CPU counterpart of
+//! gathered copy the torch path makes (python/r3srv/ops/attention.py). The CPU counterpart of
 //! python/r3srv/kernels/paged_decode_triton.py, with its semantics: GQA (a KV head's keys are
 //! read once for its group of query heads), an optional sliding window (the last `window`
 //! positions), optional per-head sink logits in the softmax's denominator.

@@ -539,7 +539,7 @@ fn paged_decode_attention(
     }
 }
 
-/// RMSNorm of float32 rows (crate::rms_norm): the private half of r3srv.models.layers.rms_norm,
+/// RMSNorm of float32 rows (crate::rms_norm): the private half of the CPU backend's RMSNorm (r3srv.ops.norm),
 /// which passes contiguous float32 CPU tensors x [rows, dim], w [dim] and a fresh out like x,
 /// and keeps them alive across the call. Keeps the GIL: a call takes less than releasing it.
 #[pyfunction]
@@ -561,7 +561,9 @@ fn rms_norm_bf16(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f
 unsafe fn rms_norm_rows<W: crate::expert_pairs::Element>(x: usize, w: usize, out: usize, rows: usize, dim: usize,
                                                          eps: f32) -> PyResult<()> {
     let len = rows.checked_mul(dim).ok_or_else(|| PyValueError::new_err("rms_norm: rows x dim overflows"))?;
-    let (x, w, out) = (slice::<W>(x, len)?, slice::<W>(w, dim)?, slice_mut::<W>(out, len)?);
+    // SAFETY: kernels/rms_norm_cpu.py passes live contiguous tensors of `W` of these sizes, held by the
+    // caller for the whole call; `out` is a new tensor, so the one &mut aliases nothing.
+    let (x, w, out) = unsafe { (slice::<W>(x, len)?, slice::<W>(w, dim)?, slice_mut::<W>(out, len)?) };
     crate::rms_norm::rms_norm(x, w, eps, out).map_err(PyValueError::new_err)
 }
 

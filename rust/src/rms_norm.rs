@@ -4,7 +4,8 @@
 //! follows (normalized in float32, rounded to bfloat16, then multiplied by the weight and
 //! rounded again, as torch's bfloat16 multiply does). torch's CPU kernel is a composite of
 //! several ops and costs more per call than a decode step's few rows take to normalize
-//! (docs/benchmarks.md), and a decode step calls it once or more per layer.
+//! (docs/benchmarks.md), and a decode step calls it once or more per layer (r3srv.ops.norm's
+//! kernel_rms_norm, the CPU backend's).
 
 use crate::expert_pairs::Element;
 

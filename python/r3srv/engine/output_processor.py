@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from r3srv.engine.core import CoreOutputs, RequestUpdate, SeqUpdate
 from r3srv.engine.input_processor import EngineRequest
+from r3srv.engine.requests import CoreOutputs, RequestUpdate, SeqUpdate
+from r3srv.engine.routed_experts import num_routed_rows
 from r3srv.engine.text_stream import TextStream
 from r3srv.outputs import CompletionOutput, OutputKind, RequestOutput
 
@@ -56,7 +57,9 @@ class SeqState:
         # Running sums of the output tokens' logprobs: [i] covers tokens 0..i, so a stop-string
         # cut or a held-back partial output reads its sum in O(1).
         self.cumulative_logprobs: list[float] = []
-        self.stream = TextStream(tokenizer, prep.prompt_token_ids, p.skip_special_tokens)
+        # detokenize=False: token ids only, no text (vLLM's)
+        self.stream = TextStream(tokenizer if p.detokenize else None, prep.prompt_token_ids, p.skip_special_tokens,
+                                 p.spaces_between_special_tokens)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.routed_experts: np.ndarray | None = None
@@ -90,7 +93,7 @@ class SeqState:
     def take_rows(self, rows: np.ndarray | None) -> None:
         """The core's rows, less those of tokens a stop string cut after the core's last step."""
         if rows is not None:
-            n = max(0, self.num_prompt_tokens + len(self.token_ids) - 1 - self.params.routed_experts_prompt_start)
+            n = num_routed_rows(self.num_prompt_tokens + len(self.token_ids), self.params.routed_experts_prompt_start)
             rows = rows if len(rows) == n else rows[:n]
         self.routed_experts = rows
 

@@ -13,10 +13,17 @@ _CONTEXT = 5  # prompt ids decoded as context before the first output token
 
 
 class TextStream:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._step = None
         self._swallow = 0
         self._tokenizer, self._skip = tokenizer, skip_special_tokens
+        # vLLM's fast detokenizer: with specials kept and no spaces between them, an added token
+        # that follows another is its bare content (the decoder would put a space before it)
+        self._added: dict[int, str] = {}
+        if tokenizer is not None and not skip_special_tokens and not spaces_between_special_tokens:
+            self._added = getattr(tokenizer, "added_tokens", {})
+        self._last_added = False
         if tokenizer is not None:
             context = prompt_token_ids[-_CONTEXT:]
             self._step = tokenizer.decode_stream(context, skip_special_tokens)
@@ -42,6 +49,11 @@ class TextStream:
             # context, as vLLM does, rather than fail the request.
             self._step = self._tokenizer.decode_stream([], self._skip)
             delta = self._step(token_id) or ""
+        if self._added:
+            added = self._added.get(token_id)
+            if added is not None and self._last_added:
+                delta = added
+            self._last_added = added is not None
         if self._swallow and delta:
             cut = min(self._swallow, len(delta))
             self._swallow -= cut

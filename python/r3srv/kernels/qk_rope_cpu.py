@@ -4,20 +4,21 @@ and key heads RMS-normalized per head (Qwen3's q_norm / k_norm) and rotated by t
 convention. It replaces about 25 torch ops per layer (split, reshapes, two norms on strided
 views, two rotations, v's copy), whose dispatch costs more than the work at a decode step's
 few tokens. float32 or bfloat16 (every tensor alike; bfloat16 rounds each op's result as
-torch's bfloat16 ops do); anything else, `--no-rust-rope` (R3SRV_RUST_ROPE=0) or a missing
-extension keep the torch ops. The rotation gives torch's bits; the norms differ by rounding.
+torch's bfloat16 ops do); anything else, `--no-rust-rope` (R3SRV_RUST_ROPE=0: the CPU backend,
+ops/cpu.py, then does not take it) or a missing extension keep the torch ops. The rotation
+gives torch's bits; the norms differ by rounding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from r3srv import settings
 from r3srv.kernels.rust_core import rust_kernel
 
-_qk_norm_rope_f32 = rust_kernel("qk_norm_rope_f32")
-BUILT = _qk_norm_rope_f32 is not None  # else the torch ops (kernels/rust_core.py)
-_KERNELS = {torch.float32: _qk_norm_rope_f32, torch.bfloat16: rust_kernel("qk_norm_rope_bf16")}
+qk_norm_rope_entry = rust_kernel("qk_norm_rope_f32")
+BUILT = qk_norm_rope_entry is not None  # else the torch ops (kernels/rust_core.py)
+# the kernel by dtype (an extension built before the bfloat16 one lacks it: None)
+QK_NORM_ROPE_ENTRIES = {torch.float32: qk_norm_rope_entry, torch.bfloat16: rust_kernel("qk_norm_rope_bf16")}
 
 
 def qk_norm_rope(
@@ -34,18 +35,18 @@ def qk_norm_rope(
     kv_heads) D]: q and k normed by `norms` (q_norm, k_norm [D]; None: not normed), then
     rotated over cos/sin's width (rope_cos_sin's [T, rotary]; None: not rotated). None where
     the kernel does not apply."""
-    kernel = _KERNELS.get(qkv.dtype)
-    if kernel is None or not settings.current().rust_rope or not qkv.is_cpu:
+    kernel = QK_NORM_ROPE_ENTRIES.get(qkv.dtype)
+    if kernel is None or not qkv.is_cpu:
         return None
     tokens = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or not qkv.is_contiguous() or tokens == 0:
         return None
     rotary = 0 if cos is None else cos.shape[-1]
     dtype = qkv.dtype
-    if not _kernel_ready(qkv, dtype) or (norms is not None and not (_kernel_ready(norms[0], dtype)
-                                                                   and _kernel_ready(norms[1], dtype))):
+    if not kernel_ready(qkv, dtype) or (norms is not None and not (kernel_ready(norms[0], dtype)
+                                                                  and kernel_ready(norms[1], dtype))):
         return None
-    if cos is not None and not (_kernel_ready(cos, dtype) and _kernel_ready(sin, dtype)):
+    if cos is not None and not (kernel_ready(cos, dtype) and kernel_ready(sin, dtype)):
         return None
     if cos is not None and (cos.shape != (tokens, rotary) or sin.shape != cos.shape or rotary % 2 or rotary > head_dim):
         return None
@@ -61,6 +62,6 @@ def qk_norm_rope(
     return q, k, v
 
 
-def _kernel_ready(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+def kernel_ready(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     """Whether the kernel can read `t` in place: of `dtype`, on the CPU, contiguous, no autograd."""
     return t.dtype == dtype and t.is_cpu and t.is_contiguous() and not t.requires_grad

@@ -32,6 +32,8 @@ class ForwardBatch:
     # A decode step replayed as a CUDA graph (engine/cuda_graphs.py): its per-sequence indices as
     # static device tensors, so the forward pass reads nothing from the host lists above.
     graph: "GraphDecodeInputs | None" = None
+    # each token's adapter slot (r3srv.lora.slots.LoraBatch); None: every token runs the base model
+    lora: "LoraBatch | None" = None
 
 
 @dataclass

@@ -1,9 +1,12 @@
-"""Request bodies: UTF-8, the field table's refusals, then a strict msgspec decode.
+"""Request bodies: UTF-8, the field table's refusals, then msgspec into the route's Struct,
+converting values as the peer's own request classes do.
 
-Litestar would convert bodies leniently ("16" into an int, 2.0 into a token id); r3srv decodes
-them here, strictly, into the route's own Struct, and Litestar takes the decoded Struct as it
-is. Every failure is an InvalidRequestError whose `param` is the field's path as the client
-wrote it (`sampling_params.max_new_tokens`).
+A body of exactly the Struct's types decodes in one strict pass. Otherwise it is decoded to
+plain JSON and converted the way pydantic's lax mode converts (`"1234"` into an int, `"true"`
+into a bool, `2.0` into an int: server/coerce.py), except the fields the peer types strictly
+(SGLang's /generate: `BodyFields.strict_fields()`); what still does not fit is a 400. Litestar
+takes the decoded Struct as it is. Every failure is an InvalidRequestError whose `param` is the
+field's path as the client wrote it (`sampling_params.max_new_tokens`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import msgspec
 
 from r3srv.errors import InvalidRequestError
+from r3srv.server.coerce import convert
 from r3srv.server.fields import SAMPLING_PARAMS, BodyFields
 
 # msgspec ends its validation messages with " - at `$.a.b[0]`"
@@ -35,7 +39,11 @@ def decode_body(body: bytes, target: Any, fields: BodyFields | None) -> Any:
     try:
         if fields is not None:
             fields.check(text)
-        return msgspec.json.decode(text, type=target, strict=True)
+        try:
+            return msgspec.json.decode(text, type=target, strict=True)
+        except msgspec.ValidationError:
+            value = msgspec.json.decode(text)  # valid JSON: the types are what failed
+        return convert(value, target, fields.strict_fields() if fields is not None else None)
     except msgspec.ValidationError as exc:
         raise _validation_error(exc) from None
     except msgspec.DecodeError as exc:

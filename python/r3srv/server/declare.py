@@ -8,8 +8,9 @@ declaration from the handler's `opt`:
           access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 
 - the route table (`routes.ROUTE_HANDLERS`) is every handler the route modules define;
-- a fleet's fan-out of control calls (`server/fanout.py`) takes the routes declared
-  `Fleet.EVERY_REPLICA`;
+- a fleet's front (`front/app.py`) dispatches ONE_REPLICA routes to one replica, fans
+  EVERY_REPLICA routes out to all with one answer, and gives each replica its own rank in
+  OWN_RANK calls; `--fleet-peer-urls` (`server/fanout.py`) fans EVERY_REPLICA routes out to peers;
 - `feature_guard` answers 404 "start the server with FLAG" for a route whose feature is off;
 - authentication reads `access`.
 
@@ -20,6 +21,7 @@ new control route cannot be forgotten by the fleet or left open by mistake.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -44,6 +46,18 @@ class Fleet(enum.Enum):
     OWN_RANK = "own rank"  # process-group calls: every replica takes part with a rank of its own
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """How an OWN_RANK call that joins a trainer's group numbers its ranks: the body field that
+    names the world size, and the lowest `rank_offset` the trainer may give (SGLang's and vLLM's
+    offsets count the trainer's rank 0, prime-rl's count inference ranks only). A fleet's front
+    gives replica i `rank_offset + i * tp_size`. Declared as `ranks=Ranks(...)` beside `fleet`;
+    OWN_RANK routes without it use the default."""
+
+    world: str = "world_size"
+    lowest_offset: int = 1
+
+
 class Feature(enum.Enum):
     """A group of routes the server serves only when started with its flag."""
 
@@ -52,6 +66,7 @@ class Feature(enum.Enum):
     # flags, each of which needs --enable-weight-updates too (cli.py refuses it alone)
     SLEEP_MODE = "--enable-sleep-mode"  # /sleep, /wake_up, /is_sleeping (vLLM's flag name)
     COLLECTIVE_RPC = "--enable-collective-rpc"  # /collective_rpc, its fixed method table (engine/rpc.py)
+    LORA = "--enable-lora"  # loading and unloading LoRA adapters (vLLM's and SGLang's flag)
 
 
 def declaration(handler: BaseRouteHandler) -> tuple[Access, Fleet, Feature | None]:

@@ -25,15 +25,16 @@ from typing import Any
 import msgspec
 
 from r3srv.errors import InvalidRequestError
+from r3srv.server.coerce import StrictFields, coerce
 
 # The nested object of sampling fields (TITO, SGLang): errors name its fields without it, as the peers do
 SAMPLING_PARAMS = "sampling_params"
 
 
 
-def _same(a: Any, b: Any) -> bool:
-    """JSON equality: 0 equals 0.0, but a bool is no number (`False == 0` in Python)."""
-    if isinstance(a, bool) or isinstance(b, bool):
+def _same(a: Any, b: Any, exact: bool = False) -> bool:
+    """JSON equality: 0 equals 0.0 (unless `exact`), but a bool is no number (`False == 0` in Python)."""
+    if isinstance(a, bool) or isinstance(b, bool) or exact:
         return type(a) is type(b) and a == b
     return a == b
 
@@ -42,33 +43,45 @@ def _same(a: Any, b: Any) -> bool:
 class Refusal:
     reason: str
     off: tuple[Any, ...] = ()  # values, besides null and the peer's default, that leave the feature off
+    any_value: bool = False  # refused whatever the value (a key the peer itself refuses there)
+    convert_strings: bool = True  # False: the peer checks the raw value before converting it
 
-    def accepts(self, value: Any, default: Any = None) -> bool:
-        return value is None or _same(value, default) or any(_same(value, v) for v in self.off)
+    def accepts(self, value: Any, default: Any = None, lax: bool = True, nullable: bool = True) -> bool:
+        """Whether `value` leaves the feature off. `lax`: converted first as the peer's pydantic
+        validation would (`"false"` is false, `"1"` is 1); `nullable`: whether the peer takes null."""
+        if self.any_value:
+            return False
+        if value is None:
+            return nullable
+        if lax and (self.convert_strings or not isinstance(value, str)):
+            for kind in {type(v) for v in (default, *self.off) if isinstance(v, (bool, int, float))}:
+                converted = coerce(value, kind)
+                if converted is not value:
+                    value = converted
+                    break
+        return _same(value, default, exact=not lax) or any(_same(value, v, exact=not lax) for v in self.off)
 
 
-LORA = Refusal("LoRA adapters are not supported by r3srv")
 MULTIMODAL = Refusal("multimodal inputs are not supported by r3srv (text and token ids only)")
 CONSTRAINED = Refusal("constrained decoding (structured outputs, grammars, JSON schemas, regexes) is not supported by r3srv")
 BEAM = Refusal("beam search is not supported by r3srv")
 DISAGGREGATION = Refusal("prefill/decode disaggregation and KV transfer are not supported by r3srv")
 NOT_SUPPORTED = Refusal("is not supported by r3srv")
 INTERNAL = Refusal("is an internal field of the peer, not part of r3srv's API")
-SPACES = Refusal("is not supported by r3srv except true (the default)")
+# vLLM reads -1 as none (its validator sees the raw value: "-1" is refused)
+THINKING_BUDGET = Refusal("is not supported by r3srv", off=(-1,), convert_strings=False)
 RESPONSE_FORMAT = Refusal(
     "constrained decoding (structured outputs, grammars, JSON schemas, regexes) is not supported by r3srv; "
     "response_format may only be {\"type\": \"text\"}",
     off=({"type": "text"},),
 )
 STREAM_INTERVAL = Refusal("is not supported by r3srv except 1 (a chunk per step)", off=(1,))
-DETOKENIZE = Refusal("is not supported by r3srv except true (the default)")
 
 _VLLM_OPENAI_REFUSED: dict[str, Refusal] = {
     "suffix": NOT_SUPPORTED,
     "use_beam_search": BEAM,
     "length_penalty": BEAM,
     "watermarking": NOT_SUPPORTED,
-    "spaces_between_special_tokens": SPACES,
     "allowed_token_ids": NOT_SUPPORTED,
     "logprob_token_ids": NOT_SUPPORTED,
     "bad_words": NOT_SUPPORTED,
@@ -76,7 +89,6 @@ _VLLM_OPENAI_REFUSED: dict[str, Refusal] = {
     "structured_outputs": CONSTRAINED,
     "priority": Refusal("priority scheduling is not supported by r3srv"),
     "session_id": NOT_SUPPORTED,
-    "return_tokens_as_token_ids": NOT_SUPPORTED,
     "return_weight_versions": Refusal(
         "is not supported by r3srv: servers started with --enable-weight-updates put weight_version on every choice"
     ),
@@ -87,20 +99,17 @@ _VLLM_OPENAI_REFUSED: dict[str, Refusal] = {
     "ec_transfer_params": DISAGGREGATION,
     "vllm_xargs": NOT_SUPPORTED,
     "repetition_detection": NOT_SUPPORTED,
-    "thinking_token_budget": NOT_SUPPORTED,
+    "thinking_token_budget": THINKING_BUDGET,
     "stream_interval": STREAM_INTERVAL,
 }
 
 COMPLETION_REFUSED: dict[str, Refusal] = {
     **_VLLM_OPENAI_REFUSED,
     "prompt_embeds": NOT_SUPPORTED,
-    "add_special_tokens": Refusal("is not supported by r3srv except true (the default for completions)"),
 }
 
 CHAT_REFUSED: dict[str, Refusal] = {
     **_VLLM_OPENAI_REFUSED,
-    "continue_final_message": NOT_SUPPORTED,
-    "add_special_tokens": Refusal("is not supported by r3srv except false (the default for chat)"),
     "documents": NOT_SUPPORTED,
     "chat_template": Refusal("custom chat templates are not supported by r3srv: the model's own is used"),
     "media_io_kwargs": MULTIMODAL,
@@ -127,8 +136,6 @@ TITO_SAMPLING_REFUSED: dict[str, Refusal] = {
     "prompt_logprob_start": NOT_SUPPORTED,
     "logprob_token_ids": NOT_SUPPORTED,
     "flat_logprobs": NOT_SUPPORTED,
-    "detokenize": DETOKENIZE,
-    "spaces_between_special_tokens": SPACES,
     "output_kind": Refusal("is chosen by the server (stream or not)"),
     "stream_interval": STREAM_INTERVAL,
     "skip_clone": INTERNAL,
@@ -138,7 +145,7 @@ TITO_SAMPLING_REFUSED: dict[str, Refusal] = {
     "extra_args": NOT_SUPPORTED,
     "bad_words": NOT_SUPPORTED,
     "skip_reading_prefix_cache": NOT_SUPPORTED,
-    "thinking_token_budget": NOT_SUPPORTED,
+    "thinking_token_budget": Refusal("is not supported by r3srv", off=(-1,)),  # converted first here
     "repetition_detection": NOT_SUPPORTED,
     "trace_decode_token_ids": NOT_SUPPORTED,
 }
@@ -149,24 +156,24 @@ SGLANG_REFUSED: dict[str, Refusal] = {
     "input_embeds": NOT_SUPPORTED,
     "positional_embed_overrides": NOT_SUPPORTED,
     **dict.fromkeys(
-        ("image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
+        ("mm_hashes", "mm_content_hashes", "use_audio_in_video",
          "video_config", "modalities", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
          "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch",
          "images_config", "mm_processor_kwargs"),
         MULTIMODAL,
     ),
+    # AReaL sends image_data: [] with every text-only request
+    **dict.fromkeys(("image_data", "video_data", "audio_data"), Refusal(MULTIMODAL.reason, off=([],))),
     "watermark": NOT_SUPPORTED,
     "token_ids_logprob": NOT_SUPPORTED,
     "return_sampling_mask": NOT_SUPPORTED,
     "sampling_logprobs_mode": NOT_SUPPORTED,
-    "return_text_in_logprobs": NOT_SUPPORTED,
     "return_flat_raw_top_logprobs": NOT_SUPPORTED,
     "return_flat_raw_output_top_logprobs": NOT_SUPPORTED,
     "return_flat_raw_top_logprobs_b64": NOT_SUPPORTED,
     "return_hidden_states": NOT_SUPPORTED,
     "return_indexer_topk": NOT_SUPPORTED,
-    "lora_path": LORA,
-    "lora_id": LORA,
+    "lora_id": INTERNAL,  # set by SGLang's tokenizer manager from lora_path
     "custom_logit_processor": Refusal("custom logit processors are not supported by r3srv"),
     **dict.fromkeys(
         ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
@@ -188,10 +195,26 @@ SGLANG_REFUSED: dict[str, Refusal] = {
     "token_indices_to_pool": NOT_SUPPORTED,
 }
 
+# The fields SGLang's JSON contract gate (sglang/api/v1/api_types.py, decode_GenerateRequest) types
+# strictly on /generate: no conversion there ("1" is no int), while its other fields get pydantic's.
+SGLANG_CONTRACT_FIELDS = frozenset({
+    "rid", "text", "input_ids", "stream", "sampling_params", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "token_ids_logprob", "return_hidden_states", "return_text_in_logprobs", "bootstrap_host",
+    "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank",
+    "disagg_prefill_dp_rank", "image_data", "mm_hashes", "video_data", "audio_data", "extra_key", "priority",
+    "cache_salt", "require_reasoning", "lora_path", "session_params", "kv_hints", "routing_key",
+    "max_thinking_tokens", "session_id", "custom_logit_processor", "custom_labels", "images_config",
+    "return_prompt_token_ids", "routed_experts_start_len", "return_sampling_mask", "modalities",
+})
+
 # Metadata for logs, traces and routers in front of SGLang: nothing to do on r3srv.
 SGLANG_WITHOUT_EFFECT = frozenset(
     {"log_metrics", "no_logs", "routing_key", "conversation_id", "custom_labels", "external_trace_header"}
 )
+
+# Accepted and without effect: SGLang's fast-tokenizer decoding ignores the first; the second feeds
+# custom logit processors, which r3srv refuses (its one key slime reads is refused by name)
+SGLANG_SAMPLING_WITHOUT_EFFECT = frozenset({"spaces_between_special_tokens", "custom_params"})
 
 SGLANG_SAMPLING_REFUSED: dict[str, Refusal] = {
     "stop_regex": NOT_SUPPORTED,
@@ -200,43 +223,55 @@ SGLANG_SAMPLING_REFUSED: dict[str, Refusal] = {
     "regex": CONSTRAINED,
     "ebnf": CONSTRAINED,
     "structural_tag": CONSTRAINED,
-    "spaces_between_special_tokens": SPACES,
     "stream_interval": STREAM_INTERVAL,
-    "custom_params": Refusal("custom parameters (for custom logit processors) are not supported by r3srv"),
     "watermark": NOT_SUPPORTED,
-    "stop_strs": INTERNAL,
-    "stop_regex_strs": INTERNAL,
-    "stop_str_max_len": INTERNAL,
-    "stop_regex_max_len": INTERNAL,
-    "is_normalized": INTERNAL,
-    "ebnf_full_assistant": INTERNAL,
+    # SGLang's own JSON contract refuses these keys, whatever their value
+    **dict.fromkeys(
+        ("stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len", "is_normalized",
+         "ebnf_full_assistant"),
+        Refusal("is an internal field of the peer, not part of r3srv's API", any_value=True),
+    ),
 }
 
 
 # The peers' defaults that are not null, for the fields refused here (a client may send them)
 _VLLM_OPENAI_DEFAULTS = {
-    "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+    "use_beam_search": False, "length_penalty": 1.0,
     "bad_words": [], "priority": 0, "return_weight_versions": False, "return_token_offsets": False,
     "mm_payload": "tensors",
 }
-COMPLETION_DEFAULTS = {**_VLLM_OPENAI_DEFAULTS, "add_special_tokens": True}
-CHAT_DEFAULTS = {**_VLLM_OPENAI_DEFAULTS, "add_special_tokens": False, "continue_final_message": False}
+COMPLETION_DEFAULTS = _VLLM_OPENAI_DEFAULTS
+CHAT_DEFAULTS = _VLLM_OPENAI_DEFAULTS
 TITO_DEFAULTS = {"priority": 0}
 TITO_SAMPLING_DEFAULTS = {
-    "flat_logprobs": False,
-    "detokenize": True, "spaces_between_special_tokens": True, "output_kind": 0, "skip_clone": False,
+    "flat_logprobs": False, "output_kind": 0, "skip_clone": False,
     "output_text_buffer_length": 0, "bad_words": [],
 }
 SGLANG_DEFAULTS = {
-    "use_audio_in_video": False, "return_text_in_logprobs": False, "return_flat_raw_top_logprobs": False,
+    "use_audio_in_video": False, "return_flat_raw_top_logprobs": False,
     "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
     "return_hidden_states": False, "return_indexer_topk": False, "background": False, "require_reasoning": False,
     "return_bytes": False, "return_entropy": False, "return_prompt_token_ids": False,
 }
 SGLANG_SAMPLING_DEFAULTS = {
-    "spaces_between_special_tokens": True, "stop_str_max_len": 0, "stop_regex_max_len": 0, "is_normalized": False,
+    "stop_str_max_len": 0, "stop_regex_max_len": 0, "is_normalized": False,
     "ebnf_full_assistant": False,
 }
+
+
+# Refused fields the peer types without null (pydantic refuses `null` there too)
+_VLLM_OPENAI_NOT_NULL = frozenset({
+    "use_beam_search", "length_penalty", "bad_words", "priority", "return_weight_versions", "mm_payload",
+})
+CHAT_NOT_NULL = _VLLM_OPENAI_NOT_NULL
+TITO_NOT_NULL = frozenset({"priority"})
+TITO_SAMPLING_NOT_NULL = frozenset({"flat_logprobs", "output_kind", "skip_clone", "output_text_buffer_length"})
+SGLANG_NOT_NULL = frozenset({
+    "use_audio_in_video", "return_flat_raw_top_logprobs",
+    "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64", "return_hidden_states",
+    "return_indexer_topk", "background", "require_reasoning", "return_bytes", "return_entropy",
+    "return_prompt_token_ids",
+})
 
 
 @dataclass(frozen=True)
@@ -249,12 +284,31 @@ class BodyFields:
     defaults: Mapping[str, Any] = field(default_factory=dict)  # the peer's non-null defaults
     without_effect: frozenset[str] = frozenset()
     nested: Mapping[str, BodyFields] = field(default_factory=dict)
+    # Values are converted as pydantic's lax mode does, but for these fields, which the peer
+    # types strictly (all of them when `lax` is False)
+    exact: frozenset[str] = frozenset()
+    lax: bool = True
+    # Keys the peer does not define are a 400 (SGLang's sampling_params), not ignored
+    closed: bool = False
+    not_null: frozenset[str] = frozenset()  # refused fields whose null the peer refuses too
 
     @functools.cached_property
     def served(self) -> frozenset[str]:
         # once: msgspec.structs.fields resolves the Struct's type hints on every call, which
-        # cost the event loop more than the rest of a request's handling
-        return frozenset(f.encode_name for f in msgspec.structs.fields(self.struct))
+        # cost the event loop more than the rest of a request's handling. A field without
+        # effect may be in the Struct too, for its type to be checked as the peer checks it.
+        return frozenset(f.encode_name for f in msgspec.structs.fields(self.struct)) - self.without_effect
+
+    def strict_fields(self) -> StrictFields:
+        """Struct -> the fields decoded without conversion, for this object and its nested ones."""
+        own = self.exact if self.lax else self.served | self.exact
+        out = {self.struct: own}
+        for nested in self.nested.values():
+            out.update(nested.strict_fields())
+        return out
+
+    def is_exact(self, name: str) -> bool:
+        return not self.lax or name in self.exact
 
     def refusal(self, name: str) -> Refusal | None:
         """The refusal for a field the client sent, or None when it is served or unknown."""
@@ -275,13 +329,17 @@ class BodyFields:
             refusal = self.refusal(name)
             if refusal is not None:
                 value = msgspec.json.decode(raw)
-                if not refusal.accepts(value, self.defaults.get(name)):
+                if not refusal.accepts(value, self.defaults.get(name), lax=not self.is_exact(name),
+                                       nullable=name not in self.not_null):
                     reason = refusal.reason
                     problem = f" {reason}" if reason.startswith("is ") else f": {reason}"
                     raise InvalidRequestError(param=prefix + name, problem=problem)
             elif name in self.nested:
                 for item in _objects(raw):
                     self.nested[name]._check(item, "" if name == SAMPLING_PARAMS else f"{prefix}{name}.")
+            elif self.closed and name not in self.served and name not in self.without_effect:
+                raise InvalidRequestError(param=prefix + name, problem=" is not a field of this object (the peer refuses "
+                                                                        "unknown keys here)")
 
 
 def _objects(raw: msgspec.Raw) -> Iterable[Mapping[str, msgspec.Raw]]:
@@ -299,16 +357,28 @@ def _route_fields() -> dict[str, BodyFields]:
     from r3srv.server import protocol as p  # protocol imports nothing of this module's users
 
     return {
-        "completions": BodyFields(p.CompletionRequest, COMPLETION_REFUSED, COMPLETION_DEFAULTS),
-        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, CHAT_DEFAULTS),
+        "completions": BodyFields(p.CompletionRequest, COMPLETION_REFUSED, COMPLETION_DEFAULTS,
+                                  not_null=_VLLM_OPENAI_NOT_NULL),
+        "chat": BodyFields(p.ChatCompletionRequest, CHAT_REFUSED, CHAT_DEFAULTS,
+                           not_null=CHAT_NOT_NULL),
         "tito": BodyFields(
-            p.GenerateRequest, TITO_REFUSED, TITO_DEFAULTS,
-            nested={SAMPLING_PARAMS: BodyFields(p.TitoSamplingParams, TITO_SAMPLING_REFUSED, TITO_SAMPLING_DEFAULTS)},
+            p.GenerateRequest, TITO_REFUSED, TITO_DEFAULTS, not_null=TITO_NOT_NULL,
+            nested={SAMPLING_PARAMS: BodyFields(p.TitoSamplingParams, TITO_SAMPLING_REFUSED, TITO_SAMPLING_DEFAULTS,
+                                                not_null=TITO_SAMPLING_NOT_NULL)},
         ),
         "sglang": BodyFields(
             p.SglangGenerateRequest, SGLANG_REFUSED, SGLANG_DEFAULTS, SGLANG_WITHOUT_EFFECT,
+            exact=SGLANG_CONTRACT_FIELDS, not_null=SGLANG_NOT_NULL,
+            # SGLang's contract types every sampling field strictly and refuses unknown ones
             nested={SAMPLING_PARAMS: BodyFields(p.SglangSamplingParams, SGLANG_SAMPLING_REFUSED,
-                                                SGLANG_SAMPLING_DEFAULTS)},
+                                                SGLANG_SAMPLING_DEFAULTS, SGLANG_SAMPLING_WITHOUT_EFFECT,
+                                                lax=False, closed=True)},
+        ),
+        # SkyRL builds vLLM's SamplingParams from the raw JSON: vLLM's fields, no conversion
+        "skyrl": BodyFields(
+            p.SkyrlGenerateRequest, {}, lax=False,
+            nested={SAMPLING_PARAMS: BodyFields(p.SkyrlSamplingParams, TITO_SAMPLING_REFUSED, TITO_SAMPLING_DEFAULTS,
+                                                not_null=TITO_SAMPLING_NOT_NULL, lax=False)},
         ),
     }
 

@@ -58,6 +58,7 @@ class ServerState:
     live: set[Generation] = field(default_factory=set)  # requests in flight, for abort_all
     enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached tokens), as vLLM
+    return_tokens_as_token_ids: bool = False  # the default of the requests' field of that name (vLLM's flag)
     weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
     launch: LaunchFacts = field(default_factory=LaunchFacts)
     enable_sleep_mode: bool = False  # /sleep, /wake_up (vLLM's development-mode routes)
@@ -69,7 +70,7 @@ class ServerState:
     def features(self) -> frozenset[Feature]:
         """The optional route groups this server serves (server/declare.py)."""
         flags = ((Feature.WEIGHT_UPDATES, self.enable_weight_updates), (Feature.SLEEP_MODE, self.enable_sleep_mode),
-                 (Feature.COLLECTIVE_RPC, self.enable_collective_rpc))
+                 (Feature.COLLECTIVE_RPC, self.enable_collective_rpc), (Feature.LORA, self.engine.core.lora is not None))
         return frozenset(feature for feature, on in flags if on)
 
     async def abort_all(self) -> None:
@@ -78,9 +79,19 @@ class ServerState:
         for gen in list(self.live):
             await self.engine.abort(gen.request_id)
 
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise ModelNotFoundError(model)
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (vLLM selects adapters by model name), None for the
+        served model itself; ModelNotFoundError (404) for any other name."""
+        if not model or model == self.model_name:
+            return None
+        if model in self.lora_names():
+            return model
+        raise ModelNotFoundError(model)
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters loaded (none without --enable-lora)."""
+        lora = self.engine.core.lora
+        return [] if lora is None else lora.names()
 
     def weight_version(self, output: RequestOutput) -> str | UnsetType:
         """What a choice says of the weights that produced it: only where weights can change."""
@@ -132,6 +143,7 @@ class Generation:
         request_id: str,
         *,
         stream: bool = True,
+        lora_name: str | None = None,
     ) -> None:
         self.state = state
         self.route = route
@@ -139,7 +151,7 @@ class Generation:
         # Streams get DELTA outputs (per step, only the new tokens); the others FINAL_ONLY (no
         # per-step outputs, no loop wake-ups).
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        self._stream = state.engine.generate(prompt, params, request_id, output_kind=kind)
+        self._stream = state.engine.generate(prompt, params, request_id, output_kind=kind, lora_name=lora_name)
         self._delta = stream
         self._generated_tokens = 0
         self._started = time.perf_counter()
@@ -216,6 +228,7 @@ async def start_all(
     request_id: str | list[str],
     *,
     stream: bool = True,
+    lora: str | None | list[str | None] = None,
 ) -> list[Generation]:
     """Submit every prompt of a request together (so they batch), then wait for each first output
     (with stream=True a DELTA output, with stream=False the finished one). `params` and
@@ -227,7 +240,9 @@ async def start_all(
     ids = request_id if isinstance(request_id, list) else (
         [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id])
     each = params if isinstance(params, list) else [params] * len(prompts)
-    gens = [Generation(state, route, p, sp, rid, stream=stream) for p, sp, rid in zip(prompts, each, ids)]
+    loras = lora if isinstance(lora, list) else [lora] * len(prompts)  # the adapter of each prompt
+    gens = [Generation(state, route, p, sp, rid, stream=stream, lora_name=name)
+            for p, sp, rid, name in zip(prompts, each, ids, loras)]
     try:
         results = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
     except BaseException:  # cancelled: gather has cancelled the starts and they have ended

@@ -77,13 +77,21 @@ def _rank(entry: dict[int, float], token_id: int) -> int:
 
 
 class LogprobFormatter:
-    """Builds each API's logprob objects for a slice of a choice's tokens."""
+    """Builds each API's logprob objects for a slice of a choice's tokens. `as_ids`: tokens as
+    "token_id:<id>" (vLLM's return_tokens_as_token_ids), as they are without a tokenizer."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._as_ids = as_ids
+
+    @classmethod
+    def of(cls, state: ServerState, req: Any) -> LogprobFormatter:
+        """The formatter for an OpenAI request: its return_tokens_as_token_ids, else the server's."""
+        as_ids = getattr(req, "return_tokens_as_token_ids", None)
+        return cls(state.engine.tokenizer, state.return_tokens_as_token_ids if as_ids is None else as_ids)
 
     def token_str(self, token_id: int) -> str:
-        if self._tokenizer is None:  # token-id prompts on a model without a tokenizer
+        if self._tokenizer is None or self._as_ids:  # no tokenizer (token-id prompts), or asked for ids
             return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -151,7 +159,7 @@ def _logprobs(choice: CompletionOutput) -> list[dict[int, float]]:
 async def completion_response(
     state: ServerState, req: p.CompletionRequest, request_id: str, finals: list[RequestOutput]
 ) -> p.CompletionResponse:
-    fmt = LogprobFormatter(state.engine.tokenizer)
+    fmt = LogprobFormatter.of(state, req)
     with_ids = bool(req.return_token_ids)
     rows = OpenAIRows(state, req)
     choices = []
@@ -187,7 +195,7 @@ async def chat_response(
     state: ServerState, req: p.ChatCompletionRequest, request_id: str, final: RequestOutput,
     parsing: ChoiceParsing | None = None,
 ) -> p.ChatCompletionResponse:
-    fmt = LogprobFormatter(state.engine.tokenizer)
+    fmt = LogprobFormatter.of(state, req)
     hidden = parsing is not None and parsing.hide_metadata
     with_ids = bool(req.return_token_ids) and not hidden
     echoed = req.echoed_text()

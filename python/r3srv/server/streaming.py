@@ -166,7 +166,7 @@ async def completion_stream(
     state: ServerState, req: p.CompletionRequest, request_id: str, gens: list[Generation]
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
-    fmt = LogprobFormatter(state.engine.tokenizer)
+    fmt = LogprobFormatter.of(state, req)
     with_ids = bool(req.return_token_ids)
     continuous = _continuous(req.stream_options)
     tracker = _Tracker()
@@ -220,7 +220,7 @@ async def chat_stream(
     parsing: ChoiceParsing | None = None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
-    fmt = LogprobFormatter(state.engine.tokenizer)
+    fmt = LogprobFormatter.of(state, req)
     hidden = parsing is not None and parsing.hide_metadata
     with_ids = bool(req.return_token_ids) and not hidden
     with_logprobs = bool(req.logprobs) and not hidden

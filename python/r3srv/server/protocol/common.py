@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
 
 NonNegInt = Annotated[int, Meta(ge=0)]
+# A count vLLM checks on the raw body before converting it: a number (2.0 is 2), never a string
+LogprobCount = Annotated[int, Meta(extra={"convert_strings": False})]
 # vLLM bounds seeds to the signed 64-bit range
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 # Choices per prompt; every route holds to it (a huge n ties the engine up for minutes).
@@ -32,13 +34,18 @@ ReturnTokenIds = Annotated[
 
 
 class StreamOptions(Struct, kw_only=True):
-    include_usage: bool | None = False
+    # Unset and false alike leave usage out; an object with no field set is vLLM's "no options".
+    include_usage: bool | None | UnsetType = UNSET
     # With include_usage: the usage so far on every chunk too (vLLM's).
-    continuous_usage_stats: bool | None = False
+    continuous_usage_stats: bool | None | UnsetType = UNSET
 
     @property
     def continuous(self) -> bool:
         return bool(self.include_usage and self.continuous_usage_stats)
+
+    @property
+    def empty(self) -> bool:
+        return self.include_usage is UNSET and self.continuous_usage_stats is UNSET
 
 
 class PromptTokensDetails(Struct, kw_only=True):

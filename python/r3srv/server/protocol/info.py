@@ -21,6 +21,13 @@ class TokenizeRequest(Struct, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
     add_generation_prompt: bool = True
+    # The tokenizer's specials (BOS) around the text; null: vLLM's defaults, true for a prompt and
+    # false for messages (their template writes its own)
+    add_special_tokens: bool | None = None
+
+    @property
+    def with_special_tokens(self) -> bool:
+        return self.messages is None if self.add_special_tokens is None else self.add_special_tokens
 
     def text(self, apply_chat_template: Any) -> str:
         if (self.prompt is None) == (self.messages is None):

@@ -22,6 +22,7 @@ from r3srv.server.protocol.tools import (
 )
 from r3srv.server.protocol.common import (
     ChoiceCount,
+    LogprobCount,
     NonNegInt,
     PromptLogprobs,
     PromptStart,
@@ -41,7 +42,7 @@ class _OpenAIRequest(Struct, kw_only=True):
 
     model: str | None = None
     n: ChoiceCount = 1
-    temperature: float | None = None
+    temperature: float | None = None  # vLLM: at most 2
     top_p: float | None = None
     top_k: int | None = None
     seed: Seed | None = None
@@ -55,16 +56,20 @@ class _OpenAIRequest(Struct, kw_only=True):
     # vLLM extras
     min_p: float | None = None
     repetition_penalty: float | None = None
-    prompt_logprobs: int | None = None
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    prompt_logprobs: LogprobCount | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=2**63 - 1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
     cache_salt: str | None = None
     min_tokens: NonNegInt = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool | None = None
+    # With skip_special_tokens false: false joins consecutive special tokens without spaces
+    spaces_between_special_tokens: bool = True
+    # Logprob tokens as "token_id:<id>"; null: the server's --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     include_stop_str_in_output: bool = False
-    request_id: str | None = None
+    request_id: str | UnsetType = UNSET  # vLLM's is a string (a random one by default): null is refused
     return_token_ids: ReturnTokenIds = None
     routed_experts_prompt_start: PromptStart = 0
     # r3srv extra
@@ -74,11 +79,12 @@ class _OpenAIRequest(Struct, kw_only=True):
     def _sampling_params(
         self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams:
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and not self.stream_options.empty and not self.stream:
             raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
         _check_prompt_logprobs(self.prompt_logprobs, self.stream)
+        _check_vllm_ranges(self.temperature)
         return SamplingParams(
-            n=self.n,
+            n=self.n or 1,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
@@ -99,10 +105,17 @@ class _OpenAIRequest(Struct, kw_only=True):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             routed_experts_prompt_start=self.routed_experts_prompt_start,
             return_routed_experts=self.return_routed_experts,
         )
+
+
+def _check_vllm_ranges(temperature: float | None) -> None:
+    """vLLM's own bounds that SGLang does not share (SamplingParams holds the common ones)."""
+    if temperature is not None and temperature > 2.0:
+        raise InvalidRequestError(param="temperature", problem=f"={temperature} must be in [0, 2]")
 
 
 # ---------------------------------------------------------------- /v1/completions
@@ -115,10 +128,15 @@ PromptType = str | list[str | int | list[int]]
 
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     prompt: PromptType
-    max_tokens: NonNegInt | None = 16  # 0 only with echo: the prompt alone (vLLM's scoring use)
-    logprobs: int | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
+    max_tokens: NonNegInt | None = 16  # 0 only with echo: the prompt alone (vLLM's scoring use); null: 16
+    logprobs: LogprobCount | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
     # The prompt's text before the completion's (and with logprobs, the prompt's logprobs first).
     echo: bool | None = False
+    add_special_tokens: bool = True  # the tokenizer's specials (BOS) around a text prompt
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is None:  # vLLM's normalize_null_max_tokens
+            self.max_tokens = 16
 
     def param_names(self) -> dict[str, str]:
         return {}  # the engine's names are vLLM's
@@ -126,6 +144,8 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one text or one token-id list each."""
         prompt = self.prompt
+        if prompt == "":
+            raise InvalidRequestError("prompt must be provided and non-empty", param="prompt")
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
@@ -269,9 +289,20 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     messages: Annotated[list[ChatMessageParam], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    n: ChoiceCount | None = 1  # null: 1
     logprobs: bool | None = False
-    top_logprobs: int | None = None  # -1: the whole vocabulary (with --max-logprobs -1)
-    add_generation_prompt: bool = True
+    top_logprobs: LogprobCount | None = 0  # -1: the whole vocabulary (with --max-logprobs -1); null: 0
+    # Unset: true, unless continue_final_message
+    add_generation_prompt: bool | UnsetType = UNSET
+    # The reply continues the last message (its turn left open) instead of starting a new one
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes its own specials
+    # SGLang's chat extensions (miles' session server sends them): the prompt as token ids (the
+    # template is not rendered), each choice's SGLang meta_info, no_stop_trim, routed_experts_start_len
+    input_ids: Annotated[list[NonNegInt], Meta(min_length=1)] | None = None
+    return_meta_info: bool = False
+    no_stop_trim: bool = False
+    routed_experts_start_len: NonNegInt | None = None
     # vLLM's: the last message's content before the reply, when its role is the reply's
     echo: bool = False
 
@@ -282,6 +313,29 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     include_reasoning: bool = True
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.top_logprobs is None:  # vLLM's TopLogprobsParam
+            self.top_logprobs = 0
+        if self.continue_final_message and self.add_generation_prompt is True:
+            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                                      param="continue_final_message")
+        if self.tools == []:  # vLLM's (and OpenAI's) rule
+            raise InvalidRequestError("`tools` must not be an empty array", param="tools")
+        if self.return_meta_info and self.stream:  # SGLang's rule
+            raise InvalidRequestError("return_meta_info is not supported with streaming: set stream=false",
+                                      param="return_meta_info")
+        if self.no_stop_trim:  # SGLang's name
+            self.include_stop_str_in_output = True
+        if self.routed_experts_start_len is not None:  # SGLang's name
+            self.routed_experts_prompt_start = self.routed_experts_start_len
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the template opens the reply's turn (vLLM: unless continue_final_message)."""
+        if self.add_generation_prompt is UNSET:
+            return not self.continue_final_message
+        return bool(self.add_generation_prompt)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
@@ -325,7 +379,7 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
 
     def response_role(self) -> str:
         """The reply's role (vLLM's get_chat_request_role with its default response role)."""
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+        return "assistant" if self.generation_prompt else self.messages[-1].role
 
     def echoed_text(self) -> str:
         """What echo puts before the reply: the last message's content when its role is the reply's."""
@@ -383,6 +437,7 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
+    meta_info: dict[str, Any] | UnsetType = UNSET  # SGLang's, with return_meta_info
 
 
 class ChatCompletionResponse(Struct, kw_only=True):

@@ -8,7 +8,7 @@ import hashlib
 from typing import Annotated, Any
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
@@ -17,30 +17,47 @@ from r3srv.server.protocol.common import MAX_N, NonNegInt, Seed
 
 
 class SglangSamplingParams(Struct, kw_only=True):
-    """SGLang's sampling_params, the fields r3srv serves (server/fields.py refuses the others)."""
+    """SGLang's sampling_params, the fields r3srv serves (server/fields.py refuses the others).
+    Null is the default, as SGLang's SamplingParams reads it."""
 
-    max_new_tokens: NonNegInt | None = 128  # 0: the prompt alone (slime's teacher logprobs)
-    min_new_tokens: NonNegInt = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_new_tokens: NonNegInt | None = 128  # 0: the prompt alone (slime's teacher logprobs); null: the context
+    min_new_tokens: NonNegInt | None = 0
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # SGLang reads n before its defaults: null is refused
     sampling_seed: Seed | None = None
-    no_stop_trim: bool = False
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # SGLang's: on the output tokens only, in (0, 2]
+    no_stop_trim: bool | None = False
+    min_p: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0  # SGLang's: on the output tokens only, in (0, 2]
     logit_bias: dict[str, float] | None = None
+    # Without effect: SGLang joins specials as its fast tokenizer decodes them, whatever this says
+    spaces_between_special_tokens: bool | None = True
+    # For a custom logit processor (refused): without effect, but for slime's top-p token ids
+    custom_params: Any = None
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.repetition_penalty <= 2.0:  # SGLang's own bound
+        if isinstance(self.custom_params, dict) and self.custom_params.get("return_top_p_token_ids"):
+            raise InvalidRequestError(param="return_top_p_token_ids",
+                                      problem=" (custom_params) is not supported by r3srv yet: the top-p token ids "
+                                              "of each step are not returned")
+        for f in msgspec.structs.fields(self):  # SGLang's __post_init__: null is the default
+            if getattr(self, f.name) is None and f.default is not None:
+                setattr(self, f.name, f.default)
+        if not 0.0 < self.repetition_penalty <= 2.0:  # SGLang's own bounds (its SamplingParams.verify)
             raise InvalidRequestError(param="repetition_penalty",
                                       problem=f"={self.repetition_penalty} must be in (0, 2] (1.0 = no penalty)")
+        if self.top_k == 0:
+            raise InvalidRequestError(param="top_k", problem="=0 must be -1 (disable) or at least 1")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequestError(param="min_new_tokens",
+                                      problem=f"={self.min_new_tokens} must be <= max_new_tokens ({self.max_new_tokens})")
 
 
 # The engine's names -> SGLang's (the prompt's, text or input_ids, is added per request)
@@ -66,68 +83,106 @@ class SglangGenerateRequest(Struct, kw_only=True):
     # lists are sorted out by `prompts()`
     text: str | list[str] | None = None
     input_ids: list[NonNegInt | list[NonNegInt]] | None = None
-    sampling_params: SglangSamplingParams | list[SglangSamplingParams] = msgspec.field(
-        default_factory=SglangSamplingParams
-    )
+    sampling_params: SglangSamplingParams | list[SglangSamplingParams] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
-    return_logprob: bool = False
+    # The logprob fields: one value for every prompt, or (a batch) one per prompt.
+    return_logprob: bool | list[bool] | None = None
+    return_text_in_logprobs: bool = False  # each logprob entry's third item: the token's text
     # With return_logprob: input_token_logprobs (and input_top_logprobs) from this prompt token
-    # on (that first one has none, as SGLang sends it); -1: none.
-    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
-    top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
-    return_routed_experts: bool | None = None
+    # on (that first one has none, as SGLang sends it); negative: none.
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: Annotated[int, Meta(le=20)] | list[Annotated[int, Meta(le=20)]] | None = None  # <= 0: none
+    # Unset: the server's default (--enable-return-routed-experts); SGLang's type takes no null.
+    return_routed_experts: bool | UnsetType = UNSET
     routed_experts_start_len: NonNegInt = 0
     routed_experts_encoding: RequestedEncoding = None  # r3srv's
     # prefix-cache isolation: requests share cached prefixes only with equal keys and salts
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    # the LoRA adapter each prompt runs under, by the name it was loaded with (SGLang's lora_path)
+    lora_path: str | list[str | None] | None = None
+    # Without effect on r3srv (logging, tracing, routing metadata), typed as SGLang types them
+    log_metrics: bool = True
+    no_logs: bool = False
+    routing_key: str | None = None
+    conversation_id: str | None = None
+    custom_labels: dict[str, str] | None = None
+    external_trace_header: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if (self.text is None) == (self.input_ids is None):
-            raise InvalidRequestError(param="text", problem=": give exactly one of text and input_ids")
+        if self.text is None and self.input_ids is None:
+            raise InvalidRequestError(param="text", problem=": give text or input_ids")
 
     @property
     def is_batch(self) -> bool:
-        if self.text is not None:
-            return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+        if self.input_ids is not None:  # SGLang tokenizes input_ids when both are given
+            return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+        return isinstance(self.text, list)
 
     def prompts(self) -> list[str | list[int]]:
-        name = "text" if self.text is not None else "input_ids"
+        name = "input_ids" if self.input_ids is not None else "text"
         prompts: list[Any] = [self.text] if isinstance(self.text, str) else list(self.text or [])
         if self.input_ids is not None:
+            if not self.input_ids:
+                raise InvalidRequestError(param=name, problem=" cannot be empty")
             nested = [isinstance(p, list) for p in self.input_ids]
             if any(nested) and not all(nested):
                 raise InvalidRequestError(param=name, problem=" must be a list of token ids or a list of such lists")
-            prompts = list(self.input_ids) if all(nested) and nested else [list(self.input_ids)]
+            prompts = list(self.input_ids) if all(nested) else [list(self.input_ids)]
         if not prompts:
             raise InvalidRequestError(param=name, problem=" must not be an empty batch")
         count = len(prompts)
-        if isinstance(self.sampling_params, list) and len(self.sampling_params) != count:
-            raise InvalidRequestError(param="sampling_params",
-                                      problem=f" has {len(self.sampling_params)} entries for {count} prompts")
-        if isinstance(self.rid, list) and len(self.rid) != count:
-            raise InvalidRequestError(param="rid", problem=f" has {len(self.rid)} entries for {count} prompts")
+        for field in ("sampling_params", "rid", "extra_key", "cache_salt", "return_logprob", "logprob_start_len",
+                      "top_logprobs_num"):
+            value = getattr(self, field)
+            if not isinstance(value, list):
+                continue
+            if not self.is_batch and field in ("extra_key", "cache_salt"):
+                raise InvalidRequestError(param=field, problem=" should be a string for a single request")
+            if len(value) != count and (self.is_batch or value):
+                raise InvalidRequestError(param=field, problem=f" has {len(value)} entries for {count} prompts")
         return prompts
 
     def request_ids(self, count: int, default: str) -> list[str]:
-        if isinstance(self.rid, list):
+        if isinstance(self.rid, list) and self.rid:
             return list(self.rid)
-        base = self.rid or default
+        base = (self.rid if isinstance(self.rid, str) else None) or default
         return [base] if count == 1 and not self.is_batch else [f"{base}-{i}" for i in range(count)]
 
     def param_names(self) -> dict[str, str]:
-        return {**_SGLANG_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
+        return {**_SGLANG_NAMES, "prompt": "input_ids" if self.input_ids is not None else "text"}
 
-    @property
-    def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0
+    def _at(self, field: str, index: int, default: Any) -> Any:
+        """A per-prompt field's value for prompt `index` (an empty list for one prompt: the default)."""
+        value = getattr(self, field)
+        if isinstance(value, list):
+            value = value[index] if value else None
+        return default if value is None else value
+
+    def logprobs_of(self, index: int) -> tuple[bool, int, int]:
+        """Prompt `index`'s (return_logprob, logprob_start_len, top_logprobs_num)."""
+        return (bool(self._at("return_logprob", index, False)), self._at("logprob_start_len", index, -1),
+                max(self._at("top_logprobs_num", index, 0), 0))
+
+    def _sampling(self, index: int) -> SglangSamplingParams:
+        sp = self.sampling_params
+        if isinstance(sp, list):  # one per prompt (an empty list for one prompt: the defaults)
+            sp = sp[index] if sp else None
+        return sp if sp is not None else SglangSamplingParams()
 
     def prefill_only(self, index: int = 0) -> bool:
         """max_new_tokens=0: the engine runs one token, the answer leaves it out (nothing generated)."""
-        sp = self.sampling_params[index] if isinstance(self.sampling_params, list) else self.sampling_params
-        return sp.max_new_tokens == 0
+        return self._sampling(index).max_new_tokens == 0
+
+    def lora(self, index: int) -> str | None:
+        """The adapter prompt `index` runs under (a list gives one per prompt)."""
+        if isinstance(self.lora_path, list):
+            if len(self.lora_path) <= index:
+                raise InvalidRequestError(param="lora_path", problem=f" has {len(self.lora_path)} entries, fewer "
+                                          "than the prompts")
+            return self.lora_path[index]
+        return self.lora_path
 
     def _salt(self, index: int) -> str | None:
         """extra_key and cache_salt as one engine salt that vLLM's rules accept (SGLang takes any
@@ -140,7 +195,8 @@ class SglangGenerateRequest(Struct, kw_only=True):
     def to_sampling_params(self, index: int = 0, room: int | None = None) -> SamplingParams:
         """Prompt `index`'s SamplingParams. `room`: the tokens its prompt leaves within the context;
         max_new_tokens (and min_new_tokens) are clipped to it, as SGLang's scheduler does."""
-        sp = self.sampling_params[index] if isinstance(self.sampling_params, list) else self.sampling_params
+        sp = self._sampling(index)
+        return_logprob, logprob_start, top = self.logprobs_of(index)
         max_tokens, min_tokens = sp.max_new_tokens, sp.min_new_tokens
         if max_tokens == 0:
             max_tokens = 1
@@ -151,14 +207,14 @@ class SglangGenerateRequest(Struct, kw_only=True):
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
             min_p=sp.min_p, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
             repetition_penalty=sp.repetition_penalty, repetition_penalty_prompt=False, logit_bias=sp.logit_bias,
-            prompt_logprobs=self.top_logprobs_num if self.wants_input_logprobs else None,
-            prompt_logprobs_start=max(self.logprob_start_len, 0), cache_salt=self._salt(index),
+            prompt_logprobs=top if return_logprob and logprob_start >= 0 else None,
+            prompt_logprobs_start=max(logprob_start, 0) if return_logprob else 0, cache_salt=self._salt(index),
             max_tokens=max_tokens, min_tokens=min_tokens, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,
-            logprobs=self.top_logprobs_num if self.return_logprob else None,
+            logprobs=top if return_logprob else None,
             routed_experts_prompt_start=self.routed_experts_start_len,
-            return_routed_experts=self.return_routed_experts,
+            return_routed_experts=None if self.return_routed_experts is UNSET else self.return_routed_experts,
         )
 
 

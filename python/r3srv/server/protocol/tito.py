@@ -28,15 +28,20 @@ _TITO_NAMES = {"prompt": "token_ids"}
 
 class TitoSamplingParams(SamplingParams, kw_only=True, omit_defaults=True):
     """SamplingParams as /inference/v1/generate reads them: without max_tokens, generate up to
-    max_model_len - prompt, as vLLM 0.33 does there."""
+    max_model_len - prompt, as vLLM 0.33 does there; vLLM's temperature bound."""
 
     max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.temperature > 2.0:
+            raise InvalidRequestError(param="temperature", problem=f"={self.temperature} must be in [0, 2]")
 
 
 class GenerateRequest(Struct, kw_only=True):
     token_ids: Annotated[list[NonNegInt], Meta(min_length=1)]
     sampling_params: TitoSamplingParams
-    request_id: str | None = None
+    request_id: str | UnsetType = UNSET  # vLLM's is a string (a random one by default): null is refused
     model: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -53,6 +58,9 @@ class GenerateRequest(Struct, kw_only=True):
             raise InvalidRequestError(param="n", problem=f"={self.sampling_params.n} must be <= {MAX_N}")
         if self.stream and self.sampling_params.prompt_logprobs:
             raise InvalidRequestError(param="prompt_logprobs", problem=" are not available when stream=true")
+        if self.output_mode != "tokens" and not self.sampling_params.detokenize:
+            raise InvalidRequestError(param="output_mode",
+                                      problem=f"={self.output_mode!r} requires sampling_params.detokenize to be true")
 
     def to_sampling_params(self) -> SamplingParams:
         if self.cache_salt is None:

@@ -27,6 +27,7 @@ async def run_to_end(
     params: SamplingParams,
     request_id: str,
     build: Callable[[list[RequestOutput]], Awaitable[T]],
+    lora: str | None | list[str | None] = None,
 ) -> T | Response[bytes]:
     """Non-streaming: start every prompt, wait for the finished outputs, build the response.
 
@@ -37,7 +38,7 @@ async def run_to_end(
     gens: list[Generation] = []
 
     async def work() -> T:
-        gens.extend(await start_all(state, route, prompts, params, request_id, stream=False))
+        gens.extend(await start_all(state, route, prompts, params, request_id, stream=False, lora=lora))
         finals = await asyncio.gather(*(g.final() for g in gens))
         return await build(list(finals))
 

@@ -21,16 +21,17 @@ from r3srv.server.streaming import EngineStream, generate_stream
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> p.GenerateResponse:
     state = server_state(request)
-    state.check_model(data.model)
+    lora = state.check_model(data.model)  # an adapter's name selects it
     params = data.to_sampling_params()
     request_id = data.request_id or uuid.uuid4().hex
     route = "/inference/v1/generate"
     prompts: list[str | list[int]] = [list(data.token_ids)]
     if data.stream:
-        gens = await start_all(state, route, prompts, params, request_id)
+        gens = await start_all(state, route, prompts, params, request_id, lora=lora)
         return EngineStream(generate_stream(state, data, request_id, gens), gens)  # type: ignore[return-value]
     return await run_to_end(  # type: ignore[return-value]
-        request, route, prompts, params, request_id, lambda finals: generate_response(state, data, request_id, finals[0])
+        request, route, prompts, params, request_id, lambda finals: generate_response(state, data, request_id, finals[0]),
+        lora,
     )
 
 

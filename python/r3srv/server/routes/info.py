@@ -38,7 +38,10 @@ async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
         if info
         else p.UNSET,
     )
-    return p.ModelList(data=[card])
+    # each LoRA adapter is a model of its own, its parent the served one (as vLLM lists them)
+    adapters = [p.ModelCard(id=name, root=entry.path or name, parent=state.model_name, max_model_len=engine.max_model_len)
+                for name, entry in (engine.core.lora.entries.items() if engine.core.lora is not None else ())]
+    return p.ModelList(data=[card, *adapters])
 
 
 @get("/health", summary="200 while the engine loop runs; 503 once it has died (the server then exits non-zero)",
@@ -66,7 +69,7 @@ async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> 
     def render_and_encode() -> list[int]:
         # A rendered chat template already holds its specials; a raw prompt gets the tokenizer's.
         text = data.text(state.engine.input_processor.render_chat)
-        return list(tokenizer.encode(text, add_special_tokens=data.messages is None))
+        return list(tokenizer.encode(text, add_special_tokens=data.with_special_tokens))
 
     size = len(data.prompt or "") + sum(m.content_chars() for m in data.messages or ())
     try:

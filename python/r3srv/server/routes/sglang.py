@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import MediaType, Request, Response, post
-from msgspec import UNSET
 
 from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
@@ -30,8 +29,8 @@ from r3srv.server import rows_encoding
 from r3srv.server.declare import Access, Fleet
 from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import Generation, ServerState, merged_outputs, start_all
-from r3srv.server.responses import ranked_logprobs
 from r3srv.server.routes.common import run_to_end, server_state
+from r3srv.server.sglang_meta import meta_info
 from r3srv.server.streaming import DONE, EngineStream, sse
 
 ROUTE = "/generate"
@@ -46,11 +45,12 @@ async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, A
     room = state.engine.max_model_len
     params = [data.to_sampling_params(i, room - len(prompt)) for i, prompt in enumerate(prompts)]
     request_ids = data.request_ids(len(prompts), uuid.uuid4().hex)
+    loras = [data.lora(i) for i in range(len(prompts))]  # lora_path: the adapter's name, per prompt
     if data.stream:
-        gens = await start_all(state, ROUTE, prompts, params, request_ids)
+        gens = await start_all(state, ROUTE, prompts, params, request_ids, lora=loras)
         return EngineStream(_stream(state, data, request_ids, gens), gens)
     outs = await run_to_end(request, ROUTE, prompts, params, request_ids,
-                            lambda finals: _answer(state, data, request_ids, finals))
+                            lambda finals: _answer(state, data, request_ids, finals), loras)
     return outs
 
 
@@ -75,7 +75,8 @@ async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids:
     outs = [
         p.SglangGenerateOutput(
             text=c.text, output_ids=list(c.token_ids),
-            meta_info=await _meta_info(state, req, _output_id(rid, final, c), final, c, c.token_ids, c.logprobs, True),
+            meta_info=await _meta_info(state, req, i, _output_id(rid, final, c), final, c, c.token_ids, c.logprobs,
+                                       True),
         )
         for i, (rid, final) in enumerate(zip(request_ids, finals))
         for c in _as_asked(req, i, final.outputs)
@@ -83,26 +84,16 @@ async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids:
     return outs[0] if len(outs) == 1 and not req.is_batch else outs
 
 
-async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, output_id: str, out: RequestOutput,
-                     c: CompletionOutput, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                     final: bool) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "id": output_id,
-        "finish_reason": _finish_reason(c, token_ids) if final else None,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": len(token_ids),
-        "cached_tokens": out.num_cached_tokens,
-        "routed_experts_start_len": req.routed_experts_start_len,
-    }
-    if req.return_logprob:
-        _add_logprobs(meta, req, out, token_ids, logprobs)
-    if final and c.routed_experts is not None:
-        encoding = state.experts_encoding(req.routed_experts_encoding, rows_encoding.SGLANG_DEFAULT)
-        meta["routed_experts"] = await state.encode_experts(c.routed_experts, encoding, req.routed_experts_start_len)
-    version = state.weight_version(out) if final else UNSET
-    if version is not UNSET:
-        meta["weight_version"] = version
-    return meta
+async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, index: int, output_id: str,
+                     out: RequestOutput, c: CompletionOutput, token_ids: list[int],
+                     logprobs: list[dict[int, float]] | None, final: bool) -> dict[str, Any]:
+    """Output `c` of prompt `index`'s meta_info."""
+    return_logprob, _, top = req.logprobs_of(index)
+    return await meta_info(
+        state, output_id, out, c, token_ids, logprobs, final, start_len=req.routed_experts_start_len,
+        logprobs_top=top if return_logprob else None, text_in_logprobs=req.return_text_in_logprobs,
+        encoding=state.experts_encoding(req.routed_experts_encoding, rows_encoding.SGLANG_DEFAULT),
+    )
 
 
 async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids: list[str],
@@ -118,7 +109,8 @@ async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids:
                 continue
             text, ids, logprobs = text + c.text, ids + list(c.token_ids), logprobs + list(c.logprobs or [])
             sofar[(i, c.index)] = (text, ids, logprobs)
-            meta = await _meta_info(state, req, _output_id(request_ids[i], out, c), out, c, ids, logprobs, c.finished)
+            meta = await _meta_info(state, req, i, _output_id(request_ids[i], out, c), out, c, ids, logprobs,
+                                    c.finished)
             yield sse(p.SglangGenerateOutput(text=text, output_ids=ids, meta_info=meta,
                                              index=i * n + c.index if indexed else None))
     yield DONE
@@ -136,33 +128,6 @@ def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[Completion
         for c in outputs
     ]
 
-
-def _add_logprobs(meta: dict[str, Any], req: p.SglangGenerateRequest, out: RequestOutput, token_ids: list[int],
-                  logprobs: list[dict[int, float]] | None) -> None:
-    """SGLang's logprob keys: [logprob, token id, None] triples; the input ones from
-    logprob_start_len on, the first of them without a logprob (as SGLang sends them)."""
-    entries = out.prompt_logprobs or []
-    inputs = out.prompt_token_ids[len(out.prompt_token_ids) - len(entries):]
-    meta["input_token_logprobs"] = [[None if e is None else e[t].logprob, t, None] for t, e in zip(inputs, entries)]
-    meta["output_token_logprobs"] = [[entry[t], t, None] for t, entry in zip(token_ids, logprobs or [])]
-    meta["output_token_logprobs_length"] = len(token_ids)
-    k = req.top_logprobs_num
-    if k:
-        meta["input_top_logprobs"] = [
-            None if e is None else [[lp.logprob, t, None] for t, lp in sorted(e.items(), key=lambda kv: kv[1].rank)[:k]]
-            for e in entries
-        ]
-        meta["output_top_logprobs"] = [[[v, t, None] for t, v in ranked_logprobs(entry)[:k]] for entry in logprobs or []]
-
-
-def _finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:
-    """SGLang's finish_reason objects."""
-    if c.finish_reason == "length":
-        return {"type": "length", "length": len(token_ids)}
-    if c.finish_reason == "stop":  # a stop string, a stop token, or EOS (the last token)
-        last = token_ids[-1] if token_ids else None
-        return {"type": "stop", "matched": c.stop_reason if c.stop_reason is not None else last}
-    return {"type": "abort", "message": "aborted"}
 
 
 @post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)",

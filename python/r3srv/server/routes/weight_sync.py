@@ -21,7 +21,7 @@ from r3srv.engine.tensor_unpickler import load_named_cuda_tensors
 from r3srv.engine.weight_sync import PRIME_RL_GROUP, VLLM_GROUP, TrainerUpdates, named_tensor_metas
 from r3srv.errors import InvalidRequestError
 from r3srv.server.protocol import weight_sync as w
-from r3srv.server.declare import Access, Fleet, Feature
+from r3srv.server.declare import Access, Feature, Fleet, Ranks
 from r3srv.server.routes.common import server_state
 from r3srv.server.routes.weights import update_weights_from_dir
 
@@ -119,7 +119,8 @@ async def weight_info(request: Request[Any, Any, Any]) -> w.WeightInfo:
 
 
 @post("/init_broadcaster", status_code=200, summary="Join prime-rl's NCCL weight broadcast (its server's route)",
-      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES,
+      ranks=Ranks(world="inference_world_size", lowest_offset=0))
 async def init_broadcaster(data: w.PrimeRlInitBroadcasterRequest, request: Request[Any, Any, Any]) -> w.VllmStatus:
     """prime-rl's worker joins vLLM's store rendezvous as rank_offset + its rank + 1 of
     inference_world_size + 1 (the trainer is rank 0); /update_weights then receives its pushes."""
@@ -205,10 +206,6 @@ async def update_weights(data: dict[str, Any], request: Request[Any, Any, Any]) 
         body = msgspec.convert(data, w.PrimeRlUpdateRequest)
         updates = trainer_updates(request)
         if updates.sync.has_group(PRIME_RL_GROUP):  # prime-rl's NCCL mode: the directory holds a marker only
-            from r3srv.server.fanout import FANOUT_HEADER
-
-            if FANOUT_HEADER in request.headers:  # a push is a collective: prime-rl calls each replica itself
-                return w.VllmMessage(message="Weights updated by the call made to this replica")
             await updates.receive_announced(PRIME_RL_GROUP, weight_version=body.weight_dir)
             return w.VllmMessage(message="Weights updated")
         if body.weight_dir is None:

@@ -1,0 +1,67 @@
+"""SGLang's meta_info object: what its /generate answers carry beside the text and ids, and
+what its OpenAI chat route puts on each choice with `return_meta_info` (miles' session server
+reads it there)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import UNSET
+
+from r3srv.outputs import CompletionOutput, RequestOutput
+from r3srv.server.generation import ServerState
+from r3srv.server.responses import ranked_logprobs
+
+
+async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: CompletionOutput,
+                    token_ids: list[int], logprobs: list[dict[int, float]] | None, final: bool, *,
+                    start_len: int, logprobs_top: int | None, text_in_logprobs: bool, encoding: str) -> dict[str, Any]:
+    """Output `c`'s meta_info. `logprobs_top`: None without logprobs, else the top entries per
+    token; `encoding`: how the routed experts are written (SGLang's raw int32 by default)."""
+    meta: dict[str, Any] = {
+        "id": output_id,
+        "finish_reason": finish_reason(c, token_ids) if final else None,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(token_ids),
+        "cached_tokens": out.num_cached_tokens,
+        "routed_experts_start_len": start_len,
+    }
+    if logprobs_top is not None:
+        add_logprobs(meta, logprobs_top, out, token_ids, logprobs, state.engine.tokenizer if text_in_logprobs else None)
+    if final and c.routed_experts is not None:
+        meta["routed_experts"] = await state.encode_experts(c.routed_experts, encoding, start_len)
+    version = state.weight_version(out) if final else UNSET
+    if version is not UNSET:
+        meta["weight_version"] = version
+    return meta
+
+
+def add_logprobs(meta: dict[str, Any], k: int, out: RequestOutput, token_ids: list[int],
+                  logprobs: list[dict[int, float]] | None, tokenizer: Any = None) -> None:
+    """SGLang's logprob keys: [logprob, token id, text] triples; the input ones from
+    logprob_start_len on, the first of them without a logprob (as SGLang sends them). The text is
+    null, or with return_text_in_logprobs each token decoded alone, specials kept (SGLang's)."""
+    def text(t: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
+
+    entries = out.prompt_logprobs or []
+    inputs = out.prompt_token_ids[len(out.prompt_token_ids) - len(entries):]
+    meta["input_token_logprobs"] = [[None if e is None else e[t].logprob, t, text(t)] for t, e in zip(inputs, entries)]
+    meta["output_token_logprobs"] = [[entry[t], t, text(t)] for t, entry in zip(token_ids, logprobs or [])]
+    meta["output_token_logprobs_length"] = len(token_ids)
+    if k:
+        meta["input_top_logprobs"] = [
+            None if e is None else [[lp.logprob, t, text(t)] for t, lp in sorted(e.items(), key=lambda kv: kv[1].rank)[:k]]
+            for e in entries
+        ]
+        meta["output_top_logprobs"] = [[[v, t, text(t)] for t, v in ranked_logprobs(entry)[:k]] for entry in logprobs or []]
+
+
+def finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:
+    """SGLang's finish_reason objects."""
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(token_ids)}
+    if c.finish_reason == "stop":  # a stop string, a stop token, or EOS (the last token)
+        last = token_ids[-1] if token_ids else None
+        return {"type": "stop", "matched": c.stop_reason if c.stop_reason is not None else last}
+    return {"type": "abort", "message": "aborted"}

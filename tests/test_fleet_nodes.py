@@ -1,0 +1,162 @@
+"""Two nodes behind an external router, as a multi-node fleet runs: node A is `r3srv serve
+--data-parallel-size 2` (its front registered as one worker; --fleet-peer-urls names node B),
+node B a plain `r3srv serve`. Each router (sglang-router 0.3.2, vllm-router 0.1.17, both from PyPI)
+is checked route by route against a node's own answer to the same request: passed (the same
+tokens and rows), dropped (answered, but a field lost: more rows than asked for) or refused.
+docs/fleet.md's table says the same. Then a router restart with requests in flight.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from server_fixture import RemoteServer, free_port
+from test_fleet import counter, get, post, replica_urls, wait_for
+
+from r3srv.serial import decode_routed_experts
+
+pytest.importorskip("sglang_router", reason="needs sglang-router (pip install 'r3srv[router]')")
+pytest.importorskip("vllm_router", reason="needs vllm-router (pip install 'r3srv[router]')")
+
+pytestmark = [pytest.mark.slow, pytest.mark.peer]  # real servers; the peers' own routers
+
+NODE_ARGS = ("--enable-return-routed-experts", "--enable-weight-updates", "--device", "cpu", "--num-kv-blocks", "64",
+             "--max-num-seqs", "8", "--max-model-len", "256", "--log-level", "warning")
+ROUTERS = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}
+PROMPT, START, NEW = list(range(40, 52)), 7, 3
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    with RemoteServer(*NODE_ARGS) as b, RemoteServer("-dp", "2", "--fleet-peer-urls", b.url, *NODE_ARGS) as a:
+        yield a, b
+
+
+class Router:
+    def __init__(self, kind: str, workers: list[str], port: int | None = None) -> None:
+        self.kind, self.workers, self.port = kind, workers, port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", ROUTERS[kind], "--host", "127.0.0.1", "--port", str(self.port),
+                "--worker-urls", *workers, "--policy", "cache_aware", "--prometheus-port", str(free_port())]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self.ready, 120, lambda: f"{kind}-router never served /v1/models")
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, f"{self.kind}-router exited with {self.proc.returncode}"
+        try:
+            return httpx.get(self.url + "/v1/models", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module", params=list(ROUTERS))
+def router(request, nodes):
+    r = Router(request.param, [n.url for n in nodes])
+    yield r
+    r.stop()
+
+
+def _rows(route: str, answer: dict, layout: dict) -> np.ndarray:
+    if route == "/generate":
+        raw = base64.b64decode(answer["meta_info"]["routed_experts"])
+        return np.frombuffer(raw, dtype="<i4").reshape(-1, layout["num_layers"], layout["top_k"])
+    return decode_routed_experts(answer["choices"][0]["routed_experts"])
+
+
+def _bodies(model: str) -> dict[str, tuple[str, dict]]:
+    return {
+        "completions, text prompt": ("/v1/completions", {"model": model, "prompt": "hello there", "max_tokens": NEW,
+                                                         "temperature": 0, "routed_experts_prompt_start": 2}),
+        "completions, token ids": ("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": NEW,
+                                                       "temperature": 0, "routed_experts_prompt_start": START}),
+        "chat": ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": NEW, "temperature": 0, "routed_experts_prompt_start": 2}),
+        "tito": ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {
+            "max_tokens": NEW, "temperature": 0, "routed_experts_prompt_start": START}}),
+        "sglang generate": ("/generate", {"input_ids": PROMPT, "return_routed_experts": True,
+                                          "routed_experts_start_len": START,
+                                          "sampling_params": {"max_new_tokens": NEW, "temperature": 0}}),
+    }
+
+
+# What each router does with each generation request (docs/fleet.md, "Between nodes").
+FATES = {
+    "sglang": {"completions, text prompt": "passed", "completions, token ids": "refused", "chat": "dropped",
+               "tito": "refused", "sglang generate": "dropped"},
+    "vllm": {"completions, text prompt": "passed", "completions, token ids": "passed", "chat": "passed",
+             "tito": "passed", "sglang generate": "dropped"},
+}
+
+
+def fate(through: httpx.Response, direct: httpx.Response, route: str, layout: dict) -> str:
+    if through.status_code >= 400:
+        return "refused"
+    a, b = _rows(route, through.json(), layout), _rows(route, direct.json(), layout)
+    if a.shape != b.shape:
+        return "dropped"
+    np.testing.assert_array_equal(a, b)  # same request, same weights: the same rows
+    return "passed"
+
+
+def test_what_each_router_passes_drops_or_refuses(router, nodes):
+    a, b = nodes
+    layout = get(b.url + "/v1/models")["data"][0]["routed_experts"]
+    model = get(b.url + "/v1/models")["data"][0]["id"]
+    seen = {}
+    for case, (route, body) in _bodies(model).items():
+        through = httpx.post(router.url + route, json=body, timeout=60)
+        direct = httpx.post(b.url + route, json=body, timeout=60)
+        assert direct.status_code == 200, direct.text
+        seen[case] = fate(through, direct, route, layout)
+    assert seen == FATES[router.kind]
+
+
+def test_control_calls_reach_every_node_through_a_front_with_peers(nodes):
+    a, b = nodes
+    everyone = [*replica_urls(a.url), b.url]
+    assert post(a.url + "/pause_generation", {"mode": "abort"}).status_code == 200
+    assert [get(u + "/is_paused")["is_paused"] for u in everyone] == [True] * 3
+    assert post(a.url + "/continue_generation").status_code == 200
+    assert [get(u + "/is_paused")["is_paused"] for u in everyone] == [False] * 3
+
+
+def _rollout(url: str, i: int) -> int | str:
+    try:
+        return httpx.post(url + "/inference/v1/generate", timeout=120, json={
+            "token_ids": [10 + i] * 8, "sampling_params": {"max_tokens": 200, "ignore_eos": True}}).status_code
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+
+
+def test_a_router_restart_ends_its_requests_and_leaves_the_nodes_clean(nodes):
+    a, b = nodes
+    router = Router("vllm", [a.url, b.url])
+    version = get(a.url + "/get_weight_version")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        requests = [pool.submit(_rollout, router.url, i) for i in range(4)]
+        wait_for(lambda: counter(a.url, "r3srv_num_requests_running") + counter(b.url, "r3srv_num_requests_running") >= 1
+                 or all(r.done() for r in requests), 60, lambda: "no request reached a node")
+        router.stop(signal.SIGKILL)
+        outcomes = [r.result(timeout=120) for r in requests]
+    assert all(o == 200 or isinstance(o, str) for o in outcomes), outcomes  # finished, or the connection closed
+    for node in (a, b):  # the nodes aborted what the router left behind
+        wait_for(lambda: counter(node.url, "r3srv_kv_blocks_used") == 0, 60, lambda: "KV blocks left in use")
+        assert get(node.url + "/get_weight_version") == version
+    again = Router("vllm", [a.url, b.url], port=router.port)  # the same URL again
+    try:
+        assert _rollout(again.url, 9) == 200
+    finally:
+        again.stop()
