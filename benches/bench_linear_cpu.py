@@ -8,7 +8,11 @@ torch's F.linear, as same-run ratios.
     in the cache here, unlike in a step, where the experts' weights have evicted it);
 (b) the built-in model's decode step of 1 and 16 sequences with the kernel on and off,
     interleaved round by round (bench_expert_pairs_cpu's interleaved_decode_steps): median
-    thread-CPU and wall time per step, the same greedy tokens asserted.
+    thread-CPU and wall time per step, the same greedy tokens asserted;
+(c) bfloat16 at prefill sizes (2,048 rows of the built-in model's q/k/v; 512 rows of a
+    Qwen3-30B-A3B-sized one), where the kernel takes the call on a CPU without AMX or AVX-512
+    BF16 (torch's bfloat16 GEMM there widens on the fly): torch / Rust, with the matrix kernel
+    and the CPU's flags printed.
 """
 
 from __future__ import annotations
@@ -39,6 +43,24 @@ def test_linear(benchmark, shape, candidate):
     benchmark.group = f"linear {'x'.join(map(str, shape))}"
     out = benchmark(linear_op(candidate == "r3srv"), x, w)
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("shape", [(2048, 256, 512), (512, 2048, 1024)], ids=lambda s: "x".join(map(str, s)))
+def test_linear_bfloat16_prefill(benchmark, shape, candidate, monkeypatch):
+    from r3srv import _core
+    from r3srv.kernels import cpu_isa, linear_cpu
+
+    rows, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    benchmark.group = f"linear bf16 {'x'.join(map(str, shape))}"
+    monkeypatch.setattr(linear_cpu, "PACKED_BF16", True)
+    out = benchmark(linear_op(candidate == "r3srv"), x, w)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=2**-7, atol=1e-2)
+    flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & cpu_isa.cpu_flags())
+    print(f"\nmatrix kernel {_core.expert_pairs_isa()}; CPU flags {flags}; the server takes the kernel here: "
+          f"{not cpu_isa.torch_has_fast_bfloat16()}")
 
 
 @pytest.mark.parametrize("num_seqs", [1, 16])

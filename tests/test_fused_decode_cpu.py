@@ -1,6 +1,6 @@
 """The CPU backend's fused decode step (r3srv.ops.cpu_decode): a plain MoE layer's decode step as
 straight kernel calls gives the modules' tokens, logprobs and routed experts bit for bit, on
-generated prompts, greedy and sampled, at one and two threads; it runs at decode steps only,
+generated prompts, greedy and sampled, at one and two threads, in float32 and bfloat16; it runs at decode steps only,
 only where the settings turn every kernel it calls on, and only for layers whose parts it
 computes: anything else a layer hands it (a window, an adapter on a projection) makes it
 decline when the model is built, naming the part."""
@@ -66,7 +66,13 @@ def outputs(llm, prompts, params) -> list:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_same_bits_as_the_modules(llm, fused_calls, threads, seed):
-    prompts, params = generated_requests(seed, 10)
+    assert_the_modules_bits(llm, fused_calls, threads, seed, 10)
+
+
+def assert_the_modules_bits(llm, fused_calls, threads: int, seed: int, n: int) -> None:
+    """n generated requests give the same tokens, rows and logprobs with the fused step (which
+    runs whole steps, every layer) as with the modules."""
+    prompts, params = generated_requests(seed, n)
     model = model_of(llm)
     with rebound(model, cpu_threads=threads, fast_cpu_decode=True):
         fused = outputs(llm, prompts, params)
@@ -80,6 +86,20 @@ def test_the_same_bits_as_the_modules(llm, fused_calls, threads, seed):
         assert rows is not None and rows.shape[1:] == want_rows.shape[1:] == (4, 8)
         np.testing.assert_array_equal(rows, want_rows)
         assert logprobs == want_logprobs  # the same logits, bit for bit
+
+
+@pytest.mark.parametrize("float32_gate", [False, True])
+def test_bfloat16_the_same_bits_as_the_modules(fused_calls, float32_gate):
+    """A bfloat16 model (weights, activations, KV cache) takes the fused step too, with its router
+    gate in bfloat16 or in float32 (whose input the modules cast, and the fused step alike)."""
+    bf16 = LLM(dtype="bfloat16", max_model_len=512, enable_prefix_caching=False, max_num_seqs=8,
+               enable_return_routed_experts=True)
+    model = model_of(bf16)
+    assert model.layers[0].attn.k_cache.dtype == torch.bfloat16
+    if float32_gate:
+        for layer in model.layers:
+            layer.mlp.gate = torch.nn.Parameter(layer.mlp.gate.float(), requires_grad=False)
+    assert_the_modules_bits(bf16, fused_calls, 2, 3, 8)
 
 
 def test_prefill_steps_keep_the_modules(llm, fused_calls):
@@ -139,7 +159,7 @@ def _unlike(case: str, layer) -> str:
             "correction bias": "mlp.router.correction_bias", "expert groups": "mlp.router.num_groups",
             "expert biases": "mlp.experts.b2", "residual multiplier": "residual_multiplier",
             "no pre-norm": "input_norm", "sandwich norm": "attn_out_norm",
-            "bfloat16 experts": "not contiguous float32"}[case]
+            "bfloat16 experts": "not of one dtype"}[case]
 
 
 CASES = ["window", "sinks", "output gate", "gate projection", "q/k norm over all heads", "qkv bias", "an adapter",
@@ -178,7 +198,8 @@ def test_any_kernel_it_calls_turned_off_turns_it_off(switch):
 
 
 def test_the_step_plan_declines_what_the_kernels_would():
-    """plan() is None for a prefill, for more rows than the Rust linear takes, for bfloat16."""
+    """plan() is None for a prefill, for more rows than the Rust linear takes, for cos/sin of
+    another dtype than the rows, for float16."""
     meta = type("Meta", (), dict(prefills=[], decode_seqs=[0], graph=False, block_size=16,
                                  decode_kernel_args=lambda self: (torch.zeros(1, 2, dtype=torch.int64),
                                                                   torch.ones(1, dtype=torch.int64),
@@ -193,6 +214,9 @@ def test_the_step_plan_declines_what_the_kernels_would():
     assert DecodeStep.plan(torch.zeros(rows, 256), meta, torch.zeros(rows, 64), torch.zeros(rows, 64), None, 64,
                            1) is None
     meta.decode_seqs = [0]
-    assert DecodeStep.plan(x.to(torch.bfloat16), meta, cos, cos, None, 64, 1) is None
+    assert DecodeStep.plan(x.to(torch.bfloat16), meta, cos, cos, None, 64, 1) is None  # cos of another dtype
+    half = cos.to(torch.bfloat16)
+    assert DecodeStep.plan(x.to(torch.bfloat16), meta, half, half, None, 64, 1) is not None
+    assert DecodeStep.plan(x.half(), meta, cos.half(), cos.half(), None, 64, 1) is None
     narrow = torch.zeros(1, 2, 8, dtype=torch.uint8)[:, :, 0]  # ids 8 bytes apart: the router cannot write it
     assert DecodeStep.plan(x, meta, cos, cos, narrow, 64, 1) is None

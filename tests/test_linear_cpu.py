@@ -54,6 +54,68 @@ def test_leading_dims_and_the_thread_split():
     assert torch.equal(linear_rust(x.view(4, MAX_ROWS // 4, 256), w, b, threads=2), one)
 
 
+@pytest.mark.parametrize("rows", [MAX_ROWS + 1, 64, 300])
+def test_many_bfloat16_rows_run_packed_within_rounding_on_any_thread_count(monkeypatch, rows):
+    monkeypatch.setattr(linear_cpu, "PACKED_BF16", True)  # as on a CPU without AMX or AVX-512 BF16
+    x, w, b = operands(rows, rows, 200, 300, True, torch.bfloat16)
+    got = linear_rust(x, w, b)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+    # float32 arithmetic on the bfloat16 values, rounded once
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-4)
+    with settings_module.overridden(cpu_threads=2):
+        assert torch.equal(linear_rust(x, w, b), got)
+
+
+def test_many_bfloat16_rows_keep_torch_where_it_has_fast_bfloat16(monkeypatch):
+    monkeypatch.setattr(linear_cpu, "PACKED_BF16", False)  # as with AMX or AVX-512 BF16
+    x, w, b = operands(3, MAX_ROWS + 1, 16, 8, True, torch.bfloat16)
+    assert linear_rust(x, w, b) is None
+    assert linear_rust(x[:MAX_ROWS], w, b) is not None
+
+
+def test_the_packed_bfloat16_choice_follows_the_cpu_flags(monkeypatch):
+    from r3srv.kernels import cpu_isa
+
+    assert linear_cpu.PACKED_BF16 == (not {"amx_bf16", "avx512_bf16"} & cpu_isa.cpu_flags())
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "amx_bf16"}))
+    assert cpu_isa.torch_has_fast_bfloat16()
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert not cpu_isa.torch_has_fast_bfloat16()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_matrix_kernel_this_cpu_runs_gives_the_avx2_bits(dtype):
+    """The AVX-512 kernel holds two weight rows per register in the AVX2 kernel's lane order:
+    the same bits, checked wherever the CPU runs it."""
+    from r3srv import _core
+
+    isas = _core.matrix_isas()
+    assert isas[0] == "scalar"
+    if "avx2" not in isas:
+        pytest.skip("no avx2 + fma: only the portable kernel runs here")
+    if "avx512" not in isas:
+        pytest.skip("no avx512f: the AVX-512 kernel is not run on this CPU")
+    for rows, k, n in [(1, 256, 512), (3, 40, 13), (16, 100, 259), (32, 8, 7), (64, 96, 130)]:
+        x, w, b = operands(rows + k, rows, k, n, True, dtype)
+        outs = {}
+        for isa in ("avx2", "avx512"):
+            out = torch.empty(rows, n, dtype=dtype)
+            _core.linear_cpu((x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr()), (rows, n, k),
+                             linear_cpu.RUST_DTYPES[dtype], 1, isa)
+            outs[isa] = out
+        assert torch.equal(outs["avx512"], outs["avx2"]), (rows, k, n)
+
+
+def test_a_matrix_kernel_this_cpu_lacks_is_a_value_error():
+    from r3srv import _core
+
+    x, w, _ = operands(4, 1, 8, 4, False)
+    out = torch.empty(1, 4)
+    with pytest.raises(ValueError, match='runs no matrix kernel "avx1024"'):
+        _core.linear_cpu((x.data_ptr(), w.data_ptr(), 0, out.data_ptr()), (1, 4, 8), "float32", 1, "avx1024")
+
+
 @pytest.mark.parametrize("case", ["too many rows", "float16", "mixed dtypes", "strided weight", "strided x",
                                   "setting off", "bias shape", "empty"])
 def test_falls_back_to_torch(case):

@@ -30,14 +30,15 @@ def torch_heads(qkv, heads, kv_heads, dim, norms, eps, cos, sin):
     return q, k, v
 
 
-def operands(seed, tokens, heads, kv_heads, dim, rotary, normed):
+def operands(seed, tokens, heads, kv_heads, dim, rotary, normed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(dtype)
     norms = (torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5) if normed else None
+    norms = None if norms is None else (norms[0].to(dtype), norms[1].to(dtype))
     cos = sin = None
     if rotary:
         positions = torch.randint(0, 5000, (tokens,), generator=g)
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(rotary, 1e6), torch.float32)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(rotary, 1e6), dtype)
     return qkv, heads, kv_heads, dim, norms, 1e-6, cos, sin
 
 
@@ -63,10 +64,31 @@ def test_equals_the_torch_ops(tokens, heads, kv_heads, dim, rotary_part, normed,
     assert torch.equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "strided qkv", "odd rotary", "setting off", "norm shape", "wide qkv"])
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 40), heads=st.integers(1, 8), kv_heads=st.integers(1, 4),
+       dim=st.sampled_from([2, 8, 30, 64, 128]), rotary_part=st.sampled_from([0, 0.5, 1.0]), normed=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_bfloat16_equals_the_torch_ops(tokens, heads, kv_heads, dim, rotary_part, normed, seed):
+    """Every op rounded to bfloat16 as torch's bfloat16 ops round it: the rotation bit for bit; a
+    norm's mean of squares is summed in another order, which can move its rounding by one step."""
+    rotary = int(dim * rotary_part) // 2 * 2
+    args = operands(seed, tokens, heads, kv_heads, dim, rotary, normed, torch.bfloat16)
+    got = qk_norm_rope(*args)
+    want = torch_heads(*args)
+    assert got is not None and all(a.dtype == torch.bfloat16 for a in got)
+    for a, b in zip(got[:2], want[:2]):
+        assert a.shape == b.shape and a.is_contiguous()
+        if normed:
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=2**-6)
+        else:
+            assert torch.equal(a, b)
+    assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("case", ["mixed dtypes", "strided qkv", "odd rotary", "setting off", "norm shape", "wide qkv"])
 def test_falls_back(case):
     qkv, heads, kv_heads, dim, norms, eps, cos, sin = operands(1, 3, 2, 1, 8, 8, True)
-    if case == "bfloat16":
+    if case == "mixed dtypes":
         qkv = qkv.bfloat16()
     elif case == "strided qkv":
         qkv = torch.cat([qkv, qkv], dim=1)[:, ::2]

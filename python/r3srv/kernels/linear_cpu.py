@@ -8,19 +8,29 @@ MAX_ROWS rows and returns None otherwise (the CPU backend, ops/cpu.py, then call
 takes torch's always with `--no-rust-linear`, R3SRV_RUST_LINEAR=0, or without a built
 extension). Results differ from torch's by rounding (another order of the same sums; float32
 arithmetic for bfloat16, rounded once), and a row's result does not depend on the other rows.
+
+bfloat16 with more rows (a prefill's projections) takes the kernel's packed path too where
+torch has no fast bfloat16 GEMM: on a CPU without AMX or AVX-512 BF16 torch runs bfloat16 at
+about a sixth of its float32 speed, and the kernel widens each block of the weight to float32
+and runs float32's packed products (benches/bench_linear_cpu.py). With AMX or AVX-512 BF16
+(what /proc/cpuinfo reports, read once) torch's oneDNN kernels keep those calls.
 """
 
 from __future__ import annotations
 
 import torch
 
+from r3srv.kernels.cpu_isa import torch_has_fast_bfloat16
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 linear_entry = rust_kernel("linear_cpu")
 BUILT = linear_entry is not None  # else torch's F.linear (kernels/rust_core.py)
 
-# More rows than this: torch's GEMM, whose packed kernels win once the weights are reused enough.
+# More rows than this: torch's GEMM, whose packed kernels win once the weights are reused enough
+# (bfloat16: the kernel's own packed path, where PACKED_BF16).
 MAX_ROWS = 32
+# Whether bfloat16 products of more than MAX_ROWS rows run in the kernel (see the docstring).
+PACKED_BF16 = not torch_has_fast_bfloat16()
 
 
 def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -38,7 +48,9 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if shape[-1] != in_features or in_features == 0 or out_features == 0:
         return None
     rows = x.numel() // in_features
-    if not 0 < rows <= MAX_ROWS or x.requires_grad or weight.requires_grad:
+    if rows <= 0 or x.requires_grad or weight.requires_grad:
+        return None
+    if rows > MAX_ROWS and (dtype != "bfloat16" or PACKED_BF16 is False):
         return None
     if weight.dtype != x.dtype or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous():
         return None

@@ -1,9 +1,10 @@
 """The CPU backend: the Rust core's kernels where the settings and this build allow, torch's
 paths otherwise, each chosen once when a model is built (`build`).
 
-- linear layers of up to 32 rows: kernels/linear_cpu.py (`--[no-]rust-linear`);
-- float32 RMSNorm: kernels/rms_norm_cpu.py (`--[no-]rust-rms-norm`);
-- an attention layer's q/k norms and RoPE: kernels/qk_rope_cpu.py (`--[no-]rust-rope`);
+- linear layers of up to 32 rows, and bfloat16 ones of more where torch has no fast bfloat16
+  GEMM on this processor: kernels/linear_cpu.py (`--[no-]rust-linear`);
+- float32 and bfloat16 RMSNorm: kernels/rms_norm_cpu.py (`--[no-]rust-rms-norm`);
+- an attention layer's q/k norms and RoPE (float32, bfloat16): kernels/qk_rope_cpu.py (`--[no-]rust-rope`);
 - paged decode attention (float32, bfloat16): kernels/paged_decode_cpu.py (`--[no-]rust-decode`);
 - prefill attention: SDPA per prompt, a chunk after cached tokens as two flash attentions merged
   by their log-sum-exps (ops/attention.py);
@@ -11,8 +12,8 @@ paths otherwise, each chosen once when a model is built (`build`).
   `--force-torch-router`);
 - the expert pass (float32, bfloat16): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
   else torch's pair-by-pair, grouped or looped paths (`--[no-]grouped-mm`);
-- with every one of those on, a plain MoE layer's whole decode step as one fused op
-  (ops/cpu_decode.py, `--[no-]fast-cpu-decode`).
+- with every one of those on, a plain MoE layer's whole decode step (float32 or bfloat16) as one
+  fused op (ops/cpu_decode.py, `--[no-]fast-cpu-decode`).
 
 Threads (`--cpu-threads`): the Rust kernels split their own work over all of them, threads
 taking work from a shared counter or in equal runs, and only when a call is large enough.
@@ -56,7 +57,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     norms = dict(REFERENCE_NORMS)
     if current.rust_rms_norm and rms_norm_cpu.BUILT:
         norms["default"] = kernel_rms_norm(rms_norm_cpu.rms_norm_cpu)
-    heads = qk_rope_cpu.qk_norm_rope if current.rust_rope and qk_rope_cpu.BUILT and dtype is torch.float32 else None
+    heads = qk_rope_cpu.qk_norm_rope if current.rust_rope and qk_rope_cpu.BUILT else None
     decode = None
     if current.rust_decode and paged_decode_cpu.BUILT and rust_dtype:
         decode = functools.partial(paged_decode_cpu.paged_decode_cpu, threads=threads)

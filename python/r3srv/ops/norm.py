@@ -1,7 +1,8 @@
 """RMSNorm, in the three forms the families' references compute it, by NormSpec (`norm_kind`):
 
 - "default": in float32, cast back before the weight (the HF reference); float32 inputs and
-  weights take one fused kernel (torch's rms_norm, or the CPU backend's Rust one);
+  weights take one fused kernel (torch's rms_norm, or the CPU backend's Rust one), bfloat16 ones
+  the CPU backend's Rust kernel of the same steps;
 - "zero_centered": the stored weight is w - 1 (Qwen3-Next, Qwen3.5), scaled by 1 + w in float32;
 - "float32_weight": scaled by the weight in float32, cast back last (Nemotron-H).
 """
@@ -57,12 +58,17 @@ REFERENCE_NORMS: dict[str, NormFn] = {
 
 
 def kernel_rms_norm(kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]) -> NormFn:
-    """The "default" RMSNorm with float32 rows through `kernel` (None where it declines: torch's)."""
+    """The "default" RMSNorm with float32 or bfloat16 rows (x and weight alike) through `kernel`,
+    which computes the same steps in one call (None where it declines: torch's)."""
 
     def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype == weight.dtype == torch.float32:
+        if x.dtype == weight.dtype and x.dtype in KERNEL_NORM_DTYPES:
             out = kernel(x, weight, eps)
-            return F.rms_norm(x, weight.shape, weight, eps) if out is None else out
-        return _scaled_back(x, weight, eps)
+            if out is not None:
+                return out
+        return rms_norm(x, weight, eps)
 
     return norm
+
+
+KERNEL_NORM_DTYPES = (torch.float32, torch.bfloat16)
