@@ -90,7 +90,7 @@ def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(tmp_path, caplo
     shutil.copytree(plain, released)
     text_config = json.loads((plain / "config.json").read_text())
     config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-              "tie_word_embeddings": False, "text_config": text_config,
+              "tie_word_embeddings": False, "text_config": text_config, "image_token_id": 7,
               "vision_config": {"depth": 1, "hidden_size": 16, "model_type": "qwen3_5_moe"}}
     (released / "config.json").write_text(json.dumps(config))
     tensors = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v

@@ -141,6 +141,7 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
     assert "LlamaForCausalLM" in message
     assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
     assert set(SUPPORTED_ARCHITECTURES) == {
+        "Glm4vMoeForConditionalGeneration",  # GLM-4.5V's language model (images: docs/vision.md)
         "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
         "MiniMaxM2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
         "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Dots1ForCausalLM", "Qwen3NextForCausalLM",
