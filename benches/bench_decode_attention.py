@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import r3srv.models.attention as attention
+import r3srv.ops.attention as attention
 from r3srv.models.batch import ForwardBatch
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 4, 2, 64

@@ -65,6 +65,7 @@ class Tree:
                                     enable_return_routed_experts=True, dtype="float32").engine
             self.settings = sys.modules["r3srv.settings"]
             self.params = r3srv.SamplingParams
+        self.threads = None  # the thread count its model's ops were selected for (a tree that has them)
 
     @contextlib.contextmanager
     def active(self):
@@ -95,6 +96,10 @@ class Tree:
         with self.active():
             current = self.settings.current()
             self.settings.configure(current.replace(cpu_threads=threads))
+            model = self.engine.core.executor.runner.model
+            if threads != self.threads and hasattr(model, "select_ops"):  # kernels chosen with the model's ops
+                model.select_ops()
+                self.threads = threads
             try:
                 t0 = time.perf_counter()
                 step = self.engine.step()

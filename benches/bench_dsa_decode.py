@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from r3srv.models import dsa
-from r3srv.models.attention import AttentionMetadata, DecodeGroup
+from r3srv.ops.attention import AttentionMetadata, DecodeGroup
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
-from r3srv.models.layers import rope_cos_sin, rope_inv_freq
+from r3srv.ops.rotary import rope_cos_sin, rope_inv_freq
 from r3srv.models.mla import MlaAttention
 
 SEQS, CONTEXT, BLOCK, TOPK = 8, 4096, 16, 256

@@ -149,7 +149,7 @@ def test_single_sequence_decode(benchmark, engines):
 def test_capture_path_cost_per_step(benchmark, engines):
     """The capture's own work per step, timed in isolation (immune to the noise that swamps
     a 1-3% end-to-end difference on a shared machine): take the step's capture rows, write
-    every MoE layer's ids into them (as select_experts does), scatter them into the slot-indexed
+    every MoE layer's ids into them (as its route function does), scatter them into the slot-indexed
     host buffer; compared with a forward step of the same shape. In inference mode, as the
     engine's steps run (the capture buffer the engine made is an inference tensor)."""
     llm = engines["on"]

@@ -1,13 +1,14 @@
 """The CPU expert pass for a few tokens: the Rust kernel (r3srv.kernels.expert_pairs_cpu)
-against moe.py's torch path (two torch.mv per (token, slot) pair), as same-run ratios.
+against ops/experts.py's torch path (two torch.mv per (token, slot) pair), as same-run ratios.
 
     .venv/bin/python -m pytest benches/bench_expert_pairs_cpu.py -s
 
 (a) the expert pass alone, 1 and 4 tokens x top-8 of 64 experts (the built-in model's
     shape), float32 and bfloat16: benches/conftest.py prints torch / Rust as reference / r3srv;
 (b) the built-in model's whole decode step, 1 and 4 sequences, kernel on and off on the same
-    engine, interleaved round by round (alternating which goes first): median thread-CPU and
-    wall time per step. With 8 sequences a step has 64 pairs, as many as experts, and takes
+    engine (its model's ops selected again for each; the modules' path, without the fused
+    decode step, which needs every kernel), interleaved round by round (alternating which goes
+    first): median thread-CPU and wall time per step. With 8 sequences a step has 64 pairs, as many as experts, and takes
     the sorted path either way.
 Both check the kernel's result against the torch path's (the same greedy tokens in (b)).
 """
@@ -22,16 +23,27 @@ import pytest
 import torch
 
 from bench_moe import TOP_K, expert_inputs
+from engine_testing import model_of, rebound
 from r3srv import LLM, SamplingParams, settings
-from r3srv.models import moe
+from r3srv.ops import ops_for
+from r3srv.ops.experts import SILU_AND_MUL
 
 ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "5"))
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def kernel(on: bool):
-    return settings.overridden(cpu_expert_kernel=on)
+def expert_pass(on: bool):
+    """The CPU backend's expert pass with the kernel on or off."""
+    with settings.overridden(cpu_expert_kernel=on):
+        return ops_for("cpu", torch.float32).experts(SILU_AND_MUL)
+
+
+def modules_with(llm: LLM, **switches):
+    """A switch for interleaved_decode_steps: the settings given None on or off (the others as
+    given), the model's ops selected again under them, the modules' path (no fused decode step)."""
+    return lambda on: rebound(model_of(llm), fast_cpu_decode=False,
+                              **{name: on if value is None else value for name, value in switches.items()})
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])
@@ -42,10 +54,8 @@ def test_expert_pass(benchmark, tokens, dtype, candidate):
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
     args = (x, w13, w2, weights, ids.to(torch.int32))
     benchmark.group = f"expert pairs {tokens} tokens x top-{TOP_K} {str(dtype)[6:]}"
-    with kernel(False):
-        want = moe.grouped_experts(*args)  # fewer pairs than experts: the pairs path
-    with kernel(candidate == "r3srv"):
-        out = benchmark(moe.grouped_experts, *args)
+    want = expert_pass(False)(*args)  # fewer pairs than experts: the pairs path
+    out = benchmark(expert_pass(candidate == "r3srv"), *args)
     # bfloat16: the torch path rounds every intermediate, the kernel its result once
     tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.03, atol=0.01)
     torch.testing.assert_close(out, want, **tolerance)
@@ -114,4 +124,5 @@ def decode_step_report(med: dict, num_seqs: int, off: str = "torch path", on: st
 
 @pytest.mark.parametrize("num_seqs", [1, 4])
 def test_decode_step(benchmark, llm, num_seqs):
-    print(decode_step_report(interleaved_decode_steps(benchmark, llm, num_seqs, kernel), num_seqs))
+    switch = modules_with(llm, cpu_expert_kernel=None)
+    print(decode_step_report(interleaved_decode_steps(benchmark, llm, num_seqs, switch), num_seqs))

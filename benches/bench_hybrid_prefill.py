@@ -8,7 +8,7 @@ sequence (the previous implementation, the reference).
 Qwen3.5's per-head shape (key and value heads of 128) with 4 value heads, float32, one thread.
 benches/conftest.py prints reference / r3srv. On this CPU grouping LOSES (0.4-0.6x: padding
 costs compute, launches cost little), which is why the engine groups only on CUDA
-(models/recurrent.py's PAD_FACTOR), where the reference's per-sequence launches dominate:
+(the backends' scan_pad_factor, ops/cuda.py), where the reference's per-sequence launches dominate:
 
     python3 benches/bench_hybrid_prefill.py     # on a GPU (benches/gpu_check.sh runs it)
 
@@ -18,14 +18,13 @@ against gathering, stepping and scattering the states as the CPU path does.
 
 from __future__ import annotations
 
-from unittest.mock import patch
-
 import pytest
 import torch
 
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.gated_deltanet import chunked_delta_rule, l2_normalize
-from r3srv.models.recurrent import PAD_FACTOR, LinearStateBatch
+from r3srv.models.recurrent import LinearStateBatch
+from r3srv.ops import cuda
 
 SEQS, HEADS, DIM = 64, 4, 128
 
@@ -45,8 +44,7 @@ def _step(device="cpu"):
     batch = ForwardBatch(input_ids=torch.zeros(t, dtype=torch.long), positions=torch.zeros(t, dtype=torch.long),
                          slot_mapping=torch.zeros(t, dtype=torch.long), query_lens=lengths, context_lens=lengths,
                          block_tables=torch.zeros(SEQS, 1, dtype=torch.int32), logits_indices=torch.zeros(SEQS, dtype=torch.long))
-    with patch.dict(PAD_FACTOR, {torch.device(device).type: 2.0}):  # group as on CUDA
-        states = LinearStateBatch.build(batch, torch.device(device))
+    states = LinearStateBatch.build(batch, torch.device(device), cuda.SCAN_PAD_FACTOR)  # group as on CUDA
     return states, lengths, (q, k, v, decay, beta)
 
 

@@ -8,7 +8,11 @@ torch's F.linear, as same-run ratios.
     in the cache here, unlike in a step, where the experts' weights have evicted it);
 (b) the built-in model's decode step of 1 and 16 sequences with the kernel on and off,
     interleaved round by round (bench_expert_pairs_cpu's interleaved_decode_steps): median
-    thread-CPU and wall time per step, the same greedy tokens asserted.
+    thread-CPU and wall time per step, the same greedy tokens asserted;
+(c) bfloat16 at prefill sizes (2,048 rows of the built-in model's q/k/v; 512 rows of a
+    Qwen3-30B-A3B-sized one), where the kernel takes the call on a CPU without AMX or AVX-512
+    BF16 (torch's bfloat16 GEMM there widens on the fly): torch / Rust, with the matrix kernel
+    and the CPU's flags printed.
 """
 
 from __future__ import annotations
@@ -17,15 +21,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench_expert_pairs_cpu import interleaved_decode_steps
+from bench_expert_pairs_cpu import interleaved_decode_steps, modules_with
 from r3srv import LLM, settings
-from r3srv.kernels.linear_cpu import linear
+from r3srv.ops import ops_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def rust_linear(on: bool):
-    return settings.overridden(rust_linear=on)
+def linear_op(on: bool):
+    """The CPU backend's linear op with the kernel on or off."""
+    with settings.overridden(rust_linear=on):
+        return ops_for("cpu", torch.float32).linear
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])
@@ -35,15 +41,32 @@ def test_linear(benchmark, shape, candidate):
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / 16
     benchmark.group = f"linear {'x'.join(map(str, shape))}"
-    with rust_linear(candidate == "r3srv"):
-        out = benchmark(linear, x, w)
+    out = benchmark(linear_op(candidate == "r3srv"), x, w)
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("shape", [(2048, 256, 512), (512, 2048, 1024)], ids=lambda s: "x".join(map(str, s)))
+def test_linear_bfloat16_prefill(benchmark, shape, candidate, monkeypatch):
+    from r3srv import _core
+    from r3srv.kernels import cpu_isa, linear_cpu
+
+    rows, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    benchmark.group = f"linear bf16 {'x'.join(map(str, shape))}"
+    monkeypatch.setattr(linear_cpu, "PACKED_BF16", True)
+    out = benchmark(linear_op(candidate == "r3srv"), x, w)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=2**-7, atol=1e-2)
+    flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & cpu_isa.cpu_flags())
+    print(f"\nmatrix kernel {_core.expert_pairs_isa()}; CPU flags {flags}; the server takes the kernel here: "
+          f"{not cpu_isa.torch_has_fast_bfloat16()}")
 
 
 @pytest.mark.parametrize("num_seqs", [1, 16])
 def test_decode_step(benchmark, num_seqs):
     llm = LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=16)
-    med = interleaved_decode_steps(benchmark, llm, num_seqs, rust_linear)
+    med = interleaved_decode_steps(benchmark, llm, num_seqs, modules_with(llm, rust_linear=None))
     print(f"\ndecode step, {num_seqs} sequence(s), median per step: thread CPU torch {med[False][0] * 1e3:.2f} ms, "
           f"Rust {med[True][0] * 1e3:.2f} ms, {med[False][0] / med[True][0]:.2f}x; wall "
           f"{med[False][1] / med[True][1]:.2f}x")

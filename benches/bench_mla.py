@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3srv.models.attention import AttentionMetadata, paged_attention
+from r3srv.ops.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
-from r3srv.models.layers import rope_cos_sin, rope_inv_freq
+from r3srv.ops.rotary import rope_cos_sin, rope_inv_freq
 from r3srv.models.mla import MlaAttention
 
 TOKENS, BLOCK = 1024, 16

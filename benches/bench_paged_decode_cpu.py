@@ -8,7 +8,8 @@ model's whole decode step with the kernel on and off.
 model's shape (4 query heads, 2 KV heads, head_dim 64, float32, blocks of 16), 1 sequence of
 512 tokens and 16 of 300; benches/conftest.py prints reference / r3srv.
 (b) the built-in model's decode steps (1 sequence after a 512-token prompt, 16 after 300-token
-prompts), settings.rust_decode off and on in the same engine, interleaved round by round and
+prompts), settings.rust_decode off and on in the same engine (the modules' path: its model's ops
+selected again for each, without the fused decode step), interleaved round by round and
 alternating which goes first; the ratio of the medians of each step's CPU time on the calling
 thread (one torch thread: every op runs there, so other processes on a shared machine barely
 disturb it), and the wall-clock ratio next to it. Both also check their answers: the same
@@ -24,9 +25,11 @@ import time
 import pytest
 import torch
 
-import r3srv.models.attention as attention
+import r3srv.ops.attention as attention
+from bench_expert_pairs_cpu import modules_with
 from r3srv import LLM, SamplingParams, settings
 from r3srv.models.batch import ForwardBatch
+from r3srv.ops import ops_for
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 4, 2, 64
 SHAPES = [(1, 512), (16, 300)]
@@ -36,12 +39,10 @@ DECODE_STEPS = 32
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture
-def rust_decode():
-    """rust_decode(on) switches the CPU kernel for the rest of the test."""
-    previous = settings.current()
-    yield lambda on: settings.configure(previous.replace(rust_decode=on))
-    settings.configure(previous)
+def decode_kernel(on: bool):
+    """The CPU backend's paged decode kernel with settings.rust_decode on (None off: gather + SDPA)."""
+    with settings.overridden(rust_decode=on):
+        return ops_for("cpu", torch.float32).decode_attention
 
 
 def decode_batch(seqs: int, context: int) -> ForwardBatch:
@@ -58,7 +59,7 @@ def decode_batch(seqs: int, context: int) -> ForwardBatch:
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])  # last in the id: conftest reads it there
 @pytest.mark.parametrize("seqs, context", SHAPES, ids=[f"{s}x{c}" for s, c in SHAPES])
-def test_decode_attention_layer(benchmark, rust_decode, candidate, seqs, context):
+def test_decode_attention_layer(benchmark, candidate, seqs, context):
     gen = torch.Generator().manual_seed(seqs)
     batch = decode_batch(seqs, context)
     slots = batch.block_tables.numel() * BLOCK
@@ -67,14 +68,12 @@ def test_decode_attention_layer(benchmark, rust_decode, candidate, seqs, context
     k, v = (torch.randn(seqs, KV_HEADS, DIM, generator=gen) for _ in range(2))
     meta = attention.AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
 
-    def layer():
-        return attention.paged_attention(q, k, v, k_cache, v_cache, meta, decode_kernel=True)
+    def layer(kernel):
+        return attention.paged_attention(q, k, v, k_cache, v_cache, meta, decode_kernel=kernel)
 
-    rust_decode(False)
-    want = layer()
-    rust_decode(candidate == "r3srv")
+    want = layer(decode_kernel(False))
     benchmark.group = f"decode attention {seqs} x {context}"
-    got = benchmark(layer)
+    got = benchmark(layer, decode_kernel(candidate == "r3srv"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -103,17 +102,18 @@ def decode_steps(llm: LLM, prompts: list[list[int]]) -> tuple[list[float], list[
 
 
 @pytest.mark.parametrize("seqs, context", SHAPES, ids=[f"{s}x{c}" for s, c in SHAPES])
-def test_decode_step_kernel_on_vs_off(benchmark, llm, rust_decode, seqs, context):
+def test_decode_step_kernel_on_vs_off(benchmark, llm, seqs, context):
     steps: dict[bool, tuple[list[float], list[float]]] = {}
     rounds = iter(range(10_000))
+    switch = modules_with(llm, rust_decode=None)
 
     def one_round():
         r = next(rounds)
         prompts = [[32 + (r * 31 + s * 17 + i * 13) % 90 for i in range(context)] for s in range(seqs)]
         tokens = {}
         for on in ((False, True) if r % 2 == 0 else (True, False)):
-            rust_decode(on)
-            walls, cpus, tokens[on] = decode_steps(llm, prompts)
+            with switch(on):
+                walls, cpus, tokens[on] = decode_steps(llm, prompts)
             steps[on][0].extend(walls)
             steps[on][1].extend(cpus)
         assert tokens[True] == tokens[False]  # the kernel changes no greedy token

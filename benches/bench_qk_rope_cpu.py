@@ -16,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench_expert_pairs_cpu import interleaved_decode_steps
-from r3srv import LLM, settings
+from bench_expert_pairs_cpu import interleaved_decode_steps, modules_with
+from r3srv import LLM
 from r3srv.kernels.qk_rope_cpu import qk_norm_rope
-from r3srv.models.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from r3srv.ops.norm import rms_norm
+from r3srv.ops.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HEADS, KV_HEADS, DIM = 4, 2, 64
@@ -53,7 +54,7 @@ def test_layer_heads(benchmark, tokens, candidate):
 @pytest.mark.parametrize("num_seqs", [1, 16])
 def test_decode_step(benchmark, num_seqs):
     llm = LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=16)
-    med = interleaved_decode_steps(benchmark, llm, num_seqs, lambda on: settings.overridden(rust_rope=on))
+    med = interleaved_decode_steps(benchmark, llm, num_seqs, modules_with(llm, rust_rope=None))
     print(f"\ndecode step, {num_seqs} sequence(s), median per step: thread CPU torch {med[False][0] * 1e3:.2f} ms, "
           f"Rust {med[True][0] * 1e3:.2f} ms, {med[False][0] / med[True][0]:.2f}x; wall "
           f"{med[False][1] / med[True][1]:.2f}x")

@@ -3,7 +3,7 @@ ratios.
 
     .venv/bin/python -m pytest benches/bench_router_cpu.py -s -p no:randomly
 
-(a) one select_experts call with the setting on and off, 64 experts, top-8, softmax,
+(a) one call of the CPU backend's route function with the setting on and off, 64 experts, top-8, softmax,
     renormalized, ids captured into one layer of a uint8 buffer (the built-in model's routing)
     for 1, 16 and 4096 tokens: benches/conftest.py prints reference / Rust as reference / r3srv;
 (b) the built-in model's decode step of 1 and 8 sequences with the setting on and off,
@@ -17,18 +17,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench_expert_pairs_cpu import decode_step_report, interleaved_decode_steps
+from bench_expert_pairs_cpu import decode_step_report, interleaved_decode_steps, modules_with
 from r3srv import LLM, settings
-from r3srv.kernels.router import select_experts
 from r3srv.kernels.router_reference import route_reference
+from r3srv.ops import ops_for
+from r3srv.ops.router import RouterShape
 
 EXPERTS, TOP_K, LAYERS = 64, 8, 4
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def rust_router(on: bool):
-    return settings.overridden(rust_router=on, force_torch_router=False)
+def route_function(on: bool):
+    """The CPU backend's route function for the built-in model's layers, the kernel on or off."""
+    with settings.overridden(rust_router=on, force_torch_router=False):
+        return ops_for("cpu", torch.float32).router(RouterShape(EXPERTS, TOP_K))
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])
@@ -37,8 +40,7 @@ def test_route(benchmark, tokens, candidate):
     logits = torch.randn(tokens, EXPERTS, generator=torch.Generator().manual_seed(tokens))
     capture = torch.zeros(tokens, LAYERS, TOP_K, dtype=torch.uint8)
     benchmark.group = f"route {tokens} x {EXPERTS} experts, top-{TOP_K}"
-    with rust_router(candidate == "r3srv"):
-        weights, ids = benchmark(select_experts, logits, TOP_K, capture=capture[:, 1])
+    weights, ids = benchmark(route_function(candidate == "r3srv"), logits, TOP_K, capture=capture[:, 1])
     want_weights, want_ids = route_reference(logits, TOP_K)
     assert torch.equal(ids, want_ids) and torch.equal(capture[:, 1].int(), want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
@@ -51,5 +53,6 @@ def llm() -> LLM:
 
 @pytest.mark.parametrize("num_seqs", [1, 8])
 def test_decode_step(benchmark, llm, num_seqs):
-    med = interleaved_decode_steps(benchmark, llm, num_seqs, rust_router)
+    med = interleaved_decode_steps(benchmark, llm, num_seqs, modules_with(llm, rust_router=None,
+                                                                          force_torch_router=False))
     print(decode_step_report(med, num_seqs, off="reference", on="Rust"))

@@ -2,8 +2,13 @@
 
 Installs nothing. Prepare the peer once with `benches/vllm_cpu/install_vllm_cpu.sh DIR`, then
 `export VLLM_VENV=DIR`; without it the benchmark skips with that hint. Both servers serve the
-same checkpoint (the built-in model unless --model is given) in float32, r3srv with routed
-experts ON, vLLM in its default CPU mode (torch.compile, no routed experts): the speed to beat.
+same checkpoint (the built-in model unless --model is given) in each --dtype (float32 and
+bfloat16 by default), r3srv with routed experts ON, vLLM in its default CPU mode
+(torch.compile, no routed experts): the speed to beat. Defaults against defaults: each server
+is started as a user would start it, with only the model, dtype, context length (4,096 for
+both) and served name given; the thread count is the workload's (R3SRV_CPU_THREADS for r3srv,
+the peer recipe's VLLM_THREADS for vLLM). It prints the processor and the instruction sets
+each side can use first, and the decode roofline (benches/decode_roofline.py) last.
 
 Three workloads, each timed end to end over HTTP with token-id prompts and ignore_eos:
   single      one request of 512 prompt + 64 output tokens at a time (latency)
@@ -50,13 +55,13 @@ WORKLOADS = {
 class VllmServer:
     """`vllm serve` from VLLM_VENV with the peer recipe's environment (vllm_cpu_env.sh)."""
 
-    def __init__(self, venv: str, model: str, threads: int, startup_timeout: float = 900.0) -> None:
+    def __init__(self, venv: str, model: str, threads: int, dtype: str, startup_timeout: float = 900.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False)
         serve = (
             f'source "{PEERS / "vllm_cpu_env.sh"}" && exec "$VLLM_VENV/bin/vllm" serve "{model}" '
-            f"--host 127.0.0.1 --port {self.port} --dtype float32 --max-model-len {MAX_MODEL_LEN} "
+            f"--host 127.0.0.1 --port {self.port} --dtype {dtype} --max-model-len {MAX_MODEL_LEN} "
             "--served-model-name bench"
         )
         env = dict(os.environ, VLLM_VENV=venv, VLLM_THREADS=str(threads), VLLM_MODE="default")
@@ -126,35 +131,62 @@ def compare(r3srv_url: str, vllm_url: str, vocab: int, rounds: int, seed: int = 
     return ratios
 
 
-def print_table(threads: int, ratios: dict[str, list[float]], seconds: dict | None = None) -> None:
+def print_table(label: str, ratios: dict[str, list[float]], seconds: dict | None = None) -> None:
     for name, values in ratios.items():
         took = "" if not seconds else (f"; median seconds vLLM {statistics.median(seconds[name]['vllm']):.2f}, "
                                        f"r3srv {statistics.median(seconds[name]['r3srv']):.2f}")
-        print(f"threads={threads} {name:10s} vLLM/r3srv time: median {statistics.median(values):.2f}x "
+        print(f"{label} {name:10s} vLLM/r3srv time: median {statistics.median(values):.2f}x "
               f"(min {min(values):.2f}, max {max(values):.2f}, {len(values)} rounds){took}", flush=True)
 
 
-def run(model: str | None, threads_list: list[int], rounds: int, venv: str) -> dict[int, dict[str, list[float]]]:
+def processor_line() -> str:
+    """The processor, its vector and matrix extensions, and the kernels each server can use."""
+    import torch
+
+    from r3srv import _core
+    from r3srv.kernels import cpu_isa
+
+    model = "unknown processor"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+    flags = [f for f in wanted if f in cpu_isa.cpu_flags()]
+    return (f"processor: {model} x {os.cpu_count()}; ISA {' '.join(flags) or 'none of ' + ' '.join(wanted)}; "
+            f"r3srv matrix kernel {_core.expert_pairs_isa()} (bfloat16 prefill GEMMs: "
+            f"{'torch/oneDNN' if cpu_isa.torch_has_fast_bfloat16() else 'Rust, widened to float32'}); "
+            f"torch CPU capability {torch.backends.cpu.get_cpu_capability()} (vLLM's kernels follow it)")
+
+
+def run(model: str | None, threads_list: list[int], rounds: int, venv: str,
+        dtypes: tuple[str, ...] = ("float32",)) -> dict[tuple[str, int], dict[str, list[float]]]:
     from r3srv.models.builtin import builtin_model_dir
 
     checkpoint = model or str(builtin_model_dir())
     import json
 
     vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    print(processor_line(), flush=True)
     results = {}
-    for threads in threads_list:
-        os.environ["R3SRV_CPU_THREADS"] = str(threads)
-        r3srv_args = (checkpoint, "--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                      "--served-model-name", "bench", "--enable-return-routed-experts", "--num-kv-blocks", "1024",
-                      "--max-num-seqs", "16", "--log-level", "warning")
-        with RemoteServer(*r3srv_args) as ours:
-            theirs = VllmServer(venv, checkpoint, threads)
-            seconds: dict = {}
-            try:
-                results[threads] = compare(ours.url, theirs.url, vocab, rounds, seconds=seconds)
-            finally:
-                theirs.stop()
-        print_table(threads, results[threads], seconds)
+    for dtype in dtypes:
+        for threads in threads_list:
+            os.environ["R3SRV_CPU_THREADS"] = str(threads)
+            # r3srv's defaults but for what both servers are given (a user's command line)
+            r3srv_args = (checkpoint, "--device", "cpu", "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
+                          "--served-model-name", "bench", "--enable-return-routed-experts")
+            with RemoteServer(*r3srv_args) as ours:
+                try:
+                    theirs = VllmServer(venv, checkpoint, threads, dtype)
+                except Exception as exc:  # a dtype the peer cannot serve here: say so, go on
+                    print(f"{dtype} threads={threads}: vLLM did not start: {str(exc)[-600:]}", flush=True)
+                    continue
+                seconds: dict = {}
+                try:
+                    results[dtype, threads] = compare(ours.url, theirs.url, vocab, rounds, seconds=seconds)
+                finally:
+                    theirs.stop()
+            print_table(f"{dtype} threads={threads}", results[dtype, threads], seconds)
     return results
 
 
@@ -166,7 +198,7 @@ def test_r3srv_vs_vllm_cpu():
     if not venv:
         pytest.skip(HINT)
     results = run(None, [1], rounds=3, venv=venv)
-    assert all(len(v) == 3 and all(r > 0 for r in v) for v in results[1].values())
+    assert all(len(v) == 3 and all(r > 0 for r in v) for v in results["float32", 1].values())
 
 
 def main() -> None:
@@ -174,11 +206,19 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint directory (default: the built-in model)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--no-roofline", action="store_true", help="skip the decode roofline after the table")
     args = parser.parse_args()
     venv = os.environ.get("VLLM_VENV")
     if not venv:
         sys.exit(f"skipped: {HINT}")
-    run(args.model, args.threads, args.rounds, venv)
+    run(args.model, args.threads, args.rounds, venv, tuple(args.dtype))
+    if not args.no_roofline:
+        from decode_roofline import roofline
+
+        for dtype in args.dtype:
+            for threads in args.threads:
+                print("\n".join(roofline(args.model, dtype, threads)), flush=True)
 
 
 if __name__ == "__main__":

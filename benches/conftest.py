@@ -1,4 +1,5 @@
-"""Benchmark helpers: put benches/ on the path and print same-run ratios of medians."""
+"""Benchmark helpers: put benches/ (and tests/, for engine_testing's helpers) on the path and
+print same-run ratios of medians."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.append(str(Path(__file__).parents[1] / "tests"))
 
 
 @pytest.fixture(autouse=True)

@@ -68,7 +68,7 @@ def median_us(fn, device: str) -> float:
 def measure(seqs, ctx, heads, kv_heads, dim, window, *, device: str) -> str:
     from r3srv.kernels import paged_decode_triton as kernels
     from r3srv.kernels.launch import cdiv
-    from r3srv.models.attention import AttentionMetadata, paged_attention
+    from r3srv.ops.attention import AttentionMetadata, paged_attention
     from r3srv.models.batch import ForwardBatch
 
     blocks = ctx // PAGE
@@ -90,7 +90,8 @@ def measure(seqs, ctx, heads, kv_heads, dim, window, *, device: str) -> str:
     out = torch.empty(seqs, heads, v_dim, device=device, dtype=torch.bfloat16)
 
     def layer(kernel: bool):
-        return paged_attention(q, k, v, k_cache, v_cache, meta, window=window, decode_kernel=kernel)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, window=window,
+                               decode_kernel=kernels.paged_decode_triton if kernel else None)
 
     def split(parts: int):
         kernels.paged_decode_triton(q, k_cache, v_cache, tables, lens, rows, out, page=PAGE, scale=dim**-0.5,

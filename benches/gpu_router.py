@@ -246,7 +246,6 @@ def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 
     if DEVICE == "cpu":
         batch, prompt_len, decode_steps, rounds = 2, 8, 2, 2
     from r3srv import LLM, SamplingParams
-    from r3srv import settings
 
     llm = LLM(device=DEVICE, enable_return_routed_experts=True, max_num_seqs=batch,
               enable_prefix_caching=False, max_model_len=256, num_kv_blocks=batch * 16)
@@ -263,9 +262,12 @@ def time_decode_step(batch: int = 32, prompt_len: int = 32, decode_steps: int = 
         finally:
             core.rows, runner.rows = rows, capture
 
+    sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from engine_testing import model_of, rebound  # the model's ops selected again under other settings
+
     variants = {"on": contextlib.nullcontext, "off": capture_off,
-                "on_torch_router": lambda: settings.overridden(force_torch_router=True),
-                "on_torch_decode": lambda: settings.overridden(triton_decode=False)}  # gather + SDPA
+                "on_torch_router": lambda: rebound(model_of(llm), force_torch_router=True),
+                "on_torch_decode": lambda: rebound(model_of(llm), triton_decode=False)}  # gather + SDPA
 
     def run(max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -28,9 +28,10 @@ from engine_testing import GREEDY, prompt_ids  # noqa: E402
 from r3srv import SamplingParams  # noqa: E402
 from r3srv.engine.cuda_graphs import DecodeGraphs, is_graph_decode  # noqa: E402
 from r3srv.engine.llm_engine import LLMEngine  # noqa: E402
+from r3srv.engine.model_runner import RunOutput  # noqa: E402
 from r3srv.engine.routed_experts import capture_torch_dtype  # noqa: E402
 from r3srv.kernels.paged_decode_triton import paged_decode_triton  # noqa: E402
-from r3srv.models import attention  # noqa: E402
+from r3srv.ops import cpu  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 BLOCK = 4
@@ -40,7 +41,9 @@ PROMPTS = [prompt_ids(5), prompt_ids(11, base=3), prompt_ids(2, base=6)]  # 3 ro
 
 @pytest.fixture(autouse=True)
 def kernel_on_cpu_tensors(monkeypatch):
-    monkeypatch.setattr(attention, "decode_kernel_for", lambda q: paged_decode_triton)
+    """The models built here decode through the Triton kernel (on CPU tensors, in the interpreter)."""
+    build = cpu.build
+    monkeypatch.setattr(cpu, "build", lambda *args: build(*args).replace(decode_attention=paged_decode_triton))
 
 
 def _memory(model) -> list[torch.Tensor]:
@@ -88,9 +91,9 @@ def test_padded_decode_inputs_equal_the_eager_step(family, tmp_path):
         return t[:real_slots] if t.shape[0] == real_slots + BLOCK else t[:scratch_state]
 
     @torch.inference_mode()
-    def both_ways(seqs):
-        if not is_graph_decode(seqs):
-            return eager_run(seqs)
+    def both_ways(seqs, prompt_spans=()):
+        if prompt_spans or not is_graph_decode(seqs):
+            return eager_run(seqs, prompt_spans)
         before = [t.clone() for t in _memory(model)]
         batch, _ = runner.prepare(seqs)
         want_logits, want_rows = model.forward(batch), batch.routing_capture.clone()
@@ -108,7 +111,7 @@ def test_padded_decode_inputs_equal_the_eager_step(family, tmp_path):
         for got, want in zip(_memory(model), want_memory):
             torch.testing.assert_close(real(got), real(want), rtol=1e-4, atol=1e-5)
         checked.append(len(seqs))
-        return logits, graphs.capture[: len(seqs)].clone(), slots  # the core stores the rows
+        return RunOutput(logits, None, graphs.capture[: len(seqs)].clone(), slots)  # the core stores the rows
 
     runner.run = both_ways
     tokens = _generate(engine)

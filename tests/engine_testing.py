@@ -1,4 +1,8 @@
-"""Shared by the engine tests: greedy settings, deterministic prompts, one torch thread."""
+"""Shared by the engine tests: greedy settings, deterministic prompts, one torch thread, a model
+bound to another backend."""
+
+import contextlib
+import time
 
 import pytest
 import torch
@@ -44,26 +48,68 @@ def counting(kernel, runs: list):
     return counted
 
 
-def assert_same_outputs_either_way(llm, prompts: list, kernel_runs: list, switch, every_call: bool = True) -> None:
-    """Greedy generations of `prompts` after switch(True), then after switch(False) (a backend
-    setting on and off): the same tokens and routed-experts rows, and the kernel ran (each call
-    appends whether it did to `kernel_runs`) at every call the first time (with every_call=False:
-    at some) and at none the second."""
+def model_of(llm):
+    """The model an LLM (or an AsyncLLM) runs."""
+    core = llm.engine.core if hasattr(llm, "engine") else llm.core
+    return core.executor.runner.model
+
+
+@contextlib.contextmanager
+def rebound(model, **switches):
+    """`model` bound to the backend these settings give its device (r3srv.ops.ops_for; the
+    kernels are chosen when ops are selected, not per call) for a with block, then to the ops
+    it had."""
+    from r3srv import settings
+
+    before = model.ops
+    with settings.overridden(**switches):
+        model.select_ops()
+    try:
+        yield model.ops
+    finally:
+        model.select_ops(before)
+
+
+@contextlib.contextmanager
+def recording_routers(model, record: list):
+    """Every MoE layer's route function appends its router logits (float32 copies, call order)
+    to `record` for a with block: the modules' path (no fused decode step, which routes in Rust
+    without calling them)."""
+    with rebound(model, fast_cpu_decode=False):
+        for layer in model.layers:
+            if layer.is_moe:
+                layer.mlp.route = _recorded(layer.mlp.route, record)
+        yield
+
+
+def _recorded(route, record: list):
+    def spy(router_logits, top_k, **kwargs):
+        record.append(router_logits.detach().float().clone())
+        return route(router_logits, top_k, **kwargs)
+
+    return spy
+
+
+def assert_same_outputs_either_way(llm, prompts: list, kernel_runs: list, setting: str, every_call: bool = True) -> None:
+    """Greedy generations of `prompts` with the backend setting `setting` on, then off (the
+    model's ops selected again each time, without the fused decode step so the modules' wiring
+    runs): the same tokens and routed-experts rows, and the kernel ran (each call appends
+    whether it did to `kernel_runs`) at every call the first time (with every_call=False: at
+    some) and never the second."""
     import numpy as np
 
     from r3srv import SamplingParams
 
-    def run():
-        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+    def run(on: bool):
+        with rebound(model_of(llm), fast_cpu_decode=False, **{setting: on}):
+            outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
         return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
 
-    switch(True)
-    on = run()
+    on = run(True)
     assert kernel_runs and (all(kernel_runs) if every_call else any(kernel_runs))
     runs_on = len(kernel_runs)
-    switch(False)
-    off = run()
-    assert len(kernel_runs) == 2 * runs_on and not any(kernel_runs[runs_on:])
+    off = run(False)
+    assert not any(kernel_runs[runs_on:])  # not taken (the backend without it does not call it at all)
     for (tokens_on, rows_on), (tokens_off, rows_off) in zip(on, off):
         assert tokens_on == tokens_off and rows_on is not None
         np.testing.assert_array_equal(rows_on, rows_off)

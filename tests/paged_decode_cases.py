@@ -1,5 +1,5 @@
 """Cases for the paged decode attention kernel (kernels/paged_decode_triton.py), run on CPU
-tensors in Triton's interpreter against the torch path's attention (models/attention.py).
+tensors in Triton's interpreter against the torch path's attention (ops/attention.py).
 
 Like tests/router_triton_cases.py, this file only runs in a process started with
 TRITON_INTERPRET=1: tests/test_paged_decode_triton.py starts one.
@@ -127,21 +127,18 @@ def test_models_decode_through_the_kernel(family, layers, monkeypatch, tmp_path)
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from r3srv.models import attention
     from r3srv.models.loader import load_model
     from tiny_checkpoints import write_tiny_checkpoint
 
     model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, **layers))
     calls = []
 
-    def run(kernel: bool):
-        launcher = attention._decode_launcher()
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return paged_decode_triton.paged_decode_triton(*args, **kwargs)
 
-        def counted(*args, **kwargs):
-            calls.append(1)
-            return launcher(*args, **kwargs)
-
-        monkeypatch.setattr(attention, "decode_kernel_for", lambda q: counted if kernel else None)
+    def run(kernel: bool):  # the CPU model with the CUDA backend's decode kernel, or none (the torch path)
+        model.select_ops(model.ops.replace(decode_attention=counted if kernel else None, fuse_decoder_layer=None))
         return two_sequence_decode_logits(model)
 
     torch.testing.assert_close(run(True), run(False), atol=1e-5, rtol=1e-5)
@@ -158,7 +155,6 @@ def test_a_model_decode_after_a_long_prefill_takes_split_parts(monkeypatch, tmp_
     sys.path.insert(0, str(Path(__file__).parent))
     from test_models_paged import BLOCK_SIZE, _batch
 
-    from r3srv.models import attention
     from r3srv.models.loader import load_model
     from tiny_checkpoints import write_tiny_checkpoint
 
@@ -170,8 +166,8 @@ def test_a_model_decode_after_a_long_prefill_takes_split_parts(monkeypatch, tmp_
     monkeypatch.setattr(paged_decode_triton, "choose_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
 
     def decode(kernel: bool):
-        launcher = attention._decode_launcher()
-        monkeypatch.setattr(attention, "decode_kernel_for", lambda q: launcher if kernel else None)
+        launcher = paged_decode_triton.paged_decode_triton if kernel else None
+        model.select_ops(model.ops.replace(decode_attention=launcher, fuse_decoder_layer=None))
         model.init_kv_cache(len(table), BLOCK_SIZE, 1)
         model.forward(_batch(model, [(tokens[:600], 0, table)]))
         return model.forward(_batch(model, [(tokens[600:], 600, table)]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from r3srv.models.attention import attend
+from r3srv.ops.attention import attend
 
 
 def paged_cache(lens, kv_heads, head_dim, v_dim, g, dtype=torch.float32, page: int = 4):

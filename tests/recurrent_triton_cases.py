@@ -102,16 +102,22 @@ def test_layers_decode_through_the_fused_step(family, monkeypatch, tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_models_paged import BLOCK_SIZE, _batch
 
-    from r3srv.models import recurrent
+    from r3srv import settings
     from r3srv.models.loader import load_model
+    from r3srv.ops import cuda
     from tiny_checkpoints import write_tiny_checkpoint
 
     layers = {} if family == "nemotron_h" else {"num_layers": 3}
     model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, **layers))
     tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
 
-    def run(fused: bool):
-        monkeypatch.setattr(recurrent, "fuses", lambda out: fused)
+    cpu_ops = model.ops
+    cuda_steps = cuda.build(torch.float32, settings.current()).recurrent_steps  # the Triton steps
+
+    def run(fused: bool):  # the CPU model with the CUDA backend's fused steps, or without
+        model.select_ops(cpu_ops.replace(recurrent_steps=cuda_steps) if fused else cpu_ops)
+        assert all((layer.linear_attn.fused_step is not None) == fused for layer in model.layers
+                   if layer.linear_attn is not None and layer.linear_attn.FUSED_STEP is not None)
         model.init_kv_cache(16, BLOCK_SIZE, 4)
         logits = [model.forward(_batch(model, [(tokens[:9], 0, [0, 1, 2, 3])]))]
         for pos in range(9, 12):  # decodes, one crossing a block boundary

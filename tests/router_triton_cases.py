@@ -18,9 +18,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs a process started with TRITON_INTERPRET=1 (see tests/test_router_triton.py)",
                 allow_module_level=True)
 
-from r3srv.kernels import router, router_triton  # noqa: E402
+from r3srv import settings  # noqa: E402
+from r3srv.kernels import router_triton  # noqa: E402
 from r3srv.kernels.router_reference import route_reference  # noqa: E402
 from r3srv.kernels.router_triton import route_triton  # noqa: E402
+from r3srv.ops import cpu, cuda  # noqa: E402
+from r3srv.ops.router import RouterShape  # noqa: E402
 
 # A fixed seed, in every failure message; R3SRV_ROUTER_TEST_SEED explores others by hand.
 SEED = int(os.environ.get("R3SRV_ROUTER_TEST_SEED") or 20261201)
@@ -189,22 +192,24 @@ def test_rejects_bad_arguments():
         route_triton(logits, 2, num_groups=3, topk_groups=1)
 
 
-def test_select_experts_runs_the_kernel_when_asked(monkeypatch):
+def test_the_cuda_backend_routes_with_the_kernel(monkeypatch):
     calls = []
     real = router_triton.route_triton
     monkeypatch.setattr(router_triton, "route_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    route = cuda.build(torch.float32, settings.current().replace(force_torch_router=False)).router(RouterShape(60, 4))
     logits = torch.randn(9, 60, generator=generator(1))
     capture = torch.full((9, 2, 4), 200, dtype=torch.uint8)
-    weights, ids = router.select_experts(logits, 4, capture=capture[:, 1], backend="triton")
+    weights, ids = route(logits, 4, capture=capture[:, 1])  # CPU tensors: the interpreter runs it
     want_w, want_ids = route_reference(logits, 4)
     assert calls == [1]
     assert torch.equal(ids, want_ids) and torch.equal(capture[:, 1].int(), want_ids)
     torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=0)
 
 
-def test_auto_backend_keeps_cpu_tensors_on_torch(monkeypatch):
+def test_the_cpu_backend_never_takes_the_kernel(monkeypatch):
     monkeypatch.setattr(router_triton, "route_triton", lambda *a, **k: pytest.fail("kernel used for CPU tensors"))
     logits = torch.randn(3, 8, generator=generator(2))
-    assert not router.uses_triton(logits, 2, backend="auto")
-    router.select_experts(logits, 2, backend="auto")
-    router.select_experts(logits, 2)  # the default: "auto" unless settings force torch
+    for switches in ({}, {"rust_router": False}):
+        route = cpu.build(torch.float32, settings.current().replace(force_torch_router=False, **switches)).router(
+            RouterShape(8, 2))
+        route(logits, 2)

@@ -23,7 +23,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from r3srv.engine.core import CoreOutputs, EngineCore
+from r3srv.engine.core import EngineCore
+from r3srv.engine.requests import CoreOutputs
 
 HELD_STEP_SLEEP_S = 0.002
 T = TypeVar("T")

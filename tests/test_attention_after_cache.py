@@ -1,6 +1,6 @@
 """A prefill chunk after cached tokens on the CPU: the two flash attentions merged by their
-log-sum-exps (models/attention.py's _attend_after_cache) against one SDPA call with the shifted
-causal mask, on generated shapes; and that paged_attention takes it."""
+log-sum-exps (ops/attention.py's _attend_after_cache) against one SDPA call with the shifted
+causal mask, on generated shapes; and that the CPU backend's prefill op takes it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3srv.models import attention
+from r3srv.ops import attention
 
 
 def chunk(seed: int, heads: int, kv_heads: int, cached: int, new: int, dim: int, dtype=torch.float32):
@@ -40,14 +40,25 @@ def test_bfloat16_and_the_fallbacks():
     assert attention._attend_after_cache(q.half(), k.half(), v.half(), True, None) is None
 
 
-def test_paged_attention_takes_it_for_a_chunk_after_cached_tokens(monkeypatch):
+def test_the_cpu_backends_prefill_takes_it_for_a_chunk_after_cached_tokens(monkeypatch):
+    """The CPU backend's prefill op merges; the torch path the other backends take masks, to the
+    same tokens."""
     calls = []
     original = attention._attend_after_cache
     monkeypatch.setattr(attention, "_attend_after_cache", lambda *a: calls.append(a[0].shape) or original(*a))
     from r3srv import LLM, SamplingParams
 
     llm = LLM(max_model_len=512, max_num_seqs=2, max_num_batched_tokens=64, enable_prefix_caching=False)
-    out = llm.generate([list(range(1, 150))], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 2
+    model = llm.engine.core.executor.runner.model
+
+    def generate():
+        out = llm.generate([list(range(1, 150))], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        return out[0].outputs[0].token_ids
+
+    merged = generate()
+    assert len(merged) == 2
     assert calls, "a 149-token prompt in 64-token chunks has chunks after cached tokens"
+    calls.clear()
+    model.select_ops(model.ops.replace(prefill_attention=attention.prefill_attention))  # the reference's
+    assert generate() == merged and not calls
 

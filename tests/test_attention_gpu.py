@@ -20,11 +20,11 @@ pytestmark = pytest.mark.gpu
                                             ("mixtral", {"sliding_window": 4}), ("deepseek_v3", {})])
 def test_cuda_decodes_through_the_kernel_equal_the_torch_path(family, layers, tmp_path, monkeypatch,
                                                               full_precision_matmuls, r3srv_settings):
-    from r3srv.models import attention
+    from r3srv.kernels import paged_decode_triton
 
     path = write_tiny_checkpoint(tmp_path / family, family, seed=2, **layers)
     prompts = [prompt_ids(5), prompt_ids(23, base=2), prompt_ids(40, base=5)]
-    launcher, calls = attention._decode_launcher(), []
+    launcher, calls = paged_decode_triton.paged_decode_triton, []
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -35,7 +35,7 @@ def test_cuda_decodes_through_the_kernel_equal_the_torch_path(family, layers, tm
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
         return [(o.outputs[0].token_ids, o.outputs[0].routed_experts) for o in outs]
 
-    monkeypatch.setattr(attention, "_decode_launcher", lambda: counted)
+    monkeypatch.setattr(paged_decode_triton, "paged_decode_triton", counted)  # the CUDA backend takes it when built
     r3srv_settings(triton_decode=True)
     kernel = generate()
     assert calls, "the CUDA decodes never took the kernel"

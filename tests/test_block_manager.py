@@ -1,10 +1,14 @@
 """Block manager: allocation and reference counts, prefix caching over full blocks, eviction."""
 
+import numpy as np
 import pytest
 
 from r3srv.engine.block_manager import BlockManager
 from r3srv.engine.sequence import Sequence
+from r3srv.lora.manager import LoraRef
 from r3srv.sampling_params import SamplingParams
+from r3srv.vision.inputs import ImageInput, MultiModalPrompt
+from r3srv.vision.positions import ImageSpan, mrope_positions
 
 BS = 4
 
@@ -161,3 +165,32 @@ def test_a_prefix_computed_twice_in_lockstep_stays_one_reusable_chain():
     assert a.block_table[:2] != b.block_table[:2]
     hits = bm.match_prefix(list(range(9)))
     assert len(hits) == 2 and hits[0] == a.block_table[0] and hits[1] == b.block_table[1]
+
+
+def _image_prompt(tokens: list[int], image_hash: str):
+    """A prompt whose tokens 4..7 (its second block) are one image's placeholders (a 1x4x4 grid merged 2x2)."""
+    span = ImageSpan(start=4, grid=(1, 4, 4))
+    positions, delta = mrope_positions(len(tokens), [span], 2)
+    return MultiModalPrompt((ImageInput(span, np.zeros((16, 1), np.float32), image_hash),), positions, delta, 2)
+
+
+def test_image_blocks_are_keyed_by_image_and_adapter_together():
+    """A block of image placeholders is shared only by the same image under the same adapter
+    (and version): the image keys (Sequence.block_key) and the adapter's extra key
+    (Sequence.cache_key) both reach the chain; dropping the adapter drops its image blocks."""
+    tokens = [1, 2, 3, 4, 9, 9, 9, 9, 5]
+    lora, lora_v2 = LoraRef("a", 1, 1), LoraRef("a", 1, 2)
+
+    def seq(image_hash: str, adapter: LoraRef | None) -> Sequence:
+        return Sequence("r", 0, tokens, SamplingParams(), 8, None, _image_prompt(tokens, image_hash), adapter)
+
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    first = seq("cat", lora)
+    bm.admit(first, bm.match_sequence(first))
+    compute(bm, first)
+    assert bm.match_sequence(seq("cat", lora)) == first.block_table[:2]
+    assert bm.match_sequence(seq("dog", lora)) == first.block_table[:1]  # same ids, another image: block 1 differs
+    assert bm.match_sequence(seq("cat", None)) == []  # the base model
+    assert bm.match_sequence(seq("cat", lora_v2)) == []  # the adapter replaced
+    assert bm.drop_extra_key(lora.cache_key) == 2
+    assert bm.match_sequence(seq("cat", lora)) == []

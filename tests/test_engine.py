@@ -8,8 +8,7 @@ import pytest
 import torch
 from tiny_checkpoints import BOS_TEMPLATE_ID, make_bos_adding_chat_checkpoint
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids, run_with_aborts  # noqa: F401 (autouse fixture)
-import r3srv.models.moe as moe_module
+from engine_testing import GREEDY, model_of, one_torch_thread, prompt_ids, recording_routers, run_with_aborts  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
 
@@ -199,20 +198,13 @@ def test_abort_returns_every_block(llm):
     assert engine.abort_request("abort-0") is None
 
 
-def test_rows_equal_an_independent_recomputation_of_the_router(llm, monkeypatch, r3srv_settings):
+def test_rows_equal_an_independent_recomputation_of_the_router(llm):
     """Record every router's logits during the forward passes, recompute top-k ourselves
     (descending, ties to the lower id), and compare with the rows the engine returned."""
-    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     recorded: list[torch.Tensor] = []
-    real = moe_module.select_experts
-
-    def spy(router_logits, top_k, **kwargs):
-        recorded.append(router_logits.detach().float().clone())
-        return real(router_logits, top_k, **kwargs)
-
-    monkeypatch.setattr(moe_module, "select_experts", spy)
     prompt = prompt_ids(19, base=77)  # unique: no prefix-cache hit, one sequence per step
-    out = llm.generate([prompt], SamplingParams(max_tokens=7, **GREEDY))[0]
+    with recording_routers(model_of(llm), recorded):
+        out = llm.generate([prompt], SamplingParams(max_tokens=7, **GREEDY))[0]
     arr = out.outputs[0].routed_experts
     num_layers, top_k = 4, 8
     assert len(recorded) % num_layers == 0

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from engine_testing import GREEDY, model_of, one_torch_thread, prompt_ids, recording_routers  # noqa: F401 (autouse fixture)
 from step_gate import gate_steps
-import r3srv.models.moe as moe_module
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM, EngineDeadError
 from r3srv.errors import InvalidRequestError
@@ -51,26 +50,20 @@ def test_facts_for_the_server(engine):
     assert engine.tokenizer.decode(engine.tokenizer.encode("abc")) == "abc"
 
 
-def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatch, r3srv_settings, gate):
+def test_concurrent_requests_batch_together_and_match_offline(engine, gate):
     """Which requests share a step depends on timing, and a token computed in another batch
     shape may round differently (docs/architecture.md: floating point is not batch-invariant). So the rows
     are checked against the router logits of the steps that actually ran (deterministic
     whatever the batching), and the tokens against an offline run."""
-    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     steps: list[list[tuple[str, int, int]]] = []  # per step: (request_id, first position, tokens)
     router_logits: list[torch.Tensor] = []  # per step and MoE layer, in call order
     runner = engine.core.executor.runner
-    real_run, real_select = runner.run, moe_module.select_experts
+    real_run = runner.run
 
-    def spy_run(seqs):
+    def spy_run(seqs, *args):
         steps.append([(s.request_id, s.num_computed_tokens, s.num_scheduled_tokens) for s in seqs])
-        return real_run(seqs)
+        return real_run(seqs, *args)
 
-    def spy_select(logits, top_k, **kwargs):
-        router_logits.append(logits.detach().float().clone())
-        return real_select(logits, top_k, **kwargs)
-
-    monkeypatch.setattr(moe_module, "select_experts", spy_select)
     runner.run = spy_run
     prompts = [prompt_ids(5 + i, base=i) for i in range(6)]  # under one block: no prefix-cache hits
     params = SamplingParams(max_tokens=12, **GREEDY)
@@ -83,10 +76,10 @@ def test_concurrent_requests_batch_together_and_match_offline(engine, monkeypatc
         return await asyncio.gather(*runs)
 
     try:
-        results = asyncio.run(main())
+        with recording_routers(model_of(engine), router_logits):
+            results = asyncio.run(main())
     finally:
         runner.run = real_run
-        monkeypatch.undo()
     assert max(len(step) for step in steps) > 1  # requests from different coroutines shared steps
     num_layers, top_k = 4, 8
     assert len(router_logits) == num_layers * len(steps)

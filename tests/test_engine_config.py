@@ -7,7 +7,7 @@ from tiny_checkpoints import write_tiny_checkpoint
 
 from engine_testing import GREEDY, one_torch_thread  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
-from r3srv.engine.routed_experts import routed_experts_dtype
+from r3srv.engine.routed_experts import routed_experts_dtype, row_bytes_per_slot
 from r3srv.errors import ConfigError
 
 @pytest.mark.parametrize(
@@ -67,6 +67,21 @@ def test_300_experts_give_uint16_rows_with_ids_above_255(tmp_path):
     warm = llm.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
     assert warm.num_cached_tokens > 0
     np.testing.assert_array_equal(warm.outputs[0].routed_experts, arr)
+
+
+def test_kv_sizing_counts_each_slots_rows_in_their_dtype(tmp_path, monkeypatch):
+    """A KV block's share of the budget includes its slots' rows as the buffer stores them: one
+    byte per id up to 256 experts, two up to 65536 (uint16), four above."""
+    from r3srv.engine import core as core_module
+
+    assert [row_bytes_per_slot(2, 4, e) for e in (64, 256, 257, 300, 65536, 65537)] == [8, 8, 16, 16, 16, 32]
+    path = write_tiny_checkpoint(tmp_path / "wide", "qwen3_moe", num_experts=300, top_k=4, num_layers=2)
+    monkeypatch.setattr(core_module, "_mem_available", lambda: 64 << 20)
+    llm = LLM(str(path), max_model_len=512, max_num_seqs=256, kv_cache_memory_fraction=0.5)  # useful: 8192 blocks
+    core = llm.engine.core
+    per_block = core.executor.kv_cache_bytes_per_block(16) + 16 * 2 * 4 * np.dtype(np.uint16).itemsize
+    assert core.rows.rows.dtype == np.uint16
+    assert core.config.num_kv_blocks == (32 << 20) // per_block
 
 
 def test_dense_layers_have_zero_rows(tmp_path):

@@ -34,10 +34,11 @@ def hybrid_path(request, tmp_path_factory):
 
 @pytest.fixture(params=["alone", "padded"])
 def scan_grouping(request, monkeypatch):
-    """Multi-token sequences scan one by one (the CPU's way) or padded in groups (CUDA's way)."""
-    from r3srv.models import recurrent
+    """Multi-token sequences scan one by one (the CPU's way) or padded in groups (CUDA's way), in
+    the engines built meanwhile (the CPU backend reads the factor when a model is built)."""
+    from r3srv.ops import cpu, cuda
 
-    monkeypatch.setitem(recurrent.PAD_FACTOR, "cpu", 0.0 if request.param == "alone" else 2.0)
+    monkeypatch.setattr(cpu, "SCAN_PAD_FACTOR", cpu.SCAN_PAD_FACTOR if request.param == "alone" else cuda.SCAN_PAD_FACTOR)
     return request.param
 
 

@@ -12,7 +12,7 @@ import pytest
 from engine_testing import one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM, EngineDeadError, EngineState
-from r3srv.engine.core import CoreOutputs
+from r3srv.engine.requests import CoreOutputs
 from r3srv.engine.output_processor import OutputProcessor
 
 ENGINE = dict(max_model_len=128, enable_prefix_caching=False)

@@ -11,6 +11,7 @@ import torch
 
 from r3srv import LLM
 from r3srv.engine.step_channel import pack_batch, unpack_batch
+from r3srv.lora.slots import LoraBatch
 from r3srv.models.batch import ForwardBatch, VisualRows
 from test_engine_vision import NEW_TOKENS, greedy, picture, text, with_placeholders
 from vision_testing import FAMILIES, IMAGE_TOKEN, hf_greedy, write_vision_checkpoint
@@ -29,8 +30,10 @@ def test_the_step_packet_carries_image_inputs_exactly(dtype):
         context_lens=[t], block_tables=torch.zeros(1, 2, dtype=torch.int64), logits_indices=torch.tensor([t - 1]),
         mrope_positions=torch.randint(0, 50, (3, t), generator=g),
         visual=VisualRows(torch.tensor([2, 3, 4]), torch.randn(3, 5, generator=g).to(dtype),
-                          [torch.randn(3, 5, generator=g).to(dtype) for _ in range(2)]))
+                          [torch.randn(3, 5, generator=g).to(dtype) for _ in range(2)]),
+        lora=LoraBatch.of_token_slots(torch.tensor([1, 1, -1, -1, 0, 0, 0]), torch.device("cpu")))  # and adapters
     got = unpack_batch(list(pack_batch(batch)[0]), pack_batch(batch)[1])
+    assert torch.equal(got.lora.token_slots, batch.lora.token_slots)
     assert torch.equal(got.mrope_positions, batch.mrope_positions)
     assert torch.equal(got.visual.rows, batch.visual.rows)
     for ours, sent in zip([got.visual.embeds, *got.visual.deepstack], [batch.visual.embeds, *batch.visual.deepstack]):
@@ -39,7 +42,7 @@ def test_the_step_packet_carries_image_inputs_exactly(dtype):
                          query_lens=[t], context_lens=[t], block_tables=torch.zeros(1, 2, dtype=torch.int64),
                          logits_indices=torch.tensor([t - 1]))
     back = unpack_batch(list(pack_batch(plain)[0]), pack_batch(plain)[1])
-    assert back.mrope_positions is None and back.visual is None
+    assert back.mrope_positions is None and back.visual is None and back.lora is None
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -1,11 +1,9 @@
 """The Rust expert pass (r3srv.kernels.expert_pairs_cpu) against the torch paths on generated
-inputs (from one token to many pairs per expert), its batch invariance, its fallbacks, and the
-built-in model's tokens and routed experts with it on and off."""
+inputs (from one token to many pairs per expert), its batch invariance, its fallbacks, the CPU
+backend's expert pass with it on and off, and the built-in model's tokens and routed experts
+with it on and off."""
 
 from __future__ import annotations
-
-import contextlib
-import functools
 
 import pytest
 import torch
@@ -15,14 +13,13 @@ from hypothesis import strategies as st
 from engine_testing import assert_same_outputs_either_way, counting, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from r3srv import LLM, _core
 from r3srv import settings as r3srv_settings_module
+from r3srv.kernels import expert_pairs_cpu
 from r3srv.kernels.expert_pairs_cpu import BUILT, expert_pairs
-from r3srv.models import moe
+from r3srv.ops import ops_for
+from r3srv.ops.experts import Activation, KernelExperts, TorchExperts, silu_and_mul
 
-ACTIVATIONS = {
-    "silu_and_mul": moe.silu_and_mul,
-    "relu_squared": moe.relu_squared,
-    "clamped_swiglu": functools.partial(moe.clamped_swiglu, alpha=1.702, limit=0.4),
-}
+ACTIVATIONS = {name: Activation(name, *constants) for name, constants in
+               {"silu_and_mul": (), "relu_squared": (), "clamped_swiglu": (1.702, 0.4)}.items()}
 
 
 def random_experts(seed: int, tokens: int, experts: int, top_k: int, hidden: int, inter: int, act: str,
@@ -55,7 +52,7 @@ def as_list(args, seed: int | None = None):
 
 
 def torch_pass(args, path: str) -> torch.Tensor:
-    """grouped_experts with the kernel off on these pairs, through its torch pairs path
+    """The CPU backend's torch pass (the kernel off) on these pairs, through its pairs path
     ("pairs": never-routed zero experts make the experts outnumber the pairs) or its
     sort-and-scatter path ("sorted": zero-weight pairs make the pairs outnumber the experts)."""
     x, w13, w2, weights, ids, tokens, b13, b2, act = as_list(args)
@@ -65,19 +62,13 @@ def torch_pass(args, path: str) -> torch.Tensor:
     else:
         extra = max(0, w13.shape[0] - ids.numel())
         tokens, ids, weights = (torch.cat([v, v.new_zeros(extra)]) for v in (tokens, ids, weights))
-    with kernel_off():
-        return moe.grouped_experts(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2, act=act)
+    return cpu_pass(act, cpu_expert_kernel=False)(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2)
 
 
-@contextlib.contextmanager
-def kernel_off():
-    """The torch path for one block (a context manager: Hypothesis reruns a test's body with
-    the same function-scoped fixtures)."""
-    previous = r3srv_settings_module.configure(r3srv_settings_module.current().replace(cpu_expert_kernel=False))
-    try:
-        yield
-    finally:
-        r3srv_settings_module.configure(previous)
+def cpu_pass(act: Activation, **switches):
+    """The CPU backend's expert pass for `act` under these settings."""
+    with r3srv_settings_module.overridden(**switches):
+        return ops_for("cpu", torch.float32).experts(act)
 
 
 def float_args(args, dtype: torch.dtype):
@@ -115,8 +106,6 @@ def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, bias
         # the torch path rounds every intermediate to bfloat16
         torch.testing.assert_close(got, torch_pass(args, "pairs"), rtol=0.05, atol=0.05)
         return
-    with kernel_off():
-        assert expert_pairs(*args) is None
     torch.testing.assert_close(got, torch_pass(args, "pairs"), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, torch_pass(args, "sorted"), rtol=1e-5, atol=1e-5)
 
@@ -128,9 +117,12 @@ def test_the_moe_pass_takes_it_at_every_batch_size(monkeypatch, listed, tokens):
     if listed:
         args = as_list(args, 1)
     x, w13, w2, weights, ids, tokens, b13, b2, act = args
+    expert_pass = cpu_pass(act)
+    assert isinstance(expert_pass, KernelExperts)
+    assert isinstance(cpu_pass(act, cpu_expert_kernel=False), TorchExperts)  # the setting off: never the kernel
     for name in ("mv", "argsort"):  # the torch paths' first steps: must not run
         monkeypatch.setattr(torch, name, None)
-    got = moe.grouped_experts(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2, act=act)
+    got = expert_pass(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2)
     torch.testing.assert_close(got, expert_pairs(*args), rtol=0, atol=0)
 
 
@@ -157,7 +149,7 @@ def test_falls_back_or_converts(case):
         assert not strided.is_contiguous()
         assert expert_pairs(x, strided, *args[2:]) is None
     elif case == "other activation":
-        assert expert_pairs(*args[:-1], lambda h: moe.silu_and_mul(h)) is None
+        assert expert_pairs(*args[:-1], lambda h: silu_and_mul(h)) is None
     else:
         got = expert_pairs(x, w13, w2, weights.double(), ids.long(), tokens, b13, b2, act)
         torch.testing.assert_close(got, torch_pass(args, "pairs"), rtol=1e-5, atol=1e-5)
@@ -180,7 +172,8 @@ def test_this_build_has_the_kernel_and_this_cpu_runs_its_vector_code():
 
     assert BUILT, "r3srv._core predates the expert kernel: rebuild the extension"
     flags = open("/proc/cpuinfo").read().split() if platform.system() == "Linux" else []
-    assert _core.expert_pairs_isa() == ("avx2" if {"avx2", "fma"} <= set(flags) else "scalar")
+    vector = "avx512" if "avx512f" in flags else "avx2"
+    assert _core.expert_pairs_isa() == (vector if {"avx2", "fma"} <= set(flags) else "scalar")
 
 
 @pytest.fixture(scope="module")
@@ -188,12 +181,11 @@ def llm() -> LLM:
     return LLM(max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
 
 
-def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
-    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
+def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(monkeypatch, llm):
     kernel_runs = []
 
-    monkeypatch.setattr(moe, "expert_pairs", counting(expert_pairs, kernel_runs))
+    monkeypatch.setattr(expert_pairs_cpu, "expert_pairs", counting(expert_pairs, kernel_runs))
     prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
     for batch in (prompts, prompts[:1]):  # three sequences (prefills of 62 tokens), then one
         kernel_runs.clear()
-        assert_same_outputs_either_way(llm, batch, kernel_runs, lambda on: r3srv_settings(cpu_expert_kernel=on))
+        assert_same_outputs_either_way(llm, batch, kernel_runs, "cpu_expert_kernel")

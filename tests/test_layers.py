@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3srv.models.layers import apply_rope, apply_rope_interleaved, rope_cos_sin, rope_inv_freq, yarn_inv_freq
+from r3srv.ops.rotary import apply_rope, apply_rope_interleaved, rope_cos_sin, rope_inv_freq, yarn_inv_freq
 
 
 @pytest.mark.parametrize(

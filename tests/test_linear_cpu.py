@@ -1,6 +1,6 @@
 """The Rust linear kernel for a few rows (r3srv.kernels.linear_cpu) against torch's F.linear on
-generated inputs, its fallbacks, its thread split, and the built-in model's tokens and routed
-experts with it on and off."""
+generated inputs, its fallbacks, its thread split, the CPU backend's linear op with it on and
+off, and the built-in model's tokens and routed experts with it on and off."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_testing import assert_same_outputs_either_way, counting, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from engine_testing import assert_same_outputs_either_way, counting, model_of, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from r3srv import LLM
 from r3srv import settings as settings_module
 from r3srv.kernels import linear_cpu
-from r3srv.kernels.linear_cpu import BUILT, MAX_ROWS, linear, linear_rust
-from r3srv.models import parallel
+from r3srv.kernels.linear_cpu import BUILT, MAX_ROWS, linear_rust
+from r3srv.ops import ops_for
 
 
 def operands(seed: int, rows: int, k: int, n: int, bias: bool, dtype=torch.float32):
@@ -50,8 +50,70 @@ def test_leading_dims_and_the_thread_split():
     x, w, b = operands(1, MAX_ROWS, 256, 1030, True)
     one = linear_rust(x.view(4, MAX_ROWS // 4, 256), w, b)
     assert one.shape == (4, MAX_ROWS // 4, 1030)
-    with settings_module.overridden(cpu_threads=2):  # 32 x 1030 x 256 multiply-adds: two threads
-        assert torch.equal(linear_rust(x.view(4, MAX_ROWS // 4, 256), w, b), one)
+    # 32 x 1030 x 256 multiply-adds: two threads
+    assert torch.equal(linear_rust(x.view(4, MAX_ROWS // 4, 256), w, b, threads=2), one)
+
+
+@pytest.mark.parametrize("rows", [MAX_ROWS + 1, 64, 300])
+def test_many_bfloat16_rows_run_packed_within_rounding_on_any_thread_count(monkeypatch, rows):
+    monkeypatch.setattr(linear_cpu, "PACKED_BF16", True)  # as on a CPU without AMX or AVX-512 BF16
+    x, w, b = operands(rows, rows, 200, 300, True, torch.bfloat16)
+    got = linear_rust(x, w, b)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+    # float32 arithmetic on the bfloat16 values, rounded once
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-4)
+    with settings_module.overridden(cpu_threads=2):
+        assert torch.equal(linear_rust(x, w, b), got)
+
+
+def test_many_bfloat16_rows_keep_torch_where_it_has_fast_bfloat16(monkeypatch):
+    monkeypatch.setattr(linear_cpu, "PACKED_BF16", False)  # as with AMX or AVX-512 BF16
+    x, w, b = operands(3, MAX_ROWS + 1, 16, 8, True, torch.bfloat16)
+    assert linear_rust(x, w, b) is None
+    assert linear_rust(x[:MAX_ROWS], w, b) is not None
+
+
+def test_the_packed_bfloat16_choice_follows_the_cpu_flags(monkeypatch):
+    from r3srv.kernels import cpu_isa
+
+    assert linear_cpu.PACKED_BF16 == (not {"amx_bf16", "avx512_bf16"} & cpu_isa.cpu_flags())
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "amx_bf16"}))
+    assert cpu_isa.torch_has_fast_bfloat16()
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert not cpu_isa.torch_has_fast_bfloat16()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_matrix_kernel_this_cpu_runs_gives_the_avx2_bits(dtype):
+    """The AVX-512 kernel holds two weight rows per register in the AVX2 kernel's lane order:
+    the same bits, checked wherever the CPU runs it."""
+    from r3srv import _core
+
+    isas = _core.matrix_isas()
+    assert isas[0] == "scalar"
+    if "avx2" not in isas:
+        pytest.skip("no avx2 + fma: only the portable kernel runs here")
+    if "avx512" not in isas:
+        pytest.skip("no avx512f: the AVX-512 kernel is not run on this CPU")
+    for rows, k, n in [(1, 256, 512), (3, 40, 13), (16, 100, 259), (32, 8, 7), (64, 96, 130)]:
+        x, w, b = operands(rows + k, rows, k, n, True, dtype)
+        outs = {}
+        for isa in ("avx2", "avx512"):
+            out = torch.empty(rows, n, dtype=dtype)
+            _core.linear_cpu((x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr()), (rows, n, k),
+                             linear_cpu.RUST_DTYPES[dtype], 1, isa)
+            outs[isa] = out
+        assert torch.equal(outs["avx512"], outs["avx2"]), (rows, k, n)
+
+
+def test_a_matrix_kernel_this_cpu_lacks_is_a_value_error():
+    from r3srv import _core
+
+    x, w, _ = operands(4, 1, 8, 4, False)
+    out = torch.empty(1, 4)
+    with pytest.raises(ValueError, match='runs no matrix kernel "avx1024"'):
+        _core.linear_cpu((x.data_ptr(), w.data_ptr(), 0, out.data_ptr()), (1, 4, 8), "float32", 1, "avx1024")
 
 
 @pytest.mark.parametrize("case", ["too many rows", "float16", "mixed dtypes", "strided weight", "strided x",
@@ -69,9 +131,13 @@ def test_falls_back_to_torch(case):
         "empty": (x[:0], w, b),
     }[case]
     with settings_module.overridden(rust_linear=case != "setting off"):
+        linear = ops_for("cpu", torch.float32).linear  # the CPU backend's op, chosen under these settings
+    if case == "setting off":
+        assert linear is F.linear
+    else:
         assert linear_rust(*args) is None
-        if case not in ("bias shape", "mixed dtypes"):  # F.linear refuses those itself
-            torch.testing.assert_close(linear(*args), F.linear(*args), rtol=0, atol=0)
+    if case not in ("bias shape", "mixed dtypes"):  # F.linear refuses those itself
+        torch.testing.assert_close(linear(*args), F.linear(*args), rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +145,12 @@ def llm() -> LLM:
     return LLM(max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
 
 
-def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
-    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
+def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(monkeypatch, llm):
     kernel_runs = []
 
     monkeypatch.setattr(linear_cpu, "linear_rust", counting(linear_rust, kernel_runs))
     prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
     # the decode steps' projections take the kernel; a 40-token prefill's have too many rows
-    assert_same_outputs_either_way(llm, prompts, kernel_runs, lambda on: r3srv_settings(rust_linear=on),
-                                   every_call=False)
-    assert parallel.linear is linear  # the layers' one entry point
+    assert_same_outputs_either_way(llm, prompts, kernel_runs, "rust_linear", every_call=False)
+    model = model_of(llm)
+    assert model.layers[0].attn.qkv_proj.ops is model.ops  # the layers' one entry point

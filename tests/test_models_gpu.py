@@ -60,9 +60,10 @@ def test_builtin_model_runs_in_bfloat16_on_cuda(tmp_path, r3srv_settings):
 
 
 def test_grouped_expert_gemms_on_cuda_match_the_loop(r3srv_settings):
-    from r3srv.models import moe
+    from r3srv.ops import ops_for
+    from r3srv.ops.experts import SILU_AND_MUL, grouped_mm_available
 
-    if moe._GROUPED_MM is None:
+    if not grouped_mm_available():
         pytest.skip("this torch has no grouped_mm: the loop is the only CUDA path")
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(96, 256, generator=gen).to("cuda", torch.bfloat16)
@@ -70,8 +71,11 @@ def test_grouped_expert_gemms_on_cuda_match_the_loop(r3srv_settings):
     w2 = (torch.randn(16, 256, 128, generator=gen) * 0.05).to("cuda", torch.bfloat16)
     weights, ids = torch.topk(torch.softmax(torch.randn(96, 16, generator=gen), -1), 4)
     weights, ids = weights.cuda(), ids.to("cuda", torch.int32)
-    assert moe.uses_grouped_mm(x, w2)
-    grouped = moe.grouped_experts(x, w13, w2, weights, ids)
+    expert_pass = ops_for("cuda", torch.bfloat16).experts(SILU_AND_MUL)
+    assert expert_pass.uses_grouped_mm(x, w2)
+    grouped = expert_pass(x, w13, w2, weights, ids)
     r3srv_settings(grouped_mm=False)
-    looped = moe.grouped_experts(x, w13, w2, weights, ids)
+    expert_pass = ops_for("cuda", torch.bfloat16).experts(SILU_AND_MUL)
+    assert not expert_pass.uses_grouped_mm(x, w2)
+    looped = expert_pass(x, w13, w2, weights, ids)
     torch.testing.assert_close(grouped.float(), looped.float(), rtol=2e-2, atol=2e-2)

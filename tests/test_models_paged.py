@@ -170,7 +170,7 @@ def test_cpu_forwards_give_torch_the_threads_only_for_many_tokens(tmp_path, monk
     """settings.cpu_threads for torch in a step of TORCH_PARALLEL_MIN_TOKENS tokens or more (a
     prefill), one thread below (decodes: the Rust kernels split their own work)."""
     from r3srv.errors import ConfigError
-    from r3srv.models.cpu_threads import TORCH_PARALLEL_MIN_TOKENS
+    from r3srv.ops.cpu import TORCH_PARALLEL_MIN_TOKENS
     from r3srv.settings import Settings
 
     assert Settings.from_environ({}).cpu_threads == 1  # default: one intra-op thread for CPU forwards
@@ -199,7 +199,7 @@ def test_cpu_forwards_give_torch_the_threads_only_for_many_tokens(tmp_path, monk
 def test_decodes_in_gather_budgeted_groups_equal_one_shot(model, monkeypatch, budget):
     """Decode sequences of mixed lengths, split into groups by the gather budget however it
     falls, each give the one-shot prefill's logits and routing for their last token."""
-    import r3srv.models.attention as attention
+    import r3srv.ops.attention as attention
 
     monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", budget)
     lengths = [3, 11, 5, 8, 2, 13]

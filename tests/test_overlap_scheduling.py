@@ -1,10 +1,11 @@
 """Overlapped scheduling (async_scheduling=True) gives the non-overlapped engine's outputs.
 
 The oracle is the same engine with async_scheduling off, on the same workload: tokens, text,
-logprobs, finish and stop reasons, and routed-experts rows must be equal, through every way a
-sequence ends (EOS, stop token, stop string, max_tokens, abort), n > 1, prefix-cache hits,
-preemption under a tiny KV pool and a retract mid-generation; and no KV block may stay in use.
-Stop tokens and strings are taken from what the model generates, so they do fire.
+logprobs, prompt logprobs, finish and stop reasons, and routed-experts rows must be equal,
+through every way a sequence ends (EOS, stop token, stop string, max_tokens, abort), n > 1,
+prefix-cache hits, preemption under a tiny KV pool, a retract mid-generation, penalties, prompt
+logprobs over chunked prompts and a hybrid (linear-attention) model; and no KV block may stay
+in use. Stop tokens and strings are taken from what the model generates, so they do fire.
 """
 
 import threading
@@ -14,7 +15,6 @@ import pytest
 
 from engine_testing import one_torch_thread, prompt_ids  # noqa: F401 (fixture)
 from r3srv.engine.llm_engine import LLMEngine
-from r3srv.errors import ConfigError
 from r3srv.sampling_params import SamplingParams
 
 BASE = dict(max_model_len=128, max_num_seqs=8, num_kv_blocks=64)
@@ -53,14 +53,14 @@ def _run(engine: LLMEngine, requests: dict, abort_after: dict | None = None, ret
 
 
 def _summary(outputs: dict) -> dict:
-    """Everything but the logprobs' values, exactly (those: `_assert_logprobs_close`)."""
+    """Everything but the logprobs' values, exactly (those: `_assert_equal`)."""
     return {
         rid: [
             (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs and [list(lp) for lp in c.logprobs],
              None if c.routed_experts is None else c.routed_experts.tobytes(),
              None if c.routed_experts is None else c.routed_experts.shape)
             for c in out.outputs
-        ]
+        ] + [out.prompt_logprobs and [lp and {t: v.rank for t, v in lp.items()} for lp in out.prompt_logprobs]]
         for rid, out in outputs.items()
     }
 
@@ -79,6 +79,9 @@ def _assert_equal(got: dict, want: dict) -> None:
             if c_want.logprobs is not None:
                 flat = lambda c: [v.logprob for lp in c.logprobs for v in lp.values()]  # noqa: E731
                 np.testing.assert_allclose(flat(c_got), flat(c_want), rtol=1e-4, atol=1e-5)
+        if out.prompt_logprobs is not None:
+            values = lambda o: [v.logprob for lp in o.prompt_logprobs if lp for v in lp.values()]  # noqa: E731
+            np.testing.assert_allclose(values(got[rid]), values(out), rtol=1e-4, atol=1e-5)
 
 
 def _compare(requests: dict, engine_kwargs: dict, **run_kwargs) -> tuple[dict, LLMEngine]:
@@ -153,16 +156,16 @@ def test_preemption_under_a_tiny_pool_matches():
 def test_a_sequence_preempted_while_its_last_sample_was_queued_ends_with_its_rows(monkeypatch):
     """Its rows went with its blocks: it ends once they are recomputed (found by a search over
     small pools: here the newest sequence is preempted while the step sampling its last token runs)."""
-    from r3srv.engine import overlap
+    from r3srv.engine import stepper
 
-    deferred, booked = [], overlap.OverlappedStepper._sampled
+    deferred, booked = [], stepper.Stepper._sampled
 
     def spy(self, req, seq, pos, res):
         update = booked(self, req, seq, pos, res)
         deferred.extend([seq.request_id] if update is None else [])
         return update
 
-    monkeypatch.setattr(overlap.OverlappedStepper, "_sampled", spy)
+    monkeypatch.setattr(stepper.Stepper, "_sampled", spy)
     requests = {
         f"p{i}": (prompt_ids(n, base=i + 13), SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0, logprobs=1))
         for i, (n, m) in enumerate([(3, 23), (4, 22), (6, 7)])
@@ -189,15 +192,15 @@ def test_the_forward_runs_on_the_device_thread_while_the_host_schedules():
     engine.model.forward = recording_forward
     engine.add_request("a", prompt_ids(9), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     first = engine.step()
-    assert first.outputs == [] and engine.core.overlap.queued is not None  # the prefill runs; nothing read back
+    assert first.outputs == [] and engine.core.stepper.queued is not None  # the prefill runs; nothing read back
     outputs = [o for _ in range(20) if engine.has_unfinished() for o in engine.step().outputs]
     assert len(outputs[-1].outputs[0].token_ids) == 6 and outputs[-1].finished
     assert threads and all(name.startswith("r3srv-device") for name in threads)
-    assert not engine.has_unfinished() and engine.core.overlap.queued is None
+    assert not engine.has_unfinished() and engine.core.stepper.queued is None
 
 
-def test_off_by_default_and_refused_where_unsupported(tmp_path):
-    assert _engine(False, **BASE).core.overlap is None
+def test_off_by_default():
+    assert not _engine(False, **BASE).core.stepper.overlapped
     from r3srv.config import EngineConfig
 
     assert EngineConfig().async_scheduling is False
@@ -206,27 +209,55 @@ def test_off_by_default_and_refused_where_unsupported(tmp_path):
 
     args = build_parser().parse_args(["serve", "--async-scheduling"])
     assert engine_options.from_args(args)["async_scheduling"] is True
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        from tiny_checkpoints import write_tiny_checkpoint
-
-        path = write_tiny_checkpoint(tmp_path / "hybrid", "qwen3_next")
-        LLMEngine.from_kwargs(str(path), async_scheduling=True, max_model_len=64, num_kv_blocks=16)
 
 
-@pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("frequency_penalty", -0.5),
-                                          ("repetition_penalty", 1.2), ("prompt_logprobs", 1)])
-def test_fields_the_overlap_cannot_serve_exactly_are_refused_by_name(field, value):
-    from r3srv.errors import InvalidRequestError
+def test_penalties_and_prompt_logprobs_match_the_plain_engine():
+    """Penalties read the output ids, the one in flight included (filled on the device from the
+    step before); prompt logprobs over prompts chunked across overlapped steps (positions
+    reserved when a step is queued, recorded when it is booked), from several starts."""
+    requests = {}
+    for i in range(8):
+        sampled = dict(temperature=0.8, seed=200 + i) if i % 2 else dict(temperature=0.0)
+        penalty = [dict(presence_penalty=0.8), dict(frequency_penalty=-0.6), dict(repetition_penalty=1.6),
+                   dict(repetition_penalty=0.7, frequency_penalty=0.4), {}][i % 5]
+        prompt = dict(prompt_logprobs=[1, 0, 3][i % 3]) if i % 4 != 3 else {}
+        if i == 2:
+            prompt["prompt_logprobs_start"] = 9
+        if i == 7:
+            penalty = dict(penalty, logit_bias={5: 2.5, 77: -1.0})
+        requests[f"q{i}"] = (prompt_ids(20 + 9 * i, base=i + 40), SamplingParams(
+            max_tokens=18, ignore_eos=True, logprobs=1, return_routed_experts=True, **sampled, **penalty, **prompt))
+    chunked = dict(BASE, max_num_batched_tokens=24)  # the longer prompts' logprobs come over several steps
+    plain, _ = _compare(requests, chunked)
+    assert all(plain[rid].prompt_logprobs for rid in ("q0", "q1", "q2", "q4"))
+    assert len(plain["q6"].prompt_logprobs) == len(requests["q6"][0])  # a 74-token prompt in 24-token chunks
 
-    engine = _engine(True, **BASE)
-    with pytest.raises(InvalidRequestError) as refused:
-        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, **{field: value}))
-    assert refused.value.param == field and not engine.has_unfinished()
-    engine.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, logit_bias={5: 100.0}))
-    outputs = []
-    while engine.has_unfinished():
-        outputs += engine.step().outputs
-    assert [o.outputs[0].token_ids for o in outputs if o.finished] == [[5, 5, 5, 5]]
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_a_hybrid_model_matches_the_plain_engine(family, tmp_path):
+    """Recurrent states in slots, prefix-cache snapshots planned in consecutive overlapped steps
+    (chunked prompts, an n = 2 request resuming from its prompt's snapshot) and preemption."""
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    path = str(write_tiny_checkpoint(tmp_path / family, family, seed=5, **({} if family == "nemotron_h" else
+                                                                           dict(num_layers=3))))
+    requests = {
+        f"h{i}": (prompt_ids(9 + 7 * i, base=i + 70), SamplingParams(
+            max_tokens=14, ignore_eos=True, logprobs=1, return_routed_experts=True, n=2 if i == 1 else 1,
+            **(dict(temperature=0.7, seed=i) if i % 2 else dict(temperature=0.0))))
+        for i in range(5)
+    }
+    kwargs = dict(max_model_len=64, max_num_seqs=4, block_size=4, num_kv_blocks=40, max_num_batched_tokens=16)
+
+    def run(async_scheduling: bool):
+        engine = LLMEngine.from_kwargs(path, async_scheduling=async_scheduling, seed=7, **kwargs)
+        return _run(engine, requests), engine
+
+    plain, _ = run(False)
+    overlapped, engine = run(True)
+    _assert_equal(overlapped, plain)
+    assert engine.stats().prefix_cache_hits > 0  # the n = 2 sibling resumed from a snapshot
+    assert engine.stats().state_slots_used == 0
 
 
 @pytest.mark.parametrize("steps_after_retract", [0, 1, 2])

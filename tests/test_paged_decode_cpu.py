@@ -1,6 +1,7 @@
 """The CPU paged decode attention kernel (kernels/paged_decode_cpu.py, rust/src/paged_attn.rs)
-against the torch path (gather + SDPA) on generated inputs, its input checks, its wiring into
-the models, and the engine's tokens and routed experts with it on and off."""
+against the torch path (gather + SDPA) on generated inputs, its input checks, the CPU backend
+taking it, its wiring into the models, and the engine's tokens and routed experts with it on
+and off."""
 
 from __future__ import annotations
 
@@ -9,18 +10,19 @@ import pytest
 import torch
 from paged_decode_testing import MODEL_CASES, paged_cache, torch_path_decode, two_sequence_decode_logits
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
+from engine_testing import GREEDY, model_of, one_torch_thread, prompt_ids, rebound  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams, _core
 from r3srv import settings as settings_module
 from r3srv.kernels import paged_decode_cpu as cpu_kernel
 from r3srv.kernels.paged_decode_cpu import paged_decode_cpu as kernel
-from r3srv.models import attention
+from r3srv.ops import ops_for
 
 PAGE = 4
 LENS = [1, 3, 4, 33, 70, 9, 130]  # one key, a block's worth, across blocks and tiles of 32
 
 
-def run_case(heads, kv_heads, head_dim, v_dim, window, sinks, seed, dtype=torch.float32, lens=LENS, latent=False):
+def run_case(heads, kv_heads, head_dim, v_dim, window, sinks, seed, dtype=torch.float32, lens=LENS, latent=False,
+             threads=1):
     """The kernel's rows and the torch path's for sequences at scattered rows of a step (the
     rows of other tokens must keep their -7)."""
     g = torch.Generator().manual_seed(seed)
@@ -35,7 +37,7 @@ def run_case(heads, kv_heads, head_dim, v_dim, window, sinks, seed, dtype=torch.
     scale = head_dim**-0.5 * 1.3
     out = torch.full((t, heads, v_dim), -7.0, dtype=dtype)
     kernel(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), rows, out, page=PAGE, scale=scale,
-           window=window, sinks=sink)
+           window=window, sinks=sink, threads=threads)
     up = (lambda x: x.float()) if dtype != torch.float32 else (lambda x: x)
     want = torch_path_decode(up(q), up(k_cache), up(v_cache), tables, lens, rows.tolist(), scale, window, sink, PAGE)
     others = [r for r in range(t) if r not in rows.tolist()]
@@ -66,11 +68,8 @@ def test_bfloat16_accumulates_in_float32():
 
 
 def test_threads_split_the_work_to_the_same_result():
-    """At cpu_threads=2 16 sequences of 300 keys are split over two threads: the same rows."""
-    results = []
-    for threads in (1, 2):
-        with settings_module.overridden(cpu_threads=threads):
-            results.append(run_case(4, 2, 64, 64, None, False, seed=7, lens=[300] * 16))
+    """On two threads 16 sequences of 300 keys are split between them: the same rows."""
+    results = [run_case(4, 2, 64, 64, None, False, seed=7, lens=[300] * 16, threads=threads) for threads in (1, 2)]
     (one, want), (two, _) = results
     torch.testing.assert_close(one, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(two, one, atol=0, rtol=0)
@@ -112,14 +111,18 @@ def test_bad_sinks_and_window_are_value_errors():
         kernel(*args.values(), page=PAGE, scale=0.3, window=0)
 
 
-def test_cpu_decodes_take_the_kernel_unless_turned_off(r3srv_settings):
-    q = torch.zeros(1, 4, 8)
+def test_cpu_decodes_take_the_kernel_unless_turned_off():
     assert cpu_kernel.BUILT and _core.paged_decode_isa() in ("avx2", "portable")
-    assert attention.decode_kernel_for(q) is cpu_kernel.paged_decode_cpu
-    assert attention.decode_kernel_for(q.bfloat16()) is cpu_kernel.paged_decode_cpu
-    assert attention.decode_kernel_for(q.half()) is None  # float16: the torch path
-    r3srv_settings(rust_decode=False)
-    assert attention.decode_kernel_for(q) is None
+
+    def decode_kernel(dtype, **switches):
+        with settings_module.overridden(**switches):
+            return ops_for("cpu", dtype).decode_attention
+
+    for dtype in (torch.float32, torch.bfloat16):
+        chosen = decode_kernel(dtype, cpu_threads=3)
+        assert chosen.func is cpu_kernel.paged_decode_cpu and chosen.keywords == {"threads": 3}
+    assert decode_kernel(torch.float16) is None  # float16: the torch path
+    assert decode_kernel(torch.float32, rust_decode=False) is None
 
 
 def counting_kernel(monkeypatch) -> list:
@@ -134,37 +137,35 @@ def counting_kernel(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("family, layers", MODEL_CASES)
-def test_models_decode_through_the_kernel(family, layers, monkeypatch, r3srv_settings, tmp_path):
+def test_models_decode_through_the_kernel(family, layers, monkeypatch, tmp_path):
     """The wiring: decode steps (after a prefill; GQA, gpt-oss's sinks and windows, Mixtral's
     window, latent attention) through the kernel give the logits of the gathered torch path."""
-    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     from tiny_checkpoints import write_tiny_checkpoint
 
     from r3srv.models.loader import load_model
 
     model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, **layers))
     calls = counting_kernel(monkeypatch)
-    r3srv_settings(rust_decode=False)
-    off = two_sequence_decode_logits(model)
+    with rebound(model, fast_cpu_decode=False, rust_decode=False):
+        off = two_sequence_decode_logits(model)
     assert not calls
-    r3srv_settings(rust_decode=True)
-    torch.testing.assert_close(two_sequence_decode_logits(model), off, atol=1e-5, rtol=1e-5)
+    with rebound(model, fast_cpu_decode=False, rust_decode=True):
+        torch.testing.assert_close(two_sequence_decode_logits(model), off, atol=1e-5, rtol=1e-5)
     assert calls, "the decodes never took the kernel"
 
 
-def test_engine_tokens_and_routed_experts_equal_the_torch_path(monkeypatch, r3srv_settings):
+def test_engine_tokens_and_routed_experts_equal_the_torch_path(monkeypatch):
     """The built-in model's greedy tokens and routed-experts rows, with decodes through the
     kernel and through gather + SDPA, for prompts of several lengths decoding together."""
-    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     llm = LLM(max_model_len=256, max_num_seqs=8, enable_prefix_caching=False)
     prompts = [prompt_ids(3, 1), prompt_ids(40, 2), prompt_ids(17, 3), prompt_ids(90, 4)]
     params = SamplingParams(max_tokens=24, **GREEDY)
     calls = counting_kernel(monkeypatch)
-    r3srv_settings(rust_decode=False)
-    off = llm.generate(prompts, params)
+    with rebound(model_of(llm), fast_cpu_decode=False, rust_decode=False):
+        off = llm.generate(prompts, params)
     assert not calls
-    r3srv_settings(rust_decode=True)
-    on = llm.generate(prompts, params)
+    with rebound(model_of(llm), fast_cpu_decode=False, rust_decode=True):
+        on = llm.generate(prompts, params)
     assert calls
     for a, b in zip(off, on):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids

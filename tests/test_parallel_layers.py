@@ -14,7 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from r3srv.models import quantization as quant
-from r3srv.models.moe import Mlp, grouped_experts, silu_and_mul
+from r3srv.models.moe import Mlp
+from r3srv.ops.experts import SILU_AND_MUL, TorchExperts, silu_and_mul
+
+grouped_experts = TorchExperts(SILU_AND_MUL)  # the torch expert pass
 from r3srv.models.parallel import (SINGLE, ColumnParallelLinear, ExpertSlice, ParallelLMHead, ParallelState,
                                    RowParallelLinear, VocabParallelEmbedding, checkpoint_shape, head_pieces, shard_of,
                                    split_evenly, transposed)

@@ -167,10 +167,11 @@ def test_padded_batches_with_captures_equal_each_sequence(seed, lengths, chunk, 
 
 
 def test_scan_groups_bound_the_padding():
-    from r3srv.models.recurrent import PAD_FACTOR, _scan_groups
+    from r3srv.models.recurrent import _scan_groups
+    from r3srv.ops import cpu, cuda
 
     lengths = [40, 3, 38, 5, 2, 39, 4, 20]
-    factor = PAD_FACTOR["cuda"]
+    factor = cuda.SCAN_PAD_FACTOR
     groups = _scan_groups(list(range(len(lengths))), lengths, factor)
     assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
     for group in groups:
@@ -178,7 +179,7 @@ def test_scan_groups_bound_the_padding():
         assert len(group) == 1 or len(group) * longest <= factor * sum(lengths[i] for i in group)
     # longest first; the 2-token one would pad 8 x 40 = 320 for 151 real tokens: a group of its own
     assert groups == [[0, 5, 2, 7, 3, 6, 1], [4]]
-    assert _scan_groups(list(range(len(lengths))), lengths, PAD_FACTOR["cpu"]) == [[i] for i in (0, 5, 2, 7, 3, 6, 1, 4)]
+    assert _scan_groups(list(range(len(lengths))), lengths, cpu.SCAN_PAD_FACTOR) == [[i] for i in (0, 5, 2, 7, 3, 6, 1, 4)]
 
 
 # Kimi Delta Attention (models/kda.py): the delta rule with a decay per key channel.

@@ -1,6 +1,7 @@
 """The Rust CPU router (kernels/router_cpu.py, rust/src/router_cpu.rs) against route_reference on
-generated logits (ties, NaN, infinities, float32 and bfloat16), where it must step aside, its
-ValueErrors, and the built-in model's tokens and routed experts with it on and off."""
+generated logits (ties, NaN, infinities, float32 and bfloat16), where it must step aside, the
+CPU backend's route function with it, its ValueErrors, and the built-in model's tokens and
+routed experts with it on and off."""
 
 from __future__ import annotations
 
@@ -11,9 +12,17 @@ from hypothesis import strategies as st
 
 from engine_testing import assert_same_outputs_either_way, counting, prompt_ids
 from r3srv import LLM, settings
-from r3srv.kernels import router
+from r3srv.kernels import router_cpu
 from r3srv.kernels.router_cpu import BUILT, route_cpu
 from r3srv.kernels.router_reference import route_reference
+from r3srv.ops import ops_for, router
+from r3srv.ops.router import RouterShape
+
+
+def cpu_route(shape=RouterShape(64, 8), **switches):
+    """The CPU backend's route function for a layer of this shape, under these settings."""
+    with settings.overridden(**switches):
+        return ops_for("cpu", torch.float32).router(shape)
 
 CAPTURE_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 SPECIALS = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
@@ -90,12 +99,12 @@ def test_the_scalar_top_k_beyond_the_vector_ones_limits(experts, top_k, kind):
         assert_same_routing(route_cpu(logits, top_k, scoring=scoring), route_reference(logits, top_k, scoring=scoring))
 
 
-def test_select_experts_takes_it_on_the_cpu(monkeypatch, r3srv_settings):
-    r3srv_settings(force_torch_router=False, rust_router=True)
+def test_the_cpu_backend_routes_with_it(monkeypatch):
     logits = generated_logits(3, 11, 64, "ties", torch.float32)
+    route = cpu_route(force_torch_router=False, rust_router=True)
     monkeypatch.setattr(router, "route_reference", None)  # must not run
     buffer, view = capture_view(11, 8, torch.uint8)
-    got = router.select_experts(logits, 8, scoring="sigmoid", renormalize=False, capture=view)
+    got = route(logits, 8, scoring="sigmoid", renormalize=False, capture=view)
     monkeypatch.undo()
     want_buffer, want_view = capture_view(11, 8, torch.uint8)
     assert_same_routing(got, route_reference(logits, 8, scoring="sigmoid", renormalize=False, capture=want_view))
@@ -109,26 +118,32 @@ def test_no_tokens():
 
 @pytest.mark.parametrize("case", ["bias", "groups", "float16", "float64", "non-contiguous", "setting off",
                                   "strided capture", "requires grad"])
-def test_falls_back_to_the_reference(case, r3srv_settings):
-    r3srv_settings(force_torch_router=False)
+def test_falls_back_to_the_reference(case):
     logits, kwargs = torch.randn(6, 16, generator=torch.Generator().manual_seed(5)), {}
+    shape, switches = RouterShape(16, 4), dict(force_torch_router=False)
     if case == "bias":
         kwargs = dict(scoring="sigmoid", correction_bias=torch.randn(16))
+        shape = RouterShape(16, 4, correction_bias=True)
     elif case == "groups":
         kwargs = dict(num_groups=4, topk_groups=2)
+        shape = RouterShape(16, 4, num_groups=4)
     elif case in ("float16", "float64"):
         logits = logits.to(getattr(torch, case))
     elif case == "non-contiguous":
         logits = torch.randn(16, 6).t()
     elif case == "setting off":
-        r3srv_settings(rust_router=False)
+        switches["rust_router"] = False
     elif case == "strided capture":
         kwargs = dict(capture=torch.zeros(6, 4, 2, dtype=torch.int16)[:, :, 0])  # ids 2 apart in a row
     else:
         logits.requires_grad_()
-    assert route_cpu(logits, 4, **{k: v for k, v in kwargs.items() if k != "topk_groups"}) is None
+    route = cpu_route(shape, **switches)
+    if case in ("bias", "groups", "setting off"):  # known when the model is built: the reference itself
+        assert route is route_reference
+    else:
+        assert route_cpu(logits, 4, **kwargs) is None
     want_kwargs = {k: (v.clone() if k == "capture" else v) for k, v in kwargs.items()}
-    weights, ids = router.select_experts(logits, 4, **kwargs)
+    weights, ids = route(logits, 4, **kwargs)
     want_weights, want_ids = route_reference(logits, 4, **want_kwargs)
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)  # the reference itself
     if "capture" in kwargs:
@@ -145,9 +160,8 @@ def test_falls_back_to_the_reference(case, r3srv_settings):
     (torch.randn(3, 300), 2, dict(capture=torch.zeros(3, 2, dtype=torch.uint8)), "cannot hold expert ids"),
     (torch.randn(3, 8), 2, dict(capture=torch.zeros(3, 2)), "cannot hold expert ids"),
 ])
-def test_bad_arguments_raise_the_references_value_errors(logits, top_k, kwargs, match, r3srv_settings):
-    r3srv_settings(force_torch_router=False, rust_router=True)
-    for route in (router.select_experts, route_reference):
+def test_bad_arguments_raise_the_references_value_errors(logits, top_k, kwargs, match):
+    for route in (cpu_route(force_torch_router=False, rust_router=True), route_reference):
         with pytest.raises(ValueError, match=match):
             route(logits, top_k, **kwargs)
 
@@ -167,14 +181,13 @@ def llm() -> LLM:
 
 
 def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(r3srv_settings, monkeypatch, llm):
-    r3srv_settings(fast_cpu_decode=False)  # the modules' wiring (the fast path skips it: test_cpu_decode.py)
     r3srv_settings(force_torch_router=False)
     prompts = [prompt_ids(5, 1), prompt_ids(17, 2), prompt_ids(40, 3)]
     kernel_runs = []
 
-    monkeypatch.setattr(router, "route_cpu", counting(route_cpu, kernel_runs))
+    monkeypatch.setattr(router_cpu, "route_cpu", counting(route_cpu, kernel_runs))
 
-    assert_same_outputs_either_way(llm, prompts, kernel_runs, lambda on: r3srv_settings(rust_router=on))
+    assert_same_outputs_either_way(llm, prompts, kernel_runs, "rust_router")
 
 
 def test_the_serve_flag_turns_it_off():

@@ -98,17 +98,23 @@ def test_no_environment_reads_outside_the_settings_module():
 
 
 def test_settings_are_read_once(r3srv_settings, monkeypatch):
-    from r3srv.models import moe
+    from r3srv.ops import ops_for
+    from r3srv.ops.experts import SILU_AND_MUL, grouped_mm_available
+
+    def torch_pass():  # the CPU backend's torch expert pass, its kernels chosen now
+        return ops_for("cpu", torch.float32).experts(SILU_AND_MUL).fallback
 
     r3srv_settings(grouped_mm=True)
     rows, w2 = torch.zeros(64, 8), torch.zeros(64, 8, 4)  # a row per expert: grouped when on
-    if moe._GROUPED_MM is None:
+    if not grouped_mm_available():
         pytest.skip("this torch has no grouped_mm")
-    assert moe.uses_grouped_mm(rows, w2)
+    built = torch_pass()
+    assert built.uses_grouped_mm(rows, w2)
     monkeypatch.setenv("R3SRV_GROUPED_MM", "0")  # too late: read at start-up
-    assert moe.uses_grouped_mm(rows, w2)
+    assert torch_pass().uses_grouped_mm(rows, w2)
     r3srv_settings(grouped_mm=False)
-    assert not moe.uses_grouped_mm(rows, w2)
+    assert not torch_pass().uses_grouped_mm(rows, w2)
+    assert built.uses_grouped_mm(rows, w2)  # what a model built before holds does not change
 
 
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512vbmi"])

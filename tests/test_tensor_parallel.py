@@ -35,7 +35,7 @@ def split(request) -> LLM:
     llm = LLM(**ENGINE, **MODES[request.param])
     yield llm
     llm.shutdown()
-    assert all(not w.is_alive() for w in llm.engine.core.multiproc.workers)
+    assert all(not w.is_alive() for w in llm.engine.core.executor.ranks.workers)
 
 
 def assert_same_generation(one, many) -> None:

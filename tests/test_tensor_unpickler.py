@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from r3srv.engine.tensor_unpickler import ALLOWED_GLOBALS, load_named_cuda_tensors
+from r3srv.engine.tensor_unpickler import ALLOWED_GLOBALS, load_cuda_tensor_dict, load_named_cuda_tensors
 from r3srv.errors import InvalidRequestError
 
 
@@ -71,6 +71,10 @@ def test_a_cuda_tensor_pickled_by_torch_comes_back():
     ForkingPickler(buf).dump([("w", tensor)])
     [(name, back)] = load_named_cuda_tensors(base64.b64encode(buf.getvalue()).decode())
     assert name == "w" and torch.equal(back, tensor)
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump({"w": tensor})  # SGLang's LoRA push: a dict
+    back = load_cuda_tensor_dict(base64.b64encode(buf.getvalue()).decode())
+    assert list(back) == ["w"] and torch.equal(back["w"], tensor)
 
 
 def test_malformed_payloads_are_400s():
@@ -78,6 +82,17 @@ def test_malformed_payloads_are_400s():
                            (encoded({"x": 1}), "list of"), (encoded([("x", 1)]), "list of")):
         with pytest.raises(InvalidRequestError, match=match):
             load_named_cuda_tensors(payload)
+
+
+def test_a_lora_push_is_a_dict_of_tensors_and_runs_no_pickled_code(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(InvalidRequestError, match="not a CUDA tensor rebuild"):
+        load_cuda_tensor_dict(encoded({"w": Reducing(os.system, f"touch {marker}")}))
+    assert not marker.exists()
+    for payload in (encoded([("x", 1)]), encoded({"x": 1}), encoded({1: 2})):
+        with pytest.raises(InvalidRequestError, match="dict of name -> tensor") as err:
+            load_cuda_tensor_dict(payload)
+        assert err.value.param == "serialized_named_tensors"
 
 
 # ---------------------------------------------------------------- hostile pickles, generated

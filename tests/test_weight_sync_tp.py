@@ -76,14 +76,14 @@ def test_offline_tp2_engine_takes_a_pushed_policy_and_survives_a_dying_trainer(p
         message = llm.update_weights_from_distributed(names[:half], dtypes[:half], shapes[:half])
         assert "staged" in message and same(generated(llm), oracle[v0])
         # Rank 0 staged only its shard of each split tensor, read as the loader will read it.
-        staged = llm.engine.core.multiproc.weight_sync.staged
+        staged = llm.engine.core.executor.ranks.weight_sync.staged
         kept = {name: sum(p.numel() for p in t.pieces.values()) / t.shape.numel()
                 for name, t in staged.items() if isinstance(t, ShardPieces)}
         assert kept and max(kept.values()) <= 0.51, kept  # half of each (a padded vocabulary's rows rounded up)
         message = llm.update_weights_from_distributed(names[half:], dtypes[half:], shapes[half:],
                                                       weight_version="step-1")
         pusher.join(60)
-        assert pusher.exitcode == 0 and "updated" in message and not llm.engine.core.multiproc.weight_sync.staged
+        assert pusher.exitcode == 0 and "updated" in message and not llm.engine.core.executor.ranks.weight_sync.staged
         assert same(generated(llm), oracle[v1])
         llm.destroy_weights_update_group()
 

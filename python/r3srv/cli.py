@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from r3srv import engine_options, security, settings
+from r3srv.errors import ConfigError, InvalidRequestError
 
 logger = logging.getLogger("r3srv.serve")
 
@@ -84,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-collective-rpc", action="store_true",
         help="serve /collective_rpc for the weight-sync methods SkyRL calls, from a fixed table (vLLM: "
         "development mode; needs --enable-weight-updates; docs/weight_sync.md)",
+    )
+    serve.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help="vLLM's flag: LoRA adapters (PEFT saves) loaded at start, each selected by its name as `model` "
+        "(needs --enable-lora; docs/lora.md)",
+    )
+    serve.add_argument(
+        "--lora-paths", nargs="+", default=None, metavar="[NAME=]PATH",
+        help="SGLang's flag: the same, an adapter without a name named by its path (lora_path on /generate)",
     )
     serve.add_argument(
         "--weight-sync-timeout", type=float, default=600.0,
@@ -173,6 +183,34 @@ def _peers_but_self(args: argparse.Namespace) -> list[str]:
     return [url.rstrip("/") for url in args.fleet_peer_urls or () if url.rstrip("/") not in own]
 
 
+def _load_lora_modules(engine, args: argparse.Namespace) -> None:
+    """--lora-modules name=path (vLLM's, also its JSON form) and --lora-paths [name=]path (SGLang's)."""
+    import asyncio
+    import json
+
+    modules = []
+    for flag, items in (("--lora-modules", args.lora_modules), ("--lora-paths", args.lora_paths)):
+        for item in items or ():
+            if item.lstrip().startswith("{"):
+                spec = json.loads(item)
+                modules.append((spec["name"], spec["path"]))
+            elif "=" in item:
+                modules.append(tuple(item.split("=", 1)))
+            elif flag == "--lora-paths":
+                modules.append((item, item))
+            else:
+                raise ConfigError(f"{flag} {item!r}: give name=path")
+    if modules and not args.enable_lora:
+        raise ConfigError("--lora-modules / --lora-paths need --enable-lora")
+
+    async def load() -> None:
+        for name, path in modules:
+            await engine.load_lora_adapter(name, path)
+
+    if modules:
+        asyncio.run(load())
+
+
 def serve(args: argparse.Namespace, own_process: bool = False) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from r3srv.errors import ConfigError
@@ -235,6 +273,12 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print(f"r3srv serve: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
+    try:
+        _load_lora_modules(engine, args)
+    except (ConfigError, InvalidRequestError) as exc:
+        engine.shutdown()
+        print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     name = args.served_model_name or engine.model_config.name
     engine_died = False
     server: Any = None

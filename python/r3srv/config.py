@@ -44,6 +44,7 @@ def option(default: Any, help: str, *, serve_default: Any = _SAME, default_text:
     return field(default=default, metadata={"option": metadata})
 
 
+_LORA = "LoRA adapters (vLLM's flags; docs/lora.md)"
 _MULTI_NODE = "multi-node rendezvous (torch.distributed TCP; see docs/parallelism.md)"
 
 
@@ -148,6 +149,12 @@ class EngineConfig:
                                          "this still runs, alone)", group="images")
     encoder_cache_tokens: int = option(65536, "vision-tower outputs kept for images sent again, in tokens (one per "
                                        "merged block of patches)", group="images")
+    enable_lora: bool = option(False, "serve LoRA adapters (docs/lora.md): slots on every projection an adapter "
+                               "may target", group=_LORA)
+    max_loras: int = option(1, "adapters in one step (device slots)", group=_LORA)
+    max_lora_rank: int = option(16, "the largest rank an adapter may have", group=_LORA)
+    max_cpu_loras: int | None = option(None, "adapters kept in host memory; more may be registered, read again from "
+                                       "their directories when used", default_text="max_loras", group=_LORA)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -186,6 +193,18 @@ class EngineConfig:
             raise ConfigError(f"seed={self.seed!r} must be an integer")
         if self.cuda_graphs is None:
             object.__setattr__(self, "cuda_graphs", settings.current().cuda_graphs)
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
+        if not self.enable_lora:
+            return
 
     @property
     def use_cuda_graphs(self) -> bool:

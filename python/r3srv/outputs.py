@@ -70,6 +70,10 @@ class RequestOutput:
     # the requests in flight; a request retracted for one, AsyncLLM.pause_generation, recomputes
     # all its rows on the new weights, though its earlier tokens were sampled on the old).
     weight_version: str | None = None
+    # The LoRA adapter the request ran under (None: the base model) and that adapter's version
+    # (each replacement adds one; a request retracted for a replacement recomputes on the new one).
+    lora_name: str | None = None
+    lora_version: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     # Always None: every row, the prompt's included, is in each sample's routed_experts (vLLM
     # 0.33's layout); kept for code written for vLLM releases that split the prompt's rows off.

@@ -34,7 +34,7 @@ def _setting(default, help: str, flag: bool = True):
 @dataclass(frozen=True)
 class Settings:
     # CPU forwards' threads: the Rust kernels' for every step, torch's for prefills only
-    # (models/cpu_threads.py says why).
+    # (ops/cpu.py says why). Every setting below is read when a model is built (r3srv.ops.ops_for).
     cpu_threads: int = _setting(1, "threads of CPU forwards (torch's for prefill steps, the Rust kernels' always)")
     cache_dir: Path = _setting(Path.home() / ".cache" / "r3srv", "where the built-in checkpoint is generated")
     encode_threads: int = _setting(1, "Rust encoder threads for payloads of 4 MiB and more, at most the CPUs")

@@ -28,12 +28,21 @@ pub trait Element: Copy + Send + Sync + 'static {
     /// The slice itself when it already holds f32.
     fn as_f32s(s: &[Self]) -> Option<&[f32]>;
 
-    /// Eight elements from `p`, widened to f32.
+    /// Eight elements from `p`, widened to f32. The impls are compiled for the features they
+    /// use (`#[target_feature]`) so that their intrinsics inline into the kernels (see
+    /// paged_attn's `Element::load8`).
     ///
     /// # Safety
     /// The CPU must support AVX2, and `p` must be valid for reading eight elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// Eight elements from `lo` in the low half and eight from `hi` in the high half, widened.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, and both pointers must be valid for reading eight elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl Element for f32 {
@@ -50,9 +59,19 @@ impl Element for f32 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
+    #[target_feature(enable = "avx2")]
+    #[inline]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2")]
+    #[inline]
+    unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let lo = _mm512_castps256_ps512(_mm256_loadu_ps(lo));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(lo), _mm256_castps_pd(_mm256_loadu_ps(hi))))
     }
 }
 
@@ -80,11 +99,22 @@ impl Element for Bf16 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
+    #[target_feature(enable = "avx2")]
+    #[inline]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         let halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(halves))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2")]
+    #[inline]
+    unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(lo as *const __m128i)),
+                                                _mm_loadu_si128(hi as *const __m128i));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(both)))
     }
 }
 
@@ -346,9 +376,10 @@ fn group_pairs(groups: usize, keys: impl Iterator<Item = Option<usize>> + Clone)
 }
 
 /// Whether to run the elementwise loops below in their AVX2 builds (8 wide instead of SSE's
-/// 4). Rust never fuses a multiply and an add on its own, so both builds give the same bits.
+/// 4; an AVX-512 CPU runs them too). Rust never fuses a multiply and an add on its own, so
+/// both builds give the same bits.
 fn simd(isa: Isa) -> bool {
-    cfg!(target_arch = "x86_64") && isa == Isa::Avx2Fma && Isa::best() == Isa::Avx2Fma
+    cfg!(target_arch = "x86_64") && isa != Isa::Scalar && isa.runs()
 }
 
 /// Pairs of one expert run together, at most this many at a time: each weight row is read
@@ -537,9 +568,12 @@ impl<W: Element> Experts<'_, W> {
     }
 }
 
-/// The matrix-vector kernel: AVX2 with FMA, or portable scalar code.
+/// The matrix kernels: AVX-512F (two weight rows per 16-lane register: the AVX2 kernel's sums
+/// in its order, so the same bits, at half the instructions), AVX2 with FMA, or portable
+/// scalar code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
+    Avx512,
     Avx2Fma,
     Scalar,
 }
@@ -547,6 +581,7 @@ pub enum Isa {
 impl Isa {
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512 => "avx512",
             Isa::Avx2Fma => "avx2",
             Isa::Scalar => "scalar",
         }
@@ -558,21 +593,41 @@ impl Isa {
         *BEST.get_or_init(|| {
             #[cfg(target_arch = "x86_64")]
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                if is_x86_feature_detected!("avx512f") {
+                    return Isa::Avx512;
+                }
                 return Isa::Avx2Fma;
             }
             Isa::Scalar
         })
     }
+
+    /// Whether this CPU runs `self`'s code (the AVX-512 CPUs run the AVX2 code too).
+    pub fn runs(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            Isa::Avx2Fma => Isa::best() != Isa::Scalar,
+            Isa::Avx512 => Isa::best() == Isa::Avx512,
+        }
+    }
+
+    /// Every kernel this CPU runs, the portable one first (the tests compare them).
+    pub fn available() -> Vec<Isa> {
+        [Isa::Scalar, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.runs()).collect()
+    }
 }
 
-/// out = m @ v for a row-major m [out.len(), v.len()]; `Isa::Avx2Fma` on a CPU without those
-/// features runs the scalar code.
+/// out = m @ v for a row-major m [out.len(), v.len()]; an `isa` this CPU does not run falls
+/// back to the next one it does.
 pub fn gemv<W: Element>(isa: Isa, m: &[W], v: &[f32], out: &mut [f32]) {
     assert_eq!(m.len(), out.len() * v.len(), "gemv: matrix and vectors disagree");
     match isa {
         #[cfg(target_arch = "x86_64")]
+        // the AVX-512 product of one vector: gemv_avx2's bits (see gemm_nt)
+        Isa::Avx512 if Isa::Avx512.runs() && !v.is_empty() => gemm_nt(isa, m, out.len(), v, out),
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the guard checked that this CPU has AVX2 and FMA; the lengths were checked above.
-        Isa::Avx2Fma if Isa::best() == Isa::Avx2Fma => unsafe { gemv_avx2(m, v, out) },
+        Isa::Avx2Fma | Isa::Avx512 if Isa::Avx2Fma.runs() => unsafe { gemv_avx2(m, v, out) },
         _ => gemv_scalar(m, v, out),
     }
 }
@@ -598,8 +653,11 @@ pub fn gemm_nt<W: Element>(isa: Isa, m: &[W], rows: usize, vs: &[f32], out: &mut
     let Some(cols) = nt_cols("gemm_nt", m.len(), rows, vs.len(), out) else { return };
     match isa {
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: the guard checked that this CPU has AVX-512F, AVX2 and FMA; the lengths were checked above.
+        Isa::Avx512 if Isa::Avx512.runs() => unsafe { gemm_nt_avx512(m, rows, cols, vs, out) },
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the guard checked that this CPU has AVX2 and FMA; the lengths were checked above.
-        Isa::Avx2Fma if Isa::best() == Isa::Avx2Fma => unsafe { gemm_nt_avx2(m, rows, cols, vs, out) },
+        Isa::Avx2Fma | Isa::Avx512 if Isa::Avx2Fma.runs() => unsafe { gemm_nt_avx2(m, rows, cols, vs, out) },
         _ => {
             for (v, o) in vs.chunks_exact(cols).zip(out.chunks_exact_mut(rows)) {
                 gemv_scalar(m, v, o);
@@ -689,6 +747,24 @@ unsafe fn gemm_block<W: Element, const R: usize, const V: usize>(
         }
         c += 8;
     }
+    finish_block::<W, R, V>(&acc, m, cols, vs, out, rows, r, j);
+}
+
+/// Stores a block's sums: each lane vector's horizontal sum plus the row's tail beyond the
+/// last whole 8 columns (`gemm_block`; `gemm_nt_avx512` hands its sums over in the same lanes).
+///
+/// # Safety
+/// As `gemm_block`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn finish_block<W: Element, const R: usize, const V: usize>(
+    acc: &[[std::arch::x86_64::__m256; V]; R], m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize,
+    j: usize,
+) {
+    use std::arch::x86_64::*;
+    let body = cols / 8 * 8;
     if R == 4 && body == cols {
         // four rows' sums of each vector reduced together, in hsum's order, stored at once
         let empty = _mm_set1_ps([0f32; 0].iter().sum::<f32>()); // what the tail adds below
@@ -706,6 +782,90 @@ unsafe fn gemm_block<W: Element, const R: usize, const V: usize>(
             let tail: f32 = wrow.iter().zip(x).map(|(w, x)| w.to_f32() * x).sum();
             out[(j + v) * rows + r + l] = hsum(*a) + tail;
         }
+    }
+}
+
+/// `gemm_nt_avx2` with AVX-512F: blocks of 8 rows x 3 vectors, two rows per 16-lane register
+/// (row r + 2p in the low 8 lanes, r + 2p + 1 in the high 8) against each vector's 8 columns
+/// in both halves. Every lane sums the products of its row and column class in the AVX2
+/// kernel's order, and the sums are handed to its epilogue as 4-row blocks: the same bits.
+/// Leftover rows (fewer than 4) take the AVX2 kernel itself.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; m is [rows, cols], vs [n, cols], out [n, rows], cols > 0.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn gemm_nt_avx512<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f32], out: &mut [f32]) {
+    let n = vs.len() / cols;
+    let mut r = 0;
+    while r < rows {
+        let block_rows = if r + 8 <= rows { 8 } else if r + 4 <= rows { 4 } else { 1 };
+        prefetch_rows(m, cols, r + PREFETCH_ROWS_AHEAD, 8.min(rows.saturating_sub(r + PREFETCH_ROWS_AHEAD)));
+        let mut j = 0;
+        while j < n {
+            let left = n - j;
+            match (block_rows, left) {
+                (8, 3..) => gemm_block_avx512::<W, 4, 3>(m, cols, vs, out, rows, r, j),
+                (8, 2) => gemm_block_avx512::<W, 4, 2>(m, cols, vs, out, rows, r, j),
+                (8, _) => gemm_block_avx512::<W, 4, 1>(m, cols, vs, out, rows, r, j),
+                (4, 3..) => gemm_block_avx512::<W, 2, 3>(m, cols, vs, out, rows, r, j),
+                (4, 2) => gemm_block_avx512::<W, 2, 2>(m, cols, vs, out, rows, r, j),
+                (4, _) => gemm_block_avx512::<W, 2, 1>(m, cols, vs, out, rows, r, j),
+                (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j),
+                (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j),
+                _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j),
+            }
+            j += left.min(3);
+        }
+        r += block_rows;
+    }
+}
+
+/// out[j + v, r + l] for l < 2P, v < V (see `gemm_nt_avx512`), P = 2 or 4.
+///
+/// # Safety
+/// As `gemm_nt_avx512`, with r + 2P <= rows and j + V <= n.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn gemm_block_avx512<W: Element, const P: usize, const V: usize>(
+    m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize, j: usize,
+) {
+    use std::arch::x86_64::*;
+    let body = cols / 8 * 8;
+    let (mp, vp) = (m.as_ptr(), vs.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); V]; P];
+    let mut c = 0;
+    while c < body {
+        let mut x = [_mm512_setzero_ps(); V];
+        for (v, xv) in x.iter_mut().enumerate() {
+            // the vector's 8 columns in both halves
+            let half = _mm512_castps256_ps512(_mm256_loadu_ps(vp.add((j + v) * cols + c)));
+            *xv = _mm512_shuffle_f32x4::<0b01_00_01_00>(half, half);
+        }
+        for (p, pair) in acc.iter_mut().enumerate() {
+            let w = W::load8x2(mp.add((r + 2 * p) * cols + c), mp.add((r + 2 * p + 1) * cols + c));
+            for (a, xv) in pair.iter_mut().zip(&x) {
+                *a = _mm512_fmadd_ps(w, *xv, *a);
+            }
+        }
+        c += 8;
+    }
+    // each row's 8 lanes as the AVX2 kernel holds them, then its epilogue, 4 rows at a time
+    let halves = |a: __m512| -> [__m256; 2] {
+        [_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)))]
+    };
+    for group in 0..P / 2 {
+        let mut four = [[_mm256_setzero_ps(); V]; 4];
+        for v in 0..V {
+            let [a, b] = halves(acc[2 * group][v]);
+            let [c, d] = halves(acc[2 * group + 1][v]);
+            four[0][v] = a;
+            four[1][v] = b;
+            four[2][v] = c;
+            four[3][v] = d;
+        }
+        finish_block::<W, 4, V>(&four, m, cols, vs, out, rows, r + 4 * group, j);
     }
 }
 
@@ -810,7 +970,7 @@ pub(crate) mod python {
 
     use super::{expert_pairs, Activation, Bf16, Element, Experts, Isa, PairTokens};
 
-    /// The kernel this CPU runs: "avx2" or "scalar".
+    /// The kernel this CPU runs: "avx512", "avx2" or "scalar".
     #[pyfunction]
     pub fn expert_pairs_isa() -> &'static str {
         Isa::best().name()
@@ -930,11 +1090,7 @@ mod tests {
     }
 
     fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Scalar];
-        if Isa::best() == Isa::Avx2Fma {
-            v.push(Isa::Avx2Fma);
-        }
-        v
+        Isa::available()
     }
 
     /// Every kernel against float64 on every shape (the matrix rounded to `W` first).
@@ -1021,6 +1177,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every faster kernel this CPU runs gives the AVX2 kernel's bits (AVX-512: two rows per
+    /// register in the same lane order), on every block shape and remainder.
+    fn same_bits_as_avx2<W: Element>() {
+        for isa in isas().into_iter().filter(|&isa| isa != Isa::Scalar && isa != Isa::Avx2Fma) {
+            for rows in [1, 3, 4, 5, 8, 9, 12, 13, 16, 19] {
+                for cols in [1, 7, 8, 9, 17, 64, 100] {
+                    let m: Vec<W> = cast(values(rows as u64 * 5 + cols as u64, rows * cols));
+                    for n in 1..=7 {
+                        let vs = values(n as u64 * 11 + 2, n * cols);
+                        let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
+                        gemm_nt(isa, &m, rows, &vs, &mut got);
+                        gemm_nt(Isa::Avx2Fma, &m, rows, &vs, &mut want);
+                        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} {rows}x{cols} n={n}");
+                    }
+                    let v = values(cols as u64 + 9, cols);
+                    let (mut got, mut want) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+                    gemv(isa, &m, &v, &mut got);
+                    gemv(Isa::Avx2Fma, &m, &v, &mut want);
+                    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "gemv {isa:?} {rows}x{cols}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn faster_kernels_give_the_avx2_bits() {
+        same_bits_as_avx2::<f32>();
+        same_bits_as_avx2::<Bf16>();
     }
 
     #[test]

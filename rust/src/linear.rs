@@ -3,12 +3,30 @@
 //! rows prefetched ahead, every row read once for all of x's rows), instead of torch's GEMM
 //! call, whose per-call cost and cache-cold weight reads dominate at one to a few rows.
 //! Each output element is the dot product `gemm_nt` computes, whatever the thread split.
+//!
+//! Many rows (a prefill's projections) run through `matmul`'s packed kernels instead, a
+//! bfloat16 weight widened to f32 a block of rows at a time: torch has no fast bfloat16 GEMM
+//! on a CPU without AMX or AVX-512 BF16 (about a sixth of its float32 speed on AVX2), and the
+//! widening costs one pass over the weight per call against the `rows` passes the product
+//! makes. Those elements are within float32 rounding of `gemm_nt`'s; the thread count still
+//! never changes a bit (the blocks do not depend on it).
 
 use crate::expert_pairs::{gemm_nt, Element, Isa};
+use crate::matmul::matmul_nt;
 
 /// The fewest multiply-adds worth a thread of their own (about 0.2 ms of work): a decode
 /// step's 16-row projections measured slower split.
 const PARALLEL_MIN_MACS: usize = 1 << 22;
+
+/// From this many rows of x on, the product runs through `matmul_nt`'s packed kernels, which
+/// outrun `gemm_nt` once they have enough rows to amortize their packing (the expert pass's
+/// WIDE_MIN_PAIRS, measured there).
+pub const PACKED_MIN_ROWS: usize = 64;
+
+/// Weight rows per block of the packed path: each block's widened copy (at most 1 MiB for
+/// K = 2048) stays in the L2 cache while the product reads it, and enough blocks for the
+/// threads to share. Fixed, so that the split never depends on the thread count.
+const PACKED_BLOCK_ROWS: usize = 128;
 
 /// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), on up to `threads` threads (each a
 /// contiguous run of W's rows). Errors name the first inconsistent length.
@@ -27,20 +45,46 @@ pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &
         }
     }
     let m = x.len() / k;
-    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    // runs of whole 4-row blocks, so that each row is computed as it is on one thread
-    let threads = threads.min(m * n * k / PARALLEL_MIN_MACS).clamp(1, n.div_ceil(4));
-    let per = n.div_ceil(4).div_ceil(threads) * 4;
-    let parts: Vec<(usize, usize)> = (0..n).step_by(per).map(|r| (r, (r + per).min(n))).collect();
+    let widened: Vec<f32>;
+    let xf: &[f32] = match W::as_f32s(x) {
+        Some(xf) => xf,
+        None => {
+            widened = x.iter().map(|v| v.to_f32()).collect();
+            &widened
+        }
+    };
+    let packed = m >= PACKED_MIN_ROWS;
+    let parts: Vec<(usize, usize)> = if packed {
+        (0..n).step_by(PACKED_BLOCK_ROWS).map(|r| (r, (r + PACKED_BLOCK_ROWS).min(n))).collect()
+    } else {
+        // runs of whole 4-row blocks, so that each row is computed as it is on one thread
+        let threads = threads.min(m * n * k / PARALLEL_MIN_MACS).clamp(1, n.div_ceil(4));
+        let per = n.div_ceil(4).div_ceil(threads) * 4;
+        (0..n).step_by(per).map(|r| (r, (r + per).min(n))).collect()
+    };
+    let threads = threads.min(m * n * k / PARALLEL_MIN_MACS).clamp(1, parts.len());
     let run = |&(first, end): &(usize, usize)| {
         let mut part = vec![0.0f32; m * (end - first)];
-        gemm_nt(isa, &w[first * k..end * k], end - first, &xf, &mut part);
+        let rows = &w[first * k..end * k];
+        if packed {
+            let block: Vec<f32>;
+            let rows = match W::as_f32s(rows) {
+                Some(rows) => rows,
+                None => {
+                    block = rows.iter().map(|v| v.to_f32()).collect();
+                    &block
+                }
+            };
+            matmul_nt(rows, end - first, xf, &mut part);
+        } else {
+            gemm_nt(isa, rows, end - first, xf, &mut part);
+        }
         part
     };
     // threads take parts from a shared counter (a preempted thread holds up no one)
     let results: Vec<std::sync::Mutex<Vec<f32>>> = parts.iter().map(|_| Default::default()).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
-    crate::workers::run_on_threads(parts.len(), &|| {
+    crate::workers::run_on_threads(threads, &|| {
         loop {
             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let Some(p) = parts.get(i) else { break };
@@ -70,6 +114,11 @@ pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &
     Ok(())
 }
 
+/// The names of the matrix kernels this CPU runs, the portable one first.
+pub fn isa_names() -> Vec<&'static str> {
+    Isa::available().into_iter().map(Isa::name).collect()
+}
+
 #[cfg(feature = "python")]
 pub(crate) mod python {
     //! `r3srv._core.linear_cpu`, called by r3srv.kernels.linear_cpu, which passes the tensors
@@ -83,7 +132,7 @@ pub(crate) mod python {
 
     /// # Safety
     /// As `linear_cpu` requires of its caller, with `W` the tensors' element type.
-    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 4], shape: [usize; 3], threads: usize) -> PyResult<()> {
+    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 4], shape: [usize; 3], threads: usize, isa: Isa) -> PyResult<()> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
         let [x, w, bias, out] = addresses;
         let [m, n, k] = shape;
@@ -91,26 +140,40 @@ pub(crate) mod python {
         let w = from_raw_parts(w as *const W, n * k);
         let bias = (bias != 0).then(|| from_raw_parts(bias as *const W, n));
         let out = from_raw_parts_mut(out as *mut W, m * n);
-        let isa = Isa::best();
         py.detach(|| linear(x, w, bias, n, out, threads, isa)).map_err(PyValueError::new_err)
+    }
+
+    /// The matrix kernels this CPU runs ("scalar", "avx2", "avx512"), the portable one first.
+    #[pyfunction]
+    pub fn matrix_isas() -> Vec<&'static str> {
+        super::isa_names()
     }
 
     /// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) for the tensors at `addresses` (x, w,
     /// bias (0: none), out), all of `dtype` ("float32" or "bfloat16"), of `shape` (M, N, K),
-    /// on up to `threads` threads when the work is large enough. Runs with the GIL released.
+    /// on up to `threads` threads when the work is large enough, with the matrix kernel `isa`
+    /// names (one of `matrix_isas()`; None: this CPU's fastest). Runs with the GIL released.
     #[pyfunction]
-    pub fn linear_cpu(py: Python<'_>, addresses: [usize; 4], shape: [usize; 3], dtype: &str, threads: usize) -> PyResult<()> {
+    #[pyo3(signature = (addresses, shape, dtype, threads, isa=None))]
+    pub fn linear_cpu(py: Python<'_>, addresses: [usize; 4], shape: [usize; 3], dtype: &str, threads: usize,
+                      isa: Option<&str>) -> PyResult<()> {
         let [x, w, _, out] = addresses;
         if [x, w, out].contains(&0) || shape.contains(&0) {
             return Err(PyValueError::new_err("linear_cpu needs non-null tensors and non-empty shapes"));
         }
+        let isa = match isa {
+            None => Isa::best(),
+            Some(name) => Isa::available().into_iter().find(|i| i.name() == name).ok_or_else(|| {
+                PyValueError::new_err(format!("this CPU runs no matrix kernel {name:?} (it runs {:?})", super::isa_names()))
+            })?,
+        };
         // SAFETY: the caller (r3srv.kernels.linear_cpu) passes the data addresses of live,
         // contiguous CPU tensors of exactly these shapes and dtype, keeps them alive for the
         // call, and `out` is a fresh tensor that aliases none of the others.
         unsafe {
             match dtype {
-                "float32" => run::<f32>(py, addresses, shape, threads),
-                "bfloat16" => run::<Bf16>(py, addresses, shape, threads),
+                "float32" => run::<f32>(py, addresses, shape, threads, isa),
+                "bfloat16" => run::<Bf16>(py, addresses, shape, threads, isa),
                 other => Err(PyValueError::new_err(format!("unsupported linear dtype {other:?}"))),
             }
         }
@@ -159,6 +222,38 @@ mod tests {
         const { assert!(32 * 1030 * 256 >= 2 * PARALLEL_MIN_MACS, "the largest case must split") };
         cases::<f32>();
         cases::<Bf16>();
+    }
+
+    /// The packed path (PACKED_MIN_ROWS rows or more): the definition within float32 rounding
+    /// of sums of order 1 (bfloat16 outputs: within their own rounding), and the same bits on
+    /// any thread count.
+    fn packed_cases<W: Element>(rel: f64) {
+        for (m, n, k) in [(PACKED_MIN_ROWS, 5, 7), (100, 130, 64), (300, 300, 160)] {
+            let x: Vec<W> = values(4, m * k).into_iter().map(W::from_f32).collect();
+            let w: Vec<W> = values(5, n * k).into_iter().map(W::from_f32).collect();
+            let b: Vec<W> = values(6, n).into_iter().map(W::from_f32).collect();
+            let mut one = vec![W::from_f32(f32::NAN); m * n];
+            linear(&x, &w, Some(&b), n, &mut one, 1, Isa::best()).unwrap();
+            for (i, got) in one.iter().enumerate() {
+                let (row, col) = (i / n, i % n);
+                let dot: f64 = (0..k).map(|c| x[row * k + c].to_f32() as f64 * w[col * k + c].to_f32() as f64).sum();
+                let want = dot + b[col].to_f32() as f64;
+                let got = got.to_f32() as f64;
+                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(), "{m}x{n}x{k} [{row}, {col}]: {got} vs {want}");
+            }
+            for threads in [2, 3] {
+                let mut out = vec![W::from_f32(f32::NAN); m * n];
+                linear(&x, &w, Some(&b), n, &mut out, threads, Isa::best()).unwrap();
+                assert!(out.iter().zip(&one).all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()), "{m}x{n}x{k} threads={threads}");
+            }
+        }
+    }
+
+    #[test]
+    fn many_rows_run_packed_within_rounding_on_any_thread_count() {
+        const { assert!(300 * 300 * 160 >= 3 * PARALLEL_MIN_MACS && 300 > 2 * PACKED_BLOCK_ROWS, "the largest case must split in three") };
+        packed_cases::<f32>(0.0);
+        packed_cases::<Bf16>(1.0 / 256.0);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Paged decode attention on the CPU: each decoding sequence's query token attends over its keys
 //! and values where they lie in the paged KV cache, read through its block table, without the
-//! gathered copy the torch path makes (python/r3srv/models/attention.py). The CPU counterpart of
+//! gathered copy the torch path makes (python/r3srv/ops/attention.py). The CPU counterpart of
 //! python/r3srv/kernels/paged_decode_triton.py, with its semantics: GQA (a KV head's keys are
 //! read once for its group of query heads), an optional sliding window (the last `window`
 //! positions), optional per-head sink logits in the softmax's denominator.
@@ -16,7 +16,10 @@
 pub trait Element: Copy + Send + Sync {
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
-    /// The 8 elements at `src` as f32 lanes.
+    /// The 8 elements at `src` as f32 lanes. Each impl is compiled for AVX2 itself
+    /// (`#[target_feature]`), so that its intrinsics inline into the AVX2 kernels: marked only
+    /// `#[inline(always)]`, the bfloat16 widening stayed two calls a load, and bfloat16 decode
+    /// attention ran 15-25x slower than float32.
     ///
     /// # Safety
     /// The CPU must support AVX2; `src` must point to 8 readable elements.
@@ -34,7 +37,8 @@ impl Element for f32 {
         x
     }
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
+    #[target_feature(enable = "avx2")]
+    #[inline]
     unsafe fn load8(src: *const Self) -> std::arch::x86_64::__m256 {
         // SAFETY: 8 readable f32 at src (the caller's contract); an unaligned load.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(src) }
@@ -61,7 +65,8 @@ impl Element for Bf16 {
         Bf16(((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16)
     }
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
+    #[target_feature(enable = "avx2")]
+    #[inline]
     unsafe fn load8(src: *const Self) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         // SAFETY: 8 readable bfloat16 (16 bytes) at src and AVX2 (the caller's contract);

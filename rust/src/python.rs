@@ -539,15 +539,31 @@ fn paged_decode_attention(
     }
 }
 
-/// RMSNorm of float32 rows (crate::rms_norm): the private half of r3srv.models.layers.rms_norm,
+/// RMSNorm of float32 rows (crate::rms_norm): the private half of the CPU backend's RMSNorm (r3srv.ops.norm),
 /// which passes contiguous float32 CPU tensors x [rows, dim], w [dim] and a fresh out like x,
 /// and keeps them alive across the call. Keeps the GIL: a call takes less than releasing it.
 #[pyfunction]
 fn rms_norm_f32(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f32) -> PyResult<()> {
+    // SAFETY: the caller's contract above.
+    unsafe { rms_norm_rows::<f32>(x, w, out, rows, dim, eps) }
+}
+
+/// `rms_norm_f32` for bfloat16 tensors (the HF reference's roundings: crate::rms_norm).
+#[pyfunction]
+fn rms_norm_bf16(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f32) -> PyResult<()> {
+    // SAFETY: the caller's contract of rms_norm_f32, with bfloat16 tensors.
+    unsafe { rms_norm_rows::<crate::expert_pairs::Bf16>(x, w, out, rows, dim, eps) }
+}
+
+/// # Safety
+/// x [rows, dim], w [dim] and out [rows, dim] of `W` are live, contiguous and held by the caller
+/// for the whole call; `out` aliases neither of the others.
+unsafe fn rms_norm_rows<W: crate::expert_pairs::Element>(x: usize, w: usize, out: usize, rows: usize, dim: usize,
+                                                         eps: f32) -> PyResult<()> {
     let len = rows.checked_mul(dim).ok_or_else(|| PyValueError::new_err("rms_norm: rows x dim overflows"))?;
-    // SAFETY: layers.rms_norm passes live contiguous float32 tensors of these sizes, held by the
+    // SAFETY: kernels/rms_norm_cpu.py passes live contiguous tensors of `W` of these sizes, held by the
     // caller for the whole call; `out` is a new tensor, so the one &mut aliases nothing.
-    let (x, w, out) = unsafe { (slice::<f32>(x, len)?, slice::<f32>(w, dim)?, slice_mut::<f32>(out, len)?) };
+    let (x, w, out) = unsafe { (slice::<W>(x, len)?, slice::<W>(w, dim)?, slice_mut::<W>(out, len)?) };
     crate::rms_norm::rms_norm(x, w, eps, out).map_err(PyValueError::new_err)
 }
 
@@ -645,6 +661,21 @@ fn route_rows<L: Element>(
 /// takes less than releasing it.
 #[pyfunction]
 fn qk_norm_rope_f32(addresses: [usize; 8], shape: [usize; 5], eps: f32) -> PyResult<()> {
+    // SAFETY: the caller's contract above.
+    unsafe { qk_norm_rope_tensors::<f32>(addresses, shape, eps) }
+}
+
+/// `qk_norm_rope_f32` for bfloat16 tensors (every op rounded to bfloat16, as torch's: crate::qk_rope).
+#[pyfunction]
+fn qk_norm_rope_bf16(addresses: [usize; 8], shape: [usize; 5], eps: f32) -> PyResult<()> {
+    // SAFETY: the caller's contract of qk_norm_rope_f32, with bfloat16 tensors.
+    unsafe { qk_norm_rope_tensors::<crate::expert_pairs::Bf16>(addresses, shape, eps) }
+}
+
+/// # Safety
+/// As `qk_norm_rope_f32` requires of its caller, with tensors of `W`.
+unsafe fn qk_norm_rope_tensors<W: crate::expert_pairs::Element>(addresses: [usize; 8], shape: [usize; 5], eps: f32)
+                                                                -> PyResult<()> {
     let [qkv, q_norm, k_norm, cos, sin, q, k, v] = addresses;
     let [tokens, heads, kv_heads, head_dim, rotary] = shape;
     let overflow = || PyValueError::new_err("qk_norm_rope: the shape overflows");
@@ -652,14 +683,14 @@ fn qk_norm_rope_f32(addresses: [usize; 8], shape: [usize; 5], eps: f32) -> PyRes
     let cell = |a: usize, b: usize| a.checked_mul(b).ok_or_else(overflow);
     let (q_len, kv_len) = (cell(cell(tokens, heads)?, head_dim)?, cell(cell(tokens, kv_heads)?, head_dim)?);
     let (qkv_len, rope_len) = (cell(cell(tokens, width)?, head_dim)?, cell(tokens, rotary)?);
-    // SAFETY: the caller's contract above; q, k and v are new tensors, so the &muts alias nothing.
+    // SAFETY: the caller's contract; q, k and v are new tensors, so the &muts alias nothing.
     let (qkv, cos, sin, q, k, v, norms) = unsafe {
         let norms = match (q_norm, k_norm) {
             (0, 0) => None,
-            (qn, kn) => Some((slice::<f32>(qn, head_dim)?, slice::<f32>(kn, head_dim)?)),
+            (qn, kn) => Some((slice::<W>(qn, head_dim)?, slice::<W>(kn, head_dim)?)),
         };
-        (slice::<f32>(qkv, qkv_len)?, slice::<f32>(cos, rope_len)?, slice::<f32>(sin, rope_len)?,
-         slice_mut::<f32>(q, q_len)?, slice_mut::<f32>(k, kv_len)?, slice_mut::<f32>(v, kv_len)?, norms)
+        (slice::<W>(qkv, qkv_len)?, slice::<W>(cos, rope_len)?, slice::<W>(sin, rope_len)?,
+         slice_mut::<W>(q, q_len)?, slice_mut::<W>(k, kv_len)?, slice_mut::<W>(v, kv_len)?, norms)
     };
     let norms = norms.map(|(q, k)| crate::qk_rope::HeadNorms { q, k, eps });
     let s = crate::qk_rope::Heads { tokens, heads, kv_heads, head_dim, rotary };
@@ -678,8 +709,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_isa, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(route_experts, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::linear_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::linear::python::matrix_isas, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(qk_norm_rope_bf16, m)?)?;
     Ok(())
 }

@@ -1,12 +1,15 @@
-//! One attention layer's q, k and v from its fused q/k/v projection on the CPU, in float32:
+//! One attention layer's q, k and v from its fused q/k/v projection on the CPU, in float32 or
+//! bfloat16:
 //! each token's query and key heads RMS-normalized per head (Qwen3's q_norm / k_norm, when
 //! given), then rotated by RoPE's half-split convention over their first `rotary` dims, and
 //! the value heads copied, into three contiguous outputs. One call per layer instead of
 //! torch's split, reshape, two norms on strided views and two rotations of about eight ops
 //! each, whose dispatch costs more than the work at a decode step's few tokens. The rotation
-//! is torch's arithmetic op for op (x1 cos - x2 sin and x2 cos + x1 sin, each product rounded),
-//! so it gives torch's bits; the norm is `rms_norm::normalize_row`'s.
+//! is torch's arithmetic op for op (x1 cos - x2 sin and x2 cos + x1 sin, each product and the
+//! sum rounded to the element type, as torch's bfloat16 ops round each result), so it gives
+//! torch's bits; the norm is `rms_norm::normalize_row`'s.
 
+use crate::expert_pairs::Element;
 use crate::rms_norm::normalize_row;
 
 /// The layer's shapes: tokens, this rank's query and KV heads, the head size, and how many
@@ -21,9 +24,9 @@ pub struct Heads {
 }
 
 /// The per-head norms' weights ([head_dim] each) and epsilon, when the layer has them.
-pub struct HeadNorms<'a> {
-    pub q: &'a [f32],
-    pub k: &'a [f32],
+pub struct HeadNorms<'a, W> {
+    pub q: &'a [W],
+    pub k: &'a [W],
     pub eps: f32,
 }
 
@@ -31,8 +34,8 @@ pub struct HeadNorms<'a> {
 /// [tokens, kv_heads, head_dim]; cos and sin [tokens, rotary] as rope_cos_sin gives them (the
 /// second half repeats the first). Errors name the first length that does not match.
 #[allow(clippy::too_many_arguments)]
-pub fn qk_norm_rope(qkv: &[f32], s: Heads, norms: Option<&HeadNorms>, cos: &[f32], sin: &[f32], q: &mut [f32],
-                    k: &mut [f32], v: &mut [f32]) -> Result<(), String> {
+pub fn qk_norm_rope<W: Element>(qkv: &[W], s: Heads, norms: Option<&HeadNorms<W>>, cos: &[W], sin: &[W], q: &mut [W],
+                                k: &mut [W], v: &mut [W]) -> Result<(), String> {
     let d = s.head_dim;
     let width = (s.heads + 2 * s.kv_heads) * d;
     if d == 0 || s.rotary > d || !s.rotary.is_multiple_of(2) {
@@ -72,10 +75,12 @@ pub fn qk_norm_rope(qkv: &[f32], s: Heads, norms: Option<&HeadNorms>, cos: &[f32
                     None => out.copy_from_slice(head),
                 }
                 let (x1, x2) = out[..s.rotary].split_at_mut(half);
+                // each op's result rounded to W, as torch's ops on W round it (nothing for f32)
+                let r = |v: f32| W::from_f32(v).to_f32();
                 for i in 0..half {
-                    let (a, b) = (x1[i], x2[i]);
-                    x1[i] = a * c[i] - b * sn[i];
-                    x2[i] = b * c[i] + a * sn[i];
+                    let (a, b, c, sn) = (x1[i].to_f32(), x2[i].to_f32(), c[i].to_f32(), sn[i].to_f32());
+                    x1[i] = W::from_f32(r(a * c) - r(b * sn));
+                    x2[i] = W::from_f32(r(b * c) + r(a * sn));
                 }
             }
         }
@@ -126,17 +131,55 @@ mod tests {
         }
     }
 
+    /// bfloat16: each head normed as rms_norm normalizes a bfloat16 row, then rotated with every
+    /// product and sum rounded to bfloat16, as torch's bfloat16 ops give them.
+    #[test]
+    fn bfloat16_heads_round_every_op() {
+        use crate::expert_pairs::Bf16;
+        let (tokens, heads, kv_heads, d, rotary) = (2, 4, 2, 64, 32);
+        let s = Heads { tokens, heads, kv_heads, head_dim: d, rotary };
+        let bf = |v: Vec<f32>| -> Vec<Bf16> { v.into_iter().map(Bf16::from_f32).collect() };
+        let qkv = bf(noise(tokens * (heads + 2 * kv_heads) * d, 11));
+        let (wq, wk) = (bf(noise(d, 12)), bf(noise(d, 13)));
+        let (cos, sin) = (bf(noise(tokens * rotary, 14)), bf(noise(tokens * rotary, 15)));
+        let norms = HeadNorms { q: &wq, k: &wk, eps: 1e-6 };
+        let (mut q, mut k, mut v) = (vec![Bf16(0); tokens * heads * d], vec![Bf16(0); tokens * kv_heads * d], vec![Bf16(0); tokens * kv_heads * d]);
+        qk_norm_rope(&qkv, s, Some(&norms), &cos, &sin, &mut q, &mut k, &mut v).unwrap();
+        let width = (heads + 2 * kv_heads) * d;
+        let round = |v: f32| Bf16::from_f32(v).to_f32();
+        for t in 0..tokens {
+            for (h, w, got) in (0..heads).map(|h| (h, &wq, &q[(t * heads + h) * d..][..d]))
+                .chain((0..kv_heads).map(|h| (heads + h, &wk, &k[(t * kv_heads + h) * d..][..d]))) {
+                let mut normed = vec![Bf16(0); d];
+                crate::rms_norm::rms_norm(&qkv[t * width + h * d..][..d], w, 1e-6, &mut normed).unwrap();
+                let half = rotary / 2;
+                for i in 0..d {
+                    let want = if i < rotary {
+                        let j = i % half;
+                        let (c, sn) = (cos[t * rotary + j].to_f32(), sin[t * rotary + j].to_f32());
+                        let (x1, x2) = (normed[j].to_f32(), normed[j + half].to_f32());
+                        if i < half { round(round(x1 * c) - round(x2 * sn)) } else { round(round(x2 * c) + round(x1 * sn)) }
+                    } else {
+                        normed[i].to_f32()
+                    };
+                    assert_eq!(got[i].to_f32().to_bits(), want.to_bits(), "t{t} head {h} dim {i}");
+                }
+            }
+        }
+        assert_eq!(&v[..kv_heads * d], &qkv[(heads + kv_heads) * d..][..kv_heads * d]);
+    }
+
     #[test]
     fn bad_shapes_are_errors() {
         let s = Heads { tokens: 1, heads: 1, kv_heads: 1, head_dim: 4, rotary: 4 };
         let (mut q, mut k, mut v) = (vec![0.0; 4], vec![0.0; 4], vec![0.0; 4]);
-        let ok = qk_norm_rope(&[0.0; 12], s, None, &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v);
+        let ok = qk_norm_rope(&[0.0f32; 12], s, None, &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v);
         assert!(ok.is_ok());
-        let err = qk_norm_rope(&[0.0; 11], s, None, &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v).unwrap_err();
+        let err = qk_norm_rope(&[0.0f32; 11], s, None, &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v).unwrap_err();
         assert!(err.contains("qkv holds 11"), "{err}");
         let odd = Heads { rotary: 3, ..s };
-        assert!(qk_norm_rope(&[0.0; 12], odd, None, &[0.0; 3], &[0.0; 3], &mut q, &mut k, &mut v).unwrap_err().contains("even"));
-        let w = [1.0; 3];
+        assert!(qk_norm_rope(&[0.0f32; 12], odd, None, &[0.0; 3], &[0.0; 3], &mut q, &mut k, &mut v).unwrap_err().contains("even"));
+        let w = [1.0f32; 3];
         let norms = HeadNorms { q: &w, k: &w, eps: 1e-6 };
         assert!(qk_norm_rope(&[0.0; 12], s, Some(&norms), &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v).unwrap_err().contains("norms"));
     }

@@ -1,15 +1,20 @@
-//! RMSNorm of float32 rows on the CPU: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, the
-//! arithmetic of torch's float32 rms_norm (the sum of squares in float32, then one reciprocal
-//! square root per row). torch's CPU kernel is a composite of several ops and costs more per
-//! call than a decode step's few rows take to normalize (docs/benchmarks.md), and a decode step
-//! calls it once or more per layer (r3srv.models.layers.rms_norm).
+//! RMSNorm of float32 or bfloat16 rows on the CPU: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w.
+//! float32 rows follow torch's float32 rms_norm (the sum of squares in float32, then one
+//! reciprocal square root per row); bfloat16 rows the HF reference r3srv.models.layers.rms_norm
+//! follows (normalized in float32, rounded to bfloat16, then multiplied by the weight and
+//! rounded again, as torch's bfloat16 multiply does). torch's CPU kernel is a composite of
+//! several ops and costs more per call than a decode step's few rows take to normalize
+//! (docs/benchmarks.md), and a decode step calls it once or more per layer (r3srv.ops.norm's
+//! kernel_rms_norm, the CPU backend's).
+
+use crate::expert_pairs::Element;
 
 /// Lanes of running sums, so that consecutive multiply-adds do not wait on each other and the
 /// compiler vectorizes the loop.
 const LANES: usize = 8;
 
 /// Normalizes each `w.len()`-long row of `x` into `out`. Errors on lengths that do not match.
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), String> {
+pub fn rms_norm<W: Element>(x: &[W], w: &[W], eps: f32, out: &mut [W]) -> Result<(), String> {
     let dim = w.len();
     if dim == 0 || !x.len().is_multiple_of(dim) || out.len() != x.len() {
         return Err(format!("rms_norm: {} inputs and {} outputs for rows of {dim}", x.len(), out.len()));
@@ -20,23 +25,27 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), S
     Ok(())
 }
 
-/// One row: dst = row / sqrt(mean(row^2) + eps) * w (all of w's length).
-pub fn normalize_row(row: &[f32], w: &[f32], eps: f32, dst: &mut [f32]) {
+/// One row: dst = w * round(row / sqrt(mean(row^2) + eps)) (all of w's length), rounding to
+/// `W` (nothing to round for f32: then it is torch's float32 arithmetic, row * scale * w).
+#[inline]
+pub fn normalize_row<W: Element>(row: &[W], w: &[W], eps: f32, dst: &mut [W]) {
     let dim = w.len();
     let mut lanes = [0f32; LANES];
     let whole = dim / LANES * LANES;
     for chunk in row[..whole].chunks_exact(LANES) {
         for i in 0..LANES {
-            lanes[i] += chunk[i] * chunk[i];
+            let v = chunk[i].to_f32();
+            lanes[i] += v * v;
         }
     }
     let mut sum: f32 = lanes.iter().sum();
     for v in &row[whole..dim] {
+        let v = v.to_f32();
         sum += v * v;
     }
     let scale = 1.0 / (sum / dim as f32 + eps).sqrt();
     for ((o, v), g) in dst.iter_mut().zip(row).zip(w) {
-        *o = v * scale * g;
+        *o = W::from_f32(W::from_f32(v.to_f32() * scale).to_f32() * g.to_f32());
     }
 }
 
@@ -69,11 +78,31 @@ mod tests {
         }
     }
 
+    /// bfloat16 rows: the float32 normalization rounded, times the weight, rounded (the HF
+    /// reference's two roundings), against the same steps on the float32 kernel's values.
+    #[test]
+    fn bfloat16_rows_round_as_the_reference_does() {
+        use crate::expert_pairs::Bf16;
+        for (rows, dim) in [(3, 256), (2, 13), (1, 64)] {
+            let x: Vec<Bf16> = noise(rows * dim, 7).into_iter().map(Bf16::from_f32).collect();
+            let w: Vec<Bf16> = noise(dim, 8).into_iter().map(|v| Bf16::from_f32(v + 2.5)).collect();
+            let (xf, ones) = (x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>(), vec![1.0f32; dim]);
+            let mut normed = vec![0f32; rows * dim];
+            rms_norm(&xf, &ones, 1e-6, &mut normed).unwrap(); // the same sums, unscaled
+            let mut out = vec![Bf16(0); rows * dim];
+            rms_norm(&x, &w, 1e-6, &mut out).unwrap();
+            for (i, got) in out.iter().enumerate() {
+                let want = Bf16::from_f32(Bf16::from_f32(normed[i]).to_f32() * w[i % dim].to_f32());
+                assert_eq!(*got, want, "{rows}x{dim} [{i}]");
+            }
+        }
+    }
+
     #[test]
     fn mismatched_lengths_are_errors() {
         let mut out = vec![0f32; 6];
-        assert!(rms_norm(&[1.0; 6], &[1.0; 4], 1e-6, &mut out).is_err());
-        assert!(rms_norm(&[1.0; 8], &[1.0; 4], 1e-6, &mut out).is_err());
-        assert!(rms_norm(&[1.0; 6], &[], 1e-6, &mut out).is_err());
+        assert!(rms_norm(&[1.0f32; 6], &[1.0; 4], 1e-6, &mut out).is_err());
+        assert!(rms_norm(&[1.0f32; 8], &[1.0; 4], 1e-6, &mut out).is_err());
+        assert!(rms_norm(&[1.0f32; 6], &[], 1e-6, &mut out).is_err());
     }
 }

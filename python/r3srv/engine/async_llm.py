@@ -18,14 +18,15 @@ import enum
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from r3srv.config import engine_config
 from r3srv.engine.commands import PAUSE_MODES, Command, commands_as_methods  # noqa: F401 (PAUSE_MODES: metrics)
-from r3srv.engine.core import CoreOutputs, EngineCore, EngineFacts, EngineStats
+from r3srv.engine.core import EngineCore, EngineFacts, EngineStats
 from r3srv.engine.input_processor import EngineRequest, InputProcessor
 from r3srv.engine.output_processor import OutputProcessor, StopSequence
+from r3srv.engine.requests import CoreOutputs
 from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.models.loader import NamedTensors
@@ -151,27 +152,31 @@ class _Close:
 
 
 class _OnCoreThread:
-    """An AsyncLLM as its control commands reach it, on the core thread (commands.Target)."""
+    """An AsyncLLM as its control commands reach it, on the core thread (commands.Target). The
+    AsyncLLM hands it accessors of its own state, so nothing here reaches for its private names."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
-        self._llm = llm
-        self.core = llm.core
+    def __init__(self, core: EngineCore, *, state: Callable[[], EngineState],
+                 set_state: Callable[[EngineState], None], abort: Callable[[str], None],
+                 held: Callable[[], list[EngineRequest]], exclusive: Callable[[], Iterable[_Asked]]) -> None:
+        self.core = core
+        self._state, self._set_state, self._abort = state, set_state, abort
+        self._held, self._exclusive = held, exclusive
 
     @property
     def pause_mode(self) -> str | None:
-        return self._llm._state.pause_mode
+        return self._state().pause_mode
 
     def set_pause_mode(self, mode: str | None) -> None:
-        self._llm._set_state(EngineState.RUNNING if mode is None else EngineState(mode))
+        self._set_state(EngineState.RUNNING if mode is None else EngineState(mode))
 
     def abort_request(self, request_id: str) -> None:
-        self._llm._abort(request_id)
+        self._abort(request_id)
 
     def held_request_ids(self) -> list[str]:
-        return [prep.request_id for prep in self._llm._held]
+        return [prep.request_id for prep in self._held()]
 
     def is_waiting(self, kind: type[Command]) -> bool:
-        return any(isinstance(asked.command, kind) for asked in self._llm._exclusive)
+        return any(isinstance(asked.command, kind) for asked in self._exclusive())
 
 
 @commands_as_methods("queued")
@@ -201,13 +206,15 @@ class AsyncLLM(EngineFacts):
         self._exclusive: collections.deque[_Asked] = collections.deque()
         self._held: list[EngineRequest] = []
         self._replies: set[_Reply] = set()  # control commands not answered yet
-        self._target = _OnCoreThread(self)  # what control commands reach (core thread only)
+        self._target = _OnCoreThread(  # what control commands reach (core thread only)
+            core, state=lambda: self._state, set_state=self._set_state, abort=self._abort,
+            held=lambda: self._held, exclusive=lambda: self._exclusive)
         self._output_thread = threading.Thread(target=self._run_output, name="r3srv-output", daemon=True)
         self._thread = threading.Thread(target=self._run, name="r3srv-engine", daemon=True)
         self._output_thread.start()
         self._thread.start()
-        if self.core.multiproc is not None:  # a tensor-parallel rank that fails ends the engine
-            self.core.multiproc.on_failure.append(self._worker_failed)
+        if self.core.executor.ranks is not None:  # a tensor-parallel rank that fails ends the engine
+            self.core.executor.ranks.on_failure.append(self._worker_failed)
 
     # -- facts the server needs (EngineFacts: tokenizer, model_config, max_model_len, ...) --
     @property
@@ -234,6 +241,7 @@ class AsyncLLM(EngineFacts):
         add_special_tokens: bool = True,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         multimodal: MultiModalPrompt | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; the last has finished=True.
 
@@ -249,10 +257,12 @@ class AsyncLLM(EngineFacts):
         the iteration early (aclose, cancellation) aborts the request and frees its blocks.
         """
         self._check_alive()
+        self.core.lora_ref(lora_name)  # an unknown adapter: refused here (the core checks again when it adds it)
         size = len(prompt) if isinstance(prompt, (str, list, tuple)) else 0  # anything else fails validation
         prepared: EngineRequest = await run_sized(
             size, self.input_processor.process, request_id, prompt, sampling_params, add_special_tokens=add_special_tokens,
             multimodal=multimodal,
+            lora_name=lora_name,
         )
         prepared.output_kind = output_kind
         sink = _Sink(asyncio.get_running_loop())

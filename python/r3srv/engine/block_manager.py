@@ -14,11 +14,15 @@ the hash does (Python's tuple hash is not collision-resistant). Freed blocks kee
 hash and contents and sit in LRU order in the free pool until a fresh allocation
 evicts them.
 
-Cache salts (vLLM's cache_salt, SGLang's extra_key): a salted sequence's first block chains
-from the salt (its hash and its recorded parent), so prompts with different salts, or one
-salted and one not, never share a block, even on a hash collision. Images: a block holding
-image placeholders is keyed by its token ids and each image's content hash and offset
-(Sequence.block_key), so equal placeholders of different images never share a block.
+Extra keys: a sequence's first block chains from its `cache_key` (its hash and its recorded
+parent): the cache salt (vLLM's cache_salt, SGLang's extra_key) and the LoRA adapter with its
+version, so prompts with different salts or adapters, or one with and one without, never share
+a block, even on a hash collision. Every registered block remembers the key its chain started
+from (`root`), so the blocks of a replaced or unloaded adapter are dropped at once
+(`drop_extra_key`).
+Images: a block holding image placeholders is keyed by its token ids and each image's content
+hash and offset (Sequence.block_key), so equal placeholders of different images never share a
+block.
 
 Hybrid models (Gated DeltaNet layers) also hold one fixed-size state per sequence: an
 admitted sequence takes a state slot with its blocks and gives it back with them, so a
@@ -31,6 +35,7 @@ such block, and the admitted sequence restores that snapshot into its slot.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 
 from r3srv.engine.block_table import BlockTable
 from r3srv.engine.sequence import Sequence
@@ -38,7 +43,7 @@ from r3srv.engine.state_pool import StatePool
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "generation", "parent", "snapshot")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "generation", "parent", "snapshot", "root")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -49,6 +54,7 @@ class Block:
         # (block_id, generation) of the block before it; a first block: its cache salt (or None)
         self.parent: tuple[int, int] | str | None = None
         self.snapshot: int | None = None  # hybrids: state entry holding the states after its last token
+        self.root: Hashable = None  # the extra keys its chain started from (the sequence's cache_key)
 
     @property
     def identity(self) -> tuple[int, int]:
@@ -109,8 +115,7 @@ class BlockManager:
         logprobs (the cache has no logits: vLLM also recomputes such prompts)."""
         if seq.next_prompt_logprob_position is not None:
             return []
-        return self.match_prefix(seq.token_ids, seq.params.cache_salt,
-                                 None if seq.multimodal is None else seq.block_key)
+        return self.match_prefix(seq.token_ids, seq.cache_key, None if seq.multimodal is None else seq.block_key)
 
     def match_prefix(self, token_ids: list[int], salt: str | None = None, block_key=None) -> list[int]:
         """Cached blocks holding a prefix of `token_ids` (under `salt`), leaving at least one
@@ -183,6 +188,23 @@ class BlockManager:
                 block.snapshot = None
         return forgotten
 
+    def drop_extra_key(self, part: Hashable) -> int:
+        """Forget the cached prefixes whose chain started from a key holding `part` (an adapter's
+        `("lora", id, version)`): none can be reached again. Returns how many blocks."""
+        dropped = 0
+        for block in self.blocks:
+            root = block.root
+            if block.hash is None or not (root == part or isinstance(root, tuple) and part in root):
+                continue
+            if self._hash_to_block.get(block.hash) == block.block_id:
+                del self._hash_to_block[block.hash]
+            block.hash, block.token_ids, block.parent, block.root = None, (), None, None
+            if block.snapshot is not None and self.states is not None:
+                self.states.drop(block.snapshot)
+                block.snapshot = None
+            dropped += 1
+        return dropped
+
     # -- allocation ---------------------------------------------------------------------
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= len(self._free)
@@ -237,13 +259,13 @@ class BlockManager:
 
     def plan_snapshots(self, seq: Sequence) -> None:
         """Before a step of a hybrid with prefix caching: the block boundaries inside the step's
-        tokens where the model copies `seq`'s states (seq.snapshot_plan, attached to their
-        blocks by commit_full_blocks). Two are worth keeping: the last boundary before the
-        prompt's final token (what a repeated prompt or an n > 1 sibling resumes from), left
+        tokens where the model copies `seq`'s states (added to seq.snapshot_plan, attached to
+        their blocks by commit_full_blocks; an overlapped step's plan may still hold the points
+        of the step before it, not booked yet). Two are worth keeping: the last boundary before
+        the prompt's final token (what a repeated prompt or an n > 1 sibling resumes from), left
         in the pool for hits at once; and the latest one, in the snapshot the sequence owns
         and moves along (what the next turn of a conversation, or a preempted sequence, resumes
         from, once the sequence ends)."""
-        seq.snapshot_plan = []
         if self.states is None or not self.states.num_snapshots or not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -265,6 +287,8 @@ class BlockManager:
                 if self.blocks[seq.snapshot_block].snapshot == seq.snapshot:
                     self.blocks[seq.snapshot_block].snapshot = None
                 seq.snapshot_block = None
+            # a point of a queued step in the snapshot this step overwrites never reaches a block
+            seq.snapshot_plan = [point for point in seq.snapshot_plan if point[1] != seq.snapshot]
             seq.snapshot_plan.append((latest, seq.snapshot))
 
     def _take_snapshot(self) -> int | None:
@@ -277,9 +301,14 @@ class BlockManager:
         return entry
 
     def _attach_snapshots(self, seq: Sequence) -> None:
-        """Hang the snapshots this step took on the registered blocks of their prefixes (a
-        twin computed first, if any: the block later prompts' hits reach)."""
+        """Hang the planned snapshots of computed tokens on the registered blocks of their
+        prefixes (a twin computed first, if any: the block later prompts' hits reach). Attached
+        when the step that plans them is booked, or (overlapped) the step before it: the device
+        runs the steps in order, so no later step reads a snapshot before it is written."""
+        pending = [point for point in seq.snapshot_plan if point[0] > seq.num_computed_tokens]
         for position, entry in seq.snapshot_plan:
+            if position > seq.num_computed_tokens:
+                continue
             block_id, generation = seq.block_prefix_ids[position // self.block_size - 1]
             block = self.blocks[block_id]
             owned = entry == seq.snapshot
@@ -292,7 +321,7 @@ class BlockManager:
                 seq.snapshot_block = block_id
             else:
                 self.states.disown(entry, block_id)
-        seq.snapshot_plan = []
+        seq.snapshot_plan = pending
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` whose tokens are now all computed, for later prefix hits
@@ -301,13 +330,13 @@ class BlockManager:
             return
         bs = self.block_size
         hashes, prefix_ids = seq.block_hashes, seq.block_prefix_ids
-        salt = seq.params.cache_salt
+        salt = seq.cache_key
         for i in range(len(hashes), seq.num_computed_tokens // bs):
             chunk = seq.block_key(i, bs)
             h = chain_hash(hashes[-1] if hashes else salt, chunk)
             parent = prefix_ids[-1] if prefix_ids else salt
             block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids, block.parent = h, chunk, parent
+            block.hash, block.token_ids, block.parent, block.root = h, chunk, parent, salt
             registered = self._hash_to_block.get(h)
             twin = self.blocks[registered] if registered is not None else None
             if twin is not None and twin.token_ids == chunk and twin.parent == parent:

@@ -117,6 +117,44 @@ class UpdateWeights(AfterRequests):
 
 
 @dataclass(frozen=True, slots=True)
+class LoadLoraAdapter(Command):
+    """Register a LoRA adapter by name from a PEFT save (`path`) or from a pushed adapter
+    (`adapter`: r3srv.lora.adapter.LoraAdapter, e.g. lora.manager.adapter_from_tensors), checked
+    against the model first (a bad one is an InvalidRequestError; the previous one of that name
+    stays). A name loaded before is replaced in place, as a weight update is: requests running
+    under it must finish first (pause with mode=retract or keep sends them back to recompute on
+    the new version), its cached prefixes are dropped, and outputs name the new version.
+    Returns the adapter's reference (name, id, version)."""
+
+    name: str
+    path: str | None = None
+    adapter: Any = None
+    pinned: bool = False
+
+    def admit(self, target: Target) -> None:
+        core = target.core
+        if target.pause_mode == "keep" and self.name in (core.lora.names() if core.lora is not None else ()):
+            running = [s for s in core.scheduler.running if s.lora is not None and s.lora.name == self.name]
+            if running:
+                core.retract_running()  # they recompute on the new version: no sequence mixes two
+
+    def run(self, target: Target) -> Any:
+        ref = target.core.load_lora_adapter(self.name, self.path, self.adapter, self.pinned)
+        logger.info("LoRA adapter %r version %d loaded from %s", ref.name, ref.version, self.path or "tensors")
+        return ref
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLoraAdapter(Command):
+    """Forget a LoRA adapter (its slot and cached prefixes too); refused while requests run under it."""
+
+    name: str
+
+    def run(self, target: Target) -> Any:
+        return target.core.unload_lora_adapter(self.name)
+
+
+@dataclass(frozen=True, slots=True)
 class RenameWeights(Command):
     """Name the served weights `weight_version` in the outputs of requests admitted from now on."""
 
@@ -221,6 +259,7 @@ class ContinueGeneration(Command):
 
 
 COMMANDS: tuple[type[Command], ...] = (UpdateWeights, RenameWeights, ResetPrefixCache, ReleaseMemory, ResumeMemory,
+                                       LoadLoraAdapter, UnloadLoraAdapter,
                                        CallRanks, PauseGeneration, ContinueGeneration)
 
 

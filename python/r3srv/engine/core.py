@@ -13,23 +13,23 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from r3srv.config import EngineConfig
 from r3srv.engine.block_manager import BlockManager
-from r3srv.engine.executor import Executor, InProcessExecutor
+from r3srv.engine.executor import Executor
+from r3srv.engine.placement import load_model_for
 from r3srv.engine.input_processor import EngineRequest
-from r3srv.engine.routed_experts import RoutedExpertsBuffer
-from r3srv.engine.sampler import SampleResult, prompt_logprobs
+from r3srv.engine.requests import CoreOutputs, CoreRequest, RequestUpdate, SeqUpdate
+from r3srv.engine.routed_experts import RoutedExpertsBuffer, row_bytes_per_slot
+from r3srv.engine.sampler import SampleResult
 from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
+from r3srv.engine.stepper import Stepper
 from r3srv.errors import ConfigError, InvalidRequestError
-from r3srv.outputs import Logprob
 
 if TYPE_CHECKING:
     from r3srv.models.loader import NamedTensors
@@ -59,56 +59,6 @@ class EngineStats:
     paused: str | None = None  # AsyncLLM.pause_generation's mode while paused
 
 
-@dataclass(slots=True)
-class SeqUpdate:
-    """What one sequence gained in one step, or how it ended."""
-
-    index: int
-    sample: SampleResult | None = None  # the token sampled this step
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
-    # set when it finished and the request asked for them: rows of every token but the last
-    routed_experts: np.ndarray | None = None
-    num_preempted: int = 0  # set when it finished: times it was preempted (recomputed)
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    request_id: str
-    seqs: list[SeqUpdate]
-    num_cached_tokens: int
-    weight_version: str | None
-    arrival_time: float
-    first_token_time: float | None
-    # the request's prompt logprobs, once all computed (sent once; None otherwise)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-
-@dataclass
-class CoreOutputs:
-    updates: list[RequestUpdate] = field(default_factory=list)
-    failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request_id, error)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-    def extend(self, other: "CoreOutputs") -> None:
-        self.updates += other.updates
-        self.failed += other.failed
-
-
-@dataclass
-class _Request:
-    prepared: EngineRequest
-    seqs: list[Sequence]
-    deferred: list[Sequence] = field(default_factory=list)  # n > 1 samples waiting for sample 0's prompt
-    weight_version: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    prompt_logprobs_sent: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 def _memory_tags(tags: list[str] | None) -> set[str]:
@@ -122,20 +72,20 @@ def _memory_tags(tags: list[str] | None) -> set[str]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        from r3srv.models.loader import load_model
-
         self.config = config
         self.device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        # Tensor parallelism: the ranks' shards driven as one model (worker processes behind
-        # a MultiprocExecutor, which the InProcessExecutor below runs like a local model).
-        self.multiproc = _multiproc_executor(config)  # None at tensor_parallel_size 1
-        if self.multiproc is None:
-            model, self.tokenizer = load_model(config.model, device=config.device, dtype=dtype)
-        else:
-            model, self.tokenizer = self.multiproc, self.multiproc.tokenizer
+        # the model here, or (tensor parallelism) the ranks' shards driven as one, and its executor
+        model, self.tokenizer, executor_class = load_model_for(config, dtype)
         self.model_config = mc = model.config
         self.config = config = config.finalize(mc)
+        self.lora = None  # the adapters served (r3srv.lora.manager) with enable_lora
+        if config.enable_lora:
+            from r3srv.lora.manager import LoraManager
+
+            model.enable_lora(config.max_loras)
+            self.lora = LoraManager(model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                    max_cpu_loras=config.max_cpu_loras)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         self.enable_return_routed_experts = config.enable_return_routed_experts
         eos = list(mc.eos_token_ids or [])
@@ -148,16 +98,16 @@ class EngineCore:
         self.num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
         self.image_inputs, encoder = self._vision(mc, model.dtype)
-        self.executor: Executor = InProcessExecutor(
+        self.executor: Executor = executor_class(
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
-            use_cuda_graphs=self._use_cuda_graphs(), max_num_seqs=config.max_num_seqs,
+            use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
-            tensor_parallel=self.multiproc is not None, encoder=encoder,
+            encoder=encoder,
         )
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.config = config = config.with_kv_pool(num_blocks)
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
-        self._log_memory_plan(model, num_blocks)
+        self._log_memory_plan(num_blocks)
         self.rows = (
             RoutedExpertsBuffer(num_blocks * config.block_size, mc.num_layers, mc.top_k, mc.num_experts)
             if config.enable_return_routed_experts
@@ -168,16 +118,13 @@ class EngineCore:
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_loras if config.enable_lora else 0,
                                    config.max_num_encoder_tokens, None if encoder is None else encoder.__contains__)
         self.weight_version = config.weight_version
         self.model_path = config.model  # the checkpoint the weights came from (None: the built-in model)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, CoreRequest] = {}
         self.released_memory: set[str] = set()  # MEMORY_TAGS given back by release_memory
-        from r3srv.engine.overlap import OverlappedStepper
-
-        self.overlap = OverlappedStepper(self) if config.async_scheduling else None
-        if self.overlap is not None and mc.is_hybrid:
-            raise ConfigError("async_scheduling does not support hybrid (linear-attention) models yet; leave it off")
+        self.stepper = Stepper(self, overlapped=config.async_scheduling)
 
     def _vision(self, mc, dtype: torch.dtype):
         """A vision-language checkpoint's image inputs and its tower behind an encoder cache
@@ -201,24 +148,16 @@ class EngineCore:
         inputs = ImageInputConfig(mc.vision, processor, cfg.max_images_per_prompt, cfg.max_image_pixels)
         return inputs, EncoderCache(tower, self.device, dtype, cfg.encoder_cache_tokens)
 
-    def _use_cuda_graphs(self) -> bool:
-        if self.config.use_cuda_graphs and self.multiproc is not None:
-            log.warning("CUDA graphs off: not under tensor parallelism yet")
-            return False
-        return self.config.use_cuda_graphs
-
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (nothing to do at one device). Idempotent."""
-        if self.multiproc is not None:
-            self.multiproc.shutdown()
+        self.executor.shutdown()
 
     # -- sizing -------------------------------------------------------------------------
-    def _log_memory_plan(self, model, num_blocks: int) -> None:
+    def _log_memory_plan(self, num_blocks: int) -> None:
         """What each rank holds (rank 0's shard stands for all: the splits are even)."""
-        shard = model if self.multiproc is None else self.multiproc.model
-        weights = sum(p.numel() * p.element_size() for p in shard.parameters())
-        kv = num_blocks * model.kv_cache_bytes_per_block(self.config.block_size)
-        states = (self.num_state_slots + self.num_state_snapshots) * model.state_bytes_per_slot()
+        weights = sum(p.numel() * p.element_size() for p in self.executor.shard.parameters())
+        kv = num_blocks * self.executor.kv_cache_bytes_per_block(self.config.block_size)
+        states = (self.num_state_slots + self.num_state_snapshots) * self.executor.state_bytes_per_slot()
         ranks = self.config.parallel.tensor_parallel_size
         log.info("memory per rank (%d rank%s): weights %.3f GiB, KV cache %.3f GiB (%d blocks of %d tokens)%s",
                  ranks, "s" if ranks > 1 else "", weights / 2**30, kv / 2**30, num_blocks, self.config.block_size,
@@ -228,8 +167,8 @@ class EngineCore:
         cfg = self.config
         per_block = self.executor.kv_cache_bytes_per_block(cfg.block_size)
         mc = self.model_config
-        if cfg.enable_return_routed_experts:
-            per_block += cfg.block_size * mc.num_layers * mc.top_k * (1 if mc.num_experts <= 256 else 4)
+        if cfg.enable_return_routed_experts:  # the rows of a block's slots, in the buffer's dtype
+            per_block += cfg.block_size * row_bytes_per_slot(mc.num_layers, mc.top_k, mc.num_experts)
         kind = self.device.type
         fraction = cfg.kv_cache_memory_fraction or _DEFAULT_KV_FRACTION[kind]
         if kind == "cuda":
@@ -260,9 +199,10 @@ class EngineCore:
         if prep.request_id in self.requests:
             raise InvalidRequestError(f"request_id {prep.request_id!r} is already in flight", param="request_id")
         p = prep.params
+        lora = self.lora_ref(prep.lora_name)
         seqs = [Sequence(prep.request_id, i, prep.prompt_token_ids, p, prep.max_tokens, self._generator(p, i),
-                         prep.multimodal) for i in range(p.n)]
-        req = _Request(prep, seqs, weight_version=self.weight_version)
+                         prep.multimodal, lora) for i in range(p.n)]
+        req = CoreRequest(prep, seqs, weight_version=self.weight_version)
         self.requests[prep.request_id] = req
         self.scheduler.add(seqs[0])
         # With prefix caching, samples 1..n-1 wait until sample 0 has computed the prompt,
@@ -287,7 +227,7 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        return self._update(req, self._stop_unfinished(req, "abort"))
+        return self.request_update(req, self._stop_unfinished(req, "abort"))
 
     def stop_sequence(self, request_id: str, index: int, num_output_tokens: int, stop: str) -> CoreOutputs:
         """The output processor found stop string `stop` in sequence `index`: keep its first
@@ -300,13 +240,12 @@ class EngineCore:
         seq = req.seqs[index]
         del seq.token_ids[seq.num_prompt_tokens + num_output_tokens :]
         wants_rows = req.prepared.return_routed_experts and self.rows is not None
-        rows_upto = seq.num_computed_tokens if self.overlap is None else self.overlap.rows_stored_upto(seq)
-        if wants_rows and rows_upto < seq.num_tokens - 1:
+        if wants_rows and self.stepper.rows_stored_upto(seq) < seq.num_tokens - 1:
             # preempted or retracted since (its rows went with its blocks): recompute them first
             seq.finish_later = ("stop", stop, None)
             return out
-        out.updates.append(self._update(req, [self._finish(seq, "stop", stop)]))
-        self._forget_if_finished(req)
+        out.updates.append(self.request_update(req, [self.finish_sequence(seq, "stop", stop)]))
+        self.forget_if_finished(req)
         return out
 
     def retract_running(self) -> int:
@@ -363,14 +302,56 @@ class EngineCore:
         return self.executor.unfilled_weights(named)
 
     def call_ranks(self, call):
-        """`call(multiproc_executor)` with no step in flight: a trainer's weight-group commands
+        """`call(ranks)` (the executor's MultiprocExecutor) with no step in flight: a trainer's weight-group commands
         reach the tensor-parallel ranks over the channel the steps use (engine/weight_sync.py)."""
         self._drain()
-        return call(self.multiproc)
+        return call(self.executor.ranks)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns how many blocks were forgotten."""
         return self.block_manager.reset_prefix_cache()
+
+    # -- LoRA adapters (r3srv.lora) ------------------------------------------------------------
+    def lora_ref(self, name: str | None):
+        """The adapter a request names, at its current version (None: the base model)."""
+        if name is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError(f"LoRA adapter {name!r} asked for, but the server was started without "
+                                      "--enable-lora", param="lora_name")
+        return self.lora.ref(name)
+
+    def load_lora_adapter(self, name: str, path: str | None = None, adapter=None, pinned: bool = False):
+        """Register (or replace) an adapter; a replaced one's cached prefixes are dropped."""
+        manager = self._lora_manager()
+        old = manager.entries.get(name)
+        old_key = None if old is None else self.lora_ref(name).cache_key
+        if old is not None and any(s.lora is not None and s.lora.name == name for s in self.scheduler.running):
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by running requests: replace it once they "
+                                      "finish (or pause with mode=retract or keep)", param="lora_name")
+        ref = manager.load(name, path, adapter, pinned)
+        if old_key is not None:
+            self.block_manager.drop_extra_key(old_key)
+            for seq in self.scheduler.waiting:  # holding no KV: they run on the new version
+                if seq.lora is not None and seq.lora.name == name:
+                    seq.lora = ref
+        return ref
+
+    def unload_lora_adapter(self, name: str):
+        self._lora_manager()
+        in_use = sorted({r.prepared.request_id for r in self.requests.values() for s in r.seqs
+                         if s.lora is not None and s.lora.name == name and not s.is_finished})
+        if in_use:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by requests {in_use[:4]}: unload it once "
+                                      "they finish", param="lora_name")
+        ref = self.lora.unload(name)
+        self.block_manager.drop_extra_key(ref.cache_key)
+        return ref
+
+    def _lora_manager(self):
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters need a server started with --enable-lora", param="lora_name")
+        return self.lora
 
     def release_memory(self, tags: list[str] | None = None) -> list[str]:
         """Give memory back between rollout batches (a trainer colocated on the same GPU
@@ -412,13 +393,12 @@ class EngineCore:
         return sorted(self.released_memory)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or (self.overlap is not None and self.overlap.busy)
+        return bool(self.requests) or self.stepper.busy
 
     def _drain(self) -> None:
         """Overlapped scheduling: wait for the step in flight and book it (its outputs come with
         the next step), so a control call finds the device idle and no token unknown."""
-        if self.overlap is not None:
-            self.overlap.drain()
+        self.stepper.drain()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -453,69 +433,10 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> CoreOutputs:
-        if self.overlap is not None:
-            return self.overlap.step()
-        result = CoreOutputs()
-        sched = self.scheduler.schedule()
-        seqs = sched.seqs
-        if not seqs:
-            return result
-        _count_tokens(sched, result)
-        if self.num_state_snapshots:  # a hybrid with prefix caching
-            for s in seqs:
-                self.block_manager.plan_snapshots(s)
-        try:
-            out = self.executor.execute(sched)
-        except Exception as exc:  # fail this step's requests, keep the engine alive
-            for rid in dict.fromkeys(s.request_id for s in seqs):
-                self._fail(rid, exc, result)
-            return result
-        if self.rows is not None:
-            self.rows.store(out.slot_mapping, out.routing_capture)
+        """Schedule and run one step (overlapped: queue it and book the one before; engine/stepper.py)."""
+        return self.stepper.step()
 
-        if out.prompt_logits is not None:
-            try:
-                _record_prompt_logprobs(seqs, out.prompt_logits, out.prompt_spans)
-            except Exception as exc:  # fail the requests that asked for them; the others go on
-                for i, _, _ in out.prompt_spans:
-                    self._fail(seqs[i].request_id, exc, result)
-        self.scheduler.mark_computed(sched)
-        touched: dict[str, tuple[_Request, list[SeqUpdate]]] = {}
-        for seq in seqs:
-            if seq.finish_later is not None and not seq.is_finished and seq.num_computed_tokens >= seq.num_tokens - 1:
-                req = self.requests[seq.request_id]  # its kept tokens' rows are back: finish it
-                touched.setdefault(seq.request_id, (req, []))[1].append(self._finish(seq, *seq.finish_later))
-        sampled_seqs = [seqs[i] for i in sched.sample_indices]
-        samples = out.samples
-        if result.failed and out.sample_error is None:  # prompt logprobs failed above: drop those samples
-            kept = [k for k, s in enumerate(sampled_seqs) if not s.is_finished]  # failed above
-            sampled_seqs, samples = [sampled_seqs[k] for k in kept], [samples[k] for k in kept if k < len(samples)]
-        if out.sample_error is not None:
-            for rid in dict.fromkeys(s.request_id for s in sampled_seqs):
-                touched.pop(rid, None)
-                self._fail(rid, out.sample_error, result)
-            sampled_seqs = []
-        now = time.monotonic()
-        for seq, res in zip(sampled_seqs, samples):
-            req = self.requests[seq.request_id]
-            if req.first_token_time is None:
-                req.first_token_time = now
-            touched.setdefault(seq.request_id, (req, []))[1].append(self._append(seq, res))
-            if req.deferred and seq.index == 0:
-                for sib in req.deferred:
-                    self.scheduler.add(sib)
-                req.deferred = []
-        for req, updates in touched.values():
-            result.updates.append(self._update(req, updates))
-            if any(u.finish_reason is not None for u in updates):
-                self._forget_if_finished(req)
-        return result
-
-    def _append(self, seq: Sequence, res: SampleResult) -> SeqUpdate:
-        seq.token_ids.append(res.token_id)
-        end = self.end_of(seq, res.token_id)
-        return SeqUpdate(seq.index, res) if end is None else self._finish(seq, *end, res)
-
+    # -- how requests end (the stepper's bookkeeping and the calls above share these) ----------
     def end_of(self, seq: Sequence, tok: int) -> tuple[str, int | None] | None:
         """The token-level stop checks for `tok`, the last of `seq.token_ids`: (finish_reason,
         stop_reason) if it ends the sequence. Stop strings are the output processor's."""
@@ -528,30 +449,30 @@ class EngineCore:
             return "length", None
         return None
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, res: SampleResult | None = None) -> SeqUpdate:
+    def finish_sequence(self, seq: Sequence, reason: str, stop_reason: int | str | None,
+                        res: SampleResult | None = None) -> SeqUpdate:
+        """End `seq` (its blocks freed) with its rows when its request asked for them."""
         update = SeqUpdate(seq.index, res, reason, stop_reason, num_preempted=seq.num_preempted)
         prep = self.requests[seq.request_id].prepared
         if prep.return_routed_experts and self.rows is not None:
-            # Rows of tokens 0 .. num_tokens-2: every token but the last sampled one ran.
-            update.routed_experts = self.rows.gather(
-                seq.block_table.array, self.block_manager.block_size, seq.num_tokens - 1,
-                prep.params.routed_experts_prompt_start,
-            )
+            update.routed_experts = self.rows.sequence_rows(seq.block_table.array, self.block_manager.block_size,
+                                                            seq.num_tokens, prep.params.routed_experts_prompt_start)
         self.scheduler.finish(seq)
         return update
 
-    def _forget_if_finished(self, req: _Request) -> None:
+    def forget_if_finished(self, req: CoreRequest) -> None:
         if req.finished:
             self.requests.pop(req.prepared.request_id, None)
 
-    def _fail(self, request_id: str, exc: BaseException, result: CoreOutputs) -> None:
+    def fail_request(self, request_id: str, exc: BaseException, result: CoreOutputs) -> None:
+        """End every sequence of the request ("error"), freeing their blocks, and report it failed."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return
         self._stop_unfinished(req, "error")
         result.failed.append((request_id, exc))
 
-    def _stop_unfinished(self, req: _Request, reason: str) -> list[SeqUpdate]:
+    def _stop_unfinished(self, req: CoreRequest, reason: str) -> list[SeqUpdate]:
         """Finish every sequence of `req` still running, waiting or deferred, freeing its blocks (and so its rows)."""
         updates = []
         for seq in req.seqs:
@@ -560,37 +481,19 @@ class EngineCore:
                 updates.append(SeqUpdate(seq.index, finish_reason=reason, num_preempted=seq.num_preempted))
         return updates
 
-    def _update(self, req: _Request, seqs: list[SeqUpdate]) -> RequestUpdate:
+    def request_update(self, req: CoreRequest, seqs: list[SeqUpdate]) -> RequestUpdate:
         update = RequestUpdate(
             req.prepared.request_id, seqs, req.seqs[0].num_cached_tokens, req.weight_version,
             req.arrival_time, req.first_token_time,
         )
         first = req.seqs[0]
+        if first.lora is not None:  # a replacement while it waited moves it to the new version
+            update.lora = (first.lora.name, first.lora.version)
         if not req.prompt_logprobs_sent and first.prompt_logprobs is not None:
-            if first.next_prompt_logprob_position is None or req.finished:  # complete, or never will be
+            if first.prompt_logprobs_done or req.finished:  # complete, or never will be
                 update.prompt_logprobs = list(first.prompt_logprobs)  # the core thread may not touch it again
                 req.prompt_logprobs_sent = True
         return update
-
-
-def _record_prompt_logprobs(seqs: list[Sequence], logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
-    """Append the prompt logprobs of this step's prompt rows to their sequences."""
-    targets = [t for i, position, count in spans for t in seqs[i].token_ids[position + 1 : position + 1 + count]]
-    num_top = [seqs[i].params.prompt_logprobs for i, _, count in spans for _ in range(count)]
-    entries = prompt_logprobs(logits, targets, num_top)
-    first = 0
-    for i, _, count in spans:
-        seqs[i].prompt_logprobs.extend(entries[first : first + count])
-        first += count
-
-
-def _count_tokens(sched, result: CoreOutputs) -> None:
-    """The step's decode tokens (one for a sequence at its last token) and prefill tokens."""
-    for s in sched.seqs:
-        if s.num_tokens - s.num_computed_tokens == s.num_scheduled_tokens and s.num_scheduled_tokens == 1:
-            result.num_decode_tokens += 1
-        else:
-            result.num_prefill_tokens += s.num_scheduled_tokens
 
 
 class EngineFacts:
@@ -646,14 +549,6 @@ class EngineFacts:
     def weight_version(self) -> str:
         """The version of the weights requests admitted from now on run on."""
         return self.core.weight_version
-
-
-def _multiproc_executor(config: EngineConfig):
-    if config.parallel.tensor_parallel_size == 1:
-        return None
-    from r3srv.engine.multiproc_executor import MultiprocExecutor, rank_setup
-
-    return MultiprocExecutor(*rank_setup(config))
 
 
 def _mem_available() -> int:

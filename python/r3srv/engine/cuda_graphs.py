@@ -5,7 +5,7 @@ longer than the GPU takes to run them. A graph launches them all at once. It rep
 kernels it captured with the same arguments, so every input lives in a static device buffer
 that each step overwrites (one pinned copy), and nothing in the forward pass may read the
 host: the paged decode kernel takes the context lengths from the device and picks its split
-from the bucket and max_model_len (models/attention.py), the fused router writes the
+from the bucket and max_model_len (ops/attention.py), the fused router writes the
 routed-experts rows into a static capture buffer, a hybrid's recurrent layers update their
 states in place (models/recurrent.py).
 
@@ -22,7 +22,6 @@ the KV cache and subtracts it (`reserved_bytes`).
 from __future__ import annotations
 
 import bisect
-import importlib.util
 import logging
 
 import numpy as np
@@ -60,22 +59,18 @@ def is_graph_decode(seqs: list[Sequence]) -> bool:
 
 def graph_blocker(model) -> str | None:
     """Why this model's decode steps cannot be captured (None: they can)."""
-    from r3srv import settings
-    from r3srv.models.moe import uses_grouped_mm
-
     cfg = model.config
     if model.device.type != "cuda":
         return f"the model is on {model.device.type}, not CUDA"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (the paged decode kernel)"
-    if not settings.current().triton_decode:
-        return "the Triton decode kernel is off (--no-triton-decode, $R3SRV_TRITON_DECODE=0): the torch decode path groups sequences on the host"
+    if model.ops.decode_attention is None:
+        return ("no paged decode kernel (triton is not installed, or --no-triton-decode, $R3SRV_TRITON_DECODE=0): "
+                "the torch decode path groups sequences on the host")
     if cfg.is_mla:
         return "multi-head latent attention decodes have no graph-safe path yet"
-    if cfg.moe_layers:
+    moe = next((layer.mlp for layer in model.layers if layer.is_moe), None)
+    if moe is not None:
         probe = torch.empty(0, cfg.hidden_size, dtype=model.dtype, device=model.device)
-        w2 = torch.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=model.dtype, device="meta")
-        if not uses_grouped_mm(probe, w2):  # the per-expert loop reads its row counts on the host
+        if not moe.expert_pass.uses_grouped_mm(probe, moe.experts.w2):  # the per-expert loop reads its row counts on the host
             return f"the experts take the per-expert loop in {model.dtype} (grouped GEMMs need bfloat16)"
     return None
 

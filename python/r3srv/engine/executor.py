@@ -6,13 +6,13 @@ and the step's captured routed-experts rows. It also carries the control calls t
 the model's memory: weight updates, KV cache allocation and release, weights to the host
 and back.
 
-`InProcessExecutor` runs the model in this process. Under tensor (and expert) parallelism
-its model is a MultiprocExecutor (engine/multiproc_executor.py): rank 0's shard plus worker
-processes, every model call run on each rank; the core does not change. The seam is also where
-CUDA graphs and overlapped scheduling plug in: CUDA graphs live here (engine/cuda_graphs.py,
-replayed by the model runner for decode steps; their memory is counted out of the KV budget),
-and `submit` queues a step on a device thread and returns at once, its tokens read one step
-late (engine/overlap.py; such steps run eagerly).
+`InProcessExecutor` runs the model in this process; `TensorParallelExecutor`
+(engine/tensor_parallel.py) runs rank 0's shard here and the others in worker processes, every
+model call on each rank; the core does not change. The seam is also where CUDA graphs and
+overlapped scheduling plug in: CUDA graphs live here (engine/cuda_graphs.py, replayed by the
+model runner for decode steps; their memory is counted out of the KV budget), and `submit`
+queues a step on a device thread and returns at once, its tokens read one step late
+(engine/stepper.py; such steps run eagerly).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import torch
 from r3srv.engine import cuda_graphs
 from r3srv.engine.model_runner import ModelRunner
 from r3srv.engine.routed_experts import RoutedExpertsBuffer, capture_torch_dtype
-from r3srv.engine.sampler import SampleResult, sample
+from r3srv.engine.sampler import SampleResult, SampleView, sample
 from r3srv.engine.scheduler import SchedulerOutput
+from r3srv.engine.sequence import Sequence
 from r3srv.transfer import to_device
 
 if TYPE_CHECKING:
@@ -40,17 +41,30 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class StepInputs:
+    """One step as the core hands it over: what runs, what samples, what else it keeps."""
+
+    sched: SchedulerOutput
+    # one per sched.sample_indices entry: the sequence as sampling reads it (a SampleView taken
+    # when an overlapped step was queued; in a plain step, the sequence itself)
+    samplers: list[SampleView | Sequence]
+    # (sequence index, first position, count): the prompt positions whose logits the step keeps
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # overlapped steps: (position in the step's input ids, row in the previous submitted step's
+    # samples), the tokens not sampled yet when this step was prepared, filled on the device
+    holes: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
 class ModelOutput:
-    # one per SchedulerOutput.sample_indices entry, in that order (empty if sampling failed)
+    # one per StepInputs.samplers entry, in that order (empty if sampling failed)
     samples: list[SampleResult] = field(default_factory=list)
     sample_error: BaseException | None = None  # sampling failed: only the sampling sequences fail
     # the step's rows ([tokens, layers, top_k], possibly still on the device) and their KV slots
     routing_capture: torch.Tensor | None = None
     slot_mapping: np.ndarray | None = None
-    # the asked prompt positions' logits ([R, vocab]) and (sequence index, first position,
-    # count) of each run of them (ModelRunner.prompt_spans); None / empty when none asked
+    # the logits of StepInputs.prompt_spans' positions ([R, vocab], run after run); None when none
     prompt_logits: torch.Tensor | None = None
-    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Executor(abc.ABC):
@@ -59,18 +73,28 @@ class Executor(abc.ABC):
     device: torch.device
     dtype: torch.dtype  # of the weights and the KV cache
     graphs_reserved: int = 0  # device bytes CUDA graphs take beside the KV cache (out of its budget)
+    # tensor parallelism's ranks (engine/multiproc_executor.py's MultiprocExecutor: a trainer's
+    # weight-group commands reach them through it); None in one process
+    ranks = None
+
+    @property
+    def shard(self):
+        """This process's model (rank 0's shard under tensor parallelism)."""
+        return self.model
+
+    def shutdown(self) -> None:
+        """Stop whatever the executor started besides this process (nothing here). Idempotent."""
 
     @abc.abstractmethod
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
-        """Compute the scheduled tokens and sample for `scheduler_output.sample_indices`.
-        Raises if the forward pass fails (the core fails the step's requests)."""
+    def execute(self, step: StepInputs) -> ModelOutput:
+        """Compute the scheduled tokens and sample for `step.samplers`, here and now. Raises if
+        the forward pass fails (the core fails the step's requests)."""
 
-    def submit(self, scheduler_output: SchedulerOutput, samplers: list, holes: list[tuple[int, int]]) -> Future:
-        """Overlapped scheduling: queue the step and return at once; the Future gives its ModelOutput.
-        The step's inputs are read now; `samplers` (one per sample_indices entry: params,
-        generator, num_output_tokens) stand for the sequences at sampling time. `holes`:
-        (position in the step's input ids, row in the previous submitted step's samples), the
-        tokens not sampled yet when this step was prepared, filled on the device before the forward."""
+    def submit(self, step: StepInputs) -> Future:
+        """Overlapped scheduling: queue the step and return at once; the Future gives its
+        ModelOutput. The step's inputs are read now; its holes are filled on the device, before
+        the forward (and a sampler's pending output id before sampling), from the previous
+        submitted step's samples."""
         raise NotImplementedError(f"{type(self).__name__} does not support overlapped scheduling")
 
     @abc.abstractmethod
@@ -114,12 +138,8 @@ class InProcessExecutor(Executor):
 
     def __init__(self, model, block_size: int, device: torch.device, capture_routed_experts: bool,
                  eos_token_ids: list[int], seed: int, *, use_cuda_graphs: bool = False, max_num_seqs: int = 1,
-                 max_model_len: int = 1, num_state_snapshots: int = 0, tensor_parallel: bool = False,
-                 encoder=None) -> None:
+                 max_model_len: int = 1, num_state_snapshots: int = 0, encoder=None) -> None:
         self.model = model
-        # a MultiprocExecutor (engine/multiproc_executor.py) stands in for the model: the ranks'
-        # shards driven as one, with the model's methods (forward, KV cache, weights)
-        self.tensor_parallel = tensor_parallel
         self.device = device
         self.dtype = model.dtype
         self.eos_token_ids = eos_token_ids
@@ -140,15 +160,13 @@ class InProcessExecutor(Executor):
         # overlapped scheduling: the one "device" thread steps run on, in order (on CUDA the
         # stream orders the kernels; the thread lets the host go on while they are queued and read)
         self._device_thread: ThreadPoolExecutor | None = None
-        self._last_tokens: torch.Tensor | None = None  # the last step's sampled ids (device thread only)
+        # the last step's sampled ids, on the device and on the host (the device thread only)
+        self._last_tokens: tuple[torch.Tensor, list[int]] | None = None
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
-        seqs = scheduler_output.seqs
-        logits, capture, slots = self.runner.run(seqs)
-        out = ModelOutput(routing_capture=capture, slot_mapping=slots,
-                          prompt_logits=self.runner.prompt_logits, prompt_spans=self.runner.prompt_spans)
-        picked = scheduler_output.sample_indices
-        self._sample(out, logits, picked, [seqs[i] for i in picked])
+    def execute(self, step: StepInputs) -> ModelOutput:
+        run = self.runner.run(step.sched.seqs, step.prompt_spans)
+        out = ModelOutput(routing_capture=run.capture, slot_mapping=run.slot_mapping, prompt_logits=run.prompt_logits)
+        self._sample(out, run.logits, step.sched.sample_indices, step.samplers)
         return out
 
     def _sample(self, out: ModelOutput, logits: torch.Tensor, picked: list[int], samplers: list) -> None:
@@ -161,26 +179,32 @@ class InProcessExecutor(Executor):
         except Exception as exc:
             out.sample_error = exc
 
-    def submit(self, scheduler_output: SchedulerOutput, samplers: list, holes: list[tuple[int, int]]) -> Future:
-        batch, slots = self.runner.prepare(scheduler_output.seqs)
+    def submit(self, step: StepInputs) -> Future:
+        seqs = step.sched.seqs
+        batch, slots = self.runner.prepare(seqs, step.prompt_spans)
+        holes = step.holes
         holes_t = to_device([[h[0] for h in holes], [h[1] for h in holes]], self.device) if holes else None
         if self._device_thread is None:
             self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3srv-device")
-        return self._device_thread.submit(self._run_queued, batch, slots, scheduler_output.sample_indices, samplers, holes_t)
+        return self._device_thread.submit(self._run_queued, batch, slots, step, len(seqs), holes_t)
 
-    def _run_queued(self, batch, slots: np.ndarray, picked: list[int], samplers: list, holes) -> ModelOutput:
+    def _run_queued(self, batch, slots: np.ndarray, step: StepInputs, num_seqs: int, holes) -> ModelOutput:
         last, self._last_tokens = self._last_tokens, None  # a failed step leaves none
         with torch.inference_mode():
             if holes is not None:
                 # a hole's sequence failed last step when there is no token: it is discarded anyway
-                batch.input_ids[holes[0]] = last[holes[1]] if last is not None else 0
+                batch.input_ids[holes[0]] = last[0][holes[1]] if last is not None else 0
+            for view in step.samplers:  # a penalty's view of the previous sample (0: as for a hole)
+                view.fill_pending(last[1] if last is not None else None)
             logits = self.model.forward(batch)
+            prompt_logits = logits[num_seqs:] if step.prompt_spans else None
             # the capture tensor is reused by the next step, prepared meanwhile: keep this step's
             capture = None if batch.routing_capture is None else batch.routing_capture.clone()
-            out = ModelOutput(routing_capture=capture, slot_mapping=slots)
-            self._sample(out, logits, picked, samplers)
+            out = ModelOutput(routing_capture=capture, slot_mapping=slots, prompt_logits=prompt_logits)
+            self._sample(out, logits[:num_seqs], step.sched.sample_indices, step.samplers)
             if out.samples:
-                self._last_tokens = torch.tensor([s.token_id for s in out.samples], dtype=torch.int64, device=self.device)
+                ids = [s.token_id for s in out.samples]
+                self._last_tokens = (torch.tensor(ids, dtype=torch.int64, device=self.device), ids)
         return out
 
     def close(self) -> None:
@@ -224,14 +248,9 @@ class InProcessExecutor(Executor):
     def load_weights(self, source: str | NamedTensors) -> None:
         from r3srv.models.loader import NamedTensors, load_named_tensors, load_weights_from_dir
 
-        if self.tensor_parallel:  # the MultiprocExecutor loads every rank's shard
-            self.model.load_weights(source)
-            return
         (load_named_tensors if isinstance(source, NamedTensors) else load_weights_from_dir)(self.model, source)
 
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
         from r3srv.models.loader import plan_named_tensors
 
-        if self.tensor_parallel:
-            return self.model.unfilled_weights(named)
         return plan_named_tensors(self.model, named, complete=False).missing

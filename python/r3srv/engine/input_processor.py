@@ -34,14 +34,14 @@ class EngineRequest:
     output_kind: OutputKind = OutputKind.CUMULATIVE
     # a vision-language prompt's images (prompt_token_ids holds their expanded placeholders)
     multimodal: MultiModalPrompt | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, enable_return_routed_experts: bool,
-                 max_logprobs: int = 20, async_scheduling: bool = False, images: ImageInputConfig | None = None) -> None:
+                 max_logprobs: int = 20, images: ImageInputConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.images = images  # None: the served model takes no images
-        self.async_scheduling = async_scheduling
         self.max_logprobs = max_logprobs  # -1: the whole vocabulary
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -51,7 +51,7 @@ class InputProcessor:
     def of(cls, core) -> InputProcessor:
         """The input processor of an EngineCore (its tokenizer, vocabulary, limits)."""
         return cls(core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
-                   core.config.max_logprobs, core.config.async_scheduling, core.image_inputs)
+                   core.config.max_logprobs, core.image_inputs)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """A conversation as prompt text, through the tokenizer's chat template: the one place
@@ -95,6 +95,7 @@ class InputProcessor:
         images: list | None = None,
         images_param: str = "multi_modal_data",
         multimodal: MultiModalPrompt | None = None,
+        lora_name: str | None = None,
     ) -> EngineRequest:
         """Validate and tokenize; every problem is an InvalidRequestError raised here, before scheduling.
 
@@ -182,7 +183,8 @@ class InputProcessor:
             )
         if want is None:
             want = self.enable_return_routed_experts
-        return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want), multimodal=multimodal)
+        return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want), multimodal=multimodal,
+                             lora_name=lora_name)
 
     def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt after truncate_prompt_tokens, checked in vLLM's order: a size above
@@ -206,11 +208,6 @@ class InputProcessor:
         """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and logprob
         counts against max_logprobs (-1, the whole vocabulary, counts as vocab_size), as vLLM."""
         vocab = self.vocab_size
-        if self.async_scheduling:  # they need the token in flight, or logits the queued step does not keep
-            for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                                  ("prompt_logprobs", None)):
-                if getattr(params, name) != default:
-                    raise InvalidRequestError(param=name, problem=" is not supported with --async-scheduling yet")
         bad = sorted(t for t in (params.logit_bias or ()) if not 0 <= t < vocab)
         if bad:
             raise InvalidRequestError(param="logit_bias", problem=f" holds token ids {bad}, outside the vocabulary [0, {vocab})")

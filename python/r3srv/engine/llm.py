@@ -93,11 +93,14 @@ class LLM:
         *,
         use_tqdm: bool = False,
         add_special_tokens: bool = True,
+        lora_name: str | None | list[str | None] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of token ids, or vLLM's dict with
         multi_modal_data images); outputs come back in prompt order.
 
         add_special_tokens: let the tokenizer add its specials (e.g. a BOS) to string prompts.
+        lora_name: the LoRA adapter (loaded by load_lora_adapter) every prompt, or each prompt,
+        runs under; None: the base model. Prompts of different adapters share steps.
 
         Every request is validated before any is scheduled: one bad prompt or offset raises
         InvalidRequestError and nothing runs.
@@ -113,9 +116,12 @@ class LLM:
                     param="sampling_params",
                 )
         engine = self.engine
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"got {len(loras)} lora_name for {len(prompts)} prompts", param="lora_name")
         prepared = [
-            engine.prepare_request(str(next(self._ids)), p, sp, add_special_tokens=add_special_tokens)
-            for p, sp in zip(prompts, params_list)
+            engine.prepare_request(str(next(self._ids)), p, sp, add_special_tokens=add_special_tokens, lora_name=lora)
+            for p, sp, lora in zip(prompts, params_list, loras)
         ]
         for prep in prepared:
             prep.output_kind = OutputKind.FINAL_ONLY  # generate() only collects finished requests

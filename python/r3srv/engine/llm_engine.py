@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from r3srv.config import EngineConfig, engine_config
 from r3srv.engine.commands import commands_as_methods
-from r3srv.engine.core import MEMORY_TAGS, CoreOutputs, EngineCore, EngineFacts, EngineStats
+from r3srv.engine.core import MEMORY_TAGS, EngineCore, EngineFacts, EngineStats
 from r3srv.engine.input_processor import EngineRequest, InputProcessor, prompt_and_images
 from r3srv.engine.output_processor import OutputProcessor, ProcessedOutputs
+from r3srv.engine.requests import CoreOutputs
 from r3srv.engine_options import with_option_keywords
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams
@@ -81,20 +82,23 @@ class LLMEngine(EngineFacts):
 
     # -- requests -----------------------------------------------------------------------
     def prepare_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None, *, add_special_tokens: bool = True
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None, *, add_special_tokens: bool = True,
+        lora_name: str | None = None,
     ) -> EngineRequest:
         """InputProcessor.process: every problem is an InvalidRequestError raised here, before scheduling.
         A dict prompt may carry images (input_processor.prompt_and_images)."""
+        self.core.lora_ref(lora_name)  # an unknown adapter: refused before anything is scheduled
         prompt, images = prompt_and_images(prompt)
         return self.input_processor.process(request_id, prompt, params, add_special_tokens=add_special_tokens,
-                                            images=images)
+                                            images=images, lora_name=lora_name)
 
     def add_prepared(self, prep: EngineRequest) -> None:
         self.core.add_request(prep)
         self.output_processor.add_request(prep)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        self.add_prepared(self.prepare_request(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    lora_name: str | None = None) -> None:
+        self.add_prepared(self.prepare_request(request_id, prompt, params, lora_name=lora_name))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; returns its final output (finish_reason "abort")."""

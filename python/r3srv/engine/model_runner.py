@@ -11,6 +11,8 @@ With `graphs` (engine/cuda_graphs.py) a decode step replays a captured CUDA grap
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -18,8 +20,21 @@ from r3srv.engine.cuda_graphs import DecodeGraphs, is_graph_decode
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 from r3srv.engine.sequence import Sequence
 from r3srv.engine.encoder_cache import EncoderCache
+from r3srv.lora.slots import LoraBatch
 from r3srv.models.batch import ForwardBatch, VisualRows
 from r3srv.transfer import to_device
+
+
+@dataclass
+class RunOutput:
+    """A step's float32 logits [len(seqs), vocab], its prompt spans' logits [R, vocab] (None when
+    none), its routed-experts capture (None when off; a graph's is valid until its next replay)
+    and its tokens' KV slots (where the rows go)."""
+
+    logits: torch.Tensor
+    prompt_logits: torch.Tensor | None
+    capture: torch.Tensor | None
+    slot_mapping: np.ndarray
 
 
 class ModelRunner:
@@ -32,10 +47,6 @@ class ModelRunner:
         self.rows = rows
         self.graphs = graphs
         self.graph_steps = 0  # steps replayed from a graph (tests and benches read it)
-        # After run(): the logits of the prompt positions whose logprobs the step's sequences
-        # asked for ([R, vocab]), and (sequence index, first position, count) of each run of them.
-        self.prompt_logits: torch.Tensor | None = None
-        self.prompt_spans: list[tuple[int, int, int]] = []
 
     def host_arrays(self, seqs: list[Sequence]) -> tuple[np.ndarray, ...]:
         """The step's input ids, positions, KV slots, block tables (-1 padded), query lengths and
@@ -67,19 +78,19 @@ class ModelRunner:
         return np.array(input_ids, dtype=np.int64), positions, slot_np, tables, query_lens, ends
 
     def prepare(
-        self, seqs: list[Sequence], prompt_spans: list[tuple[int, int, int]] | None = None
+        self, seqs: list[Sequence], prompt_spans: list[tuple[int, int, int]] = ()
     ) -> tuple[ForwardBatch, np.ndarray]:
         """The step's ForwardBatch, and its KV slots on the host (where the rows go). Its logits
-        rows: each sequence's last token, then the `prompt_spans` (default: what they ask for)."""
+        rows: each sequence's last token, then the `prompt_spans`' positions ((sequence index,
+        first position, count) each)."""
         input_ids, positions, slot_np, tables, query_lens, ends = self.host_arrays(seqs)
         num_tokens = len(input_ids)
         dev = self.device
         last_rows = np.cumsum(query_lens) - 1
-        self.prompt_spans = _prompt_logprob_spans(seqs) if prompt_spans is None else prompt_spans
-        if self.prompt_spans:  # after the B sampling rows: the prompt rows whose logprobs are asked for
+        if prompt_spans:  # after the B sampling rows: the prompt rows whose logprobs are asked for
             first_row, starts = last_rows - query_lens + 1, ends - query_lens
             last_rows = np.concatenate([last_rows] + [
-                np.arange(count) + first_row[i] + (position - starts[i]) for i, position, count in self.prompt_spans])
+                np.arange(count) + first_row[i] + (position - starts[i]) for i, position, count in prompt_spans])
         # one transfer that does not wait for the GPU (the last step's work may still run)
         ids, positions_t, slots_t, tables_t, logits_indices = to_device(
             [input_ids, positions, slot_np, tables, last_rows], dev)
@@ -92,13 +103,17 @@ class ModelRunner:
             block_tables=tables_t,
             logits_indices=logits_indices,
             routing_capture=None if self.rows is None else self.rows.new_capture(num_tokens, dev),
+            lora=LoraBatch.build([s.lora_slot for s in seqs], query_lens.tolist(), dev),
         )
         if any(s.multimodal is not None for s in seqs):
             batch.mrope_positions, batch.visual = self._vision_inputs(seqs, positions, query_lens)
         if seqs[0].state_slot >= 0:  # a hybrid: every admitted sequence holds a state slot
             batch.state_slots = [s.state_slot for s in seqs]
             batch.state_restores = [(s.restore_from, s.state_slot) for s in seqs if s.restore_from >= 0]
-            batch.state_snapshots = [(i, pos, entry) for i, s in enumerate(seqs) for pos, entry in s.snapshot_plan]
+            # the planned snapshots inside this step's tokens (an overlapped step's plan may hold
+            # the step before's, not booked yet)
+            batch.state_snapshots = [(i, pos, entry) for i, s in enumerate(seqs) for pos, entry in s.snapshot_plan
+                                     if s.num_computed_tokens < pos <= s.num_computed_tokens + s.num_scheduled_tokens]
             for s in seqs:
                 s.restore_from = -1  # restored by this step
         return batch, slot_np
@@ -131,47 +146,27 @@ class ModelRunner:
                                  [torch.cat(layer) for layer in zip(*deepstack)])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
-        """Computes the scheduled tokens of `seqs`; returns float32 logits [len(seqs), vocab], the
-        step's routed-experts capture (None when off; a graph's is valid until its next replay)
-        and the tokens' KV slots (where its rows go). The asked prompt rows' logits are left in
-        `prompt_logits` (None when none), their runs in `prompt_spans`."""
+    def run(self, seqs: list[Sequence], prompt_spans: list[tuple[int, int, int]] = ()) -> RunOutput:
+        """Computes the scheduled tokens of `seqs`, keeping the logits of `prompt_spans`' positions too."""
         # a one-token step inside a prompt whose logprobs are asked for needs its row: no graph
-        self.prompt_spans = _prompt_logprob_spans(seqs)
-        self.prompt_logits = None
-        # (an image prompt's tokens rotate by their M-RoPE ids, which a graph's positions do not carry)
-        graphed = (self.graphs is not None and not self.prompt_spans and is_graph_decode(seqs)
-                   and all(s.multimodal is None for s in seqs))
+        # nor a step under an adapter: graphs capture the base model's path only (docs/lora.md),
+        # nor an image prompt's: its tokens rotate by their M-RoPE ids, which a graph's positions do not carry
+        graphed = (self.graphs is not None and not prompt_spans and is_graph_decode(seqs)
+                   and all(s.lora_slot < 0 and s.multimodal is None for s in seqs))
         replayed = self._replay(seqs) if graphed else None
         if replayed is not None:
             return replayed
-        batch, slot_np = self.prepare(seqs, self.prompt_spans)
+        batch, slot_np = self.prepare(seqs, prompt_spans)
         logits = self.model.forward(batch)
-        if self.prompt_spans:
-            self.prompt_logits = logits[len(seqs):]
-            logits = logits[: len(seqs)]
-        return logits, batch.routing_capture, slot_np
+        if prompt_spans:
+            return RunOutput(logits[: len(seqs)], logits[len(seqs):], batch.routing_capture, slot_np)
+        return RunOutput(logits, None, batch.routing_capture, slot_np)
 
-    def _replay(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray] | None:
+    def _replay(self, seqs: list[Sequence]) -> RunOutput | None:
         input_ids, positions, slot_np, tables, _, _ = self.host_arrays(seqs)
         out = self.graphs.run(seqs, input_ids, positions, slot_np, tables)
         if out is None:
             return None
         self.graph_steps += 1
-        return *out, slot_np
-
-
-def _prompt_logprob_spans(seqs: list[Sequence]) -> list[tuple[int, int, int]]:
-    """(sequence index, first position, count): the positions of this step whose logits give
-    the prompt logprobs a sequence still misses (each predicts the token after it)."""
-    spans = []
-    for i, seq in enumerate(seqs):
-        position = seq.next_prompt_logprob_position
-        if position is None:
-            continue
-        start = seq.num_computed_tokens
-        end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
-        # position < start would mean positions served by the prefix cache: such sequences skip it
-        if start <= position < end:
-            spans.append((i, position, end - position))
-    return spans
+        logits, capture = out
+        return RunOutput(logits, None, capture, slot_np)

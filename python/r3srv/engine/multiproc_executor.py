@@ -176,7 +176,7 @@ def _serve_commands(model, channel: StepChannel, weight_sync: WeightSync) -> Non
     while True:
         msg = channel.receive()
         if msg.command is Command.STEP:
-            model.forward(unpack_batch(msg.args, msg.payload))
+            model.forward(unpack_batch(msg.args, msg.payload, model.device))
         elif msg.command is Command.INIT_KV_CACHE:
             model.init_kv_cache(*msg.args[:4])
         elif msg.command is Command.FREE_KV_CACHE:
@@ -191,8 +191,21 @@ def _serve_commands(model, channel: StepChannel, weight_sync: WeightSync) -> Non
             load_weights_from_dir(model, decode_text(msg.payload))
         elif msg.command in WEIGHT_COMMANDS:
             _weight_command_on_worker(weight_sync, model, channel, msg.command, json.loads(decode_text(msg.payload)))
+        elif msg.command is Command.ENABLE_LORA:
+            model.enable_lora(msg.args[0])
+        elif msg.command is Command.LOAD_LORA_SLOT:
+            model.load_lora_slot(msg.args[0], _broadcast_adapter(None, channel.device))
+        elif msg.command is Command.CLEAR_LORA_SLOT:
+            model.clear_lora_slot(msg.args[0])
         elif msg.command is Command.SHUTDOWN:
             return
+
+
+def _broadcast_adapter(adapter, device: torch.device):
+    """Rank 0's LoRA adapter (its whole pairs: each rank cuts its own slices), on every rank."""
+    box = [adapter]
+    dist.broadcast_object_list(box, src=0, device=device)
+    return box[0]
 
 
 WEIGHT_COMMANDS = frozenset({
@@ -395,6 +408,24 @@ class MultiprocExecutor:
             raise ConfigError(f"the staged weights do not fill {where}'s shards (the server's log names them)")
         if failed:
             raise WeightSyncError(f"{what} failed on {where} (the server's log has the error){after}", param=param)
+
+    # ---- LoRA adapters (r3srv.lora): the same slots on every rank ---------------------------
+    def enable_lora(self, num_slots: int):
+        return self._everywhere(Command.ENABLE_LORA, (num_slots,), None, lambda: self.model.enable_lora(num_slots))
+
+    def check_lora(self, adapter, param: str) -> None:
+        """Rank 0's check stands for all: each rank cuts the same shapes from the whole pairs."""
+        self.model.check_lora(adapter, param)
+
+    def load_lora_slot(self, slot: int, adapter) -> None:
+        def here() -> None:
+            _broadcast_adapter(adapter, self.channel.device)
+            self.model.load_lora_slot(slot, adapter)
+
+        self._everywhere(Command.LOAD_LORA_SLOT, (slot,), None, here)
+
+    def clear_lora_slot(self, slot: int) -> None:
+        self._everywhere(Command.CLEAR_LORA_SLOT, (slot,), None, lambda: self.model.clear_lora_slot(slot))
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return self.model.kv_cache_bytes_per_block(block_size)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from r3srv.engine.core import CoreOutputs, RequestUpdate, SeqUpdate
 from r3srv.engine.input_processor import EngineRequest
+from r3srv.engine.requests import CoreOutputs, RequestUpdate, SeqUpdate
+from r3srv.engine.routed_experts import num_routed_rows
 from r3srv.engine.text_stream import TextStream
 from r3srv.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 
@@ -94,14 +95,14 @@ class SeqState:
     def take_rows(self, rows: np.ndarray | None) -> None:
         """The core's rows, less those of tokens a stop string cut after the core's last step."""
         if rows is not None:
-            n = max(0, self.num_prompt_tokens + len(self.token_ids) - 1 - self.params.routed_experts_prompt_start)
+            n = num_routed_rows(self.num_prompt_tokens + len(self.token_ids), self.params.routed_experts_prompt_start)
             rows = rows if len(rows) == n else rows[:n]
         self.routed_experts = rows
 
 
 class RequestState:
     __slots__ = ("prep", "seqs", "num_cached_tokens", "weight_version", "arrival_time", "first_token_time",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "lora")
 
     def __init__(self, prep: EngineRequest, tokenizer) -> None:
         self.prep = prep
@@ -111,6 +112,7 @@ class RequestState:
         self.arrival_time: float | None = None
         self.first_token_time: float | None = None
         self.prompt_logprobs: list | None = None  # the core sends them once, all computed
+        self.lora: tuple[str, int] | None = None
 
 
 class OutputProcessor:
@@ -169,6 +171,7 @@ class OutputProcessor:
     def _apply(self, st: RequestState, update: RequestUpdate, stops: list[StopSequence]) -> None:
         st.num_cached_tokens = update.num_cached_tokens
         st.weight_version = update.weight_version
+        st.lora = update.lora
         st.arrival_time = update.arrival_time
         st.first_token_time = update.first_token_time
         if update.prompt_logprobs is not None:
@@ -226,6 +229,8 @@ def _request_output(st: RequestState, finished: bool) -> RequestOutput:
         num_cached_tokens=st.num_cached_tokens,
         prompt_logprobs=st.prompt_logprobs,
         weight_version=st.weight_version,
+        lora_name=None if st.lora is None else st.lora[0],
+        lora_version=None if st.lora is None else st.lora[1],
         metrics=metrics,
         image_grid_thw=None if prep.multimodal is None else prep.multimodal.grids,
         image_placeholders=None if prep.multimodal is None else prep.multimodal.placeholders,

@@ -19,6 +19,13 @@ import numpy as np
 import torch
 
 
+def num_routed_rows(num_tokens: int, prompt_start: int = 0) -> int:
+    """Rows of a sequence of `num_tokens` tokens from `prompt_start` on: every token but the last
+    sampled one ran, so (num_tokens - 1 - prompt_start), none below zero (the wire contract's
+    first axis)."""
+    return max(0, num_tokens - 1 - prompt_start)
+
+
 def routed_experts_dtype(num_experts: int) -> np.dtype:
     """The wire dtype (README.md, "The routed-experts contract"): the narrowest of uint8 /
     uint16 / int32 that holds every id."""
@@ -27,6 +34,11 @@ def routed_experts_dtype(num_experts: int) -> np.dtype:
     if num_experts <= 65536:
         return np.dtype(np.uint16)
     return np.dtype(np.int32)
+
+
+def row_bytes_per_slot(num_layers: int, top_k: int, num_experts: int) -> int:
+    """Host bytes a KV slot's row takes in the buffer (its wire dtype's: 1, 2 or 4 per id)."""
+    return num_layers * top_k * routed_experts_dtype(num_experts).itemsize
 
 
 # The capture tensor's torch dtype: uint8 where it fits, else int32 (widened ids are
@@ -90,6 +102,13 @@ class RoutedExpertsBuffer:
 
     def _scatter(self, slot_mapping: np.ndarray, rows: np.ndarray) -> None:
         self.rows[slot_mapping] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
+
+    def sequence_rows(self, block_table: np.ndarray | list[int], block_size: int, num_tokens: int,
+                      prompt_start: int = 0) -> np.ndarray:
+        """A finished sequence's array: the rows of its `num_tokens` tokens from `prompt_start` on
+        (num_routed_rows of them)."""
+        return self.gather(block_table, block_size, prompt_start + num_routed_rows(num_tokens, prompt_start),
+                           prompt_start)
 
     def gather(self, block_table: np.ndarray | list[int], block_size: int, num_rows: int, start: int = 0) -> np.ndarray:
         """Rows of tokens [start, num_rows) of a sequence, as a fresh C-contiguous array."""

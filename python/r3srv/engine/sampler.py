@@ -25,6 +25,7 @@ import torch
 
 from r3srv.engine.sequence import Sequence
 from r3srv.outputs import Logprob
+from r3srv.sampling_params import SamplingParams
 from r3srv.transfer import to_device
 
 _FLOAT32 = torch.finfo(torch.float32)
@@ -43,7 +44,45 @@ def finite_(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(logits, nan=float("-inf"), posinf=_FLOAT32.max, neginf=float("-inf"))
 
 
-def _banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
+@dataclass(slots=True)
+class SampleView:
+    """What sampling reads of a sequence, taken when its step is queued, so that a step sampled
+    on another thread (overlapped steps) never reads a sequence the host is changing: its
+    params and generator, its output count, its output ids (penalized rows only), its prompt's
+    ids until the mask a repetition penalty over the prompt reads is known (sampling sets it
+    here; the core keeps it on the sequence)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    num_output_tokens: int
+    adjusts_logits: bool
+    num_prompt_tokens: int
+    output_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None  # the prompt's, while prompt_token_mask is unknown
+    prompt_token_mask: torch.Tensor | None = None
+    # the last output id is the previous overlapped step's sample in this row, not read back yet
+    pending: int | None = None
+
+    @classmethod
+    def of(cls, seq: Sequence, pending: int | None = None) -> "SampleView":
+        p = seq.params
+        prompt = p.penalized and p.repetition_penalty_prompt and seq.prompt_token_mask is None  # as _adjust reads
+        return cls(p, seq.generator, seq.num_output_tokens, seq.adjusts_logits, seq.num_prompt_tokens,
+                   seq.output_token_ids if p.penalized else None,
+                   seq.token_ids[: seq.num_prompt_tokens] if prompt else None, seq.prompt_token_mask,
+                   pending if p.penalized else None)
+
+    def fill_pending(self, last: list[int] | None) -> None:
+        """The pending output id, from the previous step's samples (None: that step failed, and
+        this row's request with it: any id does)."""
+        if self.pending is not None:
+            self.output_token_ids[-1] = 0 if last is None else last[self.pending]
+
+
+Sampled = SampleView | Sequence  # what sampling reads a row's sequence through
+
+
+def _banned_ids(seq: Sampled, eos_token_ids: list[int]) -> list[int]:
     """Tokens banned until min_tokens outputs exist: stop_token_ids and EOS (with ignore_eos too,
     as vLLM, whose min_tokens processor bans all_stop_token_ids, EOS always among them)."""
     p = seq.params
@@ -52,7 +91,7 @@ def _banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
     return list(p.stop_token_ids or []) + eos_token_ids
 
 
-def _adjusted(seq: Sequence) -> bool:
+def _adjusted(seq: Sampled) -> bool:
     """Whether the row's logits change before a greedy pick (bias, penalties, min_tokens mask)."""
     return seq.adjusts_logits or seq.num_output_tokens < seq.params.min_tokens
 
@@ -97,7 +136,7 @@ def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torc
     return counts
 
 
-def _prompt_seen(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+def _prompt_seen(seq: Sampled, vocab: int, device: torch.device) -> torch.Tensor:
     """[vocab] bool: the tokens of the sequence's prompt (computed once, kept on the sequence)."""
     mask = seq.prompt_token_mask
     if mask is None or mask.device != device or mask.shape[0] != vocab:
@@ -115,7 +154,7 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def _adjust(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> torch.Tensor:
+def _adjust(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int]) -> torch.Tensor:
     """A copy of `logits` with the min_tokens mask, logit_bias and penalties applied to the rows
     that ask for them (batched over those rows; `logits` itself, which logprobs read, is kept)."""
     rows, vocab = logits.shape
@@ -176,7 +215,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
 
 
 def sample(
-    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], generator: torch.Generator | None = None
+    logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], generator: torch.Generator | None = None
 ) -> list[SampleResult]:
     """One token for each row of `logits` ([B, vocab], float32) and its sequence.
 
@@ -216,7 +255,7 @@ def sample(
     return results
 
 
-def _pick(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], generator) -> list[int]:
+def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], generator) -> list[int]:
     """Tokens for rows that are not plain greedy: greedy after bias/penalties/min_tokens, or sampled.
 
     Every full-size pass over [rows, vocab] counts at large vocabularies, so rows are only

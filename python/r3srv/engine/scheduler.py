@@ -33,8 +33,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 encoder_budget: int = 0, encoded: Callable[[str], bool] | None = None) -> None:
+                 max_loras: int = 0, encoder_budget: int = 0, encoded: Callable[[str], bool] | None = None) -> None:
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct adapters among the running sequences (vLLM's --max-loras)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # image prompts: the vision tower's tokens per step, and whether an image's outputs are
@@ -101,9 +102,15 @@ class Scheduler:
                 kept.append(seq)
         self.running = kept + list(queue)  # `queue` holds those left out by the budget
 
-        # 2. Waiting sequences, unless this step had to preempt (the pool is tight).
+        # 2. Waiting sequences, unless this step had to preempt (the pool is tight). One whose
+        # adapter would be one too many for the slots waits, in order, for a later step.
+        adapters = {s.lora.name for s in self.running if s.lora is not None}
+        held: list[Sequence] = []
         while self.waiting and out.num_preempted == 0 and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None and seq.lora.name not in adapters and len(adapters) >= self.max_loras:
+                held.append(self.waiting.popleft())
+                continue
             cached = bm.match_sequence(seq)
             start = len(cached) * bm.block_size
             n = self._within_encoder_budget(seq, start, min(seq.num_tokens - start, budget), encoding)
@@ -120,6 +127,9 @@ class Scheduler:
             budget -= n
             out.seqs.append(seq)
             self.running.append(seq)
+            if seq.lora is not None:
+                adapters.add(seq.lora.name)
+        self.waiting.extendleft(reversed(held))
         out.sample_indices = [
             i for i, s in enumerate(out.seqs)
             if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens and s.finish_later is None

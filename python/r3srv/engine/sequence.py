@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,7 @@ from r3srv.outputs import Logprob
 from r3srv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from r3srv.lora.manager import LoraRef
     from r3srv.vision.inputs import MultiModalPrompt
 
 
@@ -43,8 +45,11 @@ class Sequence:
         max_tokens: int,
         generator: torch.Generator | None,
         multimodal: MultiModalPrompt | None = None,
+        lora: LoraRef | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
+        self.lora = lora  # the adapter (and its version) it runs under; None: the base model
+        self.lora_slot = -1  # the model's slot holding that adapter in the step being prepared
         self.request_id = request_id
         self.index = index  # choice index within its request
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -85,6 +90,16 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         if params.prompt_logprobs is not None and index == 0:
             self.prompt_logprobs = [None] if params.prompt_logprobs_start < self.num_prompt_tokens else []
+        # prompt positions whose logits a queued step computes, not recorded yet (overlapped steps)
+        self.prompt_logprobs_queued = 0
+
+    @property
+    def cache_key(self) -> Hashable:
+        """The extra keys its prefix-cache blocks chain from (engine/block_manager.py): the cache
+        salt and the adapter, or None for neither (later: a prompt's image hashes)."""
+        if self.lora is None:
+            return self.params.cache_salt
+        return (self.params.cache_salt, self.lora.cache_key)
 
     def block_key(self, index: int, block_size: int) -> tuple:
         """What a prefix-cache block of this sequence holds: its token ids, and the content of
@@ -110,12 +125,17 @@ class Sequence:
 
     @property
     def next_prompt_logprob_position(self) -> int | None:
-        """The position whose logits give the next missing prompt logprob (they predict the
-        token after it); None when none is missing (or none was asked for)."""
+        """The position whose logits give the next prompt logprob neither recorded nor queued
+        (they predict the token after it); None when none is missing (or none was asked for)."""
         if self.prompt_logprobs is None:
             return None
-        position = self.params.prompt_logprobs_start + len(self.prompt_logprobs) - 1
+        position = self.params.prompt_logprobs_start + len(self.prompt_logprobs) + self.prompt_logprobs_queued - 1
         return position if position < self.num_prompt_tokens - 1 else None
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Every prompt logprob asked for is recorded (none missing, none in a queued step)."""
+        return self.next_prompt_logprob_position is None and not self.prompt_logprobs_queued
 
     @property
     def is_finished(self) -> bool:

@@ -38,6 +38,10 @@ class Command(enum.IntEnum):
     DROP_STAGED_WEIGHTS = 11
     CHECK_STAGED_WEIGHTS = 12
     APPLY_STAGED_WEIGHTS = 13
+    # LoRA (r3srv.lora): args: the number of slots / the slot; an adapter comes by broadcast_object_list
+    ENABLE_LORA = 14
+    LOAD_LORA_SLOT = 15
+    CLEAR_LORA_SLOT = 16
 
 
 @dataclass
@@ -124,25 +128,34 @@ def pack_batch(batch: ForwardBatch) -> tuple[tuple[int, ...], np.ndarray]:
     if visual is not None:
         parts += [_host(visual.rows), _float_bits(visual.embeds), *(_float_bits(d) for d in visual.deepstack)]
     num_tokens = len(parts[0])
+    if batch.lora is not None:  # each token's adapter slot
+        parts.append(_host(batch.lora.token_slots))
     rows, hidden = (0, 0) if visual is None else tuple(visual.embeds.shape)
     args = (num_tokens, num_seqs, table_cols, int(batch.state_slots is not None), len(batch.state_restores),
             len(batch.state_snapshots), int(batch.mrope_positions is not None), rows, hidden,
-            0 if visual is None else len(visual.deepstack))
+            0 if visual is None else len(visual.deepstack), int(batch.lora is not None))
     return args, np.concatenate(parts)
 
 
-def unpack_batch(args: list[int], payload: np.ndarray) -> ForwardBatch:
-    num_tokens, num_seqs, table_cols, has_slots, restores, snapshots, has_mrope, rows, hidden, deepstack = args[:10]
+def unpack_batch(args: list[int], payload: np.ndarray, device: torch.device = torch.device("cpu")) -> ForwardBatch:
+    """The batch pack_batch described (its adapters' token slots on `device`, as the model reads them)."""
+    num_tokens, num_seqs, table_cols, has_slots, restores, snapshots, has_mrope, rows, hidden, deepstack, has_lora = (
+        args[:11])
     sizes = [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs * table_cols, num_seqs,
              num_seqs if has_slots else 0, 2 * restores, 3 * snapshots, 3 * num_tokens if has_mrope else 0, rows,
-             rows * hidden * (1 + deepstack)]
+             rows * hidden * (1 + deepstack), num_tokens if has_lora else 0]
     parts = np.split(payload, np.cumsum(sizes)[:-1])
     ids, positions, slots, query_lens, context_lens, tables, logits_indices, state_slots, rest, snaps = parts[:10]
-    mrope, visual_rows, embeds = parts[10:]
+    mrope, visual_rows, embeds, lora = parts[10:]
     visual = None
     if rows:
         floats = [_from_float_bits(part, (rows, hidden)) for part in np.split(embeds, 1 + deepstack)]
         visual = VisualRows(torch.from_numpy(visual_rows), floats[0], floats[1:])
+    lora_batch = None
+    if has_lora:
+        from r3srv.lora.slots import LoraBatch
+
+        lora_batch = LoraBatch.of_token_slots(torch.from_numpy(lora), device)
     return ForwardBatch(
         mrope_positions=torch.from_numpy(mrope.reshape(3, num_tokens)) if has_mrope else None, visual=visual,
         input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),
@@ -152,6 +165,7 @@ def unpack_batch(args: list[int], payload: np.ndarray) -> ForwardBatch:
         state_slots=state_slots.tolist() if has_slots else None,
         state_restores=[tuple(p) for p in rest.reshape(-1, 2).tolist()],
         state_snapshots=[tuple(t) for t in snaps.reshape(-1, 3).tolist()],
+        lora=lora_batch,
     )
 
 

@@ -1,5 +1,5 @@
-"""Read SGLang's /update_weights_from_tensor payloads (a trainer on the same GPU hands over CUDA
-IPC handles, pickled by torch's ForkingPickler) without unpickling arbitrary objects.
+"""Read SGLang's /update_weights_from_tensor and /load_lora_adapter_from_tensors payloads (a trainer on the
+same GPU hands over CUDA IPC handles, pickled by torch's ForkingPickler) without unpickling arbitrary objects.
 
 A pickle names the callables it runs; this unpickler resolves only the handful that rebuild a
 CUDA tensor from its IPC handle (torch.multiprocessing.reductions.rebuild_cuda_tensor and the
@@ -84,21 +84,38 @@ class CudaTensorUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are not allowed")
 
 
-def load_named_cuda_tensors(payload: str, param: str = "serialized_named_tensors") -> list[tuple[str, torch.Tensor]]:
-    """A base64 ForkingPickler payload of [(name, cuda tensor), ...], checked as it is read;
-    anything else is an InvalidRequestError naming `param`."""
+def _unpickled(payload: str, param: str, shape: str):
+    """The object a base64 ForkingPickler payload holds, read by CudaTensorUnpickler; a malformed
+    one is an InvalidRequestError naming `param` (`shape`: what the payload should hold)."""
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise InvalidRequestError(f"{param} must be standard base64: {exc}", param=param) from exc
     try:
-        value = CudaTensorUnpickler(io.BytesIO(data)).load()
+        return CudaTensorUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # whatever a malformed pickle raises; nothing outside ALLOWED_GLOBALS ran
-        raise InvalidRequestError(f"{param}: not a pickled list of (name, CUDA tensor): {exc}", param=param) from exc
+        raise InvalidRequestError(f"{param}: not a pickled {shape}: {exc}", param=param) from exc
+
+
+def load_named_cuda_tensors(payload: str, param: str = "serialized_named_tensors") -> list[tuple[str, torch.Tensor]]:
+    """A base64 ForkingPickler payload of [(name, cuda tensor), ...] (SGLang's weight updates),
+    checked as it is read; anything else is an InvalidRequestError naming `param`."""
+    value = _unpickled(payload, param, "list of (name, CUDA tensor)")
     ok = isinstance(value, list) and all(
         isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
         for item in value
     )
     if not ok:
         raise InvalidRequestError(f"{param} must hold a list of (name, tensor) pairs", param=param)
+    return value
+
+
+def load_cuda_tensor_dict(payload: str, param: str = "serialized_named_tensors") -> dict[str, torch.Tensor]:
+    """A base64 ForkingPickler payload of {name: cuda tensor} (SGLang's LoRA adapter from tensors),
+    checked as it is read; anything else is an InvalidRequestError naming `param`."""
+    value = _unpickled(payload, param, "dict of name -> CUDA tensor")
+    ok = isinstance(value, dict) and all(
+        isinstance(name, str) and isinstance(tensor, torch.Tensor) for name, tensor in value.items())
+    if not ok:
+        raise InvalidRequestError(f"{param} must hold a dict of name -> tensor", param=param)
     return value

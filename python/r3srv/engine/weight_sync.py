@@ -347,7 +347,7 @@ class RankedReceiver:
 
     def __init__(self, engine, timeout: float) -> None:
         self.engine = engine
-        self.ranks = engine.core.multiproc
+        self.ranks = engine.core.executor.ranks
         self.sync: WeightSync = self.ranks.weight_sync
         self.device = self.sync.device
         self.tp_size = self.sync.tp_size
@@ -405,7 +405,7 @@ class TrainerUpdates:
     def __init__(self, engine, timeout: float) -> None:
         self.engine = engine
         self.sync: LocalReceiver | RankedReceiver = (
-            LocalReceiver(engine.device, timeout) if engine.core.multiproc is None else RankedReceiver(engine, timeout))
+            LocalReceiver(engine.device, timeout) if engine.core.executor.ranks is None else RankedReceiver(engine, timeout))
         self.in_round = False  # between vLLM's start_weight_update and finish_weight_update
         self.session: str | None = None  # SGLang's begin_weight_update selector until end_weight_update
         self.last_vllm_info: Any = None  # vLLM's update_info with empty lists means the previous one again

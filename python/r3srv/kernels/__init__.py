@@ -1,7 +1,3 @@
-"""The kernels behind the model's layers, one module each: the router (`router.py` picks among
-the torch reference in `router_reference.py`, the fused Triton kernel and the Rust one), paged
-decode attention, the recurrent layers' decode steps, the expert pass, RMSNorm, linear layers of
-a few rows, and the q/k norms with RoPE. Triton kernels (`*_triton.py`, their launch grids in
-`launch.py`) run on CUDA and, in tests, in Triton's interpreter on the CPU; the CPU kernels
-(`*_cpu.py`) call the Rust core (`rust_core.py` loads its entry points); torch references are
-the CPU fallback and the tests' oracles."""
+"""The kernels the backends (r3srv.ops) choose from: torch references (test oracles), the Rust
+core's CPU kernels (their thin wrappers here) and Triton kernels. Nothing here imports the
+models or the ops, nor reads the settings: a backend passes what a kernel needs (its threads)."""

@@ -1,8 +1,8 @@
 """The CPU expert pass in one call into the Rust core (rust/src/expert_pairs.rs), at every
 batch size: the pairs grouped by expert, both projections of each expert's pairs as one small
 matrix product that reads each weight row once, the activation, the biases and the weighted
-sum per token, reading the experts' weights in place, on up to settings.cpu_threads threads.
-It replaces models/moe.py's torch paths: two `torch.mv` and several indexing ops per pair for a
+sum per token, reading the experts' weights in place, on up to the given threads.
+It replaces ops/experts.py's torch paths: two `torch.mv` and several indexing ops per pair for a
 few pairs (dispatch cost as large as the products' memory traffic), and the sort, gather,
 grouped GEMMs and scatter of larger batches (each a full pass over memory).
 An expert with many pairs (a prefill's) runs them through packed matrix kernels instead
@@ -10,25 +10,23 @@ An expert with many pairs (a prefill's) runs them through packed matrix kernels 
 result does not depend on the other tokens in the call, and the thread count never does.
 
 float32 or bfloat16 tensors (float32 arithmetic either way: a bfloat16 result is rounded
-once, where the torch path rounds every intermediate), and only the activations moe.py defines
-(SwiGLU, gpt-oss's clamped SwiGLU, Nemotron-H's relu^2); anything else returns None and the
-caller keeps its torch path, as does `--no-cpu-expert-kernel` (R3SRV_CPU_EXPERT_KERNEL=0).
+once, where the torch path rounds every intermediate), and only the activations ops/experts.py
+defines (SwiGLU, gpt-oss's clamped SwiGLU, Nemotron-H's relu^2); anything else returns None and
+the caller keeps its torch path. The CPU backend (ops/cpu.py) takes it unless
+`--no-cpu-expert-kernel` (R3SRV_CPU_EXPERT_KERNEL=0).
 The products and the sum over a token's slots run in another order than torch's, so results
 differ from the torch path by rounding.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 
-from r3srv import settings
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
-_expert_pairs_cpu = rust_kernel("expert_pairs_cpu")
-BUILT = _expert_pairs_cpu is not None  # else the torch path (kernels/rust_core.py)
+expert_pairs_entry = rust_kernel("expert_pairs_cpu")
+BUILT = expert_pairs_entry is not None  # else the torch path (kernels/rust_core.py)
+ACTIVATIONS = ("silu_and_mul", "relu_squared", "clamped_swiglu")  # what the kernel computes
 
 
 def expert_pairs(
@@ -40,22 +38,19 @@ def expert_pairs(
     tokens: torch.Tensor | None,
     b13: torch.Tensor | None,
     b2: torch.Tensor | None,
-    act: Callable[[torch.Tensor], torch.Tensor],
+    act,
+    threads: int = 1,
 ) -> torch.Tensor | None:
-    """sum over pairs p of token t: weights[p] * expert_{ids[p]}(x[t]) (as moe.grouped_experts:
+    """sum over pairs p of token t: weights[p] * expert_{ids[p]}(x[t]) (ops/experts.py's pass:
     every token's k slots, ids/weights [T, k], or the pairs (tokens[p], ids[p], weights[p])
-    [P]) through the Rust kernel, or None where it does not apply: the setting is off, x and
-    the experts are not contiguous CPU tensors of one dtype the kernel reads, or `act` is not
-    one of moe.py's activations."""
+    [P]) through the Rust kernel on up to `threads` threads, or None where it does not apply:
+    x and the experts are not contiguous CPU tensors of one dtype the kernel reads, or `act`
+    (an activation described by .name, .alpha and .limit) is not one the kernel computes."""
     dtype = RUST_DTYPES.get(x.dtype)
-    if not BUILT or not settings.current().cpu_expert_kernel or dtype is None or not x.is_cpu:
+    if not BUILT or dtype is None or not x.is_cpu or getattr(act, "name", None) not in ACTIVATIONS:
         return None
-    spec = _activation(act)
-    if spec is None:
-        return None
-    name, alpha, limit = spec
     num_experts, hidden, inter = w2.shape
-    rows13 = inter * (1 if name == "relu_squared" else 2)
+    rows13 = inter * (1 if act.name == "relu_squared" else 2)
     if w13.shape != (num_experts, rows13, hidden) or x.shape[-1] != hidden:
         return None
     for w in (w13, w2, b13, b2):
@@ -68,25 +63,10 @@ def expert_pairs(
                  0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
-    _expert_pairs_cpu(addresses, shape, dtype, name, alpha, limit, settings.current().cpu_threads)
+    expert_pairs_entry(addresses, shape, dtype, act.name, float(act.alpha), float(act.limit), threads)
     return out
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` contiguous in `dtype` (no copy when it already is)."""
     return (t if t.dtype == dtype else t.to(dtype)).contiguous()
-
-
-@functools.lru_cache(maxsize=256)
-def _activation(act: Callable) -> tuple[str, float, float] | None:
-    """(name, alpha, limit) of the Rust activation equal to `act`, or None."""
-    from r3srv.models import moe  # moe imports this module
-
-    if act is moe.silu_and_mul:
-        return "silu_and_mul", 0.0, 0.0
-    if act is moe.relu_squared:
-        return "relu_squared", 0.0, 0.0
-    if isinstance(act, functools.partial) and act.func is moe.clamped_swiglu and not act.args \
-            and set(act.keywords) == {"alpha", "limit"}:
-        return "clamped_swiglu", float(act.keywords["alpha"]), float(act.keywords["limit"])
-    return None

@@ -3,40 +3,43 @@ step's projections (q/k/v, output, router gate, LM head) in one call each that r
 weight once, row by row, instead of torch's GEMM call, whose per-call cost and cache-cold
 weight reads dominate at one to a few rows (docs/benchmarks.md).
 
-`linear` is F.linear's drop-in: the Rust kernel for contiguous float32 or bfloat16 CPU
-tensors of one dtype with at most MAX_ROWS rows, torch otherwise, and always with
-`--no-rust-linear` (R3SRV_RUST_LINEAR=0) or without a built extension. Results differ from
-torch's by rounding (another order of the same sums; float32 arithmetic for bfloat16, rounded
-once), and a row's result does not depend on the other rows.
+`linear_rust` takes contiguous float32 or bfloat16 CPU tensors of one dtype with at most
+MAX_ROWS rows and returns None otherwise (the CPU backend, ops/cpu.py, then calls F.linear; it
+takes torch's always with `--no-rust-linear`, R3SRV_RUST_LINEAR=0, or without a built
+extension). Results differ from torch's by rounding (another order of the same sums; float32
+arithmetic for bfloat16, rounded once), and a row's result does not depend on the other rows.
+
+bfloat16 with more rows (a prefill's projections) takes the kernel's packed path too where
+torch has no fast bfloat16 GEMM: on a CPU without AMX or AVX-512 BF16 torch runs bfloat16 at
+about a sixth of its float32 speed, and the kernel widens each block of the weight to float32
+and runs float32's packed products (benches/bench_linear_cpu.py). With AMX or AVX-512 BF16
+(what /proc/cpuinfo reports, read once) torch's oneDNN kernels keep those calls.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from r3srv import settings
+from r3srv.kernels.cpu_isa import torch_has_fast_bfloat16
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
-_linear_cpu = rust_kernel("linear_cpu")
-BUILT = _linear_cpu is not None  # else torch's F.linear (kernels/rust_core.py)
+linear_entry = rust_kernel("linear_cpu")
+BUILT = linear_entry is not None  # else torch's F.linear (kernels/rust_core.py)
 
-# More rows than this: torch's GEMM, whose packed kernels win once the weights are reused enough.
+# More rows than this: torch's GEMM, whose packed kernels win once the weights are reused enough
+# (bfloat16: the kernel's own packed path, where PACKED_BF16).
 MAX_ROWS = 32
+# Whether bfloat16 products of more than MAX_ROWS rows run in the kernel (see the docstring).
+PACKED_BF16 = not torch_has_fast_bfloat16()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias)."""
-    out = linear_rust(x, weight, bias)
-    return F.linear(x, weight, bias) if out is None else out
-
-
-def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x @ weight.T (+ bias) through the Rust kernel, or None where it does not apply. A decode
-    step makes a dozen of these calls: the checks read each attribute once, cheapest first."""
-    current = settings.current()
+def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                threads: int = 1) -> torch.Tensor | None:
+    """x @ weight.T (+ bias) through the Rust kernel on up to `threads` threads, or None where it
+    does not apply. A decode step makes a dozen of these calls: the checks read each attribute
+    once, cheapest first."""
     dtype = RUST_DTYPES.get(x.dtype)
-    if dtype is None or not BUILT or not current.rust_linear or not x.is_cpu:
+    if dtype is None or not BUILT or not x.is_cpu:
         return None
     shape, weight_shape = x.shape, weight.shape
     if len(weight_shape) != 2 or not shape:
@@ -45,7 +48,9 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if shape[-1] != in_features or in_features == 0 or out_features == 0:
         return None
     rows = x.numel() // in_features
-    if not 0 < rows <= MAX_ROWS or x.requires_grad or weight.requires_grad:
+    if rows <= 0 or x.requires_grad or weight.requires_grad:
+        return None
+    if rows > MAX_ROWS and (dtype != "bfloat16" or PACKED_BF16 is False):
         return None
     if weight.dtype != x.dtype or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous():
         return None
@@ -54,5 +59,5 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     out = x.new_empty(rows, out_features) if len(shape) == 2 else x.new_empty(*shape[:-1], out_features)
     addresses = (x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
-    _linear_cpu(addresses, (rows, out_features, in_features), dtype, current.cpu_threads)
+    linear_entry(addresses, (rows, out_features, in_features), dtype, threads)
     return out

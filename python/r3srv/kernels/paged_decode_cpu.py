@@ -5,7 +5,7 @@ The CPU counterpart of kernels/paged_decode_triton.py, with its launcher's signa
 semantics (GQA, MLA's values viewing the keys' leading dims, sliding windows, sinks): the torch
 path gathers every decode context into a padded copy and calls SDPA; this reads each context
 once, in place, with an online softmax in float32 (bfloat16 caches accumulate in float32 too).
-The work is split over (sequence, KV head) across torch's intra-op thread count when there is
+The work is split over (sequence, KV head) across the given threads when there is
 enough of it. Tensors cross as data pointers, shapes and strides: this module checks what Rust
 cannot (dtypes, devices, layouts, aliasing) and Rust checks every index before following it.
 """
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from r3srv import settings
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
-_paged_decode_attention = rust_kernel("paged_decode_attention")
-BUILT = _paged_decode_attention is not None  # else the torch path (kernels/rust_core.py)
+paged_decode_entry = rust_kernel("paged_decode_attention")
+BUILT = paged_decode_entry is not None  # else the torch path (kernels/rust_core.py)
 
 
 def supports(q: torch.Tensor) -> bool:
@@ -26,7 +25,7 @@ def supports(q: torch.Tensor) -> bool:
     return BUILT and q.is_cpu and q.dtype in RUST_DTYPES
 
 
-def _head_major(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+def head_major(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     """A [rows, heads, dim] tensor, contiguous in its last dim, as (pointer, shape, strides)."""
     strides = t.stride()
     if len(strides) != 3 or (strides[2] != 1 and t.shape[2] > 1):
@@ -35,17 +34,19 @@ def _head_major(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, in
     return (t.data_ptr(), *t.shape, strides[0], strides[1])
 
 
-def _index(t: torch.Tensor) -> torch.Tensor:
+def as_index(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int, scale: float,
                      window: int | None = None, sinks: torch.Tensor | None = None,
-                     max_context: int | None = None) -> None:
+                     max_context: int | None = None, threads: int = 1) -> None:
     """Decode attention into out[rows] (out [T, H, Dv], contiguous): q [T, H, D]; k_cache
     [slots, KVH, D], v_cache [slots, KVH, Dv]; per decoding sequence its block table row
     (tables [B, max_blocks]), context length (lens [B], this token included) and row in q
-    (rows [B]). max_context: accepted for the Triton launcher's signature (no split here)."""
+    (rows [B]). max_context: accepted for the Triton launcher's signature (no split here).
+    threads: the work's split over the Rust core's thread pool (the CPU backend passes
+    settings.cpu_threads)."""
     del max_context
     num_seqs = rows.shape[0]
     if num_seqs == 0:
@@ -66,7 +67,7 @@ def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int,
     for name in ("q", "k_cache", "v_cache"):
         if tensors[name].untyped_storage().data_ptr() == written:
             raise ValueError(f"paged_decode_cpu: out shares memory with {name}")
-    tables, lens, rows = _index(tables), _index(lens), _index(rows)
+    tables, lens, rows = as_index(tables), as_index(lens), as_index(rows)
     if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != rows.shape:
         raise ValueError(f"paged_decode_cpu: tables {tuple(tables.shape)}, lens {tuple(lens.shape)} and rows "
                          f"{tuple(rows.shape)} do not describe {num_seqs} sequences")
@@ -74,10 +75,10 @@ def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int,
         sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
         if sinks.shape != (q.shape[1],):
             raise ValueError(f"paged_decode_cpu: {tuple(sinks.shape)} sinks for {q.shape[1]} heads")
-    _paged_decode_attention(
-        RUST_DTYPES[q.dtype], _head_major("q", q), _head_major("k_cache", k_cache), _head_major("v_cache", v_cache),
+    paged_decode_entry(
+        RUST_DTYPES[q.dtype], head_major("q", q), head_major("k_cache", k_cache), head_major("v_cache", v_cache),
         (tables.data_ptr(), *tables.shape), lens.data_ptr(), rows.data_ptr(), (out.data_ptr(), *out.shape),
-        page, float(scale), window, None if sinks is None else sinks.data_ptr(), settings.current().cpu_threads,
+        page, float(scale), window, None if sinks is None else sinks.data_ptr(), threads,
     )
 
 

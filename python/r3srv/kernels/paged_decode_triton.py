@@ -1,7 +1,7 @@
 """Paged decode attention in Triton: each decoding sequence's query heads attend over its keys
 and values where they lie in the paged cache, read through its block table.
 
-The torch decode path (models/attention.py) gathers each sequence's context out of the cache
+The torch decode path (ops/attention.py) gathers each sequence's context out of the cache
 into a padded [B, context, heads, dim] copy and calls SDPA: the gather reads and writes the
 whole context once more than attention does, and grouping the sequences by length is host work
 every step. Here one program per (sequence, KV head, block of 16 of its query heads) walks the

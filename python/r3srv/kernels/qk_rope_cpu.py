@@ -3,19 +3,22 @@
 and key heads RMS-normalized per head (Qwen3's q_norm / k_norm) and rotated by the half-split
 convention. It replaces about 25 torch ops per layer (split, reshapes, two norms on strided
 views, two rotations, v's copy), whose dispatch costs more than the work at a decode step's
-few tokens. float32 only; anything else, `--no-rust-rope` (R3SRV_RUST_ROPE=0) or a missing
-extension keep the torch ops. The rotation gives torch's bits; the norms differ by rounding.
+few tokens. float32 or bfloat16 (every tensor alike; bfloat16 rounds each op's result as
+torch's bfloat16 ops do); anything else, `--no-rust-rope` (R3SRV_RUST_ROPE=0: the CPU backend,
+ops/cpu.py, then does not take it) or a missing extension keep the torch ops. The rotation
+gives torch's bits; the norms differ by rounding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from r3srv import settings
 from r3srv.kernels.rust_core import rust_kernel
 
-_qk_norm_rope_f32 = rust_kernel("qk_norm_rope_f32")
-BUILT = _qk_norm_rope_f32 is not None  # else the torch ops (kernels/rust_core.py)
+qk_norm_rope_entry = rust_kernel("qk_norm_rope_f32")
+BUILT = qk_norm_rope_entry is not None  # else the torch ops (kernels/rust_core.py)
+# the kernel by dtype (an extension built before the bfloat16 one lacks it: None)
+QK_NORM_ROPE_ENTRIES = {torch.float32: qk_norm_rope_entry, torch.bfloat16: rust_kernel("qk_norm_rope_bf16")}
 
 
 def qk_norm_rope(
@@ -32,15 +35,18 @@ def qk_norm_rope(
     kv_heads) D]: q and k normed by `norms` (q_norm, k_norm [D]; None: not normed), then
     rotated over cos/sin's width (rope_cos_sin's [T, rotary]; None: not rotated). None where
     the kernel does not apply."""
-    if not BUILT or not settings.current().rust_rope or not qkv.is_cpu or qkv.dtype != torch.float32:
+    kernel = QK_NORM_ROPE_ENTRIES.get(qkv.dtype)
+    if kernel is None or not qkv.is_cpu:
         return None
     tokens = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or not qkv.is_contiguous() or tokens == 0:
         return None
     rotary = 0 if cos is None else cos.shape[-1]
-    if not _kernel_ready(qkv) or (norms is not None and not (_kernel_ready(norms[0]) and _kernel_ready(norms[1]))):
+    dtype = qkv.dtype
+    if not kernel_ready(qkv, dtype) or (norms is not None and not (kernel_ready(norms[0], dtype)
+                                                                  and kernel_ready(norms[1], dtype))):
         return None
-    if cos is not None and not (_kernel_ready(cos) and _kernel_ready(sin)):
+    if cos is not None and not (kernel_ready(cos, dtype) and kernel_ready(sin, dtype)):
         return None
     if cos is not None and (cos.shape != (tokens, rotary) or sin.shape != cos.shape or rotary % 2 or rotary > head_dim):
         return None
@@ -52,10 +58,10 @@ def qk_norm_rope(
     addresses = (qkv.data_ptr(), 0 if norms is None else norms[0].data_ptr(), 0 if norms is None else norms[1].data_ptr(),
                  0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(),
                  q.data_ptr(), k.data_ptr(), v.data_ptr())
-    _qk_norm_rope_f32(addresses, (tokens, heads, kv_heads, head_dim, rotary), eps)
+    kernel(addresses, (tokens, heads, kv_heads, head_dim, rotary), eps)
     return q, k, v
 
 
-def _kernel_ready(t: torch.Tensor) -> bool:
-    """Whether the kernel can read `t` in place: float32, on the CPU, contiguous, no autograd."""
-    return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and not t.requires_grad
+def kernel_ready(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel can read `t` in place: of `dtype`, on the CPU, contiguous, no autograd."""
+    return t.dtype == dtype and t.is_cpu and t.is_contiguous() and not t.requires_grad

@@ -19,7 +19,10 @@ except ImportError:
 
 
 def rust_kernel(name: str) -> Callable | None:
-    """r3srv._core.`name`, or None where this build lacks it."""
+    """r3srv._core.`name`, or None where this build lacks it. Each kernel module exposes its
+    entry point as `<kernel>_entry`, for the CPU backend's fused decode step
+    (ops/cpu_decode.py), which makes the wrappers' checks once per model and step, then calls
+    the entry points straight."""
     return getattr(_core, name, None)
 
 

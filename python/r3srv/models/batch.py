@@ -37,6 +37,8 @@ class ForwardBatch:
     # that stand in for this step's placeholder tokens
     mrope_positions: torch.Tensor | None = None
     visual: VisualRows | None = None
+    # each token's adapter slot (r3srv.lora.slots.LoraBatch); None: every token runs the base model
+    lora: "LoraBatch | None" = None
 
 
 @dataclass

@@ -9,7 +9,7 @@ reuse the selection of the last layer with an indexer.
 
 A prefill span's selection is a boolean mask [q, context] over the keys it already gathers;
 a decode group's is a smaller decode group: each sequence gathers only its selected keys, so a
-decode attends over index_topk keys whatever its context (models/attention.py's groups).
+decode attends over index_topk keys whatever its context (ops/attention.py's groups).
 None where dense.
 """
 
@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from r3srv.models.attention import AttentionMetadata, DecodeGroup
 from r3srv.models.config import ModelConfig
-from r3srv.models.layers import apply_rope, apply_rope_interleaved
 from r3srv.models.layers import empty_param as _param
+from r3srv.ops import REFERENCE, Ops
+from r3srv.ops.attention import AttentionMetadata, DecodeGroup
 
 # Index scores one prefill chunk computes at once (query rows x heads x context keys): bounds
 # the transient memory of long prompts over long contexts.
@@ -49,9 +49,13 @@ class Indexer(nn.Module):
         self.k_norm = _param(self.dim, **kw)
         self.k_norm_bias = _param(self.dim, **kw)
         self.weights_proj = _param(self.heads, cfg.hidden_size, **kw)
-        self.rotate = apply_rope_interleaved if spec.rope_interleave else apply_rope
+        self.rope_layout = "interleaved" if spec.rope_interleave else "half"
         self.scale = self.dim**-0.5
         self.k_cache: torch.Tensor | None = None  # [slots, dim]
+        self.use_ops(REFERENCE)
+
+    def use_ops(self, ops: Ops) -> None:
+        self.rotate = ops.rotate(self.rope_layout)
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         p = prefix + "self_attn.indexer."

@@ -94,6 +94,8 @@ class GatedDeltaNet(RecurrentLayer):
     [q k v] [z] [b] [a] over all heads ("qkv_z_b_a"). A rank holds its key heads and their
     value heads: its slice of each of those sub-matrices."""
 
+    FUSED_STEP = "delta_rule_step"
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
@@ -173,6 +175,6 @@ class GatedDeltaNet(RecurrentLayer):
             padded = (group.pad(y).transpose(1, 2) for y in (q, k, v, g, beta))
             return chunked_delta_rule(s, *padded, captures=captures).transpose(1, 2)
 
-        self.recur(states, o, step, scan, fused=("delta_rule_step_triton", (q, k, v, g, beta), ()))
+        self.recur(states, o, step, scan, (q, k, v, g, beta))
         o = gated_rms_norm(o.to(x.dtype), z, self.norm, self.eps)
         return self.out_proj(o.reshape(t, self.value_dim))

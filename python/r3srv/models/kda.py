@@ -80,6 +80,8 @@ class KimiDeltaAttention(RecurrentLayer):
     """A rank holds its heads: their rows of every per-head projection; the low-rank inputs
     (f_a, g_a) and the norm are whole."""
 
+    FUSED_STEP = "delta_rule_step"
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
@@ -137,7 +139,7 @@ class KimiDeltaAttention(RecurrentLayer):
             padded = (group.pad(y).transpose(1, 2) for y in (q, k, v, g, beta))
             return chunked_kda(s, *padded, captures=captures).transpose(1, 2)
 
-        self.recur(states, o, step, scan, fused=("delta_rule_step_triton", (q, k, v, g, beta), ()))
+        self.recur(states, o, step, scan, (q, k, v, g, beta))
         gate = self.g_b(F.linear(x, self.g_a)).float().view(t, h, d)
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
         return self.o_proj((normed * gate.sigmoid()).to(x.dtype).reshape(t, self.width))

@@ -73,6 +73,8 @@ class Mamba2(RecurrentLayer):
     """A rank holds its heads (their rows of in_proj, the convolution, the per-head vectors and
     the norm) and their groups' B and C rows."""
 
+    FUSED_STEP = "ssm_step"
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelState = SINGLE) -> None:
         super().__init__()
@@ -130,7 +132,7 @@ class Mamba2(RecurrentLayer):
             xs, dts, bs, cs = (group.pad(v).transpose(1, 2) for v in (u, dt, b, c))
             return chunked_scan(s, xs, dts, a, bs, cs, captures=captures).transpose(1, 2)
 
-        self.recur(states, y, step, scan, fused=("ssm_step_triton", (u, dt, b, c), (a,)))
+        self.recur(states, y, step, scan, (u, dt, b, c), (a,))
         y = (y + self.d.weight.float()[:, None] * u).reshape(t, self.inner)
         return self.out_proj(self._gated_norm(y.to(x.dtype), z))
 

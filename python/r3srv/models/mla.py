@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from r3srv.models.attention import CAUSAL, AttentionMetadata, attend, paged_attention
 from r3srv.models.config import ModelConfig
 from r3srv.models.dsa import Indexer, Selection
-from r3srv.models.layers import apply_rope, apply_rope_interleaved, empty_param as _param, rms_norm, yarn_mscale
+from r3srv.models.layers import empty_param as _param
 from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, head_pieces, local_heads
+from r3srv.ops import REFERENCE, Ops
+from r3srv.ops.attention import CAUSAL, AttentionMetadata, attend, paged_attention
+from r3srv.ops.rotary import yarn_mscale
 
 # DeepSeek-V3's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not the config's.
 LATENT_NORM_EPS = 1e-6
@@ -41,6 +43,14 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 class MlaAttention(nn.Module):
     """Latent attention over this rank's heads: the latent (kv_a, its norm, the cache) and the
     indexer are whole on every rank, q/kv_b split by heads, o row-parallel."""
+
+    # the whole (unsplit) projections that adapters may target beside the split layers' own
+    # slots: name -> r3srv.lora.slots.LoraLinear, filled when the model is served with LoRA
+    LORA_WEIGHTS = ("q_a", "kv_a")
+    lora_weights: dict = {}
+    # kv_b_proj's weight is absorbed into the queries in decode and applied to cached latents in
+    # prefill, rows no step's adapter map covers: an adapter on it is refused (docs/lora.md)
+    LORA_EXCLUDED = ("kv_b_proj",)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, index: int = 0,
                  parallel: ParallelState = SINGLE) -> None:
@@ -73,10 +83,17 @@ class MlaAttention(nn.Module):
         self.o_proj = RowParallelLinear(head_pieces(heads, self.v_dim, parallel), hidden, bias=spec.o_bias,
                                         state=parallel, **kw)
         self.scale = mla_softmax_scale(cfg)
-        self.rotate = apply_rope_interleaved if cfg.rope.interleave else apply_rope
+        self.rope_layout = "interleaved" if cfg.rope.interleave else "half"
         self.use_rope = cfg.rope.enabled  # Kimi-Linear: no positions (its rope dims stay as they are)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.use_ops(REFERENCE)
+
+    def use_ops(self, ops: Ops) -> None:
+        """The backend's latent norms, rotation and paged decode kernel (latent decodes)."""
+        self.rms_norm = ops.norm("default")
+        self.rotate = ops.rotate(self.rope_layout)
+        self.decode_kernel = ops.decode_attention
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k_cache = torch.zeros(num_slots, 1, self.rank + self.rope, dtype=dtype, device=device)
@@ -110,6 +127,12 @@ class MlaAttention(nn.Module):
             targets.update(self.indexer.weight_targets(prefix))
         return targets
 
+    def _latent(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
+        """x through the whole low-rank projection `name` (q_a, kv_a), with its adapters."""
+        y = F.linear(x, getattr(self, name), bias)
+        lora = self.lora_weights.get(name)
+        return y if lora is None else lora(x, y, F.linear)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
@@ -118,7 +141,7 @@ class MlaAttention(nn.Module):
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            q_resid = self.rms_norm(self._latent(x, "q_a", self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
             q = self.q_b_proj(q_resid)
         selection: Selection | None = None
         if self.indexer is not None:
@@ -126,8 +149,8 @@ class MlaAttention(nn.Module):
         elif self.shares_selection:
             selection = meta.sparse_selection
         q_nope, q_rope = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        latent, k_rope = F.linear(x, self.kv_a, self.kv_a_bias).split([self.rank, self.rope], dim=-1)
-        latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
+        latent, k_rope = self._latent(x, "kv_a", self.kv_a_bias).split([self.rank, self.rope], dim=-1)
+        latent = self.rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
         k_rope = k_rope.reshape(t, 1, self.rope)
         if self.use_rope:
             q_rope, k_rope = self.rotate(q_rope, cos, sin), self.rotate(k_rope, cos, sin)
@@ -143,7 +166,7 @@ class MlaAttention(nn.Module):
                 groups = [g if sparse is None else sparse
                           for g, sparse in zip(meta.decode_groups(None), selection.decodes)]
             out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, meta,
-                                         scale=self.scale, decode_kernel=groups is None, with_prefills=False,
+                                         scale=self.scale, decode_kernel=self.decode_kernel, with_prefills=False,
                                          groups=groups)
             out = torch.einsum("thc,hdc->thd", out_latent, kv_b[:, self.nope :])
         else:

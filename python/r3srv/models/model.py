@@ -15,30 +15,32 @@ layers are one mixer each (MixerBlock: Mamba-2, models/mamba2.py, attention, MoE
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
-from r3srv import settings
-from r3srv.kernels.qk_rope_cpu import qk_norm_rope
-from r3srv.models.attention import AttentionMetadata, paged_attention
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.config import ModelConfig
-from r3srv.models.cpu_decode import DecodeStep, FastDecodeLayer
-from r3srv.models.cpu_threads import cpu_torch_threads
 from r3srv.models.families import family_named
 from r3srv.models.gated_deltanet import GatedDeltaNet
 from r3srv.models.kda import KimiDeltaAttention
-from r3srv.models.mamba2 import Mamba2
-from r3srv.models.recurrent import LinearStateBatch
-from r3srv.models.short_conv import ShortConv
-from r3srv.models.layers import apply_rope, apply_rope_interleaved, rms_norm, rms_norm_for, rope_cos_sin, rope_inv_freq
 from r3srv.models.layers import empty_param as _param
-from r3srv.models.layers import yarn_inv_freq
+from r3srv.models.mamba2 import Mamba2
 from r3srv.models.mla import MlaAttention
 from r3srv.models.mrope import mrope_cos_sin
 from r3srv.models.moe import Mlp, SparseMoeBlock
 from r3srv.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, ParallelState, RowParallelLinear,
                                    VocabParallelEmbedding, column_weight, head_pieces, local_heads)
+from r3srv.models.recurrent import LinearStateBatch
+from r3srv.models.short_conv import ShortConv
+from r3srv.ops import REFERENCE, Declined, Ops, ops_for
+from r3srv.ops.attention import AttentionMetadata, paged_attention
+from r3srv.ops.norm import norm_kind
+from r3srv.ops.parts import AttentionParts, DecoderParts, NormParts
+from r3srv.ops.rotary import rope_cos_sin, rope_inv_freq, yarn_inv_freq
+
+log = logging.getLogger(__name__)
 
 
 # the layers with a per-sequence state, by LinearAttentionSpec.kind
@@ -61,7 +63,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.eps = cfg.norm.eps
-        self.norm = rms_norm_for(cfg)
+        self.norm_kind = norm_kind(cfg.norm)
         self.qk_norm = spec.qk_norm
         self.clip_qkv = spec.clip_qkv
         # Qwen3-Next / 3.5: q_proj yields [q, gate] per head; the gate scales the attention output
@@ -79,7 +81,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = _param(heads * self.head_dim, **kw), _param(kv_heads * self.head_dim, **kw)
         self.sinks = column_weight(head_pieces(heads, 1, parallel), **kw) if spec.sinks else None
         self.scale = spec.scale  # None: 1 / sqrt(head_dim)
-        self.rotate = apply_rope_interleaved if cfg.rope.interleave else apply_rope
+        self.rope_layout = "interleaved" if cfg.rope.interleave else "half"
         self.use_rope = cfg.rope.enabled and (cfg.rope.layers is None or index in cfg.rope.layers)
         # AFMoE: a separate projection's sigmoid gates the attention output
         self.gate = None
@@ -87,9 +89,32 @@ class Attention(nn.Module):
             self.gate = ColumnParallelLinear(cfg.hidden_size, head_pieces(heads, self.head_dim, parallel), **kw)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        # q/k norms and RoPE in one Rust call on the CPU, where the layer is that simple
-        self.fused_heads = (self.q_rows == self.q_size and self.qk_norm in (None, "head") and self.clip_qkv is None
-                            and self.rotate is apply_rope and self.norm is rms_norm)
+        self.use_ops(REFERENCE)
+
+    def use_ops(self, ops: Ops) -> None:
+        """The backend's norm, rotation and paged decode kernel for this layer; its fused q/k
+        norms + RoPE where the layer is that simple (no output gate, no norm over every head, no
+        clipping, half-split RoPE, the default norm)."""
+        self.norm = ops.norm(self.norm_kind)
+        self.rotate = ops.rotate(self.rope_layout)
+        self.decode_kernel, self.prefill_kernel = ops.decode_attention, ops.prefill_attention
+        simple = (self.q_rows == self.q_size and self.qk_norm in (None, "head") and self.clip_qkv is None
+                  and self.rope_layout == "half" and self.norm_kind == "default")
+        self.fused_heads = ops.attention_heads if simple else None
+
+    def parts(self) -> AttentionParts:
+        """This layer as a fused op takes it (ops/parts.py)."""
+        per_head = self.qk_norm == "head"
+        norm = (lambda w: NormParts(w, self.eps, self.norm_kind)) if self.q_norm is not None else (lambda w: None)
+        return AttentionParts(
+            layer=self, qkv=self.qkv_proj.parts(), o=self.o_proj.parts(), num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            scale=self.head_dim**-0.5 if self.scale is None else self.scale, rope=self.use_rope,
+            q_norm=norm(self.q_norm) if per_head else None, k_norm=norm(self.k_norm) if per_head else None,
+            rope_layout=self.rope_layout, norm_over_heads=self.qk_norm == "full",
+            output_gate=self.q_rows != self.q_size, gate=None if self.gate is None else self.gate.parts(),
+            clip_qkv=self.clip_qkv, window=self.window, sinks=None if self.sinks is None else self.sinks.weight,
+            tp_size=self.parallel.tp_size)
 
     def _norm_all_heads(self, y: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
         """RMSNorm over every head: under tensor parallelism the ranks' heads are gathered (each
@@ -132,11 +157,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         gate = None if self.gate is None else self.gate(x)
         heads = None
-        if self.fused_heads:  # the Rust kernel where it applies (kernels/qk_rope_cpu.py)
+        if self.fused_heads is not None:  # the backend's fused kernel, where it takes this call
             q_norm, rope = self.q_norm, self.use_rope
-            heads = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                                 None if q_norm is None else (q_norm, self.k_norm), self.eps,
-                                 cos if rope else None, sin if rope else None)
+            heads = self.fused_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                     None if q_norm is None else (q_norm, self.k_norm), self.eps,
+                                     cos if rope else None, sin if rope else None)
         if heads is None:
             q, k, v, q_gate = self._heads(qkv, cos, sin)
             gate = gate if q_gate is None else q_gate
@@ -145,7 +170,8 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
         o = paged_attention(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, scale=self.scale, window=self.window,
-                            sinks=None if self.sinks is None else self.sinks.weight, decode_kernel=True)
+                            sinks=None if self.sinks is None else self.sinks.weight, decode_kernel=self.decode_kernel,
+                            prefill_kernel=self.prefill_kernel)
         o = o.reshape(x.shape[0], self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -193,7 +219,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.eps = cfg.norm.eps
-        self.norm = rms_norm_for(cfg)
+        self.norm_kind = norm_kind(cfg.norm)
         self.residual_multiplier = cfg.scales.residual  # Granite: each branch's output scaled
         self.is_moe = index in cfg.moe_layers
         # the norms before each branch (none in FlexOlmo's OLMo-2 layout)
@@ -215,6 +241,32 @@ class DecoderLayer(nn.Module):
         else:
             self.attn = Attention(cfg, dtype, device, window, index, parallel)
         self.mlp = (SparseMoeBlock if self.is_moe else DenseMlp)(cfg, dtype, device, parallel)
+        self.use_ops(REFERENCE)
+
+    def use_ops(self, ops: Ops) -> None:
+        """The backend's norm for this layer, and its fused decode step where the backend has one
+        and it takes this layer's parts (`fused`; else why not: `fused_declined`)."""
+        self.norm = ops.norm(self.norm_kind)
+        self.fused, self.fused_declined = None, None
+        if ops.fuse_decoder_layer is not None:
+            try:
+                self.fused = ops.fuse_decoder_layer(self.parts())
+            except Declined as why:
+                self.fused_declined = str(why)
+
+    def parts(self) -> DecoderParts:
+        """This layer as a fused op takes it (ops/parts.py)."""
+        def norm(weight):
+            return None if weight is None else NormParts(weight, self.eps, self.norm_kind)
+
+        mixer = self.linear_attn or self.attn
+        mlp = self.mlp
+        return DecoderParts(
+            mixer=mixer.parts() if isinstance(mixer, Attention) else type(mixer).__name__,
+            mlp=mlp.parts() if isinstance(mlp, (SparseMoeBlock, Mlp)) else type(mlp).__name__,
+            input_norm=norm(self.input_norm), post_attention_norm=norm(self.post_attention_norm),
+            attn_out_norm=norm(self.attn_out_norm), mlp_out_norm=norm(self.mlp_out_norm),
+            residual_multiplier=self.residual_multiplier)
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
         h = self._pre_norm(x, self.input_norm)
@@ -242,10 +294,15 @@ class MixerBlock(nn.Module):
         self.index, self.kind, self.eps = index, cfg.layer_kinds[index], cfg.norm.eps
         self.is_moe = self.kind == "moe"
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.norm_fn = rms_norm_for(cfg)
+        self.norm_kind = norm_kind(cfg.norm)
         self.linear_attn = Mamba2(cfg, dtype, device, parallel) if self.kind == "mamba" else None
         self.attn = Attention(cfg, dtype, device, parallel=parallel) if self.kind == "attention" else None
         self.mlp = {"moe": SparseMoeBlock, "mlp": DenseMlp}.get(self.kind, lambda *a: None)(cfg, dtype, device, parallel)
+        self.fused = self.fused_declined = None  # no fused step for a one-mixer layer
+        self.use_ops(REFERENCE)
+
+    def use_ops(self, ops: Ops) -> None:
+        self.norm_fn = ops.norm(self.norm_kind)
 
     def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
         h = self.norm_fn(x, self.norm, self.eps)
@@ -260,7 +317,7 @@ class MoeForCausalLM(nn.Module):
     """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 parallel: ParallelState = SINGLE) -> None:
+                 parallel: ParallelState = SINGLE, ops: Ops | None = None) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = cfg
@@ -278,14 +335,29 @@ class MoeForCausalLM(nn.Module):
         else:
             inv_freq, self.rope_attention_factor = rope_inv_freq(cfg.rotary_dim, cfg.rope.theta), 1.0
         self.inv_freq = inv_freq.to(device)
-        self.norm = rms_norm_for(cfg)
         self.block_size = 0
         self.num_blocks = 0
         self.num_state_slots = 0
         self.num_state_snapshots = 0
-        self._fast_layers: list[FastDecodeLayer | None] | None = None  # decided at the first forward, after loading
-        if device.type == "cpu":  # the work outside forwards (loading, sampling) as before; forwards set their own
-            torch.set_num_threads(settings.current().cpu_threads)
+        self.select_ops(ops)
+        if self.ops.torch_threads is not None:  # the work outside forwards (loading, sampling); forwards set their own
+            torch.set_num_threads(self.ops.threads)
+
+    def select_ops(self, ops: Ops | None = None) -> None:
+        """Bind every layer to `ops` (None: the backend of this model's device and dtype under the
+        current settings, r3srv.ops.ops_for): each op's kernel is chosen here, once, and each
+        layer takes the ones it calls. Tests and benchmarks call it again to switch a backend."""
+        self.ops = ops_for(self.device, self.dtype) if ops is None else ops
+        for module in self.modules():
+            use = getattr(module, "use_ops", None)
+            if use is not None:
+                use(self.ops)
+        self.norm = self.ops.norm(norm_kind(self.config.norm))
+        self.fused_layers = any(layer.fused is not None for layer in self.layers)
+        declined = {i: layer.fused_declined for i, layer in enumerate(self.layers) if layer.fused_declined is not None}
+        if declined:
+            log.info("%s backend: no fused decode step for layers %s (%s)", self.ops.name, sorted(declined),
+                     "; ".join(sorted(set(declined.values()))))
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -344,15 +416,34 @@ class MoeForCausalLM(nn.Module):
         for param in self.parameters():  # tied embeddings: one parameter, moved once
             data = param.data.to(device)
             param.data = data.pin_memory() if pin else data
-        self._fast_layers = None  # decided again for the new device
+        self.select_ops(self.ops)  # the same kernels, bound again to the weights where they now lie
 
-    def _fast_decode_layers(self) -> list[FastDecodeLayer | None]:
-        """Per layer, its decode step as straight kernel calls where every part of it allows
-        (models/cpu_decode.py), else None."""
-        if self._fast_layers is None:
-            self._fast_layers = [FastDecodeLayer(layer) if FastDecodeLayer.eligible(layer) else None
-                                 for layer in self.layers]
-        return self._fast_layers
+    lora_context = None  # the adapter slots' shared step (r3srv.lora) once enable_lora ran
+
+    def enable_lora(self, num_slots: int):
+        """Adapter slots (`num_slots` adapters at once) on every projection an adapter may
+        target, then the ops bound again: a fused op that does not compute them declines."""
+        from r3srv.lora.sites import attach
+
+        context = attach(self, num_slots)
+        self.select_ops(self.ops)
+        return context
+
+    def check_lora(self, adapter, param: str) -> None:
+        """InvalidRequestError naming `param` for an adapter target or shape this model lacks."""
+        from r3srv.lora.sites import bind
+
+        bind(self, adapter, param)
+
+    def load_lora_slot(self, slot: int, adapter) -> None:
+        from r3srv.lora.sites import load_slot
+
+        load_slot(self, slot, adapter)
+
+    def clear_lora_slot(self, slot: int) -> None:
+        from r3srv.lora.sites import clear_slot
+
+        clear_slot(self, slot)
 
     # ---- forward --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -360,13 +451,15 @@ class MoeForCausalLM(nn.Module):
         """float32 logits [B, vocab] at batch.logits_indices; writes this step's K/V and routing rows."""
         if self.block_size == 0:
             raise RuntimeError("init_kv_cache(num_blocks, block_size) must be called before forward")
-        if self.device.type == "cpu":
-            threads = cpu_torch_threads(batch.input_ids.shape[0])
+        if self.ops.torch_threads is not None:
+            threads = self.ops.torch_threads(batch.input_ids.shape[0])
             if torch.get_num_threads() != threads:  # most steps keep the last step's count
                 torch.set_num_threads(threads)
         return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.lora_context is not None:  # which adapter each token runs under, for every slot holder
+            self.lora_context.batch = batch.lora
         meta = AttentionMetadata.build(batch, self.block_size, self.device)
         if batch.mrope_positions is not None:  # a vision-language prompt's M-RoPE ids
             cos, sin = mrope_cos_sin(batch.mrope_positions.to(self.device), self.inv_freq, self.config.rope, self.dtype)
@@ -382,23 +475,22 @@ class MoeForCausalLM(nn.Module):
         capture = batch.routing_capture
         states = None
         if self.config.is_hybrid:
-            states = LinearStateBatch.build(batch, self.device)
+            states = LinearStateBatch.build(batch, self.device, self.ops.scan_pad_factor)
             entries = states.entries()  # a graph step's entries were checked before they were copied in
             if entries and (max(entries) >= self.num_state_slots + self.num_state_snapshots or min(entries) < 0):
                 raise ValueError(f"state entries {entries} outside the {self.num_state_slots} slots and "
                                  f"{self.num_state_snapshots} snapshots allocated")
         layer_captures = None if capture is None else capture.unbind(1)  # every layer's [T, top_k] view in one op
-        fast, fast_layers = None, self._fast_decode_layers()
-        if states is None and visual is None and any(fast_layers):
-            fast = DecodeStep.plan(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
-                                   self.config.num_experts)
+        fused = None  # the backend's fused decode step, where this step allows it (ops/cpu_decode.py)
+        if states is None and visual is None and self.fused_layers:
+            fused = self.ops.plan_fused_step(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
+                                             self.config.num_experts)
         for layer in self.layers:
             layer_capture = layer_captures[layer.index] if layer_captures is not None and layer.is_moe else None
-            kernels = None if fast is None else fast_layers[layer.index]
-            if kernels is not None:
-                x = kernels(x, cos, sin, meta, layer_capture, fast)
-            else:
-                x = layer(x, cos, sin, meta, layer_capture, states)
+            out = None
+            if fused is not None and layer.fused is not None:
+                out = layer.fused(x, cos, sin, meta, layer_capture, fused)
+            x = layer(x, cos, sin, meta, layer_capture, states) if out is None else out
             if visual is not None and layer.index < len(visual.deepstack):  # Qwen3-VL's deepstack
                 x = x.index_add(0, visual.rows, visual.deepstack[layer.index])
         x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.norm.eps)

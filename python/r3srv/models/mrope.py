@@ -11,7 +11,7 @@ from r3srv.models.specs import RopeSpec
 
 def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, rope: RopeSpec,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, rotary] for positions [3, T], laid out as models.layers.rope_cos_sin's."""
+    """cos/sin [T, rotary] for positions [3, T], laid out as ops.rotary.rope_cos_sin's."""
     freqs = positions.float()[..., None] * inv_freq  # [3, T, rotary / 2]
     t, h, w = rope.mrope_section
     if rope.mrope_interleaved:  # frequency i turns with axis i % 3 while that axis has some left

@@ -3,8 +3,8 @@ rank's shard of their weights and say, on every checkpoint target they hand the 
 slice of the checkpoint tensor that shard is (so each rank reads only its slice).
 
 At size 1 (`SINGLE`, no torch.distributed) every block computes what a plain `F.linear` /
-`F.embedding` on the whole weight does, with the same calls (on the CPU, a linear layer of a
-few rows through the Rust kernel: kernels/linear_cpu.py).
+`F.embedding` on the whole weight does, with the same calls (the linear layers through their
+backend's linear op, `ops.linear`: on the CPU a few rows take the Rust kernel).
 
 - Column-parallel: output rows split. A merged layer (q/k/v, gate/up, a recurrent layer's
   in_proj) stacks several sub-matrices, each split on its own (`Piece`), so a rank holds its
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from r3srv.kernels.linear_cpu import linear
+from r3srv.ops import REFERENCE, Ops
+from r3srv.ops.parts import LinearParts
 from r3srv.settings import EP_DISPATCHES
 
 
@@ -186,6 +187,16 @@ class ShardedWeight(nn.Module):
     """A weight (and optional bias) split along `dim` into pieces; `part(i)` / `bias_part(i)`
     are the checkpoint targets of piece i (None: all pieces, the whole merged tensor)."""
 
+    ops: Ops = REFERENCE  # the model's backend, bound by use_ops when the model is built
+    lora = None  # a linear layer's adapter slots (r3srv.lora.slots.LoraLinear) when served with LoRA
+
+    def use_ops(self, ops: Ops) -> None:
+        self.ops = ops
+
+    def parts(self) -> LinearParts:
+        """The weight and bias as a layer hands them to a fused op (ops/parts.py)."""
+        return LinearParts(self.weight, self.bias, self.lora)
+
     def __init__(self, pieces: Sequence[Piece], shape: Sequence[int], dim: int, *, bias: bool,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -232,7 +243,8 @@ class ColumnParallelLinear(ShardedWeight):
         super().__init__(pieces, (0, in_features), 0, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = self.ops.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y, self.ops.linear)
 
 
 class RowParallelLinear(ShardedWeight):
@@ -245,8 +257,12 @@ class RowParallelLinear(ShardedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = self.state.all_reduce(linear(x, self.weight))
+            y = self.ops.linear(x, self.weight, self.bias)
+            return y if self.lora is None else self.lora(x, y, self.ops.linear)
+        y = self.ops.linear(x, self.weight)
+        if self.lora is not None:  # this rank's input columns of A: the ranks' terms sum to the whole
+            y = self.lora(x, y, self.ops.linear)
+        y = self.state.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -286,6 +302,11 @@ class ParallelLMHead(nn.Module):
     """Logits over the whole vocabulary from split vocabulary rows (its own, or a tied
     embedding's): each rank's slice, gathered."""
 
+    ops: Ops = REFERENCE
+
+    def use_ops(self, ops: Ops) -> None:
+        self.ops = ops
+
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool, *, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -301,7 +322,7 @@ class ParallelLMHead(nn.Module):
         return self.rows.part()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = linear(x, self.rows.weight)
+        logits = self.ops.linear(x, self.rows.weight)
         if self.state.tp_size == 1:
             return logits
         return self.state.all_gather(logits)[..., : self.vocab_size]
@@ -317,6 +338,8 @@ class ExpertSlice(nn.Module):
     ranks. Ids in and out are logical; a rank computes its share of each token's weighted sum,
     and the shares are summed over the ranks.
     """
+
+    lora = None  # the experts' adapter slots (r3srv.lora.slots.LoraExperts) when served with LoRA
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, gated: bool, interleaved: bool = False,
                  biased: bool = False, state: ParallelState = SINGLE, dtype: torch.dtype, device: torch.device) -> None:
@@ -380,8 +403,8 @@ class ExpertSlice(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 run: Callable[..., torch.Tensor]) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (logical ids [T, k]) through
-        `run(x, w13, w2, weights, ids, tokens=, b13=, b2=)`, the grouped expert pass (moe.py's
-        grouped_experts: ids [T, k], or a pair list with `tokens`)."""
+        `run(x, w13, w2, weights, ids, tokens=, b13=, b2=)`, the backend's expert pass
+        (ops/experts.py: ids [T, k], or a pair list with `tokens`)."""
         if self.state.ep_size > 1:
             dispatch = _all_to_all if self.state.ep_dispatch == "all_to_all" else _own_pairs_all_reduced
             return dispatch(self, x, weights, ids, run)

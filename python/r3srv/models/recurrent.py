@@ -10,18 +10,17 @@ at position 0 starts from zero states, so a slot needs no reset when it changes 
 after a preemption). Every such layer has a causal depthwise convolution before its
 recurrence: its state is the last `kernel - 1` inputs.
 
-A step's sequences are grouped: those computing one token take one batched recurrent step;
-on CUDA the others are padded to the longest of their group and scanned together in chunks,
-one group for lengths that pad within PAD_FACTOR (a batch of rollouts' prompts is a few
-launches per layer, not a few per sequence). On the CPU, where launches cost little and
-padding costs compute, each multi-token sequence scans alone: grouping measured slower there,
-even for equal lengths (docs/benchmarks.md, benches/bench_hybrid_prefill.py).
+A step's sequences are grouped: those computing one token take one batched recurrent step
+(on CUDA the backend's fused in-place step, ops/cuda.py); the others are padded to the longest
+of their group and scanned together in chunks, one group for lengths that pad within the
+backend's `scan_pad_factor` (CUDA: a batch of rollouts' prompts is a few launches per layer,
+not a few per sequence; the CPU, where launches cost little and padding costs compute, scans
+each multi-token sequence alone: grouping measured slower there, even for equal lengths,
+docs/benchmarks.md, benches/bench_hybrid_prefill.py).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,12 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from r3srv import settings
+from r3srv.ops import Ops
 from r3srv.transfer import to_device
-
-# A scan group pads its members to the longest: at most this many padded tokens per real one,
-# by device type (0: every multi-token sequence scans alone)
-PAD_FACTOR = {"cuda": 2.0, "cpu": 0.0}
 
 
 @dataclass
@@ -90,7 +85,9 @@ class LinearStateBatch:
     restore_to: torch.Tensor | None = None  # ... into these slots before the step
 
     @classmethod
-    def build(cls, batch, device) -> "LinearStateBatch":
+    def build(cls, batch, device, pad_factor: float = 0.0) -> "LinearStateBatch":
+        """The step's groups; a scan group pads its members to the longest, at most `pad_factor`
+        padded tokens per real one (below 1: every multi-token sequence scans alone)."""
         if batch.graph is not None:  # a graph-captured decode step: one step group from static tensors
             g = batch.graph
             rows = torch.arange(g.state_slots.shape[0], device=g.state_slots.device)
@@ -119,10 +116,9 @@ class LinearStateBatch:
             if snapped:
                 group.snapshot_slots, group.snapshot_entries = (tensor(list(v)) for v in zip(*snapped))
             steps.append(group)
-        factor = PAD_FACTOR.get(torch.device(device).type, 0.0)
         scans = [
             cls._scan_group(members, query_lens, context_lens, starts, slots, snapshots, torch.device(device))
-            for members in _scan_groups([i for i, q in enumerate(query_lens) if q > 1], query_lens, factor)
+            for members in _scan_groups([i for i, q in enumerate(query_lens) if q > 1], query_lens, pad_factor)
         ]
         states = cls(slots, steps, scans, [entry for points in snapshots.values() for _, entry in points])
         if batch.state_restores:
@@ -213,23 +209,6 @@ def causal_conv(pool: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     return F.silu(out) if silu else out
 
 
-@functools.cache
-def fused_kernel(name: str):
-    """The in-place decode step `name` of kernels/recurrent_triton.py, or None without triton (or
-    when settings.fused_step is off). Imported on first use: CPU paths never import triton."""
-    if not settings.current().fused_step or importlib.util.find_spec("triton") is None:
-        return None
-    from r3srv.kernels import recurrent_triton
-
-    return getattr(recurrent_triton, name)
-
-
-def fuses(out: torch.Tensor) -> bool:
-    """Whether a step on this device takes the fused Triton step: on CUDA (the interpreter
-    tests also say yes for CPU tensors)."""
-    return out.is_cuda
-
-
 def run_recurrence(pool: torch.Tensor, states: LinearStateBatch, out: torch.Tensor,
                    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    scan: Callable[[torch.Tensor, ScanGroup, list], torch.Tensor],
@@ -271,6 +250,11 @@ class RecurrentLayer(nn.Module):
 
     conv_state: torch.Tensor | None = None  # [entries, channels, kernel - 1], model dtype
     recurrent_state: torch.Tensor | None = None  # [entries, ...], float32
+    FUSED_STEP: str | None = None  # the name of the backend's fused decode step this layer's recurrence takes
+    fused_step: Callable | None = None  # that step, where the backend has one (bound by use_ops)
+
+    def use_ops(self, ops: Ops) -> None:
+        self.fused_step = None if self.FUSED_STEP is None else ops.recurrent_step(self.FUSED_STEP)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         """(conv window, recurrent state or None) of one entry."""
@@ -298,14 +282,15 @@ class RecurrentLayer(nn.Module):
             raise RuntimeError("init_kv_cache must be called before forward (it allocates the recurrent states)")
         restore_snapshots(self.pools(), states)
 
-    def recur(self, states: LinearStateBatch, out: torch.Tensor, step, scan, fused=None) -> None:
-        """run_recurrence on this layer's states, then the one-token sequences' snapshots.
-        fused: (a step of kernels/recurrent_triton.py, the per-token inputs [T, ...] it takes, its
-        per-layer arguments after them): on CUDA the one-token sequences take that in-place step."""
-        kernel = fused_kernel(fused[0]) if fused is not None and fuses(out) else None
+    def recur(self, states: LinearStateBatch, out: torch.Tensor, step, scan, inputs=(), arguments=()) -> None:
+        """run_recurrence on this layer's states, then the one-token sequences' snapshots. Where
+        the backend has a fused step for this layer (`fused_step`, ops/cuda.py), the one-token
+        sequences take it in place: `fused_step(pool, slots, keep, *their rows of inputs [T, ...],
+        *arguments)`."""
+        kernel = self.fused_step
 
         def fused_step(pool, group):
-            return kernel(pool, group.slots, group.keep, *(x[group.rows] for x in fused[1]), *fused[2])
+            return kernel(pool, group.slots, group.keep, *(x[group.rows] for x in inputs), *arguments)
 
         run_recurrence(self.recurrent_state, states, out, step, scan, fused_step if kernel is not None else None)
         snapshot_steps(self.pools(), states)

@@ -66,6 +66,7 @@ class Feature(enum.Enum):
     # flags, each of which needs --enable-weight-updates too (cli.py refuses it alone)
     SLEEP_MODE = "--enable-sleep-mode"  # /sleep, /wake_up, /is_sleeping (vLLM's flag name)
     COLLECTIVE_RPC = "--enable-collective-rpc"  # /collective_rpc, its fixed method table (engine/rpc.py)
+    LORA = "--enable-lora"  # loading and unloading LoRA adapters (vLLM's and SGLang's flag)
 
 
 def declaration(handler: BaseRouteHandler) -> tuple[Access, Fleet, Feature | None]:

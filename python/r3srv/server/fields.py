@@ -62,7 +62,6 @@ class Refusal:
         return _same(value, default, exact=not lax) or any(_same(value, v, exact=not lax) for v in self.off)
 
 
-LORA = Refusal("LoRA adapters are not supported by r3srv")
 MULTIMODAL = Refusal("multimodal inputs other than images (and their options) are not supported by r3srv")
 CONSTRAINED = Refusal("constrained decoding (structured outputs, grammars, JSON schemas, regexes) is not supported by r3srv")
 BEAM = Refusal("beam search is not supported by r3srv")
@@ -173,8 +172,7 @@ SGLANG_REFUSED: dict[str, Refusal] = {
     "return_flat_raw_top_logprobs_b64": NOT_SUPPORTED,
     "return_hidden_states": NOT_SUPPORTED,
     "return_indexer_topk": NOT_SUPPORTED,
-    "lora_path": LORA,
-    "lora_id": LORA,
+    "lora_id": INTERNAL,  # set by SGLang's tokenizer manager from lora_path
     "custom_logit_processor": Refusal("custom logit processors are not supported by r3srv"),
     **dict.fromkeys(
         ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",

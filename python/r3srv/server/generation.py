@@ -73,7 +73,7 @@ class ServerState:
     def features(self) -> frozenset[Feature]:
         """The optional route groups this server serves (server/declare.py)."""
         flags = ((Feature.WEIGHT_UPDATES, self.enable_weight_updates), (Feature.SLEEP_MODE, self.enable_sleep_mode),
-                 (Feature.COLLECTIVE_RPC, self.enable_collective_rpc))
+                 (Feature.COLLECTIVE_RPC, self.enable_collective_rpc), (Feature.LORA, self.engine.core.lora is not None))
         return frozenset(feature for feature, on in flags if on)
 
     async def abort_all(self) -> None:
@@ -82,15 +82,40 @@ class ServerState:
         for gen in list(self.live):
             await self.engine.abort(gen.request_id)
 
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise ModelNotFoundError(model)
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (vLLM selects adapters by model name), None for the
+        served model itself; ModelNotFoundError (404) for any other name."""
+        if not model or model == self.model_name:
+            return None
+        if model in self.lora_names():
+            return model
+        raise ModelNotFoundError(model)
+
+    def check_loras(self, names: list[str | None], param: str) -> None:
+        """InvalidRequestError naming `param` for an adapter name that is not loaded (None: the base)."""
+        unknown = sorted({n for n in names if n is not None} - set(self.lora_names()))
+        if unknown:
+            why = "is not loaded" if self.engine.core.lora is not None else "asked for, but the server was started " \
+                                                                          "without --enable-lora"
+            raise InvalidRequestError(f"LoRA adapter {unknown[0]!r} {why}", param=param)
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters loaded (none without --enable-lora)."""
+        lora = self.engine.core.lora
+        return [] if lora is None else lora.names()
 
     def weight_version(self, output: RequestOutput) -> str | UnsetType:
         """What a choice says of the weights that produced it: only where weights can change."""
         if not self.enable_weight_updates or output.weight_version is None:
             return UNSET
         return output.weight_version
+
+    @staticmethod
+    def lora_fields(output: RequestOutput) -> dict[str, Any]:
+        """What a choice says of the LoRA adapter that produced it: nothing for the base model."""
+        if output.lora_name is None:
+            return {}
+        return {"lora_name": output.lora_name, "lora_version": output.lora_version}
 
     def tokenizer(self) -> Any:
         """The engine's tokenizer; a 400 for text APIs when the checkpoint has none."""
@@ -137,6 +162,7 @@ class Generation:
         *,
         stream: bool = True,
         multimodal: MultiModalPrompt | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.state = state
         self.route = route
@@ -144,7 +170,8 @@ class Generation:
         # Streams get DELTA outputs (per step, only the new tokens); the others FINAL_ONLY (no
         # per-step outputs, no loop wake-ups).
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        self._stream = state.engine.generate(prompt, params, request_id, output_kind=kind, multimodal=multimodal)
+        self._stream = state.engine.generate(prompt, params, request_id, output_kind=kind, multimodal=multimodal,
+                                             lora_name=lora_name)
         self._delta = stream
         self._generated_tokens = 0
         self._started = time.perf_counter()
@@ -222,6 +249,7 @@ async def start_all(
     *,
     stream: bool = True,
     multimodal: list[MultiModalPrompt | None] | None = None,
+    lora: str | None | list[str | None] = None,
 ) -> list[Generation]:
     """Submit every prompt of a request together (so they batch), then wait for each first output
     (with stream=True a DELTA output, with stream=False the finished one). `params` and
@@ -234,8 +262,9 @@ async def start_all(
         [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id])
     each = params if isinstance(params, list) else [params] * len(prompts)
     images = multimodal or [None] * len(prompts)  # each prompt's images, expanded (server/images.py)
-    gens = [Generation(state, route, p, sp, rid, stream=stream, multimodal=mm)
-            for p, sp, rid, mm in zip(prompts, each, ids, images)]
+    loras = lora if isinstance(lora, list) else [lora] * len(prompts)  # the adapter of each prompt
+    gens = [Generation(state, route, p, sp, rid, stream=stream, multimodal=mm, lora_name=name)
+            for p, sp, rid, mm, name in zip(prompts, each, ids, images, loras)]
     try:
         results = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
     except BaseException:  # cancelled: gather has cancelled the starts and they have ended

@@ -190,11 +190,11 @@ async def completion_response(
                     prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
                     token_ids=list(c.token_ids) if with_ids else None,
                     routed_experts=await rows.choice(c.routed_experts),
-                    weight_version=state.weight_version(out),
+                    weight_version=state.weight_version(out), **state.lora_fields(out),
                     prompt_logprobs=prompt_logprobs,
                 )
             )
-    return p.CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage_of(state, finals),
+    return p.CompletionResponse(id=request_id, model=finals[0].lora_name or state.model_name, choices=choices, usage=usage_of(state, finals),
                                 sglext=await rows.sglext(finals[0].outputs[0].routed_experts))
 
 
@@ -219,11 +219,11 @@ async def chat_response(
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if with_ids else None,
             routed_experts=await rows.choice(c.routed_experts),
-            weight_version=state.weight_version(final),
+            weight_version=state.weight_version(final), **state.lora_fields(final),
         ))
     return p.ChatCompletionResponse(
         id=request_id,
-        model=state.model_name,
+        model=final.lora_name or state.model_name,  # an adapter's name, as vLLM answers
         choices=choices,
         usage=usage_of(state, [final]),
         prompt_token_ids=list(final.prompt_token_ids) if with_ids else None,
@@ -250,14 +250,14 @@ async def generate_response(
             token_ids=list(c.token_ids),
             logprobs=generate_logprobs(c.token_ids, c.logprobs) if c.logprobs is not None else None,
             routed_experts=await state.encode_experts(c.routed_experts, encoding, start),
-            weight_version=state.weight_version(final),
+            weight_version=state.weight_version(final), **state.lora_fields(final),
             text=c.text if text_mode else UNSET,
         )
         for c in final.outputs
     ]
     return p.GenerateResponse(
         request_id=request_id,
-        model=state.model_name,
+        model=final.lora_name or state.model_name,  # an adapter's name, as vLLM answers
         created=int(time.time()),
         output_mode=req.output_mode,
         choices=choices,

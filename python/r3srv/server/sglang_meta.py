@@ -35,6 +35,8 @@ async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: C
     version = state.weight_version(out) if final else UNSET
     if version is not UNSET:
         meta["weight_version"] = version
+    if final:
+        meta.update(state.lora_fields(out))
     return meta
 
 

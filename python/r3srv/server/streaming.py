@@ -176,7 +176,9 @@ async def completion_stream(
     rows = OpenAIRows(state, req)
     first_rows = None
     finals: dict[int, RequestOutput] = {}
+    model = state.model_name
     async for i, out in merged_outputs(gens):
+        model = out.lora_name or state.model_name  # an adapter's name, as vLLM answers
         # echo: each choice's first chunk starts with the prompt (and its logprobs), as vLLM's
         prompt_text = echo_prompt_text(state.engine.tokenizer, out, with_ids) if req.echo else ""
         for c in out.outputs:
@@ -203,20 +205,21 @@ async def completion_stream(
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
+                **(state.lora_fields(out) if d.final else {}),
             )
             if d.final and i == c.index == 0:
                 first_rows = c.routed_experts
             usage = tracker.usage(i, c.index, out) if continuous else None
             yield sse(p.CompletionStreamResponse(
-                id=request_id, created=created, model=state.model_name, choices=[choice], usage=usage))
+                id=request_id, created=created, model=model, choices=[choice], usage=usage))
         if out.finished:
             finals[i] = out
     if (sglext := await rows.sglext(first_rows)) is not UNSET:  # SGLang's: a chunk of its own
-        yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[],
+        yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                              sglext=sglext))
     if req.stream_options and req.stream_options.include_usage:
         usage = usage_of(state, list(finals.values()), tracker.num_tokens)
-        yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
+        yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
     yield DONE
 
 
@@ -238,6 +241,7 @@ async def chat_stream(
     final: RequestOutput | None = None
     sent_prompt_ids = False
     grids_unsent = [True]  # the images' grids ride on the stream's first chunk
+    model = state.model_name
 
     def chunk(
         choice: p.ChatCompletionResponseStreamChoice, prompt_ids: list[int] | None, out: RequestOutput,
@@ -255,7 +259,7 @@ async def chat_stream(
             p.ChatCompletionStreamResponse(
                 id=request_id,
                 created=created,
-                model=state.model_name,
+                model=out.lora_name or state.model_name,  # an adapter's name, as vLLM answers
                 choices=[choice],
                 prompt_token_ids=prompt_ids if prompt_ids is not None else UNSET,
                 usage=usage,
@@ -264,6 +268,7 @@ async def chat_stream(
         )
 
     async for _, out in merged_outputs(gens):
+        model = out.lora_name or state.model_name
         for c in out.outputs:
             d = tracker.delta(0, c)
             if d is None:
@@ -299,6 +304,7 @@ async def chat_stream(
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
+                **(state.lora_fields(out) if d.final else {}),
             )
             if d.final and c.index == 0:
                 first_rows = c.routed_experts
@@ -306,11 +312,11 @@ async def chat_stream(
         if out.finished:
             final = out
     if (sglext := await rows.sglext(first_rows)) is not UNSET:  # SGLang's: a chunk of its own
-        yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[],
+        yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                  sglext=sglext))
     if req.stream_options and req.stream_options.include_usage and final is not None:
         usage = usage_of(state, [final], tracker.num_tokens)
-        yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
+        yield sse(p.ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
     yield DONE
 
 
@@ -338,6 +344,7 @@ async def generate_stream(
                 logprobs=generate_logprobs(d.token_ids, d.logprobs) if d.logprobs is not None else None,
                 routed_experts=await state.encode_experts(c.routed_experts, encoding, start) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
+                **(state.lora_fields(out) if d.final else {}),
                 text=d.text if text_mode else UNSET,
             )
             yield sse(

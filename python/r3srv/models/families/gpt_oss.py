@@ -29,7 +29,7 @@ def configure(cfg, raw, get):
 
 def moe_targets(prefix, mlp):
     """Experts fused and transposed ([E, H, 2I] with gate/up columns interleaved, [E, I, H]):
-    views of w13 (whose rows stay interleaved, see moe.clamped_swiglu) and w2."""
+    views of w13 (whose rows stay interleaved, see ops/experts.py's clamped_swiglu) and w2."""
     p, experts = prefix + "mlp.", mlp.experts
     b13, b2 = experts.bias_parts()
     return {

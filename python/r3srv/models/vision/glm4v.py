@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from r3srv.errors import ConfigError
-from r3srv.models.layers import rms_norm
+from r3srv.ops.norm import rms_norm
 from r3srv.models.vision.layers import (PatchEmbed, VisionAttention, VisionOutput, VisionTower, axial_rope, frozen,
                                         grid_sizes, image_lengths, patch_coords)
 

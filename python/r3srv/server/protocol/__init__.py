@@ -18,6 +18,7 @@ The request and response bodies of the generation and info routes are importable
 from r3srv.server.protocol.common import *  # noqa: F403
 from r3srv.server.protocol.control import *  # noqa: F403
 from r3srv.server.protocol.info import *  # noqa: F403
+from r3srv.server.protocol.lora import *  # noqa: F403
 from r3srv.server.protocol.openai import *  # noqa: F403
 from r3srv.server.protocol.sglang import *  # noqa: F403
 from r3srv.server.protocol.skyrl import *  # noqa: F403

@@ -203,6 +203,8 @@ class CompletionResponseChoice(Struct, kw_only=True):
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
+    lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
+    lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -231,6 +233,8 @@ class CompletionResponseStreamChoice(Struct, kw_only=True):
     # Only on the final chunk of a choice (the one with finish_reason).
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
+    lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
+    lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
 
 
 class CompletionStreamResponse(Struct, kw_only=True):
@@ -462,6 +466,8 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
+    lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
+    lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
     meta_info: dict[str, Any] | UnsetType = UNSET  # SGLang's, with return_meta_info
 
 
@@ -494,6 +500,8 @@ class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
     token_ids: list[int] | UnsetType = UNSET
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
+    lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
+    lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
 
 
 class ChatCompletionStreamResponse(Struct, kw_only=True):

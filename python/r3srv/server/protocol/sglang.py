@@ -104,6 +104,8 @@ class SglangGenerateRequest(Struct, kw_only=True):
     # entry per prompt, each an image or a list); each a data: URI, bare base64, a path or a URL
     # (r3srv/vision/media.py), or {"url": ...}; typed as SGLang's MultimodalDataInputFormat
     image_data: str | dict[str, Any] | list[str | dict[str, Any] | list[str | dict[str, Any]]] | None = None
+    # the LoRA adapter each prompt runs under, by the name it was loaded with (SGLang's lora_path)
+    lora_path: str | list[str | None] | None = None
     # Without effect on r3srv (logging, tracing, routing metadata), typed as SGLang types them
     log_metrics: bool = True
     no_logs: bool = False
@@ -197,6 +199,15 @@ class SglangGenerateRequest(Struct, kw_only=True):
     def prefill_only(self, index: int = 0) -> bool:
         """max_new_tokens=0: the engine runs one token, the answer leaves it out (nothing generated)."""
         return self._sampling(index).max_new_tokens == 0
+
+    def lora(self, index: int) -> str | None:
+        """The adapter prompt `index` runs under (a list gives one per prompt)."""
+        if isinstance(self.lora_path, list):
+            if len(self.lora_path) <= index:
+                raise InvalidRequestError(param="lora_path", problem=f" has {len(self.lora_path)} entries, fewer "
+                                          "than the prompts")
+            return self.lora_path[index]
+        return self.lora_path
 
     def _salt(self, index: int) -> str | None:
         """extra_key and cache_salt as one engine salt that vLLM's rules accept (SGLang takes any

@@ -120,6 +120,8 @@ class GenerateChoice(Struct, kw_only=True):
     routed_experts: RoutedExpertsValue | None = None
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
+    lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
+    lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
     text: str | UnsetType = UNSET  # output_mode="text" only
 
 
@@ -143,6 +145,8 @@ class GenerateStreamChoice(Struct, kw_only=True):
     logprobs: GenerateLogProbs | None = None
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
+    lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
+    lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
     text: str | UnsetType = UNSET
 
 

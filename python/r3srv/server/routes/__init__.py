@@ -6,9 +6,9 @@ handler (path, body, and server/declare.py's access, fleet behaviour and require
 
 from litestar.handlers import HTTPRouteHandler
 
-from r3srv.server.routes import control, fleet, inference, info, openai, sglang, skyrl, weight_sync, weights
+from r3srv.server.routes import control, fleet, inference, info, lora, openai, sglang, skyrl, weight_sync, weights
 
-ROUTE_MODULES = (openai, inference, sglang, skyrl, info, weights, weight_sync, control, fleet)
+ROUTE_MODULES = (openai, inference, sglang, skyrl, info, weights, weight_sync, control, fleet, lora)
 
 ROUTE_HANDLERS: list[HTTPRouteHandler] = [
     value for module in ROUTE_MODULES for value in vars(module).values()

@@ -27,6 +27,7 @@ async def run_to_end(
     params: SamplingParams,
     request_id: str,
     build: Callable[[list[RequestOutput]], Awaitable[T]],
+    lora: str | None | list[str | None] = None,
     multimodal: list | None = None,
 ) -> T | Response[bytes]:
     """Non-streaming: start every prompt, wait for the finished outputs, build the response.
@@ -38,7 +39,8 @@ async def run_to_end(
     gens: list[Generation] = []
 
     async def work() -> T:
-        gens.extend(await start_all(state, route, prompts, params, request_id, stream=False, multimodal=multimodal))
+        gens.extend(await start_all(state, route, prompts, params, request_id, stream=False, lora=lora,
+                                    multimodal=multimodal))
         finals = await asyncio.gather(*(g.final() for g in gens))
         return await build(list(finals))
 

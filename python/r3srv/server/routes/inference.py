@@ -22,7 +22,7 @@ from r3srv.server.streaming import EngineStream, generate_stream
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> p.GenerateResponse:
     state = server_state(request)
-    state.check_model(data.model)
+    lora = state.check_model(data.model)  # an adapter's name selects it
     params = data.to_sampling_params()
     request_id = data.request_id or uuid.uuid4().hex
     route = "/inference/v1/generate"
@@ -30,11 +30,11 @@ async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> 
     ids, images = await expand(state, list(data.token_ids), refs, param="content_parts", fields=fields)
     prompts: list[str | list[int]] = [ids]
     if data.stream:
-        gens = await start_all(state, route, prompts, params, request_id, multimodal=[images])
+        gens = await start_all(state, route, prompts, params, request_id, lora=lora, multimodal=[images])
         return EngineStream(generate_stream(state, data, request_id, gens), gens)  # type: ignore[return-value]
     return await run_to_end(  # type: ignore[return-value]
         request, route, prompts, params, request_id, lambda finals: generate_response(state, data, request_id, finals[0]),
-        multimodal=[images],
+        lora, multimodal=[images],
     )
 
 

@@ -39,7 +39,10 @@ async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
         if info
         else p.UNSET,
     )
-    return p.ModelList(data=[card])
+    # each LoRA adapter is a model of its own, its parent the served one (as vLLM lists them)
+    adapters = [p.ModelCard(id=name, root=entry.path or name, parent=state.model_name, max_model_len=engine.max_model_len)
+                for name, entry in (engine.core.lora.entries.items() if engine.core.lora is not None else ())]
+    return p.ModelList(data=[card, *adapters])
 
 
 @get("/health", summary="200 while the engine loop runs; 503 once it has died (the server then exits non-zero)",

@@ -27,7 +27,7 @@ from r3srv.server.protocol.tools import check_tool_request
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]) -> p.CompletionResponse:
     state = server_state(request)
-    state.check_model(data.model)
+    lora = state.check_model(data.model)  # an adapter's name selects it
     params = data.to_sampling_params()
     prompts = data.prompts()
     if not data.add_special_tokens:  # the engine tokenizes text with the tokenizer's specials
@@ -37,10 +37,11 @@ async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]
     request_id = data.request_id or f"cmpl-{uuid.uuid4().hex}"
     route = "/v1/completions"
     if data.stream:
-        gens = await start_all(state, route, prompts, params, request_id)
+        gens = await start_all(state, route, prompts, params, request_id, lora=lora)
         return EngineStream(completion_stream(state, data, request_id, gens), gens)  # type: ignore[return-value]
     return await run_to_end(  # type: ignore[return-value]
-        request, route, prompts, params, request_id, lambda finals: completion_response(state, data, request_id, finals)
+        request, route, prompts, params, request_id, lambda finals: completion_response(state, data, request_id, finals),
+        lora,
     )
 
 
@@ -63,7 +64,7 @@ def _open_final_message(rendered: str, content: str | list[dict[str, Any]]) -> s
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, Any, Any]) -> p.ChatCompletionResponse:
     state = server_state(request)
-    state.check_model(data.model)
+    lora = state.check_model(data.model)  # an adapter's name selects it
     params = data.to_sampling_params()
     state.tokenizer()  # a 400 saying what to use instead when the checkpoint has none
     tool_choice = check_tool_request(data.tools, data.tool_choice, state.chat_parsers.tools_served)
@@ -90,7 +91,7 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
     request_id = data.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     route = "/v1/chat/completions"
     if data.stream:
-        gens = await start_all(state, route, [prompt], params, request_id, multimodal=[images])
+        gens = await start_all(state, route, [prompt], params, request_id, lora=lora, multimodal=[images])
         return EngineStream(chat_stream(state, data, request_id, gens, parsing), gens)  # type: ignore[return-value]
 
     async def build(finals: list[Any]) -> p.ChatCompletionResponse:
@@ -100,7 +101,7 @@ async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, 
         return response
 
     return await run_to_end(request, route, [prompt], params, request_id, build,  # type: ignore[return-value]
-                            multimodal=[images])
+                            lora, multimodal=[images])
 
 
 async def _add_meta_info(state: Any, data: p.ChatCompletionRequest, request_id: str, final: Any,

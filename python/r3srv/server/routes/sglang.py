@@ -51,11 +51,13 @@ async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, A
     room = state.engine.max_model_len
     params = [data.to_sampling_params(i, room - len(prompt)) for i, prompt in enumerate(prompts)]
     request_ids = data.request_ids(len(prompts), uuid.uuid4().hex)
+    loras = [data.lora(i) for i in range(len(prompts))]  # lora_path: the adapter's name, per prompt
+    state.check_loras(loras, param="lora_path")
     if data.stream:
-        gens = await start_all(state, ROUTE, prompts, params, request_ids, multimodal=multimodal)
+        gens = await start_all(state, ROUTE, prompts, params, request_ids, lora=loras, multimodal=multimodal)
         return EngineStream(_stream(state, data, request_ids, gens), gens)
     outs = await run_to_end(request, ROUTE, prompts, params, request_ids,
-                            lambda finals: _answer(state, data, request_ids, finals), multimodal=multimodal)
+                            lambda finals: _answer(state, data, request_ids, finals), loras, multimodal=multimodal)
     return outs
 
 

@@ -26,11 +26,11 @@ CLAMPED_LOGPROB = -9999.0  # SkyRL's floor for a missing or non-finite sampled l
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def skyrl_generate(data: p.SkyrlGenerateRequest, request: Request[Any, Any, Any]) -> p.SkyrlGenerateResponse:
     state = server_state(request)
-    state.check_model(data.model)
+    lora = state.check_model(data.model)  # an adapter's name selects it, as on vLLM's routes
     params = data.to_sampling_params()
     request_id = uuid.uuid4().hex
     return await run_to_end(  # type: ignore[return-value]
-        request, ROUTE, [list(data.token_ids)], params, request_id, lambda finals: _answer(state, finals[0])
+        request, ROUTE, [list(data.token_ids)], params, request_id, lambda finals: _answer(state, finals[0]), lora
     )
 
 

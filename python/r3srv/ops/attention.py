@@ -14,17 +14,17 @@ per-head logit to every softmax's denominator.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from r3srv import settings
-from r3srv.kernels import paged_decode_cpu
-from r3srv.models.batch import ForwardBatch
 from r3srv.transfer import to_device
+
+if TYPE_CHECKING:
+    from r3srv.models.batch import ForwardBatch
 
 
 @dataclass
@@ -182,62 +182,29 @@ def _decode_group(
     return DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
 
-# CUDA decodes take the Triton kernel unless settings.triton_decode is off, CPU decodes the Rust
-# one unless settings.rust_decode is off (both fall back to the torch path: gather + SDPA): they
-# walk the paged cache instead of gathering each context into a padded copy (docs/benchmarks.md,
-# "Paged decode attention").
-def decode_kernel_for(q: torch.Tensor):
-    """The launcher this step's decodes take, if any: kernels/paged_decode_triton.py's on CUDA
-    (with triton; the interpreter tests pass it CPU tensors themselves), kernels/paged_decode_cpu.py's
-    for float32 and bfloat16 CPU tensors."""
-    if q.is_cuda:
-        return _decode_launcher() if settings.current().triton_decode else None
-    if settings.current().rust_decode and paged_decode_cpu.supports(q):
-        return paged_decode_cpu.paged_decode_cpu
-    return None
+# (q, k_cache, v_cache, tables, lens, rows, out, *, page, scale, window, sinks, max_context) -> None:
+# a backend's paged decode kernel (the Triton one on CUDA, the Rust one on the CPU), which walks
+# the paged cache instead of gathering each context into a padded copy (docs/benchmarks.md,
+# "Paged decode attention"); None: the torch path (gather + SDPA)
+DecodeKernel = Callable[..., None]
 
 
-@functools.cache
-def _decode_launcher():
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from r3srv.kernels.paged_decode_triton import paged_decode_triton  # CPU paths never import triton
-
-    return paged_decode_triton
+# (q, k, v, k_cache, v_cache, spans, out, *, scale, window, sinks) -> None: the attention of
+# every prefill span of a step (its prompts and prompt chunks) in one call, written into out's
+# rows of those spans; the step's K/V are in the cache already
+PrefillKernel = Callable[..., None]
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float | None = None,
-    window: int | None = None,
-    sinks: torch.Tensor | None = None,
-    decode_kernel: bool = False,
-    with_prefills: bool = True,
-    groups: list[DecodeGroup] | None = None,
-) -> torch.Tensor:
-    """q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] (this step's tokens) -> attention output [T, H, Dv].
-
-    Writes k/v into the caches at meta.slot_mapping first, so later steps (and prefix-cache
-    hits) see them. A v_cache that is a view into k_cache (MLA: the values are the leading
-    dims of the cached latent) is written by the k write. scale: the softmax scale (default
-    1/sqrt(D)). window: each query sees the keys at most `window - 1` positions back (a
-    sliding-window layer). sinks [H]: each head's sink logit, in every softmax's denominator.
-    decode_kernel: the decodes may take the paged kernel (decode_kernel_for: Triton on CUDA, Rust
-    on the CPU) over the paged cache instead of gathered groups. with_prefills=False: only the decodes attend here (MLA expands its prefills
-    itself; every token's K/V is written all the same). groups: the decode groups to attend over
-    instead of the metadata's (sparse attention's selections; never the kernel's).
-    """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    if v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr():
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      spans: list[PrefillSpan], out: torch.Tensor, *, scale: float | None = None,
+                      window: int | None = None, sinks: torch.Tensor | None = None, merged: bool = False) -> None:
+    """The torch path of the prefill op: each span's causal attention (shifted by its cached
+    tokens, within the window, with the sinks) in one SDPA call, over this step's keys or its
+    context gathered from the cache. merged: a chunk after cached tokens (no window, no sinks)
+    as two flash attentions merged by their log-sum-exps where `_attend_after_cache` takes it
+    (the CPU backend's choice: it skips the masked half of the scores)."""
     gqa = q.shape[1] != k.shape[1]
-    for span in meta.prefills if with_prefills else ():
+    for span in spans:
         q_len = span.end - span.start
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         windowed = window is not None and window < span.context_len
@@ -257,14 +224,52 @@ def paged_attention(
         elif mask is None:
             mask = CAUSAL
         o = None
-        if span.context_slots is not None and not windowed and sinks is None:
+        if merged and span.context_slots is not None and not windowed and sinks is None:
             o = _attend_after_cache(qs, ks, vs, gqa, scale)
         if o is None:
             o = attend(qs, ks, vs, mask, gqa, scale, sinks)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
-    launch = decode_kernel_for(q) if decode_kernel and groups is None and meta.decode_seqs else None
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    decode_kernel: DecodeKernel | None = None,
+    prefill_kernel: PrefillKernel | None = None,
+    with_prefills: bool = True,
+    groups: list[DecodeGroup] | None = None,
+) -> torch.Tensor:
+    """q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] (this step's tokens) -> attention output [T, H, Dv].
+
+    Writes k/v into the caches at meta.slot_mapping first, so later steps (and prefix-cache
+    hits) see them. A v_cache that is a view into k_cache (MLA: the values are the leading
+    dims of the cached latent) is written by the k write. scale: the softmax scale (default
+    1/sqrt(D)). window: each query sees the keys at most `window - 1` positions back (a
+    sliding-window layer). sinks [H]: each head's sink logit, in every softmax's denominator.
+    decode_kernel: the backend's paged decode kernel (Ops.decode_attention), which the decodes take
+    over the paged cache instead of gathered groups (None: gathered groups). prefill_kernel: the
+    backend's prefill attention (Ops.prefill_attention; None: `prefill_attention`). with_prefills=False:
+    only the decodes attend here (MLA expands its prefills itself; every token's K/V is written
+    all the same). groups: the decode groups to attend over instead of the metadata's (sparse
+    attention's selections; never the kernel's).
+    """
+    prefill_kernel = prefill_attention if prefill_kernel is None else prefill_kernel
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    if v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr():
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    if with_prefills and meta.prefills:
+        prefill_kernel(q, k, v, k_cache, v_cache, meta.prefills, out, scale=scale, window=window, sinks=sinks)
+    launch = decode_kernel if groups is None and meta.decode_seqs else None
     if launch is None and meta.graph:
-        raise RuntimeError("a graph-captured decode step needs the Triton paged decode kernel (CUDA, triton, "
+        raise RuntimeError("a graph-captured decode step needs the backend's paged decode kernel (CUDA: triton, "
                            "settings.triton_decode on)")
     if launch is not None:
         tables, lens, rows, longest = meta.decode_kernel_args()
@@ -272,6 +277,7 @@ def paged_attention(
                scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window, sinks=sinks,
                max_context=longest)
         return out
+    gqa = q.shape[1] != k.shape[1]
     for group in meta.decode_groups(window) if groups is None else groups:
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
         kd = k_cache[group.slots].transpose(1, 2)  # [Bg, KVH, ctx, D]

@@ -1,0 +1,34 @@
+"""The backend seam: every op a layer calls (norms, rotary, attention heads, paged decode
+attention, the router, the expert pass, linear layers, recurrent steps, a fused decode layer),
+its kernel chosen once per model for the model's device and dtype (`ops_for`, which reads the
+settings then and never again). One module per op family (norm, rotary, linear, attention,
+router, experts) holds the op's contract and its torch path; one module per backend
+(reference, cpu, cuda) picks each op's kernel; `Ops` (table.py) is what a model's layers hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from r3srv import settings
+from r3srv.ops.parts import Declined
+from r3srv.ops.reference import REFERENCE
+from r3srv.ops.table import Ops
+
+
+def ops_for(device: torch.device | str, dtype: torch.dtype) -> Ops:
+    """The ops a model on `device` in `dtype` runs, under the current settings."""
+    kind = torch.device(device).type
+    current = settings.current()
+    if kind == "cpu":
+        from r3srv.ops import cpu
+
+        return cpu.build(dtype, current)
+    if kind == "cuda":
+        from r3srv.ops import cuda
+
+        return cuda.build(dtype, current)
+    return REFERENCE
+
+
+__all__ = ["REFERENCE", "Declined", "Ops", "ops_for"]

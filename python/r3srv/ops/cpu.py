@@ -1,0 +1,98 @@
+"""The CPU backend: the Rust core's kernels where the settings and this build allow, torch's
+paths otherwise, each chosen once when a model is built (`build`).
+
+- linear layers of up to 32 rows, and bfloat16 ones of more where torch has no fast bfloat16
+  GEMM on this processor: kernels/linear_cpu.py (`--[no-]rust-linear`);
+- float32 and bfloat16 RMSNorm: kernels/rms_norm_cpu.py (`--[no-]rust-rms-norm`);
+- an attention layer's q/k norms and RoPE (float32, bfloat16): kernels/qk_rope_cpu.py (`--[no-]rust-rope`);
+- paged decode attention (float32, bfloat16): kernels/paged_decode_cpu.py (`--[no-]rust-decode`);
+- prefill attention: SDPA per prompt, a chunk after cached tokens as two flash attentions merged
+  by their log-sum-exps (ops/attention.py);
+- routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
+  `--force-torch-router`);
+- the expert pass (float32, bfloat16): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
+  else torch's pair-by-pair, grouped or looped paths (`--[no-]grouped-mm`);
+- with every one of those on, a plain MoE layer's whole decode step (float32 or bfloat16) as one
+  fused op (ops/cpu_decode.py, `--[no-]fast-cpu-decode`).
+
+Threads (`--cpu-threads`): the Rust kernels split their own work over all of them, threads
+taking work from a shared counter or in equal runs, and only when a call is large enough.
+torch's OpenMP team gets them only for steps of many tokens (prefills), whose matmuls and
+attention are large enough to split: a decode step issues hundreds of small ops, each a fork
+and join where every thread waits for the slowest, and on a busy machine for a descheduled one
+(docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from r3srv.kernels import expert_pairs_cpu, linear_cpu, paged_decode_cpu, qk_rope_cpu, rms_norm_cpu, router_cpu
+from r3srv.kernels.router_reference import route_reference
+from r3srv.kernels.rust_core import RUST_DTYPES
+from r3srv.ops import cpu_decode
+from r3srv.ops.attention import prefill_attention
+from r3srv.ops.experts import Activation, KernelExperts, TorchExperts
+from r3srv.ops.linear import kernel_linear
+from r3srv.ops.norm import REFERENCE_NORMS, kernel_rms_norm
+from r3srv.ops.reference import no_fused_step
+from r3srv.ops.rotary import ROTATIONS
+from r3srv.ops.router import RouterShape, kernel_router
+from r3srv.ops.table import Ops
+from r3srv.settings import Settings
+
+# Fewer tokens than this: torch runs the step on one thread.
+TORCH_PARALLEL_MIN_TOKENS = 128
+# Recurrent prefills scan alone: grouping padded sequences measured slower on the CPU, even for
+# equal lengths (docs/benchmarks.md, benches/bench_hybrid_prefill.py)
+SCAN_PAD_FACTOR = 0.0
+
+
+def build(dtype: torch.dtype, current: Settings) -> Ops:
+    threads = current.cpu_threads
+    rust_dtype = dtype in RUST_DTYPES
+    linear = kernel_linear(linear_cpu.linear_rust, threads) if current.rust_linear and linear_cpu.BUILT else None
+    norms = dict(REFERENCE_NORMS)
+    if current.rust_rms_norm and rms_norm_cpu.BUILT:
+        norms["default"] = kernel_rms_norm(rms_norm_cpu.rms_norm_cpu)
+    heads = qk_rope_cpu.qk_norm_rope if current.rust_rope and qk_rope_cpu.BUILT else None
+    decode = None
+    if current.rust_decode and paged_decode_cpu.BUILT and rust_dtype:
+        decode = functools.partial(paged_decode_cpu.paged_decode_cpu, threads=threads)
+    rust_router = current.rust_router and not current.force_torch_router and router_cpu.BUILT
+    expert_kernel = current.cpu_expert_kernel and expert_pairs_cpu.BUILT
+    grouped = "cpu" if current.grouped_mm else None
+
+    def routers(shape: RouterShape):
+        if rust_router and not shape.correction_bias and shape.num_groups == 1:
+            return kernel_router(router_cpu.route_cpu)
+        return route_reference
+
+    def experts(activation: Activation):
+        torch_pass = TorchExperts(activation, pairs_mv=True, grouped=grouped)
+        if not expert_kernel or activation.name not in expert_pairs_cpu.ACTIVATIONS:
+            return torch_pass
+        return KernelExperts(functools.partial(expert_pairs_cpu.expert_pairs, threads=threads), torch_pass)
+
+    switches = (current.fast_cpu_decode, current.rust_linear, current.rust_rms_norm, current.rust_rope,
+                current.rust_decode, current.cpu_expert_kernel, rust_router)
+    fused = all(switches) and cpu_decode.kernels_built()
+
+    def plan(x, meta, cos, sin, capture, num_experts):
+        return cpu_decode.DecodeStep.plan(x, meta, cos, sin, capture, num_experts, threads)
+
+    return Ops(
+        name="cpu", linear=linear or torch.nn.functional.linear, norms=norms, rotations=ROTATIONS,
+        attention_heads=heads, decode_attention=decode, prefill_attention=functools.partial(prefill_attention, merged=True),
+        routers=routers, expert_passes=experts,
+        recurrent_steps=no_fused_step, scan_pad_factor=SCAN_PAD_FACTOR,
+        fuse_decoder_layer=cpu_decode.fuse_decoder_layer if fused else None, plan_fused_step=plan if fused else None,
+        threads=threads, torch_threads=functools.partial(torch_threads, threads),
+    )
+
+
+def torch_threads(threads: int, num_tokens: int) -> int:
+    """torch's intra-op threads for a CPU step of `num_tokens` tokens."""
+    return threads if num_tokens >= TORCH_PARALLEL_MIN_TOKENS else 1

@@ -1,0 +1,222 @@
+"""The CPU backend's fused decode step (r3srv.ops.cpu_decode): a plain MoE layer's decode step as
+straight kernel calls gives the modules' tokens, logprobs and routed experts bit for bit, on
+generated prompts, greedy and sampled, at one and two threads, in float32 and bfloat16; it runs at decode steps only,
+only where the settings turn every kernel it calls on, and only for layers whose parts it
+computes: anything else a layer hands it (a window, an adapter on a projection) makes it
+decline when the model is built, naming the part."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from engine_testing import model_of, one_torch_thread, rebound  # noqa: F401 (autouse fixture)
+from r3srv import LLM, SamplingParams, settings
+from r3srv.kernels import linear_cpu
+from r3srv.models.moe import Mlp
+from r3srv.models.parallel import ColumnParallelLinear, Piece
+from r3srv.ops import cpu_decode, ops_for
+from r3srv.ops.cpu_decode import DecodeStep, FusedDecoderLayer
+from r3srv.ops.parts import LinearParts
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=8, enable_return_routed_experts=True)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many layer steps took the fused step since the test began (reset by calls.clear())."""
+    calls = []
+    run = FusedDecoderLayer.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
+    return calls
+
+
+def generated_requests(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n prompts of 1-120 random byte tokens, half greedy and half sampled with their own seeds,
+    all with logprobs."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 256, int(rng.integers(1, 121))).tolist() for _ in range(n)]
+    params = [SamplingParams(max_tokens=int(rng.integers(2, 24)), ignore_eos=True, logprobs=3,
+                             temperature=0.0 if i % 2 == 0 else 0.9, seed=None if i % 2 == 0 else int(rng.integers(1 << 30)))
+              for i in range(n)]
+    return prompts, params
+
+
+def outputs(llm, prompts, params) -> list:
+    results = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].routed_experts,
+             list(o.outputs[0].logprobs))
+            for o in results]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_same_bits_as_the_modules(llm, fused_calls, threads, seed):
+    assert_the_modules_bits(llm, fused_calls, threads, seed, 10)
+
+
+def assert_the_modules_bits(llm, fused_calls, threads: int, seed: int, n: int) -> None:
+    """n generated requests give the same tokens, rows and logprobs with the fused step (which
+    runs whole steps, every layer) as with the modules."""
+    prompts, params = generated_requests(seed, n)
+    model = model_of(llm)
+    with rebound(model, cpu_threads=threads, fast_cpu_decode=True):
+        fused = outputs(llm, prompts, params)
+    assert fused_calls and len(fused_calls) % len(model.layers) == 0  # whole steps, every layer
+    fused_calls.clear()
+    with rebound(model, cpu_threads=threads, fast_cpu_decode=False):
+        modules = outputs(llm, prompts, params)
+    assert not fused_calls
+    for (tokens, rows, logprobs), (want_tokens, want_rows, want_logprobs) in zip(fused, modules):
+        assert tokens == want_tokens
+        assert rows is not None and rows.shape[1:] == want_rows.shape[1:] == (4, 8)
+        np.testing.assert_array_equal(rows, want_rows)
+        assert logprobs == want_logprobs  # the same logits, bit for bit
+
+
+@pytest.mark.parametrize("float32_gate", [False, True])
+def test_bfloat16_the_same_bits_as_the_modules(fused_calls, float32_gate):
+    """A bfloat16 model (weights, activations, KV cache) takes the fused step too, with its router
+    gate in bfloat16 or in float32 (whose input the modules cast, and the fused step alike)."""
+    bf16 = LLM(dtype="bfloat16", max_model_len=512, enable_prefix_caching=False, max_num_seqs=8,
+               enable_return_routed_experts=True)
+    model = model_of(bf16)
+    assert model.layers[0].attn.k_cache.dtype == torch.bfloat16
+    if float32_gate:
+        for layer in model.layers:
+            layer.mlp.gate = torch.nn.Parameter(layer.mlp.gate.float(), requires_grad=False)
+    assert_the_modules_bits(bf16, fused_calls, 2, 3, 8)
+
+
+def test_prefill_steps_keep_the_modules(llm, fused_calls):
+    assert all(layer.fused is not None for layer in model_of(llm).layers)  # the default settings fuse them
+    llm.generate([[1, 2, 3] * 20, [7] * 45], SamplingParams(max_tokens=1, ignore_eos=True))  # prefill steps only
+    assert not fused_calls
+    llm.generate([[1, 2, 3] * 20, [7] * 45], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert fused_calls  # the two decode steps after it
+
+
+def test_without_routed_experts_too(fused_calls):
+    prompts, params = generated_requests(2, 6)
+    plain = LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=8, enable_return_routed_experts=False)
+    fused = outputs(plain, prompts, params)
+    assert fused_calls
+    with rebound(model_of(plain), fast_cpu_decode=False):
+        modules = outputs(plain, prompts, params)
+    assert [(t, lp) for t, _, lp in fused] == [(t, lp) for t, _, lp in modules]
+    assert all(rows is None for _, rows, _ in fused)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedLinearParts(LinearParts):
+    """A projection with a part the fused op does not know (a LoRA adapter, say)."""
+
+    adapter: object = None
+
+
+def _unlike(case: str, layer) -> str:
+    """Changes one part of `layer` to something the fused op does not compute; returns the part
+    its refusal names."""
+    attn, moe = layer.attn, layer.mlp
+    hidden = layer.input_norm.shape[0]
+    changes = {
+        "window": lambda: setattr(attn, "window", 8),
+        "sinks": lambda: setattr(attn, "sinks", SimpleNamespace(weight=torch.zeros(attn.num_heads))),
+        "output gate": lambda: setattr(attn, "q_rows", 2 * attn.q_size),
+        "gate projection": lambda: setattr(attn, "gate", ColumnParallelLinear(hidden, Piece(attn.q_size),
+                                                                              dtype=torch.float32, device="cpu")),
+        "q/k norm over all heads": lambda: setattr(attn, "qk_norm", "full"),
+        "qkv bias": lambda: setattr(attn.qkv_proj, "bias", torch.zeros(attn.qkv_proj.weight.shape[0])),
+        "an adapter": lambda: setattr(attn.qkv_proj, "parts",
+                                      lambda: AdaptedLinearParts(attn.qkv_proj.weight, adapter=object())),
+        "shared expert": lambda: setattr(moe, "shared", Mlp(hidden, 8, gated=True, dtype=torch.float32, device="cpu")),
+        "correction bias": lambda: setattr(moe, "correction_bias", torch.zeros(moe.gate.shape[0])),
+        "expert groups": lambda: setattr(moe, "num_groups", 2),
+        "expert biases": lambda: setattr(moe.experts, "b2", torch.zeros(moe.experts.w2.shape[:2])),
+        "residual multiplier": lambda: setattr(layer, "residual_multiplier", 0.5),
+        "no pre-norm": lambda: setattr(layer, "input_norm", None),
+        "sandwich norm": lambda: setattr(layer, "attn_out_norm", layer.post_attention_norm),
+        "bfloat16 experts": lambda: setattr(moe.experts.w13, "data", moe.experts.w13.data.to(torch.bfloat16)),
+    }
+    changes[case]()
+    return {"window": "mixer.window", "sinks": "mixer.sinks", "output gate": "mixer.output_gate",
+            "gate projection": "mixer.gate", "q/k norm over all heads": "mixer.norm_over_heads",
+            "qkv bias": "mixer.qkv.bias", "an adapter": "mixer.qkv.adapter", "shared expert": "mlp.shared",
+            "correction bias": "mlp.router.correction_bias", "expert groups": "mlp.router.num_groups",
+            "expert biases": "mlp.experts.b2", "residual multiplier": "residual_multiplier",
+            "no pre-norm": "input_norm", "sandwich norm": "attn_out_norm",
+            "bfloat16 experts": "not of one dtype"}[case]
+
+
+CASES = ["window", "sinks", "output gate", "gate projection", "q/k norm over all heads", "qkv bias", "an adapter",
+         "shared expert", "correction bias", "expert groups", "expert biases", "residual multiplier", "no pre-norm",
+         "sandwich norm", "bfloat16 experts"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_layer_it_does_not_cover_declines_naming_the_part(llm, case):
+    model = model_of(llm)
+    layer = copy.deepcopy(model.layers[0])
+    layer.use_ops(model.ops)
+    assert layer.fused is not None and layer.fused_declined is None
+    part = _unlike(case, layer)
+    layer.use_ops(model.ops)
+    assert layer.fused is None and part in layer.fused_declined
+
+
+def test_the_model_says_which_layers_decline_and_why(llm, caplog):
+    model = copy.deepcopy(model_of(llm))
+    model.layers[2].attn.window = 8
+    with caplog.at_level(logging.INFO, logger="r3srv.models.model"):
+        model.select_ops(model.ops)
+    assert [layer.fused is None for layer in model.layers] == [False, False, True, False]
+    assert "no fused decode step for layers [2] (mixer.window)" in caplog.text
+
+
+@pytest.mark.parametrize("switch", ["fast_cpu_decode", "rust_linear", "rust_rms_norm", "rust_rope", "rust_decode",
+                                    "cpu_expert_kernel", "rust_router"])
+def test_any_kernel_it_calls_turned_off_turns_it_off(switch):
+    with settings.overridden(**{switch: False}):
+        assert ops_for("cpu", torch.float32).fuse_decoder_layer is None
+    with settings.overridden(force_torch_router=True):
+        assert ops_for("cpu", torch.float32).fuse_decoder_layer is None
+    assert ops_for("cpu", torch.float32).fuse_decoder_layer is cpu_decode.fuse_decoder_layer
+
+
+def test_the_step_plan_declines_what_the_kernels_would():
+    """plan() is None for a prefill, for more rows than the Rust linear takes, for cos/sin of
+    another dtype than the rows, for float16."""
+    meta = type("Meta", (), dict(prefills=[], decode_seqs=[0], graph=False, block_size=16,
+                                 decode_kernel_args=lambda self: (torch.zeros(1, 2, dtype=torch.int64),
+                                                                  torch.ones(1, dtype=torch.int64),
+                                                                  torch.zeros(1, dtype=torch.int64), 1)))()
+    x, cos = torch.zeros(1, 256), torch.zeros(1, 64)
+    assert DecodeStep.plan(x, meta, cos, cos, None, 64, 1) is not None
+    meta.prefills = [object()]
+    assert DecodeStep.plan(x, meta, cos, cos, None, 64, 1) is None
+    meta.prefills = []
+    rows = linear_cpu.MAX_ROWS + 1
+    meta.decode_seqs = list(range(rows))
+    assert DecodeStep.plan(torch.zeros(rows, 256), meta, torch.zeros(rows, 64), torch.zeros(rows, 64), None, 64,
+                           1) is None
+    meta.decode_seqs = [0]
+    assert DecodeStep.plan(x.to(torch.bfloat16), meta, cos, cos, None, 64, 1) is None  # cos of another dtype
+    half = cos.to(torch.bfloat16)
+    assert DecodeStep.plan(x.to(torch.bfloat16), meta, half, half, None, 64, 1) is not None
+    assert DecodeStep.plan(x.half(), meta, cos.half(), cos.half(), None, 64, 1) is None
+    narrow = torch.zeros(1, 2, 8, dtype=torch.uint8)[:, :, 0]  # ids 8 bytes apart: the router cannot write it
+    assert DecodeStep.plan(x, meta, cos, cos, narrow, 64, 1) is None
