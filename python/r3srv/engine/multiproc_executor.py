@@ -276,6 +276,9 @@ class MultiprocExecutor:
             self._check_alive()  # a worker that failed to load its shard meanwhile
         except BaseException:
             self._stop_workers()
+            if dist.is_initialized():  # joined before the failure: leave the group, as shutdown does
+                dist.destroy_process_group()
+            atexit.unregister(self.shutdown)
             raise
         self.config = self.model.config
         self.dtype = self.model.dtype
