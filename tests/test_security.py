@@ -52,7 +52,7 @@ def weights(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(weights):
     root, served, allowed, _ = weights
-    with RemoteServer(str(served), "--enable-weight-updates", "--enable-return-routed-experts",
+    with RemoteServer(str(served), "--enable-weight-updates", "--enable-return-routed-experts", "--enable-lora",
                       "--admin-api-key", ADMIN_KEY, "--allowed-weight-paths", str(allowed),
                       "--allowed-trainer-hosts", "127.0.0.1", "localhost",
                       "--timeout-body", str(BODY_TIMEOUT_S), "--min-body-rate", str(MIN_BODY_RATE),
@@ -160,24 +160,37 @@ PATH_FIELDS = {
 }
 
 
+# the adapter loads' lora_path (on SGLang's /generate the same name selects a loaded adapter by name)
+LORA_LOADS = {
+    "/v1/load_lora_adapter": lambda d: {"lora_name": "outside", "lora_path": d},
+    "/load_lora_adapter": lambda d: {"lora_name": "outside", "lora_path": d},
+}
+
+
 def test_every_path_field_of_a_request_is_confined():
-    assert request_path_fields() == set(PATH_FIELDS), "a new path field: confine it and add it here"
+    assert request_path_fields() == set(PATH_FIELDS) | {"lora_path"}, "a new path field: confine it and add it here"
+
+
+def test_adapter_paths_outside_the_allowed_directories_are_403s(server, weights):
+    root, _, allowed, outside = weights
+    with admin(server) as http:
+        for how, directory in escapes(root, allowed, outside).items():
+            for route, body in LORA_LOADS.items():
+                r = http.post(route, json=body(directory))
+                assert r.status_code == 403, (how, route, r.text)
+                assert r.json()["error"]["param"] == "lora_path" and "--allowed-weight-paths" in r.text, (how, r.text)
+        # inside, the confinement lets it through: a checkpoint that is no adapter is the loader's 400
+        for route, body in LORA_LOADS.items():
+            r = http.post(route, json=body(str(allowed / "v1")))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", (route, r.text)
+        assert http.get("/v1/models").json()["data"][1:] == []  # no adapter was loaded
 
 
 def escapes(root, allowed, outside) -> dict[str, str]:
-    """Directories that lead outside the allowed one, each a different way."""
-    (allowed / "link_out").symlink_to(outside, target_is_directory=True)
-    shard_out = allowed / "shard_out"
-    shard_out.mkdir()
-    for entry in outside.iterdir():  # everything real but the weights, which point outside
-        target = shard_out / entry.name
-        target.symlink_to(entry) if entry.suffix == ".safetensors" else target.write_bytes(entry.read_bytes())
-    indexed = allowed / "index_out"
-    indexed.mkdir()
-    (indexed / "config.json").write_bytes((outside / "config.json").read_bytes())
-    shards = [p.name for p in outside.glob("*.safetensors")]
-    weight_map = {f"tensor-{i}": f"../../outside/v2/{name}" for i, name in enumerate(shards)}
-    (indexed / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    """Directories that lead outside the allowed one, each a different way (made once per module)."""
+    shard_out, indexed = allowed / "shard_out", allowed / "index_out"
+    if not shard_out.exists():
+        _make_escapes(allowed, outside, shard_out, indexed)
     return {
         "absolute": str(outside),
         "dot-dot": f"{allowed}/../outside/v2",
@@ -188,6 +201,19 @@ def escapes(root, allowed, outside) -> dict[str, str]:
         "nul byte": f"{allowed}/v1\u0000",
         "root": "/",
     }
+
+
+def _make_escapes(allowed, outside, shard_out, indexed) -> None:
+    (allowed / "link_out").symlink_to(outside, target_is_directory=True)
+    shard_out.mkdir()
+    for entry in outside.iterdir():  # everything real but the weights, which point outside
+        target = shard_out / entry.name
+        target.symlink_to(entry) if entry.suffix == ".safetensors" else target.write_bytes(entry.read_bytes())
+    indexed.mkdir()
+    (indexed / "config.json").write_bytes((outside / "config.json").read_bytes())
+    shards = [p.name for p in outside.glob("*.safetensors")]
+    weight_map = {f"tensor-{i}": f"../../outside/v2/{name}" for i, name in enumerate(shards)}
+    (indexed / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def test_paths_outside_the_allowed_directories_are_403s_naming_the_field(server, weights):

@@ -17,6 +17,7 @@ from litestar import MediaType, Request, Response, post
 from r3srv.engine.tensor_unpickler import load_cuda_tensor_dict
 from r3srv.errors import InvalidRequestError
 from r3srv.server import protocol as p
+from r3srv.server.confinement import confinement
 from r3srv.server.declare import Access, Feature, Fleet
 from r3srv.server.routes.common import server_state
 
@@ -35,6 +36,7 @@ def _check_name(request: Request[Any, Any, Any], name: str, *, replace: bool) ->
 async def _load(request: Request[Any, Any, Any], name: str, path: str, *, replace: bool, pinned: bool = False):
     state = server_state(request)
     _check_name(request, name, replace=replace)
+    path = await asyncio.to_thread(confinement(request).weight_paths.confine, path, "lora_path")  # a 403 outside
     # the adapter is read off the event loop (the command reads it again on the core thread: the
     # directory may change between the two reads, and the core's read is the one that counts)
     from r3srv.lora.adapter import read_dir
