@@ -26,13 +26,15 @@ pytestmark = pytest.mark.slow  # a real server, transformers oracles
 NEW_TOKENS = 4
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["server", "fleet"])
+def served(tmp_path_factory, request):
+    """One server, and a --data-parallel-size 2 fleet whose one URL must answer the same."""
+    topology = ("--data-parallel-size", "2") if request.param == "fleet" else ()
     path = tmp_path_factory.mktemp("qwen3_vl_moe")
     hf, processor = write_vision_checkpoint(transformers, "qwen3_vl_moe", path)
     media = tmp_path_factory.mktemp("media")
     (media / "cat.png").write_bytes(picture(0))
-    with RemoteServer(str(path), "--enable-return-routed-experts", *TEST_SERVER_ARGS, "--dtype", "float32",
+    with RemoteServer(str(path), *topology, "--enable-return-routed-experts", *TEST_SERVER_ARGS, "--dtype", "float32",
                       "--max-model-len", "512", "--allowed-local-media-path", str(media)) as srv:
         srv.model_path = path
         yield srv, hf, processor, media
@@ -63,7 +65,11 @@ def assert_matches_transformers(out: dict, hf, processor, ids: list[int], images
         assert np.array_equal(rows[:, layer], picked.numpy()), f"layer {layer}"
 
 
-def test_image_data_forms_match_transformers_and_share_the_cache(served):
+def test_image_data_forms_match_transformers_and_share_the_cache(served, request):
+    if request.node.callspec.params["served"] == "fleet":
+        request.applymarker(pytest.mark.xfail(reason=(
+            "the fleet's front keys a prompt by its ids or text, not its images: a repeat whose ids fill no KV "
+            "block, sent with the image in another form, may reach the other replica (no cache hit there)")))
     srv, hf, processor, media = served
     ids = with_placeholders(text(5, 1), 0, text(4, 2))
     png = picture(0)
