@@ -16,7 +16,9 @@ Three workloads, each timed end to end over HTTP with token-id prompts and ignor
   long        one 4,000-token prompt + 16 output tokens (prefill)
 Rounds alternate the servers (and who goes first), so drift in the machine's load hits both;
 each line prints the median of the per-round ratios vLLM time / r3srv time (> 1: r3srv is
-faster) with their min and max. Run at 1 and 2 threads each (--threads 1 2). A benchmark, not
+faster) with their min and max, and the same for the CPU seconds each server's processes spent
+on the workload (benches/process_cpu.py): on a loaded machine wall time also measures the share
+of the cores each server got, CPU seconds the work it did. Run at 1 and 2 threads each (--threads 1 2). A benchmark, not
 a CI gate: under pytest (`make bench-smoke`) it only runs when VLLM_VENV is set.
 """
 
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benches" / "vllm_cpu"  # the recipes that install and start vLLM-CPU
 sys.path.insert(0, str(ROOT / "tests"))
 
+from process_cpu import tree_cpu_seconds  # noqa: E402
 from server_fixture import RemoteServer, free_port, wait_healthy  # noqa: E402
 
 MAX_MODEL_LEN = 4096
@@ -108,35 +111,46 @@ async def run_workload(url: str, prompts: list[list[int]], gen: int, in_flight: 
         return time.perf_counter() - start
 
 
-def compare(r3srv_url: str, vllm_url: str, vocab: int, rounds: int, seed: int = 0,
-            seconds: dict | None = None) -> dict[str, list[float]]:
-    """Per-round ratios vLLM time / r3srv time for each workload (fresh prompts every round, no
-    cache hits); each round's times go to `seconds[workload][server]` when given."""
+def compare(r3srv: tuple[str, int], vllm: tuple[str, int], vocab: int, rounds: int,
+            seed: int = 0) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Each round's wall seconds and CPU seconds (benches/process_cpu.py) per workload and server,
+    `[workload][server]["wall" | "cpu"]`; the servers given as (URL, pid). Fresh prompts every
+    round (no cache hits)."""
     rng = np.random.default_rng(seed)
-    ratios: dict[str, list[float]] = {}
+    servers = {"r3srv": r3srv, "vllm": vllm}
+    measures: dict[str, dict[str, dict[str, list[float]]]] = {}
     for name, (prompt_len, gen, count, in_flight) in WORKLOADS.items():
         warm = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(min(count, in_flight))]
-        asyncio.run(run_workload(r3srv_url, warm, gen, in_flight, True))
-        asyncio.run(run_workload(vllm_url, warm, gen, in_flight, False))
+        for who, (url, _) in servers.items():
+            asyncio.run(run_workload(url, warm, gen, in_flight, who == "r3srv"))
         for i in range(rounds):
             prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(count)]
-            order = [("r3srv", r3srv_url), ("vllm", vllm_url)]
-            if i % 2:
-                order.reverse()
-            t = {who: asyncio.run(run_workload(url, prompts, gen, in_flight, who == "r3srv")) for who, url in order}
-            ratios.setdefault(name, []).append(t["vllm"] / t["r3srv"])
-            if seconds is not None:
-                for who, took in t.items():
-                    seconds.setdefault(name, {}).setdefault(who, []).append(took)
-    return ratios
+            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
+            for who in order:
+                url, pid = servers[who]
+                cpu = tree_cpu_seconds(pid)
+                wall = asyncio.run(run_workload(url, prompts, gen, in_flight, who == "r3srv"))
+                took = measures.setdefault(name, {}).setdefault(who, {"wall": [], "cpu": []})
+                took["wall"].append(wall)
+                took["cpu"].append(tree_cpu_seconds(pid) - cpu)
+    return measures
 
 
-def print_table(label: str, ratios: dict[str, list[float]], seconds: dict | None = None) -> None:
-    for name, values in ratios.items():
-        took = "" if not seconds else (f"; median seconds vLLM {statistics.median(seconds[name]['vllm']):.2f}, "
-                                       f"r3srv {statistics.median(seconds[name]['r3srv']):.2f}")
-        print(f"{label} {name:10s} vLLM/r3srv time: median {statistics.median(values):.2f}x "
-              f"(min {min(values):.2f}, max {max(values):.2f}, {len(values)} rounds){took}", flush=True)
+def round_ratios(took: dict[str, dict[str, list[float]]], kind: str) -> list[float]:
+    """Per-round vLLM / r3srv ratios of one measure ("wall" or "cpu"): > 1, r3srv took less."""
+    return [v / r for v, r in zip(took["vllm"][kind], took["r3srv"][kind], strict=True)]
+
+
+def print_table(label: str, measures: dict[str, dict[str, dict[str, list[float]]]]) -> None:
+    for name, took in measures.items():
+        parts = []
+        for kind in ("wall", "cpu"):
+            ratios = round_ratios(took, kind)
+            parts.append(f"{kind} {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
+                         f"[vLLM {statistics.median(took['vllm'][kind]):.2f}, "
+                         f"r3srv {statistics.median(took['r3srv'][kind]):.2f} s]")
+        print(f"{label} {name:10s} vLLM/r3srv, median of {len(took['r3srv']['wall'])} rounds: "
+              + "; ".join(parts), flush=True)
 
 
 def processor_line() -> str:
@@ -181,12 +195,12 @@ def run(model: str | None, threads_list: list[int], rounds: int, venv: str,
                 except Exception as exc:  # a dtype the peer cannot serve here: say so, go on
                     print(f"{dtype} threads={threads}: vLLM did not start: {str(exc)[-600:]}", flush=True)
                     continue
-                seconds: dict = {}
                 try:
-                    results[dtype, threads] = compare(ours.url, theirs.url, vocab, rounds, seconds=seconds)
+                    results[dtype, threads] = compare((ours.url, ours.proc.pid), (theirs.url, theirs.proc.pid),
+                                                      vocab, rounds)
                 finally:
                     theirs.stop()
-            print_table(f"{dtype} threads={threads}", results[dtype, threads], seconds)
+            print_table(f"{dtype} threads={threads}", results[dtype, threads])
     return results
 
 
@@ -198,7 +212,8 @@ def test_r3srv_vs_vllm_cpu():
     if not venv:
         pytest.skip(HINT)
     results = run(None, [1], rounds=3, venv=venv)
-    assert all(len(v) == 3 and all(r > 0 for r in v) for v in results["float32", 1].values())
+    for took in results["float32", 1].values():
+        assert all(len(r) == 3 and all(x > 0 for x in r) for r in (round_ratios(took, "wall"), round_ratios(took, "cpu")))
 
 
 def main() -> None:
