@@ -189,7 +189,10 @@ def run(model: str | None, threads_list: list[int], rounds: int, venv: str,
             # r3srv's defaults but for what both servers are given (a user's command line)
             r3srv_args = (checkpoint, "--device", "cpu", "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
                           "--served-model-name", "bench", "--enable-return-routed-experts")
-            with RemoteServer(*r3srv_args) as ours:
+            # each server in a session of its own, as vLLM's: with the kernel's autogroup scheduling a
+            # loaded machine shares its cores between sessions, and a server left in this script's
+            # session would split one share with the client while the other has one alone
+            with RemoteServer(*r3srv_args, own_session=True) as ours:
                 try:
                     theirs = VllmServer(venv, checkpoint, threads, dtype)
                 except Exception as exc:  # a dtype the peer cannot serve here: say so, go on

@@ -73,13 +73,17 @@ class _PortTaken(RuntimeError):
 class RemoteServer:
     """step_gate: a StepGate (tests/step_gate.py) that holds this server's engine steps. `env`:
     variables added to the server's environment (keys: R3SRV_API_KEY); `scheme` "https" and
-    `client` (httpx's verify, cert, headers) for a server that serves TLS or keys its probes."""
+    `client` (httpx's verify, cert, headers) for a server that serves TLS or keys its probes.
+    `own_session`: the server leads a session of its own (setsid), as a server started from a
+    login shell does; where the kernel groups processes by session for scheduling (autogroup),
+    it then gets its own share of a loaded machine instead of splitting the caller's."""
 
     def __init__(self, *args: str, startup_timeout: float = 180.0, bind_attempts: int = 3,
                  step_gate: StepGate | None = None, env: dict[str, str] | None = None, scheme: str = "http",
-                 **client: Any) -> None:
+                 own_session: bool = False, **client: Any) -> None:
         self._gate_path = None if step_gate is None else step_gate.path
         self._env, self._scheme, self._client = env or {}, scheme, client
+        self._own_session = own_session
         # free_port() only finds a port that is free now; on a busy CI machine another
         # process can take it before the server binds, so a lost race is retried on a new one.
         for attempt in range(bind_attempts):
@@ -106,6 +110,7 @@ class RemoteServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
+            start_new_session=self._own_session,
         )
         self.returncode: int | None = None
 
