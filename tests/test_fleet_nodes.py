@@ -186,8 +186,8 @@ def _tokens(node) -> float:
     return counter(node.url, "r3srv_generation_tokens_total")  # the probes stay open: no key
 
 
-def _paused(node) -> bool:
-    answer = httpx.get(node.url + "/is_paused", headers=bearer(ADMIN_KEY), timeout=30)
+def _paused(url: str) -> bool:
+    answer = httpx.get(url + "/is_paused", headers=bearer(ADMIN_KEY), timeout=30)
     assert answer.status_code == 200, answer.text
     return answer.json()["is_paused"]
 
@@ -202,10 +202,11 @@ def test_keys_through_each_router():
     vllm-router passes the client's header on generation (the node says 401), and sends its own
     --api-key on the calls it makes itself (a control call reaches a node with the router's API
     key, a 403 there), so vllm-router must never hold the admin key (tested: it then pauses a node
-    for a client without any key)."""
+    for a client without any key). Node A's front reaches node B's (--fleet-peer-urls) with the
+    admin key on the control calls it forwards."""
     keys = ("--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
     with RemoteServer(*NODE_ARGS, *keys, headers=bearer(API_KEY)) as b, \
-            RemoteServer("-dp", "2", *NODE_ARGS, *keys, headers=bearer(API_KEY)) as a:
+            RemoteServer("-dp", "2", "--fleet-peer-urls", b.url, *NODE_ARGS, *keys, headers=bearer(API_KEY)) as a:
         layout = httpx.get(b.url + "/v1/models", headers=bearer(API_KEY), timeout=30).json()["data"][0]
         for kind in ROUTERS:
             router = Router(kind, [a.url, b.url], policy="round_robin", extra=("--api-key", API_KEY),
@@ -237,12 +238,23 @@ def test_keys_through_each_router():
                 pause = httpx.post(router.url + "/pause_generation", json={"mode": "abort"}, headers=bearer(ADMIN_KEY),
                                    timeout=30)
                 assert pause.status_code == (404 if kind == "sglang" else 403), (kind, pause.text)
-                assert not _paused(a) and not _paused(b)
+                assert not _paused(a.url) and not _paused(b.url)
                 if kind == "sglang":  # its own discovery carried its key: it knows the served model
                     models = httpx.get(router.url + "/v1/models", timeout=30).json()["data"]
                     assert [m["id"] for m in models] == [MODEL]
             finally:
                 router.stop()
+
+        # node A's front forwards an every-replica call to node B's front with the admin key it holds,
+        # once the client's admin key opened it; the API key opens nothing there
+        info = httpx.get(a.url + "/server_info", headers=bearer(API_KEY), timeout=30).json()
+        everyone = [state["url"] for state in info["internal_states"]] + [b.url]
+        for key, status in ((API_KEY, 403), (ADMIN_KEY, 200)):
+            answer = httpx.post(a.url + "/pause_generation", json={"mode": "abort"}, headers=bearer(key), timeout=60)
+            assert answer.status_code == status, answer.text
+            assert [_paused(u) for u in everyone] == [status == 200] * 3
+        assert httpx.post(a.url + "/continue_generation", headers=bearer(ADMIN_KEY), timeout=60).status_code == 200
+        assert [_paused(u) for u in everyone] == [False] * 3
 
         # vllm-router holding the admin key sends it on a keyless client's control call
         router = Router("vllm", [a.url, b.url], policy="round_robin", extra=("--api-key", ADMIN_KEY),
@@ -250,7 +262,7 @@ def test_keys_through_each_router():
         try:
             assert _keyed_completion(router, {}, 0).status_code == 401  # generation: still the client's header
             assert httpx.post(router.url + "/pause_generation", json={"mode": "abort"}, timeout=30).status_code == 200
-            assert [_paused(a), _paused(b)].count(True) == 1  # one worker's answer, and it is paused
+            assert [_paused(a.url), _paused(b.url)].count(True) == 1  # one worker's answer, and it is paused
         finally:
             router.stop()
             for node in (a, b):
