@@ -262,9 +262,41 @@ def test_keys_through_each_router():
         try:
             assert _keyed_completion(router, {}, 0).status_code == 401  # generation: still the client's header
             assert httpx.post(router.url + "/pause_generation", json={"mode": "abort"}, timeout=30).status_code == 200
-            assert [_paused(a.url), _paused(b.url)].count(True) == 1  # one worker's answer, and it is paused
+            assert _paused(b.url)  # it paused one worker: node B itself, or node A, which forwards to its peer B
         finally:
             router.stop()
             for node in (a, b):
                 assert httpx.post(node.url + "/continue_generation", headers=bearer(ADMIN_KEY),
                                   timeout=60).status_code == 200
+
+
+def test_neither_router_takes_a_node_whose_probes_are_keyed(tmp_path):
+    """Neither router sends a key on its /health checks, its --api-key given or not, so nodes
+    behind them keep their probes open (docs/security.md). With --protect-probes, sglang-router's
+    health check is refused (401) and every request is its 503 no_available_workers; vllm-router
+    waits for the node to become healthy and serves nothing (its port stays closed)."""
+    keys = ("--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--protect-probes")
+    with RemoteServer(*NODE_ARGS, *keys, headers=bearer(API_KEY)) as node:
+        routers = {}
+        for kind in ROUTERS:
+            port, log = free_port(), tmp_path / f"{kind}.log"
+            argv = [sys.executable, "-m", ROUTERS[kind], "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                    node.url, "--prometheus-port", str(free_port()), "--api-key", API_KEY]
+            routers[kind] = port, log, subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        try:
+            port, log, proc = routers["sglang"]
+            wait_for(lambda: "401 Unauthorized" in log.read_text(errors="replace") and "/health" in log.read_text(
+                errors="replace"), 120, lambda: f"sglang-router's health check was not refused: {log.read_text()[-2000:]}")
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers=bearer(API_KEY), timeout=30,
+                                json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+            assert answer.status_code == 503 and "no_available_workers" in answer.text, answer.text
+            port, log, proc = routers["vllm"]
+            wait_for(lambda: "to become healthy" in log.read_text(errors="replace"), 120,
+                     lambda: f"vllm-router never waited for the node: {log.read_text()[-2000:]}")
+            assert proc.poll() is None
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=bearer(API_KEY), timeout=5)
+        finally:
+            for _, _, proc in routers.values():
+                proc.terminate()
+                proc.wait(30)
