@@ -238,3 +238,23 @@ def test_steps_without_an_adapter_take_the_fused_decode_step(tmp_path, fused_cal
     assert ref.tokens != base.tokens
     assert_matches(adapted, ref)
     assert_matches(plain, base)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("form", ["module", "parameter"])
+def test_an_adapter_on_the_router_gate_moves_the_rows_as_peft_does(family, form, tmp_path):
+    """An adapter on the router gate alone (PEFT's target_modules=["gate"], or its parameter
+    wrapper target_parameters=["mlp.gate.weight"]): the adapted router picks other experts than
+    the base's, and r3srv's rows are PEFT's, alone and beside the base model in one batch."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", family)
+    targeting = dict(targets=["gate"]) if form == "module" else dict(targets=[], parameters=["mlp.gate.weight"])
+    path = write_adapter(tmp_path / "g", family, seed=6, experts=False, **targeting)
+    assert {t.rpartition(".")[0].rpartition(".")[2] for t in adapters.read_dir(path).targets} == {"gate"}
+    llm = engine(ckpt, max_loras=1)
+    llm.load_lora_adapter("g", str(path))
+    p = prompt(12, 40)
+    ref, base = peft_reference(family, path, p, MAX_TOKENS), peft_reference(family, None, p, MAX_TOKENS)
+    assert (ref.rows != base.rows).any()  # the adapted router routes otherwise
+    adapted, plain = llm.generate([p, p], GREEDY, lora_name=["g", None])
+    assert_matches(adapted, ref)
+    assert_matches(plain, base)
