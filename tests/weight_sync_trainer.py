@@ -126,10 +126,11 @@ def announce(tensors: dict[str, torch.Tensor], **extra) -> dict:
 
 
 def push(url: str, group: dist.ProcessGroup, tensors: dict[str, torch.Tensor], pool: concurrent.futures.Executor,
-         *, die_after: int | None = None, **extra) -> httpx.Response:
-    """One /update_weights_from_distributed call and its broadcasts; with die_after, the
-    process exits (as a crashed trainer) after broadcasting that many tensors."""
-    reply = pool.submit(post, url, "/update_weights_from_distributed", announce(tensors, **extra))
+         *, die_after: int | None = None, route: str = "/update_weights_from_distributed", **extra) -> httpx.Response:
+    """One /update_weights_from_distributed call (or `route`'s: an adapter's push) and its
+    broadcasts; with die_after, the process exits (as a crashed trainer) after broadcasting
+    that many tensors."""
+    reply = pool.submit(post, url, route, announce(tensors, **extra))
     handles = []
     for i, tensor in enumerate(tensors.values()):
         if die_after is not None and i == die_after:

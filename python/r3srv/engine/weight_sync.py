@@ -443,6 +443,22 @@ class TrainerUpdates:
             self.sync.stage(copies)
             return await self._staged(len(copies), weight_version, abort_running)
 
+    async def receive_adapter(self, group_name: str, named: NamedTensors) -> dict[str, torch.Tensor]:
+        """A LoRA adapter's tensors broadcast over the group (/load_lora_adapter_from_distributed):
+        received as weights are (on every rank under tensor parallelism), but handed back, on the
+        host, rather than staged for the model. Refused while a weight update has tensors staged:
+        the two would share the staging."""
+        async with self.lock:
+            self.sync.check_group(group_name)
+            if self.in_round or self.sync.staged_tensors().metas:
+                raise InvalidRequestError("a weight update has tensors staged: complete it (or end its session) "
+                                          "before pushing an adapter", param="group_name")
+            await self.sync.receive(group_name, named)
+            received = self.sync.staged_tensors().tensors  # rank 0's: every rank received the same
+            tensors = await asyncio.to_thread(lambda: {n: t.to("cpu", copy=True) for n, t in received.items()})
+            await self.sync.drop_staged()
+            return tensors
+
     async def receive_announced(self, group_name: str, *, weight_version: str | None) -> str:
         """prime-rl's push: every tensor it sends, its names checked against the served model as
         each state dict's metadata arrives; applied like an SGLang call that completes the model."""

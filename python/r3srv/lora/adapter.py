@@ -137,6 +137,8 @@ def from_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor], param
                                       param=param)
         target, a, b = _pair_of(module, half["lora_A"], half["lora_B"], r, config, wrapped, param)
         rank = a.shape[-2]
+        if rank < 1:
+            raise InvalidRequestError(f"{target}: a pair of rank 0", param=param)
         scale = _pattern(config.get("alpha_pattern"), target, alpha) / (
             math.sqrt(rank) if config.get("use_rslora") else rank)
         if target in pairs:
