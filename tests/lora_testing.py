@@ -30,6 +30,12 @@ def write_checkpoint(path: Path, family: str) -> Path:
     return write_tiny_checkpoint(path, family, seed=0)
 
 
+def checkpoint_and_two_adapters(root: Path, family: str) -> tuple[Path, Path, Path]:
+    """The family's tiny checkpoint and two PEFT adapters of it (seeds 1 and 2) under `root`."""
+    return write_checkpoint(root / "ckpt", family), write_adapter(root / "a1", family, seed=1), \
+        write_adapter(root / "a2", family, seed=2)
+
+
 def write_adapter(path: Path, family: str, seed: int, *, rank: int = 4, alpha: int = 8, experts: bool = True,
                   targets: list[str] | None = None, parameters: list[str] | None = None,
                   shared_outer: bool = False) -> Path:

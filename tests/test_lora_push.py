@@ -9,18 +9,16 @@ mode=keep, whose frozen sequence then finishes on the new version."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 
 import httpx
 import openai
 import pytest
 import torch
-import torch.distributed as dist
 import weight_sync_trainer as trainer
-from lora_testing import peft_reference, prompt, write_adapter, write_checkpoint
+from lora_testing import checkpoint_and_two_adapters, peft_reference, prompt
 from safetensors.torch import load_file
-from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port
+from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
 pytestmark = pytest.mark.slow  # a real server, a trainer's group, PEFT oracles
 
@@ -30,9 +28,7 @@ ROUTE = "/load_lora_adapter_from_distributed"
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_push")
-    ckpt = write_checkpoint(root / "ckpt", FAMILY)
-    return ckpt, write_adapter(root / "a1", FAMILY, seed=1), write_adapter(root / "a2", FAMILY, seed=2)
+    return checkpoint_and_two_adapters(tmp_path_factory.mktemp("lora_push"), FAMILY)
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +43,6 @@ def server(files, gate):
 def pool():
     with concurrent.futures.ThreadPoolExecutor(2) as threads:
         yield threads
-
-
-@contextlib.contextmanager
-def joined(server, pool):
-    group = trainer.join(server.url, free_port(), pool)
-    try:
-        yield group
-    finally:
-        dist.destroy_process_group(group)
-        trainer.post(server.url, "/destroy_weights_update_group", {"group_name": trainer.GROUP})
 
 
 def peft_save(path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -89,7 +75,7 @@ def assert_peft(choice, path, p: list[int], version: int) -> None:
 def test_a_pushed_adapter_is_replaced_in_place_as_peft_computes_it(server, files, pool):
     _, a1, a2 = files
     p = prompt(9, 4)
-    with joined(server, pool) as group:
+    with trainer.joined(server.url, pool) as group:
         r = push_adapter(server, group, pool, a1)
         assert r.status_code == 200 and r.json()["loaded_adapters"] == {NAME: "__tensor__"}, r.text
         version = httpx.get(server.url + "/v1/models").json()["data"]  # listed with its parent
@@ -114,7 +100,7 @@ def test_a_pushed_adapter_is_replaced_in_place_as_peft_computes_it(server, files
 
 def test_a_replacement_under_running_requests_needs_a_pause(server, files, pool, gate):
     _, a1, a2 = files
-    with joined(server, pool) as group:
+    with trainer.joined(server.url, pool) as group:
         assert push_adapter(server, group, pool, a1).status_code == 200
         version = completion(server, prompt(5, 1)).model_extra["lora_version"]
         with gate.allowing(2):  # the prefill and one decode step, then held short of LONG tokens

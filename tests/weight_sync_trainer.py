@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from server_fixture import free_port
 
 from r3srv.engine.process_groups import group_on_store
 from r3srv.engine.vllm_transfer import UNIQUE_ID_KEY, gloo_group_name
@@ -47,6 +50,17 @@ def join(url: str, port: int, pool: concurrent.futures.Executor, group_name: str
     response = reply.result()
     assert response.status_code == 200, response.text
     return group
+
+
+@contextlib.contextmanager
+def joined(url: str, pool: concurrent.futures.Executor) -> Iterator[dist.ProcessGroup]:
+    """A gloo group of this process (the trainer, rank 0) and the server at `url`, torn down after."""
+    group = join(url, free_port(), pool)
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+        post(url, "/destroy_weights_update_group", {"group_name": GROUP})
 
 
 def vllm_init_info(port: int, world_size: int = 2) -> dict:
