@@ -4,7 +4,8 @@ naming the adapter's PEFT tensors while this process (rank 0) broadcasts them. P
 the same name, the adapter is replaced in place between batches (PEFT + transformers the oracle
 of both versions); a bad announcement is a 400 before anything is received; a replacement while
 a request runs under the adapter is refused, the adapter kept, unless generation is paused with
-mode=keep, whose frozen sequence then finishes on the new version."""
+mode=keep, whose frozen sequence then finishes on the new version; under tensor parallelism
+every rank receives."""
 
 from __future__ import annotations
 
@@ -33,9 +34,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(files, gate):
-    args = (str(files[0]), "--enable-lora", "--enable-weight-updates", "--max-loras", "1", "--max-model-len", "96",
-            "--weight-sync-timeout", "20")  # a broadcast that never comes fails in 20 s
-    with RemoteServer(*args, *TEST_SERVER_ARGS, step_gate=gate) as srv:
+    with lora_server(files[0], "--max-loras", "1", gate=gate) as srv:
         yield srv
 
 
@@ -48,6 +47,11 @@ def pool():
 def peft_save(path) -> tuple[dict, dict[str, torch.Tensor]]:
     """What the trainer holds: PEFT's config and the adapter's state dict."""
     return json.loads((path / "adapter_config.json").read_text()), load_file(str(path / "adapter_model.safetensors"))
+
+
+def lora_server(ckpt, *extra: str, gate=None) -> RemoteServer:
+    return RemoteServer(str(ckpt), "--enable-lora", "--enable-weight-updates", "--max-model-len", "96",
+                        "--weight-sync-timeout", "20", *extra, *TEST_SERVER_ARGS, step_gate=gate)  # a stall: 20 s
 
 
 def push_adapter(server, group, pool, path) -> httpx.Response:
@@ -119,3 +123,15 @@ def test_a_replacement_under_running_requests_needs_a_pause(server, files, pool,
     assert (final.model_extra["lora_name"], final.model_extra["lora_version"]) == (NAME, version + 1)
     p = prompt(9, 6)
     assert_peft(completion(server, p), a2, p, version + 1)
+
+
+def test_a_push_reaches_both_tensor_parallel_ranks(files, pool):
+    """-tp 2: both ranks join the trainer's group (ranks 1 and 2 of 3), receive every broadcast,
+    and bind their own slices of the adapter rank 0 loads."""
+    ckpt, a1, _ = files
+    p = prompt(9, 7)
+    with lora_server(ckpt, "--tensor-parallel-size", "2", "--dtype", "float32") as tp2:
+        with trainer.joined(tp2.url, pool, world_size=3) as group:
+            r = push_adapter(tp2, group, pool, a1)
+            assert r.status_code == 200, r.text
+        assert_peft(completion(tp2, p), a1, p, 1)

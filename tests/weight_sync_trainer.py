@@ -53,9 +53,10 @@ def join(url: str, port: int, pool: concurrent.futures.Executor, group_name: str
 
 
 @contextlib.contextmanager
-def joined(url: str, pool: concurrent.futures.Executor) -> Iterator[dist.ProcessGroup]:
-    """A gloo group of this process (the trainer, rank 0) and the server at `url`, torn down after."""
-    group = join(url, free_port(), pool)
+def joined(url: str, pool: concurrent.futures.Executor, world_size: int = 2) -> Iterator[dist.ProcessGroup]:
+    """A gloo group of this process (the trainer, rank 0) and the server at `url` (its
+    tensor-parallel ranks as 1..world_size-1), torn down after."""
+    group = join(url, free_port(), pool, world_size=world_size)
     try:
         yield group
     finally:
