@@ -13,13 +13,15 @@ import base64
 import io
 
 import pytest
+import torch
 from PIL import Image
 
 import r3srv.compat.vllm as vllm
 from r3srv import LLM
 from r3srv.errors import InvalidRequestError
 from test_engine_vision import NEW_TOKENS, assert_matches_transformers, greedy, picture
-from vision_testing import FAMILIES, IMAGE_TOKEN, VISION_TOKENS, expanded, write_vision_checkpoint
+from vision_testing import (FAMILIES, IMAGE_TOKEN, VISION_END, VISION_START, VISION_TOKENS, expanded,
+                            write_vision_checkpoint)
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.slow  # transformers oracles
 
 ENGINE = dict(block_size=4, num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24)
 IMAGE_TEXT = "".join(VISION_TOKENS)  # how a text prompt shows an image: its delimited placeholder
+VISION_IDS = [VISION_START, IMAGE_TOKEN, VISION_END]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -141,8 +144,46 @@ def test_chat_parts_r3srv_does_not_take_are_400s_naming_the_part(qwen3_vl, part,
     assert llm.stats().num_running == 0 and not llm.engine.requests
 
 
-def test_compat_refuses_pre_processed_features_and_processor_overrides(qwen3_vl):
+def hf_image_embeds(hf, processor, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' tower output for `images` in vLLM's image_embeds layout (the embeddings,
+    then Qwen3-VL's deepstack features, side by side), and their grids."""
+    batch = processor(images=[pil(png) for png in images], return_tensors="pt")
+    with torch.no_grad():
+        out = hf.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"], return_dict=True)
+    return torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=1), \
+        batch["image_grid_thw"]
+
+
+def test_pre_computed_image_embeds_match_transformers_without_the_tower(checkpoint):
+    """vLLM's {"image_embeds", "image_grid_thw"} entry (two images in one entry) for the tower's
+    output: transformers' tokens and rows from the pixels, and the tower never ran."""
+    path, hf, processor = checkpoint
+    images = [picture(1), picture(5)]
+    embeds, grids = hf_image_embeds(hf, processor, images)
+    llm = vllm.LLM(str(path), enable_return_routed_experts=True, **ENGINE)
+    ids = [1, 2, *VISION_IDS, 3, *VISION_IDS, 4]
+    params = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    out = llm.generate({"prompt_token_ids": ids,
+                        "multi_modal_data": {"image": {"image_embeds": embeds, "image_grid_thw": grids}}}, params)[0]
+    assert llm.r3srv.engine.runner.encoder.images_encoded == 0
+    assert out.prompt_token_ids == expanded(ids, images, processor, IMAGE_TOKEN)
+    assert out.image_grid_thw == [tuple(g) for g in grids.tolist()]
+    assert_matches_transformers(out, hf, processor, images)
+
+
+def test_compat_refuses_bad_embeddings_other_features_and_processor_overrides(qwen3_vl):
     llm = vllm.LLM(str(qwen3_vl), **ENGINE)
+    embeds = torch.zeros(4, 96)  # Qwen3-VL's tiny tower: 32 wide, two deepstack sets
+    for entry, param, match in [
+        ({"image_embeds": embeds[:, :32], "image_grid_thw": [1, 4, 4]}, "multi_modal_data[0].image_embeds", "96"),
+        ({"image_embeds": embeds[:3], "image_grid_thw": [1, 4, 4]}, "multi_modal_data[0].image_embeds", "take 4"),
+        ({"image_embeds": embeds, "image_grid_thw": [1, 3, 4]}, "multi_modal_data[0].image_grid_thw", "multiples"),
+        ({"image_embeds": embeds, "image_grid_thw": [1, 4, 4], "image_sizes": [8, 8]},
+         "multi_modal_data[0].image_sizes", "not supported"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=match) as exc:
+            llm.generate({"prompt_token_ids": [1, *VISION_IDS], "multi_modal_data": {"image": entry}})
+        assert exc.value.param == param
     for prompt, param in [
         ({"prompt": IMAGE_TEXT, "multi_modal_data": {"image_embeds": [[0.0] * 32]}}, "multi_modal_data.image_embeds"),
         ({"prompt": IMAGE_TEXT, "multi_modal_data": {"pixel_values": [[0.0]]}}, "multi_modal_data.pixel_values"),

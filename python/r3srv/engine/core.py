@@ -148,7 +148,8 @@ class EngineCore:
         except ConfigError as exc:
             log.warning("image inputs off: %s (text and token prompts are served)", exc)
             return None, None
-        inputs = ImageInputConfig(mc.vision, processor, cfg.max_images_per_prompt, cfg.max_image_pixels)
+        inputs = ImageInputConfig(mc.vision, processor, cfg.max_images_per_prompt, cfg.max_image_pixels,
+                                  embeds_width=tower.embeds_width)
         return inputs, EncoderCache(tower, self.device, dtype, cfg.encoder_cache_tokens)
 
     def shutdown(self) -> None:
