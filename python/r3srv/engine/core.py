@@ -347,7 +347,7 @@ class EngineCore:
         if found:
             check_tower_tensors(self.encoder.tower, {n: shape for n, (_, shape) in found.items()},
                                 where=str(source), complete=True)
-        else:
+        elif os.path.isdir(source):
             log.warning("%s holds no %s* tensors: the vision tower keeps its weights", source, VISION_PREFIX)
         return found, source
 
