@@ -171,6 +171,27 @@ def test_pre_computed_image_embeds_match_transformers_without_the_tower(checkpoi
     assert_matches_transformers(out, hf, processor, images)
 
 
+def test_pre_computed_embeds_cost_no_encoder_budget(qwen3_vl):
+    """With a budget below one image, two images' pixels prefill in two steps (one encoding
+    each); the same images given as embeddings prefill in one."""
+    hf, processor = write_vision_checkpoint(transformers, "qwen3_vl_moe", qwen3_vl.parent / "again")  # the same seed
+    images = [picture(1), picture(5)]
+    embeds, grids = hf_image_embeds(hf, processor, images)
+    ids = [1, *VISION_IDS, 2, *VISION_IDS, 3]
+
+    def prefill_steps(entry) -> int:
+        llm = LLM(str(qwen3_vl), **{**ENGINE, "max_num_encoder_tokens": 1, "max_num_batched_tokens": 512})
+        llm.engine.add_request("r", {"prompt_token_ids": ids, "multi_modal_data": {"image": entry}},
+                               greedy())
+        steps = 0
+        while not any(out.outputs[0].token_ids for out in llm.engine.step().outputs):
+            steps += 1
+        return steps + 1
+
+    assert prefill_steps(images) == 2
+    assert prefill_steps({"image_embeds": embeds, "image_grid_thw": grids}) == 1
+
+
 def test_compat_refuses_bad_embeddings_other_features_and_processor_overrides(qwen3_vl):
     llm = vllm.LLM(str(qwen3_vl), **ENGINE)
     embeds = torch.zeros(4, 96)  # Qwen3-VL's tiny tower: 32 wide, two deepstack sets
