@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import msgspec
@@ -235,9 +235,12 @@ async def chat_response(
     )
 
 
-def tito_sampling_mask(masks: SamplingMasks | None) -> msgspec.Raw | None:
-    """vLLM's `sampling_mask`: a list of ids per token, ascending."""
-    return None if masks is None else msgspec.Raw(serial.encode_int_lists(masks.token_ids, masks.offsets))
+def tito_sampling_mask(masks: SamplingMasks | None) -> list[list[int]] | None:
+    """vLLM's `sampling_mask`: a list of ids per token, ascending (a msgspec.Raw of the Rust
+    core's JSON, which the response's encoder copies as it is)."""
+    if masks is None:
+        return None
+    return cast(list[list[int]], msgspec.Raw(serial.encode_int_lists(masks.token_ids, masks.offsets)))
 
 
 def tito_rows_encoding(state: ServerState, req: p.GenerateRequest) -> str:
