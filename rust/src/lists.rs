@@ -35,21 +35,10 @@ pub fn check_offsets(offsets: &[i64], len: usize) -> Result<(), String> {
 
 /// Decimal digits of an integer, written into `out`.
 fn push_int(out: &mut Vec<u8>, v: i64) {
-    let mut buf = [0u8; 20];
-    let mut i = buf.len();
-    let mut n = v.unsigned_abs();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
     if v < 0 {
         out.push(b'-');
     }
-    out.extend_from_slice(&buf[i..]);
+    crate::npy_header::push_u64(out, v.unsigned_abs());
 }
 
 /// `[[a,b],[c],[]]`: each row's integers, `json.dumps` of the nested lists.
