@@ -317,10 +317,12 @@ class MoeForCausalLM(nn.Module):
     """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 parallel: ParallelState = SINGLE, ops: Ops | None = None) -> None:
+                 parallel: ParallelState = SINGLE, ops: Ops | None = None, batch_invariant: bool = False) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = cfg
+        # the backend's batch-invariant kernels (r3srv.ops.ops_for) whenever ops are chosen anew
+        self.batch_invariant = batch_invariant
         self.family = family_named(cfg.model_type)
         self.dtype = dtype
         self.device = device
@@ -347,7 +349,7 @@ class MoeForCausalLM(nn.Module):
         """Bind every layer to `ops` (None: the backend of this model's device and dtype under the
         current settings, r3srv.ops.ops_for): each op's kernel is chosen here, once, and each
         layer takes the ones it calls. Tests and benchmarks call it again to switch a backend."""
-        self.ops = ops_for(self.device, self.dtype) if ops is None else ops
+        self.ops = ops_for(self.device, self.dtype, batch_invariant=self.batch_invariant) if ops is None else ops
         for module in self.modules():
             use = getattr(module, "use_ops", None)
             if use is not None:

@@ -43,6 +43,9 @@ class Ops:
     plan_fused_step: Callable[..., Any] | None = None
     threads: int = 1  # the CPU kernels' threads
     torch_threads: Callable[[int], int] | None = None  # torch's threads for a step of so many tokens
+    # every op computes a token's row alike in any step (ops/invariant.py): layers with a path of
+    # their own for prompts (MLA's expanded keys) take their decodes' path for every token
+    batch_invariant: bool = False
 
     def norm(self, kind: str) -> NormFn:
         return self.norms[kind]

@@ -1,0 +1,157 @@
+"""The batch-invariant CPU backend (`--batch-invariant`): every op computes each token's row the
+same way whatever else is in the step, so a request's tokens, logprobs and routed experts are
+bitwise the same alone, in any batch, in prefill chunks of any size, over the prefix cache and
+after a preemption's recompute (docs/replay.md, "Determinism").
+
+The CPU backend's kernels already compute a row independently of the others below a size, and
+independently of their thread count; this backend keeps every call below that size and routes
+prompt tokens through the kernels decodes take:
+
+- linear layers: blocks of at most `linear_cpu.MAX_ROWS` rows through the Rust kernel, each
+  output element one dot product (`gemm_nt`), never torch's GEMM, whose blocking depends on the
+  number of rows (a row a call where the kernel declines);
+- attention: every query, a prompt's as a decode's, through the Rust paged decode kernel over
+  the keys up to its own position, in 32-key tiles from position 0 (the kernel's split is by
+  sequence only), so a prompt chunk's size or a prefix hit changes nothing;
+- the expert pass: the Rust kernel on blocks of `EXPERT_BLOCK_TOKENS` tokens, below the
+  pair count at which it switches an expert to packed products (rust/src/expert_pairs.rs,
+  WIDE_MIN_PAIRS);
+- routing: one token a call (the Rust router computes rows apart already; the torch reference's
+  elementwise kernels do not, below);
+- norms and q/k norms with RoPE: the CPU backend's row-by-row kernels as they are;
+- no fused decode step (its sums differ from the modules' that prompts take), and torch on one
+  thread (what is left of torch: elementwise ops and per-row reductions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from r3srv.errors import ConfigError
+from r3srv.kernels import expert_pairs_cpu, linear_cpu, paged_decode_cpu
+from r3srv.ops.attention import PrefillSpan
+from r3srv.ops.experts import Activation, ExpertPass, TorchExperts
+from r3srv.ops.router import RouteFn
+from r3srv.ops.table import Ops
+
+# Tokens per expert-pass call: every expert then has fewer pairs than the kernel's WIDE_MIN_PAIRS (64)
+EXPERT_BLOCK_TOKENS = 32
+# Queries per paged-kernel call of a prompt chunk: bounds the per-query block tables (ints) it builds
+PREFILL_QUERY_BLOCK = 128
+
+
+def build(base: Ops) -> Ops:
+    """The CPU backend `base` (ops/cpu.py's, built for the same settings) made batch-invariant."""
+    missing = [name for name, built in (("linear_cpu", linear_cpu.BUILT), ("paged_decode_attention",
+               paged_decode_cpu.BUILT), ("expert_pairs_cpu", expert_pairs_cpu.BUILT)) if not built]
+    if missing:
+        raise ConfigError(f"--batch-invariant needs the Rust core's {', '.join(missing)} (an extension built with "
+                          "`pip install -e .`)")
+    if base.decode_attention is None:
+        raise ConfigError("--batch-invariant needs the Rust paged decode kernel: drop --no-rust-decode")
+    threads = base.threads
+    decode = base.decode_attention
+    return base.replace(
+        name="cpu-invariant",
+        linear=functools.partial(invariant_linear, threads=threads),
+        prefill_attention=functools.partial(prefill_as_decodes, decode),
+        expert_passes=lambda activation: BlockedExperts(
+            functools.partial(expert_pairs_cpu.expert_pairs, threads=threads),
+            TorchExperts(activation, pairs_mv=True, pairs_mv_always=True)),
+        routers=lambda shape: row_by_row(base.routers(shape)),
+        fuse_decoder_layer=None, plan_fused_step=None,
+        torch_threads=one_thread, batch_invariant=True,
+    )
+
+
+def row_by_row(route: RouteFn) -> RouteFn:
+    """`route` one token at a time: torch's elementwise kernels (the reference router's sigmoid)
+    take their vector or scalar path by an element's place in the whole tensor, so a row's
+    scores would depend on the rows before it."""
+
+    def route_rows(router_logits: torch.Tensor, top_k: int, *, capture=None, **kwargs):
+        routed = [route(row, top_k, capture=None if capture is None else capture[i : i + 1], **kwargs)
+                  for i, row in enumerate(router_logits.split(1))]
+        if not routed:
+            return route(router_logits, top_k, capture=capture, **kwargs)
+        return torch.cat([w for w, _ in routed]), torch.cat([ids for _, ids in routed])
+
+    return route_rows
+
+
+def one_thread(num_tokens: int) -> int:
+    return 1
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     threads: int = 1) -> torch.Tensor:
+    """F.linear, each row through the Rust kernel's per-row dot products in blocks of at most
+    MAX_ROWS rows (or alone through F.linear where the kernel declines the weight)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = rows.new_empty(rows.shape[0], weight.shape[0])
+    for start in range(0, rows.shape[0], linear_cpu.MAX_ROWS):
+        block = rows[start : start + linear_cpu.MAX_ROWS]
+        y = linear_cpu.linear_rust(block, weight, bias, threads)
+        if y is None:  # a weight or dtype the kernel does not read: one row a call, a row alike at any batch
+            y = torch.cat([F.linear(row, weight, bias) for row in block.split(1)])
+        out[start : start + block.shape[0]] = y
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def prefill_as_decodes(decode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, spans: list[PrefillSpan], out: torch.Tensor, *,
+                       scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None) -> None:
+    """The prefill op (ops/attention.py's PrefillKernel) as one decode per query: query i of a
+    span attends through the paged decode kernel `decode` over its context's first
+    `context_len - q_len + i + 1` keys, read from the cache (written before this call) through a
+    table of single-slot pages. The kernel's tiles start at position 0 whatever the page, so a
+    query gets the bits the same token gets as a decode."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    for span in spans:
+        slots = span.context_slots if span.context_slots is not None else span.slots
+        if slots is None:
+            raise ValueError("a prefill span without its slots (AttentionMetadata.build gives them)")
+        q_len, ctx = span.end - span.start, span.context_len
+        table = slots.to(torch.int64).view(1, -1)
+        for first in range(0, q_len, PREFILL_QUERY_BLOCK):
+            n = min(PREFILL_QUERY_BLOCK, q_len - first)
+            lens = torch.arange(ctx - q_len + first + 1, ctx - q_len + first + n + 1, dtype=torch.int64)
+            rows = torch.arange(span.start + first, span.start + first + n, dtype=torch.int64)
+            decode(q, k_cache, v_cache, table.expand(n, -1).contiguous(), lens, rows, out, page=1, scale=scale,
+                   window=window, sinks=sinks, max_context=ctx)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockedExperts:
+    """The Rust expert pass `kernel` over blocks of EXPERT_BLOCK_TOKENS tokens (an expert-parallel
+    rank's pairs: by blocks of the tokens they belong to), `fallback` (torch, pair by pair) where
+    the kernel declines the layer."""
+
+    kernel: ExpertPass
+    fallback: TorchExperts
+
+    def __call__(self, x, w13, w2, weights, ids, *, tokens=None, b13=None, b2=None) -> torch.Tensor:
+        if not ids.numel():
+            return torch.zeros_like(x)
+        act: Activation = self.fallback.act
+        out = torch.empty_like(x) if tokens is None else torch.zeros_like(x)
+        for start in range(0, x.shape[0], EXPERT_BLOCK_TOKENS):
+            end = min(start + EXPERT_BLOCK_TOKENS, x.shape[0])
+            if tokens is None:
+                part = self.kernel(x[start:end], w13, w2, weights[start:end], ids[start:end], None, b13, b2, act)
+                if part is None:
+                    return self.fallback(x, w13, w2, weights, ids, b13=b13, b2=b2)
+                out[start:end] = part
+                continue
+            mine = ((tokens >= start) & (tokens < end)).nonzero().squeeze(1)
+            if not mine.numel():
+                continue
+            part = self.kernel(x, w13, w2, weights[mine], ids[mine], tokens[mine], b13, b2, act)
+            if part is None:
+                return self.fallback(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2)
+            out[start:end] = part[start:end]
+        return out
