@@ -13,9 +13,8 @@ prompt tokens through the kernels decodes take:
 - attention: every query, a prompt's as a decode's, through the Rust paged decode kernel over
   the keys up to its own position, in 32-key tiles from position 0 (the kernel's split is by
   sequence only), so a prompt chunk's size or a prefix hit changes nothing;
-- the expert pass: the Rust kernel on blocks of `EXPERT_BLOCK_TOKENS` tokens, below the
-  pair count at which it switches an expert to packed products (rust/src/expert_pairs.rs,
-  WIDE_MIN_PAIRS);
+- the expert pass: the Rust kernel on runs of tokens that give no expert WIDE_MIN_PAIRS pairs,
+  the count at which the kernel switches an expert to packed products (rust/src/expert_pairs.rs);
 - routing: one token a call (the Rust router computes rows apart already; the torch reference's
   elementwise kernels do not, below);
 - norms and q/k norms with RoPE: the CPU backend's row-by-row kernels as they are;
@@ -38,8 +37,9 @@ from r3srv.ops.experts import Activation, ExpertPass, TorchExperts
 from r3srv.ops.router import RouteFn
 from r3srv.ops.table import Ops
 
-# Tokens per expert-pass call: every expert then has fewer pairs than the kernel's WIDE_MIN_PAIRS (64)
-EXPERT_BLOCK_TOKENS = 32
+# rust/src/expert_pairs.rs's WIDE_MIN_PAIRS: an expert with this many pairs in one call takes the
+# packed products, whose bits depend on the pairs beside it; below, each pair's are its own
+WIDE_MIN_PAIRS = 64
 # Queries per paged-kernel call of a prompt chunk: bounds the per-query block tables (ints) it builds
 PREFILL_QUERY_BLOCK = 128
 
@@ -125,11 +125,28 @@ def prefill_as_decodes(decode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    window=window, sinks=sinks, max_context=ctx)
 
 
+def narrow_blocks(pair_tokens: torch.Tensor, ids: torch.Tensor, num_tokens: int, num_experts: int,
+                  limit: int = WIDE_MIN_PAIRS) -> list[tuple[int, int]]:
+    """Runs of tokens [start, end), greedily as long as possible, in which no expert receives
+    `limit` of the pairs (pair p belongs to token pair_tokens[p] and goes to expert ids[p])."""
+    counts = torch.zeros(num_tokens, num_experts, dtype=torch.int32)
+    counts.index_put_((pair_tokens.long(), ids.long()), torch.ones(ids.shape[0], dtype=torch.int32), accumulate=True)
+    cumulative = counts.cumsum(0)
+    blocks, start = [], 0
+    while start < num_tokens:
+        before = cumulative[start - 1] if start else torch.zeros(num_experts, dtype=cumulative.dtype)
+        over = ((cumulative[start:] - before) >= limit).any(1).nonzero()
+        end = num_tokens if not over.numel() else start + max(1, int(over[0, 0]))
+        blocks.append((start, end))
+        start = end
+    return blocks
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockedExperts:
-    """The Rust expert pass `kernel` over blocks of EXPERT_BLOCK_TOKENS tokens (an expert-parallel
-    rank's pairs: by blocks of the tokens they belong to), `fallback` (torch, pair by pair) where
-    the kernel declines the layer."""
+    """The Rust expert pass `kernel` over runs of tokens that keep every expert below the
+    kernel's WIDE_MIN_PAIRS pairs (`narrow_blocks`; an expert-parallel rank's pairs by the
+    tokens they belong to), `fallback` (torch, pair by pair) where the kernel declines the layer."""
 
     kernel: ExpertPass
     fallback: TorchExperts
@@ -138,9 +155,11 @@ class BlockedExperts:
         if not ids.numel():
             return torch.zeros_like(x)
         act: Activation = self.fallback.act
+        num_tokens = x.shape[0]
+        pair_tokens = torch.arange(num_tokens).repeat_interleave(ids.shape[-1]) if tokens is None else tokens
+        blocks = narrow_blocks(pair_tokens, ids.reshape(-1), num_tokens, w13.shape[0])
         out = torch.empty_like(x) if tokens is None else torch.zeros_like(x)
-        for start in range(0, x.shape[0], EXPERT_BLOCK_TOKENS):
-            end = min(start + EXPERT_BLOCK_TOKENS, x.shape[0])
+        for start, end in blocks:
             if tokens is None:
                 part = self.kernel(x[start:end], w13, w2, weights[start:end], ids[start:end], None, b13, b2, act)
                 if part is None:
