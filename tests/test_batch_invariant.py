@@ -1,7 +1,8 @@
 """--batch-invariant (ops/invariant.py): a request's tokens, logprobs and routed-experts rows are
 bitwise the ones it gets alone, in batches of 2 to 64 of generated prompts, with prefill chunks
-of a few tokens, over the prefix cache and after preemption, on a plain MoE (the built-in model)
-and an MLA family (a tiny DeepSeek-V3); and the ops' rows do not depend on the other rows.
+of a few tokens, over the prefix cache, after preemption and when sampled with a seed, on a plain
+MoE (the built-in model) and an MLA family (a tiny DeepSeek-V3); the ops' rows do not depend on
+the other rows; layers it does not cover are refused at load.
 The default mode is not asserted invariant (docs/replay.md, "Determinism")."""
 
 import random
@@ -129,6 +130,37 @@ def test_same_after_preemption(model, alone):
     assert llm.stats().num_preemptions > 0
     for i, at in enumerate(slots):
         assert_same(sample(outputs[at]), alone[i], f"target {i} after preemption")
+
+
+@pytest.mark.slow
+def test_same_when_sampled_with_a_seed(model):
+    """Seeded sampling (temperature, top-k, top-p): the same draws alone and among seeded others,
+    in chunks of 5 tokens over the prefix cache."""
+    rng = random.Random(3)
+
+    def seeded(i: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True,
+                              max_tokens=MAX_TOKENS, logprobs=2)
+
+    cold = LLM(model, batch_invariant=True, enable_prefix_caching=False)
+    alone = [sample(cold.generate([prompt], seeded(i))[0]) for i, prompt in enumerate(TARGETS)]
+    llm = LLM(model, batch_invariant=True, max_num_batched_tokens=5)
+    others = generated_prompts(rng, [rng.randint(1, 50) for _ in range(12)])
+    params = [SamplingParams(temperature=1.0, seed=rng.randrange(1000), max_tokens=rng.randint(1, 10)) for _ in others]
+    outputs = llm.generate(others + TARGETS, params + [seeded(i) for i in range(len(TARGETS))])
+    for i in range(len(TARGETS)):
+        assert_same(sample(outputs[len(others) + i]), alone[i], f"seeded target {i}")
+
+
+@pytest.mark.slow  # writes transformers checkpoints
+@pytest.mark.parametrize("family, gap", [("qwen2_moe", "gated shared expert"), ("qwen3_next", "linear-attention"),
+                                         ("deepseek_v32", "sparse-attention indexer")])
+def test_uncovered_layers_are_refused_at_load(tmp_path, family, gap):
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / family, family)
+    with pytest.raises(ConfigError, match=f"--batch-invariant does not cover {family}'s .*{gap}"):
+        LLM(str(path), batch_invariant=True)
 
 
 def rows_alone_and_together(op, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

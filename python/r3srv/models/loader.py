@@ -107,6 +107,8 @@ def load_model(
     try:
         model = MoeForCausalLM(cfg, dtype=model_dtype, device=device, parallel=parallel,
                                batch_invariant=batch_invariant)
+    except ConfigError:  # an option the model cannot take (--batch-invariant's gaps): its own message
+        raise
     except (ValueError, NotImplementedError) as exc:  # heads or experts that do not split over the ranks
         raise ConfigError(f"{cfg.name} cannot be split that way: {exc}") from exc
     _load_weights(model, safetensors_files(path), cfg)

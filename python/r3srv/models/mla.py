@@ -27,7 +27,6 @@ from r3srv.models.config import ModelConfig
 from r3srv.models.dsa import Indexer, Selection
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, head_pieces, local_heads
-from r3srv.errors import ConfigError
 from r3srv.ops import REFERENCE, Ops
 from r3srv.ops.attention import CAUSAL, AttentionMetadata, attend, paged_attention
 from r3srv.ops.rotary import yarn_mscale
@@ -103,8 +102,6 @@ class MlaAttention(nn.Module):
         # in the latent space (a prompt's through the backend's prefill op, over the latent cache)
         self.latent_linear = ops.linear if ops.batch_invariant else F.linear
         self.latent_prefill = ops.prefill_attention if ops.batch_invariant else None
-        if ops.batch_invariant and (self.indexer is not None or self.shares_selection):
-            raise ConfigError("--batch-invariant does not cover DeepSeek Sparse Attention's indexer yet")
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k_cache = torch.zeros(num_slots, 1, self.rank + self.rope, dtype=dtype, device=device)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from r3srv.models.batch import ForwardBatch
+from r3srv.errors import ConfigError
 from r3srv.models.config import ModelConfig
 from r3srv.models.families import family_named
 from r3srv.models.gated_deltanet import GatedDeltaNet
@@ -313,6 +314,20 @@ class MixerBlock(nn.Module):
         return x + self.mlp(h, capture)
 
 
+def batch_invariance_gaps(cfg: ModelConfig) -> list[str]:
+    """The layers of `cfg` whose numbers the batch-invariant ops (ops/invariant.py) do not yet
+    make independent of the step: recurrent scans (chunked for prompts, stepped for decodes), DSA's
+    indexer, a shared expert's sigmoid gate (torch's sigmoid over the step's [T, 1] column)."""
+    gaps = []
+    if cfg.is_hybrid:
+        gaps.append("linear-attention layers")
+    if cfg.attention.sparse is not None:
+        gaps.append("sparse-attention indexer")
+    if cfg.experts.shared_intermediate_size and cfg.experts.shared_gate:
+        gaps.append("gated shared expert")
+    return gaps
+
+
 class MoeForCausalLM(nn.Module):
     """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
 
@@ -322,6 +337,10 @@ class MoeForCausalLM(nn.Module):
         device = torch.device(device)
         self.config = cfg
         # the backend's batch-invariant kernels (r3srv.ops.ops_for) whenever ops are chosen anew
+        gaps = batch_invariance_gaps(cfg) if batch_invariant else []
+        if gaps:
+            raise ConfigError(f"--batch-invariant does not cover {cfg.name}'s {' or '.join(gaps)} yet "
+                              "(docs/replay.md, \"Determinism\")")
         self.batch_invariant = batch_invariant
         self.family = family_named(cfg.model_type)
         self.dtype = dtype
