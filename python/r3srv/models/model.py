@@ -317,14 +317,12 @@ class MixerBlock(nn.Module):
 def batch_invariance_gaps(cfg: ModelConfig) -> list[str]:
     """The layers of `cfg` whose numbers the batch-invariant ops (ops/invariant.py) do not yet
     make independent of the step: recurrent scans (chunked for prompts, stepped for decodes), DSA's
-    indexer, a shared expert's sigmoid gate (torch's sigmoid over the step's [T, 1] column)."""
+    indexer."""
     gaps = []
     if cfg.is_hybrid:
         gaps.append("linear-attention layers")
     if cfg.attention.sparse is not None:
         gaps.append("sparse-attention indexer")
-    if cfg.experts.shared_intermediate_size and cfg.experts.shared_gate:
-        gaps.append("gated shared expert")
     return gaps
 
 

@@ -194,6 +194,11 @@ def expert_mlps_looped(rows, w13, w2, counts, act=SILU_AND_MUL, biases=None) -> 
     return out if biases is None or biases[1] is None else out + biases[1].index_select(0, biases[2])
 
 
+def shared_expert_gate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A shared expert's gate, sigmoid(x @ weight^T): [T, 1] for weight [1, H]."""
+    return torch.sigmoid(F.linear(x, weight))
+
+
 @dataclass(frozen=True)
 class KernelExperts:
     """A kernel's expert pass (`kernel(..., act)`: its result, or None where it does not

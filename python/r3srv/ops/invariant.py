@@ -15,8 +15,9 @@ prompt tokens through the kernels decodes take:
   sequence only), so a prompt chunk's size or a prefix hit changes nothing;
 - the expert pass: the Rust kernel on runs of tokens that give no expert WIDE_MIN_PAIRS pairs,
   the count at which the kernel switches an expert to packed products (rust/src/expert_pairs.rs);
-- routing: one token a call (the Rust router computes rows apart already; the torch reference's
-  elementwise kernels do not, below);
+- routing and a shared expert's sigmoid gate: one token a call (the Rust router computes rows
+  apart already; torch's elementwise kernels take a vector or a scalar path by an element's
+  place in the whole tensor);
 - norms and q/k norms with RoPE: the CPU backend's row-by-row kernels as they are;
 - no fused decode step (its sums differ from the modules' that prompts take), and torch on one
   thread (what is left of torch: elementwise ops and per-row reductions).
@@ -63,6 +64,7 @@ def build(base: Ops) -> Ops:
             functools.partial(expert_pairs_cpu.expert_pairs, threads=threads),
             TorchExperts(activation, pairs_mv=True, pairs_mv_always=True)),
         routers=lambda shape: row_by_row(base.routers(shape)),
+        shared_gate=functools.partial(shared_gate_rows, threads=threads),
         fuse_decoder_layer=None, plan_fused_step=None,
         torch_threads=one_thread, batch_invariant=True,
     )
@@ -81,6 +83,13 @@ def row_by_row(route: RouteFn) -> RouteFn:
         return torch.cat([w for w, _ in routed]), torch.cat([ids for _, ids in routed])
 
     return route_rows
+
+
+def shared_gate_rows(x: torch.Tensor, weight: torch.Tensor, *, threads: int = 1) -> torch.Tensor:
+    """A shared expert's gate, sigmoid(x @ weight^T), a token at a time (torch's sigmoid over the
+    step's whole column would take a vector or a scalar path by a token's place in it)."""
+    logits = invariant_linear(x, weight, threads=threads)
+    return torch.cat([torch.sigmoid(row) for row in logits.split(1)]) if logits.shape[0] else torch.sigmoid(logits)
 
 
 def one_thread(num_tokens: int) -> int:
