@@ -7,12 +7,14 @@ load.
 The default mode is not asserted invariant (docs/replay.md, "Determinism")."""
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from engine_testing import one_torch_thread  # noqa: F401  (fixture)
+from interpreter_testing import assert_cases_pass_in_interpreter
 from r3srv import LLM, SamplingParams
 from r3srv.errors import ConfigError
 from r3srv.ops import ops_for
@@ -220,6 +222,12 @@ def test_expert_pass_rows_do_not_depend_on_the_other_rows():
     assert torch.equal(listed, alone)
 
 
-def test_cpu_only():
-    with pytest.raises(ConfigError, match="CPU only"):
-        ops_for("cuda", torch.float32, batch_invariant=True)
+def test_other_devices_are_refused():
+    with pytest.raises(ConfigError, match="no kernels for meta"):
+        ops_for("meta", torch.float32, batch_invariant=True)
+
+
+@pytest.mark.slow  # Triton's interpreter in a subprocess
+def test_cuda_backend_is_batch_invariant_in_the_triton_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (it ships with torch on Linux)")
+    assert_cases_pass_in_interpreter(Path(__file__).with_name("batch_invariant_triton_cases.py"))

@@ -19,12 +19,11 @@ from r3srv.ops.table import Ops
 
 def ops_for(device: torch.device | str, dtype: torch.dtype, *, batch_invariant: bool = False) -> Ops:
     """The ops a model on `device` in `dtype` runs, under the current settings; batch_invariant:
-    the backend's batch-invariant ops (ops/invariant.py; the CPU's alone: ConfigError elsewhere)."""
+    the backend's batch-invariant ops (ops/invariant.py: the CPU's and CUDA's; ConfigError elsewhere)."""
     kind = torch.device(device).type
     current = settings.current()
-    if batch_invariant and kind != "cpu":
-        raise ConfigError(f"--batch-invariant runs on the CPU only (the {kind} backend has no batch-invariant "
-                          "kernels yet)")
+    if batch_invariant and kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--batch-invariant has no kernels for {kind} (the CPU's and CUDA's only)")
     if kind == "cpu":
         from r3srv.ops import cpu
 
@@ -36,6 +35,10 @@ def ops_for(device: torch.device | str, dtype: torch.dtype, *, batch_invariant: 
     if kind == "cuda":
         from r3srv.ops import cuda
 
+        if batch_invariant:
+            from r3srv.ops import invariant
+
+            return invariant.build_cuda(cuda.build(dtype, current))
         return cuda.build(dtype, current)
     return REFERENCE
 

@@ -35,6 +35,7 @@ from r3srv.errors import ConfigError
 from r3srv.kernels import expert_pairs_cpu, linear_cpu, paged_decode_cpu
 from r3srv.ops.attention import PrefillSpan
 from r3srv.ops.experts import Activation, ExpertPass, TorchExperts
+from r3srv.ops.linear import LinearFn
 from r3srv.ops.router import RouteFn
 from r3srv.ops.table import Ops
 
@@ -64,7 +65,7 @@ def build(base: Ops) -> Ops:
             functools.partial(expert_pairs_cpu.expert_pairs, threads=threads),
             TorchExperts(activation, pairs_mv=True, pairs_mv_always=True)),
         routers=lambda shape: row_by_row(base.routers(shape)),
-        shared_gate=functools.partial(shared_gate_rows, threads=threads),
+        shared_gate=functools.partial(shared_gate_rows, linear=functools.partial(invariant_linear, threads=threads)),
         fuse_decoder_layer=None, plan_fused_step=None,
         torch_threads=one_thread, batch_invariant=True,
     )
@@ -85,10 +86,11 @@ def row_by_row(route: RouteFn) -> RouteFn:
     return route_rows
 
 
-def shared_gate_rows(x: torch.Tensor, weight: torch.Tensor, *, threads: int = 1) -> torch.Tensor:
-    """A shared expert's gate, sigmoid(x @ weight^T), a token at a time (torch's sigmoid over the
-    step's whole column would take a vector or a scalar path by a token's place in it)."""
-    logits = invariant_linear(x, weight, threads=threads)
+def shared_gate_rows(x: torch.Tensor, weight: torch.Tensor, *, linear: LinearFn) -> torch.Tensor:
+    """A shared expert's gate, sigmoid(x @ weight^T) through the backend's invariant `linear`, the
+    sigmoid a token at a time (torch's over the step's whole column would take a vector or a
+    scalar path by a token's place in it)."""
+    logits = linear(x, weight)
     return torch.cat([torch.sigmoid(row) for row in logits.split(1)]) if logits.shape[0] else torch.sigmoid(logits)
 
 
@@ -182,4 +184,63 @@ class BlockedExperts:
             if part is None:
                 return self.fallback(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2)
             out[start:end] = part[start:end]
+        return out
+
+
+def build_cuda(base: Ops) -> Ops:
+    """The CUDA backend `base` (ops/cuda.py's) made batch-invariant: linear layers through
+    kernels/linear_triton.py (fixed tiles, no split-K), every query through the Triton paged
+    decode kernel unsplit (its key tiles start at position 0 whatever the page), the expert pass
+    as `PairExperts` over that linear, routing and a shared expert's gate a token at a time."""
+    from r3srv.ops.cuda import triton_available
+
+    if not triton_available():
+        raise ConfigError("--batch-invariant on CUDA needs triton (its kernels are Triton's)")
+    from r3srv.kernels.linear_triton import linear_triton
+    from r3srv.kernels.paged_decode_triton import paged_decode_triton
+
+    decode = functools.partial(paged_decode_triton, splits=1)
+    return base.replace(
+        name="cuda-invariant", linear=linear_triton, decode_attention=decode,
+        prefill_attention=functools.partial(prefill_as_decodes, decode),
+        expert_passes=lambda activation: PairExperts(activation, linear_triton),
+        routers=lambda shape: row_by_row(base.routers(shape)),
+        shared_gate=functools.partial(shared_gate_rows, linear=linear_triton), batch_invariant=True,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PairExperts:
+    """The expert pass through an invariant `linear`: each expert's pairs as two projections of
+    rows that do not depend on each other, then each token's weighted outputs summed in its pairs'
+    order, one round per rank of a pair within its token (no atomics: each round adds to a token
+    at most once)."""
+
+    act: Activation
+    linear: LinearFn
+
+    def __call__(self, x, w13, w2, weights, ids, *, tokens=None, b13=None, b2=None) -> torch.Tensor:
+        if not ids.numel():
+            return torch.zeros_like(x)
+        flat_ids, flat_weights = ids.reshape(-1).long(), weights.reshape(-1)
+        pair_tokens = (torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[-1]) if tokens is None
+                       else tokens.long())
+        outputs = x.new_empty(flat_ids.shape[0], x.shape[1])
+        for expert in flat_ids.unique().tolist():
+            pairs = (flat_ids == expert).nonzero().squeeze(1)
+            h = self.linear(x.index_select(0, pair_tokens.index_select(0, pairs)), w13[expert])
+            if b13 is not None:
+                h = h + b13[expert]
+            o = self.linear(self.act(h), w2[expert])
+            if b2 is not None:
+                o = o + b2[expert]
+            outputs[pairs] = o * flat_weights.index_select(0, pairs)[:, None].to(o.dtype)
+        order = torch.argsort(pair_tokens, stable=True)
+        sorted_tokens = pair_tokens.index_select(0, order)
+        first = torch.searchsorted(sorted_tokens, sorted_tokens)  # each pair's token's first place
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=x.device) - first)
+        out = torch.zeros_like(x)
+        for r in range(int(rank.max()) + 1):
+            pairs = (rank == r).nonzero().squeeze(1)
+            out.index_add_(0, pair_tokens.index_select(0, pairs), outputs.index_select(0, pairs))
         return out
