@@ -10,15 +10,14 @@ TRITON_INTERPRET=1: tests/test_batch_invariant.py starts one.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs a process started with TRITON_INTERPRET=1 (see tests/test_batch_invariant.py)",
-                allow_module_level=True)
+from interpreter_testing import skip_unless_interpreted
+
+skip_unless_interpreted("tests/test_batch_invariant.py")
 
 from r3srv import LLM, SamplingParams, settings  # noqa: E402
 from r3srv.kernels.linear_triton import linear_triton  # noqa: E402
