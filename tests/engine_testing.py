@@ -36,6 +36,23 @@ def full_precision_matmuls():
     torch.set_float32_matmul_precision(before)
 
 
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The layer steps that took the CPU backend's fused decode step since the test began
+    (ops/cpu_decode.py; reset by calls.clear())."""
+    from r3srv.ops.cpu_decode import FusedDecoderLayer
+
+    calls = []
+    run = FusedDecoderLayer.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
+    return calls
+
+
 def counting(kernel, runs: list):
     """`kernel` (a Rust kernel's wrapper, None where it does not apply) that also appends to
     `runs` whether it ran."""

@@ -30,16 +30,25 @@ def write_checkpoint(path: Path, family: str) -> Path:
     return write_tiny_checkpoint(path, family, seed=0)
 
 
+def checkpoint_and_two_adapters(root: Path, family: str) -> tuple[Path, Path, Path]:
+    """The family's tiny checkpoint and two PEFT adapters of it (seeds 1 and 2) under `root`."""
+    return write_checkpoint(root / "ckpt", family), write_adapter(root / "a1", family, seed=1), \
+        write_adapter(root / "a2", family, seed=2)
+
+
 def write_adapter(path: Path, family: str, seed: int, *, rank: int = 4, alpha: int = 8, experts: bool = True,
-                  targets: list[str] | None = None, shared_outer: bool = False) -> Path:
+                  targets: list[str] | None = None, parameters: list[str] | None = None,
+                  shared_outer: bool = False) -> Path:
     """A PEFT adapter of the family's tiny model (random A and B, large enough to change the
-    tokens), saved by PEFT into `path`. shared_outer: the experts' gate_up A and down B made
+    tokens), saved by PEFT into `path`. parameters: PEFT's target_parameters beside the routed
+    experts' (or alone, experts=False). shared_outer: the experts' gate_up A and down B made
     equal across experts (SGLang's shared-outer form, still a valid PEFT adapter)."""
     from peft import LoraConfig, get_peft_model
 
     hf = build_hf_model(family, seed=0)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or TARGETS[family],
-                        target_parameters=EXPERT_PARAMETERS if experts else None, init_lora_weights=False)
+    wrapped = (EXPERT_PARAMETERS if experts else []) + (parameters or [])
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS[family] if targets is None else targets,
+                        target_parameters=wrapped or None, init_lora_weights=False)
     peft = get_peft_model(hf, config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -62,3 +62,34 @@ def test_image_prompts_under_tp2_match_transformers(family, tmp_path):
                 assert np.array_equal(out.outputs[0].routed_experts[:, layer], want.numpy()), f"layer {layer}"
     finally:
         llm.shutdown()
+
+
+def test_an_update_from_disk_under_tp2_reaches_the_tower_and_pushed_tower_tensors_are_refused(tmp_path_factory):
+    """The tower lives in rank 0's process: an update from disk refills it (and empties the
+    encoder cache) while the ranks load their language-model shards; pushed tower tensors,
+    which the ranks would receive, are refused before anything changes."""
+    from safetensors.torch import load_file
+
+    from r3srv.engine.weight_sync import named_tensor_metas
+    from r3srv.errors import ConfigError
+
+    v0, v1 = tmp_path_factory.mktemp("v0"), tmp_path_factory.mktemp("v1")
+    _, processor = write_vision_checkpoint(transformers, "qwen3_vl_moe", v0, seed=7)
+    hf1, _ = write_vision_checkpoint(transformers, "qwen3_vl_moe", v1, seed=8)
+    llm = LLM(str(v0), block_size=4, num_kv_blocks=128, max_model_len=256, tensor_parallel_size=2, dtype="float32")
+    try:
+        prompt = {"prompt_token_ids": with_placeholders(text(4, 1), 0, text(3, 2)), "multi_modal_data": {"image": picture(2)}}
+        llm.generate(prompt, greedy(logprobs=False))
+        tower = {n: t for n, t in load_file(str(v1 / "model.safetensors")).items() if n.startswith("model.visual.")}
+        named = named_tensor_metas(list(tower), [str(t.dtype) for t in tower.values()],
+                                   [list(t.shape) for t in tower.values()], dtypes_param="dtypes")
+        with pytest.raises(ConfigError, match="tensor parallelism"):
+            llm.engine.core.unfilled_weights(named)
+        llm.update_weights(str(v1))
+        out = llm.generate(prompt, greedy(logprobs=False))[0]
+        tokens, _, rows = hf_greedy(hf1, out.prompt_token_ids, [picture(2)], processor, IMAGE_TOKEN, NEW_TOKENS)
+        assert out.outputs[0].token_ids == tokens
+        for layer, picked in rows.items():
+            assert np.array_equal(out.outputs[0].routed_experts[:, layer], picked.numpy()), f"layer {layer}"
+    finally:
+        llm.shutdown()

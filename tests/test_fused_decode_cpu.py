@@ -2,8 +2,9 @@
 straight kernel calls gives the modules' tokens, logprobs and routed experts bit for bit, on
 generated prompts, greedy and sampled, at one and two threads, in float32 and bfloat16; it runs at decode steps only,
 only where the settings turn every kernel it calls on, and only for layers whose parts it
-computes: anything else a layer hands it (a window, an adapter on a projection) makes it
-decline when the model is built, naming the part."""
+computes: anything else a layer hands it (a window, a part of a projection it does not know)
+makes it decline when the model is built, naming the part (adapter slots it takes: a step with
+an adapter runs the modules, tests/test_lora.py)."""
 
 from __future__ import annotations
 
@@ -16,33 +17,19 @@ import numpy as np
 import pytest
 import torch
 
-from engine_testing import model_of, one_torch_thread, rebound  # noqa: F401 (autouse fixture)
+from engine_testing import fused_calls, model_of, one_torch_thread, rebound  # noqa: F401 (fixtures)
 from r3srv import LLM, SamplingParams, settings
 from r3srv.kernels import linear_cpu
 from r3srv.models.moe import Mlp
 from r3srv.models.parallel import ColumnParallelLinear, Piece
 from r3srv.ops import cpu_decode, ops_for
-from r3srv.ops.cpu_decode import DecodeStep, FusedDecoderLayer
+from r3srv.ops.cpu_decode import DecodeStep
 from r3srv.ops.parts import LinearParts
 
 
 @pytest.fixture(scope="module")
 def llm():
     return LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=8, enable_return_routed_experts=True)
-
-
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """How many layer steps took the fused step since the test began (reset by calls.clear())."""
-    calls = []
-    run = FusedDecoderLayer.__call__
-
-    def counted(self, *args, **kwargs):
-        calls.append(self)
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
-    return calls
 
 
 def generated_requests(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
 import torch
+from engine_testing import fused_calls, model_of  # noqa: F401 (a fixture)
 from lora_testing import (
     assert_matches,
     peft_reference,
@@ -216,13 +216,45 @@ def test_lora_needs_the_flag_and_refuses_what_it_cannot_do(tmp_path):
         LLM(str(ckpt), enable_lora=True, max_loras=3, max_cpu_loras=2)
 
 
-def test_a_fused_decode_op_declines_layers_with_adapter_slots(tmp_path):
-    """The CPU backend's fused decode step computes no adapter: a layer with slots makes it
-    decline at build time, naming the part."""
-    ckpt = write_checkpoint(tmp_path / "ckpt", "qwen3_moe")
-    llm = engine(ckpt)
-    model = llm.engine.core.executor.model
-    assert not model.fused_layers
-    declined = {layer.fused_declined for layer in model.layers}
-    assert all(d is None or "lora" in d for d in declined)
-    assert np.all([d is not None for d in declined]) or model.ops.fuse_decoder_layer is None
+def test_steps_without_an_adapter_take_the_fused_decode_step(tmp_path, fused_calls):
+    """--enable-lora keeps the CPU backend's fused decode step (ops/cpu_decode.py) for every layer:
+    the decode steps in which no token has an adapter take it, a step with one runs the modules
+    with its adapters: PEFT's tokens, logprobs and rows either way."""
+    family = "qwen3_moe"
+    ckpt = write_checkpoint(tmp_path / "ckpt", family)
+    path = write_adapter(tmp_path / "a", family, seed=5)
+    llm = engine(ckpt, max_loras=1, enable_prefix_caching=False)
+    model = model_of(llm)
+    assert model.fused_layers and all(layer.fused is not None for layer in model.layers)
+    llm.load_lora_adapter("a", str(path))
+    p = prompt(9, 30)
+    base = peft_reference(family, None, p, MAX_TOKENS)
+    assert_matches(llm.generate([p], GREEDY)[0], base)
+    assert len(fused_calls) == (MAX_TOKENS - 1) * len(model.layers)  # every decode step, every layer
+    fused_calls.clear()
+    adapted, plain = llm.generate([p, p], GREEDY, lora_name=["a", None])  # every step has an adapter
+    assert not fused_calls
+    ref = peft_reference(family, path, p, MAX_TOKENS)
+    assert ref.tokens != base.tokens
+    assert_matches(adapted, ref)
+    assert_matches(plain, base)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("form", ["module", "parameter"])
+def test_an_adapter_on_the_router_gate_moves_the_rows_as_peft_does(family, form, tmp_path):
+    """An adapter on the router gate alone (PEFT's target_modules=["gate"], or its parameter
+    wrapper target_parameters=["mlp.gate.weight"]): the adapted router picks other experts than
+    the base's, and r3srv's rows are PEFT's, alone and beside the base model in one batch."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", family)
+    targeting = dict(targets=["gate"]) if form == "module" else dict(targets=[], parameters=["mlp.gate.weight"])
+    path = write_adapter(tmp_path / "g", family, seed=6, experts=False, **targeting)
+    assert {t.rpartition(".")[0].rpartition(".")[2] for t in adapters.read_dir(path).targets} == {"gate"}
+    llm = engine(ckpt, max_loras=1)
+    llm.load_lora_adapter("g", str(path))
+    p = prompt(12, 40)
+    ref, base = peft_reference(family, path, p, MAX_TOKENS), peft_reference(family, None, p, MAX_TOKENS)
+    assert (ref.rows != base.rows).any()  # the adapted router routes otherwise
+    adapted, plain = llm.generate([p, p], GREEDY, lora_name=["g", None])
+    assert_matches(adapted, ref)
+    assert_matches(plain, base)

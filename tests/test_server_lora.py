@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from lora_testing import peft_reference, prompt, write_adapter, write_checkpoint
+from lora_testing import checkpoint_and_two_adapters, peft_reference, prompt
 from server_fixture import RemoteServer
 
 pytestmark = pytest.mark.slow  # a real server, PEFT oracles
@@ -17,9 +17,7 @@ FAMILY = "qwen3_moe"
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_server")
-    ckpt = write_checkpoint(root / "ckpt", FAMILY)
-    return ckpt, write_adapter(root / "a1", FAMILY, seed=1), write_adapter(root / "a2", FAMILY, seed=2)
+    return checkpoint_and_two_adapters(tmp_path_factory.mktemp("lora_server"), FAMILY)
 
 
 @pytest.fixture(scope="module")

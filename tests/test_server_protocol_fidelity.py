@@ -179,6 +179,33 @@ def test_responses_carry_every_key_vllm_sends(http, client):
     assert chat.choices[0].message.refusal is None and chat.prompt_logprobs is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_tito_logprob_entries_per_output_mode_as_vllm(http, stream):
+    """vLLM 0.33: tokens mode answers GenerateLogProbsContent entries, text mode OpenAI's
+    ChatCompletionLogProbsContent (decoded tokens, their bytes), with the same values."""
+    body = {"token_ids": list(range(3, 13)), "stream": stream,
+            "sampling_params": {"max_tokens": 3, "logprobs": 2, "ignore_eos": True, **GREEDY}}
+    by_mode = {}
+    for mode in ("tokens", "text"):
+        if stream:
+            events = sse_events(http, "/inference/v1/generate", {**body, "output_mode": mode})
+            entries = [e for ev in events for c in ev["choices"] for e in (c.get("logprobs") or {}).get("content", [])]
+        else:
+            r = http.post("/inference/v1/generate", json={**body, "output_mode": mode})
+            assert r.status_code == 200, r.text
+            entries = r.json()["choices"][0]["logprobs"]["content"]
+        assert len(entries) == 3
+        by_mode[mode] = entries
+    fields = {"tokens": "vllm.GenerateLogProbsContent", "text": "vllm.ChatCompletionLogProbsContent"}
+    for mode, entries in by_mode.items():
+        assert all(set(e) == set(PEER_FIELDS[fields[mode]]["fields"]) for e in entries), (mode, entries[0])
+    for tok, txt in zip(by_mode["tokens"], by_mode["text"]):
+        assert txt["logprob"] == pytest.approx(tok["logprob"], abs=1e-5)  # the second run may hit the prefix cache
+        assert bytes(txt["bytes"]).decode("utf-8", errors="replace") == txt["token"]
+        assert [t["logprob"] for t in txt["top_logprobs"]] == pytest.approx([t["logprob"] for t in tok["top_logprobs"]],
+                                                                            abs=1e-5)
+
+
 def test_sglang_clips_max_new_tokens_to_the_context_as_sglang(http):
     prompt = list(range(3, 13))
     r = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"ignore_eos": True, "min_new_tokens": 500,

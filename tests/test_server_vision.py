@@ -155,6 +155,28 @@ def test_chat_image_url_parts_through_the_openai_sdk_match_transformers(served):
         assert np.array_equal(rows[:, layer], picked.numpy()), f"layer {layer}"
 
 
+def test_offline_chat_equals_the_servers_chat(served):
+    """LLM.chat in this process with the same image_url message: the server's prompt, tokens
+    and every position's rows."""
+    from r3srv import LLM, SamplingParams
+    from r3srv.serial import decode_routed_experts
+
+    srv, _, _, _ = served
+    url = f"data:image/png;base64,{base64.b64encode(picture(6)).decode()}"
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=300, json={
+        "model": srv.model_path.name, "messages": chat_messages(url), "max_tokens": NEW_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, "routed_experts_prompt_start": 0})
+    assert r.status_code == 200, r.text
+    served_out = r.json()
+    llm = LLM(str(srv.model_path), dtype="float32", max_model_len=512)
+    out = llm.chat(chat_messages(url), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == served_out["prompt_token_ids"]
+    assert out.image_grid_thw == [tuple(g) for g in served_out["image_grid_thw"]]
+    assert out.outputs[0].token_ids == served_out["choices"][0]["token_ids"]
+    assert np.array_equal(out.outputs[0].routed_experts,
+                          decode_routed_experts(served_out["choices"][0]["routed_experts"]))
+
+
 def test_chat_with_sglang_input_ids_takes_the_messages_images(served):
     """miles' session-server form: the caller's own token ids (one placeholder) with the image as
     an image_url part, and SGLang's meta_info: the placeholder expanded, its rows (int32, as SGLang

@@ -5,7 +5,6 @@ names, and prime-rl's /pause?mode=keep + /update_weights {weight_dir} + /resume.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import multiprocessing
 import shutil
 
@@ -57,15 +56,9 @@ def serves(server, policy) -> bool:
     return ids == want_ids and np.array_equal(rows, want_rows)
 
 
-@contextlib.contextmanager
 def joined(server, pool):
     """A gloo group of this process (the trainer, rank 0) and the server, torn down after."""
-    group = trainer.join(server.url, free_port(), pool)
-    try:
-        yield group
-    finally:
-        dist.destroy_process_group(group)
-        post(server, "/destroy_weights_update_group", {"group_name": trainer.GROUP})
+    return trainer.joined(server.url, pool)
 
 
 def push_policy(server, group, pool, policy) -> None:

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from server_fixture import free_port
 
 from r3srv.engine.process_groups import group_on_store
 from r3srv.engine.vllm_transfer import UNIQUE_ID_KEY, gloo_group_name
@@ -47,6 +50,18 @@ def join(url: str, port: int, pool: concurrent.futures.Executor, group_name: str
     response = reply.result()
     assert response.status_code == 200, response.text
     return group
+
+
+@contextlib.contextmanager
+def joined(url: str, pool: concurrent.futures.Executor, world_size: int = 2) -> Iterator[dist.ProcessGroup]:
+    """A gloo group of this process (the trainer, rank 0) and the server at `url` (its
+    tensor-parallel ranks as 1..world_size-1), torn down after."""
+    group = join(url, free_port(), pool, world_size=world_size)
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+        post(url, "/destroy_weights_update_group", {"group_name": GROUP})
 
 
 def vllm_init_info(port: int, world_size: int = 2) -> dict:
@@ -126,10 +141,11 @@ def announce(tensors: dict[str, torch.Tensor], **extra) -> dict:
 
 
 def push(url: str, group: dist.ProcessGroup, tensors: dict[str, torch.Tensor], pool: concurrent.futures.Executor,
-         *, die_after: int | None = None, **extra) -> httpx.Response:
-    """One /update_weights_from_distributed call and its broadcasts; with die_after, the
-    process exits (as a crashed trainer) after broadcasting that many tensors."""
-    reply = pool.submit(post, url, "/update_weights_from_distributed", announce(tensors, **extra))
+         *, die_after: int | None = None, route: str = "/update_weights_from_distributed", **extra) -> httpx.Response:
+    """One /update_weights_from_distributed call (or `route`'s: an adapter's push) and its
+    broadcasts; with die_after, the process exits (as a crashed trainer) after broadcasting
+    that many tensors."""
+    reply = pool.submit(post, url, route, announce(tensors, **extra))
     handles = []
     for i, tensor in enumerate(tensors.values()):
         if die_after is not None and i == die_after:

@@ -38,6 +38,10 @@ CLASSES = [
      "ChatCompletionResponseChoice"),
     ("vllm.ChatMessage", "vllm", "vllm/entrypoints/openai/chat_completion/protocol.py", "ChatMessage"),
     ("vllm.UsageInfo", "vllm", "vllm/entrypoints/serve/engine/protocol.py", "UsageInfo"),
+    ("vllm.GenerateLogProbsContent", "vllm", "vllm/entrypoints/scale_out/token_in_token_out/protocol.py",
+     "GenerateLogProbsContent"),
+    ("vllm.ChatCompletionLogProbsContent", "vllm", "vllm/entrypoints/openai/chat_completion/protocol.py",
+     "ChatCompletionLogProbsContent"),
 ]
 
 

@@ -117,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(vLLM's flag; prime-rl's client reads ids this way)",
     )
     serve.add_argument(
+        "--generate-logprobs-format",
+        choices=["tokens", "openai"],
+        default="tokens",
+        help="logprobs on /inference/v1/generate in tokens mode: tokens (vLLM 0.33's {token_id, logprob, rank}) or "
+        "openai ({token, logprob, bytes, top_logprobs}, as vLLM answered before output_mode existed: vLLM 0.22, which "
+        "prime-rl pins and its renderers client parses); output_mode=text always answers openai's "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
         "--timeout-headers", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
         help="seconds a connection may take from its first byte to its complete request headers (default: %(default)s)",
     )
@@ -295,6 +304,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         enable_weight_updates=args.enable_weight_updates,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        generate_logprobs_format=args.generate_logprobs_format,
         routed_experts_encoding=args.routed_experts_encoding,
         on_engine_death=on_engine_death,
         weight_sync_timeout=args.weight_sync_timeout,

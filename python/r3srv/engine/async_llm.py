@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from r3srv.config import engine_config
 from r3srv.engine.commands import PAUSE_MODES, Command, commands_as_methods  # noqa: F401 (PAUSE_MODES: metrics)
 from r3srv.engine.core import EngineCore, EngineFacts, EngineStats
-from r3srv.engine.input_processor import EngineRequest, InputProcessor
+from r3srv.engine.input_processor import EngineRequest, InputProcessor, prompt_and_images
 from r3srv.engine.output_processor import OutputProcessor, StopSequence
 from r3srv.engine.requests import CoreOutputs
 from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError, R3srvError
 from r3srv.models.loader import NamedTensors
-from r3srv.offload import run_sized
+from r3srv.offload import OFFLOAD_MIN_SIZE, run_sized
 from r3srv.outputs import OutputKind, RequestOutput, merge_deltas
 from r3srv.sampling_params import SamplingParams
 from r3srv.vision.inputs import MultiModalPrompt
@@ -234,7 +234,7 @@ class AsyncLLM(EngineFacts):
     # -- requests -------------------------------------------------------------------------
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict,
         sampling_params: SamplingParams,
         request_id: str,
         *,
@@ -251,17 +251,21 @@ class AsyncLLM(EngineFacts):
 
         Pass add_special_tokens=False for a prompt rendered from a chat template (it holds
         its specials already; the tokenizer would add a second BOS). An image prompt comes with
-        `multimodal` (InputProcessor.expand_images), `prompt` its expanded token ids.
+        `multimodal` (InputProcessor.expand_images), `prompt` its expanded token ids, or as
+        vLLM's prompt dict with multi_modal_data (input_processor.prompt_and_images).
 
         Invalid requests raise InvalidRequestError before anything is yielded. Leaving
         the iteration early (aclose, cancellation) aborts the request and frees its blocks.
         """
         self._check_alive()
         self.core.lora_ref(lora_name)  # an unknown adapter: refused here (the core checks again when it adds it)
+        prompt, images = prompt_and_images(prompt)
         size = len(prompt) if isinstance(prompt, (str, list, tuple)) else 0  # anything else fails validation
+        if images:  # decoding and preprocessing images is work for a worker thread
+            size = max(size, OFFLOAD_MIN_SIZE)
         prepared: EngineRequest = await run_sized(
             size, self.input_processor.process, request_id, prompt, sampling_params, add_special_tokens=add_special_tokens,
-            multimodal=multimodal,
+            images=images, multimodal=multimodal,
             lora_name=lora_name,
         )
         prepared.output_kind = output_kind

@@ -30,6 +30,8 @@ from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
 from r3srv.engine.stepper import Stepper
 from r3srv.errors import ConfigError, InvalidRequestError
+from r3srv.models.vision import PREFIX as VISION_PREFIX
+from r3srv.models.vision import check_tower_tensors, copy_tower_tensors, tower_tensors_in
 
 if TYPE_CHECKING:
     from r3srv.models.loader import NamedTensors
@@ -98,6 +100,7 @@ class EngineCore:
         self.num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
         self.num_state_snapshots = 2 * self.num_state_slots if config.enable_prefix_caching else 0
         self.image_inputs, encoder = self._vision(mc, model.dtype)
+        self.encoder = encoder  # the vision tower and its outputs by image (None: no images)
         self.executor: Executor = executor_class(
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
             use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
@@ -145,7 +148,8 @@ class EngineCore:
         except ConfigError as exc:
             log.warning("image inputs off: %s (text and token prompts are served)", exc)
             return None, None
-        inputs = ImageInputConfig(mc.vision, processor, cfg.max_images_per_prompt, cfg.max_image_pixels)
+        inputs = ImageInputConfig(mc.vision, processor, cfg.max_images_per_prompt, cfg.max_image_pixels,
+                                  embeds_width=tower.embeds_width)
         return inputs, EncoderCache(tower, self.device, dtype, cfg.encoder_cache_tokens)
 
     def shutdown(self) -> None:
@@ -279,27 +283,78 @@ class EngineCore:
                 "let them finish, abort them, or retract them (pause_generation mode=retract)",
                 param="model_path",
             )
+        tower_part, path = self._tower_update(path)  # checked in full before any weight is copied
         # Released weights live in host memory: an update fills them there, and they move
         # back with resume_memory.
         try:
-            self.executor.load_weights(path)
+            if not isinstance(path, NamedTensors) or path.metas:  # not a push of the tower's tensors alone
+                self.executor.load_weights(path)
+            if tower_part:
+                copy_tower_tensors(self.encoder.tower, tower_part)
         except ConfigError:
             raise  # found before any weight was copied: nothing changed
         except Exception:
             # Failed while copying (an I/O error mid-shard): some weights are new, some old.
             # Say so in every later output rather than serve a silent mix under the old name.
             self.block_manager.reset_prefix_cache()
+            self._forget_encoded()
             self.weight_version = f"incomplete:{label}"
             raise
         self.block_manager.reset_prefix_cache()
+        self._forget_encoded()
         self.weight_version = label if weight_version is None else weight_version
         self.model_path = None if isinstance(path, NamedTensors) else str(path)  # pushed tensors have no checkpoint
         for req in self.requests.values():  # none holds KV: every token of theirs is computed anew
             req.weight_version = self.weight_version
 
     def unfilled_weights(self, named: NamedTensors) -> list[str]:
-        """Executor.unfilled_weights: reads shapes only (any thread may ask)."""
-        return self.executor.unfilled_weights(named)
+        """Executor.unfilled_weights, and the vision tower's: reads shapes only (any thread may
+        ask). The tower's tensors come all or none (none: it keeps its weights), so tensors of
+        the tower alone are a complete update of it, and the language model's need none of it."""
+        tower, rest = named.split(VISION_PREFIX)
+        if not tower.metas:
+            return self.executor.unfilled_weights(named)
+        unfilled = check_tower_tensors(self._pushable_tower(), {n: shape for n, (shape, _) in tower.metas.items()},
+                                       where="the update", complete=False, strict=True)
+        for name, (_, dtype) in tower.metas.items():
+            if not dtype.is_floating_point:
+                raise ConfigError(f"the update: tensor {name} is {dtype}, not a floating-point weight")
+        return (self.executor.unfilled_weights(rest) if rest.metas else []) + unfilled
+
+    def _pushable_tower(self):
+        if self.encoder is None:
+            raise ConfigError(f"the served model has no tensor named {VISION_PREFIX}* (it serves no vision tower)")
+        if self.executor.ranks is not None:
+            raise ConfigError(f"{VISION_PREFIX}* tensors: under tensor parallelism the vision tower's weights update "
+                              "from a checkpoint directory only (update_weights_from_disk)")
+        return self.encoder.tower
+
+    def _tower_update(self, source):
+        """What of an update is the vision tower's (tensors by name, or a checkpoint's by file;
+        empty: the tower keeps its weights), checked in full, and what is left for the
+        language model."""
+        from r3srv.models.loader import NamedTensors
+
+        if isinstance(source, NamedTensors):
+            tower, rest = source.split(VISION_PREFIX)
+            if tower.metas:
+                check_tower_tensors(self._pushable_tower(), {n: s for n, (s, _) in tower.metas.items()},
+                                    where="the update", complete=True, strict=True)
+            return tower.tensors, rest
+        if self.encoder is None:
+            return {}, source
+        found = tower_tensors_in(source) if os.path.isdir(source) else {}
+        if found:
+            check_tower_tensors(self.encoder.tower, {n: shape for n, (_, shape) in found.items()},
+                                where=str(source), complete=True)
+        elif os.path.isdir(source):
+            log.warning("%s holds no %s* tensors: the vision tower keeps its weights", source, VISION_PREFIX)
+        return found, source
+
+    def _forget_encoded(self) -> None:
+        """Encoder outputs of the old weights must not stand in for images after an update."""
+        if self.encoder is not None:
+            self.encoder.clear()
 
     def call_ranks(self, call):
         """`call(ranks)` (the executor's MultiprocExecutor) with no step in flight: a trainer's weight-group commands

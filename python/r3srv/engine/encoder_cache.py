@@ -34,6 +34,10 @@ class EncoderCache:
         """Each image's tower output, by content hash; the misses encoded together."""
         missing = list({image.content_hash: image for image in images if image.content_hash not in self._outputs}.values())
         self.hits += len({image.content_hash for image in images}) - len(missing)
+        given = [image for image in missing if image.embeds is not None]  # the caller's embeddings: no tower
+        for image in given:
+            self._store(image, *image.embeds.to(self.device, self.dtype).chunk(1 + self.tower.num_deepstack, dim=1))
+        missing = [image for image in missing if image.embeds is None]
         if missing:
             pixels = torch.from_numpy(np.concatenate([image.pixel_values for image in missing]))
             grids = [image.span.grid for image in missing]
@@ -42,8 +46,7 @@ class EncoderCache:
             sizes = [image.num_tokens(merge) for image in missing]
             parts = zip(out.embeds.split(sizes), *(d.split(sizes) for d in out.deepstack))
             for image, (embeds, *deepstack) in zip(missing, parts):
-                self._outputs[image.content_hash] = VisionOutput(embeds, list(deepstack))
-                self._tokens += embeds.shape[0]
+                self._store(image, embeds, *deepstack)
             self.images_encoded += len(missing)
             self.most_tokens_encoded = max(self.most_tokens_encoded, sum(sizes))
         wanted = {image.content_hash for image in images}
@@ -51,6 +54,10 @@ class EncoderCache:
             self._outputs.move_to_end(key)
         self._evict(keep=wanted)
         return {key: self._outputs[key] for key in wanted}
+
+    def _store(self, image: ImageInput, embeds: torch.Tensor, *deepstack: torch.Tensor) -> None:
+        self._outputs[image.content_hash] = VisionOutput(embeds, list(deepstack))
+        self._tokens += embeds.shape[0]
 
     def _evict(self, keep: set[str]) -> None:
         for key in list(self._outputs):

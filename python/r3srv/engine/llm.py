@@ -13,6 +13,7 @@ from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind, RequestOutput
 from r3srv.sampling_params import SamplingParams
+from r3srv.vision.chat import chat_images
 
 PromptType = str | list[int] | dict  # a dict: vLLM's, with multi_modal_data (input_processor.prompt_and_images)
 
@@ -105,7 +106,13 @@ class LLM:
         Every request is validated before any is scheduled: one bad prompt or offset raises
         InvalidRequestError and nothing runs.
         """
-        prompts = _as_prompt_list(prompts)
+        return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm=use_tqdm,
+                              add_special_tokens=add_special_tokens, lora_name=lora_name)
+
+    def _generate(self, prompts: list, sampling_params, *, use_tqdm: bool, add_special_tokens: bool, lora_name,
+                  multimodal: list | None = None) -> list[RequestOutput]:
+        """generate's work; multimodal: each prompt's images expanded already (its prompt their
+        expanded token ids), or None."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -119,9 +126,11 @@ class LLM:
         loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
         if len(loras) != len(prompts):
             raise InvalidRequestError(f"got {len(loras)} lora_name for {len(prompts)} prompts", param="lora_name")
+        images = multimodal or [None] * len(prompts)
         prepared = [
-            engine.prepare_request(str(next(self._ids)), p, sp, add_special_tokens=add_special_tokens, lora_name=lora)
-            for p, sp, lora in zip(prompts, params_list, loras)
+            engine.prepare_request(str(next(self._ids)), p, sp, add_special_tokens=add_special_tokens, lora_name=lora,
+                                   multimodal=mm)
+            for p, sp, lora, mm in zip(prompts, params_list, loras, images)
         ]
         for prep in prepared:
             prep.output_kind = OutputKind.FINAL_ONLY  # generate() only collects finished requests
@@ -158,12 +167,28 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_name: str | None | list[str | None] = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template, then generate."""
+        """Render each conversation with the tokenizer's chat template, then generate. Images come
+        as vLLM's offline chat takes them (image_url parts with data: URIs, image_pil parts;
+        r3srv/vision/chat.py); their problems are 400s naming the part."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.input_processor.render_chat(conv) for conv in conversations]
+        processor = self.engine.input_processor
+        prompts, multimodal = [], []
+        for conv in conversations:
+            template_messages, images, fields = chat_images(conv)
+            rendered = processor.render_chat(template_messages)
+            if not images:
+                prompts.append(rendered)
+                multimodal.append(None)
+                continue
+            ids = list(processor.tokenizer.encode(rendered, add_special_tokens=False))
+            ids, mm = processor.expand_images(ids, images, param="messages", fields=fields)
+            prompts.append(ids)
+            multimodal.append(mm)
         # The template writes the specials itself (a second BOS would shift every token).
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
+        return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False,
+                              lora_name=lora_name, multimodal=multimodal)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

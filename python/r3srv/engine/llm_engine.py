@@ -17,6 +17,7 @@ from r3srv.engine.requests import CoreOutputs
 from r3srv.engine_options import with_option_keywords
 from r3srv.outputs import RequestOutput
 from r3srv.sampling_params import SamplingParams
+from r3srv.vision.inputs import MultiModalPrompt
 
 __all__ = ["MEMORY_TAGS", "EngineStats", "LLMEngine", "StepResult"]
 
@@ -83,14 +84,15 @@ class LLMEngine(EngineFacts):
     # -- requests -----------------------------------------------------------------------
     def prepare_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None, *, add_special_tokens: bool = True,
-        lora_name: str | None = None,
+        lora_name: str | None = None, multimodal: MultiModalPrompt | None = None,
     ) -> EngineRequest:
         """InputProcessor.process: every problem is an InvalidRequestError raised here, before scheduling.
-        A dict prompt may carry images (input_processor.prompt_and_images)."""
+        A dict prompt may carry images (input_processor.prompt_and_images); multimodal: the
+        images of a prompt of expanded ids (InputProcessor.expand_images)."""
         self.core.lora_ref(lora_name)  # an unknown adapter: refused before anything is scheduled
         prompt, images = prompt_and_images(prompt)
         return self.input_processor.process(request_id, prompt, params, add_special_tokens=add_special_tokens,
-                                            images=images, lora_name=lora_name)
+                                            images=images, lora_name=lora_name, multimodal=multimodal)
 
     def add_prepared(self, prep: EngineRequest) -> None:
         self.core.add_request(prep)

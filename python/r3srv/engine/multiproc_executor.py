@@ -372,12 +372,14 @@ class MultiprocExecutor:
                                  param="group_name")
 
     def receive_weights(self, group_name: str, named: NamedTensors | None, packing: dict | None = None, *,
-                        announced: bool = False) -> None:
-        """`announced`: prime-rl's push, whose names come with the tensors (named is None)."""
+                        announced: bool = False, whole: bool = False) -> None:
+        """`announced`: prime-rl's push, whose names come with the tensors (named is None);
+        `whole`: every rank stages the tensors whole (a LoRA adapter's), not its shard's pieces."""
         names = list(named.metas) if named is not None else []
         metas = named.metas if named is not None else {}
         call = {"group_name": group_name, "names": names, "dtypes": [str(metas[n][1]) for n in names],
-                "shapes": [list(metas[n][0]) for n in names], "packing": packing, "announced": announced}
+                "shapes": [list(metas[n][0]) for n in names], "packing": packing, "announced": announced,
+                "whole": whole}
         self._weights_everywhere(Command.RECEIVE_WEIGHTS, call, "the broadcast from the trainer", param="names",
                                  after=f"; the served weights are unchanged and group {group_name!r} is destroyed")
 

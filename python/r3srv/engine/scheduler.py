@@ -62,7 +62,7 @@ class Scheduler:
             return n
         for image, lo, _ in seq.multimodal.overlaps(start, start + n):
             key = image.content_hash
-            if key in step or self.encoded(key):
+            if key in step or image.embeds is not None or self.encoded(key):  # given embeddings: no tower work
                 continue
             cost = image.num_tokens(seq.multimodal.merge)
             if step and sum(step.values()) + cost > self.encoder_budget:

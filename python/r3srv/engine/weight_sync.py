@@ -265,8 +265,8 @@ def run_weight_command(sync: WeightSync, model, command: Command, call: dict) ->
                                keep=lambda arrived: keep_shard_pieces(model, arrived))
     elif command is Command.RECEIVE_WEIGHTS:
         named = named_tensor_metas(call["names"], call["dtypes"], call["shapes"], dtypes_param="dtypes")
-        sync.receive(call["group_name"], named, keep=lambda arrived: keep_shard_pieces(model, arrived),
-                     packing=call.get("packing"))
+        keep = None if call.get("whole") else (lambda arrived: keep_shard_pieces(model, arrived))  # whole: an adapter's
+        sync.receive(call["group_name"], named, keep=keep, packing=call.get("packing"))
     elif command is Command.LEAVE_WEIGHT_GROUP:
         sync.leave(call["group_name"])
     elif command is Command.DROP_STAGED_WEIGHTS:
@@ -320,8 +320,9 @@ class LocalReceiver:
     async def leave(self, group_name: str) -> None:
         await asyncio.to_thread(self.sync.leave, group_name)  # waits for a receive under way
 
-    async def receive(self, group_name: str, named: NamedTensors, packing: dict | None = None) -> None:
-        await asyncio.to_thread(self.sync.receive, group_name, named, None, packing)
+    async def receive(self, group_name: str, named: NamedTensors, packing: dict | None = None,
+                      whole: bool = False) -> None:
+        await asyncio.to_thread(self.sync.receive, group_name, named, None, packing)  # one rank keeps it whole
 
     async def receive_announced(self, group_name: str, check: Callable[[NamedTensors], Any]) -> int:
         return await asyncio.to_thread(self.sync.receive_announced, group_name, check)
@@ -369,8 +370,11 @@ class RankedReceiver:
         self.check_group(group_name)
         await self.engine.call_ranks(lambda ranks: ranks.leave_weight_group(group_name))
 
-    async def receive(self, group_name: str, named: NamedTensors, packing: dict | None = None) -> None:
-        await self.engine.call_ranks(lambda ranks: ranks.receive_weights(group_name, named, packing))
+    async def receive(self, group_name: str, named: NamedTensors, packing: dict | None = None,
+                      whole: bool = False) -> None:
+        """whole: every rank stages every tensor whole (an adapter's, which rank 0 loads), rather
+        than the pieces of its own shard."""
+        await self.engine.call_ranks(lambda ranks: ranks.receive_weights(group_name, named, packing, whole=whole))
 
     async def receive_announced(self, group_name: str, check: Callable[[NamedTensors], Any]) -> int:
         await self.engine.call_ranks(lambda ranks: ranks.receive_weights(group_name, None, announced=True))
@@ -442,6 +446,25 @@ class TrainerUpdates:
                 lambda: {name: t.to(self.sync.device, copy=True) for name, t in tensors.items()})
             self.sync.stage(copies)
             return await self._staged(len(copies), weight_version, abort_running)
+
+    async def receive_adapter(self, group_name: str, named: NamedTensors) -> dict[str, torch.Tensor]:
+        """A LoRA adapter's tensors broadcast over the group (/load_lora_adapter_from_distributed):
+        received as weights are (on every rank under tensor parallelism), but handed back, on the
+        host, rather than staged for the model. Refused while a weight update has tensors staged:
+        the two would share the staging."""
+        async with self.lock:
+            self.sync.check_group(group_name)
+            if self.in_round or self.sync.staged_tensors().metas:
+                raise InvalidRequestError("a weight update has tensors staged: complete it (or end its session) "
+                                          "before pushing an adapter", param="group_name")
+            try:
+                await self.sync.receive(group_name, named, whole=True)
+            except ConfigError as exc:
+                raise InvalidRequestError(str(exc), param="names") from exc
+            received = self.sync.staged_tensors().tensors  # rank 0's: every rank received the same
+            tensors = await asyncio.to_thread(lambda: {n: t.to("cpu", copy=True) for n, t in received.items()})
+            await self.sync.drop_staged()
+            return tensors
 
     async def receive_announced(self, group_name: str, *, weight_version: str | None) -> str:
         """prime-rl's push: every tensor it sends, its names checked against the served model as

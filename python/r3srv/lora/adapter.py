@@ -8,7 +8,9 @@ Layouts read (keys with or without PEFT's `base_model.model.` prefix):
   them for transformers 4's expert modules; the target is `<module>.weight`;
 - PEFT's parameter wrappers (`target_parameters=["mlp.experts.gate_up_proj", ...]`): A [E * r, in],
   B [out, E * r] under `...experts[.base_layer]*.lora_A.weight`, the nesting depth telling which
-  of the module's targeted parameters (the first the module declares is the innermost);
+  of the module's targeted parameters (the first the module declares is the innermost); on a
+  plain weight (transformers 5's router gate, `target_parameters=["gate.weight"]`) a stack of one
+  expert, which the model's sites take as the plain pair;
 - stacked 3-D tensors (`...experts.gate_up_proj.lora_A.weight` [E, r, in], `.lora_B.weight`
   [E, out, r]), with SGLang's shared-outer form: an expert dimension of 1 is one tensor shared by
   every expert (gate_up's A, down's B).
@@ -135,6 +137,8 @@ def from_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor], param
                                       param=param)
         target, a, b = _pair_of(module, half["lora_A"], half["lora_B"], r, config, wrapped, param)
         rank = a.shape[-2]
+        if rank < 1:
+            raise InvalidRequestError(f"{target}: a pair of rank 0", param=param)
         scale = _pattern(config.get("alpha_pattern"), target, alpha) / (
             math.sqrt(rank) if config.get("use_rslora") else rank)
         if target in pairs:

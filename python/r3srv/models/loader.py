@@ -189,6 +189,16 @@ class NamedTensors:
     def get_tensor(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
+    def split(self, prefix: str) -> tuple["NamedTensors", "NamedTensors"]:
+        """(those whose names start with `prefix`, the others)."""
+        parts = (NamedTensors({}), NamedTensors({}))
+        for name, meta in self.metas.items():
+            part = parts[0 if name.startswith(prefix) else 1]
+            part.metas[name] = meta
+            if name in self.tensors:
+                part.tensors[name] = self.tensors[name]
+        return parts
+
     def get_slice(self, name: str) -> "_InMemorySlice":
         return _InMemorySlice(self.tensors[name])
 

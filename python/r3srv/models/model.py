@@ -503,7 +503,7 @@ class MoeForCausalLM(nn.Module):
         fused = None  # the backend's fused decode step, where this step allows it (ops/cpu_decode.py)
         if states is None and visual is None and self.fused_layers:
             fused = self.ops.plan_fused_step(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
-                                             self.config.num_experts)
+                                             self.config.num_experts, batch.lora)
         for layer in self.layers:
             layer_capture = layer_captures[layer.index] if layer_captures is not None and layer.is_moe else None
             out = None

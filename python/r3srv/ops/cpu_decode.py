@@ -6,7 +6,7 @@ Python around its kernels (module dispatch, each wrapper re-checking tensors it 
 moment before) as in the smaller kernels themselves. The layer hands its parts
 (ops/parts.py) to `fuse_decoder_layer` when the model is built: what they hold beyond what
 this op computes makes it decline then, naming the parts. `DecodeStep.plan` checks once per
-step what the step allows (decode only, at most the Rust linear's rows); then each layer runs
+step what the step allows (decode only, no adapter, at most the Rust linear's rows); then each layer runs
 the kernels the CPU backend's ops run for its modules, with the same arguments, in the same
 order: the same bits (tests/test_fused_decode_cpu.py compares tokens, logits and routed
 experts with the modules). float32 or bfloat16 layers (weights, activations and KV cache of one
@@ -56,13 +56,15 @@ class DecodeStep:
 
     @staticmethod
     def plan(x: torch.Tensor, meta, cos: torch.Tensor, sin: torch.Tensor, capture: torch.Tensor | None,
-             num_experts: int, threads: int) -> "DecodeStep | None":
+             num_experts: int, threads: int, lora=None) -> "DecodeStep | None":
         """The step's shared arguments, or None where the fused layers do not apply: not a
-        decode-only float32 or bfloat16 CPU step, more rows than the Rust linear takes, cos/sin
-        of another dtype, or a capture view (any layer's: they share one layout) the router
-        kernel cannot write."""
+        decode-only float32 or bfloat16 CPU step, a step with an adapter (`lora`, the step's
+        r3srv.lora.slots.LoraBatch: None when no token has one), more rows than the Rust linear
+        takes, cos/sin of another dtype, or a capture view (any layer's: they share one layout)
+        the router kernel cannot write."""
         rows = x.shape[0]
-        if not x.is_cpu or x.dtype not in CODES or meta.prefills or not meta.decode_seqs or meta.graph:
+        if (lora is not None or not x.is_cpu or x.dtype not in CODES or meta.prefills or not meta.decode_seqs
+                or meta.graph):
             return None
         if not 0 < rows <= linear_cpu.MAX_ROWS or len(meta.decode_seqs) != rows:
             return None
@@ -81,7 +83,10 @@ def fuse_decoder_layer(parts: DecoderParts) -> "FusedDecoderLayer":
     does not compute) unless it is a pre-norm attention + MoE layer on one device, float32 or
     bfloat16 (one dtype; the router gate may be float32), per-head q/k norms or none, half-split RoPE or none, no bias, gate, sinks, window, clip or
     shared expert, a router without correction bias or groups, and experts of one of the
-    expert kernel's activations without biases."""
+    expert kernel's activations without biases. Adapter slots (`lora` on the projections, the
+    router gate and the experts: a model served with --enable-lora) are taken: this op computes
+    a step without adapters, and `DecodeStep.plan` declines every step in which a token has one,
+    so such a step runs the modules, adapters included."""
     problems = unsupported(parts, {"mixer", "mlp", "input_norm", "post_attention_norm"})
     for name in ("input_norm", "post_attention_norm"):
         norm = getattr(parts, name)
@@ -94,7 +99,7 @@ def fuse_decoder_layer(parts: DecoderParts) -> "FusedDecoderLayer":
         problems += unsupported(attn, {"layer", "qkv", "o", "num_heads", "num_kv_heads", "head_dim", "scale", "rope",
                                        "q_norm", "k_norm"}, "mixer.")
         for name in ("qkv", "o"):
-            problems += unsupported(getattr(attn, name), {"weight"}, f"mixer.{name}.")
+            problems += unsupported(getattr(attn, name), {"weight", "lora"}, f"mixer.{name}.")
         if (attn.q_norm is None) != (attn.k_norm is None):
             problems.append("mixer: a q norm without a k norm")
         for norm in (attn.q_norm, attn.k_norm):
@@ -105,8 +110,8 @@ def fuse_decoder_layer(parts: DecoderParts) -> "FusedDecoderLayer":
     else:
         problems += unsupported(moe, {"router", "experts"}, "mlp.")
         problems += unsupported(moe.router, {"gate", "top_k", "scoring", "renormalize", "scaling"}, "mlp.router.")
-        problems += unsupported(moe.router.gate, {"weight"}, "mlp.router.gate.")
-        problems += unsupported(moe.experts, {"w13", "w2", "activation"}, "mlp.experts.")
+        problems += unsupported(moe.router.gate, {"weight", "lora"}, "mlp.router.gate.")
+        problems += unsupported(moe.experts, {"w13", "w2", "activation", "lora"}, "mlp.experts.")
         if moe.experts.activation.name not in expert_pairs_cpu.ACTIVATIONS:
             problems.append(f"mlp.experts.activation: {moe.experts.activation.name}")
     if not problems:

@@ -61,6 +61,7 @@ class ServerState:
     enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached tokens), as vLLM
     return_tokens_as_token_ids: bool = False  # the default of the requests' field of that name (vLLM's flag)
+    generate_logprobs_format: str = "tokens"  # --generate-logprobs-format: /inference/v1/generate's tokens mode
     weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
     launch: LaunchFacts = field(default_factory=LaunchFacts)
     enable_sleep_mode: bool = False  # /sleep, /wake_up (vLLM's development-mode routes)

@@ -65,6 +65,7 @@ def describe_what_is_served(app: Litestar, keys: ApiKeys) -> None:
             for status, description in ERROR_STATUSES.items():
                 responses[status] = OpenAPIResponse(description=description, content={"application/json": error})
             ok = responses.get("200")
+            _union_as_any_of(ok)
             if path in STREAMING_ROUTES and isinstance(ok, OpenAPIResponse):
                 ok.content = {**(ok.content or {}), "text/event-stream": events}
             needs = keys.refusal(access.get(path, Access.INFERENCE), None) is not None
@@ -77,3 +78,13 @@ def describe_what_is_served(app: Litestar, keys: ApiKeys) -> None:
                     description="An API key on an admin route (it needs an admin key), or a weight directory or "
                     "trainer host outside the allowed ones", content={"application/json": error})
             operation.responses = responses
+
+
+def _union_as_any_of(ok: OpenAPIResponse | Reference | None) -> None:
+    """A handler returning a union (vLLM's tokens- and text-level generate responses) is
+    documented by Litestar as oneOf, but its shapes overlap (a choice without logprobs fits
+    both), so an answer would match more than one: anyOf says what is served."""
+    media = (ok.content or {}).get("application/json") if isinstance(ok, OpenAPIResponse) else None
+    schema = media.schema if media is not None else None
+    if isinstance(schema, Schema) and schema.one_of:
+        schema.any_of, schema.one_of = schema.one_of, None

@@ -146,7 +146,7 @@ class LogprobFormatter:
         return p.ChatCompletionLogProbs(content=content)
 
 
-def generate_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]) -> p.GenerateLogProbs:
+def _tokens_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]) -> p.GenerateLogProbs:
     content = [
         p.GenerateLogProbsContent(
             token_id=tid,
@@ -157,6 +157,21 @@ def generate_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]) 
         for tid, entry in zip(token_ids, logprobs)
     ]
     return p.GenerateLogProbs(content=content)
+
+
+def tito_openai_logprobs(state: ServerState, req: p.GenerateRequest) -> bool:
+    """Whether /inference/v1/generate answers OpenAI's logprob objects (the Text shapes): in text
+    mode, as vLLM 0.33, and with --generate-logprobs-format openai in tokens mode too, as vLLM
+    before output_mode (its clients read `token` as "token_id:<id>" under --return-tokens-as-token-ids)."""
+    return req.output_mode == "text" or state.generate_logprobs_format == "openai"
+
+
+def tito_logprobs(
+    state: ServerState, req: p.GenerateRequest, token_ids: list[int], logprobs: list[dict[int, Logprob]]
+) -> p.GenerateLogProbs | p.ChatCompletionLogProbs:
+    if tito_openai_logprobs(state, req):
+        return LogprobFormatter(state.engine.tokenizer, state.return_tokens_as_token_ids).chat(token_ids, logprobs, -1)
+    return _tokens_logprobs(token_ids, logprobs)
 
 
 def _logprobs(choice: CompletionOutput) -> list[dict[int, Logprob]]:
@@ -239,23 +254,25 @@ def tito_rows_encoding(state: ServerState, req: p.GenerateRequest) -> str:
 
 async def generate_response(
     state: ServerState, req: p.GenerateRequest, request_id: str, final: RequestOutput
-) -> p.GenerateResponse:
+) -> p.GenerateResponse | p.GenerateTextResponse:
     text_mode = req.output_mode == "text"
     encoding, start = tito_rows_encoding(state, req), req.sampling_params.routed_experts_prompt_start
+    openai = tito_openai_logprobs(state, req)
+    choice_type, response_type = (p.GenerateTextChoice, p.GenerateTextResponse) if openai else (p.GenerateChoice, p.GenerateResponse)
     choices = [
-        p.GenerateChoice(
+        choice_type(
             index=c.index,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids),
-            logprobs=generate_logprobs(c.token_ids, c.logprobs) if c.logprobs is not None else None,
+            logprobs=tito_logprobs(state, req, c.token_ids, c.logprobs) if c.logprobs is not None else None,
             routed_experts=await state.encode_experts(c.routed_experts, encoding, start),
             weight_version=state.weight_version(final), **state.lora_fields(final),
             text=c.text if text_mode else UNSET,
         )
         for c in final.outputs
     ]
-    return p.GenerateResponse(
+    return response_type(
         request_id=request_id,
         model=final.lora_name or state.model_name,  # an adapter's name, as vLLM answers
         created=int(time.time()),

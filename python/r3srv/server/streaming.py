@@ -32,8 +32,9 @@ from r3srv.server.responses import (
     LogprobFormatter,
     OpenAIRows,
     echo_prompt_text,
-    generate_logprobs,
     plain_prompt_logprobs,
+    tito_logprobs,
+    tito_openai_logprobs,
     tito_rows_encoding,
     usage_of,
 )
@@ -325,6 +326,9 @@ async def generate_stream(
 ) -> AsyncIterator[bytes]:
     text_mode = req.output_mode == "text"
     encoding, start = tito_rows_encoding(state, req), req.sampling_params.routed_experts_prompt_start
+    openai = tito_openai_logprobs(state, req)
+    choice_type = p.GenerateTextStreamChoice if openai else p.GenerateStreamChoice
+    response_type = p.GenerateTextStreamResponse if openai else p.GenerateStreamResponse
     tracker = _Tracker()
     final: RequestOutput | None = None
     sent_prompt_ids = False
@@ -336,19 +340,19 @@ async def generate_stream(
             prompt_ids = None
             if req.return_token_ids and not sent_prompt_ids:
                 prompt_ids, sent_prompt_ids = list(out.prompt_token_ids), True
-            choice = p.GenerateStreamChoice(
+            choice = choice_type(
                 index=c.index,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 token_ids=d.token_ids,
-                logprobs=generate_logprobs(d.token_ids, d.logprobs) if d.logprobs is not None else None,
+                logprobs=tito_logprobs(state, req, d.token_ids, d.logprobs) if d.logprobs is not None else None,
                 routed_experts=await state.encode_experts(c.routed_experts, encoding, start) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
                 text=d.text if text_mode else UNSET,
             )
             yield sse(
-                p.GenerateStreamResponse(
+                response_type(
                     request_id=request_id, output_mode=req.output_mode, choices=[choice], prompt_token_ids=prompt_ids,
                     mm_placeholders=None if prompt_ids is None else p.mm_placeholders(out.image_placeholders),
                     usage=tracker.usage(0, c.index, out) if _continuous(req.stream_options) else None,

@@ -4,6 +4,7 @@ the encoder cache key on it), and the prompt's M-RoPE ids computed once."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from PIL import Image
 from r3srv.errors import InvalidRequestError
 from r3srv.models.specs import VisionSpec
 from r3srv.vision.decode import decode_image, rgb
+from r3srv.vision.embeds import ImageEmbeds, is_embeds, split_embeds
 from r3srv.vision.positions import ImageSpan, mrope_positions
 from r3srv.vision.processor import ImageProcessorConfig, preprocess
 
@@ -21,8 +23,9 @@ from r3srv.vision.processor import ImageProcessorConfig, preprocess
 @dataclass(frozen=True)
 class ImageInput:
     span: ImageSpan  # where its placeholder tokens sit in the prompt, and its patch grid
-    pixel_values: np.ndarray  # [patches, C * T * P * P] float32
+    pixel_values: np.ndarray | None  # [patches, C * T * P * P] float32 (None: given as embeddings)
     content_hash: str  # of the decoded pixels: equal images share cached KV and encoder outputs
+    embeds: torch.Tensor | None = None  # the tower's output, given by the caller (vision/embeds.py)
 
     def num_tokens(self, merge: int) -> int:
         return self.span.num_tokens(merge)
@@ -77,6 +80,7 @@ class ImageInputConfig:
     processor: ImageProcessorConfig
     max_images: int  # per prompt
     max_pixels: int  # per decoded image, checked from its header before its pixels are decoded
+    embeds_width: int | None = None  # columns of pre-computed embeddings (vision/embeds.py); None: none taken
 
 
 def load_image(source, *, param: str, max_pixels: int) -> np.ndarray:
@@ -105,6 +109,8 @@ def with_images(ids: list[int], sources: list, config: ImageInputConfig, *, para
     A run count that differs from the images', or a run of another length, is a 400 naming
     `param`; image i's problems name fields[i] (default `param[i]`)."""
     token, merge = config.spec.image_token_id, config.spec.merge_size
+    fields = fields or [f"{param}[{k}]" for k in range(len(sources))]
+    sources, fields = _one_per_image(sources, fields, merge, config.embeds_width)
     if len(sources) > config.max_images:
         raise InvalidRequestError(param=param, problem=f" holds {len(sources)} images; a prompt may hold at most "
                                   f"{config.max_images} (--max-images-per-prompt)")
@@ -123,18 +129,35 @@ def with_images(ids: list[int], sources: list, config: ImageInputConfig, *, para
                                   f"token {token}) for {len(sources)} images")
     out, images, last = [], [], 0
     for k, ((start, length), source) in enumerate(zip(runs, sources)):
-        where = fields[k] if fields else f"{param}[{k}]"
-        pixels = load_image(source, param=where, max_pixels=config.max_pixels)
-        processed = preprocess(config.processor, pixels, param=where)
-        n = processed.num_tokens(merge)
+        where = fields[k]
+        image = _image_input(source, config, where)
+        n = image.num_tokens(merge)
         if length not in (1, n):
             raise InvalidRequestError(param=where, problem=f" takes {n} placeholder tokens; the prompt has a run of "
                                       f"{length} (give one, to be expanded, or all {n})")
         out += ids[last:start]
-        images.append(ImageInput(ImageSpan(len(out), processed.grid_thw), processed.pixel_values,
-                                 content_hash(pixels)))
+        images.append(dataclasses.replace(image, span=ImageSpan(len(out), image.span.grid)))
         out += [token] * n
         last = start + length
     out += ids[last:]
     positions, delta = mrope_positions(len(out), [image.span for image in images], merge)
     return out, MultiModalPrompt(tuple(images), positions, delta, merge)
+
+
+def _one_per_image(sources: list, fields: list[str], merge: int, width: int | None) -> tuple[list, list[str]]:
+    """Pre-computed embeddings split into one entry per image (an entry may hold several)."""
+    out, where = [], []
+    for source, field in zip(sources, fields):
+        parts = split_embeds(source, param=field, merge=merge, width=width) if is_embeds(source) else [source]
+        out += parts
+        where += [field] * len(parts)
+    return out, where
+
+
+def _image_input(source, config: ImageInputConfig, where: str) -> ImageInput:
+    """An image (or its given embeddings) ready for the tower, its span's start still 0."""
+    if isinstance(source, ImageEmbeds):
+        return ImageInput(ImageSpan(0, source.grid), None, source.content_hash, source.embeds)
+    pixels = load_image(source, param=where, max_pixels=config.max_pixels)
+    processed = preprocess(config.processor, pixels, param=where)
+    return ImageInput(ImageSpan(0, processed.grid_thw), processed.pixel_values, content_hash(pixels))

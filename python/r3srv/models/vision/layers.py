@@ -31,6 +31,17 @@ class VisionTower(nn.Module):
     def merge_size(self) -> int:
         return self.cfg.spatial_merge_size
 
+    @property
+    def num_deepstack(self) -> int:
+        """Feature sets besides the embeddings (Qwen3-VL's deepstack layers; 0 for the others)."""
+        return len(getattr(self.cfg, "deepstack_visual_indexes", ()))
+
+    @property
+    def embeds_width(self) -> int:
+        """Columns of the tower's output as vLLM's image_embeds carry it: the embeddings, then each
+        deepstack feature set."""
+        return self.cfg.out_hidden_size * (1 + self.num_deepstack)
+
 
 def frozen(module: nn.Module) -> nn.Module:
     """The module with its parameters frozen (the loader fills them; nothing trains)."""

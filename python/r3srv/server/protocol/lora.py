@@ -1,6 +1,6 @@
 """LoRA adapter routes: vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, SGLang's
 /load_lora_adapter, /load_lora_adapter_from_tensors and /unload_lora_adapter (their request
-classes' fields, field for field)."""
+classes' fields, field for field), and r3srv's /load_lora_adapter_from_distributed."""
 
 from __future__ import annotations
 
@@ -64,6 +64,21 @@ class SglangLoadLoraFromTensorsRequest(Struct, kw_only=True):
         if self.load_format is not None:
             raise InvalidRequestError(param="load_format", problem=" is not supported by r3srv: send the "
                                       "tensors as a dict (load_format null)")
+
+
+class LoadLoraFromDistributedRequest(Struct, kw_only=True):
+    """r3srv's adapter push over the weight-update group (/init_weights_update_group): SGLang
+    0.5.23 sends full weights over that group but adapters only as CUDA IPC handles, so this body
+    joins /load_lora_adapter_from_tensors' name and PEFT config to /update_weights_from_distributed's
+    announcement; the tensors follow as broadcasts from the trainer (rank 0), in the order named."""
+
+    lora_name: str
+    config_dict: dict[str, Any]  # PEFT's adapter_config.json
+    names: list[str]  # the adapter's PEFT tensor names (adapter_model.safetensors' keys)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    pinned: bool = False
 
 
 class SglangUnloadLoraRequest(Struct, kw_only=True):

@@ -12,6 +12,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import SamplingParams
 from r3srv.server.rows_encoding import RequestedEncoding, RoutedExpertsValue
+from r3srv.server.protocol.openai import ChatCompletionLogProbs
 from r3srv.server.protocol.common import (
     MAX_N,
     NonNegInt,
@@ -157,6 +158,24 @@ class GenerateStreamResponse(Struct, kw_only=True):
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
     mm_placeholders: dict[str, list[PlaceholderRange]] | None = None  # on the first chunk
+
+
+# vLLM 0.33's text-level shapes (GenerateTextChoice, ...): OpenAI's logprob objects. r3srv answers them
+# in text mode, and in tokens mode under --generate-logprobs-format openai (vLLM before output_mode).
+class GenerateTextChoice(GenerateChoice, kw_only=True):
+    logprobs: ChatCompletionLogProbs | None = None
+
+
+class GenerateTextResponse(GenerateResponse, kw_only=True):
+    choices: list[GenerateTextChoice]
+
+
+class GenerateTextStreamChoice(GenerateStreamChoice, kw_only=True):
+    logprobs: ChatCompletionLogProbs | None = None
+
+
+class GenerateTextStreamResponse(GenerateStreamResponse, kw_only=True):
+    choices: list[GenerateTextStreamChoice]
 
 
 def mm_placeholders(placeholders: list[tuple[int, int]] | None) -> dict[str, list[PlaceholderRange]] | None:

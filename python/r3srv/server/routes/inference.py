@@ -20,7 +20,9 @@ from r3srv.server.streaming import EngineStream, generate_stream
 @post("/inference/v1/generate", status_code=200, summary="Generate from token ids (vLLM scale-out)",
       opt={"fields": ROUTE_FIELDS["tito"]},
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
-async def generate(data: p.GenerateRequest, request: Request[Any, Any, Any]) -> p.GenerateResponse:
+async def generate(
+    data: p.GenerateRequest, request: Request[Any, Any, Any]
+) -> p.GenerateResponse | p.GenerateTextResponse:
     state = server_state(request)
     lora = state.check_model(data.model)  # an adapter's name selects it
     params = data.to_sampling_params()

@@ -1,7 +1,9 @@
 """LoRA adapters: vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (plain-text
 answers, as vLLM's), SGLang's POST /load_lora_adapter, /load_lora_adapter_from_tensors (a trainer
-on the same GPU pushes an adapter from memory) and /unload_lora_adapter (LoRAUpdateOutput).
-Served with --enable-lora; on a data-parallel fleet every replica loads and unloads. An adapter
+on the same GPU pushes an adapter from memory) and /unload_lora_adapter (LoRAUpdateOutput), and
+r3srv's /load_lora_adapter_from_distributed (a trainer broadcasts an adapter over the
+weight-update group, as full weights go). Served with --enable-lora; on a data-parallel fleet
+every replica loads and unloads (a broadcast push: each replica from its own group). An adapter
 is then selected by `model` on vLLM's routes and by `lora_path` on SGLang's /generate, and
 listed by /v1/models with its parent (docs/lora.md)."""
 
@@ -15,11 +17,13 @@ import torch
 from litestar import MediaType, Request, Response, post
 
 from r3srv.engine.tensor_unpickler import load_cuda_tensor_dict
+from r3srv.engine.weight_sync import named_tensor_metas
 from r3srv.errors import InvalidRequestError
 from r3srv.server import protocol as p
 from r3srv.server.confinement import confinement
 from r3srv.server.declare import Access, Feature, Fleet
 from r3srv.server.routes.common import server_state
+from r3srv.server.routes.weight_sync import trainer_updates
 
 _LORA = dict(access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.LORA)
 
@@ -81,6 +85,28 @@ async def sglang_load_lora_adapter_from_tensors(data: p.SglangLoadLoraFromTensor
                                   f"{len(data.serialized_named_tensors)}", param=param)
     _check_name(request, data.lora_name, replace=False)
     adapter = await asyncio.to_thread(_pushed_adapter, data)  # off the event loop: opens and copies tensors
+    await state.engine.load_lora_adapter(data.lora_name, adapter=adapter, pinned=data.pinned)
+    return _loaded(request)
+
+
+@post("/load_lora_adapter_from_distributed", status_code=200,
+      summary="Load or replace a LoRA adapter a trainer broadcasts over the weight-update group (r3srv's)",
+      access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.LORA)
+async def load_lora_adapter_from_distributed(data: p.LoadLoraFromDistributedRequest,
+                                             request: Request[Any, Any, Any]) -> p.SglangLoraUpdateOutput:
+    """The trainer's push between rollout batches: a name already loaded is replaced in place
+    (its version + 1, its cached prefixes dropped), under the rules of any replacement (requests
+    running under it must finish, or pause with mode retract or keep first). The announcement is
+    checked against the model (names, rank, shapes) before any tensor is received."""
+    from r3srv.lora.adapter import from_tensors
+
+    state = server_state(request)
+    _check_name(request, data.lora_name, replace=True)
+    named = named_tensor_metas(data.names, data.dtypes, data.shapes, dtypes_param="dtypes")
+    announced = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in named.metas.items()}
+    state.engine.core.lora.check(from_tensors(data.config_dict, announced, param="names"), "names")
+    tensors = await trainer_updates(request).receive_adapter(data.group_name, named)
+    adapter = await asyncio.to_thread(from_tensors, data.config_dict, tensors, "names")
     await state.engine.load_lora_adapter(data.lora_name, adapter=adapter, pinned=data.pinned)
     return _loaded(request)
 
