@@ -4,12 +4,16 @@ oracle), and the replicas' command lines."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import itertools
 
 import msgspec
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,11 +23,13 @@ from r3srv.engine.multiproc_executor import Rendezvous, rank_device
 from r3srv.errors import ConfigError
 from r3srv.front.app import RankError, declared_fleet, declared_ranks, rank_bodies
 from r3srv.front.discovery import sum_prometheus
+from r3srv.front.images import image_digests, image_references
 from r3srv.front.policy import BALANCE_ABS, BLOCK_CHARS, PrefixAwarePolicy, prompt_key
 from r3srv.security import ServeSecurity
 from r3srv.server.declare import Fleet, Ranks
 from r3srv.server.fanout import UNREACHABLE, Reply, combine
 from r3srv.server.routes import ROUTE_HANDLERS
+from r3srv.vision.media import MediaPolicy
 
 # ------------------------------------------------------------------ which replica
 
@@ -85,6 +91,81 @@ def test_a_chained_hash_matches_whole_prefixes_only():
     # the same second block after a different first one is not a match
     assert policy.choose(policy.block_hashes(("ids", [9, 9, 3, 4])), [0, 1], [1, 0]) == 1
     assert policy.choose(policy.block_hashes(("ids", [1, 2, 8, 8])), [0, 1], [1, 0]) == 0
+
+
+def _png(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _image_bodies(png: bytes, media_dir) -> list[dict]:
+    """One short prompt with one image, in every form and dialect a client sends it."""
+    (media_dir / "cat.png").write_bytes(png)
+    b64 = base64.b64encode(png).decode()
+    uri = f"data:image/png;base64,{b64}"
+    sglang = [{"input_ids": [1, 2, 3], "image_data": form}
+              for form in (uri, b64, str(media_dir / "cat.png"), f"file://{media_dir / 'cat.png'}", [{"url": uri}],
+                           [[uri]])]
+    batch = {"input_ids": [[1, 2, 3], [4]], "image_data": [uri, None]}
+    chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                                      {"type": "text", "text": "hi"}]}]}
+    tito = {"token_ids": [1, 2, 3], "content_parts": [{"type": "image_url", "url": uri}]}
+    miles = {"input_ids": [1, 2, 3], **chat}  # SGLang's chat extension: ids beside the messages' images
+    return [*sglang, batch, chat, tito, miles]
+
+
+def test_an_image_is_keyed_by_its_bytes_in_every_form(tmp_path):
+    media = MediaPolicy(allowed_local_path=tmp_path)
+    png = _png(0)
+    keys = {image_digests(image_references(b), media)[0] for b in _image_bodies(png, tmp_path)}
+    assert keys == {hashlib.sha256(b"bytes:" + png).digest()}
+    (tmp_path / "other").mkdir()
+    other = {image_digests(image_references(b), media)[0] for b in _image_bodies(_png(1), tmp_path / "other")}
+    assert len(other) == 1 and other != keys
+    # without the media flag the front reads no file: the path is keyed by its text, as the replica refuses it
+    assert image_digests([(str(tmp_path / "cat.png"), True)], MediaPolicy()) != image_digests(
+        [(f"data:image/png;base64,{base64.b64encode(_png(1)).decode()}", False)], MediaPolicy())
+    assert image_digests([("https://example.com/cat.png", False)], media) == image_digests(
+        [("https://example.com/cat.png", False)], media)
+    # images in prompt order; text-only prompts have none
+    two = {"input_ids": [1], "image_data": [f"data:image/png;base64,{base64.b64encode(_png(s)).decode()}" for s in (3, 4)]}
+    assert image_digests(image_references(two), media) == [hashlib.sha256(b"bytes:" + _png(s)).digest() for s in (3, 4)]
+    for text_only in ({"prompt": "x"}, {"input_ids": [1]}, {"messages": [{"role": "user", "content": "x"}]}, [1]):
+        assert image_references(text_only) == []
+
+
+def test_a_chat_keys_its_images_apart_from_its_text(tmp_path):
+    text = [{"role": "user", "content": [{"type": "text", "text": "hi " * 30}]}]
+    assert prompt_key({"messages": text}) == ("chat", msgspec.json.encode(text[0]).decode())  # unchanged
+    body = _image_bodies(_png(0), tmp_path)[-3]
+    other = _image_bodies(_png(1), tmp_path)[-3]
+    # the URL (here a whole PNG) is not part of the text: the text blocks stay few
+    assert prompt_key(body) == prompt_key(other) and "base64" not in prompt_key(body)[1]
+
+
+def test_a_short_image_prompt_goes_where_its_images_are():
+    policy = PrefixAwarePolicy(2, block_tokens=16)
+    short = policy.block_hashes(("ids", [1, 2, 3]))
+    assert short == []  # its ids fill no block before the replica expands the placeholder
+    cat, dog = hashlib.sha256(b"cat").digest(), hashlib.sha256(b"dog").digest()
+    assert policy.image_hashes([]) == []
+    assert policy.image_hashes([cat]) != policy.image_hashes([dog])
+    first = policy.choose(short, [0, 1], [0, 0], policy.image_hashes([cat]))
+    policy.record(short + policy.image_hashes([cat]), first)
+    # the repeat goes there even while that replica is a little busier; another image goes to the idlest
+    busy = [0, 0]
+    busy[first] = 2
+    assert policy.choose(short, [0, 1], busy, policy.image_hashes([cat])) == first
+    assert policy.choose(short, [0, 1], busy, policy.image_hashes([dog])) == 1 - first
+    # a next turn: longer ids, the same image and a new one after it
+    assert policy.choose(policy.block_hashes(("ids", list(range(40)))), [0, 1], busy,
+                         policy.image_hashes([cat, dog])) == first
+    # an image first sent in a later turn: the text blocks before it still match
+    turn = policy.block_hashes(("ids", list(range(100, 140))))
+    policy.record(turn, 1 - first)
+    assert policy.choose(policy.block_hashes(("ids", list(range(100, 160)))), [0, 1], [0, 0],
+                         policy.image_hashes([dog])) == 1 - first
 
 
 # ------------------------------------------------------------------ ranks in the trainer's group

@@ -65,11 +65,8 @@ def assert_matches_transformers(out: dict, hf, processor, ids: list[int], images
         assert np.array_equal(rows[:, layer], picked.numpy()), f"layer {layer}"
 
 
-def test_image_data_forms_match_transformers_and_share_the_cache(served, request):
-    if request.node.callspec.params["served"] == "fleet":
-        request.applymarker(pytest.mark.xfail(reason=(
-            "the fleet's front keys a prompt by its ids or text, not its images: a repeat whose ids fill no KV "
-            "block, sent with the image in another form, may reach the other replica (no cache hit there)")))
+def test_image_data_forms_match_transformers_and_share_the_cache(served):
+    # through a fleet, each repeat (its ids fill no KV block) reaches the replica holding its image
     srv, hf, processor, media = served
     ids = with_placeholders(text(5, 1), 0, text(4, 2))
     png = picture(0)
@@ -83,6 +80,21 @@ def test_image_data_forms_match_transformers_and_share_the_cache(served, request
         assert again["output_ids"] == out["output_ids"]
         assert again["meta_info"]["routed_experts"] == out["meta_info"]["routed_experts"]
         assert again["meta_info"]["cached_tokens"] > 0
+
+
+def test_a_next_turn_with_the_first_turns_image_hits_the_cache(served):
+    """A conversation's next turn: the first turn's ids and output, then a new image. Its prompt
+    starts with the first turn's blocks, cached where that turn ran; through a fleet, the first
+    turn's ids fill no block the front could key, so only its image leads the next turn there."""
+    srv, _, _, _ = served
+    a, b = (f"data:image/png;base64,{base64.b64encode(picture(case, seed=40 + case)).decode()}" for case in (1, 2))
+    ids = with_placeholders(text(3, 31), 0, text(2, 32))
+    first = generate(srv, body(ids, [a])).json()
+    assert first["meta_info"]["cached_tokens"] == 0  # an image no other test sends
+    turn = ids + first["output_ids"] + with_placeholders(text(2, 33), 1)
+    second = generate(srv, body(turn, [a, b]))
+    assert second.status_code == 200, second.text
+    assert second.json()["meta_info"]["cached_tokens"] > 0
 
 
 def test_a_batch_takes_one_image_list_per_prompt(served):

@@ -13,10 +13,13 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3srv import engine_options, security, settings
 from r3srv.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from r3srv.vision.media import MediaPolicy
 
 logger = logging.getLogger("r3srv.serve")
 
@@ -220,10 +223,17 @@ def _load_lora_modules(engine, args: argparse.Namespace) -> None:
         asyncio.run(load())
 
 
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """Where a request's images may come from (the media flags); a fleet's front reads them too."""
+    from r3srv.vision.media import MediaPolicy
+
+    return MediaPolicy(args.allowed_local_media_path, tuple(d.lower() for d in args.allowed_media_domains or ()),
+                       args.max_media_bytes, args.media_fetch_timeout)
+
+
 def serve(args: argparse.Namespace, own_process: bool = False) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from r3srv.errors import ConfigError
-    from r3srv.vision.media import MediaPolicy
 
     try:  # before anything reads them: the model, the encoder
         settings.configure(settings.from_args(args))
@@ -316,8 +326,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         enable_sleep_mode=args.enable_sleep_mode,
         enable_collective_rpc=args.enable_collective_rpc,
         chat_parsers=chat_parsers,
-        media=MediaPolicy(args.allowed_local_media_path, tuple(d.lower() for d in args.allowed_media_domains or ()),
-                          args.max_media_bytes, args.media_fetch_timeout),
+        media=media_policy(args),
     )
     logger.info(
         "serving %s on %s://%s:%d (device %s, routed experts %s by default, max_model_len=%d)",

@@ -147,6 +147,9 @@ class EngineConfig:
     cuda_graphs: bool | None = option(None, "replay decode steps as CUDA graphs (docs/cuda_graphs.md; "
                                       "--enforce-eager wins)", default_text="$R3SRV_CUDA_GRAPHS, else off")
     enforce_eager: bool = option(False, "vLLM's flag: no CUDA graphs, whatever else asks")
+    batch_invariant: bool = option(False, "a request's tokens, logprobs and routed experts bitwise the same alone or "
+                                   "in any batch, chunked or not, cached or not (docs/replay.md, "
+                                   "\"Determinism\")")
     # vision-language checkpoints' image inputs (docs/vision.md)
     max_images_per_prompt: int = option(16, "most images one prompt may hold", group="images")
     max_image_pixels: int = option(50_000_000, "most pixels a decoded image may have (checked from its header "

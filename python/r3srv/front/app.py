@@ -34,7 +34,8 @@ import httpx
 import msgspec
 
 from r3srv.front.discovery import FLEET_ANSWERS, SELF_ANSWERS, fleet_url, versions_by_replica
-from r3srv.front.policy import Key, PrefixAwarePolicy, prompt_key
+from r3srv.front.images import image_digests, image_references
+from r3srv.front.policy import PrefixAwarePolicy, prompt_key
 from r3srv.front.proxy import NOT_SENT, ReplicaFailed, forward, send_failure
 from r3srv.front.replicas import ReplicaSet, State
 from r3srv.server.auth import ApiKeys, Authenticate
@@ -46,6 +47,7 @@ from r3srv.server.fanout import (
     target_path,
 )
 from r3srv.server.routes import ROUTE_HANDLERS
+from r3srv.vision.media import MediaPolicy
 
 logger = logging.getLogger("r3srv.fleet")
 
@@ -114,8 +116,9 @@ def _as_int(value: Any) -> int | None:
 class Front:
     def __init__(self, replicas: ReplicaSet, *, tp_size: int, block_size: int, max_body_bytes: int,
                  peer_urls: list[str] | None = None, encode: Callable[[str], list[int]] | None = None,
-                 credential: str | None = None) -> None:
+                 credential: str | None = None, media: MediaPolicy | None = None) -> None:
         self.replicas = replicas
+        self.media = media or MediaPolicy()  # the replicas' media flags: the front reads the files they may read
         self.credential = credential
         self.encode = encode
         self.tp_size = tp_size
@@ -158,7 +161,7 @@ class Front:
     # -- one replica ----------------------------------------------------------------------
     async def dispatch(self, scope: dict[str, Any], receive: Any, send: Any, headers: list[tuple[bytes, bytes]],
                        body: bytes) -> None:
-        hashes = self.policy.block_hashes(await self._key(body)) if body else []
+        hashes, images = await self._prefix(body) if body else ([], [])
         tried: set[int] = set()
         while True:
             candidates = [r.index for r in self.replicas.up() if r.index not in tried]
@@ -167,9 +170,9 @@ class Front:
                 await send_json(send, NO_REPLICA, error_body(NO_REPLICA, f"no replica of the fleet can take this "
                                                                          f"request now ({states}): retry"))
                 return
-            i = self.policy.choose(hashes, candidates, self.in_flight)
+            i = self.policy.choose(hashes, candidates, self.in_flight, images)
             replica = self.replicas.replicas[i]
-            self.policy.record(hashes, i)
+            self.policy.record(hashes + images, i)
             self.in_flight[i] += 1
             try:
                 await until_disconnect(receive, forward(self.client, replica.url + target_path(scope), scope,
@@ -185,13 +188,16 @@ class Front:
             finally:
                 self.in_flight[i] -= 1
 
-    async def _key(self, body: bytes) -> Key | None:
-        key = prompt_key(_json_or_none(body))
-        if key is None or key[0] != "text" or self.encode is None:
-            return key
-        text = key[1]
-        ids = await asyncio.to_thread(self.encode, text) if len(text) > _ENCODE_INLINE_CHARS else self.encode(text)
-        return "ids", ids
+    async def _prefix(self, body: bytes) -> tuple[list[int], list[int]]:
+        """The prompt's blocks and its images' blocks (front/policy.py)."""
+        data = _json_or_none(body)
+        key = prompt_key(data)
+        if key is not None and key[0] == "text" and self.encode is not None:
+            text = key[1]
+            key = "ids", await asyncio.to_thread(self.encode, text) if len(text) > _ENCODE_INLINE_CHARS else self.encode(text)
+        references = image_references(data)
+        digests = await asyncio.to_thread(image_digests, references, self.media) if references else []  # files, MBs
+        return self.policy.block_hashes(key), self.policy.image_hashes(digests)
 
     # -- every replica --------------------------------------------------------------------
     async def to_every_replica(self, scope: dict[str, Any], headers: list[tuple[bytes, bytes]], body: bytes,

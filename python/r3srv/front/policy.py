@@ -9,6 +9,14 @@ hash chains the one before it (as a prefix cache keys its blocks), so a match is
 prefix. A conversation's next turn starts with the previous turn's prompt, finds its blocks
 recorded under the replica that served it, and goes there.
 
+A prompt's images (front/images.py: a digest of each image's bytes) make a second chain, one
+block per image in prompt order, beside the prompt's own: a replica's match is the prefix it
+holds of each chain, added. So a repeat whose ids fill no block before the replica expands its
+image placeholders still finds the replica holding its images, a next turn that adds an image
+keeps the first turn's, and a first image sent in a later turn still matches the text before
+it. A chat's image parts enter its text without their URLs (a data: URI would otherwise fill
+thousands of text blocks).
+
 Balance first, as the SGLang router's cache_aware policy does: when the busiest replica has more
 than BALANCE_ABS requests in flight beyond the idlest and more than BALANCE_REL times as many,
 the idlest takes the request whatever it caches. Otherwise the longest recorded prefix wins; a
@@ -25,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from r3srv.front.images import is_image_part
 
 logger = logging.getLogger("r3srv.fleet")
 
@@ -49,8 +59,15 @@ def prompt_key(body: Any) -> Key | None:
             return _first_prompt(body[field])
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
-        return "chat", "".join(msgspec.json.encode(m).decode() for m in messages)
+        return "chat", "".join(msgspec.json.encode(_without_image_urls(m)).decode() for m in messages)
     return None
+
+
+def _without_image_urls(message: Any) -> Any:
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list) or not any(is_image_part(part) for part in content):
+        return message
+    return {**message, "content": [{"type": "image_url"} if is_image_part(part) else part for part in content]}
 
 
 def _first_prompt(value: Any) -> Key | None:
@@ -100,21 +117,31 @@ class PrefixAwarePolicy:
             hashes.append(previous)
         return hashes
 
-    def choose(self, hashes: list[int], candidates: Sequence[int], in_flight: Sequence[int]) -> int:
-        """The replica (one of `candidates`, not empty) for a request whose prefix blocks are `hashes`."""
+    def image_hashes(self, digests: Sequence[bytes]) -> list[int]:
+        """One chained block per image (digests from front/images.py), a chain of its own."""
+        hashes, previous = [], hash("images")
+        for digest in digests:
+            previous = hash((previous, digest))
+            hashes.append(previous)
+        return hashes
+
+    def choose(self, hashes: list[int], candidates: Sequence[int], in_flight: Sequence[int],
+               images: Sequence[int] = ()) -> int:
+        """The replica (one of `candidates`, not empty) for a request whose prefix blocks are `hashes`
+        and whose images' blocks are `images`."""
         loads = {i: in_flight[i] for i in candidates}
         idlest, busiest = min(loads.values()), max(loads.values())
         if not (busiest - idlest > BALANCE_ABS and busiest > BALANCE_REL * idlest):
             best, best_len = None, 0
             for i in candidates:
-                matched = self._matched(hashes, i)
+                matched = self._matched(hashes, i) + self._matched(images, i)
                 if matched > best_len or (matched == best_len and best is not None and loads[i] < loads[best]):
                     best, best_len = i, matched
             if best is not None and best_len > 0:
                 return best
         return self._idlest(candidates, loads)
 
-    def _matched(self, hashes: list[int], replica: int) -> int:
+    def _matched(self, hashes: Sequence[int], replica: int) -> int:
         n = 0
         for h in hashes:
             if replica not in self._owners.get(h, ()):

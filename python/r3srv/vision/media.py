@@ -104,11 +104,18 @@ async def fetch(url: str, policy: MediaPolicy, *, param: str) -> bytes:
 async def image_bytes(source: str, policy: MediaPolicy, *, param: str, bare_base64: bool = False) -> bytes:
     """An image reference as a client sends it -> its bytes: a data: URI, file:// or (with
     `bare_base64`: SGLang's image_data) a plain path or bare base64, http(s)://."""
+    data = inline_image_bytes(source, policy, param=param, bare_base64=bare_base64)
+    return await fetch(source, policy, param=param) if data is None else data
+
+
+def inline_image_bytes(source: str, policy: MediaPolicy, *, param: str, bare_base64: bool = False) -> bytes | None:
+    """image_bytes without the network: the bytes of a data: URI, an allowed file or (with
+    `bare_base64`) bare base64; None for an http(s) URL."""
     scheme = source.split(":", 1)[0].lower() if ":" in source[:12] else ""
     if scheme == "data":
         return decode_data_uri(source, param=param, max_bytes=policy.max_bytes)
     if scheme in ("http", "https"):
-        return await fetch(source, policy, param=param)
+        return None
     if scheme == "file":
         return read_local(urlsplit(source).path, policy, param=param)
     if bare_base64 and not scheme:  # SGLang's rule: a name ending as an image file's is a path
