@@ -14,6 +14,7 @@ import pytest
 from r3srv import LLM, SamplingParams
 from r3srv.engine import executor
 from r3srv.errors import InvalidRequestError
+from r3srv.outputs import CompletionOutput, RequestOutput, SamplingMasks, merge_deltas
 from engine_testing import one_torch_thread  # noqa: F401  (fixture)
 
 PROMPT = list(b"Keep the sampling mask")
@@ -73,15 +74,16 @@ def _reference_support(logits: np.ndarray, p: SamplingParams, prompt: list[int],
     return keep, logps
 
 
+# The built-in model's random weights are peaked: temperatures of 2-3 make supports of many ids.
 CASES = {
-    "top_p": dict(temperature=1.0, top_p=0.6),
-    "top_k": dict(temperature=0.8, top_k=7),
-    "min_p": dict(temperature=1.3, min_p=0.2),
-    "bias_and_bans": dict(temperature=1.0, top_k=12, logit_bias={65: 3.0, 66: -100.0}, min_tokens=4,
+    "top_p": dict(temperature=2.5, top_p=0.6),
+    "top_k": dict(temperature=2.0, top_k=7),
+    "min_p": dict(temperature=3.0, min_p=0.2),
+    "bias_and_bans": dict(temperature=2.0, top_k=12, logit_bias={65: 3.0, 66: -100.0}, min_tokens=4,
                           stop_token_ids=[70]),
-    "penalties": dict(temperature=0.9, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.5,
+    "penalties": dict(temperature=2.0, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.5,
                       presence_penalty=0.4),
-    "everything": dict(temperature=0.7, top_k=20, top_p=0.85, min_p=0.05, repetition_penalty=0.8,
+    "everything": dict(temperature=2.5, top_k=20, top_p=0.85, min_p=0.05, repetition_penalty=0.8,
                        logit_bias={80: 2.0}),
     "greedy_biased": dict(temperature=0.0, logit_bias={90: 1.5}, presence_penalty=0.5),
 }
@@ -101,6 +103,8 @@ def test_masks_equal_an_independent_filter_of_the_sampled_logits(llm, recorded, 
         np.testing.assert_array_equal(ids, want_ids, err_msg=f"step {t}")
         np.testing.assert_allclose(logps, want_logps, rtol=0, atol=2e-5, err_msg=f"step {t}")
         assert tok in ids.tolist()
+    if params.temperature > 0:  # the filters had something to cut
+        assert max(len(masks.row(t)[0]) for t in range(10)) > 1
 
 
 def test_masks_are_opt_in_and_follow_the_engine_default(llm):
@@ -141,3 +145,18 @@ def test_a_support_over_the_cap_fails_the_request():
     # the failed request freed its blocks: the engine serves the next one
     assert small.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].token_ids
 
+
+
+def test_merged_stream_outputs_keep_every_mask():
+    """A consumer that fell behind gets two DELTA outputs as one (outputs.merge_deltas): its
+    masks are both outputs' rows, in order (a lost row once made a stream chunk short)."""
+    rows = [(np.array([t, t + 1], np.int32), np.array([-0.5, -1.0], np.float32)) for t in range(3)]
+
+    def delta(first: int, last: int) -> RequestOutput:
+        c = CompletionOutput(0, "", list(range(first, last)), sampling_mask=SamplingMasks.of(rows[first:last]))
+        return RequestOutput("r", None, [1], [c])
+
+    merged = merge_deltas(delta(0, 1), delta(1, 3)).outputs[0]
+    assert merged.token_ids == [0, 1, 2] and len(merged.sampling_mask) == 3
+    for t in range(3):
+        np.testing.assert_array_equal(merged.sampling_mask.row(t)[0], rows[t][0])

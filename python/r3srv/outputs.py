@@ -133,6 +133,8 @@ def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
             text=o.text + n.text,
             token_ids=o.token_ids + n.token_ids,
             logprobs=None if n.logprobs is None else (o.logprobs or []) + n.logprobs,
+            sampling_mask=n.sampling_mask if o.sampling_mask is None or n.sampling_mask is None
+            else o.sampling_mask.concat(n.sampling_mask),
         )
         for o, n in zip(older.outputs, newer.outputs, strict=True)
     ]
