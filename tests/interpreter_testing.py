@@ -21,3 +21,12 @@ def assert_cases_pass_in_interpreter(cases: Path, **env: str) -> None:
     assert done.returncode == 0 and " passed" in summary and "skipped" not in summary, (
         f"interpreter cases of {cases.name} failed ({env}):\n{done.stdout[-8000:]}\n{done.stderr[-2000:]}"
     )
+
+
+def skip_unless_interpreted(runner: str) -> None:
+    """At the top of a cases file: skip the whole module unless this process started with
+    TRITON_INTERPRET=1 (`runner`, the test file that starts one, says where it runs)."""
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(f"needs a process started with TRITON_INTERPRET=1 (see {runner})", allow_module_level=True)

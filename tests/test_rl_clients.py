@@ -113,14 +113,26 @@ def test_slime_and_miles_rollout_turns(http, layout):
         tokens = full + [11, 12]  # the environment's reply
 
 
-def test_slime_top_p_token_ids_are_refused_by_name(http):
+def test_slime_top_p_token_ids(http):
     """slime/rollout/sglang_rollout.py:106-107: with rollout_top_p < 1, custom_params asks for the
-    top-p token ids, which r3srv does not return yet: a 400 naming the key, not a silent answer."""
-    params = {**slime_sampling_params(4), "top_p": 0.9, "custom_params": {"return_top_p_token_ids": True}}
-    r = http.post("/generate", json={"sampling_params": params, "input_ids": PROMPT, "return_logprob": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "return_top_p_token_ids", r.text
-    params["custom_params"] = {"some_processor_arg": 1}  # without that key: accepted, as SGLang
-    post_ok(http, "/generate", {"sampling_params": params, "input_ids": PROMPT})
+    top-p token ids; read as slime/utils/misc.py's decode_int32_meta_array and types.py's
+    append_response_tokens read them: meta_info's top_p_token_ids and top_p_token_offsets, base64
+    of int32, offsets one more than the response tokens, from 0 to the ids' count; every sampled
+    token (from output_token_logprobs) is in its row."""
+    params = {**slime_sampling_params(4), "temperature": 1.0, "top_p": 0.9, "sampling_seed": 3,
+              "custom_params": {"return_top_p_token_ids": True}}
+    out = post_ok(http, "/generate", {"sampling_params": params, "input_ids": PROMPT, "return_logprob": True})
+    meta = out["meta_info"]
+    tokens = [t for _, t, _ in meta["output_token_logprobs"]]
+    ids = np.frombuffer(base64.b64decode(meta["top_p_token_ids"].encode("ascii")), dtype=np.int32)
+    offsets = np.frombuffer(base64.b64decode(meta["top_p_token_offsets"].encode("ascii")), dtype=np.int32)
+    assert len(offsets) == len(tokens) + 1 and offsets[0] == 0 and offsets[-1] == len(ids)
+    assert np.all(np.diff(offsets) >= 1) and ids.min() >= 0
+    for t, tok in enumerate(tokens):
+        assert tok in ids[offsets[t]:offsets[t + 1]].tolist()
+    params["custom_params"] = {"some_processor_arg": 1}  # without that key: no ids, as SGLang
+    assert "top_p_token_ids" not in post_ok(http, "/generate", {"sampling_params": params, "input_ids": PROMPT})[
+        "meta_info"]
 
 
 def test_slime_and_miles_abort_all(http):

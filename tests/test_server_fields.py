@@ -56,6 +56,8 @@ EXAMPLES = {
     "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True, "add_special_tokens": False,
     "continue_final_message": False, "detokenize": False, "return_text_in_logprobs": True,
     "custom_params": {"return_top_p_token_ids": False},
+    # a mask needs SGLang's top_k bound (test_server_sampling_masks), its mode needs the mask
+    "return_sampling_mask": False, "sampling_logprobs_mode": None,
     "lora_path": [None],  # the base model, named per prompt (an adapter needs --enable-lora: test_server_lora)
     # tool calling and reasoning (docs/protocol.md): on a server without parsers, tools are only shown to
     # the model (tool_choice "none"; `_body` adds it)

@@ -29,7 +29,7 @@ def test_completion_request_maps_every_field():
     assert sp == SamplingParams(
         n=2, temperature=0.5, top_p=0.9, top_k=4, seed=11, max_tokens=7, min_tokens=1, stop=["END"],
         stop_token_ids=[5], ignore_eos=True, logprobs=3, skip_special_tokens=False, include_stop_str_in_output=True,
-        routed_experts_prompt_start=1, return_routed_experts=False,
+        routed_experts_prompt_start=1, return_routed_experts=False, return_sampling_mask=False,
     )
 
 

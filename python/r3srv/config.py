@@ -122,6 +122,13 @@ class EngineConfig:
     enable_return_routed_experts: bool = option(
         True, "return routed_experts with every completion by default (per request: return_routed_experts)",
         serve_default=False)
+    # vLLM 0.33's flag: every request's sampling mask by default (per request: return_sampling_mask)
+    return_sampling_mask: bool = option(
+        False, "return each sampled token's sampling mask (the ids the draw could pick) by default; "
+        "per request: return_sampling_mask")
+    sampling_mask_max_tokens: int = option(
+        4096, "most token ids in one token's sampling mask (SGLang's flag); a request whose support is wider "
+        "fails with a 400")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
     max_num_seqs: int = option(64, "sequences per step")
     max_model_len: int | None = option(None, "context length", default_text="the model's max_position_embeddings")
@@ -140,6 +147,9 @@ class EngineConfig:
     cuda_graphs: bool | None = option(None, "replay decode steps as CUDA graphs (docs/cuda_graphs.md; "
                                       "--enforce-eager wins)", default_text="$R3SRV_CUDA_GRAPHS, else off")
     enforce_eager: bool = option(False, "vLLM's flag: no CUDA graphs, whatever else asks")
+    batch_invariant: bool = option(False, "a request's tokens, logprobs and routed experts bitwise the same alone or "
+                                   "in any batch, chunked or not, cached or not (docs/replay.md, "
+                                   "\"Determinism\")")
     # vision-language checkpoints' image inputs (docs/vision.md)
     max_images_per_prompt: int = option(16, "most images one prompt may hold", group="images")
     max_image_pixels: int = option(50_000_000, "most pixels a decoded image may have (checked from its header "
@@ -181,6 +191,7 @@ class EngineConfig:
         _positive("max_image_pixels", self.max_image_pixels)
         _positive("encoder_cache_tokens", self.encoder_cache_tokens)
         _positive("max_num_encoder_tokens", self.max_num_encoder_tokens)
+        _positive("sampling_mask_max_tokens", self.sampling_mask_max_tokens)
         if self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs={self.max_logprobs} must be -1 (no limit) or >= 0")
         if self.max_model_len is not None:

@@ -46,6 +46,8 @@ class CompletionOutput:
     # (len(prompt) + len(token_ids) - 1 - routed_experts_prompt_start, num_layers, top_k);
     # set only when finished and routed experts were asked for.
     routed_experts: np.ndarray | None = None
+    # With return_sampling_mask: one row per token of token_ids (DELTA: the new ones)
+    sampling_mask: SamplingMasks | None = None
     # Times the scheduler preempted this sample for KV blocks (each recomputes its tokens and
     # rows); set when it finishes (verl reads it as vLLM's).
     num_preempted: int = 0
@@ -53,6 +55,45 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SamplingMasks:
+    """Per output token, the ids its draw could pick after every filter (top-k, top-p, min-p,
+    logit bias, bans, penalties), ascending, with their logprobs under the distribution drawn
+    from; a greedy pick's is the pick alone, at 0.0. CSR: row i is `[offsets[i], offsets[i + 1])`
+    of `token_ids` (int32) and `logprobs` (float32); `offsets` int64, one more than the tokens."""
+
+    token_ids: np.ndarray
+    offsets: np.ndarray
+    logprobs: np.ndarray
+
+    @classmethod
+    def of(cls, rows: list[tuple[np.ndarray, np.ndarray]]) -> "SamplingMasks":
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(ids) for ids, _ in rows], out=offsets[1:])
+        if not rows:
+            return cls(np.zeros(0, np.int32), offsets, np.zeros(0, np.float32))
+        return cls(np.concatenate([ids for ids, _ in rows]).astype(np.int32, copy=False), offsets,
+                   np.concatenate([lp for _, lp in rows]).astype(np.float32, copy=False))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def head(self, n: int) -> "SamplingMasks":
+        """The first `n` rows."""
+        end = self.offsets[n]
+        return SamplingMasks(self.token_ids[:end], self.offsets[: n + 1], self.logprobs[:end])
+
+    def concat(self, more: "SamplingMasks") -> "SamplingMasks":
+        """These rows, then `more`'s."""
+        return SamplingMasks(np.concatenate([self.token_ids, more.token_ids]),
+                             np.concatenate([self.offsets, more.offsets[1:] + self.offsets[-1]]),
+                             np.concatenate([self.logprobs, more.logprobs]))
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.token_ids[a:b], self.logprobs[a:b]
 
 
 @dataclass
@@ -92,6 +133,8 @@ def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
             text=o.text + n.text,
             token_ids=o.token_ids + n.token_ids,
             logprobs=None if n.logprobs is None else (o.logprobs or []) + n.logprobs,
+            sampling_mask=n.sampling_mask if o.sampling_mask is None or n.sampling_mask is None
+            else o.sampling_mask.concat(n.sampling_mask),
         )
         for o, n in zip(older.outputs, newer.outputs, strict=True)
     ]

@@ -67,6 +67,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     routed_experts_prompt_start: int = 0
     # None: the engine's default (enable_return_routed_experts); False: opt out.
     return_routed_experts: bool | None = None
+    # Each sampled token's sampling mask: the ids the draw could pick, after every filter, and
+    # their logprobs. None: the engine's default (return_sampling_mask); False: opt out.
+    return_sampling_mask: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

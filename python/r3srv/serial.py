@@ -27,6 +27,17 @@ order; written in C order, little-endian):
   ``{"data":"<raw base64>","shape":[..],"start":N,"dtype":"<name>"}`` (``start`` only when
   given), its dtype the first of ``dtypes`` that holds every value. ``decode_packed(payload)``
   is the inverse, for the text or the parsed dict.
+
+Ragged per-token lists (sampling masks and their logprobs), as JSON from their CSR form
+(``values`` row after row, row i ``values[offsets[i]:offsets[i + 1]]``):
+
+- ``encode_int_lists(values, offsets) -> str`` equals ``int_lists2json``: ``json.dumps`` (compact)
+  of the rows as lists of ints (SGLang's ``output_token_sampling_mask``, vLLM's ``sampling_mask``).
+- ``encode_float_lists(values, offsets=None) -> str`` equals ``float_lists2json``: the floats as
+  one flat list, or the rows as lists (SGLang's ``output_token_sampling_logprobs``), each float
+  as Python's ``repr`` writes it.
+- ``decode_int_lists(text) -> (values, offsets)`` is the strict inverse of the first: anything
+  but a JSON list of lists of int32 ids is a ValueError.
 """
 
 from __future__ import annotations
@@ -46,6 +57,8 @@ from r3srv._core import (
     configure_encoder,
     decode_raw_base64,
     decode_routed_experts,
+    encode_float_lists as _encode_float_lists,
+    encode_int_lists as _encode_int_lists,
     encode_packed,
     encode_raw,
     encode_routed_experts,
@@ -56,6 +69,7 @@ __all__ = [
     "numpy2base64", "encode_routed_experts", "decode_routed_experts", "encoder_isa",
     "RAW_DTYPES", "raw2base64", "encode_raw", "decode_raw",
     "packed2json", "encode_packed", "decode_packed", "PackedArray",
+    "encode_int_lists", "int_lists2json", "decode_int_lists", "encode_float_lists", "float_lists2json",
 ]
 
 # The types raw numbers (and the dict form's data) may be written as.
@@ -180,3 +194,62 @@ def decode_packed(payload: str | bytes | Mapping[str, Any], dtypes: Sequence[str
         raise ValueError(f"packed array holds {flat.size} {packed.dtype} values, its shape {packed.shape} needs "
                          f"{math.prod(packed.shape)}")
     return PackedArray(flat.reshape(packed.shape), packed.start)
+
+
+# ---------------------------------------------------------------- ragged lists (sampling masks)
+
+
+def _offsets(offsets: Any) -> np.ndarray:
+    return np.ascontiguousarray(offsets, dtype=np.int64)
+
+
+def encode_int_lists(values: np.ndarray, offsets: np.ndarray) -> str:
+    """Compact JSON of the rows of int32 ``values`` cut by ``offsets`` (Rust; ``int_lists2json``
+    is its reference). Offsets that do not start at 0, decrease or miss the end are a ValueError."""
+    return _encode_int_lists(np.ascontiguousarray(values, dtype=np.int32), _offsets(offsets))
+
+
+def encode_float_lists(values: np.ndarray, offsets: np.ndarray | None = None) -> str:
+    """Compact JSON of float32 or float64 ``values``: one flat list (``offsets`` None) or the rows
+    ``offsets`` cut (Rust; ``float_lists2json`` is its reference)."""
+    values = np.asarray(values)
+    if values.dtype not in (np.float32, np.float64):
+        values = values.astype(np.float64)
+    return _encode_float_lists(np.ascontiguousarray(values), None if offsets is None else _offsets(offsets))
+
+
+def _rows(values: np.ndarray, offsets: np.ndarray) -> list[list[Any]]:
+    offsets = [int(o) for o in offsets]
+    if not offsets or offsets[0] != 0 or offsets[-1] != len(values) or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"offsets {offsets[:8]}... do not cut {len(values)} values into rows")
+    items = values.tolist()
+    return [items[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def int_lists2json(values: np.ndarray, offsets: np.ndarray) -> str:
+    """Reference of ``encode_int_lists``: the stdlib's compact ``json.dumps`` of the rows."""
+    return json.dumps(_rows(np.asarray(values, dtype=np.int32), offsets), separators=(",", ":"))
+
+
+def float_lists2json(values: np.ndarray, offsets: np.ndarray | None = None) -> str:
+    """Reference of ``encode_float_lists``: the stdlib's compact ``json.dumps`` (floats by repr)."""
+    values = np.asarray(values)
+    obj = values.tolist() if offsets is None else _rows(values, offsets)
+    return json.dumps(obj, separators=(",", ":"))
+
+
+_INT32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+
+
+def decode_int_lists(text: str | bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Strict inverse of ``encode_int_lists``: ``(values int32, offsets int64)``. Anything but a
+    JSON list of lists of int32 numbers (floats, bools, nulls, deeper nesting, ids out of range,
+    malformed JSON) is a ValueError."""
+    try:
+        rows = msgspec.json.decode(text, type=list[list[_INT32]], strict=True)
+    except (msgspec.MsgspecError, TypeError) as exc:
+        raise ValueError(f"not a JSON list of int32 lists: {exc}") from exc
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    values = np.fromiter((v for r in rows for v in r), dtype=np.int32, count=int(offsets[-1]))
+    return values, offsets

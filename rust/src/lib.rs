@@ -12,6 +12,7 @@ pub mod expert_pairs;
 pub mod formats;
 pub mod layout;
 pub mod linear;
+pub mod lists;
 pub mod matmul;
 pub mod npy_header;
 pub mod paged_attn;

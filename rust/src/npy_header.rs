@@ -12,7 +12,8 @@ pub const MAX_NDIM: usize = 64;
 /// Largest header the decoder accepts (numpy's own reader refuses > 10,000 by default).
 const MAX_HEADER_LEN: usize = 100_000;
 
-fn push_usize(out: &mut Vec<u8>, mut v: usize) {
+/// Decimal digits of `v`, written into `out` (also the ragged lists' integers, `lists.rs`).
+pub(crate) fn push_u64(out: &mut Vec<u8>, mut v: u64) {
     let mut digits = [0u8; 20];
     let mut i = digits.len();
     loop {
@@ -54,7 +55,7 @@ pub fn write_header(out: &mut Vec<u8>, descr: &str, fortran_order: bool, shape: 
         if i > 0 {
             out.extend_from_slice(b", ");
         }
-        push_usize(out, d);
+        push_u64(out, d as u64);
     }
     if shape.len() == 1 {
         out.push(b',');

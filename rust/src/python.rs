@@ -704,6 +704,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(configure_encoder, m)?)?;
     m.add_function(wrap_pyfunction!(encoder_isa, m)?)?;
     crate::formats::python::register(m)?;
+    crate::lists::python::register(m)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_isa, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind
 from r3srv.sampling_params import SamplingParams
@@ -39,8 +41,10 @@ class EngineRequest:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, enable_return_routed_experts: bool,
-                 max_logprobs: int = 20, images: ImageInputConfig | None = None) -> None:
+                 max_logprobs: int = 20, images: ImageInputConfig | None = None,
+                 return_sampling_mask: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.return_sampling_mask = return_sampling_mask  # the default of requests that leave it None
         self.images = images  # None: the served model takes no images
         self.max_logprobs = max_logprobs  # -1: the whole vocabulary
         self.vocab_size = vocab_size
@@ -51,7 +55,7 @@ class InputProcessor:
     def of(cls, core) -> InputProcessor:
         """The input processor of an EngineCore (its tokenizer, vocabulary, limits)."""
         return cls(core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
-                   core.config.max_logprobs, core.image_inputs)
+                   core.config.max_logprobs, core.image_inputs, core.config.return_sampling_mask)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """A conversation as prompt text, through the tokenizer's chat template: the one place
@@ -183,6 +187,8 @@ class InputProcessor:
             )
         if want is None:
             want = self.enable_return_routed_experts
+        if params.return_sampling_mask is None:  # resolved once: the sampler reads the params
+            params = msgspec.structs.replace(params, return_sampling_mask=self.return_sampling_mask)
         return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want), multimodal=multimodal,
                              lora_name=lora_name)
 

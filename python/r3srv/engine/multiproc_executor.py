@@ -108,6 +108,7 @@ class ModelSpec:
     path: str | None
     device: str  # "cpu", "cuda" or "cuda:N" (the first of the node's devices)
     dtype: str  # "auto" or a dtype name
+    batch_invariant: bool = False  # the engine's --batch-invariant: every rank's ops chosen for it
 
 
 def rank_setup(config) -> tuple[ModelSpec, Rendezvous]:
@@ -116,7 +117,7 @@ def rank_setup(config) -> tuple[ModelSpec, Rendezvous]:
     rendezvous = Rendezvous(par.tensor_parallel_size, par.master_addr, par.master_port, par.nnodes, par.node_rank,
                             par.enable_expert_parallel, settings.current().ep_dispatch)
     device = config.device if config.device.startswith("cuda") else "cpu"
-    return ModelSpec(config.model, device, config.dtype), rendezvous
+    return ModelSpec(config.model, device, config.dtype, config.batch_invariant), rendezvous
 
 
 def rank_device(device: str, rank: int, rendezvous: Rendezvous) -> torch.device:
@@ -139,7 +140,8 @@ def init_process_group(rank: int, rendezvous: Rendezvous, device: torch.device) 
 def load_shard(spec: ModelSpec, rank: int, rendezvous: Rendezvous, device: torch.device):
     from r3srv.models.loader import load_model
 
-    return load_model(spec.path, device=device, dtype=spec.dtype, parallel=rendezvous.state(rank))
+    return load_model(spec.path, device=device, dtype=spec.dtype, parallel=rendezvous.state(rank),
+                      batch_invariant=spec.batch_invariant)
 
 
 # ---- a worker process ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ from r3srv.engine.input_processor import EngineRequest
 from r3srv.engine.requests import CoreOutputs, RequestUpdate, SeqUpdate
 from r3srv.engine.routed_experts import num_routed_rows
 from r3srv.engine.text_stream import TextStream
-from r3srv.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
+from r3srv.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput, SamplingMasks
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class SeqState:
 
     __slots__ = ("index", "params", "num_prompt_tokens", "token_ids", "logprobs", "cumulative_logprobs", "stream",
                  "finish_reason", "stop_reason", "routed_experts", "num_preempted", "num_emitted_tokens", "num_emitted_chars",
-                 "stopping")
+                 "stopping", "masks")
 
     def __init__(self, index: int, prep: EngineRequest, tokenizer) -> None:
         p = prep.params
@@ -69,6 +69,8 @@ class SeqState:
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
         self.stopping = False  # a stop string ended it here; the core has not confirmed yet
+        # return_sampling_mask: each output token's (ids, logprobs), cut with the tokens
+        self.masks: list[tuple[np.ndarray, np.ndarray]] | None = [] if p.return_sampling_mask else None
 
     @property
     def text(self) -> str:
@@ -83,6 +85,8 @@ class SeqState:
         if self.logprobs is not None:
             self.logprobs.append(sample.top_logprobs)
             self.cumulative_logprobs.append(self.cumulative_logprob + sample.logprob)
+        if self.masks is not None:
+            self.masks.append((sample.mask_ids, sample.mask_logprobs))
         return self.stream.add(sample.token_id, silent)
 
     def cut(self, kept_len: int, kept_tokens: int) -> None:
@@ -91,6 +95,8 @@ class SeqState:
         if self.logprobs is not None:
             del self.logprobs[kept_tokens:]
             del self.cumulative_logprobs[kept_tokens:]
+        if self.masks is not None:
+            del self.masks[kept_tokens:]
 
     def take_rows(self, rows: np.ndarray | None) -> None:
         """The core's rows, less those of tokens a stop string cut after the core's last step."""
@@ -258,6 +264,7 @@ def completion_output(s: SeqState, delta: bool) -> CompletionOutput:
         cumulative_logprob=cumulative,
         logprobs=s.logprobs[first_token:n] if s.logprobs is not None else None,
         routed_experts=s.routed_experts,
+        sampling_mask=SamplingMasks.of(s.masks[first_token:n]) if s.masks is not None else None,
         num_preempted=s.num_preempted,
     )
 

@@ -15,7 +15,8 @@ def load_model_for(config, dtype: torch.dtype | None):
     if config.parallel.tensor_parallel_size == 1:
         from r3srv.models.loader import load_model
 
-        model, tokenizer = load_model(config.model, device=config.device, dtype=dtype)
+        model, tokenizer = load_model(config.model, device=config.device, dtype=dtype,
+                                      batch_invariant=config.batch_invariant)
         return model, tokenizer, InProcessExecutor
     from r3srv.engine.tensor_parallel import TensorParallelExecutor, start_ranks
 

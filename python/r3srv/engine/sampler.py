@@ -1,7 +1,8 @@
 """Next-token sampling in vLLM's order: the min_tokens mask, logit_bias, then repetition,
 frequency and presence penalties (all of which can change a greedy pick); then greedy (ties to
 the lowest id) or temperature, min_p, top-k, top-p and a draw (per-sequence torch.Generator for
-seeded requests); and logprobs, sampled and prompt.
+seeded requests); and logprobs, sampled and prompt. Rows that ask for their sampling mask get
+the support of the distribution actually drawn from, read from it after every filter.
 
 Logprobs are the log-softmax of the model's unmodified logits (before every adjustment above),
 as vLLM reports them by default. Rows without bias, penalties or a min_tokens mask skip those
@@ -37,6 +38,10 @@ class SampleResult:
     logprob: float | None = None  # of the sampled token; None unless logprobs were asked for
     # the sampled token first (its vocabulary rank), then the top `logprobs` tokens (ranks 1, 2, ...)
     top_logprobs: dict[int, Logprob] | None = None
+    # return_sampling_mask: the ids the draw could pick (int32, ascending) and their logprobs
+    # under the distribution it drew from (float32); a greedy pick's is the pick alone, at 0.0
+    mask_ids: np.ndarray | None = None
+    mask_logprobs: np.ndarray | None = None
 
 
 def finite_(logits: torch.Tensor) -> torch.Tensor:
@@ -236,12 +241,20 @@ def sample(
             token_ids[i] = tok
     plain = set(plain_greedy)
     others = [i for i in range(len(seqs)) if i not in plain]
+    supports: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     if len(others) == len(seqs):  # no plain greedy row: no gathered copy
-        token_ids = _pick(logits, seqs, eos_token_ids, generator)
+        token_ids, supports = _pick(logits, seqs, eos_token_ids, generator)
     elif others:
-        for i, tok in zip(others, _pick(logits[others], [seqs[i] for i in others], eos_token_ids, generator)):
+        picks, found = _pick(logits[others], [seqs[i] for i in others], eos_token_ids, generator)
+        for i, tok in zip(others, picks):
             token_ids[i] = tok
+        supports = {others[j]: v for j, v in found.items()}
     results = [SampleResult(tok) for tok in token_ids]
+    for i, s in enumerate(seqs):
+        if s.params.greedy and s.params.return_sampling_mask:
+            _set_greedy_mask(results[i])
+    for i, (ids, logps) in supports.items():
+        results[i].mask_ids, results[i].mask_logprobs = ids, logps
     # Logprobs from the unmodified logits, as vLLM's: the sampled token first, with its rank in
     # the vocabulary, then the top `logprobs` tokens with ranks 1, 2, ...
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -255,8 +268,29 @@ def sample(
     return results
 
 
-def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], generator) -> list[int]:
-    """Tokens for rows that are not plain greedy: greedy after bias/penalties/min_tokens, or sampled.
+def _set_greedy_mask(res: SampleResult) -> None:
+    """A greedy pick's sampling mask: the pick alone, certain (as SGLang's)."""
+    res.mask_ids = np.array([res.token_id], dtype=np.int32)
+    res.mask_logprobs = np.zeros(1, dtype=np.float32)
+
+
+def sampling_supports(probs: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each row's support of `probs` ([rows, vocab], the distribution a draw reads): the ids of
+    the tokens it can draw (probability > 0), ascending, int32, and their log-probabilities,
+    float32. One device-to-host copy of the kept entries for all rows."""
+    kept = probs > 0
+    counts = kept.sum(dim=-1).tolist()
+    where = kept.nonzero()
+    ids = where[:, 1].to(torch.int32).cpu().numpy()
+    logps = torch.log(probs[where[:, 0], where[:, 1]]).cpu().numpy()
+    cuts = np.cumsum([0, *counts])
+    return [(ids[a:b], logps[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int],
+          generator) -> tuple[list[int], dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """Tokens for rows that are not plain greedy: greedy after bias/penalties/min_tokens, or
+    sampled; and the sampling masks (by row) of the sampled rows that ask for them.
 
     Every full-size pass over [rows, vocab] counts at large vocabularies, so rows are only
     gathered (copied) when the batch mixes kinds."""
@@ -272,7 +306,7 @@ def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], g
         for r, tok in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
             picks[r] = tok
     if not sampled:
-        return picks
+        return picks, {}
     x = logits if len(sampled) == rows else logits[sampled]
     (temperatures,) = to_device([[seqs[r].params.temperature for r in sampled]], device, np.float32)
     x = x / temperatures[:, None]
@@ -298,7 +332,11 @@ def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], g
         draws[own] = torch.cat([torch.multinomial(probs[j], 1, generator=seqs[sampled[j]].generator) for j in own])
     for r, tok in zip(sampled, draws.tolist()):
         picks[r] = tok
-    return picks
+    masked = [j for j, r in enumerate(sampled) if seqs[r].params.return_sampling_mask]
+    if not masked:
+        return picks, {}
+    found = sampling_supports(probs if len(masked) == len(sampled) else probs[masked])
+    return picks, {sampled[j]: support for j, support in zip(masked, found)}
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:

@@ -39,8 +39,10 @@ from r3srv.engine.requests import CoreOutputs, CoreRequest, SeqUpdate
 from r3srv.engine.sampler import SampleView, prompt_logprobs
 from r3srv.engine.scheduler import SchedulerOutput
 from r3srv.engine.sequence import Sequence, SequenceStatus
+from r3srv.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from r3srv.config import EngineConfig
     from r3srv.engine.core import EngineCore
 
 PLACEHOLDER = -1  # a token sampled by a queued step, not read back yet
@@ -176,6 +178,9 @@ class Stepper:
             req = core.requests.get(seq.request_id)
             if req is None or seq.is_finished or pos >= seq.num_tokens or seq.token_ids[pos] != PLACEHOLDER:
                 continue  # ended meanwhile (a stop, an abort, a failure, a stop string's cut): queued for nothing
+            if res.mask_ids is not None and len(res.mask_ids) > core.config.sampling_mask_max_tokens:
+                core.fail_request(seq.request_id, _mask_overflow(len(res.mask_ids), core.config), result)
+                continue
             seq.token_ids[pos] = res.token_id
             if seq.prompt_token_mask is None:  # computed while sampling a view, kept for the next steps
                 seq.prompt_token_mask = sampler.prompt_token_mask
@@ -298,3 +303,11 @@ def record_prompt_logprobs(seqs: list[Sequence], logits, spans: list[tuple[int, 
     for i, _, count in live:
         seqs[i].prompt_logprobs.extend(entries[first : first + count])
         first += count
+
+
+def _mask_overflow(size: int, config: EngineConfig) -> InvalidRequestError:
+    """The 400 of a sampling mask wider than the server's cap (SGLang's rule and advice)."""
+    return InvalidRequestError(
+        f"the sampling support of a token holds {size} ids, more than --sampling-mask-max-tokens="
+        f"{config.sampling_mask_max_tokens}; lower top_k (or top_p) or raise the server's limit",
+        param="sampling_mask_max_tokens")

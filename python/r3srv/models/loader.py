@@ -75,11 +75,14 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
     parallel: ParallelState = SINGLE,
+    batch_invariant: bool = False,
 ) -> tuple[MoeForCausalLM, Tokenizer | None]:
     """Load a checkpoint directory; `path=None` (or the name BUILTIN_MODEL_NAME) loads the built-in
     model (random weights).
 
     parallel: this rank's place; the model holds, and reads, only its shard of each weight.
+    batch_invariant: the backend's batch-invariant ops (r3srv.ops.ops_for; ConfigError where the
+    device has none).
     Returns (model, tokenizer). The tokenizer is None when the directory has no
     tokenizer.json (token-id prompts only). Raises ConfigError for an unsupported
     architecture, a missing or malformed file, or missing weights.
@@ -102,7 +105,10 @@ def load_model(
     device = torch.device(device)
     model_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
     try:
-        model = MoeForCausalLM(cfg, dtype=model_dtype, device=device, parallel=parallel)
+        model = MoeForCausalLM(cfg, dtype=model_dtype, device=device, parallel=parallel,
+                               batch_invariant=batch_invariant)
+    except ConfigError:  # an option the model cannot take (--batch-invariant's gaps): its own message
+        raise
     except (ValueError, NotImplementedError) as exc:  # heads or experts that do not split over the ranks
         raise ConfigError(f"{cfg.name} cannot be split that way: {exc}") from exc
     _load_weights(model, safetensors_files(path), cfg)

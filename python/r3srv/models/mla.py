@@ -11,6 +11,10 @@ shared key (qk_rope_head_dim); nothing per head. Two equal ways to attend, as vL
   no-RoPE query is multiplied into the latent by its slice of kv_b_proj's key half, scores
   are taken against the cached latent plus rotary key, values are the latent itself, and each
   head's output leaves the latent through the value half: no per-step expansion of the context.
+
+Under the batch-invariant backend (ops/invariant.py) every token, a prompt's too, takes the
+decodes' latent form, with the absorptions as per-head linear layers of the backend's, so that
+a token's numbers do not depend on how its prompt was chunked or cached.
 """
 
 from __future__ import annotations
@@ -94,6 +98,10 @@ class MlaAttention(nn.Module):
         self.rms_norm = ops.norm("default")
         self.rotate = ops.rotate(self.rope_layout)
         self.decode_kernel = ops.decode_attention
+        # batch-invariant: the latent projections through the backend's linear, every token attended
+        # in the latent space (a prompt's through the backend's prefill op, over the latent cache)
+        self.latent_linear = ops.linear if ops.batch_invariant else F.linear
+        self.latent_prefill = ops.prefill_attention if ops.batch_invariant else None
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k_cache = torch.zeros(num_slots, 1, self.rank + self.rope, dtype=dtype, device=device)
@@ -129,7 +137,7 @@ class MlaAttention(nn.Module):
 
     def _latent(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
         """x through the whole low-rank projection `name` (q_a, kv_a), with its adapters."""
-        y = F.linear(x, getattr(self, name), bias)
+        y = self.latent_linear(x, getattr(self, name), bias)
         lora = self.lora_weights.get(name)
         return y if lora is None else lora(x, y, F.linear)
 
@@ -157,6 +165,8 @@ class MlaAttention(nn.Module):
 
         key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [t, 1, rank + rope]: what is cached
         kv_b = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
+        if self.latent_prefill is not None:
+            return self.o_proj(self._attend_latent(q_nope, q_rope, key, kv_b, meta).reshape(t, h * self.v_dim))
 
         if meta.decode_seqs:  # in the latent space; paged_attention also writes every token's latent
             q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
@@ -188,6 +198,19 @@ class MlaAttention(nn.Module):
                            self.scale, None)
                 out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         return self.o_proj(out.reshape(t, h * self.v_dim))
+
+    def _attend_latent(self, q_nope, q_rope, key, kv_b, meta: AttentionMetadata) -> torch.Tensor:
+        """Every token in the latent space, each head's absorptions one linear layer of the
+        backend's (the batch-invariant path): -> [t, h, v_head_dim]."""
+        linear, heads = self.latent_linear, range(self.num_heads)
+        q_latent = torch.stack([linear(q_nope[:, i].contiguous(), kv_b[i, : self.nope].t().contiguous())
+                                for i in heads], dim=1)
+        query = torch.cat((q_latent, q_rope), dim=-1)
+        out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, meta,
+                                     scale=self.scale, decode_kernel=self.decode_kernel,
+                                     prefill_kernel=self.latent_prefill)
+        return torch.stack([linear(out_latent[:, i].contiguous(), kv_b[i, self.nope :].contiguous())
+                            for i in heads], dim=1)
 
     def _expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached [n, 1, rank + rope] -> per-head keys [n, h, nope + rope] and values [n, h, v_head_dim]."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from r3srv.models.batch import ForwardBatch
+from r3srv.errors import ConfigError
 from r3srv.models.config import ModelConfig
 from r3srv.models.families import family_named
 from r3srv.models.gated_deltanet import GatedDeltaNet
@@ -313,14 +314,32 @@ class MixerBlock(nn.Module):
         return x + self.mlp(h, capture)
 
 
+def batch_invariance_gaps(cfg: ModelConfig) -> list[str]:
+    """The layers of `cfg` whose numbers the batch-invariant ops (ops/invariant.py) do not yet
+    make independent of the step: recurrent scans (chunked for prompts, stepped for decodes), DSA's
+    indexer."""
+    gaps = []
+    if cfg.is_hybrid:
+        gaps.append("linear-attention layers")
+    if cfg.attention.sparse is not None:
+        gaps.append("sparse-attention indexer")
+    return gaps
+
+
 class MoeForCausalLM(nn.Module):
     """A paged-KV MoE decoder. Call `init_kv_cache` once, then `forward(ForwardBatch)`."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 parallel: ParallelState = SINGLE, ops: Ops | None = None) -> None:
+                 parallel: ParallelState = SINGLE, ops: Ops | None = None, batch_invariant: bool = False) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = cfg
+        # the backend's batch-invariant kernels (r3srv.ops.ops_for) whenever ops are chosen anew
+        gaps = batch_invariance_gaps(cfg) if batch_invariant else []
+        if gaps:
+            raise ConfigError(f"--batch-invariant does not cover {cfg.name}'s {' or '.join(gaps)} yet "
+                              "(docs/replay.md, \"Determinism\")")
+        self.batch_invariant = batch_invariant
         self.family = family_named(cfg.model_type)
         self.dtype = dtype
         self.device = device
@@ -347,7 +366,7 @@ class MoeForCausalLM(nn.Module):
         """Bind every layer to `ops` (None: the backend of this model's device and dtype under the
         current settings, r3srv.ops.ops_for): each op's kernel is chosen here, once, and each
         layer takes the ones it calls. Tests and benchmarks call it again to switch a backend."""
-        self.ops = ops_for(self.device, self.dtype) if ops is None else ops
+        self.ops = ops_for(self.device, self.dtype, batch_invariant=self.batch_invariant) if ops is None else ops
         for module in self.modules():
             use = getattr(module, "use_ops", None)
             if use is not None:

@@ -9,7 +9,6 @@ where it applies, torch's paths otherwise.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from r3srv.models.config import ModelConfig
@@ -130,5 +129,5 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, weights, ids, expert_pass)
         if self.shared is not None:
             shared = self.shared(x)
-            out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)
+            out = out + (shared if self.shared_gate is None else self.ops.shared_gate(x, self.shared_gate) * shared)
         return out

@@ -11,22 +11,34 @@ from __future__ import annotations
 import torch
 
 from r3srv import settings
+from r3srv.errors import ConfigError
 from r3srv.ops.parts import Declined
 from r3srv.ops.reference import REFERENCE
 from r3srv.ops.table import Ops
 
 
-def ops_for(device: torch.device | str, dtype: torch.dtype) -> Ops:
-    """The ops a model on `device` in `dtype` runs, under the current settings."""
+def ops_for(device: torch.device | str, dtype: torch.dtype, *, batch_invariant: bool = False) -> Ops:
+    """The ops a model on `device` in `dtype` runs, under the current settings; batch_invariant:
+    the backend's batch-invariant ops (ops/invariant.py: the CPU's and CUDA's; ConfigError elsewhere)."""
     kind = torch.device(device).type
     current = settings.current()
+    if batch_invariant and kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--batch-invariant has no kernels for {kind} (the CPU's and CUDA's only)")
     if kind == "cpu":
         from r3srv.ops import cpu
 
+        if batch_invariant:
+            from r3srv.ops import invariant
+
+            return invariant.build(cpu.build(dtype, current))
         return cpu.build(dtype, current)
     if kind == "cuda":
         from r3srv.ops import cuda
 
+        if batch_invariant:
+            from r3srv.ops import invariant
+
+            return invariant.build_cuda(cuda.build(dtype, current))
         return cuda.build(dtype, current)
     return REFERENCE
 

@@ -34,6 +34,7 @@ class PrefillSpan:
     context_slots: torch.Tensor | None  # [context_len] slots; None when the whole context is this chunk
     mask: torch.Tensor | None  # [q, context_len] bool; None means plain causal (q == context_len)
     context_len: int = 0
+    slots: torch.Tensor | None = None  # [q] this span's own tokens' slots
 
 
 @dataclass
@@ -111,6 +112,7 @@ class AttentionMetadata:
         decode_seqs: list[int] = []
         decode_rows: list[int] = []
         prefills: list[PrefillSpan] = []
+        slot_mapping = batch.slot_mapping.to(device)
         start = 0
         for i, (q, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
             if q <= 0 or ctx < q:
@@ -119,16 +121,17 @@ class AttentionMetadata:
                 decode_seqs.append(i)
                 decode_rows.append(start)
             elif q == ctx:
-                prefills.append(PrefillSpan(start, start + q, None, None, ctx))
+                prefills.append(PrefillSpan(start, start + q, None, None, ctx, slot_mapping[start : start + q]))
             else:
                 pos = torch.arange(ctx, device=device)
                 slots = tables[i, pos // block_size] * block_size + pos % block_size
                 # query i sits at position ctx - q + i and sees keys 0..that position
                 qpos = torch.arange(ctx - q, ctx, device=device)
-                prefills.append(PrefillSpan(start, start + q, slots, pos[None, :] <= qpos[:, None], ctx))
+                prefills.append(PrefillSpan(start, start + q, slots, pos[None, :] <= qpos[:, None], ctx,
+                                            slot_mapping[start : start + q]))
             start += q
 
-        return cls(batch.slot_mapping.to(device), None, prefills, tables, decode_seqs, decode_rows,
+        return cls(slot_mapping, None, prefills, tables, decode_seqs, decode_rows,
                    list(batch.context_lens), block_size)
 
 

@@ -97,6 +97,7 @@ class TorchExperts:
     act: Activation = SILU_AND_MUL
     pairs_mv: bool = False
     grouped: str | None = None
+    pairs_mv_always: bool = False  # pair by pair at any count (the batch-invariant backend's fallback)
 
     def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                  ids: torch.Tensor, *, tokens: torch.Tensor | None = None, b13: torch.Tensor | None = None,
@@ -107,7 +108,7 @@ class TorchExperts:
         grid = tokens is None  # every slot of every token: ids [T, k]
         top_k = ids.shape[-1] if grid else 1
         flat_ids, flat_weights = ids.reshape(-1).long(), weights.reshape(-1)
-        if self.pairs_mv and flat_ids.numel() < w13.shape[0]:
+        if self.pairs_mv and (self.pairs_mv_always or flat_ids.numel() < w13.shape[0]):
             pair_tokens = torch.arange(x.shape[0]).repeat_interleave(top_k) if grid else tokens
             out = expert_pairs_mv(x, w13, w2, flat_weights, flat_ids, pair_tokens, b13, b2, act)
             if grid:  # a token's k rows are adjacent: summed in one reduction
@@ -191,6 +192,11 @@ def expert_mlps_looped(rows, w13, w2, counts, act=SILU_AND_MUL, biases=None) -> 
     for expert, begin, end in spans:
         out[begin:end] = F.linear(h[begin:end], w2[expert])
     return out if biases is None or biases[1] is None else out + biases[1].index_select(0, biases[2])
+
+
+def shared_expert_gate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A shared expert's gate, sigmoid(x @ weight^T): [T, 1] for weight [1, H]."""
+    return torch.sigmoid(F.linear(x, weight))
 
 
 @dataclass(frozen=True)

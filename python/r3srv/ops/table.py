@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from r3srv.ops.attention import DecodeKernel, PrefillKernel
-from r3srv.ops.experts import Activation, ExpertPass
+from r3srv.ops.experts import Activation, ExpertPass, shared_expert_gate
 from r3srv.ops.linear import LinearFn
 from r3srv.ops.norm import NormFn
 from r3srv.ops.rotary import RotateFn
@@ -43,6 +43,11 @@ class Ops:
     plan_fused_step: Callable[..., Any] | None = None
     threads: int = 1  # the CPU kernels' threads
     torch_threads: Callable[[int], int] | None = None  # torch's threads for a step of so many tokens
+    # a shared expert's gate, sigmoid(x @ w^T) [T, 1] (Qwen2-MoE's shared_expert_gate)
+    shared_gate: Callable[..., Any] = shared_expert_gate
+    # every op computes a token's row alike in any step (ops/invariant.py): layers with a path of
+    # their own for prompts (MLA's expanded keys) take their decodes' path for every token
+    batch_invariant: bool = False
 
     def norm(self, kind: str) -> NormFn:
         return self.norms[kind]

@@ -165,8 +165,6 @@ SGLANG_REFUSED: dict[str, Refusal] = {
     **dict.fromkeys(("video_data", "audio_data"), Refusal(MULTIMODAL.reason, off=([],))),
     "watermark": NOT_SUPPORTED,
     "token_ids_logprob": NOT_SUPPORTED,
-    "return_sampling_mask": NOT_SUPPORTED,
-    "sampling_logprobs_mode": NOT_SUPPORTED,
     "return_flat_raw_top_logprobs": NOT_SUPPORTED,
     "return_flat_raw_output_top_logprobs": NOT_SUPPORTED,
     "return_flat_raw_top_logprobs_b64": NOT_SUPPORTED,
@@ -212,7 +210,7 @@ SGLANG_WITHOUT_EFFECT = frozenset(
 )
 
 # Accepted and without effect: SGLang's fast-tokenizer decoding ignores the first; the second feeds
-# custom logit processors, which r3srv refuses (its one key slime reads is refused by name)
+# custom logit processors, which r3srv refuses (its one key r3srv reads is slime's return_top_p_token_ids)
 SGLANG_SAMPLING_WITHOUT_EFFECT = frozenset({"spaces_between_special_tokens", "custom_params"})
 
 SGLANG_SAMPLING_REFUSED: dict[str, Refusal] = {

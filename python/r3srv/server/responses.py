@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import msgspec
 from msgspec import UNSET, UnsetType
 
-from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
+from r3srv import serial
+from r3srv.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMasks
 from r3srv.server import protocol as p
 from r3srv.server import rows_encoding
 from r3srv.server.chat_output import ChoiceParsing, finish_reason, message_fields
@@ -248,6 +250,14 @@ async def chat_response(
     )
 
 
+def tito_sampling_mask(masks: SamplingMasks | None) -> list[list[int]] | None:
+    """vLLM's `sampling_mask`: a list of ids per token, ascending (a msgspec.Raw of the Rust
+    core's JSON, which the response's encoder copies as it is)."""
+    if masks is None:
+        return None
+    return cast(list[list[int]], msgspec.Raw(serial.encode_int_lists(masks.token_ids, masks.offsets)))
+
+
 def tito_rows_encoding(state: ServerState, req: p.GenerateRequest) -> str:
     return state.experts_encoding(req.routed_experts_encoding, rows_encoding.OPENAI_DEFAULT)
 
@@ -267,6 +277,7 @@ async def generate_response(
             token_ids=list(c.token_ids),
             logprobs=tito_logprobs(state, req, c.token_ids, c.logprobs) if c.logprobs is not None else None,
             routed_experts=await state.encode_experts(c.routed_experts, encoding, start),
+            sampling_mask=tito_sampling_mask(c.sampling_mask),
             weight_version=state.weight_version(final), **state.lora_fields(final),
             text=c.text if text_mode else UNSET,
         )

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+import numpy as np
 from msgspec import UNSET
 
-from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
+from r3srv import serial
+from r3srv.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMasks
 from r3srv.server.generation import ServerState
 from r3srv.server.responses import ranked_logprobs
 
@@ -59,6 +62,34 @@ def add_logprobs(meta: dict[str, Any], k: int, out: RequestOutput, token_ids: li
             for e in entries
         ]
         meta["output_top_logprobs"] = [[[v, t, text(t)] for t, v in ranked_logprobs(entry)[:k]] for entry in logprobs or []]
+
+
+def add_sampling_masks(meta: dict[str, Any], masks: SamplingMasks, token_ids: list[int], mode: str | None,
+                       top_p_ids: bool) -> None:
+    """Sampling masks as SGLang writes them (`mode`: "selected" or "support"; None: not asked):
+    `output_token_sampling_mask`, each token's ids by descending probability (ties: lower id
+    first), `output_token_sampling_logprobs` (the sampled token's logprob under the filtered
+    distribution, or every mask id's in the mask's order) and `output_token_sampling_mask_length`;
+    and slime's (`top_p_ids`): `top_p_token_ids` and `top_p_token_offsets`, base64 of
+    little-endian int32, the ids ascending. The JSON is written by the Rust core."""
+    if top_p_ids:
+        meta["top_p_token_ids"] = serial.encode_raw(masks.token_ids, "int32")
+        meta["top_p_token_offsets"] = serial.encode_raw(masks.offsets, "int32")
+    if mode is None:
+        return
+    rows = np.repeat(np.arange(len(masks)), np.diff(masks.offsets))
+    order = np.lexsort((masks.token_ids, -masks.logprobs, rows))
+    ids, logprobs = masks.token_ids[order], masks.logprobs[order]
+    meta["output_token_sampling_mask"] = msgspec.Raw(serial.encode_int_lists(ids, masks.offsets))
+    if mode == "support":
+        meta["output_token_sampling_logprobs"] = msgspec.Raw(serial.encode_float_lists(logprobs, masks.offsets))
+    else:
+        chosen = np.array(token_ids[: len(masks)], dtype=np.int32)
+        hit = ids == np.repeat(chosen, np.diff(masks.offsets))
+        selected = np.zeros(len(masks), dtype=np.float32)
+        selected[rows[hit]] = logprobs[hit]
+        meta["output_token_sampling_logprobs"] = msgspec.Raw(serial.encode_float_lists(selected))
+    meta["output_token_sampling_mask_length"] = len(masks)
 
 
 def finish_reason(c: CompletionOutput, token_ids: list[int]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from r3srv.server.responses import (
     tito_logprobs,
     tito_openai_logprobs,
     tito_rows_encoding,
+    tito_sampling_mask,
     usage_of,
 )
 
@@ -347,6 +348,7 @@ async def generate_stream(
                 token_ids=d.token_ids,
                 logprobs=tito_logprobs(state, req, d.token_ids, d.logprobs) if d.logprobs is not None else None,
                 routed_experts=await state.encode_experts(c.routed_experts, encoding, start) if d.final else UNSET,
+                sampling_mask=tito_sampling_mask(c.sampling_mask),
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
                 text=d.text if text_mode else UNSET,

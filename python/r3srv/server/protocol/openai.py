@@ -109,6 +109,7 @@ class _OpenAIRequest(Struct, kw_only=True):
             include_stop_str_in_output=self.include_stop_str_in_output,
             routed_experts_prompt_start=self.routed_experts_prompt_start,
             return_routed_experts=self.return_routed_experts,
+            return_sampling_mask=False,  # no OpenAI choice carries masks (vLLM: TITO only)
         )
 
 

@@ -5,13 +5,13 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
-from r3srv.sampling_params import SamplingParams
+from r3srv.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from r3srv.server.rows_encoding import RequestedEncoding
 from r3srv.server.protocol.common import MAX_N, NonNegInt, Seed
 
@@ -40,13 +40,14 @@ class SglangSamplingParams(Struct, kw_only=True):
     # Without effect: SGLang joins specials as its fast tokenizer decodes them, whatever this says
     spaces_between_special_tokens: bool | None = True
     # For a custom logit processor (refused): without effect, but for slime's top-p token ids
+    # ({"return_top_p_token_ids": true}: meta_info's top_p_token_ids and top_p_token_offsets)
     custom_params: Any = None
 
+    @property
+    def top_p_token_ids(self) -> bool:
+        return isinstance(self.custom_params, dict) and bool(self.custom_params.get("return_top_p_token_ids"))
+
     def __post_init__(self) -> None:
-        if isinstance(self.custom_params, dict) and self.custom_params.get("return_top_p_token_ids"):
-            raise InvalidRequestError(param="return_top_p_token_ids",
-                                      problem=" (custom_params) is not supported by r3srv yet: the top-p token ids "
-                                              "of each step are not returned")
         for f in msgspec.structs.fields(self):  # SGLang's __post_init__: null is the default
             if getattr(self, f.name) is None and f.default is not None:
                 setattr(self, f.name, f.default)
@@ -70,6 +71,9 @@ _SGLANG_NAMES = {
     "routed_experts_prompt_start": "routed_experts_start_len",
     "prompt_logprobs_start": "logprob_start_len",
 }
+
+
+SamplingLogprobsMode = Literal["selected", "support"]
 
 
 class SglangGenerateRequest(Struct, kw_only=True):
@@ -97,6 +101,11 @@ class SglangGenerateRequest(Struct, kw_only=True):
     return_routed_experts: bool | UnsetType = UNSET
     routed_experts_start_len: NonNegInt = 0
     routed_experts_encoding: RequestedEncoding = None  # r3srv's
+    # Each output token's sampling mask and its logprobs in meta_info: with "selected" (the
+    # default) the sampled token's logprob under the filtered distribution, with "support" every
+    # mask id's; one value for every prompt, or (a batch) one per prompt
+    return_sampling_mask: bool | list[bool] | None = None
+    sampling_logprobs_mode: SamplingLogprobsMode | list[SamplingLogprobsMode | None] | None = None
     # prefix-cache isolation: requests share cached prefixes only with equal keys and salts
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
@@ -142,7 +151,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
             raise InvalidRequestError(param=name, problem=" must not be an empty batch")
         count = len(prompts)
         for field in ("sampling_params", "rid", "extra_key", "cache_salt", "return_logprob", "logprob_start_len",
-                      "top_logprobs_num"):
+                      "top_logprobs_num", "return_sampling_mask", "sampling_logprobs_mode"):
             value = getattr(self, field)
             if not isinstance(value, list):
                 continue
@@ -190,6 +199,23 @@ class SglangGenerateRequest(Struct, kw_only=True):
         return (bool(self._at("return_logprob", index, False)), self._at("logprob_start_len", index, -1),
                 max(self._at("top_logprobs_num", index, 0), 0))
 
+    def sampling_mask_of(self, index: int) -> tuple[bool, str, bool]:
+        """Prompt `index`'s (return_sampling_mask, sampling_logprobs_mode, slime's top-p ids)."""
+        want, mode = bool(self._at("return_sampling_mask", index, False)), self._at("sampling_logprobs_mode", index, None)
+        if mode is not None and not want:  # SGLang's own rule
+            raise InvalidRequestError(param="sampling_logprobs_mode",
+                                      problem=" can only be set when return_sampling_mask=true")
+        return want, mode or "selected", self._sampling(index).top_p_token_ids
+
+    def _check_mask_top_k(self, index: int, cap: int) -> None:
+        """SGLang's bound on a masked request: greedy (top_k 1) or 1 < top_k <= the server's cap."""
+        sp = self._sampling(index)
+        greedy = sp.temperature < GREEDY_TEMPERATURE or sp.top_k == 1
+        if not greedy and not 1 < sp.top_k <= cap:
+            raise InvalidRequestError(
+                param="top_k", problem=f"={sp.top_k}: return_sampling_mask requires top_k=1 for greedy sampling or "
+                f"finite 1 < top_k <= {cap}; lower top_k or increase --sampling-mask-max-tokens")
+
     def _sampling(self, index: int) -> SglangSamplingParams:
         sp = self.sampling_params
         if isinstance(sp, list):  # one per prompt (an empty list for one prompt: the defaults)
@@ -217,10 +243,14 @@ class SglangGenerateRequest(Struct, kw_only=True):
             return None
         return hashlib.sha256(msgspec.json.encode([p or None for p in parts])).hexdigest()
 
-    def to_sampling_params(self, index: int = 0, room: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, index: int = 0, room: int | None = None, mask_cap: int | None = None) -> SamplingParams:
         """Prompt `index`'s SamplingParams. `room`: the tokens its prompt leaves within the context;
-        max_new_tokens (and min_new_tokens) are clipped to it, as SGLang's scheduler does."""
+        max_new_tokens (and min_new_tokens) are clipped to it, as SGLang's scheduler does.
+        `mask_cap`: the server's --sampling-mask-max-tokens, which bounds a masked request's top_k."""
         sp = self._sampling(index)
+        want_mask, _, top_p_ids = self.sampling_mask_of(index)
+        if want_mask and mask_cap is not None:
+            self._check_mask_top_k(index, mask_cap)
         return_logprob, logprob_start, top = self.logprobs_of(index)
         max_tokens, min_tokens = sp.max_new_tokens, sp.min_new_tokens
         if max_tokens == 0:
@@ -240,6 +270,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
             logprobs=top if return_logprob else None,
             routed_experts_prompt_start=self.routed_experts_start_len,
             return_routed_experts=None if self.return_routed_experts is UNSET else self.return_routed_experts,
+            return_sampling_mask=want_mask or top_p_ids,
         )
 
 

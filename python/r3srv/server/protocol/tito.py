@@ -119,6 +119,9 @@ class GenerateChoice(Struct, kw_only=True):
     token_ids: list[int]
     logprobs: GenerateLogProbs | None = None
     routed_experts: RoutedExpertsValue | None = None
+    # vLLM's: per output token, the ids its draw could pick (ascending); the JSON is written by
+    # the Rust core and embedded as a msgspec.Raw (typed as what it reads as, for the schema)
+    sampling_mask: list[list[int]] | None = None
     # The weights that produced this choice (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
@@ -145,6 +148,7 @@ class GenerateStreamChoice(Struct, kw_only=True):
     token_ids: list[int]  # the delta since the previous chunk of this choice
     logprobs: GenerateLogProbs | None = None
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
+    sampling_mask: list[list[int]] | None = None  # the chunk's tokens' masks (vLLM's)
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)

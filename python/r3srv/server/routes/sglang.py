@@ -22,7 +22,7 @@ from typing import Any
 from litestar import MediaType, Request, Response, post
 
 from r3srv.offload import run_sized
-from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
+from r3srv.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMasks
 from r3srv.server import protocol as p
 from r3srv.server import rows_encoding
 from r3srv.server.declare import Access, Fleet
@@ -30,7 +30,7 @@ from r3srv.server.fields import ROUTE_FIELDS
 from r3srv.server.generation import Generation, ServerState, merged_outputs, start_all
 from r3srv.server.images import expand
 from r3srv.server.routes.common import run_to_end, server_state
-from r3srv.server.sglang_meta import meta_info
+from r3srv.server.sglang_meta import add_sampling_masks, meta_info
 from r3srv.server.streaming import DONE, EngineStream, sse
 
 ROUTE = "/generate"
@@ -49,7 +49,8 @@ async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, A
                                       f"image_data[{i}]", bare_base64=True)
         multimodal.append(mm)
     room = state.engine.max_model_len
-    params = [data.to_sampling_params(i, room - len(prompt)) for i, prompt in enumerate(prompts)]
+    cap = state.engine.core.config.sampling_mask_max_tokens
+    params = [data.to_sampling_params(i, room - len(prompt), cap) for i, prompt in enumerate(prompts)]
     request_ids = data.request_ids(len(prompts), uuid.uuid4().hex)
     loras = [data.lora(i) for i in range(len(prompts))]  # lora_path: the adapter's name, per prompt
     state.check_loras(loras, param="lora_path")
@@ -83,7 +84,7 @@ async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids:
         p.SglangGenerateOutput(
             text=c.text, output_ids=list(c.token_ids),
             meta_info=await _meta_info(state, req, i, _output_id(rid, final, c), final, c, c.token_ids, c.logprobs,
-                                       True),
+                                       True, c.sampling_mask),
         )
         for i, (rid, final) in enumerate(zip(request_ids, finals))
         for c in _as_asked(req, i, final.outputs)
@@ -93,14 +94,19 @@ async def _answer(state: ServerState, req: p.SglangGenerateRequest, request_ids:
 
 async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, index: int, output_id: str,
                      out: RequestOutput, c: CompletionOutput, token_ids: list[int],
-                     logprobs: list[dict[int, Logprob]] | None, final: bool) -> dict[str, Any]:
-    """Output `c` of prompt `index`'s meta_info."""
+                     logprobs: list[dict[int, Logprob]] | None, final: bool,
+                     masks: SamplingMasks | None) -> dict[str, Any]:
+    """Output `c` of prompt `index`'s meta_info (`masks`: its tokens' sampling masks so far)."""
     return_logprob, _, top = req.logprobs_of(index)
-    return await meta_info(
+    meta = await meta_info(
         state, output_id, out, c, token_ids, logprobs, final, start_len=req.routed_experts_start_len,
         logprobs_top=top if return_logprob else None, text_in_logprobs=req.return_text_in_logprobs,
         encoding=state.experts_encoding(req.routed_experts_encoding, rows_encoding.SGLANG_DEFAULT),
     )
+    if masks is not None:
+        want, mode, top_p_ids = req.sampling_mask_of(index)
+        add_sampling_masks(meta, masks, token_ids, mode if want else None, top_p_ids)
+    return meta
 
 
 async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids: list[str],
@@ -108,16 +114,18 @@ async def _stream(state: ServerState, req: p.SglangGenerateRequest, request_ids:
     """SGLang's default (non-incremental) stream: every chunk holds the output so far."""
     n = max(len(o.outputs) for o in (g.last for g in gens) if o is not None)
     indexed = req.is_batch or n > 1
-    sofar: dict[tuple[int, int], tuple[str, list[int], list[dict[int, Logprob]]]] = {}
+    sofar: dict[tuple[int, int], tuple[str, list[int], list[dict[int, Logprob]], SamplingMasks | None]] = {}
     async for i, out in merged_outputs(gens):
         for c in _as_asked(req, i, out.outputs):
-            text, ids, logprobs = sofar.get((i, c.index), ("", [], []))
+            text, ids, logprobs, masks = sofar.get((i, c.index), ("", [], [], None))
             if not c.text and not c.token_ids and not c.finished and (i, c.index) in sofar:
                 continue
             text, ids, logprobs = text + c.text, ids + list(c.token_ids), logprobs + list(c.logprobs or [])
-            sofar[(i, c.index)] = (text, ids, logprobs)
+            if c.sampling_mask is not None:
+                masks = c.sampling_mask if masks is None else masks.concat(c.sampling_mask)
+            sofar[(i, c.index)] = (text, ids, logprobs, masks)
             meta = await _meta_info(state, req, i, _output_id(request_ids[i], out, c), out, c, ids, logprobs,
-                                    c.finished)
+                                    c.finished, masks)
             yield sse(p.SglangGenerateOutput(text=text, output_ids=ids, meta_info=meta,
                                              index=i * n + c.index if indexed else None))
     yield DONE
@@ -131,7 +139,8 @@ def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[Completion
     return [
         dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
                             finish_reason=c.finish_reason and "length", stop_reason=None,
-                            routed_experts=None if c.routed_experts is None else c.routed_experts[:-1])
+                            routed_experts=None if c.routed_experts is None else c.routed_experts[:-1],
+                            sampling_mask=None if c.sampling_mask is None else c.sampling_mask.head(0))
         for c in outputs
     ]
 
