@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from r3srv import LLM, SamplingParams
-from tiny_checkpoints import FAMILIES, build_hf_model, hf_gate_modules, hf_router_ids, write_tiny_checkpoint
+from tiny_checkpoints import FAMILIES, build_hf_model, hf_forward_with_gate_hook, hf_router_ids, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # transformers oracles
 
@@ -33,16 +33,11 @@ def _hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
 def _hf_routing(hf, tokens: list[int], num_layers: int, top_k: int) -> np.ndarray:
     """[len(tokens), num_layers, top_k] router top-k of one transformers forward; dense layers zero."""
     rows = np.zeros((len(tokens), num_layers, top_k), dtype=np.int64)
-    hooks = [
-        gate.register_forward_hook(lambda m, inp, out, layer=layer: rows.__setitem__((slice(None), layer), hf_router_ids(m, inp, out).numpy()))
-        for layer, gate in hf_gate_modules(hf).items()
-    ]
-    try:
-        with torch.no_grad():
-            hf(torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
+
+    def hook(layer, gate, inp, out):
+        rows[:, layer] = hf_router_ids(gate, inp, out).numpy()
+
+    hf_forward_with_gate_hook(hf, tokens, hook)
     return rows
 
 

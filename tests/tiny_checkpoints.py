@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from r3srv.models.builtin import SPECIAL_TOKENS, write_byte_level_tokenizer
@@ -156,6 +157,36 @@ def hf_router_ids(gate: torch.nn.Module, inputs: tuple, output: tuple) -> torch.
     by_id = torch.sort(ids, dim=1).indices  # ties keep ascending ids through the stable sort
     ids, keys = ids.gather(1, by_id), keys.gather(1, by_id)
     return ids.gather(1, torch.sort(keys, dim=1, descending=True, stable=True).indices)
+
+
+def hf_forward_with_gate_hook(hf, tokens: list[int], hook) -> None:
+    """One transformers forward over `tokens`, `hook(layer, gate, inputs, output)` called on each
+    MoE layer's router module."""
+    hooks = [gate.register_forward_hook(lambda m, i, o, layer=layer: hook(layer, m, i, o))
+             for layer, gate in hf_gate_modules(hf).items()]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def hf_router_weights(hf, tokens: list[int], num_layers: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [T, layers, k] in r3srv's order, each id's router weight: the router module's
+    second output) of one transformers forward over `tokens`; dense layers' zero."""
+    ids = np.zeros((len(tokens), num_layers, top_k), dtype=np.int64)
+    weights = np.zeros((len(tokens), num_layers, top_k), dtype=np.float32)
+
+    def hook(layer, gate, inp, out):
+        ordered = hf_router_ids(gate, inp, out)  # the router's top-k put in r3srv's order
+        for t in range(len(tokens)):
+            by_id = dict(zip(out[2][t].tolist(), out[1][t].float().tolist()))
+            weights[t, layer] = [by_id[e] for e in ordered[t].tolist()]
+        ids[:, layer] = ordered.numpy()
+
+    hf_forward_with_gate_hook(hf, tokens, hook)
+    return ids, weights
 
 
 BOS_TEMPLATE_ID = 256  # <|endoftext|> of the byte-level tokenizer

@@ -122,6 +122,10 @@ class EngineConfig:
     enable_return_routed_experts: bool = option(
         True, "return routed_experts with every completion by default (per request: return_routed_experts)",
         serve_default=False)
+    # SGLang's proposed flag (#23999): the router's weight of every routed-experts id, on request
+    enable_return_routed_expert_weights: bool = option(
+        False, "capture the router's weights beside the routed experts (per request: "
+        "return_routed_expert_weights); needs --enable-return-routed-experts and one process (no -tp)")
     # vLLM 0.33's flag: every request's sampling mask by default (per request: return_sampling_mask)
     return_sampling_mask: bool = option(
         False, "return each sampled token's sampling mask (the ids the draw could pick) by default; "
@@ -192,6 +196,7 @@ class EngineConfig:
         _positive("encoder_cache_tokens", self.encoder_cache_tokens)
         _positive("max_num_encoder_tokens", self.max_num_encoder_tokens)
         _positive("sampling_mask_max_tokens", self.sampling_mask_max_tokens)
+        self._check_expert_weights()
         if self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs={self.max_logprobs} must be -1 (no limit) or >= 0")
         if self.max_model_len is not None:
@@ -205,6 +210,16 @@ class EngineConfig:
         if self.cuda_graphs is None:
             object.__setattr__(self, "cuda_graphs", settings.current().cuda_graphs)
         self._check_lora()
+
+    def _check_expert_weights(self) -> None:
+        if not self.enable_return_routed_expert_weights:
+            return
+        if not self.enable_return_routed_experts:
+            raise ConfigError("enable_return_routed_expert_weights=True needs enable_return_routed_experts=True "
+                              "(the weights follow the rows); add --enable-return-routed-experts")
+        if self.parallel.tensor_parallel_size > 1:  # the ranks' executor ships no weights capture
+            raise ConfigError("enable_return_routed_expert_weights=True is served in one process only; "
+                              f"use tensor_parallel_size=1, not {self.parallel.tensor_parallel_size}")
 
     def _check_lora(self) -> None:
         _positive("max_loras", self.max_loras)

@@ -46,6 +46,8 @@ class CompletionOutput:
     # (len(prompt) + len(token_ids) - 1 - routed_experts_prompt_start, num_layers, top_k);
     # set only when finished and routed experts were asked for.
     routed_experts: np.ndarray | None = None
+    # With return_routed_expert_weights: the router's weight of each id of routed_experts (float32)
+    routed_expert_weights: np.ndarray | None = None
     # With return_sampling_mask: one row per token of token_ids (DELTA: the new ones)
     sampling_mask: SamplingMasks | None = None
     # Times the scheduler preempted this sample for KV blocks (each recomputes its tokens and

@@ -67,6 +67,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     routed_experts_prompt_start: int = 0
     # None: the engine's default (enable_return_routed_experts); False: opt out.
     return_routed_experts: bool | None = None
+    # The router's weight of every routed_experts id (float32, the rows' shape): needs the
+    # engine's enable_return_routed_expert_weights.
+    return_routed_expert_weights: bool = False
     # Each sampled token's sampling mask: the ids the draw could pick, after every filter, and
     # their logprobs. None: the engine's default (return_sampling_mask); False: opt out.
     return_sampling_mask: bool | None = None

@@ -28,6 +28,13 @@ order; written in C order, little-endian):
   given), its dtype the first of ``dtypes`` that holds every value. ``decode_packed(payload)``
   is the inverse, for the text or the parsed dict.
 
+Router weights beside the rows (``--enable-return-routed-expert-weights``):
+
+- ``encode_expert_weights(weights, dtype) -> dict``: ``{"data", "shape", "dtype"}``, the data
+  ``encode_raw`` of the float32 weights as ``"float32"``, or of their bfloat16 bits (rounded to
+  nearest even) as ``"uint16"`` for ``"bfloat16"``. ``decode_expert_weights(payload)`` reads it
+  back strictly, as float32.
+
 Ragged per-token lists (sampling masks and their logprobs), as JSON from their CSR form
 (``values`` row after row, row i ``values[offsets[i]:offsets[i + 1]]``):
 
@@ -70,6 +77,7 @@ __all__ = [
     "RAW_DTYPES", "raw2base64", "encode_raw", "decode_raw",
     "packed2json", "encode_packed", "decode_packed", "PackedArray",
     "encode_int_lists", "int_lists2json", "decode_int_lists", "encode_float_lists", "float_lists2json",
+    "EXPERT_WEIGHT_DTYPES", "encode_expert_weights", "decode_expert_weights",
 ]
 
 # The types raw numbers (and the dict form's data) may be written as.
@@ -253,3 +261,49 @@ def decode_int_lists(text: str | bytes) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum([len(r) for r in rows], out=offsets[1:])
     values = np.fromiter((v for r in rows for v in r), dtype=np.int32, count=int(offsets[-1]))
     return values, offsets
+
+
+# The dtypes router weights are sent as, and the raw type each one's bits are written as
+EXPERT_WEIGHT_DTYPES = {"float32": "float32", "bfloat16": "uint16"}
+
+
+def _bfloat16_bits(weights: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (torch's rounding: to nearest, ties to even), as its uint16 bits."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)).to(torch.bfloat16).view(
+        torch.int16).numpy().view(np.uint16)
+
+
+def encode_expert_weights(weights: np.ndarray, dtype: str = "float32") -> dict[str, Any]:
+    """Router weights (float32 [tokens, layers, top_k]) in the dict form of `dtype`."""
+    if dtype not in EXPERT_WEIGHT_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: one of {', '.join(EXPERT_WEIGHT_DTYPES)}")
+    values = _bfloat16_bits(weights) if dtype == "bfloat16" else weights
+    return {"data": encode_raw(values, EXPERT_WEIGHT_DTYPES[dtype]), "shape": list(weights.shape), "dtype": dtype}
+
+
+class _ExpertWeights(msgspec.Struct, forbid_unknown_fields=True):
+    data: str
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1, max_length=_MAX_NDIM)]
+    dtype: str
+
+
+def decode_expert_weights(payload: str | bytes | Mapping[str, Any]) -> np.ndarray:
+    """Strict inverse of ``encode_expert_weights`` (its dict, or that dict's JSON): float32 of
+    the payload's shape; any other form, dtype or number of values is a ValueError."""
+    try:
+        if isinstance(payload, Mapping):
+            packed = msgspec.convert(payload, _ExpertWeights)
+        else:
+            packed = msgspec.json.decode(payload, type=_ExpertWeights)
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"not a router-weights payload: {exc}") from None
+    if packed.dtype not in EXPERT_WEIGHT_DTYPES:
+        raise ValueError(f"unsupported dtype {packed.dtype!r}: one of {', '.join(EXPERT_WEIGHT_DTYPES)}")
+    flat = decode_raw_base64(packed.data, EXPERT_WEIGHT_DTYPES[packed.dtype])
+    if flat.size != math.prod(packed.shape):
+        raise ValueError(f"{flat.size} values do not fill shape {packed.shape}")
+    if packed.dtype == "bfloat16":  # a bfloat16 is a float32's upper half
+        flat = (flat.astype(np.uint32) << 16).view(np.float32)
+    return flat.astype(np.float32, copy=False).reshape(packed.shape)

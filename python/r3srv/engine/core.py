@@ -72,6 +72,11 @@ def _memory_tags(tags: list[str] | None) -> set[str]:
     return set(tags)
 
 
+def _weights_option(config: EngineConfig) -> dict:
+    """The executor's router-weights keyword: the one-process executor's only (the config refuses -tp)."""
+    return {"capture_weights": True} if config.enable_return_routed_expert_weights else {}
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -105,14 +110,15 @@ class EngineCore:
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
             use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
-            encoder=encoder,
+            encoder=encoder, **_weights_option(config),
         )
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.config = config = config.with_kv_pool(num_blocks)
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
         self._log_memory_plan(num_blocks)
         self.rows = (
-            RoutedExpertsBuffer(num_blocks * config.block_size, mc.num_layers, mc.top_k, mc.num_experts)
+            RoutedExpertsBuffer(num_blocks * config.block_size, mc.num_layers, mc.top_k, mc.num_experts,
+                                config.enable_return_routed_expert_weights)
             if config.enable_return_routed_experts
             else None
         )
@@ -512,6 +518,10 @@ class EngineCore:
         if prep.return_routed_experts and self.rows is not None:
             update.routed_experts = self.rows.sequence_rows(seq.block_table.array, self.block_manager.block_size,
                                                             seq.num_tokens, prep.params.routed_experts_prompt_start)
+            if prep.params.return_routed_expert_weights:  # checked against the flag on arrival
+                update.routed_expert_weights = self.rows.sequence_weights(
+                    seq.block_table.array, self.block_manager.block_size, seq.num_tokens,
+                    prep.params.routed_experts_prompt_start)
         self.scheduler.finish(seq)
         return update
 

@@ -62,6 +62,7 @@ class ModelOutput:
     sample_error: BaseException | None = None  # sampling failed: only the sampling sequences fail
     # the step's rows ([tokens, layers, top_k], possibly still on the device) and their KV slots
     routing_capture: torch.Tensor | None = None
+    routing_weights: torch.Tensor | None = None  # the rows' router weights (float32), when captured
     slot_mapping: np.ndarray | None = None
     # the logits of StepInputs.prompt_spans' positions ([R, vocab], run after run); None when none
     prompt_logits: torch.Tensor | None = None
@@ -138,15 +139,19 @@ class InProcessExecutor(Executor):
 
     def __init__(self, model, block_size: int, device: torch.device, capture_routed_experts: bool,
                  eos_token_ids: list[int], seed: int, *, use_cuda_graphs: bool = False, max_num_seqs: int = 1,
-                 max_model_len: int = 1, num_state_snapshots: int = 0, encoder=None) -> None:
+                 max_model_len: int = 1, num_state_snapshots: int = 0, encoder=None,
+                 capture_weights: bool = False) -> None:
         self.model = model
         self.device = device
         self.dtype = model.dtype
         self.eos_token_ids = eos_token_ids
         # Only the reusable capture tensor (no slots): the core stores what a step captured.
         mc = model.config
-        capture = RoutedExpertsBuffer(0, mc.num_layers, mc.top_k, mc.num_experts) if capture_routed_experts else None
+        capture = (RoutedExpertsBuffer(0, mc.num_layers, mc.top_k, mc.num_experts, capture_weights)
+                   if capture_routed_experts else None)
         blocker = cuda_graphs.graph_blocker(model) if use_cuda_graphs else "not asked for"
+        if use_cuda_graphs and capture_weights:  # a graph's capture holds the ids only
+            blocker = "routed expert weights are captured (--enable-return-routed-expert-weights)"
         if use_cuda_graphs and blocker:
             log.warning("CUDA graphs off: %s", blocker)
         graphs = None if blocker else cuda_graphs.DecodeGraphs(
@@ -165,7 +170,8 @@ class InProcessExecutor(Executor):
 
     def execute(self, step: StepInputs) -> ModelOutput:
         run = self.runner.run(step.sched.seqs, step.prompt_spans)
-        out = ModelOutput(routing_capture=run.capture, slot_mapping=run.slot_mapping, prompt_logits=run.prompt_logits)
+        out = ModelOutput(routing_capture=run.capture, routing_weights=run.weights, slot_mapping=run.slot_mapping,
+                          prompt_logits=run.prompt_logits)
         self._sample(out, run.logits, step.sched.sample_indices, step.samplers)
         return out
 
@@ -200,7 +206,9 @@ class InProcessExecutor(Executor):
             prompt_logits = logits[num_seqs:] if step.prompt_spans else None
             # the capture tensor is reused by the next step, prepared meanwhile: keep this step's
             capture = None if batch.routing_capture is None else batch.routing_capture.clone()
-            out = ModelOutput(routing_capture=capture, slot_mapping=slots, prompt_logits=prompt_logits)
+            weights = None if batch.routing_weights is None else batch.routing_weights.clone()
+            out = ModelOutput(routing_capture=capture, routing_weights=weights, slot_mapping=slots,
+                              prompt_logits=prompt_logits)
             self._sample(out, logits[:num_seqs], step.sched.sample_indices, step.samplers)
             if out.samples:
                 ids = [s.token_id for s in out.samples]

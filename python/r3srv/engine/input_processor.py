@@ -42,8 +42,9 @@ class EngineRequest:
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, enable_return_routed_experts: bool,
                  max_logprobs: int = 20, images: ImageInputConfig | None = None,
-                 return_sampling_mask: bool = False) -> None:
+                 return_sampling_mask: bool = False, enable_return_routed_expert_weights: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.enable_return_routed_expert_weights = enable_return_routed_expert_weights
         self.return_sampling_mask = return_sampling_mask  # the default of requests that leave it None
         self.images = images  # None: the served model takes no images
         self.max_logprobs = max_logprobs  # -1: the whole vocabulary
@@ -55,7 +56,8 @@ class InputProcessor:
     def of(cls, core) -> InputProcessor:
         """The input processor of an EngineCore (its tokenizer, vocabulary, limits)."""
         return cls(core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
-                   core.config.max_logprobs, core.image_inputs, core.config.return_sampling_mask)
+                   core.config.max_logprobs, core.image_inputs, core.config.return_sampling_mask,
+                   core.config.enable_return_routed_expert_weights)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """A conversation as prompt text, through the tokenizer's chat template: the one place
@@ -187,10 +189,22 @@ class InputProcessor:
             )
         if want is None:
             want = self.enable_return_routed_experts
+        if params.return_routed_expert_weights:
+            self._check_weights_wanted(bool(want))
         if params.return_sampling_mask is None:  # resolved once: the sampler reads the params
             params = msgspec.structs.replace(params, return_sampling_mask=self.return_sampling_mask)
         return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want), multimodal=multimodal,
                              lora_name=lora_name)
+
+    def _check_weights_wanted(self, rows_wanted: bool) -> None:
+        if not self.enable_return_routed_expert_weights:
+            raise InvalidRequestError(
+                "return_routed_expert_weights=true, but this engine was started without router-weights capture; "
+                "start it with --enable-return-routed-expert-weights (enable_return_routed_expert_weights=True)",
+                param="return_routed_expert_weights")
+        if not rows_wanted:
+            raise InvalidRequestError("return_routed_expert_weights=true needs the routed experts they weigh; "
+                                      "do not set return_routed_experts=false", param="return_routed_expert_weights")
 
     def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt after truncate_prompt_tokens, checked in vLLM's order: a size above

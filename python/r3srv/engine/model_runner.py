@@ -35,6 +35,7 @@ class RunOutput:
     prompt_logits: torch.Tensor | None
     capture: torch.Tensor | None
     slot_mapping: np.ndarray
+    weights: torch.Tensor | None = None  # the capture's router weights (float32), when captured
 
 
 class ModelRunner:
@@ -103,6 +104,7 @@ class ModelRunner:
             block_tables=tables_t,
             logits_indices=logits_indices,
             routing_capture=None if self.rows is None else self.rows.new_capture(num_tokens, dev),
+            routing_weights=None if self.rows is None else self.rows.new_weight_capture(num_tokens, dev),
             lora=LoraBatch.build([s.lora_slot for s in seqs], query_lens.tolist(), dev),
         )
         if any(s.multimodal is not None for s in seqs):
@@ -159,8 +161,9 @@ class ModelRunner:
         batch, slot_np = self.prepare(seqs, prompt_spans)
         logits = self.model.forward(batch)
         if prompt_spans:
-            return RunOutput(logits[: len(seqs)], logits[len(seqs):], batch.routing_capture, slot_np)
-        return RunOutput(logits, None, batch.routing_capture, slot_np)
+            return RunOutput(logits[: len(seqs)], logits[len(seqs):], batch.routing_capture, slot_np,
+                             batch.routing_weights)
+        return RunOutput(logits, None, batch.routing_capture, slot_np, batch.routing_weights)
 
     def _replay(self, seqs: list[Sequence]) -> RunOutput | None:
         input_ids, positions, slot_np, tables, _, _ = self.host_arrays(seqs)

@@ -45,7 +45,7 @@ class SeqState:
     """One sample's output side: its output tokens, text, logprobs, and how it ended."""
 
     __slots__ = ("index", "params", "num_prompt_tokens", "token_ids", "logprobs", "cumulative_logprobs", "stream",
-                 "finish_reason", "stop_reason", "routed_experts", "num_preempted", "num_emitted_tokens", "num_emitted_chars",
+                 "finish_reason", "stop_reason", "routed_experts", "routed_expert_weights", "num_preempted", "num_emitted_tokens", "num_emitted_chars",
                  "stopping", "masks")
 
     def __init__(self, index: int, prep: EngineRequest, tokenizer) -> None:
@@ -64,6 +64,7 @@ class SeqState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.routed_experts: np.ndarray | None = None
+        self.routed_expert_weights: np.ndarray | None = None
         self.num_preempted = 0
         # What DELTA outputs have handed out so far (output tokens, text characters).
         self.num_emitted_tokens = 0
@@ -98,12 +99,12 @@ class SeqState:
         if self.masks is not None:
             del self.masks[kept_tokens:]
 
-    def take_rows(self, rows: np.ndarray | None) -> None:
-        """The core's rows, less those of tokens a stop string cut after the core's last step."""
-        if rows is not None:
-            n = num_routed_rows(self.num_prompt_tokens + len(self.token_ids), self.params.routed_experts_prompt_start)
-            rows = rows if len(rows) == n else rows[:n]
-        self.routed_experts = rows
+    def take_rows(self, rows: np.ndarray | None, weights: np.ndarray | None = None) -> None:
+        """The core's rows (and their weights), less those of tokens a stop string cut after the
+        core's last step."""
+        n = num_routed_rows(self.num_prompt_tokens + len(self.token_ids), self.params.routed_experts_prompt_start)
+        self.routed_experts = rows if rows is None or len(rows) == n else rows[:n]
+        self.routed_expert_weights = weights if weights is None or len(weights) == n else weights[:n]
 
 
 class RequestState:
@@ -217,7 +218,7 @@ class OutputProcessor:
             s.finish_reason, s.stop_reason = su.finish_reason, su.stop_reason
         s.stopping = False
         s.num_preempted = su.num_preempted
-        s.take_rows(su.routed_experts)
+        s.take_rows(su.routed_experts, su.routed_expert_weights)
 
 
 def _request_output(st: RequestState, finished: bool) -> RequestOutput:
@@ -264,6 +265,7 @@ def completion_output(s: SeqState, delta: bool) -> CompletionOutput:
         cumulative_logprob=cumulative,
         logprobs=s.logprobs[first_token:n] if s.logprobs is not None else None,
         routed_experts=s.routed_experts,
+        routed_expert_weights=s.routed_expert_weights,
         sampling_mask=SamplingMasks.of(s.masks[first_token:n]) if s.masks is not None else None,
         num_preempted=s.num_preempted,
     )

@@ -48,7 +48,8 @@ def capture_torch_dtype(num_experts: int) -> torch.dtype:
 
 
 class RoutedExpertsBuffer:
-    def __init__(self, num_slots: int, num_layers: int, top_k: int, num_experts: int) -> None:
+    def __init__(self, num_slots: int, num_layers: int, top_k: int, num_experts: int,
+                 with_weights: bool = False) -> None:
         self.num_layers = num_layers
         self.top_k = top_k
         self.num_experts = num_experts
@@ -60,6 +61,9 @@ class RoutedExpertsBuffer:
         self._pinned: torch.Tensor | None = None  # host staging for CUDA captures, grown on demand
         self._landed: torch.cuda.Event | None = None  # recorded behind each CUDA copy (one, re-recorded)
         self._pending: tuple[np.ndarray, torch.Tensor] | None = None
+        # --enable-return-routed-expert-weights: each id's router weight (float32), kept like the ids
+        self.weights = np.zeros((num_slots, num_layers, top_k), dtype=np.float32) if with_weights else None
+        self._weight_capture: torch.Tensor | None = None
 
     def new_capture(self, num_tokens: int, device: torch.device | str) -> torch.Tensor:
         """The step's [num_tokens, layers, top_k] capture: the leading rows of one buffer, zeroed
@@ -72,6 +76,34 @@ class RoutedExpertsBuffer:
             self._capture = torch.zeros((max(num_tokens, 256), self.num_layers, self.top_k),
                                         dtype=self.capture_dtype, device=device)
         return self._capture[:num_tokens]
+
+    def new_weight_capture(self, num_tokens: int, device: torch.device | str) -> torch.Tensor | None:
+        """The step's [num_tokens, layers, top_k] float32 weights capture (None without weights):
+        every MoE layer's block copies its router's weights into its column; dense layers' stay 0."""
+        if self.weights is None:
+            return None
+        device = torch.device(device)
+        capture = self._weight_capture
+        if capture is None or capture.device != device or capture.shape[0] < num_tokens:
+            capture = self._weight_capture = torch.zeros((max(num_tokens, 256), self.num_layers, self.top_k),
+                                                         dtype=torch.float32, device=device)
+        return capture[:num_tokens]
+
+    def store_weights(self, slot_mapping: np.ndarray, weights: torch.Tensor) -> None:
+        """Scatter one step's router weights to their tokens' slots (a synchronous copy from a
+        device: the flag is opt-in and pays for it)."""
+        self.weights[slot_mapping] = weights.cpu().numpy()
+
+    def sequence_weights(self, block_table: np.ndarray | list[int], block_size: int, num_tokens: int,
+                         prompt_start: int = 0) -> np.ndarray:
+        """sequence_rows' weights: float32, the same shape, each the weight of the id at its place."""
+        num_rows = prompt_start + num_routed_rows(num_tokens, prompt_start)
+        return self.weights[self._slots(block_table, block_size, num_rows, prompt_start)]
+
+    def _slots(self, block_table: np.ndarray | list[int], block_size: int, num_rows: int, start: int) -> np.ndarray:
+        positions = np.arange(start, max(start, num_rows))
+        blocks = np.asarray(block_table, dtype=np.int64)[positions // block_size]
+        return blocks * block_size + positions % block_size
 
     def store(self, slot_mapping: np.ndarray, capture: torch.Tensor) -> None:
         """Scatter one step's rows to their tokens' slots (from a CUDA capture: at the next
@@ -115,7 +147,4 @@ class RoutedExpertsBuffer:
         self.flush()
         if num_rows <= start:
             return np.zeros((0, self.num_layers, self.top_k), dtype=self.dtype)
-        positions = np.arange(start, num_rows)
-        blocks = np.asarray(block_table, dtype=np.int64)[positions // block_size]
-        slots = blocks * block_size + positions % block_size
-        return self.rows[slots]  # fancy indexing copies
+        return self.rows[self._slots(block_table, block_size, num_rows, start)]  # fancy indexing copies

@@ -167,6 +167,8 @@ class Stepper:
             return
         if core.rows is not None:
             core.rows.store(out.slot_mapping, out.routing_capture)
+            if out.routing_weights is not None:
+                core.rows.store_weights(out.slot_mapping, out.routing_weights)
         self._record_prompt_logprobs(seqs, out, step.prompt_spans, result)
         sampled = step.sampled
         if out.sample_error is not None:

@@ -210,7 +210,7 @@ class DenseMlp(Mlp):
         super().__init__(cfg.hidden_size, cfg.intermediate_size, gated=cfg.experts.gated, parallel=parallel,
                          dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None, weights=None) -> torch.Tensor:
         return super().forward(x)
 
 
@@ -269,11 +269,11 @@ class DecoderLayer(nn.Module):
             attn_out_norm=norm(self.attn_out_norm), mlp_out_norm=norm(self.mlp_out_norm),
             residual_multiplier=self.residual_multiplier)
 
-    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
+    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None, weights=None):
         h = self._pre_norm(x, self.input_norm)
         h = self.attn(h, cos, sin, meta) if self.linear_attn is None else self.linear_attn(h, states)
         x = x + self._branch(h, self.attn_out_norm)
-        h = self.mlp(self._pre_norm(x, self.post_attention_norm), capture)
+        h = self.mlp(self._pre_norm(x, self.post_attention_norm), capture, weights)
         return x + self._branch(h, self.mlp_out_norm)
 
     def _pre_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -305,13 +305,13 @@ class MixerBlock(nn.Module):
     def use_ops(self, ops: Ops) -> None:
         self.norm_fn = ops.norm(self.norm_kind)
 
-    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None):
+    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None, weights=None):
         h = self.norm_fn(x, self.norm, self.eps)
         if self.attn is not None:
             return x + self.attn(h, cos, sin, meta)
         if self.linear_attn is not None:
             return x + self.linear_attn(h, states)
-        return x + self.mlp(h, capture)
+        return x + self.mlp(h, capture, weights)
 
 
 def batch_invariance_gaps(cfg: ModelConfig) -> list[str]:
@@ -500,8 +500,10 @@ class MoeForCausalLM(nn.Module):
                 raise ValueError(f"state entries {entries} outside the {self.num_state_slots} slots and "
                                  f"{self.num_state_snapshots} snapshots allocated")
         layer_captures = None if capture is None else capture.unbind(1)  # every layer's [T, top_k] view in one op
+        layer_weights = None if batch.routing_weights is None else batch.routing_weights.unbind(1)
         fused = None  # the backend's fused decode step, where this step allows it (ops/cpu_decode.py)
-        if states is None and visual is None and self.fused_layers:
+        # (not with router weights to capture: the fused step's router writes only the ids)
+        if states is None and visual is None and self.fused_layers and layer_weights is None:
             fused = self.ops.plan_fused_step(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
                                              self.config.num_experts, batch.lora)
         for layer in self.layers:
@@ -509,7 +511,10 @@ class MoeForCausalLM(nn.Module):
             out = None
             if fused is not None and layer.fused is not None:
                 out = layer.fused(x, cos, sin, meta, layer_capture, fused)
-            x = layer(x, cos, sin, meta, layer_capture, states) if out is None else out
+            if out is None:
+                weights = layer_weights[layer.index] if layer_weights is not None and layer.is_moe else None
+                out = layer(x, cos, sin, meta, layer_capture, states, weights)
+            x = out
             if visual is not None and layer.index < len(visual.deepstack):  # Qwen3-VL's deepstack
                 x = x.index_add(0, visual.rows, visual.deepstack[layer.index])
         x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.norm.eps)

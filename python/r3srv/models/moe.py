@@ -105,7 +105,8 @@ class SparseMoeBlock(nn.Module):
                                    experts.state.ep_size, experts.state.tp_size, experts.lora)
         return MoeParts(router, expert_parts, None if self.shared is None else self.shared.parts(), self.shared_gate)
 
-    def forward(self, x: torch.Tensor, capture: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, capture: torch.Tensor | None, weights_capture: torch.Tensor | None = None
+                ) -> torch.Tensor:
         gate = self.gate
         gate_input = x if x.dtype == gate.dtype else x.to(gate.dtype)
         router_logits = self.ops.linear(gate_input, gate, self.gate_bias)
@@ -123,6 +124,8 @@ class SparseMoeBlock(nn.Module):
             topk_groups=self.topk_groups,
             group_score_top=self.group_score_top,
         )
+        if weights_capture is not None:  # every route function returns the weights its ids get
+            weights_capture.copy_(weights)
         expert_pass, lora = self.expert_pass, self.experts.lora
         if lora is not None and lora.active():  # this step's adapters on the experts (r3srv.lora.slots)
             expert_pass = lora.expert_pass(self.activation, self.ops.linear)

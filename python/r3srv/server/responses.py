@@ -258,6 +258,12 @@ def tito_sampling_mask(masks: SamplingMasks | None) -> list[list[int]] | None:
     return cast(list[list[int]], msgspec.Raw(serial.encode_int_lists(masks.token_ids, masks.offsets)))
 
 
+def expert_weights(c: CompletionOutput, dtype: str) -> dict[str, Any] | None:
+    """`c`'s router weights as sent (None where they were not asked for)."""
+    weights = c.routed_expert_weights
+    return None if weights is None else serial.encode_expert_weights(weights, dtype)
+
+
 def tito_rows_encoding(state: ServerState, req: p.GenerateRequest) -> str:
     return state.experts_encoding(req.routed_experts_encoding, rows_encoding.OPENAI_DEFAULT)
 
@@ -277,6 +283,7 @@ async def generate_response(
             token_ids=list(c.token_ids),
             logprobs=tito_logprobs(state, req, c.token_ids, c.logprobs) if c.logprobs is not None else None,
             routed_experts=await state.encode_experts(c.routed_experts, encoding, start),
+            routed_expert_weights=expert_weights(c, req.routed_expert_weights_dtype),
             sampling_mask=tito_sampling_mask(c.sampling_mask),
             weight_version=state.weight_version(final), **state.lora_fields(final),
             text=c.text if text_mode else UNSET,

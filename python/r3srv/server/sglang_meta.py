@@ -13,14 +13,16 @@ from msgspec import UNSET
 from r3srv import serial
 from r3srv.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMasks
 from r3srv.server.generation import ServerState
-from r3srv.server.responses import ranked_logprobs
+from r3srv.server.responses import expert_weights, ranked_logprobs
 
 
 async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: CompletionOutput,
                     token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, final: bool, *,
-                    start_len: int, logprobs_top: int | None, text_in_logprobs: bool, encoding: str) -> dict[str, Any]:
+                    start_len: int, logprobs_top: int | None, text_in_logprobs: bool, encoding: str,
+                    weights_dtype: str = "float32") -> dict[str, Any]:
     """Output `c`'s meta_info. `logprobs_top`: None without logprobs, else the top entries per
-    token; `encoding`: how the routed experts are written (SGLang's raw int32 by default)."""
+    token; `encoding`: how the routed experts are written (SGLang's raw int32 by default);
+    `weights_dtype`: how their router weights are, where asked for."""
     meta: dict[str, Any] = {
         "id": output_id,
         "finish_reason": finish_reason(c, token_ids) if final else None,
@@ -35,6 +37,8 @@ async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: C
         add_logprobs(meta, logprobs_top, out, token_ids, logprobs, state.engine.tokenizer if text_in_logprobs else None)
     if final and c.routed_experts is not None:
         meta["routed_experts"] = await state.encode_experts(c.routed_experts, encoding, start_len)
+    if final and c.routed_expert_weights is not None:
+        meta["routed_expert_weights"] = expert_weights(c, weights_dtype)
     version = state.weight_version(out) if final else UNSET
     if version is not UNSET:
         meta["weight_version"] = version

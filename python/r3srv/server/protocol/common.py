@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from r3srv.errors import InvalidRequestError
 
 NonNegInt = Annotated[int, Meta(ge=0)]
+# how router weights are sent (r3srv.serial.EXPERT_WEIGHT_DTYPES)
+ExpertWeightsDtype = Literal["float32", "bfloat16"]
 # A count vLLM checks on the raw body before converting it: a number (2.0 is 2), never a string
 LogprobCount = Annotated[int, Meta(extra={"convert_strings": False})]
 # vLLM bounds seeds to the signed 64-bit range

@@ -13,7 +13,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from r3srv.errors import InvalidRequestError
 from r3srv.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from r3srv.server.rows_encoding import RequestedEncoding
-from r3srv.server.protocol.common import MAX_N, NonNegInt, Seed
+from r3srv.server.protocol.common import MAX_N, ExpertWeightsDtype, NonNegInt, Seed
 
 
 class SglangSamplingParams(Struct, kw_only=True):
@@ -101,6 +101,10 @@ class SglangGenerateRequest(Struct, kw_only=True):
     return_routed_experts: bool | UnsetType = UNSET
     routed_experts_start_len: NonNegInt = 0
     routed_experts_encoding: RequestedEncoding = None  # r3srv's
+    # SGLang's proposed field (#23999): meta_info.routed_expert_weights (servers started with
+    # --enable-return-routed-expert-weights), sent as float32 or (r3srv's field) bfloat16
+    return_routed_expert_weights: bool = False
+    routed_expert_weights_dtype: ExpertWeightsDtype = "float32"
     # Each output token's sampling mask and its logprobs in meta_info: with "selected" (the
     # default) the sampled token's logprob under the filtered distribution, with "support" every
     # mask id's; one value for every prompt, or (a batch) one per prompt
@@ -270,6 +274,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
             logprobs=top if return_logprob else None,
             routed_experts_prompt_start=self.routed_experts_start_len,
             return_routed_experts=None if self.return_routed_experts is UNSET else self.return_routed_experts,
+            return_routed_expert_weights=self.return_routed_expert_weights,
             return_sampling_mask=want_mask or top_p_ids,
         )
 

@@ -15,6 +15,7 @@ from r3srv.server.rows_encoding import RequestedEncoding, RoutedExpertsValue
 from r3srv.server.protocol.openai import ChatCompletionLogProbs
 from r3srv.server.protocol.common import (
     MAX_N,
+    ExpertWeightsDtype,
     NonNegInt,
     PromptLogprobs,
     ReturnTokenIds,
@@ -51,6 +52,8 @@ class GenerateRequest(Struct, kw_only=True):
     output_mode: Literal["tokens", "text"] = "tokens"
     cache_salt: str | None = None  # vLLM's: top-level here, a SamplingParams field in r3srv's engine
     routed_experts_encoding: RequestedEncoding = None  # r3srv's
+    # r3srv's: how choices' routed_expert_weights are sent (sampling_params.return_routed_expert_weights)
+    routed_expert_weights_dtype: ExpertWeightsDtype = "float32"
     # vLLM's raw multimodal input: [{"type": "image_url", "url": ...}], the images of token_ids'
     # placeholders in order (each one image token, or its run already expanded)
     content_parts: list[dict[str, Any]] | None = None
@@ -119,6 +122,8 @@ class GenerateChoice(Struct, kw_only=True):
     token_ids: list[int]
     logprobs: GenerateLogProbs | None = None
     routed_experts: RoutedExpertsValue | None = None
+    # r3srv's (vLLM has none): routed_experts' router weights, r3srv.serial.encode_expert_weights
+    routed_expert_weights: dict[str, Any] | None = None
     # vLLM's: per output token, the ids its draw could pick (ascending); the JSON is written by
     # the Rust core and embedded as a msgspec.Raw (typed as what it reads as, for the schema)
     sampling_mask: list[list[int]] | None = None
@@ -148,6 +153,7 @@ class GenerateStreamChoice(Struct, kw_only=True):
     token_ids: list[int]  # the delta since the previous chunk of this choice
     logprobs: GenerateLogProbs | None = None
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
+    routed_expert_weights: dict[str, Any] | UnsetType = UNSET  # with routed_experts, when asked
     sampling_mask: list[list[int]] | None = None  # the chunk's tokens' masks (vLLM's)
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)

@@ -102,6 +102,7 @@ async def _meta_info(state: ServerState, req: p.SglangGenerateRequest, index: in
         state, output_id, out, c, token_ids, logprobs, final, start_len=req.routed_experts_start_len,
         logprobs_top=top if return_logprob else None, text_in_logprobs=req.return_text_in_logprobs,
         encoding=state.experts_encoding(req.routed_experts_encoding, rows_encoding.SGLANG_DEFAULT),
+        weights_dtype=req.routed_expert_weights_dtype,
     )
     if masks is not None:
         want, mode, top_p_ids = req.sampling_mask_of(index)
@@ -140,6 +141,8 @@ def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[Completion
         dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
                             finish_reason=c.finish_reason and "length", stop_reason=None,
                             routed_experts=None if c.routed_experts is None else c.routed_experts[:-1],
+                            routed_expert_weights=None if c.routed_expert_weights is None
+                            else c.routed_expert_weights[:-1],
                             sampling_mask=None if c.sampling_mask is None else c.sampling_mask.head(0))
         for c in outputs
     ]
