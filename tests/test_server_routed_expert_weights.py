@@ -7,6 +7,7 @@ rounded; without the flag the ask is a 400 naming the field."""
 from __future__ import annotations
 
 import base64
+import json
 
 import httpx
 import numpy as np
@@ -52,6 +53,7 @@ def test_weights_on_both_routes_match_transformers(checkpoint):
         tito = post(srv.url, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {
             "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "return_routed_expert_weights": True}})
         assert tito.status_code == 200, tito.text
+        streamed = _streamed_weights(srv.url)
     assert srv.returncode == 0, srv.log
     meta = out["meta_info"]
     full = PROMPT + out["output_ids"]
@@ -68,6 +70,23 @@ def test_weights_on_both_routes_match_transformers(checkpoint):
     choice = tito.json()["choices"][0]
     assert choice["token_ids"] == out["output_ids"]
     np.testing.assert_array_equal(serial.decode_expert_weights(choice["routed_expert_weights"]), weights)
+    np.testing.assert_array_equal(serial.decode_expert_weights(streamed), weights)
+
+
+def _streamed_weights(url: str) -> dict:
+    """The one routed_expert_weights of a streamed /inference/v1/generate (on the last chunk)."""
+    body = {"token_ids": PROMPT, "stream": True, "sampling_params": {
+        "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "return_routed_expert_weights": True}}
+    found = []
+    with httpx.stream("POST", url + "/inference/v1/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                if "routed_expert_weights" in choice:
+                    found.append((choice["finish_reason"], choice["routed_expert_weights"]))
+    assert len(found) == 1 and found[0][0] == "length"
+    return found[0][1]
 
 
 def test_weights_without_the_flag_are_a_400():
