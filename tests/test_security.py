@@ -52,8 +52,9 @@ def weights(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(weights):
     root, served, allowed, _ = weights
+    # every optional route group on, so that each route is refused live (vLLM's dev-mode routes too)
     with RemoteServer(str(served), "--enable-weight-updates", "--enable-return-routed-experts", "--enable-lora",
-                      "--admin-api-key", ADMIN_KEY, "--allowed-weight-paths", str(allowed),
+                      "--enable-sleep-mode", "--enable-collective-rpc", "--admin-api-key", ADMIN_KEY, "--allowed-weight-paths", str(allowed),
                       "--allowed-trainer-hosts", "127.0.0.1", "localhost",
                       "--timeout-body", str(BODY_TIMEOUT_S), "--min-body-rate", str(MIN_BODY_RATE),
                       *TEST_SERVER_ARGS, env={"R3SRV_API_KEY": ",".join(API_KEYS)}) as srv:
@@ -108,7 +109,8 @@ def test_every_route_refuses_missing_wrong_and_insufficient_keys_and_nothing_cha
     expected = {(p, label): 403 if label == "API key" else 401 for (p, label) in refused}
     assert refused == expected
     assert {path for path, _ in refused} >= {"/update_weights_from_disk", "/pause_generation", "/v1/completions",
-                                              "/init_weights_update_group", "/release_memory_occupation"}
+                                              "/init_weights_update_group", "/release_memory_occupation",
+                                              "/sleep", "/wake_up", "/collective_rpc"}
     assert fingerprint(server) == before
 
 
@@ -125,6 +127,12 @@ def test_the_keys_open_their_routes_and_sdks_see_openais_errors(server):
         assert http.post("/pause_generation", json={"mode": "abort"}, headers=bearer(ADMIN_KEY)).status_code == 200
         assert http.get("/is_paused", headers=bearer(ADMIN_KEY)).json()["is_paused"]
         assert http.post("/continue_generation", headers=bearer(ADMIN_KEY)).status_code == 200
+        # vLLM's dev-mode routes: the API key is refused, the admin key opens them
+        assert http.post("/sleep", params={"level": "0"}, headers=bearer(API_KEYS[0])).status_code == 403
+        assert http.post("/sleep", params={"level": "0"}, headers=bearer(ADMIN_KEY)).json()["status"] == "sleeping"
+        assert http.get("/is_sleeping", headers=bearer(ADMIN_KEY)).json() == {"is_sleeping": True}
+        assert http.post("/wake_up", headers=bearer(ADMIN_KEY)).json()["status"] == "awake"
+        assert http.get("/is_sleeping", headers=bearer(ADMIN_KEY)).json() == {"is_sleeping": False}
 
 
 def test_the_schema_documents_the_bearer_scheme_and_the_refusals(server):
