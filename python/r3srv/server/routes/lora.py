@@ -80,7 +80,7 @@ async def sglang_load_lora_adapter_from_tensors(data: p.SglangLoadLoraFromTensor
         raise InvalidRequestError(
             f"/load_lora_adapter_from_tensors hands over CUDA IPC handles, and this server runs on the "
             f"{state.engine.device.type}: use /load_lora_adapter with a PEFT save", param=param)
-    if len(data.serialized_named_tensors) != 1:  # one payload: a tensor-parallel server takes adapters from disk or over the group
+    if len(data.serialized_named_tensors) != 1:  # TP servers: from disk or over the group
         raise InvalidRequestError(f"{param} needs one payload per tensor-parallel rank (1), got "
                                   f"{len(data.serialized_named_tensors)}", param=param)
     _check_name(request, data.lora_name, replace=False)
