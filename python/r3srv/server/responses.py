@@ -274,7 +274,8 @@ async def generate_response(
     text_mode = req.output_mode == "text"
     encoding, start = tito_rows_encoding(state, req), req.sampling_params.routed_experts_prompt_start
     openai = tito_openai_logprobs(state, req)
-    choice_type, response_type = (p.GenerateTextChoice, p.GenerateTextResponse) if openai else (p.GenerateChoice, p.GenerateResponse)
+    choice_type = p.GenerateTextChoice if openai else p.GenerateChoice
+    response_type = p.GenerateTextResponse if openai else p.GenerateResponse
     choices = [
         choice_type(
             index=c.index,
