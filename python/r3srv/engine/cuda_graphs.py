@@ -57,11 +57,16 @@ def is_graph_decode(seqs: list[Sequence]) -> bool:
     return all(s.num_scheduled_tokens == 1 and s.num_computed_tokens >= 1 and s.restore_from < 0 for s in seqs)
 
 
-def graph_blocker(model) -> str | None:
-    """Why this model's decode steps cannot be captured (None: they can)."""
+def graph_blocker(model, capture_weights: bool = False) -> str | None:
+    """Why this model's decode steps cannot be captured (None: they can). `capture_weights`: the
+    steps also capture the router's weights (a graph's capture holds the ids only)."""
     cfg = model.config
     if model.device.type != "cuda":
         return f"the model is on {model.device.type}, not CUDA"
+    if capture_weights:
+        return "routed expert weights are captured (--enable-return-routed-expert-weights)"
+    if model.ops.batch_invariant:
+        return "the batch-invariant expert pass reads each step's expert ids on the host"
     if model.ops.decode_attention is None:
         return ("no paged decode kernel (triton is not installed, or --no-triton-decode, $R3SRV_TRITON_DECODE=0): "
                 "the torch decode path groups sequences on the host")

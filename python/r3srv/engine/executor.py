@@ -149,9 +149,7 @@ class InProcessExecutor(Executor):
         mc = model.config
         capture = (RoutedExpertsBuffer(0, mc.num_layers, mc.top_k, mc.num_experts, capture_weights)
                    if capture_routed_experts else None)
-        blocker = cuda_graphs.graph_blocker(model) if use_cuda_graphs else "not asked for"
-        if use_cuda_graphs and capture_weights:  # a graph's capture holds the ids only
-            blocker = "routed expert weights are captured (--enable-return-routed-expert-weights)"
+        blocker = cuda_graphs.graph_blocker(model, capture_weights) if use_cuda_graphs else "not asked for"
         if use_cuda_graphs and blocker:
             log.warning("CUDA graphs off: %s", blocker)
         graphs = None if blocker else cuda_graphs.DecodeGraphs(

@@ -502,10 +502,9 @@ class MoeForCausalLM(nn.Module):
         layer_captures = None if capture is None else capture.unbind(1)  # every layer's [T, top_k] view in one op
         layer_weights = None if batch.routing_weights is None else batch.routing_weights.unbind(1)
         fused = None  # the backend's fused decode step, where this step allows it (ops/cpu_decode.py)
-        # (not with router weights to capture: the fused step's router writes only the ids)
-        if states is None and visual is None and self.fused_layers and layer_weights is None:
+        if states is None and visual is None and self.fused_layers:
             fused = self.ops.plan_fused_step(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
-                                             self.config.num_experts, batch.lora)
+                                             self.config.num_experts, batch.lora, batch.routing_weights)
         for layer in self.layers:
             layer_capture = layer_captures[layer.index] if layer_captures is not None and layer.is_moe else None
             out = None

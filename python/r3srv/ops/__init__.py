@@ -25,21 +25,15 @@ def ops_for(device: torch.device | str, dtype: torch.dtype, *, batch_invariant: 
     if batch_invariant and kind not in ("cpu", "cuda"):
         raise ConfigError(f"--batch-invariant has no kernels for {kind} (the CPU's and CUDA's only)")
     if kind == "cpu":
-        from r3srv.ops import cpu
+        from r3srv.ops import cpu, invariant
 
-        if batch_invariant:
-            from r3srv.ops import invariant
-
-            return invariant.build(cpu.build(dtype, current))
-        return cpu.build(dtype, current)
+        base = cpu.build(dtype, current)
+        return invariant.build(base) if batch_invariant else base
     if kind == "cuda":
-        from r3srv.ops import cuda
+        from r3srv.ops import cuda, invariant
 
-        if batch_invariant:
-            from r3srv.ops import invariant
-
-            return invariant.build_cuda(cuda.build(dtype, current))
-        return cuda.build(dtype, current)
+        base = cuda.build(dtype, current)
+        return invariant.build_cuda(base) if batch_invariant else base
     return REFERENCE
 
 

@@ -56,14 +56,15 @@ class DecodeStep:
 
     @staticmethod
     def plan(x: torch.Tensor, meta, cos: torch.Tensor, sin: torch.Tensor, capture: torch.Tensor | None,
-             num_experts: int, threads: int, lora=None) -> "DecodeStep | None":
+             num_experts: int, threads: int, lora=None, weights=None) -> "DecodeStep | None":
         """The step's shared arguments, or None where the fused layers do not apply: not a
         decode-only float32 or bfloat16 CPU step, a step with an adapter (`lora`, the step's
-        r3srv.lora.slots.LoraBatch: None when no token has one), more rows than the Rust linear
-        takes, cos/sin of another dtype, or a capture view (any layer's: they share one layout)
-        the router kernel cannot write."""
+        r3srv.lora.slots.LoraBatch: None when no token has one), a step capturing router weights
+        (`weights`: the fused router writes the ids only), more rows than the Rust linear takes,
+        cos/sin of another dtype, or a capture view (any layer's: they share one layout) the
+        router kernel cannot write."""
         rows = x.shape[0]
-        if (lora is not None or not x.is_cpu or x.dtype not in CODES or meta.prefills or not meta.decode_seqs
+        if (lora is not None or weights is not None or not x.is_cpu or x.dtype not in CODES or meta.prefills or not meta.decode_seqs
                 or meta.graph):
             return None
         if not 0 < rows <= linear_cpu.MAX_ROWS or len(meta.decode_seqs) != rows:

@@ -57,15 +57,16 @@ def build(base: Ops) -> Ops:
         raise ConfigError("--batch-invariant needs the Rust paged decode kernel: drop --no-rust-decode")
     threads = base.threads
     decode = base.decode_attention
+    linear = functools.partial(invariant_linear, threads=threads)
     return base.replace(
         name="cpu-invariant",
-        linear=functools.partial(invariant_linear, threads=threads),
+        linear=linear,
         prefill_attention=functools.partial(prefill_as_decodes, decode),
         expert_passes=lambda activation: BlockedExperts(
             functools.partial(expert_pairs_cpu.expert_pairs, threads=threads),
             TorchExperts(activation, pairs_mv=True, pairs_mv_always=True)),
         routers=lambda shape: row_by_row(base.routers(shape)),
-        shared_gate=functools.partial(shared_gate_rows, linear=functools.partial(invariant_linear, threads=threads)),
+        shared_gate=functools.partial(shared_gate_rows, linear=linear),
         fuse_decoder_layer=None, plan_fused_step=None,
         torch_threads=one_thread, batch_invariant=True,
     )
@@ -127,13 +128,15 @@ def prefill_as_decodes(decode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if slots is None:
             raise ValueError("a prefill span without its slots (AttentionMetadata.build gives them)")
         q_len, ctx = span.end - span.start, span.context_len
-        table = slots.to(torch.int64).view(1, -1)
+        # built once per span, on the queries' device: one table row per query of a block, each
+        # query's context length and its row in `out`
+        tables = slots.to(torch.int64).view(1, -1).expand(min(q_len, PREFILL_QUERY_BLOCK), -1).contiguous()
+        lens = torch.arange(ctx - q_len + 1, ctx + 1, dtype=torch.int64, device=q.device)
+        rows = torch.arange(span.start, span.end, dtype=torch.int64, device=q.device)
         for first in range(0, q_len, PREFILL_QUERY_BLOCK):
             n = min(PREFILL_QUERY_BLOCK, q_len - first)
-            lens = torch.arange(ctx - q_len + first + 1, ctx - q_len + first + n + 1, dtype=torch.int64)
-            rows = torch.arange(span.start + first, span.start + first + n, dtype=torch.int64)
-            decode(q, k_cache, v_cache, table.expand(n, -1).contiguous(), lens, rows, out, page=1, scale=scale,
-                   window=window, sinks=sinks, max_context=ctx)
+            decode(q, k_cache, v_cache, tables[:n], lens[first : first + n], rows[first : first + n], out, page=1,
+                   scale=scale, window=window, sinks=sinks, max_context=ctx)
 
 
 def narrow_blocks(pair_tokens: torch.Tensor, ids: torch.Tensor, num_tokens: int, num_experts: int,
@@ -235,12 +238,22 @@ class PairExperts:
             if b2 is not None:
                 o = o + b2[expert]
             outputs[pairs] = o * flat_weights.index_select(0, pairs)[:, None].to(o.dtype)
-        order = torch.argsort(pair_tokens, stable=True)
-        sorted_tokens = pair_tokens.index_select(0, order)
-        first = torch.searchsorted(sorted_tokens, sorted_tokens)  # each pair's token's first place
-        rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=x.device) - first)
+        rank, rounds = _ranks_in_token(pair_tokens, ids.shape[-1], tokens is None)
         out = torch.zeros_like(x)
-        for r in range(int(rank.max()) + 1):
+        for r in range(rounds):
             pairs = (rank == r).nonzero().squeeze(1)
             out.index_add_(0, pair_tokens.index_select(0, pairs), outputs.index_select(0, pairs))
         return out
+
+
+def _ranks_in_token(pair_tokens: torch.Tensor, top_k: int, token_major: bool) -> tuple[torch.Tensor, int]:
+    """Each pair's place among its token's pairs, and how many places there are. Token-major
+    pairs (the ids' own [tokens, top_k] order) are ranked by position alone, without a sort or a
+    host read; pairs given with their tokens (expert parallelism's) are ranked by a stable sort."""
+    if token_major:
+        return torch.arange(pair_tokens.shape[0], device=pair_tokens.device) % top_k, top_k
+    order = torch.argsort(pair_tokens, stable=True)
+    sorted_tokens = pair_tokens.index_select(0, order)
+    first = torch.searchsorted(sorted_tokens, sorted_tokens)  # each pair's token's first place
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=pair_tokens.device) - first)
+    return rank, int(rank.max()) + 1

@@ -4,6 +4,7 @@ from the checkpoint's model.visual.* tensors. A family names its tower (Family.v
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -74,7 +75,8 @@ def copy_tower_tensors(tower: nn.Module, source: dict[str, tuple[Path, tuple[int
     """Copy checked tensors into the tower (cast to its dtype): a checkpoint's, by file
     (tower_tensors_in), or tensors in memory by name."""
     params = dict(tower.named_parameters())
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        opened = {}  # each checkpoint file opened once, however many of its tensors are copied
         for name, where in source.items():
             param = params.get(name.removeprefix(PREFIX))
             if param is None:
@@ -82,5 +84,6 @@ def copy_tower_tensors(tower: nn.Module, source: dict[str, tuple[Path, tuple[int
             if isinstance(where, torch.Tensor):
                 param.copy_(where)
                 continue
-            with safe_open(str(where[0]), framework="pt", device="cpu") as f:
-                param.copy_(f.get_tensor(name))
+            if where[0] not in opened:
+                opened[where[0]] = stack.enter_context(safe_open(str(where[0]), framework="pt", device="cpu"))
+            param.copy_(opened[where[0]].get_tensor(name))
