@@ -180,6 +180,15 @@ def decode_packed(payload: str | bytes | Mapping[str, Any], dtypes: Sequence[str
     ``data`` may be a str or bytes-like, as clients that splice it out of the body hold it).
     Unknown or missing keys, wrong types, a dtype outside ``dtypes``, bad base64, or data that
     does not fill ``shape`` exactly are a ValueError."""
+    packed, text = _parse_packed(payload, "decode_packed", "a packed array")
+    if packed.dtype not in dtypes:
+        raise ValueError(f"packed array dtype {packed.dtype!r} is not one of {', '.join(dtypes)}")
+    return PackedArray(_filled(text, packed.dtype, packed.shape), packed.start)
+
+
+def _parse_packed(payload: str | bytes | Mapping[str, Any], caller: str, what: str) -> tuple[_Packed, str | bytes]:
+    """The `{data, shape, dtype, start?}` form checked for its keys and types, and its data (a
+    client's dict may hold it as bytes-like)."""
     data: Any = None
     try:
         if isinstance(payload, Mapping):
@@ -191,17 +200,19 @@ def decode_packed(payload: str | bytes | Mapping[str, Any], dtypes: Sequence[str
         elif isinstance(payload, (str, bytes)):
             packed = msgspec.json.decode(payload, type=_Packed)
         else:
-            raise ValueError(f"decode_packed expects JSON text or a mapping, got {type(payload).__name__}")
+            raise ValueError(f"{caller} expects JSON text or a mapping, got {type(payload).__name__}")
     except msgspec.MsgspecError as exc:
-        raise ValueError(f"not a packed array: {exc}") from exc
-    if packed.dtype not in dtypes:
-        raise ValueError(f"packed array dtype {packed.dtype!r} is not one of {', '.join(dtypes)}")
-    text = bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else packed.data
-    flat = decode_raw_base64(text, packed.dtype)
-    if flat.size != math.prod(packed.shape):
-        raise ValueError(f"packed array holds {flat.size} {packed.dtype} values, its shape {packed.shape} needs "
-                         f"{math.prod(packed.shape)}")
-    return PackedArray(flat.reshape(packed.shape), packed.start)
+        raise ValueError(f"not {what}: {exc}") from exc
+    return packed, bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else packed.data
+
+
+def _filled(text: str | bytes, raw_dtype: str, shape: list[int]) -> np.ndarray:
+    """The base64 `text` of `raw_dtype` values, reshaped to `shape`, which it must fill exactly."""
+    flat = decode_raw_base64(text, raw_dtype)
+    if flat.size != math.prod(shape):
+        raise ValueError(f"packed array holds {flat.size} {raw_dtype} values, its shape {shape} needs "
+                         f"{math.prod(shape)}")
+    return flat.reshape(shape)
 
 
 # ---------------------------------------------------------------- ragged lists (sampling masks)
@@ -283,27 +294,13 @@ def encode_expert_weights(weights: np.ndarray, dtype: str = "float32") -> dict[s
     return {"data": encode_raw(values, EXPERT_WEIGHT_DTYPES[dtype]), "shape": list(weights.shape), "dtype": dtype}
 
 
-class _ExpertWeights(msgspec.Struct, forbid_unknown_fields=True):
-    data: str
-    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1, max_length=_MAX_NDIM)]
-    dtype: str
-
-
 def decode_expert_weights(payload: str | bytes | Mapping[str, Any]) -> np.ndarray:
     """Strict inverse of ``encode_expert_weights`` (its dict, or that dict's JSON): float32 of
-    the payload's shape; any other form, dtype or number of values is a ValueError."""
-    try:
-        if isinstance(payload, Mapping):
-            packed = msgspec.convert(payload, _ExpertWeights)
-        else:
-            packed = msgspec.json.decode(payload, type=_ExpertWeights)
-    except msgspec.MsgspecError as exc:
-        raise ValueError(f"not a router-weights payload: {exc}") from None
-    if packed.dtype not in EXPERT_WEIGHT_DTYPES:
-        raise ValueError(f"unsupported dtype {packed.dtype!r}: one of {', '.join(EXPERT_WEIGHT_DTYPES)}")
-    flat = decode_raw_base64(packed.data, EXPERT_WEIGHT_DTYPES[packed.dtype])
-    if flat.size != math.prod(packed.shape):
-        raise ValueError(f"{flat.size} values do not fill shape {packed.shape}")
+    the payload's shape; any other form (a `start` too), dtype or number of values is a ValueError."""
+    packed, text = _parse_packed(payload, "decode_expert_weights", "a router-weights payload")
+    if packed.dtype not in EXPERT_WEIGHT_DTYPES or packed.start is not None:
+        raise ValueError(f"unsupported dtype {packed.dtype!r} (one of {', '.join(EXPERT_WEIGHT_DTYPES)}) or a start")
+    values = _filled(text, EXPERT_WEIGHT_DTYPES[packed.dtype], packed.shape)
     if packed.dtype == "bfloat16":  # a bfloat16 is a float32's upper half
-        flat = (flat.astype(np.uint32) << 16).view(np.float32)
-    return flat.astype(np.float32, copy=False).reshape(packed.shape)
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32, copy=False)

@@ -177,13 +177,12 @@ class LLM:
         prompts, multimodal = [], []
         for conv in conversations:
             template_messages, images, fields = chat_images(conv)
-            rendered = processor.render_chat(template_messages)
             if not images:
-                prompts.append(rendered)
+                prompts.append(processor.render_chat(template_messages))
                 multimodal.append(None)
                 continue
-            ids = list(processor.tokenizer.encode(rendered, add_special_tokens=False))
-            ids, mm = processor.expand_images(ids, images, param="messages", fields=fields)
+            ids, mm = processor.expand_images(processor.chat_prompt_ids(template_messages), images, param="messages",
+                                              fields=fields)
             prompts.append(ids)
             multimodal.append(mm)
         # The template writes the specials itself (a second BOS would shift every token).

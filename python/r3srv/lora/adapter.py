@@ -10,7 +10,7 @@ Layouts read (keys with or without PEFT's `base_model.model.` prefix):
   B [out, E * r] under `...experts[.base_layer]*.lora_A.weight`, the nesting depth telling which
   of the module's targeted parameters (the first the module declares is the innermost); on a
   plain weight (transformers 5's router gate, `target_parameters=["gate.weight"]`) a stack of one
-  expert, which the model's sites take as the plain pair;
+  expert, read as the plain pair it is;
 - stacked 3-D tensors (`...experts.gate_up_proj.lora_A.weight` [E, r, in], `.lora_B.weight`
   [E, out, r]), with SGLang's shared-outer form: an expert dimension of 1 is one tensor shared by
   every expert (gate_up's A, down's B).
@@ -165,6 +165,8 @@ def _pair_of(module: str, a: torch.Tensor, b: torch.Tensor, r: int, config: dict
             raise InvalidRequestError(f"{target}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
                                       f"a rank-{rank} expert stack", param=param)
         experts = rows // rank
+        if experts == 1 and name == "weight":  # the router gate's plain weight: a plain pair, not a stack of one
+            return target, a, b
         return target, a.reshape(experts, rank, a.shape[1]), b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)
     if a.dim() == 3 and b.dim() == 3:  # stacked per expert (an expert dim of 1: shared)
         if a.shape[1] != b.shape[2] or (a.shape[0] != b.shape[0] and 1 not in (a.shape[0], b.shape[0])):

@@ -134,9 +134,7 @@ def _rank_slice(name: str, view: torch.Tensor, pair: LoraPair, param: str) -> tu
     whole = checkpoint_shape(view)
     stacked = len(whole) == 3
     a, b = pair.a, pair.b
-    if not stacked and pair.experts and a.shape[0] == b.shape[0] == 1:
-        a, b = a[0], b[0]  # PEFT's parameter wrapper on a plain weight (the router gate's): a stack of one
-    elif stacked != pair.experts:
+    if stacked != pair.experts:
         raise InvalidRequestError(f"{name}: a {'per-expert' if pair.experts else 'plain'} pair for a "
                                   f"{len(whole)}-D tensor {whole}", param=param)
     experts_ok = not stacked or all(t.shape[0] in (1, whole[0]) for t in (a, b))
