@@ -109,3 +109,9 @@ class IndexerTopkLimits:
                     f"--indexer-topk-max-values {self.max_values}; ask for fewer tokens or raise the cap",
                     param="indexer_topk_max_values")
         return params if want == params.return_indexer_topk else msgspec.structs.replace(params, return_indexer_topk=want)
+
+
+def every_layer(selections: np.ndarray, mc) -> np.ndarray:
+    """[rows, indexer layers, topk] -> [rows, num_layers, topk]: each shared layer (GLM-5) with
+    the selection it attends with, the last indexer's before it (SGLang's layout)."""
+    return selections[:, mc.attention.sparse.source_layers(mc.num_layers)]

@@ -33,6 +33,7 @@ from r3srv.server.responses import (
     OpenAIRows,
     echo_prompt_text,
     expert_weights,
+    indexer_topk,
     plain_prompt_logprobs,
     tito_logprobs,
     tito_openai_logprobs,
@@ -207,6 +208,7 @@ async def completion_stream(
                 prompt_token_ids=list(out.prompt_token_ids) if with_ids and d.first else UNSET,
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
+                indexer_topk=indexer_topk(c) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
             )
@@ -306,6 +308,7 @@ async def chat_stream(
                 stop_reason=c.stop_reason,
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
+                indexer_topk=indexer_topk(c) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
             )
@@ -349,6 +352,7 @@ async def generate_stream(
                 token_ids=d.token_ids,
                 logprobs=tito_logprobs(state, req, d.token_ids, d.logprobs) if d.logprobs is not None else None,
                 routed_experts=await state.encode_experts(c.routed_experts, encoding, start) if d.final else UNSET,
+                indexer_topk=indexer_topk(c) if d.final else UNSET,
                 routed_expert_weights=(expert_weights(c, req.routed_expert_weights_dtype) or UNSET) if d.final else UNSET,
                 sampling_mask=tito_sampling_mask(c.sampling_mask),
                 weight_version=state.weight_version(out) if d.final else UNSET,
