@@ -139,3 +139,20 @@ def test_families_without_an_indexer_and_tensor_parallel_are_refused(tmp_path):
     assert err.value.param == "return_indexer_topk"
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         EngineConfig(enable_return_indexer_topk=True, parallel=ParallelConfig(tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("max_model_len, dtype", [(32767, np.int16), (32768, np.int32)])
+def test_buffer_keeps_positions_by_slot_compactly(max_model_len, dtype):
+    """Stored in the narrowest type that holds every position and the -1 pad; read back as int32
+    through a block table, from the prompt start on."""
+    from r3srv.engine.indexer_topk import IndexerTopkBuffer
+
+    buf = IndexerTopkBuffer(16, 2, 3, max_model_len)
+    assert buf.values.dtype == dtype
+    rng = np.random.default_rng(0)
+    capture = torch.from_numpy(rng.integers(-1, max_model_len, (6, 2, 3)).astype(np.int32))
+    slots = np.array([8, 9, 10, 11, 4, 5])  # blocks [2, 1] of 4 slots each
+    buf.store(slots, capture)
+    got = buf.sequence([2, 1], 4, num_tokens=7, prompt_start=1)  # rows 1..5
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, capture.numpy()[1:6])

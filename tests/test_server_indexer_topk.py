@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import httpx
 import numpy as np
@@ -52,6 +53,8 @@ def answers(tmp_path_factory):
                 "return_token_ids": True}),
             "tito": post(srv.url, "/inference/v1/generate", {"token_ids": PROMPT,
                                                              "sampling_params": {"max_tokens": 6, **greedy}}),
+            "tito_stream": httpx.post(srv.url + "/inference/v1/generate", timeout=120, json={
+                "token_ids": PROMPT, "stream": True, "sampling_params": {"max_tokens": 6, **greedy}}),
             "over_cap": post(srv.url, "/generate", {"input_ids": PROMPT, "return_indexer_topk": True,
                                                     "sampling_params": {"max_new_tokens": 20, **greedy}}),
         }
@@ -92,6 +95,10 @@ def test_vllm_routes(answers):
     g = got["tito"].json()["choices"][0]
     full = PROMPT + g["token_ids"]
     assert as_sets(_npy(g["indexer_topk"])) == hf_selections(hf, full[:-1])
+    chunks = [json.loads(line[len("data: "):]) for line in got["tito_stream"].text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    carried = [ch["indexer_topk"] for chunk in chunks for ch in chunk["choices"] if "indexer_topk" in ch]
+    assert carried == [g["indexer_topk"]]  # once, on the choice's last chunk: the plain answer's
     chat = got["chat"].json()["choices"][0]
     full = got["chat"].json()["prompt_token_ids"] + chat["token_ids"]
     assert as_sets(_npy(chat["indexer_topk"])) == hf_selections(hf, full[:-1])

@@ -108,7 +108,9 @@ class IndexerTopkLimits:
                     f"return_indexer_topk: up to {rows} tokens x {self.values_per_token} values each exceed "
                     f"--indexer-topk-max-values {self.max_values}; ask for fewer tokens or raise the cap",
                     param="indexer_topk_max_values")
-        return params if want == params.return_indexer_topk else msgspec.structs.replace(params, return_indexer_topk=want)
+        if want == params.return_indexer_topk:
+            return params
+        return msgspec.structs.replace(params, return_indexer_topk=want)
 
 
 def every_layer(selections: np.ndarray, mc) -> np.ndarray:
