@@ -38,7 +38,8 @@ SCORE_ELEMENTS = 1 << 24
 class Selection:
     prefills: list[torch.Tensor | None]  # per meta.prefills span: [q, ctx] bool, True = attended
     decodes: list[DecodeGroup | None]  # per decode group (meta.decode_groups): the group over its selected keys
-    # per decode group: [Bg, topk] the selected positions, -1 where a short context picked padding
+    # per decode group: [Bg, topk] the picked columns, its contexts' positions (a short context's
+    # picks of padding are where the selected group's mask is False)
     decode_positions: list[torch.Tensor | None] | None = None
 
 
@@ -120,9 +121,7 @@ class Indexer(nn.Module):
         # a context shorter than topk picks padding too; a group of one length has none (known
         # on the host: no device sync in the decode path)
         mask = None if group.mask is None else real.gather(1, picked)[:, None, None, :]
-        # a group's columns are its contexts' positions (from 0): the picks are positions
-        positions = picked if mask is None else picked.masked_fill(~mask[:, 0, 0], -1)
-        return DecodeGroup(group.rows, group.slots.gather(1, picked), mask), positions
+        return DecodeGroup(group.rows, group.slots.gather(1, picked), mask), picked
 
     def capture(self, selection: Selection, meta: AttentionMetadata, out: torch.Tensor) -> None:
         """Every token's selected key positions into out [t, topk] (int32): ascending, then -1
@@ -137,13 +136,14 @@ class Indexer(nn.Module):
             keys = torch.arange(ctx, device=out.device)
             first = torch.where(selected, keys[None, :], ctx).sort(dim=1).values[:, : self.topk]
             out[span.start : span.end] = first.masked_fill(first == ctx, -1)
-        for group, positions in zip(meta.decode_groups(None), selection.decode_positions):
+        for group, sparse, positions in zip(meta.decode_groups(None), selection.decodes, selection.decode_positions):
             if positions is None:  # dense: every real key
                 lens = group.slots.shape[1] if group.mask is None else group.mask[:, 0, 0].sum(dim=1, keepdim=True)
                 out[group.rows] = torch.where(cols[None, :] < lens, cols[None, :], -1).to(out.dtype)
                 continue
-            big = torch.iinfo(positions.dtype).max
-            ordered = positions.masked_fill(positions < 0, big).sort(dim=1).values
+            big = torch.iinfo(positions.dtype).max  # padding picked by a short context sorts last
+            ordered = positions if sparse.mask is None else positions.masked_fill(~sparse.mask[:, 0, 0], big)
+            ordered = ordered.sort(dim=1).values
             out[group.rows] = ordered.masked_fill(ordered == big, -1).to(out.dtype)
 
     def _scores(self, query, weights, keys) -> torch.Tensor:
