@@ -9,6 +9,7 @@ so the two are compared as sets per token and layer."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -37,14 +38,39 @@ def hf_selections(hf, tokens: list[int]) -> list[list[list[int]]]:
     indexers = [layer.self_attn.indexer for layer in hf.model.layers if layer.self_attn.indexer is not None]
     seen: list[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda m, i, o: seen.append(o[0])) for m in indexers]
+    gaps: list[torch.Tensor] = []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), cut_gaps(hf.config.index_topk, gaps):
             hf(torch.tensor([tokens]))
     finally:
         for h in hooks:
             h.remove()
     assert len(seen) == len(indexers)
+    # no two keys score alike at the cut (where a tie is, either could be selected)
+    assert gaps or len(tokens) <= hf.config.index_topk  # the scores were seen
+    assert all(bool((g > 0).all()) for g in gaps), "a tie at the indexer's top-k cut"
     return [[sorted(k for k in layer[p].tolist() if k <= p) for layer in seen] for p in range(len(tokens))]
+
+
+@contextlib.contextmanager
+def cut_gaps(k: int, gaps: list[torch.Tensor]):
+    """While open, each indexer's `index_scores.topk(k)` (transformers calls the method, its
+    routers torch.topk) also records, per query that sees more than k keys, the gap between its
+    k-th and (k+1)-th best score."""
+    original = torch.Tensor.topk
+
+    def topk(self, n, *args, **kwargs):
+        if n == k and self.dim() == 3 and self.shape[-1] > k:
+            best = original(self, k + 1, *args, **kwargs).values
+            seen_more = torch.isfinite(best[..., k])
+            gaps.append((best[..., k - 1] - best[..., k])[seen_more])
+        return original(self, n, *args, **kwargs)
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original
 
 
 def engine_selections(topk: np.ndarray) -> list[list[list[int]]]:
