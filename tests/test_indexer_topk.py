@@ -182,3 +182,15 @@ def test_buffer_keeps_positions_by_slot_compactly(max_model_len, dtype):
     got = buf.sequence([2, 1], 4, num_tokens=7, prompt_start=1)  # rows 1..5
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, capture.numpy()[1:6])
+
+
+def test_chunked_prefill(family):
+    """Prompts computed in 6-token chunks beside decodes: each chunk selects over the keys of the
+    chunks before it, read back from the cache."""
+    path, hf = family
+    llm = LLM(path, block_size=4, num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=6,
+              enable_return_indexer_topk=True)
+    prompts = prompts_of(random.Random(3), [23, 9])
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        check(hf, prompt, out.outputs[0])
