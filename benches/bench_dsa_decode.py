@@ -35,14 +35,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def masked_dense_decode(indexer, group, query, weights):
-    """The reference: the same selection as a mask over the whole gathered context."""
+    """The reference: the same selection as a mask over the whole gathered context (and the
+    picks, as Indexer._decode returns them)."""
     real = group.slots.new_ones(group.slots.shape, dtype=torch.bool) if group.mask is None else group.mask[:, 0, 0]
     if real.shape[1] <= indexer.topk:
-        return None
+        return None, None
     scores = indexer._scores(query[group.rows], weights[group.rows], indexer.k_cache[group.slots].float())
     picked = scores.masked_fill(~real, float("-inf")).topk(indexer.topk, dim=-1).indices
     selected = torch.zeros_like(real).scatter_(1, picked, True) & real
-    return DecodeGroup(group.rows, group.slots, selected[:, None, None, :])
+    return DecodeGroup(group.rows, group.slots, selected[:, None, None, :]), picked
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])
