@@ -17,6 +17,8 @@ from server_fixture import TEST_SERVER_ARGS, RemoteServer
 from test_indexer_topk import hf_selections
 from tiny_checkpoints import build_hf_model, write_tiny_checkpoint
 
+from r3srv import serial
+
 pytestmark = pytest.mark.slow  # a real server, a transformers oracle
 
 pytest.importorskip("transformers")
@@ -70,6 +72,7 @@ def test_sglang_generate(answers):
     full = PROMPT + out["output_ids"]
     raw = np.frombuffer(base64.b64decode(out["meta_info"]["indexer_topk"]), dtype="<i4")
     topk = raw.reshape(-1, 3, 5)  # SGLang's (seqlen - 1, num_hidden_layers, index_topk)
+    np.testing.assert_array_equal(serial.decode_raw(out["meta_info"]["indexer_topk"], "int32", (3, 5)), topk)
     assert topk.shape[0] == len(full) - 1
     np.testing.assert_array_equal(topk[:, 1], topk[:, 0])  # the shared layer attends with layer 0's
     want = hf_selections(hf, full[:-1])
@@ -80,7 +83,9 @@ def test_sglang_generate(answers):
 
 
 def _npy(text: str) -> np.ndarray:
-    return np.load(io.BytesIO(base64.b64decode(text)))
+    array = np.load(io.BytesIO(base64.b64decode(text)))
+    np.testing.assert_array_equal(serial.decode_routed_experts(text), array)  # r3srv's strict decoder agrees
+    return array
 
 
 def test_vllm_routes(answers):
