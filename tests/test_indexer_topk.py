@@ -194,3 +194,15 @@ def test_chunked_prefill(family):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):
         check(hf, prompt, out.outputs[0])
+
+
+def test_overlapped_scheduling(family):
+    """--async-scheduling: each step's capture is cloned before the next step, prepared meanwhile,
+    reuses it."""
+    path, hf = family
+    llm = LLM(path, block_size=4, num_kv_blocks=64, max_model_len=64, async_scheduling=True,
+              enable_return_indexer_topk=True)
+    prompts = prompts_of(random.Random(4), [17, 8])
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        check(hf, prompt, out.outputs[0])
