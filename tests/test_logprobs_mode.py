@@ -180,6 +180,20 @@ def test_the_option_is_declared_once_with_vllms_values():
         LLM(max_model_len=32, num_kv_blocks=8, logprobs_mode="processed")
 
 
+def test_the_serve_flag_reaches_a_fleets_replicas():
+    from r3srv.cli import build_parser
+    from r3srv.data_parallel import replica_argv
+    from r3srv.engine_options import from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "-dp", "2", "--logprobs-mode", "processed_logits"])
+    assert from_args(args)["logprobs_mode"] == "processed_logits"
+    child = parser.parse_args(replica_argv(parser, args, model=None, port=9, device="cpu", weight_version="0")[3:])
+    assert from_args(child)["logprobs_mode"] == "processed_logits"
+    default = parser.parse_args(["serve"])
+    assert from_args(default)["logprobs_mode"] == "raw_logprobs"
+
+
 def test_vllm_keyword_reaches_the_engine():
     import r3srv.compat.vllm as vllm
 
