@@ -281,15 +281,18 @@ def _scores(logits: torch.Tensor, drawn: torch.Tensor | None, others: list[int],
             logprobs_mode: str) -> torch.Tensor:
     """The `want` rows' values logprobs report: of the raw `logits`, or (processed modes) of what
     the picks read: `drawn` for the `others` rows, the raw logits for plain greedy rows."""
-    source = logits
-    if drawn is not None:
-        if len(others) == logits.shape[0]:
-            source = drawn
-        else:
-            source = logits.clone()
-            source[others] = drawn
-    rows = source[want]
+    rows = (logits if drawn is None else _replaced(logits, others, drawn))[want]
     return rows if logprobs_mode in _LOGITS_MODES else torch.log_softmax(rows, dim=-1)
+
+
+def _replaced(base: torch.Tensor, index: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """`base` with its rows `index` replaced by `rows`: `rows` itself when they are all of them,
+    else a copy (`base` may be the caller's logits)."""
+    if len(index) == base.shape[0]:
+        return rows
+    out = base.clone()
+    out[index] = rows
+    return out
 
 
 def _set_greedy_mask(res: SampleResult) -> None:
@@ -358,12 +361,7 @@ def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], g
         draws[own] = torch.cat([torch.multinomial(probs[j], 1, generator=seqs[sampled[j]].generator) for j in own])
     for r, tok in zip(sampled, draws.tolist()):
         picks[r] = tok
-    drawn = None
-    if keep:
-        drawn = x
-        if len(sampled) < rows:
-            drawn = logits.clone()
-            drawn[sampled] = x
+    drawn = _replaced(logits, sampled, x) if keep else None
     masked = [j for j, r in enumerate(sampled) if seqs[r].params.return_sampling_mask]
     if not masked:
         return picks, {}, drawn
