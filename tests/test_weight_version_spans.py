@@ -5,6 +5,7 @@ keep mode) splits its spans exactly where the new weights began; tokens on eithe
 each checkpoint's greedy decoding gives."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,8 @@ from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (a
 from step_gate import gate_steps
 from r3srv import LLM, SamplingParams
 from r3srv.engine.async_llm import AsyncLLM
+from r3srv.engine.output_processor import SeqState
+from r3srv.engine.sampler import SampleResult
 from r3srv.outputs import OutputKind, WeightVersionSpan
 from test_weight_updates import ENGINE, PROMPT, policies  # noqa: F401 (fixture)
 
@@ -110,3 +113,18 @@ def test_async_keep_abort_and_wait_modes(policies, gate):
     assert aborted.outputs[0].finish_reason == "abort" and 2 <= n < 30
     assert aborted.outputs[0].weight_versions == [WeightVersionSpan("v1", 0, n)] and aborted.weight_version == "v1"
     assert waited.outputs[0].weight_versions == [WeightVersionSpan("v1", 0, 8)] and waited.weight_version == "v1"
+
+
+def test_a_cut_trims_the_spans_with_the_tokens():
+    """A stop string found after the core's last step cuts tokens in the output processor: the
+    spans end with the kept tokens, and a span that began after the cut goes."""
+    prep = SimpleNamespace(params=SamplingParams(detokenize=False), prompt_token_ids=[1, 2])
+    seq = SeqState(0, prep, None)
+    for token, version in zip([5, 6, 7, 8, 9], ["a", "a", "b", "b", "c"]):
+        seq.append(SampleResult(token, weight_version=version))
+    assert seq.weight_versions() == [WeightVersionSpan("a", 0, 2), WeightVersionSpan("b", 2, 4),
+                                     WeightVersionSpan("c", 4, 5)]
+    seq.cut(0, 3)
+    assert seq.weight_versions() == [WeightVersionSpan("a", 0, 2), WeightVersionSpan("b", 2, 3)]
+    seq.cut(0, 2)
+    assert seq.weight_versions() == [WeightVersionSpan("a", 0, 2)]
