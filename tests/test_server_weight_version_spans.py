@@ -151,7 +151,8 @@ def test_abort_and_wait_modes_give_one_span(server, gate):
 
 def test_the_fields_on_each_route_without_an_update(server):
     """Non-streamed answers: vLLM's /v1 routes send weight_versions only when asked (null
-    otherwise), /inference/v1/generate and SGLang's /generate always."""
+    otherwise), /inference/v1/generate, SGLang's /generate and the chat route's SGLang meta_info
+    always."""
     version = httpx.get(server.url + "/get_weight_version").json()["weight_version"]
     one = [{"version": version, "start": 0, "end": 5}]
     base = {"model": model(server), "max_tokens": 5, **GREEDY}
@@ -159,10 +160,13 @@ def test_the_fields_on_each_route_without_an_update(server):
     unasked = post(server, "/v1/completions", {**base, "prompt": PROMPT}).json()
     chat = post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": "hi"}],
                                                  "return_weight_versions": "true"}).json()  # pydantic's lax bool
+    miles = post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": "hi"}],
+                                                  "return_meta_info": True}).json()  # SGLang's chat extension
     tito = post(server, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"max_tokens": 5, **GREEDY}})
     sglang = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": {
         "max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}})
     assert asked["choices"][0]["weight_versions"] == one and unasked["choices"][0]["weight_versions"] is None
     assert chat["choices"][0]["weight_versions"] == one
+    assert miles["choices"][0]["meta_info"]["weight_versions"] == one and miles["choices"][0]["weight_versions"] is None
     assert tito.json()["choices"][0]["weight_versions"] == one
     assert sglang.json()["meta_info"]["weight_versions"] == one
