@@ -33,17 +33,18 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def offline():
     """The offline engine in the same mode: the seeded request's tokens and logprobs."""
     llm = LLM(max_model_len=256, num_kv_blocks=64, logprobs_mode="processed_logprobs")
     out = llm.generate([PROMPT], SamplingParams(max_tokens=STEPS, seed=7, logprobs=TOP, **SEEDED))[0].outputs[0]
     llm.shutdown()
     return out.token_ids, [entry[t].logprob for entry, t in zip(out.logprobs, out.token_ids)]
+
+
+def openai_sdk(server) -> tuple[openai.OpenAI, str]:
+    """The openai SDK on the server's /v1, and the served model's name."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return client, client.models.list().data[0].id
 
 
 def post(url: str, path: str, body: dict) -> dict:
@@ -60,9 +61,9 @@ def assert_processed_top(values: list[float | None], dropped: float | None) -> N
     assert math.isclose(sum(math.exp(v) for v in kept), 1.0, abs_tol=1e-5)
 
 
-def test_vllm_completions(server, client, offline):
+def test_vllm_completions(server, offline):
     tokens, logprobs = offline
-    model = client.models.list().data[0].id
+    client, model = openai_sdk(server)
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=STEPS, seed=7, logprobs=TOP,
                                   temperature=2.0, extra_body={"top_k": TOP_K, "ignore_eos": True,
                                                                "return_token_ids": True})
@@ -73,8 +74,8 @@ def test_vllm_completions(server, client, offline):
         assert_processed_top(list(top.values()), FLOOR)
 
 
-def test_vllm_chat(client):
-    model = client.models.list().data[0].id
+def test_vllm_chat(server):
+    client, model = openai_sdk(server)
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=STEPS,
                                        seed=3, temperature=2.0, logprobs=True, top_logprobs=TOP,
                                        extra_body={"top_k": TOP_K, "ignore_eos": True})
