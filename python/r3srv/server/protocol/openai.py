@@ -31,6 +31,7 @@ from r3srv.server.protocol.common import (
     Seed,
     StreamOptions,
     UsageInfo,
+    WeightVersionSpan,
     _check_logprob_count,
     _check_prompt_logprobs,
 )
@@ -71,6 +72,8 @@ class _OpenAIRequest(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     request_id: str | UnsetType = UNSET  # vLLM's is a string (a random one by default): null is refused
     return_token_ids: ReturnTokenIds = None
+    # each choice's weight_versions: which weights sampled which of its tokens (vLLM's)
+    return_weight_versions: bool = False
     routed_experts_prompt_start: PromptStart = 0
     # vLLM's (#49555): skip this many prompt tokens' indexer_topk (--enable-return-indexer-topk)
     indexer_topk_prompt_start: PromptStart = 0
@@ -206,8 +209,8 @@ class CompletionResponseChoice(Struct, kw_only=True):
     routed_experts: RoutedExpertsValue | None = None
     # vLLM's (#49555): base64 .npy int32 (tokens, indexer layers, index_topk), with --enable-return-indexer-topk
     indexer_topk: str | UnsetType = UNSET
-    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
-    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_versions: list[WeightVersionSpan] | None = None  # vLLM's, with return_weight_versions
+    # The weights that computed this choice's rows (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
@@ -239,6 +242,7 @@ class CompletionResponseStreamChoice(Struct, kw_only=True):
     # Only on the final chunk of a choice (the one with finish_reason).
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     indexer_topk: str | UnsetType = UNSET  # with routed_experts, when asked
+    weight_versions: list[WeightVersionSpan] | UnsetType = UNSET  # on the final chunk, with return_weight_versions
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
@@ -472,8 +476,8 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     routed_experts: RoutedExpertsValue | None = None
     # vLLM's (#49555): base64 .npy int32 (tokens, indexer layers, index_topk), with --enable-return-indexer-topk
     indexer_topk: str | UnsetType = UNSET
-    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
-    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_versions: list[WeightVersionSpan] | None = None  # vLLM's, with return_weight_versions
+    # The weights that computed this choice's rows (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
@@ -509,6 +513,7 @@ class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
     token_ids: list[int] | UnsetType = UNSET
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     indexer_topk: str | UnsetType = UNSET  # with routed_experts, when asked
+    weight_versions: list[WeightVersionSpan] | UnsetType = UNSET  # on the final chunk, with return_weight_versions
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
