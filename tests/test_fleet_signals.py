@@ -4,7 +4,8 @@ sampling masks (SGLang's `output_token_sampling_mask`, vLLM's `sampling_mask`), 
 weights beside the rows (`--enable-return-routed-expert-weights`), and a LoRA adapter a trainer
 broadcasts over the weight-update group (/load_lora_adapter_from_distributed, a world of the
 trainer and one rank per replica), which both replicas then serve as the single server does (and
-as PEFT computes it). One fleet and one single server for the module."""
+as PEFT computes it); an adapter loaded from disk and unloaded on every replica. One fleet and one
+single server for the module."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import weight_sync_trainer as trainer
-from lora_testing import checkpoint_and_two_adapters, prompt
+from lora_testing import checkpoint_and_two_adapters, peft_reference, prompt
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 from test_lora_push import FAMILY, NAME, assert_peft, completion, push_adapter
 
@@ -38,7 +39,7 @@ def files(tmp_path_factory):
 
 def server_args(ckpt) -> tuple[str, ...]:
     return (str(ckpt), "--enable-lora", "--enable-weight-updates", "--enable-return-routed-experts",
-            "--enable-return-routed-expert-weights", "--return-sampling-mask", "--max-model-len", "96",
+            "--enable-return-routed-expert-weights", "--return-sampling-mask", "--max-loras", "2", "--max-model-len", "96",
             *TEST_SERVER_ARGS)
 
 
@@ -129,3 +130,22 @@ def test_an_adapter_pushed_over_the_group_reaches_both_replicas(single, fleet, r
         assert got.logprobs.token_logprobs == want.logprobs.token_logprobs, url
         assert (got.model_extra["lora_name"], got.model_extra["lora_version"]) == (NAME, 1), url
 
+
+
+def test_an_adapter_from_disk_loads_and_unloads_on_every_replica(fleet, replicas, files):
+    """The front sends load and unload to both replicas; each then serves the adapter (as PEFT
+    computes it) and lists it, and forgets it after the unload."""
+    _, _, a2 = files
+    r = httpx.post(fleet.url + "/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(a2)}, timeout=120)
+    assert r.status_code == 200, r.text
+    p = prompt(9, 4)
+    want = peft_reference(FAMILY, a2, p, 4).tokens
+    for url in replicas:
+        assert "a2" in {m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+        out = post(url, "/v1/completions", {"model": "a2", "prompt": p, "max_tokens": 4, "temperature": 0,
+                                            "return_token_ids": True})
+        assert out["choices"][0]["token_ids"] == want
+    r = httpx.post(fleet.url + "/unload_lora_adapter", json={"lora_name": "a2"}, timeout=120)
+    assert r.status_code == 200, r.text
+    for url in replicas:
+        assert "a2" not in {m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
