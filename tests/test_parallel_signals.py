@@ -1,7 +1,7 @@
 """The replay signals beside the rows under tensor and expert parallelism on the CPU (float32,
-gloo, 2 ranks) against one device: sampling masks (the sampler's support, computed on rank 0
-from the logits the LM head gathers) and the router's weights (captured by rank 0's MoE blocks;
-the router runs whole on every rank).
+gloo, 2 ranks) against one device: sampling masks and processed logprobs (the sampler's support
+and what it drew from, computed on rank 0 from the logits the LM head gathers), the weight-version
+spans, and the router's weights (captured by rank 0's MoE blocks; the router runs whole on every rank).
 
 Masks and rows are compared bitwise, the masks' logprobs and the router's weights within the
 tolerances the single-device tests use: a hidden state under TP is the ranks' partial products
@@ -21,11 +21,11 @@ pytestmark = pytest.mark.slow  # worker processes (torch.distributed ranks)
 LOGPROB_TOL = 1e-4  # as tests/test_tensor_parallel.py: float32 partial sums added in another order
 WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6  # as tests/test_routed_expert_weights.py against transformers
 ENGINE = dict(dtype="float32", block_size=16, num_kv_blocks=64, max_model_len=512, max_num_seqs=4,
-              enable_return_routed_expert_weights=True)
+              enable_return_routed_expert_weights=True, logprobs_mode="processed_logprobs")
 MODES = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
 # the built-in model's random weights are peaked: a high temperature gives supports of many ids
 SAMPLED = dict(max_tokens=10, temperature=2.0, top_k=30, top_p=0.95, ignore_eos=True,
-               return_sampling_mask=True, return_routed_expert_weights=True)
+               return_sampling_mask=True, return_routed_expert_weights=True, logprobs=3)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,11 @@ def assert_same_signals(one, many) -> None:
     for a, b in zip(one, many):
         ca, cb = a.outputs[0], b.outputs[0]
         assert ca.token_ids == cb.token_ids, f"{a.request_id}: sampled tokens differ"
+        assert cb.weight_versions == ca.weight_versions and cb.weight_versions[-1].end == len(cb.token_ids)
+        for i, (tops_a, tops_b) in enumerate(zip(ca.logprobs, cb.logprobs)):  # processed: after the filters
+            assert tops_a.keys() == tops_b.keys(), f"{a.request_id}: token {i}'s top logprobs name other ids"
+            np.testing.assert_allclose([tops_b[t].logprob for t in tops_a], [tops_a[t].logprob for t in tops_a],
+                                       atol=LOGPROB_TOL)
         ma, mb = ca.sampling_mask, cb.sampling_mask
         assert len(ma) == len(cb.token_ids) and min(np.diff(ma.offsets)) > 1  # supports wide enough to matter
         for i in range(len(ma)):
