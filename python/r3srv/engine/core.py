@@ -73,13 +73,9 @@ def _memory_tags(tags: list[str] | None) -> set[str]:
     return set(tags)
 
 
-def _capture_options(config: EngineConfig) -> dict:
-    """The executor's router-weights and indexer keywords: the one-process executor's only (the
-    config refuses -tp with either)."""
-    options = {"capture_weights": True} if config.enable_return_routed_expert_weights else {}
-    return options | ({"capture_indexer_topk": True} if config.enable_return_indexer_topk else {})
-
-
+def _indexer_option(config: EngineConfig) -> dict:
+    """The executor's indexer keyword: the one-process executor's only (the config refuses -tp with it)."""
+    return {"capture_indexer_topk": True} if config.enable_return_indexer_topk else {}
 
 
 class EngineCore:
@@ -115,7 +111,8 @@ class EngineCore:
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
             use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
-            encoder=encoder, logprobs_mode=config.logprobs_mode, **_capture_options(config),
+            encoder=encoder, logprobs_mode=config.logprobs_mode,
+            capture_weights=config.enable_return_routed_expert_weights, **_indexer_option(config),
         )
         self.tower_updates = TowerUpdates(None if encoder is None else encoder.tower,
                                           tensor_parallel=self.executor.ranks is not None)
