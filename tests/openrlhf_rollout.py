@@ -16,7 +16,10 @@ What runs, in OpenRLHF's order:
    its only CPU road, from a Ray actor holding the second checkpoint's tensors. Those two methods
    are restated here, line for line in their calls: their module imports deepspeed, and
    `broadcast_to_vllm` ends in `torch.cuda.synchronize()`, which a CPU build of torch refuses;
-4. a second round, on the new weights.
+4. a second round, on the new weights;
+5. the async trainer's partial-rollout sync (trainer/ppo_trainer_async.py `broadcast_to_vllm`):
+   `pause_generation` (vLLM's keep), a round submitted meanwhile (it waits), the first
+   checkpoint broadcast back, `resume_generation`: that round runs on the first weights again.
 Only `vllm` is absent here: SamplingParams is r3srv.compat.vllm's (OpenRLHF's modules that build
 it import vLLM at module level, so the generator's call is restated with its fields).
 """
@@ -48,6 +51,19 @@ def sampling_params():
                                skip_special_tokens=False, logprobs=1)
 
 
+def submit(engine, tokenizer) -> list:
+    """The samples generator's _dispatch_prompts_to_vllm: one generate_responses per prompt."""
+    return [engine.generate_responses.remote(prompt=p, label="", sampling_params=sampling_params(),
+                                             max_length=MAX_LEN, hf_tokenizer=tokenizer, num_samples=N_SAMPLES)
+            for p in PROMPTS]
+
+
+def actions(refs) -> list[list[int]]:
+    import ray
+
+    return [r["observation_tokens"][r["action_ranges"][0][0]:] for batch in ray.get(refs) for r in batch]
+
+
 def rollout(engine, tokenizer) -> dict:
     """One round of the samples generator on one engine: OpenRLHF's executor's responses, and
     the rows of each (the actor's `generate`, which the executor called, asked again)."""
@@ -56,9 +72,7 @@ def rollout(engine, tokenizer) -> dict:
     ray.get(engine.wake_up.remote())
     assert ray.get(engine.get_num_unfinished_requests.remote()) == 0
     params = sampling_params()
-    responses = [r for batch in ray.get([
-        engine.generate_responses.remote(prompt=p, label="", sampling_params=params, max_length=MAX_LEN,
-                                         hf_tokenizer=tokenizer, num_samples=N_SAMPLES) for p in PROMPTS]) for r in batch]
+    responses = [r for batch in ray.get(submit(engine, tokenizer)) for r in batch]
     prompts, actions, logprobs, rows = [], [], [], []
     for r in responses:
         (start, end), = r["action_ranges"]
@@ -83,6 +97,10 @@ def trainer_class():
         """OpenRLHF's policy actor's weight sync, with the second checkpoint's tensors as its policy."""
 
         def __init__(self, checkpoint: str) -> None:
+            self.load(checkpoint)
+
+        def load(self, checkpoint: str) -> None:
+            """The policy's parameters: a checkpoint's tensors."""
             from safetensors.torch import load_file
 
             files = sorted(Path(checkpoint).glob("*.safetensors"))
@@ -145,6 +163,13 @@ def main(v0: str, v1: str, out: str) -> None:
         ray.get(engine.wake_up.remote(["weights"]))  # colocated loops wake the weights for the sync
         sent = ray.get(trainer.broadcast_to_vllm.remote(engines))
         second = rollout(engine, tokenizer)
+        ray.get(engine.wake_up.remote())
+        ray.get(engine.pause_generation.remote())  # ppo_trainer_async.py broadcast_to_vllm, partial rollout
+        waiting = submit(engine, tokenizer)
+        ray.get(trainer.load.remote(v0))
+        ray.get(trainer.broadcast_to_vllm.remote(engines))
+        ray.get(engine.resume_generation.remote())
+        resumed = actions(waiting)
         ipc_refusal = ""
         try:
             ray.get(engine.update_weight_cuda_ipc.remote("lm_head.weight", "bfloat16", [1], {}))
@@ -152,7 +177,8 @@ def main(v0: str, v1: str, out: str) -> None:
             ipc_refusal = str(exc).strip().splitlines()[-1]
     finally:
         ray.shutdown()
-    data = {"asleep_after_factory": asleep_after_factory, "params_sent": sent, "ipc_refusal": ipc_refusal}
+    data = {"asleep_after_factory": asleep_after_factory, "params_sent": sent, "ipc_refusal": ipc_refusal,
+            "resumed_response_ids": np.array([np.asarray(a) for a in resumed] + [None], dtype=object)[:-1]}
     for name, got in (("first", first), ("second", second)):
         data[f"{name}_slept"] = got["slept"]
         for key in ("prompt_ids", "response_ids", "logprobs", "rows"):

@@ -1,7 +1,8 @@
 """OpenRLHF 0.11.2 on r3srv's engine factory: OpenRLHF's own agent executor generating through
 the factory's Ray actors, then its trainer's per-tensor weight broadcast (ray.util.collective
 over gloo, its `--vllm.sync_with_ray --vllm.sync_backend gloo`), then generation on the new
-weights. OpenRLHF runs in its own environment (tools/openrlhf_env.sh: openrlhf with --no-deps,
+weights, then its async trainer's pause, broadcast and resume with a round waiting. OpenRLHF runs
+in its own environment (tools/openrlhf_env.sh: openrlhf with --no-deps,
 its Ray and the imports its agent module needs) on a one-node CPU Ray cluster, as a subprocess
 (tests/openrlhf_rollout.py says what of OpenRLHF runs and what is restated, and why).
 
@@ -110,6 +111,13 @@ def test_the_broadcast_changed_the_policy(openrlhf_run):
     with safe_open(str(next(v1.glob("*.safetensors"))), "pt") as f:
         assert int(got["params_sent"]) == len(list(f.keys()))  # every tensor of the checkpoint, one call each
     assert [list(r) for r in got["first_response_ids"]] != [list(r) for r in got["second_response_ids"]]
+
+
+def test_a_round_waiting_on_a_paused_engine_runs_on_the_weights_broadcast_meanwhile(openrlhf_run):
+    """The async trainer's partial-rollout sync: pause (keep), the first checkpoint broadcast back
+    while a round waits, resume: the round's actions are the first round's (checked against v0)."""
+    _, _, got = openrlhf_run
+    assert [list(r) for r in got["resumed_response_ids"]] == [list(r) for r in got["first_response_ids"]]
 
 
 @pytest.mark.parametrize("which", ["first", "second"])
