@@ -19,7 +19,7 @@ from tiny_checkpoints import write_tiny_checkpoint
 import r3srv.compat.vllm as vllm
 from r3srv import LLM, SamplingParams
 from r3srv.errors import ConfigError, InvalidRequestError
-from r3srv.integrations.openrlhf.rollout import RolloutEngine, openrlhf_params
+from r3srv.integrations.openrlhf.rollout import RolloutEngine, load_agent_executor, openrlhf_params
 from r3srv.integrations.openrlhf.train_ppo_ray import split_engine_kwargs
 
 pytestmark = pytest.mark.slow  # two engines on a tiny transformers checkpoint
@@ -154,3 +154,23 @@ def test_launcher_takes_r3srvs_engine_kwargs_out_of_openrlhfs_arguments():
     assert split_engine_kwargs(['--r3srv.engine_kwargs={"seed": 3}', "--x"]) == ({"seed": 3}, ["--x"])
     with pytest.raises(SystemExit):
         split_engine_kwargs(["--r3srv.engine_kwargs", "[1]"])
+
+
+def test_agent_func_path_is_loaded_and_checked_as_openrlhf_checks_it(tmp_path, monkeypatch):
+    """--train.agent_func_path: a Python file whose AgentExecutor subclasses OpenRLHF's
+    AgentExecutorBase (a stand-in module here: OpenRLHF is not in r3srv's environment)."""
+    (tmp_path / "agent_base.py").write_text("class AgentExecutorBase:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from agent_base import AgentExecutorBase
+
+    good = tmp_path / "agent.py"
+    good.write_text("from agent_base import AgentExecutorBase\n\n"
+                    "class AgentExecutor(AgentExecutorBase):\n    loaded_from = __file__\n")
+    executor = load_agent_executor(str(good), AgentExecutorBase)
+    assert isinstance(executor, AgentExecutorBase) and executor.loaded_from == str(good)
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("class AgentExecutor:\n    pass\n")
+    with pytest.raises(ConfigError, match="AgentExecutorBase"):
+        load_agent_executor(str(wrong), AgentExecutorBase)
+    with pytest.raises(ConfigError, match="Python file"):
+        load_agent_executor(str(tmp_path / "agent.txt"), AgentExecutorBase)
