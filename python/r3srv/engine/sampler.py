@@ -42,6 +42,9 @@ class SampleResult:
     # under the distribution it drew from (float32); a greedy pick's is the pick alone, at 0.0
     mask_ids: np.ndarray | None = None
     mask_logprobs: np.ndarray | None = None
+    # the weights that drew it (the engine's weight_version when its step was queued), set by
+    # the step's bookkeeping
+    weight_version: str | None = None
 
 
 def finite_(logits: torch.Tensor) -> torch.Tensor:

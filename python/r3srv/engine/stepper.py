@@ -75,6 +75,8 @@ class QueuedStep:
     num_scheduled: dict[int, int]  # seq_id -> the tokens this step computes for it
     row_of: dict[int, int]  # seq_id -> its row in this step's samples
     prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # the weights the step runs on: an update drains queued steps before it loads
+    weight_version: str | None = None
 
 
 class Stepper:
@@ -151,7 +153,8 @@ class Stepper:
         for s, sampler in zip(picked, samplers):
             s.token_ids.append(PLACEHOLDER)
             sampled.append((s, s.num_tokens - 1, sampler))
-        return QueuedStep(sched, future, sampled, [s.num_computed_tokens for s in seqs], num_scheduled, row_of, spans)
+        return QueuedStep(sched, future, sampled, [s.num_computed_tokens for s in seqs], num_scheduled, row_of, spans,
+                          core.weight_version)
 
     # -- booking ----------------------------------------------------------------------------
     def _book(self, step: QueuedStep, result: CoreOutputs) -> None:
@@ -184,6 +187,7 @@ class Stepper:
                 core.fail_request(seq.request_id, _mask_overflow(len(res.mask_ids), core.config), result)
                 continue
             seq.token_ids[pos] = res.token_id
+            res.weight_version = step.weight_version
             if seq.prompt_token_mask is None:  # computed while sampling a view, kept for the next steps
                 seq.prompt_token_mask = sampler.prompt_token_mask
             placed.append((req, seq, pos, res))

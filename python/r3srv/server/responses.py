@@ -207,6 +207,7 @@ async def completion_response(
                     prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
                     token_ids=list(c.token_ids) if with_ids else None,
                     routed_experts=await rows.choice(c.routed_experts),
+                    weight_versions=weight_version_spans(c) if req.return_weight_versions else None,
                     weight_version=state.weight_version(out), **state.lora_fields(out),
                     prompt_logprobs=prompt_logprobs,
                 )
@@ -236,6 +237,7 @@ async def chat_response(
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if with_ids else None,
             routed_experts=await rows.choice(c.routed_experts),
+            weight_versions=weight_version_spans(c) if req.return_weight_versions else None,
             weight_version=state.weight_version(final), **state.lora_fields(final),
         ))
     return p.ChatCompletionResponse(
@@ -248,6 +250,13 @@ async def chat_response(
         sglext=await rows.sglext(final.outputs[0].routed_experts),
         image_grid_thw=UNSET if final.image_grid_thw is None else [list(grid) for grid in final.image_grid_thw],
     )
+
+
+def weight_version_spans(c: CompletionOutput) -> list[p.WeightVersionSpan] | None:
+    """Which weights sampled which of `c`'s tokens (None until it has finished)."""
+    if c.weight_versions is None:
+        return None
+    return [p.WeightVersionSpan(version=s.version, start=s.start, end=s.end) for s in c.weight_versions]
 
 
 def tito_sampling_mask(masks: SamplingMasks | None) -> list[list[int]] | None:
@@ -286,6 +295,7 @@ async def generate_response(
             routed_experts=await state.encode_experts(c.routed_experts, encoding, start),
             routed_expert_weights=expert_weights(c, req.routed_expert_weights_dtype),
             sampling_mask=tito_sampling_mask(c.sampling_mask),
+            weight_versions=weight_version_spans(c),
             weight_version=state.weight_version(final), **state.lora_fields(final),
             text=c.text if text_mode else UNSET,
         )
