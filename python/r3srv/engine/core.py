@@ -110,7 +110,7 @@ class EngineCore:
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
             use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
-            encoder=encoder, **_weights_option(config),
+            encoder=encoder, logprobs_mode=config.logprobs_mode, **_weights_option(config),
         )
         self.tower_updates = TowerUpdates(None if encoder is None else encoder.tower,
                                           tensor_parallel=self.executor.ranks is not None)
