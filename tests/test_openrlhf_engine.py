@@ -69,7 +69,8 @@ def vllm_sampling_params_class():
 def test_generate_equals_r3srvs_own_api_with_rows(engine, checkpoint):
     """The agent executors' callback: token ids in, vLLM's RequestOutput out, routed experts on."""
     got = [run(engine.generate(p, greedy())) for p in PROMPTS]
-    own = LLM(str(checkpoint), enable_return_routed_experts=True, **ENGINE)
+    own = LLM(str(checkpoint), enable_return_routed_experts=True, logprobs_mode=OPENRLHF_KWARGS["logprobs_mode"],
+              **ENGINE)
     try:
         want = own.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, min_tokens=1, logprobs=1))
     finally:
@@ -102,16 +103,19 @@ def test_vllms_own_sampling_params_are_read_by_field_name(engine):
     assert exc.value.param == "sampling_params"
 
 
-def test_processed_logprobs_are_refused_only_where_they_differ_from_raw(engine):
-    for changed in (dict(temperature=0.7), dict(temperature=1.0, top_p=0.9), dict(temperature=1.0, top_k=5),
-                    dict(temperature=0.0, repetition_penalty=1.2)):
-        params = vllm.SamplingParams(max_tokens=2, logprobs=1, **changed)
-        with pytest.raises(InvalidRequestError) as exc:
-            run(engine.generate(PROMPTS[0], params))
-        assert exc.value.param == "logprobs"
-        assert run(engine.generate(PROMPTS[0], vllm.SamplingParams(max_tokens=2, **changed))).outputs[0].token_ids
-    sampled = run(engine.generate(PROMPTS[0], vllm.SamplingParams(max_tokens=2, logprobs=1, seed=3))).outputs[0]
-    assert len(sampled.logprobs) == len(sampled.token_ids) == 2  # temperature 1, no filter: raw == processed
+def test_openrlhfs_processed_logprobs_mode_reaches_the_engine(engine, checkpoint):
+    """logprobs_mode=processed_logprobs (OpenRLHF's, with rollout correction): the sampled tokens'
+    logprobs under the distribution they were drawn from, as r3srv's own LLM in that mode."""
+    params = dict(temperature=0.8, top_k=5, top_p=0.9, max_tokens=5, logprobs=1, seed=3)
+    got = run(engine.generate(PROMPTS[0], vllm.SamplingParams(**params))).outputs[0]
+    own = LLM(str(checkpoint), logprobs_mode="processed_logprobs", **ENGINE)
+    try:
+        want = own.generate([PROMPTS[0]], SamplingParams(**params))[0].outputs[0]
+    finally:
+        own.shutdown()
+    assert list(got.token_ids) == list(want.token_ids)
+    assert [d[t].logprob for d, t in zip(got.logprobs, got.token_ids)] == pytest.approx(
+        [d[t].logprob for d, t in zip(want.logprobs, want.token_ids)], abs=1e-5)
 
 
 def test_sleep_then_wake_one_tag_at_a_time(engine):
@@ -141,7 +145,7 @@ def test_refusals_name_what_r3srv_does_not_serve(engine, checkpoint):
         run(engine.update_weight("lm_head.weight", "float32", [1, 1]))
     assert "init_process_group" in str(exc.value)
     with pytest.raises(ConfigError, match="logprobs_mode"):
-        RolloutEngine(str(checkpoint), logprobs_mode="processed_logits", **ENGINE)
+        RolloutEngine(str(checkpoint), logprobs_mode="processed_probs", **ENGINE)
     with pytest.raises(ConfigError, match="multimodal"):
         RolloutEngine(str(checkpoint), mm_pad_token_ids={151655}, **ENGINE)
 

@@ -62,7 +62,7 @@ def openrlhf_run(tmp_path_factory):
 def own(checkpoint: Path, prompts: list[list[int]]) -> list:
     """r3srv's own API on a fresh engine, with the rollout's sampling (greedy, min_tokens 1)."""
     llm = LLM(str(checkpoint), device="cpu", max_model_len=loop.MAX_LEN, enable_return_routed_experts=True,
-              **loop.ENGINE_KWARGS)
+              logprobs_mode="processed_logprobs", **loop.ENGINE_KWARGS)  # as OpenRLHF's factory asks
     try:
         return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=loop.MAX_NEW_TOKENS, min_tokens=1,
                                                     logprobs=0))

@@ -33,9 +33,6 @@ import r3srv.compat.vllm as vllm
 from r3srv.errors import ConfigError, InvalidRequestError
 from r3srv.outputs import RequestOutput
 
-GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is greedy and its logprobs are raw
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-
 
 class RolloutEngine:
     """OpenRLHF's RolloutRayActor contract on r3srv (`factory` wraps it in `ray.remote`).
@@ -43,21 +40,15 @@ class RolloutEngine:
     Keywords: the engine keywords OpenRLHF's factory passes to vLLM (r3srv.compat.vllm takes
     them: r3srv options, settings without effect here, or refusals naming them), plus its
     actor's own (`agent_func_path`, `remote_rm_url`, `mm_pad_token_ids`, `full_determinism`).
-    `logprobs_mode="processed_logprobs"` is taken: it equals the raw logprobs r3srv returns for
-    requests whose sampling leaves the distribution as it is, and others asking for logprobs
-    are refused (`generate`)."""
+    OpenRLHF's `logprobs_mode="processed_logprobs"` (with rollout correction) is r3srv's engine
+    option of that name: each sampled token's logprob under the distribution it was drawn from."""
 
     def __init__(self, model: str, *, agent_func_path: str | None = None, remote_rm_url: Any = None,
-                 mm_pad_token_ids: Any = None, full_determinism: bool = False, logprobs_mode: str | None = None,
-                 **engine_kwargs: Any) -> None:
+                 mm_pad_token_ids: Any = None, full_determinism: bool = False, **engine_kwargs: Any) -> None:
         if mm_pad_token_ids:
             raise ConfigError("multimodal rollouts (max_images_per_prompt > 0) are not wired through r3srv's "
                               "OpenRLHF engines: text prompts only")
-        if logprobs_mode not in (None, *LOGPROBS_MODES):
-            raise ConfigError(f"logprobs_mode={logprobs_mode!r}: r3srv returns raw logprobs "
-                              f"(taken: {', '.join(LOGPROBS_MODES)})")
         # full_determinism turns off vLLM's engine subprocess; r3srv's engine runs in this process.
-        self.processed_logprobs = logprobs_mode == "processed_logprobs"
         self.agent_func_path = agent_func_path
         self.remote_rm_url = remote_rm_url
         self._executor = None
@@ -73,10 +64,6 @@ class RolloutEngine:
             raise InvalidRequestError("multi_modal_data is not served by r3srv's OpenRLHF engines (text only)",
                                       param="multi_modal_data")
         params = openrlhf_params(sampling_params)
-        if self.processed_logprobs and params.logprobs is not None and changes_distribution(params):
-            raise InvalidRequestError("logprobs_mode=processed_logprobs with sampling that changes the distribution "
-                                      "(temperature, top_k, top_p, penalties): r3srv returns raw logprobs only",
-                                      param="logprobs")
         params.output_kind = vllm.RequestOutputKind.FINAL_ONLY
         final = None
         async for out in self.llm.generate(vllm.TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params,
@@ -185,18 +172,6 @@ def openrlhf_params(params: Any) -> vllm.SamplingParams:
         elif value not in (None, False, 0, [], {}, ()):
             raise InvalidRequestError(param=f"sampling_params.{name}", problem=f"={value!r} is not served by r3srv")
     return vllm.SamplingParams(**values)
-
-
-def changes_distribution(params: vllm.SamplingParams) -> bool:
-    """Whether vLLM's processed logprobs (after temperature, top-k/top-p, penalties) differ from
-    the raw ones for these params; greedy requests' are raw in vLLM's sampler."""
-    temperature = 1.0 if params.temperature is None else params.temperature
-    penalties = (params.repetition_penalty not in (None, 1.0) or bool(params.presence_penalty)
-                 or bool(params.frequency_penalty))
-    if temperature < GREEDY_EPS:
-        return penalties
-    return (temperature != 1.0 or (params.top_k or 0) > 0 or (params.top_p is not None and params.top_p < 1.0)
-            or (params.min_p or 0) > 0 or penalties)
 
 
 def load_agent_executor(path: str, base: type) -> Any:
