@@ -8,14 +8,8 @@
 #     tools/openrlhf_env.sh [OPENRLHF_VENV (default .openrlhf_venv)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BASE=${BASE:-.venv}
 OPENRLHF_VENV=${1:-.openrlhf_venv}
-[ -x "$BASE/bin/python" ] || { echo "no $BASE: run make install first" >&2; exit 1; }
-"$BASE/bin/python" -m venv "$OPENRLHF_VENV"
-site=$("$OPENRLHF_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-base_site=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# after OpenRLHF's own packages on sys.path: r3srv's sources, then the .venv (torch, transformers)
-printf '%s\n%s\n' "$(pwd)/python" "$(cd "$base_site" && pwd)" > "$site/zz_r3srv_base.pth"
+tools/layered_venv.sh "$OPENRLHF_VENV"
 "$OPENRLHF_VENV/bin/pip" install -q --no-deps -c tools/openrlhf_constraints.txt openrlhf
 "$OPENRLHF_VENV/bin/pip" install -q -c tools/openrlhf_constraints.txt ray pylatexenc
 "$OPENRLHF_VENV/bin/python" -c 'import importlib.metadata as m, ray, openrlhf.utils.agent, r3srv.integrations.openrlhf; print("openrlhf", m.version("openrlhf"), "ray", ray.__version__, "and r3srv.integrations.openrlhf import")'
