@@ -7,12 +7,7 @@
 #     tools/rl_clients_env.sh [VENV (default .rl_clients_venv)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BASE=${BASE:-.venv}
 VENV=${1:-.rl_clients_venv}
-[ -x "$BASE/bin/python" ] || { echo "no $BASE: run make install first" >&2; exit 1; }
-"$BASE/bin/python" -m venv "$VENV"
-site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-base_site=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-printf '%s\n' "$(cd "$base_site" && pwd)" > "$site/zz_r3srv_base.pth"
+tools/layered_venv.sh "$VENV"
 "$VENV/bin/pip" install -q --no-deps --ignore-requires-python -r tools/rl_clients_constraints.txt
 "$VENV/bin/python" tests/rl_clients_driver.py check

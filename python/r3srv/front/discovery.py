@@ -93,7 +93,11 @@ _FALSE = {"false", "0", "no", "off", "f", "n"}  # a bool query parameter's false
 
 
 async def world_size(front: Front, path: str, query: str, headers: list[tuple[bytes, bytes]]) -> Answer:
-    replies = await ask_every_replica(front, with_query(path, query), headers)
+    return fleet_world_size(path, query, await ask_every_replica(front, with_query(path, query), headers))
+
+
+def fleet_world_size(path: str, query: str, replies: list[Reply]) -> Answer:
+    """The fleet's /get_world_size from each replica's answer to the same query."""
     sizes = [_decoded(r) for r in replies if r.ok]
     if len(sizes) < len(replies) or not all(isinstance(s, dict) and "world_size" in s for s in sizes):
         return combine(path, replies)
