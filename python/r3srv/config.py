@@ -127,7 +127,7 @@ class EngineConfig:
     # SGLang's proposed flag (#23999): the router's weight of every routed-experts id, on request
     enable_return_routed_expert_weights: bool = option(
         False, "capture the router's weights beside the routed experts (per request: "
-        "return_routed_expert_weights); needs --enable-return-routed-experts and one process (no -tp)")
+        "return_routed_expert_weights); needs --enable-return-routed-experts")
     # vLLM 0.33's flag: every request's sampling mask by default (per request: return_sampling_mask)
     return_sampling_mask: bool = option(
         False, "return each sampled token's sampling mask (the ids the draw could pick) by default; "
@@ -227,9 +227,6 @@ class EngineConfig:
         if not self.enable_return_routed_experts:
             raise ConfigError("enable_return_routed_expert_weights=True needs enable_return_routed_experts=True "
                               "(the weights follow the rows); add --enable-return-routed-experts")
-        if self.parallel.tensor_parallel_size > 1:  # the ranks' executor ships no weights capture
-            raise ConfigError("enable_return_routed_expert_weights=True is served in one process only; "
-                              f"use tensor_parallel_size=1, not {self.parallel.tensor_parallel_size}")
 
     def _check_lora(self) -> None:
         _positive("max_loras", self.max_loras)

@@ -72,11 +72,6 @@ def _memory_tags(tags: list[str] | None) -> set[str]:
     return set(tags)
 
 
-def _weights_option(config: EngineConfig) -> dict:
-    """The executor's router-weights keyword: the one-process executor's only (the config refuses -tp)."""
-    return {"capture_weights": True} if config.enable_return_routed_expert_weights else {}
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -110,7 +105,8 @@ class EngineCore:
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
             use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
-            encoder=encoder, logprobs_mode=config.logprobs_mode, **_weights_option(config),
+            encoder=encoder, logprobs_mode=config.logprobs_mode,
+            capture_weights=config.enable_return_routed_expert_weights,
         )
         self.tower_updates = TowerUpdates(None if encoder is None else encoder.tower,
                                           tensor_parallel=self.executor.ranks is not None)
