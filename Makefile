@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-data verl-env verifiers-env openrlhf-env test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke fuzz-deep serve
+.PHONY: install test test-data verl-env verifiers-env openrlhf-env rl-clients-env test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke fuzz-deep serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,12 +14,15 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -e ".[test]"
 
-# verl's, OpenRLHF's and prime-rl's clients' environments (mostly downloads) build while the Rust tests compile and run
+# verl's, OpenRLHF's, prime-rl's, SkyRL's and AReaL's clients' environments (mostly downloads) build while
+# the Rust tests compile and run
 test: install test-data
 	{ [ -x .verl_venv/bin/python ] || tools/verl_env.sh .verl_venv; } & verl=$$!; \
 	{ [ -x .openrlhf_venv/bin/python ] || tools/openrlhf_env.sh .openrlhf_venv; } & orl=$$!; \
 	{ [ -x .verifiers_venv/bin/python ] || tools/verifiers_env.sh .verifiers_venv; } & vf=$$!; \
-	cargo test --release; rust=$$?; wait $$verl || exit 1; wait $$orl || exit 1; wait $$vf || exit 1; exit $$rust
+	{ [ -x .rl_clients_venv/bin/python ] || tools/rl_clients_env.sh .rl_clients_venv; } & rl=$$!; \
+	cargo test --release; rust=$$?; wait $$verl || exit 1; wait $$orl || exit 1; wait $$vf || exit 1; wait $$rl || exit 1; \
+	exit $$rust
 	$(MAKE) test-python
 
 # verl's own environment (tools/verl_env.sh) for tests/test_verl_rollout.py, built once
@@ -33,6 +36,10 @@ openrlhf-env: install
 # prime-rl's rollout clients (verifiers, renderers) for tests/test_verifiers_client.py, built once
 verifiers-env:
 	[ -x .verifiers_venv/bin/python ] || tools/verifiers_env.sh .verifiers_venv
+
+# SkyRL's and AReaL's clients (skyrl, areal) for tests/test_rl_framework_clients.py, built once
+rl-clients-env: install
+	[ -x .rl_clients_venv/bin/python ] || tools/rl_clients_env.sh .rl_clients_venv
 
 # Test data that would otherwise be downloaded at run time (tools/fetch_test_vocab.sh)
 test-data:

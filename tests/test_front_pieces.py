@@ -22,7 +22,7 @@ from r3srv.data_parallel import replica_argv, replica_devices, supervisor_header
 from r3srv.engine.multiproc_executor import Rendezvous, rank_device
 from r3srv.errors import ConfigError
 from r3srv.front.app import RankError, declared_fleet, declared_ranks, rank_bodies
-from r3srv.front.discovery import sum_prometheus
+from r3srv.front.discovery import fleet_world_size, sum_prometheus
 from r3srv.front.images import image_digests, image_references
 from r3srv.front.policy import BALANCE_ABS, BLOCK_CHARS, PrefixAwarePolicy, prompt_key
 from r3srv.security import ServeSecurity
@@ -232,6 +232,20 @@ def test_one_answer_from_every_replica():
     assert error["message"].endswith("(note)")
     status, _, body = combine("/p", [ok[0], Reply("replica 1", 409, _error(409, "busy", "mode"))])
     assert status == 409 and msgspec.json.decode(body)["error"]["param"] == "mode"
+
+
+@pytest.mark.parametrize("query, want", [("", 4), ("include_dp=true", 4), ("include_dp=false", 2),
+                                         ("include_dp=0", 2), ("include_dp=False", 2)])
+def test_the_fleets_world_size_adds_its_replicas_ranks(query, want):
+    """Two replicas of tensor-parallel size 2: vLLM counts dp * tp, SkyRL sizes its group by it."""
+    replies = [Reply(f"replica {i}", 200, b'{"world_size":2}', [(b"content-type", b"application/json")])
+               for i in range(2)]
+    status, _, body = fleet_world_size("/get_world_size", query, replies)
+    assert status == 200 and msgspec.json.decode(body) == {"world_size": want}
+    down = fleet_world_size("/get_world_size", query, [replies[0], Reply("replica 1", UNREACHABLE, error="x")])
+    assert down[0] == 502  # not a world that leaves a replica out
+    refused = [Reply(f"replica {i}", 400, _error(400, "bad include_dp", "include_dp")) for i in range(2)]
+    assert fleet_world_size("/get_world_size", "include_dp=maybe", refused)[0::2] == (400, refused[0].body)
 
 
 # ------------------------------------------------------------------ /metrics summed

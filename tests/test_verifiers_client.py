@@ -29,7 +29,7 @@ from renderers.base import load_tokenizer
 from renderers.client import generate
 
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
-from tiny_checkpoints import build_hf_model, hf_gate_modules, hf_router_ids, write_tiny_checkpoint
+from tiny_checkpoints import build_hf_model, hf_logprobs_and_rows, write_tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]  # a real server, a subprocess, a transformers oracle
 
@@ -50,8 +50,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf():
-    model = build_hf_model("qwen3_moe", seed=SEED)
-    return model, hf_gate_modules(model)
+    return build_hf_model("qwen3_moe", seed=SEED)
 
 
 @pytest.fixture(scope="module", params=["server", "fleet"])
@@ -75,17 +74,7 @@ def rollout(server, checkpoint: Path, seed: int, tmp_path: Path) -> dict:
 
 def transformers_run(hf, ids: list[int]) -> tuple[torch.Tensor, np.ndarray]:
     """log-softmax [T, V] and router top-k rows [T, L, k] of transformers on `ids`."""
-    model, gates = hf
-    picked: dict[int, torch.Tensor] = {}
-    hooks = [g.register_forward_hook(lambda m, i, o, n=n: picked.__setitem__(n, hf_router_ids(m, i, o).clone()))
-             for n, g in gates.items()]
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float()
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.log_softmax(logits, dim=-1), torch.stack([picked[n] for n in sorted(picked)], dim=1).numpy()
+    return hf_logprobs_and_rows(hf, ids)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

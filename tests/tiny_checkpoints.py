@@ -159,17 +159,26 @@ def hf_router_ids(gate: torch.nn.Module, inputs: tuple, output: tuple) -> torch.
     return ids.gather(1, torch.sort(keys, dim=1, descending=True, stable=True).indices)
 
 
-def hf_forward_with_gate_hook(hf, tokens: list[int], hook) -> None:
-    """One transformers forward over `tokens`, `hook(layer, gate, inputs, output)` called on each
-    MoE layer's router module."""
+def hf_forward_with_gate_hook(hf, tokens: list[int], hook):
+    """One transformers forward over `tokens` (its output returned), `hook(layer, gate, inputs,
+    output)` called on each MoE layer's router module."""
     hooks = [gate.register_forward_hook(lambda m, i, o, layer=layer: hook(layer, m, i, o))
              for layer, gate in hf_gate_modules(hf).items()]
     try:
         with torch.no_grad():
-            hf(torch.tensor([tokens]))
+            return hf(torch.tensor([tokens]))
     finally:
         for h in hooks:
             h.remove()
+
+
+def hf_logprobs_and_rows(hf, tokens: list[int]) -> tuple[torch.Tensor, np.ndarray]:
+    """log-softmax [T, V] and router top-k rows [T, layers, k] (r3srv's order) of one transformers
+    forward over `tokens`."""
+    picked: dict[int, torch.Tensor] = {}
+    out = hf_forward_with_gate_hook(hf, tokens, lambda layer, m, i, o: picked.__setitem__(layer, hf_router_ids(m, i, o)))
+    rows = torch.stack([picked[layer] for layer in sorted(picked)], dim=1).numpy()
+    return torch.log_softmax(out.logits[0].float(), dim=-1), rows
 
 
 def hf_router_weights(hf, tokens: list[int], num_layers: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OPENRLHF_VENV=${1:-.openrlhf_venv}
-tools/layered_venv.sh "$OPENRLHF_VENV"
+tools/layered_venv.sh "$OPENRLHF_VENV" "$(pwd)/python"
 "$OPENRLHF_VENV/bin/pip" install -q --no-deps -c tools/openrlhf_constraints.txt openrlhf
 "$OPENRLHF_VENV/bin/pip" install -q -c tools/openrlhf_constraints.txt ray pylatexenc
 "$OPENRLHF_VENV/bin/python" -c 'import importlib.metadata as m, ray, openrlhf.utils.agent, r3srv.integrations.openrlhf; print("openrlhf", m.version("openrlhf"), "ray", ray.__version__, "and r3srv.integrations.openrlhf import")'

@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERL_VENV=${1:-.verl_venv}
-tools/layered_venv.sh "$VERL_VENV"
+# after verl's own packages on sys.path: r3srv's sources, then the .venv (torch, r3srv's metadata)
+tools/layered_venv.sh "$VERL_VENV" "$(pwd)/python"
 # cachetools and pyzmq: imported by verl's rollout router and agent loop, not in its requirements
 "$VERL_VENV/bin/pip" install -q -c tools/verl_constraints.txt verl cachetools pyzmq
 "$VERL_VENV/bin/python" -c 'import verl; from verl.workers.rollout.replica import RolloutReplicaRegistry as R; print("verl", verl.__version__, "resolves rollout.name=r3srv:", R.get("r3srv").__name__)'

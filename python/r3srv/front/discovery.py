@@ -6,6 +6,9 @@
   URL, state, the requests the front has in flight there, weight_version, model_path, pause and
   memory state. `weight_version` is
   the replicas' common one, null while they differ (each entry says which serves what).
+- /get_world_size (vLLM's): every replica's ranks added (each replica is a data-parallel rank of
+  the fleet, as vLLM counts dp * tp * pp), one replica's with `include_dp=false`; SkyRL sizes its
+  weight-sync group from it.
 - /v1/loads and /get_load: one load per replica, `dp_rank` its index; `dp_rank=i` selects one.
 - /get_weight_version: the common version; 409 naming each replica's while they differ.
 - /metrics: every replica's samples summed series by series (the `_created` timestamps: the
@@ -84,6 +87,24 @@ async def server_info(front: Front, path: str, query: str, headers: list[tuple[b
     info.update(dp_size=len(states), internal_states=states,
                 weight_version=versions.pop() if len(versions) == 1 else None)
     return _json(200, info)
+
+
+_FALSE = {"false", "0", "no", "off", "f", "n"}  # a bool query parameter's false spellings
+
+
+async def world_size(front: Front, path: str, query: str, headers: list[tuple[bytes, bytes]]) -> Answer:
+    return fleet_world_size(path, query, await ask_every_replica(front, with_query(path, query), headers))
+
+
+def fleet_world_size(path: str, query: str, replies: list[Reply]) -> Answer:
+    """The fleet's /get_world_size from each replica's answer to the same query."""
+    sizes = [_decoded(r) for r in replies if r.ok]
+    if len(sizes) < len(replies) or not all(isinstance(s, dict) and "world_size" in s for s in sizes):
+        return combine(path, replies)
+    include_dp = [v for k, v in parse_qsl(query, keep_blank_values=True) if k == "include_dp"]
+    if include_dp and include_dp[-1].lower() in _FALSE:
+        return _json(200, sizes[0])
+    return _json(200, {**sizes[0], "world_size": sum(s["world_size"] for s in sizes)})
 
 
 def _dp_rank(front: Front, query: str) -> tuple[int | None, str, Answer | None]:
@@ -240,5 +261,6 @@ FLEET_ANSWERS: dict[str, Callable[[Front, str, str, list[tuple[bytes, bytes]]], 
     "/v1/loads": loads,
     "/get_load": legacy_load,
     "/get_weight_version": weight_version,
+    "/get_world_size": world_size,
     "/metrics": metrics,
 }
