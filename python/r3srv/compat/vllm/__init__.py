@@ -9,6 +9,7 @@ would change what is sampled and that r3srv does not implement raises an error n
 from r3srv.compat.vllm.async_llm import AsyncLLM
 from r3srv.compat.vllm.engine_args import AsyncEngineArgs, EngineArgs, ModelConfig, VllmConfig
 from r3srv.compat.vllm.llm import LLM
+from r3srv.compat.vllm.lora import LoRARequest
 from r3srv.compat.vllm.prompts import TextPrompt, TokensPrompt
 from r3srv.compat.vllm.sampling import RequestOutputKind, SamplingParams
 from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
@@ -16,6 +17,6 @@ from r3srv.outputs import CompletionOutput, Logprob, RequestOutput
 AsyncLLMEngine = AsyncLLM  # vLLM's older name, still imported by frameworks
 
 __all__ = [
-    "AsyncEngineArgs", "AsyncLLM", "AsyncLLMEngine", "CompletionOutput", "EngineArgs", "LLM", "Logprob", "ModelConfig",
+    "AsyncEngineArgs", "AsyncLLM", "AsyncLLMEngine", "CompletionOutput", "EngineArgs", "LLM", "Logprob", "LoRARequest", "ModelConfig",
     "RequestOutput", "RequestOutputKind", "SamplingParams", "TextPrompt", "TokensPrompt", "VllmConfig",
 ]

@@ -8,8 +8,9 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from r3srv.compat.vllm.common import check_request_extras, model_config_of
+from r3srv.compat.vllm.common import check_priority, model_config_of
 from r3srv.compat.vllm.engine_args import EngineArgs, ModelConfig, VllmConfig, engine_options
+from r3srv.compat.vllm.lora import LoraIds
 from r3srv.compat.vllm.prompts import read_prompt
 from r3srv.compat.vllm.sampling import RequestOutputKind
 from r3srv.engine import rpc, sleep
@@ -27,8 +28,13 @@ class AsyncLLM:
     r3srv's AsyncLLM underneath (its own control methods, the HTTP server's engine)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.r3srv = R3srvAsyncLLM(**engine_options(model, kwargs))
+        self._attach(R3srvAsyncLLM(**engine_options(model, kwargs)))
+
+    def _attach(self, engine: R3srvAsyncLLM) -> None:
+        self.r3srv = engine
         self._updates: TrainerUpdates | None = None
+        self._loras = LoraIds()
+        self._lora_lock = asyncio.Lock()  # a first use loads once, however many requests name it at once
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **_context: Any) -> AsyncLLM:
@@ -38,8 +44,7 @@ class AsyncLLM:
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig, **_context: Any) -> AsyncLLM:
         llm = cls.__new__(cls)
-        llm.r3srv = R3srvAsyncLLM(**vllm_config.options)
-        llm._updates = None
+        llm._attach(R3srvAsyncLLM(**vllm_config.options))
         return llm
 
     # -- facts ----------------------------------------------------------------------------
@@ -78,14 +83,15 @@ class AsyncLLM:
                        **_request_metadata: Any) -> AsyncIterator[RequestOutput]:
         """One request's outputs, as vLLM's: cumulative unless the params' output_kind says
         otherwise (DELTA, FINAL_ONLY). Leaving the iteration early aborts the request."""
-        check_request_extras(lora_request, priority)
+        check_priority(priority)
+        lora_name = await self._lora_name(lora_request)
         text_or_ids, params = read_prompt(prompt, sampling_params)
         params = params or SamplingParams()
         kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)
         output_kind = RequestOutputKind(kind).r3srv if not isinstance(kind, OutputKind) else kind
         add_special_tokens = (tokenization_kwargs or {}).get("add_special_tokens", True)
         async for out in self.r3srv.generate(text_or_ids, params, request_id, add_special_tokens=add_special_tokens,
-                                             output_kind=output_kind):
+                                             output_kind=output_kind, lora_name=lora_name):
             yield out
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
@@ -135,13 +141,31 @@ class AsyncLLM:
         """Until no request is in flight; TimeoutError after drain_timeout seconds."""
         await asyncio.wait_for(self.r3srv.requests_drained(), drain_timeout)
 
-    # -- LoRA: none ---------------------------------------------------------------------------
+    # -- LoRA: vLLM's ids over r3srv's named adapters (needs enable_lora) ---------------------
     async def list_loras(self) -> set[int]:
-        return set()
+        """The ids of the adapters loaded through this object (add_lora or a request's lora_request)."""
+        return set(self._loras.names)
 
     async def add_lora(self, lora_request: Any) -> bool:
-        check_request_extras(lora_request)
-        return False
+        """Load the adapter (again, with load_inplace) from its path."""
+        await self._lora_name(lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        name = self._loras.remove(lora_id)
+        if name is not None:
+            await self.r3srv.unload_lora_adapter(name)
+        return name is not None
+
+    async def _lora_name(self, lora_request: Any) -> str | None:
+        if lora_request is None:
+            return None
+        async with self._lora_lock:
+            name, path = self._loras.to_load(lora_request)
+            if path is not None:
+                await self.r3srv.load_lora_adapter(name, path)
+                self._loras.loaded(lora_request)
+        return name
 
     # -- weights ------------------------------------------------------------------------------
     async def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),

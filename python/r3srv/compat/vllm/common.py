@@ -1,19 +1,14 @@
-"""What vLLM's LLM and AsyncLLM share in r3srv.compat.vllm: refusals of the arguments r3srv
-does not serve and the model config view."""
+"""What vLLM's LLM and AsyncLLM share in r3srv.compat.vllm: the refusal of priorities and the
+model config view."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from r3srv.compat.vllm.engine_args import ModelConfig
 from r3srv.errors import InvalidRequestError
 
 
-def check_request_extras(lora_request: Any = None, priority: int | None = 0) -> None:
-    """vLLM's generate arguments r3srv takes only when off: no LoRA adapter, no priority."""
-    if lora_request is not None:
-        raise InvalidRequestError("LoRA adapters are not supported by r3srv: pass lora_request=None",
-                                  param="lora_request")
+def check_priority(priority: int | None = 0) -> None:
+    """vLLM's priority, which r3srv takes only when off."""
     if priority not in (None, 0):
         raise InvalidRequestError(f"priority={priority!r}: priority scheduling is not supported by r3srv (only 0)",
                                   param="priority")

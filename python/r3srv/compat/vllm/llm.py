@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from r3srv.compat.vllm.common import check_request_extras, model_config_of
+from r3srv.compat.vllm.common import check_priority, model_config_of
 from r3srv.compat.vllm.engine_args import ModelConfig, engine_options
+from r3srv.compat.vllm.lora import LoraIds
 from r3srv.compat.vllm.prompts import is_one_prompt, read_prompt
 from r3srv.engine import rpc
 from r3srv.engine.llm import LLM as R3srvLLM
@@ -56,6 +57,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         options = engine_options(model, kwargs)
         self.r3srv = R3srvLLM(**options)
+        self._loras = LoraIds()
         self.llm_engine = LLMEngineView(self)
 
     def get_tokenizer(self):
@@ -67,7 +69,7 @@ class LLM:
         """Prompts as vLLM takes them (strings, token ids, TextPrompt / TokensPrompt dicts, one
         or a list); outputs in prompt order."""
         for one in priority if isinstance(priority, list) else [priority]:
-            check_request_extras(lora_request, one)
+            check_priority(one)
         add_special_tokens = (tokenization_kwargs or {}).get("add_special_tokens", True)
         prompt_list = [prompts] if is_one_prompt(prompts) else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -78,16 +80,30 @@ class LLM:
                 raise InvalidRequestError(f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts",
                                           param="sampling_params")
         read = [read_prompt(p, sp) for p, sp in zip(prompt_list, params_list)]
+        if isinstance(lora_request, list) and len(lora_request) != len(prompt_list):
+            raise InvalidRequestError(f"got {len(lora_request)} lora_request for {len(prompt_list)} prompts",
+                                      param="lora_request")
+        lora_name = ([self._lora_name(r) for r in lora_request] if isinstance(lora_request, list)
+                     else self._lora_name(lora_request))
         return self.r3srv.generate([p for p, _ in read], [sp or SamplingParams() for _, sp in read],
-                                   use_tqdm=use_tqdm, add_special_tokens=add_special_tokens)
+                                   use_tqdm=use_tqdm, add_special_tokens=add_special_tokens, lora_name=lora_name)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = False, lora_request: Any = None, **template_kwargs: Any) -> list[RequestOutput]:
-        check_request_extras(lora_request)
         if template_kwargs.get("chat_template") is not None:
             raise InvalidRequestError("custom chat templates are not supported by r3srv: the model's own is used",
                                       param="chat_template")
-        return self.r3srv.chat(messages, sampling_params, use_tqdm=use_tqdm)
+        return self.r3srv.chat(messages, sampling_params, use_tqdm=use_tqdm, lora_name=self._lora_name(lora_request))
+
+    def _lora_name(self, lora_request: Any) -> str | None:
+        """The r3srv adapter a vLLM LoRARequest names, loaded from its path the first time its id is seen."""
+        if lora_request is None:
+            return None
+        name, path = self._loras.to_load(lora_request)
+        if path is not None:
+            self.r3srv.load_lora_adapter(name, path)
+            self._loras.loaded(lora_request)
+        return name
 
     # -- control, vLLM's names ------------------------------------------------------------
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
