@@ -2,12 +2,13 @@
 bound to another backend."""
 
 import contextlib
-import time
 
 import pytest
 import torch
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+# the built-in model's parallel layouts on two CPU ranks (gloo), each compared with one device
+PARALLEL_MODES = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
 
 
 def prompt_ids(n: int, base: int = 0) -> list[int]:
@@ -148,3 +149,22 @@ def run_with_aborts(engine, requests: dict, aborted: dict, abort_at_step: int) -
             for rid in aborted:
                 assert engine.abort_request(rid).outputs[0].finish_reason == "abort"
     return finished
+
+
+def single_and_split(engine: dict):
+    """Module fixtures `single` (one device) and `split` (each of PARALLEL_MODES, its worker
+    processes gone after shutdown) of r3srv.LLM(**engine): `single, split = single_and_split(ENGINE)`."""
+    from r3srv import LLM
+
+    @pytest.fixture(scope="module")
+    def single():
+        return LLM(**engine)
+
+    @pytest.fixture(scope="module", params=list(PARALLEL_MODES))
+    def split(request):
+        llm = LLM(**engine, **PARALLEL_MODES[request.param])
+        yield llm
+        llm.shutdown()
+        assert all(not w.is_alive() for w in llm.engine.core.executor.ranks.workers)
+
+    return single, split

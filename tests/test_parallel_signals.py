@@ -13,8 +13,8 @@ the margin so a near-tie is told from a real divergence."""
 import numpy as np
 import pytest
 
-from engine_testing import one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
-from r3srv import LLM, SamplingParams
+from engine_testing import one_torch_thread, prompt_ids, single_and_split  # noqa: F401 (autouse fixture)
+from r3srv import SamplingParams
 
 pytestmark = pytest.mark.slow  # worker processes (torch.distributed ranks)
 
@@ -22,22 +22,11 @@ LOGPROB_TOL = 1e-4  # as tests/test_tensor_parallel.py: float32 partial sums add
 WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6  # as tests/test_routed_expert_weights.py against transformers
 ENGINE = dict(dtype="float32", block_size=16, num_kv_blocks=64, max_model_len=512, max_num_seqs=4,
               enable_return_routed_expert_weights=True, logprobs_mode="processed_logprobs")
-MODES = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
 # the built-in model's random weights are peaked: a high temperature gives supports of many ids
 SAMPLED = dict(max_tokens=10, temperature=2.0, top_k=30, top_p=0.95, ignore_eos=True,
                return_sampling_mask=True, return_routed_expert_weights=True, logprobs=3)
 
-
-@pytest.fixture(scope="module")
-def single() -> LLM:
-    return LLM(**ENGINE)
-
-
-@pytest.fixture(scope="module", params=list(MODES))
-def split(request) -> LLM:
-    llm = LLM(**ENGINE, **MODES[request.param])
-    yield llm
-    llm.shutdown()
+single, split = single_and_split(ENGINE)
 
 
 def requests() -> tuple[list[list[int]], list[SamplingParams]]:

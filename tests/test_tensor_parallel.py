@@ -13,7 +13,7 @@ One engine per mode for the whole module (its worker starts once).
 import numpy as np
 import pytest
 
-from engine_testing import GREEDY, one_torch_thread, prompt_ids, run_with_aborts  # noqa: F401 (autouse fixture)
+from engine_testing import GREEDY, one_torch_thread, prompt_ids, run_with_aborts, single_and_split  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # worker processes (torch.distributed ranks)
@@ -22,20 +22,7 @@ LOGPROB_TOL = 1e-4  # float32 partial sums added in another order
 # a tight pool (preemptions) that still holds one long prompt, whose prefill packet takes a second broadcast
 ENGINE = dict(dtype="float32", block_size=16, num_kv_blocks=100, max_model_len=1600, max_num_seqs=4,
               max_num_batched_tokens=2048)
-MODES = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
-
-
-@pytest.fixture(scope="module")
-def single() -> LLM:
-    return LLM(**ENGINE)
-
-
-@pytest.fixture(scope="module", params=list(MODES))
-def split(request) -> LLM:
-    llm = LLM(**ENGINE, **MODES[request.param])
-    yield llm
-    llm.shutdown()
-    assert all(not w.is_alive() for w in llm.engine.core.executor.ranks.workers)
+single, split = single_and_split(ENGINE)
 
 
 def assert_same_generation(one, many) -> None:
