@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import weight_sync_trainer as trainer
 from server_fixture import RemoteServer, free_port
+from test_server_weight_version_spans import NEW, PROMPT, stream_through
 from tiny_checkpoints import write_tiny_checkpoint
 
 from r3srv.serial import decode_routed_experts
@@ -271,6 +272,24 @@ def test_control_calls_through_the_fleets_url_reach_every_replica(fleet, replica
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
     assert get(fleet.url + "/get_weight_version") == {"weight_version": "v1"}
     assert complete(fleet.url, "After the update.", max_tokens=2)["choices"][0]["weight_version"] == "v1"
+
+
+def test_weight_version_spans_of_an_update_in_keep_mode_come_through_the_front(fleet, replicas, policies, gate):
+    """A stream held in flight through the fleet's URL, an update under /pause?mode=keep on every
+    replica: its final chunk's spans split where the new weights began, and the tokens after the
+    split are what a replica on the new weights continues from them."""
+    def keep_update():
+        for path, body in (("/pause?mode=keep", None), ("/update_weights_from_disk",
+                           {"model_path": str(policies[0]), "weight_version": "v0-mid"}), ("/resume", None)):
+            assert post(fleet.url + path, body).status_code == 200
+
+    ids, seen, spans, rows_version = stream_through(fleet, "/v1/completions", gate, keep_update)
+    split = spans[0]["end"]
+    assert spans == [{"version": "v1", "start": 0, "end": split}, {"version": "v0-mid", "start": split, "end": NEW}]
+    assert rows_version == "v0-mid" and 0 < seen <= split < NEW and len(ids) == NEW
+    for url in replicas:
+        assert complete(url, PROMPT + ids[:split], max_tokens=NEW - split)["choices"][0]["token_ids"] == ids[split:]
+    assert post(fleet.url + "/update_weights_from_disk", {"model_path": str(policies[1]), "weight_version": "v1"}).status_code == 200
 
 
 def test_a_replica_on_other_weights_is_named(fleet, replicas, policies):

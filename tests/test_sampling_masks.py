@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from r3srv import LLM, SamplingParams
-from r3srv.engine import executor
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import CompletionOutput, RequestOutput, SamplingMasks, merge_deltas
 from engine_testing import one_torch_thread  # noqa: F401  (fixture)
+from sampling_reference import recorded, reference_support  # noqa: F401  (fixture)
 
 PROMPT = list(b"Keep the sampling mask")
 
@@ -23,55 +23,6 @@ PROMPT = list(b"Keep the sampling mask")
 @pytest.fixture(scope="module")
 def llm():
     return LLM(max_model_len=128, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
-
-
-@pytest.fixture
-def recorded(monkeypatch):
-    """The logits rows every sampler call of the test receives, in order (one request at a time)."""
-    rows: list[np.ndarray] = []
-    real = executor.sample
-
-    def record(logits, seqs, *args, **kwargs):
-        rows.extend(logits.float().numpy().astype(np.float64))
-        return real(logits, seqs, *args, **kwargs)
-
-    monkeypatch.setattr(executor, "sample", record)
-    return rows
-
-
-def _reference_support(logits: np.ndarray, p: SamplingParams, prompt: list[int], output: list[int],
-                       eos: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """vLLM's filters in float64 numpy, one row: (ids the draw can pick, ascending; their logprobs)."""
-    x = logits.copy()
-    if len(output) < p.min_tokens:
-        x[list(p.stop_token_ids or []) + eos] = -np.inf
-    for t, b in (p.logit_bias or {}).items():
-        x[t] += b
-    for t in set(prompt) | set(output) if p.repetition_penalty != 1.0 else ():
-        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
-    for t in set(output):
-        x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
-    if p.temperature < 1e-5:
-        return np.array([int(np.argmax(x))]), np.zeros(1)
-    x = x / p.temperature
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    if p.min_p > 0:
-        x[probs < p.min_p * probs.max()] = -np.inf
-    if 0 < p.top_k < len(x):
-        x[x < np.sort(x)[::-1][p.top_k - 1]] = -np.inf
-    if p.top_p < 1.0:
-        order = sorted(range(len(x)), key=lambda t: (-x[t], t))
-        probs = np.exp(x - x.max())
-        probs /= probs.sum()
-        before = 0.0
-        for t in order:
-            if before >= p.top_p:
-                x[t] = -np.inf
-            before += probs[t]
-    keep = np.flatnonzero(np.isfinite(x))
-    logps = x[keep] - (x[keep].max() + np.log(np.exp(x[keep] - x[keep].max()).sum()))
-    return keep, logps
 
 
 # The built-in model's random weights are peaked: temperatures of 2-3 make supports of many ids.
@@ -98,7 +49,7 @@ def test_masks_equal_an_independent_filter_of_the_sampled_logits(llm, recorded, 
     eos = llm.engine.core.eos_token_ids
     for t, (tok, logits) in enumerate(zip(out.token_ids, recorded)):
         ids, logps = masks.row(t)
-        want_ids, want_logps = _reference_support(logits, params, PROMPT, out.token_ids[:t], eos)
+        want_ids, want_logps = reference_support(logits, params, PROMPT, out.token_ids[:t], eos)
         assert ids.dtype == np.int32 and logps.dtype == np.float32
         np.testing.assert_array_equal(ids, want_ids, err_msg=f"step {t}")
         np.testing.assert_allclose(logps, want_logps, rtol=0, atol=2e-5, err_msg=f"step {t}")

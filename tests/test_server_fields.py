@@ -42,7 +42,7 @@ EXAMPLES = {
     "seed": 7, "stop": ["zz"], "stream": False, "stream_options": None, "user": "u1", "min_tokens": 1,
     "stop_token_ids": [3], "ignore_eos": True, "skip_special_tokens": False, "include_stop_str_in_output": True,
     "request_id": "fields-test", "return_token_ids": True, "routed_experts_prompt_start": 1,
-    "return_routed_experts": True, "max_tokens": 3, "logprobs": 2, "max_completion_tokens": 3,
+    "return_routed_experts": True, "return_weight_versions": True, "max_tokens": 3, "logprobs": 2, "max_completion_tokens": 3,
     "top_logprobs": None, "add_generation_prompt": False, "include_reasoning": False, "parallel_tool_calls": False,
     "sampling_params": None, "output_mode": "text", "rid": "fields-test-rid", "return_logprob": True,
     "top_logprobs_num": 2, "routed_experts_start_len": 1, "log_metrics": False, "no_logs": True,

@@ -7,7 +7,10 @@ transformers) on a one-node CPU Ray cluster, as a subprocess (tests/verl_agent_l
 
 Oracle: r3srv's own LLM on each checkpoint, given the prompt ids verl's batch carried: the same
 greedy tokens, the same rows (every token but the last, as verl's batch holds them) and the same
-sampled-token logprobs. About 3 to 4 minutes on a loaded 2-core machine.
+sampled-token logprobs. A third, sampled rollout runs with verl's default
+rollout.logprobs_mode=processed_logprobs: its logprobs are the float64 oracle's
+(tests/sampling_reference.py) filter of the raw logits r3srv's own LLM gives for the same
+tokens (prompt logits in raw_logits mode). About 3 to 4 minutes on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VERL_PYTHON = ROOT / ".verl_venv" / "bin" / "python"
 sys.path.insert(0, str(Path(__file__).parent))
 import verl_agent_loop as loop  # noqa: E402  (its constants only: it imports verl lazily)
+from sampling_reference import log_softmax, processed_logits  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +88,31 @@ def test_rollout_batch_equals_r3srvs_own_api(verl_run, which):
         np.testing.assert_array_equal(rows, c.routed_experts)
         sampled = [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]
         assert list(got[f"{which}_logprobs"][i]) == pytest.approx(sampled, abs=1e-4)
+
+
+def test_training_rollout_logprobs_are_processed(verl_run):
+    """verl's default logprobs_mode (processed_logprobs) with its training sampling: each token's
+    logprob under the temperature-scaled, top-k/top-p-filtered distribution it was drawn from."""
+    _, v1, got = verl_run
+    prompts = [list(map(int, p)) for p in got["third_prompt_ids"]]
+    responses = [list(map(int, r)) for r in got["third_response_ids"]]
+    llm = LLM(str(v1), device="cpu", dtype="float32", max_model_len=loop.PROMPT_LENGTH + loop.RESPONSE_LENGTH,
+              num_kv_blocks=64, block_size=16, max_logprobs=-1, logprobs_mode="raw_logits",
+              enable_return_routed_experts=False)
+    try:
+        scored = llm.generate([p + r for p, r in zip(prompts, responses)],
+                              SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1))
+        eos = llm.engine.core.eos_token_ids
+    finally:
+        llm.shutdown()
+    params = SamplingParams(temperature=loop.TEMPERATURE, top_k=loop.TOP_K, top_p=loop.TOP_P)
+    differs = False
+    for prompt, response, out, logprobs in zip(prompts, responses, scored, got["third_logprobs"]):
+        assert response and len(logprobs) == len(response)
+        for i, token in enumerate(response):
+            entry = out.prompt_logprobs[len(prompt) + i]  # the logits before response token i
+            raw = np.array([entry[t].logprob for t in range(len(entry))])
+            want = log_softmax(processed_logits(raw, params, prompt, response[:i], eos))
+            assert logprobs[i] == pytest.approx(want[token], abs=1e-4)
+            differs |= abs(want[token] - log_softmax(raw)[token]) > 1e-3
+    assert differs  # the processing changed what a raw logprob would have said

@@ -3,7 +3,9 @@ a one-node CPU Ray cluster, `actor_rollout_ref.rollout.name=r3srv` resolved thro
 `verl.plugins` entry point, verl's LLMServerManager and AgentLoopManager running verl's example
 agent loop (single_turn_agent) with routing replay on, then verl's worker-side path between two
 rollouts: trainer_mode (release) and rollout_mode (resume weights, push the new policy through
-update_weights, resume kv_cache), as verl's training workers call their rollout.
+update_weights, resume kv_cache), as verl's training workers call their rollout; then a third,
+training rollout (not validation: verl's temperature, top-k and top-p) with verl's default
+rollout.logprobs_mode=processed_logprobs.
 
     python tests/verl_agent_loop.py CKPT_V0 CKPT_V1 OUT.npz
 
@@ -23,6 +25,8 @@ import numpy as np
 NUM_PROMPTS = 3
 PROMPT_LENGTH = 48  # the chat-templated prompts are 44 tokens
 RESPONSE_LENGTH = 8
+# the training rollout's sampling (rollout.temperature, top_k, top_p): the processed logprobs differ from the raw
+TEMPERATURE, TOP_K, TOP_P = 1.5, 6, 0.9
 
 
 def config_for(model_path: str):
@@ -42,7 +46,9 @@ def config_for(model_path: str):
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "actor_rollout_ref.rollout.enable_rollout_routing_replay=True",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
-        "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs",
+        f"actor_rollout_ref.rollout.temperature={TEMPERATURE}",
+        f"actor_rollout_ref.rollout.top_k={TOP_K}",
+        f"actor_rollout_ref.rollout.top_p={TOP_P}",
         "actor_rollout_ref.rollout.val_kwargs.temperature=0",
         "actor_rollout_ref.rollout.val_kwargs.top_k=-1",
         "actor_rollout_ref.rollout.val_kwargs.top_p=1.0",
@@ -96,7 +102,7 @@ def trainer_stand_in():
     return TrainerStandIn
 
 
-def prompts_batch():
+def prompts_batch(validate: bool = True):
     from verl import DataProto
 
     raw = np.empty(NUM_PROMPTS, dtype=object)
@@ -104,7 +110,7 @@ def prompts_batch():
         raw[i] = [{"role": "user", "content": f"rollout {i}: name {i + 2} experts"}]
     batch = DataProto.from_single_dict({"raw_prompt": raw, "agent_name": np.array(["single_turn_agent"] * NUM_PROMPTS,
                                                                                  dtype=object)})
-    batch.meta_info["validate"] = True  # val_kwargs: greedy, so r3srv's own API can replay it
+    batch.meta_info["validate"] = validate  # val_kwargs: greedy, so r3srv's own API can replay it
     return batch
 
 
@@ -156,6 +162,7 @@ def main(v0: str, v1: str, out_path: str) -> None:
         second_batch = loops.generate_sequences(prompts_batch())
         second = unpadded(second_batch)
         steps = [int(s) for s in second_batch.non_tensor_batch.get("max_global_steps", [-1])]
+        third = unpadded(loops.generate_sequences(prompts_batch(validate=False)))
         np.savez(
             out_path,
             replica_class=f"{replica_cls.__module__}.{replica_cls.__qualname__}",
@@ -164,6 +171,7 @@ def main(v0: str, v1: str, out_path: str) -> None:
             seconds=time.monotonic() - started,
             **{f"first_{k}": np.array(v, dtype=object) for k, v in first.items()},
             **{f"second_{k}": np.array(v, dtype=object) for k, v in second.items()},
+            **{f"third_{k}": np.array(v, dtype=object) for k, v in third.items()},
         )
     finally:
         ray.shutdown()

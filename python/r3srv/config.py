@@ -22,6 +22,8 @@ from r3srv import settings
 from r3srv.errors import ConfigError
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM 0.33's LogprobsMode: raw_* before any processing, processed_* after the sampler's
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 _SAME = object()  # serve_default not given: the flag's default is the option's
 
 
@@ -142,6 +144,11 @@ class EngineConfig:
         None, "share of the memory free after loading the model (device memory on CUDA, MemAvailable on the CPU) "
         "given to the KV cache when num_kv_blocks is not set", default_text="a share set per device kind")
     max_num_batched_tokens: int = option(2048, "tokens per step")
+    logprobs_mode: str = option(
+        "raw_logprobs", "what logprobs and prompt_logprobs hold (vLLM's flag): the model's logits or their "
+        "log-softmax, raw (as the model gave them) or processed (after bans, logit_bias, penalties, temperature, "
+        "min_p, top_k and top_p: what the draw read); prompt tokens are never processed (docs/sampling.md)",
+        choices=LOGPROBS_MODES)
     max_logprobs: int = option(20, "most logprobs (sampled or prompt) a request may ask for per token, as vLLM's; "
                                "-1: no limit")
     seed: int = option(0, "seeds the noise of requests without a seed of their own")
@@ -197,6 +204,9 @@ class EngineConfig:
         _positive("max_num_encoder_tokens", self.max_num_encoder_tokens)
         _positive("sampling_mask_max_tokens", self.sampling_mask_max_tokens)
         self._check_expert_weights()
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode={self.logprobs_mode!r} is not supported; use one of "
+                              f"{', '.join(LOGPROBS_MODES)}")
         if self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs={self.max_logprobs} must be -1 (no limit) or >= 0")
         if self.max_model_len is not None:

@@ -19,6 +19,16 @@ class OutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # one output, when the request finishes (cumulative)
 
 
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens `[start, end)` of a sample were drawn by the weights named `version`
+    (vLLM's and SGLang's spans: the same names, end exclusive)."""
+
+    version: str
+    start: int
+    end: int
+
+
 @dataclass
 class Logprob:
     """One token's logprob at one position, as vLLM's: its rank in the whole vocabulary (1 = the
@@ -53,6 +63,10 @@ class CompletionOutput:
     # Times the scheduler preempted this sample for KV blocks (each recomputes its tokens and
     # rows); set when it finishes (verl reads it as vLLM's).
     num_preempted: int = 0
+    # Which weights drew which of token_ids (the whole sample's, in order, covering every token;
+    # more than one span when an update came while it ran, in keep or retract mode); set when it
+    # finishes, as vLLM's. RequestOutput.weight_version is the weights that computed its rows.
+    weight_versions: list[WeightVersionSpan] | None = None
 
     @property
     def finished(self) -> bool:
@@ -111,7 +125,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # The weights every routed-experts row of this request came from (weight updates wait for
     # the requests in flight; a request retracted for one, AsyncLLM.pause_generation, recomputes
-    # all its rows on the new weights, though its earlier tokens were sampled on the old).
+    # all its rows on the new weights, though its earlier tokens were sampled on the old: each
+    # CompletionOutput.weight_versions says which weights drew which token).
     weight_version: str | None = None
     # The LoRA adapter the request ran under (None: the base model) and that adapter's version
     # (each replacement adds one; a request retracted for a replacement recomputes on the new one).

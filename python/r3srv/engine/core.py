@@ -31,7 +31,7 @@ from r3srv.engine.sequence import Sequence
 from r3srv.engine.stepper import Stepper
 from r3srv.errors import ConfigError, InvalidRequestError
 from r3srv.models.vision import PREFIX as VISION_PREFIX
-from r3srv.models.vision import check_tower_tensors, copy_tower_tensors, tower_tensors_in
+from r3srv.models.vision.updates import TowerUpdates
 
 if TYPE_CHECKING:
     from r3srv.models.loader import NamedTensors
@@ -110,8 +110,10 @@ class EngineCore:
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
             use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
-            encoder=encoder, **_weights_option(config),
+            encoder=encoder, logprobs_mode=config.logprobs_mode, **_weights_option(config),
         )
+        self.tower_updates = TowerUpdates(None if encoder is None else encoder.tower,
+                                          tensor_parallel=self.executor.ranks is not None)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.config = config = config.with_kv_pool(num_blocks)
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
@@ -289,14 +291,13 @@ class EngineCore:
                 "let them finish, abort them, or retract them (pause_generation mode=retract)",
                 param="model_path",
             )
-        tower_part, path = self._tower_update(path)  # checked in full before any weight is copied
+        tower_part, path = self.tower_updates.split(path)  # checked in full before any weight is copied
         # Released weights live in host memory: an update fills them there, and they move
         # back with resume_memory.
         try:
             if not isinstance(path, NamedTensors) or path.metas:  # not a push of the tower's tensors alone
                 self.executor.load_weights(path)
-            if tower_part:
-                copy_tower_tensors(self.encoder.tower, tower_part)
+            self.tower_updates.copy(tower_part)
         except ConfigError:
             raise  # found before any weight was copied: nothing changed
         except Exception:
@@ -320,42 +321,7 @@ class EngineCore:
         tower, rest = named.split(VISION_PREFIX)
         if not tower.metas:
             return self.executor.unfilled_weights(named)
-        unfilled = check_tower_tensors(self._pushable_tower(), {n: shape for n, (shape, _) in tower.metas.items()},
-                                       where="the update", complete=False, strict=True)
-        for name, (_, dtype) in tower.metas.items():
-            if not dtype.is_floating_point:
-                raise ConfigError(f"the update: tensor {name} is {dtype}, not a floating-point weight")
-        return (self.executor.unfilled_weights(rest) if rest.metas else []) + unfilled
-
-    def _pushable_tower(self):
-        if self.encoder is None:
-            raise ConfigError(f"the served model has no tensor named {VISION_PREFIX}* (it serves no vision tower)")
-        if self.executor.ranks is not None:
-            raise ConfigError(f"{VISION_PREFIX}* tensors: under tensor parallelism the vision tower's weights update "
-                              "from a checkpoint directory only (update_weights_from_disk)")
-        return self.encoder.tower
-
-    def _tower_update(self, source):
-        """What of an update is the vision tower's (tensors by name, or a checkpoint's by file;
-        empty: the tower keeps its weights), checked in full, and what is left for the
-        language model."""
-        from r3srv.models.loader import NamedTensors
-
-        if isinstance(source, NamedTensors):
-            tower, rest = source.split(VISION_PREFIX)
-            if tower.metas:
-                check_tower_tensors(self._pushable_tower(), {n: s for n, (s, _) in tower.metas.items()},
-                                    where="the update", complete=True, strict=True)
-            return tower.tensors, rest
-        if self.encoder is None:
-            return {}, source
-        found = tower_tensors_in(source) if os.path.isdir(source) else {}
-        if found:
-            check_tower_tensors(self.encoder.tower, {n: shape for n, (_, shape) in found.items()},
-                                where=str(source), complete=True)
-        elif os.path.isdir(source):
-            log.warning("%s holds no %s* tensors: the vision tower keeps its weights", source, VISION_PREFIX)
-        return found, source
+        return (self.executor.unfilled_weights(rest) if rest.metas else []) + self.tower_updates.unfilled(tower)
 
     def _forget_encoded(self) -> None:
         """Encoder outputs of the old weights must not stand in for images after an update."""

@@ -140,8 +140,9 @@ class InProcessExecutor(Executor):
     def __init__(self, model, block_size: int, device: torch.device, capture_routed_experts: bool,
                  eos_token_ids: list[int], seed: int, *, use_cuda_graphs: bool = False, max_num_seqs: int = 1,
                  max_model_len: int = 1, num_state_snapshots: int = 0, encoder=None,
-                 capture_weights: bool = False) -> None:
+                 capture_weights: bool = False, logprobs_mode: str = "raw_logprobs") -> None:
         self.model = model
+        self.logprobs_mode = logprobs_mode  # what sampled logprobs hold (EngineConfig.logprobs_mode)
         self.device = device
         self.dtype = model.dtype
         self.eos_token_ids = eos_token_ids
@@ -179,7 +180,7 @@ class InProcessExecutor(Executor):
         try:
             # every row samples in a decode step: no index (a list index is a blocking copy on CUDA)
             rows = logits if len(picked) == logits.shape[0] else logits[picked]
-            out.samples = sample(rows, samplers, self.eos_token_ids, self.generator)
+            out.samples = sample(rows, samplers, self.eos_token_ids, self.generator, self.logprobs_mode)
         except Exception as exc:
             out.sample_error = exc
 

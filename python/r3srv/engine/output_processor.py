@@ -19,7 +19,7 @@ from r3srv.engine.input_processor import EngineRequest
 from r3srv.engine.requests import CoreOutputs, RequestUpdate, SeqUpdate
 from r3srv.engine.routed_experts import num_routed_rows
 from r3srv.engine.text_stream import TextStream
-from r3srv.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput, SamplingMasks
+from r3srv.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput, SamplingMasks, WeightVersionSpan
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class SeqState:
 
     __slots__ = ("index", "params", "num_prompt_tokens", "token_ids", "logprobs", "cumulative_logprobs", "stream",
                  "finish_reason", "stop_reason", "routed_experts", "routed_expert_weights", "num_preempted", "num_emitted_tokens", "num_emitted_chars",
-                 "stopping", "masks")
+                 "stopping", "masks", "version_starts")
 
     def __init__(self, index: int, prep: EngineRequest, tokenizer) -> None:
         p = prep.params
@@ -72,6 +72,8 @@ class SeqState:
         self.stopping = False  # a stop string ended it here; the core has not confirmed yet
         # return_sampling_mask: each output token's (ids, logprobs), cut with the tokens
         self.masks: list[tuple[np.ndarray, np.ndarray]] | None = [] if p.return_sampling_mask else None
+        # (weight version, first output token it drew) at each change of the drawing weights
+        self.version_starts: list[tuple[str, int]] = []
 
     @property
     def text(self) -> str:
@@ -82,6 +84,9 @@ class SeqState:
         return self.cumulative_logprobs[-1] if self.cumulative_logprobs else 0.0
 
     def append(self, sample, silent: bool = False) -> str:
+        version = sample.weight_version
+        if version is not None and (not self.version_starts or self.version_starts[-1][0] != version):
+            self.version_starts.append((version, len(self.token_ids)))
         self.token_ids.append(sample.token_id)
         if self.logprobs is not None:
             self.logprobs.append(sample.top_logprobs)
@@ -98,6 +103,14 @@ class SeqState:
             del self.cumulative_logprobs[kept_tokens:]
         if self.masks is not None:
             del self.masks[kept_tokens:]
+        while self.version_starts and self.version_starts[-1][1] >= kept_tokens:
+            self.version_starts.pop()
+
+    def weight_versions(self) -> list[WeightVersionSpan]:
+        """The spans of weights that drew the output tokens, in order, covering all of them."""
+        starts = self.version_starts
+        ends = [start for _, start in starts[1:]] + [len(self.token_ids)]
+        return [WeightVersionSpan(version, start, end) for (version, start), end in zip(starts, ends)]
 
     def take_rows(self, rows: np.ndarray | None, weights: np.ndarray | None = None) -> None:
         """The core's rows (and their weights), less those of tokens a stop string cut after the
@@ -268,6 +281,7 @@ def completion_output(s: SeqState, delta: bool) -> CompletionOutput:
         routed_expert_weights=s.routed_expert_weights,
         sampling_mask=SamplingMasks.of(s.masks[first_token:n]) if s.masks is not None else None,
         num_preempted=s.num_preempted,
+        weight_versions=s.weight_versions() if s.finish_reason is not None else None,
     )
 
 

@@ -71,10 +71,7 @@ class RoutedExpertsBuffer:
         writes a dense layer's, so no step needs to zero it again (a launch less a step). A
         step's rows are read (or their copy queued, in stream order) before the next step's
         routers run."""
-        device = torch.device(device)
-        if self._capture is None or self._capture.device != device or self._capture.shape[0] < num_tokens:
-            self._capture = torch.zeros((max(num_tokens, 256), self.num_layers, self.top_k),
-                                        dtype=self.capture_dtype, device=device)
+        self._capture = self._step_buffer(self._capture, num_tokens, self.capture_dtype, device)
         return self._capture[:num_tokens]
 
     def new_weight_capture(self, num_tokens: int, device: torch.device | str) -> torch.Tensor | None:
@@ -82,12 +79,16 @@ class RoutedExpertsBuffer:
         every MoE layer's block copies its router's weights into its column; dense layers' stay 0."""
         if self.weights is None:
             return None
+        self._weight_capture = self._step_buffer(self._weight_capture, num_tokens, torch.float32, device)
+        return self._weight_capture[:num_tokens]
+
+    def _step_buffer(self, buffer: torch.Tensor | None, num_tokens: int, dtype: torch.dtype,
+                     device: torch.device | str) -> torch.Tensor:
+        """`buffer` if it holds num_tokens steps' [layers, top_k] on `device`, else a zeroed larger one."""
         device = torch.device(device)
-        capture = self._weight_capture
-        if capture is None or capture.device != device or capture.shape[0] < num_tokens:
-            capture = self._weight_capture = torch.zeros((max(num_tokens, 256), self.num_layers, self.top_k),
-                                                         dtype=torch.float32, device=device)
-        return capture[:num_tokens]
+        if buffer is None or buffer.device != device or buffer.shape[0] < num_tokens:
+            buffer = torch.zeros((max(num_tokens, 256), self.num_layers, self.top_k), dtype=dtype, device=device)
+        return buffer
 
     def store_weights(self, slot_mapping: np.ndarray, weights: torch.Tensor) -> None:
         """Scatter one step's router weights to their tokens' slots (a synchronous copy from a

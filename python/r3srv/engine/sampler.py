@@ -4,9 +4,13 @@ the lowest id) or temperature, min_p, top-k, top-p and a draw (per-sequence torc
 seeded requests); and logprobs, sampled and prompt. Rows that ask for their sampling mask get
 the support of the distribution actually drawn from, read from it after every filter.
 
-Logprobs are the log-softmax of the model's unmodified logits (before every adjustment above),
-as vLLM reports them by default. Rows without bias, penalties or a min_tokens mask skip those
-steps entirely: a batch of plain requests costs what it did before they existed.
+Logprobs follow vLLM's `logprobs_mode`: by default (raw_logprobs) the log-softmax of the model's
+unmodified logits (before every adjustment above); raw_logits those logits themselves;
+processed_logprobs and processed_logits the log-softmax of, or the logits the draw read (after
+the bans, bias, penalties, temperature, min_p, top-k and top-p; a greedy row's after the
+adjustments only, as vLLM's), a filtered-out token's at -inf. Prompt logprobs are never
+processed: the logits or their log-softmax. Rows without bias, penalties or a min_tokens mask
+skip those steps entirely: a batch of plain requests costs what it did before they existed.
 
 Every value a request may send is safe to draw with: vLLM accepts any repetition penalty above 0,
 and one of 1e-108 (0 in float32) or 1e300 (inf) would make the adjusted logits inf or NaN, which
@@ -30,6 +34,7 @@ from r3srv.sampling_params import SamplingParams
 from r3srv.transfer import to_device
 
 _FLOAT32 = torch.finfo(torch.float32)
+_LOGITS_MODES = ("raw_logits", "processed_logits")  # the others' values are log-softmaxes
 
 
 @dataclass
@@ -42,6 +47,9 @@ class SampleResult:
     # under the distribution it drew from (float32); a greedy pick's is the pick alone, at 0.0
     mask_ids: np.ndarray | None = None
     mask_logprobs: np.ndarray | None = None
+    # the weights that drew it (the engine's weight_version when its step was queued), set by
+    # the step's bookkeeping
+    weight_version: str | None = None
 
 
 def finite_(logits: torch.Tensor) -> torch.Tensor:
@@ -220,9 +228,11 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
 
 
 def sample(
-    logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], generator: torch.Generator | None = None
+    logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], generator: torch.Generator | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> list[SampleResult]:
-    """One token for each row of `logits` ([B, vocab], float32) and its sequence.
+    """One token for each row of `logits` ([B, vocab], float32) and its sequence; logprobs, for
+    the rows that ask, as `logprobs_mode` says (module docstring).
 
     Masks, temperatures, top-k / top-p and softmax are batched over the rows; requests without
     a seed draw together from `generator` (the engine's; None: torch's default), in one
@@ -242,10 +252,13 @@ def sample(
     plain = set(plain_greedy)
     others = [i for i in range(len(seqs)) if i not in plain]
     supports: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    keep = bool(want) and logprobs_mode.startswith("processed")
+    drawn = None  # with keep: the rows of `others` as their picks read them
     if len(others) == len(seqs):  # no plain greedy row: no gathered copy
-        token_ids, supports = _pick(logits, seqs, eos_token_ids, generator)
+        token_ids, supports, drawn = _pick(logits, seqs, eos_token_ids, generator, keep)
     elif others:
-        picks, found = _pick(logits[others], [seqs[i] for i in others], eos_token_ids, generator)
+        picks, found, drawn = _pick(logits[others], [seqs[i] for i in others], eos_token_ids, generator, keep)
         for i, tok in zip(others, picks):
             token_ids[i] = tok
         supports = {others[j]: v for j, v in found.items()}
@@ -255,17 +268,34 @@ def sample(
             _set_greedy_mask(results[i])
     for i, (ids, logps) in supports.items():
         results[i].mask_ids, results[i].mask_logprobs = ids, logps
-    # Logprobs from the unmodified logits, as vLLM's: the sampled token first, with its rank in
-    # the vocabulary, then the top `logprobs` tokens with ranks 1, 2, ...
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    # The sampled token first, with its rank in the vocabulary, then the top `logprobs` tokens
+    # with ranks 1, 2, ..., as vLLM's
     if want:
-        entries = logprob_entries(torch.log_softmax(logits[want], dim=-1), [token_ids[i] for i in want],
+        entries = logprob_entries(_scores(logits, drawn, others, want, logprobs_mode), [token_ids[i] for i in want],
                                   [seqs[i].params.logprobs for i in want])
         for i, entry in zip(want, entries):
             res = results[i]
             res.logprob = entry[res.token_id].logprob
             res.top_logprobs = entry
     return results
+
+
+def _scores(logits: torch.Tensor, drawn: torch.Tensor | None, others: list[int], want: list[int],
+            logprobs_mode: str) -> torch.Tensor:
+    """The `want` rows' values logprobs report: of the raw `logits`, or (processed modes) of what
+    the picks read: `drawn` for the `others` rows, the raw logits for plain greedy rows."""
+    rows = (logits if drawn is None else _replaced(logits, others, drawn))[want]
+    return rows if logprobs_mode in _LOGITS_MODES else torch.log_softmax(rows, dim=-1)
+
+
+def _replaced(base: torch.Tensor, index: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """`base` with its rows `index` replaced by `rows`: `rows` itself when they are all of them,
+    else a copy (`base` may be the caller's logits)."""
+    if len(index) == base.shape[0]:
+        return rows
+    out = base.clone()
+    out[index] = rows
+    return out
 
 
 def _set_greedy_mask(res: SampleResult) -> None:
@@ -287,10 +317,12 @@ def sampling_supports(probs: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]
     return [(ids[a:b], logps[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int],
-          generator) -> tuple[list[int], dict[int, tuple[np.ndarray, np.ndarray]]]:
+def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int], generator,
+          keep: bool = False) -> tuple[list[int], dict[int, tuple[np.ndarray, np.ndarray]], torch.Tensor | None]:
     """Tokens for rows that are not plain greedy: greedy after bias/penalties/min_tokens, or
-    sampled; and the sampling masks (by row) of the sampled rows that ask for them.
+    sampled; the sampling masks (by row) of the sampled rows that ask for them; with `keep`, the
+    logits each pick read ([rows, vocab]: a greedy row's adjusted, a sampled row's filtered and
+    temperature-scaled), else None.
 
     Every full-size pass over [rows, vocab] counts at large vocabularies, so rows are only
     gathered (copied) when the batch mixes kinds."""
@@ -306,7 +338,7 @@ def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int],
         for r, tok in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
             picks[r] = tok
     if not sampled:
-        return picks, {}
+        return picks, {}, logits if keep else None
     x = logits if len(sampled) == rows else logits[sampled]
     (temperatures,) = to_device([[seqs[r].params.temperature for r in sampled]], device, np.float32)
     x = x / temperatures[:, None]
@@ -332,21 +364,28 @@ def _pick(logits: torch.Tensor, seqs: list[Sampled], eos_token_ids: list[int],
         draws[own] = torch.cat([torch.multinomial(probs[j], 1, generator=seqs[sampled[j]].generator) for j in own])
     for r, tok in zip(sampled, draws.tolist()):
         picks[r] = tok
+    drawn = _replaced(logits, sampled, x) if keep else None
     masked = [j for j, r in enumerate(sampled) if seqs[r].params.return_sampling_mask]
     if not masked:
-        return picks, {}
+        return picks, {}, drawn
     found = sampling_supports(probs if len(masked) == len(sampled) else probs[masked])
-    return picks, {sampled[j]: support for j, support in zip(masked, found)}
+    return picks, {sampled[j]: support for j, support in zip(masked, found)}, drawn
 
 
-def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: list[int],
+                    logprobs_mode: str = "raw_logprobs") -> list[dict[int, Logprob]]:
     """One entry per row of `logits` ([R, vocab], the rows of prompt positions) for the next
-    prompt token (`targets[i]`), as vLLM's prompt logprobs (logprob_entries)."""
-    return logprob_entries(torch.log_softmax(logits.float(), dim=-1), targets, num_top)
+    prompt token (`targets[i]`), as vLLM's prompt logprobs (logprob_entries): the logits
+    themselves in the logits modes, else their log-softmax (prompt tokens skip the sampler's
+    processing, so processed_* reads as raw_*, as in vLLM)."""
+    scores = logits.float()
+    return logprob_entries(scores if logprobs_mode in _LOGITS_MODES else torch.log_softmax(scores, dim=-1),
+                           targets, num_top)
 
 
 def logprob_entries(logps: torch.Tensor, targets: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:
-    """One entry per row of `logps` ([R, vocab] log-probabilities): the row's token
+    """One entry per row of `logps` ([R, vocab] log-probabilities, or logits in the logits
+    modes: ranks and order are the same): the row's token
     (`targets[i]`, sampled or the next prompt token) first, with its logprob and vocabulary
     rank (1 + the tokens strictly more likely), then the row's top `num_top[i]` tokens (-1:
     all) with ranks 1, 2, ..., as vLLM's Logprob entries. Batched over the rows."""

@@ -75,6 +75,8 @@ class QueuedStep:
     num_scheduled: dict[int, int]  # seq_id -> the tokens this step computes for it
     row_of: dict[int, int]  # seq_id -> its row in this step's samples
     prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # the weights the step runs on: an update drains queued steps before it loads
+    weight_version: str | None = None
 
 
 class Stepper:
@@ -151,7 +153,8 @@ class Stepper:
         for s, sampler in zip(picked, samplers):
             s.token_ids.append(PLACEHOLDER)
             sampled.append((s, s.num_tokens - 1, sampler))
-        return QueuedStep(sched, future, sampled, [s.num_computed_tokens for s in seqs], num_scheduled, row_of, spans)
+        return QueuedStep(sched, future, sampled, [s.num_computed_tokens for s in seqs], num_scheduled, row_of, spans,
+                          core.weight_version)
 
     # -- booking ----------------------------------------------------------------------------
     def _book(self, step: QueuedStep, result: CoreOutputs) -> None:
@@ -184,6 +187,7 @@ class Stepper:
                 core.fail_request(seq.request_id, _mask_overflow(len(res.mask_ids), core.config), result)
                 continue
             seq.token_ids[pos] = res.token_id
+            res.weight_version = step.weight_version
             if seq.prompt_token_mask is None:  # computed while sampling a view, kept for the next steps
                 seq.prompt_token_mask = sampler.prompt_token_mask
             placed.append((req, seq, pos, res))
@@ -216,7 +220,7 @@ class Stepper:
         if out.prompt_logits is None or not live:
             return
         try:
-            record_prompt_logprobs(seqs, out.prompt_logits, spans, live)
+            record_prompt_logprobs(seqs, out.prompt_logits, spans, live, self.core.config.logprobs_mode)
         except Exception as exc:
             for i, _, _ in live:
                 self.core.fail_request(seqs[i].request_id, exc, result)
@@ -289,9 +293,9 @@ def reserve_prompt_logprobs(seqs: list[Sequence]) -> list[tuple[int, int, int]]:
 
 
 def record_prompt_logprobs(seqs: list[Sequence], logits, spans: list[tuple[int, int, int]],
-                           live: list[tuple[int, int, int]]) -> None:
+                           live: list[tuple[int, int, int]], logprobs_mode: str = "raw_logprobs") -> None:
     """Append the prompt logprobs of the `live` spans (a subset of `spans`, whose runs of rows
-    `logits` [R, vocab] holds in order) to their sequences."""
+    `logits` [R, vocab] holds in order) to their sequences, as `logprobs_mode` says."""
     first, rows = 0, {}
     for span in spans:
         rows[span] = first
@@ -300,7 +304,7 @@ def record_prompt_logprobs(seqs: list[Sequence], logits, spans: list[tuple[int, 
     chosen = logits if len(index) == logits.shape[0] else logits[index]
     targets = [t for i, position, count in live for t in seqs[i].token_ids[position + 1 : position + 1 + count]]
     num_top = [seqs[i].params.prompt_logprobs for i, _, count in live for _ in range(count)]
-    entries = prompt_logprobs(chosen, targets, num_top)
+    entries = prompt_logprobs(chosen, targets, num_top, logprobs_mode)
     first = 0
     for i, _, count in live:
         seqs[i].prompt_logprobs.extend(entries[first : first + count])

@@ -98,8 +98,8 @@ class MlaAttention(nn.Module):
         self.rms_norm = ops.norm("default")
         self.rotate = ops.rotate(self.rope_layout)
         self.decode_kernel = ops.decode_attention
-        # batch-invariant: the latent projections through the backend's linear, every token attended
-        # in the latent space (a prompt's through the backend's prefill op, over the latent cache)
+        # batch-invariant: the latent projections and absorptions through the backend's linear, every
+        # token attended in the latent space (a prompt's through the backend's prefill op, over the latent cache)
         self.latent_linear = ops.linear if ops.batch_invariant else F.linear
         self.latent_prefill = ops.prefill_attention if ops.batch_invariant else None
 
@@ -165,20 +165,19 @@ class MlaAttention(nn.Module):
 
         key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [t, 1, rank + rope]: what is cached
         kv_b = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
-        if self.latent_prefill is not None:
-            return self.o_proj(self._attend_latent(q_nope, q_rope, key, kv_b, meta).reshape(t, h * self.v_dim))
-
-        if meta.decode_seqs:  # in the latent space; paged_attention also writes every token's latent
-            q_latent = torch.einsum("thd,hdc->thc", q_nope, kv_b[:, : self.nope])
-            query = torch.cat((q_latent, q_rope), dim=-1)  # [t, h, rank + rope]
+        all_latent = self.latent_prefill is not None  # batch-invariant: prompts attend in the latent space too
+        if meta.decode_seqs or all_latent:  # paged_attention also writes every token's latent
+            query = torch.cat((self._absorb(q_nope, kv_b[:, : self.nope], into_latent=True), q_rope), dim=-1)
             groups = None
             if selection is not None:  # sparse attention: each decode gathers its selected keys only
                 groups = [g if sparse is None else sparse
                           for g, sparse in zip(meta.decode_groups(None), selection.decodes)]
             out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, meta,
-                                         scale=self.scale, decode_kernel=self.decode_kernel, with_prefills=False,
-                                         groups=groups)
-            out = torch.einsum("thc,hdc->thd", out_latent, kv_b[:, self.nope :])
+                                         scale=self.scale, decode_kernel=self.decode_kernel,
+                                         prefill_kernel=self.latent_prefill, with_prefills=all_latent, groups=groups)
+            out = self._absorb(out_latent, kv_b[:, self.nope :], into_latent=False)
+            if all_latent:
+                return self.o_proj(out.reshape(t, h * self.v_dim))
         else:
             self.k_cache.index_copy_(0, meta.slot_mapping, key)
             out = x.new_empty(t, h, self.v_dim)
@@ -199,18 +198,14 @@ class MlaAttention(nn.Module):
                 out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         return self.o_proj(out.reshape(t, h * self.v_dim))
 
-    def _attend_latent(self, q_nope, q_rope, key, kv_b, meta: AttentionMetadata) -> torch.Tensor:
-        """Every token in the latent space, each head's absorptions one linear layer of the
-        backend's (the batch-invariant path): -> [t, h, v_head_dim]."""
-        linear, heads = self.latent_linear, range(self.num_heads)
-        q_latent = torch.stack([linear(q_nope[:, i].contiguous(), kv_b[i, : self.nope].t().contiguous())
-                                for i in heads], dim=1)
-        query = torch.cat((q_latent, q_rope), dim=-1)
-        out_latent = paged_attention(query, key, key[..., : self.rank], self.k_cache, self.v_cache, meta,
-                                     scale=self.scale, decode_kernel=self.decode_kernel,
-                                     prefill_kernel=self.latent_prefill)
-        return torch.stack([linear(out_latent[:, i].contiguous(), kv_b[i, self.nope :].contiguous())
-                            for i in heads], dim=1)
+    def _absorb(self, x: torch.Tensor, w: torch.Tensor, *, into_latent: bool) -> torch.Tensor:
+        """Each head's x [t, h, d] through its kv_b part w [h, d, rank] (into_latent: -> [t, h, rank])
+        or w [h, v_head_dim, rank] (out of it: x [t, h, rank] -> [t, h, v_head_dim]). Batch-invariant:
+        one linear layer of the backend's per head; otherwise one einsum."""
+        if self.latent_prefill is None:
+            return torch.einsum("thd,hdc->thc" if into_latent else "thc,hdc->thd", x, w)
+        return torch.stack([self.latent_linear(x[:, i].contiguous(), (w[i].t() if into_latent else w[i]).contiguous())
+                            for i in range(self.num_heads)], dim=1)
 
     def _expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached [n, 1, rank + rope] -> per-head keys [n, h, nope + rope] and values [n, h, v_head_dim]."""

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from r3srv.errors import ConfigError
 from r3srv.kernels import expert_pairs_cpu, linear_cpu, paged_decode_cpu
 from r3srv.ops.attention import PrefillSpan
-from r3srv.ops.experts import Activation, ExpertPass, TorchExperts
+from r3srv.ops.experts import Activation, ExpertPass, KernelExperts, TorchExperts
 from r3srv.ops.linear import LinearFn
 from r3srv.ops.router import RouteFn
 from r3srv.ops.table import Ops
@@ -62,8 +62,8 @@ def build(base: Ops) -> Ops:
         name="cpu-invariant",
         linear=linear,
         prefill_attention=functools.partial(prefill_as_decodes, decode),
-        expert_passes=lambda activation: BlockedExperts(
-            functools.partial(expert_pairs_cpu.expert_pairs, threads=threads),
+        expert_passes=lambda activation: KernelExperts(
+            blocked_kernel(functools.partial(expert_pairs_cpu.expert_pairs, threads=threads)),
             TorchExperts(activation, pairs_mv=True, pairs_mv_always=True)),
         routers=lambda shape: row_by_row(base.routers(shape)),
         shared_gate=functools.partial(shared_gate_rows, linear=linear),
@@ -156,38 +156,32 @@ def narrow_blocks(pair_tokens: torch.Tensor, ids: torch.Tensor, num_tokens: int,
     return blocks
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockedExperts:
+def blocked_kernel(kernel: ExpertPass) -> ExpertPass:
     """The Rust expert pass `kernel` over runs of tokens that keep every expert below the
     kernel's WIDE_MIN_PAIRS pairs (`narrow_blocks`; an expert-parallel rank's pairs by the
-    tokens they belong to), `fallback` (torch, pair by pair) where the kernel declines the layer."""
+    tokens they belong to); None (KernelExperts' torch fallback) where it declines the layer."""
 
-    kernel: ExpertPass
-    fallback: TorchExperts
-
-    def __call__(self, x, w13, w2, weights, ids, *, tokens=None, b13=None, b2=None) -> torch.Tensor:
-        if not ids.numel():
-            return torch.zeros_like(x)
-        act: Activation = self.fallback.act
+    def run(x, w13, w2, weights, ids, tokens, b13, b2, act) -> torch.Tensor | None:
         num_tokens = x.shape[0]
         pair_tokens = torch.arange(num_tokens).repeat_interleave(ids.shape[-1]) if tokens is None else tokens
-        blocks = narrow_blocks(pair_tokens, ids.reshape(-1), num_tokens, w13.shape[0])
         out = torch.empty_like(x) if tokens is None else torch.zeros_like(x)
-        for start, end in blocks:
+        for start, end in narrow_blocks(pair_tokens, ids.reshape(-1), num_tokens, w13.shape[0]):
             if tokens is None:
-                part = self.kernel(x[start:end], w13, w2, weights[start:end], ids[start:end], None, b13, b2, act)
+                part = kernel(x[start:end], w13, w2, weights[start:end], ids[start:end], None, b13, b2, act)
                 if part is None:
-                    return self.fallback(x, w13, w2, weights, ids, b13=b13, b2=b2)
+                    return None
                 out[start:end] = part
                 continue
             mine = ((tokens >= start) & (tokens < end)).nonzero().squeeze(1)
             if not mine.numel():
                 continue
-            part = self.kernel(x, w13, w2, weights[mine], ids[mine], tokens[mine], b13, b2, act)
+            part = kernel(x, w13, w2, weights[mine], ids[mine], tokens[mine], b13, b2, act)
             if part is None:
-                return self.fallback(x, w13, w2, weights, ids, tokens=tokens, b13=b13, b2=b2)
+                return None
             out[start:end] = part[start:end]
         return out
+
+    return run
 
 
 def build_cuda(base: Ops) -> Ops:

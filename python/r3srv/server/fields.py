@@ -89,9 +89,6 @@ _VLLM_OPENAI_REFUSED: dict[str, Refusal] = {
     "structured_outputs": CONSTRAINED,
     "priority": Refusal("priority scheduling is not supported by r3srv"),
     "session_id": NOT_SUPPORTED,
-    "return_weight_versions": Refusal(
-        "is not supported by r3srv: servers started with --enable-weight-updates put weight_version on every choice"
-    ),
     "return_token_offsets": NOT_SUPPORTED,
     "mm_payload": MULTIMODAL,
     "return_mm_kwargs": MULTIMODAL,
@@ -234,7 +231,7 @@ SGLANG_SAMPLING_REFUSED: dict[str, Refusal] = {
 # The peers' defaults that are not null, for the fields refused here (a client may send them)
 _VLLM_OPENAI_DEFAULTS = {
     "use_beam_search": False, "length_penalty": 1.0,
-    "bad_words": [], "priority": 0, "return_weight_versions": False, "return_token_offsets": False,
+    "bad_words": [], "priority": 0, "return_token_offsets": False,
     "mm_payload": "tensors",
 }
 COMPLETION_DEFAULTS = _VLLM_OPENAI_DEFAULTS
@@ -258,7 +255,7 @@ SGLANG_SAMPLING_DEFAULTS = {
 
 # Refused fields the peer types without null (pydantic refuses `null` there too)
 _VLLM_OPENAI_NOT_NULL = frozenset({
-    "use_beam_search", "length_penalty", "bad_words", "priority", "return_weight_versions", "mm_payload",
+    "use_beam_search", "length_penalty", "bad_words", "priority", "mm_payload",
 })
 CHAT_NOT_NULL = _VLLM_OPENAI_NOT_NULL
 TITO_NOT_NULL = frozenset({"priority"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, cast
 
@@ -63,9 +64,19 @@ def _value(entry: dict[int, Logprob], token_id: int, missing: float | None) -> f
 _LOGPROB_FLOOR = -9999.0  # what vLLM sends for -inf (JSON has no infinity)
 
 
+def floored(value: float) -> float:
+    """A logprob as vLLM's OpenAI and TITO shapes send it: -inf (a token the processed modes
+    filtered out, or a masked logit) and NaN as -9999.0."""
+    return _LOGPROB_FLOOR if math.isnan(value) else max(value, _LOGPROB_FLOOR)
+
+
+def _floored_ranked(entry: dict[int, Logprob]) -> list[tuple[int, float]]:
+    return [(t, floored(v)) for t, v in ranked_logprobs(entry)]
+
+
 def plain_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
     """Prompt logprobs with -inf floored, as sampled tokens' entries (for echo's logprobs)."""
-    return [None if e is None else {t: Logprob(max(lp.logprob, _LOGPROB_FLOOR), lp.rank) for t, lp in e.items()}
+    return [None if e is None else {t: Logprob(floored(lp.logprob), lp.rank) for t, lp in e.items()}
             for e in entries]
 
 
@@ -114,8 +125,9 @@ class LogprobFormatter:
             out.text_offset.append(text_offset)
             text_offset += len(token)
             out.tokens.append(token)
-            out.token_logprobs.append(None if entry is None else _value(entry, tid, None))
-            out.top_logprobs.append(None if entry is None else {self.token_str(t): v for t, v in ranked_logprobs(entry)})
+            value = None if entry is None else _value(entry, tid, None)
+            out.token_logprobs.append(None if value is None else floored(value))
+            out.top_logprobs.append(None if entry is None else {self.token_str(t): v for t, v in _floored_ranked(entry)})
         return out
 
     def prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None) -> p.PromptLogprobs | None:
@@ -124,7 +136,7 @@ class LogprobFormatter:
             return None
         return [
             None if entry is None else {
-                t: p.Logprob(logprob=max(lp.logprob, _LOGPROB_FLOOR), rank=lp.rank, decoded_token=self.token_str(t))
+                t: p.Logprob(logprob=floored(lp.logprob), rank=lp.rank, decoded_token=self.token_str(t))
                 for t, lp in entry.items()
             }
             for entry in entries
@@ -137,11 +149,11 @@ class LogprobFormatter:
             content.append(
                 p.ChatCompletionLogProbsContent(
                     token=token,
-                    logprob=_value(entry, tid, float("-inf")),
+                    logprob=floored(_value(entry, tid, float("-inf"))),
                     bytes=list(token.encode("utf-8")),
                     top_logprobs=[
                         p.ChatCompletionLogProb(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode("utf-8")))
-                        for t, v in (ranked_logprobs(entry) if top == -1 else ranked_logprobs(entry)[:top])
+                        for t, v in (_floored_ranked(entry) if top == -1 else _floored_ranked(entry)[:top])
                     ],
                 )
             )
@@ -152,9 +164,10 @@ def _tokens_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]) -
     content = [
         p.GenerateLogProbsContent(
             token_id=tid,
-            logprob=_value(entry, tid, float("-inf")),
+            logprob=floored(_value(entry, tid, float("-inf"))),
             rank=_rank(entry, tid) if tid in entry else None,
-            top_logprobs=[p.GenerateLogProb(token_id=t, logprob=v, rank=r + 1) for r, (t, v) in enumerate(ranked_logprobs(entry))],
+            top_logprobs=[p.GenerateLogProb(token_id=t, logprob=v, rank=r + 1)
+                          for r, (t, v) in enumerate(_floored_ranked(entry))],
         )
         for tid, entry in zip(token_ids, logprobs)
     ]
@@ -207,6 +220,7 @@ async def completion_response(
                     prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
                     token_ids=list(c.token_ids) if with_ids else None,
                     routed_experts=await rows.choice(c.routed_experts),
+                    weight_versions=weight_version_spans(c) if req.return_weight_versions else None,
                     weight_version=state.weight_version(out), **state.lora_fields(out),
                     prompt_logprobs=prompt_logprobs,
                 )
@@ -236,6 +250,7 @@ async def chat_response(
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if with_ids else None,
             routed_experts=await rows.choice(c.routed_experts),
+            weight_versions=weight_version_spans(c) if req.return_weight_versions else None,
             weight_version=state.weight_version(final), **state.lora_fields(final),
         ))
     return p.ChatCompletionResponse(
@@ -248,6 +263,13 @@ async def chat_response(
         sglext=await rows.sglext(final.outputs[0].routed_experts),
         image_grid_thw=UNSET if final.image_grid_thw is None else [list(grid) for grid in final.image_grid_thw],
     )
+
+
+def weight_version_spans(c: CompletionOutput) -> list[p.WeightVersionSpan] | None:
+    """Which weights sampled which of `c`'s tokens (None until it has finished)."""
+    if c.weight_versions is None:
+        return None
+    return [p.WeightVersionSpan(version=s.version, start=s.start, end=s.end) for s in c.weight_versions]
 
 
 def tito_sampling_mask(masks: SamplingMasks | None) -> list[list[int]] | None:
@@ -286,6 +308,7 @@ async def generate_response(
             routed_experts=await state.encode_experts(c.routed_experts, encoding, start),
             routed_expert_weights=expert_weights(c, req.routed_expert_weights_dtype),
             sampling_mask=tito_sampling_mask(c.sampling_mask),
+            weight_versions=weight_version_spans(c),
             weight_version=state.weight_version(final), **state.lora_fields(final),
             text=c.text if text_mode else UNSET,
         )

@@ -42,9 +42,18 @@ async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: C
     version = state.weight_version(out) if final else UNSET
     if version is not UNSET:
         meta["weight_version"] = version
+    if final and c.weight_versions is not None:
+        meta["weight_versions"] = weight_version_spans(c, len(token_ids))
     if final:
         meta.update(state.lora_fields(out))
     return meta
+
+
+def weight_version_spans(c: CompletionOutput, num_tokens: int) -> list[dict[str, Any]]:
+    """SGLang's `weight_versions`: which weights sampled which of the first `num_tokens` output
+    tokens, as `{"version", "start", "end"}` objects (end exclusive), cut to those tokens."""
+    return [{"version": s.version, "start": s.start, "end": min(s.end, num_tokens)}
+            for s in c.weight_versions or [] if s.start < num_tokens or s.start == 0]
 
 
 def add_logprobs(meta: dict[str, Any], k: int, out: RequestOutput, token_ids: list[int],

@@ -39,6 +39,7 @@ from r3srv.server.responses import (
     tito_rows_encoding,
     tito_sampling_mask,
     usage_of,
+    weight_version_spans,
 )
 
 logger = logging.getLogger("r3srv.server")
@@ -207,6 +208,7 @@ async def completion_stream(
                 prompt_token_ids=list(out.prompt_token_ids) if with_ids and d.first else UNSET,
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
+                weight_versions=weight_version_spans(c) if d.final and req.return_weight_versions else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
             )
@@ -306,6 +308,7 @@ async def chat_stream(
                 stop_reason=c.stop_reason,
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
+                weight_versions=weight_version_spans(c) if d.final and req.return_weight_versions else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
             )
@@ -351,6 +354,7 @@ async def generate_stream(
                 routed_experts=await state.encode_experts(c.routed_experts, encoding, start) if d.final else UNSET,
                 routed_expert_weights=(expert_weights(c, req.routed_expert_weights_dtype) or UNSET) if d.final else UNSET,
                 sampling_mask=tito_sampling_mask(c.sampling_mask),
+                weight_versions=weight_version_spans(c) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
                 text=d.text if text_mode else UNSET,

@@ -56,7 +56,6 @@ AT_OFF: dict[str, tuple[Any, ...]] = {
     "enable_lora": (False,),
     "max_loras": (1,),
     "max_lora_rank": (16,),
-    "logprobs_mode": ("raw_logprobs",),  # r3srv's logprobs are the log-softmax of the unmodified logits
     "speculative_config": (None,),
     "revision": (None, "main"),
     "tokenizer_revision": (None, "main"),

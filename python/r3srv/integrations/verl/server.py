@@ -61,6 +61,7 @@ class R3srvRolloutServer:
             enable_expert_parallel=c.expert_parallel_size > 1,
             enable_return_routed_experts=bool(c.enable_rollout_routing_replay),
             seed=c.seed if c.get("seed", None) is not None else 0,
+            logprobs_mode=c.get("logprobs_mode", None),  # verl's default is processed_logprobs, as vLLM is given
             device="cuda" if self.gpu else "cpu",
         )
         extra = (c.get("engine_kwargs", {}) or {}).get(ENGINE_KWARGS_KEY, {}) or {}
@@ -137,9 +138,6 @@ class R3srvRolloutServer:
         if max_tokens is None:
             max_tokens = min(c.response_length, c.prompt_length + c.response_length - len(prompt_ids))
         params["logprobs"] = 0 if params.pop("logprobs", False) else None
-        if params["logprobs"] is not None and c.logprobs_mode == "processed_logprobs" and _processed(params):
-            raise ValueError("rollout.logprobs_mode=processed_logprobs with temperature, top_k or top_p changing the "
-                             "distribution: r3srv returns raw logprobs only (set logprobs_mode=raw_logprobs)")
         params.setdefault("repetition_penalty", c.get("repetition_penalty", 1.0))
         params.setdefault("ignore_eos", c.get("ignore_eos", False))
         return vllm.SamplingParams(max_tokens=max(1, min(max_tokens, room)),
@@ -217,13 +215,6 @@ class R3srvRolloutServer:
 
     async def stop_profile(self) -> None:
         pass
-
-
-def _processed(params: dict[str, Any]) -> bool:
-    """Whether vLLM's processed logprobs would differ from the raw ones for these params."""
-    temperature = params.get("temperature", 1.0)
-    top_k, top_p = params.get("top_k", -1), params.get("top_p", 1.0)
-    return temperature not in (1.0, None) or (top_k is not None and top_k > 0) or (top_p is not None and top_p < 1.0)
 
 
 def _free_port(address: str) -> int:

@@ -35,6 +35,15 @@ ReturnTokenIds = Annotated[
 
 
 
+class WeightVersionSpan(Struct, kw_only=True):
+    """Output tokens `[start, end)` of a choice were sampled by the weights named `version`
+    (vLLM's `weight_versions` entries and SGLang's `meta_info["weight_versions"]` entries)."""
+
+    version: str
+    start: int
+    end: int
+
+
 class StreamOptions(Struct, kw_only=True):
     # Unset and false alike leave usage out; an object with no field set is vLLM's "no options".
     include_usage: bool | None | UnsetType = UNSET

@@ -31,6 +31,7 @@ from r3srv.server.protocol.common import (
     Seed,
     StreamOptions,
     UsageInfo,
+    WeightVersionSpan,
     _check_logprob_count,
     _check_prompt_logprobs,
 )
@@ -71,6 +72,8 @@ class _OpenAIRequest(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     request_id: str | UnsetType = UNSET  # vLLM's is a string (a random one by default): null is refused
     return_token_ids: ReturnTokenIds = None
+    # each choice's weight_versions: which weights sampled which of its tokens (vLLM's)
+    return_weight_versions: bool = False
     routed_experts_prompt_start: PromptStart = 0
     # r3srv extra
     return_routed_experts: ReturnRoutedExperts = None
@@ -201,8 +204,8 @@ class CompletionResponseChoice(Struct, kw_only=True):
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: RoutedExpertsValue | None = None
-    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
-    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_versions: list[WeightVersionSpan] | None = None  # vLLM's, with return_weight_versions
+    # The weights that computed this choice's rows (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
@@ -233,6 +236,7 @@ class CompletionResponseStreamChoice(Struct, kw_only=True):
     token_ids: list[int] | UnsetType = UNSET
     # Only on the final chunk of a choice (the one with finish_reason).
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
+    weight_versions: list[WeightVersionSpan] | UnsetType = UNSET  # on the final chunk, with return_weight_versions
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
@@ -464,8 +468,8 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     routed_experts: RoutedExpertsValue | None = None
-    weight_versions: list[dict[str, Any]] | None = None  # vLLM's, with return_weight_versions (refused)
-    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_versions: list[WeightVersionSpan] | None = None  # vLLM's, with return_weight_versions
+    # The weights that computed this choice's rows (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
@@ -500,6 +504,7 @@ class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
+    weight_versions: list[WeightVersionSpan] | UnsetType = UNSET  # on the final chunk, with return_weight_versions
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)

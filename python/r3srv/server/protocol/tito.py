@@ -21,6 +21,7 @@ from r3srv.server.protocol.common import (
     ReturnTokenIds,
     StreamOptions,
     UsageInfo,
+    WeightVersionSpan,
 )
 
 
@@ -127,7 +128,8 @@ class GenerateChoice(Struct, kw_only=True):
     # vLLM's: per output token, the ids its draw could pick (ascending); the JSON is written by
     # the Rust core and embedded as a msgspec.Raw (typed as what it reads as, for the schema)
     sampling_mask: list[list[int]] | None = None
-    # The weights that produced this choice (servers started with --enable-weight-updates).
+    weight_versions: list[WeightVersionSpan] | None = None  # vLLM's: which weights sampled which tokens
+    # The weights that computed this choice's rows (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
@@ -155,6 +157,7 @@ class GenerateStreamChoice(Struct, kw_only=True):
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     routed_expert_weights: dict[str, Any] | UnsetType = UNSET  # with routed_experts, when asked
     sampling_mask: list[list[int]] | None = None  # the chunk's tokens' masks (vLLM's)
+    weight_versions: list[WeightVersionSpan] | UnsetType = UNSET  # vLLM's, on the final chunk: the whole output's
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
     lora_version: int | UnsetType = UNSET  # and that adapter's version (each replacement adds one)
