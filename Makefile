@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-data verl-env verifiers-env test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke fuzz-deep serve
+.PHONY: install test test-data verl-env verifiers-env openrlhf-env test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke fuzz-deep serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,16 +14,21 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -e ".[test]"
 
-# verl's and prime-rl's clients' environments (mostly downloads) build while the Rust tests compile and run
+# verl's, OpenRLHF's and prime-rl's clients' environments (mostly downloads) build while the Rust tests compile and run
 test: install test-data
 	{ [ -x .verl_venv/bin/python ] || tools/verl_env.sh .verl_venv; } & verl=$$!; \
+	{ [ -x .openrlhf_venv/bin/python ] || tools/openrlhf_env.sh .openrlhf_venv; } & orl=$$!; \
 	{ [ -x .verifiers_venv/bin/python ] || tools/verifiers_env.sh .verifiers_venv; } & vf=$$!; \
-	cargo test --release; rust=$$?; wait $$verl || exit 1; wait $$vf || exit 1; exit $$rust
+	cargo test --release; rust=$$?; wait $$verl || exit 1; wait $$orl || exit 1; wait $$vf || exit 1; exit $$rust
 	$(MAKE) test-python
 
 # verl's own environment (tools/verl_env.sh) for tests/test_verl_rollout.py, built once
 verl-env: install
 	[ -x .verl_venv/bin/python ] || tools/verl_env.sh .verl_venv
+
+# OpenRLHF's own environment (tools/openrlhf_env.sh) for tests/test_openrlhf_rollout.py, built once
+openrlhf-env: install
+	[ -x .openrlhf_venv/bin/python ] || tools/openrlhf_env.sh .openrlhf_venv
 
 # prime-rl's rollout clients (verifiers, renderers) for tests/test_verifiers_client.py, built once
 verifiers-env:

@@ -35,18 +35,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def masked_dense_decode(indexer, group, query, weights):
-    """The reference: the same selection as a mask over the whole gathered context."""
+    """The reference: the same selection as a mask over the whole gathered context (and the
+    picks, as Indexer._decode returns them)."""
     real = group.slots.new_ones(group.slots.shape, dtype=torch.bool) if group.mask is None else group.mask[:, 0, 0]
     if real.shape[1] <= indexer.topk:
-        return None
+        return None, None
     scores = indexer._scores(query[group.rows], weights[group.rows], indexer.k_cache[group.slots].float())
     picked = scores.masked_fill(~real, float("-inf")).topk(indexer.topk, dim=-1).indices
     selected = torch.zeros_like(real).scatter_(1, picked, True) & real
-    return DecodeGroup(group.rows, group.slots, selected[:, None, None, :])
+    return DecodeGroup(group.rows, group.slots, selected[:, None, None, :]), picked
 
 
-@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
-def test_dsa_decode_step(benchmark, candidate, monkeypatch):
+def decode_step():
+    """One MLA layer with an indexer, filled caches, and a decode step's inputs over them."""
     cfg = ModelConfig.from_dict(CONFIG)
     torch.manual_seed(0)
     attn = MlaAttention(cfg, torch.float32, torch.device("cpu"))
@@ -64,6 +65,12 @@ def test_dsa_decode_step(benchmark, candidate, monkeypatch):
     meta = AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.rotary_dim, cfg.rope.theta), torch.float32)
     x = torch.randn(SEQS, cfg.hidden_size)
+    return attn, x, cos, sin, meta
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+def test_dsa_decode_step(benchmark, candidate, monkeypatch):
+    attn, x, cos, sin, meta = decode_step()
     with torch.inference_mode():
         got = attn(x, cos, sin, meta)
         monkeypatch.setattr(dsa.Indexer, "_decode", masked_dense_decode)
@@ -73,3 +80,29 @@ def test_dsa_decode_step(benchmark, candidate, monkeypatch):
             monkeypatch.undo()
         benchmark.group = f"DSA decode {SEQS}x{CONTEXT} top-{TOPK}"
         benchmark(attn, x, cos, sin, meta)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+def test_dsa_decode_step_capturing_selections(benchmark, candidate):
+    """--enable-return-indexer-topk's cost on the same step: the layer writing its selections into
+    the step's capture and their copy into the host buffer by slot (r3srv), against the step
+    without (the reference)."""
+    from r3srv.engine.indexer_topk import IndexerTopkBuffer
+
+    attn, x, cos, sin, meta = decode_step()
+    buffer = IndexerTopkBuffer(SEQS * CONTEXT, 1, TOPK, CONTEXT)
+    slots = meta.slot_mapping.numpy()
+
+    def step():
+        meta.indexer_capture = buffer.new_capture(SEQS, "cpu") if candidate == "r3srv" else None
+        out = attn(x, cos, sin, meta)
+        if meta.indexer_capture is not None:
+            buffer.store(slots, meta.indexer_capture)
+        return out
+
+    with torch.inference_mode():
+        benchmark.group = f"DSA decode {SEQS}x{CONTEXT} top-{TOPK}, capturing selections"
+        benchmark(step)
+    if candidate == "r3srv":  # each sequence's selection: top-k distinct positions of its context
+        picked = buffer.values[slots, 0]
+        assert all(len(set(row.tolist())) == TOPK and row.min() >= 0 and row.max() < CONTEXT for row in picked)

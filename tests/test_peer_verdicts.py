@@ -161,6 +161,9 @@ KNOWN_DIFFERENCES: list[tuple[tuple[str, ...], str | None, str, list[Any], str]]
      "n below 1: SGLang's classes pass it (no choice would come back); r3srv refuses it"),
     (("sglang",), SAMPLING_PARAMS, "stop", [""],
      "an empty stop string matches everywhere: SGLang would stop after one token, vLLM refuses it, r3srv too"),
+    (("sglang",), None, "return_indexer_topk", [True, 1, 1.0, "1", "true", "True", "yes"],
+     "asked of a server without --enable-return-indexer-topk (or of a model without an indexer): SGLang has no "
+     "capturer and answers without the field; r3srv refuses it, naming the field"),
 ]
 
 # Refusals the peer makes after its request classes, in its engine; r3srv makes them while

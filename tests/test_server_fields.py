@@ -58,6 +58,7 @@ EXAMPLES = {
     "custom_params": {"return_top_p_token_ids": False},
     # a mask needs SGLang's top_k bound (test_server_sampling_masks), its mode needs the mask
     "return_sampling_mask": False, "sampling_logprobs_mode": None,
+    "return_indexer_topk": False,  # true needs a DSA model and the flag (test_server_indexer_topk)
     "lora_path": [None],  # the base model, named per prompt (an adapter needs --enable-lora: test_server_lora)
     # tool calling and reasoning (docs/protocol.md): on a server without parsers, tools are only shown to
     # the model (tool_choice "none"; `_body` adds it)

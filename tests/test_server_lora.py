@@ -146,26 +146,3 @@ def test_an_adapter_pushed_from_gpu_memory_serves_as_the_same_adapter_from_disk(
             "max_new_tokens": 6, "temperature": 0}}, timeout=60).json()
         assert base["output_ids"] != outs[0]["output_ids"]  # the adapter changed the continuation
 
-
-def test_a_fleet_loads_and_unloads_on_every_replica(files):
-    """--data-parallel-size 2: the front sends load and unload to both replicas; each then serves
-    the adapter (as PEFT computes it) and lists it, and forgets it after the unload."""
-    ckpt, _, a2 = files
-    args = (str(ckpt), "--data-parallel-size", "2", "--enable-lora", "--max-model-len", "96", "--num-kv-blocks", "64",
-            "--device", "cpu", "--log-level", "warning")
-    with RemoteServer(*args) as fleet:
-        replicas = [s["url"] for s in httpx.get(fleet.url + "/server_info", timeout=30).json()["internal_states"]]
-        assert len(set(replicas)) == 2
-        r = httpx.post(fleet.url + "/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(a2)}, timeout=120)
-        assert r.status_code == 200, r.text
-        p = prompt(9, 4)
-        want = peft_reference(FAMILY, a2, p, 4).tokens
-        for url in replicas:
-            assert "a2" in {m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
-            out = httpx.post(url + "/v1/completions", json={"model": "a2", "prompt": p, "max_tokens": 4,
-                                                           "temperature": 0, "return_token_ids": True}, timeout=60)
-            assert out.json()["choices"][0]["token_ids"] == want
-        r = httpx.post(fleet.url + "/unload_lora_adapter", json={"lora_name": "a2"}, timeout=120)
-        assert r.status_code == 200, r.text
-        for url in replicas:
-            assert "a2" not in {m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}

@@ -5,7 +5,7 @@ probability) with `output_token_sampling_logprobs` in "selected" and "support" m
 (decoded as slime's decode_int32_meta_array does); vLLM's `choices[].sampling_mask` on
 /inference/v1/generate, plain and streamed. The same seeded request gives the same masks in
 every form; SGLang's top_k bound and the --sampling-mask-max-tokens cap are 400s naming the
-field; and through a --data-parallel-size 2 fleet's one URL the masks arrive unchanged."""
+field. (Through a --data-parallel-size fleet's one URL: tests/test_fleet_signals.py.)"""
 
 from __future__ import annotations
 
@@ -122,11 +122,3 @@ def test_refusals_are_400s_naming_the_field(server, body, param):
     assert r.json()["error"]["param"] == param
     assert post(server.url, "/generate", {"input_ids": PROMPT}).status_code == 200  # the server goes on
 
-
-def test_masks_through_a_data_parallel_fleet(server):
-    want = sglang(server.url, return_sampling_mask=True)["meta_info"]["output_token_sampling_mask"]
-    with RemoteServer("--data-parallel-size", "2", *MASK_ARGS, *TEST_SERVER_ARGS) as fleet:
-        for _ in range(2):  # whichever replica answers
-            assert sglang(fleet.url, return_sampling_mask=True)["meta_info"]["output_token_sampling_mask"] == want
-        assert tito_masks(fleet.url) == [sorted(m) for m in want]
-    assert fleet.returncode == 0, fleet.log

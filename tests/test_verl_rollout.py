@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from framework_rollouts import assert_batch_equals_own
 from tiny_checkpoints import write_tiny_checkpoint
 
 from r3srv import LLM, SamplingParams
@@ -79,15 +80,8 @@ def test_rollout_batch_equals_r3srvs_own_api(verl_run, which):
     prompts = [list(map(int, p)) for p in got[f"{which}_prompt_ids"]]
     assert all(0 < len(p) <= loop.PROMPT_LENGTH for p in prompts)
     want = own(v0 if which == "first" else v1, prompts)
-    for i, w in enumerate(want):
-        c = w.outputs[0]
-        response = list(map(int, got[f"{which}_response_ids"][i]))
-        assert response == c.token_ids
-        rows = np.asarray(got[f"{which}_rows"][i])
-        assert rows.shape == (len(prompts[i]) + len(response) - 1, *c.routed_experts.shape[1:])
-        np.testing.assert_array_equal(rows, c.routed_experts)
-        sampled = [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]
-        assert list(got[f"{which}_logprobs"][i]) == pytest.approx(sampled, abs=1e-4)
+    assert_batch_equals_own(want, prompts, got[f"{which}_response_ids"], got[f"{which}_rows"],
+                            got[f"{which}_logprobs"])
 
 
 def test_training_rollout_logprobs_are_processed(verl_run):

@@ -5,14 +5,8 @@
 #     tools/verl_env.sh [VERL_VENV (default .verl_venv)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BASE=${BASE:-.venv}
 VERL_VENV=${1:-.verl_venv}
-[ -x "$BASE/bin/python" ] || { echo "no $BASE: run make install first" >&2; exit 1; }
-"$BASE/bin/python" -m venv "$VERL_VENV"
-site=$("$VERL_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-base_site=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# after verl's own packages on sys.path: r3srv's sources, then the .venv (torch, r3srv's metadata)
-printf '%s\n%s\n' "$(pwd)/python" "$(cd "$base_site" && pwd)" > "$site/zz_r3srv_base.pth"
+tools/layered_venv.sh "$VERL_VENV"
 # cachetools and pyzmq: imported by verl's rollout router and agent loop, not in its requirements
 "$VERL_VENV/bin/pip" install -q -c tools/verl_constraints.txt verl cachetools pyzmq
 "$VERL_VENV/bin/python" -c 'import verl; from verl.workers.rollout.replica import RolloutReplicaRegistry as R; print("verl", verl.__version__, "resolves rollout.name=r3srv:", R.get("r3srv").__name__)'

@@ -127,7 +127,7 @@ class EngineConfig:
     # SGLang's proposed flag (#23999): the router's weight of every routed-experts id, on request
     enable_return_routed_expert_weights: bool = option(
         False, "capture the router's weights beside the routed experts (per request: "
-        "return_routed_expert_weights); needs --enable-return-routed-experts and one process (no -tp)")
+        "return_routed_expert_weights); needs --enable-return-routed-experts")
     # vLLM 0.33's flag: every request's sampling mask by default (per request: return_sampling_mask)
     return_sampling_mask: bool = option(
         False, "return each sampled token's sampling mask (the ids the draw could pick) by default; "
@@ -135,6 +135,14 @@ class EngineConfig:
     sampling_mask_max_tokens: int = option(
         4096, "most token ids in one token's sampling mask (SGLang's flag); a request whose support is wider "
         "fails with a 400")
+    # SGLang's and vLLM's flag (DeepSeek-V3.2, GLM-5): each token's sparse-attention key selections
+    enable_return_indexer_topk: bool = option(
+        False, "capture the sparse-attention indexer's selected key positions per token and indexer layer "
+        "(DeepSeek-V3.2, GLM-5; per request: return_indexer_topk; the vLLM routes return them on every choice); "
+        "one process only (no -tp)")
+    indexer_topk_max_values: int = option(
+        1 << 26, "most indexer top-k values (tokens x indexer layers x index_topk) one request may return; "
+        "a request that could return more is refused with a 400")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
     max_num_seqs: int = option(64, "sequences per step")
     max_model_len: int | None = option(None, "context length", default_text="the model's max_position_embeddings")
@@ -203,6 +211,11 @@ class EngineConfig:
         _positive("encoder_cache_tokens", self.encoder_cache_tokens)
         _positive("max_num_encoder_tokens", self.max_num_encoder_tokens)
         _positive("sampling_mask_max_tokens", self.sampling_mask_max_tokens)
+        _positive("indexer_topk_max_values", self.indexer_topk_max_values)
+        if self.enable_return_indexer_topk and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("enable_return_indexer_topk=True is served in one process only (the ranks' executor "
+                              f"ships no indexer capture); use tensor_parallel_size=1, not "
+                              f"{self.parallel.tensor_parallel_size}")
         self._check_expert_weights()
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={self.logprobs_mode!r} is not supported; use one of "
@@ -227,9 +240,6 @@ class EngineConfig:
         if not self.enable_return_routed_experts:
             raise ConfigError("enable_return_routed_expert_weights=True needs enable_return_routed_experts=True "
                               "(the weights follow the rows); add --enable-return-routed-experts")
-        if self.parallel.tensor_parallel_size > 1:  # the ranks' executor ships no weights capture
-            raise ConfigError("enable_return_routed_expert_weights=True is served in one process only; "
-                              f"use tensor_parallel_size=1, not {self.parallel.tensor_parallel_size}")
 
     def _check_lora(self) -> None:
         _positive("max_loras", self.max_loras)

@@ -58,6 +58,10 @@ class CompletionOutput:
     routed_experts: np.ndarray | None = None
     # With return_routed_expert_weights: the router's weight of each id of routed_experts (float32)
     routed_expert_weights: np.ndarray | None = None
+    # With return_indexer_topk (DeepSeek-V3.2, GLM-5): int32 (len(prompt) + len(token_ids) - 1 -
+    # indexer_topk_prompt_start, indexer layers, index_topk), each token's selected key positions
+    # per layer with an indexer, ascending, -1 after them; set only when finished.
+    indexer_topk: np.ndarray | None = None
     # With return_sampling_mask: one row per token of token_ids (DELTA: the new ones)
     sampling_mask: SamplingMasks | None = None
     # Times the scheduler preempted this sample for KV blocks (each recomputes its tokens and

@@ -73,6 +73,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Each sampled token's sampling mask: the ids the draw could pick, after every filter, and
     # their logprobs. None: the engine's default (return_sampling_mask); False: opt out.
     return_sampling_mask: bool | None = None
+    # DeepSeek Sparse Attention's selected key positions per token and indexer layer (needs the
+    # engine's enable_return_indexer_topk). None: the engine's flag (vLLM's default); False: opt out.
+    return_indexer_topk: bool | None = None
+    # skip this many leading prompt tokens' selections (vLLM's indexer_topk_prompt_start)
+    indexer_topk_prompt_start: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +116,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             salt is None or 0 < len(salt) <= MAX_CACHE_SALT_CHARS,
             "cache_salt", salt, f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
         )
+        _check(self.indexer_topk_prompt_start >= 0, "indexer_topk_prompt_start", self.indexer_topk_prompt_start,
+               "must be >= 0")
         _check(
             self.routed_experts_prompt_start >= 0,
             "routed_experts_prompt_start",

@@ -21,6 +21,7 @@ import torch
 from r3srv.config import EngineConfig
 from r3srv.engine.block_manager import BlockManager
 from r3srv.engine.executor import Executor
+from r3srv.engine.indexer_topk import IndexerTopkBuffer
 from r3srv.engine.placement import load_model_for
 from r3srv.engine.input_processor import EngineRequest
 from r3srv.engine.requests import CoreOutputs, CoreRequest, RequestUpdate, SeqUpdate
@@ -72,9 +73,9 @@ def _memory_tags(tags: list[str] | None) -> set[str]:
     return set(tags)
 
 
-def _weights_option(config: EngineConfig) -> dict:
-    """The executor's router-weights keyword: the one-process executor's only (the config refuses -tp)."""
-    return {"capture_weights": True} if config.enable_return_routed_expert_weights else {}
+def _indexer_option(config: EngineConfig) -> dict:
+    """The executor's indexer keyword: the one-process executor's only (the config refuses -tp with it)."""
+    return {"capture_indexer_topk": True} if config.enable_return_indexer_topk else {}
 
 
 class EngineCore:
@@ -110,7 +111,8 @@ class EngineCore:
             model, config.block_size, self.device, config.enable_return_routed_experts, eos, config.seed,
             use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
-            encoder=encoder, logprobs_mode=config.logprobs_mode, **_weights_option(config),
+            encoder=encoder, logprobs_mode=config.logprobs_mode,
+            capture_weights=config.enable_return_routed_expert_weights, **_indexer_option(config),
         )
         self.tower_updates = TowerUpdates(None if encoder is None else encoder.tower,
                                           tensor_parallel=self.executor.ranks is not None)
@@ -124,6 +126,8 @@ class EngineCore:
             if config.enable_return_routed_experts
             else None
         )
+        self.indexer_topk = (IndexerTopkBuffer.for_model(mc, num_blocks * config.block_size, self.max_model_len)
+                             if config.enable_return_indexer_topk else None)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
@@ -488,6 +492,9 @@ class EngineCore:
                 update.routed_expert_weights = self.rows.sequence_weights(
                     seq.block_table.array, self.block_manager.block_size, seq.num_tokens,
                     prep.params.routed_experts_prompt_start)
+        if prep.params.return_indexer_topk:  # checked against the flag and the model on arrival
+            update.indexer_topk = self.indexer_topk.sequence(seq.block_table.array, self.block_manager.block_size,
+                                                             seq.num_tokens, prep.params.indexer_topk_prompt_start)
         self.scheduler.finish(seq)
         return update
 

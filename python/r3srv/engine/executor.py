@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from r3srv.engine import cuda_graphs
+from r3srv.engine.indexer_topk import IndexerTopkBuffer
 from r3srv.engine.model_runner import ModelRunner
 from r3srv.engine.routed_experts import RoutedExpertsBuffer, capture_torch_dtype
 from r3srv.engine.sampler import SampleResult, SampleView, sample
@@ -63,6 +64,7 @@ class ModelOutput:
     # the step's rows ([tokens, layers, top_k], possibly still on the device) and their KV slots
     routing_capture: torch.Tensor | None = None
     routing_weights: torch.Tensor | None = None  # the rows' router weights (float32), when captured
+    indexer_topk: torch.Tensor | None = None  # the step's indexer selections (int32), when captured
     slot_mapping: np.ndarray | None = None
     # the logits of StepInputs.prompt_spans' positions ([R, vocab], run after run); None when none
     prompt_logits: torch.Tensor | None = None
@@ -140,7 +142,8 @@ class InProcessExecutor(Executor):
     def __init__(self, model, block_size: int, device: torch.device, capture_routed_experts: bool,
                  eos_token_ids: list[int], seed: int, *, use_cuda_graphs: bool = False, max_num_seqs: int = 1,
                  max_model_len: int = 1, num_state_snapshots: int = 0, encoder=None,
-                 capture_weights: bool = False, logprobs_mode: str = "raw_logprobs") -> None:
+                 capture_weights: bool = False, capture_indexer_topk: bool = False,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.model = model
         self.logprobs_mode = logprobs_mode  # what sampled logprobs hold (EngineConfig.logprobs_mode)
         self.device = device
@@ -157,7 +160,8 @@ class InProcessExecutor(Executor):
             model, block_size, max_num_seqs, max_model_len, num_state_snapshots,
             capture_torch_dtype(mc.num_experts) if capture_routed_experts else None)
         self.graphs_reserved = 0 if graphs is None else graphs.reserve()
-        self.runner = ModelRunner(model, block_size, device, capture, graphs, encoder)
+        self.runner = ModelRunner(model, block_size, device, capture, graphs, encoder,
+                                  IndexerTopkBuffer.for_model(mc, 0, max_model_len) if capture_indexer_topk else None)
         # Noise for requests without a seed: one generator, so their rows sample in one batched draw.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -170,7 +174,7 @@ class InProcessExecutor(Executor):
     def execute(self, step: StepInputs) -> ModelOutput:
         run = self.runner.run(step.sched.seqs, step.prompt_spans)
         out = ModelOutput(routing_capture=run.capture, routing_weights=run.weights, slot_mapping=run.slot_mapping,
-                          prompt_logits=run.prompt_logits)
+                          prompt_logits=run.prompt_logits, indexer_topk=run.indexer_topk)
         self._sample(out, run.logits, step.sched.sample_indices, step.samplers)
         return out
 
@@ -206,8 +210,9 @@ class InProcessExecutor(Executor):
             # the capture tensor is reused by the next step, prepared meanwhile: keep this step's
             capture = None if batch.routing_capture is None else batch.routing_capture.clone()
             weights = None if batch.routing_weights is None else batch.routing_weights.clone()
+            indexer = None if batch.indexer_capture is None else batch.indexer_capture.clone()
             out = ModelOutput(routing_capture=capture, routing_weights=weights, slot_mapping=slots,
-                              prompt_logits=prompt_logits)
+                              prompt_logits=prompt_logits, indexer_topk=indexer)
             self._sample(out, logits[:num_seqs], step.sched.sample_indices, step.samplers)
             if out.samples:
                 ids = [s.token_id for s in out.samples]

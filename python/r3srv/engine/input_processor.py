@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from r3srv.engine.indexer_topk import IndexerTopkLimits
 from r3srv.errors import InvalidRequestError
 from r3srv.outputs import OutputKind
 from r3srv.sampling_params import SamplingParams
@@ -42,8 +43,10 @@ class EngineRequest:
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, enable_return_routed_experts: bool,
                  max_logprobs: int = 20, images: ImageInputConfig | None = None,
-                 return_sampling_mask: bool = False, enable_return_routed_expert_weights: bool = False) -> None:
+                 return_sampling_mask: bool = False, enable_return_routed_expert_weights: bool = False,
+                 indexer_topk: IndexerTopkLimits = IndexerTopkLimits()) -> None:
         self.tokenizer = tokenizer
+        self.indexer_topk = indexer_topk  # what return_indexer_topk may ask
         self.enable_return_routed_expert_weights = enable_return_routed_expert_weights
         self.return_sampling_mask = return_sampling_mask  # the default of requests that leave it None
         self.images = images  # None: the served model takes no images
@@ -57,7 +60,8 @@ class InputProcessor:
         """The input processor of an EngineCore (its tokenizer, vocabulary, limits)."""
         return cls(core.tokenizer, core.model_config.vocab_size, core.max_model_len, core.enable_return_routed_experts,
                    core.config.max_logprobs, core.image_inputs, core.config.return_sampling_mask,
-                   core.config.enable_return_routed_expert_weights)
+                   core.config.enable_return_routed_expert_weights,
+                   IndexerTopkLimits.of(core.config, core.model_config))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """A conversation as prompt text, through the tokenizer's chat template: the one place
@@ -191,6 +195,7 @@ class InputProcessor:
             want = self.enable_return_routed_experts
         if params.return_routed_expert_weights:
             self._check_weights_wanted(bool(want))
+        params = self.indexer_topk.resolve(params, n_prompt, max_tokens)
         if params.return_sampling_mask is None:  # resolved once: the sampler reads the params
             params = msgspec.structs.replace(params, return_sampling_mask=self.return_sampling_mask)
         return EngineRequest(str(request_id), text, ids, params, max_tokens, bool(want), multimodal=multimodal,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from r3srv.engine.cuda_graphs import DecodeGraphs, is_graph_decode
+from r3srv.engine.indexer_topk import IndexerTopkBuffer
 from r3srv.engine.routed_experts import RoutedExpertsBuffer
 from r3srv.engine.sequence import Sequence
 from r3srv.engine.encoder_cache import EncoderCache
@@ -36,16 +37,19 @@ class RunOutput:
     capture: torch.Tensor | None
     slot_mapping: np.ndarray
     weights: torch.Tensor | None = None  # the capture's router weights (float32), when captured
+    indexer_topk: torch.Tensor | None = None  # the step's indexer selections (int32), when captured
 
 
 class ModelRunner:
     def __init__(self, model, block_size: int, device: torch.device, rows: RoutedExpertsBuffer | None,
-                 graphs: DecodeGraphs | None = None, encoder: EncoderCache | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, encoder: EncoderCache | None = None,
+                 indexer: IndexerTopkBuffer | None = None) -> None:
         self.model = model
         self.encoder = encoder  # a vision-language model's tower and its outputs by image
         self.block_size = block_size
         self.device = device
         self.rows = rows
+        self.indexer = indexer  # the indexer top-k capture (--enable-return-indexer-topk)
         self.graphs = graphs
         self.graph_steps = 0  # steps replayed from a graph (tests and benches read it)
 
@@ -105,6 +109,7 @@ class ModelRunner:
             logits_indices=logits_indices,
             routing_capture=None if self.rows is None else self.rows.new_capture(num_tokens, dev),
             routing_weights=None if self.rows is None else self.rows.new_weight_capture(num_tokens, dev),
+            indexer_capture=None if self.indexer is None else self.indexer.new_capture(num_tokens, dev),
             lora=LoraBatch.build([s.lora_slot for s in seqs], query_lens.tolist(), dev),
         )
         if any(s.multimodal is not None for s in seqs):
@@ -160,10 +165,9 @@ class ModelRunner:
             return replayed
         batch, slot_np = self.prepare(seqs, prompt_spans)
         logits = self.model.forward(batch)
-        if prompt_spans:
-            return RunOutput(logits[: len(seqs)], logits[len(seqs):], batch.routing_capture, slot_np,
-                             batch.routing_weights)
-        return RunOutput(logits, None, batch.routing_capture, slot_np, batch.routing_weights)
+        prompt_logits = logits[len(seqs):] if prompt_spans else None
+        return RunOutput(logits[: len(seqs)] if prompt_spans else logits, prompt_logits, batch.routing_capture,
+                         slot_np, batch.routing_weights, batch.indexer_capture)
 
     def _replay(self, seqs: list[Sequence]) -> RunOutput | None:
         input_ids, positions, slot_np, tables, _, _ = self.host_arrays(seqs)

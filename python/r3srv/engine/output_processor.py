@@ -45,7 +45,7 @@ class SeqState:
     """One sample's output side: its output tokens, text, logprobs, and how it ended."""
 
     __slots__ = ("index", "params", "num_prompt_tokens", "token_ids", "logprobs", "cumulative_logprobs", "stream",
-                 "finish_reason", "stop_reason", "routed_experts", "routed_expert_weights", "num_preempted", "num_emitted_tokens", "num_emitted_chars",
+                 "finish_reason", "stop_reason", "routed_experts", "routed_expert_weights", "indexer_topk", "num_preempted", "num_emitted_tokens", "num_emitted_chars",
                  "stopping", "masks", "version_starts")
 
     def __init__(self, index: int, prep: EngineRequest, tokenizer) -> None:
@@ -65,6 +65,7 @@ class SeqState:
         self.stop_reason: int | str | None = None
         self.routed_experts: np.ndarray | None = None
         self.routed_expert_weights: np.ndarray | None = None
+        self.indexer_topk: np.ndarray | None = None
         self.num_preempted = 0
         # What DELTA outputs have handed out so far (output tokens, text characters).
         self.num_emitted_tokens = 0
@@ -118,6 +119,11 @@ class SeqState:
         n = num_routed_rows(self.num_prompt_tokens + len(self.token_ids), self.params.routed_experts_prompt_start)
         self.routed_experts = rows if rows is None or len(rows) == n else rows[:n]
         self.routed_expert_weights = weights if weights is None or len(weights) == n else weights[:n]
+
+    def take_indexer_topk(self, selections: np.ndarray | None) -> None:
+        """The core's indexer selections, less those of tokens a stop string cut."""
+        n = num_routed_rows(self.num_prompt_tokens + len(self.token_ids), self.params.indexer_topk_prompt_start)
+        self.indexer_topk = selections if selections is None or len(selections) == n else selections[:n]
 
 
 class RequestState:
@@ -232,6 +238,7 @@ class OutputProcessor:
         s.stopping = False
         s.num_preempted = su.num_preempted
         s.take_rows(su.routed_experts, su.routed_expert_weights)
+        s.take_indexer_topk(su.indexer_topk)
 
 
 def _request_output(st: RequestState, finished: bool) -> RequestOutput:
@@ -279,6 +286,7 @@ def completion_output(s: SeqState, delta: bool) -> CompletionOutput:
         logprobs=s.logprobs[first_token:n] if s.logprobs is not None else None,
         routed_experts=s.routed_experts,
         routed_expert_weights=s.routed_expert_weights,
+        indexer_topk=s.indexer_topk,
         sampling_mask=SamplingMasks.of(s.masks[first_token:n]) if s.masks is not None else None,
         num_preempted=s.num_preempted,
         weight_versions=s.weight_versions() if s.finish_reason is not None else None,

@@ -25,6 +25,7 @@ class SeqUpdate:
     # set when it finished and the request asked for them: rows of every token but the last
     routed_experts: np.ndarray | None = None
     routed_expert_weights: np.ndarray | None = None  # and their router weights (float32), when asked
+    indexer_topk: np.ndarray | None = None  # the indexer's selections (int32), when asked
     num_preempted: int = 0  # set when it finished: times it was preempted (recomputed)
 
 

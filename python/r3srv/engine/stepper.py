@@ -172,6 +172,8 @@ class Stepper:
             core.rows.store(out.slot_mapping, out.routing_capture)
             if out.routing_weights is not None:
                 core.rows.store_weights(out.slot_mapping, out.routing_weights)
+        if out.indexer_topk is not None:
+            core.indexer_topk.store(out.slot_mapping, out.indexer_topk)
         self._record_prompt_logprobs(seqs, out, step.prompt_spans, result)
         sampled = step.sampled
         if out.sample_error is not None:

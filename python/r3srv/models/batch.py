@@ -24,6 +24,9 @@ class ForwardBatch:
     # [T, num_layers, top_k] float32 (--enable-return-routed-expert-weights): each MoE layer
     # copies the weight of each id it wrote into routing_capture to the same place. None: none.
     routing_weights: torch.Tensor | None = None
+    # [T, indexer layers, index_topk] int32 (--enable-return-indexer-topk): every indexer layer
+    # writes the key positions it selected for token t into [t, its place]. None: no capture.
+    indexer_capture: torch.Tensor | None = None
     # [B] linear-attention state slot of each sequence (hybrid models only; None: slot i for
     # sequence i). A sequence whose step starts at position 0 starts from zero states.
     state_slots: list[int] | None = None

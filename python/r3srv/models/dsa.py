@@ -11,6 +11,9 @@ A prefill span's selection is a boolean mask [q, context] over the keys it alrea
 a decode group's is a smaller decode group: each sequence gathers only its selected keys, so a
 decode attends over index_topk keys whatever its context (ops/attention.py's groups).
 None where dense.
+
+With --enable-return-indexer-topk each indexer layer also writes every token's selected key
+positions (ascending, -1 after them) into the step's capture: `Indexer.capture`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ SCORE_ELEMENTS = 1 << 24
 class Selection:
     prefills: list[torch.Tensor | None]  # per meta.prefills span: [q, ctx] bool, True = attended
     decodes: list[DecodeGroup | None]  # per decode group (meta.decode_groups): the group over its selected keys
+    # per decode group: [Bg, topk] the picked columns, its contexts' positions (a short context's
+    # picks of padding are where the selected group's mask is False)
+    decode_positions: list[torch.Tensor | None] | None = None
 
 
 class Indexer(nn.Module):
@@ -76,12 +82,13 @@ class Indexer(nn.Module):
         sparse_prefill = any(span.context_len > self.topk for span in meta.prefills)
         sparse_decode = any(meta.context_lens[i] > self.topk for i in meta.decode_seqs)
         if not (sparse_prefill or sparse_decode):
-            return Selection([None] * len(meta.prefills), [None] * len(meta.decode_groups(None)))
+            dense = [None] * len(meta.decode_groups(None))
+            return Selection([None] * len(meta.prefills), dense, dense)
         query = self._rotated(F.linear(q_resid, self.wq_b).view(t, self.heads, self.dim), cos, sin).float()
         weights = F.linear(x, self.weights_proj).float() * self.heads**-0.5  # [t, heads]
         prefills = [self._prefill(span, query, weights, key) for span in meta.prefills]
         decodes = [self._decode(group, query, weights) for group in meta.decode_groups(None)]
-        return Selection(prefills, decodes)
+        return Selection(prefills, [d[0] for d in decodes], [d[1] for d in decodes])
 
     def _prefill(self, span, query, weights, key) -> torch.Tensor | None:
         ctx, q_len = span.context_len, span.end - span.start
@@ -104,17 +111,40 @@ class Indexer(nn.Module):
             selected[lo:hi].scatter_(1, picked, True)
         return selected & visible
 
-    def _decode(self, group: DecodeGroup, query, weights) -> DecodeGroup | None:
+    def _decode(self, group: DecodeGroup, query, weights) -> tuple[DecodeGroup | None, torch.Tensor | None]:
         real = group.slots.new_ones(group.slots.shape, dtype=torch.bool) if group.mask is None else group.mask[:, 0, 0]
         if real.shape[1] <= self.topk:
-            return None
+            return None, None
         keys = self.k_cache[group.slots].float()  # [Bg, ctx, dim]
         scores = self._scores(query[group.rows], weights[group.rows], keys)
         picked = scores.masked_fill(~real, float("-inf")).topk(self.topk, dim=-1).indices  # [Bg, topk]
         # a context shorter than topk picks padding too; a group of one length has none (known
         # on the host: no device sync in the decode path)
         mask = None if group.mask is None else real.gather(1, picked)[:, None, None, :]
-        return DecodeGroup(group.rows, group.slots.gather(1, picked), mask)
+        return DecodeGroup(group.rows, group.slots.gather(1, picked), mask), picked
+
+    def capture(self, selection: Selection, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Every token's selected key positions into out [t, topk] (int32): ascending, then -1
+        where fewer than topk were visible. A dense context's are all of its visible positions."""
+        cols = torch.arange(self.topk, device=out.device)
+        for span, selected in zip(meta.prefills, selection.prefills):
+            ctx, q_len = span.context_len, span.end - span.start
+            if selected is None:
+                qpos = torch.arange(ctx - q_len, ctx, device=out.device)
+                out[span.start : span.end] = torch.where(cols[None, :] <= qpos[:, None], cols[None, :], -1)
+                continue
+            keys = torch.arange(ctx, device=out.device)
+            first = torch.where(selected, keys[None, :], ctx).sort(dim=1).values[:, : self.topk]
+            out[span.start : span.end] = first.masked_fill(first == ctx, -1)
+        for group, sparse, positions in zip(meta.decode_groups(None), selection.decodes, selection.decode_positions):
+            if positions is None:  # dense: every real key
+                lens = group.slots.shape[1] if group.mask is None else group.mask[:, 0, 0].sum(dim=1, keepdim=True)
+                out[group.rows] = torch.where(cols[None, :] < lens, cols[None, :], -1).to(out.dtype)
+                continue
+            big = torch.iinfo(positions.dtype).max  # padding picked by a short context sorts last
+            ordered = positions if sparse.mask is None else positions.masked_fill(~sparse.mask[:, 0, 0], big)
+            ordered = ordered.sort(dim=1).values
+            out[group.rows] = ordered.masked_fill(ordered == big, -1).to(out.dtype)
 
     def _scores(self, query, weights, keys) -> torch.Tensor:
         """query [n, heads, dim], weights [n, heads], keys [n or 1, ctx, dim] -> [n, ctx]."""

@@ -65,6 +65,8 @@ class MlaAttention(nn.Module):
         sparse = spec.sparse is not None
         self.shares_selection = sparse and index in spec.sparse.shared_layers
         self.indexer = Indexer(cfg, dtype, device) if sparse and not self.shares_selection else None
+        # this indexer's place in the step's indexer top-k capture (its layer among those with one)
+        self.indexer_slot = spec.sparse.source_layers(index + 1)[index] if sparse else -1
         kw = dict(dtype=dtype, device=device)
         heads = cfg.num_attention_heads
         self.num_heads = local_heads(heads, parallel)
@@ -154,6 +156,8 @@ class MlaAttention(nn.Module):
         selection: Selection | None = None
         if self.indexer is not None:
             selection = meta.sparse_selection = self.indexer.select(x, q_resid, cos, sin, meta)
+            if meta.indexer_capture is not None:
+                self.indexer.capture(selection, meta, meta.indexer_capture[:, self.indexer_slot])
         elif self.shares_selection:
             selection = meta.sparse_selection
         q_nope, q_rope = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)

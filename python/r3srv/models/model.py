@@ -480,6 +480,7 @@ class MoeForCausalLM(nn.Module):
         if self.lora_context is not None:  # which adapter each token runs under, for every slot holder
             self.lora_context.batch = batch.lora
         meta = AttentionMetadata.build(batch, self.block_size, self.device)
+        meta.indexer_capture = batch.indexer_capture
         if batch.mrope_positions is not None:  # a vision-language prompt's M-RoPE ids
             cos, sin = mrope_cos_sin(batch.mrope_positions.to(self.device), self.inv_freq, self.config.rope, self.dtype)
         else:

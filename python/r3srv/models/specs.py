@@ -62,6 +62,20 @@ class SparseIndexSpec:
     rope_interleave: bool = False
     shared_layers: list[int] = field(default_factory=list)
 
+    def indexer_layers(self, num_layers: int) -> list[int]:
+        """The layers with an indexer of their own, in order (the captured selections' layers)."""
+        shared = set(self.shared_layers)
+        return [i for i in range(num_layers) if i not in shared]
+
+    def source_layers(self, num_layers: int) -> list[int]:
+        """Per layer, the place among indexer_layers of the selection it attends with (a shared
+        layer's is the last indexer before it)."""
+        shared, source, n = set(self.shared_layers), [], -1
+        for i in range(num_layers):
+            n += i not in shared
+            source.append(n)
+        return source
+
 
 @dataclass(frozen=True)
 class AttentionSpec:

@@ -70,6 +70,9 @@ class AttentionMetadata:
     # DeepSeek Sparse Attention (models/dsa.py): the last indexer layer's selection, which the
     # layers after it that share it reuse in this step
     sparse_selection: object = None
+    # [T, indexer layers, index_topk] int32 (--enable-return-indexer-topk): each indexer layer
+    # writes its tokens' selected key positions into its column (models/dsa.py); None: none
+    indexer_capture: torch.Tensor | None = None
     # a graph-captured decode step: the longest context is not known on the host when the graph
     # replays, so the kernel's split comes from the bucket and max_model_len
     graph: bool = False

@@ -166,7 +166,6 @@ SGLANG_REFUSED: dict[str, Refusal] = {
     "return_flat_raw_output_top_logprobs": NOT_SUPPORTED,
     "return_flat_raw_top_logprobs_b64": NOT_SUPPORTED,
     "return_hidden_states": NOT_SUPPORTED,
-    "return_indexer_topk": NOT_SUPPORTED,
     "lora_id": INTERNAL,  # set by SGLang's tokenizer manager from lora_path
     "custom_logit_processor": Refusal("custom logit processors are not supported by r3srv"),
     **dict.fromkeys(
@@ -244,7 +243,7 @@ TITO_SAMPLING_DEFAULTS = {
 SGLANG_DEFAULTS = {
     "use_audio_in_video": False, "return_flat_raw_top_logprobs": False,
     "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
-    "return_hidden_states": False, "return_indexer_topk": False, "background": False, "require_reasoning": False,
+    "return_hidden_states": False, "background": False, "require_reasoning": False,
     "return_bytes": False, "return_entropy": False, "return_prompt_token_ids": False,
 }
 SGLANG_SAMPLING_DEFAULTS = {
@@ -263,7 +262,7 @@ TITO_SAMPLING_NOT_NULL = frozenset({"flat_logprobs", "output_kind", "skip_clone"
 SGLANG_NOT_NULL = frozenset({
     "use_audio_in_video", "return_flat_raw_top_logprobs",
     "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64", "return_hidden_states",
-    "return_indexer_topk", "background", "require_reasoning", "return_bytes", "return_entropy",
+    "background", "require_reasoning", "return_bytes", "return_entropy",
     "return_prompt_token_ids",
 })
 

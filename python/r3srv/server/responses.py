@@ -220,6 +220,7 @@ async def completion_response(
                     prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
                     token_ids=list(c.token_ids) if with_ids else None,
                     routed_experts=await rows.choice(c.routed_experts),
+                    indexer_topk=indexer_topk(c),
                     weight_versions=weight_version_spans(c) if req.return_weight_versions else None,
                     weight_version=state.weight_version(out), **state.lora_fields(out),
                     prompt_logprobs=prompt_logprobs,
@@ -250,6 +251,7 @@ async def chat_response(
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if with_ids else None,
             routed_experts=await rows.choice(c.routed_experts),
+            indexer_topk=indexer_topk(c),
             weight_versions=weight_version_spans(c) if req.return_weight_versions else None,
             weight_version=state.weight_version(final), **state.lora_fields(final),
         ))
@@ -286,6 +288,11 @@ def expert_weights(c: CompletionOutput, dtype: str) -> dict[str, Any] | None:
     return None if weights is None else serial.encode_expert_weights(weights, dtype)
 
 
+def indexer_topk(c: CompletionOutput) -> str | UnsetType:
+    """`c`'s indexer selections as vLLM sends them (base64 .npy int32), absent where not asked."""
+    return UNSET if c.indexer_topk is None else serial.encode_routed_experts(c.indexer_topk)
+
+
 def tito_rows_encoding(state: ServerState, req: p.GenerateRequest) -> str:
     return state.experts_encoding(req.routed_experts_encoding, rows_encoding.OPENAI_DEFAULT)
 
@@ -307,6 +314,7 @@ async def generate_response(
             logprobs=tito_logprobs(state, req, c.token_ids, c.logprobs) if c.logprobs is not None else None,
             routed_experts=await state.encode_experts(c.routed_experts, encoding, start),
             routed_expert_weights=expert_weights(c, req.routed_expert_weights_dtype),
+            indexer_topk=indexer_topk(c),
             sampling_mask=tito_sampling_mask(c.sampling_mask),
             weight_versions=weight_version_spans(c),
             weight_version=state.weight_version(final), **state.lora_fields(final),

@@ -11,6 +11,7 @@ import numpy as np
 from msgspec import UNSET
 
 from r3srv import serial
+from r3srv.engine.indexer_topk import every_layer
 from r3srv.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMasks
 from r3srv.server.generation import ServerState
 from r3srv.server.responses import expert_weights, ranked_logprobs
@@ -39,6 +40,8 @@ async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: C
         meta["routed_experts"] = await state.encode_experts(c.routed_experts, encoding, start_len)
     if final and c.routed_expert_weights is not None:
         meta["routed_expert_weights"] = expert_weights(c, weights_dtype)
+    if final and c.indexer_topk is not None:  # SGLang's form: raw int32, every layer (shared ones repeated)
+        meta["indexer_topk"] = serial.encode_raw(every_layer(c.indexer_topk, state.engine.model_config), "int32")
     version = state.weight_version(out) if final else UNSET
     if version is not UNSET:
         meta["weight_version"] = version

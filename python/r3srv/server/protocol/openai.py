@@ -75,6 +75,8 @@ class _OpenAIRequest(Struct, kw_only=True):
     # each choice's weight_versions: which weights sampled which of its tokens (vLLM's)
     return_weight_versions: bool = False
     routed_experts_prompt_start: PromptStart = 0
+    # vLLM's (#49555): skip this many prompt tokens' indexer_topk (--enable-return-indexer-topk)
+    indexer_topk_prompt_start: PromptStart = 0
     # r3srv extra
     return_routed_experts: ReturnRoutedExperts = None
     routed_experts_encoding: RequestedEncoding = None
@@ -112,6 +114,7 @@ class _OpenAIRequest(Struct, kw_only=True):
             include_stop_str_in_output=self.include_stop_str_in_output,
             routed_experts_prompt_start=self.routed_experts_prompt_start,
             return_routed_experts=self.return_routed_experts,
+            indexer_topk_prompt_start=self.indexer_topk_prompt_start,
             return_sampling_mask=False,  # no OpenAI choice carries masks (vLLM: TITO only)
         )
 
@@ -204,6 +207,8 @@ class CompletionResponseChoice(Struct, kw_only=True):
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: RoutedExpertsValue | None = None
+    # vLLM's (#49555): base64 .npy int32 (tokens, indexer layers, index_topk), with --enable-return-indexer-topk
+    indexer_topk: str | UnsetType = UNSET
     weight_versions: list[WeightVersionSpan] | None = None  # vLLM's, with return_weight_versions
     # The weights that computed this choice's rows (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
@@ -236,6 +241,7 @@ class CompletionResponseStreamChoice(Struct, kw_only=True):
     token_ids: list[int] | UnsetType = UNSET
     # Only on the final chunk of a choice (the one with finish_reason).
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
+    indexer_topk: str | UnsetType = UNSET  # with routed_experts, when asked
     weight_versions: list[WeightVersionSpan] | UnsetType = UNSET  # on the final chunk, with return_weight_versions
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)
@@ -468,6 +474,8 @@ class ChatCompletionResponseChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     routed_experts: RoutedExpertsValue | None = None
+    # vLLM's (#49555): base64 .npy int32 (tokens, indexer layers, index_topk), with --enable-return-indexer-topk
+    indexer_topk: str | UnsetType = UNSET
     weight_versions: list[WeightVersionSpan] | None = None  # vLLM's, with return_weight_versions
     # The weights that computed this choice's rows (servers started with --enable-weight-updates).
     weight_version: str | UnsetType = UNSET
@@ -504,6 +512,7 @@ class ChatCompletionResponseStreamChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
+    indexer_topk: str | UnsetType = UNSET  # with routed_experts, when asked
     weight_versions: list[WeightVersionSpan] | UnsetType = UNSET  # on the final chunk, with return_weight_versions
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on
     lora_name: str | UnsetType = UNSET  # the LoRA adapter that produced it (none: the base model)

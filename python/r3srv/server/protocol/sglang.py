@@ -104,6 +104,8 @@ class SglangGenerateRequest(Struct, kw_only=True):
     # SGLang's proposed field (#23999): meta_info.routed_expert_weights (servers started with
     # --enable-return-routed-expert-weights), sent as float32 or (r3srv's field) bfloat16
     return_routed_expert_weights: bool = False
+    # SGLang's (#24392): meta_info.indexer_topk (servers started with --enable-return-indexer-topk)
+    return_indexer_topk: bool = False
     routed_expert_weights_dtype: ExpertWeightsDtype = "float32"
     # Each output token's sampling mask and its logprobs in meta_info: with "selected" (the
     # default) the sampled token's logprob under the filtered distribution, with "support" every
@@ -275,6 +277,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
             routed_experts_prompt_start=self.routed_experts_start_len,
             return_routed_experts=None if self.return_routed_experts is UNSET else self.return_routed_experts,
             return_routed_expert_weights=self.return_routed_expert_weights,
+            return_indexer_topk=self.return_indexer_topk,
             return_sampling_mask=want_mask or top_p_ids,
         )
 

@@ -125,6 +125,8 @@ class GenerateChoice(Struct, kw_only=True):
     routed_experts: RoutedExpertsValue | None = None
     # r3srv's (vLLM has none): routed_experts' router weights, r3srv.serial.encode_expert_weights
     routed_expert_weights: dict[str, Any] | None = None
+    # vLLM's (#49555): base64 .npy int32 (tokens, indexer layers, index_topk), with --enable-return-indexer-topk
+    indexer_topk: str | UnsetType = UNSET
     # vLLM's: per output token, the ids its draw could pick (ascending); the JSON is written by
     # the Rust core and embedded as a msgspec.Raw (typed as what it reads as, for the schema)
     sampling_mask: list[list[int]] | None = None
@@ -156,6 +158,7 @@ class GenerateStreamChoice(Struct, kw_only=True):
     logprobs: GenerateLogProbs | None = None
     routed_experts: RoutedExpertsValue | None | UnsetType = UNSET
     routed_expert_weights: dict[str, Any] | UnsetType = UNSET  # with routed_experts, when asked
+    indexer_topk: str | UnsetType = UNSET  # with routed_experts, when asked
     sampling_mask: list[list[int]] | None = None  # the chunk's tokens' masks (vLLM's)
     weight_versions: list[WeightVersionSpan] | UnsetType = UNSET  # vLLM's, on the final chunk: the whole output's
     weight_version: str | UnsetType = UNSET  # with routed_experts, when weight updates are on

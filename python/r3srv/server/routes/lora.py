@@ -3,7 +3,8 @@ answers, as vLLM's), SGLang's POST /load_lora_adapter, /load_lora_adapter_from_t
 on the same GPU pushes an adapter from memory) and /unload_lora_adapter (LoRAUpdateOutput), and
 r3srv's /load_lora_adapter_from_distributed (a trainer broadcasts an adapter over the
 weight-update group, as full weights go). Served with --enable-lora; on a data-parallel fleet
-every replica loads and unloads (a broadcast push: each replica from its own group). An adapter
+every replica loads and unloads (a broadcast push: every replica joins the trainer's one group
+with ranks of its own and receives the same broadcasts). An adapter
 is then selected by `model` on vLLM's routes and by `lora_path` on SGLang's /generate, and
 listed by /v1/models with its parent (docs/lora.md)."""
 

@@ -143,6 +143,7 @@ def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[Completion
                             routed_experts=None if c.routed_experts is None else c.routed_experts[:-1],
                             routed_expert_weights=None if c.routed_expert_weights is None
                             else c.routed_expert_weights[:-1],
+                            indexer_topk=None if c.indexer_topk is None else c.indexer_topk[:-1],
                             sampling_mask=None if c.sampling_mask is None else c.sampling_mask.head(0))
         for c in outputs
     ]
