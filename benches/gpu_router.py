@@ -83,7 +83,8 @@ def check_correctness() -> list[str]:
               # Qwen3-Next's router: 512 experts, top-10, softmax renormalised
               (512, 10, dict(scoring="softmax", renormalize=True, bias=False, dtype=torch.bfloat16))]
     for i, (num_experts, top_k, mode) in enumerate(cases):
-        tokens = mode.get("tokens", CHECK_TOKENS if DEVICE == "cuda" else 37)
+        # --smoke: few rows (tests/router_triton_cases.py checks the kernel in the interpreter)
+        tokens = mode.get("tokens", CHECK_TOKENS if DEVICE == "cuda" else 5)
         if mode.get("ties"):
             logits = torch.randint(-2, 3, (tokens, num_experts), device=DEVICE).float()
         elif mode.get("strided"):
@@ -141,14 +142,11 @@ def synchronize() -> None:
 
 
 def median_us(fn) -> float:
-    if DEVICE == "cpu":  # --smoke: triton's do_bench needs a GPU
+    if DEVICE == "cpu":  # --smoke: triton's do_bench needs a GPU; one timed call (numbers mean nothing)
         fn()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e6
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3

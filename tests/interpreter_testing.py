@@ -23,6 +23,16 @@ def assert_cases_pass_in_interpreter(cases: Path, **env: str) -> None:
     )
 
 
+def every_pair(first: list, second: list, third: list) -> list[tuple]:
+    """A pairwise design of three axes: every value of each axis meets every value of each other
+    axis, in len(first) * len(second) cases instead of the product of all three (the interpreter
+    runs a launch in Python, so cases are what cost). The third axis takes its value
+    (i + j) % len(third) at case (i, j); that meets every pair when neither of the first two axes
+    is shorter than the third."""
+    assert len(third) <= min(len(first), len(second)), "the third axis must be the shortest"
+    return [(a, b, third[(i + j) % len(third)]) for i, a in enumerate(first) for j, b in enumerate(second)]
+
+
 def skip_unless_interpreted(runner: str) -> None:
     """At the top of a cases file: skip the whole module unless this process started with
     TRITON_INTERPRET=1 (`runner`, the test file that starts one, says where it runs)."""

@@ -21,6 +21,7 @@ from r3srv.kernels.paged_decode_triton import paged_decode_triton as kernel  # n
 from paged_decode_testing import paged_cache as _cache  # noqa: E402
 from paged_decode_testing import torch_path_decode as _reference  # noqa: E402
 from paged_decode_testing import MODEL_CASES, two_sequence_decode_logits  # noqa: E402
+from interpreter_testing import every_pair  # noqa: E402
 
 PAGE = 4
 
@@ -29,13 +30,16 @@ def test_runs_in_the_interpreter():
     assert paged_decode_triton.interpreter_enabled()
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (16, 1), (6, 2)])
-@pytest.mark.parametrize("head_dim, v_dim", [(16, 16), (64, 64), (24, 40)])
-@pytest.mark.parametrize("window, sinks", [(None, False), (5, False), (None, True), (7, True)], ids=["plain", "window", "sinks", "window-sinks"])
-def test_decode_attention_equals_the_torch_path(heads, kv_heads, head_dim, v_dim, window, sinks):
+# Pairwise designs (interpreter_testing.every_pair): every value of each axis meets every value
+# of each other axis, in a third of the launches of the full product.
+@pytest.mark.parametrize("heads_and_kv, window_and_sinks, dims", every_pair(
+    [(4, 4), (8, 2), (16, 1), (6, 2)], [(None, False), (5, False), (None, True), (7, True)],
+    [(16, 16), (64, 64), (24, 40)]), ids=str)
+def test_decode_attention_equals_the_torch_path(heads_and_kv, window_and_sinks, dims):
     """Sequences of 1 to 70 keys in scattered blocks (across tiles; shorter and longer than the
     window) at scattered rows of a step: each row equals the torch path's attention, and the
     rows of other tokens are left as they were."""
+    (heads, kv_heads), (window, sinks), (head_dim, v_dim) = heads_and_kv, window_and_sinks, dims
     g = torch.Generator().manual_seed(heads * 100 + head_dim + (window or 0) + sinks)
     lens = [1, 3, 4, 33, 70, 9]
     k_cache, v_cache, tables = _cache(lens, kv_heads, head_dim, v_dim, g)
@@ -53,13 +57,13 @@ def test_decode_attention_equals_the_torch_path(heads, kv_heads, head_dim, v_dim
     assert (out[others] == -7.0).all()
 
 
-@pytest.mark.parametrize("splits", [2, 3, 8])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, v_dim", [(8, 2, 32, 32), (20, 1, 40, 32)], ids=["gqa", "latent"])
-@pytest.mark.parametrize("window, sinks", [(None, False), (50, True)], ids=["plain", "window-sinks"])
-def test_split_contexts_equal_the_torch_path(splits, heads, kv_heads, head_dim, v_dim, window, sinks):
+@pytest.mark.parametrize("splits, layout, window_and_sinks", every_pair(
+    [2, 3, 8], [(8, 2, 32, 32), (20, 1, 40, 32)], [(None, False), (50, True)]), ids=str)
+def test_split_contexts_equal_the_torch_path(splits, layout, window_and_sinks):
     """Contexts split into parts (flash-decoding) and combined: equal to the torch path, for
     contexts from 2 keys (later parts empty) to 300 (several tiles a part), windows and sinks
     (which join in the combine), several blocks of 16 heads (the latent case)."""
+    (heads, kv_heads, head_dim, v_dim), (window, sinks) = layout, window_and_sinks
     g = torch.Generator().manual_seed(splits * 10 + heads + (window or 0))
     lens = [2, 300, 45, 129, 97]
     k_cache, v_cache, tables = _cache(lens, kv_heads, head_dim, max(head_dim, v_dim), g)

@@ -35,6 +35,20 @@ def generator(*salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash((SEED, *salt)) & 0xFFFFFFFF)
 
 
+def block_rows(num_experts: int) -> int:
+    """The kernel's BLOCK_T at this expert count: the rows of one program."""
+    return router_triton.kernel_constants(num_experts, 1, scoring="softmax", has_bias=False, renormalize=False,
+                                          has_capture=False)[0]["BLOCK_T"]
+
+
+def rows_for_programs(num_experts: int, programs: int = 2, tail: int | None = None) -> int:
+    """Rows that make the kernel launch `programs` programs at this expert count, the last with
+    `tail` rows (half a block by default) and the rest masked. The interpreter's time grows with
+    the programs launched, not with the rows of one, so every shape costs a few programs."""
+    block_t = block_rows(num_experts)
+    return (programs - 1) * block_t + (tail or max(1, block_t // 2))
+
+
 def check_against_reference(logits, top_k, *, capture_dtype=torch.int32, layers=3, **kwargs):
     """Run both, capturing into layer 1 of a poisoned [T, layers, k] buffer; compare everything."""
     where = f"seed={SEED} E={logits.shape[1]} k={top_k} {kwargs}"
@@ -67,8 +81,10 @@ MODES = [
 def test_random_logits_match_reference(num_experts, top_k, mode):
     gen = generator(num_experts, top_k, len(mode))
     bias = torch.randn(num_experts, generator=gen) * 0.3 if mode.get("with_bias") else None
-    # 37 tokens: not a multiple of any BLOCK_T, so the last program is partly masked.
-    logits = torch.randn(37, num_experts, generator=gen) * 2
+    # three programs, the last one row short of a block: programs placed a row too close together
+    # (or any other offset error) leave rows unwritten
+    rows = rows_for_programs(num_experts, programs=3, tail=max(1, block_rows(num_experts) - 1))
+    logits = torch.randn(rows, num_experts, generator=gen) * 2
     for i, renormalize in enumerate((True, False)):
         capture_dtype = CAPTURE_DTYPES[(i + top_k) % 3]
         if capture_dtype == torch.uint8 and num_experts > 256:
@@ -84,7 +100,8 @@ def test_random_logits_match_reference(num_experts, top_k, mode):
 @pytest.mark.parametrize("num_experts", [8, 60, 160])
 def test_forced_ties_go_to_the_lower_id(mode, num_experts):
     gen = generator(num_experts, 99)
-    logits = torch.randint(-2, 3, (29, num_experts), generator=gen).float()  # integer logits: many ties
+    rows = rows_for_programs(num_experts, tail=1)
+    logits = torch.randint(-2, 3, (rows, num_experts), generator=gen).float()  # integer logits: many ties
     logits[0] = 1.0  # a row of all-equal logits: ids 0..k-1
     bias = None
     if mode.get("with_bias"):
@@ -135,12 +152,12 @@ def test_group_limited_routing_matches_reference(layout, mode):
     scoring = "sigmoid" if mode in ("v3", "sigmoid-top1") else "softmax"
     group_score_top = 2 if mode in ("v3", "softmax-top2") else 1
     bias = torch.randn(num_experts, generator=gen) * 0.3 if mode == "v3" else None
-    logits = torch.randn(37, num_experts, generator=gen) * 2
+    logits = torch.randn(rows_for_programs(num_experts), num_experts, generator=gen) * 2
     kwargs = dict(scoring=scoring, correction_bias=bias, num_groups=groups, topk_groups=top_groups,
                   group_score_top=group_score_top)
     check_against_reference(logits, top_k, renormalize=mode == "v3", scaling=2.5 if mode == "v3" else 1.0,
                             capture_dtype=torch.uint16 if num_experts > 256 else torch.uint8, **kwargs)
-    ties = torch.randint(-1, 2, (23, num_experts), generator=gen).float()  # equal experts and equal groups
+    ties = torch.randint(-1, 2, (rows_for_programs(num_experts, tail=1), num_experts), generator=gen).float()  # equal experts and equal groups
     check_against_reference(ties, top_k, **kwargs)
 
 

@@ -7,10 +7,14 @@ benches/schema_fuzz.py (a long one, with positive_data_acceptance too)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 
@@ -19,6 +23,7 @@ CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conform
           "response_headers_conformance")
 # besides: a request the schema admits is not refused
 ACCEPTANCE = "positive_data_acceptance"
+HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")  # a path item's other keys are not operations
 GENERATION = r"^/(v1/completions|v1/chat/completions|generate|inference/v1/generate|health_generate)$"
 
 
@@ -27,6 +32,13 @@ class FuzzRun:
     label: str
     returncode: int
     output: str
+    published: frozenset[str]  # "METHOD /path" of every operation the run was to fuzz (the schema's, less excluded)
+    report: Path  # schemathesis's junit report: a test case per operation it fuzzed
+
+    @property
+    def visited(self) -> frozenset[str]:
+        """The operations the junit report has a test case of."""
+        return frozenset(case.get("name", "") for case in ElementTree.parse(self.report).iter("testcase"))
 
     @property
     def summary(self) -> str:
@@ -45,21 +57,30 @@ def _schemathesis(url: str, budget: list[str], checks: tuple[str, ...], report: 
     return done.returncode, done.stdout + done.stderr
 
 
+def published_operations(url: str, exclude: str | None = None) -> frozenset[str]:
+    """"METHOD /path" of every operation of the server's published schema, less paths matching `exclude`."""
+    paths = httpx.get(url + "/schema/openapi.json", timeout=60).json()["paths"]
+    return frozenset(f"{method.upper()} {path}" for path, item in paths.items() for method in item
+                     if method in HTTP_METHODS and (exclude is None or not re.search(exclude, path)))
+
+
 def fuzz_every_route(workdir: Path, budget: list[str], checks: tuple[str, ...] = CHECKS) -> list[FuzzRun]:
     """The two runs; `budget`: schemathesis's flags for how much (`-n 20 --generation-deterministic`,
     `--max-time 600 --seed 1`)."""
     runs = []
     with RemoteServer("--enable-return-routed-experts", "--max-model-len", "24", *TEST_SERVER_ARGS) as srv:
+        published = published_operations(srv.url)
         code, out = _schemathesis(srv.url, budget, checks, workdir / "every-route.xml", [])
-        runs.append(FuzzRun("every route, weight updates off", code, out))
+        runs.append(FuzzRun("every route, weight updates off", code, out, published, workdir / "every-route.xml"))
     assert srv.returncode == 0, srv.log
     allowed = workdir / "allowed-weights"
     allowed.mkdir(exist_ok=True)
     with RemoteServer("--enable-return-routed-experts", "--enable-weight-updates", "--max-model-len", "24",
                       "--allowed-weight-paths", str(allowed), "--allowed-trainer-hosts", "127.0.0.1",
                       "--weight-sync-timeout", "5", *TEST_SERVER_ARGS) as srv:
+        published = published_operations(srv.url, exclude=GENERATION)
         code, out = _schemathesis(srv.url, budget, checks, workdir / "admin-routes.xml",
                                   ["--exclude-path-regex", GENERATION])
-        runs.append(FuzzRun("admin routes, weight updates on", code, out))
+        runs.append(FuzzRun("admin routes, weight updates on", code, out, published, workdir / "admin-routes.xml"))
     assert srv.returncode == 0, srv.log
     return runs

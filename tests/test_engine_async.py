@@ -324,18 +324,21 @@ def test_requests_and_commands_racing_a_shutdown_fail_instead_of_hanging(monkeyp
 
     eng = AsyncLLM(max_model_len=64)
     prepare = eng.input_processor.process
+    preparing, shut_down = threading.Event(), threading.Event()
 
-    def slow_prepare(request_id, prompt, params, **kwargs):
-        time.sleep(0.3)  # the shutdown lands while this runs
+    def held_prepare(request_id, prompt, params, **kwargs):
+        preparing.set()
+        assert shut_down.wait(timeout=60), "the test never shut the engine down"  # it lands while this runs
         return prepare(request_id, prompt[:8], params, **kwargs)
 
-    monkeypatch.setattr(eng.input_processor, "process", slow_prepare)
+    monkeypatch.setattr(eng.input_processor, "process", held_prepare)
 
     async def main():
         gen = eng.generate([65] * OFFLOAD_MIN_SIZE, SamplingParams(max_tokens=2, **GREEDY), "late")
         first = asyncio.ensure_future(gen.__anext__())
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(preparing.wait, 60), "the prompt never reached its worker thread"
         await asyncio.to_thread(eng.shutdown)
+        shut_down.set()
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(first, timeout=10)
         with pytest.raises(EngineDeadError):

@@ -102,7 +102,11 @@ def test_async_release_waits_for_running_requests_and_holds_new_ones_until_resum
             await asyncio.sleep(0)  # queued behind the release
         assert await release == ["kv_cache", "weights"]
         finished = await running
-        await asyncio.sleep(0.05)
+        async def queued():  # "held" reaches the engine's queue, however slowly, and stays there
+            while engine.stats().num_waiting == 0:
+                await asyncio.sleep(0.001)
+
+        await asyncio.wait_for(queued(), timeout=60)
         assert not held.done() and engine.stats().num_waiting == 1  # held while released
         assert engine.released_memory == ["kv_cache", "weights"]
         assert await engine.resume_memory() == []
