@@ -73,7 +73,7 @@ def test_partial_outputs_hold_back_tokens_that_add_no_text_before_a_stop(monkeyp
     'a' is safe to hand out; the 0xC3 token adds no text yet, but the stop cuts it too."""
     script = iter([ord("a"), 0xC3, 0xA9, ord("z"), ord("q")])
 
-    def scripted(logits, seqs, eos, generator):
+    def scripted(logits, seqs, eos, generator, logprobs_mode):
         return [SampleResult(t, -0.5, {t: -0.5}) for t in (next(script) for _ in seqs)]
 
     monkeypatch.setattr(executor_module, "sample", scripted)

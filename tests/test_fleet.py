@@ -318,6 +318,7 @@ def test_a_trainer_joins_through_the_fleets_url_with_a_rank_per_replica(fleet, r
         reply = trainer.push(fleet.url, group, trainer.checkpoint_tensors(v0), pool, weight_version="pushed-v0")
         assert reply.status_code == 200, reply.text
         assert post(fleet.url + "/destroy_weights_update_group", {"group_name": trainer.GROUP}).status_code == 200
+        trainer.dist.destroy_process_group(group)  # this process's side too: later tests reuse the group's name
     assert get(fleet.url + "/get_weight_version") == {"weight_version": "pushed-v0"}
     after = [complete(url, "Which policy serves?", max_tokens=6)["choices"][0] for url in replicas]
     assert after[0]["token_ids"] == after[1]["token_ids"]
