@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import torch
 
-from r3srv.engine.routed_experts import num_routed_rows
+from r3srv.engine.routed_experts import num_routed_rows, step_buffer, token_slots
 from r3srv.errors import ConfigError, InvalidRequestError
 
 
@@ -50,10 +50,7 @@ class IndexerTopkBuffer:
     def new_capture(self, num_tokens: int, device: torch.device | str) -> torch.Tensor:
         """The step's [num_tokens, layers, topk] int32 capture (every indexer layer writes all
         of its column's rows, so it is never zeroed again)."""
-        device = torch.device(device)
-        if self._capture is None or self._capture.device != device or self._capture.shape[0] < num_tokens:
-            self._capture = torch.zeros((max(num_tokens, 256), self.num_layers, self.topk), dtype=torch.int32,
-                                        device=device)
+        self._capture = step_buffer(self._capture, num_tokens, (self.num_layers, self.topk), torch.int32, device)
         return self._capture[:num_tokens]
 
     def store(self, slot_mapping: np.ndarray, capture: torch.Tensor) -> None:
@@ -66,9 +63,7 @@ class IndexerTopkBuffer:
         """A finished sequence's selections from `prompt_start` on, as the rows' first axis
         (num_routed_rows of them): int32 [rows, layers, topk]."""
         end = prompt_start + num_routed_rows(num_tokens, prompt_start)
-        positions = np.arange(prompt_start, max(prompt_start, end))
-        blocks = np.asarray(block_table, dtype=np.int64)[positions // block_size]
-        return self.values[blocks * block_size + positions % block_size].astype(np.int32)
+        return self.values[token_slots(block_table, block_size, prompt_start, end)].astype(np.int32)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,8 @@ class RoutedExpertsBuffer:
         writes a dense layer's, so no step needs to zero it again (a launch less a step). A
         step's rows are read (or their copy queued, in stream order) before the next step's
         routers run."""
-        self._capture = self._step_buffer(self._capture, num_tokens, self.capture_dtype, device)
+        self._capture = step_buffer(self._capture, num_tokens, (self.num_layers, self.top_k), self.capture_dtype,
+                                    device)
         return self._capture[:num_tokens]
 
     def new_weight_capture(self, num_tokens: int, device: torch.device | str) -> torch.Tensor | None:
@@ -79,16 +80,9 @@ class RoutedExpertsBuffer:
         every MoE layer's block copies its router's weights into its column; dense layers' stay 0."""
         if self.weights is None:
             return None
-        self._weight_capture = self._step_buffer(self._weight_capture, num_tokens, torch.float32, device)
+        self._weight_capture = step_buffer(self._weight_capture, num_tokens, (self.num_layers, self.top_k),
+                                           torch.float32, device)
         return self._weight_capture[:num_tokens]
-
-    def _step_buffer(self, buffer: torch.Tensor | None, num_tokens: int, dtype: torch.dtype,
-                     device: torch.device | str) -> torch.Tensor:
-        """`buffer` if it holds num_tokens steps' [layers, top_k] on `device`, else a zeroed larger one."""
-        device = torch.device(device)
-        if buffer is None or buffer.device != device or buffer.shape[0] < num_tokens:
-            buffer = torch.zeros((max(num_tokens, 256), self.num_layers, self.top_k), dtype=dtype, device=device)
-        return buffer
 
     def store_weights(self, slot_mapping: np.ndarray, weights: torch.Tensor) -> None:
         """Scatter one step's router weights to their tokens' slots (a synchronous copy from a
@@ -99,12 +93,7 @@ class RoutedExpertsBuffer:
                          prompt_start: int = 0) -> np.ndarray:
         """sequence_rows' weights: float32, the same shape, each the weight of the id at its place."""
         num_rows = prompt_start + num_routed_rows(num_tokens, prompt_start)
-        return self.weights[self._slots(block_table, block_size, num_rows, prompt_start)]
-
-    def _slots(self, block_table: np.ndarray | list[int], block_size: int, num_rows: int, start: int) -> np.ndarray:
-        positions = np.arange(start, max(start, num_rows))
-        blocks = np.asarray(block_table, dtype=np.int64)[positions // block_size]
-        return blocks * block_size + positions % block_size
+        return self.weights[token_slots(block_table, block_size, prompt_start, num_rows)]
 
     def store(self, slot_mapping: np.ndarray, capture: torch.Tensor) -> None:
         """Scatter one step's rows to their tokens' slots (from a CUDA capture: at the next
@@ -148,4 +137,21 @@ class RoutedExpertsBuffer:
         self.flush()
         if num_rows <= start:
             return np.zeros((0, self.num_layers, self.top_k), dtype=self.dtype)
-        return self.rows[self._slots(block_table, block_size, num_rows, start)]  # fancy indexing copies
+        return self.rows[token_slots(block_table, block_size, start, num_rows)]  # fancy indexing copies
+
+
+def step_buffer(buffer: torch.Tensor | None, num_tokens: int, tail: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device | str) -> torch.Tensor:
+    """`buffer` if it holds num_tokens rows of shape `tail` on `device`, else a zeroed larger one
+    (a step's capture, grown on demand and never zeroed again: every writer fills its column)."""
+    device = torch.device(device)
+    if buffer is None or buffer.device != device or buffer.shape[0] < num_tokens:
+        buffer = torch.zeros((max(num_tokens, 256), *tail), dtype=dtype, device=device)
+    return buffer
+
+
+def token_slots(block_table: np.ndarray | list[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """The KV slots of a sequence's positions [start, end) (none when end <= start)."""
+    positions = np.arange(start, max(start, end))
+    blocks = np.asarray(block_table, dtype=np.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size
