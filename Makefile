@@ -45,9 +45,11 @@ rl-clients-env: install
 test-data:
 	tools/fetch_test_vocab.sh
 
-# Extra pytest arguments, e.g. PYTEST_ARGS="-n 4" (pytest-xdist) on a machine with cores to
-# spare. Not the default: on a shared 2-core machine two workers measured no faster than one.
-PYTEST_ARGS ?=
+# pytest arguments: two pytest-xdist workers, whole files to one worker (a module's server or
+# checkpoint fixture is built once); the files holding slow tests start first (tests/conftest.py), so
+# the longest are not left to the end. On this 2-core machine, quiet, the suite takes ~60% of a serial
+# run's time (docs/benchmarks.md). PYTEST_ARGS= runs it serially; "-n 4 --dist loadfile" on more cores.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
 # Tiers are pytest markers in the test files (pyproject.toml): slow, gpu, peer.
 # The edit loop, after `make install`: every test not marked slow or gpu.

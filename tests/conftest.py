@@ -28,7 +28,12 @@ if hypothesis is not None:
 # r3srv against a peer's own code or data recorded from it: `make test-peer`).
 
 def pytest_collection_modifyitems(config, items):
-    """A test marked gpu, or gpu("what it needs the GPU for"), skips where torch sees no CUDA device."""
+    """Files holding a slow-marked test first, in their collected order (under pytest-xdist's
+    --dist loadfile a file is a unit of work, handed out in this order: the long ones start first
+    instead of being left to the end). A test marked gpu, or gpu("what it needs the GPU for"), skips
+    where torch sees no CUDA device."""
+    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)  # stable: order kept within
     if torch.cuda.is_available():
         return
     for item in items:
