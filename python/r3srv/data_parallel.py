@@ -129,11 +129,11 @@ def serve_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser,
 async def _run(args: argparse.Namespace, fleet, guard: ServeSecurity) -> int:
     import uvicorn
 
-    from r3srv.cli import _server_class, media_policy
+    from r3srv.cli import _server_class
     from r3srv.front.app import Front, keyed
     from r3srv.front.policy import prompt_encoder
-    from r3srv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
     from r3srv.server.connections import guarded_h11
+    from r3srv.server_options import ServerOptions
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -149,9 +149,9 @@ async def _run(args: argparse.Namespace, fleet, guard: ServeSecurity) -> int:
             return code
         keys = guard.keys()
         front = Front(fleet, tp_size=args.tensor_parallel_size, block_size=args.block_size,
-                      max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+                      max_body_bytes=args.max_request_body_bytes,
                       peer_urls=args.fleet_peer_urls, encode=prompt_encoder(args.model),
-                      credential=keys.fleet_credential, media=media_policy(args))
+                      credential=keys.fleet_credential, media=ServerOptions.from_args(args).media_policy())
         config = uvicorn.Config(keyed(front, keys), host=args.host, port=args.port, log_level=args.log_level,
                                 lifespan="off", server_header=False, date_header=False, timeout_graceful_shutdown=5,
                                 http=guarded_h11(args.timeout_headers, args.timeout_body, args.min_body_rate),

@@ -25,13 +25,12 @@ from r3srv.server.chat_output import ChatParsers
 from r3srv.server.confinement import Confinement
 from r3srv.server.declare import access_by_path, feature_guard
 from r3srv.server.errors import PARAM_NAMES, handle_exception
-from r3srv.server.generation import LaunchFacts, ServerState
+from r3srv.server.generation import ServerState
 from r3srv.server.metrics import ServerMetrics
 from r3srv.server.openapi import describe_what_is_served
 from r3srv.server.routes import ROUTE_HANDLERS
-from r3srv.vision.media import MediaPolicy
+from r3srv.server_options import ServerOptions
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 # How often the server looks whether the engine loop still runs, and how long /health answers
 # 503 after it died before the server stops (so a balancer sees it before the port closes).
 ENGINE_WATCH_INTERVAL_S = 0.5
@@ -59,39 +58,24 @@ def create_app(
     engine: Any,
     *,
     served_model_name: str,
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-    enable_weight_updates: bool = False,
-    enable_prompt_tokens_details: bool = False,
-    return_tokens_as_token_ids: bool = False,
-    generate_logprobs_format: str = "tokens",
-    routed_experts_encoding: str = "auto",
+    options: ServerOptions | None = None,
     on_engine_death: Callable[[], None] | None = None,
-    weight_sync_timeout: float = 600.0,
-    launch: LaunchFacts | None = None,
-    enable_sleep_mode: bool = False,
-    enable_collective_rpc: bool = False,
     chat_parsers: ChatParsers | None = None,
-    media: MediaPolicy | None = None,
     confinement: Confinement | None = None,
     keys: ApiKeys | None = None,
 ) -> Litestar:
-    """`on_engine_death` is called (once, on the event loop) when the engine loop has died: the
-    CLI stops the server and exits non-zero so that an orchestrator restarts it."""
+    """`options`: the serve flags' (server_options.py; None: their defaults). `chat_parsers`: the
+    parsers those options name, when already built (the CLI builds them to check the flags before
+    the engine). `on_engine_death` is called (once, on the event loop) when the engine loop has
+    died: the CLI stops the server and exits non-zero so that an orchestrator restarts it."""
+    options = options or ServerOptions()
     state = ServerState(
         engine=engine,
         model_name=served_model_name,
         metrics=ServerMetrics(engine.stats),
-        enable_weight_updates=enable_weight_updates,
-        enable_prompt_tokens_details=enable_prompt_tokens_details,
-        return_tokens_as_token_ids=return_tokens_as_token_ids,
-        generate_logprobs_format=generate_logprobs_format,
-        weight_sync_timeout=weight_sync_timeout,
-        launch=launch or LaunchFacts(),
-        enable_sleep_mode=enable_sleep_mode,
-        enable_collective_rpc=enable_collective_rpc,
-        routed_experts_encoding=routed_experts_encoding,
-        chat_parsers=chat_parsers or ChatParsers(),
-        media=media or MediaPolicy(),
+        options=options,
+        chat_parsers=chat_parsers or ChatParsers.from_options(options),
+        media=options.media_policy(),
     )
 
     async def watch_engine() -> None:
@@ -119,7 +103,7 @@ def create_app(
         lifespan=[lifespan],
         exception_handlers={Exception: handle_exception},
         request_class=_Request,
-        request_max_body_size=max_request_body_bytes,
+        request_max_body_size=options.max_request_body_bytes,
         openapi_config=OpenAPIConfig(title="r3srv", version=r3srv.__version__),
         debug=False,
         logging_config=None,

@@ -5,11 +5,14 @@ streamed, into message / delta fields (r3srv.tool_calls does the reading)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3srv.errors import ConfigError
 from r3srv.server.protocol import tools as t
 from r3srv.tool_calls import REASONING_PARSERS, TOOL_PARSERS, MessageDelta, OutputParser, output_parser
+
+if TYPE_CHECKING:
+    from r3srv.server_options import ServerOptions
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,11 @@ class ChatParsers:
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
+
+    @classmethod
+    def from_options(cls, options: ServerOptions) -> ChatParsers:
+        """The parsers the serve flags name (ConfigError for a parser that does not exist)."""
+        return cls(options.tool_call_parser, options.reasoning_parser, options.enable_auto_tool_choice)
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and not self.tool_parser:

@@ -28,6 +28,7 @@ from r3srv.server.chat_output import ChatParsers
 from r3srv.server.declare import Feature
 from r3srv.server.errors import ModelNotFoundError
 from r3srv.server.metrics import ServerMetrics
+from r3srv.server_options import ServerOptions
 from r3srv.vision.inputs import MultiModalPrompt
 from r3srv.vision.media import MediaPolicy
 
@@ -38,18 +39,6 @@ T = TypeVar("T")
 _OFFLOAD_ENCODE_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class LaunchFacts:
-    """How the server was started, as SGLang's /server_info reports it (RL frameworks compare these
-    with their own launch arguments before they attach to a server they did not start)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    nnodes: int = 1
-    node_rank: int = 0
-    enable_memory_saver: bool = False  # SGLang's flag: the trainer offloads the server's memory between rollouts
-
-
 @dataclass
 class ServerState:
     """What every route needs, kept in `app.state.server`."""
@@ -57,24 +46,17 @@ class ServerState:
     engine: Any
     model_name: str
     metrics: ServerMetrics
+    options: ServerOptions = field(default_factory=ServerOptions)  # the serve flags' (server_options.py)
+    chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # the parsers the options name
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where images may come from (options.media_policy())
     live: set[Generation] = field(default_factory=set)  # requests in flight, for abort_all
-    enable_weight_updates: bool = False  # /update_weights_from_disk and /reset_prefix_cache
-    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached tokens), as vLLM
-    return_tokens_as_token_ids: bool = False  # the default of the requests' field of that name (vLLM's flag)
-    generate_logprobs_format: str = "tokens"  # --generate-logprobs-format: /inference/v1/generate's tokens mode
-    weight_sync_timeout: float = 600.0  # seconds a trainer's rendezvous or broadcast may stall
-    launch: LaunchFacts = field(default_factory=LaunchFacts)
-    enable_sleep_mode: bool = False  # /sleep, /wake_up (vLLM's development-mode routes)
-    enable_collective_rpc: bool = False  # /collective_rpc (vLLM's development-mode route)
-    routed_experts_encoding: str = rows_encoding.AUTO  # --routed-experts-encoding
-    chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # --tool-call-parser, --reasoning-parser
-    media: MediaPolicy = field(default_factory=MediaPolicy)  # where images may come from (--allowed-...)
 
     @property
     def features(self) -> frozenset[Feature]:
         """The optional route groups this server serves (server/declare.py)."""
-        flags = ((Feature.WEIGHT_UPDATES, self.enable_weight_updates), (Feature.SLEEP_MODE, self.enable_sleep_mode),
-                 (Feature.COLLECTIVE_RPC, self.enable_collective_rpc), (Feature.LORA, self.engine.core.lora is not None))
+        options = self.options
+        flags = ((Feature.WEIGHT_UPDATES, options.enable_weight_updates), (Feature.SLEEP_MODE, options.enable_sleep_mode),
+                 (Feature.COLLECTIVE_RPC, options.enable_collective_rpc), (Feature.LORA, self.engine.core.lora is not None))
         return frozenset(feature for feature, on in flags if on)
 
     async def abort_all(self) -> None:
@@ -107,7 +89,7 @@ class ServerState:
 
     def weight_version(self, output: RequestOutput) -> str | UnsetType:
         """What a choice says of the weights that produced it: only where weights can change."""
-        if not self.enable_weight_updates or output.weight_version is None:
+        if not self.options.enable_weight_updates or output.weight_version is None:
             return UNSET
         return output.weight_version
 
@@ -129,7 +111,7 @@ class ServerState:
 
     def experts_encoding(self, requested: str | None, route_default: str) -> str:
         """The routed-experts encoding of one response (server/rows_encoding.py)."""
-        return rows_encoding.choose(requested, self.routed_experts_encoding, route_default)
+        return rows_encoding.choose(requested, self.options.routed_experts_encoding, route_default)
 
     async def encode_experts(self, array: np.ndarray | None, encoding: str = "npy", start: int = 0) -> str | None:
         """A response's routed_experts value in `encoding` (rows_encoding.py), as a `msgspec.Raw`

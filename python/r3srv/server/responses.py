@@ -24,7 +24,7 @@ def usage_of(state: ServerState, outputs: list[RequestOutput], completion_tokens
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if completion_tokens is None else completion_tokens
     cached = None
-    if state.enable_prompt_tokens_details:
+    if state.options.enable_prompt_tokens_details:
         cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
     return p.UsageInfo(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion, prompt_tokens_details=cached
@@ -108,7 +108,7 @@ class LogprobFormatter:
     def of(cls, state: ServerState, req: Any) -> LogprobFormatter:
         """The formatter for an OpenAI request: its return_tokens_as_token_ids, else the server's."""
         as_ids = getattr(req, "return_tokens_as_token_ids", None)
-        return cls(state.engine.tokenizer, state.return_tokens_as_token_ids if as_ids is None else as_ids)
+        return cls(state.engine.tokenizer, state.options.return_tokens_as_token_ids if as_ids is None else as_ids)
 
     def token_str(self, token_id: int) -> str:
         if self._tokenizer is None or self._as_ids:  # no tokenizer (token-id prompts), or asked for ids
@@ -178,14 +178,14 @@ def tito_openai_logprobs(state: ServerState, req: p.GenerateRequest) -> bool:
     """Whether /inference/v1/generate answers OpenAI's logprob objects (the Text shapes): in text
     mode, as vLLM 0.33, and with --generate-logprobs-format openai in tokens mode too, as vLLM
     before output_mode (its clients read `token` as "token_id:<id>" under --return-tokens-as-token-ids)."""
-    return req.output_mode == "text" or state.generate_logprobs_format == "openai"
+    return req.output_mode == "text" or state.options.generate_logprobs_format == "openai"
 
 
 def tito_logprobs(
     state: ServerState, req: p.GenerateRequest, token_ids: list[int], logprobs: list[dict[int, Logprob]]
 ) -> p.GenerateLogProbs | p.ChatCompletionLogProbs:
     if tito_openai_logprobs(state, req):
-        return LogprobFormatter(state.engine.tokenizer, state.return_tokens_as_token_ids).chat(token_ids, logprobs, -1)
+        return LogprobFormatter(state.engine.tokenizer, state.options.return_tokens_as_token_ids).chat(token_ids, logprobs, -1)
     return _tokens_logprobs(token_ids, logprobs)
 
 

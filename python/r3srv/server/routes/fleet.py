@@ -45,16 +45,16 @@ async def server_info(request: Request[Any, Any, Any]) -> fp.ServerInfo:
     cfg = engine.config
     stats = engine.stats()
     parallel = cfg.parallel
-    launch = state.launch
+    options = state.options
     return fp.ServerInfo(
         model_path=engine.model_path,
         tokenizer_path=_tokenizer_path(state),
         served_model_name=state.model_name,
         weight_version=engine.weight_version,
-        host=launch.host,
-        port=launch.port,
-        nnodes=launch.nnodes,
-        node_rank=launch.node_rank,
+        host=options.host,
+        port=options.port,
+        nnodes=parallel.nnodes,
+        node_rank=parallel.node_rank,
         gpu_id_step=1,
         base_gpu_id=engine.device.index or 0,
         tp_size=parallel.tensor_parallel_size,
@@ -72,8 +72,8 @@ async def server_info(request: Request[Any, Any, Any]) -> fp.ServerInfo:
         disable_radix_cache=not cfg.enable_prefix_caching,
         random_seed=cfg.seed,
         enable_return_routed_experts=engine.enable_return_routed_experts,
-        enable_memory_saver=launch.enable_memory_saver,
-        enable_weight_updates=state.enable_weight_updates,
+        enable_memory_saver=options.enable_memory_saver,
+        enable_weight_updates=state.options.enable_weight_updates,
         is_paused=stats.paused is not None,
         internal_states=[{"memory_released": list(stats.released_memory), "paused": stats.paused}],
         version=r3srv.__version__,

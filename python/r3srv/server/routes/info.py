@@ -27,7 +27,7 @@ async def list_models(request: Request[Any, Any, Any]) -> p.ModelList:
         id=state.model_name,
         root=state.model_name,
         max_model_len=engine.max_model_len,
-        weight_version=engine.weight_version if state.enable_weight_updates else p.UNSET,
+        weight_version=engine.weight_version if state.options.enable_weight_updates else p.UNSET,
         routed_experts=p.RoutedExpertsInfo(
             num_layers=int(info["num_layers"]),
             top_k=int(info["top_k"]),

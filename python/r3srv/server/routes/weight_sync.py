@@ -34,7 +34,7 @@ def trainer_updates(request: Request[Any, Any, Any]) -> TrainerUpdates:
     state = server_state(request)
     app_state = request.app.state
     if "trainer_updates" not in app_state:
-        app_state["trainer_updates"] = TrainerUpdates(state.engine, timeout=state.weight_sync_timeout)
+        app_state["trainer_updates"] = TrainerUpdates(state.engine, timeout=state.options.weight_sync_timeout)
     return app_state["trainer_updates"]
 
 
