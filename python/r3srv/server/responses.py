@@ -221,7 +221,7 @@ async def completion_response(
                     token_ids=list(c.token_ids) if with_ids else None,
                     routed_experts=await rows.choice(c.routed_experts),
                     indexer_topk=indexer_topk(c),
-                    weight_versions=weight_version_spans(c) if req.return_weight_versions else None,
+                    weight_versions=vllm_weight_versions(c) if req.return_weight_versions else None,
                     weight_version=state.weight_version(out), **state.lora_fields(out),
                     prompt_logprobs=prompt_logprobs,
                 )
@@ -252,7 +252,7 @@ async def chat_response(
             token_ids=list(c.token_ids) if with_ids else None,
             routed_experts=await rows.choice(c.routed_experts),
             indexer_topk=indexer_topk(c),
-            weight_versions=weight_version_spans(c) if req.return_weight_versions else None,
+            weight_versions=vllm_weight_versions(c) if req.return_weight_versions else None,
             weight_version=state.weight_version(final), **state.lora_fields(final),
         ))
     return p.ChatCompletionResponse(
@@ -267,7 +267,7 @@ async def chat_response(
     )
 
 
-def weight_version_spans(c: CompletionOutput) -> list[p.WeightVersionSpan] | None:
+def vllm_weight_versions(c: CompletionOutput) -> list[p.WeightVersionSpan] | None:
     """Which weights sampled which of `c`'s tokens (None until it has finished)."""
     if c.weight_versions is None:
         return None
@@ -316,7 +316,7 @@ async def generate_response(
             routed_expert_weights=expert_weights(c, req.routed_expert_weights_dtype),
             indexer_topk=indexer_topk(c),
             sampling_mask=tito_sampling_mask(c.sampling_mask),
-            weight_versions=weight_version_spans(c),
+            weight_versions=vllm_weight_versions(c),
             weight_version=state.weight_version(final), **state.lora_fields(final),
             text=c.text if text_mode else UNSET,
         )

@@ -46,13 +46,13 @@ async def meta_info(state: ServerState, output_id: str, out: RequestOutput, c: C
     if version is not UNSET:
         meta["weight_version"] = version
     if final and c.weight_versions is not None:
-        meta["weight_versions"] = weight_version_spans(c, len(token_ids))
+        meta["weight_versions"] = sglang_weight_versions(c, len(token_ids))
     if final:
         meta.update(state.lora_fields(out))
     return meta
 
 
-def weight_version_spans(c: CompletionOutput, num_tokens: int) -> list[dict[str, Any]]:
+def sglang_weight_versions(c: CompletionOutput, num_tokens: int) -> list[dict[str, Any]]:
     """SGLang's `weight_versions`: which weights sampled which of the first `num_tokens` output
     tokens, as `{"version", "start", "end"}` objects (end exclusive), cut to those tokens."""
     return [{"version": s.version, "start": s.start, "end": min(s.end, num_tokens)}

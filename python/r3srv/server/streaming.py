@@ -40,7 +40,7 @@ from r3srv.server.responses import (
     tito_rows_encoding,
     tito_sampling_mask,
     usage_of,
-    weight_version_spans,
+    vllm_weight_versions,
 )
 
 logger = logging.getLogger("r3srv.server")
@@ -210,7 +210,7 @@ async def completion_stream(
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
                 indexer_topk=indexer_topk(c) if d.final else UNSET,
-                weight_versions=weight_version_spans(c) if d.final and req.return_weight_versions else UNSET,
+                weight_versions=vllm_weight_versions(c) if d.final and req.return_weight_versions else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
             )
@@ -311,7 +311,7 @@ async def chat_stream(
                 token_ids=d.token_ids if with_ids else UNSET,
                 routed_experts=await rows.choice(c.routed_experts) if d.final else UNSET,
                 indexer_topk=indexer_topk(c) if d.final else UNSET,
-                weight_versions=weight_version_spans(c) if d.final and req.return_weight_versions else UNSET,
+                weight_versions=vllm_weight_versions(c) if d.final and req.return_weight_versions else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
             )
@@ -358,7 +358,7 @@ async def generate_stream(
                 indexer_topk=indexer_topk(c) if d.final else UNSET,
                 routed_expert_weights=(expert_weights(c, req.routed_expert_weights_dtype) or UNSET) if d.final else UNSET,
                 sampling_mask=tito_sampling_mask(c.sampling_mask),
-                weight_versions=weight_version_spans(c) if d.final else UNSET,
+                weight_versions=vllm_weight_versions(c) if d.final else UNSET,
                 weight_version=state.weight_version(out) if d.final else UNSET,
                 **(state.lora_fields(out) if d.final else {}),
                 text=d.text if text_mode else UNSET,
