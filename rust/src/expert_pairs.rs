@@ -719,6 +719,39 @@ fn prefetch_rows<W: Element>(m: &[W], cols: usize, first: usize, count: usize) {
     }
 }
 
+/// Stores a block's sums `acc` ([[__m256; V]; R]): each lane vector's horizontal sum plus the
+/// row's tail beyond the last whole 8 columns (`gemm_block`; `gemm_nt_avx512` hands its sums
+/// over in the same lanes). A macro, not a function: a `#[target_feature]` function may not be
+/// `#[inline(always)]`, and out of line the block's sums went through memory on every call.
+/// Expands inside an unsafe `#[target_feature(enable = "avx2,fma")]` function, with the
+/// bounds of `gemm_block`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! finish_block {
+    ($acc:expr, $m:expr, $cols:expr, $vs:expr, $out:expr, $rows:expr, $r:expr, $j:expr) => {{
+        use std::arch::x86_64::*;
+        let (acc, m, cols, vs, out, rows, r, j) = ($acc, $m, $cols, $vs, $out, $rows, $r, $j);
+        let body = cols / 8 * 8;
+        if acc.len() == 4 && body == cols {
+            // four rows' sums of each vector reduced together, in hsum's order, stored at once
+            let empty = _mm_set1_ps([0f32; 0].iter().sum::<f32>()); // what the tail adds below
+            for v in 0..acc[0].len() {
+                let sums = _mm_add_ps(hsum4(acc[0][v], acc[1][v], acc[2][v], acc[3][v]), empty);
+                let dst = &mut out[(j + v) * rows + r..(j + v) * rows + r + 4];
+                _mm_storeu_ps(dst.as_mut_ptr(), sums);
+            }
+        } else {
+            for (l, row) in acc.iter().enumerate() {
+                let wrow = &m[(r + l) * cols + body..(r + l + 1) * cols];
+                for (v, a) in row.iter().enumerate() {
+                    let x = &vs[(j + v) * cols + body..(j + v + 1) * cols];
+                    let tail: f32 = wrow.iter().zip(x).map(|(w, x)| w.to_f32() * x).sum();
+                    out[(j + v) * rows + r + l] = hsum(*a) + tail;
+                }
+            }
+        }
+    }};
+}
+
 /// out[j + v, r + l] for l < R, v < V (see `gemm_nt_avx2`).
 ///
 /// # Safety
@@ -747,42 +780,7 @@ unsafe fn gemm_block<W: Element, const R: usize, const V: usize>(
         }
         c += 8;
     }
-    finish_block::<W, R, V>(&acc, m, cols, vs, out, rows, r, j);
-}
-
-/// Stores a block's sums: each lane vector's horizontal sum plus the row's tail beyond the
-/// last whole 8 columns (`gemm_block`; `gemm_nt_avx512` hands its sums over in the same lanes).
-///
-/// # Safety
-/// As `gemm_block`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn finish_block<W: Element, const R: usize, const V: usize>(
-    acc: &[[std::arch::x86_64::__m256; V]; R], m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize,
-    j: usize,
-) {
-    use std::arch::x86_64::*;
-    let body = cols / 8 * 8;
-    if R == 4 && body == cols {
-        // four rows' sums of each vector reduced together, in hsum's order, stored at once
-        let empty = _mm_set1_ps([0f32; 0].iter().sum::<f32>()); // what the tail adds below
-        for v in 0..V {
-            let sums = _mm_add_ps(hsum4(acc[0][v], acc[1][v], acc[2][v], acc[3][v]), empty);
-            let dst = &mut out[(j + v) * rows + r..(j + v) * rows + r + 4];
-            _mm_storeu_ps(dst.as_mut_ptr(), sums);
-        }
-        return;
-    }
-    for (l, row) in acc.iter().enumerate() {
-        let wrow = &m[(r + l) * cols + body..(r + l + 1) * cols];
-        for (v, a) in row.iter().enumerate() {
-            let x = &vs[(j + v) * cols + body..(j + v + 1) * cols];
-            let tail: f32 = wrow.iter().zip(x).map(|(w, x)| w.to_f32() * x).sum();
-            out[(j + v) * rows + r + l] = hsum(*a) + tail;
-        }
-    }
+    finish_block!(&acc, m, cols, vs, out, rows, r, j);
 }
 
 /// `gemm_nt_avx2` with AVX-512F: blocks of 8 rows x 3 vectors, two rows per 16-lane register
@@ -865,7 +863,7 @@ unsafe fn gemm_block_avx512<W: Element, const P: usize, const V: usize>(
             four[2][v] = c;
             four[3][v] = d;
         }
-        finish_block::<W, 4, V>(&four, m, cols, vs, out, rows, r + 4 * group, j);
+        finish_block!(&four, m, cols, vs, &mut *out, rows, r + 4 * group, j);
     }
 }
 
