@@ -570,13 +570,21 @@ impl<W: Element> Experts<'_, W> {
 
 /// The matrix kernels: AVX-512F (two weight rows per 16-lane register: the AVX2 kernel's sums
 /// in its order, so the same bits, at half the instructions), AVX2 with FMA, or portable
-/// scalar code.
+/// scalar code; `Auto`, the default on AVX-512 CPUs, takes the AVX-512 kernel for weight blocks
+/// of AVX512_MIN_WEIGHTS elements and more and the AVX2 one below (the same bits either way).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Avx512,
     Avx2Fma,
     Scalar,
+    Auto,
 }
+
+/// The smallest weight block (elements) `Isa::Auto` gives the AVX-512 kernel: on a Zen 4, one to
+/// eight rows against blocks of 768 x 768 and up ran in 0.74-0.96x the AVX2 kernel's time, but
+/// against 512 x 512 and below in 1.0-1.14x, and a decode step of the built-in model (256-wide
+/// blocks) slowed by a fifth in its matrix kernels (docs/benchmarks.md).
+pub const AVX512_MIN_WEIGHTS: usize = 1 << 19;
 
 impl Isa {
     pub fn name(self) -> &'static str {
@@ -584,10 +592,26 @@ impl Isa {
             Isa::Avx512 => "avx512",
             Isa::Avx2Fma => "avx2",
             Isa::Scalar => "scalar",
+            Isa::Auto => "auto",
         }
     }
 
-    /// The fastest kernel this CPU runs, detected once.
+    /// The kernel the engine runs when a caller names none: `Auto` where the CPU has AVX-512,
+    /// else the widest kernel it runs.
+    pub fn default_kernel() -> Isa {
+        if Isa::best() == Isa::Avx512 { Isa::Auto } else { Isa::best() }
+    }
+
+    /// The kernel for a block of `weights` elements: `Auto` resolved, any other kernel itself.
+    pub fn for_weights(self, weights: usize) -> Isa {
+        match self {
+            Isa::Auto if weights >= AVX512_MIN_WEIGHTS => Isa::Avx512,
+            Isa::Auto => Isa::Avx2Fma,
+            isa => isa,
+        }
+    }
+
+    /// The widest kernel this CPU runs, detected once.
     pub fn best() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| {
@@ -607,7 +631,7 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2Fma => Isa::best() != Isa::Scalar,
-            Isa::Avx512 => Isa::best() == Isa::Avx512,
+            Isa::Avx512 | Isa::Auto => Isa::best() == Isa::Avx512,
         }
     }
 
@@ -621,6 +645,7 @@ impl Isa {
 /// back to the next one it does.
 pub fn gemv<W: Element>(isa: Isa, m: &[W], v: &[f32], out: &mut [f32]) {
     assert_eq!(m.len(), out.len() * v.len(), "gemv: matrix and vectors disagree");
+    let isa = isa.for_weights(m.len());
     match isa {
         #[cfg(target_arch = "x86_64")]
         // the AVX-512 product of one vector: gemv_avx2's bits (see gemm_nt)
@@ -651,7 +676,7 @@ pub(crate) fn nt_cols(name: &str, m_len: usize, rows: usize, vs_len: usize, out:
 /// computes, in the same order, so results do not depend on n.
 pub fn gemm_nt<W: Element>(isa: Isa, m: &[W], rows: usize, vs: &[f32], out: &mut [f32]) {
     let Some(cols) = nt_cols("gemm_nt", m.len(), rows, vs.len(), out) else { return };
-    match isa {
+    match isa.for_weights(m.len()) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the guard checked that this CPU has AVX-512F, AVX2 and FMA; the lengths were checked above.
         Isa::Avx512 if Isa::Avx512.runs() => unsafe { gemm_nt_avx512(m, rows, cols, vs, out) },
@@ -968,10 +993,10 @@ pub(crate) mod python {
 
     use super::{expert_pairs, Activation, Bf16, Element, Experts, Isa, PairTokens};
 
-    /// The kernel this CPU runs: "avx512", "avx2" or "scalar".
+    /// The kernel the engine runs here: "auto" (AVX-512 for large weight blocks, AVX2 below), "avx2" or "scalar".
     #[pyfunction]
     pub fn expert_pairs_isa() -> &'static str {
-        Isa::best().name()
+        Isa::default_kernel().name()
     }
 
     /// # Safety
@@ -1000,7 +1025,7 @@ pub(crate) mod python {
         let ids = from_raw_parts(ids as *const i32, num_pairs);
         let weights = from_raw_parts(weights as *const f32, num_pairs);
         let out = from_raw_parts_mut(out as *mut W, num_tokens * hidden);
-        let isa = Isa::best();
+        let isa = Isa::default_kernel();
         py.detach(|| expert_pairs(&experts, x, tokens, ids, weights, out, threads, isa)).map_err(PyValueError::new_err)
     }
 
@@ -1205,6 +1230,32 @@ mod tests {
     fn faster_kernels_give_the_avx2_bits() {
         same_bits_as_avx2::<f32>();
         same_bits_as_avx2::<Bf16>();
+    }
+
+    /// `Auto` takes the AVX-512 kernel from AVX512_MIN_WEIGHTS weights on and the AVX2 one
+    /// below, and is the default exactly where the CPU runs AVX-512; its results are the AVX2
+    /// kernel's bits on both sides of the threshold.
+    #[test]
+    fn auto_picks_by_block_size_with_the_avx2_bits() {
+        assert_eq!(Isa::Auto.for_weights(AVX512_MIN_WEIGHTS), Isa::Avx512);
+        assert_eq!(Isa::Auto.for_weights(AVX512_MIN_WEIGHTS - 1), Isa::Avx2Fma);
+        assert_eq!(Isa::Avx512.for_weights(1), Isa::Avx512);
+        assert_eq!(Isa::Avx2Fma.for_weights(usize::MAX), Isa::Avx2Fma);
+        assert_eq!(Isa::default_kernel() == Isa::Auto, Isa::Avx512.runs());
+        if !Isa::Auto.runs() {
+            return;
+        }
+        let cols = 1024;
+        for rows in [AVX512_MIN_WEIGHTS / cols - 4, AVX512_MIN_WEIGHTS / cols + 3] {
+            let m: Vec<f32> = values(rows as u64, rows * cols);
+            for n in [1, 3] {
+                let vs = values(n as u64 + 5, n * cols);
+                let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
+                gemm_nt(Isa::Auto, &m, rows, &vs, &mut got);
+                gemm_nt(Isa::Avx2Fma, &m, rows, &vs, &mut want);
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{rows} rows n={n}");
+            }
+        }
     }
 
     #[test]

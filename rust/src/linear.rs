@@ -152,7 +152,7 @@ pub(crate) mod python {
     /// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) for the tensors at `addresses` (x, w,
     /// bias (0: none), out), all of `dtype` ("float32" or "bfloat16"), of `shape` (M, N, K),
     /// on up to `threads` threads when the work is large enough, with the matrix kernel `isa`
-    /// names (one of `matrix_isas()`; None: this CPU's fastest). Runs with the GIL released.
+    /// names (one of `matrix_isas()`; None: `Isa::default_kernel()`). Runs with the GIL released.
     #[pyfunction]
     #[pyo3(signature = (addresses, shape, dtype, threads, isa=None))]
     pub fn linear_cpu(py: Python<'_>, addresses: [usize; 4], shape: [usize; 3], dtype: &str, threads: usize,
@@ -162,7 +162,7 @@ pub(crate) mod python {
             return Err(PyValueError::new_err("linear_cpu needs non-null tensors and non-empty shapes"));
         }
         let isa = match isa {
-            None => Isa::best(),
+            None => Isa::default_kernel(),
             Some(name) => Isa::available().into_iter().find(|i| i.name() == name).ok_or_else(|| {
                 PyValueError::new_err(format!("this CPU runs no matrix kernel {name:?} (it runs {:?})", super::isa_names()))
             })?,
