@@ -102,10 +102,12 @@ def test_rollout_batch_equals_r3srvs_own_api(verl_run, which):
                             got[f"{which}_logprobs"])
 
 
-def test_training_rollout_logprobs_are_processed(verl_run):
+@pytest.mark.parametrize("session", ["verl_run", "verl_tp2_run"])
+def test_training_rollout_logprobs_are_processed(request, session):
     """verl's default logprobs_mode (processed_logprobs) with its training sampling: each token's
-    logprob under the temperature-scaled, top-k/top-p-filtered distribution it was drawn from."""
-    _, v1, got = verl_run
+    logprob under the temperature-scaled, top-k/top-p-filtered distribution it was drawn from
+    (at tp=2 too: the replicas' processed logprobs against one device's raw logits)."""
+    _, v1, got = request.getfixturevalue(session)
     prompts = [list(map(int, p)) for p in got["third_prompt_ids"]]
     responses = [list(map(int, r)) for r in got["third_response_ids"]]
     llm = LLM(str(v1), device="cpu", dtype="float32", max_model_len=loop.PROMPT_LENGTH + loop.RESPONSE_LENGTH,
