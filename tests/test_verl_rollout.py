@@ -17,7 +17,7 @@ workers: verl makes two replicas of two ranks each (r3srv's -tp 2, gloo on the C
 equal the same single-device oracle (logprobs within the tolerance an all-reduce's float sums
 leave), both replicas serve requests (the rollouts start paused until verl's balancer has routed
 them all), and the weight update reaches every rank of both replicas (the second rollout is the
-second checkpoint's). About 3 to 4 minutes per session on a loaded 2-core machine.
+second checkpoint's). About 4 minutes for both sessions on a loaded 2-core machine.
 """
 
 from __future__ import annotations
