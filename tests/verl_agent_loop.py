@@ -7,10 +7,16 @@ update_weights, resume kv_cache), as verl's training workers call their rollout;
 training rollout (not validation: verl's temperature, top-k and top-p) with verl's default
 rollout.logprobs_mode=processed_logprobs.
 
-    python tests/verl_agent_loop.py CKPT_V0 CKPT_V1 OUT.npz
+    python tests/verl_agent_loop.py CKPT_V0 CKPT_V1 OUT.npz [TP [REPLICAS]]
+
+TP is rollout.tensor_model_parallel_size; verl makes one replica per TP trainer workers, so the
+stand-in worker group holds TP * REPLICAS workers. Every rollout starts with the replicas paused
+until verl's load balancer has routed each request, so how the requests spread follows from
+its rule (fewest in flight), not from how fast a replica answers.
 
 OUT.npz holds what verl's batch carried (prompt and response ids, rows, logprobs) for the test
-(tests/test_verl_rollout.py) to hold against r3srv's own API, and the sleep states seen.
+(tests/test_verl_rollout.py) to hold against r3srv's own API, the sleep states seen and the
+requests routed to each replica.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -29,7 +36,7 @@ RESPONSE_LENGTH = 8
 TEMPERATURE, TOP_K, TOP_P = 1.5, 6, 0.9
 
 
-def config_for(model_path: str):
+def config_for(model_path: str, tp: int = 1, replicas: int = 1):
     import verl
     from hydra import compose, initialize_config_dir
 
@@ -37,7 +44,7 @@ def config_for(model_path: str):
     overrides = [
         f"actor_rollout_ref.model.path={model_path}",
         "actor_rollout_ref.rollout.name=r3srv",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
         f"actor_rollout_ref.rollout.prompt_length={PROMPT_LENGTH}",
         f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
         f"actor_rollout_ref.rollout.max_model_len={PROMPT_LENGTH + RESPONSE_LENGTH}",
@@ -52,7 +59,9 @@ def config_for(model_path: str):
         "actor_rollout_ref.rollout.val_kwargs.temperature=0",
         "actor_rollout_ref.rollout.val_kwargs.top_k=-1",
         "actor_rollout_ref.rollout.val_kwargs.top_p=1.0",
-        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        # the replica's ranks on one node: verl/workers/rollout/replica.py (RolloutReplica.__init__,
+        # gpus_per_replica_node = min(n_gpus_per_node, tp), nnodes = tp // that)
+        f"actor_rollout_ref.rollout.n_gpus_per_node={tp * replicas}",
         "+actor_rollout_ref.rollout.engine_kwargs.r3srv.num_kv_blocks=64",
         "+actor_rollout_ref.rollout.engine_kwargs.r3srv.block_size=16",
     ]
@@ -132,7 +141,29 @@ def unpadded(batch) -> dict[str, list]:
     return out
 
 
-def main(v0: str, v1: str, out_path: str) -> None:
+def routed_rollout(loops, balancer, replica_servers: list, batch) -> tuple:
+    """verl's agent loop over `batch` with every replica paused (r3srv's abort_all_requests with
+    nothing in flight: arrivals wait) until verl's load balancer holds all requests in flight;
+    then (the batch, requests routed per replica address). The balancer picks the replica with
+    fewest in flight (verl/workers/rollout/router.py, GlobalRequestLoadBalancer.acquire_server)."""
+    import ray
+
+    ray.get([s.abort_all_requests.remote(reset_prefix_cache=False) for s in replica_servers])
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(loops.generate_sequences, batch)
+        deadline = time.monotonic() + 600
+        while (status := ray.get(balancer.get_status.remote()))["total_inflight"] < len(batch):
+            if running.done():
+                running.result()  # raises what failed
+                raise RuntimeError(f"the rollout finished with replicas paused: {status}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"verl routed fewer than {len(batch)} requests in 600 s: {status}")
+            time.sleep(0.05)  # polls verl's balancer; nothing generates meanwhile
+        ray.get([s.resume_generation.remote() for s in replica_servers])
+        return running.result(), dict(status["servers"])
+
+
+def main(v0: str, v1: str, out_path: str, tp: int = 1, replicas: int = 1) -> None:
     import ray
     import verl  # noqa: F401  (loads the verl.plugins entry points: r3srv registers itself)
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
@@ -144,30 +175,41 @@ def main(v0: str, v1: str, out_path: str) -> None:
     replica_cls = RolloutReplicaRegistry.get("r3srv")
     ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     try:
-        config = config_for(v0)
-        pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
+        config = config_for(v0, tp, replicas)
+        # verl's hybrid replica count is the worker group's world size // tp
+        # (verl/workers/rollout/llm_server.py, LLMServerManager._initialize_llm_servers)
+        pool = RayResourcePool(process_on_nodes=[tp * replicas], use_gpu=False, max_colocate_count=1)
         workers = RayWorkerGroup(resource_pool=pool, device_name="cpu",
                                  ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(trainer_stand_in()),
                                                                         config=config))
-        trainer = workers.workers[0]
+        trainers = workers.workers
         servers = LLMServerManager.create(config, worker_group=workers)
         loops = AgentLoopManager.create(config, llm_client=servers.get_client())
-        server = servers.get_replicas()[0].servers[0]
+        assert len(servers.get_replicas()) == replicas, [r.replica_rank for r in servers.get_replicas()]
+        replica_servers = [replica.servers[0] for replica in servers.get_replicas()]
+        addresses = servers.get_addresses()
+        balancer = servers.global_load_balancer
 
-        first = unpadded(loops.generate_sequences(prompts_batch()))
-        ray.get(trainer.trainer_mode.remote())
-        slept = ray.get(server.is_sleeping.remote())
-        ray.get(trainer.rollout_mode.remote(v1, 1))
-        awake = not ray.get(server.is_sleeping.remote())
-        second_batch = loops.generate_sequences(prompts_batch())
+        def rollout(validate: bool = True):
+            batch, routed = routed_rollout(loops, balancer, replica_servers, prompts_batch(validate))
+            return batch, [routed.get(a, 0) for a in addresses]
+
+        first_batch, first_routed = rollout()
+        first = unpadded(first_batch)
+        ray.get([t.trainer_mode.remote() for t in trainers])  # every training rank calls its rollout
+        slept = ray.get([s.is_sleeping.remote() for s in replica_servers])
+        ray.get([t.rollout_mode.remote(v1, 1) for t in trainers])
+        awake = [not asleep for asleep in ray.get([s.is_sleeping.remote() for s in replica_servers])]
+        second_batch, second_routed = rollout()
         second = unpadded(second_batch)
         steps = [int(s) for s in second_batch.non_tensor_batch.get("max_global_steps", [-1])]
-        third = unpadded(loops.generate_sequences(prompts_batch(validate=False)))
+        third = unpadded(rollout(validate=False)[0])
         np.savez(
             out_path,
             replica_class=f"{replica_cls.__module__}.{replica_cls.__qualname__}",
-            rollout_class=ray.get(trainer.rollout_class.remote()),
-            slept=slept, awake=awake, global_steps=np.array(steps),
+            rollout_class=ray.get(trainers[0].rollout_class.remote()),
+            slept=np.array(slept), awake=np.array(awake), global_steps=np.array(steps),
+            first_routed=np.array(first_routed), second_routed=np.array(second_routed),
             seconds=time.monotonic() - started,
             **{f"first_{k}": np.array(v, dtype=object) for k, v in first.items()},
             **{f"second_{k}": np.array(v, dtype=object) for k, v in second.items()},
@@ -179,4 +221,4 @@ def main(v0: str, v1: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     asyncio.set_event_loop_policy(None)
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:4], *map(int, sys.argv[4:6]))

@@ -4,27 +4,36 @@ new policy after a training step (verl's rollout_mode: resume weights, update_we
 kv_cache; trainer_mode: release).
 
 The new weights go to the replica's server actor in buckets of
-`checkpoint_engine.update_weights_bucket_megabytes`, each through r3srv's collective_rpc table
-(`update_weights_from_tensors`): staged until every parameter arrived, then applied between
-steps, so a partial push never serves a mix. Every training rank runs the generator (FSDP
-gathers inside it); the replica's first rank sends.
+`checkpoint_engine.update_weights_bucket_megabytes`, each staged until every parameter arrived,
+then applied between steps, so a partial push never serves a mix. Every training rank runs the
+generator (FSDP gathers inside it); the replica's first rank sends. A one-rank replica takes the
+bucket's tensors as they are (collective_rpc `update_weights_from_tensors`); a tensor-parallel
+one has ranks in other processes, so the sending worker joins them in a weight-update group as
+its rank 0 (`init_weights_update_group`, once) and broadcasts each bucket while the replica
+receives it (`update_weights_from_distributed`), as SGLang-style trainers push.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
 from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 from verl.workers.rollout.base import BaseRollout
 
 from r3srv import settings
+from r3srv.engine.process_groups import init_custom_process_group
+from r3srv.integrations.verl.server import free_port
 
 logger = logging.getLogger(__name__)
 
 MEGABYTE = 1 << 20
+GROUP_NAME = "verl_weight_update"
+JOIN_TIMEOUT = 600.0  # seconds: the replica joins between its engine's steps
 
 
 class ServerAdapter(BaseRollout):
@@ -36,6 +45,7 @@ class ServerAdapter(BaseRollout):
         self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % rollout_world_size
         self.server_handle = None
+        self.weight_group: dist.ProcessGroup | None = None  # tensor parallelism: this worker and the ranks
 
     def _server(self):
         """The replica's server actor, for its first rank (the others send nothing)."""
@@ -71,15 +81,50 @@ class ServerAdapter(BaseRollout):
             bucket.append((name, host))
             size += host.numel() * host.element_size()
             if size >= limit:
-                await server.collective_rpc.remote("update_weights_from_tensors", args=(bucket,))
+                await self._send(server, bucket)
                 bucket, size = [], 0
         if server is None:
             return
         if bucket:
-            await server.collective_rpc.remote("update_weights_from_tensors", args=(bucket,))
+            await self._send(server, bucket)
         await server.clear_kv_cache.remote()
         if global_steps is not None:
             await server.set_global_steps.remote(global_steps)
+
+    async def _send(self, server, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        if self.config.tensor_model_parallel_size == 1:
+            await server.collective_rpc.remote("update_weights_from_tensors", args=(bucket,))
+            return
+        group = await self._weight_group(server)
+        announced = server.collective_rpc.remote("update_weights_from_distributed", kwargs=dict(
+            names=[n for n, _ in bucket], dtypes=[str(t.dtype) for _, t in bucket],
+            shapes=[list(t.shape) for _, t in bucket], group_name=GROUP_NAME))
+
+        def broadcast() -> None:
+            handles = [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in bucket]
+            for handle in handles:
+                handle.wait()
+
+        await asyncio.gather(asyncio.to_thread(broadcast), announced)
+
+    async def _weight_group(self, server) -> dist.ProcessGroup:
+        """A gloo group of this worker (rank 0, hosting the rendezvous) and the replica's
+        tensor-parallel ranks (1..tp), made on the first push and kept."""
+        if self.weight_group is None:
+            if torch.cuda.is_available():  # NCCL refuses this worker and rank 0 sharing one GPU (hybrid)
+                raise NotImplementedError("r3srv's verl rollout pushes weights to a tensor-parallel replica on the "
+                                          "CPU only (gloo); on GPUs run rollout.tensor_model_parallel_size=1")
+            address = ray.util.get_node_ip_address().strip("[]")
+            port = free_port(address)
+            world_size = self.config.tensor_model_parallel_size + 1
+            joined = server.collective_rpc.remote("init_weights_update_group", kwargs=dict(
+                master_address=address, master_port=port, rank_offset=1, world_size=world_size,
+                group_name=GROUP_NAME, backend="gloo"))
+            group, _ = await asyncio.gather(asyncio.to_thread(
+                init_custom_process_group, master_address=address, master_port=port, rank=0, world_size=world_size,
+                group_name=GROUP_NAME, backend="gloo", timeout=JOIN_TIMEOUT), joined)
+            self.weight_group = group
+        return self.weight_group
 
     def generate_sequences(self, prompts):
         raise NotImplementedError("r3srv's verl rollout generates through its server (the agent loop)")

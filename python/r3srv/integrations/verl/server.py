@@ -72,7 +72,7 @@ class R3srvRolloutServer:
                             dp_rpc_port: int | None = None) -> None:
         options = self.engine_options()
         self.engine = vllm.AsyncLLM(self.model_config.local_path, **options)
-        self._port = _free_port(self._address)
+        self._port = free_port(self._address)
         self._http = asyncio.create_task(self._serve_http())
 
     async def _serve_http(self) -> None:
@@ -217,7 +217,7 @@ class R3srvRolloutServer:
         pass
 
 
-def _free_port(address: str) -> int:
+def free_port(address: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((address, 0))
         return s.getsockname()[1]
