@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from r3srv.lora import expert_kernel
 from r3srv.ops.experts import Activation
 
 LinearFn = Callable[..., torch.Tensor]
@@ -115,12 +116,15 @@ class LoraExperts:
         self.shapes = {"w13": tuple(w13_shape), "w2": tuple(w2_shape)}
         self.w13: list[ExpertPair | None] = [None] * context.num_slots
         self.w2: list[ExpertPair | None] = [None] * context.num_slots
+        self._tables: tuple | None = None  # the Rust pass's slot tables (lora/expert_kernel.py), built on use
 
     def load(self, slot: int, which: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        getattr(self, which)[slot] = ExpertPair(a, b)
+        getattr(self, which)[slot] = ExpertPair(a.contiguous(), b.contiguous())
+        self._tables = None
 
     def clear(self, slot: int) -> None:
         self.w13[slot] = self.w2[slot] = None
+        self._tables = None
 
     def active(self) -> bool:
         """Whether a token of the step runs under a slot that adapts these experts."""
@@ -128,12 +132,26 @@ class LoraExperts:
         return batch is not None and any(self.w13[s] is not None or self.w2[s] is not None for s, _ in batch.groups)
 
     def expert_pass(self, act: Activation, linear: LinearFn) -> Callable[..., torch.Tensor]:
-        """The expert pass (ops/experts.py's ExpertPass contract) with this step's adapters."""
+        """The expert pass (ops/experts.py's ExpertPass contract) with this step's adapters: on
+        the CPU every pair at once through the Rust kernel (lora/expert_kernel.py), elsewhere
+        (or where the kernel declines) the torch loop over (slot, expert) groups."""
 
         def run(x, w13, w2, weights, ids, *, tokens=None, b13=None, b2=None) -> torch.Tensor:
+            if ids.numel() and x.is_cpu:
+                out = expert_kernel.expert_pass(x, w13, w2, weights, ids, tokens, b13, b2, act,
+                                                self.tables(w13.dtype), self.context.batch.token_slots)
+                if out is not None:
+                    return out
             return self._run(x, w13, w2, weights, ids, tokens, b13, b2, act, linear)
 
         return run
+
+    def tables(self, dtype: torch.dtype) -> tuple:
+        """The slot tables of w13 and w2 for the Rust pass (None each where it cannot read them)."""
+        if self._tables is None or self._tables[0] != dtype:
+            self._tables = (dtype, expert_kernel.SlotTable.of(self.w13, self.shapes["w13"], dtype),
+                            expert_kernel.SlotTable.of(self.w2, self.shapes["w2"], dtype))
+        return self._tables[1:]
 
     def _run(self, x, w13, w2, weights, ids, tokens, b13, b2, act, linear) -> torch.Tensor:
         """Pairs grouped by (slot, expert): each group's rows through the expert's weights plus,

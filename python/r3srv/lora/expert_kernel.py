@@ -1,0 +1,109 @@
+"""The LoRA expert pass on the CPU through the Rust core: every (token, expert) pair of a step
+at once, whatever the mix of adapters, in six calls of kernels/pair_projection_cpu.py instead
+of a torch loop over (slot, expert) groups.
+
+Per projection (w13, then w2 on the activation):
+    base:   y[p]  = W[e_p] @ x[p]                  (the pairs grouped by expert)
+    shrink: s[p]  = A[slot_p, e_p] @ x[p]          (grouped by (slot, expert); rank r_slot)
+    expand: y[p] += B[slot_p, e_p] @ s[p][:r_slot]  (the same groups)
+punica's shrink and expand (vLLM) over per-pair matrix addresses: each slot's pair keeps its own
+rank and its shared side (an expert dimension of 1, SGLang's shared-outer form) stays one
+matrix, nothing padded or copied. A pair whose token runs under no adapter, or under one that
+leaves this projection as in the base, has no low-rank matrix and keeps its base row. The
+activation, biases and weighting run over all rows at once in float32, as the torch pass does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from r3srv.kernels import pair_projection_cpu
+from r3srv.kernels.rust_core import RUST_DTYPES
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    """One projection's adapters by slot + 1 (0: no adapter): the byte address of A's and B's
+    first expert, the bytes from one expert to the next (0: one matrix shared by every expert)
+    and the rank (0: the slot leaves this projection as in the base)."""
+
+    a_base: torch.Tensor
+    a_step: torch.Tensor
+    b_base: torch.Tensor
+    b_step: torch.Tensor
+    rank: torch.Tensor
+    max_rank: int
+    keep: tuple  # the pairs' tensors, alive while their addresses are in the table
+
+    @classmethod
+    def of(cls, pairs: list, weight_shape: tuple[int, ...], dtype: torch.dtype) -> SlotTable | None:
+        """The table of the slots' pairs (ExpertPair or None each) on a weight of
+        `weight_shape` [E, out, in], or None where the kernel cannot read one (another dtype or
+        shape, not contiguous, not on the CPU): the kernel reads whole matrices at these
+        addresses, so every one is checked here."""
+        num_experts, out_rows, in_cols = weight_shape
+        size = torch.empty((), dtype=dtype).element_size()
+        fields = torch.zeros(5, len(pairs) + 1, dtype=torch.int64)
+        for slot, pair in enumerate(pairs):
+            if pair is None:
+                continue
+            for t in (pair.a, pair.b):
+                if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
+                    return None
+            rank = pair.a.shape[-2]
+            if (pair.a.shape[1:] != (rank, in_cols) or pair.b.shape[1:] != (out_rows, rank)
+                    or pair.a.shape[0] not in (1, num_experts) or pair.b.shape[0] not in (1, num_experts)):
+                return None
+            a_step = pair.a[0].numel() * size if pair.a.shape[0] > 1 else 0
+            b_step = pair.b[0].numel() * size if pair.b.shape[0] > 1 else 0
+            fields[:, slot + 1] = torch.tensor([pair.a.data_ptr(), a_step, pair.b.data_ptr(), b_step, rank])
+        keep = tuple(t for pair in pairs if pair is not None for t in (pair.a, pair.b))
+        return cls(*fields, int(fields[4].max()), keep)
+
+
+def expert_pass(x, w13, w2, weights, ids, tokens, b13, b2, act, tables, token_slots) -> torch.Tensor | None:
+    """ops/experts.py's expert pass with each pair's adapter (token_slots [T], -1: none; tables:
+    SlotTable of w13 and of w2) through the Rust kernel, or None where it does not apply: no
+    built kernel, a device other than the CPU, a dtype it does not read, or a table missing."""
+    dtype = w13.dtype
+    if not pair_projection_cpu.BUILT or dtype not in RUST_DTYPES or not x.is_cpu or None in tables:
+        return None
+    if w2.dtype != dtype or not w13.is_cpu or not w13.is_contiguous() or not w2.is_contiguous():
+        return None
+    flat_ids = ids.reshape(-1).long()
+    num_experts = w13.shape[0]
+    if int(flat_ids.min()) < 0 or int(flat_ids.max()) >= num_experts:  # the addresses stay inside w13 and w2
+        return None
+    top_k = ids.shape[-1] if tokens is None else 1
+    pair_tokens = torch.arange(x.shape[0]).repeat_interleave(top_k) if tokens is None else tokens.long()
+    slot_index = token_slots.index_select(0, pair_tokens) + 1
+    rows = x.index_select(0, pair_tokens).float().contiguous()
+    h = _project(rows, w13, tables[0], flat_ids, slot_index)
+    if b13 is not None:
+        h += b13.index_select(0, flat_ids).float()
+    out = _project(act(h).contiguous(), w2, tables[1], flat_ids, slot_index)
+    if b2 is not None:
+        out += b2.index_select(0, flat_ids).float()
+    out *= weights.reshape(-1, 1).float()
+    return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, pair_tokens, out).to(x.dtype)
+
+
+def _project(rows: torch.Tensor, weight: torch.Tensor, table: SlotTable, ids: torch.Tensor,
+             slot_index: torch.Tensor) -> torch.Tensor:
+    """Each pair's rows through its expert's weight [E, out, in] plus its adapter's B @ A."""
+    num_pairs, (out_rows, in_cols) = rows.shape[0], weight.shape[1:]
+    out = rows.new_zeros(num_pairs, out_rows)
+    full_out, full_in = torch.full((num_pairs,), out_rows), torch.full((num_pairs,), in_cols)
+    base = weight.data_ptr() + ids * (out_rows * in_cols * weight.element_size())
+    pair_projection_cpu.project_pairs(rows, out, base, full_out, full_in, weight.dtype)
+    rank = table.rank.index_select(0, slot_index)
+    if not table.max_rank or not bool(rank.any()):
+        return out
+    a = torch.where(rank > 0, table.a_base.index_select(0, slot_index) + ids * table.a_step.index_select(0, slot_index), 0)
+    b = torch.where(rank > 0, table.b_base.index_select(0, slot_index) + ids * table.b_step.index_select(0, slot_index), 0)
+    shrunk = rows.new_zeros(num_pairs, table.max_rank)
+    pair_projection_cpu.project_pairs(rows, shrunk, a, rank, full_in, weight.dtype)
+    pair_projection_cpu.project_pairs(shrunk, out, b, full_out, rank, weight.dtype)
+    return out
