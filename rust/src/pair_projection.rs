@@ -8,7 +8,9 @@
 //! `gemm_nt` computes, in its order, so a pair's result does not depend on the other pairs.
 //! Matrices hold float32 or bfloat16 (`Element`); rows and outputs are float32.
 
-use crate::expert_pairs::{gemm_nt, Element, Isa};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::expert_pairs::{gemm_nt, Element, Isa, PARALLEL_MIN_MACS};
 
 /// A pair's matrix, row-major [rows, m.len() / rows].
 #[derive(Clone, Copy)]
@@ -19,9 +21,10 @@ pub struct PairMatrix<'a, W: Element> {
 
 /// out [P, out_cols] += for each pair p with a matrix: m_p @ x[p][..cols_p] into
 /// out[p][..rows_p] (x [P, x_cols]; cols_p = m_p.len() / rows_p). Pairs without a matrix keep
-/// their row. Errors name the first inconsistent input.
+/// their row. Groups run on up to `threads` threads (each group on one: the thread count never
+/// changes a bit) when the call is large enough. Errors name the first inconsistent input.
 pub fn project_pairs<W: Element>(isa: Isa, mats: &[Option<PairMatrix<W>>], x: &[f32], x_cols: usize,
-                                 out: &mut [f32], out_cols: usize) -> Result<(), String> {
+                                 out: &mut [f32], out_cols: usize, threads: usize) -> Result<(), String> {
     let pairs = mats.len();
     if x.len() != pairs * x_cols || out.len() != pairs * out_cols {
         return Err(format!("x holds {} values and out {}, expected {pairs} rows of {x_cols} and of {out_cols}",
@@ -40,23 +43,52 @@ pub fn project_pairs<W: Element>(isa: Isa, mats: &[Option<PairMatrix<W>>], x: &[
     let key = |p: &usize| mats[*p].map(|pm| (pm.m.as_ptr() as usize, pm.m.len()));
     let mut order: Vec<usize> = (0..pairs).filter(|&p| mats[p].is_some()).collect();
     order.sort_by_key(key);
-    let (mut xs, mut ys) = (Vec::new(), Vec::new());
-    for group in order.chunk_by(|a, b| key(a) == key(b)) {
-        let PairMatrix { m, rows } = mats[group[0]].expect("grouped pairs have a matrix");
-        let cols = m.len() / rows;
-        xs.clear();
-        for &p in group {
-            xs.extend_from_slice(&x[p * x_cols..p * x_cols + cols]);
-        }
-        ys.resize(group.len() * rows, 0.0);
-        gemm_nt(isa, m, rows, &xs, &mut ys);
-        for (&p, y) in group.iter().zip(ys.chunks_exact(rows)) {
-            for (o, &v) in out[p * out_cols..p * out_cols + rows].iter_mut().zip(y) {
-                *o += v;
+    let groups: Vec<&[usize]> = order.chunk_by(|a, b| key(a) == key(b)).collect();
+    let macs: usize = groups.iter().map(|g| g.len() * mats[g[0]].map_or(0, |pm| pm.m.len())).sum();
+    let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, groups.len().max(1));
+    let next = AtomicUsize::new(0);
+    let dst = SharedOut(out.as_mut_ptr());
+    let work = || {
+        let (mut xs, mut ys) = (Vec::new(), Vec::new());
+        while let Some(group) = groups.get(next.fetch_add(1, Ordering::Relaxed)) {
+            let PairMatrix { m, rows } = mats[group[0]].expect("grouped pairs have a matrix");
+            let cols = m.len() / rows;
+            xs.clear();
+            for &p in group.iter() {
+                xs.extend_from_slice(&x[p * x_cols..p * x_cols + cols]);
+            }
+            ys.resize(group.len() * rows, 0.0);
+            gemm_nt(isa, m, rows, &xs, &mut ys);
+            for (&p, y) in group.iter().zip(ys.chunks_exact(rows)) {
+                // SAFETY: every pair is in one group and each group runs once, so no two
+                // threads touch row p of `out`, which outlives the threads' scope.
+                let o = unsafe { dst.row(p * out_cols, rows) };
+                for (o, &v) in o.iter_mut().zip(y) {
+                    *o += v;
+                }
             }
         }
-    }
+    };
+    crate::workers::run_on_threads(threads, &work);
     Ok(())
+}
+
+/// `out`'s base, shared by the threads, which each write their own pairs' rows.
+struct SharedOut(*mut f32);
+
+// SAFETY: the threads write disjoint rows (see `project_pairs`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// `len` values from offset `first`.
+    ///
+    /// # Safety
+    /// They lie within `out`, and no other live reference covers them.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(&self, first: usize, len: usize) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(first), len)
+    }
 }
 
 #[cfg(test)]
@@ -97,7 +129,7 @@ mod tests {
         let x = values(pairs * x_cols, 3);
         let start = values(pairs * out_cols, 4);
         let mut got = start.clone();
-        project_pairs(isa, &mats, &x, x_cols, &mut got, out_cols).unwrap();
+        project_pairs(isa, &mats, &x, x_cols, &mut got, out_cols, 1).unwrap();
         let mut want = start.clone();
         reference(&mats, &x, x_cols, &mut want, out_cols);
         for (p, (g, w)) in got.chunks(out_cols).zip(want.chunks(out_cols)).enumerate() {
@@ -128,7 +160,7 @@ mod tests {
         let mats = vec![Some(PairMatrix { m: &m[..], rows: 6 }); 4];
         let run = |isa: Isa, mats: &[Option<PairMatrix<f32>>], x: &[f32]| {
             let mut out = vec![0.0; mats.len() * 6];
-            project_pairs(isa, mats, x, 40, &mut out, 6).unwrap();
+            project_pairs(isa, mats, x, 40, &mut out, 6, 1).unwrap();
             out
         };
         let portable = run(Isa::Scalar, &mats, &x);
@@ -143,15 +175,29 @@ mod tests {
     }
 
     #[test]
+    fn threads_change_no_bit() {
+        // enough work to wake the threads: 8 matrices of 256 x 512, 4 pairs each
+        let store: Vec<Vec<f32>> = (0..8).map(|i| values(256 * 512, 20 + i)).collect();
+        let mats: Vec<Option<PairMatrix<f32>>> = (0..32).map(|p| Some(PairMatrix { m: &store[p % 8][..], rows: 256 })).collect();
+        let x = values(32 * 512, 5);
+        let run = |threads: usize| {
+            let mut out = vec![0.0; 32 * 256];
+            project_pairs(Isa::best(), &mats, &x, 512, &mut out, 256, threads).unwrap();
+            out
+        };
+        assert_eq!(run(1), run(4));
+    }
+
+    #[test]
     fn rejects_matrices_that_do_not_fit() {
         let m = vec![0f32; 12];
         let x = vec![0f32; 2 * 4];
         let mut out = vec![0f32; 2 * 3];
         let too_wide = [Some(PairMatrix { m: &m[..], rows: 2 }), None]; // 6 columns > 4
-        assert!(project_pairs(Isa::Scalar, &too_wide, &x, 4, &mut out, 3).unwrap_err().contains("pair 0"));
+        assert!(project_pairs(Isa::Scalar, &too_wide, &x, 4, &mut out, 3, 1).unwrap_err().contains("pair 0"));
         let too_tall = [None, Some(PairMatrix { m: &m[..], rows: 4 })]; // 4 rows > 3
-        assert!(project_pairs(Isa::Scalar, &too_tall, &x, 4, &mut out, 3).unwrap_err().contains("pair 1"));
-        assert!(project_pairs::<f32>(Isa::Scalar, &[None], &x, 4, &mut out, 3).is_err());
+        assert!(project_pairs(Isa::Scalar, &too_tall, &x, 4, &mut out, 3, 1).unwrap_err().contains("pair 1"));
+        assert!(project_pairs::<f32>(Isa::Scalar, &[None], &x, 4, &mut out, 3, 1).is_err());
     }
 }
 
@@ -168,7 +214,7 @@ pub(crate) mod python {
 
     /// # Safety
     /// As `project_pairs_cpu` requires of its caller, with `W` the matrices' element type.
-    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 5], shape: [usize; 3]) -> PyResult<()> {
+    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 5], shape: [usize; 3], threads: usize) -> PyResult<()> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
         let [x, out, mats, rows, cols] = addresses;
         let [pairs, x_cols, out_cols] = shape;
@@ -182,16 +228,19 @@ pub(crate) mod python {
             .collect();
         let x = from_raw_parts(x as *const f32, pairs * x_cols);
         let out = from_raw_parts_mut(out as *mut f32, pairs * out_cols);
-        py.detach(|| project_pairs(Isa::best(), &mats, x, x_cols, out, out_cols)).map_err(PyValueError::new_err)
+        py.detach(|| project_pairs(Isa::best(), &mats, x, x_cols, out, out_cols, threads)).map_err(PyValueError::new_err)
     }
 
     /// out [P, out_cols] (float32) += per pair p with a matrix (address mats[p] != 0) the
     /// product of the row-major [rows[p], cols[p]] matrix at mats[p] (`dtype`: "float32" or
     /// "bfloat16") and x[p][..cols[p]] (x float32 [P, x_cols]), into out[p][..rows[p]]; mats,
     /// rows and cols are int64 [P]. `addresses`: (x, out, mats, rows, cols); `shape`: (P,
-    /// x_cols, out_cols). Runs with the GIL released.
+    /// x_cols, out_cols). Runs with the GIL released, on up to `threads` threads when the work
+    /// is large enough.
     #[pyfunction]
-    pub fn project_pairs_cpu(py: Python<'_>, addresses: [usize; 5], shape: [usize; 3], dtype: &str) -> PyResult<()> {
+    #[pyo3(signature = (addresses, shape, dtype, threads=1))]
+    pub fn project_pairs_cpu(py: Python<'_>, addresses: [usize; 5], shape: [usize; 3], dtype: &str,
+                             threads: usize) -> PyResult<()> {
         if addresses.contains(&0) {
             return Err(PyValueError::new_err("project_pairs_cpu needs non-null tensors"));
         }
@@ -202,8 +251,8 @@ pub(crate) mod python {
         // none of the others.
         unsafe {
             match dtype {
-                "float32" => run::<f32>(py, addresses, shape),
-                "bfloat16" => run::<Bf16>(py, addresses, shape),
+                "float32" => run::<f32>(py, addresses, shape, threads),
+                "bfloat16" => run::<Bf16>(py, addresses, shape, threads),
                 other => Err(PyValueError::new_err(format!("project_pairs_cpu reads float32 or bfloat16, not {other:?}"))),
             }
         }

@@ -3,7 +3,7 @@
 row-major [rows[p], cols[p]] matrix at address mats[p] (0: none, the row is left as it is).
 Pairs that share a matrix run together, reading it once, so a step's (token, expert) pairs and
 their adapters' low-rank terms cost one call each however many (slot, expert) groups there are
-(r3srv.lora.expert_kernel builds the address tables). Matrices hold float32 or bfloat16; x and
+(r3srv.lora.cpu_kernel builds the address tables). Matrices hold float32 or bfloat16; x and
 out are float32. The caller vouches for the addresses: each must point into a live contiguous
 tensor of `dtype` holding the matrix.
 """
@@ -19,10 +19,11 @@ BUILT = project_pairs_entry is not None  # else the torch loop (kernels/rust_cor
 
 
 def project_pairs(x: torch.Tensor, out: torch.Tensor, mats: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                  dtype: torch.dtype) -> None:
+                  dtype: torch.dtype, threads: int = 1) -> None:
     """out += each pair's matrix times its row of x, in place (see the module docstring): x
     [P, x_cols] and out [P, out_cols] contiguous float32 CPU tensors, mats, rows and cols int64
-    [P], the matrices of `dtype`."""
+    [P], the matrices of `dtype`; on up to `threads` threads (a group of pairs sharing a matrix
+    runs on one, so the count changes no bit)."""
     for name, t in (("x", x), ("out", out)):
         if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.dim() != 2:
             raise ValueError(f"{name} must be a contiguous 2-d float32 CPU tensor")
@@ -34,4 +35,4 @@ def project_pairs(x: torch.Tensor, out: torch.Tensor, mats: torch.Tensor, rows: 
     if not x.shape[0]:
         return
     addresses = (x.data_ptr(), out.data_ptr(), *(t.data_ptr() for t in tables))
-    project_pairs_entry(addresses, (x.shape[0], x.shape[1], out.shape[1]), RUST_DTYPES[dtype])
+    project_pairs_entry(addresses, (x.shape[0], x.shape[1], out.shape[1]), RUST_DTYPES[dtype], threads)

@@ -1,6 +1,7 @@
-"""The LoRA expert pass on the CPU through the Rust core: every (token, expert) pair of a step
-at once, whatever the mix of adapters, in six calls of kernels/pair_projection_cpu.py instead
-of a torch loop over (slot, expert) groups.
+"""LoRA on the CPU through the Rust core (kernels/pair_projection_cpu.py): the expert pass with
+every (token, expert) pair of a step at once, whatever the mix of adapters, in six calls instead
+of a torch loop over (slot, expert) groups; and a linear layer's low-rank terms of every token
+in two calls instead of two per slot in the step.
 
 Per projection (w13, then w2 on the activation):
     base:   y[p]  = W[e_p] @ x[p]                  (the pairs grouped by expert)
@@ -11,6 +12,8 @@ rank and its shared side (an expert dimension of 1, SGLang's shared-outer form) 
 matrix, nothing padded or copied. A pair whose token runs under no adapter, or under one that
 leaves this projection as in the base, has no low-rank matrix and keeps its base row. The
 activation, biases and weighting run over all rows at once in float32, as the torch pass does.
+A linear layer is the case of one expert: its tokens' rows, shrunk and expanded the same way,
+added to the base projection y.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class SlotTable:
     b_step: torch.Tensor
     rank: torch.Tensor
     max_rank: int
+    dtype: torch.dtype
     keep: tuple  # the pairs' tensors, alive while their addresses are in the table
 
     @classmethod
@@ -60,12 +64,12 @@ class SlotTable:
             b_step = pair.b[0].numel() * size if pair.b.shape[0] > 1 else 0
             fields[:, slot + 1] = torch.tensor([pair.a.data_ptr(), a_step, pair.b.data_ptr(), b_step, rank])
         keep = tuple(t for pair in pairs if pair is not None for t in (pair.a, pair.b))
-        return cls(*fields, int(fields[4].max()), keep)
+        return cls(*fields, int(fields[4].max()), dtype, keep)
 
 
-def expert_pass(x, w13, w2, weights, ids, tokens, b13, b2, act, tables, token_slots) -> torch.Tensor | None:
+def expert_pass(x, w13, w2, weights, ids, tokens, b13, b2, act, tables, token_slots, threads: int = 1) -> torch.Tensor | None:
     """ops/experts.py's expert pass with each pair's adapter (token_slots [T], -1: none; tables:
-    SlotTable of w13 and of w2) through the Rust kernel, or None where it does not apply: no
+    SlotTable of w13 and of w2) through the Rust kernel on up to `threads` threads, or None where it does not apply: no
     built kernel, a device other than the CPU, a dtype it does not read, or a table missing."""
     dtype = w13.dtype
     if not pair_projection_cpu.BUILT or dtype not in RUST_DTYPES or not x.is_cpu or None in tables:
@@ -80,10 +84,10 @@ def expert_pass(x, w13, w2, weights, ids, tokens, b13, b2, act, tables, token_sl
     pair_tokens = torch.arange(x.shape[0]).repeat_interleave(top_k) if tokens is None else tokens.long()
     slot_index = token_slots.index_select(0, pair_tokens) + 1
     rows = x.index_select(0, pair_tokens).float().contiguous()
-    h = _project(rows, w13, tables[0], flat_ids, slot_index)
+    h = _project(rows, w13, tables[0], flat_ids, slot_index, threads)
     if b13 is not None:
         h += b13.index_select(0, flat_ids).float()
-    out = _project(act(h).contiguous(), w2, tables[1], flat_ids, slot_index)
+    out = _project(act(h).contiguous(), w2, tables[1], flat_ids, slot_index, threads)
     if b2 is not None:
         out += b2.index_select(0, flat_ids).float()
     out *= weights.reshape(-1, 1).float()
@@ -91,19 +95,40 @@ def expert_pass(x, w13, w2, weights, ids, tokens, b13, b2, act, tables, token_sl
 
 
 def _project(rows: torch.Tensor, weight: torch.Tensor, table: SlotTable, ids: torch.Tensor,
-             slot_index: torch.Tensor) -> torch.Tensor:
+             slot_index: torch.Tensor, threads: int) -> torch.Tensor:
     """Each pair's rows through its expert's weight [E, out, in] plus its adapter's B @ A."""
     num_pairs, (out_rows, in_cols) = rows.shape[0], weight.shape[1:]
     out = rows.new_zeros(num_pairs, out_rows)
     full_out, full_in = torch.full((num_pairs,), out_rows), torch.full((num_pairs,), in_cols)
     base = weight.data_ptr() + ids * (out_rows * in_cols * weight.element_size())
-    pair_projection_cpu.project_pairs(rows, out, base, full_out, full_in, weight.dtype)
+    pair_projection_cpu.project_pairs(rows, out, base, full_out, full_in, weight.dtype, threads)
+    _add_low_rank(rows, out, table, ids, slot_index, weight.dtype, threads)
+    return out
+
+
+def linear_delta(x: torch.Tensor, y: torch.Tensor, table: SlotTable | None, token_slots: torch.Tensor) -> torch.Tensor | None:
+    """y (x's base projection [T, out]) plus each token's adapter's B @ A x (table: a linear
+    layer's SlotTable, as one expert), or None where the kernel does not apply."""
+    if table is None or not pair_projection_cpu.BUILT or x.dtype not in RUST_DTYPES or not x.is_cpu:
+        return None
+    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != token_slots.shape[0] or y.shape[0] != x.shape[0]:
+        return None
+    slot_index = token_slots + 1
+    if not bool(table.rank.index_select(0, slot_index).any()):
+        return y
+    delta = y.new_zeros(y.shape, dtype=torch.float32)
+    _add_low_rank(x.float().contiguous(), delta, table, torch.zeros_like(slot_index), slot_index, table.dtype)
+    return y + delta.to(y.dtype)
+
+
+def _add_low_rank(rows, out, table, ids, slot_index, dtype, threads: int = 1) -> None:
+    """out[p] += B @ (A @ rows[p]) of pair p's (slot, expert) adapter, where it has one."""
     rank = table.rank.index_select(0, slot_index)
     if not table.max_rank or not bool(rank.any()):
-        return out
+        return
+    num_pairs, full_in, full_out = rows.shape[0], torch.full_like(rank, rows.shape[1]), torch.full_like(rank, out.shape[1])
     a = torch.where(rank > 0, table.a_base.index_select(0, slot_index) + ids * table.a_step.index_select(0, slot_index), 0)
     b = torch.where(rank > 0, table.b_base.index_select(0, slot_index) + ids * table.b_step.index_select(0, slot_index), 0)
     shrunk = rows.new_zeros(num_pairs, table.max_rank)
-    pair_projection_cpu.project_pairs(rows, shrunk, a, rank, full_in, weight.dtype)
-    pair_projection_cpu.project_pairs(shrunk, out, b, full_out, rank, weight.dtype)
-    return out
+    pair_projection_cpu.project_pairs(rows, shrunk, a, rank, full_in, dtype, threads)
+    pair_projection_cpu.project_pairs(shrunk, out, b, full_out, rank, dtype, threads)

@@ -1,7 +1,8 @@
-"""The LoRA expert pass through the Rust core (r3srv.lora.expert_kernel, rust/src/pair_projection.rs)
-against the torch loop over (slot, expert) groups it replaces on the CPU (LoraExperts._run), on
+"""LoRA through the Rust core on the CPU (r3srv.lora.cpu_kernel, rust/src/pair_projection.rs):
+the expert pass against the torch loop over (slot, expert) groups it replaces (LoraExperts._run), on
 Hypothesis-drawn experts, activations, slots (with and without expert adapters, per-expert or
-shared sides, their own ranks), tokens and pairs; and an engine serving adapters on the routed
+shared sides, their own ranks), tokens and pairs; a linear layer's terms against its per-slot
+loop; and an engine serving adapters on the routed
 experts takes it, with PEFT's tokens and logprobs."""
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from lora_testing import assert_matches, peft_reference, prompt, write_adapter, 
 
 from r3srv import LLM, SamplingParams
 from r3srv.kernels import pair_projection_cpu
-from r3srv.lora import expert_kernel
-from r3srv.lora.slots import LoraBatch, LoraContext, LoraExperts
+from r3srv.lora import cpu_kernel
+from r3srv.lora.slots import LoraBatch, LoraContext, LoraExperts, LoraLinear
 from r3srv.ops.experts import Activation
 
 pytestmark = pytest.mark.skipif(not pair_projection_cpu.BUILT, reason="the Rust extension is not built")
@@ -130,12 +131,44 @@ def _widened(x, w):
     return F.linear(x.float(), w.float())
 
 
+@settings(max_examples=100, deadline=None)
+@given(num_slots=st.integers(1, 4), out_features=st.integers(1, 12), in_features=st.integers(1, 12),
+       ranks=st.lists(st.none() | st.integers(1, 6), min_size=4, max_size=4),
+       token_slots=st.lists(st.integers(-1, 3), min_size=1, max_size=9), seed=st.integers(0, 2**16))
+def test_rust_linear_terms_equal_the_per_slot_loop(num_slots, out_features, in_features, ranks, token_slots, seed):
+    """A linear layer's adapters (slots without one, tokens under none) through the kernel equal
+    the torch pass of one low-rank product per slot in the step."""
+    gen = torch.Generator().manual_seed(seed)
+    context = LoraContext(num_slots)
+    holder = LoraLinear(context, out_features, in_features)
+    for slot, rank in enumerate(ranks[:num_slots]):
+        if rank is not None:
+            holder.load(slot, torch.randn(rank, in_features, generator=gen), torch.randn(out_features, rank, generator=gen))
+    context.batch = LoraBatch.of_token_slots(torch.tensor([s % num_slots if s >= 0 else -1 for s in token_slots]),
+                                             torch.device("cpu"))
+    if context.batch is None:
+        return
+    x = torch.randn(len(token_slots), in_features, generator=gen)
+    y = torch.randn(len(token_slots), out_features, generator=gen)
+    calls = []
+    entry = pair_projection_cpu.project_pairs_entry
+    pair_projection_cpu.project_pairs_entry = lambda *a: (calls.append(a), entry(*a))[1]
+    try:
+        got = holder(x, y, F.linear)
+    finally:
+        pair_projection_cpu.project_pairs_entry = entry
+    want = holder.grouped(x, y, F.linear)
+    adapted = any(holder.pairs[s] is not None for s, _ in context.batch.groups)
+    assert len(calls) == (2 if adapted else 0)  # shrink and expand, or nothing to add
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_out_of_range_expert_ids_fall_back_to_torch(kernel_calls):
     """An id outside the experts would send the kernel outside w13: it declines."""
     case = (ACTIVATIONS[0], 2, 4, 3, [((2, False, False), None)], [0, 0], 1, [0, 1], None, "none", 0)
     holder, act, (x, w13, w2, weights, ids), _ = _build(case, torch.float32)
     bad = torch.tensor([[0], [2]], dtype=torch.int32)
-    assert expert_kernel.expert_pass(x, w13, w2, weights, bad, None, None, None, act, holder.tables(torch.float32),
+    assert cpu_kernel.expert_pass(x, w13, w2, weights, bad, None, None, None, act, holder.tables(torch.float32),
                                      holder.context.batch.token_slots) is None
     assert not kernel_calls
 
