@@ -28,15 +28,12 @@ from r3srv.kernels.rust_core import RUST_DTYPES
 
 @dataclass(frozen=True)
 class SlotTable:
-    """One projection's adapters by slot + 1 (0: no adapter): the byte address of A's and B's
-    first expert, the bytes from one expert to the next (0: one matrix shared by every expert)
-    and the rank (0: the slot leaves this projection as in the base)."""
+    """One projection's adapters, fields [5, slots + 1] by slot + 1 (column 0: no adapter): the
+    byte address of A's first expert, the bytes from one expert to the next (0: one matrix shared
+    by every expert), the same two of B, and the rank. A slot that leaves this projection as in
+    the base is all zeros, so every pair's address, base + expert x step, is 0 under it."""
 
-    a_base: torch.Tensor
-    a_step: torch.Tensor
-    b_base: torch.Tensor
-    b_step: torch.Tensor
-    rank: torch.Tensor
+    fields: torch.Tensor
     max_rank: int
     dtype: torch.dtype
     keep: tuple  # the pairs' tensors, alive while their addresses are in the table
@@ -64,7 +61,7 @@ class SlotTable:
             b_step = pair.b[0].numel() * size if pair.b.shape[0] > 1 else 0
             fields[:, slot + 1] = torch.tensor([pair.a.data_ptr(), a_step, pair.b.data_ptr(), b_step, rank])
         keep = tuple(t for pair in pairs if pair is not None for t in (pair.a, pair.b))
-        return cls(*fields, int(fields[4].max()), dtype, keep)
+        return cls(fields, int(fields[4].max()), dtype, keep)
 
 
 def expert_pass(x, w13, w2, weights, ids, tokens, b13, b2, act, tables, token_slots, threads: int = 1) -> torch.Tensor | None:
@@ -113,22 +110,20 @@ def linear_delta(x: torch.Tensor, y: torch.Tensor, table: SlotTable | None, toke
         return None
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != token_slots.shape[0] or y.shape[0] != x.shape[0]:
         return None
-    slot_index = token_slots + 1
-    if not bool(table.rank.index_select(0, slot_index).any()):
-        return y
     delta = y.new_zeros(y.shape, dtype=torch.float32)
-    _add_low_rank(x.float().contiguous(), delta, table, torch.zeros_like(slot_index), slot_index, table.dtype)
+    if not _add_low_rank(x.float().contiguous(), delta, table, torch.zeros_like(token_slots), token_slots + 1, table.dtype):
+        return y
     return y + delta.to(y.dtype)
 
 
-def _add_low_rank(rows, out, table, ids, slot_index, dtype, threads: int = 1) -> None:
-    """out[p] += B @ (A @ rows[p]) of pair p's (slot, expert) adapter, where it has one."""
-    rank = table.rank.index_select(0, slot_index)
+def _add_low_rank(rows, out, table, ids, slot_index, dtype, threads: int = 1) -> bool:
+    """out[p] += B @ (A @ rows[p]) of pair p's (slot, expert) adapter, where it has one; whether
+    any pair has one."""
+    a_base, a_step, b_base, b_step, rank = table.fields.index_select(1, slot_index)
     if not table.max_rank or not bool(rank.any()):
-        return
+        return False
     num_pairs, full_in, full_out = rows.shape[0], torch.full_like(rank, rows.shape[1]), torch.full_like(rank, out.shape[1])
-    a = torch.where(rank > 0, table.a_base.index_select(0, slot_index) + ids * table.a_step.index_select(0, slot_index), 0)
-    b = torch.where(rank > 0, table.b_base.index_select(0, slot_index) + ids * table.b_step.index_select(0, slot_index), 0)
     shrunk = rows.new_zeros(num_pairs, table.max_rank)
-    pair_projection_cpu.project_pairs(rows, shrunk, a, rank, full_in, dtype, threads)
-    pair_projection_cpu.project_pairs(shrunk, out, b, full_out, rank, dtype, threads)
+    pair_projection_cpu.project_pairs(rows, shrunk, a_base + ids * a_step, rank, full_in, dtype, threads)
+    pair_projection_cpu.project_pairs(shrunk, out, b_base + ids * b_step, full_out, rank, dtype, threads)
+    return True
