@@ -190,7 +190,7 @@ mod tests {
 
     #[test]
     fn rejects_matrices_that_do_not_fit() {
-        let m = vec![0f32; 12];
+        let m = [0f32; 12];
         let x = vec![0f32; 2 * 4];
         let mut out = vec![0f32; 2 * 3];
         let too_wide = [Some(PairMatrix { m: &m[..], rows: 2 }), None]; // 6 columns > 4
