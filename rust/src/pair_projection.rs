@@ -4,13 +4,15 @@
 //! (slot, expert) A, then B), every pair of the step in one call. Pairs that share a matrix
 //! run together as one small product (`expert_pairs::gemm_nt`), reading each of its rows once,
 //! so a call costs one pass over the matrices the step touches, whatever their number; a pair
-//! without a matrix (no adapter on it) is left as it is. Each output element is the dot product
-//! `gemm_nt` computes, in its order, so a pair's result does not depend on the other pairs.
+//! without a matrix (no adapter on it) is left as it is. Below `WIDE_MIN_PAIRS` pairs on one
+//! matrix each output element is the dot product `gemm_nt` computes, in its order, so a pair's
+//! result does not depend on the other pairs; a group that large (a prefill's expert) runs
+//! through `matmul`'s packed kernels, within float32 rounding of those.
 //! Matrices hold float32 or bfloat16 (`Element`); rows and outputs are float32.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::expert_pairs::{gemm_nt, Element, Isa, PARALLEL_MIN_MACS};
+use crate::expert_pairs::{as_f32, gemm_nt, Element, Isa, PARALLEL_MIN_MACS, WIDE_MIN_PAIRS};
 
 /// A pair's matrix, row-major [rows, m.len() / rows].
 #[derive(Clone, Copy)]
@@ -49,7 +51,7 @@ pub fn project_pairs<W: Element>(isa: Isa, mats: &[Option<PairMatrix<W>>], x: &[
     let next = AtomicUsize::new(0);
     let dst = SharedOut(out.as_mut_ptr());
     let work = || {
-        let (mut xs, mut ys) = (Vec::new(), Vec::new());
+        let (mut xs, mut ys, mut widened) = (Vec::new(), Vec::new(), Vec::new());
         while let Some(group) = groups.get(next.fetch_add(1, Ordering::Relaxed)) {
             let PairMatrix { m, rows } = mats[group[0]].expect("grouped pairs have a matrix");
             let cols = m.len() / rows;
@@ -58,7 +60,11 @@ pub fn project_pairs<W: Element>(isa: Isa, mats: &[Option<PairMatrix<W>>], x: &[
                 xs.extend_from_slice(&x[p * x_cols..p * x_cols + cols]);
             }
             ys.resize(group.len() * rows, 0.0);
-            gemm_nt(isa, m, rows, &xs, &mut ys);
+            if group.len() >= WIDE_MIN_PAIRS {
+                crate::matmul::matmul_nt(as_f32(m, &mut widened), rows, &xs, &mut ys);
+            } else {
+                gemm_nt(isa, m, rows, &xs, &mut ys);
+            }
             for (&p, y) in group.iter().zip(ys.chunks_exact(rows)) {
                 // SAFETY: every pair is in one group and each group runs once, so no two
                 // threads touch row p of `out`, which outlives the threads' scope.
@@ -170,6 +176,23 @@ mod tests {
             assert_eq!(all[6..12], alone[..], "{isa:?}: a pair's row does not depend on the others");
             for (a, p) in all.iter().zip(&portable) {
                 assert!((a - p).abs() <= 1e-5 * (1.0 + p.abs()), "{isa:?}: {a} vs portable {p}");
+            }
+        }
+    }
+
+    #[test]
+    fn wide_groups_within_rounding_of_the_small_products() {
+        // 80 pairs on one matrix (packed kernels) against each pair alone (gemm_nt)
+        let m: Vec<f32> = values(16 * 48, 7);
+        let x = values(80 * 48, 8);
+        let mats = vec![Some(PairMatrix { m: &m[..], rows: 16 }); 80];
+        let mut wide = vec![0.0; 80 * 16];
+        project_pairs(Isa::best(), &mats, &x, 48, &mut wide, 16, 1).unwrap();
+        for p in 0..80 {
+            let mut alone = vec![0.0; 16];
+            project_pairs(Isa::best(), &mats[..1], &x[p * 48..(p + 1) * 48], 48, &mut alone, 16, 1).unwrap();
+            for (w, a) in wide[p * 16..(p + 1) * 16].iter().zip(&alone) {
+                assert!((w - a).abs() <= 1e-5 * (1.0 + a.abs()), "pair {p}: {w} vs {a}");
             }
         }
     }
