@@ -6,6 +6,7 @@ model alone, and replacing an adapter in memory against loading it from its dire
 One tiny qwen3_moe checkpoint (tests/tiny_checkpoints.py) and 16 PEFT adapters of rank 8 on
 attention (q/k/v/o) and the routed experts (tests/lora_testing.py). Two engines in one process:
 the base (no --enable-lora) and one with --enable-lora --max-loras 16 holding all 16 adapters.
+On the CPU the adapters' terms run through the Rust pair-projection kernel (r3srv.lora.cpu_kernel).
 A workload is 16 sequences: under no adapter (the LoRA engine's own overhead with slots but no
 adapter in the step), or spread round-robin over 1, 4 or 16 adapters. Prefill: 16 prompts of 64
 tokens, one token each; decode: 16 sequences of 16-token prompts, 32 decode steps timed on their
@@ -35,7 +36,7 @@ from lora_testing import write_adapter, write_checkpoint
 from safetensors.torch import load_file
 from serial_cases import machine_description
 
-from r3srv import LLM, SamplingParams
+from r3srv import LLM, SamplingParams, _core
 from r3srv.lora.manager import adapter_from_tensors
 
 ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "5"))
@@ -123,6 +124,7 @@ def report(title: str, times: dict[str, list[tuple[float, float]]], per: int) ->
     for name in WORKLOADS:
         print(f"  {name:24s} {1e3 * cpu[name] / per:8.3f} ms  {1e3 * wall[name] / per:8.3f} ms wall  "
               f"{cpu[name] / cpu['base model']:5.2f}x")
+    print(f"  matrix kernel (the Rust expert and LoRA passes): {_core.expert_pairs_isa()}")
     for key, value in machine_description().items():
         print(f"  {key}: {value}")
 

@@ -387,7 +387,7 @@ fn simd(isa: Isa) -> bool {
 const CHUNK_PAIRS: usize = 48;
 /// From this many pairs on, an expert's chunks are wide: `matmul`'s packed kernels, which
 /// outrun `gemm_nt` once they have this many rows to amortize their packing.
-const WIDE_MIN_PAIRS: usize = 64;
+pub(crate) const WIDE_MIN_PAIRS: usize = 64;
 /// Pairs per wide chunk: enough for the packed kernels' full speed (a prefill's experts have
 /// hundreds), while the chunks still spread over the threads.
 const WIDE_CHUNK_PAIRS: usize = 512;
@@ -403,7 +403,7 @@ struct Chunk {
 
 /// The fewest multiply-adds worth a thread of their own: waking one costs microseconds, and
 /// its share must outweigh that.
-const PARALLEL_MIN_MACS: usize = 1 << 20;
+pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 20;
 
 /// Every live pair's expert output into `outputs` ([live pairs, H] in expert order, so that a
 /// chunk's rows are adjacent and written in place); returns each pair's row (DEAD for a pair
@@ -521,7 +521,7 @@ struct Scratch {
 }
 
 /// `w` as f32: itself, or widened into `buffer`.
-fn as_f32<'a, W: Element>(w: &'a [W], buffer: &'a mut Vec<f32>) -> &'a [f32] {
+pub(crate) fn as_f32<'a, W: Element>(w: &'a [W], buffer: &'a mut Vec<f32>) -> &'a [f32] {
     if let Some(f) = W::as_f32s(w) {
         return f;
     }

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from r3srv.lora import cpu_kernel
 from r3srv.ops.experts import Activation
 
 LinearFn = Callable[..., torch.Tensor]
@@ -68,18 +69,39 @@ class LoraLinear:
         self.context = context
         self.shape = (out_features, in_features)
         self.pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * context.num_slots
+        self._table: cpu_kernel.SlotTable | None = None  # the Rust pass's (lora/cpu_kernel.py), built on use
 
     def load(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        self.pairs[slot] = (a, b)
+        self.pairs[slot] = (a.contiguous(), b.contiguous())
+        self._table = None
 
     def clear(self, slot: int) -> None:
         self.pairs[slot] = None
+        self._table = None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, linear: LinearFn) -> torch.Tensor:
-        """y (x's projection by the base weight) plus the step's adapters' low-rank terms."""
+        """y (x's projection by the base weight) plus the step's adapters' low-rank terms: on the
+        CPU every token's at once through the Rust kernel (lora/cpu_kernel.py), elsewhere (or
+        where it declines) one low-rank pass per slot in the step."""
         batch = self.context.batch
         if batch is None:
             return y
+        if x.is_cpu:
+            out = cpu_kernel.linear_delta(x, y, self.table(x.dtype), batch.token_slots)
+            if out is not None:
+                return out
+        return self.grouped(x, y, linear)
+
+    def table(self, dtype: torch.dtype) -> cpu_kernel.SlotTable | None:
+        """The slot table for the Rust pass: every pair as one expert (None where it cannot read them)."""
+        if self._table is None or self._table.dtype != dtype:
+            pairs = [None if p is None else ExpertPair(p[0][None], p[1][None]) for p in self.pairs]
+            self._table = cpu_kernel.SlotTable.of(pairs, (1, *self.shape), dtype)
+        return self._table
+
+    def grouped(self, x: torch.Tensor, y: torch.Tensor, linear: LinearFn) -> torch.Tensor:
+        """The torch pass: per slot in the step, its rows' low-rank terms through `linear`."""
+        batch = self.context.batch
         for slot, rows in batch.groups:
             pair = self.pairs[slot]
             if pair is None:
@@ -115,25 +137,43 @@ class LoraExperts:
         self.shapes = {"w13": tuple(w13_shape), "w2": tuple(w2_shape)}
         self.w13: list[ExpertPair | None] = [None] * context.num_slots
         self.w2: list[ExpertPair | None] = [None] * context.num_slots
+        self._tables: tuple | None = None  # the Rust pass's slot tables (lora/cpu_kernel.py), built on use
 
     def load(self, slot: int, which: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        getattr(self, which)[slot] = ExpertPair(a, b)
+        getattr(self, which)[slot] = ExpertPair(a.contiguous(), b.contiguous())
+        self._tables = None
 
     def clear(self, slot: int) -> None:
         self.w13[slot] = self.w2[slot] = None
+        self._tables = None
 
     def active(self) -> bool:
         """Whether a token of the step runs under a slot that adapts these experts."""
         batch = self.context.batch
         return batch is not None and any(self.w13[s] is not None or self.w2[s] is not None for s, _ in batch.groups)
 
-    def expert_pass(self, act: Activation, linear: LinearFn) -> Callable[..., torch.Tensor]:
-        """The expert pass (ops/experts.py's ExpertPass contract) with this step's adapters."""
+    def expert_pass(self, act: Activation, linear: LinearFn, threads: int = 1) -> Callable[..., torch.Tensor]:
+        """The expert pass (ops/experts.py's ExpertPass contract) with this step's adapters: on
+        the CPU every pair at once through the Rust kernel (lora/cpu_kernel.py), elsewhere
+        (or where the kernel declines) the torch loop over (slot, expert) groups. `threads`:
+        the CPU kernels' (the backend's --cpu-threads)."""
 
         def run(x, w13, w2, weights, ids, *, tokens=None, b13=None, b2=None) -> torch.Tensor:
+            if ids.numel() and x.is_cpu:
+                out = cpu_kernel.expert_pass(x, w13, w2, weights, ids, tokens, b13, b2, act,
+                                             self.tables(w13.dtype), self.context.batch.token_slots, threads)
+                if out is not None:
+                    return out
             return self._run(x, w13, w2, weights, ids, tokens, b13, b2, act, linear)
 
         return run
+
+    def tables(self, dtype: torch.dtype) -> tuple:
+        """The slot tables of w13 and w2 for the Rust pass (None each where it cannot read them)."""
+        if self._tables is None or self._tables[0] != dtype:
+            self._tables = (dtype, cpu_kernel.SlotTable.of(self.w13, self.shapes["w13"], dtype),
+                            cpu_kernel.SlotTable.of(self.w2, self.shapes["w2"], dtype))
+        return self._tables[1:]
 
     def _run(self, x, w13, w2, weights, ids, tokens, b13, b2, act, linear) -> torch.Tensor:
         """Pairs grouped by (slot, expert): each group's rows through the expert's weights plus,

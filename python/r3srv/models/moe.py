@@ -128,7 +128,7 @@ class SparseMoeBlock(nn.Module):
             weights_capture.copy_(weights)
         expert_pass, lora = self.expert_pass, self.experts.lora
         if lora is not None and lora.active():  # this step's adapters on the experts (r3srv.lora.slots)
-            expert_pass = lora.expert_pass(self.activation, self.ops.linear)
+            expert_pass = lora.expert_pass(self.activation, self.ops.linear, self.ops.threads)
         out = self.experts(x, weights, ids, expert_pass)
         if self.shared is not None:
             shared = self.shared(x)
