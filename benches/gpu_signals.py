@@ -8,7 +8,7 @@ device synchronized, as the engine's step does when it reads the sample back).
     python3 benches/gpu_signals.py --device cuda --out table.md   # benches/gpu_check.sh's step
     .venv/bin/python benches/gpu_signals.py --device cpu --rounds 2   # the CPU smoke
 
-No pytest-benchmark: the device image lacks it; pytest only (the bench modules import it)."""
+pytest-benchmark is not assumed on the device image; pytest is (the bench modules import it)."""
 
 from __future__ import annotations
 
