@@ -46,14 +46,15 @@ def masked_dense_decode(indexer, group, query, weights):
     return DecodeGroup(group.rows, group.slots, selected[:, None, None, :]), picked
 
 
-def decode_step():
+def decode_step(device: torch.device | str = "cpu"):
     """One MLA layer with an indexer, filled caches, and a decode step's inputs over them."""
+    device = torch.device(device)
     cfg = ModelConfig.from_dict(CONFIG)
     torch.manual_seed(0)
-    attn = MlaAttention(cfg, torch.float32, torch.device("cpu"))
+    attn = MlaAttention(cfg, torch.float32, device)
     for p in attn.parameters():
         p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5 if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
-    attn.allocate_cache(SEQS * CONTEXT, torch.float32, torch.device("cpu"))
+    attn.allocate_cache(SEQS * CONTEXT, torch.float32, device)
     attn.k_cache.normal_()
     attn.indexer.k_cache.normal_()
     blocks = CONTEXT // BLOCK
@@ -62,9 +63,10 @@ def decode_step():
         slot_mapping=torch.arange(SEQS) * CONTEXT + CONTEXT - 1, query_lens=[1] * SEQS, context_lens=[CONTEXT] * SEQS,
         block_tables=torch.arange(SEQS * blocks, dtype=torch.int32).view(SEQS, blocks), logits_indices=torch.arange(SEQS),
     )
-    meta = AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
-    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.rotary_dim, cfg.rope.theta), torch.float32)
-    x = torch.randn(SEQS, cfg.hidden_size)
+    meta = AttentionMetadata.build(batch, BLOCK, device)
+    inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope.theta).to(device)
+    cos, sin = rope_cos_sin(batch.positions.to(device), inv_freq, torch.float32)
+    x = torch.randn(SEQS, cfg.hidden_size, device=device)
     return attn, x, cos, sin, meta
 
 
@@ -91,7 +93,7 @@ def test_dsa_decode_step_capturing_selections(benchmark, candidate):
 
     attn, x, cos, sin, meta = decode_step()
     buffer = IndexerTopkBuffer(SEQS * CONTEXT, 1, TOPK, CONTEXT)
-    slots = meta.slot_mapping.numpy()
+    slots = meta.slot_mapping.cpu().numpy()
 
     def step():
         meta.indexer_capture = buffer.new_capture(SEQS, "cpu") if candidate == "r3srv" else None

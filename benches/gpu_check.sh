@@ -8,8 +8,10 @@
 # can eat the time), then the CUDA tests (fused router vs torch reference, CUDA models vs CPU, engine
 # rows on CUDA, hybrid engines with the fused decode steps vs the CPU and the torch steps),
 # then the hybrid-prefill grouping ratio and the fused delta-rule decode step against
-# gather-step-scatter, then the Triton paged decode attention against gather + SDPA. Every log
-# lands in $OUT, so a run cut short still returns what it did.
+# gather-step-scatter, then the Triton paged decode attention against gather + SDPA, then what
+# two replay signals cost (benches/gpu_signals.py: sampling masks on a decode step's sampling,
+# the indexer top-k capture on a DSA decode step; never run on a GPU yet). Every log lands in
+# $OUT, so a run cut short still returns what it did.
 #
 # The device image has python3 3.12 with torch and triton but reaches no registry, and lacks
 # msgspec (SamplingParams); its transformers (5.17) predates some families the tiny test
@@ -18,10 +20,11 @@
 #   bash benches/gpu_check.sh --fetch-wheels
 # then call the device tool's run with
 #   command="bash benches/gpu_check.sh", carry=[".whl"], timeout_s=600 (the default steps, estimated
-#   at about 500 s on an H200: graphs ~90, throughput ~200 (estimated, unmeasured), tests 110,
-#   tp ~60 with two GPUs (with one it says so and skips), syncs 15, router 125 s; each step also has its own limit below; "hybrid decode", measured
+#   at about 520 s on an H200: graphs ~90, throughput ~200 (estimated, unmeasured), tests 110,
+#   tp ~60 with two GPUs (with one it says so and skips), syncs 15, router 125, signals ~20 s (estimated,
+#   unmeasured); each step also has its own limit below; "hybrid decode", measured
 #   before, run only when R3SRV_GPU_STEPS names them)
-# and copy the tables it prints ($OUT/throughput_table.md, $OUT/router_table.md) into
+# and copy the tables it prints ($OUT/throughput_table.md, $OUT/router_table.md, $OUT/signals_table.md) into
 # docs/benchmarks.md, with the date. Every command is printed before it runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,11 +48,11 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/python"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 | tee "$out/machine.txt"
 
-# R3SRV_GPU_STEPS picks steps (default "graphs throughput tests tp syncs router"; also "hybrid",
+# R3SRV_GPU_STEPS picks steps (default "graphs throughput tests tp syncs router signals"; also "hybrid",
 # "decode", "engine"): a follow-up call in the same session reruns only
 # what changed, e.g. R3SRV_GPU_STEPS="engine tests syncs decode" (engine: the router script's
 # decode-step rows only) with R3SRV_GPU_TESTS naming the test files.
-steps=" ${R3SRV_GPU_STEPS:-graphs throughput tests tp syncs router} "
+steps=" ${R3SRV_GPU_STEPS:-graphs throughput tests tp syncs router signals} "
 wants() { [[ "$steps" == *" $1 "* ]]; }
 status=0
 # step LOG SECONDS COMMAND...: prints the command, runs it under a limit, its output also in $out/LOG
@@ -87,6 +90,9 @@ if wants router; then
     step router_bench.log 220 python3 benches/gpu_router.py --require-gpu --out "$out/router_table.md"
 elif wants engine; then
     step engine_bench.log 150 python3 benches/gpu_router.py --require-gpu --engine-only --out "$out/engine_table.md"
+fi
+if wants signals; then  # prints each row as it goes; 30 rounds a row keep it within its limit
+    step signals_bench.log 60 python3 benches/gpu_signals.py --device cuda --rounds 30 --out "$out/signals_table.md"
 fi
 if wants hybrid; then
     step hybrid_prefill.log 45 python3 benches/bench_hybrid_prefill.py

@@ -5,7 +5,8 @@ weights beside the rows (`--enable-return-routed-expert-weights`), and a LoRA ad
 broadcasts over the weight-update group (/load_lora_adapter_from_distributed, a world of the
 trainer and one rank per replica), which both replicas then serve as the single server does (and
 as PEFT computes it); an adapter loaded from disk and unloaded on every replica. One fleet and one
-single server for the module."""
+single server for the module, and for the sparse-attention indexer's selections
+(`--enable-return-indexer-topk`) one of each on a tiny GLM-MoE-DSA, run one after the other."""
 
 from __future__ import annotations
 
@@ -149,3 +150,53 @@ def test_an_adapter_from_disk_loads_and_unloads_on_every_replica(fleet, replicas
     assert r.status_code == 200, r.text
     for url in replicas:
         assert "a2" not in {m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+
+
+DSA_PROMPT = list(b"Sparse attention, replayed")
+
+
+def dsa_selections(url: str) -> dict:
+    """Indexer top-k on SGLang's /generate (raw int32, every layer) and vLLM's
+    /inference/v1/generate (base64 .npy, the indexer layers), greedy, as the wire carries them."""
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    sglang = post(url, "/generate", {"input_ids": DSA_PROMPT, "return_indexer_topk": True,
+                                     "sampling_params": {"max_new_tokens": 6, **greedy}})
+    tito = post(url, "/inference/v1/generate", {"token_ids": DSA_PROMPT, "sampling_params": {
+        "max_tokens": 6, "indexer_topk_prompt_start": 2, **greedy}})["choices"][0]
+    return {"sglang": (sglang["output_ids"], sglang["meta_info"]["indexer_topk"]),
+            "vllm": (tito["token_ids"], tito["indexer_topk"])}
+
+
+@pytest.fixture(scope="module")
+def dsa_answers(tmp_path_factory):
+    """A single server's and a two-replica fleet's answers (twice: cold, then over the serving
+    replica's prefix cache) on a tiny GLM-MoE-DSA (full, shared, full; index_topk 5), one
+    server at a time."""
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    pytest.importorskip("transformers")
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("dsa") / "glm5", "glm_moe_dsa", seed=4, num_layers=3,
+                                 indexer_types=["full", "shared", "full"], first_k_dense_replace=1)
+    args = (str(path), "--enable-return-indexer-topk", "--dtype", "float32", *TEST_SERVER_ARGS)
+    with RemoteServer(*args) as srv:
+        single = dsa_selections(srv.url)
+    assert srv.returncode == 0, srv.log
+    with RemoteServer(*args, "--data-parallel-size", "2") as srv:
+        fleet = [dsa_selections(srv.url) for _ in range(2)]
+    assert srv.returncode == 0, srv.log
+    return single, fleet
+
+
+@pytest.mark.parametrize("route", ["sglang", "vllm"])
+def test_indexer_topk_through_the_fleets_url(dsa_answers, route):
+    single, fleet = dsa_answers
+    tokens, encoded = single[route]
+    if route == "sglang":
+        topk = serial.decode_raw(encoded, "int32", (3, 5))
+        assert topk.shape[0] == len(DSA_PROMPT) + len(tokens) - 1
+    else:
+        topk = serial.decode_routed_experts(encoded)
+        assert topk.shape == (len(DSA_PROMPT) + len(tokens) - 1 - 2, 2, 5)
+    assert (topk[:, :, -1] > 4).any()  # sparse rows: 5 keys picked among more
+    for answer in fleet:
+        assert answer[route] == (tokens, encoded)  # the same tokens and the same bytes

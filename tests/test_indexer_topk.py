@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from r3srv import LLM, SamplingParams
-from r3srv.config import EngineConfig, ParallelConfig
 from r3srv.errors import ConfigError, InvalidRequestError
 from tiny_checkpoints import build_hf_model, write_tiny_checkpoint
 
@@ -155,7 +154,7 @@ def test_refusals(family, tmp_path):
     assert err.value.param == "indexer_topk_prompt_start"
 
 
-def test_families_without_an_indexer_and_tensor_parallel_are_refused(tmp_path):
+def test_families_without_an_indexer_are_refused(tmp_path):
     path = str(write_tiny_checkpoint(tmp_path / "q", "qwen3_moe", seed=5))
     with pytest.raises(ConfigError, match="no sparse-attention indexer"):
         LLM(path, block_size=4, num_kv_blocks=32, max_model_len=64, enable_return_indexer_topk=True)
@@ -163,8 +162,6 @@ def test_families_without_an_indexer_and_tensor_parallel_are_refused(tmp_path):
     with pytest.raises(InvalidRequestError, match="no sparse-attention indexer") as err:
         llm.generate([[40, 41]], SamplingParams(max_tokens=2, return_indexer_topk=True))
     assert err.value.param == "return_indexer_topk"
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        EngineConfig(enable_return_indexer_topk=True, parallel=ParallelConfig(tensor_parallel_size=2))
 
 
 @pytest.mark.parametrize("max_model_len, dtype", [(32767, np.int16), (32768, np.int32)])

@@ -138,8 +138,7 @@ class EngineConfig:
     # SGLang's and vLLM's flag (DeepSeek-V3.2, GLM-5): each token's sparse-attention key selections
     enable_return_indexer_topk: bool = option(
         False, "capture the sparse-attention indexer's selected key positions per token and indexer layer "
-        "(DeepSeek-V3.2, GLM-5; per request: return_indexer_topk; the vLLM routes return them on every choice); "
-        "one process only (no -tp)")
+        "(DeepSeek-V3.2, GLM-5; per request: return_indexer_topk; the vLLM routes return them on every choice)")
     indexer_topk_max_values: int = option(
         1 << 26, "most indexer top-k values (tokens x indexer layers x index_topk) one request may return; "
         "a request that could return more is refused with a 400")
@@ -212,10 +211,6 @@ class EngineConfig:
         _positive("max_num_encoder_tokens", self.max_num_encoder_tokens)
         _positive("sampling_mask_max_tokens", self.sampling_mask_max_tokens)
         _positive("indexer_topk_max_values", self.indexer_topk_max_values)
-        if self.enable_return_indexer_topk and self.parallel.tensor_parallel_size > 1:
-            raise ConfigError("enable_return_indexer_topk=True is served in one process only (the ranks' executor "
-                              f"ships no indexer capture); use tensor_parallel_size=1, not "
-                              f"{self.parallel.tensor_parallel_size}")
         self._check_expert_weights()
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={self.logprobs_mode!r} is not supported; use one of "

@@ -73,11 +73,6 @@ def _memory_tags(tags: list[str] | None) -> set[str]:
     return set(tags)
 
 
-def _indexer_option(config: EngineConfig) -> dict:
-    """The executor's indexer keyword: the one-process executor's only (the config refuses -tp with it)."""
-    return {"capture_indexer_topk": True} if config.enable_return_indexer_topk else {}
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -112,7 +107,8 @@ class EngineCore:
             use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_state_snapshots=self.num_state_snapshots,
             encoder=encoder, logprobs_mode=config.logprobs_mode,
-            capture_weights=config.enable_return_routed_expert_weights, **_indexer_option(config),
+            capture_weights=config.enable_return_routed_expert_weights,
+            capture_indexer_topk=config.enable_return_indexer_topk,
         )
         self.tower_updates = TowerUpdates(None if encoder is None else encoder.tower,
                                           tensor_parallel=self.executor.ranks is not None)

@@ -140,7 +140,8 @@ def init_process_group(rank: int, rendezvous: Rendezvous, device: torch.device) 
 def load_shard(spec: ModelSpec, rank: int, rendezvous: Rendezvous, device: torch.device):
     from r3srv.models.loader import load_model
 
-    return load_model(spec.path, device=device, dtype=spec.dtype, parallel=rendezvous.state(rank),
+    parallel = replace(rendezvous.state(rank), sum_in_rank_order=spec.batch_invariant)
+    return load_model(spec.path, device=device, dtype=spec.dtype, parallel=parallel,
                       batch_invariant=spec.batch_invariant)
 
 

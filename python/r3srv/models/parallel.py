@@ -48,6 +48,9 @@ class ParallelState:
     # how expert parallelism combines (docs/parallelism.md): "all_reduce" (each rank runs its
     # experts' pairs of every token, one all-reduce) or "all_to_all" (tokens dispatched)
     ep_dispatch: str = "all_reduce"
+    # --batch-invariant: all_reduce adds the ranks' partials in rank order on every rank (gloo's
+    # and NCCL's all-reduce order an element's sum by its place in the buffer, so by the batch)
+    sum_in_rank_order: bool = False
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.ep_rank < self.ep_size):
@@ -59,9 +62,17 @@ class ParallelState:
             raise ValueError(f"ep_dispatch {self.ep_dispatch!r} is not one of {EP_DISPATCHES}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over the group's ranks (x itself at size 1)."""
-        if self.tp_size > 1:
+        """Sum of x over the group's ranks (x itself at size 1), into x."""
+        if self.tp_size == 1:
+            return x
+        if not self.sum_in_rank_order:
             torch.distributed.all_reduce(x, group=self.group)
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        x.copy_(parts[0])
+        for part in parts[1:]:  # ((x0 + x1) + x2) + ...: one order whatever the batch
+            x.add_(part)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
