@@ -12,8 +12,9 @@ rollout.logprobs_mode=processed_logprobs: its logprobs are the float64 oracle's
 (tests/sampling_reference.py) filter of the raw logits r3srv's own LLM gives for the same
 tokens (prompt logits in raw_logits mode).
 
-A second verl session runs rollout.tensor_model_parallel_size=2 with four stand-in training
-workers: verl makes two replicas of two ranks each (r3srv's -tp 2, gloo on the CPU). Its batches
+A second verl session runs rollout.tensor_model_parallel_size=2 and expert_parallel_size=2 with
+four stand-in training workers: verl makes two replicas of two ranks each (r3srv's -tp 2
+--enable-expert-parallel, gloo on the CPU). Its batches
 equal the same single-device oracle (logprobs within the tolerance an all-reduce's float sums
 leave), both replicas serve requests (the rollouts start paused until verl's balancer has routed
 them all), and the weight update reaches every rank of both replicas (the second rollout is the
@@ -133,8 +134,10 @@ def test_training_rollout_logprobs_are_processed(request, session):
 
 
 def test_tp2_replicas_share_the_requests_and_all_sleep_and_wake(verl_tp2_run):
-    """verl's balancer (fewest in flight) spreads the paused rollout's three requests 2 and 1."""
+    """verl's balancer (fewest in flight) spreads the paused rollout's three requests 2 and 1;
+    each replica serves with its experts split over its two ranks."""
     _, _, got = verl_tp2_run
+    assert list(got["ep_sizes"]) == [2, 2]  # verl's expert_parallel_size=2: experts split over each replica's ranks
     assert list(got["slept"]) == [True, True] and list(got["awake"]) == [True, True]
     for which in ("first", "second"):
         routed = list(got[f"{which}_routed"])

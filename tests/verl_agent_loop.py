@@ -9,7 +9,8 @@ rollout.logprobs_mode=processed_logprobs.
 
     python tests/verl_agent_loop.py CKPT_V0 CKPT_V1 OUT.npz [TP [REPLICAS]]
 
-TP is rollout.tensor_model_parallel_size; verl makes one replica per TP trainer workers, so the
+TP is rollout.tensor_model_parallel_size (and expert_parallel_size: experts split over the TP
+ranks); verl makes one replica per TP trainer workers, so the
 stand-in worker group holds TP * REPLICAS workers. Every rollout starts with the replicas paused
 until verl's load balancer has routed each request, so how the requests spread follows from
 its rule (fewest in flight), not from how fast a replica answers.
@@ -45,6 +46,9 @@ def config_for(model_path: str, tp: int = 1, replicas: int = 1):
         f"actor_rollout_ref.model.path={model_path}",
         "actor_rollout_ref.rollout.name=r3srv",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+        # experts split over the replica's ranks where it has several (verl: expert_parallel_size
+        # = tp x data_parallel_size, workers/config/rollout.py), r3srv's --enable-expert-parallel
+        f"actor_rollout_ref.rollout.expert_parallel_size={tp}",
         f"actor_rollout_ref.rollout.prompt_length={PROMPT_LENGTH}",
         f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
         f"actor_rollout_ref.rollout.max_model_len={PROMPT_LENGTH + RESPONSE_LENGTH}",
@@ -164,6 +168,7 @@ def routed_rollout(loops, balancer, replica_servers: list, batch) -> tuple:
 
 
 def main(v0: str, v1: str, out_path: str, tp: int = 1, replicas: int = 1) -> None:
+    import httpx
     import ray
     import verl  # noqa: F401  (loads the verl.plugins entry points: r3srv registers itself)
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
@@ -187,6 +192,9 @@ def main(v0: str, v1: str, out_path: str, tp: int = 1, replicas: int = 1) -> Non
         loops = AgentLoopManager.create(config, llm_client=servers.get_client())
         assert len(servers.get_replicas()) == replicas, [r.replica_rank for r in servers.get_replicas()]
         replica_servers = [replica.servers[0] for replica in servers.get_replicas()]
+        # each replica's own /server_info: did verl's expert_parallel_size reach r3srv's engine?
+        ep_sizes = [httpx.get("http://%s:%d/server_info" % tuple(ray.get(s.get_server_address.remote())),
+                              timeout=60).json()["ep_size"] for s in replica_servers]
         addresses = servers.get_addresses()
         balancer = servers.global_load_balancer
 
@@ -209,7 +217,7 @@ def main(v0: str, v1: str, out_path: str, tp: int = 1, replicas: int = 1) -> Non
             replica_class=f"{replica_cls.__module__}.{replica_cls.__qualname__}",
             rollout_class=ray.get(trainers[0].rollout_class.remote()),
             slept=np.array(slept), awake=np.array(awake), global_steps=np.array(steps),
-            first_routed=np.array(first_routed), second_routed=np.array(second_routed),
+            first_routed=np.array(first_routed), second_routed=np.array(second_routed), ep_sizes=np.array(ep_sizes),
             seconds=time.monotonic() - started,
             **{f"first_{k}": np.array(v, dtype=object) for k, v in first.items()},
             **{f"second_{k}": np.array(v, dtype=object) for k, v in second.items()},
