@@ -37,8 +37,9 @@ MODEL = "r3srv-builtin-random-moe"  # what the nodes serve (NODE_ARGS name no ch
 
 
 @pytest.fixture(scope="module")
-def nodes():
-    with RemoteServer(*NODE_ARGS) as b, RemoteServer("-dp", "2", "--fleet-peer-urls", b.url, *NODE_ARGS) as a:
+def nodes(gate):  # every engine of both nodes steps behind the gate (open but in the restart test)
+    with RemoteServer(*NODE_ARGS, step_gate=gate) as b, \
+            RemoteServer("-dp", "2", "--fleet-peer-urls", b.url, *NODE_ARGS, step_gate=gate) as a:
         yield a, b
 
 
@@ -146,20 +147,27 @@ def _rollout(url: str, i: int) -> int | str:
         return type(exc).__name__
 
 
-def test_a_router_restart_ends_its_requests_and_leaves_the_nodes_clean(nodes):
+def test_a_router_restart_ends_its_requests_and_leaves_the_nodes_clean(nodes, gate):
     a, b = nodes
+
+    def both(name: str) -> float:
+        return counter(a.url, name) + counter(b.url, name)
+
     router = Router("vllm", [a.url, b.url])
     version = get(a.url + "/get_weight_version")
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool, gate.allowing(0):  # no step until all four are in
         requests = [pool.submit(_rollout, router.url, i) for i in range(4)]
-        wait_for(lambda: counter(a.url, "r3srv_num_requests_running") + counter(b.url, "r3srv_num_requests_running") >= 1
-                 or all(r.done() for r in requests), 60, lambda: "no request reached a node")
+        wait_for(lambda: both("r3srv_num_requests_waiting") == 4, 60, lambda: "the requests never reached the nodes")
+        gate.allow(2)  # their prefill and a decode step, then held in flight, short of their 200 tokens
+        wait_for(lambda: both("r3srv_num_requests_running") == 4, 60, lambda: "the requests never started")
+        assert both("r3srv_kv_blocks_used") > 0
         router.stop(signal.SIGKILL)
         outcomes = [r.result(timeout=120) for r in requests]
-    assert all(o == 200 or isinstance(o, str) for o in outcomes), outcomes  # finished, or the connection closed
-    for node in (a, b):  # the nodes aborted what the router left behind
-        wait_for(lambda: counter(node.url, "r3srv_kv_blocks_used") == 0, 60, lambda: "KV blocks left in use")
-        assert get(node.url + "/get_weight_version") == version
+        assert all(isinstance(o, str) for o in outcomes), outcomes  # cut off: the connection closed
+        for node in (a, b):  # the nodes aborted what the router left behind (still held: no step ends them)
+            wait_for(lambda: counter(node.url, "r3srv_kv_blocks_used") == 0, 60, lambda: "KV blocks left in use")
+            assert counter(node.url, "r3srv_num_requests_running") == 0
+            assert get(node.url + "/get_weight_version") == version
     again = Router("vllm", [a.url, b.url], port=router.port)  # the same URL again
     try:
         assert _rollout(again.url, 9) == 200

@@ -96,8 +96,10 @@ def test_async_release_waits_for_running_requests_and_holds_new_ones_until_resum
             while engine.stats().num_running == 0:
                 await asyncio.sleep(0.001)
             release = asyncio.create_task(engine.release_memory())
-            await asyncio.sleep(0.02)
-            assert not release.done()  # waits for "running" to finish
+            await asyncio.sleep(0)  # the release's command is queued
+            # a command the core thread answers after the release's: had that run at once, memory would be released
+            assert await engine.continue_generation() is False
+            assert engine.released_memory == [] and not release.done()  # waits for "running" to finish
             held = asyncio.create_task(run("held", PARAMS))
             await asyncio.sleep(0)  # queued behind the release
         assert await release == ["kv_cache", "weights"]

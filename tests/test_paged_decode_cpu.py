@@ -112,7 +112,8 @@ def test_bad_sinks_and_window_are_value_errors():
 
 
 def test_cpu_decodes_take_the_kernel_unless_turned_off():
-    assert cpu_kernel.BUILT and _core.paged_decode_isa() in ("avx2", "portable")
+    assert cpu_kernel.BUILT, "r3srv._core lacks the paged decode kernel: rebuild the extension (make install)"
+    assert _core.paged_decode_isa() in ("avx2", "portable")
 
     def decode_kernel(dtype, **switches):
         with settings_module.overridden(**switches):

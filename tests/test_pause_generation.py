@@ -78,6 +78,14 @@ def test_async_pause_modes(policies, gate):
     v0, v1, _ = policies
     engine = AsyncLLM(str(v0), **ENGINE)
     gate_steps(engine.core, gate.path)  # each request below is held in flight (2 steps of its 40) until it opens
+    paused_at_step = []  # engine.paused at each step call (held ones too), read on the core thread
+    gated_step = engine.core.step
+
+    def recorded_step(*args, **kwargs):
+        paused_at_step.append(engine.paused)
+        return gated_step(*args, **kwargs)
+
+    engine.core.step = recorded_step
 
     async def main():
         async def run(rid, prompt=PROMPT, params=LONG):
@@ -87,6 +95,12 @@ def test_async_pause_modes(policies, gate):
             while engine.stats().num_running < n:
                 await asyncio.sleep(0.001)
 
+        async def loop_turns():
+            """Commands the core thread answers in turn: a loop that stepped while paused would
+            step between them (paused_at_step would say so)."""
+            for _ in range(3):
+                await engine.reset_prefix_cache()
+
         # in place: nothing moves until continue; an update meanwhile is refused
         with gate.allowing(2):
             task = asyncio.create_task(run("in_place"))
@@ -94,8 +108,8 @@ def test_async_pause_modes(policies, gate):
             assert await engine.pause_generation("in_place") == {"aborted": 0, "retracted": 0}
         assert engine.paused == "in_place"
         produced = engine.core.requests["in_place"].seqs[0].num_output_tokens
-        await asyncio.sleep(0.1)  # the gate is open: only the pause holds it
-        assert engine.core.requests["in_place"].seqs[0].num_output_tokens == produced
+        await loop_turns()  # the gate is open: only the pause holds it
+        assert "in_place" not in paused_at_step and engine.core.requests["in_place"].seqs[0].num_output_tokens == produced
         with pytest.raises(InvalidRequestError, match="paused in place"):
             await engine.update_weights(str(v1))
         assert await engine.continue_generation() is True
@@ -108,8 +122,10 @@ def test_async_pause_modes(policies, gate):
             assert await engine.pause_generation("abort") == {"aborted": 1, "retracted": 0}
         aborted = await task
         later = asyncio.create_task(run("later", params=SamplingParams(max_tokens=4, **GREEDY)))
-        await asyncio.sleep(0.1)
-        assert not later.done() and engine.stats().num_running == 0
+        while "later" not in engine.core.requests:  # it arrived
+            await asyncio.sleep(0.001)
+        await loop_turns()  # the gate is open: only the pause holds it
+        assert "abort" not in paused_at_step and not later.done() and engine.stats().num_running == 0
         assert await engine.continue_generation() is True
         later = await later
 
@@ -133,6 +149,7 @@ def test_async_pause_modes(policies, gate):
         in_place, aborted, later, retracted = asyncio.run(main())
     finally:
         engine.shutdown()
+    assert paused_at_step and set(paused_at_step) == {None}  # no step while paused, in any mode
     uninterrupted = LLM(str(v0), **ENGINE).generate([PROMPT], LONG)[0].outputs[0]
     assert in_place.outputs[0].token_ids == uninterrupted.token_ids
     np.testing.assert_array_equal(in_place.outputs[0].routed_experts, uninterrupted.routed_experts)

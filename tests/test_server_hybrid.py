@@ -26,8 +26,8 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
-    with RemoteServer(checkpoint, "--enable-return-routed-experts", *TEST_SERVER_ARGS) as srv:
+def server(checkpoint, gate):
+    with RemoteServer(checkpoint, "--enable-return-routed-experts", *TEST_SERVER_ARGS, step_gate=gate) as srv:
         yield srv
 
 
@@ -66,20 +66,21 @@ def test_bad_prompt_start_is_a_400(server, client):
     assert "routed_experts_prompt_start" in str(err.value)
 
 
-def test_stream_disconnect_gives_back_the_state_slot(server):
+def test_stream_disconnect_gives_back_the_state_slot(server, gate):
     assert _metric(server, "r3srv_state_slots_total") == 16  # --max-num-seqs
     body = {"prompt": "x" * 40, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http:
+    # the prefill and one decode step, then held in flight: only the disconnect can end it
+    with gate.allowing(2), httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()  # keep a reference: dropping the iterator closes the connection
             assert next(line for line in lines if line.startswith("data: "))
             assert _metric(server, "r3srv_state_slots_used") == 1
             r.close()
             del lines
-    deadline = time.monotonic() + 30
-    while (_metric(server, "r3srv_state_slots_used") or _metric(server, "r3srv_kv_blocks_used")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _metric(server, "r3srv_state_slots_used") == 0 and _metric(server, "r3srv_kv_blocks_used") == 0
+        deadline = time.monotonic() + 30
+        while (_metric(server, "r3srv_state_slots_used") or _metric(server, "r3srv_kv_blocks_used")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(server, "r3srv_state_slots_used") == 0 and _metric(server, "r3srv_kv_blocks_used") == 0
 
 
 def test_multi_turn_rollouts_resume_from_snapshots_with_the_rows_of_one_pass(server, client, checkpoint):

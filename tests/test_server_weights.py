@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from fault_testing import metric
 from server_fixture import TEST_SERVER_ARGS, RemoteServer
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -140,14 +141,20 @@ def test_release_and_resume_memory_occupation(server):
     assert r.status_code == 200 and r.json() == {"success": True, "released": ["kv_cache", "weights"]}
     assert httpx.get(server.url + "/health").status_code == 200
     assert released_gauges(server) == {"kv_cache": 1.0, "weights": 1.0}
+    looked_up = metric(server.url, "r3srv_prefix_cache_queries_total")  # grows when the engine schedules a prompt
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(served, server, prompt)
-        time.sleep(0.5)
-        assert not pending.done()  # held, not failed
+        deadline = time.monotonic() + 60
+        while metric(server.url, "r3srv_num_requests_waiting") == 0:  # it arrived
+            assert not pending.done() and time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.01)
+        # a resume runs once no request is in the engine: one let in (by the release, or by the first
+        # resume) would have been scheduled before the second resume answers
         r = post(server, "/resume_memory_occupation", {"tags": ["weights"]})
         assert r.status_code == 200 and r.json()["released"] == ["kv_cache"]
-        time.sleep(0.2)
-        assert not pending.done()  # still no KV cache
+        assert post(server, "/resume_memory_occupation", {"tags": ["weights"]}).json()["released"] == ["kv_cache"]
+        assert not pending.done() and metric(server.url, "r3srv_prefix_cache_queries_total") == looked_up  # held
+        assert metric(server.url, "r3srv_num_requests_waiting") == 1
         assert released_gauges(server) == {"kv_cache": 1.0, "weights": 0.0}
         assert post(server, "/resume_memory_occupation").json() == {"success": True, "released": []}
         assert released_gauges(server) == {"kv_cache": 0.0, "weights": 0.0}
