@@ -47,8 +47,8 @@ test-data:
 
 # pytest arguments: two pytest-xdist workers, whole files to one worker (a module's server or
 # checkpoint fixture is built once); the files holding slow tests start first (tests/conftest.py), so
-# the longest are not left to the end. On this 2-core machine, quiet, the suite takes ~60% of a serial
-# run's time (docs/benchmarks.md). PYTEST_ARGS= runs it serially; "-n 4 --dist loadfile" on more cores.
+# the longest are not left to the end (times: docs/benchmarks.md, "Test suite"). PYTEST_ARGS= runs it
+# serially; "-n 4 --dist loadfile" on more cores.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
 # Tiers are pytest markers in the test files (pyproject.toml): slow, gpu, peer.
