@@ -143,11 +143,18 @@ def test_a_checkpoint_cut_by_a_full_disk_is_a_400_and_leaves_the_weights(policie
     with pytest.raises(OSError) as full:
         write_until_full(v1, cut, metadata + int(share * shards))
     assert full.value.errno == errno.ENOSPC
-    with RemoteServer(str(v0), "--enable-weight-updates", "--enable-return-routed-experts", *TEST_SERVER_ARGS) as srv:
+    gate = StepGate(tmp_path / "gate")
+    with RemoteServer(str(v0), "--enable-weight-updates", "--enable-return-routed-experts", *TEST_SERVER_ARGS,
+                      step_gate=gate) as srv:
         before = tokens_and_rows(completion(srv.url, [9, 8, 7], 6))
+        gate.allow(3)  # the prefill and two decode steps: the request stays in flight, however fast the machine
         running = InFlight(completion, srv.url, [1, 2, 3], 200)
         wait_until(lambda: metric(srv.url, "r3srv_num_requests_running") == 1.0, "the request runs")
-        answer = httpx.post(srv.url + "/update_weights_from_disk", json={"model_path": str(cut)}, timeout=300)
+        update = InFlight(httpx.post, srv.url + "/update_weights_from_disk", json={"model_path": str(cut)}, timeout=300)
+        # answered at once (a check before the drain) or taken in to wait for the running request
+        wait_until(lambda: not update.is_alive() or taken_in(srv.port) == 2, "the update is in")
+        gate.open()
+        answer = update.result()
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "model_path", answer.text
         tokens, rows, reason = tokens_and_rows(running.result())
         assert reason == "length" and len(tokens) == 200
