@@ -29,6 +29,8 @@ EXAMPLES = {
     "R3SRV_BASE64_ISA": ("portable", "portable"),
     "R3SRV_TRITON_DECODE": ("0", False),
     "R3SRV_RUST_DECODE": ("0", False),
+    "R3SRV_RUST_PREFILL": ("0", False),
+    "R3SRV_VARLEN_PREFILL": ("1", True),
     "R3SRV_FUSED_STEP": ("0", False),
     "R3SRV_GROUPED_MM": ("0", False),
     "R3SRV_CPU_EXPERT_KERNEL": ("0", False),

@@ -44,6 +44,9 @@ class Settings:
     # Backend switches, to measure or to rule a kernel out:
     triton_decode: bool = _setting(True, "CUDA decodes through the paged-attention Triton kernel; off: gather + SDPA")
     rust_decode: bool = _setting(True, "CPU decodes through the Rust paged-attention kernel; off: gather + SDPA")
+    rust_prefill: bool = _setting(True, "CPU prefill attention of a step's prompts in one Rust call (one CPU thread); off: SDPA per prompt")
+    varlen_prefill: bool = _setting(False, "CUDA prefill attention of a step's whole prompts in one varlen flash-attention "
+                                    "call (not yet run on a GPU: off by default); off: SDPA per prompt")
     fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")
     grouped_mm: bool = _setting(True, "expert matmuls through torch's grouped_mm where it pays; off: a loop")
     cpu_expert_kernel: bool = _setting(True, "CPU expert pass in one Rust call per layer at every batch size; off: torch's paths")

@@ -1,7 +1,7 @@
 //! r3srv core: byte-identical, zero-copy `base64(np.save(array))` for routed experts, and its
 //! inverse; and CPU kernels: the expert pass (`expert_pairs`), linear layers of a few rows
 //! (`linear`; large chunks through `matmul`), rows each projected by its own matrix (`pair_projection`, the LoRA
-//! expert pass), paged decode attention (`paged_attn`), RMSNorm of float32 rows (`rms_norm`),
+//! expert pass), paged decode attention (`paged_attn`), prefill attention over a step's prompts (`paged_prefill`), RMSNorm of float32 rows (`rms_norm`),
 //! top-k expert selection (`router_cpu`) and an attention layer's q/k norms and RoPE (`qk_rope`).
 //! Everything but `python` builds and tests without Python (`cargo test`).
 pub mod b64;
@@ -17,6 +17,7 @@ pub mod lists;
 pub mod matmul;
 pub mod npy_header;
 pub mod paged_attn;
+pub mod paged_prefill;
 pub mod pair_projection;
 pub mod qk_rope;
 pub mod rms_norm;

@@ -109,7 +109,7 @@ impl<'a, T> Strided<'a, T> {
     }
 
     #[inline(always)]
-    fn at(&self, row: usize, head: usize) -> &'a [T] {
+    pub(crate) fn at(&self, row: usize, head: usize) -> &'a [T] {
         &self.data[row * self.row_stride + head * self.head_stride..][..self.dim]
     }
 }
@@ -162,10 +162,10 @@ impl Isa {
 }
 
 /// Keys scored per tile: the softmax's running max rescales the accumulators once per tile.
-const TILE: usize = 32;
+pub(crate) const TILE: usize = 32;
 /// The fewest multiply-adds worth a thread of their own (about 100 us of work): waking one
 /// costs microseconds, and its share must outweigh that.
-const PARALLEL_MIN_MACS: usize = 1 << 19;
+pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 19;
 
 struct Item<'o, T> {
     seq: usize,
@@ -398,7 +398,7 @@ fn tile_slots<T: Element>(d: &PagedDecode<'_, T>, table: &[i64], lo: usize, n: u
 /// into the cache while the tile at hand is computed: a tile's rows sit in scattered blocks, a
 /// few KiB each, that the hardware prefetcher does not foresee.
 #[inline(always)]
-fn prefetch_slots<T: Element>(d: &PagedDecode<'_, T>, slots: &[usize]) {
+pub(crate) fn prefetch_slots<T: Element>(d: &PagedDecode<'_, T>, slots: &[usize]) {
     #[cfg(target_arch = "x86_64")]
     for &slot in slots {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
@@ -441,7 +441,7 @@ macro_rules! in_head_blocks {
 /// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
 /// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`.
 #[inline(always)]
-fn score_tile<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32]) {
+pub(crate) fn score_tile<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
@@ -473,7 +473,7 @@ fn score_tile<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usi
 /// The values at `slots`, weighed by the tile's probabilities, added to the group's
 /// accumulators (`acc`: [group, v_dim]), key by key in order.
 #[inline(always)]
-fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32]) {
+pub(crate) fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
@@ -700,7 +700,7 @@ unsafe fn weigh_chunk<T: Element, const NH: usize, const W: usize>(rows: &[*cons
 /// The largest of `p` (NaN only if every element is one), 8 lanes at a time: a chain of one
 /// comparison per element would wait on each.
 #[inline(always)]
-fn lane_max(p: &[f32]) -> f32 {
+pub(crate) fn lane_max(p: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 8];
     let mut chunks = p.chunks_exact(8);
     for chunk in &mut chunks {
@@ -714,7 +714,7 @@ fn lane_max(p: &[f32]) -> f32 {
 /// The sum of `p` in 8 running lanes (then the lanes and the tail): vectorized, in a fixed
 /// order whatever the thread count.
 #[inline(always)]
-fn lane_sum(p: &[f32]) -> f32 {
+pub(crate) fn lane_sum(p: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let mut chunks = p.chunks_exact(8);
     for chunk in &mut chunks {
@@ -727,7 +727,7 @@ fn lane_sum(p: &[f32]) -> f32 {
 
 /// p[i] = exp(p[i] - shift), a loop the compiler vectorizes (libm's expf is a call per element).
 #[inline(always)]
-fn exp_shifted(p: &mut [f32], shift: f32) {
+pub(crate) fn exp_shifted(p: &mut [f32], shift: f32) {
     for x in p.iter_mut() {
         *x = exp(*x - shift);
     }

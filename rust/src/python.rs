@@ -1,5 +1,5 @@
 //! The PyO3 binding: `r3srv._core.encode_routed_experts` and `decode_routed_experts`, and the
-//! CPU kernels' raw-tensor entries (r3srv.kernels.paged_decode_cpu, rms_norm_cpu, router_cpu).
+//! CPU kernels' raw-tensor entries (r3srv.kernels.paged_decode_cpu, paged_prefill_cpu, rms_norm_cpu, router_cpu).
 //! Reads the ndarray's fields directly (no slicing through Python), writes the base64 text
 //! straight into a new compact ASCII str, and decodes straight into a new array's memory.
 
@@ -20,6 +20,7 @@ use crate::encode::Plan;
 use crate::layout::ArrayView;
 use crate::npy_header::MAX_NDIM;
 use crate::paged_attn::{paged_decode, Bf16, Element, Isa, PagedDecode, Strided};
+use crate::paged_prefill::{paged_prefill, PagedPrefill};
 
 /// Payloads at least this large are encoded with the GIL released.
 pub(crate) const DETACH_MIN_BYTES: usize = 64 * 1024;
@@ -539,6 +540,71 @@ fn paged_decode_attention(
     }
 }
 
+/// Prefill attention over raw tensors (crate::paged_prefill): the private half of
+/// r3srv.kernels.paged_prefill_cpu, which checks dtypes, devices, contiguity and that `out`
+/// shares no memory with the inputs, and keeps every tensor alive across the call. q, k, v:
+/// TensorArg; spans: (pointer to the q_starts, q_lens and context_lens, each `spans` int64,
+/// one after the other, spans); slots: (int64 pointer, count), the spans' context slots in
+/// span order; out: (pointer, tokens, heads, v_dim), contiguous; sinks: float32 pointer of
+/// `heads` elements. Every index is checked in Rust before it is followed; runs with the GIL
+/// released.
+#[pyfunction]
+#[pyo3(signature = (dtype, q, k, v, spans, slots, out, scale, window, sinks, threads))]
+#[allow(clippy::too_many_arguments)]
+fn paged_prefill_attention(
+    py: Python<'_>,
+    dtype: &str,
+    q: TensorArg,
+    k: TensorArg,
+    v: TensorArg,
+    spans: (usize, usize),
+    slots: (usize, usize),
+    out: (usize, usize, usize, usize),
+    scale: f32,
+    window: Option<usize>,
+    sinks: Option<usize>,
+    threads: usize,
+) -> PyResult<()> {
+    fn call<T: Element>(
+        py: Python<'_>, q: TensorArg, k: TensorArg, v: TensorArg, spans: (usize, usize), slots: (usize, usize),
+        out: (usize, usize, usize, usize), scale: f32, window: Option<usize>, sinks: Option<usize>, threads: usize,
+    ) -> PyResult<()> {
+        let n = spans.1;
+        let out_len = out.1.checked_mul(out.2).and_then(|x| x.checked_mul(out.3));
+        let out_len = out_len.ok_or_else(|| PyValueError::new_err("the output's shape overflows"))?;
+        let span_len = n.checked_mul(3).ok_or_else(|| PyValueError::new_err("the spans' shape overflows"))?;
+        // SAFETY: paged_prefill_cpu passes live tensors of these shapes and strides and the dtype
+        // T stands for, held by its caller for the whole call; `out` is a contiguous tensor that
+        // shares no memory with the others (checked there), so the one &mut aliases nothing.
+        let (prefill, out) = unsafe {
+            let columns = slice::<i64>(spans.0, span_len)?;
+            let prefill = PagedPrefill {
+                q: strided::<T>(q)?,
+                k: strided::<T>(k)?,
+                v: strided::<T>(v)?,
+                q_starts: &columns[..n],
+                q_lens: &columns[n..2 * n],
+                context_lens: &columns[2 * n..],
+                slots: slice::<i64>(slots.0, slots.1)?,
+                scale,
+                window,
+                sinks: match sinks {
+                    Some(ptr) => Some(slice::<f32>(ptr, q.2)?),
+                    None => None,
+                },
+            };
+            (prefill, slice_mut::<T>(out.0, out_len)?)
+        };
+        let isa = *PAGED_DECODE_ISA.get_or_init(Isa::detect);
+        py.detach(|| paged_prefill(&prefill, out, threads, isa)).map_err(PyValueError::new_err)
+    }
+    match dtype {
+        "float32" => call::<f32>(py, q, k, v, spans, slots, out, scale, window, sinks, threads),
+        "bfloat16" => call::<Bf16>(py, q, k, v, spans, slots, out, scale, window, sinks, threads),
+        other => Err(PyTypeError::new_err(format!("prefill attention takes float32 or bfloat16, not {other}"))),
+    }
+}
+
 /// RMSNorm of float32 rows (crate::rms_norm): the private half of the CPU backend's RMSNorm (r3srv.ops.norm),
 /// which passes contiguous float32 CPU tensors x [rows, dim], w [dim] and a fresh out like x,
 /// and keeps them alive across the call. Keeps the GIL: a call takes less than releasing it.
@@ -710,6 +776,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crate::pair_projection::python::project_pairs_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_prefill_attention, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(route_experts, m)?)?;

@@ -201,6 +201,31 @@ DecodeKernel = Callable[..., None]
 PrefillKernel = Callable[..., None]
 
 
+def span_kernel(kernel, max_context: int | None = None, longer: PrefillKernel | None = None) -> PrefillKernel:
+    """A backend's variable-length prefill kernel as the prefill op: `kernel(q, k_cache, v_cache,
+    columns, slots, out, *, scale, window, sinks)` reads the step's spans as arrays (columns
+    [3, spans]: first row, query count, context length; slots: every span's context slots, span
+    after span), its keys from the cache, which this step's are written to first. Spans of
+    contexts longer than `max_context` (where the kernel is slower) go to `longer`, in its own call."""
+
+    def prefill(q, k, v, k_cache, v_cache, spans, out, *, scale=None, window=None, sinks=None) -> None:
+        mine = spans if max_context is None else [s for s in spans if s.context_len <= max_context]
+        if len(mine) < len(spans):
+            rest = [s for s in spans if s.context_len > max_context]
+            longer(q, k, v, k_cache, v_cache, rest, out, scale=scale, window=window, sinks=sinks)
+        if not mine:
+            return
+        columns = torch.tensor([[s.start for s in mine], [s.end - s.start for s in mine],
+                                [s.context_len for s in mine]], dtype=torch.int64)
+        contexts = [s.context_slots if s.context_slots is not None else s.slots for s in mine]
+        if any(c is None for c in contexts):
+            raise ValueError("a prefill span without its slots (AttentionMetadata.build gives them)")
+        kernel(q, k_cache, v_cache, columns, torch.cat(contexts), out,
+               scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window, sinks=sinks)
+
+    return prefill
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       spans: list[PrefillSpan], out: torch.Tensor, *, scale: float | None = None,
                       window: int | None = None, sinks: torch.Tensor | None = None, merged: bool = False) -> None:

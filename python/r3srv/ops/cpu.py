@@ -6,8 +6,10 @@ paths otherwise, each chosen once when a model is built (`build`).
 - float32 and bfloat16 RMSNorm: kernels/rms_norm_cpu.py (`--[no-]rust-rms-norm`);
 - an attention layer's q/k norms and RoPE (float32, bfloat16): kernels/qk_rope_cpu.py (`--[no-]rust-rope`);
 - paged decode attention (float32, bfloat16): kernels/paged_decode_cpu.py (`--[no-]rust-decode`);
-- prefill attention: SDPA per prompt, a chunk after cached tokens as two flash attentions merged
-  by their log-sum-exps (ops/attention.py);
+- prefill attention (float32, bfloat16, one thread): every prompt and chunk of a step of contexts
+  up to RUST_PREFILL_MAX_CONTEXT in one call, kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`);
+  longer ones (and all, off or on more threads) SDPA per prompt, a chunk after cached tokens as two flash
+  attentions merged by their log-sum-exps (ops/attention.py);
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
   `--force-torch-router`);
 - the expert pass (float32, bfloat16): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
@@ -29,11 +31,12 @@ import functools
 
 import torch
 
-from r3srv.kernels import expert_pairs_cpu, linear_cpu, paged_decode_cpu, qk_rope_cpu, rms_norm_cpu, router_cpu
+from r3srv.kernels import (expert_pairs_cpu, linear_cpu, paged_decode_cpu, paged_prefill_cpu, qk_rope_cpu, rms_norm_cpu,
+                           router_cpu)
 from r3srv.kernels.router_reference import route_reference
 from r3srv.kernels.rust_core import RUST_DTYPES
 from r3srv.ops import cpu_decode
-from r3srv.ops.attention import prefill_attention
+from r3srv.ops.attention import prefill_attention, span_kernel
 from r3srv.ops.experts import Activation, KernelExperts, TorchExperts
 from r3srv.ops.linear import kernel_linear
 from r3srv.ops.norm import REFERENCE_NORMS, kernel_rms_norm
@@ -43,6 +46,9 @@ from r3srv.ops.router import RouterShape, kernel_router
 from r3srv.ops.table import Ops
 from r3srv.settings import Settings
 
+# Prompts (or chunks) of longer contexts take SDPA: torch's flash attention overtakes the Rust
+# kernel's above about this length (docs/benchmarks.md, benches/bench_prefill_attention.py).
+RUST_PREFILL_MAX_CONTEXT = 1024
 # Fewer tokens than this: torch runs the step on one thread.
 TORCH_PARALLEL_MIN_TOKENS = 128
 # Recurrent prefills scan alone: grouping padded sequences measured slower on the CPU, even for
@@ -61,6 +67,12 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     decode = None
     if current.rust_decode and paged_decode_cpu.BUILT and rust_dtype:
         decode = functools.partial(paged_decode_cpu.paged_decode_cpu, threads=threads)
+    prefill = functools.partial(prefill_attention, merged=True)
+    # one thread only: with more, torch's OpenMP team (a prefill step's) spins between its ops on
+    # the cores the kernel's threads need, and SDPA's own split is faster (docs/benchmarks.md)
+    if current.rust_prefill and paged_prefill_cpu.BUILT and rust_dtype and threads == 1:
+        prefill = span_kernel(functools.partial(paged_prefill_cpu.paged_prefill_cpu, threads=threads),
+                              RUST_PREFILL_MAX_CONTEXT, prefill)
     rust_router = current.rust_router and not current.force_torch_router and router_cpu.BUILT
     expert_kernel = current.cpu_expert_kernel and expert_pairs_cpu.BUILT
     grouped = "cpu" if current.grouped_mm else None
@@ -85,7 +97,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
 
     return Ops(
         name="cpu", linear=linear or torch.nn.functional.linear, norms=norms, rotations=ROTATIONS,
-        attention_heads=heads, decode_attention=decode, prefill_attention=functools.partial(prefill_attention, merged=True),
+        attention_heads=heads, decode_attention=decode, prefill_attention=prefill,
         routers=routers, expert_passes=experts,
         recurrent_steps=no_fused_step, scan_pad_factor=SCAN_PAD_FACTOR,
         fuse_decoder_layer=cpu_decode.fuse_decoder_layer if fused else None, plan_fused_step=plan if fused else None,

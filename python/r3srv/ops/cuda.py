@@ -10,8 +10,9 @@ TRITON_INTERPRET=1).
   the experts that received rows;
 - a recurrent layer's decode step: the fused in-place steps of kernels/recurrent_triton.py
   (`--[no-]fused-step`);
-- prefill attention: SDPA per prompt (a varlen library kernel, flash-attn's or FlashInfer's,
-  would be this module's choice where installed: not yet);
+- prefill attention: a step's whole prompts in one call to torch's varlen flash attention
+  (kernels/prefill_varlen.py, `--varlen-prefill`: off until a GPU run checks it), SDPA per
+  prompt otherwise;
 - recurrent prefills of similar lengths are padded into groups and scanned together.
 """
 
@@ -21,6 +22,7 @@ import importlib.util
 
 import torch
 
+from r3srv.kernels import prefill_varlen
 from r3srv.kernels.router_reference import route_reference
 from r3srv.ops.attention import prefill_attention
 from r3srv.ops.experts import Activation, TorchExperts, grouped_mm_available
@@ -66,9 +68,13 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     def recurrent_steps(name: str):
         return None if steps is None else getattr(steps, RECURRENT_STEPS[name])
 
+    prefill = prefill_attention
+    if current.varlen_prefill and prefill_varlen.available():
+        prefill = prefill_varlen.varlen_prefill(prefill_attention)
+
     return Ops(
         name="cuda", linear=torch.nn.functional.linear, norms=REFERENCE_NORMS, rotations=ROTATIONS,
-        attention_heads=None, decode_attention=decode, prefill_attention=prefill_attention, routers=routers,
+        attention_heads=None, decode_attention=decode, prefill_attention=prefill, routers=routers,
         expert_passes=experts,
         recurrent_steps=recurrent_steps if steps is not None else no_fused_step, scan_pad_factor=SCAN_PAD_FACTOR,
     )

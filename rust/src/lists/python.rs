@@ -2,7 +2,7 @@
 //! (r3srv.serial wraps them: it hands over C-contiguous int32 values,
 //! float32 or float64 values, and int64 offsets, and keeps the references as oracles).
 
-use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::PyReadonlyArray1;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 

@@ -1,0 +1,68 @@
+"""Prefill attention on the CPU for a whole step, in the Rust core (rust/src/paged_prefill.rs):
+every prompt and prompt chunk of the step attends causally over its context where it lies in
+the paged cache, in one call.
+
+The prefill op's semantics (GQA, MLA's values viewing the keys' leading dims, sliding windows,
+sinks; ops/attention.py's `span_kernel` hands it a step's spans as arrays); the torch path calls SDPA once per
+prompt over its keys or over its context gathered from the cache. This reads each context in
+place, a block of a prompt's queries per key load, with an online softmax in float32, the work
+split over the given threads. Without a window a query's row does not depend on how its prompt
+was chunked or batched (the same bits). Tensors cross as data pointers, shapes and strides:
+this module checks what Rust cannot (dtypes, devices, layouts, aliasing) and Rust checks every
+index before following it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from r3srv.kernels.paged_decode_cpu import as_index, head_major
+from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
+
+paged_prefill_entry = rust_kernel("paged_prefill_attention")
+BUILT = paged_prefill_entry is not None  # else the torch path (kernels/rust_core.py)
+
+
+def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float, window: int | None = None,
+                      sinks: torch.Tensor | None = None, threads: int = 1) -> None:
+    """The prefill attention of every span into out's rows of it (out [T, H, Dv], contiguous):
+    q [T, H, D]; k_cache [slots, KVH, D], v_cache [slots, KVH, Dv] with this step's keys and
+    values written; columns [3, spans] (each span's first row in q, query count and context
+    length, its queries the context's last); slots: the spans' context slots, span after span.
+    threads: the work's split over the Rust core's thread pool (the CPU backend passes
+    settings.cpu_threads)."""
+    columns, slots = as_index(columns), as_index(slots)
+    if columns.dim() != 2 or columns.shape[0] != 3 or slots.dim() != 1:
+        raise ValueError(f"paged_prefill_cpu: columns {tuple(columns.shape)} must be [3, spans] and slots "
+                         f"{tuple(slots.shape)} one-dimensional")
+    if columns.shape[1] == 0:
+        return
+    if q.dtype not in RUST_DTYPES:
+        raise TypeError(f"paged_prefill_cpu takes float32 or bfloat16, not {q.dtype}")
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}
+    for name, t in tensors.items():
+        if not t.is_cpu or t.dtype is not q.dtype:
+            raise TypeError(f"paged_prefill_cpu: {name} is {t.dtype} on {t.device}; every tensor must be "
+                            f"{q.dtype} on the CPU")
+    if not out.is_contiguous() or out.shape != (q.shape[0], q.shape[1], v_cache.shape[-1]):
+        raise ValueError(f"paged_prefill_cpu: out must be contiguous [{q.shape[0]}, {q.shape[1]}, {v_cache.shape[-1]}], "
+                         f"got shape {tuple(out.shape)} strides {out.stride()}")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_prefill_cpu: window must be positive, got {window}")
+    written = out.untyped_storage().data_ptr()
+    for name in ("q", "k_cache", "v_cache"):
+        if tensors[name].untyped_storage().data_ptr() == written:
+            raise ValueError(f"paged_prefill_cpu: out shares memory with {name}")
+    if sinks is not None:
+        sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"paged_prefill_cpu: {tuple(sinks.shape)} sinks for {q.shape[1]} heads")
+    paged_prefill_entry(
+        RUST_DTYPES[q.dtype], head_major("q", q), head_major("k_cache", k_cache), head_major("v_cache", v_cache),
+        (columns.data_ptr(), columns.shape[1]), (slots.data_ptr(), slots.shape[0]), (out.data_ptr(), *out.shape),
+        float(scale), window,
+        None if sinks is None else sinks.data_ptr(), threads,
+    )
+
+
+__all__ = ["paged_prefill_cpu"]

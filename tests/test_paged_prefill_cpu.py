@@ -1,0 +1,255 @@
+"""The CPU prefill attention kernel (kernels/paged_prefill_cpu.py, rust/src/paged_prefill.rs) as
+the prefill op: against the torch path (SDPA per prompt) on generated steps, its input checks,
+the CPU backend's choice, spans it leaves to SDPA, and the models and the engine with it on and
+off."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from engine_testing import GREEDY, model_of, one_torch_thread, prompt_ids, rebound  # noqa: F401 (autouse fixture)
+from paged_decode_testing import MODEL_CASES
+from r3srv import LLM, SamplingParams
+from r3srv import settings as settings_module
+from r3srv.kernels import paged_prefill_cpu as cpu_kernel
+from r3srv.models.batch import ForwardBatch
+from r3srv.ops import ops_for
+from r3srv.ops.attention import AttentionMetadata, paged_attention, prefill_attention, span_kernel
+
+PAGE = 4
+
+
+def kernel_op(threads: int = 1, max_context: int | None = None, longer=None):
+    return span_kernel(functools.partial(cpu_kernel.paged_prefill_cpu, threads=threads), max_context, longer)
+
+
+def generated_step(g: torch.Generator, sequences: int) -> tuple[ForwardBatch, int]:
+    """A step of `sequences` sequences in scattered blocks: whole prompts (one token or more),
+    chunks after cached tokens and decodes, in a random order; and the cache's slot count."""
+    query_lens, context_lens = [], []
+    for _ in range(sequences):
+        kind = int(torch.randint(0, 4, (1,), generator=g))
+        context = int(torch.randint(1, 140, (1,), generator=g))
+        if kind == 0:  # a whole prompt
+            query_lens.append(context)
+        elif kind == 1:  # a chunk after cached tokens
+            context = max(context, 2)
+            query_lens.append(int(torch.randint(1, context, (1,), generator=g)))
+        elif kind == 2:  # a one-token prompt
+            context = 1
+            query_lens.append(1)
+        else:  # a decode
+            context = max(context, 2)
+            query_lens.append(1)
+        context_lens.append(context)
+    blocks = [-(-c // PAGE) for c in context_lens]
+    order = torch.randperm(sum(blocks) + 2, generator=g)
+    tables = torch.full((sequences, max(blocks)), -1, dtype=torch.int64)
+    first = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[first : first + n]
+        first += n
+    slots, positions = [], []
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        pos = torch.arange(c - q, c)
+        positions.append(pos)
+        slots.append(tables[i, pos // PAGE] * PAGE + pos % PAGE)
+    total = sum(query_lens)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(total, dtype=torch.int64), positions=torch.cat(positions), slot_mapping=torch.cat(slots),
+        query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+        logits_indices=torch.tensor(np.cumsum(query_lens) - 1),
+    )
+    return batch, (sum(blocks) + 2) * PAGE
+
+
+def run_step(seed, heads, kv_heads, head_dim, v_dim, window, sinks, dtype=torch.float32, latent=False, threads=1):
+    """One layer's attention over a generated step with the kernel as the prefill op and with the
+    torch path, every decode through the torch path in both."""
+    g = torch.Generator().manual_seed(seed)
+    batch, slots = generated_step(g, 7)
+    t = batch.input_ids.shape[0]
+    k_cache = torch.randn(slots, kv_heads, max(v_dim, head_dim) if latent else head_dim, generator=g).to(dtype)
+    v_cache = k_cache[..., :v_dim] if latent else torch.randn(slots, kv_heads, v_dim, generator=g).to(dtype)
+    q = torch.randn(t, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads, k_cache.shape[-1], generator=g).to(dtype)
+    v = k[..., :v_dim] if latent else torch.randn(t, kv_heads, v_dim, generator=g).to(dtype)
+    sink = torch.randn(heads, generator=g) if sinks else None
+    meta = AttentionMetadata.build(batch, PAGE, torch.device("cpu"))
+    assert meta.prefills, "a generated step without prompts"
+    scale = head_dim**-0.5 * 1.3
+    outs = []
+    for op in (kernel_op(threads), prefill_attention):
+        caches = (k_cache.clone(), None) if latent else (k_cache.clone(), v_cache.clone())
+        vc = caches[0][..., :v_dim] if latent else caches[1]
+        outs.append(paged_attention(q, k[..., : k_cache.shape[-1]] if latent else k, v, caches[0], vc, meta,
+                                    scale=scale, window=window, sinks=sink, prefill_kernel=op))
+    return outs
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 2), (16, 1), (32, 4)])
+@pytest.mark.parametrize("head_dim, v_dim", [(64, 64), (13, 13), (24, 40)])
+@pytest.mark.parametrize("window, sinks", [(None, False), (5, False), (None, True), (40, True)],
+                         ids=["plain", "window", "sinks", "window-sinks"])
+def test_prefill_attention_equals_the_torch_path(heads, kv_heads, head_dim, v_dim, window, sinks):
+    for seed in range(3):
+        got, want = run_step(seed * 1000 + heads * 10 + head_dim, heads, kv_heads, head_dim, v_dim, window, sinks)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_split_the_work_and_give_the_same_rows(threads):
+    one, _ = run_step(7, 8, 2, 64, 64, None, True)
+    many, want = run_step(7, 8, 2, 64, 64, None, True, threads=threads)
+    assert torch.equal(one, many)  # an item's rows are computed by one thread, in one order
+    torch.testing.assert_close(many, want, atol=2e-5, rtol=2e-5)
+
+
+def test_bfloat16_and_latent_values():
+    got, want = run_step(3, 8, 2, 32, 32, None, False, dtype=torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # MLA: one "KV head" for all heads, the values a view of the keys' leading dims
+    got, want = run_step(4, 16, 1, 72, 64, None, False, latent=True)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_longer_contexts_go_to_the_other_path(monkeypatch):
+    """Spans over max_context are handed to `longer` in one call; the kernel gets the others."""
+    for seed in range(5, 100):  # the first generated step with prompts on both sides of 60
+        g = torch.Generator().manual_seed(seed)
+        batch, slots = generated_step(g, 9)
+        meta = AttentionMetadata.build(batch, PAGE, torch.device("cpu"))
+        if len({s.context_len > 60 for s in meta.prefills}) == 2:
+            break
+    seen, handed = [], []
+
+    def counted(q, k_cache, v_cache, columns, ctx_slots, out, **kw):
+        seen.extend(columns[2].tolist())
+        cpu_kernel.paged_prefill_cpu(q, k_cache, v_cache, columns, ctx_slots, out, **kw)
+
+    def longer(q, k, v, kc, vc, spans, out, **kw):
+        handed.extend(s.context_len for s in spans)
+        prefill_attention(q, k, v, kc, vc, spans, out, **kw)
+
+    q = torch.randn(batch.input_ids.shape[0], 4, 16, generator=g)
+    k, v = (torch.randn(q.shape[0], 2, 16, generator=g) for _ in range(2))
+    cache = [torch.randn(slots, 2, 16, generator=g) for _ in range(2)]
+    both = paged_attention(q, k, v, cache[0].clone(), cache[1].clone(), meta,
+                           prefill_kernel=span_kernel(counted, 60, longer))
+    want = paged_attention(q, k, v, cache[0].clone(), cache[1].clone(), meta, prefill_kernel=prefill_attention)
+    contexts = [s.context_len for s in meta.prefills]
+    assert sorted(seen) == sorted(c for c in contexts if c <= 60)
+    assert sorted(handed) == sorted(c for c in contexts if c > 60) and handed
+    torch.testing.assert_close(both, want, atol=2e-5, rtol=2e-5)
+
+
+def small_inputs() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"q": torch.randn(6, 4, 8, generator=g), "k_cache": torch.randn(12, 2, 8, generator=g),
+            "v_cache": torch.randn(12, 2, 8, generator=g), "columns": torch.tensor([[0, 3], [3, 2], [3, 4]]),
+            "slots": torch.tensor([0, 1, 2, 7, 8, 9, 10]), "out": torch.full((6, 4, 8), -7.0)}
+
+
+@pytest.mark.parametrize("changed, error, match", [
+    (lambda a: {"q": a["q"].double()}, TypeError, "float32 or bfloat16"),
+    (lambda a: {"k_cache": a["k_cache"].bfloat16()}, TypeError, "k_cache is torch.bfloat16"),
+    (lambda a: {"out": a["out"][:, :, :4]}, ValueError, "out must be contiguous"),
+    (lambda a: {"out": a["q"]}, ValueError, "shares memory with q"),
+    (lambda a: {"columns": a["columns"][:2]}, ValueError, r"must be \[3, spans\]"),
+    (lambda a: {"slots": torch.tensor([0, 1, 2, 7, 8, 9, 12])}, ValueError, "slot 12 is outside"),
+    (lambda a: {"slots": torch.tensor([0, 1, 2, 7, 8, 9])}, ValueError, "run past"),
+    (lambda a: {"columns": torch.tensor([[0, 2], [3, 2], [3, 4]])}, ValueError, "share query rows"),
+    (lambda a: {"columns": torch.tensor([[0, 3], [3, 5], [3, 4]])}, ValueError, "1..=context length"),
+], ids=["dtype", "mixed dtypes", "strided out", "aliased out", "columns", "slot", "short slots", "overlap", "queries"])
+def test_bad_inputs_are_typed_errors_and_nothing_is_written(changed, error, match):
+    args = small_inputs()
+    out = args["out"]
+    args.update(changed(args))
+    with pytest.raises(error, match=match):
+        cpu_kernel.paged_prefill_cpu(*args.values(), scale=0.3)
+    assert (out == -7.0).all()  # checked before anything is written
+
+
+def test_cpu_prefills_take_the_kernel_on_one_thread_unless_turned_off():
+    assert cpu_kernel.BUILT, "r3srv._core lacks the prefill attention kernel: rebuild the extension (make install)"
+
+    def chosen(dtype, **switches):
+        with settings_module.overridden(**switches):
+            return ops_for("cpu", dtype).prefill_attention
+
+    def takes_kernel(op) -> bool:
+        return getattr(op, "__qualname__", "").startswith("span_kernel")
+
+    for dtype in (torch.float32, torch.bfloat16):
+        assert takes_kernel(chosen(dtype, cpu_threads=1))
+    assert not takes_kernel(chosen(torch.float16, cpu_threads=1))  # float16: the torch path
+    assert not takes_kernel(chosen(torch.float32, cpu_threads=1, rust_prefill=False))
+    assert not takes_kernel(chosen(torch.float32, cpu_threads=2))  # torch's threads: SDPA
+
+
+def counting_kernel(monkeypatch) -> list:
+    calls = []
+    real = cpu_kernel.paged_prefill_cpu
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernel, "paged_prefill_cpu", counted)
+    return calls
+
+
+def prefill_logits(model) -> torch.Tensor:
+    """The logits of two prompts' prefill, then a chunk of each after its cached tokens, in a fresh cache."""
+    from test_models_paged import BLOCK_SIZE, _batch
+
+    tokens = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    model.init_kv_cache(16, BLOCK_SIZE, 4)
+    first = model.forward(_batch(model, [(tokens[:9], 0, [0, 1, 2, 3]), (tokens[:3], 0, [5, 6, 7])]))
+    chunk = model.forward(_batch(model, [(tokens[9:16], 9, [0, 1, 2, 3]), (tokens[3:8], 3, [5, 6, 7])]))
+    return torch.cat([first, chunk])
+
+
+@pytest.mark.parametrize("family, layers", MODEL_CASES)
+def test_models_prefill_through_the_kernel(family, layers, monkeypatch, tmp_path):
+    """The wiring: prompts and chunks after cached tokens (GQA, gpt-oss's sinks and windows,
+    Mixtral's window, latent attention) through the kernel give the logits of the torch path."""
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    from r3srv.models.loader import load_model
+
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family, seed=4, **layers))
+    calls = counting_kernel(monkeypatch)
+    with rebound(model, rust_prefill=False):
+        off = prefill_logits(model)
+    assert not calls
+    with rebound(model, rust_prefill=True, cpu_threads=1):
+        on = prefill_logits(model)
+    torch.testing.assert_close(on, off, atol=1e-5, rtol=1e-5)
+    if family not in ("deepseek_v3", "glm4_moe_lite"):  # latent attention expands its own prompts
+        assert calls, "the prefills never took the kernel"
+
+
+def test_engine_tokens_and_routed_experts_equal_the_torch_path(monkeypatch):
+    """The built-in model's greedy tokens and routed-experts rows with prompts (and, through the
+    prefix cache and small chunks, chunks after cached tokens) through the kernel and through SDPA."""
+    llm = LLM(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True)
+    shared = prompt_ids(40, 9)
+    prompts = [prompt_ids(3, 1), shared + prompt_ids(50, 2), prompt_ids(17, 3), shared + prompt_ids(90, 4)]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    calls = counting_kernel(monkeypatch)
+    with rebound(model_of(llm), rust_prefill=False):
+        llm.reset_prefix_cache()
+        off = llm.generate(prompts, params)
+    assert not calls
+    with rebound(model_of(llm), rust_prefill=True, cpu_threads=1):
+        llm.reset_prefix_cache()
+        on = llm.generate(prompts, params)
+    assert calls
+    for a, b in zip(off, on):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        np.testing.assert_array_equal(b.outputs[0].routed_experts, a.outputs[0].routed_experts)
