@@ -6,9 +6,9 @@ tokens as two flash attentions merged by their log-sum-exps), both as the CPU ba
 
 One layer's prefill attention (paged_attention: the K/V write, then the prompts), blocks of 16,
 on the built-in model's heads (4 query, 2 KV, head_dim 64) and Qwen3-30B-A3B's (32, 4, 128), in
-float32 and bfloat16, at 1 and 2 threads (torch's and the kernel's; the backend takes the kernel
-on one thread only, and the 2-thread rows show why: torch's OpenMP threads spin between its ops
-on the cores the kernel's threads need): one prompt of 512, 16 of 256
+float32 and bfloat16, at 1 and 2 threads (torch's and the kernel's; on 2 the backend takes the
+kernel for large steps only, and the "kernel always" rows show why: torch's OpenMP threads spin
+between its ops on the cores the kernel's threads need): one prompt of 512, 16 of 256
 in one step (a batch of new requests), a 256-token chunk after 768 cached tokens, one prompt of
 1,024 (the longest context the kernel takes; longer ones go to SDPA: RUST_PREFILL_MAX_CONTEXT).
 benches/conftest.py prints reference / r3srv; each case checks the two answers agree.
@@ -38,13 +38,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def prefill_kernel(on: bool, dtype: torch.dtype, threads: int):
-    """The CPU backend's prefill op with the kernel off; on, the kernel's op as the backend builds
-    it on one thread, at `threads` threads here (the backend takes it on one only: the 2-thread
-    rows show why)."""
+    """The CPU backend's prefill op, the kernel off or on (on more than one thread the backend
+    takes it for large steps only: ops/cpu.py's RUST_THREADED_PREFILL_MIN_MACS)."""
+    with settings.overridden(rust_prefill=on, cpu_threads=threads):
+        return ops_for("cpu", dtype).prefill_attention
+
+
+def kernel_alone(dtype: torch.dtype, threads: int):
+    """The kernel's op on `threads` threads whatever the step's size, for the rows that show
+    why the backend keeps SDPA for small steps on more than one thread."""
     with settings.overridden(rust_prefill=False, cpu_threads=threads):
         torch_path = ops_for("cpu", dtype).prefill_attention
-    if not on:
-        return torch_path
     kernel = functools.partial(paged_prefill_cpu.paged_prefill_cpu, threads=threads)
     return span_kernel(kernel, cpu_backend.RUST_PREFILL_MAX_CONTEXT, torch_path)
 
@@ -69,7 +73,7 @@ def test_isa_printed():
 
 
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])  # last in the id: conftest reads it there
-@pytest.mark.parametrize("threads", [1, 2], ids=["1 thread", "2 threads"])
+@pytest.mark.parametrize("threads", [1, 2, "2 kernel"], ids=["1 thread", "2 threads", "2 threads kernel always"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
 @pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
 @pytest.mark.parametrize("model", HEADS, ids=list(HEADS))
@@ -88,11 +92,18 @@ def test_prefill_attention_layer(benchmark, model, step, dtype, threads, candida
         return attention.paged_attention(q, k, v, k_cache, v_cache, meta, prefill_kernel=kernel)
 
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    count = 2 if threads == "2 kernel" else threads
+    torch.set_num_threads(count)
     try:
-        want = layer(prefill_kernel(False, DTYPES[dtype], threads))
-        benchmark.group = f"prefill attention {model} {step} {dtype} {threads}t"
-        got = benchmark(layer, prefill_kernel(candidate == "r3srv", DTYPES[dtype], threads))
+        want = layer(prefill_kernel(False, DTYPES[dtype], count))
+        benchmark.group = f"prefill attention {model} {step} {dtype} {threads}" + ("t" if count == threads else "")
+        if candidate == "reference":
+            op = prefill_kernel(False, DTYPES[dtype], count)
+        elif threads == "2 kernel":
+            op = kernel_alone(DTYPES[dtype], count)
+        else:
+            op = prefill_kernel(True, DTYPES[dtype], count)
+        got = benchmark(layer, op)
     finally:
         torch.set_num_threads(before)
     tolerance = 1e-5 if dtype == "float32" else 2e-2

@@ -40,9 +40,10 @@ def test_bfloat16_and_the_fallbacks():
     assert attention._attend_after_cache(q.half(), k.half(), v.half(), True, None) is None
 
 
-def test_the_cpu_backends_prefill_takes_it_for_a_chunk_after_cached_tokens(monkeypatch):
-    """The CPU backend's prefill op merges; the torch path the other backends take masks, to the
-    same tokens."""
+def test_the_cpu_backends_prefill_takes_it_for_a_chunk_after_cached_tokens(monkeypatch, r3srv_settings):
+    """The CPU backend's torch prefill path (the Rust kernel off, or a context over its limit)
+    merges; the torch path the other backends take masks, to the same tokens."""
+    r3srv_settings(rust_prefill=False)
     calls = []
     original = attention._attend_after_cache
     monkeypatch.setattr(attention, "_attend_after_cache", lambda *a: calls.append(a[0].shape) or original(*a))

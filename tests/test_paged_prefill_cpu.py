@@ -174,7 +174,7 @@ def test_bad_inputs_are_typed_errors_and_nothing_is_written(changed, error, matc
     assert (out == -7.0).all()  # checked before anything is written
 
 
-def test_cpu_prefills_take_the_kernel_on_one_thread_unless_turned_off():
+def test_cpu_prefills_take_the_kernel_unless_turned_off():
     assert cpu_kernel.BUILT, "r3srv._core lacks the prefill attention kernel: rebuild the extension (make install)"
 
     def chosen(dtype, **switches):
@@ -186,9 +186,35 @@ def test_cpu_prefills_take_the_kernel_on_one_thread_unless_turned_off():
 
     for dtype in (torch.float32, torch.bfloat16):
         assert takes_kernel(chosen(dtype, cpu_threads=1))
+        assert chosen(dtype, cpu_threads=2).__qualname__.startswith("large_steps_only")
     assert not takes_kernel(chosen(torch.float16, cpu_threads=1))  # float16: the torch path
     assert not takes_kernel(chosen(torch.float32, cpu_threads=1, rust_prefill=False))
-    assert not takes_kernel(chosen(torch.float32, cpu_threads=2))  # torch's threads: SDPA
+
+
+def test_on_more_threads_only_large_steps_take_the_kernel(monkeypatch):
+    """Two threads: a step of less attention work than RUST_THREADED_PREFILL_MIN_MACS keeps SDPA,
+    a larger one takes the kernel (on both threads); both give the torch path's rows."""
+    from r3srv.ops import cpu as cpu_backend
+
+    calls = counting_kernel(monkeypatch)
+    with settings_module.overridden(cpu_threads=2):
+        op = ops_for("cpu", torch.float32).prefill_attention
+    g = torch.Generator().manual_seed(3)
+    large = ForwardBatch(input_ids=torch.zeros(400, dtype=torch.int64), positions=torch.arange(400),
+                         slot_mapping=torch.arange(400), query_lens=[400], context_lens=[400],
+                         block_tables=torch.arange(100).view(1, 100), logits_indices=torch.tensor([399]))
+    for (batch, slots), heads, dim, expect in ((generated_step(g, 6), 2, 16, False), ((large, 400), 32, 128, True)):
+        meta = AttentionMetadata.build(batch, PAGE, torch.device("cpu"))
+        work = sum((s.end - s.start) * s.context_len for s in meta.prefills) * heads * 2 * dim
+        assert (work >= cpu_backend.RUST_THREADED_PREFILL_MIN_MACS) == expect, work
+        q = torch.randn(batch.input_ids.shape[0], heads, dim, generator=g)
+        k, v = (torch.randn(q.shape[0], heads, dim, generator=g) for _ in range(2))
+        cache = [torch.randn(slots, heads, dim, generator=g) for _ in range(2)]
+        calls.clear()
+        got = paged_attention(q, k, v, cache[0].clone(), cache[1].clone(), meta, prefill_kernel=op)
+        want = paged_attention(q, k, v, cache[0].clone(), cache[1].clone(), meta, prefill_kernel=prefill_attention)
+        assert bool(calls) == expect
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 def counting_kernel(monkeypatch) -> list:

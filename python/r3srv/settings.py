@@ -44,7 +44,7 @@ class Settings:
     # Backend switches, to measure or to rule a kernel out:
     triton_decode: bool = _setting(True, "CUDA decodes through the paged-attention Triton kernel; off: gather + SDPA")
     rust_decode: bool = _setting(True, "CPU decodes through the Rust paged-attention kernel; off: gather + SDPA")
-    rust_prefill: bool = _setting(True, "CPU prefill attention of a step's prompts in one Rust call (one CPU thread); off: SDPA per prompt")
+    rust_prefill: bool = _setting(True, "CPU prefill attention of a step's prompts in one Rust call (on more threads, large steps only); off: SDPA per prompt")
     varlen_prefill: bool = _setting(False, "CUDA prefill attention of a step's whole prompts in one varlen flash-attention "
                                     "call (not yet run on a GPU: off by default); off: SDPA per prompt")
     fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")

@@ -34,6 +34,34 @@ def head_major(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int
     return (t.data_ptr(), *t.shape, strides[0], strides[1])
 
 
+def checked_attention(kernel: str, q, k_cache, v_cache, out, window: int | None,
+                      sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """What Rust cannot check of an attention kernel's tensors (dtypes, devices, the output's
+    layout, aliasing, the window, the sinks' shape); the sinks as the kernel reads them
+    (float32, contiguous, on the CPU)."""
+    if q.dtype not in RUST_DTYPES:
+        raise TypeError(f"{kernel} takes float32 or bfloat16, not {q.dtype}")
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}
+    for name, t in tensors.items():
+        if not t.is_cpu or t.dtype is not q.dtype:
+            raise TypeError(f"{kernel}: {name} is {t.dtype} on {t.device}; every tensor must be {q.dtype} on the CPU")
+    if not out.is_contiguous() or out.shape != (q.shape[0], q.shape[1], v_cache.shape[-1]):
+        raise ValueError(f"{kernel}: out must be contiguous [{q.shape[0]}, {q.shape[1]}, {v_cache.shape[-1]}], "
+                         f"got shape {tuple(out.shape)} strides {out.stride()}")
+    if window is not None and window < 1:
+        raise ValueError(f"{kernel}: window must be positive, got {window}")
+    written = out.untyped_storage().data_ptr()
+    for name in ("q", "k_cache", "v_cache"):
+        if tensors[name].untyped_storage().data_ptr() == written:
+            raise ValueError(f"{kernel}: out shares memory with {name}")
+    if sinks is None:
+        return None
+    sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"{kernel}: {tuple(sinks.shape)} sinks for {q.shape[1]} heads")
+    return sinks
+
+
 def as_index(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
@@ -51,30 +79,11 @@ def paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, *, page: int,
     num_seqs = rows.shape[0]
     if num_seqs == 0:
         return
-    if q.dtype not in RUST_DTYPES:
-        raise TypeError(f"paged_decode_cpu takes float32 or bfloat16, not {q.dtype}")
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}
-    for name, t in tensors.items():
-        if not t.is_cpu or t.dtype is not q.dtype:
-            raise TypeError(f"paged_decode_cpu: {name} is {t.dtype} on {t.device}; every tensor must be "
-                            f"{q.dtype} on the CPU")
-    if not out.is_contiguous() or out.shape != (q.shape[0], q.shape[1], v_cache.shape[-1]):
-        raise ValueError(f"paged_decode_cpu: out must be contiguous [{q.shape[0]}, {q.shape[1]}, {v_cache.shape[-1]}], "
-                         f"got shape {tuple(out.shape)} strides {out.stride()}")
-    if window is not None and window < 1:
-        raise ValueError(f"paged_decode_cpu: window must be positive, got {window}")
-    written = out.untyped_storage().data_ptr()
-    for name in ("q", "k_cache", "v_cache"):
-        if tensors[name].untyped_storage().data_ptr() == written:
-            raise ValueError(f"paged_decode_cpu: out shares memory with {name}")
+    sinks = checked_attention("paged_decode_cpu", q, k_cache, v_cache, out, window, sinks)
     tables, lens, rows = as_index(tables), as_index(lens), as_index(rows)
     if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != rows.shape:
         raise ValueError(f"paged_decode_cpu: tables {tuple(tables.shape)}, lens {tuple(lens.shape)} and rows "
                          f"{tuple(rows.shape)} do not describe {num_seqs} sequences")
-    if sinks is not None:
-        sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        if sinks.shape != (q.shape[1],):
-            raise ValueError(f"paged_decode_cpu: {tuple(sinks.shape)} sinks for {q.shape[1]} heads")
     paged_decode_entry(
         RUST_DTYPES[q.dtype], head_major("q", q), head_major("k_cache", k_cache), head_major("v_cache", v_cache),
         (tables.data_ptr(), *tables.shape), lens.data_ptr(), rows.data_ptr(), (out.data_ptr(), *out.shape),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from r3srv.kernels.paged_decode_cpu import as_index, head_major
+from r3srv.kernels.paged_decode_cpu import as_index, checked_attention, head_major
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 paged_prefill_entry = rust_kernel("paged_prefill_attention")
@@ -37,26 +37,7 @@ def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float,
                          f"{tuple(slots.shape)} one-dimensional")
     if columns.shape[1] == 0:
         return
-    if q.dtype not in RUST_DTYPES:
-        raise TypeError(f"paged_prefill_cpu takes float32 or bfloat16, not {q.dtype}")
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}
-    for name, t in tensors.items():
-        if not t.is_cpu or t.dtype is not q.dtype:
-            raise TypeError(f"paged_prefill_cpu: {name} is {t.dtype} on {t.device}; every tensor must be "
-                            f"{q.dtype} on the CPU")
-    if not out.is_contiguous() or out.shape != (q.shape[0], q.shape[1], v_cache.shape[-1]):
-        raise ValueError(f"paged_prefill_cpu: out must be contiguous [{q.shape[0]}, {q.shape[1]}, {v_cache.shape[-1]}], "
-                         f"got shape {tuple(out.shape)} strides {out.stride()}")
-    if window is not None and window < 1:
-        raise ValueError(f"paged_prefill_cpu: window must be positive, got {window}")
-    written = out.untyped_storage().data_ptr()
-    for name in ("q", "k_cache", "v_cache"):
-        if tensors[name].untyped_storage().data_ptr() == written:
-            raise ValueError(f"paged_prefill_cpu: out shares memory with {name}")
-    if sinks is not None:
-        sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        if sinks.shape != (q.shape[1],):
-            raise ValueError(f"paged_prefill_cpu: {tuple(sinks.shape)} sinks for {q.shape[1]} heads")
+    sinks = checked_attention("paged_prefill_cpu", q, k_cache, v_cache, out, window, sinks)
     paged_prefill_entry(
         RUST_DTYPES[q.dtype], head_major("q", q), head_major("k_cache", k_cache), head_major("v_cache", v_cache),
         (columns.data_ptr(), columns.shape[1]), (slots.data_ptr(), slots.shape[0]), (out.data_ptr(), *out.shape),

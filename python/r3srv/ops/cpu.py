@@ -6,9 +6,10 @@ paths otherwise, each chosen once when a model is built (`build`).
 - float32 and bfloat16 RMSNorm: kernels/rms_norm_cpu.py (`--[no-]rust-rms-norm`);
 - an attention layer's q/k norms and RoPE (float32, bfloat16): kernels/qk_rope_cpu.py (`--[no-]rust-rope`);
 - paged decode attention (float32, bfloat16): kernels/paged_decode_cpu.py (`--[no-]rust-decode`);
-- prefill attention (float32, bfloat16, one thread): every prompt and chunk of a step of contexts
-  up to RUST_PREFILL_MAX_CONTEXT in one call, kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`);
-  longer ones (and all, off or on more threads) SDPA per prompt, a chunk after cached tokens as two flash
+- prefill attention (float32, bfloat16): every prompt and chunk of a step of contexts up to
+  RUST_PREFILL_MAX_CONTEXT in one call, kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`;
+  on more than one thread only for steps of RUST_THREADED_PREFILL_MIN_MACS); longer ones (and
+  all, off) SDPA per prompt, a chunk after cached tokens as two flash
   attentions merged by their log-sum-exps (ops/attention.py);
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
   `--force-torch-router`);
@@ -49,6 +50,10 @@ from r3srv.settings import Settings
 # Prompts (or chunks) of longer contexts take SDPA: torch's flash attention overtakes the Rust
 # kernel's above about this length (docs/benchmarks.md, benches/bench_prefill_attention.py).
 RUST_PREFILL_MAX_CONTEXT = 1024
+# On more than one thread, a step's prefill attention takes the Rust kernel from about this many
+# multiply-adds (queries x context x heads x (head_dim + v_dim), the causal half not taken off):
+# a 512-token prompt of Qwen3-30B-A3B's 32 heads of 128 is 2^31; the built-in model's 1,024 is 2^29
+RUST_THREADED_PREFILL_MIN_MACS = 1 << 30
 # Fewer tokens than this: torch runs the step on one thread.
 TORCH_PARALLEL_MIN_TOKENS = 128
 # Recurrent prefills scan alone: grouping padded sequences measured slower on the CPU, even for
@@ -68,11 +73,10 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     if current.rust_decode and paged_decode_cpu.BUILT and rust_dtype:
         decode = functools.partial(paged_decode_cpu.paged_decode_cpu, threads=threads)
     prefill = functools.partial(prefill_attention, merged=True)
-    # one thread only: with more, torch's OpenMP team (a prefill step's) spins between its ops on
-    # the cores the kernel's threads need, and SDPA's own split is faster (docs/benchmarks.md)
-    if current.rust_prefill and paged_prefill_cpu.BUILT and rust_dtype and threads == 1:
-        prefill = span_kernel(functools.partial(paged_prefill_cpu.paged_prefill_cpu, threads=threads),
-                              RUST_PREFILL_MAX_CONTEXT, prefill)
+    if current.rust_prefill and paged_prefill_cpu.BUILT and rust_dtype:
+        kernel = span_kernel(functools.partial(paged_prefill_cpu.paged_prefill_cpu, threads=threads),
+                             RUST_PREFILL_MAX_CONTEXT, prefill)
+        prefill = kernel if threads == 1 else large_steps_only(kernel, prefill)
     rust_router = current.rust_router and not current.force_torch_router and router_cpu.BUILT
     expert_kernel = current.cpu_expert_kernel and expert_pairs_cpu.BUILT
     grouped = "cpu" if current.grouped_mm else None
@@ -103,6 +107,19 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
         fuse_decoder_layer=cpu_decode.fuse_decoder_layer if fused else None, plan_fused_step=plan if fused else None,
         threads=threads, torch_threads=functools.partial(torch_threads, threads),
     )
+
+
+def large_steps_only(kernel, torch_path):
+    """The prefill op on more than one thread: the kernel for a step of at least
+    RUST_THREADED_PREFILL_MIN_MACS of attention, SDPA below. A prefill step's torch ops run on torch's
+    OpenMP team, whose threads spin between ops on the cores the kernel's threads need: a fixed
+    delay that only a large call outweighs (docs/benchmarks.md)."""
+
+    def prefill(q, k, v, k_cache, v_cache, spans, out, **kwargs) -> None:
+        work = sum((s.end - s.start) * s.context_len for s in spans) * q.shape[1] * (q.shape[2] + v_cache.shape[-1])
+        (kernel if work >= RUST_THREADED_PREFILL_MIN_MACS else torch_path)(q, k, v, k_cache, v_cache, spans, out, **kwargs)
+
+    return prefill
 
 
 def torch_threads(threads: int, num_tokens: int) -> int:
