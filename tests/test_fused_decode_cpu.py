@@ -3,8 +3,10 @@ straight kernel calls gives the modules' tokens, logprobs and routed experts bit
 generated prompts, greedy and sampled, at one and two threads, in float32 and bfloat16; it runs at decode steps only,
 only where the settings turn every kernel it calls on, and only for layers whose parts it
 computes: anything else a layer hands it (a window, a part of a projection it does not know)
-makes it decline when the model is built, naming the part (adapter slots it takes: a step with
-an adapter runs the modules, tests/test_lora.py)."""
+makes it decline when the model is built, naming the part. Adapter slots it computes as the
+modules do: steps mixing adapters on attention, the router gate and the experts (per expert and
+shared-outer) with the base model give the modules' bits too (PEFT as the oracle of both:
+tests/test_lora.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from engine_testing import fused_calls, model_of, one_torch_thread, rebound  # noqa: F401 (fixtures)
+from lora_testing import write_adapter, write_checkpoint
 from r3srv import LLM, SamplingParams, settings
 from r3srv.kernels import linear_cpu
 from r3srv.models.moe import Mlp
@@ -43,8 +46,8 @@ def generated_requests(seed: int, n: int) -> tuple[list[list[int]], list[Samplin
     return prompts, params
 
 
-def outputs(llm, prompts, params) -> list:
-    results = llm.generate(prompts, params)
+def outputs(llm, prompts, params, lora_names=None) -> list:
+    results = llm.generate(prompts, params, lora_name=lora_names)
     return [(o.outputs[0].token_ids, o.outputs[0].routed_experts,
              list(o.outputs[0].logprobs))
             for o in results]
@@ -56,21 +59,24 @@ def test_the_same_bits_as_the_modules(llm, fused_calls, threads, seed):
     assert_the_modules_bits(llm, fused_calls, threads, seed, 10)
 
 
-def assert_the_modules_bits(llm, fused_calls, threads: int, seed: int, n: int) -> None:
-    """n generated requests give the same tokens, rows and logprobs with the fused step (which
-    runs whole steps, every layer) as with the modules."""
+def assert_the_modules_bits(llm, fused_calls, threads: int, seed: int, n: int, lora_names=None,
+                            layout=(4, 8)) -> None:
+    """n generated requests (under `lora_names`, one adapter name or None each) give the same
+    tokens, rows and logprobs with the fused step (which runs whole steps, every layer) as with
+    the modules."""
     prompts, params = generated_requests(seed, n)
     model = model_of(llm)
     with rebound(model, cpu_threads=threads, fast_cpu_decode=True):
-        fused = outputs(llm, prompts, params)
+        assert all(layer.fused is not None for layer in model.layers)
+        fused = outputs(llm, prompts, params, lora_names)
     assert fused_calls and len(fused_calls) % len(model.layers) == 0  # whole steps, every layer
     fused_calls.clear()
     with rebound(model, cpu_threads=threads, fast_cpu_decode=False):
-        modules = outputs(llm, prompts, params)
+        modules = outputs(llm, prompts, params, lora_names)
     assert not fused_calls
     for (tokens, rows, logprobs), (want_tokens, want_rows, want_logprobs) in zip(fused, modules):
         assert tokens == want_tokens
-        assert rows is not None and rows.shape[1:] == want_rows.shape[1:] == (4, 8)
+        assert rows is not None and rows.shape[1:] == want_rows.shape[1:] == layout
         np.testing.assert_array_equal(rows, want_rows)
         assert logprobs == want_logprobs  # the same logits, bit for bit
 
@@ -87,6 +93,45 @@ def test_bfloat16_the_same_bits_as_the_modules(fused_calls, float32_gate):
         for layer in model.layers:
             layer.mlp.gate = torch.nn.Parameter(layer.mlp.gate.float(), requires_grad=False)
     assert_the_modules_bits(bf16, fused_calls, 2, 3, 8)
+
+
+@pytest.fixture(scope="module")
+def adapted_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint and three PEFT adapters of it: on q/k/v/o and the routed
+    experts; on q and o and the router gate (rank 8); on the experts alone in SGLang's
+    shared-outer form."""
+    family, root = "qwen3_moe", tmp_path_factory.mktemp("adapted")
+    adapters = {
+        "attention_experts": write_adapter(root / "a", family, seed=1),
+        "gate": write_adapter(root / "g", family, seed=2, rank=8, alpha=4, experts=False,
+                              targets=["q_proj", "o_proj"], parameters=["mlp.gate.weight"]),
+        "shared_outer": write_adapter(root / "s", family, seed=3, targets=[], shared_outer=True),
+    }
+    return write_checkpoint(root / "ckpt", family), adapters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "threads", "seed"), [("float32", 1, 0), ("float32", 2, 1), ("bfloat16", 2, 2)])
+def test_adapters_the_same_bits_as_the_modules(adapted_checkpoint, fused_calls, dtype, threads, seed):
+    """Steps mixing the three adapters and the base model in every proportion (names drawn per
+    request) take the fused step and give the modules' bits."""
+    ckpt, adapters = adapted_checkpoint
+    llm = LLM(str(ckpt), dtype=dtype, enable_lora=True, max_loras=3, max_lora_rank=8, max_model_len=256,
+              enable_prefix_caching=False, max_num_seqs=8, enable_return_routed_experts=True)
+    for name, path in adapters.items():
+        llm.load_lora_adapter(name, str(path))
+    rng = np.random.default_rng(seed)
+    names = [[None, *adapters][i] for i in rng.integers(0, len(adapters) + 1, 12)]
+    model = model_of(llm)
+    layout = (len(model.layers), model.config.top_k)
+    assert_the_modules_bits(llm, fused_calls, threads, seed, 12, names, layout)
+    # and each adapter changes what the model says, so the test cannot pass without computing them
+    prompts, params = generated_requests(seed, 1)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=0)
+    base = outputs(llm, prompts, greedy)[0]
+    for name in adapters:
+        tokens, rows, _ = outputs(llm, prompts, greedy, name)[0]
+        assert tokens != base[0] or not np.array_equal(rows, base[1]), name
 
 
 def test_prefill_steps_keep_the_modules(llm, fused_calls):

@@ -216,10 +216,11 @@ def test_lora_needs_the_flag_and_refuses_what_it_cannot_do(tmp_path):
         LLM(str(ckpt), enable_lora=True, max_loras=3, max_cpu_loras=2)
 
 
-def test_steps_without_an_adapter_take_the_fused_decode_step(tmp_path, fused_calls):
+def test_decode_steps_take_the_fused_decode_step_with_and_without_adapters(tmp_path, fused_calls):
     """--enable-lora keeps the CPU backend's fused decode step (ops/cpu_decode.py) for every layer:
-    the decode steps in which no token has an adapter take it, a step with one runs the modules
-    with its adapters: PEFT's tokens, logprobs and rows either way."""
+    every decode step takes it, those in which no token has an adapter and those mixing an
+    adapter (on attention and the experts) with the base model: PEFT's tokens, logprobs and rows
+    either way."""
     family = "qwen3_moe"
     ckpt = write_checkpoint(tmp_path / "ckpt", family)
     path = write_adapter(tmp_path / "a", family, seed=5)
@@ -233,7 +234,7 @@ def test_steps_without_an_adapter_take_the_fused_decode_step(tmp_path, fused_cal
     assert len(fused_calls) == (MAX_TOKENS - 1) * len(model.layers)  # every decode step, every layer
     fused_calls.clear()
     adapted, plain = llm.generate([p, p], GREEDY, lora_name=["a", None])  # every step has an adapter
-    assert not fused_calls
+    assert len(fused_calls) == (MAX_TOKENS - 1) * len(model.layers)
     ref = peft_reference(family, path, p, MAX_TOKENS)
     assert ref.tokens != base.tokens
     assert_matches(adapted, ref)

@@ -251,7 +251,7 @@ class DecoderLayer(nn.Module):
         self.fused, self.fused_declined = None, None
         if ops.fuse_decoder_layer is not None:
             try:
-                self.fused = ops.fuse_decoder_layer(self.parts())
+                self.fused = ops.fuse_decoder_layer(self.parts(), ops.linear)
             except Declined as why:
                 self.fused_declined = str(why)
 
@@ -505,7 +505,7 @@ class MoeForCausalLM(nn.Module):
         fused = None  # the backend's fused decode step, where this step allows it (ops/cpu_decode.py)
         if states is None and visual is None and self.fused_layers:
             fused = self.ops.plan_fused_step(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
-                                             self.config.num_experts, batch.lora, batch.routing_weights)
+                                             self.config.num_experts, batch.routing_weights)
         for layer in self.layers:
             layer_capture = layer_captures[layer.index] if layer_captures is not None and layer.is_moe else None
             out = None

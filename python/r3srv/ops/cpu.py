@@ -96,8 +96,8 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
                 current.rust_decode, current.cpu_expert_kernel, rust_router)
     fused = all(switches) and cpu_decode.kernels_built()
 
-    def plan(x, meta, cos, sin, capture, num_experts, lora=None, weights=None):
-        return cpu_decode.DecodeStep.plan(x, meta, cos, sin, capture, num_experts, threads, lora, weights)
+    def plan(x, meta, cos, sin, capture, num_experts, weights=None):
+        return cpu_decode.DecodeStep.plan(x, meta, cos, sin, capture, num_experts, threads, weights)
 
     return Ops(
         name="cpu", linear=linear or torch.nn.functional.linear, norms=norms, rotations=ROTATIONS,

@@ -6,10 +6,11 @@ Python around its kernels (module dispatch, each wrapper re-checking tensors it 
 moment before) as in the smaller kernels themselves. The layer hands its parts
 (ops/parts.py) to `fuse_decoder_layer` when the model is built: what they hold beyond what
 this op computes makes it decline then, naming the parts. `DecodeStep.plan` checks once per
-step what the step allows (decode only, no adapter, at most the Rust linear's rows); then each layer runs
+step what the step allows (decode only, at most the Rust linear's rows); then each layer runs
 the kernels the CPU backend's ops run for its modules, with the same arguments, in the same
-order: the same bits (tests/test_fused_decode_cpu.py compares tokens, logits and routed
-experts with the modules). float32 or bfloat16 layers (weights, activations and KV cache of one
+order, adapters included (a projection's adapter slots add their low-rank terms as the module's
+do, through the same calls): the same bits (tests/test_fused_decode_cpu.py compares tokens,
+logits and routed experts with the modules). float32 or bfloat16 layers (weights, activations and KV cache of one
 dtype; a bfloat16 layer's router gate may be float32, its input cast as the modules cast it): the
 kernels take both.
 """
@@ -56,15 +57,14 @@ class DecodeStep:
 
     @staticmethod
     def plan(x: torch.Tensor, meta, cos: torch.Tensor, sin: torch.Tensor, capture: torch.Tensor | None,
-             num_experts: int, threads: int, lora=None, weights=None) -> "DecodeStep | None":
+             num_experts: int, threads: int, weights=None) -> "DecodeStep | None":
         """The step's shared arguments, or None where the fused layers do not apply: not a
-        decode-only float32 or bfloat16 CPU step, a step with an adapter (`lora`, the step's
-        r3srv.lora.slots.LoraBatch: None when no token has one), a step capturing router weights
-        (`weights`: the fused router writes the ids only), more rows than the Rust linear takes,
-        cos/sin of another dtype, or a capture view (any layer's: they share one layout) the
-        router kernel cannot write."""
+        decode-only float32 or bfloat16 CPU step, a step capturing router weights (`weights`:
+        the fused router writes the ids only), more rows than the Rust linear takes, cos/sin of
+        another dtype, or a capture view (any layer's: they share one layout) the router kernel
+        cannot write."""
         rows = x.shape[0]
-        if (lora is not None or weights is not None or not x.is_cpu or x.dtype not in CODES or meta.prefills or not meta.decode_seqs
+        if (weights is not None or not x.is_cpu or x.dtype not in CODES or meta.prefills or not meta.decode_seqs
                 or meta.graph):
             return None
         if not 0 < rows <= linear_cpu.MAX_ROWS or len(meta.decode_seqs) != rows:
@@ -79,15 +79,15 @@ class DecodeStep:
         return DecodeStep(index(tables), index(lens), index(seq_rows), rows, threads, meta.block_size)
 
 
-def fuse_decoder_layer(parts: DecoderParts) -> "FusedDecoderLayer":
+def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear) -> "FusedDecoderLayer":
     """The fused decode step of the layer these parts describe; Declined (naming every part it
     does not compute) unless it is a pre-norm attention + MoE layer on one device, float32 or
-    bfloat16 (one dtype; the router gate may be float32), per-head q/k norms or none, half-split RoPE or none, no bias, gate, sinks, window, clip or
-    shared expert, a router without correction bias or groups, and experts of one of the
-    expert kernel's activations without biases. Adapter slots (`lora` on the projections, the
-    router gate and the experts: a model served with --enable-lora) are taken: this op computes
-    a step without adapters, and `DecodeStep.plan` declines every step in which a token has one,
-    so such a step runs the modules, adapters included."""
+    bfloat16 (one dtype; the router gate may be float32), per-head q/k norms or none, half-split
+    RoPE or none, no bias, gate, sinks, window, clip or shared expert, a router without
+    correction bias or groups, and experts of one of the expert kernel's activations without
+    biases. Adapter slots (`lora` on q/k/v, o, the router gate and the experts: a model served
+    with --enable-lora) are computed as the modules compute them; `linear` is the backend's
+    linear op, which they hand the slots for the projections the Rust pass cannot read."""
     problems = unsupported(parts, {"mixer", "mlp", "input_norm", "post_attention_norm"})
     for name in ("input_norm", "post_attention_norm"):
         norm = getattr(parts, name)
@@ -128,13 +128,13 @@ def fuse_decoder_layer(parts: DecoderParts) -> "FusedDecoderLayer":
             problems.append(f"weights: {dtype} (this build of the Rust core lacks its norm kernels)")
     if problems:
         raise Declined(", ".join(problems))
-    return FusedDecoderLayer(parts)
+    return FusedDecoderLayer(parts, linear)
 
 
 class FusedDecoderLayer:
     """One layer's decode step in kernel calls (see the module docstring)."""
 
-    def __init__(self, parts: DecoderParts) -> None:
+    def __init__(self, parts: DecoderParts, linear) -> None:
         # the parts read once (attribute lookups cost microseconds each); the tensors are the
         # parameters themselves, so in-place weight updates are seen
         attn, moe = parts.mixer, parts.mlp
@@ -157,6 +157,11 @@ class FusedDecoderLayer:
         self.renormalize = bool(router.renormalize)
         act = experts.activation
         self.activation = (act.name, float(act.alpha), float(act.limit))
+        # adapter slots (r3srv.lora.slots; None without --enable-lora), read from the step's
+        # LoraBatch as the modules read it; `act` and `linear` as the modules hand them over
+        self.qkv_lora, self.o_lora, self.gate_lora, self.experts_lora = (attn.qkv.lora, attn.o.lora, router.gate.lora,
+                                                                          experts.lora)
+        self.act, self.linear = act, linear
 
     def __call__(self, x: torch.Tensor, cos, sin, meta, capture, step: DecodeStep) -> torch.Tensor | None:
         """The layer's output, or None where a kernel would decline this step (an odd or too
@@ -177,6 +182,8 @@ class FusedDecoderLayer:
         qkv_w = self.qkv_w
         qkv = x.new_empty(rows, qkv_w.shape[0])
         linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), code, threads)
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora(h, qkv, self.linear)
         q = x.new_empty(rows, heads, head_dim)
         k = x.new_empty(rows, kv_heads, head_dim)
         v = x.new_empty(rows, kv_heads, head_dim)
@@ -196,6 +203,8 @@ class FusedDecoderLayer:
         o_w = self.o_w
         attended = torch.empty_like(x)
         linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), code, threads)
+        if self.o_lora is not None:
+            attended = self.o_lora(o.view(rows, -1), attended, self.linear)
         x = x + attended
 
         # MoE: norm, router (a float32 gate takes the normed rows cast, as the modules cast them), expert pass
@@ -207,6 +216,8 @@ class FusedDecoderLayer:
         gate_code = CODES[gate.dtype]
         logits = routed.new_empty(rows, experts)
         linear((routed.data_ptr(), gate.data_ptr(), 0, logits.data_ptr()), (rows, experts, hidden), gate_code, threads)
+        if self.gate_lora is not None:  # an adapted router: the rows follow it
+            logits = self.gate_lora(routed, logits, self.linear)
         top_k = self.top_k
         weights = torch.empty(rows, top_k, dtype=F32)
         ids = torch.empty(rows, top_k, dtype=torch.int32)
@@ -214,6 +225,9 @@ class FusedDecoderLayer:
         router_cpu.route_experts_entry(logits.data_ptr(), gate_code, (rows, experts, top_k), self.scoring, self.renormalize,
                                   self.scaling, weights.data_ptr(), ids.data_ptr(), target)
         w13, w2 = self.w13, self.w2
+        if self.experts_lora is not None and self.experts_lora.active():  # this step's adapters on the experts
+            adapted = self.experts_lora.expert_pass(self.act, self.linear, threads)
+            return x + adapted(h, w13, w2, weights, ids, b13=None, b2=None)
         num_experts, _, inter = w2.shape
         mixed = torch.empty_like(x)
         name, alpha, limit = self.activation

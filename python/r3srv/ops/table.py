@@ -37,8 +37,9 @@ class Ops:
     expert_passes: Callable[[Activation], ExpertPass]  # a MoE layer's expert pass, by its activation
     recurrent_steps: Callable[[str], Callable[..., Any] | None]  # a fused in-place recurrent step by name, or None
     scan_pad_factor: float  # recurrent prefills: padded tokens per real one a scan group may take
-    # the fused decode step of a decoder layer (ops/parts.py's DecoderParts -> a step, or
-    # Declined), and the per-step plan its steps share; None: the layers' own modules
+    # the fused decode step of a decoder layer ((ops/parts.py's DecoderParts, this table's linear,
+    # which the layer's adapter slots take) -> a step, or Declined), and the per-step plan its
+    # steps share; None: the layers' own modules
     fuse_decoder_layer: Callable[..., Any] | None = None
     plan_fused_step: Callable[..., Any] | None = None
     threads: int = 1  # the CPU kernels' threads
