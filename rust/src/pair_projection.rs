@@ -79,6 +79,60 @@ pub fn project_pairs<W: Element>(isa: Isa, mats: &[Option<PairMatrix<W>>], x: &[
     Ok(())
 }
 
+/// One slot's adapter on a projection, as r3srv.lora.cpu_kernel's SlotTable holds it: A
+/// [rank, in] and B [out, rank] of expert e at `a[e * a_step..]` and `b[e * b_step..]` (a step
+/// of 0: one matrix shared by every expert, SGLang's shared-outer form).
+#[derive(Clone, Copy)]
+pub struct SlotAdapter<'a, W: Element> {
+    pub a: &'a [W],
+    pub a_step: usize,
+    pub b: &'a [W],
+    pub b_step: usize,
+    pub rank: usize,
+}
+
+/// out[p] += B @ (A @ x[p]) for each pair p under an adapter (`slots[pair_slots[p]]`, None: no
+/// adapter on this projection), of its expert `pair_experts[p]`: punica's shrink and expand, each
+/// one `project_pairs` over the step's pairs, so pairs sharing a (slot, expert) matrix read it
+/// once. Whether any pair had one. Errors name the first pair whose slot, expert or matrix does
+/// not fit.
+#[allow(clippy::too_many_arguments)]
+pub fn add_low_rank<W: Element>(isa: Isa, slots: &[Option<SlotAdapter<W>>], pair_slots: &[usize], pair_experts: &[usize],
+                                x: &[f32], x_cols: usize, out: &mut [f32], out_cols: usize, threads: usize)
+                                -> Result<bool, String> {
+    let pairs = pair_slots.len();
+    if pair_experts.len() != pairs {
+        return Err(format!("{pairs} pair slots but {} pair experts", pair_experts.len()));
+    }
+    let mut shrink = Vec::with_capacity(pairs);
+    let mut expand = Vec::with_capacity(pairs);
+    let mut max_rank = 0;
+    for (p, (&slot, &expert)) in pair_slots.iter().zip(pair_experts).enumerate() {
+        let adapter = *slots.get(slot).ok_or_else(|| format!("pair {p}: slot {slot} of {}", slots.len()))?;
+        let Some(SlotAdapter { a, a_step, b, b_step, rank }) = adapter.filter(|s| s.rank > 0) else {
+            shrink.push(None);
+            expand.push(None);
+            continue;
+        };
+        let (a_len, b_len) = (rank * x_cols, out_cols * rank);
+        let a = a.get(expert * a_step..expert * a_step + a_len);
+        let b = b.get(expert * b_step..expert * b_step + b_len);
+        let (Some(a), Some(b)) = (a, b) else {
+            return Err(format!("pair {p}: expert {expert}'s matrices lie outside slot {slot}'s adapter"));
+        };
+        shrink.push(Some(PairMatrix { m: a, rows: rank }));
+        expand.push(Some(PairMatrix { m: b, rows: out_cols }));
+        max_rank = max_rank.max(rank);
+    }
+    if max_rank == 0 {
+        return Ok(false);
+    }
+    let mut shrunk = vec![0.0; pairs * max_rank];
+    project_pairs(isa, &shrink, x, x_cols, &mut shrunk, max_rank, threads)?;
+    project_pairs(isa, &expand, &shrunk, max_rank, out, out_cols, threads)?;
+    Ok(true)
+}
+
 /// `out`'s base, shared by the threads, which each write their own pairs' rows.
 struct SharedOut(*mut f32);
 
@@ -211,6 +265,74 @@ mod tests {
         assert_eq!(run(1), run(4));
     }
 
+    /// add_low_rank against f64 loops over each pair's own A and B: two slots of different
+    /// ranks, one per expert and one shared (step 0), a slot without an adapter, pairs of every
+    /// slot and expert, on every ISA, in float32 and bfloat16, at 1 and 3 threads.
+    fn low_rank_case<W: Element>(isa: Isa, convert: impl Fn(f32) -> W, threads: usize) {
+        let (experts, x_cols, out_cols, pairs) = (3usize, 11usize, 7usize, 19usize);
+        let ranks = [4usize, 2];
+        let a0: Vec<W> = values(experts * ranks[0] * x_cols, 30).into_iter().map(&convert).collect();
+        let b0: Vec<W> = values(experts * out_cols * ranks[0], 31).into_iter().map(&convert).collect();
+        let a1: Vec<W> = values(ranks[1] * x_cols, 32).into_iter().map(&convert).collect(); // shared
+        let b1: Vec<W> = values(experts * out_cols * ranks[1], 33).into_iter().map(&convert).collect();
+        let slots = [
+            None,
+            Some(SlotAdapter { a: &a0[..], a_step: ranks[0] * x_cols, b: &b0[..], b_step: out_cols * ranks[0], rank: ranks[0] }),
+            Some(SlotAdapter { a: &a1[..], a_step: 0, b: &b1[..], b_step: out_cols * ranks[1], rank: ranks[1] }),
+        ];
+        let pair_slots: Vec<usize> = (0..pairs).map(|p| p * 5 % 3).collect();
+        let pair_experts: Vec<usize> = (0..pairs).map(|p| p * 7 % experts).collect();
+        let x = values(pairs * x_cols, 34);
+        let start = values(pairs * out_cols, 35);
+        let mut got = start.clone();
+        assert!(add_low_rank(isa, &slots, &pair_slots, &pair_experts, &x, x_cols, &mut got, out_cols, threads).unwrap());
+        for p in 0..pairs {
+            let row = &got[p * out_cols..(p + 1) * out_cols];
+            let Some(s) = slots[pair_slots[p]] else {
+                assert_eq!(row, &start[p * out_cols..(p + 1) * out_cols], "pair {p} without an adapter keeps its row");
+                continue;
+            };
+            let (e, r) = (pair_experts[p], s.rank);
+            let a = &s.a[e * s.a_step..e * s.a_step + r * x_cols];
+            let b = &s.b[e * s.b_step..e * s.b_step + out_cols * r];
+            let shrunk: Vec<f64> = (0..r)
+                .map(|i| (0..x_cols).map(|c| a[i * x_cols + c].to_f32() as f64 * x[p * x_cols + c] as f64).sum())
+                .collect();
+            for (o, got) in row.iter().enumerate() {
+                let delta: f64 = (0..r).map(|i| b[o * r + i].to_f32() as f64 * shrunk[i]).sum();
+                let want = start[p * out_cols + o] as f64 + delta;
+                assert!((*got as f64 - want).abs() <= 1e-4, "{isa:?} pair {p} row {o}: {got} vs {want}");
+            }
+        }
+        let none = vec![0usize; pairs];
+        let mut untouched = start.clone();
+        assert!(!add_low_rank(isa, &slots, &none, &pair_experts, &x, x_cols, &mut untouched, out_cols, threads).unwrap());
+        assert_eq!(untouched, start);
+    }
+
+    #[test]
+    fn low_rank_terms_match_per_pair_reference() {
+        for isa in Isa::available() {
+            for threads in [1, 3] {
+                low_rank_case::<f32>(isa, |v| v, threads);
+                low_rank_case::<Bf16>(isa, Bf16::from_f32, threads);
+            }
+        }
+    }
+
+    #[test]
+    fn low_rank_rejects_slots_and_experts_outside_the_table() {
+        let (a, b) = ([0f32; 8], [0f32; 6]); // one expert: A [2, 4], B [3, 2]
+        let slots = [None, Some(SlotAdapter { a: &a[..], a_step: 8, b: &b[..], b_step: 6, rank: 2 })];
+        let x = [0f32; 4];
+        let mut out = [0f32; 3];
+        let err = add_low_rank(Isa::Scalar, &slots, &[2], &[0], &x, 4, &mut out, 3, 1).unwrap_err();
+        assert!(err.contains("slot 2"), "{err}");
+        let err = add_low_rank(Isa::Scalar, &slots, &[1], &[1], &x, 4, &mut out, 3, 1).unwrap_err();
+        assert!(err.contains("expert 1"), "{err}");
+        assert!(add_low_rank(Isa::Scalar, &slots, &[1, 1], &[0], &x, 4, &mut out, 3, 1).is_err());
+    }
+
     #[test]
     fn rejects_matrices_that_do_not_fit() {
         let m = [0f32; 12];
@@ -232,7 +354,7 @@ pub(crate) mod python {
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
 
-    use super::{project_pairs, PairMatrix};
+    use super::{add_low_rank, project_pairs, PairMatrix, SlotAdapter};
     use crate::expert_pairs::{Bf16, Element, Isa};
 
     /// # Safety
@@ -277,6 +399,76 @@ pub(crate) mod python {
                 "float32" => run::<f32>(py, addresses, shape, threads),
                 "bfloat16" => run::<Bf16>(py, addresses, shape, threads),
                 other => Err(PyValueError::new_err(format!("project_pairs_cpu reads float32 or bfloat16, not {other:?}"))),
+            }
+        }
+    }
+
+    /// # Safety
+    /// As `add_low_rank_cpu` requires of its caller, with `W` the adapters' element type.
+    unsafe fn run_low_rank<W: Element>(py: Python<'_>, addresses: [usize; 5], shape: [usize; 5], threads: usize)
+                                       -> PyResult<bool> {
+        use std::slice::{from_raw_parts, from_raw_parts_mut};
+        let [x, out, fields, pair_slots, pair_experts] = addresses;
+        let [pairs, x_cols, out_cols, columns, num_experts] = shape;
+        let fields = from_raw_parts(fields as *const i64, 5 * columns);
+        let field = |f: usize, s: usize| usize::try_from(fields[f * columns + s]).unwrap_or(0);
+        let size = std::mem::size_of::<W>();
+        let slots: Vec<Option<SlotAdapter<W>>> = (0..columns)
+            .map(|s| {
+                let (a, a_step, b, b_step, rank) = (field(0, s), field(1, s) / size, field(2, s), field(3, s) / size, field(4, s));
+                let experts = |step: usize| if step == 0 { 1 } else { num_experts };
+                (a != 0 && b != 0 && rank > 0).then(|| SlotAdapter {
+                    a: from_raw_parts(a as *const W, (experts(a_step) - 1) * a_step + rank * x_cols),
+                    a_step,
+                    b: from_raw_parts(b as *const W, (experts(b_step) - 1) * b_step + out_cols * rank),
+                    b_step,
+                    rank,
+                })
+            })
+            .collect();
+        let index = |address: usize, what: &str| -> PyResult<Vec<usize>> {
+            from_raw_parts(address as *const i64, pairs).iter()
+                .map(|&v| usize::try_from(v).map_err(|_| PyValueError::new_err(format!("a negative {what}: {v}"))))
+                .collect()
+        };
+        let (pair_slots, pair_experts) = (index(pair_slots, "slot index")?, index(pair_experts, "expert")?);
+        if let Some(e) = pair_experts.iter().find(|&&e| e >= num_experts) {
+            return Err(PyValueError::new_err(format!("expert {e} of {num_experts}")));
+        }
+        let x = from_raw_parts(x as *const f32, pairs * x_cols);
+        let out = from_raw_parts_mut(out as *mut f32, pairs * out_cols);
+        py.detach(|| add_low_rank(Isa::best(), &slots, &pair_slots, &pair_experts, x, x_cols, out, out_cols, threads))
+            .map_err(PyValueError::new_err)
+    }
+
+    /// out [P, out_cols] (float32) += B @ (A @ x[p]) for each pair p whose slot (column
+    /// pair_slots[p] of the [5, columns] int64 table `fields`: A's address, A's byte step from
+    /// one expert to the next, B's address, B's byte step, the rank; a column of zeros: none) has
+    /// an adapter, of expert pair_experts[p] (< num_experts); x float32 [P, x_cols]; A
+    /// [rank, x_cols] and B [out_cols, rank] of `dtype`. `addresses`: (x, out, fields,
+    /// pair_slots, pair_experts); `shape`: (P, x_cols, out_cols, columns, num_experts). Whether
+    /// any pair had an adapter. GIL released; up to `threads` threads.
+    #[pyfunction]
+    #[pyo3(signature = (addresses, shape, dtype, threads=1))]
+    pub fn add_low_rank_cpu(py: Python<'_>, addresses: [usize; 5], shape: [usize; 5], dtype: &str,
+                            threads: usize) -> PyResult<bool> {
+        if addresses.contains(&0) {
+            return Err(PyValueError::new_err("add_low_rank_cpu needs non-null tensors"));
+        }
+        if shape[3] == 0 || shape[4] == 0 {
+            return Err(PyValueError::new_err("add_low_rank_cpu needs a slot table and an expert"));
+        }
+        // SAFETY: the caller (r3srv.kernels.pair_projection_cpu) passes the data addresses of
+        // live contiguous CPU tensors of these shapes (x and out float32, the tables int64),
+        // every nonzero A and B address of `fields` that of a live contiguous tensor of `dtype`
+        // holding its experts' (or, at a step of 0, one) [rank, x_cols] and [out_cols, rank]
+        // matrices at that byte step, keeps them alive for the call, and `out` aliases none of
+        // the others.
+        unsafe {
+            match dtype {
+                "float32" => run_low_rank::<f32>(py, addresses, shape, threads),
+                "bfloat16" => run_low_rank::<Bf16>(py, addresses, shape, threads),
+                other => Err(PyValueError::new_err(format!("add_low_rank_cpu reads float32 or bfloat16, not {other:?}"))),
             }
         }
     }

@@ -774,6 +774,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_isa, m)?)?;
     m.add_function(wrap_pyfunction!(crate::pair_projection::python::project_pairs_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::pair_projection::python::add_low_rank_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_isa, m)?)?;
     m.add_function(wrap_pyfunction!(paged_prefill_attention, m)?)?;

@@ -36,6 +36,7 @@ class SlotTable:
     fields: torch.Tensor
     max_rank: int
     dtype: torch.dtype
+    shape: tuple[int, int, int]  # the weight's [E, out, in], which every pair's matrices fit
     keep: tuple  # the pairs' tensors, alive while their addresses are in the table
 
     @classmethod
@@ -61,7 +62,7 @@ class SlotTable:
             b_step = pair.b[0].numel() * size if pair.b.shape[0] > 1 else 0
             fields[:, slot + 1] = torch.tensor([pair.a.data_ptr(), a_step, pair.b.data_ptr(), b_step, rank])
         keep = tuple(t for pair in pairs if pair is not None for t in (pair.a, pair.b))
-        return cls(fields, int(fields[4].max()), dtype, keep)
+        return cls(fields, int(fields[4].max()), dtype, tuple(weight_shape), keep)
 
 
 def expert_pass(x, w13, w2, weights, ids, tokens, b13, b2, act, tables, token_slots, threads: int = 1) -> torch.Tensor | None:
@@ -117,13 +118,11 @@ def linear_delta(x: torch.Tensor, y: torch.Tensor, table: SlotTable | None, toke
 
 
 def _add_low_rank(rows, out, table, ids, slot_index, dtype, threads: int = 1) -> bool:
-    """out[p] += B @ (A @ rows[p]) of pair p's (slot, expert) adapter, where it has one; whether
-    any pair has one."""
-    a_base, a_step, b_base, b_step, rank = table.fields.index_select(1, slot_index)
-    if not table.max_rank or not bool(rank.any()):
+    """out[p] += B @ (A @ rows[p]) of pair p's (slot, expert) adapter, where it has one, in one
+    call (the matrices looked up in the Rust core); whether any pair has one."""
+    num_experts, out_rows, in_cols = table.shape
+    if not table.max_rank:
         return False
-    num_pairs, full_in, full_out = rows.shape[0], torch.full_like(rank, rows.shape[1]), torch.full_like(rank, out.shape[1])
-    shrunk = rows.new_zeros(num_pairs, table.max_rank)
-    pair_projection_cpu.project_pairs(rows, shrunk, a_base + ids * a_step, rank, full_in, dtype, threads)
-    pair_projection_cpu.project_pairs(shrunk, out, b_base + ids * b_step, full_out, rank, dtype, threads)
-    return True
+    if rows.shape[1] != in_cols or out.shape[1] != out_rows:  # the matrices' sizes come from the table
+        raise ValueError(f"rows of {rows.shape[1]} and outputs of {out.shape[1]} for adapters of {table.shape}")
+    return pair_projection_cpu.add_low_rank(rows, out, table.fields, slot_index, ids, num_experts, dtype, threads)

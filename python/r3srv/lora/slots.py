@@ -22,13 +22,15 @@ from r3srv.ops.experts import Activation
 LinearFn = Callable[..., torch.Tensor]
 
 
-@dataclass
 class LoraBatch:
-    """A step's adapters: each token's slot [T] (-1: none) and, per slot present, its tokens'
-    rows (None: every token of the step)."""
+    """A step's adapters: each token's slot [T] (-1: none), the slots present, and, per slot
+    present, its tokens' rows (None: every token of the step; found on first use, by the torch
+    passes only)."""
 
-    token_slots: torch.Tensor
-    groups: list[tuple[int, torch.Tensor | None]]
+    def __init__(self, token_slots: torch.Tensor, present: list[int]) -> None:
+        self.token_slots = token_slots
+        self.present = present
+        self._groups: list[tuple[int, torch.Tensor | None]] | None = None
 
     @classmethod
     def build(cls, seq_slots: Sequence[int], query_lens: Sequence[int], device: torch.device) -> LoraBatch | None:
@@ -38,20 +40,24 @@ class LoraBatch:
             return None
         slots = torch.repeat_interleave(torch.tensor(list(seq_slots), dtype=torch.long),
                                         torch.tensor(list(query_lens), dtype=torch.long))
-        return cls.of_token_slots(slots, device)
+        return cls(slots.to(device), sorted({s for s in seq_slots if s >= 0}))
 
     @classmethod
     def of_token_slots(cls, slots: torch.Tensor, device: torch.device) -> LoraBatch | None:
         """The batch whose tokens run under `slots` (host, [T]; -1: none), as a tensor-parallel
         rank receives it."""
         present = sorted(s for s in set(slots.tolist()) if s >= 0)
-        if not present:
-            return None
-        if len(present) == 1 and int(slots.min()) >= 0:
-            groups = [(present[0], None)]
-        else:
-            groups = [(s, (slots == s).nonzero().flatten().to(device)) for s in present]
-        return cls(slots.to(device), groups)
+        return cls(slots.to(device), present) if present else None
+
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor | None]]:
+        if self._groups is None:
+            slots = self.token_slots
+            if len(self.present) == 1 and int(slots.min()) >= 0:
+                self._groups = [(self.present[0], None)]
+            else:
+                self._groups = [(s, (slots == s).nonzero().flatten()) for s in self.present]
+        return self._groups
 
 
 class LoraContext:
@@ -150,7 +156,7 @@ class LoraExperts:
     def active(self) -> bool:
         """Whether a token of the step runs under a slot that adapts these experts."""
         batch = self.context.batch
-        return batch is not None and any(self.w13[s] is not None or self.w2[s] is not None for s, _ in batch.groups)
+        return batch is not None and any(self.w13[s] is not None or self.w2[s] is not None for s in batch.present)
 
     def expert_pass(self, act: Activation, linear: LinearFn, threads: int = 1) -> Callable[..., torch.Tensor]:
         """The expert pass (ops/experts.py's ExpertPass contract) with this step's adapters: on
