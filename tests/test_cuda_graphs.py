@@ -60,9 +60,9 @@ def test_padding_rows_go_to_the_scratch_block_and_state():
         pad_decode_inputs(ids, positions, slots, tables, None, bucket, 2, bs, 50, 7)
 
 
-def _seq(scheduled=1, computed=5, restore=-1, snapshots=()):
+def _seq(scheduled=1, computed=5, restore=-1, snapshots=(), lora_slot=-1, multimodal=None):
     return SimpleNamespace(num_scheduled_tokens=scheduled, num_computed_tokens=computed, restore_from=restore,
-                           snapshot_plan=list(snapshots))
+                           snapshot_plan=list(snapshots), lora_slot=lora_slot, multimodal=multimodal)
 
 
 def test_only_plain_decode_steps_replay():
@@ -71,6 +71,8 @@ def test_only_plain_decode_steps_replay():
     assert not is_graph_decode([_seq(computed=0)])  # a one-token prompt is a prefill
     assert not is_graph_decode([_seq(), _seq(restore=3)])  # a hybrid's prefix hit restores states
     assert is_graph_decode([_seq(snapshots=[(16, 9)])])  # snapshots are copied after the replay
+    assert not is_graph_decode([_seq(), _seq(lora_slot=0)])  # under an adapter: graphs hold the base path only
+    assert not is_graph_decode([_seq(multimodal=object())])  # an image prompt's M-RoPE positions
 
 
 def test_graph_memory_comes_out_of_the_kv_budget(monkeypatch):

@@ -53,8 +53,12 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
 def is_graph_decode(seqs: list[Sequence]) -> bool:
     """A step the graphs can run: every sequence computes one token after at least one cached
     (a one-token prompt is a prefill), and no hybrid state is restored into a slot (a prefix
-    hit's first step, a prefill anyway). Snapshots are copied after the replay (`snapshot`)."""
-    return all(s.num_scheduled_tokens == 1 and s.num_computed_tokens >= 1 and s.restore_from < 0 for s in seqs)
+    hit's first step, a prefill anyway). Snapshots are copied after the replay (`snapshot`).
+    Nor a step under an adapter (graphs capture the base model's path only, docs/lora.md) or
+    with an image prompt's token (it rotates by its M-RoPE ids, which a graph's positions do not
+    carry)."""
+    return all(s.num_scheduled_tokens == 1 and s.num_computed_tokens >= 1 and s.restore_from < 0
+               and s.lora_slot < 0 and s.multimodal is None for s in seqs)
 
 
 def graph_blocker(model, capture_weights: bool = False) -> str | None:

@@ -156,10 +156,7 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], prompt_spans: list[tuple[int, int, int]] = ()) -> RunOutput:
         """Computes the scheduled tokens of `seqs`, keeping the logits of `prompt_spans`' positions too."""
         # a one-token step inside a prompt whose logprobs are asked for needs its row: no graph
-        # nor a step under an adapter: graphs capture the base model's path only (docs/lora.md),
-        # nor an image prompt's: its tokens rotate by their M-RoPE ids, which a graph's positions do not carry
-        graphed = (self.graphs is not None and not prompt_spans and is_graph_decode(seqs)
-                   and all(s.lora_slot < 0 and s.multimodal is None for s in seqs))
+        graphed = self.graphs is not None and not prompt_spans and is_graph_decode(seqs)
         replayed = self._replay(seqs) if graphed else None
         if replayed is not None:
             return replayed
