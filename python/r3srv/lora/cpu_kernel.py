@@ -104,15 +104,18 @@ def _project(rows: torch.Tensor, weight: torch.Tensor, table: SlotTable, ids: to
     return out
 
 
-def linear_delta(x: torch.Tensor, y: torch.Tensor, table: SlotTable | None, token_slots: torch.Tensor) -> torch.Tensor | None:
+def linear_delta(x: torch.Tensor, y: torch.Tensor, table: SlotTable | None, token_slots: torch.Tensor,
+                 threads: int = 1) -> torch.Tensor | None:
     """y (x's base projection [T, out]) plus each token's adapter's B @ A x (table: a linear
-    layer's SlotTable, as one expert), or None where the kernel does not apply."""
+    layer's SlotTable, as one expert) on up to `threads` threads, or None where the kernel does
+    not apply."""
     if table is None or not pair_projection_cpu.BUILT or x.dtype not in RUST_DTYPES or not x.is_cpu:
         return None
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != token_slots.shape[0] or y.shape[0] != x.shape[0]:
         return None
     delta = y.new_zeros(y.shape, dtype=torch.float32)
-    if not _add_low_rank(x.float().contiguous(), delta, table, torch.zeros_like(token_slots), token_slots + 1, table.dtype):
+    if not _add_low_rank(x.float().contiguous(), delta, table, torch.zeros_like(token_slots), token_slots + 1, table.dtype,
+                         threads):
         return y
     return y + delta.to(y.dtype)
 

@@ -85,15 +85,16 @@ class LoraLinear:
         self.pairs[slot] = None
         self._table = None
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, linear: LinearFn) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, linear: LinearFn, threads: int = 1) -> torch.Tensor:
         """y (x's projection by the base weight) plus the step's adapters' low-rank terms: on the
-        CPU every token's at once through the Rust kernel (lora/cpu_kernel.py), elsewhere (or
-        where it declines) one low-rank pass per slot in the step."""
+        CPU every token's at once through the Rust kernel (lora/cpu_kernel.py) on up to
+        `threads` threads (the backend's --cpu-threads), elsewhere (or where it declines) one
+        low-rank pass per slot in the step."""
         batch = self.context.batch
         if batch is None:
             return y
         if x.is_cpu:
-            out = cpu_kernel.linear_delta(x, y, self.table(x.dtype), batch.token_slots)
+            out = cpu_kernel.linear_delta(x, y, self.table(x.dtype), batch.token_slots, threads)
             if out is not None:
                 return out
         return self.grouped(x, y, linear)

@@ -111,7 +111,7 @@ class SparseMoeBlock(nn.Module):
         gate_input = x if x.dtype == gate.dtype else x.to(gate.dtype)
         router_logits = self.ops.linear(gate_input, gate, self.gate_bias)
         if self.gate_lora is not None:  # an adapted router: the rows follow it
-            router_logits = self.gate_lora(gate_input, router_logits, self.ops.linear)
+            router_logits = self.gate_lora(gate_input, router_logits, self.ops.linear, self.ops.threads)
         weights, ids = self.route(
             router_logits,
             self.top_k,

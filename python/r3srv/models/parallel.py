@@ -255,7 +255,7 @@ class ColumnParallelLinear(ShardedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ops.linear(x, self.weight, self.bias)
-        return y if self.lora is None else self.lora(x, y, self.ops.linear)
+        return y if self.lora is None else self.lora(x, y, self.ops.linear, self.ops.threads)
 
 
 class RowParallelLinear(ShardedWeight):
@@ -269,10 +269,10 @@ class RowParallelLinear(ShardedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.tp_size == 1:
             y = self.ops.linear(x, self.weight, self.bias)
-            return y if self.lora is None else self.lora(x, y, self.ops.linear)
+            return y if self.lora is None else self.lora(x, y, self.ops.linear, self.ops.threads)
         y = self.ops.linear(x, self.weight)
         if self.lora is not None:  # this rank's input columns of A: the ranks' terms sum to the whole
-            y = self.lora(x, y, self.ops.linear)
+            y = self.lora(x, y, self.ops.linear, self.ops.threads)
         y = self.state.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

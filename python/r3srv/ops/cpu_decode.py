@@ -183,7 +183,7 @@ class FusedDecoderLayer:
         qkv = x.new_empty(rows, qkv_w.shape[0])
         linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), code, threads)
         if self.qkv_lora is not None:
-            qkv = self.qkv_lora(h, qkv, self.linear)
+            qkv = self.qkv_lora(h, qkv, self.linear, threads)
         q = x.new_empty(rows, heads, head_dim)
         k = x.new_empty(rows, kv_heads, head_dim)
         v = x.new_empty(rows, kv_heads, head_dim)
@@ -204,7 +204,7 @@ class FusedDecoderLayer:
         attended = torch.empty_like(x)
         linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), code, threads)
         if self.o_lora is not None:
-            attended = self.o_lora(o.view(rows, -1), attended, self.linear)
+            attended = self.o_lora(o.view(rows, -1), attended, self.linear, threads)
         x = x + attended
 
         # MoE: norm, router (a float32 gate takes the normed rows cast, as the modules cast them), expert pass
@@ -217,7 +217,7 @@ class FusedDecoderLayer:
         logits = routed.new_empty(rows, experts)
         linear((routed.data_ptr(), gate.data_ptr(), 0, logits.data_ptr()), (rows, experts, hidden), gate_code, threads)
         if self.gate_lora is not None:  # an adapted router: the rows follow it
-            logits = self.gate_lora(routed, logits, self.linear)
+            logits = self.gate_lora(routed, logits, self.linear, threads)
         top_k = self.top_k
         weights = torch.empty(rows, top_k, dtype=F32)
         ids = torch.empty(rows, top_k, dtype=torch.int32)
