@@ -25,24 +25,23 @@ tokens are checked (each adapter's continuation differs from the base's).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
-import time
 
 import pytest
 import torch
+from lora_steps import clock, decode, prefill, prompts, report, rounds_for, run
 from lora_testing import write_adapter, write_checkpoint
 from safetensors.torch import load_file
-from serial_cases import machine_description
 
-from r3srv import LLM, SamplingParams, _core
+from r3srv import LLM, SamplingParams
 from r3srv.lora.manager import adapter_from_tensors
 
 ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "5"))
 FAMILY, NUM_ADAPTERS, RANK, BATCH = "qwen3_moe", 16, 8, 16
 PREFILL_LEN, DECODE_PROMPT, DECODE_STEPS = 64, 16, 32
-WORKLOADS = {"base model": None, "lora engine, no adapter": 0, "1 adapter": 1, "4 adapters": 4, "16 adapters": 16}
 
 
 @pytest.fixture(scope="module")
@@ -62,82 +61,11 @@ def setup(tmp_path_factory):
     torch.set_num_threads(before)
 
 
-def names(adapters_in_batch: int | None) -> list[str | None]:
-    if not adapters_in_batch:
-        return [None] * BATCH
-    return [f"a{s % adapters_in_batch}" for s in range(BATCH)]
-
-
-def engine_for(setup, workload: int | None) -> LLM:
-    base, lora, _ = setup
-    return base if workload is None else lora
-
-
-def prompts(length: int, round_no: int) -> list[list[int]]:
-    return [[32 + (round_no * 31 + s * 17 + i * 13) % 90 for i in range(length)] for s in range(BATCH)]
-
-
-def clock(fn) -> tuple[float, float]:
-    w0, c0 = time.perf_counter(), time.thread_time()
-    fn()
-    return time.perf_counter() - w0, time.thread_time() - c0
-
-
-def prefill(llm: LLM, workload: int | None, r: int) -> tuple[float, float]:
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    batch, loras = prompts(PREFILL_LEN, r), names(workload)
-    kwargs = {} if workload is None else {"lora_name": loras}
-    return clock(lambda: llm.generate(batch, params, **kwargs))
-
-
-def decode(llm: LLM, workload: int | None, r: int) -> tuple[float, float]:
-    engine = llm.engine
-    params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
-    for i, (p, name) in enumerate(zip(prompts(DECODE_PROMPT, r), names(workload))):
-        engine.add_request(f"d{time.perf_counter_ns()}-{i}", p, params, lora_name=name)
-    while engine.step().num_prefill_tokens == 0:  # the prefill step, untimed
-        pass
-
-    def steps() -> None:
-        while engine.has_unfinished():
-            engine.step()
-
-    return clock(steps)
-
-
-def run(setup, one, rounds: int) -> dict[str, list[tuple[float, float]]]:
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in WORKLOADS}
-    order = list(WORKLOADS)
-    for name, workload in WORKLOADS.items():  # warm-up
-        one(engine_for(setup, workload), workload, 9999)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            workload = WORKLOADS[name]
-            times[name].append(one(engine_for(setup, workload), workload, r))
-    return times
-
-
-def report(title: str, times: dict[str, list[tuple[float, float]]], per: int) -> None:
-    cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
-    wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
-    print(f"\n{title} (one torch thread; thread CPU per step, wall per step; ratio to the base model's CPU time)")
-    for name in WORKLOADS:
-        print(f"  {name:24s} {1e3 * cpu[name] / per:8.3f} ms  {1e3 * wall[name] / per:8.3f} ms wall  "
-              f"{cpu[name] / cpu['base model']:5.2f}x")
-    print(f"  matrix kernel (the Rust expert and LoRA passes): {_core.expert_pairs_isa()}")
-    for key, value in machine_description().items():
-        print(f"  {key}: {value}")
-
-
-def rounds_for(benchmark) -> int:
-    return 1 if benchmark.disabled else ROUNDS  # bench-smoke: one checked round
-
-
 def test_adapters_change_the_tokens(setup):
     """What the timings run is LoRA: each adapter's greedy continuation differs from the base's."""
     base, lora, _ = setup
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    batch = prompts(DECODE_PROMPT, 0)[:4]
+    batch = prompts(4, DECODE_PROMPT, 0)
     plain = [o.outputs[0].token_ids for o in base.generate(batch, params)]
     same_as_base = [o.outputs[0].token_ids for o in lora.generate(batch, params, lora_name=[None] * 4)]
     adapted = [o.outputs[0].token_ids for o in lora.generate(batch, params, lora_name=["a0", "a1", "a2", "a3"])]
@@ -146,13 +74,15 @@ def test_adapters_change_the_tokens(setup):
 
 
 def test_prefill_steps(benchmark, setup):
-    times = run(setup, prefill, rounds_for(benchmark))
+    one = functools.partial(prefill, count=BATCH, length=PREFILL_LEN)
+    times = run(*setup[:2], one, rounds_for(benchmark, ROUNDS))
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     report(f"prefill: {BATCH} prompts x {PREFILL_LEN} tokens, one step", times, 1)
 
 
 def test_decode_steps(benchmark, setup):
-    times = run(setup, decode, rounds_for(benchmark))
+    one = functools.partial(decode, count=BATCH, length=DECODE_PROMPT, steps=DECODE_STEPS)
+    times = run(*setup[:2], one, rounds_for(benchmark, ROUNDS))
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     report(f"decode: {BATCH} sequences, {DECODE_STEPS} steps", times, DECODE_STEPS)
 
@@ -163,7 +93,7 @@ def test_replacing_in_memory_against_loading_from_disk(benchmark, setup):
     config = json.loads((paths[1] / "adapter_config.json").read_text())
     tensors = load_file(str(paths[1] / "adapter_model.safetensors"))
     from_disk, from_memory = [], []
-    for r in range(max(3, rounds_for(benchmark) * 2)):
+    for r in range(max(3, rounds_for(benchmark, ROUNDS) * 2)):
         for source in ("disk", "memory") if r % 2 == 0 else ("memory", "disk"):
             if source == "disk":
                 from_disk.append(clock(lambda: lora.load_lora_adapter("a0", str(paths[0])))[0])

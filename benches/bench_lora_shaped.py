@@ -19,26 +19,24 @@ thread's CPU time (wall printed beside it). The checkpoint (1.2 GB) is written o
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from lora_steps import decode, prefill, prompts, report, rounds_for, run
 from qwen3_moe_shaped import write_checkpoint
-from serial_cases import machine_description
 
-from r3srv import LLM, SamplingParams, _core
+from r3srv import LLM, SamplingParams
 from r3srv.lora.adapter import LoraAdapter, LoraPair
 from r3srv.models.parallel import checkpoint_shape
 
 ROUNDS = int(os.environ.get("R3SRV_BENCH_ROUNDS", "3"))
 NUM_ADAPTERS, RANK, BATCH, DECODE_PROMPT, DECODE_STEPS = 16, 16, 16, 16, 8
 PREFILL_PROMPTS, PREFILL_LEN = 4, 128
-WORKLOADS = {"base model": None, "lora engine, no adapter": 0, "1 adapter": 1, "4 adapters": 4, "16 adapters": 16}
 TARGETS = re.compile(r"self_attn\.[qkvo]_proj\.weight$|mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -75,71 +73,6 @@ def setup():
     torch.set_num_threads(before)
 
 
-def names(adapters_in_batch: int | None, count: int) -> list[str | None]:
-    return [None if not adapters_in_batch else f"a{s % adapters_in_batch}" for s in range(count)]
-
-
-def prompts(count: int, length: int, round_no: int) -> list[list[int]]:
-    return [[32 + (round_no * 31 + s * 17 + i * 13) % 90 for i in range(length)] for s in range(count)]
-
-
-def clock(fn) -> tuple[float, float]:
-    w0, c0 = time.perf_counter(), time.thread_time()
-    fn()
-    return time.perf_counter() - w0, time.thread_time() - c0
-
-
-def prefill(llm: LLM, workload: int | None, r: int) -> tuple[float, float]:
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    batch = prompts(PREFILL_PROMPTS, PREFILL_LEN, r)
-    return clock(lambda: llm.generate(batch, params, lora_name=names(workload, PREFILL_PROMPTS)))
-
-
-def decode(llm: LLM, workload: int | None, r: int) -> tuple[float, float]:
-    engine = llm.engine
-    params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
-    for i, (p, name) in enumerate(zip(prompts(BATCH, DECODE_PROMPT, r), names(workload, BATCH))):
-        engine.add_request(f"d{time.perf_counter_ns()}-{i}", p, params, lora_name=name)
-    while engine.step().num_prefill_tokens == 0:  # the prefill step, untimed
-        pass
-
-    def steps() -> None:
-        while engine.has_unfinished():
-            engine.step()
-
-    return clock(steps)
-
-
-def run(setup, one, rounds: int) -> dict[str, list[tuple[float, float]]]:
-    base, lora = setup
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in WORKLOADS}
-    order = list(WORKLOADS)
-    for name, workload in WORKLOADS.items():  # warm-up
-        one(base if workload is None else lora, workload, 9999)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            workload = WORKLOADS[name]
-            times[name].append(one(base if workload is None else lora, workload, r))
-    return times
-
-
-def report(title: str, setup, times: dict[str, list[tuple[float, float]]], per: int) -> None:
-    cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
-    wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
-    dtype = setup[0].engine.core.executor.runner.model.dtype
-    print(f"\n{title} ({dtype}, one torch thread; thread CPU per step, wall per step; ratio to the base model's CPU time)")
-    for name in WORKLOADS:
-        print(f"  {name:24s} {1e3 * cpu[name] / per:9.2f} ms  {1e3 * wall[name] / per:9.2f} ms wall  "
-              f"{cpu[name] / cpu['base model']:5.2f}x")
-    print(f"  matrix kernel (the Rust expert and LoRA passes): {_core.expert_pairs_isa()}")
-    for key, value in machine_description().items():
-        print(f"  {key}: {value}")
-
-
-def rounds_for(benchmark) -> int:
-    return 1 if benchmark.disabled else ROUNDS  # bench-smoke: one checked round
-
-
 def test_adapters_change_the_routing(setup):
     """What the timings run is LoRA: under each adapter the router picks other experts than the
     base's (this random model's greedy tokens barely move: its logits are nearly one-hot)."""
@@ -157,12 +90,18 @@ def test_adapters_change_the_routing(setup):
 
 
 def test_prefill_steps(benchmark, setup):
-    times = run(setup, prefill, rounds_for(benchmark))
+    one = functools.partial(prefill, count=PREFILL_PROMPTS, length=PREFILL_LEN)
+    times = run(*setup, one, rounds_for(benchmark, ROUNDS))
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    report(f"prefill: {PREFILL_PROMPTS} prompts x {PREFILL_LEN} tokens, one step", setup, times, 1)
+    report(f"prefill: {PREFILL_PROMPTS} prompts x {PREFILL_LEN} tokens, one step, {dtype(setup)}", times, 1)
 
 
 def test_decode_steps(benchmark, setup):
-    times = run(setup, decode, rounds_for(benchmark))
+    one = functools.partial(decode, count=BATCH, length=DECODE_PROMPT, steps=DECODE_STEPS)
+    times = run(*setup, one, rounds_for(benchmark, ROUNDS))
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    report(f"decode: {BATCH} sequences, {DECODE_STEPS} steps", setup, times, DECODE_STEPS)
+    report(f"decode: {BATCH} sequences, {DECODE_STEPS} steps, {dtype(setup)}", times, DECODE_STEPS)
+
+
+def dtype(setup) -> str:
+    return str(setup[0].engine.core.executor.runner.model.dtype).removeprefix("torch.")
