@@ -8,13 +8,14 @@ bench_lora.py measures the same on a tiny model (hidden 64), where a step's fixe
 an upper bound of the relative cost. Here the weights a step reads dominate, as they do serving
 a real checkpoint. The adapters target q/k/v/o and the routed experts (transformers 5's stacked
 gate_up_proj / down_proj), built in memory as a trainer pushes them (`LoraAdapter`) with random
-A and B large enough to change the routing (checked). Routed experts are returned, as in RL. Two engines in one process at r3srv's
-default dtype, one torch thread: the base (no --enable-lora) and one holding the 16 adapters.
-A workload is 16 sequences, under no adapter or spread round-robin over 1, 4 or 16 adapters;
-prefill: 4 prompts of 128 tokens in one step; decode: 16 sequences of 16-token prompts, DECODE_STEPS
-steps timed on their own. Rounds alternate the workloads' order; the clock is the calling
-thread's CPU time (wall printed beside it). The checkpoint (1.2 GB) is written once into
-`$R3SRV_BENCH_CACHE` (default: a temporary directory).
+A and B large enough to change the routing (checked). Routed experts are returned, as in RL.
+Two engines in one process at r3srv's default dtype, one torch thread: the base (no
+--enable-lora) and one holding the 16 adapters. A workload is 16 sequences, under no adapter or
+spread round-robin over 1, 4 or 16 adapters (benches/lora_steps.py); prefill: 4 prompts of 128
+tokens in one step; decode: 16 sequences of 16-token prompts, DECODE_STEPS steps timed on their
+own. Rounds alternate the workloads' order; the clock is the calling thread's CPU time (wall
+printed beside it). The checkpoint (1.2 GB) is written once into `$R3SRV_BENCH_CACHE` (default:
+a temporary directory).
 """
 
 from __future__ import annotations

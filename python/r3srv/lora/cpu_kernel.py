@@ -114,8 +114,8 @@ def linear_delta(x: torch.Tensor, y: torch.Tensor, table: SlotTable | None, toke
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != token_slots.shape[0] or y.shape[0] != x.shape[0]:
         return None
     delta = y.new_zeros(y.shape, dtype=torch.float32)
-    if not _add_low_rank(x.float().contiguous(), delta, table, torch.zeros_like(token_slots), token_slots + 1, table.dtype,
-                         threads):
+    rows = x.float().contiguous()
+    if not _add_low_rank(rows, delta, table, torch.zeros_like(token_slots), token_slots + 1, table.dtype, threads):
         return y
     return y + delta.to(y.dtype)
 
