@@ -14,7 +14,9 @@ Three workloads, each timed end to end over HTTP with token-id prompts and ignor
   single      one request of 512 prompt + 64 output tokens at a time (latency)
   throughput  64 requests of 256 + 64 tokens, 16 in flight (wall time for all)
   long        one 4,000-token prompt + 16 output tokens (prefill)
-Rounds alternate the servers (and who goes first), so drift in the machine's load hits both;
+Rounds alternate the servers (and who goes first), so drift in the machine's load hits both,
+and each run waits until both servers are idle (a server's threads spin on after its last
+request and would take a core from the other);
 each line prints the median of the per-round ratios vLLM time / r3srv time (> 1: r3srv is
 faster) with their min and max, and the same for the CPU seconds each server's processes spent
 on the workload (benches/process_cpu.py): on a loaded machine wall time also measures the share
@@ -128,12 +130,26 @@ def compare(r3srv: tuple[str, int], vllm: tuple[str, int], vocab: int, rounds: i
             order = list(servers) if i % 2 == 0 else list(servers)[::-1]
             for who in order:
                 url, pid = servers[who]
+                wait_until_idle([p for _, p in servers.values()])
                 cpu = tree_cpu_seconds(pid)
                 wall = asyncio.run(run_workload(url, prompts, gen, in_flight, who == "r3srv"))
                 took = measures.setdefault(name, {}).setdefault(who, {"wall": [], "cpu": []})
                 took["wall"].append(wall)
                 took["cpu"].append(tree_cpu_seconds(pid) - cpu)
     return measures
+
+
+def wait_until_idle(pids: list[int], window: float = 0.1, limit: float = 5.0) -> None:
+    """Until the servers' processes together spend under a tenth of a core over `window` seconds
+    (at most `limit` seconds): a server's threads keep spinning for a while after its last
+    request (Intel's OpenMP, which vLLM-CPU preloads, spins 200 ms by default), and on a 2-core
+    machine they would take a core from the server timed next."""
+    deadline = time.perf_counter() + limit
+    while time.perf_counter() < deadline:
+        before = sum(tree_cpu_seconds(p) for p in pids)
+        time.sleep(window)
+        if sum(tree_cpu_seconds(p) for p in pids) - before < 0.1 * window:
+            return
 
 
 def round_ratios(took: dict[str, dict[str, list[float]]], kind: str) -> list[float]:
