@@ -723,24 +723,14 @@ unsafe fn gemm_nt_avx2<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f32]
 
 /// How far ahead of the block being computed `gemm_nt_avx2` asks for weight rows: a chunk's
 /// first pass over a row block otherwise waits on memory the hardware prefetcher has not
-/// guessed (each row block is only a few KiB).
-const PREFETCH_ROWS_AHEAD: usize = 8;
+/// guessed (each row block is only a few KiB, and its rows start a new page).
+const PREFETCH_ROWS_AHEAD: usize = 16;
 
-/// Asks for rows [first, first + count) of m [_, cols] to be brought into the cache.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+/// Asks for rows [first, first + count) of m [_, cols] to be brought into the L2 cache.
 #[inline]
 fn prefetch_rows<W: Element>(m: &[W], cols: usize, first: usize, count: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    if count == 0 {
-        return;
-    }
-    let rows = &m[first * cols..(first + count) * cols];
-    let bytes = std::mem::size_of_val(rows);
-    let base = rows.as_ptr() as *const i8;
-    for offset in (0..bytes).step_by(64) {
-        // SAFETY: the address lies within `rows`; a prefetch never faults or writes anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(offset)) };
+    if count > 0 {
+        crate::prefetch::prefetch_l2(&m[first * cols..(first + count) * cols]);
     }
 }
 

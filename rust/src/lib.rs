@@ -19,6 +19,7 @@ pub mod npy_header;
 pub mod paged_attn;
 pub mod paged_prefill;
 pub mod pair_projection;
+mod prefetch;
 pub mod qk_rope;
 pub mod rms_norm;
 pub mod router_cpu;

@@ -395,23 +395,16 @@ fn tile_slots<T: Element>(d: &PagedDecode<'_, T>, table: &[i64], lo: usize, n: u
 }
 
 /// Asks for the key and value rows of every KV head at `slots` (the next tile's) to be brought
-/// into the cache while the tile at hand is computed: a tile's rows sit in scattered blocks, a
+/// into the L2 cache while the tile at hand is computed: a tile's rows sit in scattered blocks, a
 /// few KiB each, that the hardware prefetcher does not foresee.
 #[inline(always)]
 pub(crate) fn prefetch_slots<T: Element>(d: &PagedDecode<'_, T>, slots: &[usize]) {
-    #[cfg(target_arch = "x86_64")]
     for &slot in slots {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for row in (0..d.k.heads).flat_map(|h| [d.k.at(slot, h), d.v.at(slot, h)]) {
-            let first = row.as_ptr() as *const i8;
-            for at in (0..std::mem::size_of_val(row)).step_by(64) {
-                // SAFETY: the address lies within `row`; a prefetch never faults or writes.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(first.add(at)) };
-            }
+        for h in 0..d.k.heads {
+            crate::prefetch::prefetch_l2(d.k.at(slot, h));
+            crate::prefetch::prefetch_l2(d.v.at(slot, h));
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (d, slots);
 }
 
 /// Up to this many query heads share each load of a key or value row (their running sums
