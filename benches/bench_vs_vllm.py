@@ -8,7 +8,8 @@ bfloat16 by default), r3srv with routed experts ON, vLLM in its default CPU mode
 is started as a user would start it, with only the model, dtype, context length (4,096 for
 both) and served name given; the thread count is the workload's (R3SRV_CPU_THREADS for r3srv,
 the peer recipe's VLLM_THREADS for vLLM). It prints the processor and the instruction sets
-each side can use first, and the decode roofline (benches/decode_roofline.py) last.
+each side can use first, the long prompt against its compute floor (benches/prefill_floor.py)
+after each table, and the decode roofline (benches/decode_roofline.py) last.
 
 Three workloads, each timed end to end over HTTP with token-id prompts and ignore_eos:
   single      one request of 512 prompt + 64 output tokens at a time (latency)
@@ -196,7 +197,8 @@ def run(model: str | None, threads_list: list[int], rounds: int, venv: str,
     checkpoint = model or str(builtin_model_dir())
     import json
 
-    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    vocab = config["vocab_size"]
     print(processor_line(), flush=True)
     results = {}
     for dtype in dtypes:
@@ -220,7 +222,21 @@ def run(model: str | None, threads_list: list[int], rounds: int, venv: str,
                 finally:
                     theirs.stop()
             print_table(f"{dtype} threads={threads}", results[dtype, threads])
+            print_long_floor(config, dtype, threads, results[dtype, threads]["long"])
     return results
+
+
+def print_long_floor(config: dict, dtype: str, threads: int, took: dict[str, dict[str, list[float]]]) -> None:
+    """The long workload's median times against its prompt's compute floor (benches/prefill_floor.py),
+    where the model is one prefill_floor counts."""
+    from prefill_floor import floor_line
+
+    times = {who: statistics.median(took[key]["wall"]) for who, key in (("vLLM", "vllm"), ("r3srv", "r3srv"))}
+    try:
+        line = floor_line(config, WORKLOADS["long"][0], dtype, threads, times)
+    except ValueError as exc:
+        line = f"prefill floor: {exc}"
+    print(f"{line} (each time with its {WORKLOADS['long'][1]} decode steps and HTTP)", flush=True)
 
 
 def test_r3srv_vs_vllm_cpu():
