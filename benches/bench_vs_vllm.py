@@ -194,10 +194,10 @@ def run(model: str | None, threads_list: list[int], rounds: int, venv: str,
         dtypes: tuple[str, ...] = ("float32",)) -> dict[tuple[str, int], dict[str, list[float]]]:
     from r3srv.models.builtin import builtin_model_dir
 
-    checkpoint = model or str(builtin_model_dir())
-    import json
+    from prefill_floor import model_config
 
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    checkpoint = model or str(builtin_model_dir())
+    config = model_config(checkpoint)
     vocab = config["vocab_size"]
     print(processor_line(), flush=True)
     results = {}

@@ -29,21 +29,26 @@ from r3srv.kernels import expert_pairs_cpu, linear_cpu, paged_decode_cpu
 PROMPT, STEPS = 256, 48
 
 
-def read_bandwidth(threads: int, mib: int = 512) -> float:
-    """Bytes per second a sum over `mib` MiB reads on `threads` torch threads (median of 5)."""
+def median_seconds(threads: int, run, times: int = 5) -> float:
+    """Median wall seconds of `run()` on `threads` torch threads, after one untimed call."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        data = torch.ones(mib << 18)  # float32
-        data.sum()
-        times = []
-        for _ in range(5):
+        run()
+        took = []
+        for _ in range(times):
             start = time.perf_counter()
-            data.sum()
-            times.append(time.perf_counter() - start)
-        return data.numel() * 4 / statistics.median(times)
+            run()
+            took.append(time.perf_counter() - start)
+        return statistics.median(took)
     finally:
         torch.set_num_threads(before)
+
+
+def read_bandwidth(threads: int, mib: int = 512) -> float:
+    """Bytes per second a sum over `mib` MiB reads on `threads` torch threads (median of 5)."""
+    data = torch.ones(mib << 18)  # float32
+    return data.numel() * 4 / median_seconds(threads, data.sum)
 
 
 # the Rust kernels a CPU decode step calls, by the kernel module attribute the callers look up

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from decode_roofline import median_seconds
 
 
 def prompt_flops(config: dict, tokens: int, causal: bool = True, lm_head_tokens: int = 1) -> int:
@@ -50,19 +51,8 @@ def prompt_flops(config: dict, tokens: int, causal: bool = True, lm_head_tokens:
 
 def gemm_rate(threads: int, dtype: torch.dtype, size: int = 2048) -> float:
     """FLOP/s of torch's own square GEMM of `size` on `threads` threads (median of 5)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-        a @ b
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-        return 2 * size**3 / statistics.median(times)
-    finally:
-        torch.set_num_threads(before)
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    return 2 * size**3 / median_seconds(threads, lambda: a @ b)
 
 
 def model_config(model_dir: str | None) -> dict:
