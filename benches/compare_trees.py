@@ -2,7 +2,7 @@
 as same-run ratios: did a change make the engine slower or faster?
 
     git archive BASE python | tar -x -C /tmp/base && cp python/r3srv/_core*.so /tmp/base/python/r3srv/
-    .venv/bin/python benches/compare_trees.py /tmp/base [--rounds 7] [--workloads vllm] [--threads 2]
+    .venv/bin/python benches/compare_trees.py /tmp/base [--rounds 7] [--workloads vllm] [--threads 2] [--dtype bfloat16]
 
 --workloads decode (default): the decode cases below. --workloads vllm: bench_vs_vllm.py's three
 (one 512+64-token request; 16 requests of 256+64 at once; one 4,000-token prompt, 1 token out),
@@ -30,7 +30,7 @@ CASES = {"decode x1": (1, 128), "decode x8": (8, 64)}  # sequences, steps
 VLLM_CASES = {"single 512+64": (1, 512, 64), "16 x (256+64)": (16, 256, 64), "prefill 4000": (1, 4000, 1)}
 
 
-def worker(workloads: str, threads: int) -> None:
+def worker(workloads: str, threads: int, dtype: str) -> None:
     """Serve rounds from stdin: each line a round number, each answer a JSON line of rates."""
     import time
 
@@ -42,7 +42,7 @@ def worker(workloads: str, threads: int) -> None:
     from r3srv import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM(enable_return_routed_experts=True, max_model_len=4096, enable_prefix_caching=False, max_num_seqs=16,
+    llm = LLM(dtype=dtype, enable_return_routed_experts=True, max_model_len=4096, enable_prefix_caching=False, max_num_seqs=16,
               max_num_batched_tokens=4096)
 
     def decode(name: str, r: int) -> tuple[float, float]:
@@ -68,9 +68,9 @@ def worker(workloads: str, threads: int) -> None:
         print(json.dumps({name: run(name, r) for name in cases}), flush=True)
 
 
-def start(tree: Path, workloads: str, threads: int) -> subprocess.Popen:
+def start(tree: Path, workloads: str, threads: int, dtype: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(tree / "python"), R3SRV_CPU_THREADS=str(threads))
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", workloads, str(threads)], env=env, stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, __file__, "--worker", workloads, str(threads), dtype], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert json.loads(proc.stdout.readline())["ready"]
     return proc
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--workloads", choices=("decode", "vllm"), default="decode")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the engines' dtype")
     args = parser.parse_args()
     cases = VLLM_CASES if args.workloads == "vllm" else CASES
     unit = "runs" if args.workloads == "vllm" else "tok"
@@ -90,7 +91,7 @@ def main() -> None:
     # two pairs of workers, started in opposite orders: the same tree in both workers of a pair
     # measured up to 10% apart depending on which started first (an A/A run)
     for pair, order in enumerate((("this", "base"), ("base", "this"))):
-        workers = {name: start(trees[name], args.workloads, args.threads) for name in order}
+        workers = {name: start(trees[name], args.workloads, args.threads, args.dtype) for name in order}
         for r in range(args.rounds):
             for name in order if r % 2 == 0 else order[::-1]:
                 workers[name].stdin.write(f"{pair * args.rounds + r}\n")
@@ -109,6 +110,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], int(sys.argv[3]))
+        worker(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:
         main()

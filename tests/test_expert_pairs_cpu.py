@@ -96,7 +96,8 @@ def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, bias
     args = random_experts(seed, tokens, experts, min(top_k, experts), hidden, inter, act, *biases)
     if listed:
         args = as_list(args, seed)
-    if bfloat16:  # the same values in bfloat16: the float32 pass on them, rounded once
+    if bfloat16:  # the same values in bfloat16: the float32 pass on them, rounded once (an expert with 64
+        # pairs or more also rounds its activation: test_wide_bfloat16_chunks_round_the_activation)
         args = float_args(args, torch.bfloat16)
     got = expert_pairs(*args)
     assert got is not None and got.shape == (tokens, hidden) and got.dtype == args[0].dtype
@@ -108,6 +109,38 @@ def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, bias
         return
     torch.testing.assert_close(got, torch_pass(args, "pairs"), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, torch_pass(args, "sorted"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_wide_bfloat16_chunks_round_the_activation(act, seed):
+    """An expert's pairs from 64 on (a prefill's) run as wide chunks, which in bfloat16 round the
+    activation to bfloat16 before the second product, as transformers' bfloat16 experts do (on
+    AVX-512 BF16 CPUs in its dot-product kernel): float64 products with that rounding, the sum
+    rounded once, against the kernel; the float32 activation is a measurably different result."""
+    x, w13, w2, weights, ids, _, b13, b2, activation = float_args(
+        random_experts(seed, 300, 4, 2, 96, 48, act, True, True), torch.bfloat16)
+    assert ids.numel() // 4 >= 64 * 2, "every expert wide"
+    got = expert_pairs(x, w13, w2, weights, ids, None, b13, b2, activation)
+
+    def oracle(round_activation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass, and the sum of its second product's terms' sizes (what one bfloat16 step of
+        an activation value, where the kernel's float32 h and ours round apart, moves it by)."""
+        h = torch.einsum("th,tkrh->tkr", x.double(), w13[ids.long()].double())
+        a = activation((h + b13[ids.long()].double()).float())  # ops/experts.py's activation
+        if round_activation:
+            a = a.bfloat16()
+        w2s = w2[ids.long()].double()
+        o = torch.einsum("tki,tkhi->tkh", a.double(), w2s) + b2[ids.long()].double()
+        sizes = torch.einsum("tki,tkhi->tkh", a.double().abs(), w2s.abs())
+        w = weights.double().unsqueeze(-1)
+        return (w * o).sum(1), (w.abs() * sizes).sum(1)
+
+    want, sizes = oracle(True)
+    err = (got.double() - want).abs()
+    assert (err <= 2**-8 * want.abs() + 2**-8 * sizes + 1e-5).all(), "one rounding of the sum, one step of an activation"
+    unrounded = oracle(False)[0]
+    assert err.sum() < 0.9 * (got.double() - unrounded).abs().sum(), "nearer the rounded activation's pass"
 
 
 @pytest.mark.parametrize("listed", [False, True])

@@ -10,7 +10,9 @@
 //! the grouping or chunking, so a token whose experts have few pairs gets the bits it gets
 //! alone; a wide chunk's are within float32 rounding of those. The thread count never changes
 //! a bit. Tensors hold float32 or bfloat16 (`Element`); the arithmetic is float32 throughout,
-//! bfloat16 rounded once at the end.
+//! bfloat16 rounded once at the end, except that a wide bfloat16 chunk rounds its activations
+//! to bfloat16 before the second product (as transformers' bfloat16 experts do), which lets it
+//! run on the AVX-512 BF16 dot-product kernel (`matmul_bf16`) where the CPU has one.
 //!
 //! Threads (`workers`' pool) take chunks from a shared counter, and only for calls large
 //! enough to pay for waking them (`PARALLEL_MIN_MACS`).
@@ -27,6 +29,9 @@ pub trait Element: Copy + Send + Sync + 'static {
 
     /// The slice itself when it already holds f32.
     fn as_f32s(s: &[Self]) -> Option<&[f32]>;
+
+    /// The slice itself when it holds bfloat16.
+    fn as_bf16s(s: &[Self]) -> Option<&[Bf16]>;
 
     /// Eight elements from `p`, widened to f32. The impls are compiled for the features they
     /// use (`#[target_feature]`) so that their intrinsics inline into the kernels (see
@@ -56,6 +61,10 @@ impl Element for f32 {
 
     fn as_f32s(s: &[Self]) -> Option<&[f32]> {
         Some(s)
+    }
+
+    fn as_bf16s(_: &[Self]) -> Option<&[Bf16]> {
+        None
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -96,6 +105,10 @@ impl Element for Bf16 {
 
     fn as_f32s(_: &[Self]) -> Option<&[f32]> {
         None
+    }
+
+    fn as_bf16s(s: &[Self]) -> Option<&[Bf16]> {
+        Some(s)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -510,7 +523,8 @@ thread_local! {
 }
 
 /// One thread's buffers for a chunk: inputs [n, H], h [n, R], a [n, I]; and a wide
-/// chunk's expert weights widened to f32 when they are not (w13 [R, H], w2 [H, I]).
+/// chunk's expert weights widened to f32 when they are not (w13 [R, H], w2 [H, I]), or
+/// packed for the bfloat16 dot-product kernel.
 #[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
@@ -518,6 +532,29 @@ struct Scratch {
     a: Vec<f32>,
     w13: Vec<f32>,
     w2: Vec<f32>,
+    bf16: crate::matmul_bf16::Buffers,
+}
+
+/// out [n, rows] = xs [n, K] @ m [rows, K]^T for a wide chunk. Bfloat16 weights take the
+/// AVX-512 BF16 dot-product kernel where the CPU has it, which rounds xs to bfloat16; elsewhere
+/// xs is rounded here, so that both compute the same products (in their own orders) through
+/// `matmul`'s float32 kernels over the weights widened into `widened`. Float32 weights: `matmul`.
+fn wide_nt<W: Element>(m: &[W], rows: usize, xs: &mut [f32], out: &mut [f32], widened: &mut Vec<f32>,
+                       packed: &mut crate::matmul_bf16::Buffers) {
+    match W::as_bf16s(m) {
+        Some(m) if crate::matmul_bf16::runs() => crate::matmul_bf16::matmul_nt_bf16(m, rows, xs, out, packed),
+        _ => wide_nt_widened(m, rows, xs, out, widened),
+    }
+}
+
+/// `wide_nt` without the dot-product kernel.
+fn wide_nt_widened<W: Element>(m: &[W], rows: usize, xs: &mut [f32], out: &mut [f32], widened: &mut Vec<f32>) {
+    if W::as_bf16s(m).is_some() {
+        for v in xs.iter_mut() {
+            *v = Bf16::from_f32(*v).to_f32();
+        }
+    }
+    crate::matmul::matmul_nt(as_f32(m, widened), rows, xs, out)
 }
 
 /// `w` as f32: itself, or widened into `buffer`.
@@ -544,7 +581,7 @@ impl<W: Element> Experts<'_, W> {
         s.a.resize(n * i, 0.0);
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
         if chunk.wide {
-            crate::matmul::matmul_nt(as_f32(w13, &mut s.w13), r, &s.x, &mut s.h);
+            wide_nt(w13, r, &mut s.x, &mut s.h, &mut s.w13, &mut s.bf16);
         } else {
             gemm_nt(isa, w13, r, &s.x, &mut s.h);
         }
@@ -556,7 +593,7 @@ impl<W: Element> Experts<'_, W> {
             _ => activate(self.act, b13, r, i, &mut s.h, &mut s.a),
         }
         if chunk.wide {
-            crate::matmul::matmul_nt(as_f32(w2, &mut s.w2), hid, &s.a, o);
+            wide_nt(w2, hid, &mut s.a, o, &mut s.w2, &mut s.bf16);
         } else {
             gemm_nt(isa, w2, hid, &s.a, o);
         }
@@ -1080,8 +1117,9 @@ mod tests {
         v.into_iter().map(W::from_f32).collect()
     }
 
-    /// The pass by its definition, in float64 (the activation's exp in float32's own formula).
-    fn pass_f64<W: Element>(experts: &Experts<W>, x: &[W], tokens: &[i32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
+    /// The pass by its definition, in float64 (the activation's exp in float32's own formula;
+    /// the activation rounded to bfloat16 when `round_act`, as a wide bfloat16 chunk does).
+    fn pass_f64<W: Element>(experts: &Experts<W>, x: &[W], tokens: &[i32], ids: &[i32], weights: &[f32], round_act: bool) -> Vec<f64> {
         let (hid, i, r) = (experts.hidden, experts.inter, experts.rows13());
         let mut out = vec![0.0f64; x.len()];
         for p in 0..ids.len() {
@@ -1093,6 +1131,9 @@ mod tests {
             }
             let mut a = vec![0.0f32; i];
             experts.act.apply(&h, &mut a);
+            if round_act {
+                a.iter_mut().for_each(|v| *v = Bf16::from_f32(*v).to_f32());
+            }
             let o = gemv_f64(&experts.w2[e * hid * i..(e + 1) * hid * i], &a, hid);
             for c in 0..hid {
                 let bias = experts.b2.map_or(0.0, |b2| b2[e * hid + c].to_f32() as f64);
@@ -1150,7 +1191,7 @@ mod tests {
                 (PairTokens::List(&listed(&grid)), listed(&grid), listed(&ids), list_weights),
             ];
             for (tokens_arg, pair_tokens, ids, weights) in &cases {
-                let want = pass_f64(&experts, &x, pair_tokens, ids, weights);
+                let want = pass_f64(&experts, &x, pair_tokens, ids, weights, false);
                 for isa in isas() {
                     let mut out = vec![W::from_f32(f32::NAN); tokens * hid];
                     expert_pairs(&experts, &x, *tokens_arg, ids, weights, &mut out, 1, isa).unwrap();
@@ -1298,6 +1339,56 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Wide bfloat16 chunks (the dot-product kernel where the CPU has it): the definition with
+    /// the activation rounded to bfloat16, within float32 sums' rounding and the output's
+    /// bfloat16 rounding, and the same bits on any thread count.
+    #[test]
+    fn wide_bfloat16_chunks_round_the_activation_and_keep_their_bits_across_threads() {
+        let (e, hid, inter, top_k, tokens) = (3, 96, 40, 2, 200);
+        for act in [Activation::SiluAndMul, Activation::ReluSquared] {
+            let r = inter * act.rows_per_unit();
+            let (w13, w2): (Vec<Bf16>, Vec<Bf16>) = (cast(values(21, e * r * hid)), cast(values(22, e * hid * inter)));
+            let b13: Vec<Bf16> = cast(values(23, e * r));
+            let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
+            let x: Vec<Bf16> = cast(values(24, tokens * hid));
+            let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
+            assert!(tokens * top_k / e >= WIDE_MIN_PAIRS, "every expert's chunk must be wide");
+            let weights = values(25, tokens * top_k);
+            let grid: Vec<i32> = (0..tokens * top_k).map(|p| (p / top_k) as i32).collect();
+            let want = pass_f64(&experts, &x, &grid, &ids, &weights, true);
+            let run = |threads: usize| {
+                let mut out = vec![Bf16::from_f32(f32::NAN); tokens * hid];
+                expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, threads, Isa::default_kernel()).unwrap();
+                out
+            };
+            let one = run(1);
+            for (got, want) in one.iter().zip(&want) {
+                let got = got.to_f32() as f64;
+                assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()) + want.abs() / 256.0, "{act:?}: {got} vs {want}");
+            }
+            assert_eq!(one, run(2), "{act:?}: two threads");
+        }
+    }
+
+    /// The dot-product kernel and the widened path compute the same products (in their orders).
+    #[test]
+    fn the_bfloat16_kernel_and_the_widened_path_agree() {
+        if !crate::matmul_bf16::runs() {
+            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+            return;
+        }
+        let (rows, cols, n) = (130, 200, 70);
+        let m: Vec<Bf16> = cast(values(31, rows * cols));
+        let xs = values(32, n * cols);
+        let (mut dot, mut widened) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+        wide_nt(&m, rows, &mut xs.clone(), &mut dot, &mut Vec::new(), &mut Default::default());
+        wide_nt_widened(&m, rows, &mut xs.clone(), &mut widened, &mut Vec::new());
+        for (a, b) in dot.iter().zip(&widened) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        assert_ne!(dot, widened, "two orders of the sums: the kernel must have run");
     }
 
     #[test]

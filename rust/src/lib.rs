@@ -15,6 +15,7 @@ pub mod layout;
 pub mod linear;
 pub mod lists;
 pub mod matmul;
+pub mod matmul_bf16;
 pub mod npy_header;
 pub mod paged_attn;
 pub mod paged_prefill;

@@ -1,0 +1,232 @@
+//! out [n, rows] = xs [n, K] @ m [rows, K]^T with bfloat16 operands and float32 sums, in the
+//! AVX-512 BF16 dot-product instruction (VDPBF16PS: 32 multiply-adds of bfloat16 pairs into 16
+//! float32 lanes, twice the float32 FMA's): the expert pass's wide bfloat16 chunks (a
+//! prefill's hundreds of pairs per expert). The inputs xs arrive as float32 and are rounded to
+//! bfloat16 (the experts' inputs are bfloat16 already; their activations are rounded, as a
+//! bfloat16 model's experts do in transformers and vLLM). Its summation order is its own, and
+//! the instruction treats subnormal inputs as zero; `reference` is the same product in portable
+//! code, the tests' oracle beside an f64 one.
+
+use crate::expert_pairs::{Bf16, Element};
+
+/// Weight rows per panel: four 16-lane registers of one k-pair each.
+const PANEL_ROWS: usize = 64;
+/// Vectors (xs rows) per register block: 4 x 6 accumulators, 4 weight registers and one
+/// broadcast within the 32 registers.
+const BLOCK_VECTORS: usize = 6;
+
+/// Whether this CPU has AVX-512F and AVX-512 BF16, detected once.
+pub fn runs() -> bool {
+    static RUNS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *RUNS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16") {
+            return true;
+        }
+        false
+    })
+}
+
+/// A thread's buffers: xs as bfloat16 pairs [n, K2] and one weight panel [K2, PANEL_ROWS]
+/// (K2 = K rounded up to pairs; an odd K's last pair holds a zero).
+#[derive(Default)]
+pub struct Buffers {
+    xs: Vec<u32>,
+    panel: Vec<u32>,
+}
+
+/// The pair (lo, hi) as VDPBF16PS reads it: lo in the low 16 bits.
+fn pair(lo: Bf16, hi: Bf16) -> u32 {
+    lo.0 as u32 | (hi.0 as u32) << 16
+}
+
+/// xs [n, K] rounded to bfloat16 pairs into `dst` [n, K2].
+///
+/// # Safety
+/// The CPU must support AVX-512F and AVX-512 BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pack_vectors(xs: &[f32], cols: usize, dst: &mut Vec<u32>) {
+    use std::arch::x86_64::*;
+    let k2 = cols.div_ceil(2);
+    dst.clear();
+    dst.resize(xs.len() / cols * k2, 0);
+    for (row, out) in xs.chunks_exact(cols).zip(dst.chunks_exact_mut(k2)) {
+        // 32 values a time in the instruction's own rounding (to nearest even, subnormals to zero,
+        // as the products treat them anyway), the rest one by one
+        let mut c = 0;
+        while c + 32 <= cols {
+            let (lo, hi) = (_mm512_loadu_ps(row.as_ptr().add(c)), _mm512_loadu_ps(row.as_ptr().add(c + 16)));
+            let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(out.as_mut_ptr().add(c / 2) as *mut _, both);
+            c += 32;
+        }
+        for (kk, p) in row[c..].chunks(2).enumerate() {
+            out[c / 2 + kk] = pair(Bf16::from_f32(p[0]), p.get(1).map_or(Bf16(0), |&v| Bf16::from_f32(v)));
+        }
+    }
+}
+
+/// Rows first..first + PANEL_ROWS of m [rows, K] as [K2, PANEL_ROWS] pairs, rows past the end zero.
+fn pack_panel(m: &[Bf16], rows: usize, cols: usize, first: usize, dst: &mut Vec<u32>) {
+    let k2 = cols.div_ceil(2);
+    dst.clear();
+    dst.resize(k2 * PANEL_ROWS, 0);
+    for r in 0..PANEL_ROWS.min(rows - first) {
+        let row = &m[(first + r) * cols..(first + r + 1) * cols];
+        for (kk, p) in row.chunks(2).enumerate() {
+            dst[kk * PANEL_ROWS + r] = pair(p[0], p.get(1).copied().unwrap_or(Bf16(0)));
+        }
+    }
+}
+
+/// out [n, rows] = bf16(xs) [n, K] @ m [rows, K]^T, K = m.len() / rows.
+///
+/// # Panics
+/// When the lengths disagree (as `matmul::matmul_nt`), or when this CPU lacks AVX-512 BF16
+/// (`runs`).
+pub fn matmul_nt_bf16(m: &[Bf16], rows: usize, xs: &[f32], out: &mut [f32], buffers: &mut Buffers) {
+    assert!(runs(), "matmul_nt_bf16 needs AVX-512 BF16");
+    let Some(cols) = crate::expert_pairs::nt_cols("matmul_nt_bf16", m.len(), rows, xs.len(), out) else { return };
+    let n = xs.len() / cols;
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: runs() checked the CPU.
+    unsafe {
+        pack_vectors(xs, cols, &mut buffers.xs)
+    };
+    for first in (0..rows).step_by(PANEL_ROWS) {
+        pack_panel(m, rows, cols, first, &mut buffers.panel);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: runs() checked the CPU; the buffers hold n x K2 and K2 x PANEL_ROWS pairs, and
+        // out is [n, rows] (nt_cols), of which the panel writes columns first..min(first + 64, rows).
+        unsafe {
+            panel_avx512(&buffers.xs, &buffers.panel, cols.div_ceil(2), n, rows, first, out)
+        };
+    }
+}
+
+/// One panel's columns of out for all n vectors, BLOCK_VECTORS at a time.
+///
+/// # Safety
+/// As `matmul_nt_bf16` guarantees.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn panel_avx512(xs: &[u32], panel: &[u32], k2: usize, n: usize, rows: usize, first: usize, out: &mut [f32]) {
+    let mut j = 0;
+    while j < n {
+        match n - j {
+            6.. => block::<6>(xs, panel, k2, rows, first, j, out),
+            5 => block::<5>(xs, panel, k2, rows, first, j, out),
+            4 => block::<4>(xs, panel, k2, rows, first, j, out),
+            3 => block::<3>(xs, panel, k2, rows, first, j, out),
+            2 => block::<2>(xs, panel, k2, rows, first, j, out),
+            _ => block::<1>(xs, panel, k2, rows, first, j, out),
+        }
+        j += (n - j).min(BLOCK_VECTORS);
+    }
+}
+
+/// out[j + v, first + c] for v < V and c < PANEL_ROWS (within rows).
+///
+/// # Safety
+/// As `panel_avx512`, with j + V <= n.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn block<const V: usize>(xs: &[u32], panel: &[u32], k2: usize, rows: usize, first: usize, j: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (xp, wp) = (xs.as_ptr().add(j * k2), panel.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); 4]; V];
+    for kk in 0..k2 {
+        let w: [__m512bh; 4] = std::array::from_fn(|q| std::mem::transmute(_mm512_loadu_si512(wp.add(kk * PANEL_ROWS + 16 * q) as *const _)));
+        for (v, acc) in acc.iter_mut().enumerate() {
+            let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*xp.add(v * k2 + kk) as i32));
+            for (a, w) in acc.iter_mut().zip(&w) {
+                *a = _mm512_dpbf16_ps(*a, *w, x);
+            }
+        }
+    }
+    let width = PANEL_ROWS.min(rows - first);
+    for (v, acc) in acc.iter().enumerate() {
+        let dst = out.as_mut_ptr().add((j + v) * rows + first);
+        for (q, a) in acc.iter().enumerate() {
+            let lanes = width.saturating_sub(16 * q).min(16);
+            if lanes > 0 {
+                _mm512_mask_storeu_ps(dst.add(16 * q), ((1u32 << lanes) - 1) as u16, *a);
+            }
+        }
+    }
+}
+
+/// `matmul_nt_bf16` in portable code: each output the f32 sum, pair by pair, of the bfloat16
+/// products (exact in f32); the order within a pair is the instruction's (high, then low).
+pub fn reference(m: &[Bf16], rows: usize, xs: &[f32], out: &mut [f32]) {
+    let Some(cols) = crate::expert_pairs::nt_cols("reference", m.len(), rows, xs.len(), out) else { return };
+    for (x, o) in xs.chunks_exact(cols).zip(out.chunks_exact_mut(rows)) {
+        for (w, o) in m.chunks_exact(cols).zip(o.iter_mut()) {
+            let mut sum = 0f32;
+            for (w, x) in w.chunks(2).zip(x.chunks(2)) {
+                for i in (0..w.len()).rev() {
+                    sum += w[i].to_f32() * Bf16::from_f32(x[i]).to_f32();
+                }
+            }
+            *o = sum;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::noise;
+
+    fn bf16s(n: usize, seed: u64) -> Vec<Bf16> {
+        noise(n, seed).into_iter().map(Bf16::from_f32).collect()
+    }
+
+    /// Every shape class: one row, a partial panel, whole panels, odd K, n below, at and past a block.
+    const SHAPES: [(usize, usize, usize); 8] =
+        [(1, 2, 1), (3, 7, 5), (64, 256, 6), (65, 33, 7), (256, 128, 97), (200, 255, 13), (17, 1, 64), (128, 512, 300)];
+
+    #[test]
+    fn matches_the_portable_order_and_f64() {
+        if !runs() {
+            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+            return;
+        }
+        let mut buffers = Buffers::default();
+        for (rows, cols, n) in SHAPES {
+            let (m, xs) = (bf16s(rows * cols, rows as u64 + 3), noise(n * cols, cols as u64 + 5));
+            let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
+            matmul_nt_bf16(&m, rows, &xs, &mut got, &mut buffers);
+            reference(&m, rows, &xs, &mut want);
+            assert_eq!(got, want, "{rows}x{cols} n={n}: the instruction's sums in the portable order");
+            for j in 0..n {
+                for r in 0..rows {
+                    let terms = (0..cols).map(|c| m[r * cols + c].to_f32() as f64 * Bf16::from_f32(xs[j * cols + c]).to_f32() as f64);
+                    let (exact, size): (f64, f64) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                    let err = (got[j * rows + r] as f64 - exact).abs();
+                    assert!(err <= cols as f64 * f32::EPSILON as f64 * size, "{rows}x{cols} n={n} [{j}, {r}]: {err}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rounds_the_inputs_and_keeps_odd_k_apart() {
+        // an odd K's padding must not read the next row's first value: a NaN there stays out
+        let (rows, cols, n) = (3, 5, 2);
+        let m = bf16s(rows * cols, 9);
+        let mut xs = noise(n * cols, 11);
+        xs[cols] = f32::NAN;
+        let mut want = vec![0f32; n * rows];
+        reference(&m, rows, &xs, &mut want);
+        assert!(want[..rows].iter().all(|v| v.is_finite()) && want[rows..].iter().all(|v| v.is_nan()));
+        if runs() {
+            let mut got = vec![0f32; n * rows];
+            matmul_nt_bf16(&m, rows, &xs, &mut got, &mut Buffers::default());
+            assert_eq!(got[..rows], want[..rows]);
+            assert!(got[rows..].iter().all(|v| v.is_nan()));
+        }
+    }
+}
