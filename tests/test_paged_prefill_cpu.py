@@ -117,6 +117,51 @@ def test_bfloat16_and_latent_values():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+needs_dot_bf16 = pytest.mark.skipif(not cpu_kernel.DOT_BF16, reason="this CPU lacks AVX-512 BF16: the bfloat16 "
+                                    "dot-product prefill kernel does not run here (the portable kernel's tests cover it)")
+
+
+@needs_dot_bf16
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (16, 1)])
+@pytest.mark.parametrize("head_dim, v_dim", [(64, 64), (128, 128), (24, 40)])
+def test_bfloat16_dot_product_kernel_equals_the_torch_path(heads, kv_heads, head_dim, v_dim):
+    """bfloat16 without a window or sinks runs in AVX-512 BF16 dot products, its weights rounded to
+    bfloat16 (rust/src/paged_prefill_bf16.rs): SDPA's float32 softmax over the same bfloat16 values,
+    within the weights' rounding and the result's."""
+    for seed in range(2):
+        got, want = run_step(seed * 77 + heads + head_dim, heads, kv_heads, head_dim, v_dim, None, False,
+                             dtype=torch.bfloat16)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_dot_bf16
+def test_bfloat16_takes_the_kernel_at_any_context_length(monkeypatch):
+    """Past RUST_PREFILL_MAX_CONTEXT a float32 prompt goes to SDPA, a bfloat16 one (no window, no
+    sinks) to the dot-product kernel, which gives SDPA's rows within bfloat16 rounding; a windowed
+    bfloat16 layer still goes to SDPA there."""
+    from r3srv.ops.cpu import RUST_PREFILL_MAX_CONTEXT
+
+    context = RUST_PREFILL_MAX_CONTEXT + 100
+    pos = torch.arange(context)
+    batch = ForwardBatch(input_ids=torch.zeros(context, dtype=torch.int64), positions=pos, slot_mapping=pos,
+                         query_lens=[context], context_lens=[context],
+                         block_tables=torch.arange(-(-context // PAGE)).unsqueeze(0), logits_indices=pos[-1:])
+    meta = AttentionMetadata.build(batch, PAGE, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(context, h, 64, generator=g) for h in (4, 2, 2))
+    for dtype, window, kernel_runs in ((torch.float32, None, False), (torch.bfloat16, None, True),
+                                       (torch.bfloat16, 2000, False)):
+        calls = counting_kernel(monkeypatch)
+        with settings_module.overridden(cpu_threads=1):
+            op = ops_for("cpu", dtype).prefill_attention
+        cache = lambda: torch.zeros(context, 2, 64, dtype=dtype)  # noqa: E731
+        args = (q.to(dtype), k.to(dtype), v.to(dtype))
+        got = paged_attention(*args, cache(), cache(), meta, window=window, prefill_kernel=op)
+        want = paged_attention(*args, cache(), cache(), meta, window=window, prefill_kernel=prefill_attention)
+        assert bool(calls) == kernel_runs, (dtype, window)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_longer_contexts_go_to_the_other_path(monkeypatch):
     """Spans over max_context are handed to `longer` in one call; the kernel gets the others."""
     for seed in range(5, 100):  # the first generated step with prompts on both sides of 60

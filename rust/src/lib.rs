@@ -19,6 +19,7 @@ pub mod matmul_bf16;
 pub mod npy_header;
 pub mod paged_attn;
 pub mod paged_prefill;
+pub mod paged_prefill_bf16;
 pub mod pair_projection;
 mod prefetch;
 pub mod qk_rope;

@@ -60,7 +60,54 @@ struct Item<'o, T> {
 /// range and disjoint, contexts at least as long as their queries, slots within the cache)
 /// before writing anything; splits the work over up to `threads` threads when there is enough.
 pub fn paged_prefill<T: Element>(p: &PagedPrefill<'_, T>, out: &mut [T], threads: usize, isa: Isa) -> Result<(), String> {
+    let Validated { order, macs } = validate(p, out.len())?;
     let (heads, kv_heads) = (p.q.heads, p.k.heads);
+    let (row_len, group) = (heads * p.v.dim, heads / kv_heads);
+
+    // each item's output rows: disjoint borrows of `out`
+    let block = (QUERY_ROWS / group).clamp(1, MAX_BLOCK);
+    let mut items = Vec::new();
+    let mut rest = out;
+    let mut next_row = 0;
+    for &(row, span, slots_at) in &order {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut((row - next_row) * row_len);
+        rest = tail;
+        next_row = row;
+        let q_len = p.q_lens[span] as usize;
+        for first in (0..q_len).step_by(block) {
+            let count = block.min(q_len - first);
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(count * row_len);
+            rest = tail;
+            next_row += count;
+            items.push(Item { span, first, count, slots_at, out: mine });
+        }
+    }
+
+    let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
+    if threads == 1 {
+        run(p, items.iter_mut(), isa);
+        return Ok(());
+    }
+    // threads take items one at a time from a shared queue: a preempted thread holds up none of
+    // the others' work
+    let queue = std::sync::Mutex::new(items.iter_mut());
+    let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).next();
+    let work = || run(p, std::iter::from_fn(next), isa);
+    crate::workers::run_on_threads(threads, &work);
+    Ok(())
+}
+
+/// What `validate` found: the spans as (first row, span, where its slots start) in row order,
+/// and the multiply-adds they take.
+pub(crate) struct Validated {
+    pub order: Vec<(usize, usize, usize)>,
+    pub macs: usize,
+}
+
+/// Checks every index `paged_prefill` will follow (see there), for an output of `out_len` elements.
+pub(crate) fn validate<T>(p: &PagedPrefill<'_, T>, out_len: usize) -> Result<Validated, String> {
+    let (heads, kv_heads) = (p.q.heads, p.k.heads);
+
     let (head_dim, v_dim) = (p.q.dim, p.v.dim);
     if kv_heads == 0 || heads % kv_heads != 0 {
         return Err(format!("{heads} query heads do not divide into {kv_heads} KV heads"));
@@ -85,8 +132,8 @@ pub fn paged_prefill<T: Element>(p: &PagedPrefill<'_, T>, out: &mut [T], threads
         return Err("a window must be positive".into());
     }
     let row_len = heads * v_dim;
-    if out.len() != p.q.rows * row_len {
-        return Err(format!("the output holds {} elements, not [{}, {heads}, {v_dim}]", out.len(), p.q.rows));
+    if out_len != p.q.rows * row_len {
+        return Err(format!("the output holds {out_len} elements, not [{}, {heads}, {v_dim}]", p.q.rows));
     }
     let mut order: Vec<(usize, usize, usize)> = Vec::with_capacity(spans); // (first row, span, slots_at)
     let (mut slots_at, mut macs) = (0usize, 0usize);
@@ -124,38 +171,7 @@ pub fn paged_prefill<T: Element>(p: &PagedPrefill<'_, T>, out: &mut [T], threads
         }
     }
 
-    // each item's output rows: disjoint borrows of `out`
-    let group = heads / kv_heads;
-    let block = (QUERY_ROWS / group).clamp(1, MAX_BLOCK);
-    let mut items = Vec::new();
-    let mut rest = out;
-    let mut next_row = 0;
-    for &(row, span, slots_at) in &order {
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut((row - next_row) * row_len);
-        rest = tail;
-        next_row = row;
-        let q_len = p.q_lens[span] as usize;
-        for first in (0..q_len).step_by(block) {
-            let count = block.min(q_len - first);
-            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(count * row_len);
-            rest = tail;
-            next_row += count;
-            items.push(Item { span, first, count, slots_at, out: mine });
-        }
-    }
-
-    let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
-    if threads == 1 {
-        run(p, items.iter_mut(), isa);
-        return Ok(());
-    }
-    // threads take items one at a time from a shared queue: a preempted thread holds up none of
-    // the others' work
-    let queue = std::sync::Mutex::new(items.iter_mut());
-    let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).next();
-    let work = || run(p, std::iter::from_fn(next), isa);
-    crate::workers::run_on_threads(threads, &work);
-    Ok(())
+    Ok(Validated { order, macs })
 }
 
 fn run<'i, 'o: 'i, T: Element + 'o>(p: &PagedPrefill<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>, isa: Isa) {
@@ -580,6 +596,70 @@ mod tests {
         for (got, w) in out.iter().zip(&want).filter(|(_, w)| **w != -7.0) {
             // one bfloat16 rounding of an f32-accurate result
             assert!((got.to_f32() as f64 - w).abs() <= 4e-3 * w.abs() + 1e-6, "{} != {w}", got.to_f32());
+        }
+    }
+
+    /// The AVX-512 BF16 kernel (crate::paged_prefill_bf16) on generated steps: the f64 reference
+    /// over the bfloat16 values within the weights' and the result's bfloat16 roundings; the same
+    /// bits on any thread count and however a prompt is chunked or batched.
+    #[test]
+    fn the_bfloat16_dot_product_kernel_equals_the_reference_and_keeps_a_rows_bits() {
+        use crate::paged_prefill_bf16::paged_prefill_bf16;
+        if !crate::matmul_bf16::runs() {
+            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+            return;
+        }
+        let bf = |v: &[f32]| v.iter().map(|&f| Bf16::from_f32(f)).collect::<Vec<_>>();
+        let widen = |v: &[Bf16]| v.iter().map(|b| b.to_f32()).collect::<Vec<_>>();
+        for (heads, kv_heads) in [(4, 4), (8, 2), (16, 1), (6, 2)] {
+            for (head_dim, v_dim) in [(64, 64), (128, 128), (24, 40), (96, 80), (2, 13)] {
+                // whole prompts, chunks after cached tokens, one-token prompts, blocks' edges
+                let spans = vec![(1, 1), (37, 37), (5, 70), (64, 64), (17, 130), (70, 200)];
+                let c = Case { heads, kv_heads, head_dim, v_dim, spans, window: None, sinks: false };
+                let x = inputs(&c, heads as u64 * 7 + head_dim as u64);
+                let (qb, kb, vb) = (bf(&x.q), bf(&x.k), bf(&x.v));
+                let scale = (head_dim as f32).powf(-0.5) * 1.3;
+                let run = |threads: usize| {
+                    let mut out = vec![Bf16::from_f32(-7.0); x.tokens * heads * v_dim];
+                    assert!(paged_prefill_bf16(&prefill(&c, &x, &qb, &kb, &vb, scale), &mut out, threads).unwrap());
+                    out
+                };
+                let out = run(1);
+                let want = reference(&c, &x, &widen(&qb), &widen(&kb), &widen(&vb), scale);
+                for (i, (got, &w)) in out.iter().zip(&want).enumerate() {
+                    // the weights' rounding moves a result by at most 2^-8 of the values' size (< 2)
+                    let err = (got.to_f32() as f64 - w).abs();
+                    assert!(err <= 2.0 / 256.0 + w.abs() / 256.0, "{heads}/{kv_heads} {head_dim}/{v_dim} element {i}: {} != {w}", got.to_f32());
+                }
+                assert!(run(3) == out, "{heads}/{kv_heads} {head_dim}/{v_dim}: three threads");
+            }
+        }
+        // a row's bits: the last 20 queries of a 90-token prompt alone, after cached tokens, batched
+        let whole = Case { heads: 8, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(90, 90)], window: None, sinks: false };
+        let x = inputs(&whole, 5);
+        let (qb, kb, vb) = (bf(&x.q), bf(&x.k), bf(&x.v));
+        let run = |starts: &[i64], lens: &[i64], ctx: &[i64], slots: &[i64]| {
+            let p = PagedPrefill { q_starts: starts, q_lens: lens, context_lens: ctx, slots, ..prefill(&whole, &x, &qb, &kb, &vb, 0.3) };
+            let mut out = vec![Bf16(0); x.tokens * 8 * 64];
+            assert!(paged_prefill_bf16(&p, &mut out, 1).unwrap());
+            out
+        };
+        let row = 8 * 64;
+        let at_once = run(&[0], &[90], &[90], &x.slots);
+        let then = run(&[37], &[53], &[90], &x.slots);
+        assert!(then[37 * row..90 * row] == at_once[37 * row..90 * row], "a chunk after cached tokens");
+        let mut slots = x.slots[..10].to_vec();
+        slots.extend(&x.slots);
+        let batched = run(&[0, 70], &[10, 20], &[10, 90], &slots);
+        assert!(batched[70 * row..90 * row] == at_once[70 * row..90 * row], "batched");
+        // a window or sinks: the portable kernel's (not applied)
+        for (window, sinks, v_dim) in [(Some(5), false, 64), (None, true, 40)] {
+            let c = Case { heads: 4, kv_heads: 2, head_dim: 64, v_dim, spans: vec![(3, 9)], window, sinks };
+            let x = inputs(&c, 3);
+            let (qb, kb, vb) = (bf(&x.q), bf(&x.k), bf(&x.v));
+            let mut out = vec![Bf16(0); x.tokens * 4 * v_dim];
+            assert!(!paged_prefill_bf16(&prefill(&c, &x, &qb, &kb, &vb, 0.3), &mut out, 1).unwrap());
+            assert!(out.iter().all(|v| v.0 == 0), "nothing written");
         }
     }
 

@@ -540,6 +540,29 @@ fn paged_decode_attention(
     }
 }
 
+/// The bfloat16 dot-product prefill kernel (crate::paged_prefill_bf16) where it applies:
+/// None where it does not, and the portable kernel runs.
+trait DotPrefill: Element + Sized {
+    fn dot_bf16(_: &PagedPrefill<'_, Self>, _: &mut [Self], _: usize) -> Option<Result<(), String>> {
+        None
+    }
+}
+
+impl DotPrefill for f32 {}
+
+impl DotPrefill for Bf16 {
+    fn dot_bf16(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize) -> Option<Result<(), String>> {
+        crate::paged_prefill_bf16::paged_prefill_bf16(p, out, threads).map(|ran| ran.then_some(())).transpose()
+    }
+}
+
+/// Whether bfloat16 prefill attention without a window or sinks runs in AVX-512 BF16 dot
+/// products here (crate::paged_prefill_bf16), at any context length.
+#[pyfunction]
+fn paged_prefill_dot_bf16() -> bool {
+    crate::matmul_bf16::runs()
+}
+
 /// Prefill attention over raw tensors (crate::paged_prefill): the private half of
 /// r3srv.kernels.paged_prefill_cpu, which checks dtypes, devices, contiguity and that `out`
 /// shares no memory with the inputs, and keeps every tensor alive across the call. q, k, v:
@@ -565,7 +588,7 @@ fn paged_prefill_attention(
     sinks: Option<usize>,
     threads: usize,
 ) -> PyResult<()> {
-    fn call<T: Element>(
+    fn call<T: DotPrefill>(
         py: Python<'_>, q: TensorArg, k: TensorArg, v: TensorArg, spans: (usize, usize), slots: (usize, usize),
         out: (usize, usize, usize, usize), scale: f32, window: Option<usize>, sinks: Option<usize>, threads: usize,
     ) -> PyResult<()> {
@@ -596,7 +619,13 @@ fn paged_prefill_attention(
             (prefill, slice_mut::<T>(out.0, out_len)?)
         };
         let isa = *PAGED_DECODE_ISA.get_or_init(Isa::detect);
-        py.detach(|| paged_prefill(&prefill, out, threads, isa)).map_err(PyValueError::new_err)
+        py.detach(|| {
+            if let Some(done) = T::dot_bf16(&prefill, out, threads) {
+                return done;
+            }
+            paged_prefill(&prefill, out, threads, isa)
+        })
+        .map_err(PyValueError::new_err)
     }
     match dtype {
         "float32" => call::<f32>(py, q, k, v, spans, slots, out, scale, window, sinks, threads),
@@ -780,6 +809,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_prefill_attention, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_prefill_dot_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(route_experts, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::linear_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::matrix_isas, m)?)?;

@@ -201,17 +201,20 @@ DecodeKernel = Callable[..., None]
 PrefillKernel = Callable[..., None]
 
 
-def span_kernel(kernel, max_context: int | None = None, longer: PrefillKernel | None = None) -> PrefillKernel:
+def span_kernel(kernel, max_context: int | None = None, longer: PrefillKernel | None = None,
+                any_length: Callable[..., bool] | None = None) -> PrefillKernel:
     """A backend's variable-length prefill kernel as the prefill op: `kernel(q, k_cache, v_cache,
     columns, slots, out, *, scale, window, sinks)` reads the step's spans as arrays (columns
     [3, spans]: first row, query count, context length; slots: every span's context slots, span
     after span), its keys from the cache, which this step's are written to first. Spans of
-    contexts longer than `max_context` (where the kernel is slower) go to `longer`, in its own call."""
+    contexts longer than `max_context` (where the kernel is slower) go to `longer`, in its own
+    call, unless `any_length(q, window, sinks)` says the kernel takes this call's at any length."""
 
     def prefill(q, k, v, k_cache, v_cache, spans, out, *, scale=None, window=None, sinks=None) -> None:
-        mine = spans if max_context is None else [s for s in spans if s.context_len <= max_context]
+        limit = None if any_length is not None and any_length(q, window, sinks) else max_context
+        mine = spans if limit is None else [s for s in spans if s.context_len <= limit]
         if len(mine) < len(spans):
-            rest = [s for s in spans if s.context_len > max_context]
+            rest = [s for s in spans if s.context_len > limit]
             longer(q, k, v, k_cache, v_cache, rest, out, scale=scale, window=window, sinks=sinks)
         if not mine:
             return
