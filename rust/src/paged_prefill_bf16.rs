@@ -31,41 +31,38 @@ fn padded(v_dim: usize) -> usize {
     v_dim.next_multiple_of(64)
 }
 
-/// One span's keys and values of every KV head, packed: k [kv_heads, blocks, D/2, KEYS] and
-/// v [kv_heads, blocks, KEYS/2, padded(Dv)], positions past the context zero.
+/// One span's keys and values of one KV head, packed: k [blocks, D/2, KEYS] and
+/// v [blocks, KEYS/2, padded(Dv)], positions past the context zero.
 struct Packed {
     k: Vec<u32>,
     v: Vec<u32>,
-    blocks: usize,
 }
 
 fn pair(lo: Bf16, hi: Bf16) -> u32 {
     lo.0 as u32 | (hi.0 as u32) << 16
 }
 
-fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64]) -> Packed {
-    let (kv_heads, d2, dv) = (p.k.heads, p.q.dim / 2, padded(p.v.dim));
+fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64], g: usize) -> Packed {
+    let (d2, dv) = (p.q.dim / 2, padded(p.v.dim));
     let blocks = slots.len().div_ceil(KEYS);
     let (k_block, v_block) = (d2 * KEYS, KEYS / 2 * dv);
-    let mut k = vec![0u32; kv_heads * blocks * k_block];
-    let mut v = vec![0u32; kv_heads * blocks * v_block];
-    for g in 0..kv_heads {
-        for (pos, &slot) in slots.iter().enumerate() {
-            let (b, j) = (pos / KEYS, pos % KEYS);
-            let key = p.k.at(slot as usize, g);
-            let kb = &mut k[(g * blocks + b) * k_block..][..k_block];
-            for (i, two) in key.chunks_exact(2).enumerate() {
-                kb[i * KEYS + j] = pair(two[0], two[1]);
-            }
-            // the value goes into its pair's low half (even position) or high half (odd)
-            let vb = &mut v[(g * blocks + b) * v_block + j / 2 * dv..][..dv];
-            let shift = 16 * (j % 2);
-            for (dst, x) in vb.iter_mut().zip(p.v.at(slot as usize, g)) {
-                *dst |= (x.0 as u32) << shift;
-            }
+    let mut k = vec![0u32; blocks * k_block];
+    let mut v = vec![0u32; blocks * v_block];
+    for (pos, &slot) in slots.iter().enumerate() {
+        let (b, j) = (pos / KEYS, pos % KEYS);
+        let key = p.k.at(slot as usize, g);
+        let kb = &mut k[b * k_block..][..k_block];
+        for (i, two) in key.chunks_exact(2).enumerate() {
+            kb[i * KEYS + j] = pair(two[0], two[1]);
+        }
+        // the value goes into its pair's low half (even position) or high half (odd)
+        let vb = &mut v[b * v_block + j / 2 * dv..][..dv];
+        let shift = 16 * (j % 2);
+        for (dst, x) in vb.iter_mut().zip(p.v.at(slot as usize, g)) {
+            *dst |= (x.0 as u32) << shift;
         }
     }
-    Packed { k, v, blocks }
+    Packed { k, v }
 }
 
 /// The output's rows, written by several threads, each (query, head) row by one of them.
@@ -86,20 +83,28 @@ struct Item {
 /// `paged_prefill` for spans that `applies` accepts, validated by it already: `order` lists
 /// (first row, span, where its slots start).
 pub fn prefill(p: &PagedPrefill<'_, Bf16>, order: &[(usize, usize, usize)], out: &mut [Bf16], threads: usize, macs: usize) {
-    let packed: Vec<Packed> = order
-        .iter()
-        .map(|&(_, span, at)| pack(p, &p.slots[at..at + p.context_lens[span] as usize]))
-        .collect();
+    let kv_heads = p.k.heads;
     let mut items = Vec::new();
     for (o, &(_, span, _)) in order.iter().enumerate() {
-        for kv_head in 0..p.k.heads {
+        for kv_head in 0..kv_heads {
             let q_len = p.q_lens[span] as usize;
             for first in (0..q_len).step_by(ITEM_QUERIES) {
                 items.push((o, Item { span, kv_head, first, count: ITEM_QUERIES.min(q_len - first) }));
             }
         }
     }
+    // the items seeing the most keys first: the threads' last items are short
+    items.sort_by_key(|(_, item)| std::cmp::Reverse(p.context_lens[item.span] as usize - p.q_lens[item.span] as usize + item.first));
     let threads = threads.min(macs / crate::paged_attn::PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
+    // each (span, KV head)'s keys and values packed, by the same threads
+    let packed: Vec<std::sync::OnceLock<Packed>> = (0..order.len() * kv_heads).map(|_| std::sync::OnceLock::new()).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    crate::workers::run_on_threads(threads.min(packed.len()), &|| loop {
+        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some(cell) = packed.get(i) else { break };
+        let (_, span, at) = order[i / kv_heads];
+        let _ = cell.set(pack(p, &p.slots[at..at + p.context_lens[span] as usize], i % kv_heads));
+    });
     let next = std::sync::atomic::AtomicUsize::new(0);
     let dst = Out(out.as_mut_ptr());
     let work = || {
@@ -107,10 +112,11 @@ pub fn prefill(p: &PagedPrefill<'_, Bf16>, order: &[(usize, usize, usize)], out:
         loop {
             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let Some((o, item)) = items.get(i) else { break };
+            let packed = packed[o * kv_heads + item.kv_head].get().expect("packed above");
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `applies` checked the CPU; the item's rows of `out` are its own.
             unsafe {
-                run_item(p, &packed[*o], item, &mut scratch, dst)
+                run_item(p, packed, item, &mut scratch, dst)
             };
         }
     };
@@ -156,12 +162,12 @@ unsafe fn run_item(p: &PagedPrefill<'_, Bf16>, packed: &Packed, item: &Item, s: 
         }
         let blocks = pos[..n].iter().max().unwrap() / KEYS + 1;
         match n {
-            6 => tile::<6>(p, packed, item.kv_head, &q, &pos, blocks, s),
-            5 => tile::<5>(p, packed, item.kv_head, &q, &pos, blocks, s),
-            4 => tile::<4>(p, packed, item.kv_head, &q, &pos, blocks, s),
-            3 => tile::<3>(p, packed, item.kv_head, &q, &pos, blocks, s),
-            2 => tile::<2>(p, packed, item.kv_head, &q, &pos, blocks, s),
-            _ => tile::<1>(p, packed, item.kv_head, &q, &pos, blocks, s),
+            6 => tile::<6>(p, packed, &q, &pos, blocks, s),
+            5 => tile::<5>(p, packed, &q, &pos, blocks, s),
+            4 => tile::<4>(p, packed, &q, &pos, blocks, s),
+            3 => tile::<3>(p, packed, &q, &pos, blocks, s),
+            2 => tile::<2>(p, packed, &q, &pos, blocks, s),
+            _ => tile::<1>(p, packed, &q, &pos, blocks, s),
         }
         let (dv, dvp) = (p.v.dim, padded(p.v.dim));
         for i in 0..n {
@@ -182,7 +188,7 @@ unsafe fn run_item(p: &PagedPrefill<'_, Bf16>, packed: &Packed, item: &Item, s: 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
-unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, g: usize, q: &[*const u32; ROWS],
+unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &[*const u32; ROWS],
                                pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
     use std::arch::x86_64::*;
     let (d2, dv) = (p.q.dim / 2, padded(p.v.dim));
@@ -192,7 +198,7 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, g: u
     s.acc[..R * dv].fill(0.0);
     for b in 0..blocks {
         // scores: q . k for the block's keys
-        let kp = packed.k.as_ptr().add((g * packed.blocks + b) * k_block);
+        let kp = packed.k.as_ptr().add(b * k_block);
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         for kk in 0..d2 {
             let w: [__m512bh; 4] = std::array::from_fn(|c| std::mem::transmute(_mm512_loadu_si512(kp.add(kk * KEYS + 16 * c) as *const _)));
@@ -246,7 +252,7 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, g: u
             }
         }
         // values: acc += p . v, 64 columns at a time
-        let vp = packed.v.as_ptr().add((g * packed.blocks + b) * v_block);
+        let vp = packed.v.as_ptr().add(b * v_block);
         for c0 in (0..dv).step_by(64) {
             let mut acc = [[_mm512_setzero_ps(); 4]; R];
             for (i, a) in acc.iter_mut().enumerate() {

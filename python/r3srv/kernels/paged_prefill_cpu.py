@@ -7,7 +7,9 @@ sinks; ops/attention.py's `span_kernel` hands it a step's spans as arrays); the 
 prompt over its keys or over its context gathered from the cache. This reads each context in
 place, a block of a prompt's queries per key load, with an online softmax in float32, the work
 split over the given threads. Without a window a query's row does not depend on how its prompt
-was chunked or batched (the same bits). Tensors cross as data pointers, shapes and strides:
+was chunked or batched (the same bits). bfloat16 without a window or sinks, on a CPU with
+AVX-512 BF16, runs as a flash attention in bfloat16 dot products instead
+(rust/src/paged_prefill_bf16.rs), at any context length. Tensors cross as data pointers, shapes and strides:
 this module checks what Rust cannot (dtypes, devices, layouts, aliasing) and Rust checks every
 index before following it.
 """
