@@ -115,14 +115,15 @@ async def run_workload(url: str, prompts: list[list[int]], gen: int, in_flight: 
 
 
 def compare(r3srv: tuple[str, int], vllm: tuple[str, int], vocab: int, rounds: int,
-            seed: int = 0) -> dict[str, dict[str, dict[str, list[float]]]]:
+            seed: int = 0, workloads: tuple[str, ...] = tuple(WORKLOADS)) -> dict[str, dict[str, dict[str, list[float]]]]:
     """Each round's wall seconds and CPU seconds (benches/process_cpu.py) per workload and server,
     `[workload][server]["wall" | "cpu"]`; the servers given as (URL, pid). Fresh prompts every
     round (no cache hits)."""
     rng = np.random.default_rng(seed)
     servers = {"r3srv": r3srv, "vllm": vllm}
     measures: dict[str, dict[str, dict[str, list[float]]]] = {}
-    for name, (prompt_len, gen, count, in_flight) in WORKLOADS.items():
+    for name in workloads:
+        prompt_len, gen, count, in_flight = WORKLOADS[name]
         warm = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(min(count, in_flight))]
         for who, (url, _) in servers.items():
             asyncio.run(run_workload(url, warm, gen, in_flight, who == "r3srv"))
@@ -192,8 +193,8 @@ def processor_line() -> str:
             f"torch CPU capability {torch.backends.cpu.get_cpu_capability()} (vLLM's kernels follow it)")
 
 
-def run(model: str | None, threads_list: list[int], rounds: int, venv: str,
-        dtypes: tuple[str, ...] = ("float32",)) -> dict[tuple[str, int], dict[str, list[float]]]:
+def run(model: str | None, threads_list: list[int], rounds: int, venv: str, dtypes: tuple[str, ...] = ("float32",),
+        workloads: tuple[str, ...] = tuple(WORKLOADS)) -> dict[tuple[str, int], dict[str, list[float]]]:
     from r3srv.models.builtin import builtin_model_dir
 
     from prefill_floor import model_config
@@ -220,11 +221,12 @@ def run(model: str | None, threads_list: list[int], rounds: int, venv: str,
                     continue
                 try:
                     results[dtype, threads] = compare((ours.url, ours.proc.pid), (theirs.url, theirs.proc.pid),
-                                                      vocab, rounds)
+                                                      vocab, rounds, workloads=workloads)
                 finally:
                     theirs.stop()
             print_table(f"{dtype} threads={threads}", results[dtype, threads])
-            print_long_floor(config, dtype, threads, results[dtype, threads]["long"])
+            if "long" in workloads:
+                print_long_floor(config, dtype, threads, results[dtype, threads]["long"])
     return results
 
 
@@ -260,11 +262,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--no-roofline", action="store_true", help="skip the decode roofline after the table")
+    parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS),
+                        help="a subset (a large checkpoint's throughput workload takes minutes a round)")
     args = parser.parse_args()
     venv = os.environ.get("VLLM_VENV")
     if not venv:
         sys.exit(f"skipped: {HINT}")
-    run(args.model, args.threads, args.rounds, venv, tuple(args.dtype))
+    run(args.model, args.threads, args.rounds, venv, tuple(args.dtype), tuple(args.workloads))
     if not args.no_roofline:
         from decode_roofline import roofline
 
