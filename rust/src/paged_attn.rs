@@ -253,16 +253,7 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
 
     // each thread at least PARALLEL_MIN_MACS of work: a many-core host spawns no idle threads
     let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, seqs.max(1));
-    if threads == 1 {
-        run(d, items.iter_mut(), isa);
-        return Ok(());
-    }
-    // Threads take sequences one at a time from a shared queue: a thread the OS preempts holds
-    // up none of the others' work (a static split would wait for it).
-    let queue = std::sync::Mutex::new(items.iter_mut());
-    let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).next();
-    let work = || run(d, std::iter::from_fn(next), isa);
-    crate::workers::run_on_threads(threads, &work);
+    crate::workers::take_in_turn(threads, &mut items, &|items| run(d, items, isa));
     Ok(())
 }
 

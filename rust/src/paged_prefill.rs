@@ -84,16 +84,7 @@ pub fn paged_prefill<T: Element>(p: &PagedPrefill<'_, T>, out: &mut [T], threads
     }
 
     let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
-    if threads == 1 {
-        run(p, items.iter_mut(), isa);
-        return Ok(());
-    }
-    // threads take items one at a time from a shared queue: a preempted thread holds up none of
-    // the others' work
-    let queue = std::sync::Mutex::new(items.iter_mut());
-    let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).next();
-    let work = || run(p, std::iter::from_fn(next), isa);
-    crate::workers::run_on_threads(threads, &work);
+    crate::workers::take_in_turn(threads, &mut items, &|items| run(p, items, isa));
     Ok(())
 }
 

@@ -2,7 +2,8 @@
 //! `matmul_bf16`): a flash attention whose two products, the scores q.k and the weighted values
 //! p.v, run on bfloat16 pairs with float32 sums, twice the float32 FMA's rate. Each span's keys
 //! and values are first packed from the paged cache into blocks of KEYS keys (keys as
-//! [head_dim / 2, KEYS] pairs, values as [KEYS / 2, v_dim] pairs of adjacent keys); then every
+//! [head_dim / 2, KEYS] pairs, values as [KEYS / 2, v_dim] pairs of adjacent keys, v_dim padded
+//! to whole blocks of 64 columns); then every
 //! ROWS rows of scores (a query and a head of a KV head's group each) walk their key blocks from
 //! position 0 with an online softmax in float32, the weights p rounded to bfloat16 for the
 //! second product (as bfloat16 flash attentions do) and the denominator summed from the rounded
@@ -10,7 +11,6 @@
 //! No sliding window and no sinks (`applies`); everything else is `paged_prefill`'s contract.
 
 use crate::paged_attn::{exp, Bf16, Element};
-
 use crate::paged_prefill::PagedPrefill;
 
 /// Keys per block: four 16-lane registers of scores per row.

@@ -7,6 +7,19 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
+/// `run` over `items` on up to `threads` threads, each taking items one at a time from a
+/// shared queue: a thread the OS preempts holds up none of the others' work (a static split
+/// would wait for it). On one thread, `run` gets them all in order.
+pub fn take_in_turn<'a, I: Send>(threads: usize, items: &'a mut [I], run: &(dyn Fn(&mut dyn Iterator<Item = &'a mut I>) + Sync)) {
+    if threads <= 1 {
+        run(&mut items.iter_mut());
+        return;
+    }
+    let queue = Mutex::new(items.iter_mut());
+    let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).next();
+    run_on_threads(threads, &|| run(&mut std::iter::from_fn(next)));
+}
+
 /// Runs `work` on the calling thread and on `threads - 1` pool threads at the same time, and
 /// returns when every copy has returned. The copies share the work themselves (typically
 /// from a shared counter or queue, so a thread the OS preempts holds up none of the others').
