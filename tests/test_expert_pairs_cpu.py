@@ -51,6 +51,29 @@ def as_list(args, seed: int | None = None):
     return x, w13, w2, weights, ids, tokens, b13, b2, act
 
 
+def rounded_activation_pass(args, round_activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_pairs' arguments' pass in float64 with the activation rounded to bfloat16 (as the
+    kernel computes bfloat16 experts), and each output's sum of its second products' sizes: one
+    bfloat16 step of an activation value, where the kernel's float32 h and this one round apart,
+    moves an output by 2^-8 of that at most."""
+    x, w13, w2, weights, ids, tokens, b13, b2, activation = as_list(args)
+    e = ids.long()
+    h = torch.einsum("ph,prh->pr", x[tokens].double(), w13[e].double())
+    if b13 is not None:
+        h = h + b13[e].double()
+    a = activation(h.float())  # ops/experts.py's activation
+    if round_activation:
+        a = a.bfloat16()
+    w2s = w2[e].double()
+    o = torch.einsum("pi,phi->ph", a.double(), w2s)
+    if b2 is not None:
+        o = o + b2[e].double()
+    sizes = torch.einsum("pi,phi->ph", a.double().abs(), w2s.abs())
+    w = weights.double().unsqueeze(-1)
+    out = torch.zeros(x.shape, dtype=torch.float64).index_add_(0, tokens, w * o)
+    return out, torch.zeros(x.shape, dtype=torch.float64).index_add_(0, tokens, w.abs() * sizes)
+
+
 def torch_pass(args, path: str) -> torch.Tensor:
     """The CPU backend's torch pass (the kernel off) on these pairs, through its pairs path
     ("pairs": never-routed zero experts make the experts outnumber the pairs) or its
@@ -96,16 +119,15 @@ def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, bias
     args = random_experts(seed, tokens, experts, min(top_k, experts), hidden, inter, act, *biases)
     if listed:
         args = as_list(args, seed)
-    if bfloat16:  # the same values in bfloat16: the float32 pass on them, rounded once (an expert with 64
-        # pairs or more also rounds its activation: test_wide_bfloat16_chunks_round_the_activation)
+    if bfloat16:  # the same values in bfloat16: the pass with the activation rounded to bfloat16
         args = float_args(args, torch.bfloat16)
     got = expert_pairs(*args)
     assert got is not None and got.shape == (tokens, hidden) and got.dtype == args[0].dtype
     if bfloat16:
-        want = expert_pairs(*float_args(args, torch.float32))
-        torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5)  # one bfloat16 rounding
-        # the torch path rounds every intermediate to bfloat16
-        torch.testing.assert_close(got, torch_pass(args, "pairs"), rtol=0.05, atol=0.05)
+        want, sizes = rounded_activation_pass(args)
+        assert ((got.double() - want).abs() <= 2**-8 * (want.abs() + sizes) + 1e-5).all()
+        # the torch path rounds every intermediate to bfloat16: within a few bfloat16 steps of the terms' size
+        assert ((got.double() - torch_pass(args, "pairs").double()).abs() <= 2**-5 * (want.abs() + sizes) + 1e-3).all()
         return
     torch.testing.assert_close(got, torch_pass(args, "pairs"), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, torch_pass(args, "sorted"), rtol=1e-5, atol=1e-5)
@@ -113,33 +135,21 @@ def test_equals_the_torch_paths(tokens, experts, top_k, hidden, inter, act, bias
 
 @pytest.mark.parametrize("act", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_wide_bfloat16_chunks_round_the_activation(act, seed):
-    """An expert's pairs from 64 on (a prefill's) run as wide chunks, which in bfloat16 round the
-    activation to bfloat16 before the second product, as transformers' bfloat16 experts do (on
-    AVX-512 BF16 CPUs in its dot-product kernel): float64 products with that rounding, the sum
-    rounded once, against the kernel; the float32 activation is a measurably different result."""
-    x, w13, w2, weights, ids, _, b13, b2, activation = float_args(
-        random_experts(seed, 300, 4, 2, 96, 48, act, True, True), torch.bfloat16)
-    assert ids.numel() // 4 >= 64 * 2, "every expert wide"
-    got = expert_pairs(x, w13, w2, weights, ids, None, b13, b2, activation)
+@pytest.mark.parametrize("tokens", [300, 40], ids=["wide", "narrow"])
+def test_bfloat16_experts_round_the_activation(act, seed, tokens):
+    """bfloat16 experts round the activation to bfloat16 before the second product, as
+    transformers' bfloat16 experts do, in wide chunks (an expert's pairs from 64 on: a prefill's)
+    and narrow ones, in AVX-512 BF16 dot products where the CPU has them: float64 products with
+    that rounding, the sum rounded once, against the kernel; the float32 activation is a
+    measurably different result."""
+    args = float_args(random_experts(seed, tokens, 4, 2, 96, 48, act, True, True), torch.bfloat16)
+    assert (args[4].numel() // 4 >= 64 * 2) == (tokens == 300), "every expert wide, or every one narrow"
+    got = expert_pairs(*args)
 
-    def oracle(round_activation: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pass, and the sum of its second product's terms' sizes (what one bfloat16 step of
-        an activation value, where the kernel's float32 h and ours round apart, moves it by)."""
-        h = torch.einsum("th,tkrh->tkr", x.double(), w13[ids.long()].double())
-        a = activation((h + b13[ids.long()].double()).float())  # ops/experts.py's activation
-        if round_activation:
-            a = a.bfloat16()
-        w2s = w2[ids.long()].double()
-        o = torch.einsum("tki,tkhi->tkh", a.double(), w2s) + b2[ids.long()].double()
-        sizes = torch.einsum("tki,tkhi->tkh", a.double().abs(), w2s.abs())
-        w = weights.double().unsqueeze(-1)
-        return (w * o).sum(1), (w.abs() * sizes).sum(1)
-
-    want, sizes = oracle(True)
+    want, sizes = rounded_activation_pass(args)
     err = (got.double() - want).abs()
     assert (err <= 2**-8 * want.abs() + 2**-8 * sizes + 1e-5).all(), "one rounding of the sum, one step of an activation"
-    unrounded = oracle(False)[0]
+    unrounded = rounded_activation_pass(args, round_activation=False)[0]
     assert err.sum() < 0.9 * (got.double() - unrounded).abs().sum(), "nearer the rounded activation's pass"
 
 

@@ -10,9 +10,9 @@
 //! the grouping or chunking, so a token whose experts have few pairs gets the bits it gets
 //! alone; a wide chunk's are within float32 rounding of those. The thread count never changes
 //! a bit. Tensors hold float32 or bfloat16 (`Element`); the arithmetic is float32 throughout,
-//! bfloat16 rounded once at the end, except that a wide bfloat16 chunk rounds its activations
-//! to bfloat16 before the second product (as transformers' bfloat16 experts do), which lets it
-//! run on the AVX-512 BF16 dot-product kernel (`matmul_bf16`) where the CPU has one.
+//! bfloat16 rounded once at the end, except that bfloat16 experts round their activations to
+//! bfloat16 before the second product (as transformers' bfloat16 experts do), which lets them
+//! run in AVX-512 BF16 dot products (`matmul_bf16`) where the CPU has them.
 //!
 //! Threads (`workers`' pool) take chunks from a shared counter, and only for calls large
 //! enough to pay for waking them (`PARALLEL_MIN_MACS`).
@@ -533,28 +533,55 @@ struct Scratch {
     w13: Vec<f32>,
     w2: Vec<f32>,
     bf16: crate::matmul_bf16::Buffers,
+    pairs: Vec<u32>,
 }
 
-/// out [n, rows] = xs [n, K] @ m [rows, K]^T for a wide chunk. Bfloat16 weights take the
-/// AVX-512 BF16 dot-product kernel where the CPU has it, which rounds xs to bfloat16; elsewhere
-/// xs is rounded here, so that both compute the same products (in their own orders) through
-/// `matmul`'s float32 kernels over the weights widened into `widened`. Float32 weights: `matmul`.
-fn wide_nt<W: Element>(m: &[W], rows: usize, xs: &mut [f32], out: &mut [f32], widened: &mut Vec<f32>,
-                       packed: &mut crate::matmul_bf16::Buffers) {
-    match W::as_bf16s(m) {
-        Some(m) if crate::matmul_bf16::runs() => crate::matmul_bf16::matmul_nt_bf16(m, rows, xs, out, packed),
-        _ => wide_nt_widened(m, rows, xs, out, widened),
-    }
+/// `m` as bfloat16 where its products run in AVX-512 BF16 dot products (`matmul_bf16`): the
+/// CPU has them and the kernel asked for is the default (`Auto`) or AVX-512; None for float32
+/// weights, and where the caller names the AVX2 or portable kernel (the tests compare those).
+fn dot_products<W: Element>(isa: Isa, m: &[W]) -> Option<&[Bf16]> {
+    W::as_bf16s(m).filter(|_| matches!(isa, Isa::Auto | Isa::Avx512) && crate::matmul_bf16::runs())
 }
 
-/// `wide_nt` without the dot-product kernel.
-fn wide_nt_widened<W: Element>(m: &[W], rows: usize, xs: &mut [f32], out: &mut [f32], widened: &mut Vec<f32>) {
+/// xs rounded to bfloat16 when the weights are (the products the dot-product kernels compute):
+/// bfloat16 experts' activations are rounded on every path.
+fn round_if_bf16<W: Element>(m: &[W], xs: &mut [f32]) {
     if W::as_bf16s(m).is_some() {
         for v in xs.iter_mut() {
             *v = Bf16::from_f32(*v).to_f32();
         }
     }
+}
+
+/// out [n, rows] = xs [n, K] @ m [rows, K]^T for a wide chunk. Bfloat16 weights take the
+/// AVX-512 BF16 dot-product kernel where it runs (`dot_products`), which rounds xs to bfloat16;
+/// elsewhere xs is rounded here, so that both compute the same products (in their own orders)
+/// through `matmul`'s float32 kernels over the weights widened into `widened`.
+fn wide_nt<W: Element>(isa: Isa, m: &[W], rows: usize, xs: &mut [f32], out: &mut [f32], widened: &mut Vec<f32>,
+                       packed: &mut crate::matmul_bf16::Buffers) {
+    match dot_products(isa, m) {
+        Some(m) => crate::matmul_bf16::matmul_nt_bf16(m, rows, xs, out, packed),
+        None => wide_nt_widened(m, rows, xs, out, widened),
+    }
+}
+
+/// `wide_nt` without the dot-product kernel.
+fn wide_nt_widened<W: Element>(m: &[W], rows: usize, xs: &mut [f32], out: &mut [f32], widened: &mut Vec<f32>) {
+    round_if_bf16(m, xs);
     crate::matmul::matmul_nt(as_f32(m, widened), rows, xs, out)
+}
+
+/// out [n, rows] = bf16(xs) [n, K] @ m [rows, K]^T for a narrow chunk of bfloat16 weights
+/// (`dot_products` said so; K even), through `pairs`: `matmul_bf16::gemm_nt_bf16`, whose outputs
+/// do not depend on the chunk's other pairs.
+fn narrow_nt_dot<W: Element>(m: &[W], rows: usize, xs: &[f32], out: &mut [f32], pairs: &mut Vec<u32>) {
+    let m = W::as_bf16s(m).expect("bfloat16 weights (dot_products)");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: dot_products checked that the CPU has AVX-512 BF16.
+    unsafe {
+        crate::matmul_bf16::pack_vectors(xs, m.len() / rows, pairs)
+    };
+    crate::matmul_bf16::gemm_nt_bf16(m, rows, pairs, out);
 }
 
 /// `w` as f32: itself, or widened into `buffer`.
@@ -580,8 +607,12 @@ impl<W: Element> Experts<'_, W> {
         s.h.resize(n * r, 0.0);
         s.a.resize(n * i, 0.0);
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
+        // a narrow chunk of bfloat16 weights in dot products where they run (even K: pairs)
+        let narrow_dot = !chunk.wide && hid % 2 == 0 && i % 2 == 0 && dot_products(isa, w13).is_some();
         if chunk.wide {
-            wide_nt(w13, r, &mut s.x, &mut s.h, &mut s.w13, &mut s.bf16);
+            wide_nt(isa, w13, r, &mut s.x, &mut s.h, &mut s.w13, &mut s.bf16);
+        } else if narrow_dot {
+            narrow_nt_dot(w13, r, &s.x, &mut s.h, &mut s.pairs);
         } else {
             gemm_nt(isa, w13, r, &s.x, &mut s.h);
         }
@@ -593,8 +624,11 @@ impl<W: Element> Experts<'_, W> {
             _ => activate(self.act, b13, r, i, &mut s.h, &mut s.a),
         }
         if chunk.wide {
-            wide_nt(w2, hid, &mut s.a, o, &mut s.w2, &mut s.bf16);
+            wide_nt(isa, w2, hid, &mut s.a, o, &mut s.w2, &mut s.bf16);
+        } else if narrow_dot {
+            narrow_nt_dot(w2, hid, &s.a, o, &mut s.pairs);
         } else {
+            round_if_bf16(w2, &mut s.a);
             gemm_nt(isa, w2, hid, &s.a, o);
         }
         if let Some(b2) = self.b2 {
@@ -1191,7 +1225,7 @@ mod tests {
                 (PairTokens::List(&listed(&grid)), listed(&grid), listed(&ids), list_weights),
             ];
             for (tokens_arg, pair_tokens, ids, weights) in &cases {
-                let want = pass_f64(&experts, &x, pair_tokens, ids, weights, false);
+                let want = pass_f64(&experts, &x, pair_tokens, ids, weights, W::as_bf16s(&x).is_some());
                 for isa in isas() {
                     let mut out = vec![W::from_f32(f32::NAN); tokens * hid];
                     expert_pairs(&experts, &x, *tokens_arg, ids, weights, &mut out, 1, isa).unwrap();
@@ -1207,7 +1241,7 @@ mod tests {
     #[test]
     fn every_kernel_matches_the_definition_on_the_whole_pass() {
         whole_pass::<f32>(0.0);
-        whole_pass::<Bf16>(1.0 / 256.0); // bfloat16's final rounding: at most half of 2^-7
+        whole_pass::<Bf16>(1.0 / 256.0); // bfloat16's final rounding: at most half of 2^-7 (the activation rounded too)
     }
 
     /// `gemm_nt` gives, element for element, the bits `gemv` gives for each vector alone.
@@ -1372,6 +1406,31 @@ mod tests {
         }
     }
 
+    /// Narrow bfloat16 chunks (in dot products where the CPU has them): a token alone gets its
+    /// bits in a batch of 40 pairs per expert, on any thread count.
+    #[test]
+    fn narrow_bfloat16_chunks_are_batch_invariant() {
+        let (e, hid, inter, top_k, tokens) = (3, 96, 40, 2, 60);
+        let (w13, w2): (Vec<Bf16>, Vec<Bf16>) = (cast(values(41, e * 2 * inter * hid)), cast(values(42, e * hid * inter)));
+        let experts = Experts { w13: &w13, w2: &w2, b13: None, b2: None, num_experts: e, hidden: hid, inter, act: Activation::SiluAndMul };
+        let x: Vec<Bf16> = cast(values(43, tokens * hid));
+        let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
+        assert!(tokens * top_k / e < WIDE_MIN_PAIRS);
+        let weights = values(44, tokens * top_k);
+        let run = |x: &[Bf16], ids: &[i32], weights: &[f32], threads: usize| {
+            let mut out = vec![Bf16(0); x.len()];
+            expert_pairs(&experts, x, PairTokens::Grid, ids, weights, &mut out, threads, Isa::default_kernel()).unwrap();
+            out
+        };
+        let batch = run(&x, &ids, &weights, 1);
+        assert_eq!(batch, run(&x, &ids, &weights, 2));
+        for t in [0, 31, tokens - 1] {
+            let slots = t * top_k..(t + 1) * top_k;
+            let alone = run(&x[t * hid..(t + 1) * hid], &ids[slots.clone()], &weights[slots], 1);
+            assert_eq!(alone[..], batch[t * hid..(t + 1) * hid], "token {t}");
+        }
+    }
+
     /// The dot-product kernel and the widened path compute the same products (in their orders).
     #[test]
     fn the_bfloat16_kernel_and_the_widened_path_agree() {
@@ -1383,7 +1442,7 @@ mod tests {
         let m: Vec<Bf16> = cast(values(31, rows * cols));
         let xs = values(32, n * cols);
         let (mut dot, mut widened) = (vec![0f32; n * rows], vec![0f32; n * rows]);
-        wide_nt(&m, rows, &mut xs.clone(), &mut dot, &mut Vec::new(), &mut Default::default());
+        wide_nt(Isa::Auto, &m, rows, &mut xs.clone(), &mut dot, &mut Vec::new(), &mut Default::default());
         wide_nt_widened(&m, rows, &mut xs.clone(), &mut widened, &mut Vec::new());
         for (a, b) in dot.iter().zip(&widened) {
             assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");

@@ -46,7 +46,7 @@ fn pair(lo: Bf16, hi: Bf16) -> u32 {
 /// The CPU must support AVX-512F and AVX-512 BF16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn pack_vectors(xs: &[f32], cols: usize, dst: &mut Vec<u32>) {
+pub(crate) unsafe fn pack_vectors(xs: &[f32], cols: usize, dst: &mut Vec<u32>) {
     use std::arch::x86_64::*;
     let k2 = cols.div_ceil(2);
     dst.clear();
@@ -158,6 +158,92 @@ unsafe fn block<const V: usize>(xs: &[u32], panel: &[u32], k2: usize, rows: usiz
     }
 }
 
+/// out [n, rows] = xs [n, K] @ m [rows, K]^T for a few vectors (a decode's or a short prompt's
+/// pairs of one expert), with no packing of the weights: each output the dot product of a
+/// weight row and a vector as pairs (`xs`, from `pack_vectors`), 16 lanes of sums then their
+/// `_mm512_reduce_add_ps`, in an order that depends on neither n nor the row's block, so a
+/// vector gets the same bits in any batch. K must be even.
+///
+/// # Panics
+/// When K is odd or the lengths disagree, or when this CPU lacks AVX-512 BF16 (`runs`).
+pub fn gemm_nt_bf16(m: &[Bf16], rows: usize, xs: &[u32], out: &mut [f32]) {
+    assert!(runs(), "gemm_nt_bf16 needs AVX-512 BF16");
+    let cols = m.len().checked_div(rows).unwrap_or(0);
+    assert!(m.len() == rows * cols && cols % 2 == 0, "gemm_nt_bf16: the matrix is not [rows, even K]");
+    let k2 = cols / 2;
+    if k2 == 0 {
+        out.fill(0.0);
+        return;
+    }
+    assert!(xs.len() % k2 == 0 && out.len() == xs.len() / k2 * rows, "gemm_nt_bf16: the vectors or the output disagree");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: runs() checked the CPU, the lengths were checked above.
+    unsafe {
+        nt_avx512(m, rows, k2, xs, out)
+    };
+}
+
+/// Blocks of 4 rows x up to 4 vectors.
+///
+/// # Safety
+/// As `gemm_nt_bf16` checks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn nt_avx512(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f32]) {
+    let n = xs.len() / k2;
+    let mut r = 0;
+    while r < rows {
+        let block = if r + 4 <= rows { 4 } else { 1 };
+        crate::prefetch::prefetch_l2(&m[(r + 16).min(rows) * 2 * k2..(r + 16 + block).min(rows) * 2 * k2]);
+        let mut j = 0;
+        while j < n {
+            match (block, n - j) {
+                (4, 4..) => nt_block::<4, 4>(m, rows, k2, xs, out, r, j),
+                (4, 3) => nt_block::<4, 3>(m, rows, k2, xs, out, r, j),
+                (4, 2) => nt_block::<4, 2>(m, rows, k2, xs, out, r, j),
+                (4, _) => nt_block::<4, 1>(m, rows, k2, xs, out, r, j),
+                (_, 4..) => nt_block::<1, 4>(m, rows, k2, xs, out, r, j),
+                (_, 3) => nt_block::<1, 3>(m, rows, k2, xs, out, r, j),
+                (_, 2) => nt_block::<1, 2>(m, rows, k2, xs, out, r, j),
+                _ => nt_block::<1, 1>(m, rows, k2, xs, out, r, j),
+            }
+            j += (n - j).min(4);
+        }
+        r += block;
+    }
+}
+
+/// out[j + v, r + l] for l < R, v < V.
+///
+/// # Safety
+/// As `nt_avx512`, with r + R <= rows and j + V <= n.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn nt_block<const R: usize, const V: usize>(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f32], r: usize, j: usize) {
+    use std::arch::x86_64::*;
+    let (mp, xp) = (m.as_ptr() as *const u32, xs.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); V]; R];
+    let mut c = 0;
+    while c < k2 {
+        // 16 pairs a step; the row's last step masked (loads past it read nothing)
+        let mask: __mmask16 = if c + 16 <= k2 { 0xffff } else { ((1u32 << (k2 - c)) - 1) as __mmask16 };
+        let x: [__m512bh; V] = std::array::from_fn(|v| std::mem::transmute(_mm512_maskz_loadu_epi32(mask, xp.add((j + v) * k2 + c) as *const _)));
+        for (l, row) in acc.iter_mut().enumerate() {
+            let w: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi32(mask, mp.add((r + l) * k2 + c) as *const _));
+            for (a, x) in row.iter_mut().zip(&x) {
+                *a = _mm512_dpbf16_ps(*a, w, *x);
+            }
+        }
+        c += 16;
+    }
+    for (l, row) in acc.iter().enumerate() {
+        for (v, a) in row.iter().enumerate() {
+            out[(j + v) * rows + r + l] = _mm512_reduce_add_ps(*a);
+        }
+    }
+}
+
 /// `matmul_nt_bf16` in portable code: each output the f32 sum, pair by pair, of the bfloat16
 /// products (exact in f32); the order within a pair is the instruction's (high, then low).
 pub fn reference(m: &[Bf16], rows: usize, xs: &[f32], out: &mut [f32]) {
@@ -208,6 +294,34 @@ mod tests {
                     let err = (got[j * rows + r] as f64 - exact).abs();
                     assert!(err <= cols as f64 * f32::EPSILON as f64 * size, "{rows}x{cols} n={n} [{j}, {r}]: {err}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn the_narrow_kernel_matches_f64_and_keeps_a_vectors_bits_in_any_batch() {
+        if !runs() {
+            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+            return;
+        }
+        for (rows, cols, n) in [(1, 2, 1), (3, 34, 5), (64, 256, 6), (65, 30, 7), (256, 128, 9), (17, 2048, 3)] {
+            let (m, xs) = (bf16s(rows * cols, rows as u64 + 7), noise(n * cols, cols as u64 + 9));
+            let mut pairs = Vec::new();
+            // SAFETY: runs() checked the CPU.
+            unsafe { pack_vectors(&xs, cols, &mut pairs) };
+            let mut got = vec![f32::NAN; n * rows];
+            gemm_nt_bf16(&m, rows, &pairs, &mut got);
+            for j in 0..n {
+                for r in 0..rows {
+                    let terms = (0..cols).map(|c| m[r * cols + c].to_f32() as f64 * Bf16::from_f32(xs[j * cols + c]).to_f32() as f64);
+                    let (exact, size): (f64, f64) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                    let err = (got[j * rows + r] as f64 - exact).abs();
+                    assert!(err <= cols as f64 * f32::EPSILON as f64 * size, "{rows}x{cols} n={n} [{j}, {r}]: {err}");
+                }
+                // the vector alone: the same bits
+                let mut alone = vec![f32::NAN; rows];
+                gemm_nt_bf16(&m, rows, &pairs[j * cols / 2..(j + 1) * cols / 2], &mut alone);
+                assert_eq!(alone[..], got[j * rows..(j + 1) * rows], "{rows}x{cols} n={n}: vector {j} alone");
             }
         }
     }
