@@ -2,7 +2,8 @@
 //! reads W once, row by row, with the expert pass's small matrix product (`gemm_nt`: weight
 //! rows prefetched ahead, every row read once for all of x's rows), instead of torch's GEMM
 //! call, whose per-call cost and cache-cold weight reads dominate at one to a few rows.
-//! Each output element is the dot product `gemm_nt` computes, whatever the thread split.
+//! Each output element is the dot product `gemm_nt` computes, whatever the thread split (with
+//! bfloat16 weights at the default kernel on an AVX-512 BF16 CPU, `matmul_bf16::gemm_nt_bf16`'s).
 //!
 //! Many rows (a prefill's projections) run through `matmul`'s packed kernels instead, a
 //! bfloat16 weight widened to f32 a block of rows at a time: torch has no fast bfloat16 GEMM
@@ -54,6 +55,17 @@ pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &
         }
     };
     let packed = m >= PACKED_MIN_ROWS;
+    // bfloat16 weights at the default kernel, on an AVX-512 BF16 CPU: x's rows as bfloat16 pairs
+    // (exact: x is bfloat16) against the weight rows in dot products
+    let dot = if packed || k % 2 != 0 { None } else { crate::expert_pairs::dot_products(isa, w) };
+    let mut pairs = Vec::new();
+    if dot.is_some() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: dot_products checked that the CPU has AVX-512 BF16.
+        unsafe {
+            crate::matmul_bf16::pack_vectors(xf, k, &mut pairs)
+        };
+    }
     let parts: Vec<(usize, usize)> = if packed {
         (0..n).step_by(PACKED_BLOCK_ROWS).map(|r| (r, (r + PACKED_BLOCK_ROWS).min(n))).collect()
     } else {
@@ -76,6 +88,8 @@ pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &
                 }
             };
             matmul_nt(rows, end - first, xf, &mut part);
+        } else if let Some(w) = dot {
+            crate::matmul_bf16::gemm_nt_bf16(&w[first * k..end * k], end - first, &pairs, &mut part);
         } else {
             gemm_nt(isa, rows, end - first, xf, &mut part);
         }
@@ -254,6 +268,36 @@ mod tests {
         const { assert!(300 * 300 * 160 >= 3 * PARALLEL_MIN_MACS && 300 > 2 * PACKED_BLOCK_ROWS, "the largest case must split in three") };
         packed_cases::<f32>(0.0);
         packed_cases::<Bf16>(1.0 / 256.0);
+    }
+
+    /// bfloat16 at the default kernel on an AVX-512 BF16 CPU: dot products of the rows as pairs,
+    /// the definition within float32 sums' and the output's rounding, a row's bits the same alone,
+    /// in a batch and on any thread count.
+    #[test]
+    fn bfloat16_rows_in_dot_products_match_the_definition() {
+        if crate::expert_pairs::dot_products(Isa::default_kernel(), &[Bf16(0)]).is_none() {
+            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+            return;
+        }
+        for (m, n, k) in [(1, 5, 2), (3, 9, 34), (16, 1030, 256)] {
+            let x: Vec<Bf16> = values(7, m * k).into_iter().map(Bf16::from_f32).collect();
+            let w: Vec<Bf16> = values(8, n * k).into_iter().map(Bf16::from_f32).collect();
+            let mut one = vec![Bf16(0); m * n];
+            linear(&x, &w, None, n, &mut one, 1, Isa::default_kernel()).unwrap();
+            for (i, got) in one.iter().enumerate() {
+                let (row, col) = (i / n, i % n);
+                let want: f64 = (0..k).map(|c| x[row * k + c].to_f32() as f64 * w[col * k + c].to_f32() as f64).sum();
+                assert!((got.to_f32() as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()) + want.abs() / 256.0, "{m}x{n}x{k} [{row}, {col}]");
+            }
+            for threads in [2, 3] {
+                let mut out = vec![Bf16(0); m * n];
+                linear(&x, &w, None, n, &mut out, threads, Isa::default_kernel()).unwrap();
+                assert_eq!(out, one, "{m}x{n}x{k} threads={threads}");
+            }
+            let mut alone = vec![Bf16(0); n];
+            linear(&x[(m - 1) * k..], &w, None, n, &mut alone, 1, Isa::default_kernel()).unwrap();
+            assert_eq!(alone[..], one[(m - 1) * n..], "{m}x{n}x{k}: the last row alone");
+        }
     }
 
     #[test]
