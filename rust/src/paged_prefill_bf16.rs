@@ -80,9 +80,9 @@ struct Item {
     count: usize,
 }
 
-/// `paged_prefill` for spans that `applies` accepts, validated by it already: `order` lists
+/// `paged_prefill` for spans that `applies` accepts, validated already (`paged_prefill_bf16`): `order` lists
 /// (first row, span, where its slots start).
-pub fn prefill(p: &PagedPrefill<'_, Bf16>, order: &[(usize, usize, usize)], out: &mut [Bf16], threads: usize, macs: usize) {
+fn prefill(p: &PagedPrefill<'_, Bf16>, order: &[(usize, usize, usize)], out: &mut [Bf16], threads: usize, macs: usize) {
     let kv_heads = p.k.heads;
     let mut items = Vec::new();
     for (o, &(_, span, _)) in order.iter().enumerate() {
