@@ -608,7 +608,7 @@ impl<W: Element> Experts<'_, W> {
         s.a.resize(n * i, 0.0);
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
         // a narrow chunk of bfloat16 weights in dot products where they run (even K: pairs)
-        let narrow_dot = !chunk.wide && hid % 2 == 0 && i % 2 == 0 && dot_products(isa, w13).is_some();
+        let narrow_dot = !chunk.wide && hid.is_multiple_of(2) && i.is_multiple_of(2) && dot_products(isa, w13).is_some();
         if chunk.wide {
             wide_nt(isa, w13, r, &mut s.x, &mut s.h, &mut s.w13, &mut s.bf16);
         } else if narrow_dot {

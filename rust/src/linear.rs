@@ -57,7 +57,7 @@ pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &
     let packed = m >= PACKED_MIN_ROWS;
     // bfloat16 weights at the default kernel, on an AVX-512 BF16 CPU: x's rows as bfloat16 pairs
     // (exact: x is bfloat16) against the weight rows in dot products
-    let dot = if packed || k % 2 != 0 { None } else { crate::expert_pairs::dot_products(isa, w) };
+    let dot = if packed || !k.is_multiple_of(2) { None } else { crate::expert_pairs::dot_products(isa, w) };
     let mut pairs = Vec::new();
     if dot.is_some() {
         #[cfg(target_arch = "x86_64")]

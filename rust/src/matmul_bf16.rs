@@ -171,13 +171,13 @@ unsafe fn block<const V: usize>(xs: &[u32], panel: &[u32], k2: usize, rows: usiz
 pub fn gemm_nt_bf16(m: &[Bf16], rows: usize, xs: &[u32], out: &mut [f32]) {
     assert!(runs(), "gemm_nt_bf16 needs AVX-512 BF16");
     let cols = m.len().checked_div(rows).unwrap_or(0);
-    assert!(m.len() == rows * cols && cols % 2 == 0, "gemm_nt_bf16: the matrix is not [rows, even K]");
+    assert!(m.len() == rows * cols && cols.is_multiple_of(2), "gemm_nt_bf16: the matrix is not [rows, even K]");
     let k2 = cols / 2;
     if k2 == 0 {
         out.fill(0.0);
         return;
     }
-    assert!(xs.len() % k2 == 0 && out.len() == xs.len() / k2 * rows, "gemm_nt_bf16: the vectors or the output disagree");
+    assert!(xs.len().is_multiple_of(k2) && out.len() == xs.len() / k2 * rows, "gemm_nt_bf16: the vectors or the output disagree");
     #[cfg(target_arch = "x86_64")]
     // SAFETY: runs() checked the CPU, the lengths were checked above.
     unsafe {

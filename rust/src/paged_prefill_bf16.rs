@@ -22,7 +22,7 @@ const ITEM_QUERIES: usize = 32;
 
 /// Whether this kernel computes `p`: the CPU has AVX-512 BF16, no window or sinks, an even head_dim.
 pub fn applies(p: &PagedPrefill<'_, Bf16>) -> bool {
-    crate::matmul_bf16::runs() && p.window.is_none() && p.sinks.is_none() && p.q.dim % 2 == 0
+    crate::matmul_bf16::runs() && p.window.is_none() && p.sinks.is_none() && p.q.dim.is_multiple_of(2)
 }
 
 /// v_dim rounded up to whole blocks of four 16-lane registers (the values' packing and the
@@ -170,9 +170,9 @@ unsafe fn run_item(p: &PagedPrefill<'_, Bf16>, packed: &Packed, item: &Item, s: 
             _ => tile::<1>(p, packed, &q, &pos, blocks, s),
         }
         let (dv, dvp) = (p.v.dim, padded(p.v.dim));
-        for i in 0..n {
+        for (i, head) in heads.iter().enumerate().take(n) {
             let query = item.first + (r0 + i) / group;
-            let row = out.0.add(((start + query) * p.q.heads + heads[i]) * dv);
+            let row = out.0.add(((start + query) * p.q.heads + head) * dv);
             for (c, &a) in s.acc[i * dvp..i * dvp + dv].iter().enumerate() {
                 *row.add(c) = Bf16::from_f32(a);
             }
@@ -276,8 +276,8 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
             }
         }
     }
-    for i in 0..R {
-        let norm = 1.0 / total[i];
+    for (i, total) in total.iter().enumerate() {
+        let norm = 1.0 / total;
         for a in &mut s.acc[i * dv..(i + 1) * dv] {
             *a *= norm;
         }
