@@ -272,6 +272,19 @@ mod tests {
         noise(n, seed).into_iter().map(Bf16::from_f32).collect()
     }
 
+    /// Each output is the f64 product of m and bf16(xs) within its float32 sums' rounding.
+    fn within_f64(m: &[Bf16], rows: usize, xs: &[f32], got: &[f32]) {
+        let cols = m.len() / rows;
+        for (j, (x, got)) in xs.chunks_exact(cols).zip(got.chunks_exact(rows)).enumerate() {
+            for (r, (w, &got)) in m.chunks_exact(cols).zip(got).enumerate() {
+                let terms = w.iter().zip(x).map(|(w, &x)| w.to_f32() as f64 * Bf16::from_f32(x).to_f32() as f64);
+                let (exact, size): (f64, f64) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                let err = (got as f64 - exact).abs();
+                assert!(err <= cols as f64 * f32::EPSILON as f64 * size, "{rows}x{cols} [{j}, {r}]: {err}");
+            }
+        }
+    }
+
     /// Every shape class: one row, a partial panel, whole panels, odd K, n below, at and past a block.
     const SHAPES: [(usize, usize, usize); 8] =
         [(1, 2, 1), (3, 7, 5), (64, 256, 6), (65, 33, 7), (256, 128, 97), (200, 255, 13), (17, 1, 64), (128, 512, 300)];
@@ -289,14 +302,7 @@ mod tests {
             matmul_nt_bf16(&m, rows, &xs, &mut got, &mut buffers);
             reference(&m, rows, &xs, &mut want);
             assert_eq!(got, want, "{rows}x{cols} n={n}: the instruction's sums in the portable order");
-            for j in 0..n {
-                for r in 0..rows {
-                    let terms = (0..cols).map(|c| m[r * cols + c].to_f32() as f64 * Bf16::from_f32(xs[j * cols + c]).to_f32() as f64);
-                    let (exact, size): (f64, f64) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
-                    let err = (got[j * rows + r] as f64 - exact).abs();
-                    assert!(err <= cols as f64 * f32::EPSILON as f64 * size, "{rows}x{cols} n={n} [{j}, {r}]: {err}");
-                }
-            }
+            within_f64(&m, rows, &xs, &got);
         }
     }
 
@@ -313,13 +319,8 @@ mod tests {
             unsafe { pack_vectors(&xs, cols, &mut pairs) };
             let mut got = vec![f32::NAN; n * rows];
             gemm_nt_bf16(&m, rows, &pairs, &mut got);
+            within_f64(&m, rows, &xs, &got);
             for j in 0..n {
-                for r in 0..rows {
-                    let terms = (0..cols).map(|c| m[r * cols + c].to_f32() as f64 * Bf16::from_f32(xs[j * cols + c]).to_f32() as f64);
-                    let (exact, size): (f64, f64) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
-                    let err = (got[j * rows + r] as f64 - exact).abs();
-                    assert!(err <= cols as f64 * f32::EPSILON as f64 * size, "{rows}x{cols} n={n} [{j}, {r}]: {err}");
-                }
                 // the vector alone: the same bits
                 let mut alone = vec![f32::NAN; rows];
                 gemm_nt_bf16(&m, rows, &pairs[j * cols / 2..(j + 1) * cols / 2], &mut alone);
