@@ -37,9 +37,13 @@ pub struct Buffers {
     panel: Vec<u32>,
 }
 
-/// The pair (lo, hi) as VDPBF16PS reads it: lo in the low 16 bits.
+/// The pair of bfloat16 bits (lo, hi) as VDPBF16PS reads it: lo in the low 16 bits.
+pub(crate) fn pair_bits(lo: u16, hi: u16) -> u32 {
+    lo as u32 | (hi as u32) << 16
+}
+
 fn pair(lo: Bf16, hi: Bf16) -> u32 {
-    lo.0 as u32 | (hi.0 as u32) << 16
+    pair_bits(lo.0, hi.0)
 }
 
 /// xs [n, K] rounded to bfloat16 pairs into `dst` [n, K2].

@@ -10,6 +10,7 @@
 //! weights. A row's result depends only on its own context, never on its tile or its chunk.
 //! No sliding window and no sinks (`applies`); everything else is `paged_prefill`'s contract.
 
+use crate::matmul_bf16::pair_bits;
 use crate::paged_attn::{exp, Bf16, Element};
 use crate::paged_prefill::PagedPrefill;
 
@@ -38,10 +39,6 @@ struct Packed {
     v: Vec<u32>,
 }
 
-fn pair(lo: Bf16, hi: Bf16) -> u32 {
-    lo.0 as u32 | (hi.0 as u32) << 16
-}
-
 fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64], g: usize) -> Packed {
     let (d2, dv) = (p.q.dim / 2, padded(p.v.dim));
     let blocks = slots.len().div_ceil(KEYS);
@@ -53,7 +50,7 @@ fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64], g: usize) -> Packed {
         let key = p.k.at(slot as usize, g);
         let kb = &mut k[b * k_block..][..k_block];
         for (i, two) in key.chunks_exact(2).enumerate() {
-            kb[i * KEYS + j] = pair(two[0], two[1]);
+            kb[i * KEYS + j] = pair_bits(two[0].0, two[1].0);
         }
         // the value goes into its pair's low half (even position) or high half (odd)
         let vb = &mut v[b * v_block + j / 2 * dv..][..dv];
@@ -97,30 +94,26 @@ fn prefill(p: &PagedPrefill<'_, Bf16>, order: &[(usize, usize, usize)], out: &mu
     items.sort_by_key(|(_, item)| std::cmp::Reverse(p.context_lens[item.span] as usize - p.q_lens[item.span] as usize + item.first));
     let threads = threads.min(macs / crate::paged_attn::PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
     // each (span, KV head)'s keys and values packed, by the same threads
-    let packed: Vec<std::sync::OnceLock<Packed>> = (0..order.len() * kv_heads).map(|_| std::sync::OnceLock::new()).collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    crate::workers::run_on_threads(threads.min(packed.len()), &|| loop {
-        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let Some(cell) = packed.get(i) else { break };
-        let (_, span, at) = order[i / kv_heads];
-        let _ = cell.set(pack(p, &p.slots[at..at + p.context_lens[span] as usize], i % kv_heads));
+    let mut jobs: Vec<(usize, usize, Option<Packed>)> =
+        (0..order.len()).flat_map(|o| (0..kv_heads).map(move |g| (o, g, None))).collect();
+    crate::workers::take_in_turn(threads.min(jobs.len()), &mut jobs, &|jobs| {
+        for (o, g, packed) in jobs {
+            let (_, span, at) = order[*o];
+            *packed = Some(pack(p, &p.slots[at..at + p.context_lens[span] as usize], *g));
+        }
     });
-    let next = std::sync::atomic::AtomicUsize::new(0);
+    let packed: Vec<Packed> = jobs.into_iter().map(|(_, _, packed)| packed.expect("every job ran")).collect();
     let dst = Out(out.as_mut_ptr());
-    let work = || {
+    crate::workers::take_in_turn(threads, &mut items, &|items| {
         let mut scratch = Scratch::new(p);
-        loop {
-            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let Some((o, item)) = items.get(i) else { break };
-            let packed = packed[o * kv_heads + item.kv_head].get().expect("packed above");
+        for (o, item) in items {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `applies` checked the CPU; the item's rows of `out` are its own.
             unsafe {
-                run_item(p, packed, item, &mut scratch, dst)
+                run_item(p, &packed[*o * kv_heads + item.kv_head], item, &mut scratch, dst)
             };
         }
-    };
-    crate::workers::run_on_threads(threads, &work);
+    });
 }
 
 /// A thread's buffers for a tile: scores and weights [ROWS, KEYS], the rows' sums [ROWS, padded(Dv)].
