@@ -47,13 +47,13 @@ def test_this_build_has_the_kernel():
 
 
 @settings(max_examples=40, deadline=None)
-@given(tokens=st.integers(1, 40), heads=st.integers(1, 8), kv_heads=st.integers(1, 4),
+@given(tokens=st.integers(1, 80), heads=st.integers(1, 8), kv_heads=st.integers(1, 4),
        dim=st.sampled_from([2, 8, 30, 64, 128]), rotary_part=st.sampled_from([0, 0.5, 1.0]), normed=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
-def test_equals_the_torch_ops(tokens, heads, kv_heads, dim, rotary_part, normed, seed):
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+def test_equals_the_torch_ops(tokens, heads, kv_heads, dim, rotary_part, normed, threads, seed):
     rotary = int(dim * rotary_part) // 2 * 2
     args = operands(seed, tokens, heads, kv_heads, dim, rotary, normed)
-    got = qk_norm_rope(*args)
+    got = qk_norm_rope(*args, threads=threads)  # more than 32 tokens: split over the threads
     want = torch_heads(*args)
     assert got is not None
     for a, b in zip(got, want):
@@ -65,15 +65,15 @@ def test_equals_the_torch_ops(tokens, heads, kv_heads, dim, rotary_part, normed,
 
 
 @settings(max_examples=40, deadline=None)
-@given(tokens=st.integers(1, 40), heads=st.integers(1, 8), kv_heads=st.integers(1, 4),
+@given(tokens=st.integers(1, 80), heads=st.integers(1, 8), kv_heads=st.integers(1, 4),
        dim=st.sampled_from([2, 8, 30, 64, 128]), rotary_part=st.sampled_from([0, 0.5, 1.0]), normed=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
-def test_bfloat16_equals_the_torch_ops(tokens, heads, kv_heads, dim, rotary_part, normed, seed):
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+def test_bfloat16_equals_the_torch_ops(tokens, heads, kv_heads, dim, rotary_part, normed, threads, seed):
     """Every op rounded to bfloat16 as torch's bfloat16 ops round it: the rotation bit for bit; a
     norm's mean of squares is summed in another order, which can move its rounding by one step."""
     rotary = int(dim * rotary_part) // 2 * 2
     args = operands(seed, tokens, heads, kv_heads, dim, rotary, normed, torch.bfloat16)
-    got = qk_norm_rope(*args)
+    got = qk_norm_rope(*args, threads=threads)  # more than 32 tokens: split over the threads
     want = torch_heads(*args)
     assert got is not None and all(a.dtype == torch.bfloat16 for a in got)
     for a, b in zip(got[:2], want[:2]):
@@ -101,7 +101,9 @@ def test_falls_back(case):
     if case == "setting off":  # the CPU backend does not take it at all
         with settings_module.overridden(rust_rope=False):
             assert ops_for("cpu", torch.float32).attention_heads is None
-        assert ops_for("cpu", torch.float32).attention_heads is qk_norm_rope
+        with settings_module.overridden(cpu_threads=2):
+            taken = ops_for("cpu", torch.float32).attention_heads
+        assert taken.func is qk_norm_rope and taken.keywords == {"threads": 2}
     else:
         assert qk_norm_rope(qkv, heads, kv_heads, dim, norms, eps, cos, sin) is None
 

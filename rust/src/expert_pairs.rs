@@ -27,6 +27,13 @@ pub trait Element: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
 
+    /// `from_f32(v).to_f32()`: v rounded to this type, kept in f32 (the bfloat16 one in f32
+    /// bits alone, so that loops of it vectorize).
+    #[inline(always)]
+    fn round(v: f32) -> f32 {
+        Self::from_f32(v).to_f32()
+    }
+
     /// The slice itself when it already holds f32.
     fn as_f32s(s: &[Self]) -> Option<&[f32]>;
 
@@ -95,12 +102,17 @@ impl Element for Bf16 {
     }
 
     /// Rounded to nearest, ties to even, as torch rounds (NaN stays a quiet NaN).
+    #[inline(always)]
     fn from_f32(v: f32) -> Self {
-        if v.is_nan() {
-            return Bf16(0x7fc0);
-        }
+        Bf16((Self::round(v).to_bits() >> 16) as u16)
+    }
+
+    /// Branch-free (the NaN case a select) and in f32 lanes, so that loops of it vectorize.
+    #[inline(always)]
+    fn round(v: f32) -> f32 {
         let bits = v.to_bits();
-        Bf16((bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16)
+        let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+        f32::from_bits(if v.is_nan() { 0x7fc0_0000 } else { rounded })
     }
 
     fn as_f32s(_: &[Self]) -> Option<&[f32]> {
@@ -1462,6 +1474,28 @@ mod tests {
         assert_eq!(Bf16::from_f32(between(0x3f80, 0x8001)), Bf16(0x3f81));
         assert_eq!(Bf16::from_f32(between(0x3f80, 0x7fff)), Bf16(0x3f80));
         assert_eq!(Bf16(0x4049).to_f32(), f32::from_bits(0x4049_0000));
+    }
+
+    /// The branch-free rounding against the definition written with a branch, on every 16th
+    /// f32 bit pattern and every NaN, infinity, zero and subnormal edge (signs both ways).
+    #[test]
+    fn bfloat16_round_is_the_definition() {
+        let definition = |v: f32| -> u16 {
+            if v.is_nan() {
+                return 0x7fc0;
+            }
+            let bits = v.to_bits();
+            (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+        };
+        let edges = [0u32, 1, 0x7f_ffff, 0x80_0000, 0x7f7f_ffff, 0x7f80_0000, 0x7f80_0001, 0x7fc0_0000, 0x7fff_ffff,
+                     0x3f80_8000, 0x3f81_8000, 0x7f7f_8000];
+        let patterns = (0..=u32::MAX).step_by(16).chain(edges.iter().flat_map(|&e| [e, e | 0x8000_0000]));
+        for bits in patterns {
+            let v = f32::from_bits(bits);
+            let want = definition(v);
+            assert_eq!(Bf16::from_f32(v).0, want, "{bits:#x}");
+            assert_eq!(<Bf16 as Element>::round(v).to_bits(), (want as u32) << 16, "{bits:#x}");
+        }
     }
 
     #[test]

@@ -752,25 +752,31 @@ fn route_rows<L: Element>(
 /// One attention layer's q/k norms and RoPE (crate::qk_rope): the private half of
 /// r3srv.kernels.qk_rope_cpu, which passes contiguous float32 CPU tensors at `addresses` (qkv,
 /// q_norm, k_norm (0: no norms), cos, sin, and fresh q, k, v) of `shape` (tokens, heads,
-/// kv_heads, head_dim, rotary), and keeps them alive across the call. Keeps the GIL: a call
-/// takes less than releasing it.
+/// kv_heads, head_dim, rotary), and keeps them alive across the call; the tokens split over up
+/// to `threads` threads. Keeps the GIL for a decode step's few tokens (a call takes less than
+/// releasing it), releases it for a prefill's.
 #[pyfunction]
-fn qk_norm_rope_f32(addresses: [usize; 8], shape: [usize; 5], eps: f32) -> PyResult<()> {
+#[pyo3(signature = (addresses, shape, eps, threads=1))]
+fn qk_norm_rope_f32(py: Python<'_>, addresses: [usize; 8], shape: [usize; 5], eps: f32, threads: usize) -> PyResult<()> {
     // SAFETY: the caller's contract above.
-    unsafe { qk_norm_rope_tensors::<f32>(addresses, shape, eps) }
+    unsafe { qk_norm_rope_tensors::<f32>(py, addresses, shape, eps, threads) }
 }
 
 /// `qk_norm_rope_f32` for bfloat16 tensors (every op rounded to bfloat16, as torch's: crate::qk_rope).
 #[pyfunction]
-fn qk_norm_rope_bf16(addresses: [usize; 8], shape: [usize; 5], eps: f32) -> PyResult<()> {
+#[pyo3(signature = (addresses, shape, eps, threads=1))]
+fn qk_norm_rope_bf16(py: Python<'_>, addresses: [usize; 8], shape: [usize; 5], eps: f32, threads: usize) -> PyResult<()> {
     // SAFETY: the caller's contract of qk_norm_rope_f32, with bfloat16 tensors.
-    unsafe { qk_norm_rope_tensors::<crate::expert_pairs::Bf16>(addresses, shape, eps) }
+    unsafe { qk_norm_rope_tensors::<crate::expert_pairs::Bf16>(py, addresses, shape, eps, threads) }
 }
+
+/// The fewest tokens a qk_norm_rope call releases the GIL for.
+const QK_ROPE_DETACH_MIN_TOKENS: usize = 64;
 
 /// # Safety
 /// As `qk_norm_rope_f32` requires of its caller, with tensors of `W`.
-unsafe fn qk_norm_rope_tensors<W: crate::expert_pairs::Element>(addresses: [usize; 8], shape: [usize; 5], eps: f32)
-                                                                -> PyResult<()> {
+unsafe fn qk_norm_rope_tensors<W: crate::expert_pairs::Element>(py: Python<'_>, addresses: [usize; 8], shape: [usize; 5],
+                                                                eps: f32, threads: usize) -> PyResult<()> {
     let [qkv, q_norm, k_norm, cos, sin, q, k, v] = addresses;
     let [tokens, heads, kv_heads, head_dim, rotary] = shape;
     let overflow = || PyValueError::new_err("qk_norm_rope: the shape overflows");
@@ -789,7 +795,8 @@ unsafe fn qk_norm_rope_tensors<W: crate::expert_pairs::Element>(addresses: [usiz
     };
     let norms = norms.map(|(q, k)| crate::qk_rope::HeadNorms { q, k, eps });
     let s = crate::qk_rope::Heads { tokens, heads, kv_heads, head_dim, rotary };
-    crate::qk_rope::qk_norm_rope(qkv, s, norms.as_ref(), cos, sin, q, k, v).map_err(PyValueError::new_err)
+    let mut run = move || crate::qk_rope::qk_norm_rope(qkv, s, norms.as_ref(), cos, sin, q, k, v, threads);
+    if tokens >= QK_ROPE_DETACH_MIN_TOKENS { py.detach(run) } else { run() }.map_err(PyValueError::new_err)
 }
 
 #[pymodule]

@@ -32,10 +32,11 @@ pub struct HeadNorms<'a, W> {
 
 /// qkv [tokens, (heads + 2 kv_heads) head_dim] into q [tokens, heads, head_dim] and k, v
 /// [tokens, kv_heads, head_dim]; cos and sin [tokens, rotary] as rope_cos_sin gives them (the
-/// second half repeats the first). Errors name the first length that does not match.
+/// second half repeats the first). Errors name the first length that does not match. The
+/// tokens split over up to `threads` threads; each token's bits do not depend on the split.
 #[allow(clippy::too_many_arguments)]
 pub fn qk_norm_rope<W: Element>(qkv: &[W], s: Heads, norms: Option<&HeadNorms<W>>, cos: &[W], sin: &[W], q: &mut [W],
-                                k: &mut [W], v: &mut [W]) -> Result<(), String> {
+                                k: &mut [W], v: &mut [W], threads: usize) -> Result<(), String> {
     let d = s.head_dim;
     let width = (s.heads + 2 * s.kv_heads) * d;
     if d == 0 || s.rotary > d || !s.rotary.is_multiple_of(2) {
@@ -59,34 +60,119 @@ pub fn qk_norm_rope<W: Element>(qkv: &[W], s: Heads, norms: Option<&HeadNorms<W>
             return Err(format!("qk_norm_rope: norms of {} and {} values for heads of {d}", n.q.len(), n.k.len()));
         }
     }
-    let half = s.rotary / 2;
+    let rows = Rows { qkv, cos, sin, width, shape: s, norms };
+    let (q_row, kv_row) = (s.heads * d, s.kv_heads * d);
+    let mut items = Vec::with_capacity(s.tokens.div_ceil(TOKENS_PER_ITEM));
+    let (mut q, mut k, mut v) = (q, k, v);
+    for first in (0..s.tokens).step_by(TOKENS_PER_ITEM) {
+        let n = TOKENS_PER_ITEM.min(s.tokens - first);
+        let (q_item, q_rest) = std::mem::take(&mut q).split_at_mut(n * q_row);
+        let (k_item, k_rest) = std::mem::take(&mut k).split_at_mut(n * kv_row);
+        let (v_item, v_rest) = std::mem::take(&mut v).split_at_mut(n * kv_row);
+        (q, k, v) = (q_rest, k_rest, v_rest);
+        items.push(Item { first, tokens: n, q: q_item, k: k_item, v: v_item });
+    }
+    let threads = threads.min(s.tokens / TOKENS_PER_ITEM).max(1);
+    crate::workers::take_in_turn(threads, &mut items, &|items| run(&rows, items));
+    Ok(())
+}
+
+/// Tokens a thread takes at a time: the work of a few microseconds.
+const TOKENS_PER_ITEM: usize = 32;
+
+/// What every item reads.
+struct Rows<'a, W> {
+    qkv: &'a [W],
+    cos: &'a [W],
+    sin: &'a [W],
+    width: usize,
+    shape: Heads,
+    norms: Option<&'a HeadNorms<'a, W>>,
+}
+
+/// Tokens first..first + tokens: their rows of q, k and v.
+struct Item<'a, W> {
+    first: usize,
+    tokens: usize,
+    q: &'a mut [W],
+    k: &'a mut [W],
+    v: &'a mut [W],
+}
+
+fn run<'i, 'a: 'i, W: Element + 'a>(rows: &Rows<'_, W>, items: &mut dyn Iterator<Item = &'i mut Item<'a, W>>) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        unsafe { run_avx2(rows, items) };
+        return;
+    }
+    run_items(rows, items);
+}
+
+/// `run_items` compiled for AVX2: its loops vectorize 8 wide (no FMA: the same bits).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn run_avx2<'i, 'a: 'i, W: Element + 'a>(rows: &Rows<'_, W>, items: &mut dyn Iterator<Item = &'i mut Item<'a, W>>) {
+    run_items(rows, items);
+}
+
+#[inline(always)]
+fn run_items<'i, 'a: 'i, W: Element + 'a>(rows: &Rows<'_, W>, items: &mut dyn Iterator<Item = &'i mut Item<'a, W>>) {
+    let s = rows.shape;
+    let (d, half) = (s.head_dim, s.rotary / 2);
     let kv_len = s.kv_heads * d;
-    for t in 0..s.tokens {
-        let row = &qkv[t * width..(t + 1) * width];
-        let (c, sn) = (&cos[t * s.rotary..t * s.rotary + half], &sin[t * s.rotary..t * s.rotary + half]);
-        let (q_src, rest) = row.split_at(s.heads * d);
-        let (k_src, v_src) = rest.split_at(kv_len);
-        let q_dst = &mut q[t * s.heads * d..(t + 1) * s.heads * d];
-        let k_dst = &mut k[t * kv_len..(t + 1) * kv_len];
-        for (src, dst, weight) in [(q_src, q_dst, norms.map(|n| n.q)), (k_src, k_dst, norms.map(|n| n.k))] {
-            for (head, out) in src.chunks_exact(d).zip(dst.chunks_exact_mut(d)) {
-                match weight {
-                    Some(w) => normalize_row(head, w, norms.map_or(0.0, |n| n.eps), out),
-                    None => out.copy_from_slice(head),
-                }
-                let (x1, x2) = out[..s.rotary].split_at_mut(half);
-                // each op's result rounded to W, as torch's ops on W round it (nothing for f32)
-                let r = |v: f32| W::from_f32(v).to_f32();
-                for i in 0..half {
-                    let (a, b, c, sn) = (x1[i].to_f32(), x2[i].to_f32(), c[i].to_f32(), sn[i].to_f32());
-                    x1[i] = W::from_f32(r(a * c) - r(b * sn));
-                    x2[i] = W::from_f32(r(b * c) + r(a * sn));
+    // a head and the token's cos and sin in f32
+    let (mut x, mut c, mut sn) = (vec![0f32; d], vec![0f32; half], vec![0f32; half]);
+    for item in items {
+        for i in 0..item.tokens {
+            let t = item.first + i;
+            let row = &rows.qkv[t * rows.width..(t + 1) * rows.width];
+            widen(&rows.cos[t * s.rotary..][..half], &mut c);
+            widen(&rows.sin[t * s.rotary..][..half], &mut sn);
+            let (q_src, rest) = row.split_at(s.heads * d);
+            let (k_src, v_src) = rest.split_at(kv_len);
+            let q_dst = &mut item.q[i * s.heads * d..(i + 1) * s.heads * d];
+            let k_dst = &mut item.k[i * kv_len..(i + 1) * kv_len];
+            for (src, dst, weight) in [(q_src, q_dst, rows.norms.map(|n| n.q)), (k_src, k_dst, rows.norms.map(|n| n.k))] {
+                for (head, out) in src.chunks_exact(d).zip(dst.chunks_exact_mut(d)) {
+                    match weight {
+                        Some(w) => normalize_row(head, w, rows.norms.map_or(0.0, |n| n.eps), out),
+                        None => out.copy_from_slice(head),
+                    }
+                    rotate(&mut out[..s.rotary], &c, &sn, &mut x[..s.rotary]);
                 }
             }
+            item.v[i * kv_len..(i + 1) * kv_len].copy_from_slice(v_src);
         }
-        v[t * kv_len..(t + 1) * kv_len].copy_from_slice(v_src);
     }
-    Ok(())
+}
+
+#[inline(always)]
+fn widen<W: Element>(src: &[W], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
+    }
+}
+
+/// head[..2 half] rotated in place: x1 cos - x2 sin and x2 cos + x1 sin, each product and sum
+/// rounded to W, as torch's ops on W round them (nothing for f32); `x` scratch of its length.
+#[inline(always)]
+fn rotate<W: Element>(head: &mut [W], c: &[f32], sn: &[f32], x: &mut [f32]) {
+    let half = c.len();
+    widen(head, x);
+    let r = W::round;
+    let (x1, x2) = x.split_at(half);
+    let (o1, o2) = head.split_at_mut(half);
+    // every slice cut to `half` first: no bounds checks inside, so the loop vectorizes
+    let (x2, sn, o1, o2) = (&x2[..half], &sn[..half], &mut o1[..half], &mut o2[..half]);
+    for i in 0..half {
+        let (a, b) = (x1[i], x2[i]);
+        o1[i] = W::from_f32(r(a * c[i]) - r(b * sn[i]));
+        o2[i] = W::from_f32(r(b * c[i]) + r(a * sn[i]));
+    }
 }
 
 #[cfg(test)]
@@ -105,7 +191,7 @@ mod tests {
             let (cos, sin) = (noise(tokens * rotary, 4), noise(tokens * rotary, 5));
             let norms = HeadNorms { q: &wq, k: &wk, eps: 1e-6 };
             let (mut q, mut k, mut v) = (vec![0.0; tokens * heads * d], vec![0.0; tokens * kv_heads * d], vec![0.0; tokens * kv_heads * d]);
-            qk_norm_rope(&qkv, s, normed.then_some(&norms), &cos, &sin, &mut q, &mut k, &mut v).unwrap();
+            qk_norm_rope(&qkv, s, normed.then_some(&norms), &cos, &sin, &mut q, &mut k, &mut v, 1).unwrap();
             let width = (heads + 2 * kv_heads) * d;
             for t in 0..tokens {
                 for (h, w, got, base) in (0..heads).map(|h| (h, &wq, &q[(t * heads + h) * d..][..d], h * d))
@@ -144,7 +230,7 @@ mod tests {
         let (cos, sin) = (bf(noise(tokens * rotary, 14)), bf(noise(tokens * rotary, 15)));
         let norms = HeadNorms { q: &wq, k: &wk, eps: 1e-6 };
         let (mut q, mut k, mut v) = (vec![Bf16(0); tokens * heads * d], vec![Bf16(0); tokens * kv_heads * d], vec![Bf16(0); tokens * kv_heads * d]);
-        qk_norm_rope(&qkv, s, Some(&norms), &cos, &sin, &mut q, &mut k, &mut v).unwrap();
+        qk_norm_rope(&qkv, s, Some(&norms), &cos, &sin, &mut q, &mut k, &mut v, 1).unwrap();
         let width = (heads + 2 * kv_heads) * d;
         let round = |v: f32| Bf16::from_f32(v).to_f32();
         for t in 0..tokens {
@@ -169,18 +255,50 @@ mod tests {
         assert_eq!(&v[..kv_heads * d], &qkv[(heads + kv_heads) * d..][..kv_heads * d]);
     }
 
+    /// A token's bits do not depend on the threads or on which item it falls in: 100 tokens
+    /// (items of 32 and a last of 4) on 1, 2 and 3 threads, float32 and bfloat16.
+    #[test]
+    fn threads_give_the_same_bits() {
+        use crate::expert_pairs::Bf16;
+        fn run<W: Element + PartialEq + std::fmt::Debug>(cast: impl Fn(Vec<f32>) -> Vec<W>) {
+            let (tokens, heads, kv_heads, d, rotary) = (100, 4, 2, 64, 48);
+            let s = Heads { tokens, heads, kv_heads, head_dim: d, rotary };
+            let qkv = cast(noise(tokens * (heads + 2 * kv_heads) * d, 21));
+            let (wq, wk) = (cast(noise(d, 22)), cast(noise(d, 23)));
+            let (cos, sin) = (cast(noise(tokens * rotary, 24)), cast(noise(tokens * rotary, 25)));
+            let norms = HeadNorms { q: &wq, k: &wk, eps: 1e-6 };
+            let zero = W::from_f32(0.0);
+            let outputs: Vec<_> = [1, 2, 3].into_iter().map(|threads| {
+                let (mut q, mut k, mut v) = (vec![zero; tokens * heads * d], vec![zero; tokens * kv_heads * d], vec![zero; tokens * kv_heads * d]);
+                qk_norm_rope(&qkv, s, Some(&norms), &cos, &sin, &mut q, &mut k, &mut v, threads).unwrap();
+                (q, k, v)
+            }).collect();
+            assert!(outputs.iter().all(|o| *o == outputs[0]));
+            // the last token alone: the same row as in the batch
+            let width = (heads + 2 * kv_heads) * d;
+            let one = Heads { tokens: 1, ..s };
+            let (mut q, mut k, mut v) = (vec![zero; heads * d], vec![zero; kv_heads * d], vec![zero; kv_heads * d]);
+            let t = tokens - 1;
+            qk_norm_rope(&qkv[t * width..], one, Some(&norms), &cos[t * rotary..], &sin[t * rotary..], &mut q, &mut k, &mut v, 1).unwrap();
+            assert_eq!(q, outputs[0].0[t * heads * d..]);
+            assert_eq!(k, outputs[0].1[t * kv_heads * d..]);
+        }
+        run::<f32>(|v| v);
+        run::<Bf16>(|v| v.into_iter().map(Bf16::from_f32).collect());
+    }
+
     #[test]
     fn bad_shapes_are_errors() {
         let s = Heads { tokens: 1, heads: 1, kv_heads: 1, head_dim: 4, rotary: 4 };
         let (mut q, mut k, mut v) = (vec![0.0; 4], vec![0.0; 4], vec![0.0; 4]);
-        let ok = qk_norm_rope(&[0.0f32; 12], s, None, &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v);
+        let ok = qk_norm_rope(&[0.0f32; 12], s, None, &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v, 1);
         assert!(ok.is_ok());
-        let err = qk_norm_rope(&[0.0f32; 11], s, None, &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v).unwrap_err();
+        let err = qk_norm_rope(&[0.0f32; 11], s, None, &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v, 1).unwrap_err();
         assert!(err.contains("qkv holds 11"), "{err}");
         let odd = Heads { rotary: 3, ..s };
-        assert!(qk_norm_rope(&[0.0f32; 12], odd, None, &[0.0; 3], &[0.0; 3], &mut q, &mut k, &mut v).unwrap_err().contains("even"));
+        assert!(qk_norm_rope(&[0.0f32; 12], odd, None, &[0.0; 3], &[0.0; 3], &mut q, &mut k, &mut v, 1).unwrap_err().contains("even"));
         let w = [1.0f32; 3];
         let norms = HeadNorms { q: &w, k: &w, eps: 1e-6 };
-        assert!(qk_norm_rope(&[0.0; 12], s, Some(&norms), &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v).unwrap_err().contains("norms"));
+        assert!(qk_norm_rope(&[0.0; 12], s, Some(&norms), &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v, 1).unwrap_err().contains("norms"));
     }
 }

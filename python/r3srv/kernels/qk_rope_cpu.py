@@ -30,11 +30,13 @@ def qk_norm_rope(
     eps: float,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
+    threads: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D]) from qkv [T, (heads + 2
     kv_heads) D]: q and k normed by `norms` (q_norm, k_norm [D]; None: not normed), then
-    rotated over cos/sin's width (rope_cos_sin's [T, rotary]; None: not rotated). None where
-    the kernel does not apply."""
+    rotated over cos/sin's width (rope_cos_sin's [T, rotary]; None: not rotated), the tokens
+    split over up to `threads` threads (the bits do not depend on it). None where the kernel
+    does not apply."""
     kernel = QK_NORM_ROPE_ENTRIES.get(qkv.dtype)
     if kernel is None or not qkv.is_cpu:
         return None
@@ -58,7 +60,7 @@ def qk_norm_rope(
     addresses = (qkv.data_ptr(), 0 if norms is None else norms[0].data_ptr(), 0 if norms is None else norms[1].data_ptr(),
                  0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(),
                  q.data_ptr(), k.data_ptr(), v.data_ptr())
-    kernel(addresses, (tokens, heads, kv_heads, head_dim, rotary), eps)
+    kernel(addresses, (tokens, heads, kv_heads, head_dim, rotary), eps, threads)
     return q, k, v
 
 
