@@ -73,17 +73,76 @@ pub(crate) unsafe fn pack_vectors(xs: &[f32], cols: usize, dst: &mut Vec<u32>) {
     }
 }
 
-/// Rows first..first + PANEL_ROWS of m [rows, K] as [K2, PANEL_ROWS] pairs, rows past the end zero.
-fn pack_panel(m: &[Bf16], rows: usize, cols: usize, first: usize, dst: &mut Vec<u32>) {
+/// Rows first..first + PANEL_ROWS of m [rows, K] as [K2, PANEL_ROWS] pairs, rows past the end zero:
+/// blocks of 16 rows x 16 pairs transposed in registers, the edges (a last partial block of
+/// rows or of pairs) one by one.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_panel(m: &[Bf16], rows: usize, cols: usize, first: usize, dst: &mut Vec<u32>) {
+    use std::arch::x86_64::*;
     let k2 = cols.div_ceil(2);
     dst.clear();
     dst.resize(k2 * PANEL_ROWS, 0);
-    for r in 0..PANEL_ROWS.min(rows - first) {
-        let row = &m[(first + r) * cols..(first + r + 1) * cols];
-        for (kk, p) in row.chunks(2).enumerate() {
-            dst[kk * PANEL_ROWS + r] = pair(p[0], p.get(1).copied().unwrap_or(Bf16(0)));
+    let panel_rows = PANEL_ROWS.min(rows - first);
+    // whole pairs of every row, 16 at a time (an odd K's last pair is an edge)
+    let whole = cols / 32 * 16;
+    for r0 in (0..panel_rows / 16 * 16).step_by(16) {
+        for kk in (0..whole).step_by(16) {
+            // SAFETY: rows first + r0 .. + 16 exist and each holds pairs kk..kk + 16 (32 values);
+            // dst holds K2 x PANEL_ROWS pairs and kk + 16 <= K2, r0 + 16 <= PANEL_ROWS.
+            let rows16: [__m512i; 16] = std::array::from_fn(|i| {
+                _mm512_loadu_si512(m.as_ptr().add((first + r0 + i) * cols + 2 * kk) as *const _)
+            });
+            for (c, column) in transpose16(rows16).iter().enumerate() {
+                _mm512_storeu_si512(dst.as_mut_ptr().add((kk + c) * PANEL_ROWS + r0) as *mut _, *column);
+            }
         }
     }
+    let pack_one = |dst: &mut [u32], r: usize, kk: usize| {
+        let row = &m[(first + r) * cols..(first + r + 1) * cols];
+        dst[kk * PANEL_ROWS + r] = pair(row[2 * kk], row.get(2 * kk + 1).copied().unwrap_or(Bf16(0)));
+    };
+    for r in 0..panel_rows {
+        let from = if r < panel_rows / 16 * 16 { whole } else { 0 };
+        for kk in from..k2 {
+            pack_one(dst, r, kk);
+        }
+    }
+}
+
+/// The 16 x 16 transpose of 32-bit elements: out[c] lane r = rows[r] lane c.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn transpose16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64::__m512i; 16] {
+    use std::arch::x86_64::*;
+    // 2 x 2 blocks of 32 bits, then 4 x 4 blocks within each 128-bit lane: u[4i + k]'s lane j
+    // holds column 4j + k of rows 4i..4i + 4
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 { _mm512_unpacklo_epi32(a, b) } else { _mm512_unpackhi_epi32(a, b) }
+    });
+    let u: [__m512i; 16] = std::array::from_fn(|i| {
+        let (g, k) = (i / 4 * 4, i % 4);
+        let (a, b) = (t[g + (k >> 1)], t[g + 2 + (k >> 1)]);
+        if k % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) }
+    });
+    // then the 128-bit lanes of the four row groups gathered per column
+    std::array::from_fn(|c| {
+        let (j, k) = (c / 4, c % 4);
+        let (lo, hi) = if j % 2 == 0 {
+            (_mm512_shuffle_i32x4::<0x88>(u[k], u[4 + k]), _mm512_shuffle_i32x4::<0x88>(u[8 + k], u[12 + k]))
+        } else {
+            (_mm512_shuffle_i32x4::<0xdd>(u[k], u[4 + k]), _mm512_shuffle_i32x4::<0xdd>(u[8 + k], u[12 + k]))
+        };
+        if j < 2 { _mm512_shuffle_i32x4::<0x88>(lo, hi) } else { _mm512_shuffle_i32x4::<0xdd>(lo, hi) }
+    })
 }
 
 /// out [n, rows] = bf16(xs) [n, K] @ m [rows, K]^T, K = m.len() / rows.
@@ -101,11 +160,11 @@ pub fn matmul_nt_bf16(m: &[Bf16], rows: usize, xs: &[f32], out: &mut [f32], buff
         pack_vectors(xs, cols, &mut buffers.xs)
     };
     for first in (0..rows).step_by(PANEL_ROWS) {
-        pack_panel(m, rows, cols, first, &mut buffers.panel);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: runs() checked the CPU; the buffers hold n x K2 and K2 x PANEL_ROWS pairs, and
         // out is [n, rows] (nt_cols), of which the panel writes columns first..min(first + 64, rows).
         unsafe {
+            pack_panel(m, rows, cols, first, &mut buffers.panel);
             panel_avx512(&buffers.xs, &buffers.panel, cols.div_ceil(2), n, rows, first, out)
         };
     }
@@ -307,6 +366,30 @@ mod tests {
             reference(&m, rows, &xs, &mut want);
             assert_eq!(got, want, "{rows}x{cols} n={n}: the instruction's sums in the portable order");
             within_f64(&m, rows, &xs, &got);
+        }
+    }
+
+    /// Every panel of every shape class holds pair kk of row first + r at kk * 64 + r (the
+    /// registers' transposes and the edges alike), zeros past the rows and K.
+    #[test]
+    fn panels_hold_each_rows_pairs() {
+        if !runs() {
+            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+            return;
+        }
+        let mut panel = Vec::new();
+        for (rows, cols, _) in SHAPES {
+            let m = bf16s(rows * cols, rows as u64 + 13);
+            for first in (0..rows).step_by(PANEL_ROWS) {
+                // SAFETY: runs() checked the CPU.
+                unsafe { pack_panel(&m, rows, cols, first, &mut panel) };
+                assert_eq!(panel.len(), cols.div_ceil(2) * PANEL_ROWS);
+                for (i, &got) in panel.iter().enumerate() {
+                    let (kk, r) = (i / PANEL_ROWS, i % PANEL_ROWS);
+                    let at = |c: usize| if first + r < rows && c < cols { m[(first + r) * cols + c] } else { Bf16(0) };
+                    assert_eq!(got, pair(at(2 * kk), at(2 * kk + 1)), "{rows}x{cols} panel {first}: pair {kk} of row {r}");
+                }
+            }
         }
     }
 
