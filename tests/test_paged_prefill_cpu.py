@@ -162,6 +162,18 @@ def test_bfloat16_takes_the_kernel_at_any_context_length(monkeypatch):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@needs_dot_bf16
+def test_the_dot_product_kernels_rule():
+    """The backend's choice asks Rust's rule (paged_prefill_bf16::applies_to): bfloat16, no
+    window, no sinks, an even head_dim."""
+    q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    assert cpu_kernel.dot_bf16_applies(q, None, None)
+    assert not cpu_kernel.dot_bf16_applies(q.float(), None, None)
+    assert not cpu_kernel.dot_bf16_applies(q, 128, None)
+    assert not cpu_kernel.dot_bf16_applies(q, None, torch.zeros(2))
+    assert not cpu_kernel.dot_bf16_applies(torch.zeros(3, 2, 63, dtype=torch.bfloat16), None, None)
+
+
 def test_longer_contexts_go_to_the_other_path(monkeypatch):
     """Spans over max_context are handed to `longer` in one call; the kernel gets the others."""
     for seed in range(5, 100):  # the first generated step with prompts on both sides of 60

@@ -21,9 +21,17 @@ const ROWS: usize = 6;
 /// Queries per work item (its rows: these queries times the group's heads).
 const ITEM_QUERIES: usize = 32;
 
-/// Whether this kernel computes `p`: the CPU has AVX-512 BF16, no window or sinks, an even head_dim.
+/// Whether this kernel computes `p` (`applies_to` its shape).
 pub fn applies(p: &PagedPrefill<'_, Bf16>) -> bool {
-    crate::matmul_bf16::runs() && p.window.is_none() && p.sinks.is_none() && p.q.dim.is_multiple_of(2)
+    applies_to(p.q.dim, p.window.is_some(), p.sinks.is_some())
+}
+
+/// Whether this kernel computes bfloat16 prefills of heads of `head_dim` (with a window, with
+/// sinks): the CPU has AVX-512 BF16, no window or sinks, an even head_dim. The one statement of
+/// the rule: the CPU backend asks it (paged_prefill_cpu.dot_bf16_applies) to choose this kernel
+/// over SDPA for long contexts.
+pub fn applies_to(head_dim: usize, windowed: bool, sinks: bool) -> bool {
+    crate::matmul_bf16::runs() && !windowed && !sinks && head_dim.is_multiple_of(2)
 }
 
 /// v_dim rounded up to whole blocks of four 16-lane registers (the values' packing and the

@@ -556,11 +556,12 @@ impl DotPrefill for Bf16 {
     }
 }
 
-/// Whether bfloat16 prefill attention without a window or sinks runs in AVX-512 BF16 dot
-/// products here (crate::paged_prefill_bf16), at any context length.
+/// Whether bfloat16 prefill attention over heads of `head_dim` (with a window, with sinks)
+/// runs in AVX-512 BF16 dot products here (crate::paged_prefill_bf16::applies_to), at any
+/// context length.
 #[pyfunction]
-fn paged_prefill_dot_bf16() -> bool {
-    crate::matmul_bf16::runs()
+fn paged_prefill_dot_bf16(head_dim: usize, windowed: bool, sinks: bool) -> bool {
+    crate::paged_prefill_bf16::applies_to(head_dim, windowed, sinks)
 }
 
 /// Prefill attention over raw tensors (crate::paged_prefill): the private half of

@@ -23,16 +23,16 @@ from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 paged_prefill_entry = rust_kernel("paged_prefill_attention")
 BUILT = paged_prefill_entry is not None  # else the torch path (kernels/rust_core.py)
+# the rule for bfloat16 prefills in AVX-512 BF16 dot products (rust/src/paged_prefill_bf16.rs's
+# applies_to: the CPU, no window, no sinks, an even head_dim), asked of Rust, which owns it
 _dot_bf16 = rust_kernel("paged_prefill_dot_bf16")
-# bfloat16 without a window or sinks runs in AVX-512 BF16 dot products (rust/src/paged_prefill_bf16.rs)
-DOT_BF16 = BUILT and _dot_bf16 is not None and _dot_bf16()
+DOT_BF16 = BUILT and _dot_bf16 is not None and _dot_bf16(2, False, False)  # this CPU runs them
 
 
 def dot_bf16_applies(q: torch.Tensor, window: int | None, sinks: torch.Tensor | None) -> bool:
     """Whether the call runs in the bfloat16 dot-product kernel, which outruns SDPA at every
-    context length (docs/benchmarks.md): bfloat16 on a CPU with AVX-512 BF16, no window, no
-    sinks, an even head_dim (the Rust side's `applies`)."""
-    return DOT_BF16 and q.dtype == torch.bfloat16 and window is None and sinks is None and q.shape[-1] % 2 == 0
+    context length (docs/benchmarks.md)."""
+    return DOT_BF16 and q.dtype == torch.bfloat16 and _dot_bf16(q.shape[-1], window is not None, sinks is not None)
 
 
 def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float, window: int | None = None,
