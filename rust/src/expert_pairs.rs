@@ -296,7 +296,8 @@ pub fn expert_pairs<W: Element>(
                 widened
             }
         };
-        let row_of = grouped_pass(experts, xf, &pair_token, ids, weights, threads, isa, outputs);
+        let inputs = Inputs { x, xf, pair_token: &pair_token };
+        let row_of = grouped_pass(experts, &inputs, ids, weights, threads, isa, outputs);
         weighted_sums(outputs, &row_of, &pair_token, weights, hid, out, threads, isa);
     });
     Ok(())
@@ -310,6 +311,14 @@ thread_local! {
 
 /// A pair of weight 0 (another rank's expert): no row in the outputs.
 const DEAD: u32 = u32::MAX;
+
+/// The tokens an expert pass reads: x as given, x in f32 (x itself for f32 tokens), and each
+/// pair's token.
+struct Inputs<'a, W> {
+    x: &'a [W],
+    xf: &'a [f32],
+    pair_token: &'a [u32],
+}
 
 /// Tokens per unit of work in `weighted_sums`.
 const SUM_BLOCK_TOKENS: usize = 32;
@@ -438,7 +447,7 @@ pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 20;
 /// threads take chunks from a shared counter, so a thread the OS preempts holds up none of
 /// the others' work.
 #[allow(clippy::too_many_arguments)]
-fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32], ids: &[i32], weights: &[f32],
+fn grouped_pass<W: Element>(experts: &Experts<W>, inputs: &Inputs<W>, ids: &[i32], weights: &[f32],
                             threads: usize, isa: Isa, outputs: &mut Vec<f32>) -> Vec<u32> {
     let hid = experts.hidden;
     // the live pairs by expert, in pair order within an expert; each pair's row is its place
@@ -472,7 +481,7 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, xf: &[f32], pair_token: &[u32]
             // SAFETY: the chunks cover disjoint ranges of rows and each runs once, so no two
             // threads write the same rows of `outputs`, which outlives the scope.
             let o = unsafe { dst.rows(chunk.first, pairs.len(), hid) };
-            experts.run_chunk(isa, chunk, xf, pair_token, pairs, scratch, o);
+            experts.run_chunk(isa, chunk, inputs, pairs, scratch, o);
         }
     });
     crate::workers::run_on_threads(threads, &work);
@@ -596,6 +605,24 @@ fn narrow_nt_dot<W: Element>(m: &[W], rows: usize, xs: &[f32], out: &mut [f32], 
     crate::matmul_bf16::gemm_nt_bf16(m, rows, pairs, out);
 }
 
+/// The rows of x [_, hid] (even hid) of `tokens`, one after the other, as the bfloat16 pairs
+/// (`pair_bits`) the dot products read: in memory a row's values already are those pairs.
+fn gather_pairs(x: &[Bf16], hid: usize, tokens: impl Iterator<Item = usize>, pairs: &mut Vec<u32>) {
+    pairs.clear();
+    for t in tokens {
+        let row = &x[t * hid..(t + 1) * hid];
+        let at = pairs.len();
+        pairs.reserve(hid / 2);
+        // SAFETY: `reserve` made room for hid / 2 more u32s past `at`, which the copy of the
+        // row's 2 * hid bytes fills (little-endian x86: values 2k, 2k + 1 are the low and high
+        // halves of pair k, as pair_bits builds it); the source and the Vec do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(row.as_ptr() as *const u8, pairs.as_mut_ptr().add(at) as *mut u8, 2 * hid);
+            pairs.set_len(at + hid / 2);
+        }
+    }
+}
+
 /// `w` as f32: itself, or widened into `buffer`.
 pub(crate) fn as_f32<'a, W: Element>(w: &'a [W], buffer: &'a mut Vec<f32>) -> &'a [f32] {
     if let Some(f) = W::as_f32s(w) {
@@ -609,19 +636,30 @@ pub(crate) fn as_f32<'a, W: Element>(w: &'a [W], buffer: &'a mut Vec<f32>) -> &'
 impl<W: Element> Experts<'_, W> {
     /// o[j] = the chunk's expert of x[pair_token[pairs[j]]] for its pairs (o [n, H]).
     #[allow(clippy::too_many_arguments)]
-    fn run_chunk(&self, isa: Isa, chunk: &Chunk, xf: &[f32], pair_token: &[u32], pairs: &[u32], s: &mut Scratch, o: &mut [f32]) {
+    fn run_chunk(&self, isa: Isa, chunk: &Chunk, inputs: &Inputs<W>, pairs: &[u32], s: &mut Scratch, o: &mut [f32]) {
         let (e, hid, r, i, n) = (chunk.expert, self.hidden, self.rows13(), self.inter, pairs.len());
+        let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
+        let tokens = pairs.iter().map(|&p| inputs.pair_token[p as usize] as usize);
+        // a wide chunk of bfloat16 tokens and weights in dot products: its rows gathered as the
+        // pairs the products read (even K), not widened and rounded back
+        let wide_pairs = chunk.wide && hid.is_multiple_of(2) && dot_products(isa, w13).is_some();
         s.x.clear();
-        for &p in pairs {
-            let t = pair_token[p as usize] as usize;
-            s.x.extend_from_slice(&xf[t * hid..(t + 1) * hid]);
+        if wide_pairs {
+            let x = W::as_bf16s(inputs.x).expect("bfloat16 tokens (dot_products: bfloat16 weights)");
+            gather_pairs(x, hid, tokens, &mut s.pairs);
+        } else {
+            for t in tokens {
+                s.x.extend_from_slice(&inputs.xf[t * hid..(t + 1) * hid]);
+            }
         }
         s.h.resize(n * r, 0.0);
         s.a.resize(n * i, 0.0);
-        let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
         // a narrow chunk of bfloat16 weights in dot products where they run (even K: pairs)
         let narrow_dot = !chunk.wide && hid.is_multiple_of(2) && i.is_multiple_of(2) && dot_products(isa, w13).is_some();
-        if chunk.wide {
+        if wide_pairs {
+            let w13 = W::as_bf16s(w13).expect("bfloat16 weights (dot_products)");
+            crate::matmul_bf16::matmul_nt_pairs(w13, r, &s.pairs, &mut s.h, &mut s.bf16);
+        } else if chunk.wide {
             wide_nt(isa, w13, r, &mut s.x, &mut s.h, &mut s.w13, &mut s.bf16);
         } else if narrow_dot {
             narrow_nt_dot(w13, r, &s.x, &mut s.h, &mut s.pairs);

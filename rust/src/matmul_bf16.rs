@@ -153,19 +153,46 @@ unsafe fn transpose16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64
 pub fn matmul_nt_bf16(m: &[Bf16], rows: usize, xs: &[f32], out: &mut [f32], buffers: &mut Buffers) {
     assert!(runs(), "matmul_nt_bf16 needs AVX-512 BF16");
     let Some(cols) = crate::expert_pairs::nt_cols("matmul_nt_bf16", m.len(), rows, xs.len(), out) else { return };
-    let n = xs.len() / cols;
+    let mut pairs = std::mem::take(&mut buffers.xs);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: runs() checked the CPU.
     unsafe {
-        pack_vectors(xs, cols, &mut buffers.xs)
+        pack_vectors(xs, cols, &mut pairs)
     };
+    products(m, rows, cols, &pairs, out, buffers);
+    buffers.xs = pairs;
+}
+
+/// `matmul_nt_bf16` of vectors given as bfloat16 pairs [n, K / 2] (even K): what
+/// `pack_vectors` makes of bfloat16 values' widened copies, read from them directly.
+///
+/// # Panics
+/// When the lengths disagree, K is odd, or this CPU lacks AVX-512 BF16 (`runs`).
+pub fn matmul_nt_pairs(m: &[Bf16], rows: usize, xs: &[u32], out: &mut [f32], buffers: &mut Buffers) {
+    assert!(runs(), "matmul_nt_pairs needs AVX-512 BF16");
+    let cols = m.len().checked_div(rows).unwrap_or(0);
+    assert!(m.len() == rows * cols && cols.is_multiple_of(2), "matmul_nt_pairs: the matrix is not [rows, even K]");
+    if cols == 0 {
+        out.fill(0.0);
+        return;
+    }
+    assert!(xs.len().is_multiple_of(cols / 2) && out.len() == xs.len() / (cols / 2) * rows,
+            "matmul_nt_pairs: the vectors or the output disagree");
+    products(m, rows, cols, xs, out, buffers);
+}
+
+/// out [n, rows] = pairs [n, K2] @ m [rows, K]^T, panel by panel.
+fn products(m: &[Bf16], rows: usize, cols: usize, pairs: &[u32], out: &mut [f32], buffers: &mut Buffers) {
+    let k2 = cols.div_ceil(2);
+    let n = pairs.len() / k2;
     for first in (0..rows).step_by(PANEL_ROWS) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: runs() checked the CPU; the buffers hold n x K2 and K2 x PANEL_ROWS pairs, and
-        // out is [n, rows] (nt_cols), of which the panel writes columns first..min(first + 64, rows).
+        // SAFETY: the callers checked the CPU (runs()); pairs hold n x K2, the panel K2 x
+        // PANEL_ROWS pairs, and out is [n, rows], of which the panel writes columns
+        // first..min(first + 64, rows).
         unsafe {
             pack_panel(m, rows, cols, first, &mut buffers.panel);
-            panel_avx512(&buffers.xs, &buffers.panel, cols.div_ceil(2), n, rows, first, out)
+            panel_avx512(pairs, &buffers.panel, k2, n, rows, first, out)
         };
     }
 }
@@ -366,6 +393,26 @@ mod tests {
             reference(&m, rows, &xs, &mut want);
             assert_eq!(got, want, "{rows}x{cols} n={n}: the instruction's sums in the portable order");
             within_f64(&m, rows, &xs, &got);
+        }
+    }
+
+    /// Vectors given as bfloat16 pairs give the bits of their widened values through
+    /// `matmul_nt_bf16` (every shape class of even K).
+    #[test]
+    fn pairs_read_directly_give_the_widened_vectors_bits() {
+        if !runs() {
+            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+            return;
+        }
+        let mut buffers = Buffers::default();
+        for (rows, cols, n) in SHAPES.into_iter().filter(|&(_, cols, _)| cols % 2 == 0) {
+            let (m, xs) = (bf16s(rows * cols, rows as u64 + 17), bf16s(n * cols, cols as u64 + 19));
+            let pairs: Vec<u32> = xs.chunks_exact(2).map(|p| pair(p[0], p[1])).collect();
+            let widened: Vec<f32> = xs.iter().map(|v| v.to_f32()).collect();
+            let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
+            matmul_nt_pairs(&m, rows, &pairs, &mut got, &mut buffers);
+            matmul_nt_bf16(&m, rows, &widened, &mut want, &mut buffers);
+            assert_eq!(got, want, "{rows}x{cols} n={n}");
         }
     }
 
