@@ -6,7 +6,9 @@ against the torch ops, as same-run ratios.
 (a) one layer's heads from the built-in model's fused projection (4 query heads, 2 KV heads of
     64, Qwen3's per-head norms, full rotary) at 1 and 16 tokens: benches/conftest.py prints
     torch / Rust as reference / r3srv;
-(b) the built-in model's decode step of 1 and 16 sequences with the kernel on and off,
+(b) a 2,048-token prefill's layer in float32 and bfloat16, the Rust kernel on 1 and 2 threads
+    against the torch ops on as many torch threads;
+(c) the built-in model's decode step of 1 and 16 sequences with the kernel on and off,
     interleaved round by round (bench_expert_pairs_cpu's interleaved_decode_steps): median
     thread-CPU and wall time per step, the same greedy tokens asserted.
 """
@@ -49,6 +51,26 @@ def test_layer_heads(benchmark, tokens, candidate):
         got = benchmark(torch_heads, qkv, norms, 1e-6, cos, sin)
     for a, b in zip(got, torch_heads(qkv, norms, 1e-6, cos, sin)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_prefill_heads(benchmark, dtype, threads, candidate):
+    tokens = 2048
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * DIM, generator=g).to(dtype)
+    norms = ((torch.rand(DIM, generator=g) + 0.5).to(dtype), (torch.rand(DIM, generator=g) + 0.5).to(dtype))
+    cos, sin = rope_cos_sin(torch.arange(tokens), rope_inv_freq(DIM, 1e6), dtype)
+    benchmark.group = f"q/k norms + RoPE, {tokens} tokens, {str(dtype)[6:]}, {threads} thread(s)"
+    torch.set_num_threads(threads)  # one_torch_thread restores it
+    if candidate == "r3srv":
+        got = benchmark(qk_norm_rope, qkv, HEADS, KV_HEADS, DIM, norms, 1e-6, cos, sin, threads=threads)
+    else:
+        got = benchmark(torch_heads, qkv, norms, 1e-6, cos, sin)
+    tolerance = 1e-5 if dtype is torch.float32 else 2**-6  # bfloat16: a norm's sum may round one step apart
+    for a, b in zip(got, torch_heads(qkv, norms, 1e-6, cos, sin)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 16])

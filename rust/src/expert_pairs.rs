@@ -824,17 +824,18 @@ unsafe fn gemm_nt_avx2<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f32]
     let mut r = 0;
     while r < rows {
         let block_rows = if r + 4 <= rows { 4 } else { 1 };
-        prefetch_rows(m, cols, r + PREFETCH_ROWS_AHEAD, 4.min(rows.saturating_sub(r + PREFETCH_ROWS_AHEAD)));
+        let ahead = future_rows(m, rows, cols, r, block_rows);
         let mut j = 0;
         while j < n {
             let left = n - j;
+            let ahead = if j == 0 { ahead } else { &[] };
             match (block_rows, left) {
-                (4, 3..) => gemm_block::<W, 4, 3>(m, cols, vs, out, rows, r, j),
-                (4, 2) => gemm_block::<W, 4, 2>(m, cols, vs, out, rows, r, j),
-                (4, _) => gemm_block::<W, 4, 1>(m, cols, vs, out, rows, r, j),
-                (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j),
-                (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j),
-                _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j),
+                (4, 3..) => gemm_block::<W, 4, 3>(m, cols, vs, out, rows, r, j, ahead),
+                (4, 2) => gemm_block::<W, 4, 2>(m, cols, vs, out, rows, r, j, ahead),
+                (4, _) => gemm_block::<W, 4, 1>(m, cols, vs, out, rows, r, j, ahead),
+                (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j, ahead),
+                (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j, ahead),
+                _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j, ahead),
             }
             j += left.min(3);
         }
@@ -842,17 +843,17 @@ unsafe fn gemm_nt_avx2<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f32]
     }
 }
 
-/// How far ahead of the block being computed `gemm_nt_avx2` asks for weight rows: a chunk's
+/// How far ahead of the block being computed the matrix kernels ask for weight rows: a chunk's
 /// first pass over a row block otherwise waits on memory the hardware prefetcher has not
 /// guessed (each row block is only a few KiB, and its rows start a new page).
-const PREFETCH_ROWS_AHEAD: usize = 16;
+pub(crate) const PREFETCH_ROWS_AHEAD: usize = 16;
 
-/// Asks for rows [first, first + count) of m [_, cols] to be brought into the L2 cache.
+/// The `count` rows of m [rows, cols] PREFETCH_ROWS_AHEAD after row r (fewer near the end):
+/// what the block at r asks for while it computes.
 #[inline]
-fn prefetch_rows<W: Element>(m: &[W], cols: usize, first: usize, count: usize) {
-    if count > 0 {
-        crate::prefetch::prefetch_l2(&m[first * cols..(first + count) * cols]);
-    }
+fn future_rows<W>(m: &[W], rows: usize, cols: usize, r: usize, count: usize) -> &[W] {
+    let first = (r + PREFETCH_ROWS_AHEAD).min(rows);
+    &m[first * cols..(first + count).min(rows) * cols]
 }
 
 /// Stores a block's sums `acc` ([[__m256; V]; R]): each lane vector's horizontal sum plus the
@@ -888,22 +889,26 @@ macro_rules! finish_block {
     }};
 }
 
-/// out[j + v, r + l] for l < R, v < V (see `gemm_nt_avx2`).
+/// out[j + v, r + l] for l < R, v < V (see `gemm_nt_avx2`), asking for `ahead` on the way.
 ///
 /// # Safety
 /// As `gemm_nt_avx2`, with r + R <= rows and j + V <= n.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
+#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_block<W: Element, const R: usize, const V: usize>(
-    m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize, j: usize,
+    m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize, j: usize, ahead: &[W],
 ) {
     use std::arch::x86_64::*;
     let body = cols / 8 * 8;
     let (mp, vp) = (m.as_ptr(), vs.as_ptr());
     let mut acc = [[_mm256_setzero_ps(); V]; R];
+    // `ahead` (the rows a later block reads) asked for as many bytes a step as the step reads
+    let step = R * 8 * std::mem::size_of::<W>();
     let mut c = 0;
     while c < body {
+        crate::prefetch::prefetch_l2_bytes(ahead, c / 8 * step, step);
         let mut x = [_mm256_setzero_ps(); V];
         for (v, xv) in x.iter_mut().enumerate() {
             *xv = _mm256_loadu_ps(vp.add((j + v) * cols + c));
@@ -934,20 +939,21 @@ unsafe fn gemm_nt_avx512<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f3
     let mut r = 0;
     while r < rows {
         let block_rows = if r + 8 <= rows { 8 } else if r + 4 <= rows { 4 } else { 1 };
-        prefetch_rows(m, cols, r + PREFETCH_ROWS_AHEAD, 8.min(rows.saturating_sub(r + PREFETCH_ROWS_AHEAD)));
+        let ahead = future_rows(m, rows, cols, r, block_rows);
         let mut j = 0;
         while j < n {
             let left = n - j;
+            let ahead = if j == 0 { ahead } else { &[] };
             match (block_rows, left) {
-                (8, 3..) => gemm_block_avx512::<W, 4, 3>(m, cols, vs, out, rows, r, j),
-                (8, 2) => gemm_block_avx512::<W, 4, 2>(m, cols, vs, out, rows, r, j),
-                (8, _) => gemm_block_avx512::<W, 4, 1>(m, cols, vs, out, rows, r, j),
-                (4, 3..) => gemm_block_avx512::<W, 2, 3>(m, cols, vs, out, rows, r, j),
-                (4, 2) => gemm_block_avx512::<W, 2, 2>(m, cols, vs, out, rows, r, j),
-                (4, _) => gemm_block_avx512::<W, 2, 1>(m, cols, vs, out, rows, r, j),
-                (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j),
-                (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j),
-                _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j),
+                (8, 3..) => gemm_block_avx512::<W, 4, 3>(m, cols, vs, out, rows, r, j, ahead),
+                (8, 2) => gemm_block_avx512::<W, 4, 2>(m, cols, vs, out, rows, r, j, ahead),
+                (8, _) => gemm_block_avx512::<W, 4, 1>(m, cols, vs, out, rows, r, j, ahead),
+                (4, 3..) => gemm_block_avx512::<W, 2, 3>(m, cols, vs, out, rows, r, j, ahead),
+                (4, 2) => gemm_block_avx512::<W, 2, 2>(m, cols, vs, out, rows, r, j, ahead),
+                (4, _) => gemm_block_avx512::<W, 2, 1>(m, cols, vs, out, rows, r, j, ahead),
+                (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j, ahead),
+                (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j, ahead),
+                _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j, ahead),
             }
             j += left.min(3);
         }
@@ -955,22 +961,26 @@ unsafe fn gemm_nt_avx512<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f3
     }
 }
 
-/// out[j + v, r + l] for l < 2P, v < V (see `gemm_nt_avx512`), P = 2 or 4.
+/// out[j + v, r + l] for l < 2P, v < V (see `gemm_nt_avx512`), P = 2 or 4, asking for `ahead`
+/// on the way.
 ///
 /// # Safety
 /// As `gemm_nt_avx512`, with r + 2P <= rows and j + V <= n.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 #[inline]
+#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_block_avx512<W: Element, const P: usize, const V: usize>(
-    m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize, j: usize,
+    m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize, j: usize, ahead: &[W],
 ) {
     use std::arch::x86_64::*;
     let body = cols / 8 * 8;
     let (mp, vp) = (m.as_ptr(), vs.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); V]; P];
+    let step = 2 * P * 8 * std::mem::size_of::<W>(); // `ahead`'s bytes a step, as gemm_block asks
     let mut c = 0;
     while c < body {
+        crate::prefetch::prefetch_l2_bytes(ahead, c / 8 * step, step);
         let mut x = [_mm512_setzero_ps(); V];
         for (v, xv) in x.iter_mut().enumerate() {
             // the vector's 8 columns in both halves

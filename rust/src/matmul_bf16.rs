@@ -286,18 +286,20 @@ unsafe fn nt_avx512(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f
     let mut r = 0;
     while r < rows {
         let block = if r + 4 <= rows { 4 } else { 1 };
-        crate::prefetch::prefetch_l2(&m[(r + 16).min(rows) * 2 * k2..(r + 16 + block).min(rows) * 2 * k2]);
+        let first = (r + crate::expert_pairs::PREFETCH_ROWS_AHEAD).min(rows);
+        let ahead = &m[first * 2 * k2..(first + block).min(rows) * 2 * k2];
         let mut j = 0;
         while j < n {
+            let ahead = if j == 0 { ahead } else { &[] };
             match (block, n - j) {
-                (4, 4..) => nt_block::<4, 4>(m, rows, k2, xs, out, r, j),
-                (4, 3) => nt_block::<4, 3>(m, rows, k2, xs, out, r, j),
-                (4, 2) => nt_block::<4, 2>(m, rows, k2, xs, out, r, j),
-                (4, _) => nt_block::<4, 1>(m, rows, k2, xs, out, r, j),
-                (_, 4..) => nt_block::<1, 4>(m, rows, k2, xs, out, r, j),
-                (_, 3) => nt_block::<1, 3>(m, rows, k2, xs, out, r, j),
-                (_, 2) => nt_block::<1, 2>(m, rows, k2, xs, out, r, j),
-                _ => nt_block::<1, 1>(m, rows, k2, xs, out, r, j),
+                (4, 4..) => nt_block::<4, 4>(m, rows, k2, xs, out, r, j, ahead),
+                (4, 3) => nt_block::<4, 3>(m, rows, k2, xs, out, r, j, ahead),
+                (4, 2) => nt_block::<4, 2>(m, rows, k2, xs, out, r, j, ahead),
+                (4, _) => nt_block::<4, 1>(m, rows, k2, xs, out, r, j, ahead),
+                (_, 4..) => nt_block::<1, 4>(m, rows, k2, xs, out, r, j, ahead),
+                (_, 3) => nt_block::<1, 3>(m, rows, k2, xs, out, r, j, ahead),
+                (_, 2) => nt_block::<1, 2>(m, rows, k2, xs, out, r, j, ahead),
+                _ => nt_block::<1, 1>(m, rows, k2, xs, out, r, j, ahead),
             }
             j += (n - j).min(4);
         }
@@ -305,19 +307,23 @@ unsafe fn nt_avx512(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f
     }
 }
 
-/// out[j + v, r + l] for l < R, v < V.
+/// out[j + v, r + l] for l < R, v < V, asking for `ahead` (rows a later block reads) a step's
+/// bytes a step (prefetch::prefetch_l2_bytes).
 ///
 /// # Safety
 /// As `nt_avx512`, with r + R <= rows and j + V <= n.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
-unsafe fn nt_block<const R: usize, const V: usize>(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f32], r: usize, j: usize) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn nt_block<const R: usize, const V: usize>(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f32], r: usize, j: usize,
+                                                   ahead: &[Bf16]) {
     use std::arch::x86_64::*;
     let (mp, xp) = (m.as_ptr() as *const u32, xs.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); V]; R];
     let mut c = 0;
     while c < k2 {
+        crate::prefetch::prefetch_l2_bytes(ahead, c * 4 * R, 64 * R);
         // 16 pairs a step; the row's last step masked (loads past it read nothing)
         let mask: __mmask16 = if c + 16 <= k2 { 0xffff } else { ((1u32 << (k2 - c)) - 1) as __mmask16 };
         let x: [__m512bh; V] = std::array::from_fn(|v| std::mem::transmute(_mm512_maskz_loadu_epi32(mask, xp.add((j + v) * k2 + c) as *const _)));

@@ -20,3 +20,23 @@ pub(crate) fn prefetch_l2<T>(data: &[T]) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
 }
+
+/// Asks for the lines of bytes [from, from + count) of `data` (clipped to it) to be brought into
+/// the L2 cache. A kernel reading rows a block at a time spreads the next blocks' prefetches
+/// over its steps this way, a step's worth each: asked all at a block's start, they filled the
+/// core's miss buffers and stalled its loads (docs/benchmarks.md, "Prefetches spread over a
+/// block's steps").
+#[inline(always)]
+pub(crate) fn prefetch_l2_bytes<T>(data: &[T], from: usize, count: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T2};
+        let base = data.as_ptr() as *const i8;
+        for offset in (from..(from + count).min(std::mem::size_of_val(data))).step_by(64) {
+            // SAFETY: the address lies within `data`; a prefetch never faults or writes anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T2>(base.add(offset)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, from, count);
+}
