@@ -3,7 +3,9 @@
 //! The lines go to the L2 cache (hint T2), not L1: a prefetch into L1 holds one of the core's
 //! few L1 miss buffers until its line arrives from DRAM, and a kernel that asks for a whole row
 //! block (dozens of lines) at once then stalls its own loads behind them; the L2 tracks many
-//! more misses, and a line in L2 is a few cycles from use.
+//! more misses, and a line in L2 is a few cycles from use. Even into L2 a burst of a block's
+//! lines stalls the loads behind it, so the matrix kernels ask a step's worth at a time
+//! (`prefetch_l2_bytes`).
 
 /// Asks for every 64-byte line of `data` to be brought into the L2 cache.
 #[inline(always)]
