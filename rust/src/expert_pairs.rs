@@ -446,7 +446,6 @@ pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 20;
 /// The chunks depend only on each expert's pair count, never on `threads`. Up to `threads`
 /// threads take chunks from a shared counter, so a thread the OS preempts holds up none of
 /// the others' work.
-#[allow(clippy::too_many_arguments)]
 fn grouped_pass<W: Element>(experts: &Experts<W>, inputs: &Inputs<W>, ids: &[i32], weights: &[f32],
                             threads: usize, isa: Isa, outputs: &mut Vec<f32>) -> Vec<u32> {
     let hid = experts.hidden;
@@ -635,7 +634,6 @@ pub(crate) fn as_f32<'a, W: Element>(w: &'a [W], buffer: &'a mut Vec<f32>) -> &'
 
 impl<W: Element> Experts<'_, W> {
     /// o[j] = the chunk's expert of x[pair_token[pairs[j]]] for its pairs (o [n, H]).
-    #[allow(clippy::too_many_arguments)]
     fn run_chunk(&self, isa: Isa, chunk: &Chunk, inputs: &Inputs<W>, pairs: &[u32], s: &mut Scratch, o: &mut [f32]) {
         let (e, hid, r, i, n) = (chunk.expert, self.hidden, self.rows13(), self.inter, pairs.len());
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
@@ -846,12 +844,12 @@ unsafe fn gemm_nt_avx2<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f32]
 /// How far ahead of the block being computed the matrix kernels ask for weight rows: a chunk's
 /// first pass over a row block otherwise waits on memory the hardware prefetcher has not
 /// guessed (each row block is only a few KiB, and its rows start a new page).
-pub(crate) const PREFETCH_ROWS_AHEAD: usize = 16;
+const PREFETCH_ROWS_AHEAD: usize = 16;
 
 /// The `count` rows of m [rows, cols] PREFETCH_ROWS_AHEAD after row r (fewer near the end):
 /// what the block at r asks for while it computes.
 #[inline]
-fn future_rows<W>(m: &[W], rows: usize, cols: usize, r: usize, count: usize) -> &[W] {
+pub(crate) fn future_rows<W>(m: &[W], rows: usize, cols: usize, r: usize, count: usize) -> &[W] {
     let first = (r + PREFETCH_ROWS_AHEAD).min(rows);
     &m[first * cols..(first + count).min(rows) * cols]
 }

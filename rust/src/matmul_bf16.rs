@@ -286,8 +286,7 @@ unsafe fn nt_avx512(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f
     let mut r = 0;
     while r < rows {
         let block = if r + 4 <= rows { 4 } else { 1 };
-        let first = (r + crate::expert_pairs::PREFETCH_ROWS_AHEAD).min(rows);
-        let ahead = &m[first * 2 * k2..(first + block).min(rows) * 2 * k2];
+        let ahead = crate::expert_pairs::future_rows(m, rows, 2 * k2, r, block);
         let mut j = 0;
         while j < n {
             let ahead = if j == 0 { ahead } else { &[] };

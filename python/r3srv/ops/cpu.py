@@ -69,7 +69,9 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     norms = dict(REFERENCE_NORMS)
     if current.rust_rms_norm and rms_norm_cpu.BUILT:
         norms["default"] = kernel_rms_norm(rms_norm_cpu.rms_norm_cpu)
-    heads = functools.partial(qk_rope_cpu.qk_norm_rope, threads=threads) if current.rust_rope and qk_rope_cpu.BUILT else None
+    heads = None
+    if current.rust_rope and qk_rope_cpu.BUILT:
+        heads = functools.partial(qk_rope_cpu.qk_norm_rope, threads=threads)
     decode = None
     if current.rust_decode and paged_decode_cpu.BUILT and rust_dtype:
         decode = functools.partial(paged_decode_cpu.paged_decode_cpu, threads=threads)
