@@ -604,24 +604,6 @@ fn narrow_nt_dot<W: Element>(m: &[W], rows: usize, xs: &[f32], out: &mut [f32], 
     crate::matmul_bf16::gemm_nt_bf16(m, rows, pairs, out);
 }
 
-/// The rows of x [_, hid] (even hid) of `tokens`, one after the other, as the bfloat16 pairs
-/// (`pair_bits`) the dot products read: in memory a row's values already are those pairs.
-fn gather_pairs(x: &[Bf16], hid: usize, tokens: impl Iterator<Item = usize>, pairs: &mut Vec<u32>) {
-    pairs.clear();
-    for t in tokens {
-        let row = &x[t * hid..(t + 1) * hid];
-        let at = pairs.len();
-        pairs.reserve(hid / 2);
-        // SAFETY: `reserve` made room for hid / 2 more u32s past `at`, which the copy of the
-        // row's 2 * hid bytes fills (little-endian x86: values 2k, 2k + 1 are the low and high
-        // halves of pair k, as pair_bits builds it); the source and the Vec do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(row.as_ptr() as *const u8, pairs.as_mut_ptr().add(at) as *mut u8, 2 * hid);
-            pairs.set_len(at + hid / 2);
-        }
-    }
-}
-
 /// `w` as f32: itself, or widened into `buffer`.
 pub(crate) fn as_f32<'a, W: Element>(w: &'a [W], buffer: &'a mut Vec<f32>) -> &'a [f32] {
     if let Some(f) = W::as_f32s(w) {
@@ -638,13 +620,20 @@ impl<W: Element> Experts<'_, W> {
         let (e, hid, r, i, n) = (chunk.expert, self.hidden, self.rows13(), self.inter, pairs.len());
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
         let tokens = pairs.iter().map(|&p| inputs.pair_token[p as usize] as usize);
-        // a wide chunk of bfloat16 tokens and weights in dot products: its rows gathered as the
-        // pairs the products read (even K), not widened and rounded back
-        let wide_pairs = chunk.wide && hid.is_multiple_of(2) && dot_products(isa, w13).is_some();
+        // bfloat16 weights in dot products where they run (even K: pairs); a narrow chunk's
+        // second product too where its K is even
+        let dot = hid.is_multiple_of(2) && dot_products(isa, w13).is_some();
+        let narrow_dot = dot && !chunk.wide && i.is_multiple_of(2);
+        // the tokens of a first product in dot products: their bfloat16 rows gathered as the
+        // pairs the products read, not widened and rounded back
+        let x_pairs = dot && (chunk.wide || narrow_dot);
         s.x.clear();
-        if wide_pairs {
+        s.pairs.clear();
+        if x_pairs {
             let x = W::as_bf16s(inputs.x).expect("bfloat16 tokens (dot_products: bfloat16 weights)");
-            gather_pairs(x, hid, tokens, &mut s.pairs);
+            for t in tokens {
+                crate::matmul_bf16::extend_pairs(&x[t * hid..(t + 1) * hid], &mut s.pairs);
+            }
         } else {
             for t in tokens {
                 s.x.extend_from_slice(&inputs.xf[t * hid..(t + 1) * hid]);
@@ -652,17 +641,12 @@ impl<W: Element> Experts<'_, W> {
         }
         s.h.resize(n * r, 0.0);
         s.a.resize(n * i, 0.0);
-        // a narrow chunk of bfloat16 weights in dot products where they run (even K: pairs)
-        let narrow_dot = !chunk.wide && hid.is_multiple_of(2) && i.is_multiple_of(2) && dot_products(isa, w13).is_some();
-        if wide_pairs {
-            let w13 = W::as_bf16s(w13).expect("bfloat16 weights (dot_products)");
-            crate::matmul_bf16::matmul_nt_pairs(w13, r, &s.pairs, &mut s.h, &mut s.bf16);
-        } else if chunk.wide {
-            wide_nt(isa, w13, r, &mut s.x, &mut s.h, &mut s.w13, &mut s.bf16);
-        } else if narrow_dot {
-            narrow_nt_dot(w13, r, &s.x, &mut s.h, &mut s.pairs);
-        } else {
-            gemm_nt(isa, w13, r, &s.x, &mut s.h);
+        let bf16_w13 = || W::as_bf16s(w13).expect("bfloat16 weights (dot_products)");
+        match (x_pairs, chunk.wide) {
+            (true, true) => crate::matmul_bf16::matmul_nt_pairs(bf16_w13(), r, &s.pairs, &mut s.h, &mut s.bf16),
+            (true, false) => crate::matmul_bf16::gemm_nt_bf16(bf16_w13(), r, &s.pairs, &mut s.h),
+            (false, true) => wide_nt(isa, w13, r, &mut s.x, &mut s.h, &mut s.w13, &mut s.bf16),
+            (false, false) => gemm_nt(isa, w13, r, &s.x, &mut s.h),
         }
         let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
         match simd(isa) {

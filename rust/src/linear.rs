@@ -46,26 +46,23 @@ pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &
         }
     }
     let m = x.len() / k;
+    let packed = m >= PACKED_MIN_ROWS;
+    // bfloat16 weights at the default kernel, on an AVX-512 BF16 CPU: x's bfloat16 rows taken as
+    // the pairs the dot products read (not widened), against the weight rows
+    let dot = if packed || !k.is_multiple_of(2) { None } else { crate::expert_pairs::dot_products(isa, w) };
+    let mut pairs = Vec::new();
     let widened: Vec<f32>;
-    let xf: &[f32] = match W::as_f32s(x) {
-        Some(xf) => xf,
-        None => {
+    let xf: &[f32] = match (dot, W::as_f32s(x)) {
+        (Some(_), _) => {
+            crate::matmul_bf16::extend_pairs(W::as_bf16s(x).expect("bfloat16 x (bfloat16 weights)"), &mut pairs);
+            &[] // the dot products read the pairs only
+        }
+        (None, Some(xf)) => xf,
+        (None, None) => {
             widened = x.iter().map(|v| v.to_f32()).collect();
             &widened
         }
     };
-    let packed = m >= PACKED_MIN_ROWS;
-    // bfloat16 weights at the default kernel, on an AVX-512 BF16 CPU: x's rows as bfloat16 pairs
-    // (exact: x is bfloat16) against the weight rows in dot products
-    let dot = if packed || !k.is_multiple_of(2) { None } else { crate::expert_pairs::dot_products(isa, w) };
-    let mut pairs = Vec::new();
-    if dot.is_some() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: dot_products checked that the CPU has AVX-512 BF16.
-        unsafe {
-            crate::matmul_bf16::pack_vectors(xf, k, &mut pairs)
-        };
-    }
     let parts: Vec<(usize, usize)> = if packed {
         (0..n).step_by(PACKED_BLOCK_ROWS).map(|r| (r, (r + PACKED_BLOCK_ROWS).min(n))).collect()
     } else {

@@ -46,6 +46,21 @@ fn pair(lo: Bf16, hi: Bf16) -> u32 {
     pair_bits(lo.0, hi.0)
 }
 
+/// bfloat16 values (an even count) appended to `pairs` as the pairs the dot products read: in
+/// memory consecutive values already are those pairs (value 2k the low half of pair k, as
+/// `pair_bits` builds it, on a little-endian CPU: the dot products' x86).
+pub(crate) fn extend_pairs(values: &[Bf16], pairs: &mut Vec<u32>) {
+    assert!(values.len().is_multiple_of(2), "extend_pairs: an odd count of values");
+    let at = pairs.len();
+    pairs.reserve(values.len() / 2);
+    // SAFETY: `reserve` made room for values.len() / 2 more u32s past `at`, which the copy of the
+    // values' bytes fills; the source and the Vec do not overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(values.as_ptr() as *const u8, pairs.as_mut_ptr().add(at) as *mut u8, 2 * values.len());
+        pairs.set_len(at + values.len() / 2);
+    }
+}
+
 /// xs [n, K] rounded to bfloat16 pairs into `dst` [n, K2].
 ///
 /// # Safety
@@ -164,7 +179,8 @@ pub fn matmul_nt_bf16(m: &[Bf16], rows: usize, xs: &[f32], out: &mut [f32], buff
 }
 
 /// `matmul_nt_bf16` of vectors given as bfloat16 pairs [n, K / 2] (even K): what
-/// `pack_vectors` makes of bfloat16 values' widened copies, read from them directly.
+/// `pack_vectors` makes of bfloat16 values' widened copies, taken from them directly
+/// (`extend_pairs`).
 ///
 /// # Panics
 /// When the lengths disagree, K is odd, or this CPU lacks AVX-512 BF16 (`runs`).
@@ -412,7 +428,9 @@ mod tests {
         let mut buffers = Buffers::default();
         for (rows, cols, n) in SHAPES.into_iter().filter(|&(_, cols, _)| cols % 2 == 0) {
             let (m, xs) = (bf16s(rows * cols, rows as u64 + 17), bf16s(n * cols, cols as u64 + 19));
-            let pairs: Vec<u32> = xs.chunks_exact(2).map(|p| pair(p[0], p[1])).collect();
+            let mut pairs = Vec::new();
+            extend_pairs(&xs, &mut pairs);
+            assert_eq!(pairs, xs.chunks_exact(2).map(|p| pair(p[0], p[1])).collect::<Vec<_>>());
             let widened: Vec<f32> = xs.iter().map(|v| v.to_f32()).collect();
             let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
             matmul_nt_pairs(&m, rows, &pairs, &mut got, &mut buffers);
