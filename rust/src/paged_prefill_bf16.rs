@@ -11,7 +11,7 @@
 //! No sliding window and no sinks (`applies`); everything else is `paged_prefill`'s contract.
 
 use crate::matmul_bf16::pair_bits;
-use crate::paged_attn::{exp, Bf16, Element};
+use crate::paged_attn::{exp, Bf16, Element, Isa};
 use crate::paged_prefill::PagedPrefill;
 
 /// Keys per block: four 16-lane registers of scores per row.
@@ -282,6 +282,25 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
         for a in &mut s.acc[i * dv..(i + 1) * dv] {
             *a *= norm;
         }
+    }
+}
+
+/// Prefill attention by element type, each on its fastest kernel here: bfloat16 in this
+/// kernel where it `applies`, everything else in `paged_prefill`'s portable one.
+pub trait Prefill: Element + Sized {
+    fn prefill(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, isa: Isa) -> Result<(), String> {
+        crate::paged_prefill::paged_prefill(p, out, threads, isa)
+    }
+}
+
+impl Prefill for f32 {}
+
+impl Prefill for Bf16 {
+    fn prefill(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, isa: Isa) -> Result<(), String> {
+        if paged_prefill_bf16(p, out, threads)? {
+            return Ok(());
+        }
+        crate::paged_prefill::paged_prefill(p, out, threads, isa)
     }
 }
 

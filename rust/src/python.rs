@@ -20,7 +20,7 @@ use crate::encode::Plan;
 use crate::layout::ArrayView;
 use crate::npy_header::MAX_NDIM;
 use crate::paged_attn::{paged_decode, Bf16, Element, Isa, PagedDecode, Strided};
-use crate::paged_prefill::{paged_prefill, PagedPrefill};
+use crate::paged_prefill::PagedPrefill;
 
 /// Payloads at least this large are encoded with the GIL released.
 pub(crate) const DETACH_MIN_BYTES: usize = 64 * 1024;
@@ -540,22 +540,6 @@ fn paged_decode_attention(
     }
 }
 
-/// The bfloat16 dot-product prefill kernel (crate::paged_prefill_bf16) where it applies:
-/// None where it does not, and the portable kernel runs.
-trait DotPrefill: Element + Sized {
-    fn dot_bf16(_: &PagedPrefill<'_, Self>, _: &mut [Self], _: usize) -> Option<Result<(), String>> {
-        None
-    }
-}
-
-impl DotPrefill for f32 {}
-
-impl DotPrefill for Bf16 {
-    fn dot_bf16(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize) -> Option<Result<(), String>> {
-        crate::paged_prefill_bf16::paged_prefill_bf16(p, out, threads).map(|ran| ran.then_some(())).transpose()
-    }
-}
-
 /// Whether bfloat16 prefill attention over heads of `head_dim` (with a window, with sinks)
 /// runs in AVX-512 BF16 dot products here (crate::paged_prefill_bf16::applies_to), at any
 /// context length.
@@ -564,7 +548,7 @@ fn paged_prefill_dot_bf16(head_dim: usize, windowed: bool, sinks: bool) -> bool 
     crate::paged_prefill_bf16::applies_to(head_dim, windowed, sinks)
 }
 
-/// Prefill attention over raw tensors (crate::paged_prefill): the private half of
+/// Prefill attention over raw tensors (crate::paged_prefill_bf16::Prefill: the dtype's fastest kernel): the private half of
 /// r3srv.kernels.paged_prefill_cpu, which checks dtypes, devices, contiguity and that `out`
 /// shares no memory with the inputs, and keeps every tensor alive across the call. q, k, v:
 /// TensorArg; spans: (pointer to the q_starts, q_lens and context_lens, each `spans` int64,
@@ -589,7 +573,7 @@ fn paged_prefill_attention(
     sinks: Option<usize>,
     threads: usize,
 ) -> PyResult<()> {
-    fn call<T: DotPrefill>(
+    fn call<T: crate::paged_prefill_bf16::Prefill>(
         py: Python<'_>, q: TensorArg, k: TensorArg, v: TensorArg, spans: (usize, usize), slots: (usize, usize),
         out: (usize, usize, usize, usize), scale: f32, window: Option<usize>, sinks: Option<usize>, threads: usize,
     ) -> PyResult<()> {
@@ -620,13 +604,7 @@ fn paged_prefill_attention(
             (prefill, slice_mut::<T>(out.0, out_len)?)
         };
         let isa = *PAGED_DECODE_ISA.get_or_init(Isa::detect);
-        py.detach(|| {
-            if let Some(done) = T::dot_bf16(&prefill, out, threads) {
-                return done;
-            }
-            paged_prefill(&prefill, out, threads, isa)
-        })
-        .map_err(PyValueError::new_err)
+        py.detach(|| T::prefill(&prefill, out, threads, isa)).map_err(PyValueError::new_err)
     }
     match dtype {
         "float32" => call::<f32>(py, q, k, v, spans, slots, out, scale, window, sinks, threads),
