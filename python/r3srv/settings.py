@@ -38,7 +38,7 @@ class Settings:
     cpu_threads: int = _setting(1, "threads of CPU forwards (torch's for prefill steps, the Rust kernels' always)")
     cache_dir: Path = _setting(Path.home() / ".cache" / "r3srv", "where the built-in checkpoint is generated")
     encode_threads: int = _setting(1, "Rust encoder threads for payloads of 4 MiB and more, at most the CPUs")
-    huge_pages: bool = _setting(True, "transparent huge pages for encoder outputs of 32 MiB and more")
+    huge_pages: bool = _setting(True, "transparent huge pages for encoder outputs of 32 MiB and more and for the model's weights on the CPU")
     base64_isa: str = _setting("auto", "base64 kernel: auto (the fastest this CPU has) or a slower one to measure")
     tcmalloc: bool = _setting(True, "serve re-executes itself with tcmalloc preloaded where installed (not for GPUs)")
     # Backend switches, to measure or to rule a kernel out:

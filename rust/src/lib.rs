@@ -11,6 +11,7 @@ pub mod decode;
 pub mod encode;
 pub mod expert_pairs;
 pub mod formats;
+pub mod huge_pages;
 pub mod layout;
 pub mod linear;
 pub mod lists;

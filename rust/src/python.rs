@@ -82,29 +82,13 @@ fn encoder_isa() -> &'static str {
 /// ones are soon reused heap memory, where the advice measured slower (docs/benchmarks.md).
 const HUGE_PAGES_MIN_BYTES: usize = 32 << 20;
 
-/// Asks for transparent huge pages on the 2 MiB-aligned interior of a large fresh output
-/// buffer, then populates it in one call: one fault per 2 MiB instead of per 4 KiB, and no
-/// trap per fault, about half the faulting time (docs/benchmarks.md). settings.huge_pages
-/// (`R3SRV_HUGEPAGES=0`) turns it off.
+/// Huge pages for a large fresh output buffer (crate::huge_pages::advise_fresh): one fault per
+/// 2 MiB instead of per 4 KiB, and no trap per fault, about half the faulting time
+/// (docs/benchmarks.md). settings.huge_pages (`R3SRV_HUGEPAGES=0`) turns it off.
 fn advise_huge_pages(ptr: *mut u8, len: usize) {
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        if len < HUGE_PAGES_MIN_BYTES || !*HUGE_PAGES.get_or_init(|| true) {
-            return;
-        }
-        let start = (ptr as usize).next_multiple_of(HUGE);
-        let end = (ptr as usize + len) / HUGE * HUGE;
-        if end > start {
-            // Advisory only: failure (e.g. THP disabled) changes nothing.
-            // MADV_POPULATE_WRITE needs Linux 5.14; on older kernels the pages fault as usual.
-            // SAFETY: [start, end) lies inside the caller's live `len`-byte buffer at `ptr`;
-            // madvise only changes how its pages are backed, never their contents.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE);
-            }
-        }
+    if len >= HUGE_PAGES_MIN_BYTES && *HUGE_PAGES.get_or_init(|| true) {
+        // SAFETY: the caller's fresh output buffer of `len` bytes, alive for the call.
+        unsafe { crate::huge_pages::advise_fresh(ptr, len) }
     }
 }
 
@@ -784,6 +768,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_routed_experts, m)?)?;
     m.add_function(wrap_pyfunction!(configure_encoder, m)?)?;
     m.add_function(wrap_pyfunction!(encoder_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::huge_pages::python::advise_huge_pages, m)?)?;
     crate::formats::python::register(m)?;
     crate::lists::python::register(m)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_cpu, m)?)?;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from r3srv import huge_pages
 from r3srv.errors import ConfigError
 from r3srv.models import quantization as quant
 from r3srv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
@@ -111,6 +113,7 @@ def load_model(
         raise
     except (ValueError, NotImplementedError) as exc:  # heads or experts that do not split over the ranks
         raise ConfigError(f"{cfg.name} cannot be split that way: {exc}") from exc
+    huge_pages.advise(itertools.chain(model.parameters(), model.buffers()))  # before the copies write them
     _load_weights(model, safetensors_files(path), cfg)
     model.eval()
 

@@ -1,0 +1,97 @@
+"""The model's weights on the CPU in transparent huge pages (r3srv/huge_pages.py,
+rust/src/huge_pages.rs): advised before the loader writes them, never changing a value, off
+with settings.huge_pages."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from r3srv import huge_pages
+from r3srv.models.loader import load_model
+
+HUGE = 2 << 20
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+pytestmark = pytest.mark.skipif(huge_pages.advise_entry is None, reason="the Rust core is not built")
+
+
+def thp_mode() -> str:
+    """The bracketed mode of /sys/kernel/mm/transparent_hugepage/enabled ('' where absent)."""
+    text = THP.read_text() if THP.is_file() else ""
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
+def needs_thp():
+    if thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are not available here ({THP}: {thp_mode() or 'absent'})")
+
+
+def whole_pages(tensor: torch.Tensor) -> int:
+    """Bytes of whole 2 MiB pages inside the tensor's storage, counted independently of the Rust core."""
+    storage = tensor.untyped_storage()
+    start = -(-storage.data_ptr() // HUGE) * HUGE
+    end = (storage.data_ptr() + storage.nbytes()) // HUGE * HUGE
+    return max(0, end - start)
+
+
+def huge_bytes_at(address: int) -> int:
+    """AnonHugePages (bytes) of the mapping of this process that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def weights(model) -> list[torch.Tensor]:
+    return list(itertools.chain(model.parameters(), model.buffers()))
+
+
+def test_the_loader_advises_every_weight_and_the_values_are_the_same(r3srv_settings):
+    needs_thp()
+    r3srv_settings(huge_pages=False)
+    plain, _ = load_model(None, dtype="float32")
+    r3srv_settings(huge_pages=True)
+    advised, _ = load_model(None, dtype="float32")
+    # the advice changes how the pages are backed, never a value
+    for (name, a), (_, b) in zip(plain.state_dict().items(), advised.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    # the largest weights (the stacked experts) lie in huge pages; the same weights not advised do not
+    largest = max(weights(advised), key=lambda t: t.untyped_storage().nbytes())
+    assert whole_pages(largest) > 0
+    start = -(-largest.untyped_storage().data_ptr() // HUGE) * HUGE
+    assert huge_bytes_at(start) > 0, "the loader's writes did not fault in huge pages"
+    # marking again counts what the Rust core marks: every whole 2 MiB page of each distinct storage
+    distinct = {t.untyped_storage().data_ptr(): t for t in weights(advised)}.values()
+    assert huge_pages.advise(weights(advised)) == sum(whole_pages(t) for t in distinct) > 0
+
+
+def test_each_storage_counts_once_and_small_or_foreign_memory_is_left_alone(r3srv_settings):
+    needs_thp()
+    r3srv_settings(huge_pages=True)
+    torch.manual_seed(0)
+    big = torch.empty(5 * HUGE // 4)  # 10 MiB of float32: whole huge pages inside
+    view = big[1000:]
+    small = torch.empty(1000)
+    marked = huge_pages.advise([big, view, small, torch.empty(0), torch.empty(4, device="meta")])
+    assert marked == whole_pages(big) >= HUGE
+    values = torch.randn(big.shape)
+    big.copy_(values)  # written after the advice: the values are what was written
+    assert torch.equal(big, values)
+
+
+def test_the_setting_off_or_no_core_marks_nothing(r3srv_settings, monkeypatch):
+    big = torch.empty(2 * HUGE)
+    r3srv_settings(huge_pages=False)
+    assert huge_pages.advise([big]) == 0
+    r3srv_settings(huge_pages=True)
+    monkeypatch.setattr(huge_pages, "advise_entry", None)
+    assert huge_pages.advise([big]) == 0
