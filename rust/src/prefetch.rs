@@ -33,10 +33,14 @@ pub(crate) fn prefetch_l2_bytes<T>(data: &[T], from: usize, count: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T2};
+        // a plain loop (not `step_by`): it runs in the matrix kernels' inner loops
+        let end = (from + count).min(std::mem::size_of_val(data));
         let base = data.as_ptr() as *const i8;
-        for offset in (from..(from + count).min(std::mem::size_of_val(data))).step_by(64) {
+        let mut offset = from;
+        while offset < end {
             // SAFETY: the address lies within `data`; a prefetch never faults or writes anyway.
             unsafe { _mm_prefetch::<_MM_HINT_T2>(base.add(offset)) };
+            offset += 64;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
