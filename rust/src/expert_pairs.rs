@@ -794,6 +794,32 @@ pub fn gemm_nt<W: Element>(isa: Isa, m: &[W], rows: usize, vs: &[f32], out: &mut
     }
 }
 
+/// The matrix kernels' walk over m [rows, cols] against n vectors: row blocks of
+/// `$block_rows(r)` rows at row r and, within each, the vectors in groups of up to `$group`
+/// from j; `$body` runs each (block, group) with `left` = n - j vectors left and `ahead`, the
+/// rows the block PREFETCH_ROWS_AHEAD later reads (`future_rows`), which a row block's first
+/// group asks for while it computes. Each kernel's body is its table of block shapes.
+macro_rules! each_block {
+    ($m:expr, $rows:expr, $cols:expr, $n:expr, $group:expr, $block_rows:expr,
+     |$rows_here:ident, $left:ident, $r:ident, $j:ident, $ahead:ident| $body:expr) => {{
+        let (m, rows, cols, n) = ($m, $rows, $cols, $n);
+        let mut $r = 0;
+        while $r < rows {
+            let $rows_here: usize = $block_rows($r);
+            let first_ahead = $crate::expert_pairs::future_rows(m, rows, cols, $r, $rows_here);
+            let mut $j = 0;
+            while $j < n {
+                let $left = n - $j;
+                let $ahead = if $j == 0 { first_ahead } else { &[] };
+                $body;
+                $j += $left.min($group);
+            }
+            $r += $rows_here;
+        }
+    }};
+}
+pub(crate) use each_block;
+
 /// Blocks of 4 rows x 3 vectors: 12 accumulators sharing each load, the 4 rows read from
 /// memory once and kept in L1 while the vectors pass.
 ///
@@ -803,26 +829,16 @@ pub fn gemm_nt<W: Element>(isa: Isa, m: &[W], rows: usize, vs: &[f32], out: &mut
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemm_nt_avx2<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f32], out: &mut [f32]) {
     let n = vs.len() / cols;
-    let mut r = 0;
-    while r < rows {
-        let block_rows = if r + 4 <= rows { 4 } else { 1 };
-        let ahead = future_rows(m, rows, cols, r, block_rows);
-        let mut j = 0;
-        while j < n {
-            let left = n - j;
-            let ahead = if j == 0 { ahead } else { &[] };
-            match (block_rows, left) {
-                (4, 3..) => gemm_block::<W, 4, 3>(m, cols, vs, out, rows, r, j, ahead),
-                (4, 2) => gemm_block::<W, 4, 2>(m, cols, vs, out, rows, r, j, ahead),
-                (4, _) => gemm_block::<W, 4, 1>(m, cols, vs, out, rows, r, j, ahead),
-                (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j, ahead),
-                (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j, ahead),
-                _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j, ahead),
-            }
-            j += left.min(3);
+    each_block!(m, rows, cols, n, 3, |r| if r + 4 <= rows { 4 } else { 1 }, |block_rows, left, r, j, ahead| {
+        match (block_rows, left) {
+            (4, 3..) => gemm_block::<W, 4, 3>(m, cols, vs, out, rows, r, j, ahead),
+            (4, 2) => gemm_block::<W, 4, 2>(m, cols, vs, out, rows, r, j, ahead),
+            (4, _) => gemm_block::<W, 4, 1>(m, cols, vs, out, rows, r, j, ahead),
+            (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j, ahead),
+            (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j, ahead),
+            _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j, ahead),
         }
-        r += block_rows;
-    }
+    });
 }
 
 /// How far ahead of the block being computed the matrix kernels ask for weight rows: a chunk's
@@ -918,29 +934,20 @@ unsafe fn gemm_block<W: Element, const R: usize, const V: usize>(
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn gemm_nt_avx512<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f32], out: &mut [f32]) {
     let n = vs.len() / cols;
-    let mut r = 0;
-    while r < rows {
-        let block_rows = if r + 8 <= rows { 8 } else if r + 4 <= rows { 4 } else { 1 };
-        let ahead = future_rows(m, rows, cols, r, block_rows);
-        let mut j = 0;
-        while j < n {
-            let left = n - j;
-            let ahead = if j == 0 { ahead } else { &[] };
-            match (block_rows, left) {
-                (8, 3..) => gemm_block_avx512::<W, 4, 3>(m, cols, vs, out, rows, r, j, ahead),
-                (8, 2) => gemm_block_avx512::<W, 4, 2>(m, cols, vs, out, rows, r, j, ahead),
-                (8, _) => gemm_block_avx512::<W, 4, 1>(m, cols, vs, out, rows, r, j, ahead),
-                (4, 3..) => gemm_block_avx512::<W, 2, 3>(m, cols, vs, out, rows, r, j, ahead),
-                (4, 2) => gemm_block_avx512::<W, 2, 2>(m, cols, vs, out, rows, r, j, ahead),
-                (4, _) => gemm_block_avx512::<W, 2, 1>(m, cols, vs, out, rows, r, j, ahead),
-                (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j, ahead),
-                (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j, ahead),
-                _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j, ahead),
-            }
-            j += left.min(3);
+    let block_rows = |r: usize| if r + 8 <= rows { 8 } else if r + 4 <= rows { 4 } else { 1 };
+    each_block!(m, rows, cols, n, 3, block_rows, |block_rows, left, r, j, ahead| {
+        match (block_rows, left) {
+            (8, 3..) => gemm_block_avx512::<W, 4, 3>(m, cols, vs, out, rows, r, j, ahead),
+            (8, 2) => gemm_block_avx512::<W, 4, 2>(m, cols, vs, out, rows, r, j, ahead),
+            (8, _) => gemm_block_avx512::<W, 4, 1>(m, cols, vs, out, rows, r, j, ahead),
+            (4, 3..) => gemm_block_avx512::<W, 2, 3>(m, cols, vs, out, rows, r, j, ahead),
+            (4, 2) => gemm_block_avx512::<W, 2, 2>(m, cols, vs, out, rows, r, j, ahead),
+            (4, _) => gemm_block_avx512::<W, 2, 1>(m, cols, vs, out, rows, r, j, ahead),
+            (_, 3..) => gemm_block::<W, 1, 3>(m, cols, vs, out, rows, r, j, ahead),
+            (_, 2) => gemm_block::<W, 1, 2>(m, cols, vs, out, rows, r, j, ahead),
+            _ => gemm_block::<W, 1, 1>(m, cols, vs, out, rows, r, j, ahead),
         }
-        r += block_rows;
-    }
+    });
 }
 
 /// out[j + v, r + l] for l < 2P, v < V (see `gemm_nt_avx512`), P = 2 or 4, asking for `ahead`
@@ -1477,8 +1484,7 @@ mod tests {
     /// The dot-product kernel and the widened path compute the same products (in their orders).
     #[test]
     fn the_bfloat16_kernel_and_the_widened_path_agree() {
-        if !crate::matmul_bf16::runs() {
-            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+        if crate::testing::skips_without_bf16() {
             return;
         }
         let (rows, cols, n) = (130, 200, 70);

@@ -42,6 +42,7 @@ pub unsafe fn advise(ptr: *mut u8, len: usize) -> usize {
 ///
 /// # Safety
 /// As `advise`.
+#[cfg(feature = "python")] // the encoder's outputs (python.rs)
 pub(crate) unsafe fn advise_fresh(ptr: *mut u8, len: usize) {
     // SAFETY: the caller's allocation, as `advise` requires.
     if unsafe { advise(ptr, len) } > 0 {

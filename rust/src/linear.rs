@@ -272,8 +272,7 @@ mod tests {
     /// in a batch and on any thread count.
     #[test]
     fn bfloat16_rows_in_dot_products_match_the_definition() {
-        if crate::expert_pairs::dot_products(Isa::default_kernel(), &[Bf16(0)]).is_none() {
-            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+        if crate::testing::skips_without_bf16() {
             return;
         }
         for (m, n, k) in [(1, 5, 2), (3, 9, 34), (16, 1030, 256)] {

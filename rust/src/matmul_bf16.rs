@@ -299,27 +299,18 @@ pub fn gemm_nt_bf16(m: &[Bf16], rows: usize, xs: &[u32], out: &mut [f32]) {
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn nt_avx512(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f32]) {
     let n = xs.len() / k2;
-    let mut r = 0;
-    while r < rows {
-        let block = if r + 4 <= rows { 4 } else { 1 };
-        let ahead = crate::expert_pairs::future_rows(m, rows, 2 * k2, r, block);
-        let mut j = 0;
-        while j < n {
-            let ahead = if j == 0 { ahead } else { &[] };
-            match (block, n - j) {
-                (4, 4..) => nt_block::<4, 4>(m, rows, k2, xs, out, r, j, ahead),
-                (4, 3) => nt_block::<4, 3>(m, rows, k2, xs, out, r, j, ahead),
-                (4, 2) => nt_block::<4, 2>(m, rows, k2, xs, out, r, j, ahead),
-                (4, _) => nt_block::<4, 1>(m, rows, k2, xs, out, r, j, ahead),
-                (_, 4..) => nt_block::<1, 4>(m, rows, k2, xs, out, r, j, ahead),
-                (_, 3) => nt_block::<1, 3>(m, rows, k2, xs, out, r, j, ahead),
-                (_, 2) => nt_block::<1, 2>(m, rows, k2, xs, out, r, j, ahead),
-                _ => nt_block::<1, 1>(m, rows, k2, xs, out, r, j, ahead),
-            }
-            j += (n - j).min(4);
+    crate::expert_pairs::each_block!(m, rows, 2 * k2, n, 4, |r| if r + 4 <= rows { 4 } else { 1 }, |block, left, r, j, ahead| {
+        match (block, left) {
+            (4, 4..) => nt_block::<4, 4>(m, rows, k2, xs, out, r, j, ahead),
+            (4, 3) => nt_block::<4, 3>(m, rows, k2, xs, out, r, j, ahead),
+            (4, 2) => nt_block::<4, 2>(m, rows, k2, xs, out, r, j, ahead),
+            (4, _) => nt_block::<4, 1>(m, rows, k2, xs, out, r, j, ahead),
+            (_, 4..) => nt_block::<1, 4>(m, rows, k2, xs, out, r, j, ahead),
+            (_, 3) => nt_block::<1, 3>(m, rows, k2, xs, out, r, j, ahead),
+            (_, 2) => nt_block::<1, 2>(m, rows, k2, xs, out, r, j, ahead),
+            _ => nt_block::<1, 1>(m, rows, k2, xs, out, r, j, ahead),
         }
-        r += block;
-    }
+    });
 }
 
 /// out[j + v, r + l] for l < R, v < V, asking for `ahead` (rows a later block reads) a step's
@@ -402,8 +393,7 @@ mod tests {
 
     #[test]
     fn matches_the_portable_order_and_f64() {
-        if !runs() {
-            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+        if crate::testing::skips_without_bf16() {
             return;
         }
         let mut buffers = Buffers::default();
@@ -421,8 +411,7 @@ mod tests {
     /// `matmul_nt_bf16` (every shape class of even K).
     #[test]
     fn pairs_read_directly_give_the_widened_vectors_bits() {
-        if !runs() {
-            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+        if crate::testing::skips_without_bf16() {
             return;
         }
         let mut buffers = Buffers::default();
@@ -443,8 +432,7 @@ mod tests {
     /// registers' transposes and the edges alike), zeros past the rows and K.
     #[test]
     fn panels_hold_each_rows_pairs() {
-        if !runs() {
-            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+        if crate::testing::skips_without_bf16() {
             return;
         }
         let mut panel = Vec::new();
@@ -465,8 +453,7 @@ mod tests {
 
     #[test]
     fn the_narrow_kernel_matches_f64_and_keeps_a_vectors_bits_in_any_batch() {
-        if !runs() {
-            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+        if crate::testing::skips_without_bf16() {
             return;
         }
         for (rows, cols, n) in [(1, 2, 1), (3, 34, 5), (64, 256, 6), (65, 30, 7), (256, 128, 9), (17, 2048, 3)] {

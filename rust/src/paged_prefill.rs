@@ -596,8 +596,7 @@ mod tests {
     #[test]
     fn the_bfloat16_dot_product_kernel_equals_the_reference_and_keeps_a_rows_bits() {
         use crate::paged_prefill_bf16::paged_prefill_bf16;
-        if !crate::matmul_bf16::runs() {
-            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+        if crate::testing::skips_without_bf16() {
             return;
         }
         let bf = |v: &[f32]| v.iter().map(|&f| Bf16::from_f32(f)).collect::<Vec<_>>();

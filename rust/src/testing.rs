@@ -12,3 +12,12 @@ pub fn noise(n: usize, seed: u64) -> Vec<f32> {
         })
         .collect()
 }
+
+/// Whether a test skips here, saying so: this CPU lacks AVX-512 BF16 (the dot-product kernels).
+pub(crate) fn skips_without_bf16() -> bool {
+    let skip = !crate::matmul_bf16::runs();
+    if skip {
+        eprintln!("skipped: this CPU lacks AVX-512 BF16");
+    }
+    skip
+}
