@@ -15,6 +15,10 @@ Three workloads, each timed end to end over HTTP with token-id prompts and ignor
   single      one request of 512 prompt + 64 output tokens at a time (latency)
   throughput  64 requests of 256 + 64 tokens, 16 in flight (wall time for all)
   long        one 4,000-token prompt + 16 output tokens (prefill)
+and, asked for by name (--workloads), the throughput workload's two halves, to see which one a
+ratio comes from:
+  throughput-prefill  its 64 prompts of 256 tokens with one output token each
+  throughput-decode   64 prompts of 8 tokens + 64 output tokens each, 16 in flight
 Rounds alternate the servers (and who goes first), so drift in the machine's load hits both,
 and each run waits until both servers are idle (a server's threads spin on after its last
 request and would take a core from the other);
@@ -55,6 +59,11 @@ WORKLOADS = {
     "single": (512, 64, 1, 1),
     "throughput": (256, 64, 64, 16),
     "long": (4000, 16, 1, 1),
+}
+# the throughput workload's prefill and decode halves: run only when named
+SPLIT_WORKLOADS = {
+    "throughput-prefill": (256, 1, 64, 16),
+    "throughput-decode": (8, 64, 64, 16),
 }
 
 
@@ -123,7 +132,7 @@ def compare(r3srv: tuple[str, int], vllm: tuple[str, int], vocab: int, rounds: i
     servers = {"r3srv": r3srv, "vllm": vllm}
     measures: dict[str, dict[str, dict[str, list[float]]]] = {}
     for name in workloads:
-        prompt_len, gen, count, in_flight = WORKLOADS[name]
+        prompt_len, gen, count, in_flight = {**WORKLOADS, **SPLIT_WORKLOADS}[name]
         warm = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(min(count, in_flight))]
         for who, (url, _) in servers.items():
             asyncio.run(run_workload(url, warm, gen, in_flight, who == "r3srv"))
@@ -262,8 +271,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--no-roofline", action="store_true", help="skip the decode roofline after the table")
-    parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS),
-                        help="a subset (a large checkpoint's throughput workload takes minutes a round)")
+    parser.add_argument("--workloads", nargs="+", choices=(*WORKLOADS, *SPLIT_WORKLOADS), default=list(WORKLOADS),
+                        help="a subset (a large checkpoint's throughput workload takes minutes a round), or the "
+                             "throughput workload's halves by name")
     args = parser.parse_args()
     venv = os.environ.get("VLLM_VENV")
     if not venv:
