@@ -1,9 +1,12 @@
-"""`r3srv serve` preloads tcmalloc where it applies (r3srv.preload): the decision on generated
-environments, and a real server process, whose PID stays the one its parent started."""
+"""`r3srv serve` preloads tcmalloc where it applies and has torch's OpenMP threads wait
+passively on the CPU (r3srv.preload): the decisions on generated environments, and real server
+processes, whose PID stays the one their parent started and whose libgomp reports the policy."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import random
 
 import httpx
 import pytest
@@ -51,3 +54,40 @@ def test_the_server_process_runs_with_tcmalloc_where_installed():
         maps = Path(f"/proc/{srv.proc.pid}/maps").read_text()
         assert ("libtcmalloc" in maps) == installed, (installed, srv.log)
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_openmp_waits_passively_on_the_cpu_unless_the_user_chose(monkeypatch, tmp_path, seed):
+    """Generated environments: the passive wait is added for a CPU server only, and never over a
+    wait policy or spin count already in the environment, whatever its value."""
+    rng = random.Random(seed)
+    driver = tmp_path / "nvidiactl"
+    driver.touch()
+    for _ in range(40):
+        has_driver = rng.random() < 0.5
+        monkeypatch.setattr(preload, "NVIDIA_CONTROL_DEVICE", str(driver if has_driver else tmp_path / "none"))
+        device = rng.choice(["cpu", "auto", "cuda", "cuda:1"])
+        environ = {"HOME": "/root"}
+        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"):
+            if rng.random() < 0.4:
+                environ[name] = rng.choice(["ACTIVE", "passive", "0", "10000", ""])
+        on_gpu = device.startswith("cuda") or (device == "auto" and has_driver)
+        chosen = "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ
+        want = {} if on_gpu or chosen else {"OMP_WAIT_POLICY": "PASSIVE"}
+        assert preload.openmp_env(environ, device) == want, (device, has_driver, environ)
+
+
+@pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
+def test_the_server_process_has_libgomp_wait_as_chosen(user_policy):
+    """libgomp prints the wait it loaded with (OMP_DISPLAY_ENV): no spinning in a CPU server (its
+    default, unset, also prints PASSIVE but spins 300,000 times first), and the user's own policy
+    where one is set. torch loads libgomp after serve sets the policy."""
+    env = {"OMP_DISPLAY_ENV": "VERBOSE", **({"OMP_WAIT_POLICY": user_policy} if user_policy else {})}
+    with RemoteServer(*TEST_SERVER_ARGS, env=env) as srv:
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        log = srv.log
+    assert "OPENMP DISPLAY ENVIRONMENT BEGIN" in log, log[-3000:]
+    if user_policy is None:
+        assert "OMP_WAIT_POLICY = 'PASSIVE'" in log and "GOMP_SPINCOUNT = '0'" in log, log[-3000:]
+    else:
+        assert f"OMP_WAIT_POLICY = '{user_policy}'" in log and "GOMP_SPINCOUNT = '0'" not in log, log[-3000:]

@@ -1,4 +1,5 @@
-"""tcmalloc for the server on the CPU, preloaded as vLLM's CPU backend preloads it.
+"""The server process's start on the CPU: tcmalloc preloaded, as vLLM's CPU backend preloads
+it, and torch's OpenMP threads set to wait passively.
 
 A CPU step allocates and frees tensors of a megabyte and more (activations, the expert pass's
 buffers) every step; glibc's malloc hands such blocks back to the kernel and faults their pages
@@ -7,6 +8,14 @@ docs/benchmarks.md). A malloc must be in LD_PRELOAD before the process starts, s
 re-executes itself once with it added: an exec, not a child, so the PID a supervisor or test
 holds stays the server's. Only on its own command line (never inside a caller's process), when
 the library is installed (Debian/Ubuntu: libtcmalloc-minimal4) and no GPU will be used.
+
+torch's Linux wheels run their ops' threads on libgomp, whose threads spin after an op, waiting
+for the next, before they sleep. On the CPU a prefill step's torch ops (its linear layers) are
+followed by the Rust kernels (the router, the expert pass, attention), whose threads then share
+the cores with the spinning ones: at two threads the expert pass after a torch op took 15-20%
+longer. OMP_WAIT_POLICY=PASSIVE makes them sleep at once (docs/benchmarks.md). libgomp reads it
+when it loads, with torch, so `serve` sets it before anything imports torch; a wait policy or
+spin count the user set stays.
 """
 
 from __future__ import annotations
@@ -42,6 +51,14 @@ def preload_env(environ: Mapping[str, str], device: str, enabled: bool, library:
     if not enabled or library is None or uses_gpu(device) or "libtcmalloc" in preload:
         return None
     return {**environ, "LD_PRELOAD": f"{library}:{preload}" if preload else library}
+
+
+def openmp_env(environ: Mapping[str, str], device: str) -> dict[str, str]:
+    """What the server adds to its environment for torch's OpenMP threads: a passive wait on the
+    CPU, unless `environ` sets a wait policy or spin count of its own."""
+    if uses_gpu(device) or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def reexec_with_tcmalloc(device: str, enabled: bool) -> None:
