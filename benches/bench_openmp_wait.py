@@ -5,10 +5,10 @@ against libgomp's default wait (spin 300,000 times, then sleep), as same-run rat
     .venv/bin/python -m pytest benches/bench_openmp_wait.py -s      (one short pair: a smoke run)
 
 libgomp reads its wait policy once, when torch loads it, so each side runs in a process of its
-own: the engine (`LLM`, the built-in model) on bench_vs_vllm.py's throughput workload and its
-prefill half (64 prompts of 256 tokens with 64 or 1 output tokens, 16 in flight as the engine's
-max_num_seqs), R3SRV_CPU_THREADS threads, tcmalloc preloaded where installed (as the server
-runs). The two sides' processes alternate pair by pair, and which goes first. Printed: the
+own: the engine (`LLM`, the built-in model) on bench_vs_vllm.py's workloads and the throughput
+workload's prefill half (64 prompts of 256 tokens with one output token each), each workload's
+in-flight requests as the engine's max_num_seqs, R3SRV_CPU_THREADS threads, tcmalloc preloaded
+where installed (as the server runs). The two sides' processes alternate pair by pair, and which goes first. Printed: the
 processor and its instruction sets, each side's median seconds a round and the median of the
 per-pair ratios default / passive (> 1: the passive wait is faster), with their range.
 """
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_vs_vllm import MAX_MODEL_LEN, SPLIT_WORKLOADS, WORKLOADS, processor_line  # noqa: E402
 
-BENCH_WORKLOADS = {"throughput": WORKLOADS["throughput"], "throughput-prefill": SPLIT_WORKLOADS["throughput-prefill"]}
+BENCH_WORKLOADS = {**WORKLOADS, "throughput-prefill": SPLIT_WORKLOADS["throughput-prefill"]}
 WAITS = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 
