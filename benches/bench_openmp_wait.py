@@ -8,9 +8,10 @@ libgomp reads its wait policy once, when torch loads it, so each side runs in a 
 own: the engine (`LLM`, the built-in model) on bench_vs_vllm.py's workloads and the throughput
 workload's prefill half (64 prompts of 256 tokens with one output token each), each workload's
 in-flight requests as the engine's max_num_seqs, R3SRV_CPU_THREADS threads, tcmalloc preloaded
-where installed (as the server runs). The two sides' processes alternate pair by pair, and which goes first. Printed: the
-processor and its instruction sets, each side's median seconds a round and the median of the
-per-pair ratios default / passive (> 1: the passive wait is faster), with their range.
+where installed (as the server runs). The two sides' processes alternate pair by pair, and
+which goes first. Printed: the processor and its instruction sets, each side's median seconds a
+round and the median of the per-pair ratios default / passive (> 1: the passive wait is
+faster), with their range.
 """
 
 from __future__ import annotations
@@ -58,13 +59,11 @@ def worker(workload: str, dtype: str, rounds: int, seed: int) -> list[float]:
 
 def run_side(wait: str, workload: str, dtype: str, threads: int, rounds: int, seed: int) -> list[float]:
     """One worker process with libgomp's `wait`: its rounds' seconds."""
-    from r3srv.preload import tcmalloc_path
+    from r3srv.preload import preload_env, tcmalloc_path
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(WAITS[wait], R3SRV_CPU_THREADS=str(threads))
-    library = tcmalloc_path()
-    if library and "libtcmalloc" not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = f"{library}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else library
+    env = preload_env(env, "cpu", True, tcmalloc_path()) or env  # as `r3srv serve` starts
     args = [sys.executable, __file__, "--worker", workload, "--dtype", dtype, "--rounds", str(rounds), "--seed", str(seed)]
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -4,9 +4,8 @@ processes, whose PID stays the one their parent started and whose libgomp report
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import random
+from pathlib import Path
 
 import httpx
 import pytest
@@ -78,10 +77,12 @@ def test_openmp_waits_passively_on_the_cpu_unless_the_user_chose(monkeypatch, tm
 
 
 @pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
-def test_the_server_process_has_libgomp_wait_as_chosen(user_policy):
+def test_the_server_process_has_libgomp_wait_as_chosen(monkeypatch, user_policy):
     """libgomp prints the wait it loaded with (OMP_DISPLAY_ENV): no spinning in a CPU server (its
     default, unset, also prints PASSIVE but spins 300,000 times first), and the user's own policy
     where one is set. torch loads libgomp after serve sets the policy."""
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # the server's own choice, not this shell's
+        monkeypatch.delenv(name, raising=False)
     env = {"OMP_DISPLAY_ENV": "VERBOSE", **({"OMP_WAIT_POLICY": user_policy} if user_policy else {})}
     with RemoteServer(*TEST_SERVER_ARGS, env=env) as srv:
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200

@@ -104,9 +104,9 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     if own_process:
-        from r3srv.preload import openmp_env, reexec_with_tcmalloc
+        from r3srv.preload import reexec_with_tcmalloc, wait_passively
 
-        os.environ.update(openmp_env(os.environ, args.device))  # before torch loads libgomp
+        wait_passively(args.device)  # before anything imports torch
         reexec_with_tcmalloc(args.device, settings.current().tcmalloc)
     # Imported here so `r3srv --help` stays fast.
     import uvicorn

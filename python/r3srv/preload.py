@@ -61,6 +61,12 @@ def openmp_env(environ: Mapping[str, str], device: str) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def wait_passively(device: str) -> None:
+    """Adds `openmp_env`'s choice to this process's environment: call it before torch is imported
+    (libgomp reads it once, when torch loads it)."""
+    os.environ.update(openmp_env(os.environ, device))
+
+
 def reexec_with_tcmalloc(device: str, enabled: bool) -> None:
     """Replaces this process with its own command line, tcmalloc preloaded, where that applies
     (see `preload_env`); returns otherwise."""
