@@ -231,8 +231,15 @@ def test_bad_inputs_are_typed_errors_and_nothing_is_written(changed, error, matc
     assert (out == -7.0).all()  # checked before anything is written
 
 
-def test_cpu_prefills_take_the_kernel_unless_turned_off():
+def spinning_openmp(monkeypatch) -> None:
+    """libgomp's default wait, whatever this shell set."""
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_cpu_prefills_take_the_kernel_unless_turned_off(monkeypatch):
     assert cpu_kernel.BUILT, "r3srv._core lacks the prefill attention kernel: rebuild the extension (make install)"
+    spinning_openmp(monkeypatch)
 
     def chosen(dtype, **switches):
         with settings_module.overridden(**switches):
@@ -244,6 +251,15 @@ def test_cpu_prefills_take_the_kernel_unless_turned_off():
     for dtype in (torch.float32, torch.bfloat16):
         assert takes_kernel(chosen(dtype, cpu_threads=1))
         assert chosen(dtype, cpu_threads=2).__qualname__.startswith("large_steps_only")
+    # torch's OpenMP threads waiting passively (as `r3srv serve` has them): the kernel on any threads
+    for passive in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "0"}):
+        spinning_openmp(monkeypatch)
+        for name, value in passive.items():
+            monkeypatch.setenv(name, value)
+        assert takes_kernel(chosen(torch.float32, cpu_threads=2)), passive
+    spinning_openmp(monkeypatch)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    assert chosen(torch.float32, cpu_threads=2).__qualname__.startswith("large_steps_only")
     assert not takes_kernel(chosen(torch.float16, cpu_threads=1))  # float16: the torch path
     assert not takes_kernel(chosen(torch.float32, cpu_threads=1, rust_prefill=False))
 
@@ -254,6 +270,7 @@ def test_on_more_threads_only_large_steps_take_the_kernel(monkeypatch):
     from r3srv.ops import cpu as cpu_backend
 
     calls = counting_kernel(monkeypatch)
+    spinning_openmp(monkeypatch)
     with settings_module.overridden(cpu_threads=2):
         op = ops_for("cpu", torch.float32).prefill_attention
     g = torch.Generator().manual_seed(3)

@@ -92,3 +92,15 @@ def test_the_server_process_has_libgomp_wait_as_chosen(monkeypatch, user_policy)
         assert "OMP_WAIT_POLICY = 'PASSIVE'" in log and "GOMP_SPINCOUNT = '0'" in log, log[-3000:]
     else:
         assert f"OMP_WAIT_POLICY = '{user_policy}'" in log and "GOMP_SPINCOUNT = '0'" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_waits_passively_reads_what_libgomp_reads(seed):
+    """A passive policy (any case) or a spin count of 0 is a passive wait; anything else spins."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        policy = rng.choice([None, "PASSIVE", "passive", " Passive ", "ACTIVE", "active", ""])
+        spins = rng.choice([None, "0", " 0", "1", "300000", ""])
+        environ = {k: v for k, v in (("OMP_WAIT_POLICY", policy), ("GOMP_SPINCOUNT", spins)) if v is not None}
+        want = (policy or "").strip().lower() == "passive" or (spins or "").strip() == "0"
+        assert preload.waits_passively(environ) == want, environ

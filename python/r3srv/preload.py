@@ -61,6 +61,13 @@ def openmp_env(environ: Mapping[str, str], device: str) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def waits_passively(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether torch's OpenMP threads sleep as soon as an op ends: `environ` sets
+    OMP_WAIT_POLICY=PASSIVE or GOMP_SPINCOUNT=0 (libgomp read it when torch loaded, in a process
+    that set it before, as `serve` does)."""
+    return environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive" or environ.get("GOMP_SPINCOUNT", "").strip() == "0"
+
+
 def wait_passively(device: str) -> None:
     """Adds `openmp_env`'s choice to this process's environment: call it before torch is imported
     (libgomp reads it once, when torch loads it)."""

@@ -9,7 +9,8 @@ paths otherwise, each chosen once when a model is built (`build`).
 - prefill attention (float32, bfloat16): every prompt and chunk of a step of contexts up to
   RUST_PREFILL_MAX_CONTEXT (any length in bfloat16 where the CPU has AVX-512 BF16) in one call,
   kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`;
-  on more than one thread only for steps of RUST_THREADED_PREFILL_MIN_MACS); longer ones (and
+  on more than one thread only for steps of RUST_THREADED_PREFILL_MIN_MACS, unless torch's
+  OpenMP threads wait passively, as under `r3srv serve`); longer ones (and
   all, off) SDPA per prompt, a chunk after cached tokens as two flash
   attentions merged by their log-sum-exps (ops/attention.py);
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
@@ -46,6 +47,7 @@ from r3srv.ops.reference import no_fused_step
 from r3srv.ops.rotary import ROTATIONS
 from r3srv.ops.router import RouterShape, kernel_router
 from r3srv.ops.table import Ops
+from r3srv.preload import waits_passively
 from r3srv.settings import Settings
 
 # Prompts (or chunks) of longer contexts take SDPA: torch's flash attention overtakes the Rust
@@ -79,7 +81,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     if current.rust_prefill and paged_prefill_cpu.BUILT and rust_dtype:
         kernel = span_kernel(functools.partial(paged_prefill_cpu.paged_prefill_cpu, threads=threads),
                              RUST_PREFILL_MAX_CONTEXT, prefill, paged_prefill_cpu.dot_bf16_applies)
-        prefill = kernel if threads == 1 else large_steps_only(kernel, prefill)
+        prefill = kernel if threads == 1 or waits_passively() else large_steps_only(kernel, prefill)
     rust_router = current.rust_router and not current.force_torch_router and router_cpu.BUILT
     expert_kernel = current.cpu_expert_kernel and expert_pairs_cpu.BUILT
     grouped = "cpu" if current.grouped_mm else None
@@ -113,10 +115,11 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
 
 
 def large_steps_only(kernel, torch_path):
-    """The prefill op on more than one thread: the kernel for a step of at least
-    RUST_THREADED_PREFILL_MIN_MACS of attention, SDPA below. A prefill step's torch ops run on torch's
-    OpenMP team, whose threads spin between ops on the cores the kernel's threads need: a fixed
-    delay that only a large call outweighs (docs/benchmarks.md)."""
+    """The prefill op on more than one thread while torch's OpenMP threads spin between ops (libgomp's
+    default): the kernel for a step of at least RUST_THREADED_PREFILL_MIN_MACS of attention, SDPA
+    below. The spinning threads take the cores the kernel's threads need: a fixed delay that only
+    a large call outweighs. With a passive wait (r3srv.preload) the kernel wins at every size
+    (docs/benchmarks.md)."""
 
     def prefill(q, k, v, k_cache, v_cache, spans, out, **kwargs) -> None:
         work = sum((s.end - s.start) * s.context_len for s in spans) * q.shape[1] * (q.shape[2] + v_cache.shape[-1])
