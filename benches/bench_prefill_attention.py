@@ -38,15 +38,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def prefill_kernel(on: bool, dtype: torch.dtype, threads: int):
-    """The CPU backend's prefill op, the kernel off or on (on more than one thread the backend
-    takes it for large steps only: ops/cpu.py's RUST_THREADED_PREFILL_MIN_MACS)."""
+    """The CPU backend's prefill op, the kernel off or on (on more than one thread, while torch's
+    OpenMP threads spin between ops, the backend takes it for large steps only: ops/cpu.py's
+    RUST_THREADED_PREFILL_MIN_MACS; run with OMP_WAIT_POLICY=PASSIVE for `r3srv serve`'s choice)."""
     with settings.overridden(rust_prefill=on, cpu_threads=threads):
         return ops_for("cpu", dtype).prefill_attention
 
 
 def kernel_alone(dtype: torch.dtype, threads: int):
     """The kernel's op on `threads` threads whatever the step's size, for the rows that show
-    why the backend keeps SDPA for small steps on more than one thread."""
+    why the backend keeps SDPA for small steps on more than one thread while libgomp spins, and
+    not with its passive wait."""
     with settings.overridden(rust_prefill=False, cpu_threads=threads):
         torch_path = ops_for("cpu", dtype).prefill_attention
     kernel = functools.partial(paged_prefill_cpu.paged_prefill_cpu, threads=threads)
