@@ -64,7 +64,8 @@ def run_side(wait: str, workload: str, dtype: str, threads: int, rounds: int, se
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(WAITS[wait], R3SRV_CPU_THREADS=str(threads))
     env = preload_env(env, "cpu", True, tcmalloc_path()) or env  # as `r3srv serve` starts
-    args = [sys.executable, __file__, "--worker", workload, "--dtype", dtype, "--rounds", str(rounds), "--seed", str(seed)]
+    args = [sys.executable, __file__, "--worker", workload, "--dtype", dtype, "--rounds", str(rounds),
+            "--seed", str(seed)]
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -65,7 +65,8 @@ def waits_passively(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether torch's OpenMP threads sleep as soon as an op ends: `environ` sets
     OMP_WAIT_POLICY=PASSIVE or GOMP_SPINCOUNT=0 (libgomp read it when torch loaded, in a process
     that set it before, as `serve` does)."""
-    return environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive" or environ.get("GOMP_SPINCOUNT", "").strip() == "0"
+    policy, spins = environ.get("OMP_WAIT_POLICY", ""), environ.get("GOMP_SPINCOUNT", "")
+    return policy.strip().lower() == "passive" or spins.strip() == "0"
 
 
 def wait_passively(device: str) -> None:
