@@ -1,10 +1,12 @@
-"""The CPU expert pass for a few tokens: the Rust kernel (r3srv.kernels.expert_pairs_cpu)
-against ops/experts.py's torch path (two torch.mv per (token, slot) pair), as same-run ratios.
+"""The CPU expert pass: the Rust kernel (r3srv.kernels.expert_pairs_cpu)
+against ops/experts.py's torch path (two torch.mv per (token, slot) pair for a few tokens, the
+sorted per-expert GEMMs for many), as same-run ratios.
 
     .venv/bin/python -m pytest benches/bench_expert_pairs_cpu.py -s
 
 (a) the expert pass alone, 1 and 4 tokens x top-8 of 64 experts (the built-in model's
-    shape), float32 and bfloat16: benches/conftest.py prints torch / Rust as reference / r3srv;
+    shape), float32 and bfloat16, and a float32 prefill's 512 and 2,048 tokens:
+    benches/conftest.py prints torch / Rust as reference / r3srv;
 (b) the built-in model's whole decode step, 1 and 4 sequences, kernel on and off on the same
     engine (its model's ops selected again for each; the modules' path, without the fused
     decode step, which needs every kernel), interleaved round by round (alternating which goes
@@ -59,6 +61,20 @@ def test_expert_pass(benchmark, tokens, dtype, candidate):
     # bfloat16: the torch path rounds every intermediate, the kernel its result once
     tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.03, atol=0.01)
     torch.testing.assert_close(out, want, **tolerance)
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("tokens", [512, 2048])
+def test_prefill_expert_pass(benchmark, tokens, candidate):
+    """A prefill step's float32 expert pass (64 and 256 pairs per expert on average: the
+    kernel's wide chunks, pair panels on an AVX2 or AVX-512 CPU) against torch's per-expert
+    GEMMs."""
+    x, w13, w2, weights, ids = expert_inputs(tokens)
+    args = (x, w13, w2, weights, ids.to(torch.int32))
+    benchmark.group = f"expert pass, prefill of {tokens} tokens x top-{TOP_K} float32"
+    want = expert_pass(False)(*args)
+    out = benchmark(expert_pass(candidate == "r3srv"), *args)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)  # two float32 summation orders
 
 
 @pytest.fixture(scope="module")

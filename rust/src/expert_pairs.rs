@@ -5,7 +5,8 @@
 //! and out[t] = the sum of its pairs' w * o in pair order. Pairs are grouped by expert, and
 //! each expert's pairs run as small matrix products (`gemm_nt`) that read every weight row once
 //! per chunk of pairs, in place (r3srv.kernels.expert_pairs_cpu); an expert with many pairs (a
-//! prefill's) runs them in wide chunks through `matmul`'s packed kernels instead. A narrow
+//! prefill's) runs them in wide chunks instead: float32 experts in `pair_panels` (the pairs as
+//! the vector lanes) on an AVX2 or AVX-512 CPU, else through `matmul`'s packed kernels. A narrow
 //! chunk's output elements are each the same dot product, summed in the same order, whatever
 //! the grouping or chunking, so a token whose experts have few pairs gets the bits it gets
 //! alone; a wide chunk's are within float32 rounding of those. The thread count never changes
@@ -20,6 +21,7 @@
 use std::sync::OnceLock;
 
 // branch-free, within about 2 ulp of libm's: a loop of it vectorizes
+use crate::pair_panels;
 use crate::paged_attn::exp;
 
 /// What the experts' and tokens' tensors hold: read as f32, written from f32.
@@ -419,8 +421,9 @@ fn simd(isa: Isa) -> bool {
 /// Pairs of one expert run together, at most this many at a time: each weight row is read
 /// once per chunk, and a chunk's scratch (inputs, both projections) stays in the L2 cache.
 const CHUNK_PAIRS: usize = 48;
-/// From this many pairs on, an expert's chunks are wide: `matmul`'s packed kernels, which
-/// outrun `gemm_nt` once they have this many rows to amortize their packing.
+/// From this many pairs on, an expert's chunks are wide: `pair_panels` or `matmul`'s packed
+/// kernels, which outrun `gemm_nt` once they have this many rows (the packed kernels to amortize
+/// their packing; the panels, each weight row cold from memory, measured slower at 32 pairs).
 pub(crate) const WIDE_MIN_PAIRS: usize = 64;
 /// Pairs per wide chunk: enough for the packed kernels' full speed (a prefill's experts have
 /// hundreds), while the chunks still spread over the threads.
@@ -431,7 +434,7 @@ struct Chunk {
     expert: usize,
     first: usize,
     end: usize,
-    /// Through `matmul` (see WIDE_MIN_PAIRS), else `gemm_nt`.
+    /// Through `pair_panels` or `matmul` (see WIDE_MIN_PAIRS), else `gemm_nt`.
     wide: bool,
 }
 
@@ -537,6 +540,39 @@ unsafe fn activate_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize
     activate(act, b13, r, i, h, a)
 }
 
+/// `activate` on panels (`pair_panels`): h [blocks][r][LANES] to a [blocks][i][LANES], compiled for
+/// AVX2. A panel's gate rows then up rows are themselves [gate; up] of LANES-wide rows, so the
+/// activation reads them whole; gpt-oss's interleaved rows are paired up lane by lane.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn activate_panels_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, h: &mut [f32],
+                                          a: &mut [f32]) {
+    use pair_panels::LANES;
+    for (h, a) in h.chunks_exact_mut(r * LANES).zip(a.chunks_exact_mut(i * LANES)) {
+        if let Some(b13) = b13 {
+            for (lanes, b) in h.chunks_exact_mut(LANES).zip(b13) {
+                let b = b.to_f32();
+                lanes.iter_mut().for_each(|v| *v += b);
+            }
+        }
+        if let Activation::ClampedSwiglu { .. } = act {
+            let mut pairs = [0.0f32; 2 * LANES];
+            for (unit, a) in a.chunks_exact_mut(LANES).enumerate() {
+                let (gate, up) = (&h[2 * unit * LANES..][..LANES], &h[(2 * unit + 1) * LANES..][..LANES]);
+                for ((pair, &g), &u) in pairs.chunks_exact_mut(2).zip(gate).zip(up) {
+                    pair.copy_from_slice(&[g, u]);
+                }
+                act.apply(&pairs, a);
+            }
+        } else {
+            act.apply(h, a);
+        }
+    }
+}
+
 thread_local! {
     /// Each thread's chunk buffers, kept across calls (the pool's threads live on).
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
@@ -620,6 +656,23 @@ impl<W: Element> Experts<'_, W> {
         let (e, hid, r, i, n) = (chunk.expert, self.hidden, self.rows13(), self.inter, pairs.len());
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
         let tokens = pairs.iter().map(|&p| inputs.pair_token[p as usize] as usize);
+        if let (true, Some(w13), Some(w2)) = (chunk.wide && pair_panels::runs(isa), W::as_f32s(w13), W::as_f32s(w2)) {
+            // a wide chunk of float32 experts: both products with the pairs as the lanes
+            let blocks = pair_panels::blocks(n);
+            pair_panels::gather(tokens.map(|t| &inputs.xf[t * hid..(t + 1) * hid]), hid, &mut s.x);
+            pair_panels::product(isa, w13, r, hid, &s.x, blocks, &mut s.h);
+            s.a.resize(blocks * i * pair_panels::LANES, 0.0);
+            let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
+            // SAFETY: pair_panels::runs checked that this CPU has AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                activate_panels_avx2(self.act, b13, r, i, &mut s.h, &mut s.a)
+            };
+            pair_panels::product(isa, w2, hid, i, &s.a, blocks, &mut s.x);
+            pair_panels::scatter(&s.x, hid, o);
+            self.add_b2(e, o);
+            return;
+        }
         // bfloat16 weights in dot products where they run (even K: pairs); a narrow chunk's
         // second product too where its K is even
         let dot = hid.is_multiple_of(2) && dot_products(isa, w13).is_some();
@@ -663,6 +716,12 @@ impl<W: Element> Experts<'_, W> {
             round_if_bf16(w2, &mut s.a);
             gemm_nt(isa, w2, hid, &s.a, o);
         }
+        self.add_b2(e, o);
+    }
+
+    /// o [n, H] += expert e's b2, if it has one.
+    fn add_b2(&self, e: usize, o: &mut [f32]) {
+        let hid = self.hidden;
         if let Some(b2) = self.b2 {
             for o in o.chunks_exact_mut(hid) {
                 add(o, &b2[e * hid..(e + 1) * hid]);
@@ -1421,6 +1480,42 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Wide float32 chunks (pair panels where the CPU runs them, the packed GEMM on the portable
+    /// kernel): the definition for every activation with both biases, with hidden sizes and pair
+    /// counts that leave partial panels, and the same bits from the AVX2 and AVX-512 panels.
+    #[test]
+    fn wide_float32_chunks_match_the_definition_in_every_kernel() {
+        let (e, top_k, tokens) = (3, 2, 155);
+        for (hid, inter) in [(40, 24), (64, 16)] {
+            for act in [Activation::SiluAndMul, Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 }, Activation::ReluSquared] {
+                let r = inter * act.rows_per_unit();
+                let (w13, w2) = (values(51, e * r * hid), values(52, e * hid * inter));
+                let (b13, b2) = (values(53, e * r), values(54, e * hid));
+                let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: Some(&b2), num_experts: e, hidden: hid, inter, act };
+                let x = values(55, tokens * hid);
+                let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p + p / 7) % e) as i32).collect();
+                let counts: Vec<usize> = (0..e as i32).map(|g| ids.iter().filter(|&&i| i == g).count()).collect();
+                assert!(counts.iter().all(|&c| c >= WIDE_MIN_PAIRS && c % pair_panels::LANES != 0), "wide chunks with partial panels: {counts:?}");
+                let weights = values(56, tokens * top_k);
+                let grid: Vec<i32> = (0..tokens * top_k).map(|p| (p / top_k) as i32).collect();
+                let want = pass_f64(&experts, &x, &grid, &ids, &weights, false);
+                let mut panel_bits = Vec::new();
+                for isa in isas().into_iter().chain([Isa::default_kernel()]) {
+                    let mut out = vec![f32::NAN; tokens * hid];
+                    expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, 2, isa).unwrap();
+                    for (got, want) in out.iter().zip(&want) {
+                        // float32 sums against float64 ones, relu^2 doubling h's relative error
+                        assert!((*got as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "{isa:?} {act:?} H={hid}: {got} vs {want}");
+                    }
+                    if pair_panels::runs(isa) {
+                        panel_bits.push(out.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+                    }
+                }
+                assert!(panel_bits.windows(2).all(|pair| pair[0] == pair[1]), "{act:?} H={hid}: the panels' bits differ by instruction set");
             }
         }
     }

@@ -21,6 +21,7 @@ pub mod npy_header;
 pub mod paged_attn;
 pub mod paged_prefill;
 pub mod paged_prefill_bf16;
+pub mod pair_panels;
 pub mod pair_projection;
 mod prefetch;
 pub mod qk_rope;

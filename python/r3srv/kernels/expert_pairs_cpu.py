@@ -5,8 +5,10 @@ sum per token, reading the experts' weights in place, on up to the given threads
 It replaces ops/experts.py's torch paths: two `torch.mv` and several indexing ops per pair for a
 few pairs (dispatch cost as large as the products' memory traffic), and the sort, gather,
 grouped GEMMs and scatter of larger batches (each a full pass over memory).
-An expert with many pairs (a prefill's) runs them through packed matrix kernels instead
-(rust/src/matmul.rs), within float32 rounding of the small products; below that a token's
+An expert with many pairs (a prefill's) runs them in wide chunks instead, within float32
+rounding of the small products: float32 experts with the pairs as the vector lanes
+(rust/src/pair_panels.rs) on an AVX2 or AVX-512 CPU, others through packed matrix kernels
+(rust/src/matmul.rs, rust/src/matmul_bf16.rs); below that a token's
 result does not depend on the other tokens in the call, and the thread count never does.
 
 float32 or bfloat16 tensors (float32 arithmetic either way: a bfloat16 result is rounded
