@@ -219,6 +219,23 @@ unsafe fn tiles_256(w: &[f32], rows: usize, k: usize, panels: &[f32], blocks: us
     each_tile!(tile_256, TILE_256, w, rows, k, panels, blocks, out)
 }
 
+/// At a tile's column c, a line of each of the next tile's weight rows into L2 (one per 16
+/// columns): a chunk's first panels meet every weight row cold from memory, and few panels (an
+/// expert of 64 to 100 pairs) leave too little work per row to hide that (the pass at 512
+/// tokens 1.08x, docs/benchmarks.md). Past the last row it asks for the next expert's rows, or
+/// for nothing: a prefetch never faults.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_next_tile<const ROWS: usize>(w: *const f32, k: usize, c: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T2};
+    if c.is_multiple_of(16) {
+        for i in 0..ROWS {
+            // SAFETY: a prefetch reads nothing and never faults; the address is only computed.
+            unsafe { _mm_prefetch::<_MM_HINT_T2>(w.wrapping_add((ROWS + i) * k + c) as *const i8) };
+        }
+    }
+}
+
 /// out's ROWS x VECTORS panel rows from w's ROWS rows (from `w`, k each) against VECTORS
 /// panels (from `p`, k x LANES each); out's panels are `rows` x LANES apart.
 ///
@@ -232,6 +249,7 @@ unsafe fn tile_512<const ROWS: usize, const VECTORS: usize>(w: *const f32, k: us
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); VECTORS]; ROWS];
     for c in 0..k {
+        prefetch_next_tile::<ROWS>(w, k, c);
         let mut v = [_mm512_setzero_ps(); VECTORS];
         for (j, v) in v.iter_mut().enumerate() {
             *v = _mm512_loadu_ps(p.add((j * k + c) * LANES));
@@ -262,6 +280,7 @@ unsafe fn tile_256<const ROWS: usize, const VECTORS: usize>(w: *const f32, k: us
     use std::arch::x86_64::*;
     let mut acc = [[[_mm256_setzero_ps(); 2]; VECTORS]; ROWS];
     for c in 0..k {
+        prefetch_next_tile::<ROWS>(w, k, c);
         let mut v = [[_mm256_setzero_ps(); 2]; VECTORS];
         for (j, v) in v.iter_mut().enumerate() {
             let at = p.add((j * k + c) * LANES);
