@@ -202,8 +202,9 @@ def test_linear_rows_do_not_depend_on_the_other_rows(dtype):
 
 
 def test_expert_pass_rows_do_not_depend_on_the_other_rows():
-    """A prefill's tokens crowd experts past the pair count at which the kernel's packed path
-    takes over (64): the blocked pass keeps each token's bits."""
+    """A prefill's tokens crowd experts past the pair count from which the kernel runs wide
+    chunks (64, as this mode tells it; 16 by default in float32): the blocked pass keeps each
+    token's bits."""
     gen = torch.Generator().manual_seed(2)
     ops = ops_for("cpu", torch.float32, batch_invariant=True)
     experts, hidden, inter, tokens, top_k = 4, 48, 40, 200, 2

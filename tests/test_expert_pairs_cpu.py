@@ -14,7 +14,7 @@ from engine_testing import assert_same_outputs_either_way, counting, one_torch_t
 from r3srv import LLM, _core
 from r3srv import settings as r3srv_settings_module
 from r3srv.kernels import expert_pairs_cpu
-from r3srv.kernels.expert_pairs_cpu import BUILT, expert_pairs
+from r3srv.kernels.expert_pairs_cpu import BUILT, expert_pairs, wide_min_pairs
 from r3srv.ops import ops_for
 from r3srv.ops.experts import Activation, KernelExperts, TorchExperts, silu_and_mul
 
@@ -169,14 +169,23 @@ def test_the_moe_pass_takes_it_at_every_batch_size(monkeypatch, listed, tokens):
     torch.testing.assert_close(got, expert_pairs(*args), rtol=0, atol=0)
 
 
-def test_a_tokens_result_does_not_depend_on_its_batch_in_narrow_chunks():
-    """Every expert below the wide chunks' WIDE_MIN_PAIRS (rust/src/expert_pairs.rs): 30 pairs each on average."""
-    x, w13, w2, weights, ids, _, b13, b2, act = random_experts(4, 60, 8, 4, 32, 16, "clamped_swiglu", True, True)
-    assert torch.bincount(ids.reshape(-1).long()).max() < 64
-    batch = expert_pairs(x, w13, w2, weights, ids, None, b13, b2, act)
-    for t in (0, 29, 59):
-        alone = expert_pairs(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], None, b13, b2, act)
+@pytest.mark.parametrize("dtype, told", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 64)],
+                         ids=["float32", "bfloat16", "float32 told 64"])
+def test_a_tokens_result_does_not_depend_on_its_batch_in_narrow_chunks(dtype, told):
+    """Every expert below the wide threshold (the kernel's for the dtype, wide_min_pairs: 16 or
+    64 pairs, or the one it is told): half of it each on average."""
+    limit = told or wide_min_pairs(dtype)
+    assert limit in (16, 64)
+    tokens = limit * 8 // 2 // 4  # 8 experts, top-4
+    x, w13, w2, weights, ids, _, b13, b2, act = random_experts(4, tokens, 8, 4, 32, 16, "clamped_swiglu", True, True)
+    x, w13, w2, b13, b2 = (t.to(dtype) for t in (x, w13, w2, b13, b2))
+    assert torch.bincount(ids.reshape(-1).long()).max() < limit
+    batch = expert_pairs(x, w13, w2, weights, ids, None, b13, b2, act, wide_min_pairs=told)
+    for t in (0, tokens // 2, tokens - 1):
+        alone = expert_pairs(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], None, b13, b2, act, wide_min_pairs=told)
         assert torch.equal(alone[0], batch[t])
+    if told and wide_min_pairs(dtype) < told:  # the kernel's own threshold makes some experts wide
+        assert not torch.equal(expert_pairs(x, w13, w2, weights, ids, None, b13, b2, act), batch)
 
 
 @pytest.mark.parametrize("case", ["float16", "mixed dtypes", "strided w13", "other activation", "int64 ids, float64 weights"])
@@ -217,6 +226,10 @@ def test_this_build_has_the_kernel_and_this_cpu_runs_its_vector_code():
     flags = open("/proc/cpuinfo").read().split() if platform.system() == "Linux" else []
     vector = "auto" if "avx512f" in flags else "avx2"  # auto: AVX-512 for large weight blocks, AVX2 below
     assert _core.expert_pairs_isa() == (vector if {"avx2", "fma"} <= set(flags) else "scalar")
+    # float32 experts in pair panels (AVX2 and FMA, or wider) are wide from 16 pairs, others from 64
+    assert wide_min_pairs(torch.float32) == (16 if {"avx2", "fma"} <= set(flags) else 64)
+    assert wide_min_pairs(torch.bfloat16) == 64
+    assert wide_min_pairs(torch.float16) is None
 
 
 @pytest.fixture(scope="module")

@@ -246,7 +246,8 @@ pub enum PairTokens<'a> {
 
 /// out [T, H] = sum over the pairs p of token t of weights[p] * expert_{ids[p]}(x[t]), summed
 /// in pair order. A pair of weight 0 (another rank's expert) contributes nothing and is
-/// skipped. Errors name the first inconsistent input.
+/// skipped. An expert's pairs run in wide chunks from `wide_min` pairs on (None: the kernel's
+/// own threshold, `wide_min_pairs`). Errors name the first inconsistent input.
 #[allow(clippy::too_many_arguments)]
 pub fn expert_pairs<W: Element>(
     experts: &Experts<W>,
@@ -257,6 +258,7 @@ pub fn expert_pairs<W: Element>(
     out: &mut [W],
     threads: usize,
     isa: Isa,
+    wide_min: Option<usize>,
 ) -> Result<(), String> {
     experts.check()?;
     let hid = experts.hidden;
@@ -299,7 +301,8 @@ pub fn expert_pairs<W: Element>(
             }
         };
         let inputs = Inputs { x, xf, pair_token: &pair_token };
-        let row_of = grouped_pass(experts, &inputs, ids, weights, threads, isa, outputs);
+        let wide_min = wide_min.unwrap_or_else(|| wide_min_pairs::<W>(isa)).max(1);
+        let row_of = grouped_pass(experts, &inputs, ids, weights, threads, isa, wide_min, outputs);
         weighted_sums(outputs, &row_of, &pair_token, weights, hid, out, threads, isa);
     });
     Ok(())
@@ -421,10 +424,20 @@ fn simd(isa: Isa) -> bool {
 /// Pairs of one expert run together, at most this many at a time: each weight row is read
 /// once per chunk, and a chunk's scratch (inputs, both projections) stays in the L2 cache.
 const CHUNK_PAIRS: usize = 48;
-/// From this many pairs on, an expert's chunks are wide: `pair_panels` or `matmul`'s packed
-/// kernels, which outrun `gemm_nt` once they have this many rows (the packed kernels to amortize
-/// their packing; the panels, each weight row cold from memory, measured slower at 32 pairs).
+/// From this many pairs on, an expert's chunks are wide (`wide_min_pairs`; float32 ones in
+/// pair panels from PANEL_MIN_PAIRS): `matmul`'s packed kernels, which outrun `gemm_nt` once
+/// they have this many rows to amortize their packing.
 pub(crate) const WIDE_MIN_PAIRS: usize = 64;
+/// Where the CPU runs `pair_panels`, a float32 expert's chunks are wide from this many pairs (one
+/// panel): the panels, their next weight rows prefetched, outran `gemm_nt` from 16 pairs on
+/// (docs/benchmarks.md, "Wide float32 expert chunks in pair panels").
+pub(crate) const PANEL_MIN_PAIRS: usize = 16;
+
+/// The pair count from which an expert's chunks are wide, for weights of type `W` under `isa`.
+pub fn wide_min_pairs<W: Element>(isa: Isa) -> usize {
+    if W::as_f32s(&[]).is_some() && pair_panels::runs(isa) { PANEL_MIN_PAIRS } else { WIDE_MIN_PAIRS }
+}
+
 /// Pairs per wide chunk: enough for the packed kernels' full speed (a prefill's experts have
 /// hundreds), while the chunks still spread over the threads.
 const WIDE_CHUNK_PAIRS: usize = 512;
@@ -434,7 +447,7 @@ struct Chunk {
     expert: usize,
     first: usize,
     end: usize,
-    /// Through `pair_panels` or `matmul` (see WIDE_MIN_PAIRS), else `gemm_nt`.
+    /// Through `pair_panels` or `matmul` (see `wide_min_pairs`), else `gemm_nt`.
     wide: bool,
 }
 
@@ -449,8 +462,9 @@ pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 20;
 /// The chunks depend only on each expert's pair count, never on `threads`. Up to `threads`
 /// threads take chunks from a shared counter, so a thread the OS preempts holds up none of
 /// the others' work.
+#[allow(clippy::too_many_arguments)]
 fn grouped_pass<W: Element>(experts: &Experts<W>, inputs: &Inputs<W>, ids: &[i32], weights: &[f32],
-                            threads: usize, isa: Isa, outputs: &mut Vec<f32>) -> Vec<u32> {
+                            threads: usize, isa: Isa, wide_min: usize, outputs: &mut Vec<f32>) -> Vec<u32> {
     let hid = experts.hidden;
     // the live pairs by expert, in pair order within an expert; each pair's row is its place
     let live_expert = |(&e, &w): (&i32, &f32)| (w != 0.0).then_some(e as usize);
@@ -464,7 +478,7 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, inputs: &Inputs<W>, ids: &[i32
         // equal chunks of at most CHUNK_PAIRS (64 pairs: two of 32, not 48 and 16), or of
         // WIDE_CHUNK_PAIRS for an expert with many pairs
         let count = starts[e + 1] - starts[e];
-        let wide = count >= WIDE_MIN_PAIRS;
+        let wide = count >= wide_min;
         let pieces = count.div_ceil(if wide { WIDE_CHUNK_PAIRS } else { CHUNK_PAIRS });
         for i in 0..pieces {
             chunks.push(Chunk { expert: e, first: starts[e] + count * i / pieces, end: starts[e] + count * (i + 1) / pieces, wide });
@@ -1168,9 +1182,21 @@ pub(crate) mod python {
         Isa::default_kernel().name()
     }
 
+    /// The pair count from which the engine's kernel runs an expert's pairs of `dtype`
+    /// ("float32" or "bfloat16") in wide chunks, whose bits differ from the narrow ones'.
+    #[pyfunction]
+    pub fn expert_pairs_wide_min_pairs(dtype: &str) -> PyResult<usize> {
+        match dtype {
+            "float32" => Ok(super::wide_min_pairs::<f32>(Isa::default_kernel())),
+            "bfloat16" => Ok(super::wide_min_pairs::<Bf16>(Isa::default_kernel())),
+            other => Err(PyValueError::new_err(format!("unsupported expert dtype {other:?}"))),
+        }
+    }
+
     /// # Safety
     /// As `expert_pairs_cpu` requires of its caller, with `W` the tensors' element type.
-    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 9], shape: [usize; 5], act: Activation, threads: usize) -> PyResult<()> {
+    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 9], shape: [usize; 5], act: Activation, threads: usize,
+                              wide_min: Option<usize>) -> PyResult<()> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
         let [x, w13, w2, b13, b2, tokens, ids, weights, out] = addresses;
         let [num_tokens, num_pairs, num_experts, hidden, inter] = shape;
@@ -1195,7 +1221,7 @@ pub(crate) mod python {
         let weights = from_raw_parts(weights as *const f32, num_pairs);
         let out = from_raw_parts_mut(out as *mut W, num_tokens * hidden);
         let isa = Isa::default_kernel();
-        py.detach(|| expert_pairs(&experts, x, tokens, ids, weights, out, threads, isa)).map_err(PyValueError::new_err)
+        py.detach(|| expert_pairs(&experts, x, tokens, ids, weights, out, threads, isa, wide_min)).map_err(PyValueError::new_err)
     }
 
     /// out [T, H] = the expert pass (see rust/src/expert_pairs.rs) of the tensors at
@@ -1204,9 +1230,12 @@ pub(crate) mod python {
     /// H, I): x and out [T, H], tokens, ids and weights [P], w13 [E, R, H], w2 [E, H, I], b13
     /// [E, R] and b2 [E, H] (address 0: none; no tokens: every token's P / T slots in order).
     /// activation: "silu_and_mul", "clamped_swiglu" (alpha, limit) or "relu_squared". Runs with
-    /// the GIL released, on up to `threads` threads when the work is large enough.
+    /// the GIL released, on up to `threads` threads when the work is large enough. An expert's
+    /// pairs run in wide chunks from `wide_min_pairs` pairs on (None: the kernel's own
+    /// threshold, `expert_pairs_wide_min_pairs`).
     #[pyfunction]
-    #[pyo3(signature = (addresses, shape, dtype, activation, alpha=0.0, limit=0.0, threads=1))]
+    #[pyo3(signature = (addresses, shape, dtype, activation, alpha=0.0, limit=0.0, threads=1, wide_min_pairs=None))]
+    #[allow(clippy::too_many_arguments)]
     pub fn expert_pairs_cpu(
         py: Python<'_>,
         addresses: [usize; 9],
@@ -1216,6 +1245,7 @@ pub(crate) mod python {
         alpha: f32,
         limit: f32,
         threads: usize,
+        wide_min_pairs: Option<usize>,
     ) -> PyResult<()> {
         let act = match activation {
             "silu_and_mul" => Activation::SiluAndMul,
@@ -1234,8 +1264,8 @@ pub(crate) mod python {
         // a model's tensors).
         unsafe {
             match dtype {
-                "float32" => run::<f32>(py, addresses, shape, act, threads),
-                "bfloat16" => run::<Bf16>(py, addresses, shape, act, threads),
+                "float32" => run::<f32>(py, addresses, shape, act, threads, wide_min_pairs),
+                "bfloat16" => run::<Bf16>(py, addresses, shape, act, threads, wide_min_pairs),
                 other => Err(PyValueError::new_err(format!("unsupported expert dtype {other:?}"))),
             }
         }
@@ -1337,7 +1367,7 @@ mod tests {
                 // every named kernel, and the default (bfloat16's dot products where the CPU has them)
                 for isa in isas().into_iter().chain([Isa::default_kernel()]) {
                     let mut out = vec![W::from_f32(f32::NAN); tokens * hid];
-                    expert_pairs(&experts, &x, *tokens_arg, ids, weights, &mut out, 1, isa).unwrap();
+                    expert_pairs(&experts, &x, *tokens_arg, ids, weights, &mut out, 1, isa, None).unwrap();
                     for (got, want) in out.iter().zip(&want) {
                         let got = got.to_f32() as f64;
                         assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(), "{isa:?} {act:?}: {got} vs {want}");
@@ -1438,9 +1468,11 @@ mod tests {
         gemm_cases::<Bf16>();
     }
 
-    /// Narrow chunks (60 pairs per expert: two chunks each) and wide ones (733: two each), on
-    /// 1-3 threads: the same bits on any thread count. A token run alone (one narrow chunk)
-    /// gets exactly its narrow-batch bits, and its wide-batch result within rounding of them.
+    /// Narrow chunks (a few pairs under the kernel's wide threshold per expert: two chunks each
+    /// where the threshold is 64) and wide ones (733: two each), on 1-3 threads: the same bits on
+    /// any thread count. A token run alone (one narrow chunk) gets exactly its narrow-batch bits;
+    /// its wide-batch result is within rounding of them, and in pair panels exactly them too
+    /// wherever its expert's chunk is wide alone as well (never at one token: so within rounding).
     #[test]
     fn threads_never_change_a_bit_and_narrow_chunks_are_batch_invariant() {
         let (e, hid, inter, top_k) = (3, 128, 64, 2);
@@ -1448,29 +1480,32 @@ mod tests {
         let (w13, w2) = (values(11, e * 2 * inter * hid), values(12, e * hid * inter));
         let b13 = values(13, e * 2 * inter);
         let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
-        for (tokens, wide) in [(90, false), (1100, true)] {
-            let per_expert = tokens * top_k / e;
-            assert_eq!(per_expert >= WIDE_MIN_PAIRS, wide);
-            let chunk = if wide { WIDE_CHUNK_PAIRS } else { CHUNK_PAIRS };
-            assert!(per_expert > chunk && per_expert <= 2 * chunk, "every expert needs two chunks");
-            assert!(tokens * top_k * 2 * inter * hid * 3 / 2 >= 3 * PARALLEL_MIN_MACS, "three threads must be allowed");
-            let x = values(14, tokens * hid);
-            let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
-            let weights = values(15, tokens * top_k);
-            for isa in isas() {
+        for isa in isas() {
+            let wide_min = wide_min_pairs::<f32>(isa);
+            assert_eq!(wide_min, if pair_panels::runs(isa) { PANEL_MIN_PAIRS } else { WIDE_MIN_PAIRS });
+            // per expert: 4 under the threshold (two chunks where it exceeds CHUNK_PAIRS), or 733
+            for (tokens, wide) in [((wide_min - 4) * e / top_k, false), (1100, true)] {
+                let per_expert = tokens * top_k / e;
+                assert_eq!(per_expert >= wide_min, wide);
+                let chunk = if wide { WIDE_CHUNK_PAIRS } else { CHUNK_PAIRS };
+                assert!(per_expert > chunk && per_expert <= 2 * chunk || !wide && per_expert < chunk,
+                        "{isa:?}: every expert needs two chunks, or one narrow chunk under the threshold");
+                let x = values(14, tokens * hid);
+                let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
+                let weights = values(15, tokens * top_k);
                 let run = |threads: usize| {
                     let mut out = vec![f32::NAN; tokens * hid];
-                    expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, threads, isa).unwrap();
+                    expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, threads, isa, None).unwrap();
                     out
                 };
                 let one = run(1);
                 for threads in [2, 3] {
                     assert!(one.iter().zip(run(threads)).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} {threads} threads, wide {wide}");
                 }
-                for t in [0, 77, tokens - 1] {
+                for t in [0, 7, tokens - 1] {
                     let mut alone = vec![f32::NAN; hid];
                     let slots = t * top_k..(t + 1) * top_k;
-                    expert_pairs(&experts, &x[t * hid..(t + 1) * hid], PairTokens::Grid, &ids[slots.clone()], &weights[slots], &mut alone, 1, isa).unwrap();
+                    expert_pairs(&experts, &x[t * hid..(t + 1) * hid], PairTokens::Grid, &ids[slots.clone()], &weights[slots], &mut alone, 1, isa, None).unwrap();
                     for (a, b) in alone.iter().zip(&one[t * hid..(t + 1) * hid]) {
                         if wide {
                             // two float32 summation orders over a few hundred terms of order 1
@@ -1482,6 +1517,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A pair's output in pair panels is its own chain: the same bits whatever the other pairs of
+    /// its chunk, so two batches that both make an expert wide give a shared token the same bits.
+    #[test]
+    fn pair_panels_keep_a_pairs_bits_whatever_its_chunk() {
+        if !pair_panels::runs(Isa::default_kernel()) {
+            eprintln!("skipped: this CPU lacks AVX2 with FMA (the pair panels' instruction sets)");
+            return;
+        }
+        let (e, hid, inter, top_k, tokens) = (2, 48, 24, 2, 40);
+        let (w13, w2) = (values(61, e * 2 * inter * hid), values(62, e * hid * inter));
+        let experts = Experts { w13: &w13, w2: &w2, b13: None, b2: None, num_experts: e, hidden: hid, inter, act: Activation::SiluAndMul };
+        let x = values(63, tokens * hid);
+        let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
+        let weights = values(64, tokens * top_k);
+        let run = |first: usize, end: usize| {
+            let mut out = vec![f32::NAN; (end - first) * hid];
+            let slots = first * top_k..end * top_k;
+            expert_pairs(&experts, &x[first * hid..end * hid], PairTokens::Grid, &ids[slots.clone()], &weights[slots], &mut out, 1, Isa::default_kernel(), None).unwrap();
+            out
+        };
+        let all = run(0, tokens);
+        // tokens 10..30 alone: 20 pairs per expert, wide too
+        assert!(20 * top_k / e >= wide_min_pairs::<f32>(Isa::default_kernel()));
+        assert_eq!(run(10, 30), all[10 * hid..30 * hid]);
     }
 
     /// Wide float32 chunks (pair panels where the CPU runs them, the packed GEMM on the portable
@@ -1506,7 +1567,7 @@ mod tests {
                 let mut panel_bits = Vec::new();
                 for isa in isas().into_iter().chain([Isa::default_kernel()]) {
                     let mut out = vec![f32::NAN; tokens * hid];
-                    expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, 2, isa).unwrap();
+                    expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, 2, isa, None).unwrap();
                     for (got, want) in out.iter().zip(&want) {
                         // float32 sums against float64 ones, relu^2 doubling h's relative error
                         assert!((*got as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "{isa:?} {act:?} H={hid}: {got} vs {want}");
@@ -1539,7 +1600,7 @@ mod tests {
             let want = pass_f64(&experts, &x, &grid, &ids, &weights, true);
             let run = |threads: usize| {
                 let mut out = vec![Bf16::from_f32(f32::NAN); tokens * hid];
-                expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, threads, Isa::default_kernel()).unwrap();
+                expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, threads, Isa::default_kernel(), None).unwrap();
                 out
             };
             let one = run(1);
@@ -1564,7 +1625,7 @@ mod tests {
         let weights = values(44, tokens * top_k);
         let run = |x: &[Bf16], ids: &[i32], weights: &[f32], threads: usize| {
             let mut out = vec![Bf16(0); x.len()];
-            expert_pairs(&experts, x, PairTokens::Grid, ids, weights, &mut out, threads, Isa::default_kernel()).unwrap();
+            expert_pairs(&experts, x, PairTokens::Grid, ids, weights, &mut out, threads, Isa::default_kernel(), None).unwrap();
             out
         };
         let batch = run(&x, &ids, &weights, 1);
@@ -1635,15 +1696,15 @@ mod tests {
         let experts = Experts { w13: &w13, w2: &w2, b13: None, b2: None, num_experts: 2, hidden: 4, inter: 4, act: Activation::SiluAndMul };
         let (x, mut out) = (values(3, 4), vec![0.0; 4]);
         let grid = PairTokens::Grid;
-        let err = expert_pairs(&experts, &x, grid, &[2], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err();
+        let err = expert_pairs(&experts, &x, grid, &[2], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err();
         assert!(err.contains("expert id 2"), "{err}");
-        let err = expert_pairs(&experts, &x, grid, &[0, 1], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err();
+        let err = expert_pairs(&experts, &x, grid, &[0, 1], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err();
         assert!(err.contains("one value per pair"), "{err}");
-        let err = expert_pairs(&experts, &x, PairTokens::List(&[1]), &[0], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err();
+        let err = expert_pairs(&experts, &x, PairTokens::List(&[1]), &[0], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err();
         assert!(err.contains("token 1 is outside 0..1"), "{err}");
-        let err = expert_pairs(&experts, &x, PairTokens::List(&[0, 0]), &[0], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err();
+        let err = expert_pairs(&experts, &x, PairTokens::List(&[0, 0]), &[0], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err();
         assert!(err.contains("one token per pair"), "{err}");
         let short = Experts { w13: &w13[1..], ..experts };
-        assert!(expert_pairs(&short, &x, grid, &[0], &[1.0], &mut out, 1, Isa::Scalar).unwrap_err().contains("w13"));
+        assert!(expert_pairs(&short, &x, grid, &[0], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err().contains("w13"));
     }
 }

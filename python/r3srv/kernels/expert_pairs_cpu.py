@@ -27,6 +27,7 @@ import torch
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 expert_pairs_entry = rust_kernel("expert_pairs_cpu")
+_wide_min_pairs = rust_kernel("expert_pairs_wide_min_pairs")
 BUILT = expert_pairs_entry is not None  # else the torch path (kernels/rust_core.py)
 ACTIVATIONS = ("silu_and_mul", "relu_squared", "clamped_swiglu")  # what the kernel computes
 
@@ -42,10 +43,13 @@ def expert_pairs(
     b2: torch.Tensor | None,
     act,
     threads: int = 1,
+    wide_min_pairs: int | None = None,
 ) -> torch.Tensor | None:
     """sum over pairs p of token t: weights[p] * expert_{ids[p]}(x[t]) (ops/experts.py's pass:
     every token's k slots, ids/weights [T, k], or the pairs (tokens[p], ids[p], weights[p])
-    [P]) through the Rust kernel on up to `threads` threads, or None where it does not apply:
+    [P]) through the Rust kernel on up to `threads` threads, an expert's pairs in wide chunks from
+    `wide_min_pairs` on (None: the kernel's threshold, `wide_min_pairs()`), or None where it does
+    not apply:
     x and the experts are not contiguous CPU tensors of one dtype the kernel reads, or `act`
     (an activation described by .name, .alpha and .limit) is not one the kernel computes."""
     dtype = RUST_DTYPES.get(x.dtype)
@@ -65,8 +69,18 @@ def expert_pairs(
                  0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
-    expert_pairs_entry(addresses, shape, dtype, act.name, float(act.alpha), float(act.limit), threads)
+    expert_pairs_entry(addresses, shape, dtype, act.name, float(act.alpha), float(act.limit), threads, wide_min_pairs)
     return out
+
+
+def wide_min_pairs(dtype: torch.dtype) -> int | None:
+    """The pair count from which the kernel, unless told otherwise, runs an expert's pairs of `dtype` in wide chunks
+    (whose bits differ from the narrow ones'): 16 for float32 where the CPU runs the pair panels,
+    else 64 (rust/src/expert_pairs.rs's wide_min_pairs); None where the kernel takes no such
+    experts."""
+    if _wide_min_pairs is None or dtype not in RUST_DTYPES:
+        return None
+    return _wide_min_pairs(RUST_DTYPES[dtype])
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,7 @@ prompt tokens through the kernels decodes take:
   the keys up to its own position, in 32-key tiles from position 0 (the kernel's split is by
   sequence only), so a prompt chunk's size or a prefix hit changes nothing;
 - the expert pass: the Rust kernel on runs of tokens that give no expert WIDE_MIN_PAIRS pairs,
-  the count at which the kernel switches an expert to packed products (rust/src/expert_pairs.rs);
+  the count from which it is told to run an expert's pairs in wide chunks (rust/src/expert_pairs.rs);
 - routing and a shared expert's sigmoid gate: one token a call (the Rust router computes rows
   apart already; torch's elementwise kernels take a vector or a scalar path by an element's
   place in the whole tensor);
@@ -39,8 +39,10 @@ from r3srv.ops.linear import LinearFn
 from r3srv.ops.router import RouteFn
 from r3srv.ops.table import Ops
 
-# rust/src/expert_pairs.rs's WIDE_MIN_PAIRS: an expert with this many pairs in one call takes the
-# packed products, whose bits depend on the pairs beside it; below, each pair's are its own
+# The pair count from which the kernel runs an expert's pairs in wide chunks here, passed to it:
+# their bits differ from the narrow products', in which each pair's are its own. Not the kernel's
+# float32 default (16 where its pair panels run): blocks of tokens under 16 pairs an expert made
+# this mode's float32 prefill pass 1.5-1.9x slower (docs/benchmarks.md)
 WIDE_MIN_PAIRS = 64
 # Queries per paged-kernel call of a prompt chunk: bounds the per-query block tables (ints) it builds
 PREFILL_QUERY_BLOCK = 128
@@ -63,7 +65,8 @@ def build(base: Ops) -> Ops:
         linear=linear,
         prefill_attention=functools.partial(prefill_as_decodes, decode),
         expert_passes=lambda activation: KernelExperts(
-            blocked_kernel(functools.partial(expert_pairs_cpu.expert_pairs, threads=threads)),
+            blocked_kernel(functools.partial(expert_pairs_cpu.expert_pairs, threads=threads,
+                                             wide_min_pairs=WIDE_MIN_PAIRS)),
             TorchExperts(activation, pairs_mv=True, pairs_mv_always=True)),
         routers=lambda shape: row_by_row(base.routers(shape)),
         shared_gate=functools.partial(shared_gate_rows, linear=linear),
