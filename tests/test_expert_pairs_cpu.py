@@ -177,12 +177,14 @@ def test_a_tokens_result_does_not_depend_on_its_batch_in_narrow_chunks(dtype, to
     limit = told or wide_min_pairs(dtype)
     assert limit in (16, 64)
     tokens = limit * 8 // 2 // 4  # 8 experts, top-4
-    x, w13, w2, weights, ids, _, b13, b2, act = random_experts(4, tokens, 8, 4, 32, 16, "clamped_swiglu", True, True)
+    args = random_experts(4, tokens, 8, 4, 32, 16, "clamped_swiglu", True, True)
+    x, w13, w2, weights, ids, _, b13, b2, act = args
     x, w13, w2, b13, b2 = (t.to(dtype) for t in (x, w13, w2, b13, b2))
     assert torch.bincount(ids.reshape(-1).long()).max() < limit
     batch = expert_pairs(x, w13, w2, weights, ids, None, b13, b2, act, wide_min_pairs=told)
     for t in (0, tokens // 2, tokens - 1):
-        alone = expert_pairs(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], None, b13, b2, act, wide_min_pairs=told)
+        alone = expert_pairs(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], None, b13, b2, act,
+                             wide_min_pairs=told)
         assert torch.equal(alone[0], batch[t])
     if told and wide_min_pairs(dtype) < told:  # the kernel's own threshold makes some experts wide
         assert not torch.equal(expert_pairs(x, w13, w2, weights, ids, None, b13, b2, act), batch)

@@ -1536,7 +1536,9 @@ mod tests {
         let run = |first: usize, end: usize| {
             let mut out = vec![f32::NAN; (end - first) * hid];
             let slots = first * top_k..end * top_k;
-            expert_pairs(&experts, &x[first * hid..end * hid], PairTokens::Grid, &ids[slots.clone()], &weights[slots], &mut out, 1, Isa::default_kernel(), None).unwrap();
+            let (ids, weights) = (&ids[slots.clone()], &weights[slots]);
+            expert_pairs(&experts, &x[first * hid..end * hid], PairTokens::Grid, ids, weights, &mut out, 1, Isa::default_kernel(), None)
+                .unwrap();
             out
         };
         let all = run(0, tokens);
