@@ -673,7 +673,7 @@ impl<W: Element> Experts<'_, W> {
         if let (true, Some(w13), Some(w2)) = (chunk.wide && pair_panels::runs(isa), W::as_f32s(w13), W::as_f32s(w2)) {
             // a wide chunk of float32 experts: both products with the pairs as the lanes
             let blocks = pair_panels::blocks(n);
-            pair_panels::gather(tokens.map(|t| &inputs.xf[t * hid..(t + 1) * hid]), hid, &mut s.x);
+            pair_panels::gather(isa, tokens.map(|t| &inputs.xf[t * hid..(t + 1) * hid]), hid, &mut s.x);
             pair_panels::product(isa, w13, r, hid, &s.x, blocks, &mut s.h);
             s.a.resize(blocks * i * pair_panels::LANES, 0.0);
             let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
@@ -683,7 +683,7 @@ impl<W: Element> Experts<'_, W> {
                 activate_panels_avx2(self.act, b13, r, i, &mut s.h, &mut s.a)
             };
             pair_panels::product(isa, w2, hid, i, &s.a, blocks, &mut s.x);
-            pair_panels::scatter(&s.x, hid, o);
+            pair_panels::scatter(isa, &s.x, hid, o);
             self.add_b2(e, o);
             return;
         }
