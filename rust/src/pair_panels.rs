@@ -32,7 +32,7 @@ pub fn runs(isa: Isa) -> bool {
 
 /// panels [blocks(n)][k][LANES] = the n `rows` (k values each) as columns, zero past the last;
 /// whole 8 columns at a time transposed in AVX2 registers where `isa` runs the panels (8 x 8
-/// transposes outran AVX-512's 16 x 16: 6-9 against 15-17 us for 256 rows of 256 here).
+/// transposes outran AVX-512's 16 x 16, docs/benchmarks.md).
 pub fn gather<'a>(isa: Isa, rows: impl ExactSizeIterator<Item = &'a [f32]>, k: usize, panels: &mut Vec<f32>) {
     let n = rows.len();
     // every value is written below (no clearing: a chunk's scratch is reused)
@@ -221,9 +221,9 @@ unsafe fn tiles_256(w: &[f32], rows: usize, k: usize, panels: &[f32], blocks: us
 
 /// At a tile's column c, a line of each of the next tile's weight rows into L2 (one per 16
 /// columns): a chunk's first panels meet every weight row cold from memory, and few panels (an
-/// expert of 64 to 100 pairs) leave too little work per row to hide that (the pass at 512
-/// tokens 1.08x, docs/benchmarks.md). Past the last row it asks for the next expert's rows, or
-/// for nothing: a prefetch never faults.
+/// expert of 64 to 100 pairs) leave too little work per row to hide that (docs/benchmarks.md,
+/// "Wide float32 expert chunks in pair panels"). Past the last row it asks for the next
+/// expert's rows, or for nothing: a prefetch never faults.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_next_tile<const ROWS: usize>(w: *const f32, k: usize, c: usize) {
