@@ -554,9 +554,19 @@ unsafe fn activate_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize
     activate(act, b13, r, i, h, a)
 }
 
-/// `activate` on panels (`pair_panels`): h [blocks][r][LANES] to a [blocks][i][LANES], compiled for
-/// AVX2. A panel's gate rows then up rows are themselves [gate; up] of LANES-wide rows, so the
-/// activation reads them whole; gpt-oss's interleaved rows are paired up lane by lane.
+/// `activate_panels` compiled for AVX-512 (its elementwise loops 16 wide: the pass at 2,048
+/// tokens 1.04x against the AVX2 build, docs/benchmarks.md; the same bits).
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn activate_panels_avx512<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, h: &mut [f32],
+                                             a: &mut [f32]) {
+    activate_panels(act, b13, r, i, h, a)
+}
+
+/// `activate_panels` compiled for AVX2.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
@@ -564,6 +574,14 @@ unsafe fn activate_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize
 #[target_feature(enable = "avx2,fma")]
 unsafe fn activate_panels_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, h: &mut [f32],
                                           a: &mut [f32]) {
+    activate_panels(act, b13, r, i, h, a)
+}
+
+/// `activate` on panels (`pair_panels`): h [blocks][r][LANES] to a [blocks][i][LANES]. A panel's
+/// gate rows then up rows are themselves [gate; up] of LANES-wide rows, so the activation reads
+/// them whole; gpt-oss's interleaved rows are paired up lane by lane.
+#[inline(always)]
+fn activate_panels<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, h: &mut [f32], a: &mut [f32]) {
     use pair_panels::LANES;
     for (h, a) in h.chunks_exact_mut(r * LANES).zip(a.chunks_exact_mut(i * LANES)) {
         if let Some(b13) = b13 {
@@ -677,10 +695,15 @@ impl<W: Element> Experts<'_, W> {
             pair_panels::product(isa, w13, r, hid, &s.x, blocks, &mut s.h);
             s.a.resize(blocks * i * pair_panels::LANES, 0.0);
             let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
-            // SAFETY: pair_panels::runs checked that this CPU has AVX2 and FMA.
+            // SAFETY: pair_panels::runs checked that this CPU has AVX2 and FMA, and the AVX-512
+            // build runs only where it has AVX-512F too (the AVX2 kernel asked for: the AVX2 build).
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                activate_panels_avx2(self.act, b13, r, i, &mut s.h, &mut s.a)
+                if isa != Isa::Avx2Fma && Isa::Avx512.runs() {
+                    activate_panels_avx512(self.act, b13, r, i, &mut s.h, &mut s.a)
+                } else {
+                    activate_panels_avx2(self.act, b13, r, i, &mut s.h, &mut s.a)
+                }
             };
             pair_panels::product(isa, w2, hid, i, &s.a, blocks, &mut s.x);
             pair_panels::scatter(isa, &s.x, hid, o);
