@@ -688,13 +688,13 @@ impl<W: Element> Experts<'_, W> {
         let (e, hid, r, i, n) = (chunk.expert, self.hidden, self.rows13(), self.inter, pairs.len());
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
         let tokens = pairs.iter().map(|&p| inputs.pair_token[p as usize] as usize);
+        let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
         if let (true, Some(w13), Some(w2)) = (chunk.wide && pair_panels::runs(isa), W::as_f32s(w13), W::as_f32s(w2)) {
             // a wide chunk of float32 experts: both products with the pairs as the lanes
             let blocks = pair_panels::blocks(n);
             pair_panels::gather(isa, tokens.map(|t| &inputs.xf[t * hid..(t + 1) * hid]), hid, &mut s.x);
             pair_panels::product(isa, w13, r, hid, &s.x, blocks, &mut s.h);
             s.a.resize(blocks * i * pair_panels::LANES, 0.0);
-            let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
             // SAFETY: pair_panels::runs checked that this CPU has AVX2 and FMA, and the AVX-512
             // build runs only where it has AVX-512F too (the AVX2 kernel asked for: the AVX2 build).
             #[cfg(target_arch = "x86_64")]
@@ -738,7 +738,6 @@ impl<W: Element> Experts<'_, W> {
             (false, true) => wide_nt(isa, w13, r, &mut s.x, &mut s.h, &mut s.w13, &mut s.bf16),
             (false, false) => gemm_nt(isa, w13, r, &s.x, &mut s.h),
         }
-        let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
         match simd(isa) {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: simd() checked that this CPU has AVX2 and FMA.
