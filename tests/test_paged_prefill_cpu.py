@@ -117,28 +117,40 @@ def test_bfloat16_and_latent_values():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-needs_dot_bf16 = pytest.mark.skipif(not cpu_kernel.DOT_BF16, reason="this CPU lacks AVX-512 BF16: the bfloat16 "
-                                    "dot-product prefill kernel does not run here (the portable kernel's tests cover it)")
+FLASH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# the flash kernels' tolerance against SDPA: float32's sums in another order; bfloat16's weights
+# rounded to bfloat16 (rust/src/paged_prefill_bf16.rs) and the result's rounding
+FLASH_TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
 
 
-@needs_dot_bf16
+def needs_flash(name: str):
+    """Skips where this CPU has no flash kernel for `name` (float32: AVX-512F; bfloat16: AVX-512
+    BF16), saying so: the portable kernel's tests cover that dtype there."""
+    return pytest.mark.skipif(name not in cpu_kernel.FLASH, reason=f"this CPU lacks the {name} flash prefill "
+                              "kernel's instructions (float32: AVX-512F, bfloat16: AVX-512 BF16)")
+
+
+FLASH_PARAMS = [pytest.param(name, marks=needs_flash(name)) for name in FLASH_DTYPES]
+
+
+@pytest.mark.parametrize("name", FLASH_PARAMS)
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (16, 1)])
 @pytest.mark.parametrize("head_dim, v_dim", [(64, 64), (128, 128), (24, 40)])
-def test_bfloat16_dot_product_kernel_equals_the_torch_path(heads, kv_heads, head_dim, v_dim):
-    """bfloat16 without a window or sinks runs in AVX-512 BF16 dot products, its weights rounded to
-    bfloat16 (rust/src/paged_prefill_bf16.rs): SDPA's float32 softmax over the same bfloat16 values,
-    within the weights' rounding and the result's."""
+def test_flash_kernel_equals_the_torch_path(name, heads, kv_heads, head_dim, v_dim):
+    """Without a window or sinks the dtype's flash kernel runs (rust/src/flash_prefill.rs): SDPA's
+    float32 softmax over the same values, within the dtype's tolerance."""
+    tolerance = FLASH_TOLERANCE[name]
     for seed in range(2):
         got, want = run_step(seed * 77 + heads + head_dim, heads, kv_heads, head_dim, v_dim, None, False,
-                             dtype=torch.bfloat16)
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+                             dtype=FLASH_DTYPES[name])
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
 
-@needs_dot_bf16
-def test_bfloat16_takes_the_kernel_at_any_context_length(monkeypatch):
-    """Past RUST_PREFILL_MAX_CONTEXT a float32 prompt goes to SDPA, a bfloat16 one (no window, no
-    sinks) to the dot-product kernel, which gives SDPA's rows within bfloat16 rounding; a windowed
-    bfloat16 layer still goes to SDPA there."""
+@pytest.mark.parametrize("name", FLASH_PARAMS)
+def test_a_flash_dtype_takes_the_kernel_at_any_context_length(monkeypatch, name):
+    """Past RUST_PREFILL_MAX_CONTEXT a prompt (no window, no sinks) of a dtype with a flash kernel
+    here goes to that kernel, which gives SDPA's rows within the dtype's tolerance; a windowed one
+    still goes to SDPA there."""
     from r3srv.ops.cpu import RUST_PREFILL_MAX_CONTEXT
 
     context = RUST_PREFILL_MAX_CONTEXT + 100
@@ -149,8 +161,8 @@ def test_bfloat16_takes_the_kernel_at_any_context_length(monkeypatch):
     meta = AttentionMetadata.build(batch, PAGE, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(context, h, 64, generator=g) for h in (4, 2, 2))
-    for dtype, window, kernel_runs in ((torch.float32, None, False), (torch.bfloat16, None, True),
-                                       (torch.bfloat16, 2000, False)):
+    dtype, tolerance = FLASH_DTYPES[name], FLASH_TOLERANCE[name]
+    for window, kernel_runs in ((None, True), (2000, False)):
         calls = counting_kernel(monkeypatch)
         with settings_module.overridden(cpu_threads=1):
             op = ops_for("cpu", dtype).prefill_attention
@@ -158,20 +170,45 @@ def test_bfloat16_takes_the_kernel_at_any_context_length(monkeypatch):
         args = (q.to(dtype), k.to(dtype), v.to(dtype))
         got = paged_attention(*args, cache(), cache(), meta, window=window, prefill_kernel=op)
         want = paged_attention(*args, cache(), cache(), meta, window=window, prefill_kernel=prefill_attention)
-        assert bool(calls) == kernel_runs, (dtype, window)
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert bool(calls) == kernel_runs, (name, window)
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
 
-@needs_dot_bf16
-def test_the_dot_product_kernels_rule():
-    """The backend's choice asks Rust's rule (paged_prefill_bf16::applies_to): bfloat16, no
-    window, no sinks, an even head_dim."""
-    q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
-    assert cpu_kernel.dot_bf16_applies(q, None, None)
-    assert not cpu_kernel.dot_bf16_applies(q.float(), None, None)
-    assert not cpu_kernel.dot_bf16_applies(q, 128, None)
-    assert not cpu_kernel.dot_bf16_applies(q, None, torch.zeros(2))
-    assert not cpu_kernel.dot_bf16_applies(torch.zeros(3, 2, 63, dtype=torch.bfloat16), None, None)
+def test_without_a_flash_kernel_long_contexts_go_to_sdpa(monkeypatch):
+    """Where a dtype has no flash kernel on this CPU (FLASH says), a prompt past
+    RUST_PREFILL_MAX_CONTEXT goes to SDPA: the backend's choice follows the rule, not the dtype."""
+    from r3srv.ops.cpu import RUST_PREFILL_MAX_CONTEXT
+
+    monkeypatch.setattr(cpu_kernel, "FLASH", set())
+    context = RUST_PREFILL_MAX_CONTEXT + 8
+    pos = torch.arange(context)
+    batch = ForwardBatch(input_ids=torch.zeros(context, dtype=torch.int64), positions=pos, slot_mapping=pos,
+                         query_lens=[context], context_lens=[context],
+                         block_tables=torch.arange(-(-context // PAGE)).unsqueeze(0), logits_indices=pos[-1:])
+    meta = AttentionMetadata.build(batch, PAGE, torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(context, h, 64, generator=g) for h in (4, 2, 2))
+    calls = counting_kernel(monkeypatch)
+    with settings_module.overridden(cpu_threads=1):
+        op = ops_for("cpu", torch.float32).prefill_attention
+    got = paged_attention(q, k, v, torch.zeros(context, 2, 64), torch.zeros(context, 2, 64), meta, prefill_kernel=op)
+    want = paged_attention(q, k, v, torch.zeros(context, 2, 64), torch.zeros(context, 2, 64), meta,
+                           prefill_kernel=prefill_attention)
+    assert not calls
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", FLASH_PARAMS)
+def test_the_flash_kernels_rule(name):
+    """The backend's choice asks Rust's rule (each kernel's applies_to): no window, no sinks, and
+    in bfloat16 an even head_dim."""
+    q = torch.zeros(3, 2, 64, dtype=FLASH_DTYPES[name])
+    assert cpu_kernel.flash_applies(q, None, None)
+    assert not cpu_kernel.flash_applies(q, 128, None)
+    assert not cpu_kernel.flash_applies(q, None, torch.zeros(2))
+    odd = torch.zeros(3, 2, 63, dtype=FLASH_DTYPES[name])
+    assert cpu_kernel.flash_applies(odd, None, None) == (name == "float32")
+    assert not cpu_kernel.flash_applies(q.to(torch.float16), None, None)
 
 
 def test_longer_contexts_go_to_the_other_path(monkeypatch):

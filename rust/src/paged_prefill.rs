@@ -393,6 +393,7 @@ unsafe fn score_rows_avx2<const R: usize>(keys: &[f32], q: &[f32], dim: usize, s
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::flash_prefill::Prefill;
     use crate::paged_attn::Bf16;
     use crate::testing::noise;
 
@@ -590,36 +591,30 @@ mod tests {
         }
     }
 
-    /// The AVX-512 BF16 kernel (crate::paged_prefill_bf16) on generated steps: the f64 reference
-    /// over the bfloat16 values within the weights' and the result's bfloat16 roundings; the same
-    /// bits on any thread count and however a prompt is chunked or batched.
-    #[test]
-    fn the_bfloat16_dot_product_kernel_equals_the_reference_and_keeps_a_rows_bits() {
-        use crate::paged_prefill_bf16::paged_prefill_bf16;
-        if crate::testing::skips_without_bf16() {
-            return;
-        }
-        let bf = |v: &[f32]| v.iter().map(|&f| Bf16::from_f32(f)).collect::<Vec<_>>();
-        let widen = |v: &[Bf16]| v.iter().map(|b| b.to_f32()).collect::<Vec<_>>();
+    /// A flash kernel (crate::flash_prefill) on generated steps: the f64 reference over the
+    /// element type's values within `tolerance(|want|)`; the same bits on any thread count and
+    /// however a prompt is chunked or batched; windows and sinks left to `paged_prefill`.
+    fn check_flash_kernel<T: Prefill + PartialEq + std::fmt::Debug>(tolerance: impl Fn(f64) -> f64) {
+        let to = |v: &[f32]| v.iter().map(|&f| T::from_f32(f)).collect::<Vec<_>>();
+        let widen = |v: &[T]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
         for (heads, kv_heads) in [(4, 4), (8, 2), (16, 1), (6, 2)] {
             for (head_dim, v_dim) in [(64, 64), (128, 128), (24, 40), (96, 80), (2, 13)] {
                 // whole prompts, chunks after cached tokens, one-token prompts, blocks' edges
                 let spans = vec![(1, 1), (37, 37), (5, 70), (64, 64), (17, 130), (70, 200)];
                 let c = Case { heads, kv_heads, head_dim, v_dim, spans, window: None, sinks: false };
                 let x = inputs(&c, heads as u64 * 7 + head_dim as u64);
-                let (qb, kb, vb) = (bf(&x.q), bf(&x.k), bf(&x.v));
+                let (q, k, v) = (to(&x.q), to(&x.k), to(&x.v));
                 let scale = (head_dim as f32).powf(-0.5) * 1.3;
                 let run = |threads: usize| {
-                    let mut out = vec![Bf16::from_f32(-7.0); x.tokens * heads * v_dim];
-                    assert!(paged_prefill_bf16(&prefill(&c, &x, &qb, &kb, &vb, scale), &mut out, threads).unwrap());
+                    let mut out = vec![T::from_f32(-7.0); x.tokens * heads * v_dim];
+                    assert!(T::run_flash(&prefill(&c, &x, &q, &k, &v, scale), &mut out, threads).unwrap());
                     out
                 };
                 let out = run(1);
-                let want = reference(&c, &x, &widen(&qb), &widen(&kb), &widen(&vb), scale);
+                let want = reference(&c, &x, &widen(&q), &widen(&k), &widen(&v), scale);
                 for (i, (got, &w)) in out.iter().zip(&want).enumerate() {
-                    // the weights' rounding moves a result by at most 2^-8 of the values' size (< 2)
                     let err = (got.to_f32() as f64 - w).abs();
-                    assert!(err <= 2.0 / 256.0 + w.abs() / 256.0, "{heads}/{kv_heads} {head_dim}/{v_dim} element {i}: {} != {w}", got.to_f32());
+                    assert!(err <= tolerance(w.abs()), "{heads}/{kv_heads} {head_dim}/{v_dim} element {i}: {} != {w}", got.to_f32());
                 }
                 assert!(run(3) == out, "{heads}/{kv_heads} {head_dim}/{v_dim}: three threads");
             }
@@ -627,11 +622,11 @@ mod tests {
         // a row's bits: the last 20 queries of a 90-token prompt alone, after cached tokens, batched
         let whole = Case { heads: 8, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(90, 90)], window: None, sinks: false };
         let x = inputs(&whole, 5);
-        let (qb, kb, vb) = (bf(&x.q), bf(&x.k), bf(&x.v));
+        let (q, k, v) = (to(&x.q), to(&x.k), to(&x.v));
         let run = |starts: &[i64], lens: &[i64], ctx: &[i64], slots: &[i64]| {
-            let p = PagedPrefill { q_starts: starts, q_lens: lens, context_lens: ctx, slots, ..prefill(&whole, &x, &qb, &kb, &vb, 0.3) };
-            let mut out = vec![Bf16(0); x.tokens * 8 * 64];
-            assert!(paged_prefill_bf16(&p, &mut out, 1).unwrap());
+            let p = PagedPrefill { q_starts: starts, q_lens: lens, context_lens: ctx, slots, ..prefill(&whole, &x, &q, &k, &v, 0.3) };
+            let mut out = vec![T::from_f32(0.0); x.tokens * 8 * 64];
+            assert!(T::run_flash(&p, &mut out, 1).unwrap());
             out
         };
         let row = 8 * 64;
@@ -646,11 +641,31 @@ mod tests {
         for (window, sinks, v_dim) in [(Some(5), false, 64), (None, true, 40)] {
             let c = Case { heads: 4, kv_heads: 2, head_dim: 64, v_dim, spans: vec![(3, 9)], window, sinks };
             let x = inputs(&c, 3);
-            let (qb, kb, vb) = (bf(&x.q), bf(&x.k), bf(&x.v));
-            let mut out = vec![Bf16(0); x.tokens * 4 * v_dim];
-            assert!(!paged_prefill_bf16(&prefill(&c, &x, &qb, &kb, &vb, 0.3), &mut out, 1).unwrap());
-            assert!(out.iter().all(|v| v.0 == 0), "nothing written");
+            let (q, k, v) = (to(&x.q), to(&x.k), to(&x.v));
+            let mut out = vec![T::from_f32(0.0); x.tokens * 4 * v_dim];
+            assert!(!T::run_flash(&prefill(&c, &x, &q, &k, &v, 0.3), &mut out, 1).unwrap());
+            assert!(out.iter().all(|v| v.to_f32() == 0.0), "nothing written");
         }
+    }
+
+    /// The AVX-512 BF16 kernel (crate::paged_prefill_bf16): the weights' rounding moves a result
+    /// by at most 2^-8 of the values' size (< 2), the result's by 2^-8 of itself.
+    #[test]
+    fn the_bfloat16_dot_product_kernel_equals_the_reference_and_keeps_a_rows_bits() {
+        if crate::testing::skips_without_bf16() {
+            return;
+        }
+        check_flash_kernel::<Bf16>(|w| 2.0 / 256.0 + w / 256.0);
+    }
+
+    /// The AVX-512F float32 kernel (crate::paged_prefill_f32): within `check`'s tolerance.
+    #[test]
+    fn the_float32_flash_kernel_equals_the_reference_and_keeps_a_rows_bits() {
+        if !f32::flash_applies(64, false, false) {
+            eprintln!("skipped: this CPU lacks AVX-512F (the float32 flash kernel)");
+            return;
+        }
+        check_flash_kernel::<f32>(|w| 2e-5 + 2e-5 * w);
     }
 
     #[test]

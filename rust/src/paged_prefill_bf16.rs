@@ -1,48 +1,26 @@
-//! `paged_prefill` for bfloat16 caches in AVX-512 BF16 dot products (VDPBF16PS, as
-//! `matmul_bf16`): a flash attention whose two products, the scores q.k and the weighted values
-//! p.v, run on bfloat16 pairs with float32 sums, twice the float32 FMA's rate. Each span's keys
-//! and values are first packed from the paged cache into blocks of KEYS keys (keys as
-//! [head_dim / 2, KEYS] pairs, values as [KEYS / 2, v_dim] pairs of adjacent keys, v_dim padded
-//! to whole blocks of 64 columns); then every
-//! ROWS rows of scores (a query and a head of a KV head's group each) walk their key blocks from
-//! position 0 with an online softmax in float32, the weights p rounded to bfloat16 for the
-//! second product (as bfloat16 flash attentions do) and the denominator summed from the rounded
-//! weights. A row's result depends only on its own context, never on its tile or its chunk.
-//! No sliding window and no sinks (`applies`); everything else is `paged_prefill`'s contract.
+//! The bfloat16 flash prefill kernel (crate::flash_prefill's walk) in AVX-512 BF16 dot products
+//! (VDPBF16PS, as `matmul_bf16`): the two products, the scores q.k and the weighted values p.v,
+//! run on bfloat16 pairs with float32 sums, twice the float32 FMA's rate. Keys are packed as
+//! [head_dim / 2, KEYS] pairs a block, values as [KEYS / 2, v_dim] pairs of adjacent keys (v_dim
+//! padded to whole blocks of 64 columns); the weights p are rounded to bfloat16 for the second
+//! product (as bfloat16 flash attentions do) and the denominator summed from the rounded weights.
 
+use crate::flash_prefill::{padded, Flash, Scratch, KEYS, ROWS};
 use crate::matmul_bf16::pair_bits;
-use crate::paged_attn::{exp, Bf16, Element, Isa};
+use crate::paged_attn::{exp, Bf16};
 use crate::paged_prefill::PagedPrefill;
-
-/// Keys per block: four 16-lane registers of scores per row.
-const KEYS: usize = 64;
-/// Rows of scores per register tile: 6 x 4 accumulators within the 32 registers.
-const ROWS: usize = 6;
-/// Queries per work item (its rows: these queries times the group's heads).
-const ITEM_QUERIES: usize = 32;
-
-/// Whether this kernel computes `p` (`applies_to` its shape).
-pub fn applies(p: &PagedPrefill<'_, Bf16>) -> bool {
-    applies_to(p.q.dim, p.window.is_some(), p.sinks.is_some())
-}
 
 /// Whether this kernel computes bfloat16 prefills of heads of `head_dim` (with a window, with
 /// sinks): the CPU has AVX-512 BF16, no window or sinks, an even head_dim. The one statement of
-/// the rule: the CPU backend asks it (paged_prefill_cpu.dot_bf16_applies) to choose this kernel
+/// the rule: the CPU backend asks it (paged_prefill_cpu.flash_applies) to choose this kernel
 /// over SDPA for long contexts.
 pub fn applies_to(head_dim: usize, windowed: bool, sinks: bool) -> bool {
     crate::matmul_bf16::runs() && !windowed && !sinks && head_dim.is_multiple_of(2)
 }
 
-/// v_dim rounded up to whole blocks of four 16-lane registers (the values' packing and the
-/// rows' sums hold zero columns past v_dim).
-fn padded(v_dim: usize) -> usize {
-    v_dim.next_multiple_of(64)
-}
-
 /// One span's keys and values of one KV head, packed: k [blocks, D/2, KEYS] and
 /// v [blocks, KEYS/2, padded(Dv)], positions past the context zero.
-struct Packed {
+pub(crate) struct Packed {
     k: Vec<u32>,
     v: Vec<u32>,
 }
@@ -70,122 +48,33 @@ fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64], g: usize) -> Packed {
     Packed { k, v }
 }
 
-/// The output's rows, written by several threads, each (query, head) row by one of them.
-#[derive(Clone, Copy)]
-struct Out(*mut Bf16);
-// SAFETY: the items cover disjoint (query, head) rows (see `prefill`).
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
+impl Flash for Bf16 {
+    type Packed = Packed;
 
-/// A span's block of queries of one KV head.
-struct Item {
-    span: usize,
-    kv_head: usize,
-    first: usize,
-    count: usize,
-}
-
-/// `paged_prefill` for spans that `applies` accepts, validated already (`paged_prefill_bf16`): `order` lists
-/// (first row, span, where its slots start).
-fn prefill(p: &PagedPrefill<'_, Bf16>, order: &[(usize, usize, usize)], out: &mut [Bf16], threads: usize, macs: usize) {
-    let kv_heads = p.k.heads;
-    let mut items = Vec::new();
-    for (o, &(_, span, _)) in order.iter().enumerate() {
-        for kv_head in 0..kv_heads {
-            let q_len = p.q_lens[span] as usize;
-            for first in (0..q_len).step_by(ITEM_QUERIES) {
-                items.push((o, Item { span, kv_head, first, count: ITEM_QUERIES.min(q_len - first) }));
-            }
-        }
+    fn pack(p: &PagedPrefill<'_, Self>, slots: &[i64], kv_head: usize) -> Packed {
+        pack(p, slots, kv_head)
     }
-    // the items seeing the most keys first: the threads' last items are short
-    items.sort_by_key(|(_, item)| std::cmp::Reverse(p.context_lens[item.span] as usize - p.q_lens[item.span] as usize + item.first));
-    let threads = threads.min(macs / crate::paged_attn::PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
-    // each (span, KV head)'s keys and values packed, by the same threads
-    let mut jobs: Vec<(usize, usize, Option<Packed>)> =
-        (0..order.len()).flat_map(|o| (0..kv_heads).map(move |g| (o, g, None))).collect();
-    crate::workers::take_in_turn(threads.min(jobs.len()), &mut jobs, &|jobs| {
-        for (o, g, packed) in jobs {
-            let (_, span, at) = order[*o];
-            *packed = Some(pack(p, &p.slots[at..at + p.context_lens[span] as usize], *g));
-        }
-    });
-    let packed: Vec<Packed> = jobs.into_iter().map(|(_, _, packed)| packed.expect("every job ran")).collect();
-    let dst = Out(out.as_mut_ptr());
-    crate::workers::take_in_turn(threads, &mut items, &|items| {
-        let mut scratch = Scratch::new(p);
-        for (o, item) in items {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `applies` checked the CPU; the item's rows of `out` are its own.
-            unsafe {
-                run_item(p, &packed[*o * kv_heads + item.kv_head], item, &mut scratch, dst)
-            };
-        }
-    });
-}
 
-/// A thread's buffers for a tile: scores and weights [ROWS, KEYS], the rows' sums [ROWS, padded(Dv)].
-struct Scratch {
-    scores: Vec<f32>,
-    weights: Vec<u32>,
-    acc: Vec<f32>,
-}
-
-impl Scratch {
-    fn new(p: &PagedPrefill<'_, Bf16>) -> Self {
-        Scratch { scores: vec![0.0; ROWS * KEYS], weights: vec![0; ROWS * KEYS / 2], acc: vec![0.0; ROWS * padded(p.v.dim)] }
-    }
-}
-
-/// # Safety
-/// The CPU must support AVX-512F and AVX-512 BF16; `out` is `paged_prefill`'s output, whose
-/// rows of this item no other thread writes.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn run_item(p: &PagedPrefill<'_, Bf16>, packed: &Packed, item: &Item, s: &mut Scratch, out: Out) {
-    let group = p.q.heads / p.k.heads;
-    let (span, ctx) = (item.span, p.context_lens[item.span] as usize);
-    let q_len = p.q_lens[span] as usize;
-    let start = p.q_starts[span] as usize;
-    let rows = item.count * group;
-    let mut r0 = 0;
-    while r0 < rows {
-        let n = ROWS.min(rows - r0);
-        // row r: query item.first + r / group, head kv_head * group + r % group
-        let mut q = [std::ptr::null::<u32>(); ROWS];
-        let mut pos = [0usize; ROWS];
-        let mut heads = [0usize; ROWS];
-        for i in 0..n {
-            let (query, head) = (item.first + (r0 + i) / group, item.kv_head * group + (r0 + i) % group);
-            q[i] = p.q.at(start + query, head).as_ptr() as *const u32;
-            pos[i] = ctx - q_len + query;
-            heads[i] = head;
+    unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Self>, packed: &Packed, q: &[*const Self; ROWS],
+                                   pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded, the caller's contract (applies_to: AVX-512F and AVX-512 BF16); a
+        // query's bfloat16 pairs read as u32s.
+        unsafe {
+            tile::<R>(p, packed, &q.map(|q| q as *const u32), pos, blocks, s)
         }
-        let blocks = pos[..n].iter().max().unwrap() / KEYS + 1;
-        match n {
-            6 => tile::<6>(p, packed, &q, &pos, blocks, s),
-            5 => tile::<5>(p, packed, &q, &pos, blocks, s),
-            4 => tile::<4>(p, packed, &q, &pos, blocks, s),
-            3 => tile::<3>(p, packed, &q, &pos, blocks, s),
-            2 => tile::<2>(p, packed, &q, &pos, blocks, s),
-            _ => tile::<1>(p, packed, &q, &pos, blocks, s),
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (p, packed, q, pos, blocks, s);
+            unreachable!("applies_to is false off x86_64")
         }
-        let (dv, dvp) = (p.v.dim, padded(p.v.dim));
-        for (i, head) in heads.iter().enumerate().take(n) {
-            let query = item.first + (r0 + i) / group;
-            let row = out.0.add(((start + query) * p.q.heads + head) * dv);
-            for (c, &a) in s.acc[i * dvp..i * dvp + dv].iter().enumerate() {
-                *row.add(c) = Bf16::from_f32(a);
-            }
-        }
-        r0 += n;
     }
 }
 
 /// R rows' attention over their key blocks into s.acc (normalized).
 ///
 /// # Safety
-/// As `run_item`; q[..R] point at the rows' queries (head_dim bfloat16 each).
+/// As `Flash::tile`; q[..R] point at the rows' queries (head_dim bfloat16 each).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
@@ -285,32 +174,3 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
     }
 }
 
-/// Prefill attention by element type, each on its fastest kernel here: bfloat16 in this
-/// kernel where it `applies`, everything else in `paged_prefill`'s portable one.
-pub trait Prefill: Element + Sized {
-    fn prefill(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, isa: Isa) -> Result<(), String> {
-        crate::paged_prefill::paged_prefill(p, out, threads, isa)
-    }
-}
-
-impl Prefill for f32 {}
-
-impl Prefill for Bf16 {
-    fn prefill(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, isa: Isa) -> Result<(), String> {
-        if paged_prefill_bf16(p, out, threads)? {
-            return Ok(());
-        }
-        crate::paged_prefill::paged_prefill(p, out, threads, isa)
-    }
-}
-
-/// `paged_prefill` in this kernel where it `applies`: Ok(false) where it does not (nothing
-/// written; the caller runs `paged_prefill`).
-pub fn paged_prefill_bf16(p: &PagedPrefill<'_, Bf16>, out: &mut [Bf16], threads: usize) -> Result<bool, String> {
-    if !applies(p) {
-        return Ok(false);
-    }
-    let valid = crate::paged_prefill::validate(p, out.len())?;
-    prefill(p, &valid.order, out, threads, valid.macs);
-    Ok(true)
-}

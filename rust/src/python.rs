@@ -524,15 +524,20 @@ fn paged_decode_attention(
     }
 }
 
-/// Whether bfloat16 prefill attention over heads of `head_dim` (with a window, with sinks)
-/// runs in AVX-512 BF16 dot products here (crate::paged_prefill_bf16::applies_to), at any
-/// context length.
+/// Whether `dtype` prefill attention over heads of `head_dim` (with a window, with sinks) runs
+/// in the dtype's flash kernel here (crate::flash_prefill::Prefill::flash_applies: bfloat16 in
+/// AVX-512 BF16 dot products, float32 in AVX-512 FMA), at any context length.
 #[pyfunction]
-fn paged_prefill_dot_bf16(head_dim: usize, windowed: bool, sinks: bool) -> bool {
-    crate::paged_prefill_bf16::applies_to(head_dim, windowed, sinks)
+fn paged_prefill_flash(dtype: &str, head_dim: usize, windowed: bool, sinks: bool) -> PyResult<bool> {
+    use crate::flash_prefill::Prefill;
+    match dtype {
+        "float32" => Ok(f32::flash_applies(head_dim, windowed, sinks)),
+        "bfloat16" => Ok(Bf16::flash_applies(head_dim, windowed, sinks)),
+        other => Err(PyTypeError::new_err(format!("prefill attention takes float32 or bfloat16, not {other}"))),
+    }
 }
 
-/// Prefill attention over raw tensors (crate::paged_prefill_bf16::Prefill: the dtype's fastest kernel): the private half of
+/// Prefill attention over raw tensors (crate::flash_prefill::Prefill: the dtype's fastest kernel): the private half of
 /// r3srv.kernels.paged_prefill_cpu, which checks dtypes, devices, contiguity and that `out`
 /// shares no memory with the inputs, and keeps every tensor alive across the call. q, k, v:
 /// TensorArg; spans: (pointer to the q_starts, q_lens and context_lens, each `spans` int64,
@@ -557,7 +562,7 @@ fn paged_prefill_attention(
     sinks: Option<usize>,
     threads: usize,
 ) -> PyResult<()> {
-    fn call<T: crate::paged_prefill_bf16::Prefill>(
+    fn call<T: crate::flash_prefill::Prefill>(
         py: Python<'_>, q: TensorArg, k: TensorArg, v: TensorArg, spans: (usize, usize), slots: (usize, usize),
         out: (usize, usize, usize, usize), scale: f32, window: Option<usize>, sinks: Option<usize>, threads: usize,
     ) -> PyResult<()> {
@@ -781,7 +786,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_prefill_attention, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
-    m.add_function(wrap_pyfunction!(paged_prefill_dot_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_prefill_flash, m)?)?;
     m.add_function(wrap_pyfunction!(route_experts, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::linear_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::matrix_isas, m)?)?;

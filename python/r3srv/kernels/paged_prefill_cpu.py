@@ -7,9 +7,9 @@ sinks; ops/attention.py's `span_kernel` hands it a step's spans as arrays); the 
 prompt over its keys or over its context gathered from the cache. This reads each context in
 place, a block of a prompt's queries per key load, with an online softmax in float32, the work
 split over the given threads. Without a window a query's row does not depend on how its prompt
-was chunked or batched (the same bits). bfloat16 without a window or sinks, on a CPU with
-AVX-512 BF16, runs as a flash attention in bfloat16 dot products instead
-(rust/src/paged_prefill_bf16.rs), at any context length. Tensors cross as data pointers, shapes and strides:
+was chunked or batched (the same bits). Without a window or sinks, a flash attention over keys
+and values packed in blocks runs instead where the CPU has it (rust/src/flash_prefill.rs), at
+any context length: bfloat16 in AVX-512 BF16 dot products, float32 in AVX-512 FMA. Tensors cross as data pointers, shapes and strides:
 this module checks what Rust cannot (dtypes, devices, layouts, aliasing) and Rust checks every
 index before following it.
 """
@@ -23,16 +23,18 @@ from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 paged_prefill_entry = rust_kernel("paged_prefill_attention")
 BUILT = paged_prefill_entry is not None  # else the torch path (kernels/rust_core.py)
-# the rule for bfloat16 prefills in AVX-512 BF16 dot products (rust/src/paged_prefill_bf16.rs's
-# applies_to: the CPU, no window, no sinks, an even head_dim), asked of Rust, which owns it
-_dot_bf16 = rust_kernel("paged_prefill_dot_bf16")
-DOT_BF16 = BUILT and _dot_bf16 is not None and _dot_bf16(2, False, False)  # this CPU runs them
+# the rule for the flash kernels (rust/src/paged_prefill_bf16.rs's and paged_prefill_f32.rs's
+# applies_to: the CPU, no window, no sinks, an even head_dim in bfloat16), asked of Rust, which owns it
+_flash = rust_kernel("paged_prefill_flash")
+# the dtypes whose prefills this CPU runs in a flash kernel
+FLASH = {name for name in ("float32", "bfloat16") if BUILT and _flash is not None and _flash(name, 2, False, False)}
 
 
-def dot_bf16_applies(q: torch.Tensor, window: int | None, sinks: torch.Tensor | None) -> bool:
-    """Whether the call runs in the bfloat16 dot-product kernel, which outruns SDPA at every
-    context length (docs/benchmarks.md)."""
-    return DOT_BF16 and q.dtype == torch.bfloat16 and _dot_bf16(q.shape[-1], window is not None, sinks is not None)
+def flash_applies(q: torch.Tensor, window: int | None, sinks: torch.Tensor | None) -> bool:
+    """Whether the call runs in its dtype's flash kernel, which outruns SDPA at every context
+    length (docs/benchmarks.md)."""
+    name = RUST_DTYPES.get(q.dtype)
+    return name in FLASH and _flash(name, q.shape[-1], window is not None, sinks is not None)
 
 
 def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float, window: int | None = None,
@@ -58,4 +60,4 @@ def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float,
     )
 
 
-__all__ = ["DOT_BF16", "dot_bf16_applies", "paged_prefill_cpu"]
+__all__ = ["FLASH", "flash_applies", "paged_prefill_cpu"]

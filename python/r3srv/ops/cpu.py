@@ -7,7 +7,8 @@ paths otherwise, each chosen once when a model is built (`build`).
 - an attention layer's q/k norms and RoPE (float32, bfloat16): kernels/qk_rope_cpu.py (`--[no-]rust-rope`);
 - paged decode attention (float32, bfloat16): kernels/paged_decode_cpu.py (`--[no-]rust-decode`);
 - prefill attention (float32, bfloat16): every prompt and chunk of a step of contexts up to
-  RUST_PREFILL_MAX_CONTEXT (any length in bfloat16 where the CPU has AVX-512 BF16) in one call,
+  RUST_PREFILL_MAX_CONTEXT (any length where the CPU has the dtype's flash kernel: AVX-512 BF16
+  for bfloat16, AVX-512F for float32; no window or sinks) in one call,
   kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`;
   on more than one thread only for steps of RUST_THREADED_PREFILL_MIN_MACS, unless torch's
   OpenMP threads wait passively, as under `r3srv serve`); longer ones (and
@@ -80,7 +81,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     prefill = functools.partial(prefill_attention, merged=True)
     if current.rust_prefill and paged_prefill_cpu.BUILT and rust_dtype:
         kernel = span_kernel(functools.partial(paged_prefill_cpu.paged_prefill_cpu, threads=threads),
-                             RUST_PREFILL_MAX_CONTEXT, prefill, paged_prefill_cpu.dot_bf16_applies)
+                             RUST_PREFILL_MAX_CONTEXT, prefill, paged_prefill_cpu.flash_applies)
         prefill = kernel if threads == 1 or waits_passively() else large_steps_only(kernel, prefill)
     rust_router = current.rust_router and not current.force_torch_router and router_cpu.BUILT
     expert_kernel = current.cpu_expert_kernel and expert_pairs_cpu.BUILT

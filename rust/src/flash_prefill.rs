@@ -1,0 +1,201 @@
+//! The flash prefill attention both fast kernels share: bfloat16 in AVX-512 BF16 dot products
+//! (`paged_prefill_bf16`) and float32 in AVX-512 FMA (`paged_prefill_f32`). Each span's keys and
+//! values of each KV head are first packed from the paged cache into blocks of KEYS keys, in the
+//! kernel's layout (`Flash::pack`); then every ROWS rows of scores (a query and a head of a KV
+//! head's group each) walk their key blocks from position 0 with an online softmax in float32
+//! (`Flash::tile`). A row's result depends only on its own context, never on its tile, its chunk,
+//! its batch or the thread count. No sliding window and no sinks (each kernel's `applies_to`);
+//! everything else is `paged_prefill`'s contract, which takes every call these kernels do not.
+
+use crate::paged_attn::{Bf16, Element, Isa};
+use crate::paged_prefill::PagedPrefill;
+
+/// Keys per block: four 16-lane registers of scores per row.
+pub(crate) const KEYS: usize = 64;
+/// Rows of scores per register tile: 6 x 4 accumulators within the 32 registers.
+pub(crate) const ROWS: usize = 6;
+/// Queries per work item (its rows: these queries times the group's heads).
+const ITEM_QUERIES: usize = 32;
+
+/// v_dim rounded up to whole blocks of four 16-lane registers (the values' packing and the
+/// rows' sums hold zero columns past v_dim).
+pub(crate) fn padded(v_dim: usize) -> usize {
+    v_dim.next_multiple_of(64)
+}
+
+/// A flash kernel's element type: how it packs a span's keys and values and walks a tile of rows
+/// over them.
+pub(crate) trait Flash: Element {
+    /// One span's keys and values of one KV head in the kernel's layout, positions past the
+    /// context zero.
+    type Packed: Send + Sync;
+
+    fn pack(p: &PagedPrefill<'_, Self>, slots: &[i64], kv_head: usize) -> Self::Packed;
+
+    /// R rows' attention over their first `blocks` key blocks into s.acc ([R, padded(v_dim)],
+    /// normalized); row i's query is at q[i], its position pos[i].
+    ///
+    /// # Safety
+    /// The CPU has what the kernel's `applies_to` asks; q[..R] point at the rows' queries
+    /// (head_dim elements each); `blocks` covers every row's position and no more than packed.
+    unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Self>, packed: &Self::Packed, q: &[*const Self; ROWS],
+                                   pos: &[usize; ROWS], blocks: usize, s: &mut Scratch);
+}
+
+/// A thread's buffers for a tile: scores [ROWS, KEYS], bfloat16 weights [ROWS, KEYS / 2] (pairs),
+/// the rows' sums [ROWS, padded(v_dim)].
+pub(crate) struct Scratch {
+    pub scores: Vec<f32>,
+    pub weights: Vec<u32>,
+    pub acc: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(v_dim: usize) -> Self {
+        Scratch { scores: vec![0.0; ROWS * KEYS], weights: vec![0; ROWS * KEYS / 2], acc: vec![0.0; ROWS * padded(v_dim)] }
+    }
+}
+
+/// Prefill attention by element type, each on its fastest kernel here: the flash kernel where it
+/// applies, everything else in `paged_prefill`'s portable one.
+pub trait Prefill: Element + Sized {
+    /// Whether `run_flash` takes prefills of heads of `head_dim` (with a window, with sinks) on this CPU.
+    fn flash_applies(head_dim: usize, windowed: bool, sinks: bool) -> bool;
+
+    /// `paged_prefill` in the flash kernel where it applies: Ok(false) where it does not (nothing
+    /// written).
+    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize) -> Result<bool, String>;
+
+    fn prefill(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, isa: Isa) -> Result<(), String> {
+        if Self::run_flash(p, out, threads)? {
+            return Ok(());
+        }
+        crate::paged_prefill::paged_prefill(p, out, threads, isa)
+    }
+}
+
+impl Prefill for f32 {
+    fn flash_applies(head_dim: usize, windowed: bool, sinks: bool) -> bool {
+        crate::paged_prefill_f32::applies_to(head_dim, windowed, sinks)
+    }
+
+    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize) -> Result<bool, String> {
+        flash_where_it_applies(p, out, threads)
+    }
+}
+
+impl Prefill for Bf16 {
+    fn flash_applies(head_dim: usize, windowed: bool, sinks: bool) -> bool {
+        crate::paged_prefill_bf16::applies_to(head_dim, windowed, sinks)
+    }
+
+    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize) -> Result<bool, String> {
+        flash_where_it_applies(p, out, threads)
+    }
+}
+
+fn flash_where_it_applies<T: Flash + Prefill>(p: &PagedPrefill<'_, T>, out: &mut [T], threads: usize) -> Result<bool, String> {
+    if !T::flash_applies(p.q.dim, p.window.is_some(), p.sinks.is_some()) {
+        return Ok(false);
+    }
+    let valid = crate::paged_prefill::validate(p, out.len())?;
+    prefill(p, &valid.order, out, threads, valid.macs);
+    Ok(true)
+}
+
+/// The output's rows, written by several threads, each (query, head) row by one of them.
+#[derive(Clone, Copy)]
+struct Out<T>(*mut T);
+// SAFETY: the items cover disjoint (query, head) rows (see `prefill`).
+unsafe impl<T> Send for Out<T> {}
+unsafe impl<T> Sync for Out<T> {}
+
+/// A span's block of queries of one KV head.
+struct Item {
+    span: usize,
+    kv_head: usize,
+    first: usize,
+    count: usize,
+}
+
+/// The flash kernel over validated spans: `order` lists (first row, span, where its slots start).
+fn prefill<T: Flash>(p: &PagedPrefill<'_, T>, order: &[(usize, usize, usize)], out: &mut [T], threads: usize, macs: usize) {
+    let kv_heads = p.k.heads;
+    let mut items = Vec::new();
+    for (o, &(_, span, _)) in order.iter().enumerate() {
+        for kv_head in 0..kv_heads {
+            let q_len = p.q_lens[span] as usize;
+            for first in (0..q_len).step_by(ITEM_QUERIES) {
+                items.push((o, Item { span, kv_head, first, count: ITEM_QUERIES.min(q_len - first) }));
+            }
+        }
+    }
+    // the items seeing the most keys first: the threads' last items are short
+    items.sort_by_key(|(_, item)| std::cmp::Reverse(p.context_lens[item.span] as usize - p.q_lens[item.span] as usize + item.first));
+    let threads = threads.min(macs / crate::paged_attn::PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
+    // each (span, KV head)'s keys and values packed, by the same threads
+    let mut jobs: Vec<(usize, usize, Option<T::Packed>)> =
+        (0..order.len()).flat_map(|o| (0..kv_heads).map(move |g| (o, g, None))).collect();
+    crate::workers::take_in_turn(threads.min(jobs.len()), &mut jobs, &|jobs| {
+        for (o, g, packed) in jobs {
+            let (_, span, at) = order[*o];
+            *packed = Some(T::pack(p, &p.slots[at..at + p.context_lens[span] as usize], *g));
+        }
+    });
+    let packed: Vec<T::Packed> = jobs.into_iter().map(|(_, _, packed)| packed.expect("every job ran")).collect();
+    let dst = Out(out.as_mut_ptr());
+    crate::workers::take_in_turn(threads, &mut items, &|items| {
+        let mut scratch = Scratch::new(p.v.dim);
+        for (o, item) in items {
+            // SAFETY: the kernel's `applies_to` (flash_where_it_applies) checked the CPU; the
+            // item's rows of `out` are its own.
+            unsafe { run_item(p, &packed[*o * kv_heads + item.kv_head], item, &mut scratch, dst) };
+        }
+    });
+}
+
+/// # Safety
+/// As `Flash::tile`; `out` is `paged_prefill`'s output, whose rows of this item no other thread writes.
+unsafe fn run_item<T: Flash>(p: &PagedPrefill<'_, T>, packed: &T::Packed, item: &Item, s: &mut Scratch, out: Out<T>) {
+    let group = p.q.heads / p.k.heads;
+    let (span, ctx) = (item.span, p.context_lens[item.span] as usize);
+    let q_len = p.q_lens[span] as usize;
+    let start = p.q_starts[span] as usize;
+    let rows = item.count * group;
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = ROWS.min(rows - r0);
+        // row r: query item.first + r / group, head kv_head * group + r % group
+        let mut q = [std::ptr::null::<T>(); ROWS];
+        let mut pos = [0usize; ROWS];
+        let mut heads = [0usize; ROWS];
+        for i in 0..n {
+            let (query, head) = (item.first + (r0 + i) / group, item.kv_head * group + (r0 + i) % group);
+            q[i] = p.q.at(start + query, head).as_ptr();
+            pos[i] = ctx - q_len + query;
+            heads[i] = head;
+        }
+        let blocks = pos[..n].iter().max().unwrap() / KEYS + 1;
+        // SAFETY: forwarded, the caller's contract; q[..n] point at the rows' queries.
+        unsafe {
+            match n {
+                6 => T::tile::<6>(p, packed, &q, &pos, blocks, s),
+                5 => T::tile::<5>(p, packed, &q, &pos, blocks, s),
+                4 => T::tile::<4>(p, packed, &q, &pos, blocks, s),
+                3 => T::tile::<3>(p, packed, &q, &pos, blocks, s),
+                2 => T::tile::<2>(p, packed, &q, &pos, blocks, s),
+                _ => T::tile::<1>(p, packed, &q, &pos, blocks, s),
+            }
+        }
+        let (dv, dvp) = (p.v.dim, padded(p.v.dim));
+        for (i, head) in heads.iter().enumerate().take(n) {
+            let query = item.first + (r0 + i) / group;
+            // SAFETY: the row lies inside `out` (validated spans) and is this item's own.
+            let row = unsafe { std::slice::from_raw_parts_mut(out.0.add(((start + query) * p.q.heads + head) * dv), dv) };
+            for (o, &a) in row.iter_mut().zip(&s.acc[i * dvp..i * dvp + dv]) {
+                *o = T::from_f32(a);
+            }
+        }
+        r0 += n;
+    }
+}
