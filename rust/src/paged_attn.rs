@@ -326,14 +326,19 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
     let (mut slots, mut next_slots) = ([0usize; TILE], [0usize; TILE]);
     let mut lo = item.start;
     tile_slots(d, table, lo, TILE.min(item.end - lo), &mut slots);
+    // the first tile asked for at once: its lines arrive together, not one miss after another
+    prefetch_slots(d, &slots[..TILE.min(item.end - lo)]);
     while lo < item.end {
         let n = TILE.min(item.end - lo);
         let next_n = TILE.min(item.end - lo - n);
         tile_slots(d, table, lo + n, next_n, &mut next_slots);
-        prefetch_slots(d, &next_slots[..next_n]);
         for kv_head in 0..d.k.heads {
             let first = kv_head * group; // the group's first query head
             let scores = &mut s.scores[first * TILE..][..group * TILE];
+            // the next tile's rows of this KV head, keys before its scores and values before its
+            // weighted sums: a quarter of the tile's lines at a time, not all at its start,
+            // whose burst stalled the loads behind it (docs/benchmarks.md)
+            prefetch_rows(&d.k, &next_slots[..next_n], kv_head);
             score_tile::<T, AVX2>(d, kv_head, &slots[..n], &s.q[first * head_dim..][..group * head_dim], scores);
             for g in 0..group {
                 let h = first + g;
@@ -347,6 +352,7 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
                 }
                 s.max[h] = m_new;
             }
+            prefetch_rows(&d.v, &next_slots[..next_n], kv_head);
             weigh_values::<T, AVX2>(d, kv_head, &slots[..n], scores, &mut s.acc[first * v_dim..][..group * v_dim]);
         }
         std::mem::swap(&mut slots, &mut next_slots);
@@ -395,6 +401,14 @@ pub(crate) fn prefetch_slots<T: Element>(d: &PagedDecode<'_, T>, slots: &[usize]
             crate::prefetch::prefetch_l2(d.k.at(slot, h));
             crate::prefetch::prefetch_l2(d.v.at(slot, h));
         }
+    }
+}
+
+/// Asks for the rows of KV head `head` at `slots` to be brought into the L2 cache.
+#[inline(always)]
+fn prefetch_rows<T: Element>(rows: &Strided<'_, T>, slots: &[usize], head: usize) {
+    for &slot in slots {
+        crate::prefetch::prefetch_l2(rows.at(slot, head));
     }
 }
 
