@@ -146,6 +146,15 @@ def test_flash_kernel_equals_the_torch_path(name, heads, kv_heads, head_dim, v_d
         torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
 
+def one_prompt(context: int) -> AttentionMetadata:
+    """The metadata of one whole prompt of `context` tokens in consecutive blocks."""
+    pos = torch.arange(context)
+    batch = ForwardBatch(input_ids=torch.zeros(context, dtype=torch.int64), positions=pos, slot_mapping=pos,
+                         query_lens=[context], context_lens=[context],
+                         block_tables=torch.arange(-(-context // PAGE)).unsqueeze(0), logits_indices=pos[-1:])
+    return AttentionMetadata.build(batch, PAGE, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("name", FLASH_PARAMS)
 def test_a_flash_dtype_takes_the_kernel_at_any_context_length(monkeypatch, name):
     """Past RUST_PREFILL_MAX_CONTEXT a prompt (no window, no sinks) of a dtype with a flash kernel
@@ -154,11 +163,7 @@ def test_a_flash_dtype_takes_the_kernel_at_any_context_length(monkeypatch, name)
     from r3srv.ops.cpu import RUST_PREFILL_MAX_CONTEXT
 
     context = RUST_PREFILL_MAX_CONTEXT + 100
-    pos = torch.arange(context)
-    batch = ForwardBatch(input_ids=torch.zeros(context, dtype=torch.int64), positions=pos, slot_mapping=pos,
-                         query_lens=[context], context_lens=[context],
-                         block_tables=torch.arange(-(-context // PAGE)).unsqueeze(0), logits_indices=pos[-1:])
-    meta = AttentionMetadata.build(batch, PAGE, torch.device("cpu"))
+    meta = one_prompt(context)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(context, h, 64, generator=g) for h in (4, 2, 2))
     dtype, tolerance = FLASH_DTYPES[name], FLASH_TOLERANCE[name]
@@ -181,11 +186,7 @@ def test_without_a_flash_kernel_long_contexts_go_to_sdpa(monkeypatch):
 
     monkeypatch.setattr(cpu_kernel, "FLASH", set())
     context = RUST_PREFILL_MAX_CONTEXT + 8
-    pos = torch.arange(context)
-    batch = ForwardBatch(input_ids=torch.zeros(context, dtype=torch.int64), positions=pos, slot_mapping=pos,
-                         query_lens=[context], context_lens=[context],
-                         block_tables=torch.arange(-(-context // PAGE)).unsqueeze(0), logits_indices=pos[-1:])
-    meta = AttentionMetadata.build(batch, PAGE, torch.device("cpu"))
+    meta = one_prompt(context)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(context, h, 64, generator=g) for h in (4, 2, 2))
     calls = counting_kernel(monkeypatch)

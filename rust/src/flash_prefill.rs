@@ -7,7 +7,7 @@
 //! its batch or the thread count. No sliding window and no sinks (each kernel's `applies_to`);
 //! everything else is `paged_prefill`'s contract, which takes every call these kernels do not.
 
-use crate::paged_attn::{Bf16, Element, Isa};
+use crate::paged_attn::{exp, Bf16, Element, Isa};
 use crate::paged_prefill::PagedPrefill;
 
 /// Keys per block: four 16-lane registers of scores per row.
@@ -40,6 +40,59 @@ pub(crate) trait Flash: Element {
     /// (head_dim elements each); `blocks` covers every row's position and no more than packed.
     unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Self>, packed: &Self::Packed, q: &[*const Self; ROWS],
                                    pos: &[usize; ROWS], blocks: usize, s: &mut Scratch);
+}
+
+/// A block's scores for R rows (`products`: q . k of its KEYS keys, four registers a row) into
+/// `scores` [R, KEYS]: scaled, the keys after a row's query (position pos[i]) at -inf; returns
+/// each row's new running maximum (at least max[i]).
+///
+/// # Safety
+/// The CPU must support AVX-512F; scores holds R * KEYS floats. Inlined into the kernels' tiles
+/// (compiled for AVX-512F), whose products stay in registers across it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn masked_scores<const R: usize>(products: &[[std::arch::x86_64::__m512; 4]; R], scale: f32,
+                                                  pos: &[usize; ROWS], b: usize, max: &[f32; R], scores: &mut [f32]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    debug_assert!(scores.len() >= R * KEYS);
+    let mut tops = [0f32; R];
+    let lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (i, a) in products.iter().enumerate() {
+        let visible = _mm512_set1_epi32((pos[i] + 1).saturating_sub(b * KEYS).min(KEYS) as i32);
+        let mut top = _mm512_set1_ps(max[i]);
+        for (c, a) in a.iter().enumerate() {
+            let seen = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c as i32)), visible);
+            let x = _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), seen, _mm512_mul_ps(*a, _mm512_set1_ps(scale)));
+            top = _mm512_max_ps(top, x);
+            // SAFETY: row i's 16 lanes from 16 * c lie within scores (the caller's contract).
+            unsafe { _mm512_storeu_ps(scores.as_mut_ptr().add(i * KEYS + 16 * c), x) };
+        }
+        tops[i] = _mm512_reduce_max_ps(top);
+    }
+    tops
+}
+
+/// A row's block of scores to its weights in place, exp(score - top) (`top`: its new running
+/// maximum, `max` its old one); returns the factor its earlier sums take to `top` (`advance_row`).
+#[inline(always)]
+pub(crate) fn exp_row(scores: &mut [f32], top: f32, max: f32) -> f32 {
+    // a block a row sees none of leaves it exactly as it was
+    let fix = if top == max { 1.0 } else { exp(max - top) };
+    for x in scores.iter_mut() {
+        *x = exp(*x - top);
+    }
+    fix
+}
+
+/// A row's state after a block whose weights sum to `block_sum`: its sum and accumulators
+/// rescaled by `fix` (`exp_row`'s), its running maximum `top`.
+#[inline(always)]
+pub(crate) fn advance_row(max: &mut f32, total: &mut f32, acc: &mut [f32], top: f32, fix: f32, block_sum: f32) {
+    *total = *total * fix + block_sum;
+    *max = top;
+    if fix != 1.0 {
+        acc.iter_mut().for_each(|a| *a *= fix);
+    }
 }
 
 /// A thread's buffers for a tile: scores [ROWS, KEYS], bfloat16 weights [ROWS, KEYS / 2] (pairs),

@@ -5,9 +5,11 @@
 //! padded to whole blocks of 64 columns); the weights p are rounded to bfloat16 for the second
 //! product (as bfloat16 flash attentions do) and the denominator summed from the rounded weights.
 
-use crate::flash_prefill::{padded, Flash, Scratch, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, padded, Flash, Scratch, KEYS, ROWS};
+#[cfg(target_arch = "x86_64")]
+use crate::flash_prefill::masked_scores;
 use crate::matmul_bf16::pair_bits;
-use crate::paged_attn::{exp, Bf16};
+use crate::paged_attn::Bf16;
 use crate::paged_prefill::PagedPrefill;
 
 /// Whether this kernel computes bfloat16 prefills of heads of `head_dim` (with a window, with
@@ -100,28 +102,11 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
             }
         }
         // scaled, keys after a row's query at -inf, and each row's running maximum
-        let mut tops = [0f32; R];
-        let lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        for (i, a) in acc.iter().enumerate() {
-            let visible = _mm512_set1_epi32((pos[i] + 1).saturating_sub(b * KEYS).min(KEYS) as i32);
-            let mut top = _mm512_set1_ps(max[i]);
-            for (c, a) in a.iter().enumerate() {
-                let seen = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c as i32)), visible);
-                let x = _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), seen, _mm512_mul_ps(*a, _mm512_set1_ps(p.scale)));
-                top = _mm512_max_ps(top, x);
-                _mm512_storeu_ps(s.scores.as_mut_ptr().add(i * KEYS + 16 * c), x);
-            }
-            tops[i] = _mm512_reduce_max_ps(top);
-        }
+        let tops = masked_scores(&acc, p.scale, pos, b, &max, &mut s.scores);
         // the online softmax, row by row
         for i in 0..R {
             let scores = &mut s.scores[i * KEYS..(i + 1) * KEYS];
-            let top = tops[i];
-            // a block a row sees none of leaves it exactly as it was
-            let fix = if top == max[i] { 1.0 } else { exp(max[i] - top) };
-            for x in scores.iter_mut() {
-                *x = exp(*x - top);
-            }
+            let fix = exp_row(scores, tops[i], max[i]);
             // the weights rounded to bfloat16 pairs, and their sum as rounded
             let sp = scores.as_ptr();
             let mut sum = _mm512_setzero_ps();
@@ -133,13 +118,7 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
                 let odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)));
                 sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
             }
-            total[i] = total[i] * fix + _mm512_reduce_add_ps(sum);
-            max[i] = top;
-            if fix != 1.0 {
-                for a in &mut s.acc[i * dv..(i + 1) * dv] {
-                    *a *= fix;
-                }
-            }
+            advance_row(&mut max[i], &mut total[i], &mut s.acc[i * dv..(i + 1) * dv], tops[i], fix, _mm512_reduce_add_ps(sum));
         }
         // values: acc += p . v, 64 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);

@@ -4,8 +4,9 @@
 //! tiles of 6 rows x 64 lanes fed by one broadcast a row and four loads a step: the rate of
 //! a GEMM, where `paged_prefill`'s kernel shares each key row's load among fewer running sums.
 
-use crate::flash_prefill::{padded, Flash, Scratch, KEYS, ROWS};
-use crate::paged_attn::exp;
+use crate::flash_prefill::{advance_row, exp_row, padded, Flash, Scratch, KEYS, ROWS};
+#[cfg(target_arch = "x86_64")]
+use crate::flash_prefill::masked_scores;
 use crate::paged_prefill::PagedPrefill;
 
 /// Whether this kernel computes float32 prefills (with a window, with sinks): the CPU has
@@ -98,38 +99,15 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q: &[
             }
         }
         // scaled, keys after a row's query at -inf, and each row's running maximum
-        let mut tops = [0f32; R];
-        let lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        for (i, a) in acc.iter().enumerate() {
-            let visible = _mm512_set1_epi32((pos[i] + 1).saturating_sub(b * KEYS).min(KEYS) as i32);
-            let mut top = _mm512_set1_ps(max[i]);
-            for (c, a) in a.iter().enumerate() {
-                let seen = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c as i32)), visible);
-                let x = _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), seen, _mm512_mul_ps(*a, _mm512_set1_ps(p.scale)));
-                top = _mm512_max_ps(top, x);
-                _mm512_storeu_ps(s.scores.as_mut_ptr().add(i * KEYS + 16 * c), x);
-            }
-            tops[i] = _mm512_reduce_max_ps(top);
-        }
+        let tops = masked_scores(&acc, p.scale, pos, b, &max, &mut s.scores);
         // the online softmax, row by row
         for i in 0..R {
             let scores = &mut s.scores[i * KEYS..(i + 1) * KEYS];
-            let top = tops[i];
-            // a block a row sees none of leaves it exactly as it was
-            let fix = if top == max[i] { 1.0 } else { exp(max[i] - top) };
-            for x in scores.iter_mut() {
-                *x = exp(*x - top);
-            }
+            let fix = exp_row(scores, tops[i], max[i]);
             let sp = scores.as_ptr();
             let sum = _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(sp), _mm512_loadu_ps(sp.add(16))),
                                     _mm512_add_ps(_mm512_loadu_ps(sp.add(32)), _mm512_loadu_ps(sp.add(48))));
-            total[i] = total[i] * fix + _mm512_reduce_add_ps(sum);
-            max[i] = top;
-            if fix != 1.0 {
-                for a in &mut s.acc[i * dv..(i + 1) * dv] {
-                    *a *= fix;
-                }
-            }
+            advance_row(&mut max[i], &mut total[i], &mut s.acc[i * dv..(i + 1) * dv], tops[i], fix, _mm512_reduce_add_ps(sum));
         }
         // values: acc += p . v, 64 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);
