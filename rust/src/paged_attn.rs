@@ -336,8 +336,8 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
             let first = kv_head * group; // the group's first query head
             let scores = &mut s.scores[first * TILE..][..group * TILE];
             // the next tile's rows of this KV head, keys before its scores and values before its
-            // weighted sums: a quarter of the tile's lines at a time, not all at its start,
-            // whose burst stalled the loads behind it (docs/benchmarks.md)
+            // weighted sums: one head's keys or values at a time, not all the tile's lines at its
+            // start, whose burst stalled the loads behind it (docs/benchmarks.md)
             prefetch_rows(&d.k, &next_slots[..next_n], kv_head);
             score_tile::<T, AVX2>(d, kv_head, &slots[..n], &s.q[first * head_dim..][..group * head_dim], scores);
             for g in 0..group {

@@ -9,9 +9,9 @@ place, a block of a prompt's queries per key load, with an online softmax in flo
 split over the given threads. Without a window a query's row does not depend on how its prompt
 was chunked or batched (the same bits). Without a window or sinks, a flash attention over keys
 and values packed in blocks runs instead where the CPU has it (rust/src/flash_prefill.rs), at
-any context length: bfloat16 in AVX-512 BF16 dot products, float32 in AVX-512 FMA. Tensors cross as data pointers, shapes and strides:
-this module checks what Rust cannot (dtypes, devices, layouts, aliasing) and Rust checks every
-index before following it.
+any context length: bfloat16 in AVX-512 BF16 dot products, float32 in AVX-512 FMA. Tensors
+cross as data pointers, shapes and strides: this module checks what Rust cannot (dtypes,
+devices, layouts, aliasing) and Rust checks every index before following it.
 """
 
 from __future__ import annotations
