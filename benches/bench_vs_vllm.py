@@ -198,8 +198,8 @@ def processor_line() -> str:
     return (f"processor: {model} x {os.cpu_count()}; ISA {' '.join(flags) or 'none of ' + ' '.join(wanted)}; "
             f"r3srv matrix kernel {_core.expert_pairs_isa()} (bfloat16 prefill GEMMs: "
             f"{'torch/oneDNN' if cpu_isa.torch_has_fast_bfloat16() else 'Rust, widened to float32'}; bfloat16 expert "
-            f"chunks and prefill attention: {'AVX-512 BF16 dot products' if 'bfloat16' in FLASH else 'float32 FMA, SDPA'}; "
-            f"float32 prefill attention: {'AVX-512 flash kernel' if 'float32' in FLASH else 'Rust to 1,024 tokens, SDPA'}); "
+            f"chunks and prefill attention: {'AVX-512 BF16 dot products' if 'bfloat16' in FLASH else 'float32 FMA, SDPA'}"
+            f"; float32 prefill attention: {'AVX-512 flash kernel' if 'float32' in FLASH else 'Rust to 1,024, SDPA'}); "
             f"torch CPU capability {torch.backends.cpu.get_cpu_capability()} (vLLM's kernels follow it)")
 
 
