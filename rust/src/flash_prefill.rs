@@ -72,6 +72,51 @@ pub(crate) unsafe fn masked_scores<const R: usize>(products: &[[std::arch::x86_6
     tops
 }
 
+/// Rows 0..R of the rows' sums `acc` [R, dv], columns c0..c0 + 64, as four registers a row (the
+/// values' product adds to them in registers).
+///
+/// # Safety
+/// The CPU must support AVX-512F; acc holds R rows of dv >= c0 + 64 floats. Inlined into the
+/// kernels' tiles (compiled for AVX-512F).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn load_sums<const R: usize>(acc: &[f32], dv: usize, c0: usize) -> [[std::arch::x86_64::__m512; 4]; R] {
+    use std::arch::x86_64::*;
+    let mut sums = [[_mm512_setzero_ps(); 4]; R];
+    for (i, row) in sums.iter_mut().enumerate() {
+        for (c, v) in row.iter_mut().enumerate() {
+            // SAFETY: inside acc (the caller's contract).
+            *v = unsafe { _mm512_loadu_ps(acc.as_ptr().add(i * dv + c0 + 16 * c)) };
+        }
+    }
+    sums
+}
+
+/// `load_sums`'s registers stored back.
+///
+/// # Safety
+/// As `load_sums`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn store_sums<const R: usize>(sums: &[[std::arch::x86_64::__m512; 4]; R], acc: &mut [f32], dv: usize, c0: usize) {
+    use std::arch::x86_64::*;
+    for (i, row) in sums.iter().enumerate() {
+        for (c, v) in row.iter().enumerate() {
+            // SAFETY: inside acc (the caller's contract).
+            unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add(i * dv + c0 + 16 * c), *v) };
+        }
+    }
+}
+
+/// Each row of `acc` [rows, dv] divided by its sum of weights: the tile's result.
+#[inline(always)]
+pub(crate) fn normalize(acc: &mut [f32], totals: &[f32], dv: usize) {
+    for (row, total) in acc.chunks_exact_mut(dv).zip(totals) {
+        let norm = 1.0 / total;
+        row.iter_mut().for_each(|a| *a *= norm);
+    }
+}
+
 /// A row's block of scores to its weights in place, exp(score - top) (`top`: its new running
 /// maximum, `max` its old one); returns the factor its earlier sums take to `top` (`advance_row`).
 #[inline(always)]

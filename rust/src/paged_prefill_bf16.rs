@@ -5,9 +5,9 @@
 //! padded to whole blocks of 64 columns); the weights p are rounded to bfloat16 for the second
 //! product (as bfloat16 flash attentions do) and the denominator summed from the rounded weights.
 
-use crate::flash_prefill::{advance_row, exp_row, padded, Flash, Scratch, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, normalize, padded, Flash, Scratch, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
-use crate::flash_prefill::masked_scores;
+use crate::flash_prefill::{load_sums, masked_scores, store_sums};
 use crate::matmul_bf16::pair_bits;
 use crate::paged_attn::Bf16;
 use crate::paged_prefill::PagedPrefill;
@@ -123,12 +123,7 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
         // values: acc += p . v, 64 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);
         for c0 in (0..dv).step_by(64) {
-            let mut acc = [[_mm512_setzero_ps(); 4]; R];
-            for (i, a) in acc.iter_mut().enumerate() {
-                for (c, a) in a.iter_mut().enumerate() {
-                    *a = _mm512_loadu_ps(s.acc.as_ptr().add(i * dv + c0 + 16 * c));
-                }
-            }
+            let mut acc = load_sums::<R>(&s.acc, dv, c0);
             for kk in 0..KEYS / 2 {
                 let w: [__m512bh; 4] = std::array::from_fn(|c| std::mem::transmute(_mm512_loadu_si512(vp.add(kk * dv + c0 + 16 * c) as *const _)));
                 for (i, a) in acc.iter_mut().enumerate() {
@@ -138,18 +133,9 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
                     }
                 }
             }
-            for (i, a) in acc.iter().enumerate() {
-                for (c, a) in a.iter().enumerate() {
-                    _mm512_storeu_ps(s.acc.as_mut_ptr().add(i * dv + c0 + 16 * c), *a);
-                }
-            }
+            store_sums(&acc, &mut s.acc, dv, c0);
         }
     }
-    for (i, total) in total.iter().enumerate() {
-        let norm = 1.0 / total;
-        for a in &mut s.acc[i * dv..(i + 1) * dv] {
-            *a *= norm;
-        }
-    }
+    normalize(&mut s.acc[..R * dv], &total, dv);
 }
 

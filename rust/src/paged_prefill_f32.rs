@@ -4,9 +4,9 @@
 //! tiles of 6 rows x 64 lanes fed by one broadcast a row and four loads a step: the rate of
 //! a GEMM, where `paged_prefill`'s kernel shares each key row's load among fewer running sums.
 
-use crate::flash_prefill::{advance_row, exp_row, padded, Flash, Scratch, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, normalize, padded, Flash, Scratch, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
-use crate::flash_prefill::masked_scores;
+use crate::flash_prefill::{load_sums, masked_scores, store_sums};
 use crate::paged_prefill::PagedPrefill;
 
 /// Whether this kernel computes float32 prefills (with a window, with sinks): the CPU has
@@ -112,12 +112,7 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q: &[
         // values: acc += p . v, 64 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);
         for c0 in (0..dv).step_by(64) {
-            let mut acc = [[_mm512_setzero_ps(); 4]; R];
-            for (i, a) in acc.iter_mut().enumerate() {
-                for (c, a) in a.iter_mut().enumerate() {
-                    *a = _mm512_loadu_ps(s.acc.as_ptr().add(i * dv + c0 + 16 * c));
-                }
-            }
+            let mut acc = load_sums::<R>(&s.acc, dv, c0);
             for kk in 0..KEYS {
                 let w: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(vp.add(kk * dv + c0 + 16 * c)));
                 for (i, a) in acc.iter_mut().enumerate() {
@@ -127,17 +122,8 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q: &[
                     }
                 }
             }
-            for (i, a) in acc.iter().enumerate() {
-                for (c, a) in a.iter().enumerate() {
-                    _mm512_storeu_ps(s.acc.as_mut_ptr().add(i * dv + c0 + 16 * c), *a);
-                }
-            }
+            store_sums(&acc, &mut s.acc, dv, c0);
         }
     }
-    for (i, total) in total.iter().enumerate() {
-        let norm = 1.0 / total;
-        for a in &mut s.acc[i * dv..(i + 1) * dv] {
-            *a *= norm;
-        }
-    }
+    normalize(&mut s.acc[..R * dv], &total, dv);
 }
