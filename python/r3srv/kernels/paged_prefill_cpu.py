@@ -16,6 +16,8 @@ devices, layouts, aliasing) and Rust checks every index before following it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from r3srv.kernels.paged_decode_cpu import as_index, checked_attention, head_major
@@ -34,7 +36,13 @@ def flash_applies(q: torch.Tensor, window: int | None, sinks: torch.Tensor | Non
     """Whether the call runs in its dtype's flash kernel, which outruns SDPA at every context
     length (docs/benchmarks.md)."""
     name = RUST_DTYPES.get(q.dtype)
-    return name in FLASH and _flash(name, q.shape[-1], window is not None, sinks is not None)
+    return name in FLASH and _flash_rule(name, q.shape[-1], window is not None, sinks is not None)
+
+
+@functools.cache
+def _flash_rule(name: str, head_dim: int, windowed: bool, sinks: bool) -> bool:
+    """Rust's answer for a layer's shape, asked once (every prefill step of every layer asks)."""
+    return _flash(name, head_dim, windowed, sinks)
 
 
 def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float, window: int | None = None,
