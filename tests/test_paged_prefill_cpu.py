@@ -15,6 +15,7 @@ from engine_testing import GREEDY, model_of, one_torch_thread, prompt_ids, rebou
 from paged_decode_testing import MODEL_CASES
 from r3srv import LLM, SamplingParams
 from r3srv import settings as settings_module
+from r3srv.kernels import cpu_isa
 from r3srv.kernels import paged_prefill_cpu as cpu_kernel
 from r3srv.models.batch import ForwardBatch
 from r3srv.ops import ops_for
@@ -23,8 +24,8 @@ from r3srv.ops.attention import AttentionMetadata, paged_attention, prefill_atte
 PAGE = 4
 
 
-def kernel_op(threads: int = 1, max_context: int | None = None, longer=None):
-    return span_kernel(functools.partial(cpu_kernel.paged_prefill_cpu, threads=threads), max_context, longer)
+def kernel_op(threads: int = 1, max_context: int | None = None, longer=None, kernel: str | None = None):
+    return span_kernel(functools.partial(cpu_kernel.paged_prefill_cpu, threads=threads, kernel=kernel), max_context, longer)
 
 
 def generated_step(g: torch.Generator, sequences: int) -> tuple[ForwardBatch, int]:
@@ -67,9 +68,10 @@ def generated_step(g: torch.Generator, sequences: int) -> tuple[ForwardBatch, in
     return batch, (sum(blocks) + 2) * PAGE
 
 
-def run_step(seed, heads, kv_heads, head_dim, v_dim, window, sinks, dtype=torch.float32, latent=False, threads=1):
-    """One layer's attention over a generated step with the kernel as the prefill op and with the
-    torch path, every decode through the torch path in both."""
+def run_step(seed, heads, kv_heads, head_dim, v_dim, window, sinks, dtype=torch.float32, latent=False, threads=1,
+             kernel=None):
+    """One layer's attention over a generated step with the kernel (`kernel`: paged_prefill_cpu's)
+    as the prefill op and with the torch path, every decode through the torch path in both."""
     g = torch.Generator().manual_seed(seed)
     batch, slots = generated_step(g, 7)
     t = batch.input_ids.shape[0]
@@ -83,7 +85,7 @@ def run_step(seed, heads, kv_heads, head_dim, v_dim, window, sinks, dtype=torch.
     assert meta.prefills, "a generated step without prompts"
     scale = head_dim**-0.5 * 1.3
     outs = []
-    for op in (kernel_op(threads), prefill_attention):
+    for op in (kernel_op(threads, kernel=kernel), prefill_attention):
         caches = (k_cache.clone(), None) if latent else (k_cache.clone(), v_cache.clone())
         vc = caches[0][..., :v_dim] if latent else caches[1]
         outs.append(paged_attention(q, k[..., : k_cache.shape[-1]] if latent else k, v, caches[0], vc, meta,
@@ -124,8 +126,8 @@ FLASH_TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
 
 
 def needs_flash(name: str):
-    """Skips where this CPU has no flash kernel for `name` (float32: AVX-512F; bfloat16: AVX-512
-    BF16), saying so: the portable kernel's tests cover that dtype there."""
+    """Skips where this CPU has no flash kernel for `name` at any context length (float32:
+    AVX-512F; bfloat16: AVX-512 BF16), saying so: the portable kernel's tests cover that dtype there."""
     return pytest.mark.skipif(name not in cpu_kernel.FLASH, reason=f"this CPU lacks the {name} flash prefill "
                               "kernel's instructions (float32: AVX-512F, bfloat16: AVX-512 BF16)")
 
@@ -144,6 +146,40 @@ def test_flash_kernel_equals_the_torch_path(name, heads, kv_heads, head_dim, v_d
         got, want = run_step(seed * 77 + heads + head_dim, heads, kv_heads, head_dim, v_dim, None, False,
                              dtype=FLASH_DTYPES[name])
         torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def float32_tiles() -> list[str]:
+    """The float32 flash kernel's tiles this CPU runs (rust/src/paged_prefill_f32.rs)."""
+    flags = cpu_isa.cpu_flags()
+    return [t for t, needs in (("avx512", {"avx512f"}), ("avx2", {"avx2", "fma"})) if needs <= flags]
+
+
+@pytest.mark.skipif(not float32_tiles(), reason="this CPU has neither AVX-512F nor AVX2 with FMA (the float32 "
+                    "flash kernel's tiles)")
+@pytest.mark.parametrize("heads, kv_heads, head_dim, v_dim", [(4, 2, 64, 64), (8, 2, 128, 128), (6, 3, 24, 40)])
+def test_the_float32_flash_tiles_equal_the_torch_path_and_each_other(heads, kv_heads, head_dim, v_dim):
+    """Each of the float32 flash kernel's tiles this CPU runs, named, against SDPA; AVX-512's and
+    AVX2's the same bits; the portable kernel, named, too."""
+    rows = {}
+    for kernel in [*float32_tiles(), "portable"]:
+        for seed in range(2):
+            got, want = run_step(seed * 31 + heads + head_dim, heads, kv_heads, head_dim, v_dim, None, False,
+                                 kernel=kernel)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+            rows.setdefault(kernel, []).append(got)
+    if len(rows) == 3:
+        assert all(torch.equal(a, b) for a, b in zip(rows["avx512"], rows["avx2"]))
+    else:
+        print("this CPU lacks AVX-512F: the AVX2 tiles checked against SDPA only")
+
+
+@pytest.mark.parametrize("dtype, kernel, match", [
+    (torch.float32, "avx1", 'no prefill kernel named "avx1"'),
+    (torch.bfloat16, "avx2", "does not run the avx2 flash prefill tiles"),
+])
+def test_a_kernel_this_cpu_does_not_run_is_a_value_error(dtype, kernel, match):
+    with pytest.raises(ValueError, match=match):
+        run_step(5, 4, 2, 64, 64, None, False, dtype=dtype, kernel=kernel)
 
 
 def one_prompt(context: int) -> AttentionMetadata:

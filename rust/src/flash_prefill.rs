@@ -1,5 +1,5 @@
 //! The flash prefill attention both fast kernels share: bfloat16 in AVX-512 BF16 dot products
-//! (`paged_prefill_bf16`) and float32 in AVX-512 FMA (`paged_prefill_f32`). Each span's keys and
+//! (`paged_prefill_bf16`) and float32 in AVX-512 or AVX2 FMA (`paged_prefill_f32`). Each span's keys and
 //! values of each KV head are first packed from the paged cache into blocks of KEYS keys, in the
 //! kernel's layout (`Flash::pack`); then every ROWS rows of scores (a query and a head of a KV
 //! head's group each) walk their key blocks from position 0 with an online softmax in float32
@@ -17,6 +17,27 @@ pub(crate) const ROWS: usize = 6;
 /// Queries per work item (its rows: these queries times the group's heads).
 const ITEM_QUERIES: usize = 32;
 
+/// The registers a flash kernel's tiles run in, chosen once by what the CPU reports (the widest
+/// it runs) or named to measure a narrower one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tiles {
+    Avx512,
+    Avx2,
+}
+
+impl Tiles {
+    pub fn name(self) -> &'static str {
+        match self {
+            Tiles::Avx512 => "avx512",
+            Tiles::Avx2 => "avx2",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Tiles> {
+        [Tiles::Avx512, Tiles::Avx2].into_iter().find(|t| t.name() == name)
+    }
+}
+
 /// v_dim rounded up to whole blocks of four 16-lane registers (the values' packing and the
 /// rows' sums hold zero columns past v_dim).
 pub(crate) fn padded(v_dim: usize) -> usize {
@@ -26,19 +47,30 @@ pub(crate) fn padded(v_dim: usize) -> usize {
 /// A flash kernel's element type: how it packs a span's keys and values and walks a tile of rows
 /// over them.
 pub(crate) trait Flash: Element {
-    /// One span's keys and values of one KV head in the kernel's layout, positions past the
-    /// context zero.
+    /// One span's keys and values of one KV head in the kernel's layout for its tiles, positions
+    /// past the context zero.
     type Packed: Send + Sync;
 
-    fn pack(p: &PagedPrefill<'_, Self>, slots: &[i64], kv_head: usize) -> Self::Packed;
+    fn pack(p: &PagedPrefill<'_, Self>, slots: &[i64], kv_head: usize, tiles: Tiles) -> Self::Packed;
+
+    /// Whether the kernel computes prefills of heads of `head_dim` (with a window, with sinks).
+    fn takes(head_dim: usize, windowed: bool, sinks: bool) -> bool;
+
+    /// Whether this CPU runs the kernel in `tiles`.
+    fn runs(tiles: Tiles) -> bool;
+
+    /// The widest tiles this CPU runs the kernel in, if any.
+    fn fastest() -> Option<Tiles> {
+        [Tiles::Avx512, Tiles::Avx2].into_iter().find(|&t| Self::runs(t))
+    }
 
     /// R rows' attention over their first `blocks` key blocks into s.acc ([R, padded(v_dim)],
-    /// normalized); row i's query is at q[i], its position pos[i].
+    /// normalized), in `tiles`; row i's query is at q[i], its position pos[i].
     ///
     /// # Safety
-    /// The CPU has what the kernel's `applies_to` asks; q[..R] point at the rows' queries
-    /// (head_dim elements each); `blocks` covers every row's position and no more than packed.
-    unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Self>, packed: &Self::Packed, q: &[*const Self; ROWS],
+    /// `runs(tiles)`; q[..R] point at the rows' queries (head_dim elements each); `blocks`
+    /// covers every row's position and no more than packed.
+    unsafe fn tile<const R: usize>(tiles: Tiles, p: &PagedPrefill<'_, Self>, packed: &Self::Packed, q: &[*const Self; ROWS],
                                    pos: &[usize; ROWS], blocks: usize, s: &mut Scratch);
 }
 
@@ -129,6 +161,22 @@ pub(crate) fn exp_row(scores: &mut [f32], top: f32, max: f32) -> f32 {
     fix
 }
 
+/// The sum of a row's block of KEYS weights from its halves: `lo` holds lanes 0..8 and `hi`
+/// lanes 8..16 of ((c0 + c1) + (c2 + c3)), the block's four 16-lane columns c; lane l and l + 8
+/// added, then halves down to one. The one order both float32 tiles sum in (the same bits).
+///
+/// # Safety
+/// The CPU must support AVX. Inlined into the kernels' tiles.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn sum_halves(lo: std::arch::x86_64::__m256, hi: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let eight = _mm256_add_ps(lo, hi);
+    let four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps::<1>(eight));
+    let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps::<1>(two, two)))
+}
+
 /// A row's state after a block whose weights sum to `block_sum`: its sum and accumulators
 /// rescaled by `fix` (`exp_row`'s), its running maximum `top`.
 #[inline(always)]
@@ -157,15 +205,17 @@ impl Scratch {
 /// Prefill attention by element type, each on its fastest kernel here: the flash kernel where it
 /// applies, everything else in `paged_prefill`'s portable one.
 pub trait Prefill: Element + Sized {
-    /// Whether `run_flash` takes prefills of heads of `head_dim` (with a window, with sinks) on this CPU.
+    /// Whether `run_flash` takes prefills of heads of `head_dim` (with a window, with sinks) on
+    /// this CPU at any context length (past the portable kernel's, where SDPA runs otherwise).
     fn flash_applies(head_dim: usize, windowed: bool, sinks: bool) -> bool;
 
-    /// `paged_prefill` in the flash kernel where it applies: Ok(false) where it does not (nothing
+    /// `paged_prefill` in the flash kernel where it applies, in `tiles` (None: the widest this CPU
+    /// runs; a named one it does not run is an error): Ok(false) where it does not apply (nothing
     /// written).
-    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize) -> Result<bool, String>;
+    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, tiles: Option<Tiles>) -> Result<bool, String>;
 
-    fn prefill(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, isa: Isa) -> Result<(), String> {
-        if Self::run_flash(p, out, threads)? {
+    fn prefill(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, isa: Isa, tiles: Option<Tiles>) -> Result<(), String> {
+        if Self::run_flash(p, out, threads, tiles)? {
             return Ok(());
         }
         crate::paged_prefill::paged_prefill(p, out, threads, isa)
@@ -177,8 +227,8 @@ impl Prefill for f32 {
         crate::paged_prefill_f32::applies_to(head_dim, windowed, sinks)
     }
 
-    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize) -> Result<bool, String> {
-        flash_where_it_applies(p, out, threads)
+    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, tiles: Option<Tiles>) -> Result<bool, String> {
+        flash_where_it_applies(p, out, threads, tiles)
     }
 }
 
@@ -187,17 +237,22 @@ impl Prefill for Bf16 {
         crate::paged_prefill_bf16::applies_to(head_dim, windowed, sinks)
     }
 
-    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize) -> Result<bool, String> {
-        flash_where_it_applies(p, out, threads)
+    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, tiles: Option<Tiles>) -> Result<bool, String> {
+        flash_where_it_applies(p, out, threads, tiles)
     }
 }
 
-fn flash_where_it_applies<T: Flash + Prefill>(p: &PagedPrefill<'_, T>, out: &mut [T], threads: usize) -> Result<bool, String> {
-    if !T::flash_applies(p.q.dim, p.window.is_some(), p.sinks.is_some()) {
-        return Ok(false);
+fn flash_where_it_applies<T: Flash + Prefill>(p: &PagedPrefill<'_, T>, out: &mut [T], threads: usize,
+                                              tiles: Option<Tiles>) -> Result<bool, String> {
+    if let Some(t) = tiles.filter(|&t| !T::runs(t)) {
+        return Err(format!("this CPU does not run the {} flash prefill tiles for this dtype", t.name()));
     }
+    let tiles = match tiles.or_else(T::fastest) {
+        Some(t) if T::takes(p.q.dim, p.window.is_some(), p.sinks.is_some()) => t,
+        _ => return Ok(false),
+    };
     let valid = crate::paged_prefill::validate(p, out.len())?;
-    prefill(p, &valid.order, out, threads, valid.macs);
+    prefill(p, &valid.order, out, threads, valid.macs, tiles);
     Ok(true)
 }
 
@@ -217,7 +272,8 @@ struct Item {
 }
 
 /// The flash kernel over validated spans: `order` lists (first row, span, where its slots start).
-fn prefill<T: Flash>(p: &PagedPrefill<'_, T>, order: &[(usize, usize, usize)], out: &mut [T], threads: usize, macs: usize) {
+fn prefill<T: Flash>(p: &PagedPrefill<'_, T>, order: &[(usize, usize, usize)], out: &mut [T], threads: usize, macs: usize,
+                     tiles: Tiles) {
     let kv_heads = p.k.heads;
     let mut items = Vec::new();
     for (o, &(_, span, _)) in order.iter().enumerate() {
@@ -237,7 +293,7 @@ fn prefill<T: Flash>(p: &PagedPrefill<'_, T>, order: &[(usize, usize, usize)], o
     crate::workers::take_in_turn(threads.min(jobs.len()), &mut jobs, &|jobs| {
         for (o, g, packed) in jobs {
             let (_, span, at) = order[*o];
-            *packed = Some(T::pack(p, &p.slots[at..at + p.context_lens[span] as usize], *g));
+            *packed = Some(T::pack(p, &p.slots[at..at + p.context_lens[span] as usize], *g, tiles));
         }
     });
     let packed: Vec<T::Packed> = jobs.into_iter().map(|(_, _, packed)| packed.expect("every job ran")).collect();
@@ -245,16 +301,16 @@ fn prefill<T: Flash>(p: &PagedPrefill<'_, T>, order: &[(usize, usize, usize)], o
     crate::workers::take_in_turn(threads, &mut items, &|items| {
         let mut scratch = Scratch::new(p.v.dim);
         for (o, item) in items {
-            // SAFETY: the kernel's `applies_to` (flash_where_it_applies) checked the CPU; the
-            // item's rows of `out` are its own.
-            unsafe { run_item(p, &packed[*o * kv_heads + item.kv_head], item, &mut scratch, dst) };
+            // SAFETY: flash_where_it_applies checked that the CPU runs `tiles`; the item's rows
+            // of `out` are its own.
+            unsafe { run_item(tiles, p, &packed[*o * kv_heads + item.kv_head], item, &mut scratch, dst) };
         }
     });
 }
 
 /// # Safety
 /// As `Flash::tile`; `out` is `paged_prefill`'s output, whose rows of this item no other thread writes.
-unsafe fn run_item<T: Flash>(p: &PagedPrefill<'_, T>, packed: &T::Packed, item: &Item, s: &mut Scratch, out: Out<T>) {
+unsafe fn run_item<T: Flash>(tiles: Tiles, p: &PagedPrefill<'_, T>, packed: &T::Packed, item: &Item, s: &mut Scratch, out: Out<T>) {
     let group = p.q.heads / p.k.heads;
     let (span, ctx) = (item.span, p.context_lens[item.span] as usize);
     let q_len = p.q_lens[span] as usize;
@@ -277,12 +333,12 @@ unsafe fn run_item<T: Flash>(p: &PagedPrefill<'_, T>, packed: &T::Packed, item: 
         // SAFETY: forwarded, the caller's contract; q[..n] point at the rows' queries.
         unsafe {
             match n {
-                6 => T::tile::<6>(p, packed, &q, &pos, blocks, s),
-                5 => T::tile::<5>(p, packed, &q, &pos, blocks, s),
-                4 => T::tile::<4>(p, packed, &q, &pos, blocks, s),
-                3 => T::tile::<3>(p, packed, &q, &pos, blocks, s),
-                2 => T::tile::<2>(p, packed, &q, &pos, blocks, s),
-                _ => T::tile::<1>(p, packed, &q, &pos, blocks, s),
+                6 => T::tile::<6>(tiles, p, packed, &q, &pos, blocks, s),
+                5 => T::tile::<5>(tiles, p, packed, &q, &pos, blocks, s),
+                4 => T::tile::<4>(tiles, p, packed, &q, &pos, blocks, s),
+                3 => T::tile::<3>(tiles, p, packed, &q, &pos, blocks, s),
+                2 => T::tile::<2>(tiles, p, packed, &q, &pos, blocks, s),
+                _ => T::tile::<1>(tiles, p, packed, &q, &pos, blocks, s),
             }
         }
         let (dv, dvp) = (p.v.dim, padded(p.v.dim));

@@ -393,7 +393,7 @@ unsafe fn score_rows_avx2<const R: usize>(keys: &[f32], q: &[f32], dim: usize, s
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flash_prefill::Prefill;
+    use crate::flash_prefill::{Flash, Prefill, Tiles};
     use crate::paged_attn::Bf16;
     use crate::testing::noise;
 
@@ -591,10 +591,12 @@ mod tests {
         }
     }
 
-    /// A flash kernel (crate::flash_prefill) on generated steps: the f64 reference over the
-    /// element type's values within `tolerance(|want|)`; the same bits on any thread count and
-    /// however a prompt is chunked or batched; windows and sinks left to `paged_prefill`.
-    fn check_flash_kernel<T: Prefill + PartialEq + std::fmt::Debug>(tolerance: impl Fn(f64) -> f64) {
+    /// A flash kernel (crate::flash_prefill) in `tiles` on generated steps: the f64 reference
+    /// over the element type's values within `tolerance(|want|)`; the same bits in every other
+    /// tiles this CPU runs the kernel in, on any thread count and however a prompt is chunked or
+    /// batched; windows and sinks left to `paged_prefill`.
+    fn check_flash_kernel<T: Prefill + Flash + PartialEq + std::fmt::Debug>(tiles: Tiles, tolerance: impl Fn(f64) -> f64) {
+        let others: Vec<Tiles> = [Tiles::Avx512, Tiles::Avx2].into_iter().filter(|&t| t != tiles && T::runs(t)).collect();
         let to = |v: &[f32]| v.iter().map(|&f| T::from_f32(f)).collect::<Vec<_>>();
         let widen = |v: &[T]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
         for (heads, kv_heads) in [(4, 4), (8, 2), (16, 1), (6, 2)] {
@@ -605,12 +607,16 @@ mod tests {
                 let x = inputs(&c, heads as u64 * 7 + head_dim as u64);
                 let (q, k, v) = (to(&x.q), to(&x.k), to(&x.v));
                 let scale = (head_dim as f32).powf(-0.5) * 1.3;
-                let run = |threads: usize| {
+                let run_in = |tiles: Tiles, threads: usize| {
                     let mut out = vec![T::from_f32(-7.0); x.tokens * heads * v_dim];
-                    assert!(T::run_flash(&prefill(&c, &x, &q, &k, &v, scale), &mut out, threads).unwrap());
+                    assert!(T::run_flash(&prefill(&c, &x, &q, &k, &v, scale), &mut out, threads, Some(tiles)).unwrap());
                     out
                 };
+                let run = |threads: usize| run_in(tiles, threads);
                 let out = run(1);
+                for &other in &others {
+                    assert!(run_in(other, 1) == out, "{heads}/{kv_heads} {head_dim}/{v_dim}: {other:?} against {tiles:?}");
+                }
                 let want = reference(&c, &x, &widen(&q), &widen(&k), &widen(&v), scale);
                 for (i, (got, &w)) in out.iter().zip(&want).enumerate() {
                     let err = (got.to_f32() as f64 - w).abs();
@@ -626,7 +632,7 @@ mod tests {
         let run = |starts: &[i64], lens: &[i64], ctx: &[i64], slots: &[i64]| {
             let p = PagedPrefill { q_starts: starts, q_lens: lens, context_lens: ctx, slots, ..prefill(&whole, &x, &q, &k, &v, 0.3) };
             let mut out = vec![T::from_f32(0.0); x.tokens * 8 * 64];
-            assert!(T::run_flash(&p, &mut out, 1).unwrap());
+            assert!(T::run_flash(&p, &mut out, 1, Some(tiles)).unwrap());
             out
         };
         let row = 8 * 64;
@@ -643,7 +649,7 @@ mod tests {
             let x = inputs(&c, 3);
             let (q, k, v) = (to(&x.q), to(&x.k), to(&x.v));
             let mut out = vec![T::from_f32(0.0); x.tokens * 4 * v_dim];
-            assert!(!T::run_flash(&prefill(&c, &x, &q, &k, &v, 0.3), &mut out, 1).unwrap());
+            assert!(!T::run_flash(&prefill(&c, &x, &q, &k, &v, 0.3), &mut out, 1, Some(tiles)).unwrap());
             assert!(out.iter().all(|v| v.to_f32() == 0.0), "nothing written");
         }
     }
@@ -655,17 +661,35 @@ mod tests {
         if crate::testing::skips_without_bf16() {
             return;
         }
-        check_flash_kernel::<Bf16>(|w| 2.0 / 256.0 + w / 256.0);
+        check_flash_kernel::<Bf16>(Tiles::Avx512, |w| 2.0 / 256.0 + w / 256.0);
+        // it has no AVX2 tiles: naming them is an error, nothing written
+        let c = Case { heads: 4, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(3, 9)], window: None, sinks: false };
+        let x = inputs(&c, 3);
+        let to = |v: &[f32]| v.iter().map(|&f| Bf16::from_f32(f)).collect::<Vec<_>>();
+        let (q, k, v) = (to(&x.q), to(&x.k), to(&x.v));
+        let mut out = vec![Bf16::from_f32(-7.0); x.tokens * 4 * 64];
+        let err = Bf16::run_flash(&prefill(&c, &x, &q, &k, &v, 0.3), &mut out, 1, Some(Tiles::Avx2)).unwrap_err();
+        assert!(err.contains("avx2"), "{err}");
+        assert!(out.iter().all(|v| v.to_f32() == -7.0), "nothing written");
     }
 
-    /// The AVX-512F float32 kernel (crate::paged_prefill_f32): within `check`'s tolerance.
+    /// The float32 kernel (crate::paged_prefill_f32) in each of its tiles this CPU runs
+    /// (AVX-512F, AVX2 with FMA): within `check`'s tolerance, the two the same bits.
     #[test]
     fn the_float32_flash_kernel_equals_the_reference_and_keeps_a_rows_bits() {
-        if !f32::flash_applies(64, false, false) {
-            eprintln!("skipped: this CPU lacks AVX-512F (the float32 flash kernel)");
+        let tiles: Vec<Tiles> = [Tiles::Avx512, Tiles::Avx2].into_iter().filter(|&t| f32::runs(t)).collect();
+        if tiles.is_empty() {
+            eprintln!("skipped: this CPU has neither AVX-512F nor AVX2 with FMA (the float32 flash kernel's tiles)");
             return;
         }
-        check_flash_kernel::<f32>(|w| 2e-5 + 2e-5 * w);
+        if tiles.len() < 2 {
+            eprintln!("this CPU lacks AVX-512F: the float32 flash kernel checked in AVX2 tiles only");
+        }
+        // at any context length in AVX-512 only (AVX2's take the portable kernel's contexts)
+        assert_eq!(f32::flash_applies(64, false, false), tiles.contains(&Tiles::Avx512));
+        for t in tiles {
+            check_flash_kernel::<f32>(t, |w| 2e-5 + 2e-5 * w);
+        }
     }
 
     #[test]

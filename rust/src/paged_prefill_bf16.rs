@@ -5,7 +5,7 @@
 //! padded to whole blocks of 64 columns); the weights p are rounded to bfloat16 for the second
 //! product (as bfloat16 flash attentions do) and the denominator summed from the rounded weights.
 
-use crate::flash_prefill::{advance_row, exp_row, normalize, padded, Flash, Scratch, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, normalize, padded, Flash, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums};
 use crate::matmul_bf16::pair_bits;
@@ -17,7 +17,7 @@ use crate::paged_prefill::PagedPrefill;
 /// the rule: the CPU backend asks it (paged_prefill_cpu.flash_applies) to choose this kernel
 /// over SDPA for long contexts.
 pub fn applies_to(head_dim: usize, windowed: bool, sinks: bool) -> bool {
-    crate::matmul_bf16::runs() && !windowed && !sinks && head_dim.is_multiple_of(2)
+    crate::matmul_bf16::runs() && Bf16::takes(head_dim, windowed, sinks)
 }
 
 /// One span's keys and values of one KV head, packed: k [blocks, D/2, KEYS] and
@@ -53,14 +53,24 @@ fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64], g: usize) -> Packed {
 impl Flash for Bf16 {
     type Packed = Packed;
 
-    fn pack(p: &PagedPrefill<'_, Self>, slots: &[i64], kv_head: usize) -> Packed {
+    fn pack(p: &PagedPrefill<'_, Self>, slots: &[i64], kv_head: usize, _tiles: Tiles) -> Packed {
         pack(p, slots, kv_head)
     }
 
-    unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Self>, packed: &Packed, q: &[*const Self; ROWS],
+    fn takes(head_dim: usize, windowed: bool, sinks: bool) -> bool {
+        !windowed && !sinks && head_dim.is_multiple_of(2)
+    }
+
+    /// AVX-512 only (its dot products have no AVX2 form).
+    fn runs(tiles: Tiles) -> bool {
+        tiles == Tiles::Avx512 && crate::matmul_bf16::runs()
+    }
+
+    unsafe fn tile<const R: usize>(tiles: Tiles, p: &PagedPrefill<'_, Self>, packed: &Packed, q: &[*const Self; ROWS],
                                    pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
+        debug_assert_eq!(tiles, Tiles::Avx512);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: forwarded, the caller's contract (applies_to: AVX-512F and AVX-512 BF16); a
+        // SAFETY: forwarded, the caller's contract (runs(tiles): AVX-512F and AVX-512 BF16); a
         // query's bfloat16 pairs read as u32s.
         unsafe {
             tile::<R>(p, packed, &q.map(|q| q as *const u32), pos, blocks, s)
@@ -68,7 +78,7 @@ impl Flash for Bf16 {
         #[cfg(not(target_arch = "x86_64"))]
         {
             let _ = (p, packed, q, pos, blocks, s);
-            unreachable!("applies_to is false off x86_64")
+            unreachable!("runs is false off x86_64")
         }
     }
 }

@@ -525,8 +525,8 @@ fn paged_decode_attention(
 }
 
 /// Whether `dtype` prefill attention over heads of `head_dim` (with a window, with sinks) runs
-/// in the dtype's flash kernel here (crate::flash_prefill::Prefill::flash_applies: bfloat16 in
-/// AVX-512 BF16 dot products, float32 in AVX-512 FMA), at any context length.
+/// in the dtype's flash kernel here at any context length (crate::flash_prefill::Prefill::flash_applies:
+/// bfloat16 in AVX-512 BF16 dot products, float32 in AVX-512 FMA).
 #[pyfunction]
 fn paged_prefill_flash(dtype: &str, head_dim: usize, windowed: bool, sinks: bool) -> PyResult<bool> {
     use crate::flash_prefill::Prefill;
@@ -543,10 +543,12 @@ fn paged_prefill_flash(dtype: &str, head_dim: usize, windowed: bool, sinks: bool
 /// TensorArg; spans: (pointer to the q_starts, q_lens and context_lens, each `spans` int64,
 /// one after the other, spans); slots: (int64 pointer, count), the spans' context slots in
 /// span order; out: (pointer, tokens, heads, v_dim), contiguous; sinks: float32 pointer of
-/// `heads` elements. Every index is checked in Rust before it is followed; runs with the GIL
-/// released.
+/// `heads` elements; flash_tiles: None (the widest flash tiles this CPU runs), or a narrower
+/// kernel named to measure it: "avx512" or "avx2" tiles (a ValueError where this CPU does not
+/// run them for the dtype), "portable" (`paged_prefill`'s kernel, no flash).
+/// Every index is checked in Rust before it is followed; runs with the GIL released.
 #[pyfunction]
-#[pyo3(signature = (dtype, q, k, v, spans, slots, out, scale, window, sinks, threads))]
+#[pyo3(signature = (dtype, q, k, v, spans, slots, out, scale, window, sinks, threads, flash_tiles=None))]
 #[allow(clippy::too_many_arguments)]
 fn paged_prefill_attention(
     py: Python<'_>,
@@ -561,10 +563,13 @@ fn paged_prefill_attention(
     window: Option<usize>,
     sinks: Option<usize>,
     threads: usize,
+    flash_tiles: Option<&str>,
 ) -> PyResult<()> {
+    use crate::flash_prefill::Tiles;
     fn call<T: crate::flash_prefill::Prefill>(
         py: Python<'_>, q: TensorArg, k: TensorArg, v: TensorArg, spans: (usize, usize), slots: (usize, usize),
         out: (usize, usize, usize, usize), scale: f32, window: Option<usize>, sinks: Option<usize>, threads: usize,
+        tiles: Option<Option<Tiles>>,
     ) -> PyResult<()> {
         let n = spans.1;
         let out_len = out.1.checked_mul(out.2).and_then(|x| x.checked_mul(out.3));
@@ -593,11 +598,23 @@ fn paged_prefill_attention(
             (prefill, slice_mut::<T>(out.0, out_len)?)
         };
         let isa = *PAGED_DECODE_ISA.get_or_init(Isa::detect);
-        py.detach(|| T::prefill(&prefill, out, threads, isa)).map_err(PyValueError::new_err)
+        py.detach(|| match tiles {
+            Some(None) => crate::paged_prefill::paged_prefill(&prefill, out, threads, isa),
+            Some(Some(tiles)) => T::prefill(&prefill, out, threads, isa, Some(tiles)),
+            None => T::prefill(&prefill, out, threads, isa, None),
+        })
+        .map_err(PyValueError::new_err)
     }
+    let tiles = match flash_tiles {
+        None => None,
+        Some("portable") => Some(None),
+        Some(name) => Some(Some(Tiles::parse(name).ok_or_else(|| {
+            PyValueError::new_err(format!("no prefill kernel named {name:?} (avx512, avx2, portable)"))
+        })?)),
+    };
     match dtype {
-        "float32" => call::<f32>(py, q, k, v, spans, slots, out, scale, window, sinks, threads),
-        "bfloat16" => call::<Bf16>(py, q, k, v, spans, slots, out, scale, window, sinks, threads),
+        "float32" => call::<f32>(py, q, k, v, spans, slots, out, scale, window, sinks, threads, tiles),
+        "bfloat16" => call::<Bf16>(py, q, k, v, spans, slots, out, scale, window, sinks, threads, tiles),
         other => Err(PyTypeError::new_err(format!("prefill attention takes float32 or bfloat16, not {other}"))),
     }
 }

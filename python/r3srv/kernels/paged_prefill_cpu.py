@@ -9,7 +9,8 @@ place, a block of a prompt's queries per key load, with an online softmax in flo
 split over the given threads. Without a window a query's row does not depend on how its prompt
 was chunked or batched (the same bits). Without a window or sinks, a flash attention over keys
 and values packed in blocks runs instead where the CPU has it (rust/src/flash_prefill.rs), at
-any context length: bfloat16 in AVX-512 BF16 dot products, float32 in AVX-512 FMA. Tensors
+any context length: bfloat16 in AVX-512 BF16 dot products, float32 in AVX-512 FMA (in AVX2 FMA,
+where the CPU lacks AVX-512F, for the contexts the portable kernel takes). Tensors
 cross as data pointers, shapes and strides: this module checks what Rust cannot (dtypes,
 devices, layouts, aliasing) and Rust checks every index before following it.
 """
@@ -46,13 +47,15 @@ def _flash_rule(name: str, head_dim: int, windowed: bool, sinks: bool) -> bool:
 
 
 def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float, window: int | None = None,
-                      sinks: torch.Tensor | None = None, threads: int = 1) -> None:
+                      sinks: torch.Tensor | None = None, threads: int = 1, kernel: str | None = None) -> None:
     """The prefill attention of every span into out's rows of it (out [T, H, Dv], contiguous):
     q [T, H, D]; k_cache [slots, KVH, D], v_cache [slots, KVH, Dv] with this step's keys and
     values written; columns [3, spans] (each span's first row in q, query count and context
     length, its queries the context's last); slots: the spans' context slots, span after span.
     threads: the work's split over the Rust core's thread pool (the CPU backend passes
-    settings.cpu_threads)."""
+    settings.cpu_threads). kernel: None (the fastest this CPU runs), or a narrower one named to
+    measure it: "avx512" or "avx2" flash tiles (ValueError where this CPU lacks them for the
+    dtype), "portable" (no flash)."""
     columns, slots = as_index(columns), as_index(slots)
     if columns.dim() != 2 or columns.shape[0] != 3 or slots.dim() != 1:
         raise ValueError(f"paged_prefill_cpu: columns {tuple(columns.shape)} must be [3, spans] and slots "
@@ -64,7 +67,7 @@ def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float,
         RUST_DTYPES[q.dtype], head_major("q", q), head_major("k_cache", k_cache), head_major("v_cache", v_cache),
         (columns.data_ptr(), columns.shape[1]), (slots.data_ptr(), slots.shape[0]), (out.data_ptr(), *out.shape),
         float(scale), window,
-        None if sinks is None else sinks.data_ptr(), threads,
+        None if sinks is None else sinks.data_ptr(), threads, kernel,
     )
 
 
