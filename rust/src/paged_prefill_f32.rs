@@ -37,27 +37,35 @@ fn lanes(tiles: Tiles) -> usize {
     }
 }
 
+/// `Flash::pack` in runs of W lanes (a constant: the runs' arithmetic is shifts and masks).
+fn pack<const W: usize>(p: &PagedPrefill<'_, f32>, slots: &[i64], kv_head: usize) -> Packed {
+    let (d, dv) = (p.q.dim, padded(p.v.dim));
+    let blocks = slots.len().div_ceil(KEYS);
+    let (k_block, v_block) = (d * KEYS, KEYS * dv);
+    let mut k = vec![0f32; blocks * k_block];
+    let mut v = vec![0f32; blocks * v_block];
+    for (pos, &slot) in slots.iter().enumerate() {
+        let (b, j) = (pos / KEYS, pos % KEYS);
+        let kb = &mut k[b * k_block + j / W * d * W + j % W..];
+        for (i, &x) in p.k.at(slot as usize, kv_head).iter().enumerate() {
+            kb[i * W] = x;
+        }
+        for (r, run) in p.v.at(slot as usize, kv_head).chunks(W).enumerate() {
+            v[b * v_block + r * KEYS * W + j * W..][..run.len()].copy_from_slice(run);
+        }
+    }
+    Packed { k, v }
+}
+
 impl Flash for f32 {
     type Packed = Packed;
 
     fn pack(p: &PagedPrefill<'_, f32>, slots: &[i64], kv_head: usize, tiles: Tiles) -> Packed {
-        let (d, dv, w) = (p.q.dim, padded(p.v.dim), lanes(tiles));
-        let blocks = slots.len().div_ceil(KEYS);
-        let (k_block, v_block) = (d * KEYS, KEYS * dv);
-        let mut k = vec![0f32; blocks * k_block];
-        let mut v = vec![0f32; blocks * v_block];
-        for (pos, &slot) in slots.iter().enumerate() {
-            let (b, j) = (pos / KEYS, pos % KEYS);
-            let kb = &mut k[b * k_block + j / w * d * w + j % w..];
-            for (i, &x) in p.k.at(slot as usize, kv_head).iter().enumerate() {
-                kb[i * w] = x;
-            }
-            let vb = &mut v[b * v_block + j * w..];
-            for (c, &x) in p.v.at(slot as usize, kv_head).iter().enumerate() {
-                vb[c / w * KEYS * w + c % w] = x;
-            }
+        match lanes(tiles) {
+            KEYS => pack::<KEYS>(p, slots, kv_head),
+            16 => pack::<16>(p, slots, kv_head),
+            other => unreachable!("no tiles of {other} lanes"),
         }
-        Packed { k, v }
     }
 
     fn takes(_head_dim: usize, windowed: bool, sinks: bool) -> bool {
