@@ -140,6 +140,14 @@ pub(crate) unsafe fn store_sums<const R: usize>(sums: &[[std::arch::x86_64::__m5
     }
 }
 
+/// A tile's R rows before their first block: sums s.acc [R, dv] zero, and each row's running
+/// maximum and sum of weights (-inf, 0).
+#[inline(always)]
+pub(crate) fn start_rows<const R: usize>(s: &mut Scratch, dv: usize) -> ([f32; R], [f32; R]) {
+    s.acc[..R * dv].fill(0.0);
+    ([f32::NEG_INFINITY; R], [0f32; R])
+}
+
 /// Each row of `acc` [rows, dv] divided by its sum of weights: the tile's result.
 #[inline(always)]
 pub(crate) fn normalize(acc: &mut [f32], totals: &[f32], dv: usize) {

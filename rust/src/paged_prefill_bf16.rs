@@ -5,7 +5,7 @@
 //! padded to whole blocks of 64 columns); the weights p are rounded to bfloat16 for the second
 //! product (as bfloat16 flash attentions do) and the denominator summed from the rounded weights.
 
-use crate::flash_prefill::{advance_row, exp_row, normalize, padded, Flash, Scratch, Tiles, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, normalize, padded, start_rows, Flash, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums};
 use crate::matmul_bf16::pair_bits;
@@ -95,9 +95,7 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
     use std::arch::x86_64::*;
     let (d2, dv) = (p.q.dim / 2, padded(p.v.dim));
     let (k_block, v_block) = (d2 * KEYS, KEYS / 2 * dv);
-    let mut max = [f32::NEG_INFINITY; R];
-    let mut total = [0f32; R];
-    s.acc[..R * dv].fill(0.0);
+    let (mut max, mut total) = start_rows::<R>(s, dv);
     for b in 0..blocks {
         // scores: q . k for the block's keys
         let kp = packed.k.as_ptr().add(b * k_block);

@@ -7,7 +7,7 @@
 //! registers take 6 rows x 16 lanes, a block's keys or each 64 value columns in four runs. Both
 //! keep every chain's order (the same bits).
 
-use crate::flash_prefill::{advance_row, exp_row, normalize, padded, Flash, Scratch, Tiles, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, normalize, padded, start_rows, Flash, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums, sum_halves};
 use crate::paged_prefill::PagedPrefill;
@@ -111,13 +111,11 @@ impl Flash for f32 {
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn tile_512<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q: &[*const f32; ROWS],
-                               pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
+                                   pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
     use std::arch::x86_64::*;
     let (d, dv) = (p.q.dim, padded(p.v.dim));
     let (k_block, v_block) = (d * KEYS, KEYS * dv);
-    let mut max = [f32::NEG_INFINITY; R];
-    let mut total = [0f32; R];
-    s.acc[..R * dv].fill(0.0);
+    let (mut max, mut total) = start_rows::<R>(s, dv);
     for b in 0..blocks {
         // scores: q . k for the block's keys
         let kp = packed.k.as_ptr().add(b * k_block);
@@ -176,9 +174,7 @@ unsafe fn tile_256<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q
     use std::arch::x86_64::*;
     let (d, dv) = (p.q.dim, padded(p.v.dim));
     let (k_block, v_block) = (d * KEYS, KEYS * dv);
-    let mut max = [f32::NEG_INFINITY; R];
-    let mut total = [0f32; R];
-    s.acc[..R * dv].fill(0.0);
+    let (mut max, mut total) = start_rows::<R>(s, dv);
     let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     let (scale, hidden) = (_mm256_set1_ps(p.scale), _mm256_set1_ps(f32::NEG_INFINITY));
     for b in 0..blocks {
