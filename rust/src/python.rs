@@ -598,10 +598,10 @@ fn paged_prefill_attention(
             (prefill, slice_mut::<T>(out.0, out_len)?)
         };
         let isa = *PAGED_DECODE_ISA.get_or_init(Isa::detect);
+        // tiles: None the widest flash tiles, Some(None) the portable kernel, Some(Some(t)) t's tiles
         py.detach(|| match tiles {
             Some(None) => crate::paged_prefill::paged_prefill(&prefill, out, threads, isa),
-            Some(Some(tiles)) => T::prefill(&prefill, out, threads, isa, Some(tiles)),
-            None => T::prefill(&prefill, out, threads, isa, None),
+            tiles => T::prefill(&prefill, out, threads, isa, tiles.flatten()),
         })
         .map_err(PyValueError::new_err)
     }
