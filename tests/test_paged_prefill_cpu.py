@@ -25,7 +25,8 @@ PAGE = 4
 
 
 def kernel_op(threads: int = 1, max_context: int | None = None, longer=None, kernel: str | None = None):
-    return span_kernel(functools.partial(cpu_kernel.paged_prefill_cpu, threads=threads, kernel=kernel), max_context, longer)
+    kernel_call = functools.partial(cpu_kernel.paged_prefill_cpu, threads=threads, kernel=kernel)
+    return span_kernel(kernel_call, max_context, longer)
 
 
 def generated_step(g: torch.Generator, sequences: int) -> tuple[ForwardBatch, int]:
