@@ -16,7 +16,7 @@ import logging
 from typing import Annotated, Any
 
 from litestar import Request, get, post
-from litestar.params import Parameter
+from litestar.params import JSONBody, QueryParameter
 
 from r3srv.engine import rpc
 from r3srv.engine import sleep as sleep_mode
@@ -34,14 +34,18 @@ logger = logging.getLogger(__name__)
 
 @post("/begin_weight_update", status_code=200, summary="Open a weight-update session (SGLang's)",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
-async def begin_weight_update(data: w.BeginWeightUpdateRequest, request: Request[Any, Any, Any]) -> w.SglangResult:
+async def begin_weight_update(
+    data: JSONBody[w.BeginWeightUpdateRequest], request: Request[Any, Any, Any]
+) -> w.SglangResult:
     await trainer_updates(request).begin_session(data.selector)
     return w.SglangResult(success=True, message="Success")
 
 
 @post("/end_weight_update", status_code=200, summary="Close the weight-update session (SGLang's)",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
-async def end_weight_update(data: w.EndWeightUpdateRequest, request: Request[Any, Any, Any]) -> w.SglangResult:
+async def end_weight_update(
+    data: JSONBody[w.EndWeightUpdateRequest], request: Request[Any, Any, Any]
+) -> w.SglangResult:
     await trainer_updates(request).end_session()
     return w.SglangResult(success=True, message="Success")
 
@@ -52,7 +56,7 @@ async def end_weight_update(data: w.EndWeightUpdateRequest, request: Request[Any
 @get("/get_world_size", summary="Ranks of this server, for a trainer's group (vLLM's)",
      access=Access.ADMIN, fleet=Fleet.ONE_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def get_world_size(
-    request: Request[Any, Any, Any], include_dp: Annotated[bool, Parameter(query="include_dp")] = True,
+    request: Request[Any, Any, Any], include_dp: Annotated[bool, QueryParameter(name="include_dp")] = True,
 ) -> w.WorldSize:
     parallel = server_state(request).engine.config.parallel
     ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
@@ -63,8 +67,8 @@ async def get_world_size(
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.SLEEP_MODE)
 async def sleep(
     request: Request[Any, Any, Any],
-    level: Annotated[int, Parameter(query="level")] = 1,
-    mode: Annotated[str, Parameter(query="mode")] = "abort",
+    level: Annotated[int, QueryParameter(name="level")] = 1,
+    mode: Annotated[str, QueryParameter(name="mode")] = "abort",
 ) -> w.SleepStatus:
     await sleep_mode.sleep(server_state(request).engine, level, mode)
     return w.SleepStatus(status="sleeping", level=level)
@@ -73,7 +77,7 @@ async def sleep(
 @post("/wake_up", status_code=200, summary="Take back what /sleep released; resume once awake (vLLM's)",
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.SLEEP_MODE)
 async def wake_up(
-    request: Request[Any, Any, Any], tags: Annotated[list[str] | None, Parameter(query="tags")] = None,
+    request: Request[Any, Any, Any], tags: Annotated[list[str] | None, QueryParameter(name="tags")] = None,
 ) -> w.WakeStatus:
     tags = tags or None  # vLLM: no tags wakes everything
     awake = await sleep_mode.wake_up(server_state(request).engine, tags)
@@ -88,7 +92,9 @@ async def is_sleeping(request: Request[Any, Any, Any]) -> w.IsSleeping:
 
 @post("/collective_rpc", status_code=200, summary="A weight-sync method of r3srv's fixed table (vLLM's route)",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.COLLECTIVE_RPC)
-async def collective_rpc(data: w.CollectiveRpcRequest, request: Request[Any, Any, Any]) -> w.CollectiveRpcResult:
+async def collective_rpc(
+    data: JSONBody[w.CollectiveRpcRequest], request: Request[Any, Any, Any]
+) -> w.CollectiveRpcResult:
     call = asyncio.ensure_future(rpc.collective_rpc(trainer_updates(request), data.method, data.args, data.kwargs))
     if data.timeout is None:
         return w.CollectiveRpcResult(results=await call)

@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from litestar import MediaType, Request, Response, post
+from litestar.params import JSONBody
 
 from r3srv.server import protocol as p
 from r3srv.server.declare import Access, Fleet
@@ -21,7 +22,7 @@ from r3srv.server.streaming import EngineStream, generate_stream
       opt={"fields": ROUTE_FIELDS["tito"]},
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
 async def generate(
-    data: p.GenerateRequest, request: Request[Any, Any, Any]
+    data: JSONBody[p.GenerateRequest], request: Request[Any, Any, Any]
 ) -> p.GenerateResponse | p.GenerateTextResponse:
     state = server_state(request)
     lora = state.check_model(data.model)  # an adapter's name selects it
@@ -42,7 +43,7 @@ async def generate(
 
 @post("/inference/v1/abort_requests", status_code=200, media_type=MediaType.TEXT, summary="Abort requests by request_id (vLLM scale-out)",
       access=Access.INFERENCE, fleet=Fleet.EVERY_REPLICA)
-async def abort_requests(data: p.AbortRequestsRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
+async def abort_requests(data: JSONBody[p.AbortRequestsRequest], request: Request[Any, Any, Any]) -> Response[bytes]:
     engine = server_state(request).engine
     for request_id in data.request_ids:
         await engine.abort(request_id)

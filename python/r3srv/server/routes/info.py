@@ -6,6 +6,7 @@ from typing import Any
 
 from litestar import MediaType, Request, Response, get, post
 from litestar.openapi import ResponseSpec
+from litestar.params import JSONBody
 
 import r3srv
 from r3srv.errors import InvalidRequestError
@@ -62,7 +63,7 @@ async def version() -> p.VersionResponse:
 
 @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages",
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
-async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> p.TokenizeResponse:
+async def tokenize(data: JSONBody[p.TokenizeRequest], request: Request[Any, Any, Any]) -> p.TokenizeResponse:
     state = server_state(request)
     state.check_model(data.model)
     tokenizer = state.tokenizer()
@@ -84,7 +85,7 @@ async def tokenize(data: p.TokenizeRequest, request: Request[Any, Any, Any]) -> 
 
 @post("/detokenize", status_code=200, summary="Turn token ids back into text",
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
-async def detokenize(data: p.DetokenizeRequest, request: Request[Any, Any, Any]) -> p.DetokenizeResponse:
+async def detokenize(data: JSONBody[p.DetokenizeRequest], request: Request[Any, Any, Any]) -> p.DetokenizeResponse:
     state = server_state(request)
     state.check_model(data.model)
     tokenizer = state.tokenizer()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from litestar import MediaType, Request, Response, post
+from litestar.params import JSONBody
 
 from r3srv.engine.tensor_unpickler import load_cuda_tensor_dict
 from r3srv.engine.weight_sync import named_tensor_metas
@@ -52,20 +53,24 @@ async def _load(request: Request[Any, Any, Any], name: str, path: str, *, replac
 
 @post("/v1/load_lora_adapter", status_code=200, media_type=MediaType.TEXT,
       summary="Load (or with load_inplace replace) a LoRA adapter from a PEFT save (vLLM)", **_LORA)
-async def vllm_load_lora_adapter(data: p.VllmLoadLoraRequest, request: Request[Any, Any, Any]) -> Response[str]:
+async def vllm_load_lora_adapter(
+    data: JSONBody[p.VllmLoadLoraRequest], request: Request[Any, Any, Any]
+) -> Response[str]:
     await _load(request, data.lora_name, data.lora_path, replace=data.load_inplace)
     return Response(f"Success: LoRA adapter '{data.lora_name}' added successfully.", media_type=MediaType.TEXT)
 
 
 @post("/v1/unload_lora_adapter", status_code=200, media_type=MediaType.TEXT,
       summary="Unload a LoRA adapter (vLLM)", **_LORA)
-async def vllm_unload_lora_adapter(data: p.VllmUnloadLoraRequest, request: Request[Any, Any, Any]) -> Response[str]:
+async def vllm_unload_lora_adapter(
+    data: JSONBody[p.VllmUnloadLoraRequest], request: Request[Any, Any, Any]
+) -> Response[str]:
     await server_state(request).engine.unload_lora_adapter(data.lora_name)
     return Response(f"Success: LoRA adapter '{data.lora_name}' removed successfully.", media_type=MediaType.TEXT)
 
 
 @post("/load_lora_adapter", status_code=200, summary="Load a LoRA adapter from a PEFT save (SGLang)", **_LORA)
-async def sglang_load_lora_adapter(data: p.SglangLoadLoraRequest,
+async def sglang_load_lora_adapter(data: JSONBody[p.SglangLoadLoraRequest],
                                    request: Request[Any, Any, Any]) -> p.SglangLoraUpdateOutput:
     await _load(request, data.lora_name, data.lora_path, replace=False, pinned=data.pinned)
     return _loaded(request)
@@ -73,7 +78,7 @@ async def sglang_load_lora_adapter(data: p.SglangLoadLoraRequest,
 
 @post("/load_lora_adapter_from_tensors", status_code=200,
       summary="Load a LoRA adapter a trainer on the same GPU pushes from memory (SGLang)", **_LORA)
-async def sglang_load_lora_adapter_from_tensors(data: p.SglangLoadLoraFromTensorsRequest,
+async def sglang_load_lora_adapter_from_tensors(data: JSONBody[p.SglangLoadLoraFromTensorsRequest],
                                                 request: Request[Any, Any, Any]) -> p.SglangLoraUpdateOutput:
     state = server_state(request)
     param = "serialized_named_tensors"
@@ -93,7 +98,7 @@ async def sglang_load_lora_adapter_from_tensors(data: p.SglangLoadLoraFromTensor
 @post("/load_lora_adapter_from_distributed", status_code=200,
       summary="Load or replace a LoRA adapter a trainer broadcasts over the weight-update group (r3srv's)",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.LORA)
-async def load_lora_adapter_from_distributed(data: p.LoadLoraFromDistributedRequest,
+async def load_lora_adapter_from_distributed(data: JSONBody[p.LoadLoraFromDistributedRequest],
                                              request: Request[Any, Any, Any]) -> p.SglangLoraUpdateOutput:
     """The trainer's push between rollout batches: a name already loaded is replaced in place
     (its version + 1, its cached prefixes dropped), under the rules of any replacement (requests
@@ -137,7 +142,7 @@ def _check_sums(tensors: dict[str, Any], expected: dict[str, str]) -> None:
 
 
 @post("/unload_lora_adapter", status_code=200, summary="Unload a LoRA adapter (SGLang)", **_LORA)
-async def sglang_unload_lora_adapter(data: p.SglangUnloadLoraRequest,
+async def sglang_unload_lora_adapter(data: JSONBody[p.SglangUnloadLoraRequest],
                                      request: Request[Any, Any, Any]) -> p.SglangLoraUpdateOutput:
     await server_state(request).engine.unload_lora_adapter(data.lora_name)
     return _loaded(request)

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, post
+from litestar.params import JSONBody
 
 from r3srv.errors import InvalidRequestError
 from r3srv.offload import run_sized
@@ -25,7 +26,7 @@ from r3srv.server.protocol.tools import check_tool_request
 
 @post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)", opt={"fields": ROUTE_FIELDS["completions"]},
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
-async def completions(data: p.CompletionRequest, request: Request[Any, Any, Any]) -> p.CompletionResponse:
+async def completions(data: JSONBody[p.CompletionRequest], request: Request[Any, Any, Any]) -> p.CompletionResponse:
     state = server_state(request)
     lora = state.check_model(data.model)  # an adapter's name selects it
     params = data.to_sampling_params()
@@ -62,7 +63,9 @@ def _open_final_message(rendered: str, content: str | list[dict[str, Any]]) -> s
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion (OpenAI)",
       opt={"fields": ROUTE_FIELDS["chat"]},
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
-async def chat_completions(data: p.ChatCompletionRequest, request: Request[Any, Any, Any]) -> p.ChatCompletionResponse:
+async def chat_completions(
+    data: JSONBody[p.ChatCompletionRequest], request: Request[Any, Any, Any]
+) -> p.ChatCompletionResponse:
     state = server_state(request)
     lora = state.check_model(data.model)  # an adapter's name selects it
     params = data.to_sampling_params()

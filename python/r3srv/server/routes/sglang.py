@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import MediaType, Request, Response, post
+from litestar.params import JSONBody
 
 from r3srv.offload import run_sized
 from r3srv.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMasks
@@ -39,7 +40,7 @@ ROUTE = "/generate"
 @post(ROUTE, status_code=200, opt={"fields": ROUTE_FIELDS["sglang"]},
       summary="Generate for one prompt or a batch (SGLang's native API), routed experts in meta_info",
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
-async def sglang_generate(data: p.SglangGenerateRequest, request: Request[Any, Any, Any]) -> Any:
+async def sglang_generate(data: JSONBody[p.SglangGenerateRequest], request: Request[Any, Any, Any]) -> Any:
     state = server_state(request)
     prompts = await _token_ids(state, data.prompts())
     images = data.images(len(prompts))
@@ -152,7 +153,9 @@ def _as_asked(req: p.SglangGenerateRequest, index: int, outputs: list[Completion
 
 @post("/abort_request", status_code=200, media_type=MediaType.TEXT, summary="Abort one request by rid, or all in flight (SGLang)",
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA)  # SGLang's auth level: ADMIN_OPTIONAL
-async def sglang_abort_request(data: p.SglangAbortRequest, request: Request[Any, Any, Any]) -> Response[bytes]:
+async def sglang_abort_request(
+    data: JSONBody[p.SglangAbortRequest], request: Request[Any, Any, Any]
+) -> Response[bytes]:
     state = server_state(request)
     if data.abort_all:
         await state.abort_all()

@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 from litestar import Request, post
+from litestar.params import JSONBody
 
 from r3srv.outputs import Logprob, RequestOutput
 from r3srv.server import protocol as p
@@ -24,7 +25,9 @@ CLAMPED_LOGPROB = -9999.0  # SkyRL's floor for a missing or non-finite sampled l
 @post(ROUTE, status_code=200, opt={"fields": ROUTE_FIELDS["skyrl"]},
       summary="Generate from token ids with routed experts in SkyRL's form (SkyRL's route)",
       access=Access.INFERENCE, fleet=Fleet.ONE_REPLICA)
-async def skyrl_generate(data: p.SkyrlGenerateRequest, request: Request[Any, Any, Any]) -> p.SkyrlGenerateResponse:
+async def skyrl_generate(
+    data: JSONBody[p.SkyrlGenerateRequest], request: Request[Any, Any, Any]
+) -> p.SkyrlGenerateResponse:
     state = server_state(request)
     lora = state.check_model(data.model)  # an adapter's name selects it, as on vLLM's routes
     params = data.to_sampling_params()

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, get, post
-from litestar.params import Parameter
+from litestar.params import JSONBody, QueryParameter
 
 from r3srv.engine.tensor_unpickler import load_named_cuda_tensors
 from r3srv.engine.weight_sync import PRIME_RL_GROUP, VLLM_GROUP, TrainerUpdates, named_tensor_metas
@@ -51,7 +51,9 @@ async def _join(request: Request[Any, Any, Any], *, address_param: str = "master
 
 @post("/init_weights_update_group", status_code=200, summary="Join the trainer's process group (rank 0 broadcasts)",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
-async def init_weights_update_group(data: w.InitWeightsUpdateGroupRequest, request: Request[Any, Any, Any]) -> w.SglangResult:
+async def init_weights_update_group(
+    data: JSONBody[w.InitWeightsUpdateGroupRequest], request: Request[Any, Any, Any]
+) -> w.SglangResult:
     message = await _join(request, master_address=data.master_address, master_port=data.master_port,
                           rank_offset=data.rank_offset, world_size=data.world_size, group_name=data.group_name,
                           backend=data.backend)
@@ -61,7 +63,7 @@ async def init_weights_update_group(data: w.InitWeightsUpdateGroupRequest, reque
 @post("/destroy_weights_update_group", status_code=200, summary="Leave a weight update group",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def destroy_weights_update_group(
-    data: w.DestroyWeightsUpdateGroupRequest, request: Request[Any, Any, Any]
+    data: JSONBody[w.DestroyWeightsUpdateGroupRequest], request: Request[Any, Any, Any]
 ) -> w.SglangResult:
     await trainer_updates(request).sync.leave(data.group_name)  # waits for a receive under way
     return w.SglangResult(success=True, message=f"left {data.group_name!r}")
@@ -70,7 +72,7 @@ async def destroy_weights_update_group(
 @post("/update_weights_from_distributed", status_code=200, summary="Receive named tensors broadcast by the trainer",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def update_weights_from_distributed(
-    data: w.UpdateWeightsFromDistributedRequest, request: Request[Any, Any, Any]
+    data: JSONBody[w.UpdateWeightsFromDistributedRequest], request: Request[Any, Any, Any]
 ) -> w.SglangResult:
     named = named_tensor_metas(data.names, data.dtypes, data.shapes, dtypes_param="dtypes")
     message = await trainer_updates(request).receive(
@@ -81,7 +83,7 @@ async def update_weights_from_distributed(
 @post("/update_weights_from_tensor", status_code=200, summary="Take CUDA tensors of a trainer on the same GPU",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
 async def update_weights_from_tensor(
-    data: w.UpdateWeightsFromTensorRequest, request: Request[Any, Any, Any]
+    data: JSONBody[w.UpdateWeightsFromTensorRequest], request: Request[Any, Any, Any]
 ) -> w.SglangResult:
     updates = trainer_updates(request)
     if updates.sync.device.type != "cuda":
@@ -107,7 +109,9 @@ async def update_weights_from_tensor(
 
 @post("/update_weight_version", status_code=200, summary="Rename the served weights (vLLM's and SGLang's)",
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
-async def update_weight_version(data: w.UpdateWeightVersionRequest, request: Request[Any, Any, Any]) -> w.WeightVersionResult:
+async def update_weight_version(
+    data: JSONBody[w.UpdateWeightVersionRequest], request: Request[Any, Any, Any]
+) -> w.WeightVersionResult:
     state = server_state(request)
     if data.abort_all_requests:
         await state.abort_all()
@@ -127,7 +131,9 @@ async def weight_info(request: Request[Any, Any, Any]) -> w.WeightInfo:
 @post("/init_broadcaster", status_code=200, summary="Join prime-rl's NCCL weight broadcast (its server's route)",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES,
       ranks=Ranks(world="inference_world_size", lowest_offset=0))
-async def init_broadcaster(data: w.PrimeRlInitBroadcasterRequest, request: Request[Any, Any, Any]) -> w.VllmStatus:
+async def init_broadcaster(
+    data: JSONBody[w.PrimeRlInitBroadcasterRequest], request: Request[Any, Any, Any]
+) -> w.VllmStatus:
     """prime-rl's worker joins vLLM's store rendezvous as rank_offset + its rank + 1 of
     inference_world_size + 1 (the trainer is rank 0); /update_weights then receives its pushes."""
     updates = trainer_updates(request)
@@ -147,8 +153,8 @@ async def init_broadcaster(data: w.PrimeRlInitBroadcasterRequest, request: Reque
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def pause(
     request: Request[Any, Any, Any],
-    mode: Annotated[str, Parameter(query="mode")] = "abort",
-    clear_cache: Annotated[bool, Parameter(query="clear_cache")] = True,
+    mode: Annotated[str, QueryParameter(name="mode")] = "abort",
+    clear_cache: Annotated[bool, QueryParameter(name="clear_cache")] = True,
 ) -> w.VllmStatus:
     state = server_state(request)
     if mode not in VLLM_PAUSE_MODES:
@@ -168,7 +174,9 @@ async def resume(request: Request[Any, Any, Any]) -> w.VllmStatus:
 
 @post("/init_weight_transfer_engine", status_code=200, summary="Join the trainer's process group (vLLM's name)",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
-async def init_weight_transfer_engine(data: w.VllmInitRequest, request: Request[Any, Any, Any]) -> w.VllmMessage:
+async def init_weight_transfer_engine(
+    data: JSONBody[w.VllmInitRequest], request: Request[Any, Any, Any]
+) -> w.VllmMessage:
     info = data.init_info
     backend = "nccl" if trainer_updates(request).sync.device.type == "cuda" else "gloo"  # gloo: the CPU's stand-in
     await _join(request, address_param="init_info.master_address", master_address=info.master_address,
@@ -199,7 +207,7 @@ async def start_draft_weight_update(request: Request[Any, Any, Any]) -> w.VllmMe
 
 @post("/finish_weight_update", status_code=200, summary="Apply the tensors received since /start_weight_update",
       access=Access.ADMIN, fleet=Fleet.OWN_RANK, requires=Feature.WEIGHT_UPDATES)
-async def finish_weight_update(data: w.VllmFinishRequest, request: Request[Any, Any, Any]) -> w.VllmMessage:
+async def finish_weight_update(data: JSONBody[w.VllmFinishRequest], request: Request[Any, Any, Any]) -> w.VllmMessage:
     await trainer_updates(request).finish_round(data.weight_version)
     return w.VllmMessage(message="Weight update finished")
 
@@ -207,7 +215,7 @@ async def finish_weight_update(data: w.VllmFinishRequest, request: Request[Any, 
 @post("/update_weights", status_code=200,
       summary="vLLM's weight transfer ({update_info}) or prime-rl's disk update ({weight_dir})",
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
-async def update_weights(data: dict[str, Any], request: Request[Any, Any, Any]) -> w.VllmMessage:
+async def update_weights(data: JSONBody[dict[str, Any]], request: Request[Any, Any, Any]) -> w.VllmMessage:
     if "weight_dir" in data:
         body = msgspec.convert(data, w.PrimeRlUpdateRequest)
         updates = trainer_updates(request)

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from litestar import HttpMethod, Request, get, post, route
+from litestar.params import JSONBody
 
 from r3srv.errors import ConfigError, InvalidRequestError, PermissionDeniedError
 from r3srv.server import protocol as p
@@ -30,7 +31,7 @@ from r3srv.server.routes.common import server_state
 @post("/update_weights_from_disk", status_code=200, summary="Load new weights of the served architecture",
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def update_weights_from_disk(
-    data: p.UpdateWeightsFromDiskRequest, request: Request[Any, Any, Any]
+    data: JSONBody[p.UpdateWeightsFromDiskRequest], request: Request[Any, Any, Any]
 ) -> p.UpdateWeightsResponse:
     seconds = await update_weights_from_dir(
         request, data.model_path, abort_running=data.abort_all_requests, weight_version=data.weight_version
@@ -103,7 +104,7 @@ async def _forget_prefixes(request: Request[Any, Any, Any]) -> p.ResetPrefixCach
 @post("/release_memory_occupation", status_code=200, summary="Free the KV cache and/or move the weights to host memory",
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def release_memory_occupation(
-    data: p.MemoryOccupationRequest, request: Request[Any, Any, Any]
+    data: JSONBody[p.MemoryOccupationRequest], request: Request[Any, Any, Any]
 ) -> p.MemoryOccupationResponse:
     state = server_state(request)
     released = await state.engine.release_memory(data.tags)
@@ -113,7 +114,7 @@ async def release_memory_occupation(
 @post("/resume_memory_occupation", status_code=200, summary="Take back what /release_memory_occupation gave up",
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
 async def resume_memory_occupation(
-    data: p.MemoryOccupationRequest, request: Request[Any, Any, Any]
+    data: JSONBody[p.MemoryOccupationRequest], request: Request[Any, Any, Any]
 ) -> p.MemoryOccupationResponse:
     state = server_state(request)
     released = await state.engine.resume_memory(data.tags)
@@ -122,7 +123,9 @@ async def resume_memory_occupation(
 
 @post("/pause_generation", status_code=200, summary="Stop generating until /continue_generation (abort, retract or in place)",
       access=Access.ADMIN, fleet=Fleet.EVERY_REPLICA, requires=Feature.WEIGHT_UPDATES)
-async def pause_generation(data: p.PauseGenerationRequest, request: Request[Any, Any, Any]) -> p.PauseGenerationResponse:
+async def pause_generation(
+    data: JSONBody[p.PauseGenerationRequest], request: Request[Any, Any, Any]
+) -> p.PauseGenerationResponse:
     state = server_state(request)
     done = await state.engine.pause_generation(data.mode)
     return p.PauseGenerationResponse(success=True, mode=data.mode, num_aborted=done["aborted"],
