@@ -27,6 +27,9 @@ pub enum Tiles {
 }
 
 impl Tiles {
+    /// Widest first.
+    pub const ALL: [Tiles; 2] = [Tiles::Avx512, Tiles::Avx2];
+
     pub fn name(self) -> &'static str {
         match self {
             Tiles::Avx512 => "avx512",
@@ -35,7 +38,7 @@ impl Tiles {
     }
 
     pub fn parse(name: &str) -> Option<Tiles> {
-        [Tiles::Avx512, Tiles::Avx2].into_iter().find(|t| t.name() == name)
+        Tiles::ALL.into_iter().find(|t| t.name() == name)
     }
 }
 
@@ -62,7 +65,7 @@ pub(crate) trait Flash: Element {
 
     /// The widest tiles this CPU runs the kernel in, if any.
     fn fastest() -> Option<Tiles> {
-        [Tiles::Avx512, Tiles::Avx2].into_iter().find(|&t| Self::runs(t))
+        Tiles::ALL.into_iter().find(|&t| Self::runs(t))
     }
 
     /// R rows' attention over their first `blocks` key blocks into s.acc ([R, padded(v_dim)],

@@ -396,11 +396,9 @@ fn tile_slots<T: Element>(d: &PagedDecode<'_, T>, table: &[i64], lo: usize, n: u
 /// few KiB each, that the hardware prefetcher does not foresee.
 #[inline(always)]
 pub(crate) fn prefetch_slots<T: Element>(d: &PagedDecode<'_, T>, slots: &[usize]) {
-    for &slot in slots {
-        for h in 0..d.k.heads {
-            crate::prefetch::prefetch_l2(d.k.at(slot, h));
-            crate::prefetch::prefetch_l2(d.v.at(slot, h));
-        }
+    for h in 0..d.k.heads {
+        prefetch_rows(&d.k, slots, h);
+        prefetch_rows(&d.v, slots, h);
     }
 }
 

@@ -596,7 +596,7 @@ mod tests {
     /// tiles this CPU runs the kernel in, on any thread count and however a prompt is chunked or
     /// batched; windows and sinks left to `paged_prefill`.
     fn check_flash_kernel<T: Prefill + Flash + PartialEq + std::fmt::Debug>(tiles: Tiles, tolerance: impl Fn(f64) -> f64) {
-        let others: Vec<Tiles> = [Tiles::Avx512, Tiles::Avx2].into_iter().filter(|&t| t != tiles && T::runs(t)).collect();
+        let others: Vec<Tiles> = Tiles::ALL.into_iter().filter(|&t| t != tiles && T::runs(t)).collect();
         let to = |v: &[f32]| v.iter().map(|&f| T::from_f32(f)).collect::<Vec<_>>();
         let widen = |v: &[T]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
         for (heads, kv_heads) in [(4, 4), (8, 2), (16, 1), (6, 2)] {
@@ -677,7 +677,7 @@ mod tests {
     /// (AVX-512F, AVX2 with FMA): within `check`'s tolerance, the two the same bits.
     #[test]
     fn the_float32_flash_kernel_equals_the_reference_and_keeps_a_rows_bits() {
-        let tiles: Vec<Tiles> = [Tiles::Avx512, Tiles::Avx2].into_iter().filter(|&t| f32::runs(t)).collect();
+        let tiles: Vec<Tiles> = Tiles::ALL.into_iter().filter(|&t| f32::runs(t)).collect();
         if tiles.is_empty() {
             eprintln!("skipped: this CPU has neither AVX-512F nor AVX2 with FMA (the float32 flash kernel's tiles)");
             return;
