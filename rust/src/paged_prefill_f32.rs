@@ -10,6 +10,8 @@
 use crate::flash_prefill::{advance_row, exp_row, normalize, padded, start_rows, Flash, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums, sum_halves};
+#[cfg(target_arch = "x86_64")]
+use crate::paged_attn::lane_max;
 use crate::paged_prefill::PagedPrefill;
 
 /// Whether this kernel computes float32 prefills (with a window, with sinks) at any context
@@ -204,16 +206,7 @@ unsafe fn tile_256<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q
         // the online softmax, row by row (a row's new maximum: max is exact in any order)
         for i in 0..R {
             let scores = &mut s.scores[i * KEYS..(i + 1) * KEYS];
-            let column = |c: usize| -> [__m256; 2] {
-                let at = scores.as_ptr().add(16 * c);
-                [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]
-            };
-            let [c0, c1, c2, c3] = [column(0), column(1), column(2), column(3)];
-            let eight = _mm256_max_ps(_mm256_max_ps(_mm256_max_ps(c0[0], c0[1]), _mm256_max_ps(c1[0], c1[1])),
-                                      _mm256_max_ps(_mm256_max_ps(c2[0], c2[1]), _mm256_max_ps(c3[0], c3[1])));
-            let four = _mm_max_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps::<1>(eight));
-            let two = _mm_max_ps(four, _mm_movehl_ps(four, four));
-            let top = max[i].max(_mm_cvtss_f32(_mm_max_ss(two, _mm_shuffle_ps::<1>(two, two))));
+            let top = max[i].max(lane_max(scores));
             let fix = exp_row(scores, top, max[i]);
             let half = |h: usize| {
                 let at = scores.as_ptr().add(8 * h);
