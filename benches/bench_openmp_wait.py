@@ -57,12 +57,13 @@ def worker(workload: str, dtype: str, rounds: int, seed: int) -> list[float]:
     return took
 
 
-def run_side(wait: str, workload: str, dtype: str, threads: int, rounds: int, seed: int) -> list[float]:
-    """One worker process with libgomp's `wait`: its rounds' seconds."""
+def run_side(side: dict[str, str], workload: str, dtype: str, threads: int, rounds: int, seed: int) -> list[float]:
+    """One worker process with the environment `side` adds (libgomp's wait is the default one
+    unless it sets it): its rounds' seconds."""
     from r3srv.preload import preload_env, tcmalloc_path
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(WAITS[wait], R3SRV_CPU_THREADS=str(threads))
+    env.update(side, R3SRV_CPU_THREADS=str(threads))
     env = preload_env(env, "cpu", True, tcmalloc_path()) or env  # as `r3srv serve` starts
     args = [sys.executable, __file__, "--worker", workload, "--dtype", dtype, "--rounds", str(rounds),
             "--seed", str(seed)]
@@ -70,20 +71,24 @@ def run_side(wait: str, workload: str, dtype: str, threads: int, rounds: int, se
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compare(workload: str, dtype: str, threads: int, pairs: int, rounds: int) -> dict[str, list[float]]:
-    """Each pair's median seconds per side, the sides alternating which goes first."""
-    took: dict[str, list[float]] = {wait: [] for wait in WAITS}
+def compare(workload: str, dtype: str, threads: int, pairs: int, rounds: int,
+            sides: dict[str, dict[str, str]] = WAITS) -> dict[str, list[float]]:
+    """Each pair's median seconds per side (by name: the environment it adds), the sides
+    alternating which goes first."""
+    took: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(pairs):
-        order = list(WAITS) if i % 2 == 0 else list(WAITS)[::-1]
-        for wait in order:
-            took[wait].append(statistics.median(run_side(wait, workload, dtype, threads, rounds, seed=i)))
+        order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+        for name in order:
+            took[name].append(statistics.median(run_side(sides[name], workload, dtype, threads, rounds, seed=i)))
     return took
 
 
-def report(workload: str, dtype: str, threads: int, took: dict[str, list[float]]) -> str:
-    ratios = [d / p for d, p in zip(took["default"], took["passive"], strict=True)]
-    return (f"{dtype} threads={threads} {workload:18s} default {statistics.median(took['default']):.3f} s, passive "
-            f"{statistics.median(took['passive']):.3f} s; default/passive {statistics.median(ratios):.2f}x "
+def report(workload: str, dtype: str, threads: int, took: dict[str, list[float]], before: str = "default",
+           after: str = "passive") -> str:
+    """The sides' median seconds and the median (range) of the per-pair ratios before / after."""
+    ratios = [b / a for b, a in zip(took[before], took[after], strict=True)]
+    return (f"{dtype} threads={threads} {workload:18s} {before} {statistics.median(took[before]):.3f} s, {after} "
+            f"{statistics.median(took[after]):.3f} s; {before}/{after} {statistics.median(ratios):.2f}x "
             f"({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} pairs")
 
 

@@ -15,7 +15,7 @@ from engine_testing import GREEDY, model_of, one_torch_thread, prompt_ids, rebou
 from paged_decode_testing import MODEL_CASES
 from r3srv import LLM, SamplingParams
 from r3srv import settings as settings_module
-from r3srv.kernels import cpu_isa
+from r3srv.kernels import cpu_isa, kernel_threads
 from r3srv.kernels import paged_prefill_cpu as cpu_kernel
 from r3srv.models.batch import ForwardBatch
 from r3srv.ops import ops_for
@@ -323,30 +323,36 @@ def test_cpu_prefills_take_the_kernel_unless_turned_off(monkeypatch):
     def takes_kernel(op) -> bool:
         return getattr(op, "__qualname__", "").startswith("span_kernel")
 
+    # more threads: the kernel on torch's OpenMP team (where torch runs libgomp: the default);
+    # on a pool of its own beside spinning OpenMP threads, large steps only
+    on_team = kernel_threads.torch_openmp_library() is not None
+    own_pool = dict(cpu_threads=2, openmp_kernel_threads=False)
     for dtype in (torch.float32, torch.bfloat16):
         assert takes_kernel(chosen(dtype, cpu_threads=1))
-        assert chosen(dtype, cpu_threads=2).__qualname__.startswith("large_steps_only")
+        assert takes_kernel(chosen(dtype, cpu_threads=2)) == on_team
+        assert chosen(dtype, **own_pool).__qualname__.startswith("large_steps_only")
     # torch's OpenMP threads waiting passively (as `r3srv serve` has them): the kernel on any threads
     for passive in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "0"}):
         spinning_openmp(monkeypatch)
         for name, value in passive.items():
             monkeypatch.setenv(name, value)
-        assert takes_kernel(chosen(torch.float32, cpu_threads=2)), passive
+        assert takes_kernel(chosen(torch.float32, **own_pool)), passive
     spinning_openmp(monkeypatch)
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
-    assert chosen(torch.float32, cpu_threads=2).__qualname__.startswith("large_steps_only")
+    assert chosen(torch.float32, **own_pool).__qualname__.startswith("large_steps_only")
     assert not takes_kernel(chosen(torch.float16, cpu_threads=1))  # float16: the torch path
     assert not takes_kernel(chosen(torch.float32, cpu_threads=1, rust_prefill=False))
 
 
 def test_on_more_threads_only_large_steps_take_the_kernel(monkeypatch):
-    """Two threads: a step of less attention work than RUST_THREADED_PREFILL_MIN_MACS keeps SDPA,
-    a larger one takes the kernel (on both threads); both give the torch path's rows."""
+    """Two threads, the kernels on a pool of their own beside spinning OpenMP threads: a step of
+    less attention work than RUST_THREADED_PREFILL_MIN_MACS keeps SDPA, a larger one takes the
+    kernel (on both threads); both give the torch path's rows."""
     from r3srv.ops import cpu as cpu_backend
 
     calls = counting_kernel(monkeypatch)
     spinning_openmp(monkeypatch)
-    with settings_module.overridden(cpu_threads=2):
+    with settings_module.overridden(cpu_threads=2, openmp_kernel_threads=False):
         op = ops_for("cpu", torch.float32).prefill_attention
     g = torch.Generator().manual_seed(3)
     large = ForwardBatch(input_ids=torch.zeros(400, dtype=torch.int64), positions=torch.arange(400),

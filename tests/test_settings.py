@@ -39,6 +39,7 @@ EXAMPLES = {
     "R3SRV_RUST_ROPE": ("0", False),
     "R3SRV_RUST_ROUTER": ("0", False),
     "R3SRV_FAST_CPU_DECODE": ("0", False),
+    "R3SRV_OPENMP_KERNEL_THREADS": ("0", False),
     "R3SRV_FORCE_TORCH_ROUTER": ("1", True),
     "R3SRV_EP_DISPATCH": ("all_to_all", "all_to_all"),
     "R3SRV_CUDA_GRAPHS": ("1", True),

@@ -15,7 +15,9 @@ followed by the Rust kernels (the router, the expert pass, attention), whose thr
 the cores with the spinning ones: at two threads the expert pass after a torch op took 15-20%
 longer. OMP_WAIT_POLICY=PASSIVE makes them sleep at once (docs/benchmarks.md). libgomp reads it
 when it loads, with torch, so `serve` sets it before anything imports torch; a wait policy or
-spin count the user set stays.
+spin count the user set stays. The kernels now run on torch's OpenMP team itself
+(kernels/kernel_threads.py), where either wait measured the same for the server; the passive
+one stays for kernels on a pool of their own (`--no-openmp-kernel-threads`).
 """
 
 from __future__ import annotations

@@ -55,6 +55,8 @@ class Settings:
     rust_rope: bool = _setting(True, "CPU q/k norms and RoPE of an attention layer in one Rust call; off: torch's ops")
     rust_router: bool = _setting(True, "CPU routing in one Rust call; off: the torch reference")
     fast_cpu_decode: bool = _setting(True, "CPU decode steps of plain MoE layers as straight kernel calls; off: the modules")
+    openmp_kernel_threads: bool = _setting(True, "the Rust CPU kernels run on torch's OpenMP threads (one team with torch's "
+                                           "ops) where torch runs GNU OpenMP; off: their own thread pool")
     force_torch_router: bool = _setting(False, "route with the torch reference, never the Triton kernel")
     ep_dispatch: str = _setting("all_reduce", "expert parallelism's combine: all_reduce or all_to_all (dispatch)")
     # Decode steps replayed as CUDA graphs when EngineConfig.cuda_graphs is not given (serve's own

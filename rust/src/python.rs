@@ -791,6 +791,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(configure_encoder, m)?)?;
     m.add_function(wrap_pyfunction!(encoder_isa, m)?)?;
     m.add_function(wrap_pyfunction!(crate::huge_pages::python::advise_huge_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::workers::python::use_openmp_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::workers::python::kernel_threads, m)?)?;
     crate::formats::python::register(m)?;
     crate::lists::python::register(m)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_cpu, m)?)?;

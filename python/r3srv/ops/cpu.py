@@ -10,8 +10,9 @@ paths otherwise, each chosen once when a model is built (`build`).
   RUST_PREFILL_MAX_CONTEXT (any length where the CPU has the dtype's flash kernel: AVX-512 BF16
   for bfloat16, AVX-512F for float32; no window or sinks) in one call,
   kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`;
-  on more than one thread only for steps of RUST_THREADED_PREFILL_MIN_MACS, unless torch's
-  OpenMP threads wait passively, as under `r3srv serve`); longer ones (and
+  on more than one thread only for steps of RUST_THREADED_PREFILL_MIN_MACS where the kernels
+  run on a pool of their own while torch's OpenMP threads spin, not on torch's team
+  (kernels/kernel_threads.py, the default) or with the passive wait `r3srv serve` sets); longer ones (and
   all, off) SDPA per prompt, a chunk after cached tokens as two flash
   attentions merged by their log-sum-exps (ops/attention.py);
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
@@ -22,7 +23,8 @@ paths otherwise, each chosen once when a model is built (`build`).
   fused op (ops/cpu_decode.py, `--[no-]fast-cpu-decode`).
 
 Threads (`--cpu-threads`): the Rust kernels split their own work over all of them, threads
-taking work from a shared counter or in equal runs, and only when a call is large enough.
+taking work from a shared counter, and only when a call is large enough; they run on torch's
+OpenMP team (kernels/kernel_threads.py, `--[no-]openmp-kernel-threads`).
 torch's OpenMP team gets them only for steps of many tokens (prefills), whose matmuls and
 attention are large enough to split: a decode step issues hundreds of small ops, each a fork
 and join where every thread waits for the slowest, and on a busy machine for a descheduled one
@@ -35,8 +37,8 @@ import functools
 
 import torch
 
-from r3srv.kernels import (expert_pairs_cpu, linear_cpu, paged_decode_cpu, paged_prefill_cpu, qk_rope_cpu, rms_norm_cpu,
-                           router_cpu)
+from r3srv.kernels import (expert_pairs_cpu, kernel_threads, linear_cpu, paged_decode_cpu, paged_prefill_cpu, qk_rope_cpu,
+                           rms_norm_cpu, router_cpu)
 from r3srv.kernels.router_reference import route_reference
 from r3srv.kernels.rust_core import RUST_DTYPES
 from r3srv.ops import cpu_decode
@@ -67,6 +69,9 @@ SCAN_PAD_FACTOR = 0.0
 
 def build(dtype: torch.dtype, current: Settings) -> Ops:
     threads = current.cpu_threads
+    # the kernels' threads share the cores with OpenMP threads spinning after torch's ops only on
+    # a pool of their own, and only while libgomp spins (r3srv serve makes it wait passively)
+    contended = kernel_threads.choose(current.openmp_kernel_threads) != "openmp" and not waits_passively()
     rust_dtype = dtype in RUST_DTYPES
     linear = kernel_linear(linear_cpu.linear_rust, threads) if current.rust_linear and linear_cpu.BUILT else None
     norms = dict(REFERENCE_NORMS)
@@ -82,7 +87,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     if current.rust_prefill and paged_prefill_cpu.BUILT and rust_dtype:
         kernel = span_kernel(functools.partial(paged_prefill_cpu.paged_prefill_cpu, threads=threads),
                              RUST_PREFILL_MAX_CONTEXT, prefill, paged_prefill_cpu.flash_applies)
-        prefill = kernel if threads == 1 or waits_passively() else large_steps_only(kernel, prefill)
+        prefill = large_steps_only(kernel, prefill) if threads > 1 and contended else kernel
     rust_router = current.rust_router and not current.force_torch_router and router_cpu.BUILT
     expert_kernel = current.cpu_expert_kernel and expert_pairs_cpu.BUILT
     grouped = "cpu" if current.grouped_mm else None
@@ -116,11 +121,11 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
 
 
 def large_steps_only(kernel, torch_path):
-    """The prefill op on more than one thread while torch's OpenMP threads spin between ops (libgomp's
-    default): the kernel for a step of at least RUST_THREADED_PREFILL_MIN_MACS of attention, SDPA
-    below. The spinning threads take the cores the kernel's threads need: a fixed delay that only
-    a large call outweighs. With a passive wait (r3srv.preload) the kernel wins at every size
-    (docs/benchmarks.md)."""
+    """The prefill op on more than one thread while the kernels run on a pool of their own and
+    torch's OpenMP threads spin between ops (libgomp's default): the kernel for a step of at
+    least RUST_THREADED_PREFILL_MIN_MACS of attention, SDPA below. The spinning threads take the
+    cores the kernel's threads need: a fixed delay that only a large call outweighs. On torch's
+    team, or with a passive wait (r3srv.preload), the kernel wins at every size (docs/benchmarks.md)."""
 
     def prefill(q, k, v, k_cache, v_cache, spans, out, **kwargs) -> None:
         work = sum((s.end - s.start) * s.context_len for s in spans) * q.shape[1] * (q.shape[2] + v_cache.shape[-1])
