@@ -9,12 +9,11 @@ paths otherwise, each chosen once when a model is built (`build`).
 - prefill attention (float32, bfloat16): every prompt and chunk of a step of contexts up to
   RUST_PREFILL_MAX_CONTEXT (any length where the CPU has the dtype's flash kernel: AVX-512 BF16
   for bfloat16, AVX-512F for float32; no window or sinks) in one call,
-  kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`;
-  on more than one thread only for steps of RUST_THREADED_PREFILL_MIN_MACS where the kernels
-  run on a pool of their own while torch's OpenMP threads spin, not on torch's team
-  (kernels/kernel_threads.py, the default) or with the passive wait `r3srv serve` sets); longer ones (and
-  all, off) SDPA per prompt, a chunk after cached tokens as two flash
-  attentions merged by their log-sum-exps (ops/attention.py);
+  kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`; on more than one thread only for steps
+  of RUST_THREADED_PREFILL_MIN_MACS where the kernels run on a pool of their own while torch's
+  OpenMP threads spin, not on torch's team (kernels/kernel_threads.py, the default) or with the
+  passive wait `r3srv serve` sets); longer ones (and all, off) SDPA per prompt, a chunk after
+  cached tokens as two flash attentions merged by their log-sum-exps (ops/attention.py);
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
   `--force-torch-router`);
 - the expert pass (float32, bfloat16): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
