@@ -164,6 +164,40 @@ def test_families_without_an_indexer_are_refused(tmp_path):
     assert err.value.param == "return_indexer_topk"
 
 
+def test_the_host_buffer_is_sized_with_the_pool_and_checked_against_memory(family, monkeypatch):
+    """On the CPU the automatic KV pool counts each slot's selections (host memory, the cache's
+    own); a buffer larger than the host's available memory is a ConfigError at start-up, before
+    the cache is allocated, not a process killed once its pages fill."""
+    from r3srv.engine import core as core_module
+    from r3srv.engine.indexer_topk import bytes_per_slot
+
+    path, _ = family
+    monkeypatch.setattr(core_module, "_mem_available", lambda: 64 << 20)
+    pools = {}
+    for on in (False, True):
+        llm = LLM(path, block_size=4, max_model_len=64, max_num_seqs=4096, kv_cache_memory_fraction=0.5,
+                  enable_return_indexer_topk=on)
+        core = llm.engine.core
+        per_block = core.executor.kv_cache_bytes_per_block(4) + 4 * row_bytes(core)
+        if on:
+            per_slot = bytes_per_slot(core.model_config, 64)
+            assert per_slot == core.indexer_topk.values_per_token * core.indexer_topk.values.itemsize > 0
+            per_block += 4 * per_slot
+        pools[on] = core.config.num_kv_blocks
+        assert pools[on] == (32 << 20) // per_block  # the budget binds (useful: 4096 x 16 blocks)
+    assert pools[True] < pools[False]
+    monkeypatch.setattr(core_module, "_mem_available", lambda: 4 << 10)  # 4 KiB: no buffer of 64 blocks fits
+    with pytest.raises(ConfigError, match="indexer top-k buffer .* more than the 0.00 GiB available") as err:
+        LLM(path, block_size=4, num_kv_blocks=64, max_model_len=64, enable_return_indexer_topk=True)
+    assert "num_kv_blocks" in str(err.value)
+    assert LLM(path, block_size=4, num_kv_blocks=64, max_model_len=64).engine.core.indexer_topk is None  # off: no check
+
+
+def row_bytes(core) -> int:
+    """A slot's routed-experts row in the buffer's dtype (0 with the rows off)."""
+    return 0 if core.rows is None else core.rows.rows[0].nbytes
+
+
 @pytest.mark.parametrize("max_model_len, dtype", [(32767, np.int16), (32768, np.int32)])
 def test_buffer_keeps_positions_by_slot_compactly(max_model_len, dtype):
     """Stored in the narrowest type that holds every position and the -1 pad; read back as int32

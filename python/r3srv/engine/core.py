@@ -21,7 +21,7 @@ import torch
 from r3srv.config import EngineConfig
 from r3srv.engine.block_manager import BlockManager
 from r3srv.engine.executor import Executor
-from r3srv.engine.indexer_topk import IndexerTopkBuffer
+from r3srv.engine.indexer_topk import IndexerTopkBuffer, bytes_per_slot as indexer_bytes_per_slot
 from r3srv.engine.placement import load_model_for
 from r3srv.engine.input_processor import EngineRequest
 from r3srv.engine.requests import CoreOutputs, CoreRequest, RequestUpdate, SeqUpdate
@@ -114,6 +114,10 @@ class EngineCore:
                                           tensor_parallel=self.executor.ranks is not None)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.config = config = config.with_kv_pool(num_blocks)
+        # checked against the host's memory before the cache takes its share
+        self.indexer_topk = (IndexerTopkBuffer.for_model(mc, num_blocks * config.block_size, self.max_model_len,
+                                                         available=_mem_available())
+                             if config.enable_return_indexer_topk else None)
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
         self._log_memory_plan(num_blocks)
         self.rows = (
@@ -122,8 +126,6 @@ class EngineCore:
             if config.enable_return_routed_experts
             else None
         )
-        self.indexer_topk = (IndexerTopkBuffer.for_model(mc, num_blocks * config.block_size, self.max_model_len)
-                             if config.enable_return_indexer_topk else None)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             num_state_slots=self.num_state_slots, num_state_snapshots=self.num_state_snapshots,
@@ -182,6 +184,8 @@ class EngineCore:
         if cfg.enable_return_routed_experts:  # the rows of a block's slots, in the buffer's dtype
             per_block += cfg.block_size * row_bytes_per_slot(mc.num_layers, mc.top_k, mc.num_experts)
         kind = self.device.type
+        if cfg.enable_return_indexer_topk and kind == "cpu":  # host memory, the cache's own on the CPU
+            per_block += cfg.block_size * indexer_bytes_per_slot(mc, self.max_model_len)
         fraction = cfg.kv_cache_memory_fraction or _DEFAULT_KV_FRACTION[kind]
         if kind == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

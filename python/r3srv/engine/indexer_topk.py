@@ -27,6 +27,14 @@ def storage_dtype(max_model_len: int) -> np.dtype:
     return np.dtype(np.int16) if max_model_len <= np.iinfo(np.int16).max else np.dtype(np.int32)
 
 
+def bytes_per_slot(mc, max_model_len: int) -> int:
+    """Host bytes the buffer keeps for each KV slot (0 for a model without an indexer)."""
+    sparse = mc.attention.sparse
+    if sparse is None:
+        return 0
+    return len(sparse.indexer_layers(mc.num_layers)) * sparse.topk * storage_dtype(max_model_len).itemsize
+
+
 class IndexerTopkBuffer:
     def __init__(self, num_slots: int, num_layers: int, topk: int, max_model_len: int) -> None:
         self.num_layers, self.topk = num_layers, topk
@@ -35,13 +43,23 @@ class IndexerTopkBuffer:
         self._capture: torch.Tensor | None = None
 
     @classmethod
-    def for_model(cls, mc, num_slots: int, max_model_len: int) -> IndexerTopkBuffer:
-        """The buffer of a model with an indexer (a ConfigError for one without)."""
+    def for_model(cls, mc, num_slots: int, max_model_len: int, available: int | None = None) -> IndexerTopkBuffer:
+        """The buffer of a model with an indexer (a ConfigError for one without, and for one
+        larger than `available` bytes of host memory: its pages fill as the slots do, so too
+        large a buffer would end the process long after start-up)."""
         sparse = mc.attention.sparse
         if sparse is None:
             raise ConfigError(f"enable_return_indexer_topk=True, but {mc.model_type} has no sparse-attention "
                               "indexer (DeepSeek-V3.2 and GLM-5 have one)")
-        return cls(num_slots, len(sparse.indexer_layers(mc.num_layers)), sparse.topk, max_model_len)
+        layers = len(sparse.indexer_layers(mc.num_layers))
+        size = num_slots * bytes_per_slot(mc, max_model_len)
+        if available is not None and size > available:
+            raise ConfigError(
+                f"the indexer top-k buffer (enable_return_indexer_topk) of {num_slots} KV slots x {layers} indexer "
+                f"layers x {sparse.topk} positions takes {size / 2**30:.2f} GiB of host memory, more than the "
+                f"{available / 2**30:.2f} GiB available: lower num_kv_blocks (or max_num_seqs or max_model_len, "
+                "which size the automatic pool), or leave enable_return_indexer_topk off")
+        return cls(num_slots, layers, sparse.topk, max_model_len)
 
     @property
     def values_per_token(self) -> int:
