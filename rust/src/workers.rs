@@ -60,7 +60,8 @@ pub fn on_openmp() -> bool {
 mod openmp {
     use std::any::Any;
     use std::ffi::{c_uint, c_void, CString};
-    use std::sync::{Mutex, RwLock};
+    use std::sync::atomic::{AtomicPtr, Ordering};
+    use std::sync::Mutex;
 
     type Parallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
 
@@ -71,21 +72,24 @@ mod openmp {
         parallel: Parallel,
     }
 
-    static TEAM: RwLock<Option<Team>> = RwLock::new(None);
+    /// The chosen team's GOMP_parallel, null for the rayon pool: read on every parallel call.
+    static PARALLEL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 
     pub(super) fn team() -> Option<Team> {
-        *TEAM.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+        let symbol = PARALLEL.load(Ordering::Acquire);
+        // SAFETY: a non-null value is GOMP_parallel's address (`find`), valid for the process.
+        (!symbol.is_null()).then(|| Team { parallel: unsafe { std::mem::transmute::<*mut c_void, Parallel>(symbol) } })
     }
 
     pub(super) fn choose(path: Option<&str>) -> Result<(), String> {
-        let team = path.map(find).transpose()?;
-        *TEAM.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = team;
+        let symbol = path.map(find).transpose()?.unwrap_or(std::ptr::null_mut());
+        PARALLEL.store(symbol, Ordering::Release);
         Ok(())
     }
 
-    /// GOMP_parallel of the libgomp at `path`, which must be loaded already (RTLD_NOLOAD: a
-    /// second copy would be a second team).
-    fn find(path: &str) -> Result<Team, String> {
+    /// GOMP_parallel's address in the libgomp at `path`, which must be loaded already
+    /// (RTLD_NOLOAD: a second copy would be a second team).
+    fn find(path: &str) -> Result<*mut c_void, String> {
         let name = CString::new(path).map_err(|_| format!("{path:?}: not a path"))?;
         // SAFETY: dlopen and dlsym are given NUL-terminated strings; the handle is never closed,
         // so the symbol stays valid for the life of the process.
@@ -98,7 +102,7 @@ mod openmp {
             if symbol.is_null() {
                 return Err(format!("{path}: no GOMP_parallel (not GNU OpenMP)"));
             }
-            Ok(Team { parallel: std::mem::transmute::<*mut c_void, Parallel>(symbol) })
+            Ok(symbol)
         }
     }
 
