@@ -170,6 +170,7 @@ def test_the_host_buffer_is_sized_with_the_pool_and_checked_against_memory(famil
     the cache is allocated, not a process killed once its pages fill."""
     from r3srv.engine import core as core_module
     from r3srv.engine.indexer_topk import bytes_per_slot
+    from r3srv.engine.routed_experts import row_bytes_per_slot
 
     path, _ = family
     monkeypatch.setattr(core_module, "_mem_available", lambda: 64 << 20)
@@ -178,9 +179,11 @@ def test_the_host_buffer_is_sized_with_the_pool_and_checked_against_memory(famil
         llm = LLM(path, block_size=4, max_model_len=64, max_num_seqs=4096, kv_cache_memory_fraction=0.5,
                   enable_return_indexer_topk=on)
         core = llm.engine.core
-        per_block = core.executor.kv_cache_bytes_per_block(4) + 4 * row_bytes(core)
+        mc = core.model_config
+        per_block = core.executor.kv_cache_bytes_per_block(4) + 4 * row_bytes_per_slot(mc.num_layers, mc.top_k,
+                                                                                        mc.num_experts)
         if on:
-            per_slot = bytes_per_slot(core.model_config, 64)
+            per_slot = bytes_per_slot(mc, 64)
             assert per_slot == core.indexer_topk.values_per_token * core.indexer_topk.values.itemsize > 0
             per_block += 4 * per_slot
         pools[on] = core.config.num_kv_blocks
@@ -191,11 +194,6 @@ def test_the_host_buffer_is_sized_with_the_pool_and_checked_against_memory(famil
         LLM(path, block_size=4, num_kv_blocks=64, max_model_len=64, enable_return_indexer_topk=True)
     assert "num_kv_blocks" in str(err.value)
     assert LLM(path, block_size=4, num_kv_blocks=64, max_model_len=64).engine.core.indexer_topk is None  # off: no check
-
-
-def row_bytes(core) -> int:
-    """A slot's routed-experts row in the buffer's dtype (0 with the rows off)."""
-    return 0 if core.rows is None else core.rows.rows[0].nbytes
 
 
 @pytest.mark.parametrize("max_model_len, dtype", [(32767, np.int16), (32768, np.int32)])
