@@ -4,11 +4,13 @@ prompt, greedy tokens, their logprobs and the routed experts of every position (
 placeholders included), batched with text-only prompts and chunked across image tokens; a
 second turn re-sending an image hits the prefix cache and the encoder cache and still equals a
 cold run; two prompts alike but for their images share no image block; preemption keeps rows
-exact; bad images are 400s naming the field."""
+exact; bad images are 400s naming the field; release_memory takes the tower along and drops its
+cached outputs."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
 from r3srv import LLM, SamplingParams
@@ -186,3 +188,52 @@ def test_too_many_images_and_images_too_large_for_the_context_are_400s(checkpoin
     with pytest.raises(InvalidRequestError, match="images take") as info:
         llm.generate(big, greedy())
     assert info.value.param == "multi_modal_data"
+
+
+def _same_sample(a, b) -> bool:
+    return (a.token_ids == b.token_ids and np.array_equal(a.routed_experts, b.routed_experts)
+            and [e[t] for e, t in zip(a.logprobs, a.token_ids)] == [e[t] for e, t in zip(b.logprobs, b.token_ids)])
+
+
+def test_release_memory_takes_the_tower_along_and_forgets_its_outputs(checkpoint, monkeypatch):
+    """release_memory moves the vision tower's weights with the model's (on a GPU: to pinned
+    host memory, test_release_gives_the_tower_memory_back) and drops the cached image outputs;
+    after resume the image is encoded again and the answer is the one before."""
+    from r3srv.engine import encoder_cache
+
+    path, _, _ = checkpoint
+    llm = make_llm(path)
+    encoder = llm.engine.runner.encoder
+    prompt = {"prompt_token_ids": with_placeholders(text(4, 20), 0, text(3, 21)), "multi_modal_data": {"image": picture(3)}}
+    before = llm.generate(prompt, greedy())[0].outputs[0]
+    assert encoder.images_encoded == 1 and len(encoder._outputs) == 1
+    weights = {name: p.clone() for name, p in encoder.tower.named_parameters()}
+    moves = []
+    moving = encoder_cache.move_parameters
+    monkeypatch.setattr(encoder_cache, "move_parameters", lambda module, device: moves.append((module, device)) or moving(module, device))
+    assert llm.release_memory(["kv_cache"]) == ["kv_cache"]
+    assert len(encoder._outputs) == 0 and moves == []  # the outputs went with the cache; the tower stays
+    assert llm.release_memory(["weights"]) == ["kv_cache", "weights"]
+    assert moves == [(encoder.tower, "cpu")]
+    assert llm.resume_memory() == []
+    assert moves == [(encoder.tower, "cpu"), (encoder.tower, encoder.device)]
+    for name, param in encoder.tower.named_parameters():
+        assert param.device == encoder.device and torch.equal(param, weights[name]), name
+    after = llm.generate(prompt, greedy())[0].outputs[0]
+    assert encoder.images_encoded == 2  # encoded again: its cached output was dropped
+    assert _same_sample(after, before)
+
+
+@pytest.mark.gpu("the tower's weights leaving the GPU")
+def test_release_gives_the_tower_memory_back(tmp_path):
+    path = tmp_path / "qwen3_vl_moe"
+    write_vision_checkpoint(transformers, "qwen3_vl_moe", path)
+    llm = make_llm(path, device="cuda", dtype="float32")
+    prompt = {"prompt_token_ids": with_placeholders(text(4, 20), 0, text(3, 21)), "multi_modal_data": {"image": picture(3)}}
+    before = llm.generate(prompt, greedy())[0].outputs[0]
+    tower = llm.engine.runner.encoder.tower
+    llm.release_memory()
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in tower.parameters())
+    llm.resume_memory()
+    assert all(p.device.type == "cuda" for p in tower.parameters())
+    assert _same_sample(llm.generate(prompt, greedy())[0].outputs[0], before)

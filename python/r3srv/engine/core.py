@@ -386,9 +386,10 @@ class EngineCore:
 
     def release_memory(self, tags: list[str] | None = None) -> list[str]:
         """Give memory back between rollout batches (a trainer colocated on the same GPU
-        trains meanwhile): "kv_cache" frees the KV cache (and forgets the prefix cache),
-        "weights" moves the weights to pinned host memory. None: both. Only between
-        requests; releasing something already released does nothing. Returns what is released."""
+        trains meanwhile): "kv_cache" frees the KV cache (and forgets the prefix cache and the
+        encoder's cached image outputs), "weights" moves the weights, the vision tower's too,
+        to pinned host memory. None: both. Only between requests; releasing something already
+        released does nothing. Returns what is released."""
         wanted = _memory_tags(tags)
         self._drain()
         if self.requests:  # even retracted ones: nothing may wait to run in released memory
@@ -398,9 +399,12 @@ class EngineCore:
             )
         if "kv_cache" in wanted and "kv_cache" not in self.released_memory:
             self.block_manager.reset_prefix_cache()  # its blocks' K/V are about to go
+            self._forget_encoded()  # cached tower outputs hold device memory too
             self.executor.free_kv_cache()
         if "weights" in wanted and "weights" not in self.released_memory:
             self.executor.release_weights()
+            if self.encoder is not None:
+                self.encoder.release_tower()
         self.released_memory |= wanted
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed blocks back to the driver, for the trainer
@@ -414,6 +418,8 @@ class EngineCore:
         self._drain()
         if "weights" in wanted:
             self.executor.resume_weights()
+            if self.encoder is not None:
+                self.encoder.resume_tower()
         if "kv_cache" in wanted:
             cfg = self.config
             self.executor.init_kv_cache(cfg.num_kv_blocks, cfg.block_size, cfg.max_num_seqs, self.num_state_snapshots,

@@ -11,6 +11,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from r3srv.models.layers import move_parameters
 from r3srv.models.vision.layers import VisionOutput
 from r3srv.vision.inputs import ImageInput
 
@@ -70,3 +71,11 @@ class EncoderCache:
         """Forget every output (the tower's weights changed)."""
         self._outputs.clear()
         self._tokens = 0
+
+    def release_tower(self) -> None:
+        """The tower's weights to the host (release_memory's "weights": pinned, from a GPU),
+        until `resume_tower`."""
+        move_parameters(self.tower, "cpu")
+
+    def resume_tower(self) -> None:
+        move_parameters(self.tower, self.device)

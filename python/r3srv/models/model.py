@@ -27,6 +27,7 @@ from r3srv.models.families import family_named
 from r3srv.models.gated_deltanet import GatedDeltaNet
 from r3srv.models.kda import KimiDeltaAttention
 from r3srv.models.layers import empty_param as _param
+from r3srv.models.layers import move_parameters
 from r3srv.models.mamba2 import Mamba2
 from r3srv.models.mla import MlaAttention
 from r3srv.models.mrope import mrope_cos_sin
@@ -427,14 +428,9 @@ class MoeForCausalLM(nn.Module):
         return {name for name in self.weight_targets() if name.endswith(suffixes)} if suffixes else set()
 
     def move_weights(self, device: torch.device | str) -> None:
-        """Move every weight to `device` in place (the module keeps its parameters, views
-        made later by weight_targets see the moved data). To the host, on a CUDA model,
-        into pinned memory so the way back is one fast copy."""
-        device = torch.device(device)
-        pin = device.type == "cpu" and self.device.type == "cuda"
-        for param in self.parameters():  # tied embeddings: one parameter, moved once
-            data = param.data.to(device)
-            param.data = data.pin_memory() if pin else data
+        """Move every weight to `device` in place (layers.move_parameters: to the host from a
+        GPU into pinned memory; views made later by weight_targets see the moved data)."""
+        move_parameters(self, device)
         self.select_ops(self.ops)  # the same kernels, bound again to the weights where they now lie
 
     lora_context = None  # the adapter slots' shared step (r3srv.lora) once enable_lora ran
