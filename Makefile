@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-data verl-env verifiers-env openrlhf-env rl-clients-env test-fast test-peer test-gpu test-rust test-python bench bench-gate bench-smoke fuzz-deep serve
+.PHONY: install test test-data verl-env verifiers-env openrlhf-env rl-clients-env test-fast test-peer test-gpu test-rust test-python fmt-check bench bench-gate bench-smoke fuzz-deep serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ test-gpu:
 
 test-rust:
 	cargo test --release
+
+# the Rust sources as `cargo fmt` (rustfmt.toml) writes them; run `cargo fmt` to apply
+fmt-check:
+	cargo fmt --check
 
 test-python:
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

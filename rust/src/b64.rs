@@ -216,7 +216,11 @@ pub fn decode_whole_quads(chars: &[u8], out: &mut [u8]) -> Result<(), InvalidBas
 /// # Safety
 /// The CPU must support `isa`, as for `encode_with`.
 #[cfg(target_arch = "x86_64")]
-pub unsafe fn decode_whole_quads_with(isa: crate::b64_x86::Isa, chars: &[u8], out: &mut [u8]) -> Result<(), InvalidBase64> {
+pub unsafe fn decode_whole_quads_with(
+    isa: crate::b64_x86::Isa,
+    chars: &[u8],
+    out: &mut [u8],
+) -> Result<(), InvalidBase64> {
     debug_assert!(chars.len().is_multiple_of(4) && out.len() == chars.len() / 4 * 3);
     let mut done = 0;
     if chars.len() >= 64 && isa == crate::b64_x86::Isa::Avx512Vbmi {
@@ -309,7 +313,9 @@ mod tests {
     fn simd_paths_equal_scalar_reference() {
         #[cfg(target_arch = "x86_64")]
         let isas = crate::b64_x86::supported_isas();
-        for n in [0usize, 1, 27, 28, 31, 32, 33, 47, 48, 95, 96, 97, 143, 144, 145, 1000, 4096, 65536 + 7, (1 << 20) + 5] {
+        for n in
+            [0usize, 1, 27, 28, 31, 32, 33, 47, 48, 95, 96, 97, 143, 144, 145, 1000, 4096, 65536 + 7, (1 << 20) + 5]
+        {
             let data = bytes(n, 11 + n as u32);
             let want = reference(&data);
             let mut b = vec![0u8; encoded_len(n)];

@@ -41,7 +41,9 @@ impl Isa {
 }
 
 fn has_avx512_vbmi() -> bool {
-    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vbmi")
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vbmi")
 }
 
 /// Every kernel this CPU can run, fastest first.
@@ -88,8 +90,8 @@ pub unsafe fn avx512_blocks<const STREAM: bool>(src: &[u8], dst: &mut [u8]) -> u
     let blocks = src.len() / 48;
     assert!(dst.len() >= blocks * 64);
     let shuffle = _mm512_setr_epi32(
-        0x01020001, 0x04050304, 0x07080607, 0x0a0b090a, 0x0d0e0c0d, 0x10110f10, 0x13141213, 0x16171516,
-        0x191a1819, 0x1c1d1b1c, 0x1f201e1f, 0x22232122, 0x25262425, 0x28292728, 0x2b2c2a2b, 0x2e2f2d2e,
+        0x01020001, 0x04050304, 0x07080607, 0x0a0b090a, 0x0d0e0c0d, 0x10110f10, 0x13141213, 0x16171516, 0x191a1819,
+        0x1c1d1b1c, 0x1f201e1f, 0x22232122, 0x25262425, 0x28292728, 0x2b2c2a2b, 0x2e2f2d2e,
     );
     let shifts = _mm512_set1_epi64(0x3036242a1016040a);
     let alphabet =
@@ -159,8 +161,8 @@ pub unsafe fn avx2_blocks<const STREAM: bool>(src: &[u8], dst: &mut [u8]) -> usi
     let mul_bd = _mm256_set1_epi32(0x01000010);
     // Offset from a 6-bit value to its character, by range: A-Z +65, a-z +71, 0-9 -4, '+' -19, '/' -16.
     let offsets = _mm256_setr_epi8(
-        65, 71, -4, -4, -4, -4, -4, -4, -4, -4, -4, -4, -19, -16, 0, 0, 65, 71, -4, -4, -4, -4, -4, -4, -4, -4, -4,
-        -4, -19, -16, 0, 0,
+        65, 71, -4, -4, -4, -4, -4, -4, -4, -4, -4, -4, -19, -16, 0, 0, 65, 71, -4, -4, -4, -4, -4, -4, -4, -4, -4, -4,
+        -19, -16, 0, 0,
     );
     let c51 = _mm256_set1_epi8(51);
     let c25 = _mm256_set1_epi8(25);

@@ -33,10 +33,7 @@ pub fn plan_decode(text: &[u8]) -> Result<DecodePlan, String> {
 /// Checks that the shape and item size account for exactly `data_len` bytes, without
 /// overflow, and returns the element count.
 pub fn check_size(shape: &[usize], itemsize: usize, data_len: usize) -> Result<usize, String> {
-    let count = shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .filter(|&c| c <= isize::MAX as usize);
+    let count = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).filter(|&c| c <= isize::MAX as usize);
     let nbytes = count.and_then(|c| c.checked_mul(itemsize)).filter(|&b| b <= isize::MAX as usize);
     match (count, nbytes) {
         (Some(count), Some(nbytes)) if nbytes == data_len => Ok(count),

@@ -21,8 +21,8 @@
 use std::sync::OnceLock;
 
 // branch-free, within about 2 ulp of libm's: a loop of it vectorizes
-use crate::pair_panels;
 use crate::paged_attn::exp;
+use crate::pair_panels;
 
 /// What the experts' and tokens' tensors hold: read as f32, written from f32.
 pub trait Element: Copy + Send + Sync + 'static {
@@ -139,8 +139,10 @@ impl Element for Bf16 {
     #[inline]
     unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
-        let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(lo as *const __m128i)),
-                                                _mm_loadu_si128(hi as *const __m128i));
+        let both = _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(lo as *const __m128i)),
+            _mm_loadu_si128(hi as *const __m128i),
+        );
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(both)))
     }
 }
@@ -214,7 +216,11 @@ impl<W: Element> Experts<'_, W> {
     fn check(&self) -> Result<(), String> {
         let (e, h, i, r) = (self.num_experts, self.hidden, self.inter, self.rows13());
         let want = |name: &str, got: usize, want: usize| {
-            if got == want { Ok(()) } else { Err(format!("{name} holds {got} values, expected {want}")) }
+            if got == want {
+                Ok(())
+            } else {
+                Err(format!("{name} holds {got} values, expected {want}"))
+            }
         };
         want("w13", self.w13.len(), e * r * h)?;
         want("w2", self.w2.len(), e * h * i)?;
@@ -263,7 +269,11 @@ pub fn expert_pairs<W: Element>(
     experts.check()?;
     let hid = experts.hidden;
     if hid == 0 || !x.len().is_multiple_of(hid) || out.len() != x.len() || x.is_empty() {
-        return Err(format!("x holds {} values and out {}, expected equal nonzero multiples of hidden={hid}", x.len(), out.len()));
+        return Err(format!(
+            "x holds {} values and out {}, expected equal nonzero multiples of hidden={hid}",
+            x.len(),
+            out.len()
+        ));
     }
     let num_tokens = x.len() / hid;
     if weights.len() != ids.len() {
@@ -332,8 +342,16 @@ const SUM_BLOCK_TOKENS: usize = 32;
 /// whatever order the pairs ran in), of weights[p] * outputs[row_of[p]], starting from 0.
 /// Threads take blocks of tokens from a shared counter when there is enough work.
 #[allow(clippy::too_many_arguments)]
-fn weighted_sums<W: Element>(outputs: &[f32], row_of: &[u32], pair_token: &[u32], weights: &[f32], hid: usize,
-                             out: &mut [W], threads: usize, isa: Isa) {
+fn weighted_sums<W: Element>(
+    outputs: &[f32],
+    row_of: &[u32],
+    pair_token: &[u32],
+    weights: &[f32],
+    hid: usize,
+    out: &mut [W],
+    threads: usize,
+    isa: Isa,
+) {
     let num_tokens = out.len() / hid;
     // each token's live pairs in pair order
     let live_token = |(&t, &row): (&u32, &u32)| (row != DEAD).then_some(t as usize);
@@ -368,7 +386,14 @@ fn weighted_sums<W: Element>(outputs: &[f32], row_of: &[u32], pair_token: &[u32]
 
 /// One token's row of `weighted_sums` (its live pairs in order), through `acc` in f32.
 #[inline(always)]
-fn sum_token<W: Element>(outputs: &[f32], row_of: &[u32], pairs: &[u32], weights: &[f32], acc: &mut [f32], out: &mut [W]) {
+fn sum_token<W: Element>(
+    outputs: &[f32],
+    row_of: &[u32],
+    pairs: &[u32],
+    weights: &[f32],
+    acc: &mut [f32],
+    out: &mut [W],
+) {
     let hid = acc.len();
     acc.fill(0.0);
     for &p in pairs {
@@ -388,7 +413,14 @@ fn sum_token<W: Element>(outputs: &[f32], row_of: &[u32], pairs: &[u32], weights
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn sum_token_avx2<W: Element>(outputs: &[f32], row_of: &[u32], pairs: &[u32], weights: &[f32], acc: &mut [f32], out: &mut [W]) {
+unsafe fn sum_token_avx2<W: Element>(
+    outputs: &[f32],
+    row_of: &[u32],
+    pairs: &[u32],
+    weights: &[f32],
+    acc: &mut [f32],
+    out: &mut [W],
+) {
     sum_token(outputs, row_of, pairs, weights, acc, out)
 }
 
@@ -435,7 +467,11 @@ pub(crate) const PANEL_MIN_PAIRS: usize = 16;
 
 /// The pair count from which an expert's chunks are wide, for weights of type `W` under `isa`.
 pub fn wide_min_pairs<W: Element>(isa: Isa) -> usize {
-    if W::as_f32s(&[]).is_some() && pair_panels::runs(isa) { PANEL_MIN_PAIRS } else { WIDE_MIN_PAIRS }
+    if W::as_f32s(&[]).is_some() && pair_panels::runs(isa) {
+        PANEL_MIN_PAIRS
+    } else {
+        WIDE_MIN_PAIRS
+    }
 }
 
 /// Pairs per wide chunk: enough for the packed kernels' full speed (a prefill's experts have
@@ -463,8 +499,16 @@ pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 20;
 /// threads take chunks from a shared counter, so a thread the OS preempts holds up none of
 /// the others' work.
 #[allow(clippy::too_many_arguments)]
-fn grouped_pass<W: Element>(experts: &Experts<W>, inputs: &Inputs<W>, ids: &[i32], weights: &[f32],
-                            threads: usize, isa: Isa, wide_min: usize, outputs: &mut Vec<f32>) -> Vec<u32> {
+fn grouped_pass<W: Element>(
+    experts: &Experts<W>,
+    inputs: &Inputs<W>,
+    ids: &[i32],
+    weights: &[f32],
+    threads: usize,
+    isa: Isa,
+    wide_min: usize,
+    outputs: &mut Vec<f32>,
+) -> Vec<u32> {
     let hid = experts.hidden;
     // the live pairs by expert, in pair order within an expert; each pair's row is its place
     let live_expert = |(&e, &w): (&i32, &f32)| (w != 0.0).then_some(e as usize);
@@ -481,7 +525,12 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, inputs: &Inputs<W>, ids: &[i32
         let wide = count >= wide_min;
         let pieces = count.div_ceil(if wide { WIDE_CHUNK_PAIRS } else { CHUNK_PAIRS });
         for i in 0..pieces {
-            chunks.push(Chunk { expert: e, first: starts[e] + count * i / pieces, end: starts[e] + count * (i + 1) / pieces, wide });
+            chunks.push(Chunk {
+                expert: e,
+                first: starts[e] + count * i / pieces,
+                end: starts[e] + count * (i + 1) / pieces,
+                wide,
+            });
         }
     }
     outputs.resize(order.len() * hid, 0.0);
@@ -489,17 +538,19 @@ fn grouped_pass<W: Element>(experts: &Experts<W>, inputs: &Inputs<W>, ids: &[i32
     let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, chunks.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
     let dst = SharedRows(outputs.as_mut_ptr());
-    let work = || SCRATCH.with_borrow_mut(|scratch| {
-        loop {
-            let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let Some(chunk) = chunks.get(c) else { break };
-            let pairs = &order[chunk.first..chunk.end];
-            // SAFETY: the chunks cover disjoint ranges of rows and each runs once, so no two
-            // threads write the same rows of `outputs`, which outlives the scope.
-            let o = unsafe { dst.rows(chunk.first, pairs.len(), hid) };
-            experts.run_chunk(isa, chunk, inputs, pairs, scratch, o);
-        }
-    });
+    let work = || {
+        SCRATCH.with_borrow_mut(|scratch| {
+            loop {
+                let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(chunk) = chunks.get(c) else { break };
+                let pairs = &order[chunk.first..chunk.end];
+                // SAFETY: the chunks cover disjoint ranges of rows and each runs once, so no two
+                // threads write the same rows of `outputs`, which outlives the scope.
+                let o = unsafe { dst.rows(chunk.first, pairs.len(), hid) };
+                experts.run_chunk(isa, chunk, inputs, pairs, scratch, o);
+            }
+        })
+    };
     crate::workers::run_on_threads(threads, &work);
     row_of
 }
@@ -550,7 +601,14 @@ fn activate<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, 
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn activate_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, h: &mut [f32], a: &mut [f32]) {
+unsafe fn activate_avx2<W: Element>(
+    act: Activation,
+    b13: Option<&[W]>,
+    r: usize,
+    i: usize,
+    h: &mut [f32],
+    a: &mut [f32],
+) {
     activate(act, b13, r, i, h, a)
 }
 
@@ -561,8 +619,14 @@ unsafe fn activate_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize
 /// The CPU must support AVX-512F, AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn activate_panels_avx512<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, h: &mut [f32],
-                                             a: &mut [f32]) {
+unsafe fn activate_panels_avx512<W: Element>(
+    act: Activation,
+    b13: Option<&[W]>,
+    r: usize,
+    i: usize,
+    h: &mut [f32],
+    a: &mut [f32],
+) {
     activate_panels(act, b13, r, i, h, a)
 }
 
@@ -572,8 +636,14 @@ unsafe fn activate_panels_avx512<W: Element>(act: Activation, b13: Option<&[W]>,
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn activate_panels_avx2<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, h: &mut [f32],
-                                          a: &mut [f32]) {
+unsafe fn activate_panels_avx2<W: Element>(
+    act: Activation,
+    b13: Option<&[W]>,
+    r: usize,
+    i: usize,
+    h: &mut [f32],
+    a: &mut [f32],
+) {
     activate_panels(act, b13, r, i, h, a)
 }
 
@@ -645,8 +715,15 @@ fn round_if_bf16<W: Element>(m: &[W], xs: &mut [f32]) {
 /// AVX-512 BF16 dot-product kernel where it runs (`dot_products`), which rounds xs to bfloat16;
 /// elsewhere xs is rounded here, so that both compute the same products (in their own orders)
 /// through `matmul`'s float32 kernels over the weights widened into `widened`.
-fn wide_nt<W: Element>(isa: Isa, m: &[W], rows: usize, xs: &mut [f32], out: &mut [f32], widened: &mut Vec<f32>,
-                       packed: &mut crate::matmul_bf16::Buffers) {
+fn wide_nt<W: Element>(
+    isa: Isa,
+    m: &[W],
+    rows: usize,
+    xs: &mut [f32],
+    out: &mut [f32],
+    widened: &mut Vec<f32>,
+    packed: &mut crate::matmul_bf16::Buffers,
+) {
     match dot_products(isa, m) {
         Some(m) => crate::matmul_bf16::matmul_nt_bf16(m, rows, xs, out, packed),
         None => wide_nt_widened(m, rows, xs, out, widened),
@@ -797,7 +874,11 @@ impl Isa {
     /// The kernel the engine runs when a caller names none: `Auto` where the CPU has AVX-512,
     /// else the widest kernel it runs.
     pub fn default_kernel() -> Isa {
-        if Isa::best() == Isa::Avx512 { Isa::Auto } else { Isa::best() }
+        if Isa::best() == Isa::Avx512 {
+            Isa::Auto
+        } else {
+            Isa::best()
+        }
     }
 
     /// The kernel for a block of `weights` elements: `Auto` resolved, any other kernel itself.
@@ -991,7 +1072,14 @@ macro_rules! finish_block {
 #[inline]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_block<W: Element, const R: usize, const V: usize>(
-    m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize, j: usize, ahead: &[W],
+    m: &[W],
+    cols: usize,
+    vs: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    r: usize,
+    j: usize,
+    ahead: &[W],
 ) {
     use std::arch::x86_64::*;
     let body = cols / 8 * 8;
@@ -1029,7 +1117,15 @@ unsafe fn gemm_block<W: Element, const R: usize, const V: usize>(
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn gemm_nt_avx512<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f32], out: &mut [f32]) {
     let n = vs.len() / cols;
-    let block_rows = |r: usize| if r + 8 <= rows { 8 } else if r + 4 <= rows { 4 } else { 1 };
+    let block_rows = |r: usize| {
+        if r + 8 <= rows {
+            8
+        } else if r + 4 <= rows {
+            4
+        } else {
+            1
+        }
+    };
     each_block!(m, rows, cols, n, 3, block_rows, |block_rows, left, r, j, ahead| {
         match (block_rows, left) {
             (8, 3..) => gemm_block_avx512::<W, 4, 3>(m, cols, vs, out, rows, r, j, ahead),
@@ -1055,7 +1151,14 @@ unsafe fn gemm_nt_avx512<W: Element>(m: &[W], rows: usize, cols: usize, vs: &[f3
 #[inline]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_block_avx512<W: Element, const P: usize, const V: usize>(
-    m: &[W], cols: usize, vs: &[f32], out: &mut [f32], rows: usize, r: usize, j: usize, ahead: &[W],
+    m: &[W],
+    cols: usize,
+    vs: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    r: usize,
+    j: usize,
+    ahead: &[W],
 ) {
     use std::arch::x86_64::*;
     let body = cols / 8 * 8;
@@ -1132,7 +1235,9 @@ unsafe fn gemv_avx2<W: Element>(m: &[W], v: &[f32], out: &mut [f32]) {
     let body = cols / 8 * 8;
     let rows = out.len();
     let (mp, vp) = (m.as_ptr(), v.as_ptr());
-    let tail = |r: usize| -> f32 { m[r * cols + body..(r + 1) * cols].iter().zip(&v[body..]).map(|(w, x)| w.to_f32() * x).sum() };
+    let tail = |r: usize| -> f32 {
+        m[r * cols + body..(r + 1) * cols].iter().zip(&v[body..]).map(|(w, x)| w.to_f32() * x).sum()
+    };
     let mut r = 0;
     while r + 4 <= rows {
         let mut acc = [_mm256_setzero_ps(); 4];
@@ -1165,8 +1270,12 @@ unsafe fn gemv_avx2<W: Element>(m: &[W], v: &[f32], out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-fn hsum4(a: std::arch::x86_64::__m256, b: std::arch::x86_64::__m256, c: std::arch::x86_64::__m256,
-         d: std::arch::x86_64::__m256) -> std::arch::x86_64::__m128 {
+fn hsum4(
+    a: std::arch::x86_64::__m256,
+    b: std::arch::x86_64::__m256,
+    c: std::arch::x86_64::__m256,
+    d: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m128 {
     use std::arch::x86_64::*;
     // s = lo + hi of each: [sa | sb] and [sc | sd]
     let ab = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b));
@@ -1217,8 +1326,14 @@ pub(crate) mod python {
 
     /// # Safety
     /// As `expert_pairs_cpu` requires of its caller, with `W` the tensors' element type.
-    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 9], shape: [usize; 5], act: Activation, threads: usize,
-                              wide_min: Option<usize>) -> PyResult<()> {
+    unsafe fn run<W: Element>(
+        py: Python<'_>,
+        addresses: [usize; 9],
+        shape: [usize; 5],
+        act: Activation,
+        threads: usize,
+        wide_min: Option<usize>,
+    ) -> PyResult<()> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
         let [x, w13, w2, b13, b2, tokens, ids, weights, out] = addresses;
         let [num_tokens, num_pairs, num_experts, hidden, inter] = shape;
@@ -1243,7 +1358,8 @@ pub(crate) mod python {
         let weights = from_raw_parts(weights as *const f32, num_pairs);
         let out = from_raw_parts_mut(out as *mut W, num_tokens * hidden);
         let isa = Isa::default_kernel();
-        py.detach(|| expert_pairs(&experts, x, tokens, ids, weights, out, threads, isa, wide_min)).map_err(PyValueError::new_err)
+        py.detach(|| expert_pairs(&experts, x, tokens, ids, weights, out, threads, isa, wide_min))
+            .map_err(PyValueError::new_err)
     }
 
     /// out [T, H] = the expert pass (see rust/src/expert_pairs.rs) of the tensors at
@@ -1313,13 +1429,21 @@ mod tests {
 
     /// The pass by its definition, in float64 (the activation's exp in float32's own formula;
     /// the activation rounded to bfloat16 when `round_act`, as a wide bfloat16 chunk does).
-    fn pass_f64<W: Element>(experts: &Experts<W>, x: &[W], tokens: &[i32], ids: &[i32], weights: &[f32], round_act: bool) -> Vec<f64> {
+    fn pass_f64<W: Element>(
+        experts: &Experts<W>,
+        x: &[W],
+        tokens: &[i32],
+        ids: &[i32],
+        weights: &[f32],
+        round_act: bool,
+    ) -> Vec<f64> {
         let (hid, i, r) = (experts.hidden, experts.inter, experts.rows13());
         let mut out = vec![0.0f64; x.len()];
         for p in 0..ids.len() {
             let (t, e) = (tokens[p] as usize, ids[p] as usize);
             let xt: Vec<f32> = x[t * hid..(t + 1) * hid].iter().map(|v| v.to_f32()).collect();
-            let mut h: Vec<f32> = gemv_f64(&experts.w13[e * r * hid..(e + 1) * r * hid], &xt, r).iter().map(|&v| v as f32).collect();
+            let mut h: Vec<f32> =
+                gemv_f64(&experts.w13[e * r * hid..(e + 1) * r * hid], &xt, r).iter().map(|&v| v as f32).collect();
             if let Some(b13) = experts.b13 {
                 add(&mut h, &b13[e * r..(e + 1) * r]);
             }
@@ -1351,7 +1475,10 @@ mod tests {
                     let mut out = vec![f32::NAN; rows];
                     gemv(isa, &m, &v, &mut out);
                     for (got, want) in out.iter().zip(gemv_f64(&m, &v, rows)) {
-                        assert!((*got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "{isa:?} {rows}x{cols}: {got} vs {want}");
+                        assert!(
+                            (*got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "{isa:?} {rows}x{cols}: {got} vs {want}"
+                        );
                     }
                 }
             }
@@ -1366,16 +1493,19 @@ mod tests {
 
     fn whole_pass<W: Element>(rel: f64) {
         let (e, hid, inter, tokens, top_k) = (6, 20, 12, 3, 4);
-        for act in [Activation::SiluAndMul, Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 }, Activation::ReluSquared] {
+        for act in
+            [Activation::SiluAndMul, Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 }, Activation::ReluSquared]
+        {
             let r = inter * act.rows_per_unit();
             let (w13, w2): (Vec<W>, Vec<W>) = (cast(values(1, e * r * hid)), cast(values(2, e * hid * inter)));
             let (b13, b2): (Vec<W>, Vec<W>) = (cast(values(3, e * r)), cast(values(4, e * hid)));
-            let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: Some(&b2), num_experts: e, hidden: hid, inter, act };
+            let experts =
+                Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: Some(&b2), num_experts: e, hidden: hid, inter, act };
             let x: Vec<W> = cast(values(5, tokens * hid));
             let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p * 5) % e) as i32).collect();
             let mut weights = values(6, tokens * top_k);
             weights[1] = 0.0; // a skipped pair: contributes nothing either way
-            // the grid's pairs, then a list of them in another order, missing token 1's
+                              // the grid's pairs, then a list of them in another order, missing token 1's
             let grid: Vec<i32> = (0..tokens * top_k).map(|p| (p / top_k) as i32).collect();
             let order: Vec<usize> = (0..grid.len()).rev().filter(|&p| grid[p] != 1).collect();
             let listed = |v: &[i32]| -> Vec<i32> { order.iter().map(|&p| v[p]).collect() };
@@ -1392,7 +1522,10 @@ mod tests {
                     expert_pairs(&experts, &x, *tokens_arg, ids, weights, &mut out, 1, isa, None).unwrap();
                     for (got, want) in out.iter().zip(&want) {
                         let got = got.to_f32() as f64;
-                        assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(), "{isa:?} {act:?}: {got} vs {want}");
+                        assert!(
+                            (got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(),
+                            "{isa:?} {act:?}: {got} vs {want}"
+                        );
                     }
                 }
             }
@@ -1419,8 +1552,10 @@ mod tests {
                             let mut want = vec![f32::NAN; rows];
                             gemv(isa, &m, v, &mut want);
                             let got = &out[j * rows..(j + 1) * rows];
-                            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
-                                    "{isa:?} {rows}x{cols} n={n} vector {j}: {got:?} vs {want:?}");
+                            assert!(
+                                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{isa:?} {rows}x{cols} n={n} vector {j}: {got:?} vs {want:?}"
+                            );
                         }
                     }
                 }
@@ -1440,13 +1575,19 @@ mod tests {
                         let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
                         gemm_nt(isa, &m, rows, &vs, &mut got);
                         gemm_nt(Isa::Avx2Fma, &m, rows, &vs, &mut want);
-                        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} {rows}x{cols} n={n}");
+                        assert!(
+                            got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{isa:?} {rows}x{cols} n={n}"
+                        );
                     }
                     let v = values(cols as u64 + 9, cols);
                     let (mut got, mut want) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
                     gemv(isa, &m, &v, &mut got);
                     gemv(Isa::Avx2Fma, &m, &v, &mut want);
-                    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "gemv {isa:?} {rows}x{cols}");
+                    assert!(
+                        got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "gemv {isa:?} {rows}x{cols}"
+                    );
                 }
             }
         }
@@ -1501,7 +1642,8 @@ mod tests {
         let act = Activation::SiluAndMul;
         let (w13, w2) = (values(11, e * 2 * inter * hid), values(12, e * hid * inter));
         let b13 = values(13, e * 2 * inter);
-        let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
+        let experts =
+            Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
         for isa in isas() {
             let wide_min = wide_min_pairs::<f32>(isa);
             assert_eq!(wide_min, if pair_panels::runs(isa) { PANEL_MIN_PAIRS } else { WIDE_MIN_PAIRS });
@@ -1510,8 +1652,10 @@ mod tests {
                 let per_expert = tokens * top_k / e;
                 assert_eq!(per_expert >= wide_min, wide);
                 let chunk = if wide { WIDE_CHUNK_PAIRS } else { CHUNK_PAIRS };
-                assert!(per_expert > chunk && per_expert <= 2 * chunk || !wide && per_expert < chunk,
-                        "{isa:?}: every expert needs two chunks, or one narrow chunk under the threshold");
+                assert!(
+                    per_expert > chunk && per_expert <= 2 * chunk || !wide && per_expert < chunk,
+                    "{isa:?}: every expert needs two chunks, or one narrow chunk under the threshold"
+                );
                 let x = values(14, tokens * hid);
                 let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
                 let weights = values(15, tokens * top_k);
@@ -1522,12 +1666,26 @@ mod tests {
                 };
                 let one = run(1);
                 for threads in [2, 3] {
-                    assert!(one.iter().zip(run(threads)).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} {threads} threads, wide {wide}");
+                    assert!(
+                        one.iter().zip(run(threads)).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa:?} {threads} threads, wide {wide}"
+                    );
                 }
                 for t in [0, 7, tokens - 1] {
                     let mut alone = vec![f32::NAN; hid];
                     let slots = t * top_k..(t + 1) * top_k;
-                    expert_pairs(&experts, &x[t * hid..(t + 1) * hid], PairTokens::Grid, &ids[slots.clone()], &weights[slots], &mut alone, 1, isa, None).unwrap();
+                    expert_pairs(
+                        &experts,
+                        &x[t * hid..(t + 1) * hid],
+                        PairTokens::Grid,
+                        &ids[slots.clone()],
+                        &weights[slots],
+                        &mut alone,
+                        1,
+                        isa,
+                        None,
+                    )
+                    .unwrap();
                     for (a, b) in alone.iter().zip(&one[t * hid..(t + 1) * hid]) {
                         if wide {
                             // two float32 summation orders over a few hundred terms of order 1
@@ -1551,7 +1709,16 @@ mod tests {
         }
         let (e, hid, inter, top_k, tokens) = (2, 48, 24, 2, 40);
         let (w13, w2) = (values(61, e * 2 * inter * hid), values(62, e * hid * inter));
-        let experts = Experts { w13: &w13, w2: &w2, b13: None, b2: None, num_experts: e, hidden: hid, inter, act: Activation::SiluAndMul };
+        let experts = Experts {
+            w13: &w13,
+            w2: &w2,
+            b13: None,
+            b2: None,
+            num_experts: e,
+            hidden: hid,
+            inter,
+            act: Activation::SiluAndMul,
+        };
         let x = values(63, tokens * hid);
         let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
         let weights = values(64, tokens * top_k);
@@ -1559,8 +1726,18 @@ mod tests {
             let mut out = vec![f32::NAN; (end - first) * hid];
             let slots = first * top_k..end * top_k;
             let (ids, weights) = (&ids[slots.clone()], &weights[slots]);
-            expert_pairs(&experts, &x[first * hid..end * hid], PairTokens::Grid, ids, weights, &mut out, 1, Isa::default_kernel(), None)
-                .unwrap();
+            expert_pairs(
+                &experts,
+                &x[first * hid..end * hid],
+                PairTokens::Grid,
+                ids,
+                weights,
+                &mut out,
+                1,
+                Isa::default_kernel(),
+                None,
+            )
+            .unwrap();
             out
         };
         let all = run(0, tokens);
@@ -1576,15 +1753,31 @@ mod tests {
     fn wide_float32_chunks_match_the_definition_in_every_kernel() {
         let (e, top_k, tokens) = (3, 2, 155);
         for (hid, inter) in [(40, 24), (64, 16)] {
-            for act in [Activation::SiluAndMul, Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 }, Activation::ReluSquared] {
+            for act in [
+                Activation::SiluAndMul,
+                Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 },
+                Activation::ReluSquared,
+            ] {
                 let r = inter * act.rows_per_unit();
                 let (w13, w2) = (values(51, e * r * hid), values(52, e * hid * inter));
                 let (b13, b2) = (values(53, e * r), values(54, e * hid));
-                let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: Some(&b2), num_experts: e, hidden: hid, inter, act };
+                let experts = Experts {
+                    w13: &w13,
+                    w2: &w2,
+                    b13: Some(&b13),
+                    b2: Some(&b2),
+                    num_experts: e,
+                    hidden: hid,
+                    inter,
+                    act,
+                };
                 let x = values(55, tokens * hid);
                 let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p + p / 7) % e) as i32).collect();
                 let counts: Vec<usize> = (0..e as i32).map(|g| ids.iter().filter(|&&i| i == g).count()).collect();
-                assert!(counts.iter().all(|&c| c >= WIDE_MIN_PAIRS && c % pair_panels::LANES != 0), "wide chunks with partial panels: {counts:?}");
+                assert!(
+                    counts.iter().all(|&c| c >= WIDE_MIN_PAIRS && c % pair_panels::LANES != 0),
+                    "wide chunks with partial panels: {counts:?}"
+                );
                 let weights = values(56, tokens * top_k);
                 let grid: Vec<i32> = (0..tokens * top_k).map(|p| (p / top_k) as i32).collect();
                 let want = pass_f64(&experts, &x, &grid, &ids, &weights, false);
@@ -1594,13 +1787,19 @@ mod tests {
                     expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, 2, isa, None).unwrap();
                     for (got, want) in out.iter().zip(&want) {
                         // float32 sums against float64 ones, relu^2 doubling h's relative error
-                        assert!((*got as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "{isa:?} {act:?} H={hid}: {got} vs {want}");
+                        assert!(
+                            (*got as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "{isa:?} {act:?} H={hid}: {got} vs {want}"
+                        );
                     }
                     if pair_panels::runs(isa) {
                         panel_bits.push(out.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
                     }
                 }
-                assert!(panel_bits.windows(2).all(|pair| pair[0] == pair[1]), "{act:?} H={hid}: the panels' bits differ by instruction set");
+                assert!(
+                    panel_bits.windows(2).all(|pair| pair[0] == pair[1]),
+                    "{act:?} H={hid}: the panels' bits differ by instruction set"
+                );
             }
         }
     }
@@ -1615,7 +1814,8 @@ mod tests {
             let r = inter * act.rows_per_unit();
             let (w13, w2): (Vec<Bf16>, Vec<Bf16>) = (cast(values(21, e * r * hid)), cast(values(22, e * hid * inter)));
             let b13: Vec<Bf16> = cast(values(23, e * r));
-            let experts = Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
+            let experts =
+                Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
             let x: Vec<Bf16> = cast(values(24, tokens * hid));
             let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
             assert!(tokens * top_k / e >= WIDE_MIN_PAIRS, "every expert's chunk must be wide");
@@ -1624,13 +1824,27 @@ mod tests {
             let want = pass_f64(&experts, &x, &grid, &ids, &weights, true);
             let run = |threads: usize| {
                 let mut out = vec![Bf16::from_f32(f32::NAN); tokens * hid];
-                expert_pairs(&experts, &x, PairTokens::Grid, &ids, &weights, &mut out, threads, Isa::default_kernel(), None).unwrap();
+                expert_pairs(
+                    &experts,
+                    &x,
+                    PairTokens::Grid,
+                    &ids,
+                    &weights,
+                    &mut out,
+                    threads,
+                    Isa::default_kernel(),
+                    None,
+                )
+                .unwrap();
                 out
             };
             let one = run(1);
             for (got, want) in one.iter().zip(&want) {
                 let got = got.to_f32() as f64;
-                assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()) + want.abs() / 256.0, "{act:?}: {got} vs {want}");
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()) + want.abs() / 256.0,
+                    "{act:?}: {got} vs {want}"
+                );
             }
             assert_eq!(one, run(2), "{act:?}: two threads");
         }
@@ -1641,15 +1855,26 @@ mod tests {
     #[test]
     fn narrow_bfloat16_chunks_are_batch_invariant() {
         let (e, hid, inter, top_k, tokens) = (3, 96, 40, 2, 60);
-        let (w13, w2): (Vec<Bf16>, Vec<Bf16>) = (cast(values(41, e * 2 * inter * hid)), cast(values(42, e * hid * inter)));
-        let experts = Experts { w13: &w13, w2: &w2, b13: None, b2: None, num_experts: e, hidden: hid, inter, act: Activation::SiluAndMul };
+        let (w13, w2): (Vec<Bf16>, Vec<Bf16>) =
+            (cast(values(41, e * 2 * inter * hid)), cast(values(42, e * hid * inter)));
+        let experts = Experts {
+            w13: &w13,
+            w2: &w2,
+            b13: None,
+            b2: None,
+            num_experts: e,
+            hidden: hid,
+            inter,
+            act: Activation::SiluAndMul,
+        };
         let x: Vec<Bf16> = cast(values(43, tokens * hid));
         let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
         assert!(tokens * top_k / e < WIDE_MIN_PAIRS);
         let weights = values(44, tokens * top_k);
         let run = |x: &[Bf16], ids: &[i32], weights: &[f32], threads: usize| {
             let mut out = vec![Bf16(0); x.len()];
-            expert_pairs(&experts, x, PairTokens::Grid, ids, weights, &mut out, threads, Isa::default_kernel(), None).unwrap();
+            expert_pairs(&experts, x, PairTokens::Grid, ids, weights, &mut out, threads, Isa::default_kernel(), None)
+                .unwrap();
             out
         };
         let batch = run(&x, &ids, &weights, 1);
@@ -1703,8 +1928,20 @@ mod tests {
             let bits = v.to_bits();
             (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16
         };
-        let edges = [0u32, 1, 0x7f_ffff, 0x80_0000, 0x7f7f_ffff, 0x7f80_0000, 0x7f80_0001, 0x7fc0_0000, 0x7fff_ffff,
-                     0x3f80_8000, 0x3f81_8000, 0x7f7f_8000];
+        let edges = [
+            0u32,
+            1,
+            0x7f_ffff,
+            0x80_0000,
+            0x7f7f_ffff,
+            0x7f80_0000,
+            0x7f80_0001,
+            0x7fc0_0000,
+            0x7fff_ffff,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x7f7f_8000,
+        ];
         let patterns = (0..=u32::MAX).step_by(16).chain(edges.iter().flat_map(|&e| [e, e | 0x8000_0000]));
         for bits in patterns {
             let v = f32::from_bits(bits);
@@ -1717,18 +1954,31 @@ mod tests {
     #[test]
     fn bad_inputs_are_errors() {
         let (w13, w2) = (values(1, 2 * 8 * 4), values(2, 2 * 4 * 4));
-        let experts = Experts { w13: &w13, w2: &w2, b13: None, b2: None, num_experts: 2, hidden: 4, inter: 4, act: Activation::SiluAndMul };
+        let experts = Experts {
+            w13: &w13,
+            w2: &w2,
+            b13: None,
+            b2: None,
+            num_experts: 2,
+            hidden: 4,
+            inter: 4,
+            act: Activation::SiluAndMul,
+        };
         let (x, mut out) = (values(3, 4), vec![0.0; 4]);
         let grid = PairTokens::Grid;
         let err = expert_pairs(&experts, &x, grid, &[2], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err();
         assert!(err.contains("expert id 2"), "{err}");
         let err = expert_pairs(&experts, &x, grid, &[0, 1], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err();
         assert!(err.contains("one value per pair"), "{err}");
-        let err = expert_pairs(&experts, &x, PairTokens::List(&[1]), &[0], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err();
+        let err = expert_pairs(&experts, &x, PairTokens::List(&[1]), &[0], &[1.0], &mut out, 1, Isa::Scalar, None)
+            .unwrap_err();
         assert!(err.contains("token 1 is outside 0..1"), "{err}");
-        let err = expert_pairs(&experts, &x, PairTokens::List(&[0, 0]), &[0], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err();
+        let err = expert_pairs(&experts, &x, PairTokens::List(&[0, 0]), &[0], &[1.0], &mut out, 1, Isa::Scalar, None)
+            .unwrap_err();
         assert!(err.contains("one token per pair"), "{err}");
         let short = Experts { w13: &w13[1..], ..experts };
-        assert!(expert_pairs(&short, &x, grid, &[0], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err().contains("w13"));
+        assert!(expert_pairs(&short, &x, grid, &[0], &[1.0], &mut out, 1, Isa::Scalar, None)
+            .unwrap_err()
+            .contains("w13"));
     }
 }

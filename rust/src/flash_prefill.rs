@@ -74,8 +74,15 @@ pub(crate) trait Flash: Element {
     /// # Safety
     /// `runs(tiles)`; q[..R] point at the rows' queries (head_dim elements each); `blocks`
     /// covers every row's position and no more than packed.
-    unsafe fn tile<const R: usize>(tiles: Tiles, p: &PagedPrefill<'_, Self>, packed: &Self::Packed, q: &[*const Self; ROWS],
-                                   pos: &[usize; ROWS], blocks: usize, s: &mut Scratch);
+    unsafe fn tile<const R: usize>(
+        tiles: Tiles,
+        p: &PagedPrefill<'_, Self>,
+        packed: &Self::Packed,
+        q: &[*const Self; ROWS],
+        pos: &[usize; ROWS],
+        blocks: usize,
+        s: &mut Scratch,
+    );
 }
 
 /// A block's scores for R rows (`products`: q . k of its KEYS keys, four registers a row) into
@@ -87,8 +94,14 @@ pub(crate) trait Flash: Element {
 /// (compiled for AVX-512F), whose products stay in registers across it.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) unsafe fn masked_scores<const R: usize>(products: &[[std::arch::x86_64::__m512; 4]; R], scale: f32,
-                                                  pos: &[usize; ROWS], b: usize, max: &[f32; R], scores: &mut [f32]) -> [f32; R] {
+pub(crate) unsafe fn masked_scores<const R: usize>(
+    products: &[[std::arch::x86_64::__m512; 4]; R],
+    scale: f32,
+    pos: &[usize; ROWS],
+    b: usize,
+    max: &[f32; R],
+    scores: &mut [f32],
+) -> [f32; R] {
     use std::arch::x86_64::*;
     debug_assert!(scores.len() >= R * KEYS);
     let mut tops = [0f32; R];
@@ -98,7 +111,8 @@ pub(crate) unsafe fn masked_scores<const R: usize>(products: &[[std::arch::x86_6
         let mut top = _mm512_set1_ps(max[i]);
         for (c, a) in a.iter().enumerate() {
             let seen = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c as i32)), visible);
-            let x = _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), seen, _mm512_mul_ps(*a, _mm512_set1_ps(scale)));
+            let x =
+                _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), seen, _mm512_mul_ps(*a, _mm512_set1_ps(scale)));
             top = _mm512_max_ps(top, x);
             // SAFETY: row i's 16 lanes from 16 * c lie within scores (the caller's contract).
             unsafe { _mm512_storeu_ps(scores.as_mut_ptr().add(i * KEYS + 16 * c), x) };
@@ -116,7 +130,11 @@ pub(crate) unsafe fn masked_scores<const R: usize>(products: &[[std::arch::x86_6
 /// kernels' tiles (compiled for AVX-512F).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) unsafe fn load_sums<const R: usize>(acc: &[f32], dv: usize, c0: usize) -> [[std::arch::x86_64::__m512; 4]; R] {
+pub(crate) unsafe fn load_sums<const R: usize>(
+    acc: &[f32],
+    dv: usize,
+    c0: usize,
+) -> [[std::arch::x86_64::__m512; 4]; R] {
     use std::arch::x86_64::*;
     let mut sums = [[_mm512_setzero_ps(); 4]; R];
     for (i, row) in sums.iter_mut().enumerate() {
@@ -134,7 +152,12 @@ pub(crate) unsafe fn load_sums<const R: usize>(acc: &[f32], dv: usize, c0: usize
 /// As `load_sums`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) unsafe fn store_sums<const R: usize>(sums: &[[std::arch::x86_64::__m512; 4]; R], acc: &mut [f32], dv: usize, c0: usize) {
+pub(crate) unsafe fn store_sums<const R: usize>(
+    sums: &[[std::arch::x86_64::__m512; 4]; R],
+    acc: &mut [f32],
+    dv: usize,
+    c0: usize,
+) {
     use std::arch::x86_64::*;
     for (i, row) in sums.iter().enumerate() {
         for (c, v) in row.iter().enumerate() {
@@ -210,7 +233,11 @@ pub(crate) struct Scratch {
 
 impl Scratch {
     fn new(v_dim: usize) -> Self {
-        Scratch { scores: vec![0.0; ROWS * KEYS], weights: vec![0; ROWS * KEYS / 2], acc: vec![0.0; ROWS * padded(v_dim)] }
+        Scratch {
+            scores: vec![0.0; ROWS * KEYS],
+            weights: vec![0; ROWS * KEYS / 2],
+            acc: vec![0.0; ROWS * padded(v_dim)],
+        }
     }
 }
 
@@ -224,9 +251,20 @@ pub trait Prefill: Element + Sized {
     /// `paged_prefill` in the flash kernel where it applies, in `tiles` (None: the widest this CPU
     /// runs; a named one it does not run is an error): Ok(false) where it does not apply (nothing
     /// written).
-    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, tiles: Option<Tiles>) -> Result<bool, String>;
+    fn run_flash(
+        p: &PagedPrefill<'_, Self>,
+        out: &mut [Self],
+        threads: usize,
+        tiles: Option<Tiles>,
+    ) -> Result<bool, String>;
 
-    fn prefill(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, isa: Isa, tiles: Option<Tiles>) -> Result<(), String> {
+    fn prefill(
+        p: &PagedPrefill<'_, Self>,
+        out: &mut [Self],
+        threads: usize,
+        isa: Isa,
+        tiles: Option<Tiles>,
+    ) -> Result<(), String> {
         if Self::run_flash(p, out, threads, tiles)? {
             return Ok(());
         }
@@ -239,7 +277,12 @@ impl Prefill for f32 {
         crate::paged_prefill_f32::applies_to(head_dim, windowed, sinks)
     }
 
-    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, tiles: Option<Tiles>) -> Result<bool, String> {
+    fn run_flash(
+        p: &PagedPrefill<'_, Self>,
+        out: &mut [Self],
+        threads: usize,
+        tiles: Option<Tiles>,
+    ) -> Result<bool, String> {
         flash_where_it_applies(p, out, threads, tiles)
     }
 }
@@ -249,13 +292,22 @@ impl Prefill for Bf16 {
         crate::paged_prefill_bf16::applies_to(head_dim, windowed, sinks)
     }
 
-    fn run_flash(p: &PagedPrefill<'_, Self>, out: &mut [Self], threads: usize, tiles: Option<Tiles>) -> Result<bool, String> {
+    fn run_flash(
+        p: &PagedPrefill<'_, Self>,
+        out: &mut [Self],
+        threads: usize,
+        tiles: Option<Tiles>,
+    ) -> Result<bool, String> {
         flash_where_it_applies(p, out, threads, tiles)
     }
 }
 
-fn flash_where_it_applies<T: Flash + Prefill>(p: &PagedPrefill<'_, T>, out: &mut [T], threads: usize,
-                                              tiles: Option<Tiles>) -> Result<bool, String> {
+fn flash_where_it_applies<T: Flash + Prefill>(
+    p: &PagedPrefill<'_, T>,
+    out: &mut [T],
+    threads: usize,
+    tiles: Option<Tiles>,
+) -> Result<bool, String> {
     if let Some(t) = tiles.filter(|&t| !T::runs(t)) {
         return Err(format!("this CPU does not run the {} flash prefill tiles for this dtype", t.name()));
     }
@@ -284,8 +336,14 @@ struct Item {
 }
 
 /// The flash kernel over validated spans: `order` lists (first row, span, where its slots start).
-fn prefill<T: Flash>(p: &PagedPrefill<'_, T>, order: &[(usize, usize, usize)], out: &mut [T], threads: usize, macs: usize,
-                     tiles: Tiles) {
+fn prefill<T: Flash>(
+    p: &PagedPrefill<'_, T>,
+    order: &[(usize, usize, usize)],
+    out: &mut [T],
+    threads: usize,
+    macs: usize,
+    tiles: Tiles,
+) {
     let kv_heads = p.k.heads;
     let mut items = Vec::new();
     for (o, &(_, span, _)) in order.iter().enumerate() {
@@ -297,7 +355,9 @@ fn prefill<T: Flash>(p: &PagedPrefill<'_, T>, order: &[(usize, usize, usize)], o
         }
     }
     // the items seeing the most keys first: the threads' last items are short
-    items.sort_by_key(|(_, item)| std::cmp::Reverse(p.context_lens[item.span] as usize - p.q_lens[item.span] as usize + item.first));
+    items.sort_by_key(|(_, item)| {
+        std::cmp::Reverse(p.context_lens[item.span] as usize - p.q_lens[item.span] as usize + item.first)
+    });
     let threads = threads.min(macs / crate::paged_attn::PARALLEL_MIN_MACS).clamp(1, items.len().max(1));
     // each (span, KV head)'s keys and values packed, by the same threads
     let mut jobs: Vec<(usize, usize, Option<T::Packed>)> =
@@ -322,7 +382,14 @@ fn prefill<T: Flash>(p: &PagedPrefill<'_, T>, order: &[(usize, usize, usize)], o
 
 /// # Safety
 /// As `Flash::tile`; `out` is `paged_prefill`'s output, whose rows of this item no other thread writes.
-unsafe fn run_item<T: Flash>(tiles: Tiles, p: &PagedPrefill<'_, T>, packed: &T::Packed, item: &Item, s: &mut Scratch, out: Out<T>) {
+unsafe fn run_item<T: Flash>(
+    tiles: Tiles,
+    p: &PagedPrefill<'_, T>,
+    packed: &T::Packed,
+    item: &Item,
+    s: &mut Scratch,
+    out: Out<T>,
+) {
     let group = p.q.heads / p.k.heads;
     let (span, ctx) = (item.span, p.context_lens[item.span] as usize);
     let q_len = p.q_lens[span] as usize;
@@ -357,7 +424,8 @@ unsafe fn run_item<T: Flash>(tiles: Tiles, p: &PagedPrefill<'_, T>, packed: &T::
         for (i, head) in heads.iter().enumerate().take(n) {
             let query = item.first + (r0 + i) / group;
             // SAFETY: the row lies inside `out` (validated spans) and is this item's own.
-            let row = unsafe { std::slice::from_raw_parts_mut(out.0.add(((start + query) * p.q.heads + head) * dv), dv) };
+            let row =
+                unsafe { std::slice::from_raw_parts_mut(out.0.add(((start + query) * p.q.heads + head) * dv), dv) };
             for (o, &a) in row.iter_mut().zip(&s.acc[i * dvp..i * dvp + dv]) {
                 *o = T::from_f32(a);
             }

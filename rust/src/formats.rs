@@ -394,11 +394,7 @@ impl<'a> RawPlan<'a> {
         }
         let names: Vec<&str> = ladder.iter().map(|n| n.name()).collect();
         Err(match range.flatten() {
-            Some((lo, hi)) => format!(
-                "{} values in [{lo}, {hi}] fit none of {}",
-                src.num.name(),
-                names.join(", ")
-            ),
+            Some((lo, hi)) => format!("{} values in [{lo}, {hi}] fit none of {}", src.num.name(), names.join(", ")),
             None => format!("{} values cannot be written as {} exactly", src.num.name(), names.join(", ")),
         })
     }

@@ -28,8 +28,7 @@ pub unsafe fn advise(ptr: *mut u8, len: usize) -> usize {
     if let Some((start, end)) = interior(ptr as usize, len) {
         // SAFETY: [start, end) lies inside the caller's allocation; madvise only changes how
         // its pages are backed, never their contents.
-        let advised =
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        let advised = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
         return if advised == 0 { end - start } else { 0 };
     }
     #[cfg(not(target_os = "linux"))]
@@ -49,13 +48,7 @@ pub(crate) unsafe fn advise_fresh(ptr: *mut u8, len: usize) {
         #[cfg(target_os = "linux")]
         if let Some((start, end)) = interior(ptr as usize, len) {
             // SAFETY: as in `advise`; populating writes zeros only to pages not yet present.
-            unsafe {
-                libc::madvise(
-                    start as *mut libc::c_void,
-                    end - start,
-                    libc::MADV_POPULATE_WRITE,
-                )
-            };
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) };
         }
     }
 }
@@ -91,16 +84,11 @@ mod tests {
     #[test]
     fn advice_keeps_the_contents_and_only_counts_whole_pages() {
         let len = 6 * HUGE;
-        let mut data: Vec<u32> = (0..len as u32 / 4)
-            .map(|i| i.wrapping_mul(2_654_435_761))
-            .collect();
+        let mut data: Vec<u32> = (0..len as u32 / 4).map(|i| i.wrapping_mul(2_654_435_761)).collect();
         let expected = data.clone();
         // SAFETY: the vector's own memory, alive for the calls.
         let advised = unsafe { advise(data.as_mut_ptr() as *mut u8, len) };
-        assert!(
-            advised == 0 || (advised >= 5 * HUGE && advised <= len && advised % HUGE == 0),
-            "{advised} bytes"
-        );
+        assert!(advised == 0 || (advised >= 5 * HUGE && advised <= len && advised % HUGE == 0), "{advised} bytes");
         assert!(data == expected, "the contents changed");
         // SAFETY: as above; a range without a whole huge page is left alone
         assert_eq!(unsafe { advise(data.as_mut_ptr() as *mut u8, HUGE - 1) }, 0);

@@ -112,11 +112,8 @@ pub unsafe fn gather_c_order<S: ByteSink + ?Sized>(view: &ArrayView, stream: &mu
     }
     // Outer axes [0, k) are walked with an odometer; if k == nd the last axis is walked
     // element by element (run == itemsize).
-    let (outer, inner_n, inner_stride) = if k == nd {
-        (nd - 1, view.shape[nd - 1], view.strides[nd - 1])
-    } else {
-        (k, 1, 0)
-    };
+    let (outer, inner_n, inner_stride) =
+        if k == nd { (nd - 1, view.shape[nd - 1], view.strides[nd - 1]) } else { (k, 1, 0) };
     let mut scratch: Vec<u8> = Vec::with_capacity(GATHER_CHUNK);
     let mut idx = [0usize; crate::npy_header::MAX_NDIM];
     let mut base = view.ptr;

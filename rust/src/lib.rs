@@ -29,9 +29,9 @@ mod prefetch;
 pub mod qk_rope;
 pub mod rms_norm;
 pub mod router_cpu;
-pub mod workers;
 #[cfg(test)]
 mod testing;
+pub mod workers;
 
 #[cfg(feature = "python")]
 mod python;

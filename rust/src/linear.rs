@@ -31,8 +31,15 @@ const PACKED_BLOCK_ROWS: usize = 128;
 
 /// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), on up to `threads` threads (each a
 /// contiguous run of W's rows). Errors name the first inconsistent length.
-pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &mut [W], threads: usize,
-                          isa: Isa) -> Result<(), String> {
+pub fn linear<W: Element>(
+    x: &[W],
+    w: &[W],
+    bias: Option<&[W]>,
+    n: usize,
+    out: &mut [W],
+    threads: usize,
+    isa: Isa,
+) -> Result<(), String> {
     if n == 0 || !w.len().is_multiple_of(n) {
         return Err(format!("linear: the weight holds {} values, not [{n}, K]", w.len()));
     }
@@ -95,15 +102,14 @@ pub fn linear<W: Element>(x: &[W], w: &[W], bias: Option<&[W]>, n: usize, out: &
     // threads take parts from a shared counter (a preempted thread holds up no one)
     let results: Vec<std::sync::Mutex<Vec<f32>>> = parts.iter().map(|_| Default::default()).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
-    crate::workers::run_on_threads(threads, &|| {
-        loop {
-            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let Some(p) = parts.get(i) else { break };
-            let part = run(p);
-            *results[i].lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = part;
-        }
+    crate::workers::run_on_threads(threads, &|| loop {
+        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some(p) = parts.get(i) else { break };
+        let part = run(p);
+        *results[i].lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = part;
     });
-    let results: Vec<Vec<f32>> = results.into_iter().map(|r| r.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner())).collect();
+    let results: Vec<Vec<f32>> =
+        results.into_iter().map(|r| r.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner())).collect();
     for (&(first, end), part) in parts.iter().zip(&results) {
         let width = end - first;
         for (row, src) in part.chunks_exact(width).enumerate() {
@@ -143,7 +149,13 @@ pub(crate) mod python {
 
     /// # Safety
     /// As `linear_cpu` requires of its caller, with `W` the tensors' element type.
-    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 4], shape: [usize; 3], threads: usize, isa: Isa) -> PyResult<()> {
+    unsafe fn run<W: Element>(
+        py: Python<'_>,
+        addresses: [usize; 4],
+        shape: [usize; 3],
+        threads: usize,
+        isa: Isa,
+    ) -> PyResult<()> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
         let [x, w, bias, out] = addresses;
         let [m, n, k] = shape;
@@ -166,8 +178,14 @@ pub(crate) mod python {
     /// names (one of `matrix_isas()`; None: `Isa::default_kernel()`). Runs with the GIL released.
     #[pyfunction]
     #[pyo3(signature = (addresses, shape, dtype, threads, isa=None))]
-    pub fn linear_cpu(py: Python<'_>, addresses: [usize; 4], shape: [usize; 3], dtype: &str, threads: usize,
-                      isa: Option<&str>) -> PyResult<()> {
+    pub fn linear_cpu(
+        py: Python<'_>,
+        addresses: [usize; 4],
+        shape: [usize; 3],
+        dtype: &str,
+        threads: usize,
+        isa: Option<&str>,
+    ) -> PyResult<()> {
         let [x, w, _, out] = addresses;
         if [x, w, out].contains(&0) || shape.contains(&0) {
             return Err(PyValueError::new_err("linear_cpu needs non-null tensors and non-empty shapes"));
@@ -175,7 +193,10 @@ pub(crate) mod python {
         let isa = match isa {
             None => Isa::default_kernel(),
             Some(name) => Isa::available().into_iter().find(|i| i.name() == name).ok_or_else(|| {
-                PyValueError::new_err(format!("this CPU runs no matrix kernel {name:?} (it runs {:?})", super::isa_names()))
+                PyValueError::new_err(format!(
+                    "this CPU runs no matrix kernel {name:?} (it runs {:?})",
+                    super::isa_names()
+                ))
             })?,
         };
         // SAFETY: the caller (r3srv.kernels.linear_cpu) passes the data addresses of live,
@@ -250,19 +271,30 @@ mod tests {
                 let dot: f64 = (0..k).map(|c| x[row * k + c].to_f32() as f64 * w[col * k + c].to_f32() as f64).sum();
                 let want = dot + b[col].to_f32() as f64;
                 let got = got.to_f32() as f64;
-                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(), "{m}x{n}x{k} [{row}, {col}]: {got} vs {want}");
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()) + rel * want.abs(),
+                    "{m}x{n}x{k} [{row}, {col}]: {got} vs {want}"
+                );
             }
             for threads in [2, 3] {
                 let mut out = vec![W::from_f32(f32::NAN); m * n];
                 linear(&x, &w, Some(&b), n, &mut out, threads, Isa::best()).unwrap();
-                assert!(out.iter().zip(&one).all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()), "{m}x{n}x{k} threads={threads}");
+                assert!(
+                    out.iter().zip(&one).all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()),
+                    "{m}x{n}x{k} threads={threads}"
+                );
             }
         }
     }
 
     #[test]
     fn many_rows_run_packed_within_rounding_on_any_thread_count() {
-        const { assert!(300 * 300 * 160 >= 3 * PARALLEL_MIN_MACS && 300 > 2 * PACKED_BLOCK_ROWS, "the largest case must split in three") };
+        const {
+            assert!(
+                300 * 300 * 160 >= 3 * PARALLEL_MIN_MACS && 300 > 2 * PACKED_BLOCK_ROWS,
+                "the largest case must split in three"
+            )
+        };
         packed_cases::<f32>(0.0);
         packed_cases::<Bf16>(1.0 / 256.0);
     }
@@ -283,7 +315,10 @@ mod tests {
             for (i, got) in one.iter().enumerate() {
                 let (row, col) = (i / n, i % n);
                 let want: f64 = (0..k).map(|c| x[row * k + c].to_f32() as f64 * w[col * k + c].to_f32() as f64).sum();
-                assert!((got.to_f32() as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()) + want.abs() / 256.0, "{m}x{n}x{k} [{row}, {col}]");
+                assert!(
+                    (got.to_f32() as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()) + want.abs() / 256.0,
+                    "{m}x{n}x{k} [{row}, {col}]"
+                );
             }
             for threads in [2, 3] {
                 let mut out = vec![Bf16(0); m * n];

@@ -190,7 +190,10 @@ mod tests {
         let ids = [3i32, 7, 11, 0, -5];
         assert_eq!(text(|o| write_int_lists(&ids, &[0, 3, 3, 5], o)), "[[3,7,11],[],[0,-5]]");
         assert_eq!(text(|o| write_int_lists::<i32>(&[], &[0], o)), "[]");
-        assert_eq!(text(|o| write_int_lists(&[i64::MIN, i64::MAX], &[0, 2], o)), format!("[[{},{}]]", i64::MIN, i64::MAX));
+        assert_eq!(
+            text(|o| write_int_lists(&[i64::MIN, i64::MAX], &[0, 2], o)),
+            format!("[[{},{}]]", i64::MIN, i64::MAX)
+        );
     }
 
     #[test]

@@ -11,8 +11,27 @@ pub fn matmul_nt(m: &[f32], rows: usize, vs: &[f32], out: &mut [f32]) {
     // dst [n, rows] row-major, lhs [n, cols] row-major, rhs = m^T read as [cols, rows] with a
     // column stride of cols. beta = 1 with read_dst false: dst = lhs @ rhs.
     unsafe {
-        gemm::gemm(n, rows, cols, out.as_mut_ptr(), 1, rows as isize, false, vs.as_ptr(), 1, cols as isize, m.as_ptr(),
-                   cols as isize, 1, 0.0f32, 1.0f32, false, false, false, gemm::Parallelism::None);
+        gemm::gemm(
+            n,
+            rows,
+            cols,
+            out.as_mut_ptr(),
+            1,
+            rows as isize,
+            false,
+            vs.as_ptr(),
+            1,
+            cols as isize,
+            m.as_ptr(),
+            cols as isize,
+            1,
+            0.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
     }
 }
 
@@ -31,7 +50,10 @@ mod tests {
                 for r in 0..rows {
                     let want: f64 = (0..cols).map(|c| m[r * cols + c] as f64 * vs[j * cols + c] as f64).sum();
                     let got = out[j * rows + r] as f64;
-                    assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{rows}x{cols} n={n} [{j}, {r}]: {got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "{rows}x{cols} n={n} [{j}, {r}]: {got} vs {want}"
+                    );
                 }
             }
         }

@@ -56,7 +56,11 @@ pub(crate) fn extend_pairs(values: &[Bf16], pairs: &mut Vec<u32>) {
     // SAFETY: `reserve` made room for values.len() / 2 more u32s past `at`, which the copy of the
     // values' bytes fills; the source and the Vec do not overlap.
     unsafe {
-        std::ptr::copy_nonoverlapping(values.as_ptr() as *const u8, pairs.as_mut_ptr().add(at) as *mut u8, 2 * values.len());
+        std::ptr::copy_nonoverlapping(
+            values.as_ptr() as *const u8,
+            pairs.as_mut_ptr().add(at) as *mut u8,
+            2 * values.len(),
+        );
         pairs.set_len(at + values.len() / 2);
     }
 }
@@ -141,12 +145,20 @@ unsafe fn transpose16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64
     // holds column 4j + k of rows 4i..4i + 4
     let t: [__m512i; 16] = std::array::from_fn(|i| {
         let (a, b) = (r[i & !1], r[i | 1]);
-        if i % 2 == 0 { _mm512_unpacklo_epi32(a, b) } else { _mm512_unpackhi_epi32(a, b) }
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
     });
     let u: [__m512i; 16] = std::array::from_fn(|i| {
         let (g, k) = (i / 4 * 4, i % 4);
         let (a, b) = (t[g + (k >> 1)], t[g + 2 + (k >> 1)]);
-        if k % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) }
+        if k % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
     });
     // then the 128-bit lanes of the four row groups gathered per column
     std::array::from_fn(|c| {
@@ -156,7 +168,11 @@ unsafe fn transpose16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64
         } else {
             (_mm512_shuffle_i32x4::<0xdd>(u[k], u[4 + k]), _mm512_shuffle_i32x4::<0xdd>(u[8 + k], u[12 + k]))
         };
-        if j < 2 { _mm512_shuffle_i32x4::<0x88>(lo, hi) } else { _mm512_shuffle_i32x4::<0xdd>(lo, hi) }
+        if j < 2 {
+            _mm512_shuffle_i32x4::<0x88>(lo, hi)
+        } else {
+            _mm512_shuffle_i32x4::<0xdd>(lo, hi)
+        }
     })
 }
 
@@ -192,8 +208,10 @@ pub fn matmul_nt_pairs(m: &[Bf16], rows: usize, xs: &[u32], out: &mut [f32], buf
         out.fill(0.0);
         return;
     }
-    assert!(xs.len().is_multiple_of(cols / 2) && out.len() == xs.len() / (cols / 2) * rows,
-            "matmul_nt_pairs: the vectors or the output disagree");
+    assert!(
+        xs.len().is_multiple_of(cols / 2) && out.len() == xs.len() / (cols / 2) * rows,
+        "matmul_nt_pairs: the vectors or the output disagree"
+    );
     products(m, rows, cols, xs, out, buffers);
 }
 
@@ -241,12 +259,22 @@ unsafe fn panel_avx512(xs: &[u32], panel: &[u32], k2: usize, n: usize, rows: usi
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
-unsafe fn block<const V: usize>(xs: &[u32], panel: &[u32], k2: usize, rows: usize, first: usize, j: usize, out: &mut [f32]) {
+unsafe fn block<const V: usize>(
+    xs: &[u32],
+    panel: &[u32],
+    k2: usize,
+    rows: usize,
+    first: usize,
+    j: usize,
+    out: &mut [f32],
+) {
     use std::arch::x86_64::*;
     let (xp, wp) = (xs.as_ptr().add(j * k2), panel.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); 4]; V];
     for kk in 0..k2 {
-        let w: [__m512bh; 4] = std::array::from_fn(|q| std::mem::transmute(_mm512_loadu_si512(wp.add(kk * PANEL_ROWS + 16 * q) as *const _)));
+        let w: [__m512bh; 4] = std::array::from_fn(|q| {
+            std::mem::transmute(_mm512_loadu_si512(wp.add(kk * PANEL_ROWS + 16 * q) as *const _))
+        });
         for (v, acc) in acc.iter_mut().enumerate() {
             let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*xp.add(v * k2 + kk) as i32));
             for (a, w) in acc.iter_mut().zip(&w) {
@@ -283,7 +311,10 @@ pub fn gemm_nt_bf16(m: &[Bf16], rows: usize, xs: &[u32], out: &mut [f32]) {
         out.fill(0.0);
         return;
     }
-    assert!(xs.len().is_multiple_of(k2) && out.len() == xs.len() / k2 * rows, "gemm_nt_bf16: the vectors or the output disagree");
+    assert!(
+        xs.len().is_multiple_of(k2) && out.len() == xs.len() / k2 * rows,
+        "gemm_nt_bf16: the vectors or the output disagree"
+    );
     #[cfg(target_arch = "x86_64")]
     // SAFETY: runs() checked the CPU, the lengths were checked above.
     unsafe {
@@ -299,18 +330,26 @@ pub fn gemm_nt_bf16(m: &[Bf16], rows: usize, xs: &[u32], out: &mut [f32]) {
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn nt_avx512(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f32]) {
     let n = xs.len() / k2;
-    crate::expert_pairs::each_block!(m, rows, 2 * k2, n, 4, |r| if r + 4 <= rows { 4 } else { 1 }, |block, left, r, j, ahead| {
-        match (block, left) {
-            (4, 4..) => nt_block::<4, 4>(m, rows, k2, xs, out, r, j, ahead),
-            (4, 3) => nt_block::<4, 3>(m, rows, k2, xs, out, r, j, ahead),
-            (4, 2) => nt_block::<4, 2>(m, rows, k2, xs, out, r, j, ahead),
-            (4, _) => nt_block::<4, 1>(m, rows, k2, xs, out, r, j, ahead),
-            (_, 4..) => nt_block::<1, 4>(m, rows, k2, xs, out, r, j, ahead),
-            (_, 3) => nt_block::<1, 3>(m, rows, k2, xs, out, r, j, ahead),
-            (_, 2) => nt_block::<1, 2>(m, rows, k2, xs, out, r, j, ahead),
-            _ => nt_block::<1, 1>(m, rows, k2, xs, out, r, j, ahead),
+    crate::expert_pairs::each_block!(
+        m,
+        rows,
+        2 * k2,
+        n,
+        4,
+        |r| if r + 4 <= rows { 4 } else { 1 },
+        |block, left, r, j, ahead| {
+            match (block, left) {
+                (4, 4..) => nt_block::<4, 4>(m, rows, k2, xs, out, r, j, ahead),
+                (4, 3) => nt_block::<4, 3>(m, rows, k2, xs, out, r, j, ahead),
+                (4, 2) => nt_block::<4, 2>(m, rows, k2, xs, out, r, j, ahead),
+                (4, _) => nt_block::<4, 1>(m, rows, k2, xs, out, r, j, ahead),
+                (_, 4..) => nt_block::<1, 4>(m, rows, k2, xs, out, r, j, ahead),
+                (_, 3) => nt_block::<1, 3>(m, rows, k2, xs, out, r, j, ahead),
+                (_, 2) => nt_block::<1, 2>(m, rows, k2, xs, out, r, j, ahead),
+                _ => nt_block::<1, 1>(m, rows, k2, xs, out, r, j, ahead),
+            }
         }
-    });
+    );
 }
 
 /// out[j + v, r + l] for l < R, v < V, asking for `ahead` (rows a later block reads) a step's
@@ -322,8 +361,16 @@ unsafe fn nt_avx512(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
-unsafe fn nt_block<const R: usize, const V: usize>(m: &[Bf16], rows: usize, k2: usize, xs: &[u32], out: &mut [f32], r: usize, j: usize,
-                                                   ahead: &[Bf16]) {
+unsafe fn nt_block<const R: usize, const V: usize>(
+    m: &[Bf16],
+    rows: usize,
+    k2: usize,
+    xs: &[u32],
+    out: &mut [f32],
+    r: usize,
+    j: usize,
+    ahead: &[Bf16],
+) {
     use std::arch::x86_64::*;
     let (mp, xp) = (m.as_ptr() as *const u32, xs.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); V]; R];
@@ -332,7 +379,9 @@ unsafe fn nt_block<const R: usize, const V: usize>(m: &[Bf16], rows: usize, k2: 
         crate::prefetch::prefetch_l2_bytes(ahead, c * 4 * R, 64 * R);
         // 16 pairs a step; the row's last step masked (loads past it read nothing)
         let mask: __mmask16 = if c + 16 <= k2 { 0xffff } else { ((1u32 << (k2 - c)) - 1) as __mmask16 };
-        let x: [__m512bh; V] = std::array::from_fn(|v| std::mem::transmute(_mm512_maskz_loadu_epi32(mask, xp.add((j + v) * k2 + c) as *const _)));
+        let x: [__m512bh; V] = std::array::from_fn(|v| {
+            std::mem::transmute(_mm512_maskz_loadu_epi32(mask, xp.add((j + v) * k2 + c) as *const _))
+        });
         for (l, row) in acc.iter_mut().enumerate() {
             let w: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi32(mask, mp.add((r + l) * k2 + c) as *const _));
             for (a, x) in row.iter_mut().zip(&x) {
@@ -445,7 +494,11 @@ mod tests {
                 for (i, &got) in panel.iter().enumerate() {
                     let (kk, r) = (i / PANEL_ROWS, i % PANEL_ROWS);
                     let at = |c: usize| if first + r < rows && c < cols { m[(first + r) * cols + c] } else { Bf16(0) };
-                    assert_eq!(got, pair(at(2 * kk), at(2 * kk + 1)), "{rows}x{cols} panel {first}: pair {kk} of row {r}");
+                    assert_eq!(
+                        got,
+                        pair(at(2 * kk), at(2 * kk + 1)),
+                        "{rows}x{cols} panel {first}: pair {kk} of row {r}"
+                    );
                 }
             }
         }

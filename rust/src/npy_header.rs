@@ -68,11 +68,7 @@ pub fn write_header(out: &mut Vec<u8>, descr: &str, fortran_order: bool, shape: 
     }
     let dict_len = out.len() - dict_start;
     let hlen = dict_len + 1; // + '\n'
-    let (preamble, v2) = if 10 + hlen + ARRAY_ALIGN <= 65535 + 10 {
-        (10usize, false)
-    } else {
-        (12usize, true)
-    };
+    let (preamble, v2) = if 10 + hlen + ARRAY_ALIGN <= 65535 + 10 { (10usize, false) } else { (12usize, true) };
     let mut padlen = ARRAY_ALIGN - ((preamble + hlen) % ARRAY_ALIGN);
     if !v2 && hlen + padlen > 65535 {
         padlen = 0; // unreachable for real arrays (ndim <= 64); guarded above
@@ -188,10 +184,7 @@ impl<'a> Cursor<'a> {
 
 fn parse_dim(w: &[u8]) -> Result<usize, String> {
     if w.is_empty() || w.len() > 19 || !w.iter().all(u8::is_ascii_digit) {
-        return Err(format!(
-            "invalid npy shape entry {:?}",
-            String::from_utf8_lossy(&w[..w.len().min(32)])
-        ));
+        return Err(format!("invalid npy shape entry {:?}", String::from_utf8_lossy(&w[..w.len().min(32)])));
     }
     let v: u64 = std::str::from_utf8(w).unwrap().parse().map_err(|_| "invalid npy shape entry")?;
     if v > isize::MAX as u64 {
@@ -256,9 +249,7 @@ pub fn parse_header(text: &[u8]) -> Result<ParsedHeader, String> {
                 }
                 shape = Some(dims);
             }
-            "descr" | "fortran_order" | "shape" => {
-                return Err(format!("malformed npy header: duplicate key {key:?}"))
-            }
+            "descr" | "fortran_order" | "shape" => return Err(format!("malformed npy header: duplicate key {key:?}")),
             other => return Err(format!("malformed npy header: unexpected key {other:?}")),
         }
         if !c.eat(b',') {
@@ -308,10 +299,16 @@ mod tests {
             v.push(b'\n');
             v
         };
-        assert_eq!(header("<i4", false, &[1, 123456]), pad("{'descr': '<i4', 'fortran_order': False, 'shape': (1, 123456), }"));
+        assert_eq!(
+            header("<i4", false, &[1, 123456]),
+            pad("{'descr': '<i4', 'fortran_order': False, 'shape': (1, 123456), }")
+        );
         assert_eq!(header(">c16", true, &[2, 3]), pad("{'descr': '>c16', 'fortran_order': True, 'shape': (2, 3), }"));
         assert_eq!(header("<f8", false, &[]), pad("{'descr': '<f8', 'fortran_order': False, 'shape': (), }"));
-        assert_eq!(header("<M8[ns]", false, &[7]), pad("{'descr': '<M8[ns]', 'fortran_order': False, 'shape': (7,), }"));
+        assert_eq!(
+            header("<M8[ns]", false, &[7]),
+            pad("{'descr': '<M8[ns]', 'fortran_order': False, 'shape': (7,), }")
+        );
     }
 
     #[test]
@@ -329,7 +326,12 @@ mod tests {
 
     #[test]
     fn header_round_trips_through_parser() {
-        for (d, f, s) in [("|u1", false, vec![3usize, 48, 8]), ("<c16", true, vec![2, 3]), ("<M8[ns]", false, vec![0]), (">u2", false, vec![])] {
+        for (d, f, s) in [
+            ("|u1", false, vec![3usize, 48, 8]),
+            ("<c16", true, vec![2, 3]),
+            ("<M8[ns]", false, vec![0]),
+            (">u2", false, vec![]),
+        ] {
             let h = header(d, f, &s);
             let (pre, hlen) = read_preamble(&h).unwrap();
             assert_eq!(pre + hlen, h.len());

@@ -95,13 +95,17 @@ impl<'a, T> Strided<'a, T> {
         if rows == 0 || heads == 0 || dim == 0 {
             return Some(0);
         }
-        (rows - 1)
-            .checked_mul(row_stride)?
-            .checked_add((heads - 1).checked_mul(head_stride)?)?
-            .checked_add(dim)
+        (rows - 1).checked_mul(row_stride)?.checked_add((heads - 1).checked_mul(head_stride)?)?.checked_add(dim)
     }
 
-    pub fn new(data: &'a [T], rows: usize, heads: usize, dim: usize, row_stride: usize, head_stride: usize) -> Result<Self, String> {
+    pub fn new(
+        data: &'a [T],
+        rows: usize,
+        heads: usize,
+        dim: usize,
+        row_stride: usize,
+        head_stride: usize,
+    ) -> Result<Self, String> {
         match Self::span(rows, heads, dim, row_stride, head_stride) {
             Some(n) if n <= data.len() => Ok(Strided { data, rows, heads, dim, row_stride, head_stride }),
             _ => Err(format!("a [{rows}, {heads}, {dim}] tensor with strides ({row_stride}, {head_stride}, 1) overruns its {} elements", data.len())),
@@ -196,8 +200,12 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
     }
     let seqs = d.rows.len();
     if d.lens.len() != seqs || d.tables.len() < seqs * d.max_blocks {
-        return Err(format!("{seqs} rows, {} context lengths and {} table entries for {} blocks each do not match",
-                           d.lens.len(), d.tables.len(), d.max_blocks));
+        return Err(format!(
+            "{seqs} rows, {} context lengths and {} table entries for {} blocks each do not match",
+            d.lens.len(),
+            d.tables.len(),
+            d.max_blocks
+        ));
     }
     if let Some(s) = d.sinks {
         if s.len() != heads {
@@ -220,14 +228,20 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
             return Err(format!("sequence {i}: row {row} is outside the {} query rows", d.q.rows));
         }
         if len < 1 || len as usize > d.max_blocks * d.page {
-            return Err(format!("sequence {i}: context length {len} is outside 1..={} (its table's {} blocks of {})",
-                               d.max_blocks * d.page, d.max_blocks, d.page));
+            return Err(format!(
+                "sequence {i}: context length {len} is outside 1..={} (its table's {} blocks of {})",
+                d.max_blocks * d.page,
+                d.max_blocks,
+                d.page
+            ));
         }
         let (start, end) = visible(len as usize, d.window);
         for b in start / d.page..end.div_ceil(d.page) {
             let block = d.tables[i * d.max_blocks + b];
             if block < 0 || block as usize >= num_blocks {
-                return Err(format!("sequence {i}: block {block} (table entry {b}) is outside the cache's {num_blocks} blocks"));
+                return Err(format!(
+                    "sequence {i}: block {block} (table entry {b}) is outside the cache's {num_blocks} blocks"
+                ));
             }
         }
         macs += (end - start) * heads * (head_dim + v_dim);
@@ -262,7 +276,11 @@ fn visible(len: usize, window: Option<usize>) -> (usize, usize) {
     (window.map_or(0, |w| len.saturating_sub(w)), len)
 }
 
-fn run<'i, 'o: 'i, T: Element + 'o>(d: &PagedDecode<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>, isa: Isa) {
+fn run<'i, 'o: 'i, T: Element + 'o>(
+    d: &PagedDecode<'_, T>,
+    items: impl Iterator<Item = &'i mut Item<'o, T>>,
+    isa: Isa,
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => {
@@ -277,7 +295,10 @@ fn run<'i, 'o: 'i, T: Element + 'o>(d: &PagedDecode<'_, T>, items: impl Iterator
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<'i, 'o: 'i, T: Element + 'o>(d: &PagedDecode<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>) {
+unsafe fn run_avx2<'i, 'o: 'i, T: Element + 'o>(
+    d: &PagedDecode<'_, T>,
+    items: impl Iterator<Item = &'i mut Item<'o, T>>,
+) {
     run_items::<T, true>(d, items)
 }
 
@@ -291,7 +312,10 @@ struct Scratch {
 }
 
 #[inline(always)]
-fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool>(d: &PagedDecode<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>) {
+fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool>(
+    d: &PagedDecode<'_, T>,
+    items: impl Iterator<Item = &'i mut Item<'o, T>>,
+) {
     let heads = d.q.heads;
     let mut s = Scratch {
         q: vec![0.0; heads * d.q.dim],
@@ -437,7 +461,13 @@ macro_rules! in_head_blocks {
 /// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
 /// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`.
 #[inline(always)]
-pub(crate) fn score_tile<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32]) {
+pub(crate) fn score_tile<T: Element, const AVX2: bool>(
+    d: &PagedDecode<'_, T>,
+    kv_head: usize,
+    slots: &[usize],
+    q: &[f32],
+    scores: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
@@ -469,7 +499,13 @@ pub(crate) fn score_tile<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, k
 /// The values at `slots`, weighed by the tile's probabilities, added to the group's
 /// accumulators (`acc`: [group, v_dim]), key by key in order.
 #[inline(always)]
-pub(crate) fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32]) {
+pub(crate) fn weigh_values<T: Element, const AVX2: bool>(
+    d: &PagedDecode<'_, T>,
+    kv_head: usize,
+    slots: &[usize],
+    scores: &[f32],
+    acc: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
@@ -488,7 +524,6 @@ pub(crate) fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>,
     }
 }
 
-
 /// score_tile for heads g0..g0 + NH (NH at most HEAD_BLOCK): each key row loaded once, 8 dims
 /// at a time, for all of them; keys taken KB at a time (KB * NH running sums: independent
 /// multiply-add chains) and their sums reduced together.
@@ -497,7 +532,14 @@ pub(crate) fn weigh_values<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>,
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn score_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32], g0: usize) {
+unsafe fn score_heads_avx2<T: Element, const NH: usize>(
+    d: &PagedDecode<'_, T>,
+    kv_head: usize,
+    slots: &[usize],
+    q: &[f32],
+    scores: &mut [f32],
+    g0: usize,
+) {
     // 8 sums for one or two heads, 4 for three or four: all of them in the 16 registers
     // beside the key lanes
     // SAFETY: forwarded, the caller's contract.
@@ -517,7 +559,14 @@ unsafe fn score_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, 
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn score_keys_avx2<T: Element, const NH: usize, const KB: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32], g0: usize) {
+unsafe fn score_keys_avx2<T: Element, const NH: usize, const KB: usize>(
+    d: &PagedDecode<'_, T>,
+    kv_head: usize,
+    slots: &[usize],
+    q: &[f32],
+    scores: &mut [f32],
+    g0: usize,
+) {
     use std::arch::x86_64::*;
     let dim = d.q.dim;
     let whole = dim / 8 * 8;
@@ -564,8 +613,12 @@ unsafe fn score_keys_avx2<T: Element, const NH: usize, const KB: usize>(d: &Page
 /// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn reduce4(a: std::arch::x86_64::__m256, b: std::arch::x86_64::__m256, c: std::arch::x86_64::__m256,
-                  e: std::arch::x86_64::__m256) -> std::arch::x86_64::__m128 {
+unsafe fn reduce4(
+    a: std::arch::x86_64::__m256,
+    b: std::arch::x86_64::__m256,
+    c: std::arch::x86_64::__m256,
+    e: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m128 {
     use std::arch::x86_64::*;
     // quads: [a0 + a4, .., a3 + a7 | b0 + b4, ..] and the same of c, e
     let ab = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b));
@@ -583,7 +636,14 @@ unsafe fn reduce4(a: std::arch::x86_64::__m256, b: std::arch::x86_64::__m256, c:
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn score_one_by_one_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32], scores: &mut [f32], g0: usize) {
+unsafe fn score_one_by_one_avx2<T: Element, const NH: usize>(
+    d: &PagedDecode<'_, T>,
+    kv_head: usize,
+    slots: &[usize],
+    q: &[f32],
+    scores: &mut [f32],
+    g0: usize,
+) {
     use std::arch::x86_64::*;
     let dim = d.q.dim;
     let whole = dim / 8 * 8;
@@ -622,7 +682,14 @@ unsafe fn score_one_by_one_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_,
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], scores: &[f32], acc: &mut [f32], g0: usize) {
+unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(
+    d: &PagedDecode<'_, T>,
+    kv_head: usize,
+    slots: &[usize],
+    scores: &[f32],
+    acc: &mut [f32],
+    g0: usize,
+) {
     let v_dim = d.v.dim;
     let n = slots.len();
     assert!(n <= TILE && (g0 + NH) * TILE <= scores.len() && (g0 + NH) * v_dim <= acc.len());
@@ -671,11 +738,17 @@ unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(d: &PagedDecode<'_, T>, 
 /// each of `probs` to rows.len() probabilities, each of `sums_at` to c + W * 8 sums.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn weigh_chunk<T: Element, const NH: usize, const W: usize>(rows: &[*const T], probs: &[*const f32; NH], sums_at: &[*mut f32; NH], c: usize) {
+unsafe fn weigh_chunk<T: Element, const NH: usize, const W: usize>(
+    rows: &[*const T],
+    probs: &[*const f32; NH],
+    sums_at: &[*mut f32; NH],
+    c: usize,
+) {
     use std::arch::x86_64::*;
     // SAFETY: the caller's contract.
     unsafe {
-        let mut sums: [[__m256; W]; NH] = std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(sums_at[h].add(c + 8 * w))));
+        let mut sums: [[__m256; W]; NH] =
+            std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(sums_at[h].add(c + 8 * w))));
         for (j, &row) in rows.iter().enumerate() {
             let v: [__m256; W] = std::array::from_fn(|w| T::load8(row.add(c + 8 * w)));
             for (h, lanes) in sums.iter_mut().enumerate() {
@@ -805,8 +878,18 @@ mod tests {
     }
 
     /// Plain two-pass softmax attention in f64 over the gathered context.
-    fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], tables: &[i64], max_blocks: usize, rows: &[i64],
-                 sinks: &[f32], scale: f32, out: &mut [f64]) {
+    fn reference(
+        c: &Case,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        tables: &[i64],
+        max_blocks: usize,
+        rows: &[i64],
+        sinks: &[f32],
+        scale: f32,
+        out: &mut [f64],
+    ) {
         let group = c.heads / c.kv_heads;
         for (i, &len) in c.lens.iter().enumerate() {
             let (start, end) = visible(len as usize, c.window);
@@ -843,7 +926,8 @@ mod tests {
     }
 
     fn check(c: &Case, isa: Isa, threads: usize) {
-        let (q, k, v, tables, max_blocks, rows, sinks, tokens) = inputs(c, c.lens.len() as u64 * 31 + c.head_dim as u64);
+        let (q, k, v, tables, max_blocks, rows, sinks, tokens) =
+            inputs(c, c.lens.len() as u64 * 31 + c.head_dim as u64);
         let scale = (c.head_dim as f32).powf(-0.5) * 1.3;
         let slots = k.len() / (c.kv_heads * c.head_dim);
         let d = PagedDecode {
@@ -867,7 +951,10 @@ mod tests {
         }
         reference(c, &q, &k, &v, &tables, max_blocks, &rows, &sinks, scale, &mut want);
         for (i, (&got, &w)) in out.iter().zip(&want).enumerate() {
-            assert!((got as f64 - w).abs() <= 2e-5 + 2e-5 * w.abs(), "{isa:?} threads={threads} element {i}: {got} != {w}");
+            assert!(
+                (got as f64 - w).abs() <= 2e-5 + 2e-5 * w.abs(),
+                "{isa:?} threads={threads} element {i}: {got} != {w}"
+            );
         }
     }
 
@@ -910,7 +997,8 @@ mod tests {
             check(&c, Isa::detect(), threads);
         }
         let lens = vec![1, 2, 700, 3];
-        let c = Case { heads: 32, kv_heads: 1, head_dim: 96, v_dim: 80, page: 16, lens, window: Some(600), sinks: true };
+        let c =
+            Case { heads: 32, kv_heads: 1, head_dim: 96, v_dim: 80, page: 16, lens, window: Some(600), sinks: true };
         check(&c, Isa::detect(), 2);
     }
 
@@ -922,7 +1010,16 @@ mod tests {
             return;
         }
         for (group, head_dim) in [(1, 64), (2, 64), (3, 24), (4, 13), (2, 8)] {
-            let c = Case { heads: group * 2, kv_heads: 2, head_dim, v_dim: head_dim, page: 4, lens: vec![TILE as i64 + 3], window: None, sinks: false };
+            let c = Case {
+                heads: group * 2,
+                kv_heads: 2,
+                head_dim,
+                v_dim: head_dim,
+                page: 4,
+                lens: vec![TILE as i64 + 3],
+                window: None,
+                sinks: false,
+            };
             let (q, k, v, ..) = inputs(&c, group as u64 * 97 + head_dim as u64);
             let slots_total = k.len() / (c.kv_heads * c.head_dim);
             let d = PagedDecode {
@@ -948,15 +1045,27 @@ mod tests {
                     in_head_blocks!(group, score_heads_avx2::<f32>(&d, 1, &slots, qs, &mut together));
                     in_head_blocks!(group, score_one_by_one_avx2::<f32>(&d, 1, &slots, qs, &mut alone));
                 }
-                assert_eq!(together.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                           alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "group {group} dim {head_dim} keys {n}");
+                assert_eq!(
+                    together.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "group {group} dim {head_dim} keys {n}"
+                );
             }
         }
     }
 
     #[test]
     fn the_isas_agree_closely() {
-        let c = Case { heads: 8, kv_heads: 2, head_dim: 64, v_dim: 64, page: 16, lens: vec![500, 17], window: None, sinks: true };
+        let c = Case {
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            v_dim: 64,
+            page: 16,
+            lens: vec![500, 17],
+            window: None,
+            sinks: true,
+        };
         let (q, k, v, tables, max_blocks, rows, sinks, tokens) = inputs(&c, 5);
         let slots = k.len() / (c.kv_heads * c.head_dim);
         let d = PagedDecode {
@@ -983,7 +1092,16 @@ mod tests {
 
     #[test]
     fn bfloat16_accumulates_in_f32() {
-        let c = Case { heads: 4, kv_heads: 2, head_dim: 32, v_dim: 32, page: 4, lens: vec![40, 5], window: None, sinks: false };
+        let c = Case {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            v_dim: 32,
+            page: 4,
+            lens: vec![40, 5],
+            window: None,
+            sinks: false,
+        };
         let (q, k, v, tables, max_blocks, rows, _, tokens) = inputs(&c, 9);
         let bf = |x: &[f32]| x.iter().map(|&f| Bf16::from_f32(f)).collect::<Vec<_>>();
         let (qb, kb, vb) = (bf(&q), bf(&k), bf(&v));
@@ -1041,7 +1159,13 @@ mod tests {
         assert!(exp(f32::NAN).is_nan());
     }
 
-    fn small<'a>(q: &'a [f32], kv: &'a [f32], tables: &'a [i64], lens: &'a [i64], rows: &'a [i64]) -> PagedDecode<'a, f32> {
+    fn small<'a>(
+        q: &'a [f32],
+        kv: &'a [f32],
+        tables: &'a [i64],
+        lens: &'a [i64],
+        rows: &'a [i64],
+    ) -> PagedDecode<'a, f32> {
         PagedDecode {
             q: Strided::new(q, 2, 2, 4, 8, 4).unwrap(),
             k: Strided::new(kv, 8, 1, 4, 4, 4).unwrap(),

@@ -59,7 +59,12 @@ struct Item<'o, T> {
 /// rows; other rows are left as they were. Validates every index it will follow (spans in
 /// range and disjoint, contexts at least as long as their queries, slots within the cache)
 /// before writing anything; splits the work over up to `threads` threads when there is enough.
-pub fn paged_prefill<T: Element>(p: &PagedPrefill<'_, T>, out: &mut [T], threads: usize, isa: Isa) -> Result<(), String> {
+pub fn paged_prefill<T: Element>(
+    p: &PagedPrefill<'_, T>,
+    out: &mut [T],
+    threads: usize,
+    isa: Isa,
+) -> Result<(), String> {
     let Validated { order, macs } = validate(p, out.len())?;
     let (heads, kv_heads) = (p.q.heads, p.k.heads);
     let (row_len, group) = (heads * p.v.dim, heads / kv_heads);
@@ -111,8 +116,11 @@ pub(crate) fn validate<T>(p: &PagedPrefill<'_, T>, out_len: usize) -> Result<Val
     }
     let spans = p.q_starts.len();
     if p.q_lens.len() != spans || p.context_lens.len() != spans {
-        return Err(format!("{spans} span starts, {} query lengths and {} context lengths do not match",
-                           p.q_lens.len(), p.context_lens.len()));
+        return Err(format!(
+            "{spans} span starts, {} query lengths and {} context lengths do not match",
+            p.q_lens.len(),
+            p.context_lens.len()
+        ));
     }
     if let Some(s) = p.sinks {
         if s.len() != heads {
@@ -165,7 +173,11 @@ pub(crate) fn validate<T>(p: &PagedPrefill<'_, T>, out_len: usize) -> Result<Val
     Ok(Validated { order, macs })
 }
 
-fn run<'i, 'o: 'i, T: Element + 'o>(p: &PagedPrefill<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>, isa: Isa) {
+fn run<'i, 'o: 'i, T: Element + 'o>(
+    p: &PagedPrefill<'_, T>,
+    items: impl Iterator<Item = &'i mut Item<'o, T>>,
+    isa: Isa,
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => {
@@ -180,7 +192,10 @@ fn run<'i, 'o: 'i, T: Element + 'o>(p: &PagedPrefill<'_, T>, items: impl Iterato
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<'i, 'o: 'i, T: Element + 'o>(p: &PagedPrefill<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>) {
+unsafe fn run_avx2<'i, 'o: 'i, T: Element + 'o>(
+    p: &PagedPrefill<'_, T>,
+    items: impl Iterator<Item = &'i mut Item<'o, T>>,
+) {
     run_items::<T, true>(p, items)
 }
 
@@ -196,11 +211,23 @@ struct Scratch {
 }
 
 #[inline(always)]
-fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool>(p: &PagedPrefill<'_, T>, items: impl Iterator<Item = &'i mut Item<'o, T>>) {
+fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool>(
+    p: &PagedPrefill<'_, T>,
+    items: impl Iterator<Item = &'i mut Item<'o, T>>,
+) {
     // the decode kernel's loops read the cache and the scale through a PagedDecode with no decodes
     let d = PagedDecode {
-        q: p.q, k: p.k, v: p.v, tables: &[], max_blocks: 0, lens: &[], rows: &[], page: 1, scale: p.scale,
-        window: p.window, sinks: p.sinks,
+        q: p.q,
+        k: p.k,
+        v: p.v,
+        tables: &[],
+        max_blocks: 0,
+        lens: &[],
+        rows: &[],
+        page: 1,
+        scale: p.scale,
+        window: p.window,
+        sinks: p.sinks,
     };
     let group = p.q.heads / p.k.heads;
     let rows = MAX_BLOCK.min((QUERY_ROWS / group).max(1)) * group;
@@ -225,7 +252,12 @@ fn visible(pos: usize, window: Option<usize>) -> (usize, usize) {
 
 /// One block of a span's queries, tile by tile over the keys the block sees.
 #[inline(always)]
-fn attend_block<T: Element, const AVX2: bool>(p: &PagedPrefill<'_, T>, d: &PagedDecode<'_, T>, item: &mut Item<'_, T>, s: &mut Scratch) {
+fn attend_block<T: Element, const AVX2: bool>(
+    p: &PagedPrefill<'_, T>,
+    d: &PagedDecode<'_, T>,
+    item: &mut Item<'_, T>,
+    s: &mut Scratch,
+) {
     let (heads, kv_heads, head_dim, v_dim) = (p.q.heads, p.k.heads, p.q.dim, p.v.dim);
     let group = heads / kv_heads;
     let rows = item.count * group;
@@ -315,8 +347,14 @@ fn attend_block<T: Element, const AVX2: bool>(p: &PagedPrefill<'_, T>, d: &Paged
 /// (`keys`: [head_dim, TILE]) so that each row's scores of 16 keys are two vectors of running
 /// sums, with no sum reduced across lanes; else the decode kernel's scoring.
 #[inline(always)]
-fn score_block<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, kv_head: usize, slots: &[usize], q: &[f32],
-                                            keys: &mut [f32], scores: &mut [f32]) {
+fn score_block<T: Element, const AVX2: bool>(
+    d: &PagedDecode<'_, T>,
+    kv_head: usize,
+    slots: &[usize],
+    q: &[f32],
+    keys: &mut [f32],
+    scores: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         let dim = d.q.dim;
@@ -366,7 +404,15 @@ const ROW_BLOCK: usize = 4;
 /// scores the rows' TILE entries, j0 + 16 <= TILE.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn score_rows_avx2<const R: usize>(keys: &[f32], q: &[f32], dim: usize, scale: f32, scores: &mut [f32], r0: usize, j0: usize) {
+unsafe fn score_rows_avx2<const R: usize>(
+    keys: &[f32],
+    q: &[f32],
+    dim: usize,
+    scale: f32,
+    scores: &mut [f32],
+    r0: usize,
+    j0: usize,
+) {
     use std::arch::x86_64::*;
     // SAFETY: the caller's contract.
     unsafe {
@@ -441,7 +487,10 @@ mod tests {
             q: noise(row * c.heads * c.head_dim, seed),
             k: noise(cache * c.kv_heads * c.head_dim, seed + 1),
             v: noise(cache * c.kv_heads * c.v_dim, seed + 2),
-            q_starts, q_lens, ctx, slots,
+            q_starts,
+            q_lens,
+            ctx,
+            slots,
             sinks: noise(c.heads, seed + 3),
             tokens: row,
             cache,
@@ -453,8 +502,13 @@ mod tests {
             q: Strided::new(q, x.tokens, c.heads, c.head_dim, c.heads * c.head_dim, c.head_dim).unwrap(),
             k: Strided::new(k, x.cache, c.kv_heads, c.head_dim, c.kv_heads * c.head_dim, c.head_dim).unwrap(),
             v: Strided::new(v, x.cache, c.kv_heads, c.v_dim, c.kv_heads * c.v_dim, c.v_dim).unwrap(),
-            q_starts: &x.q_starts, q_lens: &x.q_lens, context_lens: &x.ctx, slots: &x.slots,
-            scale, window: c.window, sinks: c.sinks.then_some(&x.sinks[..]),
+            q_starts: &x.q_starts,
+            q_lens: &x.q_lens,
+            context_lens: &x.ctx,
+            slots: &x.slots,
+            scale,
+            window: c.window,
+            sinks: c.sinks.then_some(&x.sinks[..]),
         }
     }
 
@@ -472,10 +526,13 @@ mod tests {
                 for h in 0..c.heads {
                     let kvh = h / group;
                     let qh = &q[(row * c.heads + h) * c.head_dim..][..c.head_dim];
-                    let logits: Vec<f64> = slots[from..to].iter().map(|&s| {
-                        let kh = &k[(s as usize * c.kv_heads + kvh) * c.head_dim..][..c.head_dim];
-                        qh.iter().zip(kh).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
-                    }).collect();
+                    let logits: Vec<f64> = slots[from..to]
+                        .iter()
+                        .map(|&s| {
+                            let kh = &k[(s as usize * c.kv_heads + kvh) * c.head_dim..][..c.head_dim];
+                            qh.iter().zip(kh).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                        })
+                        .collect();
                     let sink = c.sinks.then(|| x.sinks[h] as f64);
                     let m = logits.iter().cloned().chain(sink).fold(f64::NEG_INFINITY, f64::max);
                     let total: f64 = logits.iter().chain(sink.as_ref()).map(|l| (l - m).exp()).sum();
@@ -500,7 +557,10 @@ mod tests {
         paged_prefill(&prefill(c, &x, &x.q, &x.k, &x.v, scale), &mut out, threads, isa).unwrap();
         let want = reference(c, &x, &x.q, &x.k, &x.v, scale);
         for (i, (&got, &w)) in out.iter().zip(&want).enumerate() {
-            assert!((got as f64 - w).abs() <= 2e-5 + 2e-5 * w.abs(), "{isa:?} threads={threads} element {i}: {got} != {w}");
+            assert!(
+                (got as f64 - w).abs() <= 2e-5 + 2e-5 * w.abs(),
+                "{isa:?} threads={threads} element {i}: {got} != {w}"
+            );
         }
     }
 
@@ -538,11 +598,27 @@ mod tests {
 
     #[test]
     fn threads_split_the_work_and_give_the_same_result() {
-        let c = Case { heads: 4, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(300, 300), (40, 500)], window: None, sinks: false };
+        let c = Case {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            v_dim: 64,
+            spans: vec![(300, 300), (40, 500)],
+            window: None,
+            sinks: false,
+        };
         for threads in [2, 3, 7] {
             check(&c, Isa::detect(), threads);
         }
-        let c = Case { heads: 32, kv_heads: 1, head_dim: 96, v_dim: 80, spans: vec![(1, 1), (700, 700), (3, 9)], window: Some(600), sinks: true };
+        let c = Case {
+            heads: 32,
+            kv_heads: 1,
+            head_dim: 96,
+            v_dim: 80,
+            spans: vec![(1, 1), (700, 700), (3, 9)],
+            window: Some(600),
+            sinks: true,
+        };
         check(&c, Isa::detect(), 2);
     }
 
@@ -551,11 +627,20 @@ mod tests {
     /// exactly nothing.
     #[test]
     fn a_row_does_not_depend_on_chunks_or_batches() {
-        for (heads, kv_heads, dim, isa) in [(4, 2, 64, Isa::detect()), (8, 1, 24, Isa::detect()), (3, 3, 13, Isa::Scalar)] {
-            let whole = Case { heads, kv_heads, head_dim: dim, v_dim: dim, spans: vec![(90, 90)], window: None, sinks: true };
+        for (heads, kv_heads, dim, isa) in
+            [(4, 2, 64, Isa::detect()), (8, 1, 24, Isa::detect()), (3, 3, 13, Isa::Scalar)]
+        {
+            let whole =
+                Case { heads, kv_heads, head_dim: dim, v_dim: dim, spans: vec![(90, 90)], window: None, sinks: true };
             let x = inputs(&whole, 11);
             let run = |starts: &[i64], lens: &[i64], ctx: &[i64], slots: &[i64]| {
-                let p = PagedPrefill { q_starts: starts, q_lens: lens, context_lens: ctx, slots, ..prefill(&whole, &x, &x.q, &x.k, &x.v, 0.3) };
+                let p = PagedPrefill {
+                    q_starts: starts,
+                    q_lens: lens,
+                    context_lens: ctx,
+                    slots,
+                    ..prefill(&whole, &x, &x.q, &x.k, &x.v, 0.3)
+                };
                 let mut out = vec![0.0f32; x.tokens * heads * dim];
                 paged_prefill(&p, &mut out, 1, isa).unwrap();
                 out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
@@ -566,18 +651,34 @@ mod tests {
             let first = run(&[0], &[37], &[37], &x.slots[..37]);
             let then = run(&[37], &[53], &[90], &x.slots);
             assert_eq!(first[..37 * row], at_once[..37 * row], "heads {heads}/{kv_heads} dim {dim}: first chunk");
-            assert_eq!(then[37 * row..90 * row], at_once[37 * row..90 * row], "heads {heads}/{kv_heads} dim {dim}: second chunk");
+            assert_eq!(
+                then[37 * row..90 * row],
+                at_once[37 * row..90 * row],
+                "heads {heads}/{kv_heads} dim {dim}: second chunk"
+            );
             // the last 20 queries beside another span of 10 queries
             let mut slots = x.slots[..10].to_vec();
             slots.extend(&x.slots);
             let batched = run(&[0, 70], &[10, 20], &[10, 90], &slots);
-            assert_eq!(batched[70 * row..90 * row], at_once[70 * row..90 * row], "heads {heads}/{kv_heads} dim {dim}: batched");
+            assert_eq!(
+                batched[70 * row..90 * row],
+                at_once[70 * row..90 * row],
+                "heads {heads}/{kv_heads} dim {dim}: batched"
+            );
         }
     }
 
     #[test]
     fn bfloat16_accumulates_in_f32() {
-        let c = Case { heads: 4, kv_heads: 2, head_dim: 32, v_dim: 32, spans: vec![(40, 40), (5, 33)], window: None, sinks: false };
+        let c = Case {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            v_dim: 32,
+            spans: vec![(40, 40), (5, 33)],
+            window: None,
+            sinks: false,
+        };
         let x = inputs(&c, 9);
         let bf = |v: &[f32]| v.iter().map(|&f| Bf16::from_f32(f)).collect::<Vec<_>>();
         let (qb, kb, vb) = (bf(&x.q), bf(&x.k), bf(&x.v));
@@ -595,7 +696,10 @@ mod tests {
     /// over the element type's values within `tolerance(|want|)`; the same bits in every other
     /// tiles this CPU runs the kernel in, on any thread count and however a prompt is chunked or
     /// batched; windows and sinks left to `paged_prefill`.
-    fn check_flash_kernel<T: Prefill + Flash + PartialEq + std::fmt::Debug>(tiles: Tiles, tolerance: impl Fn(f64) -> f64) {
+    fn check_flash_kernel<T: Prefill + Flash + PartialEq + std::fmt::Debug>(
+        tiles: Tiles,
+        tolerance: impl Fn(f64) -> f64,
+    ) {
         let others: Vec<Tiles> = Tiles::ALL.into_iter().filter(|&t| t != tiles && T::runs(t)).collect();
         let to = |v: &[f32]| v.iter().map(|&f| T::from_f32(f)).collect::<Vec<_>>();
         let widen = |v: &[T]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
@@ -615,22 +719,36 @@ mod tests {
                 let run = |threads: usize| run_in(tiles, threads);
                 let out = run(1);
                 for &other in &others {
-                    assert!(run_in(other, 1) == out, "{heads}/{kv_heads} {head_dim}/{v_dim}: {other:?} against {tiles:?}");
+                    assert!(
+                        run_in(other, 1) == out,
+                        "{heads}/{kv_heads} {head_dim}/{v_dim}: {other:?} against {tiles:?}"
+                    );
                 }
                 let want = reference(&c, &x, &widen(&q), &widen(&k), &widen(&v), scale);
                 for (i, (got, &w)) in out.iter().zip(&want).enumerate() {
                     let err = (got.to_f32() as f64 - w).abs();
-                    assert!(err <= tolerance(w.abs()), "{heads}/{kv_heads} {head_dim}/{v_dim} element {i}: {} != {w}", got.to_f32());
+                    assert!(
+                        err <= tolerance(w.abs()),
+                        "{heads}/{kv_heads} {head_dim}/{v_dim} element {i}: {} != {w}",
+                        got.to_f32()
+                    );
                 }
                 assert!(run(3) == out, "{heads}/{kv_heads} {head_dim}/{v_dim}: three threads");
             }
         }
         // a row's bits: the last 20 queries of a 90-token prompt alone, after cached tokens, batched
-        let whole = Case { heads: 8, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(90, 90)], window: None, sinks: false };
+        let whole =
+            Case { heads: 8, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(90, 90)], window: None, sinks: false };
         let x = inputs(&whole, 5);
         let (q, k, v) = (to(&x.q), to(&x.k), to(&x.v));
         let run = |starts: &[i64], lens: &[i64], ctx: &[i64], slots: &[i64]| {
-            let p = PagedPrefill { q_starts: starts, q_lens: lens, context_lens: ctx, slots, ..prefill(&whole, &x, &q, &k, &v, 0.3) };
+            let p = PagedPrefill {
+                q_starts: starts,
+                q_lens: lens,
+                context_lens: ctx,
+                slots,
+                ..prefill(&whole, &x, &q, &k, &v, 0.3)
+            };
             let mut out = vec![T::from_f32(0.0); x.tokens * 8 * 64];
             assert!(T::run_flash(&p, &mut out, 1, Some(tiles)).unwrap());
             out
@@ -663,7 +781,8 @@ mod tests {
         }
         check_flash_kernel::<Bf16>(Tiles::Avx512, |w| 2.0 / 256.0 + w / 256.0);
         // it has no AVX2 tiles: naming them is an error, nothing written
-        let c = Case { heads: 4, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(3, 9)], window: None, sinks: false };
+        let c =
+            Case { heads: 4, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(3, 9)], window: None, sinks: false };
         let x = inputs(&c, 3);
         let to = |v: &[f32]| v.iter().map(|&f| Bf16::from_f32(f)).collect::<Vec<_>>();
         let (q, k, v) = (to(&x.q), to(&x.k), to(&x.v));
@@ -701,7 +820,13 @@ mod tests {
                 q: Strided::new(&q, 6, 2, 4, 8, 4).unwrap(),
                 k: Strided::new(&kv, 8, 1, 4, 4, 4).unwrap(),
                 v: Strided::new(&kv, 8, 1, 4, 4, 4).unwrap(),
-                q_starts: starts, q_lens: lens, context_lens: ctx, slots, scale: 1.0, window: None, sinks: None,
+                q_starts: starts,
+                q_lens: lens,
+                context_lens: ctx,
+                slots,
+                scale: 1.0,
+                window: None,
+                sinks: None,
             };
             paged_prefill(&p, out, 1, Isa::Scalar)
         };

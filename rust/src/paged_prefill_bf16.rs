@@ -66,8 +66,15 @@ impl Flash for Bf16 {
         tiles == Tiles::Avx512 && crate::matmul_bf16::runs()
     }
 
-    unsafe fn tile<const R: usize>(tiles: Tiles, p: &PagedPrefill<'_, Self>, packed: &Packed, q: &[*const Self; ROWS],
-                                   pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
+    unsafe fn tile<const R: usize>(
+        tiles: Tiles,
+        p: &PagedPrefill<'_, Self>,
+        packed: &Packed,
+        q: &[*const Self; ROWS],
+        pos: &[usize; ROWS],
+        blocks: usize,
+        s: &mut Scratch,
+    ) {
         debug_assert_eq!(tiles, Tiles::Avx512);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded, the caller's contract (runs(tiles): AVX-512F and AVX-512 BF16); a
@@ -90,8 +97,14 @@ impl Flash for Bf16 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
-unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &[*const u32; ROWS],
-                               pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
+unsafe fn tile<const R: usize>(
+    p: &PagedPrefill<'_, Bf16>,
+    packed: &Packed,
+    q: &[*const u32; ROWS],
+    pos: &[usize; ROWS],
+    blocks: usize,
+    s: &mut Scratch,
+) {
     use std::arch::x86_64::*;
     let (d2, dv) = (p.q.dim / 2, padded(p.v.dim));
     let (k_block, v_block) = (d2 * KEYS, KEYS / 2 * dv);
@@ -101,7 +114,9 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
         let kp = packed.k.as_ptr().add(b * k_block);
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         for kk in 0..d2 {
-            let w: [__m512bh; 4] = std::array::from_fn(|c| std::mem::transmute(_mm512_loadu_si512(kp.add(kk * KEYS + 16 * c) as *const _)));
+            let w: [__m512bh; 4] = std::array::from_fn(|c| {
+                std::mem::transmute(_mm512_loadu_si512(kp.add(kk * KEYS + 16 * c) as *const _))
+            });
             for (a, qr) in acc.iter_mut().zip(q) {
                 let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(qr.add(kk).read_unaligned() as i32));
                 for (a, w) in a.iter_mut().zip(&w) {
@@ -119,21 +134,31 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
             let sp = scores.as_ptr();
             let mut sum = _mm512_setzero_ps();
             for half in 0..2 {
-                let pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sp.add(32 * half + 16)), _mm512_loadu_ps(sp.add(32 * half)));
+                let pairs =
+                    _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sp.add(32 * half + 16)), _mm512_loadu_ps(sp.add(32 * half)));
                 let pairs: __m512i = std::mem::transmute(pairs);
                 _mm512_storeu_si512(s.weights.as_mut_ptr().add(i * KEYS / 2 + 16 * half) as *mut _, pairs);
                 let even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(pairs));
                 let odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)));
                 sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
             }
-            advance_row(&mut max[i], &mut total[i], &mut s.acc[i * dv..(i + 1) * dv], tops[i], fix, _mm512_reduce_add_ps(sum));
+            advance_row(
+                &mut max[i],
+                &mut total[i],
+                &mut s.acc[i * dv..(i + 1) * dv],
+                tops[i],
+                fix,
+                _mm512_reduce_add_ps(sum),
+            );
         }
         // values: acc += p . v, 64 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);
         for c0 in (0..dv).step_by(64) {
             let mut acc = load_sums::<R>(&s.acc, dv, c0);
             for kk in 0..KEYS / 2 {
-                let w: [__m512bh; 4] = std::array::from_fn(|c| std::mem::transmute(_mm512_loadu_si512(vp.add(kk * dv + c0 + 16 * c) as *const _)));
+                let w: [__m512bh; 4] = std::array::from_fn(|c| {
+                    std::mem::transmute(_mm512_loadu_si512(vp.add(kk * dv + c0 + 16 * c) as *const _))
+                });
                 for (i, a) in acc.iter_mut().enumerate() {
                     let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(s.weights[i * KEYS / 2 + kk] as i32));
                     for (a, w) in a.iter_mut().zip(&w) {
@@ -146,4 +171,3 @@ unsafe fn tile<const R: usize>(p: &PagedPrefill<'_, Bf16>, packed: &Packed, q: &
     }
     normalize(&mut s.acc[..R * dv], &total, dv);
 }
-

@@ -87,8 +87,15 @@ impl Flash for f32 {
         }
     }
 
-    unsafe fn tile<const R: usize>(tiles: Tiles, p: &PagedPrefill<'_, f32>, packed: &Packed, q: &[*const f32; ROWS],
-                                   pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
+    unsafe fn tile<const R: usize>(
+        tiles: Tiles,
+        p: &PagedPrefill<'_, f32>,
+        packed: &Packed,
+        q: &[*const f32; ROWS],
+        pos: &[usize; ROWS],
+        blocks: usize,
+        s: &mut Scratch,
+    ) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded, the caller's contract (runs(tiles): AVX-512F, or AVX2 and FMA).
         unsafe {
@@ -112,8 +119,14 @@ impl Flash for f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn tile_512<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q: &[*const f32; ROWS],
-                                   pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
+unsafe fn tile_512<const R: usize>(
+    p: &PagedPrefill<'_, f32>,
+    packed: &Packed,
+    q: &[*const f32; ROWS],
+    pos: &[usize; ROWS],
+    blocks: usize,
+    s: &mut Scratch,
+) {
     use std::arch::x86_64::*;
     let (d, dv) = (p.q.dim, padded(p.v.dim));
     let (k_block, v_block) = (d * KEYS, KEYS * dv);
@@ -138,9 +151,12 @@ unsafe fn tile_512<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q
             let scores = &mut s.scores[i * KEYS..(i + 1) * KEYS];
             let fix = exp_row(scores, tops[i], max[i]);
             let sp = scores.as_ptr();
-            let sum = _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(sp), _mm512_loadu_ps(sp.add(16))),
-                                    _mm512_add_ps(_mm512_loadu_ps(sp.add(32)), _mm512_loadu_ps(sp.add(48))));
-            let (lo, hi) = (_mm512_castps512_ps256(sum), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sum))));
+            let sum = _mm512_add_ps(
+                _mm512_add_ps(_mm512_loadu_ps(sp), _mm512_loadu_ps(sp.add(16))),
+                _mm512_add_ps(_mm512_loadu_ps(sp.add(32)), _mm512_loadu_ps(sp.add(48))),
+            );
+            let (lo, hi) =
+                (_mm512_castps512_ps256(sum), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sum))));
             advance_row(&mut max[i], &mut total[i], &mut s.acc[i * dv..(i + 1) * dv], tops[i], fix, sum_halves(lo, hi));
         }
         // values: acc += p . v, 64 columns at a time
@@ -171,8 +187,14 @@ unsafe fn tile_512<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn tile_256<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q: &[*const f32; ROWS],
-                                   pos: &[usize; ROWS], blocks: usize, s: &mut Scratch) {
+unsafe fn tile_256<const R: usize>(
+    p: &PagedPrefill<'_, f32>,
+    packed: &Packed,
+    q: &[*const f32; ROWS],
+    pos: &[usize; ROWS],
+    blocks: usize,
+    s: &mut Scratch,
+) {
     use std::arch::x86_64::*;
     let (d, dv) = (p.q.dim, padded(p.v.dim));
     let (k_block, v_block) = (d * KEYS, KEYS * dv);
@@ -210,10 +232,19 @@ unsafe fn tile_256<const R: usize>(p: &PagedPrefill<'_, f32>, packed: &Packed, q
             let fix = exp_row(scores, top, max[i]);
             let half = |h: usize| {
                 let at = scores.as_ptr().add(8 * h);
-                _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(16))),
-                              _mm256_add_ps(_mm256_loadu_ps(at.add(32)), _mm256_loadu_ps(at.add(48))))
+                _mm256_add_ps(
+                    _mm256_add_ps(_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(16))),
+                    _mm256_add_ps(_mm256_loadu_ps(at.add(32)), _mm256_loadu_ps(at.add(48))),
+                )
             };
-            advance_row(&mut max[i], &mut total[i], &mut s.acc[i * dv..(i + 1) * dv], top, fix, sum_halves(half(0), half(1)));
+            advance_row(
+                &mut max[i],
+                &mut total[i],
+                &mut s.acc[i * dv..(i + 1) * dv],
+                top,
+                fix,
+                sum_halves(half(0), half(1)),
+            );
         }
         // values: acc += p . v, 16 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);

@@ -244,8 +244,13 @@ fn prefetch_next_tile<const ROWS: usize>(w: *const f32, k: usize, c: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn tile_512<const ROWS: usize, const VECTORS: usize>(w: *const f32, k: usize, p: *const f32, o: *mut f32,
-                                                            rows: usize) {
+unsafe fn tile_512<const ROWS: usize, const VECTORS: usize>(
+    w: *const f32,
+    k: usize,
+    p: *const f32,
+    o: *mut f32,
+    rows: usize,
+) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); VECTORS]; ROWS];
     for c in 0..k {
@@ -275,8 +280,13 @@ unsafe fn tile_512<const ROWS: usize, const VECTORS: usize>(w: *const f32, k: us
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn tile_256<const ROWS: usize, const VECTORS: usize>(w: *const f32, k: usize, p: *const f32, o: *mut f32,
-                                                            rows: usize) {
+unsafe fn tile_256<const ROWS: usize, const VECTORS: usize>(
+    w: *const f32,
+    k: usize,
+    p: *const f32,
+    o: *mut f32,
+    rows: usize,
+) {
     use std::arch::x86_64::*;
     let mut acc = [[[_mm256_setzero_ps(); 2]; VECTORS]; ROWS];
     for c in 0..k {
@@ -317,7 +327,10 @@ mod tests {
 
     /// The instruction sets whose transposes and tiles this CPU runs, and the portable code.
     fn kernels() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2Fma, Isa::Avx512, Isa::Auto].into_iter().filter(|&isa| isa == Isa::Scalar || runs(isa)).collect()
+        [Isa::Scalar, Isa::Avx2Fma, Isa::Avx512, Isa::Auto]
+            .into_iter()
+            .filter(|&isa| isa == Isa::Scalar || runs(isa))
+            .collect()
     }
 
     #[test]
@@ -372,7 +385,11 @@ mod tests {
                                     0.0
                                 };
                                 let got = out[(p / LANES * rows + r) * LANES + p % LANES];
-                                assert_eq!(got.to_bits(), want.to_bits(), "{isa:?} rows={rows} k={k} n={n} [{r}, {p}]: {got} vs {want}");
+                                assert_eq!(
+                                    got.to_bits(),
+                                    want.to_bits(),
+                                    "{isa:?} rows={rows} k={k} n={n} [{r}, {p}]: {got} vs {want}"
+                                );
                             }
                         }
                     }
@@ -389,7 +406,8 @@ mod tests {
         }
         let w = vec![0.0f32; 12];
         let caught = |panels: usize, rows: usize| {
-            std::panic::catch_unwind(|| product(Isa::Avx2Fma, &w, rows, 4, &vec![0.0; panels], 1, &mut Vec::new())).is_err()
+            std::panic::catch_unwind(|| product(Isa::Avx2Fma, &w, rows, 4, &vec![0.0; panels], 1, &mut Vec::new()))
+                .is_err()
         };
         assert!(!caught(4 * LANES, 3));
         assert!(caught(4 * LANES, 4), "a weight of 12 values is not [4, 4]");

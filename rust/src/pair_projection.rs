@@ -25,19 +25,32 @@ pub struct PairMatrix<'a, W: Element> {
 /// out[p][..rows_p] (x [P, x_cols]; cols_p = m_p.len() / rows_p). Pairs without a matrix keep
 /// their row. Groups run on up to `threads` threads (each group on one: the thread count never
 /// changes a bit) when the call is large enough. Errors name the first inconsistent input.
-pub fn project_pairs<W: Element>(isa: Isa, mats: &[Option<PairMatrix<W>>], x: &[f32], x_cols: usize,
-                                 out: &mut [f32], out_cols: usize, threads: usize) -> Result<(), String> {
+pub fn project_pairs<W: Element>(
+    isa: Isa,
+    mats: &[Option<PairMatrix<W>>],
+    x: &[f32],
+    x_cols: usize,
+    out: &mut [f32],
+    out_cols: usize,
+    threads: usize,
+) -> Result<(), String> {
     let pairs = mats.len();
     if x.len() != pairs * x_cols || out.len() != pairs * out_cols {
-        return Err(format!("x holds {} values and out {}, expected {pairs} rows of {x_cols} and of {out_cols}",
-                           x.len(), out.len()));
+        return Err(format!(
+            "x holds {} values and out {}, expected {pairs} rows of {x_cols} and of {out_cols}",
+            x.len(),
+            out.len()
+        ));
     }
     for (p, mat) in mats.iter().enumerate() {
         if let Some(PairMatrix { m, rows }) = mat {
             let cols = m.len().checked_div(*rows).unwrap_or(0);
             if *rows == 0 || cols * rows != m.len() || cols > x_cols || *rows > out_cols {
-                return Err(format!("pair {p}: a matrix of {} values in {rows} rows does not fit rows of {x_cols} \
-                                    into rows of {out_cols}", m.len()));
+                return Err(format!(
+                    "pair {p}: a matrix of {} values in {rows} rows does not fit rows of {x_cols} \
+                                    into rows of {out_cols}",
+                    m.len()
+                ));
             }
         }
     }
@@ -97,9 +110,17 @@ pub struct SlotAdapter<'a, W: Element> {
 /// once. Whether any pair had one. Errors name the first pair whose slot, expert or matrix does
 /// not fit.
 #[allow(clippy::too_many_arguments)]
-pub fn add_low_rank<W: Element>(isa: Isa, slots: &[Option<SlotAdapter<W>>], pair_slots: &[usize], pair_experts: &[usize],
-                                x: &[f32], x_cols: usize, out: &mut [f32], out_cols: usize, threads: usize)
-                                -> Result<bool, String> {
+pub fn add_low_rank<W: Element>(
+    isa: Isa,
+    slots: &[Option<SlotAdapter<W>>],
+    pair_slots: &[usize],
+    pair_experts: &[usize],
+    x: &[f32],
+    x_cols: usize,
+    out: &mut [f32],
+    out_cols: usize,
+    threads: usize,
+) -> Result<bool, String> {
     let pairs = pair_slots.len();
     if pair_experts.len() != pairs {
         return Err(format!("{pairs} pair slots but {} pair experts", pair_experts.len()));
@@ -159,14 +180,22 @@ mod tests {
     /// A fixed pseudo-random sequence in [-1, 1).
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n).map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }).collect()
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
     }
 
     /// The same sums in plain f64 loops, one pair at a time.
-    fn reference<W: Element>(mats: &[Option<PairMatrix<W>>], x: &[f32], x_cols: usize, out: &mut [f32], out_cols: usize) {
+    fn reference<W: Element>(
+        mats: &[Option<PairMatrix<W>>],
+        x: &[f32],
+        x_cols: usize,
+        out: &mut [f32],
+        out_cols: usize,
+    ) {
         for (p, mat) in mats.iter().enumerate() {
             let Some(PairMatrix { m, rows }) = mat else { continue };
             let cols = m.len() / rows;
@@ -180,8 +209,11 @@ mod tests {
     fn case<W: Element>(isa: Isa, convert: impl Fn(f32) -> W) {
         // three matrices of different shapes, pairs spread over them, some without one
         let shapes = [(5usize, 7usize), (3, 4), (5, 7)];
-        let store: Vec<Vec<W>> = shapes.iter().enumerate()
-            .map(|(i, (r, c))| values(r * c, 10 + i as u64).into_iter().map(&convert).collect()).collect();
+        let store: Vec<Vec<W>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, (r, c))| values(r * c, 10 + i as u64).into_iter().map(&convert).collect())
+            .collect();
         let (x_cols, out_cols, pairs) = (9, 6, 23);
         let mats: Vec<Option<PairMatrix<W>>> = (0..pairs)
             .map(|p| (p % 4 != 3).then(|| PairMatrix { m: &store[p * 7 % 3][..], rows: shapes[p * 7 % 3].0 }))
@@ -255,7 +287,8 @@ mod tests {
     fn threads_change_no_bit() {
         // enough work to wake the threads: 8 matrices of 256 x 512, 4 pairs each
         let store: Vec<Vec<f32>> = (0..8).map(|i| values(256 * 512, 20 + i)).collect();
-        let mats: Vec<Option<PairMatrix<f32>>> = (0..32).map(|p| Some(PairMatrix { m: &store[p % 8][..], rows: 256 })).collect();
+        let mats: Vec<Option<PairMatrix<f32>>> =
+            (0..32).map(|p| Some(PairMatrix { m: &store[p % 8][..], rows: 256 })).collect();
         let x = values(32 * 512, 5);
         let run = |threads: usize| {
             let mut out = vec![0.0; 32 * 256];
@@ -277,7 +310,13 @@ mod tests {
         let b1: Vec<W> = values(experts * out_cols * ranks[1], 33).into_iter().map(&convert).collect();
         let slots = [
             None,
-            Some(SlotAdapter { a: &a0[..], a_step: ranks[0] * x_cols, b: &b0[..], b_step: out_cols * ranks[0], rank: ranks[0] }),
+            Some(SlotAdapter {
+                a: &a0[..],
+                a_step: ranks[0] * x_cols,
+                b: &b0[..],
+                b_step: out_cols * ranks[0],
+                rank: ranks[0],
+            }),
             Some(SlotAdapter { a: &a1[..], a_step: 0, b: &b1[..], b_step: out_cols * ranks[1], rank: ranks[1] }),
         ];
         let pair_slots: Vec<usize> = (0..pairs).map(|p| p * 5 % 3).collect();
@@ -306,7 +345,9 @@ mod tests {
         }
         let none = vec![0usize; pairs];
         let mut untouched = start.clone();
-        assert!(!add_low_rank(isa, &slots, &none, &pair_experts, &x, x_cols, &mut untouched, out_cols, threads).unwrap());
+        assert!(
+            !add_low_rank(isa, &slots, &none, &pair_experts, &x, x_cols, &mut untouched, out_cols, threads).unwrap()
+        );
         assert_eq!(untouched, start);
     }
 
@@ -359,21 +400,32 @@ pub(crate) mod python {
 
     /// # Safety
     /// As `project_pairs_cpu` requires of its caller, with `W` the matrices' element type.
-    unsafe fn run<W: Element>(py: Python<'_>, addresses: [usize; 5], shape: [usize; 3], threads: usize) -> PyResult<()> {
+    unsafe fn run<W: Element>(
+        py: Python<'_>,
+        addresses: [usize; 5],
+        shape: [usize; 3],
+        threads: usize,
+    ) -> PyResult<()> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
         let [x, out, mats, rows, cols] = addresses;
         let [pairs, x_cols, out_cols] = shape;
-        let (mats, rows, cols) = (from_raw_parts(mats as *const i64, pairs), from_raw_parts(rows as *const i64, pairs),
-                                  from_raw_parts(cols as *const i64, pairs));
+        let (mats, rows, cols) = (
+            from_raw_parts(mats as *const i64, pairs),
+            from_raw_parts(rows as *const i64, pairs),
+            from_raw_parts(cols as *const i64, pairs),
+        );
         let mats: Vec<Option<PairMatrix<W>>> = (0..pairs)
-            .map(|p| (mats[p] != 0 && rows[p] > 0 && cols[p] > 0).then(|| PairMatrix {
-                m: from_raw_parts(mats[p] as usize as *const W, rows[p] as usize * cols[p] as usize),
-                rows: rows[p] as usize,
-            }))
+            .map(|p| {
+                (mats[p] != 0 && rows[p] > 0 && cols[p] > 0).then(|| PairMatrix {
+                    m: from_raw_parts(mats[p] as usize as *const W, rows[p] as usize * cols[p] as usize),
+                    rows: rows[p] as usize,
+                })
+            })
             .collect();
         let x = from_raw_parts(x as *const f32, pairs * x_cols);
         let out = from_raw_parts_mut(out as *mut f32, pairs * out_cols);
-        py.detach(|| project_pairs(Isa::best(), &mats, x, x_cols, out, out_cols, threads)).map_err(PyValueError::new_err)
+        py.detach(|| project_pairs(Isa::best(), &mats, x, x_cols, out, out_cols, threads))
+            .map_err(PyValueError::new_err)
     }
 
     /// out [P, out_cols] (float32) += per pair p with a matrix (address mats[p] != 0) the
@@ -384,8 +436,13 @@ pub(crate) mod python {
     /// is large enough.
     #[pyfunction]
     #[pyo3(signature = (addresses, shape, dtype, threads=1))]
-    pub fn project_pairs_cpu(py: Python<'_>, addresses: [usize; 5], shape: [usize; 3], dtype: &str,
-                             threads: usize) -> PyResult<()> {
+    pub fn project_pairs_cpu(
+        py: Python<'_>,
+        addresses: [usize; 5],
+        shape: [usize; 3],
+        dtype: &str,
+        threads: usize,
+    ) -> PyResult<()> {
         if addresses.contains(&0) {
             return Err(PyValueError::new_err("project_pairs_cpu needs non-null tensors"));
         }
@@ -398,15 +455,21 @@ pub(crate) mod python {
             match dtype {
                 "float32" => run::<f32>(py, addresses, shape, threads),
                 "bfloat16" => run::<Bf16>(py, addresses, shape, threads),
-                other => Err(PyValueError::new_err(format!("project_pairs_cpu reads float32 or bfloat16, not {other:?}"))),
+                other => {
+                    Err(PyValueError::new_err(format!("project_pairs_cpu reads float32 or bfloat16, not {other:?}")))
+                }
             }
         }
     }
 
     /// # Safety
     /// As `add_low_rank_cpu` requires of its caller, with `W` the adapters' element type.
-    unsafe fn run_low_rank<W: Element>(py: Python<'_>, addresses: [usize; 5], shape: [usize; 5], threads: usize)
-                                       -> PyResult<bool> {
+    unsafe fn run_low_rank<W: Element>(
+        py: Python<'_>,
+        addresses: [usize; 5],
+        shape: [usize; 5],
+        threads: usize,
+    ) -> PyResult<bool> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
         let [x, out, fields, pair_slots, pair_experts] = addresses;
         let [pairs, x_cols, out_cols, columns, num_experts] = shape;
@@ -415,7 +478,8 @@ pub(crate) mod python {
         let size = std::mem::size_of::<W>();
         let slots: Vec<Option<SlotAdapter<W>>> = (0..columns)
             .map(|s| {
-                let (a, a_step, b, b_step, rank) = (field(0, s), field(1, s) / size, field(2, s), field(3, s) / size, field(4, s));
+                let (a, a_step, b, b_step, rank) =
+                    (field(0, s), field(1, s) / size, field(2, s), field(3, s) / size, field(4, s));
                 let experts = |step: usize| if step == 0 { 1 } else { num_experts };
                 (a != 0 && b != 0 && rank > 0).then(|| SlotAdapter {
                     a: from_raw_parts(a as *const W, (experts(a_step) - 1) * a_step + rank * x_cols),
@@ -427,7 +491,8 @@ pub(crate) mod python {
             })
             .collect();
         let index = |address: usize, what: &str| -> PyResult<Vec<usize>> {
-            from_raw_parts(address as *const i64, pairs).iter()
+            from_raw_parts(address as *const i64, pairs)
+                .iter()
                 .map(|&v| usize::try_from(v).map_err(|_| PyValueError::new_err(format!("a negative {what}: {v}"))))
                 .collect()
         };
@@ -450,8 +515,13 @@ pub(crate) mod python {
     /// any pair had an adapter. GIL released; up to `threads` threads.
     #[pyfunction]
     #[pyo3(signature = (addresses, shape, dtype, threads=1))]
-    pub fn add_low_rank_cpu(py: Python<'_>, addresses: [usize; 5], shape: [usize; 5], dtype: &str,
-                            threads: usize) -> PyResult<bool> {
+    pub fn add_low_rank_cpu(
+        py: Python<'_>,
+        addresses: [usize; 5],
+        shape: [usize; 5],
+        dtype: &str,
+        threads: usize,
+    ) -> PyResult<bool> {
         if addresses.contains(&0) {
             return Err(PyValueError::new_err("add_low_rank_cpu needs non-null tensors"));
         }
@@ -468,7 +538,9 @@ pub(crate) mod python {
             match dtype {
                 "float32" => run_low_rank::<f32>(py, addresses, shape, threads),
                 "bfloat16" => run_low_rank::<Bf16>(py, addresses, shape, threads),
-                other => Err(PyValueError::new_err(format!("add_low_rank_cpu reads float32 or bfloat16, not {other:?}"))),
+                other => {
+                    Err(PyValueError::new_err(format!("add_low_rank_cpu reads float32 or bfloat16, not {other:?}")))
+                }
             }
         }
     }

@@ -52,7 +52,9 @@ fn configure_encoder(threads: usize, huge_pages: bool, base64_isa: &str) -> PyRe
         use crate::b64_x86::{choose_isa, Isa};
         let wanted = match base64_isa {
             "auto" => None,
-            name => Some(Isa::from_name(name).ok_or_else(|| PyValueError::new_err(format!("unknown base64 kernel {name:?}")))?),
+            name => Some(
+                Isa::from_name(name).ok_or_else(|| PyValueError::new_err(format!("unknown base64 kernel {name:?}")))?,
+            ),
         };
         Ok(choose_isa(wanted).name())
     }
@@ -139,10 +141,7 @@ pub(crate) fn prompt_start_value(prompt_start: Option<&Bound<'_, PyAny>>, len: u
         Ok(v) if v >= 0 && (v as u64) <= len as u64 => Ok(v as usize),
         Ok(v) => Err(out_of_range(v.to_string())),
         Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(out_of_range(obj.str()?.to_string())),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "prompt_start must be an int, got {}",
-            obj.get_type().name()?
-        ))),
+        Err(_) => Err(PyTypeError::new_err(format!("prompt_start must be an int, got {}", obj.get_type().name()?))),
     }
 }
 
@@ -224,7 +223,11 @@ pub(crate) unsafe fn new_ascii_str<'py>(py: Python<'py>, len: usize) -> PyResult
 ///
 /// # Safety
 /// As for `new_ascii_str`: the caller fills the returned buffer with ASCII before sharing the str.
-pub(crate) unsafe fn new_text<'py>(py: Python<'py>, len: usize, json_quoted: bool) -> PyResult<(Bound<'py, PyAny>, &'py mut [u8])> {
+pub(crate) unsafe fn new_text<'py>(
+    py: Python<'py>,
+    len: usize,
+    json_quoted: bool,
+) -> PyResult<(Bound<'py, PyAny>, &'py mut [u8])> {
     if !json_quoted {
         return new_ascii_str(py, len);
     }
@@ -484,14 +487,25 @@ fn paged_decode_attention(
     threads: usize,
 ) -> PyResult<()> {
     fn call<T: Element>(
-        py: Python<'_>, q: TensorArg, k: TensorArg, v: TensorArg, tables: (usize, usize, usize), lens: usize,
-        rows: usize, out: (usize, usize, usize, usize), page: usize, scale: f32, window: Option<usize>,
-        sinks: Option<usize>, threads: usize,
+        py: Python<'_>,
+        q: TensorArg,
+        k: TensorArg,
+        v: TensorArg,
+        tables: (usize, usize, usize),
+        lens: usize,
+        rows: usize,
+        out: (usize, usize, usize, usize),
+        page: usize,
+        scale: f32,
+        window: Option<usize>,
+        sinks: Option<usize>,
+        threads: usize,
     ) -> PyResult<()> {
         let (seqs, max_blocks) = (tables.1, tables.2);
         let out_len = out.1.checked_mul(out.2).and_then(|n| n.checked_mul(out.3));
         let out_len = out_len.ok_or_else(|| PyValueError::new_err("the output's shape overflows"))?;
-        let table_len = seqs.checked_mul(max_blocks).ok_or_else(|| PyValueError::new_err("the tables' shape overflows"))?;
+        let table_len =
+            seqs.checked_mul(max_blocks).ok_or_else(|| PyValueError::new_err("the tables' shape overflows"))?;
         // SAFETY: paged_decode_cpu passes live tensors of these shapes and strides and the dtype
         // T stands for, held by its caller for the whole call; `out` is a contiguous tensor that
         // shares no memory with the others (checked there), so the one &mut aliases nothing.
@@ -567,8 +581,17 @@ fn paged_prefill_attention(
 ) -> PyResult<()> {
     use crate::flash_prefill::Tiles;
     fn call<T: crate::flash_prefill::Prefill>(
-        py: Python<'_>, q: TensorArg, k: TensorArg, v: TensorArg, spans: (usize, usize), slots: (usize, usize),
-        out: (usize, usize, usize, usize), scale: f32, window: Option<usize>, sinks: Option<usize>, threads: usize,
+        py: Python<'_>,
+        q: TensorArg,
+        k: TensorArg,
+        v: TensorArg,
+        spans: (usize, usize),
+        slots: (usize, usize),
+        out: (usize, usize, usize, usize),
+        scale: f32,
+        window: Option<usize>,
+        sinks: Option<usize>,
+        threads: usize,
         tiles: Option<Option<Tiles>>,
     ) -> PyResult<()> {
         let n = spans.1;
@@ -638,8 +661,14 @@ fn rms_norm_bf16(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f
 /// # Safety
 /// x [rows, dim], w [dim] and out [rows, dim] of `W` are live, contiguous and held by the caller
 /// for the whole call; `out` aliases neither of the others.
-unsafe fn rms_norm_rows<W: crate::expert_pairs::Element>(x: usize, w: usize, out: usize, rows: usize, dim: usize,
-                                                         eps: f32) -> PyResult<()> {
+unsafe fn rms_norm_rows<W: crate::expert_pairs::Element>(
+    x: usize,
+    w: usize,
+    out: usize,
+    rows: usize,
+    dim: usize,
+    eps: f32,
+) -> PyResult<()> {
     let len = rows.checked_mul(dim).ok_or_else(|| PyValueError::new_err("rms_norm: rows x dim overflows"))?;
     // SAFETY: kernels/rms_norm_cpu.py passes live contiguous tensors of `W` of these sizes, held by the
     // caller for the whole call; `out` is a new tensor, so the one &mut aliases nothing.
@@ -676,8 +705,9 @@ fn route_experts(
     use crate::router_cpu::{capture_ids, capture_len, Routing, Scoring};
 
     let (tokens, experts, top_k) = shape;
-    let scoring = Scoring::from_name(scoring)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown router scoring {scoring:?}; expected 'softmax' or 'sigmoid'")))?;
+    let scoring = Scoring::from_name(scoring).ok_or_else(|| {
+        PyValueError::new_err(format!("unknown router scoring {scoring:?}; expected 'softmax' or 'sigmoid'"))
+    })?;
     let routing = Routing { top_k, scoring, renormalize, scaling };
     let overflow = || PyValueError::new_err("route_experts: the shapes overflow");
     let num_logits = tokens.checked_mul(experts).ok_or_else(overflow)?;
@@ -685,7 +715,9 @@ fn route_experts(
     let logit_size = match dtype {
         "float32" => 4,
         "bfloat16" => 2,
-        other => return Err(PyTypeError::new_err(format!("route_experts takes float32 or bfloat16 logits, not {other}"))),
+        other => {
+            return Err(PyTypeError::new_err(format!("route_experts takes float32 or bfloat16 logits, not {other}")))
+        }
     };
     if let Some((address, row_stride, itemsize)) = capture {
         let span = capture_len(tokens, top_k, row_stride).and_then(|n| n.checked_mul(itemsize)).ok_or_else(overflow)?;
@@ -742,7 +774,13 @@ fn route_rows<L: Element>(
 /// releasing it), releases it for a prefill's.
 #[pyfunction]
 #[pyo3(signature = (addresses, shape, eps, threads=1))]
-fn qk_norm_rope_f32(py: Python<'_>, addresses: [usize; 8], shape: [usize; 5], eps: f32, threads: usize) -> PyResult<()> {
+fn qk_norm_rope_f32(
+    py: Python<'_>,
+    addresses: [usize; 8],
+    shape: [usize; 5],
+    eps: f32,
+    threads: usize,
+) -> PyResult<()> {
     // SAFETY: the caller's contract above.
     unsafe { qk_norm_rope_tensors::<f32>(py, addresses, shape, eps, threads) }
 }
@@ -750,7 +788,13 @@ fn qk_norm_rope_f32(py: Python<'_>, addresses: [usize; 8], shape: [usize; 5], ep
 /// `qk_norm_rope_f32` for bfloat16 tensors (every op rounded to bfloat16, as torch's: crate::qk_rope).
 #[pyfunction]
 #[pyo3(signature = (addresses, shape, eps, threads=1))]
-fn qk_norm_rope_bf16(py: Python<'_>, addresses: [usize; 8], shape: [usize; 5], eps: f32, threads: usize) -> PyResult<()> {
+fn qk_norm_rope_bf16(
+    py: Python<'_>,
+    addresses: [usize; 8],
+    shape: [usize; 5],
+    eps: f32,
+    threads: usize,
+) -> PyResult<()> {
     // SAFETY: the caller's contract of qk_norm_rope_f32, with bfloat16 tensors.
     unsafe { qk_norm_rope_tensors::<crate::expert_pairs::Bf16>(py, addresses, shape, eps, threads) }
 }
@@ -760,8 +804,13 @@ const QK_ROPE_DETACH_MIN_TOKENS: usize = 64;
 
 /// # Safety
 /// As `qk_norm_rope_f32` requires of its caller, with tensors of `W`.
-unsafe fn qk_norm_rope_tensors<W: crate::expert_pairs::Element>(py: Python<'_>, addresses: [usize; 8], shape: [usize; 5],
-                                                                eps: f32, threads: usize) -> PyResult<()> {
+unsafe fn qk_norm_rope_tensors<W: crate::expert_pairs::Element>(
+    py: Python<'_>,
+    addresses: [usize; 8],
+    shape: [usize; 5],
+    eps: f32,
+    threads: usize,
+) -> PyResult<()> {
     let [qkv, q_norm, k_norm, cos, sin, q, k, v] = addresses;
     let [tokens, heads, kv_heads, head_dim, rotary] = shape;
     let overflow = || PyValueError::new_err("qk_norm_rope: the shape overflows");
@@ -775,8 +824,15 @@ unsafe fn qk_norm_rope_tensors<W: crate::expert_pairs::Element>(py: Python<'_>, 
             (0, 0) => None,
             (qn, kn) => Some((slice::<W>(qn, head_dim)?, slice::<W>(kn, head_dim)?)),
         };
-        (slice::<W>(qkv, qkv_len)?, slice::<W>(cos, rope_len)?, slice::<W>(sin, rope_len)?,
-         slice_mut::<W>(q, q_len)?, slice_mut::<W>(k, kv_len)?, slice_mut::<W>(v, kv_len)?, norms)
+        (
+            slice::<W>(qkv, qkv_len)?,
+            slice::<W>(cos, rope_len)?,
+            slice::<W>(sin, rope_len)?,
+            slice_mut::<W>(q, q_len)?,
+            slice_mut::<W>(k, kv_len)?,
+            slice_mut::<W>(v, kv_len)?,
+            norms,
+        )
     };
     let norms = norms.map(|(q, k)| crate::qk_rope::HeadNorms { q, k, eps });
     let s = crate::qk_rope::Heads { tokens, heads, kv_heads, head_dim, rotary };

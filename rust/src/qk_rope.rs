@@ -35,8 +35,17 @@ pub struct HeadNorms<'a, W> {
 /// second half repeats the first). Errors name the first length that does not match. The
 /// tokens split over up to `threads` threads; each token's bits do not depend on the split.
 #[allow(clippy::too_many_arguments)]
-pub fn qk_norm_rope<W: Element>(qkv: &[W], s: Heads, norms: Option<&HeadNorms<W>>, cos: &[W], sin: &[W], q: &mut [W],
-                                k: &mut [W], v: &mut [W], threads: usize) -> Result<(), String> {
+pub fn qk_norm_rope<W: Element>(
+    qkv: &[W],
+    s: Heads,
+    norms: Option<&HeadNorms<W>>,
+    cos: &[W],
+    sin: &[W],
+    q: &mut [W],
+    k: &mut [W],
+    v: &mut [W],
+    threads: usize,
+) -> Result<(), String> {
     let d = s.head_dim;
     let width = (s.heads + 2 * s.kv_heads) * d;
     if d == 0 || s.rotary > d || !s.rotary.is_multiple_of(2) {
@@ -115,7 +124,10 @@ fn run<'i, 'a: 'i, W: Element + 'a>(rows: &Rows<'_, W>, items: &mut dyn Iterator
 /// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn run_avx2<'i, 'a: 'i, W: Element + 'a>(rows: &Rows<'_, W>, items: &mut dyn Iterator<Item = &'i mut Item<'a, W>>) {
+unsafe fn run_avx2<'i, 'a: 'i, W: Element + 'a>(
+    rows: &Rows<'_, W>,
+    items: &mut dyn Iterator<Item = &'i mut Item<'a, W>>,
+) {
     run_items(rows, items);
 }
 
@@ -136,7 +148,8 @@ fn run_items<'i, 'a: 'i, W: Element + 'a>(rows: &Rows<'_, W>, items: &mut dyn It
             let (k_src, v_src) = rest.split_at(kv_len);
             let q_dst = &mut item.q[i * s.heads * d..(i + 1) * s.heads * d];
             let k_dst = &mut item.k[i * kv_len..(i + 1) * kv_len];
-            for (src, dst, weight) in [(q_src, q_dst, rows.norms.map(|n| n.q)), (k_src, k_dst, rows.norms.map(|n| n.k))] {
+            for (src, dst, weight) in [(q_src, q_dst, rows.norms.map(|n| n.q)), (k_src, k_dst, rows.norms.map(|n| n.k))]
+            {
                 for (head, out) in src.chunks_exact(d).zip(dst.chunks_exact_mut(d)) {
                     match weight {
                         Some(w) => normalize_row(head, w, rows.norms.map_or(0.0, |n| n.eps), out),
@@ -184,31 +197,46 @@ mod tests {
     #[test]
     fn every_head_is_normed_then_rotated() {
         for (tokens, heads, kv_heads, d, rotary, normed) in
-            [(1, 4, 2, 64, 64, true), (3, 2, 1, 16, 8, true), (2, 3, 3, 10, 0, false), (5, 1, 1, 8, 8, false)] {
+            [(1, 4, 2, 64, 64, true), (3, 2, 1, 16, 8, true), (2, 3, 3, 10, 0, false), (5, 1, 1, 8, 8, false)]
+        {
             let s = Heads { tokens, heads, kv_heads, head_dim: d, rotary };
             let qkv = noise(tokens * (heads + 2 * kv_heads) * d, 1);
             let (wq, wk) = (noise(d, 2), noise(d, 3));
             let (cos, sin) = (noise(tokens * rotary, 4), noise(tokens * rotary, 5));
             let norms = HeadNorms { q: &wq, k: &wk, eps: 1e-6 };
-            let (mut q, mut k, mut v) = (vec![0.0; tokens * heads * d], vec![0.0; tokens * kv_heads * d], vec![0.0; tokens * kv_heads * d]);
+            let (mut q, mut k, mut v) =
+                (vec![0.0; tokens * heads * d], vec![0.0; tokens * kv_heads * d], vec![0.0; tokens * kv_heads * d]);
             qk_norm_rope(&qkv, s, normed.then_some(&norms), &cos, &sin, &mut q, &mut k, &mut v, 1).unwrap();
             let width = (heads + 2 * kv_heads) * d;
             for t in 0..tokens {
-                for (h, w, got, base) in (0..heads).map(|h| (h, &wq, &q[(t * heads + h) * d..][..d], h * d))
-                    .chain((0..kv_heads).map(|h| (h, &wk, &k[(t * kv_heads + h) * d..][..d], (heads + h) * d))) {
+                for (h, w, got, base) in (0..heads)
+                    .map(|h| (h, &wq, &q[(t * heads + h) * d..][..d], h * d))
+                    .chain((0..kv_heads).map(|h| (h, &wk, &k[(t * kv_heads + h) * d..][..d], (heads + h) * d)))
+                {
                     let x = &qkv[t * width + base..][..d];
                     let ms = x.iter().map(|&a| (a as f64).powi(2)).sum::<f64>() / d as f64;
-                    let normed_x: Vec<f64> = x.iter().zip(w.iter())
-                        .map(|(&a, &g)| if normed { a as f64 / (ms + 1e-6).sqrt() * g as f64 } else { a as f64 }).collect();
+                    let normed_x: Vec<f64> = x
+                        .iter()
+                        .zip(w.iter())
+                        .map(|(&a, &g)| if normed { a as f64 / (ms + 1e-6).sqrt() * g as f64 } else { a as f64 })
+                        .collect();
                     for i in 0..d {
                         let want = if i < rotary {
                             let (half, j) = (rotary / 2, i % (rotary / 2));
                             let (c, sn) = (cos[t * rotary + j] as f64, sin[t * rotary + j] as f64);
-                            if i < half { normed_x[i] * c - normed_x[i + half] * sn } else { normed_x[i] * c + normed_x[i - half] * sn }
+                            if i < half {
+                                normed_x[i] * c - normed_x[i + half] * sn
+                            } else {
+                                normed_x[i] * c + normed_x[i - half] * sn
+                            }
                         } else {
                             normed_x[i]
                         };
-                        assert!((got[i] as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "t{t} head {h} dim {i}: {} vs {want}", got[i]);
+                        assert!(
+                            (got[i] as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "t{t} head {h} dim {i}: {} vs {want}",
+                            got[i]
+                        );
                     }
                 }
                 let v_src = &qkv[t * width + (heads + kv_heads) * d..][..kv_heads * d];
@@ -229,13 +257,19 @@ mod tests {
         let (wq, wk) = (bf(noise(d, 12)), bf(noise(d, 13)));
         let (cos, sin) = (bf(noise(tokens * rotary, 14)), bf(noise(tokens * rotary, 15)));
         let norms = HeadNorms { q: &wq, k: &wk, eps: 1e-6 };
-        let (mut q, mut k, mut v) = (vec![Bf16(0); tokens * heads * d], vec![Bf16(0); tokens * kv_heads * d], vec![Bf16(0); tokens * kv_heads * d]);
+        let (mut q, mut k, mut v) = (
+            vec![Bf16(0); tokens * heads * d],
+            vec![Bf16(0); tokens * kv_heads * d],
+            vec![Bf16(0); tokens * kv_heads * d],
+        );
         qk_norm_rope(&qkv, s, Some(&norms), &cos, &sin, &mut q, &mut k, &mut v, 1).unwrap();
         let width = (heads + 2 * kv_heads) * d;
         let round = |v: f32| Bf16::from_f32(v).to_f32();
         for t in 0..tokens {
-            for (h, w, got) in (0..heads).map(|h| (h, &wq, &q[(t * heads + h) * d..][..d]))
-                .chain((0..kv_heads).map(|h| (heads + h, &wk, &k[(t * kv_heads + h) * d..][..d]))) {
+            for (h, w, got) in (0..heads)
+                .map(|h| (h, &wq, &q[(t * heads + h) * d..][..d]))
+                .chain((0..kv_heads).map(|h| (heads + h, &wk, &k[(t * kv_heads + h) * d..][..d])))
+            {
                 let mut normed = vec![Bf16(0); d];
                 crate::rms_norm::rms_norm(&qkv[t * width + h * d..][..d], w, 1e-6, &mut normed).unwrap();
                 let half = rotary / 2;
@@ -244,7 +278,11 @@ mod tests {
                         let j = i % half;
                         let (c, sn) = (cos[t * rotary + j].to_f32(), sin[t * rotary + j].to_f32());
                         let (x1, x2) = (normed[j].to_f32(), normed[j + half].to_f32());
-                        if i < half { round(round(x1 * c) - round(x2 * sn)) } else { round(round(x2 * c) + round(x1 * sn)) }
+                        if i < half {
+                            round(round(x1 * c) - round(x2 * sn))
+                        } else {
+                            round(round(x2 * c) + round(x1 * sn))
+                        }
                     } else {
                         normed[i].to_f32()
                     };
@@ -268,18 +306,36 @@ mod tests {
             let (cos, sin) = (cast(noise(tokens * rotary, 24)), cast(noise(tokens * rotary, 25)));
             let norms = HeadNorms { q: &wq, k: &wk, eps: 1e-6 };
             let zero = W::from_f32(0.0);
-            let outputs: Vec<_> = [1, 2, 3].into_iter().map(|threads| {
-                let (mut q, mut k, mut v) = (vec![zero; tokens * heads * d], vec![zero; tokens * kv_heads * d], vec![zero; tokens * kv_heads * d]);
-                qk_norm_rope(&qkv, s, Some(&norms), &cos, &sin, &mut q, &mut k, &mut v, threads).unwrap();
-                (q, k, v)
-            }).collect();
+            let outputs: Vec<_> = [1, 2, 3]
+                .into_iter()
+                .map(|threads| {
+                    let (mut q, mut k, mut v) = (
+                        vec![zero; tokens * heads * d],
+                        vec![zero; tokens * kv_heads * d],
+                        vec![zero; tokens * kv_heads * d],
+                    );
+                    qk_norm_rope(&qkv, s, Some(&norms), &cos, &sin, &mut q, &mut k, &mut v, threads).unwrap();
+                    (q, k, v)
+                })
+                .collect();
             assert!(outputs.iter().all(|o| *o == outputs[0]));
             // the last token alone: the same row as in the batch
             let width = (heads + 2 * kv_heads) * d;
             let one = Heads { tokens: 1, ..s };
             let (mut q, mut k, mut v) = (vec![zero; heads * d], vec![zero; kv_heads * d], vec![zero; kv_heads * d]);
             let t = tokens - 1;
-            qk_norm_rope(&qkv[t * width..], one, Some(&norms), &cos[t * rotary..], &sin[t * rotary..], &mut q, &mut k, &mut v, 1).unwrap();
+            qk_norm_rope(
+                &qkv[t * width..],
+                one,
+                Some(&norms),
+                &cos[t * rotary..],
+                &sin[t * rotary..],
+                &mut q,
+                &mut k,
+                &mut v,
+                1,
+            )
+            .unwrap();
             assert_eq!(q, outputs[0].0[t * heads * d..]);
             assert_eq!(k, outputs[0].1[t * kv_heads * d..]);
         }
@@ -296,9 +352,13 @@ mod tests {
         let err = qk_norm_rope(&[0.0f32; 11], s, None, &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v, 1).unwrap_err();
         assert!(err.contains("qkv holds 11"), "{err}");
         let odd = Heads { rotary: 3, ..s };
-        assert!(qk_norm_rope(&[0.0f32; 12], odd, None, &[0.0; 3], &[0.0; 3], &mut q, &mut k, &mut v, 1).unwrap_err().contains("even"));
+        assert!(qk_norm_rope(&[0.0f32; 12], odd, None, &[0.0; 3], &[0.0; 3], &mut q, &mut k, &mut v, 1)
+            .unwrap_err()
+            .contains("even"));
         let w = [1.0f32; 3];
         let norms = HeadNorms { q: &w, k: &w, eps: 1e-6 };
-        assert!(qk_norm_rope(&[0.0; 12], s, Some(&norms), &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v, 1).unwrap_err().contains("norms"));
+        assert!(qk_norm_rope(&[0.0; 12], s, Some(&norms), &[0.0; 4], &[0.0; 4], &mut q, &mut k, &mut v, 1)
+            .unwrap_err()
+            .contains("norms"));
     }
 }

@@ -39,7 +39,13 @@ pub struct Routing {
 
 /// Routes each `experts`-long row of `logits` into its `top_k` slots of `weights` and `ids`.
 /// Errors on a `top_k` outside 1..=experts or lengths that do not match.
-pub fn route<L: Element>(logits: &[L], experts: usize, routing: &Routing, weights: &mut [f32], ids: &mut [i32]) -> Result<(), String> {
+pub fn route<L: Element>(
+    logits: &[L],
+    experts: usize,
+    routing: &Routing,
+    weights: &mut [f32],
+    ids: &mut [i32],
+) -> Result<(), String> {
     let k = routing.top_k;
     if experts == 0 || k == 0 || k > experts || experts > i32::MAX as usize {
         return Err(format!("route: top_k={k} must be in [1, num_experts={experts}]"));
@@ -74,12 +80,21 @@ fn avx2_available() -> bool {
 }
 
 /// `route` on checked lengths; `avx2`: the vector top-k (k <= 8, an AVX2 CPU).
-fn route_rows<L: Element>(logits: &[L], experts: usize, routing: &Routing, weights: &mut [f32], ids: &mut [i32], avx2: bool) {
+fn route_rows<L: Element>(
+    logits: &[L],
+    experts: usize,
+    routing: &Routing,
+    weights: &mut [f32],
+    ids: &mut [i32],
+    avx2: bool,
+) {
     let k = routing.top_k;
     let mut keys = vec![0f32; k];
     let mut sortable_lanes = [0i32; AVX2_MAX_EXPERTS];
     let sortable = &mut sortable_lanes[..if avx2 { experts } else { 0 }];
-    for ((row, w), slot_ids) in logits.chunks_exact(experts).zip(weights.chunks_exact_mut(k)).zip(ids.chunks_exact_mut(k)) {
+    for ((row, w), slot_ids) in
+        logits.chunks_exact(experts).zip(weights.chunks_exact_mut(k)).zip(ids.chunks_exact_mut(k))
+    {
         if avx2 {
             for (s, &logit) in sortable.iter_mut().zip(row) {
                 *s = sortable_key(logit.to_f32());

@@ -16,7 +16,11 @@ use std::sync::{Mutex, OnceLock};
 /// `run` over `items` on up to `threads` threads, each taking items one at a time from a
 /// shared queue: a thread the OS preempts holds up none of the others' work (a static split
 /// would wait for it). On one thread, `run` gets them all in order.
-pub fn take_in_turn<'a, I: Send>(threads: usize, items: &'a mut [I], run: &(dyn Fn(&mut dyn Iterator<Item = &'a mut I>) + Sync)) {
+pub fn take_in_turn<'a, I: Send>(
+    threads: usize,
+    items: &'a mut [I],
+    run: &(dyn Fn(&mut dyn Iterator<Item = &'a mut I>) + Sync),
+) {
     if threads <= 1 {
         run(&mut items.iter_mut());
         return;
@@ -166,7 +170,11 @@ pub(crate) mod python {
     /// "openmp" or "rayon": the threads the kernels run on.
     #[pyfunction]
     pub fn kernel_threads() -> &'static str {
-        if super::on_openmp() { "openmp" } else { "rayon" }
+        if super::on_openmp() {
+            "openmp"
+        } else {
+            "rayon"
+        }
     }
 }
 

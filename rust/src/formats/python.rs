@@ -179,11 +179,8 @@ fn decode_raw_base64<'py>(py: Python<'py>, text: &Bound<'py, PyAny>, dtype: &str
         let array = Bound::from_owned_ptr_or_err(py, raw)?;
         let data = (*(raw as *mut npyffi::PyArrayObject)).fields.data as *mut u8;
         let dst = if n == 0 { &mut [][..] } else { std::slice::from_raw_parts_mut(data, n) };
-        let result = if n >= DETACH_MIN_BYTES {
-            py.detach(|| decode_range(bytes, 0, dst))
-        } else {
-            decode_range(bytes, 0, dst)
-        };
+        let result =
+            if n >= DETACH_MIN_BYTES { py.detach(|| decode_range(bytes, 0, dst)) } else { decode_range(bytes, 0, dst) };
         result.map_err(PyValueError::new_err)?;
         Ok(array)
     }
