@@ -10,8 +10,8 @@ cached outputs."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from r3srv import LLM, SamplingParams
 from r3srv.errors import InvalidRequestError
@@ -206,13 +206,17 @@ def test_release_memory_takes_the_tower_along_and_forgets_its_outputs(checkpoint
     encoder = llm.engine.runner.encoder
     prompt = {"prompt_token_ids": with_placeholders(text(4, 20), 0, text(3, 21)), "multi_modal_data": {"image": picture(3)}}
     before = llm.generate(prompt, greedy())[0].outputs[0]
-    assert encoder.images_encoded == 1 and len(encoder._outputs) == 1
+    assert encoder.images_encoded == 1 and encoder.num_cached() == 1
     weights = {name: p.clone() for name, p in encoder.tower.named_parameters()}
-    moves = []
-    moving = encoder_cache.move_parameters
-    monkeypatch.setattr(encoder_cache, "move_parameters", lambda module, device: moves.append((module, device)) or moving(module, device))
+    moves, move = [], encoder_cache.move_parameters
+
+    def recorded(module, device):
+        moves.append((module, device))
+        move(module, device)
+
+    monkeypatch.setattr(encoder_cache, "move_parameters", recorded)
     assert llm.release_memory(["kv_cache"]) == ["kv_cache"]
-    assert len(encoder._outputs) == 0 and moves == []  # the outputs went with the cache; the tower stays
+    assert encoder.num_cached() == 0 and moves == []  # the outputs went with the cache; the tower stays
     assert llm.release_memory(["weights"]) == ["kv_cache", "weights"]
     assert moves == [(encoder.tower, "cpu")]
     assert llm.resume_memory() == []

@@ -31,6 +31,10 @@ class EncoderCache:
     def __contains__(self, content_hash: str) -> bool:
         return content_hash in self._outputs
 
+    def num_cached(self) -> int:
+        """How many images' outputs are cached (not __len__: an empty cache is still a cache)."""
+        return len(self._outputs)
+
     def outputs(self, images: list[ImageInput]) -> dict[str, VisionOutput]:
         """Each image's tower output, by content hash; the misses encoded together."""
         missing = list({image.content_hash: image for image in images if image.content_hash not in self._outputs}.values())
