@@ -21,6 +21,7 @@ from engine_testing import GREEDY, prompt_ids
 from r3srv import LLM as R3srvLLM
 from r3srv import SamplingParams as R3srvSamplingParams
 from r3srv.errors import ConfigError, InvalidRequestError
+from r3srv.outputs import SamplingMasks
 
 pytestmark = pytest.mark.slow  # engines on tiny transformers checkpoints, a trainer process
 
@@ -199,3 +200,28 @@ def test_num_preempted_counts_each_samples_preemptions():
     outs = llm.generate(prompts, vllm.SamplingParams(max_tokens=12, **GREEDY))
     counts = [o.outputs[0].num_preempted for o in outs]
     assert sum(counts) == llm.r3srv.stats().num_preemptions > 0
+
+
+def assert_vllm_masks(token_ids, mask, oracle) -> None:
+    """vLLM's form: mask.token_ids, one list of ids per generated token, ascending and holding
+    the token drawn (what NeMo-RL's vLLM worker pads to [tokens, top_k]), row for row r3srv's
+    own SamplingMasks (ids and logprobs)."""
+    assert len(mask.token_ids) == len(mask.logprobs) == len(token_ids) == len(oracle.sampling_mask)
+    for i, (ids, token) in enumerate(zip(mask.token_ids, token_ids)):
+        want_ids, want_logprobs = oracle.sampling_mask.row(i)
+        assert ids == want_ids.tolist() and mask.logprobs[i] == want_logprobs.tolist(), i
+        assert token in ids and ids == sorted(ids) and all(type(t) is int for t in ids), i
+
+
+def test_sampling_masks_come_one_list_per_token_as_vllm_gives_them(policies):
+    params = dict(max_tokens=6, temperature=1.0, top_k=6, top_p=0.9, seed=11)
+    compat = vllm.LLM(str(policies[0]), return_sampling_mask=True, **ENGINE)
+    got = compat.generate(PROMPTS, vllm.SamplingParams(**params))
+    oracle = R3srvLLM(str(policies[0]), return_sampling_mask=True, **ENGINE)
+    want = oracle.generate(PROMPTS, R3srvSamplingParams(**params))
+    assert any(len(ids) > 1 for out in got for ids in out.outputs[0].sampling_mask.token_ids)  # not all greedy-like
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert_vllm_masks(g.outputs[0].token_ids, g.outputs[0].sampling_mask, w.outputs[0])
+    # r3srv's own API keeps its CSR form: the compat layer converts copies
+    assert isinstance(oracle.generate(PROMPTS[:1], R3srvSamplingParams(**params))[0].outputs[0].sampling_mask, SamplingMasks)

@@ -83,6 +83,36 @@ def test_output_kinds_match_r3srv_own_final_output(engine, policies):
             assert last.token_ids == want.token_ids and last.logprobs == want.logprobs
 
 
+def test_sampling_masks_come_one_list_per_token_in_every_output_kind(policies):
+    """vLLM's sampling_mask.token_ids, one list per token: in cumulative outputs every token so
+    far, in DELTA ones the new tokens', the whole equal to r3srv's own rows (test_compat_vllm)."""
+    from test_compat_vllm import assert_vllm_masks
+
+    from r3srv.compat.vllm.outputs import SamplingMask
+
+    params = dict(max_tokens=8, temperature=1.0, top_k=6, seed=5)
+    want = R3srvLLM(str(policies[0]), return_sampling_mask=True, **ENGINE).generate(
+        [PROMPT], R3srvSamplingParams(**params))[0].outputs[0]
+    args = vllm.AsyncEngineArgs(str(policies[0]), return_sampling_mask=True, **ENGINE)
+    llm = vllm.AsyncLLM.from_engine_args(args)
+    try:
+        kinds = {kind: asyncio.run(collect(llm, kind.name, output_kind=kind, **params)) for kind in vllm.RequestOutputKind}
+    finally:
+        llm.shutdown()
+    for kind, outs in kinds.items():
+        for out in outs:
+            sample = out.outputs[0]
+            assert len(sample.sampling_mask.token_ids) == len(sample.token_ids), kind
+        if kind is vllm.RequestOutputKind.DELTA:  # the deltas' rows one after the other
+            samples = [o.outputs[0] for o in outs]
+            joined = SamplingMask([r for s in samples for r in s.sampling_mask.token_ids],
+                                  [r for s in samples for r in s.sampling_mask.logprobs])
+            assert_vllm_masks([t for s in samples for t in s.token_ids], joined, want)
+        else:
+            last = outs[-1].outputs[0]
+            assert_vllm_masks(last.token_ids, last.sampling_mask, want)
+
+
 def test_abort_ends_requests_in_flight_and_frees_their_blocks(engine, gate):
     async def main():
         with gate.allowing(2):

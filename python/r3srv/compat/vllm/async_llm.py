@@ -11,6 +11,7 @@ from typing import Any
 from r3srv.compat.vllm.common import check_priority, model_config_of
 from r3srv.compat.vllm.engine_args import EngineArgs, ModelConfig, VllmConfig, engine_options
 from r3srv.compat.vllm.lora import LoraIds
+from r3srv.compat.vllm.outputs import vllm_output
 from r3srv.compat.vllm.prompts import read_prompt
 from r3srv.compat.vllm.sampling import RequestOutputKind
 from r3srv.engine import rpc, sleep
@@ -92,7 +93,7 @@ class AsyncLLM:
         add_special_tokens = (tokenization_kwargs or {}).get("add_special_tokens", True)
         async for out in self.r3srv.generate(text_or_ids, params, request_id, add_special_tokens=add_special_tokens,
                                              output_kind=output_kind, lora_name=lora_name):
-            yield out
+            yield vllm_output(out)
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):

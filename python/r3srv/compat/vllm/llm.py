@@ -1,6 +1,6 @@
 """vLLM's offline `LLM` over r3srv's: vLLM's constructor keywords, prompt forms, generate
 arguments and method names, on r3srv's engine and outputs (RequestOutput is r3srv's, already
-vLLM-shaped: Logprob entries, routed_experts, num_preempted)."""
+vLLM-shaped: Logprob entries, routed_experts, num_preempted; sampling masks in vLLM's form, outputs.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from r3srv.compat.vllm.common import check_priority, model_config_of
 from r3srv.compat.vllm.engine_args import ModelConfig, engine_options
 from r3srv.compat.vllm.lora import LoraIds
+from r3srv.compat.vllm.outputs import vllm_output
 from r3srv.compat.vllm.prompts import is_one_prompt, read_prompt
 from r3srv.engine import rpc
 from r3srv.engine.llm import LLM as R3srvLLM
@@ -85,15 +86,17 @@ class LLM:
                                       param="lora_request")
         lora_name = ([self._lora_name(r) for r in lora_request] if isinstance(lora_request, list)
                      else self._lora_name(lora_request))
-        return self.r3srv.generate([p for p, _ in read], [sp or SamplingParams() for _, sp in read],
+        outs = self.r3srv.generate([p for p, _ in read], [sp or SamplingParams() for _, sp in read],
                                    use_tqdm=use_tqdm, add_special_tokens=add_special_tokens, lora_name=lora_name)
+        return [vllm_output(out) for out in outs]
 
     def chat(self, messages: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = False, lora_request: Any = None, **template_kwargs: Any) -> list[RequestOutput]:
         if template_kwargs.get("chat_template") is not None:
             raise InvalidRequestError("custom chat templates are not supported by r3srv: the model's own is used",
                                       param="chat_template")
-        return self.r3srv.chat(messages, sampling_params, use_tqdm=use_tqdm, lora_name=self._lora_name(lora_request))
+        outs = self.r3srv.chat(messages, sampling_params, use_tqdm=use_tqdm, lora_name=self._lora_name(lora_request))
+        return [vllm_output(out) for out in outs]
 
     def _lora_name(self, lora_request: Any) -> str | None:
         """The r3srv adapter a vLLM LoRARequest names, loaded from its path the first time its id is seen."""
