@@ -224,4 +224,5 @@ def test_sampling_masks_come_one_list_per_token_as_vllm_gives_them(policies):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert_vllm_masks(g.outputs[0].token_ids, g.outputs[0].sampling_mask, w.outputs[0])
     # r3srv's own API keeps its CSR form: the compat layer converts copies
-    assert isinstance(oracle.generate(PROMPTS[:1], R3srvSamplingParams(**params))[0].outputs[0].sampling_mask, SamplingMasks)
+    again = oracle.generate(PROMPTS[:1], R3srvSamplingParams(**params))[0].outputs[0]
+    assert isinstance(again.sampling_mask, SamplingMasks)

@@ -96,7 +96,8 @@ def test_sampling_masks_come_one_list_per_token_in_every_output_kind(policies):
     args = vllm.AsyncEngineArgs(str(policies[0]), return_sampling_mask=True, **ENGINE)
     llm = vllm.AsyncLLM.from_engine_args(args)
     try:
-        kinds = {kind: asyncio.run(collect(llm, kind.name, output_kind=kind, **params)) for kind in vllm.RequestOutputKind}
+        kinds = {kind: asyncio.run(collect(llm, kind.name, output_kind=kind, **params))
+                 for kind in vllm.RequestOutputKind}
     finally:
         llm.shutdown()
     for kind, outs in kinds.items():

@@ -190,6 +190,11 @@ def test_too_many_images_and_images_too_large_for_the_context_are_400s(checkpoin
     assert info.value.param == "multi_modal_data"
 
 
+def image_prompt() -> dict:
+    return {"prompt_token_ids": with_placeholders(text(4, 20), 0, text(3, 21)),
+            "multi_modal_data": {"image": picture(3)}}
+
+
 def _same_sample(a, b) -> bool:
     return (a.token_ids == b.token_ids and np.array_equal(a.routed_experts, b.routed_experts)
             and [e[t] for e, t in zip(a.logprobs, a.token_ids)] == [e[t] for e, t in zip(b.logprobs, b.token_ids)])
@@ -204,7 +209,7 @@ def test_release_memory_takes_the_tower_along_and_forgets_its_outputs(checkpoint
     path, _, _ = checkpoint
     llm = make_llm(path)
     encoder = llm.engine.runner.encoder
-    prompt = {"prompt_token_ids": with_placeholders(text(4, 20), 0, text(3, 21)), "multi_modal_data": {"image": picture(3)}}
+    prompt = image_prompt()
     before = llm.generate(prompt, greedy())[0].outputs[0]
     assert encoder.images_encoded == 1 and encoder.num_cached() == 1
     weights = {name: p.clone() for name, p in encoder.tower.named_parameters()}
@@ -233,7 +238,7 @@ def test_release_gives_the_tower_memory_back(tmp_path):
     path = tmp_path / "qwen3_vl_moe"
     write_vision_checkpoint(transformers, "qwen3_vl_moe", path)
     llm = make_llm(path, device="cuda", dtype="float32")
-    prompt = {"prompt_token_ids": with_placeholders(text(4, 20), 0, text(3, 21)), "multi_modal_data": {"image": picture(3)}}
+    prompt = image_prompt()
     before = llm.generate(prompt, greedy())[0].outputs[0]
     tower = llm.engine.runner.encoder.tower
     llm.release_memory()
