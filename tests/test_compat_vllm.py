@@ -226,3 +226,8 @@ def test_sampling_masks_come_one_list_per_token_as_vllm_gives_them(policies):
     # r3srv's own API keeps its CSR form: the compat layer converts copies
     again = oracle.generate(PROMPTS[:1], R3srvSamplingParams(**params))[0].outputs[0]
     assert isinstance(again.sampling_mask, SamplingMasks)
+    # vLLM's class, built as vLLM's own tests build it (positionally), from the module mirroring vllm.outputs
+    from r3srv.compat.vllm.outputs import SamplingMask
+
+    mask = got[0].outputs[0].sampling_mask
+    assert mask == SamplingMask(list(mask.token_ids), list(mask.logprobs)) != SamplingMask([[0]], [[0.0]])

@@ -1,21 +1,26 @@
-"""Where vLLM's outputs are shaped otherwise than r3srv's: a sample's sampling mask.
+"""vLLM's `vllm.outputs` where its shapes differ from r3srv's: a sample's sampling mask.
 
-vLLM's `CompletionOutput.sampling_mask.token_ids` holds one list per generated token (the ids
-its draw could pick, ascending), which vLLM-based workers read per token (NeMo-RL's vLLM worker
-pads them to [tokens, top_k]); r3srv's own `SamplingMasks` holds the same rows as CSR arrays.
+vLLM's `CompletionOutput.sampling_mask` is `SamplingMask(token_ids, logprobs)`, one list per
+generated token each (the ids its draw could pick, ascending, and their logprobs), which
+vLLM-based workers read per token (NeMo-RL's vLLM worker pads them to [tokens, top_k]);
+r3srv's own `SamplingMasks` holds the same rows as CSR arrays. The output classes themselves
+are r3srv's, already vLLM-shaped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from r3srv.outputs import RequestOutput, SamplingMasks
+from r3srv.outputs import CompletionOutput, RequestOutput, SamplingMasks
+
+__all__ = ["CompletionOutput", "RequestOutput", "SamplingMask", "vllm_output"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingMask:
-    """vLLM's form of a sample's masks: `token_ids[i]`, generated token i's ids, ascending;
-    `logprobs[i]` (r3srv's) their logprobs under the distribution drawn from."""
+    """vLLM's form of a sample's masks (built and compared as vLLM's, positionally):
+    `token_ids[i]`, generated token i's ids, ascending; `logprobs[i]`, their logprobs under the
+    distribution drawn from."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
