@@ -328,7 +328,8 @@ class EngineCore:
         return (self.executor.unfilled_weights(rest) if rest.metas else []) + self.tower_updates.unfilled(tower)
 
     def _forget_encoded(self) -> None:
-        """Encoder outputs of the old weights must not stand in for images after an update."""
+        """Drop the encoder's cached image outputs: after an update they are the old weights'
+        (they must not stand in for images), and on a release they hold memory given back."""
         if self.encoder is not None:
             self.encoder.clear()
 
@@ -399,7 +400,7 @@ class EngineCore:
             )
         if "kv_cache" in wanted and "kv_cache" not in self.released_memory:
             self.block_manager.reset_prefix_cache()  # its blocks' K/V are about to go
-            self._forget_encoded()  # cached tower outputs hold device memory too
+            self._forget_encoded()
             self.executor.free_kv_cache()
         if "weights" in wanted and "weights" not in self.released_memory:
             self.executor.release_weights()
