@@ -199,6 +199,7 @@ def test_a_flash_dtype_takes_the_kernel_at_any_context_length(monkeypatch, name)
     still goes to SDPA there."""
     from r3srv.ops.cpu import RUST_PREFILL_MAX_CONTEXT
 
+    without_amx(monkeypatch)
     context = RUST_PREFILL_MAX_CONTEXT + 100
     meta = one_prompt(context)
     g = torch.Generator().manual_seed(1)
@@ -315,6 +316,7 @@ def spinning_openmp(monkeypatch) -> None:
 def test_cpu_prefills_take_the_kernel_unless_turned_off(monkeypatch):
     assert cpu_kernel.BUILT, "r3srv._core lacks the prefill attention kernel: rebuild the extension (make install)"
     spinning_openmp(monkeypatch)
+    without_amx(monkeypatch)
 
     def chosen(dtype, **switches):
         with settings_module.overridden(**switches):
@@ -342,6 +344,36 @@ def test_cpu_prefills_take_the_kernel_unless_turned_off(monkeypatch):
     assert chosen(torch.float32, **own_pool).__qualname__.startswith("large_steps_only")
     assert not takes_kernel(chosen(torch.float16, cpu_threads=1))  # float16: the torch path
     assert not takes_kernel(chosen(torch.float32, cpu_threads=1, rust_prefill=False))
+
+
+def without_amx(monkeypatch) -> None:
+    """The backend's choice as on a CPU without AMX, whatever this one has."""
+    monkeypatch.setattr(cpu_isa, "torch_has_amx_bfloat16", lambda: False)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_with_amx_bfloat16_prefills_stay_with_torch(monkeypatch, threads):
+    """Where torch runs bfloat16 on AMX tiles its flash attention outruns the Rust kernel: bfloat16
+    prefills take the torch path at every length, float32 ones the kernel as before; the rows are
+    the torch path's own."""
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
+    assert cpu_isa.torch_has_amx_bfloat16()
+    calls = counting_kernel(monkeypatch)
+    with settings_module.overridden(cpu_threads=threads):
+        bf16, f32 = (ops_for("cpu", dtype).prefill_attention for dtype in (torch.bfloat16, torch.float32))
+    assert getattr(f32, "__qualname__", "").startswith("span_kernel")
+    g = torch.Generator().manual_seed(11)
+    for context in (40, 300):
+        meta = one_prompt(context)
+        q, k, v = (torch.randn(context, h, 64, generator=g).bfloat16() for h in (4, 2, 2))
+        cache = lambda: torch.zeros(context, 2, 64, dtype=torch.bfloat16)  # noqa: E731
+        got = paged_attention(q, k, v, cache(), cache(), meta, prefill_kernel=bf16)
+        want = paged_attention(q, k, v, cache(), cache(), meta,
+                               prefill_kernel=functools.partial(prefill_attention, merged=True))
+        assert torch.equal(got, want), context
+    assert not calls
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert not cpu_isa.torch_has_amx_bfloat16()
 
 
 def test_on_more_threads_only_large_steps_take_the_kernel(monkeypatch):

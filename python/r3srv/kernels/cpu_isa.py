@@ -25,3 +25,10 @@ def torch_has_fast_bfloat16() -> bool:
     """Whether torch's CPU GEMMs run bfloat16 in hardware (oneDNN's AMX or AVX-512 BF16 kernels)
     rather than widening it on the fly at a fraction of their float32 speed."""
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def torch_has_amx_bfloat16() -> bool:
+    """Whether torch's bfloat16 GEMMs and its flash attention (oneDNN's brgemm) run on AMX tiles:
+    there they outrun the Rust kernels' AVX-512 BF16 dot products several times over, at every
+    size a prefill has (docs/benchmarks.md, "The AMX Xeon")."""
+    return "amx_bf16" in cpu_flags()

@@ -6,9 +6,10 @@ paths otherwise, each chosen once when a model is built (`build`).
 - float32 and bfloat16 RMSNorm: kernels/rms_norm_cpu.py (`--[no-]rust-rms-norm`);
 - an attention layer's q/k norms and RoPE (float32, bfloat16): kernels/qk_rope_cpu.py (`--[no-]rust-rope`);
 - paged decode attention (float32, bfloat16): kernels/paged_decode_cpu.py (`--[no-]rust-decode`);
-- prefill attention (float32, bfloat16): every prompt and chunk of a step of contexts up to
-  RUST_PREFILL_MAX_CONTEXT (any length where the CPU has the dtype's flash kernel: AVX-512 BF16
-  for bfloat16, AVX-512F for float32; no window or sinks) in one call,
+- prefill attention (float32; bfloat16 where torch lacks AMX, whose tiles run torch's flash
+  attention several times faster, `torch_prefills`): every prompt and chunk of a step of
+  contexts up to RUST_PREFILL_MAX_CONTEXT (any length where the CPU has the dtype's flash
+  kernel: AVX-512 BF16 for bfloat16, AVX-512F for float32; no window or sinks) in one call,
   kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`; on more than one thread only for steps
   of RUST_THREADED_PREFILL_MIN_MACS where the kernels run on a pool of their own while torch's
   OpenMP threads spin, not on torch's team (kernels/kernel_threads.py, the default) or with the
@@ -36,8 +37,8 @@ import functools
 
 import torch
 
-from r3srv.kernels import (expert_pairs_cpu, kernel_threads, linear_cpu, paged_decode_cpu, paged_prefill_cpu, qk_rope_cpu,
-                           rms_norm_cpu, router_cpu)
+from r3srv.kernels import (cpu_isa, expert_pairs_cpu, kernel_threads, linear_cpu, paged_decode_cpu, paged_prefill_cpu,
+                           qk_rope_cpu, rms_norm_cpu, router_cpu)
 from r3srv.kernels.router_reference import route_reference
 from r3srv.kernels.rust_core import RUST_DTYPES
 from r3srv.ops import cpu_decode
@@ -83,7 +84,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     if current.rust_decode and paged_decode_cpu.BUILT and rust_dtype:
         decode = functools.partial(paged_decode_cpu.paged_decode_cpu, threads=threads)
     prefill = functools.partial(prefill_attention, merged=True)
-    if current.rust_prefill and paged_prefill_cpu.BUILT and rust_dtype:
+    if current.rust_prefill and paged_prefill_cpu.BUILT and rust_dtype and not torch_prefills(dtype):
         kernel = span_kernel(functools.partial(paged_prefill_cpu.paged_prefill_cpu, threads=threads),
                              RUST_PREFILL_MAX_CONTEXT, prefill, paged_prefill_cpu.flash_applies)
         prefill = large_steps_only(kernel, prefill) if threads > 1 and contended else kernel
@@ -117,6 +118,12 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
         fuse_decoder_layer=cpu_decode.fuse_decoder_layer if fused else None, plan_fused_step=plan if fused else None,
         threads=threads, torch_threads=functools.partial(torch_threads, threads),
     )
+
+
+def torch_prefills(dtype: torch.dtype) -> bool:
+    """Whether a step's prefill attention of `dtype` stays with torch whatever the settings say:
+    bfloat16 where torch runs it on AMX tiles."""
+    return dtype == torch.bfloat16 and cpu_isa.torch_has_amx_bfloat16()
 
 
 def large_steps_only(kernel, torch_path):
