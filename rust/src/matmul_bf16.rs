@@ -35,6 +35,39 @@ pub fn runs() -> bool {
 pub struct Buffers {
     xs: Vec<u32>,
     panel: Vec<u32>,
+    // the vectors padded to whole AMX tiles (crate::amx)
+    tiles: Vec<u32>,
+}
+
+/// The instructions a panel's products run in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Products {
+    /// AVX-512 BF16 dot products (VDPBF16PS)
+    DotProducts,
+    /// AMX tiles (TDPBF16PS, crate::amx)
+    Tiles,
+}
+
+impl Products {
+    /// The fastest this CPU runs: AMX tiles where they run, else the dot products.
+    pub fn fastest() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if crate::amx::runs() {
+            return Products::Tiles;
+        }
+        Products::DotProducts
+    }
+
+    /// Whether this CPU runs them.
+    pub fn runs(self) -> bool {
+        match self {
+            Products::DotProducts => runs(),
+            #[cfg(target_arch = "x86_64")]
+            Products::Tiles => crate::amx::runs(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Products::Tiles => false,
+        }
+    }
 }
 
 /// The pair of bfloat16 bits (lo, hi) as VDPBF16PS reads it: lo in the low 16 bits.
@@ -215,18 +248,45 @@ pub fn matmul_nt_pairs(m: &[Bf16], rows: usize, xs: &[u32], out: &mut [f32], buf
     products(m, rows, cols, xs, out, buffers);
 }
 
-/// out [n, rows] = pairs [n, K2] @ m [rows, K]^T, panel by panel.
+/// out [n, rows] = pairs [n, K2] @ m [rows, K]^T, panel by panel, in the fastest products
+/// this CPU runs.
 fn products(m: &[Bf16], rows: usize, cols: usize, pairs: &[u32], out: &mut [f32], buffers: &mut Buffers) {
+    products_in(Products::fastest(), m, rows, cols, pairs, out, buffers)
+}
+
+/// `products` in the given instructions (which the CPU must run: `Products::runs`).
+fn products_in(
+    kind: Products,
+    m: &[Bf16],
+    rows: usize,
+    cols: usize,
+    pairs: &[u32],
+    out: &mut [f32],
+    buffers: &mut Buffers,
+) {
+    assert!(kind.runs(), "matmul_bf16: this CPU does not run {kind:?}");
     let k2 = cols.div_ceil(2);
     let n = pairs.len() / k2;
+    #[cfg(target_arch = "x86_64")]
+    if kind == Products::Tiles {
+        crate::amx::pad_vectors(pairs, k2, &mut buffers.tiles);
+    }
     for first in (0..rows).step_by(PANEL_ROWS) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the callers checked the CPU (runs()); pairs hold n x K2, the panel K2 x
-        // PANEL_ROWS pairs, and out is [n, rows], of which the panel writes columns
-        // first..min(first + 64, rows).
+        // SAFETY: the CPU runs `kind` (asserted; the tiles' packing needs AVX-512 BF16 too, which
+        // amx::runs() includes); pairs hold n x K2, the panel K2 x PANEL_ROWS pairs (padded to
+        // whole tiles for AMX, as the vectors are), and out is [n, rows], of which the panel
+        // writes columns first..min(first + 64, rows).
         unsafe {
             pack_panel(m, rows, cols, first, &mut buffers.panel);
-            panel_avx512(pairs, &buffers.panel, k2, n, rows, first, out)
+            match kind {
+                Products::DotProducts => panel_avx512(pairs, &buffers.panel, k2, n, rows, first, out),
+                Products::Tiles => {
+                    crate::amx::pad_panel(&mut buffers.panel, k2);
+                    let k2p = crate::amx::rounded_pairs(k2);
+                    crate::amx::panel_products(&buffers.tiles, k2p, n, &buffers.panel, rows, first, out)
+                }
+            }
         };
     }
 }
@@ -449,10 +509,43 @@ mod tests {
         for (rows, cols, n) in SHAPES {
             let (m, xs) = (bf16s(rows * cols, rows as u64 + 3), noise(n * cols, cols as u64 + 5));
             let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
-            matmul_nt_bf16(&m, rows, &xs, &mut got, &mut buffers);
+            let mut pairs = Vec::new();
+            // SAFETY: skips_without_bf16 checked the CPU.
+            unsafe { pack_vectors(&xs, cols, &mut pairs) };
+            products_in(Products::DotProducts, &m, rows, cols, &pairs, &mut got, &mut buffers);
             reference(&m, rows, &xs, &mut want);
             assert_eq!(got, want, "{rows}x{cols} n={n}: the instruction's sums in the portable order");
             within_f64(&m, rows, &xs, &got);
+            // the fastest products here (AMX tiles where they run: their own order)
+            matmul_nt_bf16(&m, rows, &xs, &mut got, &mut buffers);
+            within_f64(&m, rows, &xs, &got);
+        }
+    }
+
+    /// AMX tiles, where they run: every output within float32 rounding of the f64 product (the
+    /// tiles sum a tile's 16 pairs in an order of their own: not the dot products' bits), and
+    /// a vector's outputs the same bits alone as among others, on every shape class and on
+    /// vector counts on both sides of the tiles' 16 and 32.
+    #[test]
+    fn amx_tiles_match_f64_and_keep_a_vectors_bits_in_any_batch() {
+        if !Products::Tiles.runs() {
+            eprintln!("skipped: this CPU (or its kernel) does not run AMX-BF16 tiles");
+            return;
+        }
+        let mut buffers = Buffers::default();
+        let extra = [(64, 256, 16), (64, 256, 31), (64, 256, 33), (130, 130, 47), (256, 128, 500)];
+        for (rows, cols, n) in SHAPES.into_iter().chain(extra).filter(|&(_, cols, _)| cols % 2 == 0) {
+            let (m, xs) = (bf16s(rows * cols, rows as u64 + 41), bf16s(n * cols, cols as u64 + 43));
+            let mut pairs = Vec::new();
+            extend_pairs(&xs, &mut pairs);
+            let mut got = vec![f32::NAN; n * rows];
+            products_in(Products::Tiles, &m, rows, cols, &pairs, &mut got, &mut buffers);
+            let widened: Vec<f32> = xs.iter().map(|v| v.to_f32()).collect();
+            within_f64(&m, rows, &widened, &got);
+            let (k2, last) = (cols / 2, n - 1);
+            let mut alone = vec![f32::NAN; rows];
+            products_in(Products::Tiles, &m, rows, cols, &pairs[last * k2..], &mut alone, &mut buffers);
+            assert_eq!(alone, got[last * rows..], "{rows}x{cols} n={n}: the last vector alone");
         }
     }
 

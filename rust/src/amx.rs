@@ -1,0 +1,175 @@
+//! AMX tiles for `matmul_bf16`'s panel products: out [n, 64 columns] = vectors as bfloat16
+//! pairs [n, K2] @ a weight panel [K2, 64] of pairs, in TDPBF16PS (16 x 16 float32 sums of
+//! 32 bfloat16 products each, per instruction), where the processor has AMX-BF16 and Linux
+//! grants the process the tiles' state. On such a Xeon the dot products of AVX-512 BF16 run
+//! the expert pass's wide chunks several times slower (docs/benchmarks.md, "The AMX Xeon").
+//!
+//! Rust 1.95's AMX intrinsics are unstable, so the tile instructions are inline assembly: every
+//! tile 16 rows x 64 bytes (one configuration), tmm0..tmm3 the sums of 32 vectors x 32 columns,
+//! tmm4/tmm5 the vectors' two row blocks, tmm6/tmm7 the panel's two column blocks. The vectors
+//! and the panel are padded with zero pairs to whole tiles (`pad_vectors`, `pad_panel`), so no
+//! tile reads past its buffer and the padding adds zero products.
+
+use std::sync::OnceLock;
+
+/// Vectors (tile rows) and pairs (64 bytes) of one tile.
+pub const TILE: usize = 16;
+/// The weight panel's columns (`matmul_bf16`'s PANEL_ROWS): its rows are 256 bytes apart.
+const PANEL: usize = 64;
+/// Vectors and columns of one pass over K: 2 x 2 tiles of sums.
+const BLOCK: usize = 2 * TILE;
+
+/// Whether the tile kernel runs here: the CPU reports AMX-TILE and AMX-BF16 (CPUID leaf 7),
+/// AVX-512 BF16 runs (the panels' packing), and Linux granted this process the tile data state
+/// (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 and later; the grant covers every thread).
+/// Asked once.
+pub fn runs() -> bool {
+    static RUNS: OnceLock<bool> = OnceLock::new();
+    *RUNS.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            use std::arch::x86_64::__cpuid_count;
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // leaf 7 read only where leaf 0 says it exists
+            if __cpuid_count(0, 0).eax < 7 {
+                return false;
+            }
+            let edx = __cpuid_count(7, 0).edx;
+            let (amx_bf16, amx_tile) = (edx & (1 << 22) != 0, edx & (1 << 24) != 0);
+            if !(amx_bf16 && amx_tile && crate::matmul_bf16::runs()) {
+                return false;
+            }
+            // SAFETY: a system call that reads no memory; it fails (non-zero) where the kernel
+            // or the CPU does not offer the state.
+            return unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) } == 0;
+        }
+        #[allow(unreachable_code)]
+        false
+    })
+}
+
+/// pairs [n, k2] as [rounded_vectors(n), rounded_pairs(k2)] in `dst`, zero past n and k2.
+pub fn pad_vectors(pairs: &[u32], k2: usize, dst: &mut Vec<u32>) {
+    let n = pairs.len() / k2;
+    let k2p = rounded_pairs(k2);
+    dst.clear();
+    dst.resize(n.div_ceil(BLOCK) * BLOCK * k2p, 0);
+    for (row, out) in pairs.chunks_exact(k2).zip(dst.chunks_exact_mut(k2p)) {
+        out[..k2].copy_from_slice(row);
+    }
+}
+
+/// A panel [k2, 64] of pairs grown to [rounded_pairs(k2), 64] with zero rows.
+pub fn pad_panel(panel: &mut Vec<u32>, k2: usize) {
+    panel.resize(rounded_pairs(k2) * PANEL, 0);
+}
+
+/// K2 rounded up to whole tiles of pairs.
+pub fn rounded_pairs(k2: usize) -> usize {
+    k2.div_ceil(TILE) * TILE
+}
+
+/// The configuration every tile takes: palette 1, 16 rows of 64 bytes.
+#[repr(C, align(64))]
+struct Config([u8; 64]);
+
+fn config() -> Config {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    for t in 0..8 {
+        c[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
+        c[48 + t] = TILE as u8;
+    }
+    Config(c)
+}
+
+/// out[j, first + c] for the n vectors j and the panel's columns c < min(64, rows - first):
+/// vectors [n padded to 32, k2p] (`pad_vectors`), panel [k2p, 64] (`pad_panel`), out [n, rows].
+/// Each sum runs over the pairs in order, from zero, as TDPBF16PS adds them.
+///
+/// # Safety
+/// `runs()` must hold; the buffers must be as stated (checked).
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn panel_products(
+    vectors: &[u32],
+    k2p: usize,
+    n: usize,
+    panel: &[u32],
+    rows: usize,
+    first: usize,
+    out: &mut [f32],
+) {
+    use std::arch::asm;
+    assert!(k2p > 0 && k2p.is_multiple_of(TILE), "panel_products: pairs not in whole tiles");
+    assert!(vectors.len() >= n.div_ceil(BLOCK) * BLOCK * k2p && panel.len() >= k2p * PANEL);
+    assert!(first < rows && out.len() >= n * rows);
+    let width = PANEL.min(rows - first);
+    let cfg = config();
+    // SAFETY: runs() said the CPU has the tiles and the process may use them.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
+    let mut sums = [0f32; BLOCK * BLOCK];
+    let row_bytes = k2p * 4;
+    for j in (0..n).step_by(BLOCK) {
+        for half in 0..PANEL / BLOCK {
+            if half * BLOCK >= width {
+                break;
+            }
+            let a0 = vectors.as_ptr().add(j * k2p);
+            let a1 = a0.add(TILE * k2p);
+            let b0 = panel.as_ptr().add(half * BLOCK);
+            let b1 = b0.add(TILE);
+            // SAFETY: every tile load stays within the padded buffers (asserted above): the
+            // vectors' two row blocks at j and j + 16 of n rounded to 32, pairs kk..kk + 16 of
+            // k2p; the panel's rows kk..kk + 16 of k2p, columns within its 64.
+            unsafe {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    "2:",
+                    "tileloadd tmm4, [{a0} + {sa}*1]",
+                    "tileloadd tmm5, [{a1} + {sa}*1]",
+                    "tileloadd tmm6, [{b0} + {sb}*1]",
+                    "tileloadd tmm7, [{b1} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "add {a0}, 64",
+                    "add {a1}, 64",
+                    "add {b0}, {b_step}",
+                    "add {b1}, {b_step}",
+                    "dec {count}",
+                    "jnz 2b",
+                    "tilestored [{c} + {sc}*1], tmm0",
+                    "tilestored [{c} + {sc}*1 + {c1}], tmm1",
+                    "tilestored [{c} + {sc}*1 + {c2}], tmm2",
+                    "tilestored [{c} + {sc}*1 + {c3}], tmm3",
+                    a0 = inout(reg) a0 => _,
+                    a1 = inout(reg) a1 => _,
+                    b0 = inout(reg) b0 => _,
+                    b1 = inout(reg) b1 => _,
+                    count = inout(reg) k2p / TILE => _,
+                    sa = in(reg) row_bytes,
+                    sb = in(reg) PANEL * 4,
+                    b_step = const TILE * PANEL * 4,
+                    c = in(reg) sums.as_mut_ptr(),
+                    c1 = const TILE * 4,
+                    c2 = const TILE * BLOCK * 4,
+                    c3 = const (TILE * BLOCK + TILE) * 4,
+                    sc = in(reg) BLOCK * 4,
+                    options(nostack),
+                );
+            }
+            let cols = BLOCK.min(width - half * BLOCK);
+            for (v, sum) in sums.chunks_exact(BLOCK).take(n - j).enumerate() {
+                let at = (j + v) * rows + first + half * BLOCK;
+                out[at..at + cols].copy_from_slice(&sum[..cols]);
+            }
+        }
+    }
+    // SAFETY: as ldtilecfg above; hands the tile state back.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
