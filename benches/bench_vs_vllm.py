@@ -67,6 +67,10 @@ SPLIT_WORKLOADS = {
 }
 
 
+# r3srv._core.expert_pairs_bf16_products() in words
+BF16_PRODUCTS = {"amx": "AMX tiles", "avx512_bf16": "AVX-512 BF16 dot products", "float32": "float32 FMA"}
+
+
 class VllmServer:
     """`vllm serve` from VLLM_VENV with the peer recipe's environment (vllm_cpu_env.sh)."""
 
@@ -187,6 +191,7 @@ def processor_line() -> str:
     from r3srv import _core
     from r3srv.kernels import cpu_isa
     from r3srv.kernels.paged_prefill_cpu import FLASH
+    from r3srv.ops.cpu import torch_prefills
 
     model = "unknown processor"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -198,7 +203,8 @@ def processor_line() -> str:
     return (f"processor: {model} x {os.cpu_count()}; ISA {' '.join(flags) or 'none of ' + ' '.join(wanted)}; "
             f"r3srv matrix kernel {_core.expert_pairs_isa()} (bfloat16 prefill GEMMs: "
             f"{'torch/oneDNN' if cpu_isa.torch_has_fast_bfloat16() else 'Rust, widened to float32'}; bfloat16 expert "
-            f"chunks and prefill attention: {'AVX-512 BF16 dot products' if 'bfloat16' in FLASH else 'float32 FMA, SDPA'}"
+            f"chunks: {BF16_PRODUCTS[_core.expert_pairs_bf16_products()]}; bfloat16 prefill attention: "
+            f"{'torch SDPA (AMX)' if torch_prefills(torch.bfloat16) else 'Rust, AVX-512 BF16' if 'bfloat16' in FLASH else 'SDPA'}"
             f"; float32 prefill attention: {'AVX-512 flash kernel' if 'float32' in FLASH else 'Rust to 1,024, SDPA'}); "
             f"torch CPU capability {torch.backends.cpu.get_cpu_capability()} (vLLM's kernels follow it)")
 

@@ -1,14 +1,16 @@
-//! AMX tiles for `matmul_bf16`'s panel products: out [n, 64 columns] = vectors as bfloat16
-//! pairs [n, K2] @ a weight panel [K2, 64] of pairs, in TDPBF16PS (16 x 16 float32 sums of
+//! AMX tiles for `matmul_bf16`'s wide products: out [n, rows] = vectors as bfloat16 pairs
+//! [n, K2] @ a weight packed as panels of [K2, 64] pairs, in TDPBF16PS (16 x 16 float32 sums of
 //! 32 bfloat16 products each, per instruction), where the processor has AMX-BF16 and Linux
-//! grants the process the tiles' state. On such a Xeon the dot products of AVX-512 BF16 run
-//! the expert pass's wide chunks several times slower (docs/benchmarks.md, "The AMX Xeon").
+//! grants the process the tiles' state. On such a Xeon the AVX-512 BF16 dot products run the
+//! expert pass's wide chunks several times slower (docs/benchmarks.md, "The AMX Xeon").
 //!
 //! Rust 1.95's AMX intrinsics are unstable, so the tile instructions are inline assembly: every
 //! tile 16 rows x 64 bytes (one configuration), tmm0..tmm3 the sums of 32 vectors x 32 columns,
 //! tmm4/tmm5 the vectors' two row blocks, tmm6/tmm7 the panel's two column blocks. The vectors
-//! and the panel are padded with zero pairs to whole tiles (`pad_vectors`, `pad_panel`), so no
-//! tile reads past its buffer and the padding adds zero products.
+//! and the panels are padded with zero pairs to whole tiles (`pad_vectors`, `pad_panel`), so no
+//! tile reads past its buffer and the padding adds zero products. A tile sums its 16 pairs in
+//! an order of its own: within float32 rounding of the dot products, not their bits; a vector's
+//! outputs do not depend on the other vectors of the call.
 
 use std::sync::OnceLock;
 
@@ -84,89 +86,94 @@ fn config() -> Config {
     Config(c)
 }
 
-/// out[j, first + c] for the n vectors j and the panel's columns c < min(64, rows - first):
-/// vectors [n padded to 32, k2p] (`pad_vectors`), panel [k2p, 64] (`pad_panel`), out [n, rows].
-/// Each sum runs over the pairs in order, from zero, as TDPBF16PS adds them.
+/// out [n, rows] = vectors [n padded to 32, k2p] (`pad_vectors`) @ the weight's panels, each
+/// [k2p, 64] pairs (`pad_panel`), one after another, ceil(rows / 64) of them: 32 vectors at a
+/// time against every panel, so that their tiles stay in the L1 cache while the panels stream
+/// from L2. Each sum runs over the pairs in order, from zero, as TDPBF16PS adds them; a block of
+/// sums goes straight into `out` where all of it lies within, through a scratch block at the edges.
 ///
 /// # Safety
 /// `runs()` must hold; the buffers must be as stated (checked).
 #[cfg(target_arch = "x86_64")]
-pub unsafe fn panel_products(
-    vectors: &[u32],
-    k2p: usize,
-    n: usize,
-    panel: &[u32],
-    rows: usize,
-    first: usize,
-    out: &mut [f32],
-) {
+pub unsafe fn products(vectors: &[u32], k2p: usize, n: usize, panels: &[u32], rows: usize, out: &mut [f32]) {
     use std::arch::asm;
-    assert!(k2p > 0 && k2p.is_multiple_of(TILE), "panel_products: pairs not in whole tiles");
-    assert!(vectors.len() >= n.div_ceil(BLOCK) * BLOCK * k2p && panel.len() >= k2p * PANEL);
-    assert!(first < rows && out.len() >= n * rows);
-    let width = PANEL.min(rows - first);
+    assert!(k2p > 0 && k2p.is_multiple_of(TILE), "amx::products: pairs not in whole tiles");
+    assert!(vectors.len() >= n.div_ceil(BLOCK) * BLOCK * k2p && panels.len() >= rows.div_ceil(PANEL) * k2p * PANEL);
+    assert!(out.len() >= n * rows);
     let cfg = config();
     // SAFETY: runs() said the CPU has the tiles and the process may use them.
     unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
     let mut sums = [0f32; BLOCK * BLOCK];
-    let row_bytes = k2p * 4;
     for j in (0..n).step_by(BLOCK) {
-        for half in 0..PANEL / BLOCK {
-            if half * BLOCK >= width {
-                break;
-            }
-            let a0 = vectors.as_ptr().add(j * k2p);
-            let a1 = a0.add(TILE * k2p);
-            let b0 = panel.as_ptr().add(half * BLOCK);
-            let b1 = b0.add(TILE);
-            // SAFETY: every tile load stays within the padded buffers (asserted above): the
-            // vectors' two row blocks at j and j + 16 of n rounded to 32, pairs kk..kk + 16 of
-            // k2p; the panel's rows kk..kk + 16 of k2p, columns within its 64.
-            unsafe {
-                asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    "2:",
-                    "tileloadd tmm4, [{a0} + {sa}*1]",
-                    "tileloadd tmm5, [{a1} + {sa}*1]",
-                    "tileloadd tmm6, [{b0} + {sb}*1]",
-                    "tileloadd tmm7, [{b1} + {sb}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    "add {a0}, 64",
-                    "add {a1}, 64",
-                    "add {b0}, {b_step}",
-                    "add {b1}, {b_step}",
-                    "dec {count}",
-                    "jnz 2b",
-                    "tilestored [{c} + {sc}*1], tmm0",
-                    "tilestored [{c} + {sc}*1 + {c1}], tmm1",
-                    "tilestored [{c} + {sc}*1 + {c2}], tmm2",
-                    "tilestored [{c} + {sc}*1 + {c3}], tmm3",
-                    a0 = inout(reg) a0 => _,
-                    a1 = inout(reg) a1 => _,
-                    b0 = inout(reg) b0 => _,
-                    b1 = inout(reg) b1 => _,
-                    count = inout(reg) k2p / TILE => _,
-                    sa = in(reg) row_bytes,
-                    sb = in(reg) PANEL * 4,
-                    b_step = const TILE * PANEL * 4,
-                    c = in(reg) sums.as_mut_ptr(),
-                    c1 = const TILE * 4,
-                    c2 = const TILE * BLOCK * 4,
-                    c3 = const (TILE * BLOCK + TILE) * 4,
-                    sc = in(reg) BLOCK * 4,
-                    options(nostack),
-                );
-            }
-            let cols = BLOCK.min(width - half * BLOCK);
-            for (v, sum) in sums.chunks_exact(BLOCK).take(n - j).enumerate() {
-                let at = (j + v) * rows + first + half * BLOCK;
-                out[at..at + cols].copy_from_slice(&sum[..cols]);
+        for (p, first) in (0..rows).step_by(PANEL).enumerate() {
+            let width = PANEL.min(rows - first);
+            for half in (0..width).step_by(BLOCK) {
+                let a0 = vectors.as_ptr().add(j * k2p);
+                let b0 = panels.as_ptr().add(p * k2p * PANEL + half);
+                // SAFETY: every tile load stays within the padded buffers (asserted above): the
+                // vectors' two row blocks at j and j + 16 of n rounded to 32, pairs kk..kk + 16
+                // of k2p; panel p's rows kk..kk + 16 of k2p, columns half..half + 32 of its 64.
+                unsafe {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        "2:",
+                        "tileloadd tmm4, [{a0} + {sa}*1]",
+                        "tileloadd tmm5, [{a1} + {sa}*1]",
+                        "tileloadd tmm6, [{b0} + {sb}*1]",
+                        "tileloadd tmm7, [{b1} + {sb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "add {a0}, 64",
+                        "add {a1}, 64",
+                        "add {b0}, {b_step}",
+                        "add {b1}, {b_step}",
+                        "dec {count}",
+                        "jnz 2b",
+                        a0 = inout(reg) a0 => _,
+                        a1 = inout(reg) a0.add(TILE * k2p) => _,
+                        b0 = inout(reg) b0 => _,
+                        b1 = inout(reg) b0.add(TILE) => _,
+                        count = inout(reg) k2p / TILE => _,
+                        sa = in(reg) k2p * 4,
+                        sb = in(reg) PANEL * 4,
+                        b_step = const TILE * PANEL * 4,
+                        options(nostack, readonly),
+                    );
+                }
+                let cols = BLOCK.min(width - half);
+                let whole = j + BLOCK <= n && cols == BLOCK;
+                let (c, stride) = if whole {
+                    (out.as_mut_ptr().add(j * rows + first + half), rows)
+                } else {
+                    (sums.as_mut_ptr(), BLOCK)
+                };
+                // SAFETY: a whole block's 32 rows of 32 sums lie within out (j + 32 <= n, its
+                // columns within the panel's width); else the scratch block holds them.
+                unsafe {
+                    asm!(
+                        "tilestored [{c0} + {sc}*1], tmm0",
+                        "tilestored [{c1} + {sc}*1], tmm1",
+                        "tilestored [{c2} + {sc}*1], tmm2",
+                        "tilestored [{c3} + {sc}*1], tmm3",
+                        c0 = in(reg) c,
+                        c1 = in(reg) c.add(TILE),
+                        c2 = in(reg) c.add(TILE * stride),
+                        c3 = in(reg) c.add(TILE * stride + TILE),
+                        sc = in(reg) stride * 4,
+                        options(nostack),
+                    );
+                }
+                if !whole {
+                    for (v, sum) in sums.chunks_exact(BLOCK).take(n - j).enumerate() {
+                        let at = (j + v) * rows + first + half;
+                        out[at..at + cols].copy_from_slice(&sum[..cols]);
+                    }
+                }
             }
         }
     }

@@ -1313,6 +1313,18 @@ pub(crate) mod python {
         Isa::default_kernel().name()
     }
 
+    /// The instructions bfloat16 experts' wide chunks run in here: "amx" (AMX tiles), "avx512_bf16"
+    /// (AVX-512 BF16 dot products), or "float32" (widened to float32 FMA products).
+    #[pyfunction]
+    pub fn expert_pairs_bf16_products() -> &'static str {
+        use crate::matmul_bf16::Products;
+        match Products::fastest() {
+            _ if !crate::matmul_bf16::runs() || Isa::default_kernel() != Isa::Auto => "float32",
+            Products::Tiles => "amx",
+            Products::DotProducts => "avx512_bf16",
+        }
+    }
+
     /// The pair count from which the engine's kernel runs an expert's pairs of `dtype`
     /// ("float32" or "bfloat16") in wide chunks, whose bits differ from the narrow ones'.
     #[pyfunction]

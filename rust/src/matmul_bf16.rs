@@ -2,7 +2,7 @@
 //! AVX-512 BF16 dot-product instruction (VDPBF16PS: 32 multiply-adds of bfloat16 pairs into 16
 //! float32 lanes, twice the float32 FMA's): the expert pass's wide bfloat16 chunks (a
 //! prefill's hundreds of pairs per expert) with the weights packed into panels
-//! (`matmul_nt_bf16`), and its narrow chunks and the linear layers of a few rows with the weight
+//! (`matmul_nt_bf16`; in AMX tiles instead where they run, crate::amx), and its narrow chunks and the linear layers of a few rows with the weight
 //! rows read in place (`gemm_nt_bf16`). The inputs xs arrive as float32 and are rounded to
 //! bfloat16 (the experts' inputs are bfloat16 already; their activations are rounded, as a
 //! bfloat16 model's experts do in transformers and vLLM). Its summation order is its own, and
@@ -35,8 +35,9 @@ pub fn runs() -> bool {
 pub struct Buffers {
     xs: Vec<u32>,
     panel: Vec<u32>,
-    // the vectors padded to whole AMX tiles (crate::amx)
+    // the vectors padded to whole AMX tiles, and every panel of the weight (crate::amx)
     tiles: Vec<u32>,
+    panels: Vec<u32>,
 }
 
 /// The instructions a panel's products run in.
@@ -269,24 +270,29 @@ fn products_in(
     let n = pairs.len() / k2;
     #[cfg(target_arch = "x86_64")]
     if kind == Products::Tiles {
+        // every panel first (padded to whole tiles, as the vectors are), then the tiles' pass
         crate::amx::pad_vectors(pairs, k2, &mut buffers.tiles);
+        buffers.panels.clear();
+        for first in (0..rows).step_by(PANEL_ROWS) {
+            // SAFETY: amx::runs() (asserted) includes AVX-512F, which the packing needs.
+            unsafe { pack_panel(m, rows, cols, first, &mut buffers.panel) };
+            crate::amx::pad_panel(&mut buffers.panel, k2);
+            buffers.panels.extend_from_slice(&buffers.panel);
+        }
+        let k2p = crate::amx::rounded_pairs(k2);
+        // SAFETY: as above; the vectors and panels were padded to whole tiles just now, and out
+        // is [n, rows].
+        unsafe { crate::amx::products(&buffers.tiles, k2p, n, &buffers.panels, rows, out) };
+        return;
     }
     for first in (0..rows).step_by(PANEL_ROWS) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the CPU runs `kind` (asserted; the tiles' packing needs AVX-512 BF16 too, which
-        // amx::runs() includes); pairs hold n x K2, the panel K2 x PANEL_ROWS pairs (padded to
-        // whole tiles for AMX, as the vectors are), and out is [n, rows], of which the panel
-        // writes columns first..min(first + 64, rows).
+        // SAFETY: the CPU runs the dot products (asserted); pairs hold n x K2, the panel K2 x
+        // PANEL_ROWS pairs, and out is [n, rows], of which the panel writes columns
+        // first..min(first + 64, rows).
         unsafe {
             pack_panel(m, rows, cols, first, &mut buffers.panel);
-            match kind {
-                Products::DotProducts => panel_avx512(pairs, &buffers.panel, k2, n, rows, first, out),
-                Products::Tiles => {
-                    crate::amx::pad_panel(&mut buffers.panel, k2);
-                    let k2p = crate::amx::rounded_pairs(k2);
-                    crate::amx::panel_products(&buffers.tiles, k2p, n, &buffers.panel, rows, first, out)
-                }
-            }
+            panel_avx512(pairs, &buffers.panel, k2, n, rows, first, out)
         };
     }
 }
