@@ -153,6 +153,31 @@ def test_bfloat16_experts_round_the_activation(act, seed, tokens):
     assert err.sum() < 0.9 * (got.double() - unrounded).abs().sum(), "nearer the rounded activation's pass"
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-tiles", "no-amx-tiles"])
+def test_bfloat16_wide_chunks_in_amx_tiles_or_dot_products(amx):
+    """settings.amx_tiles, applied when a model's CPU ops are built: wide bfloat16 chunks run in
+    AMX tiles where the CPU has them (its flags say amx_bf16), else in the AVX-512 BF16 dot
+    products (or widened to float32 without them); either way within the bound of the rounded
+    activation's float64 pass."""
+    from r3srv.kernels import cpu_isa
+
+    try:
+        with r3srv_settings_module.overridden(amx_tiles=amx):
+            ops_for("cpu", torch.bfloat16)
+        flags = cpu_isa.cpu_flags()
+        want = ("amx" if amx and "amx_bf16" in flags else
+                "avx512_bf16" if {"avx512f", "avx512_bf16"} <= flags else "float32")
+        assert expert_pairs_cpu.bf16_products() == want, flags
+        for seed in range(3):
+            args = float_args(random_experts(seed, 600, 8, 2, 128, 64, "silu_and_mul", False, False), torch.bfloat16)
+            got = expert_pairs(*args)
+            want_pass, sizes = rounded_activation_pass(args)
+            err = (got.double() - want_pass).abs()
+            assert (err <= 2**-8 * want_pass.abs() + 2**-8 * sizes + 1e-5).all(), (amx, seed)
+    finally:
+        expert_pairs_cpu.allow_amx(True)
+
+
 @pytest.mark.parametrize("listed", [False, True])
 @pytest.mark.parametrize("tokens", [2, 300])
 def test_the_moe_pass_takes_it_at_every_batch_size(monkeypatch, listed, tokens):

@@ -1325,6 +1325,13 @@ pub(crate) mod python {
         }
     }
 
+    /// Whether bfloat16 experts' wide chunks may run in AMX tiles where the CPU has them (the
+    /// default; settings.amx_tiles): process-wide, set when a model's CPU ops are built.
+    #[pyfunction]
+    pub fn expert_pairs_allow_amx(allowed: bool) {
+        crate::matmul_bf16::allow_tiles(allowed)
+    }
+
     /// The pair count from which the engine's kernel runs an expert's pairs of `dtype`
     /// ("float32" or "bfloat16") in wide chunks, whose bits differ from the narrow ones'.
     #[pyfunction]

@@ -49,11 +49,21 @@ pub enum Products {
     Tiles,
 }
 
+/// Whether `Products::fastest` may choose AMX tiles (settings.amx_tiles, through
+/// `allow_tiles`): off, to measure the dot products on an AMX CPU.
+static TILES_ALLOWED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Lets `Products::fastest` choose AMX tiles where they run (the default), or not.
+pub fn allow_tiles(allowed: bool) {
+    TILES_ALLOWED.store(allowed, std::sync::atomic::Ordering::Relaxed);
+}
+
 impl Products {
-    /// The fastest this CPU runs: AMX tiles where they run, else the dot products.
+    /// The fastest this CPU runs: AMX tiles where they run and are allowed (`allow_tiles`),
+    /// else the dot products.
     pub fn fastest() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if crate::amx::runs() {
+        if TILES_ALLOWED.load(std::sync::atomic::Ordering::Relaxed) && crate::amx::runs() {
             return Products::Tiles;
         }
         Products::DotProducts

@@ -28,6 +28,8 @@ from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 expert_pairs_entry = rust_kernel("expert_pairs_cpu")
 _wide_min_pairs = rust_kernel("expert_pairs_wide_min_pairs")
+_allow_amx = rust_kernel("expert_pairs_allow_amx")
+_bf16_products = rust_kernel("expert_pairs_bf16_products")
 BUILT = expert_pairs_entry is not None  # else the torch path (kernels/rust_core.py)
 ACTIVATIONS = ("silu_and_mul", "relu_squared", "clamped_swiglu")  # what the kernel computes
 
@@ -81,6 +83,19 @@ def wide_min_pairs(dtype: torch.dtype) -> int | None:
     if _wide_min_pairs is None or dtype not in RUST_DTYPES:
         return None
     return _wide_min_pairs(RUST_DTYPES[dtype])
+
+
+def allow_amx(allowed: bool) -> None:
+    """Whether bfloat16 experts' wide chunks (a prefill's) may run in AMX tiles where the CPU has
+    them (settings.amx_tiles; the CPU backend says so when it builds a model's ops): process-wide."""
+    if _allow_amx is not None:
+        _allow_amx(allowed)
+
+
+def bf16_products() -> str | None:
+    """What bfloat16 experts' wide chunks run in now: "amx", "avx512_bf16" or "float32" (None:
+    no kernel)."""
+    return None if _bf16_products is None else _bf16_products()
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,8 @@ paths otherwise, each chosen once when a model is built (`build`).
   cached tokens as two flash attentions merged by their log-sum-exps (ops/attention.py);
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
   `--force-torch-router`);
-- the expert pass (float32, bfloat16): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
+- the expert pass (float32, bfloat16: a prefill's products in AMX tiles where the CPU has them,
+  `--[no-]amx-tiles`): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
   else torch's pair-by-pair, grouped or looped paths (`--[no-]grouped-mm`);
 - with every one of those on, a plain MoE layer's whole decode step (float32 or bfloat16) as one
   fused op (ops/cpu_decode.py, `--[no-]fast-cpu-decode`).
@@ -90,6 +91,8 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
         prefill = large_steps_only(kernel, prefill) if threads > 1 and contended else kernel
     rust_router = current.rust_router and not current.force_torch_router and router_cpu.BUILT
     expert_kernel = current.cpu_expert_kernel and expert_pairs_cpu.BUILT
+    if expert_kernel:
+        expert_pairs_cpu.allow_amx(current.amx_tiles)
     grouped = "cpu" if current.grouped_mm else None
 
     def routers(shape: RouterShape):
