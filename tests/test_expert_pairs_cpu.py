@@ -255,7 +255,14 @@ def test_this_build_has_the_kernel_and_this_cpu_runs_its_vector_code():
     assert _core.expert_pairs_isa() == (vector if {"avx2", "fma"} <= set(flags) else "scalar")
     # float32 experts in pair panels (AVX2 and FMA, or wider) are wide from 16 pairs, others from 64
     assert wide_min_pairs(torch.float32) == (16 if {"avx2", "fma"} <= set(flags) else 64)
-    assert wide_min_pairs(torch.bfloat16) == 64
+    # from 16 where AMX tiles run them (settings.amx_tiles, on unless a test turned it off)
+    assert wide_min_pairs(torch.bfloat16) == (16 if expert_pairs_cpu.bf16_products() == "amx" else 64)
+    if "amx_bf16" in flags:
+        expert_pairs_cpu.allow_amx(False)
+        try:
+            assert wide_min_pairs(torch.bfloat16) == 64
+        finally:
+            expert_pairs_cpu.allow_amx(True)
     assert wide_min_pairs(torch.float16) is None
 
 

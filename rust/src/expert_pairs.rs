@@ -465,10 +465,20 @@ pub(crate) const WIDE_MIN_PAIRS: usize = 64;
 /// (docs/benchmarks.md, "Wide float32 expert chunks in pair panels").
 pub(crate) const PANEL_MIN_PAIRS: usize = 16;
 
+/// Where bfloat16 experts' wide chunks run in AMX tiles, they are wide from this many pairs: the
+/// tiles outran the narrow dot products from 8 to 16 pairs an expert on (docs/benchmarks.md,
+/// "The AMX Xeon").
+pub(crate) const TILES_MIN_PAIRS: usize = 16;
+
 /// The pair count from which an expert's chunks are wide, for weights of type `W` under `isa`.
 pub fn wide_min_pairs<W: Element>(isa: Isa) -> usize {
     if W::as_f32s(&[]).is_some() && pair_panels::runs(isa) {
         PANEL_MIN_PAIRS
+    } else if W::as_bf16s(&[]).is_some()
+        && dot_products::<W>(isa, &[]).is_some()
+        && crate::matmul_bf16::Products::fastest() == crate::matmul_bf16::Products::Tiles
+    {
+        TILES_MIN_PAIRS
     } else {
         WIDE_MIN_PAIRS
     }
