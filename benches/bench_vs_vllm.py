@@ -203,7 +203,7 @@ def processor_line() -> str:
     return (f"processor: {model} x {os.cpu_count()}; ISA {' '.join(flags) or 'none of ' + ' '.join(wanted)}; "
             f"r3srv matrix kernel {_core.expert_pairs_isa()} (bfloat16 prefill GEMMs: "
             f"{'torch/oneDNN' if cpu_isa.torch_has_fast_bfloat16() else 'Rust, widened to float32'}; bfloat16 expert "
-            f"chunks: {BF16_PRODUCTS.get(expert_pairs_cpu.bf16_products(), "torch")}; bfloat16 prefill attention: "
+            f"chunks: {BF16_PRODUCTS.get(expert_pairs_cpu.bf16_products(), 'torch')}; bfloat16 prefill attention: "
             f"{'torch SDPA (AMX)' if torch_prefills(torch.bfloat16) else 'Rust, AVX-512 BF16' if 'bfloat16' in FLASH else 'SDPA'}"
             f"; float32 prefill attention: {'AVX-512 flash kernel' if 'float32' in FLASH else 'Rust to 1,024, SDPA'}); "
             f"torch CPU capability {torch.backends.cpu.get_cpu_capability()} (vLLM's kernels follow it)")
