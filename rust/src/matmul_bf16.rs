@@ -2,8 +2,8 @@
 //! AVX-512 BF16 dot-product instruction (VDPBF16PS: 32 multiply-adds of bfloat16 pairs into 16
 //! float32 lanes, twice the float32 FMA's): the expert pass's wide bfloat16 chunks (a
 //! prefill's hundreds of pairs per expert) with the weights packed into panels
-//! (`matmul_nt_bf16`; in AMX tiles instead where they run, crate::amx), and its narrow chunks and the linear layers of a few rows with the weight
-//! rows read in place (`gemm_nt_bf16`). The inputs xs arrive as float32 and are rounded to
+//! (`matmul_nt_bf16`; in AMX tiles instead where they run, crate::amx), and its narrow chunks
+//! and the linear layers of a few rows with the weight rows read in place (`gemm_nt_bf16`). The inputs xs arrive as float32 and are rounded to
 //! bfloat16 (the experts' inputs are bfloat16 already; their activations are rounded, as a
 //! bfloat16 model's experts do in transformers and vLLM). Its summation order is its own, and
 //! the instruction treats subnormal inputs as zero; `reference` is the same product in portable

@@ -79,8 +79,7 @@ def wide_min_pairs(dtype: torch.dtype) -> int | None:
     """The pair count from which the kernel, unless told otherwise, runs an expert's pairs of
     `dtype` in wide chunks (whose bits differ from the narrow ones'): 16 for float32 where the
     CPU runs the pair panels and for bfloat16 where it runs AMX tiles (`allow_amx`), else 64
-    (rust/src/expert_pairs.rs's wide_min_pairs); None where
-    the kernel takes no such experts."""
+    (rust/src/expert_pairs.rs's wide_min_pairs); None where the kernel takes no such experts."""
     if _wide_min_pairs is None or dtype not in RUST_DTYPES:
         return None
     return _wide_min_pairs(RUST_DTYPES[dtype])
