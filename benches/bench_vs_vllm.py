@@ -184,13 +184,17 @@ def print_table(label: str, measures: dict[str, dict[str, dict[str, list[float]]
               + "; ".join(parts), flush=True)
 
 
+# what the bfloat16 flash prefill kernel's tiles are, as the processor line names them
+BF16_ATTENTION = {"amx": "Rust, AMX tiles", "avx512": "Rust, AVX-512 BF16"}
+
+
 def processor_line() -> str:
     """The processor, its vector and matrix extensions, and the kernels each server can use."""
     import torch
 
     from r3srv import _core
     from r3srv.kernels import cpu_isa, expert_pairs_cpu
-    from r3srv.kernels.paged_prefill_cpu import FLASH
+    from r3srv.kernels.paged_prefill_cpu import FLASH, flash_tiles
     from r3srv.ops.cpu import torch_prefills
 
     model = "unknown processor"
@@ -204,7 +208,7 @@ def processor_line() -> str:
             f"r3srv matrix kernel {_core.expert_pairs_isa()} (bfloat16 prefill GEMMs: "
             f"{'torch/oneDNN' if cpu_isa.torch_has_fast_bfloat16() else 'Rust, widened to float32'}; bfloat16 expert "
             f"chunks: {BF16_PRODUCTS.get(expert_pairs_cpu.bf16_products(), 'torch')}; bfloat16 prefill attention: "
-            f"{'torch SDPA (AMX)' if torch_prefills(torch.bfloat16) else 'Rust, AVX-512 BF16' if 'bfloat16' in FLASH else 'SDPA'}"
+            f"{'torch SDPA (AMX)' if torch_prefills(torch.bfloat16) else BF16_ATTENTION.get(flash_tiles(torch.bfloat16), 'SDPA')}"
             f"; float32 prefill attention: {'AVX-512 flash kernel' if 'float32' in FLASH else 'Rust to 1,024, SDPA'}); "
             f"torch CPU capability {torch.backends.cpu.get_cpu_capability()} (vLLM's kernels follow it)")
 

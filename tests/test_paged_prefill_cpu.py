@@ -174,8 +174,37 @@ def test_the_float32_flash_tiles_equal_the_torch_path_and_each_other(heads, kv_h
         print("this CPU lacks AVX-512F: the AVX2 tiles checked against SDPA only")
 
 
+def bfloat16_tiles() -> list[str]:
+    """The bfloat16 flash kernel's tiles this CPU runs: AMX (rust/src/flash_amx.rs) where the Rust
+    core runs AMX tiles now, AVX-512 BF16 dot products (rust/src/paged_prefill_bf16.rs)."""
+    if "bfloat16" not in cpu_kernel.FLASH:
+        return []
+    return ["amx", "avx512"] if cpu_kernel.flash_tiles(torch.bfloat16) == "amx" else ["avx512"]
+
+
+@pytest.mark.parametrize("tiles", [
+    pytest.param("amx", marks=pytest.mark.skipif("amx" not in bfloat16_tiles(), reason="this CPU (or Linux) "
+                                                 "does not run AMX-BF16 tiles (the bfloat16 AMX flash tiles)")),
+    pytest.param("avx512", marks=pytest.mark.skipif("avx512" not in bfloat16_tiles(), reason="this CPU lacks "
+                                                    "AVX-512 BF16 (the bfloat16 flash kernel)")),
+])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, v_dim", [(4, 2, 64, 64), (32, 4, 128, 128), (6, 3, 24, 40),
+                                                             (8, 8, 96, 80)])
+def test_the_bfloat16_flash_tiles_equal_the_torch_path(tiles, heads, kv_heads, head_dim, v_dim):
+    """Each of the bfloat16 flash kernel's tiles this CPU runs, named, against SDPA over the same
+    values (generated steps: whole prompts, chunks after cached tokens), within bfloat16's
+    tolerance; AMX tiles sum in an order of their own, so their rows are checked against SDPA,
+    not against the dot products' bits."""
+    for seed in range(3):
+        got, want = run_step(seed * 13 + heads + head_dim, heads, kv_heads, head_dim, v_dim, None, False,
+                             dtype=torch.bfloat16, kernel=tiles)
+        tolerance = FLASH_TOLERANCE["bfloat16"]
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("dtype, kernel, match", [
     (torch.float32, "avx1", 'no prefill kernel named "avx1"'),
+    (torch.float32, "amx", "does not run the amx flash prefill tiles"),
     (torch.bfloat16, "avx2", "does not run the avx2 flash prefill tiles"),
 ])
 def test_a_kernel_this_cpu_does_not_run_is_a_value_error(dtype, kernel, match):
@@ -353,10 +382,12 @@ def without_amx(monkeypatch) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_with_amx_bfloat16_prefills_stay_with_torch(monkeypatch, threads):
-    """Where torch runs bfloat16 on AMX tiles its flash attention outruns the Rust kernel: bfloat16
+    """Where torch runs bfloat16 on AMX tiles and the Rust flash kernel does not (no tiles granted,
+    or --no-amx-tiles), torch's flash attention outruns the kernel's dot products: bfloat16
     prefills take the torch path at every length, float32 ones the kernel as before; the rows are
     the torch path's own."""
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(cpu_kernel, "flash_tiles", lambda dtype: "avx512")
     assert cpu_isa.torch_has_amx_bfloat16()
     calls = counting_kernel(monkeypatch)
     with settings_module.overridden(cpu_threads=threads):
@@ -374,6 +405,32 @@ def test_with_amx_bfloat16_prefills_stay_with_torch(monkeypatch, threads):
     assert not calls
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
     assert not cpu_isa.torch_has_amx_bfloat16()
+
+
+@pytest.mark.skipif("amx" not in bfloat16_tiles(), reason="this CPU (or Linux) does not run AMX-BF16 tiles "
+                    "(the bfloat16 AMX flash tiles)")
+def test_bfloat16_prefills_take_the_amx_flash_tiles_unless_amx_tiles_is_off(monkeypatch):
+    """On this AMX CPU the bfloat16 prefill op is the Rust kernel's (its AMX tiles: rows within
+    bfloat16's tolerance of SDPA's); with settings.amx_tiles off it is torch's (SDPA on torch's
+    AMX), and the flash kernel reports its dot products meanwhile."""
+    from r3srv.kernels import expert_pairs_cpu
+    meta = one_prompt(300)
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(300, h, 64, generator=g).bfloat16() for h in (4, 2, 2))
+    cache = lambda: torch.zeros(300, 2, 64, dtype=torch.bfloat16)  # noqa: E731
+    want = paged_attention(q, k, v, cache(), cache(), meta,
+                           prefill_kernel=functools.partial(prefill_attention, merged=True))
+    try:
+        for allowed, tiles in ((True, "amx"), (False, "avx512")):
+            calls = counting_kernel(monkeypatch)
+            with settings_module.overridden(amx_tiles=allowed):
+                op = ops_for("cpu", torch.bfloat16).prefill_attention
+            assert cpu_kernel.flash_tiles(torch.bfloat16) == tiles
+            got = paged_attention(q, k, v, cache(), cache(), meta, prefill_kernel=op)
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+            assert bool(calls) == allowed, (allowed, calls)
+    finally:
+        expert_pairs_cpu.allow_amx(True)
 
 
 def test_on_more_threads_only_large_steps_take_the_kernel(monkeypatch):

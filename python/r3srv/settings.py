@@ -50,8 +50,9 @@ class Settings:
     fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")
     grouped_mm: bool = _setting(True, "expert matmuls through torch's grouped_mm where it pays; off: a loop")
     cpu_expert_kernel: bool = _setting(True, "CPU expert pass in one Rust call per layer at every batch size; off: torch's paths")
-    amx_tiles: bool = _setting(True, "CPU bfloat16 experts' prefill products in AMX tiles where the CPU has them; off: "
-                               "AVX-512 BF16 dot products")
+    amx_tiles: bool = _setting(True, "CPU bfloat16 experts' prefill products and prefill attention in AMX tiles "
+                               "where the CPU has them; off: AVX-512 BF16 dot products (attention: torch's SDPA "
+                               "where torch has AMX)")
     rust_rms_norm: bool = _setting(True, "CPU float32 RMSNorm in one Rust call; off: torch's rms_norm")
     rust_linear: bool = _setting(True, "CPU linear layers of up to 32 rows in one Rust call; off: torch's F.linear")
     rust_rope: bool = _setting(True, "CPU q/k norms and RoPE of an attention layer in one Rust call; off: torch's ops")

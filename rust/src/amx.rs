@@ -74,9 +74,9 @@ pub fn rounded_pairs(k2: usize) -> usize {
 
 /// The configuration every tile takes: palette 1, 16 rows of 64 bytes.
 #[repr(C, align(64))]
-struct Config([u8; 64]);
+pub(crate) struct Config(pub(crate) [u8; 64]);
 
-fn config() -> Config {
+pub(crate) fn config() -> Config {
     let mut c = [0u8; 64];
     c[0] = 1;
     for t in 0..8 {

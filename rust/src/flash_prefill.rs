@@ -1,5 +1,6 @@
-//! The flash prefill attention both fast kernels share: bfloat16 in AVX-512 BF16 dot products
-//! (`paged_prefill_bf16`) and float32 in AVX-512 or AVX2 FMA (`paged_prefill_f32`). Each span's
+//! The flash prefill attention both fast kernels share: bfloat16 in AMX tiles (`flash_amx`) or
+//! AVX-512 BF16 dot products (`paged_prefill_bf16`) and float32 in AVX-512 or AVX2 FMA
+//! (`paged_prefill_f32`). Each span's
 //! keys and values of each KV head are first packed from the paged cache into blocks of KEYS
 //! keys, in the kernel's layout for its tiles (`Flash::pack`); then every ROWS rows of scores (a
 //! query and a head of a KV head's group each) walk their key blocks from position 0 with an
@@ -15,6 +16,8 @@ use crate::paged_prefill::PagedPrefill;
 pub(crate) const KEYS: usize = 64;
 /// Rows of scores per register tile: 6 x 4 accumulators within the 32 registers.
 pub(crate) const ROWS: usize = 6;
+/// Rows of scores per call in any tiles: an AMX tile's 16.
+const MAX_ROWS: usize = crate::flash_amx::ROWS;
 /// Queries per work item (its rows: these queries times the group's heads).
 const ITEM_QUERIES: usize = 32;
 
@@ -22,16 +25,19 @@ const ITEM_QUERIES: usize = 32;
 /// it runs) or named to measure a narrower one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tiles {
+    /// AMX tiles (bfloat16 only, crate::flash_amx)
+    Amx,
     Avx512,
     Avx2,
 }
 
 impl Tiles {
     /// Widest first.
-    pub const ALL: [Tiles; 2] = [Tiles::Avx512, Tiles::Avx2];
+    pub const ALL: [Tiles; 3] = [Tiles::Amx, Tiles::Avx512, Tiles::Avx2];
 
     pub fn name(self) -> &'static str {
         match self {
+            Tiles::Amx => "amx",
             Tiles::Avx512 => "avx512",
             Tiles::Avx2 => "avx2",
         }
@@ -63,9 +69,15 @@ pub(crate) trait Flash: Element {
     /// Whether this CPU runs the kernel in `tiles`.
     fn runs(tiles: Tiles) -> bool;
 
-    /// The widest tiles this CPU runs the kernel in, if any.
+    /// Whether `fastest` may choose `tiles` where they run (AMX: settings.amx_tiles).
+    fn allowed(tiles: Tiles) -> bool {
+        let _ = tiles;
+        true
+    }
+
+    /// The widest tiles this CPU runs the kernel in and `allowed` lets it choose, if any.
     fn fastest() -> Option<Tiles> {
-        Tiles::ALL.into_iter().find(|&t| Self::runs(t))
+        Tiles::ALL.into_iter().find(|&t| Self::runs(t) && Self::allowed(t))
     }
 
     /// R rows' attention over their first `blocks` key blocks into s.acc ([R, padded(v_dim)],
@@ -83,6 +95,22 @@ pub(crate) trait Flash: Element {
         blocks: usize,
         s: &mut Scratch,
     );
+
+    /// `tile` of q.len() rows (at most MAX_ROWS) in AMX tiles.
+    ///
+    /// # Safety
+    /// As `tile`; runs(Tiles::Amx).
+    unsafe fn amx_tile(
+        p: &PagedPrefill<'_, Self>,
+        packed: &Self::Packed,
+        q: &[*const Self],
+        pos: &[usize],
+        blocks: usize,
+        s: &mut Scratch,
+    ) {
+        let _ = (p, packed, q, pos, blocks, s);
+        unreachable!("no AMX tiles for this element type (runs(Tiles::Amx) is false)")
+    }
 }
 
 /// A block's scores for R rows (`products`: q . k of its KEYS keys, four registers a row) into
@@ -223,21 +251,38 @@ pub(crate) fn advance_row(max: &mut f32, total: &mut f32, acc: &mut [f32], top: 
     }
 }
 
-/// A thread's buffers for a tile: scores [ROWS, KEYS], bfloat16 weights [ROWS, KEYS / 2] (pairs),
-/// the rows' sums [ROWS, padded(v_dim)].
+/// A thread's buffers for a tile: scores [rows, KEYS], bfloat16 weights [rows, KEYS / 2] (pairs),
+/// the rows' sums [rows, padded(v_dim)]; for AMX tiles also the rows' queries [rows, key pairs]
+/// and a block's sums of values [rows, padded(v_dim)] (rows: the tiles' rows a call).
 pub(crate) struct Scratch {
     pub scores: Vec<f32>,
     pub weights: Vec<u32>,
     pub acc: Vec<f32>,
+    pub queries: Vec<u32>,
+    pub block: Vec<f32>,
 }
 
 impl Scratch {
-    fn new(v_dim: usize) -> Self {
+    fn new(head_dim: usize, v_dim: usize, tiles: Tiles) -> Self {
+        let (rows, dv) = (rows_per_call(tiles), padded(v_dim));
+        let amx = tiles == Tiles::Amx;
+        let keys = if amx { crate::flash_amx::STEP * KEYS } else { KEYS };
         Scratch {
-            scores: vec![0.0; ROWS * KEYS],
-            weights: vec![0; ROWS * KEYS / 2],
-            acc: vec![0.0; ROWS * padded(v_dim)],
+            scores: vec![0.0; rows * keys],
+            weights: vec![0; rows * keys / 2],
+            acc: vec![0.0; rows * dv],
+            queries: if amx { vec![0; rows * crate::flash_amx::key_pairs(head_dim)] } else { Vec::new() },
+            block: if amx { vec![0.0; rows * dv] } else { Vec::new() },
         }
+    }
+}
+
+/// The rows one tile call takes in `tiles`.
+fn rows_per_call(tiles: Tiles) -> usize {
+    if tiles == Tiles::Amx {
+        MAX_ROWS
+    } else {
+        ROWS
     }
 }
 
@@ -371,7 +416,7 @@ fn prefill<T: Flash>(
     let packed: Vec<T::Packed> = jobs.into_iter().map(|(_, _, packed)| packed.expect("every job ran")).collect();
     let dst = Out(out.as_mut_ptr());
     crate::workers::take_in_turn(threads, &mut items, &|items| {
-        let mut scratch = Scratch::new(p.v.dim);
+        let mut scratch = Scratch::new(p.q.dim, p.v.dim, tiles);
         for (o, item) in items {
             // SAFETY: flash_where_it_applies checked that the CPU runs `tiles`; the item's rows
             // of `out` are its own.
@@ -397,11 +442,11 @@ unsafe fn run_item<T: Flash>(
     let rows = item.count * group;
     let mut r0 = 0;
     while r0 < rows {
-        let n = ROWS.min(rows - r0);
+        let n = rows_per_call(tiles).min(rows - r0);
         // row r: query item.first + r / group, head kv_head * group + r % group
-        let mut q = [std::ptr::null::<T>(); ROWS];
-        let mut pos = [0usize; ROWS];
-        let mut heads = [0usize; ROWS];
+        let mut q = [std::ptr::null::<T>(); MAX_ROWS];
+        let mut pos = [0usize; MAX_ROWS];
+        let mut heads = [0usize; MAX_ROWS];
         for i in 0..n {
             let (query, head) = (item.first + (r0 + i) / group, item.kv_head * group + (r0 + i) % group);
             q[i] = p.q.at(start + query, head).as_ptr();
@@ -409,15 +454,18 @@ unsafe fn run_item<T: Flash>(
             heads[i] = head;
         }
         let blocks = pos[..n].iter().max().unwrap() / KEYS + 1;
+        let (rq, rpos): (&[*const T; ROWS], &[usize; ROWS]) =
+            (q[..ROWS].try_into().expect("ROWS rows"), pos[..ROWS].try_into().expect("ROWS rows"));
         // SAFETY: forwarded, the caller's contract; q[..n] point at the rows' queries.
         unsafe {
             match n {
-                6 => T::tile::<6>(tiles, p, packed, &q, &pos, blocks, s),
-                5 => T::tile::<5>(tiles, p, packed, &q, &pos, blocks, s),
-                4 => T::tile::<4>(tiles, p, packed, &q, &pos, blocks, s),
-                3 => T::tile::<3>(tiles, p, packed, &q, &pos, blocks, s),
-                2 => T::tile::<2>(tiles, p, packed, &q, &pos, blocks, s),
-                _ => T::tile::<1>(tiles, p, packed, &q, &pos, blocks, s),
+                _ if tiles == Tiles::Amx => T::amx_tile(p, packed, &q[..n], &pos[..n], blocks, s),
+                6 => T::tile::<6>(tiles, p, packed, rq, rpos, blocks, s),
+                5 => T::tile::<5>(tiles, p, packed, rq, rpos, blocks, s),
+                4 => T::tile::<4>(tiles, p, packed, rq, rpos, blocks, s),
+                3 => T::tile::<3>(tiles, p, packed, rq, rpos, blocks, s),
+                2 => T::tile::<2>(tiles, p, packed, rq, rpos, blocks, s),
+                _ => T::tile::<1>(tiles, p, packed, rq, rpos, blocks, s),
             }
         }
         let (dv, dvp) = (p.v.dim, padded(p.v.dim));

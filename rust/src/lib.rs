@@ -12,6 +12,7 @@ pub mod b64_x86;
 pub mod decode;
 pub mod encode;
 pub mod expert_pairs;
+pub mod flash_amx;
 pub mod flash_prefill;
 pub mod formats;
 pub mod huge_pages;

@@ -58,12 +58,17 @@ pub fn allow_tiles(allowed: bool) {
     TILES_ALLOWED.store(allowed, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether AMX tiles may be chosen where they run (`allow_tiles`).
+pub fn tiles_allowed() -> bool {
+    TILES_ALLOWED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 impl Products {
     /// The fastest this CPU runs: AMX tiles where they run and are allowed (`allow_tiles`),
     /// else the dot products.
     pub fn fastest() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if TILES_ALLOWED.load(std::sync::atomic::Ordering::Relaxed) && crate::amx::runs() {
+        if tiles_allowed() && crate::amx::runs() {
             return Products::Tiles;
         }
         Products::DotProducts

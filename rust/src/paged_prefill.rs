@@ -694,13 +694,16 @@ mod tests {
 
     /// A flash kernel (crate::flash_prefill) in `tiles` on generated steps: the f64 reference
     /// over the element type's values within `tolerance(|want|)`; the same bits in every other
-    /// tiles this CPU runs the kernel in, on any thread count and however a prompt is chunked or
-    /// batched; windows and sinks left to `paged_prefill`.
+    /// register tiles this CPU runs the kernel in (AMX tiles sum in an order of their own), on
+    /// any thread count and however a prompt is chunked or batched; windows and sinks left to
+    /// `paged_prefill`.
     fn check_flash_kernel<T: Prefill + Flash + PartialEq + std::fmt::Debug>(
         tiles: Tiles,
         tolerance: impl Fn(f64) -> f64,
     ) {
-        let others: Vec<Tiles> = Tiles::ALL.into_iter().filter(|&t| t != tiles && T::runs(t)).collect();
+        let amx = |t: Tiles| t == Tiles::Amx;
+        let others: Vec<Tiles> =
+            Tiles::ALL.into_iter().filter(|&t| t != tiles && T::runs(t) && amx(t) == amx(tiles)).collect();
         let to = |v: &[f32]| v.iter().map(|&f| T::from_f32(f)).collect::<Vec<_>>();
         let widen = |v: &[T]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
         for (heads, kv_heads) in [(4, 4), (8, 2), (16, 1), (6, 2)] {
@@ -790,6 +793,17 @@ mod tests {
         let err = Bf16::run_flash(&prefill(&c, &x, &q, &k, &v, 0.3), &mut out, 1, Some(Tiles::Avx2)).unwrap_err();
         assert!(err.contains("avx2"), "{err}");
         assert!(out.iter().all(|v| v.to_f32() == -7.0), "nothing written");
+    }
+
+    /// The bfloat16 kernel in AMX tiles (crate::flash_amx): as the dot products', whose sums it
+    /// takes in another order (within the same tolerance of the reference, not their bits).
+    #[test]
+    fn the_bfloat16_amx_kernel_equals_the_reference_and_keeps_a_rows_bits() {
+        if !Bf16::runs(Tiles::Amx) {
+            eprintln!("skipped: this CPU (or Linux) does not run AMX-BF16 tiles");
+            return;
+        }
+        check_flash_kernel::<Bf16>(Tiles::Amx, |w| 2.0 / 256.0 + w / 256.0);
     }
 
     /// The float32 kernel (crate::paged_prefill_f32) in each of its tiles this CPU runs

@@ -20,15 +20,17 @@ pub fn applies_to(head_dim: usize, windowed: bool, sinks: bool) -> bool {
     crate::matmul_bf16::runs() && Bf16::takes(head_dim, windowed, sinks)
 }
 
-/// One span's keys and values of one KV head, packed: k [blocks, D/2, KEYS] and
-/// v [blocks, KEYS/2, padded(Dv)], positions past the context zero.
+/// One span's keys and values of one KV head, packed: k [blocks, pairs, KEYS] (pairs: D/2, for
+/// AMX tiles rounded up to whole tiles with zero pairs) and v [blocks, KEYS/2, padded(Dv)],
+/// positions past the context zero.
 pub(crate) struct Packed {
-    k: Vec<u32>,
-    v: Vec<u32>,
+    pub(crate) k: Vec<u32>,
+    pub(crate) v: Vec<u32>,
+    pub(crate) pairs: usize,
 }
 
-fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64], g: usize) -> Packed {
-    let (d2, dv) = (p.q.dim / 2, padded(p.v.dim));
+fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64], g: usize, pairs: usize) -> Packed {
+    let (d2, dv) = (pairs, padded(p.v.dim));
     let blocks = slots.len().div_ceil(KEYS);
     let (k_block, v_block) = (d2 * KEYS, KEYS / 2 * dv);
     let mut k = vec![0u32; blocks * k_block];
@@ -47,23 +49,56 @@ fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64], g: usize) -> Packed {
             *dst |= (x.0 as u32) << shift;
         }
     }
-    Packed { k, v }
+    Packed { k, v, pairs }
 }
 
 impl Flash for Bf16 {
     type Packed = Packed;
 
-    fn pack(p: &PagedPrefill<'_, Self>, slots: &[i64], kv_head: usize, _tiles: Tiles) -> Packed {
-        pack(p, slots, kv_head)
+    fn pack(p: &PagedPrefill<'_, Self>, slots: &[i64], kv_head: usize, tiles: Tiles) -> Packed {
+        let pairs = if tiles == Tiles::Amx { crate::flash_amx::key_pairs(p.q.dim) } else { p.q.dim / 2 };
+        pack(p, slots, kv_head, pairs)
     }
 
     fn takes(head_dim: usize, windowed: bool, sinks: bool) -> bool {
         !windowed && !sinks && head_dim.is_multiple_of(2)
     }
 
-    /// AVX-512 only (its dot products have no AVX2 form).
+    /// AMX tiles (crate::amx::runs) or AVX-512 BF16 dot products (which have no AVX2 form).
     fn runs(tiles: Tiles) -> bool {
-        tiles == Tiles::Avx512 && crate::matmul_bf16::runs()
+        match tiles {
+            Tiles::Amx => crate::matmul_bf16::Products::Tiles.runs(),
+            Tiles::Avx512 => crate::matmul_bf16::runs(),
+            Tiles::Avx2 => false,
+        }
+    }
+
+    /// AMX tiles where the expert pass may take them (settings.amx_tiles, one switch for both).
+    fn allowed(tiles: Tiles) -> bool {
+        tiles != Tiles::Amx || crate::matmul_bf16::tiles_allowed()
+    }
+
+    unsafe fn amx_tile(
+        p: &PagedPrefill<'_, Self>,
+        packed: &Packed,
+        q: &[*const Self],
+        pos: &[usize],
+        blocks: usize,
+        s: &mut Scratch,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded, the caller's contract (runs(Tiles::Amx)); packed in its pairs (`pack`);
+        // a query's bfloat16 pairs read as u32s.
+        unsafe {
+            let q: [*const u32; crate::flash_amx::ROWS] =
+                std::array::from_fn(|i| q.get(i).map_or(std::ptr::null(), |&q| q as *const u32));
+            crate::flash_amx::tile(p, packed, &q[..pos.len()], pos, blocks, s)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (p, packed, q, pos, blocks, s);
+            unreachable!("runs is false off x86_64")
+        }
     }
 
     unsafe fn tile<const R: usize>(
@@ -107,7 +142,7 @@ unsafe fn tile<const R: usize>(
 ) {
     use std::arch::x86_64::*;
     let (d2, dv) = (p.q.dim / 2, padded(p.v.dim));
-    let (k_block, v_block) = (d2 * KEYS, KEYS / 2 * dv);
+    let (k_block, v_block) = (packed.pairs * KEYS, KEYS / 2 * dv);
     let (mut max, mut total) = start_rows::<R>(s, dv);
     for b in 0..blocks {
         // scores: q . k for the block's keys

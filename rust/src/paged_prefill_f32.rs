@@ -36,6 +36,7 @@ fn lanes(tiles: Tiles) -> usize {
     match tiles {
         Tiles::Avx512 => KEYS,
         Tiles::Avx2 => 16,
+        Tiles::Amx => unreachable!("no float32 AMX tiles"),
     }
 }
 
@@ -79,6 +80,7 @@ impl Flash for f32 {
         return match tiles {
             Tiles::Avx512 => is_x86_feature_detected!("avx512f"),
             Tiles::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            Tiles::Amx => false,
         };
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -102,6 +104,7 @@ impl Flash for f32 {
             match tiles {
                 Tiles::Avx512 => tile_512::<R>(p, packed, q, pos, blocks, s),
                 Tiles::Avx2 => tile_256::<R>(p, packed, q, pos, blocks, s),
+                Tiles::Amx => unreachable!("no float32 AMX tiles"),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]

@@ -540,13 +540,26 @@ fn paged_decode_attention(
 
 /// Whether `dtype` prefill attention over heads of `head_dim` (with a window, with sinks) runs
 /// in the dtype's flash kernel here at any context length (crate::flash_prefill::Prefill::flash_applies:
-/// bfloat16 in AVX-512 BF16 dot products, float32 in AVX-512 FMA).
+/// bfloat16 in AMX tiles or AVX-512 BF16 dot products, float32 in AVX-512 FMA).
 #[pyfunction]
 fn paged_prefill_flash(dtype: &str, head_dim: usize, windowed: bool, sinks: bool) -> PyResult<bool> {
     use crate::flash_prefill::Prefill;
     match dtype {
         "float32" => Ok(f32::flash_applies(head_dim, windowed, sinks)),
         "bfloat16" => Ok(Bf16::flash_applies(head_dim, windowed, sinks)),
+        other => Err(PyTypeError::new_err(format!("prefill attention takes float32 or bfloat16, not {other}"))),
+    }
+}
+
+/// The tiles the dtype's flash prefill kernel runs in here ("amx", "avx512", "avx2"; None: no
+/// flash kernel on this CPU), as `paged_prefill_attention` chooses them now (AMX tiles only while
+/// allowed, settings.amx_tiles).
+#[pyfunction]
+fn paged_prefill_flash_tiles(dtype: &str) -> PyResult<Option<&'static str>> {
+    use crate::flash_prefill::Flash;
+    match dtype {
+        "float32" => Ok(f32::fastest().map(|t| t.name())),
+        "bfloat16" => Ok(Bf16::fastest().map(|t| t.name())),
         other => Err(PyTypeError::new_err(format!("prefill attention takes float32 or bfloat16, not {other}"))),
     }
 }
@@ -558,7 +571,7 @@ fn paged_prefill_flash(dtype: &str, head_dim: usize, windowed: bool, sinks: bool
 /// one after the other, spans); slots: (int64 pointer, count), the spans' context slots in
 /// span order; out: (pointer, tokens, heads, v_dim), contiguous; sinks: float32 pointer of
 /// `heads` elements; flash_tiles: None (the widest flash tiles this CPU runs), or a narrower
-/// kernel named to measure it: "avx512" or "avx2" tiles (a ValueError where this CPU does not
+/// kernel named to measure it: "amx", "avx512" or "avx2" tiles (a ValueError where this CPU does not
 /// run them for the dtype), "portable" (`paged_prefill`'s kernel, no flash).
 /// Every index is checked in Rust before it is followed; runs with the GIL released.
 #[pyfunction]
@@ -864,6 +877,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(paged_prefill_flash, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_prefill_flash_tiles, m)?)?;
     m.add_function(wrap_pyfunction!(route_experts, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::linear_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::matrix_isas, m)?)?;

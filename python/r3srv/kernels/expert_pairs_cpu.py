@@ -86,8 +86,9 @@ def wide_min_pairs(dtype: torch.dtype) -> int | None:
 
 
 def allow_amx(allowed: bool) -> None:
-    """Whether bfloat16 experts' wide chunks (a prefill's) may run in AMX tiles where the CPU has
-    them (settings.amx_tiles; the CPU backend says so when it builds a model's ops): process-wide."""
+    """Whether the Rust core may run bfloat16 in AMX tiles where the CPU has them: the experts'
+    wide chunks (a prefill's) and the flash prefill attention (settings.amx_tiles; the CPU
+    backend says so when it builds a model's ops): process-wide."""
     if _allow_amx is not None:
         _allow_amx(allowed)
 

@@ -9,7 +9,8 @@ place, a block of a prompt's queries per key load, with an online softmax in flo
 split over the given threads. Without a window a query's row does not depend on how its prompt
 was chunked or batched (the same bits). Without a window or sinks, a flash attention over keys
 and values packed in blocks runs instead where the CPU has it (rust/src/flash_prefill.rs), at
-any context length: bfloat16 in AVX-512 BF16 dot products, float32 in AVX-512 FMA; where the CPU
+any context length: bfloat16 in AMX tiles (where the CPU has them and settings.amx_tiles allows)
+or AVX-512 BF16 dot products, float32 in AVX-512 FMA; where the CPU
 lacks AVX-512F, float32 in AVX2 FMA for the contexts the portable kernel takes. Tensors cross as
 data pointers, shapes and strides: this module checks what Rust cannot (dtypes, devices,
 layouts, aliasing) and Rust checks every index before following it.
@@ -29,6 +30,7 @@ BUILT = paged_prefill_entry is not None  # else the torch path (kernels/rust_cor
 # the rule for the flash kernels (rust/src/paged_prefill_bf16.rs's and paged_prefill_f32.rs's
 # applies_to: the CPU, no window, no sinks, an even head_dim in bfloat16), asked of Rust, which owns it
 _flash = rust_kernel("paged_prefill_flash")
+_flash_tiles = rust_kernel("paged_prefill_flash_tiles")
 # the dtypes whose prefills this CPU runs in a flash kernel
 FLASH = {name for name in ("float32", "bfloat16") if BUILT and _flash is not None and _flash(name, 2, False, False)}
 
@@ -46,6 +48,13 @@ def _flash_rule(name: str, head_dim: int, windowed: bool, sinks: bool) -> bool:
     return _flash(name, head_dim, windowed, sinks)
 
 
+def flash_tiles(dtype: torch.dtype) -> str | None:
+    """The tiles the dtype's flash kernel runs in now: "amx", "avx512" or "avx2" (None: no flash
+    kernel here). AMX only while allowed (expert_pairs_cpu.allow_amx)."""
+    name = RUST_DTYPES.get(dtype)
+    return None if name not in FLASH or _flash_tiles is None else _flash_tiles(name)
+
+
 def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float, window: int | None = None,
                       sinks: torch.Tensor | None = None, threads: int = 1, kernel: str | None = None) -> None:
     """The prefill attention of every span into out's rows of it (out [T, H, Dv], contiguous):
@@ -54,8 +63,8 @@ def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float,
     length, its queries the context's last); slots: the spans' context slots, span after span.
     threads: the work's split over the Rust core's thread pool (the CPU backend passes
     settings.cpu_threads). kernel: None (the fastest this CPU runs), or a narrower one named to
-    measure it: "avx512" or "avx2" flash tiles (ValueError where this CPU lacks them for the
-    dtype), "portable" (no flash)."""
+    measure it: "amx", "avx512" or "avx2" flash tiles (ValueError where this CPU lacks them for
+    the dtype), "portable" (no flash)."""
     columns, slots = as_index(columns), as_index(slots)
     if columns.dim() != 2 or columns.shape[0] != 3 or slots.dim() != 1:
         raise ValueError(f"paged_prefill_cpu: columns {tuple(columns.shape)} must be [3, spans] and slots "
@@ -71,4 +80,4 @@ def paged_prefill_cpu(q, k_cache, v_cache, columns, slots, out, *, scale: float,
     )
 
 
-__all__ = ["FLASH", "flash_applies", "paged_prefill_cpu"]
+__all__ = ["FLASH", "flash_applies", "flash_tiles", "paged_prefill_cpu"]

@@ -6,8 +6,9 @@ paths otherwise, each chosen once when a model is built (`build`).
 - float32 and bfloat16 RMSNorm: kernels/rms_norm_cpu.py (`--[no-]rust-rms-norm`);
 - an attention layer's q/k norms and RoPE (float32, bfloat16): kernels/qk_rope_cpu.py (`--[no-]rust-rope`);
 - paged decode attention (float32, bfloat16): kernels/paged_decode_cpu.py (`--[no-]rust-decode`);
-- prefill attention (float32; bfloat16 where torch lacks AMX, whose tiles run torch's flash
-  attention several times faster, `torch_prefills`): every prompt and chunk of a step of
+- prefill attention (float32; bfloat16 in our AMX tiles where the CPU has them, else where torch
+  lacks AMX, whose tiles run torch's flash attention several times faster than AVX-512 BF16
+  dot products, `torch_prefills`): every prompt and chunk of a step of
   contexts up to RUST_PREFILL_MAX_CONTEXT (any length where the CPU has the dtype's flash
   kernel: AVX-512 BF16 for bfloat16, AVX-512F for float32; no window or sinks) in one call,
   kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`; on more than one thread only for steps
@@ -18,7 +19,7 @@ paths otherwise, each chosen once when a model is built (`build`).
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
   `--force-torch-router`);
 - the expert pass (float32, bfloat16: a prefill's products in AMX tiles where the CPU has them,
-  `--[no-]amx-tiles`): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
+  `--[no-]amx-tiles`, which switches the prefill attention's too): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
   else torch's pair-by-pair, grouped or looped paths (`--[no-]grouped-mm`);
 - with every one of those on, a plain MoE layer's whole decode step (float32 or bfloat16) as one
   fused op (ops/cpu_decode.py, `--[no-]fast-cpu-decode`).
@@ -74,6 +75,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     # a pool of their own, and only while libgomp spins (r3srv serve makes it wait passively)
     contended = kernel_threads.choose(current.openmp_kernel_threads) != "openmp" and not waits_passively()
     rust_dtype = dtype in RUST_DTYPES
+    expert_pairs_cpu.allow_amx(current.amx_tiles)  # before torch_prefills asks what the flash kernel runs in
     linear = kernel_linear(linear_cpu.linear_rust, threads) if current.rust_linear and linear_cpu.BUILT else None
     norms = dict(REFERENCE_NORMS)
     if current.rust_rms_norm and rms_norm_cpu.BUILT:
@@ -91,8 +93,6 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
         prefill = large_steps_only(kernel, prefill) if threads > 1 and contended else kernel
     rust_router = current.rust_router and not current.force_torch_router and router_cpu.BUILT
     expert_kernel = current.cpu_expert_kernel and expert_pairs_cpu.BUILT
-    if expert_kernel:
-        expert_pairs_cpu.allow_amx(current.amx_tiles)
     grouped = "cpu" if current.grouped_mm else None
 
     def routers(shape: RouterShape):
@@ -125,8 +125,10 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
 
 def torch_prefills(dtype: torch.dtype) -> bool:
     """Whether a step's prefill attention of `dtype` stays with torch whatever the settings say:
-    bfloat16 where torch runs it on AMX tiles."""
-    return dtype == torch.bfloat16 and cpu_isa.torch_has_amx_bfloat16()
+    bfloat16 where torch runs it on AMX tiles and the Rust flash kernel does not (AMX tiles not
+    allowed, or not granted)."""
+    return (dtype == torch.bfloat16 and cpu_isa.torch_has_amx_bfloat16()
+            and paged_prefill_cpu.flash_tiles(dtype) != "amx")
 
 
 def large_steps_only(kernel, torch_path):

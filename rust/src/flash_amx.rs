@@ -1,0 +1,250 @@
+//! The bfloat16 flash prefill kernel (crate::flash_prefill's walk, crate::paged_prefill_bf16's
+//! packing with the keys' pairs padded to whole tiles) in AMX tiles, where the processor has
+//! them (crate::amx::runs): 32 rows at a time (each key and value tile loaded serves two row
+//! tiles: the packed keys and values stream from L2), STEP key blocks' scores q.k as float32
+//! sums of TDPBF16PS, the online softmax over them in AVX-512 (e^x as 2^(x log2 e) by a
+//! polynomial and VSCALEFPS; the weights rounded to bfloat16, their sum as rounded, as the
+//! dot-product kernel does), and p.v in TDPBF16PS into a block of sums that the rows' running
+//! sums, rescaled, take in AVX-512. Sums inside a tile run in AMX's own order: within float32
+//! rounding of the dot-product kernel, not its bits; a row's result depends only on its own
+//! context (a tile's sums of one row read only that row's query and weights, and a row's blocks
+//! past its position add zero weights).
+//!
+//! Tiles (one configuration, crate::amx's: 16 rows of 64 bytes), 2 x 2 as in crate::amx:
+//! tmm0..tmm3 the sums of 32 rows x 32 keys (or value columns), tmm4/tmm5 the rows' queries or
+//! weights (16 pairs each), tmm6/tmm7 the keys' or values' pairs.
+
+#[cfg(target_arch = "x86_64")]
+use crate::flash_prefill::{normalize, padded, Scratch, KEYS};
+#[cfg(target_arch = "x86_64")]
+use crate::paged_prefill::PagedPrefill;
+#[cfg(target_arch = "x86_64")]
+use crate::paged_prefill_bf16::Packed;
+
+/// Rows of one tile.
+const TILE: usize = crate::amx::TILE;
+/// Rows of one call: two tiles' (each key and value tile loaded serves both).
+pub(crate) const ROWS: usize = 2 * TILE;
+/// Key blocks of one step of the online softmax.
+pub(crate) const STEP: usize = 4;
+
+/// Pairs of a head's query and key, rounded up to whole tiles (the packed keys' rows a block).
+pub(crate) fn key_pairs(head_dim: usize) -> usize {
+    crate::amx::rounded_pairs(head_dim.div_ceil(2))
+}
+
+/// 2^t for the 16 lanes where `seen` (zero elsewhere), within about 3e-6 of itself: t = n + f,
+/// |f| <= 1/2, 2^f by its Taylor polynomial of degree 5, 2^n applied by VSCALEFPS (0 far below
+/// the normal range). The softmax's weights, rounded to bfloat16 (8 bits) after it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn exp2_16(t: std::arch::x86_64::__m512, seen: u16) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+    let f = _mm512_sub_ps(t, n);
+    let mut y = _mm512_set1_ps(1.333_355_8e-3);
+    for c in [9.618_129e-3, 5.550_411e-2, 0.240_226_5, std::f32::consts::LN_2, 1.0] {
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(c));
+    }
+    _mm512_maskz_scalef_ps(seen, y, n)
+}
+
+/// The first `visible` of 16 * c.. as a lane mask.
+#[inline(always)]
+fn lanes_seen(visible: usize, c: usize) -> u16 {
+    match visible.saturating_sub(16 * c) {
+        0 => 0,
+        v if v >= 16 => u16::MAX,
+        v => ((1u32 << v) - 1) as u16,
+    }
+}
+
+/// The rows' attention over their first `blocks` key blocks into s.acc ([q.len(), padded(v_dim)],
+/// normalized); row i's query at q[i], its position pos[i]. The online softmax takes STEP blocks
+/// at a time: a row's maximum, its sum and its running sums' rescaling once per STEP * KEYS keys.
+///
+/// # Safety
+/// crate::amx::runs(); q.len() <= ROWS, each pointing at head_dim bfloat16s; `packed` packed
+/// with key_pairs(head_dim) pairs a key; `blocks` covers every row's position and no more than
+/// packed; s sized for ROWS rows and those pairs (`Scratch::new`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn tile(
+    p: &PagedPrefill<'_, crate::paged_attn::Bf16>,
+    packed: &Packed,
+    q: &[*const u32],
+    pos: &[usize],
+    blocks: usize,
+    s: &mut Scratch,
+) {
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+    let n = q.len();
+    debug_assert!(n <= ROWS && pos.len() == n);
+    let (d2, d2p, dv) = (p.q.dim / 2, key_pairs(p.q.dim), padded(p.v.dim));
+    let (k_block, v_block) = (d2p * KEYS, KEYS / 2 * dv);
+    // a row's scores and weights in the scratch buffers
+    const WIDTH: usize = STEP * KEYS;
+    debug_assert_eq!(packed.pairs, d2p);
+    assert!(s.queries.len() >= ROWS * d2p && s.block.len() >= ROWS * dv && s.acc.len() >= ROWS * dv);
+    assert!(s.scores.len() >= ROWS * WIDTH && s.weights.len() >= ROWS * WIDTH / 2);
+    assert!(packed.k.len() >= blocks * k_block && packed.v.len() >= blocks * v_block);
+    // the rows' queries as [ROWS, d2p] pairs, zero past the rows and their pairs; weights of rows
+    // past n stay zero
+    s.queries[..ROWS * d2p].fill(0);
+    for (row, &qr) in s.queries.chunks_exact_mut(d2p).zip(q) {
+        for (k, dst) in row[..d2].iter_mut().enumerate() {
+            *dst = qr.add(k).read_unaligned();
+        }
+    }
+    s.weights[..ROWS * WIDTH / 2].fill(0);
+    s.acc[..n * dv].fill(0.0);
+    let mut max = [f32::NEG_INFINITY; ROWS];
+    let mut total = [0f32; ROWS];
+    let mut fix = [1f32; ROWS];
+    let cfg = crate::amx::config();
+    asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+    let scale = _mm512_set1_ps(p.scale);
+    let scale_log2e = _mm512_set1_ps(p.scale * std::f32::consts::LOG2_E);
+    // every write of the loop through these (the asm's tile stores among them)
+    let (qs, scores, weights, block) =
+        (s.queries.as_ptr(), s.scores.as_mut_ptr(), s.weights.as_mut_ptr(), s.block.as_mut_ptr());
+    for b0 in (0..blocks).step_by(STEP) {
+        let nb = STEP.min(blocks - b0);
+        // scores [ROWS, WIDTH] = queries @ the blocks' keys, four tiles of 16 keys a block
+        for j in 0..nb {
+            for half in 0..2 {
+                // SAFETY: the queries' two row tiles read pairs kt * 16.. of d2p, rows 0..32; the
+                // keys' tiles rows kt * 16.. of block b0 + j's d2p, keys 32 * half.. (16 each) of
+                // KEYS; the scores' rows hold WIDTH floats, 32 rows.
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    "2:",
+                    "tileloadd tmm4, [{q0} + {sq}*1]",
+                    "tileloadd tmm5, [{q1} + {sq}*1]",
+                    "tileloadd tmm6, [{k} + {sk}*1]",
+                    "tileloadd tmm7, [{k} + {sk}*1 + 64]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "add {q0}, 64",
+                    "add {q1}, 64",
+                    "add {k}, {k_step}",
+                    "dec {count}",
+                    "jnz 2b",
+                    "tilestored [{s0} + {ss}*1], tmm0",
+                    "tilestored [{s0} + {ss}*1 + 64], tmm1",
+                    "tilestored [{s1} + {ss}*1], tmm2",
+                    "tilestored [{s1} + {ss}*1 + 64], tmm3",
+                    q0 = inout(reg) qs => _,
+                    q1 = inout(reg) qs.add(TILE * d2p) => _,
+                    k = inout(reg) packed.k.as_ptr().add((b0 + j) * k_block + 32 * half) => _,
+                    count = inout(reg) d2p / TILE => _,
+                    s0 = in(reg) scores.add(j * KEYS + 32 * half),
+                    s1 = in(reg) scores.add(TILE * WIDTH + j * KEYS + 32 * half),
+                    sq = in(reg) d2p * 4,
+                    sk = in(reg) KEYS * 4,
+                    ss = in(reg) WIDTH * 4,
+                    k_step = const TILE * KEYS * 4,
+                    options(nostack),
+                );
+            }
+        }
+        // the online softmax, row by row: scaled, keys after the row's query weigh zero; e^x
+        // as 2^(x log2 e)
+        let vectors = 4 * nb;
+        for i in 0..n {
+            let visible = (pos[i] + 1).saturating_sub(b0 * KEYS).min(nb * KEYS);
+            let row = scores.add(i * WIDTH);
+            let mut top = _mm512_set1_ps(max[i]);
+            for c in 0..visible.div_ceil(16) {
+                let x = _mm512_mul_ps(_mm512_loadu_ps(row.add(16 * c)), scale);
+                top = _mm512_mask_max_ps(top, lanes_seen(visible, c), top, x);
+            }
+            let top = _mm512_reduce_max_ps(top);
+            // blocks the row sees none of leave it exactly as it was
+            fix[i] = if top == max[i] { 1.0 } else { crate::paged_attn::exp(max[i] - top) };
+            let shift = _mm512_set1_ps(top * std::f32::consts::LOG2_E);
+            // the weights rounded to bfloat16 pairs of adjacent keys, and their sum as rounded
+            let mut sum = _mm512_setzero_ps();
+            let out = weights.add(i * WIDTH / 2);
+            for c in (0..vectors).step_by(2) {
+                if 16 * c >= visible {
+                    _mm512_storeu_si512(out.add(8 * c) as *mut _, _mm512_setzero_si512());
+                    continue;
+                }
+                let e: [__m512; 2] = std::array::from_fn(|h| {
+                    let t = _mm512_fmsub_ps(_mm512_loadu_ps(row.add(16 * (c + h))), scale_log2e, shift);
+                    exp2_16(t, lanes_seen(visible, c + h))
+                });
+                let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(e[1], e[0]));
+                _mm512_storeu_si512(out.add(8 * c) as *mut _, pairs);
+                let even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(pairs));
+                let odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
+            }
+            total[i] = total[i] * fix[i] + _mm512_reduce_add_ps(sum);
+            max[i] = top;
+        }
+        // the blocks' p . v [ROWS, dv], 64 columns at a time
+        let vp = packed.v.as_ptr().add(b0 * v_block);
+        for c0 in (0..dv).step_by(32) {
+            // SAFETY: the weights' two row tiles read rows 0..32, 16 pairs at 16 * step of a
+            // row's WIDTH / 2; the values' rows 16 * step.. of the blocks' nb * KEYS / 2, columns
+            // c0..c0 + 32 of dv; the block's sums hold ROWS x dv.
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "tileloadd tmm4, [{w0} + {sw}*1]",
+                "tileloadd tmm5, [{w1} + {sw}*1]",
+                "tileloadd tmm6, [{v} + {sv}*1]",
+                "tileloadd tmm7, [{v} + {sv}*1 + 64]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {w0}, 64",
+                "add {w1}, 64",
+                "add {v}, {v_step}",
+                "dec {count}",
+                "jnz 2b",
+                "tilestored [{o0} + {so}*1], tmm0",
+                "tilestored [{o0} + {so}*1 + 64], tmm1",
+                "tilestored [{o1} + {so}*1], tmm2",
+                "tilestored [{o1} + {so}*1 + 64], tmm3",
+                w0 = inout(reg) weights => _,
+                w1 = inout(reg) weights.add(TILE * WIDTH / 2) => _,
+                v = inout(reg) vp.add(c0) => _,
+                count = inout(reg) nb * KEYS / 2 / TILE => _,
+                o0 = in(reg) block.add(c0),
+                o1 = in(reg) block.add(TILE * dv + c0),
+                sw = in(reg) WIDTH / 2 * 4,
+                sv = in(reg) dv * 4,
+                so = in(reg) dv * 4,
+                v_step = in(reg) TILE * dv * 4,
+                options(nostack),
+            );
+        }
+        // the rows' running sums rescaled to their new maximum, and the blocks' added
+        for (i, &fix) in fix[..n].iter().enumerate() {
+            let acc = s.acc.as_mut_ptr().add(i * dv);
+            let add = block.add(i * dv);
+            let f = _mm512_set1_ps(fix);
+            for c in (0..dv).step_by(16) {
+                _mm512_storeu_ps(
+                    acc.add(c),
+                    _mm512_fmadd_ps(_mm512_loadu_ps(acc.add(c)), f, _mm512_loadu_ps(add.add(c))),
+                );
+            }
+        }
+    }
+    asm!("tilerelease", options(nostack, nomem));
+    normalize(&mut s.acc[..n * dv], &total[..n], dv);
+}
