@@ -4,7 +4,8 @@
 //! tiles: the packed keys and values stream from L2), STEP key blocks' scores q.k as float32
 //! sums of TDPBF16PS, the online softmax over them in AVX-512 (e^x as 2^(x log2 e) by a
 //! polynomial and VSCALEFPS; the weights rounded to bfloat16, their sum as rounded, as the
-//! dot-product kernel does), and p.v in TDPBF16PS into a block of sums that the rows' running
+//! dot-product kernel does, here by dot products with ones: denormals as zero, as the tiles read
+//! them), while the tiles compute the next step's scores, and p.v in TDPBF16PS into a block of sums that the rows' running
 //! sums, rescaled, take in AVX-512. Sums inside a tile run in AMX's own order: within float32
 //! rounding of the dot-product kernel, not its bits; a row's result depends only on its own
 //! context (a tile's sums of one row read only that row's query and weights, and a row's blocks
@@ -59,6 +60,61 @@ fn lanes_seen(visible: usize, c: usize) -> u16 {
     }
 }
 
+/// Scores [ROWS, WIDTH] into `scores` = the queries (`qs`, [ROWS, d2p] pairs) @ key blocks
+/// b0..b0 + nb, four tiles of 16 keys a block.
+///
+/// # Safety
+/// Tiles configured (crate::amx::config); the buffers as `tile` sizes them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scores_of(packed: &Packed, qs: *const u32, d2p: usize, b0: usize, nb: usize, scores: *mut f32) {
+    use std::arch::asm;
+    const WIDTH: usize = STEP * KEYS;
+    let k_block = d2p * KEYS;
+    for j in 0..nb {
+        for half in 0..2 {
+            // SAFETY: the queries' two row tiles read pairs kt * 16.. of d2p, rows 0..32; the
+            // keys' tiles rows kt * 16.. of block b0 + j's d2p, keys 32 * half.. (16 each) of
+            // KEYS; the scores' rows hold WIDTH floats, 32 rows.
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "tileloadd tmm4, [{q0} + {sq}*1]",
+                "tileloadd tmm5, [{q1} + {sq}*1]",
+                "tileloadd tmm6, [{k} + {sk}*1]",
+                "tileloadd tmm7, [{k} + {sk}*1 + 64]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {q0}, 64",
+                "add {q1}, 64",
+                "add {k}, {k_step}",
+                "dec {count}",
+                "jnz 2b",
+                "tilestored [{s0} + {ss}*1], tmm0",
+                "tilestored [{s0} + {ss}*1 + 64], tmm1",
+                "tilestored [{s1} + {ss}*1], tmm2",
+                "tilestored [{s1} + {ss}*1 + 64], tmm3",
+                q0 = inout(reg) qs => _,
+                q1 = inout(reg) qs.add(TILE * d2p) => _,
+                k = inout(reg) packed.k.as_ptr().add((b0 + j) * k_block + 32 * half) => _,
+                count = inout(reg) d2p / TILE => _,
+                s0 = in(reg) scores.add(j * KEYS + 32 * half),
+                s1 = in(reg) scores.add(TILE * WIDTH + j * KEYS + 32 * half),
+                sq = in(reg) d2p * 4,
+                sk = in(reg) KEYS * 4,
+                ss = in(reg) WIDTH * 4,
+                k_step = const TILE * KEYS * 4,
+                options(nostack),
+            );
+        }
+    }
+}
+
 /// The rows' attention over their first `blocks` key blocks into s.acc ([q.len(), padded(v_dim)],
 /// normalized); row i's query at q[i], its position pos[i]. The online softmax takes STEP blocks
 /// at a time: a row's maximum, its sum and its running sums' rescaling once per STEP * KEYS keys.
@@ -87,7 +143,7 @@ pub(crate) unsafe fn tile(
     const WIDTH: usize = STEP * KEYS;
     debug_assert_eq!(packed.pairs, d2p);
     assert!(s.queries.len() >= ROWS * d2p && s.block.len() >= ROWS * dv && s.acc.len() >= ROWS * dv);
-    assert!(s.scores.len() >= ROWS * WIDTH && s.weights.len() >= ROWS * WIDTH / 2);
+    assert!(s.scores.len() >= 2 * ROWS * WIDTH && s.weights.len() >= ROWS * WIDTH / 2);
     assert!(packed.k.len() >= blocks * k_block && packed.v.len() >= blocks * v_block);
     // the rows' queries as [ROWS, d2p] pairs, zero past the rows and their pairs; weights of rows
     // past n stay zero
@@ -104,68 +160,39 @@ pub(crate) unsafe fn tile(
     let mut fix = [1f32; ROWS];
     let cfg = crate::amx::config();
     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-    let scale = _mm512_set1_ps(p.scale);
+    let flip = p.scale < 0.0;
+    // bfloat16 1.0 in both halves of every pair
+    let ones: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3f80_3f80));
     let scale_log2e = _mm512_set1_ps(p.scale * std::f32::consts::LOG2_E);
     // every write of the loop through these (the asm's tile stores among them)
     let (qs, scores, weights, block) =
         (s.queries.as_ptr(), s.scores.as_mut_ptr(), s.weights.as_mut_ptr(), s.block.as_mut_ptr());
-    for b0 in (0..blocks).step_by(STEP) {
+    let steps = blocks.div_ceil(STEP);
+    // two buffers of scores: a step's products run in the tiles while the previous step's
+    // softmax runs in the vector units
+    let scores_at = |t: usize| scores.add(t % 2 * ROWS * WIDTH);
+    scores_of(packed, qs, d2p, 0, STEP.min(blocks), scores_at(0));
+    for t in 0..steps {
+        let (b0, next) = (t * STEP, (t + 1) * STEP);
         let nb = STEP.min(blocks - b0);
-        // scores [ROWS, WIDTH] = queries @ the blocks' keys, four tiles of 16 keys a block
-        for j in 0..nb {
-            for half in 0..2 {
-                // SAFETY: the queries' two row tiles read pairs kt * 16.. of d2p, rows 0..32; the
-                // keys' tiles rows kt * 16.. of block b0 + j's d2p, keys 32 * half.. (16 each) of
-                // KEYS; the scores' rows hold WIDTH floats, 32 rows.
-                asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    "2:",
-                    "tileloadd tmm4, [{q0} + {sq}*1]",
-                    "tileloadd tmm5, [{q1} + {sq}*1]",
-                    "tileloadd tmm6, [{k} + {sk}*1]",
-                    "tileloadd tmm7, [{k} + {sk}*1 + 64]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    "add {q0}, 64",
-                    "add {q1}, 64",
-                    "add {k}, {k_step}",
-                    "dec {count}",
-                    "jnz 2b",
-                    "tilestored [{s0} + {ss}*1], tmm0",
-                    "tilestored [{s0} + {ss}*1 + 64], tmm1",
-                    "tilestored [{s1} + {ss}*1], tmm2",
-                    "tilestored [{s1} + {ss}*1 + 64], tmm3",
-                    q0 = inout(reg) qs => _,
-                    q1 = inout(reg) qs.add(TILE * d2p) => _,
-                    k = inout(reg) packed.k.as_ptr().add((b0 + j) * k_block + 32 * half) => _,
-                    count = inout(reg) d2p / TILE => _,
-                    s0 = in(reg) scores.add(j * KEYS + 32 * half),
-                    s1 = in(reg) scores.add(TILE * WIDTH + j * KEYS + 32 * half),
-                    sq = in(reg) d2p * 4,
-                    sk = in(reg) KEYS * 4,
-                    ss = in(reg) WIDTH * 4,
-                    k_step = const TILE * KEYS * 4,
-                    options(nostack),
-                );
-            }
+        if next < blocks {
+            scores_of(packed, qs, d2p, next, STEP.min(blocks - next), scores_at(t + 1));
         }
+        let scores = scores_at(t);
         // the online softmax, row by row: scaled, keys after the row's query weigh zero; e^x
         // as 2^(x log2 e)
         let vectors = 4 * nb;
         for i in 0..n {
             let visible = (pos[i] + 1).saturating_sub(b0 * KEYS).min(nb * KEYS);
             let row = scores.add(i * WIDTH);
-            let mut top = _mm512_set1_ps(max[i]);
+            // the raw scores' maximum (their minimum for a negative scale), then scaled
+            let mut top = _mm512_set1_ps(if flip { f32::INFINITY } else { f32::NEG_INFINITY });
             for c in 0..visible.div_ceil(16) {
-                let x = _mm512_mul_ps(_mm512_loadu_ps(row.add(16 * c)), scale);
-                top = _mm512_mask_max_ps(top, lanes_seen(visible, c), top, x);
+                let (x, seen) = (_mm512_loadu_ps(row.add(16 * c)), lanes_seen(visible, c));
+                top = if flip { _mm512_mask_min_ps(top, seen, top, x) } else { _mm512_mask_max_ps(top, seen, top, x) };
             }
-            let top = _mm512_reduce_max_ps(top);
+            let raw = if flip { _mm512_reduce_min_ps(top) } else { _mm512_reduce_max_ps(top) };
+            let top = max[i].max(raw * p.scale);
             // blocks the row sees none of leave it exactly as it was
             fix[i] = if top == max[i] { 1.0 } else { crate::paged_attn::exp(max[i] - top) };
             let shift = _mm512_set1_ps(top * std::f32::consts::LOG2_E);
@@ -183,9 +210,8 @@ pub(crate) unsafe fn tile(
                 });
                 let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(e[1], e[0]));
                 _mm512_storeu_si512(out.add(8 * c) as *mut _, pairs);
-                let even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(pairs));
-                let odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)));
-                sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
+                // each pair's two weights times 1.0, added (as the tiles read them: denormals as zero)
+                sum = _mm512_dpbf16_ps(sum, std::mem::transmute::<__m512i, __m512bh>(pairs), ones);
             }
             total[i] = total[i] * fix[i] + _mm512_reduce_add_ps(sum);
             max[i] = top;

@@ -268,7 +268,8 @@ impl Scratch {
         let amx = tiles == Tiles::Amx;
         let keys = if amx { crate::flash_amx::STEP * KEYS } else { KEYS };
         Scratch {
-            scores: vec![0.0; rows * keys],
+            // AMX tiles: two steps' scores (crate::flash_amx's pipeline)
+            scores: vec![0.0; if amx { 2 } else { 1 } * rows * keys],
             weights: vec![0; rows * keys / 2],
             acc: vec![0.0; rows * dv],
             queries: if amx { vec![0; rows * crate::flash_amx::key_pairs(head_dim)] } else { Vec::new() },
