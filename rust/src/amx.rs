@@ -7,8 +7,9 @@
 //! Rust 1.95's AMX intrinsics are unstable, so the tile instructions are inline assembly: every
 //! tile 16 rows x 64 bytes (one configuration), tmm0..tmm3 the sums of 32 vectors x 32 columns,
 //! tmm4/tmm5 the vectors' two row blocks, tmm6/tmm7 the panel's two column blocks. The vectors
-//! and the panels are padded with zero pairs to whole tiles (`pad_vectors`, `pad_panel`), so no
-//! tile reads past its buffer and the padding adds zero products. A tile sums its 16 pairs in
+//! and the panels are padded with zero pairs to whole tiles (`pad_vectors`, a last partial block
+//! of vectors copied into a zeroed one, the panels packed so), so no tile reads past its buffer
+//! and the padding adds zero products. A tile sums its 16 pairs in
 //! an order of its own: within float32 rounding of the dot products, not their bits; a vector's
 //! outputs do not depend on the other vectors of the call.
 
@@ -51,20 +52,15 @@ pub fn runs() -> bool {
     })
 }
 
-/// pairs [n, k2] as [rounded_vectors(n), rounded_pairs(k2)] in `dst`, zero past n and k2.
+/// pairs [n, k2] as [n, rounded_pairs(k2)] in `dst`, zero past k2.
 pub fn pad_vectors(pairs: &[u32], k2: usize, dst: &mut Vec<u32>) {
     let n = pairs.len() / k2;
     let k2p = rounded_pairs(k2);
     dst.clear();
-    dst.resize(n.div_ceil(BLOCK) * BLOCK * k2p, 0);
+    dst.resize(n * k2p, 0);
     for (row, out) in pairs.chunks_exact(k2).zip(dst.chunks_exact_mut(k2p)) {
         out[..k2].copy_from_slice(row);
     }
-}
-
-/// A panel [k2, 64] of pairs grown to [rounded_pairs(k2), 64] with zero rows.
-pub fn pad_panel(panel: &mut Vec<u32>, k2: usize) {
-    panel.resize(rounded_pairs(k2) * PANEL, 0);
 }
 
 /// K2 rounded up to whole tiles of pairs.
@@ -86,20 +82,35 @@ pub(crate) fn config() -> Config {
     Config(c)
 }
 
-/// out [n, rows] = vectors [n padded to 32, k2p] (`pad_vectors`) @ the weight's panels, each
-/// [k2p, 64] pairs (`pad_panel`), one after another, ceil(rows / 64) of them: 32 vectors at a
-/// time against every panel, so that their tiles stay in the L1 cache while the panels stream
-/// from L2. Each sum runs over the pairs in order, from zero, as TDPBF16PS adds them; a block of
-/// sums goes straight into `out` where all of it lies within, through a scratch block at the edges.
+/// out [n, rows] = vectors [n, k2p] (`pad_vectors` where k2 is not whole tiles) @ the weight's
+/// panels, each [k2p, 64] pairs (zero past k2), one after another, ceil(rows / 64) of them: 32
+/// vectors at a time against every panel, so that their tiles stay in the L1 cache while the
+/// panels stream from L2; a last partial block of vectors copied into `tail`, zero past n. Each
+/// sum runs over the pairs in order, from zero, as TDPBF16PS adds them; a block of sums goes
+/// straight into `out` where all of it lies within, through a scratch block at the edges.
 ///
 /// # Safety
 /// `runs()` must hold; the buffers must be as stated (checked).
 #[cfg(target_arch = "x86_64")]
-pub unsafe fn products(vectors: &[u32], k2p: usize, n: usize, panels: &[u32], rows: usize, out: &mut [f32]) {
+pub unsafe fn products(
+    vectors: &[u32],
+    k2p: usize,
+    n: usize,
+    panels: &[u32],
+    rows: usize,
+    out: &mut [f32],
+    tail: &mut Vec<u32>,
+) {
     use std::arch::asm;
     assert!(k2p > 0 && k2p.is_multiple_of(TILE), "amx::products: pairs not in whole tiles");
-    assert!(vectors.len() >= n.div_ceil(BLOCK) * BLOCK * k2p && panels.len() >= rows.div_ceil(PANEL) * k2p * PANEL);
+    assert!(vectors.len() >= n * k2p && panels.len() >= rows.div_ceil(PANEL) * k2p * PANEL);
     assert!(out.len() >= n * rows);
+    let in_place = n / BLOCK * BLOCK;
+    if in_place < n {
+        tail.clear();
+        tail.resize(BLOCK * k2p, 0);
+        tail[..(n - in_place) * k2p].copy_from_slice(&vectors[in_place * k2p..n * k2p]);
+    }
     let cfg = config();
     // SAFETY: runs() said the CPU has the tiles and the process may use them.
     unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
@@ -108,10 +119,10 @@ pub unsafe fn products(vectors: &[u32], k2p: usize, n: usize, panels: &[u32], ro
         for (p, first) in (0..rows).step_by(PANEL).enumerate() {
             let width = PANEL.min(rows - first);
             for half in (0..width).step_by(BLOCK) {
-                let a0 = vectors.as_ptr().add(j * k2p);
+                let a0 = if j < in_place { vectors.as_ptr().add(j * k2p) } else { tail.as_ptr() };
                 let b0 = panels.as_ptr().add(p * k2p * PANEL + half);
-                // SAFETY: every tile load stays within the padded buffers (asserted above): the
-                // vectors' two row blocks at j and j + 16 of n rounded to 32, pairs kk..kk + 16
+                // SAFETY: every tile load stays within the buffers (asserted above): the vectors'
+                // two row blocks at j and j + 16 (of n, or of the tail's 32), pairs kk..kk + 16
                 // of k2p; panel p's rows kk..kk + 16 of k2p, columns half..half + 32 of its 64.
                 unsafe {
                     asm!(

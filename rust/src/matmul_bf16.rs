@@ -35,8 +35,10 @@ pub fn runs() -> bool {
 pub struct Buffers {
     xs: Vec<u32>,
     panel: Vec<u32>,
-    // the vectors padded to whole AMX tiles, and every panel of the weight (crate::amx)
+    // the vectors padded to whole AMX tiles where their pairs are not, a last partial block of
+    // them, and every panel of the weight (crate::amx)
     tiles: Vec<u32>,
+    tail: Vec<u32>,
     panels: Vec<u32>,
 }
 
@@ -141,20 +143,39 @@ pub(crate) unsafe fn pack_vectors(xs: &[f32], cols: usize, dst: &mut Vec<u32>) {
     }
 }
 
-/// Rows first..first + PANEL_ROWS of m [rows, K] as [K2, PANEL_ROWS] pairs, rows past the end zero:
-/// blocks of 16 rows x 16 pairs transposed in registers, the edges (a last partial block of
-/// rows or of pairs) one by one.
+/// Rows first..first + PANEL_ROWS of m [rows, K] as [K2, PANEL_ROWS] pairs, rows past the end zero
+/// (`pack_panel_into` a buffer of exactly that size).
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_panel(m: &[Bf16], rows: usize, cols: usize, first: usize, dst: &mut Vec<u32>) {
+    dst.clear();
+    dst.resize(cols.div_ceil(2) * PANEL_ROWS, 0);
+    pack_panel_into(m, rows, cols, first, dst, true)
+}
+
+/// `pack_panel` into dst [K2P >= K2, PANEL_ROWS] pairs, the pairs past K2 zero: blocks of 16 rows
+/// x 16 pairs transposed in registers, the edges (a last partial block of rows or of pairs) one
+/// by one. `zeroed`: dst holds zeros already (else what the panel does not cover is zeroed here).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_panel_into(m: &[Bf16], rows: usize, cols: usize, first: usize, dst: &mut [u32], zeroed: bool) {
     use std::arch::x86_64::*;
     let k2 = cols.div_ceil(2);
-    dst.clear();
-    dst.resize(k2 * PANEL_ROWS, 0);
+    assert!(dst.len() >= k2 * PANEL_ROWS && dst.len().is_multiple_of(PANEL_ROWS));
     let panel_rows = PANEL_ROWS.min(rows - first);
+    if !zeroed {
+        if panel_rows < PANEL_ROWS {
+            dst.fill(0);
+        } else {
+            dst[k2 * PANEL_ROWS..].fill(0);
+        }
+    }
     // whole pairs of every row, 16 at a time (an odd K's last pair is an edge)
     let whole = cols / 32 * 16;
     for r0 in (0..panel_rows / 16 * 16).step_by(16) {
@@ -285,19 +306,27 @@ fn products_in(
     let n = pairs.len() / k2;
     #[cfg(target_arch = "x86_64")]
     if kind == Products::Tiles {
-        // every panel first (padded to whole tiles, as the vectors are), then the tiles' pass
-        crate::amx::pad_vectors(pairs, k2, &mut buffers.tiles);
-        buffers.panels.clear();
-        for first in (0..rows).step_by(PANEL_ROWS) {
-            // SAFETY: amx::runs() (asserted) includes AVX-512F, which the packing needs.
-            unsafe { pack_panel(m, rows, cols, first, &mut buffers.panel) };
-            crate::amx::pad_panel(&mut buffers.panel, k2);
-            buffers.panels.extend_from_slice(&buffers.panel);
-        }
+        // every panel first, each packed in place with its pairs padded to whole tiles; the
+        // vectors read in place where their pairs are whole tiles, else padded as well
         let k2p = crate::amx::rounded_pairs(k2);
-        // SAFETY: as above; the vectors and panels were padded to whole tiles just now, and out
-        // is [n, rows].
-        unsafe { crate::amx::products(&buffers.tiles, k2p, n, &buffers.panels, rows, out) };
+        let panel = k2p * PANEL_ROWS;
+        let need = rows.div_ceil(PANEL_ROWS) * panel;
+        if buffers.panels.len() < need {
+            buffers.panels.resize(need, 0);
+        }
+        for (p, first) in (0..rows).step_by(PANEL_ROWS).enumerate() {
+            // SAFETY: amx::runs() (asserted) includes AVX-512F, which the packing needs.
+            unsafe { pack_panel_into(m, rows, cols, first, &mut buffers.panels[p * panel..(p + 1) * panel], false) };
+        }
+        let vectors = if k2p == k2 {
+            pairs
+        } else {
+            crate::amx::pad_vectors(pairs, k2, &mut buffers.tiles);
+            &buffers.tiles
+        };
+        // SAFETY: as above; the panels are whole tiles, the vectors [n, k2p] pairs, and out is
+        // [n, rows].
+        unsafe { crate::amx::products(vectors, k2p, n, &buffers.panels, rows, out, &mut buffers.tail) };
         return;
     }
     for first in (0..rows).step_by(PANEL_ROWS) {
