@@ -1,13 +1,12 @@
 //! The flash prefill attention both fast kernels share: bfloat16 in AMX tiles (`flash_amx`) or
 //! AVX-512 BF16 dot products (`paged_prefill_bf16`) and float32 in AVX-512 or AVX2 FMA
-//! (`paged_prefill_f32`). Each span's
-//! keys and values of each KV head are first packed from the paged cache into blocks of KEYS
-//! keys, in the kernel's layout for its tiles (`Flash::pack`); then every ROWS rows of scores (a
-//! query and a head of a KV head's group each) walk their key blocks from position 0 with an
-//! online softmax in float32 (`Flash::tile`). A row's result depends only on its own context,
-//! never on its tile, its chunk, its batch or the thread count. No sliding window and no sinks
-//! (each kernel's `takes`); everything else is `paged_prefill`'s contract, which takes every call
-//! these kernels do not.
+//! (`paged_prefill_f32`). Each span's keys and values of each KV head are first packed from the
+//! paged cache into blocks of KEYS keys, in the kernel's layout for its tiles (`Flash::pack`);
+//! then every ROWS rows of scores (32 in AMX tiles; a query and a head of a KV head's group
+//! each) walk their key blocks from position 0 with an online softmax in float32
+//! (`Flash::tile`). A row's result depends only on its own context, never on its tile, its
+//! chunk, its batch or the thread count. No sliding window and no sinks (each kernel's `takes`);
+//! everything else is `paged_prefill`'s contract, which takes every call these kernels do not.
 
 use crate::paged_attn::{exp, Bf16, Element, Isa};
 use crate::paged_prefill::PagedPrefill;
@@ -16,7 +15,7 @@ use crate::paged_prefill::PagedPrefill;
 pub(crate) const KEYS: usize = 64;
 /// Rows of scores per register tile: 6 x 4 accumulators within the 32 registers.
 pub(crate) const ROWS: usize = 6;
-/// Rows of scores per call in any tiles: an AMX tile's 16.
+/// Rows of scores per call in any tiles: the AMX kernel's two row tiles (32).
 const MAX_ROWS: usize = crate::flash_amx::ROWS;
 /// Queries per work item (its rows: these queries times the group's heads).
 const ITEM_QUERIES: usize = 32;
