@@ -35,16 +35,16 @@ from r3srv.ops.attention import span_kernel  # noqa: E402
 
 from bench_prefill_attention import BLOCK, HEADS, STEPS, prefill_batch  # noqa: E402
 
-# prompts, queries a prompt, context a prompt; the long workload's prompt as the engine chunks it
-LONG = {"1x2048": (1, 2048, 2048), "chunk 1952 after 2048": (1, 1952, 4000)}
-CASES = ([("builtin", step) for step in [*STEPS, *LONG]]
+# prompts, queries a prompt, context a prompt: bench_prefill_attention's steps, among them the
+# long workload's prompt as the engine chunks it
+CASES = ([("builtin", step) for step in STEPS]
          + [("qwen3-30b", step) for step in ("1x512", "16x256", "chunk 256 after 768")])
 PATHS = ("sdpa", "avx512", "amx")
 
 
 def layer_inputs(model: str, step: str):
     heads, kv_heads, dim = HEADS[model]
-    prompts, queries, context = {**STEPS, **LONG}[step]
+    prompts, queries, context = STEPS[step]
     gen = torch.Generator().manual_seed(prompts * 7 + queries)
     batch = prefill_batch(prompts, queries, context)
     slots = batch.block_tables.numel() * BLOCK

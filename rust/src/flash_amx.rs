@@ -150,13 +150,19 @@ pub(crate) unsafe fn tile(
     assert!(packed.k.len() >= blocks * k_block && packed.v.len() >= blocks * v_block);
     // the rows' queries as [ROWS, d2p] pairs, zero past the rows and their pairs; weights of rows
     // past n stay zero
-    s.queries[..ROWS * d2p].fill(0);
-    for (row, &qr) in s.queries.chunks_exact_mut(d2p).zip(q) {
-        for (k, dst) in row[..d2].iter_mut().enumerate() {
-            *dst = qr.add(k).read_unaligned();
+    // (each step writes every weight its tiles read of rows < n)
+    for (i, row) in s.queries[..ROWS * d2p].chunks_exact_mut(d2p).enumerate() {
+        match q.get(i) {
+            Some(&qr) => {
+                for (k, dst) in row[..d2].iter_mut().enumerate() {
+                    *dst = qr.add(k).read_unaligned();
+                }
+                row[d2..].fill(0);
+            }
+            None => row.fill(0),
         }
     }
-    s.weights[..ROWS * WIDTH / 2].fill(0);
+    s.weights[n * WIDTH / 2..ROWS * WIDTH / 2].fill(0);
     s.acc[..n * dv].fill(0.0);
     let mut max = [f32::NEG_INFINITY; ROWS];
     let mut total = [0f32; ROWS];
