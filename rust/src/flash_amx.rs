@@ -3,7 +3,9 @@
 //! them (crate::amx::runs): 32 rows at a time (each key and value tile loaded serves two row
 //! tiles: the packed keys and values stream from L2), STEP key blocks' scores q.k as float32
 //! sums of TDPBF16PS, the online softmax over them in AVX-512 (e^x as 2^(x log2 e) by a
-//! polynomial and VSCALEFPS; the weights rounded to bfloat16, their sum as rounded, as the
+//! polynomial and VSCALEFPS; a row's running maximum kept while no weight passes 2^LAZY over it,
+//! so that most steps skip the pass over the scores for their maximum and the rescaling of the
+//! rows' sums; the weights rounded to bfloat16, their sum as rounded, as the
 //! dot-product kernel does, here by dot products with ones: denormals as zero, as the tiles read
 //! them), while the tiles compute the next step's scores, and p.v in TDPBF16PS into a block of sums that the rows' running
 //! sums, rescaled, take in AVX-512. Sums inside a tile run in AMX's own order: within float32
@@ -118,6 +120,89 @@ unsafe fn scores_of(packed: &Packed, qs: *const u32, d2p: usize, b0: usize, nb: 
     }
 }
 
+/// A weight may pass its row's running maximum by up to 2^LAZY before the row takes a new one.
+const LAZY: f32 = 8.0;
+
+/// The raw scores' maximum over a row's first `visible` (their minimum where `flip`: a negative
+/// scale), four running maxima in registers.
+///
+/// # Safety
+/// The CPU has AVX-512F; row holds `visible` floats rounded up to whole 16-lane vectors.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn maximum(row: *const f32, visible: usize, flip: bool) -> f32 {
+    use std::arch::x86_64::*;
+    let take = |top: __m512, c: usize| {
+        let (x, seen) = (_mm512_loadu_ps(row.add(16 * c)), lanes_seen(visible, c));
+        if flip {
+            _mm512_mask_min_ps(top, seen, top, x)
+        } else {
+            _mm512_mask_max_ps(top, seen, top, x)
+        }
+    };
+    let start = _mm512_set1_ps(if flip { f32::INFINITY } else { f32::NEG_INFINITY });
+    let (mut t0, mut t1, mut t2, mut t3) = (start, start, start, start);
+    let (vectors, mut c) = (visible.div_ceil(16), 0);
+    while c + 4 <= vectors {
+        (t0, t1, t2, t3) = (take(t0, c), take(t1, c + 1), take(t2, c + 2), take(t3, c + 3));
+        c += 4;
+    }
+    while c < vectors {
+        t0 = take(t0, c);
+        c += 1;
+    }
+    if flip {
+        _mm512_reduce_min_ps(_mm512_min_ps(_mm512_min_ps(t0, t1), _mm512_min_ps(t2, t3)))
+    } else {
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(t0, t1), _mm512_max_ps(t2, t3)))
+    }
+}
+
+/// A row's weights 2^(score x scale_log2e - top log2 e) of its first `visible` scores, rounded to
+/// bfloat16 pairs of adjacent keys into `out` (`vectors` x 8 pairs, zero past `visible`); returns
+/// their sum as rounded (by dot products with `ones`: denormals as zero, as the tiles read them)
+/// and whether a weight passed 2^LAZY (then `out` is to be written again from a higher top).
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512 BF16; row holds `vectors` x 16 floats, out `vectors` x 8 pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn weigh(
+    row: *const f32,
+    visible: usize,
+    vectors: usize,
+    scale_log2e: std::arch::x86_64::__m512,
+    top: f32,
+    out: *mut u32,
+    ones: std::arch::x86_64::__m512bh,
+) -> (f32, bool) {
+    use std::arch::x86_64::*;
+    let shift = _mm512_set1_ps(top * std::f32::consts::LOG2_E);
+    let lazy = _mm512_set1_ps(LAZY);
+    let (mut even_sum, mut odd_sum) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut over: u16 = 0;
+    for c in (0..vectors).step_by(2) {
+        if 16 * c >= visible {
+            _mm512_storeu_si512(out.add(8 * c) as *mut _, _mm512_setzero_si512());
+            continue;
+        }
+        let e: [__m512; 2] = std::array::from_fn(|h| {
+            let seen = lanes_seen(visible, c + h);
+            let t = _mm512_fmsub_ps(_mm512_loadu_ps(row.add(16 * (c + h))), scale_log2e, shift);
+            over |= _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(seen, t, lazy);
+            exp2_16(t, seen)
+        });
+        let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(e[1], e[0]));
+        _mm512_storeu_si512(out.add(8 * c) as *mut _, pairs);
+        // two running sums (every other pair of vectors), each pair's two weights times 1.0
+        let pairs: __m512bh = std::mem::transmute(pairs);
+        (even_sum, odd_sum) = (odd_sum, _mm512_dpbf16_ps(even_sum, pairs, ones));
+    }
+    (_mm512_reduce_add_ps(_mm512_add_ps(even_sum, odd_sum)), over != 0)
+}
+
 /// The rows' attention over their first `blocks` key blocks into s.acc ([q.len(), padded(v_dim)],
 /// normalized); row i's query at q[i], its position pos[i]. The online softmax takes STEP blocks
 /// at a time: a row's maximum, its sum and its running sums' rescaling once per STEP * KEYS keys.
@@ -166,7 +251,7 @@ pub(crate) unsafe fn tile(
     s.acc[..n * dv].fill(0.0);
     let mut max = [f32::NEG_INFINITY; ROWS];
     let mut total = [0f32; ROWS];
-    let mut fix = [1f32; ROWS];
+    let mut fix_rows = [1f32; ROWS];
     let cfg = crate::amx::config();
     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
     let flip = p.scale < 0.0;
@@ -194,35 +279,25 @@ pub(crate) unsafe fn tile(
         for i in 0..n {
             let visible = (pos[i] + 1).saturating_sub(b0 * KEYS).min(nb * KEYS);
             let row = scores.add(i * WIDTH);
-            // the raw scores' maximum (their minimum for a negative scale), then scaled
-            let mut top = _mm512_set1_ps(if flip { f32::INFINITY } else { f32::NEG_INFINITY });
-            for c in 0..visible.div_ceil(16) {
-                let (x, seen) = (_mm512_loadu_ps(row.add(16 * c)), lanes_seen(visible, c));
-                top = if flip { _mm512_mask_min_ps(top, seen, top, x) } else { _mm512_mask_max_ps(top, seen, top, x) };
-            }
-            let raw = if flip { _mm512_reduce_min_ps(top) } else { _mm512_reduce_max_ps(top) };
-            let top = max[i].max(raw * p.scale);
-            // blocks the row sees none of leave it exactly as it was
-            fix[i] = if top == max[i] { 1.0 } else { crate::paged_attn::exp(max[i] - top) };
-            let shift = _mm512_set1_ps(top * std::f32::consts::LOG2_E);
-            // the weights rounded to bfloat16 pairs of adjacent keys, and their sum as rounded
-            let mut sum = _mm512_setzero_ps();
             let out = weights.add(i * WIDTH / 2);
-            for c in (0..vectors).step_by(2) {
-                if 16 * c >= visible {
-                    _mm512_storeu_si512(out.add(8 * c) as *mut _, _mm512_setzero_si512());
-                    continue;
-                }
-                let e: [__m512; 2] = std::array::from_fn(|h| {
-                    let t = _mm512_fmsub_ps(_mm512_loadu_ps(row.add(16 * (c + h))), scale_log2e, shift);
-                    exp2_16(t, lanes_seen(visible, c + h))
-                });
-                let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(e[1], e[0]));
-                _mm512_storeu_si512(out.add(8 * c) as *mut _, pairs);
-                // each pair's two weights times 1.0, added (as the tiles read them: denormals as zero)
-                sum = _mm512_dpbf16_ps(sum, std::mem::transmute::<__m512i, __m512bh>(pairs), ones);
+            // the row's running maximum stays while no weight of the step passes 2^LAZY over it;
+            // a first step, or one that would pass it, takes the step's own maximum (`maximum`)
+            let (mut top, mut fix) = (max[i], 1.0);
+            if t == 0 {
+                top = (maximum(row, visible, flip) * p.scale).max(max[i]);
+                fix = crate::paged_attn::exp(max[i] - top);
             }
-            total[i] = total[i] * fix[i] + _mm512_reduce_add_ps(sum);
+            let (mut sum, mut over) = weigh(row, visible, vectors, scale_log2e, top, out, ones);
+            if over {
+                let step_top = (maximum(row, visible, flip) * p.scale).max(max[i]);
+                // blocks the row sees none of leave it exactly as it was
+                fix = if step_top == max[i] { 1.0 } else { crate::paged_attn::exp(max[i] - step_top) };
+                top = step_top;
+                (sum, over) = weigh(row, visible, vectors, scale_log2e, top, out, ones);
+                debug_assert!(!over);
+            }
+            fix_rows[i] = fix;
+            total[i] = total[i] * fix + sum;
             max[i] = top;
         }
         // the blocks' p . v [ROWS, dv], 64 columns at a time
@@ -268,7 +343,7 @@ pub(crate) unsafe fn tile(
             );
         }
         // the rows' running sums rescaled to their new maximum, and the blocks' added
-        for (i, &fix) in fix[..n].iter().enumerate() {
+        for (i, &fix) in fix_rows[..n].iter().enumerate() {
             let acc = s.acc.as_mut_ptr().add(i * dv);
             let add = block.add(i * dv);
             let f = _mm512_set1_ps(fix);

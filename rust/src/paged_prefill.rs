@@ -783,6 +783,7 @@ mod tests {
             return;
         }
         check_flash_kernel::<Bf16>(Tiles::Avx512, |w| 2.0 / 256.0 + w / 256.0);
+        check_steep_scores::<Bf16>(Tiles::Avx512, |w| 2.0 / 256.0 + w / 256.0);
         // it has no AVX2 tiles: naming them is an error, nothing written
         let c =
             Case { heads: 4, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(3, 9)], window: None, sinks: false };
@@ -804,6 +805,33 @@ mod tests {
             return;
         }
         check_flash_kernel::<Bf16>(Tiles::Amx, |w| 2.0 / 256.0 + w / 256.0);
+        check_steep_scores::<Bf16>(Tiles::Amx, |w| 2.0 / 256.0 + w / 256.0);
+    }
+
+    /// Scores that climb along the context (each key past the running maximum of the keys
+    /// before it, by far more than 2^8 between softmax steps) and then fall, in `tiles`: the
+    /// f64 reference within `tolerance(|want|)` (the rows' maxima move at every step: the AMX
+    /// kernel's lazily kept maximum has to be taken again).
+    fn check_steep_scores<T: Prefill + Flash + std::fmt::Debug>(tiles: Tiles, tolerance: impl Fn(f64) -> f64) {
+        let c =
+            Case { heads: 4, kv_heads: 2, head_dim: 64, v_dim: 64, spans: vec![(40, 700)], window: None, sinks: false };
+        let mut x = inputs(&c, 29);
+        x.q.iter_mut().for_each(|q| *q = 0.5);
+        // key at position j: every dim rises to 16 at position 500 (scores to 512), then falls
+        for (j, &slot) in x.slots.iter().enumerate() {
+            let height = if j < 500 { j as f32 / 31.25 } else { (700 - j) as f32 / 12.5 };
+            x.k[slot as usize * 2 * 64..][..2 * 64].iter_mut().for_each(|k| *k = height);
+        }
+        let to = |v: &[f32]| v.iter().map(|&f| T::from_f32(f)).collect::<Vec<_>>();
+        let widen = |v: &[T]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+        let (q, k, v) = (to(&x.q), to(&x.k), to(&x.v));
+        let mut out = vec![T::from_f32(-7.0); x.tokens * 4 * 64];
+        assert!(T::run_flash(&prefill(&c, &x, &q, &k, &v, 1.0), &mut out, 1, Some(tiles)).unwrap());
+        let want = reference(&c, &x, &widen(&q), &widen(&k), &widen(&v), 1.0);
+        for (i, (got, &w)) in out.iter().zip(&want).enumerate().take(40 * 4 * 64) {
+            let err = (got.to_f32() as f64 - w).abs();
+            assert!(err <= tolerance(w.abs()), "{tiles:?} element {i}: {} != {w}", got.to_f32());
+        }
     }
 
     /// The float32 kernel (crate::paged_prefill_f32) in each of its tiles this CPU runs
