@@ -2,16 +2,17 @@
 //! packing with the keys' pairs padded to whole tiles) in AMX tiles, where the processor has
 //! them (crate::amx::runs): 32 rows at a time (each key and value tile loaded serves two row
 //! tiles: the packed keys and values stream from L2), STEP key blocks' scores q.k as float32
-//! sums of TDPBF16PS, the online softmax over them in AVX-512 (e^x as 2^(x log2 e) by a
-//! polynomial and VSCALEFPS; a row's running maximum kept while no weight passes 2^LAZY over it,
-//! so that most steps skip the pass over the scores for their maximum and the rescaling of the
-//! rows' sums; the weights rounded to bfloat16, their sum as rounded, as the
-//! dot-product kernel does, here by dot products with ones: denormals as zero, as the tiles read
-//! them), while the tiles compute the next step's scores, and p.v in TDPBF16PS into a block of sums that the rows' running
-//! sums, rescaled, take in AVX-512. Sums inside a tile run in AMX's own order: within float32
-//! rounding of the dot-product kernel, not its bits; a row's result depends only on its own
-//! context (a tile's sums of one row read only that row's query and weights, and a row's blocks
-//! past its position add zero weights).
+//! sums of TDPBF16PS (the next step's in the tiles while the vector units run this step's
+//! softmax), the online softmax over them in AVX-512, and p.v in TDPBF16PS into a block of sums
+//! that the rows' running sums, rescaled, take in AVX-512. The softmax: e^x as 2^(x log2 e) by a
+//! polynomial and VSCALEFPS; a row's running maximum kept while no weight passes 2^LAZY over it
+//! (most steps skip the pass for their maximum and the rescaling); the weights rounded to
+//! bfloat16 and their sum taken as rounded, as the dot-product kernel does (here by dot products
+//! with ones: denormals as zero, as the tiles read them). Sums inside a tile run in AMX's own
+//! order: within float32 rounding of the dot-product kernel, not its bits; a row's result
+//! depends only on its own context (a tile's sums of one row read only that row's query and
+//! weights, a row's steps start at position 0 whatever its tile, and its blocks past its
+//! position add zero weights).
 //!
 //! Tiles (one configuration, crate::amx's: 16 rows of 64 bytes), 2 x 2 as in crate::amx:
 //! tmm0..tmm3 the sums of 32 rows x 32 keys (or value columns), tmm4/tmm5 the rows' queries or
