@@ -82,6 +82,70 @@ pub(crate) fn config() -> Config {
     Config(c)
 }
 
+/// 2 x 2 tiles of sums from zero: tmm0..tmm3 = the rows at a0 and at a1 (16 each, `sa` bytes
+/// apart) @ the pairs at b (16 rows `sb` bytes apart, two column tiles 64 bytes apart), over
+/// `steps` steps of 16 pairs (a0 and a1 move 64 bytes a step, b `b_step` bytes), in the order
+/// TDPBF16PS adds them; stored to c0 (tmm0, and tmm1 64 bytes on) and c1 (tmm2, tmm3), rows `sc`
+/// bytes apart. The tile kernels' one loop: the expert products' and the flash attention's.
+///
+/// # Safety
+/// The tiles configured (`config`, LDTILECFG) on this thread; steps >= 1; every tile read or
+/// written lies within its buffer.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn block(
+    a0: *const u32,
+    a1: *const u32,
+    sa: usize,
+    b: *const u32,
+    sb: usize,
+    b_step: usize,
+    steps: usize,
+    c0: *mut f32,
+    c1: *mut f32,
+    sc: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::arch::asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{a0} + {sa}*1]",
+            "tileloadd tmm5, [{a1} + {sa}*1]",
+            "tileloadd tmm6, [{b} + {sb}*1]",
+            "tileloadd tmm7, [{b} + {sb}*1 + 64]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a0}, 64",
+            "add {a1}, 64",
+            "add {b}, {b_step}",
+            "dec {steps}",
+            "jnz 2b",
+            "tilestored [{c0} + {sc}*1], tmm0",
+            "tilestored [{c0} + {sc}*1 + 64], tmm1",
+            "tilestored [{c1} + {sc}*1], tmm2",
+            "tilestored [{c1} + {sc}*1 + 64], tmm3",
+            a0 = inout(reg) a0 => _,
+            a1 = inout(reg) a1 => _,
+            b = inout(reg) b => _,
+            steps = inout(reg) steps => _,
+            sa = in(reg) sa,
+            sb = in(reg) sb,
+            b_step = in(reg) b_step,
+            c0 = in(reg) c0,
+            c1 = in(reg) c1,
+            sc = in(reg) sc,
+            options(nostack),
+        );
+    }
+}
+
 /// out [n, rows] = vectors [n, k2p] (`pad_vectors` where k2 is not whole tiles) @ the weight's
 /// panels, each [k2p, 64] pairs (zero past k2), one after another, ceil(rows / 64) of them: 32
 /// vectors at a time against every panel, so that their tiles stay in the L1 cache while the
@@ -121,41 +185,6 @@ pub unsafe fn products(
             for half in (0..width).step_by(BLOCK) {
                 let a0 = if j < in_place { vectors.as_ptr().add(j * k2p) } else { tail.as_ptr() };
                 let b0 = panels.as_ptr().add(p * k2p * PANEL + half);
-                // SAFETY: every tile load stays within the buffers (asserted above): the vectors'
-                // two row blocks at j and j + 16 (of n, or of the tail's 32), pairs kk..kk + 16
-                // of k2p; panel p's rows kk..kk + 16 of k2p, columns half..half + 32 of its 64.
-                unsafe {
-                    asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tilezero tmm2",
-                        "tilezero tmm3",
-                        "2:",
-                        "tileloadd tmm4, [{a0} + {sa}*1]",
-                        "tileloadd tmm5, [{a1} + {sa}*1]",
-                        "tileloadd tmm6, [{b0} + {sb}*1]",
-                        "tileloadd tmm7, [{b1} + {sb}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "add {a0}, 64",
-                        "add {a1}, 64",
-                        "add {b0}, {b_step}",
-                        "add {b1}, {b_step}",
-                        "dec {count}",
-                        "jnz 2b",
-                        a0 = inout(reg) a0 => _,
-                        a1 = inout(reg) a0.add(TILE * k2p) => _,
-                        b0 = inout(reg) b0 => _,
-                        b1 = inout(reg) b0.add(TILE) => _,
-                        count = inout(reg) k2p / TILE => _,
-                        sa = in(reg) k2p * 4,
-                        sb = in(reg) PANEL * 4,
-                        b_step = const TILE * PANEL * 4,
-                        options(nostack, readonly),
-                    );
-                }
                 let cols = BLOCK.min(width - half);
                 let whole = j + BLOCK <= n && cols == BLOCK;
                 let (c, stride) = if whole {
@@ -163,22 +192,25 @@ pub unsafe fn products(
                 } else {
                     (sums.as_mut_ptr(), BLOCK)
                 };
-                // SAFETY: a whole block's 32 rows of 32 sums lie within out (j + 32 <= n, its
-                // columns within the panel's width); else the scratch block holds them.
+                // SAFETY: the tiles read stay within the buffers (asserted above): the vectors'
+                // two row blocks at j and j + 16 (of n, or of the tail's 32), pairs kk..kk + 16
+                // of k2p; panel p's rows kk..kk + 16 of k2p, columns half..half + 32 of its 64.
+                // A whole block's 32 rows of 32 sums lie within out (j + 32 <= n, its columns
+                // within the panel's width); else the scratch block holds them.
                 unsafe {
-                    asm!(
-                        "tilestored [{c0} + {sc}*1], tmm0",
-                        "tilestored [{c1} + {sc}*1], tmm1",
-                        "tilestored [{c2} + {sc}*1], tmm2",
-                        "tilestored [{c3} + {sc}*1], tmm3",
-                        c0 = in(reg) c,
-                        c1 = in(reg) c.add(TILE),
-                        c2 = in(reg) c.add(TILE * stride),
-                        c3 = in(reg) c.add(TILE * stride + TILE),
-                        sc = in(reg) stride * 4,
-                        options(nostack),
-                    );
-                }
+                    block(
+                        a0,
+                        a0.add(TILE * k2p),
+                        k2p * 4,
+                        b0,
+                        PANEL * 4,
+                        TILE * PANEL * 4,
+                        k2p / TILE,
+                        c,
+                        c.add(TILE * stride),
+                        stride * 4,
+                    )
+                };
                 if !whole {
                     for (v, sum) in sums.chunks_exact(BLOCK).take(n - j).enumerate() {
                         let at = (j + v) * rows + first + half;

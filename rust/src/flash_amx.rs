@@ -74,7 +74,6 @@ fn lanes_seen(visible: usize, c: usize) -> u16 {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn scores_of(packed: &Packed, qs: *const u32, d2p: usize, b0: usize, nb: usize, scores: *mut f32) {
-    use std::arch::asm;
     const WIDTH: usize = STEP * KEYS;
     let k_block = d2p * KEYS;
     for j in 0..nb {
@@ -82,40 +81,17 @@ unsafe fn scores_of(packed: &Packed, qs: *const u32, d2p: usize, b0: usize, nb: 
             // SAFETY: the queries' two row tiles read pairs kt * 16.. of d2p, rows 0..32; the
             // keys' tiles rows kt * 16.. of block b0 + j's d2p, keys 32 * half.. (16 each) of
             // KEYS; the scores' rows hold WIDTH floats, 32 rows.
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                "2:",
-                "tileloadd tmm4, [{q0} + {sq}*1]",
-                "tileloadd tmm5, [{q1} + {sq}*1]",
-                "tileloadd tmm6, [{k} + {sk}*1]",
-                "tileloadd tmm7, [{k} + {sk}*1 + 64]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                "add {q0}, 64",
-                "add {q1}, 64",
-                "add {k}, {k_step}",
-                "dec {count}",
-                "jnz 2b",
-                "tilestored [{s0} + {ss}*1], tmm0",
-                "tilestored [{s0} + {ss}*1 + 64], tmm1",
-                "tilestored [{s1} + {ss}*1], tmm2",
-                "tilestored [{s1} + {ss}*1 + 64], tmm3",
-                q0 = inout(reg) qs => _,
-                q1 = inout(reg) qs.add(TILE * d2p) => _,
-                k = inout(reg) packed.k.as_ptr().add((b0 + j) * k_block + 32 * half) => _,
-                count = inout(reg) d2p / TILE => _,
-                s0 = in(reg) scores.add(j * KEYS + 32 * half),
-                s1 = in(reg) scores.add(TILE * WIDTH + j * KEYS + 32 * half),
-                sq = in(reg) d2p * 4,
-                sk = in(reg) KEYS * 4,
-                ss = in(reg) WIDTH * 4,
-                k_step = const TILE * KEYS * 4,
-                options(nostack),
+            crate::amx::block(
+                qs,
+                qs.add(TILE * d2p),
+                d2p * 4,
+                packed.k.as_ptr().add((b0 + j) * k_block + 32 * half),
+                KEYS * 4,
+                TILE * KEYS * 4,
+                d2p / TILE,
+                scores.add(j * KEYS + 32 * half),
+                scores.add(TILE * WIDTH + j * KEYS + 32 * half),
+                WIDTH * 4,
             );
         }
     }
@@ -307,40 +283,17 @@ pub(crate) unsafe fn tile(
             // SAFETY: the weights' two row tiles read rows 0..32, 16 pairs at 16 * step of a
             // row's WIDTH / 2; the values' rows 16 * step.. of the blocks' nb * KEYS / 2, columns
             // c0..c0 + 32 of dv; the block's sums hold ROWS x dv.
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                "2:",
-                "tileloadd tmm4, [{w0} + {sw}*1]",
-                "tileloadd tmm5, [{w1} + {sw}*1]",
-                "tileloadd tmm6, [{v} + {sv}*1]",
-                "tileloadd tmm7, [{v} + {sv}*1 + 64]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                "add {w0}, 64",
-                "add {w1}, 64",
-                "add {v}, {v_step}",
-                "dec {count}",
-                "jnz 2b",
-                "tilestored [{o0} + {so}*1], tmm0",
-                "tilestored [{o0} + {so}*1 + 64], tmm1",
-                "tilestored [{o1} + {so}*1], tmm2",
-                "tilestored [{o1} + {so}*1 + 64], tmm3",
-                w0 = inout(reg) weights => _,
-                w1 = inout(reg) weights.add(TILE * WIDTH / 2) => _,
-                v = inout(reg) vp.add(c0) => _,
-                count = inout(reg) nb * KEYS / 2 / TILE => _,
-                o0 = in(reg) block.add(c0),
-                o1 = in(reg) block.add(TILE * dv + c0),
-                sw = in(reg) WIDTH / 2 * 4,
-                sv = in(reg) dv * 4,
-                so = in(reg) dv * 4,
-                v_step = in(reg) TILE * dv * 4,
-                options(nostack),
+            crate::amx::block(
+                weights,
+                weights.add(TILE * WIDTH / 2),
+                WIDTH / 2 * 4,
+                vp.add(c0),
+                dv * 4,
+                TILE * dv * 4,
+                nb * KEYS / 2 / TILE,
+                block.add(c0),
+                block.add(TILE * dv + c0),
+                dv * 4,
             );
         }
         // the rows' running sums rescaled to their new maximum, and the blocks' added
