@@ -10,8 +10,8 @@ split over the given threads. Without a window a query's row does not depend on 
 was chunked or batched (the same bits). Without a window or sinks, a flash attention over keys
 and values packed in blocks runs instead where the CPU has it (rust/src/flash_prefill.rs), at
 any context length: bfloat16 in AMX tiles (where the CPU has them and settings.amx_tiles allows)
-or AVX-512 BF16 dot products, float32 in AVX-512 FMA; where the CPU
-lacks AVX-512F, float32 in AVX2 FMA for the contexts the portable kernel takes. Tensors cross as
+or AVX-512 BF16 dot products, float32 in AVX-512 FMA; where the CPU lacks AVX-512F, float32 in
+AVX2 FMA for the contexts the portable kernel takes. Tensors cross as
 data pointers, shapes and strides: this module checks what Rust cannot (dtypes, devices,
 layouts, aliasing) and Rust checks every index before following it.
 """

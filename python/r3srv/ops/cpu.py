@@ -8,9 +8,9 @@ paths otherwise, each chosen once when a model is built (`build`).
 - paged decode attention (float32, bfloat16): kernels/paged_decode_cpu.py (`--[no-]rust-decode`);
 - prefill attention (float32; bfloat16 in our AMX tiles where the CPU has them, else where torch
   lacks AMX, whose tiles run torch's flash attention several times faster than AVX-512 BF16
-  dot products, `torch_prefills`): every prompt and chunk of a step of
-  contexts up to RUST_PREFILL_MAX_CONTEXT (any length where the CPU has the dtype's flash
-  kernel: AVX-512 BF16 for bfloat16, AVX-512F for float32; no window or sinks) in one call,
+  dot products, `torch_prefills`): every prompt and chunk of a step of contexts up to
+  RUST_PREFILL_MAX_CONTEXT (any length where the CPU has the dtype's flash kernel: AMX or
+  AVX-512 BF16 for bfloat16, AVX-512F for float32; no window or sinks) in one call,
   kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`; on more than one thread only for steps
   of RUST_THREADED_PREFILL_MIN_MACS where the kernels run on a pool of their own while torch's
   OpenMP threads spin, not on torch's team (kernels/kernel_threads.py, the default) or with the
@@ -19,8 +19,9 @@ paths otherwise, each chosen once when a model is built (`build`).
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
   `--force-torch-router`);
 - the expert pass (float32, bfloat16: a prefill's products in AMX tiles where the CPU has them,
-  `--[no-]amx-tiles`, which switches the prefill attention's too): kernels/expert_pairs_cpu.py (`--[no-]cpu-expert-kernel`),
-  else torch's pair-by-pair, grouped or looped paths (`--[no-]grouped-mm`);
+  `--[no-]amx-tiles`, which switches the prefill attention's too): kernels/expert_pairs_cpu.py
+  (`--[no-]cpu-expert-kernel`), else torch's pair-by-pair, grouped or looped paths
+  (`--[no-]grouped-mm`);
 - with every one of those on, a plain MoE layer's whole decode step (float32 or bfloat16) as one
   fused op (ops/cpu_decode.py, `--[no-]fast-cpu-decode`).
 
