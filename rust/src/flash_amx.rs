@@ -182,7 +182,8 @@ unsafe fn weigh(
 
 /// The rows' attention over their first `blocks` key blocks into s.acc ([q.len(), padded(v_dim)],
 /// normalized); row i's query at q[i], its position pos[i]. The online softmax takes STEP blocks
-/// at a time: a row's maximum, its sum and its running sums' rescaling once per STEP * KEYS keys.
+/// at a time: a row's sum once per STEP * KEYS keys, its maximum and the rescaling of its running
+/// sums only where a step's weights would pass 2^LAZY.
 ///
 /// # Safety
 /// crate::amx::runs(); q.len() <= ROWS, each pointing at head_dim bfloat16s; `packed` packed
@@ -210,9 +211,8 @@ pub(crate) unsafe fn tile(
     assert!(s.queries.len() >= ROWS * d2p && s.block.len() >= ROWS * dv && s.acc.len() >= ROWS * dv);
     assert!(s.scores.len() >= 2 * ROWS * WIDTH && s.weights.len() >= ROWS * WIDTH / 2);
     assert!(packed.k.len() >= blocks * k_block && packed.v.len() >= blocks * v_block);
-    // the rows' queries as [ROWS, d2p] pairs, zero past the rows and their pairs; weights of rows
-    // past n stay zero
-    // (each step writes every weight its tiles read of rows < n)
+    // the rows' queries as [ROWS, d2p] pairs, zero past the rows and their pairs; the weights of
+    // rows past n stay zero (each step writes every weight its tiles read of rows < n)
     for (i, row) in s.queries[..ROWS * d2p].chunks_exact_mut(d2p).enumerate() {
         match q.get(i) {
             Some(&qr) => {
@@ -277,7 +277,7 @@ pub(crate) unsafe fn tile(
             total[i] = total[i] * fix + sum;
             max[i] = top;
         }
-        // the blocks' p . v [ROWS, dv], 64 columns at a time
+        // the blocks' p . v [ROWS, dv], 32 columns at a time
         let vp = packed.v.as_ptr().add(b0 * v_block);
         for c0 in (0..dv).step_by(32) {
             // SAFETY: the weights' two row tiles read rows 0..32, 16 pairs at 16 * step of a
