@@ -15,7 +15,6 @@ round.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -27,9 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import amx_bench  # noqa: E402
 import r3srv.ops.attention as attention  # noqa: E402
 from r3srv import settings  # noqa: E402
-from r3srv.kernels import cpu_isa, paged_prefill_cpu  # noqa: E402
+from r3srv.kernels import paged_prefill_cpu  # noqa: E402
 from r3srv.ops import ops_for  # noqa: E402
 from r3srv.ops.attention import span_kernel  # noqa: E402
 
@@ -96,24 +96,15 @@ def runs_here() -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1])
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
-    flags = sorted(f for f in cpu_isa.cpu_flags() if f.startswith(("amx", "avx512_bf16")))
-    print(f"processor flags: {' '.join(flags) or 'no AMX or AVX-512 BF16'}")
-    why = runs_here()
-    if why:
-        print(f"skipped: {why}")
-        return
-    for threads in args.threads:
-        torch.set_num_threads(threads)
+    def measure(threads: int, rounds: int) -> None:
         for model, step in CASES:
-            ratios = compare(model, step, threads, args.rounds)
+            ratios = compare(model, step, threads, rounds)
             print(f"{model} {step}, {threads} thread(s): "
                   + "; ".join(f"{path} / AMX tiles {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
                               for path, r in ratios.items())
-                  + f", {args.rounds} rounds", flush=True)
+                  + f", {rounds} rounds", flush=True)
+
+    amx_bench.main(__doc__, runs_here, measure)
 
 
 def test_amx_attention_against_sdpa_and_dot_products(one_torch_thread):

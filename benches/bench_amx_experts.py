@@ -14,7 +14,6 @@ runs one small round.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,8 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from r3srv.kernels import cpu_isa, expert_pairs_cpu  # noqa: E402
+import amx_bench  # noqa: E402
+from r3srv.kernels import expert_pairs_cpu  # noqa: E402
 from r3srv.ops.experts import SILU_AND_MUL  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 64, 8, 256, 128
@@ -80,22 +81,13 @@ def runs_here() -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1])
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
-    flags = sorted(f for f in cpu_isa.cpu_flags() if f.startswith(("amx", "avx512_bf16")))
-    print(f"processor flags: {' '.join(flags) or 'no AMX or AVX-512 BF16'}")
-    why = runs_here()
-    if why:
-        print(f"skipped: {why}")
-        return
-    for threads in args.threads:
-        torch.set_num_threads(threads)
+    def measure(threads: int, rounds: int) -> None:
         for tokens in SIZES:
-            ratios = compare(tokens, threads, args.rounds)
+            ratios = compare(tokens, threads, rounds)
             print(f"{tokens:5d} tokens, {threads} thread(s): dot products / AMX tiles {statistics.median(ratios):.2f}x "
                   f"({min(ratios):.2f}-{max(ratios):.2f}), {len(ratios)} rounds", flush=True)
+
+    amx_bench.main(__doc__, runs_here, measure)
 
 
 def test_amx_tiles_against_dot_products(one_torch_thread):
