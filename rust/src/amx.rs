@@ -9,9 +9,9 @@
 //! tmm4/tmm5 the vectors' two row blocks, tmm6/tmm7 the panel's two column blocks. The vectors
 //! and the panels are padded with zero pairs to whole tiles (`pad_vectors`, a last partial block
 //! of vectors copied into a zeroed one, the panels packed so), so no tile reads past its buffer
-//! and the padding adds zero products. A tile sums its 16 pairs in
-//! an order of its own: within float32 rounding of the dot products, not their bits; a vector's
-//! outputs do not depend on the other vectors of the call.
+//! and the padding adds zero products. A tile sums its 16 pairs in an order of its own: within
+//! float32 rounding of the dot products, not their bits; a vector's outputs do not depend on the
+//! other vectors of the call.
 
 use std::sync::OnceLock;
 

@@ -100,40 +100,22 @@ unsafe fn scores_of(packed: &Packed, qs: *const u32, d2p: usize, b0: usize, nb: 
 /// A weight may pass its row's running maximum by up to 2^LAZY before the row takes a new one.
 const LAZY: f32 = 8.0;
 
-/// The raw scores' maximum over a row's first `visible` (their minimum where `flip`: a negative
-/// scale), four running maxima in registers.
+/// The scaled scores' maximum over a row's first `visible` (a step's first, or one whose weights
+/// would pass 2^LAZY: most steps skip it).
 ///
 /// # Safety
 /// The CPU has AVX-512F; row holds `visible` floats rounded up to whole 16-lane vectors.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
-unsafe fn maximum(row: *const f32, visible: usize, flip: bool) -> f32 {
+unsafe fn maximum(row: *const f32, visible: usize, scale: std::arch::x86_64::__m512) -> f32 {
     use std::arch::x86_64::*;
-    let take = |top: __m512, c: usize| {
-        let (x, seen) = (_mm512_loadu_ps(row.add(16 * c)), lanes_seen(visible, c));
-        if flip {
-            _mm512_mask_min_ps(top, seen, top, x)
-        } else {
-            _mm512_mask_max_ps(top, seen, top, x)
-        }
-    };
-    let start = _mm512_set1_ps(if flip { f32::INFINITY } else { f32::NEG_INFINITY });
-    let (mut t0, mut t1, mut t2, mut t3) = (start, start, start, start);
-    let (vectors, mut c) = (visible.div_ceil(16), 0);
-    while c + 4 <= vectors {
-        (t0, t1, t2, t3) = (take(t0, c), take(t1, c + 1), take(t2, c + 2), take(t3, c + 3));
-        c += 4;
+    let mut top = _mm512_set1_ps(f32::NEG_INFINITY);
+    for c in 0..visible.div_ceil(16) {
+        let x = _mm512_mul_ps(_mm512_loadu_ps(row.add(16 * c)), scale);
+        top = _mm512_mask_max_ps(top, lanes_seen(visible, c), top, x);
     }
-    while c < vectors {
-        t0 = take(t0, c);
-        c += 1;
-    }
-    if flip {
-        _mm512_reduce_min_ps(_mm512_min_ps(_mm512_min_ps(t0, t1), _mm512_min_ps(t2, t3)))
-    } else {
-        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(t0, t1), _mm512_max_ps(t2, t3)))
-    }
+    _mm512_reduce_max_ps(top)
 }
 
 /// A row's weights 2^(score x scale_log2e - top log2 e) of its first `visible` scores, rounded to
@@ -194,7 +176,7 @@ unsafe fn weigh(
 pub(crate) unsafe fn tile(
     p: &PagedPrefill<'_, crate::paged_attn::Bf16>,
     packed: &Packed,
-    q: &[*const u32],
+    q: &[*const crate::paged_attn::Bf16],
     pos: &[usize],
     blocks: usize,
     s: &mut Scratch,
@@ -217,7 +199,7 @@ pub(crate) unsafe fn tile(
         match q.get(i) {
             Some(&qr) => {
                 for (k, dst) in row[..d2].iter_mut().enumerate() {
-                    *dst = qr.add(k).read_unaligned();
+                    *dst = (qr as *const u32).add(k).read_unaligned();
                 }
                 row[d2..].fill(0);
             }
@@ -231,7 +213,7 @@ pub(crate) unsafe fn tile(
     let mut fix_rows = [1f32; ROWS];
     let cfg = crate::amx::config();
     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-    let flip = p.scale < 0.0;
+    let scale = _mm512_set1_ps(p.scale);
     // bfloat16 1.0 in both halves of every pair
     let ones: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3f80_3f80));
     let scale_log2e = _mm512_set1_ps(p.scale * std::f32::consts::LOG2_E);
@@ -261,12 +243,12 @@ pub(crate) unsafe fn tile(
             // a first step, or one that would pass it, takes the step's own maximum (`maximum`)
             let (mut top, mut fix) = (max[i], 1.0);
             if t == 0 {
-                top = (maximum(row, visible, flip) * p.scale).max(max[i]);
+                top = maximum(row, visible, scale).max(max[i]);
                 fix = crate::paged_attn::exp(max[i] - top);
             }
             let (mut sum, mut over) = weigh(row, visible, vectors, scale_log2e, top, out, ones);
             if over {
-                let step_top = (maximum(row, visible, flip) * p.scale).max(max[i]);
+                let step_top = maximum(row, visible, scale).max(max[i]);
                 // blocks the row sees none of leave it exactly as it was
                 fix = if step_top == max[i] { 1.0 } else { crate::paged_attn::exp(max[i] - step_top) };
                 top = step_top;

@@ -87,12 +87,9 @@ impl Flash for Bf16 {
         s: &mut Scratch,
     ) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: forwarded, the caller's contract (runs(Tiles::Amx)); packed in its pairs (`pack`);
-        // a query's bfloat16 pairs read as u32s.
+        // SAFETY: forwarded, the caller's contract (runs(Tiles::Amx)); packed in its pairs (`pack`).
         unsafe {
-            let q: [*const u32; crate::flash_amx::ROWS] =
-                std::array::from_fn(|i| q.get(i).map_or(std::ptr::null(), |&q| q as *const u32));
-            crate::flash_amx::tile(p, packed, &q[..pos.len()], pos, blocks, s)
+            crate::flash_amx::tile(p, packed, q, pos, blocks, s)
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
