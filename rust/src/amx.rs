@@ -14,6 +14,7 @@
 //! other vectors of the call.
 
 use std::sync::OnceLock;
+use crate::aligned::Lines;
 
 /// Vectors (tile rows) and pairs (64 bytes) of one tile.
 pub const TILE: usize = 16;
@@ -53,7 +54,7 @@ pub fn runs() -> bool {
 }
 
 /// pairs [n, k2] as [n, rounded_pairs(k2)] in `dst`, zero past k2.
-pub fn pad_vectors(pairs: &[u32], k2: usize, dst: &mut Vec<u32>) {
+pub fn pad_vectors(pairs: &[u32], k2: usize, dst: &mut Lines<u32>) {
     let n = pairs.len() / k2;
     let k2p = rounded_pairs(k2);
     dst.clear();
@@ -163,7 +164,7 @@ pub unsafe fn products(
     panels: &[u32],
     rows: usize,
     out: &mut [f32],
-    tail: &mut Vec<u32>,
+    tail: &mut Lines<u32>,
 ) {
     use std::arch::asm;
     assert!(k2p > 0 && k2p.is_multiple_of(TILE), "amx::products: pairs not in whole tiles");

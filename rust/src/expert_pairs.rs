@@ -23,6 +23,7 @@ use std::sync::OnceLock;
 // branch-free, within about 2 ulp of libm's: a loop of it vectorizes
 use crate::paged_attn::exp;
 use crate::pair_panels;
+use crate::aligned::Lines;
 
 /// What the experts' and tokens' tensors hold: read as f32, written from f32.
 pub trait Element: Copy + Send + Sync + 'static {
@@ -301,7 +302,7 @@ pub fn expert_pairs<W: Element>(
         return Err(format!("expert id {bad} is outside 0..{}", experts.num_experts));
     }
     let pair_token: Vec<u32> = (0..ids.len()).map(|p| token_of(p) as u32).collect();
-    BUFFERS.with_borrow_mut(|[widened, outputs]| {
+    BUFFERS.with_borrow_mut(|(widened, outputs)| {
         let xf: &[f32] = match W::as_f32s(x) {
             Some(xf) => xf,
             None => {
@@ -321,7 +322,7 @@ pub fn expert_pairs<W: Element>(
 thread_local! {
     /// Per-thread buffers reused across calls (the inputs widened to f32, the pairs' outputs):
     /// a prefill's are megabytes, whose fresh pages would each cost a fault and a clear.
-    static BUFFERS: std::cell::RefCell<[Vec<f32>; 2]> = std::cell::RefCell::default();
+    static BUFFERS: std::cell::RefCell<(Vec<f32>, Lines<f32>)> = std::cell::RefCell::default();
 }
 
 /// A pair of weight 0 (another rank's expert): no row in the outputs.
@@ -517,7 +518,7 @@ fn grouped_pass<W: Element>(
     threads: usize,
     isa: Isa,
     wide_min: usize,
-    outputs: &mut Vec<f32>,
+    outputs: &mut Lines<f32>,
 ) -> Vec<u32> {
     let hid = experts.hidden;
     // the live pairs by expert, in pair order within an expert; each pair's row is its place
@@ -695,13 +696,13 @@ thread_local! {
 /// packed for the bfloat16 dot-product kernel.
 #[derive(Default)]
 struct Scratch {
-    x: Vec<f32>,
-    h: Vec<f32>,
+    x: Lines<f32>,
+    h: Lines<f32>,
     a: Vec<f32>,
     w13: Vec<f32>,
     w2: Vec<f32>,
     bf16: crate::matmul_bf16::Buffers,
-    pairs: Vec<u32>,
+    pairs: Lines<u32>,
 }
 
 /// `m` as bfloat16 where its products run in AVX-512 BF16 dot products (`matmul_bf16`): the
@@ -749,7 +750,7 @@ fn wide_nt_widened<W: Element>(m: &[W], rows: usize, xs: &mut [f32], out: &mut [
 /// out [n, rows] = bf16(xs) [n, K] @ m [rows, K]^T for a narrow chunk of bfloat16 weights
 /// (`dot_products` said so; K even), through `pairs`: `matmul_bf16::gemm_nt_bf16`, whose outputs
 /// do not depend on the chunk's other pairs.
-fn narrow_nt_dot<W: Element>(m: &[W], rows: usize, xs: &[f32], out: &mut [f32], pairs: &mut Vec<u32>) {
+fn narrow_nt_dot<W: Element>(m: &[W], rows: usize, xs: &[f32], out: &mut [f32], pairs: &mut Lines<u32>) {
     let m = W::as_bf16s(m).expect("bfloat16 weights (dot_products)");
     #[cfg(target_arch = "x86_64")]
     // SAFETY: dot_products checked that the CPU has AVX-512 BF16.

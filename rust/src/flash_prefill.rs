@@ -10,6 +10,7 @@
 
 use crate::paged_attn::{exp, Bf16, Element, Isa};
 use crate::paged_prefill::PagedPrefill;
+use crate::aligned::Lines;
 
 /// Keys per block: four 16-lane registers of scores per row.
 pub(crate) const KEYS: usize = 64;
@@ -254,11 +255,11 @@ pub(crate) fn advance_row(max: &mut f32, total: &mut f32, acc: &mut [f32], top: 
 /// the rows' sums [rows, padded(v_dim)]; for AMX tiles also the rows' queries [rows, key pairs]
 /// and a block's sums of values [rows, padded(v_dim)] (rows: the tiles' rows a call).
 pub(crate) struct Scratch {
-    pub scores: Vec<f32>,
-    pub weights: Vec<u32>,
-    pub acc: Vec<f32>,
-    pub queries: Vec<u32>,
-    pub block: Vec<f32>,
+    pub scores: Lines<f32>,
+    pub weights: Lines<u32>,
+    pub acc: Lines<f32>,
+    pub queries: Lines<u32>,
+    pub block: Lines<f32>,
 }
 
 impl Scratch {
@@ -268,11 +269,11 @@ impl Scratch {
         let keys = if amx { crate::flash_amx::STEP * KEYS } else { KEYS };
         Scratch {
             // AMX tiles: two steps' scores (crate::flash_amx's pipeline)
-            scores: vec![0.0; if amx { 2 } else { 1 } * rows * keys],
-            weights: vec![0; rows * keys / 2],
-            acc: vec![0.0; rows * dv],
-            queries: if amx { vec![0; rows * crate::flash_amx::key_pairs(head_dim)] } else { Vec::new() },
-            block: if amx { vec![0.0; rows * dv] } else { Vec::new() },
+            scores: Lines::filled(if amx { 2 } else { 1 } * rows * keys, 0.0),
+            weights: Lines::filled(rows * keys / 2, 0),
+            acc: Lines::filled(rows * dv, 0.0),
+            queries: Lines::filled(if amx { rows * crate::flash_amx::key_pairs(head_dim) } else { 0 }, 0),
+            block: Lines::filled(if amx { rows * dv } else { 0 }, 0.0),
         }
     }
 }

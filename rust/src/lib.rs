@@ -6,6 +6,7 @@
 //! Everything but `python` builds and tests without Python (`cargo test`).
 #[cfg(target_arch = "x86_64")]
 pub mod amx;
+pub mod aligned;
 pub mod b64;
 #[cfg(target_arch = "x86_64")]
 pub mod b64_x86;

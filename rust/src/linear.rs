@@ -57,7 +57,7 @@ pub fn linear<W: Element>(
     // bfloat16 weights at the default kernel, on an AVX-512 BF16 CPU: x's bfloat16 rows taken as
     // the pairs the dot products read (not widened), against the weight rows
     let dot = if packed || !k.is_multiple_of(2) { None } else { crate::expert_pairs::dot_products(isa, w) };
-    let mut pairs = Vec::new();
+    let mut pairs = crate::aligned::Lines::default();
     let widened: Vec<f32>;
     let xf: &[f32] = match (dot, W::as_f32s(x)) {
         (Some(_), _) => {

@@ -9,6 +9,7 @@
 //! the instruction treats subnormal inputs as zero; `reference` is the same product in portable
 //! code, the tests' oracle beside an f64 one.
 
+use crate::aligned::Lines;
 use crate::expert_pairs::{Bf16, Element};
 
 /// Weight rows per panel: four 16-lane registers of one k-pair each.
@@ -33,13 +34,13 @@ pub fn runs() -> bool {
 /// (K2 = K rounded up to pairs; an odd K's last pair holds a zero).
 #[derive(Default)]
 pub struct Buffers {
-    xs: Vec<u32>,
-    panel: Vec<u32>,
+    xs: Lines<u32>,
+    panel: Lines<u32>,
     // the vectors padded to whole AMX tiles where their pairs are not, a last partial block of
     // them, and every panel of the weight (crate::amx)
-    tiles: Vec<u32>,
-    tail: Vec<u32>,
-    panels: Vec<u32>,
+    tiles: Lines<u32>,
+    tail: Lines<u32>,
+    panels: Lines<u32>,
 }
 
 /// The instructions a panel's products run in.
@@ -100,20 +101,9 @@ fn pair(lo: Bf16, hi: Bf16) -> u32 {
 /// bfloat16 values (an even count) appended to `pairs` as the pairs the dot products read: in
 /// memory consecutive values already are those pairs (value 2k the low half of pair k, as
 /// `pair_bits` builds it, on a little-endian CPU: the dot products' x86).
-pub(crate) fn extend_pairs(values: &[Bf16], pairs: &mut Vec<u32>) {
+pub(crate) fn extend_pairs(values: &[Bf16], pairs: &mut Lines<u32>) {
     assert!(values.len().is_multiple_of(2), "extend_pairs: an odd count of values");
-    let at = pairs.len();
-    pairs.reserve(values.len() / 2);
-    // SAFETY: `reserve` made room for values.len() / 2 more u32s past `at`, which the copy of the
-    // values' bytes fills; the source and the Vec do not overlap.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            values.as_ptr() as *const u8,
-            pairs.as_mut_ptr().add(at) as *mut u8,
-            2 * values.len(),
-        );
-        pairs.set_len(at + values.len() / 2);
-    }
+    pairs.extend_from_bytes(values.as_ptr() as *const u8, 2 * values.len());
 }
 
 /// xs [n, K] rounded to bfloat16 pairs into `dst` [n, K2].
@@ -122,7 +112,7 @@ pub(crate) fn extend_pairs(values: &[Bf16], pairs: &mut Vec<u32>) {
 /// The CPU must support AVX-512F and AVX-512 BF16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub(crate) unsafe fn pack_vectors(xs: &[f32], cols: usize, dst: &mut Vec<u32>) {
+pub(crate) unsafe fn pack_vectors(xs: &[f32], cols: usize, dst: &mut Lines<u32>) {
     use std::arch::x86_64::*;
     let k2 = cols.div_ceil(2);
     dst.clear();
@@ -150,7 +140,7 @@ pub(crate) unsafe fn pack_vectors(xs: &[f32], cols: usize, dst: &mut Vec<u32>) {
 /// The CPU must support AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn pack_panel(m: &[Bf16], rows: usize, cols: usize, first: usize, dst: &mut Vec<u32>) {
+unsafe fn pack_panel(m: &[Bf16], rows: usize, cols: usize, first: usize, dst: &mut Lines<u32>) {
     dst.clear();
     dst.resize(cols.div_ceil(2) * PANEL_ROWS, 0);
     pack_panel_into(m, rows, cols, first, dst, true)
@@ -559,7 +549,7 @@ mod tests {
         for (rows, cols, n) in SHAPES {
             let (m, xs) = (bf16s(rows * cols, rows as u64 + 3), noise(n * cols, cols as u64 + 5));
             let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
-            let mut pairs = Vec::new();
+            let mut pairs = Lines::default();
             // SAFETY: skips_without_bf16 checked the CPU.
             unsafe { pack_vectors(&xs, cols, &mut pairs) };
             products_in(Products::DotProducts, &m, rows, cols, &pairs, &mut got, &mut buffers);
@@ -586,7 +576,7 @@ mod tests {
         let extra = [(64, 256, 16), (64, 256, 31), (64, 256, 33), (130, 130, 47), (256, 128, 500)];
         for (rows, cols, n) in SHAPES.into_iter().chain(extra).filter(|&(_, cols, _)| cols % 2 == 0) {
             let (m, xs) = (bf16s(rows * cols, rows as u64 + 41), bf16s(n * cols, cols as u64 + 43));
-            let mut pairs = Vec::new();
+            let mut pairs = Lines::default();
             extend_pairs(&xs, &mut pairs);
             let mut got = vec![f32::NAN; n * rows];
             products_in(Products::Tiles, &m, rows, cols, &pairs, &mut got, &mut buffers);
@@ -609,9 +599,9 @@ mod tests {
         let mut buffers = Buffers::default();
         for (rows, cols, n) in SHAPES.into_iter().filter(|&(_, cols, _)| cols % 2 == 0) {
             let (m, xs) = (bf16s(rows * cols, rows as u64 + 17), bf16s(n * cols, cols as u64 + 19));
-            let mut pairs = Vec::new();
+            let mut pairs = Lines::default();
             extend_pairs(&xs, &mut pairs);
-            assert_eq!(pairs, xs.chunks_exact(2).map(|p| pair(p[0], p[1])).collect::<Vec<_>>());
+            assert_eq!(pairs[..], xs.chunks_exact(2).map(|p| pair(p[0], p[1])).collect::<Vec<_>>()[..]);
             let widened: Vec<f32> = xs.iter().map(|v| v.to_f32()).collect();
             let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
             matmul_nt_pairs(&m, rows, &pairs, &mut got, &mut buffers);
@@ -627,7 +617,7 @@ mod tests {
         if crate::testing::skips_without_bf16() {
             return;
         }
-        let mut panel = Vec::new();
+        let mut panel = Lines::default();
         for (rows, cols, _) in SHAPES {
             let m = bf16s(rows * cols, rows as u64 + 13);
             for first in (0..rows).step_by(PANEL_ROWS) {
@@ -654,7 +644,7 @@ mod tests {
         }
         for (rows, cols, n) in [(1, 2, 1), (3, 34, 5), (64, 256, 6), (65, 30, 7), (256, 128, 9), (17, 2048, 3)] {
             let (m, xs) = (bf16s(rows * cols, rows as u64 + 7), noise(n * cols, cols as u64 + 9));
-            let mut pairs = Vec::new();
+            let mut pairs = Lines::default();
             // SAFETY: runs() checked the CPU.
             unsafe { pack_vectors(&xs, cols, &mut pairs) };
             let mut got = vec![f32::NAN; n * rows];

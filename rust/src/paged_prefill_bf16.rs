@@ -11,6 +11,7 @@ use crate::flash_prefill::{load_sums, masked_scores, store_sums};
 use crate::matmul_bf16::pair_bits;
 use crate::paged_attn::Bf16;
 use crate::paged_prefill::PagedPrefill;
+use crate::aligned::Lines;
 
 /// Whether this kernel computes bfloat16 prefills of heads of `head_dim` (with a window, with
 /// sinks): the CPU has AVX-512 BF16, no window or sinks, an even head_dim. The one statement of
@@ -24,8 +25,8 @@ pub fn applies_to(head_dim: usize, windowed: bool, sinks: bool) -> bool {
 /// AMX tiles rounded up to whole tiles with zero pairs) and v [blocks, KEYS/2, padded(Dv)],
 /// positions past the context zero.
 pub(crate) struct Packed {
-    pub(crate) k: Vec<u32>,
-    pub(crate) v: Vec<u32>,
+    pub(crate) k: Lines<u32>,
+    pub(crate) v: Lines<u32>,
     pub(crate) pairs: usize,
 }
 
@@ -33,8 +34,8 @@ fn pack(p: &PagedPrefill<'_, Bf16>, slots: &[i64], g: usize, pairs: usize) -> Pa
     let (d2, dv) = (pairs, padded(p.v.dim));
     let blocks = slots.len().div_ceil(KEYS);
     let (k_block, v_block) = (d2 * KEYS, KEYS / 2 * dv);
-    let mut k = vec![0u32; blocks * k_block];
-    let mut v = vec![0u32; blocks * v_block];
+    let mut k = Lines::filled(blocks * k_block, 0u32);
+    let mut v = Lines::filled(blocks * v_block, 0u32);
     for (pos, &slot) in slots.iter().enumerate() {
         let (b, j) = (pos / KEYS, pos % KEYS);
         let key = p.k.at(slot as usize, g);

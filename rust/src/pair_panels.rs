@@ -10,6 +10,7 @@
 //! the tile or the instruction set (AVX-512F or AVX2 with FMA: the same bits), and independent
 //! of the chunk's other pairs.
 
+use crate::aligned::Lines;
 use crate::expert_pairs::Isa;
 
 /// Pairs per panel: one AVX-512 register, two AVX2 registers.
@@ -33,7 +34,7 @@ pub fn runs(isa: Isa) -> bool {
 /// panels [blocks(n)][k][LANES] = the n `rows` (k values each) as columns, zero past the last;
 /// whole 8 columns at a time transposed in AVX2 registers where `isa` runs the panels (8 x 8
 /// transposes outran AVX-512's 16 x 16, docs/benchmarks.md).
-pub fn gather<'a>(isa: Isa, rows: impl ExactSizeIterator<Item = &'a [f32]>, k: usize, panels: &mut Vec<f32>) {
+pub fn gather<'a>(isa: Isa, rows: impl ExactSizeIterator<Item = &'a [f32]>, k: usize, panels: &mut Lines<f32>) {
     let n = rows.len();
     // every value is written below (no clearing: a chunk's scratch is reused)
     panels.resize(blocks(n) * k * LANES, 0.0);
@@ -153,7 +154,7 @@ mod transpose {
 
 /// out [blocks][rows][LANES] = w [rows, k] @ panels [blocks][k][LANES], for the panels of
 /// `blocks` blocks, in `isa`'s registers (AVX-512 for `Auto`). The caller checks `runs(isa)`.
-pub fn product(isa: Isa, w: &[f32], rows: usize, k: usize, panels: &[f32], blocks: usize, out: &mut Vec<f32>) {
+pub fn product(isa: Isa, w: &[f32], rows: usize, k: usize, panels: &[f32], blocks: usize, out: &mut Lines<f32>) {
     assert!(runs(isa), "pair_panels::product: this CPU does not run {isa:?}'s panel kernel");
     assert_eq!(w.len(), rows * k, "pair_panels::product: the weight is not [{rows}, {k}]");
     assert_eq!(panels.len(), blocks * k * LANES, "pair_panels::product: the panels are not [{blocks}, {k}, {LANES}]");
@@ -335,7 +336,7 @@ mod tests {
 
     #[test]
     fn gather_and_scatter_move_every_value_and_pad_with_zeros() {
-        let mut panels = vec![f32::NAN; 4096]; // stale values must not survive
+        let mut panels = Lines::filled(4096, f32::NAN); // stale values must not survive
         for isa in kernels() {
             for n in SHAPES_N {
                 for k in SHAPES_K {
@@ -367,7 +368,7 @@ mod tests {
             eprintln!("skipped: this CPU has neither AVX2 with FMA nor AVX-512 (the panel kernels' instruction sets)");
             return;
         }
-        let mut panels = Vec::new();
+        let mut panels = Lines::default();
         for rows in [1, 2, 5, 6, 7, 8, 9, 13, 17] {
             for k in [1, 5, 16, 33] {
                 let w = noise(rows * k, (rows * 31 + k) as u64);
@@ -375,7 +376,7 @@ mod tests {
                     let x = rows_of(n, k);
                     gather(Isa::Scalar, x.chunks_exact(k), k, &mut panels);
                     for &isa in &isas {
-                        let mut out = vec![f32::NAN; 3];
+                        let mut out = Lines::filled(3, f32::NAN);
                         product(isa, &w, rows, k, &panels, blocks(n), &mut out);
                         for p in 0..blocks(n) * LANES {
                             for r in 0..rows {
@@ -406,7 +407,7 @@ mod tests {
         }
         let w = vec![0.0f32; 12];
         let caught = |panels: usize, rows: usize| {
-            std::panic::catch_unwind(|| product(Isa::Avx2Fma, &w, rows, 4, &vec![0.0; panels], 1, &mut Vec::new()))
+            std::panic::catch_unwind(|| product(Isa::Avx2Fma, &w, rows, 4, &vec![0.0; panels], 1, &mut Lines::default()))
                 .is_err()
         };
         assert!(!caught(4 * LANES, 3));
