@@ -12,6 +12,7 @@ use crate::flash_prefill::{advance_row, exp_row, normalize, padded, start_rows, 
 use crate::flash_prefill::{load_sums, masked_scores, store_sums, sum_halves};
 #[cfg(target_arch = "x86_64")]
 use crate::paged_attn::lane_max;
+use crate::aligned::Lines;
 use crate::paged_prefill::PagedPrefill;
 
 /// Whether this kernel computes float32 prefills (with a window, with sinks) at any context
@@ -27,8 +28,8 @@ pub fn applies_to(_head_dim: usize, windowed: bool, sinks: bool) -> bool {
 /// KEYS / lanes, D, lanes] and v [blocks, padded(Dv) / lanes, KEYS, lanes], positions past the
 /// context zero; each tile's pass reads its run's rows one after another.
 pub(crate) struct Packed {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: Lines<f32>,
+    v: Lines<f32>,
 }
 
 /// The keys or value columns a tile's register row holds: four zmm, or two ymm.
@@ -45,8 +46,8 @@ fn pack<const W: usize>(p: &PagedPrefill<'_, f32>, slots: &[i64], kv_head: usize
     let (d, dv) = (p.q.dim, padded(p.v.dim));
     let blocks = slots.len().div_ceil(KEYS);
     let (k_block, v_block) = (d * KEYS, KEYS * dv);
-    let mut k = vec![0f32; blocks * k_block];
-    let mut v = vec![0f32; blocks * v_block];
+    let mut k = Lines::filled(blocks * k_block, 0f32);
+    let mut v = Lines::filled(blocks * v_block, 0f32);
     for (pos, &slot) in slots.iter().enumerate() {
         let (b, j) = (pos / KEYS, pos % KEYS);
         let kb = &mut k[b * k_block + j / W * d * W + j % W..];
