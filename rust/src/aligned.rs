@@ -62,13 +62,16 @@ impl<T: Word> Lines<T> {
         self[at..].copy_from_slice(values);
     }
 
-    /// `bytes` (a multiple of 4) appended as values, in memory order.
-    pub fn extend_from_bytes(&mut self, bytes: *const u8, count: usize) {
+    /// `count` bytes at `bytes` (a multiple of 4) appended as values, in memory order.
+    ///
+    /// # Safety
+    /// The `count` bytes at `bytes` must be readable and lie outside this buffer.
+    pub unsafe fn extend_from_bytes(&mut self, bytes: *const u8, count: usize) {
         assert!(count.is_multiple_of(4), "Lines::extend_from_bytes: not whole values");
         let at = self.len;
         self.reserve_total(at + count / 4);
-        // SAFETY: the storage holds at + count / 4 values; the caller's `count` bytes at `bytes`
-        // are readable and do not overlap it (a distinct allocation).
+        // SAFETY: the storage holds at + count / 4 values; the caller's bytes are readable and
+        // do not overlap it.
         unsafe { std::ptr::copy_nonoverlapping(bytes, self.as_mut_ptr().add(at) as *mut u8, count) };
         self.len = at + count / 4;
     }
@@ -114,7 +117,8 @@ mod tests {
             mine.extend_from_slice(&more);
             vec.extend_from_slice(&more);
             let bytes: Vec<u8> = (0..8 * step as u8).collect();
-            mine.extend_from_bytes(bytes.as_ptr(), bytes.len());
+            // SAFETY: the bytes of a live Vec of its own.
+            unsafe { mine.extend_from_bytes(bytes.as_ptr(), bytes.len()) };
             vec.extend(bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())));
             assert_eq!(&mine[..], &vec[..]);
         }

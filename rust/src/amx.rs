@@ -13,8 +13,8 @@
 //! float32 rounding of the dot products, not their bits; a vector's outputs do not depend on the
 //! other vectors of the call.
 
-use std::sync::OnceLock;
 use crate::aligned::Lines;
+use std::sync::OnceLock;
 
 /// Vectors (tile rows) and pairs (64 bytes) of one tile.
 pub const TILE: usize = 16;

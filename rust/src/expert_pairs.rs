@@ -21,9 +21,9 @@
 use std::sync::OnceLock;
 
 // branch-free, within about 2 ulp of libm's: a loop of it vectorizes
+use crate::aligned::Lines;
 use crate::paged_attn::exp;
 use crate::pair_panels;
-use crate::aligned::Lines;
 
 /// What the experts' and tokens' tensors hold: read as f32, written from f32.
 pub trait Element: Copy + Send + Sync + 'static {

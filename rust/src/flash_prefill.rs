@@ -8,9 +8,9 @@
 //! chunk, its batch or the thread count. No sliding window and no sinks (each kernel's `takes`);
 //! everything else is `paged_prefill`'s contract, which takes every call these kernels do not.
 
+use crate::aligned::Lines;
 use crate::paged_attn::{exp, Bf16, Element, Isa};
 use crate::paged_prefill::PagedPrefill;
-use crate::aligned::Lines;
 
 /// Keys per block: four 16-lane registers of scores per row.
 pub(crate) const KEYS: usize = 64;

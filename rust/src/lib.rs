@@ -4,9 +4,9 @@
 //! expert pass), paged decode attention (`paged_attn`), prefill attention over a step's prompts (`paged_prefill`), RMSNorm of float32 rows (`rms_norm`),
 //! top-k expert selection (`router_cpu`) and an attention layer's q/k norms and RoPE (`qk_rope`).
 //! Everything but `python` builds and tests without Python (`cargo test`).
+pub mod aligned;
 #[cfg(target_arch = "x86_64")]
 pub mod amx;
-pub mod aligned;
 pub mod b64;
 #[cfg(target_arch = "x86_64")]
 pub mod b64_x86;

@@ -103,7 +103,8 @@ fn pair(lo: Bf16, hi: Bf16) -> u32 {
 /// `pair_bits` builds it, on a little-endian CPU: the dot products' x86).
 pub(crate) fn extend_pairs(values: &[Bf16], pairs: &mut Lines<u32>) {
     assert!(values.len().is_multiple_of(2), "extend_pairs: an odd count of values");
-    pairs.extend_from_bytes(values.as_ptr() as *const u8, 2 * values.len());
+    // SAFETY: the values' own 2 * len bytes, a slice apart from the buffer.
+    unsafe { pairs.extend_from_bytes(values.as_ptr() as *const u8, 2 * values.len()) };
 }
 
 /// xs [n, K] rounded to bfloat16 pairs into `dst` [n, K2].

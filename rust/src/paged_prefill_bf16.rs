@@ -5,13 +5,13 @@
 //! padded to whole blocks of 64 columns); the weights p are rounded to bfloat16 for the second
 //! product (as bfloat16 flash attentions do) and the denominator summed from the rounded weights.
 
+use crate::aligned::Lines;
 use crate::flash_prefill::{advance_row, exp_row, normalize, padded, start_rows, Flash, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums};
 use crate::matmul_bf16::pair_bits;
 use crate::paged_attn::Bf16;
 use crate::paged_prefill::PagedPrefill;
-use crate::aligned::Lines;
 
 /// Whether this kernel computes bfloat16 prefills of heads of `head_dim` (with a window, with
 /// sinks): the CPU has AVX-512 BF16, no window or sinks, an even head_dim. The one statement of

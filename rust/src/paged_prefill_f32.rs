@@ -7,12 +7,12 @@
 //! registers take 6 rows x 16 lanes, a block's keys or each 64 value columns in four runs. Both
 //! keep every chain's order (the same bits).
 
+use crate::aligned::Lines;
 use crate::flash_prefill::{advance_row, exp_row, normalize, padded, start_rows, Flash, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums, sum_halves};
 #[cfg(target_arch = "x86_64")]
 use crate::paged_attn::lane_max;
-use crate::aligned::Lines;
 use crate::paged_prefill::PagedPrefill;
 
 /// Whether this kernel computes float32 prefills (with a window, with sinks) at any context

@@ -407,8 +407,10 @@ mod tests {
         }
         let w = vec![0.0f32; 12];
         let caught = |panels: usize, rows: usize| {
-            std::panic::catch_unwind(|| product(Isa::Avx2Fma, &w, rows, 4, &vec![0.0; panels], 1, &mut Lines::default()))
-                .is_err()
+            std::panic::catch_unwind(|| {
+                product(Isa::Avx2Fma, &w, rows, 4, &vec![0.0; panels], 1, &mut Lines::default())
+            })
+            .is_err()
         };
         assert!(!caught(4 * LANES, 3));
         assert!(caught(4 * LANES, 4), "a weight of 12 values is not [4, 4]");
