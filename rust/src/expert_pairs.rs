@@ -606,76 +606,48 @@ fn activate<W: Element>(act: Activation, b13: Option<&[W]>, r: usize, i: usize, 
     }
 }
 
-/// `activate` compiled for AVX2.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn activate_avx2<W: Element>(
-    act: Activation,
-    b13: Option<&[W]>,
-    r: usize,
-    i: usize,
-    h: &mut [f32],
-    a: &mut [f32],
-) {
-    activate(act, b13, r, i, h, a)
+/// `$name`: `$inner` (an activation loop, inlined) compiled with the target features `$features`,
+/// so that its elementwise loops take their vector width; the same bits in every build, as Rust
+/// fuses no multiply-add on its own.
+macro_rules! activation_build {
+    ($(#[$doc:meta])* $name:ident, $inner:ident, $features:literal) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU must support the target features named.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<W: Element>(
+            act: Activation,
+            b13: Option<&[W]>,
+            r: usize,
+            i: usize,
+            h: &mut [f32],
+            a: &mut [f32],
+        ) {
+            $inner(act, b13, r, i, h, a)
+        }
+    };
 }
 
-/// `activate` compiled for AVX-512 (16 lanes: a wide bfloat16 chunk's activation 1.1x faster
-/// than the AVX2 build once the tiles' buffers were aligned, docs/benchmarks.md; the same bits,
-/// as Rust fuses no multiply-add on its own).
-///
-/// # Safety
-/// The CPU must support AVX-512F, AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn activate_avx512<W: Element>(
-    act: Activation,
-    b13: Option<&[W]>,
-    r: usize,
-    i: usize,
-    h: &mut [f32],
-    a: &mut [f32],
-) {
-    activate(act, b13, r, i, h, a)
-}
-
-/// `activate_panels` compiled for AVX-512 (its elementwise loops 16 wide: the pass at 2,048
-/// tokens 1.04x against the AVX2 build, docs/benchmarks.md; the same bits).
-///
-/// # Safety
-/// The CPU must support AVX-512F, AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn activate_panels_avx512<W: Element>(
-    act: Activation,
-    b13: Option<&[W]>,
-    r: usize,
-    i: usize,
-    h: &mut [f32],
-    a: &mut [f32],
-) {
-    activate_panels(act, b13, r, i, h, a)
-}
-
-/// `activate_panels` compiled for AVX2.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn activate_panels_avx2<W: Element>(
-    act: Activation,
-    b13: Option<&[W]>,
-    r: usize,
-    i: usize,
-    h: &mut [f32],
-    a: &mut [f32],
-) {
-    activate_panels(act, b13, r, i, h, a)
-}
+activation_build!(
+    /// `activate` for AVX2 and FMA.
+    activate_avx2, activate, "avx2,fma"
+);
+activation_build!(
+    /// `activate` for AVX-512 (16 lanes: a wide bfloat16 chunk's activation 1.1x faster than the
+    /// AVX2 build once the tiles' buffers were aligned, docs/benchmarks.md).
+    activate_avx512, activate, "avx512f,avx2,fma"
+);
+activation_build!(
+    /// `activate_panels` for AVX-512 (the pass at 2,048 tokens 1.04x against the AVX2 build,
+    /// docs/benchmarks.md).
+    activate_panels_avx512, activate_panels, "avx512f,avx2,fma"
+);
+activation_build!(
+    /// `activate_panels` for AVX2 and FMA.
+    activate_panels_avx2, activate_panels, "avx2,fma"
+);
 
 /// `activate` on panels (`pair_panels`): h [blocks][r][LANES] to a [blocks][i][LANES]. A panel's
 /// gate rows then up rows are themselves [gate; up] of LANES-wide rows, so the activation reads
