@@ -454,6 +454,12 @@ fn simd(isa: Isa) -> bool {
     cfg!(target_arch = "x86_64") && isa != Isa::Scalar && isa.runs()
 }
 
+/// Whether a wide chunk's elementwise loops take their AVX-512 builds (16 wide): the CPU has
+/// AVX-512F and the AVX2 kernel was not asked for (the same bits either way).
+fn wide_simd512(isa: Isa) -> bool {
+    simd(isa) && isa != Isa::Avx2Fma && Isa::Avx512.runs()
+}
+
 /// Pairs of one expert run together, at most this many at a time: each weight row is read
 /// once per chunk, and a chunk's scratch (inputs, both projections) stays in the L2 cache.
 const CHUNK_PAIRS: usize = 48;
@@ -778,7 +784,7 @@ impl<W: Element> Experts<'_, W> {
             // build runs only where it has AVX-512F too (the AVX2 kernel asked for: the AVX2 build).
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                if isa != Isa::Avx2Fma && Isa::Avx512.runs() {
+                if wide_simd512(isa) {
                     activate_panels_avx512(self.act, b13, r, i, &mut s.h, &mut s.a)
                 } else {
                     activate_panels_avx2(self.act, b13, r, i, &mut s.h, &mut s.a)
@@ -820,7 +826,7 @@ impl<W: Element> Experts<'_, W> {
         match simd(isa) {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: simd() checked that this CPU has AVX2 and FMA, Isa::runs AVX-512F.
-            true if chunk.wide && isa != Isa::Avx2Fma && Isa::Avx512.runs() => unsafe {
+            true if chunk.wide && wide_simd512(isa) => unsafe {
                 activate_avx512(self.act, b13, r, i, &mut s.h, &mut s.a)
             },
             #[cfg(target_arch = "x86_64")]
@@ -1450,7 +1456,7 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn the_avx512_activation_keeps_the_portable_bits() {
-        if !(Isa::Avx512.runs() && simd(Isa::Avx512)) {
+        if !wide_simd512(Isa::Avx512) {
             eprintln!("skipped: this CPU lacks AVX-512F");
             return;
         }
