@@ -491,11 +491,62 @@ unsafe fn nt_block<const R: usize, const V: usize>(
         }
         c += 16;
     }
-    for (l, row) in acc.iter().enumerate() {
-        for (v, a) in row.iter().enumerate() {
-            out[(j + v) * rows + r + l] = _mm512_reduce_add_ps(*a);
+    if R == 4 {
+        // the 4 rows' sums of each vector side by side: one 128-bit store a vector
+        let sums = reduce_4x4(std::array::from_fn(|v| {
+            std::array::from_fn(|l| if v < V { acc[l][v] } else { _mm512_setzero_ps() })
+        }));
+        for (v, quarter) in sums.iter().enumerate().take(V) {
+            _mm_storeu_ps(out.as_mut_ptr().add((j + v) * rows + r), *quarter);
+        }
+    } else {
+        for (l, row) in acc.iter().enumerate() {
+            for (v, a) in row.iter().enumerate() {
+                out[(j + v) * rows + r + l] = _mm512_reduce_add_ps(*a);
+            }
         }
     }
+}
+
+/// `_mm512_reduce_add_ps` of 16 registers at once, `a[v][l]`'s sum in lane l of the v-th
+/// 128-bit result: each register's lanes added in the tree `_mm512_reduce_add_ps` adds them
+/// (lane i + lane i+8, then i + i+4, i + i+2, i + i+1), the same bits (the test
+/// `the_four_by_four_reduction_keeps_the_bits_of_one_by_one`), in ~30 shuffles and adds where
+/// one by one takes ~10 instructions a register: a decode step's blocks sum only 4 to 8 steps of
+/// pairs, so their reductions cost as much as their products.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn reduce_4x4(a: [[std::arch::x86_64::__m512; 4]; 4]) -> [std::arch::x86_64::__m128; 4] {
+    use std::arch::x86_64::*;
+    let x: [__m512; 16] = std::array::from_fn(|i| a[i % 4][i / 4]); // x[4l + v]
+                                                                    // lanes i + i+8: two registers' 8 partial sums in one (the first's in the low half)
+    let halves: [__m512; 8] = std::array::from_fn(|m| {
+        let (p, q) = (x[2 * m], x[2 * m + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(p, q), _mm512_shuffle_f32x4::<0b11_10_11_10>(p, q))
+    });
+    // lanes i + i+4: four registers' 4 partial sums, quarter k holding x[4n + k]'s
+    let quarters: [__m512; 4] = std::array::from_fn(|n| {
+        let (p, q) = (halves[2 * n], halves[2 * n + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(p, q), _mm512_shuffle_f32x4::<0b11_01_11_01>(p, q))
+    });
+    // lanes i + i+2: quarter k holds x[8s + k]'s 2 partial sums, then x[8s + 4 + k]'s
+    let pairs: [__m512; 2] = std::array::from_fn(|s| {
+        let (p, q) = (_mm512_castps_pd(quarters[2 * s]), _mm512_castps_pd(quarters[2 * s + 1]));
+        _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)))
+    });
+    // lanes i + i+1: lane 4k + t of the sum is x[4t + k]'s, so quarter v holds rows 0..4 of vector v
+    let (p, q) = (pairs[0], pairs[1]);
+    let sums = _mm512_add_ps(_mm512_shuffle_ps::<0b10_00_10_00>(p, q), _mm512_shuffle_ps::<0b11_01_11_01>(p, q));
+    [
+        _mm512_castps512_ps128(sums),
+        _mm512_extractf32x4_ps::<1>(sums),
+        _mm512_extractf32x4_ps::<2>(sums),
+        _mm512_extractf32x4_ps::<3>(sums),
+    ]
 }
 
 /// `matmul_nt_bf16` in portable code: each output the f32 sum, pair by pair, of the bfloat16
@@ -636,6 +687,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// reduce_4x4's sums are `_mm512_reduce_add_ps`'s bits, register by register, on sums
+    /// of mixed magnitudes (where the order of the adds shows in the last bits).
+    #[test]
+    fn the_four_by_four_reduction_keeps_the_bits_of_one_by_one() {
+        if crate::testing::skips_without_bf16() {
+            return;
+        }
+        use std::arch::x86_64::*;
+        let mut order_shows = 0; // registers whose lane-by-lane sum has other bits than the tree's
+        for seed in 0..200u64 {
+            let lanes = noise(256, seed + 1);
+            let scales = noise(256, seed + 1000);
+            // magnitudes from 2^-12 to 2^12, so that a different tree gives other bits
+            let values: Vec<f32> = lanes.iter().zip(&scales).map(|(v, s)| v * (3.0 * s).exp2().powi(2)).collect();
+            // SAFETY: runs() checked the CPU (AVX-512F among it); each load reads 16 of the 256 values.
+            unsafe {
+                let regs: [[__m512; 4]; 4] = std::array::from_fn(|v| {
+                    std::array::from_fn(|l| _mm512_loadu_ps(values.as_ptr().add(64 * v + 16 * l)))
+                });
+                let sums = reduce_4x4(regs);
+                for v in 0..4 {
+                    let mut got = [0f32; 4];
+                    _mm_storeu_ps(got.as_mut_ptr(), sums[v]);
+                    for l in 0..4 {
+                        let tree = _mm512_reduce_add_ps(regs[v][l]);
+                        assert_eq!(got[l].to_bits(), tree.to_bits(), "seed {seed}: v {v}, l {l}");
+                        let in_order: f32 = values[64 * v + 16 * l..][..16].iter().sum();
+                        order_shows += usize::from(in_order.to_bits() != tree.to_bits());
+                    }
+                }
+            }
+        }
+        assert!(order_shows > 1000, "the inputs hardly depend on the order of the adds ({order_shows} of 3200)");
     }
 
     #[test]
