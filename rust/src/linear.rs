@@ -12,12 +12,10 @@
 //! makes. Those elements are within float32 rounding of `gemm_nt`'s; the thread count still
 //! never changes a bit (the blocks do not depend on it).
 
-use crate::expert_pairs::{gemm_nt, Element, Isa};
+// the expert pass's threshold: a decode step's 16-row q/k/v projection (2M multiply-adds) splits
+// in two, its smaller ones run on one thread (docs/benchmarks.md, "Decode blocks' sums together")
+use crate::expert_pairs::{gemm_nt, Element, Isa, PARALLEL_MIN_MACS};
 use crate::matmul::matmul_nt;
-
-/// The fewest multiply-adds worth a thread of their own (about 0.2 ms of work): a decode
-/// step's 16-row projections measured slower split.
-const PARALLEL_MIN_MACS: usize = 1 << 22;
 
 /// From this many rows of x on, the product runs through `matmul_nt`'s packed kernels, which
 /// outrun `gemm_nt` once they have enough rows to amortize their packing (the expert pass's
