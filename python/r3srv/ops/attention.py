@@ -14,6 +14,7 @@ per-head logit to every softmax's denominator.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,9 +33,23 @@ class PrefillSpan:
     start: int  # first row of this sequence in the step's T tokens
     end: int
     context_slots: torch.Tensor | None  # [context_len] slots; None when the whole context is this chunk
-    mask: torch.Tensor | None  # [q, context_len] bool; None means plain causal (q == context_len)
+    given_mask: torch.Tensor | None  # [q, context_len] bool, or None (see `mask`)
     context_len: int = 0
     slots: torch.Tensor | None = None  # [q] this span's own tokens' slots
+    # a chunk after cached tokens: its first query's position, its causal mask built on first use
+    # (the CPU flash kernels never ask for it, and a long prompt's chunk holds millions of entries)
+    query_start: int | None = None
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[q, context_len] bool, True where a query sees a key; None means plain causal (q ==
+        context_len)."""
+        if self.given_mask is not None or self.query_start is None:
+            return self.given_mask
+        device = self.context_slots.device
+        pos = torch.arange(self.context_len, device=device)
+        qpos = torch.arange(self.query_start, self.context_len, device=device)
+        return pos[None, :] <= qpos[:, None]  # query i sits at position query_start + i
 
 
 @dataclass
@@ -128,10 +143,8 @@ class AttentionMetadata:
             else:
                 pos = torch.arange(ctx, device=device)
                 slots = tables[i, pos // block_size] * block_size + pos % block_size
-                # query i sits at position ctx - q + i and sees keys 0..that position
-                qpos = torch.arange(ctx - q, ctx, device=device)
-                prefills.append(PrefillSpan(start, start + q, slots, pos[None, :] <= qpos[:, None], ctx,
-                                            slot_mapping[start : start + q]))
+                prefills.append(PrefillSpan(start, start + q, slots, None, ctx, slot_mapping[start : start + q],
+                                            query_start=ctx - q))
             start += q
 
         return cls(slot_mapping, None, prefills, tables, decode_seqs, decode_rows,
