@@ -46,6 +46,7 @@ from r3srv import settings
 from r3srv.engine.step_channel import Command, StepChannel, decode_text, encode_text, pack_batch, unpack_batch
 from r3srv.engine.weight_sync import WeightSync, WeightSyncError, run_weight_command, settle_weight_command
 from r3srv.errors import ConfigError, R3srvError
+from r3srv.heap import freeze_startup_heap
 from r3srv.models.batch import ForwardBatch
 from r3srv.models.parallel import ParallelState
 
@@ -165,6 +166,7 @@ def worker_main(rank: int, spec: ModelSpec, rendezvous: Rendezvous, parent_pid: 
         init_process_group(rank, rendezvous, device)
         model, _ = load_shard(spec, rank, rendezvous, device)
         weight_sync = WeightSync(device, timeout=0.0, tp_rank=rank, tp_size=rendezvous.world_size)
+        freeze_startup_heap()  # a full collection mid-step would hold up every rank's collectives
         _serve_commands(model, StepChannel(device if device.type == "cuda" else torch.device("cpu")), weight_sync)
         dist.destroy_process_group()
     except BaseException as exc:
