@@ -522,8 +522,9 @@ unsafe fn nt_block<const R: usize, const V: usize>(
 #[inline]
 pub(crate) unsafe fn reduce_4x4(a: [[std::arch::x86_64::__m512; 4]; 4]) -> [std::arch::x86_64::__m128; 4] {
     use std::arch::x86_64::*;
-    let x: [__m512; 16] = std::array::from_fn(|i| a[i % 4][i / 4]); // x[4l + v]
-                                                                    // lanes i + i+8: two registers' 8 partial sums in one (the first's in the low half)
+    // x[4l + v]: vector v's row l
+    let x: [__m512; 16] = std::array::from_fn(|i| a[i % 4][i / 4]);
+    // lanes i + i+8: two registers' 8 partial sums in one (the first's in the low half)
     let halves: [__m512; 8] = std::array::from_fn(|m| {
         let (p, q) = (x[2 * m], x[2 * m + 1]);
         _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(p, q), _mm512_shuffle_f32x4::<0b11_10_11_10>(p, q))
