@@ -13,6 +13,7 @@ from paged_decode_testing import MODEL_CASES, paged_cache, torch_path_decode, tw
 from engine_testing import GREEDY, model_of, one_torch_thread, prompt_ids, rebound  # noqa: F401 (autouse fixture)
 from r3srv import LLM, SamplingParams, _core
 from r3srv import settings as settings_module
+from r3srv.kernels import cpu_isa
 from r3srv.kernels import paged_decode_cpu as cpu_kernel
 from r3srv.kernels.paged_decode_cpu import paged_decode_cpu as kernel
 from r3srv.ops import ops_for
@@ -113,7 +114,9 @@ def test_bad_sinks_and_window_are_value_errors():
 
 def test_cpu_decodes_take_the_kernel_unless_turned_off():
     assert cpu_kernel.BUILT, "r3srv._core lacks the paged decode kernel: rebuild the extension (make install)"
-    assert _core.paged_decode_isa() in ("avx2", "portable")
+    flags = cpu_isa.cpu_flags()
+    widest = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    assert _core.paged_decode_isa() == widest
 
     def decode_kernel(dtype, **switches):
         with settings_module.overridden(**switches):

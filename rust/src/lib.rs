@@ -24,6 +24,8 @@ pub mod matmul;
 pub mod matmul_bf16;
 pub mod npy_header;
 pub mod paged_attn;
+#[cfg(target_arch = "x86_64")]
+mod paged_attn_512;
 pub mod paged_prefill;
 pub mod paged_prefill_bf16;
 pub mod paged_prefill_f32;

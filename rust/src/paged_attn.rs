@@ -25,6 +25,20 @@ pub trait Element: Copy + Send + Sync {
     /// The CPU must support AVX2; `src` must point to 8 readable elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(src: *const Self) -> std::arch::x86_64::__m256;
+
+    /// `load8` of `lo` in the low 8 lanes and of `hi` in the high 8 (two keys in one register).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `lo` and `hi` must each point to 8 readable elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512;
+
+    /// The 16 elements at `src` as f32 lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `src` must point to 16 readable elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(src: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl Element for f32 {
@@ -42,6 +56,24 @@ impl Element for f32 {
     unsafe fn load8(src: *const Self) -> std::arch::x86_64::__m256 {
         // SAFETY: 8 readable f32 at src (the caller's contract); an unaligned load.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(src) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: 8 readable f32 at lo and at hi (the caller's contract); unaligned loads.
+        unsafe {
+            let low = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(lo)));
+            _mm512_castpd_ps(_mm512_insertf64x4::<1>(low, _mm256_castps_pd(_mm256_loadu_ps(hi))))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load16(src: *const Self) -> std::arch::x86_64::__m512 {
+        // SAFETY: 16 readable f32 at src (the caller's contract); an unaligned load.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(src) }
     }
 }
 
@@ -74,6 +106,32 @@ impl Element for Bf16 {
         unsafe {
             let half = _mm_loadu_si128(src as *const __m128i);
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(half)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: 8 readable bfloat16 at lo and at hi and AVX-512F (the caller's contract);
+        // widened and shifted as load8 widens them.
+        unsafe {
+            let both = _mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(lo as *const __m128i)),
+                _mm_loadu_si128(hi as *const __m128i),
+            );
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(both)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load16(src: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: 16 readable bfloat16 (32 bytes) at src and AVX-512F (the caller's contract).
+        unsafe {
+            let half = _mm256_loadu_si256(src as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half)))
         }
     }
 }
@@ -143,6 +201,8 @@ pub struct PagedDecode<'a, T> {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
+    /// the AVX2 kernels with the decode kernel's products 16 lanes wide (the same bits)
+    Avx512,
     Avx2Fma,
     Scalar,
 }
@@ -152,13 +212,31 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            return Isa::Avx2Fma;
+            return if is_x86_feature_detected!("avx512f") { Isa::Avx512 } else { Isa::Avx2Fma };
         }
         Isa::Scalar
     }
 
+    /// Whether this CPU runs `self`.
+    pub fn runs(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            match self {
+                Isa::Avx512 => avx2 && is_x86_feature_detected!("avx512f"),
+                Isa::Avx2Fma => avx2,
+                Isa::Scalar => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512 => "avx512",
             Isa::Avx2Fma => "avx2",
             Isa::Scalar => "portable",
         }
@@ -283,11 +361,16 @@ fn run<'i, 'o: 'i, T: Element + 'o>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => {
+        Isa::Avx512 if isa.runs() => {
+            // SAFETY: the CPU has AVX2, FMA and AVX-512F (checked just above), all `run_avx512` requires.
+            unsafe { run_avx512(d, items) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma if isa.runs() => {
             // SAFETY: the CPU has AVX2 and FMA (checked just above), all `run_avx2` requires.
             unsafe { run_avx2(d, items) }
         }
-        _ => run_items::<T, false>(d, items),
+        _ => run_items::<T, false, false>(d, items),
     }
 }
 
@@ -299,7 +382,18 @@ unsafe fn run_avx2<'i, 'o: 'i, T: Element + 'o>(
     d: &PagedDecode<'_, T>,
     items: impl Iterator<Item = &'i mut Item<'o, T>>,
 ) {
-    run_items::<T, true>(d, items)
+    run_items::<T, true, false>(d, items)
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn run_avx512<'i, 'o: 'i, T: Element + 'o>(
+    d: &PagedDecode<'_, T>,
+    items: impl Iterator<Item = &'i mut Item<'o, T>>,
+) {
+    run_items::<T, true, true>(d, items)
 }
 
 /// Per-thread buffers, reused across items.
@@ -312,7 +406,7 @@ struct Scratch {
 }
 
 #[inline(always)]
-fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool>(
+fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool, const WIDE: bool>(
     d: &PagedDecode<'_, T>,
     items: impl Iterator<Item = &'i mut Item<'o, T>>,
 ) {
@@ -325,15 +419,20 @@ fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool>(
         total: vec![0.0; heads],
     };
     for item in items {
-        attend_item::<T, AVX2>(d, item, &mut s);
+        attend_item::<T, AVX2, WIDE>(d, item, &mut s);
     }
 }
 
 /// One sequence: tile by tile, each KV head's group of query heads scores the tile's keys and
 /// weighs its values (a slot's heads, adjacent in the cache, are read together: the tile's
-/// blocks are streamed whole).
+/// blocks are streamed whole). WIDE (with AVX2): the products in AVX-512 registers
+/// (crate::paged_attn_512).
 #[inline(always)]
-fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut Item<'_, T>, s: &mut Scratch) {
+fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
+    d: &PagedDecode<'_, T>,
+    item: &mut Item<'_, T>,
+    s: &mut Scratch,
+) {
     let (heads, head_dim, v_dim) = (d.q.heads, d.q.dim, d.v.dim);
     let group = heads / d.k.heads;
     let row = d.rows[item.seq] as usize;
@@ -363,7 +462,16 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
             // weighted sums: one head's keys or values at a time, not all the tile's lines at its
             // start, whose burst stalled the loads behind it (docs/benchmarks.md)
             prefetch_rows(&d.k, &next_slots[..next_n], kv_head);
-            score_tile::<T, AVX2>(d, kv_head, &slots[..n], &s.q[first * head_dim..][..group * head_dim], scores);
+            let q = &s.q[first * head_dim..][..group * head_dim];
+            #[cfg(target_arch = "x86_64")]
+            if WIDE {
+                // SAFETY: WIDE is only set by run_avx512, whose caller checked AVX2, FMA and AVX-512F.
+                unsafe { crate::paged_attn_512::score_tile(d, kv_head, &slots[..n], q, scores) };
+            } else {
+                score_tile::<T, AVX2>(d, kv_head, &slots[..n], q, scores);
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            score_tile::<T, AVX2>(d, kv_head, &slots[..n], q, scores);
             for g in 0..group {
                 let h = first + g;
                 let p = &mut scores[g * TILE..][..n];
@@ -377,7 +485,16 @@ fn attend_item<T: Element, const AVX2: bool>(d: &PagedDecode<'_, T>, item: &mut 
                 s.max[h] = m_new;
             }
             prefetch_rows(&d.v, &next_slots[..next_n], kv_head);
-            weigh_values::<T, AVX2>(d, kv_head, &slots[..n], scores, &mut s.acc[first * v_dim..][..group * v_dim]);
+            let acc = &mut s.acc[first * v_dim..][..group * v_dim];
+            #[cfg(target_arch = "x86_64")]
+            if WIDE {
+                // SAFETY: as the scores' above.
+                unsafe { crate::paged_attn_512::weigh_values(d, kv_head, &slots[..n], scores, acc) };
+            } else {
+                weigh_values::<T, AVX2>(d, kv_head, &slots[..n], scores, acc);
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            weigh_values::<T, AVX2>(d, kv_head, &slots[..n], scores, acc);
         }
         std::mem::swap(&mut slots, &mut next_slots);
         lo += n;
@@ -437,7 +554,7 @@ fn prefetch_rows<T: Element>(rows: &Strided<'_, T>, slots: &[usize], head: usize
 /// Up to this many query heads share each load of a key or value row (their running sums
 /// stay in registers).
 #[cfg(target_arch = "x86_64")]
-const HEAD_BLOCK: usize = 4;
+pub(crate) const HEAD_BLOCK: usize = 4;
 
 /// `$f::<T, NH>(args.., g0)` for the group's heads in blocks g0..g0 + NH of at most HEAD_BLOCK
 /// (NH a constant, so that the blocks' running sums are registers).
@@ -457,6 +574,8 @@ macro_rules! in_head_blocks {
         }
     }};
 }
+#[cfg(target_arch = "x86_64")]
+pub(crate) use in_head_blocks;
 
 /// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
 /// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`.
@@ -613,7 +732,7 @@ unsafe fn score_keys_avx2<T: Element, const NH: usize, const KB: usize>(
 /// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn reduce4(
+pub(crate) unsafe fn reduce4(
     a: std::arch::x86_64::__m256,
     b: std::arch::x86_64::__m256,
     c: std::arch::x86_64::__m256,
@@ -636,7 +755,7 @@ unsafe fn reduce4(
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn score_one_by_one_avx2<T: Element, const NH: usize>(
+pub(crate) unsafe fn score_one_by_one_avx2<T: Element, const NH: usize>(
     d: &PagedDecode<'_, T>,
     kv_head: usize,
     slots: &[usize],
@@ -738,7 +857,7 @@ unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(
 /// each of `probs` to rows.len() probabilities, each of `sums_at` to c + W * 8 sums.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn weigh_chunk<T: Element, const NH: usize, const W: usize>(
+pub(crate) unsafe fn weigh_chunk<T: Element, const NH: usize, const W: usize>(
     rows: &[*const T],
     probs: &[*const f32; NH],
     sums_at: &[*mut f32; NH],
@@ -980,12 +1099,78 @@ mod tests {
 
     #[test]
     fn the_avx2_path_equals_the_reference() {
-        if Isa::detect() != Isa::Avx2Fma {
+        if !Isa::Avx2Fma.runs() {
             eprintln!("skipped: this CPU has no AVX2 + FMA");
             return;
         }
         for c in cases() {
             check(&c, Isa::Avx2Fma, 1);
+        }
+    }
+
+    /// The AVX-512 products (two keys to a register, 16 value dims) give the AVX2 path's bits,
+    /// float32 and bfloat16, on every case (GQA groups of 1 to 16, odd head dims, windows, sinks,
+    /// contexts from 1 to 130 keys: whole and partial key groups, every chunk width).
+    #[test]
+    fn the_avx512_path_gives_the_avx2_bits() {
+        if !Isa::Avx512.runs() {
+            eprintln!("skipped: this CPU has no AVX-512F (the decode kernel's 16-lane products)");
+            return;
+        }
+        fn run<T: Element>(c: &Case, cast: impl Fn(&[f32]) -> Vec<T>, isa: Isa) -> Vec<T> {
+            let (q, k, v, tables, max_blocks, rows, sinks, tokens) =
+                inputs(c, c.lens.len() as u64 * 31 + c.head_dim as u64);
+            let (q, k, v) = (cast(&q), cast(&k), cast(&v));
+            let slots = k.len() / (c.kv_heads * c.head_dim);
+            let d = PagedDecode {
+                q: Strided::new(&q, tokens, c.heads, c.head_dim, c.heads * c.head_dim, c.head_dim).unwrap(),
+                k: Strided::new(&k, slots, c.kv_heads, c.head_dim, c.kv_heads * c.head_dim, c.head_dim).unwrap(),
+                v: Strided::new(&v, slots, c.kv_heads, c.v_dim, c.kv_heads * c.v_dim, c.v_dim).unwrap(),
+                tables: &tables,
+                max_blocks,
+                lens: &c.lens,
+                rows: &rows,
+                page: c.page,
+                scale: 0.3,
+                window: c.window,
+                sinks: c.sinks.then_some(&sinks[..]),
+            };
+            let mut out = vec![T::from_f32(-7.0); tokens * c.heads * c.v_dim];
+            paged_decode(&d, &mut out, 1, isa).unwrap();
+            out
+        }
+        let bits32 = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let bits16 = |v: Vec<Bf16>| v.into_iter().map(|x| x.0).collect::<Vec<_>>();
+        let f32s = |x: &[f32]| x.to_vec();
+        let bf16s = |x: &[f32]| x.iter().map(|&v| Bf16::from_f32(v)).collect::<Vec<Bf16>>();
+        let mut cases = cases();
+        cases.push(Case {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            v_dim: 64,
+            page: 16,
+            lens: vec![300; 16],
+            window: None,
+            sinks: false,
+        });
+        cases.push(Case {
+            heads: 32,
+            kv_heads: 1,
+            head_dim: 96,
+            v_dim: 80,
+            page: 16,
+            lens: vec![1, 2, 700, 3],
+            window: Some(600),
+            sinks: true,
+        });
+        for c in &cases {
+            let what = format!(
+                "{}/{} heads, dims {}/{}, window {:?}, sinks {}",
+                c.heads, c.kv_heads, c.head_dim, c.v_dim, c.window, c.sinks
+            );
+            assert_eq!(bits32(run(c, f32s, Isa::Avx512)), bits32(run(c, f32s, Isa::Avx2Fma)), "float32, {what}");
+            assert_eq!(bits16(run(c, bf16s, Isa::Avx512)), bits16(run(c, bf16s, Isa::Avx2Fma)), "bfloat16, {what}");
         }
     }
 
