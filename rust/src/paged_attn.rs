@@ -396,6 +396,26 @@ unsafe fn run_avx512<'i, 'o: 'i, T: Element + 'o>(
     run_items::<T, true, true>(d, items)
 }
 
+/// `$f::<T, NH>(args.., g0)` (`$f::<T, NH, WIDE>` given WIDE, a literal) for the group's heads in
+/// blocks g0..g0 + NH of at most HEAD_BLOCK (NH a constant, so that the blocks' running sums are
+/// registers).
+#[cfg(target_arch = "x86_64")]
+macro_rules! in_head_blocks {
+    ($group:expr, $f:ident::<$t:ty $(, $wide:literal)?>($($arg:expr),*)) => {{
+        let (group, mut g0) = ($group, 0);
+        while g0 < group {
+            let heads = HEAD_BLOCK.min(group - g0);
+            match heads {
+                1 => $f::<$t, 1 $(, $wide)?>($($arg,)* g0),
+                2 => $f::<$t, 2 $(, $wide)?>($($arg,)* g0),
+                3 => $f::<$t, 3 $(, $wide)?>($($arg,)* g0),
+                _ => $f::<$t, HEAD_BLOCK $(, $wide)?>($($arg,)* g0),
+            }
+            g0 += heads;
+        }
+    }};
+}
+
 /// Per-thread buffers, reused across items.
 struct Scratch {
     q: Vec<f32>,      // [heads, head_dim], the queries in f32
@@ -466,7 +486,7 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
             #[cfg(target_arch = "x86_64")]
             if WIDE {
                 // SAFETY: WIDE is only set by run_avx512, whose caller checked AVX2, FMA and AVX-512F.
-                unsafe { crate::paged_attn_512::score_tile(d, kv_head, &slots[..n], q, scores) };
+                unsafe { in_head_blocks!(group, score_heads::<T, true>(d, kv_head, &slots[..n], q, scores)) };
             } else {
                 score_tile::<T, AVX2>(d, kv_head, &slots[..n], q, scores);
             }
@@ -489,7 +509,7 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
             #[cfg(target_arch = "x86_64")]
             if WIDE {
                 // SAFETY: as the scores' above.
-                unsafe { crate::paged_attn_512::weigh_values(d, kv_head, &slots[..n], scores, acc) };
+                unsafe { in_head_blocks!(group, weigh_heads::<T, true>(d, kv_head, &slots[..n], scores, acc)) };
             } else {
                 weigh_values::<T, AVX2>(d, kv_head, &slots[..n], scores, acc);
             }
@@ -556,27 +576,6 @@ fn prefetch_rows<T: Element>(rows: &Strided<'_, T>, slots: &[usize], head: usize
 #[cfg(target_arch = "x86_64")]
 pub(crate) const HEAD_BLOCK: usize = 4;
 
-/// `$f::<T, NH>(args.., g0)` for the group's heads in blocks g0..g0 + NH of at most HEAD_BLOCK
-/// (NH a constant, so that the blocks' running sums are registers).
-#[cfg(target_arch = "x86_64")]
-macro_rules! in_head_blocks {
-    ($group:expr, $f:ident::<$t:ty>($($arg:expr),*)) => {{
-        let (group, mut g0) = ($group, 0);
-        while g0 < group {
-            let heads = HEAD_BLOCK.min(group - g0);
-            match heads {
-                1 => $f::<$t, 1>($($arg,)* g0),
-                2 => $f::<$t, 2>($($arg,)* g0),
-                3 => $f::<$t, 3>($($arg,)* g0),
-                _ => $f::<$t, HEAD_BLOCK>($($arg,)* g0),
-            }
-            g0 += heads;
-        }
-    }};
-}
-#[cfg(target_arch = "x86_64")]
-pub(crate) use in_head_blocks;
-
 /// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
 /// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`.
 #[inline(always)]
@@ -590,7 +589,7 @@ pub(crate) fn score_tile<T: Element, const AVX2: bool>(
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
-        unsafe { in_head_blocks!(q.len() / d.q.dim, score_heads_avx2::<T>(d, kv_head, slots, q, scores)) };
+        unsafe { in_head_blocks!(q.len() / d.q.dim, score_heads::<T, false>(d, kv_head, slots, q, scores)) };
         return;
     }
     // Lanes of running sums, so that consecutive multiply-adds do not wait on each other.
@@ -628,7 +627,7 @@ pub(crate) fn weigh_values<T: Element, const AVX2: bool>(
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
-        unsafe { in_head_blocks!(acc.len() / d.v.dim, weigh_heads_avx2::<T>(d, kv_head, slots, scores, acc)) };
+        unsafe { in_head_blocks!(acc.len() / d.v.dim, weigh_heads::<T, false>(d, kv_head, slots, scores, acc)) };
         return;
     }
     let v_dim = d.v.dim;
@@ -651,7 +650,7 @@ pub(crate) fn weigh_values<T: Element, const AVX2: bool>(
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn score_heads_avx2<T: Element, const NH: usize>(
+unsafe fn score_heads<T: Element, const NH: usize, const WIDE: bool>(
     d: &PagedDecode<'_, T>,
     kv_head: usize,
     slots: &[usize],
@@ -660,18 +659,19 @@ unsafe fn score_heads_avx2<T: Element, const NH: usize>(
     g0: usize,
 ) {
     // 8 sums for one or two heads, 4 for three or four: all of them in the 16 registers
-    // beside the key lanes
+    // beside the key lanes (WIDE: the same keys as pairs in AVX-512 registers)
     // SAFETY: forwarded, the caller's contract.
     unsafe {
-        if NH <= 2 {
-            score_keys_avx2::<T, NH, 4>(d, kv_head, slots, q, scores, g0)
-        } else {
-            score_keys_avx2::<T, NH, 2>(d, kv_head, slots, q, scores, g0)
+        match (WIDE, NH <= 2) {
+            (true, true) => crate::paged_attn_512::score_key_pairs::<T, NH, 2>(d, kv_head, slots, q, scores, g0),
+            (true, false) => crate::paged_attn_512::score_key_pairs::<T, NH, 1>(d, kv_head, slots, q, scores, g0),
+            (false, true) => score_keys_avx2::<T, NH, 4>(d, kv_head, slots, q, scores, g0),
+            (false, false) => score_keys_avx2::<T, NH, 2>(d, kv_head, slots, q, scores, g0),
         }
     }
 }
 
-/// score_heads_avx2 with keys KB (2 or 4) at a time; a last group of fewer keys one by one.
+/// score_heads with keys KB (2 or 4) at a time; a last group of fewer keys one by one.
 /// Each score's sum is reduced in the order the single-key loop reduces it: the same bits.
 ///
 /// # Safety
@@ -707,22 +707,43 @@ unsafe fn score_keys_avx2<T: Element, const NH: usize, const KB: usize>(
                 }
             }
             for (h, row) in sums.iter().enumerate() {
-                let mut totals = [0f32; 4];
                 let (a, b) = (row[0], row[1]);
                 let (c, e) = if KB == 4 { (row[KB / 2], row[KB - 1]) } else { (a, b) };
-                _mm_storeu_ps(totals.as_mut_ptr(), reduce4(a, b, c, e));
-                for (i, total) in totals.iter().take(KB).enumerate() {
-                    let mut total = *total;
-                    for (x, y) in heads_q[h * dim + whole..(h + 1) * dim].iter().zip(&keys[i][whole..]) {
-                        total = x.mul_add(y.to_f32(), total);
-                    }
-                    scores[(g0 + h) * TILE + j0 + i] = total * d.scale;
-                }
+                let q_h = &heads_q[h * dim..(h + 1) * dim];
+                key_scores(d, [a, b, c, e], &keys, q_h, whole, &mut scores[(g0 + h) * TILE + j0..][..KB]);
             }
         }
     }
     // SAFETY: forwarded, the caller's contract.
     unsafe { score_one_by_one_avx2::<T, NH>(d, kv_head, &slots[grouped..], q, &mut scores[grouped..], g0) };
+}
+
+/// The scores of up to four keys (`keys`, as many as `scores`) for one query head `q` from their
+/// 8-lane sums over dims ..whole (`sums`, reduced by `reduce4`), the dims past `whole` added one
+/// by one, scaled.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn key_scores<T: Element>(
+    d: &PagedDecode<'_, T>,
+    [a, b, c, e]: [std::arch::x86_64::__m256; 4],
+    keys: &[&[T]],
+    q: &[f32],
+    whole: usize,
+    scores: &mut [f32],
+) {
+    let mut totals = [0f32; 4];
+    // SAFETY: AVX2 by the caller's contract; four floats stored into four.
+    unsafe { std::arch::x86_64::_mm_storeu_ps(totals.as_mut_ptr(), reduce4(a, b, c, e)) };
+    for ((total, key), score) in totals.iter().zip(keys).zip(scores.iter_mut()) {
+        let mut total = *total;
+        for (x, y) in q[whole..].iter().zip(&key[whole..]) {
+            total = x.mul_add(y.to_f32(), total);
+        }
+        *score = total * d.scale;
+    }
 }
 
 /// The lane sums of four vectors [a, b, c, e], each summed as ((l0 + l4) + (l2 + l6)) +
@@ -732,7 +753,7 @@ unsafe fn score_keys_avx2<T: Element, const NH: usize, const KB: usize>(
 /// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) unsafe fn reduce4(
+unsafe fn reduce4(
     a: std::arch::x86_64::__m256,
     b: std::arch::x86_64::__m256,
     c: std::arch::x86_64::__m256,
@@ -796,12 +817,14 @@ pub(crate) unsafe fn score_one_by_one_avx2<T: Element, const NH: usize>(
 /// (then 8, then one), their running sums in registers across the tile's keys, each value
 /// row's dims loaded once for the NH heads; W = 4 for one or two heads (8 independent
 /// multiply-add chains), 2 for three or four. Each dim's sum runs over the keys in order.
+/// WIDE: the same dims 16 to an AVX-512 register (crate::paged_attn_512::weigh_chunk), each
+/// dim's sum the same (the same bits).
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
+/// The CPU must support AVX2 and FMA; AVX-512F where WIDE.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(
+unsafe fn weigh_heads<T: Element, const NH: usize, const WIDE: bool>(
     d: &PagedDecode<'_, T>,
     kv_head: usize,
     slots: &[usize],
@@ -809,6 +832,7 @@ unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(
     acc: &mut [f32],
     g0: usize,
 ) {
+    use std::arch::x86_64::{__m256, __m512};
     let v_dim = d.v.dim;
     let n = slots.len();
     assert!(n <= TILE && (g0 + NH) * TILE <= scores.len() && (g0 + NH) * v_dim <= acc.len());
@@ -822,20 +846,26 @@ unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(
     let mut c = 0;
     // SAFETY: rows point to v_dim readable elements each, probs[h] to n probabilities and
     // sums_at[h] to v_dim accumulators (the assert and at() above); every chunk's loads and
-    // stores end at or before v_dim. AVX2 and FMA by the caller's contract.
+    // stores end at or before v_dim. AVX2 and FMA (and AVX-512F where WIDE) by the caller's contract.
     unsafe {
         if NH <= 2 {
             while c + 32 <= v_dim {
-                weigh_chunk::<T, NH, 4>(rows, &probs, &sums_at, c);
+                match WIDE {
+                    true => weigh_chunk::<T, __m512, NH, 2>(rows, &probs, &sums_at, c),
+                    false => weigh_chunk::<T, __m256, NH, 4>(rows, &probs, &sums_at, c),
+                }
                 c += 32;
             }
         }
         while c + 16 <= v_dim {
-            weigh_chunk::<T, NH, 2>(rows, &probs, &sums_at, c);
+            match WIDE {
+                true => weigh_chunk::<T, __m512, NH, 1>(rows, &probs, &sums_at, c),
+                false => weigh_chunk::<T, __m256, NH, 2>(rows, &probs, &sums_at, c),
+            }
             c += 16;
         }
         if c + 8 <= v_dim {
-            weigh_chunk::<T, NH, 1>(rows, &probs, &sums_at, c);
+            weigh_chunk::<T, __m256, NH, 1>(rows, &probs, &sums_at, c);
             c += 8;
         }
         for i in c..v_dim {
@@ -850,36 +880,120 @@ unsafe fn weigh_heads_avx2<T: Element, const NH: usize>(
     }
 }
 
-/// Dims c..c + W * 8 of weigh_heads_avx2: W * NH running sums in registers over the keys.
+/// A register of f32 lanes the weighted sums run in: AVX2's 8 or AVX-512's 16 (`weigh_chunk`).
+#[cfg(target_arch = "x86_64")]
+trait Lanes: Copy {
+    const WIDTH: usize;
+    /// # Safety
+    /// The CPU runs the register's instructions; WIDTH readable floats at `src`.
+    unsafe fn load(src: *const f32) -> Self;
+    /// # Safety
+    /// As `load`, writable.
+    unsafe fn store(self, dst: *mut f32);
+    /// # Safety
+    /// The CPU runs the register's instructions.
+    unsafe fn splat(x: f32) -> Self;
+    /// p * x + self, rounded once.
+    ///
+    /// # Safety
+    /// The CPU runs the register's instructions (and FMA).
+    unsafe fn mul_add(self, p: Self, x: Self) -> Self;
+    /// # Safety
+    /// As `load`, WIDTH readable elements at `src`.
+    unsafe fn widen<T: Element>(src: *const T) -> Self;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for std::arch::x86_64::__m256 {
+    const WIDTH: usize = 8;
+    #[inline(always)]
+    unsafe fn load(src: *const f32) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(src) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, dst: *mut f32) {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_storeu_ps(dst, self) }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, p: Self, x: Self) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_fmadd_ps(p, x, self) }
+    }
+    #[inline(always)]
+    unsafe fn widen<T: Element>(src: *const T) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe { T::load8(src) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for std::arch::x86_64::__m512 {
+    const WIDTH: usize = 16;
+    #[inline(always)]
+    unsafe fn load(src: *const f32) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(src) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, dst: *mut f32) {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_storeu_ps(dst, self) }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, p: Self, x: Self) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_fmadd_ps(p, x, self) }
+    }
+    #[inline(always)]
+    unsafe fn widen<T: Element>(src: *const T) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe { T::load16(src) }
+    }
+}
+
+/// Dims c..c + W * V::WIDTH of weigh_heads: W * NH running sums in registers over the keys,
+/// each dim's sum over the keys in order whatever the register's width (the same bits).
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; each of `rows` points to c + W * 8 readable elements,
-/// each of `probs` to rows.len() probabilities, each of `sums_at` to c + W * 8 sums.
+/// The CPU runs V's instructions and FMA; each of `rows` points to c + W * V::WIDTH readable
+/// elements, each of `probs` to rows.len() probabilities, each of `sums_at` to c + W * V::WIDTH
+/// sums.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) unsafe fn weigh_chunk<T: Element, const NH: usize, const W: usize>(
+unsafe fn weigh_chunk<T: Element, V: Lanes, const NH: usize, const W: usize>(
     rows: &[*const T],
     probs: &[*const f32; NH],
     sums_at: &[*mut f32; NH],
     c: usize,
 ) {
-    use std::arch::x86_64::*;
     // SAFETY: the caller's contract.
     unsafe {
-        let mut sums: [[__m256; W]; NH] =
-            std::array::from_fn(|h| std::array::from_fn(|w| _mm256_loadu_ps(sums_at[h].add(c + 8 * w))));
+        let mut sums: [[V; W]; NH] =
+            std::array::from_fn(|h| std::array::from_fn(|w| V::load(sums_at[h].add(c + V::WIDTH * w))));
         for (j, &row) in rows.iter().enumerate() {
-            let v: [__m256; W] = std::array::from_fn(|w| T::load8(row.add(c + 8 * w)));
+            let v: [V; W] = std::array::from_fn(|w| V::widen(row.add(c + V::WIDTH * w)));
             for (h, lanes) in sums.iter_mut().enumerate() {
-                let p = _mm256_broadcast_ss(&*probs[h].add(j));
+                let p = V::splat(*probs[h].add(j));
                 for (sum, &x) in lanes.iter_mut().zip(&v) {
-                    *sum = _mm256_fmadd_ps(p, x, *sum);
+                    *sum = sum.mul_add(p, x);
                 }
             }
         }
         for (h, lanes) in sums.iter().enumerate() {
             for (w, &sum) in lanes.iter().enumerate() {
-                _mm256_storeu_ps(sums_at[h].add(c + 8 * w), sum);
+                sum.store(sums_at[h].add(c + V::WIDTH * w));
             }
         }
     }
@@ -1044,24 +1158,39 @@ mod tests {
         }
     }
 
+    /// The case's decode over q, k, v (of `inputs`' shapes, any element type).
+    #[allow(clippy::too_many_arguments)]
+    fn decode_of<'a, T: Element>(
+        c: &'a Case,
+        (q, k, v): (&'a [T], &'a [T], &'a [T]),
+        tables: &'a [i64],
+        max_blocks: usize,
+        rows: &'a [i64],
+        sinks: &'a [f32],
+        tokens: usize,
+        scale: f32,
+    ) -> PagedDecode<'a, T> {
+        let slots = k.len() / (c.kv_heads * c.head_dim);
+        PagedDecode {
+            q: Strided::new(q, tokens, c.heads, c.head_dim, c.heads * c.head_dim, c.head_dim).unwrap(),
+            k: Strided::new(k, slots, c.kv_heads, c.head_dim, c.kv_heads * c.head_dim, c.head_dim).unwrap(),
+            v: Strided::new(v, slots, c.kv_heads, c.v_dim, c.kv_heads * c.v_dim, c.v_dim).unwrap(),
+            tables,
+            max_blocks,
+            lens: &c.lens,
+            rows,
+            page: c.page,
+            scale,
+            window: c.window,
+            sinks: c.sinks.then_some(sinks),
+        }
+    }
+
     fn check(c: &Case, isa: Isa, threads: usize) {
         let (q, k, v, tables, max_blocks, rows, sinks, tokens) =
             inputs(c, c.lens.len() as u64 * 31 + c.head_dim as u64);
         let scale = (c.head_dim as f32).powf(-0.5) * 1.3;
-        let slots = k.len() / (c.kv_heads * c.head_dim);
-        let d = PagedDecode {
-            q: Strided::new(&q, tokens, c.heads, c.head_dim, c.heads * c.head_dim, c.head_dim).unwrap(),
-            k: Strided::new(&k, slots, c.kv_heads, c.head_dim, c.kv_heads * c.head_dim, c.head_dim).unwrap(),
-            v: Strided::new(&v, slots, c.kv_heads, c.v_dim, c.kv_heads * c.v_dim, c.v_dim).unwrap(),
-            tables: &tables,
-            max_blocks,
-            lens: &c.lens,
-            rows: &rows,
-            page: c.page,
-            scale,
-            window: c.window,
-            sinks: c.sinks.then_some(&sinks[..]),
-        };
+        let d = decode_of(c, (&q, &k, &v), &tables, max_blocks, &rows, &sinks, tokens, scale);
         let mut out = vec![-7.0f32; tokens * c.heads * c.v_dim];
         paged_decode(&d, &mut out, threads, isa).unwrap();
         let mut want = vec![-7.0f64; out.len()];
@@ -1121,20 +1250,7 @@ mod tests {
             let (q, k, v, tables, max_blocks, rows, sinks, tokens) =
                 inputs(c, c.lens.len() as u64 * 31 + c.head_dim as u64);
             let (q, k, v) = (cast(&q), cast(&k), cast(&v));
-            let slots = k.len() / (c.kv_heads * c.head_dim);
-            let d = PagedDecode {
-                q: Strided::new(&q, tokens, c.heads, c.head_dim, c.heads * c.head_dim, c.head_dim).unwrap(),
-                k: Strided::new(&k, slots, c.kv_heads, c.head_dim, c.kv_heads * c.head_dim, c.head_dim).unwrap(),
-                v: Strided::new(&v, slots, c.kv_heads, c.v_dim, c.kv_heads * c.v_dim, c.v_dim).unwrap(),
-                tables: &tables,
-                max_blocks,
-                lens: &c.lens,
-                rows: &rows,
-                page: c.page,
-                scale: 0.3,
-                window: c.window,
-                sinks: c.sinks.then_some(&sinks[..]),
-            };
+            let d = decode_of(c, (&q, &k, &v), &tables, max_blocks, &rows, &sinks, tokens, 0.3);
             let mut out = vec![T::from_f32(-7.0); tokens * c.heads * c.v_dim];
             paged_decode(&d, &mut out, 1, isa).unwrap();
             out
@@ -1227,7 +1343,7 @@ mod tests {
                 let (mut together, mut alone) = (vec![0f32; group * TILE], vec![0f32; group * TILE]);
                 // SAFETY: the CPU has AVX2 and FMA (checked above).
                 unsafe {
-                    in_head_blocks!(group, score_heads_avx2::<f32>(&d, 1, &slots, qs, &mut together));
+                    in_head_blocks!(group, score_heads::<f32, false>(&d, 1, &slots, qs, &mut together));
                     in_head_blocks!(group, score_one_by_one_avx2::<f32>(&d, 1, &slots, qs, &mut alone));
                 }
                 assert_eq!(
