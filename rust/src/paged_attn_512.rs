@@ -1,7 +1,7 @@
-//! The paged decode kernel's products in AVX-512 registers (crate::paged_attn's Isa::Avx512):
-//! two keys to a register for the scores, 16 value dims to a register for the weighted sums.
-//! Each lane runs the multiply-adds of the AVX2 kernels' lanes in their order, and each score
-//! is reduced as they reduce it, so both give the same bits (`paged_attn`'s test
+//! The paged decode kernel's scores in AVX-512 registers (crate::paged_attn's Isa::Avx512), two
+//! keys to a register (its weighted sums run 16 value dims to a register in paged_attn's
+//! `weigh_chunk`). Each lane runs the multiply-adds of the AVX2 scorer's lanes in their order,
+//! and each score is reduced as there, so both give the same bits (`paged_attn`'s test
 //! `the_avx512_path_gives_the_avx2_bits`) with half the multiply-add instructions
 //! (docs/benchmarks.md, "Decode attention two keys to a register").
 
