@@ -9,8 +9,10 @@
 //! f32; for each KV head of a tile, the scores of its group of query heads, one rescale of their
 //! accumulators, then the values weighted into them (a slot's KV heads, adjacent in the cache,
 //! are read together). The dot products, the weighted sums and the
-//! exponentials are loops the compiler vectorizes; they are compiled twice, for AVX2 + FMA
-//! (chosen at run time when the CPU has them) and for the baseline ISA.
+//! exponentials are loops the compiler vectorizes; they are compiled for AVX2 + FMA (chosen at
+//! run time when the CPU has them) and for the baseline ISA, and where the CPU has AVX-512F the
+//! AVX2 kernel runs its products in AVX-512 registers (the scores in `paged_attn_512.rs`), with
+//! the AVX2 kernel's bits.
 
 /// A cache or activation element: f32, or bfloat16 accumulated in f32.
 pub trait Element: Copy + Send + Sync {
@@ -817,8 +819,8 @@ pub(crate) unsafe fn score_one_by_one_avx2<T: Element, const NH: usize>(
 /// (then 8, then one), their running sums in registers across the tile's keys, each value
 /// row's dims loaded once for the NH heads; W = 4 for one or two heads (8 independent
 /// multiply-add chains), 2 for three or four. Each dim's sum runs over the keys in order.
-/// WIDE: the same dims 16 to an AVX-512 register (crate::paged_attn_512::weigh_chunk), each
-/// dim's sum the same (the same bits).
+/// WIDE: the same dims 16 to an AVX-512 register (`weigh_chunk` on `__m512`), each dim's sum
+/// the same (the same bits).
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; AVX-512F where WIDE.
