@@ -398,12 +398,12 @@ unsafe fn run_avx512<'i, 'o: 'i, T: Element + 'o>(
     run_items::<T, true, true>(d, items)
 }
 
-/// `$f::<T, NH>(args.., g0)` (`$f::<T, NH, WIDE>` given WIDE, a literal) for the group's heads in
+/// `$f::<T, NH>(args.., g0)` (`$f::<T, NH, WIDE>` given WIDE) for the group's heads in
 /// blocks g0..g0 + NH of at most HEAD_BLOCK (NH a constant, so that the blocks' running sums are
 /// registers).
 #[cfg(target_arch = "x86_64")]
 macro_rules! in_head_blocks {
-    ($group:expr, $f:ident::<$t:ty $(, $wide:literal)?>($($arg:expr),*)) => {{
+    ($group:expr, $f:ident::<$t:ty $(, $wide:tt)?>($($arg:expr),*)) => {{
         let (group, mut g0) = ($group, 0);
         while g0 < group {
             let heads = HEAD_BLOCK.min(group - g0);
@@ -447,8 +447,7 @@ fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool, const WIDE: bool>(
 
 /// One sequence: tile by tile, each KV head's group of query heads scores the tile's keys and
 /// weighs its values (a slot's heads, adjacent in the cache, are read together: the tile's
-/// blocks are streamed whole). WIDE (with AVX2): the products in AVX-512 registers
-/// (crate::paged_attn_512).
+/// blocks are streamed whole). WIDE (with AVX2): the products in AVX-512 registers.
 #[inline(always)]
 fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
     d: &PagedDecode<'_, T>,
@@ -484,16 +483,7 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
             // weighted sums: one head's keys or values at a time, not all the tile's lines at its
             // start, whose burst stalled the loads behind it (docs/benchmarks.md)
             prefetch_rows(&d.k, &next_slots[..next_n], kv_head);
-            let q = &s.q[first * head_dim..][..group * head_dim];
-            #[cfg(target_arch = "x86_64")]
-            if WIDE {
-                // SAFETY: WIDE is only set by run_avx512, whose caller checked AVX2, FMA and AVX-512F.
-                unsafe { in_head_blocks!(group, score_heads::<T, true>(d, kv_head, &slots[..n], q, scores)) };
-            } else {
-                score_tile::<T, AVX2>(d, kv_head, &slots[..n], q, scores);
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            score_tile::<T, AVX2>(d, kv_head, &slots[..n], q, scores);
+            score_tile::<T, AVX2, WIDE>(d, kv_head, &slots[..n], &s.q[first * head_dim..][..group * head_dim], scores);
             for g in 0..group {
                 let h = first + g;
                 let p = &mut scores[g * TILE..][..n];
@@ -507,16 +497,13 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
                 s.max[h] = m_new;
             }
             prefetch_rows(&d.v, &next_slots[..next_n], kv_head);
-            let acc = &mut s.acc[first * v_dim..][..group * v_dim];
-            #[cfg(target_arch = "x86_64")]
-            if WIDE {
-                // SAFETY: as the scores' above.
-                unsafe { in_head_blocks!(group, weigh_heads::<T, true>(d, kv_head, &slots[..n], scores, acc)) };
-            } else {
-                weigh_values::<T, AVX2>(d, kv_head, &slots[..n], scores, acc);
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            weigh_values::<T, AVX2>(d, kv_head, &slots[..n], scores, acc);
+            weigh_values::<T, AVX2, WIDE>(
+                d,
+                kv_head,
+                &slots[..n],
+                scores,
+                &mut s.acc[first * v_dim..][..group * v_dim],
+            );
         }
         std::mem::swap(&mut slots, &mut next_slots);
         lo += n;
@@ -579,9 +566,10 @@ fn prefetch_rows<T: Element>(rows: &Strided<'_, T>, slots: &[usize], head: usize
 pub(crate) const HEAD_BLOCK: usize = 4;
 
 /// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
-/// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`.
+/// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`. AVX2: in AVX2 registers;
+/// WIDE too: in AVX-512 ones (crate::paged_attn_512), the same bits.
 #[inline(always)]
-pub(crate) fn score_tile<T: Element, const AVX2: bool>(
+pub(crate) fn score_tile<T: Element, const AVX2: bool, const WIDE: bool>(
     d: &PagedDecode<'_, T>,
     kv_head: usize,
     slots: &[usize],
@@ -590,8 +578,9 @@ pub(crate) fn score_tile<T: Element, const AVX2: bool>(
 ) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
-        // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
-        unsafe { in_head_blocks!(q.len() / d.q.dim, score_heads::<T, false>(d, kv_head, slots, q, scores)) };
+        // SAFETY: AVX2 is only set by run_avx2 and run_avx512, whose callers checked the CPU has
+        // AVX2 and FMA; WIDE only by run_avx512, whose caller checked AVX-512F too.
+        unsafe { in_head_blocks!(q.len() / d.q.dim, score_heads::<T, WIDE>(d, kv_head, slots, q, scores)) };
         return;
     }
     // Lanes of running sums, so that consecutive multiply-adds do not wait on each other.
@@ -617,9 +606,9 @@ pub(crate) fn score_tile<T: Element, const AVX2: bool>(
 }
 
 /// The values at `slots`, weighed by the tile's probabilities, added to the group's
-/// accumulators (`acc`: [group, v_dim]), key by key in order.
+/// accumulators (`acc`: [group, v_dim]), key by key in order (AVX2, WIDE: as `score_tile`).
 #[inline(always)]
-pub(crate) fn weigh_values<T: Element, const AVX2: bool>(
+pub(crate) fn weigh_values<T: Element, const AVX2: bool, const WIDE: bool>(
     d: &PagedDecode<'_, T>,
     kv_head: usize,
     slots: &[usize],
@@ -628,8 +617,8 @@ pub(crate) fn weigh_values<T: Element, const AVX2: bool>(
 ) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
-        // SAFETY: AVX2 is only set by run_avx2, whose caller checked the CPU has AVX2 and FMA.
-        unsafe { in_head_blocks!(acc.len() / d.v.dim, weigh_heads::<T, false>(d, kv_head, slots, scores, acc)) };
+        // SAFETY: as in `score_tile`.
+        unsafe { in_head_blocks!(acc.len() / d.v.dim, weigh_heads::<T, WIDE>(d, kv_head, slots, scores, acc)) };
         return;
     }
     let v_dim = d.v.dim;

@@ -321,7 +321,7 @@ fn attend_block<T: Element, const AVX2: bool>(
                 }
                 s.max[state + r] = m_new;
             }
-            weigh_values::<T, AVX2>(d, kv_head, &tile[..n], scores, &mut s.acc[state * v_dim..][..rows * v_dim]);
+            weigh_values::<T, AVX2, false>(d, kv_head, &tile[..n], scores, &mut s.acc[state * v_dim..][..rows * v_dim]);
         }
         std::mem::swap(&mut tile, &mut next_tile);
         at += n;
@@ -391,7 +391,7 @@ fn score_block<T: Element, const AVX2: bool>(
         return;
     }
     let _ = keys;
-    score_tile::<T, AVX2>(d, kv_head, slots, q, scores);
+    score_tile::<T, AVX2, false>(d, kv_head, slots, q, scores);
 }
 
 /// Rows scored together: ROW_BLOCK x 2 vectors of running sums, in registers with the key loads.
