@@ -54,7 +54,7 @@ def test_prompt_queries_get_each_query_alone_as_a_decode():
     q = torch.randn(6, heads, dim, generator=g)
     pos = torch.arange(33)
     slots = tables[0, pos // page].long() * page + pos % page
-    span = PrefillSpan(0, 6, slots, None, 33, slots[27:])
+    span = PrefillSpan(0, 6, slots, 33, slots[27:])
     out = torch.zeros(6, heads, dim)
     decode = lambda *a, **kw: paged_decode_triton(*a, splits=1, **kw)  # noqa: E731
     invariant.prefill_as_decodes(decode, q, None, None, k_cache, v_cache, [span], out, scale=0.3)

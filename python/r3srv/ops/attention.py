@@ -33,7 +33,6 @@ class PrefillSpan:
     start: int  # first row of this sequence in the step's T tokens
     end: int
     context_slots: torch.Tensor | None  # [context_len] slots; None when the whole context is this chunk
-    given_mask: torch.Tensor | None  # [q, context_len] bool, or None (see `mask`)
     context_len: int = 0
     slots: torch.Tensor | None = None  # [q] this span's own tokens' slots
     # a chunk after cached tokens: its first query's position, its causal mask built on first use
@@ -44,8 +43,8 @@ class PrefillSpan:
     def mask(self) -> torch.Tensor | None:
         """[q, context_len] bool, True where a query sees a key; None means plain causal (q ==
         context_len)."""
-        if self.given_mask is not None or self.query_start is None:
-            return self.given_mask
+        if self.query_start is None:
+            return None
         device = self.context_slots.device
         pos = torch.arange(self.context_len, device=device)
         qpos = torch.arange(self.query_start, self.context_len, device=device)
@@ -139,11 +138,11 @@ class AttentionMetadata:
                 decode_seqs.append(i)
                 decode_rows.append(start)
             elif q == ctx:
-                prefills.append(PrefillSpan(start, start + q, None, None, ctx, slot_mapping[start : start + q]))
+                prefills.append(PrefillSpan(start, start + q, None, ctx, slot_mapping[start : start + q]))
             else:
                 pos = torch.arange(ctx, device=device)
                 slots = tables[i, pos // block_size] * block_size + pos % block_size
-                prefills.append(PrefillSpan(start, start + q, slots, None, ctx, slot_mapping[start : start + q],
+                prefills.append(PrefillSpan(start, start + q, slots, ctx, slot_mapping[start : start + q],
                                             query_start=ctx - q))
             start += q
 
