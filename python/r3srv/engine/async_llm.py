@@ -29,6 +29,7 @@ from r3srv.engine.output_processor import OutputProcessor, StopSequence
 from r3srv.engine.requests import CoreOutputs
 from r3srv.engine_options import with_option_keywords
 from r3srv.errors import InvalidRequestError, R3srvError
+from r3srv.kernels.openmp_team import end_team_here
 from r3srv.models.loader import NamedTensors
 from r3srv.offload import OFFLOAD_MIN_SIZE, run_sized
 from r3srv.outputs import OutputKind, RequestOutput, merge_deltas
@@ -189,6 +190,7 @@ class AsyncLLM(EngineFacts):
         """Every engine option (r3srv.config) as a keyword. Config errors (ConfigError) raise
         here, on the caller's thread, before the threads start."""
         self.core = EngineCore(engine_config(model, **options))
+        end_team_here()  # the steps run on the core thread's team alone (kernels/openmp_team.py)
         core = self.core
         self.input_processor = InputProcessor.of(core)  # any thread may call it
         self._output = OutputProcessor(core.tokenizer)  # the output thread's alone

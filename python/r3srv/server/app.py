@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,6 +20,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Receive, Scope, Send
 
 import r3srv
+from r3srv.kernels.openmp_team import serial_torch_here
 from r3srv.server.auth import ApiKeys, Authenticate
 from r3srv.server.body import decode_body
 from r3srv.server.chat_output import ChatParsers
@@ -89,6 +91,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        # torch's parallel work is the engine's: the loop's thread and its workers run theirs
+        # on one thread each, so that the core thread's OpenMP team is the process's only one
+        serial_torch_here()
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="r3srv-worker", initializer=serial_torch_here))
         watcher = asyncio.create_task(watch_engine())
         try:
             yield
