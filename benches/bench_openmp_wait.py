@@ -1,5 +1,6 @@
-"""torch's OpenMP threads waiting passively (`r3srv serve`'s default on the CPU, r3srv/preload.py)
-against libgomp's default wait (spin 300,000 times, then sleep), as same-run ratios.
+"""torch's OpenMP threads waiting passively (`r3srv serve`'s choice where the kernels run on a
+pool of their own, r3srv/preload.py) against libgomp's default wait (spin 300,000 times, then
+sleep; `serve`'s default), as same-run ratios.
 
     .venv/bin/python benches/bench_openmp_wait.py --threads 1 2 --pairs 6
     .venv/bin/python -m pytest benches/bench_openmp_wait.py -s      (one short pair: a smoke run)

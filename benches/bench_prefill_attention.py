@@ -45,7 +45,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def prefill_kernel(on: bool, dtype: torch.dtype, threads: int):
     """The CPU backend's prefill op, the kernel off or on (on more than one thread, while torch's
     OpenMP threads spin between ops, the backend takes it for large steps only: ops/cpu.py's
-    RUST_THREADED_PREFILL_MIN_MACS; run with OMP_WAIT_POLICY=PASSIVE for `r3srv serve`'s choice)."""
+    RUST_THREADED_PREFILL_MIN_MACS; run with OMP_WAIT_POLICY=PASSIVE for `r3srv serve`'s choice
+    beside the kernels' own pool)."""
     with settings.overridden(rust_prefill=on, cpu_threads=threads):
         return ops_for("cpu", dtype).prefill_attention
 

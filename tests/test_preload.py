@@ -56,9 +56,10 @@ def test_the_server_process_runs_with_tcmalloc_where_installed():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_openmp_waits_passively_on_the_cpu_unless_the_user_chose(monkeypatch, tmp_path, seed):
-    """Generated environments: the passive wait is added for a CPU server only, and never over a
-    wait policy or spin count already in the environment, whatever its value."""
+def test_openmp_waits_passively_beside_a_pool_of_kernels_unless_the_user_chose(monkeypatch, tmp_path, seed):
+    """Generated environments: the passive wait is added for a CPU server whose kernels run on a
+    pool of their own only, and never over a wait policy or spin count already in the
+    environment, whatever its value."""
     rng = random.Random(seed)
     driver = tmp_path / "nvidiactl"
     driver.touch()
@@ -66,32 +67,38 @@ def test_openmp_waits_passively_on_the_cpu_unless_the_user_chose(monkeypatch, tm
         has_driver = rng.random() < 0.5
         monkeypatch.setattr(preload, "NVIDIA_CONTROL_DEVICE", str(driver if has_driver else tmp_path / "none"))
         device = rng.choice(["cpu", "auto", "cuda", "cuda:1"])
+        on_team = rng.random() < 0.5
         environ = {"HOME": "/root"}
         for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"):
             if rng.random() < 0.4:
                 environ[name] = rng.choice(["ACTIVE", "passive", "0", "10000", ""])
         on_gpu = device.startswith("cuda") or (device == "auto" and has_driver)
         chosen = "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ
-        want = {} if on_gpu or chosen else {"OMP_WAIT_POLICY": "PASSIVE"}
-        assert preload.openmp_env(environ, device) == want, (device, has_driver, environ)
+        want = {} if on_gpu or chosen or on_team else {"OMP_WAIT_POLICY": "PASSIVE"}
+        assert preload.openmp_env(environ, device, on_team) == want, (device, has_driver, on_team, environ)
 
 
-@pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
-def test_the_server_process_has_libgomp_wait_as_chosen(monkeypatch, user_policy):
-    """libgomp prints the wait it loaded with (OMP_DISPLAY_ENV): no spinning in a CPU server (its
-    default, unset, also prints PASSIVE but spins 300,000 times first), and the user's own policy
-    where one is set. torch loads libgomp after serve sets the policy."""
+@pytest.mark.parametrize(("user_policy", "kernels_on_team", "shown"), [
+    (None, True, ("OMP_WAIT_POLICY = 'PASSIVE'", "GOMP_SPINCOUNT = '300000'")),  # libgomp's default
+    (None, False, ("OMP_WAIT_POLICY = 'PASSIVE'", "GOMP_SPINCOUNT = '0'")),
+    ("ACTIVE", False, ("OMP_WAIT_POLICY = 'ACTIVE'",)),
+])
+def test_the_server_process_has_libgomp_wait_as_chosen(monkeypatch, user_policy, kernels_on_team, shown):
+    """libgomp prints the wait it loaded with (OMP_DISPLAY_ENV): its default spin (it prints
+    PASSIVE for the unset policy, and spins 300,000 times) where the kernels run on torch's team,
+    no spinning beside a pool of their own, and the user's own policy where one is set. torch
+    loads libgomp after serve sets the policy."""
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # the server's own choice, not this shell's
         monkeypatch.delenv(name, raising=False)
-    env = {"OMP_DISPLAY_ENV": "VERBOSE", **({"OMP_WAIT_POLICY": user_policy} if user_policy else {})}
+    env = {"OMP_DISPLAY_ENV": "VERBOSE", "R3SRV_OPENMP_KERNEL_THREADS": "1" if kernels_on_team else "0",
+           **({"OMP_WAIT_POLICY": user_policy} if user_policy else {})}
     with RemoteServer(*TEST_SERVER_ARGS, env=env) as srv:
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
         log = srv.log
     assert "OPENMP DISPLAY ENVIRONMENT BEGIN" in log, log[-3000:]
-    if user_policy is None:
-        assert "OMP_WAIT_POLICY = 'PASSIVE'" in log and "GOMP_SPINCOUNT = '0'" in log, log[-3000:]
-    else:
-        assert f"OMP_WAIT_POLICY = '{user_policy}'" in log and "GOMP_SPINCOUNT = '0'" not in log, log[-3000:]
+    assert all(line in log for line in shown), log[-3000:]
+    if user_policy is not None:
+        assert "GOMP_SPINCOUNT = '0'" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("seed", range(4))

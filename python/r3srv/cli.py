@@ -104,9 +104,10 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     if own_process:
-        from r3srv.preload import reexec_with_tcmalloc, wait_passively
+        from r3srv.preload import choose_openmp_wait, reexec_with_tcmalloc
 
-        wait_passively(args.device)  # before anything imports torch
+        # before anything imports torch
+        choose_openmp_wait(args.device, settings.current().openmp_kernel_threads)
         reexec_with_tcmalloc(args.device, settings.current().tcmalloc)
     # Imported here so `r3srv --help` stays fast.
     import uvicorn

@@ -1,5 +1,5 @@
 """The server process's start on the CPU: tcmalloc preloaded, as vLLM's CPU backend preloads
-it, and torch's OpenMP threads set to wait passively.
+it, and torch's OpenMP threads told how to wait between ops.
 
 A CPU step allocates and frees tensors of a megabyte and more (activations, the expert pass's
 buffers) every step; glibc's malloc hands such blocks back to the kernel and faults their pages
@@ -9,15 +9,15 @@ re-executes itself once with it added: an exec, not a child, so the PID a superv
 holds stays the server's. Only on its own command line (never inside a caller's process), when
 the library is installed (Debian/Ubuntu: libtcmalloc-minimal4) and no GPU will be used.
 
-torch's Linux wheels run their ops' threads on libgomp, whose threads spin after an op, waiting
-for the next, before they sleep. On the CPU a prefill step's torch ops (its linear layers) are
-followed by the Rust kernels (the router, the expert pass, attention), whose threads then share
-the cores with the spinning ones: at two threads the expert pass after a torch op took 15-20%
-longer. OMP_WAIT_POLICY=PASSIVE makes them sleep at once (docs/benchmarks.md). libgomp reads it
-when it loads, with torch, so `serve` sets it before anything imports torch; a wait policy or
-spin count the user set stays. The kernels now run on torch's OpenMP team itself
-(kernels/kernel_threads.py), where either wait measured the same for the server; the passive
-one stays for kernels on a pool of their own (`--no-openmp-kernel-threads`).
+torch's Linux wheels run their ops' threads on libgomp, whose threads spin after a parallel
+region (300,000 turns), waiting for the next, before they sleep. The Rust kernels run on that
+same team (kernels/kernel_threads.py), so a step's regions follow each other on threads that
+are already awake: `serve` leaves libgomp's wait as it is (two threads served, bfloat16
+throughput 1.29x vLLM-CPU's with it against 0.98x passive, docs/benchmarks.md, "One OpenMP
+team"). With the kernels on a pool of their own (`--no-openmp-kernel-threads`), the spinning
+team would share the cores with the pool's threads, and `serve` sets OMP_WAIT_POLICY=PASSIVE
+(they sleep at once). libgomp reads it when it loads, with torch, so that is set before
+anything imports torch; a wait policy or spin count the user set stays.
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ def preload_env(environ: Mapping[str, str], device: str, enabled: bool, library:
     return {**environ, "LD_PRELOAD": f"{library}:{preload}" if preload else library}
 
 
-def openmp_env(environ: Mapping[str, str], device: str) -> dict[str, str]:
+def openmp_env(environ: Mapping[str, str], device: str, kernels_on_team: bool) -> dict[str, str]:
     """What the server adds to its environment for torch's OpenMP threads: a passive wait on the
-    CPU, unless `environ` sets a wait policy or spin count of its own."""
-    if uses_gpu(device) or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+    CPU when the kernels run on a pool of their own (not `kernels_on_team`), unless `environ`
+    sets a wait policy or spin count of its own."""
+    chosen = "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ
+    if kernels_on_team or uses_gpu(device) or chosen:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -71,10 +73,10 @@ def waits_passively(environ: Mapping[str, str] = os.environ) -> bool:
     return policy.strip().lower() == "passive" or spins.strip() == "0"
 
 
-def wait_passively(device: str) -> None:
+def choose_openmp_wait(device: str, kernels_on_team: bool) -> None:
     """Adds `openmp_env`'s choice to this process's environment: call it before torch is imported
     (libgomp reads it once, when torch loads it)."""
-    os.environ.update(openmp_env(os.environ, device))
+    os.environ.update(openmp_env(os.environ, device, kernels_on_team))
 
 
 def reexec_with_tcmalloc(device: str, enabled: bool) -> None:
