@@ -255,7 +255,9 @@ struct Item<'o, T> {
     seq: usize,
     start: usize,
     end: usize,
-    /// The sequence's output row, [heads, v_dim], contiguous.
+    /// The KV heads it attends for (all of them, or one where a step has fewer sequences than
+    /// threads), and their query heads' part of the sequence's output row, [heads, v_dim].
+    kv_heads: std::ops::Range<usize>,
     out: &'o mut [T],
 }
 
@@ -332,8 +334,14 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
         return Err("two sequences write the same output row".into());
     }
 
-    // Each sequence's output row: disjoint borrows of `out`.
-    let mut items = Vec::with_capacity(seqs);
+    // each thread at least PARALLEL_MIN_MACS of work: a many-core host spawns no idle threads
+    let threads = threads.min(macs / PARALLEL_MIN_MACS).max(1);
+    // fewer sequences than threads (a long prompt's decode steps): each KV head an item of its
+    // own, so that one sequence's heads run on several threads (a head's sums are the same)
+    let per_head = seqs < threads && kv_heads > 1;
+    let group_len = heads / kv_heads * v_dim;
+    // Each sequence's output row (or each KV head's part of it): disjoint borrows of `out`.
+    let mut items = Vec::with_capacity(if per_head { seqs * kv_heads } else { seqs });
     let mut rest = out;
     let mut next_row = 0;
     for &(row, seq) in &order {
@@ -342,11 +350,15 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
         rest = tail;
         next_row = row + 1;
         let (start, end) = visible(d.lens[seq] as usize, d.window);
-        items.push(Item { seq, start, end, out: mine });
+        if per_head {
+            for (h, part) in mine.chunks_exact_mut(group_len).enumerate() {
+                items.push(Item { seq, start, end, kv_heads: h..h + 1, out: part });
+            }
+        } else {
+            items.push(Item { seq, start, end, kv_heads: 0..kv_heads, out: mine });
+        }
     }
-
-    // each thread at least PARALLEL_MIN_MACS of work: a many-core host spawns no idle threads
-    let threads = threads.min(macs / PARALLEL_MIN_MACS).clamp(1, seqs.max(1));
+    let threads = threads.min(items.len().max(1));
     crate::workers::take_in_turn(threads, &mut items, &|items| run(d, items, isa));
     Ok(())
 }
@@ -456,9 +468,11 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
 ) {
     let (heads, head_dim, v_dim) = (d.q.heads, d.q.dim, d.v.dim);
     let group = heads / d.k.heads;
+    let kv_heads = item.kv_heads.clone();
+    let mine = kv_heads.start * group..kv_heads.end * group; // the item's query heads
     let row = d.rows[item.seq] as usize;
     let table = &d.tables[item.seq * d.max_blocks..][..d.max_blocks];
-    for h in 0..heads {
+    for h in mine.clone() {
         for (dst, &x) in s.q[h * head_dim..][..head_dim].iter_mut().zip(d.q.at(row, h)) {
             *dst = x.to_f32();
         }
@@ -471,12 +485,15 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
     let mut lo = item.start;
     tile_slots(d, table, lo, TILE.min(item.end - lo), &mut slots);
     // the first tile asked for at once: its lines arrive together, not one miss after another
-    prefetch_slots(d, &slots[..TILE.min(item.end - lo)]);
+    for h in kv_heads.clone() {
+        prefetch_rows(&d.k, &slots[..TILE.min(item.end - lo)], h);
+        prefetch_rows(&d.v, &slots[..TILE.min(item.end - lo)], h);
+    }
     while lo < item.end {
         let n = TILE.min(item.end - lo);
         let next_n = TILE.min(item.end - lo - n);
         tile_slots(d, table, lo + n, next_n, &mut next_slots);
-        for kv_head in 0..d.k.heads {
+        for kv_head in kv_heads.clone() {
             let first = kv_head * group; // the group's first query head
             let scores = &mut s.scores[first * TILE..][..group * TILE];
             // the next tile's rows of this KV head, keys before its scores and values before its
@@ -508,14 +525,15 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
         std::mem::swap(&mut slots, &mut next_slots);
         lo += n;
     }
-    for h in 0..heads {
+    for h in mine.clone() {
         let mut norm = 1.0 / s.total[h];
         if let Some(sinks) = d.sinks {
             let m_new = s.max[h].max(sinks[h]);
             let decay = exp(s.max[h] - m_new);
             norm = decay / (s.total[h] * decay + exp(sinks[h] - m_new));
         }
-        for (o, &a) in item.out[h * v_dim..][..v_dim].iter_mut().zip(&s.acc[h * v_dim..][..v_dim]) {
+        let at = (h - mine.start) * v_dim;
+        for (o, &a) in item.out[at..][..v_dim].iter_mut().zip(&s.acc[h * v_dim..][..v_dim]) {
             *o = T::from_f32(a * norm);
         }
     }
@@ -1292,6 +1310,42 @@ mod tests {
         let c =
             Case { heads: 32, kv_heads: 1, head_dim: 96, v_dim: 80, page: 16, lens, window: Some(600), sinks: true };
         check(&c, Isa::detect(), 2);
+    }
+
+    /// Fewer sequences than threads: each KV head an item of its own, the bits of one thread
+    /// (a head's sums do not depend on which thread runs it), float32 and bfloat16, every ISA.
+    #[test]
+    fn a_long_sequences_heads_split_over_threads_keep_their_bits() {
+        fn run<T: Element>(c: &Case, cast: impl Fn(&[f32]) -> Vec<T>, isa: Isa, threads: usize) -> Vec<T> {
+            let (q, k, v, tables, max_blocks, rows, sinks, tokens) = inputs(c, 7 + c.kv_heads as u64);
+            let (q, k, v) = (cast(&q), cast(&k), cast(&v));
+            let d = decode_of(c, (&q, &k, &v), &tables, max_blocks, &rows, &sinks, tokens, 0.2);
+            let mut out = vec![T::from_f32(-7.0); tokens * c.heads * c.v_dim];
+            paged_decode(&d, &mut out, threads, isa).unwrap();
+            out
+        }
+        let bits32 = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let bits16 = |v: Vec<Bf16>| v.into_iter().map(|x| x.0).collect::<Vec<_>>();
+        let f32s = |x: &[f32]| x.to_vec();
+        let bf16s = |x: &[f32]| x.iter().map(|&v| Bf16::from_f32(v)).collect::<Vec<Bf16>>();
+        let isas = [Isa::Scalar, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.runs());
+        for isa in isas {
+            for (heads, kv_heads, lens, window, sinks) in [
+                (4, 2, vec![3000], None, false),
+                (8, 4, vec![2500, 40], Some(900), true),
+                (12, 3, vec![1800], None, true),
+            ] {
+                let c = Case { heads, kv_heads, head_dim: 64, v_dim: 48, page: 16, lens, window, sinks };
+                let (one32, one16) = (run(&c, f32s, isa, 1), run(&c, bf16s, isa, 1));
+                for threads in [2, 3, 8] {
+                    let what =
+                        format!("{isa:?}, {heads}/{kv_heads} heads, {} sequences, {threads} threads", c.lens.len());
+                    assert_eq!(bits32(run(&c, f32s, isa, threads)), bits32(one32.clone()), "float32, {what}");
+                    assert_eq!(bits16(run(&c, bf16s, isa, threads)), bits16(one16.clone()), "bfloat16, {what}");
+                }
+                check(&c, isa, 2); // the split's every output written, against the reference
+            }
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
