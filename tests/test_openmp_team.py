@@ -84,7 +84,8 @@ async def one():
 
 assert len(asyncio.run(one()).outputs[0].token_ids) == 4
 stepped = spinning()
-assert stepped > 0.3, f"the core thread's team sleeps between regions ({stepped:.0%} of a CPU): throttled"
+# throttled, it spins 100 turns (microseconds); spinning, it keeps a CPU or its share of one
+assert stepped > 0.1, f"the core thread's team sleeps between regions ({stepped:.0%} of a CPU): throttled"
 engine.shutdown()
 print("ok")
 """
