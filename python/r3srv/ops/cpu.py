@@ -14,8 +14,9 @@ paths otherwise, each chosen once when a model is built (`build`).
   kernels/paged_prefill_cpu.py (`--[no-]rust-prefill`; on more than one thread only for steps
   of RUST_THREADED_PREFILL_MIN_MACS where the kernels run on a pool of their own while torch's
   OpenMP threads spin, not on torch's team (kernels/kernel_threads.py, the default) or with the
-  passive wait `r3srv serve` sets beside such a pool); longer ones (and all, off) SDPA per prompt, a chunk after
-  cached tokens as two flash attentions merged by their log-sum-exps (ops/attention.py);
+  passive wait `r3srv serve` sets beside such a pool); longer ones (and all, off) SDPA per
+  prompt, a chunk after cached tokens as two flash attentions merged by their log-sum-exps
+  (ops/attention.py);
 - routing without a correction bias or groups: kernels/router_cpu.py (`--[no-]rust-router`,
   `--force-torch-router`);
 - the expert pass (float32, bfloat16: a prefill's products in AMX tiles where the CPU has them,
@@ -73,7 +74,7 @@ SCAN_PAD_FACTOR = 0.0
 def build(dtype: torch.dtype, current: Settings) -> Ops:
     threads = current.cpu_threads
     # the kernels' threads share the cores with OpenMP threads spinning after torch's ops only on
-    # a pool of their own, and only while libgomp spins (beside one, r3srv serve makes it wait passively)
+    # a pool of their own, and only while libgomp spins (beside one, r3srv serve has it wait passively)
     contended = kernel_threads.choose(current.openmp_kernel_threads) != "openmp" and not waits_passively()
     rust_dtype = dtype in RUST_DTYPES
     expert_pairs_cpu.allow_amx(current.amx_tiles)  # before torch_prefills asks what the flash kernel runs in
