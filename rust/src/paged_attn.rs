@@ -485,10 +485,7 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
     let mut lo = item.start;
     tile_slots(d, table, lo, TILE.min(item.end - lo), &mut slots);
     // the first tile asked for at once: its lines arrive together, not one miss after another
-    for h in kv_heads.clone() {
-        prefetch_rows(&d.k, &slots[..TILE.min(item.end - lo)], h);
-        prefetch_rows(&d.v, &slots[..TILE.min(item.end - lo)], h);
-    }
+    prefetch_slots(d, &slots[..TILE.min(item.end - lo)], kv_heads.clone());
     while lo < item.end {
         let n = TILE.min(item.end - lo);
         let next_n = TILE.min(item.end - lo - n);
@@ -559,12 +556,12 @@ fn tile_slots<T: Element>(d: &PagedDecode<'_, T>, table: &[i64], lo: usize, n: u
     }
 }
 
-/// Asks for the key and value rows of every KV head at `slots` (the next tile's) to be brought
-/// into the L2 cache while the tile at hand is computed: a tile's rows sit in scattered blocks, a
-/// few KiB each, that the hardware prefetcher does not foresee.
+/// Asks for the key and value rows of KV heads `heads` at `slots` (the next tile's) to be
+/// brought into the L2 cache while the tile at hand is computed: a tile's rows sit in scattered
+/// blocks, a few KiB each, that the hardware prefetcher does not foresee.
 #[inline(always)]
-pub(crate) fn prefetch_slots<T: Element>(d: &PagedDecode<'_, T>, slots: &[usize]) {
-    for h in 0..d.k.heads {
+pub(crate) fn prefetch_slots<T: Element>(d: &PagedDecode<'_, T>, slots: &[usize], heads: std::ops::Range<usize>) {
+    for h in heads {
         prefetch_rows(&d.k, slots, h);
         prefetch_rows(&d.v, slots, h);
     }

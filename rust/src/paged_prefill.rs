@@ -294,7 +294,7 @@ fn attend_block<T: Element, const AVX2: bool>(
         let n = TILE.min(end - at);
         let next_n = TILE.min(end - at - n);
         fill(&mut next_tile, at + n, next_n);
-        prefetch_slots(d, &next_tile[..next_n]);
+        prefetch_slots(d, &next_tile[..next_n], 0..d.k.heads);
         for kv_head in 0..kv_heads {
             let scores = &mut s.scores[..rows * TILE];
             let q = &s.q[kv_head * rows * head_dim..][..rows * head_dim];
