@@ -31,6 +31,11 @@ const TILE: usize = crate::amx::TILE;
 pub(crate) const ROWS: usize = 2 * TILE;
 /// Key blocks of one step of the online softmax.
 pub(crate) const STEP: usize = 4;
+/// Floats between two rows of a step's scores: its STEP * KEYS and a cache line more, so that a
+/// tile's 16 rows do not crowd the few L1 sets that rows a power of two apart share.
+pub(crate) const SCORES_ROW: usize = STEP * KEYS + 16;
+/// Pairs between two rows of a step's weights: its STEP * KEYS / 2 and a cache line more (as above).
+pub(crate) const WEIGHTS_ROW: usize = STEP * KEYS / 2 + 16;
 
 /// Pairs of a head's query and key, rounded up to whole tiles (the packed keys' rows a block).
 pub(crate) fn key_pairs(head_dim: usize) -> usize {
@@ -66,7 +71,7 @@ fn lanes_seen(visible: usize, c: usize) -> u16 {
     }
 }
 
-/// Scores [ROWS, WIDTH] into `scores` = the queries (`qs`, [ROWS, d2p] pairs) @ key blocks
+/// Scores [ROWS, SCORES_ROW] into `scores` = the queries (`qs`, [ROWS, d2p] pairs) @ key blocks
 /// b0..b0 + nb, four tiles of 16 keys a block.
 ///
 /// # Safety
@@ -74,13 +79,12 @@ fn lanes_seen(visible: usize, c: usize) -> u16 {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn scores_of(packed: &Packed, qs: *const u32, d2p: usize, b0: usize, nb: usize, scores: *mut f32) {
-    const WIDTH: usize = STEP * KEYS;
     let k_block = d2p * KEYS;
     for j in 0..nb {
         for half in 0..2 {
             // SAFETY: the queries' two row tiles read pairs kt * 16.. of d2p, rows 0..32; the
             // keys' tiles rows kt * 16.. of block b0 + j's d2p, keys 32 * half.. (16 each) of
-            // KEYS; the scores' rows hold WIDTH floats, 32 rows.
+            // KEYS; the scores' 32 rows hold SCORES_ROW floats.
             crate::amx::block(
                 qs,
                 qs.add(TILE * d2p),
@@ -90,8 +94,8 @@ unsafe fn scores_of(packed: &Packed, qs: *const u32, d2p: usize, b0: usize, nb: 
                 TILE * KEYS * 4,
                 d2p / TILE,
                 scores.add(j * KEYS + 32 * half),
-                scores.add(TILE * WIDTH + j * KEYS + 32 * half),
-                WIDTH * 4,
+                scores.add(TILE * SCORES_ROW + j * KEYS + 32 * half),
+                SCORES_ROW * 4,
             );
         }
     }
@@ -142,7 +146,23 @@ unsafe fn weigh(
     let lazy = _mm512_set1_ps(LAZY);
     let (mut even_sum, mut odd_sum) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     let mut over: u16 = 0;
-    for c in (0..vectors).step_by(2) {
+    // the pairs of vectors the row sees whole (most of a step's) without lane masks, their
+    // largest exponent held against 2^LAZY once; the same weights and sums as the loop below
+    let whole = (visible / 16).min(vectors) / 2 * 2;
+    let mut top_t = _mm512_set1_ps(f32::NEG_INFINITY);
+    for c in (0..whole).step_by(2) {
+        let e: [__m512; 2] = std::array::from_fn(|h| {
+            let t = _mm512_fmsub_ps(_mm512_loadu_ps(row.add(16 * (c + h))), scale_log2e, shift);
+            top_t = _mm512_max_ps(top_t, t);
+            exp2_16(t, u16::MAX)
+        });
+        let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(e[1], e[0]));
+        _mm512_storeu_si512(out.add(8 * c) as *mut _, pairs);
+        let pairs: __m512bh = std::mem::transmute(pairs);
+        (even_sum, odd_sum) = (odd_sum, _mm512_dpbf16_ps(even_sum, pairs, ones));
+    }
+    over |= _mm512_cmp_ps_mask::<_CMP_GT_OQ>(top_t, lazy);
+    for c in (whole..vectors).step_by(2) {
         if 16 * c >= visible {
             _mm512_storeu_si512(out.add(8 * c) as *mut _, _mm512_setzero_si512());
             continue;
@@ -187,11 +207,9 @@ pub(crate) unsafe fn tile(
     debug_assert!(n <= ROWS && pos.len() == n);
     let (d2, d2p, dv) = (p.q.dim / 2, key_pairs(p.q.dim), padded(p.v.dim));
     let (k_block, v_block) = (d2p * KEYS, KEYS / 2 * dv);
-    // a row's scores and weights in the scratch buffers
-    const WIDTH: usize = STEP * KEYS;
     debug_assert_eq!(packed.pairs, d2p);
     assert!(s.queries.len() >= ROWS * d2p && s.block.len() >= ROWS * dv && s.acc.len() >= ROWS * dv);
-    assert!(s.scores.len() >= 2 * ROWS * WIDTH && s.weights.len() >= ROWS * WIDTH / 2);
+    assert!(s.scores.len() >= 2 * ROWS * SCORES_ROW && s.weights.len() >= ROWS * WEIGHTS_ROW);
     assert!(packed.k.len() >= blocks * k_block && packed.v.len() >= blocks * v_block);
     // the rows' queries as [ROWS, d2p] pairs, zero past the rows and their pairs; the weights of
     // rows past n stay zero (each step writes every weight its tiles read of rows < n)
@@ -206,7 +224,7 @@ pub(crate) unsafe fn tile(
             None => row.fill(0),
         }
     }
-    s.weights[n * WIDTH / 2..ROWS * WIDTH / 2].fill(0);
+    s.weights[n * WEIGHTS_ROW..ROWS * WEIGHTS_ROW].fill(0);
     s.acc[..n * dv].fill(0.0);
     let mut max = [f32::NEG_INFINITY; ROWS];
     let mut total = [0f32; ROWS];
@@ -223,7 +241,7 @@ pub(crate) unsafe fn tile(
     let steps = blocks.div_ceil(STEP);
     // two buffers of scores: a step's products run in the tiles while the previous step's
     // softmax runs in the vector units
-    let scores_at = |t: usize| scores.add(t % 2 * ROWS * WIDTH);
+    let scores_at = |t: usize| scores.add(t % 2 * ROWS * SCORES_ROW);
     scores_of(packed, qs, d2p, 0, STEP.min(blocks), scores_at(0));
     for t in 0..steps {
         let (b0, next) = (t * STEP, (t + 1) * STEP);
@@ -237,8 +255,8 @@ pub(crate) unsafe fn tile(
         let vectors = 4 * nb;
         for i in 0..n {
             let visible = (pos[i] + 1).saturating_sub(b0 * KEYS).min(nb * KEYS);
-            let row = scores.add(i * WIDTH);
-            let out = weights.add(i * WIDTH / 2);
+            let row = scores.add(i * SCORES_ROW);
+            let out = weights.add(i * WEIGHTS_ROW);
             // the row's running maximum stays while no weight of the step passes 2^LAZY over it;
             // a first step, or one that would pass it, takes the step's own maximum (`maximum`)
             let (mut top, mut fix) = (max[i], 1.0);
@@ -263,12 +281,12 @@ pub(crate) unsafe fn tile(
         let vp = packed.v.as_ptr().add(b0 * v_block);
         for c0 in (0..dv).step_by(32) {
             // SAFETY: the weights' two row tiles read rows 0..32, 16 pairs at 16 * step of a
-            // row's WIDTH / 2; the values' rows 16 * step.. of the blocks' nb * KEYS / 2, columns
+            // row's WEIGHTS_ROW; the values' rows 16 * step.. of the blocks' nb * KEYS / 2, columns
             // c0..c0 + 32 of dv; the block's sums hold ROWS x dv.
             crate::amx::block(
                 weights,
-                weights.add(TILE * WIDTH / 2),
-                WIDTH / 2 * 4,
+                weights.add(TILE * WEIGHTS_ROW),
+                WEIGHTS_ROW * 4,
                 vp.add(c0),
                 dv * 4,
                 TILE * dv * 4,

@@ -269,8 +269,8 @@ impl Scratch {
         let keys = if amx { crate::flash_amx::STEP * KEYS } else { KEYS };
         Scratch {
             // AMX tiles: two steps' scores (crate::flash_amx's pipeline)
-            scores: Lines::filled(if amx { 2 } else { 1 } * rows * keys, 0.0),
-            weights: Lines::filled(rows * keys / 2, 0),
+            scores: Lines::filled(if amx { 2 * rows * crate::flash_amx::SCORES_ROW } else { rows * keys }, 0.0),
+            weights: Lines::filled(rows * if amx { crate::flash_amx::WEIGHTS_ROW } else { keys / 2 }, 0),
             acc: Lines::filled(rows * dv, 0.0),
             queries: Lines::filled(if amx { rows * crate::flash_amx::key_pairs(head_dim) } else { 0 }, 0),
             block: Lines::filled(if amx { rows * dv } else { 0 }, 0.0),
