@@ -4,7 +4,8 @@
 //! paged cache into blocks of KEYS keys, in the kernel's layout for its tiles (`Flash::pack`);
 //! then every ROWS rows of scores (32 in AMX tiles; a query and a head of a KV head's group
 //! each) walk their key blocks from position 0 with an online softmax in float32
-//! (`Flash::tile`). A row's result depends only on its own context, never on its tile, its
+//! (`Flash::tile`); an item's register tiles walk together, a few blocks at a time, so that the
+//! blocks stay near the core while each tile takes them (`run_item`). A row's result depends only on its own context, never on its tile, its
 //! chunk, its batch or the thread count. No sliding window and no sinks (each kernel's `takes`);
 //! everything else is `paged_prefill`'s contract, which takes every call these kernels do not.
 
@@ -80,19 +81,24 @@ pub(crate) trait Flash: Element {
         Tiles::ALL.into_iter().find(|&t| Self::runs(t) && Self::allowed(t))
     }
 
-    /// R rows' attention over their first `blocks` key blocks into s.acc ([R, padded(v_dim)],
-    /// normalized), in `tiles`; row i's query is at q[i], its position pos[i].
+    /// R rows' attention over key blocks `blocks` (a walk's: `Running` holds the rows' state
+    /// between walks) into their sums `acc` ([R, padded(v_dim)], not yet normalized), in
+    /// `tiles`; row i's query is at q[i], its position pos[i].
     ///
     /// # Safety
-    /// `runs(tiles)`; q[..R] point at the rows' queries (head_dim elements each); `blocks`
-    /// covers every row's position and no more than packed.
+    /// `runs(tiles)`; q[..R] point at the rows' queries (head_dim elements each); `blocks` lies
+    /// within packed and within the blocks of the rows' positions, after the blocks of the rows'
+    /// earlier walks.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn tile<const R: usize>(
         tiles: Tiles,
         p: &PagedPrefill<'_, Self>,
         packed: &Self::Packed,
         q: &[*const Self; ROWS],
         pos: &[usize; ROWS],
-        blocks: usize,
+        blocks: std::ops::Range<usize>,
+        running: &mut Running,
+        acc: &mut [f32],
         s: &mut Scratch,
     );
 
@@ -195,12 +201,30 @@ pub(crate) unsafe fn store_sums<const R: usize>(
     }
 }
 
-/// A tile's R rows before their first block: sums s.acc [R, dv] zero, and each row's running
-/// maximum and sum of weights (-inf, 0).
-#[inline(always)]
-pub(crate) fn start_rows<const R: usize>(s: &mut Scratch, dv: usize) -> ([f32; R], [f32; R]) {
-    s.acc[..R * dv].fill(0.0);
-    ([f32::NEG_INFINITY; R], [0f32; R])
+/// A register tile's rows' online softmax between its walks over the key blocks: each row's
+/// running maximum and sum of weights (-inf and 0 before the first block).
+pub(crate) struct Running {
+    max: [f32; ROWS],
+    total: [f32; ROWS],
+}
+
+impl Running {
+    fn new() -> Self {
+        Running { max: [f32::NEG_INFINITY; ROWS], total: [0.0; ROWS] }
+    }
+
+    /// The first R rows' maxima and sums, for a walk to carry in registers.
+    #[inline(always)]
+    pub(crate) fn rows<const R: usize>(&self) -> ([f32; R], [f32; R]) {
+        (std::array::from_fn(|i| self.max[i]), std::array::from_fn(|i| self.total[i]))
+    }
+
+    /// `rows` kept after a walk.
+    #[inline(always)]
+    pub(crate) fn keep<const R: usize>(&mut self, max: [f32; R], total: [f32; R]) {
+        self.max[..R].copy_from_slice(&max);
+        self.total[..R].copy_from_slice(&total);
+    }
 }
 
 /// Each row of `acc` [rows, dv] divided by its sum of weights: the tile's result.
@@ -252,8 +276,9 @@ pub(crate) fn advance_row(max: &mut f32, total: &mut f32, acc: &mut [f32], top: 
 }
 
 /// A thread's buffers for a tile: scores [rows, KEYS], bfloat16 weights [rows, KEYS / 2] (pairs),
-/// the rows' sums [rows, padded(v_dim)]; for AMX tiles also the rows' queries [rows, key pairs]
-/// and a block's sums of values [rows, padded(v_dim)] (rows: the tiles' rows a call).
+/// the rows' sums [rows, padded(v_dim)] (an item's rows for register tiles: `run_item` sizes
+/// them); for AMX tiles also the rows' queries [rows, key pairs] and a block's sums of values
+/// [rows, padded(v_dim)] (rows: the tiles' rows a call).
 pub(crate) struct Scratch {
     pub scores: Lines<f32>,
     pub weights: Lines<u32>,
@@ -426,6 +451,21 @@ fn prefill<T: Flash>(
     });
 }
 
+/// The keys and values of the key blocks a walk takes (`run_item`), about an eighth of an L2
+/// cache: an item's register tiles take a walk's blocks one after another while they stay near
+/// the core, where each tile walking all of a long context read it from L3 every time.
+const WALK_BYTES: usize = 256 * 1024;
+
+/// One register tile of an item: its rows' queries and positions (the first n of ROWS), the
+/// key blocks they see, and their online softmax between walks.
+struct TileRows<T> {
+    q: [*const T; ROWS],
+    pos: [usize; ROWS],
+    n: usize,
+    blocks: usize,
+    running: Running,
+}
+
 /// # Safety
 /// As `Flash::tile`; `out` is `paged_prefill`'s output, whose rows of this item no other thread writes.
 unsafe fn run_item<T: Flash>(
@@ -441,44 +481,84 @@ unsafe fn run_item<T: Flash>(
     let q_len = p.q_lens[span] as usize;
     let start = p.q_starts[span] as usize;
     let rows = item.count * group;
-    let mut r0 = 0;
-    while r0 < rows {
-        let n = rows_per_call(tiles).min(rows - r0);
-        // row r: query item.first + r / group, head kv_head * group + r % group
-        let mut q = [std::ptr::null::<T>(); MAX_ROWS];
-        let mut pos = [0usize; MAX_ROWS];
-        let mut heads = [0usize; MAX_ROWS];
-        for i in 0..n {
-            let (query, head) = (item.first + (r0 + i) / group, item.kv_head * group + (r0 + i) % group);
-            q[i] = p.q.at(start + query, head).as_ptr();
-            pos[i] = ctx - q_len + query;
-            heads[i] = head;
-        }
-        let blocks = pos[..n].iter().max().unwrap() / KEYS + 1;
-        let (rq, rpos): (&[*const T; ROWS], &[usize; ROWS]) =
-            (q[..ROWS].try_into().expect("ROWS rows"), pos[..ROWS].try_into().expect("ROWS rows"));
-        // SAFETY: forwarded, the caller's contract; q[..n] point at the rows' queries.
-        unsafe {
-            match n {
-                _ if tiles == Tiles::Amx => T::amx_tile(p, packed, &q[..n], &pos[..n], blocks, s),
-                6 => T::tile::<6>(tiles, p, packed, rq, rpos, blocks, s),
-                5 => T::tile::<5>(tiles, p, packed, rq, rpos, blocks, s),
-                4 => T::tile::<4>(tiles, p, packed, rq, rpos, blocks, s),
-                3 => T::tile::<3>(tiles, p, packed, rq, rpos, blocks, s),
-                2 => T::tile::<2>(tiles, p, packed, rq, rpos, blocks, s),
-                _ => T::tile::<1>(tiles, p, packed, rq, rpos, blocks, s),
-            }
-        }
-        let (dv, dvp) = (p.v.dim, padded(p.v.dim));
-        for (i, head) in heads.iter().enumerate().take(n) {
-            let query = item.first + (r0 + i) / group;
+    let (dv, dvp) = (p.v.dim, padded(p.v.dim));
+    // row r: query item.first + r / group, head kv_head * group + r % group
+    let query_head = |r: usize| (item.first + r / group, item.kv_head * group + r % group);
+    let position = |r: usize| ctx - q_len + query_head(r).0;
+    // the item's rows from 0: their sums (normalized) into their rows of `out`
+    let write = |first: usize, sums: &[f32]| {
+        for (i, sums) in sums.chunks_exact(dvp).enumerate() {
+            let (query, head) = query_head(first + i);
             // SAFETY: the row lies inside `out` (validated spans) and is this item's own.
             let row =
                 unsafe { std::slice::from_raw_parts_mut(out.0.add(((start + query) * p.q.heads + head) * dv), dv) };
-            for (o, &a) in row.iter_mut().zip(&s.acc[i * dvp..i * dvp + dv]) {
+            for (o, &a) in row.iter_mut().zip(&sums[..dv]) {
                 *o = T::from_f32(a);
             }
         }
-        r0 += n;
+    };
+    if tiles == Tiles::Amx {
+        for r0 in (0..rows).step_by(MAX_ROWS) {
+            let n = MAX_ROWS.min(rows - r0);
+            let (mut q, mut pos) = ([std::ptr::null::<T>(); MAX_ROWS], [0usize; MAX_ROWS]);
+            for i in 0..n {
+                let (query, head) = query_head(r0 + i);
+                q[i] = p.q.at(start + query, head).as_ptr();
+                pos[i] = position(r0 + i);
+            }
+            let blocks = pos[..n].iter().max().unwrap() / KEYS + 1;
+            // SAFETY: forwarded, the caller's contract; q[..n] point at the rows' queries.
+            unsafe { T::amx_tile(p, packed, &q[..n], &pos[..n], blocks, s) };
+            write(r0, &s.acc[..n * dvp]);
+        }
+        return;
     }
+    let mut tile_rows: Vec<TileRows<T>> = (0..rows)
+        .step_by(ROWS)
+        .map(|r0| {
+            let n = ROWS.min(rows - r0);
+            let mut t = TileRows { q: [std::ptr::null(); ROWS], pos: [0; ROWS], n, blocks: 0, running: Running::new() };
+            for i in 0..n {
+                let (query, head) = query_head(r0 + i);
+                t.q[i] = p.q.at(start + query, head).as_ptr();
+                t.pos[i] = position(r0 + i);
+            }
+            t.blocks = t.pos[..n].iter().max().unwrap() / KEYS + 1;
+            t
+        })
+        .collect();
+    let mut acc = std::mem::take(&mut s.acc);
+    acc.resize(rows * dvp, 0.0);
+    acc[..rows * dvp].fill(0.0);
+    // every tile over a walk's blocks before the next walk (each tile's blocks in order, as one
+    // walk over all of them would take them: the same sums)
+    let walk = (WALK_BYTES / (KEYS * (p.q.dim + dvp) * std::mem::size_of::<T>())).max(1);
+    let most = tile_rows.iter().map(|t| t.blocks).max().unwrap_or(0);
+    for b0 in (0..most).step_by(walk) {
+        for (r0, t) in (0..rows).step_by(ROWS).zip(tile_rows.iter_mut()) {
+            let blocks = b0..t.blocks.min(b0 + walk);
+            if blocks.is_empty() {
+                continue;
+            }
+            let sums = &mut acc[r0 * dvp..(r0 + t.n) * dvp];
+            // SAFETY: forwarded, the caller's contract; q[..n] point at the rows' queries and
+            // the blocks follow the tile's earlier walks'.
+            unsafe {
+                match t.n {
+                    6 => T::tile::<6>(tiles, p, packed, &t.q, &t.pos, blocks, &mut t.running, sums, s),
+                    5 => T::tile::<5>(tiles, p, packed, &t.q, &t.pos, blocks, &mut t.running, sums, s),
+                    4 => T::tile::<4>(tiles, p, packed, &t.q, &t.pos, blocks, &mut t.running, sums, s),
+                    3 => T::tile::<3>(tiles, p, packed, &t.q, &t.pos, blocks, &mut t.running, sums, s),
+                    2 => T::tile::<2>(tiles, p, packed, &t.q, &t.pos, blocks, &mut t.running, sums, s),
+                    _ => T::tile::<1>(tiles, p, packed, &t.q, &t.pos, blocks, &mut t.running, sums, s),
+                }
+            }
+        }
+    }
+    for (r0, t) in (0..rows).step_by(ROWS).zip(&tile_rows) {
+        let sums = &mut acc[r0 * dvp..(r0 + t.n) * dvp];
+        normalize(sums, &t.running.total[..t.n], dvp);
+        write(r0, sums);
+    }
+    s.acc = acc;
 }

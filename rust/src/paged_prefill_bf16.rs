@@ -6,7 +6,7 @@
 //! product (as bfloat16 flash attentions do) and the denominator summed from the rounded weights.
 
 use crate::aligned::Lines;
-use crate::flash_prefill::{advance_row, exp_row, normalize, padded, start_rows, Flash, Scratch, Tiles, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, padded, Flash, Running, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums};
 use crate::matmul_bf16::pair_bits;
@@ -105,7 +105,9 @@ impl Flash for Bf16 {
         packed: &Packed,
         q: &[*const Self; ROWS],
         pos: &[usize; ROWS],
-        blocks: usize,
+        blocks: std::ops::Range<usize>,
+        running: &mut Running,
+        acc: &mut [f32],
         s: &mut Scratch,
     ) {
         debug_assert_eq!(tiles, Tiles::Avx512);
@@ -113,36 +115,39 @@ impl Flash for Bf16 {
         // SAFETY: forwarded, the caller's contract (runs(tiles): AVX-512F and AVX-512 BF16); a
         // query's bfloat16 pairs read as u32s.
         unsafe {
-            tile::<R>(p, packed, &q.map(|q| q as *const u32), pos, blocks, s)
+            tile::<R>(p, packed, &q.map(|q| q as *const u32), pos, blocks, running, acc, s)
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (p, packed, q, pos, blocks, s);
+            let _ = (p, packed, q, pos, blocks, running, acc, s);
             unreachable!("runs is false off x86_64")
         }
     }
 }
 
-/// R rows' attention over their key blocks into s.acc (normalized).
+/// R rows' attention over key blocks `blocks` into their sums `acc_rows` (`Flash::tile`).
 ///
 /// # Safety
 /// As `Flash::tile`; q[..R] point at the rows' queries (head_dim bfloat16 each).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile<const R: usize>(
     p: &PagedPrefill<'_, Bf16>,
     packed: &Packed,
     q: &[*const u32; ROWS],
     pos: &[usize; ROWS],
-    blocks: usize,
+    blocks: std::ops::Range<usize>,
+    running: &mut Running,
+    acc_rows: &mut [f32],
     s: &mut Scratch,
 ) {
     use std::arch::x86_64::*;
     let (d2, dv) = (p.q.dim / 2, padded(p.v.dim));
     let (k_block, v_block) = (packed.pairs * KEYS, KEYS / 2 * dv);
-    let (mut max, mut total) = start_rows::<R>(s, dv);
-    for b in 0..blocks {
+    let (mut max, mut total) = running.rows::<R>();
+    for b in blocks {
         // scores: q . k for the block's keys
         let kp = packed.k.as_ptr().add(b * k_block);
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
@@ -178,7 +183,7 @@ unsafe fn tile<const R: usize>(
             advance_row(
                 &mut max[i],
                 &mut total[i],
-                &mut s.acc[i * dv..(i + 1) * dv],
+                &mut acc_rows[i * dv..(i + 1) * dv],
                 tops[i],
                 fix,
                 _mm512_reduce_add_ps(sum),
@@ -187,7 +192,7 @@ unsafe fn tile<const R: usize>(
         // values: acc += p . v, 64 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);
         for c0 in (0..dv).step_by(64) {
-            let mut acc = load_sums::<R>(&s.acc, dv, c0);
+            let mut acc = load_sums::<R>(acc_rows, dv, c0);
             for kk in 0..KEYS / 2 {
                 let w: [__m512bh; 4] = std::array::from_fn(|c| {
                     std::mem::transmute(_mm512_loadu_si512(vp.add(kk * dv + c0 + 16 * c) as *const _))
@@ -199,8 +204,8 @@ unsafe fn tile<const R: usize>(
                     }
                 }
             }
-            store_sums(&acc, &mut s.acc, dv, c0);
+            store_sums(&acc, acc_rows, dv, c0);
         }
     }
-    normalize(&mut s.acc[..R * dv], &total, dv);
+    running.keep(max, total);
 }

@@ -8,7 +8,7 @@
 //! keep every chain's order (the same bits).
 
 use crate::aligned::Lines;
-use crate::flash_prefill::{advance_row, exp_row, normalize, padded, start_rows, Flash, Scratch, Tiles, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, padded, Flash, Running, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums, sum_halves};
 #[cfg(target_arch = "x86_64")]
@@ -96,46 +96,52 @@ impl Flash for f32 {
         packed: &Packed,
         q: &[*const f32; ROWS],
         pos: &[usize; ROWS],
-        blocks: usize,
+        blocks: std::ops::Range<usize>,
+        running: &mut Running,
+        acc: &mut [f32],
         s: &mut Scratch,
     ) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded, the caller's contract (runs(tiles): AVX-512F, or AVX2 and FMA).
         unsafe {
             match tiles {
-                Tiles::Avx512 => tile_512::<R>(p, packed, q, pos, blocks, s),
-                Tiles::Avx2 => tile_256::<R>(p, packed, q, pos, blocks, s),
+                Tiles::Avx512 => tile_512::<R>(p, packed, q, pos, blocks, running, acc, s),
+                Tiles::Avx2 => tile_256::<R>(p, packed, q, pos, blocks, running, acc, s),
                 Tiles::Amx => unreachable!("no float32 AMX tiles"),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (tiles, p, packed, q, pos, blocks, s);
+            let _ = (tiles, p, packed, q, pos, blocks, running, acc, s);
             unreachable!("runs is false off x86_64")
         }
     }
 }
 
-/// R rows' attention over their key blocks into s.acc (normalized), in AVX-512 registers.
+/// R rows' attention over key blocks `blocks` into their sums `acc_rows` (`Flash::tile`), in
+/// AVX-512 registers.
 ///
 /// # Safety
 /// As `Flash::tile`; q[..R] point at the rows' queries (head_dim float32 each).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile_512<const R: usize>(
     p: &PagedPrefill<'_, f32>,
     packed: &Packed,
     q: &[*const f32; ROWS],
     pos: &[usize; ROWS],
-    blocks: usize,
+    blocks: std::ops::Range<usize>,
+    running: &mut Running,
+    acc_rows: &mut [f32],
     s: &mut Scratch,
 ) {
     use std::arch::x86_64::*;
     let (d, dv) = (p.q.dim, padded(p.v.dim));
     let (k_block, v_block) = (d * KEYS, KEYS * dv);
-    let (mut max, mut total) = start_rows::<R>(s, dv);
-    for b in 0..blocks {
+    let (mut max, mut total) = running.rows::<R>();
+    for b in blocks {
         // scores: q . k for the block's keys
         let kp = packed.k.as_ptr().add(b * k_block);
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
@@ -161,12 +167,19 @@ unsafe fn tile_512<const R: usize>(
             );
             let (lo, hi) =
                 (_mm512_castps512_ps256(sum), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sum))));
-            advance_row(&mut max[i], &mut total[i], &mut s.acc[i * dv..(i + 1) * dv], tops[i], fix, sum_halves(lo, hi));
+            advance_row(
+                &mut max[i],
+                &mut total[i],
+                &mut acc_rows[i * dv..(i + 1) * dv],
+                tops[i],
+                fix,
+                sum_halves(lo, hi),
+            );
         }
         // values: acc += p . v, 64 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);
         for c0 in (0..dv).step_by(64) {
-            let mut acc = load_sums::<R>(&s.acc, dv, c0);
+            let mut acc = load_sums::<R>(acc_rows, dv, c0);
             for kk in 0..KEYS {
                 let w: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(vp.add(c0 * KEYS + kk * 64 + 16 * c)));
                 for (i, a) in acc.iter_mut().enumerate() {
@@ -176,10 +189,10 @@ unsafe fn tile_512<const R: usize>(
                     }
                 }
             }
-            store_sums(&acc, &mut s.acc, dv, c0);
+            store_sums(&acc, acc_rows, dv, c0);
         }
     }
-    normalize(&mut s.acc[..R * dv], &total, dv);
+    running.keep(max, total);
 }
 
 /// `tile_512` in AVX2 registers: 6 rows x 16 lanes (12 sums of 16 registers), the block's scores
@@ -191,21 +204,24 @@ unsafe fn tile_512<const R: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile_256<const R: usize>(
     p: &PagedPrefill<'_, f32>,
     packed: &Packed,
     q: &[*const f32; ROWS],
     pos: &[usize; ROWS],
-    blocks: usize,
+    blocks: std::ops::Range<usize>,
+    running: &mut Running,
+    acc_rows: &mut [f32],
     s: &mut Scratch,
 ) {
     use std::arch::x86_64::*;
     let (d, dv) = (p.q.dim, padded(p.v.dim));
     let (k_block, v_block) = (d * KEYS, KEYS * dv);
-    let (mut max, mut total) = start_rows::<R>(s, dv);
+    let (mut max, mut total) = running.rows::<R>();
     let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     let (scale, hidden) = (_mm256_set1_ps(p.scale), _mm256_set1_ps(f32::NEG_INFINITY));
-    for b in 0..blocks {
+    for b in blocks {
         // scores: q . k for the block's keys, 16 at a time, scaled, keys after a row's query at -inf
         let kp = packed.k.as_ptr().add(b * k_block);
         for c0 in (0..KEYS).step_by(16) {
@@ -244,7 +260,7 @@ unsafe fn tile_256<const R: usize>(
             advance_row(
                 &mut max[i],
                 &mut total[i],
-                &mut s.acc[i * dv..(i + 1) * dv],
+                &mut acc_rows[i * dv..(i + 1) * dv],
                 top,
                 fix,
                 sum_halves(half(0), half(1)),
@@ -253,7 +269,7 @@ unsafe fn tile_256<const R: usize>(
         // values: acc += p . v, 16 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);
         for c0 in (0..dv).step_by(16) {
-            let sums = s.acc.as_mut_ptr().add(c0);
+            let sums = acc_rows.as_mut_ptr().add(c0);
             let mut acc: [[__m256; 2]; R] = std::array::from_fn(|i| {
                 let at = sums.add(i * dv);
                 [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]
@@ -275,5 +291,5 @@ unsafe fn tile_256<const R: usize>(
             }
         }
     }
-    normalize(&mut s.acc[..R * dv], &total, dv);
+    running.keep(max, total);
 }
