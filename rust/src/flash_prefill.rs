@@ -236,124 +236,39 @@ pub(crate) fn normalize(acc: &mut [f32], totals: &[f32], dv: usize) {
     }
 }
 
-/// A row's block of scores to its weights in place, exp(score - top) (`top`: its new running
+/// A row's block of scores to its weights in place, e^(score - top) (`top`: its new running
 /// maximum, `max` its old one); returns the factor its earlier sums take to `top` (`advance_row`).
-/// In AVX-512 registers (`exp_16`); `exp_row_256` is the same in AVX2's.
-///
-/// # Safety
-/// The CPU must support AVX-512F; scores holds whole 16-lane vectors.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(crate) unsafe fn exp_row_512(scores: &mut [f32], top: f32, max: f32) -> f32 {
-    use std::arch::x86_64::*;
-    debug_assert!(scores.len().is_multiple_of(16));
-    let shift = _mm512_set1_ps(top);
-    for c in (0..scores.len()).step_by(16) {
-        let at = scores.as_mut_ptr().add(c);
-        _mm512_storeu_ps(at, exp_16(_mm512_sub_ps(_mm512_loadu_ps(at), shift)));
-    }
-    row_fix(top, max)
-}
-
-/// `exp_row_512` in AVX2 registers (`exp_8`): the same weights, bit for bit.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA; scores holds whole 8-lane vectors.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-pub(crate) unsafe fn exp_row_256(scores: &mut [f32], top: f32, max: f32) -> f32 {
-    use std::arch::x86_64::*;
-    debug_assert!(scores.len().is_multiple_of(8));
-    let shift = _mm256_set1_ps(top);
-    for c in (0..scores.len()).step_by(8) {
-        let at = scores.as_mut_ptr().add(c);
-        _mm256_storeu_ps(at, exp_8(_mm256_sub_ps(_mm256_loadu_ps(at), shift)));
-    }
-    row_fix(top, max)
-}
-
-/// The factor a row's earlier sums take from its old maximum `max` to its new one `top`.
-#[inline(always)]
-fn row_fix(top: f32, max: f32) -> f32 {
-    // a block a row sees none of leaves it exactly as it was
-    if top == max {
-        1.0
-    } else {
-        exp(max - top)
-    }
-}
-
-/// `paged_attn::exp`'s constants: Cephes' expf, x = n ln2 + r with ln2 in two parts, e^r by a
-/// polynomial, 2^n built in the exponent bits.
-mod cephes {
-    pub const LOG2E: f32 = std::f32::consts::LOG2_E;
-    pub const LN2_HI: f32 = 0.693_359_4;
-    pub const LN2_LO: f32 = -2.121_944_4e-4;
-    /// 1.5 * 2^23: adding it rounds to an integer in the low bits.
-    pub const ROUND: f32 = 12_582_912.0;
-    /// ln of the smallest normal f32: e^x is 0 below it.
-    pub const LO: f32 = -87.336_55;
-    pub const POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
-}
-
-/// e^x of 16 weights' exponents x <= 0 (a softmax's: nothing overflows) in fused multiply-adds:
-/// `paged_attn::exp`'s steps, each product-sum rounded once, within 2 ulp of e^x (test); 0 below
-/// the smallest normal's log (-inf among them), NaN kept. Half the instructions of the scalar
-/// form's vectorized loop, which rounds every product and then every sum and guards the overflow
-/// and the NaN apart.
+/// `exp_weight`'s loop in AVX-512 registers; `exp_row_256` is the same in AVX2's (the same bits).
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn exp_16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-    use cephes::*;
-    use std::arch::x86_64::*;
-    let t = _mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(ROUND));
-    let n = _mm512_sub_ps(t, _mm512_set1_ps(ROUND));
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    let mut y = _mm512_set1_ps(POLY[0]);
-    for c in &POLY[1..] {
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(*c));
-    }
-    let e = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0));
-    let two_n = _mm512_slli_epi32::<23>(_mm512_sub_epi32(
-        _mm512_castps_si512(t),
-        _mm512_set1_epi32(ROUND.to_bits() as i32 - 127),
-    ));
-    let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(LO));
-    _mm512_maskz_mul_ps(kept, e, _mm512_castsi512_ps(two_n))
+pub(crate) unsafe fn exp_row_512(scores: &mut [f32], top: f32, max: f32) -> f32 {
+    exp_row(scores, top, max)
 }
 
-/// `exp_16` in AVX2 registers: the same operations, the same bits.
+/// `exp_row_512` in AVX2 registers.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn exp_8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
-    use cephes::*;
-    use std::arch::x86_64::*;
-    let t = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), _mm256_set1_ps(ROUND));
-    let n = _mm256_sub_ps(t, _mm256_set1_ps(ROUND));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-    let mut y = _mm256_set1_ps(POLY[0]);
-    for c in &POLY[1..] {
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
+pub(crate) unsafe fn exp_row_256(scores: &mut [f32], top: f32, max: f32) -> f32 {
+    exp_row(scores, top, max)
+}
+
+#[inline(always)]
+fn exp_row(scores: &mut [f32], top: f32, max: f32) -> f32 {
+    crate::paged_attn::exp_shifted(scores, top);
+    // a block a row sees none of leaves it exactly as it was
+    if top == max {
+        1.0
+    } else {
+        exp(max - top)
     }
-    let e = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
-    let two_n = _mm256_slli_epi32::<23>(_mm256_sub_epi32(
-        _mm256_castps_si256(t),
-        _mm256_set1_epi32(ROUND.to_bits() as i32 - 127),
-    ));
-    let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(LO));
-    _mm256_andnot_ps(under, _mm256_mul_ps(e, _mm256_castsi256_ps(two_n)))
 }
 
 /// The sum of a row's block of KEYS weights from its halves: `lo` holds lanes 0..8 and `hi`
@@ -674,50 +589,35 @@ unsafe fn run_item<T: Flash>(
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+    use crate::paged_attn::exp_weight;
     use crate::testing::noise;
 
-    /// Exponents a softmax meets: spread over [-100, 0], some past the smallest normal's log,
-    /// and -inf (a masked key), 0 and NaN.
-    fn exponents(n: usize, seed: u64) -> Vec<f32> {
-        let mut x: Vec<f32> = noise(n, seed).iter().map(|v| (v - 2.0) * 25.0).collect();
-        x[..4].copy_from_slice(&[f32::NEG_INFINITY, 0.0, f32::NAN, cephes::LO]);
-        x
-    }
-
     #[test]
-    fn the_weights_exponentials_are_within_2_ulp_and_the_same_in_avx512_and_avx2() {
-        let (avx2, avx512) =
-            (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"), is_x86_feature_detected!("avx512f"));
+    fn a_rows_weights_are_the_scalar_exponentials_bits_in_avx512_and_avx2() {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let avx512 = is_x86_feature_detected!("avx512f");
         if !avx2 {
-            eprintln!("skipped: this CPU lacks AVX2 with FMA (the weights' exponentials)");
+            eprintln!("skipped: this CPU lacks AVX2 with FMA (the rows' weights in registers)");
             return;
         }
+        if !avx512 {
+            eprintln!("this CPU lacks AVX-512F: the rows' weights checked in AVX2 registers only");
+        }
         for seed in 0..50 {
-            let scores = exponents(64, seed);
-            let top = 0.0;
+            // scores over [-100, 0] below a top of 0, and a masked key (-inf), the top itself,
+            // a NaN and the smallest normal's log
+            let mut scores: Vec<f32> = noise(KEYS, seed).iter().map(|v| (v - 2.0) * 25.0).collect();
+            scores[..4].copy_from_slice(&[f32::NEG_INFINITY, 0.0, f32::NAN, crate::paged_attn::SMALLEST_NORMAL_LN]);
+            let want: Vec<u32> = scores.iter().map(|&x| exp_weight(x).to_bits()).collect();
             let mut narrow = scores.clone();
             // SAFETY: checked above.
-            unsafe { exp_row_256(&mut narrow, top, top) };
-            for (&x, &w) in scores.iter().zip(&narrow) {
-                let want = (x as f64).exp();
-                if x.is_nan() {
-                    assert!(w.is_nan());
-                } else if x < cephes::LO {
-                    assert_eq!(w, 0.0, "e^{x}");
-                } else {
-                    assert!((w as f64 - want).abs() <= 2.0 * f32::EPSILON as f64 * want, "e^{x}: {w} against {want}");
-                }
-            }
+            assert_eq!(unsafe { exp_row_256(&mut narrow, 0.0, 0.0) }, 1.0);
+            assert_eq!(narrow.iter().map(|w| w.to_bits()).collect::<Vec<_>>(), want);
             if avx512 {
                 let mut wide = scores.clone();
                 // SAFETY: checked above.
-                unsafe { exp_row_512(&mut wide, top, top) };
-                assert_eq!(
-                    wide.iter().map(|w| w.to_bits()).collect::<Vec<_>>(),
-                    narrow.iter().map(|w| w.to_bits()).collect::<Vec<_>>()
-                );
-            } else if seed == 0 {
-                eprintln!("this CPU lacks AVX-512F: the AVX-512 exponentials not compared");
+                assert_eq!(unsafe { exp_row_512(&mut wide, 0.0, -1.0) }, exp(-1.0));
+                assert_eq!(wide.iter().map(|w| w.to_bits()).collect::<Vec<_>>(), want);
             }
         }
     }
