@@ -1061,26 +1061,14 @@ mod cephes {
     pub const POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
 }
 
-/// e^x in f32 within about 2 ulp (`cephes`); 0 below the smallest normal's log, so exp(-inf) =
-/// 0, and infinite above 88. Branch-free, so a loop of it vectorizes; every product and sum
-/// rounded apart (the same bits on every CPU).
+/// e^x in f32 within about 2 ulp (`cephes`, `exp_weight`'s fused steps); 0 below the smallest
+/// normal's log, so exp(-inf) = 0, and infinite above 88. Branch-free, so a loop of it
+/// vectorizes (the same bits on every CPU).
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     use cephes::*;
-    let under = x < LO;
-    let xc = x.clamp(LO, HI);
-    let t = xc * LOG2E + ROUND;
-    let n = t - ROUND;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let mut y = POLY[0];
-    for c in &POLY[1..] {
-        y = y * r + c;
-    }
-    let e = y * (r * r) + r + 1.0;
-    let exponent = (t.to_bits() as i32 - ROUND.to_bits() as i32 + 127) as u32;
-    let y = e * f32::from_bits(exponent << 23);
+    let y = exp_weight(x.min(HI));
     let y = if x > HI { f32::INFINITY } else { y };
-    let y = if under { 0.0 } else { y };
     if x.is_nan() {
         x
     } else {
@@ -1088,10 +1076,10 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
-/// `exp` of a softmax weight's exponent x <= 0 (nothing overflows), each product-sum fused
-/// (`f32::mul_add`: one rounding, the same bits on every CPU; vector FMA where the build has it,
-/// so half the instructions of `exp`'s loop); within 2 ulp of e^x; 0 below the smallest
-/// normal's log (-inf among them), NaN kept.
+/// e^x of a softmax weight's exponent x <= 88 (nothing overflows: `exp` guards the rest), each
+/// product-sum fused (`f32::mul_add`: one rounding, the same bits on every CPU, vector FMA where
+/// the build has it: half the instructions of rounding products and sums apart); within 2 ulp
+/// of e^x; 0 below the smallest normal's log (-inf among them), NaN kept.
 #[inline(always)]
 pub fn exp_weight(x: f32) -> f32 {
     use cephes::*;
