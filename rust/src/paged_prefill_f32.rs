@@ -167,14 +167,8 @@ unsafe fn tile_512<const R: usize>(
             );
             let (lo, hi) =
                 (_mm512_castps512_ps256(sum), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sum))));
-            advance_row(
-                &mut max[i],
-                &mut total[i],
-                &mut acc_rows[i * dv..(i + 1) * dv],
-                tops[i],
-                fix,
-                sum_halves(lo, hi),
-            );
+            let row = &mut acc_rows[i * dv..(i + 1) * dv];
+            advance_row(&mut max[i], &mut total[i], row, tops[i], fix, sum_halves(lo, hi));
         }
         // values: acc += p . v, 64 columns at a time
         let vp = packed.v.as_ptr().add(b * v_block);
