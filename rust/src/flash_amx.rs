@@ -153,20 +153,25 @@ unsafe fn weigh(
     let lazy = _mm512_set1_ps(LAZY);
     let (mut even_sum, mut odd_sum) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     let mut over: u16 = 0;
+    // vectors c and c + 1 weighed in their `seen` lanes, stored as bfloat16 pairs and added to
+    // the two running sums (every other pair of vectors, each pair's two weights times 1.0);
+    // returns their exponents
+    let mut weigh_pair = |c: usize, seen: [u16; 2]| -> [__m512; 2] {
+        let t: [__m512; 2] =
+            std::array::from_fn(|h| _mm512_fmsub_ps(_mm512_loadu_ps(row.add(16 * (c + h))), scale_log2e, shift));
+        let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(exp2_16(t[1], seen[1]), exp2_16(t[0], seen[0])));
+        _mm512_storeu_si512(out.add(8 * c) as *mut _, pairs);
+        (even_sum, odd_sum) =
+            (odd_sum, _mm512_dpbf16_ps(even_sum, std::mem::transmute::<__m512i, __m512bh>(pairs), ones));
+        t
+    };
     // the pairs of vectors the row sees whole (most of a step's) without lane masks, their
-    // largest exponent held against 2^LAZY once; the same weights and sums as the loop below
+    // largest exponent held against 2^LAZY once
     let whole = (visible / 16).min(vectors) / 2 * 2;
     let mut top_t = _mm512_set1_ps(f32::NEG_INFINITY);
     for c in (0..whole).step_by(2) {
-        let e: [__m512; 2] = std::array::from_fn(|h| {
-            let t = _mm512_fmsub_ps(_mm512_loadu_ps(row.add(16 * (c + h))), scale_log2e, shift);
-            top_t = _mm512_max_ps(top_t, t);
-            exp2_16(t, u16::MAX)
-        });
-        let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(e[1], e[0]));
-        _mm512_storeu_si512(out.add(8 * c) as *mut _, pairs);
-        let pairs: __m512bh = std::mem::transmute(pairs);
-        (even_sum, odd_sum) = (odd_sum, _mm512_dpbf16_ps(even_sum, pairs, ones));
+        let t = weigh_pair(c, [u16::MAX; 2]);
+        top_t = _mm512_max_ps(_mm512_max_ps(top_t, t[0]), t[1]);
     }
     over |= _mm512_cmp_ps_mask::<_CMP_GT_OQ>(top_t, lazy);
     for c in (whole..vectors).step_by(2) {
@@ -174,17 +179,11 @@ unsafe fn weigh(
             _mm512_storeu_si512(out.add(8 * c) as *mut _, _mm512_setzero_si512());
             continue;
         }
-        let e: [__m512; 2] = std::array::from_fn(|h| {
-            let seen = lanes_seen(visible, c + h);
-            let t = _mm512_fmsub_ps(_mm512_loadu_ps(row.add(16 * (c + h))), scale_log2e, shift);
-            over |= _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(seen, t, lazy);
-            exp2_16(t, seen)
-        });
-        let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(e[1], e[0]));
-        _mm512_storeu_si512(out.add(8 * c) as *mut _, pairs);
-        // two running sums (every other pair of vectors), each pair's two weights times 1.0
-        let pairs: __m512bh = std::mem::transmute(pairs);
-        (even_sum, odd_sum) = (odd_sum, _mm512_dpbf16_ps(even_sum, pairs, ones));
+        let seen = [lanes_seen(visible, c), lanes_seen(visible, c + 1)];
+        let t = weigh_pair(c, seen);
+        for h in 0..2 {
+            over |= _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(seen[h], t[h], lazy);
+        }
     }
     (_mm512_reduce_add_ps(_mm512_add_ps(even_sum, odd_sum)), over != 0)
 }

@@ -238,30 +238,10 @@ pub(crate) fn normalize(acc: &mut [f32], totals: &[f32], dv: usize) {
 
 /// A row's block of scores to its weights in place, e^(score - top) (`top`: its new running
 /// maximum, `max` its old one); returns the factor its earlier sums take to `top` (`advance_row`).
-/// `exp_weight`'s loop in AVX-512 registers; `exp_row_256` is the same in AVX2's (the same bits).
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(crate) unsafe fn exp_row_512(scores: &mut [f32], top: f32, max: f32) -> f32 {
-    exp_row(scores, top, max)
-}
-
-/// `exp_row_512` in AVX2 registers.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-pub(crate) unsafe fn exp_row_256(scores: &mut [f32], top: f32, max: f32) -> f32 {
-    exp_row(scores, top, max)
-}
-
+/// `exp_weight`'s loop, inlined into each tile, so vectorized at the tile's width with fused
+/// multiply-adds: the same bits in AVX-512 and AVX2 tiles.
 #[inline(always)]
-fn exp_row(scores: &mut [f32], top: f32, max: f32) -> f32 {
+pub(crate) fn exp_row(scores: &mut [f32], top: f32, max: f32) -> f32 {
     crate::paged_attn::exp_shifted(scores, top);
     // a block a row sees none of leaves it exactly as it was
     if top == max {
@@ -507,7 +487,15 @@ unsafe fn run_item<T: Flash>(
     let (dv, dvp) = (p.v.dim, padded(p.v.dim));
     // row r: query item.first + r / group, head kv_head * group + r % group
     let query_head = |r: usize| (item.first + r / group, item.kv_head * group + r % group);
-    let position = |r: usize| ctx - q_len + query_head(r).0;
+    // rows r0..: their queries and positions into q and pos; returns the key blocks they see
+    let fill_rows = |r0: usize, q: &mut [*const T], pos: &mut [usize]| {
+        for (i, (q, pos)) in q.iter_mut().zip(pos.iter_mut()).enumerate() {
+            let (query, head) = query_head(r0 + i);
+            *q = p.q.at(start + query, head).as_ptr();
+            *pos = ctx - q_len + query;
+        }
+        pos.iter().max().unwrap() / KEYS + 1
+    };
     // the item's rows from 0: their sums (normalized) into their rows of `out`
     let write = |first: usize, sums: &[f32]| {
         for (i, sums) in sums.chunks_exact(dvp).enumerate() {
@@ -524,12 +512,7 @@ unsafe fn run_item<T: Flash>(
         for r0 in (0..rows).step_by(MAX_ROWS) {
             let n = MAX_ROWS.min(rows - r0);
             let (mut q, mut pos) = ([std::ptr::null::<T>(); MAX_ROWS], [0usize; MAX_ROWS]);
-            for i in 0..n {
-                let (query, head) = query_head(r0 + i);
-                q[i] = p.q.at(start + query, head).as_ptr();
-                pos[i] = position(r0 + i);
-            }
-            let blocks = pos[..n].iter().max().unwrap() / KEYS + 1;
+            let blocks = fill_rows(r0, &mut q[..n], &mut pos[..n]);
             // SAFETY: forwarded, the caller's contract; q[..n] point at the rows' queries.
             unsafe { T::amx_tile(p, packed, &q[..n], &pos[..n], blocks, s) };
             write(r0, &s.acc[..n * dvp]);
@@ -541,18 +524,13 @@ unsafe fn run_item<T: Flash>(
         .map(|r0| {
             let n = ROWS.min(rows - r0);
             let mut t = TileRows { q: [std::ptr::null(); ROWS], pos: [0; ROWS], n, blocks: 0, running: Running::new() };
-            for i in 0..n {
-                let (query, head) = query_head(r0 + i);
-                t.q[i] = p.q.at(start + query, head).as_ptr();
-                t.pos[i] = position(r0 + i);
-            }
-            t.blocks = t.pos[..n].iter().max().unwrap() / KEYS + 1;
+            t.blocks = fill_rows(r0, &mut t.q[..n], &mut t.pos[..n]);
             t
         })
         .collect();
     let mut acc = std::mem::take(&mut s.acc);
+    acc.clear();
     acc.resize(rows * dvp, 0.0);
-    acc[..rows * dvp].fill(0.0);
     // every tile over a walk's blocks before the next walk (each tile's blocks in order, as one
     // walk over all of them would take them: the same sums)
     let walk = (WALK_BYTES / (KEYS * (p.q.dim + dvp) * std::mem::size_of::<T>())).max(1);
@@ -591,6 +569,18 @@ mod tests {
     use super::*;
     use crate::paged_attn::exp_weight;
     use crate::testing::noise;
+
+    /// `exp_row` inlined at AVX-512's width, as the AVX-512 tiles take it.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp_row_512(scores: &mut [f32], top: f32, max: f32) -> f32 {
+        exp_row(scores, top, max)
+    }
+
+    /// `exp_row` inlined at AVX2's width, as the AVX2 tiles take it.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_row_256(scores: &mut [f32], top: f32, max: f32) -> f32 {
+        exp_row(scores, top, max)
+    }
 
     #[test]
     fn a_rows_weights_are_the_scalar_exponentials_bits_in_avx512_and_avx2() {

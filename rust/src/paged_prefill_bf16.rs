@@ -6,7 +6,7 @@
 //! product (as bfloat16 flash attentions do) and the denominator summed from the rounded weights.
 
 use crate::aligned::Lines;
-use crate::flash_prefill::{advance_row, exp_row_512, padded, Flash, Running, Scratch, Tiles, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, padded, Flash, Running, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums};
 use crate::matmul_bf16::pair_bits;
@@ -167,7 +167,7 @@ unsafe fn tile<const R: usize>(
         // the online softmax, row by row
         for i in 0..R {
             let scores = &mut s.scores[i * KEYS..(i + 1) * KEYS];
-            let fix = exp_row_512(scores, tops[i], max[i]);
+            let fix = exp_row(scores, tops[i], max[i]);
             // the weights rounded to bfloat16 pairs, and their sum as rounded
             let sp = scores.as_ptr();
             let mut sum = _mm512_setzero_ps();

@@ -8,7 +8,7 @@
 //! keep every chain's order (the same bits).
 
 use crate::aligned::Lines;
-use crate::flash_prefill::{advance_row, exp_row_256, exp_row_512, padded, Flash, Running, Scratch, Tiles, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, padded, Flash, Running, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums, sum_halves};
 #[cfg(target_arch = "x86_64")]
@@ -159,7 +159,7 @@ unsafe fn tile_512<const R: usize>(
         // the online softmax, row by row
         for i in 0..R {
             let scores = &mut s.scores[i * KEYS..(i + 1) * KEYS];
-            let fix = exp_row_512(scores, tops[i], max[i]);
+            let fix = exp_row(scores, tops[i], max[i]);
             let sp = scores.as_ptr();
             let sum = _mm512_add_ps(
                 _mm512_add_ps(_mm512_loadu_ps(sp), _mm512_loadu_ps(sp.add(16))),
@@ -243,7 +243,7 @@ unsafe fn tile_256<const R: usize>(
         for i in 0..R {
             let scores = &mut s.scores[i * KEYS..(i + 1) * KEYS];
             let top = max[i].max(lane_max(scores));
-            let fix = exp_row_256(scores, top, max[i]);
+            let fix = exp_row(scores, top, max[i]);
             let half = |h: usize| {
                 let at = scores.as_ptr().add(8 * h);
                 _mm256_add_ps(
