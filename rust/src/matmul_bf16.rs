@@ -171,6 +171,12 @@ unsafe fn pack_panel_into(m: &[Bf16], rows: usize, cols: usize, first: usize, ds
     let whole = cols / 32 * 16;
     for r0 in (0..panel_rows / 16 * 16).step_by(16) {
         for kk in (0..whole).step_by(16) {
+            // the same pairs of the next 16 rows (the next panel's where this one ends) asked for
+            // a block ahead: a block's 16 loads are 2 * cols bytes apart, a stride the hardware
+            // prefetcher does not follow, and each waited on L3 or memory (docs/benchmarks.md)
+            for row in first + r0 + 16..(first + r0 + 32).min(rows) {
+                crate::prefetch::prefetch_l2(&m[row * cols + 2 * kk..][..32]);
+            }
             // SAFETY: rows first + r0 .. + 16 exist and each holds pairs kk..kk + 16 (32 values);
             // dst holds K2 x PANEL_ROWS pairs and kk + 16 <= K2, r0 + 16 <= PANEL_ROWS.
             let rows16: [__m512i; 16] = std::array::from_fn(|i| {
