@@ -180,44 +180,56 @@ pub unsafe fn products(
     // SAFETY: runs() said the CPU has the tiles and the process may use them.
     unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
     let mut sums = [0f32; BLOCK * BLOCK];
-    for j in (0..n).step_by(BLOCK) {
-        for (p, first) in (0..rows).step_by(PANEL).enumerate() {
-            let width = PANEL.min(rows - first);
-            for half in (0..width).step_by(BLOCK) {
-                let a0 = if j < in_place { vectors.as_ptr().add(j * k2p) } else { tail.as_ptr() };
-                let b0 = panels.as_ptr().add(p * k2p * PANEL + half);
-                let cols = BLOCK.min(width - half);
-                let whole = j + BLOCK <= n && cols == BLOCK;
-                let (c, stride) = if whole {
-                    (out.as_mut_ptr().add(j * rows + first + half), rows)
-                } else {
-                    (sums.as_mut_ptr(), BLOCK)
-                };
-                // SAFETY: the tiles read stay within the buffers (asserted above): the vectors'
-                // two row blocks at j and j + 16 (of n, or of the tail's 32), pairs kk..kk + 16
-                // of k2p; panel p's rows kk..kk + 16 of k2p, columns half..half + 32 of its 64.
-                // A whole block's 32 rows of 32 sums lie within out (j + 32 <= n, its columns
-                // within the panel's width); else the scratch block holds them.
-                unsafe {
-                    block(
-                        a0,
-                        a0.add(TILE * k2p),
-                        k2p * 4,
-                        b0,
-                        PANEL * 4,
-                        TILE * PANEL * 4,
-                        k2p / TILE,
-                        c,
-                        c.add(TILE * stride),
-                        stride * 4,
-                    )
-                };
-                if !whole {
-                    for (v, sum) in sums.chunks_exact(BLOCK).take(n - j).enumerate() {
-                        let at = (j + v) * rows + first + half;
-                        out[at..at + cols].copy_from_slice(&sum[..cols]);
-                    }
-                }
+    // whether the block at (j, first + half) writes straight into `out`: all of it lies within
+    let in_out =
+        |j: usize, first: usize, half: usize| j + BLOCK <= n && first + half + BLOCK <= rows.min(first + PANEL);
+    // 32 vectors at a time against every panel, 32 of its columns at a time
+    let mut blocks = (0..n)
+        .step_by(BLOCK)
+        .flat_map(|j| {
+            (0..rows)
+                .step_by(PANEL)
+                .flat_map(move |first| (0..PANEL.min(rows - first)).step_by(BLOCK).map(move |half| (j, first, half)))
+        })
+        .peekable();
+    while let Some((j, first, half)) = blocks.next() {
+        // the next block's lines of `out` asked for while this one computes: out may be a
+        // buffer no cache holds (the expert pass's pair outputs), and the tile stores waited on
+        // each line's ownership (docs/benchmarks.md)
+        if let Some(&(j, first, half)) = blocks.peek().filter(|&&(j, first, half)| in_out(j, first, half)) {
+            for v in j..j + BLOCK {
+                crate::prefetch::prefetch_for_write(&out[v * rows + first + half..][..BLOCK]);
+            }
+        }
+        let cols = BLOCK.min(PANEL.min(rows - first) - half);
+        let whole = in_out(j, first, half);
+        let a0 = if j < in_place { vectors.as_ptr().add(j * k2p) } else { tail.as_ptr() };
+        let b0 = panels.as_ptr().add(first / PANEL * k2p * PANEL + half);
+        let (c, stride) =
+            if whole { (out.as_mut_ptr().add(j * rows + first + half), rows) } else { (sums.as_mut_ptr(), BLOCK) };
+        // SAFETY: the tiles read stay within the buffers (asserted above): the vectors' two row
+        // blocks at j and j + 16 (of n, or of the tail's 32), pairs kk..kk + 16 of k2p; the
+        // panel's rows kk..kk + 16 of k2p, columns half..half + 32 of its 64. A whole block's 32
+        // rows of 32 sums lie within out (j + 32 <= n, its columns within the panel's width);
+        // else the scratch block holds them.
+        unsafe {
+            block(
+                a0,
+                a0.add(TILE * k2p),
+                k2p * 4,
+                b0,
+                PANEL * 4,
+                TILE * PANEL * 4,
+                k2p / TILE,
+                c,
+                c.add(TILE * stride),
+                stride * 4,
+            )
+        };
+        if !whole {
+            for (v, sum) in sums.chunks_exact(BLOCK).take(n - j).enumerate() {
+                let at = (j + v) * rows + first + half;
+                out[at..at + cols].copy_from_slice(&sum[..cols]);
             }
         }
     }
