@@ -346,7 +346,13 @@ fn products_in(
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn panel_avx512(xs: &[u32], panel: &[u32], k2: usize, n: usize, rows: usize, first: usize, out: &mut [f32]) {
     let mut j = 0;
+    let width = PANEL_ROWS.min(rows - first);
     while j < n {
+        // the next block's rows of out asked for with the intent to write while this one
+        // computes: out may be a buffer no cache holds (as in crate::amx::products)
+        for v in (j + BLOCK_VECTORS..n).take(BLOCK_VECTORS) {
+            crate::prefetch::prefetch_for_write(&out[v * rows + first..][..width]);
+        }
         match n - j {
             6.. => block::<6>(xs, panel, k2, rows, first, j, out),
             5 => block::<5>(xs, panel, k2, rows, first, j, out),
