@@ -1,4 +1,4 @@
-//! Software prefetch of memory a kernel reads next, shared by the matrix and attention kernels.
+//! Software prefetch of memory a kernel reads (or writes) next, shared by the matrix and attention kernels.
 //!
 //! The lines go to the L2 cache (hint T2), not L1: a prefetch into L1 holds one of the core's
 //! few L1 miss buffers until its line arrives from DRAM, and a kernel that asks for a whole row
@@ -11,16 +11,20 @@
 #[inline(always)]
 pub(crate) fn prefetch_l2<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T2};
-        let base = data.as_ptr() as *const i8;
-        for offset in (0..std::mem::size_of_val(data)).step_by(64) {
-            // SAFETY: the address lies within `data`; a prefetch never faults or writes anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T2>(base.add(offset)) };
-        }
-    }
+    every_line::<{ std::arch::x86_64::_MM_HINT_T2 }, T>(data);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
+}
+
+/// PREFETCH with `HINT` of every 64-byte line of `data`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn every_line<const HINT: i32, T>(data: &[T]) {
+    let base = data.as_ptr() as *const i8;
+    for offset in (0..std::mem::size_of_val(data)).step_by(64) {
+        // SAFETY: the address lies within `data`; a prefetch never faults or writes anyway.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(base.add(offset)) };
+    }
 }
 
 /// Asks for the lines of bytes [from, from + count) of `data` (clipped to it) to be brought into
@@ -53,14 +57,7 @@ pub(crate) fn prefetch_l2_bytes<T>(data: &[T], from: usize, count: usize) {
 #[inline(always)]
 pub(crate) fn prefetch_for_write<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
-        let base = data.as_ptr() as *const i8;
-        for offset in (0..std::mem::size_of_val(data)).step_by(64) {
-            // SAFETY: the address lies within `data`; a prefetch never faults or writes anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_ET0>(base.add(offset)) };
-        }
-    }
+    every_line::<{ std::arch::x86_64::_MM_HINT_ET0 }, T>(data);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
 }
