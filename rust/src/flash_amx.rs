@@ -50,10 +50,9 @@ const EXP2_POLY: [f32; 5] = [0.999_999_3, 0.693_121_7, 0.240_247_44, 0.055_918_6
 /// 2^t for the 16 lanes where `seen` (zero elsewhere), within 2.7e-6 of itself: t = n + f,
 /// |f| <= 1/2, 2^f by a polynomial of degree 4 fitted to its relative error (`EXP2_POLY`; the
 /// Taylor polynomial of degree 5 it replaces was within 3.2e-6, one FMA more), 2^n applied by
-/// VSCALEFPS. Zero below
-/// 2^-125.5, so that no result is subnormal: each subnormal result takes a microcode assist
-/// (scores spread over a few hundred made the kernel seven times slower). The softmax's
-/// weights, rounded to bfloat16 (8 bits) after it.
+/// VSCALEFPS. Zero below 2^-125.5, so that no result is subnormal: each subnormal result takes
+/// a microcode assist (scores spread over a few hundred made the kernel seven times slower).
+/// The softmax's weights, rounded to bfloat16 (8 bits) after it.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn exp2_16(t: std::arch::x86_64::__m512, seen: u16) -> std::arch::x86_64::__m512 {

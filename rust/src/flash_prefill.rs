@@ -5,8 +5,8 @@
 //! then every ROWS rows of scores (32 in AMX tiles; a query and a head of a KV head's group
 //! each) walk their key blocks from position 0 with an online softmax in float32
 //! (`Flash::tile`); an item's register tiles walk together, a few blocks at a time, so that the
-//! blocks stay near the core while each tile takes them (`run_item`). A row's result depends only on its own context, never on its tile, its
-//! chunk, its batch or the thread count. No sliding window and no sinks (each kernel's `takes`);
+//! blocks stay near the core while each tile takes them (`run_item`). A row's result depends
+//! only on its own context, never on its tile, its chunk, its batch or the thread count. No sliding window and no sinks (each kernel's `takes`);
 //! everything else is `paged_prefill`'s contract, which takes every call these kernels do not.
 
 use crate::aligned::Lines;
@@ -459,9 +459,11 @@ fn prefill<T: Flash>(
 /// the core, where each tile walking all of a long context read it from L3 every time.
 const WALK_BYTES: usize = 256 * 1024;
 
-/// One register tile of an item: its rows' queries and positions (the first n of ROWS), the
-/// key blocks they see, and their online softmax between walks.
+/// One register tile of an item: its first row (of the item's), its rows' queries and
+/// positions (the first n of ROWS), the key blocks they see, and their online softmax between
+/// walks.
 struct TileRows<T> {
+    r0: usize,
     q: [*const T; ROWS],
     pos: [usize; ROWS],
     n: usize,
@@ -523,7 +525,8 @@ unsafe fn run_item<T: Flash>(
         .step_by(ROWS)
         .map(|r0| {
             let n = ROWS.min(rows - r0);
-            let mut t = TileRows { q: [std::ptr::null(); ROWS], pos: [0; ROWS], n, blocks: 0, running: Running::new() };
+            let mut t =
+                TileRows { r0, q: [std::ptr::null(); ROWS], pos: [0; ROWS], n, blocks: 0, running: Running::new() };
             t.blocks = fill_rows(r0, &mut t.q[..n], &mut t.pos[..n]);
             t
         })
@@ -536,12 +539,12 @@ unsafe fn run_item<T: Flash>(
     let walk = (WALK_BYTES / (KEYS * (p.q.dim + dvp) * std::mem::size_of::<T>())).max(1);
     let most = tile_rows.iter().map(|t| t.blocks).max().unwrap_or(0);
     for b0 in (0..most).step_by(walk) {
-        for (r0, t) in (0..rows).step_by(ROWS).zip(tile_rows.iter_mut()) {
+        for t in tile_rows.iter_mut() {
             let blocks = b0..t.blocks.min(b0 + walk);
             if blocks.is_empty() {
                 continue;
             }
-            let sums = &mut acc[r0 * dvp..(r0 + t.n) * dvp];
+            let sums = &mut acc[t.r0 * dvp..(t.r0 + t.n) * dvp];
             // SAFETY: forwarded, the caller's contract; q[..n] point at the rows' queries and
             // the blocks follow the tile's earlier walks'.
             unsafe {
@@ -556,10 +559,10 @@ unsafe fn run_item<T: Flash>(
             }
         }
     }
-    for (r0, t) in (0..rows).step_by(ROWS).zip(&tile_rows) {
-        let sums = &mut acc[r0 * dvp..(r0 + t.n) * dvp];
+    for t in &tile_rows {
+        let sums = &mut acc[t.r0 * dvp..(t.r0 + t.n) * dvp];
         normalize(sums, &t.running.total[..t.n], dvp);
-        write(r0, sums);
+        write(t.r0, sums);
     }
     s.acc = acc;
 }

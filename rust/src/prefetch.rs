@@ -1,4 +1,5 @@
-//! Software prefetch of memory a kernel reads (or writes) next, shared by the matrix and attention kernels.
+//! Software prefetch of memory a kernel reads (or writes) next, shared by the matrix and
+//! attention kernels.
 //!
 //! The lines go to the L2 cache (hint T2), not L1: a prefetch into L1 holds one of the core's
 //! few L1 miss buffers until its line arrives from DRAM, and a kernel that asks for a whole row
