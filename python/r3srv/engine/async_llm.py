@@ -550,18 +550,22 @@ class AsyncLLM(EngineFacts):
             self._fail_sinks(EngineDeadError(f"the output thread died: {exc!r}"))
 
     def _deliver(self, out: RequestOutput) -> None:
-        with self._lock:
-            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
-            self._sinks_changed()
-        if sink is not None:
-            sink.put(out)
+        self._hand_over(out.request_id, out, last=out.finished)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        self._hand_over(request_id, exc, last=True)
+
+    def _hand_over(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
+        """`item` into the request's sink, and a last item's request out of `_sinks` only after it
+        is on its way: whoever sees the request gone (requests_drained, a consumer waiting for
+        its outputs to pile up) knows its last output was handed over."""
         with self._lock:
-            sink = self._sinks.pop(request_id, None)
-            self._sinks_changed()
-        if sink is not None:
-            sink.put(exc)
+            sink = self._sinks.get(request_id)
+            if sink is not None:
+                sink.put(item)
+            if last:
+                self._sinks.pop(request_id, None)
+                self._sinks_changed()
 
     def _fail_sinks(self, exc: BaseException) -> None:
         with self._lock:
