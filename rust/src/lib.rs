@@ -10,6 +10,8 @@ pub mod amx;
 pub mod b64;
 #[cfg(target_arch = "x86_64")]
 pub mod b64_x86;
+#[cfg(target_arch = "x86_64")]
+mod bf16_512;
 pub mod decode;
 pub mod encode;
 pub mod expert_pairs;

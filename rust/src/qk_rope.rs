@@ -110,6 +110,13 @@ struct Item<'a, W> {
 
 fn run<'i, 'a: 'i, W: Element + 'a>(rows: &Rows<'_, W>, items: &mut dyn Iterator<Item = &'i mut Item<'a, W>>) {
     #[cfg(target_arch = "x86_64")]
+    if bf16_avx512_takes(rows) {
+        // SAFETY: bf16_avx512_takes checked the CPU (AVX2, AVX-512F), the element type and the
+        // head sizes.
+        unsafe { run_bf16_avx512(rows, items) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2.
         unsafe { run_avx2(rows, items) };
@@ -160,6 +167,118 @@ fn run_items<'i, 'a: 'i, W: Element + 'a>(rows: &Rows<'_, W>, items: &mut dyn It
             }
             item.v[i * kv_len..(i + 1) * kv_len].copy_from_slice(v_src);
         }
+    }
+}
+
+/// Whether `run_bf16_avx512` takes these rows: bfloat16, heads of a multiple of 16 values and a
+/// rotated half of a multiple of 16, on a CPU with AVX2 and AVX-512F.
+#[cfg(target_arch = "x86_64")]
+fn bf16_avx512_takes<W: Element>(rows: &Rows<'_, W>) -> bool {
+    let s = rows.shape;
+    W::as_bf16s(rows.qkv).is_some()
+        && s.head_dim.is_multiple_of(16)
+        && s.rotary.is_multiple_of(32)
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("avx512f")
+}
+
+/// `run_items` for bfloat16 rows in AVX-512 registers (crate::bf16_512), 16 values at a time:
+/// the same bits (the norm's scale and values as rms_norm's AVX-512 row, the rotation rounding
+/// every product and sum as `rotate`). A token's heads find their scales first, then are
+/// normed and rotated in registers: each head's scale is a long chain of dependent adds, which
+/// the heads of a token now run side by side.
+///
+/// # Safety
+/// `bf16_avx512_takes(rows)` must hold.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f")]
+unsafe fn run_bf16_avx512<'i, 'a: 'i, W: Element + 'a>(
+    rows: &Rows<'_, W>,
+    items: &mut dyn Iterator<Item = &'i mut Item<'a, W>>,
+) {
+    use crate::expert_pairs::Bf16;
+    use crate::rms_norm::scale_bf16_avx512;
+    // W is Bf16 (the caller's contract): the same slices as such
+    fn bf16<W: Element>(x: &[W]) -> &[Bf16] {
+        W::as_bf16s(x).expect("bfloat16 rows")
+    }
+    // SAFETY: W is Bf16, so the slice holds as many of them.
+    let bf16_mut = |x: &mut [W]| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut Bf16, x.len()) };
+    let s = rows.shape;
+    let (d, half) = (s.head_dim, s.rotary / 2);
+    let kv_len = s.kv_heads * d;
+    let (qkv, cos, sin) = (bf16(rows.qkv), bf16(rows.cos), bf16(rows.sin));
+    let norms = rows.norms.map(|n| (bf16(n.q), bf16(n.k), n.eps));
+    let (mut c, mut sn) = (vec![0f32; half], vec![0f32; half]);
+    let mut scales = vec![1f32; s.heads + s.kv_heads];
+    for item in items {
+        let (q, k, v) = (bf16_mut(item.q), bf16_mut(item.k), bf16_mut(item.v));
+        for i in 0..item.tokens {
+            let t = item.first + i;
+            let row = &qkv[t * rows.width..(t + 1) * rows.width];
+            widen(&cos[t * s.rotary..][..half], &mut c);
+            widen(&sin[t * s.rotary..][..half], &mut sn);
+            let (heads, v_src) = row.split_at((s.heads + s.kv_heads) * d);
+            if let Some((_, _, eps)) = norms {
+                for (scale, head) in scales.iter_mut().zip(heads.chunks_exact(d)) {
+                    // SAFETY: AVX2 and AVX-512F (the caller's contract); heads of a multiple of 16.
+                    *scale = unsafe { scale_bf16_avx512(head, eps) };
+                }
+            }
+            let q_dst = &mut q[i * s.heads * d..(i + 1) * s.heads * d];
+            let k_dst = &mut k[i * kv_len..(i + 1) * kv_len];
+            let dst = q_dst.chunks_exact_mut(d).chain(k_dst.chunks_exact_mut(d));
+            for (h, (head, out)) in heads.chunks_exact(d).zip(dst).enumerate() {
+                let weight = norms.map(|n| if h < s.heads { n.0 } else { n.1 });
+                // SAFETY: as above; the rotated half a multiple of 16.
+                unsafe { norm_rotate_bf16_avx512(head, weight.map(|w| (w, scales[h])), &c, &sn, out) };
+            }
+            v[i * kv_len..(i + 1) * kv_len].copy_from_slice(v_src);
+        }
+    }
+}
+
+/// One bfloat16 head into `out`: normed (`norm`: its weight and scale, `normalized16`'s values)
+/// or copied, its first 2 c.len() values rotated as `rotate` rotates them.
+///
+/// # Safety
+/// The CPU must support AVX-512F; head, out (and the weight) hold the same multiple of 16
+/// values, at least 2 c.len() == 2 sn.len(), c.len() a multiple of 16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn norm_rotate_bf16_avx512(
+    head: &[crate::expert_pairs::Bf16],
+    norm: Option<(&[crate::expert_pairs::Bf16], f32)>,
+    c: &[f32],
+    sn: &[f32],
+    out: &mut [crate::expert_pairs::Bf16],
+) {
+    use crate::bf16_512::{load16, round16, store16};
+    use crate::rms_norm::normalized16;
+    use std::arch::x86_64::*;
+    let (d, half) = (head.len(), c.len());
+    assert!(d.is_multiple_of(16) && half.is_multiple_of(16) && 2 * half <= d && sn.len() == half && out.len() == d);
+    // SAFETY: 16 values at i < d of the head (and of its weight: norm's contract).
+    let value = |i: usize| unsafe {
+        match norm {
+            Some((w, scale)) => normalized16(head, w, scale, i),
+            None => load16(head.as_ptr().add(i)),
+        }
+    };
+    for i in (0..half).step_by(16) {
+        let (a, b) = (value(i), value(half + i));
+        // SAFETY: i + 16 <= half values of c, sn and each half of out.
+        unsafe {
+            let (cc, ss) = (_mm512_loadu_ps(c.as_ptr().add(i)), _mm512_loadu_ps(sn.as_ptr().add(i)));
+            let o1 = _mm512_sub_ps(round16(_mm512_mul_ps(a, cc)), round16(_mm512_mul_ps(b, ss)));
+            let o2 = _mm512_add_ps(round16(_mm512_mul_ps(b, cc)), round16(_mm512_mul_ps(a, ss)));
+            store16(out.as_mut_ptr().add(i), round16(o1));
+            store16(out.as_mut_ptr().add(half + i), round16(o2));
+        }
+    }
+    for i in (2 * half..d).step_by(16) {
+        // SAFETY: i + 16 <= d values of out.
+        unsafe { store16(out.as_mut_ptr().add(i), value(i)) };
     }
 }
 
@@ -341,6 +460,70 @@ mod tests {
         }
         run::<f32>(|v| v);
         run::<Bf16>(|v| v.into_iter().map(Bf16::from_f32).collect());
+    }
+
+    /// The AVX-512 bfloat16 path gives the portable loop's bits: full, partial and no rotation,
+    /// heads of 16 to 128, with and without norms, 37 tokens (a last item of 5) on 1 and 3
+    /// threads, and heads holding huge and tiny values, infinities and NaNs.
+    #[test]
+    fn the_avx512_bfloat16_path_gives_the_portable_bits() {
+        use crate::expert_pairs::Bf16;
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avx512f")) {
+            eprintln!("skipped: this CPU has no AVX-512F (the bfloat16 heads' kernel)");
+            return;
+        }
+        let bf = |v: Vec<f32>| -> Vec<Bf16> { v.into_iter().map(Bf16::from_f32).collect() };
+        let specials = [f32::MAX, 1e-40, f32::INFINITY, f32::NAN, -0.0, 3e38, -2e-39];
+        for (seed, (heads, kv_heads, d, rotary, normed)) in [
+            (4, 2, 64, 64, true),
+            (4, 2, 64, 32, true),
+            (2, 1, 128, 64, false),
+            (3, 3, 32, 0, true),
+            (1, 1, 16, 0, false),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let tokens = 37;
+            let s = Heads { tokens, heads, kv_heads, head_dim: d, rotary };
+            let mut values = noise(tokens * (heads + 2 * kv_heads) * d, 50 + seed as u64);
+            for (i, v) in values.iter_mut().enumerate() {
+                match i % 13 {
+                    0 => *v *= 1e-38,
+                    1 => *v *= 1e30,
+                    2 if i % 7 == 0 => *v = specials[i % specials.len()],
+                    _ => {}
+                }
+            }
+            let qkv = bf(values);
+            let (wq, wk) = (bf(noise(d, 60 + seed as u64)), bf(noise(d, 61 + seed as u64)));
+            let (cos, sin) = (bf(noise(tokens * rotary, 62)), bf(noise(tokens * rotary, 63)));
+            let norms = HeadNorms { q: &wq, k: &wk, eps: 1e-6 };
+            let norms = normed.then_some(&norms);
+            let outputs = |fast: bool, threads: usize| {
+                let (mut q, mut k, mut v) = (
+                    vec![Bf16(7); tokens * heads * d],
+                    vec![Bf16(7); tokens * kv_heads * d],
+                    vec![Bf16(7); tokens * kv_heads * d],
+                );
+                if fast {
+                    qk_norm_rope(&qkv, s, norms, &cos, &sin, &mut q, &mut k, &mut v, threads).unwrap();
+                } else {
+                    let rows =
+                        Rows { qkv: &qkv, cos: &cos, sin: &sin, width: (heads + 2 * kv_heads) * d, shape: s, norms };
+                    let mut item = Item { first: 0, tokens, q: &mut q, k: &mut k, v: &mut v };
+                    run_items(&rows, &mut std::iter::once(&mut item));
+                }
+                (q, k, v)
+            };
+            let want = outputs(false, 1);
+            for threads in [1, 3] {
+                assert!(
+                    outputs(true, threads) == want,
+                    "{heads}/{kv_heads} heads of {d}, rotary {rotary}, normed {normed}"
+                );
+            }
+        }
     }
 
     #[test]

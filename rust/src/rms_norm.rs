@@ -7,7 +7,7 @@
 //! (docs/benchmarks.md), and a decode step calls it once or more per layer (r3srv.ops.norm's
 //! kernel_rms_norm, the CPU backend's).
 
-use crate::expert_pairs::Element;
+use crate::expert_pairs::{Bf16, Element};
 
 /// Lanes of running sums, so that consecutive multiply-adds do not wait on each other and the
 /// compiler vectorizes the loop.
@@ -18,6 +18,16 @@ pub fn rms_norm<W: Element>(x: &[W], w: &[W], eps: f32, out: &mut [W]) -> Result
     let dim = w.len();
     if dim == 0 || !x.len().is_multiple_of(dim) || out.len() != x.len() {
         return Err(format!("rms_norm: {} inputs and {} outputs for rows of {dim}", x.len(), out.len()));
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(xb), Some(wb)) = (W::as_bf16s(x), W::as_bf16s(w)) {
+        if dim.is_multiple_of(16) && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avx512f") {
+            // SAFETY: W is Bf16 (as_bf16s gave x back as such), so `out` holds as many of them.
+            let ob = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut Bf16, out.len()) };
+            // SAFETY: the CPU has AVX2 and AVX-512F; rows of a multiple of 16 values.
+            unsafe { rows_bf16_avx512(xb, wb, eps, ob) };
+            return Ok(());
+        }
     }
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
@@ -71,6 +81,82 @@ pub fn normalize_row<W: Element>(row: &[W], w: &[W], eps: f32, dst: &mut [W]) {
     }
 }
 
+/// `rows` of bfloat16 rows of a multiple of 16 values in AVX-512 registers (the per-token
+/// kernels' rows: bf16_512): the same bits, each row's scale as `scale_bf16_avx512` finds it
+/// (four rows' side by side: each is a long chain of dependent adds) and its values as
+/// `normalized16` gives them.
+///
+/// # Safety
+/// The CPU must support AVX2 and AVX-512F; w.len() a multiple of 16 that divides x.len() ==
+/// out.len().
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f")]
+unsafe fn rows_bf16_avx512(x: &[Bf16], w: &[Bf16], eps: f32, out: &mut [Bf16]) {
+    use crate::bf16_512::store16;
+    const ROWS: usize = 4;
+    let dim = w.len();
+    assert!(x.len() == out.len() && x.len().is_multiple_of(dim));
+    for (rows, dst) in x.chunks(ROWS * dim).zip(out.chunks_mut(ROWS * dim)) {
+        // SAFETY: the caller's contract, rows of dim values.
+        let scales: [f32; ROWS] = std::array::from_fn(|r| {
+            rows.get(r * dim..(r + 1) * dim).map_or(1.0, |row| unsafe { scale_bf16_avx512(row, eps) })
+        });
+        for ((row, dst), scale) in rows.chunks_exact(dim).zip(dst.chunks_exact_mut(dim)).zip(scales) {
+            for c in (0..dim).step_by(16) {
+                // SAFETY: c + 16 <= dim values of the row, the weight and dst.
+                unsafe { store16(dst.as_mut_ptr().add(c), normalized16(row, w, scale, c)) };
+            }
+        }
+    }
+}
+
+/// `normalize_row`'s 1 / sqrt(mean square + eps) of a bfloat16 row of a multiple of 16 values:
+/// the squares summed in the same 8 lanes in the same order (16 at a time, their two halves
+/// added in turn), the lanes then in order.
+///
+/// # Safety
+/// The CPU must support AVX2 and AVX-512F; row.len() must be a multiple of 16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f")]
+pub(crate) unsafe fn scale_bf16_avx512(row: &[Bf16], eps: f32) -> f32 {
+    use crate::bf16_512::load16;
+    use std::arch::x86_64::*;
+    let dim = row.len();
+    assert!(dim.is_multiple_of(16));
+    let mut sums = _mm256_setzero_ps();
+    for c in (0..dim).step_by(16) {
+        // SAFETY: c + 16 <= dim values of the row.
+        let v = unsafe { load16(row.as_ptr().add(c)) };
+        let squares = _mm512_mul_ps(v, v);
+        sums = _mm256_add_ps(sums, _mm512_castps512_ps256(squares));
+        sums = _mm256_add_ps(sums, _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(squares))));
+    }
+    let mut lanes = [0f32; LANES];
+    // SAFETY: 8 floats stored into 8.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sums) };
+    let sum: f32 = lanes.iter().sum();
+    1.0 / (sum / dim as f32 + eps).sqrt()
+}
+
+/// Values c..c + 16 of a bfloat16 row normalized by `scale` and weighed by `w`, rounded as
+/// `normalize_row` rounds them (in f32 lanes).
+///
+/// # Safety
+/// The CPU must support AVX-512F; c + 16 <= row.len() == w.len().
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn normalized16(row: &[Bf16], w: &[Bf16], scale: f32, c: usize) -> std::arch::x86_64::__m512 {
+    use crate::bf16_512::{load16, round16};
+    use std::arch::x86_64::*;
+    assert!(c + 16 <= row.len() && row.len() == w.len());
+    // SAFETY: 16 values at c of the row and of the weight.
+    unsafe {
+        let v = round16(_mm512_mul_ps(load16(row.as_ptr().add(c)), _mm512_set1_ps(scale)));
+        round16(_mm512_mul_ps(v, load16(w.as_ptr().add(c))))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,7 +191,9 @@ mod tests {
     #[test]
     fn bfloat16_rows_round_as_the_reference_does() {
         use crate::expert_pairs::Bf16;
-        for (rows, dim) in [(3, 256), (2, 13), (1, 64)] {
+        // rows of a multiple of 16 take the AVX-512 kernel where the CPU has it (four at a
+        // time, and a last group of fewer), the others the portable loop
+        for (rows, dim) in [(3, 256), (2, 13), (1, 64), (9, 16), (5, 1024), (4, 48)] {
             let x: Vec<Bf16> = noise(rows * dim, 7).into_iter().map(Bf16::from_f32).collect();
             let w: Vec<Bf16> = noise(dim, 8).into_iter().map(|v| Bf16::from_f32(v + 2.5)).collect();
             let (xf, ones) = (x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>(), vec![1.0f32; dim]);
@@ -117,6 +205,38 @@ mod tests {
                 let want = Bf16::from_f32(Bf16::from_f32(normed[i]).to_f32() * w[i % dim].to_f32());
                 assert_eq!(*got, want, "{rows}x{dim} [{i}]");
             }
+        }
+    }
+
+    /// The AVX-512 bfloat16 rows give the portable loop's bits, on rows with huge and tiny
+    /// values (a sum of squares that overflows to infinity, denormals), infinities and NaNs.
+    #[test]
+    fn the_avx512_bfloat16_rows_give_the_portable_bits() {
+        use crate::expert_pairs::Bf16;
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avx512f")) {
+            eprintln!("skipped: this CPU has no AVX-512F (the bfloat16 rows' kernel)");
+            return;
+        }
+        let specials = [f32::MAX, 1e-40, -3e-39, f32::INFINITY, f32::NAN, 0.0, -0.0, 3e38];
+        for (seed, (rows, dim)) in [(3, 16), (7, 64), (5, 256), (2, 128)].into_iter().enumerate() {
+            let mut values = noise(rows * dim, 30 + seed as u64);
+            for (i, v) in values.iter_mut().enumerate() {
+                match i % 11 {
+                    0 => *v *= 1e-38,
+                    1 => *v *= 1e30,
+                    _ => {}
+                }
+            }
+            // the specials in the second row
+            for (i, &special) in specials.iter().enumerate() {
+                values[dim + i % dim] = special;
+            }
+            let x: Vec<Bf16> = values.into_iter().map(Bf16::from_f32).collect();
+            let w: Vec<Bf16> = noise(dim, 40 + seed as u64).into_iter().map(Bf16::from_f32).collect();
+            let (mut fast, mut portable) = (vec![Bf16(0); rows * dim], vec![Bf16(1); rows * dim]);
+            rms_norm(&x, &w, 1e-6, &mut fast).unwrap();
+            super::rows(&x, &w, 1e-6, &mut portable);
+            assert_eq!(fast, portable, "{rows}x{dim}");
         }
     }
 
