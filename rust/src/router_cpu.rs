@@ -89,25 +89,59 @@ fn route_rows<L: Element>(
     avx2: bool,
 ) {
     let k = routing.top_k;
+    if avx2 {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `avx2` is true only where the CPU has AVX2; k <= 8 and experts <=
+        // AVX2_MAX_EXPERTS (route checked them).
+        unsafe {
+            route_rows_avx2(logits, experts, routing, weights, ids)
+        };
+        return;
+    }
     let mut keys = vec![0f32; k];
-    let mut sortable_lanes = [0i32; AVX2_MAX_EXPERTS];
-    let sortable = &mut sortable_lanes[..if avx2 { experts } else { 0 }];
     for ((row, w), slot_ids) in
         logits.chunks_exact(experts).zip(weights.chunks_exact_mut(k)).zip(ids.chunks_exact_mut(k))
     {
-        if avx2 {
-            for (s, &logit) in sortable.iter_mut().zip(row) {
+        top_k(row, &mut keys, slot_ids);
+        weigh(row, key(row[slot_ids[0] as usize].to_f32()), slot_ids, routing, w);
+    }
+}
+
+/// Rows `avx2::top_k_rows` ranks side by side: each row's insertions are one chain of dependent
+/// vector ops, which four rows' chains hide.
+#[cfg(target_arch = "x86_64")]
+const AVX2_ROWS: usize = 4;
+
+/// `route_rows` with the vector top-k, AVX2_ROWS rows at a time (a last group of fewer).
+///
+/// # Safety
+/// The CPU must support AVX2; k <= 8; experts <= AVX2_MAX_EXPERTS; lengths as `route` checks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn route_rows_avx2<L: Element>(
+    logits: &[L],
+    experts: usize,
+    routing: &Routing,
+    weights: &mut [f32],
+    ids: &mut [i32],
+) {
+    let k = routing.top_k;
+    let mut sortable = [[0i32; AVX2_MAX_EXPERTS]; AVX2_ROWS];
+    for ((rows, w), slot_ids) in
+        logits.chunks(AVX2_ROWS * experts).zip(weights.chunks_mut(AVX2_ROWS * k)).zip(ids.chunks_mut(AVX2_ROWS * k))
+    {
+        let n = rows.len() / experts;
+        for (keys, row) in sortable.iter_mut().zip(rows.chunks_exact(experts)) {
+            for (s, &logit) in keys.iter_mut().zip(row) {
                 *s = sortable_key(logit.to_f32());
             }
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `avx2` is true only where the CPU has AVX2; k <= 8 (route checked both).
-            unsafe {
-                avx2::top_k(sortable, slot_ids)
-            };
-        } else {
-            top_k(row, &mut keys, slot_ids);
         }
-        weigh(row, key(row[slot_ids[0] as usize].to_f32()), slot_ids, routing, w);
+        // SAFETY: the caller's contract (AVX2, k <= 8).
+        unsafe { avx2::top_k_rows(&sortable, experts, n, slot_ids) };
+        for ((row, w), slot_ids) in rows.chunks_exact(experts).zip(w.chunks_exact_mut(k)).zip(slot_ids.chunks_exact(k))
+        {
+            weigh(row, key(row[slot_ids[0] as usize].to_f32()), slot_ids, routing, w);
+        }
     }
 }
 
@@ -127,33 +161,46 @@ fn sortable_key(logit: f32) -> i32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// The best `ids.len()` (at most 8) experts by `sortable_key`, best first, as `super::top_k`
-    /// ranks them: eight (key, id) lanes kept sorted, each expert inserted without a branch
-    /// (the lanes below its key shift down one, the last falls out, its key takes the first of
-    /// them), so a later expert with an equal key goes after the earlier ones. The keys' update
-    /// is max(lane, min(key, lane above)), a short dependency chain from one expert to the next.
+    /// For each of the first `n` rows of `keys` (its first `experts` sortable keys), the best k
+    /// (at most 8; `ids` holds n rows of k) experts by `sortable_key`, best first, as
+    /// `super::top_k` ranks them: eight (key, id) lanes kept sorted, each expert inserted
+    /// without a branch (the lanes below its key shift down one, the last falls out, its key
+    /// takes the first of them), so a later expert with an equal key goes after the earlier
+    /// ones. The keys' update is max(lane, min(key, lane above)), a chain of dependent ops from
+    /// one expert to the next: the rows' chains run side by side.
     ///
     /// # Safety
-    /// The CPU must support AVX2; `ids.len()` <= 8.
+    /// The CPU must support AVX2; k <= 8; n <= ROWS; experts <= each row's length.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn top_k(keys: &[i32], ids: &mut [i32]) {
-        let mut best = _mm256_set1_epi32(i32::MIN); // below every sortable key
-        let mut best_ids = _mm256_set1_epi32(-1);
+    pub unsafe fn top_k_rows<const ROWS: usize>(
+        keys: &[[i32; super::AVX2_MAX_EXPERTS]; ROWS],
+        experts: usize,
+        n: usize,
+        ids: &mut [i32],
+    ) {
+        let k = ids.len() / n.max(1);
+        let mut best = [_mm256_set1_epi32(i32::MIN); ROWS]; // below every sortable key
+        let mut best_ids = [_mm256_set1_epi32(-1); ROWS];
         let down = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6);
         let top = _mm256_set1_epi32(i32::MAX); // above every sortable key
-        for (e, &key) in keys.iter().enumerate() {
-            let v = _mm256_set1_epi32(key);
-            let above = _mm256_blend_epi32::<1>(_mm256_permutevar8x32_epi32(best, down), top); // lane i: best[i - 1]
-            let after = _mm256_cmpgt_epi32(v, above); // the lanes past v's slot
-            let at = _mm256_andnot_si256(after, _mm256_cmpgt_epi32(v, best));
-            best = _mm256_max_epi32(best, _mm256_min_epi32(v, above));
-            let placed = _mm256_blendv_epi8(best_ids, _mm256_set1_epi32(e as i32), at);
-            best_ids = _mm256_blendv_epi8(placed, _mm256_permutevar8x32_epi32(best_ids, down), after);
+        for e in 0..experts {
+            let expert = _mm256_set1_epi32(e as i32);
+            for r in 0..ROWS {
+                let v = _mm256_set1_epi32(keys[r][e]);
+                let above = _mm256_blend_epi32::<1>(_mm256_permutevar8x32_epi32(best[r], down), top); // lane i: best[i - 1]
+                let after = _mm256_cmpgt_epi32(v, above); // the lanes past v's slot
+                let at = _mm256_andnot_si256(after, _mm256_cmpgt_epi32(v, best[r]));
+                best[r] = _mm256_max_epi32(best[r], _mm256_min_epi32(v, above));
+                let placed = _mm256_blendv_epi8(best_ids[r], expert, at);
+                best_ids[r] = _mm256_blendv_epi8(placed, _mm256_permutevar8x32_epi32(best_ids[r], down), after);
+            }
         }
-        let mut lanes = [0i32; 8];
-        // SAFETY: `lanes` is 32 writable bytes; an unaligned store.
-        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, best_ids) };
-        ids.copy_from_slice(&lanes[..ids.len()]);
+        for (row, lanes_of) in ids.chunks_exact_mut(k).zip(&best_ids).take(n) {
+            let mut lanes = [0i32; 8];
+            // SAFETY: `lanes` is 32 writable bytes; an unaligned store.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, *lanes_of) };
+            row.copy_from_slice(&lanes[..k]);
+        }
     }
 }
 
