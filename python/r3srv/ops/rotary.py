@@ -63,11 +63,12 @@ def rope_cos_sin(
     if scaling_factor != 1.0:
         pos = pos / scaling_factor
     freqs = pos[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    # each half's values once, then repeated: the same values as cos/sin of the doubled angles
+    cos, sin = freqs.cos(), freqs.sin()
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
-    return cos.to(dtype), sin.to(dtype)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
