@@ -48,6 +48,23 @@ def test_bfloat16_rows_equal_the_hf_reference(rows, dim, seed, eps):
         assert torch.equal(ops_for("cpu", torch.bfloat16).norm("default")(x, w, eps), got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_give_the_same_bits(dtype, monkeypatch):
+    """A prefill's rows split over the kernel's threads (items of 64 rows): the same bits on 1, 2
+    and 3 threads, and the CPU backend's norm passes its thread count on."""
+    g = torch.Generator().manual_seed(5)
+    x, w = (torch.randn(300, 256, generator=g) * 3).to(dtype), (torch.rand(256, generator=g) + 0.5).to(dtype)
+    one = kernel.rms_norm_cpu(x, w, 1e-6)
+    for threads in (2, 3):
+        assert torch.equal(kernel.rms_norm_cpu(x, w, 1e-6, threads=threads), one)
+    calls = []
+    real = kernel.rms_norm_cpu
+    monkeypatch.setattr(kernel, "rms_norm_cpu", lambda *a, **k: calls.append(k.get("threads")) or real(*a, **k))
+    with settings.overridden(rust_rms_norm=True, cpu_threads=3):
+        assert torch.equal(ops_for("cpu", dtype).norm("default")(x, w, 1e-6), one)
+    assert calls == [3]
+
+
 def test_it_steps_aside_where_it_does_not_apply():
     x16 = torch.randn(4, 8).bfloat16()
     assert kernel.rms_norm_cpu(x16, torch.ones(8), 1e-6) is None  # mixed dtypes

@@ -111,6 +111,26 @@ def test_the_cpu_backend_routes_with_it(monkeypatch):
     assert torch.equal(buffer, want_buffer)
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties", "specials"])
+def test_threads_give_the_same_routes_and_rows(kind, monkeypatch):
+    """A prefill's rows split over the kernel's threads (items of 64 rows): the same ids, weights
+    and captured rows on 1, 2 and 3 threads, and the CPU backend passes its thread count on."""
+    logits = generated_logits(7, 300, 64, kind, torch.bfloat16)
+    results = []
+    for threads in (1, 2, 3):
+        buffer, view = capture_view(300, 8, torch.int16)
+        weights, ids = route_cpu(logits, 8, capture=view, threads=threads)
+        results.append((weights, ids, buffer))
+    for weights, ids, buffer in results[1:]:
+        assert torch.equal(ids, results[0][1]) and torch.equal(buffer, results[0][2])
+        assert torch.equal(weights.view(torch.int32), results[0][0].view(torch.int32))
+    calls = []
+    monkeypatch.setattr(router_cpu, "route_cpu", lambda *a, **k: calls.append(k.get("threads")) or route_cpu(*a, **k))
+    with settings.overridden(cpu_threads=3, force_torch_router=False, rust_router=True):
+        ops_for("cpu", torch.float32).router(RouterShape(64, 8))(logits.float(), 8)
+    assert calls == [3]
+
+
 def test_no_tokens():
     weights, ids = route_cpu(torch.randn(0, 8), 2, capture=torch.zeros(0, 2, dtype=torch.uint8))
     assert weights.shape == ids.shape == (0, 2)

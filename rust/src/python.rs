@@ -657,18 +657,21 @@ fn paged_prefill_attention(
 
 /// RMSNorm of float32 rows (crate::rms_norm): the private half of the CPU backend's RMSNorm (r3srv.ops.norm),
 /// which passes contiguous float32 CPU tensors x [rows, dim], w [dim] and a fresh out like x,
-/// and keeps them alive across the call. Keeps the GIL: a call takes less than releasing it.
+/// and keeps them alive across the call; a prefill's rows split over up to `threads` threads.
+/// Keeps the GIL: a call takes less than releasing it.
 #[pyfunction]
-fn rms_norm_f32(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f32) -> PyResult<()> {
+#[pyo3(signature = (x, w, out, rows, dim, eps, threads=1))]
+fn rms_norm_f32(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f32, threads: usize) -> PyResult<()> {
     // SAFETY: the caller's contract above.
-    unsafe { rms_norm_rows::<f32>(x, w, out, rows, dim, eps) }
+    unsafe { rms_norm_rows::<f32>(x, w, out, rows, dim, eps, threads) }
 }
 
 /// `rms_norm_f32` for bfloat16 tensors (the HF reference's roundings: crate::rms_norm).
 #[pyfunction]
-fn rms_norm_bf16(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f32) -> PyResult<()> {
+#[pyo3(signature = (x, w, out, rows, dim, eps, threads=1))]
+fn rms_norm_bf16(x: usize, w: usize, out: usize, rows: usize, dim: usize, eps: f32, threads: usize) -> PyResult<()> {
     // SAFETY: the caller's contract of rms_norm_f32, with bfloat16 tensors.
-    unsafe { rms_norm_rows::<crate::expert_pairs::Bf16>(x, w, out, rows, dim, eps) }
+    unsafe { rms_norm_rows::<crate::expert_pairs::Bf16>(x, w, out, rows, dim, eps, threads) }
 }
 
 /// # Safety
@@ -681,12 +684,13 @@ unsafe fn rms_norm_rows<W: crate::expert_pairs::Element>(
     rows: usize,
     dim: usize,
     eps: f32,
+    threads: usize,
 ) -> PyResult<()> {
     let len = rows.checked_mul(dim).ok_or_else(|| PyValueError::new_err("rms_norm: rows x dim overflows"))?;
     // SAFETY: kernels/rms_norm_cpu.py passes live contiguous tensors of `W` of these sizes, held by the
     // caller for the whole call; `out` is a new tensor, so the one &mut aliases nothing.
     let (x, w, out) = unsafe { (slice::<W>(x, len)?, slice::<W>(w, dim)?, slice_mut::<W>(out, len)?) };
-    crate::rms_norm::rms_norm(x, w, eps, out).map_err(PyValueError::new_err)
+    crate::rms_norm::rms_norm(x, w, eps, out, threads).map_err(PyValueError::new_err)
 }
 
 /// Routing inputs at least this large are routed with the GIL released; below it releasing and
@@ -699,9 +703,10 @@ const ROUTE_DETACH_MIN_LOGITS: usize = 1 << 16;
 /// weights and int32 ids [tokens, top_k], and optionally one layer of a capture buffer as
 /// (address, row stride in elements, item size in bytes: 1, 2, 4 or 8) whose integer dtype
 /// holds the expert ids, and keeps them all alive across the call. Every length is checked
-/// here; a capture that overlaps the logits is a ValueError.
+/// here; a capture that overlaps the logits is a ValueError. A prefill's rows split over up to
+/// `threads` threads.
 #[pyfunction]
-#[pyo3(signature = (logits, dtype, shape, scoring, renormalize, scaling, weights, ids, capture=None))]
+#[pyo3(signature = (logits, dtype, shape, scoring, renormalize, scaling, weights, ids, capture=None, threads=1))]
 #[allow(clippy::too_many_arguments)]
 fn route_experts(
     py: Python<'_>,
@@ -714,6 +719,7 @@ fn route_experts(
     weights: usize,
     ids: usize,
     capture: Option<(usize, usize, usize)>,
+    threads: usize,
 ) -> PyResult<()> {
     use crate::router_cpu::{capture_ids, capture_len, Routing, Scoring};
 
@@ -746,8 +752,8 @@ fn route_experts(
     // SAFETY: as above.
     unsafe {
         match logit_size {
-            4 => route_rows(py, slice::<f32>(logits, num_logits)?, experts, &routing, weights, ids)?,
-            _ => route_rows(py, slice::<Bf16>(logits, num_logits)?, experts, &routing, weights, ids)?,
+            4 => route_rows(py, slice::<f32>(logits, num_logits)?, experts, &routing, weights, ids, threads)?,
+            _ => route_rows(py, slice::<Bf16>(logits, num_logits)?, experts, &routing, weights, ids, threads)?,
         }
     }
     let Some((address, row_stride, itemsize)) = capture else { return Ok(()) };
@@ -774,8 +780,9 @@ fn route_rows<L: Element>(
     routing: &crate::router_cpu::Routing,
     weights: &mut [f32],
     ids: &mut [i32],
+    threads: usize,
 ) -> PyResult<()> {
-    let mut run = || crate::router_cpu::route(logits, experts, routing, weights, ids);
+    let mut run = || crate::router_cpu::route(logits, experts, routing, weights, ids, threads);
     if logits.len() >= ROUTE_DETACH_MIN_LOGITS { py.detach(run) } else { run() }.map_err(PyValueError::new_err)
 }
 

@@ -390,7 +390,7 @@ mod tests {
                 .chain((0..kv_heads).map(|h| (heads + h, &wk, &k[(t * kv_heads + h) * d..][..d])))
             {
                 let mut normed = vec![Bf16(0); d];
-                crate::rms_norm::rms_norm(&qkv[t * width + h * d..][..d], w, 1e-6, &mut normed).unwrap();
+                crate::rms_norm::rms_norm(&qkv[t * width + h * d..][..d], w, 1e-6, &mut normed, 1).unwrap();
                 let half = rotary / 2;
                 for i in 0..d {
                     let want = if i < rotary {

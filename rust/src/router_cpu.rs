@@ -37,14 +37,16 @@ pub struct Routing {
     pub scaling: f32,
 }
 
-/// Routes each `experts`-long row of `logits` into its `top_k` slots of `weights` and `ids`.
-/// Errors on a `top_k` outside 1..=experts or lengths that do not match.
+/// Routes each `experts`-long row of `logits` into its `top_k` slots of `weights` and `ids`,
+/// the rows split over up to `threads` threads where there are enough of them (a row's result
+/// does not depend on it). Errors on a `top_k` outside 1..=experts or lengths that do not match.
 pub fn route<L: Element>(
     logits: &[L],
     experts: usize,
     routing: &Routing,
     weights: &mut [f32],
     ids: &mut [i32],
+    threads: usize,
 ) -> Result<(), String> {
     let k = routing.top_k;
     if experts == 0 || k == 0 || k > experts || experts > i32::MAX as usize {
@@ -60,9 +62,24 @@ pub fn route<L: Element>(
         ));
     }
     let avx2 = k <= 8 && experts <= AVX2_MAX_EXPERTS && avx2_available();
-    route_rows(logits, experts, routing, weights, ids, avx2);
+    let threads = threads.min(rows / ROWS_PER_ITEM).max(1);
+    if threads == 1 {
+        route_rows(logits, experts, routing, weights, ids, avx2);
+        return Ok(());
+    }
+    let (logit_rows, slot_rows) = (ROWS_PER_ITEM * experts, ROWS_PER_ITEM * k);
+    let mut items: Vec<_> =
+        logits.chunks(logit_rows).zip(weights.chunks_mut(slot_rows)).zip(ids.chunks_mut(slot_rows)).collect();
+    crate::workers::take_in_turn(threads, &mut items, &|items| {
+        for ((logits, weights), ids) in items {
+            route_rows(logits, experts, routing, weights, ids, avx2);
+        }
+    });
     Ok(())
 }
+
+/// Rows a thread takes at a time: a few microseconds of work.
+const ROWS_PER_ITEM: usize = 64;
 
 /// Up to this many experts the branch-free AVX2 top-k beats the scalar insertion, whose
 /// mispredicted branches cost more than the vector pass over every expert (docs/benchmarks.md).
@@ -370,7 +387,7 @@ mod tests {
     fn run<L: Element>(logits: &[L], experts: usize, routing: &Routing) -> (Vec<f32>, Vec<i32>) {
         let rows = logits.len() / experts;
         let (mut w, mut ids) = (vec![0f32; rows * routing.top_k], vec![0i32; rows * routing.top_k]);
-        route(logits, experts, routing, &mut w, &mut ids).unwrap();
+        route(logits, experts, routing, &mut w, &mut ids, 1).unwrap();
         (w, ids)
     }
 
@@ -491,6 +508,25 @@ mod tests {
         }
     }
 
+    /// A row's ids and weights do not depend on the threads: 300 rows (items of 64 and a last
+    /// of 44) on 1, 2 and 3 threads.
+    #[test]
+    fn threads_give_the_same_routes() {
+        let (rows, experts) = (300, 64);
+        let logits: Vec<f32> = noise(rows * experts, 80).iter().map(|v| v * 3.0).collect();
+        for r in [routing(8, Scoring::Softmax, true, 1.0), routing(4, Scoring::Sigmoid, false, 2.5)] {
+            let runs = |threads: usize| {
+                let (mut w, mut ids) = (vec![0f32; rows * r.top_k], vec![0i32; rows * r.top_k]);
+                route(&logits, experts, &r, &mut w, &mut ids, threads).unwrap();
+                (w.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ids)
+            };
+            let one = runs(1);
+            for threads in [2, 3] {
+                assert!(runs(threads) == one, "{threads} threads");
+            }
+        }
+    }
+
     #[test]
     fn sortable_keys_order_as_the_keys() {
         let values = [f32::NEG_INFINITY, -3.5, -1.0, -1e-30, -0.0, 0.0, 1e-30, 2.0, f32::MAX, f32::INFINITY];
@@ -506,12 +542,12 @@ mod tests {
     fn bad_arguments_are_errors() {
         let (mut w, mut ids) = (vec![0f32; 4], vec![0i32; 4]);
         let r = routing(2, Scoring::Softmax, true, 1.0);
-        assert!(route(&[0f32; 8], 4, &r, &mut w, &mut ids).is_ok());
-        assert!(route(&[0f32; 8], 0, &r, &mut w, &mut ids).is_err());
-        assert!(route(&[0f32; 9], 4, &r, &mut w, &mut ids).is_err());
-        assert!(route(&[0f32; 8], 4, &r, &mut w[..3], &mut ids).is_err());
-        assert!(route(&[0f32; 8], 4, &routing(0, Scoring::Softmax, true, 1.0), &mut w, &mut ids).is_err());
-        assert!(route(&[0f32; 8], 1, &r, &mut w, &mut ids).is_err()); // top_k > experts
+        assert!(route(&[0f32; 8], 4, &r, &mut w, &mut ids, 1).is_ok());
+        assert!(route(&[0f32; 8], 0, &r, &mut w, &mut ids, 1).is_err());
+        assert!(route(&[0f32; 9], 4, &r, &mut w, &mut ids, 1).is_err());
+        assert!(route(&[0f32; 8], 4, &r, &mut w[..3], &mut ids, 1).is_err());
+        assert!(route(&[0f32; 8], 4, &routing(0, Scoring::Softmax, true, 1.0), &mut w, &mut ids, 1).is_err());
+        assert!(route(&[0f32; 8], 1, &r, &mut w, &mut ids, 1).is_err()); // top_k > experts
     }
 
     #[test]

@@ -19,8 +19,9 @@ BUILT = rms_norm_entry is not None  # else the torch path (kernels/rust_core.py)
 RMS_NORM_ENTRIES = {torch.float32: rms_norm_entry, torch.bfloat16: rust_kernel("rms_norm_bf16")}
 
 
-def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """x / sqrt(mean(x^2, -1) + eps) * weight for float32 or bfloat16 CPU tensors, or None where
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int = 1) -> torch.Tensor | None:
+    """x / sqrt(mean(x^2, -1) + eps) * weight for float32 or bfloat16 CPU tensors, a prefill's
+    rows split over up to `threads` threads (a row's bits do not depend on it), or None where
     the Rust kernel does not apply (the caller keeps torch's)."""
     kernel = RMS_NORM_ENTRIES.get(x.dtype)
     if kernel is None or weight.dtype != x.dtype or not x.is_cpu:
@@ -31,5 +32,5 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         return None
     dim = weight.shape[0]
     out = torch.empty_like(x)
-    kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps, threads)
     return out

@@ -31,9 +31,10 @@ def route_cpu(
     scaling: float = 1.0,
     capture: torch.Tensor | None = None,
     num_groups: int = 1,
+    threads: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`route_reference`'s (weights float32 [T, k], ids int32 [T, k]) through the Rust kernel, or
-    None where it does not apply. Takes arguments `check_route_args` accepts (the router op
+    """`route_reference`'s (weights float32 [T, k], ids int32 [T, k]) through the Rust kernel (a
+    prefill's rows split over up to `threads` threads), or None where it does not apply. Takes arguments `check_route_args` accepts (the router op
     checks them first); the kernel checks every length itself and raises ValueError."""
     dtype = RUST_DTYPES.get(router_logits.dtype)
     if not BUILT or dtype is None or correction_bias is not None or num_groups != 1:
@@ -51,7 +52,7 @@ def route_cpu(
     weights = torch.empty(tokens, top_k, dtype=torch.float32)
     ids = torch.empty(tokens, top_k, dtype=torch.int32)
     route_experts_entry(router_logits.data_ptr(), dtype, (tokens, experts, top_k), scoring, bool(renormalize), scaling,
-                   weights.data_ptr(), ids.data_ptr(), target)
+                   weights.data_ptr(), ids.data_ptr(), target, threads)
     return weights, ids
 
 

@@ -81,7 +81,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     linear = kernel_linear(linear_cpu.linear_rust, threads) if current.rust_linear and linear_cpu.BUILT else None
     norms = dict(REFERENCE_NORMS)
     if current.rust_rms_norm and rms_norm_cpu.BUILT:
-        norms["default"] = kernel_rms_norm(rms_norm_cpu.rms_norm_cpu)
+        norms["default"] = kernel_rms_norm(functools.partial(rms_norm_cpu.rms_norm_cpu, threads=threads))
     heads = None
     if current.rust_rope and qk_rope_cpu.BUILT:
         heads = functools.partial(qk_rope_cpu.qk_norm_rope, threads=threads)
@@ -99,7 +99,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
 
     def routers(shape: RouterShape):
         if rust_router and not shape.correction_bias and shape.num_groups == 1:
-            return kernel_router(router_cpu.route_cpu)
+            return kernel_router(functools.partial(router_cpu.route_cpu, threads=threads))
         return route_reference
 
     def experts(activation: Activation):
