@@ -302,9 +302,14 @@ pub fn expert_pairs<W: Element>(
         return Err(format!("expert id {bad} is outside 0..{}", experts.num_experts));
     }
     let pair_token: Vec<u32> = (0..ids.len()).map(|p| token_of(p) as u32).collect();
+    // bfloat16 tokens that every chunk reads as the dot products' pairs (run_chunk: even hidden
+    // and intermediate sizes) are never read widened: no f32 copy of them
+    let pairs_only =
+        hid.is_multiple_of(2) && experts.inter.is_multiple_of(2) && dot_products(isa, experts.w13).is_some();
     BUFFERS.with_borrow_mut(|(widened, outputs)| {
         let xf: &[f32] = match W::as_f32s(x) {
             Some(xf) => xf,
+            None if pairs_only => &[],
             None => {
                 widened.clear();
                 widened.extend(x.iter().map(|v| v.to_f32()));
