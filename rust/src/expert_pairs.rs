@@ -366,6 +366,7 @@ fn weighted_sums<W: Element>(
     let threads = threads.min(by_token.len() * hid / PARALLEL_MIN_MACS).clamp(1, blocks.max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
     let dst = SharedRows(out.as_mut_ptr());
+    let wide = wide_simd512(isa);
     let work = || {
         let mut acc = vec![0f32; hid];
         loop {
@@ -379,6 +380,9 @@ fn weighted_sums<W: Element>(
                 // `out`, which outlives the threads' scope.
                 let row = unsafe { dst.row(t, hid) };
                 match simd(isa) {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: wide_simd512() checked that this CPU has AVX2, FMA and AVX-512F.
+                    true if wide => unsafe { sum_token_avx512(outputs, row_of, pairs, weights, &mut acc, row) },
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: simd() checked that this CPU has AVX2 and FMA.
                     true => unsafe { sum_token_avx2(outputs, row_of, pairs, weights, &mut acc, row) },
@@ -420,6 +424,23 @@ fn sum_token<W: Element>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn sum_token_avx2<W: Element>(
+    outputs: &[f32],
+    row_of: &[u32],
+    pairs: &[u32],
+    weights: &[f32],
+    acc: &mut [f32],
+    out: &mut [W],
+) {
+    sum_token(outputs, row_of, pairs, weights, acc, out)
+}
+
+/// `sum_token` compiled for AVX-512F: 16 lanes, elementwise, the same bits.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn sum_token_avx512<W: Element>(
     outputs: &[f32],
     row_of: &[u32],
     pairs: &[u32],
