@@ -233,6 +233,7 @@ def test_the_step_plan_declines_what_the_kernels_would():
     """plan() is None for a prefill, for more rows than the Rust linear takes, for cos/sin of
     another dtype than the rows, for float16."""
     meta = type("Meta", (), dict(prefills=[], decode_seqs=[0], graph=False, block_size=16,
+                                 slot_mapping=torch.zeros(1, dtype=torch.int64),
                                  decode_kernel_args=lambda self: (torch.zeros(1, 2, dtype=torch.int64),
                                                                   torch.ones(1, dtype=torch.int64),
                                                                   torch.zeros(1, dtype=torch.int64), 1)))()
@@ -252,3 +253,28 @@ def test_the_step_plan_declines_what_the_kernels_would():
     assert DecodeStep.plan(x.half(), meta, cos.half(), cos.half(), None, 64, 1) is None
     narrow = torch.zeros(1, 2, 8, dtype=torch.uint8)[:, :, 0]  # ids 8 bytes apart: the router cannot write it
     assert DecodeStep.plan(x, meta, cos, cos, narrow, 64, 1) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cache_write_lands_rows_in_their_slots_and_refuses_bad_ones(dtype):
+    """The fused layer's cache write (r3srv._core.write_kv_cache): each new key and value row in
+    its slot, as index_copy_ puts it; a slot outside the cache or caches that overlap are
+    ValueErrors that write nothing."""
+    from r3srv.kernels.paged_decode_cpu import write_kv_cache_entry as write
+    from r3srv.kernels.rust_core import RUST_DTYPES
+
+    assert write is not None, "r3srv._core lacks write_kv_cache: rebuild the extension (make install)"
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(3, 2, 8, generator=g).to(dtype), torch.randn(3, 2, 8, generator=g).to(dtype)
+    k_cache, v_cache = torch.zeros(10, 2, 8, dtype=dtype), torch.zeros(10, 2, 8, dtype=dtype)
+    slots = torch.tensor([7, 0, 3])
+    code = RUST_DTYPES[dtype]
+    write(code, k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 3, 16, 10)
+    want_k, want_v = torch.zeros_like(k_cache).index_copy_(0, slots, k), torch.zeros_like(v_cache).index_copy_(0, slots, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    bad = torch.tensor([1, 10, 2])
+    with pytest.raises(ValueError, match="slot 10"):
+        write(code, k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bad.data_ptr(), 3, 16, 10)
+    with pytest.raises(ValueError, match="overlap"):
+        write(code, k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), k_cache.data_ptr(), slots.data_ptr(), 3, 16, 10)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

@@ -363,6 +363,29 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
     Ok(())
 }
 
+/// Row t of `rows` (each `row_len` elements) copied into row `slots[t]` of `cache`: a decode
+/// step's new keys or values into the paged cache, in one call where torch's `index_copy_`
+/// costs more to dispatch than the copy of a few rows. Errors, writing nothing, on a slot
+/// outside the cache or lengths that do not match.
+pub fn write_cache_rows<T: Copy>(rows: &[T], row_len: usize, slots: &[i64], cache: &mut [T]) -> Result<(), String> {
+    if row_len == 0 || rows.len() != slots.len() * row_len || !cache.len().is_multiple_of(row_len) {
+        return Err(format!(
+            "{} values for {} slots of rows of {row_len}, into a cache of {} values",
+            rows.len(),
+            slots.len(),
+            cache.len()
+        ));
+    }
+    let cache_rows = cache.len() / row_len;
+    if let Some(&bad) = slots.iter().find(|&&s| s < 0 || s as usize >= cache_rows) {
+        return Err(format!("slot {bad} is outside the cache's {cache_rows} rows"));
+    }
+    for (row, &slot) in rows.chunks_exact(row_len).zip(slots) {
+        cache[slot as usize * row_len..][..row_len].copy_from_slice(row);
+    }
+    Ok(())
+}
+
 /// The positions [start, end) a query at the end of a `len`-token context sees.
 fn visible(len: usize, window: Option<usize>) -> (usize, usize) {
     (window.map_or(0, |w| len.saturating_sub(w)), len)
@@ -1419,6 +1442,20 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn cache_rows_land_in_their_slots_and_bad_slots_write_nothing() {
+        let rows: Vec<f32> = (0..6).map(|v| v as f32).collect(); // three rows of two
+        let mut cache = vec![-1.0f32; 10];
+        write_cache_rows(&rows, 2, &[4, 0, 2], &mut cache).unwrap();
+        assert_eq!(cache, [2.0, 3.0, -1.0, -1.0, 4.0, 5.0, -1.0, -1.0, 0.0, 1.0]);
+        let before = cache.clone();
+        assert!(write_cache_rows(&rows, 2, &[1, 5, 0], &mut cache).unwrap_err().contains("slot 5"));
+        assert!(write_cache_rows(&rows, 2, &[1, -1, 0], &mut cache).unwrap_err().contains("slot -1"));
+        assert!(write_cache_rows(&rows, 2, &[1, 0], &mut cache).is_err());
+        assert!(write_cache_rows(&rows, 4, &[1], &mut cache).is_err());
+        assert_eq!(cache, before);
     }
 
     #[test]

@@ -452,6 +452,69 @@ unsafe fn strided<'a, T>(arg: TensorArg) -> PyResult<Strided<'a, T>> {
     Strided::new(data, rows, heads, dim, row_stride, head_stride).map_err(PyValueError::new_err)
 }
 
+/// A decode step's new keys and values into the paged cache (crate::paged_attn::write_cache_rows):
+/// the private half of r3srv.ops.cpu_decode's fused layer, which passes contiguous CPU tensors
+/// k and v [rows, kv_heads, head_dim] and the layer's k_cache and v_cache [cache_rows, kv_heads,
+/// head_dim] of one `dtype` ("float32" or "bfloat16", `row_len` = kv_heads x head_dim elements
+/// a row), the step's int64 slots [rows], and keeps them alive across the call. Every slot is
+/// checked before anything is written; caches that overlap each other or k / v are errors.
+/// Keeps the GIL (a call takes microseconds).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn write_kv_cache(
+    dtype: &str,
+    k: usize,
+    v: usize,
+    k_cache: usize,
+    v_cache: usize,
+    slots: usize,
+    rows: usize,
+    row_len: usize,
+    cache_rows: usize,
+) -> PyResult<()> {
+    let size = match dtype {
+        "float32" => 4,
+        "bfloat16" => 2,
+        other => return Err(PyTypeError::new_err(format!("write_kv_cache takes float32 or bfloat16, not {other}"))),
+    };
+    let overflow = || PyValueError::new_err("write_kv_cache: the shapes overflow");
+    let len = rows.checked_mul(row_len).ok_or_else(overflow)?;
+    let cache_len = cache_rows.checked_mul(row_len).ok_or_else(overflow)?;
+    let cache_bytes = cache_len.checked_mul(size).ok_or_else(overflow)?;
+    let spans = [(k_cache, cache_bytes), (v_cache, cache_bytes), (k, len * size), (v, len * size)];
+    let overlap = |(a, n): (usize, usize), (b, m): (usize, usize)| {
+        n > 0 && m > 0 && a < b.saturating_add(m) && b < a.saturating_add(n)
+    };
+    if overlap(spans[0], spans[1]) || spans[2..].iter().any(|&s| overlap(spans[0], s) || overlap(spans[1], s)) {
+        return Err(PyValueError::new_err("write_kv_cache: the caches overlap each other or the new rows"));
+    }
+    let write = |src: usize, dst: usize| -> PyResult<()> {
+        // SAFETY: the caller's contract above: live tensors of these sizes; the caches overlap
+        // nothing else passed (checked), so the one &mut aliases nothing.
+        unsafe {
+            let slots = slice::<i64>(slots, rows)?;
+            let result = if size == 4 {
+                crate::paged_attn::write_cache_rows(
+                    slice::<f32>(src, len)?,
+                    row_len,
+                    slots,
+                    slice_mut::<f32>(dst, cache_len)?,
+                )
+            } else {
+                crate::paged_attn::write_cache_rows(
+                    slice::<u16>(src, len)?,
+                    row_len,
+                    slots,
+                    slice_mut::<u16>(dst, cache_len)?,
+                )
+            };
+            result.map_err(|e| PyValueError::new_err(format!("write_kv_cache: {e}")))
+        }
+    };
+    write(k, k_cache)?;
+    write(v, v_cache)
+}
+
 static PAGED_DECODE_ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
 
 /// The ISA the paged decode attention kernel runs on this CPU: "avx2" (AVX2 + FMA) or "portable".
@@ -880,6 +943,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crate::pair_projection::python::add_low_rank_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(write_kv_cache, m)?)?;
     m.add_function(wrap_pyfunction!(paged_prefill_attention, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;

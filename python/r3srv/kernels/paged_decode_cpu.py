@@ -18,6 +18,9 @@ from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 paged_decode_entry = rust_kernel("paged_decode_attention")
 BUILT = paged_decode_entry is not None  # else the torch path (kernels/rust_core.py)
+# a decode step's new keys and values into the cache in one call (the fused decode layer,
+# ops/cpu_decode.py; None in a build without it: torch's index_copy_)
+write_kv_cache_entry = rust_kernel("write_kv_cache")
 
 
 def supports(q: torch.Tensor) -> bool:

@@ -42,7 +42,8 @@ def kernels_built_for(dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class DecodeStep:
     """What one decode step's layers share: its block tables, context lengths and rows in the
-    decode kernel's int64 layout, the row count, the kernels' threads, the cache's page."""
+    decode kernel's int64 layout, the row count, the kernels' threads, the cache's page, and
+    the new tokens' cache slots (int64)."""
 
     tables: torch.Tensor
     lens: torch.Tensor
@@ -50,6 +51,7 @@ class DecodeStep:
     num_rows: int
     threads: int
     block_size: int
+    slots: torch.Tensor
 
     @property
     def table_args(self) -> tuple[int, int, int]:
@@ -76,7 +78,8 @@ class DecodeStep:
             return None
         tables, lens, seq_rows, _ = meta.decode_kernel_args()
         index = paged_decode_cpu.as_index
-        return DecodeStep(index(tables), index(lens), index(seq_rows), rows, threads, meta.block_size)
+        return DecodeStep(index(tables), index(lens), index(seq_rows), rows, threads, meta.block_size,
+                          index(meta.slot_mapping))
 
 
 def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear) -> "FusedDecoderLayer":
@@ -192,8 +195,13 @@ class FusedDecoderLayer:
                      cos.data_ptr() if rotary else 0, sin.data_ptr() if rotary else 0, q.data_ptr(), k.data_ptr(),
                      v.data_ptr())
         self.qk_entry(addresses, (rows, heads, kv_heads, head_dim, rotary), self.qk_eps)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        write_kv = paged_decode_cpu.write_kv_cache_entry
+        if write_kv is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+            write_kv(code, k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), step.slots.data_ptr(),
+                     rows, kv_heads * head_dim, k_cache.shape[0])
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         o = x.new_empty(rows, heads, head_dim)
         head_major = paged_decode_cpu.head_major  # the wrapper's: pointers, shapes and the real strides
         paged_decode_cpu.paged_decode_entry(
