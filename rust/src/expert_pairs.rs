@@ -1589,16 +1589,7 @@ mod tests {
             for hid in [16, 40] {
                 let (w13, w2): (Vec<W>, Vec<W>) =
                     (cast(values(11, e * 2 * inter * hid)), cast(values(12, e * hid * inter)));
-                let experts = Experts {
-                    w13: &w13,
-                    w2: &w2,
-                    b13: None,
-                    b2: None,
-                    num_experts: e,
-                    hidden: hid,
-                    inter,
-                    act: Activation::SiluAndMul,
-                };
+                let experts = silu_experts(&w13, &w2, e, hid, inter);
                 let x: Vec<W> = cast(values(13, tokens * hid));
                 let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p * 7 + p / 5) % e) as i32).collect();
                 let weights = values(14, tokens * top_k);
@@ -1619,6 +1610,17 @@ mod tests {
     fn gemv_matches_f64_for_every_shape_and_kernel() {
         gemv_cases::<f32>();
         gemv_cases::<Bf16>();
+    }
+
+    /// Experts of SiLU-and-mul without biases over these weights.
+    fn silu_experts<'a, W: Element>(
+        w13: &'a [W],
+        w2: &'a [W],
+        num_experts: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> Experts<'a, W> {
+        Experts { w13, w2, b13: None, b2: None, num_experts, hidden, inter, act: Activation::SiluAndMul }
     }
 
     fn whole_pass<W: Element>(rel: f64) {
@@ -1839,16 +1841,7 @@ mod tests {
         }
         let (e, hid, inter, top_k, tokens) = (2, 48, 24, 2, 40);
         let (w13, w2) = (values(61, e * 2 * inter * hid), values(62, e * hid * inter));
-        let experts = Experts {
-            w13: &w13,
-            w2: &w2,
-            b13: None,
-            b2: None,
-            num_experts: e,
-            hidden: hid,
-            inter,
-            act: Activation::SiluAndMul,
-        };
+        let experts = silu_experts(&w13, &w2, e, hid, inter);
         let x = values(63, tokens * hid);
         let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
         let weights = values(64, tokens * top_k);
@@ -1987,16 +1980,7 @@ mod tests {
         let (e, hid, inter, top_k, tokens) = (3, 96, 40, 2, 60);
         let (w13, w2): (Vec<Bf16>, Vec<Bf16>) =
             (cast(values(41, e * 2 * inter * hid)), cast(values(42, e * hid * inter)));
-        let experts = Experts {
-            w13: &w13,
-            w2: &w2,
-            b13: None,
-            b2: None,
-            num_experts: e,
-            hidden: hid,
-            inter,
-            act: Activation::SiluAndMul,
-        };
+        let experts = silu_experts(&w13, &w2, e, hid, inter);
         let x: Vec<Bf16> = cast(values(43, tokens * hid));
         let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
         assert!(tokens * top_k / e < WIDE_MIN_PAIRS);
@@ -2084,16 +2068,7 @@ mod tests {
     #[test]
     fn bad_inputs_are_errors() {
         let (w13, w2) = (values(1, 2 * 8 * 4), values(2, 2 * 4 * 4));
-        let experts = Experts {
-            w13: &w13,
-            w2: &w2,
-            b13: None,
-            b2: None,
-            num_experts: 2,
-            hidden: 4,
-            inter: 4,
-            act: Activation::SiluAndMul,
-        };
+        let experts = silu_experts(&w13, &w2, 2, 4, 4);
         let (x, mut out) = (values(3, 4), vec![0.0; 4]);
         let grid = PairTokens::Grid;
         let err = expert_pairs(&experts, &x, grid, &[2], &[1.0], &mut out, 1, Isa::Scalar, None).unwrap_err();

@@ -34,8 +34,9 @@ def route_cpu(
     threads: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`route_reference`'s (weights float32 [T, k], ids int32 [T, k]) through the Rust kernel (a
-    prefill's rows split over up to `threads` threads), or None where it does not apply. Takes arguments `check_route_args` accepts (the router op
-    checks them first); the kernel checks every length itself and raises ValueError."""
+    prefill's rows split over up to `threads` threads), or None where it does not apply. Takes
+    arguments `check_route_args` accepts (the router op checks them first); the kernel checks
+    every length itself and raises ValueError."""
     dtype = RUST_DTYPES.get(router_logits.dtype)
     if not BUILT or dtype is None or correction_bias is not None or num_groups != 1:
         return None
