@@ -189,6 +189,7 @@ mod avx2 {
     /// # Safety
     /// The CPU must support AVX2; k <= 8; n <= ROWS; experts <= each row's length.
     #[target_feature(enable = "avx2")]
+    #[allow(clippy::needless_range_loop)] // expert e of every row's keys in turn
     pub unsafe fn top_k_rows<const ROWS: usize>(
         keys: &[[i32; super::AVX2_MAX_EXPERTS]; ROWS],
         experts: usize,
