@@ -43,6 +43,9 @@ pub trait Element: Copy + Send + Sync + 'static {
     /// The slice itself when it holds bfloat16.
     fn as_bf16s(s: &[Self]) -> Option<&[Bf16]>;
 
+    /// `as_bf16s` of a slice to write.
+    fn as_bf16s_mut(s: &mut [Self]) -> Option<&mut [Bf16]>;
+
     /// Eight elements from `p`, widened to f32. The impls are compiled for the features they
     /// use (`#[target_feature]`) so that their intrinsics inline into the kernels (see
     /// paged_attn's `Element::load8`).
@@ -74,6 +77,10 @@ impl Element for f32 {
     }
 
     fn as_bf16s(_: &[Self]) -> Option<&[Bf16]> {
+        None
+    }
+
+    fn as_bf16s_mut(_: &mut [Self]) -> Option<&mut [Bf16]> {
         None
     }
 
@@ -123,6 +130,10 @@ impl Element for Bf16 {
     }
 
     fn as_bf16s(s: &[Self]) -> Option<&[Bf16]> {
+        Some(s)
+    }
+
+    fn as_bf16s_mut(s: &mut [Self]) -> Option<&mut [Bf16]> {
         Some(s)
     }
 

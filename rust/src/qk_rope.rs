@@ -202,8 +202,9 @@ unsafe fn run_bf16_avx512<'i, 'a: 'i, W: Element + 'a>(
     fn bf16<W: Element>(x: &[W]) -> &[Bf16] {
         W::as_bf16s(x).expect("bfloat16 rows")
     }
-    // SAFETY: W is Bf16, so the slice holds as many of them.
-    let bf16_mut = |x: &mut [W]| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut Bf16, x.len()) };
+    fn bf16_mut<W: Element>(x: &mut [W]) -> &mut [Bf16] {
+        W::as_bf16s_mut(x).expect("bfloat16 rows")
+    }
     let s = rows.shape;
     let (d, half) = (s.head_dim, s.rotary / 2);
     let kv_len = s.kv_heads * d;

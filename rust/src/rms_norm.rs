@@ -43,10 +43,8 @@ const ROWS_PER_ITEM: usize = 64;
 fn normalize_rows<W: Element>(x: &[W], w: &[W], eps: f32, out: &mut [W]) {
     let dim = w.len();
     #[cfg(target_arch = "x86_64")]
-    if let (Some(xb), Some(wb)) = (W::as_bf16s(x), W::as_bf16s(w)) {
+    if let (Some(xb), Some(wb), Some(ob)) = (W::as_bf16s(x), W::as_bf16s(w), W::as_bf16s_mut(out)) {
         if dim.is_multiple_of(16) && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avx512f") {
-            // SAFETY: W is Bf16 (as_bf16s gave x back as such), so `out` holds as many of them.
-            let ob = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut Bf16, out.len()) };
             // SAFETY: the CPU has AVX2 and AVX-512F; rows of a multiple of 16 values.
             unsafe { rows_bf16_avx512(xb, wb, eps, ob) };
             return;
