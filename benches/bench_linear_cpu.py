@@ -12,7 +12,10 @@ torch's F.linear, as same-run ratios.
 (c) bfloat16 at prefill sizes (2,048 rows of the built-in model's q/k/v; 512 rows of a
     Qwen3-30B-A3B-sized one), where the kernel takes the call on a CPU without AMX or AVX-512
     BF16 (torch's bfloat16 GEMM there widens on the fly): torch / Rust, with the matrix kernel
-    and the CPU's flags printed.
+    and the CPU's flags printed;
+(d) float32 at prefill sizes (the built-in model's q/k/v, output and router projections of a
+    2,048-token step), where the kernel's row tiles take the call on an AVX-512F CPU: torch /
+    Rust, one thread, with the CPU's flags printed.
 """
 
 from __future__ import annotations
@@ -61,6 +64,24 @@ def test_linear_bfloat16_prefill(benchmark, shape, candidate, monkeypatch):
     flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & cpu_isa.cpu_flags())
     print(f"\nmatrix kernel {_core.expert_pairs_isa()}; CPU flags {flags}; the server takes the kernel here: "
           f"{not cpu_isa.torch_has_fast_bfloat16()}")
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("shape", [(2048, 256, 512), (2048, 256, 256), (2048, 256, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_linear_float32_prefill(benchmark, shape, candidate):
+    from r3srv.kernels import cpu_isa, linear_cpu
+
+    if not linear_cpu.PACKED_F32:
+        pytest.skip("no avx512f: float32 prefill projections stay with torch on this CPU")
+    rows, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    benchmark.group = f"linear f32 {'x'.join(map(str, shape))}"
+    out = benchmark(linear_op(candidate == "r3srv"), x, w)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    flags = sorted({"avx2", "fma", "avx512f", "amx_bf16"} & cpu_isa.cpu_flags())
+    print(f"\nCPU flags {flags}; the server takes the row tiles here: {linear_cpu.PACKED_F32}")
 
 
 @pytest.mark.parametrize("num_seqs", [1, 16])

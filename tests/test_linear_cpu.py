@@ -84,6 +84,29 @@ def test_the_packed_bfloat16_choice_follows_the_cpu_flags(monkeypatch):
     assert not cpu_isa.torch_has_fast_bfloat16()
 
 
+def test_the_float32_row_tiles_follow_the_cpu_flags():
+    from r3srv.kernels import cpu_isa
+
+    assert linear_cpu.PACKED_F32 == ("avx512f" in cpu_isa.cpu_flags())
+
+
+@pytest.mark.skipif(not linear_cpu.PACKED_F32, reason="no avx512f: the float32 row tiles do not run on this CPU")
+@pytest.mark.parametrize("rows,n", [(linear_cpu.ROW_TILES_MIN_ROWS, 130), (1100, 64), (2049, 7)])
+def test_many_float32_rows_run_in_the_row_tiles_on_any_thread_count(rows, n):
+    """Each element is one multiply-add chain over k in order (Rust's tests check the bits):
+    within float32 rounding of the float64 product, and the same bits on one or two threads."""
+    x, w, b = operands(rows + n, rows, 256, n, True)
+    got = linear_rust(x, w, b)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double(), b.double()), rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear_rust(x, w, b, threads=2), got)
+
+
+def test_float32_rows_under_the_row_tiles_threshold_keep_torch():
+    x, w, b = operands(5, linear_cpu.ROW_TILES_MIN_ROWS - 1, 16, 8, True)
+    assert linear_rust(x, w, b) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_matrix_kernel_this_cpu_runs_gives_the_avx2_bits(dtype):
     """The AVX-512 kernel holds two weight rows per register in the AVX2 kernel's lane order:

@@ -40,6 +40,9 @@ pub trait Element: Copy + Send + Sync + 'static {
     /// The slice itself when it already holds f32.
     fn as_f32s(s: &[Self]) -> Option<&[f32]>;
 
+    /// `as_f32s` of a slice to write.
+    fn as_f32s_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+
     /// The slice itself when it holds bfloat16.
     fn as_bf16s(s: &[Self]) -> Option<&[Bf16]>;
 
@@ -73,6 +76,10 @@ impl Element for f32 {
     }
 
     fn as_f32s(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
+    }
+
+    fn as_f32s_mut(s: &mut [Self]) -> Option<&mut [f32]> {
         Some(s)
     }
 
@@ -126,6 +133,10 @@ impl Element for Bf16 {
     }
 
     fn as_f32s(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+
+    fn as_f32s_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
 

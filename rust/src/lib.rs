@@ -37,6 +37,7 @@ mod prefetch;
 pub mod qk_rope;
 pub mod rms_norm;
 pub mod router_cpu;
+pub mod row_tiles;
 #[cfg(test)]
 mod testing;
 pub mod workers;

@@ -52,6 +52,16 @@ pub fn linear<W: Element>(
     }
     let m = x.len() / k;
     let packed = m >= PACKED_MIN_ROWS;
+    // float32 with many rows at the default kernel: the row tiles where the CPU runs them, no
+    // per-call packing of x or copies of parts of the result (a named kernel keeps `matmul_nt`)
+    if packed && isa == Isa::Auto && crate::row_tiles::runs() {
+        if let (Some(xf), Some(wf)) = (W::as_f32s(x), W::as_f32s(w)) {
+            let bias = bias.map(|b| W::as_f32s(b).expect("a float32 bias (float32 weights)"));
+            let out = W::as_f32s_mut(out).expect("a float32 out (float32 weights)");
+            crate::row_tiles::linear(xf, wf, bias, n, out, threads);
+            return Ok(());
+        }
+    }
     // bfloat16 weights at the default kernel, on an AVX-512 BF16 CPU: x's bfloat16 rows taken as
     // the pairs the dot products read (not widened), against the weight rows
     let dot = if packed || !k.is_multiple_of(2) { None } else { crate::expert_pairs::dot_products(isa, w) };
@@ -168,6 +178,13 @@ pub(crate) mod python {
     #[pyfunction]
     pub fn matrix_isas() -> Vec<&'static str> {
         super::isa_names()
+    }
+
+    /// Whether float32 products of many rows (PACKED_MIN_ROWS or more) run in the row tiles on
+    /// this CPU (`row_tiles::runs`) at the default matrix kernel.
+    #[pyfunction]
+    pub fn linear_row_tiles() -> bool {
+        crate::row_tiles::runs()
     }
 
     /// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) for the tensors at `addresses` (x, w,

@@ -952,6 +952,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(route_experts, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::linear_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::linear::python::matrix_isas, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::linear::python::linear_row_tiles, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope_f32, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope_bf16, m)?)?;
     Ok(())

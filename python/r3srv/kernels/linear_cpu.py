@@ -14,6 +14,12 @@ torch has no fast bfloat16 GEMM: on a CPU without AMX or AVX-512 BF16 torch runs
 about a sixth of its float32 speed, and the kernel widens each block of the weight to float32
 and runs float32's packed products (benches/bench_linear_cpu.py). With AMX or AVX-512 BF16
 (what /proc/cpuinfo reports, read once) torch's oneDNN kernels keep those calls.
+
+float32 with more rows takes the kernel where the CPU runs its row tiles (AVX-512F,
+rust/src/row_tiles.rs): x's rows read in place against each 64 outputs' weights packed once a
+part, where torch's GEMM packs both operands every call; on the projections of a prefill (K =
+256) the tiles ran 1.1-1.2x torch's MKL on a Zen 4 (docs/benchmarks.md, "Prefill projections in
+row tiles"). Each element is one fused multiply-add chain over K in order.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ BUILT = linear_entry is not None  # else torch's F.linear (kernels/rust_core.py)
 MAX_ROWS = 32
 # Whether bfloat16 products of more than MAX_ROWS rows run in the kernel (see the docstring).
 PACKED_BF16 = not torch_has_fast_bfloat16()
+# Whether float32 products of ROW_TILES_MIN_ROWS rows or more run in the kernel: its row tiles
+# run here. Below, torch's GEMM at two threads ran as fast or faster (512 rows: 0.91-1.02x).
+_row_tiles = rust_kernel("linear_row_tiles")
+PACKED_F32 = bool(_row_tiles and _row_tiles())
+ROW_TILES_MIN_ROWS = 1024
 
 
 def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -50,7 +61,7 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rows = x.numel() // in_features
     if rows <= 0 or x.requires_grad or weight.requires_grad:
         return None
-    if rows > MAX_ROWS and (dtype != "bfloat16" or PACKED_BF16 is False):
+    if rows > MAX_ROWS and not (PACKED_BF16 if dtype == "bfloat16" else PACKED_F32 and rows >= ROW_TILES_MIN_ROWS):
         return None
     if weight.dtype != x.dtype or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous():
         return None

@@ -1,0 +1,193 @@
+//! out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for float32 prefill projections (many rows of
+//! x) in AVX-512 register tiles of ROWS rows of x by COLS outputs: each COLS outputs' weight
+//! rows packed as their transpose [K][COLS] (64 KiB at K = 256, kept in L2 while a part's rows
+//! stream past), x's rows read in place, one element broadcast a row and step, and the sums
+//! stored straight into `out`. No transposes of x or of the result, where the pair panels (the
+//! expert pass's orientation) take both, and no packing of x, where a general GEMM (torch's
+//! MKL, the `gemm` crate) packs both operands every call: at K = 256 those copies are a large
+//! share of the call (docs/benchmarks.md, "Prefill projections in row tiles").
+//!
+//! Every output element is one fused multiply-add chain over k in order from zero, the bias
+//! added after (the pair panels' definition), whatever the tile, remainder or thread split.
+
+use crate::expert_pairs::PARALLEL_MIN_MACS;
+
+/// Outputs per tile: four 16-lane registers a row.
+pub const COLS: usize = 64;
+/// Rows of x per tile: 6 x 4 sums within the 32 registers, with the four weight loads.
+const ROWS: usize = 6;
+/// Rows of x per part of the work: a part packs its COLS outputs' weights once for these rows
+/// (the packing then about 1% of a part at K = 256), and a 2,048-row prefill's projections
+/// still split into enough parts for two threads where N is a single block (the router's).
+const PART_ROWS: usize = 1024;
+
+/// Whether this CPU runs the row tiles (AVX-512F).
+pub fn runs() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// out [m, n] = x [m, k] @ w [n, k]^T (+ bias [n]) on up to `threads` threads (parts of COLS
+/// outputs by PART_ROWS rows taken from a shared counter). The caller checked the lengths
+/// (`linear`'s errors) and `runs()`.
+pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, out: &mut [f32], threads: usize) {
+    assert!(runs(), "row_tiles::linear: this CPU lacks AVX-512F");
+    let k = w.len() / n;
+    let m = x.len() / k;
+    assert!(w.len() == n * k && x.len() == m * k && out.len() == m * n && bias.is_none_or(|b| b.len() == n));
+    let parts: Vec<(usize, usize)> =
+        (0..n).step_by(COLS).flat_map(|c| (0..m).step_by(PART_ROWS).map(move |r| (c, r))).collect();
+    let threads = threads.min(m * n * k / PARALLEL_MIN_MACS).clamp(1, parts.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let out_at = out.as_mut_ptr() as usize; // parts write disjoint blocks of out
+    crate::workers::run_on_threads(threads, &|| {
+        let mut packed = crate::aligned::Lines::filled(k * COLS, 0f32);
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(&(c0, r0)) = parts.get(i) else { break };
+            let cols = (n - c0).min(COLS);
+            pack(&w[c0 * k..(c0 + cols) * k], k, &mut packed);
+            let rows = (m - r0).min(PART_ROWS);
+            // SAFETY: runs() (asserted); the part's rows of x, its block of out (rows r0.. of
+            // n values, columns c0..c0 + cols) and the packed [k][COLS] weights lie within
+            // their slices, and no other part writes that block.
+            unsafe {
+                part(
+                    &x[r0 * k..(r0 + rows) * k],
+                    k,
+                    &packed,
+                    bias.map(|b| &b[c0..c0 + cols]),
+                    (out_at as *mut f32).add(r0 * n + c0),
+                    n,
+                    cols,
+                );
+            }
+        }
+    });
+}
+
+/// packed [k][COLS] = the transpose of `rows` [cols, k] (cols <= COLS), zero past the last.
+fn pack(rows: &[f32], k: usize, packed: &mut [f32]) {
+    let cols = rows.len() / k;
+    for (c, row) in rows.chunks_exact(k).enumerate() {
+        for (kk, &v) in row.iter().enumerate() {
+            packed[kk * COLS + c] = v;
+        }
+    }
+    if cols < COLS {
+        for kk in 0..k {
+            packed[kk * COLS + cols..(kk + 1) * COLS].fill(0.0);
+        }
+    }
+}
+
+/// A part's rows of x [rows, k] against the packed weights, into out's rows (`stride` apart)
+/// at its first `cols` columns, in tiles of ROWS rows and a last one of fewer.
+///
+/// # Safety
+/// AVX-512F; out holds rows x stride values past `out` (its first `cols` of each written).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn part(x: &[f32], k: usize, packed: &[f32], bias: Option<&[f32]>, out: *mut f32, stride: usize, cols: usize) {
+    let rows = x.len() / k;
+    let mut r = 0;
+    while r < rows {
+        let (x, o) = (x.as_ptr().add(r * k), out.add(r * stride));
+        match rows - r {
+            1 => tile::<1>(x, k, packed, bias, o, stride, cols),
+            2 => tile::<2>(x, k, packed, bias, o, stride, cols),
+            3 => tile::<3>(x, k, packed, bias, o, stride, cols),
+            4 => tile::<4>(x, k, packed, bias, o, stride, cols),
+            5 => tile::<5>(x, k, packed, bias, o, stride, cols),
+            _ => tile::<ROWS>(x, k, packed, bias, o, stride, cols),
+        }
+        r += ROWS;
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn part(_: &[f32], _: usize, _: &[f32], _: Option<&[f32]>, _: *mut f32, _: usize, _: usize) {
+    unreachable!("runs() is false off x86_64")
+}
+
+/// R rows of x (from `x`, k apart) against the packed weights: R x COLS sums in registers,
+/// stored (bias added) into out's R rows, `stride` apart, at their first `cols` columns.
+///
+/// # Safety
+/// As `part`; x holds R rows of k values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn tile<const R: usize>(
+    x: *const f32,
+    k: usize,
+    packed: &[f32],
+    bias: Option<&[f32]>,
+    out: *mut f32,
+    stride: usize,
+    cols: usize,
+) {
+    use std::arch::x86_64::*;
+    let p = packed.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    for kk in 0..k {
+        let w: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(p.add(kk * COLS + 16 * c)));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let a = _mm512_set1_ps(*x.add(i * k + kk));
+            for (acc, &w) in acc.iter_mut().zip(&w) {
+                *acc = _mm512_fmadd_ps(a, w, *acc);
+            }
+        }
+    }
+    for c in 0..4 {
+        let first = 16 * c;
+        if first >= cols {
+            break;
+        }
+        let mask: __mmask16 = if cols - first >= 16 { 0xFFFF } else { (1u16 << (cols - first)) - 1 };
+        let b = match bias {
+            Some(b) => _mm512_maskz_loadu_ps(mask, b.as_ptr().add(first)),
+            None => _mm512_setzero_ps(),
+        };
+        for (i, acc) in acc.iter().enumerate() {
+            let v = if bias.is_some() { _mm512_add_ps(acc[c], b) } else { acc[c] };
+            _mm512_mask_storeu_ps(out.add(i * stride + first), mask, v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::noise;
+
+    /// Every element is the fused multiply-add chain over k in order from zero plus the bias,
+    /// bit for bit, on remainders of rows and columns, parts and 1-3 threads.
+    #[test]
+    fn elements_are_fused_chains_in_order_on_any_split() {
+        if !runs() {
+            eprintln!("skipped: this CPU lacks AVX-512F (the row tiles' instruction set)");
+            return;
+        }
+        for (m, n, k) in [(1, 1, 1), (5, 63, 7), (7, 64, 16), (13, 65, 33), (64, 130, 256), (2100, 70, 64)] {
+            let (x, w, b) = (noise(m * k, m as u64), noise(n * k, n as u64 + 7), noise(n, k as u64));
+            for bias in [None, Some(&b[..])] {
+                let want: Vec<f32> = (0..m * n)
+                    .map(|e| {
+                        let (r, c) = (e / n, e % n);
+                        let chain = (0..k).fold(0.0f32, |acc, kk| x[r * k + kk].mul_add(w[c * k + kk], acc));
+                        bias.map_or(chain, |b| chain + b[c])
+                    })
+                    .collect();
+                for threads in [1, 2, 3] {
+                    let mut out = vec![f32::NAN; m * n];
+                    linear(&x, &w, bias, n, &mut out, threads);
+                    let same = out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{m}x{n}x{k} bias={} threads={threads}", bias.is_some());
+                }
+            }
+        }
+    }
+}
