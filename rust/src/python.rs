@@ -481,7 +481,8 @@ fn write_kv_cache(
     let len = rows.checked_mul(row_len).ok_or_else(overflow)?;
     let cache_len = cache_rows.checked_mul(row_len).ok_or_else(overflow)?;
     let cache_bytes = cache_len.checked_mul(size).ok_or_else(overflow)?;
-    let spans = [(k_cache, cache_bytes), (v_cache, cache_bytes), (k, len * size), (v, len * size)];
+    let bytes = len.checked_mul(size).ok_or_else(overflow)?;
+    let spans = [(k_cache, cache_bytes), (v_cache, cache_bytes), (k, bytes), (v, bytes)];
     let overlap = |(a, n): (usize, usize), (b, m): (usize, usize)| {
         n > 0 && m > 0 && a < b.saturating_add(m) && b < a.saturating_add(n)
     };
