@@ -197,6 +197,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::excessive_precision)] // two doubles' exact decimal expansions, their ties the case
     fn floats_are_written_as_python_repr() {
         // Expected strings are Python's repr of the same doubles (fixed by the language).
         for (x, want) in [

@@ -1164,6 +1164,7 @@ mod tests {
     }
 
     /// Plain two-pass softmax attention in f64 over the gathered context.
+    #[allow(clippy::too_many_arguments)]
     fn reference(
         c: &Case,
         q: &[f32],
