@@ -17,9 +17,9 @@ and runs float32's packed products (benches/bench_linear_cpu.py). With AMX or AV
 
 float32 with more rows takes the kernel where the CPU runs its row tiles (AVX-512F,
 rust/src/row_tiles.rs): x's rows read in place against each 64 outputs' weights packed once a
-part, where torch's GEMM packs both operands every call; on the projections of a prefill (K =
-256) the tiles ran 1.1-1.2x torch's MKL on a Zen 4 (docs/benchmarks.md, "Prefill projections in
-row tiles"). Each element is one fused multiply-add chain over K in order.
+part, where torch's GEMM packs both operands every call, a large share of a prefill's
+projections of K = 256 (docs/benchmarks.md, "Prefill projections in row tiles"). Each element is
+one fused multiply-add chain over K in order.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ MAX_ROWS = 32
 # Whether bfloat16 products of more than MAX_ROWS rows run in the kernel (see the docstring).
 PACKED_BF16 = not torch_has_fast_bfloat16()
 # Whether float32 products of ROW_TILES_MIN_ROWS rows or more run in the kernel: its row tiles
-# run here. Below, torch's GEMM at two threads ran as fast or faster (512 rows: 0.91-1.02x).
+# run here. Below, torch's GEMM on two threads kept up (docs/benchmarks.md).
 _row_tiles = rust_kernel("linear_row_tiles")
 PACKED_F32 = bool(_row_tiles and _row_tiles())
 ROW_TILES_MIN_ROWS = 1024
