@@ -168,6 +168,23 @@ def llm() -> LLM:
     return LLM(max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
 
 
+@pytest.mark.skipif(not linear_cpu.PACKED_F32, reason="no avx512f: the float32 row tiles do not run on this CPU")
+def test_a_long_float32_prompt_generates_the_same_tokens_and_rows_with_the_row_tiles(monkeypatch):
+    """A prefill of more than ROW_TILES_MIN_ROWS tokens runs its projections in the row tiles:
+    the same greedy tokens and routed-experts rows as torch's GEMM gives."""
+    long_llm = LLM(dtype="float32", max_model_len=1280, max_num_seqs=1, enable_prefix_caching=False)
+    tiled = []
+
+    def spy(x, weight, bias=None, threads=1):
+        out = linear_rust(x, weight, bias, threads)
+        tiled.append(out is not None and x.numel() // x.shape[-1] >= linear_cpu.ROW_TILES_MIN_ROWS)
+        return out
+
+    monkeypatch.setattr(linear_cpu, "linear_rust", spy)
+    assert_same_outputs_either_way(long_llm, [prompt_ids(1100, 4)], tiled, "rust_linear", every_call=False)
+    long_llm.engine.shutdown()
+
+
 def test_the_builtin_model_generates_the_same_tokens_and_rows_either_way(monkeypatch, llm):
     kernel_runs = []
 
