@@ -34,9 +34,13 @@ pub fn runs() -> bool {
 /// (`linear`'s errors) and `runs()`.
 pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, out: &mut [f32], threads: usize) {
     assert!(runs(), "row_tiles::linear: this CPU lacks AVX-512F");
+    assert!(n > 0 && w.len() >= n && w.len().is_multiple_of(n), "row_tiles::linear: the weight is not [{n}, K > 0]");
     let k = w.len() / n;
     let m = x.len() / k;
     assert!(w.len() == n * k && x.len() == m * k && out.len() == m * n && bias.is_none_or(|b| b.len() == n));
+    if m == 0 {
+        return;
+    }
     let parts: Vec<(usize, usize)> =
         (0..n).step_by(COLS).flat_map(|c| (0..m).step_by(PART_ROWS).map(move |r| (c, r))).collect();
     let threads = threads.min(m * n * k / PARALLEL_MIN_MACS).clamp(1, parts.len());
@@ -189,5 +193,7 @@ mod tests {
                 }
             }
         }
+        // no rows: nothing to do
+        linear(&[], &noise(8, 1), None, 2, &mut [], 2);
     }
 }
