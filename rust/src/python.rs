@@ -489,31 +489,36 @@ fn write_kv_cache(
     if overlap(spans[0], spans[1]) || spans[2..].iter().any(|&s| overlap(spans[0], s) || overlap(spans[1], s)) {
         return Err(PyValueError::new_err("write_kv_cache: the caches overlap each other or the new rows"));
     }
-    let write = |src: usize, dst: usize| -> PyResult<()> {
-        // SAFETY: the caller's contract above: live tensors of these sizes; the caches overlap
-        // nothing else passed (checked), so the one &mut aliases nothing.
-        unsafe {
-            let slots = slice::<i64>(slots, rows)?;
-            let result = if size == 4 {
-                crate::paged_attn::write_cache_rows(
-                    slice::<f32>(src, len)?,
-                    row_len,
-                    slots,
-                    slice_mut::<f32>(dst, cache_len)?,
-                )
+    /// `src`'s rows into `dst` as elements of T (the dtype's width: only bytes are copied).
+    ///
+    /// # Safety
+    /// As `write_kv_cache`'s caller promises, for these addresses and lengths.
+    unsafe fn write<T: Copy>(
+        src: usize,
+        dst: usize,
+        len: usize,
+        cache_len: usize,
+        slots: &[i64],
+        row_len: usize,
+    ) -> PyResult<()> {
+        // SAFETY: the caller's contract: live tensors of these sizes; the caches overlap nothing
+        // else passed (checked), so the one &mut aliases nothing.
+        let (rows, cache) = unsafe { (slice::<T>(src, len)?, slice_mut::<T>(dst, cache_len)?) };
+        crate::paged_attn::write_cache_rows(rows, row_len, slots, cache)
+            .map_err(|e| PyValueError::new_err(format!("write_kv_cache: {e}")))
+    }
+    // SAFETY: the caller's contract above (live tensors of these sizes, int64 slots [rows]).
+    unsafe {
+        let slots = slice::<i64>(slots, rows)?;
+        for (src, dst) in [(k, k_cache), (v, v_cache)] {
+            if size == 4 {
+                write::<f32>(src, dst, len, cache_len, slots, row_len)?;
             } else {
-                crate::paged_attn::write_cache_rows(
-                    slice::<u16>(src, len)?,
-                    row_len,
-                    slots,
-                    slice_mut::<u16>(dst, cache_len)?,
-                )
-            };
-            result.map_err(|e| PyValueError::new_err(format!("write_kv_cache: {e}")))
+                write::<u16>(src, dst, len, cache_len, slots, row_len)?;
+            }
         }
-    };
-    write(k, k_cache)?;
-    write(v, v_cache)
+    }
+    Ok(())
 }
 
 static PAGED_DECODE_ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();

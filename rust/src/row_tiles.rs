@@ -37,7 +37,7 @@ pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, out: &mut [f
     assert!(n > 0 && w.len() >= n && w.len().is_multiple_of(n), "row_tiles::linear: the weight is not [{n}, K > 0]");
     let k = w.len() / n;
     let m = x.len() / k;
-    assert!(w.len() == n * k && x.len() == m * k && out.len() == m * n && bias.is_none_or(|b| b.len() == n));
+    assert!(x.len() == m * k && out.len() == m * n && bias.is_none_or(|b| b.len() == n));
     if m == 0 {
         return;
     }
