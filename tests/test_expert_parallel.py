@@ -12,11 +12,11 @@ expert (Qwen2-MoE), and gpt-oss's biased experts.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import pytest
 import torch
+from gloo_ranks import join_gloo, spawn_ranks
 from model_testing import prefill
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -25,7 +25,6 @@ from r3srv import LLM, SamplingParams
 from r3srv.models.loader import load_model
 from r3srv.models.moe import SparseMoeBlock
 from r3srv.models.parallel import EP_DISPATCHES, ParallelState
-from test_parallel_model import _free_port
 from test_tensor_parallel import assert_same_generation
 
 pytestmark = pytest.mark.slow  # worker processes (torch.distributed ranks)
@@ -73,7 +72,7 @@ def _assert_own_pairs(seen, routing: torch.Tensor, rank: int, config, what: str)
 
 
 def _rank_main(rank: int, port: int, cases: dict) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_gloo(rank, port)
     try:
         torch.set_num_threads(1)
         for family, (path, wants) in cases.items():
@@ -99,7 +98,7 @@ def test_each_rank_runs_its_own_pairs_and_gives_the_single_device_result(checkpo
     for family, path in checkpoints.items():
         model, _ = load_model(path)
         cases[family] = (path, [prefill(model, tokens, all_logits=True) for tokens in PROMPTS])
-    torch.multiprocessing.spawn(functools.partial(_rank_main, port=_free_port(), cases=cases), nprocs=2, join=True)
+    spawn_ranks(_rank_main, cases=cases)
 
 
 @pytest.mark.parametrize("family", list(CASES))

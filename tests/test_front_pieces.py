@@ -8,6 +8,7 @@ import base64
 import hashlib
 import io
 import itertools
+import socket
 
 import msgspec
 import numpy as np
@@ -19,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from r3srv.cli import build_parser
 from r3srv.data_parallel import replica_argv, replica_devices, supervisor_headers
-from r3srv.engine.multiproc_executor import Rendezvous, rank_device
+from r3srv.engine.multiproc_executor import Rendezvous, host_store, rank_device
 from r3srv.errors import ConfigError
 from r3srv.front.app import RankError, declared_fleet, declared_ranks, rank_bodies
 from r3srv.front.discovery import fleet_world_size, sum_prometheus
@@ -316,3 +317,17 @@ def test_replicas_with_tensor_parallel_ranks_take_consecutive_devices():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 4:
         with pytest.raises(ConfigError, match="needs 4 CUDA devices"):
             replica_devices("cuda", 2, 2)
+
+
+def test_rank_zero_hosts_a_listening_store_before_the_workers_learn_its_port():
+    rendezvous, store = host_store(Rendezvous(world_size=2))
+    assert rendezvous.master_port == store.port != 0
+    with socket.create_connection(("127.0.0.1", rendezvous.master_port), timeout=5):
+        pass  # already listening: no port is picked, freed and bound again later
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    named, named_store = host_store(Rendezvous(world_size=2, master_port=port))
+    assert named.master_port == named_store.port == port  # --master-port: bound as named
+    with pytest.raises(ConfigError, match="--master-port is required"):
+        host_store(Rendezvous(world_size=2, nnodes=2))

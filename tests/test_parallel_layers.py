@@ -4,12 +4,11 @@ safetensors tensor (plain, FP8 with block scales, MXFP4)."""
 
 from __future__ import annotations
 
-import functools
-import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gloo_ranks import join_gloo, spawn_ranks
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -238,14 +237,9 @@ def test_mxfp4_expert_shards_are_slices_of_the_whole(tmp_path, rank):
 
 
 # ---- two gloo ranks: the shards reassemble the single-device result ----------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_main(rank: int, port: int, path: str, expert_parallel: bool) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_gloo(rank, port)
     try:
         torch.set_num_threads(1)
         state = ParallelState(tp_rank=rank, tp_size=2, ep_rank=rank if expert_parallel else 0,
@@ -270,5 +264,4 @@ def _rank_main(rank: int, port: int, path: str, expert_parallel: bool) -> None:
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_two_gloo_ranks_reassemble_the_single_device_result(checkpoint, expert_parallel):
     _, path = checkpoint
-    torch.multiprocessing.spawn(functools.partial(_rank_main, port=_free_port(), path=str(path),
-                                                  expert_parallel=expert_parallel), nprocs=2, join=True)
+    spawn_ranks(_rank_main, path=str(path), expert_parallel=expert_parallel)

@@ -5,11 +5,10 @@ by intermediate size) and with expert parallelism (experts split by id)."""
 
 from __future__ import annotations
 
-import functools
-import socket
 
 import pytest
 import torch
+from gloo_ranks import join_gloo, spawn_ranks
 from model_testing import prefill
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -30,14 +29,9 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_main(rank: int, port: int, cases: dict) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_gloo(rank, port)
     try:
         torch.set_num_threads(1)
         for family, (path, want_logits, want_routing) in cases.items():
@@ -60,4 +54,4 @@ def test_two_ranks_give_the_single_device_logits_and_routed_experts(tmp_path):
         path = write_tiny_checkpoint(tmp_path / family, family, **overrides)
         model, _ = load_model(path)
         cases[family] = (str(path), *prefill(model, TOKENS, all_logits=True))
-    torch.multiprocessing.spawn(functools.partial(_rank_main, port=_free_port(), cases=cases), nprocs=2, join=True)
+    spawn_ranks(_rank_main, cases=cases)

@@ -29,7 +29,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -56,6 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 
 
 class WorkerError(R3srvError, RuntimeError):
@@ -85,16 +85,6 @@ class Rendezvous:
     def local_ranks(self) -> range:
         first = self.node_rank * self.local_size
         return range(first, first + self.local_size)
-
-    def with_port(self) -> "Rendezvous":
-        if self.master_port:
-            return self
-        if self.nnodes > 1:
-            raise ConfigError("--master-port is required with --nnodes > 1 (every node must name the same port)")
-        with socket.socket() as s:
-            s.bind((self.master_addr, 0))
-            port = s.getsockname()[1]
-        return replace(self, master_port=port)
 
     def state(self, rank: int) -> ParallelState:
         ep = self.world_size if self.enable_expert_parallel else 1
@@ -128,14 +118,28 @@ def rank_device(device: str, rank: int, rendezvous: Rendezvous) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(rank: int, rendezvous: Rendezvous, device: torch.device) -> None:
+def host_store(rendezvous: Rendezvous) -> tuple[Rendezvous, dist.TCPStore]:
+    """Rank 0's rendezvous store, listening before any worker learns its port.
+
+    With no --master-port the store binds port 0 itself: a port picked, freed and bound again
+    later could be taken meanwhile by another process (EADDRINUSE while the workers start)."""
+    if not rendezvous.master_port and rendezvous.nnodes > 1:
+        raise ConfigError("--master-port is required with --nnodes > 1 (every node must name the same port)")
+    store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, rendezvous.world_size, is_master=True,
+                          timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+    return replace(rendezvous, master_port=store.port), store
+
+
+def init_process_group(rank: int, rendezvous: Rendezvous, device: torch.device,
+                       store: dist.TCPStore | None = None) -> None:
+    """Join the ranks' group through rank 0's store (`store` on rank 0, a client of it elsewhere)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
-        world_size=rendezvous.world_size, rank=rank, timeout=timedelta(minutes=10),
-    )
+    if store is None:
+        store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, rendezvous.world_size,
+                              is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
+                            world_size=rendezvous.world_size, rank=rank, timeout=_RENDEZVOUS_TIMEOUT)
 
 
 def load_shard(spec: ModelSpec, rank: int, rendezvous: Rendezvous, device: torch.device):
@@ -263,7 +267,8 @@ class MultiprocExecutor:
             raise ValueError("the engine runs on node 0; other nodes run run_node")
         if rendezvous.world_size % rendezvous.nnodes:
             raise ConfigError(f"tensor_parallel_size={rendezvous.world_size} does not split over nnodes={rendezvous.nnodes}")
-        self.rendezvous = rendezvous = rendezvous.with_port()
+        rendezvous, self._store = host_store(rendezvous)
+        self.rendezvous = rendezvous
         self.device = rank_device(spec.device, 0, rendezvous)
         self.failure: WorkerError | None = None
         self.on_failure: list[Callable[[WorkerError], None]] = []
@@ -299,7 +304,7 @@ class MultiprocExecutor:
 
         def join() -> None:
             try:
-                init_process_group(0, rendezvous, self.device)
+                init_process_group(0, rendezvous, self.device, self._store)
             except BaseException as exc:
                 failures.append(exc)
             finally:
@@ -523,4 +528,5 @@ class MultiprocExecutor:
         self._stop_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._store = None  # its port is free again
         atexit.unregister(self.shutdown)
