@@ -103,13 +103,18 @@ def answers(url: str) -> bool:
         return False
 
 
-def test_a_replica_killed_during_a_fanned_out_update(fleet, replicas, policies, pool):
-    requests = [pool.submit(rollout, fleet.url, i, stream=i % 2 == 1) for i in range(4)]
-    wait_for(lambda: running(replicas[0]) >= 1 and running(replicas[1]) >= 1, 60, lambda: "requests never ran on both")
-    # the update waits on each replica for its requests in flight; replica 1 dies meanwhile
-    update = pool.submit(post, fleet.url + "/update_weights_from_disk", {"model_path": str(policies[1]),
-                                                                         "weight_version": "v1"})
-    os.kill(replica_pid(fleet.proc.pid, replicas[1]), signal.SIGKILL)
+def test_a_replica_killed_during_a_fanned_out_update(fleet, replicas, policies, pool, gate):
+    # each replica takes a few steps, then holds: its requests are in flight when replica 1 dies
+    # however fast the machine decodes (unheld, a replica could finish them before the kill)
+    with gate.allowing(3):
+        requests = [pool.submit(rollout, fleet.url, i, stream=i % 2 == 1) for i in range(4)]
+        wait_for(lambda: running(replicas[0]) >= 1 and running(replicas[1]) >= 1, 60,
+                 lambda: f"requests never ran on both: running {[running(u) for u in replicas]}, "
+                         f"states {get(fleet.url + '/server_info')['internal_states']}\n{fleet.log}")
+        # the update waits on each replica for its requests in flight; replica 1 dies meanwhile
+        update = pool.submit(post, fleet.url + "/update_weights_from_disk", {"model_path": str(policies[1]),
+                                                                             "weight_version": "v1"})
+        os.kill(replica_pid(fleet.proc.pid, replicas[1]), signal.SIGKILL)
     outcomes = [r.result(timeout=300) for r in requests]
     assert "ok" in outcomes and "error" in outcomes, outcomes  # replica 0's finished, replica 1's ended cleanly
     answer = update.result(timeout=300)
