@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port, serve_command
+from server_fixture import TEST_SERVER_ARGS, RemoteServer, free_port, serve_command, wait_healthy
 
 from r3srv import engine_options
 from r3srv.cli import build_parser, main
@@ -153,3 +153,31 @@ def test_server_fixture_retries_when_its_port_is_taken(monkeypatch):
         with RemoteServer(*TEST_SERVER_ARGS, startup_timeout=120) as srv:
             assert srv.port != taken_port
             assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
+def test_serve_answers_on_an_inherited_bound_socket():
+    """--listen-fd: the server takes a socket its parent bound (a fleet's replicas start so: the
+    port is never free between its choice and the server's bind), refusing connections until it
+    serves, then answers on it; the fleet's own --listen-fd is not handed to its replicas (each
+    gets the socket bound for it)."""
+    from r3srv.data_parallel import replica_argv
+    from r3srv.front.replicas import bound_socket, spawn
+
+    parser = build_parser()
+    fleet_args = parser.parse_args(["serve", "m", "-dp", "2", "--listen-fd", "5"])
+    assert fleet_args.listen_fd == 5
+    assert "--listen-fd" not in replica_argv(parser, fleet_args, model="m", port=1, device="cpu", weight_version="v")
+    with bound_socket(0) as sock:
+        port = sock.getsockname()[1]
+        with pytest.raises(ConnectionRefusedError):  # bound, not listening: nothing answers yet
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        proc = spawn(serve_command("--listen-fd", str(sock.fileno()), "--port", str(port), *TEST_SERVER_ARGS),
+                     pass_fds=(sock.fileno(),))
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, 180, "r3srv serve", lambda: "", interval=0.2)
+        body = {"prompt": [1, 2, 3], "max_tokens": 2, "return_token_ids": True}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and len(answer.json()["choices"][0]["token_ids"]) == 2, answer.text
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0

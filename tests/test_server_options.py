@@ -18,9 +18,10 @@ from r3srv.server.declare import Feature
 from r3srv.server_options import ServerOptions
 
 FIELDS = dataclasses.fields(ServerOptions)
-# the supervisor's per replica (data_parallel.replica_argv): where it listens, its name; the fleet's
-# peers are its front's to reach, not each replica's
-REPLICA_OWN = {"host", "port", "served_model_name", "fleet_peer_urls"}
+# the supervisor's per replica (data_parallel.replica_argv): where it listens (the socket it binds
+# for each replica, front/replicas.py), its name; the fleet's peers are its front's to reach, not
+# each replica's
+REPLICA_OWN = {"host", "port", "listen_fd", "served_model_name", "fleet_peer_urls"}
 
 
 def _serve_actions() -> dict[str, argparse.Action]:
@@ -39,7 +40,7 @@ def _other_value(f: dataclasses.Field):
     if action.nargs == "+":
         return [f"{f.name}-a", f"{f.name}-b"]
     if f.default is None:
-        return f"{f.name}-value"
+        return 7 if action.type is int else f"{f.name}-value"
     if isinstance(f.default, str):
         return f"{f.default}-other"
     return f.default + (3 if isinstance(f.default, int) else 0.25)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -217,7 +218,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
 
     engine.on_dead.append(rank_died)
     try:
-        server.run()
+        server.run(sockets=None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)])
     finally:
         engine.shutdown()
     if engine_died:

@@ -34,16 +34,10 @@ logger = logging.getLogger("r3srv.fleet")
 
 EXIT_CONFIG_ERROR = 2
 # Flags the supervisor sets itself on each replica; every other serve flag is passed on unchanged.
-_REPLICA_FLAGS = {"model", "host", "port", "data_parallel_size", "device", "fleet_peer_urls", "weight_version",
-                  "served_model_name", "help",
+_REPLICA_FLAGS = {"model", "host", "port", "listen_fd", "data_parallel_size", "device", "fleet_peer_urls",
+                  "weight_version", "served_model_name", "help",
                   # keys reach a replica through its environment; TLS ends at the front
                   "api_key", "admin_api_key", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs"}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def replica_devices(device: str, n: int, tp: int = 1) -> list[str]:
@@ -114,7 +108,7 @@ def serve_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser,
     except ConfigError as exc:
         print(f"r3srv serve: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    replicas = [Replica(i, free_port(), device) for i, device in enumerate(devices)]
+    replicas = [Replica(i, 0, device) for i, device in enumerate(devices)]  # ports: bound at start
 
     def argv_for(r: Replica, model: str | None, version: str, name: str | None) -> list[str]:
         return replica_argv(parser, args, model=model, port=r.port, device=r.device, weight_version=version,
@@ -162,7 +156,7 @@ async def _run(args: argparse.Namespace, fleet, guard: ServeSecurity) -> int:
                     "prompt's prefix, control calls to every replica", len(fleet.replicas),
                     ", ".join(f"{r.url} on {r.device}" for r in fleet.replicas), "https" if guard.tls else "http",
                     args.host, args.port)
-        await server.serve()
+        await server.serve(sockets=None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)])
         return 0 if server.started else 1
     finally:
         if supervisor is not None:

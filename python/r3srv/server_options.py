@@ -47,6 +47,10 @@ def flag(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, 
 class ServerOptions:
     host: str = flag("127.0.0.1", "address to bind")
     port: int = flag(8000, "port to bind", parse=int)
+    listen_fd: int | None = flag(
+        None, "serve on this inherited socket, already bound, instead of binding --host/--port (a fleet's "
+        "supervisor hands each replica the socket it bound, so that no other process can take the port meanwhile)",
+        parse=int, metavar="FD")
     served_model_name: str | None = flag(None, "model name in the API (default: the model's name)")
     routed_experts_encoding: str = flag(
         "auto", "how responses encode routed_experts: npy (vLLM's .npy base64), sglang (SGLang's raw int32 base64; on "

@@ -16,6 +16,7 @@ import contextlib
 import enum
 import logging
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -50,11 +51,28 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def spawn(argv: list[str], environ: dict[str, str] | None = None) -> subprocess.Popen:
-    """`environ`: variables set for the child on top of this process's (the fleet's keys)."""
+def spawn(argv: list[str], environ: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """`environ`: variables set for the child on top of this process's (the fleet's keys);
+    `pass_fds`: descriptors it inherits (its listening socket)."""
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec,
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec, pass_fds=pass_fds,
                             env=None if environ is None else settings.child_environ(environ))
+
+
+def bound_socket(port: int) -> socket.socket:
+    """A socket bound to 127.0.0.1:port (0: a free port), not listening: a replica inherits it and
+    listens once it serves (asyncio's create_server), so until then connections are refused as
+    before a replica's own bind. Bound, the port is out of reach of other processes' port-0 binds
+    and outgoing connections. SO_REUSEADDR as uvicorn binds: a restart binds the port again while
+    the dead replica's connections wait in TIME_WAIT (which keep the listener's setting)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 @dataclass
@@ -109,8 +127,21 @@ class ReplicaSet:
             self._start(r, *self.startup)
 
     def _start(self, r: Replica, model: str | None, version: str, name: str | None) -> None:
+        """The supervisor binds the replica's port and hands the socket over: a port picked free
+        and bound later by the replica could be taken meanwhile (the replica would exit, or another
+        server would answer at its URL). Its own copy closes once the child holds it."""
         r.state = State.STARTING
-        r.proc = spawn(self.argv_for(r, model, version, name), self.environ)
+        try:
+            sock = bound_socket(r.port)  # a restart binds the port it had
+        except OSError as exc:
+            if not r.port:
+                raise
+            logger.warning("%s: its port was taken while it was down (%s): restarting it on another", r.name, exc)
+            sock = bound_socket(0)
+        with sock:
+            r.port = sock.getsockname()[1]
+            argv = self.argv_for(r, model, version, name) + ["--listen-fd", str(sock.fileno())]
+            r.proc = spawn(argv, self.environ, pass_fds=(sock.fileno(),))
 
     async def wait_all_up(self, stop: asyncio.Event) -> int | None:
         """None once every replica answers /health; else the exit code the fleet should end with."""
