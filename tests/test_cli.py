@@ -161,13 +161,14 @@ def test_serve_answers_on_an_inherited_bound_socket():
     serves, then answers on it; the fleet's own --listen-fd is not handed to its replicas (each
     gets the socket bound for it)."""
     from r3srv.data_parallel import replica_argv
-    from r3srv.front.replicas import bound_socket, spawn
+    from r3srv.front.replicas import spawn
+    from r3srv.net import bound_socket
 
     parser = build_parser()
     fleet_args = parser.parse_args(["serve", "m", "-dp", "2", "--listen-fd", "5"])
     assert fleet_args.listen_fd == 5
     assert "--listen-fd" not in replica_argv(parser, fleet_args, model="m", port=1, device="cpu", weight_version="v")
-    with bound_socket(0) as sock:
+    with bound_socket("127.0.0.1", 0) as sock:
         port = sock.getsockname()[1]
         with pytest.raises(ConnectionRefusedError):  # bound, not listening: nothing answers yet
             socket.create_connection(("127.0.0.1", port), timeout=5).close()

@@ -16,7 +16,6 @@ import contextlib
 import enum
 import logging
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 
 from r3srv import settings
+from r3srv.net import bound_socket
 
 logger = logging.getLogger("r3srv.fleet")
 
@@ -53,26 +53,10 @@ def _die_with_parent() -> None:
 
 def spawn(argv: list[str], environ: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """`environ`: variables set for the child on top of this process's (the fleet's keys);
-    `pass_fds`: descriptors it inherits (its listening socket)."""
+    `pass_fds`: descriptors it inherits (its bound socket)."""
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec, pass_fds=pass_fds,
                             env=None if environ is None else settings.child_environ(environ))
-
-
-def bound_socket(port: int) -> socket.socket:
-    """A socket bound to 127.0.0.1:port (0: a free port), not listening: a replica inherits it and
-    listens once it serves (asyncio's create_server), so until then connections are refused as
-    before a replica's own bind. Bound, the port is out of reach of other processes' port-0 binds
-    and outgoing connections. SO_REUSEADDR as uvicorn binds: a restart binds the port again while
-    the dead replica's connections wait in TIME_WAIT (which keep the listener's setting)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 @dataclass
@@ -132,12 +116,12 @@ class ReplicaSet:
         server would answer at its URL). Its own copy closes once the child holds it."""
         r.state = State.STARTING
         try:
-            sock = bound_socket(r.port)  # a restart binds the port it had
+            sock = bound_socket("127.0.0.1", r.port)  # a restart binds the port it had
         except OSError as exc:
             if not r.port:
                 raise
             logger.warning("%s: its port was taken while it was down (%s): restarting it on another", r.name, exc)
-            sock = bound_socket(0)
+            sock = bound_socket("127.0.0.1", 0)
         with sock:
             r.port = sock.getsockname()[1]
             argv = self.argv_for(r, model, version, name) + ["--listen-fd", str(sock.fileno())]

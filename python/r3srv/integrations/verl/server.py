@@ -20,6 +20,7 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 import r3srv.compat.vllm as vllm
 from r3srv import settings
+from r3srv.net import bound_socket
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class R3srvRolloutServer:
                             dp_rpc_port: int | None = None) -> None:
         options = self.engine_options()
         self.engine = vllm.AsyncLLM(self.model_config.local_path, **options)
-        self._port = free_port(self._address)
+        self._socket = bound_socket(self._address, 0)  # held until the server listens on it
+        self._port = self._socket.getsockname()[1]
         self._http = asyncio.create_task(self._serve_http())
 
     async def _serve_http(self) -> None:
@@ -83,7 +85,7 @@ class R3srvRolloutServer:
         app = build_asgi_app(self.engine.r3srv, served_model_name=self.model_config.local_path)
         server = uvicorn.Server(uvicorn.Config(app, host=self._address, port=self._port, log_level="warning",
                                                lifespan="off"))
-        await server.serve()
+        await server.serve(sockets=[self._socket])
 
     def get_master_address(self):
         return self._address, None, None
