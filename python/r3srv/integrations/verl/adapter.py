@@ -16,6 +16,7 @@ receives it (`update_weights_from_distributed`), as SGLang-style trainers push.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -26,8 +27,7 @@ import torch.distributed as dist
 from verl.workers.rollout.base import BaseRollout
 
 from r3srv import settings
-from r3srv.engine.process_groups import init_custom_process_group
-from r3srv.integrations.verl.server import free_port
+from r3srv.engine.process_groups import group_on_store
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +115,16 @@ class ServerAdapter(BaseRollout):
                 raise NotImplementedError("r3srv's verl rollout pushes weights to a tensor-parallel replica on the "
                                           "CPU only (gloo); on GPUs run rollout.tensor_model_parallel_size=1")
             address = ray.util.get_node_ip_address().strip("[]")
-            port = free_port(address)
             world_size = self.config.tensor_model_parallel_size + 1
+            # the rendezvous store listens (on a port it bound itself) before the replica learns its port
+            store = dist.TCPStore(address, 0, world_size, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=JOIN_TIMEOUT))
             joined = server.collective_rpc.remote("init_weights_update_group", kwargs=dict(
-                master_address=address, master_port=port, rank_offset=1, world_size=world_size,
+                master_address=address, master_port=store.port, rank_offset=1, world_size=world_size,
                 group_name=GROUP_NAME, backend="gloo"))
             group, _ = await asyncio.gather(asyncio.to_thread(
-                init_custom_process_group, master_address=address, master_port=port, rank=0, world_size=world_size,
-                group_name=GROUP_NAME, backend="gloo", timeout=JOIN_TIMEOUT), joined)
+                group_on_store, store, rank=0, world_size=world_size, group_name=GROUP_NAME, backend="gloo",
+                timeout=JOIN_TIMEOUT), joined)
             self.weight_group = group
         return self.weight_group
 

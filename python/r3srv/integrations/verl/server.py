@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from typing import Any
 
 import ray
@@ -217,9 +216,3 @@ class R3srvRolloutServer:
 
     async def stop_profile(self) -> None:
         pass
-
-
-def free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
