@@ -6,6 +6,7 @@ URL, and on exit stop it with SIGTERM and record its exit code (a clean stop is 
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from r3srv.net import bound_socket
+
 if TYPE_CHECKING:
     from step_gate import StepGate
 
@@ -27,10 +30,22 @@ if TYPE_CHECKING:
 TEST_SERVER_ARGS = ("--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "16", "--log-level", "warning")
 
 
+# the ports free_port() handed out, still bound by this process (the latest _MAX_HELD of them)
+_held: collections.deque[socket.socket] = collections.deque()
+_MAX_HELD = 256
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port that this process keeps bound (not listening) until many later ones were
+    handed out: what a test starts on it binds it all the same (uvicorn, torch's TCPStore and the
+    routers bind with SO_REUSEADDR, as `r3srv.net.bound_socket` does), while other processes'
+    port-0 binds and outgoing connections cannot take it in between (a port released at once was
+    taken so in a CI run, seconds before the process meant to listen on it bound it)."""
+    sock = bound_socket("127.0.0.1", 0)
+    _held.append(sock)
+    if len(_held) > _MAX_HELD:
+        _held.popleft().close()
+    return sock.getsockname()[1]
 
 
 def serve_command(*args: str, step_gate: Path | None = None) -> list[str]:
