@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from server_fixture import free_port
 
 from r3srv.cli import build_parser
 from r3srv.data_parallel import replica_argv, replica_devices, supervisor_headers
@@ -324,9 +325,7 @@ def test_rank_zero_hosts_a_listening_store_before_the_workers_learn_its_port():
     assert rendezvous.master_port == store.port != 0
     with socket.create_connection(("127.0.0.1", rendezvous.master_port), timeout=5):
         pass  # already listening: no port is picked, freed and bound again later
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # held by this process (bound, not listening): the store binds it all the same
     named, named_store = host_store(Rendezvous(world_size=2, master_port=port))
     assert named.master_port == named_store.port == port  # --master-port: bound as named
     with pytest.raises(ConfigError, match="--master-port is required"):

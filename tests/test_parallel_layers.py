@@ -4,7 +4,6 @@ safetensors tensor (plain, FP8 with block scales, MXFP4)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -237,7 +236,6 @@ def test_mxfp4_expert_shards_are_slices_of_the_whole(tmp_path, rank):
 
 
 # ---- two gloo ranks: the shards reassemble the single-device result ----------------------
-
 def _rank_main(rank: int, port: int, path: str, expert_parallel: bool) -> None:
     join_gloo(rank, port)
     try:

@@ -5,7 +5,6 @@ by intermediate size) and with expert parallelism (experts split by id)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from gloo_ranks import join_gloo, spawn_ranks
