@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from typing import Any
 
 from r3srv import engine_options, security, server_options, settings
 from r3srv.errors import ConfigError, InvalidRequestError
+from r3srv.net import inherited_sockets
 from r3srv.server_options import ServerOptions
 
 logger = logging.getLogger("r3srv.serve")
@@ -218,7 +218,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
 
     engine.on_dead.append(rank_died)
     try:
-        server.run(sockets=None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)])
+        server.run(sockets=inherited_sockets(args.listen_fd))
     finally:
         engine.shutdown()
     if engine_died:

@@ -24,10 +24,10 @@ import argparse
 import asyncio
 import logging
 import signal
-import socket
 import sys
 
 from r3srv.errors import ConfigError
+from r3srv.net import inherited_sockets
 from r3srv.security import ServeSecurity
 
 logger = logging.getLogger("r3srv.fleet")
@@ -156,7 +156,7 @@ async def _run(args: argparse.Namespace, fleet, guard: ServeSecurity) -> int:
                     "prompt's prefix, control calls to every replica", len(fleet.replicas),
                     ", ".join(f"{r.url} on {r.device}" for r in fleet.replicas), "https" if guard.tls else "http",
                     args.host, args.port)
-        await server.serve(sockets=None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)])
+        await server.serve(sockets=inherited_sockets(args.listen_fd))
         return 0 if server.started else 1
     finally:
         if supervisor is not None:

@@ -21,3 +21,8 @@ def bound_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def inherited_sockets(fd: int | None) -> list[socket.socket] | None:
+    """`--listen-fd`'s socket, for uvicorn's `serve(sockets=...)`; None: uvicorn binds --host/--port."""
+    return None if fd is None else [socket.socket(fileno=fd)]
