@@ -55,14 +55,12 @@ def generated(llm: LLM):
 
 def test_offline_tp2_engine_takes_a_pushed_policy_and_survives_a_dying_trainer(policies, oracle):
     v0, v1 = policies
-    llm = LLM(str(v0), tensor_parallel_size=2, dtype="float32", **ENGINE)
-    # the trainers' ports picked once the engine's ranks hold their own rendezvous port: a port
-    # picked and freed before could be handed to the ranks first, and the trainer then failed to
-    # listen on it (EADDRINUSE) while the ranks timed out joining their own store
+    # both trainers start first (each hosts its rendezvous and waits there), while the engine loads
+    # (free_port() keeps their ports bound meanwhile; the engine's ranks meet on a port of their own)
     port, dying_port = free_port(), free_port()
-    # both trainers start now (each hosts its rendezvous and waits there)
     pusher = spawn(trainer.broadcast_checkpoint, port, WORLD, v1)
     dying = spawn(trainer.broadcast_checkpoint, dying_port, WORLD, v0, 3)
+    llm = LLM(str(v0), tensor_parallel_size=2, dtype="float32", **ENGINE)
     try:
         assert same(generated(llm), oracle[v0])
         announced = trainer.announce(trainer.checkpoint_tensors(v1))
