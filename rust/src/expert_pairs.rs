@@ -554,7 +554,7 @@ struct Chunk {
 
 /// The fewest multiply-adds worth a thread of their own: waking one costs microseconds, and
 /// its share must outweigh that.
-pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 20;
+pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 18;
 
 /// Every live pair's expert output into `outputs` ([live pairs, H] in expert order, so that a
 /// chunk's rows are adjacent and written in place); returns each pair's row (DEAD for a pair
