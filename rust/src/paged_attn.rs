@@ -251,14 +251,36 @@ pub(crate) const TILE: usize = 32;
 /// costs microseconds, and its share must outweigh that.
 pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 19;
 
+/// Keys per part of a long context: each part of a sequence is an item of its own, so that the
+/// threads share one long sequence's keys, each reading whole blocks of them (one KV head's
+/// rows a thread, the split this replaced, read every other row of the same blocks and ran
+/// slower on two threads than on one: docs/benchmarks.md); the parts' running maxima, sums and
+/// weighted values are combined in part order once every item has run. The parts depend only
+/// on the context's visible keys, so a row's bits are the same on any number of threads and
+/// whatever the batch.
+pub(crate) const PART_KEYS: usize = 512;
+
 struct Item<'o, T> {
     seq: usize,
     start: usize,
     end: usize,
-    /// The KV heads it attends for (all of them, or one where a step has fewer sequences than
-    /// threads), and their query heads' part of the sequence's output row, [heads, v_dim].
-    kv_heads: std::ops::Range<usize>,
-    out: &'o mut [T],
+    /// Where its sequence's visible keys end: a part's last tile asks for the next part's first.
+    ahead: usize,
+    dst: Dst<'o, T>,
+}
+
+/// Where an item's result goes.
+enum Dst<'o, T> {
+    /// The sequence's output row, [heads, v_dim].
+    Row(&'o mut [T]),
+    /// One part of a long context: each head's (max, total, weighted values [v_dim]), for
+    /// `combine_parts`.
+    Part(&'o mut [f32]),
+}
+
+/// A context's parts (`PART_KEYS`), 1 for a context no longer than one part.
+fn parts(start: usize, end: usize) -> usize {
+    (end - start).div_ceil(PART_KEYS).max(1)
 }
 
 /// Decode attention into `out` ([tokens, heads, v_dim], contiguous): sequence i's heads go to
@@ -336,13 +358,17 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
 
     // each thread at least PARALLEL_MIN_MACS of work: a many-core host spawns no idle threads
     let threads = threads.min(macs / PARALLEL_MIN_MACS).max(1);
-    // fewer sequences than threads (a long prompt's decode steps): each KV head an item of its
-    // own, so that one sequence's heads run on several threads (a head's sums are the same)
-    let per_head = seqs < threads && kv_heads > 1;
-    let group_len = heads / kv_heads * v_dim;
-    // Each sequence's output row (or each KV head's part of it): disjoint borrows of `out`.
-    let mut items = Vec::with_capacity(if per_head { seqs * kv_heads } else { seqs });
-    let mut rest = out;
+    let part_len = heads * (2 + v_dim);
+    let part_count = |seq: usize| {
+        let (start, end) = visible(d.lens[seq] as usize, d.window);
+        parts(start, end)
+    };
+    let split: usize = order.iter().map(|&(_, seq)| part_count(seq)).filter(|&n| n > 1).sum();
+    let mut partials = vec![0f32; split * part_len];
+    // Each sequence's output row, or its parts' slices of `partials`: disjoint borrows.
+    let mut items = Vec::with_capacity(seqs + split);
+    let mut long: Vec<(&mut [T], usize)> = Vec::new(); // a split sequence's row and its parts
+    let (mut rest, mut rest_parts) = (out, &mut partials[..]);
     let mut next_row = 0;
     for &(row, seq) in &order {
         let (_, tail) = std::mem::take(&mut rest).split_at_mut((row - next_row) * row_len);
@@ -350,17 +376,65 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
         rest = tail;
         next_row = row + 1;
         let (start, end) = visible(d.lens[seq] as usize, d.window);
-        if per_head {
-            for (h, part) in mine.chunks_exact_mut(group_len).enumerate() {
-                items.push(Item { seq, start, end, kv_heads: h..h + 1, out: part });
-            }
-        } else {
-            items.push(Item { seq, start, end, kv_heads: 0..kv_heads, out: mine });
+        let n = parts(start, end);
+        if n == 1 {
+            items.push(Item { seq, start, end, ahead: end, dst: Dst::Row(mine) });
+            continue;
         }
+        let (these, tail) = std::mem::take(&mut rest_parts).split_at_mut(n * part_len);
+        rest_parts = tail;
+        for (i, part) in these.chunks_exact_mut(part_len).enumerate() {
+            let first = start + i * PART_KEYS;
+            let part_end = end.min(first + PART_KEYS);
+            items.push(Item { seq, start: first, end: part_end, ahead: end, dst: Dst::Part(part) });
+        }
+        long.push((mine, n));
     }
     let threads = threads.min(items.len().max(1));
     crate::workers::take_in_turn(threads, &mut items, &|items| run(d, items, isa));
+    drop(items);
+    let mut at = 0;
+    for (row, n) in long {
+        combine_parts(d, &partials[at..at + n * part_len], row);
+        at += n * part_len;
+    }
     Ok(())
+}
+
+/// A split sequence's row from its parts ([parts][heads][max, total, weighted values]), each
+/// head's in part order.
+fn combine_parts<T: Element>(d: &PagedDecode<'_, T>, parts: &[f32], row: &mut [T]) {
+    let (heads, v_dim) = (d.q.heads, d.v.dim);
+    let mut acc = vec![0f32; v_dim];
+    for h in 0..heads {
+        let of_head = parts.chunks_exact(heads * (2 + v_dim)).map(|p| &p[h * (2 + v_dim)..][..2 + v_dim]);
+        let max = of_head.clone().map(|p| p[0]).fold(f32::NEG_INFINITY, f32::max);
+        let mut total = 0f32;
+        acc.fill(0.0);
+        for p in of_head {
+            let decay = exp(p[0] - max);
+            total = p[1].mul_add(decay, total);
+            for (a, &x) in acc.iter_mut().zip(&p[2..]) {
+                *a = x.mul_add(decay, *a);
+            }
+        }
+        write_head(&mut row[h * v_dim..][..v_dim], &acc, max, total, d.sinks.map(|s| s[h]));
+    }
+}
+
+/// A head's output: its weighted values over its sum of weights (with its sink's weight, if
+/// any), from its running max.
+#[inline(always)]
+fn write_head<T: Element>(out: &mut [T], acc: &[f32], max: f32, total: f32, sink: Option<f32>) {
+    let mut norm = 1.0 / total;
+    if let Some(sink) = sink {
+        let m_new = max.max(sink);
+        let decay = exp(max - m_new);
+        norm = decay / (total * decay + exp(sink - m_new));
+    }
+    for (o, &a) in out.iter_mut().zip(acc) {
+        *o = T::from_f32(a * norm);
+    }
 }
 
 /// Row t of `rows` (each `row_len` elements) copied into row `slots[t]` of `cache`: a decode
@@ -491,11 +565,10 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
 ) {
     let (heads, head_dim, v_dim) = (d.q.heads, d.q.dim, d.v.dim);
     let group = heads / d.k.heads;
-    let kv_heads = item.kv_heads.clone();
-    let mine = kv_heads.start * group..kv_heads.end * group; // the item's query heads
+    let kv_heads = 0..d.k.heads;
     let row = d.rows[item.seq] as usize;
     let table = &d.tables[item.seq * d.max_blocks..][..d.max_blocks];
-    for h in mine.clone() {
+    for h in 0..heads {
         for (dst, &x) in s.q[h * head_dim..][..head_dim].iter_mut().zip(d.q.at(row, h)) {
             *dst = x.to_f32();
         }
@@ -511,15 +584,16 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
     prefetch_slots(d, &slots[..TILE.min(item.end - lo)], kv_heads.clone());
     while lo < item.end {
         let n = TILE.min(item.end - lo);
-        let next_n = TILE.min(item.end - lo - n);
-        tile_slots(d, table, lo + n, next_n, &mut next_slots);
+        // past a part's end, the next part's first tile: asked for, not taken
+        let asked = TILE.min(item.ahead - lo - n);
+        tile_slots(d, table, lo + n, asked, &mut next_slots);
         for kv_head in kv_heads.clone() {
             let first = kv_head * group; // the group's first query head
             let scores = &mut s.scores[first * TILE..][..group * TILE];
             // the next tile's rows of this KV head, keys before its scores and values before its
             // weighted sums: one head's keys or values at a time, not all the tile's lines at its
             // start, whose burst stalled the loads behind it (docs/benchmarks.md)
-            prefetch_rows(&d.k, &next_slots[..next_n], kv_head);
+            prefetch_rows(&d.k, &next_slots[..asked], kv_head);
             score_tile::<T, AVX2, WIDE>(d, kv_head, &slots[..n], &s.q[first * head_dim..][..group * head_dim], scores);
             for g in 0..group {
                 let h = first + g;
@@ -533,7 +607,7 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
                 }
                 s.max[h] = m_new;
             }
-            prefetch_rows(&d.v, &next_slots[..next_n], kv_head);
+            prefetch_rows(&d.v, &next_slots[..asked], kv_head);
             weigh_values::<T, AVX2, WIDE>(
                 d,
                 kv_head,
@@ -545,16 +619,19 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
         std::mem::swap(&mut slots, &mut next_slots);
         lo += n;
     }
-    for h in mine.clone() {
-        let mut norm = 1.0 / s.total[h];
-        if let Some(sinks) = d.sinks {
-            let m_new = s.max[h].max(sinks[h]);
-            let decay = exp(s.max[h] - m_new);
-            norm = decay / (s.total[h] * decay + exp(sinks[h] - m_new));
+    match &mut item.dst {
+        Dst::Row(out) => {
+            for h in 0..heads {
+                let (acc, sink) = (&s.acc[h * v_dim..][..v_dim], d.sinks.map(|sinks| sinks[h]));
+                write_head(&mut out[h * v_dim..][..v_dim], acc, s.max[h], s.total[h], sink);
+            }
         }
-        let at = (h - mine.start) * v_dim;
-        for (o, &a) in item.out[at..][..v_dim].iter_mut().zip(&s.acc[h * v_dim..][..v_dim]) {
-            *o = T::from_f32(a * norm);
+        Dst::Part(part) => {
+            for (h, head) in part.chunks_exact_mut(2 + v_dim).enumerate() {
+                head[0] = s.max[h];
+                head[1] = s.total[h];
+                head[2..].copy_from_slice(&s.acc[h * v_dim..][..v_dim]);
+            }
         }
     }
 }
@@ -1357,10 +1434,11 @@ mod tests {
         check(&c, Isa::detect(), 2);
     }
 
-    /// Fewer sequences than threads: each KV head an item of its own, the bits of one thread
-    /// (a head's sums do not depend on which thread runs it), float32 and bfloat16, every ISA.
+    /// Long contexts in parts (PART_KEYS) that threads take in turn: the bits of one thread (the
+    /// parts depend only on the context), float32 and bfloat16, every ISA; contexts of one part
+    /// exactly, one key more, many parts with a partial last one, windows and sinks.
     #[test]
-    fn a_long_sequences_heads_split_over_threads_keep_their_bits() {
+    fn long_contexts_split_in_parts_keep_the_bits_of_one_thread() {
         fn run<T: Element>(c: &Case, cast: impl Fn(&[f32]) -> Vec<T>, isa: Isa, threads: usize) -> Vec<T> {
             let (q, k, v, tables, max_blocks, rows, sinks, tokens) = inputs(c, 7 + c.kv_heads as u64);
             let (q, k, v) = (cast(&q), cast(&k), cast(&v));
@@ -1375,10 +1453,13 @@ mod tests {
         let bf16s = |x: &[f32]| x.iter().map(|&v| Bf16::from_f32(v)).collect::<Vec<Bf16>>();
         let isas = [Isa::Scalar, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.runs());
         for isa in isas {
+            let part = PART_KEYS as i64;
             for (heads, kv_heads, lens, window, sinks) in [
                 (4, 2, vec![3000], None, false),
                 (8, 4, vec![2500, 40], Some(900), true),
                 (12, 3, vec![1800], None, true),
+                (4, 1, vec![part, part + 1, 7, 2 * part + 33], None, false),
+                (2, 2, vec![part + 1, 3 * part], Some(2 * PART_KEYS), true),
             ] {
                 let c = Case { heads, kv_heads, head_dim: 64, v_dim: 48, page: 16, lens, window, sinks };
                 let (one32, one16) = (run(&c, f32s, isa, 1), run(&c, bf16s, isa, 1));

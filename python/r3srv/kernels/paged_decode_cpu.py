@@ -5,8 +5,9 @@ The CPU counterpart of kernels/paged_decode_triton.py, with its launcher's signa
 semantics (GQA, MLA's values viewing the keys' leading dims, sliding windows, sinks): the torch
 path gathers every decode context into a padded copy and calls SDPA; this reads each context
 once, in place, with an online softmax in float32 (bfloat16 caches accumulate in float32 too).
-The work is split over (sequence, KV head) across the given threads when there is
-enough of it. Tensors cross as data pointers, shapes and strides: this module checks what Rust
+The work is split over sequences, and a long context's parts, across the given threads when
+there is enough of it (rust/src/paged_attn.rs, PART_KEYS; a row's bits do not depend on the
+thread count). Tensors cross as data pointers, shapes and strides: this module checks what Rust
 cannot (dtypes, devices, layouts, aliasing) and Rust checks every index before following it.
 """
 
