@@ -14,6 +14,10 @@ alternating which goes first; the ratio of the medians of each step's CPU time o
 thread (one torch thread: every op runs there, so other processes on a shared machine barely
 disturb it), and the wall-clock ratio next to it. Both also check their answers: the same
 attention rows, the same greedy tokens.
+(c) one sequence's decode over 4,000 keys (a long prompt's decode steps) on one kernel thread and
+on two, eight layers' caches cycled (32 MB: mostly from memory, as in the engine) eight times at
+one thread count, then at the other, alternated round by round: the ratio of the medians, one thread / two (a long context runs in parts the threads take
+in turn); both give the same bits.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import r3srv.ops.attention as attention
 from bench_expert_pairs_cpu import modules_with
 from r3srv import LLM, SamplingParams, settings
+from r3srv.kernels.paged_decode_cpu import paged_decode_cpu
 from r3srv.models.batch import ForwardBatch
 from r3srv.ops import ops_for
 
@@ -130,3 +135,38 @@ def test_decode_step_kernel_on_vs_off(benchmark, llm, seqs, context):
           f"{len(steps[True][1])} steps each:\n"
           f"  thread CPU: off {cpu[False] * 1e3:.2f} ms, on {cpu[True] * 1e3:.2f} ms, off/on {cpu[False] / cpu[True]:.2f}x\n"
           f"  wall:       off {wall[False] * 1e3:.2f} ms, on {wall[True] * 1e3:.2f} ms, off/on {wall[False] / wall[True]:.2f}x")
+
+
+LONG_CONTEXT, LONG_LAYERS = 4000, 8
+LONG_PASSES = 8  # a round's passes over the layers at one thread count, then at the other
+
+
+def test_a_long_context_on_one_and_two_threads(benchmark):
+    gen = torch.Generator().manual_seed(4000)
+    batch = decode_batch(1, LONG_CONTEXT)
+    slots = batch.block_tables.numel() * BLOCK
+    caches = [[torch.randn(slots, KV_HEADS, DIM, generator=gen) for _ in range(2)] for _ in range(LONG_LAYERS)]
+    q = torch.randn(1, HEADS, DIM, generator=gen)
+    meta = attention.AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
+    tables, lens, rows, _ = meta.decode_kernel_args()
+    times: dict[int, list[float]] = {1: [], 2: []}
+    outs: dict[int, list[torch.Tensor]] = {1: [], 2: []}
+
+    def one_round():
+        r = len(times[1])
+        for threads in ((1, 2) if r % 2 == 0 else (2, 1)):
+            for k_cache, v_cache in caches * LONG_PASSES:
+                out = torch.empty(1, HEADS, DIM)
+                t0 = time.perf_counter()
+                paged_decode_cpu(q, k_cache, v_cache, tables, lens, rows, out, page=BLOCK, scale=DIM ** -0.5,
+                                 threads=threads)
+                times[threads].append(time.perf_counter() - t0)
+                outs[threads].append(out)
+
+    one_round()  # warm-up, and checked below too
+    benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
+    assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[2]))  # the parts' bits on any thread count
+    one, two = (statistics.median(times[t]) for t in (1, 2))
+    benchmark.extra_info.update(one_over_two=one / two)
+    print(f"\ndecode attention, 1 x {LONG_CONTEXT} keys, {LONG_LAYERS} layers' caches cycled, medians of "
+          f"{len(times[1])} calls: one thread {one * 1e3:.3f} ms, two {two * 1e3:.3f} ms, one/two {one / two:.2f}x")
