@@ -16,8 +16,8 @@ disturb it), and the wall-clock ratio next to it. Both also check their answers:
 attention rows, the same greedy tokens.
 (c) one sequence's decode over 4,000 keys (a long prompt's decode steps) on one kernel thread and
 on two, eight layers' caches cycled (32 MB: mostly from memory, as in the engine) eight times at
-one thread count, then at the other, alternated round by round: the ratio of the medians, one thread / two (a long context runs in parts the threads take
-in turn); both give the same bits.
+one thread count, then at the other, alternated round by round: the ratio of the medians, one
+thread / two (a long context runs in parts the threads take in turn); both give the same bits.
 """
 
 from __future__ import annotations
