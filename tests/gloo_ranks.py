@@ -1,22 +1,18 @@
-"""Two gloo ranks spawned by a test, meeting at a store the test process hosts.
-
-The store listens (on a port it bound itself) before the ranks start: a port picked free,
-released and bound again by rank 0 could be taken meanwhile by another test's process."""
+"""Two gloo ranks spawned by a test, meeting as the engine's ranks meet: at a store listening
+before they start (`host_store`, hosted here by the test process), each joining through the
+engine's own `init_process_group`."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
-_TIMEOUT = timedelta(minutes=5)
+from r3srv.engine.multiproc_executor import Rendezvous, host_store, init_process_group
 
 
 def spawn_ranks(rank_main, nprocs: int = 2, **kwargs) -> None:
     """Run `rank_main(rank, store_port, **kwargs)` on `nprocs` processes; raises if a rank fails."""
-    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, timeout=_TIMEOUT, wait_for_workers=False)
-    torch.multiprocessing.spawn(_rank, args=(rank_main, store.port, kwargs), nprocs=nprocs, join=True)
+    rendezvous, _store = host_store(Rendezvous(world_size=nprocs))  # held until the ranks are done
+    torch.multiprocessing.spawn(_rank, args=(rank_main, rendezvous.master_port, kwargs), nprocs=nprocs, join=True)
 
 
 def _rank(rank: int, rank_main, store_port: int, kwargs: dict) -> None:
@@ -25,5 +21,4 @@ def _rank(rank: int, rank_main, store_port: int, kwargs: dict) -> None:
 
 def join_gloo(rank: int, store_port: int, world_size: int = 2) -> None:
     """A spawned rank joins the test process's store as a gloo rank."""
-    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_TIMEOUT)
+    init_process_group(rank, Rendezvous(world_size=world_size, master_port=store_port), torch.device("cpu"))

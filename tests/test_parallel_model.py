@@ -28,7 +28,6 @@ CASES = {
 }
 
 
-
 def _rank_main(rank: int, port: int, cases: dict) -> None:
     join_gloo(rank, port)
     try:
