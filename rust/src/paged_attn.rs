@@ -264,10 +264,6 @@ struct Item<'o, T> {
     seq: usize,
     start: usize,
     end: usize,
-    /// Where its sequence's visible keys end: a part's last tile asks for the next part's first.
-    ahead: usize,
-    /// Whether it starts its sequence (its first tile asked for by no part before it).
-    first: bool,
     dst: Dst<'o, T>,
 }
 
@@ -380,15 +376,14 @@ pub fn paged_decode<T: Element>(d: &PagedDecode<'_, T>, out: &mut [T], threads: 
         let (start, end) = visible(d.lens[seq] as usize, d.window);
         let n = parts(start, end);
         if n == 1 {
-            items.push(Item { seq, start, end, ahead: end, first: true, dst: Dst::Row(mine) });
+            items.push(Item { seq, start, end, dst: Dst::Row(mine) });
             continue;
         }
         let (these, tail) = std::mem::take(&mut rest_parts).split_at_mut(n * part_len);
         rest_parts = tail;
         for (i, part) in these.chunks_exact_mut(part_len).enumerate() {
             let first = start + i * PART_KEYS;
-            let part_end = end.min(first + PART_KEYS);
-            items.push(Item { seq, start: first, end: part_end, ahead: end, first: i == 0, dst: Dst::Part(part) });
+            items.push(Item { seq, start: first, end: end.min(first + PART_KEYS), dst: Dst::Part(part) });
         }
         long.push((mine, n));
     }
@@ -581,16 +576,18 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
     // the slots of the tile at hand and of the next (found once: for its prefetch, then its turn)
     let (mut slots, mut next_slots) = ([0usize; TILE], [0usize; TILE]);
     let mut lo = item.start;
+    // the sequence's visible keys: a part's last tile asks for the next part's first
+    let (seq_start, seq_end) = visible(d.lens[item.seq] as usize, d.window);
     tile_slots(d, table, lo, TILE.min(item.end - lo), &mut slots);
     // a sequence's first tile asked for at once: its lines arrive together, not one miss after
     // another (a later part's was asked for by the part before it)
-    if item.first {
+    if lo == seq_start {
         prefetch_slots(d, &slots[..TILE.min(item.end - lo)], kv_heads.clone());
     }
     while lo < item.end {
         let n = TILE.min(item.end - lo);
         // past a part's end, the next part's first tile: asked for, not taken
-        let asked = TILE.min(item.ahead - lo - n);
+        let asked = TILE.min(seq_end - lo - n);
         tile_slots(d, table, lo + n, asked, &mut next_slots);
         for kv_head in kv_heads.clone() {
             let first = kv_head * group; // the group's first query head
