@@ -226,7 +226,10 @@ def test_any_kernel_it_calls_turned_off_turns_it_off(switch):
         assert ops_for("cpu", torch.float32).fuse_decoder_layer is None
     with settings.overridden(force_torch_router=True):
         assert ops_for("cpu", torch.float32).fuse_decoder_layer is None
-    assert ops_for("cpu", torch.float32).fuse_decoder_layer is cpu_decode.fuse_decoder_layer
+    fuse = ops_for("cpu", torch.float32).fuse_decoder_layer
+    assert fuse.func is cpu_decode.fuse_decoder_layer and fuse.keywords == {"pack": True}
+    with settings.overridden(packed_experts=False):  # the layers read the experts as the backend's pass does
+        assert ops_for("cpu", torch.float32).fuse_decoder_layer.keywords == {"pack": False}
 
 
 def test_the_step_plan_declines_what_the_kernels_would():

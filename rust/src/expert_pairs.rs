@@ -9,8 +9,10 @@
 //! the vector lanes) on an AVX2 or AVX-512 CPU, else through `matmul`'s packed kernels. A narrow
 //! chunk's output elements are each the same dot product, summed in the same order, whatever
 //! the grouping or chunking, so a token whose experts have few pairs gets the bits it gets
-//! alone; a wide chunk's are within float32 rounding of those. The thread count never changes
-//! a bit. Tensors hold float32 or bfloat16 (`Element`); the arithmetic is float32 throughout,
+//! alone; a wide chunk's are within float32 rounding of those. Float32 experts handed over
+//! packed in row tiles as well (`PackedExperts`, on an AVX-512 CPU) run every chunk, narrow or
+//! wide, in `row_tiles` over that copy, with the pair panels' bits. The thread count never
+//! changes a bit. Tensors hold float32 or bfloat16 (`Element`); the arithmetic is float32 throughout,
 //! bfloat16 rounded once at the end, except that bfloat16 experts round their activations to
 //! bfloat16 before the second product (as transformers' bfloat16 experts do), which lets them
 //! run in AVX-512 BF16 dot products (`matmul_bf16`) where the CPU has them.
@@ -219,7 +221,7 @@ impl Activation {
 }
 
 /// A rank's stacked experts, read in place: w13 [E, R, H], w2 [E, H, I], b13 [E, R], b2 [E, H]
-/// (R = I x `Activation::rows_per_unit`).
+/// (R = I x `Activation::rows_per_unit`), and float32 weights' copy in row tiles, if kept.
 pub struct Experts<'a, W: Element> {
     pub w13: &'a [W],
     pub w2: &'a [W],
@@ -229,6 +231,51 @@ pub struct Experts<'a, W: Element> {
     pub hidden: usize,
     pub inter: usize,
     pub act: Activation,
+    pub packed: Option<PackedExperts<'a>>,
+}
+
+/// Float32 experts' weights packed in row tiles (`pack_experts`): each expert's w13 and w2 as
+/// `row_tiles::pack_matrix` lays them out, one after another. Where the CPU runs the row tiles
+/// every chunk's products read these (`packed_runs`): a 64-output block is one contiguous run
+/// of memory, which a core streams at its full read bandwidth where the rows' blocks of four
+/// interleaved streams did not, and a wide chunk's tokens and outputs stay rows (no panels'
+/// transposes). Every output element is then the fused multiply-add chain over k in order, the
+/// pair panels' definition, in narrow and wide chunks alike.
+#[derive(Clone, Copy)]
+pub struct PackedExperts<'a> {
+    pub w13: &'a [f32],
+    pub w2: &'a [f32],
+}
+
+/// Floats of one expert's w13 [rows13, hidden] and w2 [hidden, inter] packed in row tiles.
+pub fn packed_lens(rows13: usize, hidden: usize, inter: usize) -> (usize, usize) {
+    (crate::row_tiles::packed_len(rows13, hidden), crate::row_tiles::packed_len(hidden, inter))
+}
+
+/// out [E][packed_len(n, k)] = each of the E matrices of w [E, n, k] in row tiles, on up to
+/// `threads` threads (an expert each).
+pub fn pack_experts(w: &[f32], experts: usize, n: usize, out: &mut [f32], threads: usize) -> Result<(), String> {
+    if experts == 0 || n == 0 || !w.len().is_multiple_of(experts * n) {
+        return Err(format!("pack_experts: {} values are not [{experts}, {n}, K]", w.len()));
+    }
+    let k = w.len() / (experts * n);
+    let each = crate::row_tiles::packed_len(n, k);
+    if out.len() != experts * each {
+        return Err(format!("pack_experts: the output holds {} values, not {experts} x {each}", out.len()));
+    }
+    let mut jobs: Vec<(&[f32], &mut [f32])> = w.chunks_exact(n * k).zip(out.chunks_exact_mut(each)).collect();
+    crate::workers::take_in_turn(threads.clamp(1, experts), &mut jobs, &|jobs| {
+        for (w, out) in jobs {
+            crate::row_tiles::pack_matrix(w, n, out);
+        }
+    });
+    Ok(())
+}
+
+/// Whether the chunks read packed float32 experts under `isa`: the CPU runs the row tiles and
+/// the AVX-512 kernels were not ruled out (a named AVX2 or portable kernel keeps its own bits).
+pub fn packed_runs(isa: Isa) -> bool {
+    matches!(isa, Isa::Auto | Isa::Avx512) && crate::row_tiles::runs()
 }
 
 impl<W: Element> Experts<'_, W> {
@@ -252,6 +299,14 @@ impl<W: Element> Experts<'_, W> {
         }
         if let Some(b2) = self.b2 {
             want("b2", b2.len(), e * h)?;
+        }
+        if let Some(p) = self.packed {
+            if W::as_f32s(self.w13).is_none() {
+                return Err("packed experts are float32 experts' (pack_experts)".into());
+            }
+            let (p13, p2) = packed_lens(r, h, i);
+            want("packed w13", p.w13.len(), e * p13)?;
+            want("packed w2", p.w2.len(), e * p2)?;
         }
         Ok(())
     }
@@ -822,6 +877,25 @@ impl<W: Element> Experts<'_, W> {
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
         let tokens = pairs.iter().map(|&p| inputs.pair_token[p as usize] as usize);
         let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
+        if let (Some(packed), true) = (self.packed, packed_runs(isa)) {
+            // float32 experts in row tiles: the tokens' rows read in place, the outputs' rows
+            // written, the same code for a narrow chunk and a wide one
+            let (p13, p2) = packed_lens(r, hid, i);
+            let x: Vec<&[f32]> = tokens.map(|t| &inputs.xf[t * hid..(t + 1) * hid]).collect();
+            s.h.resize(n * r, 0.0);
+            crate::row_tiles::packed_product(&x, &packed.w13[e * p13..(e + 1) * p13], r, &mut s.h);
+            s.a.resize(n * i, 0.0);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: packed_runs checked that this CPU has AVX-512F and AVX2 (row_tiles::runs),
+            // and every AVX-512 CPU has FMA.
+            unsafe {
+                activate_avx512(self.act, b13, r, i, &mut s.h, &mut s.a)
+            };
+            let a: Vec<&[f32]> = s.a.chunks_exact(i).collect();
+            crate::row_tiles::packed_product(&a, &packed.w2[e * p2..(e + 1) * p2], hid, o);
+            self.add_b2(e, o);
+            return;
+        }
         if let (true, Some(w13), Some(w2)) = (chunk.wide && pair_panels::runs(isa), W::as_f32s(w13), W::as_f32s(w2)) {
             // a wide chunk of float32 experts: both products with the pairs as the lanes
             let blocks = pair_panels::blocks(n);
@@ -1366,7 +1440,7 @@ pub(crate) mod python {
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
 
-    use super::{expert_pairs, Activation, Bf16, Element, Experts, Isa, PairTokens};
+    use super::{expert_pairs, packed_lens, Activation, Bf16, Element, Experts, Isa, PackedExperts, PairTokens};
 
     /// The kernel the engine runs here: "auto" (AVX-512 for large weight blocks, AVX2 below), "avx2" or "scalar".
     #[pyfunction]
@@ -1404,6 +1478,46 @@ pub(crate) mod python {
         }
     }
 
+    /// Whether the default kernel reads packed float32 experts on this CPU (the row tiles run).
+    #[pyfunction]
+    pub fn expert_pairs_packed_runs() -> bool {
+        super::packed_runs(Isa::default_kernel())
+    }
+
+    /// Floats of one expert's matrix [n, k] packed in row tiles.
+    #[pyfunction]
+    pub fn expert_pairs_packed_len(n: usize, k: usize) -> usize {
+        crate::row_tiles::packed_len(n, k)
+    }
+
+    /// The float32 tensor at `dst` (experts x the packed length of [n, k]) = the experts [E, n,
+    /// k] at `src` in row tiles (`pack_experts`), with the GIL released, on up to `threads`
+    /// threads.
+    #[pyfunction]
+    pub fn expert_pairs_pack(
+        py: Python<'_>,
+        src: usize,
+        dst: usize,
+        shape: [usize; 3],
+        threads: usize,
+    ) -> PyResult<()> {
+        let [experts, n, k] = shape;
+        if src == 0 || dst == 0 {
+            return Err(PyValueError::new_err("expert_pairs_pack needs two non-null tensors"));
+        }
+        let each = crate::row_tiles::packed_len(n, k);
+        // SAFETY: the caller (r3srv.kernels.expert_pairs_cpu) passes the data addresses of a
+        // live, contiguous float32 tensor [E, n, k] and a fresh one of E x packed_len(n, k)
+        // values, kept alive for the call; nothing else touches them meanwhile.
+        let (w, out) = unsafe {
+            (
+                std::slice::from_raw_parts(src as *const f32, experts * n * k),
+                std::slice::from_raw_parts_mut(dst as *mut f32, experts * each),
+            )
+        };
+        py.detach(|| super::pack_experts(w, experts, n, out, threads)).map_err(PyValueError::new_err)
+    }
+
     /// # Safety
     /// As `expert_pairs_cpu` requires of its caller, with `W` the tensors' element type.
     unsafe fn run<W: Element>(
@@ -1413,6 +1527,7 @@ pub(crate) mod python {
         act: Activation,
         threads: usize,
         wide_min: Option<usize>,
+        packed: Option<(usize, usize)>,
     ) -> PyResult<()> {
         use std::slice::{from_raw_parts, from_raw_parts_mut};
         let [x, w13, w2, b13, b2, tokens, ids, weights, out] = addresses;
@@ -1428,6 +1543,13 @@ pub(crate) mod python {
             hidden,
             inter,
             act,
+            packed: packed.map(|(p13, p2)| {
+                let (l13, l2) = packed_lens(rows13, hidden, inter);
+                PackedExperts {
+                    w13: from_raw_parts(p13 as *const f32, num_experts * l13),
+                    w2: from_raw_parts(p2 as *const f32, num_experts * l2),
+                }
+            }),
         };
         let x = from_raw_parts(x as *const W, num_tokens * hidden);
         let tokens = match tokens {
@@ -1450,9 +1572,11 @@ pub(crate) mod python {
     /// activation: "silu_and_mul", "clamped_swiglu" (alpha, limit) or "relu_squared". Runs with
     /// the GIL released, on up to `threads` threads when the work is large enough. An expert's
     /// pairs run in wide chunks from `wide_min_pairs` pairs on (None: the kernel's own
-    /// threshold, `expert_pairs_wide_min_pairs`).
+    /// threshold, `expert_pairs_wide_min_pairs`). `packed`: the addresses of float32 experts'
+    /// w13 and w2 packed by `expert_pairs_pack`, which every chunk then reads where the CPU runs
+    /// the row tiles (`expert_pairs_packed_runs`).
     #[pyfunction]
-    #[pyo3(signature = (addresses, shape, dtype, activation, alpha=0.0, limit=0.0, threads=1, wide_min_pairs=None))]
+    #[pyo3(signature = (addresses, shape, dtype, activation, alpha=0.0, limit=0.0, threads=1, wide_min_pairs=None, packed=None))]
     #[allow(clippy::too_many_arguments)]
     pub fn expert_pairs_cpu(
         py: Python<'_>,
@@ -1464,6 +1588,7 @@ pub(crate) mod python {
         limit: f32,
         threads: usize,
         wide_min_pairs: Option<usize>,
+        packed: Option<(usize, usize)>,
     ) -> PyResult<()> {
         let act = match activation {
             "silu_and_mul" => Activation::SiluAndMul,
@@ -1475,6 +1600,9 @@ pub(crate) mod python {
         if [x, w13, w2, ids, weights, out].contains(&0) || shape[0] == 0 || shape[1] == 0 {
             return Err(PyValueError::new_err("expert_pairs_cpu needs non-null tensors and at least one pair"));
         }
+        if packed.is_some_and(|(p13, p2)| p13 == 0 || p2 == 0 || dtype != "float32") {
+            return Err(PyValueError::new_err("packed experts are two non-null float32 tensors (expert_pairs_pack)"));
+        }
         // SAFETY: the caller (r3srv.kernels.expert_pairs_cpu) passes the data addresses of
         // live, contiguous CPU tensors of exactly these shapes and dtypes, keeps them alive for
         // the call, and `out` is a fresh tensor that aliases none of the others; nothing else
@@ -1482,8 +1610,8 @@ pub(crate) mod python {
         // a model's tensors).
         unsafe {
             match dtype {
-                "float32" => run::<f32>(py, addresses, shape, act, threads, wide_min_pairs),
-                "bfloat16" => run::<Bf16>(py, addresses, shape, act, threads, wide_min_pairs),
+                "float32" => run::<f32>(py, addresses, shape, act, threads, wide_min_pairs, packed),
+                "bfloat16" => run::<Bf16>(py, addresses, shape, act, threads, wide_min_pairs, packed),
                 other => Err(PyValueError::new_err(format!("unsupported expert dtype {other:?}"))),
             }
         }
@@ -1642,7 +1770,7 @@ mod tests {
         hidden: usize,
         inter: usize,
     ) -> Experts<'a, W> {
-        Experts { w13, w2, b13: None, b2: None, num_experts, hidden, inter, act: Activation::SiluAndMul }
+        Experts { w13, w2, b13: None, b2: None, num_experts, hidden, inter, act: Activation::SiluAndMul, packed: None }
     }
 
     fn whole_pass<W: Element>(rel: f64) {
@@ -1653,8 +1781,17 @@ mod tests {
             let r = inter * act.rows_per_unit();
             let (w13, w2): (Vec<W>, Vec<W>) = (cast(values(1, e * r * hid)), cast(values(2, e * hid * inter)));
             let (b13, b2): (Vec<W>, Vec<W>) = (cast(values(3, e * r)), cast(values(4, e * hid)));
-            let experts =
-                Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: Some(&b2), num_experts: e, hidden: hid, inter, act };
+            let experts = Experts {
+                w13: &w13,
+                w2: &w2,
+                b13: Some(&b13),
+                b2: Some(&b2),
+                num_experts: e,
+                hidden: hid,
+                inter,
+                act,
+                packed: None,
+            };
             let x: Vec<W> = cast(values(5, tokens * hid));
             let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p * 5) % e) as i32).collect();
             let mut weights = values(6, tokens * top_k);
@@ -1796,8 +1933,17 @@ mod tests {
         let act = Activation::SiluAndMul;
         let (w13, w2) = (values(11, e * 2 * inter * hid), values(12, e * hid * inter));
         let b13 = values(13, e * 2 * inter);
-        let experts =
-            Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
+        let experts = Experts {
+            w13: &w13,
+            w2: &w2,
+            b13: Some(&b13),
+            b2: None,
+            num_experts: e,
+            hidden: hid,
+            inter,
+            act,
+            packed: None,
+        };
         for isa in isas() {
             let wide_min = wide_min_pairs::<f32>(isa);
             assert_eq!(wide_min, if pair_panels::runs(isa) { PANEL_MIN_PAIRS } else { WIDE_MIN_PAIRS });
@@ -1915,6 +2061,7 @@ mod tests {
                     hidden: hid,
                     inter,
                     act,
+                    packed: None,
                 };
                 let x = values(55, tokens * hid);
                 let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p + p / 7) % e) as i32).collect();
@@ -1949,6 +2096,95 @@ mod tests {
         }
     }
 
+    /// Float32 experts packed in row tiles: every chunk, narrow or wide, on one thread or two,
+    /// gives the bits of the AVX2 pair panels (each element the fused chain over k in order,
+    /// every pair wide there), for every activation with both biases and with hidden and
+    /// intermediate sizes that leave partial 64-output blocks and partial eights of k; a
+    /// token's row alone is its row in the batch; and packing checks its shapes.
+    #[test]
+    fn packed_experts_give_the_panels_bits_in_every_chunk() {
+        if !packed_runs(Isa::Auto) || !pair_panels::runs(Isa::Avx2Fma) {
+            eprintln!("skipped: this CPU lacks AVX-512F (the row tiles the packed experts run in)");
+            return;
+        }
+        let (e, top_k, tokens) = (3, 2, 90);
+        for (hid, inter) in [(40, 24), (70, 20), (64, 16)] {
+            for act in [
+                Activation::SiluAndMul,
+                Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 },
+                Activation::ReluSquared,
+            ] {
+                let r = inter * act.rows_per_unit();
+                let (w13, w2) = (values(71, e * r * hid), values(72, e * hid * inter));
+                let (b13, b2) = (values(73, e * r), values(74, e * hid));
+                let (l13, l2) = packed_lens(r, hid, inter);
+                let (mut p13, mut p2) = (vec![f32::NAN; e * l13], vec![f32::NAN; e * l2]);
+                pack_experts(&w13, e, r, &mut p13, 2).unwrap();
+                pack_experts(&w2, e, hid, &mut p2, 1).unwrap();
+                let plain = Experts {
+                    w13: &w13,
+                    w2: &w2,
+                    b13: Some(&b13),
+                    b2: Some(&b2),
+                    num_experts: e,
+                    hidden: hid,
+                    inter,
+                    act,
+                    packed: None,
+                };
+                let packed = Experts { packed: Some(PackedExperts { w13: &p13, w2: &p2 }), ..plain };
+                let x = values(75, tokens * hid);
+                let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p + p / 5) % e) as i32).collect();
+                let weights = values(76, tokens * top_k);
+                let run = |experts: &Experts<f32>,
+                           isa: Isa,
+                           threads: usize,
+                           wide_min: usize,
+                           first: usize,
+                           end: usize| {
+                    let slots = first * top_k..end * top_k;
+                    let mut out = vec![f32::NAN; (end - first) * hid];
+                    let (ids, weights) = (&ids[slots.clone()], &weights[slots]);
+                    let x = &x[first * hid..end * hid];
+                    expert_pairs(experts, x, PairTokens::Grid, ids, weights, &mut out, threads, isa, Some(wide_min))
+                        .unwrap();
+                    out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                };
+                let want = run(&plain, Isa::Avx2Fma, 1, 1, 0, tokens);
+                for (threads, wide_min) in [(1, 1), (2, 1), (1, usize::MAX), (2, usize::MAX), (1, 20)] {
+                    for isa in [Isa::Auto, Isa::Avx512] {
+                        let got = run(&packed, isa, threads, wide_min, 0, tokens);
+                        assert!(
+                            got == want,
+                            "{act:?} H={hid} I={inter} {isa:?} threads={threads} wide from {wide_min}"
+                        );
+                    }
+                }
+                for t in [0, 17, tokens - 1] {
+                    let alone = run(&packed, Isa::Auto, 1, usize::MAX, t, t + 1);
+                    assert_eq!(alone, want[t * hid..(t + 1) * hid], "{act:?} H={hid}: token {t} alone");
+                }
+            }
+        }
+        let mut short = vec![0.0; 10];
+        assert!(pack_experts(&values(1, 2 * 64 * 8), 2, 64, &mut short, 1).is_err(), "a short output");
+        assert!(pack_experts(&values(1, 100), 3, 7, &mut short, 1).is_err(), "not [E, n, K]");
+        let (w13, w2) = (values(1, 2 * 8 * 4), values(2, 2 * 4 * 4));
+        let wrong = vec![0.0f32; 3];
+        let experts = Experts {
+            w13: &w13,
+            w2: &w2,
+            b13: None,
+            b2: None,
+            num_experts: 2,
+            hidden: 4,
+            inter: 4,
+            act: Activation::SiluAndMul,
+            packed: Some(PackedExperts { w13: &wrong, w2: &wrong }),
+        };
+        assert!(experts.check().unwrap_err().contains("packed w13"));
+    }
+
     /// Wide bfloat16 chunks (the dot-product kernel where the CPU has it): the definition with
     /// the activation rounded to bfloat16, within float32 sums' rounding and the output's
     /// bfloat16 rounding, and the same bits on any thread count.
@@ -1959,8 +2195,17 @@ mod tests {
             let r = inter * act.rows_per_unit();
             let (w13, w2): (Vec<Bf16>, Vec<Bf16>) = (cast(values(21, e * r * hid)), cast(values(22, e * hid * inter)));
             let b13: Vec<Bf16> = cast(values(23, e * r));
-            let experts =
-                Experts { w13: &w13, w2: &w2, b13: Some(&b13), b2: None, num_experts: e, hidden: hid, inter, act };
+            let experts = Experts {
+                w13: &w13,
+                w2: &w2,
+                b13: Some(&b13),
+                b2: None,
+                num_experts: e,
+                hidden: hid,
+                inter,
+                act,
+                packed: None,
+            };
             let x: Vec<Bf16> = cast(values(24, tokens * hid));
             let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
             assert!(tokens * top_k / e >= WIDE_MIN_PAIRS, "every expert's chunk must be wide");

@@ -44,7 +44,7 @@ pub fn gather<'a>(isa: Isa, rows: impl ExactSizeIterator<Item = &'a [f32]>, k: u
         #[cfg(target_arch = "x86_64")]
         if runs(isa) {
             // SAFETY: runs(isa) checked the CPU; every row holds k values (asserted inside).
-            done = unsafe { transpose::rows_to_panel(block, k, panel) };
+            done = unsafe { transpose::rows_to_columns(block, k, panel, LANES) };
         }
         for (c, lanes) in panel.chunks_exact_mut(LANES).enumerate().skip(done) {
             for (l, lane) in lanes.iter_mut().enumerate() {
@@ -71,9 +71,10 @@ pub fn scatter(isa: Isa, panels: &[f32], width: usize, out: &mut [f32]) {
     }
 }
 
-/// 8 x 8 transposes in AVX2 registers between a block's rows and its panel.
+/// 8 x 8 transposes in AVX2 registers between a block's rows and its panel (or the row tiles'
+/// packed weights, `row_tiles::pack`).
 #[cfg(target_arch = "x86_64")]
-mod transpose {
+pub(crate) mod transpose {
     use super::LANES;
     use std::arch::x86_64::*;
 
@@ -103,16 +104,18 @@ mod transpose {
         out
     }
 
-    /// panel [k][LANES] = block's rows (at most LANES, k values each) as columns, zero past the
-    /// last, for the first whole 8 columns (each 8 of them two 8 x 8 transposes, a half of the
-    /// lanes each); returns how many columns it wrote.
+    /// out[c * stride + l] (l < LANES) = block's row l's value c (at most LANES rows of k
+    /// values), zero past the last row, for the first whole 8 columns c (each 8 of them two 8 x
+    /// 8 transposes, a half of the lanes each): a panel [k][LANES] at stride LANES; returns how
+    /// many columns it wrote.
     ///
     /// # Safety
     /// The CPU must support AVX2.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn rows_to_panel(block: &[&[f32]], k: usize, panel: &mut [f32]) -> usize {
-        assert!(block.len() <= LANES && block.iter().all(|row| row.len() >= k) && panel.len() >= k * LANES);
+    pub unsafe fn rows_to_columns(block: &[&[f32]], k: usize, out: &mut [f32], stride: usize) -> usize {
+        assert!(block.len() <= LANES && block.iter().all(|row| row.len() >= k) && stride >= LANES);
         let whole = k / 8 * 8;
+        assert!(whole == 0 || out.len() >= (whole - 1) * stride + LANES);
         for c in (0..whole).step_by(8) {
             for half in 0..2 {
                 let mut r = [_mm256_setzero_ps(); 8];
@@ -120,7 +123,7 @@ mod transpose {
                     *r = _mm256_loadu_ps(row.as_ptr().add(c));
                 }
                 for (j, v) in transpose8(r).into_iter().enumerate() {
-                    _mm256_storeu_ps(panel.as_mut_ptr().add((c + j) * LANES + 8 * half), v);
+                    _mm256_storeu_ps(out.as_mut_ptr().add((c + j) * stride + 8 * half), v);
                 }
             }
         }

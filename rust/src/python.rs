@@ -945,6 +945,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_wide_min_pairs, m)?)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_bf16_products, m)?)?;
     m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_allow_amx, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_packed_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_packed_len, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::expert_pairs::python::expert_pairs_pack, m)?)?;
     m.add_function(wrap_pyfunction!(crate::pair_projection::python::project_pairs_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(crate::pair_projection::python::add_low_rank_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;

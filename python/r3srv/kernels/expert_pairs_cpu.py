@@ -10,6 +10,8 @@ rounding of the small products: float32 experts with the pairs as the vector lan
 (rust/src/pair_panels.rs) on an AVX2 or AVX-512 CPU, others through packed matrix kernels
 (rust/src/matmul.rs, rust/src/matmul_bf16.rs); below that a token's
 result does not depend on the other tokens in the call, and the thread count never does.
+On an AVX-512 CPU the backend's pass reads float32 experts from a copy packed in row tiles
+(`packed_experts`, rust/src/row_tiles.rs), every chunk with the wide chunks' bits.
 
 float32 or bfloat16 tensors (float32 arithmetic either way: a bfloat16 result is rounded
 once, where the torch path rounds every intermediate), and only the activations ops/experts.py
@@ -22,14 +24,20 @@ differ from the torch path by rounding.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from r3srv import huge_pages
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 expert_pairs_entry = rust_kernel("expert_pairs_cpu")
 _wide_min_pairs = rust_kernel("expert_pairs_wide_min_pairs")
 _allow_amx = rust_kernel("expert_pairs_allow_amx")
 _bf16_products = rust_kernel("expert_pairs_bf16_products")
+_packed_runs = rust_kernel("expert_pairs_packed_runs")
+_packed_len = rust_kernel("expert_pairs_packed_len")
+_pack = rust_kernel("expert_pairs_pack")
 BUILT = expert_pairs_entry is not None  # else the torch path (kernels/rust_core.py)
 ACTIVATIONS = ("silu_and_mul", "relu_squared", "clamped_swiglu")  # what the kernel computes
 
@@ -46,6 +54,7 @@ def expert_pairs(
     act,
     threads: int = 1,
     wide_min_pairs: int | None = None,
+    pack: bool = False,
 ) -> torch.Tensor | None:
     """sum over pairs p of token t: weights[p] * expert_{ids[p]}(x[t]) (ops/experts.py's pass:
     every token's k slots, ids/weights [T, k], or the pairs (tokens[p], ids[p], weights[p])
@@ -53,7 +62,9 @@ def expert_pairs(
     `wide_min_pairs` on (None: the kernel's threshold, `wide_min_pairs()`), or None where it does
     not apply:
     x and the experts are not contiguous CPU tensors of one dtype the kernel reads, or `act`
-    (an activation described by .name, .alpha and .limit) is not one the kernel computes."""
+    (an activation described by .name, .alpha and .limit) is not one the kernel computes.
+    `pack`: float32 experts that are parameters are read from their copy in row tiles
+    (`packed_experts`) where the CPU runs them."""
     dtype = RUST_DTYPES.get(x.dtype)
     if not BUILT or dtype is None or not x.is_cpu or getattr(act, "name", None) not in ACTIVATIONS:
         return None
@@ -71,8 +82,52 @@ def expert_pairs(
                  0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
-    expert_pairs_entry(addresses, shape, dtype, act.name, float(act.alpha), float(act.limit), threads, wide_min_pairs)
+    packed = packed_experts(w13, w2, threads) if pack else None
+    expert_pairs_entry(addresses, shape, dtype, act.name, float(act.alpha), float(act.limit), threads, wide_min_pairs,
+                       None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr()))
     return out
+
+
+def packs() -> bool:
+    """Whether the kernel reads float32 experts packed in row tiles on this CPU (AVX-512F)."""
+    return _packed_runs is not None and _packed_runs()
+
+
+# id(parameter) -> (a weak reference to it, its data address and version when packed, the packed copy)
+_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def packed_experts(w13: torch.Tensor, w2: torch.Tensor, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Float32 experts' weights w13 [E, R, H] and w2 [E, H, I] packed in row tiles, in which
+    every chunk of the kernel's pass reads a 64-output block as one contiguous run (a core
+    streams it at its full read bandwidth; the weights' own rows, four at a time, it did not)
+    and a prefill's wide chunks need no transposes (docs/benchmarks.md, "Float32 experts packed
+    in row tiles"); None where the CPU lacks the row tiles or the weights are not float32
+    parameters. The copy is made on first use and kept beside the parameter (twice the experts'
+    memory), made again whenever the parameter's data moved or changed in place (a weight
+    update: its version counter), dropped with the parameter."""
+    if not packs() or not all(isinstance(w, torch.nn.Parameter) and w.dtype == torch.float32 and w.dim() == 3
+                              for w in (w13, w2)):
+        return None
+    return _packed(w13, threads), _packed(w2, threads)
+
+
+def _packed(w: torch.Tensor, threads: int) -> torch.Tensor:
+    key = id(w)
+    kept = _PACKED.get(key)
+    if kept is not None and kept[0]() is w and kept[1:3] == (w.data_ptr(), w._version):
+        return kept[3]
+    experts, n, k = w.shape
+    packed = torch.empty(experts * _packed_len(n, k), dtype=torch.float32)
+    huge_pages.advise([packed])  # before the pack faults its pages in (the weights' own have them)
+    _pack(w.data_ptr(), packed.data_ptr(), (experts, n, k), threads)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if key in _PACKED and _PACKED[key][0] is ref:
+            del _PACKED[key]
+
+    _PACKED[key] = (weakref.ref(w, forget), w.data_ptr(), w._version, packed)
+    return packed
 
 
 def wide_min_pairs(dtype: torch.dtype) -> int | None:

@@ -95,6 +95,7 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
         prefill = large_steps_only(kernel, prefill) if threads > 1 and contended else kernel
     rust_router = current.rust_router and not current.force_torch_router and router_cpu.BUILT
     expert_kernel = current.cpu_expert_kernel and expert_pairs_cpu.BUILT
+    packed = current.packed_experts
     grouped = "cpu" if current.grouped_mm else None
 
     def routers(shape: RouterShape):
@@ -106,7 +107,8 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
         torch_pass = TorchExperts(activation, pairs_mv=True, grouped=grouped)
         if not expert_kernel or activation.name not in expert_pairs_cpu.ACTIVATIONS:
             return torch_pass
-        return KernelExperts(functools.partial(expert_pairs_cpu.expert_pairs, threads=threads), torch_pass)
+        return KernelExperts(functools.partial(expert_pairs_cpu.expert_pairs, threads=threads, pack=packed),
+                             torch_pass)
 
     switches = (current.fast_cpu_decode, current.rust_linear, current.rust_rms_norm, current.rust_rope,
                 current.rust_decode, current.cpu_expert_kernel, rust_router)
@@ -120,7 +122,8 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
         attention_heads=heads, decode_attention=decode, prefill_attention=prefill,
         routers=routers, expert_passes=experts,
         recurrent_steps=no_fused_step, scan_pad_factor=SCAN_PAD_FACTOR,
-        fuse_decoder_layer=cpu_decode.fuse_decoder_layer if fused else None, plan_fused_step=plan if fused else None,
+        fuse_decoder_layer=functools.partial(cpu_decode.fuse_decoder_layer, pack=packed) if fused else None,
+        plan_fused_step=plan if fused else None,
         threads=threads, torch_threads=functools.partial(torch_threads, threads),
     )
 

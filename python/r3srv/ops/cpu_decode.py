@@ -82,7 +82,7 @@ class DecodeStep:
                           index(meta.slot_mapping))
 
 
-def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear) -> "FusedDecoderLayer":
+def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear, pack: bool = False) -> "FusedDecoderLayer":
     """The fused decode step of the layer these parts describe; Declined (naming every part it
     does not compute) unless it is a pre-norm attention + MoE layer on one device, float32 or
     bfloat16 (one dtype; the router gate may be float32), per-head q/k norms or none, half-split
@@ -90,7 +90,9 @@ def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear) -
     correction bias or groups, and experts of one of the expert kernel's activations without
     biases. Adapter slots (`lora` on q/k/v, o, the router gate and the experts: a model served
     with --enable-lora) are computed as the modules compute them; `linear` is the backend's
-    linear op, which they hand the slots for the projections the Rust pass cannot read."""
+    linear op, which they hand the slots for the projections the Rust pass cannot read. `pack`: float32 experts read
+    from their copy in row tiles (kernels/expert_pairs_cpu.py's packed_experts), as the backend's
+    expert pass reads them."""
     problems = unsupported(parts, {"mixer", "mlp", "input_norm", "post_attention_norm"})
     for name in ("input_norm", "post_attention_norm"):
         norm = getattr(parts, name)
@@ -131,13 +133,13 @@ def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear) -
             problems.append(f"weights: {dtype} (this build of the Rust core lacks its norm kernels)")
     if problems:
         raise Declined(", ".join(problems))
-    return FusedDecoderLayer(parts, linear)
+    return FusedDecoderLayer(parts, linear, pack)
 
 
 class FusedDecoderLayer:
     """One layer's decode step in kernel calls (see the module docstring)."""
 
-    def __init__(self, parts: DecoderParts, linear) -> None:
+    def __init__(self, parts: DecoderParts, linear, pack: bool = False) -> None:
         # the parts read once (attribute lookups cost microseconds each); the tensors are the
         # parameters themselves, so in-place weight updates are seen
         attn, moe = parts.mixer, parts.mlp
@@ -164,7 +166,7 @@ class FusedDecoderLayer:
         # LoraBatch as the modules read it; `act` and `linear` as the modules hand them over
         self.qkv_lora, self.o_lora, self.gate_lora, self.experts_lora = (attn.qkv.lora, attn.o.lora, router.gate.lora,
                                                                           experts.lora)
-        self.act, self.linear = act, linear
+        self.act, self.linear, self.pack = act, linear, pack
 
     def __call__(self, x: torch.Tensor, cos, sin, meta, capture, step: DecodeStep) -> torch.Tensor | None:
         """The layer's output, or None where a kernel would decline this step (an odd or too
@@ -241,6 +243,8 @@ class FusedDecoderLayer:
         name, alpha, limit = self.activation
         addresses = (h.data_ptr(), w13.data_ptr(), w2.data_ptr(), 0, 0, 0, ids.data_ptr(), weights.data_ptr(),
                      mixed.data_ptr())
+        packed = expert_pairs_cpu.packed_experts(w13, w2, threads) if self.pack else None
         expert_pairs_cpu.expert_pairs_entry(addresses, (rows, rows * top_k, num_experts, hidden, inter), code, name, alpha,
-                                           limit, threads)
+                                           limit, threads, None,
+                                           None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr()))
         return x + mixed
