@@ -26,7 +26,8 @@ import torch
 
 from bench_moe import TOP_K, expert_inputs
 from engine_testing import model_of, rebound
-from r3srv import LLM, SamplingParams, settings
+from r3srv import LLM, SamplingParams, huge_pages, settings
+from r3srv.kernels import expert_pairs_cpu
 from r3srv.ops import ops_for
 from r3srv.ops.experts import SILU_AND_MUL
 
@@ -75,6 +76,50 @@ def test_prefill_expert_pass(benchmark, tokens, candidate):
     want = expert_pass(False)(*args)
     out = benchmark(expert_pass(candidate == "r3srv"), *args)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)  # two float32 summation orders
+
+
+@pytest.mark.skipif(not expert_pairs_cpu.packs(), reason="this CPU lacks AVX-512F (the packed experts' row tiles)")
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("tokens", [16, 2048])
+def test_packed_expert_pass(benchmark, tokens, candidate):
+    """float32 experts read from their copy in row tiles (r3srv) against their rows read in place
+    (reference): 16 tokens (a decode step's narrow chunks, weights cycled over eight layers so
+    that they come from memory) and a prefill's 2,048 (wide chunks); the packed pass has the bits
+    of the pair panels' wide chunks."""
+    x, w13, w2, weights, ids = expert_inputs(tokens)
+    layers = 8 if tokens <= 64 else 1
+    params = [tuple(torch.nn.Parameter(w.clone(), requires_grad=False) for w in (w13, w2)) for _ in range(layers)]
+    huge_pages.advise([w for pair in params for w in pair])  # as the loader's weights are
+    for w13_l, w2_l in params:
+        w13_l.data.copy_(w13)
+        w2_l.data.copy_(w2)
+    ids = ids.to(torch.int32)
+    pack = candidate == "r3srv"
+    layer = iter(range(10**9))
+
+    def one_call():
+        w13_l, w2_l = params[next(layer) % layers]
+        return expert_pairs_cpu.expert_pairs(x, w13_l, w2_l, weights, ids, None, None, None, SILU_AND_MUL, pack=pack)
+
+    for _ in range(layers):  # the copies made before the clock starts
+        one_call()
+    benchmark.group = f"expert pass, {tokens} tokens x top-{TOP_K} float32, packed"
+    out = benchmark(one_call)
+    panels = expert_pairs_cpu.expert_pairs(x, w13, w2, weights, ids, None, None, None, SILU_AND_MUL, wide_min_pairs=1)
+    if pack:
+        assert torch.equal(out, panels)
+    else:
+        torch.testing.assert_close(out, panels, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not expert_pairs_cpu.packs(), reason="this CPU lacks AVX-512F (the packed experts' row tiles)")
+@pytest.mark.parametrize("num_seqs", [1, 8])
+def test_decode_step_packed_experts(benchmark, llm, num_seqs):
+    """The built-in model's decode step (the fused layers) with float32 experts read from their
+    packed copy or in place, interleaved on one engine."""
+    switch = lambda on: rebound(model_of(llm), packed_experts=on)  # noqa: E731
+    med = interleaved_decode_steps(benchmark, llm, num_seqs, switch)
+    print(decode_step_report(med, num_seqs, off="rows in place", on="packed"))
 
 
 @pytest.fixture(scope="module")
