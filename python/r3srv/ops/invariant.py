@@ -13,8 +13,11 @@ prompt tokens through the kernels decodes take:
 - attention: every query, a prompt's as a decode's, through the Rust paged decode kernel over
   the keys up to its own position, in 32-key tiles from position 0 (the kernel's split is by
   sequence only), so a prompt chunk's size or a prefix hit changes nothing;
-- the expert pass: the Rust kernel on runs of tokens that give no expert WIDE_MIN_PAIRS pairs,
-  the count from which it is told to run an expert's pairs in wide chunks (rust/src/expert_pairs.rs);
+- the expert pass: float32 experts kept packed in row tiles (an AVX-512 CPU, --packed-experts)
+  in one call of the Rust kernel, whose every chunk then computes each element as one fused
+  chain of its own pair's; other experts on runs of tokens that give no expert WIDE_MIN_PAIRS
+  pairs, the count from which it is told to run an expert's pairs in wide chunks
+  (rust/src/expert_pairs.rs);
 - routing and a shared expert's sigmoid gate: one token a call (the Rust router computes rows
   apart already; torch's elementwise kernels take a vector or a scalar path by an element's
   place in the whole tensor);
@@ -48,8 +51,9 @@ WIDE_MIN_PAIRS = 64
 PREFILL_QUERY_BLOCK = 128
 
 
-def build(base: Ops) -> Ops:
-    """The CPU backend `base` (ops/cpu.py's, built for the same settings) made batch-invariant."""
+def build(base: Ops, packed_experts: bool = False) -> Ops:
+    """The CPU backend `base` (ops/cpu.py's, built for the same settings) made batch-invariant;
+    `packed_experts`: settings.packed_experts."""
     missing = [name for name, built in (("linear_cpu", linear_cpu.BUILT), ("paged_decode_attention",
                paged_decode_cpu.BUILT), ("expert_pairs_cpu", expert_pairs_cpu.BUILT)) if not built]
     if missing:
@@ -65,9 +69,7 @@ def build(base: Ops) -> Ops:
         linear=linear,
         prefill_attention=functools.partial(prefill_as_decodes, decode),
         expert_passes=lambda activation: KernelExperts(
-            blocked_kernel(functools.partial(expert_pairs_cpu.expert_pairs, threads=threads,
-                                             wide_min_pairs=WIDE_MIN_PAIRS)),
-            TorchExperts(activation, pairs_mv=True, pairs_mv_always=True)),
+            invariant_expert_pass(threads, packed_experts), TorchExperts(activation, pairs_mv=True, pairs_mv_always=True)),
         routers=lambda shape: row_by_row(base.routers(shape)),
         shared_gate=functools.partial(shared_gate_rows, linear=linear),
         fuse_decoder_layer=None, plan_fused_step=None,
@@ -157,6 +159,22 @@ def narrow_blocks(pair_tokens: torch.Tensor, ids: torch.Tensor, num_tokens: int,
         blocks.append((start, end))
         start = end
     return blocks
+
+
+def invariant_expert_pass(threads: int, packed: bool) -> ExpertPass:
+    """The Rust expert pass as this backend runs it: float32 experts that have a copy in row
+    tiles (`packed` and expert_pairs_cpu.packed_experts) in one call, the whole step's pairs, as
+    each element is its pair's own fused chain in any chunk (no blocks of tokens: a prefill's
+    experts run wide); any other through `blocked_kernel`."""
+    whole = functools.partial(expert_pairs_cpu.expert_pairs, threads=threads, pack=True)
+    blocked = blocked_kernel(functools.partial(expert_pairs_cpu.expert_pairs, threads=threads,
+                                               wide_min_pairs=WIDE_MIN_PAIRS))
+
+    def run(x, w13, w2, weights, ids, tokens, b13, b2, act) -> torch.Tensor | None:
+        kernel = whole if packed and expert_pairs_cpu.packed_experts(w13, w2, threads) is not None else blocked
+        return kernel(x, w13, w2, weights, ids, tokens, b13, b2, act)
+
+    return run
 
 
 def blocked_kernel(kernel: ExpertPass) -> ExpertPass:
