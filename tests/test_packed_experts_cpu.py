@@ -113,3 +113,20 @@ def test_nothing_else_is_packed(case):
     else:
         w13 = torch.nn.Parameter(w13.data.reshape(4 * 16, 16), requires_grad=False)
     assert packed_experts(w13, w2) is None
+
+
+def test_no_copy_where_the_host_lacks_the_memory(monkeypatch):
+    """A copy that would take more than half the host's available memory is not made: the pass
+    reads the rows in place, with the narrow chunks' own bits."""
+    act = Activation("silu_and_mul")
+    w13, w2 = experts_of(2, 8, 64, 32)
+    x, weights, ids = routed(2, 6, 8, 2, 64)
+    copy_bytes = 4 * w13.numel()  # 64 outputs a block: as large as the weights here
+    monkeypatch.setattr(expert_pairs_cpu, "available_bytes", lambda: 2 * copy_bytes - 1)
+    assert packed_experts(w13, w2) is None
+    got = expert_pairs(x, w13, w2, weights, ids, None, None, None, act, pack=True)
+    assert torch.equal(got, expert_pairs(x, w13, w2, weights, ids, None, None, None, act))
+    monkeypatch.setattr(expert_pairs_cpu, "available_bytes", lambda: 2 * copy_bytes)
+    with torch.no_grad():
+        w13.mul_(1.0)  # the parameter changed: the answer is asked again
+    assert packed_experts(w13, w2) is not None

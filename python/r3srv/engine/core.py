@@ -12,7 +12,6 @@ one core thread.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +30,7 @@ from r3srv.engine.scheduler import Scheduler
 from r3srv.engine.sequence import Sequence
 from r3srv.engine.stepper import Stepper
 from r3srv.errors import ConfigError, InvalidRequestError
+from r3srv.host_memory import available_bytes
 from r3srv.models.vision import PREFIX as VISION_PREFIX
 from r3srv.models.vision.updates import TowerUpdates
 
@@ -116,7 +116,7 @@ class EngineCore:
         self.config = config = config.with_kv_pool(num_blocks)
         # checked against the host's memory before the cache takes its share
         self.indexer_topk = (IndexerTopkBuffer.for_model(mc, num_blocks * config.block_size, self.max_model_len,
-                                                         available=_mem_available())
+                                                         available=available_bytes())
                              if config.enable_return_indexer_topk else None)
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs, self.num_state_snapshots)
         self._log_memory_plan(num_blocks)
@@ -191,7 +191,7 @@ class EngineCore:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * fraction)
         else:
-            budget = min(int(_mem_available() * fraction), _CPU_KV_CAP_BYTES)
+            budget = min(int(available_bytes() * fraction), _CPU_KV_CAP_BYTES)
         budget -= self.executor.graphs_reserved
         # a hybrid's linear-attention states
         states = (self.num_state_slots + self.num_state_snapshots) * self.executor.state_bytes_per_slot()
@@ -596,12 +596,3 @@ class EngineFacts:
         return self.core.weight_version
 
 
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -29,6 +29,7 @@ import weakref
 import torch
 
 from r3srv import huge_pages
+from r3srv.host_memory import available_bytes
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 expert_pairs_entry = rust_kernel("expert_pairs_cpu")
@@ -93,8 +94,8 @@ def packs() -> bool:
     return _packed_runs is not None and _packed_runs()
 
 
-# id(parameter) -> (a weak reference to it, its data address and version when packed, the packed copy)
-_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+# id(parameter) -> (a weak reference to it, its data address and version when packed, the packed copy or None)
+_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor | None]] = {}
 
 
 def packed_experts(w13: torch.Tensor, w2: torch.Tensor, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -102,25 +103,32 @@ def packed_experts(w13: torch.Tensor, w2: torch.Tensor, threads: int = 1) -> tup
     every chunk of the kernel's pass reads a 64-output block as one contiguous run (a core
     streams it at its full read bandwidth; the weights' own rows, four at a time, it did not)
     and a prefill's wide chunks need no transposes (docs/benchmarks.md, "Float32 experts packed
-    in row tiles"); None where the CPU lacks the row tiles or the weights are not float32
-    parameters. The copy is made on first use and kept beside the parameter (twice the experts'
-    memory), made again whenever the parameter's data moved or changed in place (a weight
-    update: its version counter), dropped with the parameter."""
+    in row tiles"); None where the CPU lacks the row tiles, the weights are not float32
+    parameters, or the host lacks the memory. The copy is made on first use and kept beside the
+    parameter (twice the experts' memory; not made where it would take more than half the
+    host's available memory, then the weights' rows are read in place), made again whenever the
+    parameter's data moved or changed in place (a weight update: its version counter), dropped
+    with the parameter."""
     if not packs() or not all(isinstance(w, torch.nn.Parameter) and w.dtype == torch.float32 and w.dim() == 3
                               for w in (w13, w2)):
         return None
-    return _packed(w13, threads), _packed(w2, threads)
+    p13, p2 = _packed(w13, threads), _packed(w2, threads)
+    return None if p13 is None or p2 is None else (p13, p2)
 
 
-def _packed(w: torch.Tensor, threads: int) -> torch.Tensor:
+def _packed(w: torch.Tensor, threads: int) -> torch.Tensor | None:
     key = id(w)
     kept = _PACKED.get(key)
     if kept is not None and kept[0]() is w and kept[1:3] == (w.data_ptr(), w._version):
         return kept[3]
     experts, n, k = w.shape
-    packed = torch.empty(experts * _packed_len(n, k), dtype=torch.float32)
-    huge_pages.advise([packed])  # before the pack faults its pages in (the weights' own have them)
-    _pack(w.data_ptr(), packed.data_ptr(), (experts, n, k), threads)
+    size = experts * _packed_len(n, k)
+    if 2 * size * 4 > available_bytes():  # the answer kept, as a copy is, until the parameter changes
+        packed = None
+    else:
+        packed = torch.empty(size, dtype=torch.float32)
+        huge_pages.advise([packed])  # before the pack faults its pages in (the weights' own have them)
+        _pack(w.data_ptr(), packed.data_ptr(), (experts, n, k), threads)
 
     def forget(ref: weakref.ref, key: int = key) -> None:
         if key in _PACKED and _PACKED[key][0] is ref:
