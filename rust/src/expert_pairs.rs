@@ -1770,7 +1770,22 @@ mod tests {
         hidden: usize,
         inter: usize,
     ) -> Experts<'a, W> {
-        Experts { w13, w2, b13: None, b2: None, num_experts, hidden, inter, act: Activation::SiluAndMul, packed: None }
+        experts_with(w13, w2, None, None, num_experts, hidden, inter, Activation::SiluAndMul)
+    }
+
+    /// Experts of these weights and biases, read in place (no packed copy).
+    #[allow(clippy::too_many_arguments)]
+    fn experts_with<'a, W: Element>(
+        w13: &'a [W],
+        w2: &'a [W],
+        b13: Option<&'a [W]>,
+        b2: Option<&'a [W]>,
+        num_experts: usize,
+        hidden: usize,
+        inter: usize,
+        act: Activation,
+    ) -> Experts<'a, W> {
+        Experts { w13, w2, b13, b2, num_experts, hidden, inter, act, packed: None }
     }
 
     fn whole_pass<W: Element>(rel: f64) {
@@ -1781,17 +1796,7 @@ mod tests {
             let r = inter * act.rows_per_unit();
             let (w13, w2): (Vec<W>, Vec<W>) = (cast(values(1, e * r * hid)), cast(values(2, e * hid * inter)));
             let (b13, b2): (Vec<W>, Vec<W>) = (cast(values(3, e * r)), cast(values(4, e * hid)));
-            let experts = Experts {
-                w13: &w13,
-                w2: &w2,
-                b13: Some(&b13),
-                b2: Some(&b2),
-                num_experts: e,
-                hidden: hid,
-                inter,
-                act,
-                packed: None,
-            };
+            let experts = experts_with(&w13, &w2, Some(&b13), Some(&b2), e, hid, inter, act);
             let x: Vec<W> = cast(values(5, tokens * hid));
             let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p * 5) % e) as i32).collect();
             let mut weights = values(6, tokens * top_k);
@@ -1933,17 +1938,7 @@ mod tests {
         let act = Activation::SiluAndMul;
         let (w13, w2) = (values(11, e * 2 * inter * hid), values(12, e * hid * inter));
         let b13 = values(13, e * 2 * inter);
-        let experts = Experts {
-            w13: &w13,
-            w2: &w2,
-            b13: Some(&b13),
-            b2: None,
-            num_experts: e,
-            hidden: hid,
-            inter,
-            act,
-            packed: None,
-        };
+        let experts = experts_with(&w13, &w2, Some(&b13), None, e, hid, inter, act);
         for isa in isas() {
             let wide_min = wide_min_pairs::<f32>(isa);
             assert_eq!(wide_min, if pair_panels::runs(isa) { PANEL_MIN_PAIRS } else { WIDE_MIN_PAIRS });
@@ -2052,17 +2047,7 @@ mod tests {
                 let r = inter * act.rows_per_unit();
                 let (w13, w2) = (values(51, e * r * hid), values(52, e * hid * inter));
                 let (b13, b2) = (values(53, e * r), values(54, e * hid));
-                let experts = Experts {
-                    w13: &w13,
-                    w2: &w2,
-                    b13: Some(&b13),
-                    b2: Some(&b2),
-                    num_experts: e,
-                    hidden: hid,
-                    inter,
-                    act,
-                    packed: None,
-                };
+                let experts = experts_with(&w13, &w2, Some(&b13), Some(&b2), e, hid, inter, act);
                 let x = values(55, tokens * hid);
                 let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p + p / 7) % e) as i32).collect();
                 let counts: Vec<usize> = (0..e as i32).map(|g| ids.iter().filter(|&&i| i == g).count()).collect();
@@ -2121,17 +2106,7 @@ mod tests {
                 let (mut p13, mut p2) = (vec![f32::NAN; e * l13], vec![f32::NAN; e * l2]);
                 pack_experts(&w13, e, r, &mut p13, 2).unwrap();
                 pack_experts(&w2, e, hid, &mut p2, 1).unwrap();
-                let plain = Experts {
-                    w13: &w13,
-                    w2: &w2,
-                    b13: Some(&b13),
-                    b2: Some(&b2),
-                    num_experts: e,
-                    hidden: hid,
-                    inter,
-                    act,
-                    packed: None,
-                };
+                let plain = experts_with(&w13, &w2, Some(&b13), Some(&b2), e, hid, inter, act);
                 let packed = Experts { packed: Some(PackedExperts { w13: &p13, w2: &p2 }), ..plain };
                 let x = values(75, tokens * hid);
                 let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p + p / 5) % e) as i32).collect();
@@ -2195,17 +2170,7 @@ mod tests {
             let r = inter * act.rows_per_unit();
             let (w13, w2): (Vec<Bf16>, Vec<Bf16>) = (cast(values(21, e * r * hid)), cast(values(22, e * hid * inter)));
             let b13: Vec<Bf16> = cast(values(23, e * r));
-            let experts = Experts {
-                w13: &w13,
-                w2: &w2,
-                b13: Some(&b13),
-                b2: None,
-                num_experts: e,
-                hidden: hid,
-                inter,
-                act,
-                packed: None,
-            };
+            let experts = experts_with(&w13, &w2, Some(&b13), None, e, hid, inter, act);
             let x: Vec<Bf16> = cast(values(24, tokens * hid));
             let ids: Vec<i32> = (0..tokens * top_k).map(|p| (p % e) as i32).collect();
             assert!(tokens * top_k / e >= WIDE_MIN_PAIRS, "every expert's chunk must be wide");
