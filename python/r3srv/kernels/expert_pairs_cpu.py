@@ -109,8 +109,8 @@ def packed_experts(w13: torch.Tensor, w2: torch.Tensor, threads: int = 1) -> tup
     host's available memory, then the weights' rows are read in place), made again whenever the
     parameter's data moved or changed in place (a weight update: its version counter), dropped
     with the parameter."""
-    if not packs() or not all(isinstance(w, torch.nn.Parameter) and w.dtype == torch.float32 and w.dim() == 3
-                              for w in (w13, w2)):
+    if not packs() or not all(isinstance(w, torch.nn.Parameter) and w.is_cpu and w.dtype == torch.float32
+                              and w.dim() == 3 and w.is_contiguous() for w in (w13, w2)):
         return None
     p13, p2 = _packed(w13, threads), _packed(w2, threads)
     return None if p13 is None or p2 is None else (p13, p2)
