@@ -76,7 +76,7 @@ def test_only_plain_decode_steps_replay():
 
 
 def test_graph_memory_comes_out_of_the_kv_budget(monkeypatch):
-    monkeypatch.setattr(core_module, "_mem_available", lambda: 1 << 30)
+    monkeypatch.setattr(core_module, "available_bytes", lambda: 1 << 30)
     engine = LLMEngine.from_kwargs(max_num_seqs=64, max_model_len=4096, kv_cache_memory_fraction=0.05)
     per_block = engine.model.kv_cache_bytes_per_block(16) + 16 * engine.model_config.num_layers * \
         engine.model_config.top_k  # uint8 rows

@@ -76,7 +76,7 @@ def test_kv_sizing_counts_each_slots_rows_in_their_dtype(tmp_path, monkeypatch):
 
     assert [row_bytes_per_slot(2, 4, e) for e in (64, 256, 257, 300, 65536, 65537)] == [8, 8, 16, 16, 16, 32]
     path = write_tiny_checkpoint(tmp_path / "wide", "qwen3_moe", num_experts=300, top_k=4, num_layers=2)
-    monkeypatch.setattr(core_module, "_mem_available", lambda: 64 << 20)
+    monkeypatch.setattr(core_module, "available_bytes", lambda: 64 << 20)
     llm = LLM(str(path), max_model_len=512, max_num_seqs=256, kv_cache_memory_fraction=0.5)  # useful: 8192 blocks
     core = llm.engine.core
     per_block = core.executor.kv_cache_bytes_per_block(16) + 16 * 2 * 4 * np.dtype(np.uint16).itemsize

@@ -173,7 +173,7 @@ def test_the_host_buffer_is_sized_with_the_pool_and_checked_against_memory(famil
     from r3srv.engine.routed_experts import row_bytes_per_slot
 
     path, _ = family
-    monkeypatch.setattr(core_module, "_mem_available", lambda: 64 << 20)
+    monkeypatch.setattr(core_module, "available_bytes", lambda: 64 << 20)
     pools = {}
     for on in (False, True):
         llm = LLM(path, block_size=4, max_model_len=64, max_num_seqs=4096, kv_cache_memory_fraction=0.5,
@@ -189,7 +189,7 @@ def test_the_host_buffer_is_sized_with_the_pool_and_checked_against_memory(famil
         pools[on] = core.config.num_kv_blocks
         assert pools[on] == (32 << 20) // per_block  # the budget binds (useful: 4096 x 16 blocks)
     assert pools[True] < pools[False]
-    monkeypatch.setattr(core_module, "_mem_available", lambda: 4 << 10)  # 4 KiB: no buffer of 64 blocks fits
+    monkeypatch.setattr(core_module, "available_bytes", lambda: 4 << 10)  # 4 KiB: no buffer of 64 blocks fits
     with pytest.raises(ConfigError, match="indexer top-k buffer .* more than the 0.00 GiB available") as err:
         LLM(path, block_size=4, num_kv_blocks=64, max_model_len=64, enable_return_indexer_topk=True)
     assert "num_kv_blocks" in str(err.value)
