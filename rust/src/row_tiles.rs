@@ -57,7 +57,7 @@ pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, out: &mut [f
             let Some(&(c0, r0)) = parts.get(i) else { break };
             let cols = (n - c0).min(COLS);
             pack(&w[c0 * k..(c0 + cols) * k], k, &mut packed);
-            let rows: Vec<*const f32> = (r0..m.min(r0 + PART_ROWS)).map(|r| x[r * k..].as_ptr()).collect();
+            let rows: Vec<&[f32]> = x[r0 * k..m.min(r0 + PART_ROWS) * k].chunks_exact(k).collect();
             // SAFETY: runs() (asserted); the part's rows of x (k values each), its block of out
             // (rows r0.. of n values, columns c0..c0 + cols) and the packed [k][COLS] weights
             // lie within their slices, and no other part writes that block.
@@ -111,11 +111,10 @@ pub fn packed_product(rows: &[&[f32]], packed: &[f32], n: usize, out: &mut [f32]
     assert!(rows.iter().all(|r| r.len() == k), "row_tiles::packed_product: rows of different lengths");
     assert_eq!(packed.len(), packed_len(n, k), "row_tiles::packed_product: the weight is not packed [{n}, {k}]");
     assert_eq!(out.len(), rows.len() * n, "row_tiles::packed_product: the output is not [{}, {n}]", rows.len());
-    let rows: Vec<*const f32> = rows.iter().map(|r| r.as_ptr()).collect();
     for (c0, block) in (0..n).step_by(COLS).zip(packed.chunks_exact(k * COLS)) {
         // SAFETY: runs() (asserted); every row holds k values, out [rows, n] holds columns
         // c0..c0 + cols of each, and the block is [k][COLS].
-        unsafe { part(&rows, k, block, None, out.as_mut_ptr().add(c0), n, (n - c0).min(COLS)) };
+        unsafe { part(rows, k, block, None, out.as_mut_ptr().add(c0), n, (n - c0).min(COLS)) };
     }
 }
 
@@ -145,8 +144,9 @@ fn pack(rows: &[f32], k: usize, packed: &mut [f32]) {
     }
 }
 
-/// A part's rows of x (k values each, at `rows`) against the packed weights, into out's rows
-/// (`stride` apart) at their first `cols` columns, in tiles of ROWS rows and a last one of fewer.
+/// A part's rows of x (k values each, wherever they lie) against the packed weights, into out's
+/// rows (`stride` apart) at their first `cols` columns, in tiles of ROWS rows and a last one of
+/// fewer.
 ///
 /// # Safety
 /// AVX-512F; every row holds k values; out holds rows.len() x stride values past `out` (its
@@ -154,7 +154,7 @@ fn pack(rows: &[f32], k: usize, packed: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn part(
-    rows: &[*const f32],
+    rows: &[&[f32]],
     k: usize,
     packed: &[f32],
     bias: Option<&[f32]>,
@@ -164,20 +164,20 @@ unsafe fn part(
 ) {
     for (r, tile_rows) in rows.chunks(ROWS).enumerate() {
         let o = out.add(r * ROWS * stride);
-        match *tile_rows {
-            [a] => tile::<1>([a], k, packed, bias, o, stride, cols),
-            [a, b] => tile::<2>([a, b], k, packed, bias, o, stride, cols),
-            [a, b, c] => tile::<3>([a, b, c], k, packed, bias, o, stride, cols),
-            [a, b, c, d] => tile::<4>([a, b, c, d], k, packed, bias, o, stride, cols),
-            [a, b, c, d, e] => tile::<5>([a, b, c, d, e], k, packed, bias, o, stride, cols),
-            [a, b, c, d, e, f] => tile::<ROWS>([a, b, c, d, e, f], k, packed, bias, o, stride, cols),
-            _ => unreachable!("tiles of at most {ROWS} rows"),
+        let x = |i: usize| tile_rows[i].as_ptr();
+        match tile_rows.len() {
+            1 => tile::<1>([x(0)], k, packed, bias, o, stride, cols),
+            2 => tile::<2>([x(0), x(1)], k, packed, bias, o, stride, cols),
+            3 => tile::<3>([x(0), x(1), x(2)], k, packed, bias, o, stride, cols),
+            4 => tile::<4>([x(0), x(1), x(2), x(3)], k, packed, bias, o, stride, cols),
+            5 => tile::<5>([x(0), x(1), x(2), x(3), x(4)], k, packed, bias, o, stride, cols),
+            _ => tile::<ROWS>(std::array::from_fn(x), k, packed, bias, o, stride, cols),
         }
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn part(_: &[*const f32], _: usize, _: &[f32], _: Option<&[f32]>, _: *mut f32, _: usize, _: usize) {
+unsafe fn part(_: &[&[f32]], _: usize, _: &[f32], _: Option<&[f32]>, _: *mut f32, _: usize, _: usize) {
     unreachable!("runs() is false off x86_64")
 }
 

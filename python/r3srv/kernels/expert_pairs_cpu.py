@@ -24,6 +24,7 @@ differ from the torch path by rounding.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -89,8 +90,10 @@ def expert_pairs(
     return out
 
 
+@functools.cache
 def packs() -> bool:
-    """Whether the kernel reads float32 experts packed in row tiles on this CPU (AVX-512F)."""
+    """Whether the kernel reads float32 experts packed in row tiles on this CPU (AVX-512F):
+    asked of the core once (every decode layer's pass asks here)."""
     return _packed_runs is not None and _packed_runs()
 
 
