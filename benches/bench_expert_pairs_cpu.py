@@ -17,6 +17,7 @@ Both check the kernel's result against the torch path's (the same greedy tokens 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import statistics
@@ -79,15 +80,24 @@ def test_prefill_expert_pass(benchmark, tokens, candidate):
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)  # two float32 summation orders
 
 
-@pytest.mark.skipif(not expert_pairs_cpu.packs(), reason="this CPU lacks AVX-512F (the packed experts' row tiles)")
+PACKED_DTYPES = [
+    pytest.param(torch.float32, id="float32", marks=pytest.mark.skipif(
+        not expert_pairs_cpu.packs(), reason="this CPU lacks AVX-512F (the packed float32 experts' row tiles)")),
+    pytest.param(torch.bfloat16, id="bfloat16", marks=pytest.mark.skipif(
+        not expert_pairs_cpu.packs(torch.bfloat16), reason="this CPU lacks AVX-512 BF16 or runs AMX tiles (the packed "
+        "bfloat16 experts' dot products)")),
+]
+
+
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])
 @pytest.mark.parametrize("tokens", [16, 2048])
-def test_packed_expert_pass(benchmark, tokens, candidate):
-    """float32 experts read from their copy in row tiles (r3srv) against their rows read in place
-    (reference): 16 tokens (a decode step's narrow chunks, weights cycled over eight layers so
-    that they come from memory) and a prefill's 2,048 (wide chunks); the packed pass has the bits
-    of the pair panels' wide chunks."""
-    x, w13, w2, weights, ids = expert_inputs(tokens)
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_packed_expert_pass(benchmark, dtype, tokens, candidate):
+    """Experts read from their packed copy (r3srv: float32 in row tiles, bfloat16 in panels)
+    against their rows read in place (reference): 16 tokens (a decode step's narrow chunks,
+    weights cycled over eight layers so that they come from memory) and a prefill's 2,048 (wide
+    chunks); the packed pass has the bits of the wide chunks (float32: the pair panels')."""
+    x, w13, w2, weights, ids = (t.to(dtype) if i < 3 else t for i, t in enumerate(expert_inputs(tokens)))
     layers = 8 if tokens <= 64 else 1
     params = [tuple(torch.nn.Parameter(w.clone(), requires_grad=False) for w in (w13, w2)) for _ in range(layers)]
     huge_pages.advise([w for pair in params for w in pair])  # as the loader's weights are
@@ -104,20 +114,23 @@ def test_packed_expert_pass(benchmark, tokens, candidate):
 
     for _ in range(layers):  # the copies made before the clock starts
         one_call()
-    benchmark.group = f"expert pass, {tokens} tokens x top-{TOP_K} float32, packed"
+    benchmark.group = f"expert pass, {tokens} tokens x top-{TOP_K} {str(dtype)[6:]}, packed"
     out = benchmark(one_call)
     panels = expert_pairs_cpu.expert_pairs(x, w13, w2, weights, ids, None, None, None, SILU_AND_MUL, wide_min_pairs=1)
     if pack:
         assert torch.equal(out, panels)
-    else:
+    elif dtype == torch.float32:
         torch.testing.assert_close(out, panels, rtol=1e-5, atol=1e-6)
+    else:  # a narrow bfloat16 chunk sums in its own order, its result rounded to bfloat16
+        torch.testing.assert_close(out, panels, rtol=2**-7, atol=1e-3)
 
 
-@pytest.mark.skipif(not expert_pairs_cpu.packs(), reason="this CPU lacks AVX-512F (the packed experts' row tiles)")
 @pytest.mark.parametrize("num_seqs", [1, 8])
-def test_decode_step_packed_experts(benchmark, llm, num_seqs):
-    """The built-in model's decode step (the fused layers) with float32 experts read from their
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_decode_step_packed_experts(benchmark, dtype, num_seqs):
+    """The built-in model's decode step (the fused layers) with its experts read from their
     packed copy or in place, interleaved on one engine."""
+    llm = packed_llms(dtype)
     switch = lambda on: rebound(model_of(llm), packed_experts=on)  # noqa: E731
     med = interleaved_decode_steps(benchmark, llm, num_seqs, switch)
     print(decode_step_report(med, num_seqs, off="rows in place", on="packed"))
@@ -126,6 +139,12 @@ def test_decode_step_packed_experts(benchmark, llm, num_seqs):
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=8)
+
+
+@functools.cache
+def packed_llms(dtype: torch.dtype) -> LLM:
+    """The decode-step engine of `dtype` (one per dtype, kept for the module's cases)."""
+    return LLM(max_model_len=512, enable_prefix_caching=False, max_num_seqs=8, dtype=str(dtype)[6:])
 
 
 def decode_steps(llm: LLM, num_seqs: int, steps: int, round_no: int) -> tuple[list[float], list[float], list]:

@@ -1,7 +1,9 @@
-"""Float32 experts packed in row tiles (kernels/expert_pairs_cpu.py's packed_experts): the pass
-reads them with the bits of the pair panels' wide chunks (each element one fused chain over k),
-on generated experts against the torch paths; the copy follows its parameter (made again after
-an in-place update or a move of its data, dropped with it) and is never made of anything else."""
+"""Experts kept packed (kernels/expert_pairs_cpu.py's packed_experts): float32 ones in row tiles,
+which the pass reads with the bits of the pair panels' wide chunks (each element one fused chain
+over k), bfloat16 ones in the dot products' panels, read with the bits of the dot products' wide
+chunks, on generated experts against the torch paths and a float64 pass; the copy follows its
+parameter (made again after an in-place update or a move of its data, dropped with it) and is
+never made of anything else."""
 
 from __future__ import annotations
 
@@ -21,21 +23,39 @@ from r3srv.ops.experts import Activation, TorchExperts
 
 pytestmark = pytest.mark.skipif(not (BUILT and packs()), reason="this CPU lacks AVX-512F (the row tiles the packed "
                                 "experts run in) or the build lacks the expert kernel")
+DTYPES = [torch.float32,
+          pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+              not packs(torch.bfloat16), reason="this CPU lacks AVX-512 BF16, or its wide bfloat16 chunks run in AMX "
+              "tiles (the packed bfloat16 experts run in the dot products)"))]
 
 
-def experts_of(seed: int, experts: int, hidden: int, inter: int, rows_per_unit: int = 2):
+def experts_of(seed: int, experts: int, hidden: int, inter: int, rows_per_unit: int = 2,
+               dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    w13 = torch.nn.Parameter(torch.randn(experts, rows_per_unit * inter, hidden, generator=gen) * 0.1,
-                             requires_grad=False)
-    w2 = torch.nn.Parameter(torch.randn(experts, hidden, inter, generator=gen) * 0.1, requires_grad=False)
-    return w13, w2
+    w13 = torch.randn(experts, rows_per_unit * inter, hidden, generator=gen) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.1
+    return tuple(torch.nn.Parameter(w.to(dtype), requires_grad=False) for w in (w13, w2))
 
 
-def routed(seed: int, tokens: int, experts: int, top_k: int, hidden: int):
+def routed(seed: int, tokens: int, experts: int, top_k: int, hidden: int, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(tokens, hidden, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=gen), -1), top_k)
     return x, weights, ids.to(torch.int32)
+
+
+def float64_pass(x, w13, w2, weights, ids, act) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pass in float64 with the activation rounded to bfloat16 (as bfloat16 experts compute
+    it), and each output's sum of its second products' sizes (one bfloat16 step of an activation
+    value moves an output by 2^-8 of that at most)."""
+    e = ids.long()
+    h = torch.einsum("th,tkrh->tkr", x.double(), w13[e].double())
+    a = act(h.float()).bfloat16().double()
+    w2s = w2[e].double()
+    w = weights.double().unsqueeze(-1)
+    out = (w * torch.einsum("tki,tkhi->tkh", a, w2s)).sum(1)
+    sizes = (w.abs() * torch.einsum("tki,tkhi->tkh", a.abs(), w2s.abs())).sum(1)
+    return out, sizes
 
 
 def activation(name: str) -> Activation:
@@ -47,6 +67,20 @@ def test_this_cpu_packs_float32_experts():
     assert packs() == ("avx512f" in flags and "avx2" in flags)
 
 
+def test_bfloat16_experts_are_packed_where_their_wide_chunks_run_in_dot_products():
+    """Packed bfloat16 experts are read where the AVX-512 BF16 dot products are the wide chunks'
+    products: not where AMX tiles are (allowed and run), which have their own order."""
+    flags = set(open("/proc/cpuinfo").read().split()) if platform.system() == "Linux" else set()
+    try:
+        for amx in (True, False):
+            expert_pairs_cpu.allow_amx(amx)
+            assert packs(torch.bfloat16) == (expert_pairs_cpu.bf16_products() == "avx512_bf16"), amx
+        assert packs(torch.bfloat16) == ({"avx512f", "avx512_bf16"} <= flags)  # AMX tiles not allowed
+    finally:
+        expert_pairs_cpu.allow_amx(True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=25, deadline=None)
 @given(
     tokens=st.one_of(st.integers(1, 8), st.integers(9, 200)),
@@ -57,27 +91,34 @@ def test_this_cpu_packs_float32_experts():
     act=st.sampled_from(sorted(ACTIVATIONS)),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_the_packed_pass_gives_the_wide_chunks_bits(tokens, experts, top_k, hidden, inter, act, seed):
-    """Packed, every chunk (narrow or wide, any threads) is bit for bit the pair panels' wide chunk
-    of the experts read in place, and within float32 rounding of torch's pass."""
+def test_the_packed_pass_gives_the_wide_chunks_bits(dtype, tokens, experts, top_k, hidden, inter, act, seed):
+    """Packed, every chunk (narrow or wide, any threads) is bit for bit the wide chunk of the
+    experts read in place (float32: the pair panels' chains; bfloat16: the dot products'), and
+    within float32 rounding of torch's pass (bfloat16: of the float64 pass with the activation
+    rounded, as bfloat16 experts round it)."""
     top_k = min(top_k, experts)
     act = activation(act)
-    w13, w2 = experts_of(seed, experts, hidden, inter, 1 if act.name == "relu_squared" else 2)
-    x, weights, ids = routed(seed, tokens, experts, top_k, hidden)
+    w13, w2 = experts_of(seed, experts, hidden, inter, 1 if act.name == "relu_squared" else 2, dtype)
+    x, weights, ids = routed(seed, tokens, experts, top_k, hidden, dtype)
     args = (x, w13, w2, weights, ids, None, None, None, act)
-    panels = expert_pairs(*args, wide_min_pairs=1)  # every expert's pairs wide: the pair panels' chains
+    wide = expert_pairs(*args, wide_min_pairs=1)  # every expert's pairs wide, the weights read in place
     for threads in (1, 2):
         for wide_min in (None, 1, 10**9):
             got = expert_pairs(*args, threads=threads, wide_min_pairs=wide_min, pack=True)
-            assert torch.equal(got, panels), (threads, wide_min)
+            assert torch.equal(got, wide), (threads, wide_min)
+    if dtype == torch.bfloat16:
+        want, sizes = float64_pass(x, w13.data, w2.data, weights, ids, act)
+        assert ((wide.double() - want).abs() <= 2**-8 * (want.abs() + sizes) + 1e-5).all()
+        return
     want = TorchExperts(act, pairs_mv=True)(x, w13.data, w2.data, weights, ids)
-    torch.testing.assert_close(panels, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wide, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_copy_follows_its_parameter():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_copy_follows_its_parameter(dtype):
     act = Activation("silu_and_mul")
-    w13, w2 = experts_of(0, 8, 64, 32)
-    x, weights, ids = routed(0, 20, 8, 2, 64)
+    w13, w2 = experts_of(0, 8, 64, 32, dtype=dtype)
+    x, weights, ids = routed(0, 20, 8, 2, 64, dtype)
     run = lambda: expert_pairs(x, w13, w2, weights, ids, None, None, None, act, pack=True)  # noqa: E731
     reference = lambda: expert_pairs(x, w13, w2, weights, ids, None, None, None, act, wide_min_pairs=1)  # noqa: E731
     first = packed_experts(w13, w2)
@@ -86,7 +127,7 @@ def test_the_copy_follows_its_parameter():
     assert torch.equal(before, reference())
 
     with torch.no_grad():  # an in-place update (the loader's copy into a view of it, a trainer's push)
-        w13[:, :4].copy_(torch.ones(8, 4, 64))
+        w13[:, :4].copy_(torch.ones(8, 4, 64, dtype=dtype))
     assert packed_experts(w13, w2)[0] is not first[0]
     after = run()
     assert not torch.equal(after, before) and torch.equal(after, reference())
@@ -103,11 +144,13 @@ def test_the_copy_follows_its_parameter():
     assert not keys & {key for key, kept in expert_pairs_cpu._PACKED.items() if kept[0]() is not None}
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "not a parameter", "two dimensions"])
+@pytest.mark.parametrize("case", ["float16", "two dtypes", "not a parameter", "two dimensions"])
 def test_nothing_else_is_packed(case):
     w13, w2 = experts_of(1, 4, 16, 8)
-    if case == "bfloat16":
-        w13, w2 = (torch.nn.Parameter(w.to(torch.bfloat16), requires_grad=False) for w in (w13, w2))
+    if case == "float16":
+        w13, w2 = experts_of(1, 4, 16, 8, dtype=torch.float16)
+    elif case == "two dtypes":
+        w2 = torch.nn.Parameter(w2.data.to(torch.bfloat16), requires_grad=False)
     elif case == "not a parameter":
         w13, w2 = w13.data, w2.data
     else:

@@ -50,8 +50,9 @@ class Settings:
     fused_step: bool = _setting(True, "CUDA decode steps of recurrent layers through fused Triton steps")
     grouped_mm: bool = _setting(True, "expert matmuls through torch's grouped_mm where it pays; off: a loop")
     cpu_expert_kernel: bool = _setting(True, "CPU expert pass in one Rust call per layer at every batch size; off: torch's paths")
-    packed_experts: bool = _setting(True, "CPU float32 experts also kept packed in row tiles (twice their memory), which "
-                                    "the expert pass reads on an AVX-512 CPU; off: their rows read in place")
+    packed_experts: bool = _setting(True, "CPU experts also kept packed (twice their memory), which the expert pass "
+                                    "reads: float32 ones in row tiles on an AVX-512 CPU, bfloat16 ones in panels where "
+                                    "the AVX-512 BF16 dot products run (not AMX tiles); off: their rows read in place")
     amx_tiles: bool = _setting(True, "CPU bfloat16 experts' prefill products and prefill attention in AMX tiles "
                                "where the CPU has them; off: AVX-512 BF16 dot products (attention: torch's SDPA "
                                "where torch has AMX)")

@@ -9,9 +9,10 @@
 //! the vector lanes) on an AVX2 or AVX-512 CPU, else through `matmul`'s packed kernels. A narrow
 //! chunk's output elements are each the same dot product, summed in the same order, whatever
 //! the grouping or chunking, so a token whose experts have few pairs gets the bits it gets
-//! alone; a wide chunk's are within float32 rounding of those. Float32 experts handed over
-//! packed in row tiles as well (`PackedExperts`, on an AVX-512 CPU) run every chunk, narrow or
-//! wide, in `row_tiles` over that copy, with the pair panels' bits. The thread count never
+//! alone; a wide chunk's are within float32 rounding of those. Experts handed over packed as
+//! well (`PackedExperts`: float32 ones in row tiles on an AVX-512 CPU, bfloat16 ones in the dot
+//! products' panels where those run) run every chunk, narrow or wide, over that copy, with the
+//! wide chunks' bits (float32: the pair panels'). The thread count never
 //! changes a bit. Tensors hold float32 or bfloat16 (`Element`); the arithmetic is float32 throughout,
 //! bfloat16 rounded once at the end, except that bfloat16 experts round their activations to
 //! bfloat16 before the second product (as transformers' bfloat16 experts do), which lets them
@@ -221,7 +222,7 @@ impl Activation {
 }
 
 /// A rank's stacked experts, read in place: w13 [E, R, H], w2 [E, H, I], b13 [E, R], b2 [E, H]
-/// (R = I x `Activation::rows_per_unit`), and float32 weights' copy in row tiles, if kept.
+/// (R = I x `Activation::rows_per_unit`), and the weights' packed copy, if kept.
 pub struct Experts<'a, W: Element> {
     pub w13: &'a [W],
     pub w2: &'a [W],
@@ -234,48 +235,96 @@ pub struct Experts<'a, W: Element> {
     pub packed: Option<PackedExperts<'a>>,
 }
 
-/// Float32 experts' weights packed in row tiles (`pack_experts`): each expert's w13 and w2 as
-/// `row_tiles::pack_matrix` lays them out, one after another. Where the CPU runs the row tiles
-/// every chunk's products read these (`packed_runs`): a 64-output block is one contiguous run
-/// of memory, which a core streams at its full read bandwidth where the rows' blocks of four
-/// interleaved streams did not, and a wide chunk's tokens and outputs stay rows (no panels'
-/// transposes). Every output element is then the fused multiply-add chain over k in order, the
-/// pair panels' definition, in narrow and wide chunks alike.
+/// Experts' weights kept packed (`pack_experts`): each expert's w13 and w2, one after another,
+/// in 64-output blocks that are each one contiguous run of memory, which a core streams at its
+/// full read bandwidth where the rows' blocks of four interleaved streams (`gemm_nt`,
+/// `matmul_bf16::gemm_nt_bf16`) did not. Where the CPU runs their kernel (`packed_runs`) every
+/// chunk's products, narrow or wide, read these, with the wide chunks' bits:
 #[derive(Clone, Copy)]
-pub struct PackedExperts<'a> {
-    pub w13: &'a [f32],
-    pub w2: &'a [f32],
+pub enum PackedExperts<'a> {
+    /// float32 weights in row tiles (`row_tiles::pack_matrix`; the tokens and outputs stay rows,
+    /// no panels' transposes): every element the fused multiply-add chain over k in order, the
+    /// pair panels' definition;
+    F32 { w13: &'a [f32], w2: &'a [f32] },
+    /// bfloat16 weights in the dot products' panels of pairs (`matmul_bf16::pack_matrix`), which
+    /// a wide chunk packs every call: the dot products' bits.
+    Bf16 { w13: &'a [u32], w2: &'a [u32] },
 }
 
-/// Floats of one expert's w13 [rows13, hidden] and w2 [hidden, inter] packed in row tiles.
-pub fn packed_lens(rows13: usize, hidden: usize, inter: usize) -> (usize, usize) {
-    (crate::row_tiles::packed_len(rows13, hidden), crate::row_tiles::packed_len(hidden, inter))
+/// Values (f32 or u32 pairs) of one expert's w13 [rows13, hidden] and w2 [hidden, inter]
+/// packed for weights of type `W`.
+pub fn packed_lens<W: Element>(rows13: usize, hidden: usize, inter: usize) -> (usize, usize) {
+    if W::as_bf16s(&[]).is_some() {
+        (crate::matmul_bf16::packed_len(rows13, hidden), crate::matmul_bf16::packed_len(hidden, inter))
+    } else {
+        (crate::row_tiles::packed_len(rows13, hidden), crate::row_tiles::packed_len(hidden, inter))
+    }
 }
 
-/// out [E][packed_len(n, k)] = each of the E matrices of w [E, n, k] in row tiles, on up to
-/// `threads` threads (an expert each).
-pub fn pack_experts(w: &[f32], experts: usize, n: usize, out: &mut [f32], threads: usize) -> Result<(), String> {
+/// How a weight type's experts are packed (`pack_experts`): f32 in row tiles, bfloat16 in the
+/// dot products' panels of pairs.
+pub trait PackedElement: Element {
+    type Packed: Copy + Send + Sync;
+    fn packed_len(n: usize, k: usize) -> usize;
+    fn pack_matrix(w: &[Self], n: usize, out: &mut [Self::Packed]);
+}
+
+impl PackedElement for f32 {
+    type Packed = f32;
+    fn packed_len(n: usize, k: usize) -> usize {
+        crate::row_tiles::packed_len(n, k)
+    }
+    fn pack_matrix(w: &[f32], n: usize, out: &mut [f32]) {
+        crate::row_tiles::pack_matrix(w, n, out)
+    }
+}
+
+impl PackedElement for Bf16 {
+    type Packed = u32;
+    fn packed_len(n: usize, k: usize) -> usize {
+        crate::matmul_bf16::packed_len(n, k)
+    }
+    fn pack_matrix(w: &[Bf16], n: usize, out: &mut [u32]) {
+        crate::matmul_bf16::pack_matrix(w, n, out)
+    }
+}
+
+/// out [E][packed_len(n, k)] = each of the E matrices of w [E, n, k] packed (`PackedExperts`),
+/// on up to `threads` threads (an expert each).
+pub fn pack_experts<W: PackedElement>(
+    w: &[W],
+    experts: usize,
+    n: usize,
+    out: &mut [W::Packed],
+    threads: usize,
+) -> Result<(), String> {
     if experts == 0 || n == 0 || !w.len().is_multiple_of(experts * n) {
         return Err(format!("pack_experts: {} values are not [{experts}, {n}, K]", w.len()));
     }
     let k = w.len() / (experts * n);
-    let each = crate::row_tiles::packed_len(n, k);
+    let each = W::packed_len(n, k);
     if out.len() != experts * each {
         return Err(format!("pack_experts: the output holds {} values, not {experts} x {each}", out.len()));
     }
-    let mut jobs: Vec<(&[f32], &mut [f32])> = w.chunks_exact(n * k).zip(out.chunks_exact_mut(each)).collect();
+    let mut jobs: Vec<(&[W], &mut [W::Packed])> = w.chunks_exact(n * k).zip(out.chunks_exact_mut(each)).collect();
     crate::workers::take_in_turn(threads.clamp(1, experts), &mut jobs, &|jobs| {
         for (w, out) in jobs {
-            crate::row_tiles::pack_matrix(w, n, out);
+            W::pack_matrix(w, n, out);
         }
     });
     Ok(())
 }
 
-/// Whether the chunks read packed float32 experts under `isa`: the CPU runs the row tiles and
-/// the AVX-512 kernels were not ruled out (a named AVX2 or portable kernel keeps its own bits).
-pub fn packed_runs(isa: Isa) -> bool {
-    matches!(isa, Isa::Auto | Isa::Avx512) && crate::row_tiles::runs()
+/// Whether the chunks read packed experts of type `W` under `isa` (a named AVX2 or portable
+/// kernel keeps its own bits): float32 ones where the CPU runs the row tiles and the AVX-512
+/// kernels were not ruled out, bfloat16 ones under the default kernel where the dot products
+/// run and are the products a wide chunk takes (`matmul_bf16::packed_runs`: not AMX tiles).
+pub fn packed_runs<W: Element>(isa: Isa) -> bool {
+    if W::as_bf16s(&[]).is_some() {
+        isa == Isa::Auto && crate::matmul_bf16::packed_runs()
+    } else {
+        matches!(isa, Isa::Auto | Isa::Avx512) && crate::row_tiles::runs()
+    }
 }
 
 impl<W: Element> Experts<'_, W> {
@@ -300,13 +349,18 @@ impl<W: Element> Experts<'_, W> {
         if let Some(b2) = self.b2 {
             want("b2", b2.len(), e * h)?;
         }
-        if let Some(p) = self.packed {
-            if W::as_f32s(self.w13).is_none() {
-                return Err("packed experts are float32 experts' (pack_experts)".into());
+        let (p13, p2) = packed_lens::<W>(r, h, i);
+        match (self.packed, W::as_bf16s(&[]).is_some()) {
+            (Some(PackedExperts::F32 { w13, w2 }), false) => {
+                want("packed w13", w13.len(), e * p13)?;
+                want("packed w2", w2.len(), e * p2)?;
             }
-            let (p13, p2) = packed_lens(r, h, i);
-            want("packed w13", p.w13.len(), e * p13)?;
-            want("packed w2", p.w2.len(), e * p2)?;
+            (Some(PackedExperts::Bf16 { w13, w2 }), true) => {
+                want("packed w13", w13.len(), e * p13)?;
+                want("packed w2", w2.len(), e * p2)?;
+            }
+            (Some(_), _) => return Err("packed experts of another dtype than the experts' (pack_experts)".into()),
+            (None, _) => {}
         }
         Ok(())
     }
@@ -877,13 +931,45 @@ impl<W: Element> Experts<'_, W> {
         let (w13, w2) = (&self.w13[e * r * hid..(e + 1) * r * hid], &self.w2[e * hid * i..(e + 1) * hid * i]);
         let tokens = pairs.iter().map(|&p| inputs.pair_token[p as usize] as usize);
         let b13 = self.b13.map(|b| &b[e * r..(e + 1) * r]);
-        if let (Some(packed), true) = (self.packed, packed_runs(isa)) {
+        let (p13, p2) = packed_lens::<W>(r, hid, i);
+        if let (Some(PackedExperts::Bf16 { w13: q13, w2: q2 }), true) = (self.packed, packed_runs::<W>(isa)) {
+            // bfloat16 experts in their panels: a wide chunk's steps (its tokens as pairs, the
+            // activation, the activations rounded to pairs) over the kept panels, for a narrow
+            // chunk and a wide one
+            s.pairs.clear();
+            match W::as_bf16s(inputs.x).filter(|_| hid.is_multiple_of(2)) {
+                Some(x) => {
+                    tokens.for_each(|t| crate::matmul_bf16::extend_pairs(&x[t * hid..(t + 1) * hid], &mut s.pairs))
+                }
+                None => {
+                    s.x.clear();
+                    tokens.for_each(|t| s.x.extend_from_slice(&inputs.xf[t * hid..(t + 1) * hid]));
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: packed_runs checked that this CPU has AVX-512F and AVX-512 BF16.
+                    unsafe {
+                        crate::matmul_bf16::pack_vectors(&s.x, hid, &mut s.pairs)
+                    };
+                }
+            }
+            s.h.resize(n * r, 0.0);
+            crate::matmul_bf16::packed_products(&s.pairs, &q13[e * p13..(e + 1) * p13], r, &mut s.h);
+            s.a.resize(n * i, 0.0);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above (AVX-512F and, on every AVX-512 CPU, AVX2 and FMA).
+            unsafe {
+                activate_avx512(self.act, b13, r, i, &mut s.h, &mut s.a);
+                crate::matmul_bf16::pack_vectors(&s.a, i, &mut s.pairs);
+            };
+            crate::matmul_bf16::packed_products(&s.pairs, &q2[e * p2..(e + 1) * p2], hid, o);
+            self.add_b2(e, o);
+            return;
+        }
+        if let (Some(PackedExperts::F32 { w13: q13, w2: q2 }), true) = (self.packed, packed_runs::<W>(isa)) {
             // float32 experts in row tiles: the tokens' rows read in place, the outputs' rows
             // written, the same code for a narrow chunk and a wide one
-            let (p13, p2) = packed_lens(r, hid, i);
             let x: Vec<&[f32]> = tokens.map(|t| &inputs.xf[t * hid..(t + 1) * hid]).collect();
             s.h.resize(n * r, 0.0);
-            crate::row_tiles::packed_product(&x, &packed.w13[e * p13..(e + 1) * p13], r, &mut s.h);
+            crate::row_tiles::packed_product(&x, &q13[e * p13..(e + 1) * p13], r, &mut s.h);
             s.a.resize(n * i, 0.0);
             #[cfg(target_arch = "x86_64")]
             // SAFETY: packed_runs checked that this CPU has AVX-512F and AVX2 (row_tiles::runs),
@@ -892,7 +978,7 @@ impl<W: Element> Experts<'_, W> {
                 activate_avx512(self.act, b13, r, i, &mut s.h, &mut s.a)
             };
             let a: Vec<&[f32]> = s.a.chunks_exact(i).collect();
-            crate::row_tiles::packed_product(&a, &packed.w2[e * p2..(e + 1) * p2], hid, o);
+            crate::row_tiles::packed_product(&a, &q2[e * p2..(e + 1) * p2], hid, o);
             self.add_b2(e, o);
             return;
         }
@@ -1440,7 +1526,9 @@ pub(crate) mod python {
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
 
-    use super::{expert_pairs, packed_lens, Activation, Bf16, Element, Experts, Isa, PackedExperts, PairTokens};
+    use super::{
+        expert_pairs, packed_lens, Activation, Bf16, Element, Experts, Isa, PackedElement, PackedExperts, PairTokens,
+    };
 
     /// The kernel the engine runs here: "auto" (AVX-512 for large weight blocks, AVX2 below), "avx2" or "scalar".
     #[pyfunction]
@@ -1478,44 +1566,74 @@ pub(crate) mod python {
         }
     }
 
-    /// Whether the default kernel reads packed float32 experts on this CPU (the row tiles run).
+    /// Whether the default kernel reads packed experts of `dtype` ("float32" or "bfloat16") on
+    /// this CPU now (`packed_runs`; for bfloat16 also whether AMX tiles are allowed).
     #[pyfunction]
-    pub fn expert_pairs_packed_runs() -> bool {
-        super::packed_runs(Isa::default_kernel())
+    pub fn expert_pairs_packed_runs(dtype: &str) -> PyResult<bool> {
+        let isa = Isa::default_kernel();
+        match dtype {
+            "float32" => Ok(super::packed_runs::<f32>(isa)),
+            "bfloat16" => Ok(super::packed_runs::<Bf16>(isa)),
+            other => Err(PyValueError::new_err(format!("unsupported expert dtype {other:?}"))),
+        }
     }
 
-    /// Floats of one expert's matrix [n, k] packed in row tiles.
+    /// Values of one expert's matrix [n, k] of `dtype` packed (float32 values in row tiles,
+    /// bfloat16 pairs as 32-bit values in panels).
     #[pyfunction]
-    pub fn expert_pairs_packed_len(n: usize, k: usize) -> usize {
-        crate::row_tiles::packed_len(n, k)
+    pub fn expert_pairs_packed_len(dtype: &str, n: usize, k: usize) -> PyResult<usize> {
+        match dtype {
+            "float32" => Ok(f32::packed_len(n, k)),
+            "bfloat16" => Ok(Bf16::packed_len(n, k)),
+            other => Err(PyValueError::new_err(format!("unsupported expert dtype {other:?}"))),
+        }
     }
 
-    /// The float32 tensor at `dst` (experts x the packed length of [n, k]) = the experts [E, n,
-    /// k] at `src` in row tiles (`pack_experts`), with the GIL released, on up to `threads`
-    /// threads.
+    /// # Safety
+    /// As `expert_pairs_pack` requires of its caller, with `W` the experts' element type.
+    unsafe fn pack<W: PackedElement>(
+        py: Python<'_>,
+        src: usize,
+        dst: usize,
+        [experts, n, k]: [usize; 3],
+        threads: usize,
+    ) -> PyResult<()> {
+        let each = W::packed_len(n, k);
+        // SAFETY: the caller's contract.
+        let (w, out) = unsafe {
+            (
+                std::slice::from_raw_parts(src as *const W, experts * n * k),
+                std::slice::from_raw_parts_mut(dst as *mut W::Packed, experts * each),
+            )
+        };
+        py.detach(|| super::pack_experts(w, experts, n, out, threads)).map_err(PyValueError::new_err)
+    }
+
+    /// The tensor at `dst` (experts x the packed length of [n, k]: float32 for float32 experts,
+    /// 32-bit values for bfloat16 ones) = the experts [E, n, k] of `dtype` at `src` packed
+    /// (`pack_experts`), with the GIL released, on up to `threads` threads.
     #[pyfunction]
     pub fn expert_pairs_pack(
         py: Python<'_>,
         src: usize,
         dst: usize,
         shape: [usize; 3],
+        dtype: &str,
         threads: usize,
     ) -> PyResult<()> {
-        let [experts, n, k] = shape;
         if src == 0 || dst == 0 {
             return Err(PyValueError::new_err("expert_pairs_pack needs two non-null tensors"));
         }
-        let each = crate::row_tiles::packed_len(n, k);
         // SAFETY: the caller (r3srv.kernels.expert_pairs_cpu) passes the data addresses of a
-        // live, contiguous float32 tensor [E, n, k] and a fresh one of E x packed_len(n, k)
-        // values, kept alive for the call; nothing else touches them meanwhile.
-        let (w, out) = unsafe {
-            (
-                std::slice::from_raw_parts(src as *const f32, experts * n * k),
-                std::slice::from_raw_parts_mut(dst as *mut f32, experts * each),
-            )
-        };
-        py.detach(|| super::pack_experts(w, experts, n, out, threads)).map_err(PyValueError::new_err)
+        // live, contiguous tensor [E, n, k] of `dtype` and a fresh one of E x packed_len(n, k)
+        // values of its packed type, kept alive for the call; nothing else touches them meanwhile.
+        unsafe {
+            match dtype {
+                "float32" => pack::<f32>(py, src, dst, shape, threads),
+                "bfloat16" => pack::<Bf16>(py, src, dst, shape, threads),
+                other => Err(PyValueError::new_err(format!("unsupported expert dtype {other:?}"))),
+            }
+        }
     }
 
     /// # Safety
@@ -1544,10 +1662,17 @@ pub(crate) mod python {
             inter,
             act,
             packed: packed.map(|(p13, p2)| {
-                let (l13, l2) = packed_lens(rows13, hidden, inter);
-                PackedExperts {
-                    w13: from_raw_parts(p13 as *const f32, num_experts * l13),
-                    w2: from_raw_parts(p2 as *const f32, num_experts * l2),
+                let (l13, l2) = packed_lens::<W>(rows13, hidden, inter);
+                if W::as_bf16s(&[]).is_some() {
+                    PackedExperts::Bf16 {
+                        w13: from_raw_parts(p13 as *const u32, num_experts * l13),
+                        w2: from_raw_parts(p2 as *const u32, num_experts * l2),
+                    }
+                } else {
+                    PackedExperts::F32 {
+                        w13: from_raw_parts(p13 as *const f32, num_experts * l13),
+                        w2: from_raw_parts(p2 as *const f32, num_experts * l2),
+                    }
                 }
             }),
         };
@@ -1572,9 +1697,9 @@ pub(crate) mod python {
     /// activation: "silu_and_mul", "clamped_swiglu" (alpha, limit) or "relu_squared". Runs with
     /// the GIL released, on up to `threads` threads when the work is large enough. An expert's
     /// pairs run in wide chunks from `wide_min_pairs` pairs on (None: the kernel's own
-    /// threshold, `expert_pairs_wide_min_pairs`). `packed`: the addresses of float32 experts'
-    /// w13 and w2 packed by `expert_pairs_pack`, which every chunk then reads where the CPU runs
-    /// the row tiles (`expert_pairs_packed_runs`).
+    /// threshold, `expert_pairs_wide_min_pairs`). `packed`: the addresses of the experts' w13
+    /// and w2 packed by `expert_pairs_pack` (of this dtype), which every chunk then reads where
+    /// the CPU runs their kernel (`expert_pairs_packed_runs`).
     #[pyfunction]
     #[pyo3(signature = (addresses, shape, dtype, activation, alpha=0.0, limit=0.0, threads=1, wide_min_pairs=None, packed=None))]
     #[allow(clippy::too_many_arguments)]
@@ -1600,8 +1725,8 @@ pub(crate) mod python {
         if [x, w13, w2, ids, weights, out].contains(&0) || shape[0] == 0 || shape[1] == 0 {
             return Err(PyValueError::new_err("expert_pairs_cpu needs non-null tensors and at least one pair"));
         }
-        if packed.is_some_and(|(p13, p2)| p13 == 0 || p2 == 0 || dtype != "float32") {
-            return Err(PyValueError::new_err("packed experts are two non-null float32 tensors (expert_pairs_pack)"));
+        if packed.is_some_and(|(p13, p2)| p13 == 0 || p2 == 0) {
+            return Err(PyValueError::new_err("packed experts are two non-null tensors (expert_pairs_pack)"));
         }
         // SAFETY: the caller (r3srv.kernels.expert_pairs_cpu) passes the data addresses of
         // live, contiguous CPU tensors of exactly these shapes and dtypes, keeps them alive for
@@ -2088,7 +2213,7 @@ mod tests {
     /// token's row alone is its row in the batch; and packing checks its shapes.
     #[test]
     fn packed_experts_give_the_panels_bits_in_every_chunk() {
-        if !packed_runs(Isa::Auto) || !pair_panels::runs(Isa::Avx2Fma) {
+        if !packed_runs::<f32>(Isa::Auto) || !pair_panels::runs(Isa::Avx2Fma) {
             eprintln!("skipped: this CPU lacks AVX-512F (the row tiles the packed experts run in)");
             return;
         }
@@ -2102,12 +2227,12 @@ mod tests {
                 let r = inter * act.rows_per_unit();
                 let (w13, w2) = (values(71, e * r * hid), values(72, e * hid * inter));
                 let (b13, b2) = (values(73, e * r), values(74, e * hid));
-                let (l13, l2) = packed_lens(r, hid, inter);
+                let (l13, l2) = packed_lens::<f32>(r, hid, inter);
                 let (mut p13, mut p2) = (vec![f32::NAN; e * l13], vec![f32::NAN; e * l2]);
                 pack_experts(&w13, e, r, &mut p13, 2).unwrap();
                 pack_experts(&w2, e, hid, &mut p2, 1).unwrap();
                 let plain = experts_with(&w13, &w2, Some(&b13), Some(&b2), e, hid, inter, act);
-                let packed = Experts { packed: Some(PackedExperts { w13: &p13, w2: &p2 }), ..plain };
+                let packed = Experts { packed: Some(PackedExperts::F32 { w13: &p13, w2: &p2 }), ..plain };
                 let x = values(75, tokens * hid);
                 let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p + p / 5) % e) as i32).collect();
                 let weights = values(76, tokens * top_k);
@@ -2155,9 +2280,75 @@ mod tests {
             hidden: 4,
             inter: 4,
             act: Activation::SiluAndMul,
-            packed: Some(PackedExperts { w13: &wrong, w2: &wrong }),
+            packed: Some(PackedExperts::F32 { w13: &wrong, w2: &wrong }),
         };
         assert!(experts.check().unwrap_err().contains("packed w13"));
+    }
+
+    /// Bfloat16 experts packed in the dot products' panels: every chunk, narrow or wide, on one
+    /// thread or two, gives the bits of the wide chunks that pack the panels each call, for every
+    /// activation with both biases and with odd and even hidden sizes (tokens read as pairs, or
+    /// rounded to them) and partial panels; a token's row alone is its row in the batch; and
+    /// packed experts of the other dtype are refused.
+    #[test]
+    fn packed_bfloat16_experts_give_the_dot_products_bits_in_every_chunk() {
+        if !packed_runs::<Bf16>(Isa::Auto) {
+            eprintln!("skipped: this CPU lacks AVX-512 BF16, or its wide bfloat16 chunks run in AMX tiles");
+            return;
+        }
+        let (e, top_k, tokens) = (3, 2, 90);
+        for (hid, inter) in [(40, 24), (71, 20), (64, 15)] {
+            for act in [
+                Activation::SiluAndMul,
+                Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 },
+                Activation::ReluSquared,
+            ] {
+                let r = inter * act.rows_per_unit();
+                let (w13, w2): (Vec<Bf16>, Vec<Bf16>) =
+                    (cast(values(81, e * r * hid)), cast(values(82, e * hid * inter)));
+                let (b13, b2): (Vec<Bf16>, Vec<Bf16>) = (cast(values(83, e * r)), cast(values(84, e * hid)));
+                let (l13, l2) = packed_lens::<Bf16>(r, hid, inter);
+                let (mut p13, mut p2) = (vec![u32::MAX; e * l13], vec![u32::MAX; e * l2]);
+                pack_experts(&w13, e, r, &mut p13, 2).unwrap();
+                pack_experts(&w2, e, hid, &mut p2, 1).unwrap();
+                let plain = experts_with(&w13, &w2, Some(&b13), Some(&b2), e, hid, inter, act);
+                let packed = Experts { packed: Some(PackedExperts::Bf16 { w13: &p13, w2: &p2 }), ..plain };
+                let x: Vec<Bf16> = cast(values(85, tokens * hid));
+                let ids: Vec<i32> = (0..tokens * top_k).map(|p| ((p + p / 5) % e) as i32).collect();
+                let weights = values(86, tokens * top_k);
+                let run = |experts: &Experts<Bf16>, threads: usize, wide_min: usize, first: usize, end: usize| {
+                    let slots = first * top_k..end * top_k;
+                    let mut out = vec![Bf16(0); (end - first) * hid];
+                    let (ids, weights) = (&ids[slots.clone()], &weights[slots]);
+                    let x = &x[first * hid..end * hid];
+                    expert_pairs(
+                        experts,
+                        x,
+                        PairTokens::Grid,
+                        ids,
+                        weights,
+                        &mut out,
+                        threads,
+                        Isa::Auto,
+                        Some(wide_min),
+                    )
+                    .unwrap();
+                    out.iter().map(|v| v.0).collect::<Vec<_>>()
+                };
+                let want = run(&plain, 1, 1, 0, tokens);
+                for (threads, wide_min) in [(1, 1), (2, 1), (1, usize::MAX), (2, usize::MAX), (1, 20)] {
+                    let got = run(&packed, threads, wide_min, 0, tokens);
+                    assert!(got == want, "{act:?} H={hid} I={inter} threads={threads} wide from {wide_min}");
+                }
+                for t in [0, 17, tokens - 1] {
+                    let alone = run(&packed, 1, usize::MAX, t, t + 1);
+                    assert_eq!(alone, want[t * hid..(t + 1) * hid], "{act:?} H={hid}: token {t} alone");
+                }
+                let floats = vec![0f32; e * l13.max(l2)];
+                let wrong = Experts { packed: Some(PackedExperts::F32 { w13: &floats, w2: &floats }), ..plain };
+                assert!(wrong.check().unwrap_err().contains("another dtype"));
+            }
+        }
     }
 
     /// Wide bfloat16 chunks (the dot-product kernel where the CPU has it): the definition with

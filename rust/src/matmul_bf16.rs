@@ -338,6 +338,70 @@ fn products_in(
     }
 }
 
+/// Whether `packed_products` runs here and gives `products`' bits: the CPU has the dot products
+/// and they are the fastest products it runs (where AMX tiles run and are allowed, a wide
+/// product takes them, in an order of their own).
+pub fn packed_runs() -> bool {
+    runs() && Products::fastest() == Products::DotProducts
+}
+
+/// Pairs (u32) of a [rows, K] matrix packed by `pack_matrix`: its PANEL_ROWS-row panels, the
+/// last padded with zero rows, K rounded up to pairs.
+pub fn packed_len(rows: usize, cols: usize) -> usize {
+    rows.div_ceil(PANEL_ROWS) * cols.div_ceil(2) * PANEL_ROWS
+}
+
+/// out [panels][K2][PANEL_ROWS] = m [rows, K] in the panels `products` packs for each call, kept
+/// (bfloat16 experts' copy, r3srv.kernels.expert_pairs_cpu): `packed_products` then reads each
+/// panel as one contiguous run.
+///
+/// # Panics
+/// When the lengths disagree or the CPU lacks AVX-512 BF16 (`runs`).
+pub fn pack_matrix(m: &[Bf16], rows: usize, out: &mut [u32]) {
+    assert!(rows > 0 && m.len().is_multiple_of(rows), "matmul_bf16::pack_matrix: the matrix is not [{rows}, K]");
+    let cols = m.len() / rows;
+    assert_eq!(out.len(), packed_len(rows, cols), "matmul_bf16::pack_matrix: the output is not its packed length");
+    assert!(runs(), "matmul_bf16::pack_matrix needs AVX-512F (and BF16: where its panels are read)");
+    if cols == 0 {
+        return;
+    }
+    let panel = cols.div_ceil(2) * PANEL_ROWS;
+    for (first, dst) in (0..rows).step_by(PANEL_ROWS).zip(out.chunks_exact_mut(panel)) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: runs() (asserted) includes AVX-512F; dst holds the panel's K2 x PANEL_ROWS pairs.
+        unsafe {
+            pack_panel_into(m, rows, cols, first, dst, false)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (first, dst);
+    }
+}
+
+/// out [n, rows] = pairs [n, K2] @ m^T, m [rows, K] packed by `pack_matrix`: `products` in
+/// the dot products without packing a panel (the same bits), each vector's outputs its own.
+///
+/// # Panics
+/// When the lengths disagree or `packed_runs` is false.
+pub fn packed_products(pairs: &[u32], packed: &[u32], rows: usize, out: &mut [f32]) {
+    assert!(packed_runs(), "matmul_bf16::packed_products needs the dot products (and no AMX tiles chosen)");
+    let panels = rows.div_ceil(PANEL_ROWS);
+    assert!(rows > 0 && packed.len().is_multiple_of(panels * PANEL_ROWS), "packed_products: not a packed [{rows}, K]");
+    let k2 = packed.len() / (panels * PANEL_ROWS);
+    assert!(k2 > 0 && pairs.len().is_multiple_of(k2), "packed_products: the vectors are not [n, {k2}] pairs");
+    let n = pairs.len() / k2;
+    assert_eq!(out.len(), n * rows, "packed_products: the output is not [{n}, {rows}]");
+    for (first, panel) in (0..rows).step_by(PANEL_ROWS).zip(packed.chunks_exact(k2 * PANEL_ROWS)) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: packed_runs (asserted) includes AVX-512 BF16; pairs hold n x k2, the panel k2 x
+        // PANEL_ROWS pairs, and out is [n, rows].
+        unsafe {
+            panel_avx512(pairs, panel, k2, n, rows, first, out)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (first, panel, n);
+    }
+}
+
 /// One panel's columns of out for all n vectors, BLOCK_VECTORS at a time.
 ///
 /// # Safety
@@ -625,6 +689,37 @@ mod tests {
             matmul_nt_bf16(&m, rows, &xs, &mut got, &mut buffers);
             within_f64(&m, rows, &xs, &got);
         }
+    }
+
+    /// Kept panels (`pack_matrix`, `packed_products`): the bits of the panels packed per call in
+    /// the dot products, on every shape class; a vector's outputs alone are its outputs among
+    /// others; and the packing checks its lengths.
+    #[test]
+    fn kept_panels_give_the_dot_products_bits() {
+        if crate::testing::skips_without_bf16() || !packed_runs() {
+            eprintln!("skipped: the dot products are not this CPU's wide products (AMX tiles run)");
+            return;
+        }
+        let mut buffers = Buffers::default();
+        for (rows, cols, n) in SHAPES {
+            let (m, xs) = (bf16s(rows * cols, rows as u64 + 7), noise(n * cols, cols as u64 + 9));
+            let mut packed = vec![u32::MAX; packed_len(rows, cols)];
+            pack_matrix(&m, rows, &mut packed);
+            let mut pairs = Lines::default();
+            // SAFETY: skips_without_bf16 checked the CPU.
+            unsafe { pack_vectors(&xs, cols, &mut pairs) };
+            let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
+            packed_products(&pairs, &packed, rows, &mut got);
+            products_in(Products::DotProducts, &m, rows, cols, &pairs, &mut want, &mut buffers);
+            assert_eq!(got, want, "{rows}x{cols} n={n}");
+            let k2 = cols.div_ceil(2);
+            let last = n - 1;
+            let mut alone = vec![f32::NAN; rows];
+            packed_products(&pairs[last * k2..], &packed, rows, &mut alone);
+            assert_eq!(alone, want[last * rows..], "{rows}x{cols}: the last vector alone");
+        }
+        let mut short = vec![0u32; 3];
+        assert!(std::panic::catch_unwind(move || pack_matrix(&bf16s(64 * 4, 1), 64, &mut short)).is_err());
     }
 
     /// AMX tiles, where they run: every output within float32 rounding of the f64 product (the

@@ -11,7 +11,9 @@ rounding of the small products: float32 experts with the pairs as the vector lan
 (rust/src/matmul.rs, rust/src/matmul_bf16.rs); below that a token's
 result does not depend on the other tokens in the call, and the thread count never does.
 On an AVX-512 CPU the backend's pass reads float32 experts from a copy packed in row tiles
-(`packed_experts`, rust/src/row_tiles.rs), every chunk with the wide chunks' bits.
+(`packed_experts`, rust/src/row_tiles.rs), and where the AVX-512 BF16 dot products are the
+wide chunks' products (not AMX tiles) bfloat16 experts from a copy in their panels
+(rust/src/matmul_bf16.rs): every chunk with the wide chunks' bits.
 
 float32 or bfloat16 tensors (float32 arithmetic either way: a bfloat16 result is rounded
 once, where the torch path rounds every intermediate), and only the activations ops/experts.py
@@ -65,8 +67,8 @@ def expert_pairs(
     not apply:
     x and the experts are not contiguous CPU tensors of one dtype the kernel reads, or `act`
     (an activation described by .name, .alpha and .limit) is not one the kernel computes.
-    `pack`: float32 experts that are parameters are read from their copy in row tiles
-    (`packed_experts`) where the CPU runs them."""
+    `pack`: experts that are parameters are read from their packed copy (`packed_experts`)
+    where the CPU runs its kernel."""
     dtype = RUST_DTYPES.get(x.dtype)
     if not BUILT or dtype is None or not x.is_cpu or getattr(act, "name", None) not in ACTIVATIONS:
         return None
@@ -90,11 +92,16 @@ def expert_pairs(
     return out
 
 
+# the packed copy's element type, by the experts' dtype (bfloat16 pairs as 32-bit values)
+PACKED_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.int32}
+
+
 @functools.cache
-def packs() -> bool:
-    """Whether the kernel reads float32 experts packed in row tiles on this CPU (AVX-512F):
-    asked of the core once (every decode layer's pass asks here)."""
-    return _packed_runs is not None and _packed_runs()
+def packs(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel reads experts of `dtype` packed on this CPU now: float32 ones in row
+    tiles (AVX-512F), bfloat16 ones in panels (AVX-512 BF16, AMX tiles not allowed or absent).
+    Asked of the core once (every decode layer's pass asks here; `allow_amx` asks again)."""
+    return _packed_runs is not None and dtype in PACKED_DTYPES and _packed_runs(RUST_DTYPES[dtype])
 
 
 # id(parameter) -> (a weak reference to it, its data address and version when packed, the packed copy or None)
@@ -102,18 +109,20 @@ _PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor | None]] = {}
 
 
 def packed_experts(w13: torch.Tensor, w2: torch.Tensor, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Float32 experts' weights w13 [E, R, H] and w2 [E, H, I] packed in row tiles, in which
-    every chunk of the kernel's pass reads a 64-output block as one contiguous run (a core
-    streams it at its full read bandwidth; the weights' own rows, four at a time, it did not)
-    and a prefill's wide chunks need no transposes (docs/benchmarks.md, "Float32 experts packed
-    in row tiles"); None where the CPU lacks the row tiles, the weights are not float32
-    parameters, or the host lacks the memory. The copy is made on first use and kept beside the
-    parameter (twice the experts' memory; not made where it would take more than half the
-    host's available memory, then the weights' rows are read in place), made again whenever the
-    parameter's data moved or changed in place (a weight update: its version counter), dropped
-    with the parameter."""
-    if not packs() or not all(isinstance(w, torch.nn.Parameter) and w.is_cpu and w.dtype == torch.float32
-                              and w.dim() == 3 and w.is_contiguous() for w in (w13, w2)):
+    """Experts' weights w13 [E, R, H] and w2 [E, H, I] packed in 64-output blocks, each of which
+    every chunk of the kernel's pass reads as one contiguous run (a core streams it at its full
+    read bandwidth; the weights' own rows, four at a time, it did not): float32 weights in row
+    tiles, in which a prefill's wide chunks need no transposes either (docs/benchmarks.md,
+    "Float32 experts packed in row tiles"), bfloat16 weights in the panels of pairs a wide
+    chunk packs every call ("Bfloat16 experts packed in panels"). None where the CPU does not
+    run their kernel (`packs`), the weights are not float32 or bfloat16 parameters, or the host
+    lacks the memory. The copy is made on first use and kept beside the parameter (twice the
+    experts' memory; not made where it would take more than half the host's available memory,
+    then the weights' rows are read in place), made again whenever the parameter's data moved
+    or changed in place (a weight update: its version counter), dropped with the parameter."""
+    dtype = w13.dtype
+    if not packs(dtype) or not all(isinstance(w, torch.nn.Parameter) and w.is_cpu and w.dtype == dtype
+                                   and w.dim() == 3 and w.is_contiguous() for w in (w13, w2)):
         return None
     p13, p2 = _packed(w13, threads), _packed(w2, threads)
     return None if p13 is None or p2 is None else (p13, p2)
@@ -125,13 +134,14 @@ def _packed(w: torch.Tensor, threads: int) -> torch.Tensor | None:
     if kept is not None and kept[0]() is w and kept[1:3] == (w.data_ptr(), w._version):
         return kept[3]
     experts, n, k = w.shape
-    size = experts * _packed_len(n, k)
-    if 2 * size * 4 > available_bytes():  # the answer kept, as a copy is, until the parameter changes
+    dtype, code = PACKED_DTYPES[w.dtype], RUST_DTYPES[w.dtype]
+    size = experts * _packed_len(code, n, k)
+    if 2 * size * dtype.itemsize > available_bytes():  # the answer kept, as a copy is, until the parameter changes
         packed = None
     else:
-        packed = torch.empty(size, dtype=torch.float32)
+        packed = torch.empty(size, dtype=dtype)
         huge_pages.advise([packed])  # before the pack faults its pages in (the weights' own have them)
-        _pack(w.data_ptr(), packed.data_ptr(), (experts, n, k), threads)
+        _pack(w.data_ptr(), packed.data_ptr(), (experts, n, k), code, threads)
 
     def forget(ref: weakref.ref, key: int = key) -> None:
         if key in _PACKED and _PACKED[key][0] is ref:
@@ -157,6 +167,7 @@ def allow_amx(allowed: bool) -> None:
     backend says so when it builds a model's ops): process-wide."""
     if _allow_amx is not None:
         _allow_amx(allowed)
+        packs.cache_clear()  # bfloat16 experts are read packed only where AMX tiles are not chosen
 
 
 def bf16_products() -> str | None:

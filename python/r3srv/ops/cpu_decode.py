@@ -90,8 +90,8 @@ def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear, p
     correction bias or groups, and experts of one of the expert kernel's activations without
     biases. Adapter slots (`lora` on q/k/v, o, the router gate and the experts: a model served
     with --enable-lora) are computed as the modules compute them; `linear` is the backend's
-    linear op, which they hand the slots for the projections the Rust pass cannot read. `pack`: float32 experts read
-    from their copy in row tiles (kernels/expert_pairs_cpu.py's packed_experts), as the backend's
+    linear op, which they hand the slots for the projections the Rust pass cannot read. `pack`: experts read
+    from their packed copy (kernels/expert_pairs_cpu.py's packed_experts), as the backend's
     expert pass reads them."""
     problems = unsupported(parts, {"mixer", "mlp", "input_norm", "post_attention_norm"})
     for name in ("input_norm", "post_attention_norm"):

@@ -13,9 +13,10 @@ prompt tokens through the kernels decodes take:
 - attention: every query, a prompt's as a decode's, through the Rust paged decode kernel over
   the keys up to its own position, in 32-key tiles from position 0 (the kernel's split is by
   sequence only), so a prompt chunk's size or a prefix hit changes nothing;
-- the expert pass: float32 experts kept packed in row tiles (an AVX-512 CPU, --packed-experts)
-  in one call of the Rust kernel, whose every chunk then computes each element as one fused
-  chain of its own pair's; other experts on runs of tokens that give no expert WIDE_MIN_PAIRS
+- the expert pass: experts kept packed (--packed-experts: float32 ones in row tiles on an
+  AVX-512 CPU, bfloat16 ones in panels where the AVX-512 BF16 dot products run) in one call of
+  the Rust kernel, whose every chunk then computes each element as one chain of its own pair's;
+  other experts on runs of tokens that give no expert WIDE_MIN_PAIRS
   pairs, the count from which it is told to run an expert's pairs in wide chunks
   (rust/src/expert_pairs.rs);
 - routing and a shared expert's sigmoid gate: one token a call (the Rust router computes rows
@@ -162,9 +163,9 @@ def narrow_blocks(pair_tokens: torch.Tensor, ids: torch.Tensor, num_tokens: int,
 
 
 def invariant_expert_pass(threads: int, packed: bool) -> ExpertPass:
-    """The Rust expert pass as this backend runs it: float32 experts that have a copy in row
-    tiles (`packed` and expert_pairs_cpu.packed_experts) in one call, the whole step's pairs, as
-    each element is its pair's own fused chain in any chunk (no blocks of tokens: a prefill's
+    """The Rust expert pass as this backend runs it: experts that have a packed copy (`packed`
+    and expert_pairs_cpu.packed_experts) in one call, the whole step's pairs, as each element is
+    its pair's own chain in any chunk (no blocks of tokens: a prefill's
     experts run wide); any other through `blocked_kernel`."""
     whole = functools.partial(expert_pairs_cpu.expert_pairs, threads=threads, pack=True)
     blocked = blocked_kernel(functools.partial(expert_pairs_cpu.expert_pairs, threads=threads,
