@@ -5,7 +5,7 @@
 A decode step must read, at least once, every attention, router and LM-head weight, the
 weights of each distinct expert its tokens pick (read from the routed-experts rows the engine
 returns), and every sequence's keys and values. Those bytes over the machine's measured read
-bandwidth (a torch sum over 512 MiB, far beyond the caches, on the same threads) are the step's
+bandwidth (a torch sum over 512 MiB in huge pages, far beyond the caches, on the same threads) are the step's
 floor. For 1 and 16 sequences it prints the measured step (mean wall time of the decode
 steps), the floor, and each Rust kernel's own time (timers around its calls) against the
 floor of the bytes it reads; what is left (Python, small torch ops, the engine's bookkeeping)
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from r3srv import LLM, SamplingParams, settings
+from r3srv import LLM, SamplingParams, huge_pages, settings
 from r3srv.kernels import expert_pairs_cpu, linear_cpu, paged_decode_cpu
 
 PROMPT, STEPS = 256, 48
@@ -46,8 +46,13 @@ def median_seconds(threads: int, run, times: int = 5) -> float:
 
 
 def read_bandwidth(threads: int, mib: int = 512) -> float:
-    """Bytes per second a sum over `mib` MiB reads on `threads` torch threads (median of 5)."""
-    data = torch.ones(mib << 18)  # float32
+    """Bytes per second a sum over `mib` MiB reads on `threads` torch threads (median of 5), the
+    memory in huge pages as the weights are (r3srv.huge_pages, advised before it is written):
+    over 4 KiB pages the same sum read a fifth less, slower than the packed expert pass reads
+    its weights (docs/benchmarks.md)."""
+    data = torch.empty(mib << 18)  # float32
+    huge_pages.advise([data])
+    data.fill_(1.0)
     return data.numel() * 4 / median_seconds(threads, data.sum)
 
 
