@@ -67,9 +67,29 @@ pub trait Element: Copy + Send + Sync + 'static {
     /// The CPU must support AVX-512F, and both pointers must be valid for reading eight elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512;
+
+    /// What a packed copy of experts of this type holds (`PackedExperts`): f32 in row tiles,
+    /// bfloat16 pairs (u32) in the dot products' panels.
+    type Packed: Copy + Send + Sync;
+
+    /// Values of a [n, k] matrix packed.
+    fn packed_len(n: usize, k: usize) -> usize;
+
+    /// out = w [n, k] packed (`packed_len(n, k)` values).
+    fn pack_matrix(w: &[Self], n: usize, out: &mut [Self::Packed]);
 }
 
 impl Element for f32 {
+    type Packed = f32;
+
+    fn packed_len(n: usize, k: usize) -> usize {
+        crate::row_tiles::packed_len(n, k)
+    }
+
+    fn pack_matrix(w: &[f32], n: usize, out: &mut [f32]) {
+        crate::row_tiles::pack_matrix(w, n, out)
+    }
+
     fn to_f32(self) -> f32 {
         self
     }
@@ -117,6 +137,16 @@ impl Element for f32 {
 pub struct Bf16(pub u16);
 
 impl Element for Bf16 {
+    type Packed = u32;
+
+    fn packed_len(n: usize, k: usize) -> usize {
+        crate::matmul_bf16::packed_len(n, k)
+    }
+
+    fn pack_matrix(w: &[Bf16], n: usize, out: &mut [u32]) {
+        crate::matmul_bf16::pack_matrix(w, n, out)
+    }
+
     fn to_f32(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
     }
@@ -251,47 +281,15 @@ pub enum PackedExperts<'a> {
     Bf16 { w13: &'a [u32], w2: &'a [u32] },
 }
 
-/// Values (f32 or u32 pairs) of one expert's w13 [rows13, hidden] and w2 [hidden, inter]
+/// Values (`Element::Packed`) of one expert's w13 [rows13, hidden] and w2 [hidden, inter]
 /// packed for weights of type `W`.
 pub fn packed_lens<W: Element>(rows13: usize, hidden: usize, inter: usize) -> (usize, usize) {
-    if W::as_bf16s(&[]).is_some() {
-        (crate::matmul_bf16::packed_len(rows13, hidden), crate::matmul_bf16::packed_len(hidden, inter))
-    } else {
-        (crate::row_tiles::packed_len(rows13, hidden), crate::row_tiles::packed_len(hidden, inter))
-    }
-}
-
-/// How a weight type's experts are packed (`pack_experts`): f32 in row tiles, bfloat16 in the
-/// dot products' panels of pairs.
-pub trait PackedElement: Element {
-    type Packed: Copy + Send + Sync;
-    fn packed_len(n: usize, k: usize) -> usize;
-    fn pack_matrix(w: &[Self], n: usize, out: &mut [Self::Packed]);
-}
-
-impl PackedElement for f32 {
-    type Packed = f32;
-    fn packed_len(n: usize, k: usize) -> usize {
-        crate::row_tiles::packed_len(n, k)
-    }
-    fn pack_matrix(w: &[f32], n: usize, out: &mut [f32]) {
-        crate::row_tiles::pack_matrix(w, n, out)
-    }
-}
-
-impl PackedElement for Bf16 {
-    type Packed = u32;
-    fn packed_len(n: usize, k: usize) -> usize {
-        crate::matmul_bf16::packed_len(n, k)
-    }
-    fn pack_matrix(w: &[Bf16], n: usize, out: &mut [u32]) {
-        crate::matmul_bf16::pack_matrix(w, n, out)
-    }
+    (W::packed_len(rows13, hidden), W::packed_len(hidden, inter))
 }
 
 /// out [E][packed_len(n, k)] = each of the E matrices of w [E, n, k] packed (`PackedExperts`),
 /// on up to `threads` threads (an expert each).
-pub fn pack_experts<W: PackedElement>(
+pub fn pack_experts<W: Element>(
     w: &[W],
     experts: usize,
     n: usize,
@@ -1526,9 +1524,7 @@ pub(crate) mod python {
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
 
-    use super::{
-        expert_pairs, packed_lens, Activation, Bf16, Element, Experts, Isa, PackedElement, PackedExperts, PairTokens,
-    };
+    use super::{expert_pairs, packed_lens, Activation, Bf16, Element, Experts, Isa, PackedExperts, PairTokens};
 
     /// The kernel the engine runs here: "auto" (AVX-512 for large weight blocks, AVX2 below), "avx2" or "scalar".
     #[pyfunction]
@@ -1591,7 +1587,7 @@ pub(crate) mod python {
 
     /// # Safety
     /// As `expert_pairs_pack` requires of its caller, with `W` the experts' element type.
-    unsafe fn pack<W: PackedElement>(
+    unsafe fn pack<W: Element>(
         py: Python<'_>,
         src: usize,
         dst: usize,
