@@ -381,9 +381,10 @@ pub fn pack_matrix(m: &[Bf16], rows: usize, out: &mut [u32]) {
 /// the dot products without packing a panel (the same bits), each vector's outputs its own.
 ///
 /// # Panics
-/// When the lengths disagree or `packed_runs` is false.
+/// When the lengths disagree or the CPU lacks the dot products (`runs`; where AMX tiles run the
+/// wide products, `packed_runs` is false and these are not their bits).
 pub fn packed_products(pairs: &[u32], packed: &[u32], rows: usize, out: &mut [f32]) {
-    assert!(packed_runs(), "matmul_bf16::packed_products needs the dot products (and no AMX tiles chosen)");
+    assert!(runs(), "matmul_bf16::packed_products needs AVX-512 BF16");
     let panels = rows.div_ceil(PANEL_ROWS);
     assert!(rows > 0 && packed.len().is_multiple_of(panels * PANEL_ROWS), "packed_products: not a packed [{rows}, K]");
     let k2 = packed.len() / (panels * PANEL_ROWS);
@@ -392,7 +393,7 @@ pub fn packed_products(pairs: &[u32], packed: &[u32], rows: usize, out: &mut [f3
     assert_eq!(out.len(), n * rows, "packed_products: the output is not [{n}, {rows}]");
     for (first, panel) in (0..rows).step_by(PANEL_ROWS).zip(packed.chunks_exact(k2 * PANEL_ROWS)) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: packed_runs (asserted) includes AVX-512 BF16; pairs hold n x k2, the panel k2 x
+        // SAFETY: runs() (asserted): AVX-512F and BF16; pairs hold n x k2, the panel k2 x
         // PANEL_ROWS pairs, and out is [n, rows].
         unsafe {
             panel_avx512(pairs, panel, k2, n, rows, first, out)
@@ -696,8 +697,7 @@ mod tests {
     /// others; and the packing checks its lengths.
     #[test]
     fn kept_panels_give_the_dot_products_bits() {
-        if crate::testing::skips_without_bf16() || !packed_runs() {
-            eprintln!("skipped: the dot products are not this CPU's wide products (AMX tiles run)");
+        if crate::testing::skips_without_bf16() {
             return;
         }
         let mut buffers = Buffers::default();
