@@ -670,6 +670,9 @@ mod tests {
     const SHAPES: [(usize, usize, usize); 8] =
         [(1, 2, 1), (3, 7, 5), (64, 256, 6), (65, 33, 7), (256, 128, 97), (200, 255, 13), (17, 1, 64), (128, 512, 300)];
 
+    /// The dot products on every shape class: the portable order's bits and within float32
+    /// rounding of f64; from kept panels (`pack_matrix`, `packed_products`) the same bits, a
+    /// vector's outputs alone its outputs among others; the packing checks its lengths.
     #[test]
     fn matches_the_portable_order_and_f64() {
         if crate::testing::skips_without_bf16() {
@@ -686,37 +689,18 @@ mod tests {
             reference(&m, rows, &xs, &mut want);
             assert_eq!(got, want, "{rows}x{cols} n={n}: the instruction's sums in the portable order");
             within_f64(&m, rows, &xs, &got);
-            // the fastest products here (AMX tiles where they run: their own order)
-            matmul_nt_bf16(&m, rows, &xs, &mut got, &mut buffers);
-            within_f64(&m, rows, &xs, &got);
-        }
-    }
-
-    /// Kept panels (`pack_matrix`, `packed_products`): the bits of the panels packed per call in
-    /// the dot products, on every shape class; a vector's outputs alone are its outputs among
-    /// others; and the packing checks its lengths.
-    #[test]
-    fn kept_panels_give_the_dot_products_bits() {
-        if crate::testing::skips_without_bf16() {
-            return;
-        }
-        let mut buffers = Buffers::default();
-        for (rows, cols, n) in SHAPES {
-            let (m, xs) = (bf16s(rows * cols, rows as u64 + 7), noise(n * cols, cols as u64 + 9));
             let mut packed = vec![u32::MAX; packed_len(rows, cols)];
             pack_matrix(&m, rows, &mut packed);
-            let mut pairs = Lines::default();
-            // SAFETY: skips_without_bf16 checked the CPU.
-            unsafe { pack_vectors(&xs, cols, &mut pairs) };
-            let (mut got, mut want) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
-            packed_products(&pairs, &packed, rows, &mut got);
-            products_in(Products::DotProducts, &m, rows, cols, &pairs, &mut want, &mut buffers);
-            assert_eq!(got, want, "{rows}x{cols} n={n}");
-            let k2 = cols.div_ceil(2);
-            let last = n - 1;
+            let mut kept = vec![f32::NAN; n * rows];
+            packed_products(&pairs, &packed, rows, &mut kept);
+            assert_eq!(kept, want, "{rows}x{cols} n={n}: from kept panels");
+            let (k2, last) = (cols.div_ceil(2), n - 1);
             let mut alone = vec![f32::NAN; rows];
             packed_products(&pairs[last * k2..], &packed, rows, &mut alone);
             assert_eq!(alone, want[last * rows..], "{rows}x{cols}: the last vector alone");
+            // the fastest products here (AMX tiles where they run: their own order)
+            matmul_nt_bf16(&m, rows, &xs, &mut got, &mut buffers);
+            within_f64(&m, rows, &xs, &got);
         }
         let mut short = vec![0u32; 3];
         assert!(std::panic::catch_unwind(move || pack_matrix(&bf16s(64 * 4, 1), 64, &mut short)).is_err());
