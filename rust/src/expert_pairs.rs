@@ -347,18 +347,17 @@ impl<W: Element> Experts<'_, W> {
         if let Some(b2) = self.b2 {
             want("b2", b2.len(), e * h)?;
         }
-        let (p13, p2) = packed_lens::<W>(r, h, i);
-        match (self.packed, W::as_bf16s(&[]).is_some()) {
-            (Some(PackedExperts::F32 { w13, w2 }), false) => {
-                want("packed w13", w13.len(), e * p13)?;
-                want("packed w2", w2.len(), e * p2)?;
+        if let Some(packed) = self.packed {
+            let (lens, bf16) = match packed {
+                PackedExperts::F32 { w13, w2 } => ((w13.len(), w2.len()), false),
+                PackedExperts::Bf16 { w13, w2 } => ((w13.len(), w2.len()), true),
+            };
+            if bf16 != W::as_bf16s(&[]).is_some() {
+                return Err("packed experts of another dtype than the experts' (pack_experts)".into());
             }
-            (Some(PackedExperts::Bf16 { w13, w2 }), true) => {
-                want("packed w13", w13.len(), e * p13)?;
-                want("packed w2", w2.len(), e * p2)?;
-            }
-            (Some(_), _) => return Err("packed experts of another dtype than the experts' (pack_experts)".into()),
-            (None, _) => {}
+            let (p13, p2) = packed_lens::<W>(r, h, i);
+            want("packed w13", lens.0, e * p13)?;
+            want("packed w2", lens.1, e * p2)?;
         }
         Ok(())
     }

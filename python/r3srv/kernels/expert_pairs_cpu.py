@@ -86,9 +86,8 @@ def expert_pairs(
                  0 if b2 is None else b2.data_ptr(), 0 if tokens is None else tokens.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     shape = (x.shape[0], ids.numel(), num_experts, hidden, inter)
-    packed = packed_experts(w13, w2, threads) if pack else None
     expert_pairs_entry(addresses, shape, dtype, act.name, float(act.alpha), float(act.limit), threads, wide_min_pairs,
-                       None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr()))
+                       packed_addresses(w13, w2, threads) if pack else None)
     return out
 
 
@@ -126,6 +125,13 @@ def packed_experts(w13: torch.Tensor, w2: torch.Tensor, threads: int = 1) -> tup
         return None
     p13, p2 = _packed(w13, threads), _packed(w2, threads)
     return None if p13 is None or p2 is None else (p13, p2)
+
+
+def packed_addresses(w13: torch.Tensor, w2: torch.Tensor, threads: int = 1) -> tuple[int, int] | None:
+    """The data addresses of `packed_experts`' copy, the kernel entry's `packed` argument (None:
+    no copy, the weights' rows read in place)."""
+    packed = packed_experts(w13, w2, threads)
+    return None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
 
 
 def _packed(w: torch.Tensor, threads: int) -> torch.Tensor | None:

@@ -243,8 +243,7 @@ class FusedDecoderLayer:
         name, alpha, limit = self.activation
         addresses = (h.data_ptr(), w13.data_ptr(), w2.data_ptr(), 0, 0, 0, ids.data_ptr(), weights.data_ptr(),
                      mixed.data_ptr())
-        packed = expert_pairs_cpu.packed_experts(w13, w2, threads) if self.pack else None
+        packed = expert_pairs_cpu.packed_addresses(w13, w2, threads) if self.pack else None
         expert_pairs_cpu.expert_pairs_entry(addresses, (rows, rows * top_k, num_experts, hidden, inter), code, name, alpha,
-                                           limit, threads, None,
-                                           None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr()))
+                                           limit, threads, None, packed)
         return x + mixed
