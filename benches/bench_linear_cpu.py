@@ -15,7 +15,11 @@ torch's F.linear, as same-run ratios.
     and the CPU's flags printed;
 (d) float32 at prefill sizes (the built-in model's q/k/v, output and router projections of a
     2,048-token step), where the kernel's row tiles take the call on an AVX-512F CPU: torch /
-    Rust, one thread, with the CPU's flags printed.
+    Rust, one thread, with the CPU's flags printed;
+(e) a decode step's bfloat16 projections on Qwen3-30B-A3B's shapes (q/k/v, output and router of
+    four layers, past the L3 between calls, as the experts leave them in a step) at 1 and 16
+    rows: the weights' rows read in place / their packed copy (kernels/packed_weights.py), where
+    the CPU reads one.
 """
 
 from __future__ import annotations
@@ -91,3 +95,42 @@ def test_decode_step(benchmark, num_seqs):
     print(f"\ndecode step, {num_seqs} sequence(s), median per step: thread CPU torch {med[False][0] * 1e3:.2f} ms, "
           f"Rust {med[True][0] * 1e3:.2f} ms, {med[False][0] / med[True][0]:.2f}x; wall "
           f"{med[False][1] / med[True][1]:.2f}x")
+
+
+# Qwen3-30B-A3B's attention and router projections (out, in): q/k/v, output, router gate
+QWEN3_PROJECTIONS = [(5120, 2048), (2048, 4096), (128, 2048)]
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_linear_packed(benchmark, rows, candidate):
+    from r3srv.kernels.linear_cpu import linear_rust, packed_weight
+    from r3srv.kernels.packed_weights import packs
+
+    dtype = torch.bfloat16
+    if not packs(dtype):
+        pytest.skip("this CPU does not read bfloat16 weights packed (AVX-512 BF16 without AMX tiles)")
+    from r3srv import huge_pages
+
+    g = torch.Generator().manual_seed(0)
+
+    def weight(n: int, k: int) -> torch.nn.Parameter:
+        w = torch.empty(n, k, dtype=dtype)
+        huge_pages.advise([w])  # as the loader leaves a model's weights (the packed copies are too)
+        w.copy_(torch.randn(n, k, generator=g) / k**0.5)
+        return torch.nn.Parameter(w, requires_grad=False)
+
+    weights = [weight(n, k) for _ in range(4) for n, k in QWEN3_PROJECTIONS]
+    xs = {k: torch.randn(rows, k, generator=g).to(dtype) for _, k in QWEN3_PROJECTIONS}
+    pack = candidate == "r3srv"
+    for w in weights:
+        assert packed_weight(w) is not None  # made before the timing
+
+    def step():
+        return [linear_rust(xs[w.shape[1]], w, None, 1, pack) for w in weights]
+
+    benchmark.group = f"linear packed bfloat16 {rows} rows"
+    outs = benchmark(step)
+    for w, out in zip(weights[:3], outs):
+        x = xs[w.shape[1]]
+        torch.testing.assert_close(out.double(), x.double() @ w.double().T, rtol=2**-7, atol=1e-3)

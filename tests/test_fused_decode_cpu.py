@@ -227,9 +227,12 @@ def test_any_kernel_it_calls_turned_off_turns_it_off(switch):
     with settings.overridden(force_torch_router=True):
         assert ops_for("cpu", torch.float32).fuse_decoder_layer is None
     fuse = ops_for("cpu", torch.float32).fuse_decoder_layer
-    assert fuse.func is cpu_decode.fuse_decoder_layer and fuse.keywords == {"pack": True}
-    with settings.overridden(packed_experts=False):  # the layers read the experts as the backend's pass does
-        assert ops_for("cpu", torch.float32).fuse_decoder_layer.keywords == {"pack": False}
+    assert fuse.func is cpu_decode.fuse_decoder_layer and fuse.keywords == {"pack": True, "pack_linear": True}
+    # the layers read the experts and the linear weights as the backend's ops do
+    with settings.overridden(packed_experts=False):
+        assert ops_for("cpu", torch.float32).fuse_decoder_layer.keywords == {"pack": False, "pack_linear": True}
+    with settings.overridden(packed_linear=False):
+        assert ops_for("cpu", torch.float32).fuse_decoder_layer.keywords == {"pack": True, "pack_linear": False}
 
 
 def test_the_step_plan_declines_what_the_kernels_would():

@@ -175,8 +175,8 @@ def test_a_long_float32_prompt_generates_the_same_tokens_and_rows_with_the_row_t
     long_llm = LLM(dtype="float32", max_model_len=1280, max_num_seqs=1, enable_prefix_caching=False)
     tiled = []
 
-    def spy(x, weight, bias=None, threads=1):
-        out = linear_rust(x, weight, bias, threads)
+    def spy(x, weight, bias=None, threads=1, pack=False):
+        out = linear_rust(x, weight, bias, threads, pack)
         tiled.append(out is not None and x.numel() // x.shape[-1] >= linear_cpu.ROW_TILES_MIN_ROWS)
         return out
 

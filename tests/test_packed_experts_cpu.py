@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_testing import one_torch_thread  # noqa: F401 (autouse fixture)
-from r3srv.kernels import expert_pairs_cpu
+from r3srv.kernels import expert_pairs_cpu, packed_weights
 from r3srv.kernels.expert_pairs_cpu import ACTIVATIONS, BUILT, expert_pairs, packed_experts, packs
 from r3srv.ops.experts import Activation, TorchExperts
 
@@ -141,7 +141,7 @@ def test_the_copy_follows_its_parameter(dtype):
     del w13, w2, run, reference, first
     gc.collect()
     assert all(copy() is None for copy in copies)  # dropped with the parameters
-    assert not keys & {key for key, kept in expert_pairs_cpu._PACKED.items() if kept[0]() is not None}
+    assert not keys & {key for key, kept in packed_weights._PACKED.items() if kept[0]() is not None}
 
 
 @pytest.mark.parametrize("case", ["float16", "two dtypes", "not a parameter", "two dimensions"])
@@ -165,11 +165,11 @@ def test_no_copy_where_the_host_lacks_the_memory(monkeypatch):
     w13, w2 = experts_of(2, 8, 64, 32)
     x, weights, ids = routed(2, 6, 8, 2, 64)
     copy_bytes = 4 * w13.numel()  # 64 outputs a block: as large as the weights here
-    monkeypatch.setattr(expert_pairs_cpu, "available_bytes", lambda: 2 * copy_bytes - 1)
+    monkeypatch.setattr(packed_weights, "available_bytes", lambda: 2 * copy_bytes - 1)
     assert packed_experts(w13, w2) is None
     got = expert_pairs(x, w13, w2, weights, ids, None, None, None, act, pack=True)
     assert torch.equal(got, expert_pairs(x, w13, w2, weights, ids, None, None, None, act))
-    monkeypatch.setattr(expert_pairs_cpu, "available_bytes", lambda: 2 * copy_bytes)
+    monkeypatch.setattr(packed_weights, "available_bytes", lambda: 2 * copy_bytes)
     with torch.no_grad():
         w13.mul_(1.0)  # the parameter changed: the answer is asked again
     assert packed_experts(w13, w2) is not None

@@ -35,6 +35,7 @@ EXAMPLES = {
     "R3SRV_GROUPED_MM": ("0", False),
     "R3SRV_CPU_EXPERT_KERNEL": ("0", False),
     "R3SRV_PACKED_EXPERTS": ("0", False),
+    "R3SRV_PACKED_LINEAR": ("0", False),
     "R3SRV_AMX_TILES": ("0", False),
     "R3SRV_RUST_RMS_NORM": ("0", False),
     "R3SRV_RUST_LINEAR": ("0", False),

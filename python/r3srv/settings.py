@@ -58,6 +58,9 @@ class Settings:
                                "where torch has AMX)")
     rust_rms_norm: bool = _setting(True, "CPU float32 RMSNorm in one Rust call; off: torch's rms_norm")
     rust_linear: bool = _setting(True, "CPU linear layers of up to 32 rows in one Rust call; off: torch's F.linear")
+    packed_linear: bool = _setting(True, "CPU bfloat16 linear layers' weights also kept packed (twice their memory), "
+                                   "which the Rust linear kernel reads where the packed bfloat16 experts' products "
+                                   "run; off: their rows read in place")
     rust_rope: bool = _setting(True, "CPU q/k norms and RoPE of an attention layer in one Rust call; off: torch's ops")
     rust_router: bool = _setting(True, "CPU routing in one Rust call; off: the torch reference")
     fast_cpu_decode: bool = _setting(True, "CPU decode steps of plain MoE layers as straight kernel calls; off: the modules")

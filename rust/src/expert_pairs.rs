@@ -70,17 +70,26 @@ pub trait Element: Copy + Send + Sync + 'static {
 
     /// What a packed copy of experts of this type holds (`PackedExperts`): f32 in row tiles,
     /// bfloat16 pairs (u32) in the dot products' panels.
-    type Packed: Copy + Send + Sync;
+    type Packed: Copy + Default + Send + Sync;
+
+    /// Outputs a block of the packed copy holds (its last block padded to them).
+    const PACKED_ROWS: usize;
 
     /// Values of a [n, k] matrix packed.
     fn packed_len(n: usize, k: usize) -> usize;
 
     /// out = w [n, k] packed (`packed_len(n, k)` values).
     fn pack_matrix(w: &[Self], n: usize, out: &mut [Self::Packed]);
+
+    /// out [m, n] = x [m, k] @ w^T on this thread, w [n, k] packed (`pack_matrix`; or a run of
+    /// its whole blocks), in the packed experts' products: a row's outputs its own, the same bits
+    /// alone and in any batch. The CPU must run them (`packed_runs`).
+    fn packed_rows(x: &[Self], k: usize, packed: &[Self::Packed], n: usize, out: &mut [f32]);
 }
 
 impl Element for f32 {
     type Packed = f32;
+    const PACKED_ROWS: usize = crate::row_tiles::COLS;
 
     fn packed_len(n: usize, k: usize) -> usize {
         crate::row_tiles::packed_len(n, k)
@@ -88,6 +97,11 @@ impl Element for f32 {
 
     fn pack_matrix(w: &[f32], n: usize, out: &mut [f32]) {
         crate::row_tiles::pack_matrix(w, n, out)
+    }
+
+    fn packed_rows(x: &[f32], k: usize, packed: &[f32], n: usize, out: &mut [f32]) {
+        let rows: Vec<&[f32]> = x.chunks_exact(k).collect();
+        crate::row_tiles::packed_product(&rows, packed, n, out)
     }
 
     fn to_f32(self) -> f32 {
@@ -138,6 +152,7 @@ pub struct Bf16(pub u16);
 
 impl Element for Bf16 {
     type Packed = u32;
+    const PACKED_ROWS: usize = crate::matmul_bf16::PANEL_ROWS;
 
     fn packed_len(n: usize, k: usize) -> usize {
         crate::matmul_bf16::packed_len(n, k)
@@ -145,6 +160,23 @@ impl Element for Bf16 {
 
     fn pack_matrix(w: &[Bf16], n: usize, out: &mut [u32]) {
         crate::matmul_bf16::pack_matrix(w, n, out)
+    }
+
+    fn packed_rows(x: &[Bf16], k: usize, packed: &[u32], n: usize, out: &mut [f32]) {
+        // x's rows as pairs, as the experts' chunks take their tokens (an odd k padded a row at a time)
+        let mut pairs = crate::aligned::Lines::default();
+        if k.is_multiple_of(2) {
+            crate::matmul_bf16::extend_pairs(x, &mut pairs);
+        } else {
+            assert!(crate::matmul_bf16::runs(), "packed_rows: bfloat16 pairs need AVX-512 BF16");
+            let widened: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: runs() (asserted) includes AVX-512F and BF16; widened holds whole rows of k.
+            unsafe {
+                crate::matmul_bf16::pack_vectors(&widened, k, &mut pairs)
+            };
+        }
+        crate::matmul_bf16::packed_products(&pairs, packed, n, out)
     }
 
     fn to_f32(self) -> f32 {

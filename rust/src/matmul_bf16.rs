@@ -13,7 +13,7 @@ use crate::aligned::Lines;
 use crate::expert_pairs::{Bf16, Element};
 
 /// Weight rows per panel: four 16-lane registers of one k-pair each.
-const PANEL_ROWS: usize = 64;
+pub(crate) const PANEL_ROWS: usize = 64;
 /// Vectors (xs rows) per register block: 4 x 6 accumulators, 4 weight registers and one
 /// broadcast within the 32 registers.
 const BLOCK_VECTORS: usize = 6;

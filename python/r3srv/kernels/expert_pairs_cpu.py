@@ -11,7 +11,7 @@ rounding of the small products: float32 experts with the pairs as the vector lan
 (rust/src/matmul.rs, rust/src/matmul_bf16.rs); below that a token's
 result does not depend on the other tokens in the call, and the thread count never does.
 On an AVX-512 CPU the backend's pass reads float32 experts from a copy packed in row tiles
-(`packed_experts`, rust/src/row_tiles.rs), and where the AVX-512 BF16 dot products are the
+(`packed_experts`, kernels/packed_weights.py, rust/src/row_tiles.rs), and where the AVX-512 BF16 dot products are the
 wide chunks' products (not AMX tiles) bfloat16 experts from a copy in their panels
 (rust/src/matmul_bf16.rs): every chunk with the wide chunks' bits.
 
@@ -26,22 +26,15 @@ differ from the torch path by rounding.
 
 from __future__ import annotations
 
-import functools
-import weakref
-
 import torch
 
-from r3srv import huge_pages
-from r3srv.host_memory import available_bytes
+from r3srv.kernels.packed_weights import packed_copy, packs
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 expert_pairs_entry = rust_kernel("expert_pairs_cpu")
 _wide_min_pairs = rust_kernel("expert_pairs_wide_min_pairs")
 _allow_amx = rust_kernel("expert_pairs_allow_amx")
 _bf16_products = rust_kernel("expert_pairs_bf16_products")
-_packed_runs = rust_kernel("expert_pairs_packed_runs")
-_packed_len = rust_kernel("expert_pairs_packed_len")
-_pack = rust_kernel("expert_pairs_pack")
 BUILT = expert_pairs_entry is not None  # else the torch path (kernels/rust_core.py)
 ACTIVATIONS = ("silu_and_mul", "relu_squared", "clamped_swiglu")  # what the kernel computes
 
@@ -91,39 +84,18 @@ def expert_pairs(
     return out
 
 
-# the packed copy's element type, by the experts' dtype (bfloat16 pairs as 32-bit values)
-PACKED_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.int32}
-
-
-@functools.cache
-def packs(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernel reads experts of `dtype` packed on this CPU now: float32 ones in row
-    tiles (AVX-512F), bfloat16 ones in panels (AVX-512 BF16, AMX tiles not allowed or absent).
-    Asked of the core once (every decode layer's pass asks here; `allow_amx` asks again)."""
-    return _packed_runs is not None and dtype in PACKED_DTYPES and _packed_runs(RUST_DTYPES[dtype])
-
-
-# id(parameter) -> (a weak reference to it, its data address and version when packed, the packed copy or None)
-_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor | None]] = {}
-
-
 def packed_experts(w13: torch.Tensor, w2: torch.Tensor, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Experts' weights w13 [E, R, H] and w2 [E, H, I] packed in 64-output blocks, each of which
-    every chunk of the kernel's pass reads as one contiguous run (a core streams it at its full
-    read bandwidth; the weights' own rows, four at a time, it did not): float32 weights in row
-    tiles, in which a prefill's wide chunks need no transposes either (docs/benchmarks.md,
-    "Float32 experts packed in row tiles"), bfloat16 weights in the panels of pairs a wide
-    chunk packs every call ("Bfloat16 experts packed in panels"). None where the CPU does not
-    run their kernel (`packs`), the weights are not float32 or bfloat16 parameters, or the host
-    lacks the memory. The copy is made on first use and kept beside the parameter (twice the
-    experts' memory; not made where it would take more than half the host's available memory,
-    then the weights' rows are read in place), made again whenever the parameter's data moved
-    or changed in place (a weight update: its version counter), dropped with the parameter."""
-    dtype = w13.dtype
-    if not packs(dtype) or not all(isinstance(w, torch.nn.Parameter) and w.is_cpu and w.dtype == dtype
-                                   and w.dim() == 3 and w.is_contiguous() for w in (w13, w2)):
+    """Experts' weights w13 [E, R, H] and w2 [E, H, I] packed in 64-output blocks
+    (kernels/packed_weights.py), each of which every chunk of the kernel's pass reads as one
+    contiguous run: float32 weights in row tiles, in which a prefill's wide chunks need no
+    transposes either (docs/benchmarks.md, "Float32 experts packed in row tiles"), bfloat16
+    weights in the panels of pairs a wide chunk packs every call ("Bfloat16 experts packed in
+    panels"). None where the CPU does not run their kernel (`packs`), the weights are not float32
+    or bfloat16 parameters of one dtype, or the host lacks the memory (then the weights' rows are
+    read in place)."""
+    if w13.dtype != w2.dtype or w13.dim() != 3 or w2.dim() != 3:
         return None
-    p13, p2 = _packed(w13, threads), _packed(w2, threads)
+    p13, p2 = packed_copy(w13, threads), packed_copy(w2, threads)
     return None if p13 is None or p2 is None else (p13, p2)
 
 
@@ -132,29 +104,6 @@ def packed_addresses(w13: torch.Tensor, w2: torch.Tensor, threads: int = 1) -> t
     no copy, the weights' rows read in place)."""
     packed = packed_experts(w13, w2, threads)
     return None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
-
-
-def _packed(w: torch.Tensor, threads: int) -> torch.Tensor | None:
-    key = id(w)
-    kept = _PACKED.get(key)
-    if kept is not None and kept[0]() is w and kept[1:3] == (w.data_ptr(), w._version):
-        return kept[3]
-    experts, n, k = w.shape
-    dtype, code = PACKED_DTYPES[w.dtype], RUST_DTYPES[w.dtype]
-    size = experts * _packed_len(code, n, k)
-    if 2 * size * dtype.itemsize > available_bytes():  # the answer kept, as a copy is, until the parameter changes
-        packed = None
-    else:
-        packed = torch.empty(size, dtype=dtype)
-        huge_pages.advise([packed])  # before the pack faults its pages in (the weights' own have them)
-        _pack(w.data_ptr(), packed.data_ptr(), (experts, n, k), code, threads)
-
-    def forget(ref: weakref.ref, key: int = key) -> None:
-        if key in _PACKED and _PACKED[key][0] is ref:
-            del _PACKED[key]
-
-    _PACKED[key] = (weakref.ref(w, forget), w.data_ptr(), w._version, packed)
-    return packed
 
 
 def wide_min_pairs(dtype: torch.dtype) -> int | None:
@@ -173,7 +122,7 @@ def allow_amx(allowed: bool) -> None:
     backend says so when it builds a model's ops): process-wide."""
     if _allow_amx is not None:
         _allow_amx(allowed)
-        packs.cache_clear()  # bfloat16 experts are read packed only where AMX tiles are not chosen
+        packs.cache_clear()  # bfloat16 weights are read packed only where AMX tiles are not chosen
 
 
 def bf16_products() -> str | None:

@@ -18,8 +18,19 @@ and runs float32's packed products (benches/bench_linear_cpu.py). With AMX or AV
 float32 with more rows takes the kernel where the CPU runs its row tiles (AVX-512F,
 rust/src/row_tiles.rs): x's rows read in place against each 64 outputs' weights packed once a
 part, where torch's GEMM packs both operands every call, a large share of a prefill's
-projections of K = 256 (docs/benchmarks.md, "Prefill projections in row tiles"). Each element is
-one fused multiply-add chain over K in order.
+projections of K = 256 (docs/benchmarks.md, "Prefill projections in row tiles"), from
+ROW_TILES_MIN_ROWS rows. Each element is one fused multiply-add chain over K in order.
+
+With `pack`, a bfloat16 weight that is a parameter is read from its packed copy
+(kernels/packed_weights.py: the 64-output panels of pairs the expert pass reads bfloat16 experts
+in, one contiguous run each) where the CPU runs those products (AVX-512 BF16 dot products that
+are the wide expert chunks' products, not AMX tiles): a decode step's few rows then stream the
+weight at the core's read rate and run in register blocks of 6 rows x 64 outputs, where the rows'
+four-row blocks ended each output in a horizontal sum (docs/benchmarks.md, "Linear layers'
+weights packed"). Each element is then the dot products' chain over the pairs in order, a row's
+result still its own. float32 weights are not packed for this kernel: over a packed copy each
+element would be one fused multiply-add chain over K, 2-2.5x the rounding error of `gemm_nt`'s
+lanes at K >= 256 (bfloat16's own rounding hides the difference).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from r3srv.kernels.cpu_isa import torch_has_fast_bfloat16
+from r3srv.kernels.packed_weights import packed_address
 from r3srv.kernels.rust_core import RUST_DTYPES, rust_kernel
 
 linear_entry = rust_kernel("linear_cpu")
@@ -45,10 +57,11 @@ ROW_TILES_MIN_ROWS = 1024
 
 
 def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                threads: int = 1) -> torch.Tensor | None:
+                threads: int = 1, pack: bool = False) -> torch.Tensor | None:
     """x @ weight.T (+ bias) through the Rust kernel on up to `threads` threads, or None where it
-    does not apply. A decode step makes a dozen of these calls: the checks read each attribute
-    once, cheapest first."""
+    does not apply; `pack`: a bfloat16 parameter read from its packed copy (`packed_weight`). A
+    decode step makes a dozen of these calls: the checks read each attribute once, cheapest
+    first."""
     dtype = RUST_DTYPES.get(x.dtype)
     if dtype is None or not BUILT or not x.is_cpu:
         return None
@@ -70,5 +83,13 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     out = x.new_empty(rows, out_features) if len(shape) == 2 else x.new_empty(*shape[:-1], out_features)
     addresses = (x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
-    linear_entry(addresses, (rows, out_features, in_features), dtype, threads)
+    linear_entry(addresses, (rows, out_features, in_features), dtype, threads, None,
+                 packed_weight(weight, threads) if pack else None)
     return out
+
+
+def packed_weight(weight: torch.Tensor, threads: int = 1) -> int | None:
+    """The address of `weight`'s packed copy where this kernel reads one (a bfloat16 parameter on
+    a CPU that runs the packed products: see the module docstring), else None: the one rule the
+    backend's op and the fused decode layer (ops/cpu_decode.py) both follow."""
+    return packed_address(weight, threads) if weight.dtype is torch.bfloat16 else None

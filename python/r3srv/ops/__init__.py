@@ -28,7 +28,7 @@ def ops_for(device: torch.device | str, dtype: torch.dtype, *, batch_invariant: 
         from r3srv.ops import cpu, invariant
 
         base = cpu.build(dtype, current)
-        return invariant.build(base, current.packed_experts) if batch_invariant else base
+        return invariant.build(base, current.packed_experts, current.packed_linear) if batch_invariant else base
     if kind == "cuda":
         from r3srv.ops import cuda, invariant
 

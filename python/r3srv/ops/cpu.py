@@ -78,7 +78,9 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
     contended = kernel_threads.choose(current.openmp_kernel_threads) != "openmp" and not waits_passively()
     rust_dtype = dtype in RUST_DTYPES
     expert_pairs_cpu.allow_amx(current.amx_tiles)  # before torch_prefills asks what the flash kernel runs in
-    linear = kernel_linear(linear_cpu.linear_rust, threads) if current.rust_linear and linear_cpu.BUILT else None
+    linear = None
+    if current.rust_linear and linear_cpu.BUILT:
+        linear = kernel_linear(functools.partial(linear_cpu.linear_rust, pack=current.packed_linear), threads)
     norms = dict(REFERENCE_NORMS)
     if current.rust_rms_norm and rms_norm_cpu.BUILT:
         norms["default"] = kernel_rms_norm(functools.partial(rms_norm_cpu.rms_norm_cpu, threads=threads))
@@ -122,7 +124,8 @@ def build(dtype: torch.dtype, current: Settings) -> Ops:
         attention_heads=heads, decode_attention=decode, prefill_attention=prefill,
         routers=routers, expert_passes=experts,
         recurrent_steps=no_fused_step, scan_pad_factor=SCAN_PAD_FACTOR,
-        fuse_decoder_layer=functools.partial(cpu_decode.fuse_decoder_layer, pack=packed) if fused else None,
+        fuse_decoder_layer=(functools.partial(cpu_decode.fuse_decoder_layer, pack=packed,
+                                              pack_linear=current.packed_linear) if fused else None),
         plan_fused_step=plan if fused else None,
         threads=threads, torch_threads=functools.partial(torch_threads, threads),
     )

@@ -29,6 +29,11 @@ CODES = linear_cpu.RUST_DTYPES  # the kernels' dtype argument, by torch dtype
 KERNELS = (linear_cpu, rms_norm_cpu, qk_rope_cpu, paged_decode_cpu, expert_pairs_cpu, router_cpu)
 
 
+def _unpacked(weight: torch.Tensor, threads: int) -> None:
+    """No packed copy (--no-packed-linear): the weight's rows read in place."""
+    return None
+
+
 def kernels_built() -> bool:
     return all(kernel.BUILT for kernel in KERNELS)
 
@@ -82,7 +87,8 @@ class DecodeStep:
                           index(meta.slot_mapping))
 
 
-def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear, pack: bool = False) -> "FusedDecoderLayer":
+def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear, pack: bool = False,
+                       pack_linear: bool = False) -> "FusedDecoderLayer":
     """The fused decode step of the layer these parts describe; Declined (naming every part it
     does not compute) unless it is a pre-norm attention + MoE layer on one device, float32 or
     bfloat16 (one dtype; the router gate may be float32), per-head q/k norms or none, half-split
@@ -92,7 +98,9 @@ def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear, p
     with --enable-lora) are computed as the modules compute them; `linear` is the backend's
     linear op, which they hand the slots for the projections the Rust pass cannot read. `pack`: experts read
     from their packed copy (kernels/expert_pairs_cpu.py's packed_experts), as the backend's
-    expert pass reads them."""
+    expert pass reads them; `pack_linear`: the projections' and the router gate's weights from
+    theirs where the linear kernel reads one (kernels/linear_cpu.py's packed_weight), as the
+    backend's linear op reads them."""
     problems = unsupported(parts, {"mixer", "mlp", "input_norm", "post_attention_norm"})
     for name in ("input_norm", "post_attention_norm"):
         norm = getattr(parts, name)
@@ -133,13 +141,13 @@ def fuse_decoder_layer(parts: DecoderParts, linear=torch.nn.functional.linear, p
             problems.append(f"weights: {dtype} (this build of the Rust core lacks its norm kernels)")
     if problems:
         raise Declined(", ".join(problems))
-    return FusedDecoderLayer(parts, linear, pack)
+    return FusedDecoderLayer(parts, linear, pack, pack_linear)
 
 
 class FusedDecoderLayer:
     """One layer's decode step in kernel calls (see the module docstring)."""
 
-    def __init__(self, parts: DecoderParts, linear, pack: bool = False) -> None:
+    def __init__(self, parts: DecoderParts, linear, pack: bool = False, pack_linear: bool = False) -> None:
         # the parts read once (attribute lookups cost microseconds each); the tensors are the
         # parameters themselves, so in-place weight updates are seen
         attn, moe = parts.mixer, parts.mlp
@@ -166,7 +174,7 @@ class FusedDecoderLayer:
         # LoraBatch as the modules read it; `act` and `linear` as the modules hand them over
         self.qkv_lora, self.o_lora, self.gate_lora, self.experts_lora = (attn.qkv.lora, attn.o.lora, router.gate.lora,
                                                                           experts.lora)
-        self.act, self.linear, self.pack = act, linear, pack
+        self.act, self.linear, self.pack, self.pack_linear = act, linear, pack, pack_linear
 
     def __call__(self, x: torch.Tensor, cos, sin, meta, capture, step: DecodeStep) -> torch.Tensor | None:
         """The layer's output, or None where a kernel would decline this step (an odd or too
@@ -175,6 +183,7 @@ class FusedDecoderLayer:
         rows, hidden, threads = step.num_rows, x.shape[1], step.threads
         dtype, linear, norm = self.dtype, linear_cpu.linear_entry, self.norm_entry
         code = CODES[dtype]
+        packed = linear_cpu.packed_weight if self.pack_linear else _unpacked
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rotary = cos.shape[-1] if self.use_rope else 0
         k_cache, v_cache = self.attn_layer.k_cache, self.attn_layer.v_cache
@@ -186,7 +195,8 @@ class FusedDecoderLayer:
         norm(x.data_ptr(), self.input_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
         qkv_w = self.qkv_w
         qkv = x.new_empty(rows, qkv_w.shape[0])
-        linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), code, threads)
+        linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), code, threads, None,
+               packed(qkv_w, threads))
         if self.qkv_lora is not None:
             qkv = self.qkv_lora(h, qkv, self.linear, threads)
         q = x.new_empty(rows, heads, head_dim)
@@ -212,7 +222,8 @@ class FusedDecoderLayer:
             self.scale, None, None, threads)
         o_w = self.o_w
         attended = torch.empty_like(x)
-        linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), code, threads)
+        linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), code, threads, None,
+               packed(o_w, threads))
         if self.o_lora is not None:
             attended = self.o_lora(o.view(rows, -1), attended, self.linear, threads)
         x = x + attended
@@ -225,7 +236,8 @@ class FusedDecoderLayer:
         routed = h if gate.dtype is dtype else h.to(gate.dtype)
         gate_code = CODES[gate.dtype]
         logits = routed.new_empty(rows, experts)
-        linear((routed.data_ptr(), gate.data_ptr(), 0, logits.data_ptr()), (rows, experts, hidden), gate_code, threads)
+        linear((routed.data_ptr(), gate.data_ptr(), 0, logits.data_ptr()), (rows, experts, hidden), gate_code, threads,
+               None, packed(gate, threads))
         if self.gate_lora is not None:  # an adapted router: the rows follow it
             logits = self.gate_lora(routed, logits, self.linear, threads)
         top_k = self.top_k

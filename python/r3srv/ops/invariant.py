@@ -8,7 +8,8 @@ independently of their thread count; this backend keeps every call below that si
 prompt tokens through the kernels decodes take:
 
 - linear layers: blocks of at most `linear_cpu.MAX_ROWS` rows through the Rust kernel, each
-  output element one dot product (`gemm_nt`), never torch's GEMM, whose blocking depends on the
+  output element one dot product (`gemm_nt`; with weights kept packed, --packed-linear, the
+  packed products' sum, a row's own as well), never torch's GEMM, whose blocking depends on the
   number of rows (a row a call where the kernel declines);
 - attention: every query, a prompt's as a decode's, through the Rust paged decode kernel over
   the keys up to its own position, in 32-key tiles from position 0 (the kernel's split is by
@@ -52,9 +53,9 @@ WIDE_MIN_PAIRS = 64
 PREFILL_QUERY_BLOCK = 128
 
 
-def build(base: Ops, packed_experts: bool = False) -> Ops:
+def build(base: Ops, packed_experts: bool = False, packed_linear: bool = False) -> Ops:
     """The CPU backend `base` (ops/cpu.py's, built for the same settings) made batch-invariant;
-    `packed_experts`: settings.packed_experts."""
+    `packed_experts`, `packed_linear`: the settings of those names."""
     missing = [name for name, built in (("linear_cpu", linear_cpu.BUILT), ("paged_decode_attention",
                paged_decode_cpu.BUILT), ("expert_pairs_cpu", expert_pairs_cpu.BUILT)) if not built]
     if missing:
@@ -64,7 +65,7 @@ def build(base: Ops, packed_experts: bool = False) -> Ops:
         raise ConfigError("--batch-invariant needs the Rust paged decode kernel: drop --no-rust-decode")
     threads = base.threads
     decode = base.decode_attention
-    linear = functools.partial(invariant_linear, threads=threads)
+    linear = functools.partial(invariant_linear, threads=threads, pack=packed_linear)
     return base.replace(
         name="cpu-invariant",
         linear=linear,
@@ -106,14 +107,15 @@ def one_thread(num_tokens: int) -> int:
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     threads: int = 1) -> torch.Tensor:
-    """F.linear, each row through the Rust kernel's per-row dot products in blocks of at most
-    MAX_ROWS rows (or alone through F.linear where the kernel declines the weight)."""
+                     threads: int = 1, pack: bool = False) -> torch.Tensor:
+    """F.linear, each row through the Rust kernel's per-row dot products (`pack`: a parameter's
+    packed copy where the CPU reads one) in blocks of at most MAX_ROWS rows (or alone through
+    F.linear where the kernel declines the weight)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = rows.new_empty(rows.shape[0], weight.shape[0])
     for start in range(0, rows.shape[0], linear_cpu.MAX_ROWS):
         block = rows[start : start + linear_cpu.MAX_ROWS]
-        y = linear_cpu.linear_rust(block, weight, bias, threads)
+        y = linear_cpu.linear_rust(block, weight, bias, threads, pack)
         if y is None:  # a weight or dtype the kernel does not read: one row a call, a row alike at any batch
             y = torch.cat([F.linear(row, weight, bias) for row in block.split(1)])
         out[start : start + block.shape[0]] = y
