@@ -49,13 +49,13 @@ def packed_copy(w: torch.Tensor, threads: int = 1) -> torch.Tensor | None:
     or a stack of them [E, n, k] (each packed alone), or None where the CPU does not run the
     packed products for its dtype (`packs`), `w` is not such a parameter, or the host lacks the
     memory."""
+    key = id(w)
+    kept = _PACKED.get(key)  # first: every decode step's projections and experts ask (a few per layer)
+    if kept is not None and kept[0]() is w and kept[1] == w.data_ptr() and kept[2] == w._version and packs(w.dtype):
+        return kept[3]
     if not (isinstance(w, torch.nn.Parameter) and w.dim() in (2, 3) and packs(w.dtype) and w.is_cpu
             and w.is_contiguous()):
         return None
-    key = id(w)
-    kept = _PACKED.get(key)
-    if kept is not None and kept[0]() is w and kept[1:3] == (w.data_ptr(), w._version):
-        return kept[3]
     experts, n, k = w.shape if w.dim() == 3 else (1, *w.shape)
     dtype, code = PACKED_DTYPES[w.dtype], RUST_DTYPES[w.dtype]
     size = experts * _packed_len(code, n, k)
