@@ -128,7 +128,7 @@ def test_the_copy_follows_its_parameter(dtype):
 
     with torch.no_grad():  # an in-place update (the loader's copy into a view of it, a trainer's push)
         w13[:, :4].copy_(torch.ones(8, 4, 64, dtype=dtype))
-    assert packed_experts(w13, w2)[0] is not first[0]
+    assert packed_experts(w13, w2)[0] is first[0]  # packed again into the copy it has
     after = run()
     assert not torch.equal(after, before) and torch.equal(after, reference())
 

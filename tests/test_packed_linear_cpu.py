@@ -72,11 +72,16 @@ def test_the_copy_follows_the_parameter():
     w, x = parameter(8, 70, 64), rows_of(9, 3, 64)
     first = packed_copy(w)
     assert first is not None and packed_copy(w) is first  # kept, not made again
+    before = linear_rust(x, w, pack=True)
     with torch.no_grad():
         w.mul_(2.0)  # a weight update in place: its version moves
-    assert packed_copy(w) is not first
+    assert packed_copy(w) is first  # packed again into the copy it has (no fresh pages)
     assert_near_float64(linear_rust(x, w, pack=True), x, w, None)
+    assert torch.equal(linear_rust(x, w, pack=True), 2 * before)  # a power of two: exact
     w.data = parameter(10, 70, 64).data  # new storage
+    assert_near_float64(linear_rust(x, w, pack=True), x, w, None)
+    w.data = parameter(11, 130, 64).data  # another shape: a copy of its own
+    assert packed_copy(w) is not first and packed_copy(w).numel() > first.numel()
     assert_near_float64(linear_rust(x, w, pack=True), x, w, None)
     copy = weakref.ref(packed_copy(w))
     key = id(w)

@@ -7,9 +7,9 @@ expert pass reads experts so (kernels/expert_pairs_cpu.py), the linear kernel bf
 weights (kernels/linear_cpu.py), each with the packed products' bits.
 
 A copy is made on first use (twice the weight's memory; not made where it would take more than
-half the host's available memory, then the weight's rows are read in place), made again whenever
-the parameter's data moved or changed in place (a weight update: its version counter), dropped
-with the parameter.
+half the host's available memory, then the weight's rows are read in place), packed again (into
+the same copy) whenever the parameter's data moved or changed in place (a weight update: its
+version counter), dropped with the parameter.
 """
 
 from __future__ import annotations
@@ -59,11 +59,17 @@ def packed_copy(w: torch.Tensor, threads: int = 1) -> torch.Tensor | None:
     experts, n, k = w.shape if w.dim() == 3 else (1, *w.shape)
     dtype, code = PACKED_DTYPES[w.dtype], RUST_DTYPES[w.dtype]
     size = experts * _packed_len(code, n, k)
-    if 2 * size * dtype.itemsize > available_bytes():  # the answer kept, as a copy is, until the parameter changes
+    earlier = kept[3] if kept is not None and kept[0]() is w else None
+    if earlier is not None and earlier.dtype == dtype and earlier.numel() == size:
+        # the parameter updated or moved: packed again into the copy it has, whose pages are in
+        # (fresh huge pages cost the kernel ~10x the packing itself: a trainer's every push)
+        packed = earlier
+    elif 2 * size * dtype.itemsize > available_bytes():  # the answer kept, as a copy is, until the parameter changes
         packed = None
     else:
         packed = torch.empty(size, dtype=dtype)
         huge_pages.advise([packed])  # before the pack faults its pages in (the weights' own have them)
+    if packed is not None:
         _pack(w.data_ptr(), packed.data_ptr(), (experts, n, k), code, threads)
 
     def forget(ref: weakref.ref, key: int = key) -> None:
