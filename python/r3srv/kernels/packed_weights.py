@@ -61,8 +61,8 @@ def packed_copy(w: torch.Tensor, threads: int = 1) -> torch.Tensor | None:
     size = experts * _packed_len(code, n, k)
     earlier = kept[3] if kept is not None and kept[0]() is w else None
     if earlier is not None and earlier.dtype == dtype and earlier.numel() == size:
-        # the parameter updated or moved: packed again into the copy it has, whose pages are in
-        # (fresh huge pages cost the kernel ~10x the packing itself: a trainer's every push)
+        # the parameter updated or moved (a trainer's every push): packed again into the copy it
+        # has, whose pages are in, with no second copy held meanwhile (docs/benchmarks.md)
         packed = earlier
     elif 2 * size * dtype.itemsize > available_bytes():  # the answer kept, as a copy is, until the parameter changes
         packed = None
