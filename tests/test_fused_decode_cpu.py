@@ -23,6 +23,7 @@ from engine_testing import fused_calls, model_of, one_torch_thread, rebound  # n
 from lora_testing import write_adapter, write_checkpoint
 from r3srv import LLM, SamplingParams, settings
 from r3srv.kernels import linear_cpu
+from r3srv.kernels.packed_weights import packs
 from r3srv.models.moe import Mlp
 from r3srv.models.parallel import ColumnParallelLinear, Piece
 from r3srv.ops import cpu_decode, ops_for
@@ -93,6 +94,39 @@ def test_bfloat16_the_same_bits_as_the_modules(fused_calls, float32_gate):
         for layer in model.layers:
             layer.mlp.gate = torch.nn.Parameter(layer.mlp.gate.float(), requires_grad=False)
     assert_the_modules_bits(bf16, fused_calls, 2, 3, 8)
+
+
+@pytest.mark.parametrize("packed_linear", [True, False])
+def test_bfloat16_steps_past_32_sequences(monkeypatch, packed_linear):
+    """A bfloat16 step of 33-63 sequences takes the fused layers where the projections are read
+    packed (the Rust linear takes them up to PACKED_MAX_ROWS rows), with the modules' bits, and
+    the modules where they are not (torch takes those rows)."""
+    taken = []  # the fused layers' steps that computed the layer (not declined)
+    run = cpu_decode.FusedDecoderLayer.__call__
+
+    def counted(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_decode.FusedDecoderLayer, "__call__", counted)
+    bf16 = LLM(dtype="bfloat16", max_model_len=256, enable_prefix_caching=False, max_num_seqs=48,
+               enable_return_routed_experts=True)
+    model = model_of(bf16)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, 8).tolist() for _ in range(40)]  # one prefill step, then 40-row decodes
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
+    with rebound(model, fast_cpu_decode=True, packed_linear=packed_linear):
+        fused = outputs(bf16, prompts, params)
+    assert taken and all(taken) == (packed_linear and packs(torch.bfloat16)) and (any(taken) == all(taken))
+    taken.clear()
+    with rebound(model, fast_cpu_decode=False, packed_linear=packed_linear):
+        modules = outputs(bf16, prompts, params)
+    assert not taken
+    for (tokens, rows, logprobs), (want_tokens, want_rows, want_logprobs) in zip(fused, modules):
+        assert tokens == want_tokens and logprobs == want_logprobs
+        np.testing.assert_array_equal(rows, want_rows)
+    bf16.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +270,8 @@ def test_any_kernel_it_calls_turned_off_turns_it_off(switch):
 
 
 def test_the_step_plan_declines_what_the_kernels_would():
-    """plan() is None for a prefill, for more rows than the Rust linear takes, for cos/sin of
-    another dtype than the rows, for float16."""
+    """plan() is None for a prefill, for more rows than the Rust linear takes of packed weights,
+    for cos/sin of another dtype than the rows, for float16."""
     meta = type("Meta", (), dict(prefills=[], decode_seqs=[0], graph=False, block_size=16,
                                  slot_mapping=torch.zeros(1, dtype=torch.int64),
                                  decode_kernel_args=lambda self: (torch.zeros(1, 2, dtype=torch.int64),
@@ -248,7 +282,7 @@ def test_the_step_plan_declines_what_the_kernels_would():
     meta.prefills = [object()]
     assert DecodeStep.plan(x, meta, cos, cos, None, 64, 1) is None
     meta.prefills = []
-    rows = linear_cpu.MAX_ROWS + 1
+    rows = linear_cpu.PACKED_MAX_ROWS + 1
     meta.decode_seqs = list(range(rows))
     assert DecodeStep.plan(torch.zeros(rows, 256), meta, torch.zeros(rows, 64), torch.zeros(rows, 64), None, 64,
                            1) is None

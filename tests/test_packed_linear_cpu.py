@@ -20,7 +20,7 @@ from engine_testing import model_of, one_torch_thread, prompt_ids  # noqa: F401 
 from r3srv import LLM, SamplingParams
 from r3srv import settings as settings_module
 from r3srv.kernels import linear_cpu, packed_weights
-from r3srv.kernels.linear_cpu import BUILT, MAX_ROWS, linear_rust, packed_weight
+from r3srv.kernels.linear_cpu import BUILT, MAX_ROWS, PACKED_MAX_ROWS, linear_rust, packed_weight
 from r3srv.kernels.packed_weights import packed_copy, packs
 from r3srv.ops import ops_for
 
@@ -45,7 +45,7 @@ def assert_near_float64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: 
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, MAX_ROWS), k=st.integers(1, 300), n=st.integers(1, 300), bias=st.booleans(),
+@given(m=st.integers(1, PACKED_MAX_ROWS), k=st.integers(1, 300), n=st.integers(1, 300), bias=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
 def test_a_packed_weight_gives_the_product_and_each_row_its_own(m, k, n, bias, seed):
     w, x = parameter(seed, n, k), rows_of(seed + 1, m, k)
@@ -88,6 +88,17 @@ def test_the_copy_follows_the_parameter():
     del w
     gc.collect()
     assert copy() is None and key not in packed_weights._PACKED  # dropped with the parameter
+
+
+def test_a_packed_weight_takes_the_kernel_up_to_its_own_row_limit():
+    """Past MAX_ROWS rows torch takes a weight read in place (where it has fast bfloat16), the
+    kernel a packed one, up to PACKED_MAX_ROWS."""
+    w = parameter(17, 64, 32)
+    for rows in (MAX_ROWS + 1, PACKED_MAX_ROWS):
+        x = rows_of(rows, rows, 32)
+        assert linear_rust(x, w, pack=True) is not None
+        assert (linear_rust(x, w) is None) == (not linear_cpu.PACKED_BF16)
+    assert (linear_rust(rows_of(18, PACKED_MAX_ROWS + 1, 32), w, pack=True) is None) == (not linear_cpu.PACKED_BF16)
 
 
 def test_weights_that_are_not_parameters_are_read_in_place():

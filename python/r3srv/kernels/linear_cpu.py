@@ -4,7 +4,7 @@ weight once, row by row, instead of torch's GEMM call, whose per-call cost and c
 weight reads dominate at one to a few rows (docs/benchmarks.md).
 
 `linear_rust` takes contiguous float32 or bfloat16 CPU tensors of one dtype with at most
-MAX_ROWS rows and returns None otherwise (the CPU backend, ops/cpu.py, then calls F.linear; it
+MAX_ROWS rows (PACKED_MAX_ROWS where the weight is read packed, below) and returns None otherwise (the CPU backend, ops/cpu.py, then calls F.linear; it
 takes torch's always with `--no-rust-linear`, R3SRV_RUST_LINEAR=0, or without a built
 extension). Results differ from torch's by rounding (another order of the same sums; float32
 arithmetic for bfloat16, rounded once), and a row's result does not depend on the other rows.
@@ -47,6 +47,10 @@ BUILT = linear_entry is not None  # else torch's F.linear (kernels/rust_core.py)
 # More rows than this: torch's GEMM, whose packed kernels win once the weights are reused enough
 # (bfloat16: the kernel's own packed path, where PACKED_BF16).
 MAX_ROWS = 32
+# A weight read from its packed copy (bfloat16: see below) takes the kernel up to this many rows:
+# a decode step of the default max_num_seqs (64) stays in the fused layers; from 128 rows torch's
+# oneDNN GEMM was as fast at two threads (docs/benchmarks.md, "Linear layers' weights packed").
+PACKED_MAX_ROWS = 64
 # Whether bfloat16 products of more than MAX_ROWS rows run in the kernel (see the docstring).
 PACKED_BF16 = not torch_has_fast_bfloat16()
 # Whether float32 products of ROW_TILES_MIN_ROWS rows or more run in the kernel: its row tiles
@@ -74,7 +78,9 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rows = x.numel() // in_features
     if rows <= 0 or x.requires_grad or weight.requires_grad:
         return None
-    if rows > MAX_ROWS and not (PACKED_BF16 if dtype == "bfloat16" else PACKED_F32 and rows >= ROW_TILES_MIN_ROWS):
+    packed = packed_weight(weight, threads) if pack else None
+    if rows > row_limit(packed) and not (PACKED_BF16 if dtype == "bfloat16" else
+                                         PACKED_F32 and rows >= ROW_TILES_MIN_ROWS):
         return None
     if weight.dtype != x.dtype or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous():
         return None
@@ -83,9 +89,15 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     out = x.new_empty(rows, out_features) if len(shape) == 2 else x.new_empty(*shape[:-1], out_features)
     addresses = (x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
-    linear_entry(addresses, (rows, out_features, in_features), dtype, threads, None,
-                 packed_weight(weight, threads) if pack else None)
+    linear_entry(addresses, (rows, out_features, in_features), dtype, threads, None, packed)
     return out
+
+
+def row_limit(packed: int | None) -> int:
+    """The most rows the kernel takes of a weight read from the packed copy at `packed` (None:
+    read in place), below the many-row paths: the one rule the backend's op and the fused decode
+    layer (ops/cpu_decode.py) both follow."""
+    return MAX_ROWS if packed is None else PACKED_MAX_ROWS
 
 
 def packed_weight(weight: torch.Tensor, threads: int = 1) -> int | None:

@@ -67,14 +67,15 @@ class DecodeStep:
              num_experts: int, threads: int, weights=None) -> "DecodeStep | None":
         """The step's shared arguments, or None where the fused layers do not apply: not a
         decode-only float32 or bfloat16 CPU step, a step capturing router weights (`weights`:
-        the fused router writes the ids only), more rows than the Rust linear takes, cos/sin of
+        the fused router writes the ids only), more rows than the Rust linear takes of packed
+        weights (each layer declines more than it takes of its own: `FusedDecoderLayer`), cos/sin of
         another dtype, or a capture view (any layer's: they share one layout) the router kernel
         cannot write."""
         rows = x.shape[0]
         if (weights is not None or not x.is_cpu or x.dtype not in CODES or meta.prefills or not meta.decode_seqs
                 or meta.graph):
             return None
-        if not 0 < rows <= linear_cpu.MAX_ROWS or len(meta.decode_seqs) != rows:
+        if not 0 < rows <= linear_cpu.PACKED_MAX_ROWS or len(meta.decode_seqs) != rows:
             return None
         ready = qk_rope_cpu.kernel_ready
         if not (ready(cos, x.dtype) and ready(sin, x.dtype) and cos.dim() == 2 and cos.shape[0] == rows and sin.shape == cos.shape):
@@ -177,13 +178,16 @@ class FusedDecoderLayer:
         self.act, self.linear, self.pack, self.pack_linear = act, linear, pack, pack_linear
 
     def __call__(self, x: torch.Tensor, cos, sin, meta, capture, step: DecodeStep) -> torch.Tensor | None:
-        """The layer's output, or None where a kernel would decline this step (an odd or too
-        wide rotary part, activations or a cache of another dtype than the weights', or no cache
-        yet): the caller runs the layer."""
+        """The layer's output, or None where a kernel would decline this step (more rows than the
+        Rust linear takes of one of its weights, an odd or too wide rotary part, activations or a
+        cache of another dtype than the weights', or no cache yet): the caller runs the layer."""
         rows, hidden, threads = step.num_rows, x.shape[1], step.threads
         dtype, linear, norm = self.dtype, linear_cpu.linear_entry, self.norm_entry
         code = CODES[dtype]
         packed = linear_cpu.packed_weight if self.pack_linear else _unpacked
+        qkv_packed, o_packed, gate_packed = (packed(w, threads) for w in (self.qkv_w, self.o_w, self.gate))
+        if rows > min(map(linear_cpu.row_limit, (qkv_packed, o_packed, gate_packed))):
+            return None  # the modules' linear op leaves a weight of these rows to torch
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rotary = cos.shape[-1] if self.use_rope else 0
         k_cache, v_cache = self.attn_layer.k_cache, self.attn_layer.v_cache
@@ -196,7 +200,7 @@ class FusedDecoderLayer:
         qkv_w = self.qkv_w
         qkv = x.new_empty(rows, qkv_w.shape[0])
         linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), code, threads, None,
-               packed(qkv_w, threads))
+               qkv_packed)
         if self.qkv_lora is not None:
             qkv = self.qkv_lora(h, qkv, self.linear, threads)
         q = x.new_empty(rows, heads, head_dim)
@@ -223,7 +227,7 @@ class FusedDecoderLayer:
         o_w = self.o_w
         attended = torch.empty_like(x)
         linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), code, threads, None,
-               packed(o_w, threads))
+               o_packed)
         if self.o_lora is not None:
             attended = self.o_lora(o.view(rows, -1), attended, self.linear, threads)
         x = x + attended
@@ -237,7 +241,7 @@ class FusedDecoderLayer:
         gate_code = CODES[gate.dtype]
         logits = routed.new_empty(rows, experts)
         linear((routed.data_ptr(), gate.data_ptr(), 0, logits.data_ptr()), (rows, experts, hidden), gate_code, threads,
-               None, packed(gate, threads))
+               None, gate_packed)
         if self.gate_lora is not None:  # an adapted router: the rows follow it
             logits = self.gate_lora(routed, logits, self.linear, threads)
         top_k = self.top_k
