@@ -187,7 +187,7 @@ class FusedDecoderLayer:
         packed = linear_cpu.packed_weight if self.pack_linear else _unpacked
         qkv_packed, o_packed, gate_packed = (packed(w, threads) for w in (self.qkv_w, self.o_w, self.gate))
         if rows > min(map(linear_cpu.row_limit, (qkv_packed, o_packed, gate_packed))):
-            return None  # the modules' linear op leaves a weight of these rows to torch
+            return None  # the modules' linear op takes these rows of a weight another way
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rotary = cos.shape[-1] if self.use_rope else 0
         k_cache, v_cache = self.attn_layer.k_cache, self.attn_layer.v_cache
