@@ -104,6 +104,7 @@ QWEN3_PROJECTIONS = [(5120, 2048), (2048, 4096), (128, 2048)]
 @pytest.mark.parametrize("candidate", ["reference", "r3srv"])
 @pytest.mark.parametrize("rows", [1, 16])
 def test_linear_packed(benchmark, rows, candidate):
+    from r3srv.kernels import cpu_isa
     from r3srv.kernels.linear_cpu import linear_rust, packed_weight
     from r3srv.kernels.packed_weights import packs
 
@@ -134,3 +135,5 @@ def test_linear_packed(benchmark, rows, candidate):
     for w, out in zip(weights[:3], outs):
         x = xs[w.shape[1]]
         torch.testing.assert_close(out.double(), x.double() @ w.double().T, rtol=2**-7, atol=1e-3)
+    flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & cpu_isa.cpu_flags())
+    print(f"\nCPU flags {flags}; bfloat16 weights read packed here: {packs(dtype)}")

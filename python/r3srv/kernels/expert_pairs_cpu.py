@@ -11,9 +11,9 @@ rounding of the small products: float32 experts with the pairs as the vector lan
 (rust/src/matmul.rs, rust/src/matmul_bf16.rs); below that a token's
 result does not depend on the other tokens in the call, and the thread count never does.
 On an AVX-512 CPU the backend's pass reads float32 experts from a copy packed in row tiles
-(`packed_experts`, kernels/packed_weights.py, rust/src/row_tiles.rs), and where the AVX-512 BF16 dot products are the
-wide chunks' products (not AMX tiles) bfloat16 experts from a copy in their panels
-(rust/src/matmul_bf16.rs): every chunk with the wide chunks' bits.
+(`packed_experts`, kernels/packed_weights.py, rust/src/row_tiles.rs), and where the AVX-512
+BF16 dot products are the wide chunks' products (not AMX tiles) bfloat16 experts from a copy in
+their panels (rust/src/matmul_bf16.rs): every chunk with the wide chunks' bits.
 
 float32 or bfloat16 tensors (float32 arithmetic either way: a bfloat16 result is rounded
 once, where the torch path rounds every intermediate), and only the activations ops/experts.py

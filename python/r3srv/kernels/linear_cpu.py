@@ -6,8 +6,9 @@ weight reads dominate at one to a few rows (docs/benchmarks.md).
 `linear_rust` takes contiguous float32 or bfloat16 CPU tensors of one dtype with at most
 MAX_ROWS rows (PACKED_MAX_ROWS where the weight is read packed, below) and returns None
 otherwise (the CPU backend, ops/cpu.py, then calls F.linear; it takes torch's always with
-`--no-rust-linear`, R3SRV_RUST_LINEAR=0, or without a built extension). Results differ from torch's by rounding (another order of the same sums; float32
-arithmetic for bfloat16, rounded once), and a row's result does not depend on the other rows.
+`--no-rust-linear`, R3SRV_RUST_LINEAR=0, or without a built extension). Results differ from
+torch's by rounding (another order of the same sums; float32 arithmetic for bfloat16, rounded
+once), and a row's result does not depend on the other rows.
 
 bfloat16 with more rows (a prefill's projections) takes the kernel's packed path too where
 torch has no fast bfloat16 GEMM: on a CPU without AMX or AVX-512 BF16 torch runs bfloat16 at

@@ -175,7 +175,9 @@ class FusedDecoderLayer:
         # LoraBatch as the modules read it; `act` and `linear` as the modules hand them over
         self.qkv_lora, self.o_lora, self.gate_lora, self.experts_lora = (attn.qkv.lora, attn.o.lora, router.gate.lora,
                                                                           experts.lora)
-        self.act, self.linear, self.pack, self.pack_linear = act, linear, pack, pack_linear
+        self.act, self.linear, self.pack = act, linear, pack
+        # each projection's packed copy as the backend's linear op reads it (kernels/linear_cpu.py)
+        self.packed_weight = linear_cpu.packed_weight if pack_linear else _unpacked
 
     def __call__(self, x: torch.Tensor, cos, sin, meta, capture, step: DecodeStep) -> torch.Tensor | None:
         """The layer's output, or None where a kernel would decline this step (more rows than the
@@ -184,7 +186,7 @@ class FusedDecoderLayer:
         rows, hidden, threads = step.num_rows, x.shape[1], step.threads
         dtype, linear, norm = self.dtype, linear_cpu.linear_entry, self.norm_entry
         code = CODES[dtype]
-        packed = linear_cpu.packed_weight if self.pack_linear else _unpacked
+        packed = self.packed_weight
         qkv_packed, o_packed, gate_packed = (packed(w, threads) for w in (self.qkv_w, self.o_w, self.gate))
         if rows > min(map(linear_cpu.row_limit, (qkv_packed, o_packed, gate_packed))):
             return None  # the modules' linear op takes these rows of a weight another way
@@ -199,8 +201,8 @@ class FusedDecoderLayer:
         norm(x.data_ptr(), self.input_norm.data_ptr(), h.data_ptr(), rows, hidden, self.eps)
         qkv_w = self.qkv_w
         qkv = x.new_empty(rows, qkv_w.shape[0])
-        linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), code, threads, None,
-               qkv_packed)
+        linear((h.data_ptr(), qkv_w.data_ptr(), 0, qkv.data_ptr()), (rows, qkv_w.shape[0], hidden), code, threads,
+               None, qkv_packed)
         if self.qkv_lora is not None:
             qkv = self.qkv_lora(h, qkv, self.linear, threads)
         q = x.new_empty(rows, heads, head_dim)
@@ -226,8 +228,8 @@ class FusedDecoderLayer:
             self.scale, None, None, threads)
         o_w = self.o_w
         attended = torch.empty_like(x)
-        linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), code, threads, None,
-               o_packed)
+        linear((o.data_ptr(), o_w.data_ptr(), 0, attended.data_ptr()), (rows, hidden, o_w.shape[1]), code, threads,
+               None, o_packed)
         if self.o_lora is not None:
             attended = self.o_lora(o.view(rows, -1), attended, self.linear, threads)
         x = x + attended
@@ -240,8 +242,8 @@ class FusedDecoderLayer:
         routed = h if gate.dtype is dtype else h.to(gate.dtype)
         gate_code = CODES[gate.dtype]
         logits = routed.new_empty(rows, experts)
-        linear((routed.data_ptr(), gate.data_ptr(), 0, logits.data_ptr()), (rows, experts, hidden), gate_code, threads,
-               None, gate_packed)
+        linear((routed.data_ptr(), gate.data_ptr(), 0, logits.data_ptr()), (rows, experts, hidden), gate_code,
+               threads, None, gate_packed)
         if self.gate_lora is not None:  # an adapted router: the rows follow it
             logits = self.gate_lora(routed, logits, self.linear, threads)
         top_k = self.top_k
