@@ -19,16 +19,22 @@ torch's F.linear, as same-run ratios.
 (e) a decode step's bfloat16 projections on Qwen3-30B-A3B's shapes (q/k/v, output and router of
     four layers, past the L3 between calls, as the experts leave them in a step) at 1 and 16
     rows: the weights' rows read in place / their packed copy (kernels/packed_weights.py), where
-    the CPU reads one.
+    the CPU reads one;
+(f) the built-in model's float32 decode step of 48 sequences, float32 weights read in place by the
+    kernel up to FLOAT32_MAX_ROWS rows or (as before) up to MAX_ROWS, torch's GEMM past them, at
+    one and two threads, interleaved round by round: median thread-CPU and wall time per step,
+    the same greedy tokens asserted, with the CPU's flags printed.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from bench_expert_pairs_cpu import interleaved_decode_steps, modules_with
+from bench_expert_pairs_cpu import decode_step_report, interleaved_decode_steps, modules_with
 from r3srv import LLM, settings
 from r3srv.ops import ops_for
 
@@ -137,3 +143,27 @@ def test_linear_packed(benchmark, rows, candidate):
         torch.testing.assert_close(out.double(), x.double() @ w.double().T, rtol=2**-7, atol=1e-3)
     flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & cpu_isa.cpu_flags())
     print(f"\nCPU flags {flags}; bfloat16 weights read packed here: {packs(dtype)}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_decode_steps_past_32_sequences(benchmark, threads):
+    from r3srv.kernels import cpu_isa, linear_cpu
+
+    with settings.overridden(cpu_threads=threads):
+        llm = LLM(dtype="float32", max_model_len=512, enable_prefix_caching=False, max_num_seqs=64)
+
+    @contextlib.contextmanager
+    def float32_row_limit(on: bool):
+        limit = linear_cpu.FLOAT32_MAX_ROWS
+        linear_cpu.FLOAT32_MAX_ROWS = limit if on else linear_cpu.MAX_ROWS
+        try:
+            yield
+        finally:
+            linear_cpu.FLOAT32_MAX_ROWS = limit
+
+    med = interleaved_decode_steps(benchmark, llm, 48, float32_row_limit)
+    print(decode_step_report(med, 48, off=f"kernel to {linear_cpu.MAX_ROWS} rows",
+                             on=f"kernel to {linear_cpu.FLOAT32_MAX_ROWS} rows"))
+    flags = sorted({"avx2", "fma", "avx512f"} & cpu_isa.cpu_flags())
+    print(f"CPU flags {flags}; kernel threads {threads}")
+    llm.engine.shutdown()

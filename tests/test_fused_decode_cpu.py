@@ -96,37 +96,67 @@ def test_bfloat16_the_same_bits_as_the_modules(fused_calls, float32_gate):
     assert_the_modules_bits(bf16, fused_calls, 2, 3, 8)
 
 
-@pytest.mark.parametrize("packed_linear", [True, False])
-def test_bfloat16_steps_past_32_sequences(monkeypatch, packed_linear):
-    """A bfloat16 step of 33-63 sequences takes the fused layers where the projections are read
-    packed (the Rust linear takes them up to PACKED_MAX_ROWS rows), with the modules' bits, and
-    the modules where they are not (torch takes those rows)."""
-    taken = []  # the fused layers' steps that computed the layer (not declined)
+@pytest.fixture
+def taken(monkeypatch):
+    """The fused layers' calls, True for each that computed its layer (False: declined)."""
+    calls = []
     run = cpu_decode.FusedDecoderLayer.__call__
 
     def counted(self, *args, **kwargs):
         out = run(self, *args, **kwargs)
-        taken.append(out is not None)
+        calls.append(out is not None)
         return out
 
     monkeypatch.setattr(cpu_decode.FusedDecoderLayer, "__call__", counted)
-    bf16 = LLM(dtype="bfloat16", max_model_len=256, enable_prefix_caching=False, max_num_seqs=48,
-               enable_return_routed_experts=True)
-    model = model_of(bf16)
+    return calls
+
+
+def steps_of_many_sequences(llm, num_seqs: int, taken: list, **switches):
+    """Each sequence's (tokens, rows, logprobs) of `num_seqs` 8-token prompts (one prefill step,
+    then decode steps of num_seqs rows) with the fused layers on and with the modules (which
+    call no fused layer: `taken` holds the first run's calls), `switches` the other settings."""
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, 256, 8).tolist() for _ in range(40)]  # one prefill step, then 40-row decodes
+    prompts = [rng.integers(0, 256, 8).tolist() for _ in range(num_seqs)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
-    with rebound(model, fast_cpu_decode=True, packed_linear=packed_linear):
-        fused = outputs(bf16, prompts, params)
-    assert taken and all(taken) == (packed_linear and packs(torch.bfloat16)) and (any(taken) == all(taken))
-    taken.clear()
-    with rebound(model, fast_cpu_decode=False, packed_linear=packed_linear):
-        modules = outputs(bf16, prompts, params)
-    assert not taken
-    for (tokens, rows, logprobs), (want_tokens, want_rows, want_logprobs) in zip(fused, modules):
+    with rebound(model_of(llm), fast_cpu_decode=True, **switches):
+        fused = outputs(llm, prompts, params)
+    calls = len(taken)
+    with rebound(model_of(llm), fast_cpu_decode=False, **switches):
+        modules = outputs(llm, prompts, params)
+    assert len(taken) == calls
+    return fused, modules
+
+
+def assert_the_same_outputs(fused, modules):
+    for (tokens, rows, logprobs), (want_tokens, want_rows, want_logprobs) in zip(fused, modules, strict=True):
         assert tokens == want_tokens and logprobs == want_logprobs
         np.testing.assert_array_equal(rows, want_rows)
+
+
+@pytest.mark.parametrize("packed_linear", [True, False])
+def test_bfloat16_steps_past_32_sequences(taken, packed_linear):
+    """A bfloat16 step of 33-63 sequences takes the fused layers where the projections are read
+    packed (the Rust linear takes them up to PACKED_MAX_ROWS rows), with the modules' bits, and
+    the modules where they are not (torch takes those rows)."""
+    bf16 = LLM(dtype="bfloat16", max_model_len=256, enable_prefix_caching=False, max_num_seqs=48,
+               enable_return_routed_experts=True)
+    fused, modules = steps_of_many_sequences(bf16, 40, taken, packed_linear=packed_linear)
+    assert taken and all(taken) == (packed_linear and packs(torch.bfloat16)) and (any(taken) == all(taken))
+    assert_the_same_outputs(fused, modules)
     bf16.engine.shutdown()
+
+
+@pytest.mark.parametrize("num_seqs", [linear_cpu.FLOAT32_MAX_ROWS, linear_cpu.FLOAT32_MAX_ROWS + 1])
+def test_float32_steps_up_to_the_float32_row_limit(taken, num_seqs):
+    """A float32 step of up to FLOAT32_MAX_ROWS sequences takes the fused layers (the Rust linear
+    reads float32 weights in place up to there), with the modules' bits; one more row takes the
+    modules (torch's GEMM then)."""
+    f32 = LLM(dtype="float32", max_model_len=256, enable_prefix_caching=False, max_num_seqs=64,
+              enable_return_routed_experts=True)
+    fused, modules = steps_of_many_sequences(f32, num_seqs, taken)
+    assert taken and all(taken) == (num_seqs <= linear_cpu.FLOAT32_MAX_ROWS) and (any(taken) == all(taken))
+    assert_the_same_outputs(fused, modules)
+    f32.engine.shutdown()
 
 
 @pytest.fixture(scope="module")

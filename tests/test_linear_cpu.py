@@ -14,7 +14,7 @@ from engine_testing import assert_same_outputs_either_way, counting, model_of, o
 from r3srv import LLM
 from r3srv import settings as settings_module
 from r3srv.kernels import linear_cpu
-from r3srv.kernels.linear_cpu import BUILT, MAX_ROWS, linear_rust
+from r3srv.kernels.linear_cpu import BUILT, FLOAT32_MAX_ROWS, MAX_ROWS, linear_rust
 from r3srv.ops import ops_for
 
 
@@ -44,6 +44,21 @@ def test_equals_f_linear(rows, k, n, bias, bfloat16, seed):
     for r in {0, rows - 1}:  # a row's result does not depend on the others
         alone = linear_rust(x[r : r + 1], w, b)
         assert torch.equal(alone[0], got[r])
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(MAX_ROWS + 1, FLOAT32_MAX_ROWS), k=st.integers(1, 300), n=st.integers(1, 300),
+       bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+def test_float32_takes_the_kernel_up_to_its_own_row_limit(rows, k, n, bias, threads, seed):
+    """float32 weights read in place take the per-row products past MAX_ROWS, to FLOAT32_MAX_ROWS
+    rows (bfloat16 ones stop at MAX_ROWS: test_many_bfloat16_rows_keep_torch_...): within float32
+    rounding of F.linear, a row's bits its own at any thread count (one row more: test_falls_back_to_torch)."""
+    x, w, b = operands(seed, rows, k, n, bias)
+    got = linear_rust(x, w, b, threads=threads)
+    assert got is not None and got.shape == (rows, n)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(linear_rust(x[r : r + 1], w, b)[0], got[r])
 
 
 def test_leading_dims_and_the_thread_split():
@@ -144,7 +159,7 @@ def test_a_matrix_kernel_this_cpu_lacks_is_a_value_error():
 def test_falls_back_to_torch(case):
     x, w, b = operands(2, 3, 16, 8, True)
     args = {
-        "too many rows": (torch.randn(MAX_ROWS + 1, 16), w, b),
+        "too many rows": (torch.randn(FLOAT32_MAX_ROWS + 1, 16), w, b),
         "float16": (x.half(), w.half(), b.half()),
         "mixed dtypes": (x, w.bfloat16(), b),
         "strided weight": (x, torch.cat([w, w], dim=1)[:, ::2], b),

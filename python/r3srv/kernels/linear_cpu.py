@@ -4,11 +4,12 @@ weight once, row by row, instead of torch's GEMM call, whose per-call cost and c
 weight reads dominate at one to a few rows (docs/benchmarks.md).
 
 `linear_rust` takes contiguous float32 or bfloat16 CPU tensors of one dtype with at most
-MAX_ROWS rows (PACKED_MAX_ROWS where the weight is read packed, below) and returns None
-otherwise (the CPU backend, ops/cpu.py, then calls F.linear; it takes torch's always with
-`--no-rust-linear`, R3SRV_RUST_LINEAR=0, or without a built extension). Results differ from
-torch's by rounding (another order of the same sums; float32 arithmetic for bfloat16, rounded
-once), and a row's result does not depend on the other rows.
+`row_limit` rows (MAX_ROWS; FLOAT32_MAX_ROWS for a float32 weight; PACKED_MAX_ROWS where the
+weight is read packed, below) and returns None otherwise (the CPU backend, ops/cpu.py, then
+calls F.linear; it takes torch's always with `--no-rust-linear`, R3SRV_RUST_LINEAR=0, or without
+a built extension). Results differ from torch's by rounding (another order of the same sums;
+float32 arithmetic for bfloat16, rounded once), and a row's result does not depend on the other
+rows.
 
 bfloat16 with more rows (a prefill's projections) takes the kernel's packed path too where
 torch has no fast bfloat16 GEMM: on a CPU without AMX or AVX-512 BF16 torch runs bfloat16 at
@@ -46,8 +47,13 @@ linear_entry = rust_kernel("linear_cpu")
 BUILT = linear_entry is not None  # else torch's F.linear (kernels/rust_core.py)
 
 # More rows than this: torch's GEMM, whose packed kernels win once the weights are reused enough
-# (bfloat16: the kernel's own packed path, where PACKED_BF16).
+# (bfloat16: the kernel's own packed path, where PACKED_BF16). The batch-invariant linear's blocks.
 MAX_ROWS = 32
+# A float32 weight takes the kernel's per-row products up to this many rows, the last below its
+# many-row kernels (rust/src/linear.rs, PACKED_MIN_ROWS): decode steps of 33-63 sequences stay in
+# the fused layers, where torch's GEMM per call cost more at two threads (docs/benchmarks.md,
+# "Float32 decode steps of up to 63 sequences").
+FLOAT32_MAX_ROWS = 63
 # A weight read from its packed copy (bfloat16: see below) takes the kernel up to this many rows:
 # a decode step of the default max_num_seqs (64) stays in the fused layers; from 128 rows torch's
 # oneDNN GEMM was as fast at two threads (docs/benchmarks.md, "Linear layers' weights packed").
@@ -80,7 +86,7 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if rows <= 0 or x.requires_grad or weight.requires_grad:
         return None
     packed = packed_weight(weight, threads) if pack else None
-    if rows > row_limit(packed) and not (PACKED_BF16 if dtype == "bfloat16" else
+    if rows > row_limit(packed, x.dtype) and not (PACKED_BF16 if dtype == "bfloat16" else
                                          PACKED_F32 and rows >= ROW_TILES_MIN_ROWS):
         return None
     if weight.dtype != x.dtype or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous():
@@ -94,11 +100,13 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-def row_limit(packed: int | None) -> int:
-    """The most rows the kernel takes of a weight read from the packed copy at `packed` (None:
-    read in place), below the many-row paths: the one rule the backend's op and the fused decode
-    layer (ops/cpu_decode.py) both follow."""
-    return MAX_ROWS if packed is None else PACKED_MAX_ROWS
+def row_limit(packed: int | None, dtype: torch.dtype) -> int:
+    """The most rows the kernel takes of a weight of `dtype` read from the packed copy at `packed`
+    (None: read in place), below the many-row paths: the one rule the backend's op and the fused
+    decode layer (ops/cpu_decode.py) both follow."""
+    if packed is not None:
+        return PACKED_MAX_ROWS
+    return FLOAT32_MAX_ROWS if dtype == torch.float32 else MAX_ROWS
 
 
 def packed_weight(weight: torch.Tensor, threads: int = 1) -> int | None:

@@ -187,8 +187,9 @@ class FusedDecoderLayer:
         dtype, linear, norm = self.dtype, linear_cpu.linear_entry, self.norm_entry
         code = CODES[dtype]
         packed = self.packed_weight
-        qkv_packed, o_packed, gate_packed = (packed(w, threads) for w in (self.qkv_w, self.o_w, self.gate))
-        if rows > min(map(linear_cpu.row_limit, (qkv_packed, o_packed, gate_packed))):
+        projections = (self.qkv_w, self.o_w, self.gate)
+        qkv_packed, o_packed, gate_packed = kept = [packed(w, threads) for w in projections]
+        if rows > min(linear_cpu.row_limit(p, w.dtype) for p, w in zip(kept, projections)):
             return None  # the modules' linear op takes these rows of a weight another way
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rotary = cos.shape[-1] if self.use_rope else 0
