@@ -14,6 +14,11 @@ alternating which goes first; the ratio of the medians of each step's CPU time o
 thread (one torch thread: every op runs there, so other processes on a shared machine barely
 disturb it), and the wall-clock ratio next to it. Both also check their answers: the same
 attention rows, the same greedy tokens.
+(d) one layer's decode attention on Qwen3-30B-A3B's attention shape (32 query heads, 4 KV heads,
+head_dim 128: GQA groups of eight) in bfloat16, 16 sequences of 2,000 keys, the kernel against
+the torch path (benches/conftest.py prints reference / r3srv), with the kernel's read rate and
+multiply-add rate and the CPU's flags printed: the shape of real MoE models' long rollouts,
+whose groups of eight take the kernel's blocks of eight heads on AVX-512.
 (c) one sequence's decode over 4,000 keys (a long prompt's decode steps) on one kernel thread and
 on two, eight layers' caches cycled (32 MB: mostly from memory, as in the engine) eight times at
 one thread count, then at the other, alternated round by round: the ratio of the medians, one
@@ -80,6 +85,37 @@ def test_decode_attention_layer(benchmark, candidate, seqs, context):
     benchmark.group = f"decode attention {seqs} x {context}"
     got = benchmark(layer, decode_kernel(candidate == "r3srv"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+QWEN3_HEADS, QWEN3_KV_HEADS, QWEN3_DIM = 32, 4, 128
+
+
+@pytest.mark.parametrize("candidate", ["reference", "r3srv"])
+def test_decode_attention_layer_of_groups_of_eight(benchmark, candidate):
+    from r3srv.kernels import cpu_isa
+
+    seqs, context, dtype = 16, 2000, torch.bfloat16
+    gen = torch.Generator().manual_seed(8)
+    batch = decode_batch(seqs, context)
+    slots = batch.block_tables.numel() * BLOCK
+    k_cache, v_cache = (torch.randn(slots, QWEN3_KV_HEADS, QWEN3_DIM, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(seqs, QWEN3_HEADS, QWEN3_DIM, generator=gen).to(dtype)
+    k, v = (torch.randn(seqs, QWEN3_KV_HEADS, QWEN3_DIM, generator=gen).to(dtype) for _ in range(2))
+    meta = attention.AttentionMetadata.build(batch, BLOCK, torch.device("cpu"))
+
+    def layer(kernel):
+        return attention.paged_attention(q, k, v, k_cache, v_cache, meta, decode_kernel=kernel)
+
+    want = layer(decode_kernel(False)).float()
+    benchmark.group = f"decode attention, groups of eight, bfloat16 {seqs} x {context}"
+    got = benchmark(layer, decode_kernel(candidate == "r3srv"))
+    torch.testing.assert_close(got.float(), want, rtol=2**-6, atol=2e-2)  # bfloat16 outputs, rounded apart
+    seconds = benchmark.stats.stats.median
+    reads = 2 * seqs * context * QWEN3_KV_HEADS * QWEN3_DIM * dtype.itemsize
+    macs = 2 * seqs * context * QWEN3_HEADS * QWEN3_DIM
+    flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & cpu_isa.cpu_flags())
+    print(f"\n{candidate}: {seconds * 1e3:.2f} ms a layer, {reads / seconds / 1e9:.1f} GB/s of KV cache, "
+          f"{2 * macs / seconds / 1e9:.1f} GFLOPS; CPU flags {flags}")
 
 
 @pytest.fixture(scope="module")

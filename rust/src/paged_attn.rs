@@ -16,6 +16,13 @@
 
 /// A cache or activation element: f32, or bfloat16 accumulated in f32.
 pub trait Element: Copy + Send + Sync {
+    /// The query heads that share each key and value row's load in AVX-512 registers
+    /// (`in_head_blocks`): a bfloat16 row's widening to f32 costs as much as its products, so
+    /// a GQA group of eight or more takes it once for eight heads; float32 rows, loaded as they
+    /// are, ran slower in blocks of eight than of four (docs/benchmarks.md, "Decode attention in
+    /// head blocks of eight").
+    #[cfg(target_arch = "x86_64")]
+    const WIDE_HEAD_BLOCK: usize;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
     /// The 8 elements at `src` as f32 lanes. Each impl is compiled for AVX2 itself
@@ -44,6 +51,8 @@ pub trait Element: Copy + Send + Sync {
 }
 
 impl Element for f32 {
+    #[cfg(target_arch = "x86_64")]
+    const WIDE_HEAD_BLOCK: usize = HEAD_BLOCK;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -85,6 +94,8 @@ impl Element for f32 {
 pub struct Bf16(pub u16);
 
 impl Element for Bf16 {
+    #[cfg(target_arch = "x86_64")]
+    const WIDE_HEAD_BLOCK: usize = HEAD_BLOCK_WIDE;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
@@ -505,19 +516,22 @@ unsafe fn run_avx512<'i, 'o: 'i, T: Element + 'o>(
 }
 
 /// `$f::<T, NH>(args.., g0)` (`$f::<T, NH, WIDE>` given WIDE) for the group's heads in
-/// blocks g0..g0 + NH of at most HEAD_BLOCK (NH a constant, so that the blocks' running sums are
-/// registers).
+/// blocks g0..g0 + NH (NH a constant, so that the blocks' running sums are registers): of
+/// `T::WIDE_HEAD_BLOCK` where `$wide` (AVX-512's registers) and that many heads are left, else
+/// of at most HEAD_BLOCK. A block's size changes no bit: each head's sums are its own.
 #[cfg(target_arch = "x86_64")]
 macro_rules! in_head_blocks {
-    ($group:expr, $f:ident::<$t:ty $(, $wide:tt)?>($($arg:expr),*)) => {{
+    ($group:expr, $wide:expr, $f:ident::<$t:ty $(, $w:tt)?>($($arg:expr),*)) => {{
         let (group, mut g0) = ($group, 0);
+        let wide_block = if $wide { <$t as Element>::WIDE_HEAD_BLOCK } else { HEAD_BLOCK };
         while g0 < group {
-            let heads = HEAD_BLOCK.min(group - g0);
+            let heads = if group - g0 >= wide_block { wide_block } else { HEAD_BLOCK.min(group - g0) };
             match heads {
-                1 => $f::<$t, 1 $(, $wide)?>($($arg,)* g0),
-                2 => $f::<$t, 2 $(, $wide)?>($($arg,)* g0),
-                3 => $f::<$t, 3 $(, $wide)?>($($arg,)* g0),
-                _ => $f::<$t, HEAD_BLOCK $(, $wide)?>($($arg,)* g0),
+                1 => $f::<$t, 1 $(, $w)?>($($arg,)* g0),
+                2 => $f::<$t, 2 $(, $w)?>($($arg,)* g0),
+                3 => $f::<$t, 3 $(, $w)?>($($arg,)* g0),
+                HEAD_BLOCK => $f::<$t, HEAD_BLOCK $(, $w)?>($($arg,)* g0),
+                _ => $f::<$t, HEAD_BLOCK_WIDE $(, $w)?>($($arg,)* g0),
             }
             g0 += heads;
         }
@@ -678,9 +692,12 @@ fn prefetch_rows<T: Element>(rows: &Strided<'_, T>, slots: &[usize], head: usize
 }
 
 /// Up to this many query heads share each load of a key or value row (their running sums
-/// stay in registers).
+/// stay in registers): four heads' sums fill AVX2's 16 registers;
 #[cfg(target_arch = "x86_64")]
 pub(crate) const HEAD_BLOCK: usize = 4;
+/// AVX-512's 32 hold eight (`Element::WIDE_HEAD_BLOCK`: bfloat16 rows take it).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const HEAD_BLOCK_WIDE: usize = 8;
 
 /// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
 /// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`. AVX2: in AVX2 registers;
@@ -697,7 +714,7 @@ pub(crate) fn score_tile<T: Element, const AVX2: bool, const WIDE: bool>(
     if AVX2 {
         // SAFETY: AVX2 is only set by run_avx2 and run_avx512, whose callers checked the CPU has
         // AVX2 and FMA; WIDE only by run_avx512, whose caller checked AVX-512F too.
-        unsafe { in_head_blocks!(q.len() / d.q.dim, score_heads::<T, WIDE>(d, kv_head, slots, q, scores)) };
+        unsafe { in_head_blocks!(q.len() / d.q.dim, WIDE, score_heads::<T, WIDE>(d, kv_head, slots, q, scores)) };
         return;
     }
     // Lanes of running sums, so that consecutive multiply-adds do not wait on each other.
@@ -735,7 +752,7 @@ pub(crate) fn weigh_values<T: Element, const AVX2: bool, const WIDE: bool>(
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: as in `score_tile`.
-        unsafe { in_head_blocks!(acc.len() / d.v.dim, weigh_heads::<T, WIDE>(d, kv_head, slots, scores, acc)) };
+        unsafe { in_head_blocks!(acc.len() / d.v.dim, WIDE, weigh_heads::<T, WIDE>(d, kv_head, slots, scores, acc)) };
         return;
     }
     let v_dim = d.v.dim;
@@ -750,7 +767,7 @@ pub(crate) fn weigh_values<T: Element, const AVX2: bool, const WIDE: bool>(
     }
 }
 
-/// score_tile for heads g0..g0 + NH (NH at most HEAD_BLOCK): each key row loaded once, 8 dims
+/// score_tile for heads g0..g0 + NH (NH at most HEAD_BLOCK_WIDE): each key row loaded once, 8 dims
 /// at a time, for all of them; keys taken KB at a time (KB * NH running sums: independent
 /// multiply-add chains) and their sums reduced together.
 ///
@@ -921,10 +938,11 @@ pub(crate) unsafe fn score_one_by_one_avx2<T: Element, const NH: usize>(
     }
 }
 
-/// weigh_values for heads g0..g0 + NH (NH at most HEAD_BLOCK): value dims W * 8 at a time
+/// weigh_values for heads g0..g0 + NH (NH at most HEAD_BLOCK_WIDE): value dims W * 8 at a time
 /// (then 8, then one), their running sums in registers across the tile's keys, each value
 /// row's dims loaded once for the NH heads; W = 4 for one or two heads (8 independent
-/// multiply-add chains), 2 for three or four. Each dim's sum runs over the keys in order.
+/// multiply-add chains), 2 for three or four (WIDE: 2, then 1 for three to eight). Each dim's
+/// sum runs over the keys in order.
 /// WIDE: the same dims 16 to an AVX-512 register (`weigh_chunk` on `__m512`), each dim's sum
 /// the same (the same bits).
 ///
@@ -1413,6 +1431,12 @@ mod tests {
             window: Some(600),
             sinks: true,
         });
+        // GQA groups of 8 and 12 at head_dim 128 (Qwen3-MoE's, GLM-4.5's): bfloat16's blocks of
+        // eight heads (and 8 + 4) against AVX2's of four
+        for (heads, kv_heads) in [(32, 4), (24, 2)] {
+            let lens = vec![5, 300, 33, 129];
+            cases.push(Case { heads, kv_heads, head_dim: 128, v_dim: 128, page: 16, lens, window: None, sinks: false });
+        }
         for c in &cases {
             let what = format!(
                 "{}/{} heads, dims {}/{}, window {:?}, sinks {}",
@@ -1516,8 +1540,8 @@ mod tests {
                 let (mut together, mut alone) = (vec![0f32; group * TILE], vec![0f32; group * TILE]);
                 // SAFETY: the CPU has AVX2 and FMA (checked above).
                 unsafe {
-                    in_head_blocks!(group, score_heads::<f32, false>(&d, 1, &slots, qs, &mut together));
-                    in_head_blocks!(group, score_one_by_one_avx2::<f32>(&d, 1, &slots, qs, &mut alone));
+                    in_head_blocks!(group, false, score_heads::<f32, false>(&d, 1, &slots, qs, &mut together));
+                    in_head_blocks!(group, false, score_one_by_one_avx2::<f32>(&d, 1, &slots, qs, &mut alone));
                 }
                 assert_eq!(
                     together.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
