@@ -17,10 +17,10 @@
 /// A cache or activation element: f32, or bfloat16 accumulated in f32.
 pub trait Element: Copy + Send + Sync {
     /// The query heads that share each key and value row's load in AVX-512 registers
-    /// (`in_head_blocks`): a bfloat16 row's widening to f32 costs as much as its products, so
-    /// a GQA group of eight or more takes it once for eight heads; float32 rows, loaded as they
-    /// are, ran slower in blocks of eight than of four (docs/benchmarks.md, "Decode attention in
-    /// head blocks of eight").
+    /// (`in_head_blocks`): a bfloat16 row is widened to f32 at each load, so a GQA group of eight
+    /// or more widens it once for eight heads, not twice for two blocks of four; float32 rows,
+    /// loaded as they are, ran slower in blocks of eight (docs/benchmarks.md, "Decode attention
+    /// in head blocks of eight").
     #[cfg(target_arch = "x86_64")]
     const WIDE_HEAD_BLOCK: usize;
     fn to_f32(self) -> f32;
