@@ -14,15 +14,15 @@ alternating which goes first; the ratio of the medians of each step's CPU time o
 thread (one torch thread: every op runs there, so other processes on a shared machine barely
 disturb it), and the wall-clock ratio next to it. Both also check their answers: the same
 attention rows, the same greedy tokens.
+(c) one sequence's decode over 4,000 keys (a long prompt's decode steps) on one kernel thread and
+on two, eight layers' caches cycled (32 MB: mostly from memory, as in the engine) eight times at
+one thread count, then at the other, alternated round by round: the ratio of the medians, one
+thread / two (a long context runs in parts the threads take in turn); both give the same bits.
 (d) one layer's decode attention on Qwen3-30B-A3B's attention shape (32 query heads, 4 KV heads,
 head_dim 128: GQA groups of eight) in bfloat16, 16 sequences of 2,000 keys, the kernel against
 the torch path (benches/conftest.py prints reference / r3srv), with the kernel's read rate and
 multiply-add rate and the CPU's flags printed: the shape of real MoE models' long rollouts,
 whose groups of eight take the kernel's blocks of eight heads on AVX-512.
-(c) one sequence's decode over 4,000 keys (a long prompt's decode steps) on one kernel thread and
-on two, eight layers' caches cycled (32 MB: mostly from memory, as in the engine) eight times at
-one thread count, then at the other, alternated round by round: the ratio of the medians, one
-thread / two (a long context runs in parts the threads take in turn); both give the same bits.
 """
 
 from __future__ import annotations
