@@ -57,8 +57,8 @@ class Settings:
                                "where the CPU has them; off: AVX-512 BF16 dot products (attention: torch's SDPA "
                                "where torch has AMX)")
     rust_rms_norm: bool = _setting(True, "CPU float32 RMSNorm in one Rust call; off: torch's rms_norm")
-    rust_linear: bool = _setting(True, "CPU linear layers of up to 32 rows (64 of a packed bfloat16 weight) in one "
-                                 "Rust call; off: torch's F.linear")
+    rust_linear: bool = _setting(True, "CPU linear layers of up to 32 rows (63 of a float32 weight, 64 of a packed "
+                                 "bfloat16 one) in one Rust call; off: torch's F.linear")
     packed_linear: bool = _setting(True, "CPU bfloat16 linear layers' weights also kept packed (twice their memory), "
                                    "which the Rust linear kernel reads where the packed bfloat16 experts' products "
                                    "run; off: their rows read in place")

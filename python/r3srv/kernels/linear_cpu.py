@@ -86,8 +86,8 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if rows <= 0 or x.requires_grad or weight.requires_grad:
         return None
     packed = packed_weight(weight, threads) if pack else None
-    if rows > row_limit(packed, x.dtype) and not (PACKED_BF16 if dtype == "bfloat16" else
-                                         PACKED_F32 and rows >= ROW_TILES_MIN_ROWS):
+    if rows > MAX_ROWS and rows > row_limit(packed, x.dtype) and not (PACKED_BF16 if dtype == "bfloat16" else
+                                                                    PACKED_F32 and rows >= ROW_TILES_MIN_ROWS):
         return None
     if weight.dtype != x.dtype or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous():
         return None
@@ -102,8 +102,8 @@ def linear_rust(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def row_limit(packed: int | None, dtype: torch.dtype) -> int:
     """The most rows the kernel takes of a weight of `dtype` read from the packed copy at `packed`
-    (None: read in place), below the many-row paths: the one rule the backend's op and the fused
-    decode layer (ops/cpu_decode.py) both follow."""
+    (None: read in place), below the many-row paths, at least MAX_ROWS: the one rule the backend's
+    op and the fused decode layer (ops/cpu_decode.py) both follow."""
     if packed is not None:
         return PACKED_MAX_ROWS
     return FLOAT32_MAX_ROWS if dtype == torch.float32 else MAX_ROWS

@@ -1,7 +1,8 @@
 """The CPU backend: the Rust core's kernels where the settings and this build allow, torch's
 paths otherwise, each chosen once when a model is built (`build`).
 
-- linear layers of up to 32 rows (64 of a bfloat16 weight kept packed, `--[no-]packed-linear`),
+- linear layers of up to 32 rows (63 of a float32 weight, 64 of a bfloat16 one kept packed,
+  `--[no-]packed-linear`),
   and bfloat16 ones of more where torch has no fast bfloat16 GEMM on this processor:
   kernels/linear_cpu.py (`--[no-]rust-linear`);
 - float32 and bfloat16 RMSNorm: kernels/rms_norm_cpu.py (`--[no-]rust-rms-norm`);

@@ -187,10 +187,13 @@ class FusedDecoderLayer:
         dtype, linear, norm = self.dtype, linear_cpu.linear_entry, self.norm_entry
         code = CODES[dtype]
         packed = self.packed_weight
-        projections = (self.qkv_w, self.o_w, self.gate)
-        qkv_packed, o_packed, gate_packed = kept = [packed(w, threads) for w in projections]
-        if rows > min(linear_cpu.row_limit(p, w.dtype) for p, w in zip(kept, projections)):
-            return None  # the modules' linear op takes these rows of a weight another way
+        qkv_packed, o_packed, gate_packed = (packed(w, threads) for w in (self.qkv_w, self.o_w, self.gate))
+        # more rows than one of the weights' limits (each at least MAX_ROWS): the modules' linear
+        # op takes them another way
+        limit = linear_cpu.row_limit
+        if rows > linear_cpu.MAX_ROWS and rows > min(limit(qkv_packed, dtype), limit(o_packed, dtype),
+                                                     limit(gate_packed, self.gate.dtype)):
+            return None
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rotary = cos.shape[-1] if self.use_rope else 0
         k_cache, v_cache = self.attn_layer.k_cache, self.attn_layer.v_cache
