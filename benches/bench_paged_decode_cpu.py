@@ -21,8 +21,9 @@ thread / two (a long context runs in parts the threads take in turn); both give 
 (d) one layer's decode attention on Qwen3-30B-A3B's attention shape (32 query heads, 4 KV heads,
 head_dim 128: GQA groups of eight) in bfloat16, 16 sequences of 2,000 keys, the kernel against
 the torch path (benches/conftest.py prints reference / r3srv), with the kernel's read rate and
-multiply-add rate and the CPU's flags printed: the shape of real MoE models' long rollouts,
-whose groups of eight take the kernel's blocks of eight heads on AVX-512.
+multiply-add rate, the CPU's flags and the kernel's ISA printed: the shape of real MoE models'
+long rollouts, whose groups of eight take the kernel's blocks of eight heads on AVX-512 and
+their scores in AVX-512 BF16 dot products where the CPU has them (ISA "avx512_bf16").
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 import r3srv.ops.attention as attention
 from bench_expert_pairs_cpu import modules_with
-from r3srv import LLM, SamplingParams, settings
+from r3srv import LLM, SamplingParams, _core, settings
 from r3srv.kernels.paged_decode_cpu import paged_decode_cpu
 from r3srv.models.batch import ForwardBatch
 from r3srv.ops import ops_for
@@ -117,7 +118,7 @@ def test_decode_attention_layer_of_groups_of_eight(benchmark, candidate):
     macs = 2 * seqs * context * QWEN3_HEADS * QWEN3_DIM
     flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & cpu_isa.cpu_flags())
     print(f"\n{candidate}: {seconds * 1e3:.2f} ms a layer, {reads / seconds / 1e9:.1f} GB/s of KV cache, "
-          f"{2 * macs / seconds / 1e9:.1f} GFLOPS; CPU flags {flags}")
+          f"{2 * macs / seconds / 1e9:.1f} GFLOPS; CPU flags {flags}; the kernel's ISA {_core.paged_decode_isa()}")
 
 
 @pytest.fixture(scope="module")

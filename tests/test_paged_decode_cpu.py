@@ -68,6 +68,19 @@ def test_bfloat16_accumulates_in_float32():
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # one bfloat16 rounding of the output
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(16, 2, 128), (32, 4, 64), (12, 1, 24), (20, 1, 40)])
+@pytest.mark.parametrize("window, sinks", [(None, False), (40, True)], ids=["plain", "window-sinks"])
+@pytest.mark.parametrize("latent", [False, True], ids=["kv", "latent"])
+def test_bfloat16_groups_of_eight_equal_the_torch_path(heads, kv_heads, head_dim, window, sinks, latent):
+    """bfloat16 GQA groups of eight heads or more, which an AVX-512 BF16 CPU scores in dot
+    products (`_core.paged_decode_isa()` "avx512_bf16"; groups of 12 and 20: a block of eight or
+    two, the rest widened), MLA-like latent values too, against gather + SDPA in float32."""
+    lens = [1, 9, 300, 64]
+    got, want = run_case(heads, kv_heads, head_dim, head_dim - 8 if latent else head_dim, window, sinks,
+                         seed=heads + head_dim, dtype=torch.bfloat16, lens=lens, latent=latent)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # one bfloat16 rounding of the output
+
+
 def test_threads_split_the_work_to_the_same_result():
     """On two threads 16 sequences of 300 keys are split between them: the same rows."""
     results = [run_case(4, 2, 64, 64, None, False, seed=7, lens=[300] * 16, threads=threads) for threads in (1, 2)]
@@ -115,7 +128,15 @@ def test_bad_sinks_and_window_are_value_errors():
 def test_cpu_decodes_take_the_kernel_unless_turned_off():
     assert cpu_kernel.BUILT, "r3srv._core lacks the paged decode kernel: rebuild the extension (make install)"
     flags = cpu_isa.cpu_flags()
-    widest = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    widest = (
+        "avx512_bf16"
+        if {"avx512f", "avx512_bf16", "avx512vl"} <= flags
+        else "avx512"
+        if "avx512f" in flags
+        else "avx2"
+        if {"avx2", "fma"} <= flags
+        else "portable"
+    )
     assert _core.paged_decode_isa() == widest
 
     def decode_kernel(dtype, **switches):
@@ -156,6 +177,26 @@ def test_models_decode_through_the_kernel(family, layers, monkeypatch, tmp_path)
     with rebound(model, fast_cpu_decode=False, rust_decode=True):
         torch.testing.assert_close(two_sequence_decode_logits(model), off, atol=1e-5, rtol=1e-5)
     assert calls, "the decodes never took the kernel"
+
+
+def test_a_bfloat16_model_with_groups_of_eight_decodes_through_the_kernel(monkeypatch, tmp_path):
+    """A bfloat16 Qwen3-MoE with Qwen3-30B-A3B's GQA group of eight (16 query heads over 2 KV
+    heads, head_dim 64), whose decodes an AVX-512 BF16 CPU scores in dot products: its decode
+    logits through the kernel against the gathered torch path's, within bfloat16 rounding."""
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    from r3srv.models.loader import load_model
+
+    path = write_tiny_checkpoint(tmp_path / "gqa8", "qwen3_moe", seed=5, num_attention_heads=16,
+                                 num_key_value_heads=2, head_dim=64)
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    calls = counting_kernel(monkeypatch)
+    with rebound(model, fast_cpu_decode=False, rust_decode=False):
+        off = two_sequence_decode_logits(model)
+    with rebound(model, fast_cpu_decode=False, rust_decode=True):
+        on = two_sequence_decode_logits(model)
+    assert calls, "the decodes never took the kernel"
+    torch.testing.assert_close(on.float(), off.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_engine_tokens_and_routed_experts_equal_the_torch_path(monkeypatch):

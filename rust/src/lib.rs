@@ -28,6 +28,8 @@ pub mod npy_header;
 pub mod paged_attn;
 #[cfg(target_arch = "x86_64")]
 mod paged_attn_512;
+#[cfg(target_arch = "x86_64")]
+mod paged_attn_dots;
 pub mod paged_prefill;
 pub mod paged_prefill_bf16;
 pub mod paged_prefill_f32;

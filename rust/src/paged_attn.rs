@@ -23,6 +23,9 @@ pub trait Element: Copy + Send + Sync {
     /// in head blocks of eight").
     #[cfg(target_arch = "x86_64")]
     const WIDE_HEAD_BLOCK: usize;
+    /// Whether a row's elements are bfloat16, which `Isa::Avx512Bf16` scores in dot products
+    /// (crate::paged_attn_dots) in GQA blocks of eight heads.
+    const BF16: bool;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
     /// The 8 elements at `src` as f32 lanes. Each impl is compiled for AVX2 itself
@@ -53,6 +56,7 @@ pub trait Element: Copy + Send + Sync {
 impl Element for f32 {
     #[cfg(target_arch = "x86_64")]
     const WIDE_HEAD_BLOCK: usize = HEAD_BLOCK;
+    const BF16: bool = false;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -96,6 +100,7 @@ pub struct Bf16(pub u16);
 impl Element for Bf16 {
     #[cfg(target_arch = "x86_64")]
     const WIDE_HEAD_BLOCK: usize = HEAD_BLOCK_WIDE;
+    const BF16: bool = true;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
@@ -214,6 +219,9 @@ pub struct PagedDecode<'a, T> {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
+    /// Avx512, with bfloat16 rows' scores in AVX-512 BF16 dot products where a GQA group has
+    /// eight heads or more (crate::paged_attn_dots: close to Avx512's, not its bits)
+    Avx512Bf16,
     /// the AVX2 kernels with the decode kernel's products 16 lanes wide (the same bits)
     Avx512,
     Avx2Fma,
@@ -225,7 +233,13 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            return if is_x86_feature_detected!("avx512f") { Isa::Avx512 } else { Isa::Avx2Fma };
+            return if Isa::Avx512Bf16.runs() {
+                Isa::Avx512Bf16
+            } else if is_x86_feature_detected!("avx512f") {
+                Isa::Avx512
+            } else {
+                Isa::Avx2Fma
+            };
         }
         Isa::Scalar
     }
@@ -236,6 +250,9 @@ impl Isa {
         {
             let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
             match self {
+                Isa::Avx512Bf16 => {
+                    Isa::Avx512.runs() && is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512vl")
+                }
                 Isa::Avx512 => avx2 && is_x86_feature_detected!("avx512f"),
                 Isa::Avx2Fma => avx2,
                 Isa::Scalar => true,
@@ -249,6 +266,7 @@ impl Isa {
 
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512Bf16 => "avx512_bf16",
             Isa::Avx512 => "avx512",
             Isa::Avx2Fma => "avx2",
             Isa::Scalar => "portable",
@@ -480,6 +498,12 @@ fn run<'i, 'o: 'i, T: Element + 'o>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 if isa.runs() => {
+            // SAFETY: the CPU has AVX2, FMA, AVX-512F, AVX-512 BF16 and AVX-512VL (checked just
+            // above), all `run_avx512_bf16` requires.
+            unsafe { run_avx512_bf16(d, items) }
+        }
+        #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if isa.runs() => {
             // SAFETY: the CPU has AVX2, FMA and AVX-512F (checked just above), all `run_avx512` requires.
             unsafe { run_avx512(d, items) }
@@ -489,7 +513,7 @@ fn run<'i, 'o: 'i, T: Element + 'o>(
             // SAFETY: the CPU has AVX2 and FMA (checked just above), all `run_avx2` requires.
             unsafe { run_avx2(d, items) }
         }
-        _ => run_items::<T, false, false>(d, items),
+        _ => run_items::<T, false, false, false>(d, items),
     }
 }
 
@@ -501,7 +525,7 @@ unsafe fn run_avx2<'i, 'o: 'i, T: Element + 'o>(
     d: &PagedDecode<'_, T>,
     items: impl Iterator<Item = &'i mut Item<'o, T>>,
 ) {
-    run_items::<T, true, false>(d, items)
+    run_items::<T, true, false, false>(d, items)
 }
 
 /// # Safety
@@ -512,7 +536,18 @@ unsafe fn run_avx512<'i, 'o: 'i, T: Element + 'o>(
     d: &PagedDecode<'_, T>,
     items: impl Iterator<Item = &'i mut Item<'o, T>>,
 ) {
-    run_items::<T, true, true>(d, items)
+    run_items::<T, true, true, false>(d, items)
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA, AVX-512F, AVX-512 BF16 and AVX-512VL.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512bf16,avx512vl")]
+unsafe fn run_avx512_bf16<'i, 'o: 'i, T: Element + 'o>(
+    d: &PagedDecode<'_, T>,
+    items: impl Iterator<Item = &'i mut Item<'o, T>>,
+) {
+    run_items::<T, true, true, true>(d, items)
 }
 
 /// `$f::<T, NH>(args.., g0)` (`$f::<T, NH, WIDE>` given WIDE) for the group's heads in
@@ -541,6 +576,7 @@ macro_rules! in_head_blocks {
 /// Per-thread buffers, reused across items.
 struct Scratch {
     q: Vec<f32>,      // [heads, head_dim], the queries in f32
+    qt: Vec<u32>,     // DOTS: the queries as bfloat16 pairs (paged_attn_dots::transpose_queries)
     acc: Vec<f32>,    // [heads, v_dim]
     scores: Vec<f32>, // [heads, TILE]
     max: Vec<f32>,
@@ -548,28 +584,30 @@ struct Scratch {
 }
 
 #[inline(always)]
-fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool, const WIDE: bool>(
+fn run_items<'i, 'o: 'i, T: Element + 'o, const AVX2: bool, const WIDE: bool, const DOTS: bool>(
     d: &PagedDecode<'_, T>,
     items: impl Iterator<Item = &'i mut Item<'o, T>>,
 ) {
     let heads = d.q.heads;
     let mut s = Scratch {
         q: vec![0.0; heads * d.q.dim],
+        qt: vec![0; if DOTS { heads * d.q.dim / 2 } else { 0 }],
         acc: vec![0.0; heads * d.v.dim],
         scores: vec![0.0; heads * TILE],
         max: vec![0.0; heads],
         total: vec![0.0; heads],
     };
     for item in items {
-        attend_item::<T, AVX2, WIDE>(d, item, &mut s);
+        attend_item::<T, AVX2, WIDE, DOTS>(d, item, &mut s);
     }
 }
 
 /// One sequence: tile by tile, each KV head's group of query heads scores the tile's keys and
 /// weighs its values (a slot's heads, adjacent in the cache, are read together: the tile's
-/// blocks are streamed whole). WIDE (with AVX2): the products in AVX-512 registers.
+/// blocks are streamed whole). WIDE (with AVX2): the products in AVX-512 registers; DOTS (with
+/// WIDE): bfloat16 scores of whole blocks of eight heads in dot products.
 #[inline(always)]
-fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
+fn attend_item<T: Element, const AVX2: bool, const WIDE: bool, const DOTS: bool>(
     d: &PagedDecode<'_, T>,
     item: &mut Item<'_, T>,
     s: &mut Scratch,
@@ -582,6 +620,18 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
     for h in 0..heads {
         for (dst, &x) in s.q[h * head_dim..][..head_dim].iter_mut().zip(d.q.at(row, h)) {
             *dst = x.to_f32();
+        }
+    }
+    // the group's first heads scored in dot products (whole blocks of eight), the rest as before
+    #[cfg(target_arch = "x86_64")]
+    let dot_heads = if DOTS && T::BF16 && head_dim % 2 == 0 { group / DOT_HEADS * DOT_HEADS } else { 0 };
+    #[cfg(not(target_arch = "x86_64"))]
+    let dot_heads = 0;
+    if dot_heads > 0 {
+        #[cfg(target_arch = "x86_64")]
+        for kv_head in kv_heads.clone() {
+            let (q, first) = (&s.q[kv_head * group * head_dim..][..dot_heads * head_dim], kv_head * group);
+            crate::paged_attn_dots::transpose_queries(q, head_dim, &mut s.qt[first * head_dim / 2..]);
         }
     }
     s.acc.fill(0.0);
@@ -610,7 +660,9 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
             // weighted sums: one head's keys or values at a time, not all the tile's lines at its
             // start, whose burst stalled the loads behind it (docs/benchmarks.md)
             prefetch_rows(&d.k, &next_slots[..asked], kv_head);
-            score_tile::<T, AVX2, WIDE>(d, kv_head, &slots[..n], &s.q[first * head_dim..][..group * head_dim], scores);
+            let q = &s.q[first * head_dim..][..group * head_dim];
+            let qt = if dot_heads > 0 { &s.qt[first * head_dim / 2..][..dot_heads * head_dim / 2] } else { &[] };
+            score_tile::<T, AVX2, WIDE>(d, kv_head, &slots[..n], q, qt, scores);
             for g in 0..group {
                 let h = first + g;
                 let p = &mut scores[g * TILE..][..n];
@@ -624,13 +676,8 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool>(
                 s.max[h] = m_new;
             }
             prefetch_rows(&d.v, &next_slots[..asked], kv_head);
-            weigh_values::<T, AVX2, WIDE>(
-                d,
-                kv_head,
-                &slots[..n],
-                scores,
-                &mut s.acc[first * v_dim..][..group * v_dim],
-            );
+            let acc = &mut s.acc[first * v_dim..][..group * v_dim];
+            weigh_values::<T, AVX2, WIDE>(d, kv_head, &slots[..n], scores, acc);
         }
         std::mem::swap(&mut slots, &mut next_slots);
         lo += n;
@@ -698,12 +745,44 @@ pub(crate) const HEAD_BLOCK: usize = 4;
 /// AVX-512's 32 hold eight (`Element::WIDE_HEAD_BLOCK`: bfloat16 rows take it).
 #[cfg(target_arch = "x86_64")]
 pub(crate) const HEAD_BLOCK_WIDE: usize = 8;
+#[cfg(target_arch = "x86_64")]
+use crate::paged_attn_dots::HEADS as DOT_HEADS;
 
 /// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
 /// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`. AVX2: in AVX2 registers;
-/// WIDE too: in AVX-512 ones (crate::paged_attn_512), the same bits.
+/// WIDE too: in AVX-512 ones (crate::paged_attn_512), the same bits. The first heads' blocks of
+/// eight that `qt` holds (paged_attn_dots::transpose_queries; empty but where DOTS applies) in
+/// AVX-512 BF16 dot products.
 #[inline(always)]
 pub(crate) fn score_tile<T: Element, const AVX2: bool, const WIDE: bool>(
+    d: &PagedDecode<'_, T>,
+    kv_head: usize,
+    slots: &[usize],
+    q: &[f32],
+    qt: &[u32],
+    scores: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if !qt.is_empty() {
+        let (block, dot_heads) = (d.q.dim / 2 * DOT_HEADS, qt.len() * 2 / d.q.dim);
+        for (b, qt) in qt.chunks_exact(block).enumerate() {
+            let scores = &mut scores[b * DOT_HEADS * TILE..][..DOT_HEADS * TILE];
+            // SAFETY: qt is non-empty only where attend_item's DOTS applies: run_avx512_bf16
+            // checked the CPU, the rows are bfloat16 of an even dim; a block's pairs and rows.
+            unsafe { crate::paged_attn_dots::score_block(d, kv_head, slots, qt, scores) };
+        }
+        let (q, scores) = (&q[dot_heads * d.q.dim..], &mut scores[dot_heads * TILE..]);
+        if !q.is_empty() {
+            score_widened::<T, AVX2, WIDE>(d, kv_head, slots, q, scores);
+        }
+        return;
+    }
+    score_widened::<T, AVX2, WIDE>(d, kv_head, slots, q, scores);
+}
+
+/// score_tile's scores with every element widened to f32.
+#[inline(always)]
+pub(crate) fn score_widened<T: Element, const AVX2: bool, const WIDE: bool>(
     d: &PagedDecode<'_, T>,
     kv_head: usize,
     slots: &[usize],
@@ -1447,6 +1526,136 @@ mod tests {
         }
     }
 
+    /// Isa::Avx512Bf16 against an f64 reference of the same bfloat16 inputs: GQA groups of 8,
+    /// 12 (a block of eight in dot products, four widened), 16 and 32, even head dims from 2 to
+    /// 128 and odd ones (scored widened), windows, sinks, contexts of 1 to 300 keys (whole and
+    /// partial groups of the scorer's keys). Where it cannot take the dot products (float32
+    /// rows, groups under eight, odd head dims) it gives Avx512's bits.
+    #[test]
+    fn bfloat16_scores_in_dot_products_equal_the_reference() {
+        if !Isa::Avx512Bf16.runs() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16 (+ VL): the decode kernel's dot products");
+            return;
+        }
+        fn run<T: Element>(c: &Case, cast: impl Fn(&[f32]) -> Vec<T>, isa: Isa) -> Vec<T> {
+            let (q, k, v, tables, max_blocks, rows, sinks, tokens) = inputs(c, c.heads as u64 * 7 + c.head_dim as u64);
+            let (q, k, v) = (cast(&q), cast(&k), cast(&v));
+            let d = decode_of(c, (&q, &k, &v), &tables, max_blocks, &rows, &sinks, tokens, 0.3);
+            let mut out = vec![T::from_f32(-7.0); tokens * c.heads * c.v_dim];
+            paged_decode(&d, &mut out, 1, isa).unwrap();
+            out
+        }
+        let bf16s = |x: &[f32]| x.iter().map(|&v| Bf16::from_f32(v)).collect::<Vec<Bf16>>();
+        let widened = |x: &[f32]| x.iter().map(|&v| Bf16::from_f32(v).to_f32()).collect::<Vec<f32>>();
+        let lens = vec![1, 7, 8, 9, 33, 300, 64];
+        let mut taken = 0;
+        for (heads, kv_heads) in [(16, 2), (24, 2), (32, 4), (32, 1), (4, 2), (12, 3)] {
+            for (head_dim, v_dim) in [(128, 128), (64, 48), (2, 8), (13, 13)] {
+                for (window, sinks) in [(None, false), (Some(40), true)] {
+                    let c = Case { heads, kv_heads, head_dim, v_dim, page: 16, lens: lens.clone(), window, sinks };
+                    let what = format!("{heads}/{kv_heads} heads, dims {head_dim}/{v_dim}, window {window:?}");
+                    let got = run(&c, bf16s, Isa::Avx512Bf16);
+                    let dots = heads / kv_heads >= 8 && head_dim % 2 == 0;
+                    if !dots {
+                        let bits = |v: Vec<Bf16>| v.into_iter().map(|x| x.0).collect::<Vec<_>>();
+                        assert_eq!(bits(got), bits(run(&c, bf16s, Isa::Avx512)), "bfloat16, {what}");
+                        continue;
+                    }
+                    taken += 1;
+                    let (q, k, v, tables, max_blocks, rows, sinks_in, _) =
+                        inputs(&c, c.heads as u64 * 7 + c.head_dim as u64);
+                    let mut want = vec![-7.0f64; got.len()];
+                    for r in 0..c.lens.len() {
+                        want[r * heads * v_dim..][..heads * v_dim].fill(0.0);
+                    }
+                    let (q, k, v) = (widened(&q), widened(&k), widened(&v));
+                    reference(&c, &q, &k, &v, &tables, max_blocks, &rows, &sinks_in, 0.3, &mut want);
+                    for (i, (x, &w)) in got.iter().zip(&want).enumerate() {
+                        // the output's own rounding to bfloat16 (2^-9 relative) and the sums'
+                        let x = x.to_f32() as f64;
+                        assert!((x - w).abs() <= 1e-4 + 5e-3 * w.abs(), "{what}: element {i}: {x} != {w}");
+                    }
+                }
+            }
+        }
+        assert!(taken > 0);
+        // float32 rows: Avx512's bits, whatever the group
+        for (heads, kv_heads) in [(16, 2), (32, 4)] {
+            let c = Case {
+                heads,
+                kv_heads,
+                head_dim: 128,
+                v_dim: 128,
+                page: 16,
+                lens: lens.clone(),
+                window: None,
+                sinks: false,
+            };
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            let f32s = |x: &[f32]| x.to_vec();
+            assert_eq!(
+                bits(run(&c, f32s, Isa::Avx512Bf16)),
+                bits(run(&c, f32s, Isa::Avx512)),
+                "float32, {heads}/{kv_heads}"
+            );
+        }
+    }
+
+    /// One block's dot-product scores against the f64 sums of the same bfloat16 products: every
+    /// key of a tile, in groups of the scorer's keys and a partial last group.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn a_blocks_dot_product_scores_are_its_keys_sums() {
+        if !Isa::Avx512Bf16.runs() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16 (+ VL): the decode kernel's dot products");
+            return;
+        }
+        use crate::paged_attn_dots::{score_block, transpose_queries, HEADS};
+        for (head_dim, n) in [(128, TILE), (64, 13), (2, 1), (40, 8)] {
+            let slots_total = 50;
+            let q: Vec<Bf16> = noise(HEADS * head_dim, 3).into_iter().map(Bf16::from_f32).collect();
+            let k: Vec<Bf16> = noise(slots_total * 2 * head_dim, 4).into_iter().map(Bf16::from_f32).collect();
+            let d = PagedDecode {
+                q: Strided::new(&q, 1, HEADS, head_dim, HEADS * head_dim, head_dim).unwrap(),
+                k: Strided::new(&k, slots_total, 2, head_dim, 2 * head_dim, head_dim).unwrap(),
+                v: Strided::new(&k, slots_total, 2, head_dim, 2 * head_dim, head_dim).unwrap(),
+                tables: &[],
+                max_blocks: 0,
+                lens: &[],
+                rows: &[],
+                page: 4,
+                scale: 0.37,
+                window: None,
+                sinks: None,
+            };
+            let widened: Vec<f32> = q.iter().map(|x| x.to_f32()).collect();
+            let mut qt = vec![0u32; HEADS * head_dim / 2];
+            transpose_queries(&widened, head_dim, &mut qt);
+            let slots: Vec<usize> = (0..n).map(|j| (j * 7 + 3) % slots_total).collect();
+            let mut scores = vec![f32::NAN; HEADS * TILE];
+            // SAFETY: the CPU has AVX-512F, BF16 and VL (checked above); bfloat16 rows of an even dim.
+            unsafe { score_block(&d, 1, &slots, &qt, &mut scores) };
+            for h in 0..HEADS {
+                for (j, &slot) in slots.iter().enumerate() {
+                    let key = d.k.at(slot, 1);
+                    let exact: f64 = widened[h * head_dim..][..head_dim]
+                        .iter()
+                        .zip(key)
+                        .map(|(&a, b)| a as f64 * b.to_f32() as f64)
+                        .sum::<f64>()
+                        * 0.37;
+                    let got = scores[h * TILE + j] as f64;
+                    assert!(
+                        (got - exact).abs() <= 1e-5 * (1.0 + exact.abs()),
+                        "dim {head_dim} head {h} key {j}: {got} != {exact}"
+                    );
+                }
+                // past the keys: untouched
+                assert!(scores[h * TILE + n..(h + 1) * TILE].iter().all(|x| x.is_nan()), "dim {head_dim} head {h}");
+            }
+        }
+    }
+
     #[test]
     fn threads_split_the_work_and_give_the_same_result() {
         let lens = vec![300; 16];
@@ -1477,11 +1686,12 @@ mod tests {
         let bits16 = |v: Vec<Bf16>| v.into_iter().map(|x| x.0).collect::<Vec<_>>();
         let f32s = |x: &[f32]| x.to_vec();
         let bf16s = |x: &[f32]| x.iter().map(|&v| Bf16::from_f32(v)).collect::<Vec<Bf16>>();
-        let isas = [Isa::Scalar, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.runs());
+        let isas = [Isa::Scalar, Isa::Avx2Fma, Isa::Avx512, Isa::Avx512Bf16].into_iter().filter(|isa| isa.runs());
         for isa in isas {
             let part = PART_KEYS as i64;
             for (heads, kv_heads, lens, window, sinks) in [
                 (4, 2, vec![3000], None, false),
+                (16, 2, vec![2100, 9], None, true), // groups of eight: Avx512Bf16's dot products
                 (8, 4, vec![2500, 40], Some(900), true),
                 (12, 3, vec![1800], None, true),
                 (4, 1, vec![part, part + 1, 7, 2 * part + 33], None, false),

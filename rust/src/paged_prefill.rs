@@ -12,8 +12,8 @@
 //! chunked or blocked, only on its own context.
 
 use crate::paged_attn::{
-    exp, exp_shifted, lane_max, lane_sum, prefetch_slots, score_tile, weigh_values, Element, Isa, PagedDecode, Strided,
-    PARALLEL_MIN_MACS, TILE,
+    exp, exp_shifted, lane_max, lane_sum, prefetch_slots, score_widened, weigh_values, Element, Isa, PagedDecode,
+    Strided, PARALLEL_MIN_MACS, TILE,
 };
 
 /// One step's prefill spans over the paged cache.
@@ -180,8 +180,10 @@ fn run<'i, 'o: 'i, T: Element + 'o>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // the prefill fallback has no AVX-512 products of its own: AVX2's where Avx512 is asked
-        Isa::Avx2Fma | Isa::Avx512 if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => {
+        // the prefill fallback has no AVX-512 products of its own: AVX2's where Avx512 (or Avx512Bf16) is asked
+        Isa::Avx2Fma | Isa::Avx512 | Isa::Avx512Bf16
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") =>
+        {
             // SAFETY: the CPU has AVX2 and FMA (checked just above), all `run_avx2` requires.
             unsafe { run_avx2(p, items) }
         }
@@ -391,7 +393,7 @@ fn score_block<T: Element, const AVX2: bool>(
         return;
     }
     let _ = keys;
-    score_tile::<T, AVX2, false>(d, kv_head, slots, q, scores);
+    score_widened::<T, AVX2, false>(d, kv_head, slots, q, scores);
 }
 
 /// Rows scored together: ROW_BLOCK x 2 vectors of running sums, in registers with the key loads.

@@ -523,7 +523,8 @@ fn write_kv_cache(
 
 static PAGED_DECODE_ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
 
-/// The ISA the paged decode attention kernel runs on this CPU: "avx2" (AVX2 + FMA) or "portable".
+/// The ISA the paged decode attention kernel runs on this CPU: "avx512_bf16" (bfloat16 scores in
+/// AVX-512 BF16 dot products), "avx512", "avx2" (AVX2 + FMA) or "portable".
 #[pyfunction]
 fn paged_decode_isa() -> &'static str {
     PAGED_DECODE_ISA.get_or_init(Isa::detect).name()
