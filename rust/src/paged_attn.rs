@@ -498,13 +498,14 @@ fn run<'i, 'o: 'i, T: Element + 'o>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 if isa.runs() => {
+        Isa::Avx512Bf16 if isa.runs() && takes_dots(d) => {
             // SAFETY: the CPU has AVX2, FMA, AVX-512F, AVX-512 BF16 and AVX-512VL (checked just
             // above), all `run_avx512_bf16` requires.
             unsafe { run_avx512_bf16(d, items) }
         }
+        // the rest of Avx512Bf16's work is Avx512's, in its code
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if isa.runs() => {
+        Isa::Avx512 | Isa::Avx512Bf16 if Isa::Avx512.runs() => {
             // SAFETY: the CPU has AVX2, FMA and AVX-512F (checked just above), all `run_avx512` requires.
             unsafe { run_avx512(d, items) }
         }
@@ -537,6 +538,13 @@ unsafe fn run_avx512<'i, 'o: 'i, T: Element + 'o>(
     items: impl Iterator<Item = &'i mut Item<'o, T>>,
 ) {
     run_items::<T, true, true, false>(d, items)
+}
+
+/// Whether `Isa::Avx512Bf16` scores some of `d`'s heads in dot products: bfloat16 rows of an
+/// even head dim, GQA groups of eight heads or more.
+#[cfg(target_arch = "x86_64")]
+fn takes_dots<T: Element>(d: &PagedDecode<'_, T>) -> bool {
+    T::BF16 && d.q.heads / d.k.heads >= DOT_HEADS && d.q.dim.is_multiple_of(2)
 }
 
 /// # Safety
@@ -624,7 +632,7 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool, const DOTS: bool>
     }
     // the group's first heads scored in dot products (whole blocks of eight), the rest as before
     #[cfg(target_arch = "x86_64")]
-    let dot_heads = if DOTS && T::BF16 && head_dim % 2 == 0 { group / DOT_HEADS * DOT_HEADS } else { 0 };
+    let dot_heads = if DOTS && takes_dots(d) { group / DOT_HEADS * DOT_HEADS } else { 0 };
     #[cfg(not(target_arch = "x86_64"))]
     let dot_heads = 0;
     if dot_heads > 0 {
@@ -661,8 +669,12 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool, const DOTS: bool>
             // start, whose burst stalled the loads behind it (docs/benchmarks.md)
             prefetch_rows(&d.k, &next_slots[..asked], kv_head);
             let q = &s.q[first * head_dim..][..group * head_dim];
-            let qt = if dot_heads > 0 { &s.qt[first * head_dim / 2..][..dot_heads * head_dim / 2] } else { &[] };
-            score_tile::<T, AVX2, WIDE>(d, kv_head, &slots[..n], q, qt, scores);
+            if DOTS {
+                let qt = &s.qt[first * head_dim / 2..][..dot_heads * head_dim / 2];
+                score_tile::<T, AVX2, WIDE>(d, kv_head, &slots[..n], q, qt, scores);
+            } else {
+                score_widened::<T, AVX2, WIDE>(d, kv_head, &slots[..n], q, scores);
+            }
             for g in 0..group {
                 let h = first + g;
                 let p = &mut scores[g * TILE..][..n];
