@@ -1613,6 +1613,25 @@ mod tests {
         }
     }
 
+    /// `q` ([rows, heads, dim]) over two KV heads of `k` and `v` for the tile kernels alone, which
+    /// take slots: no tables or contexts; scale 0.37.
+    fn tile_only<'a, T: Element>(q: &'a [T], heads: usize, k: &'a [T], v: &'a [T], dim: usize) -> PagedDecode<'a, T> {
+        let slots = k.len() / (2 * dim);
+        PagedDecode {
+            q: Strided::new(q, q.len() / (heads * dim), heads, dim, heads * dim, dim).unwrap(),
+            k: Strided::new(k, slots, 2, dim, 2 * dim, dim).unwrap(),
+            v: Strided::new(v, slots, 2, dim, 2 * dim, dim).unwrap(),
+            tables: &[],
+            max_blocks: 0,
+            lens: &[],
+            rows: &[],
+            page: 4,
+            scale: 0.37,
+            window: None,
+            sinks: None,
+        }
+    }
+
     /// One block's dot-product scores against the f64 sums of the same bfloat16 products: every
     /// key of a tile, in groups of the scorer's keys and a partial last group.
     #[cfg(target_arch = "x86_64")]
@@ -1627,19 +1646,7 @@ mod tests {
             let slots_total = 50;
             let q: Vec<Bf16> = noise(HEADS * head_dim, 3).into_iter().map(Bf16::from_f32).collect();
             let k: Vec<Bf16> = noise(slots_total * 2 * head_dim, 4).into_iter().map(Bf16::from_f32).collect();
-            let d = PagedDecode {
-                q: Strided::new(&q, 1, HEADS, head_dim, HEADS * head_dim, head_dim).unwrap(),
-                k: Strided::new(&k, slots_total, 2, head_dim, 2 * head_dim, head_dim).unwrap(),
-                v: Strided::new(&k, slots_total, 2, head_dim, 2 * head_dim, head_dim).unwrap(),
-                tables: &[],
-                max_blocks: 0,
-                lens: &[],
-                rows: &[],
-                page: 4,
-                scale: 0.37,
-                window: None,
-                sinks: None,
-            };
+            let d = tile_only(&q, HEADS, &k, &k, head_dim);
             let widened: Vec<f32> = q.iter().map(|x| x.to_f32()).collect();
             let mut qt = vec![0u32; HEADS * head_dim / 2];
             transpose_queries(&widened, head_dim, &mut qt);
@@ -1742,19 +1749,7 @@ mod tests {
             };
             let (q, k, v, ..) = inputs(&c, group as u64 * 97 + head_dim as u64);
             let slots_total = k.len() / (c.kv_heads * c.head_dim);
-            let d = PagedDecode {
-                q: Strided::new(&q, 2, c.heads, head_dim, c.heads * head_dim, head_dim).unwrap(),
-                k: Strided::new(&k, slots_total, 2, head_dim, 2 * head_dim, head_dim).unwrap(),
-                v: Strided::new(&v, slots_total, 2, head_dim, 2 * head_dim, head_dim).unwrap(),
-                tables: &[],
-                max_blocks: 0,
-                lens: &[],
-                rows: &[],
-                page: 4,
-                scale: 0.37,
-                window: None,
-                sinks: None,
-            };
+            let d = tile_only(&q, c.heads, &k, &v, head_dim);
             let qs = &q[..group * head_dim];
             // a tile's worth of scattered slots, then a short one (a remainder below KB)
             for n in [TILE, 7, 3] {
