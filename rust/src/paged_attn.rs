@@ -12,7 +12,9 @@
 //! exponentials are loops the compiler vectorizes; they are compiled for AVX2 + FMA (chosen at
 //! run time when the CPU has them) and for the baseline ISA, and where the CPU has AVX-512F the
 //! AVX2 kernel runs its products in AVX-512 registers (the scores in `paged_attn_512.rs`), with
-//! the AVX2 kernel's bits.
+//! the AVX2 kernel's bits; where it has AVX-512 BF16 too, a bfloat16 cache's GQA groups of eight
+//! or more heads are scored in dot products (`paged_attn_dots.rs`, Isa::Avx512Bf16): close to
+//! those bits, not them.
 
 /// A cache or activation element: f32, or bfloat16 accumulated in f32.
 pub trait Element: Copy + Send + Sync {
