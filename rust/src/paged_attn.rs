@@ -632,15 +632,11 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool, const DOTS: bool>
             *dst = x.to_f32();
         }
     }
-    // the group's first heads scored in dot products (whole blocks of eight), the rest as before
+    // DOTS: each group's whole blocks of eight heads scored in dot products, their queries as pairs
     #[cfg(target_arch = "x86_64")]
-    let dot_heads = if DOTS && takes_dots(d) { group / DOT_HEADS * DOT_HEADS } else { 0 };
-    #[cfg(not(target_arch = "x86_64"))]
-    let dot_heads = 0;
-    if dot_heads > 0 {
-        #[cfg(target_arch = "x86_64")]
-        for kv_head in kv_heads.clone() {
-            let (q, first) = (&s.q[kv_head * group * head_dim..][..dot_heads * head_dim], kv_head * group);
+    if DOTS {
+        for first in kv_heads.clone().map(|kv_head| kv_head * group) {
+            let q = &s.q[first * head_dim..][..group * head_dim];
             crate::paged_attn_dots::transpose_queries(q, head_dim, &mut s.qt[first * head_dim / 2..]);
         }
     }
@@ -671,11 +667,17 @@ fn attend_item<T: Element, const AVX2: bool, const WIDE: bool, const DOTS: bool>
             // start, whose burst stalled the loads behind it (docs/benchmarks.md)
             prefetch_rows(&d.k, &next_slots[..asked], kv_head);
             let q = &s.q[first * head_dim..][..group * head_dim];
-            if DOTS {
-                let qt = &s.qt[first * head_dim / 2..][..dot_heads * head_dim / 2];
-                score_tile::<T, AVX2, WIDE>(d, kv_head, &slots[..n], q, qt, scores);
-            } else {
-                score_widened::<T, AVX2, WIDE>(d, kv_head, &slots[..n], q, scores);
+            match DOTS {
+                #[cfg(target_arch = "x86_64")]
+                true => score_tile_in_dots::<T, AVX2, WIDE>(
+                    d,
+                    kv_head,
+                    &slots[..n],
+                    q,
+                    &s.qt[first * head_dim / 2..],
+                    scores,
+                ),
+                _ => score_tile::<T, AVX2, WIDE>(d, kv_head, &slots[..n], q, scores),
             }
             for g in 0..group {
                 let h = first + g;
@@ -762,13 +764,12 @@ pub(crate) const HEAD_BLOCK_WIDE: usize = 8;
 #[cfg(target_arch = "x86_64")]
 use crate::paged_attn_dots::HEADS as DOT_HEADS;
 
-/// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
-/// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`. AVX2: in AVX2 registers;
-/// WIDE too: in AVX-512 ones (crate::paged_attn_512), the same bits. The first heads' blocks of
-/// eight that `qt` holds (paged_attn_dots::transpose_queries; empty but where DOTS applies) in
-/// AVX-512 BF16 dot products.
+/// score_tile where DOTS applies (run_avx512_bf16, where `takes_dots`): the group's whole blocks
+/// of eight heads (`qt`: their queries from paged_attn_dots::transpose_queries) in AVX-512 BF16
+/// dot products, the rest as score_tile scores them.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) fn score_tile<T: Element, const AVX2: bool, const WIDE: bool>(
+fn score_tile_in_dots<T: Element, const AVX2: bool, const WIDE: bool>(
     d: &PagedDecode<'_, T>,
     kv_head: usize,
     slots: &[usize],
@@ -776,27 +777,25 @@ pub(crate) fn score_tile<T: Element, const AVX2: bool, const WIDE: bool>(
     qt: &[u32],
     scores: &mut [f32],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if !qt.is_empty() {
-        let (block, dot_heads) = (d.q.dim / 2 * DOT_HEADS, qt.len() * 2 / d.q.dim);
-        for (b, qt) in qt.chunks_exact(block).enumerate() {
-            let scores = &mut scores[b * DOT_HEADS * TILE..][..DOT_HEADS * TILE];
-            // SAFETY: qt is non-empty only where attend_item's DOTS applies: run_avx512_bf16
-            // checked the CPU, the rows are bfloat16 of an even dim; a block's pairs and rows.
-            unsafe { crate::paged_attn_dots::score_block(d, kv_head, slots, qt, scores) };
-        }
-        let (q, scores) = (&q[dot_heads * d.q.dim..], &mut scores[dot_heads * TILE..]);
-        if !q.is_empty() {
-            score_widened::<T, AVX2, WIDE>(d, kv_head, slots, q, scores);
-        }
-        return;
+    let dim = d.q.dim;
+    let dot_heads = q.len() / dim / DOT_HEADS * DOT_HEADS;
+    for (b, qt) in qt[..dot_heads * dim / 2].chunks_exact(dim / 2 * DOT_HEADS).enumerate() {
+        let scores = &mut scores[b * DOT_HEADS * TILE..][..DOT_HEADS * TILE];
+        // SAFETY: DOTS is set only by run_avx512_bf16, whose caller checked the CPU (the rest
+        // score_block asserts).
+        unsafe { crate::paged_attn_dots::score_block(d, kv_head, slots, qt, scores) };
     }
-    score_widened::<T, AVX2, WIDE>(d, kv_head, slots, q, scores);
+    let (q, scores) = (&q[dot_heads * dim..], &mut scores[dot_heads * TILE..]);
+    if !q.is_empty() {
+        score_tile::<T, AVX2, WIDE>(d, kv_head, slots, q, scores);
+    }
 }
 
-/// score_tile's scores with every element widened to f32.
+/// The tile's scores: `scores[g * TILE + j] = q_g . k_j * scale` for the KV head's group of
+/// query heads g (`q`: [group, head_dim], f32) and the keys at `slots`. AVX2: in AVX2 registers;
+/// WIDE too: in AVX-512 ones (crate::paged_attn_512), the same bits.
 #[inline(always)]
-pub(crate) fn score_widened<T: Element, const AVX2: bool, const WIDE: bool>(
+pub(crate) fn score_tile<T: Element, const AVX2: bool, const WIDE: bool>(
     d: &PagedDecode<'_, T>,
     kv_head: usize,
     slots: &[usize],

@@ -12,8 +12,8 @@
 //! chunked or blocked, only on its own context.
 
 use crate::paged_attn::{
-    exp, exp_shifted, lane_max, lane_sum, prefetch_slots, score_widened, weigh_values, Element, Isa, PagedDecode,
-    Strided, PARALLEL_MIN_MACS, TILE,
+    exp, exp_shifted, lane_max, lane_sum, prefetch_slots, score_tile, weigh_values, Element, Isa, PagedDecode, Strided,
+    PARALLEL_MIN_MACS, TILE,
 };
 
 /// One step's prefill spans over the paged cache.
@@ -393,7 +393,7 @@ fn score_block<T: Element, const AVX2: bool>(
         return;
     }
     let _ = keys;
-    score_widened::<T, AVX2, false>(d, kv_head, slots, q, scores);
+    score_tile::<T, AVX2, false>(d, kv_head, slots, q, scores);
 }
 
 /// Rows scored together: ROW_BLOCK x 2 vectors of running sums, in registers with the key loads.
