@@ -113,6 +113,56 @@ def test_openapi_schema_lists_routes(server):
         assert {"type": "string"} in field["oneOf"], (name, field)
 
 
+def _bounds(rule: dict, path: str = "") -> set[tuple[str, str, str, float]]:
+    """(path, JSON type, keyword, value) of every bound in a JSON schema node, unions flattened and
+    array items followed (`path` grows by "[]"); references are other components."""
+    members = rule.get("anyOf") or rule.get("oneOf")
+    if members:
+        return {b for member in members for b in _bounds(member, path)}
+    kinds = rule.get("type")
+    found = set()
+    for kind in kinds if isinstance(kinds, list) else [kinds]:
+        for keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength",
+                        "minItems", "maxItems"):
+            if keyword in rule:
+                found.add((path, kind, keyword, float(rule[keyword])))
+    if isinstance(rule.get("items"), dict):
+        found |= _bounds(rule["items"], path + "[]")
+    return found
+
+
+def test_published_request_fields_carry_the_bounds_their_bodies_are_decoded_by(server):
+    import msgspec
+
+    from r3srv.server.routes import ROUTE_HANDLERS
+
+    # msgspec's own schema of every route's body type: the rules the server decodes bodies by
+    bodies = [h.parsed_fn_signature.parameters["data"].annotation for h in ROUTE_HANDLERS
+              if "data" in h.parsed_fn_signature.parameters]
+    _, enforced = msgspec.json.schema_components(bodies)
+    published = httpx.get(server.url + "/schema/openapi.json").json()["components"]["schemas"]
+    missing, checked = [], 0
+    for name, component in enforced.items():
+        assert name in published, f"{name} is not a published component"
+        for field, rule in component.get("properties", {}).items():
+            want = _bounds(rule)
+            checked += len(want)
+            have = _bounds(published[name]["properties"][field])
+            missing += [f"{name}.{field}: {b}" for b in sorted(want - have)]
+    assert checked >= 40 and not missing, "\n".join(missing)
+    # the bounds Litestar used to drop (in a list, in a union), and the server refusing what they exclude
+    tokens = published["DetokenizeRequest"]["properties"]["tokens"]
+    assert tokens["items"]["minimum"] == 0, tokens
+    refused = httpx.post(server.url + "/detokenize", json={"tokens": [1, -1]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens", refused.text
+    top = published["SglangGenerateRequest"]["properties"]["top_logprobs_num"]
+    assert {"type": "integer", "maximum": 20} in [{k: b[k] for k in ("type", "maximum") if k in b}
+                                                   for b in top["oneOf"]], top
+    body = {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 21}
+    refused = httpx.post(server.url + "/generate", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs_num", refused.text
+
+
 def test_tokenize_detokenize_roundtrip(server):
     r = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"})
     assert r.status_code == 200

@@ -4,7 +4,8 @@ Litestar documents its own 400 body (`status_code`, `detail`, `extra`) and JSON 
 r3srv answers every error in OpenAI's shape, and the generation routes stream server-sent
 events when asked to. `describe_what_is_served` rewrites the generated schema once, at start-up:
 each operation's error statuses point at ErrorResponse, the streaming routes' 200 also lists
-text/event-stream, and a server with keys documents the bearer scheme, which operations need a
+text/event-stream, a request field's bounds are those its body is decoded by (server/openapi_bounds.py),
+and a server with keys documents the bearer scheme, which operations need a
 key (from their declared access, as server/auth.py reads it) and their 401 and 403.
 tests/test_server_schema.py fuzzes the running server against it (schemathesis).
 """
@@ -24,6 +25,7 @@ from litestar.openapi.spec import (
 
 from r3srv.server.auth import FORBIDDEN, UNAUTHORIZED, ApiKeys
 from r3srv.server.declare import Access, access_by_path
+from r3srv.server.openapi_bounds import body_types, restore_bounds
 from r3srv.server.routes import ROUTE_HANDLERS
 
 # Every operation may answer these (OpenAI's error shape): a bad request, an unknown model or a
@@ -45,6 +47,8 @@ BEARER = "bearer"  # the security scheme's name in components.securitySchemes
 def describe_what_is_served(app: Litestar, keys: ApiKeys) -> None:
     schema = app.openapi_schema  # built once and cached: what /schema/openapi.json renders
     access = access_by_path(ROUTE_HANDLERS)
+    if schema.components is not None and schema.components.schemas:
+        restore_bounds(schema.components.schemas, body_types(ROUTE_HANDLERS))
     if keys.enabled:
         components = schema.components or Components()
         components.security_schemes = {**(components.security_schemes or {}), BEARER: SecurityScheme(
