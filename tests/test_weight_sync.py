@@ -178,7 +178,7 @@ def test_vllm_weight_transfer_names_map_onto_the_same_group(server, policies, po
         for bad, param in ((dict(init_info, packed=True, packed_buffer_size_bytes=0), "packed_buffer_size_bytes"),
                            (dict(init_info, nccl_unique_id_b64="AAAA"), "nccl_unique_id_b64")):
             r = post(server, "/init_weight_transfer_engine", {"init_info": bad})
-            assert r.status_code == 400 and param in r.text, r.text
+            assert r.status_code == 400 and r.json()["error"]["param"] == f"init_info.{param}", r.text
         r = post(server, "/update_weights", {"update_info": trainer.vllm_update_info(tensors), "other": 1})
         assert r.status_code == 400 and "other" in r.text, r.text
     finally:
@@ -287,5 +287,7 @@ def test_update_weights_from_tensor_is_a_400_on_the_cpu_and_runs_no_pickled_code
     assert r.status_code == 400 and r.json()["error"]["param"] == "serialized_named_tensors"
     assert "CUDA" in r.json()["error"]["message"] and not marker.exists()
     r = post(server, "/update_weights_from_tensor", dict(body, load_format="flattened_bucket"))
-    assert r.status_code == 400 and "load_format" in r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "load_format", r.text
+    r = post(server, "/update_weights_from_tensor", dict(body, selector="draft"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "selector", r.text
 

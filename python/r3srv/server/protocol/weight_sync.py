@@ -14,7 +14,9 @@ from r3srv.engine.vllm_transfer import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT
 
 
 def _refuse(field: str, why: str) -> None:
-    raise ValueError(f"`{field}` {why}")
+    # msgspec keeps it as the cause: the 400 names the field, under the path of its struct
+    # (server/body.py; `field` is the struct's own field's name)
+    raise InvalidRequestError(param=field, problem=f" {why}")
 
 
 class InitWeightsUpdateGroupRequest(Struct, kw_only=True):
@@ -87,9 +89,9 @@ class VllmInitInfo(Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.nccl_unique_id_b64 is not None:
-            _refuse("init_info.nccl_unique_id_b64", "is not supported: pass master_address and master_port")
+            _refuse("nccl_unique_id_b64", "is not supported: pass master_address and master_port")
         if self.master_address is None or self.master_port is None:
-            _refuse("init_info.master_address", "and init_info.master_port are required")
+            _refuse("master_address", "and master_port are required")
         packing(self)  # sizes checked at decode
 
     def packing(self) -> dict[str, int] | None:
