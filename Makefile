@@ -86,7 +86,8 @@ bench-smoke: install
 	$(BIN)/python -m pytest -q benches --benchmark-disable -p no:randomly
 
 # schemathesis over every route for FUZZ_MINUTES per server (two servers), schema-valid requests
-# that are refused counted too (benches/schema_fuzz.py); CI runs a shorter deterministic one.
+# that are refused counted too, but for those the peers refuse as well (tests/schema_fuzz_hooks.py)
+# (benches/schema_fuzz.py); CI runs a shorter deterministic one.
 FUZZ_MINUTES ?= 10
 fuzz-deep: install
 	$(BIN)/python benches/schema_fuzz.py --minutes $(FUZZ_MINUTES)

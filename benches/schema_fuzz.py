@@ -1,7 +1,7 @@
 """A long schemathesis run over every route (the benchmark tier's, not CI's): the two servers of
-tests/schema_fuzzing.py, fuzzed for as long as asked, with positive_data_acceptance besides the
-CI checks (a request the schema admits must not be refused). Prints each run's summary; exits
-non-zero on any failure.
+tests/schema_fuzzing.py, fuzzed for as long as asked, with an acceptance check besides the CI
+checks (a request the schema admits must not be refused, unless vLLM or SGLang refuse it too:
+tests/schema_fuzz_hooks.py lists those). Prints each run's summary; exits non-zero on any failure.
 
     .venv/bin/python benches/schema_fuzz.py --minutes 10 --seed 1      # make fuzz-deep
 """

@@ -3,10 +3,11 @@ route of a server started without --enable-weight-updates (its weight routes ans
 admin routes of one started with it (generation left out: a fuzzed /pause_generation would hold
 it), its weight paths and trainer hosts confined so that nothing generated loads or joins
 anything. Used by tests/test_server_schema.py (a deterministic run sized for CI) and
-benches/schema_fuzz.py (a long one, with positive_data_acceptance too)."""
+benches/schema_fuzz.py (a long one, with the acceptance check of tests/schema_fuzz_hooks.py too)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -21,10 +22,12 @@ from server_fixture import TEST_SERVER_ARGS, RemoteServer
 # 0 server errors, 0 answers outside the published schema (status, content type, body, headers, SSE events)
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance",
           "response_headers_conformance")
-# besides: a request the schema admits is not refused
-ACCEPTANCE = "positive_data_acceptance"
+# besides: a request the schema admits is not refused, unless the peers refuse it too
+# (tests/schema_fuzz_hooks.py, which every run loads)
+ACCEPTANCE = "positive_data_acceptance_but_peer_refusals"
+HOOKS = "schema_fuzz_hooks"
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")  # a path item's other keys are not operations
-GENERATION = r"^/(v1/completions|v1/chat/completions|generate|inference/v1/generate|health_generate)$"
+GENERATION = r"^/(v1/completions|v1/chat/completions|generate|inference/v1/generate|skyrl/v1/generate|health_generate)$"
 
 
 @dataclass
@@ -53,7 +56,9 @@ def _schemathesis(url: str, budget: list[str], checks: tuple[str, ...], report: 
                "--checks", ",".join(checks), *budget, "--workers", "1", "--phases", "examples,coverage,fuzzing",
                "--request-timeout", "120", "--no-color", "--suppress-health-check", "all",
                "--report", "junit", "--report-junit-path", str(report), *extra]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=report.parent)  # its cache stays there
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": HOOKS,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=report.parent, env=env)  # its cache stays there
     return done.returncode, done.stdout + done.stderr
 
 

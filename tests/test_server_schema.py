@@ -5,6 +5,7 @@ short context so no generated request generates for long."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -95,3 +96,19 @@ def test_what_longer_fuzz_runs_found_is_answered_without_a_server_error():
             if r.status_code == 400:
                 assert r.json()["error"]["param"] in ("cache_salt", "extra_key"), r.text
     assert srv.returncode == 0, srv.log
+
+
+def test_the_deep_runs_acceptance_check_passes_only_the_listed_peer_refusals():
+    from schema_fuzz_hooks import PEER_REFUSALS, peer_refusal
+
+    def body(message: str) -> bytes:
+        error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+        return json.dumps({"error": error}).encode()
+
+    assert peer_refusal("POST /v1/chat/completions", body("`tools` must not be an empty array"))
+    assert peer_refusal("POST /skyrl/v1/generate", body("n: Expected `int`, got `float`"))
+    # the same message on another route, another message on the route, or no error body: a failure
+    assert not peer_refusal("POST /v1/completions", body("`tools` must not be an empty array"))
+    assert not peer_refusal("POST /skyrl/v1/generate", body("token_ids: Expected `int` >= 0"))
+    assert not peer_refusal("POST /v1/chat/completions", b"not json")
+    assert all(re.fullmatch(r"(GET|POST) /[\w/]+", op) for op, _ in PEER_REFUSALS)
