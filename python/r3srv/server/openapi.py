@@ -4,9 +4,9 @@ Litestar documents its own 400 body (`status_code`, `detail`, `extra`) and JSON 
 r3srv answers every error in OpenAI's shape, and the generation routes stream server-sent
 events when asked to. `describe_what_is_served` rewrites the generated schema once, at start-up:
 each operation's error statuses point at ErrorResponse, the streaming routes' 200 also lists
-text/event-stream, a request field's bounds are those its body is decoded by (server/openapi_bounds.py),
-and a server with keys documents the bearer scheme, which operations need a
-key (from their declared access, as server/auth.py reads it) and their 401 and 403.
+text/event-stream, a request field's bounds are those its body is decoded by
+(server/openapi_bounds.py), and a server with keys documents the bearer scheme, which operations
+need a key (from their declared access, as server/auth.py reads it) and their 401 and 403.
 tests/test_server_schema.py fuzzes the running server against it (schemathesis).
 """
 
