@@ -31,7 +31,9 @@ PEER_REFUSALS: tuple[tuple[str, str], ...] = (
     ("POST /v1/completions",
      r"^prompt must be provided and non-empty|^prompt token lists must not be empty|^prompt (is|must not be) empty"
      r"|^max_tokens=0 must be at least 1"),
-    ("POST /v1/chat/completions", r"^`tools` must not be an empty array|^messages is empty"),
+    ("POST /v1/chat/completions",
+     r"^`tools` must not be an empty array|^messages is empty"
+     r"|^when using `top_logprobs`, `logprobs` must be set to true"),
     # vLLM: tools the model may call need a server started with a tool parser
     ("POST /v1/chat/completions", r"^tools: tool calling needs a server started with --enable-auto-tool-choice"),
     # vLLM's TokenizeRequest is one of two bodies: a prompt or messages
@@ -39,9 +41,9 @@ PEER_REFUSALS: tuple[tuple[str, str], ...] = (
     # SGLang's GenerateReqInput: input_ids, when given, not empty; its contract gate types the
     # sampling params exactly (server/coerce.py's strict fields)
     ("POST /generate", r"^input_ids cannot be empty|^\w+: Expected `int( \| null)?`, got `float`"),
-    # the routed experts' offsets (the wire contract: a bad offset is a 400), vLLM's cache_salt
-    *((op, r"^routed_experts_prompt_start=-?\d+ (must be >= 0|is outside)|^cache_salt=.* must be a non-empty string")
-      for op in VLLM_GENERATION),
+    # the routed experts' and indexer's offsets (the wire contract: a bad offset is a 400), vLLM's cache_salt
+    *((op, r"^(routed_experts|indexer_topk)_prompt_start=-?\d+ (must be >= 0|is outside)"
+           r"|^cache_salt=.* must be a non-empty string") for op in VLLM_GENERATION),
     # vLLM's SamplingParams(**raw JSON), as SkyRL's route builds it: its ints must be ints, n >= 1
     ("POST /skyrl/v1/generate", r"^\w+: Expected `int`, got `float`|^n=-?\d+ must be >= 1"),
     # vLLM: logit_bias keys are token ids
@@ -56,7 +58,8 @@ PEER_REFUSALS: tuple[tuple[str, str], ...] = (
     # vLLM: stream_options only with stream; SGLang: text or input_ids, meta info not streamed
     *((op, r"^stream_options can only be set when stream is true")
       for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /inference/v1/generate")),
-    ("POST /generate", r"^text: give text or input_ids|^sampling_params has \d+ entries for \d+ prompts"),
+    ("POST /generate", r"^text: give text or input_ids|^sampling_params has \d+ entries for \d+ prompts"
+     r"|is not a field of this object \(the peer refuses unknown keys here\)"),
     # vLLM: logit_bias keys are token ids; at most --max-logprobs logprobs
     *((op, r"`\$\.sampling_params\.logit_bias`$|^(top_)?logprobs: requested -?\d+, which is greater than max allowed")
       for op in VLLM_GENERATION),
@@ -99,6 +102,7 @@ PEER_REFUSALS: tuple[tuple[str, str], ...] = (
     *((op, r"^format=.* is not served") for op in ("GET /v1/loads", "GET /get_load")),
     ("POST /update_weights_from_tensor", r"hands over CUDA IPC handles, and this server runs on the cpu"),
     *((op, r"content parts are supported by r3srv") for op in ("POST /v1/chat/completions", "POST /tokenize")),
+    ("POST /inference/v1/generate", r"^content_parts\[\d+\]: only image_url parts are supported by r3srv"),
     *((op, r"^image_data: an image has no field") for op in ("POST /generate", "POST /v1/chat/completions")),
 )
 
