@@ -30,17 +30,20 @@ PEER_REFUSALS: tuple[tuple[str, str], ...] = (
     # chat messages that render to no tokens; tools, when given, not empty
     ("POST /v1/completions",
      r"^prompt must be provided and non-empty|^prompt token lists must not be empty|^prompt (is|must not be) empty"
-     r"|^max_tokens=0 must be at least 1"),
+     r"|^max_tokens=0 must be at least 1|^prompt must be a string, a list of strings"),
     ("POST /v1/chat/completions",
      r"^`tools` must not be an empty array|^messages is empty"
-     r"|^when using `top_logprobs`, `logprobs` must be set to true"),
+     r"|^when using `top_logprobs`, `logprobs` must be set to true|^When using `tool_choice`, `tools` must be set"),
     # vLLM: tools the model may call need a server started with a tool parser
     ("POST /v1/chat/completions", r"^tools: tool calling needs a server started with --enable-auto-tool-choice"),
     # vLLM's TokenizeRequest is one of two bodies: a prompt or messages
     ("POST /tokenize", r"^give exactly one of prompt or messages"),
     # SGLang's GenerateReqInput: input_ids, when given, not empty; its contract gate types the
     # sampling params exactly (server/coerce.py's strict fields)
-    ("POST /generate", r"^input_ids cannot be empty|^\w+: Expected `int( \| null)?`, got `float`"),
+    ("POST /generate", r"^input_ids cannot be empty|^\w+: Expected `int( \| [\w |]+)?`, got `float`"),
+    # vLLM's token-in routes: text out needs detokenizing; a prompt that holds no tokens
+    ("POST /inference/v1/generate", r"^output_mode='text' requires sampling_params.detokenize"),
+    ("POST /skyrl/v1/generate", r"^token_ids is empty"),
     # the routed experts' and indexer's offsets (the wire contract: a bad offset is a 400), vLLM's cache_salt
     *((op, r"^(routed_experts|indexer_topk)_prompt_start=-?\d+ (must be >= 0|is outside)"
            r"|^cache_salt=.* must be a non-empty string") for op in VLLM_GENERATION),
