@@ -134,12 +134,11 @@ def _bounds(rule: dict, path: str = "") -> set[tuple[str, str, str, float]]:
 def test_published_request_fields_carry_the_bounds_their_bodies_are_decoded_by(server):
     import msgspec
 
+    from r3srv.server.openapi_bounds import body_types
     from r3srv.server.routes import ROUTE_HANDLERS
 
     # msgspec's own schema of every route's body type: the rules the server decodes bodies by
-    bodies = [h.parsed_fn_signature.parameters["data"].annotation for h in ROUTE_HANDLERS
-              if "data" in h.parsed_fn_signature.parameters]
-    _, enforced = msgspec.json.schema_components(bodies)
+    _, enforced = msgspec.json.schema_components(body_types(ROUTE_HANDLERS))
     published = httpx.get(server.url + "/schema/openapi.json").json()["components"]["schemas"]
     missing, checked = [], 0
     for name, component in enforced.items():

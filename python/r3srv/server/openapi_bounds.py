@@ -34,16 +34,12 @@ def body_types(handlers: Iterable[Any]) -> list[Any]:
     return types
 
 
-def enforced_components(types: Iterable[Any]) -> dict[str, dict[str, Any]]:
-    """msgspec's JSON Schema of every struct the bodies of `types` decode through, by name."""
-    _, components = msgspec.json.schema_components(list(types), ref_template="#/components/schemas/{name}")
-    return components
-
-
 def restore_bounds(published: dict[str, Schema | Reference], types: Iterable[Any]) -> None:
     """Each bound msgspec enforces on a field of a struct in `types` (and the structs they hold)
     set on that field of the published component of the same name, where it has none."""
-    for name, enforced in enforced_components(types).items():
+    # msgspec's JSON Schema of every struct the bodies decode through, by name
+    _, enforced_components = msgspec.json.schema_components(list(types))
+    for name, enforced in enforced_components.items():
         component = published.get(name)
         if not isinstance(component, Schema) or not component.properties:
             continue
