@@ -75,8 +75,9 @@ def _hf_run(case: Case, ids: list[int], past=None):
     return out.logits[0].float(), picked, out.past_key_values
 
 
-def _step(model, ids: list[int], start: int, logits_all: bool = False):
-    """One of our forward steps for a single sequence occupying blocks 0.. in order."""
+def _step(model, ids: list[int], start: int, logits_all: bool = False, rows: list[int] | None = None):
+    """One of our forward steps for a single sequence occupying blocks 0.. in order: the logits
+    of its last token, of every token (logits_all), or of `rows`."""
     cfg = model.config
     t, ctx = len(ids), start + len(ids)
     positions = torch.arange(start, ctx)
@@ -88,7 +89,7 @@ def _step(model, ids: list[int], start: int, logits_all: bool = False):
         query_lens=[t],
         context_lens=[ctx],
         block_tables=tables,
-        logits_indices=torch.arange(t) if logits_all else torch.tensor([t - 1]),
+        logits_indices=torch.arange(t) if logits_all else torch.tensor([t - 1] if rows is None else rows),
         routing_capture=torch.zeros(t, cfg.num_layers, cfg.top_k, dtype=torch.int32),
     )
     return model.forward(batch), batch.routing_capture
@@ -113,6 +114,12 @@ def test_prefill_logits_and_routing_match_transformers(case):
             assert torch.equal(capture[:, layer].long(), ref_ids[layer].long()), f"layer {layer}"
         else:  # a dense layer leaves its rows zero
             assert not capture[:, layer].any()
+    # logits at some rows only: the last layer's MLP runs for those alone (models/model.py's
+    # last_layer_rows), in any order, repeated; every row is still routed
+    some = [len(prompt) - 1, 2, 5, 2]
+    logits, some_capture = _step(model, prompt, 0, rows=some)
+    torch.testing.assert_close(logits, ref_logits[some], atol=1e-4, rtol=1e-4)
+    assert torch.equal(some_capture, capture)
 
 
 def test_greedy_continuation_and_routing_match_transformers(case):

@@ -211,8 +211,9 @@ class DenseMlp(Mlp):
         super().__init__(cfg.hidden_size, cfg.intermediate_size, gated=cfg.experts.gated, parallel=parallel,
                          dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None, weights=None) -> torch.Tensor:
-        return super().forward(x)
+    def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None, weights=None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x if rows is None else x.index_select(0, rows))
 
 
 class DecoderLayer(nn.Module):
@@ -270,12 +271,15 @@ class DecoderLayer(nn.Module):
             attn_out_norm=norm(self.attn_out_norm), mlp_out_norm=norm(self.mlp_out_norm),
             residual_multiplier=self.residual_multiplier)
 
-    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None, weights=None):
+    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None, weights=None,
+                rows: torch.Tensor | None = None):
+        """The layer's output at `rows` of x (None: all rows): the mixer and the routing run for
+        every row (their K/V, states and routed experts are the step's), the MLP for `rows` only."""
         h = self._pre_norm(x, self.input_norm)
         h = self.attn(h, cos, sin, meta) if self.linear_attn is None else self.linear_attn(h, states)
         x = x + self._branch(h, self.attn_out_norm)
-        h = self.mlp(self._pre_norm(x, self.post_attention_norm), capture, weights)
-        return x + self._branch(h, self.mlp_out_norm)
+        h = self.mlp(self._pre_norm(x, self.post_attention_norm), capture, weights, rows)
+        return (x if rows is None else x.index_select(0, rows)) + self._branch(h, self.mlp_out_norm)
 
     def _pre_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else self.norm(x, weight, self.eps)
@@ -306,13 +310,17 @@ class MixerBlock(nn.Module):
     def use_ops(self, ops: Ops) -> None:
         self.norm_fn = ops.norm(self.norm_kind)
 
-    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None, weights=None):
+    def forward(self, x, cos, sin, meta, capture, states: LinearStateBatch | None = None, weights=None,
+                rows: torch.Tensor | None = None):
+        """The block's output at `rows` of x (None: all rows); a mixer runs for every row."""
         h = self.norm_fn(x, self.norm, self.eps)
         if self.attn is not None:
-            return x + self.attn(h, cos, sin, meta)
-        if self.linear_attn is not None:
-            return x + self.linear_attn(h, states)
-        return x + self.mlp(h, capture, weights)
+            h = self.attn(h, cos, sin, meta)
+        elif self.linear_attn is not None:
+            h = self.linear_attn(h, states)
+        else:
+            return (x if rows is None else x.index_select(0, rows)) + self.mlp(h, capture, weights, rows)
+        return x + h if rows is None else (x + h).index_select(0, rows)
 
 
 def batch_invariance_gaps(cfg: ModelConfig) -> list[str]:
@@ -502,21 +510,36 @@ class MoeForCausalLM(nn.Module):
         if states is None and visual is None and self.fused_layers:
             fused = self.ops.plan_fused_step(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
                                              self.config.num_experts, batch.routing_weights)
+        logit_rows = batch.logits_indices.to(self.device)
+        last = self.last_layer_rows(batch, visual, logit_rows, x.shape[0])
         for layer in self.layers:
             layer_capture = layer_captures[layer.index] if layer_captures is not None and layer.is_moe else None
+            rows = last if layer.index == len(self.layers) - 1 else None
             out = None
-            if fused is not None and layer.fused is not None:
+            if fused is not None and layer.fused is not None and rows is None:
                 out = layer.fused(x, cos, sin, meta, layer_capture, fused)
             if out is None:
                 weights = layer_weights[layer.index] if layer_weights is not None and layer.is_moe else None
-                out = layer(x, cos, sin, meta, layer_capture, states, weights)
+                out = layer(x, cos, sin, meta, layer_capture, states, weights, rows)
             x = out
             if visual is not None and layer.index < len(visual.deepstack):  # Qwen3-VL's deepstack
                 x = x.index_add(0, visual.rows, visual.deepstack[layer.index])
-        x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)), self.final_norm, self.config.norm.eps)
+        x = self.norm(x if last is not None else x.index_select(0, logit_rows), self.final_norm, self.config.norm.eps)
         logits = self.lm_head(x).float()
         scaling = self.config.scales.logits
         return logits if scaling == 1.0 else logits / scaling
+
+    def last_layer_rows(self, batch: ForwardBatch, visual, logit_rows: torch.Tensor, num_tokens: int
+                        ) -> torch.Tensor | None:
+        """The rows the last layer's MLP runs for: only the logits' rows where the step has
+        others (a prompt's tokens before its last feed only the K/V and routing of the layers,
+        which every row still gets); None (every row) where the step is all logits rows, or an
+        adapter's per-token slots or an image's deepstack rows index the last layer's input."""
+        if logit_rows.shape[0] >= num_tokens or batch.lora is not None:
+            return None
+        if visual is not None and len(visual.deepstack) >= len(self.layers):
+            return None
+        return logit_rows
 
     # ---- checkpoint names -----------------------------------------------------------------
     def weight_targets(self) -> dict[str, torch.Tensor]:

@@ -105,8 +105,10 @@ class SparseMoeBlock(nn.Module):
                                    experts.state.ep_size, experts.state.tp_size, experts.lora)
         return MoeParts(router, expert_parts, None if self.shared is None else self.shared.parts(), self.shared_gate)
 
-    def forward(self, x: torch.Tensor, capture: torch.Tensor | None, weights_capture: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, capture: torch.Tensor | None, weights_capture: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output at `rows` of x (None: all rows); every row is routed (its ids and
+        weights captured) whichever rows the experts then run for."""
         gate = self.gate
         gate_input = x if x.dtype == gate.dtype else x.to(gate.dtype)
         router_logits = self.ops.linear(gate_input, gate, self.gate_bias)
@@ -126,6 +128,8 @@ class SparseMoeBlock(nn.Module):
         )
         if weights_capture is not None:  # every route function returns the weights its ids get
             weights_capture.copy_(weights)
+        if rows is not None:
+            x, weights, ids = x.index_select(0, rows), weights.index_select(0, rows), ids.index_select(0, rows)
         expert_pass, lora = self.expert_pass, self.experts.lora
         if lora is not None and lora.active():  # this step's adapters on the experts (r3srv.lora.slots)
             expert_pass = lora.expert_pass(self.activation, self.ops.linear, self.ops.threads)
