@@ -58,6 +58,13 @@ def test_causal_attention_counts_each_query_against_itself_and_earlier_keys() ->
     assert full - causal == attention * (100 * 100 - 100 * 101 // 2)
 
 
+def test_the_last_layers_mlp_counts_only_the_tokens_whose_logits_are_computed() -> None:
+    config = builtin_config()
+    hidden, experts = config["hidden_size"], config["num_experts_per_tok"] * 3 * config["moe_intermediate_size"]
+    every, last = prompt_flops(config, 100, lm_head_tokens=100), prompt_flops(config, 100)
+    assert every - last == 2 * 99 * hidden * (config["vocab_size"] + experts)
+
+
 def test_other_families_are_refused() -> None:
     with pytest.raises(ValueError, match="Qwen3-MoE"):
         prompt_flops({"model_type": "llama"}, 10)

@@ -4,7 +4,8 @@
 
 A prefill must do every multiply-add of the prompt's forward pass: the q/k/v/o projections,
 causal attention (each query against itself and the keys before it), the router and each
-token's top-k experts, and the LM head for the last token. Those FLOPs over the rate torch's
+token's top-k experts, and the LM head for the last token; the last layer's MLP only for the
+tokens whose logits are computed (the others' outputs feed nothing, their routing is kept). Those FLOPs over the rate torch's
 own GEMM (MKL or oneDNN) reaches on this machine, on the same threads and dtype, are the
 prompt's floor: a kernel as fast as a tuned GEMM on every piece would take that long. It prints
 the floor and r3srv's engine time for the prompt (one output token, the median of 3) against it;
@@ -27,7 +28,7 @@ from decode_roofline import median_seconds
 def prompt_flops(config: dict, tokens: int, causal: bool = True, lm_head_tokens: int = 1) -> int:
     """FLOPs (2 per multiply-add) of a `tokens`-token prefill of a Qwen3-MoE config. causal=False
     counts every query against every key (what an unmasked attention multiplies), lm_head_tokens
-    the positions whose logits are computed."""
+    the positions whose logits are computed (and so the last layer's MLP runs for)."""
     if config.get("model_type") != "qwen3_moe":
         raise ValueError(f"prompt_flops counts Qwen3-MoE configs, not {config.get('model_type')!r}")
     hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -40,11 +41,12 @@ def prompt_flops(config: dict, tokens: int, causal: bool = True, lm_head_tokens:
         macs += 2 * heads * head_dim * pairs  # scores and the weighted values
         step = config.get("decoder_sparse_step", 1)
         dense = layer in config.get("mlp_only_layers", []) or config["num_experts"] == 0 or (layer + 1) % step != 0
+        mlp_tokens = lm_head_tokens if layer == config["num_hidden_layers"] - 1 else tokens
         if dense:
-            macs += tokens * 3 * hidden * config["intermediate_size"]
+            macs += mlp_tokens * 3 * hidden * config["intermediate_size"]
         else:
             macs += tokens * hidden * config["num_experts"]  # router
-            macs += tokens * config["num_experts_per_tok"] * 3 * hidden * config["moe_intermediate_size"]
+            macs += mlp_tokens * config["num_experts_per_tok"] * 3 * hidden * config["moe_intermediate_size"]
     macs += lm_head_tokens * hidden * config["vocab_size"]
     return 2 * macs
 
