@@ -122,6 +122,48 @@ def test_async_release_waits_for_running_requests_and_holds_new_ones_until_resum
     assert same(held.outputs[0], want)
 
 
+def test_a_stopping_engine_refuses_the_commands_waiting_for_its_requests_and_starts_those_they_held(policies, gate):
+    """What the server does on SIGTERM (ServerState.stop_serving): a release or an update still
+    waiting for the request in flight fails with EngineDeadError instead of running once it ends,
+    so do later ones; the request it held starts and finishes as it would have; other commands
+    and requests are served as before."""
+    from r3srv.engine.async_llm import EngineDeadError
+
+    v0, v1 = policies
+    want = LLM(str(v0), **ENGINE).generate([PROMPT], PARAMS)[0].outputs[0]
+    engine = AsyncLLM(str(v0), **ENGINE)
+    gate_steps(engine.core, gate.path)
+
+    async def main():
+        async def run(rid, params):
+            return [o async for o in engine.generate(PROMPT, params, rid)][-1]
+
+        with gate.allowing(2):  # "running" stays in flight until the gate opens
+            running = asyncio.create_task(run("running", SamplingParams(max_tokens=60, **GREEDY)))
+            while engine.stats().num_running == 0:
+                await asyncio.sleep(0.001)
+            release = asyncio.create_task(engine.release_memory())
+            await asyncio.sleep(0)  # the release's command is queued
+            held = asyncio.create_task(run("held", PARAMS))
+            while engine.stats().num_waiting == 0:  # held behind the release
+                await asyncio.sleep(0.001)
+            engine.refuse_waiting_commands("stopping for the test")
+            with pytest.raises(EngineDeadError, match="stopping for the test"):
+                await release
+            with pytest.raises(EngineDeadError, match="stopping for the test"):
+                await engine.update_weights(str(v1))
+            assert await engine.continue_generation() is False  # a command that does not wait runs
+        await running
+        return await held
+
+    try:
+        held = asyncio.run(main())
+        assert engine.released_memory == []
+    finally:
+        engine.shutdown()
+    assert same(held.outputs[0], want) and held.outputs[0].finish_reason == "length"
+
+
 @pytest.mark.gpu
 def test_release_gives_the_gpu_memory_back(policies):
     gc.collect()

@@ -53,7 +53,8 @@ def _server_class(on_shutdown: Any) -> Any:
 
         async def shutdown(self, sockets: Any = None) -> None:
             # End the requests in flight first (finish_reason "abort"), so open streams
-            # finish at once instead of being cut after the graceful-shutdown timeout.
+            # finish at once instead of being cut after the graceful-shutdown timeout, and
+            # refuse the commands that waited for them (ServerState.stop_serving).
             await on_shutdown()
             await super().shutdown(sockets=sockets)
 
@@ -193,7 +194,7 @@ def serve(args: argparse.Namespace, own_process: bool = False) -> int:
         "returned" if engine.enable_return_routed_experts else "not returned",
         engine.max_model_len,
     )
-    server_class = _server_class(app.state.abort_all)
+    server_class = _server_class(app.state.stop_serving)
     config = uvicorn.Config(
         app,
         host=args.host,

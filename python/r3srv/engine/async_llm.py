@@ -136,6 +136,13 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class _RefuseWaiting:
+    """The server is stopping: control commands that wait for the requests in flight are refused."""
+
+    error: BaseException
+
+
 # -- items for the output thread, in the order the core thread produced them ------------
 @dataclass(frozen=True, slots=True)
 class _Register:
@@ -207,6 +214,7 @@ class AsyncLLM(EngineFacts):
         # are held, and start after them (on the new weights, in the resumed memory).
         self._exclusive: collections.deque[_Asked] = collections.deque()
         self._held: list[EngineRequest] = []
+        self._refusing: BaseException | None = None  # why waiting commands are refused (stopping)
         self._replies: set[_Reply] = set()  # control commands not answered yet
         self._target = _OnCoreThread(  # what control commands reach (core thread only)
             core, state=lambda: self._state, set_state=self._set_state, abort=self._abort,
@@ -369,6 +377,15 @@ class AsyncLLM(EngineFacts):
             self._commands.put(Abort(request_id))
         return known
 
+    def refuse_waiting_commands(self, reason: str = "the server is shutting down") -> None:
+        """From now on, every control command that waits for the requests in flight (a weight
+        update, a memory release) fails with EngineDeadError(reason), those already waiting
+        included, instead of starting once the requests end; the requests they held start. The
+        server calls it as it stops, before aborting the requests, so that a stop's grace period
+        is not spent on an update that nobody will serve (its caller gets a 503 to retry
+        elsewhere). Requests and other commands are served as before."""
+        self._commands.put(_RefuseWaiting(EngineDeadError(reason)))
+
     def shutdown(self) -> None:
         """Stop the engine threads (and tensor-parallel workers); requests still in flight fail
         with EngineDeadError. Idempotent."""
@@ -452,6 +469,11 @@ class AsyncLLM(EngineFacts):
                 self._outputs.put(out)
         elif isinstance(cmd, Abort):
             self._abort(cmd.request_id)
+        elif isinstance(cmd, _RefuseWaiting):
+            self._refusing = cmd.error
+            while self._exclusive:
+                self._answer(self._exclusive.popleft().reply, exc=cmd.error)
+            self._release_held()
         else:
             raise TypeError(f"unknown engine command {cmd!r}")
 
@@ -460,6 +482,8 @@ class AsyncLLM(EngineFacts):
         try:
             asked.command.admit(self._target)
             if asked.command.after_requests:
+                if self._refusing is not None:
+                    raise self._refusing
                 self._exclusive.append(asked)
                 return
             value = asked.command.run(self._target)
@@ -489,6 +513,10 @@ class AsyncLLM(EngineFacts):
                 self._answer(asked.reply, exc=exc)
             else:
                 self._answer(asked.reply, value)
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """The requests held behind waiting commands start, unless memory is still released."""
         if not self.core.released_memory:
             held, self._held = self._held, []
             for prep in held:

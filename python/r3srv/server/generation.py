@@ -59,6 +59,13 @@ class ServerState:
                  (Feature.COLLECTIVE_RPC, options.enable_collective_rpc), (Feature.LORA, self.engine.core.lora is not None))
         return frozenset(feature for feature, on in flags if on)
 
+    async def stop_serving(self) -> None:
+        """The server is stopping (SIGTERM): a weight update or memory release still waiting for
+        the requests in flight is refused (503, the trainer retries elsewhere) rather than run in
+        the stop's grace period, then every request in flight ends (finish_reason "abort")."""
+        self.engine.refuse_waiting_commands()
+        await self.abort_all()
+
     async def abort_all(self) -> None:
         """End every request in flight (finish_reason "abort"): on shutdown, so streams close
         promptly, and for SGLang's /abort_request with abort_all."""
