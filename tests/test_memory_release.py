@@ -12,7 +12,7 @@ from tiny_checkpoints import write_tiny_checkpoint
 from engine_testing import GREEDY, one_torch_thread, prompt_ids  # noqa: F401 (autouse fixture)
 from step_gate import gate_steps
 from r3srv import LLM, SamplingParams
-from r3srv.engine.async_llm import AsyncLLM
+from r3srv.engine.async_llm import AsyncLLM, EngineDeadError
 from r3srv.errors import InvalidRequestError
 
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, enable_return_routed_experts=True)
@@ -80,27 +80,41 @@ def test_weights_updated_while_released_are_served_after_resume(policies):
     assert same(out.outputs[0], fresh_v1) and out.weight_version == "v1"
 
 
+def gated_engine(path, gate) -> AsyncLLM:
+    """An AsyncLLM of the checkpoint at `path` whose steps `gate` lets through."""
+    engine = AsyncLLM(str(path), **ENGINE)
+    gate_steps(engine.core, gate.path)
+    return engine
+
+
+async def last_output(engine: AsyncLLM, request_id: str, params: SamplingParams):
+    return [o async for o in engine.generate(PROMPT, params, request_id)][-1]
+
+
+async def start_running(engine: AsyncLLM) -> asyncio.Task:
+    """A 60-token request ("running") in flight, once the engine runs it (the caller's gate
+    holds it there)."""
+    task = asyncio.create_task(last_output(engine, "running", SamplingParams(max_tokens=60, **GREEDY)))
+    while engine.stats().num_running == 0:
+        await asyncio.sleep(0.001)
+    return task
+
+
 def test_async_release_waits_for_running_requests_and_holds_new_ones_until_resume(policies, gate):
     v0, _ = policies
     want_long = LLM(str(v0), **ENGINE).generate([PROMPT], SamplingParams(max_tokens=60, **GREEDY))[0].outputs[0]
     want = LLM(str(v0), **ENGINE).generate([PROMPT], PARAMS)[0].outputs[0]
-    engine = AsyncLLM(str(v0), **ENGINE)
-    gate_steps(engine.core, gate.path)
+    engine = gated_engine(v0, gate)
 
     async def main():
-        async def run(rid, params):
-            return [o async for o in engine.generate(PROMPT, params, rid)][-1]
-
         with gate.allowing(2):  # "running" is held in flight (2 steps of its 60) until the gate opens
-            running = asyncio.create_task(run("running", SamplingParams(max_tokens=60, **GREEDY)))
-            while engine.stats().num_running == 0:
-                await asyncio.sleep(0.001)
+            running = await start_running(engine)
             release = asyncio.create_task(engine.release_memory())
             await asyncio.sleep(0)  # the release's command is queued
             # a command the core thread answers after the release's: had that run at once, memory would be released
             assert await engine.continue_generation() is False
             assert engine.released_memory == [] and not release.done()  # waits for "running" to finish
-            held = asyncio.create_task(run("held", PARAMS))
+            held = asyncio.create_task(last_output(engine, "held", PARAMS))
             await asyncio.sleep(0)  # queued behind the release
         assert await release == ["kv_cache", "weights"]
         finished = await running
@@ -127,24 +141,16 @@ def test_a_stopping_engine_refuses_the_commands_waiting_for_its_requests_and_sta
     waiting for the request in flight fails with EngineDeadError instead of running once it ends,
     so do later ones; the request it held starts and finishes as it would have; other commands
     and requests are served as before."""
-    from r3srv.engine.async_llm import EngineDeadError
-
     v0, v1 = policies
     want = LLM(str(v0), **ENGINE).generate([PROMPT], PARAMS)[0].outputs[0]
-    engine = AsyncLLM(str(v0), **ENGINE)
-    gate_steps(engine.core, gate.path)
+    engine = gated_engine(v0, gate)
 
     async def main():
-        async def run(rid, params):
-            return [o async for o in engine.generate(PROMPT, params, rid)][-1]
-
         with gate.allowing(2):  # "running" stays in flight until the gate opens
-            running = asyncio.create_task(run("running", SamplingParams(max_tokens=60, **GREEDY)))
-            while engine.stats().num_running == 0:
-                await asyncio.sleep(0.001)
+            running = await start_running(engine)
             release = asyncio.create_task(engine.release_memory())
             await asyncio.sleep(0)  # the release's command is queued
-            held = asyncio.create_task(run("held", PARAMS))
+            held = asyncio.create_task(last_output(engine, "held", PARAMS))
             while engine.stats().num_waiting == 0:  # held behind the release
                 await asyncio.sleep(0.001)
             engine.refuse_waiting_commands("stopping for the test")
