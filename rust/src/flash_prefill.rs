@@ -251,55 +251,6 @@ pub(crate) fn exp_row(scores: &mut [f32], top: f32, max: f32) -> f32 {
     }
 }
 
-/// The float32 tiles' scale: scale * log2(e), so that their scores come out in base 2 and a
-/// weight is 2^(score - top) (`exp2_row`), whose range reduction takes fewer multiply-adds than
-/// e^x's (docs/benchmarks.md, "The float32 flash tiles' softmax in base 2").
-#[inline(always)]
-pub(crate) fn log2_scale(scale: f32) -> f32 {
-    scale * std::f32::consts::LOG2_E
-}
-
-/// `exp_row` in base 2 for scores scaled by `log2_scale`: each weight 2^(score - top)
-/// (`exp2_weight`), the factor 2^(max - top). A loop the tiles inline, so vectorized at their
-/// width: the same bits in AVX-512 and AVX2 tiles.
-#[inline(always)]
-pub(crate) fn exp2_row(scores: &mut [f32], top: f32, max: f32) -> f32 {
-    for x in scores.iter_mut() {
-        *x = exp2_weight(*x - top);
-    }
-    // a block a row sees none of leaves it exactly as it was
-    if top == max {
-        1.0
-    } else {
-        exp2_weight(max - top)
-    }
-}
-
-/// 2^x of a softmax weight's exponent x <= 0 in base 2 (Cephes' exp2f: x = n + f with n whole
-/// and |f| <= 1/2, 2^f by a polynomial, 2^n built in the exponent bits), each product-sum fused;
-/// 0 below -125 (-inf among them: the keys a row does not see), NaN kept. Branch-free, so a
-/// loop of it vectorizes, to the same bits on every CPU.
-#[inline(always)]
-pub(crate) fn exp2_weight(x: f32) -> f32 {
-    /// 1.5 * 2^23: adding it rounds to an integer in the low bits.
-    const ROUND: f32 = 12_582_912.0;
-    /// 2^f = 1 + f * P(f) on |f| <= 1/2.
-    const P: [f32; 6] = [1.535_336_2e-4, 1.339_887_4e-3, 9.618_437e-3, 5.550_332_5e-2, 2.402_264_8e-1, 6.931_472e-1];
-    let t = x + ROUND;
-    let f = x - (t - ROUND);
-    let mut y = P[0];
-    for &c in &P[1..] {
-        y = y.mul_add(f, c);
-    }
-    let two_f = y.mul_add(f, 1.0);
-    let two_n = f32::from_bits((t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32 - 127).wrapping_shl(23) as u32);
-    if x < -125.0 {
-        0.0
-    } else {
-        two_f * two_n
-    }
-}
-
 /// The sum of a row's block of KEYS weights from its halves: `lo` holds lanes 0..8 and `hi`
 /// lanes 8..16 of ((c0 + c1) + (c2 + c3)), the block's four 16-lane columns c; lane l and l + 8
 /// added, then halves down to one. The one order both float32 tiles sum in (the same bits).
@@ -632,68 +583,6 @@ mod tests {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn exp_row_256(scores: &mut [f32], top: f32, max: f32) -> f32 {
         exp_row(scores, top, max)
-    }
-
-    /// `exp2_row` inlined at AVX-512's width, as the float32 AVX-512 tiles take it.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn exp2_row_512(scores: &mut [f32], top: f32, max: f32) -> f32 {
-        exp2_row(scores, top, max)
-    }
-
-    /// `exp2_row` inlined at AVX2's width, as the float32 AVX2 tiles take it.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp2_row_256(scores: &mut [f32], top: f32, max: f32) -> f32 {
-        exp2_row(scores, top, max)
-    }
-
-    /// 2^x within 2 ulp of float64's on [-125, 0] (every 1/4096th, and the integers exactly),
-    /// 0 below, NaN kept.
-    #[test]
-    fn base_two_weights_are_within_two_ulp() {
-        let ulps = |x: f32| {
-            let (got, want) = (exp2_weight(x), (x as f64).exp2());
-            let ulp = f32::from_bits((want as f32).to_bits() + 1) as f64 - want as f32 as f64;
-            (got as f64 - want).abs() / ulp
-        };
-        let worst = (0..=125 * 4096).map(|i| ulps(-(i as f32) / 4096.0)).fold(0.0, f64::max);
-        assert!(worst <= 2.0, "{worst} ulp");
-        for n in 0..=125 {
-            assert_eq!(exp2_weight(-(n as f32)), (-(n as f64)).exp2() as f32, "2^-{n}");
-        }
-        for x in [-125.000_01, -126.0, -1e30, f32::NEG_INFINITY] {
-            assert_eq!(exp2_weight(x).to_bits(), 0, "{x}");
-        }
-        assert!(exp2_weight(f32::NAN).is_nan());
-    }
-
-    #[test]
-    fn a_rows_base_two_weights_are_the_scalar_bits_in_avx512_and_avx2() {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-        let avx512 = is_x86_feature_detected!("avx512f");
-        if !avx2 {
-            eprintln!("skipped: this CPU lacks AVX2 with FMA (the rows' weights in registers)");
-            return;
-        }
-        if !avx512 {
-            eprintln!("this CPU lacks AVX-512F: the rows' weights checked in AVX2 registers only");
-        }
-        for seed in 0..50 {
-            // scores over [-150, 0) below a top of 0, and a masked key (-inf), the top itself,
-            // a NaN and the last exponent kept
-            let mut scores: Vec<f32> = noise(KEYS, seed).iter().map(|v| (v - 2.0) * 37.5).collect();
-            scores[..4].copy_from_slice(&[f32::NEG_INFINITY, 0.0, f32::NAN, -125.0]);
-            let want: Vec<u32> = scores.iter().map(|&x| exp2_weight(x).to_bits()).collect();
-            let mut narrow = scores.clone();
-            // SAFETY: checked above.
-            assert_eq!(unsafe { exp2_row_256(&mut narrow, 0.0, 0.0) }, 1.0);
-            assert_eq!(narrow.iter().map(|w| w.to_bits()).collect::<Vec<_>>(), want);
-            if avx512 {
-                let mut wide = scores.clone();
-                // SAFETY: checked above.
-                assert_eq!(unsafe { exp2_row_512(&mut wide, 0.0, -1.0) }, 0.5);
-                assert_eq!(wide.iter().map(|w| w.to_bits()).collect::<Vec<_>>(), want);
-            }
-        }
     }
 
     #[test]

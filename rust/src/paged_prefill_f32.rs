@@ -5,10 +5,10 @@
 //! from one run: the rate of a GEMM, where `paged_prefill`'s kernel shares each key row's load
 //! among fewer running sums. AVX-512 tiles take 6 rows x 64 lanes (one run a block); AVX2's 16
 //! registers take 6 rows x 16 lanes, a block's keys or each 64 value columns in four runs. Both
-//! keep every chain's order (the same bits), and take the softmax in base 2 (`exp2_row`).
+//! keep every chain's order (the same bits).
 
 use crate::aligned::Lines;
-use crate::flash_prefill::{advance_row, exp2_row, log2_scale, padded, Flash, Running, Scratch, Tiles, KEYS, ROWS};
+use crate::flash_prefill::{advance_row, exp_row, padded, Flash, Running, Scratch, Tiles, KEYS, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::flash_prefill::{load_sums, masked_scores, store_sums, sum_halves};
 #[cfg(target_arch = "x86_64")]
@@ -155,11 +155,11 @@ unsafe fn tile_512<const R: usize>(
             }
         }
         // scaled, keys after a row's query at -inf, and each row's running maximum
-        let tops = masked_scores(&acc, log2_scale(p.scale), pos, b, &max, &mut s.scores);
-        // the online softmax in base 2, row by row
+        let tops = masked_scores(&acc, p.scale, pos, b, &max, &mut s.scores);
+        // the online softmax, row by row
         for i in 0..R {
             let scores = &mut s.scores[i * KEYS..(i + 1) * KEYS];
-            let fix = exp2_row(scores, tops[i], max[i]);
+            let fix = exp_row(scores, tops[i], max[i]);
             let sp = scores.as_ptr();
             let sum = _mm512_add_ps(
                 _mm512_add_ps(_mm512_loadu_ps(sp), _mm512_loadu_ps(sp.add(16))),
@@ -214,7 +214,7 @@ unsafe fn tile_256<const R: usize>(
     let (k_block, v_block) = (d * KEYS, KEYS * dv);
     let (mut max, mut total) = running.rows::<R>();
     let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    let (scale, hidden) = (_mm256_set1_ps(log2_scale(p.scale)), _mm256_set1_ps(f32::NEG_INFINITY));
+    let (scale, hidden) = (_mm256_set1_ps(p.scale), _mm256_set1_ps(f32::NEG_INFINITY));
     for b in blocks {
         // scores: q . k for the block's keys, 16 at a time, scaled, keys after a row's query at -inf
         let kp = packed.k.as_ptr().add(b * k_block);
@@ -239,11 +239,11 @@ unsafe fn tile_256<const R: usize>(
                 }
             }
         }
-        // the online softmax in base 2, row by row (a row's new maximum: max is exact in any order)
+        // the online softmax, row by row (a row's new maximum: max is exact in any order)
         for i in 0..R {
             let scores = &mut s.scores[i * KEYS..(i + 1) * KEYS];
             let top = max[i].max(lane_max(scores));
-            let fix = exp2_row(scores, top, max[i]);
+            let fix = exp_row(scores, top, max[i]);
             let half = |h: usize| {
                 let at = scores.as_ptr().add(8 * h);
                 _mm256_add_ps(
