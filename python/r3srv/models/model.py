@@ -26,6 +26,7 @@ from r3srv.models.config import ModelConfig
 from r3srv.models.families import family_named
 from r3srv.models.gated_deltanet import GatedDeltaNet
 from r3srv.models.kda import KimiDeltaAttention
+from r3srv.models.layers import at_rows
 from r3srv.models.layers import empty_param as _param
 from r3srv.models.layers import move_parameters
 from r3srv.models.mamba2 import Mamba2
@@ -213,7 +214,7 @@ class DenseMlp(Mlp):
 
     def forward(self, x: torch.Tensor, capture: torch.Tensor | None = None, weights=None,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        return super().forward(x if rows is None else x.index_select(0, rows))
+        return super().forward(at_rows(x, rows))
 
 
 class DecoderLayer(nn.Module):
@@ -279,7 +280,7 @@ class DecoderLayer(nn.Module):
         h = self.attn(h, cos, sin, meta) if self.linear_attn is None else self.linear_attn(h, states)
         x = x + self._branch(h, self.attn_out_norm)
         h = self.mlp(self._pre_norm(x, self.post_attention_norm), capture, weights, rows)
-        return (x if rows is None else x.index_select(0, rows)) + self._branch(h, self.mlp_out_norm)
+        return at_rows(x, rows) + self._branch(h, self.mlp_out_norm)
 
     def _pre_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else self.norm(x, weight, self.eps)
@@ -319,8 +320,8 @@ class MixerBlock(nn.Module):
         elif self.linear_attn is not None:
             h = self.linear_attn(h, states)
         else:
-            return (x if rows is None else x.index_select(0, rows)) + self.mlp(h, capture, weights, rows)
-        return x + h if rows is None else (x + h).index_select(0, rows)
+            return at_rows(x, rows) + self.mlp(h, capture, weights, rows)
+        return at_rows(x + h, rows)
 
 
 def batch_invariance_gaps(cfg: ModelConfig) -> list[str]:
@@ -511,7 +512,7 @@ class MoeForCausalLM(nn.Module):
             fused = self.ops.plan_fused_step(x, meta, cos, sin, None if layer_captures is None else layer_captures[0],
                                              self.config.num_experts, batch.routing_weights)
         logit_rows = batch.logits_indices.to(self.device)
-        last = self.last_layer_rows(batch, visual, logit_rows, x.shape[0])
+        last = self.last_layer_rows(batch, visual, logit_rows)
         for layer in self.layers:
             layer_capture = layer_captures[layer.index] if layer_captures is not None and layer.is_moe else None
             rows = last if layer.index == len(self.layers) - 1 else None
@@ -529,13 +530,12 @@ class MoeForCausalLM(nn.Module):
         scaling = self.config.scales.logits
         return logits if scaling == 1.0 else logits / scaling
 
-    def last_layer_rows(self, batch: ForwardBatch, visual, logit_rows: torch.Tensor, num_tokens: int
-                        ) -> torch.Tensor | None:
+    def last_layer_rows(self, batch: ForwardBatch, visual, logit_rows: torch.Tensor) -> torch.Tensor | None:
         """The rows the last layer's MLP runs for: only the logits' rows where the step has
         others (a prompt's tokens before its last feed only the K/V and routing of the layers,
         which every row still gets); None (every row) where the step is all logits rows, or an
         adapter's per-token slots or an image's deepstack rows index the last layer's input."""
-        if logit_rows.shape[0] >= num_tokens or batch.lora is not None:
+        if logit_rows.shape[0] >= batch.input_ids.shape[0] or batch.lora is not None:
             return None
         if visual is not None and len(visual.deepstack) >= len(self.layers):
             return None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from r3srv.models.config import ModelConfig
+from r3srv.models.layers import at_rows
 from r3srv.models.parallel import SINGLE, ColumnParallelLinear, ExpertSlice, ParallelState, RowParallelLinear, split_evenly
 from r3srv.ops import REFERENCE, Ops
 from r3srv.ops.experts import RELU_SQUARED, SILU_AND_MUL, Activation
@@ -128,8 +129,7 @@ class SparseMoeBlock(nn.Module):
         )
         if weights_capture is not None:  # every route function returns the weights its ids get
             weights_capture.copy_(weights)
-        if rows is not None:
-            x, weights, ids = x.index_select(0, rows), weights.index_select(0, rows), ids.index_select(0, rows)
+        x, weights, ids = at_rows(x, rows), at_rows(weights, rows), at_rows(ids, rows)
         expert_pass, lora = self.expert_pass, self.experts.lora
         if lora is not None and lora.active():  # this step's adapters on the experts (r3srv.lora.slots)
             expert_pass = lora.expert_pass(self.activation, self.ops.linear, self.ops.threads)
